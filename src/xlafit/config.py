@@ -1,0 +1,306 @@
+"""Typed run configuration: dataclasses, YAML presets and dotted overrides.
+
+A run is described by one :class:`Config`. It is built from a recipe's YAML preset,
+then from ``key.sub=value`` overrides given on the command line, and validated before any
+device is touched. Every mistake a user can make here (an unknown key, a value of the
+wrong type, an impossible value) raises :class:`ConfigError` with a message that names
+the valid keys or the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration a user wrote is invalid; the message says how to fix it."""
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """How batches are formed.
+
+    ``global_batch`` is what the optimizer sees per step. When it is null, it is
+    ``per_device_batch`` x the number of devices (the TPUStrategy convention
+    ``16 * num_replicas_in_sync``); when it is set, each device gets
+    ``global_batch / devices`` and the division must be exact.
+    """
+
+    per_device_batch: int = 16
+    global_batch: int | None = None
+    eval_global_batch: int | None = None  # default: the training global batch
+    data_dir: str | None = None  # recipe-specific files; null = the embedded data
+    prefetch: int = 2  # batches put on the devices ahead of the step
+    seed: int = 0  # data order: a pure function of (seed, step)
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    """Optimizer and learning-rate schedule.
+
+    ``learning_rate`` is the peak rate at ``reference_batch``; the rate used is scaled to
+    the real global batch by ``scaling`` (linear: Goyal et al. 2017; sqrt: Krizhevsky 2014,
+    for adaptive optimizers).
+    """
+
+    name: Literal["adamw", "adam", "sgd", "adadelta"] = "adamw"
+    learning_rate: float = 1e-3
+    reference_batch: int = 128
+    scaling: Literal["none", "linear", "sqrt"] = "linear"
+    warmup_steps: int = 0
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    final_lr_fraction: float = 0.0  # end of decay, as a fraction of the peak
+    weight_decay: float = 0.0
+    momentum: float = 0.9  # sgd only
+    grad_clip_norm: float | None = None
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    """The training loop."""
+
+    epochs: int = 1
+    steps_per_call: int = 1  # k optimizer steps per compiled call (lax.scan)
+    log_every_steps: int = 10
+    eval_every_epochs: int = 1
+    checkpoint_every_steps: int = 0  # 0: at the end of every epoch only
+    keep_checkpoints: int = 3
+    stop_at_step: int | None = None  # stop (with a checkpoint) at this step; schedule unchanged
+    seed: int = 0  # parameter init and dropout
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """Where the run writes and on what it runs."""
+
+    run_dir: str | None = None  # default: runs/<recipe>-<UTC time>
+    simulate_devices: int | None = None  # N CPU devices (rehearse an N-core TPU)
+    resume: bool = True  # continue from the run directory's newest checkpoint
+    xla_cpu_fast_paths: bool = True  # XNNPACK/YNNPACK library calls on CPU (see BENCHMARKS.md)
+
+
+@dataclasses.dataclass
+class Config:
+    """Everything one training run needs. ``model`` is the recipe's own dataclass."""
+
+    recipe: str
+    model: Any
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain nested dict (YAML/JSON friendly)."""
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if _is_optional(tp):
+        return f"{_type_name(_strip_optional(tp))} or null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _is_optional(tp: Any) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+
+
+def _strip_optional(tp: Any) -> Any:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0]
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Checks ``value`` against the annotation ``tp``; ints are accepted for floats."""
+    if _is_optional(tp):
+        return None if value is None else _coerce(value, _strip_optional(tp), key)
+    if typing.get_origin(tp) is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not allowed; choose one of {', '.join(map(str, choices))}.")
+        return value
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }.get(tp)
+    if ok is None:
+        raise TypeError(f"unsupported config annotation {tp!r} for {key}")
+    if not ok:
+        raise ConfigError(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}.")
+    return float(value) if tp is float else value
+
+
+def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "", model_cls: type | None = None) -> Any:
+    """Builds dataclass ``cls`` from a nested mapping, rejecting unknown keys and bad types.
+
+    Args:
+        cls: the dataclass to build.
+        data: nested plain values (from YAML).
+        prefix: the dotted path of ``data`` inside the whole config, for messages.
+        model_cls: the recipe's model dataclass, used for the ``model`` field of
+            :class:`Config`.
+
+    Returns:
+        An instance of ``cls``.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping of keys to values, got {data!r}.")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        valid = ", ".join(prefix + name for name in fields)
+        raise ConfigError(f"unknown config key {prefix}{unknown[0]}. Valid keys here: {valid}.")
+    kwargs = {}
+    for name, value in data.items():
+        tp = hints[name]
+        if name == "model" and cls is Config:
+            tp = model_cls
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = from_dict(tp, value or {}, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(value, tp, prefix + name)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required field is missing
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {e}") from None
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
+    """Turns ``["trainer.epochs=3", "data.seed=1"]`` into a nested dict.
+
+    Values are parsed as YAML scalars, so ``3`` is an int, ``1e-3`` a float, ``null``
+    None and ``true`` a bool.
+    """
+    nested: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r} is not of the form key.sub=value (for example trainer.epochs=3).")
+        value = yaml.safe_load(raw) if raw.strip() else None
+        # YAML 1.1 reads "1e-3" as a string; numbers in scientific notation are common here.
+        if isinstance(value, str):
+            try:
+                value = float(value) if any(c in value for c in ".eE") else value
+            except ValueError:
+                pass
+        node = nested
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} conflicts with another override of {part}.")
+        node[leaf] = value
+    return nested
+
+
+def deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """Returns ``base`` updated by ``update``, merging nested dicts key by key."""
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(dict(merged[key]), value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Reads a YAML preset; an empty file is an empty mapping."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist.") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level.")
+    return data
+
+
+def build_config(
+    recipe: str, preset: Mapping[str, Any], overrides: Mapping[str, Any], model_cls: type
+) -> Config:
+    """Merges preset and overrides into a validated :class:`Config`.
+
+    A user who overrides ``data.per_device_batch`` (and not ``data.global_batch``) means
+    the per-device size: the preset's global batch is dropped so the two cannot disagree.
+    """
+    data_over = overrides.get("data", {}) if isinstance(overrides.get("data"), Mapping) else {}
+    merged = deep_merge(dict(preset), overrides)
+    if "per_device_batch" in data_over and "global_batch" not in data_over:
+        merged.setdefault("data", {})["global_batch"] = None
+    merged["recipe"] = recipe
+    cfg = from_dict(Config, merged, model_cls=model_cls)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Rejects values that no device count could make work."""
+    positive = {
+        "data.per_device_batch": cfg.data.per_device_batch,
+        "data.global_batch": cfg.data.global_batch,
+        "data.eval_global_batch": cfg.data.eval_global_batch,
+        "optimizer.reference_batch": cfg.optimizer.reference_batch,
+        "trainer.epochs": cfg.trainer.epochs,
+        "trainer.steps_per_call": cfg.trainer.steps_per_call,
+        "trainer.log_every_steps": cfg.trainer.log_every_steps,
+        "trainer.eval_every_epochs": cfg.trainer.eval_every_epochs,
+        "trainer.keep_checkpoints": cfg.trainer.keep_checkpoints,
+        "trainer.stop_at_step": cfg.trainer.stop_at_step,
+        "run.simulate_devices": cfg.run.simulate_devices,
+    }
+    for key, value in positive.items():
+        if value is not None and value <= 0:
+            raise ConfigError(f"{key}={value} must be a positive number.")
+    if cfg.optimizer.learning_rate <= 0:
+        raise ConfigError(
+            f"optimizer.learning_rate={cfg.optimizer.learning_rate} must be positive "
+            "(it is the peak rate at optimizer.reference_batch; try 1e-3)."
+        )
+    for key, value in {
+        "data.prefetch": cfg.data.prefetch,
+        "optimizer.warmup_steps": cfg.optimizer.warmup_steps,
+        "optimizer.weight_decay": cfg.optimizer.weight_decay,
+        "trainer.checkpoint_every_steps": cfg.trainer.checkpoint_every_steps,
+    }.items():
+        if value < 0:
+            raise ConfigError(f"{key}={value} must be zero or more.")
+    if not 0.0 <= cfg.optimizer.final_lr_fraction <= 1.0:
+        raise ConfigError(f"optimizer.final_lr_fraction={cfg.optimizer.final_lr_fraction} must lie in [0, 1].")
+    if cfg.optimizer.grad_clip_norm is not None and cfg.optimizer.grad_clip_norm <= 0:
+        raise ConfigError("optimizer.grad_clip_norm must be positive, or null for no clipping.")
+
+
+def resolve_batch(cfg: DataConfig, num_devices: int) -> tuple[int, int]:
+    """Returns ``(per_device_batch, global_batch)`` for ``num_devices`` devices.
+
+    Raises:
+        ConfigError: the global batch does not divide evenly over the devices.
+    """
+    if cfg.global_batch is None:
+        return cfg.per_device_batch, cfg.per_device_batch * num_devices
+    if cfg.global_batch % num_devices:
+        lower = cfg.global_batch // num_devices * num_devices
+        raise ConfigError(
+            f"data.global_batch={cfg.global_batch} does not divide evenly over {num_devices} devices. "
+            f"Use a multiple of {num_devices} (for example data.global_batch={max(lower, num_devices)}), "
+            "or set data.per_device_batch instead."
+        )
+    return cfg.global_batch // num_devices, cfg.global_batch

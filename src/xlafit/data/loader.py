@@ -1,0 +1,194 @@
+"""Fixed-shape batches for every process, and their transfer to the devices ahead of time.
+
+Data order is a pure function of ``(seed, step)``: epoch ``e`` visits the examples in the
+order of a Grain index shuffle seeded with ``seed`` (a new permutation each epoch), and the
+global batch of step ``s`` is a fixed slice of that order. Each process reads only its own
+``global_batch / process_count`` rows of each global batch, and the global ``jax.Array``
+is assembled from the process-local pieces with ``jax.make_array_from_process_local_data``.
+Resuming at step ``s`` therefore replays nothing and skips nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Iterator, Mapping
+
+import grain
+import jax
+import numpy as np
+
+from xlafit.devices import Strategy
+
+Batch = dict[str, np.ndarray]
+
+
+class ArrayDataset:
+    """Examples held as NumPy arrays that share their leading (example) axis.
+
+    Example:
+        >>> ds = ArrayDataset({"x": np.zeros((10, 3)), "y": np.arange(10)})
+        >>> len(ds), ds.take(np.array([2, 5]))["y"].tolist()
+        (10, [2, 5])
+    """
+
+    def __init__(self, arrays: Mapping[str, np.ndarray]) -> None:
+        if not arrays:
+            raise ValueError("a dataset needs at least one array.")
+        lengths = {name: len(a) for name, a in arrays.items()}
+        if len(set(lengths.values())) != 1:
+            raise ValueError(f"every array of a dataset must have the same number of examples, got {lengths}.")
+        self.arrays = {name: np.asarray(a) for name, a in arrays.items()}
+        self._len = next(iter(lengths.values()))
+
+    def __len__(self) -> int:
+        return self._len
+
+    def take(self, indices: np.ndarray) -> Batch:
+        return {name: a[indices] for name, a in self.arrays.items()}
+
+
+def as_dataset(data: ArrayDataset | Mapping[str, np.ndarray]) -> ArrayDataset:
+    return data if isinstance(data, ArrayDataset) else ArrayDataset(data)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainOrder:
+    """Which examples form the global batch of each step.
+
+    Args:
+        num_examples: size of the training set.
+        global_batch: examples per optimizer step, over all processes.
+        seed: shuffle seed.
+    """
+
+    num_examples: int
+    global_batch: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        if self.num_examples < self.global_batch:
+            raise ValueError(
+                f"the training set has {self.num_examples} examples, fewer than one global batch of "
+                f"{self.global_batch}; lower data.global_batch or data.per_device_batch."
+            )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        # The last partial batch of each epoch is dropped (the shuffle differs per epoch,
+        # so no example is always left out); evaluation never drops anything.
+        return self.num_examples // self.global_batch
+
+    def global_indices(self, step: int) -> np.ndarray:
+        epoch, within = divmod(step, self.steps_per_epoch)
+        order = _shuffled(self.num_examples, self.seed)
+        start = epoch * self.num_examples + within * self.global_batch
+        return np.fromiter((order[i] for i in range(start, start + self.global_batch)), np.int64, self.global_batch)
+
+    def local_indices(self, step: int, process_index: int, process_count: int) -> np.ndarray:
+        rows = self.global_batch // process_count
+        return self.global_indices(step)[process_index * rows : (process_index + 1) * rows]
+
+
+_SHUFFLES: dict[tuple[int, int], grain.MapDataset] = {}
+
+
+def _shuffled(n: int, seed: int) -> grain.MapDataset:
+    # Grain's index shuffle is random access: element e*n + i is the i-th example of
+    # epoch e, reshuffled every epoch, with no permutation materialised in memory.
+    if (n, seed) not in _SHUFFLES:
+        _SHUFFLES[(n, seed)] = grain.MapDataset.range(n).shuffle(seed=seed).repeat()
+    return _SHUFFLES[(n, seed)]
+
+
+def eval_batches(
+    dataset: ArrayDataset, global_batch: int, process_index: int = 0, process_count: int = 1
+) -> Iterator[tuple[Batch, np.ndarray]]:
+    """This process's rows of each evaluation batch, in order, with a validity mask.
+
+    The last batch is padded (with copies of example 0) to the full shape so that it does
+    not compile a new program, and its padding rows get mask 0: every example counts exactly
+    once.
+
+    Yields:
+        ``(batch, mask)``: arrays with ``global_batch / process_count`` rows; ``mask`` is
+        float32 1.0 for real examples and 0.0 for padding.
+    """
+    rows = global_batch // process_count
+    n = len(dataset)
+    for start in range(0, n, global_batch):
+        idx = np.arange(start + process_index * rows, start + (process_index + 1) * rows)
+        mask = (idx < n).astype(np.float32)
+        yield dataset.take(np.where(idx < n, idx, 0)), mask
+
+
+def to_global(strategy: Strategy, local: Batch | np.ndarray, leading_axes: int = 0):
+    """Assembles global arrays from this process's rows, split along ``data``.
+
+    ``leading_axes`` axes come before the example axis (1 for stacked ``steps_per_call``
+    batches).
+    """
+    sharding = strategy.batch_sharding(leading_axes)
+
+    def put(x: np.ndarray) -> jax.Array:
+        shape = list(x.shape)
+        shape[leading_axes] *= strategy.process_count
+        return jax.make_array_from_process_local_data(sharding, x, tuple(shape))
+
+    return jax.tree.map(put, local)
+
+
+class Prefetcher:
+    """Runs an iterator in a background thread, ``size`` items ahead of the consumer.
+
+    Used to gather batches and copy them to the devices while the current step runs (the
+    job of PyTorch/XLA's ``ParallelLoader``). ``wait_s`` accumulates the time the consumer
+    spent blocked on the next item: the input-wait share of a run.
+    """
+
+    _DONE = object()
+
+    def __init__(self, iterator: Iterator, size: int = 2) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize=max(size, 1))
+        self._stop = threading.Event()
+        self.wait_s = 0.0
+        self._thread = threading.Thread(target=self._run, args=(iterator,), daemon=True, name="xlafit-prefetch")
+        self._thread.start()
+
+    def _run(self, iterator: Iterator) -> None:
+        try:
+            for item in iterator:
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            self._queue.put(self._DONE)
+        except BaseException as e:  # surfaced in the consumer thread
+            self._queue.put(e)
+
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def __next__(self):
+        t0 = time.perf_counter()
+        item = self._queue.get()
+        self.wait_s += time.perf_counter() - t0
+        if item is self._DONE:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        while self._thread.is_alive():
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                self._thread.join(timeout=0.1)

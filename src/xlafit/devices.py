@@ -1,0 +1,167 @@
+"""Finding the devices and laying the data-parallel mesh over them.
+
+The TensorFlow way is ``TPUClusterResolver`` -> ``initialize_tpu_system`` ->
+``TPUStrategy``; the PyTorch/XLA way is ``xmp.spawn`` with one process per core. With JAX
+one process drives every local device, so :func:`connect` only has to (1) pick the
+platform, optionally simulating N CPU devices, and (2) build a ``Mesh`` with one ``data``
+axis over all devices of all processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+SIMULATE_ENV = "XLAFIT_SIMULATE_DEVICES"
+
+# XLA:CPU library paths measured faster for the CNN/MLP workloads here (BENCHMARKS.md):
+# YNNPACK for dots and element-wise/reduce fusions. Only applied to CPU runs, and only
+# when the user has not set the same flag in XLA_FLAGS.
+CPU_FAST_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce",)
+
+
+class DeviceError(RuntimeError):
+    """The requested devices cannot be had; the message says why and what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """The devices a run uses and how arrays are laid over them.
+
+    Parameters are replicated (``replicated``); batches are split along their leading
+    axis over the ``data`` mesh axis (``batch``).
+
+    Example:
+        >>> strategy = connect()
+        >>> strategy.num_replicas >= 1
+        True
+    """
+
+    mesh: Mesh
+
+    @property
+    def num_replicas(self) -> int:
+        """Devices that each hold a copy of the parameters (all of them, in data parallel)."""
+        return self.mesh.size
+
+    @property
+    def platform(self) -> str:
+        return self.mesh.devices.flat[0].platform
+
+    @property
+    def process_index(self) -> int:
+        return jax.process_index()
+
+    @property
+    def process_count(self) -> int:
+        return jax.process_count()
+
+    @property
+    def local_replicas(self) -> int:
+        return sum(d.process_index == jax.process_index() for d in self.mesh.devices.flat)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    @property
+    def batch(self) -> NamedSharding:
+        return self.batch_sharding()
+
+    def batch_sharding(self, leading_axes: int = 0) -> NamedSharding:
+        """Sharding of a batch whose example axis comes after ``leading_axes`` axes.
+
+        ``leading_axes=1`` is the layout of k stacked batches for ``steps_per_call``.
+        """
+        return NamedSharding(self.mesh, PartitionSpec(*([None] * leading_axes), "data"))
+
+    def describe(self) -> str:
+        """A human-readable table of the platform, processes, devices and mesh."""
+        lines = [
+            f"platform: {self.platform}   process {self.process_index} of {self.process_count}",
+            f"{'id':>4}  {'kind':<24} {'process':>7}  {'memory':>12}",
+        ]
+        for d in self.mesh.devices.flat:
+            lines.append(f"{d.id:>4}  {d.device_kind:<24} {d.process_index:>7}  {_memory(d):>12}")
+        lines.append(
+            f"mesh: {dict(self.mesh.shape)} -> parameters replicated on {self.num_replicas} devices, "
+            "batches split along 'data'"
+        )
+        return "\n".join(lines)
+
+
+def _memory(device: jax.Device) -> str:
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # some backends do not implement memory_stats
+        stats = {}
+    limit = stats.get("bytes_limit")
+    return f"{limit / 2**30:.1f} GiB" if limit else "n/a"
+
+
+def _backend_started() -> bool:
+    # jax initialises its backends lazily, on the first device query; after that the CPU
+    # device count and XLA flags can no longer change in this process.
+    from jax._src import xla_bridge
+
+    return bool(xla_bridge._backends)
+
+
+def configure(simulate: int | None = None, *, cpu_fast_paths: bool = True) -> None:
+    """Sets platform options; must run before JAX starts its backends.
+
+    Args:
+        simulate: run on this many CPU devices instead of the accelerators. ``None``
+            reads the ``XLAFIT_SIMULATE_DEVICES`` environment variable.
+        cpu_fast_paths: add :data:`CPU_FAST_FLAGS` to ``XLA_FLAGS``.
+    """
+    if simulate is None and os.environ.get(SIMULATE_ENV):
+        try:
+            simulate = int(os.environ[SIMULATE_ENV])
+        except ValueError:
+            raise DeviceError(f"{SIMULATE_ENV}={os.environ[SIMULATE_ENV]!r} must be a whole number of devices.") from None
+    if simulate is not None and simulate < 1:
+        raise DeviceError(f"cannot simulate {simulate} devices; use --simulate 1 or more.")
+    if _backend_started():
+        if simulate is not None and (jax.default_backend() != "cpu" or jax.device_count() != simulate):
+            raise DeviceError(
+                f"JAX already started with {jax.device_count()} {jax.default_backend()} device(s), so "
+                f"{simulate} simulated devices cannot be made in this process. Call xlafit.connect("
+                f"simulate={simulate}) before any other JAX call, or set {SIMULATE_ENV}={simulate}."
+            )
+        return
+    if simulate is not None:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", simulate)
+    if cpu_fast_paths:
+        flags = os.environ.get("XLA_FLAGS", "")
+        extra = [f for f in CPU_FAST_FLAGS if f.split("=")[0] not in flags]
+        # Other backends ignore xla_cpu_* flags, so this is safe on TPU/GPU hosts too.
+        os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
+
+
+def connect(simulate: int | None = None, *, cpu_fast_paths: bool = True) -> Strategy:
+    """Finds every device of every process and returns the data-parallel strategy.
+
+    Args:
+        simulate: use this many simulated CPU devices (rehearse an 8-core TPU with 8).
+        cpu_fast_paths: see :func:`configure`.
+
+    Returns:
+        A :class:`Strategy` whose mesh has one ``data`` axis over all devices.
+
+    Example:
+        >>> import xlafit
+        >>> strategy = xlafit.connect()
+        >>> print(strategy.describe())  # doctest: +SKIP
+    """
+    configure(simulate, cpu_fast_paths=cpu_fast_paths)
+    devices = jax.devices()
+    # Order by (process, id) so each process's devices are contiguous along 'data' and
+    # process p owns rows [p*L, (p+1)*L) of every global batch.
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+    return Strategy(Mesh(np.array(devices), ("data",)))

@@ -1,0 +1,50 @@
+"""The MNIST CNN of pytorch/examples' ``mnist/main.py``, in Flax NNX.
+
+conv 3x3x32 -> relu -> conv 3x3x64 -> relu -> max-pool 2x2 -> dropout 0.25
+-> flatten (12*12*64 = 9216) -> dense 128 -> relu -> dropout 0.5 -> dense 10.
+All convolutions use VALID padding, as ``nn.Conv2d(..., padding=0)`` does.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class MnistCNN(nnx.Module):
+    """The pytorch/examples MNIST network.
+
+    Example:
+        >>> from flax import nnx
+        >>> model = MnistCNN(rngs=nnx.Rngs(0))
+        >>> model(jnp.zeros((2, 28, 28, 1))).shape
+        (2, 10)
+    """
+
+    def __init__(
+        self,
+        *,
+        dropout1: float = 0.25,
+        dropout2: float = 0.5,
+        dtype: jnp.dtype | None = None,
+        rngs: nnx.Rngs,
+    ) -> None:
+        # dtype is the compute dtype; parameters stay float32 (param_dtype default).
+        self.conv1 = nnx.Conv(1, 32, (3, 3), padding="VALID", dtype=dtype, rngs=rngs)
+        self.conv2 = nnx.Conv(32, 64, (3, 3), padding="VALID", dtype=dtype, rngs=rngs)
+        self.dropout1 = nnx.Dropout(dropout1, rngs=rngs)
+        self.fc1 = nnx.Linear(12 * 12 * 64, 128, dtype=dtype, rngs=rngs)
+        self.dropout2 = nnx.Dropout(dropout2, rngs=rngs)
+        self.fc2 = nnx.Linear(128, 10, dtype=dtype, rngs=rngs)
+
+    def __call__(self, images: jax.Array) -> jax.Array:
+        """Maps images ``[batch, 28, 28, 1]`` (NHWC, float) to logits ``[batch, 10]``."""
+        x = nnx.relu(self.conv1(images))  # (B, 26, 26, 32)
+        x = nnx.relu(self.conv2(x))  # (B, 24, 24, 64)
+        x = nnx.max_pool(x, window_shape=(2, 2), strides=(2, 2))  # (B, 12, 12, 64)
+        x = self.dropout1(x)
+        x = x.reshape(x.shape[0], -1)  # (B, 9216)
+        x = nnx.relu(self.fc1(x))
+        x = self.dropout2(x)
+        return self.fc2(x).astype(jnp.float32)

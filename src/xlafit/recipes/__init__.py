@@ -1,0 +1,122 @@
+"""Recipes: a preset, a model, a loss and data wiring per workload.
+
+A recipe module provides ``ModelConfig`` (a dataclass), ``build_model(cfg)``,
+``loss_fn(model, batch)`` and ``load_data(cfg) -> (train, eval)``, plus a YAML preset
+beside it with the same name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+import yaml
+
+from xlafit.config import Config, ConfigError, build_config, load_yaml, parse_overrides, resolve_batch
+from xlafit.devices import connect
+from xlafit.train.optim import make_optimizer
+from xlafit.train.trainer import FitResult, Trainer
+
+RECIPES = ("mnist",)
+
+
+def recipe_module(name: str) -> ModuleType:
+    if name not in RECIPES:
+        raise ConfigError(f"unknown recipe {name!r}; available: {', '.join(RECIPES)}.")
+    return importlib.import_module(f"xlafit.recipes.{name}")
+
+
+def load_config(name: str, overrides: Sequence[str] = (), preset: str | Path | None = None) -> Config:
+    """The recipe's preset (or ``preset``, a YAML file) with dotted ``overrides`` applied.
+
+    Example:
+        >>> cfg = load_config("mnist", ["trainer.epochs=1"])
+        >>> cfg.trainer.epochs
+        1
+    """
+    module = recipe_module(name)
+    path = Path(preset) if preset else Path(module.__file__).with_suffix(".yaml")
+    return build_config(name, load_yaml(path), parse_overrides(overrides), module.ModelConfig)
+
+
+def _run_dir(cfg: Config) -> Path:
+    if cfg.run.run_dir:
+        return Path(cfg.run.run_dir)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{cfg.recipe}-{stamp}"
+
+
+def _check_writable(run_dir: Path) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create the run directory {run_dir}: {e.strerror}. Choose another --run-dir.") from None
+    if not os.access(run_dir, os.W_OK):
+        raise ConfigError(f"the run directory {run_dir} is not writable. Choose another --run-dir.")
+
+
+def train(cfg: Config) -> FitResult:
+    """Runs one recipe end to end: devices, data, model, optimizer, fit, final evaluation."""
+    module = recipe_module(cfg.recipe)
+    strategy = connect(cfg.run.simulate_devices, cpu_fast_paths=cfg.run.xla_cpu_fast_paths)
+    _, global_batch = resolve_batch(cfg.data, strategy.num_replicas)
+    eval_batch = cfg.data.eval_global_batch or global_batch
+    if eval_batch % strategy.num_replicas:
+        raise ConfigError(
+            f"data.eval_global_batch={eval_batch} does not divide evenly over {strategy.num_replicas} devices; "
+            f"use a multiple of {strategy.num_replicas}."
+        )
+    train_data, eval_data = module.load_data(cfg)
+    steps_per_epoch = len(next(iter(train_data.values()))) // global_batch
+    if steps_per_epoch == 0:
+        raise ConfigError(
+            f"the training set is smaller than one global batch ({global_batch}); lower data.global_batch."
+        )
+    plan = make_optimizer(cfg.optimizer, global_batch, cfg.trainer.epochs * steps_per_epoch)
+
+    run_dir = _run_dir(cfg)
+    if strategy.process_index == 0:
+        _check_writable(run_dir)
+        if not cfg.run.resume and (run_dir / "checkpoints").exists():
+            print(f"--restart: removing the checkpoints and metrics of {run_dir}", flush=True)
+            shutil.rmtree(run_dir / "checkpoints")
+            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        resolved = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, run_dir=str(run_dir)))
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved.to_dict(), sort_keys=False))
+        print(f"run directory: {run_dir}", flush=True)
+        print(
+            f"learning rate: {cfg.optimizer.learning_rate:g} at batch {cfg.optimizer.reference_batch} -> "
+            f"peak {plan.peak_lr:.4g} at global batch {global_batch} ({cfg.optimizer.scaling} scaling), "
+            f"{cfg.optimizer.warmup_steps} warmup steps, {cfg.optimizer.decay} decay",
+            flush=True,
+        )
+    trainer = Trainer(
+        module.build_model(cfg),
+        module.loss_fn,
+        plan.tx,
+        strategy=strategy,
+        global_batch=global_batch,
+        config=cfg.trainer,
+        learning_rate=plan.schedule,
+        run_dir=run_dir,
+        eval_global_batch=eval_batch,
+        data_seed=cfg.data.seed,
+        prefetch=cfg.data.prefetch,
+        resume=cfg.run.resume,
+    )
+    try:
+        result = trainer.fit(train_data, eval=eval_data)
+    finally:
+        trainer.close()
+    if strategy.process_index == 0 and result.eval is not None:
+        metrics = "  ".join(f"{k}={v:.4f}" for k, v in result.eval.items() if k != "count")
+        print(f"test: {metrics}  ({result.eval['count']} examples)", flush=True)
+        if "accuracy" in result.eval:
+            print(f"test accuracy: {result.eval['accuracy']:.4f}", flush=True)
+    return result

@@ -1,0 +1,75 @@
+"""Learning-rate scaling with the batch size, schedules, and the optimizer from config.
+
+Seed 002's rule of thumb: the learning rate must grow with the global batch, and warmup
+plus decay keep large batches stable (Goyal et al. 2017, "Accurate, Large Minibatch SGD";
+He et al. 2018, "Bag of Tricks"). The rate in the config is the one tuned at
+``reference_batch``; :func:`scaled_lr` moves it to the batch actually used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import optax
+
+from xlafit.config import OptimizerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerPlan:
+    """What :func:`make_optimizer` built, for printing at start and logging each step."""
+
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    peak_lr: float
+    total_steps: int
+
+
+def scaled_lr(base_lr: float, global_batch: int, reference_batch: int, rule: str) -> float:
+    """Scales ``base_lr`` (tuned at ``reference_batch``) to ``global_batch``.
+
+    Example:
+        >>> scaled_lr(0.1, 1024, 256, "linear"), scaled_lr(0.1, 1024, 256, "sqrt")
+        (0.4, 0.2)
+    """
+    ratio = global_batch / reference_batch
+    if rule == "linear":
+        return base_lr * ratio
+    if rule == "sqrt":
+        return base_lr * math.sqrt(ratio)
+    if rule == "none":
+        return base_lr
+    raise ValueError(f"unknown learning-rate scaling rule {rule!r}; use none, linear or sqrt.")
+
+
+def make_schedule(cfg: OptimizerConfig, peak_lr: float, total_steps: int) -> optax.Schedule:
+    """Linear warmup from 0 to ``peak_lr``, then cosine, linear or no decay."""
+    warmup = min(cfg.warmup_steps, total_steps)
+    decay_steps = max(total_steps - warmup, 1)
+    end = peak_lr * cfg.final_lr_fraction
+    if cfg.decay == "cosine":
+        decay = optax.cosine_decay_schedule(peak_lr, decay_steps, alpha=cfg.final_lr_fraction)
+    elif cfg.decay == "linear":
+        decay = optax.linear_schedule(peak_lr, end, decay_steps)
+    else:
+        decay = optax.constant_schedule(peak_lr)
+    if warmup == 0:
+        return decay
+    return optax.join_schedules([optax.linear_schedule(0.0, peak_lr, warmup), decay], [warmup])
+
+
+def make_optimizer(cfg: OptimizerConfig, global_batch: int, total_steps: int) -> OptimizerPlan:
+    """Builds the optax chain: optional clipping, then the named optimizer on the schedule."""
+    peak = scaled_lr(cfg.learning_rate, global_batch, cfg.reference_batch, cfg.scaling)
+    schedule = make_schedule(cfg, peak, total_steps)
+    if cfg.name == "adamw":
+        opt = optax.adamw(schedule, weight_decay=cfg.weight_decay)
+    elif cfg.name == "adam":
+        opt = optax.adam(schedule)
+    elif cfg.name == "sgd":
+        opt = optax.sgd(schedule, momentum=cfg.momentum or None)
+    else:
+        opt = optax.adadelta(schedule)
+    parts = [optax.clip_by_global_norm(cfg.grad_clip_norm)] if cfg.grad_clip_norm else []
+    return OptimizerPlan(optax.chain(*parts, opt), schedule, peak, total_steps)
