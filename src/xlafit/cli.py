@@ -71,7 +71,15 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # Overrides may come before or after options (`train mnist --simulate 8 trainer.epochs=3`);
+    # argparse's subparsers stop collecting positionals at the first option, so gather the rest.
+    args, extra = parser.parse_known_args(argv)
+    unknown = [e for e in extra if e.startswith("-") or not hasattr(args, "overrides")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     logging.basicConfig(
         level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

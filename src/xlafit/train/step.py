@@ -54,8 +54,17 @@ def split_outputs(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     return losses, dict(metrics)
 
 
-def build_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientTransformation) -> Callable:
-    """Returns the pure ``(state, batches[k, B, ...]) -> (state, metrics[k])`` function."""
+def build_train_step(
+    graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientTransformation, *, unroll: bool = False
+) -> Callable:
+    """Returns the pure ``(state, batches[k, B, ...]) -> (state, metrics[k])`` function.
+
+    Args:
+        unroll: trace the k steps one after another instead of a ``lax.scan`` loop. XLA:CPU
+            runs convolutions inside while loops over 10x slower (measured here: 1.44 s vs
+            0.13 s per MNIST step on 8 simulated devices), so CPU runs unroll; TPUs and GPUs
+            keep the loop, whose program size does not grow with k.
+    """
 
     def one_step(state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
         def loss_of(params: nnx.State, model_state: nnx.State):
@@ -78,7 +87,14 @@ def build_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.Gradient
         return new_state, metrics
 
     def train_step(state: TrainState, batches: Mapping[str, jax.Array]):
-        return jax.lax.scan(one_step, state, batches)
+        if not unroll:
+            return jax.lax.scan(one_step, state, batches)
+        k = jax.tree.leaves(batches)[0].shape[0]
+        per_step = []
+        for i in range(k):
+            state, metrics = one_step(state, jax.tree.map(lambda x: x[i], batches))
+            per_step.append(metrics)
+        return state, jax.tree.map(lambda *xs: jnp.stack(xs), *per_step)
 
     return train_step
 

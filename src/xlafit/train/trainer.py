@@ -131,7 +131,7 @@ class Trainer:
         )
         self.train_step = CompiledStep(
             "train step",
-            build_train_step(train_graphdef, loss_fn, optimizer),
+            build_train_step(train_graphdef, loss_fn, optimizer, unroll=self.strategy.platform == "cpu"),
             in_shardings=(replicated, self.strategy.batch_sharding(1)),
             out_shardings=(replicated, replicated),
             donate_argnums=0,
