@@ -1,0 +1,31 @@
+"""Test settings: 8 simulated CPU devices and strict JAX numerics, set before JAX starts."""
+
+import os
+
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"])
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+# Implicit rank promotion hides shape bugs (a [B] loss broadcast against [B, 1]).
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+@pytest.fixture(scope="session")
+def strategy8():
+    import xlafit
+
+    strategy = xlafit.connect()
+    assert strategy.num_replicas == 8, "tests need 8 simulated devices"
+    return strategy
+
+
+@pytest.fixture(scope="session")
+def strategy1(strategy8):
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from xlafit.devices import Strategy
+
+    return Strategy(Mesh(np.array(jax.devices()[:1]), ("data",)))

@@ -1,0 +1,54 @@
+import numpy as np
+import pytest
+
+from xlafit.data import ArrayDataset, TrainOrder, eval_batches
+
+
+def test_each_epoch_is_a_new_permutation():
+    order = TrainOrder(num_examples=40, global_batch=8, seed=3)
+    assert order.steps_per_epoch == 5
+    epochs = [np.concatenate([order.global_indices(e * 5 + b) for b in range(5)]) for e in range(3)]
+    for seen in epochs:
+        assert sorted(seen.tolist()) == list(range(40))
+    assert not np.array_equal(epochs[0], epochs[1])
+    # A pure function of (seed, step): asking again gives the same batch.
+    np.testing.assert_array_equal(order.global_indices(7), TrainOrder(40, 8, 3).global_indices(7))
+    assert not np.array_equal(order.global_indices(7), TrainOrder(40, 8, 4).global_indices(7))
+
+
+def test_process_slices_tile_the_global_batch():
+    order = TrainOrder(num_examples=100, global_batch=16, seed=0)
+    for step in (0, 5, 17):
+        parts = [order.local_indices(step, p, 4) for p in range(4)]
+        np.testing.assert_array_equal(np.concatenate(parts), order.global_indices(step))
+
+
+def test_partial_last_batch_is_dropped_in_training_only():
+    order = TrainOrder(num_examples=50, global_batch=16, seed=0)
+    assert order.steps_per_epoch == 3
+    ds = ArrayDataset({"x": np.arange(50)})
+    seen = []
+    for batch, mask in eval_batches(ds, 16):
+        assert batch["x"].shape == (16,)
+        seen.extend(batch["x"][mask > 0].tolist())
+    assert seen == list(range(50))
+
+
+def test_eval_across_processes_counts_each_example_once():
+    ds = ArrayDataset({"x": np.arange(37)})
+    seen = []
+    for p in range(2):
+        for batch, mask in eval_batches(ds, 8, process_index=p, process_count=2):
+            assert batch["x"].shape == (4,)
+            seen.extend(batch["x"][mask > 0].tolist())
+    assert sorted(seen) == list(range(37))
+
+
+def test_dataset_smaller_than_a_batch():
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        TrainOrder(num_examples=10, global_batch=16, seed=0)
+
+
+def test_mismatched_arrays():
+    with pytest.raises(ValueError, match="same number of examples"):
+        ArrayDataset({"x": np.zeros(3), "y": np.zeros(4)})

@@ -1,0 +1,82 @@
+import numpy as np
+import pytest
+
+from xlafit.data import mnist
+
+
+@pytest.mark.parametrize("suffix", ["", ".gz"])
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int16, np.int32, np.float32, np.float64])
+def test_idx_round_trip(tmp_path, suffix, dtype):
+    array = (np.arange(2 * 3 * 4) - 5).astype(dtype).reshape(2, 3, 4)
+    if dtype == np.uint8:
+        array = np.arange(24, dtype=np.uint8).reshape(2, 3, 4)
+    path = tmp_path / f"a-idx3-ubyte{suffix}"
+    mnist.write_idx(path, array)
+    back = mnist.read_idx(path)
+    assert back.dtype == array.dtype and back.shape == array.shape
+    np.testing.assert_array_equal(back, array)
+
+
+def test_idx_header_is_the_standard_one(tmp_path):
+    path = tmp_path / "labels-idx1-ubyte"
+    mnist.write_idx(path, np.array([7, 2, 1], dtype=np.uint8))
+    assert path.read_bytes() == b"\x00\x00\x08\x01\x00\x00\x00\x03\x07\x02\x01"
+
+
+def test_truncated_idx_is_named(tmp_path):
+    path = tmp_path / "t-idx3-ubyte"
+    mnist.write_idx(path, np.zeros((4, 28, 28), np.uint8))
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(mnist.DataError, match=rf"{path}.*truncated or corrupt"):
+        mnist.read_idx(path)
+
+
+def test_not_idx(tmp_path):
+    path = tmp_path / "x-idx1-ubyte"
+    path.write_bytes(b"hello world")
+    with pytest.raises(mnist.DataError, match="not an IDX file"):
+        mnist.read_idx(path)
+
+
+def _write_mnist_dir(root, n_train=20, n_test=10):
+    rng = np.random.default_rng(0)
+    for (images, labels), n in zip(mnist.IDX_FILES.values(), (n_train, n_test), strict=True):
+        mnist.write_idx(root / (images + ".gz"), rng.integers(0, 256, (n, 28, 28), dtype=np.uint8))
+        mnist.write_idx(root / labels, rng.integers(0, 10, n).astype(np.uint8))
+
+
+def test_load_idx_dir(tmp_path):
+    _write_mnist_dir(tmp_path)
+    splits = mnist.load_idx_dir(tmp_path)
+    assert splits["train"]["image"].shape == (20, 28, 28, 1)
+    assert splits["test"]["label"].shape == (10,)
+    raw = mnist.read_idx(tmp_path / "train-images-idx3-ubyte.gz")
+    np.testing.assert_allclose(splits["train"]["image"][..., 0], (raw / 255.0 - mnist.MEAN) / mnist.STD, rtol=1e-6)
+
+
+def test_missing_idx_file_names_the_fix(tmp_path):
+    _write_mnist_dir(tmp_path)
+    (tmp_path / "t10k-labels-idx1-ubyte").unlink()
+    with pytest.raises(mnist.DataError, match="no t10k-labels-idx1-ubyte.*Omit --data-dir"):
+        mnist.load_idx_dir(tmp_path)
+
+
+def test_corrupt_gzip(tmp_path):
+    _write_mnist_dir(tmp_path)
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+    with pytest.raises(mnist.DataError, match="gzip data is corrupt"):
+        mnist.load_idx_dir(tmp_path)
+
+
+def test_embedded_split():
+    splits = mnist.load_embedded()
+    train, test = splits["train"], splits["test"]
+    assert train["image"].shape == (4000, 28, 28, 1) and test["image"].shape == (1000, 28, 28, 1)
+    assert np.bincount(train["label"]).tolist() == [400] * 10
+    assert np.bincount(test["label"]).tolist() == [100] * 10
+    # Deterministic: the same split every time, and no image in both.
+    again = mnist.load_embedded()
+    np.testing.assert_array_equal(again["test"]["image"], test["image"])
+    train_rows = {row.tobytes() for row in train["image"]}
+    assert sum(row.tobytes() in train_rows for row in test["image"]) < 5  # MNIST has a few duplicates
