@@ -139,4 +139,6 @@ def test_train_step_compiles_once_and_logs(strategy8, digits, tmp_path):
 
 def test_global_batch_must_divide(strategy8):
     with pytest.raises(ValueError, match="does not divide over 8 devices"):
-        xlafit.Trainer(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), lambda m, b: b["x"], optax.sgd(0.1), strategy=strategy8, global_batch=12)
+        xlafit.Trainer(
+            nnx.Linear(2, 2, rngs=nnx.Rngs(0)), lambda m, b: b["x"], optax.sgd(0.1), strategy=strategy8, global_batch=12
+        )

@@ -53,9 +53,7 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = True) -> None:
         self.directory = Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=async_save
-        )
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=async_save)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:

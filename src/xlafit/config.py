@@ -233,9 +233,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def build_config(
-    recipe: str, preset: Mapping[str, Any], overrides: Mapping[str, Any], model_cls: type
-) -> Config:
+def build_config(recipe: str, preset: Mapping[str, Any], overrides: Mapping[str, Any], model_cls: type) -> Config:
     """Merges preset and overrides into a validated :class:`Config`.
 
     A user who overrides ``data.per_device_batch`` (and not ``data.global_batch``) means

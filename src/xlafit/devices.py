@@ -123,7 +123,9 @@ def configure(simulate: int | None = None, *, cpu_fast_paths: bool = True) -> No
         try:
             simulate = int(os.environ[SIMULATE_ENV])
         except ValueError:
-            raise DeviceError(f"{SIMULATE_ENV}={os.environ[SIMULATE_ENV]!r} must be a whole number of devices.") from None
+            raise DeviceError(
+                f"{SIMULATE_ENV}={os.environ[SIMULATE_ENV]!r} must be a whole number of devices."
+            ) from None
     if simulate is not None and simulate < 1:
         raise DeviceError(f"cannot simulate {simulate} devices; use --simulate 1 or more.")
     if _backend_started():

@@ -119,8 +119,7 @@ def load_idx_dir(data_dir: str | Path) -> dict[str, dict[str, np.ndarray]]:
         images, labels = read_idx(_find(data_dir, images_name)), read_idx(_find(data_dir, labels_name))
         if images.ndim != 3 or images.shape[1:] != (28, 28) or labels.shape != images.shape[:1]:
             raise DataError(
-                f"{data_dir} {split}: images {images.shape} and labels {labels.shape} are not "
-                "[n, 28, 28] and [n]."
+                f"{data_dir} {split}: images {images.shape} and labels {labels.shape} are not [n, 28, 28] and [n]."
             )
         splits[split] = {"image": normalise(images), "label": labels.astype(np.int32)}
     return splits

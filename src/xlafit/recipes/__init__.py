@@ -48,7 +48,7 @@ def load_config(name: str, overrides: Sequence[str] = (), preset: str | Path | N
 def _run_dir(cfg: Config) -> Path:
     if cfg.run.run_dir:
         return Path(cfg.run.run_dir)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"{cfg.recipe}-{stamp}"
 
 
@@ -56,7 +56,9 @@ def _check_writable(run_dir: Path) -> None:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"cannot create the run directory {run_dir}: {e.strerror}. Choose another --run-dir.") from None
+        raise ConfigError(
+            f"cannot create the run directory {run_dir}: {e.strerror}. Choose another --run-dir."
+        ) from None
     if not os.access(run_dir, os.W_OK):
         raise ConfigError(f"the run directory {run_dir} is not writable. Choose another --run-dir.")
 

@@ -92,7 +92,7 @@ def build_train_step(
         k = jax.tree.leaves(batches)[0].shape[0]
         per_step = []
         for i in range(k):
-            state, metrics = one_step(state, jax.tree.map(lambda x: x[i], batches))
+            state, metrics = one_step(state, jax.tree.map(lambda x, i=i: x[i], batches))
             per_step.append(metrics)
         return state, jax.tree.map(lambda *xs: jnp.stack(xs), *per_step)
 

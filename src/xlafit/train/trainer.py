@@ -259,7 +259,10 @@ class Trainer:
                     report.record({"step": step, "epoch": step // spe, **last_eval}, prefix="eval")
                     window_t0 = time.perf_counter()
                 if self._ckpt is not None and (
-                    (cfg.checkpoint_every_steps and step // cfg.checkpoint_every_steps > first // cfg.checkpoint_every_steps)
+                    (
+                        cfg.checkpoint_every_steps
+                        and step // cfg.checkpoint_every_steps > first // cfg.checkpoint_every_steps
+                    )
                     or epoch_end
                     or step == stop
                 ):
