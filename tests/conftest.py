@@ -10,6 +10,8 @@ import pytest  # noqa: E402
 
 # Implicit rank promotion hides shape bugs (a [B] loss broadcast against [B, 1]).
 jax.config.update("jax_numpy_rank_promotion", "raise")
+# Not jax_numpy_dtype_promotion="strict": optax 0.2.8's Adam bias correction mixes a Python
+# float with an int32 step and fails under it.
 
 
 @pytest.fixture(scope="session")
