@@ -52,3 +52,17 @@ def test_dataset_smaller_than_a_batch():
 def test_mismatched_arrays():
     with pytest.raises(ValueError, match="same number of examples"):
         ArrayDataset({"x": np.zeros(3), "y": np.zeros(4)})
+
+
+def test_prefetcher_keeps_order_and_reraises():
+    from xlafit.data import Prefetcher
+
+    def items():
+        yield from range(5)
+        raise OSError("disk gone")
+
+    prefetched = Prefetcher(items(), size=2)
+    assert [next(prefetched) for _ in range(5)] == list(range(5))
+    with pytest.raises(OSError, match="disk gone"):
+        next(prefetched)
+    prefetched.close()
