@@ -65,7 +65,8 @@ class RunReport:
             self._tb.flush()
         shown = "  ".join(_fmt(k, v) for k, v in record.items() if k not in ("step", "epoch"))
         if self._bar is not None and prefix == "train":
-            self._bar.set_postfix_str(shown, refresh=False)
+            brief = "  ".join(_fmt(k, v) for k, v in record.items() if k in _BAR_KEYS)
+            self._bar.set_postfix_str(brief, refresh=False)
             self._bar.update(step - self._bar.n)
         else:
             self.print(f"[{prefix}] step {step} epoch {record.get('epoch', '')}  {shown}")
@@ -77,6 +78,9 @@ class RunReport:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+_BAR_KEYS = ("loss", "accuracy", "examples_per_sec")
 
 
 def _fmt(key: str, value: Any) -> str:
