@@ -18,25 +18,25 @@ import orbax.checkpoint as ocp
 log = logging.getLogger("xlafit")
 
 
-def _is_key(x: Any) -> bool:
+def is_prng_key(x: Any) -> bool:
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def to_saveable(tree: Any) -> Any:
     """Replaces typed PRNG key arrays by their ``uint32`` key data."""
-    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+    return jax.tree.map(lambda x: jax.random.key_data(x) if is_prng_key(x) else x, tree)
 
 
 def from_saveable(raw: Any, like: Any) -> Any:
     """Inverse of :func:`to_saveable`, using ``like`` to know which leaves were keys."""
     return jax.tree.map(
-        lambda r, ref: jax.random.wrap_key_data(r, impl=jax.random.key_impl(ref)) if _is_key(ref) else r, raw, like
+        lambda r, ref: jax.random.wrap_key_data(r, impl=jax.random.key_impl(ref)) if is_prng_key(ref) else r, raw, like
     )
 
 
 def _abstract(tree: Any) -> Any:
     def leaf(x: Any) -> jax.ShapeDtypeStruct:
-        data = jax.random.key_data(x) if _is_key(x) else x
+        data = jax.random.key_data(x) if is_prng_key(x) else x
         return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=getattr(x, "sharding", None))
 
     return jax.tree.map(leaf, tree)

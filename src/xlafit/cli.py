@@ -47,6 +47,17 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--restart", action="store_true", help="ignore and remove checkpoints in --run-dir")
     train.add_argument("-v", "--verbose", action="store_true", help="log compiles and checkpoint events")
 
+    launch = sub.add_parser(
+        "launch",
+        help="run a command as a P-process job on this machine (rehearse a pod slice)",
+        description="Start P processes of COMMAND that join one JAX job, each with D simulated CPU "
+        "devices: xlafit launch --processes 2 --devices-per-process 4 -- xlafit train mnist",
+    )
+    launch.add_argument("--processes", type=int, default=2, metavar="P")
+    launch.add_argument("--devices-per-process", type=int, default=4, metavar="D")
+    launch.add_argument("--log-dir", default="launch-logs", help="where processes 1..P-1 write their output")
+    launch.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command each process runs")
+
     config = sub.add_parser("config", help="print a recipe's resolved config")
     config.add_argument("recipe")
     config.add_argument("overrides", nargs="*", metavar="key.sub=value")
@@ -72,6 +83,14 @@ def _train(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:
+        # Everything after "--" belongs to the launched command, options included.
+        args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+        command = argv[argv.index("--") + 1 :] if "--" in argv else args.command
+        from xlafit.launch import launch
+
+        return launch(command, args.processes, args.devices_per_process, args.log_dir)
     # Overrides may come before or after options (`train mnist --simulate 8 trainer.epochs=3`);
     # argparse's subparsers stop collecting positionals at the first option, so gather the rest.
     args, extra = parser.parse_known_args(argv)

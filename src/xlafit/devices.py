@@ -17,6 +17,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 SIMULATE_ENV = "XLAFIT_SIMULATE_DEVICES"
+COORDINATOR_ENV = "XLAFIT_COORDINATOR"
+NUM_PROCESSES_ENV = "XLAFIT_NUM_PROCESSES"
+PROCESS_ID_ENV = "XLAFIT_PROCESS_ID"
 
 # XLA:CPU library paths measured faster for the CNN/MLP workloads here (BENCHMARKS.md):
 # YNNPACK for dots and element-wise/reduce fusions. Only applied to CPU runs, and only
@@ -146,12 +149,78 @@ def configure(simulate: int | None = None, *, cpu_fast_paths: bool = True) -> No
         os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
 
 
-def connect(simulate: int | None = None, *, cpu_fast_paths: bool = True) -> Strategy:
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """How this process joins a multi-process job (``jax.distributed``)."""
+
+    coordinator: str | None = None  # host:port of process 0; None: detected by JAX
+    num_processes: int | None = None
+    process_id: int | None = None
+    timeout_s: int = 300
+
+    @classmethod
+    def from_env(cls) -> Cluster | None:
+        """The job this process belongs to, or None for a single-process run.
+
+        Explicit ``XLAFIT_COORDINATOR`` / ``XLAFIT_NUM_PROCESSES`` / ``XLAFIT_PROCESS_ID``
+        (what ``xlafit launch`` sets) win; otherwise a SLURM job step with several tasks or
+        a multi-worker Cloud TPU slice is left to JAX's own cluster detection.
+        """
+        names = (COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV)
+        given = {n: os.environ.get(n) for n in names if os.environ.get(n)}
+        if given:
+            missing = [n for n in names if n not in given]
+            if missing:
+                raise DeviceError(
+                    f"a multi-process run needs all of {', '.join(names)}; {', '.join(missing)} "
+                    "is not set. `xlafit launch` sets them for you."
+                )
+            try:
+                num, pid = int(given[NUM_PROCESSES_ENV]), int(given[PROCESS_ID_ENV])
+            except ValueError:
+                raise DeviceError(f"{NUM_PROCESSES_ENV} and {PROCESS_ID_ENV} must be whole numbers.") from None
+            if not 0 <= pid < num:
+                raise DeviceError(f"{PROCESS_ID_ENV}={pid} must lie in [0, {NUM_PROCESSES_ENV}={num}).")
+            return cls(given[COORDINATOR_ENV], num, pid)
+        if int(os.environ.get("SLURM_NTASKS", "1")) > 1 or "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
+            return cls()
+        return None
+
+
+def _join(cluster: Cluster) -> None:
+    if jax.config.jax_platforms == "cpu":
+        # CPU devices of different processes talk through gloo over TCP.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    where = cluster.coordinator or "the address JAX detects"
+    try:
+        jax.distributed.initialize(
+            cluster.coordinator,
+            cluster.num_processes,
+            cluster.process_id,
+            initialization_timeout=cluster.timeout_s,
+        )
+    except Exception as e:  # jax raises RuntimeError/XlaRuntimeError/ValueError here
+        raise DeviceError(
+            f"process {cluster.process_id} of {cluster.num_processes} could not join the job at {where} "
+            f"within {cluster.timeout_s}s ({str(e).splitlines()[0] if str(e) else type(e).__name__}). Check that "
+            "every process was started, with the same coordinator address and process count, and that "
+            "process 0 can be reached on that port."
+        ) from None
+
+
+def connect(
+    simulate: int | None = None, *, cpu_fast_paths: bool = True, cluster: Cluster | None = None
+) -> Strategy:
     """Finds every device of every process and returns the data-parallel strategy.
 
+    In a multi-process job (``xlafit launch``, a SLURM job step, every worker of a TPU pod
+    slice) it first joins the job through ``jax.distributed``; see :meth:`Cluster.from_env`.
+
     Args:
-        simulate: use this many simulated CPU devices (rehearse an 8-core TPU with 8).
+        simulate: use this many simulated CPU devices (per process; rehearse an 8-core TPU
+            with 8).
         cpu_fast_paths: see :func:`configure`.
+        cluster: join this job; default: :meth:`Cluster.from_env`.
 
     Returns:
         A :class:`Strategy` whose mesh has one ``data`` axis over all devices.
@@ -161,7 +230,11 @@ def connect(simulate: int | None = None, *, cpu_fast_paths: bool = True) -> Stra
         >>> strategy = xlafit.connect()
         >>> print(strategy.describe())  # doctest: +SKIP
     """
+    started = _backend_started()
     configure(simulate, cpu_fast_paths=cpu_fast_paths)
+    cluster = cluster or Cluster.from_env()
+    if cluster is not None and not started and not jax.distributed.is_initialized():
+        _join(cluster)
     devices = jax.devices()
     # Order by (process, id) so each process's devices are contiguous along 'data' and
     # process p owns rows [p*L, (p+1)*L) of every global batch.

@@ -29,7 +29,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from xlafit.checkpoint import Checkpointer
+from xlafit.checkpoint import Checkpointer, is_prng_key
 from xlafit.config import TrainerConfig
 from xlafit.data.loader import ArrayDataset, Prefetcher, TrainOrder, as_dataset, eval_batches, to_global
 from xlafit.devices import Strategy, connect
@@ -120,14 +120,12 @@ class Trainer:
         model.train()
 
         replicated = self.strategy.replicated
-        self._state = jax.device_put(
-            TrainState(
-                step=jnp.zeros((), jnp.int32),
-                params=params,
-                opt_state=jax.jit(optimizer.init, out_shardings=replicated)(jax.device_put(params, replicated)),
-                model_state=model_state,
-            ),
-            replicated,
+        params, model_state = replicate((params, model_state), replicated)
+        self._state = TrainState(
+            step=replicate(jnp.zeros((), jnp.int32), replicated),
+            params=params,
+            opt_state=jax.jit(optimizer.init, out_shardings=replicated)(params),
+            model_state=model_state,
         )
         self.train_step = CompiledStep(
             "train step",
@@ -291,6 +289,22 @@ class Trainer:
     def close(self) -> None:
         if self._ckpt is not None:
             self._ckpt.close()
+
+
+def replicate(tree: Any, sharding: jax.sharding.Sharding) -> Any:
+    """Copies host or single-device values to every device of ``sharding``, in every process.
+
+    ``jax.device_put`` cannot target devices of other processes; each process instead
+    contributes its (identical) copy through ``make_array_from_process_local_data``.
+    """
+
+    def put(x: Any) -> jax.Array:
+        if is_prng_key(x):
+            return jax.random.wrap_key_data(put(jax.random.key_data(x)), impl=jax.random.key_impl(x))
+        x = np.asarray(x)
+        return jax.make_array_from_process_local_data(sharding, x, x.shape)
+
+    return jax.tree.map(put, tree)
 
 
 def _lr_at(schedule: optax.Schedule | float | None, step: int) -> float | None:

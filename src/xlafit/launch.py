@@ -1,0 +1,127 @@
+"""``xlafit launch``: a real P-process job on this machine, the rehearsal of a pod slice.
+
+Each process gets ``XLAFIT_COORDINATOR`` (process 0's address), ``XLAFIT_NUM_PROCESSES``,
+``XLAFIT_PROCESS_ID`` and ``XLAFIT_SIMULATE_DEVICES``; :func:`xlafit.connect` reads them and
+joins the job through ``jax.distributed`` with gloo collectives between the CPU devices.
+Process 0 writes to this terminal, the others to ``LOG_DIR/process-I.log``.
+
+When a process fails, a collective in the others would wait for it until JAX's heartbeat
+timeout; the launcher does not wait: it stops the rest at once, names the dead process, and
+exits with its exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from xlafit.devices import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, SIMULATE_ENV
+
+GRACE_S = 10.0  # SIGTERM first, SIGKILL after this
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def _stop(procs: Sequence[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def launch(
+    command: Sequence[str], processes: int, devices_per_process: int, log_dir: str | Path = "launch-logs"
+) -> int:
+    """Runs ``command`` as ``processes`` cooperating processes; returns the job's exit code.
+
+    Example:
+        >>> launch(["xlafit", "train", "mnist"], processes=2, devices_per_process=4)  # doctest: +SKIP
+    """
+    if processes < 1 or devices_per_process < 1:
+        print("xlafit launch: --processes and --devices-per-process must be at least 1", file=sys.stderr)
+        return 2
+    if not command:
+        print("xlafit launch: give the command after --, e.g. xlafit launch -- xlafit train mnist", file=sys.stderr)
+        return 2
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    address = f"127.0.0.1:{free_port()}"
+    procs: list[subprocess.Popen] = []
+    logs = []
+    for i in range(processes):
+        env = {
+            **os.environ,
+            COORDINATOR_ENV: address,
+            NUM_PROCESSES_ENV: str(processes),
+            PROCESS_ID_ENV: str(i),
+            SIMULATE_ENV: str(devices_per_process),
+            "PYTHONUNBUFFERED": "1",
+        }
+        env.pop("XLA_FLAGS", None)  # each process makes its own devices
+        if i == 0:
+            out = None
+        else:
+            log = open(log_dir / f"process-{i}.log", "w")  # noqa: SIM115 - closed below
+            logs.append(log)
+            out = log
+        try:
+            procs.append(subprocess.Popen(list(command), env=env, stdout=out, stderr=subprocess.STDOUT if out else None))
+        except FileNotFoundError:
+            print(f"xlafit launch: command not found: {command[0]}", file=sys.stderr)
+            _stop(procs)
+            return 127
+        where = "this terminal" if i == 0 else log_dir / f"process-{i}.log"
+        print(f"xlafit launch: process {i} (pid {procs[-1].pid}) -> {where}", file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGTERM, lambda *_: _stop(procs))
+    code = 0
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0)]
+            if failed:
+                i, code = failed[0]
+                alive = sum(p.poll() is None for p in procs)
+                print(
+                    f"xlafit launch: process {i} {_describe(code)}; stopping the other {alive} process(es). "
+                    f"Its output: {'above' if i == 0 else log_dir / f'process-{i}.log'}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                _stop(procs)
+                break
+            time.sleep(0.2)
+        else:
+            failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
+            if failed:
+                i, code = failed[0]
+                print(f"xlafit launch: process {i} {_describe(code)}", file=sys.stderr)
+    except KeyboardInterrupt:
+        _stop(procs)
+        code = 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for log in logs:
+            log.close()
+    return 128 - code if code < 0 else code
