@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
+import time
 
 import jax
 import numpy as np
@@ -20,6 +22,7 @@ SIMULATE_ENV = "XLAFIT_SIMULATE_DEVICES"
 COORDINATOR_ENV = "XLAFIT_COORDINATOR"
 NUM_PROCESSES_ENV = "XLAFIT_NUM_PROCESSES"
 PROCESS_ID_ENV = "XLAFIT_PROCESS_ID"
+INIT_TIMEOUT_ENV = "XLAFIT_INIT_TIMEOUT_S"  # how long to wait for every process to join
 
 # XLA:CPU library paths measured faster for the CNN/MLP workloads here (BENCHMARKS.md):
 # YNNPACK for dots and element-wise/reduce fusions. Only applied to CPU runs, and only
@@ -181,10 +184,40 @@ class Cluster:
                 raise DeviceError(f"{NUM_PROCESSES_ENV} and {PROCESS_ID_ENV} must be whole numbers.") from None
             if not 0 <= pid < num:
                 raise DeviceError(f"{PROCESS_ID_ENV}={pid} must lie in [0, {NUM_PROCESSES_ENV}={num}).")
-            return cls(given[COORDINATOR_ENV], num, pid)
+            return cls(given[COORDINATOR_ENV], num, pid, _timeout())
         if int(os.environ.get("SLURM_NTASKS", "1")) > 1 or "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
-            return cls()
+            return cls(timeout_s=_timeout())
         return None
+
+
+def _timeout() -> int:
+    try:
+        return int(os.environ.get(INIT_TIMEOUT_ENV, "300"))
+    except ValueError:
+        raise DeviceError(f"{INIT_TIMEOUT_ENV} must be a whole number of seconds.") from None
+
+
+def _wait_for_coordinator(cluster: Cluster) -> None:
+    """Waits until process 0's coordinator port accepts connections.
+
+    JAX aborts the whole process (a C++ fatal error, not an exception) when it cannot
+    register with the coordinator in time, so a clear error must come before that.
+    """
+    host, _, port = cluster.coordinator.rpartition(":")
+    deadline = time.monotonic() + cluster.timeout_s
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise DeviceError(
+                    f"process {cluster.process_id} of {cluster.num_processes} could not join the job at "
+                    f"{cluster.coordinator} within {cluster.timeout_s}s: nothing listens there. Check that "
+                    "process 0 was started, with the same coordinator address, and that this host can reach "
+                    f"that port (set {INIT_TIMEOUT_ENV} to wait longer)."
+                ) from None
+            time.sleep(0.5)
 
 
 def _join(cluster: Cluster) -> None:
@@ -192,6 +225,8 @@ def _join(cluster: Cluster) -> None:
         # CPU devices of different processes talk through gloo over TCP.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     where = cluster.coordinator or "the address JAX detects"
+    if cluster.coordinator and cluster.process_id:
+        _wait_for_coordinator(cluster)
     try:
         jax.distributed.initialize(
             cluster.coordinator,

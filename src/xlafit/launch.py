@@ -98,7 +98,7 @@ def launch(
     previous = signal.signal(signal.SIGTERM, lambda *_: _stop(procs))
     code = 0
     try:
-        while any(p.poll() is None for p in procs):
+        while [p.poll() for p in procs].count(None):  # poll every process, not only up to the first alive
             failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0)]
             if failed:
                 i, code = failed[0]

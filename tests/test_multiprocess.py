@@ -1,0 +1,168 @@
+"""Real multi-process jobs on this machine: `xlafit launch` with gloo collectives.
+
+Each test starts fresh processes; together they take about two minutes on 2 cores.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from xlafit.checkpoint import Checkpointer
+from xlafit.launch import free_port
+from xlafit.recipes import load_config, recipe_module
+
+XLAFIT = [sys.executable, "-m", "xlafit"]
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def launch(tmp_path, processes, devices, *train_args, timeout=600):
+    cmd = [*XLAFIT, "launch", "--processes", str(processes), "--devices-per-process", str(devices)]
+    cmd += ["--log-dir", str(tmp_path / "logs"), "--", *XLAFIT, "train", "mnist", *train_args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+
+
+def single(devices, *train_args):
+    cmd = [*XLAFIT, "train", "mnist", "--simulate", str(devices), *train_args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+
+
+def params_at(run_dir, step, strategy):
+    """The parameters of checkpoint ``step`` of ``run_dir``, restored onto ``strategy``."""
+    import xlafit
+
+    cfg = load_config("mnist")
+    recipe = recipe_module("mnist")
+    trainer = xlafit.Trainer(
+        recipe.build_model(cfg), recipe.loss_fn, __import__("optax").adamw(1e-3), strategy=strategy, global_batch=128
+    )
+    ckpt = Checkpointer(run_dir / "checkpoints")
+    like = trainer.state
+    # Restore only parameters: the optimizer's structure is irrelevant to the comparison.
+    restored = ckpt.restore(like.replace(opt_state=jax.tree.map(lambda x: x, like.opt_state)), step=step)
+    ckpt.close()
+    return jax.device_get(nnx.to_pure_dict(restored.params))
+
+
+def assert_same(a, b, tol):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
+        rel = np.linalg.norm(x - y) / np.linalg.norm(y)
+        assert rel <= tol, f"{jax.tree_util.keystr(path)}: relative difference {rel:.2e}"
+
+
+def losses(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if r["split"] == "train"]
+
+
+COMMON = ["trainer.log_every_steps=1"]
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory):
+    """1 process x 8 devices, 10 steps: the reference."""
+    run_dir = tmp_path_factory.mktemp("single")
+    out = single(8, "--run-dir", str(run_dir), "trainer.stop_at_step=10", *COMMON)
+    assert out.returncode == 0, out.stderr
+    return run_dir
+
+
+def test_two_processes_equal_one(tmp_path, single_run, strategy8):
+    out = launch(tmp_path, 2, 4, "--run-dir", str(tmp_path / "run"), "trainer.stop_at_step=10", *COMMON)
+    assert out.returncode == 0, out.stderr
+    assert "devices: 8 x cpu (2 process(es))" in out.stdout
+    # Same losses at every step, and the same parameters (measured: bit for bit).
+    assert losses(tmp_path / "run") == pytest.approx(losses(single_run), rel=1e-6)
+    assert_same(params_at(tmp_path / "run", 10, strategy8), params_at(single_run, 10, strategy8), 1e-6)
+    assert (tmp_path / "logs" / "process-1.log").exists()
+
+
+def test_checkpoint_moves_between_two_processes_and_one(tmp_path, single_run, strategy8):
+    # 2 processes to step 5, then 1 process on to 10: equals the uninterrupted 1-process run.
+    a = tmp_path / "a"
+    assert launch(tmp_path, 2, 4, "--run-dir", str(a), "trainer.stop_at_step=5", *COMMON).returncode == 0
+    out = single(8, "--run-dir", str(a), "trainer.stop_at_step=10", *COMMON)
+    assert out.returncode == 0 and "resumed from checkpoint at step 5" in out.stdout
+    assert_same(params_at(a, 10, strategy8), params_at(single_run, 10, strategy8), 1e-6)
+    # And back: 1 process to 5, then 2 processes on to 10.
+    b = tmp_path / "b"
+    assert single(8, "--run-dir", str(b), "trainer.stop_at_step=5", *COMMON).returncode == 0
+    out = launch(tmp_path, 2, 4, "--run-dir", str(b), "trainer.stop_at_step=10", *COMMON)
+    assert out.returncode == 0 and "resumed from checkpoint at step 5" in out.stdout, out.stderr
+    assert_same(params_at(b, 10, strategy8), params_at(single_run, 10, strategy8), 1e-6)
+
+
+def test_eval_counts_every_example_once_across_processes(tmp_path):
+    # One epoch (31 steps) ends with an evaluation of the 1,000 test digits in batches of 256:
+    # each process evaluates its half of every batch, the last one padded and masked.
+    run_dir = tmp_path / "run"
+    out = launch(tmp_path, 2, 4, "--run-dir", str(run_dir), "trainer.epochs=1")
+    assert out.returncode == 0, out.stderr
+    ref = single(8, "--run-dir", str(tmp_path / "ref"), "trainer.epochs=1")
+    assert ref.returncode == 0, ref.stderr
+    evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    final = [r for r in evals if r["split"] == "eval"][-1]
+    assert final["count"] == 1000
+    acc = re.search(r"^test accuracy: ([0-9.]+)$", out.stdout, re.M).group(1)
+    assert acc == re.search(r"^test accuracy: ([0-9.]+)$", ref.stdout, re.M).group(1)
+
+
+def test_killed_process_ends_the_job_with_a_clear_message(tmp_path):
+    cmd = [*XLAFIT, "launch", "--processes", "2", "--devices-per-process", "4", "--log-dir", str(tmp_path / "logs")]
+    cmd += ["--", *XLAFIT, "train", "mnist", "--run-dir", str(tmp_path / "run"), "trainer.epochs=50", *COMMON]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    pid = None
+    for line in job.stderr:
+        m = re.match(r"xlafit launch: process 1 \(pid (\d+)\)", line)
+        if m:
+            pid = int(m.group(1))
+            break
+    assert pid is not None
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # training is under way
+        assert time.monotonic() < deadline and job.poll() is None, "the job did not start training"
+        time.sleep(0.5)
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    rest = job.stderr.read()
+    job.wait(timeout=120)
+    elapsed = time.monotonic() - killed_at
+    assert elapsed < 60, f"the job took {elapsed:.0f}s to end"
+    assert "process 1 was killed by SIGKILL; stopping the other 1 process(es)" in rest
+    assert job.returncode == 128 + signal.SIGKILL
+
+
+def test_exit_codes_propagate(tmp_path):
+    script = "import os, sys; sys.exit(3 if os.environ['XLAFIT_PROCESS_ID'] == '1' else 0)"
+    cmd = [*XLAFIT, "launch", "--processes", "2", "--log-dir", str(tmp_path), "--", sys.executable, "-c", script]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=60)
+    assert out.returncode == 3
+    assert "process 1 exited with code 3" in out.stderr
+
+
+def test_missing_peer_times_out_with_a_clear_error():
+    env = {
+        **_env(),
+        "XLAFIT_COORDINATOR": f"127.0.0.1:{free_port()}",
+        "XLAFIT_NUM_PROCESSES": "2",
+        "XLAFIT_PROCESS_ID": "1",
+        "XLAFIT_INIT_TIMEOUT_S": "5",
+    }
+    out = subprocess.run([*XLAFIT, "devices", "--simulate", "4"], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2
+    assert "process 1 of 2 could not join the job at 127.0.0.1:" in out.stderr
+    assert "within 5s" in out.stderr and "Traceback" not in out.stderr
