@@ -23,6 +23,7 @@ COORDINATOR_ENV = "XLAFIT_COORDINATOR"
 NUM_PROCESSES_ENV = "XLAFIT_NUM_PROCESSES"
 PROCESS_ID_ENV = "XLAFIT_PROCESS_ID"
 INIT_TIMEOUT_ENV = "XLAFIT_INIT_TIMEOUT_S"  # how long to wait for every process to join
+DISTRIBUTED_ENV = "XLAFIT_DISTRIBUTED"  # "1": join a job that JAX detects (TPU pod slice, ...)
 
 # XLA:CPU library paths measured faster for the CNN/MLP workloads here (BENCHMARKS.md):
 # YNNPACK for dots and element-wise/reduce fusions. Only applied to CPU runs, and only
@@ -185,7 +186,12 @@ class Cluster:
             if not 0 <= pid < num:
                 raise DeviceError(f"{PROCESS_ID_ENV}={pid} must lie in [0, {NUM_PROCESSES_ENV}={num}).")
             return cls(given[COORDINATOR_ENV], num, pid, _timeout())
-        if int(os.environ.get("SLURM_NTASKS", "1")) > 1 or "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
+        detected = (
+            os.environ.get(DISTRIBUTED_ENV, "") in ("1", "true", "auto")
+            or int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
+            or "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
+        )
+        if detected:
             return cls(timeout_s=_timeout())
         return None
 
@@ -243,9 +249,7 @@ def _join(cluster: Cluster) -> None:
         ) from None
 
 
-def connect(
-    simulate: int | None = None, *, cpu_fast_paths: bool = True, cluster: Cluster | None = None
-) -> Strategy:
+def connect(simulate: int | None = None, *, cpu_fast_paths: bool = True, cluster: Cluster | None = None) -> Strategy:
     """Finds every device of every process and returns the data-parallel strategy.
 
     In a multi-process job (``xlafit launch``, a SLURM job step, every worker of a TPU pod

@@ -87,7 +87,9 @@ def launch(
             logs.append(log)
             out = log
         try:
-            procs.append(subprocess.Popen(list(command), env=env, stdout=out, stderr=subprocess.STDOUT if out else None))
+            procs.append(
+                subprocess.Popen(list(command), env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
+            )
         except FileNotFoundError:
             print(f"xlafit launch: command not found: {command[0]}", file=sys.stderr)
             _stop(procs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import importlib
+import logging
 import os
 import shutil
 from collections.abc import Sequence
@@ -98,6 +99,13 @@ def train(cfg: Config) -> FitResult:
             f"{cfg.optimizer.warmup_steps} warmup steps, {cfg.optimizer.decay} decay",
             flush=True,
         )
+    else:
+        # Processes other than 0 print nothing; their own events go to their own file.
+        run_dir.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(run_dir / f"process-{strategy.process_index}.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        logging.getLogger("xlafit").addHandler(handler)
+        logging.getLogger("xlafit").setLevel(logging.INFO)
     trainer = Trainer(
         module.build_model(cfg),
         module.loss_fn,
