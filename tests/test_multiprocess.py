@@ -166,3 +166,34 @@ def test_missing_peer_times_out_with_a_clear_error():
     assert out.returncode == 2
     assert "process 1 of 2 could not join the job at 127.0.0.1:" in out.stderr
     assert "within 5s" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_job_flags_without_the_launcher():
+    """Two processes started by hand with --coordinator/--num-processes/--process-id."""
+    address = f"127.0.0.1:{free_port()}"
+    procs = [
+        subprocess.Popen(
+            [
+                *XLAFIT,
+                "devices",
+                "--simulate",
+                "4",
+                "--coordinator",
+                address,
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    for i, out in enumerate(outs):
+        assert f"process {i} of 2" in out
+        assert "mesh: {'data': 8}" in out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -11,7 +12,7 @@ import yaml
 
 from xlafit.config import ConfigError
 from xlafit.data.mnist import DataError
-from xlafit.devices import SIMULATE_ENV, DeviceError
+from xlafit.devices import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, SIMULATE_ENV, DeviceError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,6 +29,10 @@ def _parser() -> argparse.ArgumentParser:
             metavar="N",
             help=f"use N simulated CPU devices (rehearse an N-core TPU); also ${SIMULATE_ENV}",
         )
+        job = p.add_argument_group("multi-process job (docs/multihost.md); default: from the environment")
+        job.add_argument("--coordinator", metavar="HOST:PORT", help=f"process 0's address; also ${COORDINATOR_ENV}")
+        job.add_argument("--num-processes", type=int, metavar="P", help=f"also ${NUM_PROCESSES_ENV}")
+        job.add_argument("--process-id", type=int, metavar="I", help=f"this process, 0..P-1; also ${PROCESS_ID_ENV}")
 
     devices = sub.add_parser("devices", help="show the platform, processes, devices and the training mesh")
     add_simulate(devices)
@@ -99,6 +104,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    # The job flags travel as the environment variables that xlafit.connect() reads.
+    for flag, env in (
+        ("coordinator", COORDINATOR_ENV),
+        ("num_processes", NUM_PROCESSES_ENV),
+        ("process_id", PROCESS_ID_ENV),
+    ):
+        if getattr(args, flag, None) is not None:
+            os.environ[env] = str(getattr(args, flag))
     logging.basicConfig(
         level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
