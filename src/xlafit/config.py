@@ -73,6 +73,11 @@ class TrainerConfig:
     checkpoint_every_steps: int = 0  # 0: at the end of every epoch only
     keep_checkpoints: int = 3
     stop_at_step: int | None = None  # stop (with a checkpoint) at this step; schedule unchanged
+    # Sum gradients over this many equal chunks of the global batch in a fixed order, so 1
+    # device, 8 devices or several processes train bit-identical models (a multiple of the
+    # device count; null: XLA's all-reduce, faster, equal only to float rounding). On CPU it
+    # also needs run.xla_cpu_fast_paths=false: YNNPACK kernels round differently per layout.
+    invariant_chunks: int | None = None
     seed: int = 0  # parameter init and dropout
 
 
@@ -262,6 +267,7 @@ def validate(cfg: Config) -> None:
         "trainer.eval_every_epochs": cfg.trainer.eval_every_epochs,
         "trainer.keep_checkpoints": cfg.trainer.keep_checkpoints,
         "trainer.stop_at_step": cfg.trainer.stop_at_step,
+        "trainer.invariant_chunks": cfg.trainer.invariant_chunks,
         "run.simulate_devices": cfg.run.simulate_devices,
     }
     for key, value in positive.items():

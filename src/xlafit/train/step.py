@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from xlafit.checkpoint import is_prng_key
+
 log = logging.getLogger("xlafit")
 
 # loss_fn(model, batch) returns per-example losses [B], or (losses [B], {name: [B]}).
@@ -89,6 +91,96 @@ def build_train_step(
     def train_step(state: TrainState, batches: Mapping[str, jax.Array]):
         if not unroll:
             return jax.lax.scan(one_step, state, batches)
+        k = jax.tree.leaves(batches)[0].shape[0]
+        per_step = []
+        for i in range(k):
+            state, metrics = one_step(state, jax.tree.map(lambda x, i=i: x[i], batches))
+            per_step.append(metrics)
+        return state, jax.tree.map(lambda *xs: jnp.stack(xs), *per_step)
+
+    return train_step
+
+
+def build_invariant_train_step(
+    graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, chunks: int
+) -> Callable:
+    """Like :func:`build_train_step`, but the result does not depend on the device count.
+
+    The global batch is cut into ``chunks`` equal chunks. Every chunk's gradient is computed
+    by the same per-chunk program (each device takes ``chunks / devices`` of them, one after
+    another), the per-chunk gradients are gathered to every device (a copy, no arithmetic)
+    and added in chunk order. 1 device, 8 devices, or 2 processes x 4 devices then do the
+    same float operations in the same order and end with the same bits (tested), where
+    XLA's all-reduce sums in an order that depends on the topology. Dropout keys are derived
+    per chunk, so masks do not depend on the topology either.
+
+    Costs: a gather of ``chunks`` gradient copies per step, and chunk-sized kernels.
+    """
+    devices = mesh.size
+    if chunks % devices:
+        raise ValueError(f"trainer.invariant_chunks={chunks} must be a multiple of the {devices} devices.")
+    per_device = chunks // devices
+
+    def chunk_grads(params, model_state, batch, chunk_index):
+        model_state = jax.tree.map(lambda x: jax.random.fold_in(x, chunk_index) if is_prng_key(x) else x, model_state)
+
+        def loss_of(params):
+            model = nnx.merge(graphdef, params, model_state, copy=True)
+            losses, metrics = split_outputs(loss_fn(model, batch))
+            counts = nnx.state(model, nnx.Not(nnx.Param))
+            return losses.sum(), ({k: v.sum() for k, v in metrics.items()}, counts)
+
+        (loss_sum, (metric_sums, new_state)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+        return {"loss": loss_sum, **metric_sums}, grads, new_state
+
+    def on_device(params, model_state, batch):
+        first = jax.lax.axis_index("data") * per_device
+        rows = jax.tree.leaves(batch)[0].shape[0] // per_device
+        sums, grads, new_state = [], [], None
+        for j in range(per_device):
+            chunk = jax.tree.map(lambda x, j=j: x[j * rows : (j + 1) * rows], batch)
+            # The barrier keeps XLA from merging the chunks' matmuls into larger ones, whose
+            # blocking, and so rounding, would differ from a single chunk's.
+            chunk_params, chunk = jax.lax.optimization_barrier((params, chunk))
+            m, g, new_state = chunk_grads(chunk_params, model_state, chunk, first + j)
+            sums.append(m)
+            grads.append(g)
+        stack = lambda *xs: jnp.stack(xs)  # noqa: E731
+        new_state = jax.tree.map(lambda new, old: old if is_prng_key(old) else new, new_state, model_state)
+        return jax.tree.map(stack, *sums), jax.tree.map(stack, *grads), new_state
+
+    spec = jax.sharding.PartitionSpec
+    per_chunk = jax.shard_map(
+        on_device,
+        mesh=mesh,
+        in_specs=(spec(), spec(), spec("data")),
+        out_specs=(spec("data"), spec("data"), spec()),
+        check_vma=False,
+    )
+    replicated = jax.sharding.NamedSharding(mesh, spec())
+
+    def ordered_sum(stacked):
+        stacked = jax.lax.with_sharding_constraint(stacked, replicated)
+        # Barriers pin the order of the additions: without them XLA may regroup the sum
+        # differently in the 1-device and the 8-device program (measured: 7e-9 apart).
+        parts = jax.lax.optimization_barrier([stacked[i] for i in range(chunks)])
+        total = parts[0]
+        for i in range(1, chunks):
+            total = jax.lax.optimization_barrier(total + parts[i])
+        return total
+
+    def one_step(state: TrainState, batch: Mapping[str, jax.Array]):
+        n = jax.tree.leaves(batch)[0].shape[0]
+        sums, grads, model_state = per_chunk(state.params, state.model_state, batch)
+        grads = jax.tree.map(lambda g: ordered_sum(g) / n, grads)
+        metrics = {k: ordered_sum(v) / n for k, v in sums.items()}
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics["grad_norm"] = optax.global_norm(grads)
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)
+        return new_state, metrics
+
+    def train_step(state: TrainState, batches: Mapping[str, jax.Array]):
         k = jax.tree.leaves(batches)[0].shape[0]
         per_step = []
         for i in range(k):

@@ -34,7 +34,14 @@ from xlafit.config import TrainerConfig
 from xlafit.data.loader import ArrayDataset, Prefetcher, TrainOrder, as_dataset, eval_batches, to_global
 from xlafit.devices import Strategy, connect
 from xlafit.train.report import RunReport
-from xlafit.train.step import CompiledStep, LossFn, TrainState, build_eval_step, build_train_step
+from xlafit.train.step import (
+    CompiledStep,
+    LossFn,
+    TrainState,
+    build_eval_step,
+    build_invariant_train_step,
+    build_train_step,
+)
 
 log = logging.getLogger("xlafit")
 
@@ -127,9 +134,20 @@ class Trainer:
             opt_state=jax.jit(optimizer.init, out_shardings=replicated)(params),
             model_state=model_state,
         )
+        chunks = self.config.invariant_chunks
+        if chunks is not None:
+            devices = self.strategy.num_replicas
+            if chunks % devices or self.global_batch % chunks:
+                raise ValueError(
+                    f"trainer.invariant_chunks={chunks} must be a multiple of the {devices} devices and divide "
+                    f"the global batch {self.global_batch}; try {devices * max(1, chunks // devices)} or null."
+                )
+            step_fn = build_invariant_train_step(train_graphdef, loss_fn, optimizer, self.strategy.mesh, chunks)
+        else:
+            step_fn = build_train_step(train_graphdef, loss_fn, optimizer, unroll=self.strategy.platform == "cpu")
         self.train_step = CompiledStep(
             "train step",
-            build_train_step(train_graphdef, loss_fn, optimizer, unroll=self.strategy.platform == "cpu"),
+            step_fn,
             in_shardings=(replicated, self.strategy.batch_sharding(1)),
             out_shardings=(replicated, replicated),
             donate_argnums=0,
