@@ -82,11 +82,12 @@ def test_two_processes_equal_one(tmp_path, single_run, strategy8):
     out = launch(tmp_path, 2, 4, "--run-dir", str(tmp_path / "run"), "trainer.stop_at_step=10", *COMMON)
     assert out.returncode == 0, out.stderr
     assert "devices: 8 x cpu (2 process(es))" in out.stdout
-    # Same losses at every step, and the same parameters (measured: bit for bit).
+    # Same losses at every step, and the same parameters: bit for bit, thanks to the preset's
+    # trainer.invariant_chunks (gathers are exact; the sums happen in one fixed order).
     got, ref = losses(tmp_path / "run"), losses(single_run)
     assert [s for s, _ in got] == [s for s, _ in ref] == list(range(1, 11))
-    assert [v for _, v in got] == pytest.approx([v for _, v in ref], rel=1e-6)
-    assert_same(params_at(tmp_path / "run", 10, strategy8), params_at(single_run, 10, strategy8), 1e-6)
+    assert [v for _, v in got] == [v for _, v in ref]
+    assert_same(params_at(tmp_path / "run", 10, strategy8), params_at(single_run, 10, strategy8), 0)
     assert (tmp_path / "logs" / "process-1.log").exists()
 
 
@@ -96,13 +97,13 @@ def test_checkpoint_moves_between_two_processes_and_one(tmp_path, single_run, st
     assert launch(tmp_path, 2, 4, "--run-dir", str(a), "trainer.stop_at_step=5", *COMMON).returncode == 0
     out = single(8, "--run-dir", str(a), "trainer.stop_at_step=10", *COMMON)
     assert out.returncode == 0 and "resumed from checkpoint at step 5" in out.stdout
-    assert_same(params_at(a, 10, strategy8), params_at(single_run, 10, strategy8), 1e-6)
+    assert_same(params_at(a, 10, strategy8), params_at(single_run, 10, strategy8), 0)
     # And back: 1 process to 5, then 2 processes on to 10.
     b = tmp_path / "b"
     assert single(8, "--run-dir", str(b), "trainer.stop_at_step=5", *COMMON).returncode == 0
     out = launch(tmp_path, 2, 4, "--run-dir", str(b), "trainer.stop_at_step=10", *COMMON)
     assert out.returncode == 0 and "resumed from checkpoint at step 5" in out.stdout, out.stderr
-    assert_same(params_at(b, 10, strategy8), params_at(single_run, 10, strategy8), 1e-6)
+    assert_same(params_at(b, 10, strategy8), params_at(single_run, 10, strategy8), 0)
 
 
 def test_eval_counts_every_example_once_across_processes(tmp_path):

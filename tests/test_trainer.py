@@ -70,6 +70,33 @@ def test_eight_devices_equal_one_device(strategy8, strategy1, digits, tx, tol=1e
     assert len(r8.state.params["fc1"]["kernel"].value.sharding.device_set) == 8
 
 
+def test_invariant_chunks_make_8_devices_and_1_bit_identical(strategy8, strategy1, digits):
+    train, _ = digits
+    config = TrainerConfig(epochs=2, stop_at_step=20, invariant_chunks=8, steps_per_call=2)
+    results = []
+    for strategy in (strategy8, strategy1):
+        model = xlafit.models.MnistCNN(rngs=nnx.Rngs(params=0, dropout=1))
+        trainer = xlafit.Trainer(
+            model, mnist_recipe.loss_fn, optax.adam(1e-3), strategy=strategy, global_batch=64, config=config
+        )
+        results.append(trainer.fit(train))
+    _assert_trees_close(_params(results[0]), _params(results[1]), 0, 0)
+    assert [r["loss"] for r in results[0].history] == [r["loss"] for r in results[1].history]
+
+
+def test_invariant_chunks_must_fit_the_devices(strategy8):
+    config = TrainerConfig(invariant_chunks=4)
+    with pytest.raises(ValueError, match="invariant_chunks=4 must be a multiple of the 8 devices"):
+        xlafit.Trainer(
+            nnx.Linear(2, 2, rngs=nnx.Rngs(0)),
+            lambda m, b: b["x"],
+            optax.sgd(0.1),
+            strategy=strategy8,
+            global_batch=64,
+            config=config,
+        )
+
+
 def test_steps_per_call(strategy8, digits):
     train, _ = digits
     r1 = _cnn_trainer(strategy8, steps_per_call=1).fit(train)
