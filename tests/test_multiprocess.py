@@ -166,7 +166,24 @@ def test_missing_peer_times_out_with_a_clear_error():
     out = subprocess.run([*XLAFIT, "devices", "--simulate", "4"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 2
     assert "process 1 of 2 could not join the job at 127.0.0.1:" in out.stderr
-    assert "within 5s" in out.stderr and "Traceback" not in out.stderr
+    assert "within 5s: process 0 cannot be reached" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_process_zero_names_the_processes_that_did_not_arrive():
+    # Processes 0 and 2 of 3 start; process 1 never does.
+    address = f"127.0.0.1:{free_port()}"
+    env = {**_env(), "XLAFIT_COORDINATOR": address, "XLAFIT_NUM_PROCESSES": "3", "XLAFIT_INIT_TIMEOUT_S": "8"}
+    cmd = [*XLAFIT, "devices", "--simulate", "2"]
+    procs = [
+        subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, "XLAFIT_PROCESS_ID": i}
+        )
+        for i in ("0", "2")
+    ]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2]
+    assert f"process(es) 1 of 3 did not join the job at {address} within 8s" in errs[0]
+    assert "process 2 of 3 could not join" in errs[1]
 
 
 def test_job_flags_without_the_launcher():

@@ -203,27 +203,58 @@ def _timeout() -> int:
         raise DeviceError(f"{INIT_TIMEOUT_ENV} must be a whole number of seconds.") from None
 
 
-def _wait_for_coordinator(cluster: Cluster) -> None:
-    """Waits until process 0's coordinator port accepts connections.
+def _rendezvous(cluster: Cluster) -> None:
+    """Meets every process on the port after the coordinator's before JAX does.
 
-    JAX aborts the whole process (a C++ fatal error, not an exception) when it cannot
-    register with the coordinator in time, so a clear error must come before that.
+    JAX aborts the whole process (a C++ fatal error, not an exception) when a process does
+    not arrive in time, and names no one. This handshake fails first, with names: process 0
+    says which processes never came, the others say that process 0 cannot be reached.
     """
     host, _, port = cluster.coordinator.rpartition(":")
+    address = (host, int(port) + 1)
     deadline = time.monotonic() + cluster.timeout_s
+    hint = f"set {INIT_TIMEOUT_ENV} to wait longer than {cluster.timeout_s}s"
+    if cluster.process_id == 0:
+        with socket.create_server(("", address[1]), reuse_port=False) as server:
+            server.settimeout(0.5)
+            arrived: dict[int, socket.socket] = {}
+            while len(arrived) < cluster.num_processes - 1:
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(1, cluster.num_processes)) - set(arrived))
+                    for conn in arrived.values():
+                        conn.close()
+                    raise DeviceError(
+                        f"process(es) {', '.join(map(str, missing))} of {cluster.num_processes} did not join the "
+                        f"job at {cluster.coordinator} within {cluster.timeout_s}s. Start them with the same "
+                        f"coordinator address and process count, or {hint}."
+                    )
+                try:
+                    conn, _ = server.accept()
+                except TimeoutError:
+                    continue
+                conn.settimeout(5)
+                arrived[int(conn.recv(16).decode() or -1)] = conn
+            for conn in arrived.values():
+                conn.sendall(b"ok")
+                conn.close()
+        return
     while True:
         try:
-            socket.create_connection((host, int(port)), timeout=1).close()
-            return
+            with socket.create_connection(address, timeout=1) as conn:
+                conn.sendall(str(cluster.process_id).encode())
+                conn.settimeout(max(deadline - time.monotonic(), 1) + 5)
+                if conn.recv(2) == b"ok":
+                    return
         except OSError:
-            if time.monotonic() > deadline:
-                raise DeviceError(
-                    f"process {cluster.process_id} of {cluster.num_processes} could not join the job at "
-                    f"{cluster.coordinator} within {cluster.timeout_s}s: nothing listens there. Check that "
-                    "process 0 was started, with the same coordinator address, and that this host can reach "
-                    f"that port (set {INIT_TIMEOUT_ENV} to wait longer)."
-                ) from None
-            time.sleep(0.5)
+            pass
+        if time.monotonic() > deadline:
+            raise DeviceError(
+                f"process {cluster.process_id} of {cluster.num_processes} could not join the job at "
+                f"{cluster.coordinator} within {cluster.timeout_s}s: process 0 cannot be reached, or did "
+                f"not see every process. Check that process 0 was started with the same coordinator address "
+                f"and that this host can reach ports {port} and {int(port) + 1}; or {hint}."
+            )
+        time.sleep(0.5)
 
 
 def _join(cluster: Cluster) -> None:
@@ -231,8 +262,8 @@ def _join(cluster: Cluster) -> None:
         # CPU devices of different processes talk through gloo over TCP.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     where = cluster.coordinator or "the address JAX detects"
-    if cluster.coordinator and cluster.process_id:
-        _wait_for_coordinator(cluster)
+    if cluster.coordinator:
+        _rendezvous(cluster)
     try:
         jax.distributed.initialize(
             cluster.coordinator,
