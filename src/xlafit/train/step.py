@@ -56,6 +56,22 @@ def split_outputs(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     return losses, dict(metrics)
 
 
+def _k_steps(one_step: Callable, unroll: bool) -> Callable:
+    """``(state, batches[k, ...]) -> (state, metrics[k])`` from a one-batch step."""
+
+    def train_step(state: TrainState, batches: Mapping[str, jax.Array]):
+        if not unroll:
+            return jax.lax.scan(one_step, state, batches)
+        k = jax.tree.leaves(batches)[0].shape[0]
+        per_step = []
+        for i in range(k):
+            state, metrics = one_step(state, jax.tree.map(lambda x, i=i: x[i], batches))
+            per_step.append(metrics)
+        return state, jax.tree.map(lambda *xs: jnp.stack(xs), *per_step)
+
+    return train_step
+
+
 def build_train_step(
     graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientTransformation, *, unroll: bool = False
 ) -> Callable:
@@ -88,17 +104,7 @@ def build_train_step(
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)
         return new_state, metrics
 
-    def train_step(state: TrainState, batches: Mapping[str, jax.Array]):
-        if not unroll:
-            return jax.lax.scan(one_step, state, batches)
-        k = jax.tree.leaves(batches)[0].shape[0]
-        per_step = []
-        for i in range(k):
-            state, metrics = one_step(state, jax.tree.map(lambda x, i=i: x[i], batches))
-            per_step.append(metrics)
-        return state, jax.tree.map(lambda *xs: jnp.stack(xs), *per_step)
-
-    return train_step
+    return _k_steps(one_step, unroll)
 
 
 def build_invariant_train_step(
@@ -180,15 +186,7 @@ def build_invariant_train_step(
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)
         return new_state, metrics
 
-    def train_step(state: TrainState, batches: Mapping[str, jax.Array]):
-        k = jax.tree.leaves(batches)[0].shape[0]
-        per_step = []
-        for i in range(k):
-            state, metrics = one_step(state, jax.tree.map(lambda x, i=i: x[i], batches))
-            per_step.append(metrics)
-        return state, jax.tree.map(lambda *xs: jnp.stack(xs), *per_step)
-
-    return train_step
+    return _k_steps(one_step, unroll=True)
 
 
 def build_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn) -> Callable:
