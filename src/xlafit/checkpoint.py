@@ -59,9 +59,6 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def all_steps(self) -> list[int]:
-        return list(self._manager.all_steps())
-
     def save(self, step: int, state: Any) -> None:
         """Starts writing ``state`` as checkpoint ``step`` (returns before it is on disk)."""
         self._manager.save(step, args=ocp.args.StandardSave(to_saveable(state)), force=True)

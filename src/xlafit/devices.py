@@ -68,10 +68,6 @@ class Strategy:
         return jax.process_count()
 
     @property
-    def local_replicas(self) -> int:
-        return sum(d.process_index == jax.process_index() for d in self.mesh.devices.flat)
-
-    @property
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
 
