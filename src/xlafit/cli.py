@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import yaml
 
+from xlafit.bench import BenchError
 from xlafit.config import ConfigError
 from xlafit.data.mnist import DataError
 from xlafit.devices import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, SIMULATE_ENV, DeviceError
@@ -63,6 +64,35 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--log-dir", default="launch-logs", help="where processes 1..P-1 write their output")
     launch.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command each process runs")
 
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark a recipe: compile time, step time, input wait, MFU, against peers",
+        description="Each configuration trains in its own process for --steps steps after --warmup; "
+        "the table shows medians over --repeats runs. Example: xlafit bench mnist --simulate 8 "
+        "--devices 1,all --compare torch --plot bench.png",
+    )
+    bench.add_argument("recipe", help="recipe name: mnist")
+    bench.add_argument("--devices", default="1,all", help="xlafit device counts, comma-separated; 'all' = every device")
+    bench.add_argument("--compare", default="", help="peers, comma-separated: torch, torch-compile")
+    bench.add_argument("--steps", type=int, default=60, help="timed steps per run")
+    bench.add_argument("--epochs", type=float, help="time this many epochs instead of --steps")
+    bench.add_argument("--warmup", type=int, default=10, help="untimed steps first (the compile happens here)")
+    bench.add_argument("--repeats", type=int, default=3, help="runs per configuration, interleaved")
+    bench.add_argument("--batch", type=int, default=128, help="global batch, the same for every configuration")
+    bench.add_argument(
+        "--steps-per-call", default="1", metavar="K", help="xlafit steps per compiled call, comma-separated (a row each)"
+    )
+    bench.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="xlafit compute dtype")
+    bench.add_argument(
+        "--data", default="embedded", help="'embedded' (4,000 real digits), 'synthetic', or a directory of IDX files"
+    )
+    bench.add_argument("--examples", type=int, default=60_000, help="size of the synthetic training set")
+    bench.add_argument("--simulate", type=int, metavar="N", help="on a CPU, 'all' means N simulated devices")
+    bench.add_argument("--json", metavar="FILE", help="write the table and every run as JSON")
+    bench.add_argument("--plot", metavar="FILE.png", help="draw the table as a PNG chart")
+    bench.add_argument("--profile", type=int, default=0, metavar="STEPS", help="trace STEPS more steps per xlafit row")
+    bench.add_argument("--profile-dir", default="runs/bench-profile", help="where --profile writes its traces")
+
     config = sub.add_parser("config", help="print a recipe's resolved config")
     config.add_argument("recipe")
     config.add_argument("overrides", nargs="*", metavar="key.sub=value")
@@ -83,6 +113,48 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append("run.resume=false")
     cfg = load_config(args.recipe, overrides, preset=args.config)
     train(cfg)
+    return 0
+
+
+def _ints(flag: str, text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: expected whole numbers separated by commas, e.g. 1,4.") from None
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import json
+
+    from xlafit.bench import format_table, plot, run_bench
+
+    result = run_bench(
+        args.recipe,
+        devices=[d.strip() for d in args.devices.split(",") if d.strip()],
+        compare=[c.strip() for c in args.compare.split(",") if c.strip()],
+        steps=args.steps,
+        epochs=args.epochs,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        batch=args.batch,
+        steps_per_call=_ints("--steps-per-call", args.steps_per_call),
+        dtype=args.dtype,
+        data=args.data,
+        examples=args.examples,
+        simulate=args.simulate,
+        profile=args.profile,
+        profile_dir=args.profile_dir,
+    )
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"JSON: {args.json}")
+    if args.plot:
+        plot(result, args.plot)
+        print(f"chart: {args.plot}")
+    if args.profile:
+        print(f"profiles: {args.profile_dir} (tensorboard --logdir {args.profile_dir}, or xprof, or Perfetto)")
     return 0
 
 
@@ -130,8 +202,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(yaml.safe_dump(load_config(args.recipe, args.overrides).to_dict(), sort_keys=False), end="")
             return 0
+        if args.command == "bench":
+            return _bench(args)
         return _train(args)
-    except (ConfigError, DeviceError, DataError) as e:
+    except (ConfigError, DeviceError, DataError, BenchError) as e:
         print(f"xlafit: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -236,10 +236,23 @@ class CompiledStep:
             self._cache[key] = compiled
             self.compiles += 1
             self.compile_s += seconds
-            try:
-                self.flops = float((compiled.cost_analysis() or {}).get("flops", 0.0)) or None
-            except Exception:  # cost analysis is optional on some backends
-                self.flops = None
+            self.flops = _flops(compiled)
             shapes = ", ".join(f"{p or 'x'}{list(s)}:{d}" for p, s, d in key[1])
             log.info("compiled %s #%d in %.2fs for inputs %s", self.name, self.compiles, seconds, shapes)
         return compiled(*args)
+
+    def flops_for(self, *args: Any) -> float | None:
+        """FLOPs of one call on inputs shaped like ``args`` (arrays or ``ShapeDtypeStruct``),
+        from XLA's cost analysis; compiles a program that is neither kept nor counted.
+
+        Inside a ``lax.scan`` XLA counts the loop body once, so ask with a single step.
+        """
+        return _flops(self._jitted.lower(*args).compile())
+
+
+def _flops(compiled: Any) -> float | None:
+    """Total FLOPs of a compiled program per XLA's cost analysis (per device for SPMD), or None."""
+    try:
+        return float((compiled.cost_analysis() or {}).get("flops", 0.0)) or None
+    except Exception:  # cost analysis is optional on some backends
+        return None

@@ -189,8 +189,22 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
 
+    def batches(
+        self, train: ArrayDataset | Mapping[str, np.ndarray], start: int = 0, stop: int | None = None
+    ) -> Prefetcher:
+        """The train step's inputs for steps ``[start, stop)``, gathered ahead in a thread.
+
+        Yields ``(first_step, k, batches)``: ``k`` global batches stacked on a leading axis
+        (``config.steps_per_call``, fewer where an epoch ends), already on the devices.
+        ``stop`` defaults to the end of ``config.epochs``. Its ``wait_s`` is the time the
+        consumer spent waiting for input.
+        """
+        train = as_dataset(train)
+        order = TrainOrder(len(train), self.global_batch, self.data_seed)
+        stop = self.config.epochs * order.steps_per_epoch if stop is None else stop
+        return Prefetcher(self._batches(train, order, start, stop), self.prefetch)
+
     def _batches(self, data: ArrayDataset, order: TrainOrder, start: int, stop: int) -> Iterator:
-        """Yields ``(first_step, k, global stacked batches)`` for steps ``[start, stop)``."""
         s, spe, k_max = self.strategy, order.steps_per_epoch, self.config.steps_per_call
         step = start
         while step < stop:
@@ -240,7 +254,7 @@ class Trainer:
         last_eval: dict[str, float] | None = None
         pending: list[tuple[int, Any]] = []
         window_t0, window_wait, window_compile = time.perf_counter(), 0.0, 0.0
-        batches = Prefetcher(self._batches(train, order, start, stop), self.prefetch)
+        batches = self.batches(train, start, stop)
         try:
             for first, k, batch in batches:
                 compile_before = self.train_step.compile_s

@@ -1,0 +1,354 @@
+"""``xlafit bench``: a table of configurations you can trust.
+
+Seed 004's table (MNIST CNN, 8-core TPU vs 1 core vs GPU) mixed compile time, input stalls
+and device time into one number, with spreads larger than the means. Here every
+configuration runs in its own process (:mod:`xlafit.bench.worker`) for a fixed number of
+steps after a warm-up, configurations interleaved round by round so that machine noise
+hits all alike, and the parts are reported apart:
+
+- compile time: XLA compiles, counted and timed by the train step itself;
+- step time: each call of the compiled step, synchronised, median and p10-p90 spread;
+- input wait: time the loop waited for the next batch (share of wall time);
+- wall time = step time + input wait + loop overhead, so time per epoch = steps per epoch
+  x wall time per step, and examples/s = batch / wall time per step;
+- MFU: FLOPs per step (XLA's cost analysis, checked against the analytic count) / step
+  wall time / peak FLOP/s (:mod:`xlafit.bench.peaks`).
+
+Example:
+    >>> result = run_bench("mnist", devices=["1"], steps=4, warmup=2, repeats=1)  # doctest: +SKIP
+    >>> print(format_table(result))                                                 # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from xlafit.bench.worker import Spec
+from xlafit.config import ConfigError
+
+BENCH_RECIPES = ("mnist",)
+PEERS = ("torch", "torch-compile")
+
+
+class BenchError(RuntimeError):
+    """A benchmark configuration failed; the message holds the end of its output."""
+
+
+def _worker_env(simulate: int | None) -> dict[str, str]:
+    env = dict(os.environ)
+    # The device count is the worker's to choose (XLAFIT_SIMULATE_DEVICES), not XLA_FLAGS'.
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags)
+    env.pop("XLAFIT_SIMULATE_DEVICES", None)
+    if simulate:
+        env["XLAFIT_SIMULATE_DEVICES"] = str(simulate)
+    return env
+
+
+def run_worker(spec: Spec, simulate: int | None = None) -> dict[str, Any]:
+    """Runs one configuration in a fresh Python process and returns its measurements."""
+    out = subprocess.run(
+        [sys.executable, "-m", "xlafit.bench.worker", json.dumps(dataclasses.asdict(spec))],
+        capture_output=True,
+        text=True,
+        env=_worker_env(simulate),
+        check=False,
+    )
+    if out.returncode:
+        raise BenchError(f"the {spec.framework} configuration failed:\n{(out.stderr or out.stdout)[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@dataclasses.dataclass
+class Config:
+    """One row of the table: a name, what its worker runs, and its simulated CPU devices."""
+
+    name: str
+    spec: Spec
+    simulate: int | None = None
+
+
+def plan_configs(
+    devices: Sequence[str],
+    steps_per_call: Sequence[int],
+    compare: Sequence[str],
+    probe: dict[str, Any],
+    base: Spec,
+    simulate: int | None,
+) -> list[Config]:
+    """The rows: one xlafit row per device count ("all" = every device) and steps per call,
+    then the peers.
+
+    On a CPU, N devices are N simulated devices (one process, like a TPU host's cores);
+    ``simulate`` is what "all" means there.
+    """
+    cpu = probe["platform"] == "cpu"
+    available = (simulate or 1) if cpu else probe["device_count"]
+    counts: list[int] = []
+    for d in devices:
+        n = available if d == "all" else int(d)
+        if n < 1 or (not cpu and n > available):
+            raise ConfigError(f"--devices {d}: this machine has {available} {probe['platform']} device(s).")
+        if n not in counts:
+            counts.append(n)
+    configs = []
+    for n in counts:
+        for k in steps_per_call:
+            name = f"xlafit {n} {probe['platform']}" + (" (simulated)" if cpu and n > 1 else "")
+            name += f" k={k}" if k > 1 else ""
+            spec = dataclasses.replace(base, framework="xlafit", devices=n, steps_per_call=k)
+            configs.append(Config(name, spec, simulate=n if cpu else None))
+    for peer in compare:
+        if peer not in PEERS:
+            raise ConfigError(f"--compare {peer}: known peers are {', '.join(PEERS)}.")
+        name = "PyTorch eager" if peer == "torch" else "PyTorch torch.compile"
+        configs.append(Config(name, dataclasses.replace(base, framework=peer, profile_steps=0)))
+    return configs
+
+
+def summarize(name: str, runs: list[dict[str, Any]], steps_per_epoch: int, batch: int, peak: float) -> dict[str, Any]:
+    """One table row from the repeated runs of a configuration (medians over runs)."""
+    step_s = np.concatenate([np.array(r["call_s"]) / np.array(r["call_steps"]) for r in runs])
+    per_run = []
+    for r in runs:
+        wall_per_step = r["wall_s"] / r["steps"]
+        flops = r.get("flops_per_step") or r["flops_per_step_analytic"]
+        per_run.append(
+            {
+                "examples_per_s": batch / wall_per_step,
+                "epoch_s": steps_per_epoch * wall_per_step,
+                "input_wait_frac": r["wait_s"] / r["wall_s"],
+                "mfu": flops / wall_per_step / peak,
+            }
+        )
+    median = {key: float(np.median([p[key] for p in per_run])) for key in per_run[0]}
+    compile_s = [r["compile_s"] for r in runs if r["compile_s"] is not None]
+    first = runs[0]
+    return {
+        "configuration": name,
+        "compile_s": float(np.median(compile_s)) if compile_s else None,
+        "compiles": first["compiles"],
+        "step_ms_median": 1e3 * float(np.median(step_s)),
+        "step_ms_p10": 1e3 * float(np.percentile(step_s, 10)),
+        "step_ms_p90": 1e3 * float(np.percentile(step_s, 90)),
+        **median,
+        "examples_per_s_runs": [p["examples_per_s"] for p in per_run],
+        "flops_per_step_xla": first.get("flops_per_step"),
+        "flops_per_step_analytic": first["flops_per_step_analytic"],
+        "devices": first["devices"],
+        "device_kind": first["device_kind"],
+    }
+
+
+def run_bench(
+    recipe: str = "mnist",
+    *,
+    devices: Sequence[str] = ("1", "all"),
+    compare: Sequence[str] = (),
+    steps: int = 60,
+    warmup: int = 10,
+    repeats: int = 3,
+    batch: int = 128,
+    steps_per_call: Sequence[int] = (1,),
+    dtype: str = "float32",
+    data: str = "embedded",
+    examples: int = 60_000,
+    simulate: int | None = None,
+    epochs: float | None = None,
+    profile: int = 0,
+    profile_dir: str | Path = "runs/bench-profile",
+    progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+) -> dict[str, Any]:
+    """Benchmarks ``recipe`` in each configuration; returns the table's rows and every run.
+
+    Args:
+        recipe: the workload ("mnist").
+        devices: device counts for xlafit rows, or "all".
+        compare: peers: "torch" (eager), "torch-compile".
+        steps: timed steps per run (``epochs`` instead: that many epochs' worth).
+        warmup: untimed steps first (compiles happen here).
+        repeats: runs per configuration; the table shows medians.
+        batch: global batch, the same for every configuration.
+        steps_per_call: xlafit train steps per compiled call (a row for each).
+        dtype: xlafit compute dtype.
+        data: "embedded", "synthetic" (``examples`` random digits) or an IDX directory.
+        simulate: simulated CPU devices that "all" means on a CPU.
+        profile: trace this many extra steps of each xlafit row with ``jax.profiler``.
+        profile_dir: where the traces go (one folder per row).
+        progress: receives a line per finished run.
+    """
+    if recipe not in BENCH_RECIPES:
+        raise ConfigError(f"unknown benchmark recipe {recipe!r}; available: {', '.join(BENCH_RECIPES)}.")
+    checks = [("steps", steps), ("repeats", repeats), ("batch", batch), *[("steps-per-call", k) for k in steps_per_call]]
+    for name, value in checks:
+        if value < 1:
+            raise ConfigError(f"--{name} must be at least 1, got {value}.")
+    if warmup < 0:
+        raise ConfigError(f"--warmup must be 0 or more, got {warmup}.")
+    probe = run_worker(Spec("probe"))
+    base = Spec("xlafit", recipe, 1, data, examples, batch, warmup, steps, 1, dtype, profile)
+    n_train = _train_size(data, examples)
+    steps_per_epoch = n_train // batch
+    if steps_per_epoch < 1:
+        raise ConfigError(f"--batch {batch} is larger than the {n_train} training examples.")
+    if epochs is not None:
+        base.steps = max(1, round(epochs * steps_per_epoch))
+    configs = plan_configs(devices, steps_per_call, compare, probe, base, simulate)
+    runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in configs}
+    for r in range(repeats):
+        for c in configs:
+            spec = c.spec
+            if spec.profile_steps:
+                folder = c.name.replace(" ", "-").replace("(", "").replace(")", "")
+                spec = dataclasses.replace(spec, profile_dir=str(Path(profile_dir) / folder))
+                if r:  # one trace per configuration is enough
+                    spec.profile_steps = 0
+            runs[c.name].append(run_worker(spec, c.simulate))
+            last = runs[c.name][-1]
+            progress(
+                f"round {r + 1}/{repeats}  {c.name}: {batch * last['steps'] / last['wall_s']:.0f} examples/s, "
+                f"input wait {100 * last['wait_s'] / last['wall_s']:.1f}%"
+            )
+    cpu = probe["platform"] == "cpu"
+    rows = []
+    for c in configs:
+        n = runs[c.name][0]["devices"]
+        # simulated CPU devices share the machine's cores: its peak is the whole machine's
+        peak = probe["peak_flops_per_device"] * (1 if cpu else n)
+        rows.append(summarize(c.name, runs[c.name], steps_per_epoch, batch, peak))
+        rows[-1]["peak_flops"] = peak
+    for row in rows:
+        row["speedup"] = row["examples_per_s"] / rows[0]["examples_per_s"]
+    return {
+        "recipe": recipe,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": "xlafit " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("xlafit") else None,
+        "machine": {
+            "platform": probe["platform"],
+            "device_kind": probe["device_kind"],
+            "device_count": probe["device_count"],
+            "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+        },
+        "peak": {"flops_per_device": probe["peak_flops_per_device"], "source": probe["peak_source"]},
+        "settings": {
+            "batch": batch,
+            "warmup": warmup,
+            "steps": base.steps,
+            "repeats": repeats,
+            "steps_per_call": list(steps_per_call),
+            "dtype": dtype,
+            "data": data,
+            "train_examples": n_train,
+            "steps_per_epoch": steps_per_epoch,
+        },
+        "versions": {**runs[configs[0].name][0].get("versions", {}), **_peer_versions(runs)},
+        "rows": rows,
+        "runs": runs,
+    }
+
+
+def _peer_versions(runs: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
+    versions: dict[str, str] = {}
+    for config_runs in runs.values():
+        versions.update(config_runs[0].get("versions", {}))
+    return versions
+
+
+def _train_size(data: str, examples: int) -> int:
+    if data == "synthetic":
+        return examples
+    from xlafit.data import mnist
+
+    splits = mnist.load_embedded() if data == "embedded" else mnist.load_idx_dir(data)
+    return len(splits["train"]["label"])
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The human-readable table of :func:`run_bench`'s result."""
+    s, m = result["settings"], result["machine"]
+    lines = [
+        f"{result['recipe']}: global batch {s['batch']}, {s['steps']} timed steps after {s['warmup']} warm-up, "
+        f"median of {s['repeats']} runs; epoch = {s['train_examples']} examples ({s['data']}) = "
+        f"{s['steps_per_epoch']} steps",
+        f"machine: {m['device_kind']} x{m['device_count']} ({m['platform']}), {m['processor']}, {m['cpus']} CPUs; "
+        f"MFU peak: {result['peak']['source']}",
+        "",
+        f"{'configuration':<30} {'compile s':>9} {'step ms':>8} {'p10-p90 ms':>13} {'epoch s':>8} "
+        f"{'examples/s':>10} {'wait %':>6} {'MFU %':>6} {'speedup':>7}",
+    ]
+    for row in result["rows"]:
+        spread = f"{row['step_ms_p10']:.2f}-{row['step_ms_p90']:.2f}"
+        lines.append(
+            f"{row['configuration']:<30} {_fmt(row['compile_s'], '.2f'):>9} {row['step_ms_median']:>8.2f} "
+            f"{spread:>13} {row['epoch_s']:>8.2f} {row['examples_per_s']:>10.0f} "
+            f"{100 * row['input_wait_frac']:>6.1f} {100 * row['mfu']:>6.1f} {row['speedup']:>6.2f}x"
+        )
+    xla = [r for r in result["rows"] if r["flops_per_step_xla"]]
+    if xla:
+        r = xla[0]
+        lines.append(
+            f"\nFLOPs per step: XLA cost analysis {r['flops_per_step_xla'] / 1e9:.2f} G, analytic "
+            f"{r['flops_per_step_analytic'] / 1e9:.2f} G (ratio {r['flops_per_step_xla'] / r['flops_per_step_analytic']:.3f})"
+        )
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: str | Path) -> None:
+    """A PNG: examples/s per configuration (bars: median, whiskers: min-max over runs) and
+    time per epoch split into step time, input wait and loop overhead."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install matplotlib") from None
+    rows = result["rows"]
+    names = [r["configuration"] for r in rows]
+    y = np.arange(len(rows))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 1.2 + 0.6 * len(rows)), sharey=True)
+    med = np.array([r["examples_per_s"] for r in rows])
+    lo = med - np.array([min(r["examples_per_s_runs"]) for r in rows])
+    hi = np.array([max(r["examples_per_s_runs"]) for r in rows]) - med
+    left.barh(y, med, xerr=[lo, hi], color="tab:blue")
+    left.set_yticks(y, names)
+    left.invert_yaxis()
+    left.set_xlabel("examples/s (median; whiskers: min-max)")
+    spe = result["settings"]["steps_per_epoch"]
+    runs = result["runs"]
+    parts = {"step": [], "input wait": [], "overhead": []}
+    for r in rows:
+        first = runs[r["configuration"]]
+        per_step = np.median([x["wall_s"] / x["steps"] for x in first])
+        wait = np.median([x["wait_s"] / x["steps"] for x in first])
+        step = np.median([sum(x["call_s"]) / x["steps"] for x in first])
+        parts["step"].append(spe * step)
+        parts["input wait"].append(spe * wait)
+        parts["overhead"].append(max(spe * (per_step - step - wait), 0.0))
+    left_edge = np.zeros(len(rows))
+    for label, values in parts.items():
+        right.barh(y, values, left=left_edge, label=label)
+        left_edge += np.array(values)
+    right.set_xlabel(f"seconds per epoch ({spe} steps); compile time apart")
+    right.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, frameon=False)
+    fig.suptitle(f"xlafit bench {result['recipe']}: {result['machine']['device_kind']} ({result['date']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

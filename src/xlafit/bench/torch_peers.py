@@ -1,0 +1,112 @@
+"""PyTorch peers for ``xlafit bench``: the same model, batch and optimizer, in eager mode
+or under ``torch.compile``, timed the way the xlafit configurations are.
+
+Imported only inside a benchmark worker process (torch is an optional dependency:
+``pip install 'xlafit[bench]'``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+
+def mnist_net() -> Any:
+    """pytorch/examples ``mnist/main.py``'s ``Net``, the model :class:`xlafit.models.MnistCNN` copies."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv1 = nn.Conv2d(1, 32, 3, 1)
+            self.conv2 = nn.Conv2d(32, 64, 3, 1)
+            self.dropout1 = nn.Dropout(0.25)
+            self.dropout2 = nn.Dropout(0.5)
+            self.fc1 = nn.Linear(9216, 128)
+            self.fc2 = nn.Linear(128, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = F.relu(self.conv2(F.relu(self.conv1(x))))
+            x = self.dropout1(F.max_pool2d(x, 2))
+            x = self.dropout2(F.relu(self.fc1(torch.flatten(x, 1))))
+            return self.fc2(x)
+
+    return Net()
+
+
+def run_mnist(
+    images: np.ndarray, labels: np.ndarray, *, batch: int, warmup: int, steps: int, compile: bool
+) -> dict[str, Any]:
+    """Trains the CNN with Adam (lr 1e-3) for ``warmup + steps`` steps; times the last ``steps``.
+
+    Each step: gather the batch from a shuffled order (the input wait), then forward,
+    backward and update, synchronised by reading the loss (the step time).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    # NHWC (JAX's layout) -> NCHW (PyTorch's); the whole set lives on the device, as a
+    # DataLoader with pinned memory would have it ready.
+    x_all = torch.from_numpy(np.ascontiguousarray(images.transpose(0, 3, 1, 2))).to(device)
+    y_all = torch.from_numpy(labels.astype(np.int64)).to(device)
+    model = mnist_net().to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    forward = torch.compile(model) if compile else model
+    model.train()
+    n = len(labels)
+    perm, pos = torch.randperm(n, device=device), 0
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        nonlocal perm, pos
+        if pos + batch > n:
+            perm, pos = torch.randperm(n, device=device), 0
+        idx = perm[pos : pos + batch]
+        pos += batch
+        return x_all[idx], y_all[idx]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(forward(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()  # note: a host-device sync point, so the step is timed whole
+
+    warmup_s = []
+    for _ in range(warmup):
+        t0 = time.perf_counter()
+        step(*next_batch())
+        warmup_s.append(time.perf_counter() - t0)
+
+    step_s, wait_s = [], 0.0
+    t_start = time.perf_counter()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        x, y = next_batch()
+        t1 = time.perf_counter()
+        loss = step(x, y)
+        step_s.append(time.perf_counter() - t1)
+        wait_s += t1 - t0
+    wall_s = time.perf_counter() - t_start
+    median = float(np.median(step_s))
+    return {
+        "platform": device,
+        "device_kind": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "devices": 1,
+        "threads": torch.get_num_threads(),
+        "steps": steps,
+        "call_steps": [1] * steps,
+        "call_s": step_s,
+        "wait_s": wait_s,
+        "wall_s": wall_s,
+        # torch.compile compiles during the first steps: their time beyond a steady step.
+        "compile_s": max(sum(warmup_s) - warmup * median, 0.0) if compile else None,
+        "compiles": None,
+        "final_loss": loss,
+        "versions": {"torch": torch.__version__},
+    }

