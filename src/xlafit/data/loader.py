@@ -1,7 +1,7 @@
 """Fixed-shape batches for every process, and their transfer to the devices ahead of time.
 
 Data order is a pure function of ``(seed, step)``: epoch ``e`` visits the examples in the
-order of a Grain index shuffle seeded with ``seed`` (a new permutation each epoch), and the
+order of a NumPy permutation drawn from ``(seed, e)``, and the
 global batch of step ``s`` is a fixed slice of that order. Each process reads only its own
 ``global_batch / process_count`` rows of each global batch, and the global ``jax.Array``
 is assembled from the process-local pieces with ``jax.make_array_from_process_local_data``.
@@ -11,12 +11,12 @@ Resuming at step ``s`` therefore replays nothing and skips nothing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import queue
 import threading
 import time
 from collections.abc import Iterator, Mapping
 
-import grain
 import jax
 import numpy as np
 
@@ -83,24 +83,22 @@ class TrainOrder:
 
     def global_indices(self, step: int) -> np.ndarray:
         epoch, within = divmod(step, self.steps_per_epoch)
-        order = _shuffled(self.num_examples, self.seed)
-        start = epoch * self.num_examples + within * self.global_batch
-        return np.fromiter((order[i] for i in range(start, start + self.global_batch)), np.int64, self.global_batch)
+        order = _epoch_order(self.num_examples, self.seed, epoch)
+        return order[within * self.global_batch : (within + 1) * self.global_batch]
 
     def local_indices(self, step: int, process_index: int, process_count: int) -> np.ndarray:
         rows = self.global_batch // process_count
         return self.global_indices(step)[process_index * rows : (process_index + 1) * rows]
 
 
-_SHUFFLES: dict[tuple[int, int], grain.MapDataset] = {}
-
-
-def _shuffled(n: int, seed: int) -> grain.MapDataset:
-    # Grain's index shuffle is random access: element e*n + i is the i-th example of
-    # epoch e, reshuffled every epoch, with no permutation materialised in memory.
-    if (n, seed) not in _SHUFFLES:
-        _SHUFFLES[(n, seed)] = grain.MapDataset.range(n).shuffle(seed=seed).repeat()
-    return _SHUFFLES[(n, seed)]
+@functools.lru_cache(maxsize=4)
+def _epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    # A permutation per (seed, epoch), drawn whole: ~1 ms for 60,000 examples. (Grain's
+    # random-access index shuffle was tried first: 6 us per index from Python, 0.36 s per
+    # MNIST epoch, which left an H100 waiting for input most of the time.)
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    order.flags.writeable = False
+    return order
 
 
 def eval_batches(

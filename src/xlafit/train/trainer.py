@@ -210,8 +210,9 @@ class Trainer:
         while step < stop:
             # A call never crosses an epoch end, so evaluation and checkpoints fall between calls.
             k = min(k_max, spe - step % spe, stop - step)
-            local = [data.take(order.local_indices(step + i, s.process_index, s.process_count)) for i in range(k)]
-            stacked = {name: np.stack([b[name] for b in local]) for name in local[0]}
+            # One gather for the k batches (a copy of k x rows examples), then a view [k, rows, ...].
+            idx = np.concatenate([order.local_indices(step + i, s.process_index, s.process_count) for i in range(k)])
+            stacked = {name: x.reshape(k, -1, *x.shape[1:]) for name, x in data.take(idx).items()}
             yield step, k, to_global(s, stacked, leading_axes=1)
             step += k
 
