@@ -28,8 +28,11 @@ $(VENV)/.torch-installed: $(STAMP)
 	$(PY) -m pip install --quiet torch==2.13.0
 	touch $@
 
+# The CPU table of BENCHMARKS.md (about 12 minutes on 2 cores).
 bench: $(VENV)/.torch-installed
-	$(PY) benchmarks/mnist_vs_torch.py
+	mkdir -p runs
+	$(VENV)/bin/xlafit bench mnist --simulate 8 --devices 1,all --steps-per-call 1,4 \
+	  --compare torch,torch-compile --repeats 5 --steps 48 --json runs/bench-mnist.json --plot runs/bench-mnist.png
 
 clean:
 	rm -rf $(VENV) runs

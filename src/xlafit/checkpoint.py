@@ -1,21 +1,41 @@
-"""Orbax checkpoints of the whole :class:`~xlafit.train.step.TrainState`.
+"""Orbax checkpoints of the whole :class:`~xlafit.train.step.TrainState`, verified on load.
 
-Saves are asynchronous (training continues while the arrays are written) and atomic
-(Orbax writes to a temporary directory and renames it when complete), so an interrupted
-save never shadows the previous checkpoint. Typed PRNG keys are stored as their raw
-``uint32`` key data.
+- Saves are asynchronous (training continues while the arrays are written) and atomic:
+  Orbax writes into a temporary directory, renames it when complete and leaves a
+  ``commit_success.txt`` marker, so an interrupted save never shadows the previous
+  checkpoint.
+- Once a save is complete, xlafit *seals* it: ``xlafit-integrity.json`` beside it holds
+  the SHA-256 of every file. On restore the newest checkpoint is verified first; a
+  truncated, corrupted or half-deleted one is skipped with a warning naming it, and the
+  newest intact one is used.
+- Typed PRNG keys are stored as their raw ``uint32`` key data.
+- Retention: the last ``keep`` checkpoints, plus every one whose step is a multiple of
+  ``keep_every`` (kept for good).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import hashlib
+import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 log = logging.getLogger("xlafit")
+
+SEAL = "xlafit-integrity.json"
+COMMIT = "commit_success.txt"
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint, or one that cannot continue this run; the message says why."""
 
 
 def is_prng_key(x: Any) -> bool:
@@ -42,8 +62,52 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(leaf, tree)
 
 
+def fingerprint(params: Any) -> str:
+    """SHA-256 over every parameter's path, shape, dtype and bytes, in sorted path order.
+
+    Two runs that end with this fingerprint hold bit-identical parameters.
+
+    Example:
+        >>> fingerprint({"w": np.zeros(2, np.float32)}) == fingerprint({"w": np.zeros(2, np.float32)})
+        True
+    """
+    digest = hashlib.sha256()
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    for path, leaf in sorted(leaves, key=lambda pl: jax.tree_util.keystr(pl[0])):
+        value = np.ascontiguousarray(jax.device_get(leaf))
+        digest.update(f"{jax.tree_util.keystr(path)}|{value.shape}|{value.dtype}|".encode())
+        digest.update(value.tobytes())
+    return digest.hexdigest()
+
+
+def _file_hashes(directory: Path) -> dict[str, str]:
+    hashes = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != SEAL):
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        hashes[str(path.relative_to(directory))] = digest.hexdigest()
+    return hashes
+
+
+@dataclasses.dataclass
+class CheckpointInfo:
+    """One checkpoint on disk, as :meth:`Checkpointer.list` reports it."""
+
+    step: int
+    path: Path
+    time: datetime.datetime
+    size_bytes: int
+    status: str  # "intact", "unsealed" (committed, not yet checksummed) or "corrupt: <why>"
+
+    @property
+    def usable(self) -> bool:
+        return not self.status.startswith("corrupt")
+
+
 class Checkpointer:
-    """Keeps the last ``keep`` checkpoints of a run under ``directory``.
+    """Keeps the checkpoints of a run under ``directory``.
 
     Example:
         >>> ckpt = Checkpointer("/tmp/run/checkpoints", keep=3)  # doctest: +SKIP
@@ -51,27 +115,162 @@ class Checkpointer:
         >>> state = ckpt.restore(state)  # doctest: +SKIP
     """
 
-    def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = True) -> None:
+    def __init__(
+        self, directory: str | Path, keep: int = 3, keep_every: int | None = None, async_save: bool = True
+    ) -> None:
         self.directory = Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=async_save)
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, keep_period=keep_every or None, create=True, enable_async_checkpointing=async_save
+        )
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_handlers=ocp.StandardCheckpointHandler()
+        )
+        self.last_saved: int | None = None
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
     def save(self, step: int, state: Any) -> None:
-        """Starts writing ``state`` as checkpoint ``step`` (returns before it is on disk)."""
-        self._manager.save(step, args=ocp.args.StandardSave(to_saveable(state)), force=True)
+        """Starts writing ``state`` as checkpoint ``step`` (returns before it is on disk).
 
-    def restore(self, like: Any, step: int | None = None) -> Any:
-        """Restores checkpoint ``step`` (default: the newest) with the shardings of ``like``."""
-        step = self.latest_step() if step is None else step
-        raw = self._manager.restore(step, args=ocp.args.StandardRestore(_abstract(like)))
-        return from_saveable(raw, like)
+        Raises:
+            CheckpointError: the previous save failed (disk full, no permission): the
+                checkpoints before it are intact, and the message names the newest.
+        """
+        self.wait()
+        self._manager.save(step, args=ocp.args.StandardSave(to_saveable(state)), force=True)
+        self.last_saved = step
 
     def wait(self) -> None:
-        """Blocks until every save started so far is complete on disk."""
-        self._manager.wait_until_finished()
+        """Blocks until every save started so far is on disk, then seals it."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:  # Orbax re-raises the background writer's error here
+            intact = [c.step for c in self.list() if c.status == "intact"]
+            raise CheckpointError(
+                f"writing checkpoint {self.last_saved} in {self.directory} failed ({e}); "
+                + (f"checkpoint {intact[-1]} is intact. " if intact else "no earlier checkpoint exists. ")
+                + "Free disk space (or fix the permissions) and run again to resume."
+            ) from e
+        if jax.process_index() == 0:
+            for step in self._manager.all_steps():
+                self._seal(step)
+
+    def _step_dir(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    def _seal(self, step: int) -> None:
+        directory = self._step_dir(step)
+        if (directory / SEAL).exists() or not (directory / COMMIT).exists():
+            return
+        tmp = directory / f"{SEAL}.tmp"
+        tmp.write_text(json.dumps({"step": step, "sha256": _file_hashes(directory)}, indent=1))
+        os.replace(tmp, directory / SEAL)  # atomic: a seal is whole or absent
+
+    def verify(self, step: int) -> str:
+        """``"intact"``, ``"unsealed"`` or ``"corrupt: <why>"`` for checkpoint ``step``."""
+        directory = self._step_dir(step)
+        if not (directory / COMMIT).exists():
+            return f"corrupt: no commit marker ({COMMIT}): the save never finished"
+        if not (directory / SEAL).exists():
+            return "unsealed"
+        try:
+            expected = json.loads((directory / SEAL).read_text())["sha256"]
+        except (OSError, ValueError, KeyError) as e:
+            return f"corrupt: unreadable {SEAL} ({e})"
+        actual = _file_hashes(directory)
+        for name, digest in expected.items():
+            if name not in actual:
+                return f"corrupt: {name} is missing"
+            if actual[name] != digest:
+                return f"corrupt: {name} does not match its checksum"
+        return "intact"
+
+    def list(self) -> list[CheckpointInfo]:
+        """Every checkpoint on disk, oldest first, verified."""
+        infos = []
+        for step in sorted(self._manager.all_steps()):
+            directory = self._step_dir(step)
+            files = [p for p in directory.rglob("*") if p.is_file()]
+            infos.append(
+                CheckpointInfo(
+                    step=step,
+                    path=directory,
+                    time=datetime.datetime.fromtimestamp(directory.stat().st_mtime, datetime.UTC),
+                    size_bytes=sum(p.stat().st_size for p in files),
+                    status=self.verify(step),
+                )
+            )
+        return infos
+
+    def restore(self, like: Any, step: int | None = None) -> tuple[Any, int]:
+        """Restores a checkpoint with the shapes and shardings of ``like``.
+
+        Args:
+            like: a state of the structure to restore (its values are not used).
+            step: this checkpoint; default: the newest one that verifies, skipping (with a
+                warning naming each) any that do not.
+
+        Returns:
+            ``(state, step)``.
+
+        Raises:
+            CheckpointError: no intact checkpoint, or one whose arrays do not match
+                ``like`` (a model change): the message names the first difference.
+        """
+        candidates = [step] if step is not None else sorted(self._manager.all_steps(), reverse=True)
+        for s in candidates:
+            status = self.verify(s)
+            if status.startswith("corrupt"):
+                log.warning("checkpoint %d in %s is %s; trying an older one", s, self._step_dir(s), status)
+                print(f"warning: checkpoint {s} ({self._step_dir(s)}) is {status}; not using it", flush=True)
+                continue
+            self._check_structure(s, like)
+            try:
+                raw = self._manager.restore(s, args=ocp.args.StandardRestore(_abstract(like)))
+            except Exception as e:  # unreadable despite the marker: treat as corrupt
+                print(f"warning: checkpoint {s} ({self._step_dir(s)}) cannot be read ({e}); not using it", flush=True)
+                continue
+            return from_saveable(raw, like), s
+        raise CheckpointError(
+            f"no intact checkpoint in {self.directory} (tried {', '.join(map(str, candidates)) or 'none'}); "
+            "run with --restart to start over."
+        )
+
+    def metadata(self, step: int) -> Any:
+        """The saved tree of array metadata (shape, dtype) of checkpoint ``step``."""
+        return self._manager.item_metadata(step)
+
+    def _check_structure(self, step: int, like: Any) -> None:
+        saved = {
+            jax.tree_util.keystr(p): (tuple(m.shape), str(m.dtype))
+            for p, m in jax.tree_util.tree_flatten_with_path(self.metadata(step))[0]
+        }
+        wanted = {
+            jax.tree_util.keystr(p): (tuple(x.shape), str(x.dtype))
+            for p, x in jax.tree_util.tree_flatten_with_path(_abstract(like))[0]
+        }
+        for path in sorted(set(saved) | set(wanted)):
+            if saved.get(path) != wanted.get(path):
+                have = "absent" if path not in saved else f"{saved[path][0]} {saved[path][1]}"
+                want = "absent" if path not in wanted else f"{wanted[path][0]} {wanted[path][1]}"
+                raise CheckpointError(
+                    f"checkpoint {step} in {self.directory} does not fit this model: {path} is {have} there and "
+                    f"{want} here. Resume with the config the run was started with, or use --restart "
+                    "(or another --run-dir) to start over."
+                )
+
+    def restore_params(self, step: int) -> Any:
+        """The ``params`` of checkpoint ``step`` as host NumPy arrays, without the model.
+
+        For inspection: every array is read onto this process's first CPU device.
+        """
+        device = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+        target = jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=device), self.metadata(step)
+        )
+        raw = self._manager.restore(step, args=ocp.args.StandardRestore(target))
+        return jax.device_get(raw["params"])
 
     def close(self) -> None:
         self._manager.close()

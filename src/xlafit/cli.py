@@ -11,9 +11,11 @@ from collections.abc import Sequence
 import yaml
 
 from xlafit.bench import BenchError
+from xlafit.checkpoint import CheckpointError
 from xlafit.config import ConfigError
 from xlafit.data.mnist import DataError
 from xlafit.devices import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, SIMULATE_ENV, DeviceError
+from xlafit.train.trainer import EXIT_NONFINITE, EXIT_PREEMPTED, NonFiniteError, Preempted
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -80,7 +82,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3, help="runs per configuration, interleaved")
     bench.add_argument("--batch", type=int, default=128, help="global batch, the same for every configuration")
     bench.add_argument(
-        "--steps-per-call", default="1", metavar="K", help="xlafit steps per compiled call, comma-separated (a row each)"
+        "--steps-per-call",
+        default="1",
+        metavar="K",
+        help="xlafit steps per compiled call, comma-separated (a row each)",
     )
     bench.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="xlafit compute dtype")
     bench.add_argument(
@@ -92,6 +97,16 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", metavar="FILE.png", help="draw the table as a PNG chart")
     bench.add_argument("--profile", type=int, default=0, metavar="STEPS", help="trace STEPS more steps per xlafit row")
     bench.add_argument("--profile-dir", default="runs/bench-profile", help="where --profile writes its traces")
+
+    inspect = sub.add_parser(
+        "inspect",
+        help="list a run's checkpoints (intact or not) and fingerprint its parameters",
+        description="Lists the checkpoints of RUN_DIR with step, time, size and integrity, and prints the "
+        "SHA-256 fingerprint of the newest intact checkpoint's parameters (or --step S's).",
+    )
+    inspect.add_argument("run_dir")
+    inspect.add_argument("--step", type=int, help="fingerprint this checkpoint instead of the newest intact one")
+    inspect.add_argument("--json", action="store_true", help="print JSON")
 
     config = sub.add_parser("config", help="print a recipe's resolved config")
     config.add_argument("recipe")
@@ -158,6 +173,39 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from xlafit.checkpoint import Checkpointer, fingerprint
+
+    directory = Path(args.run_dir) / "checkpoints"
+    if not directory.is_dir():
+        raise ConfigError(f"{args.run_dir} holds no checkpoints/ directory; is it a run directory?")
+    ckpt = Checkpointer(directory)
+    infos = ckpt.list()
+    usable = [i.step for i in infos if i.usable]
+    step = args.step if args.step is not None else (usable[-1] if usable else None)
+    if args.step is not None and args.step not in [i.step for i in infos]:
+        raise ConfigError(f"no checkpoint {args.step} in {directory}; there are: {[i.step for i in infos]}.")
+    digest = fingerprint(ckpt.restore_params(step)) if step is not None else None
+    ckpt.close()
+    if args.json:
+        rows = [
+            {"step": i.step, "time": i.time.isoformat(), "size_bytes": i.size_bytes, "status": i.status} for i in infos
+        ]
+        print(json.dumps({"checkpoints": rows, "fingerprint": {"step": step, "sha256": digest}}, indent=2))
+        return 0
+    print(f"{'step':>8}  {'time (UTC)':<19}  {'size':>10}  status")
+    for i in infos:
+        print(f"{i.step:>8}  {i.time:%Y-%m-%d %H:%M:%S}  {i.size_bytes / 2**20:>7.2f} MiB  {i.status}")
+    if step is None:
+        print("no intact checkpoint")
+        return 1
+    print(f"parameters at step {step}: sha256 {digest}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -204,10 +252,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "bench":
             return _bench(args)
+        if args.command == "inspect":
+            return _inspect(args)
         return _train(args)
-    except (ConfigError, DeviceError, DataError, BenchError) as e:
+    except (ConfigError, DeviceError, DataError, BenchError, CheckpointError) as e:
         print(f"xlafit: error: {e}", file=sys.stderr)
         return 2
+    except Preempted as e:
+        print(f"xlafit: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    except NonFiniteError as e:
+        print(f"xlafit: error: {e}", file=sys.stderr)
+        return EXIT_NONFINITE
     except KeyboardInterrupt:
         print("xlafit: interrupted", file=sys.stderr)
         return 130

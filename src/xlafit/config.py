@@ -70,8 +70,14 @@ class TrainerConfig:
     steps_per_call: int = 1  # k optimizer steps per compiled call (lax.scan)
     log_every_steps: int = 10
     eval_every_epochs: int = 1
-    checkpoint_every_steps: int = 0  # 0: at the end of every epoch only
-    keep_checkpoints: int = 3
+    checkpoint_every_steps: int = 0  # also every N steps (0: at the end of every epoch only)
+    checkpoint_every_minutes: float = 0.0  # also when this much time passed since the last (0: off)
+    keep_checkpoints: int = 3  # the last K
+    keep_every_steps: int = 0  # and, for good, every checkpoint whose step is a multiple of this (0: none)
+    # A non-finite loss or gradient is never applied; then: stop (name the step and the last
+    # good checkpoint), skip (go on without that batch's update), or rollback (reload the last
+    # checkpoint and go on from there, the offending batch's update dropped again).
+    nan_policy: Literal["stop", "skip", "rollback"] = "stop"
     stop_at_step: int | None = None  # stop (with a checkpoint) at this step; schedule unchanged
     # Sum gradients over this many equal chunks of the global batch in a fixed order, so 1
     # device, 8 devices or several processes train bit-identical models (a multiple of the
@@ -283,6 +289,8 @@ def validate(cfg: Config) -> None:
         "optimizer.warmup_steps": cfg.optimizer.warmup_steps,
         "optimizer.weight_decay": cfg.optimizer.weight_decay,
         "trainer.checkpoint_every_steps": cfg.trainer.checkpoint_every_steps,
+        "trainer.checkpoint_every_minutes": cfg.trainer.checkpoint_every_minutes,
+        "trainer.keep_every_steps": cfg.trainer.keep_every_steps,
     }.items():
         if value < 0:
             raise ConfigError(f"{key}={value} must be zero or more.")

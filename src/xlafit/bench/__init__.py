@@ -210,18 +210,23 @@ def run_bench(
     """
     if recipe not in BENCH_RECIPES:
         raise ConfigError(f"unknown benchmark recipe {recipe!r}; available: {', '.join(BENCH_RECIPES)}.")
-    checks = [("steps", steps), ("repeats", repeats), ("batch", batch), *[("steps-per-call", k) for k in steps_per_call]]
+    checks = [
+        ("steps", steps),
+        ("repeats", repeats),
+        ("batch", batch),
+        *[("steps-per-call", k) for k in steps_per_call],
+    ]
     for name, value in checks:
         if value < 1:
             raise ConfigError(f"--{name} must be at least 1, got {value}.")
     if warmup < 0:
         raise ConfigError(f"--warmup must be 0 or more, got {warmup}.")
-    probe = run_worker(Spec("probe"))
-    base = Spec("xlafit", recipe, 1, data, examples, batch, warmup, steps, 1, dtype, profile)
     n_train = _train_size(data, examples)
     steps_per_epoch = n_train // batch
     if steps_per_epoch < 1:
         raise ConfigError(f"--batch {batch} is larger than the {n_train} training examples.")
+    probe = run_worker(Spec("probe"))
+    base = Spec("xlafit", recipe, 1, data, examples, batch, warmup, steps, 1, dtype, profile)
     if epochs is not None:
         base.steps = max(1, round(epochs * steps_per_epoch))
     configs = plan_configs(devices, steps_per_call, compare, probe, base, simulate)

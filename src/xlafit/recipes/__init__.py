@@ -64,6 +64,51 @@ def _check_writable(run_dir: Path) -> None:
         raise ConfigError(f"the run directory {run_dir} is not writable. Choose another --run-dir.")
 
 
+# Config keys whose change makes a checkpoint's state or trajectory another run's: refused
+# on resume. Everything else (epochs, logging, evaluation, checkpoint policy, devices with
+# the same global batch) may change between segments of one run.
+BREAKING = ("model", "optimizer", "data.global_batch", "data.seed", "trainer.invariant_chunks")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    flat: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def check_continuation(run_dir: Path, cfg: Config, announce: bool = True) -> None:
+    """Refuses to resume a run whose checkpoint was made under an incompatible config.
+
+    Raises:
+        ConfigError: a :data:`BREAKING` key differs from the run's ``config.yaml``; the
+            message names each difference and the fix.
+    """
+    saved_path = run_dir / "config.yaml"
+    checkpoints = run_dir / "checkpoints"
+    if not saved_path.exists() or not checkpoints.exists() or not any(checkpoints.iterdir()):
+        return
+    saved = _flatten(yaml.safe_load(saved_path.read_text()) or {})
+    now = _flatten(cfg.to_dict())
+    changed = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    breaking = [k for k in changed if any(k == b or k.startswith(b + ".") for b in BREAKING)]
+    if breaking:
+        diffs = "; ".join(f"{k}: {saved.get(k)!r} in the run, {now.get(k)!r} now" for k in breaking)
+        raise ConfigError(
+            f"cannot resume {run_dir}: {diffs}. This change breaks continuation from its checkpoints; "
+            "use the run's values (see its config.yaml), or --restart / another --run-dir to start over."
+        )
+    safe = [k for k in changed if k != "run.resume"]
+    if safe and announce:
+        print(
+            "resuming with changed settings: " + "; ".join(f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in safe),
+            flush=True,
+        )
+
+
 def train(cfg: Config) -> FitResult:
     """Runs one recipe end to end: devices, data, model, optimizer, fit, final evaluation."""
     module = recipe_module(cfg.recipe)
@@ -84,13 +129,20 @@ def train(cfg: Config) -> FitResult:
     plan = make_optimizer(cfg.optimizer, global_batch, cfg.trainer.epochs * steps_per_epoch)
 
     run_dir = _run_dir(cfg)
+    # The resolved global batch is recorded, so a resume on another device count can keep it.
+    resolved = dataclasses.replace(
+        cfg,
+        data=dataclasses.replace(cfg.data, global_batch=global_batch),
+        run=dataclasses.replace(cfg.run, run_dir=str(run_dir)),
+    )
+    if cfg.run.resume:
+        check_continuation(run_dir, resolved, announce=strategy.process_index == 0)
     if strategy.process_index == 0:
         _check_writable(run_dir)
         if not cfg.run.resume and (run_dir / "checkpoints").exists():
             print(f"--restart: removing the checkpoints and metrics of {run_dir}", flush=True)
             shutil.rmtree(run_dir / "checkpoints")
             (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        resolved = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, run_dir=str(run_dir)))
         (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved.to_dict(), sort_keys=False))
         print(f"run directory: {run_dir}", flush=True)
         print(

@@ -72,6 +72,35 @@ def _k_steps(one_step: Callable, unroll: bool) -> Callable:
     return train_step
 
 
+def apply_if_finite(
+    state: TrainState,
+    grads: nnx.State,
+    tx: optax.GradientTransformation,
+    model_state: nnx.State,
+    metrics: dict[str, jax.Array],
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer update, dropped when the loss or the gradient is not finite.
+
+    The step counter advances either way (the batch is consumed, the data order stays a
+    function of the step); parameters and optimizer state keep their old values, so a NaN
+    never reaches a checkpoint. ``metrics["nonfinite"]`` is 1.0 for a dropped update; the
+    trainer applies ``trainer.nan_policy`` when it sees one. The select costs one pass over
+    the parameters and optimizer state, which XLA fuses into the update.
+    """
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    new_state = state.replace(
+        step=state.step + 1,
+        params=jax.tree.map(keep, params, state.params),
+        opt_state=jax.tree.map(keep, opt_state, state.opt_state),
+        model_state=model_state,
+    )
+    return new_state, {**metrics, "grad_norm": grad_norm, "nonfinite": 1.0 - finite.astype(jnp.float32)}
+
+
 def build_train_step(
     graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientTransformation, *, unroll: bool = False
 ) -> Callable:
@@ -98,11 +127,7 @@ def build_train_step(
         (loss, (metrics, model_state)), grads = jax.value_and_grad(loss_of, has_aux=True)(
             state.params, state.model_state
         )
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **metrics}
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)
-        return new_state, metrics
+        return apply_if_finite(state, grads, tx, model_state, {"loss": loss, **metrics})
 
     return _k_steps(one_step, unroll)
 
@@ -180,11 +205,7 @@ def build_invariant_train_step(
         sums, grads, model_state = per_chunk(state.params, state.model_state, batch)
         grads = jax.tree.map(lambda g: ordered_sum(g) / n, grads)
         metrics = {k: ordered_sum(v) / n for k, v in sums.items()}
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics["grad_norm"] = optax.global_norm(grads)
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)
-        return new_state, metrics
+        return apply_if_finite(state, grads, tx, model_state, metrics)
 
     return _k_steps(one_step, unroll=True)
 

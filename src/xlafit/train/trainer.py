@@ -18,6 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import signal
+import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -159,7 +163,11 @@ class Trainer:
             out_shardings=replicated,
         )
         self._ckpt = (
-            Checkpointer(self.run_dir / "checkpoints", keep=self.config.keep_checkpoints)
+            Checkpointer(
+                self.run_dir / "checkpoints",
+                keep=self.config.keep_checkpoints,
+                keep_every=self.config.keep_every_steps or None,
+            )
             if self.run_dir is not None
             else None
         )
@@ -223,22 +231,28 @@ class Trainer:
     ) -> FitResult:
         """Trains for ``config.epochs`` epochs, evaluating and checkpointing as configured.
 
-        Resumes from the newest checkpoint in ``run_dir`` when there is one (and
+        Resumes from the newest intact checkpoint in ``run_dir`` when there is one (and
         ``resume`` is set): the data order is a function of the step, so the resumed run
         sees exactly the batches the uninterrupted one would have.
+
+        Raises:
+            Preempted: SIGTERM or SIGINT arrived; a checkpoint of the last finished step
+                was written first (a second signal exits at once).
+            NonFiniteError: a non-finite loss or gradient under ``nan_policy="stop"``.
         """
         cfg, s = self.config, self.strategy
         train = as_dataset(train)
-        order = TrainOrder(len(train), self.global_batch, self.data_seed)
-        spe = order.steps_per_epoch
+        spe = TrainOrder(len(train), self.global_batch, self.data_seed).steps_per_epoch
         total = cfg.epochs * spe
         stop = min(total, cfg.stop_at_step) if cfg.stop_at_step else total
 
+        restored = None
         if self._ckpt is not None and self.resume and self._ckpt.latest_step() is not None:
-            self._state = self._ckpt.restore(self._state)
+            self._state, restored = self._ckpt.restore(self._state)
         start = int(self._state.step)
-
         report = RunReport(self.run_dir, total, start, enabled=s.process_index == 0)
+        if restored is not None:
+            report.print(f"resumed from checkpoint {restored} (epoch {restored // spe + 1})")
         report.print(
             f"devices: {s.num_replicas} x {s.platform} ({s.process_count} process(es))   "
             f"per-device batch: {self.global_batch // s.num_replicas}   global batch: {self.global_batch}"
@@ -248,58 +262,12 @@ class Trainer:
             f"steps: {spe}/epoch x {cfg.epochs} epochs = {total}   steps per call: {cfg.steps_per_call}"
             + (f"   peak learning rate: {peak:.4g}" if peak is not None else "")
         )
-        if start:
-            report.print(f"resumed from checkpoint at step {start} (epoch {start // spe + 1})")
 
-        history: list[dict[str, Any]] = []
-        last_eval: dict[str, float] | None = None
-        pending: list[tuple[int, Any]] = []
-        window_t0, window_wait, window_compile = time.perf_counter(), 0.0, 0.0
-        batches = self.batches(train, start, stop)
+        loop = _Loop(self, train, eval, report, spe, stop)
         try:
-            for first, k, batch in batches:
-                compile_before = self.train_step.compile_s
-                self._state, metrics = self.train_step(self._state, batch)
-                window_compile += self.train_step.compile_s - compile_before
-                pending.append((first, metrics))
-                step = first + k
-                epoch_end = step % spe == 0
-                if step // cfg.log_every_steps > first // cfg.log_every_steps or epoch_end or step == stop:
-                    # note: device_get is a host-device sync point; only at log steps.
-                    values = jax.device_get([m for _, m in pending])
-                    now = time.perf_counter()
-                    steps_done = step - pending[0][0]
-                    busy = max(now - window_t0 - window_compile, 1e-9)
-                    record = {
-                        "step": step,
-                        "epoch": round(step / spe, 3),
-                        **{key: float(np.mean(np.concatenate([v[key] for v in values]))) for key in values[0]},
-                        "learning_rate": _lr_at(self.learning_rate, step - 1),
-                        "examples_per_sec": steps_done * self.global_batch / busy,
-                        "step_time_s": busy / steps_done,
-                        "input_wait_s": batches.wait_s - window_wait,
-                        "compiles": self.train_step.compiles,
-                    }
-                    record = {k: v for k, v in record.items() if v is not None}
-                    history.append(record)
-                    report.record(record)
-                    pending = []
-                    window_t0, window_wait, window_compile = time.perf_counter(), batches.wait_s, 0.0
-                if epoch_end and eval is not None and (step // spe) % cfg.eval_every_epochs == 0:
-                    last_eval = self.evaluate(eval)
-                    report.record({"step": step, "epoch": step // spe, **last_eval}, prefix="eval")
-                    window_t0 = time.perf_counter()
-                if self._ckpt is not None and (
-                    (
-                        cfg.checkpoint_every_steps
-                        and step // cfg.checkpoint_every_steps > first // cfg.checkpoint_every_steps
-                    )
-                    or epoch_end
-                    or step == stop
-                ):
-                    self._ckpt.save(step, self._state)
+            with _SignalGuard() as signals:
+                loop.run(start, signals)
         finally:
-            batches.close()
             if self._ckpt is not None:
                 self._ckpt.wait()
             report.print(
@@ -308,11 +276,12 @@ class Trainer:
                 "compiling, excluded from step times"
             )
             report.close()
+        last_eval = loop.last_eval
         if eval is not None and last_eval is None and int(self._state.step) == total:
             last_eval = self.evaluate(eval)
         return FitResult(
             state=self._state,
-            history=history,
+            history=loop.history,
             eval=last_eval,
             train_compiles=self.train_step.compiles,
             eval_compiles=self.eval_step.compiles,
@@ -322,6 +291,200 @@ class Trainer:
     def close(self) -> None:
         if self._ckpt is not None:
             self._ckpt.close()
+
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by a signal after saving; run again to resume
+EXIT_NONFINITE = 3  # stopped on a non-finite loss or gradient (trainer.nan_policy=stop)
+
+
+class Preempted(Exception):
+    """Training stopped on SIGTERM/SIGINT after saving a checkpoint at ``step``."""
+
+    def __init__(self, step: int, signum: int, checkpoint: Path | None) -> None:
+        self.step, self.signum, self.checkpoint = step, signum, checkpoint
+        where = f"checkpoint {step} saved in {checkpoint}" if checkpoint else "no run directory, nothing saved"
+        super().__init__(
+            f"{signal.Signals(signum).name} received: stopped after step {step}; {where}. "
+            "Run the same command again to resume."
+        )
+
+
+class NonFiniteError(Exception):
+    """A non-finite loss or gradient under ``trainer.nan_policy=stop``; the message names it."""
+
+
+class _SignalGuard:
+    """Turns the first SIGTERM/SIGINT into a request to stop at the next step boundary.
+
+    A second signal exits at once (exit status 128 + signal). Only the main thread can
+    own signal handlers; elsewhere the guard does nothing.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None:
+            os._exit(128 + signum)
+        self.received = signum
+        print(
+            f"xlafit: {signal.Signals(signum).name}: finishing the current step, then saving a checkpoint "
+            "(send it again to exit at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def __enter__(self) -> _SignalGuard:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+class _Loop:
+    """The body of :meth:`Trainer.fit`: steps, logs, evaluations, checkpoints, signals and
+    the NaN policy, from a start step to the stop step."""
+
+    def __init__(self, trainer: Trainer, train: ArrayDataset, eval: Any, report: RunReport, spe: int, stop: int):
+        self.t, self.train, self.eval, self.report = trainer, train, eval, report
+        self.spe, self.stop = spe, stop
+        self.history: list[dict[str, Any]] = []
+        self.last_eval: dict[str, float] | None = None
+        self.rolled_back: set[int] = set()
+        self.last_checkpoint_time = time.monotonic()
+
+    def run(self, start: int, signals: _SignalGuard) -> None:
+        step = start
+        while step < self.stop:
+            step = self._run_from(step, signals)
+
+    def _due(self, signals: _SignalGuard) -> tuple[bool, bool]:
+        """(stop requested, checkpoint time reached): in a multi-process job, by any process,
+        so that all of them stop or save at the same step."""
+        minutes = self.t.config.checkpoint_every_minutes
+        flags = np.array(
+            [
+                signals.received is not None,
+                bool(minutes) and time.monotonic() - self.last_checkpoint_time >= 60 * minutes,
+            ],
+            np.int32,
+        )
+        if self.t.strategy.process_count > 1:
+            from jax.experimental import multihost_utils
+
+            # note: a small collective per call, only in multi-process jobs
+            flags = np.asarray(multihost_utils.process_allgather(flags)).max(axis=0)
+        return bool(flags[0]), bool(flags[1])
+
+    def _run_from(self, start: int, signals: _SignalGuard) -> int:
+        """Trains from ``start``; returns the step to go on from (after a rollback) or the stop."""
+        t, cfg, spe = self.t, self.t.config, self.spe
+        pending: list[tuple[int, Any]] = []
+        window_t0, window_wait, window_compile = time.perf_counter(), 0.0, 0.0
+        batches = t.batches(self.train, start, self.stop)
+        try:
+            for first, k, batch in batches:
+                compile_before = t.train_step.compile_s
+                t._state, metrics = t.train_step(t._state, batch)
+                window_compile += t.train_step.compile_s - compile_before
+                pending.append((first, metrics))
+                step = first + k
+                epoch_end = step % spe == 0
+                preempt, time_due = self._due(signals)
+                every = cfg.checkpoint_every_steps
+                checkpoint = t._ckpt is not None and (
+                    (every and step // every > first // every) or epoch_end or step == self.stop or time_due
+                )
+                log_due = step // cfg.log_every_steps > first // cfg.log_every_steps or epoch_end or step == self.stop
+                # Metrics are flushed at every checkpoint, so no accumulator outlives one.
+                if log_due or checkpoint or preempt:
+                    # note: device_get is a host-device sync point; only at log and checkpoint steps.
+                    values = jax.device_get([m for _, m in pending])
+                    busy = max(time.perf_counter() - window_t0 - window_compile, 1e-9)
+                    self._log(step, pending, values, busy, batches.wait_s - window_wait)
+                    bad = [
+                        (f + i, {key: float(v[key][i]) for key in v})
+                        for (f, _), v in zip(pending, values, strict=True)
+                        for i in np.flatnonzero(v["nonfinite"])
+                    ]
+                    pending = []
+                    window_t0, window_wait, window_compile = time.perf_counter(), batches.wait_s, 0.0
+                    if bad and (resume_at := self._nonfinite(bad)) is not None:
+                        return resume_at
+                if preempt:
+                    if t._ckpt is not None:
+                        t._ckpt.save(step, t._state)
+                        t._ckpt.wait()  # synchronous: the process is about to exit
+                    raise Preempted(step, signals.received or signal.SIGTERM, t._ckpt and t._ckpt.directory)
+                if epoch_end and self.eval is not None and (step // spe) % cfg.eval_every_epochs == 0:
+                    self.last_eval = t.evaluate(self.eval)
+                    self.report.record({"step": step, "epoch": step // spe, **self.last_eval}, prefix="eval")
+                    window_t0 = time.perf_counter()
+                if checkpoint:
+                    t._ckpt.save(step, t._state)
+                    self.last_checkpoint_time = time.monotonic()
+        finally:
+            batches.close()
+        return self.stop
+
+    def _log(self, step: int, pending: list, values: list, busy: float, wait: float) -> None:
+        steps_done = step - pending[0][0]
+        ok = np.concatenate([v["nonfinite"] for v in values]) == 0
+        record: dict[str, Any] = {"step": step, "epoch": round(step / self.spe, 3)}
+        for key in values[0]:
+            if key != "nonfinite":
+                series = np.concatenate([v[key] for v in values])
+                # means over the applied updates: a dropped update's NaN would hide the rest
+                record[key] = float(np.mean(series[ok])) if ok.any() else float("nan")
+        if not ok.all():
+            record["nonfinite_steps"] = int((~ok).sum())
+        record.update(
+            {
+                "learning_rate": _lr_at(self.t.learning_rate, step - 1),
+                "examples_per_sec": steps_done * self.t.global_batch / busy,
+                "step_time_s": busy / steps_done,
+                "input_wait_s": wait,
+                "compiles": self.t.train_step.compiles,
+            }
+        )
+        record = {k: v for k, v in record.items() if v is not None}
+        self.history.append(record)
+        self.report.record(record)
+
+    def _nonfinite(self, bad: list[tuple[int, dict[str, float]]]) -> int | None:
+        """Applies ``trainer.nan_policy`` to dropped updates; returns a step to resume from."""
+        t, policy = self.t, self.t.config.nan_policy
+        step, values = bad[0]
+        which = ", ".join(f"{k}={v}" for k, v in values.items() if k != "nonfinite" and not np.isfinite(v))
+        which = which or ", ".join(f"{k}={v}" for k, v in values.items() if k != "nonfinite")
+        steps = ", ".join(str(s + 1) for s, _ in bad)
+        last = t._ckpt.latest_step() if t._ckpt is not None else None
+        where = f"checkpoint {last} in {t._ckpt.directory}" if last is not None else "none"
+        if policy == "stop":
+            raise NonFiniteError(
+                f"non-finite values at step {step + 1} ({which}); its update was not applied. "
+                f"Last good checkpoint: {where}. Lower optimizer.learning_rate, set optimizer.grad_clip_norm, "
+                "check the data, or set trainer.nan_policy=skip or rollback."
+            )
+        fresh = [s for s, _ in bad if s not in self.rolled_back]
+        if policy == "rollback" and fresh and last is not None:
+            self.rolled_back.update(fresh)
+            t._ckpt.wait()
+            t._state, restored = t._ckpt.restore(t._state)
+            self.report.print(
+                f"warning: non-finite values at step(s) {steps} ({which}): rolled back to checkpoint {restored}; "
+                "the offending batch's update is dropped again on the way"
+            )
+            return restored
+        self.report.print(f"warning: non-finite values at step(s) {steps} ({which}): update(s) skipped")
+        return None
 
 
 def replicate(tree: Any, sharding: jax.sharding.Sharding) -> Any:

@@ -1,0 +1,123 @@
+"""`xlafit bench`: the table's columns exist, add up, and the peers and profile work."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from xlafit.bench import model_flops
+from xlafit.bench.peaks import table_peak
+from xlafit.models.cnn import train_flops_per_example
+
+
+def bench(*args, timeout=600):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run(
+        [sys.executable, "-m", "xlafit", "bench", "mnist", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "tflops"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989),
+        ("NVIDIA H100 PCIe", 756),
+        ("NVIDIA H200", 989),
+        ("NVIDIA A100-SXM4-40GB", 312),
+        ("TPU v2", 22.5),
+        ("TPU v4", 275),
+        ("TPU v5 lite", 197),
+        ("TPU v5", 459),
+        ("TPU v6 lite", 918),
+    ],
+)
+def test_peak_table(kind, tflops):
+    assert table_peak(kind)[0] == tflops * 1e12
+
+
+def test_mfu_flops_prefer_xla_unless_it_disagrees():
+    assert model_flops(9.3e9, 9.16e9) == (9.3e9, "XLA cost analysis")
+    assert model_flops(1.14e9, 9.16e9)[0] == 9.16e9  # cuDNN convolutions counted as 0 on GPUs
+    assert model_flops(None, 9.16e9)[0] == 9.16e9
+
+
+def test_analytic_cnn_flops():
+    # conv1 26*26*32*9*2 + conv2 24*24*64*288*2 + dense (9216*128 + 1280)*2, times 3, less conv1's input gradient
+    assert train_flops_per_example() == 3 * (389_376 + 21_233_664 + 2_361_856) - 389_376
+
+
+def test_bench_table_json_plot_and_profile(tmp_path):
+    out = bench(
+        *("--simulate", "2", "--devices", "1,all", "--steps", "6", "--warmup", "2", "--repeats", "2"),
+        *("--steps-per-call", "1,3", "--data", "synthetic", "--examples", "1024"),
+        *("--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")),
+        *("--profile", "2", "--profile-dir", str(tmp_path / "prof")),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for column in ("compile s", "step ms", "p10-p90 ms", "epoch s", "examples/s", "wait %", "MFU %", "speedup"):
+        assert column in out.stdout
+    result = json.loads((tmp_path / "b.json").read_text())
+    names = [row["configuration"] for row in result["rows"]]
+    assert names == ["xlafit 1 cpu", "xlafit 1 cpu k=3", "xlafit 2 cpu (simulated)", "xlafit 2 cpu (simulated) k=3"]
+    s = result["settings"]
+    assert s["steps_per_epoch"] == 1024 // 128
+    for row in result["rows"]:
+        runs = result["runs"][row["configuration"]]
+        assert len(runs) == 2
+        for run in runs:
+            assert run["steps"] >= 6 and sum(run["call_steps"]) == run["steps"]
+            # wall time = step time + input wait + loop overhead (never negative)
+            overhead = run["wall_s"] - sum(run["call_s"]) - run["wait_s"]
+            assert 0 <= overhead < 0.5 * run["wall_s"]
+            assert run["compiles"] >= 1 and run["compile_s"] > 0
+        per_step = np.median([r["wall_s"] / r["steps"] for r in runs])
+        assert row["epoch_s"] == pytest.approx(s["steps_per_epoch"] * per_step, rel=1e-9)
+        assert row["examples_per_s"] == pytest.approx(s["batch"] / per_step, rel=1e-9)
+        assert row["step_ms_p10"] <= row["step_ms_median"] <= row["step_ms_p90"]
+        assert 0 <= row["input_wait_frac"] < 0.25
+        assert 0 < row["mfu"] < 1
+        # XLA's cost analysis (per device, times the devices) against the analytic count
+        assert row["flops_per_step_xla"] == pytest.approx(row["flops_per_step_analytic"], rel=0.05)
+    assert result["rows"][0]["speedup"] == 1.0
+    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    traces = list((tmp_path / "prof").rglob("*.xplane.pb"))
+    assert len(traces) == 4, traces  # one per xlafit configuration
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed (make bench installs it)")
+def test_bench_compares_with_pytorch_eager(tmp_path):
+    out = bench(
+        *("--devices", "1", "--compare", "torch", "--steps", "4", "--warmup", "2", "--repeats", "1"),
+        *("--data", "synthetic", "--examples", "512", "--json", str(tmp_path / "b.json")),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert [r["configuration"] for r in rows] == ["xlafit 1 cpu", "PyTorch eager"]
+    torch_row = rows[1]
+    assert torch_row["compile_s"] is None and torch_row["examples_per_s"] > 0
+    assert torch_row["speedup"] == pytest.approx(torch_row["examples_per_s"] / rows[0]["examples_per_s"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--devices", "0"], "--devices 0"),
+        (["--compare", "jax"], "known peers are torch, torch-compile"),
+        (["--steps-per-call", "two"], "expected whole numbers"),
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--batch", "100000", "--data", "synthetic", "--examples", "1000"], "larger than the 1000 training"),
+    ],
+)
+def test_bench_bad_input(args, message):
+    out = bench(*args, "--repeats", "1")
+    assert out.returncode == 2
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
