@@ -73,16 +73,28 @@ def fingerprint(params: Any) -> str:
     """
     digest = hashlib.sha256()
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    for path, leaf in sorted(leaves, key=lambda pl: jax.tree_util.keystr(pl[0])):
+    for path, leaf in sorted(leaves, key=lambda pl: _path_name(pl[0])):
         value = np.ascontiguousarray(jax.device_get(leaf))
-        digest.update(f"{jax.tree_util.keystr(path)}|{value.shape}|{value.dtype}|".encode())
+        digest.update(f"{_path_name(path)}|{value.shape}|{value.dtype}|".encode())
         digest.update(value.tobytes())
     return digest.hexdigest()
 
 
+def _path_name(path: tuple) -> str:
+    """``model_state/dropout1/rngs/count/value``: a pytree path without its container types,
+    so the saved tree (nested dicts) and the live one (dataclasses, nnx.State) compare."""
+    names = []
+    for entry in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(entry, attr):
+                names.append(str(getattr(entry, attr)))
+                break
+    return "/".join(names)
+
+
 def _file_hashes(directory: Path) -> dict[str, str]:
     hashes = {}
-    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != SEAL):
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and not p.name.startswith(SEAL)):
         digest = hashlib.sha256()
         with open(path, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
@@ -222,14 +234,13 @@ class Checkpointer:
         for s in candidates:
             status = self.verify(s)
             if status.startswith("corrupt"):
-                log.warning("checkpoint %d in %s is %s; trying an older one", s, self._step_dir(s), status)
-                print(f"warning: checkpoint {s} ({self._step_dir(s)}) is {status}; not using it", flush=True)
+                self._set_aside(s, status)
                 continue
             self._check_structure(s, like)
             try:
                 raw = self._manager.restore(s, args=ocp.args.StandardRestore(_abstract(like)))
             except Exception as e:  # unreadable despite the marker: treat as corrupt
-                print(f"warning: checkpoint {s} ({self._step_dir(s)}) cannot be read ({e}); not using it", flush=True)
+                self._set_aside(s, f"unreadable ({type(e).__name__}: {e})")
                 continue
             return from_saveable(raw, like), s
         raise CheckpointError(
@@ -237,17 +248,28 @@ class Checkpointer:
             "run with --restart to start over."
         )
 
+    def _set_aside(self, step: int, why: str) -> None:
+        """Warns about a bad checkpoint and renames it ``corrupt-<step>-<time>``, out of the
+        way of the step that will be saved again under its number (kept for a post-mortem)."""
+        source = self._step_dir(step)
+        target = self.directory / f"corrupt-{step}-{datetime.datetime.now(datetime.UTC):%Y%m%dT%H%M%S}"
+        if jax.process_index() == 0:
+            print(f"warning: checkpoint {step} ({source}) is {why}; not using it, moved to {target}", flush=True)
+            log.warning("checkpoint %d is %s; moved to %s", step, why, target)
+            source.rename(target)
+        self._manager.reload()
+
     def metadata(self, step: int) -> Any:
         """The saved tree of array metadata (shape, dtype) of checkpoint ``step``."""
         return self._manager.item_metadata(step)
 
     def _check_structure(self, step: int, like: Any) -> None:
         saved = {
-            jax.tree_util.keystr(p): (tuple(m.shape), str(m.dtype))
+            _path_name(p): (tuple(m.shape), str(m.dtype))
             for p, m in jax.tree_util.tree_flatten_with_path(self.metadata(step))[0]
         }
         wanted = {
-            jax.tree_util.keystr(p): (tuple(x.shape), str(x.dtype))
+            _path_name(p): (tuple(x.shape), str(x.dtype))
             for p, x in jax.tree_util.tree_flatten_with_path(_abstract(like))[0]
         }
         for path in sorted(set(saved) | set(wanted)):

@@ -10,12 +10,13 @@ from collections.abc import Sequence
 
 import yaml
 
+from xlafit import exitcodes
 from xlafit.bench import BenchError
 from xlafit.checkpoint import CheckpointError
 from xlafit.config import ConfigError
 from xlafit.data.mnist import DataError
 from xlafit.devices import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, SIMULATE_ENV, DeviceError
-from xlafit.train.trainer import EXIT_NONFINITE, EXIT_PREEMPTED, NonFiniteError, Preempted
+from xlafit.train.trainer import NonFiniteError, Preempted
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -260,10 +261,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except Preempted as e:
         print(f"xlafit: {e}", file=sys.stderr)
-        return EXIT_PREEMPTED
+        return exitcodes.PREEMPTED
     except NonFiniteError as e:
         print(f"xlafit: error: {e}", file=sys.stderr)
-        return EXIT_NONFINITE
+        return exitcodes.NONFINITE
     except KeyboardInterrupt:
         print("xlafit: interrupted", file=sys.stderr)
         return 130

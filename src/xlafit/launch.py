@@ -21,9 +21,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from xlafit import exitcodes
 from xlafit.devices import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, SIMULATE_ENV
 
-GRACE_S = 10.0  # SIGTERM first, SIGKILL after this
+GRACE_S = 10.0  # after a process failed: SIGTERM to the others, SIGKILL after this
+SIGNAL_GRACE_S = 30.0  # after SIGTERM/Ctrl-C: time for every process to save a checkpoint
 
 
 def free_port() -> int:
@@ -57,6 +59,38 @@ def _stop(procs: Sequence[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def _watch(procs: Sequence[subprocess.Popen], deadline: list[float], log_dir: Path) -> int:
+    """Polls every process until all have exited; returns the job's exit code."""
+    while [p.poll() for p in procs].count(None):  # poll every process, not only up to the first alive
+        failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0, exitcodes.PREEMPTED)]
+        if failed:
+            i, code = failed[0]
+            alive = sum(p.poll() is None for p in procs)
+            print(
+                f"xlafit launch: process {i} {_describe(code)}; stopping the other {alive} process(es). "
+                f"Its output: {'above' if i == 0 else log_dir / f'process-{i}.log'}",
+                file=sys.stderr,
+                flush=True,
+            )
+            _stop(procs)
+            return code
+        if deadline and time.monotonic() > deadline[0]:
+            print(
+                f"xlafit launch: processes still running {SIGNAL_GRACE_S:.0f}s after the signal; killing them",
+                file=sys.stderr,
+            )
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.2)
+    failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        i, code = failed[0]
+        print(f"xlafit launch: process {i} {_describe(code)}", file=sys.stderr)
+        return code
+    return 0
 
 
 def launch(
@@ -105,31 +139,29 @@ def launch(
         where = "this terminal" if i == 0 else log_dir / f"process-{i}.log"
         print(f"xlafit launch: process {i} (pid {procs[-1].pid}) -> {where}", file=sys.stderr, flush=True)
 
-    previous = signal.signal(signal.SIGTERM, lambda *_: _stop(procs))
+    # SIGTERM (or Ctrl-C, which the processes receive too) asks every process to save a
+    # checkpoint and exit with exitcodes.PREEMPTED; they agree on the step among themselves. The
+    # launcher only forwards the signal once, then waits up to SIGNAL_GRACE_S before SIGKILL: a
+    # second signal would make them exit at once, mid-save.
+    deadline: list[float] = []
+
+    def forward(*_: object) -> None:
+        if not deadline:
+            deadline.append(time.monotonic() + SIGNAL_GRACE_S)
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+
+    previous = signal.signal(signal.SIGTERM, forward)
     code = 0
     try:
-        while [p.poll() for p in procs].count(None):  # poll every process, not only up to the first alive
-            failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0)]
-            if failed:
-                i, code = failed[0]
-                alive = sum(p.poll() is None for p in procs)
-                print(
-                    f"xlafit launch: process {i} {_describe(code)}; stopping the other {alive} process(es). "
-                    f"Its output: {'above' if i == 0 else log_dir / f'process-{i}.log'}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                _stop(procs)
+        while True:
+            try:
+                code = _watch(procs, deadline, log_dir)
                 break
-            time.sleep(0.2)
-        else:
-            failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
-            if failed:
-                i, code = failed[0]
-                print(f"xlafit launch: process {i} {_describe(code)}", file=sys.stderr)
-    except KeyboardInterrupt:
-        _stop(procs)
-        code = 130
+            except KeyboardInterrupt:
+                if not deadline:
+                    deadline.append(time.monotonic() + SIGNAL_GRACE_S)
     finally:
         signal.signal(signal.SIGTERM, previous)
         for log in logs:

@@ -22,7 +22,7 @@ import yaml
 from xlafit.config import Config, ConfigError, build_config, load_yaml, parse_overrides, resolve_batch
 from xlafit.devices import connect
 from xlafit.train.optim import make_optimizer
-from xlafit.train.trainer import FitResult, Trainer
+from xlafit.train.trainer import FitResult, Trainer, handle_signals
 
 RECIPES = ("mnist",)
 
@@ -110,7 +110,16 @@ def check_continuation(run_dir: Path, cfg: Config, announce: bool = True) -> Non
 
 
 def train(cfg: Config) -> FitResult:
-    """Runs one recipe end to end: devices, data, model, optimizer, fit, final evaluation."""
+    """Runs one recipe end to end: devices, data, model, optimizer, fit, final evaluation.
+
+    SIGTERM/SIGINT at any point stop it cleanly: during training after a checkpoint
+    (:class:`~xlafit.train.trainer.Preempted`), during start-up before anything is trained.
+    """
+    with handle_signals():
+        return _train(cfg)
+
+
+def _train(cfg: Config) -> FitResult:
     module = recipe_module(cfg.recipe)
     strategy = connect(cfg.run.simulate_devices, cpu_fast_paths=cfg.run.xla_cpu_fast_paths)
     _, global_batch = resolve_batch(cfg.data, strategy.num_replicas)

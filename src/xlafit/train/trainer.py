@@ -293,18 +293,13 @@ class Trainer:
             self._ckpt.close()
 
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by a signal after saving; run again to resume
-EXIT_NONFINITE = 3  # stopped on a non-finite loss or gradient (trainer.nan_policy=stop)
-
-
 class Preempted(Exception):
-    """Training stopped on SIGTERM/SIGINT after saving a checkpoint at ``step``."""
+    """Training stopped on SIGTERM/SIGINT at ``step``; ``where`` says what was saved."""
 
-    def __init__(self, step: int, signum: int, checkpoint: Path | None) -> None:
-        self.step, self.signum, self.checkpoint = step, signum, checkpoint
-        where = f"checkpoint {step} saved in {checkpoint}" if checkpoint else "no run directory, nothing saved"
+    def __init__(self, step: int, signum: int, where: str) -> None:
+        self.step, self.signum = step, signum
         super().__init__(
-            f"{signal.Signals(signum).name} received: stopped after step {step}; {where}. "
+            f"{signal.Signals(signum).name} received: stopped at step {step}; {where}. "
             "Run the same command again to resume."
         )
 
@@ -338,14 +333,33 @@ class _SignalGuard:
         )
 
     def __enter__(self) -> _SignalGuard:
+        global _ACTIVE_GUARD
+        if _ACTIVE_GUARD is not None:  # nested (a recipe's guard around fit's): one state
+            return _ACTIVE_GUARD
         if threading.current_thread() is threading.main_thread():
             for signum in self.SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
+            _ACTIVE_GUARD = self
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+        global _ACTIVE_GUARD
+        if _ACTIVE_GUARD is self:
+            for signum, handler in self._previous.items():
+                signal.signal(signum, handler)
+            _ACTIVE_GUARD = None
+
+
+_ACTIVE_GUARD: _SignalGuard | None = None
+
+
+def handle_signals() -> _SignalGuard:
+    """A context in which SIGTERM/SIGINT ask training to stop at the next step boundary.
+
+    :meth:`Trainer.fit` opens one itself; wrap the start-up around it (data loading,
+    compiling) too, as :func:`xlafit.train` does, so a signal there is not fatal either.
+    """
+    return _SignalGuard()
 
 
 class _Loop:
@@ -361,6 +375,8 @@ class _Loop:
         self.last_checkpoint_time = time.monotonic()
 
     def run(self, start: int, signals: _SignalGuard) -> None:
+        if signals.received is not None:  # during start-up: nothing new to save
+            raise Preempted(start, signals.received, "before the first step of this session, nothing new to save")
         step = start
         while step < self.stop:
             step = self._run_from(step, signals)
@@ -419,10 +435,13 @@ class _Loop:
                     if bad and (resume_at := self._nonfinite(bad)) is not None:
                         return resume_at
                 if preempt:
+                    where = "no run directory, nothing saved"
                     if t._ckpt is not None:
                         t._ckpt.save(step, t._state)
                         t._ckpt.wait()  # synchronous: the process is about to exit
-                    raise Preempted(step, signals.received or signal.SIGTERM, t._ckpt and t._ckpt.directory)
+                        where = f"checkpoint {step} saved in {t._ckpt.directory}"
+                    # in a multi-process job, a process the signal did not reach stops too
+                    raise Preempted(step, signals.received or signal.SIGTERM, where)
                 if epoch_end and self.eval is not None and (step // spe) % cfg.eval_every_epochs == 0:
                     self.last_eval = t.evaluate(self.eval)
                     self.report.record({"step": step, "epoch": step // spe, **self.last_eval}, prefix="eval")
@@ -439,10 +458,10 @@ class _Loop:
         ok = np.concatenate([v["nonfinite"] for v in values]) == 0
         record: dict[str, Any] = {"step": step, "epoch": round(step / self.spe, 3)}
         for key in values[0]:
-            if key != "nonfinite":
+            if key != "nonfinite" and ok.any():
                 series = np.concatenate([v[key] for v in values])
-                # means over the applied updates: a dropped update's NaN would hide the rest
-                record[key] = float(np.mean(series[ok])) if ok.any() else float("nan")
+                # means over the applied updates only: one dropped update's NaN would hide the rest
+                record[key] = float(np.mean(series[ok]))
         if not ok.all():
             record["nonfinite_steps"] = int((~ok).sum())
         record.update(
