@@ -62,7 +62,7 @@ def test_train_pulse_and_resume(tmp_path):
     assert "train step compiled 1 time(s)" in first.stdout
     second = run(*common, "trainer.stop_at_step=4")
     assert second.returncode == 0, second.stderr
-    assert "resumed from checkpoint at step 2" in second.stdout
+    assert "resumed from checkpoint 2 " in second.stdout
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
     assert (tmp_path / "config.yaml").exists()

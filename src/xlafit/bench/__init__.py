@@ -141,18 +141,17 @@ def summarize(name: str, runs: list[dict[str, Any]], steps_per_epoch: int, batch
     step_s = np.concatenate([np.array(r["call_s"]) / np.array(r["call_steps"]) for r in runs])
     first = runs[0]
     flops, flops_source = model_flops(first.get("flops_per_step"), first["flops_per_step_analytic"])
-    per_run = []
-    for r in runs:
-        wall_per_step = r["wall_s"] / r["steps"]
-        per_run.append(
-            {
-                "examples_per_s": batch / wall_per_step,
-                "epoch_s": steps_per_epoch * wall_per_step,
-                "input_wait_frac": r["wait_s"] / r["wall_s"],
-                "mfu": flops / wall_per_step / peak,
-            }
-        )
-    median = {key: float(np.median([p[key] for p in per_run])) for key in per_run[0]}
+    # One wall time per step (the median run's) drives the columns derived from it, so
+    # that they add up: epoch s = steps/epoch x it, examples/s = batch / it.
+    wall_per_step = float(np.median([r["wall_s"] / r["steps"] for r in runs]))
+    median = {
+        "wall_ms_per_step": 1e3 * wall_per_step,
+        "examples_per_s": batch / wall_per_step,
+        "epoch_s": steps_per_epoch * wall_per_step,
+        "input_wait_frac": float(np.median([r["wait_s"] / r["wall_s"] for r in runs])),
+        "mfu": flops / wall_per_step / peak,
+    }
+    per_run = [{"examples_per_s": batch * r["steps"] / r["wall_s"]} for r in runs]
     compile_s = [r["compile_s"] for r in runs if r["compile_s"] is not None]
     return {
         "configuration": name,

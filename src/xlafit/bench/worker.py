@@ -101,8 +101,14 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
     strategy = xlafit.Strategy(Mesh(everything.mesh.devices[: spec.devices], ("data",)))
     train = mnist_data(spec)
     model = MnistCNN(rngs=nnx.Rngs(params=0, dropout=1), dtype=None if spec.dtype == "float32" else spec.dtype)
-    total = spec.warmup + spec.steps + spec.profile_steps
     spe = len(train["label"]) // spec.batch
+    # Timing starts at the first call boundary at or after the warm-up, so that exactly
+    # spec.steps steps are timed (calls are k steps long, shorter where an epoch ends).
+    warmup = 0
+    while warmup < spec.warmup:
+        warmup += min(spec.steps_per_call, spe - warmup % spe)
+    timed_stop = warmup + spec.steps
+    total = timed_stop + spec.profile_steps
     trainer = xlafit.Trainer(
         model,
         recipe.loss_fn,
@@ -114,7 +120,7 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
     step_fn, state = trainer.train_step, trainer.state
 
     call_steps, call_s, wait_s, wall_s = [], [], 0.0, 0.0
-    batches = trainer.batches(train, 0, spec.warmup + spec.steps)
+    batches = trainer.batches(train, 0, timed_stop)
     try:
         t_mark, waited = time.perf_counter(), 0.0
         for first, k, batch in batches:
@@ -124,7 +130,7 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
             jax.block_until_ready(metrics)  # note: a host-device sync per call, so each call is timed whole
             t1 = time.perf_counter()
             compiling = step_fn.compile_s - compile_before  # an epoch's shorter last call compiles anew
-            if first >= spec.warmup:
+            if first >= warmup:
                 call_steps.append(k)
                 call_s.append(t1 - t0 - compiling)
                 wait_s += batches.wait_s - waited
@@ -139,7 +145,7 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
     per_device = step_fn.flops_for(state, one)
 
     if spec.profile_steps:
-        batches = trainer.batches(train, spec.warmup + spec.steps, total)
+        batches = trainer.batches(train, timed_stop, total)
         with jax.profiler.trace(spec.profile_dir):
             for _, _, batch in batches:
                 state, metrics = step_fn(state, batch)
