@@ -27,7 +27,7 @@ def test_truncated_idx_is_named(tmp_path):
     path = tmp_path / "t-idx3-ubyte"
     mnist.write_idx(path, np.zeros((4, 28, 28), np.uint8))
     path.write_bytes(path.read_bytes()[:-10])
-    with pytest.raises(mnist.DataError, match=rf"{path}.*truncated or corrupt"):
+    with pytest.raises(mnist.DataError, match=rf"{path}.*record 3 of 4 is the first incomplete one.*truncated"):
         mnist.read_idx(path)
 
 
@@ -52,6 +52,15 @@ def test_load_idx_dir(tmp_path):
     assert splits["test"]["label"].shape == (10,)
     raw = mnist.read_idx(tmp_path / "train-images-idx3-ubyte.gz")
     np.testing.assert_allclose(splits["train"]["image"][..., 0], (raw / 255.0 - mnist.MEAN) / mnist.STD, rtol=1e-6)
+
+
+def test_bad_label_names_the_file_and_record(tmp_path):
+    _write_mnist_dir(tmp_path)
+    labels = mnist.read_idx(tmp_path / "train-labels-idx1-ubyte")
+    labels[7] = 200
+    mnist.write_idx(tmp_path / "train-labels-idx1-ubyte", labels)
+    with pytest.raises(mnist.DataError, match=r"train-labels-idx1-ubyte: record 7 has label 200, outside 0-9"):
+        mnist.load_idx_dir(tmp_path)
 
 
 def test_missing_idx_file_names_the_fix(tmp_path):

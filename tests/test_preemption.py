@@ -369,3 +369,55 @@ def test_failed_save_keeps_the_previous_checkpoint_and_says_so(strategy1, digits
     assert ckpt.verify(2) == "intact"
     _, step = ckpt.restore(_trainer(strategy1, None).state)
     assert step == 2
+
+
+def test_checkpoint_policy_directory_time_and_keep_every(strategy1, digits, tmp_path):
+    """Checkpoints in their own directory (a path here; a gs:// URL the same way), written on
+    time as well as on steps, the last 2 kept plus every multiple of 4 for good."""
+    train, _ = digits
+    elsewhere = tmp_path / "bucket" / "run-1"
+    trainer = xlafit.Trainer(
+        xlafit.models.MnistCNN(rngs=nnx.Rngs(params=0, dropout=1)),
+        mnist_recipe.loss_fn,
+        optax.adam(1e-3),
+        strategy=strategy1,
+        global_batch=64,
+        config=TrainerConfig(
+            epochs=2, log_every_steps=100, keep_checkpoints=2, keep_every_steps=4, checkpoint_every_minutes=1e-6
+        ),
+        run_dir=tmp_path / "run",
+        checkpoint_dir=elsewhere,
+    )
+    trainer.fit(train)
+    trainer.close()
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    steps = sorted(int(p.name) for p in elsewhere.iterdir() if p.name.isdigit())
+    assert steps == [4, 8, 12, 15, 16]  # every step was due by time; 4, 8, 12 kept for good
+    assert all(Checkpointer(elsewhere).verify(s) == "intact" for s in steps)
+
+
+def test_unwritable_run_directory_fails_before_training(tmp_path, idx_dir):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    out = subprocess.run(train_cmd(blocker / "run", idx_dir), capture_output=True, text=True, env=env())
+    assert out.returncode == 2
+    assert "cannot create the run directory" in out.stderr and "Choose another --run-dir" in out.stderr
+    assert "[train]" not in out.stdout
+
+
+def test_sigterm_to_a_two_process_job_saves_one_step_in_both(tmp_path):
+    """xlafit launch forwards SIGTERM; the processes agree on the step, save it together and
+    both exit 75."""
+    cmd = [*XLAFIT, "launch", "--processes", "2", "--devices-per-process", "2", "--log-dir", str(tmp_path / "logs")]
+    cmd += ["--", *XLAFIT, "train", "mnist", "--run-dir", str(tmp_path / "run"), "trainer.invariant_chunks=null"]
+    cmd += ["trainer.epochs=3", "trainer.log_every_steps=1", "data.global_batch=64"]
+    seg = Segment(cmd)
+    assert seg.training.wait(timeout=180)
+    time.sleep(1.0)
+    seg.proc.send_signal(signal.SIGTERM)
+    assert seg.finish() == 75, "".join(seg.lines)[-3000:]
+    output = "".join(seg.lines)
+    stopped = int(output.split("stopped at step ")[1].split(";")[0])
+    other = (tmp_path / "logs" / "process-1.log").read_text()
+    assert f"stopped at step {stopped};" in other  # the same step in process 1
+    assert Checkpointer(tmp_path / "run" / "checkpoints").verify(stopped) == "intact"

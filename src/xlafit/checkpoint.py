@@ -20,13 +20,13 @@ import datetime
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 log = logging.getLogger("xlafit")
 
@@ -92,14 +92,27 @@ def _path_name(path: tuple) -> str:
     return "/".join(names)
 
 
-def _file_hashes(directory: Path) -> dict[str, str]:
+def _files(directory: epath.Path) -> dict[str, epath.Path]:
+    """Every file under ``directory`` by its relative name (local paths or gs:// URLs)."""
+    files = {}
+    root = str(directory).rstrip("/") + "/"
+    for folder, _, names in directory.walk():
+        for name in names:
+            path = epath.Path(folder) / name
+            files[str(path)[len(root) :]] = path
+    return files
+
+
+def _file_hashes(directory: epath.Path) -> dict[str, str]:
     hashes = {}
-    for path in sorted(p for p in directory.rglob("*") if p.is_file() and not p.name.startswith(SEAL)):
+    for name, path in sorted(_files(directory).items()):
+        if path.name.startswith(SEAL):
+            continue
         digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
+        with path.open("rb") as f:
+            for block in iter(lambda f=f: f.read(1 << 20), b""):
                 digest.update(block)
-        hashes[str(path.relative_to(directory))] = digest.hexdigest()
+        hashes[name] = digest.hexdigest()
     return hashes
 
 
@@ -108,7 +121,7 @@ class CheckpointInfo:
     """One checkpoint on disk, as :meth:`Checkpointer.list` reports it."""
 
     step: int
-    path: Path
+    path: epath.Path
     time: datetime.datetime
     size_bytes: int
     status: str  # "intact", "unsealed" (committed, not yet checksummed) or "corrupt: <why>"
@@ -119,7 +132,8 @@ class CheckpointInfo:
 
 
 class Checkpointer:
-    """Keeps the checkpoints of a run under ``directory``.
+    """Keeps the checkpoints of a run under ``directory``: a local path, or a URL that
+    Orbax and ``etils.epath`` can write (gs:// with ``gcsfs`` installed).
 
     Example:
         >>> ckpt = Checkpointer("/tmp/run/checkpoints", keep=3)  # doctest: +SKIP
@@ -130,7 +144,9 @@ class Checkpointer:
     def __init__(
         self, directory: str | Path, keep: int = 3, keep_every: int | None = None, async_save: bool = True
     ) -> None:
-        self.directory = Path(directory).absolute()
+        self.directory = epath.Path(directory)
+        if "://" not in str(directory):
+            self.directory = epath.Path(Path(directory).absolute())
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, keep_period=keep_every or None, create=True, enable_async_checkpointing=async_save
         )
@@ -168,16 +184,20 @@ class Checkpointer:
             for step in self._manager.all_steps():
                 self._seal(step)
 
-    def _step_dir(self, step: int) -> Path:
+    def _step_dir(self, step: int) -> epath.Path:
         return self.directory / str(step)
 
     def _seal(self, step: int) -> None:
         directory = self._step_dir(step)
         if (directory / SEAL).exists() or not (directory / COMMIT).exists():
             return
-        tmp = directory / f"{SEAL}.tmp"
-        tmp.write_text(json.dumps({"step": step, "sha256": _file_hashes(directory)}, indent=1))
-        os.replace(tmp, directory / SEAL)  # atomic: a seal is whole or absent
+        seal = json.dumps({"step": step, "sha256": _file_hashes(directory)}, indent=1)
+        if "://" in str(directory):
+            (directory / SEAL).write_text(seal)  # object stores write an object whole or not at all
+        else:
+            tmp = directory / f"{SEAL}.tmp"
+            tmp.write_text(seal)
+            tmp.replace(directory / SEAL)  # atomic rename: a seal is whole or absent
 
     def verify(self, step: int) -> str:
         """``"intact"``, ``"unsealed"`` or ``"corrupt: <why>"`` for checkpoint ``step``."""
@@ -203,13 +223,13 @@ class Checkpointer:
         infos = []
         for step in sorted(self._manager.all_steps()):
             directory = self._step_dir(step)
-            files = [p for p in directory.rglob("*") if p.is_file()]
+            stats = [p.stat() for p in _files(directory).values()]
             infos.append(
                 CheckpointInfo(
                     step=step,
                     path=directory,
-                    time=datetime.datetime.fromtimestamp(directory.stat().st_mtime, datetime.UTC),
-                    size_bytes=sum(p.stat().st_size for p in files),
+                    time=datetime.datetime.fromtimestamp(max((st.mtime for st in stats), default=0), datetime.UTC),
+                    size_bytes=sum(st.length for st in stats),
                     status=self.verify(step),
                 )
             )

@@ -54,7 +54,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--run-dir", help="where config, metrics, TensorBoard logs and checkpoints go")
     train.add_argument("--data-dir", help="directory of the recipe's data files (mnist: the IDX files)")
     train.add_argument("--config", help="a YAML preset to use instead of the recipe's own")
-    train.add_argument("--restart", action="store_true", help="ignore and remove checkpoints in --run-dir")
+    train.add_argument(
+        "--checkpoint-dir", help="checkpoints here instead of RUN_DIR/checkpoints: a path or gs://bucket/dir"
+    )
+    train.add_argument("--restart", action="store_true", help="ignore and remove the run's checkpoints")
     train.add_argument("-v", "--verbose", action="store_true", help="log compiles and checkpoint events")
 
     launch = sub.add_parser(
@@ -106,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Lists the checkpoints of RUN_DIR with step, time, size and integrity, and prints the "
         "SHA-256 fingerprint of the newest intact checkpoint's parameters (or --step S's).",
     )
-    inspect.add_argument("run_dir")
+    inspect.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, or a checkpoint directory or URL")
     inspect.add_argument("--step", type=int, help="fingerprint this checkpoint instead of the newest intact one")
     inspect.add_argument("--json", action="store_true", help="print JSON")
 
@@ -126,6 +129,8 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"run.run_dir={args.run_dir}")
     if args.data_dir:
         overrides.append(f"data.data_dir={args.data_dir}")
+    if args.checkpoint_dir:
+        overrides.append(f"run.checkpoint_dir={args.checkpoint_dir}")
     if args.restart:
         overrides.append("run.resume=false")
     cfg = load_config(args.recipe, overrides, preset=args.config)
@@ -183,9 +188,16 @@ def _inspect(args: argparse.Namespace) -> int:
 
     from xlafit.checkpoint import Checkpointer, fingerprint
 
-    directory = Path(args.run_dir) / "checkpoints"
-    if not directory.is_dir():
-        raise ConfigError(f"{args.run_dir} holds no checkpoints/ directory; is it a run directory?")
+    run_dir = Path(args.run_dir)
+    if "://" in args.run_dir:
+        directory = args.run_dir
+    elif (run_dir / "config.yaml").exists():  # a run directory: its checkpoints may live elsewhere
+        saved = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        directory = (saved.get("run") or {}).get("checkpoint_dir") or str(run_dir / "checkpoints")
+    else:
+        directory = str(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() else str(run_dir)
+    if "://" not in directory and not Path(directory).is_dir():
+        raise ConfigError(f"{args.run_dir} is neither a run directory nor a checkpoint directory.")
     ckpt = Checkpointer(directory)
     infos = ckpt.list()
     usable = [i.step for i in infos if i.usable]

@@ -92,6 +92,7 @@ class RunConfig:
     """Where the run writes and on what it runs."""
 
     run_dir: str | None = None  # default: runs/<recipe>-<UTC time>
+    checkpoint_dir: str | None = None  # default: <run_dir>/checkpoints; may be a URL (gs://bucket/run)
     simulate_devices: int | None = None  # N CPU devices (rehearse an N-core TPU)
     resume: bool = True  # continue from the run directory's newest checkpoint
     xla_cpu_fast_paths: bool = True  # XNNPACK/YNNPACK library calls on CPU (see BENCHMARKS.md)

@@ -7,10 +7,13 @@ steps after a warm-up, configurations interleaved round by round so that machine
 hits all alike, and the parts are reported apart:
 
 - compile time: XLA compiles, counted and timed by the train step itself;
-- step time: each call of the compiled step, synchronised, median and p10-p90 spread;
+- step time: calls are dispatched asynchronously, as in training, with one sync before
+  and one after the timed steps; a call's time is the interval since the previous call
+  returned, less its input wait (in steady state, the devices' time per call), per step:
+  median and p10-p90 spread;
 - input wait: time the loop waited for the next batch (share of wall time);
-- wall time = step time + input wait + loop overhead, so time per epoch = steps per epoch
-  x wall time per step, and examples/s = batch / wall time per step;
+- wall time = step time + input wait, so time per epoch = steps per epoch x wall time per
+  step, and examples/s = batch / wall time per step;
 - MFU: FLOPs per step (XLA's cost analysis, checked against the analytic count) / step
   wall time / peak FLOP/s (:mod:`xlafit.bench.peaks`).
 
@@ -336,7 +339,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: str | Path) -> None:
     """A PNG: examples/s per configuration (bars: median, whiskers: min-max over runs) and
-    time per epoch split into step time, input wait and loop overhead."""
+    time per epoch split into step time and input wait."""
     try:
         import matplotlib
 
@@ -357,15 +360,13 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
     left.set_xlabel("examples/s (median; whiskers: min-max)")
     spe = result["settings"]["steps_per_epoch"]
     runs = result["runs"]
-    parts = {"step": [], "input wait": [], "overhead": []}
+    parts = {"step": [], "input wait": []}
     for r in rows:
         first = runs[r["configuration"]]
-        per_step = np.median([x["wall_s"] / x["steps"] for x in first])
         wait = np.median([x["wait_s"] / x["steps"] for x in first])
         step = np.median([sum(x["call_s"]) / x["steps"] for x in first])
         parts["step"].append(spe * step)
         parts["input wait"].append(spe * wait)
-        parts["overhead"].append(max(spe * (per_step - step - wait), 0.0))
     left_edge = np.zeros(len(rows))
     for label, values in parts.items():
         right.barh(y, values, left=left_edge, label=label)

@@ -119,21 +119,29 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
     )
     step_fn, state = trainer.train_step, trainer.state
 
+    # Calls are dispatched asynchronously, as in Trainer.fit: the host prepares call i+1
+    # while the devices run call i. One sync before timing and one at the end; a call's
+    # time is the interval since the previous one returned, less its input wait, which in
+    # steady state is the devices' time per call. So wall = sum(call_s) + wait_s exactly.
     call_steps, call_s, wait_s, wall_s = [], [], 0.0, 0.0
     batches = trainer.batches(train, 0, timed_stop)
     try:
         t_mark, waited = time.perf_counter(), 0.0
         for first, k, batch in batches:
+            if first == warmup:
+                jax.block_until_ready(state)  # note: host-device sync, the warm-up's work done
+                t_mark, waited = time.perf_counter(), batches.wait_s
+            wait = batches.wait_s - waited
             compile_before = step_fn.compile_s
-            t0 = time.perf_counter()
             state, metrics = step_fn(state, batch)
-            jax.block_until_ready(metrics)  # note: a host-device sync per call, so each call is timed whole
+            if first + k == timed_stop:
+                jax.block_until_ready(metrics)  # note: host-device sync, the timed work done
             t1 = time.perf_counter()
             compiling = step_fn.compile_s - compile_before  # an epoch's shorter last call compiles anew
             if first >= warmup:
                 call_steps.append(k)
-                call_s.append(t1 - t0 - compiling)
-                wait_s += batches.wait_s - waited
+                call_s.append(t1 - t_mark - compiling - wait)
+                wait_s += wait
                 wall_s += t1 - t_mark - compiling
             t_mark, waited = t1, batches.wait_s
     finally:

@@ -71,9 +71,12 @@ def read_idx(path: str | Path) -> np.ndarray:
     dtype = _IDX_DTYPES[code]
     expected = int(np.prod(shape)) * dtype.itemsize
     if len(raw) - header != expected:
+        per_record = int(np.prod(shape[1:])) * dtype.itemsize if shape else dtype.itemsize
+        whole = (len(raw) - header) // max(per_record, 1)
+        where = f"record {whole} of {shape[0]} is the first incomplete one" if shape and whole < shape[0] else ""
         raise DataError(
             f"{path}: header declares shape {shape} ({expected} bytes of data) but the file holds "
-            f"{len(raw) - header}; the file is truncated or corrupt."
+            f"{len(raw) - header}{'; ' + where if where else ''}; the file is truncated or corrupt."
         )
     return np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
 
@@ -116,7 +119,14 @@ def load_idx_dir(data_dir: str | Path) -> dict[str, dict[str, np.ndarray]]:
         raise DataError(f"--data-dir {data_dir} is not a directory.")
     splits = {}
     for split, (images_name, labels_name) in IDX_FILES.items():
-        images, labels = read_idx(_find(data_dir, images_name)), read_idx(_find(data_dir, labels_name))
+        labels_path = _find(data_dir, labels_name)
+        images, labels = read_idx(_find(data_dir, images_name)), read_idx(labels_path)
+        bad = np.flatnonzero((labels < 0) | (labels > 9))
+        if bad.size:
+            raise DataError(
+                f"{labels_path}: record {bad[0]} has label {labels[bad[0]]}, outside 0-9 ({bad.size} such "
+                "record(s)); the file is corrupt or holds other labels."
+            )
         if images.ndim != 3 or images.shape[1:] != (28, 28) or labels.shape != images.shape[:1]:
             raise DataError(
                 f"{data_dir} {split}: images {images.shape} and labels {labels.shape} are not [n, 28, 28] and [n]."

@@ -12,12 +12,12 @@ import datetime
 import importlib
 import logging
 import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
 import yaml
+from etils import epath
 
 from xlafit.config import Config, ConfigError, build_config, load_yaml, parse_overrides, resolve_batch
 from xlafit.devices import connect
@@ -80,6 +80,15 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
     return flat
 
 
+def checkpoint_dir(cfg: Config, run_dir: Path) -> epath.Path:
+    """``run.checkpoint_dir`` (a path or URL), or the run directory's ``checkpoints/``."""
+    return epath.Path(cfg.run.checkpoint_dir) if cfg.run.checkpoint_dir else epath.Path(run_dir / "checkpoints")
+
+
+def _has_checkpoints(directory: epath.Path) -> bool:
+    return directory.exists() and any(p.name.isdigit() for p in directory.iterdir())
+
+
 def check_continuation(run_dir: Path, cfg: Config, announce: bool = True) -> None:
     """Refuses to resume a run whose checkpoint was made under an incompatible config.
 
@@ -88,8 +97,7 @@ def check_continuation(run_dir: Path, cfg: Config, announce: bool = True) -> Non
             message names each difference and the fix.
     """
     saved_path = run_dir / "config.yaml"
-    checkpoints = run_dir / "checkpoints"
-    if not saved_path.exists() or not checkpoints.exists() or not any(checkpoints.iterdir()):
+    if not saved_path.exists() or not _has_checkpoints(checkpoint_dir(cfg, run_dir)):
         return
     saved = _flatten(yaml.safe_load(saved_path.read_text()) or {})
     now = _flatten(cfg.to_dict())
@@ -148,9 +156,10 @@ def _train(cfg: Config) -> FitResult:
         check_continuation(run_dir, resolved, announce=strategy.process_index == 0)
     if strategy.process_index == 0:
         _check_writable(run_dir)
-        if not cfg.run.resume and (run_dir / "checkpoints").exists():
-            print(f"--restart: removing the checkpoints and metrics of {run_dir}", flush=True)
-            shutil.rmtree(run_dir / "checkpoints")
+        checkpoints = checkpoint_dir(cfg, run_dir)
+        if not cfg.run.resume and checkpoints.exists():
+            print(f"--restart: removing the checkpoints in {checkpoints} and the metrics of {run_dir}", flush=True)
+            checkpoints.rmtree()
             (run_dir / "metrics.jsonl").unlink(missing_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved.to_dict(), sort_keys=False))
         print(f"run directory: {run_dir}", flush=True)
@@ -176,6 +185,7 @@ def _train(cfg: Config) -> FitResult:
         config=cfg.trainer,
         learning_rate=plan.schedule,
         run_dir=run_dir,
+        checkpoint_dir=cfg.run.checkpoint_dir,
         eval_global_batch=eval_batch,
         data_seed=cfg.data.seed,
         prefetch=cfg.data.prefetch,

@@ -85,6 +85,8 @@ class Trainer:
         config: loop settings (epochs, steps per call, logging, checkpoints).
         learning_rate: the schedule inside ``optimizer``, only to log the rate.
         run_dir: where metrics, TensorBoard logs and checkpoints go; None keeps nothing.
+        checkpoint_dir: where checkpoints go instead of ``run_dir/checkpoints``: a local
+            path or a URL such as ``gs://bucket/run`` (Orbax; ``gcsfs`` for gs://).
         eval_global_batch: evaluation batch; default ``global_batch``.
         data_seed: seed of the data order.
         prefetch: batches moved to the devices ahead of the step.
@@ -102,6 +104,7 @@ class Trainer:
         config: TrainerConfig | None = None,
         learning_rate: optax.Schedule | float | None = None,
         run_dir: str | Path | None = None,
+        checkpoint_dir: str | Path | None = None,
         eval_global_batch: int | None = None,
         data_seed: int = 0,
         prefetch: int = 2,
@@ -162,13 +165,11 @@ class Trainer:
             in_shardings=(replicated, self.strategy.batch, self.strategy.batch),
             out_shardings=replicated,
         )
+        if checkpoint_dir is None and self.run_dir is not None:
+            checkpoint_dir = self.run_dir / "checkpoints"
         self._ckpt = (
-            Checkpointer(
-                self.run_dir / "checkpoints",
-                keep=self.config.keep_checkpoints,
-                keep_every=self.config.keep_every_steps or None,
-            )
-            if self.run_dir is not None
+            Checkpointer(checkpoint_dir, keep=self.config.keep_checkpoints, keep_every=self.config.keep_every_steps)
+            if checkpoint_dir is not None
             else None
         )
 
