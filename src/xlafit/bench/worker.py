@@ -106,7 +106,7 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
     # spec.steps steps are timed (calls are k steps long, shorter where an epoch ends).
     warmup = 0
     while warmup < spec.warmup:
-        warmup += min(spec.steps_per_call, spe - warmup % spe)
+        warmup += _call_sizes(spe, spec.steps_per_call, warmup, warmup + 1 + spec.steps_per_call)[0]
     timed_stop = warmup + spec.steps
     total = timed_stop + spec.profile_steps
     trainer = xlafit.Trainer(
@@ -119,12 +119,17 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
     )
     step_fn, state = trainer.train_step, trainer.state
 
-    # Calls are dispatched asynchronously, as in Trainer.fit: the host prepares call i+1
-    # while the devices run call i. One sync before timing and one at the end; a call's
-    # time is the interval since the previous one returned, less its input wait, which in
-    # steady state is the devices' time per call. So wall = sum(call_s) + wait_s exactly.
+    # Calls are dispatched as in Trainer.fit: the host prepares call i+1 while the devices
+    # run call i (it waits for call i-1 only). A call's time is the interval since the
+    # previous one returned, less its input wait: in steady state, the devices' time per
+    # call. One sync before timing and one at the end, so wall = sum(call_s) + wait_s.
+    # Every program the timed steps need is compiled first: a compile inside the timed
+    # window would overlap the devices' work on earlier calls.
+    for k in sorted(set(_call_sizes(spe, spec.steps_per_call, 0, timed_stop))):
+        step_fn.precompile(state, _abstract_batch(train, k, spec.batch, strategy))
     call_steps, call_s, wait_s, wall_s = [], [], 0.0, 0.0
     batches = trainer.batches(train, 0, timed_stop)
+    previous = None
     try:
         t_mark, waited = time.perf_counter(), 0.0
         for first, k, batch in batches:
@@ -134,8 +139,9 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
             wait = batches.wait_s - waited
             compile_before = step_fn.compile_s
             state, metrics = step_fn(state, batch)
-            if first + k == timed_stop:
-                jax.block_until_ready(metrics)  # note: host-device sync, the timed work done
+            # as Trainer.fit: at most two calls in flight
+            jax.block_until_ready(previous if previous is not None and first + k < timed_stop else metrics)
+            previous = metrics
             t1 = time.perf_counter()
             compiling = step_fn.compile_s - compile_before  # an epoch's shorter last call compiles anew
             if first >= warmup:
@@ -176,6 +182,24 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
         "flops_per_step_analytic": train_flops_per_example() * spec.batch,
         "final_loss": final_loss,
         "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__},
+    }
+
+
+def _call_sizes(spe: int, k_max: int, start: int, stop: int) -> list[int]:
+    """The k of each call for steps [start, stop), as Trainer.batches cuts them."""
+    sizes, step = [], start
+    while step < stop:
+        sizes.append(min(k_max, spe - step % spe, stop - step))
+        step += sizes[-1]
+    return sizes
+
+
+def _abstract_batch(train: dict[str, np.ndarray], k: int, batch: int, strategy: Any) -> dict[str, Any]:
+    import jax
+
+    sharding = strategy.batch_sharding(1)
+    return {
+        name: jax.ShapeDtypeStruct((k, batch, *x.shape[1:]), x.dtype, sharding=sharding) for name, x in train.items()
     }
 
 

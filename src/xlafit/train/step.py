@@ -248,6 +248,11 @@ class CompiledStep:
         self.flops: float | None = None
 
     def __call__(self, *args: Any) -> Any:
+        return self.precompile(*args)(*args)
+
+    def precompile(self, *args: Any) -> Any:
+        """The compiled program for inputs shaped like ``args`` (arrays or
+        ``ShapeDtypeStruct``), compiling and counting it if it is new."""
         key = _signature(args[1:])  # the state's signature never changes
         compiled = self._cache.get(key)
         if compiled is None:
@@ -260,7 +265,7 @@ class CompiledStep:
             self.flops = _flops(compiled)
             shapes = ", ".join(f"{p or 'x'}{list(s)}:{d}" for p, s, d in key[1])
             log.info("compiled %s #%d in %.2fs for inputs %s", self.name, self.compiles, seconds, shapes)
-        return compiled(*args)
+        return compiled
 
     def flops_for(self, *args: Any) -> float | None:
         """FLOPs of one call on inputs shaped like ``args`` (arrays or ``ShapeDtypeStruct``),

@@ -411,6 +411,11 @@ class _Loop:
                 compile_before = t.train_step.compile_s
                 t._state, metrics = t.train_step(t._state, batch)
                 window_compile += t.train_step.compile_s - compile_before
+                if pending:
+                    # note: waits for the previous call, so at most two are in flight: the
+                    # host prepares the next call while this one runs, and no deep queue of
+                    # programs with collectives can starve XLA:CPU's device threads.
+                    jax.block_until_ready(pending[-1][1])
                 pending.append((first, metrics))
                 step = first + k
                 epoch_end = step % spe == 0
