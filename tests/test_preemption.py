@@ -27,10 +27,10 @@ from xlafit.recipes import mnist as mnist_recipe
 from xlafit.train.trainer import NonFiniteError
 
 XLAFIT = [sys.executable, "-m", "xlafit"]
-# The default suite interrupts 8 and 5 times (CI time); XLAFIT_KILL_LOOPS=20
+# The default suite interrupts 6 and 3 times (CI time); XLAFIT_KILL_LOOPS=20
 # XLAFIT_TERM_LOOPS=20 runs the 20 in a row (about 4 minutes each here).
-KILL_LOOPS = int(os.environ.get("XLAFIT_KILL_LOOPS", "8"))
-TERM_LOOPS = int(os.environ.get("XLAFIT_TERM_LOOPS", "5"))
+KILL_LOOPS = int(os.environ.get("XLAFIT_KILL_LOOPS", "6"))
+TERM_LOOPS = int(os.environ.get("XLAFIT_TERM_LOOPS", "3"))
 
 
 @pytest.fixture(scope="module")

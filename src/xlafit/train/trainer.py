@@ -336,6 +336,11 @@ class _SignalGuard:
     def __enter__(self) -> _SignalGuard:
         global _ACTIVE_GUARD
         if _ACTIVE_GUARD is not None:  # nested (a recipe's guard around fit's): one state
+            if threading.current_thread() is threading.main_thread():
+                # jax.distributed.initialize, called in between, installs its own SIGTERM
+                # handler (the coordination service's preemption notifier): take it back.
+                for signum in self.SIGNALS:
+                    signal.signal(signum, _ACTIVE_GUARD._handle)
             return _ACTIVE_GUARD
         if threading.current_thread() is threading.main_thread():
             for signum in self.SIGNALS:
