@@ -27,10 +27,10 @@ from xlafit.recipes import mnist as mnist_recipe
 from xlafit.train.trainer import NonFiniteError
 
 XLAFIT = [sys.executable, "-m", "xlafit"]
-# The default suite interrupts 6 and 3 times (CI time); XLAFIT_KILL_LOOPS=20
+# The default suite interrupts 5 and 2 times (CI time); XLAFIT_KILL_LOOPS=20
 # XLAFIT_TERM_LOOPS=20 runs the 20 in a row (about 4 minutes each here).
-KILL_LOOPS = int(os.environ.get("XLAFIT_KILL_LOOPS", "6"))
-TERM_LOOPS = int(os.environ.get("XLAFIT_TERM_LOOPS", "3"))
+KILL_LOOPS = int(os.environ.get("XLAFIT_KILL_LOOPS", "5"))
+TERM_LOOPS = int(os.environ.get("XLAFIT_TERM_LOOPS", "2"))
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def train_cmd(run_dir, idx_dir, *extra):
         *XLAFIT,
         *("train", "mnist", "--simulate", "1", "--data-dir", str(idx_dir), "--run-dir", str(run_dir)),
         *("data.global_batch=64", "data.eval_global_batch=128", "trainer.invariant_chunks=null"),
-        *("trainer.epochs=6", "trainer.log_every_steps=1", "trainer.checkpoint_every_steps=1"),
+        *("trainer.epochs=4", "trainer.log_every_steps=1", "trainer.checkpoint_every_steps=1"),
         *extra,
     ]
 
@@ -79,7 +79,7 @@ def uninterrupted(tmp_path_factory, idx_dir):
     out = subprocess.run(train_cmd(run_dir, idx_dir), capture_output=True, text=True, env=env())
     assert out.returncode == 0, out.stderr[-3000:]
     fp = final_fingerprint(run_dir)
-    assert fp["step"] == 6 * 8
+    assert fp["step"] == 4 * 8
     return fp
 
 
