@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import xlafit
+from helpers import cnn_trainer
 from xlafit.checkpoint import Checkpointer, CheckpointError, fingerprint
 from xlafit.config import TrainerConfig
 from xlafit.data import mnist
@@ -213,17 +214,8 @@ def test_truncated_checkpoint_and_missing_commit_marker_are_skipped(tmp_path, st
         ckpt.restore(_trainer(strategy1, None).state)
 
 
-def _trainer(strategy, run_dir, *, stop_at_step=None, epochs=2, tx=None, **config):
-    model = xlafit.models.MnistCNN(rngs=nnx.Rngs(params=0, dropout=1))
-    return xlafit.Trainer(
-        model,
-        mnist_recipe.loss_fn,
-        tx or optax.adam(1e-3),
-        strategy=strategy,
-        global_batch=64,
-        config=TrainerConfig(epochs=epochs, stop_at_step=stop_at_step, log_every_steps=1, **config),
-        run_dir=run_dir,
-    )
+def _trainer(strategy, run_dir, **kwargs):
+    return cnn_trainer(strategy, run_dir, **kwargs)
 
 
 def _with_nan(train, index=5):

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import xlafit
+from helpers import cnn_trainer
 from xlafit.config import TrainerConfig
 from xlafit.data import mnist
 from xlafit.recipes import mnist as mnist_recipe
@@ -21,17 +22,14 @@ def digits():
 
 
 def _cnn_trainer(strategy, *, steps_per_call=1, stop_at_step=20, run_dir=None, epochs=2, tx=None):
-    model = xlafit.models.MnistCNN(rngs=nnx.Rngs(params=0, dropout=1))
-    return xlafit.Trainer(
-        model,
-        mnist_recipe.loss_fn,
-        tx or optax.adam(1e-3),
-        strategy=strategy,
-        global_batch=64,
-        config=TrainerConfig(
-            epochs=epochs, steps_per_call=steps_per_call, stop_at_step=stop_at_step, log_every_steps=5
-        ),
-        run_dir=run_dir,
+    return cnn_trainer(
+        strategy,
+        run_dir,
+        tx=tx,
+        epochs=epochs,
+        stop_at_step=stop_at_step,
+        log_every_steps=5,
+        steps_per_call=steps_per_call,
     )
 
 
