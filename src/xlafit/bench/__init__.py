@@ -281,13 +281,14 @@ def run_bench(
             "train_examples": n_train,
             "steps_per_epoch": steps_per_epoch,
         },
-        "versions": {**runs[configs[0].name][0].get("versions", {}), **_peer_versions(runs)},
+        "versions": _versions(runs),
         "rows": rows,
         "runs": runs,
     }
 
 
-def _peer_versions(runs: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
+def _versions(runs: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
+    """Library versions reported by the configurations' first runs (jax, flax, torch, ...)."""
     versions: dict[str, str] = {}
     for config_runs in runs.values():
         versions.update(config_runs[0].get("versions", {}))

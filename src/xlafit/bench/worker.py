@@ -92,6 +92,7 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
 
     import xlafit
     from xlafit.config import TrainerConfig
+    from xlafit.data.loader import TrainOrder
     from xlafit.models.cnn import MnistCNN, train_flops_per_example
     from xlafit.recipes import mnist as recipe
 
@@ -101,12 +102,10 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
     strategy = xlafit.Strategy(Mesh(everything.mesh.devices[: spec.devices], ("data",)))
     train = mnist_data(spec)
     model = MnistCNN(rngs=nnx.Rngs(params=0, dropout=1), dtype=None if spec.dtype == "float32" else spec.dtype)
-    spe = len(train["label"]) // spec.batch
     # Timing starts at the first call boundary at or after the warm-up, so that exactly
     # spec.steps steps are timed (calls are k steps long, shorter where an epoch ends).
-    warmup = 0
-    while warmup < spec.warmup:
-        warmup += _call_sizes(spe, spec.steps_per_call, warmup, warmup + 1 + spec.steps_per_call)[0]
+    order = TrainOrder(len(train["label"]), spec.batch, 0)
+    warmup = next(step for step, _ in order.calls(0, 2**62, spec.steps_per_call) if step >= spec.warmup)
     timed_stop = warmup + spec.steps
     total = timed_stop + spec.profile_steps
     trainer = xlafit.Trainer(
@@ -115,7 +114,7 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
         optax.adam(1e-3),
         strategy=strategy,
         global_batch=spec.batch,
-        config=TrainerConfig(epochs=total // spe + 1, steps_per_call=spec.steps_per_call),
+        config=TrainerConfig(epochs=total // order.steps_per_epoch + 1, steps_per_call=spec.steps_per_call),
     )
     step_fn, state = trainer.train_step, trainer.state
 
@@ -125,7 +124,7 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
     # call. One sync before timing and one at the end, so wall = sum(call_s) + wait_s.
     # Every program the timed steps need is compiled first: a compile inside the timed
     # window would overlap the devices' work on earlier calls.
-    for k in sorted(set(_call_sizes(spe, spec.steps_per_call, 0, timed_stop))):
+    for k in sorted({k for _, k in order.calls(0, timed_stop, spec.steps_per_call)}):
         step_fn.precompile(state, _abstract_batch(train, k, spec.batch, strategy))
     call_steps, call_s, wait_s, wall_s = [], [], 0.0, 0.0
     batches = trainer.batches(train, 0, timed_stop)
@@ -183,15 +182,6 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
         "final_loss": final_loss,
         "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__},
     }
-
-
-def _call_sizes(spe: int, k_max: int, start: int, stop: int) -> list[int]:
-    """The k of each call for steps [start, stop), as Trainer.batches cuts them."""
-    sizes, step = [], start
-    while step < stop:
-        sizes.append(min(k_max, spe - step % spe, stop - step))
-        step += sizes[-1]
-    return sizes
 
 
 def _abstract_batch(train: dict[str, np.ndarray], k: int, batch: int, strategy: Any) -> dict[str, Any]:

@@ -86,6 +86,16 @@ class TrainOrder:
         order = _epoch_order(self.num_examples, self.seed, epoch)
         return order[within * self.global_batch : (within + 1) * self.global_batch]
 
+    def calls(self, start: int, stop: int, steps_per_call: int) -> Iterator[tuple[int, int]]:
+        """``(first_step, k)`` of each train-step call for steps ``[start, stop)``: ``k`` is
+        ``steps_per_call``, fewer where an epoch ends (a call never crosses one, so
+        evaluation and checkpoints fall between calls) or at ``stop``."""
+        step = start
+        while step < stop:
+            k = min(steps_per_call, self.steps_per_epoch - step % self.steps_per_epoch, stop - step)
+            yield step, k
+            step += k
+
     def local_indices(self, step: int, process_index: int, process_count: int) -> np.ndarray:
         rows = self.global_batch // process_count
         return self.global_indices(step)[process_index * rows : (process_index + 1) * rows]

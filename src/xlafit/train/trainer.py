@@ -214,16 +214,12 @@ class Trainer:
         return Prefetcher(self._batches(train, order, start, stop), self.prefetch)
 
     def _batches(self, data: ArrayDataset, order: TrainOrder, start: int, stop: int) -> Iterator:
-        s, spe, k_max = self.strategy, order.steps_per_epoch, self.config.steps_per_call
-        step = start
-        while step < stop:
-            # A call never crosses an epoch end, so evaluation and checkpoints fall between calls.
-            k = min(k_max, spe - step % spe, stop - step)
+        s = self.strategy
+        for step, k in order.calls(start, stop, self.config.steps_per_call):
             # One gather for the k batches (a copy of k x rows examples), then a view [k, rows, ...].
             idx = np.concatenate([order.local_indices(step + i, s.process_index, s.process_count) for i in range(k)])
             stacked = {name: x.reshape(k, -1, *x.shape[1:]) for name, x in data.take(idx).items()}
             yield step, k, to_global(s, stacked, leading_axes=1)
-            step += k
 
     def fit(
         self,
