@@ -73,14 +73,14 @@ def fingerprint(params: Any) -> str:
     """
     digest = hashlib.sha256()
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    for path, leaf in sorted(leaves, key=lambda pl: _path_name(pl[0])):
+    for path, leaf in sorted(leaves, key=lambda pl: path_name(pl[0])):
         value = np.ascontiguousarray(jax.device_get(leaf))
-        digest.update(f"{_path_name(path)}|{value.shape}|{value.dtype}|".encode())
+        digest.update(f"{path_name(path)}|{value.shape}|{value.dtype}|".encode())
         digest.update(value.tobytes())
     return digest.hexdigest()
 
 
-def _path_name(path: tuple) -> str:
+def path_name(path: tuple) -> str:
     """``model_state/dropout1/rngs/count/value``: a pytree path without its container types,
     so the saved tree (nested dicts) and the live one (dataclasses, nnx.State) compare."""
     names = []
@@ -285,11 +285,11 @@ class Checkpointer:
 
     def _check_structure(self, step: int, like: Any) -> None:
         saved = {
-            _path_name(p): (tuple(m.shape), str(m.dtype))
+            path_name(p): (tuple(m.shape), str(m.dtype))
             for p, m in jax.tree_util.tree_flatten_with_path(self.metadata(step))[0]
         }
         wanted = {
-            _path_name(p): (tuple(x.shape), str(x.dtype))
+            path_name(p): (tuple(x.shape), str(x.dtype))
             for p, x in jax.tree_util.tree_flatten_with_path(_abstract(like))[0]
         }
         for path in sorted(set(saved) | set(wanted)):

@@ -15,7 +15,7 @@ from xlafit import exitcodes
 from xlafit.bench import BenchError
 from xlafit.checkpoint import CheckpointError
 from xlafit.config import ConfigError
-from xlafit.data.mnist import DataError
+from xlafit.data.loader import DataError
 from xlafit.devices import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, SIMULATE_ENV, DeviceError
 from xlafit.train.trainer import NonFiniteError, Preempted
 

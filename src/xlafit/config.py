@@ -50,14 +50,20 @@ class OptimizerConfig:
     for adaptive optimizers).
     """
 
-    name: Literal["adamw", "adam", "sgd", "adadelta"] = "adamw"
+    name: Literal["adamw", "adam", "lamb", "sgd", "adadelta"] = "adamw"
     learning_rate: float = 1e-3
     reference_batch: int = 128
     scaling: Literal["none", "linear", "sqrt"] = "linear"
     warmup_steps: int = 0
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    decay: Literal["cosine", "linear", "polynomial", "constant"] = "cosine"
+    decay_power: float = 1.0  # polynomial decay's exponent (1.0: linear)
     final_lr_fraction: float = 0.0  # end of decay, as a fraction of the peak
     weight_decay: float = 0.0
+    # "matrices": decay weight matrices and embeddings only, not biases or LayerNorm (BERT)
+    weight_decay_on: Literal["all", "matrices"] = "all"
+    b1: float = 0.9  # Adam-family moments
+    b2: float = 0.999
+    eps: float = 1e-8
     momentum: float = 0.9  # sgd only
     grad_clip_norm: float | None = None
 
@@ -68,6 +74,7 @@ class TrainerConfig:
 
     epochs: int = 1
     steps_per_call: int = 1  # k optimizer steps per compiled call (lax.scan)
+    accumulate_steps: int = 1  # micro-batches per optimizer step (gradient accumulation)
     log_every_steps: int = 10
     eval_every_epochs: int = 1
     checkpoint_every_steps: int = 0  # also every N steps (0: at the end of every epoch only)
@@ -156,7 +163,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     return float(value) if tp is float else value
 
 
-def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "", model_cls: type | None = None) -> Any:
+def from_dict(
+    cls: type, data: Mapping[str, Any], prefix: str = "", model_cls: type | None = None, data_cls: type | None = None
+) -> Any:
     """Builds dataclass ``cls`` from a nested mapping, rejecting unknown keys and bad types.
 
     Args:
@@ -165,6 +174,7 @@ def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "", model_cls: t
         prefix: the dotted path of ``data`` inside the whole config, for messages.
         model_cls: the recipe's model dataclass, used for the ``model`` field of
             :class:`Config`.
+        data_cls: the recipe's data dataclass (a :class:`DataConfig` subclass), if any.
 
     Returns:
         An instance of ``cls``.
@@ -182,6 +192,8 @@ def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "", model_cls: t
         tp = hints[name]
         if name == "model" and cls is Config:
             tp = model_cls
+        if name == "data" and cls is Config and data_cls is not None:
+            tp = data_cls
         if dataclasses.is_dataclass(tp):
             kwargs[name] = from_dict(tp, value or {}, f"{prefix}{name}.")
         else:
@@ -245,7 +257,13 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def build_config(recipe: str, preset: Mapping[str, Any], overrides: Mapping[str, Any], model_cls: type) -> Config:
+def build_config(
+    recipe: str,
+    preset: Mapping[str, Any],
+    overrides: Mapping[str, Any],
+    model_cls: type,
+    data_cls: type = DataConfig,
+) -> Config:
     """Merges preset and overrides into a validated :class:`Config`.
 
     A user who overrides ``data.per_device_batch`` (and not ``data.global_batch``) means
@@ -256,7 +274,9 @@ def build_config(recipe: str, preset: Mapping[str, Any], overrides: Mapping[str,
     if "per_device_batch" in data_over and "global_batch" not in data_over:
         merged.setdefault("data", {})["global_batch"] = None
     merged["recipe"] = recipe
-    cfg = from_dict(Config, merged, model_cls=model_cls)
+    cfg = from_dict(Config, merged, model_cls=model_cls, data_cls=data_cls)
+    if not isinstance(cfg.data, data_cls):  # no data section at all: the recipe's defaults
+        cfg.data = data_cls()
     validate(cfg)
     return cfg
 
@@ -270,6 +290,7 @@ def validate(cfg: Config) -> None:
         "optimizer.reference_batch": cfg.optimizer.reference_batch,
         "trainer.epochs": cfg.trainer.epochs,
         "trainer.steps_per_call": cfg.trainer.steps_per_call,
+        "trainer.accumulate_steps": cfg.trainer.accumulate_steps,
         "trainer.log_every_steps": cfg.trainer.log_every_steps,
         "trainer.eval_every_epochs": cfg.trainer.eval_every_epochs,
         "trainer.keep_checkpoints": cfg.trainer.keep_checkpoints,

@@ -25,6 +25,10 @@ from xlafit.devices import Strategy
 Batch = dict[str, np.ndarray]
 
 
+class DataError(ValueError):
+    """A data file is missing or malformed; the message names the file and the fix."""
+
+
 class ArrayDataset:
     """Examples held as NumPy arrays that share their leading (example) axis.
 
@@ -46,12 +50,15 @@ class ArrayDataset:
     def __len__(self) -> int:
         return self._len
 
-    def take(self, indices: np.ndarray) -> Batch:
+    def take(self, indices: np.ndarray, epoch: int = 0) -> Batch:
+        """The examples at ``indices``. ``epoch`` is for datasets whose examples change per
+        epoch (masked LM: :class:`xlafit.data.mlm.MLMDataset`); arrays ignore it."""
         return {name: a[indices] for name, a in self.arrays.items()}
 
 
 def as_dataset(data: ArrayDataset | Mapping[str, np.ndarray]) -> ArrayDataset:
-    return data if isinstance(data, ArrayDataset) else ArrayDataset(data)
+    """``data`` itself when it has ``take(indices, epoch)`` and ``len``, else arrays wrapped."""
+    return data if hasattr(data, "take") else ArrayDataset(data)
 
 
 @dataclasses.dataclass(frozen=True)

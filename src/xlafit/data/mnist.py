@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from xlafit.data.loader import DataError
+
 MEAN, STD = 0.1307, 0.3081
 
 # IDX type codes (http://yann.lecun.com/exdb/mnist/, "THE IDX FILE FORMAT").
@@ -32,10 +34,6 @@ IDX_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
-
-
-class DataError(ValueError):
-    """A data file is missing or malformed; the message names the file and the fix."""
 
 
 def read_idx(path: str | Path) -> np.ndarray:

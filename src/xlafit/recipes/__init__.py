@@ -1,8 +1,11 @@
 """Recipes: a preset, a model, a loss and data wiring per workload.
 
-A recipe module provides ``ModelConfig`` (a dataclass), ``build_model(cfg)``,
-``loss_fn(model, batch)`` and ``load_data(cfg) -> (train, eval)``, plus a YAML preset
-beside it with the same name.
+A recipe module provides ``ModelConfig`` (a dataclass), ``load_data(cfg) -> (train, eval)``,
+``build_model(cfg, train)`` and ``loss_fn(model, batch)``, plus a YAML preset beside it with
+the same name. Optional: ``DataConfig`` (a :class:`xlafit.config.DataConfig` subclass with
+the recipe's data keys), ``throughput(cfg, train)`` (``tokens_per_example`` and
+``flops_per_example`` for the logs) and ``save_artifacts(cfg, run_dir, train)`` (files a
+run keeps beside its checkpoints, such as a tokenizer).
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ from types import ModuleType
 import yaml
 from etils import epath
 
-from xlafit.config import Config, ConfigError, build_config, load_yaml, parse_overrides, resolve_batch
+from xlafit.config import Config, ConfigError, DataConfig, build_config, load_yaml, parse_overrides, resolve_batch
+from xlafit.data.loader import as_dataset
 from xlafit.devices import connect
 from xlafit.train.optim import make_optimizer
 from xlafit.train.trainer import FitResult, Trainer, handle_signals
 
-RECIPES = ("mnist",)
+RECIPES = ("mnist", "bert")
 
 
 def recipe_module(name: str) -> ModuleType:
@@ -43,7 +47,14 @@ def load_config(name: str, overrides: Sequence[str] = (), preset: str | Path | N
     """
     module = recipe_module(name)
     path = Path(preset) if preset else Path(module.__file__).with_suffix(".yaml")
-    return build_config(name, load_yaml(path), parse_overrides(overrides), module.ModelConfig)
+    return config_from_dict(name, load_yaml(path), parse_overrides(overrides))
+
+
+def config_from_dict(name: str, preset: dict, overrides: dict | None = None) -> Config:
+    """A recipe's :class:`Config` from a plain dict (a preset, or a run's ``config.yaml``)."""
+    module = recipe_module(name)
+    data_cls = getattr(module, "DataConfig", DataConfig)
+    return build_config(name, preset, overrides or {}, module.ModelConfig, data_cls)
 
 
 def _run_dir(cfg: Config) -> Path:
@@ -138,7 +149,7 @@ def _train(cfg: Config) -> FitResult:
             f"use a multiple of {strategy.num_replicas}."
         )
     train_data, eval_data = module.load_data(cfg)
-    steps_per_epoch = len(next(iter(train_data.values()))) // global_batch
+    steps_per_epoch = len(as_dataset(train_data)) // global_batch
     if steps_per_epoch == 0:
         raise ConfigError(
             f"the training set is smaller than one global batch ({global_batch}); lower data.global_batch."
@@ -162,6 +173,8 @@ def _train(cfg: Config) -> FitResult:
             checkpoints.rmtree()
             (run_dir / "metrics.jsonl").unlink(missing_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved.to_dict(), sort_keys=False))
+        if hasattr(module, "save_artifacts"):
+            module.save_artifacts(cfg, run_dir, train_data)
         print(f"run directory: {run_dir}", flush=True)
         print(
             f"learning rate: {cfg.optimizer.learning_rate:g} at batch {cfg.optimizer.reference_batch} -> "
@@ -176,8 +189,9 @@ def _train(cfg: Config) -> FitResult:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         logging.getLogger("xlafit").addHandler(handler)
         logging.getLogger("xlafit").setLevel(logging.INFO)
+    throughput = module.throughput(cfg, train_data) if hasattr(module, "throughput") else {}
     trainer = Trainer(
-        module.build_model(cfg),
+        module.build_model(cfg, train_data),
         module.loss_fn,
         plan.tx,
         strategy=strategy,
@@ -190,6 +204,7 @@ def _train(cfg: Config) -> FitResult:
         data_seed=cfg.data.seed,
         prefetch=cfg.data.prefetch,
         resume=cfg.run.resume,
+        **throughput,
     )
     try:
         result = trainer.fit(train_data, eval=eval_data)
@@ -200,4 +215,6 @@ def _train(cfg: Config) -> FitResult:
         print(f"test: {metrics}  ({result.eval['count']} examples)", flush=True)
         if "accuracy" in result.eval:
             print(f"test accuracy: {result.eval['accuracy']:.4f}", flush=True)
+        if "masked_accuracy" in result.eval:
+            print(f"masked-token accuracy: {result.eval['masked_accuracy']:.4f}", flush=True)
     return result

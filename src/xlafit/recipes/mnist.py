@@ -25,7 +25,7 @@ class ModelConfig:
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
 
 
-def build_model(cfg: Config) -> MnistCNN:
+def build_model(cfg: Config, train: object = None) -> MnistCNN:
     dtype = jnp.bfloat16 if cfg.model.compute_dtype == "bfloat16" else None
     rngs = nnx.Rngs(params=cfg.trainer.seed, dropout=cfg.trainer.seed + 1)
     return MnistCNN(dropout1=cfg.model.dropout1, dropout2=cfg.model.dropout2, dtype=dtype, rngs=rngs)

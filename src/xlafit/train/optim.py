@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import optax
 
 from xlafit.config import OptimizerConfig
@@ -44,7 +45,7 @@ def scaled_lr(base_lr: float, global_batch: int, reference_batch: int, rule: str
 
 
 def make_schedule(cfg: OptimizerConfig, peak_lr: float, total_steps: int) -> optax.Schedule:
-    """Linear warmup from 0 to ``peak_lr``, then cosine, linear or no decay."""
+    """Linear warmup from 0 to ``peak_lr``, then cosine, linear, polynomial or no decay."""
     warmup = min(cfg.warmup_steps, total_steps)
     decay_steps = max(total_steps - warmup, 1)
     end = peak_lr * cfg.final_lr_fraction
@@ -52,6 +53,8 @@ def make_schedule(cfg: OptimizerConfig, peak_lr: float, total_steps: int) -> opt
         decay = optax.cosine_decay_schedule(peak_lr, decay_steps, alpha=cfg.final_lr_fraction)
     elif cfg.decay == "linear":
         decay = optax.linear_schedule(peak_lr, end, decay_steps)
+    elif cfg.decay == "polynomial":  # BERT's: (peak - end) * (1 - t / T) ** power + end
+        decay = optax.polynomial_schedule(peak_lr, end, cfg.decay_power, decay_steps)
     else:
         decay = optax.constant_schedule(peak_lr)
     if warmup == 0:
@@ -59,14 +62,25 @@ def make_schedule(cfg: OptimizerConfig, peak_lr: float, total_steps: int) -> opt
     return optax.join_schedules([optax.linear_schedule(0.0, peak_lr, warmup), decay], [warmup])
 
 
+def _matrices(params):
+    """Weight-decay mask: True for arrays of rank 2 or more (kernels, embeddings)."""
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
 def make_optimizer(cfg: OptimizerConfig, global_batch: int, total_steps: int) -> OptimizerPlan:
-    """Builds the optax chain: optional clipping, then the named optimizer on the schedule."""
+    """Builds the optax chain: optional clipping, then the named optimizer on the schedule.
+
+    LAMB (You et al. 2020) is Adam with a per-layer trust ratio, BERT's large-batch optimizer.
+    """
     peak = scaled_lr(cfg.learning_rate, global_batch, cfg.reference_batch, cfg.scaling)
     schedule = make_schedule(cfg, peak, total_steps)
+    mask = _matrices if cfg.weight_decay_on == "matrices" else None
     if cfg.name == "adamw":
-        opt = optax.adamw(schedule, weight_decay=cfg.weight_decay)
+        opt = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask)
+    elif cfg.name == "lamb":
+        opt = optax.lamb(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask)
     elif cfg.name == "adam":
-        opt = optax.adam(schedule)
+        opt = optax.adam(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
     elif cfg.name == "sgd":
         opt = optax.sgd(schedule, momentum=cfg.momentum or None)
     else:

@@ -80,7 +80,7 @@ class RunReport:
             self._tb.close()
 
 
-_BAR_KEYS = ("loss", "accuracy", "examples_per_sec")
+_BAR_KEYS = ("loss", "accuracy", "masked_accuracy", "examples_per_sec", "tokens_per_sec", "mfu")
 
 
 def _fmt(key: str, value: Any) -> str:

@@ -91,6 +91,9 @@ class Trainer:
         data_seed: seed of the data order.
         prefetch: batches moved to the devices ahead of the step.
         resume: continue from the newest checkpoint in ``run_dir``.
+        tokens_per_example: adds ``tokens_per_sec`` to the logs (sequence models).
+        flops_per_example: model FLOPs to train on one example; adds ``mfu`` to the logs
+            (model FLOPs utilisation against :func:`xlafit.bench.peaks.peak_flops`).
     """
 
     def __init__(
@@ -109,6 +112,8 @@ class Trainer:
         data_seed: int = 0,
         prefetch: int = 2,
         resume: bool = True,
+        tokens_per_example: float | None = None,
+        flops_per_example: float | None = None,
     ) -> None:
         self.strategy = strategy or connect()
         self.config = config or TrainerConfig()
@@ -126,6 +131,9 @@ class Trainer:
         self.prefetch = prefetch
         self.resume = resume
         self.tx = optimizer
+        self.tokens_per_example = tokens_per_example
+        self.flops_per_example = flops_per_example
+        self.peak_flops: float | None = None  # measured or looked up when fit starts
 
         model.train()
         train_graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
@@ -142,6 +150,17 @@ class Trainer:
             model_state=model_state,
         )
         chunks = self.config.invariant_chunks
+        accumulate = self.config.accumulate_steps
+        if self.global_batch % (self.strategy.num_replicas * accumulate):
+            raise ValueError(
+                f"trainer.accumulate_steps={accumulate} must divide the per-device batch "
+                f"{self.global_batch // self.strategy.num_replicas}."
+            )
+        if chunks is not None and accumulate > 1:
+            raise ValueError(
+                "trainer.invariant_chunks already runs chunks one after another on each device; "
+                "set trainer.accumulate_steps=1 with it."
+            )
         if chunks is not None:
             devices = self.strategy.num_replicas
             if chunks % devices or self.global_batch % chunks:
@@ -151,7 +170,14 @@ class Trainer:
                 )
             step_fn = build_invariant_train_step(train_graphdef, loss_fn, optimizer, self.strategy.mesh, chunks)
         else:
-            step_fn = build_train_step(train_graphdef, loss_fn, optimizer, unroll=self.strategy.platform == "cpu")
+            step_fn = build_train_step(
+                train_graphdef,
+                loss_fn,
+                optimizer,
+                unroll=self.strategy.platform == "cpu",
+                accumulate=self.config.accumulate_steps,
+                devices=self.strategy.num_replicas,
+            )
         self.train_step = CompiledStep(
             "train step",
             step_fn,
@@ -218,7 +244,8 @@ class Trainer:
         for step, k in order.calls(start, stop, self.config.steps_per_call):
             # One gather for the k batches (a copy of k x rows examples), then a view [k, rows, ...].
             idx = np.concatenate([order.local_indices(step + i, s.process_index, s.process_count) for i in range(k)])
-            stacked = {name: x.reshape(k, -1, *x.shape[1:]) for name, x in data.take(idx).items()}
+            batch = data.take(idx, epoch=step // order.steps_per_epoch)  # a call never crosses an epoch
+            stacked = {name: x.reshape(k, -1, *x.shape[1:]) for name, x in batch.items()}
             yield step, k, to_global(s, stacked, leading_axes=1)
 
     def fit(
@@ -254,6 +281,14 @@ class Trainer:
             f"devices: {s.num_replicas} x {s.platform} ({s.process_count} process(es))   "
             f"per-device batch: {self.global_batch // s.num_replicas}   global batch: {self.global_batch}"
         )
+        if self.flops_per_example and self.peak_flops is None:
+            from xlafit.bench.peaks import peak_flops
+
+            try:
+                self.peak_flops, source = peak_flops(list(s.mesh.devices.flat))
+                report.print(f"MFU against {self.peak_flops / 1e12:.4g} TFLOP/s: {source}")
+            except LookupError as e:
+                report.print(f"MFU not reported: {e}")
         peak = _peak_lr(self.learning_rate, total)
         report.print(
             f"steps: {spe}/epoch x {cfg.epochs} epochs = {total}   steps per call: {cfg.steps_per_call}"
@@ -475,6 +510,8 @@ class _Loop:
             {
                 "learning_rate": _lr_at(self.t.learning_rate, step - 1),
                 "examples_per_sec": steps_done * self.t.global_batch / busy,
+                "tokens_per_sec": _times(steps_done * self.t.global_batch / busy, self.t.tokens_per_example),
+                "mfu": _times(steps_done * self.t.global_batch / busy, self.t.flops_per_example, self.t.peak_flops),
                 "step_time_s": busy / steps_done,
                 "input_wait_s": wait,
                 "compiles": self.t.train_step.compiles,
@@ -527,6 +564,11 @@ def replicate(tree: Any, sharding: jax.sharding.Sharding) -> Any:
         return jax.make_array_from_process_local_data(sharding, x, x.shape)
 
     return jax.tree.map(put, tree)
+
+
+def _times(rate: float, per_example: float | None, peak: float | None = 1.0) -> float | None:
+    """``rate * per_example / peak``, or None when either is unknown."""
+    return rate * per_example / peak if per_example and peak else None
 
 
 def _lr_at(schedule: optax.Schedule | float | None, step: int) -> float | None:

@@ -1,0 +1,179 @@
+"""WordPiece tokenizers for BERT with Hugging Face ``tokenizers``, safe for Korean.
+
+BERT's default normaliser lowercases and strips accents, and stripping accents means NFD
+decomposition: every Hangul syllable falls apart into jamo (``"한" -> "ㅎ ㅏ ㄴ"``), which
+triples the sequence length and loses the syllable vocabulary. Here accents are kept and
+case is kept unless asked (lowercasing leaves Hangul alone; it is NFD that hurts).
+
+The output directory loads with ``tokenizers.Tokenizer.from_file(DIR/tokenizer.json)``
+and with ``transformers.AutoTokenizer.from_pretrained(DIR)``.
+
+Example:
+    >>> tok = train_tokenizer(["corpus.txt"], vocab_size=8000, out="tok/")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tqdm import tqdm
+
+from xlafit.data.loader import DataError
+from xlafit.data.text import read_lines
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # ids 0..4, in this order
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerStats:
+    """How well a tokenizer fits a text: unknown-token rate and tokens per word."""
+
+    words: int
+    tokens: int
+    unknown: int
+
+    @property
+    def unknown_rate(self) -> float:
+        return self.unknown / max(self.tokens, 1)
+
+    @property
+    def tokens_per_word(self) -> float:
+        return self.tokens / max(self.words, 1)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.tokens:,} tokens for {self.words:,} words: {self.tokens_per_word:.2f} tokens/word, "
+            f"unknown-token rate {self.unknown_rate:.3%}"
+        )
+
+
+def new_tokenizer(lowercase: bool = False, strip_accents: bool = False) -> Tokenizer:
+    """An untrained BERT WordPiece tokenizer (normaliser, pre-tokenizer, decoder)."""
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]", continuing_subword_prefix="##"))
+    tok.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, strip_accents=strip_accents, lowercase=lowercase
+    )
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    return tok
+
+
+def _lines(files: Sequence[str]) -> Iterator[str]:
+    for _, line in read_lines(files):
+        if line:
+            yield line
+
+
+def train_tokenizer(
+    files: Sequence[str],
+    vocab_size: int,
+    out: str | Path,
+    *,
+    min_frequency: int = 2,
+    lowercase: bool = False,
+    strip_accents: bool = False,
+    show_progress: bool = True,
+) -> Tokenizer:
+    """Trains a WordPiece vocabulary on ``files`` (streamed) and saves it to ``out``.
+
+    Args:
+        files: UTF-8 text files or URLs.
+        vocab_size: the vocabulary's size, the 5 special tokens included.
+        out: directory for ``tokenizer.json``, ``vocab.txt`` and the transformers configs.
+        min_frequency: a merge must occur this often.
+        lowercase: lowercase Latin text (Hangul has no case and is unaffected).
+        strip_accents: NFD + drop combining marks; splits Hangul into jamo, so off.
+
+    Raises:
+        DataError: ``vocab_size`` too small, or no text in ``files``.
+    """
+    if vocab_size <= len(SPECIAL_TOKENS) + 10:
+        raise DataError(f"--vocab-size {vocab_size} is too small; BERT vocabularies hold thousands (try 8000).")
+    tok = new_tokenizer(lowercase, strip_accents)
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        continuing_subword_prefix="##",
+        show_progress=show_progress,
+    )
+    tok.train_from_iterator(_lines(files), trainer)
+    if tok.get_vocab_size() <= len(SPECIAL_TOKENS):
+        raise DataError(f"no text found in {', '.join(files)}.")
+    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
+    save_tokenizer(tok, out, lowercase=lowercase, strip_accents=strip_accents)
+    return tok
+
+
+def save_tokenizer(tok: Tokenizer, out: str | Path, *, lowercase: bool, strip_accents: bool) -> Path:
+    """``tokenizer.json`` + ``vocab.txt`` + the configs ``AutoTokenizer`` reads."""
+    d = Path(out)
+    d.mkdir(parents=True, exist_ok=True)
+    tok.save(str(d / "tokenizer.json"))
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    (d / "vocab.txt").write_text("".join(f"{token}\n" for token, _ in vocab), encoding="utf-8")
+    names = dict(zip(("pad_token", "unk_token", "cls_token", "sep_token", "mask_token"), SPECIAL_TOKENS, strict=True))
+    config = {
+        "tokenizer_class": "BertTokenizer",
+        "do_lower_case": lowercase,
+        "strip_accents": strip_accents,
+        "tokenize_chinese_chars": True,
+        "model_max_length": 512,
+        **names,
+    }
+    (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (d / "special_tokens_map.json").write_text(json.dumps(names, indent=2) + "\n")
+    return d
+
+
+def load_tokenizer(directory: str | Path) -> Tokenizer:
+    """The tokenizer saved in ``directory`` by :func:`train_tokenizer`.
+
+    Raises:
+        DataError: no ``tokenizer.json`` there, or it lacks BERT's special tokens.
+    """
+    path = Path(directory) / "tokenizer.json"
+    if not path.exists():
+        raise DataError(f"{directory} holds no tokenizer.json; create one with `xlafit tokenizer train`.")
+    tok = Tokenizer.from_file(str(path))
+    missing = [t for t in SPECIAL_TOKENS if tok.token_to_id(t) is None]
+    if missing:
+        raise DataError(f"the tokenizer in {directory} lacks BERT's special tokens {missing}.")
+    return tok
+
+
+def measure(
+    tok: Tokenizer, files: Sequence[str], max_lines: int = 100_000, show_progress: bool = False
+) -> TokenizerStats:
+    """Unknown-token rate and tokens per word over the first ``max_lines`` lines of ``files``."""
+    words = tokens = unknown = 0
+    unk_id = tok.token_to_id("[UNK]")
+    batch: list[str] = []
+
+    def count(lines: list[str]) -> None:
+        nonlocal words, tokens, unknown
+        words += sum(len(line.split()) for line in lines)  # words as spaces delimit them (Korean eojeol)
+        for enc in tok.encode_batch(lines, add_special_tokens=False):
+            tokens += len(enc.ids)
+            unknown += enc.ids.count(unk_id)
+
+    lines = _lines(files)
+    for i, line in enumerate(tqdm(lines, disable=not show_progress, unit="line", desc="measuring")):
+        if i >= max_lines:
+            break
+        batch.append(line)
+        if len(batch) == 1000:
+            count(batch)
+            batch = []
+    if batch:
+        count(batch)
+    return TokenizerStats(words, tokens, unknown)

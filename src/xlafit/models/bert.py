@@ -1,0 +1,295 @@
+"""BERT (Devlin et al. 2019) for masked-LM pretraining, in Flax NNX.
+
+The same computation as Hugging Face's ``BertForMaskedLM`` (post-LayerNorm encoder, exact
+GELU, LayerNorm eps 1e-12, an MLM head tied to the word embeddings), so weights move both
+ways (:mod:`xlafit.models.bert_hf`) and logits agree to float rounding (tested to 1e-4).
+Two differences in layout, not in math: query, key and value are one ``[hidden, 3 * hidden]``
+matmul (one kernel launch instead of three), and the MLM head can run only at the
+``max_predictions`` masked positions of each sequence, as original BERT does, instead of
+at every position.
+
+Example:
+    >>> from flax import nnx
+    >>> cfg = BertConfig.preset("tiny", vocab_size=1000)
+    >>> model = BertForMaskedLM(cfg, rngs=nnx.Rngs(0))
+    >>> ids = jnp.ones((2, 16), jnp.int32)
+    >>> model(ids, jnp.ones_like(ids), jnp.zeros_like(ids)).shape
+    (2, 16, 1000)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+# Sizes of Google's BERT releases: the 24 "BERT miniatures" (Turc et al. 2019) name
+# tiny/mini/small/medium; base and large are the paper's.
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {"num_layers": 2, "hidden_size": 128, "num_heads": 2, "intermediate_size": 512},
+    "mini": {"num_layers": 4, "hidden_size": 256, "num_heads": 4, "intermediate_size": 1024},
+    "small": {"num_layers": 4, "hidden_size": 512, "num_heads": 8, "intermediate_size": 2048},
+    "medium": {"num_layers": 8, "hidden_size": 512, "num_heads": 8, "intermediate_size": 2048},
+    "base": {"num_layers": 12, "hidden_size": 768, "num_heads": 12, "intermediate_size": 3072},
+    "large": {"num_layers": 24, "hidden_size": 1024, "num_heads": 16, "intermediate_size": 4096},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+    """Sizes and options of a BERT; :meth:`preset` fills the sizes by name.
+
+    ``dtype`` is the compute dtype (``"bfloat16"`` for mixed precision); parameters are
+    always float32. ``attention`` picks the kernel of ``jax.nn.dot_product_attention``:
+    ``"xla"`` everywhere, ``"cudnn"`` (flash attention, GPUs, bf16/fp16 only, right-padded
+    sequences), or ``"auto"`` (cuDNN where it applies, else XLA).
+    """
+
+    vocab_size: int = 30522
+    num_layers: int = 12
+    hidden_size: int = 768
+    num_heads: int = 12
+    intermediate_size: int = 3072
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.0
+    layer_norm_eps: float = 1e-12
+    initializer_range: float = 0.02
+    pad_token_id: int = 0
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    attention: Literal["auto", "xla", "cudnn"] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} must be a multiple of num_heads={self.num_heads} "
+                f"(each head gets hidden_size / num_heads dimensions)."
+            )
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> BertConfig:
+        """A named size (tiny, mini, small, medium, base, large) with ``overrides`` applied.
+
+        Example:
+            >>> BertConfig.preset("mini", vocab_size=8000).hidden_size
+            256
+        """
+        if name not in PRESETS:
+            raise ValueError(f"unknown BERT preset {name!r}; choose one of {', '.join(PRESETS)} or 'custom'.")
+        return cls(**{**PRESETS[name], **overrides})
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.bfloat16 if self.dtype == "bfloat16" else jnp.float32
+
+    def num_params(self, embeddings: bool = True) -> int:
+        """Parameter count (the MLM head's decoder is the word embeddings, counted once)."""
+        h, i, n = self.hidden_size, self.intermediate_size, self.num_layers
+        layer = 4 * h * h + 4 * h + 2 * h * i + i + h + 4 * h  # attention, FFN, two LayerNorms
+        head = h * h + h + 2 * h + self.vocab_size  # transform dense + LayerNorm + output bias
+        emb = (self.vocab_size + self.max_position_embeddings + self.type_vocab_size) * h + 2 * h
+        return n * layer + head + (emb if embeddings else 0)
+
+    def train_flops_per_sequence(self, seq_len: int, predictions: int | None = None) -> float:
+        """Model FLOPs (2 per multiply-add, backward = 2x forward) to train on one sequence.
+
+        Counts every matmul: the encoder's dense layers, attention scores and their
+        weighting (``2 * seq_len * hidden`` each per token and layer), and the MLM head at
+        ``predictions`` positions (every position when None). Embedding lookups, LayerNorm,
+        softmax and GELU are not matmuls and are left out, as in the PaLM paper's MFU
+        (Chowdhery et al. 2022, appendix B).
+        """
+        h, i, n = self.hidden_size, self.intermediate_size, self.num_layers
+        dense_per_token = n * (4 * h * h + 2 * h * i)
+        attention_per_token = n * 2 * seq_len * h
+        head_per_prediction = h * h + h * self.vocab_size
+        encoder = seq_len * (dense_per_token + attention_per_token)
+        forward = 2 * (encoder + (predictions or seq_len) * head_per_prediction)
+        return 3.0 * forward
+
+
+def _dense(cfg: BertConfig, din: int, dout: int, rngs: nnx.Rngs) -> nnx.Linear:
+    init = nnx.initializers.truncated_normal(stddev=cfg.initializer_range)
+    return nnx.Linear(din, dout, kernel_init=init, dtype=cfg.compute_dtype, rngs=rngs)
+
+
+def _layer_norm(cfg: BertConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    # Statistics are computed in float32 even for bf16 inputs (Flax upcasts them).
+    return nnx.LayerNorm(cfg.hidden_size, epsilon=cfg.layer_norm_eps, dtype=cfg.compute_dtype, rngs=rngs)
+
+
+def gelu(x: jax.Array) -> jax.Array:
+    """The exact (erf) GELU of BERT and Hugging Face's ``"gelu"``, not the tanh approximation."""
+    return jax.nn.gelu(x, approximate=False)
+
+
+class BertEmbeddings(nnx.Module):
+    def __init__(self, cfg: BertConfig, rngs: nnx.Rngs) -> None:
+        init = nnx.initializers.truncated_normal(stddev=cfg.initializer_range)
+        embed = lambda n: nnx.Embed(n, cfg.hidden_size, embedding_init=init, dtype=cfg.compute_dtype, rngs=rngs)  # noqa: E731
+        self.word = embed(cfg.vocab_size)
+        self.position = embed(cfg.max_position_embeddings)
+        self.token_type = embed(cfg.type_vocab_size)
+        self.norm = _layer_norm(cfg, rngs)
+        self.dropout = nnx.Dropout(cfg.hidden_dropout, rngs=rngs)
+
+    def __call__(self, input_ids: jax.Array, token_type_ids: jax.Array, position_ids: jax.Array) -> jax.Array:
+        x = self.word(input_ids) + self.token_type(token_type_ids) + self.position(position_ids)  # (B, T, h)
+        return self.dropout(self.norm(x))
+
+
+class BertAttention(nnx.Module):
+    def __init__(self, cfg: BertConfig, rngs: nnx.Rngs) -> None:
+        self.cfg = cfg
+        self.qkv = _dense(cfg, cfg.hidden_size, 3 * cfg.hidden_size, rngs)
+        self.out = _dense(cfg, cfg.hidden_size, cfg.hidden_size, rngs)
+        self.attention_dropout = nnx.Dropout(cfg.attention_dropout, rngs=rngs)
+        self.dropout = nnx.Dropout(cfg.hidden_dropout, rngs=rngs)
+        self.norm = _layer_norm(cfg, rngs)
+
+    def __call__(self, x: jax.Array, mask: jax.Array, kv_lengths: jax.Array | None) -> jax.Array:
+        b, t, h = x.shape
+        heads = self.cfg.num_heads
+        q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * heads, h // heads), 3, axis=2)  # 3 x (B, T, nh, hd)
+        if self.cfg.attention_dropout > 0 and not self.attention_dropout.deterministic:
+            # Dropout on the attention probabilities needs them materialised: the plain path.
+            scores = jnp.einsum("btnd,bsnd->bnts", q, k) / jnp.sqrt(h // heads).astype(q.dtype)
+            scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+            probs = self.attention_dropout(jax.nn.softmax(scores, axis=-1)).astype(v.dtype)
+            context = jnp.einsum("bnts,bsnd->btnd", probs, v)
+        elif kv_lengths is not None:  # cuDNN flash attention: right padding given as lengths
+            context = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths, implementation="cudnn")
+        else:
+            context = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+        x = x + self.dropout(self.out(context.reshape(b, t, h)))
+        return self.norm(x)
+
+
+class BertLayer(nnx.Module):
+    def __init__(self, cfg: BertConfig, rngs: nnx.Rngs) -> None:
+        self.attention = BertAttention(cfg, rngs)
+        self.intermediate = _dense(cfg, cfg.hidden_size, cfg.intermediate_size, rngs)
+        self.output = _dense(cfg, cfg.intermediate_size, cfg.hidden_size, rngs)
+        self.dropout = nnx.Dropout(cfg.hidden_dropout, rngs=rngs)
+        self.norm = _layer_norm(cfg, rngs)
+
+    def __call__(self, x: jax.Array, mask: jax.Array, kv_lengths: jax.Array | None) -> jax.Array:
+        x = self.attention(x, mask, kv_lengths)
+        y = self.output(gelu(self.intermediate(x)))  # (B, T, 4h) in between
+        return self.norm(x + self.dropout(y))
+
+
+class BertForMaskedLM(nnx.Module):
+    """BERT encoder with the masked-LM head; Hugging Face's ``BertForMaskedLM`` in NNX.
+
+    Args:
+        cfg: sizes and options.
+        rngs: ``params`` for initialisation (BERT's truncated normal, std 0.02) and
+            ``dropout``.
+    """
+
+    def __init__(self, cfg: BertConfig, *, rngs: nnx.Rngs) -> None:
+        self.cfg = cfg
+        self.embeddings = BertEmbeddings(cfg, rngs)
+        self.layers = nnx.List([BertLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.head_dense = _dense(cfg, cfg.hidden_size, cfg.hidden_size, rngs)
+        self.head_norm = _layer_norm(cfg, rngs)
+        self.head_bias = nnx.Param(jnp.zeros((cfg.vocab_size,), jnp.float32))
+
+    @classmethod
+    def from_hf(cls, directory: str | Path, rngs: nnx.Rngs | None = None, **overrides) -> BertForMaskedLM:
+        """Imports a Hugging Face BERT checkpoint (``config.json`` + ``model.safetensors``),
+        e.g. to continue pretraining it. ``overrides`` change :class:`BertConfig` fields
+        that do not touch the weights (``dtype``, dropout, ``attention``).
+
+        Example:
+            >>> model = BertForMaskedLM.from_hf("exported/")  # doctest: +SKIP
+        """
+        from xlafit.models.bert_hf import load_hf
+
+        return load_hf(directory, rngs=rngs, **overrides)
+
+    def encode(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        token_type_ids: jax.Array | None = None,
+        position_ids: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """Hidden states ``[B, T, hidden]``.
+
+        ``segment_ids`` (packed sequences: 1, 1, 2, 2, 2, 0 for padding) keep attention
+        inside each segment; give ``position_ids`` that restart at every segment then.
+        """
+        b, t = input_ids.shape
+        if t > self.cfg.max_position_embeddings:
+            raise ValueError(
+                f"sequences of {t} tokens are longer than max_position_embeddings="
+                f"{self.cfg.max_position_embeddings}; shorten them or build a model with more positions."
+            )
+        if attention_mask is None:
+            attention_mask = jnp.ones((b, t), jnp.int32)
+        if token_type_ids is None:
+            token_type_ids = jnp.zeros((b, t), jnp.int32)
+        if position_ids is None:
+            position_ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        valid = attention_mask.astype(bool)
+        # (B, 1, 1|T, T): which keys each query may see. Padding queries still attend (to
+        # the valid keys), as in Hugging Face, so every position has finite logits.
+        mask = valid[:, None, None, :]
+        if segment_ids is not None:
+            mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+        kv_lengths = None
+        if self._use_cudnn(segment_ids):
+            kv_lengths = attention_mask.astype(jnp.int32).sum(-1)
+        x = self.embeddings(input_ids, token_type_ids, position_ids)
+        for layer in self.layers:
+            x = layer(x, mask, kv_lengths)
+        return x
+
+    def _use_cudnn(self, segment_ids: jax.Array | None) -> bool:
+        fits = segment_ids is None and self.cfg.dtype == "bfloat16"
+        if self.cfg.attention == "cudnn" and not fits:
+            raise ValueError("attention='cudnn' needs dtype='bfloat16' and no segment_ids; use 'xla' or 'auto'.")
+        if self.cfg.attention == "auto":
+            return fits and jax.default_backend() == "gpu"
+        return self.cfg.attention == "cudnn"
+
+    def mlm_logits(self, hidden: jax.Array) -> jax.Array:
+        """The MLM head on hidden states ``[..., hidden]`` -> float32 logits ``[..., vocab]``."""
+        x = self.head_norm(gelu(self.head_dense(hidden)))
+        # Tied decoder: the word embedding matrix, transposed (HF's tie_word_embeddings).
+        logits = self.embeddings.word.attend(x)
+        return logits.astype(jnp.float32) + self.head_bias[...]
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        token_type_ids: jax.Array | None = None,
+        *,
+        position_ids: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        masked_positions: jax.Array | None = None,
+    ) -> jax.Array:
+        """MLM logits ``[B, T, vocab]``, or ``[B, P, vocab]`` at ``masked_positions [B, P]``.
+
+        Args:
+            input_ids: token ids ``[B, T]`` (int).
+            attention_mask: 1 for tokens, 0 for padding ``[B, T]``; default all ones.
+            token_type_ids: sentence A (0) or B (1) ``[B, T]``; default zeros.
+            position_ids, segment_ids: for packed sequences (see :meth:`encode`).
+            masked_positions: run the head only at these positions (original BERT's
+                ``gather_indexes``): the vocabulary projection is the largest matmul of a
+                small BERT, and only the masked positions have labels.
+        """
+        hidden = self.encode(input_ids, attention_mask, token_type_ids, position_ids, segment_ids)
+        if masked_positions is not None:
+            hidden = jnp.take_along_axis(hidden, masked_positions[..., None].astype(jnp.int32), axis=1)
+        return self.mlm_logits(hidden)
