@@ -64,7 +64,11 @@ def run_xlafit(args, full_head: bool) -> dict:
     from xlafit.train.losses import masked_mean
 
     cfg = BertConfig(
-        **bert_sizes(args), vocab_size=args.vocab, dtype=args.dtype, attention=args.attention, hidden_dropout=0.1
+        **bert_sizes(args),
+        vocab_size=args.vocab,
+        dtype=args.dtype,
+        attention=args.attention,
+        hidden_dropout=args.dropout,
     )
     model = BertForMaskedLM(cfg, rngs=nnx.Rngs(params=0, dropout=1))
 
@@ -132,7 +136,7 @@ def run_hf(args) -> dict:
         num_attention_heads=sizes["num_heads"],
         intermediate_size=sizes["intermediate_size"],
         attention_probs_dropout_prob=0.0,  # as xlafit's preset: keeps SDPA's fused kernels
-        hidden_dropout_prob=0.1,
+        hidden_dropout_prob=args.dropout,
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)
@@ -193,6 +197,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=30522)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto")
+    p.add_argument("--dropout", type=float, default=0.1, help="hidden dropout, both rows")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps-per-call", type=int, default=1)
@@ -210,7 +215,12 @@ def main() -> None:
 
     rows = args.rows.split(",")
     runs: dict[str, list[dict]] = {r: [] for r in rows}
-    forwarded = [a for a in sys.argv[1:] if not a.startswith("--json")]
+    forwarded = []  # the worker's arguments: ours, less --json and its value
+    skip = False
+    for a in sys.argv[1:]:
+        if not skip and not a.startswith("--json"):
+            forwarded.append(a)
+        skip = a == "--json"
     for repeat in range(args.repeats):
         for row in rows:
             cmd = [sys.executable, __file__, *forwarded, "--worker", row]
@@ -221,7 +231,12 @@ def main() -> None:
             result = json.loads(lines[-1][len("RESULT ") :])
             runs[row].append(result)
             tokens = args.batch * args.seq_len * args.steps / result["seconds"]
-            print(f"round {repeat + 1}/{args.repeats} {row:<17} {tokens:>10,.0f} tokens/s", flush=True)
+            wait = result["input_wait_s"]
+            print(
+                f"round {repeat + 1}/{args.repeats} {row:<17} {tokens:>10,.0f} tokens/s"
+                + (f"  input wait {100 * wait / result['seconds']:.1f}%" if wait is not None else ""),
+                flush=True,
+            )
 
     import jax
 

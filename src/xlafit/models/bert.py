@@ -138,8 +138,21 @@ class BertEmbeddings(nnx.Module):
         self.norm = _layer_norm(cfg, rngs)
         self.dropout = nnx.Dropout(cfg.hidden_dropout, rngs=rngs)
 
-    def __call__(self, input_ids: jax.Array, token_type_ids: jax.Array, position_ids: jax.Array) -> jax.Array:
-        x = self.word(input_ids) + self.token_type(token_type_ids) + self.position(position_ids)  # (B, T, h)
+    def __call__(
+        self, input_ids: jax.Array, token_type_ids: jax.Array, position_ids: jax.Array | None
+    ) -> jax.Array:
+        dtype = self.word.dtype or jnp.float32
+        # The gradient of a lookup is a scatter-add. It runs on the float32 table (GPUs add
+        # float32 atomically; bfloat16 they emulate); position and token-type tables are
+        # tiny, so B*T updates would land on a few rows and serialise (measured on an H100:
+        # the step took 2.1x longer). A slice and a one-hot matmul have dense gradients.
+        x = jnp.take(self.word.embedding[...], input_ids, axis=0).astype(dtype)  # (B, T, h)
+        if position_ids is None:
+            x = x + self.position.embedding[: input_ids.shape[1]].astype(x.dtype)[None]
+        else:
+            x = x + self.position(position_ids)
+        types = jax.nn.one_hot(token_type_ids, self.token_type.num_embeddings, dtype=x.dtype)
+        x = x + types @ self.token_type.embedding[...].astype(x.dtype)
         return self.dropout(self.norm(x))
 
 
@@ -237,8 +250,6 @@ class BertForMaskedLM(nnx.Module):
             attention_mask = jnp.ones((b, t), jnp.int32)
         if token_type_ids is None:
             token_type_ids = jnp.zeros((b, t), jnp.int32)
-        if position_ids is None:
-            position_ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         valid = attention_mask.astype(bool)
         # (B, 1, 1|T, T): which keys each query may see. Padding queries still attend (to
         # the valid keys), as in Hugging Face, so every position has finite logits.
