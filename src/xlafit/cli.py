@@ -17,6 +17,7 @@ from xlafit.checkpoint import CheckpointError
 from xlafit.config import ConfigError
 from xlafit.data.loader import DataError
 from xlafit.devices import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, SIMULATE_ENV, DeviceError
+from xlafit.models.bert_hf import HFFormatError
 from xlafit.train.trainer import NonFiniteError, Preempted
 
 
@@ -48,11 +49,13 @@ def _parser() -> argparse.ArgumentParser:
         description="Train a recipe. Overrides are dotted key=value pairs, e.g. trainer.epochs=3 "
         "data.per_device_batch=32. `xlafit config RECIPE` shows every key.",
     )
-    train.add_argument("recipe", help="recipe name: mnist")
+    train.add_argument("recipe", help="recipe name: mnist, bert")
     train.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
     add_simulate(train)
     train.add_argument("--run-dir", help="where config, metrics, TensorBoard logs and checkpoints go")
-    train.add_argument("--data-dir", help="directory of the recipe's data files (mnist: the IDX files)")
+    train.add_argument(
+        "--data-dir", help="the recipe's data (mnist: a directory of IDX files; bert: the output of `xlafit data mlm`)"
+    )
     train.add_argument("--config", help="a YAML preset to use instead of the recipe's own")
     train.add_argument(
         "--checkpoint-dir", help="checkpoints here instead of RUN_DIR/checkpoints: a path or gs://bucket/dir"
@@ -112,6 +115,59 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, or a checkpoint directory or URL")
     inspect.add_argument("--step", type=int, help="fingerprint this checkpoint instead of the newest intact one")
     inspect.add_argument("--json", action="store_true", help="print JSON")
+
+    tokenizer = sub.add_parser("tokenizer", help="train a WordPiece tokenizer (Korean-safe defaults)")
+    tok_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True)
+    tok_train = tok_sub.add_parser(
+        "train",
+        help="train a BERT WordPiece vocabulary on text files",
+        description="Train a BERT WordPiece tokenizer with Hugging Face tokenizers. Accents are kept (NFD would "
+        "split Hangul into jamo) and case is kept unless --lowercase. Prints the unknown-token rate and "
+        "tokens per word. Example: xlafit tokenizer train --input corpus/*.txt --vocab-size 32000 --out tok",
+    )
+    tok_train.add_argument("--input", nargs="+", required=True, metavar="FILE", help="text files, globs, dirs or URLs")
+    tok_train.add_argument("--vocab-size", type=int, default=32000)
+    tok_train.add_argument("--out", required=True, metavar="DIR")
+    tok_train.add_argument("--min-frequency", type=int, default=2)
+    tok_train.add_argument("--lowercase", action="store_true", help="lowercase Latin text (Hangul is unaffected)")
+    tok_train.add_argument("--strip-accents", action="store_true", help="NFD + drop accents: breaks Hangul, off")
+
+    data = sub.add_parser("data", help="prepare training data")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    data_mlm = data_sub.add_parser(
+        "mlm",
+        help="tokenize text into fixed-length masked-LM sequences (Parquet shards + manifest)",
+        description="Stream text files through a tokenizer and pack them into sequences of --seq-len tokens, "
+        "written as Parquet shards plus manifest.json to a directory or fsspec URL (gs:// needs gcsfs). "
+        "Input: one sentence or paragraph per line, documents separated by blank lines (or one per file).",
+    )
+    data_mlm.add_argument("--tokenizer", required=True, metavar="DIR", help="from `xlafit tokenizer train`")
+    data_mlm.add_argument("--input", nargs="+", required=True, metavar="FILE", help="text files, globs, dirs or URLs")
+    data_mlm.add_argument("--out", required=True, metavar="URL", help="a directory or fsspec URL")
+    data_mlm.add_argument("--seq-len", type=int, default=128)
+    data_mlm.add_argument(
+        "--packing",
+        choices=("sentences", "pairs"),
+        default="sentences",
+        help="sentences: [CLS] text... [SEP] across lines and documents (RoBERTa); "
+        "pairs: [CLS] A [SEP] B [SEP] with token types (BERT)",
+    )
+    data_mlm.add_argument("--doc-boundary", choices=("blank", "file"), default="blank")
+    data_mlm.add_argument("--eval-fraction", type=float, default=0.05, help="documents held out for evaluation")
+    data_mlm.add_argument("--seed", type=int, default=0)
+    data_mlm.add_argument("--shard-size", type=int, default=65536, help="sequences per shard")
+
+    export = sub.add_parser("export", help="export a run's model to another library's format")
+    export_sub = export.add_subparsers(dest="export_command", required=True)
+    export_hf = export_sub.add_parser(
+        "hf",
+        help="write a bert run as a Hugging Face BertForMaskedLM directory",
+        description="Writes config.json, model.safetensors and the tokenizer's files; load them with "
+        "transformers.BertForMaskedLM.from_pretrained(DIR) and AutoTokenizer.from_pretrained(DIR).",
+    )
+    export_hf.add_argument("run_dir", metavar="RUN_DIR")
+    export_hf.add_argument("--out", required=True, metavar="DIR")
+    export_hf.add_argument("--step", type=int, help="this checkpoint instead of the newest intact one")
 
     config = sub.add_parser("config", help="print a recipe's resolved config")
     config.add_argument("recipe")
@@ -222,6 +278,61 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tokenizer(args: argparse.Namespace) -> int:
+    from xlafit.data.text import expand_inputs
+    from xlafit.data.tokenizer import measure, train_tokenizer
+
+    files = expand_inputs(args.input)
+    print(f"training a {args.vocab_size}-token WordPiece vocabulary on {len(files)} file(s)", flush=True)
+    tok = train_tokenizer(
+        files,
+        args.vocab_size,
+        args.out,
+        min_frequency=args.min_frequency,
+        lowercase=args.lowercase,
+        strip_accents=args.strip_accents,
+        show_progress=sys.stderr.isatty(),
+    )
+    print(f"vocabulary: {tok.get_vocab_size()} tokens -> {args.out}")
+    print(f"on the training text: {measure(tok, files)}")
+    return 0
+
+
+def _data(args: argparse.Namespace) -> int:
+    from xlafit.data.mlm import prepare
+    from xlafit.data.text import expand_inputs
+
+    files = expand_inputs(args.input)
+    manifest = prepare(
+        args.tokenizer,
+        files,
+        args.out,
+        seq_len=args.seq_len,
+        packing=args.packing,
+        doc_boundary=args.doc_boundary,
+        eval_fraction=args.eval_fraction,
+        seed=args.seed,
+        shard_size=args.shard_size,
+        show_progress=sys.stderr.isatty(),
+    )
+    for split, info in manifest["splits"].items():
+        fill = info["tokens"] / max(info["sequences"] * args.seq_len, 1)
+        print(
+            f"{split}: {info['documents']:,} documents -> {info['sequences']:,} sequences of {args.seq_len} "
+            f"({info['tokens']:,} tokens, {fill:.1%} not padding) in {len(info['shards'])} shard(s)"
+        )
+    print(f"written to {args.out} (manifest.json)")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from xlafit.recipes.bert import export_hf
+
+    out, step = export_hf(args.run_dir, args.out, args.step)
+    print(f"exported checkpoint {step} of {args.run_dir} to {out}: config.json, model.safetensors, tokenizer")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -270,8 +381,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(args)
         if args.command == "inspect":
             return _inspect(args)
+        if args.command == "tokenizer":
+            return _tokenizer(args)
+        if args.command == "data":
+            return _data(args)
+        if args.command == "export":
+            return _export(args)
         return _train(args)
-    except (ConfigError, DeviceError, DataError, BenchError, CheckpointError) as e:
+    except (ConfigError, DeviceError, DataError, BenchError, CheckpointError, HFFormatError) as e:
         print(f"xlafit: error: {e}", file=sys.stderr)
         return 2
     except Preempted as e:

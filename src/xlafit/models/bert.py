@@ -138,9 +138,7 @@ class BertEmbeddings(nnx.Module):
         self.norm = _layer_norm(cfg, rngs)
         self.dropout = nnx.Dropout(cfg.hidden_dropout, rngs=rngs)
 
-    def __call__(
-        self, input_ids: jax.Array, token_type_ids: jax.Array, position_ids: jax.Array | None
-    ) -> jax.Array:
+    def __call__(self, input_ids: jax.Array, token_type_ids: jax.Array, position_ids: jax.Array | None) -> jax.Array:
         dtype = self.word.dtype or jnp.float32
         # The gradient of a lookup is a scatter-add. It runs on the float32 table (GPUs add
         # float32 atomically; bfloat16 they emulate); position and token-type tables are
@@ -277,7 +275,8 @@ class BertForMaskedLM(nnx.Module):
         x = self.head_norm(gelu(self.head_dense(hidden)))
         # Tied decoder: the word embedding matrix, transposed (HF's tie_word_embeddings).
         logits = self.embeddings.word.attend(x)
-        return logits.astype(jnp.float32) + self.head_bias[...]
+        bias = self.head_bias[...].reshape((1,) * (logits.ndim - 1) + (-1,))
+        return logits.astype(jnp.float32) + bias
 
     def __call__(
         self,

@@ -168,16 +168,16 @@ def load_hf(directory: str | Path, rngs: nnx.Rngs | None = None, **overrides) ->
     """A :class:`BertForMaskedLM` with the weights of a Hugging Face checkpoint directory."""
     from safetensors.numpy import load_file
 
-    d = Path(directory)
+    d = Path(directory).expanduser()
     if not (d / "config.json").exists():
         raise HFFormatError(f"{d} has no config.json; give a directory written by save_pretrained or xlafit export hf.")
+    cfg = config_from_hf(json.loads((d / "config.json").read_text()), **overrides)
     weights = d / "model.safetensors"
     if not weights.exists():
         raise HFFormatError(
             f"{d} has no model.safetensors (only safetensors is read; convert a pytorch_model.bin with "
             "transformers: BertForMaskedLM.from_pretrained(d).save_pretrained(d, safe_serialization=True))."
         )
-    cfg = config_from_hf(json.loads((d / "config.json").read_text()), **overrides)
     model = BertForMaskedLM(cfg, rngs=rngs or nnx.Rngs(0))
     from_hf_state(model, load_file(str(weights)))
     return model

@@ -50,7 +50,7 @@ class DataConfig(xconfig.DataConfig):
     """``data_dir``: a directory or URL written by ``xlafit data mlm`` (null: the demo)."""
 
     seq_len: int = 128
-    vocab_size: int = 4000  # the demo tokenizer's size
+    vocab_size: int = 2000  # the demo tokenizer's size
     packing: Literal["sentences", "pairs"] = "sentences"
     mask_prob: float = 0.15
     max_predictions: int = 20
