@@ -18,6 +18,7 @@ from xlafit.config import ConfigError
 from xlafit.data.loader import DataError
 from xlafit.devices import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, SIMULATE_ENV, DeviceError
 from xlafit.models.bert_hf import HFFormatError
+from xlafit.train.step import RecompileError
 from xlafit.train.trainer import NonFiniteError, Preempted
 
 
@@ -168,6 +169,23 @@ def _parser() -> argparse.ArgumentParser:
     export_hf.add_argument("run_dir", metavar="RUN_DIR")
     export_hf.add_argument("--out", required=True, metavar="DIR")
     export_hf.add_argument("--step", type=int, help="this checkpoint instead of the newest intact one")
+
+    check = sub.add_parser(
+        "check",
+        help="check a train step against the XLA rules on the CPU, before the TPU",
+        description="Trace and run one train step on the CPU, map failures to the XLA rules (1: data-dependent "
+        "control flow, 2: data-dependent shapes, 3: too many input shapes) with file and line and the "
+        "standard rewrite, scan the data's shapes, and estimate per-device memory and FLOPs. TARGET is a "
+        "recipe name or a Python file defining `model` (an nnx.Module), `loss_fn(model, batch)` and `batch` "
+        "(a dict of arrays), optionally `dataset` (examples) or `lengths`. Exit 1 when a rule is violated.",
+    )
+    check.add_argument("target", metavar="TARGET", help="a recipe name (mnist, bert) or path/to/file.py")
+    check.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides (recipes)")
+    check.add_argument("--per-device-batch", type=int, help="estimate memory and FLOPs at this batch per device")
+    check.add_argument("--global-batch", type=int, help="check that it divides over --devices")
+    check.add_argument("--devices", type=int, help="devices to plan for (default: this machine's)")
+    check.add_argument("--max-shapes", type=int, default=8, help="input shapes allowed before rule 3 is flagged")
+    check.add_argument("--json", action="store_true", help="print JSON")
 
     config = sub.add_parser("config", help="print a recipe's resolved config")
     config.add_argument("recipe")
@@ -325,6 +343,23 @@ def _data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    from xlafit.check import check_file, check_recipe, to_json
+
+    options = {
+        "per_device_batch": args.per_device_batch,
+        "global_batch": args.global_batch,
+        "devices": args.devices,
+        "max_shapes": args.max_shapes,
+    }
+    if args.target.endswith(".py") or os.path.sep in args.target:
+        report = check_file(args.target, **options)
+    else:
+        report = check_recipe(args.target, args.overrides, **options)
+    print(to_json(report) if args.json else report.format())
+    return 0 if report.ok else 1
+
+
 def _export(args: argparse.Namespace) -> int:
     from xlafit.recipes.bert import export_hf
 
@@ -387,8 +422,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _data(args)
         if args.command == "export":
             return _export(args)
+        if args.command == "check":
+            return _check(args)
         return _train(args)
-    except (ConfigError, DeviceError, DataError, BenchError, CheckpointError, HFFormatError) as e:
+    except (ConfigError, DeviceError, DataError, BenchError, CheckpointError, HFFormatError, RecompileError) as e:
         print(f"xlafit: error: {e}", file=sys.stderr)
         return 2
     except Preempted as e:

@@ -91,6 +91,9 @@ class TrainerConfig:
     # device count; null: XLA's all-reduce, faster, equal only to float rounding). On CPU it
     # also needs run.xla_cpu_fast_paths=false: YNNPACK kernels round differently per layout.
     invariant_chunks: int | None = None
+    # Compiles allowed per step (train, eval); one more stops the run naming the input shape
+    # that changed. null: the programs the run plans (steps-per-call values x data shapes).
+    max_compiles: int | None = None
     seed: int = 0  # parameter init and dropout
 
 
@@ -296,6 +299,7 @@ def validate(cfg: Config) -> None:
         "trainer.keep_checkpoints": cfg.trainer.keep_checkpoints,
         "trainer.stop_at_step": cfg.trainer.stop_at_step,
         "trainer.invariant_chunks": cfg.trainer.invariant_chunks,
+        "trainer.max_compiles": cfg.trainer.max_compiles,
         "run.simulate_devices": cfg.run.simulate_devices,
     }
     for key, value in positive.items():

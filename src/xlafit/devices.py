@@ -139,6 +139,9 @@ def configure(simulate: int | None = None, *, cpu_fast_paths: bool = True) -> No
                 f"simulate={simulate}) before any other JAX call, or set {SIMULATE_ENV}={simulate}."
             )
         return
+    from xlafit.cache import enable_compilation_cache
+
+    enable_compilation_cache()
     if simulate is not None:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", simulate)

@@ -15,7 +15,7 @@ import functools
 import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import jax
 import numpy as np
@@ -74,6 +74,20 @@ class TrainOrder:
     num_examples: int
     global_batch: int
     seed: int
+    # A dataset's own batch plan, ``plan(epoch) -> [steps, global_batch]`` indices (length
+    # buckets: :class:`xlafit.data.shapes.BucketedDataset`); default: a permutation per epoch.
+    plan: Callable[[int], np.ndarray] | None = None
+
+    @classmethod
+    def for_dataset(cls, dataset: object, global_batch: int, seed: int) -> TrainOrder:
+        """The dataset's own plan when it has ``epoch_batches``, else a permutation per epoch."""
+        plan = getattr(dataset, "epoch_batches", None)
+        return cls(
+            len(dataset),
+            global_batch,
+            seed,
+            functools.partial(plan, global_batch, seed) if plan is not None else None,
+        )
 
     def __post_init__(self) -> None:
         if self.num_examples < self.global_batch:
@@ -86,10 +100,14 @@ class TrainOrder:
     def steps_per_epoch(self) -> int:
         # The last partial batch of each epoch is dropped (the shuffle differs per epoch,
         # so no example is always left out); evaluation never drops anything.
+        if self.plan is not None:
+            return len(self.plan(0))
         return self.num_examples // self.global_batch
 
     def global_indices(self, step: int) -> np.ndarray:
         epoch, within = divmod(step, self.steps_per_epoch)
+        if self.plan is not None:
+            return self.plan(epoch)[within]
         order = _epoch_order(self.num_examples, self.seed, epoch)
         return order[within * self.global_batch : (within + 1) * self.global_batch]
 

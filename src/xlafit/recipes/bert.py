@@ -11,21 +11,22 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Literal
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
 
 from xlafit import config as xconfig
+from xlafit.cache import cache_dir
 from xlafit.config import Config, ConfigError
 from xlafit.data import mlm
-from xlafit.data.text import korean_demo_files
-from xlafit.data.tokenizer import train_tokenizer
+from xlafit.data.text import korean_demo_files, read_lines
+from xlafit.data.tokenizer import load_tokenizer, train_tokenizer
 from xlafit.models.bert import PRESETS, BertConfig, BertForMaskedLM
 from xlafit.train.losses import masked_accuracy, masked_mean
 
@@ -88,13 +89,6 @@ def bert_config(cfg: Config, vocab_size: int) -> BertConfig:
 
 
 # --------------------------------------------------------------------------- data
-
-
-def cache_dir() -> Path:
-    """``$XLAFIT_CACHE``, else ``$XDG_CACHE_HOME/xlafit``, else ``~/.cache/xlafit``."""
-    if os.environ.get("XLAFIT_CACHE"):
-        return Path(os.environ["XLAFIT_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "xlafit"
 
 
 def demo_data(cfg: Config) -> str:
@@ -257,3 +251,18 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     out = save_hf(model, out, tokenizer_dir=tok_dir)
     shutil.copy2(run / "config.yaml", out / "xlafit-config.yaml")
     return out, step
+
+
+def sequence_lengths(cfg: Config, limit: int = 512) -> np.ndarray:
+    """Token counts (``[CLS]`` + line + ``[SEP]``, at most ``limit``) of the corpus's lines,
+    as a model fed one line per example would see them: the input of ``xlafit check bert``'s
+    padding plans."""
+    fs, root, manifest = mlm.read_manifest(data_location(cfg))
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("tokenizer.json",):
+            with fs.open(f"{root}/tokenizer/{name}", "rb") as f:
+                (Path(tmp) / name).write_bytes(f.read())
+        tok = load_tokenizer(tmp)
+    lines = [line for _, line in read_lines(manifest["inputs"]) if line]
+    counts = [len(e.ids) + 2 for e in tok.encode_batch(lines, add_special_tokens=False)]
+    return np.minimum(np.array(counts, np.int64), limit)

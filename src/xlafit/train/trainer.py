@@ -134,6 +134,7 @@ class Trainer:
         self.tokens_per_example = tokens_per_example
         self.flops_per_example = flops_per_example
         self.peak_flops: float | None = None  # measured or looked up when fit starts
+        self._planned_k: set[int] = set()  # steps-per-call values of the calls planned so far
 
         model.train()
         train_graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
@@ -235,7 +236,7 @@ class Trainer:
         consumer spent waiting for input.
         """
         train = as_dataset(train)
-        order = TrainOrder(len(train), self.global_batch, self.data_seed)
+        order = TrainOrder.for_dataset(train, self.global_batch, self.data_seed)
         stop = self.config.epochs * order.steps_per_epoch if stop is None else stop
         return Prefetcher(self._batches(train, order, start, stop), self.prefetch)
 
@@ -266,7 +267,7 @@ class Trainer:
         """
         cfg, s = self.config, self.strategy
         train = as_dataset(train)
-        spe = TrainOrder(len(train), self.global_batch, self.data_seed).steps_per_epoch
+        spe = TrainOrder.for_dataset(train, self.global_batch, self.data_seed).steps_per_epoch
         total = cfg.epochs * spe
         stop = min(total, cfg.stop_at_step) if cfg.stop_at_step else total
 
@@ -274,6 +275,7 @@ class Trainer:
         if self._ckpt is not None and self.resume and self._ckpt.latest_step() is not None:
             self._state, restored = self._ckpt.restore(self._state)
         start = int(self._state.step)
+        self._limit_compiles(train, eval, start, stop)
         report = RunReport(self.run_dir, total, start, enabled=s.process_index == 0)
         if restored is not None:
             report.print(f"resumed from checkpoint {restored} (epoch {restored // spe + 1})")
@@ -319,6 +321,20 @@ class Trainer:
             eval_compiles=self.eval_step.compiles,
             compile_s=self.train_step.compile_s + self.eval_step.compile_s,
         )
+
+    def _limit_compiles(self, train: Any, eval: Any, start: int, stop: int) -> None:
+        """Sets each step's ``max_compiles``: ``trainer.max_compiles``, or by default the
+        programs this run plans: the distinct steps-per-call values of its calls times the
+        dataset's shapes (1 for arrays; the bucket count for bucketed data). Any other
+        compile is a shape nobody planned, and an error naming it."""
+        cfg = self.config
+        order = TrainOrder.for_dataset(train, self.global_batch, self.data_seed)
+        self._planned_k.update(k for _, k in order.calls(start, stop, cfg.steps_per_call))
+        if cfg.max_compiles is not None:
+            self.train_step.max_compiles = self.eval_step.max_compiles = cfg.max_compiles
+        elif cfg.nan_policy != "rollback":  # a rollback may restart calls at any checkpoint
+            self.train_step.max_compiles = len(self._planned_k) * getattr(train, "num_shapes", 1)
+            self.eval_step.max_compiles = getattr(eval, "num_shapes", 1)
 
     def close(self) -> None:
         if self._ckpt is not None:

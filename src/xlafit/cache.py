@@ -1,0 +1,40 @@
+"""Where xlafit keeps things between runs: the user cache directory.
+
+- ``jax/``: JAX's persistent compilation cache, so a restarted or resumed run loads its XLA
+  programs instead of compiling them again (on by default; ``XLAFIT_COMPILE_CACHE=0`` turns
+  it off, ``JAX_COMPILATION_CACHE_DIR`` chooses another place).
+- ``bert-demo-*/``: the Korean demo's tokenizer and shards.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+
+CACHE_ENV = "XLAFIT_CACHE"
+COMPILE_CACHE_ENV = "XLAFIT_COMPILE_CACHE"
+
+
+def cache_dir() -> Path:
+    """``$XLAFIT_CACHE``, else ``$XDG_CACHE_HOME/xlafit``, else ``~/.cache/xlafit``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "xlafit"
+
+
+def enable_compilation_cache() -> Path | None:
+    """Turns on JAX's persistent compilation cache in the user cache; returns its path.
+
+    Programs that took at least a second to compile are kept (JAX's default threshold).
+    """
+    if os.environ.get(COMPILE_CACHE_ENV, "1") in ("0", "false", "no"):
+        return None
+    path = Path(os.environ.get("JAX_COMPILATION_CACHE_DIR") or cache_dir() / "jax")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a read-only home: run without the cache rather than fail
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    return path

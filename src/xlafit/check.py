@@ -1,0 +1,360 @@
+"""``xlafit check``: try a training step with XLA on the CPU before the TPU, automated.
+
+The Hugging Face TPU guide's three XLA rules, checked up front instead of after a long
+compile on the accelerator:
+
+1. no data-dependent Python control flow (``if``/``while`` on an array's value);
+2. no data-dependent shapes (boolean-mask indexing, ``jnp.unique``, ``jnp.nonzero``);
+3. every new input shape compiles a new program: pad to a few fixed shapes.
+
+A user file defines ``model`` (an ``nnx.Module``), ``loss_fn(model, batch)`` (per-example
+losses ``[B]``, or ``(losses, {metric: [B]})``) and ``batch`` (a dict of arrays, a small
+real batch). Optional: ``dataset`` (an iterable of examples, dicts of arrays whose first
+axis is the sequence) or ``lengths`` (one length per example) for rule 3.
+
+The train step is traced abstractly (rules 1 and 2 fail at trace time; the failure is
+mapped to the user's file and line), then run once on ``batch``, then compiled at the
+per-device batch to read XLA's memory and cost analyses.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import runpy
+import traceback
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from xlafit.config import ConfigError
+from xlafit.data.shapes import Plan, compare_plans, format_plans
+from xlafit.train.step import TrainState, build_train_step
+
+RULES = {
+    1: "data-dependent control flow",
+    2: "data-dependent shape",
+    3: "too many input shapes (each compiles a new program)",
+}
+
+FIXES = {
+    1: """# Python `if`/`while` cannot branch on a traced value. Compute both and select:
+y = jnp.where(x.sum() > 0, f(x), g(x))
+# or run one branch (both must return the same shapes):
+y = jax.lax.cond(x.sum() > 0, f, g, x)
+# loops with a data-dependent trip count: jax.lax.while_loop(cond_fn, body_fn, init)""",
+    2: """# A result whose shape depends on the data cannot be compiled. Compute everywhere and
+# weight by a mask instead of selecting:
+loss = jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1)   # not losses[mask].mean()
+# or give the result a fixed size:
+values = jnp.unique(x, size=16, fill_value=-1)
+idx = jnp.nonzero(mask, size=16, fill_value=0)""",
+    3: """# Pad to a few fixed shapes instead of each batch's own length:
+from xlafit.data.shapes import pad_batch, plan_buckets, bucket_batches
+batch = pad_batch(sequences, multiple=32)                       # or, fewer wasted tokens:
+boundaries = plan_buckets(lengths, max_shapes=4)
+batches = bucket_batches(sequences, boundaries, batch_size=32)""",
+}
+
+
+@dataclasses.dataclass
+class Finding:
+    """One problem: which rule (0: not one of the three), where, and the rewrite."""
+
+    rule: int
+    message: str
+    file: str | None = None
+    line: int | None = None
+    code: str | None = None
+    kind: str = "error"  # the title of a finding that is not one of the rules
+
+    @property
+    def title(self) -> str:
+        return f"rule {self.rule}: {RULES[self.rule]}" if self.rule else self.kind
+
+    @property
+    def fix(self) -> str | None:
+        return FIXES.get(self.rule)
+
+
+@dataclasses.dataclass
+class Report:
+    target: str
+    findings: list[Finding] = dataclasses.field(default_factory=list)
+    traced: bool = False
+    ran: bool = False
+    shapes: dict[str, Any] | None = None
+    plans: list[Plan] | None = None
+    memory: dict[str, int] | None = None
+    flops_per_step: float | None = None
+    batch: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["findings"] = [{**dataclasses.asdict(f), "title": f.title, "fix": f.fix} for f in self.findings]
+        out["plans"] = [{**dataclasses.asdict(p), "shapes": p.shapes, "waste": p.waste} for p in self.plans or []]
+        out["ok"] = self.ok
+        return out
+
+    def format(self) -> str:
+        lines = [f"xlafit check {self.target}"]
+        lines.append(
+            f"  trace: {'ok' if self.traced else 'failed'}   run on the example batch: "
+            f"{'ok' if self.ran else 'not run' if not self.traced else 'failed'}"
+        )
+        for f in self.findings:
+            where = f" at {f.file}:{f.line}" if f.file and f.line else " in the data" if f.rule == 3 else ""
+            lines += ["", f"✗ {f.title}{where}"]
+            if f.code:
+                lines.append(f"    {f.line} | {f.code}")
+            lines.append(f"  {f.message}")
+            if f.fix:
+                lines += ["  the standard rewrite:", *("    " + s for s in f.fix.splitlines())]
+        if self.shapes is not None:
+            s = self.shapes
+            lines += [
+                "",
+                f"input shapes: {s['distinct']} distinct over {s['examples']} examples -> "
+                f"{s['distinct']} compiles if fed as they are",
+            ]
+            if self.plans:
+                lines += ["  padding plans (rule 3):", *("    " + r for r in format_plans(self.plans).splitlines())]
+        if self.memory is not None or self.flops_per_step is not None:
+            b = self.batch
+            lines += [
+                "",
+                f"per device at batch {b.get('per_device')} ({b.get('devices')} device(s), global {b.get('global')}):",
+            ]
+            if self.memory:
+                m = self.memory
+                lines.append("  memory (XLA): " + ", ".join(f"{k} {_size(v)}" for k, v in m.items()))
+            if self.flops_per_step:
+                lines.append(f"  FLOPs per step (XLA cost analysis): {self.flops_per_step:.4g}")
+        lines += ["", "no rule violated" if self.ok else f"{len(self.findings)} problem(s) found"]
+        return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} B"
+
+
+# --------------------------------------------------------------------------- locating
+
+
+def _user_frame(exc: BaseException, user_file: str | None) -> tuple[str | None, int | None]:
+    """The deepest frame of ``exc`` in ``user_file`` (or, without one, outside JAX/xlafit)."""
+    found = (None, None)
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if user_file is not None and Path(frame.filename).resolve() == Path(user_file).resolve():
+            found = (frame.filename, frame.lineno)
+    return found
+
+
+def _is_control_flow(source: str, line: int) -> bool:
+    """Whether the statement at ``line`` branches or loops on a condition (an ``if``,
+    ``while``, ``assert``, conditional expression or ``and``/``or``)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.If, ast.While, ast.Assert)) and node.test.lineno <= line <= node.test.end_lineno:
+            return True
+        if isinstance(node, (ast.IfExp, ast.BoolOp)) and node.lineno <= line <= (node.end_lineno or node.lineno):
+            return True
+    return False
+
+
+def classify(exc: BaseException, user_file: str | None) -> Finding:
+    """Maps a tracing or run failure to rule 1, 2 or a plain error, at the user's line."""
+    file, line = _user_frame(exc, user_file)
+    source = Path(file).read_text() if file else ""
+    code = source.splitlines()[line - 1].strip() if file and line else None
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    errors = jax.errors
+    if isinstance(exc, (errors.TracerBoolConversionError, errors.TracerIntegerConversionError)):
+        rule = 1
+    elif isinstance(exc, errors.NonConcreteBooleanIndexError):
+        rule = 2
+    elif isinstance(exc, errors.ConcretizationTypeError):
+        rule = 1 if file and line and _is_control_flow(source, line) else 2
+    elif isinstance(exc, errors.TracerArrayConversionError):
+        rule = 1 if file and line and _is_control_flow(source, line) else 0
+        first_line = "a traced value was converted to a NumPy array (np.* or float() on it); use jnp.* instead"
+    else:
+        rule = 0
+    if rule == 1:
+        message = "Python control flow on a traced value: the branch taken depends on the data. " + first_line
+    elif rule == 2:
+        message = "an operation whose output shape depends on the data. " + first_line
+    else:
+        message = f"{type(exc).__name__}: {first_line}"
+    return Finding(rule, message, file, line, code)
+
+
+# --------------------------------------------------------------------------- checking
+
+
+def _train_step(model: nnx.Module, loss_fn: Any) -> tuple[Any, TrainState]:
+    tx = optax.adamw(1e-3)
+    model.train()
+    graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
+    state = TrainState(jax.numpy.zeros((), jax.numpy.int32), params, tx.init(params), model_state)
+    return build_train_step(graphdef, loss_fn, tx, unroll=True), state
+
+
+def _stacked(batch: dict[str, Any], rows: int | None = None) -> dict[str, Any]:
+    """``batch`` as one call's input ``[1, B, ...]``; with ``rows``, abstract arrays of that batch."""
+    out = {}
+    for k, v in batch.items():
+        v = np.asarray(v)
+        if rows is None:
+            out[k] = v[None]
+        else:
+            out[k] = jax.ShapeDtypeStruct((1, rows, *v.shape[1:]), v.dtype)
+    return out
+
+
+def _example_lengths(dataset: Any) -> np.ndarray:
+    lengths = []
+    for example in dataset:
+        arrays = [np.asarray(v) for v in (example.values() if isinstance(example, dict) else [example])]
+        with_axis = [a for a in arrays if a.ndim >= 1]
+        lengths.append(with_axis[0].shape[0] if with_axis else 1)
+    return np.array(lengths)
+
+
+def check_step(
+    target: str,
+    model: nnx.Module,
+    loss_fn: Any,
+    batch: dict[str, Any],
+    *,
+    user_file: str | None = None,
+    lengths: np.ndarray | None = None,
+    per_device_batch: int | None = None,
+    global_batch: int | None = None,
+    devices: int | None = None,
+    max_shapes: int = 8,
+) -> Report:
+    """Checks one model + loss + batch; see the module docstring."""
+    report = Report(target)
+    if not isinstance(batch, dict) or not batch:
+        raise ConfigError("`batch` must be a dict of arrays (one small real batch), e.g. {'x': ..., 'y': ...}.")
+    step, state = _train_step(model, loss_fn)
+    rows = len(np.asarray(next(iter(batch.values()))))
+    try:
+        jax.eval_shape(step, state, _stacked(batch))
+        report.traced = True
+        jax.block_until_ready(jax.jit(step)(state, _stacked(batch)))
+        report.ran = True
+    except Exception as e:  # every failure becomes a finding with a line
+        report.findings.append(classify(e, user_file))
+
+    if lengths is not None and len(lengths):
+        distinct = int(len(np.unique(lengths)))
+        report.shapes = {"examples": int(len(lengths)), "distinct": distinct, "max": int(np.max(lengths))}
+        report.plans = compare_plans(lengths, min(max_shapes, distinct))
+        if distinct > max_shapes:
+            best = min((p for p in report.plans if p.shapes <= max_shapes), key=lambda p: p.padded_tokens)
+            report.findings.append(
+                Finding(
+                    3,
+                    f"the data holds {distinct} different lengths: fed as they are, {distinct} programs compile "
+                    f"(over --max-shapes {max_shapes}). Recommended: {best.name}, boundaries {best.boundaries} "
+                    f"({best.waste:.1%} of positions padding).",
+                )
+            )
+
+    devices = devices or jax.device_count()
+    per_device = per_device_batch or (global_batch // devices if global_batch else rows)
+    report.batch = {"per_device": per_device, "devices": devices, "global": global_batch or per_device * devices}
+    if global_batch is not None and global_batch % devices:
+        report.findings.append(
+            Finding(
+                0,
+                f"global batch {global_batch} does not divide over {devices} devices; use a multiple of {devices} "
+                f"(e.g. {max(devices, global_batch // devices * devices)}).",
+                kind="batch",
+            )
+        )
+    if report.ran:
+        compiled = jax.jit(step).lower(state, _stacked(batch, per_device)).compile()
+        mem = compiled.memory_analysis()
+        if mem is not None:
+            report.memory = {
+                "arguments": int(mem.argument_size_in_bytes),
+                "outputs": int(mem.output_size_in_bytes),
+                "temporaries": int(mem.temp_size_in_bytes),
+                "generated code": int(mem.generated_code_size_in_bytes),
+            }
+        cost = compiled.cost_analysis() or {}
+        report.flops_per_step = float(cost.get("flops", 0.0)) or None
+    return report
+
+
+def check_file(path: str | Path, **options: Any) -> Report:
+    """Runs the user file and checks its ``model``, ``loss_fn`` and ``batch``."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist.")
+    try:
+        namespace = runpy.run_path(str(path), run_name="__xlafit_check__")
+    except Exception as e:
+        finding = classify(e, str(path))
+        raise ConfigError(
+            f"{path} failed while being loaded, at line {finding.line}: {type(e).__name__}: {e}"
+        ) from None
+    missing = [name for name in ("model", "loss_fn", "batch") if name not in namespace]
+    if missing:
+        raise ConfigError(
+            f"{path} must define model (an nnx.Module), loss_fn(model, batch) and batch (a dict of arrays); "
+            f"missing: {', '.join(missing)}."
+        )
+    if not isinstance(namespace["model"], nnx.Module):
+        raise ConfigError(f"`model` in {path} is a {type(namespace['model']).__name__}, not an nnx.Module.")
+    lengths = namespace.get("lengths")
+    if lengths is None and namespace.get("dataset") is not None:
+        lengths = _example_lengths(namespace["dataset"])
+    return check_step(
+        str(path),
+        namespace["model"],
+        namespace["loss_fn"],
+        namespace["batch"],
+        user_file=str(path),
+        lengths=None if lengths is None else np.asarray(lengths),
+        **options,
+    )
+
+
+def check_recipe(name: str, overrides: list[str] | None = None, **options: Any) -> Report:
+    """Checks a recipe's model, loss and a batch of its data (and, for bert, the lengths
+    of its tokenized corpus against the padding plans)."""
+    from xlafit.recipes import load_config, recipe_module
+
+    cfg = load_config(name, overrides or [])
+    module = recipe_module(name)
+    train, _ = module.load_data(cfg)
+    from xlafit.data.loader import as_dataset
+
+    data = as_dataset(train)
+    rows = options.get("per_device_batch") or 8
+    batch = data.take(np.arange(min(rows, len(data))))
+    lengths = module.sequence_lengths(cfg) if hasattr(module, "sequence_lengths") else None
+    return check_step(name, module.build_model(cfg, train), module.loss_fn, batch, lengths=lengths, **options)
+
+
+def to_json(report: Report) -> str:
+    return json.dumps(report.to_json(), indent=2, default=str)
