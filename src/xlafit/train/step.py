@@ -11,6 +11,7 @@ the step runs ``k`` optimizer updates in one call with ``lax.scan`` (Keras'
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -280,17 +281,25 @@ class RecompileError(RuntimeError):
     """A step was about to compile more programs than allowed; the message names the input."""
 
 
+def _input_name(path: str) -> str:
+    """``[0]['input_ids']`` (the first input's key) -> ``input_ids``; ``[1]`` -> ``input 1``."""
+    parts = re.findall(r"\[['\"]?([^\]'\"]*)['\"]?\]", path)
+    if parts and parts[0] == "0" and len(parts) > 1:
+        parts = parts[1:]
+    return "/".join(parts) if len(parts) != 1 or not parts[0].isdigit() else f"input {parts[0]}"
+
+
 def signature_change(old: tuple | None, new: tuple) -> str:
     """What differs between two input signatures, e.g. ``input_ids [32, 128]:int32 -> [32, 96]:int32``."""
     if old is None:
-        return "first inputs: " + ", ".join(f"{p or 'x'} {list(s)}:{d}" for p, s, d in new[1])
+        return "first inputs: " + ", ".join(f"{_input_name(p)} {list(s)}:{d}" for p, s, d in new[1])
     before = {p: (s, d) for p, s, d in old[1]}
     after = {p: (s, d) for p, s, d in new[1]}
     parts = []
     for path in sorted(set(before) | set(after)):
         if before.get(path) != after.get(path):
             fmt = lambda sd: "absent" if sd is None else f"{list(sd[0])}:{sd[1]}"  # noqa: E731
-            parts.append(f"{path or 'x'} {fmt(before.get(path))} -> {fmt(after.get(path))}")
+            parts.append(f"{_input_name(path)} {fmt(before.get(path))} -> {fmt(after.get(path))}")
     return "; ".join(parts) or "the input structure changed"
 
 

@@ -1,0 +1,92 @@
+"""`xlafit check`: each rule at the right line, clean files pass, the recipes' reports."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xlafit.check import check_file
+
+CASES = Path(__file__).parent / "check_cases"
+
+
+@pytest.mark.parametrize(
+    ("name", "rule", "line"),
+    [("rule1_if", 1, 11), ("rule2_mask", 2, 11), ("rule2_unique", 2, 11), ("rule3_lengths", 3, None)],
+)
+def test_each_violation_gets_its_rule_and_line(name, rule, line):
+    report = check_file(CASES / f"{name}.py")
+    assert [f.rule for f in report.findings] == [rule]
+    finding = report.findings[0]
+    assert finding.line == line
+    if line is not None:
+        assert Path(finding.file).name == f"{name}.py" and f"line {line}" in finding.code
+    assert finding.fix and ("jnp.where" in finding.fix or "mask" in finding.fix or "pad_batch" in finding.fix)
+
+
+def test_clean_file_passes_with_memory_and_flops():
+    report = check_file(CASES / "clean.py", per_device_batch=64)
+    assert report.ok and report.traced and report.ran
+    assert report.memory["arguments"] > 0 and report.flops_per_step > 0
+    assert report.batch["per_device"] == 64
+
+
+def test_violations_written_other_ways(tmp_path):
+    header = "import jax, jax.numpy as jnp, numpy as np, optax\nfrom flax import nnx\n"
+    header += "model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))\nbatch = {'x': np.ones((8, 4), np.float32)}\n"
+    bodies = {
+        # a while loop on a value, inside a helper the loss calls
+        "while_loop": (
+            1,
+            "def helper(v):\n    while v.sum() > 0:\n        v = v - 1\n    return v\n"
+            "def loss_fn(model, batch):\n    return helper(model(batch['x'])).sum(-1)\n",
+            6,
+        ),
+        # nonzero without a size
+        "nonzero": (
+            2,
+            "def loss_fn(model, batch):\n    y = model(batch['x'])\n"
+            "    idx = jnp.nonzero(y > 0)[0]\n    return y.sum(-1) + idx.shape[0]\n",
+            7,
+        ),
+        # a conditional expression
+        "ifexp": (
+            1,
+            "def loss_fn(model, batch):\n    y = model(batch['x'])\n"
+            "    return y.sum(-1) if y.max() > 1 else y.mean(-1)\n",
+            7,
+        ),
+        # np.where with one argument on a mask
+        "where1": (
+            2,
+            "def loss_fn(model, batch):\n    y = model(batch['x'])\n"
+            "    keep = jnp.where(y[:, 0] > 0)[0]\n    return y[keep].sum(-1)\n",
+            7,
+        ),
+    }
+    for name, (rule, body, line) in bodies.items():
+        path = tmp_path / f"{name}.py"
+        path.write_text(header + body)
+        report = check_file(path)
+        assert [(f.rule, f.line) for f in report.findings] == [(rule, line)], (name, report.format())
+
+
+def test_cli_exit_codes_and_json():
+    env = {**os.environ}
+    env.pop("XLA_FLAGS", None)
+
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "xlafit", "check", *args], capture_output=True, text=True, env=env, timeout=300
+        )
+
+    out = run(str(CASES / "rule1_if.py"))
+    assert out.returncode == 1 and "rule 1: data-dependent control flow at" in out.stdout and "jnp.where" in out.stdout
+    out = run(str(CASES / "clean.py"), "--json", "--global-batch", "12", "--devices", "8")
+    report = json.loads(out.stdout)
+    assert out.returncode == 1 and report["findings"][0]["kind"] == "batch" and "multiple of 8" in out.stdout
+    out = run(str(CASES / "missing.py"))
+    assert out.returncode == 2 and "does not exist" in out.stderr
