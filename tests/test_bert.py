@@ -317,7 +317,7 @@ def test_cli_tokenizer_data_train_export(tmp_path):
         "--run-dir",
         str(run_dir),
         "data.seq_len=64",
-        "trainer.epochs=2",
+        "trainer.epochs=1",
         "data.global_batch=16",
     )
     assert out.returncode == 0, out.stderr
