@@ -110,6 +110,11 @@ def run_xlafit(args, full_head: bool) -> dict:
     jax.block_until_ready(trainer.state)
     seconds = time.perf_counter() - t0
     batches.close()
+    if args.profile:  # a few more steps under the profiler, outside the timed window
+        with jax.profiler.trace(args.profile, create_perfetto_trace=True):
+            for _first, _k, batch in trainer.batches(data, 0, 5):
+                trainer._state, _ = trainer.train_step(trainer._state, batch)
+            jax.block_until_ready(trainer.state)
     return {
         "seconds": seconds,
         "input_wait_s": batches.wait_s - wait0,
@@ -204,6 +209,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rows", default="xlafit,xlafit-full-head,hf")
     p.add_argument("--json", help="write every run and the table here")
+    p.add_argument("--profile", metavar="DIR", help="trace 5 xlafit steps (Perfetto JSON + XPlane) into DIR")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -53,16 +54,21 @@ def test_config_prints_resolved_yaml():
 
 
 def test_train_pulse_and_resume(tmp_path):
-    """Two steps, then two more from the checkpoint: the whole CLI path, twice."""
+    """Two steps, then two more from the checkpoint: the whole CLI path, twice. The second
+    process loads the train step from JAX's persistent compilation cache."""
     common = ["train", "mnist", "--simulate", "8", "--run-dir", str(tmp_path), "trainer.log_every_steps=1"]
-    first = run(*common, "trainer.stop_at_step=2")
+    cache = {"XLAFIT_CACHE": str(tmp_path / "cache")}
+    first = run(*common, "trainer.stop_at_step=2", env=cache)
     assert first.returncode == 0, first.stderr
     assert "per-device batch: 16   global batch: 128" in first.stdout
     assert "peak 0.002 at global batch 128" in first.stdout
     assert "train step compiled 1 time(s)" in first.stdout
-    second = run(*common, "trainer.stop_at_step=4")
+    second = run(*common, "trainer.stop_at_step=4", env=cache)
     assert second.returncode == 0, second.stderr
     assert "resumed from checkpoint 2 " in second.stdout
+    compiling = [float(re.search(r"([0-9.]+)s compiling", out.stdout).group(1)) for out in (first, second)]
+    assert any((tmp_path / "cache" / "jax").iterdir())
+    assert compiling[1] < 0.5 * compiling[0], compiling  # loaded, not compiled again
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
     assert (tmp_path / "config.yaml").exists()
