@@ -134,16 +134,20 @@ def bucketed_data(n=512):
     return BucketedDataset(seqs, boundaries, extra={"label": rng.integers(0, 3, n)}), boundaries
 
 
-def test_variable_length_training_compiles_exactly_k_times(strategy8):
-    data, boundaries = bucketed_data()
-    trainer = xlafit.Trainer(
+def pool_trainer(strategy, **config):
+    return xlafit.Trainer(
         MeanPool(nnx.Rngs(0)),
         seq_loss,
         optax.adam(1e-2),
-        strategy=strategy8,
+        strategy=strategy,
         global_batch=32,
-        config=TrainerConfig(epochs=2, log_every_steps=5),
+        config=TrainerConfig(**config),
     )
+
+
+def test_variable_length_training_compiles_exactly_k_times(strategy8):
+    data, boundaries = bucketed_data()
+    trainer = pool_trainer(strategy8, epochs=2, log_every_steps=5)
     result = trainer.fit(data)
     assert result.train_compiles == len(boundaries) == 3
     assert trainer.train_step.max_compiles == 3  # the default: the planned shapes
@@ -152,28 +156,14 @@ def test_variable_length_training_compiles_exactly_k_times(strategy8):
 
 def test_unplanned_recompile_stops_naming_the_input(strategy8):
     data, _ = bucketed_data()
-    trainer = xlafit.Trainer(
-        MeanPool(nnx.Rngs(0)),
-        seq_loss,
-        optax.adam(1e-2),
-        strategy=strategy8,
-        global_batch=32,
-        config=TrainerConfig(epochs=1, max_compiles=2),
-    )
+    trainer = pool_trainer(strategy8, epochs=1, max_compiles=2)
     with pytest.raises(
         RecompileError,
         match=r"program #3, over trainer.max_compiles=2: .*input_ids \[1, 32, \d+\]:int32 -> \[1, 32, \d+\]",
     ):
         trainer.fit(data)
     # arrays of one shape: a second shape is unplanned by default
-    trainer = xlafit.Trainer(
-        MeanPool(nnx.Rngs(0)),
-        seq_loss,
-        optax.adam(1e-2),
-        strategy=strategy8,
-        global_batch=32,
-        config=TrainerConfig(epochs=1),
-    )
+    trainer = pool_trainer(strategy8, epochs=1)
     trainer.fit(
         {
             "input_ids": np.ones((64, 10), np.int32),
