@@ -90,3 +90,19 @@ def test_cli_exit_codes_and_json():
     assert out.returncode == 1 and report["findings"][0]["kind"] == "batch" and "multiple of 8" in out.stdout
     out = run(str(CASES / "missing.py"))
     assert out.returncode == 2 and "does not exist" in out.stderr
+
+
+def test_planner_on_the_korean_corpus_beats_multiples(tmp_path, monkeypatch):
+    """The judged comparison: on the tokenized Korean demo corpus (one line per example),
+    the planned buckets waste no more than a multiple of 32 or 64 with as many shapes."""
+    from xlafit.data.shapes import compare_plans
+    from xlafit.recipes import bert, load_config
+
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path))
+    lengths = bert.sequence_lengths(load_config("bert", []))
+    assert len(lengths) > 1000 and len(set(lengths.tolist())) > 30
+    plans = {p.name: p for p in compare_plans(lengths)}
+    for k in (32, 64):
+        multiple = plans[f"multiple of {k}"]
+        planned = plans[f"planned, {multiple.shapes} shapes"]
+        assert planned.padded_tokens <= multiple.padded_tokens, (planned, multiple)
