@@ -261,7 +261,8 @@ def read_manifest(url: str) -> tuple[fsspec.AbstractFileSystem, str, dict]:
 
 
 def load_split(url: str, split: str) -> tuple[dict[str, np.ndarray], dict]:
-    """``{"input_ids" [N, T] int32, "token_type_ids" [N, T] int8, "length" [N]}`` of one split.
+    """``{"input_ids" [N, T], "token_type_ids" [N, T] int8, "length" [N]}`` of one split; ids
+    are uint16 when the vocabulary fits (BERT's 30k-32k do), else int32.
 
     Every shard's row count is checked against the manifest (a truncated copy fails here,
     naming the shard, rather than training on less data).
@@ -293,7 +294,10 @@ def load_split(url: str, split: str) -> tuple[dict[str, np.ndarray], dict]:
             "token_type_ids": np.zeros((0, t), np.int8),
             "length": np.zeros(0, np.int32),
         }, manifest
-    return {k: np.concatenate(v) for k, v in parts.items()}, manifest
+    arrays = {k: np.concatenate(v) for k, v in parts.items()}
+    if manifest["tokenizer"]["vocab_size"] <= 2**16:  # half the host memory of int32 ids
+        arrays["input_ids"] = arrays["input_ids"].astype(np.uint16)
+    return arrays, manifest
 
 
 # --------------------------------------------------------------------------- masking
