@@ -74,12 +74,10 @@ def run_xlafit(args, full_head: bool) -> dict:
 
     def full_head_loss(model, batch):
         logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])  # (B, T, V)
-        labels = np.zeros(batch["input_ids"].shape, np.int32)  # placeholder shape only
-        rows = jax.numpy.arange(logits.shape[0])[:, None]
-        labels = (
-            jax.numpy.zeros(labels.shape, jax.numpy.int32).at[rows, batch["masked_positions"]].set(batch["masked_ids"])
-        )
-        weights = jax.numpy.zeros(labels.shape).at[rows, batch["masked_positions"]].set(batch["masked_weights"])
+        shape, positions = batch["input_ids"].shape, batch["masked_positions"]
+        rows = jax.numpy.arange(shape[0])[:, None]
+        labels = jax.numpy.zeros(shape, jax.numpy.int32).at[rows, positions].set(batch["masked_ids"])
+        weights = jax.numpy.zeros(shape).at[rows, positions].set(batch["masked_weights"])
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
         return masked_mean(losses, weights)
 

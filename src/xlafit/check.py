@@ -33,6 +33,7 @@ import optax
 from flax import nnx
 
 from xlafit.config import ConfigError
+from xlafit.data.loader import as_dataset
 from xlafit.data.shapes import Plan, compare_plans, format_plans
 from xlafit.train.step import TrainState, build_train_step
 
@@ -347,8 +348,6 @@ def check_recipe(name: str, overrides: list[str] | None = None, **options: Any) 
     cfg = load_config(name, overrides or [])
     module = recipe_module(name)
     train, _ = module.load_data(cfg)
-    from xlafit.data.loader import as_dataset
-
     data = as_dataset(train)
     rows = options.get("per_device_batch") or 8
     batch = data.take(np.arange(min(rows, len(data))))

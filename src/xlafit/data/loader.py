@@ -96,7 +96,7 @@ class TrainOrder:
                 f"{self.global_batch}; lower data.global_batch or data.per_device_batch."
             )
 
-    @property
+    @functools.cached_property
     def steps_per_epoch(self) -> int:
         # The last partial batch of each epoch is dropped (the shuffle differs per epoch,
         # so no example is always left out); evaluation never drops anything.

@@ -309,7 +309,9 @@ class BucketedDataset:
                 batches += list(members[:full].reshape(-1, global_batch))
             if not batches:
                 raise DataError(f"no bucket holds a full batch of {global_batch} examples; lower the batch size.")
-            self._plans = {key: np.stack(batches)[rng.permutation(len(batches))]}
+            if len(self._plans) >= 4:  # the epochs in flight: the prefetcher's and the trainer's
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[key] = np.stack(batches)[rng.permutation(len(batches))]
         return self._plans[key]
 
     def take(self, indices: np.ndarray, epoch: int = 0) -> dict[str, np.ndarray]:

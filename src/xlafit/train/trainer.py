@@ -176,7 +176,7 @@ class Trainer:
                 loss_fn,
                 optimizer,
                 unroll=self.strategy.platform == "cpu",
-                accumulate=self.config.accumulate_steps,
+                accumulate=accumulate,
                 devices=self.strategy.num_replicas,
             )
         self.train_step = CompiledStep(
@@ -267,7 +267,8 @@ class Trainer:
         """
         cfg, s = self.config, self.strategy
         train = as_dataset(train)
-        spe = TrainOrder.for_dataset(train, self.global_batch, self.data_seed).steps_per_epoch
+        order = TrainOrder.for_dataset(train, self.global_batch, self.data_seed)
+        spe = order.steps_per_epoch
         total = cfg.epochs * spe
         stop = min(total, cfg.stop_at_step) if cfg.stop_at_step else total
 
@@ -275,7 +276,7 @@ class Trainer:
         if self._ckpt is not None and self.resume and self._ckpt.latest_step() is not None:
             self._state, restored = self._ckpt.restore(self._state)
         start = int(self._state.step)
-        self._limit_compiles(train, eval, start, stop)
+        self._limit_compiles(order, train, eval, start, stop)
         report = RunReport(self.run_dir, total, start, enabled=s.process_index == 0)
         if restored is not None:
             report.print(f"resumed from checkpoint {restored} (epoch {restored // spe + 1})")
@@ -322,13 +323,12 @@ class Trainer:
             compile_s=self.train_step.compile_s + self.eval_step.compile_s,
         )
 
-    def _limit_compiles(self, train: Any, eval: Any, start: int, stop: int) -> None:
+    def _limit_compiles(self, order: TrainOrder, train: Any, eval: Any, start: int, stop: int) -> None:
         """Sets each step's ``max_compiles``: ``trainer.max_compiles``, or by default the
         programs this run plans: the distinct steps-per-call values of its calls times the
         dataset's shapes (1 for arrays; the bucket count for bucketed data). Any other
         compile is a shape nobody planned, and an error naming it."""
         cfg = self.config
-        order = TrainOrder.for_dataset(train, self.global_batch, self.data_seed)
         self._planned_k.update(k for _, k in order.calls(start, stop, cfg.steps_per_call))
         if cfg.max_compiles is not None:
             self.train_step.max_compiles = self.eval_step.max_compiles = cfg.max_compiles
