@@ -34,7 +34,7 @@ import optax
 from flax import nnx
 
 from xlafit.checkpoint import Checkpointer, is_prng_key
-from xlafit.config import TrainerConfig
+from xlafit.config import ConfigError, TrainerConfig
 from xlafit.data.loader import ArrayDataset, Prefetcher, TrainOrder, as_dataset, eval_batches, to_global
 from xlafit.devices import Strategy, connect
 from xlafit.train.report import RunReport
@@ -121,7 +121,7 @@ class Trainer:
         self.eval_global_batch = eval_global_batch or global_batch
         for name, batch in (("global batch", self.global_batch), ("eval global batch", self.eval_global_batch)):
             if batch % self.strategy.num_replicas:
-                raise ValueError(
+                raise ConfigError(
                     f"the {name} {batch} does not divide over {self.strategy.num_replicas} devices; "
                     f"use a multiple of {self.strategy.num_replicas}."
                 )
@@ -152,20 +152,21 @@ class Trainer:
         )
         chunks = self.config.invariant_chunks
         accumulate = self.config.accumulate_steps
-        if self.global_batch % (self.strategy.num_replicas * accumulate):
-            raise ValueError(
-                f"trainer.accumulate_steps={accumulate} must divide the per-device batch "
-                f"{self.global_batch // self.strategy.num_replicas}."
+        per_device = self.global_batch // self.strategy.num_replicas
+        if per_device % accumulate:
+            raise ConfigError(
+                f"trainer.accumulate_steps={accumulate} must divide the per-device batch {per_device}; "
+                f"use one of {[d for d in range(1, per_device + 1) if per_device % d == 0]}."
             )
         if chunks is not None and accumulate > 1:
-            raise ValueError(
+            raise ConfigError(
                 "trainer.invariant_chunks already runs chunks one after another on each device; "
                 "set trainer.accumulate_steps=1 with it."
             )
         if chunks is not None:
             devices = self.strategy.num_replicas
             if chunks % devices or self.global_batch % chunks:
-                raise ValueError(
+                raise ConfigError(
                     f"trainer.invariant_chunks={chunks} must be a multiple of the {devices} devices and divide "
                     f"the global batch {self.global_batch}; try {devices * max(1, chunks // devices)} or null."
                 )
