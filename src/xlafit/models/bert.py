@@ -87,14 +87,6 @@ class BertConfig:
     def compute_dtype(self) -> jnp.dtype:
         return jnp.bfloat16 if self.dtype == "bfloat16" else jnp.float32
 
-    def num_params(self, embeddings: bool = True) -> int:
-        """Parameter count (the MLM head's decoder is the word embeddings, counted once)."""
-        h, i, n = self.hidden_size, self.intermediate_size, self.num_layers
-        layer = 4 * h * h + 4 * h + 2 * h * i + i + h + 4 * h  # attention, FFN, two LayerNorms
-        head = h * h + h + 2 * h + self.vocab_size  # transform dense + LayerNorm + output bias
-        emb = (self.vocab_size + self.max_position_embeddings + self.type_vocab_size) * h + 2 * h
-        return n * layer + head + (emb if embeddings else 0)
-
     def train_flops_per_sequence(self, seq_len: int, predictions: int | None = None) -> float:
         """Model FLOPs (2 per multiply-add, backward = 2x forward) to train on one sequence.
 

@@ -321,7 +321,6 @@ class CompiledStep:
         self.compiles = 0
         self.compile_s = 0.0
         self.flops: float | None = None
-        self.changes: list[str] = []  # what caused each compile
 
     def __call__(self, *args: Any) -> Any:
         return self.precompile(*args)(*args)
@@ -346,7 +345,6 @@ class CompiledStep:
             seconds = time.perf_counter() - t0
             self._cache[key] = compiled
             self._last_key = key
-            self.changes.append(change)
             self.compiles += 1
             self.compile_s += seconds
             self.flops = _flops(compiled)
