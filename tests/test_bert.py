@@ -89,6 +89,27 @@ def test_hf_round_trip_is_exact_and_loads_without_missing_keys(tmp_path):
             assert np.array_equal(state[name], tensor.numpy()), name
 
 
+def test_from_hf_logits_equal_the_checkpoint_in_eval_mode(tmp_path):
+    """HF's own init (LayerNorms and biases moved off 1/0), three token types, left and
+    middle padding; ``from_hf`` returns an eval-mode model like ``from_pretrained``."""
+    torch.manual_seed(0)
+    config = dict(vocab_size=500, hidden_size=96, num_hidden_layers=2, num_attention_heads=3)
+    hf = transformers.BertForMaskedLM(transformers.BertConfig(**config, intermediate_size=200, type_vocab_size=3))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "LayerNorm" in name or "bias" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    ids, mask, types = inputs(500, batch=4, length=20, seed=1)
+    mask[3, :4] = 0  # left padding
+    mask[0, 8:10] = 0  # a hole in the middle
+    types[0, -2:] = 2
+    model = BertForMaskedLM.from_hf(tmp_path)
+    ours = [np.asarray(model(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(types))) for _ in range(2)]
+    np.testing.assert_array_equal(ours[0], ours[1])  # no dropout
+    np.testing.assert_allclose(ours[0], hf_logits(tmp_path, ids, mask, types), atol=1e-4, rtol=0)
+
+
 def test_from_hf_names_the_problem(tmp_path):
     with pytest.raises(HFFormatError, match="no config.json"):
         load_hf(tmp_path)
@@ -100,6 +121,19 @@ def test_from_hf_names_the_problem(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": 64, "num_attention_heads": 2}))
     with pytest.raises(HFFormatError, match=r"word_embeddings.weight has shape \(100, 128\), expected \(100, 64\)"):
         load_hf(tmp_path)
+    untied = transformers.BertForMaskedLM(
+        transformers.BertConfig(
+            vocab_size=100,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            tie_word_embeddings=False,
+        )
+    )
+    untied.save_pretrained(tmp_path / "untied")
+    with pytest.raises(HFFormatError, match="tie_word_embeddings=false"):
+        load_hf(tmp_path / "untied")
 
 
 def test_korean_tokenizer_keeps_syllables(korean_tokenizer):

@@ -143,6 +143,14 @@ def from_hf_state(model: BertForMaskedLM, state: dict[str, np.ndarray]) -> None:
         q, k, v = (take(f"{p}.{n}.weight", (h, h)).T for n in ("query", "key", "value"))
         layer.attention.qkv.kernel[...] = np.concatenate([q, k, v], axis=1)
         layer.attention.qkv.bias[...] = np.concatenate([take(f"{p}.{n}.bias", (h,)) for n in ("query", "key", "value")])
+    decoder = state.get("cls.predictions.decoder.weight")
+    if decoder is not None and not np.array_equal(
+        np.asarray(decoder, np.float32), model.embeddings.word.embedding[...]
+    ):
+        raise HFFormatError(
+            "cls.predictions.decoder.weight differs from the word embeddings (tie_word_embeddings=false); "
+            "xlafit's MLM head is tied to the word embeddings, so this checkpoint cannot be imported as is."
+        )
 
 
 def save_hf(model: BertForMaskedLM, directory: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
@@ -165,7 +173,12 @@ def save_hf(model: BertForMaskedLM, directory: str | Path, tokenizer_dir: str | 
 
 
 def load_hf(directory: str | Path, rngs: nnx.Rngs | None = None, **overrides) -> BertForMaskedLM:
-    """A :class:`BertForMaskedLM` with the weights of a Hugging Face checkpoint directory."""
+    """A :class:`BertForMaskedLM` with the weights of a Hugging Face checkpoint directory.
+
+    Like ``transformers``' ``from_pretrained``, the model comes back in eval mode (dropout
+    off), so its logits are deterministic; ``model.train()`` turns dropout on (the
+    ``Trainer`` does that itself).
+    """
     from safetensors.numpy import load_file
 
     d = Path(directory).expanduser()
@@ -180,4 +193,5 @@ def load_hf(directory: str | Path, rngs: nnx.Rngs | None = None, **overrides) ->
         )
     model = BertForMaskedLM(cfg, rngs=rngs or nnx.Rngs(0))
     from_hf_state(model, load_file(str(weights)))
+    model.eval()
     return model
