@@ -190,6 +190,10 @@ class BertLayer(nnx.Module):
 class BertForMaskedLM(nnx.Module):
     """BERT encoder with the masked-LM head; Hugging Face's ``BertForMaskedLM`` in NNX.
 
+    A new model is in eval mode (dropout off), as ``from_pretrained`` gives in
+    ``transformers``: calling it twice gives the same logits. ``model.train()`` turns
+    dropout on; xlafit's ``Trainer`` does that itself.
+
     Args:
         cfg: sizes and options.
         rngs: ``params`` for initialisation (BERT's truncated normal, std 0.02) and
@@ -203,6 +207,7 @@ class BertForMaskedLM(nnx.Module):
         self.head_dense = _dense(cfg, cfg.hidden_size, cfg.hidden_size, rngs)
         self.head_norm = _layer_norm(cfg, rngs)
         self.head_bias = nnx.Param(jnp.zeros((cfg.vocab_size,), jnp.float32))
+        self.eval()
 
     @classmethod
     def from_hf(cls, directory: str | Path, rngs: nnx.Rngs | None = None, **overrides) -> BertForMaskedLM:

@@ -175,9 +175,7 @@ def save_hf(model: BertForMaskedLM, directory: str | Path, tokenizer_dir: str | 
 def load_hf(directory: str | Path, rngs: nnx.Rngs | None = None, **overrides) -> BertForMaskedLM:
     """A :class:`BertForMaskedLM` with the weights of a Hugging Face checkpoint directory.
 
-    Like ``transformers``' ``from_pretrained``, the model comes back in eval mode (dropout
-    off), so its logits are deterministic; ``model.train()`` turns dropout on (the
-    ``Trainer`` does that itself).
+    Like ``transformers``' ``from_pretrained``, the model is in eval mode (dropout off).
     """
     from safetensors.numpy import load_file
 
@@ -193,5 +191,4 @@ def load_hf(directory: str | Path, rngs: nnx.Rngs | None = None, **overrides) ->
         )
     model = BertForMaskedLM(cfg, rngs=rngs or nnx.Rngs(0))
     from_hf_state(model, load_file(str(weights)))
-    model.eval()
     return model
