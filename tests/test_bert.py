@@ -151,6 +151,27 @@ def test_korean_tokenizer_keeps_syllables(korean_tokenizer):
     assert auto(text)["input_ids"] == enc.ids
 
 
+def test_tokenizer_training_is_reproducible_across_processes(tmp_path, korean_tokenizer):
+    """The trainer's own order changes per process (tokenizers#1794); ours must not."""
+    code = (
+        "import sys; from xlafit.data.tokenizer import train_tokenizer; "
+        "from xlafit.data.text import korean_demo_files; "
+        "train_tokenizer(korean_demo_files(), 2000, sys.argv[1], show_progress=False)"
+    )
+    for name in ("a", "b"):
+        subprocess.run([sys.executable, "-c", code, str(tmp_path / name)], check=True)
+    for f in ("tokenizer.json", "vocab.txt"):
+        assert (
+            (tmp_path / "a" / f).read_bytes()
+            == (tmp_path / "b" / f).read_bytes()
+            == (korean_tokenizer / f).read_bytes()
+        )
+    # the "##x" tokens were special only during training: text spelling "##" is split normally
+    tok = load_tokenizer(korean_tokenizer)
+    assert tok.get_added_tokens_decoder().keys() == set(range(5))
+    assert len(tok.encode("##은", add_special_tokens=False).tokens) == 3  # "#", "#", "은"; not one "##은"
+
+
 def test_nfd_would_have_split_hangul(tmp_path):
     """Why strip_accents is off: with it, BERT's normaliser turns syllables into jamo."""
     from xlafit.data.tokenizer import new_tokenizer

@@ -26,6 +26,9 @@ from xlafit.data.loader import DataError
 from xlafit.data.text import read_lines
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # ids 0..4, in this order
+# Bumped whenever the same text and settings would train a different vocabulary (caches
+# of trained tokenizers key on it). 2: reproducible "##x" numbering.
+TRAINER_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +71,16 @@ def _lines(files: Sequence[str]) -> Iterator[str]:
             yield line
 
 
+def _continuation_chars(tok: Tokenizer, files: Sequence[str], show_progress: bool) -> set[str]:
+    """Every character that appears inside a word (not first) once normalised and split."""
+    chars: set[str] = set()
+    lines = tqdm(_lines(files), disable=not show_progress, unit="line", desc="alphabet")
+    for line in lines:
+        for word, _ in tok.pre_tokenizer.pre_tokenize_str(tok.normalizer.normalize_str(line)):
+            chars.update(word[1:])
+    return chars
+
+
 def train_tokenizer(
     files: Sequence[str],
     vocab_size: int,
@@ -79,6 +92,8 @@ def train_tokenizer(
     show_progress: bool = True,
 ) -> Tokenizer:
     """Trains a WordPiece vocabulary on ``files`` (streamed) and saves it to ``out``.
+
+    The same files and settings give the same vocabulary, byte for byte, on every run.
 
     Args:
         files: UTF-8 text files or URLs.
@@ -94,16 +109,25 @@ def train_tokenizer(
     if vocab_size <= len(SPECIAL_TOKENS) + 10:
         raise DataError(f"--vocab-size {vocab_size} is too small; BERT vocabularies hold thousands (try 8000).")
     tok = new_tokenizer(lowercase, strip_accents)
+    # The trainer numbers the "##x" tokens in hash-map order, which changes from process to
+    # process, and breaks ties between equally frequent merges by those numbers: the same
+    # text gave a different vocabulary on every run (huggingface/tokenizers#1794). Handing
+    # it every "##x" up front, sorted, as special tokens fixes their numbers; they are
+    # demoted to ordinary vocabulary entries afterwards.
+    continuations = [f"##{c}" for c in sorted(_continuation_chars(tok, files, show_progress))]
     trainer = trainers.WordPieceTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=[*SPECIAL_TOKENS, *continuations],
         continuing_subword_prefix="##",
         show_progress=show_progress,
     )
     tok.train_from_iterator(_lines(files), trainer)
-    if tok.get_vocab_size() <= len(SPECIAL_TOKENS):
+    if tok.get_vocab_size() <= len(SPECIAL_TOKENS) + len(continuations):
         raise DataError(f"no text found in {', '.join(files)}.")
+    spec = json.loads(tok.to_str())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] in SPECIAL_TOKENS]
+    tok = Tokenizer.from_str(json.dumps(spec))
     cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",

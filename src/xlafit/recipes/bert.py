@@ -26,7 +26,7 @@ from xlafit.cache import cache_dir
 from xlafit.config import Config, ConfigError
 from xlafit.data import mlm
 from xlafit.data.text import korean_demo_files, read_lines
-from xlafit.data.tokenizer import load_tokenizer, train_tokenizer
+from xlafit.data.tokenizer import TRAINER_VERSION, load_tokenizer, train_tokenizer
 from xlafit.models.bert import PRESETS, BertConfig, BertForMaskedLM
 from xlafit.train.losses import masked_accuracy, masked_mean
 
@@ -99,7 +99,7 @@ def demo_data(cfg: Config) -> str:
     """
     d = cfg.data
     files = korean_demo_files()
-    key = json.dumps([files, d.vocab_size, d.seq_len, d.packing, d.eval_fraction, d.seed, mlm.FORMAT])
+    key = json.dumps([files, d.vocab_size, d.seq_len, d.packing, d.eval_fraction, d.seed, mlm.FORMAT, TRAINER_VERSION])
     target = cache_dir() / f"bert-demo-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (target / mlm.MANIFEST).exists():
         return str(target)
