@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.xlafit-installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench bench-mnist bench-bert clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,11 +28,18 @@ $(VENV)/.torch-installed: $(STAMP)
 	$(PY) -m pip install --quiet torch==2.13.0
 	touch $@
 
-# The CPU table of BENCHMARKS.md (about 12 minutes on 2 cores).
-bench: $(VENV)/.torch-installed
+# The CPU tables of BENCHMARKS.md: MNIST (about 12 minutes on 2 cores) and BERT (about 5).
+bench: bench-mnist bench-bert
+
+bench-mnist: $(VENV)/.torch-installed
 	mkdir -p runs
 	$(VENV)/bin/xlafit bench mnist --simulate 8 --devices 1,all --steps-per-call 1,4 \
 	  --compare torch,torch-compile --repeats 5 --steps 48 --json runs/bench-mnist.json --plot runs/bench-mnist.png
+
+bench-bert: $(VENV)/.torch-installed
+	mkdir -p runs
+	$(PY) benchmarks/bert_speed.py --preset mini --batch 32 --dtype float32 --steps 20 --warmup 3 --repeats 3 \
+	  --json runs/bench-bert.json
 
 clean:
 	rm -rf $(VENV) runs

@@ -69,6 +69,7 @@ def run_xlafit(args, full_head: bool) -> dict:
         dtype=args.dtype,
         attention=args.attention,
         hidden_dropout=args.dropout,
+        dropout_bits=args.dropout_bits,
     )
     model = BertForMaskedLM(cfg, rngs=nnx.Rngs(params=0, dropout=1))
 
@@ -201,6 +202,7 @@ def main() -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto")
     p.add_argument("--dropout", type=float, default=0.1, help="hidden dropout, both rows")
+    p.add_argument("--dropout-bits", type=int, choices=(16, 32), default=16, help="xlafit rows' dropout draw")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps-per-call", type=int, default=1)

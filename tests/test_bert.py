@@ -70,6 +70,33 @@ def test_logits_equal_hugging_face(tmp_path, sizes):
     np.testing.assert_allclose(gathered, np.take_along_axis(ours, np.asarray(positions)[..., None], 1), atol=1e-5)
 
 
+def test_dropout_keeps_the_rate_and_the_mean():
+    from xlafit.models.bert import Dropout
+
+    x = jnp.ones((32, 64, 255))  # an odd last axis: the 16-bit draws are cut to fit
+    for bits in (16, 32):
+        layer = Dropout(0.1, bits=bits, rngs=nnx.Rngs(dropout=0))
+        a, b = np.asarray(layer(x)), np.asarray(layer(x))
+        assert abs((a > 0).mean() - 0.9) < 0.003 and abs(a.mean() - 1.0) < 0.004, bits
+        assert 0.15 < (a != b).mean() < 0.21  # a new mask per call: 2 * 0.9 * 0.1 differ
+        assert abs((a > 0).mean(axis=(0, 1))[-1] - 0.9) < 0.03  # the last column is masked too
+        layer.eval()
+        np.testing.assert_array_equal(layer(x), x)
+    with pytest.raises(ValueError, match="hidden_dropout=1.0 must be in"):
+        BertConfig(hidden_dropout=1.0)
+
+
+def test_cudnn_attention_refuses_masks_it_cannot_express():
+    """cuDNN takes padding as lengths; a left-padded mask must not be read as right padding."""
+    cfg = BertConfig.preset("tiny", vocab_size=50, dtype="bfloat16", attention="cudnn")
+    model = BertForMaskedLM(cfg, rngs=nnx.Rngs(0))
+    ids = jnp.ones((2, 4), jnp.int32)
+    with pytest.raises(ValueError, match="right-padded attention masks"):
+        model(ids, jnp.array([[0, 1, 1, 1], [1, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="right-padded attention masks"):
+        model(ids, jnp.array([[1, 0, 1, 1], [1, 1, 1, 1]]))
+
+
 def test_hf_round_trip_is_exact_and_loads_without_missing_keys(tmp_path):
     cfg = BertConfig.preset("tiny", vocab_size=300, max_position_embeddings=64)
     model = BertForMaskedLM(cfg, rngs=nnx.Rngs(0))

@@ -43,6 +43,7 @@ class ModelConfig:
     attention_dropout: float = 0.0
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     attention: Literal["auto", "xla", "cudnn"] = "auto"
+    dropout_bits: Literal[16, 32] = 16  # random bits per dropout decision; 32 = nnx.Dropout's draw
     init_from_hf: str | None = None  # a Hugging Face BERT directory to continue pretraining
 
 
@@ -83,6 +84,7 @@ def bert_config(cfg: Config, vocab_size: int) -> BertConfig:
             attention_dropout=m.attention_dropout,
             dtype=m.compute_dtype,
             attention=m.attention,
+            dropout_bits=m.dropout_bits,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -176,6 +178,7 @@ def build_model(cfg: Config, train: mlm.MLMDataset) -> BertForMaskedLM:
             attention_dropout=bert.attention_dropout,
             dtype=bert.dtype,
             attention=bert.attention,
+            dropout_bits=bert.dropout_bits,
         )
         if model.cfg.vocab_size != train.vocab_size:
             raise ConfigError(
