@@ -71,14 +71,15 @@ def _lines(files: Sequence[str]) -> Iterator[str]:
             yield line
 
 
-def _continuation_chars(tok: Tokenizer, files: Sequence[str], show_progress: bool) -> set[str]:
-    """Every character that appears inside a word (not first) once normalised and split."""
-    chars: set[str] = set()
-    lines = tqdm(_lines(files), disable=not show_progress, unit="line", desc="alphabet")
-    for line in lines:
-        for word, _ in tok.pre_tokenizer.pre_tokenize_str(tok.normalizer.normalize_str(line)):
-            chars.update(word[1:])
-    return chars
+def _continuation_tokens(files: Sequence[str], lowercase: bool, strip_accents: bool, show_progress: bool) -> list[str]:
+    """Every ``"##x"`` token the trainer will make from ``files``, sorted: a first pass of the
+    trainer itself (parallel, in Rust) with no room for merges, so it stops after counting."""
+    probe = new_tokenizer(lowercase, strip_accents)
+    probe.train_from_iterator(
+        _lines(files),
+        trainers.WordPieceTrainer(vocab_size=1, continuing_subword_prefix="##", show_progress=show_progress),
+    )
+    return sorted(t for t in probe.get_vocab() if t.startswith("##") and len(t) == 3)
 
 
 def train_tokenizer(
@@ -113,8 +114,8 @@ def train_tokenizer(
     # process, and breaks ties between equally frequent merges by those numbers: the same
     # text gave a different vocabulary on every run (huggingface/tokenizers#1794). Handing
     # it every "##x" up front, sorted, as special tokens fixes their numbers; they are
-    # demoted to ordinary vocabulary entries afterwards.
-    continuations = [f"##{c}" for c in sorted(_continuation_chars(tok, files, show_progress))]
+    # demoted to ordinary vocabulary entries afterwards. Costs a second counting pass.
+    continuations = _continuation_tokens(files, lowercase, strip_accents, show_progress)
     trainer = trainers.WordPieceTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
