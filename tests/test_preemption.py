@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+import yaml
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -309,6 +310,15 @@ def test_breaking_config_change_is_refused_and_safe_one_allowed(tmp_path, idx_di
     assert out.returncode == 0, out.stderr
     assert "resuming with changed settings" in out.stdout and "trainer.log_every_steps 1 -> 2" in out.stdout
     assert "resumed from checkpoint 2" in out.stdout
+    # a run begun by an older xlafit lacks keys added since: announced, not refused
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    del saved["model"]["dropout1"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    out = subprocess.run(
+        train_cmd(tmp_path, idx_dir, "trainer.stop_at_step=4"), capture_output=True, text=True, env=env()
+    )
+    assert out.returncode == 0, out.stderr
+    assert "model.dropout1 (not set) -> 0.25" in out.stdout and "resumed from checkpoint 3" in out.stdout
 
 
 def test_model_shape_change_in_the_library_is_named(strategy1, digits, tmp_path):

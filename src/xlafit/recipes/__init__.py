@@ -100,6 +100,10 @@ def _has_checkpoints(directory: epath.Path) -> bool:
     return directory.exists() and any(p.name.isdigit() for p in directory.iterdir())
 
 
+def _shown(flat: dict[str, object], key: str) -> str:
+    return repr(flat[key]) if key in flat else "(not set)"
+
+
 def check_continuation(run_dir: Path, cfg: Config, announce: bool = True) -> None:
     """Refuses to resume a run whose checkpoint was made under an incompatible config.
 
@@ -113,7 +117,11 @@ def check_continuation(run_dir: Path, cfg: Config, announce: bool = True) -> Non
     saved = _flatten(yaml.safe_load(saved_path.read_text()) or {})
     now = _flatten(cfg.to_dict())
     changed = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
-    breaking = [k for k in changed if any(k == b or k.startswith(b + ".") for b in BREAKING)]
+    # A key that only one side has comes from another xlafit version (a setting added or
+    # removed since the run began): announced below, never a reason to refuse.
+    breaking = [
+        k for k in changed if k in saved and k in now and any(k == b or k.startswith(b + ".") for b in BREAKING)
+    ]
     if breaking:
         diffs = "; ".join(f"{k}: {saved.get(k)!r} in the run, {now.get(k)!r} now" for k in breaking)
         raise ConfigError(
@@ -123,7 +131,7 @@ def check_continuation(run_dir: Path, cfg: Config, announce: bool = True) -> Non
     safe = [k for k in changed if k != "run.resume"]
     if safe and announce:
         print(
-            "resuming with changed settings: " + "; ".join(f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in safe),
+            "resuming with changed settings: " + "; ".join(f"{k} {_shown(saved, k)} -> {_shown(now, k)}" for k in safe),
             flush=True,
         )
 
