@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.xlafit-installed
 
-.PHONY: demo test lint bench bench-mnist bench-bert clean
+.PHONY: demo demo-bert test lint bench bench-mnist bench-bert clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/xlafit train mnist --simulate 8 --run-dir runs/demo --restart
+
+# The BERT masked-LM demo on the Korean texts of the konlpy wheel (about 2 minutes).
+demo-bert: $(STAMP)
+	$(VENV)/bin/xlafit train bert --simulate 8 --run-dir runs/demo-bert --restart
 
 test: $(STAMP)
 	$(PY) -m pytest
