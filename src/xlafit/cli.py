@@ -311,7 +311,9 @@ def _tokenizer(args: argparse.Namespace) -> int:
         strip_accents=args.strip_accents,
         show_progress=sys.stderr.isatty(),
     )
-    print(f"vocabulary: {tok.get_vocab_size()} tokens -> {args.out}")
+    size = tok.get_vocab_size()
+    floor = " (more than --vocab-size: every character of the text gets a token, twice with ## inside words)"
+    print(f"vocabulary: {size} tokens -> {args.out}" + (floor if size > args.vocab_size else ""))
     print(f"on the training text: {measure(tok, files)}")
     return 0
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -75,6 +76,8 @@ def _continuation_tokens(files: Sequence[str], lowercase: bool, strip_accents: b
     """Every ``"##x"`` token the trainer will make from ``files``, sorted: a first pass of the
     trainer itself (parallel, in Rust) with no room for merges, so it stops after counting."""
     probe = new_tokenizer(lowercase, strip_accents)
+    if show_progress:
+        print("pass 1 of 2: the characters inside words", file=sys.stderr, flush=True)
     probe.train_from_iterator(
         _lines(files),
         trainers.WordPieceTrainer(vocab_size=1, continuing_subword_prefix="##", show_progress=show_progress),
@@ -123,6 +126,8 @@ def train_tokenizer(
         continuing_subword_prefix="##",
         show_progress=show_progress,
     )
+    if show_progress:
+        print("pass 2 of 2: the vocabulary", file=sys.stderr, flush=True)
     tok.train_from_iterator(_lines(files), trainer)
     if tok.get_vocab_size() <= len(SPECIAL_TOKENS) + len(continuations):
         raise DataError(f"no text found in {', '.join(files)}.")
