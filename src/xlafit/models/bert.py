@@ -25,6 +25,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 # Sizes of Google's BERT releases: the 24 "BERT miniatures" (Turc et al. 2019) name
@@ -224,8 +225,8 @@ def _right_padded(attention_mask: jax.Array) -> bool:
     """False when ``attention_mask`` is concrete and some row has a 0 before a 1."""
     if isinstance(attention_mask, jax.core.Tracer):
         return True  # traced: unknown here; xlafit's batches are right-padded
-    mask = attention_mask.astype(bool)
-    return bool((mask == (jnp.cumprod(mask, axis=-1) > 0)).all())
+    mask = np.asarray(attention_mask).astype(bool)
+    return bool((mask == np.cumprod(mask, axis=-1).astype(bool)).all())
 
 
 class BertForMaskedLM(nnx.Module):
@@ -303,15 +304,15 @@ class BertForMaskedLM(nnx.Module):
     def _use_cudnn(self, segment_ids: jax.Array | None, attention_mask: jax.Array) -> bool:
         """cuDNN flash attention takes padding as lengths: right padding only. xlafit's data
         is right-padded; a mask known here (not traced) that is not falls back to XLA."""
+        if self.cfg.attention == "xla" or (self.cfg.attention == "auto" and jax.default_backend() != "gpu"):
+            return False
         fits = segment_ids is None and self.cfg.dtype == "bfloat16" and _right_padded(attention_mask)
         if self.cfg.attention == "cudnn" and not fits:
             raise ValueError(
                 "attention='cudnn' needs dtype='bfloat16', no segment_ids and right-padded attention masks; "
                 "use 'xla' or 'auto'."
             )
-        if self.cfg.attention == "auto":
-            return fits and jax.default_backend() == "gpu"
-        return self.cfg.attention == "cudnn"
+        return fits
 
     def mlm_logits(self, hidden: jax.Array) -> jax.Array:
         """The MLM head on hidden states ``[..., hidden]`` -> float32 logits ``[..., vocab]``."""
