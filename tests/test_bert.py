@@ -243,8 +243,57 @@ def test_prepare_names_bad_input(tmp_path, korean_tokenizer):
     mlm.prepare(korean_tokenizer, korean_demo_files(), str(out), seq_len=64, show_progress=False)
     shard = out / "train-00000.parquet"
     shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(DataError, match="train-00000.parquet is damaged or was changed"):
+        mlm.load_split(str(out), "train")
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["splits"]["train"]["shards"][0]["sha256"]  # as data prepared before checksums
+    (out / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(DataError, match="train-00000.parquet cannot be read"):
         mlm.load_split(str(out), "train")
+
+
+def test_split_is_decoded_once_into_a_memory_mapped_cache(tmp_path, monkeypatch, caplog, korean_tokenizer):
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
+    url, files = str(tmp_path / "data"), korean_demo_files()
+    manifest = mlm.prepare(korean_tokenizer, files, url, seq_len=64, shard_size=100, show_progress=False)
+    shards = [tmp_path / "data" / s["path"] for s in manifest["splits"]["train"]["shards"]]
+    assert len(shards) > 3
+    mapped, _ = mlm.load_split(url, "train")
+    in_memory, _ = mlm.load_split(url, "train", memory_map=False)
+    assert all(isinstance(a, np.memmap) and not a.flags.writeable for a in mapped.values())
+    assert all(np.array_equal(mapped[k], in_memory[k]) and mapped[k].dtype == in_memory[k].dtype for k in mapped)
+    assert mapped["input_ids"].dtype == np.uint16 and len(mapped["length"]) == manifest["splits"]["train"]["sequences"]
+    caches = lambda: sorted(p.name for p in (tmp_path / "cache" / "mlm").iterdir() if "-train-" in p.name)  # noqa: E731
+    assert len(caches()) == 1
+
+    # A later load opens the cache and reads no shard.
+    saved = {s: s.read_bytes() for s in shards}
+    for s in shards:
+        s.unlink()
+    again, _ = mlm.load_split(url, "train")
+    assert np.array_equal(again["input_ids"], in_memory["input_ids"])
+
+    # A shard replaced by another valid one of the same size is caught by its checksum.
+    for s, data in saved.items():
+        s.write_bytes(data)
+    shards[0].write_bytes(saved[shards[1]])
+    with pytest.raises(DataError, match=f"{shards[0].name} is damaged or was changed"):
+        mlm.load_split(url, "train", memory_map=False)
+
+    # Prepared again (another seed): a new cache, the old one removed.
+    first = caches()
+    mlm.prepare(korean_tokenizer, files, url, seq_len=64, shard_size=100, seed=1, show_progress=False)
+    new, _ = mlm.load_split(url, "train")
+    assert len(caches()) == 1 and caches() != first
+    assert not np.array_equal(new["input_ids"][:100], in_memory["input_ids"][:100])
+
+    # No writable cache: read into memory, with a warning that says where and why.
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "file"))
+    with caplog.at_level("WARNING", logger="xlafit"):
+        fallback, _ = mlm.load_split(url, "train")
+    assert not isinstance(fallback["input_ids"], np.memmap) and np.array_equal(fallback["input_ids"], new["input_ids"])
+    assert "reading it into memory" in caplog.text
 
 
 def dataset(n=400, t=64, vocab=1000, **masking):

@@ -4,6 +4,8 @@
   programs instead of compiling them again (on by default; ``XLAFIT_COMPILE_CACHE=0`` turns
   it off, ``JAX_COMPILATION_CACHE_DIR`` chooses another place).
 - ``bert-demo-*/``: the Korean demo's tokenizer and shards.
+- ``mlm/``: prepared masked-LM splits decoded to memory-mapped ``.npy`` files
+  (:func:`xlafit.data.mlm.load_split`).
 """
 
 from __future__ import annotations

@@ -20,10 +20,14 @@ masks, a resumed run sees the same ones, and the device count does not change th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
 import json
+import logging
+import shutil
+import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal
@@ -32,6 +36,7 @@ import fsspec
 import numpy as np
 from tqdm import tqdm
 
+from xlafit.cache import cache_dir
 from xlafit.data.loader import Batch, DataError
 from xlafit.data.text import DocBoundary, documents, total_bytes
 from xlafit.data.tokenizer import SPECIAL_TOKENS, load_tokenizer
@@ -40,6 +45,7 @@ MANIFEST = "manifest.json"
 FORMAT = "xlafit-mlm-v1"
 Packing = Literal["sentences", "pairs"]
 PAD, UNK, CLS, SEP, MASK = range(len(SPECIAL_TOKENS))
+log = logging.getLogger("xlafit")
 
 
 # --------------------------------------------------------------------------- preparation
@@ -143,9 +149,13 @@ class _ShardWriter:
             }
         )
         name = f"{self.split}-{len(self.shards):05d}.parquet"
+        buffer = pa.BufferOutputStream()
+        pq.write_table(table, buffer, compression="zstd")
+        data = buffer.getvalue().to_pybytes()
         with self.fs.open(f"{self.root}/{name}", "wb") as f:
-            pq.write_table(table, f, compression="zstd")
-        self.shards.append({"path": name, "sequences": n, "tokens": int(lengths.sum())})
+            f.write(data)
+        digest = hashlib.sha256(data).hexdigest()
+        self.shards.append({"path": name, "sequences": n, "tokens": int(lengths.sum()), "sha256": digest})
         self.rows = []
 
 
@@ -260,44 +270,128 @@ def read_manifest(url: str) -> tuple[fsspec.AbstractFileSystem, str, dict]:
     return fs, root.rstrip("/"), manifest
 
 
-def load_split(url: str, split: str) -> tuple[dict[str, np.ndarray], dict]:
+def load_split(url: str, split: str, *, memory_map: bool = True) -> tuple[dict[str, np.ndarray], dict]:
     """``{"input_ids" [N, T], "token_type_ids" [N, T] int8, "length" [N]}`` of one split; ids
     are uint16 when the vocabulary fits (BERT's 30k-32k do), else int32.
 
-    Every shard's row count is checked against the manifest (a truncated copy fails here,
-    naming the shard, rather than training on less data).
+    With ``memory_map`` (the default) the split is decoded once into uncompressed ``.npy``
+    files in the user cache (``$XLAFIT_CACHE/mlm``, 3 bytes a token) and opened memory-mapped:
+    a corpus larger than the host's memory trains, the operating system keeps the pages a
+    run touches, and later runs (and other processes on the host) open the same files
+    without decoding. The cache is keyed by the URL and the manifest, whose shard checksums
+    pin the content; preparing the data again makes a new one and drops the old. Where the
+    cache cannot be written (read-only, too little disk), the split is read into memory.
+
+    Every shard is checked against the manifest (row count, and sha256 where the manifest
+    has one): a truncated or changed copy fails here, naming the shard, rather than
+    training on other data.
     """
+    fs, root, manifest = read_manifest(url)
+    info, t = manifest["splits"][split], manifest["seq_len"]
+    n = info["sequences"]
+    if sum(shard["sequences"] for shard in info["shards"]) != n:
+        raise DataError(
+            f"{url}/{MANIFEST}: the {split} shards do not add up to its {n} sequences; prepare the data again."
+        )
+    ids_dtype = np.uint16 if manifest["tokenizer"]["vocab_size"] <= 2**16 else np.int32  # half of int32's memory
+    layout = {"input_ids": ((n, t), ids_dtype), "token_type_ids": ((n, t), np.int8), "length": ((n,), np.int32)}
+    where = _split_cache(url, split, manifest)
+    if memory_map and not (where / _COMPLETE).exists():
+        memory_map = _build_split_cache(fs, root, manifest, split, layout, where)
+    if memory_map:
+        return {name: np.load(where / f"{name}.npy", mmap_mode="r") for name in layout}, manifest
+    arrays = {name: np.empty(shape, dtype) for name, (shape, dtype) in layout.items()}
+    row = 0
+    for chunk in _decode_shards(fs, root, manifest, split):
+        rows = len(chunk["length"])
+        for name, a in arrays.items():
+            a[row : row + rows] = chunk[name]
+        row += rows
+    return arrays, manifest
+
+
+_COMPLETE = "complete"
+
+
+def _split_cache(url: str, split: str, manifest: dict) -> Path:
+    """``$XLAFIT_CACHE/mlm/<url hash>-<split>-<manifest hash>``."""
+    digest = lambda text: hashlib.sha256(text.encode()).hexdigest()[:16]  # noqa: E731
+    return cache_dir() / "mlm" / f"{digest(url)}-{split}-{digest(json.dumps(manifest, sort_keys=True))}"
+
+
+def _build_split_cache(fs, root: str, manifest: dict, split: str, layout: dict, where: Path) -> bool:
+    """Decodes the shards into ``.npy`` files beside ``where``, renames them into place
+    (atomic: a process that finds ``where`` finds it whole) and removes older versions.
+    False, with a warning, where the cache has no room."""
+    size = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in layout.values())
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(where.parent).free
+        if free < size + 2**30:  # keep a GiB for everything else
+            raise OSError(f"{size / 1e9:.1f} GB needed, {free / 1e9:.1f} GB free")
+        tmp = Path(tempfile.mkdtemp(prefix=f"{where.name}.", suffix=".tmp", dir=where.parent))
+    except OSError as e:
+        log.warning("cannot cache the %s split in %s (%s); reading it into memory.", split, where.parent, e)
+        return False
+    log.info("decoding the %s split (%.1f MB) into %s, once", split, size / 1e6, where)
+    try:
+        with contextlib.ExitStack() as stack:
+            files = {name: stack.enter_context(open(tmp / f"{name}.npy", "wb")) for name in layout}
+            for name, (shape, dtype) in layout.items():
+                header = {
+                    "descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                    "fortran_order": False,
+                    "shape": shape,
+                }
+                np.lib.format.write_array_header_1_0(files[name], header)
+            for chunk in _decode_shards(fs, root, manifest, split):
+                for name, (_, dtype) in layout.items():
+                    files[name].write(np.ascontiguousarray(chunk[name], dtype).tobytes())
+        (tmp / _COMPLETE).touch()
+        try:
+            tmp.rename(where)
+        except OSError:  # another process on this host finished first
+            if not (where / _COMPLETE).exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    prefix = where.name.rsplit("-", 1)[0] + "-"
+    for old in where.parent.glob(prefix + "*"):
+        if old != where and not old.name.endswith(".tmp"):
+            shutil.rmtree(old, ignore_errors=True)  # a run that has it memory-mapped keeps reading it
+    return True
+
+
+def _decode_shards(fs, root: str, manifest: dict, split: str) -> Iterator[dict[str, np.ndarray]]:
+    """The arrays of each shard in turn, checked against the manifest."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    fs, root, manifest = read_manifest(url)
-    info = manifest["splits"][split]
     t = manifest["seq_len"]
-    parts: dict[str, list[np.ndarray]] = {"input_ids": [], "token_type_ids": [], "length": []}
-    for shard in info["shards"]:
+    shards = manifest["splits"][split]["shards"]
+    for shard in tqdm(shards, desc=f"decoding {split}", unit="shard", disable=len(shards) < 4 or None):
         path = f"{root}/{shard['path']}"
         try:
-            with fs.open(path, "rb") as f:
-                table = pq.read_table(f)
+            data = fs.cat_file(path)
         except FileNotFoundError:
             raise DataError(f"shard {path} listed in the manifest is missing; prepare the data again.") from None
+        if "sha256" in shard and hashlib.sha256(data).hexdigest() != shard["sha256"]:
+            raise DataError(
+                f"shard {path} is damaged or was changed: its sha256 differs from the manifest's; "
+                "prepare the data again."
+            )
+        try:
+            table = pq.read_table(pa.BufferReader(data))
         except Exception as e:  # pyarrow raises its own types for damaged files
             raise DataError(f"shard {path} cannot be read ({e}); prepare the data again.") from None
         if table.num_rows != shard["sequences"]:
             raise DataError(f"shard {path} holds {table.num_rows} sequences, the manifest says {shard['sequences']}.")
-        for name in ("input_ids", "token_type_ids"):
-            flat = table.column(name).combine_chunks().flatten().to_numpy()
-            parts[name].append(flat.reshape(-1, t))
-        parts["length"].append(table.column("length").to_numpy())
-    if not parts["length"]:
-        return {
-            "input_ids": np.zeros((0, t), np.int32),
-            "token_type_ids": np.zeros((0, t), np.int8),
-            "length": np.zeros(0, np.int32),
-        }, manifest
-    arrays = {k: np.concatenate(v) for k, v in parts.items()}
-    if manifest["tokenizer"]["vocab_size"] <= 2**16:  # half the host memory of int32 ids
-        arrays["input_ids"] = arrays["input_ids"].astype(np.uint16)
-    return arrays, manifest
+        chunk = {
+            n: table.column(n).combine_chunks().flatten().to_numpy().reshape(-1, t)
+            for n in ("input_ids", "token_type_ids")
+        }
+        chunk["length"] = table.column("length").to_numpy()
+        yield chunk
 
 
 # --------------------------------------------------------------------------- masking
