@@ -281,7 +281,7 @@ def main() -> None:
         )
         print(
             f"{row:<17} {1000 * seconds / args.steps:>9.1f} {tokens:>11,.0f} {100 * mfu:>7.1f} "
-            f"{table[-1]['compile_s']:>10.1f} {ratio or 0:>6.2f}x"
+            f"{table[-1]['compile_s']:>10.1f} {f'{ratio:.2f}x' if ratio else '-':>7}"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -11,7 +11,9 @@ knob() {  # knob NAME "XLA FLAGS" [bert_speed.py arguments]
   local name=$1 flags=$2
   shift 2
   echo "== $name: XLA_FLAGS='$flags' $*"
-  XLA_FLAGS="${XLA_FLAGS:-} $flags" python3 benchmarks/bert_speed.py --preset "${PRESET:-base}" \
+  local all
+  all=$(echo "${XLA_FLAGS:-} $flags" | xargs)  # XLA takes a blank XLA_FLAGS for a file name
+  XLA_FLAGS="$all" python3 benchmarks/bert_speed.py --preset "${PRESET:-base}" \
     --batch "${BATCH:-256}" --dtype "${DTYPE:-bfloat16}" --steps 20 --warmup 3 --repeats 3 --rows xlafit \
     --json "$OUT/knob_$name.json" "$@" 2>&1 | tail -n 4
 }

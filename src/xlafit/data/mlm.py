@@ -392,6 +392,8 @@ def _decode_shards(fs, root: str, manifest: dict, split: str) -> Iterator[dict[s
         }
         chunk["length"] = table.column("length").to_numpy()
         yield chunk
+        del table, chunk
+        pa.default_memory_pool().release_unused()  # else Arrow's allocator keeps every shard's pages
 
 
 # --------------------------------------------------------------------------- masking
