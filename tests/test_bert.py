@@ -1,5 +1,6 @@
 """BERT: Hugging Face parity and round trips, tokenizer, MLM data and masking, the recipe."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -294,6 +295,27 @@ def test_split_is_decoded_once_into_a_memory_mapped_cache(tmp_path, monkeypatch,
         fallback, _ = mlm.load_split(url, "train")
     assert not isinstance(fallback["input_ids"], np.memmap) and np.array_equal(fallback["input_ids"], new["input_ids"])
     assert "reading it into memory" in caplog.text
+
+
+def test_processes_building_one_split_cache_at_once_agree(tmp_path, korean_tokenizer):
+    """Two processes of one host decode the same split into the cache at the same time (the
+    start of a multi-process run): one rename wins, both read the same, nothing is left over."""
+    url = str(tmp_path / "data")
+    mlm.prepare(korean_tokenizer, korean_demo_files(), url, seq_len=64, shard_size=50, show_progress=False)
+    code = (
+        "import hashlib, sys; from xlafit.data import mlm; a, _ = mlm.load_split(sys.argv[1], 'train'); "
+        "print(type(a['input_ids']).__name__, hashlib.sha256(a['input_ids'].tobytes()).hexdigest())"
+    )
+    env = {**os.environ, "XLAFIT_CACHE": str(tmp_path / "cache"), "JAX_PLATFORMS": "cpu"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, url], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    expected = mlm.load_split(url, "train", memory_map=False)[0]["input_ids"]
+    assert outputs == [f"memmap {hashlib.sha256(expected.tobytes()).hexdigest()}"] * 2
+    assert [p.name.split("-")[1] for p in (tmp_path / "cache" / "mlm").iterdir()] == ["train"]
 
 
 def dataset(n=400, t=64, vocab=1000, **masking):
