@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/xlafit train mnist --simulate 8 --run-dir runs/demo --restart
 
-# The BERT masked-LM demo on the Korean texts of the konlpy wheel (about 2 minutes).
+# The BERT masked-LM demo on the Korean texts of the konlpy wheel (about 1.5 minutes).
 demo-bert: $(STAMP)
 	$(VENV)/bin/xlafit train bert --simulate 8 --run-dir runs/demo-bert --restart
 
@@ -32,7 +32,7 @@ $(VENV)/.torch-installed: $(STAMP)
 	$(PY) -m pip install --quiet torch==2.13.0
 	touch $@
 
-# The CPU tables of BENCHMARKS.md: MNIST (about 12 minutes on 2 cores) and BERT (about 5).
+# The CPU tables of BENCHMARKS.md: MNIST (about 12 minutes on 2 cores) and BERT (about 8).
 bench: bench-mnist bench-bert
 
 bench-mnist: $(VENV)/.torch-installed

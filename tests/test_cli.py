@@ -38,6 +38,7 @@ def test_devices_simulate_from_environment():
         (["optimizer.learning_rate=-1"], "must be positive"),
         (["data.global_batch=100"], "does not divide evenly over 8 devices"),
         (["--data-dir", "/nonexistent"], "is not a directory"),
+        (["run.xla_cpu_ynn_fusion=dot,bogus"], "unknown YNNPACK fusion type 'bogus' (run.xla_cpu_ynn_fusion)"),
     ],
 )
 def test_bad_input_is_one_clear_line(args, message, tmp_path):
@@ -45,6 +46,24 @@ def test_bad_input_is_one_clear_line(args, message, tmp_path):
     assert out.returncode == 2
     assert message in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_cpu_library_flags_follow_the_recipe_and_yield_to_the_user():
+    code = "import os, xlafit; xlafit.connect({}); print(os.environ.get('XLA_FLAGS', ''))"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    flags = lambda call, **extra: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", code.format(call)], env={**env, **extra}, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert flags("") == "--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce"
+    assert flags("ynn_fusion='dot'") == "--xla_cpu_experimental_ynn_fusion_type=dot"
+    assert flags("cpu_fast_paths=False") == ""
+    mine = "--xla_cpu_experimental_ynn_fusion_type=eltwise"
+    assert flags("ynn_fusion='dot'", XLA_FLAGS=mine) == mine
+    from xlafit.recipes import load_config
+
+    assert load_config("bert").run.xla_cpu_ynn_fusion == "dot"
+    assert load_config("mnist").run.xla_cpu_ynn_fusion == "dot,eltwise,reduce"
 
 
 def test_config_prints_resolved_yaml():

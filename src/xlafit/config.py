@@ -106,6 +106,10 @@ class RunConfig:
     simulate_devices: int | None = None  # N CPU devices (rehearse an N-core TPU)
     resume: bool = True  # continue from the run directory's newest checkpoint
     xla_cpu_fast_paths: bool = True  # XNNPACK/YNNPACK library calls on CPU (see BENCHMARKS.md)
+    # What XLA:CPU hands to YNNPACK when xla_cpu_fast_paths is on: a comma-separated subset of
+    # dot, eltwise, reduce, individual_dot, individual_convolution. Measured on 2 cores: the
+    # MNIST CNN is fastest with dot,eltwise,reduce; BERT with dot (its recipe sets that).
+    xla_cpu_ynn_fusion: str = "dot,eltwise,reduce"
 
 
 @dataclasses.dataclass

@@ -25,10 +25,12 @@ PROCESS_ID_ENV = "XLAFIT_PROCESS_ID"
 INIT_TIMEOUT_ENV = "XLAFIT_INIT_TIMEOUT_S"  # how long to wait for every process to join
 DISTRIBUTED_ENV = "XLAFIT_DISTRIBUTED"  # "1": join a job that JAX detects (TPU pod slice, ...)
 
-# XLA:CPU library paths measured faster for the CNN/MLP workloads here (BENCHMARKS.md):
-# YNNPACK for dots and element-wise/reduce fusions. Only applied to CPU runs, and only
-# when the user has not set the same flag in XLA_FLAGS.
-CPU_FAST_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce",)
+# XLA:CPU library paths: which operations go to YNNPACK. dot,eltwise,reduce was measured
+# fastest for the CNN/MLP workloads here, dot alone for BERT (BENCHMARKS.md). Only applied
+# to CPU runs, and only when the user has not set the flag in XLA_FLAGS.
+YNN_FUSION_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
+YNN_FUSION_TYPES = ("dot", "eltwise", "reduce", "individual_dot", "individual_convolution")
+DEFAULT_YNN_FUSION = "dot,eltwise,reduce"
 
 
 class DeviceError(RuntimeError):
@@ -114,14 +116,24 @@ def _backend_started() -> bool:
     return bool(xla_bridge._backends)
 
 
-def configure(simulate: int | None = None, *, cpu_fast_paths: bool = True) -> None:
+def configure(
+    simulate: int | None = None, *, cpu_fast_paths: bool = True, ynn_fusion: str = DEFAULT_YNN_FUSION
+) -> None:
     """Sets platform options; must run before JAX starts its backends.
 
     Args:
         simulate: run on this many CPU devices instead of the accelerators. ``None``
             reads the ``XLAFIT_SIMULATE_DEVICES`` environment variable.
-        cpu_fast_paths: add :data:`CPU_FAST_FLAGS` to ``XLA_FLAGS``.
+        cpu_fast_paths: hand the ``ynn_fusion`` operations of CPU programs to YNNPACK (adds
+            :data:`YNN_FUSION_FLAG` to ``XLA_FLAGS``, unless it is set there already).
+        ynn_fusion: a comma-separated subset of :data:`YNN_FUSION_TYPES`.
     """
+    unknown = [t for t in ynn_fusion.split(",") if t.strip() and t.strip() not in YNN_FUSION_TYPES]
+    if unknown:
+        raise DeviceError(
+            f"unknown YNNPACK fusion type {unknown[0]!r} (run.xla_cpu_ynn_fusion); "
+            f"choose from {', '.join(YNN_FUSION_TYPES)}, comma-separated."
+        )
     if simulate is None and os.environ.get(SIMULATE_ENV):
         try:
             simulate = int(os.environ[SIMULATE_ENV])
@@ -145,11 +157,11 @@ def configure(simulate: int | None = None, *, cpu_fast_paths: bool = True) -> No
     if simulate is not None:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", simulate)
-    if cpu_fast_paths:
-        flags = os.environ.get("XLA_FLAGS", "")
-        extra = [f for f in CPU_FAST_FLAGS if f.split("=")[0] not in flags]
+    flags = os.environ.get("XLA_FLAGS", "")
+    if cpu_fast_paths and YNN_FUSION_FLAG not in flags:
         # Other backends ignore xla_cpu_* flags, so this is safe on TPU/GPU hosts too.
-        os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
+        types = ",".join(t.strip() for t in ynn_fusion.split(",") if t.strip())
+        os.environ["XLA_FLAGS"] = f"{flags} {YNN_FUSION_FLAG}={types}".strip()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,7 +291,13 @@ def _join(cluster: Cluster) -> None:
         ) from None
 
 
-def connect(simulate: int | None = None, *, cpu_fast_paths: bool = True, cluster: Cluster | None = None) -> Strategy:
+def connect(
+    simulate: int | None = None,
+    *,
+    cpu_fast_paths: bool = True,
+    ynn_fusion: str = DEFAULT_YNN_FUSION,
+    cluster: Cluster | None = None,
+) -> Strategy:
     """Finds every device of every process and returns the data-parallel strategy.
 
     In a multi-process job (``xlafit launch``, a SLURM job step, every worker of a TPU pod
@@ -288,7 +306,7 @@ def connect(simulate: int | None = None, *, cpu_fast_paths: bool = True, cluster
     Args:
         simulate: use this many simulated CPU devices (per process; rehearse an 8-core TPU
             with 8).
-        cpu_fast_paths: see :func:`configure`.
+        cpu_fast_paths, ynn_fusion: see :func:`configure`.
         cluster: join this job; default: :meth:`Cluster.from_env`.
 
     Returns:
@@ -300,7 +318,7 @@ def connect(simulate: int | None = None, *, cpu_fast_paths: bool = True, cluster
         >>> print(strategy.describe())  # doctest: +SKIP
     """
     started = _backend_started()
-    configure(simulate, cpu_fast_paths=cpu_fast_paths)
+    configure(simulate, cpu_fast_paths=cpu_fast_paths, ynn_fusion=ynn_fusion)
     cluster = cluster or Cluster.from_env()
     if cluster is not None and not started and not jax.distributed.is_initialized():
         _join(cluster)

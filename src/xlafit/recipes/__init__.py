@@ -148,7 +148,8 @@ def train(cfg: Config) -> FitResult:
 
 def _train(cfg: Config) -> FitResult:
     module = recipe_module(cfg.recipe)
-    strategy = connect(cfg.run.simulate_devices, cpu_fast_paths=cfg.run.xla_cpu_fast_paths)
+    run = cfg.run
+    strategy = connect(run.simulate_devices, cpu_fast_paths=run.xla_cpu_fast_paths, ynn_fusion=run.xla_cpu_ynn_fusion)
     _, global_batch = resolve_batch(cfg.data, strategy.num_replicas)
     eval_batch = cfg.data.eval_global_batch or global_batch
     if eval_batch % strategy.num_replicas:
