@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -281,11 +282,15 @@ def test_split_is_decoded_once_into_a_memory_mapped_cache(tmp_path, monkeypatch,
     with pytest.raises(DataError, match=f"{shards[0].name} is damaged or was changed"):
         mlm.load_split(url, "train", memory_map=False)
 
-    # Prepared again (another seed): a new cache, the old one removed.
+    # Prepared again (another seed): a new cache, the old one removed, and so is what a
+    # process killed while decoding left a day ago.
     first = caches()
+    stale = tmp_path / "cache" / "mlm" / "killed.abc.tmp"
+    stale.mkdir()
+    os.utime(stale, (time.time() - 2 * 86400,) * 2)
     mlm.prepare(korean_tokenizer, files, url, seq_len=64, shard_size=100, seed=1, show_progress=False)
     new, _ = mlm.load_split(url, "train")
-    assert len(caches()) == 1 and caches() != first
+    assert len(caches()) == 1 and caches() != first and not stale.exists()
     assert not np.array_equal(new["input_ids"][:100], in_memory["input_ids"][:100])
 
     # No writable cache: read into memory, with a warning that says where and why.

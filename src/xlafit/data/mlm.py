@@ -28,6 +28,7 @@ import json
 import logging
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal
@@ -359,6 +360,9 @@ def _build_split_cache(fs, root: str, manifest: dict, split: str, layout: dict, 
     for old in where.parent.glob(prefix + "*"):
         if old != where and not old.name.endswith(".tmp"):
             shutil.rmtree(old, ignore_errors=True)  # a run that has it memory-mapped keeps reading it
+    for stale in where.parent.glob("*.tmp"):  # left by a process killed while decoding
+        if time.time() - stale.stat().st_mtime > 24 * 3600:
+            shutil.rmtree(stale, ignore_errors=True)
     return True
 
 
