@@ -361,8 +361,9 @@ def _build_split_cache(fs, root: str, manifest: dict, split: str, layout: dict, 
         if old != where and not old.name.endswith(".tmp"):
             shutil.rmtree(old, ignore_errors=True)  # a run that has it memory-mapped keeps reading it
     for stale in where.parent.glob("*.tmp"):  # left by a process killed while decoding
-        if time.time() - stale.stat().st_mtime > 24 * 3600:
-            shutil.rmtree(stale, ignore_errors=True)
+        with contextlib.suppress(OSError):  # another process may be removing it too
+            if time.time() - stale.stat().st_mtime > 24 * 3600:
+                shutil.rmtree(stale, ignore_errors=True)
     return True
 
 
