@@ -267,6 +267,8 @@ def test_split_is_decoded_once_into_a_memory_mapped_cache(tmp_path, monkeypatch,
     assert mapped["input_ids"].dtype == np.uint16 and len(mapped["length"]) == manifest["splits"]["train"]["sequences"]
     caches = lambda: sorted(p.name for p in (tmp_path / "cache" / "mlm").iterdir() if "-train-" in p.name)  # noqa: E731
     assert len(caches()) == 1
+    monkeypatch.chdir(tmp_path)
+    assert mlm.load_split("data", "train")[0]["input_ids"].filename == mapped["input_ids"].filename  # one key
 
     # A later load opens the cache and reads no shard.
     saved = {s: s.read_bytes() for s in shards}

@@ -296,7 +296,7 @@ def load_split(url: str, split: str, *, memory_map: bool = True) -> tuple[dict[s
         )
     ids_dtype = np.uint16 if manifest["tokenizer"]["vocab_size"] <= 2**16 else np.int32  # half of int32's memory
     layout = {"input_ids": ((n, t), ids_dtype), "token_type_ids": ((n, t), np.int8), "length": ((n,), np.int32)}
-    where = _split_cache(url, split, manifest)
+    where = _split_cache(fs.unstrip_protocol(root), split, manifest)  # one key for data/x, ./data/x, file://...
     if memory_map and not (where / _COMPLETE).exists():
         memory_map = _build_split_cache(fs, root, manifest, split, layout, where)
     if memory_map:
@@ -315,7 +315,7 @@ _COMPLETE = "complete"
 
 
 def _split_cache(url: str, split: str, manifest: dict) -> Path:
-    """``$XLAFIT_CACHE/mlm/<url hash>-<split>-<manifest hash>``."""
+    """``$XLAFIT_CACHE/mlm/<url hash>-<split>-<manifest hash>``; ``url`` with its protocol."""
     digest = lambda text: hashlib.sha256(text.encode()).hexdigest()[:16]  # noqa: E731
     return cache_dir() / "mlm" / f"{digest(url)}-{split}-{digest(json.dumps(manifest, sort_keys=True))}"
 
