@@ -24,10 +24,12 @@ import numpy as np
 
 
 def write_split(url: str, sequences: int, seq_len: int, vocab: int) -> None:
+    import fsspec
+
     from xlafit.data import mlm
 
     rng = np.random.default_rng(0)
-    writer = mlm._ShardWriter(*_local(url), "train", seq_len, 65536)
+    writer = mlm._ShardWriter(fsspec.filesystem("file"), url, "train", seq_len, 65536)
     for start in range(0, sequences, 65536):
         rows = rng.integers(5, vocab, (min(65536, sequences - start), seq_len))
         for row in rows.tolist():
@@ -47,12 +49,6 @@ def write_split(url: str, sequences: int, seq_len: int, vocab: int) -> None:
     }
     with open(f"{url}/{mlm.MANIFEST}", "w") as f:
         json.dump(manifest, f)
-
-
-def _local(url: str):
-    import fsspec
-
-    return fsspec.filesystem("file"), url
 
 
 def rss_mb() -> dict[str, float]:

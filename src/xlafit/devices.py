@@ -128,7 +128,8 @@ def configure(
             :data:`YNN_FUSION_FLAG` to ``XLA_FLAGS``, unless it is set there already).
         ynn_fusion: a comma-separated subset of :data:`YNN_FUSION_TYPES`.
     """
-    unknown = [t for t in ynn_fusion.split(",") if t.strip() and t.strip() not in YNN_FUSION_TYPES]
+    types = [t.strip() for t in ynn_fusion.split(",") if t.strip()]
+    unknown = [t for t in types if t not in YNN_FUSION_TYPES]
     if unknown:
         raise DeviceError(
             f"unknown YNNPACK fusion type {unknown[0]!r} (run.xla_cpu_ynn_fusion); "
@@ -160,8 +161,7 @@ def configure(
     flags = os.environ.get("XLA_FLAGS", "")
     if cpu_fast_paths and YNN_FUSION_FLAG not in flags:
         # Other backends ignore xla_cpu_* flags, so this is safe on TPU/GPU hosts too.
-        types = ",".join(t.strip() for t in ynn_fusion.split(",") if t.strip())
-        os.environ["XLA_FLAGS"] = f"{flags} {YNN_FUSION_FLAG}={types}".strip()
+        os.environ["XLA_FLAGS"] = f"{flags} {YNN_FUSION_FLAG}={','.join(types)}".strip()
 
 
 @dataclasses.dataclass(frozen=True)
