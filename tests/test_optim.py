@@ -1,3 +1,4 @@
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -31,3 +32,24 @@ def test_linear_decay_and_clipping():
     plan = make_optimizer(cfg, global_batch=8, total_steps=100)
     assert float(plan.schedule(50)) == pytest.approx(0.5)
     assert float(plan.schedule(100)) == pytest.approx(0.0)
+
+
+def test_optimizers_lamb_and_polynomial_decay():
+    cfg = OptimizerConfig(
+        name="lamb",
+        learning_rate=1e-3,
+        reference_batch=64,
+        warmup_steps=10,
+        decay="polynomial",
+        decay_power=2.0,
+        weight_decay=0.01,
+        weight_decay_on="matrices",
+    )
+    plan = make_optimizer(cfg, 64, 110)
+    assert float(plan.schedule(10)) == pytest.approx(1e-3)
+    assert float(plan.schedule(60)) == pytest.approx(1e-3 * 0.5**2)  # (1 - 50/100) ** 2
+    params = {"kernel": jnp.ones((3, 3)), "bias": jnp.ones(3)}
+    state = plan.tx.init(params)
+    updates, _ = plan.tx.update({"kernel": jnp.zeros((3, 3)), "bias": jnp.zeros(3)}, state, params)
+    # a zero gradient: only weight decay moves anything, and only the matrix (step 0: lr 0 in warmup)
+    assert float(jnp.abs(updates["bias"]).max()) == 0.0

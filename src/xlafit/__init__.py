@@ -1,5 +1,9 @@
 """xlafit: data-parallel training on XLA devices (TPU cores, GPUs, CPUs) with JAX.
 
+``xlafit.train_and_evaluate(xlafit.load_config("mnist"))`` runs a recipe end to end;
+:class:`Trainer` trains your own Flax NNX model. The subpackages are ``xlafit.train``
+(steps, optimizer, loop), ``xlafit.data``, ``xlafit.models`` and ``xlafit.recipes``.
+
 Example:
     >>> import xlafit
     >>> strategy = xlafit.connect()
@@ -7,10 +11,12 @@ Example:
     True
 """
 
+from xlafit import exitcodes
 from xlafit.config import Config, ConfigError
 from xlafit.devices import Strategy, connect
-from xlafit.recipes import load_config, train
-from xlafit.train import FitResult, Trainer, TrainState
+from xlafit.recipes import load_config
+from xlafit.run import train_and_evaluate
+from xlafit.train import FitResult, NonFiniteError, Preempted, Trainer, TrainState
 
 __version__ = "0.1.0"
 
@@ -18,10 +24,13 @@ __all__ = [
     "Config",
     "ConfigError",
     "FitResult",
+    "NonFiniteError",
+    "Preempted",
     "Strategy",
     "TrainState",
     "Trainer",
     "connect",
+    "exitcodes",
     "load_config",
-    "train",
+    "train_and_evaluate",
 ]

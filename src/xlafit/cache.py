@@ -6,6 +6,8 @@
 - ``bert-demo-*/``: the Korean demo's tokenizer and shards.
 - ``mlm/``: prepared masked-LM splits decoded to memory-mapped ``.npy`` files
   (:func:`xlafit.data.mlm.load_split`).
+- ``launch/<time>-<pid>/``: the output of processes 1..P-1 of each ``xlafit launch``
+  (:func:`xlafit.launch.default_log_dir`); safe to delete.
 """
 
 from __future__ import annotations

@@ -20,10 +20,14 @@ per-device batch to read XLA's memory and cost analyses.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import json
+import os
 import runpy
+import sys
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +37,7 @@ import optax
 from flax import nnx
 
 from xlafit.config import ConfigError
-from xlafit.data.loader import as_dataset
+from xlafit.data.dataset import as_dataset
 from xlafit.data.shapes import Plan, compare_plans, format_plans
 from xlafit.train.step import TrainState, build_train_step
 
@@ -306,53 +310,77 @@ def check_step(
     return report
 
 
+@contextlib.contextmanager
+def _importable(path: Path) -> Iterator[None]:
+    """``path``'s directory and the working directory on ``sys.path``, as ``python path``
+    (and ``python -m``) would have them, so the file can import its neighbours; restored after."""
+    saved = list(sys.path)
+    sys.path[:0] = [str(path.parent.resolve()), os.getcwd()]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+
+
+def _load_error(path: Path, e: BaseException) -> ConfigError:
+    """The one-line error for a user file that fails to load, at its line."""
+    if isinstance(e, SyntaxError):  # raised by the compiler: the file has no frame in the traceback
+        code = f" in `{e.text.strip()}`" if e.text and e.text.strip() else ""
+        return ConfigError(
+            f"{e.filename or path}, line {e.lineno}: {type(e).__name__}: {e.msg}{code}. "
+            "Fix that line and run xlafit check again."
+        )
+    line = classify(e, str(path)).line
+    where = f", at line {line}" if line else ""
+    return ConfigError(f"{path} failed while being loaded{where}: {type(e).__name__}: {e}")
+
+
 def check_file(path: str | Path, **options: Any) -> Report:
     """Runs the user file and checks its ``model``, ``loss_fn`` and ``batch``."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path} does not exist.")
-    try:
-        namespace = runpy.run_path(str(path), run_name="__xlafit_check__")
-    except Exception as e:
-        finding = classify(e, str(path))
-        raise ConfigError(
-            f"{path} failed while being loaded, at line {finding.line}: {type(e).__name__}: {e}"
-        ) from None
-    missing = [name for name in ("model", "loss_fn", "batch") if name not in namespace]
-    if missing:
-        raise ConfigError(
-            f"{path} must define model (an nnx.Module), loss_fn(model, batch) and batch (a dict of arrays); "
-            f"missing: {', '.join(missing)}."
+    # The loss may import at trace time too: the file's imports stay possible until the end.
+    with _importable(path):
+        try:
+            namespace = runpy.run_path(str(path), run_name="__xlafit_check__")
+        except Exception as e:
+            raise _load_error(path, e) from None
+        missing = [name for name in ("model", "loss_fn", "batch") if name not in namespace]
+        if missing:
+            raise ConfigError(
+                f"{path} must define model (an nnx.Module), loss_fn(model, batch) and batch (a dict of arrays); "
+                f"missing: {', '.join(missing)}."
+            )
+        if not isinstance(namespace["model"], nnx.Module):
+            raise ConfigError(f"`model` in {path} is a {type(namespace['model']).__name__}, not an nnx.Module.")
+        lengths = namespace.get("lengths")
+        if lengths is None and namespace.get("dataset") is not None:
+            lengths = _example_lengths(namespace["dataset"])
+        return check_step(
+            str(path),
+            namespace["model"],
+            namespace["loss_fn"],
+            namespace["batch"],
+            user_file=str(path),
+            lengths=None if lengths is None else np.asarray(lengths),
+            **options,
         )
-    if not isinstance(namespace["model"], nnx.Module):
-        raise ConfigError(f"`model` in {path} is a {type(namespace['model']).__name__}, not an nnx.Module.")
-    lengths = namespace.get("lengths")
-    if lengths is None and namespace.get("dataset") is not None:
-        lengths = _example_lengths(namespace["dataset"])
-    return check_step(
-        str(path),
-        namespace["model"],
-        namespace["loss_fn"],
-        namespace["batch"],
-        user_file=str(path),
-        lengths=None if lengths is None else np.asarray(lengths),
-        **options,
-    )
 
 
 def check_recipe(name: str, overrides: list[str] | None = None, **options: Any) -> Report:
     """Checks a recipe's model, loss and a batch of its data (and, for bert, the lengths
     of its tokenized corpus against the padding plans)."""
-    from xlafit.recipes import load_config, recipe_module
+    from xlafit.recipes import get_recipe, load_config
 
     cfg = load_config(name, overrides or [])
-    module = recipe_module(name)
-    train, _ = module.load_data(cfg)
-    data = as_dataset(train)
+    recipe = get_recipe(name)
+    train = as_dataset(recipe.load_data(cfg)[0])
+    lengths = recipe.sequence_lengths(cfg)
+    cfg = recipe.from_data(cfg, train)
     rows = options.get("per_device_batch") or 8
-    batch = data.take(np.arange(min(rows, len(data))))
-    lengths = module.sequence_lengths(cfg) if hasattr(module, "sequence_lengths") else None
-    return check_step(name, module.build_model(cfg, train), module.loss_fn, batch, lengths=lengths, **options)
+    batch = train.take(np.arange(min(rows, len(train))))
+    return check_step(name, recipe.build_model(cfg, train), recipe.loss_fn, batch, lengths=lengths, **options)
 
 
 def to_json(report: Report) -> str:

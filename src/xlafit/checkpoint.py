@@ -28,6 +28,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from xlafit.devices import is_prng_key
+
 log = logging.getLogger("xlafit")
 
 SEAL = "xlafit-integrity.json"
@@ -36,10 +38,6 @@ COMMIT = "commit_success.txt"
 
 class CheckpointError(RuntimeError):
     """No usable checkpoint, or one that cannot continue this run; the message says why."""
-
-
-def is_prng_key(x: Any) -> bool:
-    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def to_saveable(tree: Any) -> Any:
@@ -122,9 +120,12 @@ class CheckpointInfo:
 
     step: int
     path: epath.Path
-    time: datetime.datetime
+    time: datetime.datetime  # when the save was committed (see time_source)
     size_bytes: int
     status: str  # "intact", "unsealed" (committed, not yet checksummed) or "corrupt: <why>"
+    # "commit": Orbax's record of the save; "mtime": the files' newest modification time,
+    # for a checkpoint without a readable record (a damaged one, or older Orbax).
+    time_source: str = "commit"
 
     @property
     def usable(self) -> bool:
@@ -218,19 +219,32 @@ class Checkpointer:
                 return f"corrupt: {name} does not match its checksum"
         return "intact"
 
+    def committed_at(self, step: int) -> datetime.datetime | None:
+        """When checkpoint ``step`` was committed, from the step metadata Orbax writes with
+        every save (and the seal checksums); ``None`` where it is absent or unreadable."""
+        try:
+            nsecs = self._manager.metadata(step).commit_timestamp_nsecs
+        except Exception:  # a damaged metadata file: the caller falls back to the files' times
+            return None
+        return None if nsecs is None else datetime.datetime.fromtimestamp(nsecs / 1e9, datetime.UTC)
+
     def list(self) -> list[CheckpointInfo]:
         """Every checkpoint on disk, oldest first, verified."""
         infos = []
         for step in sorted(self._manager.all_steps()):
             directory = self._step_dir(step)
             stats = [p.stat() for p in _files(directory).values()]
+            # Modification times change when a file is touched or damaged after the save.
+            committed = self.committed_at(step)
+            modified = datetime.datetime.fromtimestamp(max((st.mtime for st in stats), default=0), datetime.UTC)
             infos.append(
                 CheckpointInfo(
                     step=step,
                     path=directory,
-                    time=datetime.datetime.fromtimestamp(max((st.mtime for st in stats), default=0), datetime.UTC),
+                    time=committed or modified,
                     size_bytes=sum(st.length for st in stats),
                     status=self.verify(step),
+                    time_source="commit" if committed else "mtime",
                 )
             )
         return infos

@@ -18,8 +18,7 @@ from xlafit.config import ConfigError
 from xlafit.data.loader import DataError
 from xlafit.devices import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, SIMULATE_ENV, DeviceError
 from xlafit.models.bert_hf import HFFormatError
-from xlafit.train.step import RecompileError
-from xlafit.train.trainer import NonFiniteError, Preempted
+from xlafit.train import NonFiniteError, Preempted, RecompileError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,7 +71,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     launch.add_argument("--processes", type=int, default=2, metavar="P")
     launch.add_argument("--devices-per-process", type=int, default=4, metavar="D")
-    launch.add_argument("--log-dir", default="launch-logs", help="where processes 1..P-1 write their output")
+    launch.add_argument(
+        "--log-dir",
+        help="where processes 1..P-1 write their output (default: a new folder under $XLAFIT_CACHE/launch, "
+        "else ~/.cache/xlafit/launch)",
+    )
     launch.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command each process runs")
 
     bench = sub.add_parser(
@@ -194,7 +197,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from xlafit.recipes import load_config, train
+    from xlafit.recipes import load_config
+    from xlafit.run import train_and_evaluate
 
     overrides = list(args.overrides)
     if args.simulate is not None:
@@ -207,8 +211,7 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"run.checkpoint_dir={args.checkpoint_dir}")
     if args.restart:
         overrides.append("run.resume=false")
-    cfg = load_config(args.recipe, overrides, preset=args.config)
-    train(cfg)
+    train_and_evaluate(load_config(args.recipe, overrides, preset=args.config))
     # A SIGTERM from here on finds the work done: exit 0 rather than die by the signal.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return 0
@@ -280,20 +283,39 @@ def _inspect(args: argparse.Namespace) -> int:
         raise ConfigError(f"no checkpoint {args.step} in {directory}; there are: {[i.step for i in infos]}.")
     digest = fingerprint(ckpt.restore_params(step)) if step is not None else None
     ckpt.close()
+    # A scheduler or script acts on the exit code: a corrupt newest checkpoint means the next
+    # resume loses the steps since the one before it.
+    newest_corrupt = bool(infos) and not infos[-1].usable
+    code = exitcodes.DAMAGED if step is None or newest_corrupt else 0
     if args.json:
         rows = [
-            {"step": i.step, "time": i.time.isoformat(), "size_bytes": i.size_bytes, "status": i.status} for i in infos
+            {
+                "step": i.step,
+                "time": i.time.isoformat(),
+                "time_source": i.time_source,
+                "size_bytes": i.size_bytes,
+                "status": i.status,
+            }
+            for i in infos
         ]
         print(json.dumps({"checkpoints": rows, "fingerprint": {"step": step, "sha256": digest}}, indent=2))
-        return 0
-    print(f"{'step':>8}  {'time (UTC)':<19}  {'size':>10}  status")
+        return code
+    print(f"{'step':>8}  {'written (UTC)':<21}  {'size':>10}  status")
     for i in infos:
-        print(f"{i.step:>8}  {i.time:%Y-%m-%d %H:%M:%S}  {i.size_bytes / 2**20:>7.2f} MiB  {i.status}")
+        mark = "  " if i.time_source == "commit" else " *"
+        print(f"{i.step:>8}  {i.time:%Y-%m-%d %H:%M:%S}{mark}  {i.size_bytes / 2**20:>7.2f} MiB  {i.status}")
+    if any(i.time_source != "commit" for i in infos):
+        print("       * no commit time recorded in the checkpoint: the files' last modification time")
     if step is None:
         print("no intact checkpoint")
-        return 1
+        return code
     print(f"parameters at step {step}: sha256 {digest}")
-    return 0
+    if newest_corrupt:
+        print(
+            f"checkpoint {infos[-1].step}, the newest, is corrupt: resuming sets it aside and continues from "
+            f"checkpoint {[i.step for i in infos if i.usable][-1]}, losing the steps in between."
+        )
+    return code
 
 
 def _tokenizer(args: argparse.Namespace) -> int:
@@ -363,7 +385,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from xlafit.recipes.bert import export_hf
+    from xlafit.export import export_hf
 
     out, step = export_hf(args.run_dir, args.out, args.step)
     print(f"exported checkpoint {step} of {args.run_dir} to {out}: config.json, model.safetensors, tokenizer")
@@ -429,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _train(args)
     except (ConfigError, DeviceError, DataError, BenchError, CheckpointError, HFFormatError, RecompileError) as e:
         print(f"xlafit: error: {e}", file=sys.stderr)
-        return 2
+        return exitcodes.USAGE
     except Preempted as e:
         print(f"xlafit: {e}", file=sys.stderr)
         return exitcodes.PREEMPTED

@@ -27,13 +27,14 @@ class ConfigError(ValueError):
 class DataConfig:
     """How batches are formed.
 
-    ``global_batch`` is what the optimizer sees per step. When it is null, it is
-    ``per_device_batch`` x the number of devices (the TPUStrategy convention
-    ``16 * num_replicas_in_sync``); when it is set, each device gets
-    ``global_batch / devices`` and the division must be exact.
+    ``global_batch`` is what the optimizer sees per step. Set one of the two: with
+    ``global_batch`` null it is ``per_device_batch`` x the number of devices (the
+    TPUStrategy convention ``16 * num_replicas_in_sync``); with ``global_batch`` set each
+    device gets ``global_batch / devices``, and the division must be exact. Both set must
+    agree. Neither: 16 per device. A run records both as it resolved them.
     """
 
-    per_device_batch: int = 16
+    per_device_batch: int | None = None
     global_batch: int | None = None
     eval_global_batch: int | None = None  # default: the training global batch
     data_dir: str | None = None  # recipe-specific files; null = the embedded data
@@ -56,6 +57,10 @@ class OptimizerConfig:
     scaling: Literal["none", "linear", "sqrt"] = "linear"
     warmup_steps: int = 0
     decay: Literal["cosine", "linear", "polynomial", "constant"] = "cosine"
+    # Steps the schedule spans, warmup included (null: the whole run, trainer.epochs x steps
+    # per epoch); past them the rate stays at its final value. A run records the value it
+    # used, so more epochs later need this set to keep the schedule (see xlafit.run).
+    decay_steps: int | None = None
     decay_power: float = 1.0  # polynomial decay's exponent (1.0: linear)
     final_lr_fraction: float = 0.0  # end of decay, as a fraction of the peak
     weight_decay: float = 0.0
@@ -201,7 +206,8 @@ def from_dict(
             tp = model_cls
         if name == "data" and cls is Config and data_cls is not None:
             tp = data_cls
-        if dataclasses.is_dataclass(tp):
+        # is_dataclass is true of instances too; an annotation naming a dataclass is its type.
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             kwargs[name] = from_dict(tp, value or {}, f"{prefix}{name}.")
         else:
             kwargs[name] = _coerce(value, tp, prefix + name)
@@ -290,11 +296,12 @@ def build_config(
 
 def validate(cfg: Config) -> None:
     """Rejects values that no device count could make work."""
-    positive = {
+    positive: dict[str, int | None] = {
         "data.per_device_batch": cfg.data.per_device_batch,
         "data.global_batch": cfg.data.global_batch,
         "data.eval_global_batch": cfg.data.eval_global_batch,
         "optimizer.reference_batch": cfg.optimizer.reference_batch,
+        "optimizer.decay_steps": cfg.optimizer.decay_steps,
         "trainer.epochs": cfg.trainer.epochs,
         "trainer.steps_per_call": cfg.trainer.steps_per_call,
         "trainer.accumulate_steps": cfg.trainer.accumulate_steps,
@@ -314,30 +321,46 @@ def validate(cfg: Config) -> None:
             f"optimizer.learning_rate={cfg.optimizer.learning_rate} must be positive "
             "(it is the peak rate at optimizer.reference_batch; try 1e-3)."
         )
-    for key, value in {
+    non_negative: dict[str, float] = {
         "data.prefetch": cfg.data.prefetch,
         "optimizer.warmup_steps": cfg.optimizer.warmup_steps,
         "optimizer.weight_decay": cfg.optimizer.weight_decay,
         "trainer.checkpoint_every_steps": cfg.trainer.checkpoint_every_steps,
         "trainer.checkpoint_every_minutes": cfg.trainer.checkpoint_every_minutes,
         "trainer.keep_every_steps": cfg.trainer.keep_every_steps,
-    }.items():
-        if value < 0:
-            raise ConfigError(f"{key}={value} must be zero or more.")
+    }
+    for key, amount in non_negative.items():
+        if amount < 0:
+            raise ConfigError(f"{key}={amount} must be zero or more.")
     if not 0.0 <= cfg.optimizer.final_lr_fraction <= 1.0:
         raise ConfigError(f"optimizer.final_lr_fraction={cfg.optimizer.final_lr_fraction} must lie in [0, 1].")
     if cfg.optimizer.grad_clip_norm is not None and cfg.optimizer.grad_clip_norm <= 0:
         raise ConfigError("optimizer.grad_clip_norm must be positive, or null for no clipping.")
 
 
+DEFAULT_PER_DEVICE_BATCH = 16
+
+
 def resolve_batch(cfg: DataConfig, num_devices: int) -> tuple[int, int]:
     """Returns ``(per_device_batch, global_batch)`` for ``num_devices`` devices.
 
+    Example:
+        >>> resolve_batch(DataConfig(global_batch=128), 8), resolve_batch(DataConfig(per_device_batch=32), 8)
+        ((16, 128), (32, 256))
+
     Raises:
-        ConfigError: the global batch does not divide evenly over the devices.
+        ConfigError: the global batch does not divide evenly over the devices, or the two
+            settings disagree.
     """
     if cfg.global_batch is None:
-        return cfg.per_device_batch, cfg.per_device_batch * num_devices
+        per_device = cfg.per_device_batch or DEFAULT_PER_DEVICE_BATCH
+        return per_device, per_device * num_devices
+    if cfg.per_device_batch is not None and cfg.per_device_batch * num_devices != cfg.global_batch:
+        raise ConfigError(
+            f"data.per_device_batch={cfg.per_device_batch} and data.global_batch={cfg.global_batch} disagree on "
+            f"{num_devices} devices ({cfg.per_device_batch} x {num_devices} = {cfg.per_device_batch * num_devices}). "
+            "Set only one of them (data.global_batch=null to use the per-device batch)."
+        )
     if cfg.global_batch % num_devices:
         lower = cfg.global_batch // num_devices * num_devices
         raise ConfigError(

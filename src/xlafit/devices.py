@@ -13,6 +13,7 @@ import dataclasses
 import os
 import socket
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -31,6 +32,11 @@ DISTRIBUTED_ENV = "XLAFIT_DISTRIBUTED"  # "1": join a job that JAX detects (TPU 
 YNN_FUSION_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
 YNN_FUSION_TYPES = ("dot", "eltwise", "reduce", "individual_dot", "individual_convolution")
 DEFAULT_YNN_FUSION = "dot,eltwise,reduce"
+
+
+def is_prng_key(x: Any) -> bool:
+    """True for a typed PRNG key array (``jax.random.key``), which has no plain dtype."""
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 class DeviceError(RuntimeError):
@@ -83,6 +89,21 @@ class Strategy:
         ``leading_axes=1`` is the layout of k stacked batches for ``steps_per_call``.
         """
         return NamedSharding(self.mesh, PartitionSpec(*([None] * leading_axes), "data"))
+
+    def replicate(self, tree: Any) -> Any:
+        """Copies host or single-device values to every device, in every process.
+
+        ``jax.device_put`` cannot target devices of other processes; each process instead
+        contributes its (identical) copy through ``make_array_from_process_local_data``.
+        """
+
+        def put(x: Any) -> jax.Array:
+            if is_prng_key(x):
+                return jax.random.wrap_key_data(put(jax.random.key_data(x)), impl=jax.random.key_impl(x))
+            x = np.asarray(x)
+            return jax.make_array_from_process_local_data(self.replicated, x, x.shape)
+
+        return jax.tree.map(put, tree)
 
     def describe(self) -> str:
         """A human-readable table of the platform, processes, devices and mesh."""
@@ -182,7 +203,7 @@ class Cluster:
         a multi-worker Cloud TPU slice is left to JAX's own cluster detection.
         """
         names = (COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV)
-        given = {n: os.environ.get(n) for n in names if os.environ.get(n)}
+        given = {n: os.environ[n] for n in names if os.environ.get(n)}
         if given:
             missing = [n for n in names if n not in given]
             if missing:
@@ -221,11 +242,18 @@ def _rendezvous(cluster: Cluster) -> None:
     not arrive in time, and names no one. This handshake fails first, with names: process 0
     says which processes never came, the others say that process 0 cannot be reached.
     """
+    if cluster.coordinator is None:
+        raise ValueError("_rendezvous needs the coordinator's address; without one JAX finds it.")
     host, _, port = cluster.coordinator.rpartition(":")
     address = (host, int(port) + 1)
     deadline = time.monotonic() + cluster.timeout_s
     hint = f"set {INIT_TIMEOUT_ENV} to wait longer than {cluster.timeout_s}s"
     if cluster.process_id == 0:
+        if cluster.num_processes is None:
+            raise DeviceError(
+                f"process 0 of the job at {cluster.coordinator} cannot tell how many processes to wait for: "
+                f"set {NUM_PROCESSES_ENV} (`xlafit launch` sets it)."
+            )
         with socket.create_server(("", address[1]), reuse_port=False) as server:
             server.settimeout(0.5)
             arrived: dict[int, socket.socket] = {}
@@ -269,7 +297,8 @@ def _rendezvous(cluster: Cluster) -> None:
 
 
 def _join(cluster: Cluster) -> None:
-    if jax.config.jax_platforms == "cpu":
+    # jax.config creates its options as attributes at run time; its type declares none of them.
+    if jax.config.jax_platforms == "cpu":  # type: ignore[attr-defined]
         # CPU devices of different processes talk through gloo over TCP.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     where = cluster.coordinator or "the address JAX detects"

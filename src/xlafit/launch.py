@@ -3,7 +3,9 @@
 Each process gets ``XLAFIT_COORDINATOR`` (process 0's address), ``XLAFIT_NUM_PROCESSES``,
 ``XLAFIT_PROCESS_ID`` and ``XLAFIT_SIMULATE_DEVICES``; :func:`xlafit.connect` reads them and
 joins the job through ``jax.distributed`` with gloo collectives between the CPU devices.
-Process 0 writes to this terminal, the others to ``LOG_DIR/process-I.log``.
+Process 0 writes to this terminal, the others to ``LOG_DIR/process-I.log``; by default
+``LOG_DIR`` is a new folder of the user cache (:func:`default_log_dir`), not the working
+directory, so that a launch from a clone leaves its tree clean.
 
 When a process fails, a collective in the others would wait for it until JAX's heartbeat
 timeout; the launcher does not wait: it stops the rest at once, names the dead process, and
@@ -12,6 +14,7 @@ exits with its exit code.
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import socket
@@ -22,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from xlafit import exitcodes
+from xlafit.cache import cache_dir
 from xlafit.devices import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, SIMULATE_ENV
 
 GRACE_S = 10.0  # after a process failed: SIGTERM to the others, SIGKILL after this
@@ -40,6 +44,11 @@ def free_port() -> int:
             return port
         except OSError:
             continue
+
+
+def default_log_dir() -> Path:
+    """``<cache>/launch/<UTC time>-<pid>``: one new folder per launch (see :func:`xlafit.cache.cache_dir`)."""
+    return cache_dir() / "launch" / f"{datetime.datetime.now(datetime.UTC):%Y%m%d-%H%M%S}-{os.getpid()}"
 
 
 def _describe(code: int) -> str:
@@ -93,10 +102,10 @@ def _watch(procs: Sequence[subprocess.Popen], deadline: list[float], log_dir: Pa
     return 0
 
 
-def launch(
-    command: Sequence[str], processes: int, devices_per_process: int, log_dir: str | Path = "launch-logs"
-) -> int:
+def launch(command: Sequence[str], processes: int, devices_per_process: int, log_dir: str | Path | None = None) -> int:
     """Runs ``command`` as ``processes`` cooperating processes; returns the job's exit code.
+
+    Processes 1..P-1 write to ``log_dir/process-I.log``; default: :func:`default_log_dir`.
 
     Example:
         >>> launch(["xlafit", "train", "mnist"], processes=2, devices_per_process=4)  # doctest: +SKIP
@@ -107,8 +116,11 @@ def launch(
     if not command:
         print("xlafit launch: give the command after --, e.g. xlafit launch -- xlafit train mnist", file=sys.stderr)
         return 2
-    log_dir = Path(log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(log_dir) if log_dir is not None else default_log_dir()
+    if processes > 1:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        others = "process 1" if processes == 2 else f"processes 1-{processes - 1}"
+        print(f"xlafit launch: the output of {others} goes to {log_dir} (--log-dir)", file=sys.stderr)
     address = f"127.0.0.1:{free_port()}"
     procs: list[subprocess.Popen] = []
     logs = []

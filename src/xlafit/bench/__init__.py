@@ -154,7 +154,8 @@ def summarize(name: str, runs: list[dict[str, Any]], steps_per_epoch: int, batch
         "input_wait_frac": float(np.median([r["wait_s"] / r["wall_s"] for r in runs])),
         "mfu": flops / wall_per_step / peak,
     }
-    per_run = [{"examples_per_s": batch * r["steps"] / r["wall_s"]} for r in runs]
+    # The same expression as the median's, so that one run's whisker is exactly zero.
+    per_run = [{"examples_per_s": batch / (r["wall_s"] / r["steps"])} for r in runs]
     compile_s = [r["compile_s"] for r in runs if r["compile_s"] is not None]
     return {
         "configuration": name,
@@ -338,6 +339,25 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def whiskers(rows: Sequence[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    """Error-bar lengths below and above each row's median examples/s: to the slowest and
+    the fastest run, never negative.
+
+    The median comes from the median run's wall time per step, so with one or two runs it
+    can land an ulp outside ``[min, max]`` of the runs' own rates (matplotlib refuses a
+    negative ``xerr``).
+
+    Example:
+        >>> lo, hi = whiskers([{"examples_per_s": 100.0, "examples_per_s_runs": [90.0, 100.0, 120.0]}])
+        >>> lo.tolist(), hi.tolist()
+        ([10.0], [20.0])
+    """
+    med = np.array([r["examples_per_s"] for r in rows], dtype=float)
+    lo = med - np.array([min(r["examples_per_s_runs"]) for r in rows], dtype=float)
+    hi = np.array([max(r["examples_per_s_runs"]) for r in rows], dtype=float) - med
+    return np.maximum(lo, 0.0), np.maximum(hi, 0.0)
+
+
 def plot(result: dict[str, Any], path: str | Path) -> None:
     """A PNG: examples/s per configuration (bars: median, whiskers: min-max over runs) and
     time per epoch split into step time and input wait."""
@@ -351,11 +371,9 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
     rows = result["rows"]
     names = [r["configuration"] for r in rows]
     y = np.arange(len(rows))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 1.2 + 0.6 * len(rows)), sharey=True)
-    med = np.array([r["examples_per_s"] for r in rows])
-    lo = med - np.array([min(r["examples_per_s_runs"]) for r in rows])
-    hi = np.array([max(r["examples_per_s_runs"]) for r in rows]) - med
-    left.barh(y, med, xerr=[lo, hi], color="tab:blue")
+    # Constrained layout makes room for the legend outside the axes, beside the bars.
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 1.2 + 0.6 * len(rows)), sharey=True, layout="constrained")
+    left.barh(y, [r["examples_per_s"] for r in rows], xerr=whiskers(rows), color="tab:blue")
     left.set_yticks(y, names)
     left.invert_yaxis()
     left.set_xlabel("examples/s (median; whiskers: min-max)")
@@ -373,8 +391,7 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
         right.barh(y, values, left=left_edge, label=label)
         left_edge += np.array(values)
     right.set_xlabel(f"seconds per epoch ({spe} steps); compile time apart")
-    right.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, frameon=False)
+    right.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.suptitle(f"xlafit bench {result['recipe']}: {result['machine']['device_kind']} ({result['date']})")
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

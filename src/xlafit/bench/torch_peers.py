@@ -104,7 +104,7 @@ def run_mnist(
         step_s.append(t2 - t1)
         t_mark = t2
     wall_s = time.perf_counter() - t_start
-    loss = loss.item()
+    final_loss = loss.item()
     median = float(np.median(step_s))
     return {
         "platform": device,
@@ -119,6 +119,6 @@ def run_mnist(
         # torch.compile compiles during the first steps: their time beyond a steady step.
         "compile_s": max(sum(warmup_s) - warmup * median, 0.0) if compile else None,
         "compiles": None,
-        "final_loss": loss,
+        "final_loss": final_loss,
         "versions": {"torch": torch.__version__},
     }

@@ -116,54 +116,41 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
         global_batch=spec.batch,
         config=TrainerConfig(epochs=total // order.steps_per_epoch + 1, steps_per_call=spec.steps_per_call),
     )
-    step_fn, state = trainer.train_step, trainer.state
+    step_fn = trainer.train_step
 
-    # Calls are dispatched as in Trainer.fit: the host prepares call i+1 while the devices
-    # run call i (it waits for call i-1 only). A call's time is the interval since the
-    # previous one returned, less its input wait: in steady state, the devices' time per
-    # call. One sync before timing and one at the end, so wall = sum(call_s) + wait_s.
-    # Every program the timed steps need is compiled first: a compile inside the timed
-    # window would overlap the devices' work on earlier calls.
+    # The trainer's own dispatch loop (Trainer.steps, as in Trainer.fit) is timed: the host
+    # prepares call i+1 while the devices run call i. A call's time is the interval between
+    # two yields, less its input wait: in steady state, the devices' time per call. One sync
+    # after the warm-up and one at the end, so wall = sum(call_s) + wait_s. Every program
+    # the timed steps need is compiled first: a compile inside the timed window would
+    # overlap the devices' work on earlier calls.
     for k in sorted({k for _, k in order.calls(0, timed_stop, spec.steps_per_call)}):
-        step_fn.precompile(state, _abstract_batch(train, k, spec.batch, strategy))
+        step_fn.precompile(trainer.state, _abstract_batch(train, k, spec.batch, strategy))
     call_steps, call_s, wait_s, wall_s = [], [], 0.0, 0.0
-    batches = trainer.batches(train, 0, timed_stop)
-    previous = None
-    try:
-        t_mark, waited = time.perf_counter(), 0.0
-        for first, k, batch in batches:
-            if first == warmup:
-                jax.block_until_ready(state)  # note: host-device sync, the warm-up's work done
-                t_mark, waited = time.perf_counter(), batches.wait_s
-            wait = batches.wait_s - waited
-            compile_before = step_fn.compile_s
-            state, metrics = step_fn(state, batch)
-            # as Trainer.fit: at most two calls in flight
-            jax.block_until_ready(previous if previous is not None and first + k < timed_stop else metrics)
-            previous = metrics
-            t1 = time.perf_counter()
-            compiling = step_fn.compile_s - compile_before  # an epoch's shorter last call compiles anew
-            if first >= warmup:
-                call_steps.append(k)
-                call_s.append(t1 - t_mark - compiling - wait)
-                wait_s += wait
-                wall_s += t1 - t_mark - compiling
-            t_mark, waited = t1, batches.wait_s
-    finally:
-        batches.close()
+    t_mark, waited = time.perf_counter(), 0.0
+    for call in trainer.steps(train, 0, timed_stop):
+        if call.first + call.k in (warmup, timed_stop):
+            jax.block_until_ready(call.metrics)  # note: host-device sync: the warm-up's, or all, work done
+        t1 = time.perf_counter()
+        wait = call.wait_s - waited
+        if call.first >= warmup:
+            call_steps.append(call.k)
+            call_s.append(t1 - t_mark - call.compile_s - wait)
+            wait_s += wait
+            wall_s += t1 - t_mark - call.compile_s
+        t_mark, waited = t1, call.wait_s
+        metrics = call.metrics
     final_loss = float(np.mean(jax.device_get(metrics["loss"])))
 
     # XLA counts a scanned loop body once: ask for the cost of a single step.
-    one = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype, sharding=x.sharding), batch)
-    per_device = step_fn.flops_for(state, one)
+    one = _abstract_batch(train, 1, spec.batch, strategy)
+    per_device = step_fn.flops_for(trainer.state, one)
 
     if spec.profile_steps:
-        batches = trainer.batches(train, timed_stop, total)
         with jax.profiler.trace(spec.profile_dir):
-            for _, _, batch in batches:
-                state, metrics = step_fn(state, batch)
+            for call in trainer.steps(train, timed_stop, total):
+                metrics = call.metrics
             jax.block_until_ready(metrics)
-        batches.close()
 
     return {
         "platform": strategy.platform,

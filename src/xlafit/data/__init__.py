@@ -1,5 +1,16 @@
-"""Data: in-memory datasets, per-process batching, device prefetch, and MNIST readers."""
+"""Data: the Dataset protocol, per-process batching, device prefetch, and readers."""
 
-from xlafit.data.loader import ArrayDataset, Prefetcher, TrainOrder, eval_batches, to_global
+from xlafit.data.dataset import ArrayDataset, DataError, Dataset, PlannedDataset, as_dataset
+from xlafit.data.loader import Prefetcher, TrainOrder, eval_batches, to_global
 
-__all__ = ["ArrayDataset", "Prefetcher", "TrainOrder", "eval_batches", "to_global"]
+__all__ = [
+    "ArrayDataset",
+    "DataError",
+    "Dataset",
+    "PlannedDataset",
+    "Prefetcher",
+    "TrainOrder",
+    "as_dataset",
+    "eval_batches",
+    "to_global",
+]

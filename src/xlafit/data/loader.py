@@ -15,50 +15,13 @@ import functools
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 
 import jax
 import numpy as np
 
+from xlafit.data.dataset import Batch, DataError, Dataset, PlannedDataset  # noqa: F401 (DataError: old import path)
 from xlafit.devices import Strategy
-
-Batch = dict[str, np.ndarray]
-
-
-class DataError(ValueError):
-    """A data file is missing or malformed; the message names the file and the fix."""
-
-
-class ArrayDataset:
-    """Examples held as NumPy arrays that share their leading (example) axis.
-
-    Example:
-        >>> ds = ArrayDataset({"x": np.zeros((10, 3)), "y": np.arange(10)})
-        >>> len(ds), ds.take(np.array([2, 5]))["y"].tolist()
-        (10, [2, 5])
-    """
-
-    def __init__(self, arrays: Mapping[str, np.ndarray]) -> None:
-        if not arrays:
-            raise ValueError("a dataset needs at least one array.")
-        lengths = {name: len(a) for name, a in arrays.items()}
-        if len(set(lengths.values())) != 1:
-            raise ValueError(f"every array of a dataset must have the same number of examples, got {lengths}.")
-        self.arrays = {name: np.asarray(a) for name, a in arrays.items()}
-        self._len = next(iter(lengths.values()))
-
-    def __len__(self) -> int:
-        return self._len
-
-    def take(self, indices: np.ndarray, epoch: int = 0) -> Batch:
-        """The examples at ``indices``. ``epoch`` is for datasets whose examples change per
-        epoch (masked LM: :class:`xlafit.data.mlm.MLMDataset`); arrays ignore it."""
-        return {name: a[indices] for name, a in self.arrays.items()}
-
-
-def as_dataset(data: ArrayDataset | Mapping[str, np.ndarray]) -> ArrayDataset:
-    """``data`` itself when it has ``take(indices, epoch)`` and ``len``, else arrays wrapped."""
-    return data if hasattr(data, "take") else ArrayDataset(data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,15 +42,12 @@ class TrainOrder:
     plan: Callable[[int], np.ndarray] | None = None
 
     @classmethod
-    def for_dataset(cls, dataset: object, global_batch: int, seed: int) -> TrainOrder:
-        """The dataset's own plan when it has ``epoch_batches``, else a permutation per epoch."""
-        plan = getattr(dataset, "epoch_batches", None)
-        return cls(
-            len(dataset),
-            global_batch,
-            seed,
-            functools.partial(plan, global_batch, seed) if plan is not None else None,
-        )
+    def for_dataset(cls, dataset: Dataset, global_batch: int, seed: int) -> TrainOrder:
+        """The dataset's own plan when it is a :class:`PlannedDataset`, else a permutation per epoch."""
+        plan = None
+        if isinstance(dataset, PlannedDataset):
+            plan = functools.partial(dataset.epoch_batches, global_batch, seed)
+        return cls(len(dataset), global_batch, seed, plan)
 
     def __post_init__(self) -> None:
         if self.num_examples < self.global_batch:
@@ -137,7 +97,7 @@ def _epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
 
 
 def eval_batches(
-    dataset: ArrayDataset, global_batch: int, process_index: int = 0, process_count: int = 1
+    dataset: Dataset, global_batch: int, process_index: int = 0, process_count: int = 1
 ) -> Iterator[tuple[Batch, np.ndarray]]:
     """This process's rows of each evaluation batch, in order, with a validity mask.
 

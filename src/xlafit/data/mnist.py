@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import importlib.resources
 import io
+import re
 import struct
 from pathlib import Path
 
@@ -36,6 +37,15 @@ IDX_FILES = {
 }
 
 
+def _not_idx(path: Path, raw: bytes, why: str = "") -> DataError:
+    found = raw[:4].hex(" ") if raw else "nothing (it is empty)"
+    return DataError(
+        f"{path} is not an IDX file: it starts with {found}{why}, and IDX files start with 00 00, a type byte "
+        "(08: uint8) and the number of dimensions (MNIST: 00 00 08 03 images, 00 00 08 01 labels). "
+        "Point at the right file, or download it again."
+    )
+
+
 def read_idx(path: str | Path) -> np.ndarray:
     """Reads one IDX file (optionally gzip-compressed) into a NumPy array.
 
@@ -58,16 +68,25 @@ def read_idx(path: str | Path) -> np.ndarray:
         except (OSError, EOFError) as e:
             raise DataError(f"{path}: gzip data is corrupt ({e}); download the file again.") from None
     if len(raw) < 4 or raw[:2] != b"\x00\x00":
-        raise DataError(f"{path}: not an IDX file (the first two bytes must be zero).")
+        raise _not_idx(path, raw)
     code, ndim = raw[2], raw[3]
     if code not in _IDX_DTYPES:
-        raise DataError(f"{path}: unknown IDX element type 0x{code:02x}.")
+        types = ", ".join(f"{c:02x}" for c in _IDX_DTYPES)
+        raise _not_idx(path, raw, f" (type byte {code:02x} is none of {types})")
+    # The MNIST names say the dimension count (t10k-labels-idx1-ubyte): a magic number that
+    # disagrees would read the first records as sizes, and report a nonsense shape.
+    named = re.search(r"(?:^|[-_.])idx(\d+)(?:$|[-_.])", path.name)
+    if ndim == 0 or (named and int(named.group(1)) != ndim):
+        said = f", but its name says idx{named.group(1)}" if named else ""
+        raise _not_idx(path, raw, f" ({ndim} dimensions{said})")
     header = 4 + 4 * ndim
     if len(raw) < header:
         raise DataError(f"{path}: truncated IDX header.")
     shape = struct.unpack(f">{ndim}I", raw[4:header])
     dtype = _IDX_DTYPES[code]
     expected = int(np.prod(shape)) * dtype.itemsize
+    if len(raw) - header > expected:  # not truncated: the header is not this file's
+        raise _not_idx(path, raw, f" (so shape {shape}, {expected} bytes, yet {len(raw) - header} follow)")
     if len(raw) - header != expected:
         per_record = int(np.prod(shape[1:])) * dtype.itemsize if shape else dtype.itemsize
         whole = (len(raw) - header) // max(per_record, 1)

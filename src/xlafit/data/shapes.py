@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Sequence
+from typing import overload
 
 import numpy as np
 
 from xlafit.data.loader import DataError
 
 
+@overload
+def round_up(n: int, k: int) -> int: ...
+@overload
+def round_up(n: np.ndarray, k: int) -> np.ndarray: ...
 def round_up(n: int | np.ndarray, k: int) -> int | np.ndarray:
     """``n`` rounded up to a multiple of ``k``.
 
@@ -199,10 +204,11 @@ def plan_buckets(lengths: Sequence[int] | np.ndarray, max_shapes: int, multiple:
         back[k] = np.argmin(total, axis=0)
         best[k] = total[back[k], np.arange(m)]
     k = int(np.argmin(best[1:, m - 1])) + 1  # fewer buckets when more cannot help
-    bounds, j = [], m - 1
+    bounds: list[int] = []
+    last = m - 1  # the candidate where the current bucket ends, walking back
     while k >= 1:
-        bounds.append(int(cand[j]))
-        j, k = int(back[k, j]), k - 1
+        bounds.append(int(cand[last]))
+        last, k = int(back[k, last]), k - 1
     return sorted(bounds)
 
 

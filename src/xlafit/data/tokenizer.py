@@ -27,6 +27,7 @@ from xlafit.data.loader import DataError
 from xlafit.data.text import read_lines
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # ids 0..4, in this order
+PAD, UNK, CLS, SEP, MASK = range(len(SPECIAL_TOKENS))  # their ids in every vocabulary trained here
 # Bumped whenever the same text and settings would train a different vocabulary (caches
 # of trained tokenizers key on it). 2: reproducible "##x" numbering.
 TRAINER_VERSION = 2
@@ -194,7 +195,8 @@ def measure(
         words += sum(len(line.split()) for line in lines)  # words as spaces delimit them (Korean eojeol)
         for enc in tok.encode_batch(lines, add_special_tokens=False):
             tokens += len(enc.ids)
-            unknown += enc.ids.count(unk_id)
+            if unk_id is not None:  # a vocabulary without [UNK] has no unknown tokens to count
+                unknown += enc.ids.count(unk_id)
 
     lines = _lines(files)
     for i, line in enumerate(tqdm(lines, disable=not show_progress, unit="line", desc="measuring")):

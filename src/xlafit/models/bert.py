@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -79,7 +79,7 @@ class BertConfig:
             )
 
     @classmethod
-    def preset(cls, name: str, **overrides) -> BertConfig:
+    def preset(cls, name: str, **overrides: Any) -> BertConfig:
         """A named size (tiny, mini, small, medium, base, large) with ``overrides`` applied.
 
         Example:
@@ -142,12 +142,28 @@ class Dropout(nnx.Dropout):
         super().__init__(rate, rngs=rngs)
         self.bits = bits
 
-    def __call__(self, inputs: jax.Array) -> jax.Array:
-        if self.bits == 32 or self.rate == 0.0 or self.deterministic:
-            return super().__call__(inputs)
+    def __call__(
+        self,
+        inputs: jax.Array,
+        *,
+        deterministic: bool | None = None,
+        rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
+    ) -> jax.Array:
+        """Drops elements of ``inputs``; ``deterministic`` and ``rngs`` override the layer's, as in ``nnx.Dropout``."""
+        off = self.deterministic if deterministic is None else deterministic
+        if self.bits == 32 or self.rate == 0.0 or off:
+            return super().__call__(inputs, deterministic=deterministic, rngs=rngs)
+        if rngs is None:
+            key = self.rngs()
+        elif isinstance(rngs, nnx.Rngs):
+            key = rngs[self.rng_collection]()
+        elif isinstance(rngs, nnx.RngStream):
+            key = rngs()
+        else:
+            key = rngs
         *lead, last = inputs.shape
         half = -(-last // 2)
-        words = jax.random.bits(self.rngs(), (*lead, half), jnp.uint32)
+        words = jax.random.bits(key, (*lead, half), jnp.uint32)
         bits = jax.lax.bitcast_convert_type(words, jnp.uint16).reshape(*lead, 2 * half)[..., :last]
         dropped = round(self.rate * 2**16)
         scale = jnp.asarray(2**16 / (2**16 - dropped), inputs.dtype)
@@ -252,7 +268,7 @@ class BertForMaskedLM(nnx.Module):
         self.eval()
 
     @classmethod
-    def from_hf(cls, directory: str | Path, rngs: nnx.Rngs | None = None, **overrides) -> BertForMaskedLM:
+    def from_hf(cls, directory: str | Path, rngs: nnx.Rngs | None = None, **overrides: Any) -> BertForMaskedLM:
         """Imports a Hugging Face BERT checkpoint (``config.json`` + ``model.safetensors``),
         e.g. to continue pretraining it. ``overrides`` change :class:`BertConfig` fields
         that do not touch the weights (``dtype``, dropout, ``attention``).

@@ -16,6 +16,7 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from flax import nnx
@@ -59,7 +60,7 @@ def hf_config(cfg: BertConfig) -> dict:
     return out
 
 
-def config_from_hf(hf: dict, **overrides) -> BertConfig:
+def config_from_hf(hf: dict, **overrides: Any) -> BertConfig:
     """A :class:`BertConfig` from a Hugging Face ``config.json`` dict."""
     if hf.get("model_type", "bert") != "bert":
         raise HFFormatError(f"config.json describes a {hf.get('model_type')!r} model, not BERT.")
@@ -74,16 +75,23 @@ def config_from_hf(hf: dict, **overrides) -> BertConfig:
     return BertConfig(**{**fields, **overrides})
 
 
+def _present(param: nnx.Param | None, name: str) -> nnx.Param:
+    """``param``, which nnx types as optional (``use_bias``, ``use_scale``); this BERT always has it."""
+    if param is None:
+        raise ValueError(f"{name} is missing: xlafit's BERT builds every dense layer and LayerNorm with it.")
+    return param
+
+
 def _pairs(model: BertForMaskedLM) -> Iterator[tuple[str, nnx.Param, bool]]:
     """``(Hugging Face name, our parameter, transposed)`` for every tensor but Q/K/V."""
 
-    def linear(prefix: str, layer: nnx.Linear):
+    def linear(prefix: str, layer: nnx.Linear) -> Iterator[tuple[str, nnx.Param, bool]]:
         yield f"{prefix}.weight", layer.kernel, True
-        yield f"{prefix}.bias", layer.bias, False
+        yield f"{prefix}.bias", _present(layer.bias, f"{prefix}.bias"), False
 
-    def norm(prefix: str, layer: nnx.LayerNorm):
-        yield f"{prefix}.weight", layer.scale, False
-        yield f"{prefix}.bias", layer.bias, False
+    def norm(prefix: str, layer: nnx.LayerNorm) -> Iterator[tuple[str, nnx.Param, bool]]:
+        yield f"{prefix}.weight", _present(layer.scale, f"{prefix}.weight"), False
+        yield f"{prefix}.bias", _present(layer.bias, f"{prefix}.bias"), False
 
     e = model.embeddings
     yield "bert.embeddings.word_embeddings.weight", e.word.embedding, False
@@ -110,7 +118,8 @@ def to_hf_state(model: BertForMaskedLM) -> dict[str, np.ndarray]:
         state[name] = value.T if transposed else value
     h = model.cfg.hidden_size
     for i, layer in enumerate(model.layers):
-        kernel, bias = np.asarray(layer.attention.qkv.kernel[...]), np.asarray(layer.attention.qkv.bias[...])
+        qkv_bias = _present(layer.attention.qkv.bias, f"the query/key/value bias of layer {i}")
+        kernel, bias = np.asarray(layer.attention.qkv.kernel[...]), np.asarray(qkv_bias[...])
         for j, name in enumerate(("query", "key", "value")):
             state[f"bert.encoder.layer.{i}.attention.self.{name}.weight"] = kernel[:, j * h : (j + 1) * h].T.copy()
             state[f"bert.encoder.layer.{i}.attention.self.{name}.bias"] = bias[j * h : (j + 1) * h].copy()
@@ -142,7 +151,8 @@ def from_hf_state(model: BertForMaskedLM, state: dict[str, np.ndarray]) -> None:
         p = f"bert.encoder.layer.{i}.attention.self"
         q, k, v = (take(f"{p}.{n}.weight", (h, h)).T for n in ("query", "key", "value"))
         layer.attention.qkv.kernel[...] = np.concatenate([q, k, v], axis=1)
-        layer.attention.qkv.bias[...] = np.concatenate([take(f"{p}.{n}.bias", (h,)) for n in ("query", "key", "value")])
+        qkv_bias = _present(layer.attention.qkv.bias, f"the query/key/value bias of layer {i}")
+        qkv_bias[...] = np.concatenate([take(f"{p}.{n}.bias", (h,)) for n in ("query", "key", "value")])
     decoder = state.get("cls.predictions.decoder.weight")
     if decoder is not None and not np.array_equal(
         np.asarray(decoder, np.float32), model.embeddings.word.embedding[...]
@@ -172,7 +182,7 @@ def save_hf(model: BertForMaskedLM, directory: str | Path, tokenizer_dir: str | 
     return out
 
 
-def load_hf(directory: str | Path, rngs: nnx.Rngs | None = None, **overrides) -> BertForMaskedLM:
+def load_hf(directory: str | Path, rngs: nnx.Rngs | None = None, **overrides: Any) -> BertForMaskedLM:
     """A :class:`BertForMaskedLM` with the weights of a Hugging Face checkpoint directory.
 
     Like ``transformers``' ``from_pretrained``, the model is in eval mode (dropout off).

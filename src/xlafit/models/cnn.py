@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 
 def max_pool_2x2(x: jax.Array) -> jax.Array:
@@ -39,10 +40,10 @@ class MnistCNN(nnx.Module):
         *,
         dropout1: float = 0.25,
         dropout2: float = 0.5,
-        dtype: jnp.dtype | None = None,
+        dtype: DTypeLike | None = None,
         rngs: nnx.Rngs,
     ) -> None:
-        # dtype is the compute dtype; parameters stay float32 (param_dtype default).
+        # dtype is the compute dtype ("bfloat16" or jnp.bfloat16); parameters stay float32 (param_dtype default).
         self.conv1 = nnx.Conv(1, 32, (3, 3), padding="VALID", dtype=dtype, rngs=rngs)
         self.conv2 = nnx.Conv(32, 64, (3, 3), padding="VALID", dtype=dtype, rngs=rngs)
         self.dropout1 = nnx.Dropout(dropout1, rngs=rngs)

@@ -1,17 +1,14 @@
-"""Recipe: BERT masked-LM pretraining (seed 001), data-parallel on every device.
+"""Recipe: BERT masked-LM pretraining, data-parallel on every device.
 
 Config + model + data wiring: the tokenizer and shards come from ``xlafit tokenizer train``
-and ``xlafit data mlm`` (or, with no ``data.data_dir``, from the Korean demo corpus, built
-once into the user cache), masks are drawn per batch by :class:`~xlafit.data.mlm.MLMDataset`,
-the loop is :class:`xlafit.Trainer`.
+and ``xlafit data mlm`` (or, with no ``data.data_dir``, from the Korean demo corpus of
+:mod:`xlafit.data.korean_demo`, built once into the user cache), masks are drawn per batch
+by :class:`~xlafit.data.mlm.MLMDataset`, the loop is :class:`xlafit.Trainer`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Literal
@@ -22,13 +19,15 @@ import optax
 from flax import nnx
 
 from xlafit import config as xconfig
-from xlafit.cache import cache_dir
 from xlafit.config import Config, ConfigError
-from xlafit.data import mlm
-from xlafit.data.text import korean_demo_files, read_lines
-from xlafit.data.tokenizer import TRAINER_VERSION, load_tokenizer, train_tokenizer
+from xlafit.data import korean_demo, mlm
+from xlafit.data.text import read_lines
+from xlafit.data.tokenizer import load_tokenizer
 from xlafit.models.bert import PRESETS, BertConfig, BertForMaskedLM
+from xlafit.recipes.base import Recipe, Throughput
 from xlafit.train.losses import masked_accuracy, masked_mean
+
+DEMO_VOCAB_SIZE, DEMO_SEQ_LEN = 2000, 128  # the Korean demo's tokenizer and sequences
 
 
 @dataclasses.dataclass
@@ -51,8 +50,11 @@ class ModelConfig:
 class DataConfig(xconfig.DataConfig):
     """``data_dir``: a directory or URL written by ``xlafit data mlm`` (null: the demo)."""
 
-    seq_len: int = 128
-    vocab_size: int = 2000  # the demo tokenizer's size
+    # null: what the data holds (a prepared data_dir: its manifest; the demo: 128 tokens and a
+    # 2000-token tokenizer). Set with a data_dir, they must agree with it; the run records
+    # the values used.
+    seq_len: int | None = None
+    vocab_size: int | None = None  # with no data_dir: the size of the demo tokenizer to train
     packing: Literal["sentences", "pairs"] = "sentences"
     mask_prob: float = 0.15
     max_predictions: int = 20
@@ -93,51 +95,18 @@ def bert_config(cfg: Config, vocab_size: int) -> BertConfig:
 # --------------------------------------------------------------------------- data
 
 
-def demo_data(cfg: Config) -> str:
-    """Builds (once) the Korean demo's tokenizer and MLM shards; returns their directory.
-
-    The directory's name is a hash of the settings that shape it; it is written to a
-    temporary directory and renamed into place, so concurrent processes cannot see half.
-    """
-    d = cfg.data
-    files = korean_demo_files()
-    key = json.dumps([files, d.vocab_size, d.seq_len, d.packing, d.eval_fraction, d.seed, mlm.FORMAT, TRAINER_VERSION])
-    target = cache_dir() / f"bert-demo-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    if (target / mlm.MANIFEST).exists():
-        return str(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    print(f"building the Korean demo corpus in {target} (once)", flush=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        tok_dir = Path(tmp) / "tok"
-        tok = train_tokenizer(files, d.vocab_size, tok_dir, show_progress=False)
-        out = Path(tmp) / "data"
-        manifest = mlm.prepare(
-            str(tok_dir),
-            files,
-            str(out),
-            seq_len=d.seq_len,
-            packing=d.packing,
-            doc_boundary="blank",
-            eval_fraction=d.eval_fraction,
-            seed=d.seed,
-            show_progress=False,
-        )
-        s = manifest["splits"]
-        print(
-            f"  tokenizer: {tok.get_vocab_size()} WordPiece tokens; sequences: {s['train']['sequences']} train, "
-            f"{s['eval']['sequences']} eval, {s['train']['tokens'] + s['eval']['tokens']:,} tokens",
-            flush=True,
-        )
-        try:
-            out.rename(target)
-        except OSError:  # another process finished first
-            if not (target / mlm.MANIFEST).exists():
-                raise
-    return str(target)
-
-
 def data_location(cfg: Config) -> str:
-    return cfg.data.data_dir or demo_data(cfg)
+    """``data.data_dir``, or the Korean demo corpus (built on first use) when it is null."""
+    d = cfg.data
+    if d.data_dir:
+        return d.data_dir
+    return korean_demo.build(
+        vocab_size=d.vocab_size or DEMO_VOCAB_SIZE,
+        seq_len=d.seq_len or DEMO_SEQ_LEN,
+        packing=d.packing,
+        eval_fraction=d.eval_fraction,
+        seed=d.seed,
+    )
 
 
 def load_data(cfg: Config) -> tuple[mlm.MLMDataset, mlm.MLMDataset]:
@@ -147,12 +116,28 @@ def load_data(cfg: Config) -> tuple[mlm.MLMDataset, mlm.MLMDataset]:
     masking = mlm.MaskingConfig(d.mask_prob, d.max_predictions, d.whole_word_mask, d.seed)
     train = mlm.MLMDataset.from_prepared(where, "train", masking)
     evaluation = mlm.MLMDataset.from_prepared(where, "eval", masking)
-    if train.seq_len != d.seq_len:
-        raise ConfigError(
-            f"data.seq_len={d.seq_len} but {where} holds sequences of {train.seq_len} tokens; "
-            f"set data.seq_len={train.seq_len} or prepare the data again with --seq-len {d.seq_len}."
-        )
     return train, evaluation
+
+
+def from_data(cfg: Config, train: mlm.MLMDataset) -> Config:
+    """``cfg`` with the sequence length and vocabulary size of the data, as the run uses them.
+
+    Raises:
+        ConfigError: ``data.seq_len`` (or, with a data_dir, ``data.vocab_size``) was set and
+            contradicts the prepared data.
+    """
+    d = cfg.data
+    if d.seq_len is not None and d.seq_len != train.seq_len:
+        raise ConfigError(
+            f"data.seq_len={d.seq_len} but {train.location} holds sequences of {train.seq_len} tokens; "
+            f"leave data.seq_len unset (the data decides) or prepare the data again with --seq-len {d.seq_len}."
+        )
+    if d.data_dir and d.vocab_size is not None and d.vocab_size != train.vocab_size:
+        raise ConfigError(
+            f"data.vocab_size={d.vocab_size} but the tokenizer of {train.location} has {train.vocab_size} tokens; "
+            "leave data.vocab_size unset with a data_dir (it sizes the demo's tokenizer only)."
+        )
+    return dataclasses.replace(cfg, data=dataclasses.replace(d, seq_len=train.seq_len, vocab_size=train.vocab_size))
 
 
 def save_artifacts(cfg: Config, run_dir: Path, train: mlm.MLMDataset) -> None:
@@ -202,58 +187,13 @@ def loss_fn(model: BertForMaskedLM, batch: dict[str, jax.Array]) -> tuple[jax.Ar
     return masked_mean(losses, weights), {"masked_accuracy": masked_accuracy(logits, batch["masked_ids"], weights)}
 
 
-def throughput(cfg: Config, train: mlm.MLMDataset) -> dict[str, float]:
+def throughput(cfg: Config, train: mlm.MLMDataset) -> Throughput:
     """Tokens (positions, padding included) and model FLOPs per training sequence."""
     bert = bert_config(cfg, train.vocab_size)
     return {
         "tokens_per_example": float(train.seq_len),
         "flops_per_example": bert.train_flops_per_sequence(train.seq_len, cfg.data.max_predictions),
     }
-
-
-# --------------------------------------------------------------------------- export
-
-
-def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> tuple[Path, int]:
-    """Writes a run's parameters (checkpoint ``step``, default the newest intact one) as a
-    Hugging Face ``BertForMaskedLM`` directory, tokenizer included. Returns (out, step).
-    """
-    import yaml
-
-    from xlafit.checkpoint import Checkpointer, CheckpointError, path_name
-    from xlafit.models.bert_hf import save_hf
-    from xlafit.recipes import checkpoint_dir, config_from_dict
-
-    run = Path(run_dir)
-    if not (run / "config.yaml").exists():
-        raise ConfigError(f"{run} is not a run directory (no config.yaml).")
-    saved = yaml.safe_load((run / "config.yaml").read_text())
-    if saved.get("recipe") != "bert":
-        raise ConfigError(f"{run} is a {saved.get('recipe')!r} run; only bert runs export to Hugging Face.")
-    tok_dir = run / "tokenizer"
-    if not (tok_dir / "tokenizer.json").exists():
-        raise ConfigError(f"{run} has no tokenizer/ (written when training starts); cannot export.")
-    cfg = config_from_dict("bert", {k: v for k, v in saved.items() if k != "recipe"})
-    vocab = json.loads((tok_dir / "tokenizer.json").read_text())["model"]["vocab"]
-    model = BertForMaskedLM(bert_config(cfg, len(vocab)), rngs=nnx.Rngs(0))
-    ckpt = Checkpointer(checkpoint_dir(cfg, run))
-    try:
-        usable = [i.step for i in ckpt.list() if i.usable]
-        if step is None:
-            if not usable:
-                raise CheckpointError(f"{run} has no intact checkpoint to export.")
-            step = usable[-1]
-        elif step not in usable:
-            raise CheckpointError(f"no intact checkpoint {step} in {run}; intact: {usable}.")
-        raw = {path_name(p): v for p, v in jax.tree_util.tree_flatten_with_path(ckpt.restore_params(step))[0]}
-    finally:
-        ckpt.close()
-    params = nnx.state(model, nnx.Param)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    nnx.update(model, jax.tree_util.tree_unflatten(treedef, [raw[path_name(p)] for p, _ in leaves]))
-    out = save_hf(model, out, tokenizer_dir=tok_dir)
-    shutil.copy2(run / "config.yaml", out / "xlafit-config.yaml")
-    return out, step
 
 
 def sequence_lengths(cfg: Config, limit: int = 512) -> np.ndarray:
@@ -269,3 +209,17 @@ def sequence_lengths(cfg: Config, limit: int = 512) -> np.ndarray:
     lines = [line for _, line in read_lines(manifest["inputs"]) if line]
     counts = [len(e.ids) + 2 for e in tok.encode_batch(lines, add_special_tokens=False)]
     return np.minimum(np.array(counts, np.int64), limit)
+
+
+RECIPE = Recipe(
+    name="bert",
+    model_config=ModelConfig,
+    data_config=DataConfig,
+    load_data=load_data,
+    from_data=from_data,
+    build_model=build_model,
+    loss_fn=loss_fn,
+    throughput=throughput,
+    save_artifacts=save_artifacts,
+    sequence_lengths=sequence_lengths,
+)

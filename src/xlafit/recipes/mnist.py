@@ -1,6 +1,7 @@
 """Recipe: the pytorch/examples MNIST CNN, data-parallel on every device.
 
-Config + model + data wiring, nothing else: the loop is :class:`xlafit.Trainer`.
+Config + model + data wiring, nothing else: the run is :mod:`xlafit.run`, the loop
+:class:`xlafit.Trainer`.
 """
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
 from xlafit.config import Config
 from xlafit.data import mnist
 from xlafit.models.cnn import MnistCNN
+from xlafit.recipes.base import Recipe
 
 
 @dataclasses.dataclass
@@ -38,7 +41,10 @@ def loss_fn(model: MnistCNN, batch: dict[str, jax.Array]) -> tuple[jax.Array, di
     return losses, {"accuracy": (logits.argmax(-1) == batch["label"]).astype(jnp.float32)}
 
 
-def load_data(cfg: Config) -> tuple[dict, dict]:
+def load_data(cfg: Config) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(train, eval) arrays: the embedded 4,000/1,000 split, or ``data.data_dir`` IDX files."""
     splits = mnist.load_idx_dir(cfg.data.data_dir) if cfg.data.data_dir else mnist.load_embedded()
     return splits["train"], splits["test"]
+
+
+RECIPE = Recipe(name="mnist", model_config=ModelConfig, load_data=load_data, build_model=build_model, loss_fn=loss_fn)

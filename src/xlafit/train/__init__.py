@@ -1,15 +1,21 @@
-"""Training: the train state, step builders, optimizer planning and the trainer."""
+"""Training: the train state and pure steps, optimizer planning, and the trainer's loop."""
 
 from xlafit.train.optim import OptimizerPlan, make_optimizer, make_schedule, scaled_lr
-from xlafit.train.step import CompiledStep, TrainState
-from xlafit.train.trainer import FitResult, Trainer
+from xlafit.train.signals import Preempted, handle_signals
+from xlafit.train.step import CompiledStep, RecompileError, TrainState
+from xlafit.train.trainer import Call, FitResult, NonFiniteError, Trainer
 
 __all__ = [
+    "Call",
     "CompiledStep",
     "FitResult",
+    "NonFiniteError",
     "OptimizerPlan",
+    "Preempted",
+    "RecompileError",
     "TrainState",
     "Trainer",
+    "handle_signals",
     "make_optimizer",
     "make_schedule",
     "scaled_lr",

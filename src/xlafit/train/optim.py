@@ -24,7 +24,7 @@ class OptimizerPlan:
     tx: optax.GradientTransformation
     schedule: optax.Schedule
     peak_lr: float
-    total_steps: int
+    decay_steps: int  # the steps the schedule spans, warmup included
 
 
 def scaled_lr(base_lr: float, global_batch: int, reference_batch: int, rule: str) -> float:
@@ -67,13 +67,24 @@ def _matrices(params):
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def make_optimizer(cfg: OptimizerConfig, global_batch: int, total_steps: int) -> OptimizerPlan:
+def make_optimizer(cfg: OptimizerConfig, global_batch: int, total_steps: int | None = None) -> OptimizerPlan:
     """Builds the optax chain: optional clipping, then the named optimizer on the schedule.
 
-    LAMB (You et al. 2020) is Adam with a per-layer trust ratio, BERT's large-batch optimizer.
+    The schedule spans ``cfg.decay_steps``, or ``total_steps`` (the run's length) when that
+    is null. LAMB (You et al. 2020) is Adam with a per-layer trust ratio, BERT's
+    large-batch optimizer.
+
+    Example:
+        >>> from xlafit.config import OptimizerConfig
+        >>> plan = make_optimizer(OptimizerConfig(learning_rate=1e-3, reference_batch=128), 256, total_steps=100)
+        >>> round(plan.peak_lr, 6), plan.decay_steps
+        (0.002, 100)
     """
+    steps = cfg.decay_steps or total_steps
+    if steps is None:
+        raise ValueError("make_optimizer needs total_steps (the run's length) or cfg.decay_steps.")
     peak = scaled_lr(cfg.learning_rate, global_batch, cfg.reference_batch, cfg.scaling)
-    schedule = make_schedule(cfg, peak, total_steps)
+    schedule = make_schedule(cfg, peak, steps)
     mask = _matrices if cfg.weight_decay_on == "matrices" else None
     if cfg.name == "adamw":
         opt = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask)
@@ -86,4 +97,4 @@ def make_optimizer(cfg: OptimizerConfig, global_batch: int, total_steps: int) ->
     else:
         opt = optax.adadelta(schedule)
     parts = [optax.clip_by_global_norm(cfg.grad_clip_norm)] if cfg.grad_clip_norm else []
-    return OptimizerPlan(optax.chain(*parts, opt), schedule, peak, total_steps)
+    return OptimizerPlan(optax.chain(*parts, opt), schedule, peak, steps)

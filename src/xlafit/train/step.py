@@ -10,6 +10,7 @@ the step runs ``k`` optimizer updates in one call with ``lax.scan`` (Keras'
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -21,12 +22,14 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from xlafit.checkpoint import is_prng_key
+from xlafit.devices import is_prng_key
 
 log = logging.getLogger("xlafit")
 
-# loss_fn(model, batch) returns per-example losses [B], or (losses [B], {name: [B]}).
-LossFn = Callable[[nnx.Module, Mapping[str, jax.Array]], Any]
+# loss_fn(model, batch) returns per-example losses [B] or a scalar mean, alone or with a dict
+# of metrics of the same kind: (losses, {name: values}). Evaluation needs per-example values.
+# Typed loosely on purpose: a user's loss_fn names its own model class and batch type.
+LossFn = Callable[[Any, Any], Any]
 
 
 @struct.dataclass
@@ -46,15 +49,37 @@ class TrainState:
     model_state: nnx.State
 
 
-def split_outputs(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Normalises a ``loss_fn`` result to ``(per_example_loss [B], {name: [B]})``."""
+def split_outputs(out: Any, per_example: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Normalises a ``loss_fn`` result to ``(loss, {name: value})``.
+
+    Each value is per example (shape ``[B]``) or already a mean over the batch (a scalar,
+    the convention of optax's and flax's own examples). Training takes either; evaluation
+    (``per_example=True``) needs ``[B]``, to weight padding rows by zero.
+    """
     losses, metrics = out if isinstance(out, tuple) else (out, {})
-    if losses.ndim != 1:
-        raise ValueError(
-            f"loss_fn must return one loss per example (shape [batch]), got shape {losses.shape}. "
-            "Return the unreduced loss; the trainer averages it over valid examples."
-        )
+    for name, value in {"loss": losses, **metrics}.items():
+        if value.ndim > 1:
+            raise ValueError(
+                f"loss_fn must return one {name} per example (shape [batch]) or a scalar, got shape {value.shape}."
+            )
+        if per_example and value.ndim == 0:
+            raise ValueError(
+                f"evaluation needs loss_fn to return one {name} per example (shape [batch]), got a scalar: the "
+                "last batch is padded, and only per-example values let its padding rows count zero. Return the "
+                "unreduced values (e.g. optax.softmax_cross_entropy_with_integer_labels without .mean()); "
+                "training takes them too."
+            )
     return losses, dict(metrics)
+
+
+def batch_mean(x: jax.Array) -> jax.Array:
+    """The mean over the batch of a per-example value; a scalar is one already."""
+    return x if x.ndim == 0 else x.mean()
+
+
+def batch_sum(x: jax.Array, rows: int) -> jax.Array:
+    """The sum over ``rows`` examples of a per-example value, or of a scalar mean."""
+    return x * rows if x.ndim == 0 else x.sum()
 
 
 def _k_steps(one_step: Callable, unroll: bool) -> Callable:
@@ -93,7 +118,8 @@ def apply_if_finite(
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-    new_state = state.replace(
+    new_state = dataclasses.replace(
+        state,
         step=state.step + 1,
         params=jax.tree.map(keep, params, state.params),
         opt_state=jax.tree.map(keep, opt_state, state.opt_state),
@@ -142,7 +168,7 @@ def build_train_step(
         new_model_state = nnx.state(model, nnx.Not(nnx.Param))
         # The mean over the global batch: under jit on sharded arrays this reduction is
         # the cross-replica all-reduce.
-        return losses.mean(), ({k: v.mean() for k, v in metrics.items()}, new_model_state)
+        return batch_mean(losses), ({k: batch_mean(v) for k, v in metrics.items()}, new_model_state)
 
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
 
@@ -204,7 +230,8 @@ def build_invariant_train_step(
             model = nnx.merge(graphdef, params, model_state, copy=True)
             losses, metrics = split_outputs(loss_fn(model, batch))
             counts = nnx.state(model, nnx.Not(nnx.Param))
-            return losses.sum(), ({k: v.sum() for k, v in metrics.items()}, counts)
+            rows = jax.tree.leaves(batch)[0].shape[0]
+            return batch_sum(losses, rows), ({k: batch_sum(v, rows) for k, v in metrics.items()}, counts)
 
         (loss_sum, (metric_sums, new_state)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
         return {"loss": loss_sum, **metric_sums}, grads, new_state
@@ -263,7 +290,7 @@ def build_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn) -> Callable:
 
     def eval_step(state: TrainState, batch: Mapping[str, jax.Array], mask: jax.Array) -> dict[str, jax.Array]:
         model = nnx.merge(graphdef, state.params, state.model_state, copy=True)
-        losses, metrics = split_outputs(loss_fn(model, batch))
+        losses, metrics = split_outputs(loss_fn(model, batch), per_example=True)
         sums = {"loss": jnp.sum(losses * mask)}
         sums.update({k: jnp.sum(v * mask) for k, v in metrics.items()})
         sums["count"] = jnp.sum(mask)
@@ -320,7 +347,6 @@ class CompiledStep:
         self.max_compiles = max_compiles
         self.compiles = 0
         self.compile_s = 0.0
-        self.flops: float | None = None
 
     def __call__(self, *args: Any) -> Any:
         return self.precompile(*args)(*args)
@@ -347,7 +373,6 @@ class CompiledStep:
             self._last_key = key
             self.compiles += 1
             self.compile_s += seconds
-            self.flops = _flops(compiled)
             log.info("compiled %s #%d in %.2fs (%s)", self.name, self.compiles, seconds, change)
         return compiled
 

@@ -16,14 +16,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-import os
 import signal
-import sys
-import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +31,13 @@ import numpy as np
 import optax
 from flax import nnx
 
-from xlafit.checkpoint import Checkpointer, is_prng_key
+from xlafit.checkpoint import Checkpointer
 from xlafit.config import ConfigError, TrainerConfig
-from xlafit.data.loader import ArrayDataset, Prefetcher, TrainOrder, as_dataset, eval_batches, to_global
+from xlafit.data.dataset import Dataset, as_dataset, num_shapes
+from xlafit.data.loader import Prefetcher, TrainOrder, eval_batches, to_global
 from xlafit.devices import Strategy, connect
 from xlafit.train.report import RunReport
+from xlafit.train.signals import Preempted, SignalGuard, handle_signals
 from xlafit.train.step import (
     CompiledStep,
     LossFn,
@@ -48,6 +48,31 @@ from xlafit.train.step import (
 )
 
 log = logging.getLogger("xlafit")
+
+Data = Dataset | Mapping[str, np.ndarray]  # a Dataset, or a dict of arrays with one row per example
+
+
+class NonFiniteError(Exception):
+    """A non-finite loss or gradient under ``trainer.nan_policy=stop``; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One call of the compiled train step, as :meth:`Trainer.steps` yields it.
+
+    Attributes:
+        first: the step the call began at.
+        k: optimizer steps it ran (``steps_per_call``, fewer where an epoch ends).
+        metrics: per-step metrics ``[k]``, still on the devices (fetching them syncs).
+        compile_s: seconds this call spent compiling a new program (0 almost always).
+        wait_s: input wait so far: the seconds the loop spent waiting for batches.
+    """
+
+    first: int
+    k: int
+    metrics: dict[str, jax.Array]
+    compile_s: float
+    wait_s: float
 
 
 @dataclasses.dataclass
@@ -133,19 +158,19 @@ class Trainer:
         self.tx = optimizer
         self.tokens_per_example = tokens_per_example
         self.flops_per_example = flops_per_example
-        self.peak_flops: float | None = None  # measured or looked up when fit starts
+        self.peak_flops: float | None = None  # looked up when fit starts
         self._planned_k: set[int] = set()  # steps-per-call values of the calls planned so far
 
         model.train()
-        train_graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
+        train_graphdef, params, model_state = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]  # flax's overloads
         model.eval()
         eval_graphdef = nnx.graphdef(model)
         model.train()
 
         replicated = self.strategy.replicated
-        params, model_state = replicate((params, model_state), replicated)
+        params, model_state = self.strategy.replicate((params, model_state))
         self._state = TrainState(
-            step=replicate(jnp.zeros((), jnp.int32), replicated),
+            step=self.strategy.replicate(jnp.zeros((), jnp.int32)),
             params=params,
             opt_state=jax.jit(optimizer.init, out_shardings=replicated)(params),
             model_state=model_state,
@@ -207,7 +232,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
 
-    def evaluate(self, data: ArrayDataset | Mapping[str, np.ndarray]) -> dict[str, float]:
+    def evaluate(self, data: Data) -> dict[str, float]:
         """Loss and metrics over every example of ``data``, each counted exactly once.
 
         The last partial batch is padded to the full batch shape and its padding rows are
@@ -226,9 +251,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
 
-    def batches(
-        self, train: ArrayDataset | Mapping[str, np.ndarray], start: int = 0, stop: int | None = None
-    ) -> Prefetcher:
+    def batches(self, train: Data, start: int = 0, stop: int | None = None) -> Prefetcher:
         """The train step's inputs for steps ``[start, stop)``, gathered ahead in a thread.
 
         Yields ``(first_step, k, batches)``: ``k`` global batches stacked on a leading axis
@@ -241,7 +264,7 @@ class Trainer:
         stop = self.config.epochs * order.steps_per_epoch if stop is None else stop
         return Prefetcher(self._batches(train, order, start, stop), self.prefetch)
 
-    def _batches(self, data: ArrayDataset, order: TrainOrder, start: int, stop: int) -> Iterator:
+    def _batches(self, data: Dataset, order: TrainOrder, start: int, stop: int) -> Iterator:
         s = self.strategy
         for step, k in order.calls(start, stop, self.config.steps_per_call):
             # One gather for the k batches (a copy of k x rows examples), then a view [k, rows, ...].
@@ -250,11 +273,30 @@ class Trainer:
             stacked = {name: x.reshape(k, -1, *x.shape[1:]) for name, x in batch.items()}
             yield step, k, to_global(s, stacked, leading_axes=1)
 
-    def fit(
-        self,
-        train: ArrayDataset | Mapping[str, np.ndarray],
-        eval: ArrayDataset | Mapping[str, np.ndarray] | None = None,
-    ) -> FitResult:
+    def steps(self, train: Data, start: int, stop: int) -> Generator[Call, None, None]:
+        """Runs the train step for steps ``[start, stop)``, yielding after each call.
+
+        The one dispatch loop, used by :meth:`fit` and by the benchmarks alike (they time
+        the time between two yields). After dispatching call ``i`` it waits for call
+        ``i - 1`` only: the host prepares the next call while the devices run this one,
+        and at most two calls are in flight, so no deep queue of programs with collectives
+        can starve XLA:CPU's device threads. The state it updates is :attr:`state`.
+        """
+        batches = self.batches(train, start, stop)
+        previous = None
+        try:
+            for first, k, batch in batches:
+                compile_before = self.train_step.compile_s
+                self._state, metrics = self.train_step(self._state, batch)
+                compile_s = self.train_step.compile_s - compile_before
+                if previous is not None:
+                    jax.block_until_ready(previous)  # note: a sync on the previous call, not this one
+                previous = metrics
+                yield Call(first, k, metrics, compile_s, batches.wait_s)
+        finally:
+            batches.close()
+
+    def fit(self, train: Data, eval: Data | None = None) -> FitResult:
         """Trains for ``config.epochs`` epochs, evaluating and checkpointing as configured.
 
         Resumes from the newest intact checkpoint in ``run_dir`` when there is one (and
@@ -263,11 +305,13 @@ class Trainer:
 
         Raises:
             Preempted: SIGTERM or SIGINT arrived; a checkpoint of the last finished step
-                was written first (a second signal exits at once).
+                was written first (a second signal exits at once). Calling ``fit`` again
+                (the ``xlafit`` command: running it again; it exits with 75) resumes.
             NonFiniteError: a non-finite loss or gradient under ``nan_policy="stop"``.
         """
-        cfg, s = self.config, self.strategy
+        cfg = self.config
         train = as_dataset(train)
+        eval = as_dataset(eval) if eval is not None else None
         order = TrainOrder.for_dataset(train, self.global_batch, self.data_seed)
         spe = order.steps_per_epoch
         total = cfg.epochs * spe
@@ -278,13 +322,129 @@ class Trainer:
             self._state, restored = self._ckpt.restore(self._state)
         start = int(self._state.step)
         self._limit_compiles(order, train, eval, start, stop)
-        report = RunReport(self.run_dir, total, start, enabled=s.process_index == 0)
+        report = RunReport(self.run_dir, total, start, enabled=self.strategy.process_index == 0)
+        self._announce(report, restored, order, train, total)
+        if eval is not None:
+            self._compile_eval_step(eval)
+
+        history: list[dict[str, Any]] = []
+        last_eval: dict[str, float] | None = None
+        rolled_back: set[int] = set()  # steps whose non-finite update was rolled back once
+        last_save = time.monotonic()
+        step = start
+        try:
+            with handle_signals() as signals:
+                if signals.received is not None:  # during start-up: nothing new to save
+                    raise Preempted(
+                        start, signals.received, "before the first step of this session, nothing new to save"
+                    )
+                while step < stop:  # more than once only after a rollback
+                    pending: list[tuple[int, dict[str, jax.Array]]] = []  # calls whose metrics are not fetched
+                    window_t0, window_wait, window_compile = time.perf_counter(), 0.0, 0.0
+                    with contextlib.closing(self.steps(train, step, stop)) as calls:
+                        for call in calls:
+                            step = call.first + call.k
+                            pending.append((call.first, call.metrics))
+                            window_compile += call.compile_s
+                            epoch_end = step % spe == 0
+                            stop_requested, save_due = self._requests(signals, last_save)
+                            save = self._ckpt is not None and (
+                                save_due or epoch_end or step == stop or self._every(cfg.checkpoint_every_steps, call)
+                            )
+                            # Metrics are flushed at every checkpoint, so no accumulator outlives one.
+                            if (
+                                save
+                                or stop_requested
+                                or epoch_end
+                                or step == stop
+                                or self._every(cfg.log_every_steps, call)
+                            ):
+                                # note: device_get is a host-device sync point; only at log and checkpoint steps.
+                                values = jax.device_get([m for _, m in pending])
+                                busy = max(time.perf_counter() - window_t0 - window_compile, 1e-9)
+                                record = self._record(step, spe, pending, values, busy, call.wait_s - window_wait)
+                                history.append(record)
+                                report.record(record)
+                                bad = _nonfinite_steps(pending, values)
+                                pending = []
+                                window_t0, window_wait, window_compile = time.perf_counter(), call.wait_s, 0.0
+                                if bad and (rollback_to := self._nan_policy(bad, rolled_back, report)) is not None:
+                                    step = rollback_to
+                                    break
+                            if stop_requested:
+                                # in a multi-process job, a process the signal did not reach stops too
+                                raise Preempted(step, signals.received or signal.SIGTERM, self._save_now(step))
+                            if epoch_end and eval is not None and (step // spe) % cfg.eval_every_epochs == 0:
+                                last_eval = self.evaluate(eval)
+                                report.record({"step": step, "epoch": step // spe, **last_eval}, prefix="eval")
+                                window_t0 = time.perf_counter()
+                            if save and self._ckpt is not None:
+                                self._ckpt.save(step, self._state)
+                                last_save = time.monotonic()
+        finally:
+            if self._ckpt is not None:
+                self._ckpt.wait()
+            report.print(
+                f"train step compiled {self.train_step.compiles} time(s), eval step "
+                f"{self.eval_step.compiles} time(s); {self.train_step.compile_s + self.eval_step.compile_s:.1f}s "
+                "compiling, excluded from step times"
+            )
+            report.close()
+        if eval is not None and last_eval is None and int(self._state.step) == total:
+            last_eval = self.evaluate(eval)
+        return FitResult(
+            state=self._state,
+            history=history,
+            eval=last_eval,
+            train_compiles=self.train_step.compiles,
+            eval_compiles=self.eval_step.compiles,
+            compile_s=self.train_step.compile_s + self.eval_step.compile_s,
+        )
+
+    # ------------------------------------------------------------------ the loop's helpers
+
+    @staticmethod
+    def _every(n: int, call: Call) -> bool:
+        """Whether the call crossed a multiple of ``n`` steps (never, for ``n`` = 0)."""
+        return bool(n) and (call.first + call.k) // n > call.first // n
+
+    def _requests(self, signals: SignalGuard, last_save: float) -> tuple[bool, bool]:
+        """(stop requested, checkpoint time reached): in a multi-process job, by any process,
+        so that all of them stop or save at the same step."""
+        minutes = self.config.checkpoint_every_minutes
+        flags = np.array(
+            [signals.received is not None, bool(minutes) and time.monotonic() - last_save >= 60 * minutes], np.int32
+        )
+        if self.strategy.process_count > 1:
+            from jax.experimental import multihost_utils
+
+            # note: a small collective per call, only in multi-process jobs
+            flags = np.asarray(multihost_utils.process_allgather(flags)).max(axis=0)
+        return bool(flags[0]), bool(flags[1])
+
+    def _save_now(self, step: int) -> str:
+        """A synchronous checkpoint before the process exits; says where it went."""
+        if self._ckpt is None:
+            return "no run directory, nothing saved"
+        self._ckpt.save(step, self._state)
+        self._ckpt.wait()
+        return f"checkpoint {step} saved in {self._ckpt.directory}"
+
+    def _announce(self, report: RunReport, restored: int | None, order: TrainOrder, train: Dataset, total: int) -> None:
+        """The start-up lines: resume point, devices and batch, steps, dropped examples, MFU peak."""
+        s, cfg, spe = self.strategy, self.config, order.steps_per_epoch
         if restored is not None:
             report.print(f"resumed from checkpoint {restored} (epoch {restored // spe + 1})")
         report.print(
             f"devices: {s.num_replicas} x {s.platform} ({s.process_count} process(es))   "
             f"per-device batch: {self.global_batch // s.num_replicas}   global batch: {self.global_batch}"
         )
+        dropped = len(train) - spe * self.global_batch
+        if order.plan is None and dropped:
+            report.print(
+                f"each epoch trains on {spe * self.global_batch} of {len(train)} examples: the last partial batch "
+                f"({dropped}) is left out, a different one every epoch since the order is reshuffled"
+            )
         if self.flops_per_example and self.peak_flops is None:
             from xlafit.bench.peaks import peak_flops
 
@@ -299,32 +459,73 @@ class Trainer:
             + (f"   peak learning rate: {peak:.4g}" if peak is not None else "")
         )
 
-        loop = _Loop(self, train, eval, report, spe, stop)
-        try:
-            with _SignalGuard() as signals:
-                loop.run(start, signals)
-        finally:
-            if self._ckpt is not None:
-                self._ckpt.wait()
-            report.print(
-                f"train step compiled {self.train_step.compiles} time(s), eval step "
-                f"{self.eval_step.compiles} time(s); {self.train_step.compile_s + self.eval_step.compile_s:.1f}s "
-                "compiling, excluded from step times"
-            )
-            report.close()
-        last_eval = loop.last_eval
-        if eval is not None and last_eval is None and int(self._state.step) == total:
-            last_eval = self.evaluate(eval)
-        return FitResult(
-            state=self._state,
-            history=loop.history,
-            eval=last_eval,
-            train_compiles=self.train_step.compiles,
-            eval_compiles=self.eval_step.compiles,
-            compile_s=self.train_step.compile_s + self.eval_step.compile_s,
-        )
+    def _compile_eval_step(self, eval: Dataset) -> None:
+        """Compiles the eval step on the first evaluation batch now, so that a ``loss_fn`` that
+        cannot evaluate fails before training, not after the first epoch."""
+        s = self.strategy
+        batch, mask = next(eval_batches(eval, self.eval_global_batch, s.process_index, s.process_count))
+        self.eval_step.precompile(self._state, to_global(s, batch), to_global(s, mask))
 
-    def _limit_compiles(self, order: TrainOrder, train: Any, eval: Any, start: int, stop: int) -> None:
+    def _record(self, step: int, spe: int, pending: list, values: list, busy: float, wait: float) -> dict[str, Any]:
+        """The logged record of the calls in ``pending``: means of their metrics over the
+        applied updates, throughput over ``busy`` seconds, and the input wait."""
+        steps_done = step - pending[0][0]
+        ok = np.concatenate([v["nonfinite"] for v in values]) == 0
+        record: dict[str, Any] = {"step": step, "epoch": round(step / spe, 3)}
+        for key in values[0]:
+            if key != "nonfinite" and ok.any():
+                series = np.concatenate([v[key] for v in values])
+                # means over the applied updates only: one dropped update's NaN would hide the rest
+                record[key] = float(np.mean(series[ok]))
+        if not ok.all():
+            record["nonfinite_steps"] = int((~ok).sum())
+        rate = steps_done * self.global_batch / busy
+        record.update(
+            {
+                "learning_rate": _lr_at(self.learning_rate, step - 1),
+                "examples_per_sec": rate,
+                "tokens_per_sec": _times(rate, self.tokens_per_example),
+                "mfu": _times(rate, self.flops_per_example, self.peak_flops),
+                "step_time_s": busy / steps_done,
+                "input_wait_s": wait,
+                "compiles": self.train_step.compiles,
+            }
+        )
+        return {k: v for k, v in record.items() if v is not None}
+
+    def _nan_policy(
+        self, bad: list[tuple[int, dict[str, float]]], rolled_back: set[int], report: RunReport
+    ) -> int | None:
+        """Applies ``trainer.nan_policy`` to dropped updates; returns a step to go on from."""
+        policy = self.config.nan_policy
+        step, values = bad[0]
+        which = ", ".join(f"{k}={v}" for k, v in values.items() if k != "nonfinite" and not np.isfinite(v))
+        which = which or ", ".join(f"{k}={v}" for k, v in values.items() if k != "nonfinite")
+        steps = ", ".join(str(s + 1) for s, _ in bad)
+        last = self._ckpt.latest_step() if self._ckpt is not None else None
+        where = (
+            f"checkpoint {last} in {self._ckpt.directory}" if self._ckpt is not None and last is not None else "none"
+        )
+        if policy == "stop":
+            raise NonFiniteError(
+                f"non-finite values at step {step + 1} ({which}); its update was not applied. "
+                f"Last good checkpoint: {where}. Lower optimizer.learning_rate, set optimizer.grad_clip_norm, "
+                "check the data, or set trainer.nan_policy=skip or rollback."
+            )
+        fresh = [s for s, _ in bad if s not in rolled_back]
+        if policy == "rollback" and fresh and self._ckpt is not None and last is not None:
+            rolled_back.update(fresh)
+            self._ckpt.wait()
+            self._state, restored = self._ckpt.restore(self._state)
+            report.print(
+                f"warning: non-finite values at step(s) {steps} ({which}): rolled back to checkpoint {restored}; "
+                "the offending batch's update is dropped again on the way"
+            )
+            return restored
+        report.print(f"warning: non-finite values at step(s) {steps} ({which}): update(s) skipped")
+        return None
+
+    def _limit_compiles(self, order: TrainOrder, train: Dataset, eval: Dataset | None, start: int, stop: int) -> None:
         """Sets each step's ``max_compiles``: ``trainer.max_compiles``, or by default the
         programs this run plans: the distinct steps-per-call values of its calls times the
         dataset's shapes (1 for arrays; the bucket count for bucketed data). Any other
@@ -334,253 +535,22 @@ class Trainer:
         if cfg.max_compiles is not None:
             self.train_step.max_compiles = self.eval_step.max_compiles = cfg.max_compiles
         elif cfg.nan_policy != "rollback":  # a rollback may restart calls at any checkpoint
-            self.train_step.max_compiles = len(self._planned_k) * getattr(train, "num_shapes", 1)
-            self.eval_step.max_compiles = getattr(eval, "num_shapes", 1)
+            self.train_step.max_compiles = len(self._planned_k) * num_shapes(train)
+            self.eval_step.max_compiles = num_shapes(eval)
 
     def close(self) -> None:
+        """Waits for a checkpoint being written and releases the checkpointer."""
         if self._ckpt is not None:
             self._ckpt.close()
 
 
-class Preempted(Exception):
-    """Training stopped on SIGTERM/SIGINT at ``step``; ``where`` says what was saved."""
-
-    def __init__(self, step: int, signum: int, where: str) -> None:
-        self.step, self.signum = step, signum
-        super().__init__(
-            f"{signal.Signals(signum).name} received: stopped at step {step}; {where}. "
-            "Run the same command again to resume."
-        )
-
-
-class NonFiniteError(Exception):
-    """A non-finite loss or gradient under ``trainer.nan_policy=stop``; the message names it."""
-
-
-class _SignalGuard:
-    """Turns the first SIGTERM/SIGINT into a request to stop at the next step boundary.
-
-    A second signal exits at once (exit status 128 + signal). Only the main thread can
-    own signal handlers; elsewhere the guard does nothing.
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.received is not None:
-            os._exit(128 + signum)
-        self.received = signum
-        print(
-            f"xlafit: {signal.Signals(signum).name}: finishing the current step, then saving a checkpoint "
-            "(send it again to exit at once)",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    def __enter__(self) -> _SignalGuard:
-        global _ACTIVE_GUARD
-        if _ACTIVE_GUARD is not None:  # nested (a recipe's guard around fit's): one state
-            if threading.current_thread() is threading.main_thread():
-                # jax.distributed.initialize, called in between, installs its own SIGTERM
-                # handler (the coordination service's preemption notifier): take it back.
-                for signum in self.SIGNALS:
-                    signal.signal(signum, _ACTIVE_GUARD._handle)
-            return _ACTIVE_GUARD
-        if threading.current_thread() is threading.main_thread():
-            for signum in self.SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
-            _ACTIVE_GUARD = self
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        global _ACTIVE_GUARD
-        if _ACTIVE_GUARD is self:
-            for signum, handler in self._previous.items():
-                signal.signal(signum, handler)
-            _ACTIVE_GUARD = None
-
-
-_ACTIVE_GUARD: _SignalGuard | None = None
-
-
-def handle_signals() -> _SignalGuard:
-    """A context in which SIGTERM/SIGINT ask training to stop at the next step boundary.
-
-    :meth:`Trainer.fit` opens one itself; wrap the start-up around it (data loading,
-    compiling) too, as :func:`xlafit.train` does, so a signal there is not fatal either.
-    """
-    return _SignalGuard()
-
-
-class _Loop:
-    """The body of :meth:`Trainer.fit`: steps, logs, evaluations, checkpoints, signals and
-    the NaN policy, from a start step to the stop step."""
-
-    def __init__(self, trainer: Trainer, train: ArrayDataset, eval: Any, report: RunReport, spe: int, stop: int):
-        self.t, self.train, self.eval, self.report = trainer, train, eval, report
-        self.spe, self.stop = spe, stop
-        self.history: list[dict[str, Any]] = []
-        self.last_eval: dict[str, float] | None = None
-        self.rolled_back: set[int] = set()
-        self.last_checkpoint_time = time.monotonic()
-
-    def run(self, start: int, signals: _SignalGuard) -> None:
-        if signals.received is not None:  # during start-up: nothing new to save
-            raise Preempted(start, signals.received, "before the first step of this session, nothing new to save")
-        step = start
-        while step < self.stop:
-            step = self._run_from(step, signals)
-
-    def _due(self, signals: _SignalGuard) -> tuple[bool, bool]:
-        """(stop requested, checkpoint time reached): in a multi-process job, by any process,
-        so that all of them stop or save at the same step."""
-        minutes = self.t.config.checkpoint_every_minutes
-        flags = np.array(
-            [
-                signals.received is not None,
-                bool(minutes) and time.monotonic() - self.last_checkpoint_time >= 60 * minutes,
-            ],
-            np.int32,
-        )
-        if self.t.strategy.process_count > 1:
-            from jax.experimental import multihost_utils
-
-            # note: a small collective per call, only in multi-process jobs
-            flags = np.asarray(multihost_utils.process_allgather(flags)).max(axis=0)
-        return bool(flags[0]), bool(flags[1])
-
-    def _run_from(self, start: int, signals: _SignalGuard) -> int:
-        """Trains from ``start``; returns the step to go on from (after a rollback) or the stop."""
-        t, cfg, spe = self.t, self.t.config, self.spe
-        pending: list[tuple[int, Any]] = []
-        window_t0, window_wait, window_compile = time.perf_counter(), 0.0, 0.0
-        batches = t.batches(self.train, start, self.stop)
-        try:
-            for first, k, batch in batches:
-                compile_before = t.train_step.compile_s
-                t._state, metrics = t.train_step(t._state, batch)
-                window_compile += t.train_step.compile_s - compile_before
-                if pending:
-                    # note: waits for the previous call, so at most two are in flight: the
-                    # host prepares the next call while this one runs, and no deep queue of
-                    # programs with collectives can starve XLA:CPU's device threads.
-                    jax.block_until_ready(pending[-1][1])
-                pending.append((first, metrics))
-                step = first + k
-                epoch_end = step % spe == 0
-                preempt, time_due = self._due(signals)
-                every = cfg.checkpoint_every_steps
-                checkpoint = t._ckpt is not None and (
-                    (every and step // every > first // every) or epoch_end or step == self.stop or time_due
-                )
-                log_due = step // cfg.log_every_steps > first // cfg.log_every_steps or epoch_end or step == self.stop
-                # Metrics are flushed at every checkpoint, so no accumulator outlives one.
-                if log_due or checkpoint or preempt:
-                    # note: device_get is a host-device sync point; only at log and checkpoint steps.
-                    values = jax.device_get([m for _, m in pending])
-                    busy = max(time.perf_counter() - window_t0 - window_compile, 1e-9)
-                    self._log(step, pending, values, busy, batches.wait_s - window_wait)
-                    bad = [
-                        (f + i, {key: float(v[key][i]) for key in v})
-                        for (f, _), v in zip(pending, values, strict=True)
-                        for i in np.flatnonzero(v["nonfinite"])
-                    ]
-                    pending = []
-                    window_t0, window_wait, window_compile = time.perf_counter(), batches.wait_s, 0.0
-                    if bad and (resume_at := self._nonfinite(bad)) is not None:
-                        return resume_at
-                if preempt:
-                    where = "no run directory, nothing saved"
-                    if t._ckpt is not None:
-                        t._ckpt.save(step, t._state)
-                        t._ckpt.wait()  # synchronous: the process is about to exit
-                        where = f"checkpoint {step} saved in {t._ckpt.directory}"
-                    # in a multi-process job, a process the signal did not reach stops too
-                    raise Preempted(step, signals.received or signal.SIGTERM, where)
-                if epoch_end and self.eval is not None and (step // spe) % cfg.eval_every_epochs == 0:
-                    self.last_eval = t.evaluate(self.eval)
-                    self.report.record({"step": step, "epoch": step // spe, **self.last_eval}, prefix="eval")
-                    window_t0 = time.perf_counter()
-                if checkpoint:
-                    t._ckpt.save(step, t._state)
-                    self.last_checkpoint_time = time.monotonic()
-        finally:
-            batches.close()
-        return self.stop
-
-    def _log(self, step: int, pending: list, values: list, busy: float, wait: float) -> None:
-        steps_done = step - pending[0][0]
-        ok = np.concatenate([v["nonfinite"] for v in values]) == 0
-        record: dict[str, Any] = {"step": step, "epoch": round(step / self.spe, 3)}
-        for key in values[0]:
-            if key != "nonfinite" and ok.any():
-                series = np.concatenate([v[key] for v in values])
-                # means over the applied updates only: one dropped update's NaN would hide the rest
-                record[key] = float(np.mean(series[ok]))
-        if not ok.all():
-            record["nonfinite_steps"] = int((~ok).sum())
-        record.update(
-            {
-                "learning_rate": _lr_at(self.t.learning_rate, step - 1),
-                "examples_per_sec": steps_done * self.t.global_batch / busy,
-                "tokens_per_sec": _times(steps_done * self.t.global_batch / busy, self.t.tokens_per_example),
-                "mfu": _times(steps_done * self.t.global_batch / busy, self.t.flops_per_example, self.t.peak_flops),
-                "step_time_s": busy / steps_done,
-                "input_wait_s": wait,
-                "compiles": self.t.train_step.compiles,
-            }
-        )
-        record = {k: v for k, v in record.items() if v is not None}
-        self.history.append(record)
-        self.report.record(record)
-
-    def _nonfinite(self, bad: list[tuple[int, dict[str, float]]]) -> int | None:
-        """Applies ``trainer.nan_policy`` to dropped updates; returns a step to resume from."""
-        t, policy = self.t, self.t.config.nan_policy
-        step, values = bad[0]
-        which = ", ".join(f"{k}={v}" for k, v in values.items() if k != "nonfinite" and not np.isfinite(v))
-        which = which or ", ".join(f"{k}={v}" for k, v in values.items() if k != "nonfinite")
-        steps = ", ".join(str(s + 1) for s, _ in bad)
-        last = t._ckpt.latest_step() if t._ckpt is not None else None
-        where = f"checkpoint {last} in {t._ckpt.directory}" if last is not None else "none"
-        if policy == "stop":
-            raise NonFiniteError(
-                f"non-finite values at step {step + 1} ({which}); its update was not applied. "
-                f"Last good checkpoint: {where}. Lower optimizer.learning_rate, set optimizer.grad_clip_norm, "
-                "check the data, or set trainer.nan_policy=skip or rollback."
-            )
-        fresh = [s for s, _ in bad if s not in self.rolled_back]
-        if policy == "rollback" and fresh and last is not None:
-            self.rolled_back.update(fresh)
-            t._ckpt.wait()
-            t._state, restored = t._ckpt.restore(t._state)
-            self.report.print(
-                f"warning: non-finite values at step(s) {steps} ({which}): rolled back to checkpoint {restored}; "
-                "the offending batch's update is dropped again on the way"
-            )
-            return restored
-        self.report.print(f"warning: non-finite values at step(s) {steps} ({which}): update(s) skipped")
-        return None
-
-
-def replicate(tree: Any, sharding: jax.sharding.Sharding) -> Any:
-    """Copies host or single-device values to every device of ``sharding``, in every process.
-
-    ``jax.device_put`` cannot target devices of other processes; each process instead
-    contributes its (identical) copy through ``make_array_from_process_local_data``.
-    """
-
-    def put(x: Any) -> jax.Array:
-        if is_prng_key(x):
-            return jax.random.wrap_key_data(put(jax.random.key_data(x)), impl=jax.random.key_impl(x))
-        x = np.asarray(x)
-        return jax.make_array_from_process_local_data(sharding, x, x.shape)
-
-    return jax.tree.map(put, tree)
+def _nonfinite_steps(pending: list, values: list) -> list[tuple[int, dict[str, float]]]:
+    """``(step, that step's metrics)`` of every update the step dropped as non-finite."""
+    return [
+        (first + i, {key: float(v[key][i]) for key in v})
+        for (first, _), v in zip(pending, values, strict=True)
+        for i in np.flatnonzero(v["nonfinite"])
+    ]
 
 
 def _times(rate: float, per_example: float | None, peak: float | None = 1.0) -> float | None:

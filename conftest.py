@@ -1,0 +1,19 @@
+"""Settings for the tests and the docstring examples: 8 simulated CPU devices and strict
+JAX numerics, set before JAX starts."""
+
+import os
+
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"])
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+from xlafit.devices import configure  # noqa: E402
+
+# The same XLA:CPU flags as every xlafit run, whichever test happens to start JAX first.
+configure()
+
+# Implicit rank promotion hides shape bugs (a [B] loss broadcast against [B, 1]).
+jax.config.update("jax_numpy_rank_promotion", "raise")
+# Not jax_numpy_dtype_promotion="strict": optax 0.2.8's Adam bias correction mixes a Python
+# float with an int32 step and fails under it.

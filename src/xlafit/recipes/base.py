@@ -1,0 +1,82 @@
+"""What a recipe is: the :class:`Recipe` record that :func:`xlafit.train_and_evaluate` runs.
+
+A recipe is config + model + data wiring, nothing else (the loop is :class:`xlafit.Trainer`,
+the run is :mod:`xlafit.run`). Like optax's ``GradientTransformation``, it is a record of
+functions: the required ones, and optional hooks whose defaults do nothing, so the run
+calls every hook without asking what a recipe can do. A recipe module ``xlafit/recipes/
+NAME.py`` defines its functions, a YAML preset ``NAME.yaml`` beside it, and at the end::
+
+    RECIPE = Recipe(name="mnist", model_config=ModelConfig, load_data=load_data,
+                    build_model=build_model, loss_fn=loss_fn)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypedDict
+
+import numpy as np
+from flax import nnx
+
+from xlafit.config import Config, DataConfig
+from xlafit.data.dataset import Dataset
+from xlafit.train.step import LossFn
+
+
+class Throughput(TypedDict, total=False):
+    """Per-example work, for the logs' ``tokens_per_sec`` and ``mfu``."""
+
+    tokens_per_example: float
+    flops_per_example: float
+
+
+def _config_as_is(cfg: Config, train: Dataset) -> Config:
+    return cfg
+
+
+def _no_throughput(cfg: Config, train: Dataset) -> Throughput:
+    return {}
+
+
+def _nothing_to_save(cfg: Config, run_dir: Path, train: Dataset) -> None:
+    return None
+
+
+def _no_lengths(cfg: Config) -> np.ndarray | None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """One workload: its config types and the functions that wire data, model and loss.
+
+    Attributes:
+        name: the recipe's name on the command line (``xlafit train NAME``).
+        model_config: the dataclass of the config's ``model`` section.
+        load_data: ``(cfg) -> (train, eval)``: datasets (or dicts of arrays); eval may be None.
+        build_model: ``(cfg, train) -> nnx.Module``.
+        loss_fn: ``(model, batch) -> losses [B]`` or ``(losses [B], {metric: [B]})``.
+        data_config: the dataclass of the ``data`` section (a :class:`DataConfig` subclass
+            with the recipe's own keys).
+        from_data: ``(cfg, train) -> cfg``: settings the data decides (BERT: the sequence
+            length and vocabulary of prepared data), so that the run records what it used.
+            A contradiction with what the user set is a ``ConfigError``.
+        throughput: ``(cfg, train) -> Throughput`` for the logs.
+        save_artifacts: ``(cfg, run_dir, train)``: files a run keeps beside its checkpoints
+            (a tokenizer).
+        sequence_lengths: ``(cfg) -> lengths or None``: the data's example lengths, for
+            ``xlafit check``'s padding plans.
+    """
+
+    name: str
+    model_config: type
+    load_data: Callable[[Config], tuple[Any, Any]]
+    build_model: Callable[[Config, Any], nnx.Module]
+    loss_fn: LossFn
+    data_config: type[DataConfig] = DataConfig
+    from_data: Callable[[Config, Dataset], Config] = _config_as_is
+    throughput: Callable[[Config, Dataset], Throughput] = _no_throughput
+    save_artifacts: Callable[[Config, Path, Dataset], None] = _nothing_to_save
+    sequence_lengths: Callable[[Config], np.ndarray | None] = _no_lengths

@@ -1,0 +1,81 @@
+"""Export to Hugging Face, through the whole command-line pipeline on the Korean texts."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import hf_logits
+from xlafit.data.text import korean_demo_files
+from xlafit.models.bert import BertForMaskedLM
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+def xlafit_cli(*args, env=None, timeout=600):
+    env = {**os.environ, **(env or {})}
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run(
+        [sys.executable, "-m", "xlafit", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
+
+
+def test_cli_tokenizer_data_train_export(tmp_path):
+    """The whole pipeline through the command line, on the Korean texts, then Hugging Face."""
+    files = korean_demo_files()
+    out = xlafit_cli("tokenizer", "train", "--input", *files, "--vocab-size", "1500", "--out", str(tmp_path / "tok"))
+    assert out.returncode == 0, out.stderr
+    assert "unknown-token rate" in out.stdout and "tokens/word" in out.stdout
+    out = xlafit_cli(
+        "data",
+        "mlm",
+        "--tokenizer",
+        str(tmp_path / "tok"),
+        "--input",
+        *files,
+        "--seq-len",
+        "64",
+        "--out",
+        str(tmp_path / "mlm"),
+        "--eval-fraction",
+        "0.1",
+    )
+    assert out.returncode == 0, out.stderr
+    assert "train:" in out.stdout and "eval:" in out.stdout
+    run_dir = tmp_path / "run"
+    out = xlafit_cli(
+        "train",
+        "bert",
+        "--simulate",
+        "8",
+        "--data-dir",
+        str(tmp_path / "mlm"),
+        "--run-dir",
+        str(run_dir),
+        "data.seq_len=64",
+        "trainer.epochs=1",
+        "data.global_batch=16",
+    )
+    assert out.returncode == 0, out.stderr
+    assert "masked-token accuracy:" in out.stdout and "tokens_per_sec=" in out.stdout and "mfu=" in out.stdout
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["tokens_per_sec"] > 0 and 0 < r["mfu"] < 1 for r in records if r["split"] == "train")
+    out = xlafit_cli("export", "hf", str(run_dir), "--out", str(tmp_path / "hf"))
+    assert out.returncode == 0, out.stderr
+    # the exported model: same logits in PyTorch as the checkpoint in xlafit
+    model = BertForMaskedLM.from_hf(tmp_path / "hf")
+    model.eval()
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    enc = auto(["대한민국 헌법 제1조", "국회의원 선거"], padding=True, return_tensors="np")
+    ours = np.asarray(
+        model(jnp.asarray(enc["input_ids"]), jnp.asarray(enc["attention_mask"]), jnp.asarray(enc["token_type_ids"]))
+    )
+    theirs = hf_logits(tmp_path / "hf", enc["input_ids"], enc["attention_mask"], enc["token_type_ids"])
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    out = xlafit_cli("export", "hf", str(tmp_path / "mlm"), "--out", str(tmp_path / "x"))
+    assert out.returncode == 2 and "not a run directory" in out.stderr

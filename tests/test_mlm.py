@@ -1,0 +1,179 @@
+"""Masked-LM data: preparing shards, the memory-mapped split cache, masking, the dataset."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from helpers import mlm_dataset
+from xlafit.data import mlm
+from xlafit.data.dataset import DataError
+from xlafit.data.text import korean_demo_files
+
+
+@pytest.mark.parametrize("packing", ["sentences", "pairs"])
+def test_prepare_is_deterministic_and_well_formed(korean_tokenizer, packing):
+    files = korean_demo_files()
+    m1 = mlm.prepare(korean_tokenizer, files, "memory://mlm-a", seq_len=64, packing=packing, show_progress=False)
+    m2 = mlm.prepare(korean_tokenizer, files, "memory://mlm-b", seq_len=64, packing=packing, show_progress=False)
+    assert m1["splits"] == m2["splits"]
+    a, _ = mlm.load_split("memory://mlm-a", "train")
+    b, _ = mlm.load_split("memory://mlm-b", "train")
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    ids, types, length = a["input_ids"], a["token_type_ids"], a["length"]
+    assert len(ids) == m1["splits"]["train"]["sequences"] > 100
+    assert length.sum() == m1["splits"]["train"]["tokens"]
+    assert (ids[:, 0] == mlm.CLS).all() and (ids[np.arange(len(ids)), length - 1] == mlm.SEP).all()
+    assert ((np.arange(64)[None] < length[:, None]) | (ids == mlm.PAD)).all()  # padding only after the end
+    if packing == "sentences":
+        assert (length == 64).mean() > 0.9 and (types == 0).all()
+    else:
+        for row, n in zip(types[:50], length[:50], strict=True):
+            change = np.flatnonzero(np.diff(row[:n]))
+            assert len(change) == 1 and row[0] == 0 and row[n - 1] == 1  # A then B
+
+
+def test_prepare_names_bad_input(tmp_path, korean_tokenizer):
+    from xlafit.data.text import expand_inputs
+
+    with pytest.raises(DataError, match="no input file matches"):
+        expand_inputs([str(tmp_path / "nothing*.txt")])
+    with pytest.raises(DataError, match="no tokenizer.json"):
+        mlm.prepare(tmp_path, korean_demo_files(), str(tmp_path / "out"))
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    with pytest.raises(DataError, match="latin1.txt is not UTF-8"):
+        mlm.prepare(korean_tokenizer, [str(tmp_path / "latin1.txt")], str(tmp_path / "out"), show_progress=False)
+    out = tmp_path / "ok"
+    mlm.prepare(korean_tokenizer, korean_demo_files(), str(out), seq_len=64, show_progress=False)
+    shard = out / "train-00000.parquet"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(DataError, match="train-00000.parquet is damaged or was changed"):
+        mlm.load_split(str(out), "train")
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["splits"]["train"]["shards"][0]["sha256"]  # as data prepared before checksums
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match="train-00000.parquet cannot be read"):
+        mlm.load_split(str(out), "train")
+
+
+def test_split_is_decoded_once_into_a_memory_mapped_cache(tmp_path, monkeypatch, caplog, korean_tokenizer):
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
+    url, files = str(tmp_path / "data"), korean_demo_files()
+    manifest = mlm.prepare(korean_tokenizer, files, url, seq_len=64, shard_size=100, show_progress=False)
+    shards = [tmp_path / "data" / s["path"] for s in manifest["splits"]["train"]["shards"]]
+    assert len(shards) > 3
+    mapped, _ = mlm.load_split(url, "train")
+    in_memory, _ = mlm.load_split(url, "train", memory_map=False)
+    assert all(isinstance(a, np.memmap) and not a.flags.writeable for a in mapped.values())
+    assert all(np.array_equal(mapped[k], in_memory[k]) and mapped[k].dtype == in_memory[k].dtype for k in mapped)
+    assert mapped["input_ids"].dtype == np.uint16 and len(mapped["length"]) == manifest["splits"]["train"]["sequences"]
+    caches = lambda: sorted(p.name for p in (tmp_path / "cache" / "mlm").iterdir() if "-train-" in p.name)  # noqa: E731
+    assert len(caches()) == 1
+    monkeypatch.chdir(tmp_path)
+    assert mlm.load_split("data", "train")[0]["input_ids"].filename == mapped["input_ids"].filename  # one key
+
+    # A later load opens the cache and reads no shard.
+    saved = {s: s.read_bytes() for s in shards}
+    for s in shards:
+        s.unlink()
+    again, _ = mlm.load_split(url, "train")
+    assert np.array_equal(again["input_ids"], in_memory["input_ids"])
+
+    # A shard replaced by another valid one of the same size is caught by its checksum.
+    for s, data in saved.items():
+        s.write_bytes(data)
+    shards[0].write_bytes(saved[shards[1]])
+    with pytest.raises(DataError, match=f"{shards[0].name} is damaged or was changed"):
+        mlm.load_split(url, "train", memory_map=False)
+
+    # Prepared again (another seed): a new cache, the old one removed, and so is what a
+    # process killed while decoding left a day ago.
+    first = caches()
+    stale = tmp_path / "cache" / "mlm" / "killed.abc.tmp"
+    stale.mkdir()
+    os.utime(stale, (time.time() - 2 * 86400,) * 2)
+    mlm.prepare(korean_tokenizer, files, url, seq_len=64, shard_size=100, seed=1, show_progress=False)
+    new, _ = mlm.load_split(url, "train")
+    assert len(caches()) == 1 and caches() != first and not stale.exists()
+    assert not np.array_equal(new["input_ids"][:100], in_memory["input_ids"][:100])
+
+    # No writable cache: read into memory, with a warning that says where and why.
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "file"))
+    with caplog.at_level("WARNING", logger="xlafit"):
+        fallback, _ = mlm.load_split(url, "train")
+    assert not isinstance(fallback["input_ids"], np.memmap) and np.array_equal(fallback["input_ids"], new["input_ids"])
+    assert "reading it into memory" in caplog.text
+
+
+def test_processes_building_one_split_cache_at_once_agree(tmp_path, korean_tokenizer):
+    """Two processes of one host decode the same split into the cache at the same time (the
+    start of a multi-process run): one rename wins, both read the same, nothing is left over."""
+    url = str(tmp_path / "data")
+    mlm.prepare(korean_tokenizer, korean_demo_files(), url, seq_len=64, shard_size=50, show_progress=False)
+    code = (
+        "import hashlib, sys; from xlafit.data import mlm; a, _ = mlm.load_split(sys.argv[1], 'train'); "
+        "print(type(a['input_ids']).__name__, hashlib.sha256(a['input_ids'].tobytes()).hexdigest())"
+    )
+    env = {**os.environ, "XLAFIT_CACHE": str(tmp_path / "cache"), "JAX_PLATFORMS": "cpu"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, url], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    expected = mlm.load_split(url, "train", memory_map=False)[0]["input_ids"]
+    assert outputs == [f"memmap {hashlib.sha256(expected.tobytes()).hexdigest()}"] * 2
+    assert [p.name.split("-")[1] for p in (tmp_path / "cache" / "mlm").iterdir()] == ["train"]
+
+
+def test_masking_rates_and_static_shapes():
+    ds = mlm_dataset(max_predictions=20)
+    batch = ds.take(np.arange(len(ds)), epoch=0)
+    w = batch["masked_weights"]
+    assert batch["masked_positions"].shape == batch["masked_ids"].shape == w.shape == (400, 20)
+    real = ds.arrays["length"] - 2
+    expected = np.minimum(20, np.maximum(1, np.rint(real * 0.15)))
+    assert np.array_equal(w.sum(1), expected)
+    rows, cols = np.nonzero(w)
+    pos = batch["masked_positions"][rows, cols]
+    original = ds.arrays["input_ids"][rows, pos]
+    assert np.array_equal(batch["masked_ids"][rows, cols], original)
+    assert not np.isin(original, [mlm.CLS, mlm.SEP, mlm.PAD]).any()
+    now = batch["input_ids"][rows, pos]
+    mask_share, same_share = (now == mlm.MASK).mean(), (now == original).mean()
+    assert 0.77 < mask_share < 0.83 and 0.08 < same_share < 0.13  # 80% [MASK], 10% kept (+ random hits)
+    unmasked = np.ones(ds.arrays["input_ids"].shape, bool)
+    unmasked[rows, pos] = False
+    assert np.array_equal(batch["input_ids"][unmasked], ds.arrays["input_ids"][unmasked])
+
+
+def test_masks_are_a_function_of_seed_epoch_and_example():
+    ds = mlm_dataset()
+    whole = ds.take(np.arange(64), epoch=3)
+    alone = ds.take(np.array([17]), epoch=3)  # another batch composition, the same example
+    assert all(np.array_equal(whole[k][17], alone[k][0]) for k in whole)
+    assert not np.array_equal(ds.take(np.arange(64), epoch=4)["masked_positions"], whole["masked_positions"])
+    other_seed = mlm_dataset(seed=1).take(np.arange(64), epoch=3)
+    assert not np.array_equal(other_seed["masked_positions"], whole["masked_positions"])
+
+
+def test_whole_word_masking_takes_whole_words():
+    ds = mlm_dataset(whole_word=True)
+    batch = ds.take(np.arange(len(ds)), epoch=0)
+    ids = ds.arrays["input_ids"]
+    pieces = 0
+    for r in range(len(ds)):
+        chosen = set(batch["masked_positions"][r][batch["masked_weights"][r] > 0].tolist())
+        for p in chosen:  # a chosen word's pieces (ids >= 500 continue the word before) are all chosen
+            if ids[r, p + 1] >= 500:
+                assert p + 1 in chosen, (r, p)
+            if ids[r, p] >= 500 and p > 1:
+                assert p - 1 in chosen, (r, p)
+                pieces += 1
+    assert pieces > 300  # the test saw many multi-piece words

@@ -1,0 +1,157 @@
+"""xlafit.run: resolving a config for the devices, the run directory and the resume check."""
+
+import numpy as np
+import optax
+import pytest
+import yaml
+from flax import nnx
+
+import xlafit
+from xlafit.config import ConfigError, DataConfig, OptimizerConfig, TrainerConfig, resolve_batch
+from xlafit.data import DataError, as_dataset
+from xlafit.recipes import load_config
+from xlafit.run import check_continuation, describe_schedule, resolve
+from xlafit.train.optim import make_optimizer
+
+
+def _resolved(strategy, run_dir, *overrides, examples=1000):
+    cfg = load_config("mnist", [f"run.run_dir={run_dir}", *overrides])
+    return resolve(cfg, strategy, examples)[0]
+
+
+def _with_checkpoint(run_dir, cfg):
+    """A run directory as a run leaves it: config.yaml and one checkpoint folder."""
+    (run_dir / "checkpoints" / "7").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def test_conflicting_batch_settings_are_one_error(strategy8):
+    cfg = load_config("mnist", ["data.per_device_batch=32", "data.global_batch=128"])
+    with pytest.raises(ConfigError, match=r"per_device_batch=32 and data.global_batch=128 disagree on 8 devices"):
+        resolve_batch(cfg.data, 8)
+    # agreeing settings, or either alone, resolve; the run records both as used
+    assert resolve_batch(DataConfig(per_device_batch=16, global_batch=128), 8) == (16, 128)
+    resolved = resolve(load_config("mnist"), strategy8, 1000)[0]
+    assert (resolved.data.per_device_batch, resolved.data.global_batch) == (16, 128)
+
+
+def test_more_epochs_keep_the_schedule_or_are_refused_with_the_fix(strategy8, tmp_path, capsys):
+    first = _resolved(strategy8, tmp_path, "trainer.epochs=2", "optimizer.warmup_steps=2")
+    assert first.optimizer.decay_steps == 2 * (1000 // 128)
+    _with_checkpoint(tmp_path, first)
+    longer = _resolved(strategy8, tmp_path, "trainer.epochs=3", "optimizer.warmup_steps=2")
+    with pytest.raises(ConfigError) as err:
+        check_continuation(tmp_path, longer)
+    message = str(err.value)
+    assert "optimizer.decay_steps: 14 in the run, 21 now" in message
+    assert "trainer.epochs 2 -> 3" in message and "add optimizer.decay_steps=14" in message
+    # with the run's horizon kept, more epochs are a safe change, announced
+    kept = _resolved(strategy8, tmp_path, "trainer.epochs=3", "optimizer.warmup_steps=2", "optimizer.decay_steps=14")
+    check_continuation(tmp_path, kept)
+    assert "trainer.epochs 2 -> 3" in capsys.readouterr().out
+    # and the schedule does stay: the rate after step 14 is the final one, no jump
+    plan = make_optimizer(kept.optimizer, 128)
+    rates = [float(plan.schedule(s)) for s in range(12, 21)]
+    assert rates[1] >= rates[2] and max(rates[2:]) == pytest.approx(rates[2])
+
+
+@pytest.mark.parametrize("damage", ["missing", "garbage", "not a config"])
+def test_resume_refuses_without_a_readable_config(strategy8, tmp_path, damage):
+    cfg = _resolved(strategy8, tmp_path)
+    _with_checkpoint(tmp_path, cfg)
+    path = tmp_path / "config.yaml"
+    if damage == "missing":
+        path.unlink()
+    else:
+        path.write_text("{{ not: yaml" if damage == "garbage" else "- a list\n")
+    before = path.read_bytes() if path.exists() else None
+    other = _resolved(strategy8, tmp_path, "optimizer.learning_rate=0.1")
+    with pytest.raises(ConfigError, match="cannot resume .*--restart"):
+        check_continuation(tmp_path, other)
+    assert (path.read_bytes() if path.exists() else None) == before  # nothing overwritten
+
+
+def test_resume_names_the_recipe_the_directory_holds(strategy8, tmp_path):
+    cfg = _resolved(strategy8, tmp_path)
+    saved = cfg.to_dict()
+    saved["recipe"] = "bert"
+    (tmp_path / "checkpoints" / "3").mkdir(parents=True)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(ConfigError, match="it holds a bert run, and this is mnist"):
+        check_continuation(tmp_path, cfg)
+
+
+def test_schedule_line_says_what_a_short_run_does():
+    o = OptimizerConfig(learning_rate=0.003, reference_batch=32, scaling="sqrt", warmup_steps=40)
+    cfg = load_config("bert")
+    plan = make_optimizer(o, 32, total_steps=24)
+    line = describe_schedule(dataclasses_replace(cfg, o), plan)
+    assert "40 warmup steps, more than the schedule's 24" in line and "before the peak" in line
+    assert f"rises to {max(float(plan.schedule(s)) for s in range(24)):.4g}" in line
+
+
+def dataclasses_replace(cfg, optimizer):
+    import dataclasses
+
+    return dataclasses.replace(cfg, optimizer=optimizer, data=dataclasses.replace(cfg.data, global_batch=32))
+
+
+def test_data_of_the_wrong_type_names_the_accepted_types():
+    with pytest.raises(DataError, match="must be a dict of NumPy arrays .* got a list"):
+        as_dataset([np.zeros(3)])
+
+
+class _Linear(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dense(x)
+
+
+def _linear_trainer(strategy, loss_fn, **config):
+    return xlafit.Trainer(
+        _Linear(nnx.Rngs(0)),
+        loss_fn,
+        optax.sgd(0.1),
+        strategy=strategy,
+        global_batch=16,
+        config=TrainerConfig(epochs=2, log_every_steps=1, **config),
+    )
+
+
+def _per_example(model, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"])
+
+
+def _scalar(model, batch):
+    return _per_example(model, batch).mean()
+
+
+def _data(n=70):
+    rng = np.random.default_rng(0)
+    return {"x": rng.standard_normal((n, 4), dtype=np.float32), "y": rng.integers(0, 2, n, dtype=np.int32)}
+
+
+def test_scalar_loss_trains_like_per_example_and_evaluation_asks_for_per_example(strategy8, capsys):
+    per_example = _linear_trainer(strategy8, _per_example).fit(_data())
+    scalar = _linear_trainer(strategy8, _scalar).fit(_data())
+    for a, b in zip(jax_leaves(per_example), jax_leaves(scalar), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # 70 examples at global batch 16: 6 left out per epoch, and the run says so
+    assert "each epoch trains on 64 of 70 examples" in capsys.readouterr().out
+    # with an eval set, a scalar loss is refused before the first training step
+    trainer = _linear_trainer(strategy8, _scalar)
+    with pytest.raises(ValueError, match="evaluation needs loss_fn to return one loss per example"):
+        trainer.fit(_data(), eval=_data(20))
+    assert int(trainer.state.step) == 0
+
+
+def jax_leaves(result):
+    import jax
+
+    return [np.asarray(x) for x in jax.tree.leaves(result.state.params)]
+
+
+def test_preempted_is_public_with_its_exit_code():
+    assert issubclass(xlafit.Preempted, Exception) and xlafit.exitcodes.PREEMPTED == 75
