@@ -160,7 +160,7 @@ def _size(n: int) -> str:
 
 def _user_frame(exc: BaseException, user_file: str | None) -> tuple[str | None, int | None]:
     """The deepest frame of ``exc`` in ``user_file`` (or, without one, outside JAX/xlafit)."""
-    found = (None, None)
+    found: tuple[str | None, int | None] = (None, None)
     for frame in traceback.extract_tb(exc.__traceback__):
         if user_file is not None and Path(frame.filename).resolve() == Path(user_file).resolve():
             found = (frame.filename, frame.lineno)
@@ -175,8 +175,9 @@ def _is_control_flow(source: str, line: int) -> bool:
     except SyntaxError:
         return False
     for node in ast.walk(tree):
-        if isinstance(node, (ast.If, ast.While, ast.Assert)) and node.test.lineno <= line <= node.test.end_lineno:
-            return True
+        if isinstance(node, (ast.If, ast.While, ast.Assert)):
+            if node.test.lineno <= line <= (node.test.end_lineno or node.test.lineno):
+                return True
         if isinstance(node, (ast.IfExp, ast.BoolOp)) and node.lineno <= line <= (node.end_lineno or node.lineno):
             return True
     return False
@@ -215,14 +216,14 @@ def classify(exc: BaseException, user_file: str | None) -> Finding:
 def _train_step(model: nnx.Module, loss_fn: Any) -> tuple[Any, TrainState]:
     tx = optax.adamw(1e-3)
     model.train()
-    graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
+    graphdef, params, model_state = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]  # flax's overloads
     state = TrainState(jax.numpy.zeros((), jax.numpy.int32), params, tx.init(params), model_state)
     return build_train_step(graphdef, loss_fn, tx, unroll=True), state
 
 
 def _stacked(batch: dict[str, Any], rows: int | None = None) -> dict[str, Any]:
     """``batch`` as one call's input ``[1, B, ...]``; with ``rows``, abstract arrays of that batch."""
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in batch.items():
         v = np.asarray(v)
         if rows is None:

@@ -108,7 +108,7 @@ def _file_hashes(directory: epath.Path) -> dict[str, str]:
             continue
         digest = hashlib.sha256()
         with path.open("rb") as f:
-            for block in iter(lambda f=f: f.read(1 << 20), b""):
+            while block := f.read(1 << 20):
                 digest.update(block)
         hashes[name] = digest.hexdigest()
     return hashes

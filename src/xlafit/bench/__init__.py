@@ -379,7 +379,7 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
     left.set_xlabel("examples/s (median; whiskers: min-max)")
     spe = result["settings"]["steps_per_epoch"]
     runs = result["runs"]
-    parts = {"step": [], "input wait": []}
+    parts: dict[str, list[float]] = {"step": [], "input wait": []}
     for r in rows:
         first = runs[r["configuration"]]
         wait = np.median([x["wait_s"] / x["steps"] for x in first])

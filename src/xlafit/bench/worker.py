@@ -147,7 +147,7 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
     per_device = step_fn.flops_for(trainer.state, one)
 
     if spec.profile_steps:
-        with jax.profiler.trace(spec.profile_dir):
+        with jax.profiler.trace(spec.profile_dir or "runs/bench-profile"):
             for call in trainer.steps(train, timed_stop, total):
                 metrics = call.metrics
             jax.block_until_ready(metrics)

@@ -21,7 +21,7 @@ from xlafit.data.loader import DataError
 MEAN, STD = 0.1307, 0.3081
 
 # IDX type codes (http://yann.lecun.com/exdb/mnist/, "THE IDX FILE FORMAT").
-_IDX_DTYPES = {
+_IDX_DTYPES: dict[int, np.dtype] = {
     0x08: np.dtype(np.uint8),
     0x09: np.dtype(np.int8),
     0x0B: np.dtype(">i2"),

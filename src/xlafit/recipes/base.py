@@ -76,7 +76,8 @@ class Recipe:
     build_model: Callable[[Config, Any], nnx.Module]
     loss_fn: LossFn
     data_config: type[DataConfig] = DataConfig
-    from_data: Callable[[Config, Dataset], Config] = _config_as_is
-    throughput: Callable[[Config, Dataset], Throughput] = _no_throughput
-    save_artifacts: Callable[[Config, Path, Dataset], None] = _nothing_to_save
+    # The hooks take the recipe's own dataset type (what its load_data returns): typed Any.
+    from_data: Callable[[Config, Any], Config] = _config_as_is
+    throughput: Callable[[Config, Any], Throughput] = _no_throughput
+    save_artifacts: Callable[[Config, Path, Any], None] = _nothing_to_save
     sequence_lengths: Callable[[Config], np.ndarray | None] = _no_lengths

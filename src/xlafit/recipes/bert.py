@@ -62,6 +62,13 @@ class DataConfig(xconfig.DataConfig):
     eval_fraction: float = 0.1  # of the demo's documents
 
 
+def data_config(cfg: Config) -> DataConfig:
+    """``cfg.data`` as this recipe's :class:`DataConfig` (its own keys typed)."""
+    if not isinstance(cfg.data, DataConfig):
+        raise TypeError(f"a bert config has a bert DataConfig, got {type(cfg.data).__name__}")
+    return cfg.data
+
+
 def bert_config(cfg: Config, vocab_size: int) -> BertConfig:
     """The model's :class:`BertConfig`: the preset's sizes, then the config's overrides."""
     m = cfg.model
@@ -97,7 +104,7 @@ def bert_config(cfg: Config, vocab_size: int) -> BertConfig:
 
 def data_location(cfg: Config) -> str:
     """``data.data_dir``, or the Korean demo corpus (built on first use) when it is null."""
-    d = cfg.data
+    d = data_config(cfg)
     if d.data_dir:
         return d.data_dir
     return korean_demo.build(
@@ -111,7 +118,7 @@ def data_location(cfg: Config) -> str:
 
 def load_data(cfg: Config) -> tuple[mlm.MLMDataset, mlm.MLMDataset]:
     """(train, eval) masked-LM datasets; eval masks stay fixed (epoch 0)."""
-    d = cfg.data
+    d = data_config(cfg)
     where = data_location(cfg)
     masking = mlm.MaskingConfig(d.mask_prob, d.max_predictions, d.whole_word_mask, d.seed)
     train = mlm.MLMDataset.from_prepared(where, "train", masking)
@@ -126,7 +133,7 @@ def from_data(cfg: Config, train: mlm.MLMDataset) -> Config:
         ConfigError: ``data.seq_len`` (or, with a data_dir, ``data.vocab_size``) was set and
             contradicts the prepared data.
     """
-    d = cfg.data
+    d = data_config(cfg)
     if d.seq_len is not None and d.seq_len != train.seq_len:
         raise ConfigError(
             f"data.seq_len={d.seq_len} but {train.location} holds sequences of {train.seq_len} tokens; "
@@ -142,6 +149,8 @@ def from_data(cfg: Config, train: mlm.MLMDataset) -> Config:
 
 def save_artifacts(cfg: Config, run_dir: Path, train: mlm.MLMDataset) -> None:
     """Copies the tokenizer into ``run_dir/tokenizer``, for ``xlafit export hf``."""
+    if train.location is None:
+        raise ConfigError("the bert recipe's training data must come from a prepared directory (its tokenizer).")
     fs, root, _ = mlm.read_manifest(train.location)
     dest = run_dir / "tokenizer"
     dest.mkdir(parents=True, exist_ok=True)
@@ -192,7 +201,7 @@ def throughput(cfg: Config, train: mlm.MLMDataset) -> Throughput:
     bert = bert_config(cfg, train.vocab_size)
     return {
         "tokens_per_example": float(train.seq_len),
-        "flops_per_example": bert.train_flops_per_sequence(train.seq_len, cfg.data.max_predictions),
+        "flops_per_example": bert.train_flops_per_sequence(train.seq_len, data_config(cfg).max_predictions),
     }
 
 

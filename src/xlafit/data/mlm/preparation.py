@@ -189,12 +189,13 @@ def prepare(
     rng = np.random.default_rng(seed)
     writers = {s: _ShardWriter(fs, root, s, seq_len, shard_size) for s in ("train", "eval")}
     packers = {s: _Packer(seq_len, packing, rng) for s in ("train", "eval")}
-    counts = {"documents": {"train": 0, "eval": 0}, "lines": 0}
+    documents_per_split = {"train": 0, "eval": 0}
+    lines = 0
     bar = tqdm(total=total_bytes(files), unit="B", unit_scale=True, desc="tokenizing", disable=not show_progress)
     for index, doc in enumerate(documents(files, doc_boundary)):
         split = "eval" if _split_draw(seed, index) < eval_fraction else "train"
-        counts["documents"][split] += 1
-        counts["lines"] += len(doc)
+        documents_per_split[split] += 1
+        lines += len(doc)
         encoded: list[list[int]] = []
         for start in range(0, len(doc), batch_lines):
             encoded += [e.ids for e in tok.encode_batch(doc[start : start + batch_lines], add_special_tokens=False)]
@@ -216,7 +217,7 @@ def prepare(
         "seed": seed,
         "eval_fraction": eval_fraction,
         "inputs": list(files),
-        "lines": counts["lines"],
+        "lines": lines,
         "tokenizer": {
             "path": "tokenizer",
             "vocab_size": tok.get_vocab_size(),
@@ -224,7 +225,7 @@ def prepare(
         },
         "splits": {
             split: {
-                "documents": counts["documents"][split],
+                "documents": documents_per_split[split],
                 "sequences": sum(s["sequences"] for s in w.shards),
                 "tokens": sum(s["tokens"] for s in w.shards),
                 "shards": w.shards,
