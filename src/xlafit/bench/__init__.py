@@ -74,7 +74,7 @@ def run_worker(spec: Spec, simulate: int | None = None) -> dict[str, Any]:
 
 
 @dataclasses.dataclass
-class Config:
+class Row:
     """One row of the table: a name, what its worker runs, and its simulated CPU devices."""
 
     name: str
@@ -89,7 +89,7 @@ def plan_configs(
     probe: dict[str, Any],
     base: Spec,
     simulate: int | None,
-) -> list[Config]:
+) -> list[Row]:
     """The rows: one xlafit row per device count ("all" = every device) and steps per call,
     then the peers.
 
@@ -111,12 +111,12 @@ def plan_configs(
             name = f"xlafit {n} {probe['platform']}" + (" (simulated)" if cpu and n > 1 else "")
             name += f" k={k}" if k > 1 else ""
             spec = dataclasses.replace(base, framework="xlafit", devices=n, steps_per_call=k)
-            configs.append(Config(name, spec, simulate=n if cpu else None))
+            configs.append(Row(name, spec, simulate=n if cpu else None))
     for peer in compare:
         if peer not in PEERS:
             raise ConfigError(f"--compare {peer}: known peers are {', '.join(PEERS)}.")
         name = "PyTorch eager" if peer == "torch" else "PyTorch torch.compile"
-        configs.append(Config(name, dataclasses.replace(base, framework=peer, profile_steps=0)))
+        configs.append(Row(name, dataclasses.replace(base, framework=peer, profile_steps=0)))
     return configs
 
 

@@ -6,7 +6,7 @@ functions: the required ones, and optional hooks whose defaults do nothing, so t
 calls every hook without asking what a recipe can do. A recipe module ``xlafit/recipes/
 NAME.py`` defines its functions, a YAML preset ``NAME.yaml`` beside it, and at the end::
 
-    RECIPE = Recipe(name="mnist", model_config=ModelConfig, load_data=load_data,
+    RECIPE = Recipe(name="mnist", model_config=MnistModelConfig, load_data=load_data,
                     build_model=build_model, loss_fn=loss_fn)
 """
 

@@ -31,7 +31,7 @@ DEMO_VOCAB_SIZE, DEMO_SEQ_LEN = 2000, 128  # the Korean demo's tokenizer and seq
 
 
 @dataclasses.dataclass
-class ModelConfig:
+class BertModelConfig:
     preset: Literal["tiny", "mini", "small", "medium", "base", "large", "custom"] = "tiny"
     num_layers: int | None = None  # null: the preset's
     hidden_size: int | None = None
@@ -47,7 +47,7 @@ class ModelConfig:
 
 
 @dataclasses.dataclass
-class DataConfig(xconfig.DataConfig):
+class BertDataConfig(xconfig.DataConfig):
     """``data_dir``: a directory or URL written by ``xlafit data mlm`` (null: the demo)."""
 
     # null: what the data holds (a prepared data_dir: its manifest; the demo: 128 tokens and a
@@ -62,10 +62,10 @@ class DataConfig(xconfig.DataConfig):
     eval_fraction: float = 0.1  # of the demo's documents
 
 
-def data_config(cfg: Config) -> DataConfig:
-    """``cfg.data`` as this recipe's :class:`DataConfig` (its own keys typed)."""
-    if not isinstance(cfg.data, DataConfig):
-        raise TypeError(f"a bert config has a bert DataConfig, got {type(cfg.data).__name__}")
+def data_config(cfg: Config) -> BertDataConfig:
+    """``cfg.data`` as this recipe's :class:`BertDataConfig` (its own keys typed)."""
+    if not isinstance(cfg.data, BertDataConfig):
+        raise TypeError(f"a bert config has a BertDataConfig, got {type(cfg.data).__name__}")
     return cfg.data
 
 
@@ -222,8 +222,8 @@ def sequence_lengths(cfg: Config, limit: int = 512) -> np.ndarray:
 
 RECIPE = Recipe(
     name="bert",
-    model_config=ModelConfig,
-    data_config=DataConfig,
+    model_config=BertModelConfig,
+    data_config=BertDataConfig,
     load_data=load_data,
     from_data=from_data,
     build_model=build_model,

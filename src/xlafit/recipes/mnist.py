@@ -22,7 +22,7 @@ from xlafit.recipes.base import Recipe
 
 
 @dataclasses.dataclass
-class ModelConfig:
+class MnistModelConfig:
     dropout1: float = 0.25
     dropout2: float = 0.5
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -47,4 +47,6 @@ def load_data(cfg: Config) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]
     return splits["train"], splits["test"]
 
 
-RECIPE = Recipe(name="mnist", model_config=ModelConfig, load_data=load_data, build_model=build_model, loss_fn=loss_fn)
+RECIPE = Recipe(
+    name="mnist", model_config=MnistModelConfig, load_data=load_data, build_model=build_model, loss_fn=loss_fn
+)
