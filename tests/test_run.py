@@ -155,3 +155,11 @@ def jax_leaves(result):
 
 def test_preempted_is_public_with_its_exit_code():
     assert issubclass(xlafit.Preempted, Exception) and xlafit.exitcodes.PREEMPTED == 75
+
+
+def test_one_name_per_concept():
+    import importlib
+
+    # xlafit.train is the subpackage (the run is xlafit.run.train_and_evaluate), so dotted paths resolve
+    assert importlib.import_module("xlafit.train.trainer").Trainer is xlafit.Trainer
+    assert callable(xlafit.train.losses.masked_mean) and xlafit.train_and_evaluate.__module__ == "xlafit.run"

@@ -1,5 +1,6 @@
 """Training: the train state and pure steps, optimizer planning, and the trainer's loop."""
 
+from xlafit.train import losses
 from xlafit.train.optim import OptimizerPlan, make_optimizer, make_schedule, scaled_lr
 from xlafit.train.signals import Preempted, handle_signals
 from xlafit.train.step import CompiledStep, RecompileError, TrainState
@@ -16,6 +17,7 @@ __all__ = [
     "TrainState",
     "Trainer",
     "handle_signals",
+    "losses",
     "make_optimizer",
     "make_schedule",
     "scaled_lr",
