@@ -11,7 +11,7 @@ from flax import nnx
 
 import xlafit
 from xlafit.config import TrainerConfig
-from xlafit.data.loader import DataError
+from xlafit.data.dataset import DataError
 from xlafit.data.shapes import (
     BucketedDataset,
     bucket_batches,

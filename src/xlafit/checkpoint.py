@@ -137,9 +137,13 @@ class Checkpointer:
     Orbax and ``etils.epath`` can write (gs:// with ``gcsfs`` installed).
 
     Example:
-        >>> ckpt = Checkpointer("/tmp/run/checkpoints", keep=3)  # doctest: +SKIP
-        >>> ckpt.save(100, state); ckpt.wait()  # doctest: +SKIP
-        >>> state = ckpt.restore(state)  # doctest: +SKIP
+        >>> import tempfile
+        >>> ckpt = Checkpointer(tempfile.mkdtemp(), keep=3)
+        >>> ckpt.save(100, {"w": np.arange(3.0)}); ckpt.wait()
+        >>> state, step = ckpt.restore({"w": np.zeros(3)})
+        >>> step, state["w"].tolist(), [i.status for i in ckpt.list()]
+        (100, [0.0, 1.0, 2.0], ['intact'])
+        >>> ckpt.close()
     """
 
     def __init__(

@@ -15,7 +15,7 @@ from xlafit import exitcodes
 from xlafit.bench import BenchError
 from xlafit.checkpoint import CheckpointError
 from xlafit.config import ConfigError
-from xlafit.data.loader import DataError
+from xlafit.data.dataset import DataError
 from xlafit.devices import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, SIMULATE_ENV, DeviceError
 from xlafit.models.bert_hf import HFFormatError
 from xlafit.train import NonFiniteError, Preempted, RecompileError

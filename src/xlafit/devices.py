@@ -344,7 +344,10 @@ def connect(
     Example:
         >>> import xlafit
         >>> strategy = xlafit.connect()
-        >>> print(strategy.describe())  # doctest: +SKIP
+        >>> print(strategy.describe())  # doctest: +ELLIPSIS
+        platform: cpu   process 0 of 1
+        ...
+        mesh: {'data': 8} -> parameters replicated on 8 devices, batches split along 'data'
     """
     started = _backend_started()
     configure(simulate, cpu_fast_paths=cpu_fast_paths, ynn_fusion=ynn_fusion)

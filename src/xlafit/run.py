@@ -31,7 +31,7 @@ from xlafit.config import Config, ConfigError, resolve_batch
 from xlafit.data.dataset import as_dataset
 from xlafit.devices import Strategy, connect
 from xlafit.recipes import get_recipe
-from xlafit.train.optim import OptimizerPlan, make_optimizer
+from xlafit.train.optim import OptimizerPlan, highest_rate, make_optimizer
 from xlafit.train.signals import handle_signals
 from xlafit.train.trainer import FitResult, Trainer
 
@@ -143,7 +143,7 @@ def describe_schedule(cfg: Config, plan: OptimizerPlan) -> str:
         f"batch {cfg.data.global_batch} ({o.scaling} scaling), "
     )
     if o.warmup_steps >= plan.decay_steps:
-        reached = max(float(plan.schedule(step)) for step in range(plan.decay_steps))
+        reached = highest_rate(plan.schedule, plan.decay_steps)
         return line + (
             f"{o.warmup_steps} warmup steps, more than the schedule's {plan.decay_steps}: the rate rises to "
             f"{reached:.4g} and the run ends before the peak and before any decay"

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import jax
 import numpy as np
 
-from xlafit.data.dataset import Batch, DataError, Dataset, PlannedDataset  # noqa: F401 (DataError: old import path)
+from xlafit.data.dataset import Batch, Dataset, PlannedDataset
 from xlafit.devices import Strategy
 
 

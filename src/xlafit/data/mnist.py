@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from xlafit.data.loader import DataError
+from xlafit.data.dataset import DataError
 
 MEAN, STD = 0.1307, 0.3081
 

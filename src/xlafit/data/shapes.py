@@ -22,7 +22,7 @@ from typing import overload
 
 import numpy as np
 
-from xlafit.data.loader import DataError
+from xlafit.data.dataset import DataError
 
 
 @overload

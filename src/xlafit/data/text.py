@@ -16,7 +16,7 @@ from typing import Literal
 
 import fsspec
 
-from xlafit.data.loader import DataError
+from xlafit.data.dataset import DataError
 
 DocBoundary = Literal["blank", "file"]
 

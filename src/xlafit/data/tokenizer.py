@@ -23,7 +23,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from tqdm import tqdm
 
-from xlafit.data.loader import DataError
+from xlafit.data.dataset import DataError
 from xlafit.data.text import read_lines
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # ids 0..4, in this order

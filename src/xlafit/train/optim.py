@@ -12,6 +12,7 @@ import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from xlafit.config import OptimizerConfig
@@ -60,6 +61,12 @@ def make_schedule(cfg: OptimizerConfig, peak_lr: float, total_steps: int) -> opt
     if warmup == 0:
         return decay
     return optax.join_schedules([optax.linear_schedule(0.0, peak_lr, warmup), decay], [warmup])
+
+
+def highest_rate(schedule: optax.Schedule, steps: int) -> float:
+    """The highest learning rate ``schedule`` gives in its first ``steps`` steps: the peak,
+    or less when the run ends during the warmup."""
+    return float(jnp.max(schedule(jnp.arange(max(steps, 1)))))
 
 
 def _matrices(params):

@@ -40,6 +40,7 @@ from xlafit.config import ConfigError, TrainerConfig
 from xlafit.data.dataset import Dataset, as_dataset, num_shapes
 from xlafit.data.loader import Prefetcher, TrainOrder, eval_batches, to_global
 from xlafit.devices import Strategy, connect
+from xlafit.train.optim import highest_rate
 from xlafit.train.report import RunReport
 from xlafit.train.signals import Preempted, SignalGuard, handle_signals
 from xlafit.train.step import (
@@ -571,4 +572,4 @@ def _lr_at(schedule: optax.Schedule | float | None, step: int) -> float | None:
 def _peak_lr(schedule: optax.Schedule | float | None, total: int) -> float | None:
     if schedule is None or not callable(schedule):
         return schedule
-    return float(jnp.max(schedule(jnp.arange(max(total, 1)))))
+    return highest_rate(schedule, total)
