@@ -36,9 +36,13 @@ import numpy as np
 import optax
 from flax import nnx
 
-from xlafit.config import ConfigError
+from xlafit.config import ConfigError, TrainerConfig
 from xlafit.data.dataset import as_dataset
 from xlafit.data.shapes import Plan, compare_plans, format_plans
+from xlafit.tpu import parse_targets
+from xlafit.tpu_check import Program, TargetReport, check_targets, format_table
+from xlafit.tpu_check import format_report as format_tpu_report
+from xlafit.tpu_check import to_json as tpu_json
 from xlafit.train.step import TrainState, build_train_step
 
 RULES = {
@@ -98,24 +102,30 @@ class Report:
     memory: dict[str, int] | None = None
     flops_per_step: float | None = None
     batch: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tpu: list[TargetReport] | None = None  # with --tpu: one report per TPU target
 
     @property
     def ok(self) -> bool:
-        return not self.findings
+        """No rule violated and, with ``--tpu``, every target compiled and fits."""
+        return not self.findings and all(t.fits and t.error is None for t in self.tpu or [])
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["findings"] = [{**dataclasses.asdict(f), "title": f.title, "fix": f.fix} for f in self.findings]
         out["plans"] = [{**dataclasses.asdict(p), "shapes": p.shapes, "waste": p.waste} for p in self.plans or []]
+        out["tpu"] = [tpu_json(t) for t in self.tpu] if self.tpu is not None else None
         out["ok"] = self.ok
         return out
 
     def format(self) -> str:
         lines = [f"xlafit check {self.target}"]
-        lines.append(
-            f"  trace: {'ok' if self.traced else 'failed'}   run on the example batch: "
-            f"{'ok' if self.ran else 'not run' if not self.traced else 'failed'}"
-        )
+        if self.tpu is not None:
+            lines.append(f"  trace: {'ok' if self.traced else 'failed'} (for the TPU; nothing runs here)")
+        else:
+            lines.append(
+                f"  trace: {'ok' if self.traced else 'failed'}   run on the example batch: "
+                f"{'ok' if self.ran else 'not run' if not self.traced else 'failed'}"
+            )
         for f in self.findings:
             where = f" at {f.file}:{f.line}" if f.file and f.line else " in the data" if f.rule == 3 else ""
             lines += ["", f"✗ {f.title}{where}"]
@@ -144,7 +154,15 @@ class Report:
                 lines.append("  memory (XLA): " + ", ".join(f"{k} {_size(v)}" for k, v in m.items()))
             if self.flops_per_step:
                 lines.append(f"  FLOPs per step (XLA cost analysis): {self.flops_per_step:.4g}")
-        lines += ["", "no rule violated" if self.ok else f"{len(self.findings)} problem(s) found"]
+        for t in self.tpu or []:
+            lines += ["", format_tpu_report(t)]
+        if self.tpu and len(self.tpu) > 1:
+            lines += ["", format_table(self.tpu)]
+        problems = len(self.findings) + sum(1 for t in self.tpu or [] if not t.fits or t.error is not None)
+        lines += ["", "no rule violated" if not self.findings else f"{len(self.findings)} problem(s) found"]
+        if self.tpu:
+            fit = sum(1 for t in self.tpu if t.fits)
+            lines[-1] += f"; fits {fit} of {len(self.tpu)} TPU target(s)" if problems or fit else ""
         return "\n".join(lines)
 
 
@@ -269,21 +287,7 @@ def check_step(
     except Exception as e:  # every failure becomes a finding with a line
         report.findings.append(classify(e, user_file))
 
-    if lengths is not None and len(lengths):
-        distinct = int(len(np.unique(lengths)))
-        report.shapes = {"examples": int(len(lengths)), "distinct": distinct, "max": int(np.max(lengths))}
-        report.plans = compare_plans(lengths, min(max_shapes, distinct))
-        if distinct > max_shapes:
-            best = min((p for p in report.plans if p.shapes <= max_shapes), key=lambda p: p.padded_tokens)
-            report.findings.append(
-                Finding(
-                    3,
-                    f"the data holds {distinct} different lengths: fed as they are, {distinct} programs compile "
-                    f"(over --max-shapes {max_shapes}). Recommended: {best.name}, boundaries {best.boundaries} "
-                    f"({best.waste:.1%} of positions padding).",
-                )
-            )
-
+    _check_lengths(report, lengths, max_shapes)
     devices = devices or jax.device_count()
     per_device = per_device_batch or (global_batch // devices if global_batch else rows)
     report.batch = {"per_device": per_device, "devices": devices, "global": global_batch or per_device * devices}
@@ -308,6 +312,60 @@ def check_step(
             }
         cost = compiled.cost_analysis() or {}
         report.flops_per_step = float(cost.get("flops", 0.0)) or None
+    return report
+
+
+def _check_lengths(report: Report, lengths: np.ndarray | None, max_shapes: int) -> None:
+    """Rule 3: the data's distinct lengths against ``max_shapes``, with the padding plans."""
+    if lengths is None or not len(lengths):
+        return
+    distinct = int(len(np.unique(lengths)))
+    report.shapes = {"examples": int(len(lengths)), "distinct": distinct, "max": int(np.max(lengths))}
+    report.plans = compare_plans(lengths, min(max_shapes, distinct))
+    if distinct > max_shapes:
+        best = min((p for p in report.plans if p.shapes <= max_shapes), key=lambda p: p.padded_tokens)
+        report.findings.append(
+            Finding(
+                3,
+                f"the data holds {distinct} different lengths: fed as they are, {distinct} programs compile "
+                f"(over --max-shapes {max_shapes}). Recommended: {best.name}, boundaries {best.boundaries} "
+                f"({best.waste:.1%} of positions padding).",
+            )
+        )
+
+
+def _example(batch: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
+    """One example's layout (shape without the batch axis, dtype) from a batch of arrays or
+    ``ShapeDtypeStruct``s."""
+    out = {}
+    for k, v in batch.items():
+        v = v if isinstance(v, jax.ShapeDtypeStruct) else np.asarray(v)
+        if not v.shape:
+            raise ConfigError(f"batch[{k!r}] is a scalar; every entry of `batch` needs a leading batch axis.")
+        out[k] = jax.ShapeDtypeStruct(tuple(v.shape[1:]), v.dtype)
+    return out
+
+
+def check_tpu(
+    target: str,
+    program: Program,
+    targets: str,
+    *,
+    lengths: np.ndarray | None = None,
+    max_shapes: int = 8,
+    max_batch: bool = False,
+) -> Report:
+    """Compiles ``program`` for each TPU target of ``targets`` (``"v3-8,v5e-8"``); see
+    :mod:`xlafit.tpu_check`. Rules 1 and 2 surface while tracing for the TPU, at the
+    user's line; rule 3 is checked on ``lengths`` as without ``--tpu``."""
+    report = Report(target)
+    parsed = parse_targets(targets)  # an unknown name fails before any compile
+    _check_lengths(report, lengths, max_shapes)
+    report.tpu = check_targets(parsed, program, max_batch)
+    for t in report.tpu:
+        if t.error is not None and t.error.rule in (1, 2) and all(f.rule != t.error.rule for f in report.findings):
+            report.findings.append(t.error)  # a rule violation fails every target alike: reported once
+    report.traced = all(t.error is None or t.error.rule == 0 for t in report.tpu)
     return report
 
 
@@ -336,8 +394,14 @@ def _load_error(path: Path, e: BaseException) -> ConfigError:
     return ConfigError(f"{path} failed while being loaded{where}: {type(e).__name__}: {e}")
 
 
-def check_file(path: str | Path, **options: Any) -> Report:
-    """Runs the user file and checks its ``model``, ``loss_fn`` and ``batch``."""
+def check_file(path: str | Path, tpu: str | None = None, max_batch: bool = False, **options: Any) -> Report:
+    """Runs the user file and checks its ``model``, ``loss_fn`` and ``batch``.
+
+    With ``tpu`` (``"v3-8,v5e-8"``), compiles the step for those TPU slices instead of
+    running it here (:mod:`xlafit.tpu_check`). The file may then also define ``optimizer``
+    (an optax transformation; default ``optax.adamw(1e-3)``) and build ``model`` with
+    ``nnx.eval_shape`` and ``batch`` from ``jax.ShapeDtypeStruct``s: nothing is allocated.
+    """
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path} does not exist.")
@@ -358,6 +422,34 @@ def check_file(path: str | Path, **options: Any) -> Report:
         lengths = namespace.get("lengths")
         if lengths is None and namespace.get("dataset") is not None:
             lengths = _example_lengths(namespace["dataset"])
+        if tpu:
+            batch = namespace["batch"]
+            if not isinstance(batch, dict) or not batch:
+                raise ConfigError(f"`batch` in {path} must be a dict of arrays or jax.ShapeDtypeStructs.")
+            optimizer = namespace.get("optimizer", optax.adamw(1e-3))
+            if not isinstance(optimizer, optax.GradientTransformation):
+                raise ConfigError(f"`optimizer` in {path} must be an optax transformation, e.g. optax.adamw(1e-3).")
+            rows = jax.tree.leaves(batch)[0].shape[0]
+            global_batch = options.get("global_batch")
+            program = Program(
+                namespace["model"],
+                namespace["loss_fn"],
+                optimizer,
+                TrainerConfig(),
+                _example(batch),
+                per_device_batch=options.get("per_device_batch") or (None if global_batch else rows),
+                global_batch=global_batch,
+                eval_global_batch=None,
+                user_file=str(path),
+            )
+            return check_tpu(
+                str(path),
+                program,
+                tpu,
+                lengths=None if lengths is None else np.asarray(lengths),
+                max_shapes=options.get("max_shapes", 8),
+                max_batch=max_batch,
+            )
         return check_step(
             str(path),
             namespace["model"],
@@ -369,16 +461,46 @@ def check_file(path: str | Path, **options: Any) -> Report:
         )
 
 
-def check_recipe(name: str, overrides: list[str] | None = None, **options: Any) -> Report:
+def check_recipe(
+    name: str, overrides: list[str] | None = None, tpu: str | None = None, max_batch: bool = False, **options: Any
+) -> Report:
     """Checks a recipe's model, loss and a batch of its data (and, for bert, the lengths
-    of its tokenized corpus against the padding plans)."""
+    of its tokenized corpus against the padding plans).
+
+    With ``tpu``, compiles the recipe's train and eval steps for those TPU slices, with the
+    run's own optimizer, batch sizes (``data.per_device_batch`` or ``data.global_batch``
+    over each target's cores) and loop settings; the model is built abstractly.
+    """
     from xlafit.recipes import get_recipe, load_config
+    from xlafit.train.optim import make_optimizer
 
     cfg = load_config(name, overrides or [])
     recipe = get_recipe(name)
     train = as_dataset(recipe.load_data(cfg)[0])
     lengths = recipe.sequence_lengths(cfg)
     cfg = recipe.from_data(cfg, train)
+    if tpu:
+        parse_targets(tpu)  # an unknown name fails before the model is built
+        per_device = options.get("per_device_batch") or (None if cfg.data.global_batch else cfg.data.per_device_batch)
+        global_batch = options.get("global_batch") or cfg.data.global_batch
+        reference = global_batch or (per_device or 1) * 8
+        optimizer = make_optimizer(cfg.optimizer, reference, total_steps=cfg.optimizer.decay_steps or 1000).tx
+        work = recipe.throughput(cfg, train)
+        program = Program(
+            nnx.eval_shape(lambda: recipe.build_model(cfg, train)),
+            recipe.loss_fn,
+            optimizer,
+            cfg.trainer,
+            _example(train.take(np.arange(1))),
+            per_device_batch=per_device,
+            global_batch=None if per_device else global_batch,
+            eval_global_batch=cfg.data.eval_global_batch or global_batch or (per_device or 1) * 8,
+            flops_per_example=work.get("flops_per_example"),
+            tokens_per_example=work.get("tokens_per_example"),
+        )
+        return check_tpu(
+            name, program, tpu, lengths=lengths, max_shapes=options.get("max_shapes", 8), max_batch=max_batch
+        )
     rows = options.get("per_device_batch") or 8
     batch = train.take(np.arange(min(rows, len(train))))
     return check_step(name, recipe.build_model(cfg, train), recipe.loss_fn, batch, lengths=lengths, **options)

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from xlafit.devices import is_prng_key
+from xlafit.config import ConfigError, TrainerConfig
+from xlafit.devices import Strategy, is_prng_key
 
 log = logging.getLogger("xlafit")
 
@@ -47,6 +48,20 @@ class TrainState:
     params: nnx.State
     opt_state: optax.OptState
     model_state: nnx.State
+
+
+def abstract_state(
+    params: nnx.State, model_state: nnx.State, tx: optax.GradientTransformation, sharding: jax.sharding.Sharding
+) -> TrainState:
+    """The :class:`TrainState` of these variables as ``ShapeDtypeStruct`` leaves laid out by
+    ``sharding``: what compiling a step needs, with nothing allocated (``params`` may come
+    from ``nnx.eval_shape``)."""
+
+    def init(params: nnx.State, model_state: nnx.State) -> TrainState:
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), model_state)
+
+    shapes = jax.eval_shape(init, params, model_state)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), shapes)
 
 
 def split_outputs(out: Any, per_example: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -383,6 +398,65 @@ class CompiledStep:
         Inside a ``lax.scan`` XLA counts the loop body once, so ask with a single step.
         """
         return _flops(self._jitted.lower(*args).compile())
+
+
+def make_steps(
+    train_graphdef: nnx.GraphDef,
+    eval_graphdef: nnx.GraphDef,
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    strategy: Strategy,
+    config: TrainerConfig,
+    global_batch: int,
+) -> tuple[CompiledStep, CompiledStep]:
+    """The train and eval steps of a run, jitted with their shardings and donation.
+
+    The one place that decides what program trains: :class:`~xlafit.Trainer` runs it, and
+    ``xlafit check --tpu`` compiles it for a TPU slice (a strategy over the slice's devices).
+    The state is replicated, batches are split along ``data``, the train step's state is
+    donated; on CPUs the ``k`` steps of a call are unrolled, elsewhere a ``lax.scan``.
+
+    Raises:
+        ConfigError: ``accumulate_steps`` or ``invariant_chunks`` does not divide the batch.
+    """
+    chunks, accumulate = config.invariant_chunks, config.accumulate_steps
+    devices = strategy.num_replicas
+    per_device = global_batch // devices
+    if per_device % accumulate:
+        raise ConfigError(
+            f"trainer.accumulate_steps={accumulate} must divide the per-device batch {per_device}; "
+            f"use one of {[d for d in range(1, per_device + 1) if per_device % d == 0]}."
+        )
+    if chunks is not None and accumulate > 1:
+        raise ConfigError(
+            "trainer.invariant_chunks already runs chunks one after another on each device; "
+            "set trainer.accumulate_steps=1 with it."
+        )
+    if chunks is not None:
+        if chunks % devices or global_batch % chunks:
+            raise ConfigError(
+                f"trainer.invariant_chunks={chunks} must be a multiple of the {devices} devices and divide "
+                f"the global batch {global_batch}; try {devices * max(1, chunks // devices)} or null."
+            )
+        step_fn = build_invariant_train_step(train_graphdef, loss_fn, tx, strategy.mesh, chunks)
+    else:
+        unroll = strategy.platform == "cpu"
+        step_fn = build_train_step(train_graphdef, loss_fn, tx, unroll=unroll, accumulate=accumulate, devices=devices)
+    replicated = strategy.replicated
+    train_step = CompiledStep(
+        "train step",
+        step_fn,
+        in_shardings=(replicated, strategy.batch_sharding(1)),
+        out_shardings=(replicated, replicated),
+        donate_argnums=0,
+    )
+    eval_step = CompiledStep(
+        "eval step",
+        build_eval_step(eval_graphdef, loss_fn),
+        in_shardings=(replicated, strategy.batch, strategy.batch),
+        out_shardings=replicated,
+    )
+    return train_step, eval_step
 
 
 def _flops(compiled: Any) -> float | None:

@@ -1,0 +1,218 @@
+"""TPU slices without a TPU: the devices of a slice, described for the real TPU compiler.
+
+With the ``libtpu`` wheel installed (``pip install 'xlafit[tpu]'``, the version ``jax[tpu]``
+pins), ``jax.experimental.topologies.get_topology_desc`` describes the devices of any TPU
+slice on a machine that has none, and ``jax.jit(f).lower(abstract args).compile()`` runs
+the TPU compiler for them: the program a TPU would run, its per-core memory, and the
+compiler's refusal when it does not fit. MaxText's ``train_compile.py`` does this for its own
+models; :mod:`xlafit.check` does it for any model (``xlafit check TARGET --tpu v3-8``).
+
+Targets are named as Cloud TPU names its accelerator types: ``v2-8``, ``v3-8``, ``v4-8``,
+``v5e-8``, ``v5p-8``, ``v6e-8``, ``tpu7x-8``, and slices such as ``v4-32`` or ``v5e-256``.
+The number counts TensorCores on v2, v3, v4, v5p and tpu7x (two per chip) and chips on v5e
+and v6e (one core each); v4 and v5p run a chip's two cores as one device (megacore).
+
+Example:
+    >>> target = parse_targets("v3-8")[0]
+    >>> target.chips, target.devices_per_chip, target.topology
+    (4, 2, 'v3:2x2')
+    >>> round(target.hbm_bytes / 2**30)  # per device: one TensorCore of a v3 chip
+    16
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import os
+import platform
+import re
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+from xlafit.config import ConfigError
+
+INSTALL = "pip install 'xlafit[tpu]'"
+LIBTPU_MODULE = "libtpu"  # the wheel's module: where the TPU compiler comes from
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One TPU generation's chip, from its Cloud TPU page (``source``).
+
+    Attributes:
+        name: the name in accelerator types (``v5e``) and topology names.
+        cores_per_chip: TensorCores per chip.
+        megacore: a chip's cores run as one JAX device (v4, v5p).
+        name_counts: what the number of an accelerator type counts: ``cores`` or ``chips``.
+        dims: dimensions of the slice's topology (2D torus or 3D).
+        hbm_gib: HBM per chip, GiB.
+        bf16_tflops: dense bf16 peak per chip.
+        hbm_gbps: HBM bandwidth per chip, GB/s.
+    """
+
+    name: str
+    cores_per_chip: int
+    megacore: bool
+    name_counts: str
+    dims: int
+    hbm_gib: float
+    bf16_tflops: float
+    hbm_gbps: float
+    source: str
+
+
+GENERATIONS: dict[str, Generation] = {
+    g.name: g
+    for g in (
+        Generation("v2", 2, False, "cores", 2, 16, 45, 600, "cloud.google.com/tpu/docs/v2"),
+        Generation("v3", 2, False, "cores", 2, 32, 123, 900, "cloud.google.com/tpu/docs/v3"),
+        Generation("v4", 2, True, "cores", 3, 32, 275, 1200, "cloud.google.com/tpu/docs/v4"),
+        Generation("v5e", 1, False, "chips", 2, 16, 197, 819, "cloud.google.com/tpu/docs/v5e"),
+        Generation("v5p", 2, True, "cores", 3, 95, 459, 2765, "cloud.google.com/tpu/docs/v5p"),
+        Generation("v6e", 1, False, "chips", 2, 32, 918, 1638, "cloud.google.com/tpu/docs/v6e"),
+        Generation("tpu7x", 2, False, "cores", 3, 192, 2307, 7380, "cloud.google.com/tpu/docs/tpu7x"),
+    )
+}
+
+# The usual names, for the error message and the docs; any power-of-two size parses.
+KNOWN = (
+    "v2-8 v2-32 v3-8 v3-32 v4-8 v4-32 v5e-1 v5e-4 v5e-8 v5e-16 v5e-256 v5p-8 v5p-32 "
+    "v6e-1 v6e-4 v6e-8 v6e-16 v6e-256 tpu7x-8"
+).split()
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A TPU slice by its accelerator-type name, and what one of its JAX devices has."""
+
+    name: str
+    generation: Generation
+    chips: int
+
+    @property
+    def devices_per_chip(self) -> int:
+        return 1 if self.generation.megacore else self.generation.cores_per_chip
+
+    @property
+    def num_devices(self) -> int:
+        return self.chips * self.devices_per_chip
+
+    @property
+    def topology(self) -> str:
+        """The topology name ``get_topology_desc`` takes, e.g. ``v5e:2x4`` or ``v4:2x2x1``."""
+        return f"{self.generation.name}:{'x'.join(map(str, _shape(self.chips, self.generation.dims)))}"
+
+    @property
+    def hbm_bytes(self) -> float:
+        """HBM of one JAX device (a core, or a megacore chip), per the datasheet."""
+        return self.generation.hbm_gib * 2**30 / self.devices_per_chip
+
+    @property
+    def peak_flops(self) -> float:
+        """Dense bf16 FLOP/s of one JAX device."""
+        return self.generation.bf16_tflops * 1e12 / self.devices_per_chip
+
+    @property
+    def hbm_bandwidth(self) -> float:
+        """HBM bytes/s of one JAX device."""
+        return self.generation.hbm_gbps * 1e9 / self.devices_per_chip
+
+    @property
+    def source(self) -> str:
+        return self.generation.source
+
+
+def _shape(chips: int, dims: int) -> tuple[int, ...]:
+    """A slice's chips as a 2D or 3D grid, as Cloud TPU lays them out: ``8 -> 2x4`` in 2D;
+    ``4 -> 2x2x1`` (one host), ``16 -> 2x2x4`` in 3D."""
+    if dims == 2:
+        if chips == 1:
+            return (1, 1)
+        side = 1 << ((chips.bit_length() - 1) // 2)
+        return (side, chips // side)
+    if chips <= 4:
+        return (1, chips, 1) if chips < 4 else (2, 2, 1)  # one host
+    shape, axis = [2, 2, 2], 2  # then 2x2x4, 2x4x4, 4x4x4, 4x4x8, ...
+    while shape[0] * shape[1] * shape[2] < chips:
+        shape[axis] *= 2
+        axis = (axis - 1) % 3
+    return tuple(shape)
+
+
+def parse_target(name: str) -> Target:
+    """``"v5e-8"`` -> its :class:`Target`; an unknown name is a ``ConfigError`` listing the known ones."""
+    match = re.fullmatch(r"(v2|v3|v4|v5e|v5litepod|v5p|v6e|tpu7x)-(\d+)", name.strip().lower())
+    known = f"known TPU targets: {', '.join(KNOWN)} (any power-of-two size of these generations)."
+    if match is None:
+        raise ConfigError(f"unknown TPU target {name!r}; {known}")
+    gen = GENERATIONS["v5e" if match.group(1) == "v5litepod" else match.group(1)]
+    count = int(match.group(2))
+    chips = count // gen.cores_per_chip if gen.name_counts == "cores" else count
+    if chips < 1 or chips & (chips - 1) or (gen.name_counts == "cores" and count % gen.cores_per_chip):
+        unit = "TensorCores (2 per chip)" if gen.name_counts == "cores" else "chips"
+        raise ConfigError(
+            f"TPU target {name!r}: the number counts {unit} and must be a power of two"
+            f"{' and at least 2' if gen.name_counts == 'cores' else ''}; {known}"
+        )
+    return Target(f"{gen.name}-{count}", gen, chips)
+
+
+def parse_targets(names: str) -> list[Target]:
+    """``"v3-8,v5e-8"`` -> targets, in order."""
+    return [parse_target(n) for n in names.split(",") if n.strip()]
+
+
+def require_libtpu() -> None:
+    """Raises a one-line ``ConfigError`` with the install command when the TPU compiler
+    cannot be loaded here."""
+    if importlib.util.find_spec(LIBTPU_MODULE) is None:
+        where = ""
+        if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+            where = f" (libtpu ships for x86-64 Linux only; this is {platform.system()} {platform.machine()})"
+        raise ConfigError(f"--tpu needs the TPU compiler, the libtpu wheel, which is not installed{where}: {INSTALL}")
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[list[str]]:
+    """Sends what C++ code writes to file descriptor 2 to a buffer instead of the terminal.
+
+    libtpu, loaded on a machine that is no TPU VM, logs that it cannot find the VM's
+    accelerator type and worker hostnames; none of it concerns a compile-only use. The
+    text is kept (the yielded list) for an error report.
+    """
+    kept: list[str] = []
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        saved = os.dup(2)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield kept
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            kept.append(sink.read().decode(errors="replace"))
+
+
+def devices(target: Target) -> list[Any]:
+    """The JAX devices of ``target``'s slice, for compiling only (nothing runs on them)."""
+    require_libtpu()
+    from jax.experimental import topologies
+
+    # libtpu takes a lock file (/tmp/libtpu_lockfile) so that two processes do not drive one
+    # TPU; here nothing runs on a TPU, and a second `xlafit check --tpu` must not be refused.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+    options: dict[str, Any] = {"chip_config_name": "megacore"} if target.generation.megacore else {}
+    if target.chips == 1:  # libtpu's default host is 2x2 chips; a single-chip VM is its own host
+        options["chips_per_host_bounds"] = (1, 1, 1)
+    with _quiet_stderr():
+        topology = topologies.get_topology_desc(platform="tpu", topology_name=target.topology, **options)
+    found = list(topology.devices)
+    if len(found) != target.num_devices:  # the table and libtpu disagree: say so rather than guess
+        raise ConfigError(
+            f"libtpu describes {target.topology} as {len(found)} devices, xlafit expected {target.num_devices}."
+        )
+    return found

@@ -1,0 +1,569 @@
+"""``xlafit check --tpu``: compile the real train step for TPU slices, on this machine.
+
+For each target (:mod:`xlafit.tpu`) the run's own train and eval steps
+(:func:`xlafit.train.step.make_steps`: the trainer's shardings, donation, steps per call,
+gradient accumulation and dtypes) are lowered with abstract inputs laid over the slice's
+devices and compiled by libtpu. Nothing is allocated: the model may come from
+``nnx.eval_shape``, so a model larger than this machine's memory can be checked. The report:
+
+- per-core HBM from the compiler's memory analysis (state, batch, outputs, temporaries,
+  generated code) against the capacity the compiler allows, and the verdict; the compiler's
+  out-of-memory refusal *is* the "does not fit" verdict, with the levers that help;
+- FLOPs per step from XLA's cost analysis of the compiled program. Inside the ``lax.scan``
+  of ``k`` steps per call XLA counts the loop body, one step, once: the call does ``k`` times
+  that. An analytic count, where the model has one, is shown beside it;
+- a roofline lower bound of the step time: ``max(FLOPs / peak FLOP/s, bytes / HBM bandwidth)``
+  per core, from the datasheet numbers of :data:`xlafit.tpu.GENERATIONS`. A bound, not a
+  measurement: real steps are slower (MFU below 100 %, collectives, input);
+- the compile time on this machine;
+- with ``max_batch``, the largest per-core batch that compiles (doubling, then bisection;
+  each probe one compile, refusals are fast).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from xlafit import tpu
+from xlafit.config import TrainerConfig
+from xlafit.devices import Strategy
+from xlafit.train.step import LossFn, abstract_state, make_steps
+
+LEVERS = (
+    "smaller per-core batch (data.per_device_batch, or --max-batch to find the largest that fits)",
+    "bf16 compute (model.compute_dtype=bfloat16 in the recipes; param_dtype stays float32)",
+    "gradient accumulation (trainer.accumulate_steps=N: the same global batch in N micro-batches)",
+    "fewer steps per call (trainer.steps_per_call: each call holds its k batches)",
+    "a TPU with more HBM per core (v5p: 95 GiB per chip, v6e: 32 GiB)",
+)
+
+
+@dataclasses.dataclass
+class Program:
+    """What to compile: one run's model, loss, optimizer, loop settings and example layout.
+
+    Attributes:
+        model: an ``nnx.Module``, concrete or from ``nnx.eval_shape``.
+        loss_fn: ``loss_fn(model, batch)`` as for :class:`xlafit.Trainer`.
+        tx: the optimizer.
+        config: the loop settings (steps per call, accumulation, invariant chunks).
+        example: one example's arrays as ``ShapeDtypeStruct`` (no batch axis).
+        per_device_batch: train examples per core per step; None: ``global_batch`` over the
+            target's cores.
+        global_batch: examples per step over all cores, when ``per_device_batch`` is None.
+        eval_global_batch: eval examples per call over all cores; None skips the eval step.
+        flops_per_example: analytic training FLOPs of one example, when the model has a count.
+        tokens_per_example: for a tokens/s estimate.
+        user_file: the user's file, to place failures at its lines.
+    """
+
+    model: nnx.Module
+    loss_fn: LossFn
+    tx: optax.GradientTransformation
+    config: TrainerConfig
+    example: dict[str, jax.ShapeDtypeStruct]
+    per_device_batch: int | None
+    global_batch: int | None = None
+    eval_global_batch: int | None = None
+    flops_per_example: float | None = None
+    tokens_per_example: float | None = None
+    user_file: str | None = None
+
+
+@dataclasses.dataclass
+class Probe:
+    """One compile of ``--max-batch``: the per-core batch, whether it fit, and its time."""
+
+    per_device_batch: int
+    fits: bool
+    seconds: float
+
+
+@dataclasses.dataclass
+class TargetReport:
+    """The answer for one TPU target (see the module docstring).
+
+    ``memory`` is per core, in bytes, from ``compiled.memory_analysis()``: ``arguments``
+    (the ``state`` and ``batch``, whose own sizes are given beside, with tile padding),
+    ``outputs`` (what is not aliased to a donated argument), ``temporaries``, ``generated
+    code``, and ``total`` = arguments + outputs + temporaries + generated code; ``peak`` is
+    the compiler's own peak where it reports one.
+    """
+
+    target: str
+    device_kind: str = ""
+    devices: int = 0
+    per_device_batch: int = 0
+    steps_per_call: int = 1
+    fits: bool | None = None  # None: it failed for another reason (``error``)
+    capacity: float = 0.0
+    capacity_source: str = ""
+    memory: dict[str, int] = dataclasses.field(default_factory=dict)
+    message: str | None = None  # the compiler's refusal, or the error
+    error: Any = None  # a check.Finding for a failure that is not out-of-memory
+    flops_per_step: float | None = None
+    analytic_flops_per_step: float | None = None
+    bytes_per_step: float | None = None
+    step_s: float | None = None
+    bound: str | None = None
+    examples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    compile_s: float = 0.0
+    eval: dict[str, Any] | None = None
+    max_batch: int | None = None
+    probes: list[Probe] = dataclasses.field(default_factory=list)
+
+    @property
+    def flops_per_call(self) -> float | None:
+        return self.flops_per_step * self.steps_per_call if self.flops_per_step else None
+
+    @property
+    def margin(self) -> float | None:
+        """Bytes left per core (negative: over), against the compiler's capacity."""
+        total = self.memory.get("total")
+        return None if total is None or not self.capacity else self.capacity - total
+
+
+class _OutOfMemory(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def _strategy(target: tpu.Target) -> Strategy:
+    return Strategy(Mesh(np.array(tpu.devices(target)), ("data",)))
+
+
+@functools.cache
+def usable_hbm(target: tpu.Target) -> tuple[float, str]:
+    """``(bytes, source)``: the HBM per core that the compiler lets a program use.
+
+    Asked of the compiler itself: a program that needs far more than any TPU has is refused
+    within a second with "exceeds available HBM (15.75G)". The datasheet's number (16 GiB
+    on v5e) is the fallback when the message does not say.
+    """
+    strategy = _strategy(target)
+    x = jax.ShapeDtypeStruct((2**18,), jnp.float32, sharding=strategy.replicated)
+    try:  # a 256 GiB result
+        with _no_persistent_cache():
+            jax.jit(lambda v: jnp.outer(v, v) + 1, out_shardings=strategy.replicated).lower(x).compile()
+    except Exception as e:
+        found = re.search(r"available HBM \((\d+(?:\.\d+)?)([KMGT])\)", str(e))
+        if found:
+            scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[found.group(2)]
+            return float(found.group(1)) * scale, "the TPU compiler's limit"
+    return target.hbm_bytes, f"{target.source} (datasheet)"
+
+
+def _bytes(tree: Any) -> int:
+    """Bytes of a tree of ``ShapeDtypeStruct``s (a PRNG key counts as its key data)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.eval_shape(jax.random.key_data, x)
+        total += int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def _batch(example: dict[str, jax.ShapeDtypeStruct], rows: int, leading: tuple[int, ...], sharding: Any) -> dict:
+    return {k: jax.ShapeDtypeStruct((*leading, rows, *v.shape), v.dtype, sharding=sharding) for k, v in example.items()}
+
+
+def _memory(compiled: Any, state_bytes: int, batch_bytes: int) -> dict[str, int]:
+    """Per-core bytes: the compiler's memory analysis, and the state's and the batch's own
+    sizes (the compiler's ``arguments`` add the TPU's tile padding to them)."""
+    m = compiled.memory_analysis()
+    out = {
+        "state": state_bytes,
+        "batch": batch_bytes,
+        "arguments": int(m.argument_size_in_bytes),
+        "outputs": int(m.output_size_in_bytes - m.alias_size_in_bytes),
+        "temporaries": int(m.temp_size_in_bytes),
+        "generated code": int(m.generated_code_size_in_bytes),
+    }
+    out["total"] = out["arguments"] + out["outputs"] + out["temporaries"] + out["generated code"]
+    peak = int(getattr(m, "peak_memory_in_bytes", 0) or 0)
+    if peak:
+        out["peak"] = peak
+    return out
+
+
+@contextlib.contextmanager
+def _no_persistent_cache() -> Iterator[None]:
+    """JAX's persistent compilation cache off for TPU programs compiled here: the
+    compile-only client can write an entry but not load one back ("PjRtCompiler must be
+    constructed with a Client"), and the entries would only fill the user's cache."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # JAX decides "cache or not" once per process: ask again
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+        compilation_cache.reset_cache()
+
+
+def _compile(lower: Callable[[], Any]) -> tuple[Any, float]:
+    """Lowers and compiles; the compiler's out-of-memory refusal becomes :class:`_OutOfMemory`."""
+    t0 = time.perf_counter()
+    lowered = lower()
+    try:
+        with _no_persistent_cache():
+            compiled = lowered.compile()
+    except Exception as e:  # XlaRuntimeError; its type is private to jaxlib
+        text = str(e)
+        if "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text:
+            first = next((line for line in text.splitlines() if "memory" in line.lower()), text.splitlines()[0])
+            raise _OutOfMemory(first.strip()) from None
+        raise
+    return compiled, time.perf_counter() - t0
+
+
+class _Steps:
+    """A program's steps for one target, with the abstract state, compiled at any batch."""
+
+    def __init__(self, target: tpu.Target, program: Program) -> None:
+        self.target = target
+        self.program = program
+        self.strategy = _strategy(target)
+        model = program.model
+        model.train()
+        self.train_graphdef, params, model_state = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
+        model.eval()
+        self.eval_graphdef = nnx.graphdef(model)
+        model.train()
+        self.state = abstract_state(params, model_state, program.tx, self.strategy.replicated)
+        self.state_bytes = _bytes(self.state)
+
+    def compile_train(self, per_device: int) -> tuple[Any, float]:
+        p, s = self.program, self.strategy
+        rows = per_device * s.num_replicas
+        train_step, _ = make_steps(self.train_graphdef, self.eval_graphdef, p.loss_fn, p.tx, s, p.config, rows)
+        batch = _batch(p.example, rows, (p.config.steps_per_call,), s.batch_sharding(1))
+        return _compile(lambda: train_step._jitted.lower(self.state, batch))
+
+    def compile_eval(self, per_device: int) -> tuple[Any, float]:
+        p, s = self.program, self.strategy
+        rows = per_device * s.num_replicas
+        _, eval_step = make_steps(self.train_graphdef, self.eval_graphdef, p.loss_fn, p.tx, s, p.config, rows)
+        batch = _batch(p.example, rows, (), s.batch)
+        mask = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=s.batch)
+        return _compile(lambda: eval_step._jitted.lower(self.state, batch, mask))
+
+    def primitive_site(self, message: str, user_file: str, per_device: int) -> tuple[str, int] | None:
+        """Where in ``user_file`` the operation named by a lowering error ("rule for primitive
+        'eig' not found for platform tpu") is called.
+
+        Each equation of a jaxpr keeps the Python frames of its call up to the enclosing
+        ``jit`` (``jnp.linalg`` functions are jitted): the user's line is in the innermost
+        frame of ``user_file`` along the chain of enclosing equations.
+        """
+        found = re.search(r"primitive '([^']+)'", message)
+        if found is None:
+            return None
+        p = self.program
+
+        def loss(params: Any, model_state: Any, batch: Any) -> Any:  # forward only
+            return p.loss_fn(nnx.merge(self.train_graphdef, params, model_state, copy=True), batch)
+
+        batch = {k: jax.ShapeDtypeStruct((per_device, *v.shape), v.dtype) for k, v in p.example.items()}
+        abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
+        jaxpr = jax.make_jaxpr(loss)(abstract(self.state.params), abstract(self.state.model_state), batch)
+        target = Path(user_file).resolve()
+        for chain in _equations(jaxpr.jaxpr):
+            if chain[-1].primitive.name != found.group(1):
+                continue
+            for eqn in reversed(chain):  # the operation, then the calls that enclose it
+                tb = eqn.source_info.traceback
+                for frame in tb.frames if tb is not None else []:  # innermost first
+                    if Path(frame.file_name).resolve() == target:
+                        return frame.file_name, frame.line_num
+        return None
+
+    def fits(self, per_device: int) -> tuple[bool, float]:
+        t0 = time.perf_counter()
+        try:
+            self.compile_train(per_device)
+            return True, time.perf_counter() - t0
+        except _OutOfMemory:
+            return False, time.perf_counter() - t0
+
+
+def _equations(jaxpr: Any, outer: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    """Every equation of ``jaxpr`` and of the jaxprs inside it (jit, scan, cond, ...), each
+    as the chain of equations that encloses it, itself last."""
+    for eqn in jaxpr.eqns:
+        chain = (*outer, eqn)
+        yield chain
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr holds its Jaxpr
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner, chain)
+
+
+def _steps_in_cost(compiled: Any, k: int) -> int:
+    """How many of a call's ``k`` steps XLA's cost analysis counted: one when the steps stayed
+    a loop (a ``while`` body is counted once), ``k`` when the compiler unrolled them."""
+    if k == 1:
+        return 1
+    return 1 if re.search(r"\bwhile\(", compiled.as_text()) else k
+
+
+def _roofline(report: TargetReport, target: tpu.Target, program: Program, cost: dict[str, float], counted: int) -> None:
+    """Fills FLOPs, bytes and the roofline bound from the cost analysis of a program in which
+    ``counted`` steps were counted."""
+    flops = float(cost.get("flops", 0.0)) / counted or None
+    report.flops_per_step = flops
+    report.bytes_per_step = float(cost.get("bytes accessed", 0.0)) / counted or None
+    if program.flops_per_example:
+        report.analytic_flops_per_step = program.flops_per_example * report.per_device_batch
+    if flops is None:
+        return
+    compute = flops / target.peak_flops
+    memory = (report.bytes_per_step or 0.0) / target.hbm_bandwidth
+    report.step_s = max(compute, memory)
+    report.bound = "compute" if compute >= memory else "HBM bandwidth"
+    report.examples_per_s = report.per_device_batch * report.devices / report.step_s
+    if program.tokens_per_example:
+        report.tokens_per_s = report.examples_per_s * program.tokens_per_example
+
+
+def check_target(target: tpu.Target, program: Program, max_batch: bool = False) -> TargetReport:
+    """Compiles ``program`` for ``target`` and reports memory, verdict, FLOPs and roofline."""
+    from xlafit.check import classify
+
+    steps = _Steps(target, program)
+    k = program.config.steps_per_call
+    n = steps.strategy.num_replicas
+    per_device = program.per_device_batch or max(1, (program.global_batch or n) // n)
+    report = TargetReport(
+        target.name,
+        device_kind=steps.strategy.mesh.devices.flat[0].device_kind,
+        devices=n,
+        per_device_batch=per_device,
+        steps_per_call=k,
+    )
+    report.capacity, report.capacity_source = usable_hbm(target)
+    try:
+        compiled, report.compile_s = steps.compile_train(per_device)
+    except _OutOfMemory as e:
+        report.fits, report.message = False, e.message
+        needed = re.search(r"\((\d+(?:\.\d+)?)G\) exceeds", e.message)
+        if needed:
+            report.memory["total"] = int(float(needed.group(1)) * 2**30)
+    except Exception as e:  # a failure that is not about memory: placed at the user's line
+        finding = classify(e, program.user_file)
+        if finding.rule == 0:
+            finding = dataclasses.replace(finding, kind=f"compiles for the CPU, not for {target.name}")
+            if finding.line is None and program.user_file:  # raised while lowering: no user frame
+                site = steps.primitive_site(str(e), program.user_file, per_device)
+                if site is not None:
+                    code = Path(site[0]).read_text().splitlines()[site[1] - 1].strip()
+                    finding = dataclasses.replace(finding, file=site[0], line=site[1], code=code)
+        report.error = finding
+        report.message = finding.message
+    else:
+        report.fits = True
+        k_batches = _bytes(program.example) * per_device * k
+        report.memory = _memory(compiled, steps.state_bytes, k_batches)
+        _roofline(report, target, program, compiled.cost_analysis() or {}, _steps_in_cost(compiled, k))
+        if program.eval_global_batch:
+            eval_per_device = -(-program.eval_global_batch // n)  # rounded up: the last batch is padded
+            try:
+                eval_compiled, seconds = steps.compile_eval(eval_per_device)
+                report.eval = {
+                    "fits": True,
+                    "per_device_batch": eval_per_device,
+                    "total": _memory(eval_compiled, steps.state_bytes, 0)["total"],
+                    "compile_s": seconds,
+                }
+            except _OutOfMemory as e:
+                report.eval = {"fits": False, "per_device_batch": eval_per_device, "message": e.message}
+    if max_batch and report.error is None:
+        report.max_batch, report.probes = largest_batch(steps, per_device, report.fits)
+    return report
+
+
+def largest_batch(
+    steps: _Steps, start: int, start_fits: bool | None, multiple: int = 8, limit: int = 2**16
+) -> tuple[int, list[Probe]]:
+    """The largest per-core batch that compiles, and the probes that found it.
+
+    Doubling from ``start`` until the compiler refuses (or halving, when ``start`` does not
+    fit), then bisection between the last fit and the first refusal. Batches stay multiples
+    of ``multiple`` (8: a TPU vector register holds 8 rows of a float32 tile) and of what
+    the loop needs (``trainer.accumulate_steps``, ``invariant_chunks`` per core); below
+    ``multiple``, of the loop's unit only. 0: not even the smallest batch fits.
+    """
+    config = steps.program.config
+    base = config.accumulate_steps
+    if config.invariant_chunks:
+        base = math.lcm(base, config.invariant_chunks // steps.strategy.num_replicas)
+    unit = math.lcm(base, multiple)
+    probes: list[Probe] = []
+
+    def fits(batch: int) -> bool:
+        ok, seconds = steps.fits(batch)
+        probes.append(Probe(batch, ok, seconds))
+        return ok
+
+    first = max(unit, start // unit * unit)
+    known = start_fits is not None and first == start
+    if start_fits if known else fits(first):
+        good, bad = first, 0
+        while not bad and good * 2 <= limit:
+            if fits(good * 2):
+                good *= 2
+            else:
+                bad = good * 2
+        if not bad:
+            return good, probes
+    else:
+        good, bad, unit = 0, first, base
+        while not good:
+            half = bad // 2 // base * base
+            if half < base:
+                return 0, probes
+            if fits(half):
+                good = half
+            else:
+                bad = half
+    while (bad - good) // unit >= 2:
+        mid = good + (bad - good) // unit // 2 * unit
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good, probes
+
+
+def check_targets(targets: list[tpu.Target], program: Program, max_batch: bool = False) -> list[TargetReport]:
+    """:func:`check_target` for each target, in order."""
+    return [check_target(t, program, max_batch) for t in targets]
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 / 100 else f"{n / 2**20:.1f} MiB"
+
+
+def _rate(x: float | None, unit: str) -> str:
+    if not x:
+        return "-"
+    for scale, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if x >= scale:
+            return f"{x / scale:.3g}{prefix} {unit}"
+    return f"{x:.3g} {unit}"
+
+
+def format_report(r: TargetReport) -> str:
+    """One target's report, as lines for a terminal."""
+    head = (
+        f"{r.target} ({r.devices} x {r.device_kind}), per-core batch {r.per_device_batch} "
+        f"(global {r.per_device_batch * r.devices}), {r.steps_per_call} step(s) per call"
+    )
+    lines = [head]
+    if r.error is not None:
+        where = f" at {r.error.file}:{r.error.line}" if r.error.file and r.error.line else ""
+        lines.append(f"  ✗ {r.error.title}{where}")
+        if r.error.code:
+            lines.append(f"      {r.error.line} | {r.error.code}")
+        lines.append(f"    {r.message}")
+        return "\n".join(lines)
+    cap = f"{_gib(r.capacity)} per core ({r.capacity_source})"
+    if r.fits:
+        m = r.memory
+        parts = ", ".join(
+            f"{k} {_gib(m[k])}" for k in ("state", "batch", "outputs", "temporaries", "generated code") if k in m
+        )
+        peak = f", compiler's peak {_gib(m['peak'])}" if "peak" in m else ""
+        lines.append(f"  HBM per core: {_gib(m['total'])} of {cap}{peak}")
+        lines.append(f"    {parts}")
+        share = m["total"] / r.capacity if r.capacity else 0
+        lines.append(f"  ✓ fits, {_gib(r.margin or 0)} to spare ({share:.0%} used)")
+    else:
+        need = f" needs {_gib(r.memory['total'])}," if "total" in r.memory else ""
+        over = f" over by {_gib(-(r.margin or 0))}" if r.margin is not None else ""
+        lines.append(f"  ✗ does not fit:{need} {cap}{over}")
+        lines.append(f"    the compiler: {r.message}")
+        lines.append("    levers: " + "; ".join(LEVERS))
+    if r.eval is not None:
+        e = r.eval
+        if e["fits"]:
+            lines.append(
+                f"  eval step (batch {e['per_device_batch']} per core): fits, {_gib(e['total'])}, "
+                f"compiled in {e['compile_s']:.1f} s"
+            )
+        else:
+            lines.append(f"  eval step (batch {e['per_device_batch']} per core): does not fit: {e['message']}")
+    if r.flops_per_step:
+        analytic = ""
+        if r.analytic_flops_per_step:
+            analytic = (
+                f" (analytic {r.analytic_flops_per_step:.4g}, XLA/analytic "
+                f"{r.flops_per_step / r.analytic_flops_per_step:.3f})"
+            )
+        lines.append(f"  FLOPs per core per step (XLA): {r.flops_per_step:.4g}{analytic}")
+        if r.steps_per_call > 1 and r.flops_per_call:
+            lines.append(f"    per call of {r.steps_per_call} steps: {r.flops_per_call:.4g}")
+    if r.step_s:
+        tokens = f", {_rate(r.tokens_per_s, 'tokens/s')}" if r.tokens_per_s else ""
+        lines.append(
+            f"  roofline (a lower bound, not a measurement): step >= {r.step_s * 1e3:.3g} ms ({r.bound}-bound), "
+            f"<= {_rate(r.examples_per_s, 'examples/s')}{tokens}"
+        )
+    if r.fits:
+        lines.append(f"  compiled in {r.compile_s:.1f} s on this machine")
+    if r.probes:
+        probes = ", ".join(f"{p.per_device_batch}{'✓' if p.fits else '✗'} {p.seconds:.1f}s" for p in r.probes)
+        lines.append(f"  largest per-core batch that fits: {r.max_batch}   probes: {probes}")
+    return "\n".join(lines)
+
+
+def format_table(reports: list[TargetReport]) -> str:
+    """Targets side by side: verdict, HBM per core, largest batch, roofline."""
+    rows = [("target", "fits", "HBM/core", "of", "max batch", "step >=", "examples/s <=", "compile")]
+    for r in reports:
+        total = r.memory.get("total")
+        rows.append(
+            (
+                r.target,
+                "error" if r.error is not None else "yes" if r.fits else "no",
+                _gib(total) if total else "-",
+                _gib(r.capacity) if r.capacity else "-",
+                str(r.max_batch) if r.max_batch is not None else "-",
+                f"{r.step_s * 1e3:.3g} ms" if r.step_s else "-",
+                _rate(r.examples_per_s, "").strip() or "-",
+                f"{r.compile_s:.0f} s" if r.compile_s else "-",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+
+
+def to_json(r: TargetReport) -> dict[str, Any]:
+    out = dataclasses.asdict(r)
+    out["error"] = None if r.error is None else {**dataclasses.asdict(r.error), "title": r.error.title}
+    out["flops_per_call"] = r.flops_per_call
+    out["margin"] = r.margin
+    return out
