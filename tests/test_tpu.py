@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xlafit import tpu
-from xlafit.check import check_file
+from xlafit.check import check_file, check_recipe
 from xlafit.cli import main
 from xlafit.config import ConfigError, TrainerConfig
 from xlafit.tpu_check import Program, _no_persistent_cache, check_target
@@ -166,3 +166,25 @@ def test_cli_json_and_exit_codes(capsys):
     err = capsys.readouterr().err
     assert "'v5e-9'" in err and "known TPU targets" in err
     assert main(["check", str(CASES / "clean.py"), "--max-batch"]) == 2
+
+
+def test_a_recipe_is_compiled_with_the_runs_own_settings():
+    report = check_recipe("mnist", ["trainer.steps_per_call=2", "data.per_device_batch=32"], tpu="v2-8")
+    (r,) = report.tpu
+    assert r.fits and r.steps_per_call == 2 and r.per_device_batch == 32 and r.devices == 8
+    assert r.memory["batch"] == 2 * 32 * 28 * 28 * 4 + 2 * 32 * 4  # two float32 images and int32 labels per row
+    assert r.eval["fits"] and r.analytic_flops_per_step is None
+    assert report.ok and "fits 1 of 1 TPU target(s)" in report.format()
+
+
+def test_synthetic_bert_data_has_berts_sizes_without_a_corpus():
+    from xlafit.recipes import get_recipe, load_config
+
+    cfg = load_config("bert", ["data.source=synthetic", "data.seq_len=512", "data.synthetic_examples=64"])
+    recipe = get_recipe("bert")
+    train, evaluation = recipe.load_data(cfg)
+    cfg = recipe.from_data(cfg, train)
+    assert (cfg.data.seq_len, cfg.data.vocab_size, len(train), len(evaluation)) == (512, 30522, 64, 8)
+    batch = train.take(np.arange(4))
+    assert batch["input_ids"].shape == (4, 512) and batch["input_ids"].max() < 30522
+    assert recipe.sequence_lengths(cfg) is None

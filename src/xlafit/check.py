@@ -477,9 +477,8 @@ def check_recipe(
     cfg = load_config(name, overrides or [])
     recipe = get_recipe(name)
     train = as_dataset(recipe.load_data(cfg)[0])
-    lengths = recipe.sequence_lengths(cfg)
     cfg = recipe.from_data(cfg, train)
-    if tpu:
+    if tpu:  # the recipes feed fixed shapes (bert packs its sequences): rule 3 has nothing to say
         parse_targets(tpu)  # an unknown name fails before the model is built
         per_device = options.get("per_device_batch") or (None if cfg.data.global_batch else cfg.data.per_device_batch)
         global_batch = options.get("global_batch") or cfg.data.global_batch
@@ -498,9 +497,8 @@ def check_recipe(
             flops_per_example=work.get("flops_per_example"),
             tokens_per_example=work.get("tokens_per_example"),
         )
-        return check_tpu(
-            name, program, tpu, lengths=lengths, max_shapes=options.get("max_shapes", 8), max_batch=max_batch
-        )
+        return check_tpu(name, program, tpu, max_batch=max_batch)
+    lengths = recipe.sequence_lengths(cfg)
     rows = options.get("per_device_batch") or 8
     batch = train.take(np.arange(min(rows, len(train))))
     return check_step(name, recipe.build_model(cfg, train), recipe.loss_fn, batch, lengths=lengths, **options)

@@ -22,12 +22,13 @@ from xlafit import config as xconfig
 from xlafit.config import Config, ConfigError
 from xlafit.data import korean_demo, mlm
 from xlafit.data.text import read_lines
-from xlafit.data.tokenizer import load_tokenizer
+from xlafit.data.tokenizer import CLS, SEP, SPECIAL_TOKENS, load_tokenizer
 from xlafit.models.bert import PRESETS, BertConfig, BertForMaskedLM
 from xlafit.recipes.base import Recipe, Throughput
 from xlafit.train.losses import masked_accuracy, masked_mean
 
 DEMO_VOCAB_SIZE, DEMO_SEQ_LEN = 2000, 128  # the Korean demo's tokenizer and sequences
+SYNTHETIC_VOCAB_SIZE = 30522  # BERT's English WordPiece vocabulary (bert-base-uncased)
 
 
 @dataclasses.dataclass
@@ -60,6 +61,10 @@ class BertDataConfig(xconfig.DataConfig):
     max_predictions: int = 20
     whole_word_mask: bool = False
     eval_fraction: float = 0.1  # of the demo's documents
+    # synthetic: random token ids (data.seq_len, default 128; data.vocab_size, default 30522)
+    # instead of a corpus: for `xlafit check --tpu` and speed tests at BERT's real sizes.
+    source: Literal["corpus", "synthetic"] = "corpus"
+    synthetic_examples: int = 1024
 
 
 def data_config(cfg: Config) -> BertDataConfig:
@@ -116,11 +121,30 @@ def data_location(cfg: Config) -> str:
     )
 
 
+def synthetic(seq_len: int, vocab_size: int, examples: int, seed: int, masking: mlm.MaskingConfig) -> mlm.MLMDataset:
+    """Random sequences ``[CLS] ids... [SEP]`` of ``seq_len`` tokens: BERT's shapes without a
+    corpus. What the model learns from them means nothing; their speed and memory are real."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(len(SPECIAL_TOKENS), vocab_size, size=(examples, seq_len), dtype=np.int32)
+    ids[:, 0], ids[:, -1] = CLS, SEP
+    arrays = {
+        "input_ids": ids,
+        "token_type_ids": np.zeros((examples, seq_len), np.int8),
+        "length": np.full(examples, seq_len, np.int32),
+    }
+    return mlm.MLMDataset(arrays, vocab_size, dataclasses.replace(masking, whole_word=False))
+
+
 def load_data(cfg: Config) -> tuple[mlm.MLMDataset, mlm.MLMDataset]:
     """(train, eval) masked-LM datasets; eval masks stay fixed (epoch 0)."""
     d = data_config(cfg)
-    where = data_location(cfg)
     masking = mlm.MaskingConfig(d.mask_prob, d.max_predictions, d.whole_word_mask, d.seed)
+    if d.source == "synthetic":
+        if d.data_dir:
+            raise ConfigError("data.source=synthetic makes its own data: leave data.data_dir unset.")
+        seq, vocab, n = d.seq_len or DEMO_SEQ_LEN, d.vocab_size or SYNTHETIC_VOCAB_SIZE, d.synthetic_examples
+        return synthetic(seq, vocab, n, d.seed, masking), synthetic(seq, vocab, max(1, n // 8), d.seed + 1, masking)
+    where = data_location(cfg)
     train = mlm.MLMDataset.from_prepared(where, "train", masking)
     evaluation = mlm.MLMDataset.from_prepared(where, "eval", masking)
     return train, evaluation
@@ -149,6 +173,8 @@ def from_data(cfg: Config, train: mlm.MLMDataset) -> Config:
 
 def save_artifacts(cfg: Config, run_dir: Path, train: mlm.MLMDataset) -> None:
     """Copies the tokenizer into ``run_dir/tokenizer``, for ``xlafit export hf``."""
+    if data_config(cfg).source == "synthetic":
+        return  # no tokenizer: random ids
     if train.location is None:
         raise ConfigError("the bert recipe's training data must come from a prepared directory (its tokenizer).")
     fs, root, _ = mlm.read_manifest(train.location)
@@ -205,10 +231,12 @@ def throughput(cfg: Config, train: mlm.MLMDataset) -> Throughput:
     }
 
 
-def sequence_lengths(cfg: Config, limit: int = 512) -> np.ndarray:
+def sequence_lengths(cfg: Config, limit: int = 512) -> np.ndarray | None:
     """Token counts (``[CLS]`` + line + ``[SEP]``, at most ``limit``) of the corpus's lines,
     as a model fed one line per example would see them: the input of ``xlafit check bert``'s
-    padding plans."""
+    padding plans (none for synthetic data)."""
+    if data_config(cfg).source == "synthetic":
+        return None
     fs, root, manifest = mlm.read_manifest(data_location(cfg))
     with tempfile.TemporaryDirectory() as tmp:
         for name in ("tokenizer.json",):
