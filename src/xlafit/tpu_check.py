@@ -22,6 +22,7 @@ devices and compiled by libtpu. Nothing is allocated: the model may come from
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -160,8 +161,7 @@ def usable_hbm(target: tpu.Target) -> tuple[float, str]:
     strategy = _strategy(target)
     x = jax.ShapeDtypeStruct((2**18,), jnp.float32, sharding=strategy.replicated)
     try:  # a 256 GiB result
-        with _no_persistent_cache():
-            jax.jit(lambda v: jnp.outer(v, v) + 1, out_shardings=strategy.replicated).lower(x).compile()
+        jax.jit(lambda v: jnp.outer(v, v) + 1, out_shardings=strategy.replicated).lower(x).compile()
     except Exception as e:
         found = re.search(r"available HBM \((\d+(?:\.\d+)?)([KMGT])\)", str(e))
         if found:
@@ -211,6 +211,9 @@ def _no_persistent_cache() -> Iterator[None]:
     from jax.experimental.compilation_cache import compilation_cache
 
     before = jax.config.jax_enable_compilation_cache
+    if not before:  # already off (a nested call)
+        yield
+        return
     jax.config.update("jax_enable_compilation_cache", False)
     compilation_cache.reset_cache()  # JAX decides "cache or not" once per process: ask again
     try:
@@ -225,8 +228,7 @@ def _compile(lower: Callable[[], Any]) -> tuple[Any, float]:
     t0 = time.perf_counter()
     lowered = lower()
     try:
-        with _no_persistent_cache():
-            compiled = lowered.compile()
+        compiled = lowered.compile()
     except Exception as e:  # XlaRuntimeError; its type is private to jaxlib
         text = str(e)
         if "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text:
@@ -348,20 +350,35 @@ def _roofline(report: TargetReport, target: tpu.Target, program: Program, cost: 
 
 def check_target(target: tpu.Target, program: Program, max_batch: bool = False) -> TargetReport:
     """Compiles ``program`` for ``target`` and reports memory, verdict, FLOPs and roofline."""
+    with _no_persistent_cache(), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        steps = _Steps(target, program)
+        n = steps.strategy.num_replicas
+        report = TargetReport(
+            target.name,
+            device_kind=steps.strategy.mesh.devices.flat[0].device_kind,
+            devices=n,
+            per_device_batch=program.per_device_batch or max(1, (program.global_batch or n) // n),
+            steps_per_call=program.config.steps_per_call,
+        )
+        report.capacity, report.capacity_source = usable_hbm(target)
+        # The eval step compiles in a thread beside the train step: the TPU compiler holds
+        # no Python lock, and compiling one program keeps one core busy.
+        evaluation = None
+        if program.eval_global_batch:
+            evaluation = pool.submit(_eval_report, steps, -(-program.eval_global_batch // n))  # last batch padded
+        _train_report(report, steps, target)
+        if evaluation is not None and report.error is None:
+            report.eval = evaluation.result()
+        if max_batch and report.error is None:
+            report.max_batch, report.probes = largest_batch(steps, report.per_device_batch, report.fits)
+    return report
+
+
+def _train_report(report: TargetReport, steps: _Steps, target: tpu.Target) -> None:
+    """The train step's verdict, memory, FLOPs and roofline into ``report``."""
     from xlafit.check import classify
 
-    steps = _Steps(target, program)
-    k = program.config.steps_per_call
-    n = steps.strategy.num_replicas
-    per_device = program.per_device_batch or max(1, (program.global_batch or n) // n)
-    report = TargetReport(
-        target.name,
-        device_kind=steps.strategy.mesh.devices.flat[0].device_kind,
-        devices=n,
-        per_device_batch=per_device,
-        steps_per_call=k,
-    )
-    report.capacity, report.capacity_source = usable_hbm(target)
+    program, per_device, k = steps.program, report.per_device_batch, report.steps_per_call
     try:
         compiled, report.compile_s = steps.compile_train(per_device)
     except _OutOfMemory as e:
@@ -382,24 +399,20 @@ def check_target(target: tpu.Target, program: Program, max_batch: bool = False) 
         report.message = finding.message
     else:
         report.fits = True
-        k_batches = _bytes(program.example) * per_device * k
-        report.memory = _memory(compiled, steps.state_bytes, k_batches)
+        report.memory = _memory(compiled, steps.state_bytes, _bytes(program.example) * per_device * k)
         _roofline(report, target, program, compiled.cost_analysis() or {}, _steps_in_cost(compiled, k))
-        if program.eval_global_batch:
-            eval_per_device = -(-program.eval_global_batch // n)  # rounded up: the last batch is padded
-            try:
-                eval_compiled, seconds = steps.compile_eval(eval_per_device)
-                report.eval = {
-                    "fits": True,
-                    "per_device_batch": eval_per_device,
-                    "total": _memory(eval_compiled, steps.state_bytes, 0)["total"],
-                    "compile_s": seconds,
-                }
-            except _OutOfMemory as e:
-                report.eval = {"fits": False, "per_device_batch": eval_per_device, "message": e.message}
-    if max_batch and report.error is None:
-        report.max_batch, report.probes = largest_batch(steps, per_device, report.fits)
-    return report
+
+
+def _eval_report(steps: _Steps, per_device: int) -> dict[str, Any] | None:
+    """The eval step's verdict and memory at ``per_device`` examples per core."""
+    try:
+        compiled, seconds = steps.compile_eval(per_device)
+    except _OutOfMemory as e:
+        return {"fits": False, "per_device_batch": per_device, "message": e.message}
+    except Exception:  # the train step reports the failure
+        return None
+    total = _memory(compiled, steps.state_bytes, 0)["total"]
+    return {"fits": True, "per_device_batch": per_device, "total": total, "compile_s": seconds}
 
 
 def largest_batch(
@@ -457,7 +470,8 @@ def largest_batch(
 
 def check_targets(targets: list[tpu.Target], program: Program, max_batch: bool = False) -> list[TargetReport]:
     """:func:`check_target` for each target, in order."""
-    return [check_target(t, program, max_batch) for t in targets]
+    with _no_persistent_cache():
+        return [check_target(t, program, max_batch) for t in targets]
 
 
 # --------------------------------------------------------------------------- formatting

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The README's "Will it fit on the TPU?" tables: `xlafit check --tpu` for the recipes on six
+# TPU generations, compiled by libtpu on this machine (no TPU). Writes runs/tpu-fit/*.txt.
+# Usage: benchmarks/tpu_fit.sh            (about an hour on 2 CPU cores)
+set -euo pipefail
+out=runs/tpu-fit
+mkdir -p "$out"
+x=".venv/bin/xlafit"
+targets=v2-8,v3-8,v4-8,v5e-8,v5p-8,v6e-8
+run() {  # name, then the check's arguments
+  local name=$1; shift
+  echo "== $name: xlafit check $*"
+  local t0=$SECONDS
+  $x check "$@" > "$out/$name.txt" 2>&1 || true  # exit 1 when a target does not fit
+  echo "wall $((SECONDS - t0)) s" >> "$out/$name.txt"
+}
+# The MNIST CNN at the recipe's batch (16 per core).
+run mnist mnist --tpu "$targets"
+# BERT with its real vocabulary (30522) on synthetic token ids, AdamW, float32.
+run bert-tiny-128 bert --tpu "$targets" data.source=synthetic model.preset=tiny data.per_device_batch=32 data.global_batch=null
+run bert-base-128 bert --tpu v3-8,v5e-8 data.source=synthetic model.preset=base data.per_device_batch=32 data.global_batch=null
+run bert-large-512 bert --tpu v3-8,v5e-8,v5p-8 data.source=synthetic model.preset=large data.seq_len=512 \
+  data.max_predictions=80 data.per_device_batch=8 data.global_batch=null
