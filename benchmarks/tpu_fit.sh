@@ -21,3 +21,6 @@ run bert-tiny-128 bert --tpu "$targets" data.source=synthetic model.preset=tiny 
 run bert-base-128 bert --tpu v3-8,v5e-8 data.source=synthetic model.preset=base data.per_device_batch=32 data.global_batch=null
 run bert-large-512 bert --tpu v3-8,v5e-8,v5p-8 data.source=synthetic model.preset=large data.seq_len=512 \
   data.max_predictions=80 data.per_device_batch=8 data.global_batch=null
+# Seed 002's question, "how big a batch per core?", for BERT-base at seq 128 (one step per call).
+run bert-base-128-maxbatch bert --tpu v3-8,v5e-8 --max-batch data.source=synthetic model.preset=base \
+  data.per_device_batch=128 data.global_batch=null trainer.steps_per_call=1

@@ -13,8 +13,11 @@ devices and compiled by libtpu. Nothing is allocated: the model may come from
   of ``k`` steps per call XLA counts the loop body, one step, once: the call does ``k`` times
   that. An analytic count, where the model has one, is shown beside it;
 - a roofline lower bound of the step time: ``max(FLOPs / peak FLOP/s, bytes / HBM bandwidth)``
-  per core, from the datasheet numbers of :data:`xlafit.tpu.GENERATIONS`. A bound, not a
-  measurement: real steps are slower (MFU below 100 %, collectives, input);
+  per core, from the datasheet numbers of :data:`xlafit.tpu.GENERATIONS`, with the bytes as
+  XLA's cost analysis counts them (every operand and result of the program's operations;
+  more than the HBM traffic where operations reuse data on chip, so the memory term leans
+  high, and only the compute term is a strict bound). An estimate, not a measurement:
+  real steps are slower (MFU below 100 %, collectives, input);
 - the compile time on this machine;
 - with ``max_batch``, the largest per-core batch that compiles (doubling, then bisection;
   each probe one compile, refusals are fast).
@@ -121,6 +124,8 @@ class TargetReport:
     analytic_flops_per_step: float | None = None
     bytes_per_step: float | None = None
     step_s: float | None = None
+    compute_s: float | None = None  # FLOPs / peak FLOP/s
+    memory_s: float | None = None  # XLA's bytes accessed / HBM bandwidth
     bound: str | None = None
     examples_per_s: float | None = None
     tokens_per_s: float | None = None
@@ -341,6 +346,7 @@ def _roofline(report: TargetReport, target: tpu.Target, program: Program, cost: 
         return
     compute = flops / target.peak_flops
     memory = (report.bytes_per_step or 0.0) / target.hbm_bandwidth
+    report.compute_s, report.memory_s = compute, memory
     report.step_s = max(compute, memory)
     report.bound = "compute" if compute >= memory else "HBM bandwidth"
     report.examples_per_s = report.per_device_batch * report.devices / report.step_s
@@ -490,6 +496,11 @@ def _rate(x: float | None, unit: str) -> str:
     return f"{x:.3g} {unit}"
 
 
+def target_peak(r: TargetReport) -> str:
+    t = tpu.parse_target(r.target)
+    return f"{t.peak_flops / 1e12:.4g} TFLOP/s bf16 per core"
+
+
 def format_report(r: TargetReport) -> str:
     """One target's report, as lines for a terminal."""
     head = (
@@ -540,11 +551,16 @@ def format_report(r: TargetReport) -> str:
         lines.append(f"  FLOPs per core per step (XLA): {r.flops_per_step:.4g}{analytic}")
         if r.steps_per_call > 1 and r.flops_per_call:
             lines.append(f"    per call of {r.steps_per_call} steps: {r.flops_per_call:.4g}")
-    if r.step_s:
+    if r.step_s and r.compute_s is not None and r.memory_s is not None:
         tokens = f", {_rate(r.tokens_per_s, 'tokens/s')}" if r.tokens_per_s else ""
         lines.append(
-            f"  roofline (a lower bound, not a measurement): step >= {r.step_s * 1e3:.3g} ms ({r.bound}-bound), "
+            f"  roofline (an estimate, not a measurement): step >= {r.step_s * 1e3:.3g} ms, "
             f"<= {_rate(r.examples_per_s, 'examples/s')}{tokens}"
+        )
+        lines.append(
+            f"    compute {r.compute_s * 1e3:.3g} ms at {target_peak(r)} (a strict lower bound); memory "
+            f"{r.memory_s * 1e3:.3g} ms for XLA's count of {r.bytes_per_step or 0:.3g} bytes accessed (may "
+            "overstate HBM traffic)"
         )
     if r.fits:
         lines.append(f"  compiled in {r.compile_s:.1f} s on this machine")
