@@ -4,6 +4,7 @@ guard, elastic restore, refused config changes, a failing disk."""
 import json
 import os
 import random
+import re
 import resource
 import signal
 import subprocess
@@ -423,3 +424,32 @@ def test_sigterm_to_a_two_process_job_saves_one_step_in_both(tmp_path):
     other = (tmp_path / "logs" / "process-1.log").read_text()
     assert f"stopped at step {stopped};" in other  # the same step in process 1
     assert Checkpointer(tmp_path / "run" / "checkpoints").verify(stopped) == "intact"
+
+
+def test_sigterm_to_one_process_stops_every_process_at_jax_sync_point(tmp_path):
+    """SIGTERM to process 1 alone (as a maintenance notice reaches one TPU worker): its
+    handler hands it to JAX's preemption notifier, the coordination service picks one call,
+    and both processes stop there (JAX's reached_preemption_sync_point), save that step and
+    exit 75. Process 0 never sees a signal, and the trainer's own all-gather would carry
+    the request only after signals.NOTICE_GRACE_S (10s): the test ends well before."""
+    from test_watchdog import TinyJob
+
+    job = TinyJob(tmp_path, floor_s=600)
+    try:
+        pid = job.pid(1)
+        job.wait_for(r"\[train\] step 50 ")
+        os.kill(pid, signal.SIGTERM)
+        signalled = time.monotonic()
+        rc = job.proc.wait(timeout=60)
+    finally:
+        job.kill()
+    elapsed = time.monotonic() - signalled
+    print(f"the job ended {elapsed:.1f}s after SIGTERM")
+    out0, out1 = job.output(0), job.output(1)
+    assert rc == 75, out0[-3000:] + out1[-3000:]
+    stops = [re.search(r"stopped at step (\d+); [^\n]*\(at JAX's preemption sync point", out) for out in (out0, out1)]
+    assert all(stops), out0[-3000:] + out1[-3000:]
+    step = int(stops[0].group(1))
+    assert int(stops[1].group(1)) == step
+    assert f"checkpoint {step} saved in" in out0
+    assert Checkpointer(job.run_dir / "checkpoints").verify(step) == "intact"

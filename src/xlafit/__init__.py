@@ -1,7 +1,8 @@
 """xlafit: data-parallel training on XLA devices (TPU cores, GPUs, CPUs) with JAX.
 
 ``xlafit.train_and_evaluate(xlafit.load_config("mnist"))`` runs a recipe end to end;
-:class:`Trainer` trains your own Flax NNX model. The subpackages are ``xlafit.train``
+:class:`Trainer` trains your own Flax NNX model, or a Keras 3 model (``xlafit.keras_models``,
+``KERAS_BACKEND=jax``). The subpackages are ``xlafit.train``
 (steps, optimizer, loop), ``xlafit.data``, ``xlafit.models`` and ``xlafit.recipes``.
 
 Example:
@@ -11,7 +12,7 @@ Example:
     True
 """
 
-from xlafit import exitcodes
+from xlafit import exitcodes, keras_models
 from xlafit.config import Config, ConfigError
 from xlafit.devices import Strategy, connect
 from xlafit.recipes import load_config
@@ -31,6 +32,7 @@ __all__ = [
     "Trainer",
     "connect",
     "exitcodes",
+    "keras_models",
     "load_config",
     "train_and_evaluate",
 ]

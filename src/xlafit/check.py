@@ -7,9 +7,10 @@ compile on the accelerator:
 2. no data-dependent shapes (boolean-mask indexing, ``jnp.unique``, ``jnp.nonzero``);
 3. every new input shape compiles a new program: pad to a few fixed shapes.
 
-A user file defines ``model`` (an ``nnx.Module``), ``loss_fn(model, batch)`` (per-example
-losses ``[B]``, or ``(losses, {metric: [B]})``) and ``batch`` (a dict of arrays, a small
-real batch). Optional: ``dataset`` (an iterable of examples, dicts of arrays whose first
+A user file defines ``model`` (an ``nnx.Module``, or a Keras 3 model with the JAX backend),
+``loss_fn(model, batch)`` (per-example losses ``[B]``, or ``(losses, {metric: [B]})``;
+optional for a compiled Keras model) and ``batch`` (a dict of arrays, a small real batch;
+``{"x": ..., "y": ...}`` for Keras). Optional: ``dataset`` (an iterable of examples, dicts of arrays whose first
 axis is the sequence) or ``lengths`` (one length per example) for rule 3.
 
 The train step is traced abstractly (rules 1 and 2 fail at trace time; the failure is
@@ -411,14 +412,21 @@ def check_file(path: str | Path, tpu: str | None = None, max_batch: bool = False
             namespace = runpy.run_path(str(path), run_name="__xlafit_check__")
         except Exception as e:
             raise _load_error(path, e) from None
+        from xlafit.keras_models import adapt, is_keras_model
+
+        if is_keras_model(namespace.get("model")):  # a Keras 3 model: its compiled loss unless loss_fn is given
+            namespace["model"], namespace["loss_fn"] = adapt(namespace["model"], namespace.get("loss_fn"))
         missing = [name for name in ("model", "loss_fn", "batch") if name not in namespace]
         if missing:
             raise ConfigError(
-                f"{path} must define model (an nnx.Module), loss_fn(model, batch) and batch (a dict of arrays); "
+                f"{path} must define model (an nnx.Module, or a compiled Keras 3 model), loss_fn(model, batch) "
+                f"(optional for Keras) and batch (a dict of arrays; {{'x': ..., 'y': ...}} for Keras); "
                 f"missing: {', '.join(missing)}."
             )
         if not isinstance(namespace["model"], nnx.Module):
-            raise ConfigError(f"`model` in {path} is a {type(namespace['model']).__name__}, not an nnx.Module.")
+            raise ConfigError(
+                f"`model` in {path} is a {type(namespace['model']).__name__}, not an nnx.Module or a Keras 3 model."
+            )
         lengths = namespace.get("lengths")
         if lengths is None and namespace.get("dataset") is not None:
             lengths = _example_lengths(namespace["dataset"])

@@ -20,6 +20,7 @@ import datetime
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from xlafit.devices import is_prng_key
+from xlafit.paths import StorageError, check_bucket, describe_error, files_under, is_url, move, refresh
 
 log = logging.getLogger("xlafit")
 
@@ -92,13 +94,7 @@ def path_name(path: tuple) -> str:
 
 def _files(directory: epath.Path) -> dict[str, epath.Path]:
     """Every file under ``directory`` by its relative name (local paths or gs:// URLs)."""
-    files = {}
-    root = str(directory).rstrip("/") + "/"
-    for folder, _, names in directory.walk():
-        for name in names:
-            path = epath.Path(folder) / name
-            files[str(path)[len(root) :]] = path
-    return files
+    return files_under(directory)
 
 
 def _file_hashes(directory: epath.Path) -> dict[str, str]:
@@ -149,8 +145,14 @@ class Checkpointer:
     def __init__(
         self, directory: str | Path, keep: int = 3, keep_every: int | None = None, async_save: bool = True
     ) -> None:
-        self.directory = epath.Path(directory)
-        if "://" not in str(directory):
+        self.directory = epath.Path(os.fspath(directory))
+        if is_url(directory):
+            refresh(directory)  # another process may have written checkpoints since this one listed them
+            try:  # gcsfs would create a missing bucket for Orbax's mkdir: refuse instead
+                check_bucket(directory, "checkpoint directory")
+            except StorageError as e:
+                raise CheckpointError(str(e)) from None
+        else:
             self.directory = epath.Path(Path(directory).absolute())
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, keep_period=keep_every or None, create=True, enable_async_checkpointing=async_save
@@ -159,6 +161,7 @@ class Checkpointer:
             self.directory, options=options, item_handlers=ocp.StandardCheckpointHandler()
         )
         self.last_saved: int | None = None
+        self._sealed: set[int] = set()  # steps whose seal exists
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -171,38 +174,60 @@ class Checkpointer:
                 checkpoints before it are intact, and the message names the newest.
         """
         self.wait()
-        self._manager.save(step, args=ocp.args.StandardSave(to_saveable(state)), force=True)
         self.last_saved = step
+        self._sealed.discard(step)  # a step saved again (after a rollback) is sealed again
+        try:
+            self._manager.save(step, args=ocp.args.StandardSave(to_saveable(state)), force=True)
+        except Exception as e:  # on a URL the first requests go out here, before the background write
+            raise self._failed(e) from e
 
     def wait(self) -> None:
         """Blocks until every save started so far is on disk, then seals it."""
         try:
             self._manager.wait_until_finished()
+            if jax.process_index() == 0:
+                for step in self._manager.all_steps():
+                    if step not in self._sealed:  # one look per checkpoint, not per save (requests on gs://)
+                        self._seal(step)
         except Exception as e:  # Orbax re-raises the background writer's error here
+            raise self._failed(e) from e
+
+    def _failed(self, e: Exception) -> CheckpointError:
+        """The error for a failed save: what failed, the newest intact checkpoint, the fix."""
+        try:
             intact = [c.step for c in self.list() if c.status == "intact"]
-            raise CheckpointError(
-                f"writing checkpoint {self.last_saved} in {self.directory} failed ({e}); "
-                + (f"checkpoint {intact[-1]} is intact. " if intact else "no earlier checkpoint exists. ")
-                + "Free disk space (or fix the permissions) and run again to resume."
-            ) from e
-        if jax.process_index() == 0:
-            for step in self._manager.all_steps():
-                self._seal(step)
+            known = f"checkpoint {intact[-1]} is intact. " if intact else "no earlier checkpoint exists. "
+        except Exception:  # the store is unreachable for reading too
+            known = "the checkpoints before it are untouched (a save never overwrites one); a resume verifies them. "
+        if is_url(self.directory):
+            return CheckpointError(
+                f"writing checkpoint {self.last_saved} in {self.directory} failed: "
+                f"{describe_error(self.directory, e)} {known}Run again to resume once the storage answers."
+            )
+        return CheckpointError(
+            f"writing checkpoint {self.last_saved} in {self.directory} failed ({e}); "
+            + known
+            + "Free disk space (or fix the permissions) and run again to resume."
+        )
 
     def _step_dir(self, step: int) -> epath.Path:
         return self.directory / str(step)
 
     def _seal(self, step: int) -> None:
         directory = self._step_dir(step)
-        if (directory / SEAL).exists() or not (directory / COMMIT).exists():
+        if (directory / SEAL).exists():
+            self._sealed.add(step)
+            return
+        if not (directory / COMMIT).exists():
             return
         seal = json.dumps({"step": step, "sha256": _file_hashes(directory)}, indent=1)
-        if "://" in str(directory):
+        if is_url(directory):
             (directory / SEAL).write_text(seal)  # object stores write an object whole or not at all
         else:
             tmp = directory / f"{SEAL}.tmp"
             tmp.write_text(seal)
             tmp.replace(directory / SEAL)  # atomic rename: a seal is whole or absent
+        self._sealed.add(step)
 
     def verify(self, step: int) -> str:
         """``"intact"``, ``"unsealed"`` or ``"corrupt: <why>"`` for checkpoint ``step``."""
@@ -294,7 +319,7 @@ class Checkpointer:
         if jax.process_index() == 0:
             print(f"warning: checkpoint {step} ({source}) is {why}; not using it, moved to {target}", flush=True)
             log.warning("checkpoint %d is %s; moved to %s", step, why, target)
-            source.rename(target)
+            move(source, target)
         self._manager.reload()
 
     def metadata(self, step: int) -> Any:

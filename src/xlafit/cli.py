@@ -18,6 +18,7 @@ from xlafit.config import ConfigError
 from xlafit.data.dataset import DataError
 from xlafit.devices import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, SIMULATE_ENV, DeviceError
 from xlafit.models.bert_hf import HFFormatError
+from xlafit.paths import StorageError
 from xlafit.train import NonFiniteError, Preempted, RecompileError
 
 
@@ -60,7 +61,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--checkpoint-dir", help="checkpoints here instead of RUN_DIR/checkpoints: a path or gs://bucket/dir"
     )
-    train.add_argument("--restart", action="store_true", help="ignore and remove the run's checkpoints")
+    train.add_argument(
+        "--restart",
+        action="store_true",
+        help="start over: the earlier run (checkpoints, metrics) moves to RUN_DIR-before-restart-<time>",
+    )
     train.add_argument("-v", "--verbose", action="store_true", help="log compiles and checkpoint events")
 
     launch = sub.add_parser(
@@ -116,7 +121,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Lists the checkpoints of RUN_DIR with step, time, size and integrity, and prints the "
         "SHA-256 fingerprint of the newest intact checkpoint's parameters (or --step S's).",
     )
-    inspect.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, or a checkpoint directory or URL")
+    inspect.add_argument("run_dir", metavar="RUN_DIR", help="a run or checkpoint directory, local or a URL (gs://...)")
     inspect.add_argument("--step", type=int, help="fingerprint this checkpoint instead of the newest intact one")
     inspect.add_argument("--json", action="store_true", help="print JSON")
 
@@ -180,7 +185,10 @@ def _parser() -> argparse.ArgumentParser:
         "control flow, 2: data-dependent shapes, 3: too many input shapes) with file and line and the "
         "standard rewrite, scan the data's shapes, and estimate per-device memory and FLOPs. TARGET is a "
         "recipe name or a Python file defining `model` (an nnx.Module), `loss_fn(model, batch)` and `batch` "
-        "(a dict of arrays), optionally `dataset` (examples) or `lengths`. Exit 1 when a rule is violated.",
+        "(a dict of arrays), optionally `dataset` (examples) or `lengths`. Exit 1 when a rule is violated. "
+        "With --tpu, compile the real train and eval steps for TPU slices with the TPU compiler (libtpu, "
+        "no TPU needed) and report per-core HBM, whether it fits, FLOPs and a roofline estimate; exit 1 "
+        "when a target does not fit.",
     )
     check.add_argument("target", metavar="TARGET", help="a recipe name (mnist, bert) or path/to/file.py")
     check.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides (recipes)")
@@ -188,6 +196,15 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--global-batch", type=int, help="check that it divides over --devices")
     check.add_argument("--devices", type=int, help="devices to plan for (default: this machine's)")
     check.add_argument("--max-shapes", type=int, default=8, help="input shapes allowed before rule 3 is flagged")
+    check.add_argument(
+        "--tpu",
+        metavar="TARGETS",
+        help="compile for these TPU slices, comma-separated: v2-8, v3-8, v4-8, v5e-1/4/8, v5p-8, v6e-1/4/8, "
+        "tpu7x-8, pod slices such as v4-32 or v5e-256",
+    )
+    check.add_argument(
+        "--max-batch", action="store_true", help="with --tpu: find the largest per-core batch that fits each target"
+    )
     check.add_argument("--json", action="store_true", help="print JSON")
 
     config = sub.add_parser("config", help="print a recipe's resolved config")
@@ -261,20 +278,11 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from xlafit.checkpoint import Checkpointer, fingerprint
+    from xlafit.run import checkpoints_of
 
-    run_dir = Path(args.run_dir)
-    if "://" in args.run_dir:
-        directory = args.run_dir
-    elif (run_dir / "config.yaml").exists():  # a run directory: its checkpoints may live elsewhere
-        saved = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-        directory = (saved.get("run") or {}).get("checkpoint_dir") or str(run_dir / "checkpoints")
-    else:
-        directory = str(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() else str(run_dir)
-    if "://" not in directory and not Path(directory).is_dir():
-        raise ConfigError(f"{args.run_dir} is neither a run directory nor a checkpoint directory.")
+    directory = str(checkpoints_of(args.run_dir))  # a run or checkpoint directory, local or gs://
     ckpt = Checkpointer(directory)
     infos = ckpt.list()
     usable = [i.step for i in infos if i.usable]
@@ -375,7 +383,11 @@ def _check(args: argparse.Namespace) -> int:
         "global_batch": args.global_batch,
         "devices": args.devices,
         "max_shapes": args.max_shapes,
+        "tpu": args.tpu,
+        "max_batch": args.max_batch,
     }
+    if args.max_batch and not args.tpu:
+        raise ConfigError("--max-batch searches per TPU target: add --tpu, e.g. --tpu v3-8 --max-batch.")
     if args.target.endswith(".py") or os.path.sep in args.target:
         report = check_file(args.target, **options)
     else:
@@ -449,7 +461,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "check":
             return _check(args)
         return _train(args)
-    except (ConfigError, DeviceError, DataError, BenchError, CheckpointError, HFFormatError, RecompileError) as e:
+    except (
+        ConfigError,
+        DeviceError,
+        DataError,
+        BenchError,
+        CheckpointError,
+        HFFormatError,
+        RecompileError,
+        StorageError,
+    ) as e:
         print(f"xlafit: error: {e}", file=sys.stderr)
         return exitcodes.USAGE
     except Preempted as e:

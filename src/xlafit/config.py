@@ -100,6 +100,14 @@ class TrainerConfig:
     # that changed. null: the programs the run plans (steps-per-call values x data shapes).
     max_compiles: int | None = None
     seed: int = 0  # parameter init and dropout
+    # Hang watchdog of multi-process jobs (xlafit.train.watchdog): when no call of the train
+    # step finishes for max(watchdog_floor_s, watchdog_factor x the median call time), each
+    # process writes its Python stacks to its log and exits with 75, to be run again from the
+    # last checkpoint; a peer stuck in a collective otherwise holds the whole job forever. The
+    # first call (compiling) and evaluations are not timed; the floor must exceed a checkpoint
+    # save and a later compile (10 minutes: PyTorch's default collective timeout). 0: off.
+    watchdog_factor: float = 20.0
+    watchdog_floor_s: float = 600.0
 
 
 @dataclasses.dataclass
@@ -336,6 +344,18 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"optimizer.final_lr_fraction={cfg.optimizer.final_lr_fraction} must lie in [0, 1].")
     if cfg.optimizer.grad_clip_norm is not None and cfg.optimizer.grad_clip_norm <= 0:
         raise ConfigError("optimizer.grad_clip_norm must be positive, or null for no clipping.")
+    validate_watchdog(cfg.trainer)
+
+
+def validate_watchdog(cfg: TrainerConfig) -> None:
+    """Rejects watchdog settings that would take a healthy step for a hang."""
+    if cfg.watchdog_factor != 0 and cfg.watchdog_factor <= 1:
+        raise ConfigError(
+            f"trainer.watchdog_factor={cfg.watchdog_factor} would take an ordinary step for a hang; "
+            "use 0 (off) or a multiple of the median call time above 1, e.g. 20."
+        )
+    if cfg.watchdog_floor_s < 0:
+        raise ConfigError(f"trainer.watchdog_floor_s={cfg.watchdog_floor_s} must be zero or more seconds.")
 
 
 DEFAULT_PER_DEVICE_BATCH = 16

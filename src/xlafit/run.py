@@ -6,8 +6,10 @@ calls this; the training loop itself is :meth:`xlafit.Trainer.fit`.
 
 A run directory holds ``config.yaml`` (the config as resolved: batch sizes, schedule length,
 what the data decided), ``metrics.jsonl``, ``tensorboard/``, ``checkpoints/`` and the
-recipe's artifacts (a tokenizer). Running the same command again resumes from the newest
-intact checkpoint, after checking that the new config continues the same run.
+recipe's artifacts (a tokenizer). It may be a local path or a URL (``gs://bucket/run``,
+docs/cloud.md). Running the same command again resumes from the newest intact checkpoint,
+after checking that the new config continues the same run; ``--restart`` moves the earlier
+run aside (:func:`start_run_dir`) and deletes nothing.
 
 Example:
     >>> import xlafit
@@ -17,10 +19,12 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -30,6 +34,17 @@ from etils import epath
 from xlafit.config import Config, ConfigError, resolve_batch
 from xlafit.data.dataset import as_dataset
 from xlafit.devices import Strategy, connect
+from xlafit.paths import (
+    StorageError,
+    as_path,
+    check_bucket,
+    dated_sibling,
+    describe_error,
+    is_url,
+    move,
+    refresh,
+    upload,
+)
 from xlafit.recipes import get_recipe
 from xlafit.train.optim import OptimizerPlan, highest_rate, make_optimizer
 from xlafit.train.signals import handle_signals
@@ -96,7 +111,7 @@ def train_and_evaluate(cfg: Config) -> FitResult:
 class Resolved(NamedTuple):
     """What :func:`resolve` decided, typed: the config records the same values."""
 
-    run_dir: Path
+    run_dir: epath.Path  # a local path or a URL
     global_batch: int
     eval_batch: int
 
@@ -132,7 +147,7 @@ def resolve(cfg: Config, strategy: Strategy, num_examples: int) -> tuple[Config,
         ),
         run=dataclasses.replace(cfg.run, run_dir=run_dir),
     )
-    return resolved, Resolved(Path(run_dir), global_batch, eval_batch)
+    return resolved, Resolved(as_path(run_dir), global_batch, eval_batch)
 
 
 def describe_schedule(cfg: Config, plan: OptimizerPlan) -> str:
@@ -174,32 +189,143 @@ def checkpoint_dir(cfg: Config) -> epath.Path:
     return epath.Path(cfg.run.run_dir) / "checkpoints"
 
 
-def start_run_dir(run_dir: Path, cfg: Config) -> None:
-    """Creates ``run_dir`` (or finds it writable), clears it for ``--restart`` and writes
-    ``config.yaml``. Process 0 only."""
+def start_run_dir(run_dir: epath.Path, cfg: Config) -> None:
+    """Creates ``run_dir`` (or finds it writable), moves an earlier run aside for
+    ``--restart`` (:func:`move_aside`) and writes ``config.yaml``. Process 0 only.
+
+    Raises:
+        ConfigError: the directory cannot be created or written, or its bucket does not
+            exist; the message names it and the fix.
+    """
+    if is_url(run_dir):
+        # No mkdir on a URL: object stores have no directories, and gcsfs would create a
+        # missing bucket. Writing config.yaml below is the test that the bucket takes writes.
+        for where, what in ((run_dir, "--run-dir"), (checkpoint_dir(cfg), "run.checkpoint_dir")):
+            try:
+                check_bucket(where, what)
+            except StorageError as e:
+                raise ConfigError(str(e)) from None
+    else:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"cannot create the run directory {run_dir}: {e.strerror}. Choose another --run-dir."
+            ) from None
+        if not os.access(run_dir, os.W_OK):
+            raise ConfigError(f"the run directory {run_dir} is not writable. Choose another --run-dir.")
+    if not cfg.run.resume:
+        for line in move_aside(run_dir, checkpoint_dir(cfg)):
+            print(line, flush=True)
+    path = run_dir / "config.yaml"
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(
-            f"cannot create the run directory {run_dir}: {e.strerror}. Choose another --run-dir."
-        ) from None
-    if not os.access(run_dir, os.W_OK):
-        raise ConfigError(f"the run directory {run_dir} is not writable. Choose another --run-dir.")
-    checkpoints = checkpoint_dir(cfg)
-    if not cfg.run.resume and checkpoints.exists():
-        print(f"--restart: removing the checkpoints in {checkpoints} and the metrics of {run_dir}", flush=True)
-        checkpoints.rmtree()
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    except Exception as e:
+        if not is_url(run_dir):
+            raise
+        raise ConfigError(f"cannot write the run directory: {describe_error(path, e)}") from None
 
 
-def log_to_file(path: Path) -> None:
-    """Processes other than 0 print nothing; their own events go to their own file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path)
+def move_aside(run_dir: epath.Path, checkpoints: epath.Path) -> list[str]:
+    """``--restart``: moves an earlier run in ``run_dir`` to a dated sibling,
+    ``<run_dir>-before-restart-<UTC time>``, and says where. Nothing is deleted.
+
+    The whole earlier run moves (config.yaml, metrics, TensorBoard, checkpoints, tokenizer),
+    so the sibling is a run directory that ``xlafit inspect`` and ``xlafit export hf`` read
+    as any other. Checkpoints kept outside the run directory (``run.checkpoint_dir``) move
+    to their own dated sibling, and the moved ``config.yaml`` points at them. A run
+    directory holding neither checkpoints nor metrics is left as it is. On a URL a move is
+    a copy of every object then a delete (an interruption leaves two copies, never none).
+
+    Returns:
+        The lines to print: what moved where.
+
+    Example:
+        >>> import tempfile
+        >>> run = as_path(tempfile.mkdtemp()) / "run"
+        >>> (run / "checkpoints" / "5").mkdir(parents=True)
+        >>> _ = (run / "metrics.jsonl").write_text("{}\\n")
+        >>> lines = move_aside(run, run / "checkpoints")
+        >>> sorted(p.name for p in run.iterdir()), "-before-restart-" in lines[0]
+        ([], True)
+    """
+    when = datetime.datetime.now(datetime.UTC)
+    refresh(run_dir)
+    refresh(checkpoints)
+    inside = str(checkpoints).startswith(str(run_dir).rstrip("/") + "/")
+    has_checkpoints = checkpoints.exists() and any(True for _ in checkpoints.iterdir())
+    if not (has_checkpoints or (run_dir / "metrics.jsonl").exists()):
+        return []
+    lines = []
+    moved_checkpoints = None
+    if has_checkpoints and not inside:
+        moved_checkpoints = dated_sibling(checkpoints, "before-restart", when)
+        move(checkpoints, moved_checkpoints)
+        lines.append(f"--restart: moved the earlier checkpoints {checkpoints} to {moved_checkpoints}")
+    entries = [p for p in run_dir.iterdir()] if run_dir.exists() else []
+    if entries:
+        target = dated_sibling(run_dir, "before-restart", when)
+        if not is_url(target):
+            target.mkdir(parents=True)
+        for entry in entries:
+            move(entry, target / entry.name)
+        if moved_checkpoints is not None and (target / "config.yaml").exists():
+            saved = yaml.safe_load((target / "config.yaml").read_text()) or {}
+            if isinstance(saved, dict) and isinstance(saved.get("run"), dict):
+                saved["run"]["checkpoint_dir"] = str(moved_checkpoints)
+                (target / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+        lines.append(
+            f"--restart: moved the earlier run in {run_dir} (checkpoints, metrics, config) to {target}; "
+            f"nothing was deleted (xlafit inspect {target})"
+        )
+    return lines
+
+
+def checkpoints_of(target: str) -> epath.Path:
+    """The checkpoint directory a user means by ``target``: a run directory (its
+    ``config.yaml`` says where its checkpoints are; default ``checkpoints/``), or a
+    checkpoint directory itself; local or a URL.
+
+    Raises:
+        ConfigError: ``target`` is neither.
+    """
+    path = as_path(target)
+    refresh(path)
+    try:
+        if (path / "config.yaml").exists():  # a run directory: its checkpoints may live elsewhere
+            saved = yaml.safe_load((path / "config.yaml").read_text()) or {}
+            where = (saved.get("run") or {}).get("checkpoint_dir") if isinstance(saved, dict) else None
+            return as_path(where) if where else path / "checkpoints"
+        if (path / "checkpoints").is_dir():
+            return path / "checkpoints"
+        if path.is_dir():
+            return path
+    except Exception as e:
+        if not is_url(path):
+            raise
+        raise ConfigError(f"cannot read {target}: {describe_error(path, e)}") from None
+    raise ConfigError(f"{target} is neither a run directory nor a checkpoint directory.")
+
+
+def log_to_file(path: epath.Path) -> None:
+    """Processes other than 0 print nothing; their own events go to their own file. For a
+    URL run directory the file is written locally and uploaded when the process exits."""
+    local = Path(path)
+    if is_url(path):
+        local = Path(tempfile.mkdtemp(prefix="xlafit-log-")) / path.name
+        atexit.register(_upload_log, local, path)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(local)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     logging.getLogger("xlafit").addHandler(handler)
     logging.getLogger("xlafit").setLevel(logging.INFO)
+
+
+def _upload_log(local: Path, target: epath.Path) -> None:
+    try:
+        upload(local, target)
+    except Exception as e:  # at exit: say so, never raise
+        print(f"warning: could not upload {local} to {target}: {e}", flush=True)
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, object]:
@@ -216,7 +342,7 @@ def _shown(flat: dict[str, object], key: str) -> str:
     return repr(flat[key]) if key in flat else "(not set)"
 
 
-def _saved_config(run_dir: Path) -> dict[str, Any]:
+def _saved_config(run_dir: epath.Path) -> dict[str, Any]:
     """The run's ``config.yaml``; refuses to go on without it (it is what the resume checks)."""
     path = run_dir / "config.yaml"
     fix = (
@@ -239,7 +365,7 @@ def _saved_config(run_dir: Path) -> dict[str, Any]:
     return saved
 
 
-def check_continuation(run_dir: Path, cfg: Config, announce: bool = True) -> None:
+def check_continuation(run_dir: epath.Path | Path, cfg: Config, announce: bool = True) -> None:
     """Refuses to resume a run whose checkpoints were made under an incompatible config.
 
     ``cfg`` is the resolved config (:func:`resolve`). Nothing happens when the run has no
@@ -253,7 +379,7 @@ def check_continuation(run_dir: Path, cfg: Config, announce: bool = True) -> Non
     checkpoints = checkpoint_dir(cfg)
     if not (checkpoints.exists() and any(p.name.isdigit() for p in checkpoints.iterdir())):
         return
-    saved = _flatten(_saved_config(run_dir))
+    saved = _flatten(_saved_config(as_path(run_dir)))
     now = _flatten(cfg.to_dict())
     restart = "or start over with --restart (run.resume=false) or another --run-dir"
     if saved["recipe"] != now["recipe"]:

@@ -215,7 +215,7 @@ def _no_persistent_cache() -> Iterator[None]:
     constructed with a Client"), and the entries would only fill the user's cache."""
     from jax.experimental.compilation_cache import compilation_cache
 
-    before = jax.config.jax_enable_compilation_cache
+    before = bool(jax.config.read("jax_enable_compilation_cache"))
     if not before:  # already off (a nested call)
         yield
         return
@@ -252,7 +252,8 @@ class _Steps:
         self.strategy = _strategy(target)
         model = program.model
         model.train()
-        self.train_graphdef, params, model_state = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
+        graphdef, params, model_state = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]  # flax's overloads
+        self.train_graphdef: nnx.GraphDef = graphdef
         model.eval()
         self.eval_graphdef = nnx.graphdef(model)
         model.train()

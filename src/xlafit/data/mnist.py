@@ -15,8 +15,10 @@ import struct
 from pathlib import Path
 
 import numpy as np
+from etils import epath
 
 from xlafit.data.dataset import DataError
+from xlafit.paths import as_path
 
 MEAN, STD = 0.1307, 0.3081
 
@@ -37,7 +39,7 @@ IDX_FILES = {
 }
 
 
-def _not_idx(path: Path, raw: bytes, why: str = "") -> DataError:
+def _not_idx(path: str | Path | epath.Path, raw: bytes, why: str = "") -> DataError:
     found = raw[:4].hex(" ") if raw else "nothing (it is empty)"
     return DataError(
         f"{path} is not an IDX file: it starts with {found}{why}, and IDX files start with 00 00, a type byte "
@@ -46,11 +48,11 @@ def _not_idx(path: Path, raw: bytes, why: str = "") -> DataError:
     )
 
 
-def read_idx(path: str | Path) -> np.ndarray:
+def read_idx(path_or_url: str | Path) -> np.ndarray:
     """Reads one IDX file (optionally gzip-compressed) into a NumPy array.
 
     Args:
-        path: an ``.idx``/``-ubyte`` file, or the same with ``.gz``.
+        path_or_url: an ``.idx``/``-ubyte`` file, or the same with ``.gz``; local or a URL.
 
     Returns:
         The array, in native byte order, with the shape the header declares.
@@ -60,7 +62,7 @@ def read_idx(path: str | Path) -> np.ndarray:
         >>> read_idx("/tmp/x-idx1-ubyte").tolist()
         [0, 1, 2]
     """
-    path = Path(path)
+    path = as_path(path_or_url)  # a local file or a URL (gs://...)
     raw = path.read_bytes()
     if raw[:2] == b"\x1f\x8b":
         try:
@@ -109,10 +111,10 @@ def write_idx(path: str | Path, array: np.ndarray) -> None:
     buf.write(struct.pack(f">{array.ndim}I", *array.shape))
     buf.write(array.astype(big).tobytes())
     data = buf.getvalue()
-    Path(path).write_bytes(gzip.compress(data) if str(path).endswith(".gz") else data)
+    as_path(path).write_bytes(gzip.compress(data) if str(path).endswith(".gz") else data)
 
 
-def _find(data_dir: Path, stem: str) -> Path:
+def _find(data_dir: epath.Path, stem: str) -> epath.Path:
     for name in (stem, stem + ".gz", stem.replace("-idx", ".idx"), stem.replace("-idx", ".idx") + ".gz"):
         if (data_dir / name).exists():
             return data_dir / name
@@ -129,9 +131,9 @@ def normalise(images: np.ndarray) -> np.ndarray:
     return (x - MEAN) / STD
 
 
-def load_idx_dir(data_dir: str | Path) -> dict[str, dict[str, np.ndarray]]:
-    """Loads ``train`` and ``test`` splits from a directory of standard MNIST IDX files."""
-    data_dir = Path(data_dir)
+def load_idx_dir(directory: str | Path) -> dict[str, dict[str, np.ndarray]]:
+    """Loads ``train`` and ``test`` splits from a directory (or URL) of standard MNIST IDX files."""
+    data_dir = as_path(directory)
     if not data_dir.is_dir():
         raise DataError(f"--data-dir {data_dir} is not a directory.")
     splits = {}

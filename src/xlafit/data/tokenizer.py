@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from tqdm import tqdm
 
 from xlafit.data.dataset import DataError
 from xlafit.data.text import read_lines
+from xlafit.paths import as_path, describe_error, is_url, upload_dir
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # ids 0..4, in this order
 PAD, UNK, CLS, SEP, MASK = range(len(SPECIAL_TOKENS))  # their ids in every vocabulary trained here
@@ -103,7 +105,7 @@ def train_tokenizer(
     Args:
         files: UTF-8 text files or URLs.
         vocab_size: the vocabulary's size, the 5 special tokens included.
-        out: directory for ``tokenizer.json``, ``vocab.txt`` and the transformers configs.
+        out: directory (or URL) for ``tokenizer.json``, ``vocab.txt`` and the transformers configs.
         min_frequency: a merge must occur this often.
         lowercase: lowercase Latin text (Hangul has no case and is unaffected).
         strip_accents: NFD + drop combining marks; splits Hangul into jamo, so off.
@@ -146,7 +148,16 @@ def train_tokenizer(
 
 
 def save_tokenizer(tok: Tokenizer, out: str | Path, *, lowercase: bool, strip_accents: bool) -> Path:
-    """``tokenizer.json`` + ``vocab.txt`` + the configs ``AutoTokenizer`` reads."""
+    """``tokenizer.json`` + ``vocab.txt`` + the configs ``AutoTokenizer`` reads, in ``out``:
+    a directory, or a URL (written locally, then uploaded; the local directory is returned)."""
+    if is_url(out):
+        with tempfile.TemporaryDirectory() as tmp:
+            save_tokenizer(tok, tmp, lowercase=lowercase, strip_accents=strip_accents)
+            try:
+                upload_dir(Path(tmp), as_path(out))
+            except Exception as e:
+                raise DataError(f"cannot write the tokenizer: {describe_error(out, e)}") from None
+        return Path(out)
     d = Path(out)
     d.mkdir(parents=True, exist_ok=True)
     tok.save(str(d / "tokenizer.json"))
@@ -172,10 +183,14 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     Raises:
         DataError: no ``tokenizer.json`` there, or it lacks BERT's special tokens.
     """
-    path = Path(directory) / "tokenizer.json"
-    if not path.exists():
+    path = as_path(directory) / "tokenizer.json"  # a local directory or a URL
+    try:
+        found = path.exists()
+    except Exception as e:
+        raise DataError(f"cannot read the tokenizer: {describe_error(path, e)}") from None
+    if not found:
         raise DataError(f"{directory} holds no tokenizer.json; create one with `xlafit tokenizer train`.")
-    tok = Tokenizer.from_file(str(path))
+    tok = Tokenizer.from_str(path.read_text(encoding="utf-8"))
     missing = [t for t in SPECIAL_TOKENS if tok.token_to_id(t) is None]
     if missing:
         raise DataError(f"the tokenizer in {directory} lacks BERT's special tokens {missing}.")

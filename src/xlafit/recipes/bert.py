@@ -127,7 +127,7 @@ def synthetic(seq_len: int, vocab_size: int, examples: int, seed: int, masking: 
     rng = np.random.default_rng(seed)
     ids = rng.integers(len(SPECIAL_TOKENS), vocab_size, size=(examples, seq_len), dtype=np.int32)
     ids[:, 0], ids[:, -1] = CLS, SEP
-    arrays = {
+    arrays: dict[str, np.ndarray] = {
         "input_ids": ids,
         "token_type_ids": np.zeros((examples, seq_len), np.int8),
         "length": np.full(examples, seq_len, np.int32),

@@ -1,16 +1,26 @@
 """What a run tells people and machines: progress, ``metrics.jsonl`` and TensorBoard.
 
-Only process 0 writes; every other process stays quiet.
+Only process 0 writes; every other process stays quiet. The run directory may be a URL
+(``gs://bucket/run``): the files are then written in a local copy and uploaded whole at
+every checkpoint (:meth:`RunReport.sync`) and at the end, because an object store has no
+append and TensorBoard's writer would upload its whole event file at every flush.
+
+On a resume, ``metrics.jsonl`` keeps the records up to the checkpoint the run resumed
+from and drops the later ones (the steps between that checkpoint and the interruption,
+which the resumed run trains and logs again), so every logged step appears once.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+
+from xlafit.paths import AnyPath, LocalCopy
 
 
 class RunReport:
@@ -20,25 +30,34 @@ class RunReport:
     line per logged step.
 
     Args:
-        run_dir: where ``metrics.jsonl`` and ``tensorboard/`` go; None writes no files.
+        run_dir: where ``metrics.jsonl`` and ``tensorboard/`` go, a path or URL; None
+            writes no files.
         total_steps: the run's last step, for the bar and ETA.
-        start_step: where the bar starts (non-zero on resume).
+        start_step: where the bar starts (non-zero on resume); earlier records after it
+            are dropped from ``metrics.jsonl``.
         enabled: False on processes other than 0.
+
+    Raises:
+        StorageError: ``run_dir`` is a URL that cannot be read (the message names it).
     """
 
-    def __init__(self, run_dir: Path | None, total_steps: int, start_step: int = 0, enabled: bool = True) -> None:
+    def __init__(self, run_dir: AnyPath | None, total_steps: int, start_step: int = 0, enabled: bool = True) -> None:
         self.enabled = enabled
         self._jsonl = None
         self._tb = None
         self._bar = None
+        self._copy: LocalCopy | None = None
         if not enabled:
             return
         if run_dir is not None:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+            self._copy = LocalCopy(run_dir)
+            self._copy.local.mkdir(parents=True, exist_ok=True)
+            metrics = self._copy.fetch("metrics.jsonl")
+            _keep_until(metrics, start_step)
+            self._jsonl = open(metrics, "a", encoding="utf-8")
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            self._tb = SummaryWriter(str(self._copy.local / "tensorboard"))
         if sys.stderr.isatty():
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, leave=True)
 
@@ -71,6 +90,19 @@ class RunReport:
         else:
             self.print(f"[{prefix}] step {step} epoch {record.get('epoch', '')}  {shown}")
 
+    def sync(self) -> None:
+        """Uploads what changed to a URL run directory (nothing to do for a local one).
+        The trainer calls it before each checkpoint, so the bucket's metrics always reach
+        at least the newest checkpoint.
+
+        Raises:
+            StorageError: the upload failed; the message names the URL.
+        """
+        if self._copy is not None and self._copy.remote:
+            if self._tb is not None:
+                self._tb.flush()
+            self._copy.upload()
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
@@ -78,6 +110,8 @@ class RunReport:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        if self._copy is not None:
+            self._copy.close()
 
 
 _BAR_KEYS = ("loss", "accuracy", "masked_accuracy", "examples_per_sec", "tokens_per_sec", "mfu")
@@ -89,3 +123,24 @@ def _fmt(key: str, value: Any) -> str:
             return f"{key}={value:.3g}"
         return f"{key}={value:.4f}" if abs(value) < 1000 else f"{key}={value:.0f}"
     return f"{key}={value}"
+
+
+def _keep_until(path: Path, step: int) -> None:
+    """Drops the records of ``metrics.jsonl`` after ``step`` (and a line cut short by a
+    crash), rewriting the file atomically; untouched when there is nothing to drop."""
+    if not path.exists():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # half a line: the process died while writing it
+        if line.endswith("\n") and record.get("step", 0) <= step:
+            kept.append(line)
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)

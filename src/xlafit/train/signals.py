@@ -10,17 +10,36 @@ understands. A library user does the same::
         xlafit.train_and_evaluate(cfg)
     except xlafit.Preempted:
         sys.exit(xlafit.exitcodes.PREEMPTED)   # 75; the next run resumes from the checkpoint
+
+In a multi-process job (``jax.distributed``: ``xlafit launch``, the workers of a TPU slice)
+the platform's notice may reach one process only, and every process must save the same
+step. JAX's preemption service does that: ``jax.distributed.initialize`` installs its SIGTERM
+notifier, which tells the coordination service; the service picks one call, one past the
+furthest process's, and :func:`jax.experimental.multihost_utils.reached_preemption_sync_point`
+is true at that call in every process. The guard's SIGTERM handler hands the signal on to
+that notifier (it took its place), and the loop asks :meth:`SignalGuard.at_sync_point` at
+every call. Should JAX not agree on a step within :data:`NOTICE_GRACE_S`, or for SIGINT,
+the trainer shares the stop request itself (a small all-gather per call).
 """
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import os
 import signal
 import sys
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
+import jax
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# After this long without JAX's sync point, a process that got SIGTERM shares the request itself.
+NOTICE_GRACE_S = 10.0
+_calls = itertools.count()  # this process's calls of the sync point: the same sequence in every process
 
 
 class Preempted(Exception):
@@ -30,10 +49,11 @@ class Preempted(Exception):
     again with the same run directory) resumes from that checkpoint.
     """
 
-    def __init__(self, step: int, signum: int, where: str) -> None:
+    def __init__(self, step: int, signum: int, where: str, *, sync_point: bool = False) -> None:
         self.step, self.signum = step, signum
+        how = " (at JAX's preemption sync point: the same step in every process)" if sync_point else ""
         super().__init__(
-            f"{signal.Signals(signum).name} received: stopped at step {step}; {where}. "
+            f"{signal.Signals(signum).name} received: stopped at step {step}; {where}{how}. "
             "Run the same command again to resume."
         )
 
@@ -45,24 +65,69 @@ class SignalGuard:
     (``Trainer.fit``'s) opened inside an outer one (:func:`xlafit.train_and_evaluate`'s, which
     also covers data loading and compiling) shares the outer one's state. Only the main
     thread can own signal handlers; elsewhere a guard never sees a signal.
+
+    Attributes:
+        received: the first signal, or None.
+        sync_point: :meth:`at_sync_point` was true: JAX's preemption service stopped the job.
     """
 
     _active: SignalGuard | None = None  # the outermost open guard of this process
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self.sync_point = False
+        self._received_at = 0.0
         self._previous: dict[int, Any] = {}
+        self._jax_notifier: _CHandler | None = None  # JAX's SIGTERM handler, which ours displaced
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.received is not None:
             os._exit(128 + signum)
-        self.received = signum
+        self.received, self._received_at = signum, time.monotonic()
+        then = "then saving a checkpoint"
+        if signum == signal.SIGTERM and self._jax_notifier is not None:
+            self._jax_notifier.call(signum)  # JAX's notifier tells every process through the coordinator
+            then = "then saving a checkpoint at the step all processes agree on"
         print(
-            f"xlafit: {signal.Signals(signum).name}: finishing the current step, then saving a checkpoint "
+            f"xlafit: {signal.Signals(signum).name}: finishing the current step, {then} "
             "(send it again to exit at once)",
             file=sys.stderr,
             flush=True,
         )
+
+    def must_share(self) -> bool:
+        """Whether this process must tell the others of its signal itself: a signal that
+        JAX's preemption service does not carry (SIGINT, no ``jax.distributed``), or one it
+        did not turn into a sync point within :data:`NOTICE_GRACE_S`."""
+        if self.received is None:
+            return False
+        handed_to_jax = self.received == signal.SIGTERM and self._jax_notifier is not None
+        return not handed_to_jax or time.monotonic() - self._received_at > NOTICE_GRACE_S
+
+    def at_sync_point(self) -> bool:
+        """JAX's preemption sync point: call it once per call of the train step, in every
+        process; it is true at the same call in all of them after a preemption notice.
+
+        False without ``jax.distributed`` or with ``jax_enable_preemption_service`` off.
+        """
+        call = next(_calls)
+        if not _preemption_service():
+            return False
+        from jax.experimental import multihost_utils
+
+        # note: a mutex in JAX, no collective; it blocks only while the service agrees on the step
+        if multihost_utils.reached_preemption_sync_point(call):
+            self.sync_point = True
+        return self.sync_point
+
+    def _take(self, signum: int, handler: Callable[[int, Any], None]) -> Any:
+        """Installs ``handler``; remembers JAX's SIGTERM notifier if it is the one displaced."""
+        found = _CHandler.current(signum) if signum == signal.SIGTERM and _preemption_service() else None
+        previous = signal.signal(signum, handler)
+        ours = _CHandler.current(signum)  # Python's own C handler, which runs ``handler``
+        if found is not None and (ours is None or found.address != ours.address):
+            self._jax_notifier = found
+        return previous
 
     def __enter__(self) -> SignalGuard:
         outer = SignalGuard._active
@@ -70,13 +135,14 @@ class SignalGuard:
         if outer is not None:
             if on_main:
                 # jax.distributed.initialize, called in between, installs its own SIGTERM
-                # handler (the coordination service's preemption notifier): take it back.
+                # handler (the coordination service's preemption notifier): take it back,
+                # and hand SIGTERM on to it.
                 for signum in SIGNALS:
-                    signal.signal(signum, outer._handle)
+                    outer._take(signum, outer._handle)
             return outer
         if on_main:
             for signum in SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
+                self._previous[signum] = self._take(signum, self._handle)
             SignalGuard._active = self
         return self
 
@@ -84,7 +150,50 @@ class SignalGuard:
         if SignalGuard._active is self:
             for signum, handler in self._previous.items():
                 signal.signal(signum, handler)
+            if self._jax_notifier is not None:
+                self._jax_notifier.install(signal.SIGTERM)  # JAX's notifier keeps listening
             SignalGuard._active = None
+
+
+def _preemption_service() -> bool:
+    """Whether this process runs JAX's preemption service (``jax.distributed`` is up with it)."""
+    return jax.distributed.is_initialized() and bool(jax.config.jax_enable_preemption_service)  # type: ignore[attr-defined]
+
+
+class _CHandler:
+    """A signal handler installed from C (JAX's SIGTERM notifier), read with ``sigaction``.
+
+    Python's :func:`signal.signal` neither reports such a handler nor can reinstall it. Linux
+    only (glibc's ``struct sigaction``: the handler first, ``sa_flags`` at byte 136); elsewhere
+    :meth:`current` finds none, and a signal reaches the other processes by the trainer's
+    all-gather alone.
+    """
+
+    _SA_SIGINFO = 4  # a three-argument handler: not called from here
+
+    def __init__(self, action: bytes) -> None:
+        self._action = action
+        self.address = ctypes.c_void_p.from_buffer_copy(action[:8]).value or 0
+
+    @classmethod
+    def current(cls, signum: int) -> _CHandler | None:
+        """The handler installed now, unless it is SIG_DFL, SIG_IGN or a siginfo handler."""
+        if not sys.platform.startswith("linux"):
+            return None
+        action = ctypes.create_string_buffer(256)  # glibc's struct sigaction is 152 bytes
+        if ctypes.CDLL(None, use_errno=True).sigaction(signum, None, action) != 0:
+            return None
+        handler = cls(action.raw)
+        flags = int.from_bytes(action.raw[136:140], sys.byteorder)
+        if handler.address in (0, 1) or flags & cls._SA_SIGINFO:
+            return None
+        return handler
+
+    def call(self, signum: int) -> None:
+        ctypes.CFUNCTYPE(None, ctypes.c_int)(self.address)(signum)
+
+    def install(self, signum: int) -> None:
+        ctypes.CDLL(None, use_errno=True).sigaction(signum, ctypes.create_string_buffer(self._action), None)
 
 
 def handle_signals() -> SignalGuard:

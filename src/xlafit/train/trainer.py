@@ -36,21 +36,20 @@ import optax
 from flax import nnx
 
 from xlafit.checkpoint import Checkpointer
-from xlafit.config import ConfigError, TrainerConfig
+from xlafit.config import ConfigError, TrainerConfig, validate_watchdog
 from xlafit.data.dataset import Dataset, as_dataset, num_shapes
 from xlafit.data.loader import Prefetcher, TrainOrder, eval_batches, to_global
 from xlafit.devices import Strategy, connect
+from xlafit.paths import as_path
 from xlafit.train.optim import highest_rate
 from xlafit.train.report import RunReport
 from xlafit.train.signals import Preempted, SignalGuard, handle_signals
 from xlafit.train.step import (
-    CompiledStep,
     LossFn,
     TrainState,
-    build_eval_step,
-    build_invariant_train_step,
-    build_train_step,
+    make_steps,
 )
+from xlafit.train.watchdog import Watchdog
 
 log = logging.getLogger("xlafit")
 
@@ -105,10 +104,16 @@ class Trainer:
     """Trains an ``nnx.Module`` data-parallel over every device of the strategy.
 
     Args:
-        model: the model; its ``nnx.Param`` variables are trained.
+        model: the model; its ``nnx.Param`` variables are trained. A Keras 3 model
+            (``KERAS_BACKEND=jax``) trains too (:mod:`xlafit.keras_models`): its trainable
+            variables are the parameters, and the trained values are written back into it
+            at every checkpoint and at the end of :meth:`fit`.
         loss_fn: ``loss_fn(model, batch)`` -> per-example losses ``[B]``, or
             ``(losses [B], {metric: [B]})``. Per-example values let evaluation weight
-            padding rows by zero and count every example exactly once.
+            padding rows by zero and count every example exactly once. With a Keras model:
+            a Keras loss, its name, ``loss(y_true, y_pred)``, a
+            :class:`~xlafit.keras_models.KerasLoss` (with metrics), or None for the loss of
+            ``model.compile``; batches are ``{"x": inputs, "y": targets}``.
         optimizer: an optax transformation.
         strategy: from :func:`xlafit.connect`; default: all devices.
         global_batch: examples per optimizer step over all devices (must divide evenly).
@@ -156,7 +161,7 @@ class Trainer:
                     f"use a multiple of {self.strategy.num_replicas}."
                 )
         self.learning_rate = learning_rate
-        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.run_dir = as_path(run_dir) if run_dir is not None else None  # keeps gs://'s //
         self.data_seed = data_seed
         self.prefetch = prefetch
         self.resume = resume
@@ -166,6 +171,19 @@ class Trainer:
         self.peak_flops: float | None = None  # looked up when fit starts
         self._planned_k: set[int] = set()  # steps-per-call values of the calls planned so far
 
+        from xlafit.keras_models import KerasModule, adapt, is_keras_model
+
+        if is_keras_model(model):  # Keras 3: trained as an nnx.Module, loss(y_true, y_pred)
+            model, loss_fn = adapt(model, loss_fn)
+        # Trained values go back into a Keras model at checkpoints and at the end of fit.
+        self._keras = model if isinstance(model, KerasModule) else None
+        if self._keras is not None and self.config.invariant_chunks is not None:
+            # Keras' dropout seed is plain uint32 state, not a JAX key: every chunk would draw
+            # the same masks, a different training from the one the setting promises.
+            raise ConfigError(
+                "trainer.invariant_chunks does not carry over to Keras models (their dropout seed state "
+                "cannot be split per chunk); set trainer.invariant_chunks=null."
+            )
         model.train()
         train_graphdef, params, model_state = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]  # flax's overloads
         model.eval()
@@ -180,48 +198,8 @@ class Trainer:
             opt_state=jax.jit(optimizer.init, out_shardings=replicated)(params),
             model_state=model_state,
         )
-        chunks = self.config.invariant_chunks
-        accumulate = self.config.accumulate_steps
-        per_device = self.global_batch // self.strategy.num_replicas
-        if per_device % accumulate:
-            raise ConfigError(
-                f"trainer.accumulate_steps={accumulate} must divide the per-device batch {per_device}; "
-                f"use one of {[d for d in range(1, per_device + 1) if per_device % d == 0]}."
-            )
-        if chunks is not None and accumulate > 1:
-            raise ConfigError(
-                "trainer.invariant_chunks already runs chunks one after another on each device; "
-                "set trainer.accumulate_steps=1 with it."
-            )
-        if chunks is not None:
-            devices = self.strategy.num_replicas
-            if chunks % devices or self.global_batch % chunks:
-                raise ConfigError(
-                    f"trainer.invariant_chunks={chunks} must be a multiple of the {devices} devices and divide "
-                    f"the global batch {self.global_batch}; try {devices * max(1, chunks // devices)} or null."
-                )
-            step_fn = build_invariant_train_step(train_graphdef, loss_fn, optimizer, self.strategy.mesh, chunks)
-        else:
-            step_fn = build_train_step(
-                train_graphdef,
-                loss_fn,
-                optimizer,
-                unroll=self.strategy.platform == "cpu",
-                accumulate=accumulate,
-                devices=self.strategy.num_replicas,
-            )
-        self.train_step = CompiledStep(
-            "train step",
-            step_fn,
-            in_shardings=(replicated, self.strategy.batch_sharding(1)),
-            out_shardings=(replicated, replicated),
-            donate_argnums=0,
-        )
-        self.eval_step = CompiledStep(
-            "eval step",
-            build_eval_step(eval_graphdef, loss_fn),
-            in_shardings=(replicated, self.strategy.batch, self.strategy.batch),
-            out_shardings=replicated,
+        self.train_step, self.eval_step = make_steps(
+            train_graphdef, eval_graphdef, loss_fn, optimizer, self.strategy, self.config, self.global_batch
         )
         if checkpoint_dir is None and self.run_dir is not None:
             checkpoint_dir = self.run_dir / "checkpoints"
@@ -306,7 +284,9 @@ class Trainer:
 
         Resumes from the newest intact checkpoint in ``run_dir`` when there is one (and
         ``resume`` is set): the data order is a function of the step, so the resumed run
-        sees exactly the batches the uninterrupted one would have.
+        sees exactly the batches the uninterrupted one would have. In a multi-process job a
+        hang (no call finishing within ``trainer.watchdog_*``) ends the process with exit
+        status 75 after writing its stacks (:mod:`xlafit.train.watchdog`).
 
         Raises:
             Preempted: SIGTERM or SIGINT arrived; a checkpoint of the last finished step
@@ -338,7 +318,7 @@ class Trainer:
         last_save = time.monotonic()
         step = start
         try:
-            with handle_signals() as signals:
+            with handle_signals() as signals, self._watchdog() as watchdog:
                 if signals.received is not None:  # during start-up: nothing new to save
                     raise Preempted(
                         start, signals.received, "before the first step of this session, nothing new to save"
@@ -349,6 +329,7 @@ class Trainer:
                     with contextlib.closing(self.steps(train, step, stop)) as calls:
                         for call in calls:
                             step = call.first + call.k
+                            watchdog.beat(step)
                             pending.append((call.first, call.metrics))
                             window_compile += call.compile_s
                             epoch_end = step % spe == 0
@@ -378,13 +359,22 @@ class Trainer:
                                     break
                             if stop_requested:
                                 # in a multi-process job, a process the signal did not reach stops too
-                                raise Preempted(step, signals.received or signal.SIGTERM, self._save_now(step))
+                                report.sync()  # a URL run dir: metrics reach the bucket before the checkpoint
+                                raise Preempted(
+                                    step,
+                                    signals.received or signal.SIGTERM,
+                                    self._save_now(step),
+                                    sync_point=signals.sync_point,
+                                )
                             if epoch_end and eval is not None and (step // spe) % cfg.eval_every_epochs == 0:
-                                last_eval = self.evaluate(eval)
+                                with watchdog.paused():  # not a step: its time is not a hang
+                                    last_eval = self.evaluate(eval)
                                 report.record({"step": step, "epoch": step // spe, **last_eval}, prefix="eval")
                                 window_t0 = time.perf_counter()
                             if save and self._ckpt is not None:
+                                report.sync()  # a URL run dir: metrics reach the bucket before the checkpoint
                                 self._ckpt.save(step, self._state)
+                                self._write_back()
                                 last_save = time.monotonic()
         finally:
             if self._ckpt is not None:
@@ -397,6 +387,7 @@ class Trainer:
             report.close()
         if eval is not None and last_eval is None and int(self._state.step) == total:
             last_eval = self.evaluate(eval)
+        self._write_back()
         return FitResult(
             state=self._state,
             history=history,
@@ -415,25 +406,39 @@ class Trainer:
 
     def _requests(self, signals: SignalGuard, last_save: float) -> tuple[bool, bool]:
         """(stop requested, checkpoint time reached): in a multi-process job, by any process,
-        so that all of them stop or save at the same step."""
+        so that all of them stop or save at the same step. A SIGTERM reaches the others
+        through JAX's preemption service (its sync point); the all-gather carries the rest."""
         minutes = self.config.checkpoint_every_minutes
         flags = np.array(
-            [signals.received is not None, bool(minutes) and time.monotonic() - last_save >= 60 * minutes], np.int32
+            [signals.must_share(), bool(minutes) and time.monotonic() - last_save >= 60 * minutes], np.int32
         )
         if self.strategy.process_count > 1:
             from jax.experimental import multihost_utils
 
             # note: a small collective per call, only in multi-process jobs
             flags = np.asarray(multihost_utils.process_allgather(flags)).max(axis=0)
-        return bool(flags[0]), bool(flags[1])
+        at_sync_point = signals.at_sync_point()  # every call, in every process: JAX's contract
+        return bool(flags[0]) or at_sync_point, bool(flags[1])
+
+    def _watchdog(self) -> Watchdog:
+        """The hang watchdog of a multi-process job; off in a single process (no peer to wait for)."""
+        validate_watchdog(self.config)
+        factor = self.config.watchdog_factor if self.strategy.process_count > 1 else 0.0
+        return Watchdog(factor, self.config.watchdog_floor_s, process_index=self.strategy.process_index)
 
     def _save_now(self, step: int) -> str:
         """A synchronous checkpoint before the process exits; says where it went."""
         if self._ckpt is None:
             return "no run directory, nothing saved"
         self._ckpt.save(step, self._state)
+        self._write_back()
         self._ckpt.wait()
         return f"checkpoint {step} saved in {self._ckpt.directory}"
+
+    def _write_back(self) -> None:
+        """Puts the trained values into the Keras model this trainer wraps (nothing for NNX)."""
+        if self._keras is not None:
+            self._keras.write_back(self._state.params, self._state.model_state)
 
     def _announce(self, report: RunReport, restored: int | None, order: TrainOrder, train: Dataset, total: int) -> None:
         """The start-up lines: resume point, devices and batch, steps, dropped examples, MFU peak."""

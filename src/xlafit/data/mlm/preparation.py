@@ -32,6 +32,7 @@ from xlafit.data.dataset import DataError
 from xlafit.data.mlm.masking import hash_uniform
 from xlafit.data.text import DocBoundary, documents, total_bytes
 from xlafit.data.tokenizer import CLS, SEP, load_tokenizer
+from xlafit.paths import StorageError, as_path, check_bucket, files_under, is_url
 
 MANIFEST = "manifest.json"
 FORMAT = "xlafit-mlm-v1"
@@ -167,7 +168,7 @@ def prepare(
     evaluation split with probability ``eval_fraction`` (a hash of its index and the seed).
 
     Args:
-        tokenizer_dir: a directory from ``xlafit tokenizer train``; copied to ``out/tokenizer``.
+        tokenizer_dir: a directory or URL from ``xlafit tokenizer train``; copied to ``out/tokenizer``.
         files: UTF-8 text files or URLs.
         out: a local directory or fsspec URL.
         seq_len: tokens per sequence, ``[CLS]`` and ``[SEP]`` included.
@@ -184,6 +185,11 @@ def prepare(
         raise DataError(f"--eval-fraction {eval_fraction} must lie in [0, 1).")
     tok = load_tokenizer(tokenizer_dir)
     fs, root = fsspec.core.url_to_fs(out)
+    if is_url(out):
+        try:  # gcsfs's makedirs would create a missing bucket
+            check_bucket(out, "--out")
+        except StorageError as e:
+            raise DataError(str(e)) from None
     fs.makedirs(root, exist_ok=True)
     _copy_tokenizer(tokenizer_dir, fs, f"{root}/tokenizer")
     rng = np.random.default_rng(seed)
@@ -207,7 +213,7 @@ def prepare(
         for ids, types in packers[split].flush():
             writers[split].add(ids, types)
         writers[split].flush()
-    tokenizer_json = Path(tokenizer_dir) / "tokenizer.json"
+    tokenizer_json = as_path(tokenizer_dir) / "tokenizer.json"
     manifest = {
         "format": FORMAT,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -245,9 +251,9 @@ def _split_draw(seed: int, index: int) -> float:
 
 def _copy_tokenizer(tokenizer_dir: str | Path, fs: fsspec.AbstractFileSystem, dest: str) -> None:
     fs.makedirs(dest, exist_ok=True)
-    for f in Path(tokenizer_dir).iterdir():
-        if f.is_file():
-            with fs.open(f"{dest}/{f.name}", "wb") as out:
+    for name, f in files_under(as_path(tokenizer_dir)).items():  # a local directory or a URL
+        if "/" not in name:
+            with fs.open(f"{dest}/{name}", "wb") as out:
                 out.write(f.read_bytes())
 
 

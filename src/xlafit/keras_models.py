@@ -1,0 +1,592 @@
+"""Keras 3 models in xlafit: the Keras model as an ``nnx.Module``, its loss as a ``loss_fn``.
+
+Keras 3 on the JAX backend already has a pure function of a model:
+``model.stateless_call(trainable, non_trainable, x, training=...)`` returns the outputs,
+the new non-trainable values (BatchNorm statistics, dropout seed state) and, with
+``return_losses=True``, the regularisation losses. :class:`KerasModule` holds the trainable
+values as ``nnx.Param`` and the others as :class:`KerasState`, so :class:`xlafit.Trainer`
+trains a Keras model through the very code path of its NNX models: k steps per call,
+prefetch, exact evaluation, checkpoints and exact resume, SIGTERM, the NaN policy,
+multi-process jobs and the recompile guard are the same code, not a second loop.
+
+``Trainer(keras_model, loss, optimizer, ...)`` wraps the model itself (:func:`adapt`) and
+writes the trained values back into it at every checkpoint and at the end of ``fit``, so
+``keras_model.predict`` and ``keras_model.save("x.keras")`` see them. :func:`fit` is the
+``model.fit``-shaped entry point on top (``validation_data``, a ``History`` with Keras'
+metric names); Keras features that do not carry over raise a :class:`ConfigError` that
+names the xlafit equivalent. Batches are dicts with ``"x"`` (the model's input) and
+``"y"`` (the target).
+
+Keras is imported only when a Keras model is used; set ``KERAS_BACKEND=jax`` before it is
+imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from xlafit.config import ConfigError, OptimizerConfig, TrainerConfig
+from xlafit.data.dataset import Dataset
+from xlafit.devices import Strategy
+from xlafit.train.trainer import FitResult, Trainer
+
+
+# Keras' own layers broadcast a bias [C] against [B, C]; xlafit's tests (and careful users)
+# run with jax_numpy_rank_promotion="raise", which Keras' code was not written for. Keras
+# calls are traced under "allow"; the setting stays as the user chose everywhere else.
+def _keras_numpy() -> Any:
+    return jax.numpy_rank_promotion("allow")
+
+
+def keras_backend() -> Any:
+    """The ``keras`` module, after checking that it runs on JAX.
+
+    Raises:
+        ConfigError: keras is not installed, or it was imported with another backend.
+    """
+    try:
+        import keras
+    except ImportError:
+        raise ConfigError("training a Keras model needs keras 3: pip install 'xlafit[keras]'.") from None
+    if keras.backend.backend() != "jax":
+        raise ConfigError(
+            f"keras runs on its {keras.backend.backend()!r} backend; xlafit trains Keras models on JAX: set "
+            "KERAS_BACKEND=jax before keras is imported (os.environ['KERAS_BACKEND'] = 'jax' at the top of the script)."
+        )
+    return keras
+
+
+def is_keras_model(obj: Any) -> bool:
+    """True for a Keras 3 model (without importing keras: an unimported keras made none)."""
+    keras = sys.modules.get("keras")
+    return keras is not None and isinstance(obj, getattr(keras, "Model", ()))
+
+
+class KerasState(nnx.Variable):
+    """A non-trainable Keras variable: BatchNorm statistics, a dropout seed generator's state."""
+
+
+class KerasModule(nnx.Module):
+    """A Keras 3 model as an ``nnx.Module``: what :class:`xlafit.Trainer` trains.
+
+    Trainable variables become ``nnx.Param`` (in ``model.trainable_variables`` order), the
+    others :class:`KerasState`; the Keras model itself is static structure. Built in eval
+    mode, as xlafit's models: ``train()`` / ``eval()`` select Keras' ``training=True/False``.
+
+    Args:
+        model: a built Keras 3 model (``KERAS_BACKEND=jax``).
+
+    Example:
+        >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")  # doctest: +ELLIPSIS
+        '...'
+        >>> import keras, numpy as np
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        >>> module = KerasModule(model)
+        >>> x = np.ones((4, 3), np.float32)
+        >>> kernel, bias = model.get_weights()
+        >>> bool(np.allclose(module(x), x @ kernel + bias))
+        True
+    """
+
+    def __init__(self, model: Any) -> None:
+        keras_backend()
+        if not model.built:
+            raise ConfigError(
+                f"the Keras model {model.name!r} is not built, so it has no variables yet; start it with "
+                "keras.Input(shape) or call it once on a batch before handing it to xlafit."
+            )
+        self.keras_model = model
+        self.deterministic = True  # nnx's train()/eval() flag: training=not deterministic
+        self.params = nnx.List([nnx.Param(jnp.asarray(v.value)) for v in model.trainable_variables])
+        self.state = nnx.List([KerasState(jnp.asarray(v.value)) for v in model.non_trainable_variables])
+
+    def forward(self, x: Any) -> tuple[Any, jax.Array]:
+        """``(outputs, regularisation loss)``; updates the non-trainable state (in training)."""
+        with _keras_numpy():
+            y, state, losses = self.keras_model.stateless_call(
+                [p[...] for p in self.params],
+                [s[...] for s in self.state],
+                x,
+                training=not self.deterministic,
+                return_losses=True,
+            )
+        for variable, value in zip(self.state, state, strict=True):
+            variable[...] = value
+        reg = sum((jnp.asarray(v, jnp.float32) for v in losses), jnp.zeros((), jnp.float32))
+        return y, reg
+
+    def __call__(self, x: Any) -> Any:
+        return self.forward(x)[0]
+
+    def write_back(self, params: nnx.State, model_state: nnx.State) -> None:
+        """Puts trained values into this module and into the Keras model's variables.
+
+        Each value is copied from its first local shard: the trainer donates its state to
+        the next step, and a multi-process job's replicated arrays span other hosts.
+        Costs one on-device copy of the parameters per call (checkpoints and the end).
+        """
+
+        def local(x: jax.Array) -> jax.Array:
+            return x.addressable_data(0).copy()
+
+        nnx.update(self, jax.tree.map(local, params), jax.tree.map(local, model_state))
+        model = self.keras_model
+        ours: list[nnx.Variable] = [*self.params, *self.state]
+        for keras_var, var in zip(model.trainable_variables + model.non_trainable_variables, ours, strict=True):
+            keras_var.assign(var[...])
+
+
+# --------------------------------------------------------------------------- loss and metrics
+
+
+def _resolve_loss(keras: Any, loss: Any) -> Callable:
+    """A Keras loss (object, name, or function of ``(y_true, y_pred)``) as an unreduced function."""
+    if isinstance(loss, str):
+        loss = keras.losses.get(loss)
+    if isinstance(loss, keras.losses.Loss):
+        # Loss.call is the unreduced loss of Keras' convention; __call__ would reduce it.
+        return loss.call
+    if callable(loss):
+        return loss
+    raise ConfigError(
+        f"loss must be a Keras loss, its name ('sparse_categorical_crossentropy') or a function "
+        f"loss(y_true, y_pred) -> one value per example; got a {type(loss).__name__}."
+    )
+
+
+def _accuracy_for(keras: Any, y_true: Any, y_pred: Any) -> Callable:
+    """Keras' choice for "accuracy": binary, sparse categorical or categorical, by the shapes."""
+    binary = y_pred.shape[-1] == 1
+    sparse = y_true.ndim < y_pred.ndim or (y_true.shape[-1] == 1 and y_pred.shape[-1] > 1)
+    if binary:
+        return keras.metrics.binary_accuracy
+    return keras.metrics.sparse_categorical_accuracy if sparse else keras.metrics.categorical_accuracy
+
+
+def _resolve_metric(keras: Any, metric: Any) -> tuple[str, Any]:
+    """``(history name, function or "accuracy")`` of one Keras metric, as Keras names it."""
+    if isinstance(metric, Mapping):  # a serialised metric, from model.get_compile_config()
+        metric = keras.metrics.deserialize(metric)
+    name: str | None = None
+    if isinstance(metric, str):
+        if metric.lower() in ("accuracy", "acc"):
+            return metric, "accuracy"
+        name, metric = metric, keras.metrics.get(metric)  # Keras keeps the name it was given
+    if isinstance(metric, keras.metrics.MeanMetricWrapper):
+        # A mean of a per-example function: the function is the metric.
+        fn, kwargs = metric._fn, metric._fn_kwargs
+        return str(name or metric.name), (lambda y_true, y_pred: fn(y_true, y_pred, **kwargs))
+    if isinstance(metric, keras.metrics.Metric):
+        raise ConfigError(
+            f"the Keras metric {metric.name!r} ({type(metric).__name__}) keeps state across batches, so it is not "
+            "a mean of per-example values, which xlafit's evaluation needs to count every example once; pass a "
+            "function metric(y_true, y_pred) -> one value per example instead, or compute it after fit with "
+            "model.predict."
+        )
+    if callable(metric):
+        return str(name or getattr(metric, "__name__", type(metric).__name__)), metric
+    raise ConfigError(f"a metric must be a Keras metric, its name or a function; got a {type(metric).__name__}.")
+
+
+def _per_example(values: Any) -> jax.Array:
+    """Keras' unreduced values ``[B, ...]`` -> ``[B]`` float32: the mean over the other axes,
+    which is Keras' own "sum over batch size" once averaged over the batch."""
+    values = jnp.asarray(values, jnp.float32)
+    return values.mean(axis=tuple(range(1, values.ndim))) if values.ndim > 1 else values
+
+
+class KerasLoss:
+    """A Keras loss and metrics as xlafit's ``loss_fn(module, batch)``.
+
+    Returns per-example losses (with the model's regularisation losses added to each, so
+    their mean is Keras' total loss) and per-example metrics named as Keras names them.
+
+    Args:
+        loss: a Keras loss, its name, or ``loss(y_true, y_pred)`` returning one value per
+            example (more axes are averaged).
+        metrics: Keras metrics that are means of per-example values (``"accuracy"``,
+            ``keras.metrics.SparseCategoricalAccuracy()``, ...) or functions
+            ``metric(y_true, y_pred)``.
+        x, y: the batch keys of the model's input and the target.
+
+    Example:
+        >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")  # doctest: +ELLIPSIS
+        '...'
+        >>> import keras, numpy as np
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        >>> loss_fn = KerasLoss("sparse_categorical_crossentropy", ["accuracy"])
+        >>> batch = {"x": np.ones((4, 3), np.float32), "y": np.zeros(4, np.int32)}
+        >>> losses, metrics = loss_fn(KerasModule(model), batch)
+        >>> losses.shape, sorted(metrics)
+        ((4,), ['accuracy'])
+    """
+
+    def __init__(self, loss: Any, metrics: Sequence[Any] | None = None, *, x: str = "x", y: str = "y") -> None:
+        keras = keras_backend()
+        self._loss = _resolve_loss(keras, loss)
+        self._metrics = dict(_resolve_metric(keras, m) for m in metrics or ())
+        self.names = list(self._metrics)
+        self.x, self.y = x, y
+
+    def __call__(self, module: KerasModule, batch: Mapping[str, Any]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        missing = [k for k in (self.x, self.y) if k not in batch]
+        if missing:
+            raise ConfigError(
+                f"a Keras model's batches need the keys {self.x!r} (the input) and {self.y!r} (the target); "
+                f"{', '.join(map(repr, missing))} missing from {sorted(batch)}. Pass {{'x': x, 'y': y}}."
+            )
+        y_true = batch[self.y]
+        y_pred, reg = module.forward(batch[self.x])
+        # Keras' Loss.__call__ computes in float32 under mixed precision; Loss.call does not cast.
+        y_pred = jax.tree.map(lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, y_pred)
+        with _keras_numpy():
+            losses = _per_example(self._loss(y_true, y_pred)) + reg
+            metrics = {}
+            for name, fn in self._metrics.items():
+                if fn == "accuracy":
+                    fn = _accuracy_for(keras_backend(), y_true, y_pred)
+                metrics[name] = _per_example(fn(y_true, y_pred))
+        return losses, metrics
+
+
+def compiled_loss(model: Any) -> KerasLoss:
+    """The loss and metrics given to ``model.compile``, as a :class:`KerasLoss`.
+
+    Raises:
+        ConfigError: the model was not compiled with a loss.
+    """
+    keras_backend()
+    if getattr(model, "loss", None) is None:
+        raise ConfigError(
+            "the Keras model was not compiled with a loss: pass loss= (a Keras loss, its name or "
+            "loss(y_true, y_pred)), or call model.compile(loss=..., metrics=[...]) first."
+        )
+    metrics = model.get_compile_config().get("metrics") if model.compiled else None
+    return KerasLoss(model.loss, metrics or ())
+
+
+def adapt(model: Any, loss: Any = None, metrics: Sequence[Any] | None = None) -> tuple[KerasModule, Any]:
+    """What :class:`xlafit.Trainer` and ``xlafit check`` train for a Keras model.
+
+    Args:
+        model: a built Keras 3 model.
+        loss: a :class:`KerasLoss`, a Keras loss or its name, ``loss(y_true, y_pred)``, or
+            None for the loss of ``model.compile``.
+        metrics: with a plain loss: the metrics (default: those of ``model.compile``).
+
+    Returns:
+        ``(module, loss_fn)``: a :class:`KerasModule` and ``loss_fn(module, batch)`` on
+        batches ``{"x": inputs, "y": targets}``.
+
+    Example:
+        >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")  # doctest: +ELLIPSIS
+        '...'
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        >>> module, loss_fn = adapt(model, "sparse_categorical_crossentropy", ["accuracy"])
+        >>> type(module).__name__, loss_fn.names
+        ('KerasModule', ['accuracy'])
+    """
+    module = KerasModule(model)
+    if isinstance(loss, KerasLoss):
+        return module, loss
+    if loss is None:
+        compiled = compiled_loss(model)
+        return module, (compiled if metrics is None else KerasLoss(model.loss, metrics))
+    if metrics is None and model.compiled:
+        metrics = model.get_compile_config().get("metrics")
+    return module, KerasLoss(loss, metrics)
+
+
+# --------------------------------------------------------------------------- optimizers
+
+
+def optax_from_keras(optimizer: Any) -> optax.GradientTransformation:
+    """The optax equivalent of a Keras ``Adam``, ``AdamW`` or ``SGD`` with a constant rate.
+
+    Same hyperparameters (Keras' defaults included: Adam's epsilon is 1e-7); Keras adds
+    epsilon before Adam's bias correction and optax after, a difference that fades within
+    the first few hundred steps.
+
+    Raises:
+        ConfigError: another optimizer, a schedule, or a setting optax has no twin for.
+    """
+    keras = keras_backend()
+    name = type(optimizer).__name__
+    cfg = optimizer.get_config()
+    lr = cfg.get("learning_rate")
+    how = "pass an optax transformation instead (optax.adam(1e-3), optax.sgd(0.1, momentum=0.9), ...)"
+    if not isinstance(lr, float):
+        raise ConfigError(
+            f"the Keras {name} has a learning-rate schedule, which xlafit does not translate; {how} with an optax "
+            "schedule, or an xlafit.config.OptimizerConfig (warmup, decay, scaling with the batch)."
+        )
+    for key, default in (("clipnorm", None), ("clipvalue", None), ("use_ema", False), ("amsgrad", False)):
+        if cfg.get(key, default) != default:
+            raise ConfigError(f"the Keras {name} sets {key}={cfg[key]}, which xlafit does not translate; {how}.")
+    if cfg.get("gradient_accumulation_steps"):
+        raise ConfigError(
+            f"the Keras {name} accumulates gradients; set TrainerConfig(accumulate_steps=...) instead, and {how}."
+        )
+    if isinstance(optimizer, keras.optimizers.AdamW):
+        opt = optax.adamw(lr, b1=cfg["beta_1"], b2=cfg["beta_2"], eps=cfg["epsilon"], weight_decay=cfg["weight_decay"])
+    elif isinstance(optimizer, keras.optimizers.Adam):
+        if cfg.get("weight_decay"):
+            opt = optax.adamw(
+                lr, b1=cfg["beta_1"], b2=cfg["beta_2"], eps=cfg["epsilon"], weight_decay=cfg["weight_decay"]
+            )
+        else:
+            opt = optax.adam(lr, b1=cfg["beta_1"], b2=cfg["beta_2"], eps=cfg["epsilon"])
+    elif isinstance(optimizer, keras.optimizers.SGD) and not cfg.get("weight_decay"):
+        opt = optax.sgd(lr, momentum=cfg["momentum"] or None, nesterov=cfg["nesterov"])
+    else:
+        raise ConfigError(f"xlafit translates Keras Adam, AdamW and SGD, not {name} with {cfg}; {how}.")
+    clip = cfg.get("global_clipnorm")
+    return optax.chain(optax.clip_by_global_norm(clip), opt) if clip else opt
+
+
+# --------------------------------------------------------------------------- fit
+
+
+# Keras fit arguments and callbacks that do not carry over, and what xlafit has instead.
+UNSUPPORTED = {
+    "validation_split": "pass validation_data=(x_val, y_val)",
+    "shuffle": "xlafit reshuffles every epoch by (seed, step), which makes resume exact; seed= picks the order",
+    "class_weight": "weight the per-example losses inside loss(y_true, y_pred)",
+    "sample_weight": "weight the per-example losses inside loss(y_true, y_pred)",
+    "initial_epoch": "give run_dir=: fit resumes from its newest checkpoint",
+    "steps_per_epoch": "xlafit trains whole epochs of the arrays; stop early with config=TrainerConfig(stop_at_step=N)",
+    "validation_steps": "validation covers every example of validation_data, each once",
+    "validation_batch_size": "set config via xlafit.Trainer(eval_global_batch=...)",
+    "validation_freq": "config=TrainerConfig(eval_every_epochs=N)",
+}
+CALLBACKS = {
+    "ModelCheckpoint": "run_dir= (a checkpoint every epoch; TrainerConfig(checkpoint_every_steps=N) for more)",
+    "BackupAndRestore": "run_dir=: fit resumes bit-exact from the newest checkpoint there",
+    "EarlyStopping": "epochs= or TrainerConfig(stop_at_step=N)",
+    "LearningRateScheduler": "an optax schedule in the optimizer, or an OptimizerConfig (warmup, decay)",
+    "ReduceLROnPlateau": "an optax schedule in the optimizer, or an OptimizerConfig (warmup, decay)",
+    "TensorBoard": "run_dir=: TensorBoard logs go to run_dir/tensorboard",
+    "CSVLogger": "run_dir=: every record goes to run_dir/metrics.jsonl",
+    "TerminateOnNaN": "TrainerConfig(nan_policy='stop') (the default; or 'skip', 'rollback')",
+    "ProgbarLogger": "progress lines are printed anyway",
+    "History": "fit returns a History",
+}
+
+
+@dataclasses.dataclass
+class History:
+    """What :func:`fit` returns, shaped like Keras' ``History``.
+
+    Attributes:
+        history: per-epoch means of training loss and metrics, and ``val_``-prefixed
+            evaluations, under Keras' names (``loss``, ``accuracy``, ``val_loss``, ...).
+        epoch: the epochs this call trained (0-based, as Keras counts).
+        result: the trainer's :class:`~xlafit.FitResult` (compile counts and times, ...).
+    """
+
+    history: dict[str, list[float]]
+    epoch: list[int]
+    result: FitResult
+
+
+class _EpochTrainer(Trainer):
+    """A :class:`Trainer` that keeps every evaluation, for ``val_*`` per epoch."""
+
+    evaluations: list[tuple[int, dict[str, float]]]
+
+    def evaluate(self, data: Any) -> dict[str, float]:
+        result = super().evaluate(data)
+        self.evaluations.append((int(self.state.step), result))
+        return result
+
+
+def _as_data(x: Any, y: Any, what: str) -> Dataset | Mapping[str, np.ndarray]:
+    if y is None and (isinstance(x, Dataset) or isinstance(x, Mapping) and "y" in x):
+        return x
+    if y is None:
+        raise ConfigError(f"{what}: give x and y (NumPy arrays), or a dict {{'x': ..., 'y': ...}}.")
+    if not hasattr(x, "shape") or not hasattr(y, "shape"):
+        raise ConfigError(
+            f"{what}: x and y must be arrays (NumPy); a {type(x).__name__} is not. tf.data pipelines and "
+            "generators do not carry over: xlafit draws batches by index, so resume and evaluation are exact."
+        )
+    return {"x": np.asarray(x), "y": np.asarray(y)}
+
+
+def _optimizer(model: Any, optimizer: Any, global_batch: int, total_steps: int) -> tuple[Any, Any]:
+    """``(optax transformation, its learning-rate schedule or None)``."""
+    if isinstance(optimizer, OptimizerConfig):
+        from xlafit.train.optim import make_optimizer
+
+        plan = make_optimizer(optimizer, global_batch, total_steps)
+        return plan.tx, plan.schedule
+    if optimizer is None:
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is None:
+            raise ConfigError(
+                "no optimizer: pass optimizer= (optax, an xlafit.config.OptimizerConfig, or a Keras Adam/AdamW/SGD), "
+                "or model.compile(optimizer=...) first."
+            )
+    if isinstance(optimizer, optax.GradientTransformation):
+        return optimizer, None
+    keras = keras_backend()
+    if isinstance(optimizer, str):
+        optimizer = keras.optimizers.get(optimizer)
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        return optax_from_keras(optimizer), optimizer.get_config()["learning_rate"]
+    raise ConfigError(f"optimizer must be optax, an OptimizerConfig or a Keras optimizer; got {type(optimizer)}.")
+
+
+def fit(
+    model: Any,
+    x: Any = None,
+    y: Any = None,
+    *,
+    batch_size: int = 32,
+    epochs: int = 1,
+    optimizer: Any = None,
+    loss: Any = None,
+    metrics: Sequence[Any] | None = None,
+    validation_data: Any = None,
+    callbacks: Sequence[Any] | None = None,
+    verbose: Any = "auto",
+    steps_per_execution: int = 1,
+    strategy: Strategy | None = None,
+    config: TrainerConfig | None = None,
+    run_dir: str | Path | None = None,
+    seed: int = 0,
+    **keras_only: Any,
+) -> History:
+    """``model.fit`` for a Keras 3 model, trained by :class:`xlafit.Trainer` on every device.
+
+    The arguments are Keras' (``batch_size`` is the global batch, as under ``TPUStrategy``:
+    ``16 * strategy.num_replicas``); the trained values are in ``model`` afterwards.
+
+    Args:
+        model: a built Keras 3 model; ``loss``, ``metrics`` and ``optimizer`` default to
+            those of ``model.compile``.
+        x, y: NumPy arrays, or ``x`` a dict ``{"x": ..., "y": ...}`` or an xlafit Dataset.
+        optimizer: optax, an :class:`xlafit.config.OptimizerConfig` (its rate scaled from
+            ``reference_batch`` to ``batch_size``), or a Keras Adam/AdamW/SGD (translated).
+        validation_data: ``(x_val, y_val)``, evaluated at every epoch's end, each example
+            once (the last batch padded and masked).
+        callbacks: not supported; the error names the xlafit equivalent of each.
+        verbose: accepted for Keras compatibility; progress lines are always printed.
+        steps_per_execution: optimizer steps per compiled call (Keras' own name for it).
+        strategy: from :func:`xlafit.connect`; default: every device.
+        config: further loop settings (checkpoints, NaN policy, ...); ``epochs`` and
+            ``steps_per_execution`` fill its fields.
+        run_dir: metrics, TensorBoard logs and checkpoints; ``fit`` resumes from there.
+        seed: the data order's seed.
+
+    Returns:
+        A :class:`History`: ``history["loss"]``, ``history["val_accuracy"]``, ...
+
+    Raises:
+        ConfigError: a Keras feature that does not carry over, named with its equivalent.
+
+    Example:
+        >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")  # doctest: +ELLIPSIS
+        '...'
+        >>> import keras, numpy as np, xlafit
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, activation="softmax")])
+        >>> model.compile(optimizer=keras.optimizers.SGD(0.5), loss="sparse_categorical_crossentropy",
+        ...               metrics=["accuracy"])
+        >>> x, y = np.eye(4, dtype=np.float32).repeat(16, 0), np.arange(64) // 16
+        >>> history = fit(model, x, y, batch_size=32, epochs=20, validation_data=(x, y))  # doctest: +ELLIPSIS
+        devices: 8 x cpu (1 process(es))   per-device batch: 4   global batch: 32
+        ...
+        >>> sorted(history.history), history.history["val_accuracy"][-1]
+        (['accuracy', 'loss', 'val_accuracy', 'val_loss'], 1.0)
+        >>> kernel, bias = model.get_weights()  # the trained values are the Keras model's
+        >>> bool(((x @ kernel + bias).argmax(-1) == y).all())
+        True
+    """
+    if keras_only:
+        name = next(iter(keras_only))
+        hint = UNSUPPORTED.get(name)
+        raise ConfigError(
+            f"fit(..., {name}=) is Keras-only: {hint}." if hint else f"fit() got an unknown argument {name!r}."
+        )
+    if callbacks:
+        names = [type(c).__name__ for c in callbacks]
+        hints = "; ".join(f"{n} -> {CALLBACKS[n]}" for n in names if n in CALLBACKS)
+        raise ConfigError(
+            f"Keras callbacks ({', '.join(names)}) do not run in xlafit: its steps are compiled ahead, several per "
+            f"call, with no Python between them. {hints or 'Use the xlafit settings instead'}"
+            + (
+                "."
+                if hints
+                else ": run_dir (checkpoints, TensorBoard), TrainerConfig (stops, NaN policy, "
+                "evaluation), an optax schedule (learning rate)."
+            )
+        )
+    del verbose
+    train = _as_data(x, y, "training data")
+    val = None
+    if validation_data is not None:
+        if not isinstance(validation_data, tuple | list) or len(validation_data) != 2:
+            raise ConfigError("validation_data must be (x_val, y_val); xlafit does not take sample weights there.")
+        val = _as_data(validation_data[0], validation_data[1], "validation_data")
+    config = dataclasses.replace(config or TrainerConfig(), epochs=epochs, steps_per_call=steps_per_execution)
+    module, loss_fn = adapt(model, loss, metrics)
+    from xlafit.data.dataset import as_dataset
+
+    rows = len(as_dataset(train))
+    total = epochs * max(rows // batch_size, 1)
+    tx, lr = _optimizer(model, optimizer, batch_size, total)
+    trainer = _EpochTrainer(
+        module,
+        loss_fn,
+        tx,
+        strategy=strategy,
+        global_batch=batch_size,
+        config=config,
+        learning_rate=lr,
+        run_dir=run_dir,
+        data_seed=seed,
+    )
+    trainer.evaluations = []
+    try:
+        result = trainer.fit(train, eval=val)
+    finally:
+        trainer.close()
+    return _history(result, trainer.evaluations, rows // batch_size, ["loss", *loss_fn.names])
+
+
+def _history(
+    result: FitResult, evaluations: list[tuple[int, dict[str, float]]], steps_per_epoch: int, names: list[str]
+) -> History:
+    """Per-epoch means of the logged records (each weighted by its steps), under Keras' names."""
+    sums: dict[int, dict[str, float]] = {}
+    steps: dict[int, int] = {}
+    previous = None
+    for record in result.history:
+        step = record["step"]
+        epoch = (step - 1) // steps_per_epoch
+        # The first record of a resumed run starts at the checkpoint, not at the previous record.
+        n = step - previous if previous is not None else step - epoch * steps_per_epoch
+        previous = step
+        steps[epoch] = steps.get(epoch, 0) + n
+        for name in names:
+            if name in record:
+                sums.setdefault(epoch, {})[name] = sums.get(epoch, {}).get(name, 0.0) + record[name] * n
+    epochs = sorted(steps)
+    history = {name: [sums[e][name] / steps[e] for e in epochs if name in sums.get(e, {})] for name in names}
+    by_epoch = {(step - 1) // steps_per_epoch: values for step, values in evaluations}
+    for name in names:
+        values = [by_epoch[e][name] for e in epochs if e in by_epoch and name in by_epoch[e]]
+        if values:
+            history[f"val_{name}"] = values
+    return History(history, epochs, result)

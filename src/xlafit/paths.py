@@ -1,0 +1,275 @@
+"""Paths that may be URLs: a local directory and ``gs://bucket/dir`` (any fsspec URL) alike.
+
+Everything xlafit writes (run directories, checkpoints, prepared data, tokenizers, exports)
+goes through :func:`as_path`, an ``etils.epath.Path`` that keeps the ``//`` of a URL
+(``pathlib.Path("gs://b/run")`` is ``gs:/b/run``). Object stores differ from a disk in
+three ways that matter here, handled by the helpers below:
+
+- there is no append: ``open(url, "a")`` on gs:// silently starts a new object, so a file
+  that grows (``metrics.jsonl``, TensorBoard events) is written in a local copy and
+  uploaded whole (:class:`LocalCopy`); one upload replaces the object whole or not at all;
+- there are no directories and no rename: a "move" copies every object and then deletes the
+  originals (:func:`move`), so an interruption leaves both copies, never neither;
+- gcsfs creates a missing *bucket* when asked to make a directory in it, so nothing here
+  calls ``mkdir`` on a URL; a missing bucket is reported instead (:func:`check_bucket`).
+
+Example:
+    >>> str(as_path("gs://bucket/run") / "checkpoints")
+    'gs://bucket/run/checkpoints'
+    >>> is_url("runs/a"), is_url("gs://bucket/run")
+    (False, True)
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import fsspec
+from etils import epath
+
+AnyPath = str | os.PathLike[str]
+
+
+class StorageError(OSError):
+    """A read or write of a URL failed (no such bucket, no permission, server unreachable);
+    the message names the URL and the fix."""
+
+
+def is_url(path: AnyPath) -> bool:
+    """Whether ``path`` names an object in a store (``gs://``, ``s3://``, ``memory://``...)."""
+    return "://" in os.fspath(path)
+
+
+def as_path(path: AnyPath) -> epath.Path:
+    """``path`` as an ``epath.Path``: local paths as they are, URLs with their ``//``."""
+    return epath.Path(os.fspath(path))
+
+
+def filesystem(path: AnyPath) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem of ``path`` and the path inside it (no protocol)."""
+    fs, inner = fsspec.core.url_to_fs(os.fspath(path))
+    return fs, inner.rstrip("/")
+
+
+def refresh(path: AnyPath) -> None:
+    """Forgets the directory listings that gcsfs caches for ``path``'s store, in both clients
+    (fsspec's and etils'), so that what another process wrote since is seen. No-op locally."""
+    if not is_url(path):
+        return
+    from etils.epath import backend
+
+    for fs in (filesystem(path)[0], backend.fsspec_backend.fs(os.fspath(path))):
+        fs.invalidate_cache()
+
+
+def describe_error(url: AnyPath, e: BaseException) -> str:
+    """One sentence on why an access to ``url`` failed, with the fix, for the common causes."""
+    chain = [e]  # Orbax and TensorStore wrap the client's error: look at every cause
+    while (cause := chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 10:
+        chain.append(cause)
+    root = next((c for c in chain if isinstance(c, (PermissionError, ConnectionError, FileNotFoundError))), e)
+    text = " ".join(f"{type(root).__name__}: {root}".split())  # one line: some clients put the body on a second
+    everything = " ".join(f"{type(c).__name__}: {c}" for c in chain)
+    code = getattr(root, "code", None)
+    bucket = bucket_of(url)
+    if (
+        code == 403
+        or isinstance(root, PermissionError)
+        or re.search(r"\b403\b|Forbidden|PERMISSION_DENIED", everything)
+    ):
+        return (
+            f"permission denied writing or reading {url} ({text}). Grant this machine's service account "
+            f"roles/storage.objectAdmin on gs://{bucket} (docs/cloud.md), or choose another location."
+        )
+    if isinstance(root, FileNotFoundError) and bucket and not bucket_exists(url):
+        return (
+            f"the bucket gs://{bucket} of {url} does not exist. Create it "
+            f"(gcloud storage buckets create gs://{bucket}) or fix the URL."
+        )
+    if any(word in everything for word in ("Cannot connect", "Connection refused", "UNAVAILABLE")) or isinstance(
+        root, ConnectionError
+    ):
+        return f"the storage service for {url} cannot be reached ({text}). Check the network and run again."
+    return f"{url}: {text}."
+
+
+def bucket_of(url: AnyPath) -> str:
+    """The bucket of a ``gs://`` / ``s3://`` URL, or ``""``."""
+    text = os.fspath(url)
+    if not is_url(text) or text.startswith(("file://", "memory://")):
+        return ""
+    return text.split("://", 1)[1].split("/", 1)[0]
+
+
+def bucket_exists(url: AnyPath) -> bool:
+    """Whether the bucket of ``url`` exists (True for local paths and bucketless URLs)."""
+    bucket = bucket_of(url)
+    if not bucket:
+        return True
+    fs, _ = filesystem(url)
+    try:
+        fs.invalidate_cache(bucket)
+        return bool(fs.exists(bucket))
+    except Exception:  # unreachable or forbidden: the caller's own access says which
+        return True
+
+
+def check_bucket(url: AnyPath, what: str) -> None:
+    """Raises :class:`StorageError` when ``url``'s bucket does not exist (``what``: the
+    setting that named it, for the message). gcsfs would otherwise create it on ``mkdir``."""
+    if not bucket_exists(url):
+        bucket = bucket_of(url)
+        raise StorageError(
+            f"{what} {url}: the bucket gs://{bucket} does not exist. Create it (gcloud storage buckets create "
+            f"gs://{bucket}, docs/cloud.md) or fix the URL."
+        )
+
+
+def files_under(directory: epath.Path) -> dict[str, epath.Path]:
+    """Every file under ``directory`` by its relative name, sorted (local paths or URLs)."""
+    if not is_url(directory):
+        root = Path(directory)
+        return {str(p.relative_to(root)): as_path(p) for p in sorted(root.rglob("*")) if p.is_file()}
+    refresh(directory)
+    fs, inner = filesystem(directory)
+    found = fs.find(inner)
+    prefix = os.fspath(directory).rstrip("/")
+    return {name[len(inner) + 1 :]: as_path(f"{prefix}/{name[len(inner) + 1 :]}") for name in sorted(found)}
+
+
+def move(source: epath.Path, target: epath.Path) -> None:
+    """Moves a file or directory tree. Local: one rename. URL: every object is copied, then
+    the originals are deleted, so an interruption leaves two copies, never none."""
+    if not is_url(source):
+        Path(source).rename(target)
+        return
+    fs, inner = filesystem(source)
+    _, dest = filesystem(target)
+    fs.invalidate_cache(inner)
+    if fs.isdir(inner):
+        fs.copy(inner + "/", dest + "/", recursive=True)
+        fs.rm(inner, recursive=True)
+    else:
+        fs.copy(inner, dest)
+        fs.rm(inner)
+    fs.invalidate_cache()
+
+
+def dated_sibling(path: epath.Path, label: str, when: datetime.datetime | None = None) -> epath.Path:
+    """``<path>-<label>-<UTC time>`` beside ``path`` (``runs/a-before-restart-20261123-101500``),
+    with ``-2``, ``-3``... when that exists already."""
+    when = when or datetime.datetime.now(datetime.UTC)
+    base = f"{path.name}-{label}-{when:%Y%m%d-%H%M%S}"
+    candidate, n = path.parent / base, 1
+    while candidate.exists():
+        n += 1
+        candidate = path.parent / f"{base}-{n}"
+    return candidate
+
+
+def upload(local: Path, target: epath.Path) -> None:
+    """Copies the local file ``local`` to ``target`` whole (one object write on a store)."""
+    fs, inner = filesystem(target)
+    if is_url(target):
+        fs.put_file(os.fspath(local), inner)
+    else:
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(local, target)
+
+
+def download_dir(source: AnyPath, local: Path) -> Path:
+    """Copies every file under ``source`` (a directory or URL) into ``local``; returns ``local``."""
+    local.mkdir(parents=True, exist_ok=True)
+    for name, path in files_under(as_path(source)).items():
+        (local / name).parent.mkdir(parents=True, exist_ok=True)
+        (local / name).write_bytes(path.read_bytes())
+    return local
+
+
+def upload_dir(local: Path, target: epath.Path) -> None:
+    """Copies every file under the local directory ``local`` to ``target`` (a directory or URL)."""
+    for path in sorted(p for p in local.rglob("*") if p.is_file()):
+        upload(path, target / str(path.relative_to(local)))
+
+
+class LocalCopy:
+    """A local working directory that stands for ``target`` (a directory or URL).
+
+    For a local ``target`` it *is* ``target``. For a URL it is a temporary directory:
+    files are fetched from the URL (:meth:`fetch`), grow locally (appends, TensorBoard's
+    event files) and go up whole at :meth:`upload`, only those that changed since the last
+    one. An object store has no append, and re-uploading an event file at every flush costs
+    the whole file each time; uploading at checkpoints bounds what a crash can lose to the
+    steps that the resumed run trains again anyway.
+
+    Example:
+        >>> import tempfile
+        >>> copy = LocalCopy(tempfile.mkdtemp())
+        >>> copy.local == Path(copy.target)
+        True
+    """
+
+    def __init__(self, target: AnyPath) -> None:
+        self.target = as_path(target)
+        self.remote = is_url(target)
+        if self.remote:
+            self.local = Path(tempfile.mkdtemp(prefix="xlafit-run-"))
+            atexit.register(shutil.rmtree, self.local, ignore_errors=True)
+        else:
+            self.local = Path(self.target)
+        self._uploaded: dict[str, tuple[int, int]] = {}  # relative name -> (size, mtime_ns) last uploaded
+
+    def fetch(self, name: str) -> Path:
+        """``target/name`` copied into the local directory when it exists there; its local path."""
+        local = self.local / name
+        if self.remote:
+            remote = self.target / name
+            try:
+                if remote.exists():
+                    local.parent.mkdir(parents=True, exist_ok=True)
+                    local.write_bytes(remote.read_bytes())
+                    self._uploaded[name] = _signature(local)
+            except Exception as e:
+                raise StorageError(describe_error(remote, e)) from e
+        return local
+
+    def upload(self) -> list[str]:
+        """Uploads every local file that changed since the last upload; returns their names.
+
+        Raises:
+            StorageError: an upload failed; the message names the URL.
+        """
+        if not self.remote:
+            return []
+        sent = []
+        for path in sorted(p for p in self.local.rglob("*") if p.is_file()):
+            name = str(path.relative_to(self.local))
+            signature = _signature(path)
+            if self._uploaded.get(name) == signature:
+                continue
+            try:
+                upload(path, self.target / name)
+            except Exception as e:
+                raise StorageError(describe_error(self.target / name, e)) from e
+            self._uploaded[name] = signature
+            sent.append(name)
+        return sent
+
+    def close(self) -> None:
+        """Uploads what changed and removes the local directory (URL targets only)."""
+        if self.remote:
+            try:
+                self.upload()
+            finally:
+                shutil.rmtree(self.local, ignore_errors=True)
+
+
+def _signature(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns

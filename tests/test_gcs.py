@@ -1,0 +1,349 @@
+"""Every path a gs:// URL, against a real GCS API server on 127.0.0.1 (fake-gcs-server, the
+``gcs`` fixture of conftest.py): MNIST and the MLM pipeline with their run directories,
+data and checkpoints in a bucket, killed and resumed; ``--restart`` moving runs aside; and
+the errors of a missing bucket, a read-only bucket and a server that goes away.
+
+Nothing here leaves 127.0.0.1: the GCS clients are pointed at the local server and the
+metadata-server probes at a closed local port (``FakeGCS.env``).
+"""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from xlafit.checkpoint import Checkpointer, CheckpointError, fingerprint
+from xlafit.cli import main
+from xlafit.config import ConfigError
+from xlafit.data import mnist
+from xlafit.paths import as_path, filesystem
+from xlafit.recipes import load_config
+from xlafit.run import start_run_dir
+
+XLAFIT = [sys.executable, "-m", "xlafit"]
+STRESS = os.environ.get("XLAFIT_STRESS") == "1"  # longer variants: more kills, more steps
+
+
+def env(gcs, tmp_path):
+    """A subprocess's environment: the server's settings, the split cache in ``tmp_path`` and
+    the user's JAX compilation cache (programs other runs compiled load instead)."""
+    from xlafit.cache import cache_dir
+
+    base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return (
+        base
+        | gcs.env
+        | {
+            "PYTHONUNBUFFERED": "1",
+            "XLAFIT_CACHE": str(tmp_path / "cache"),
+            "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(cache_dir() / "jax")),
+        }
+    )
+
+
+def write_idx_dir(directory, n_train=256, n_test=64):
+    """The first digits of the embedded set as IDX files, under a local path or a URL."""
+    raw = mnist.load_embedded()
+    for split, prefix, n in (("train", "train", n_train), ("test", "t10k", n_test)):
+        images = np.round((raw[split]["image"][:n, :, :, 0] * mnist.STD + mnist.MEAN) * 255).astype(np.uint8)
+        mnist.write_idx(f"{directory}/{prefix}-images-idx3-ubyte", images)
+        mnist.write_idx(f"{directory}/{prefix}-labels-idx1-ubyte", raw[split]["label"][:n].astype(np.uint8))
+
+
+def mnist_cmd(run_dir, data_dir, *extra):
+    return [
+        *XLAFIT,
+        *("train", "mnist", "--simulate", "1", "--data-dir", str(data_dir), "--run-dir", str(run_dir)),
+        *("data.global_batch=64", "data.eval_global_batch=64", "trainer.invariant_chunks=null"),
+        *("trainer.epochs=2", "trainer.log_every_steps=1", "trainer.checkpoint_every_steps=1"),
+        *extra,
+    ]
+
+
+def inspect_json(target):
+    """``xlafit inspect TARGET --json``, in this process (the test's environment has the server)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["inspect", str(target), "--json"])
+    return code, json.loads(out.getvalue())
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in as_path(f"{run_dir}/metrics.jsonl").read_text().splitlines()]
+
+
+class Segment:
+    """A training command whose output is watched, to kill it while it trains."""
+
+    def __init__(self, cmd, env):
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: list[str] = []
+        self.reached = threading.Event()
+        self.at = None
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if self.at is not None and line.startswith(f"[train] step {self.at} "):
+                self.reached.set()
+        self.reached.set()  # the process ended
+
+    def kill_at(self, step, timeout=240):
+        self.at = step
+        assert self.reached.wait(timeout), "no progress"
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=60)
+        return "".join(self.lines)
+
+
+def test_mnist_on_gcs_killed_resumes_bit_exact_and_logs_every_step_once(gcs, tmp_path):
+    """Data, run directory and checkpoints in the bucket; kill -9 at step 3, resumed to the
+    end (8 steps): the parameters of an uninterrupted local run, bit for bit, and every
+    step once in the bucket's metrics.jsonl."""
+    data = f"{gcs.bucket}/mnist"
+    write_idx_dir(data)
+    run = f"{gcs.bucket}/runs/a"
+    environment = env(gcs, tmp_path)
+    killed = Segment(mnist_cmd(run, data), environment).kill_at(3)
+    assert f"run directory: {run}" in killed  # not gs:/...
+    resumed = subprocess.run(mnist_cmd(run, data), capture_output=True, text=True, env=environment)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from checkpoint" in resumed.stdout
+    local = subprocess.run(mnist_cmd(tmp_path / "local", data), capture_output=True, text=True, env=environment)
+    assert local.returncode == 0, local.stderr[-3000:]
+
+    code, report = inspect_json(run)
+    assert code == 0 and report["fingerprint"]["step"] == 8
+    assert report["fingerprint"] == inspect_json(tmp_path / "local")[1]["fingerprint"]
+    records = metrics(run)
+    assert [r["step"] for r in records if r["split"] == "train"] == list(range(1, 9))
+    assert [r["step"] for r in records if r["split"] == "eval"] == [4, 8]
+    fs, root = filesystem(run)
+    events = fs.find(f"{root}/tensorboard")
+    assert events and all(fs.size(e) > 0 for e in events)
+    assert "recipe: mnist" in as_path(f"{run}/config.yaml").read_text()
+
+    # --restart moves the whole run aside, in the bucket; its checkpoints stay readable
+    cfg = load_config("mnist", [f"run.run_dir={run}", "run.resume=false"])
+    start_run_dir(as_path(run), cfg)
+    fs.invalidate_cache()
+    siblings = [p for p in fs.ls(f"{root.rsplit('/', 1)[0]}") if "a-before-restart-" in p]
+    assert len(siblings) == 1
+    moved = f"gs://{siblings[0]}"
+    assert inspect_json(moved)[1]["fingerprint"] == report["fingerprint"]
+    assert len(metrics(moved)) == len(records)
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(root)) == ["config.yaml"]  # the new run's only
+
+
+def test_mlm_pipeline_on_gcs_tokenizer_shards_train_kill_resume_export(gcs, tmp_path):
+    """Text in the bucket -> tokenizer -> shards -> a tiny BERT trained from and into the
+    bucket, kill -9, resume -> export to the bucket; the exported weights are the checkpoint's."""
+    from flax import nnx
+
+    from xlafit.data.mlm import prepare
+    from xlafit.data.text import expand_inputs, korean_demo_files
+    from xlafit.data.tokenizer import train_tokenizer
+    from xlafit.export import export_hf
+    from xlafit.models.bert import BertForMaskedLM
+    from xlafit.paths import download_dir
+
+    b = gcs.bucket
+    t0 = time.monotonic()
+    for f in korean_demo_files()[:4]:
+        as_path(f"{b}/corpus/{os.path.basename(f)}").write_bytes(open(f, "rb").read())
+    files = expand_inputs([f"{b}/corpus/*.txt"])
+    assert len(files) == 4 and all(f.startswith(f"{b}/corpus/") for f in files)
+    train_tokenizer(files, 800, f"{b}/tok", show_progress=False)
+    manifest = prepare(f"{b}/tok", files, f"{b}/mlm", seq_len=32, eval_fraction=0.2, show_progress=False)
+    assert manifest["splits"]["train"]["sequences"] >= 64
+    print(f"tokenizer and shards: {time.monotonic() - t0:.1f}s")
+
+    run = f"{b}/runs/bert"
+    cmd = [
+        *XLAFIT,
+        *("train", "bert", "--simulate", "1", "--data-dir", f"{b}/mlm", "--run-dir", run),
+        *("data.global_batch=16", "trainer.log_every_steps=1", "trainer.checkpoint_every_steps=2"),
+        *("trainer.stop_at_step=6", "trainer.steps_per_call=1"),
+    ]
+    environment = env(gcs, tmp_path)
+    t0 = time.monotonic()
+    Segment(cmd, environment).kill_at(5)
+    t1 = time.monotonic()
+    intact = [c["step"] for c in inspect_json(run)[1]["checkpoints"] if c["status"] == "intact"]
+    resumed = subprocess.run(cmd, capture_output=True, text=True, env=environment)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from checkpoint {intact[-1]}" in resumed.stdout
+    print(f"killed after {t1 - t0:.1f}s, resumed in {time.monotonic() - t1:.1f}s")
+    assert [r["step"] for r in metrics(run) if r["split"] == "train"] == list(range(1, 7))
+
+    t0 = time.monotonic()
+    out, step = export_hf(run, f"{b}/hf")
+    assert step == 6
+    local = download_dir(f"{b}/hf", tmp_path / "hf")
+    assert {"config.json", "model.safetensors", "tokenizer.json", "xlafit-config.yaml"} <= {
+        p.name for p in local.iterdir()
+    }
+    exported = fingerprint(nnx.state(BertForMaskedLM.from_hf(local), nnx.Param))
+    assert exported == inspect_json(run)[1]["fingerprint"]["sha256"]
+    print(f"export: {time.monotonic() - t0:.1f}s")
+
+
+def test_restart_moves_a_local_run_aside_and_inspect_reads_it(tmp_path, capsys):
+    run = tmp_path / "run"
+    ckpt = Checkpointer(run / "checkpoints", async_save=False)
+    ckpt.save(5, {"params": {"w": np.arange(4, dtype=np.float32)}})
+    ckpt.wait()
+    ckpt.close()
+    (run / "metrics.jsonl").write_text('{"split": "train", "step": 5}\n')
+    cfg = load_config("mnist", [f"run.run_dir={run}", "run.resume=false"])
+    start_run_dir(as_path(run), cfg)
+    said = capsys.readouterr().out
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith("run-before-restart-")]
+    assert len(moved) == 1 and str(moved[0]) in said and "nothing was deleted" in said
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]
+    assert (moved[0] / "metrics.jsonl").read_text() == '{"split": "train", "step": 5}\n'
+    code, report = inspect_json(moved[0])
+    expected = fingerprint({"w": np.arange(4, dtype=np.float32)})
+    assert code == 0 and report["fingerprint"] == {"step": 5, "sha256": expected}
+
+
+def test_missing_bucket_is_named_and_never_created(gcs):
+    missing = "gs://xlafit-no-such-bucket"
+    cfg = load_config("mnist", [f"run.run_dir={missing}/run"])
+    with pytest.raises(ConfigError, match=f"--run-dir {missing}/run: the bucket {missing} does not exist"):
+        start_run_dir(as_path(f"{missing}/run"), cfg)
+    with pytest.raises(CheckpointError, match=f"{missing}/ckpt: the bucket {missing} does not exist"):
+        Checkpointer(f"{missing}/ckpt")
+    assert main(["inspect", f"{missing}/run"]) == 2
+    fs, _ = filesystem(missing)
+    fs.invalidate_cache()
+    assert not fs.exists("xlafit-no-such-bucket")  # gcsfs's mkdir would have made it
+
+
+def test_server_gone_at_a_save_names_the_url_and_the_last_checkpoint_survives(gcs, monkeypatch):
+    """The server goes away after checkpoint 1 and before checkpoint 2 is written.
+
+    gcsfs retries a refused connection for about 30 s (1 + 2 + 4 + 8 + 16 s of backoff); the
+    test makes it give up at once, so that the error arrives in a second. A server that dies
+    while TensorStore is writing the arrays is retried by TensorStore itself, for minutes
+    (its default), before the same error: too long for this suite."""
+    import gcsfs.retry
+
+    monkeypatch.setattr(gcsfs.retry, "is_retriable", lambda e: False)
+    directory = f"{gcs.bucket}/ckpt"
+    ckpt = Checkpointer(directory, keep=5)
+    state = {"params": {"w": np.arange(200_000, dtype=np.float32)}}
+    ckpt.save(1, state)
+    ckpt.wait()
+    gcs.stop()
+    with pytest.raises(CheckpointError) as err:
+        ckpt.save(2, {"params": {"w": state["params"]["w"] + 1}})
+        ckpt.wait()
+    with contextlib.suppress(Exception):  # stops Orbax's threads of the failed save
+        ckpt.close()
+    message = str(err.value)
+    assert f"writing checkpoint 2 in {directory} failed" in message and "cannot be reached" in message, message
+    assert "Run again to resume" in message
+    gcs.start()
+    after = Checkpointer(directory, keep=5)
+    assert [i.step for i in after.list() if i.status == "intact"] == [1]
+    restored, step = after.restore({"params": {"w": np.zeros(200_000, np.float32)}})
+    assert step == 1 and restored["params"]["w"].tolist() == state["params"]["w"].tolist()
+    after.close()
+
+
+class ReadOnly:
+    """A read-only bucket: an HTTP front of the local server that passes reads and answers
+    every write with GCS's 403. fake-gcs-server has no IAM, so this stands in for a service
+    account with roles/storage.objectViewer only; the clients still talk real HTTP."""
+
+    def __init__(self, upstream):
+        import http.server
+        import urllib.request
+
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _forward(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                if self.command not in ("GET", "HEAD"):
+                    data = json.dumps(
+                        {"error": {"code": 403, "message": "caller does not have storage.objects.create access"}}
+                    ).encode()
+                    self.send_response(403)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
+                request = urllib.request.Request(upstream + self.path, data=body, method=self.command)
+                try:
+                    response = opener.open(request, timeout=30)
+                    status, headers, data = response.status, response.headers, response.read()
+                except urllib.error.HTTPError as e:
+                    status, headers, data = e.code, e.headers, e.read()
+                self.send_response(status)
+                for key in ("Content-Type", "ETag", "x-goog-generation", "x-goog-hash"):
+                    if headers.get(key):
+                        self.send_header(key, headers[key])
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _forward
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_read_only_bucket_is_named_and_the_checkpoints_stay_readable(gcs, monkeypatch):
+    directory = f"{gcs.bucket}/run/checkpoints"
+    ckpt = Checkpointer(directory)
+    ckpt.save(3, {"params": {"w": np.arange(8, dtype=np.float32)}})
+    ckpt.wait()
+    ckpt.close()
+    front = ReadOnly(gcs.url)
+    try:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", front.url)
+        monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", front.url)
+        gcs.forget_clients()
+        run = f"{gcs.bucket}/run"
+        cfg = load_config("mnist", [f"run.run_dir={run}"])
+        with pytest.raises(ConfigError, match=f"permission denied .*{run}/config.yaml.*roles/storage.objectAdmin"):
+            start_run_dir(as_path(run), cfg)
+        ckpt = Checkpointer(directory)
+        with pytest.raises(CheckpointError, match=f"writing checkpoint 4 in {directory} failed: permission denied"):
+            ckpt.save(4, {"params": {"w": np.zeros(8, np.float32)}})
+            ckpt.wait()
+        with contextlib.suppress(Exception):
+            ckpt.close()
+        ckpt = Checkpointer(directory)
+        restored, step = ckpt.restore({"params": {"w": np.zeros(8, np.float32)}})
+        assert step == 3 and restored["params"]["w"].tolist() == list(range(8))
+        assert inspect_json(run)[1]["fingerprint"]["step"] == 3
+    finally:
+        front.close()
+        gcs.forget_clients()

@@ -1,0 +1,213 @@
+"""Keras 3 models in xlafit.Trainer (src/xlafit/keras_models.py): the same evaluation as
+Keras' own fit, 8 devices equal to 1, exact evaluation, bit-exact resume, the trained values
+back in the Keras model, and the errors for what does not carry over."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import jax  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+
+import xlafit  # noqa: E402
+from xlafit.config import ConfigError, TrainerConfig  # noqa: E402
+from xlafit.keras_models import KerasLoss, KerasModule, fit, optax_from_keras  # noqa: E402
+
+# Keras' layers broadcast biases by rank promotion, which the suite's strict setting forbids;
+# Keras' own fit/evaluate/predict run under this (xlafit's adapter sets it for its calls).
+keras_numpy = jax.numpy_rank_promotion("allow")
+
+
+def build(seed=0, dropout=0.3, l2=1e-3):
+    """A model with everything that has state or extra losses: L2, BatchNorm, Dropout."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(32, activation="relu", kernel_regularizer=keras.regularizers.L2(l2) if l2 else None),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dropout(dropout),
+            keras.layers.Dense(3),
+        ]
+    )
+
+
+def data(n, seed):
+    """A 3-class problem a small MLP learns to ~90%: the argmax of a fixed linear map."""
+    x = np.random.default_rng(seed).normal(size=(n, 8)).astype(np.float32)
+    w = np.random.default_rng(99).normal(size=(8, 3))
+    return x, (x @ w).argmax(-1).astype(np.int32)
+
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def trainer(model, strategy, run_dir=None, epochs=2, **config):
+    return xlafit.Trainer(
+        model,
+        KerasLoss(LOSS, ["accuracy"]),
+        optax.adam(1e-2),
+        strategy=strategy,
+        global_batch=64,
+        config=TrainerConfig(epochs=epochs, log_every_steps=0, **config),
+        run_dir=run_dir,
+    )
+
+
+def leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_reaches_the_evaluation_of_keras_own_fit(strategy8):
+    x, y = data(1024, 0)
+    xv, yv = data(1000, 1)
+    ours = trainer(build(), strategy8, epochs=6).fit({"x": x, "y": y}, eval={"x": xv, "y": yv}).eval
+    theirs = build()
+    theirs.compile(optimizer=keras.optimizers.Adam(1e-2), loss=LOSS, metrics=["accuracy"])
+    with keras_numpy:
+        theirs.fit(x, y, batch_size=64, epochs=6, verbose=0)
+        keras_loss, keras_accuracy = theirs.evaluate(xv, yv, batch_size=100, verbose=0)
+    # Two runs differ in data order and dropout masks; 1000 examples at ~90% accuracy give a
+    # standard error of 0.0095 per run, so 0.04 is three standard errors of the difference.
+    assert ours["accuracy"] > 0.85 and keras_accuracy > 0.85
+    assert abs(ours["accuracy"] - keras_accuracy) < 0.04
+    assert abs(ours["loss"] - keras_loss) < 0.1
+
+
+def test_evaluation_equals_keras_evaluate_and_loss_adds_regularisation(strategy8):
+    model = build()
+    model.compile(loss=LOSS, metrics=["accuracy"])
+    xv, yv = data(203, 1)  # not a multiple of the batch: the last batch is padded and masked
+    t = xlafit.Trainer(model, None, optax.adam(1e-3), strategy=strategy8, global_batch=64)
+    ours = t.evaluate({"x": xv, "y": yv})
+    with keras_numpy:
+        keras_loss, keras_accuracy = model.evaluate(xv, yv, batch_size=203, verbose=0)
+        reg = float(sum(model.losses))
+    assert ours["count"] == 203 and reg > 0
+    np.testing.assert_allclose(ours["loss"], keras_loss, rtol=1e-5)
+    np.testing.assert_allclose(ours["accuracy"], keras_accuracy, rtol=1e-6)
+    # The same weights without the L2 term: the difference is the L2 loss, counted once.
+    plain = xlafit.Trainer(build(l2=0), LOSS, optax.adam(1e-3), strategy=strategy8, global_batch=64)
+    np.testing.assert_allclose(plain.evaluate({"x": xv, "y": yv})["loss"] + reg, keras_loss, rtol=1e-5)
+
+
+def test_8_devices_equal_1_and_resume_is_bit_exact_and_writes_back(strategy8, strategy1, tmp_path):
+    x, y = data(512, 0)
+    full = trainer(build(), strategy8, epochs=2).fit({"x": x, "y": y})
+    one = trainer(build(), strategy1, epochs=2).fit({"x": x, "y": y})
+    # Dropout masks come from Keras' seed state over the global batch and BatchNorm reduces
+    # over the global batch: 8 devices train the 1-device model, to float rounding.
+    for a, b in zip(
+        leaves((full.state.params, full.state.model_state)),
+        leaves((one.state.params, one.state.model_state)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    trainer(build(), strategy8, tmp_path, epochs=2, stop_at_step=5).fit({"x": x, "y": y})
+    # A new process would build the model afresh: another seed proves nothing comes from it.
+    model = build(seed=7)
+    resumed = trainer(model, strategy8, tmp_path, epochs=2).fit({"x": x, "y": y})
+    assert int(resumed.state.step) == 16
+    for a, b in zip(leaves(resumed.state), leaves(full.state), strict=True):
+        np.testing.assert_array_equal(a, b)  # params, Adam moments, BatchNorm and dropout seed state
+    # The trained values are the Keras model's: predict, save and load see them.
+    trained = leaves(resumed.state.params) + leaves(resumed.state.model_state)
+    for ours, variable in zip(trained, model.trainable_variables + model.non_trainable_variables, strict=True):
+        np.testing.assert_array_equal(ours, np.asarray(variable.value))
+    model.save(tmp_path / "model.keras")
+    with keras_numpy:
+        loaded = keras.models.load_model(tmp_path / "model.keras")
+        np.testing.assert_array_equal(loaded.predict(x[:8], verbose=0), model.predict(x[:8], verbose=0))
+
+
+def test_fit_gives_keras_history_names_with_mixed_bfloat16(strategy8):
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        model = build(dropout=0.0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=LOSS, metrics=["accuracy"])
+    x, y = data(256, 0)
+    history = fit(model, x, y, batch_size=64, epochs=2, validation_data=data(100, 1), strategy=strategy8)
+    assert sorted(history.history) == ["accuracy", "loss", "val_accuracy", "val_loss"]
+    assert history.epoch == [0, 1] and all(len(v) == 2 for v in history.history.values())
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert history.result.train_compiles == 1
+    assert {a.dtype for a in leaves(history.result.state.params)} == {np.dtype("float32")}  # bf16 compute only
+    with keras_numpy:
+        val_loss, val_accuracy = model.evaluate(*data(100, 1), verbose=0)  # the Keras model holds the result
+    np.testing.assert_allclose(history.history["val_loss"][-1], val_loss, rtol=1e-3)
+    assert history.history["val_accuracy"][-1] == pytest.approx(val_accuracy, abs=0.011)
+
+
+def test_keras_adam_translates_to_optax():
+    keras_adam = keras.optimizers.Adam(1e-2, beta_1=0.8, epsilon=1e-7)
+    variable = keras.Variable(np.ones(4, np.float32))
+    tx = optax_from_keras(keras_adam)
+    params = np.ones(4, np.float32)
+    state = tx.init(params)
+    for i in range(20):
+        grad = np.linspace(-1, 1, 4).astype(np.float32) * (i + 1)
+        keras_adam.apply_gradients([(grad, variable)])
+        updates, state = tx.update(grad, state, params)
+        params = optax.apply_updates(params, updates)
+    # Keras adds epsilon before the bias correction, optax after: equal to ~1e-6 here.
+    np.testing.assert_allclose(np.asarray(variable.value), params, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, says",
+    [
+        ({"callbacks": [keras.callbacks.ModelCheckpoint("m.keras")]}, "ModelCheckpoint -> run_dir="),
+        ({"callbacks": [keras.callbacks.EarlyStopping()]}, "EarlyStopping -> epochs="),
+        ({"validation_split": 0.1}, "pass validation_data="),
+        ({"metrics": [keras.metrics.AUC()]}, "keeps state across batches"),
+        ({"optimizer": keras.optimizers.RMSprop()}, "pass an optax transformation"),
+        ({"loss": None}, "not compiled with a loss"),
+    ],
+)
+def test_keras_features_that_do_not_carry_over_name_the_xlafit_way(strategy8, kwargs, says):
+    x, y = data(64, 0)
+    args = {"loss": LOSS, "optimizer": optax.sgd(0.1), **kwargs}
+    with pytest.raises(ConfigError, match=says.replace("(", r"\(")):
+        fit(build(), x, y, batch_size=64, strategy=strategy8, **args)
+
+
+def test_another_keras_backend_is_refused_with_the_fix(tmp_path):
+    code = (
+        "import keras\nfrom xlafit.keras_models import KerasModule\nfrom xlafit.config import ConfigError\n"
+        "try:\n    KerasModule(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))\n"
+        "except ConfigError as e:\n    print(e)\n"
+    )
+    env = {**os.environ, "KERAS_BACKEND": "numpy", "KERAS_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "set KERAS_BACKEND=jax before keras is imported" in out.stdout, out.stderr[-2000:]
+
+
+def test_unbuilt_model_and_wrong_batch_keys_are_explained(strategy8):
+    with pytest.raises(ConfigError, match="not built"):
+        KerasModule(keras.Sequential([keras.layers.Dense(2)]))
+    t = trainer(build(), strategy8)
+    with pytest.raises(ConfigError, match="need the keys 'x'"):
+        t.evaluate({"image": np.zeros((64, 8), np.float32), "label": np.zeros(64, np.int32)})
+
+
+def test_xlafit_check_takes_a_keras_model_file():
+    from xlafit.check import check_file
+
+    report = check_file(Path(__file__).parent / "check_cases" / "keras_model.py")
+    assert report.ok and report.traced and report.ran and report.flops_per_step > 0
+
+
+def test_invariant_chunks_are_refused_for_keras_with_the_fix():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dropout(0.5), keras.layers.Dense(2)])
+    model.compile(loss="mse")
+    config = xlafit.config.TrainerConfig(invariant_chunks=8)
+    with pytest.raises(xlafit.config.ConfigError, match="trainer.invariant_chunks=null"):
+        xlafit.Trainer(model, None, optax.sgd(0.1), global_batch=8, config=config)
