@@ -146,6 +146,7 @@ def test_mnist_on_gcs_killed_resumes_bit_exact_and_logs_every_step_once(gcs, tmp
     assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(root)) == ["config.yaml"]  # the new run's only
 
 
+@pytest.mark.skipif(not STRESS, reason="about 40 s: XLAFIT_STRESS=1 runs it (the suite's 25-minute budget)")
 def test_mlm_pipeline_on_gcs_tokenizer_shards_train_kill_resume_export(gcs, tmp_path):
     """Text in the bucket -> tokenizer -> shards -> a tiny BERT trained from and into the
     bucket, kill -9, resume -> export to the bucket; the exported weights are the checkpoint's."""
