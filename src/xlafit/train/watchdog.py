@@ -10,7 +10,10 @@ writes the Python stacks of every thread of the process (:mod:`faulthandler`) to
 to the process's log files, then ends the process with :data:`xlafit.exitcodes.PREEMPTED`
 (75), so that a scheduler or a restart loop runs the job again from its last checkpoint.
 Every process has its own watchdog: the stuck one and the ones waiting for it all fire,
-each after its own limit, and each log shows where its process was.
+each after its own limit, and each log shows where its process was. The limit is when the
+process is gone: the hang is declared a little earlier (the exit grace and one poll, see
+:meth:`Watchdog._reserve_s`), so that the stacks are written and the peers have declared
+it too before anyone leaves.
 
 It exits with ``os._exit``: a thread stuck in a collective cannot be interrupted, and
 nothing that could wait on it (``atexit`` hooks, a checkpoint in flight, JAX's shutdown
@@ -73,6 +76,7 @@ class Watchdog:
         on_hang: Callable[[str], object] | None = None,
     ) -> None:
         self.factor, self.floor_s, self.process_index = factor, floor_s, process_index
+        self._exits = on_hang is None  # the default: stacks, a grace, then exit by the limit
         self._on_hang = on_hang or self._dump_stacks_and_exit
         self._intervals: collections.deque[float] = collections.deque(maxlen=SAMPLES)
         self._last: float | None = None  # monotonic time of the last beat; None: not armed
@@ -127,16 +131,36 @@ class Watchdog:
                     self._last = time.monotonic()
 
     def _overdue(self) -> float | None:
-        """Seconds since the last beat when they exceed the limit, else None."""
-        limit = self.limit()
+        """Seconds since the last beat when the hang must be declared now, else None."""
+        declare_at = self.limit() - self._reserve_s()
         with self._lock:
             if self._last is None or self._paused:
                 return None
             waited = time.monotonic() - self._last
-        return waited if waited > limit else None
+        return waited if waited > declare_at else None
 
     def _poll_s(self) -> float:
         return min(max(self.limit() / 20, 0.05), 1.0)
+
+    def _grace_s(self) -> float:
+        """How long a process lingers after declaring the hang, before it exits.
+
+        A process that leaves breaks its peers' collectives, and they must have declared the
+        hang by then (or they would fail with that error instead): two polls of theirs. Process
+        0 lingers longest: it hosts JAX's coordination service, and when that goes JAX aborts
+        every other process at once.
+        """
+        return 2 * self._poll_s() + (1.0 if self.process_index == 0 else 0.5)
+
+    def _reserve_s(self) -> float:
+        """How much earlier than the limit the hang is declared, so the process is gone by it."""
+        if not self._exits:
+            return 0.0
+        # Every process declares at the same time, noticed one poll late at worst (and one
+        # more to spare for a busy machine); process 0's grace is the longest; never more
+        # than half the limit.
+        longest_grace = 2 * self._poll_s() + 1.0
+        return min(2 * self._poll_s() + longest_grace, self.limit() / 2)
 
     def _watch(self) -> None:
         while not self._stop.wait(self._poll_s()):
@@ -146,22 +170,16 @@ class Watchdog:
             with self._lock:
                 median = statistics.median(self._intervals) if self._intervals else 0.0
             self._on_hang(
-                f"no call of the train step finished for {waited:.1f}s after step {self._step}; the limit is "
-                f"{self.limit():.1f}s = max(trainer.watchdog_floor_s={self.floor_s:g}, trainer.watchdog_factor="
+                f"no call of the train step finished for {waited:.1f}s after step {self._step}; the process ends "
+                f"at the limit of {self.limit():.1f}s = max(trainer.watchdog_floor_s={self.floor_s:g}, trainer.watchdog_factor="
                 f"{self.factor:g} x the median call time {median:.3g}s). This is process {self.process_index}; "
                 "one process of the job is stuck, and the others wait for it in a collective"
             )
             return
 
     def _dump_stacks_and_exit(self, report: str) -> None:
-        """Writes ``report`` and every thread's Python stack to each log, then exits with 75.
-
-        Every process's watchdog fires at about the same time (their last calls ended
-        together), and each lingers a moment before it exits: a process that leaves breaks
-        its peers' collectives, and they must have declared the hang by then (or they would
-        fail with that error instead). Process 0 lingers longest: it hosts JAX's
-        coordination service, and when that goes JAX aborts every other process at once.
-        """
+        """Writes ``report`` and every thread's Python stack to each log, lingers for the
+        exit grace (:meth:`_grace_s`), then exits with 75."""
         message = (
             f"xlafit: hang watchdog: {report}. The Python stacks of every thread of this process follow; "
             f"exiting with {exitcodes.PREEMPTED} so that the job runs again from its last checkpoint."
@@ -174,7 +192,7 @@ class Watchdog:
                 stream.flush()
             except (OSError, ValueError):  # a closed or unwritable log must not keep the process alive
                 pass
-        time.sleep(2 * self._poll_s() + 0.5 + (0.5 if self.process_index == 0 else 0.0))
+        time.sleep(self._grace_s())
         os._exit(exitcodes.PREEMPTED)
 
 
