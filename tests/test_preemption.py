@@ -453,3 +453,31 @@ def test_sigterm_to_one_process_stops_every_process_at_jax_sync_point(tmp_path):
     assert int(stops[1].group(1)) == step
     assert f"checkpoint {step} saved in" in out0
     assert Checkpointer(job.run_dir / "checkpoints").verify(step) == "intact"
+
+
+def test_sigterm_to_one_process_before_jax_distributed_is_up_stops_every_process(tmp_path, monkeypatch):
+    """SIGTERM during start-up, before ``jax.distributed.initialize`` (the guard that
+    train_and_evaluate opens first catches it, JAX's notifier is not there yet): when the
+    trainer's guard finds JAX's notifier it hands the signal on, and both processes stop at
+    the same early step instead of process 1 leaving alone and process 0 hanging."""
+    import test_watchdog
+
+    job = test_watchdog.JOB.replace(
+        "strategy = xlafit.connect()\n",
+        "guard = xlafit.train.handle_signals().__enter__()\nprint('starting', flush=True)\n"
+        "import time; time.sleep(3)\nstrategy = xlafit.connect()\n",
+    )
+    monkeypatch.setattr(test_watchdog, "JOB", job)
+    run = test_watchdog.TinyJob(tmp_path, floor_s=600)
+    try:
+        pid = run.pid(1)
+        run.wait_for("starting", path=run.log1)
+        os.kill(pid, signal.SIGTERM)
+        rc = run.proc.wait(timeout=60)
+    finally:
+        run.kill()
+    out0, out1 = run.output(0), run.output(1)
+    assert rc == 75, out0[-3000:] + out1[-3000:]
+    stops = [re.search(r"stopped at step (\d+); [^\n]*\(at JAX's preemption sync point", out) for out in (out0, out1)]
+    assert all(stops), out0[-3000:] + out1[-3000:]
+    assert stops[0].group(1) == stops[1].group(1)

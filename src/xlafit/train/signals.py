@@ -79,6 +79,7 @@ class SignalGuard:
         self._received_at = 0.0
         self._previous: dict[int, Any] = {}
         self._jax_notifier: _CHandler | None = None  # JAX's SIGTERM handler, which ours displaced
+        self._handed = False  # the signal went to JAX's notifier: the sync point will carry it
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.received is not None:
@@ -86,7 +87,7 @@ class SignalGuard:
         self.received, self._received_at = signum, time.monotonic()
         then = "then saving a checkpoint"
         if signum == signal.SIGTERM and self._jax_notifier is not None:
-            self._jax_notifier.call(signum)  # JAX's notifier tells every process through the coordinator
+            self._hand_to_jax()
             then = "then saving a checkpoint at the step all processes agree on"
         print(
             f"xlafit: {signal.Signals(signum).name}: finishing the current step, {then} "
@@ -95,14 +96,18 @@ class SignalGuard:
             flush=True,
         )
 
+    def _hand_to_jax(self) -> None:
+        assert self._jax_notifier is not None
+        self._handed, self._received_at = True, time.monotonic()
+        self._jax_notifier.call(signal.SIGTERM)  # JAX's notifier tells every process through the coordinator
+
     def must_share(self) -> bool:
         """Whether this process must tell the others of its signal itself: a signal that
         JAX's preemption service does not carry (SIGINT, no ``jax.distributed``), or one it
         did not turn into a sync point within :data:`NOTICE_GRACE_S`."""
         if self.received is None:
             return False
-        handed_to_jax = self.received == signal.SIGTERM and self._jax_notifier is not None
-        return not handed_to_jax or time.monotonic() - self._received_at > NOTICE_GRACE_S
+        return not self._handed or time.monotonic() - self._received_at > NOTICE_GRACE_S
 
     def at_sync_point(self) -> bool:
         """JAX's preemption sync point: call it once per call of the train step, in every
@@ -139,6 +144,9 @@ class SignalGuard:
                 # and hand SIGTERM on to it.
                 for signum in SIGNALS:
                     outer._take(signum, outer._handle)
+                if outer.received == signal.SIGTERM and outer._jax_notifier is not None and not outer._handed:
+                    # SIGTERM came before jax.distributed was up (start-up): tell the others now
+                    outer._hand_to_jax()
             return outer
         if on_main:
             for signum in SIGNALS:

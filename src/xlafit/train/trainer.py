@@ -319,7 +319,9 @@ class Trainer:
         step = start
         try:
             with handle_signals() as signals, self._watchdog() as watchdog:
-                if signals.received is not None:  # during start-up: nothing new to save
+                # A signal during start-up: nothing new to save. In a multi-process job the others
+                # must stop too: the loop's first calls carry it (JAX's sync point or the all-gather).
+                if signals.received is not None and jax.process_count() == 1:
                     raise Preempted(
                         start, signals.received, "before the first step of this session, nothing new to save"
                     )
