@@ -320,7 +320,7 @@ class ReadOnly:
         self.server.server_close()
 
 
-def test_read_only_bucket_is_named_and_the_checkpoints_stay_readable(gcs, monkeypatch):
+def test_read_only_bucket_is_named_and_the_checkpoints_stay_readable(gcs, monkeypatch, korean_tokenizer):
     directory = f"{gcs.bucket}/run/checkpoints"
     ckpt = Checkpointer(directory)
     ckpt.save(3, {"params": {"w": np.arange(8, dtype=np.float32)}})
@@ -345,6 +345,13 @@ def test_read_only_bucket_is_named_and_the_checkpoints_stay_readable(gcs, monkey
         restored, step = ckpt.restore({"params": {"w": np.zeros(8, np.float32)}})
         assert step == 3 and restored["params"]["w"].tolist() == list(range(8))
         assert inspect_json(run)[1]["fingerprint"]["step"] == 3
+        # `xlafit data mlm --out` into the same bucket: the 403 named with the fix, no traceback
+        from xlafit.data.dataset import DataError
+        from xlafit.data.mlm import prepare
+        from xlafit.data.text import korean_demo_files
+
+        with pytest.raises(DataError, match=f"writing the MLM shards failed: permission denied .*{gcs.bucket}/mlm"):
+            prepare(korean_tokenizer, korean_demo_files()[:1], f"{gcs.bucket}/mlm", seq_len=32, show_progress=False)
     finally:
         front.close()
         gcs.forget_clients()

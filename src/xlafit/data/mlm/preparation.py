@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -32,7 +33,7 @@ from xlafit.data.dataset import DataError
 from xlafit.data.mlm.masking import hash_uniform
 from xlafit.data.text import DocBoundary, documents, total_bytes
 from xlafit.data.tokenizer import CLS, SEP, load_tokenizer
-from xlafit.paths import StorageError, as_path, check_bucket, files_under, is_url
+from xlafit.paths import StorageError, as_path, check_bucket, describe_error, files_under, is_url
 
 MANIFEST = "manifest.json"
 FORMAT = "xlafit-mlm-v1"
@@ -102,11 +103,22 @@ class _Packer:
         return ids, [0] * (len(a) + 2) + [1] * (len(b) + 1)
 
 
+@contextlib.contextmanager
+def _writing(out: str | Path) -> Iterator[None]:
+    """Turns a failed write under ``out`` (a 403, a full disk, an unreachable server) into a
+    :class:`DataError` that names the cause and the fix, instead of the client's traceback."""
+    try:
+        yield
+    except OSError as e:
+        raise DataError(f"writing the MLM shards failed: {describe_error(out, e)}") from e
+
+
 class _ShardWriter:
     """Buffers rows and writes ``{split}-{n:05d}.parquet`` shards of ``shard_size`` rows."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, split: str, seq_len: int, shard_size: int):
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, split: str, seq_len: int, shard_size: int, out: str):
         self.fs, self.root, self.split, self.seq_len, self.shard_size = fs, root, split, seq_len, shard_size
+        self.out = out  # the URL as the user wrote it, for messages
         self.rows: list[tuple[list[int], list[int]]] = []
         self.shards: list[dict] = []
 
@@ -140,7 +152,7 @@ class _ShardWriter:
         buffer = pa.BufferOutputStream()
         pq.write_table(table, buffer, compression="zstd")
         data = buffer.getvalue().to_pybytes()
-        with self.fs.open(f"{self.root}/{name}", "wb") as f:
+        with _writing(self.out), self.fs.open(f"{self.root}/{name}", "wb") as f:
             f.write(data)
         digest = hashlib.sha256(data).hexdigest()
         self.shards.append({"path": name, "sequences": n, "tokens": int(lengths.sum()), "sha256": digest})
@@ -190,10 +202,11 @@ def prepare(
             check_bucket(out, "--out")
         except StorageError as e:
             raise DataError(str(e)) from None
-    fs.makedirs(root, exist_ok=True)
-    _copy_tokenizer(tokenizer_dir, fs, f"{root}/tokenizer")
+    with _writing(out):
+        fs.makedirs(root, exist_ok=True)
+        _copy_tokenizer(tokenizer_dir, fs, f"{root}/tokenizer")
     rng = np.random.default_rng(seed)
-    writers = {s: _ShardWriter(fs, root, s, seq_len, shard_size) for s in ("train", "eval")}
+    writers = {s: _ShardWriter(fs, root, s, seq_len, shard_size, str(out)) for s in ("train", "eval")}
     packers = {s: _Packer(seq_len, packing, rng) for s in ("train", "eval")}
     documents_per_split = {"train": 0, "eval": 0}
     lines = 0
@@ -239,7 +252,7 @@ def prepare(
             for split, w in writers.items()
         },
     }
-    with fs.open(f"{root}/{MANIFEST}", "w") as f:
+    with _writing(out), fs.open(f"{root}/{MANIFEST}", "w") as f:
         json.dump(manifest, f, indent=2)
     return manifest
 
