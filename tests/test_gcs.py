@@ -264,13 +264,15 @@ def test_server_gone_at_a_save_names_the_url_and_the_last_checkpoint_survives(gc
     after.close()
 
 
-class ReadOnly:
-    """A read-only bucket: an HTTP front of the local server that passes reads and answers
-    every write with GCS's 403. fake-gcs-server has no IAM, so this stands in for a service
-    account with roles/storage.objectViewer only; the clients still talk real HTTP."""
+class Front:
+    """An HTTP front of the local server that passes every request, except that
+    ``verdict(method, path)`` may answer ``"403"`` (GCS's refusal of a write) or ``"dead"``
+    (the connection closed unanswered, as a server that went away). fake-gcs-server has no IAM
+    and cannot be made to die on cue; the clients still talk real HTTP to the real server."""
 
-    def __init__(self, upstream):
+    def __init__(self, upstream, verdict):
         import http.server
+        import urllib.parse
         import urllib.request
 
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -284,7 +286,11 @@ class ReadOnly:
             def _forward(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
-                if self.command not in ("GET", "HEAD"):
+                answer = verdict(self.command, urllib.parse.unquote(self.path))
+                if answer == "dead":
+                    self.close_connection = True
+                    return
+                if answer == "403":
                     data = json.dumps(
                         {"error": {"code": 403, "message": "caller does not have storage.objects.create access"}}
                     ).encode()
@@ -294,16 +300,18 @@ class ReadOnly:
                     self.end_headers()
                     self.wfile.write(data)
                     return
-                request = urllib.request.Request(upstream + self.path, data=body, method=self.command)
+                skip = {"host", "content-length", "connection", "accept-encoding"}
+                sent = {k: v for k, v in self.headers.items() if k.lower() not in skip}  # Range, Content-Type...
+                request = urllib.request.Request(upstream + self.path, data=body, headers=sent, method=self.command)
                 try:
                     response = opener.open(request, timeout=30)
                     status, headers, data = response.status, response.headers, response.read()
                 except urllib.error.HTTPError as e:
                     status, headers, data = e.code, e.headers, e.read()
                 self.send_response(status)
-                for key in ("Content-Type", "ETag", "x-goog-generation", "x-goog-hash"):
-                    if headers.get(key):
-                        self.send_header(key, headers[key])
+                for key, value in headers.items():
+                    if key.lower() not in ("content-length", "connection", "transfer-encoding", "date", "server"):
+                        self.send_header(key, value)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
@@ -320,13 +328,73 @@ class ReadOnly:
         self.server.server_close()
 
 
+def read_only(method, path):
+    """A service account with roles/storage.objectViewer only: every write refused."""
+    return None if method in ("GET", "HEAD") else "403"
+
+
+def test_server_gone_in_the_middle_of_a_save_names_the_url_and_the_last_checkpoint_survives(gcs, monkeypatch):
+    """The server goes away while TensorStore writes checkpoint 2's arrays (after its first
+    write under ``ckpt/2``). TensorStore retries for minutes by default (32 tries, up to 32 s
+    apart); its ``gcs_request_retries`` context resource, set in Orbax's default contexts, makes
+    it give up in a second here. The error names the URL, and checkpoint 1 restores."""
+    import gcsfs.retry
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    retries = {"max_retries": 2, "initial_delay": "10ms", "max_delay": "50ms"}
+    for context in (tensorstore_utils._BASE_TS_CONTEXT, tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT):
+        monkeypatch.setitem(context, "gcs_request_retries", retries)
+    monkeypatch.setattr(gcsfs.retry, "is_retriable", lambda e: False)
+    writes_of_2 = []
+
+    def dies_during_save_2(method, path):
+        # Orbax's own metadata files go first (gcsfs); the array data are TensorStore's OCDBT
+        # files under d/: the server dies at the first of those.
+        if method not in ("GET", "HEAD") and "ckpt/2" in path:
+            writes_of_2.append(path)
+        return "dead" if any("/d/" in w for w in writes_of_2) else None
+
+    front = Front(gcs.url, dies_during_save_2)
+    try:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", front.url)
+        monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", front.url)
+        gcs.forget_clients()
+        directory = f"{gcs.bucket}/ckpt"
+        ckpt = Checkpointer(directory, keep=5)
+        state = {"params": {"w": np.arange(200_000, dtype=np.float32)}}
+        ckpt.save(1, state)
+        ckpt.wait()
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointError) as err:
+            ckpt.save(2, {"params": {"w": state["params"]["w"] + 1}})
+            ckpt.wait()
+        with contextlib.suppress(Exception):
+            ckpt.close()
+        print(f"the failed save ended {time.monotonic() - t0:.1f}s after it began; writes under ckpt/2: {writes_of_2}")
+        assert any("/d/" in w for w in writes_of_2), f"no array data of checkpoint 2 written: {writes_of_2}"
+        message = str(err.value)
+        assert f"writing checkpoint 2 in {directory} failed: the storage service" in message, message
+        assert "cannot be reached" in message and "Run again to resume" in message, message
+        assert "tensorstore_spec" not in message, message
+    finally:
+        front.close()
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs.url)
+        monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", gcs.url)
+        gcs.forget_clients()
+    after = Checkpointer(directory, keep=5)  # the server itself never stopped: straight to it
+    assert [i.step for i in after.list() if i.status == "intact"] == [1]
+    restored, step = after.restore({"params": {"w": np.zeros(200_000, np.float32)}})
+    assert step == 1 and restored["params"]["w"].tolist() == state["params"]["w"].tolist()
+    after.close()
+
+
 def test_read_only_bucket_is_named_and_the_checkpoints_stay_readable(gcs, monkeypatch, korean_tokenizer):
     directory = f"{gcs.bucket}/run/checkpoints"
     ckpt = Checkpointer(directory)
     ckpt.save(3, {"params": {"w": np.arange(8, dtype=np.float32)}})
     ckpt.wait()
     ckpt.close()
-    front = ReadOnly(gcs.url)
+    front = Front(gcs.url, read_only)
     try:
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", front.url)
         monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", front.url)

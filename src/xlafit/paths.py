@@ -75,6 +75,7 @@ def describe_error(url: AnyPath, e: BaseException) -> str:
         chain.append(cause)
     root = next((c for c in chain if isinstance(c, (PermissionError, ConnectionError, FileNotFoundError))), e)
     text = " ".join(f"{type(root).__name__}: {root}".split())  # one line: some clients put the body on a second
+    text = re.sub(r" ?\[tensorstore_spec='.*?'\]", "", text)  # TensorStore appends its whole spec: noise here
     everything = " ".join(f"{type(c).__name__}: {c}" for c in chain)
     code = getattr(root, "code", None)
     bucket = bucket_of(url)
@@ -92,9 +93,8 @@ def describe_error(url: AnyPath, e: BaseException) -> str:
             f"the bucket gs://{bucket} of {url} does not exist. Create it "
             f"(gcloud storage buckets create gs://{bucket}) or fix the URL."
         )
-    if any(word in everything for word in ("Cannot connect", "Connection refused", "UNAVAILABLE")) or isinstance(
-        root, ConnectionError
-    ):
+    unreachable = ("Cannot connect", "Connection refused", "UNAVAILABLE", "Empty reply from server", "Couldn't connect")
+    if any(word in everything for word in unreachable) or isinstance(root, ConnectionError):
         return f"the storage service for {url} cannot be reached ({text}). Check the network and run again."
     return f"{url}: {text}."
 
