@@ -211,3 +211,57 @@ def test_invariant_chunks_are_refused_for_keras_with_the_fix():
     config = xlafit.config.TrainerConfig(invariant_chunks=8)
     with pytest.raises(xlafit.config.ConfigError, match="trainer.invariant_chunks=null"):
         xlafit.Trainer(model, None, optax.sgd(0.1), global_batch=8, config=config)
+
+
+# A run of build() on data(512, 0), killed with SIGKILL by its own watcher thread once
+# checkpoint KILL_AFTER exists (while training goes on), or run to the end (KILL_AFTER 0).
+KILLED_RUN = """
+import os, signal, sys, threading, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import optax
+import xlafit
+from test_keras import LOSS, build, data
+from xlafit.checkpoint import fingerprint
+from xlafit.config import TrainerConfig
+from xlafit.keras_models import KerasLoss
+
+run_dir, kill_after, seed = Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+x, y = data(512, 0)
+trainer = xlafit.Trainer(
+    build(seed=seed), KerasLoss(LOSS, ["accuracy"]), optax.adam(1e-2), strategy=xlafit.connect(), global_batch=64,
+    config=TrainerConfig(epochs=6, log_every_steps=0, checkpoint_every_steps=4), run_dir=run_dir,
+)
+
+def kill_once_saved():
+    while not any(p.name.isdigit() and int(p.name) >= kill_after for p in (run_dir / "checkpoints").glob("*")):
+        time.sleep(0.002)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if kill_after:
+    threading.Thread(target=kill_once_saved, daemon=True).start()
+state = trainer.fit({"x": x, "y": y}).state
+print("FINGERPRINT", int(state.step), fingerprint((state.params, state.model_state, state.opt_state)))
+"""
+
+
+def test_killed_with_sigkill_then_resumed_ends_bit_identical(strategy8, tmp_path):
+    """kill -9 in the middle of a run (checkpoints every 4 steps), then the same program again
+    with a model built from another seed: the end state (parameters, BatchNorm statistics,
+    dropout seed, Adam moments) has the fingerprint of an uninterrupted run."""
+    from xlafit.checkpoint import fingerprint
+
+    x, y = data(512, 0)
+    full = trainer(build(), strategy8, epochs=6).fit({"x": x, "y": y}).state
+    expected = f"FINGERPRINT 48 {fingerprint((full.params, full.model_state, full.opt_state))}"
+    script = tmp_path / "run.py"
+    script.write_text(KILLED_RUN)
+    run = [sys.executable, str(script), str(Path(__file__).parent), str(tmp_path / "run")]
+    killed = subprocess.run([*run, "20", "0"], capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    saved = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").glob("*") if p.name.isdigit())
+    assert saved and 20 <= max(saved) < 48, saved
+    resumed = subprocess.run([*run, "0", "7"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resum" in resumed.stdout + resumed.stderr
+    assert expected in resumed.stdout, resumed.stdout[-2000:]
