@@ -1,5 +1,6 @@
-"""The demo's promise: the MNIST recipe reaches >= 95% on the 1,000 held-out digits, and a
-1-device run of the same config trains the very same model as an 8-device one.
+"""The demo's promise: the MNIST recipe reaches >= 95% on the 1,000 held-out digits (here
+after 3 of its 8 epochs, 0.962 measured; the whole demo prints 0.969, README), and a 1-device
+run of the same config trains the very same model as an 8-device one.
 
 The preset sets trainer.invariant_chunks=8: gradients are summed over 8 fixed chunks in a
 fixed order, so the two runs are bit-identical. Without it they agree to ~1e-7 for a few
@@ -28,11 +29,11 @@ def _eval_at(run_dir, epoch):
 @pytest.mark.slow
 def test_mnist_recipe_reaches_95_percent_on_8_and_1_devices(tmp_path):
     results, evals, train_losses = {}, {}, {}
-    # The whole run on 8 devices; the first of its 8 epochs on 1 device (same schedule:
-    # stop_at_step keeps it), to keep the suite short. test_trainer.py and test_multiprocess.py
-    # check whole runs across device and process counts.
+    # The first 3 of the demo's 8 epochs on 8 devices, the first one on 1 device (the same
+    # schedule: stop_at_step keeps it), to keep the suite short. test_trainer.py and
+    # test_multiprocess.py check whole runs across device and process counts.
     for devices, extra in (
-        (8, ["trainer.log_every_steps=5"]),
+        (8, ["trainer.stop_at_step=93", "trainer.log_every_steps=5"]),
         (1, ["trainer.stop_at_step=31", "trainer.log_every_steps=5"]),
     ):
         run_dir = tmp_path / f"d{devices}"

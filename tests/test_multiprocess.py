@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 from xlafit.checkpoint import Checkpointer
+from xlafit.data import mnist
 from xlafit.launch import free_port
 from xlafit.recipes import get_recipe, load_config
 from xlafit.train.optim import make_optimizer
@@ -103,12 +104,20 @@ def test_checkpoint_moves_between_two_processes_and_one(tmp_path, single_run, st
 
 
 def test_eval_counts_every_example_once_across_processes(tmp_path):
-    # One epoch (31 steps) ends with an evaluation of the 1,000 test digits in batches of 256:
-    # each process evaluates its half of every batch, the last one padded and masked.
-    run_dir = tmp_path / "run"
-    out = launch(tmp_path, 2, 4, "--run-dir", str(run_dir), "trainer.epochs=1")
+    # One short epoch (256 training digits: 2 steps) ends with an evaluation of the 1,000
+    # test digits in batches of 256: each process evaluates its half of every batch, the last
+    # one (232 digits) padded and masked.
+    raw = mnist.load_embedded()
+    data = tmp_path / "idx"
+    data.mkdir()
+    for split, prefix, n in (("train", "train", 256), ("test", "t10k", 1000)):
+        images = np.round((raw[split]["image"][:n, :, :, 0] * mnist.STD + mnist.MEAN) * 255).astype(np.uint8)
+        mnist.write_idx(data / f"{prefix}-images-idx3-ubyte", images)
+        mnist.write_idx(data / f"{prefix}-labels-idx1-ubyte", raw[split]["label"][:n].astype(np.uint8))
+    run_dir, args = tmp_path / "run", ["--data-dir", str(data), "trainer.epochs=1"]
+    out = launch(tmp_path, 2, 4, "--run-dir", str(run_dir), *args)
     assert out.returncode == 0, out.stderr
-    ref = single(8, "--run-dir", str(tmp_path / "ref"), "trainer.epochs=1")
+    ref = single(8, "--run-dir", str(tmp_path / "ref"), *args)
     assert ref.returncode == 0, ref.stderr
     evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     final = [r for r in evals if r["split"] == "eval"][-1]

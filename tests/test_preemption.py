@@ -30,10 +30,10 @@ from xlafit.recipes import mnist as mnist_recipe
 from xlafit.train.trainer import NonFiniteError
 
 XLAFIT = [sys.executable, "-m", "xlafit"]
-# The default suite interrupts 5 and 2 times (CI time); XLAFIT_KILL_LOOPS=20
+# The default suite interrupts 3 times and once (CI time); XLAFIT_KILL_LOOPS=20
 # XLAFIT_TERM_LOOPS=20 runs the 20 in a row (about 4 minutes each here).
-KILL_LOOPS = int(os.environ.get("XLAFIT_KILL_LOOPS", "5"))
-TERM_LOOPS = int(os.environ.get("XLAFIT_TERM_LOOPS", "2"))
+KILL_LOOPS = int(os.environ.get("XLAFIT_KILL_LOOPS", "3"))
+TERM_LOOPS = int(os.environ.get("XLAFIT_TERM_LOOPS", "1"))
 
 
 @pytest.fixture(scope="module")
