@@ -147,6 +147,9 @@ def test_max_batch_is_the_largest_that_fits():
     assert fits.get(b, r.fits and b == r.per_device_batch) is True
     assert fits[b + 8] is False  # the next multiple of 8 was probed and refused
     assert all(ok == (batch <= b) for batch, ok in fits.items())
+    # 8 fits (the report's compile); 128 is refused and says what it needs; the line through
+    # both lands on the answer: one more fit and one more refusal (doubling and bisection took 7)
+    assert len(r.probes) <= 4, [(p.per_device_batch, p.fits) for p in r.probes]
 
 
 def test_a_cpu_only_operation_is_reported_at_the_users_line():

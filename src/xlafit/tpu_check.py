@@ -19,7 +19,8 @@ devices and compiled by libtpu. Nothing is allocated: the model may come from
   high, and only the compute term is a strict bound). An estimate, not a measurement:
   real steps are slower (MFU below 100 %, collectives, input);
 - the compile time on this machine;
-- with ``max_batch``, the largest per-core batch that compiles (doubling, then bisection;
+- with ``max_batch``, the largest per-core batch that compiles (a far probe, then the bytes
+  interpolated at the capacity, bisection as the fallback;
   each probe one compile, refusals are fast).
 """
 
@@ -305,13 +306,22 @@ class _Steps:
                         return frame.file_name, frame.line_num
         return None
 
-    def fits(self, per_device: int) -> tuple[bool, float]:
+    def fits(self, per_device: int) -> tuple[bool, float, int | None]:
+        """Whether the train step compiles at ``per_device``, the seconds it took, and the
+        bytes per core it needs (the memory analysis, or the compiler's refusal)."""
         t0 = time.perf_counter()
         try:
-            self.compile_train(per_device)
-            return True, time.perf_counter() - t0
-        except _OutOfMemory:
-            return False, time.perf_counter() - t0
+            compiled, _ = self.compile_train(per_device)
+            return True, time.perf_counter() - t0, _memory(compiled, 0, 0)["total"]
+        except _OutOfMemory as e:
+            return False, time.perf_counter() - t0, _needed_bytes(e.message)
+
+
+def _needed_bytes(message: str) -> int | None:
+    """The bytes per core that a refused program needs, from the compiler's message
+    ("... HLO temporaries (23.88G) exceeds available HBM (15.75G)")."""
+    needed = re.search(r"\((\d+(?:\.\d+)?)G\) exceeds", message)
+    return int(float(needed.group(1)) * 2**30) if needed else None
 
 
 def _equations(jaxpr: Any, outer: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
@@ -377,7 +387,9 @@ def check_target(target: tpu.Target, program: Program, max_batch: bool = False) 
         if evaluation is not None and report.error is None:
             report.eval = evaluation.result()
         if max_batch and report.error is None:
-            report.max_batch, report.probes = largest_batch(steps, report.per_device_batch, report.fits)
+            report.max_batch, report.probes = largest_batch(
+                steps, report.per_device_batch, report.fits, report.memory.get("total"), report.capacity
+            )
     return report
 
 
@@ -390,9 +402,8 @@ def _train_report(report: TargetReport, steps: _Steps, target: tpu.Target) -> No
         compiled, report.compile_s = steps.compile_train(per_device)
     except _OutOfMemory as e:
         report.fits, report.message = False, e.message
-        needed = re.search(r"\((\d+(?:\.\d+)?)G\) exceeds", e.message)
-        if needed:
-            report.memory["total"] = int(float(needed.group(1)) * 2**30)
+        if (needed := _needed_bytes(e.message)) is not None:
+            report.memory["total"] = needed
     except Exception as e:  # a failure that is not about memory: placed at the user's line
         finding = classify(e, program.user_file)
         if finding.rule == 0:
@@ -423,15 +434,26 @@ def _eval_report(steps: _Steps, per_device: int) -> dict[str, Any] | None:
 
 
 def largest_batch(
-    steps: _Steps, start: int, start_fits: bool | None, multiple: int = 8, limit: int = 2**16
+    steps: _Steps,
+    start: int,
+    start_fits: bool | None,
+    start_bytes: int | None = None,
+    capacity: float = 0.0,
+    multiple: int = 8,
+    limit: int = 2**16,
 ) -> tuple[int, list[Probe]]:
     """The largest per-core batch that compiles, and the probes that found it.
 
-    Doubling from ``start`` until the compiler refuses (or halving, when ``start`` does not
-    fit), then bisection between the last fit and the first refusal. Batches stay multiples
-    of ``multiple`` (8: a TPU vector register holds 8 rows of a float32 tile) and of what
-    the loop needs (``trainer.accumulate_steps``, ``invariant_chunks`` per core); below
-    ``multiple``, of the loop's unit only. 0: not even the smallest batch fits.
+    A probe that does not fit is cheap (the compiler refuses it at buffer assignment, in
+    seconds, and says how much it needed); one that fits costs a whole compile (minutes for
+    BERT-base). So the search reaches far first: 16x ``start`` (again while that fits), or
+    halving when ``start`` does not fit. Then it narrows the bracket between the last fit
+    and the first refusal by interpolating the bytes each needed (per-core memory grows about
+    linearly with the batch: the state is fixed, activations scale) at ``capacity``, falling
+    back to bisection when an interpolation lands on the same side twice. Batches stay
+    multiples of ``multiple`` (8: a TPU vector register holds 8 rows of a float32 tile) and
+    of what the loop needs (``trainer.accumulate_steps``, ``invariant_chunks`` per core);
+    below ``multiple``, of the loop's unit only. 0: not even the smallest batch fits.
     """
     config = steps.program.config
     base = config.accumulate_steps
@@ -439,23 +461,29 @@ def largest_batch(
         base = math.lcm(base, config.invariant_chunks // steps.strategy.num_replicas)
     unit = math.lcm(base, multiple)
     probes: list[Probe] = []
+    needs: dict[int, int] = {}  # per-core batch -> bytes per core, as the compiler said
 
     def fits(batch: int) -> bool:
-        ok, seconds = steps.fits(batch)
+        ok, seconds, needed = steps.fits(batch)
         probes.append(Probe(batch, ok, seconds))
+        if needed is not None:
+            needs[batch] = needed
         return ok
 
     first = max(unit, start // unit * unit)
     known = start_fits is not None and first == start
+    if known and start_bytes is not None:
+        needs[first] = start_bytes
     if start_fits if known else fits(first):
         good, bad = first, 0
-        while not bad and good * 2 <= limit:
-            if fits(good * 2):
-                good *= 2
+        while not bad:
+            far = min(limit, good * 16) // unit * unit
+            if far <= good:
+                return good, probes
+            if fits(far):
+                good = far
             else:
-                bad = good * 2
-        if not bad:
-            return good, probes
+                bad = far
     else:
         good, bad, unit = 0, first, base
         while not good:
@@ -466,13 +494,27 @@ def largest_batch(
                 good = half
             else:
                 bad = half
+    streak: list[bool] = []  # the outcomes of the interpolated probes since the last bisection
     while (bad - good) // unit >= 2:
-        mid = good + (bad - good) // unit // 2 * unit
-        if fits(mid):
-            good = mid
+        guess = _interpolate(good, bad, needs, capacity, unit)
+        if guess is None or streak[-2:] in ([True, True], [False, False]):
+            guess, streak = good + (bad - good) // unit // 2 * unit, []
+            ok = fits(guess)
         else:
-            bad = mid
+            ok = fits(guess)
+            streak.append(ok)
+        good, bad = (guess, bad) if ok else (good, guess)
     return good, probes
+
+
+def _interpolate(good: int, bad: int, needs: dict[int, int], capacity: float, unit: int) -> int | None:
+    """The batch at which the line through the bracket's (batch, bytes) meets ``capacity``,
+    rounded down to ``unit`` and kept strictly inside the bracket; None when unknown."""
+    if not capacity or good not in needs or bad not in needs or needs[bad] <= needs[good]:
+        return None
+    slope = (needs[bad] - needs[good]) / (bad - good)
+    guess = int(good + (capacity - needs[good]) / slope) // unit * unit
+    return min(max(guess, good + unit), bad - unit)
 
 
 def check_targets(targets: list[tpu.Target], program: Program, max_batch: bool = False) -> list[TargetReport]:
