@@ -171,8 +171,9 @@ class Watchdog:
                 median = statistics.median(self._intervals) if self._intervals else 0.0
             self._on_hang(
                 f"no call of the train step finished for {waited:.1f}s after step {self._step}; the process ends "
-                f"at the limit of {self.limit():.1f}s = max(trainer.watchdog_floor_s={self.floor_s:g}, trainer.watchdog_factor="
-                f"{self.factor:g} x the median call time {median:.3g}s). This is process {self.process_index}; "
+                f"at the limit of {self.limit():.1f}s = max(trainer.watchdog_floor_s={self.floor_s:g}, "
+                f"trainer.watchdog_factor={self.factor:g} x the median call time {median:.3g}s). "
+                f"This is process {self.process_index}; "
                 "one process of the job is stuck, and the others wait for it in a collective"
             )
             return
