@@ -1,8 +1,8 @@
 """A Keras model trained by Keras' own ``fit`` and by xlafit: examples/s and compile time.
 
 The MNIST CNN of the recipe (``xlafit.models.MnistCNN``) written in Keras 3 (JAX backend),
-on the 4,000 embedded MNIST digits; the same global batch and optimizer (Adam, Keras' 1e-7
-epsilon) for both. Keras trains with ``keras.distribution.DataParallel`` over the same
+on the 4,000 embedded MNIST digits; the same global batch and optimizer (Keras' Adam; xlafit takes it through
+``optax_from_keras``) for both. Keras trains with ``keras.distribution.DataParallel`` over the same
 devices; xlafit with ``Trainer.steps``, its one dispatch loop (the loop ``fit`` runs). Each
 round times one epoch of every (trainer, devices) pair in turn, so machine noise hits all
 alike; the table gives the median epoch's examples/s, the first epoch's extra time
@@ -30,13 +30,12 @@ strategy8 = xlafit.connect(simulate=SIMULATE)
 import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from xlafit.config import TrainerConfig  # noqa: E402
 from xlafit.data import mnist  # noqa: E402
 from xlafit.devices import Strategy  # noqa: E402
-from xlafit.keras_models import KerasLoss  # noqa: E402
+from xlafit.keras_models import KerasLoss, optax_from_keras  # noqa: E402
 
 
 def keras_cnn(seed: int = 0) -> keras.Model:
@@ -60,10 +59,25 @@ def keras_cnn(seed: int = 0) -> keras.Model:
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+class SyncEveryStep(keras.callbacks.Callback):
+    """Waits for each step's loss: ``fit`` then keeps one step in flight, not all of them.
+
+    Keras' ``fit`` dispatches steps as fast as the host can, so many programs with a
+    cross-device all-reduce queue up; on 8 simulated devices on 2 cores XLA:CPU's
+    threads then wait for one another until it aborts ("Expected 8 threads to join the
+    rendezvous, but only 6 of them arrived on time"), 4 times in 5 attempts on 2026-11-24.
+    xlafit keeps at most two calls in flight for that reason (``Trainer.steps``).
+    """
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        float(logs["loss"])  # note: a host-device sync point
+
+
 class KerasFit:
     """Keras' own ``fit``, one epoch per :meth:`epoch`, under ``DataParallel`` over ``devices``."""
 
-    def __init__(self, devices: list, x: np.ndarray, y: np.ndarray, batch: int, lr: float) -> None:
+    def __init__(self, devices: list, x: np.ndarray, y: np.ndarray, batch: int, lr: float, sync: bool) -> None:
+        self.callbacks = [SyncEveryStep()] if sync and len(devices) > 1 else []
         self.distribution = keras.distribution.DataParallel(devices=devices)
         with self.distribution.scope():
             self.model = keras_cnn()
@@ -73,7 +87,9 @@ class KerasFit:
     def epoch(self) -> None:
         with self.distribution.scope():
             # Keras keeps the compiled train function between fit calls; the first call compiles it.
-            self.model.fit(self.x, self.y, batch_size=self.batch, epochs=1, verbose=0, shuffle=True)
+            self.model.fit(
+                self.x, self.y, batch_size=self.batch, epochs=1, verbose=0, shuffle=True, callbacks=self.callbacks
+            )
 
 
 class XlafitSteps:
@@ -83,7 +99,7 @@ class XlafitSteps:
         self.trainer = xlafit.Trainer(
             keras_cnn(),
             KerasLoss(LOSS, ["accuracy"]),
-            optax.adam(lr, eps=1e-7),
+            optax_from_keras(keras.optimizers.Adam(lr)),  # Keras' Adam, in Keras' arithmetic
             strategy=strategy,
             global_batch=batch,
             config=TrainerConfig(epochs=1_000_000, steps_per_call=k),
@@ -108,6 +124,11 @@ def main() -> None:
     p.add_argument("--steps-per-call", type=int, default=1, help="xlafit's k (Keras: steps_per_execution=1)")
     p.add_argument("--rounds", type=int, default=5, help="timed epochs per configuration, after the first")
     p.add_argument("--examples", type=int, default=4000, help="training examples per epoch (<= 4000)")
+    p.add_argument(
+        "--keras-queue",
+        action="store_true",
+        help="let Keras' fit queue every step (its default; aborts on 8 simulated devices here, see SyncEveryStep)",
+    )
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
 
@@ -116,7 +137,7 @@ def main() -> None:
     runs: dict[tuple[str, int], object] = {}
     for n in (int(d) for d in args.devices.split(",")):
         devices = jax.devices()[:n]
-        runs["keras fit", n] = KerasFit(devices, x, y, args.batch, args.lr)
+        runs["keras fit", n] = KerasFit(devices, x, y, args.batch, args.lr, sync=not args.keras_queue)
         runs["xlafit", n] = XlafitSteps(
             Strategy(Mesh(np.array(devices), ("data",))), x, y, args.batch, args.lr, args.steps_per_call
         )

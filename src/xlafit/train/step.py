@@ -125,20 +125,22 @@ def apply_if_finite(
     The step counter advances either way (the batch is consumed, the data order stays a
     function of the step); parameters and optimizer state keep their old values, so a NaN
     never reaches a checkpoint. ``metrics["nonfinite"]`` is 1.0 for a dropped update; the
-    trainer applies ``trainer.nan_policy`` when it sees one. The select costs one pass over
-    the parameters and optimizer state, which XLA fuses into the update.
+    trainer applies ``trainer.nan_policy`` when it sees one. The update runs inside a
+    ``lax.cond`` rather than being computed and then dropped by a ``where`` over every
+    parameter and moment: on XLA:CPU those selects were passes of their own (4% of a Keras
+    CNN's step on 8 simulated devices).
     """
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+
+    def update(params: nnx.State, opt_state: optax.OptState) -> tuple[nnx.State, optax.OptState]:
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    keep = lambda params, opt_state: (params, opt_state)  # noqa: E731
+    params, opt_state = jax.lax.cond(finite, update, keep, state.params, state.opt_state)
     new_state = dataclasses.replace(
-        state,
-        step=state.step + 1,
-        params=jax.tree.map(keep, params, state.params),
-        opt_state=jax.tree.map(keep, opt_state, state.opt_state),
-        model_state=model_state,
+        state, step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state
     )
     return new_state, {**metrics, "grad_norm": grad_norm, "nonfinite": 1.0 - finite.astype(jnp.float32)}
 
