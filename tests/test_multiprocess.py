@@ -219,7 +219,7 @@ def test_job_flags_without_the_launcher():
     assert [p.returncode for p in procs] == [0, 0]
     for i, out in enumerate(outs):
         assert f"process {i} of 2" in out
-        assert "mesh: {'data': 8}" in out
+        assert "mesh: data=8 fsdp=1 tensor=1" in out
 
 
 def test_logs_go_to_the_cache_not_the_working_directory(tmp_path, monkeypatch, capsys):

@@ -47,7 +47,7 @@ from jax.sharding import Mesh
 from xlafit import tpu
 from xlafit.config import TrainerConfig
 from xlafit.devices import Strategy
-from xlafit.train.step import LossFn, abstract_state, make_steps
+from xlafit.train.step import LossFn, abstract_state, make_steps, state_shardings
 
 LEVERS = (
     "smaller per-core batch (data.per_device_batch, or --max-batch to find the largest that fits)",
@@ -258,20 +258,25 @@ class _Steps:
         model.eval()
         self.eval_graphdef = nnx.graphdef(model)
         model.train()
-        self.state = abstract_state(params, model_state, program.tx, self.strategy.replicated)
+        self.state = abstract_state(params, model_state, program.tx, self.strategy)
+        self.shardings = state_shardings(self.state)
         self.state_bytes = _bytes(self.state)
 
     def compile_train(self, per_device: int) -> tuple[Any, float]:
         p, s = self.program, self.strategy
         rows = per_device * s.num_replicas
-        train_step, _ = make_steps(self.train_graphdef, self.eval_graphdef, p.loss_fn, p.tx, s, p.config, rows)
+        train_step, _ = make_steps(
+            self.train_graphdef, self.eval_graphdef, p.loss_fn, p.tx, s, p.config, rows, self.shardings
+        )
         batch = _batch(p.example, rows, (p.config.steps_per_call,), s.batch_sharding(1))
         return _compile(lambda: train_step._jitted.lower(self.state, batch))
 
     def compile_eval(self, per_device: int) -> tuple[Any, float]:
         p, s = self.program, self.strategy
         rows = per_device * s.num_replicas
-        _, eval_step = make_steps(self.train_graphdef, self.eval_graphdef, p.loss_fn, p.tx, s, p.config, rows)
+        _, eval_step = make_steps(
+            self.train_graphdef, self.eval_graphdef, p.loss_fn, p.tx, s, p.config, rows, self.shardings
+        )
         batch = _batch(p.example, rows, (), s.batch)
         mask = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=s.batch)
         return _compile(lambda: eval_step._jitted.lower(self.state, batch, mask))

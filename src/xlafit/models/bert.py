@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from xlafit.sharding import logical
+
 # Sizes of Google's BERT releases: the 24 "BERT miniatures" (Turc et al. 2019) name
 # tiny/mini/small/medium; base and large are the paper's.
 PRESETS: dict[str, dict[str, int]] = {
@@ -112,14 +114,32 @@ class BertConfig:
         return 3.0 * forward
 
 
-def _dense(cfg: BertConfig, din: int, dout: int, rngs: nnx.Rngs) -> nnx.Linear:
+def _dense(cfg: BertConfig, din: int, dout: int, rngs: nnx.Rngs, axes: tuple[str, str]) -> nnx.Linear:
+    """A dense layer whose kernel has the logical axes ``axes`` (in, out) and whose bias has the
+    out axis, except where the out axis is the model width (``embed``): a row-parallel
+    layer's bias is added after the reduction, replicated (Megatron)."""
     init = nnx.initializers.truncated_normal(stddev=cfg.initializer_range)
-    return nnx.Linear(din, dout, kernel_init=init, dtype=cfg.compute_dtype, rngs=rngs)
+    bias_axis = "norm" if axes[1] == "embed" else axes[1]
+    return nnx.Linear(
+        din,
+        dout,
+        kernel_init=logical(init, *axes),
+        bias_init=logical(nnx.initializers.zeros_init(), bias_axis),
+        dtype=cfg.compute_dtype,
+        rngs=rngs,
+    )
 
 
 def _layer_norm(cfg: BertConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
     # Statistics are computed in float32 even for bf16 inputs (Flax upcasts them).
-    return nnx.LayerNorm(cfg.hidden_size, epsilon=cfg.layer_norm_eps, dtype=cfg.compute_dtype, rngs=rngs)
+    return nnx.LayerNorm(
+        cfg.hidden_size,
+        epsilon=cfg.layer_norm_eps,
+        dtype=cfg.compute_dtype,
+        scale_init=logical(nnx.initializers.ones_init(), "norm"),
+        bias_init=logical(nnx.initializers.zeros_init(), "norm"),
+        rngs=rngs,
+    )
 
 
 def gelu(x: jax.Array) -> jax.Array:
@@ -173,10 +193,15 @@ class Dropout(nnx.Dropout):
 class BertEmbeddings(nnx.Module):
     def __init__(self, cfg: BertConfig, rngs: nnx.Rngs) -> None:
         init = nnx.initializers.truncated_normal(stddev=cfg.initializer_range)
-        embed = lambda n: nnx.Embed(n, cfg.hidden_size, embedding_init=init, dtype=cfg.compute_dtype, rngs=rngs)  # noqa: E731
-        self.word = embed(cfg.vocab_size)
-        self.position = embed(cfg.max_position_embeddings)
-        self.token_type = embed(cfg.type_vocab_size)
+
+        def embed(rows: int, axis: str) -> nnx.Embed:
+            return nnx.Embed(
+                rows, cfg.hidden_size, embedding_init=logical(init, axis, "embed"), dtype=cfg.compute_dtype, rngs=rngs
+            )
+
+        self.word = embed(cfg.vocab_size, "vocab")
+        self.position = embed(cfg.max_position_embeddings, "positions")
+        self.token_type = embed(cfg.type_vocab_size, "types")
         self.norm = _layer_norm(cfg, rngs)
         self.dropout = Dropout(cfg.hidden_dropout, bits=cfg.dropout_bits, rngs=rngs)
 
@@ -199,8 +224,11 @@ class BertEmbeddings(nnx.Module):
 class BertAttention(nnx.Module):
     def __init__(self, cfg: BertConfig, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
-        self.qkv = _dense(cfg, cfg.hidden_size, 3 * cfg.hidden_size, rngs)
-        self.out = _dense(cfg, cfg.hidden_size, cfg.hidden_size, rngs)
+        # [q|k|v] columns are not grouped by head, so a split of them over `tensor` would not
+        # follow the heads: "qkv" is replicated over it (sharding.DEFAULT_RULES), the output
+        # projection is row-parallel over the heads.
+        self.qkv = _dense(cfg, cfg.hidden_size, 3 * cfg.hidden_size, rngs, ("embed", "qkv"))
+        self.out = _dense(cfg, cfg.hidden_size, cfg.hidden_size, rngs, ("heads", "embed"))
         self.attention_dropout = nnx.Dropout(cfg.attention_dropout, rngs=rngs)
         self.dropout = Dropout(cfg.hidden_dropout, bits=cfg.dropout_bits, rngs=rngs)
         self.norm = _layer_norm(cfg, rngs)
@@ -226,8 +254,9 @@ class BertAttention(nnx.Module):
 class BertLayer(nnx.Module):
     def __init__(self, cfg: BertConfig, rngs: nnx.Rngs) -> None:
         self.attention = BertAttention(cfg, rngs)
-        self.intermediate = _dense(cfg, cfg.hidden_size, cfg.intermediate_size, rngs)
-        self.output = _dense(cfg, cfg.intermediate_size, cfg.hidden_size, rngs)
+        # Megatron's MLP: column-parallel in, row-parallel out (one all-reduce per MLP).
+        self.intermediate = _dense(cfg, cfg.hidden_size, cfg.intermediate_size, rngs, ("embed", "mlp"))
+        self.output = _dense(cfg, cfg.intermediate_size, cfg.hidden_size, rngs, ("mlp", "embed"))
         self.dropout = Dropout(cfg.hidden_dropout, bits=cfg.dropout_bits, rngs=rngs)
         self.norm = _layer_norm(cfg, rngs)
 
@@ -262,9 +291,11 @@ class BertForMaskedLM(nnx.Module):
         self.cfg = cfg
         self.embeddings = BertEmbeddings(cfg, rngs)
         self.layers = nnx.List([BertLayer(cfg, rngs) for _ in range(cfg.num_layers)])
-        self.head_dense = _dense(cfg, cfg.hidden_size, cfg.hidden_size, rngs)
+        self.head_dense = _dense(cfg, cfg.hidden_size, cfg.hidden_size, rngs, ("embed", "embed"))
         self.head_norm = _layer_norm(cfg, rngs)
-        self.head_bias = nnx.Param(jnp.zeros((cfg.vocab_size,), jnp.float32))
+        self.head_bias = nnx.Param(
+            jnp.zeros((cfg.vocab_size,), jnp.float32), out_sharding=("vocab",), eager_sharding=False
+        )
         self.eval()
 
     @classmethod
