@@ -8,6 +8,8 @@ Adam divides by sqrt(v), which magnifies the rounding of near-zero gradients). H
 tolerances: 1e-5 for SGD, 1e-4 for AdamW.
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -187,3 +189,18 @@ def test_rules_and_invariant_chunks_refusals():
         parse_rules("embed=model")
     with pytest.raises(ConfigError, match="invariant_chunks keeps its bit-identical guarantee"):
         validate_mesh(MeshConfig(fsdp=8), TrainerConfig(invariant_chunks=8))
+
+
+def test_tensor_parallelism_splits_the_work_of_a_device(data):
+    """Megatron over `tensor`: on 4 x 2, each device takes 1/4 of the batch and half the heads
+    and MLP units, about the FLOPs of FSDP over 8 (1/8 of the batch, whole layers); without
+    the split it would be twice those (XLA's cost analysis, per device)."""
+    wide = dataclasses.replace(TINY, hidden_size=64, num_heads=4, intermediate_size=256)
+    flops = {}
+    for mesh in ((1, 8, 1), (1, 4, 2)):
+        trainer = bert_trainer(mesh, optax.sgd(0.1), model=lambda: BertForMaskedLM(wide, rngs=nnx.Rngs(0)))
+        _, _, batch = next(iter(trainer.batches(data)))
+        flops[mesh] = trainer.train_step.flops_for(trainer.state, batch)
+        mlp = trainer.state.params["layers"][0]["intermediate"]["kernel"][...]
+    assert mlp.sharding.shard_shape(mlp.shape) == (64 // 4, 256 // 2)
+    assert flops[(1, 4, 2)] < 1.25 * flops[(1, 8, 1)], flops

@@ -27,7 +27,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -230,3 +232,49 @@ def bytes_per_device(tree: Any) -> int:
             size *= n
         total += size * x.dtype.itemsize
     return total
+
+
+# --------------------------------------------------------------------------- activations
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, Mapping[str, str | None]] | None] = contextvars.ContextVar(
+    "xlafit_sharding", default=None
+)
+
+
+@contextlib.contextmanager
+def activation_layout(mesh: Mesh, rules: Mapping[str, str | None]) -> Iterator[None]:
+    """While a step is traced: :func:`constrain` lays activations over ``mesh`` by ``rules``."""
+    token = _ACTIVE.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, *names: str | None) -> jax.Array:
+    """Pins activation ``x`` to its logical axes (``"batch"``: ``data`` x ``fsdp``; others
+    through the rules), inside a step of a sharded run; outside one (a model called on
+    its own, pure data parallelism) it returns ``x`` untouched.
+
+    Without these hints XLA's sharding propagation may carry a weight's split onto the
+    activations (hidden states split over ``fsdp`` along ``embed``, then gathered back
+    whole: "involuntary full rematerialization"), or compute every head on every device of
+    a tensor-parallel group.
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    sizes = dict(mesh.shape)
+    spec: list[Any] = []
+    for size, name in zip(x.shape, names, strict=True):
+        if name == "batch":
+            axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+            n = 1
+            for a in axes:
+                n *= sizes[a]
+            spec.append(axes if axes and size % n == 0 else None)
+            continue
+        axis = rules.get(name) if name is not None else None
+        spec.append(axis if axis is not None and sizes.get(axis, 1) > 1 and size % sizes[axis] == 0 else None)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))

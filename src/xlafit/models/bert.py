@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from xlafit.sharding import logical
+from xlafit.sharding import constrain, logical
 
 # Sizes of Google's BERT releases: the 24 "BERT miniatures" (Turc et al. 2019) name
 # tiny/mini/small/medium; base and large are the paper's.
@@ -237,6 +237,8 @@ class BertAttention(nnx.Module):
         b, t, h = x.shape
         heads = self.cfg.num_heads
         q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * heads, h // heads), 3, axis=2)  # 3 x (B, T, nh, hd)
+        # Tensor parallelism: each device of a tensor group computes its own heads.
+        q, k, v = (constrain(a, "batch", None, "heads", None) for a in (q, k, v))
         if self.cfg.attention_dropout > 0 and not self.attention_dropout.deterministic:
             # Dropout on the attention probabilities needs them materialised: the plain path.
             scores = jnp.einsum("btnd,bsnd->bnts", q, k) / jnp.sqrt(h // heads).astype(q.dtype)
@@ -262,8 +264,8 @@ class BertLayer(nnx.Module):
 
     def __call__(self, x: jax.Array, mask: jax.Array, kv_lengths: jax.Array | None) -> jax.Array:
         x = self.attention(x, mask, kv_lengths)
-        y = self.output(gelu(self.intermediate(x)))  # (B, T, 4h) in between
-        return self.norm(x + self.dropout(y))
+        y = constrain(gelu(self.intermediate(x)), "batch", None, "mlp")  # (B, T, 4h), split over tensor
+        return constrain(self.norm(x + self.dropout(self.output(y))), "batch", None, None)
 
 
 def _right_padded(attention_mask: jax.Array) -> bool:
@@ -343,7 +345,7 @@ class BertForMaskedLM(nnx.Module):
         kv_lengths = None
         if self._use_cudnn(segment_ids, attention_mask):
             kv_lengths = attention_mask.astype(jnp.int32).sum(-1)
-        x = self.embeddings(input_ids, token_type_ids, position_ids)
+        x = constrain(self.embeddings(input_ids, token_type_ids, position_ids), "batch", None, None)
         for layer in self.layers:
             x = layer(x, mask, kv_lengths)
         return x

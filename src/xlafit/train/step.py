@@ -469,6 +469,11 @@ def make_steps(
         step_fn = build_train_step(
             train_graphdef, loss_fn, tx, unroll=unroll, accumulate=accumulate, devices=devices, grad_sharding=grads
         )
+    if not strategy.data_parallel_only:
+        step_fn = _with_activation_layout(step_fn, strategy)
+    eval_fn = build_eval_step(eval_graphdef, loss_fn)
+    if not strategy.data_parallel_only:
+        eval_fn = _with_activation_layout(eval_fn, strategy)
     train_step = CompiledStep(
         "train step",
         step_fn,
@@ -478,11 +483,24 @@ def make_steps(
     )
     eval_step = CompiledStep(
         "eval step",
-        build_eval_step(eval_graphdef, loss_fn),
+        eval_fn,
         in_shardings=(state_in, strategy.batch, strategy.batch),
         out_shardings=replicated,
     )
     return train_step, eval_step
+
+
+def _with_activation_layout(fn: Callable, strategy: Strategy) -> Callable:
+    """``fn`` traced with :func:`xlafit.sharding.constrain` active on the strategy's mesh."""
+    from xlafit.sharding import DEFAULT_RULES, activation_layout
+
+    rules = strategy.rules if strategy.rules is not None else DEFAULT_RULES
+
+    def traced(*args: Any) -> Any:
+        with activation_layout(strategy.mesh, rules):
+            return fn(*args)
+
+    return traced
 
 
 def _flops(compiled: Any) -> float | None:
