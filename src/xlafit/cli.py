@@ -453,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sizes = ()
             if len(sizes) != 3:
                 raise ConfigError(f"--mesh {args.mesh}: give three whole numbers DATA,FSDP,TENSOR, e.g. --mesh -1,4,2.")
-            print(connect(args.simulate, mesh=sizes).describe())  # type: ignore[arg-type]  # three ints, checked
+            print(connect(args.simulate, mesh=sizes).describe())
             return 0
         if args.command == "config":
             from xlafit.recipes import load_config
