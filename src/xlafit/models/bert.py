@@ -42,6 +42,24 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 
 
+# model.remat values: none, full, and the policies of jax.checkpoint_policies that need no arguments.
+REMAT_POLICIES = (
+    "none",
+    "full",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+    "checkpoint_dots",
+    "checkpoint_dots_with_no_batch_dims",
+    "nothing_saveable",
+    "everything_saveable",
+)
+
+
+def remat_policy(name: str) -> Any:
+    """The ``jax.checkpoint`` policy of a ``remat`` name (None: save nothing, ``"full"``)."""
+    return None if name in ("none", "full") else getattr(jax.checkpoint_policies, name)
+
+
 @dataclasses.dataclass(frozen=True)
 class BertConfig:
     """Sizes and options of a BERT; :meth:`preset` fills the sizes by name.
@@ -67,8 +85,15 @@ class BertConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     attention: Literal["auto", "xla", "cudnn"] = "auto"
     dropout_bits: Literal[16, 32] = 16  # random bits per hidden-dropout decision (see Dropout)
+    # Rematerialisation of each encoder layer in the backward pass: "none" keeps every
+    # activation; "full" keeps only each layer's input and recomputes the rest (about one
+    # more forward pass, activations of one layer live instead of all); or a policy of
+    # jax.checkpoint_policies that keeps some ("dots_saveable": the matmul outputs).
+    remat: str = "none"
 
     def __post_init__(self) -> None:
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={self.remat!r} is not one of {', '.join(REMAT_POLICIES)}.")
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1).")
@@ -268,6 +293,10 @@ class BertLayer(nnx.Module):
         return constrain(self.norm(x + self.dropout(self.output(y))), "batch", None, None)
 
 
+def _run_layer(layer: BertLayer, x: jax.Array, mask: jax.Array, kv_lengths: jax.Array | None) -> jax.Array:
+    return layer(x, mask, kv_lengths)
+
+
 def _right_padded(attention_mask: jax.Array) -> bool:
     """False when ``attention_mask`` is concrete and some row has a 0 before a 1."""
     if isinstance(attention_mask, jax.core.Tracer):
@@ -346,8 +375,11 @@ class BertForMaskedLM(nnx.Module):
         if self._use_cudnn(segment_ids, attention_mask):
             kv_lengths = attention_mask.astype(jnp.int32).sum(-1)
         x = constrain(self.embeddings(input_ids, token_type_ids, position_ids), "batch", None, None)
+        run = _run_layer
+        if self.cfg.remat != "none":
+            run = nnx.remat(_run_layer, policy=remat_policy(self.cfg.remat))
         for layer in self.layers:
-            x = layer(x, mask, kv_lengths)
+            x = run(layer, x, mask, kv_lengths)
         return x
 
     def _use_cudnn(self, segment_ids: jax.Array | None, attention_mask: jax.Array) -> bool:
