@@ -267,3 +267,19 @@ def test_remat_trains_the_same_parameters(data):
         assert relative_l2(results[remat], results["none"]) < 1e-5
     with pytest.raises(ValueError, match="remat='dots' is not one of none, full, dots_saveable"):
         dataclasses.replace(TINY, remat="dots")
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def test_xla_memory_analysis_fsdp_holds_at_most_a_seventh_of_dp(data):
+    """Parameters + optimizer state per device, as the compiled train step's arguments less
+    the batch (XLA's memory analysis of the program, not our own count)."""
+    held = {}
+    for mesh in ((8, 1, 1), (1, 8, 1)):
+        trainer = bert_trainer(mesh, optax.adamw(1e-3))
+        _, _, batch = next(iter(trainer.batches(data)))
+        memory = trainer.train_step.precompile(trainer.state, batch).memory_analysis()
+        held[mesh] = memory.argument_size_in_bytes - bytes_per_device(batch)
+        assert held[mesh] == pytest.approx(bytes_per_device(trainer.state), rel=0.01)  # our count agrees
+    assert held[(1, 8, 1)] <= held[(8, 1, 1)] / 7, held
