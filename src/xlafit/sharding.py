@@ -57,6 +57,7 @@ DEFAULT_RULES: Mapping[str, str | None] = {
     "positions": None,
     "types": None,
     "norm": None,  # LayerNorm / BatchNorm scales and offsets: small, replicated
+    "layers": None,  # the stacked layers of a scanned model (model.scan_layers)
     "classes": None,
 }
 

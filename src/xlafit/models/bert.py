@@ -90,6 +90,10 @@ class BertConfig:
     # more forward pass, activations of one layer live instead of all); or a policy of
     # jax.checkpoint_policies that keeps some ("dots_saveable": the matmul outputs).
     remat: str = "none"
+    # One encoder layer compiled instead of num_layers: the layers' parameters are stacked on
+    # a leading "layers" axis and the encoder is an nnx.scan over them. Another parameter
+    # structure: checkpoints do not move between scanned and unrolled models.
+    scan_layers: bool = False
 
     def __post_init__(self) -> None:
         if self.remat not in REMAT_POLICIES:
@@ -293,6 +297,18 @@ class BertLayer(nnx.Module):
         return constrain(self.norm(x + self.dropout(self.output(y))), "batch", None, None)
 
 
+def _stacked_layers(cfg: BertConfig, rngs: nnx.Rngs) -> BertLayer:
+    """``num_layers`` BERT layers as one module whose variables have a leading ``layers`` axis
+    (each layer drawn from its own split of the keys), for :func:`nnx.scan`."""
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def build(rngs: nnx.Rngs) -> BertLayer:
+        return BertLayer(cfg, rngs)
+
+    return build(rngs)
+
+
 def _run_layer(layer: BertLayer, x: jax.Array, mask: jax.Array, kv_lengths: jax.Array | None) -> jax.Array:
     return layer(x, mask, kv_lengths)
 
@@ -321,7 +337,10 @@ class BertForMaskedLM(nnx.Module):
     def __init__(self, cfg: BertConfig, *, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
         self.embeddings = BertEmbeddings(cfg, rngs)
-        self.layers = nnx.List([BertLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        if cfg.scan_layers:
+            self.layers = _stacked_layers(cfg, rngs)
+        else:
+            self.layers = nnx.List([BertLayer(cfg, rngs) for _ in range(cfg.num_layers)])
         self.head_dense = _dense(cfg, cfg.hidden_size, cfg.hidden_size, rngs, ("embed", "embed"))
         self.head_norm = _layer_norm(cfg, rngs)
         self.head_bias = nnx.Param(
@@ -378,6 +397,13 @@ class BertForMaskedLM(nnx.Module):
         run = _run_layer
         if self.cfg.remat != "none":
             run = nnx.remat(_run_layer, policy=remat_policy(self.cfg.remat))
+        if self.cfg.scan_layers:
+
+            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+            def encoder(layer: BertLayer, x: jax.Array) -> jax.Array:
+                return run(layer, x, mask, kv_lengths)
+
+            return encoder(self.layers, x)
         for layer in self.layers:
             x = run(layer, x, mask, kv_lengths)
         return x

@@ -48,6 +48,7 @@ class BertModelConfig:
     # Recompute activations in the backward pass, per encoder layer: none, full, or a
     # jax.checkpoint_policies name (dots_saveable, ...; models/bert.py: REMAT_POLICIES).
     remat: str = "none"
+    scan_layers: bool = False  # nnx.scan over the encoder layers: one layer compiled instead of num_layers
 
 
 @dataclasses.dataclass
@@ -103,6 +104,7 @@ def bert_config(cfg: Config, vocab_size: int) -> BertConfig:
             attention=m.attention,
             dropout_bits=m.dropout_bits,
             remat=m.remat,
+            scan_layers=m.scan_layers,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
