@@ -88,7 +88,7 @@ def main() -> None:
         print(f"{name}: compiled in {compile_s[name]:.1f}s, {memory[name]}", flush=True)
     times: dict[str, list[float]] = {name: [] for name in trainers}
     step = 1  # step 0's call compiled nothing new but warms the caches
-    for name, trainer in trainers.items():  # warm-up call per layout
+    for trainer in trainers.values():  # warm-up call per layout
         for call in trainer.steps(ds, 0, 1):
             call.metrics["loss"].block_until_ready()
     for r in range(args.rounds):
@@ -101,9 +101,13 @@ def main() -> None:
             last.metrics["loss"].block_until_ready()
             times[name].append((time.perf_counter() - t0) / args.steps)
         step += args.steps
-        print(f"round {r + 1}: " + ", ".join(f"{n} {times[n][-1] * 1e3:.0f} ms" for n in trainers), flush=True)
+        shown = ", ".join(f"{n} {times[n][-1] * 1e3:.0f} ms" for n in trainers)
+        print(f"round {r + 1}: {shown}", flush=True)
     base = statistics.median(times["DP 8"]) if "DP 8" in times else None
-    print(f"\n| layout | step ms (median of {args.rounds}) | rounds | vs DP | state MiB/device | temporaries MiB/device | peak MiB/device |")
+    print(
+        f"\n| layout | step ms (median of {args.rounds}) | rounds | vs DP | state MiB/device "
+        "| temporaries MiB/device | peak MiB/device |"
+    )
     print("|---|---:|---|---:|---:|---:|---:|")
     for name in trainers:
         med = statistics.median(times[name])

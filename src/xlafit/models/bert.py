@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -337,10 +338,12 @@ class BertForMaskedLM(nnx.Module):
     def __init__(self, cfg: BertConfig, *, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
         self.embeddings = BertEmbeddings(cfg, rngs)
-        if cfg.scan_layers:
-            self.layers = _stacked_layers(cfg, rngs)
-        else:
-            self.layers = nnx.List([BertLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        # With scan_layers, one BertLayer whose variables are stacked (typed as the list it replaces).
+        self.layers: nnx.List[BertLayer] = (
+            typing.cast(Any, _stacked_layers(cfg, rngs))
+            if cfg.scan_layers
+            else nnx.List([BertLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        )
         self.head_dense = _dense(cfg, cfg.hidden_size, cfg.hidden_size, rngs, ("embed", "embed"))
         self.head_norm = _layer_norm(cfg, rngs)
         self.head_bias = nnx.Param(
@@ -403,7 +406,7 @@ class BertForMaskedLM(nnx.Module):
             def encoder(layer: BertLayer, x: jax.Array) -> jax.Array:
                 return run(layer, x, mask, kv_lengths)
 
-            return encoder(self.layers, x)
+            return encoder(typing.cast(BertLayer, self.layers), x)
         for layer in self.layers:
             x = run(layer, x, mask, kv_lengths)
         return x
