@@ -51,17 +51,24 @@ class TrainState:
 
 
 def abstract_state(
-    params: nnx.State, model_state: nnx.State, tx: optax.GradientTransformation, strategy: Strategy
+    params: nnx.State,
+    model_state: nnx.State,
+    tx: optax.GradientTransformation,
+    layout: Strategy | jax.sharding.Sharding,
 ) -> TrainState:
     """The :class:`TrainState` of these variables as ``ShapeDtypeStruct`` leaves laid out as
-    ``strategy`` lays them (:meth:`~xlafit.devices.Strategy.shardings`): what compiling a
-    step needs, with nothing allocated (``params`` may come from ``nnx.eval_shape``)."""
+    the strategy lays them (:meth:`~xlafit.devices.Strategy.shardings`), or all with one
+    sharding: what compiling a step needs, with nothing allocated (``params`` may come from
+    ``nnx.eval_shape``)."""
 
     def init(params: nnx.State, model_state: nnx.State) -> TrainState:
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), model_state)
 
     shapes = jax.eval_shape(init, params, model_state)
-    shardings = strategy.shardings(shapes)
+    if isinstance(layout, Strategy):
+        shardings = layout.shardings(shapes)
+    else:
+        shardings = jax.tree.map(lambda _: layout, shapes)
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
 
 
