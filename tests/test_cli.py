@@ -22,13 +22,15 @@ def test_devices_simulate():
     assert out.returncode == 0, out.stderr
     assert "platform: cpu" in out.stdout
     assert out.stdout.count("\n   ") >= 8  # one row per device
-    assert "mesh: {'data': 8}" in out.stdout
+    assert "mesh: data=8 fsdp=1 tensor=1 -> parameters replicated on 8 devices" in out.stdout
+    out = run("devices", "--simulate", "8", "--mesh", "2,-1,2")
+    assert "mesh: data=2 fsdp=2 tensor=2 -> parameters and optimizer state split over fsdp" in out.stdout
 
 
 def test_devices_simulate_from_environment():
     out = run("devices", env={"XLAFIT_SIMULATE_DEVICES": "4"})
     assert out.returncode == 0, out.stderr
-    assert "mesh: {'data': 4}" in out.stdout
+    assert "mesh: data=4 fsdp=1 tensor=1" in out.stdout
 
 
 @pytest.mark.parametrize(
@@ -39,6 +41,14 @@ def test_devices_simulate_from_environment():
         (["data.global_batch=100"], "does not divide evenly over 8 devices"),
         (["--data-dir", "/nonexistent"], "is not a directory"),
         (["run.xla_cpu_ynn_fusion=dot,bogus"], "unknown YNNPACK fusion type 'bogus' (run.xla_cpu_ynn_fusion)"),
+        (
+            ["mesh.fsdp=3", "trainer.invariant_chunks=null"],
+            "the mesh data=-1 x fsdp=3 x tensor=1 cannot cover 8 devices: 3 does not divide 8",
+        ),
+        (
+            ["mesh.data=2", "mesh.tensor=4", "mesh.rules=classes=tensor", "trainer.invariant_chunks=null"],
+            "parameter params/fc2/bias (10,): dimension 0 ('classes', 10) does not divide over mesh.tensor=4",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_line(args, message, tmp_path):

@@ -480,6 +480,7 @@ def check_recipe(
     over each target's cores) and loop settings; the model is built abstractly.
     """
     from xlafit.recipes import get_recipe, load_config
+    from xlafit.sharding import parse_rules
     from xlafit.train.optim import make_optimizer
 
     cfg = load_config(name, overrides or [])
@@ -504,6 +505,8 @@ def check_recipe(
             eval_global_batch=cfg.data.eval_global_batch or global_batch or (per_device or 1) * 8,
             flops_per_example=work.get("flops_per_example"),
             tokens_per_example=work.get("tokens_per_example"),
+            mesh=cfg.mesh.sizes,
+            rules=parse_rules(cfg.mesh.rules),
         )
         return check_tpu(name, program, tpu, max_batch=max_batch)
     lengths = recipe.sequence_lengths(cfg)

@@ -43,6 +43,12 @@ def _parser() -> argparse.ArgumentParser:
 
     devices = sub.add_parser("devices", help="show the platform, processes, devices and the training mesh")
     add_simulate(devices)
+    devices.add_argument(
+        "--mesh",
+        metavar="DATA,FSDP,TENSOR",
+        default="-1,1,1",
+        help="mesh sizes as the run's mesh.data, mesh.fsdp, mesh.tensor (one may be -1); default -1,1,1",
+    )
 
     train = sub.add_parser(
         "train",
@@ -441,7 +447,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "devices":
             from xlafit.devices import connect
 
-            print(connect(args.simulate).describe())
+            try:
+                sizes = tuple(int(v) for v in args.mesh.split(","))
+            except ValueError:
+                sizes = ()
+            if len(sizes) != 3:
+                raise ConfigError(f"--mesh {args.mesh}: give three whole numbers DATA,FSDP,TENSOR, e.g. --mesh -1,4,2.")
+            print(connect(args.simulate, mesh=sizes).describe())
             return 0
         if args.command == "config":
             from xlafit.recipes import load_config

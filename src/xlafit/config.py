@@ -111,6 +111,32 @@ class TrainerConfig:
 
 
 @dataclasses.dataclass
+class MeshConfig:
+    """How the devices are laid out: ``data`` x ``fsdp`` x ``tensor`` = the device count.
+
+    ``data``: plain data parallelism. ``fsdp``: data parallelism with parameters and
+    optimizer state split over it (FSDP / ZeRO-3). ``tensor``: Megatron tensor parallelism
+    (MLP units and attention heads split). One size may be -1: the devices left. Batches are
+    split over ``data`` x ``fsdp``. The default, every device on ``data``, is pure data
+    parallelism. ``rules`` overrides the logical-axis table of :mod:`xlafit.sharding`:
+    ``"embed=fsdp,vocab=null"``.
+    """
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    rules: str | None = None
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        return (self.data, self.fsdp, self.tensor)
+
+    @property
+    def data_parallel_only(self) -> bool:
+        return self.fsdp == 1 and self.tensor == 1
+
+
+@dataclasses.dataclass
 class RunConfig:
     """Where the run writes and on what it runs."""
 
@@ -135,6 +161,7 @@ class Config:
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """A plain nested dict (YAML/JSON friendly)."""
@@ -345,6 +372,24 @@ def validate(cfg: Config) -> None:
     if cfg.optimizer.grad_clip_norm is not None and cfg.optimizer.grad_clip_norm <= 0:
         raise ConfigError("optimizer.grad_clip_norm must be positive, or null for no clipping.")
     validate_watchdog(cfg.trainer)
+    validate_mesh(cfg.mesh, cfg.trainer)
+
+
+def validate_mesh(mesh: MeshConfig, trainer: TrainerConfig) -> None:
+    """Rejects mesh sizes no device count could take, and settings the mesh cannot keep."""
+    sizes = {"mesh.data": mesh.data, "mesh.fsdp": mesh.fsdp, "mesh.tensor": mesh.tensor}
+    for key, value in sizes.items():
+        if value == 0 or value < -1:
+            raise ConfigError(f"{key}={value} must be a positive number of devices, or -1 (the devices left).")
+    if sum(v == -1 for v in sizes.values()) > 1:
+        raise ConfigError("at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1 (the devices left).")
+    if trainer.invariant_chunks is not None and not mesh.data_parallel_only:
+        # Its fixed summation order gathers whole per-chunk gradients on every device: the
+        # opposite of sharding them, and its bit-exactness is proven for replicated state only.
+        raise ConfigError(
+            "trainer.invariant_chunks keeps its bit-identical guarantee for pure data parallelism only; "
+            "set trainer.invariant_chunks=null with mesh.fsdp or mesh.tensor above 1."
+        )
 
 
 def validate_watchdog(cfg: TrainerConfig) -> None:

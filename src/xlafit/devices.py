@@ -1,10 +1,11 @@
-"""Finding the devices and laying the data-parallel mesh over them.
+"""Finding the devices and laying the ``('data', 'fsdp', 'tensor')`` mesh over them.
 
 The TensorFlow way is ``TPUClusterResolver`` -> ``initialize_tpu_system`` ->
 ``TPUStrategy``; the PyTorch/XLA way is ``xmp.spawn`` with one process per core. With JAX
 one process drives every local device, so :func:`connect` only has to (1) pick the
-platform, optionally simulating N CPU devices, and (2) build a ``Mesh`` with one ``data``
-axis over all devices of all processes.
+platform, optionally simulating N CPU devices, and (2) build a ``Mesh`` over all devices of
+all processes: ``data`` x ``fsdp`` x ``tensor`` (:func:`make_mesh`; the default is pure data
+parallelism, every device on ``data``). Where each array lies on it: :mod:`xlafit.sharding`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 import os
 import socket
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -43,12 +45,78 @@ class DeviceError(RuntimeError):
     """The requested devices cannot be had; the message says why and what to do."""
 
 
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+
+def make_mesh(devices: list[jax.Device], data: int = -1, fsdp: int = 1, tensor: int = 1) -> Mesh:
+    """The ``('data', 'fsdp', 'tensor')`` mesh over ``devices`` (ordered by process, then id).
+
+    One size may be -1: the devices left. ``tensor`` is the fastest-varying axis, so a
+    tensor-parallel group is made of neighbouring devices of one process, and each process
+    owns a contiguous block of every batch (the batch is split over ``data`` x ``fsdp``).
+
+    Example:
+        >>> dict(make_mesh(jax.devices(), fsdp=4, tensor=2).shape)
+        {'data': 1, 'fsdp': 4, 'tensor': 2}
+
+    Raises:
+        DeviceError: the sizes do not multiply to the device count (the message lists sizes
+            that would), or a tensor group would span processes.
+    """
+    n = len(devices)
+    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    free = [k for k, v in sizes.items() if v == -1]
+    bad = [k for k, v in sizes.items() if v == 0 or v < -1]
+    if bad or len(free) > 1:
+        raise DeviceError(
+            f"mesh.{(bad or free)[0]}={sizes[(bad or free)[0]]}: mesh sizes are positive, and at most one of "
+            "mesh.data, mesh.fsdp, mesh.tensor is -1 (the devices left)."
+        )
+    fixed = int(np.prod([v for v in sizes.values() if v != -1]))
+    if free:
+        if n % fixed:
+            raise DeviceError(
+                f"the mesh {_shape_text(sizes)} cannot cover {n} devices: {fixed} does not divide {n}. "
+                f"Use sizes whose product divides {n} ({_divisors(n)})."
+            )
+        sizes[free[0]] = n // fixed
+    if int(np.prod(list(sizes.values()))) != n:
+        product = int(np.prod(list(sizes.values())))
+        raise DeviceError(
+            f"the mesh {_shape_text(sizes)} has {product} places for {n} devices: mesh.data x mesh.fsdp x "
+            f"mesh.tensor must equal {n}. For example mesh.data=-1 mesh.fsdp={_largest_divisor(n, sizes['fsdp'])} "
+            f"mesh.tensor={_largest_divisor(n, sizes['tensor'])} (sizes that divide {n}: {_divisors(n)})."
+        )
+    local = len([d for d in devices if d.process_index == devices[0].process_index])
+    if local % sizes["tensor"]:
+        raise DeviceError(
+            f"mesh.tensor={sizes['tensor']} would spread a tensor-parallel group over several processes "
+            f"({local} devices each); use a mesh.tensor that divides {local}: {_divisors(local)}."
+        )
+    return Mesh(np.array(devices).reshape(sizes["data"], sizes["fsdp"], sizes["tensor"]), MESH_AXES)
+
+
+def _shape_text(sizes: Mapping[str, int]) -> str:
+    return " x ".join(f"{k}={v}" for k, v in sizes.items())
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in _divisors(n) if d <= max(at_most, 1))
+
+
 @dataclasses.dataclass(frozen=True)
 class Strategy:
     """The devices a run uses and how arrays are laid over them.
 
-    Parameters are replicated (``replicated``); batches are split along their leading
-    axis over the ``data`` mesh axis (``batch``).
+    Batches are split along their leading axis over ``data`` x ``fsdp`` (``batch``);
+    parameters and optimizer state lie as :mod:`xlafit.sharding` says (``shardings``):
+    replicated on a pure data-parallel mesh, split over ``fsdp`` and ``tensor`` otherwise.
+    A mesh with only a ``data`` axis (older code) is pure data parallelism.
 
     Example:
         >>> strategy = connect()
@@ -57,11 +125,50 @@ class Strategy:
     """
 
     mesh: Mesh
+    # logical axis name -> mesh axis (xlafit.sharding.DEFAULT_RULES, mesh.rules)
+    rules: Mapping[str, str | None] | None = None
+
+    def axis_size(self, name: str) -> int:
+        """The size of mesh axis ``name`` (1 when the mesh has no such axis)."""
+        return int(dict(self.mesh.shape).get(name, 1))
 
     @property
     def num_replicas(self) -> int:
-        """Devices that each hold a copy of the parameters (all of them, in data parallel)."""
+        """Batch shards: ``data`` x ``fsdp``, the devices (or tensor-parallel groups) that
+        each take their own rows of every batch; all devices, in pure data parallelism."""
+        return self.axis_size("data") * self.axis_size("fsdp")
+
+    @property
+    def num_devices(self) -> int:
         return self.mesh.size
+
+    @property
+    def data_parallel_only(self) -> bool:
+        """True when every device holds the whole model (``fsdp`` = ``tensor`` = 1)."""
+        return self.axis_size("fsdp") == 1 and self.axis_size("tensor") == 1
+
+    @property
+    def _batch_axes(self) -> tuple[str, ...]:
+        return tuple(a for a in BATCH_AXES if a in self.mesh.axis_names)
+
+    def shardings(self, tree: Any) -> Any:
+        """``NamedSharding``s for a tree of variables (parameters, optimizer state, model
+        state; arrays or ``ShapeDtypeStruct``s): see :func:`xlafit.sharding.tree_shardings`."""
+        from xlafit.sharding import DEFAULT_RULES, tree_shardings
+
+        return tree_shardings(tree, self.mesh, self.rules if self.rules is not None else DEFAULT_RULES)
+
+    def put(self, tree: Any, shardings: Any) -> Any:
+        """Places host values (identical in every process) on the devices with ``shardings``:
+        each device receives only its own slice."""
+
+        def one(x: Any, sharding: NamedSharding) -> jax.Array:
+            if is_prng_key(x):
+                return jax.random.wrap_key_data(one(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
+            x = np.asarray(x)
+            return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+        return jax.tree.map(one, tree, shardings)
 
     @property
     def platform(self) -> str:
@@ -88,7 +195,7 @@ class Strategy:
 
         ``leading_axes=1`` is the layout of k stacked batches for ``steps_per_call``.
         """
-        return NamedSharding(self.mesh, PartitionSpec(*([None] * leading_axes), "data"))
+        return NamedSharding(self.mesh, PartitionSpec(*([None] * leading_axes), self._batch_axes))
 
     def replicate(self, tree: Any) -> Any:
         """Copies host or single-device values to every device, in every process.
@@ -113,11 +220,23 @@ class Strategy:
         ]
         for d in self.mesh.devices.flat:
             lines.append(f"{d.id:>4}  {d.device_kind:<24} {d.process_index:>7}  {_memory(d):>12}")
-        lines.append(
-            f"mesh: {dict(self.mesh.shape)} -> parameters replicated on {self.num_replicas} devices, "
-            "batches split along 'data'"
-        )
+        lines.append(self.layout())
         return "\n".join(lines)
+
+    def layout(self) -> str:
+        """One line: the mesh and what it does with parameters and batches."""
+        shape = " ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
+        if self.data_parallel_only:
+            return (
+                f"mesh: {shape} -> parameters replicated on {self.num_devices} devices, "
+                f"batches split over {' x '.join(self._batch_axes)}"
+            )
+        parts = []
+        if self.axis_size("fsdp") > 1:
+            parts.append("parameters and optimizer state split over fsdp")
+        if self.axis_size("tensor") > 1:
+            parts.append("tensor-parallel over tensor")
+        return f"mesh: {shape} -> {', '.join(parts)}; batches split over data x fsdp ({self.num_replicas} shards)"
 
 
 def _memory(device: jax.Device) -> str:
@@ -326,8 +445,10 @@ def connect(
     cpu_fast_paths: bool = True,
     ynn_fusion: str = DEFAULT_YNN_FUSION,
     cluster: Cluster | None = None,
+    mesh: tuple[int, int, int] = (-1, 1, 1),
+    rules: Mapping[str, str | None] | None = None,
 ) -> Strategy:
-    """Finds every device of every process and returns the data-parallel strategy.
+    """Finds every device of every process and returns the strategy over them.
 
     In a multi-process job (``xlafit launch``, a SLURM job step, every worker of a TPU pod
     slice) it first joins the job through ``jax.distributed``; see :meth:`Cluster.from_env`.
@@ -337,9 +458,12 @@ def connect(
             with 8).
         cpu_fast_paths, ynn_fusion: see :func:`configure`.
         cluster: join this job; default: :meth:`Cluster.from_env`.
+        mesh: sizes of ``(data, fsdp, tensor)``, one of them may be -1 (see :func:`make_mesh`);
+            the default is pure data parallelism.
+        rules: logical axis -> mesh axis (default :data:`xlafit.sharding.DEFAULT_RULES`).
 
     Returns:
-        A :class:`Strategy` whose mesh has one ``data`` axis over all devices.
+        A :class:`Strategy` whose mesh lays ``data`` x ``fsdp`` x ``tensor`` over all devices.
 
     Example:
         >>> import xlafit
@@ -347,7 +471,9 @@ def connect(
         >>> print(strategy.describe())  # doctest: +ELLIPSIS
         platform: cpu   process 0 of 1
         ...
-        mesh: {'data': 8} -> parameters replicated on 8 devices, batches split along 'data'
+        mesh: data=8 fsdp=1 tensor=1 -> parameters replicated on 8 devices, batches split over data x fsdp
+        >>> print(xlafit.connect(mesh=(1, 4, 2)).layout())  # doctest: +ELLIPSIS
+        mesh: data=1 fsdp=4 tensor=2 -> parameters and optimizer state split over fsdp, tensor-parallel ... (4 shards)
     """
     started = _backend_started()
     configure(simulate, cpu_fast_paths=cpu_fast_paths, ynn_fusion=ynn_fusion)
@@ -355,7 +481,7 @@ def connect(
     if cluster is not None and not started and not jax.distributed.is_initialized():
         _join(cluster)
     devices = jax.devices()
-    # Order by (process, id) so each process's devices are contiguous along 'data' and
-    # process p owns rows [p*L, (p+1)*L) of every global batch.
+    # Order by (process, id) so each process's devices are contiguous along the batch axes
+    # and process p owns rows [p*L, (p+1)*L) of every global batch.
     devices = sorted(devices, key=lambda d: (d.process_index, d.id))
-    return Strategy(Mesh(np.array(devices), ("data",)))
+    return Strategy(make_mesh(devices, *mesh), rules)

@@ -25,11 +25,13 @@ import datetime
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import yaml
 from etils import epath
+from flax import nnx
 
 from xlafit.config import Config, ConfigError, resolve_batch
 from xlafit.data.dataset import as_dataset
@@ -46,6 +48,8 @@ from xlafit.paths import (
     upload,
 )
 from xlafit.recipes import get_recipe
+from xlafit.recipes.base import Recipe
+from xlafit.sharding import parse_rules
 from xlafit.train.optim import OptimizerPlan, highest_rate, make_optimizer
 from xlafit.train.signals import handle_signals
 from xlafit.train.trainer import FitResult, Trainer
@@ -67,7 +71,11 @@ def train_and_evaluate(cfg: Config) -> FitResult:
     with handle_signals():
         recipe = get_recipe(cfg.recipe)
         strategy = connect(
-            cfg.run.simulate_devices, cpu_fast_paths=cfg.run.xla_cpu_fast_paths, ynn_fusion=cfg.run.xla_cpu_ynn_fusion
+            cfg.run.simulate_devices,
+            cpu_fast_paths=cfg.run.xla_cpu_fast_paths,
+            ynn_fusion=cfg.run.xla_cpu_ynn_fusion,
+            mesh=cfg.mesh.sizes,
+            rules=parse_rules(cfg.mesh.rules),
         )
         train_data, eval_data = recipe.load_data(cfg)
         train_data = as_dataset(train_data)
@@ -84,7 +92,7 @@ def train_and_evaluate(cfg: Config) -> FitResult:
         else:
             log_to_file(run_dir / f"process-{strategy.process_index}.log")
         trainer = Trainer(
-            recipe.build_model(cfg, train_data),
+            model_builder(recipe, cfg, train_data),
             recipe.loss_fn,
             plan.tx,
             strategy=strategy,
@@ -106,6 +114,16 @@ def train_and_evaluate(cfg: Config) -> FitResult:
     if strategy.process_index == 0 and result.eval is not None:
         print(final_report(result.eval), flush=True)
     return result
+
+
+def model_builder(recipe: Recipe, cfg: Config, train: Any) -> Callable[[], nnx.Module] | nnx.Module:
+    """What the trainer builds the model from: the recipe's ``build_model`` as a function,
+    run inside ``jax.jit`` so that each device creates only its own slices (the same values
+    as built eagerly: tested); a model imported from Hugging Face files is read on the host
+    instead (its weights are data, not a computation) and then placed slice by slice."""
+    if getattr(cfg.model, "init_from_hf", None):
+        return recipe.build_model(cfg, train)
+    return lambda: recipe.build_model(cfg, train)
 
 
 class Resolved(NamedTuple):

@@ -33,7 +33,7 @@ import functools
 import math
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,18 +42,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh
 
 from xlafit import tpu
 from xlafit.config import TrainerConfig
-from xlafit.devices import Strategy
-from xlafit.train.step import LossFn, abstract_state, make_steps
+from xlafit.devices import Strategy, make_mesh
+from xlafit.sharding import bytes_per_device
+from xlafit.train.step import LossFn, abstract_state, make_steps, state_shardings
 
 LEVERS = (
     "smaller per-core batch (data.per_device_batch, or --max-batch to find the largest that fits)",
     "bf16 compute (model.compute_dtype=bfloat16 in the recipes; param_dtype stays float32)",
     "gradient accumulation (trainer.accumulate_steps=N: the same global batch in N micro-batches)",
     "fewer steps per call (trainer.steps_per_call: each call holds its k batches)",
+    "FSDP (mesh.fsdp=-1: parameters and optimizer state split over the cores instead of copied to each)",
+    "rematerialisation (model.remat=full or dots_saveable in bert: activations recomputed, not kept)",
     "a TPU with more HBM per core (v5p: 95 GiB per chip, v6e: 32 GiB)",
 )
 
@@ -88,6 +90,10 @@ class Program:
     flops_per_example: float | None = None
     tokens_per_example: float | None = None
     user_file: str | None = None
+    # The run's mesh over the target's cores: (data, fsdp, tensor), one may be -1; and its
+    # logical-axis rules (xlafit.sharding). The default is pure data parallelism.
+    mesh: tuple[int, int, int] = (-1, 1, 1)
+    rules: Mapping[str, str | None] | None = None
 
 
 @dataclasses.dataclass
@@ -115,6 +121,7 @@ class TargetReport:
     devices: int = 0
     per_device_batch: int = 0
     steps_per_call: int = 1
+    layout: str = ""  # the mesh line (Strategy.layout)
     fits: bool | None = None  # None: it failed for another reason (``error``)
     capacity: float = 0.0
     capacity_source: str = ""
@@ -152,8 +159,9 @@ class _OutOfMemory(Exception):
         self.message = message
 
 
-def _strategy(target: tpu.Target) -> Strategy:
-    return Strategy(Mesh(np.array(tpu.devices(target)), ("data",)))
+def _strategy(target: tpu.Target, mesh: tuple[int, int, int] = (-1, 1, 1), rules: Any = None) -> Strategy:
+    devices = sorted(tpu.devices(target), key=lambda d: (d.process_index, d.id))
+    return Strategy(make_mesh(devices, *mesh), rules)
 
 
 @functools.cache
@@ -250,7 +258,7 @@ class _Steps:
     def __init__(self, target: tpu.Target, program: Program) -> None:
         self.target = target
         self.program = program
-        self.strategy = _strategy(target)
+        self.strategy = _strategy(target, program.mesh, program.rules)
         model = program.model
         model.train()
         graphdef, params, model_state = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]  # flax's overloads
@@ -258,20 +266,25 @@ class _Steps:
         model.eval()
         self.eval_graphdef = nnx.graphdef(model)
         model.train()
-        self.state = abstract_state(params, model_state, program.tx, self.strategy.replicated)
-        self.state_bytes = _bytes(self.state)
+        self.state = abstract_state(params, model_state, program.tx, self.strategy)
+        self.shardings = state_shardings(self.state)
+        self.state_bytes = bytes_per_device(self.state)  # each core's shards
 
     def compile_train(self, per_device: int) -> tuple[Any, float]:
         p, s = self.program, self.strategy
         rows = per_device * s.num_replicas
-        train_step, _ = make_steps(self.train_graphdef, self.eval_graphdef, p.loss_fn, p.tx, s, p.config, rows)
+        train_step, _ = make_steps(
+            self.train_graphdef, self.eval_graphdef, p.loss_fn, p.tx, s, p.config, rows, self.shardings
+        )
         batch = _batch(p.example, rows, (p.config.steps_per_call,), s.batch_sharding(1))
         return _compile(lambda: train_step._jitted.lower(self.state, batch))
 
     def compile_eval(self, per_device: int) -> tuple[Any, float]:
         p, s = self.program, self.strategy
         rows = per_device * s.num_replicas
-        _, eval_step = make_steps(self.train_graphdef, self.eval_graphdef, p.loss_fn, p.tx, s, p.config, rows)
+        _, eval_step = make_steps(
+            self.train_graphdef, self.eval_graphdef, p.loss_fn, p.tx, s, p.config, rows, self.shardings
+        )
         batch = _batch(p.example, rows, (), s.batch)
         mask = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=s.batch)
         return _compile(lambda: eval_step._jitted.lower(self.state, batch, mask))
@@ -376,6 +389,7 @@ def check_target(target: tpu.Target, program: Program, max_batch: bool = False) 
             devices=n,
             per_device_batch=program.per_device_batch or max(1, (program.global_batch or n) // n),
             steps_per_call=program.config.steps_per_call,
+            layout=steps.strategy.layout(),
         )
         report.capacity, report.capacity_source = usable_hbm(target)
         # The eval step compiles in a thread beside the train step: the TPU compiler holds
@@ -553,7 +567,7 @@ def format_report(r: TargetReport) -> str:
         f"{r.target} ({r.devices} x {r.device_kind}), per-core batch {r.per_device_batch} "
         f"(global {r.per_device_batch * r.devices}), {r.steps_per_call} step(s) per call"
     )
-    lines = [head]
+    lines = [head, f"  {r.layout}"] if r.layout and "replicated" not in r.layout else [head]
     if r.error is not None:
         where = f" at {r.error.file}:{r.error.line}" if r.error.file and r.error.line else ""
         lines.append(f"  ✗ {r.error.title}{where}")

@@ -99,7 +99,7 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
     everything = xlafit.connect()
     if spec.devices > everything.num_replicas:
         raise SystemExit(f"{spec.devices} devices asked for, {everything.num_replicas} present")
-    strategy = xlafit.Strategy(Mesh(everything.mesh.devices[: spec.devices], ("data",)))
+    strategy = xlafit.Strategy(Mesh(everything.mesh.devices.flatten()[: spec.devices], ("data",)))
     train = mnist_data(spec)
     model = MnistCNN(rngs=nnx.Rngs(params=0, dropout=1), dtype=None if spec.dtype == "float32" else spec.dtype)
     # Timing starts at the first call boundary at or after the warm-up, so that exactly

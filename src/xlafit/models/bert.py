@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from xlafit.sharding import constrain, logical
 
 # Sizes of Google's BERT releases: the 24 "BERT miniatures" (Turc et al. 2019) name
 # tiny/mini/small/medium; base and large are the paper's.
@@ -38,6 +41,24 @@ PRESETS: dict[str, dict[str, int]] = {
     "base": {"num_layers": 12, "hidden_size": 768, "num_heads": 12, "intermediate_size": 3072},
     "large": {"num_layers": 24, "hidden_size": 1024, "num_heads": 16, "intermediate_size": 4096},
 }
+
+
+# model.remat values: none, full, and the policies of jax.checkpoint_policies that need no arguments.
+REMAT_POLICIES = (
+    "none",
+    "full",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+    "checkpoint_dots",
+    "checkpoint_dots_with_no_batch_dims",
+    "nothing_saveable",
+    "everything_saveable",
+)
+
+
+def remat_policy(name: str) -> Any:
+    """The ``jax.checkpoint`` policy of a ``remat`` name (None: save nothing, ``"full"``)."""
+    return None if name in ("none", "full") else getattr(jax.checkpoint_policies, name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +86,19 @@ class BertConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     attention: Literal["auto", "xla", "cudnn"] = "auto"
     dropout_bits: Literal[16, 32] = 16  # random bits per hidden-dropout decision (see Dropout)
+    # Rematerialisation of each encoder layer in the backward pass: "none" keeps every
+    # activation; "full" keeps only each layer's input and recomputes the rest (about one
+    # more forward pass, activations of one layer live instead of all); or a policy of
+    # jax.checkpoint_policies that keeps some ("dots_saveable": the matmul outputs).
+    remat: str = "none"
+    # One encoder layer compiled instead of num_layers: the layers' parameters are stacked on
+    # a leading "layers" axis and the encoder is an nnx.scan over them. Another parameter
+    # structure: checkpoints do not move between scanned and unrolled models.
+    scan_layers: bool = False
 
     def __post_init__(self) -> None:
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={self.remat!r} is not one of {', '.join(REMAT_POLICIES)}.")
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1).")
@@ -112,14 +144,32 @@ class BertConfig:
         return 3.0 * forward
 
 
-def _dense(cfg: BertConfig, din: int, dout: int, rngs: nnx.Rngs) -> nnx.Linear:
+def _dense(cfg: BertConfig, din: int, dout: int, rngs: nnx.Rngs, axes: tuple[str, str]) -> nnx.Linear:
+    """A dense layer whose kernel has the logical axes ``axes`` (in, out) and whose bias has the
+    out axis, except where the out axis is the model width (``embed``): a row-parallel
+    layer's bias is added after the reduction, replicated (Megatron)."""
     init = nnx.initializers.truncated_normal(stddev=cfg.initializer_range)
-    return nnx.Linear(din, dout, kernel_init=init, dtype=cfg.compute_dtype, rngs=rngs)
+    bias_axis = "norm" if axes[1] == "embed" else axes[1]
+    return nnx.Linear(
+        din,
+        dout,
+        kernel_init=logical(init, *axes),
+        bias_init=logical(nnx.initializers.zeros_init(), bias_axis),
+        dtype=cfg.compute_dtype,
+        rngs=rngs,
+    )
 
 
 def _layer_norm(cfg: BertConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
     # Statistics are computed in float32 even for bf16 inputs (Flax upcasts them).
-    return nnx.LayerNorm(cfg.hidden_size, epsilon=cfg.layer_norm_eps, dtype=cfg.compute_dtype, rngs=rngs)
+    return nnx.LayerNorm(
+        cfg.hidden_size,
+        epsilon=cfg.layer_norm_eps,
+        dtype=cfg.compute_dtype,
+        scale_init=logical(nnx.initializers.ones_init(), "norm"),
+        bias_init=logical(nnx.initializers.zeros_init(), "norm"),
+        rngs=rngs,
+    )
 
 
 def gelu(x: jax.Array) -> jax.Array:
@@ -173,10 +223,15 @@ class Dropout(nnx.Dropout):
 class BertEmbeddings(nnx.Module):
     def __init__(self, cfg: BertConfig, rngs: nnx.Rngs) -> None:
         init = nnx.initializers.truncated_normal(stddev=cfg.initializer_range)
-        embed = lambda n: nnx.Embed(n, cfg.hidden_size, embedding_init=init, dtype=cfg.compute_dtype, rngs=rngs)  # noqa: E731
-        self.word = embed(cfg.vocab_size)
-        self.position = embed(cfg.max_position_embeddings)
-        self.token_type = embed(cfg.type_vocab_size)
+
+        def embed(rows: int, axis: str) -> nnx.Embed:
+            return nnx.Embed(
+                rows, cfg.hidden_size, embedding_init=logical(init, axis, "embed"), dtype=cfg.compute_dtype, rngs=rngs
+            )
+
+        self.word = embed(cfg.vocab_size, "vocab")
+        self.position = embed(cfg.max_position_embeddings, "positions")
+        self.token_type = embed(cfg.type_vocab_size, "types")
         self.norm = _layer_norm(cfg, rngs)
         self.dropout = Dropout(cfg.hidden_dropout, bits=cfg.dropout_bits, rngs=rngs)
 
@@ -199,8 +254,11 @@ class BertEmbeddings(nnx.Module):
 class BertAttention(nnx.Module):
     def __init__(self, cfg: BertConfig, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
-        self.qkv = _dense(cfg, cfg.hidden_size, 3 * cfg.hidden_size, rngs)
-        self.out = _dense(cfg, cfg.hidden_size, cfg.hidden_size, rngs)
+        # [q|k|v] columns are not grouped by head, so a split of them over `tensor` would not
+        # follow the heads: "qkv" is replicated over it (sharding.DEFAULT_RULES), the output
+        # projection is row-parallel over the heads.
+        self.qkv = _dense(cfg, cfg.hidden_size, 3 * cfg.hidden_size, rngs, ("embed", "qkv"))
+        self.out = _dense(cfg, cfg.hidden_size, cfg.hidden_size, rngs, ("heads", "embed"))
         self.attention_dropout = nnx.Dropout(cfg.attention_dropout, rngs=rngs)
         self.dropout = Dropout(cfg.hidden_dropout, bits=cfg.dropout_bits, rngs=rngs)
         self.norm = _layer_norm(cfg, rngs)
@@ -209,6 +267,8 @@ class BertAttention(nnx.Module):
         b, t, h = x.shape
         heads = self.cfg.num_heads
         q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * heads, h // heads), 3, axis=2)  # 3 x (B, T, nh, hd)
+        # Tensor parallelism: each device of a tensor group computes its own heads.
+        q, k, v = (constrain(a, "batch", None, "heads", None) for a in (q, k, v))
         if self.cfg.attention_dropout > 0 and not self.attention_dropout.deterministic:
             # Dropout on the attention probabilities needs them materialised: the plain path.
             scores = jnp.einsum("btnd,bsnd->bnts", q, k) / jnp.sqrt(h // heads).astype(q.dtype)
@@ -226,15 +286,32 @@ class BertAttention(nnx.Module):
 class BertLayer(nnx.Module):
     def __init__(self, cfg: BertConfig, rngs: nnx.Rngs) -> None:
         self.attention = BertAttention(cfg, rngs)
-        self.intermediate = _dense(cfg, cfg.hidden_size, cfg.intermediate_size, rngs)
-        self.output = _dense(cfg, cfg.intermediate_size, cfg.hidden_size, rngs)
+        # Megatron's MLP: column-parallel in, row-parallel out (one all-reduce per MLP).
+        self.intermediate = _dense(cfg, cfg.hidden_size, cfg.intermediate_size, rngs, ("embed", "mlp"))
+        self.output = _dense(cfg, cfg.intermediate_size, cfg.hidden_size, rngs, ("mlp", "embed"))
         self.dropout = Dropout(cfg.hidden_dropout, bits=cfg.dropout_bits, rngs=rngs)
         self.norm = _layer_norm(cfg, rngs)
 
     def __call__(self, x: jax.Array, mask: jax.Array, kv_lengths: jax.Array | None) -> jax.Array:
         x = self.attention(x, mask, kv_lengths)
-        y = self.output(gelu(self.intermediate(x)))  # (B, T, 4h) in between
-        return self.norm(x + self.dropout(y))
+        y = constrain(gelu(self.intermediate(x)), "batch", None, "mlp")  # (B, T, 4h), split over tensor
+        return constrain(self.norm(x + self.dropout(self.output(y))), "batch", None, None)
+
+
+def _stacked_layers(cfg: BertConfig, rngs: nnx.Rngs) -> BertLayer:
+    """``num_layers`` BERT layers as one module whose variables have a leading ``layers`` axis
+    (each layer drawn from its own split of the keys), for :func:`nnx.scan`."""
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def build(rngs: nnx.Rngs) -> BertLayer:
+        return BertLayer(cfg, rngs)
+
+    return build(rngs)
+
+
+def _run_layer(layer: BertLayer, x: jax.Array, mask: jax.Array, kv_lengths: jax.Array | None) -> jax.Array:
+    return layer(x, mask, kv_lengths)
 
 
 def _right_padded(attention_mask: jax.Array) -> bool:
@@ -261,10 +338,17 @@ class BertForMaskedLM(nnx.Module):
     def __init__(self, cfg: BertConfig, *, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
         self.embeddings = BertEmbeddings(cfg, rngs)
-        self.layers = nnx.List([BertLayer(cfg, rngs) for _ in range(cfg.num_layers)])
-        self.head_dense = _dense(cfg, cfg.hidden_size, cfg.hidden_size, rngs)
+        # With scan_layers, one BertLayer whose variables are stacked (typed as the list it replaces).
+        self.layers: nnx.List[BertLayer] = (
+            typing.cast(Any, _stacked_layers(cfg, rngs))
+            if cfg.scan_layers
+            else nnx.List([BertLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        )
+        self.head_dense = _dense(cfg, cfg.hidden_size, cfg.hidden_size, rngs, ("embed", "embed"))
         self.head_norm = _layer_norm(cfg, rngs)
-        self.head_bias = nnx.Param(jnp.zeros((cfg.vocab_size,), jnp.float32))
+        self.head_bias = nnx.Param(
+            jnp.zeros((cfg.vocab_size,), jnp.float32), out_sharding=("vocab",), eager_sharding=False
+        )
         self.eval()
 
     @classmethod
@@ -312,9 +396,19 @@ class BertForMaskedLM(nnx.Module):
         kv_lengths = None
         if self._use_cudnn(segment_ids, attention_mask):
             kv_lengths = attention_mask.astype(jnp.int32).sum(-1)
-        x = self.embeddings(input_ids, token_type_ids, position_ids)
+        x = constrain(self.embeddings(input_ids, token_type_ids, position_ids), "batch", None, None)
+        run = _run_layer
+        if self.cfg.remat != "none":
+            run = nnx.remat(_run_layer, policy=remat_policy(self.cfg.remat))
+        if self.cfg.scan_layers:
+
+            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+            def encoder(layer: BertLayer, x: jax.Array) -> jax.Array:
+                return run(layer, x, mask, kv_lengths)
+
+            return encoder(typing.cast(BertLayer, self.layers), x)
         for layer in self.layers:
-            x = layer(x, mask, kv_lengths)
+            x = run(layer, x, mask, kv_lengths)
         return x
 
     def _use_cudnn(self, segment_ids: jax.Array | None, attention_mask: jax.Array) -> bool:

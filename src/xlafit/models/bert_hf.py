@@ -83,6 +83,11 @@ def _present(param: nnx.Param | None, name: str) -> nnx.Param:
 
 
 def _pairs(model: BertForMaskedLM) -> Iterator[tuple[str, nnx.Param, bool]]:
+    if model.cfg.scan_layers:
+        raise HFFormatError(
+            "a model with scan_layers=true keeps its layers stacked; the Hugging Face format needs them one by one: "
+            "build the model with model.scan_layers=false (its checkpoints do not carry over) to export or import."
+        )
     """``(Hugging Face name, our parameter, transposed)`` for every tensor but Q/K/V."""
 
     def linear(prefix: str, layer: nnx.Linear) -> Iterator[tuple[str, nnx.Param, bool]]:

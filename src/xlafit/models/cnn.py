@@ -12,6 +12,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
+from xlafit.sharding import logical
+
+# nnx.Conv's and nnx.Linear's own defaults, named so that logical() can wrap them.
+_DEFAULT_KERNEL = nnx.initializers.lecun_normal()
+_ZEROS = nnx.initializers.zeros_init()
+
 
 def max_pool_2x2(x: jax.Array) -> jax.Array:
     """2x2 max pooling with stride 2 over ``[B, H, W, C]`` (H, W even), as reshape + max.
@@ -44,12 +50,31 @@ class MnistCNN(nnx.Module):
         rngs: nnx.Rngs,
     ) -> None:
         # dtype is the compute dtype ("bfloat16" or jnp.bfloat16); parameters stay float32 (param_dtype default).
-        self.conv1 = nnx.Conv(1, 32, (3, 3), padding="VALID", dtype=dtype, rngs=rngs)
-        self.conv2 = nnx.Conv(32, 64, (3, 3), padding="VALID", dtype=dtype, rngs=rngs)
+        # Logical axes (xlafit.sharding): FSDP splits output channels and fc1's 9216 inputs.
+        conv = lambda cin, cout: nnx.Conv(  # noqa: E731
+            cin,
+            cout,
+            (3, 3),
+            padding="VALID",
+            dtype=dtype,
+            kernel_init=logical(_DEFAULT_KERNEL, "kernel_h", "kernel_w", "conv_in", "conv_out"),
+            bias_init=logical(_ZEROS, "conv_out"),
+            rngs=rngs,
+        )
+        dense = lambda din, dout, axes: nnx.Linear(  # noqa: E731
+            din,
+            dout,
+            dtype=dtype,
+            kernel_init=logical(_DEFAULT_KERNEL, *axes),
+            bias_init=logical(_ZEROS, axes[1]),
+            rngs=rngs,
+        )
+        self.conv1 = conv(1, 32)
+        self.conv2 = conv(32, 64)
         self.dropout1 = nnx.Dropout(dropout1, rngs=rngs)
-        self.fc1 = nnx.Linear(12 * 12 * 64, 128, dtype=dtype, rngs=rngs)
+        self.fc1 = dense(12 * 12 * 64, 128, ("embed", "mlp"))
         self.dropout2 = nnx.Dropout(dropout2, rngs=rngs)
-        self.fc2 = nnx.Linear(128, 10, dtype=dtype, rngs=rngs)
+        self.fc2 = dense(128, 10, ("mlp", "classes"))
 
     def __call__(self, images: jax.Array) -> jax.Array:
         """Maps images ``[batch, 28, 28, 1]`` (NHWC, float) to logits ``[batch, 10]``."""

@@ -45,6 +45,10 @@ class BertModelConfig:
     attention: Literal["auto", "xla", "cudnn"] = "auto"
     dropout_bits: Literal[16, 32] = 16  # random bits per dropout decision; 32 = nnx.Dropout's draw
     init_from_hf: str | None = None  # a Hugging Face BERT directory to continue pretraining
+    # Recompute activations in the backward pass, per encoder layer: none, full, or a
+    # jax.checkpoint_policies name (dots_saveable, ...; models/bert.py: REMAT_POLICIES).
+    remat: str = "none"
+    scan_layers: bool = False  # nnx.scan over the encoder layers: one layer compiled instead of num_layers
 
 
 @dataclasses.dataclass
@@ -99,6 +103,8 @@ def bert_config(cfg: Config, vocab_size: int) -> BertConfig:
             dtype=m.compute_dtype,
             attention=m.attention,
             dropout_bits=m.dropout_bits,
+            remat=m.remat,
+            scan_layers=m.scan_layers,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -199,6 +205,7 @@ def build_model(cfg: Config, train: mlm.MLMDataset) -> BertForMaskedLM:
             dtype=bert.dtype,
             attention=bert.attention,
             dropout_bits=bert.dropout_bits,
+            remat=bert.remat,
         )
         if model.cfg.vocab_size != train.vocab_size:
             raise ConfigError(

@@ -51,17 +51,30 @@ class TrainState:
 
 
 def abstract_state(
-    params: nnx.State, model_state: nnx.State, tx: optax.GradientTransformation, sharding: jax.sharding.Sharding
+    params: nnx.State,
+    model_state: nnx.State,
+    tx: optax.GradientTransformation,
+    layout: Strategy | jax.sharding.Sharding,
 ) -> TrainState:
-    """The :class:`TrainState` of these variables as ``ShapeDtypeStruct`` leaves laid out by
-    ``sharding``: what compiling a step needs, with nothing allocated (``params`` may come
-    from ``nnx.eval_shape``)."""
+    """The :class:`TrainState` of these variables as ``ShapeDtypeStruct`` leaves laid out as
+    the strategy lays them (:meth:`~xlafit.devices.Strategy.shardings`), or all with one
+    sharding: what compiling a step needs, with nothing allocated (``params`` may come from
+    ``nnx.eval_shape``)."""
 
     def init(params: nnx.State, model_state: nnx.State) -> TrainState:
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), model_state)
 
     shapes = jax.eval_shape(init, params, model_state)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), shapes)
+    if isinstance(layout, Strategy):
+        shardings = layout.shardings(shapes)
+    else:
+        shardings = jax.tree.map(lambda _: layout, shapes)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+
+
+def state_shardings(state: TrainState) -> TrainState:
+    """The shardings of a state of arrays or ``ShapeDtypeStruct``s, as a tree of its shape."""
+    return jax.tree.map(lambda x: x.sharding, state)
 
 
 def split_outputs(out: Any, per_example: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -162,6 +175,7 @@ def build_train_step(
     unroll: bool = False,
     accumulate: int = 1,
     devices: int = 1,
+    grad_sharding: Any = None,
 ) -> Callable:
     """Returns the pure ``(state, batches[k, B, ...]) -> (state, metrics[k])`` function.
 
@@ -174,7 +188,11 @@ def build_train_step(
             micro-batches whose gradients are averaged before the one update, so a global
             batch larger than memory allows trains as one (activations of one micro-batch
             live at a time).
-        devices: devices of the ``data`` axis (to cut micro-batches device-locally).
+        devices: batch shards (``data`` x ``fsdp``; to cut micro-batches device-locally).
+        grad_sharding: the parameters' shardings. Gradients are constrained to them, so
+            that under FSDP XLA reduce-scatters each gradient onto the shards of its
+            parameter (and the optimizer updates only its own shard) instead of
+            all-reducing it whole onto every device.
     """
 
     def loss_of(params: nnx.State, model_state: nnx.State, batch: Mapping[str, jax.Array]):
@@ -215,6 +233,8 @@ def build_train_step(
             (loss, (metrics, model_state)), grads = accumulated(state.params, state.model_state, batch)
         else:
             (loss, (metrics, model_state)), grads = grad_fn(state.params, state.model_state, batch)
+        if grad_sharding is not None:
+            grads = jax.lax.with_sharding_constraint(grads, grad_sharding)
         return apply_if_finite(state, grads, tx, model_state, {"loss": loss, **metrics})
 
     return _k_steps(one_step, unroll)
@@ -410,16 +430,20 @@ def make_steps(
     strategy: Strategy,
     config: TrainerConfig,
     global_batch: int,
+    state_sharding: TrainState | None = None,
 ) -> tuple[CompiledStep, CompiledStep]:
     """The train and eval steps of a run, jitted with their shardings and donation.
 
     The one place that decides what program trains: :class:`~xlafit.Trainer` runs it, and
     ``xlafit check --tpu`` compiles it for a TPU slice (a strategy over the slice's devices).
-    The state is replicated, batches are split along ``data``, the train step's state is
-    donated; on CPUs the ``k`` steps of a call are unrolled, elsewhere a ``lax.scan``.
+    The state lies as ``state_sharding`` says (a :class:`TrainState` of shardings, from
+    :func:`state_shardings`; default: replicated), stays so after every step, and is donated;
+    batches are split along ``data`` x ``fsdp``; on CPUs the ``k`` steps of a call are
+    unrolled, elsewhere a ``lax.scan``.
 
     Raises:
-        ConfigError: ``accumulate_steps`` or ``invariant_chunks`` does not divide the batch.
+        ConfigError: ``accumulate_steps`` or ``invariant_chunks`` does not divide the batch,
+            or ``invariant_chunks`` with a sharded state.
     """
     chunks, accumulate = config.invariant_chunks, config.accumulate_steps
     devices = strategy.num_replicas
@@ -434,6 +458,13 @@ def make_steps(
             "trainer.invariant_chunks already runs chunks one after another on each device; "
             "set trainer.accumulate_steps=1 with it."
         )
+    if chunks is not None and not strategy.data_parallel_only:
+        raise ConfigError(
+            "trainer.invariant_chunks keeps its bit-identical guarantee for pure data parallelism only; "
+            "set trainer.invariant_chunks=null with mesh.fsdp or mesh.tensor above 1."
+        )
+    replicated = strategy.replicated
+    state_in: Any = replicated if state_sharding is None else state_sharding
     if chunks is not None:
         if chunks % devices or global_batch % chunks:
             raise ConfigError(
@@ -443,22 +474,42 @@ def make_steps(
         step_fn = build_invariant_train_step(train_graphdef, loss_fn, tx, strategy.mesh, chunks)
     else:
         unroll = strategy.platform == "cpu"
-        step_fn = build_train_step(train_graphdef, loss_fn, tx, unroll=unroll, accumulate=accumulate, devices=devices)
-    replicated = strategy.replicated
+        grads = None if state_sharding is None or strategy.data_parallel_only else state_sharding.params
+        step_fn = build_train_step(
+            train_graphdef, loss_fn, tx, unroll=unroll, accumulate=accumulate, devices=devices, grad_sharding=grads
+        )
+    if not strategy.data_parallel_only:
+        step_fn = _with_activation_layout(step_fn, strategy)
+    eval_fn = build_eval_step(eval_graphdef, loss_fn)
+    if not strategy.data_parallel_only:
+        eval_fn = _with_activation_layout(eval_fn, strategy)
     train_step = CompiledStep(
         "train step",
         step_fn,
-        in_shardings=(replicated, strategy.batch_sharding(1)),
-        out_shardings=(replicated, replicated),
+        in_shardings=(state_in, strategy.batch_sharding(1)),
+        out_shardings=(state_in, replicated),
         donate_argnums=0,
     )
     eval_step = CompiledStep(
         "eval step",
-        build_eval_step(eval_graphdef, loss_fn),
-        in_shardings=(replicated, strategy.batch, strategy.batch),
+        eval_fn,
+        in_shardings=(state_in, strategy.batch, strategy.batch),
         out_shardings=replicated,
     )
     return train_step, eval_step
+
+
+def _with_activation_layout(fn: Callable, strategy: Strategy) -> Callable:
+    """``fn`` traced with :func:`xlafit.sharding.constrain` active on the strategy's mesh."""
+    from xlafit.sharding import DEFAULT_RULES, activation_layout
+
+    rules = strategy.rules if strategy.rules is not None else DEFAULT_RULES
+
+    def traced(*args: Any) -> Any:
+        with activation_layout(strategy.mesh, rules):
+            return fn(*args)
+
+    return traced
 
 
 def _flops(compiled: Any) -> float | None:

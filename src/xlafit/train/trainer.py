@@ -25,7 +25,8 @@ import dataclasses
 import logging
 import signal
 import time
-from collections.abc import Generator, Iterator, Mapping
+import typing
+from collections.abc import Callable, Generator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,9 @@ from xlafit.train.signals import Preempted, SignalGuard, handle_signals
 from xlafit.train.step import (
     LossFn,
     TrainState,
+    abstract_state,
     make_steps,
+    state_shardings,
 )
 from xlafit.train.watchdog import Watchdog
 
@@ -104,7 +107,11 @@ class Trainer:
     """Trains an ``nnx.Module`` data-parallel over every device of the strategy.
 
     Args:
-        model: the model; its ``nnx.Param`` variables are trained. A Keras 3 model
+        model: the model; its ``nnx.Param`` variables are trained. Or a function that
+            builds it (``lambda: BertForMaskedLM(cfg, rngs=nnx.Rngs(0))``): it then runs
+            inside ``jax.jit`` with the state's shardings as outputs, so every device
+            creates only its own slices and a model larger than one device (or the host)
+            can be built, split over ``mesh.fsdp`` / ``mesh.tensor``. A Keras 3 model
             (``KERAS_BACKEND=jax``) trains too (:mod:`xlafit.keras_models`): its trainable
             variables are the parameters, and the trained values are written back into it
             at every checkpoint and at the end of :meth:`fit`.
@@ -133,7 +140,7 @@ class Trainer:
 
     def __init__(
         self,
-        model: nnx.Module,
+        model: nnx.Module | Callable[[], nnx.Module],
         loss_fn: LossFn,
         optimizer: optax.GradientTransformation,
         *,
@@ -173,7 +180,17 @@ class Trainer:
 
         from xlafit.keras_models import KerasModule, adapt, is_keras_model
 
+        builder: Callable[[], nnx.Module] | None = None
+        if not isinstance(model, nnx.Module) and not is_keras_model(model) and callable(model):
+            builder = model
+        # A builder's model as shapes only (nnx.eval_shape): built below, sharded, inside jit.
+        model = nnx.eval_shape(builder) if builder is not None else typing.cast(nnx.Module, model)
         if is_keras_model(model):  # Keras 3: trained as an nnx.Module, loss(y_true, y_pred)
+            if not self.strategy.data_parallel_only:
+                raise ConfigError(
+                    "Keras models train data-parallel only (their variables carry no logical axes); "
+                    "set mesh.fsdp=1 and mesh.tensor=1."
+                )
             model, loss_fn = adapt(model, loss_fn)
         # Trained values go back into a Keras model at checkpoints and at the end of fit.
         self._keras = model if isinstance(model, KerasModule) else None
@@ -190,16 +207,31 @@ class Trainer:
         eval_graphdef = nnx.graphdef(model)
         model.train()
 
-        replicated = self.strategy.replicated
-        params, model_state = self.strategy.replicate((params, model_state))
+        # Where every array lies (xlafit.sharding): replicated in pure data parallelism, split
+        # over fsdp / tensor otherwise; the same tree of shardings in, out and donated.
+        abstract = abstract_state(params, model_state, optimizer, self.strategy)
+        shardings = state_shardings(abstract)
+        if builder is not None:
+            # Each device computes only its own slices: no device and no host ever holds
+            # the whole model (big_vision's jit(init, out_shardings)).
+            def init() -> tuple[nnx.State, nnx.State]:
+                built = builder()
+                built.train()
+                _, p, s = nnx.split(built, nnx.Param, ...)  # type: ignore[misc]  # flax's overloads
+                return p, s
+
+            params, model_state = jax.jit(init, out_shardings=(shardings.params, shardings.model_state))()
+        else:
+            params = self.strategy.put(params, shardings.params)
+            model_state = self.strategy.put(model_state, shardings.model_state)
         self._state = TrainState(
             step=self.strategy.replicate(jnp.zeros((), jnp.int32)),
             params=params,
-            opt_state=jax.jit(optimizer.init, out_shardings=replicated)(params),
+            opt_state=jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params),
             model_state=model_state,
         )
         self.train_step, self.eval_step = make_steps(
-            train_graphdef, eval_graphdef, loss_fn, optimizer, self.strategy, self.config, self.global_batch
+            train_graphdef, eval_graphdef, loss_fn, optimizer, self.strategy, self.config, self.global_batch, shardings
         )
         if checkpoint_dir is None and self.run_dir is not None:
             checkpoint_dir = self.run_dir / "checkpoints"
@@ -448,9 +480,14 @@ class Trainer:
         if restored is not None:
             report.print(f"resumed from checkpoint {restored} (epoch {restored // spe + 1})")
         report.print(
-            f"devices: {s.num_replicas} x {s.platform} ({s.process_count} process(es))   "
+            f"devices: {s.num_devices} x {s.platform} ({s.process_count} process(es))   "
             f"per-device batch: {self.global_batch // s.num_replicas}   global batch: {self.global_batch}"
         )
+        if not s.data_parallel_only:
+            from xlafit.sharding import bytes_per_device
+
+            held = bytes_per_device((self._state.params, self._state.opt_state)) / 2**20
+            report.print(f"{s.layout()}; parameters + optimizer state: {held:.1f} MiB per device")
         dropped = len(train) - spe * self.global_batch
         if order.plan is None and dropped:
             report.print(

@@ -1,0 +1,281 @@
+"""Where every array of a run lies on the ``('data', 'fsdp', 'tensor')`` mesh.
+
+A model names the axes of its parameters (``embed``, ``mlp``, ``heads``, ``vocab``,
+``conv_out``, ...) with :func:`logical` when it creates them; one table of rules maps those
+names to mesh axes (:data:`DEFAULT_RULES`, overridable with ``mesh.rules``). This is the
+MaxText / t5x scheme: the model says what an axis *is*, the run decides where it goes.
+
+- ``data``: pure data parallelism; everything is replicated along it.
+- ``fsdp``: data parallelism whose parameters and optimizer state are split along it
+  (ZeRO-3): XLA gathers each weight where a layer needs it and reduce-scatters its gradient.
+- ``tensor``: Megatron tensor parallelism: ``mlp`` and ``heads`` (and ``vocab``) split.
+
+Batches are split over ``data`` x ``fsdp``. A parameter with no names (a user's own model),
+or whose names send no dimension to ``fsdp`` (a LayerNorm scale, a bias), is split over
+``fsdp`` along its largest free dimension that ``fsdp`` divides, or replicated when none
+does (:func:`default_spec`): under FSDP every parameter that can be split is. Every other
+variable (dropout RNG state, a scalar step count) is replicated. Optimizer state built by
+optax from the parameters carries the parameters' names, so it lies exactly as its
+parameter does.
+
+Example:
+    >>> spec_for("kernel", (768, 3072), ("embed", "mlp"), DEFAULT_RULES, {"data": 1, "fsdp": 4, "tensor": 2})
+    P('fsdp', 'tensor')
+    >>> default_spec((10, 4096), {"data": 1, "fsdp": 8, "tensor": 1})
+    P(None, 'fsdp')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from xlafit.config import ConfigError
+from xlafit.devices import BATCH_AXES, MESH_AXES
+
+__all__ = ["BATCH_AXES", "DEFAULT_RULES", "MESH_AXES", "logical", "parse_rules", "tree_shardings"]
+
+# Logical axis -> mesh axis (None: replicated). A model may use any other name: unknown
+# names are replicated, so a new model (ResNet: conv_in, conv_out) needs a row here or in
+# mesh.rules only where it wants a split.
+DEFAULT_RULES: Mapping[str, str | None] = {
+    "embed": "fsdp",  # the model width (BERT's hidden size, a dense layer's input features)
+    "mlp": "tensor",  # MLP hidden units: column-parallel in, row-parallel out (Megatron)
+    "heads": "tensor",  # attention heads (Megatron)
+    "vocab": "tensor",  # vocabulary rows of the embedding / the tied output layer
+    "qkv": None,  # BERT's fused [q|k|v] columns: not head-aligned, see models/bert.py
+    "conv_out": "fsdp",  # a convolution's output channels
+    "conv_in": None,
+    "kernel_h": None,
+    "kernel_w": None,
+    "positions": None,
+    "types": None,
+    "norm": None,  # LayerNorm / BatchNorm scales and offsets: small, replicated
+    "layers": None,  # the stacked layers of a scanned model (model.scan_layers)
+    "classes": None,
+}
+
+
+def logical(init: Callable, *names: str | None) -> Callable:
+    """``init`` whose parameter carries the logical axis ``names`` (one per dimension).
+
+    ``nnx.with_partitioning`` with eager sharding off: the model is built the same with or
+    without a mesh, and the run lays the names over its mesh (:func:`tree_shardings`).
+
+    Example:
+        >>> layer = nnx.Linear(4, 8, kernel_init=logical(nnx.initializers.lecun_normal(), "embed", "mlp"),
+        ...                    rngs=nnx.Rngs(0))
+        >>> logical_axes(layer.kernel)
+        ('embed', 'mlp')
+    """
+    return nnx.with_partitioning(init, names, eager_sharding=False)
+
+
+def logical_axes(variable: nnx.Variable) -> tuple[str | None, ...] | None:
+    """The logical axis names a variable was created with, or None."""
+    names = variable.get_metadata().get("out_sharding")
+    return tuple(names) if names else None
+
+
+def parse_rules(text: str | None) -> dict[str, str | None]:
+    """:data:`DEFAULT_RULES` updated by ``mesh.rules``: ``"embed=fsdp,vocab=null,conv_out=tensor"``.
+
+    Example:
+        >>> parse_rules("vocab=null,mlp=fsdp")["vocab"], parse_rules("vocab=null,mlp=fsdp")["mlp"]
+        (None, 'fsdp')
+
+    Raises:
+        ConfigError: an entry is not ``name=axis`` or names an axis that the mesh lacks.
+    """
+    rules = dict(DEFAULT_RULES)
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        name, sep, axis = (part.strip() for part in item.partition("="))
+        if not sep or not name:
+            raise ConfigError(f"mesh.rules entry {item!r} is not name=axis (for example embed=fsdp,vocab=null).")
+        if axis in ("null", "none", "None", ""):
+            rules[name] = None
+        elif axis in MESH_AXES:
+            rules[name] = axis
+        else:
+            raise ConfigError(
+                f"mesh.rules: {name}={axis} names no mesh axis; use one of {', '.join(MESH_AXES)} or null."
+            )
+    return rules
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def spec_for(
+    name: str,
+    shape: tuple[int, ...],
+    names: tuple[str | None, ...],
+    rules: Mapping[str, str | None],
+    mesh_shape: Mapping[str, int],
+) -> PartitionSpec:
+    """The ``PartitionSpec`` of an annotated array: each logical name through ``rules``.
+
+    A mesh axis of size 1 splits nothing; a mesh axis already used by an earlier dimension
+    of the same array is not used twice (a square ``embed x embed`` matrix splits once).
+
+    Raises:
+        ConfigError: a split dimension does not divide over its mesh axis (naming the
+            parameter, the axis and the sizes that would work), or the names do not match
+            the array's rank.
+    """
+    if len(names) != len(shape):
+        raise ConfigError(f"{name} has shape {shape} but {len(names)} logical axis names {names}; give one per axis.")
+    used: set[str] = set()
+    spec: list[str | None] = []
+    for dim, (size, logical_name) in enumerate(zip(shape, names, strict=True)):
+        axis = rules.get(logical_name) if logical_name is not None else None
+        if axis is None or mesh_shape.get(axis, 1) == 1 or axis in used:
+            spec.append(None)
+            continue
+        n = mesh_shape[axis]
+        if size % n:
+            works = [d for d in _divisors(size) if d <= max(mesh_shape.values()) * 8][:8]
+            raise ConfigError(
+                f"parameter {name} {tuple(shape)}: dimension {dim} ({logical_name!r}, {size}) does not divide over "
+                f"mesh.{axis}={n}. Use mesh.{axis} in {works} (sizes that divide {size}), or map {logical_name!r} "
+                f"elsewhere with mesh.rules={logical_name}=null."
+            )
+        used.add(axis)
+        spec.append(axis)
+    if "fsdp" not in used and mesh_shape.get("fsdp", 1) > 1:
+        # ZeRO-3 splits every parameter: one whose names send nothing to fsdp (a LayerNorm
+        # scale, a bias, a replicated-over-tensor kernel) is split like an unannotated one,
+        # along its largest free dimension that fsdp divides.
+        free = [d if spec[d] is None else None for d in range(len(shape))]
+        fallback = default_spec(tuple(shape[d] if d is not None else 1 for d in free), mesh_shape)
+        spec = [
+            a if a is not None else (f if free[d] is not None else None)
+            for d, (a, f) in enumerate(zip(spec, tuple(fallback) + (None,) * (len(shape) - len(fallback)), strict=True))
+        ]
+    return PartitionSpec(*spec)
+
+
+def default_spec(shape: tuple[int, ...], mesh_shape: Mapping[str, int]) -> PartitionSpec:
+    """An unannotated parameter: split over ``fsdp`` along its largest dimension that
+    ``fsdp`` divides (the first of equal ones), else replicated."""
+    n = mesh_shape.get("fsdp", 1)
+    if n == 1:
+        return PartitionSpec()
+    fitting = [d for d in range(len(shape)) if shape[d] % n == 0]
+    if not fitting:
+        return PartitionSpec()
+    dim = max(fitting, key=lambda d: (shape[d], -d))
+    return PartitionSpec(*[("fsdp" if d == dim else None) for d in range(len(shape))])
+
+
+def _path_name(path: tuple) -> str:
+    parts = []
+    for entry in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(entry, attr):
+                parts.append(str(getattr(entry, attr)))
+                break
+    return "/".join(p for p in parts if p != "value")
+
+
+def tree_specs(tree: Any, mesh_shape: Mapping[str, int], rules: Mapping[str, str | None]) -> Any:
+    """``tree`` (a state of ``nnx.Variable``s and arrays, or their ``ShapeDtypeStruct``s)
+    with every leaf replaced by its ``PartitionSpec``: annotated variables through
+    ``rules``, unannotated ``nnx.Param``s by :func:`default_spec`, everything else
+    replicated. Variables keep their place (and metadata) in the tree, so the result has
+    the structure that ``jax.jit``'s shardings need."""
+
+    def leaf(path: tuple, x: Any) -> Any:
+        if isinstance(x, nnx.Variable):
+            value = x.get_value()
+            shape = tuple(getattr(value, "shape", ()))
+            names = logical_axes(x)
+            if names is not None:
+                spec = spec_for(_path_name(path), shape, names, rules, mesh_shape)
+            elif isinstance(x, nnx.Param):
+                spec = default_spec(shape, mesh_shape)
+            else:
+                spec = PartitionSpec()
+            return x.replace(spec)
+        return PartitionSpec()
+
+    return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def tree_shardings(tree: Any, mesh: Mesh, rules: Mapping[str, str | None]) -> Any:
+    """:func:`tree_specs` as ``NamedSharding``s on ``mesh``."""
+    specs = tree_specs(tree, dict(mesh.shape), rules)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def bytes_per_device(tree: Any) -> int:
+    """Bytes each device holds of a tree of sharded arrays (or ``ShapeDtypeStruct``s with a
+    sharding): the largest shard of each leaf, summed. A PRNG key counts as its key data."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.eval_shape(jax.random.key_data, x)
+            shard = x.shape
+        else:
+            sharding = getattr(x, "sharding", None)
+            shard = sharding.shard_shape(x.shape) if sharding is not None else x.shape
+        size = 1
+        for n in shard:
+            size *= n
+        total += size * x.dtype.itemsize
+    return total
+
+
+# --------------------------------------------------------------------------- activations
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, Mapping[str, str | None]] | None] = contextvars.ContextVar(
+    "xlafit_sharding", default=None
+)
+
+
+@contextlib.contextmanager
+def activation_layout(mesh: Mesh, rules: Mapping[str, str | None]) -> Iterator[None]:
+    """While a step is traced: :func:`constrain` lays activations over ``mesh`` by ``rules``."""
+    token = _ACTIVE.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, *names: str | None) -> jax.Array:
+    """Pins activation ``x`` to its logical axes (``"batch"``: ``data`` x ``fsdp``; others
+    through the rules), inside a step of a sharded run; outside one (a model called on
+    its own, pure data parallelism) it returns ``x`` untouched.
+
+    Without these hints XLA's sharding propagation may carry a weight's split onto the
+    activations (hidden states split over ``fsdp`` along ``embed``, then gathered back
+    whole: "involuntary full rematerialization"), or compute every head on every device of
+    a tensor-parallel group.
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    sizes = dict(mesh.shape)
+    spec: list[Any] = []
+    for size, name in zip(x.shape, names, strict=True):
+        if name == "batch":
+            axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+            n = 1
+            for a in axes:
+                n *= sizes[a]
+            spec.append(axes if axes and size % n == 0 else None)
+            continue
+        axis = rules.get(name) if name is not None else None
+        spec.append(axis if axis is not None and sizes.get(axis, 1) > 1 and size % sizes[axis] == 0 else None)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
