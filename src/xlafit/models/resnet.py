@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -302,6 +303,18 @@ def max_pool_3x3_stride2(x: jax.Array) -> jax.Array:
     return functools.reduce(jnp.maximum, views)
 
 
+def classifier(cfg: ResNetConfig, rngs: nnx.Rngs) -> nnx.Linear:
+    """The classifier over the pooled features of the last stage."""
+    return nnx.Linear(
+        cfg.hidden_sizes[-1],
+        cfg.num_classes,
+        dtype=cfg.compute_dtype,
+        # PyTorch's nn.Linear default (kaiming_uniform with a=sqrt(5)): U(+-1/sqrt(fan_in)).
+        kernel_init=nnx.initializers.variance_scaling(1 / 3, "fan_in", "uniform"),
+        rngs=rngs,
+    )
+
+
 class ResNet(nnx.Module):
     """ResNet v1.5 image classifier; see the module docstring for the arguments.
 
@@ -346,15 +359,22 @@ class ResNet(nnx.Module):
             stages.append(nnx.List(stage))
             cin = cout
         self.stages = nnx.List(stages)
-        self.head = nnx.Linear(
-            cin,
-            cfg.num_classes,
-            dtype=cfg.compute_dtype,
-            # PyTorch's nn.Linear default (kaiming_uniform with a=sqrt(5)): U(+-1/sqrt(fan_in)).
-            kernel_init=nnx.initializers.variance_scaling(1 / 3, "fan_in", "uniform"),
-            rngs=rngs,
-        )
+        self.head = classifier(cfg, rngs)
         self.eval()
+
+    @classmethod
+    def from_hf(cls, directory: str | Path, rngs: nnx.Rngs | None = None, **overrides: Any) -> ResNet:
+        """Imports a Hugging Face ``ResNetForImageClassification`` checkpoint (``config.json`` +
+        ``model.safetensors``, the ``microsoft/resnet-50`` layout), e.g. to fine-tune it.
+        ``overrides`` are :class:`ResNetConfig` fields (``bn``, ``bn_group``, ``dtype``, or
+        ``num_classes`` for a new head); see :func:`xlafit.models.resnet_hf.from_hf`.
+
+        Example:
+            >>> model = ResNet.from_hf("resnet-50/", num_classes=10)  # doctest: +SKIP
+        """
+        from xlafit.models.resnet_hf import from_hf
+
+        return from_hf(directory, rngs=rngs, **overrides)
 
     def __call__(self, images: jax.Array) -> jax.Array:
         """Images ``[B, H, W, C]`` (normalised) -> float32 logits ``[B, num_classes]``."""
