@@ -204,8 +204,8 @@ class BatchNorm(nnx.Module):
             # Running averages: the mean over groups of the group statistics (the batch's, for global).
             batch_mean = mean.reshape(-1, x.shape[-1]).mean(0)
             batch_var = var.reshape(-1, x.shape[-1]).mean(0)
-            self.mean[...] = m * self.mean[...] + (1 - m) * jax.lax.stop_gradient(batch_mean)
-            self.var[...] = m * self.var[...] + (1 - m) * jax.lax.stop_gradient(batch_var)
+            self.mean.set_value(m * self.mean[...] + (1 - m) * jax.lax.stop_gradient(batch_mean))
+            self.var.set_value(m * self.var[...] + (1 - m) * jax.lax.stop_gradient(batch_var))
         inv = jax.lax.rsqrt(var + self.eps) * _channels(xf, self.scale[...])
         y = xf * inv + (_channels(xf, self.bias[...]) - mean * inv)
         return y.reshape(x.shape).astype(self.dtype)

@@ -123,22 +123,26 @@ def apply_if_finite(
     """One optimizer update, dropped when the loss or the gradient is not finite.
 
     The step counter advances either way (the batch is consumed, the data order stays a
-    function of the step); parameters and optimizer state keep their old values, so a NaN
-    never reaches a checkpoint. ``metrics["nonfinite"]`` is 1.0 for a dropped update; the
-    trainer applies ``trainer.nan_policy`` when it sees one. The select costs one pass over
-    the parameters and optimizer state, which XLA fuses into the update.
+    function of the step); parameters, optimizer state and float model state (batch
+    statistics) keep their old values, so a NaN never reaches a checkpoint.
+    ``metrics["nonfinite"]`` is 1.0 for a dropped update; the trainer applies
+    ``trainer.nan_policy`` when it sees one. The select costs one pass over the parameters
+    and optimizer state, which XLA fuses into the update.
     """
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    # Float model state (batch-norm running averages) is kept too: a NaN batch would poison
+    # them. RNG keys and counters (integers) advance either way.
+    keep_float = lambda new, old: keep(new, old) if jnp.issubdtype(old.dtype, jnp.floating) else new  # noqa: E731
     new_state = dataclasses.replace(
         state,
         step=state.step + 1,
         params=jax.tree.map(keep, params, state.params),
         opt_state=jax.tree.map(keep, opt_state, state.opt_state),
-        model_state=model_state,
+        model_state=jax.tree.map(keep_float, model_state, state.model_state),
     )
     return new_state, {**metrics, "grad_norm": grad_norm, "nonfinite": 1.0 - finite.astype(jnp.float32)}
 
