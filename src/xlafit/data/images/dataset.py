@@ -50,6 +50,7 @@ class ImageDataset:
             prefetch thread).
         on_corrupt: ``skip`` (the next example instead, counted) or ``stop``.
         buffer: batches each worker prepares ahead.
+        classes: the class names, label 0 first.
 
     Example:
         >>> train = ImageDataset.from_prepared("data/images", "train", Augment(224), workers=8)  # doctest: +SKIP
@@ -58,7 +59,14 @@ class ImageDataset:
     """
 
     def __init__(
-        self, split: ImageSplit, augment: Augment, *, workers: int = 0, on_corrupt: OnCorrupt = "skip", buffer: int = 2
+        self,
+        split: ImageSplit,
+        augment: Augment,
+        *,
+        workers: int = 0,
+        on_corrupt: OnCorrupt = "skip",
+        buffer: int = 2,
+        classes: Sequence[str] = (),
     ) -> None:
         if workers < 0:
             raise DataError(f"data.workers={workers} must be 0 (decode in the main process) or more.")
@@ -69,13 +77,14 @@ class ImageDataset:
             on_corrupt,
             buffer,
         )
+        self.classes = list(classes)  # class names, label 0 first
         self.skipped: dict[str, str] = {}  # file -> why it could not be decoded (main process)
 
     @classmethod
     def from_prepared(cls, url: str, split: str, augment: Augment, **kwargs) -> ImageDataset:
         """The ``split`` of data ``xlafit data images`` wrote at ``url`` (checksums checked once)."""
-        images, _ = load_split(url, split)
-        return cls(images, augment, **kwargs)
+        images, manifest = load_split(url, split)
+        return cls(images, augment, classes=manifest["classes"], **kwargs)
 
     def __len__(self) -> int:
         return len(self.split)
