@@ -165,14 +165,33 @@ def _parser() -> argparse.ArgumentParser:
     data_mlm.add_argument("--eval-fraction", type=float, default=0.05, help="documents held out for evaluation")
     data_mlm.add_argument("--seed", type=int, default=0)
     data_mlm.add_argument("--shard-size", type=int, default=65536, help="sequences per shard")
+    data_images = data_sub.add_parser(
+        "images",
+        help="an image folder (class/*.jpg|png) -> shards of encoded images + labels + manifest",
+        description="Read an ImageFolder (class/*.jpg|png, or train/ and val/ of such folders) and write the "
+        "encoded images, labels and file names as Parquet shards plus manifest.json (per-shard SHA-256) to a "
+        "directory or fsspec URL. Every image is decoded once here, so an unreadable one is named now.",
+    )
+    data_images.add_argument("--input", required=True, metavar="DIR", help="an image folder")
+    data_images.add_argument("--out", required=True, metavar="URL", help="a directory or fsspec URL")
+    data_images.add_argument(
+        "--eval-fraction", type=float, default=0.0, help="held out for evaluation, when --input has no val/ folder"
+    )
+    data_images.add_argument("--seed", type=int, default=0)
+    data_images.add_argument("--shard-size", type=int, default=1024, help="images per shard")
+    data_images.add_argument(
+        "--on-corrupt", choices=("skip", "stop"), default="skip", help="an image that cannot be decoded"
+    )
+    data_images.add_argument("--workers", type=int, help="processes decoding to check (default: every core)")
 
     export = sub.add_parser("export", help="export a run's model to another library's format")
     export_sub = export.add_subparsers(dest="export_command", required=True)
     export_hf = export_sub.add_parser(
         "hf",
-        help="write a bert run as a Hugging Face BertForMaskedLM directory",
-        description="Writes config.json, model.safetensors and the tokenizer's files; load them with "
-        "transformers.BertForMaskedLM.from_pretrained(DIR) and AutoTokenizer.from_pretrained(DIR).",
+        help="write a run as a Hugging Face directory (bert: BertForMaskedLM, resnet: ResNetForImageClassification)",
+        description="Writes config.json and model.safetensors (bert: and the tokenizer's files); load them with "
+        "transformers.BertForMaskedLM.from_pretrained(DIR) and AutoTokenizer.from_pretrained(DIR), or "
+        "transformers.ResNetForImageClassification.from_pretrained(DIR).",
     )
     export_hf.add_argument("run_dir", metavar="RUN_DIR")
     export_hf.add_argument("--out", required=True, metavar="DIR")
@@ -349,6 +368,8 @@ def _tokenizer(args: argparse.Namespace) -> int:
 
 
 def _data(args: argparse.Namespace) -> int:
+    if args.data_command == "images":
+        return _data_images(args)
     from xlafit.data.mlm import prepare
     from xlafit.data.text import expand_inputs
 
@@ -371,6 +392,29 @@ def _data(args: argparse.Namespace) -> int:
             f"{split}: {info['documents']:,} documents -> {info['sequences']:,} sequences of {args.seq_len} "
             f"({info['tokens']:,} tokens, {fill:.1%} not padding) in {len(info['shards'])} shard(s)"
         )
+    print(f"written to {args.out} (manifest.json)")
+    return 0
+
+
+def _data_images(args: argparse.Namespace) -> int:
+    from xlafit.data.images import prepare
+
+    manifest = prepare(
+        args.input,
+        args.out,
+        eval_fraction=args.eval_fraction,
+        seed=args.seed,
+        shard_size=args.shard_size,
+        on_corrupt=args.on_corrupt,
+        workers=args.workers,
+    )
+    classes = len(manifest["classes"])
+    for split, info in manifest["splits"].items():
+        print(f"{split}: {info['examples']:,} images of {classes} classes in {len(info['shards'])} shard(s)")
+        if info["skipped"]:
+            names = ", ".join(s["file"] for s in info["skipped"][:5])
+            more = f" and {len(info['skipped']) - 5} more" if len(info["skipped"]) > 5 else ""
+            print(f"  skipped {len(info['skipped'])} that cannot be decoded: {names}{more} (listed in the manifest)")
     print(f"written to {args.out} (manifest.json)")
     return 0
 
@@ -400,7 +444,10 @@ def _export(args: argparse.Namespace) -> int:
     from xlafit.export import export_hf
 
     out, step = export_hf(args.run_dir, args.out, args.step)
-    print(f"exported checkpoint {step} of {args.run_dir} to {out}: config.json, model.safetensors, tokenizer")
+    from xlafit.paths import as_path
+
+    files = "config.json, model.safetensors" + (", tokenizer" if (as_path(out) / "tokenizer.json").exists() else "")
+    print(f"exported checkpoint {step} of {args.run_dir} to {out}: {files}")
     return 0
 
 
