@@ -15,7 +15,7 @@ import functools
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -87,7 +87,7 @@ class TrainOrder:
 
 
 @dataclasses.dataclass(frozen=True)
-class TakeRequests:
+class TakeRequests(Sequence[tuple[np.ndarray, int]]):
     """What ``take`` is asked for at each train-step call of ``[start, stop)``: ``(indices, epoch)``
     by position, this process's rows only.
 
@@ -123,7 +123,7 @@ class TakeRequests:
     def __len__(self) -> int:
         return len(self.calls)
 
-    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:  # type: ignore[override]  # no slices
         step, k = (int(v) for v in self.calls[i])
         pi, pc = self.process_index, self.process_count
         # One gather for the k batches (a copy of k x rows examples); the caller views it [k, rows, ...].

@@ -96,7 +96,10 @@ def image_size(cfg: Config) -> int:
     return size if size is not None else (28 if _demo(cfg) else 224)
 
 
-def normalisation(cfg: Config) -> str:
+Normalisation = Literal["imagenet", "mnist"]
+
+
+def normalisation(cfg: Config) -> Normalisation:
     d = data_config(cfg)
     return d.normalisation or ("mnist" if _demo(cfg) and not d.data_dir else "imagenet")
 
@@ -209,9 +212,9 @@ def from_data(cfg: Config, train: ImageDataset | SyntheticImages) -> Config:
         raise ConfigError(
             f"data.num_classes={d.num_classes} but the data has {classes} classes; leave it unset (the data decides)."
         )
-    batch = {}
+    global_batch = d.global_batch
     if d.global_batch is None and d.per_device_batch is None:
-        batch["global_batch"] = 128 if _demo(cfg) else 1024
+        global_batch = 128 if _demo(cfg) else 1024
     scale, hflip, fraction = augmentation(cfg)
     data = dataclasses.replace(
         d,
@@ -221,7 +224,7 @@ def from_data(cfg: Config, train: ImageDataset | SyntheticImages) -> Config:
         crop_scale_min=scale,
         hflip=hflip,
         eval_crop_fraction=fraction,
-        **batch,
+        global_batch=global_batch,
     )
     model = dataclasses.replace(cfg.model, **dataclasses.asdict(_model_sizes(cfg)))
     return dataclasses.replace(cfg, data=data, model=model)

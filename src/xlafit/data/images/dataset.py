@@ -117,7 +117,7 @@ class ImageDataset:
                 # the device transfer may alias host memory on CPU (a memcpy; ~5 ms for 256 ImageNet images).
                 yield {name: np.array(x) if isinstance(x, np.ndarray) else x for name, x in self._unwrap(batch).items()}
         finally:
-            iterator.close()  # type: ignore[attr-defined]  # stops the worker processes now, not at GC
+            iterator.close()  # stops the worker processes now, not at GC
 
     def _unwrap(self, batch: dict) -> Batch:
         if "error" in batch:

@@ -42,7 +42,7 @@ def build() -> str:
     print(f"writing the 5,000 embedded MNIST digits as PNG files into {target} (once)", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        for split, arrays in mnist.load_embedded(raw=True).items():
+        for split, arrays in mnist.load_embedded(as_uint8=True).items():
             for n, (image, label) in enumerate(zip(arrays["image"], arrays["label"], strict=True)):
                 folder = tmp / "folder" / split / str(int(label))
                 folder.mkdir(parents=True, exist_ok=True)
