@@ -13,7 +13,7 @@ from xlafit.cli import main
 from xlafit.data.dataset import DataError, StreamedDataset
 from xlafit.data.images import Augment, ImageDataset, SyntheticImages, find_images, load_split, prepare
 from xlafit.data.images.cache import ImageSplit
-from xlafit.data.loader import TakeRequests, TrainOrder
+from xlafit.data.loader import TakeRequests, TrainOrder, eval_batches
 
 
 def write_folder(root: Path, classes=("cat", "dog", "eel"), per_class=6, seed=0) -> Path:
@@ -144,6 +144,13 @@ def test_one_two_and_four_worker_processes_give_the_same_batches_and_resume_cont
     resumed = list(train.stream(TakeRequests.between(order, 4, 7, steps_per_call=2)))  # steps 4-5, 6
     tail = [reference[2]["image"][8:], reference[3]["image"], reference[4]["image"]]  # steps 4, 5, 6
     assert np.array_equal(np.concatenate([b["image"] for b in resumed]), np.concatenate(tail))
+    # Evaluation batches (padded, masked) come from the workers too, the same as decoded here.
+    evaluation = ImageDataset(train.split, Augment(image_size=12, train=False), workers=1)
+    streamed = list(eval_batches(evaluation, 16))
+    evaluation.workers = 0
+    for (got, got_mask), (want, want_mask) in zip(streamed, eval_batches(evaluation, 16), strict=True):
+        assert np.array_equal(got["image"], want["image"]) and np.array_equal(got_mask, want_mask)
+    assert sum(m.sum() for _, m in streamed) == len(train)
 
 
 def _split_with_a_bad_image(tmp_path) -> ImageSplit:

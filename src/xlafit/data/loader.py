@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 import jax
 import numpy as np
 
-from xlafit.data.dataset import Batch, Dataset, PlannedDataset
+from xlafit.data.dataset import Batch, Dataset, PlannedDataset, StreamedDataset
 from xlafit.devices import Strategy
 
 
@@ -156,10 +156,16 @@ def eval_batches(
     """
     rows = global_batch // process_count
     n = len(dataset)
+    requests, masks = [], []
     for start in range(0, n, global_batch):
         idx = np.arange(start + process_index * rows, start + (process_index + 1) * rows)
-        mask = (idx < n).astype(np.float32)
-        yield dataset.take(np.where(idx < n, idx, 0)), mask
+        masks.append((idx < n).astype(np.float32))
+        requests.append((np.where(idx < n, idx, 0), 0))
+    if isinstance(dataset, StreamedDataset):  # prepared ahead in its worker processes
+        yield from zip(dataset.stream(requests), masks, strict=True)
+    else:
+        for (idx, _), mask in zip(requests, masks, strict=True):
+            yield dataset.take(idx), mask
 
 
 def to_global(strategy: Strategy, local: Batch | np.ndarray, leading_axes: int = 0):

@@ -67,6 +67,9 @@ class ResNetDataConfig(xconfig.DataConfig):
     source: Literal["images", "synthetic"] = "images"  # synthetic: ImageNet-shaped random images, no decode
     image_size: int | None = None  # null: the preset's (demo 28, else 224)
     workers: int = 2  # Grain worker processes that decode and augment training batches (0: in the main process)
+    # ... and evaluation batches: each evaluation starts its own (~2 s on 2 cores), worth it for
+    # ImageNet's 50,000 images, not for the demo's 1,000 PNGs (0: in the main process).
+    eval_workers: int = 0
     on_corrupt: Literal["skip", "stop"] = "skip"  # an image that cannot be decoded: the next instead, or stop
     # Augmentation; null: the preset's. ImageNet: Inception's crops (area 0.08-1), flips, and
     # evaluation on the centre 87.5% (224 of 256). The demo's digits: area 0.5-1, no flips
@@ -170,8 +173,8 @@ def _augment(cfg: Config, train: bool, channels: int) -> Augment:
 def load_data(cfg: Config) -> tuple[ImageDataset | SyntheticImages, ImageDataset | SyntheticImages]:
     """(train, eval): prepared images (``data.data_dir``, else the MNIST image demo), or synthetic ones."""
     d = data_config(cfg)
-    if d.workers < 0:
-        raise ConfigError(f"data.workers={d.workers} must be 0 (decode in the main process) or more.")
+    if d.workers < 0 or d.eval_workers < 0:
+        raise ConfigError("data.workers and data.eval_workers must be 0 (decode in the main process) or more.")
     if d.source == "synthetic":
         if d.data_dir:
             raise ConfigError("data.source=synthetic makes its own images: leave data.data_dir unset.")
@@ -188,7 +191,9 @@ def load_data(cfg: Config) -> tuple[ImageDataset | SyntheticImages, ImageDataset
     train = ImageDataset(
         train_split, _augment(cfg, True, channels), workers=d.workers, on_corrupt=d.on_corrupt, classes=classes
     )
-    evaluation = ImageDataset(eval_split, _augment(cfg, False, channels), on_corrupt=d.on_corrupt, classes=classes)
+    evaluation = ImageDataset(
+        eval_split, _augment(cfg, False, channels), workers=d.eval_workers, on_corrupt=d.on_corrupt, classes=classes
+    )
     return train, evaluation
 
 
