@@ -254,7 +254,9 @@ class ImageClassifier(nnx.Module):
     def __call__(self, images: jax.Array) -> jax.Array:
         """``uint8 [B, H, W, C]`` -> float32 logits ``[B, classes]``."""
         x = images.astype(jnp.float32) * (1.0 / 255.0)
-        x = (x - jnp.asarray(self.mean, jnp.float32)) / jnp.asarray(self.std, jnp.float32)
+        shape = (1, 1, 1, len(self.mean))  # broadcast over [B, H, W, C] without rank promotion
+        mean, std = jnp.asarray(self.mean).reshape(shape), jnp.asarray(self.std).reshape(shape)
+        x = (x - mean) / std
         return self.net(x)
 
 
