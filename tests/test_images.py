@@ -183,3 +183,22 @@ def test_synthetic_images_are_imagenet_shaped_and_deterministic():
     assert a["image"].shape == (3, 32, 32, 3) and a["image"].dtype == np.uint8
     assert np.array_equal(a["image"][0], b["image"][0]) and a["label"][0] == b["label"][0] == a["label"][2]
     assert 0 <= a["label"].min() and a["label"].max() < 1000
+
+
+def test_the_mnist_demo_folder_reads_back_the_embedded_digits(cache):
+    from xlafit.data import mnist
+    from xlafit.data.images import mnist_demo, read_manifest
+
+    where = mnist_demo.build()
+    assert mnist_demo.build() == where  # once
+    _, _, manifest = read_manifest(where)
+    assert manifest["classes"] == [str(d) for d in range(10)] and manifest["channels"] == 1
+    assert (manifest["splits"]["train"]["examples"], manifest["splits"]["eval"]["examples"]) == (4000, 1000)
+    digits = mnist.load_embedded(as_uint8=True)["test"]
+    evaluation = ImageDataset.from_prepared(where, "eval", Augment(28, train=False, eval_crop_fraction=1.0, channels=1))
+    names = [evaluation.split.file(i) for i in range(len(evaluation))]
+    order = np.argsort([int(n.split("/")[-1].removesuffix(".png")) for n in names])  # test/<digit>/<n>.png
+    batch = evaluation.take(order[:200])
+    # The whole path (PNG file -> shard -> cache -> decode -> full-image "crop" at 28 px) gives the digits back.
+    assert np.array_equal(batch["image"][..., 0], digits["image"][:200])
+    assert np.array_equal(batch["label"], digits["label"][:200])
