@@ -202,3 +202,15 @@ def test_the_mnist_demo_folder_reads_back_the_embedded_digits(cache):
     # The whole path (PNG file -> shard -> cache -> decode -> full-image "crop" at 28 px) gives the digits back.
     assert np.array_equal(batch["image"][..., 0], digits["image"][:200])
     assert np.array_equal(batch["label"], digits["label"][:200])
+
+
+def test_each_process_takes_its_rows_of_every_request():
+    order = TrainOrder(100, global_batch=16, seed=4)
+    whole = TakeRequests.between(order, 0, 12, steps_per_call=3)
+    halves = [TakeRequests.between(order, 0, 12, 3, process_index=p, process_count=2) for p in (0, 1)]
+    for i in range(len(whole)):
+        (idx, epoch), (a, ea), (b, eb) = whole[i], halves[0][i], halves[1][i]
+        assert epoch == ea == eb and len(a) == len(b) == len(idx) // 2
+        rows = idx.reshape(-1, 16)  # [k, 16]: each step's global batch, process 0 its first 8 rows
+        assert np.array_equal(a.reshape(-1, 8), rows[:, :8]) and np.array_equal(b.reshape(-1, 8), rows[:, 8:])
+    assert [int(e) for _, e in whole] == [0, 0, 1, 1, 2]  # 6 steps an epoch, calls of 3
