@@ -40,7 +40,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from pathlib import Path
 from typing import Any, Literal
 
@@ -289,18 +288,15 @@ class Block(nnx.Module):
 
 
 def max_pool_3x3_stride2(x: jax.Array) -> jax.Array:
-    """PyTorch's ``MaxPool2d(3, stride=2, padding=1)`` over ``[B, H, W, C]``, as the maximum of
-    the nine strided views of the padded input.
+    """PyTorch's ``MaxPool2d(3, stride=2, padding=1)`` over ``[B, H, W, C]`` (padding never wins).
 
-    Same values as ``lax.reduce_window``; the gradient is compares and selects instead of
-    XLA's select-and-scatter (slow on XLA:CPU, see ``models/cnn.py``). Ties share the
-    gradient; after the stem's ReLU, ties are mostly zeros, whose gradient is zero anyway.
+    ``lax.reduce_window``, whose gradient is XLA's select-and-scatter. Measured on this CPU
+    against the maximum of the nine strided views (compares and selects in the gradient):
+    1.21 vs 1.24 s per ResNet-50 step at batch 8, 4 alternating rounds (BENCHMARKS.md).
     """
-    b, h, w, c = x.shape
-    ho, wo = (h - 1) // 2 + 1, (w - 1) // 2 + 1
-    xp = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)), constant_values=-jnp.inf)
-    views = [xp[:, i : i + 2 * ho - 1 : 2, j : j + 2 * wo - 1 : 2, :] for i in range(3) for j in range(3)]
-    return functools.reduce(jnp.maximum, views)
+    window, strides = (1, 3, 3, 1), (1, 2, 2, 1)
+    init = jnp.array(-jnp.inf, x.dtype)
+    return jax.lax.reduce_window(x, init, jax.lax.max, window, strides, ((0, 0), (1, 1), (1, 1), (0, 0)))
 
 
 def classifier(cfg: ResNetConfig, rngs: nnx.Rngs) -> nnx.Linear:
