@@ -171,7 +171,8 @@ def test_an_image_that_cannot_be_decoded_is_skipped_and_named_or_stops(tmp_path,
     assert batches[0]["label"].tolist() == [0, 3, 3] and batches[1]["label"].tolist() == [3, 1, 0]  # the next instead
     assert np.array_equal(batches[0]["image"][1], skip.take(np.array([3]))["image"][0])
     assert list(skip.skipped) == ["c/2.png"]
-    assert "skipping c/2.png: it cannot be decoded" in caplog.text
+    assert "skipping c/2.png: it cannot be decoded" in caplog.text and "(1 image(s) skipped)" in caplog.text
+    assert caplog.text.count("skipping c/2.png") == 1  # named once, however often it is drawn
     stop = ImageDataset(split, Augment(image_size=8), workers=workers, on_corrupt="stop")
     with pytest.raises(DataError, match=r"image c/2.png \(example 2\) cannot be decoded .*data.on_corrupt=skip"):
         list(stop.stream(requests))  # from a worker process: its error, raised here; the worker is not lost

@@ -124,8 +124,13 @@ class ImageDataset:
             raise DataError(batch["error"])
         for name, why in batch.pop("skipped"):
             if name not in self.skipped:
-                log.warning("skipping %s: it cannot be decoded (%s); the next example takes its place", name, why)
-            self.skipped[name] = why
+                self.skipped[name] = why
+                log.warning(
+                    "skipping %s: it cannot be decoded (%s); the next example takes its place (%d image(s) skipped)",
+                    name,
+                    why,
+                    len(self.skipped),
+                )
         return batch
 
 
