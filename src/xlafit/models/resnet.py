@@ -295,8 +295,8 @@ def max_pool_3x3_stride2(x: jax.Array) -> jax.Array:
     1.21 vs 1.24 s per ResNet-50 step at batch 8, 4 alternating rounds (BENCHMARKS.md).
     """
     window, strides = (1, 3, 3, 1), (1, 2, 2, 1)
-    init = jnp.array(-jnp.inf, x.dtype)
-    return jax.lax.reduce_window(x, init, jax.lax.max, window, strides, ((0, 0), (1, 1), (1, 1), (0, 0)))
+    # a Python -inf: JAX recognises max with its identity and uses the differentiable reduce_window_max
+    return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, window, strides, ((0, 0), (1, 1), (1, 1), (0, 0)))
 
 
 def classifier(cfg: ResNetConfig, rngs: nnx.Rngs) -> nnx.Linear:
