@@ -326,3 +326,35 @@ def test_a_nonfinite_batch_leaves_the_batch_statistics_alone(strategy8, pictures
     result = trainer.fit(poisoned)
     for x, y in zip(jax.tree.leaves(_batch_stats(result.state)), jax.tree.leaves(before), strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+def test_a_resnet_run_exports_to_hugging_face(tmp_path):
+    """The recipe's run -> ``xlafit export hf`` -> ``from_pretrained``: the same logits, with
+    the running statistics the run trained."""
+    from xlafit.export import export_hf
+    from xlafit.recipes import load_config
+    from xlafit.run import train_and_evaluate
+
+    overrides = [
+        "data.source=synthetic",
+        "data.synthetic_examples=16",
+        "data.synthetic_classes=5",
+        "data.image_size=16",
+        "data.global_batch=8",
+        "model.preset=resnet18",
+        "model.width=4",
+        "trainer.epochs=1",
+        f"run.run_dir={tmp_path / 'run'}",
+    ]
+    cfg = load_config("resnet", overrides=overrides)
+    train_and_evaluate(cfg)
+    out, step = export_hf(tmp_path / "run", tmp_path / "hf")
+    assert step == 2
+    hf, info = transformers.ResNetForImageClassification.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    model = from_hf(out)
+    assert np.abs(np.asarray(model.stem.norm.mean[...])).max() > 1e-3  # trained statistics, not the initial zeros
+    images = _images(batch=2, size=16)
+    np.testing.assert_allclose(
+        np.asarray(_forward(model, jnp.asarray(images))), _hf_logits(hf.eval(), images), atol=1e-4
+    )

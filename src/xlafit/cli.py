@@ -90,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
         "the table shows medians over --repeats runs. Example: xlafit bench mnist --simulate 8 "
         "--devices 1,all --compare torch --plot bench.png",
     )
-    bench.add_argument("recipe", help="recipe name: mnist")
+    bench.add_argument("recipe", help="recipe name: mnist or resnet")
     bench.add_argument("--devices", default="1,all", help="xlafit device counts, comma-separated; 'all' = every device")
     bench.add_argument("--compare", default="", help="peers, comma-separated: torch, torch-compile")
     bench.add_argument("--steps", type=int, default=60, help="timed steps per run")
@@ -108,7 +108,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--data", default="embedded", help="'embedded' (4,000 real digits), 'synthetic', or a directory of IDX files"
     )
-    bench.add_argument("--examples", type=int, default=60_000, help="size of the synthetic training set")
+    bench.add_argument(
+        "--examples", type=int, help="size of the synthetic training set (default: 60,000 digits, 8 batches of images)"
+    )
+    bench.add_argument("--depth", type=int, default=50, help="resnet: 18, 34, 50, 101 or 152")
+    bench.add_argument("--width", type=int, default=64, help="resnet: stem channels (64: the standard ResNet)")
+    bench.add_argument("--image-size", type=int, default=224, help="resnet: image height and width")
     bench.add_argument("--simulate", type=int, metavar="N", help="on a CPU, 'all' means N simulated devices")
     bench.add_argument("--json", metavar="FILE", help="write the table and every run as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="draw the table as a PNG chart")
@@ -279,6 +284,9 @@ def _bench(args: argparse.Namespace) -> int:
         data=args.data,
         examples=args.examples,
         simulate=args.simulate,
+        depth=args.depth,
+        width=args.width,
+        image_size=args.image_size,
         profile=args.profile,
         profile_dir=args.profile_dir,
     )
