@@ -71,11 +71,13 @@ def run_resnet(
     warmup: int,
     steps: int,
     compile: bool,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     """Trains Hugging Face's ``ResNetForImageClassification`` (built from ``hf_config``, the
     same sizes as the xlafit model) in channels-last memory format, with the xlafit rows'
     optimizer: SGD, Nesterov momentum 0.9, learning rate 0.1, weight decay 5e-5 on the
-    convolution and classifier weights only."""
+    convolution and classifier weights only. ``dtype="bfloat16"``: the forward and backward
+    under ``torch.autocast`` (bf16 compute, float32 weights), as xlafit's bf16 rows."""
     import torch
     import torch.nn.functional as F
     import transformers
@@ -85,7 +87,8 @@ def run_resnet(
     config = transformers.ResNetConfig(
         **{k: v for k, v in hf_config.items() if k not in ("architectures", "torch_dtype")}
     )
-    model = transformers.ResNetForImageClassification(config).to(device).to(memory_format=torch.channels_last)
+    model = transformers.ResNetForImageClassification(config)
+    model = model.to(device=device, memory_format=torch.channels_last)  # type: ignore[call-arg]
     matrices = [p for p in model.parameters() if p.ndim >= 2]
     others = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.SGD(
@@ -98,7 +101,9 @@ def run_resnet(
     model.train()
 
     def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(forward(pixel_values=x.contiguous(memory_format=torch.channels_last)).logits, y)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            logits = forward(pixel_values=x.contiguous(memory_format=torch.channels_last)).logits
+        return F.cross_entropy(logits.float(), y)
 
     result = _timed_training(loss_of, opt, images, labels, batch=batch, warmup=warmup, steps=steps, compile=compile)
     result["versions"]["transformers"] = transformers.__version__

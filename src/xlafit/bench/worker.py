@@ -86,7 +86,7 @@ def resnet_data(spec: Spec) -> dict[str, np.ndarray]:
 def resnet_config(spec: Spec) -> Any:
     from xlafit.models.resnet import ResNetConfig
 
-    return ResNetConfig.for_depth(spec.depth, 1000, width=spec.width, dtype=spec.dtype)  # type: ignore[arg-type]
+    return ResNetConfig.for_depth(spec.depth, 1000, width=spec.width, dtype=spec.dtype)
 
 
 def resnet_optimizer() -> Any:
@@ -204,7 +204,7 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
     per_device = step_fn.flops_for(trainer.state, one)
 
     if spec.profile_steps:
-        with jax.profiler.trace(spec.profile_dir or "runs/bench-profile"):
+        with jax.profiler.trace(spec.profile_dir or "runs/bench-profile", create_perfetto_trace=True):
             for call in trainer.steps(train, timed_stop, total):
                 metrics = call.metrics
             jax.block_until_ready(metrics)
@@ -256,6 +256,7 @@ def run(spec: Spec) -> dict[str, Any]:
             warmup=spec.warmup,
             steps=spec.steps,
             compile=spec.framework == "torch-compile",
+            dtype=spec.dtype,
         )
         return {
             **result,
