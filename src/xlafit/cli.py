@@ -50,12 +50,14 @@ def _parser() -> argparse.ArgumentParser:
         description="Train a recipe. Overrides are dotted key=value pairs, e.g. trainer.epochs=3 "
         "data.per_device_batch=32. `xlafit config RECIPE` shows every key.",
     )
-    train.add_argument("recipe", help="recipe name: mnist, bert")
+    train.add_argument("recipe", help="recipe name: mnist, bert, resnet")
     train.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
     add_simulate(train)
     train.add_argument("--run-dir", help="where config, metrics, TensorBoard logs and checkpoints go")
     train.add_argument(
-        "--data-dir", help="the recipe's data (mnist: a directory of IDX files; bert: the output of `xlafit data mlm`)"
+        "--data-dir",
+        help="the recipe's data (mnist: a directory of IDX files; bert: the output of `xlafit data mlm`; "
+        "resnet: of `xlafit data images`)",
     )
     train.add_argument("--config", help="a YAML preset to use instead of the recipe's own")
     train.add_argument(
@@ -214,7 +216,7 @@ def _parser() -> argparse.ArgumentParser:
         "no TPU needed) and report per-core HBM, whether it fits, FLOPs and a roofline estimate; exit 1 "
         "when a target does not fit.",
     )
-    check.add_argument("target", metavar="TARGET", help="a recipe name (mnist, bert) or path/to/file.py")
+    check.add_argument("target", metavar="TARGET", help="a recipe name (mnist, bert, resnet) or path/to/file.py")
     check.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides (recipes)")
     check.add_argument("--per-device-batch", type=int, help="estimate memory and FLOPs at this batch per device")
     check.add_argument("--global-batch", type=int, help="check that it divides over --devices")
