@@ -25,4 +25,4 @@ $XLAFIT bench resnet "${size[@]}" --dtype float32 --devices 1 --compare torch \
 # 3. Where the time goes: a profile of 5 steps of the bf16 row, summarised by kernel.
 $XLAFIT bench resnet "${size[@]}" --dtype bfloat16 --devices 1 --repeats 1 --profile 5 \
     --profile-dir "$OUT/profile" > /dev/null
-python3 benchmarks/perfetto_top.py "$OUT/profile" 5 2>&1 | tee "$OUT/profile_top.txt"
+${PYTHON:-python3} "$(dirname "$0")/perfetto_top.py" "$OUT/profile" 5 2>&1 | tee "$OUT/profile_top.txt"
