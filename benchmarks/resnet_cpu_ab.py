@@ -1,10 +1,11 @@
 """ResNet-50 train steps compiled in one process and timed in alternating rounds: the A/B
 tool behind BENCHMARKS.md's ResNet CPU knobs (machine noise hits every variant alike).
 
-    XLA_FLAGS=... YNN=dot,eltwise,reduce python benchmarks/resnet_cpu_ab.py BATCH ROUNDS f32 bf16
+    YNN=dot,eltwise,reduce python benchmarks/resnet_cpu_ab.py BATCH ROUNDS f32 bf16 torch
 
 Each variant: the bare jitted step (forward, backward, Nesterov SGD), 224 px images, one
-warm-up call, then ROUNDS timed calls per variant, interleaved.
+warm-up call, then ROUNDS timed calls per variant, interleaved. ``torch``: the same step
+of Hugging Face's ResNetForImageClassification in PyTorch eager, channels-last.
 """
 
 import os
@@ -26,7 +27,35 @@ x = jnp.asarray(np.random.default_rng(0).standard_normal((batch, 224, 224, 3), d
 y = jnp.zeros((batch,), jnp.int32)
 tx = optax.sgd(0.1, momentum=0.9, nesterov=True)
 runs = {}
+
+
+def torch_step():
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.ResNetForImageClassification(transformers.ResNetConfig(num_labels=1000)).train()
+    hf = hf.to(memory_format=torch.channels_last)  # type: ignore[call-arg]
+    opt = torch.optim.SGD(hf.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    tx_ = torch.from_numpy(np.asarray(x)).permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
+    ty = torch.zeros(batch, dtype=torch.int64)
+
+    def run(*state):
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(hf(pixel_values=tx_).logits, ty)
+        loss.backward()
+        opt.step()
+        return state
+
+    return run
+
+
 for v in variants:
+    if v == "torch":
+        fn = torch_step()
+        fn()
+        runs[v] = [lambda *state, fn=fn: (*fn(*state[:3]), None), [None, None, None], []]
+        continue
     model = ResNet(50, 1000, dtype={"f32": "float32", "bf16": "bfloat16"}[v], rngs=nnx.Rngs(0))
     model.train()
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
