@@ -34,7 +34,7 @@ def test_wrong_type():
 
 
 def test_bad_choice():
-    with pytest.raises(ConfigError, match="choose one of adamw, adam, lamb, sgd, adadelta"):
+    with pytest.raises(ConfigError, match="choose one of adamw, adam, lamb, sgd, lars, adadelta"):
         load_config("mnist", ["optimizer.name=lion"])
 
 

@@ -6,6 +6,9 @@
 - ``bert-demo-*/``: the Korean demo's tokenizer and shards.
 - ``mlm/``: prepared masked-LM splits decoded to memory-mapped ``.npy`` files
   (:func:`xlafit.data.mlm.load_split`).
+- ``images/``: prepared image splits, their encoded bytes checked and memory-mapped
+  (:func:`xlafit.data.images.load_split`); ``mnist-images-*/``: the resnet demo's PNG folder
+  and shards.
 - ``launch/<time>-<pid>/``: the output of processes 1..P-1 of each ``xlafit launch``
   (:func:`xlafit.launch.default_log_dir`); safe to delete.
 """

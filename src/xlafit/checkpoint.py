@@ -350,12 +350,16 @@ class Checkpointer:
 
         For inspection: every array is read onto this process's first CPU device.
         """
+        return self.restore_arrays(step)["params"]
+
+    def restore_arrays(self, step: int) -> Any:
+        """The whole saved state of checkpoint ``step`` (``params``, ``model_state`` with batch
+        statistics, ``opt_state``, ``step``) as host NumPy arrays in nested dicts, without the model."""
         device = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
         target = jax.tree.map(
             lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=device), self.metadata(step)
         )
-        raw = self._manager.restore(step, args=ocp.args.StandardRestore(target))
-        return jax.device_get(raw["params"])
+        return jax.device_get(self._manager.restore(step, args=ocp.args.StandardRestore(target)))
 
     def close(self) -> None:
         self._manager.close()

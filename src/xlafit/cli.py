@@ -56,12 +56,14 @@ def _parser() -> argparse.ArgumentParser:
         description="Train a recipe. Overrides are dotted key=value pairs, e.g. trainer.epochs=3 "
         "data.per_device_batch=32. `xlafit config RECIPE` shows every key.",
     )
-    train.add_argument("recipe", help="recipe name: mnist, bert")
+    train.add_argument("recipe", help="recipe name: mnist, bert, resnet")
     train.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
     add_simulate(train)
     train.add_argument("--run-dir", help="where config, metrics, TensorBoard logs and checkpoints go")
     train.add_argument(
-        "--data-dir", help="the recipe's data (mnist: a directory of IDX files; bert: the output of `xlafit data mlm`)"
+        "--data-dir",
+        help="the recipe's data (mnist: a directory of IDX files; bert: the output of `xlafit data mlm`; "
+        "resnet: of `xlafit data images`)",
     )
     train.add_argument("--config", help="a YAML preset to use instead of the recipe's own")
     train.add_argument(
@@ -96,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
         "the table shows medians over --repeats runs. Example: xlafit bench mnist --simulate 8 "
         "--devices 1,all --compare torch --plot bench.png",
     )
-    bench.add_argument("recipe", help="recipe name: mnist")
+    bench.add_argument("recipe", help="recipe name: mnist or resnet")
     bench.add_argument("--devices", default="1,all", help="xlafit device counts, comma-separated; 'all' = every device")
     bench.add_argument("--compare", default="", help="peers, comma-separated: torch, torch-compile")
     bench.add_argument("--steps", type=int, default=60, help="timed steps per run")
@@ -114,7 +116,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--data", default="embedded", help="'embedded' (4,000 real digits), 'synthetic', or a directory of IDX files"
     )
-    bench.add_argument("--examples", type=int, default=60_000, help="size of the synthetic training set")
+    bench.add_argument(
+        "--examples", type=int, help="size of the synthetic training set (default: 60,000 digits, 8 batches of images)"
+    )
+    bench.add_argument("--depth", type=int, default=50, help="resnet: 18, 34, 50, 101 or 152")
+    bench.add_argument("--width", type=int, default=64, help="resnet: stem channels (64: the standard ResNet)")
+    bench.add_argument("--image-size", type=int, default=224, help="resnet: image height and width")
     bench.add_argument("--simulate", type=int, metavar="N", help="on a CPU, 'all' means N simulated devices")
     bench.add_argument("--json", metavar="FILE", help="write the table and every run as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="draw the table as a PNG chart")
@@ -171,14 +178,33 @@ def _parser() -> argparse.ArgumentParser:
     data_mlm.add_argument("--eval-fraction", type=float, default=0.05, help="documents held out for evaluation")
     data_mlm.add_argument("--seed", type=int, default=0)
     data_mlm.add_argument("--shard-size", type=int, default=65536, help="sequences per shard")
+    data_images = data_sub.add_parser(
+        "images",
+        help="an image folder (class/*.jpg|png) -> shards of encoded images + labels + manifest",
+        description="Read an ImageFolder (class/*.jpg|png, or train/ and val/ of such folders) and write the "
+        "encoded images, labels and file names as Parquet shards plus manifest.json (per-shard SHA-256) to a "
+        "directory or fsspec URL. Every image is decoded once here, so an unreadable one is named now.",
+    )
+    data_images.add_argument("--input", required=True, metavar="DIR", help="an image folder")
+    data_images.add_argument("--out", required=True, metavar="URL", help="a directory or fsspec URL")
+    data_images.add_argument(
+        "--eval-fraction", type=float, default=0.0, help="held out for evaluation, when --input has no val/ folder"
+    )
+    data_images.add_argument("--seed", type=int, default=0)
+    data_images.add_argument("--shard-size", type=int, default=1024, help="images per shard")
+    data_images.add_argument(
+        "--on-corrupt", choices=("skip", "stop"), default="skip", help="an image that cannot be decoded"
+    )
+    data_images.add_argument("--workers", type=int, help="processes decoding to check (default: every core)")
 
     export = sub.add_parser("export", help="export a run's model to another library's format")
     export_sub = export.add_subparsers(dest="export_command", required=True)
     export_hf = export_sub.add_parser(
         "hf",
-        help="write a bert run as a Hugging Face BertForMaskedLM directory",
-        description="Writes config.json, model.safetensors and the tokenizer's files; load them with "
-        "transformers.BertForMaskedLM.from_pretrained(DIR) and AutoTokenizer.from_pretrained(DIR).",
+        help="write a run as a Hugging Face directory (bert: BertForMaskedLM, resnet: ResNetForImageClassification)",
+        description="Writes config.json and model.safetensors (bert: and the tokenizer's files); load them with "
+        "transformers.BertForMaskedLM.from_pretrained(DIR) and AutoTokenizer.from_pretrained(DIR), or "
+        "transformers.ResNetForImageClassification.from_pretrained(DIR).",
     )
     export_hf.add_argument("run_dir", metavar="RUN_DIR")
     export_hf.add_argument("--out", required=True, metavar="DIR")
@@ -196,7 +222,7 @@ def _parser() -> argparse.ArgumentParser:
         "no TPU needed) and report per-core HBM, whether it fits, FLOPs and a roofline estimate; exit 1 "
         "when a target does not fit.",
     )
-    check.add_argument("target", metavar="TARGET", help="a recipe name (mnist, bert) or path/to/file.py")
+    check.add_argument("target", metavar="TARGET", help="a recipe name (mnist, bert, resnet) or path/to/file.py")
     check.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides (recipes)")
     check.add_argument("--per-device-batch", type=int, help="estimate memory and FLOPs at this batch per device")
     check.add_argument("--global-batch", type=int, help="check that it divides over --devices")
@@ -266,6 +292,9 @@ def _bench(args: argparse.Namespace) -> int:
         data=args.data,
         examples=args.examples,
         simulate=args.simulate,
+        depth=args.depth,
+        width=args.width,
+        image_size=args.image_size,
         profile=args.profile,
         profile_dir=args.profile_dir,
     )
@@ -355,6 +384,8 @@ def _tokenizer(args: argparse.Namespace) -> int:
 
 
 def _data(args: argparse.Namespace) -> int:
+    if args.data_command == "images":
+        return _data_images(args)
     from xlafit.data.mlm import prepare
     from xlafit.data.text import expand_inputs
 
@@ -377,6 +408,29 @@ def _data(args: argparse.Namespace) -> int:
             f"{split}: {info['documents']:,} documents -> {info['sequences']:,} sequences of {args.seq_len} "
             f"({info['tokens']:,} tokens, {fill:.1%} not padding) in {len(info['shards'])} shard(s)"
         )
+    print(f"written to {args.out} (manifest.json)")
+    return 0
+
+
+def _data_images(args: argparse.Namespace) -> int:
+    from xlafit.data.images import prepare
+
+    manifest = prepare(
+        args.input,
+        args.out,
+        eval_fraction=args.eval_fraction,
+        seed=args.seed,
+        shard_size=args.shard_size,
+        on_corrupt=args.on_corrupt,
+        workers=args.workers,
+    )
+    classes = len(manifest["classes"])
+    for split, info in manifest["splits"].items():
+        print(f"{split}: {info['examples']:,} images of {classes} classes in {len(info['shards'])} shard(s)")
+        if info["skipped"]:
+            names = ", ".join(s["file"] for s in info["skipped"][:5])
+            more = f" and {len(info['skipped']) - 5} more" if len(info["skipped"]) > 5 else ""
+            print(f"  skipped {len(info['skipped'])} that cannot be decoded: {names}{more} (listed in the manifest)")
     print(f"written to {args.out} (manifest.json)")
     return 0
 
@@ -406,7 +460,10 @@ def _export(args: argparse.Namespace) -> int:
     from xlafit.export import export_hf
 
     out, step = export_hf(args.run_dir, args.out, args.step)
-    print(f"exported checkpoint {step} of {args.run_dir} to {out}: config.json, model.safetensors, tokenizer")
+    from xlafit.paths import as_path
+
+    files = "config.json, model.safetensors" + (", tokenizer" if (as_path(out) / "tokenizer.json").exists() else "")
+    print(f"exported checkpoint {step} of {args.run_dir} to {out}: {files}")
     return 0
 
 

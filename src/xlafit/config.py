@@ -51,11 +51,14 @@ class OptimizerConfig:
     for adaptive optimizers).
     """
 
-    name: Literal["adamw", "adam", "lamb", "sgd", "adadelta"] = "adamw"
+    name: Literal["adamw", "adam", "lamb", "sgd", "lars", "adadelta"] = "adamw"
     learning_rate: float = 1e-3
     reference_batch: int = 128
     scaling: Literal["none", "linear", "sqrt"] = "linear"
     warmup_steps: int = 0
+    # Warmup in epochs (Goyal et al. 2017: 5; MLPerf's LARS: a few); when set it decides:
+    # a run turns it into warmup_steps for its batch and records both.
+    warmup_epochs: float | None = None
     decay: Literal["cosine", "linear", "polynomial", "constant"] = "cosine"
     # Steps the schedule spans, warmup included (null: the whole run, trainer.epochs x steps
     # per epoch); past them the rate stays at its final value. A run records the value it
@@ -69,7 +72,13 @@ class OptimizerConfig:
     b1: float = 0.9  # Adam-family moments
     b2: float = 0.999
     eps: float = 1e-8
-    momentum: float = 0.9  # sgd only
+    momentum: float = 0.9  # sgd and lars
+    nesterov: bool = False  # sgd and lars: Nesterov momentum
+    # lars (You et al. 2017): each layer's step is scaled by trust_coefficient x |w| / |update|;
+    # "matrices" leaves biases and batch-norm parameters out of it (MLPerf), as
+    # weight_decay_on="matrices" leaves them out of weight decay.
+    trust_coefficient: float = 0.001
+    trust_ratio_on: Literal["all", "matrices"] = "matrices"
     grad_clip_norm: float | None = None
 
 
@@ -367,6 +376,12 @@ def validate(cfg: Config) -> None:
     for key, amount in non_negative.items():
         if amount < 0:
             raise ConfigError(f"{key}={amount} must be zero or more.")
+    if cfg.optimizer.warmup_epochs is not None and cfg.optimizer.warmup_epochs < 0:
+        raise ConfigError(f"optimizer.warmup_epochs={cfg.optimizer.warmup_epochs} must be zero or more.")
+    if not 0.0 <= cfg.optimizer.momentum < 1.0:
+        raise ConfigError(f"optimizer.momentum={cfg.optimizer.momentum} must lie in [0, 1) (0.9 is usual).")
+    if cfg.optimizer.trust_coefficient <= 0:
+        raise ConfigError(f"optimizer.trust_coefficient={cfg.optimizer.trust_coefficient} must be positive (0.001).")
     if not 0.0 <= cfg.optimizer.final_lr_fraction <= 1.0:
         raise ConfigError(f"optimizer.final_lr_fraction={cfg.optimizer.final_lr_fraction} must lie in [0, 1].")
     if cfg.optimizer.grad_clip_norm is not None and cfg.optimizer.grad_clip_norm <= 0:

@@ -1,19 +1,28 @@
-"""Export: a bert run's checkpoint -> a Hugging Face ``BertForMaskedLM`` directory."""
+"""Export: a run's checkpoint -> a Hugging Face directory.
+
+A bert run becomes a ``BertForMaskedLM`` (tokenizer included), a resnet run a
+``ResNetForImageClassification`` (running batch statistics included): ``config.json`` and
+``model.safetensors`` that ``from_pretrained`` loads.
+"""
 
 from __future__ import annotations
 
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import yaml
 from flax import nnx
 
 from xlafit.checkpoint import Checkpointer, CheckpointError, path_name
-from xlafit.config import ConfigError
+from xlafit.config import Config, ConfigError
 from xlafit.models.bert import BertForMaskedLM
 from xlafit.models.bert_hf import save_hf
+from xlafit.models.resnet import ResNet
+from xlafit.models.resnet_hf import save_hf as save_resnet_hf
 from xlafit.paths import (
     StorageError,
     as_path,
@@ -30,8 +39,9 @@ from xlafit.run import checkpoint_dir
 
 
 def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> tuple[str, int]:
-    """Writes a run's parameters (checkpoint ``step``, default the newest intact one) as a
-    Hugging Face ``BertForMaskedLM`` directory, tokenizer included. Returns (out, step).
+    """Writes a run's model (checkpoint ``step``, default the newest intact one) as a Hugging
+    Face directory: a bert run as ``BertForMaskedLM`` with its tokenizer, a resnet run as
+    ``ResNetForImageClassification``. Returns (out, step).
 
     ``run_dir`` and ``out`` may be local paths or URLs (``gs://bucket/run``): a URL output
     is written locally first and uploaded file by file.
@@ -48,33 +58,24 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
         raise ConfigError(f"{run} is not a run directory (no config.yaml).")
     config_text = (run / "config.yaml").read_text()
     saved = yaml.safe_load(config_text)
-    if saved.get("recipe") != "bert":
-        raise ConfigError(f"{run} is a {saved.get('recipe')!r} run; only bert runs export to Hugging Face.")
-    if not (run / "tokenizer" / "tokenizer.json").exists():
+    recipe = saved.get("recipe")
+    if recipe not in ("bert", "resnet"):
+        raise ConfigError(f"{run} is a {recipe!r} run; only bert and resnet runs export to Hugging Face.")
+    if recipe == "bert" and not (run / "tokenizer" / "tokenizer.json").exists():
         raise ConfigError(f"{run} has no tokenizer/ (written when training starts); cannot export.")
-    cfg = config_from_dict("bert", {k: v for k, v in saved.items() if k != "recipe"})
-    vocab = json.loads((run / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
-    model = BertForMaskedLM(bert_config(cfg, len(vocab)), rngs=nnx.Rngs(0))
+    cfg = config_from_dict(recipe, {k: v for k, v in saved.items() if k != "recipe"})
     cfg.run.run_dir = str(run)  # where the run is now: it may have moved since it trained
-    ckpt = Checkpointer(checkpoint_dir(cfg))
-    try:
-        usable = [i.step for i in ckpt.list() if i.usable]
-        if step is None:
-            if not usable:
-                raise CheckpointError(f"{run} has no intact checkpoint to export.")
-            step = usable[-1]
-        elif step not in usable:
-            raise CheckpointError(f"no intact checkpoint {step} in {run}; intact: {usable}.")
-        raw = {path_name(p): v for p, v in jax.tree_util.tree_flatten_with_path(ckpt.restore_params(step))[0]}
-    finally:
-        ckpt.close()
-    params = nnx.state(model, nnx.Param)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    nnx.update(model, jax.tree_util.tree_unflatten(treedef, [raw[path_name(p)] for p, _ in leaves]))
+    arrays, step = _checkpoint_arrays(cfg, run, step)
     with tempfile.TemporaryDirectory() as tmp:
-        tok_dir = download_dir(run / "tokenizer", Path(tmp) / "tokenizer")  # the run's may be on gs://
         local = Path(tmp) / "out" if is_url(out) else Path(out)
-        save_hf(model, local, tokenizer_dir=tok_dir)
+        if recipe == "bert":
+            vocab = json.loads((run / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
+            model = BertForMaskedLM(bert_config(cfg, len(vocab)), rngs=nnx.Rngs(0))
+            _fill(model, nnx.Param, arrays["params"])
+            tok_dir = download_dir(run / "tokenizer", Path(tmp) / "tokenizer")  # the run's may be on gs://
+            save_hf(model, local, tokenizer_dir=tok_dir)
+        else:
+            save_resnet_hf(_resnet(cfg, arrays), local)
         (local / "xlafit-config.yaml").write_text(config_text)
         if is_url(out):
             if bucket_of(out):
@@ -87,3 +88,50 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
             except Exception as e:
                 raise ConfigError(f"cannot write the export: {describe_error(out, e)}") from None
     return str(out), step
+
+
+def _checkpoint_arrays(cfg: Config, run: Any, step: int | None) -> tuple[Any, int]:
+    """The saved state of checkpoint ``step`` (default: the newest intact one) as host arrays."""
+    ckpt = Checkpointer(checkpoint_dir(cfg))
+    try:
+        usable = [i.step for i in ckpt.list() if i.usable]
+        if step is None:
+            if not usable:
+                raise CheckpointError(f"{run} has no intact checkpoint to export.")
+            step = usable[-1]
+        elif step not in usable:
+            raise CheckpointError(f"no intact checkpoint {step} in {run}; intact: {usable}.")
+        return ckpt.restore_arrays(step), step
+    finally:
+        ckpt.close()
+
+
+def _fill(model: nnx.Module, kind: Any, saved: Any, prefix: str = "") -> None:
+    """Sets ``model``'s variables of ``kind`` from a saved tree (``prefix``: the model's path in it)."""
+    raw = {path_name(p): v for p, v in jax.tree_util.tree_flatten_with_path(saved)[0]}
+    state = nnx.state(model, kind)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    try:
+        values = [jnp.asarray(raw[prefix + path_name(p)]) for p, _ in leaves]
+    except KeyError as e:
+        raise CheckpointError(f"the checkpoint has no {e.args[0]}; was it written by another model?") from None
+    nnx.update(model, jax.tree_util.tree_unflatten(treedef, values))
+
+
+def _resnet(cfg: Config, arrays: Any) -> ResNet:
+    """The ResNet of a resnet run's checkpoint, running statistics included (eval mode).
+
+    The recipe's model holds the network as ``net`` (behind its input normalisation); the
+    input channels and classes are read off the stem and the classifier.
+    """
+    from xlafit.recipes.resnet import resnet_config
+
+    params = {path_name(p): v for p, v in jax.tree_util.tree_flatten_with_path(arrays["params"])[0]}
+    prefix = "net/" if any(k.startswith("net/stem/") for k in params) else ""
+    stem = next(v for k, v in params.items() if k.startswith(f"{prefix}stem/conv/kernel"))
+    head = next(v for k, v in params.items() if k.startswith(f"{prefix}head/kernel"))
+    net_cfg = resnet_config(cfg, num_classes=int(head.shape[1]), channels=int(stem.shape[2]))
+    model = nnx.eval_shape(lambda: ResNet(config=net_cfg, rngs=nnx.Rngs(0)))
+    _fill(model, nnx.Param, arrays["params"], prefix)
+    _fill(model, nnx.BatchStat, arrays["model_state"], prefix)
+    return model

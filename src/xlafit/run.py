@@ -50,7 +50,7 @@ from xlafit.paths import (
 from xlafit.recipes import get_recipe
 from xlafit.recipes.base import Recipe
 from xlafit.sharding import parse_rules
-from xlafit.train.optim import OptimizerPlan, highest_rate, make_optimizer
+from xlafit.train.optim import OptimizerPlan, highest_rate, make_optimizer, warmup_steps
 from xlafit.train.signals import handle_signals
 from xlafit.train.trainer import FitResult, Trainer
 
@@ -161,7 +161,9 @@ def resolve(cfg: Config, strategy: Strategy, num_examples: int) -> tuple[Config,
             cfg.data, per_device_batch=per_device, global_batch=global_batch, eval_global_batch=eval_batch
         ),
         optimizer=dataclasses.replace(
-            cfg.optimizer, decay_steps=cfg.optimizer.decay_steps or cfg.trainer.epochs * steps_per_epoch
+            cfg.optimizer,
+            decay_steps=cfg.optimizer.decay_steps or cfg.trainer.epochs * steps_per_epoch,
+            warmup_steps=warmup_steps(cfg.optimizer, steps_per_epoch),
         ),
         run=dataclasses.replace(cfg.run, run_dir=run_dir),
     )

@@ -40,7 +40,7 @@ import numpy as np
 from xlafit.bench.worker import Spec
 from xlafit.config import ConfigError
 
-BENCH_RECIPES = ("mnist",)
+BENCH_RECIPES = ("mnist", "resnet")
 PEERS = ("torch", "torch-compile")
 
 
@@ -186,8 +186,11 @@ def run_bench(
     steps_per_call: Sequence[int] = (1,),
     dtype: str = "float32",
     data: str = "embedded",
-    examples: int = 60_000,
+    examples: int | None = None,
     simulate: int | None = None,
+    depth: int = 50,
+    width: int = 64,
+    image_size: int = 224,
     epochs: float | None = None,
     profile: int = 0,
     profile_dir: str | Path = "runs/bench-profile",
@@ -196,7 +199,9 @@ def run_bench(
     """Benchmarks ``recipe`` in each configuration; returns the table's rows and every run.
 
     Args:
-        recipe: the workload ("mnist").
+        recipe: the workload: "mnist" (the CNN), or "resnet" (ResNet-``depth`` v1.5 of stem
+            width ``width`` on synthetic ``image_size`` images; its peers are Hugging Face's
+            ``ResNetForImageClassification`` of the same sizes, channels-last).
         devices: device counts for xlafit rows, or "all".
         compare: peers: "torch" (eager), "torch-compile".
         steps: timed steps per run (``epochs`` instead: that many epochs' worth).
@@ -205,7 +210,9 @@ def run_bench(
         batch: global batch, the same for every configuration.
         steps_per_call: xlafit train steps per compiled call (a row for each).
         dtype: xlafit compute dtype.
-        data: "embedded", "synthetic" (``examples`` random digits) or an IDX directory.
+        data: "embedded", "synthetic" (``examples`` random digits) or an IDX directory;
+            resnet: always synthetic images.
+        examples: synthetic examples (default: 60,000 digits; 8 batches of images).
         simulate: simulated CPU devices that "all" means on a CPU.
         profile: trace this many extra steps of each xlafit row with ``jax.profiler``.
         profile_dir: where the traces go (one folder per row).
@@ -224,12 +231,23 @@ def run_bench(
             raise ConfigError(f"--{name} must be at least 1, got {value}.")
     if warmup < 0:
         raise ConfigError(f"--warmup must be 0 or more, got {warmup}.")
+    if recipe == "resnet":
+        data = "synthetic"  # same-shape random images: the benchmark times the step, not a decoder
+        examples = examples or 8 * batch
+        from xlafit.models.resnet import DEPTHS
+
+        if depth not in DEPTHS:
+            raise ConfigError(f"--depth {depth}: ResNet depths are {', '.join(map(str, sorted(DEPTHS)))}.")
+        if width < 1 or image_size < 32:
+            raise ConfigError(f"--width must be at least 1 and --image-size at least 32, got {width}, {image_size}.")
+    examples = examples or 60_000
     n_train = _train_size(data, examples)
     steps_per_epoch = n_train // batch
     if steps_per_epoch < 1:
         raise ConfigError(f"--batch {batch} is larger than the {n_train} training examples.")
     probe = run_worker(Spec("probe"))
     base = Spec("xlafit", recipe, 1, data, examples, batch, warmup, steps, 1, dtype, profile)
+    base.depth, base.width, base.image_size = depth, width, image_size
     if epochs is not None:
         base.steps = max(1, round(epochs * steps_per_epoch))
     configs = plan_configs(devices, steps_per_call, compare, probe, base, simulate)
@@ -281,6 +299,7 @@ def run_bench(
             "data": data,
             "train_examples": n_train,
             "steps_per_epoch": steps_per_epoch,
+            **({"depth": depth, "width": width, "image_size": image_size} if recipe == "resnet" else {}),
         },
         "versions": _versions(runs),
         "rows": rows,

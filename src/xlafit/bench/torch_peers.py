@@ -51,14 +51,84 @@ def run_mnist(
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    # NHWC (JAX's layout) -> NCHW (PyTorch's); the whole set lives on the device, as a
-    # DataLoader with pinned memory would have it ready.
-    x_all = torch.from_numpy(np.ascontiguousarray(images.transpose(0, 3, 1, 2))).to(device)
-    y_all = torch.from_numpy(labels.astype(np.int64)).to(device)
     model = mnist_net().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     forward = torch.compile(model) if compile else model
     model.train()
+
+    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(forward(x), y)
+
+    return _timed_training(loss_of, opt, images, labels, batch=batch, warmup=warmup, steps=steps, compile=compile)
+
+
+def run_resnet(
+    images: np.ndarray,
+    labels: np.ndarray,
+    hf_config: dict[str, Any],
+    *,
+    batch: int,
+    warmup: int,
+    steps: int,
+    compile: bool,
+    dtype: str = "float32",
+) -> dict[str, Any]:
+    """Trains Hugging Face's ``ResNetForImageClassification`` (built from ``hf_config``, the
+    same sizes as the xlafit model) in channels-last memory format, with the xlafit rows'
+    optimizer: SGD, Nesterov momentum 0.9, learning rate 0.1, weight decay 5e-5 on the
+    convolution and classifier weights only. ``dtype="bfloat16"``: the forward and backward
+    under ``torch.autocast`` (bf16 compute, float32 weights), as xlafit's bf16 rows."""
+    import torch
+    import torch.nn.functional as F
+    import transformers
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    config = transformers.ResNetConfig(
+        **{k: v for k, v in hf_config.items() if k not in ("architectures", "torch_dtype")}
+    )
+    model = transformers.ResNetForImageClassification(config)
+    model = model.to(device=device, memory_format=torch.channels_last)  # type: ignore[call-arg]
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    others = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.SGD(
+        [{"params": matrices, "weight_decay": 5e-5}, {"params": others, "weight_decay": 0.0}],
+        lr=0.1,
+        momentum=0.9,
+        nesterov=True,
+    )
+    forward = torch.compile(model) if compile else model
+    model.train()
+
+    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            logits = forward(pixel_values=x.contiguous(memory_format=torch.channels_last)).logits
+        return F.cross_entropy(logits.float(), y)
+
+    result = _timed_training(loss_of, opt, images, labels, batch=batch, warmup=warmup, steps=steps, compile=compile)
+    result["versions"]["transformers"] = transformers.__version__
+    return result
+
+
+def _timed_training(
+    loss_of: Any,
+    opt: Any,
+    images: np.ndarray,
+    labels: np.ndarray,
+    *,
+    batch: int,
+    warmup: int,
+    steps: int,
+    compile: bool,
+) -> dict[str, Any]:
+    """``warmup + steps`` steps of ``loss_of(x, y)``, backward and ``opt.step()``; times the last ``steps``."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # NHWC (JAX's layout) -> NCHW (PyTorch's); the whole set lives on the device, as a
+    # DataLoader with pinned memory would have it ready.
+    x_all = torch.from_numpy(np.ascontiguousarray(images.transpose(0, 3, 1, 2))).to(device)
+    y_all = torch.from_numpy(labels.astype(np.int64)).to(device)
     n = len(labels)
     perm, pos = torch.randperm(n, device=device), 0
 
@@ -72,7 +142,7 @@ def run_mnist(
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(forward(x), y)
+        loss = loss_of(x, y)
         loss.backward()
         opt.step()
         return loss

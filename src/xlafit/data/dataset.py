@@ -10,7 +10,7 @@ A data set that plans its own batches (length buckets:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -44,6 +44,22 @@ class PlannedDataset(Dataset, Protocol):
 
     def epoch_batches(self, global_batch: int, seed: int, epoch: int) -> np.ndarray:
         """``[steps, global_batch]`` example indices of every batch of ``epoch``."""
+        ...
+
+
+@runtime_checkable
+class StreamedDataset(Dataset, Protocol):
+    """A :class:`Dataset` that prepares training batches ahead, in other processes.
+
+    The trainer hands it every ``take`` request of a run up front (``requests[i]`` is the
+    ``(indices, epoch)`` of call ``i``: :class:`xlafit.data.loader.TakeRequests`, random
+    access and picklable), and it yields ``take(*requests[i])`` in order. Images do this:
+    Grain worker processes decode and augment while the devices train
+    (:class:`xlafit.data.images.ImageDataset`).
+    """
+
+    def stream(self, requests: Sequence[tuple[np.ndarray, int]]) -> Iterator[Batch]:
+        """``take(indices, epoch)`` of each request, in order."""
         ...
 
 

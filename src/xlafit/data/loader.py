@@ -15,12 +15,12 @@ import functools
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
 
-from xlafit.data.dataset import Batch, Dataset, PlannedDataset
+from xlafit.data.dataset import Batch, Dataset, PlannedDataset, StreamedDataset
 from xlafit.devices import Strategy
 
 
@@ -86,6 +86,51 @@ class TrainOrder:
         return self.global_indices(step)[process_index * rows : (process_index + 1) * rows]
 
 
+@dataclasses.dataclass(frozen=True)
+class TakeRequests(Sequence[tuple[np.ndarray, int]]):
+    """What ``take`` is asked for at each train-step call of ``[start, stop)``: ``(indices, epoch)``
+    by position, this process's rows only.
+
+    A random-access, picklable sequence: a :class:`~xlafit.data.dataset.StreamedDataset`
+    gets it whole and prepares batches ahead in other processes (Grain's workers each
+    compute the requests of their own slice), with no message per batch.
+
+    Example:
+        >>> order = TrainOrder(num_examples=10, global_batch=4, seed=0)
+        >>> requests = TakeRequests.between(order, 0, 3, steps_per_call=1)
+        >>> len(requests), requests[2][1], len(requests[2][0])
+        (3, 1, 4)
+    """
+
+    order: TrainOrder
+    calls: np.ndarray  # [n, 2]: (first step, k) of each call
+    process_index: int = 0
+    process_count: int = 1
+
+    @classmethod
+    def between(
+        cls,
+        order: TrainOrder,
+        start: int,
+        stop: int,
+        steps_per_call: int,
+        process_index: int = 0,
+        process_count: int = 1,
+    ) -> TakeRequests:
+        calls = np.array(list(order.calls(start, stop, steps_per_call)), np.int64).reshape(-1, 2)
+        return cls(order, calls, process_index, process_count)
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:  # type: ignore[override]  # no slices
+        step, k = (int(v) for v in self.calls[i])
+        pi, pc = self.process_index, self.process_count
+        # One gather for the k batches (a copy of k x rows examples); the caller views it [k, rows, ...].
+        idx = np.concatenate([self.order.local_indices(step + j, pi, pc) for j in range(k)])
+        return idx, step // self.order.steps_per_epoch  # a call never crosses an epoch
+
+
 @functools.lru_cache(maxsize=4)
 def _epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
     # A permutation per (seed, epoch), drawn whole: ~1 ms for 60,000 examples. (Grain's
@@ -111,10 +156,16 @@ def eval_batches(
     """
     rows = global_batch // process_count
     n = len(dataset)
+    requests, masks = [], []
     for start in range(0, n, global_batch):
         idx = np.arange(start + process_index * rows, start + (process_index + 1) * rows)
-        mask = (idx < n).astype(np.float32)
-        yield dataset.take(np.where(idx < n, idx, 0)), mask
+        masks.append((idx < n).astype(np.float32))
+        requests.append((np.where(idx < n, idx, 0), 0))
+    if isinstance(dataset, StreamedDataset):  # prepared ahead in its worker processes
+        yield from zip(dataset.stream(requests), masks, strict=True)
+    else:
+        for (idx, _), mask in zip(requests, masks, strict=True):
+            yield dataset.take(idx), mask
 
 
 def to_global(strategy: Strategy, local: Batch | np.ndarray, leading_axes: int = 0):

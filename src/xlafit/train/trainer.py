@@ -38,8 +38,8 @@ from flax import nnx
 
 from xlafit.checkpoint import Checkpointer
 from xlafit.config import ConfigError, TrainerConfig, validate_watchdog
-from xlafit.data.dataset import Dataset, as_dataset, num_shapes
-from xlafit.data.loader import Prefetcher, TrainOrder, eval_batches, to_global
+from xlafit.data.dataset import Batch, Dataset, StreamedDataset, as_dataset, num_shapes
+from xlafit.data.loader import Prefetcher, TakeRequests, TrainOrder, eval_batches, to_global
 from xlafit.devices import Strategy, connect
 from xlafit.paths import as_path
 from xlafit.train.optim import highest_rate
@@ -281,11 +281,15 @@ class Trainer:
 
     def _batches(self, data: Dataset, order: TrainOrder, start: int, stop: int) -> Iterator:
         s = self.strategy
-        for step, k in order.calls(start, stop, self.config.steps_per_call):
-            # One gather for the k batches (a copy of k x rows examples), then a view [k, rows, ...].
-            idx = np.concatenate([order.local_indices(step + i, s.process_index, s.process_count) for i in range(k)])
-            batch = data.take(idx, epoch=step // order.steps_per_epoch)  # a call never crosses an epoch
-            stacked = {name: x.reshape(k, -1, *x.shape[1:]) for name, x in batch.items()}
+        requests = TakeRequests.between(
+            order, start, stop, self.config.steps_per_call, s.process_index, s.process_count
+        )
+        if isinstance(data, StreamedDataset):  # it prepares the batches ahead itself (Grain workers)
+            taken: Iterator[Batch] = data.stream(requests)
+        else:
+            taken = (data.take(idx, epoch=epoch) for idx, epoch in requests)
+        for (step, k), batch in zip(requests.calls.tolist(), taken, strict=True):
+            stacked = {name: x.reshape(k, -1, *x.shape[1:]) for name, x in batch.items()}  # [k, rows, ...]
             yield step, k, to_global(s, stacked, leading_axes=1)
 
     def steps(self, train: Data, start: int, stop: int) -> Generator[Call, None, None]:

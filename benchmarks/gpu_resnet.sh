@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# ResNet-50 v1.5 training on one GPU (issue 18): 224 px, bf16, images/s and MFU (24.3 GFLOP
+# per training image: train_flops_per_example), against Hugging Face's
+# ResNetForImageClassification in PyTorch eager (channels-last, bf16 autocast) and
+# torch.compile, the same batch, optimizer (Nesterov SGD) and synthetic images.
+#   OUT=results bash benchmarks/gpu_resnet.sh          # an H100: about 10 minutes
+#   TINY=1 bash benchmarks/gpu_resnet.sh               # the rehearsal on a CPU (ResNet-18, width 8, 32 px)
+set -euo pipefail
+OUT=${OUT:-runs/gpu-resnet}
+mkdir -p "$OUT"
+XLAFIT=${XLAFIT:-xlafit}
+if [[ "${TINY:-0}" == 1 ]]; then
+    size=(--depth 18 --width 8 --image-size 32 --batch 8 --steps 3 --warmup 2 --repeats 1)
+else
+    size=(--depth 50 --image-size 224 --batch 256 --steps 30 --warmup 5 --repeats 3)
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null | tee "$OUT/gpu.txt" || true
+
+# 1. The table: xlafit bf16 (1 and 2 steps per call) against both PyTorch peers.
+$XLAFIT bench resnet "${size[@]}" --dtype bfloat16 --devices 1 --steps-per-call 1,2 \
+    --compare torch,torch-compile --json "$OUT/resnet50_bf16.json" 2>&1 | tee "$OUT/resnet50_bf16.txt"
+# 2. float32 (TF32 matmuls where XLA picks them) against PyTorch eager, same batch.
+$XLAFIT bench resnet "${size[@]}" --dtype float32 --devices 1 --compare torch \
+    --json "$OUT/resnet50_f32.json" 2>&1 | tee "$OUT/resnet50_f32.txt"
+# 3. Where the time goes: a profile of 5 steps of the bf16 row, summarised by kernel.
+$XLAFIT bench resnet "${size[@]}" --dtype bfloat16 --devices 1 --repeats 1 --profile 5 \
+    --profile-dir "$OUT/profile" > /dev/null
+${PYTHON:-python3} "$(dirname "$0")/perfetto_top.py" "$OUT/profile" 5 2>&1 | tee "$OUT/profile_top.txt"

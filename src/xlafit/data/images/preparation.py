@@ -1,0 +1,277 @@
+"""An image folder -> Parquet shards of encoded images + labels, and ``manifest.json``.
+
+:func:`prepare` reads an ImageFolder (``class/*.jpg|png``, the layout of torchvision's
+``ImageFolder``; or ``train/class/...`` and ``val/class/...`` for two splits) and writes
+the images *as they are encoded* (JPEG stays JPEG: decoding is the training pipeline's
+job, in worker processes) with their labels and file names, to a local path or any fsspec
+URL. Every image is decoded once here, so a file that cannot be read is named now
+(skipped and listed in the manifest, or a stop), not in the middle of a run. The
+manifest's per-shard SHA-256 pins the content: a changed shard is refused by name
+(:mod:`xlafit.data.images.cache`).
+
+:func:`read_manifest` opens what :func:`prepare` wrote.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import datetime
+import functools
+import hashlib
+import io
+import json
+import multiprocessing
+import os
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Literal
+
+import fsspec
+import numpy as np
+
+from xlafit.data.dataset import DataError
+from xlafit.data.mlm.masking import hash_uniform
+from xlafit.paths import StorageError, check_bucket, describe_error, is_url
+
+MANIFEST = "manifest.json"
+FORMAT = "xlafit-images-v1"
+EXTENSIONS = (".jpg", ".jpeg", ".png")
+EVAL_NAMES = ("val", "validation", "eval", "test")  # the held-out split's folder, first found
+OnCorrupt = Literal["skip", "stop"]
+
+
+def find_images(
+    directory: str | Path, eval_fraction: float = 0.0, seed: int = 0
+) -> tuple[dict[str, list[tuple[str, int]]], list[str]]:
+    """``({split: [(file, label), ...]}, classes)`` of an image folder, classes numbered in sorted order.
+
+    ``directory`` is either one ImageFolder (``class/*.jpg``; ``eval_fraction`` of its files,
+    by a hash of their names, go to ``eval``), or holds ``train/`` and one of ``val/``,
+    ``validation/``, ``eval/``, ``test/`` (ImageNet's layout), each an ImageFolder with the
+    same classes.
+
+    Raises:
+        DataError: no class folders, no images, or splits whose classes differ.
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        raise DataError(f"--input {directory} is not a directory; point it at an image folder (class/*.jpg).")
+    held_out = next((root / n for n in EVAL_NAMES if (root / n).is_dir()), None)
+    if (root / "train").is_dir() and held_out is not None:
+        train, classes = _image_folder(root / "train")
+        evaluation, eval_classes = _image_folder(held_out)
+        if eval_classes != classes:
+            extra = sorted(set(eval_classes) ^ set(classes))[:5]
+            raise DataError(
+                f"{root / 'train'} and {held_out} have different class folders (e.g. {', '.join(extra)}); "
+                "both splits need the same classes."
+            )
+        return {"train": train, "eval": evaluation}, classes
+    files, classes = _image_folder(root)
+    if not 0.0 <= eval_fraction < 1.0:
+        raise DataError(f"--eval-fraction {eval_fraction} must lie in [0, 1).")
+    names = [hashlib.sha256(os.path.relpath(f, root).encode()).digest() for f, _ in files]
+    keys = np.array([int.from_bytes(d[:4], "little") for d in names], np.int64)
+    draws = hash_uniform(np.full(len(files), seed), keys, 11) if files else np.zeros(0)
+    splits = {
+        "train": [f for f, u in zip(files, draws, strict=True) if u >= eval_fraction],
+        "eval": [f for f, u in zip(files, draws, strict=True) if u < eval_fraction],
+    }
+    return splits, classes
+
+
+def _image_folder(root: Path) -> tuple[list[tuple[str, int]], list[str]]:
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not classes:
+        raise DataError(
+            f"{root} has no class folders; an image folder holds one folder per class with its images "
+            "(e.g. cat/1.jpg, dog/2.png), as torchvision's ImageFolder reads."
+        )
+    files = [
+        (str(p), label)
+        for label, name in enumerate(classes)
+        for p in sorted((root / name).rglob("*"))
+        if p.suffix.lower() in EXTENSIONS and p.is_file()
+    ]
+    if not files:
+        raise DataError(f"{root} holds no {', '.join(EXTENSIONS)} files under its class folders.")
+    return files, classes
+
+
+def _check_image(path: str) -> tuple[bytes, int, str | None]:
+    """The file's bytes, its channel count (1 grey, 3 colour) and why it cannot be decoded (None: fine)."""
+    from PIL import Image
+
+    try:
+        data = Path(path).read_bytes()
+        with Image.open(io.BytesIO(data)) as img:
+            img.load()  # a full decode: truncated files fail here, not in training
+            channels = 1 if img.mode in ("1", "L", "I;16", "I", "F") else 3
+        return data, channels, None
+    except Image.UnidentifiedImageError:
+        return b"", 0, "not a JPEG or PNG image Pillow can read"
+    except Exception as e:  # PIL raises many types (OSError, SyntaxError, DecompressionBombError)
+        return b"", 0, f"{type(e).__name__}: {e}"
+
+
+@contextlib.contextmanager
+def _writing(out: str | Path) -> Iterator[None]:
+    try:
+        yield
+    except OSError as e:
+        raise DataError(f"writing the image shards failed: {describe_error(out, e)}") from e
+
+
+def _write_shard(fs: fsspec.AbstractFileSystem, path: str, rows: list[tuple[bytes, int, str]]) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table(
+        {
+            "image": pa.array([r[0] for r in rows], pa.binary()),
+            "label": pa.array([r[1] for r in rows], pa.int32()),
+            "file": pa.array([r[2] for r in rows], pa.string()),
+        }
+    )
+    buffer = pa.BufferOutputStream()
+    pq.write_table(table, buffer, compression="none")  # JPEG/PNG bytes do not compress further
+    data = buffer.getvalue().to_pybytes()
+    with fs.open(path, "wb") as f:
+        f.write(data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def prepare(
+    input_dir: str | Path,
+    out: str,
+    *,
+    eval_fraction: float = 0.0,
+    seed: int = 0,
+    shard_size: int = 1024,
+    on_corrupt: OnCorrupt = "skip",
+    workers: int | None = None,
+) -> dict:
+    """Writes the images of ``input_dir`` as Parquet shards + ``manifest.json`` under ``out``.
+
+    Args:
+        input_dir: an image folder (see :func:`find_images`).
+        out: a local directory or fsspec URL (``gs://bucket/imagenet-shards``).
+        eval_fraction: for a single image folder, the share of files held out as ``eval``.
+        shard_size: images per shard (ImageNet's ~110 KB JPEGs: 1024 a shard is ~110 MB).
+        on_corrupt: an image that cannot be decoded is ``skip``-ped (named in the manifest's
+            ``skipped``) or a ``stop`` (a :class:`DataError` naming it).
+        workers: processes that decode to check the images (default: every core).
+
+    Returns:
+        The manifest (also written to ``out/manifest.json``).
+
+    Example:
+        >>> prepare("imagenet/", "gs://bucket/imagenet-shards")  # doctest: +SKIP
+    """
+    if shard_size < 1:
+        raise DataError(f"--shard-size {shard_size} must be at least 1.")
+    splits, classes = find_images(input_dir, eval_fraction, seed)
+    root_dir = Path(input_dir)
+    fs, root = fsspec.core.url_to_fs(out)
+    root = root.rstrip("/")
+    if is_url(out):
+        try:  # gcsfs's makedirs would create a missing bucket
+            check_bucket(out, "--out")
+        except StorageError as e:
+            raise DataError(str(e)) from None
+    with _writing(out):
+        fs.makedirs(root, exist_ok=True)
+    manifest_splits: dict[str, dict] = {}
+    channels = 1
+    workers = workers or os.cpu_count() or 1
+    total = sum(map(len, splits.values()))
+    with contextlib.ExitStack() as stack:
+        decode: Callable[..., Iterator[tuple[bytes, int, str | None]]] = map
+        if workers > 1 and total >= 2048:  # a pool of fresh interpreters costs ~2 s to start
+            spawn = multiprocessing.get_context("spawn")  # fork after JAX's threads started can deadlock
+            pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(workers, mp_context=spawn))
+            decode = functools.partial(pool.map, chunksize=64)
+        for split, files in splits.items():
+            shards: list[dict] = []
+            skipped: list[dict] = []
+            rows: list[tuple[bytes, int, str]] = []
+
+            def flush(split: str = split, shards: list[dict] = shards, rows: list = rows) -> None:
+                if rows:
+                    name = f"{split}-{len(shards):05d}.parquet"
+                    with _writing(out):
+                        digest = _write_shard(fs, f"{root}/{name}", rows)
+                    n = len(rows)
+                    shards.append(
+                        {"path": name, "examples": n, "bytes": sum(len(r[0]) for r in rows), "sha256": digest}
+                    )
+                    rows.clear()
+
+            paths = [f for f, _ in files]
+            for (path, label), (data, ch, error) in zip(files, decode(_check_image, paths), strict=True):
+                name = os.path.relpath(path, root_dir)
+                if error is not None:
+                    if on_corrupt == "stop":
+                        raise DataError(
+                            f"{path} cannot be decoded ({error}); remove or replace it, or pass "
+                            "--on-corrupt skip to leave it out (it is then listed in the manifest)."
+                        )
+                    skipped.append({"file": name, "error": error})
+                    continue
+                channels = max(channels, ch)
+                rows.append((data, label, name))
+                if len(rows) >= shard_size:
+                    flush()
+            flush()
+            manifest_splits[split] = {
+                "examples": sum(s["examples"] for s in shards),
+                "shards": shards,
+                "skipped": skipped,
+            }
+    if not manifest_splits["train"]["examples"]:
+        raise DataError(f"{input_dir}: no training image could be decoded.")
+    manifest = {
+        "format": FORMAT,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "input": str(input_dir),
+        "classes": classes,
+        "channels": channels,
+        "seed": seed,
+        "eval_fraction": eval_fraction,
+        "splits": manifest_splits,
+    }
+    with _writing(out), fs.open(f"{root}/{MANIFEST}", "w") as f:
+        json.dump(manifest, f, indent=2)
+    return manifest
+
+
+def read_manifest(url: str) -> tuple[fsspec.AbstractFileSystem, str, dict]:
+    """The filesystem, root path (no trailing ``/``) and manifest of data :func:`prepare` wrote.
+
+    Raises:
+        DataError: ``url`` holds no manifest, or not one of this format.
+
+    Example:
+        >>> fs, root, manifest = read_manifest("data/images")  # doctest: +SKIP
+        >>> len(manifest["classes"])                            # doctest: +SKIP
+        1000
+    """
+    fs, root = fsspec.core.url_to_fs(url)
+    path = f"{root.rstrip('/')}/{MANIFEST}"
+    if not fs.exists(path):
+        raise DataError(
+            f"{url} has no {MANIFEST}; prepare the images with `xlafit data images --input DIR --out {url}`."
+        )
+    with fs.open(path, "r") as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT:
+        raise DataError(
+            f"{url}/{MANIFEST} is not an xlafit image manifest ({FORMAT}); prepare it with `xlafit data images`."
+        )
+    return fs, root.rstrip("/"), manifest
+
+
+def class_names(manifest: dict) -> Sequence[str]:
+    """The class folder names, label 0 first."""
+    return list(manifest["classes"])

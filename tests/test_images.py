@@ -1,0 +1,217 @@
+"""The image pipeline: ImageFolder -> shards + manifest, checksums, deterministic augmentation,
+Grain worker processes (the same batches for any worker count), damaged images."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from xlafit.cli import main
+from xlafit.data.dataset import DataError, StreamedDataset
+from xlafit.data.images import Augment, ImageDataset, SyntheticImages, find_images, load_split, prepare
+from xlafit.data.images.cache import ImageSplit
+from xlafit.data.loader import TakeRequests, TrainOrder, eval_batches
+
+
+def write_folder(root: Path, classes=("cat", "dog", "eel"), per_class=6, seed=0) -> Path:
+    """An ImageFolder of random RGB images of varied sizes, JPEG and PNG mixed."""
+    rng = np.random.default_rng(seed)
+    for c in classes:
+        (root / c).mkdir(parents=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 256, (20 + 3 * i, 30 - i, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / c / f"{i}.{'png' if i % 2 else 'jpg'}")
+    return root
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_prepare_writes_shards_with_checksums_and_names_a_corrupt_image(tmp_path, cache):
+    folder = write_folder(tmp_path / "in")
+    (folder / "dog" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    manifest = prepare(folder, str(tmp_path / "out"), eval_fraction=0.25, shard_size=5, workers=1)
+
+    assert manifest["classes"] == ["cat", "dog", "eel"] and manifest["channels"] == 3
+    train, evaluation = manifest["splits"]["train"], manifest["splits"]["eval"]
+    assert train["examples"] + evaluation["examples"] == 18  # the broken file is left out...
+    assert train["skipped"] == [{"file": "dog/broken.jpg", "error": "OSError: Truncated File Read"}]
+    assert 0 < evaluation["examples"] < 9
+    for shard in train["shards"]:  # ...and every shard's checksum is the file's
+        assert hashlib.sha256((tmp_path / "out" / shard["path"]).read_bytes()).hexdigest() == shard["sha256"]
+    assert [s["examples"] for s in train["shards"]][:-1] == [5] * (len(train["shards"]) - 1)
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text()) == manifest
+
+    images, _ = load_split(str(tmp_path / "out"), "train")
+    assert len(images) == train["examples"]
+    name = images.file(0)
+    assert images.encoded(0) == (folder / name).read_bytes()  # stored as encoded, not decoded
+    assert images.labels[0] == ["cat", "dog", "eel"].index(name.split("/")[0])
+
+    with pytest.raises(DataError, match=r"dog/broken.jpg cannot be decoded .*--on-corrupt skip"):
+        prepare(folder, str(tmp_path / "out2"), on_corrupt="stop", workers=1)
+
+
+def test_train_and_val_folders_are_the_splits_and_must_share_classes(tmp_path):
+    write_folder(tmp_path / "in" / "train", per_class=2)
+    write_folder(tmp_path / "in" / "val", per_class=1, seed=1)
+    splits, classes = find_images(tmp_path / "in")
+    assert classes == ["cat", "dog", "eel"] and (len(splits["train"]), len(splits["eval"])) == (6, 3)
+    (tmp_path / "in" / "val" / "fox").mkdir()
+    with pytest.raises(DataError, match="different class folders .*fox"):
+        find_images(tmp_path / "in")
+    with pytest.raises(DataError, match="no class folders"):
+        find_images(tmp_path / "in" / "train" / "cat")
+
+
+def test_a_changed_shard_is_refused_by_name(tmp_path, cache):
+    prepare(write_folder(tmp_path / "in"), str(tmp_path / "out"), shard_size=8, workers=1)
+    shard = tmp_path / "out" / "train-00001.parquet"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=r"train-00001.parquet is damaged or was changed: its sha256 differs"):
+        load_split(str(tmp_path / "out"), "train")
+    assert not list((cache / "images").glob("*-train-*[!p]"))  # nothing half-built is left as a cache entry
+
+
+def test_cli_data_images(tmp_path, cache, capsys):
+    folder = write_folder(tmp_path / "in", per_class=2)
+    (folder / "eel" / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    assert main(["data", "images", "--input", str(folder), "--out", str(tmp_path / "out"), "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "train: 6 images of 3 classes in 1 shard(s)" in out and "skipped 1 that cannot be decoded: eel/bad.png" in out
+    )
+
+
+def test_augmentation_is_a_pure_function_of_seed_epoch_and_index():
+    rng = np.random.default_rng(0)
+    png = _encode(rng.integers(0, 256, (40, 60, 3), dtype=np.uint8), "PNG")
+    jpeg = _encode(rng.integers(0, 256, (300, 200, 3), dtype=np.uint8), "JPEG")
+    aug = Augment(image_size=16, seed=5)
+    for encoded in (png, jpeg):
+        a = aug(encoded, epoch=1, index=7)
+        assert a.shape == (16, 16, 3) and a.dtype == np.uint8
+        assert np.array_equal(a, aug(encoded, epoch=1, index=7))  # no hidden state
+        others = [aug(encoded, epoch=e, index=i) for e, i in ((2, 7), (1, 8))]
+        assert all(not np.array_equal(a, o) for o in others)  # a new crop per epoch and per example
+    # Crops lie inside the image, their area and aspect ratio in the ranges asked for.
+    for index in range(200):
+        left, top, right, bottom = aug.box(60, 40, 0, index)
+        w, h = right - left, bottom - top
+        assert 0 <= left and 0 <= top and right <= 60 and bottom <= 40
+        assert 0.08 * 2400 * 0.9 <= w * h <= 2400 and 3 / 4 * 0.9 <= w / h <= 4 / 3 * 1.1
+    flips = [aug.flip(0, i) for i in range(400)]
+    assert 150 < sum(flips) < 250
+    evaluation = Augment(image_size=16, train=False, eval_crop_fraction=0.5)
+    assert evaluation.box(60, 40, 0, 0) == (20.0, 10.0, 40.0, 30.0)  # the centre, the same every epoch
+    assert np.array_equal(evaluation(jpeg, 0, 1), evaluation(jpeg, 3, 1))
+    grey = Augment(image_size=8, channels=1)(png, 0, 0)
+    assert grey.shape == (8, 8, 1)
+
+
+def _encode(pixels: np.ndarray, fmt: str) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def test_one_two_and_four_worker_processes_give_the_same_batches_and_resume_continues(tmp_path, cache):
+    prepare(write_folder(tmp_path / "in", per_class=10), str(tmp_path / "out"), workers=1)
+    train = ImageDataset.from_prepared(str(tmp_path / "out"), "train", Augment(image_size=12, seed=1))
+    assert isinstance(train, StreamedDataset) and train.classes == ["cat", "dog", "eel"]
+    order = TrainOrder(len(train), global_batch=8, seed=3)  # 3 steps an epoch
+    requests = TakeRequests.between(order, 0, 7, steps_per_call=2)  # calls cross into epoch 2
+    reference = [train.take(idx, epoch) for idx, epoch in requests]  # decoded in this process
+    assert [len(b["label"]) for b in reference] == [16, 8, 16, 8, 8]
+    for workers in (1, 2, 4):
+        train.workers = workers
+        batches = list(train.stream(requests))
+        assert len(batches) == len(reference)
+        for got, want in zip(batches, reference, strict=True):
+            assert np.array_equal(got["image"], want["image"]) and np.array_equal(got["label"], want["label"])
+    # A resumed run asks from its step on: the same batches as the uninterrupted run's tail.
+    train.workers = 1
+    resumed = list(train.stream(TakeRequests.between(order, 4, 7, steps_per_call=2)))  # steps 4-5, 6
+    tail = [reference[2]["image"][8:], reference[3]["image"], reference[4]["image"]]  # steps 4, 5, 6
+    assert np.array_equal(np.concatenate([b["image"] for b in resumed]), np.concatenate(tail))
+    # Evaluation batches (padded, masked) come from the workers too, the same as decoded here.
+    evaluation = ImageDataset(train.split, Augment(image_size=12, train=False), workers=1)
+    streamed = list(eval_batches(evaluation, 16))
+    evaluation.workers = 0
+    for (got, got_mask), (want, want_mask) in zip(streamed, eval_batches(evaluation, 16), strict=True):
+        assert np.array_equal(got["image"], want["image"]) and np.array_equal(got_mask, want_mask)
+    assert sum(m.sum() for _, m in streamed) == len(train)
+
+
+def _split_with_a_bad_image(tmp_path) -> ImageSplit:
+    rng = np.random.default_rng(0)
+    blobs = [_encode(rng.integers(0, 256, (10, 10, 3), dtype=np.uint8), "PNG") for _ in range(4)]
+    blobs[2] = blobs[2][:40]  # truncated
+    offsets = np.cumsum([0] + [len(b) for b in blobs])
+    files = np.array([f"c/{i}.png".encode() for i in range(4)])
+    return ImageSplit(np.frombuffer(b"".join(blobs), np.uint8), offsets, np.arange(4, dtype=np.int32), files)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_image_that_cannot_be_decoded_is_skipped_and_named_or_stops(tmp_path, workers, caplog):
+    split = _split_with_a_bad_image(tmp_path)
+    requests = [(np.array([0, 2, 3]), 0), (np.array([2, 1, 0]), 1)]
+    skip = ImageDataset(split, Augment(image_size=8), workers=workers)
+    batches = list(skip.stream(requests))
+    assert batches[0]["label"].tolist() == [0, 3, 3] and batches[1]["label"].tolist() == [3, 1, 0]  # the next instead
+    assert np.array_equal(batches[0]["image"][1], skip.take(np.array([3]))["image"][0])
+    assert list(skip.skipped) == ["c/2.png"]
+    assert "skipping c/2.png: it cannot be decoded" in caplog.text and "(1 image(s) skipped)" in caplog.text
+    assert caplog.text.count("skipping c/2.png") == 1  # named once, however often it is drawn
+    stop = ImageDataset(split, Augment(image_size=8), workers=workers, on_corrupt="stop")
+    with pytest.raises(DataError, match=r"image c/2.png \(example 2\) cannot be decoded .*data.on_corrupt=skip"):
+        list(stop.stream(requests))  # from a worker process: its error, raised here; the worker is not lost
+
+
+def test_synthetic_images_are_imagenet_shaped_and_deterministic():
+    ds = SyntheticImages(100, image_size=32, num_classes=1000, seed=2)
+    a, b = ds.take(np.array([5, 7, 5])), SyntheticImages(100, image_size=32, num_classes=1000, seed=2).take([5])
+    assert a["image"].shape == (3, 32, 32, 3) and a["image"].dtype == np.uint8
+    assert np.array_equal(a["image"][0], b["image"][0]) and a["label"][0] == b["label"][0] == a["label"][2]
+    assert 0 <= a["label"].min() and a["label"].max() < 1000
+
+
+def test_the_mnist_demo_folder_reads_back_the_embedded_digits(cache):
+    from xlafit.data import mnist
+    from xlafit.data.images import mnist_demo, read_manifest
+
+    where = mnist_demo.build()
+    assert mnist_demo.build() == where  # once
+    _, _, manifest = read_manifest(where)
+    assert manifest["classes"] == [str(d) for d in range(10)] and manifest["channels"] == 1
+    assert (manifest["splits"]["train"]["examples"], manifest["splits"]["eval"]["examples"]) == (4000, 1000)
+    digits = mnist.load_embedded(as_uint8=True)["test"]
+    evaluation = ImageDataset.from_prepared(where, "eval", Augment(28, train=False, eval_crop_fraction=1.0, channels=1))
+    names = [evaluation.split.file(i) for i in range(len(evaluation))]
+    order = np.argsort([int(n.split("/")[-1].removesuffix(".png")) for n in names])  # test/<digit>/<n>.png
+    batch = evaluation.take(order[:200])
+    # The whole path (PNG file -> shard -> cache -> decode -> full-image "crop" at 28 px) gives the digits back.
+    assert np.array_equal(batch["image"][..., 0], digits["image"][:200])
+    assert np.array_equal(batch["label"], digits["label"][:200])
+
+
+def test_each_process_takes_its_rows_of_every_request():
+    order = TrainOrder(100, global_batch=16, seed=4)
+    whole = TakeRequests.between(order, 0, 12, steps_per_call=3)
+    halves = [TakeRequests.between(order, 0, 12, 3, process_index=p, process_count=2) for p in (0, 1)]
+    for i in range(len(whole)):
+        (idx, epoch), (a, ea), (b, eb) = whole[i], halves[0][i], halves[1][i]
+        assert epoch == ea == eb and len(a) == len(b) == len(idx) // 2
+        rows = idx.reshape(-1, 16)  # [k, 16]: each step's global batch, process 0 its first 8 rows
+        assert np.array_equal(a.reshape(-1, 8), rows[:, :8]) and np.array_equal(b.reshape(-1, 8), rows[:, 8:])
+    assert [int(e) for _, e in whole] == [0, 0, 1, 1]  # 6 steps an epoch, calls of 3

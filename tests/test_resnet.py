@@ -1,0 +1,360 @@
+"""ResNet: parameter counts, Hugging Face parity and round trips, batch norm modes."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import xlafit
+from xlafit.config import TrainerConfig
+from xlafit.models.resnet import BatchNorm, ResNet, ResNetConfig, parameter_count, train_flops_per_example
+from xlafit.models.resnet_hf import HFFormatError, from_hf, save_hf, to_hf_state
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize(
+    ("depth", "count"),
+    [(18, 11_689_512), (34, 21_797_672), (50, 25_557_032), (101, 44_549_160), (152, 60_192_808)],
+)
+def test_parameter_counts_are_torchvisions(depth, count):
+    model = nnx.eval_shape(lambda: ResNet(depth, 1000, rngs=nnx.Rngs(0)))
+    assert parameter_count(model) == count
+
+
+def test_resnet50_layout_and_training_flops():
+    model = nnx.eval_shape(lambda: ResNet(50, 1000, rngs=nnx.Rngs(0)))
+    block = model.stages[1][0]  # v1.5: the first block of stage 2 downsamples on its 3x3 convolution
+    assert [c.conv.strides for c in block.convs] == [(1, 1), (2, 2), (1, 1)]
+    assert block.shortcut is not None and block.shortcut.conv.strides == (2, 2)
+    # 4.09 GMAC forward (torchvision's figure) x 2 FLOPs x 3, less the stem's input gradient.
+    assert train_flops_per_example(model.cfg) == pytest.approx(24.30e9, rel=1e-3)
+
+
+# Hugging Face layouts: microsoft/resnet-50's (small), basic blocks, HF's own test config
+# (sizes that are not powers of two, reduction 30 // 4 = 7) and the v1 flags.
+HF_CONFIGS = {
+    "bottleneck": dict(embedding_size=8, hidden_sizes=[16, 32, 64, 128], depths=[1, 2, 1, 1], layer_type="bottleneck"),
+    "basic": dict(embedding_size=8, hidden_sizes=[8, 16, 24, 32], depths=[2, 1, 1, 1], layer_type="basic"),
+    "hf-tester": dict(embedding_size=10, hidden_sizes=[10, 20, 30, 40], depths=[1, 1, 2, 1], layer_type="bottleneck"),
+    "v1-flags": dict(
+        embedding_size=8,
+        hidden_sizes=[16, 32],
+        depths=[1, 2],
+        layer_type="bottleneck",
+        downsample_in_bottleneck=True,
+        downsample_in_first_stage=True,
+    ),
+}
+
+
+def _random_hf(config, num_labels=7, seed=0):
+    """A Hugging Face ResNetForImageClassification with every tensor moved off its init
+    (batch-norm scales, biases and running statistics included), in eval mode."""
+    torch.manual_seed(seed)
+    hf = transformers.ResNetForImageClassification(transformers.ResNetConfig(**config, num_labels=num_labels))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "normalization" in name or "classifier" in name:
+                p.add_(0.2 * torch.randn_like(p))
+        for name, b in hf.named_buffers():
+            if name.endswith("running_mean"):
+                b.add_(0.1 * torch.randn_like(b))
+            elif name.endswith("running_var"):
+                b.mul_(torch.rand_like(b) + 0.5)
+    return hf.eval()
+
+
+def _hf_logits(hf, images):
+    with torch.no_grad():  # NHWC -> NCHW
+        return hf(pixel_values=torch.tensor(images).permute(0, 3, 1, 2)).logits.numpy()
+
+
+@nnx.jit
+def _forward(model, images):
+    """One compiled forward: op-by-op dispatch of a ResNet costs seconds per call here."""
+    return model(images)
+
+
+def _images(batch=3, size=48, seed=1):
+    return np.random.default_rng(seed).standard_normal((batch, size, size, 3)).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", sorted(HF_CONFIGS))
+def test_from_hf_logits_equal_hugging_face(tmp_path, name):
+    hf = _random_hf(HF_CONFIGS[name])
+    hf.save_pretrained(tmp_path)
+    model = from_hf(tmp_path)
+    assert parameter_count(model) == sum(p.numel() for p in hf.parameters())
+    images = _images(size=50 if name == "basic" else 48)  # an even and an odd feature-map size on the way down
+    ours = np.asarray(_forward(model, jnp.asarray(images)))
+    assert ours.shape == (3, 7)
+    np.testing.assert_allclose(ours, _hf_logits(hf, images), atol=1e-4, rtol=0)
+
+
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
+    model = ResNet(18, 5, width=8, rngs=nnx.Rngs(2))
+    model.train()  # a few training-mode calls move the running statistics off 0 and 1
+    for seed in range(3):
+        _forward(model, jnp.asarray(_images(batch=4, size=32, seed=seed)))
+    model.eval()
+    nnx.update(model, jax.tree.map(lambda p: p + 0.1, nnx.state(model, nnx.Param)))  # scales off 0/1, biases off 0
+    save_hf(model, tmp_path, labels=["a", "b", "c", "d", "e"])
+    hf, info = transformers.ResNetForImageClassification.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert hf.config.id2label[4] == "e"
+    images = _images(batch=2, size=40)
+    np.testing.assert_allclose(
+        np.asarray(_forward(model, jnp.asarray(images))), _hf_logits(hf.eval(), images), atol=1e-4
+    )
+    back = from_hf(tmp_path)  # and the round trip is exact
+    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(back)), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_train_mode_equals_hugging_faces_batch_statistics(tmp_path):
+    """Training-mode forward (global batch statistics) and the running-mean update equal
+    PyTorch's; PyTorch's running variance is the unbiased one, n / (n - 1) times ours."""
+    hf = _random_hf(HF_CONFIGS["bottleneck"])
+    hf.save_pretrained(tmp_path)
+    model = from_hf(tmp_path)
+    images = _images(batch=4, size=32)
+    model.train()
+    ours = np.asarray(_forward(model, jnp.asarray(images)))
+    theirs = _hf_logits(hf.train(), images)
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    hf_state = {k: v.numpy() for k, v in hf.state_dict().items()}
+    for name, value in to_hf_state(model).items():
+        if name.endswith("running_mean"):
+            np.testing.assert_allclose(value, hf_state[name], atol=1e-5, err_msg=name)
+    # running = 0.9 running + 0.1 batch in both; the stem's batch variance is over n values
+    stem_var = "resnet.embedder.embedder.normalization.running_var"
+    before = np.asarray(from_hf(tmp_path).stem.norm.var[...])
+    ours_batch = (to_hf_state(model)[stem_var] - 0.9 * before) / 0.1
+    torch_batch = (hf_state[stem_var] - 0.9 * before) / 0.1
+    n = 4 * 16 * 16  # examples x positions of the stem's output
+    np.testing.assert_allclose(torch_batch, ours_batch * n / (n - 1), rtol=1e-4)
+
+
+def test_from_hf_with_a_new_head_keeps_the_backbone(tmp_path):
+    hf = _random_hf(HF_CONFIGS["basic"], num_labels=1000)
+    hf.save_pretrained(tmp_path)
+    model = from_hf(tmp_path, num_classes=3, bn="local", bn_group=2, dtype="bfloat16")
+    assert model.head.kernel[...].shape == (32, 3) and model.cfg.bn == "local"
+    state = to_hf_state(model)
+    for name, tensor in hf.state_dict().items():
+        if not name.startswith("classifier.") and not name.endswith("num_batches_tracked"):
+            np.testing.assert_array_equal(state[name], tensor.numpy(), err_msg=name)
+
+
+def test_hf_errors_name_the_problem(tmp_path):
+    with pytest.raises(HFFormatError, match="no config.json"):
+        from_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit"}))
+    with pytest.raises(HFFormatError, match="not a ResNet"):
+        from_hf(tmp_path)
+    save_hf(ResNet(18, 4, width=4, rngs=nnx.Rngs(0)), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "embedding_size": 8}))
+    with pytest.raises(HFFormatError, match=r"embedder.convolution.weight has shape \(4, 3, 7, 7\), expected"):
+        from_hf(tmp_path)
+    with pytest.raises(HFFormatError, match="small .* stem"):
+        save_hf(nnx.eval_shape(lambda: ResNet(18, 4, width=4, small_stem=True, rngs=nnx.Rngs(0))), tmp_path / "s")
+    with pytest.raises(ValueError, match="depth 20 is not one of"):
+        ResNet(20, 10, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="needs bn_group"):
+        ResNet(18, 10, bn="local", rngs=nnx.Rngs(0))
+
+
+def test_bfloat16_computes_in_bf16_over_float32_state():
+    f32 = ResNet(18, 10, small_stem=True, width=8, rngs=nnx.Rngs(0))
+    bf16 = ResNet(18, 10, small_stem=True, width=8, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    bf16.train()
+    images = jnp.asarray(_images(batch=4, size=16))
+    out = bf16(images)
+    assert out.dtype == jnp.float32
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(bf16))} == {jnp.dtype(jnp.float32)}
+    f32.train()
+    np.testing.assert_allclose(np.asarray(out), np.asarray(f32(images)), atol=0.1)
+    graphdef, state = nnx.split(bf16)
+    hlo = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x)).lower(state, images).as_text()
+    convolutions = [line for line in hlo.splitlines() if "convolution(" in line]
+    assert convolutions and all("bf16" in line for line in convolutions)
+
+
+def test_local_batch_norm_uses_each_groups_statistics():
+    norm = BatchNorm(3, group=2, momentum=0.9)
+    norm.scale[...] = jnp.array([1.0, 2.0, 0.5])
+    norm.bias[...] = jnp.array([0.0, 1.0, -1.0])
+    norm.use_running_average = False
+    x = np.random.default_rng(0).standard_normal((6, 4, 5, 3)).astype(np.float32) * 3 + 1
+    y = np.asarray(norm(jnp.asarray(x)))
+    means, variances = [], []
+    for g in range(3):  # by hand, in float64: groups of 2 consecutive examples
+        part = x[2 * g : 2 * g + 2].astype(np.float64)
+        mean, var = part.mean((0, 1, 2)), part.var((0, 1, 2))
+        expected = (part - mean) / np.sqrt(var + 1e-5) * [1.0, 2.0, 0.5] + [0.0, 1.0, -1.0]
+        np.testing.assert_allclose(y[2 * g : 2 * g + 2], expected, atol=1e-5)
+        means.append(mean)
+        variances.append(var)
+    np.testing.assert_allclose(norm.mean[...], 0.1 * np.mean(means, 0), atol=1e-6)
+    np.testing.assert_allclose(norm.var[...], 0.9 + 0.1 * np.mean(variances, 0), atol=1e-6)
+    with pytest.raises(ValueError, match="groups of 2 examples do not divide the batch of 5"):
+        norm(jnp.asarray(x[:5]))
+
+
+# --------------------------------------------------------------------------- batch norm in the trainer
+
+
+def _tiny(bn="global", bn_group=None, **options):
+    """Two basic blocks on 8x8 images: every kind of batch norm, compiled in seconds."""
+    cfg = ResNetConfig(
+        depths=(1, 1),
+        hidden_sizes=(8, 16),
+        embedding_size=8,
+        bottleneck=False,
+        num_classes=4,
+        small_stem=True,
+        bn=bn,
+        bn_group=bn_group,
+        zero_init_residual=False,  # blocks that are not the identity from the first step
+        **options,
+    )
+    return ResNet(config=cfg, rngs=nnx.Rngs(0))
+
+
+def _loss_fn(model, batch):
+    logits = model(batch["image"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+    return losses, {"accuracy": (logits.argmax(-1) == batch["label"]).astype(jnp.float32)}
+
+
+@pytest.fixture(scope="module")
+def pictures():
+    rng = np.random.default_rng(0)
+    images = rng.standard_normal((64, 8, 8, 3)).astype(np.float32)
+    labels = rng.integers(0, 4, 64).astype(np.int32)
+    images += labels[:, None, None, None] * 0.5  # learnable
+    return {"image": images, "label": labels}
+
+
+def _trainer(strategy, model, run_dir=None, epochs=2, stop_at_step=None, **config):
+    return xlafit.Trainer(
+        model,
+        _loss_fn,
+        optax.sgd(0.1, momentum=0.9),
+        strategy=strategy,
+        global_batch=16,
+        config=TrainerConfig(epochs=epochs, stop_at_step=stop_at_step, log_every_steps=4, **config),
+        run_dir=run_dir,
+    )
+
+
+def _batch_stats(state):
+    return jax.device_get(nnx.to_pure_dict(state.model_state))
+
+
+# 8 steps of SGD on 8 devices vs 1: the runs differ only in the order of float sums (the
+# all-reduce of the statistics and gradients). Measured: about 1e-7.
+@pytest.mark.parametrize(("bn", "group"), [("global", None), ("local", 2)])
+def test_batch_norm_on_8_devices_equals_1_device(strategy8, strategy1, pictures, bn, group):
+    r8 = _trainer(strategy8, _tiny(bn, group)).fit(pictures, eval=pictures)
+    r1 = _trainer(strategy1, _tiny(bn, group)).fit(pictures, eval=pictures)
+    for a, b in ((r8.state.params, r1.state.params), (r8.state.model_state, r1.state.model_state)):
+        for (path, x), y in zip(
+            jax.tree.leaves_with_path(jax.device_get(a)), jax.tree.leaves(jax.device_get(b)), strict=True
+        ):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    stats = _batch_stats(r8.state)
+    assert np.abs(stats["stem"]["norm"]["mean"]).max() > 1e-2  # the running averages moved
+    assert r8.eval["loss"] == pytest.approx(r1.eval["loss"], rel=1e-5)
+
+
+def test_local_batch_norm_needs_no_communication(strategy8):
+    """Groups of one device's examples: the forward pass has no collective; global statistics
+    are all-reduced across the 8 devices."""
+    images = jax.device_put(jnp.zeros((16, 8, 8, 3)), strategy8.batch)
+
+    def collectives(model):
+        model.train()
+        graphdef, state = nnx.split(model)
+        hlo = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, images).compile().as_text()
+        return sum(hlo.count(op) for op in ("all-reduce", "all-gather", "collective-permute", "all-to-all"))
+
+    assert collectives(_tiny("local", 2)) == 0
+    assert collectives(_tiny("global")) > 0
+
+
+def test_evaluation_uses_the_running_averages(strategy8, pictures):
+    result = _trainer(strategy8, _tiny(), epochs=1).fit(pictures, eval=pictures)
+    model = _tiny()
+    state = jax.tree.map(jnp.asarray, jax.device_get((result.state.params, result.state.model_state)))
+    nnx.update(model, *state)
+    model.eval()
+    logits = np.asarray(model(jnp.asarray(pictures["image"])))
+    expected = optax.softmax_cross_entropy_with_integer_labels(logits, pictures["label"]).mean()
+    assert result.eval["loss"] == pytest.approx(float(expected), rel=1e-5)
+    model.train()  # training-mode statistics give other logits: evaluation did not use them
+    assert not np.allclose(np.asarray(model(jnp.asarray(pictures["image"]))), logits, atol=1e-3)
+
+
+def test_resume_with_batch_statistics_is_bit_exact(strategy8, pictures, tmp_path):
+    full = _trainer(strategy8, _tiny("local", 2)).fit(pictures, eval=pictures)
+    first = _trainer(strategy8, _tiny("local", 2), run_dir=tmp_path, stop_at_step=3)
+    first.fit(pictures)
+    first.close()
+    second = _trainer(strategy8, _tiny("local", 2), run_dir=tmp_path)
+    resumed = second.fit(pictures, eval=pictures)
+    second.close()
+    assert int(resumed.state.step) == 8
+    for a, b in ((resumed.state.params, full.state.params), (resumed.state.model_state, full.state.model_state)):
+        for x, y in zip(jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b)), strict=True):
+            np.testing.assert_array_equal(x, y)
+    assert resumed.eval == full.eval
+
+
+def test_a_nonfinite_batch_leaves_the_batch_statistics_alone(strategy8, pictures):
+    poisoned = {k: v.copy() for k, v in pictures.items()}
+    poisoned["image"][:] = np.nan
+    trainer = _trainer(strategy8, _tiny(), epochs=1, nan_policy="skip")
+    before = _batch_stats(trainer.state)
+    result = trainer.fit(poisoned)
+    for x, y in zip(jax.tree.leaves(_batch_stats(result.state)), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_a_resnet_run_exports_to_hugging_face(tmp_path):
+    """The recipe's run -> ``xlafit export hf`` -> ``from_pretrained``: the same logits, with
+    the running statistics the run trained."""
+    from xlafit.export import export_hf
+    from xlafit.recipes import load_config
+    from xlafit.run import train_and_evaluate
+
+    overrides = [
+        "data.source=synthetic",
+        "data.synthetic_examples=16",
+        "data.synthetic_classes=5",
+        "data.image_size=16",
+        "data.global_batch=8",
+        "model.preset=resnet18",
+        "model.width=4",
+        "trainer.epochs=1",
+        f"run.run_dir={tmp_path / 'run'}",
+    ]
+    cfg = load_config("resnet", overrides=overrides)
+    train_and_evaluate(cfg)
+    out, step = export_hf(tmp_path / "run", tmp_path / "hf")
+    assert step == 2
+    hf, info = transformers.ResNetForImageClassification.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    model = from_hf(out)
+    assert np.abs(np.asarray(model.stem.norm.mean[...])).max() > 1e-3  # trained statistics, not the initial zeros
+    images = _images(batch=2, size=16)
+    np.testing.assert_allclose(
+        np.asarray(_forward(model, jnp.asarray(images))), _hf_logits(hf.eval(), images), atol=1e-4
+    )

@@ -1,0 +1,148 @@
+"""The resnet recipe end to end through the command: a pulse on a tiny prepared image folder
+(Grain workers decoding PNG and JPEG files), kill -9 at random moments then resume (the end
+state has the fingerprint of an uninterrupted run), and the synthetic source.
+
+The demo's own promise (the 5,000 MNIST digits, >= 0.97 in under 4 minutes on 2 cores) is
+measured in BENCHMARKS.md ("ResNet demo"); it takes too long for the suite.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+
+from xlafit.checkpoint import Checkpointer
+from xlafit.checkpoint import fingerprint as checkpoint_fingerprint
+from xlafit.data.images import prepare
+
+XLAFIT = [sys.executable, "-m", "xlafit"]
+KILL_LOOPS = int(os.environ.get("XLAFIT_KILL_LOOPS", "1"))  # XLAFIT_KILL_LOOPS=20: the long version
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {
+        "PYTHONUNBUFFERED": "1",
+        "XLAFIT_CACHE": str(cache),
+    }
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """Three classes of 24 small images each (a bright square whose corner says the class), prepared."""
+    root = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(0)
+    for label, name in enumerate(("a", "b", "c")):
+        (root / "in" / name).mkdir(parents=True)
+        for i in range(24):
+            pixels = rng.integers(0, 60, (16, 16, 3), dtype=np.uint8)
+            y, x = (label // 2) * 8, (label % 2) * 8
+            pixels[y : y + 8, x : x + 8] = 220
+            Image.fromarray(pixels).save(root / "in" / name / f"{i}.{'jpg' if i % 3 == 0 else 'png'}")
+    prepare(root / "in", str(root / "out"), eval_fraction=0.25, workers=1)
+    return root / "out"
+
+
+def train_cmd(run_dir, shards, *extra):
+    return [
+        *XLAFIT,
+        *("train", "resnet", "--simulate", "2", "--data-dir", str(shards), "--run-dir", str(run_dir)),
+        *("model.width=4", "data.image_size=12", "data.global_batch=8", "data.eval_global_batch=16"),
+        *("data.workers=2", "trainer.epochs=1", "trainer.log_every_steps=1", "trainer.checkpoint_every_steps=1"),
+        *extra,
+    ]
+
+
+class Segment:
+    """One run of the training command whose output is watched for step 3's train line."""
+
+    def __init__(self, cmd, env):
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: list[str] = []
+        self.training = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith("[train] step 3 "):  # checkpoint 2 is written by now
+                self.training.set()
+        self.training.set()  # the process ended
+
+    def finish(self, timeout=300):
+        rc = self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=10)
+        return rc
+
+
+def fingerprint(run_dir):
+    ckpt = Checkpointer(str(run_dir / "checkpoints"))
+    try:
+        infos = ckpt.list()
+        assert all(i.usable for i in infos), infos
+        step = infos[-1].step
+        return step, checkpoint_fingerprint(ckpt.restore_params(step))
+    finally:
+        ckpt.close()
+
+
+def test_resnet_pulse_then_kill_9_with_grain_workers_and_resume_equals_uninterrupted(tmp_path, shards, env):
+    reference = tmp_path / "uninterrupted"
+    out = subprocess.run(train_cmd(reference, shards), capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "train step compiled 1 time(s), eval step 1 time(s)" in out.stdout
+    assert 0.0 <= float(out.stdout.split("test accuracy: ")[1].split()[0]) <= 1.0
+    records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["split"] == "train"]
+    assert len(train) == 7 and all("input_wait_s" in r for r in train)  # 57 images: 7 steps of 8
+    assert np.isfinite([r["loss"] for r in train]).all()
+    cfg = yaml.safe_load((reference / "config.yaml").read_text())
+    # What the data and the preset decided is recorded: a resume checks against it.
+    assert cfg["data"]["num_classes"] == 3 and cfg["data"]["image_size"] == 12
+    assert cfg["data"]["normalisation"] == "imagenet" and cfg["model"]["small_stem"] is True
+
+    rng = random.Random(1)
+    run_dir = tmp_path / "killed"
+    for _ in range(KILL_LOOPS):
+        seg = Segment(train_cmd(run_dir, shards), env)
+        assert seg.training.wait(timeout=120), "no progress"
+        time.sleep(rng.uniform(0.0, 0.6))  # a checkpoint every step: often mid-save, workers mid-batch
+        if seg.proc.poll() is not None:
+            assert seg.finish() == 0, "".join(seg.lines)[-3000:]
+            break
+        seg.proc.send_signal(signal.SIGKILL)
+        assert seg.finish() == -signal.SIGKILL
+    seg = Segment(train_cmd(run_dir, shards), env)
+    assert seg.finish() == 0, "".join(seg.lines)[-3000:]
+    assert "resumed from checkpoint" in "".join(seg.lines), "".join(seg.lines)
+    want = fingerprint(reference)
+    assert want[0] == 7 and fingerprint(run_dir) == want
+
+
+def test_synthetic_source_and_the_imagenet_preset_resolve_without_files():
+    """``model.preset=resnet50 data.source=synthetic``: ImageNet's shapes and the preset's sizes,
+    with no file read (tests/test_resnet.py trains a synthetic run end to end)."""
+    from xlafit.recipes import load_config
+    from xlafit.recipes.resnet import from_data, load_data, normalisation, resnet_config
+
+    cfg = load_config("resnet", ["model.preset=resnet50", "data.source=synthetic", "data.synthetic_examples=64"])
+    train, evaluation = load_data(cfg)
+    batch = train.take(np.arange(4))
+    assert batch["image"].shape == (4, 224, 224, 3) and batch["image"].dtype == np.uint8
+    cfg = from_data(cfg, train)
+    assert (cfg.data.global_batch, cfg.data.image_size, cfg.data.num_classes) == (1024, 224, 1000)
+    assert (cfg.data.crop_scale_min, cfg.data.hflip, cfg.data.eval_crop_fraction) == (0.08, True, 0.875)
+    assert (cfg.model.width, cfg.model.small_stem, cfg.model.zero_init_residual) == (64, False, True)
+    net = resnet_config(cfg, cfg.data.num_classes, 3)
+    assert net.depths == (3, 4, 6, 3) and net.bottleneck and normalisation(cfg) == "imagenet"
