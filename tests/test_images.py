@@ -3,9 +3,12 @@ Grain worker processes (the same batches for any worker count), damaged images."
 
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from PIL import Image
 
@@ -215,3 +218,33 @@ def test_each_process_takes_its_rows_of_every_request():
         rows = idx.reshape(-1, 16)  # [k, 16]: each step's global batch, process 0 its first 8 rows
         assert np.array_equal(a.reshape(-1, 8), rows[:, :8]) and np.array_equal(b.reshape(-1, 8), rows[:, 8:])
     assert [int(e) for _, e in whole] == [0, 0, 1, 1]  # 6 steps an epoch, calls of 3
+
+
+def test_grain_workers_end_when_the_training_process_is_killed(tmp_path, cache):
+    """kill -9 of the process that reads (preemption, the OOM killer) must not leave its Grain
+    workers behind: without the watch thread they lived on, idle, holding their memory."""
+    prepare(write_folder(tmp_path / "in", per_class=4), str(tmp_path / "out"), workers=1)
+    script = tmp_path / "reader.py"
+    script.write_text(
+        "import sys, time\n"
+        "from xlafit.data.images.dataset import ImageDataset\n"
+        "from xlafit.data.images.transforms import Augment\n"
+        "from xlafit.data.loader import TakeRequests, TrainOrder\n"
+        "if __name__ == '__main__':\n"
+        "    train = ImageDataset.from_prepared(sys.argv[1], 'train', Augment(image_size=8), workers=2)\n"
+        "    batches = train.stream(TakeRequests.between(TrainOrder(len(train), 4, 0), 0, 500, steps_per_call=1))\n"
+        "    next(batches)\n"
+        "    print('reading', flush=True)\n"
+        "    time.sleep(300)  # the workers fill their buffers and wait\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "out")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "reading"
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        assert len([p for p in workers if "spawn_main" in " ".join(p.cmdline())]) == 2
+        proc.kill()
+        proc.wait()
+        _, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, f"{len(alive)} Grain process(es) outlived the killed reader"
+    finally:
+        proc.kill()

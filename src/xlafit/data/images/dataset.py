@@ -24,7 +24,11 @@ batch comes back to the main process as that batch's result and is raised there.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -110,7 +114,8 @@ class ImageDataset:
         # images/s per worker that BENCHMARKS.md reports); a shallow buffer bounds memory.
         read = grain.ReadOptions(num_threads=1, prefetch_buffer_size=1)
         options = grain.MultiprocessingOptions(num_workers=self.workers, per_worker_buffer_size=self.buffer)
-        iterator = iter(ds.to_iter_dataset(read).mp_prefetch(options))
+        prefetch = ds.to_iter_dataset(read).mp_prefetch(options, worker_init_fn=_ExitWithParent(os.getpid()))
+        iterator = iter(prefetch)
         try:
             for batch in iterator:
                 yield {name: _out_of_shared_memory(x) for name, x in self._unwrap(batch).items()}
@@ -130,6 +135,27 @@ class ImageDataset:
                     len(self.skipped),
                 )
         return batch
+
+
+@dataclasses.dataclass(frozen=True)
+class _ExitWithParent:
+    """Grain's ``worker_init_fn`` (a class, so it pickles into spawned workers): the worker
+    ends when the training process is gone.
+
+    Grain's workers outlive a parent killed with ``kill -9`` (preemption, the OOM killer, a
+    scheduler): on this machine killed runs left idle workers holding 3 GB. A daemon thread
+    in each worker polls the parent's pid once a second.
+    """
+
+    parent: int
+
+    def __call__(self, worker_index: int, worker_count: int) -> None:
+        def watch() -> None:
+            while os.getppid() == self.parent:
+                time.sleep(1.0)
+            os._exit(0)  # note: nothing to clean up; the process that would read our output is gone
+
+        threading.Thread(target=watch, name="xlafit-exit-with-parent", daemon=True).start()
 
 
 def _out_of_shared_memory(x: Any) -> Any:
