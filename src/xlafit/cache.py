@@ -15,13 +15,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import time
 from pathlib import Path
 
 import jax
 
 CACHE_ENV = "XLAFIT_CACHE"
 COMPILE_CACHE_ENV = "XLAFIT_COMPILE_CACHE"
+COMPLETE = "complete"  # written last into a cache entry's directory: it is whole
 
 
 def cache_dir() -> Path:
@@ -45,3 +49,28 @@ def enable_compilation_cache() -> Path | None:
         return None
     jax.config.update("jax_compilation_cache_dir", str(path))
     return path
+
+
+def publish(tmp: Path, where: Path) -> None:
+    """Puts a finished build ``tmp`` (a ``*.tmp`` sibling of ``where``) in place as ``where``.
+
+    The build is marked whole (:data:`COMPLETE`) and renamed: processes of one host may
+    build the same entry at once, and the rename of the one that finishes second fails
+    harmlessly. Then the entry's older versions go (``<name>-<other hash>``; a run that has
+    one memory-mapped keeps reading it), and so do temporary builds a killed process left
+    more than a day ago.
+    """
+    (tmp / COMPLETE).touch()
+    try:
+        tmp.rename(where)
+    except OSError:  # another process on this host finished first
+        if not (where / COMPLETE).exists():
+            raise
+    prefix = where.name.rsplit("-", 1)[0] + "-"
+    for old in where.parent.glob(prefix + "*"):
+        if old != where and not old.name.endswith(".tmp"):
+            shutil.rmtree(old, ignore_errors=True)
+    for stale in where.parent.glob("*.tmp"):
+        with contextlib.suppress(OSError):  # another process may be removing it too
+            if time.time() - stale.stat().st_mtime > 24 * 3600:
+                shutil.rmtree(stale, ignore_errors=True)

@@ -312,7 +312,7 @@ def adapt(model: Any, loss: Any = None, metrics: Sequence[Any] | None = None) ->
 
 
 class KerasAdamState(NamedTuple):
-    count: jax.Array  # the number of updates so far
+    steps: jax.Array  # the number of updates so far (Keras' iterations)
     mu: optax.Updates  # Keras' m
     nu: optax.Updates  # Keras' v
 
@@ -334,15 +334,15 @@ def scale_by_keras_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-7) -
 
     def update(updates: optax.Updates, state: KerasAdamState, params: optax.Params | None = None):
         del params
-        count = state.count + 1
+        steps = state.steps + 1
         mu = jax.tree.map(lambda m, g: m + (g - m) * (1 - b1), state.mu, updates)
         nu = jax.tree.map(lambda v, g: v + (g * g - v) * (1 - b2), state.nu, updates)
-        t = count.astype(jnp.float32)
+        t = steps.astype(jnp.float32)
         correction = jnp.sqrt(1 - b2**t) / (1 - b1**t)
         updates = jax.tree.map(lambda m, v: m * correction / (jnp.sqrt(v) + eps), mu, nu)
-        return updates, KerasAdamState(count, mu, nu)
+        return updates, KerasAdamState(steps, mu, nu)
 
-    return optax.GradientTransformation(init, update)  # type: ignore[arg-type]
+    return optax.GradientTransformation(init, update)
 
 
 def optax_from_keras(optimizer: Any) -> optax.GradientTransformation:

@@ -10,7 +10,6 @@ host with less memory, and the page cache serves what every worker reads.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import io
@@ -22,13 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-from xlafit.cache import cache_dir
+from xlafit.cache import COMPLETE, cache_dir, publish
 from xlafit.data.dataset import DataError
 from xlafit.data.images.preparation import MANIFEST, read_manifest
 
 log = logging.getLogger("xlafit")
-
-_COMPLETE = "complete"  # written last into a cache directory: it is whole
 
 
 @dataclasses.dataclass
@@ -99,7 +96,7 @@ def load_split(url: str, split: str) -> tuple[ImageSplit, dict]:
         / "images"
         / f"{digest(fs.unstrip_protocol(root))}-{split}-{digest(json.dumps(manifest, sort_keys=True))}"
     )
-    if not (where / _COMPLETE).exists():
+    if not (where / COMPLETE).exists():
         _build(fs, root, manifest, split, where)
     return _open(where), manifest
 
@@ -161,16 +158,6 @@ def _build(fs, root: str, manifest: dict, split: str, where: Path) -> None:
         np.save(tmp / "offsets.npy", np.array(offsets, np.int64))
         np.save(tmp / "labels.npy", np.concatenate(labels) if labels else np.zeros(0, np.int32))
         np.save(tmp / "files.npy", np.array([f.encode() for f in files], dtype=bytes))
-        (tmp / _COMPLETE).touch()
-        try:
-            tmp.rename(where)
-        except OSError:  # another process on this host finished first
-            if not (where / _COMPLETE).exists():
-                raise
+        publish(tmp, where)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    prefix = where.name.rsplit("-", 1)[0] + "-"
-    for old in where.parent.glob(prefix + "*"):
-        if old != where and not old.name.endswith(".tmp"):
-            with contextlib.suppress(OSError):
-                shutil.rmtree(old, ignore_errors=True)  # a run that has it memory-mapped keeps reading it

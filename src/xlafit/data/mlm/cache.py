@@ -13,7 +13,6 @@ import json
 import logging
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,13 +20,12 @@ import fsspec
 import numpy as np
 from tqdm import tqdm
 
-from xlafit.cache import cache_dir
+from xlafit.cache import COMPLETE, cache_dir, publish
 from xlafit.data.dataset import DataError
 from xlafit.data.mlm.preparation import MANIFEST, read_manifest
 
 log = logging.getLogger("xlafit")
 
-_COMPLETE = "complete"  # written last into a cache directory: it is whole
 
 # name -> (shape, dtype) of a split's arrays
 _Layout = dict[str, tuple[tuple[int, ...], type[np.generic]]]
@@ -71,7 +69,7 @@ def load_split(url: str, split: str, *, memory_map: bool = True) -> tuple[dict[s
         "length": ((n,), np.int32),
     }
     where = _split_cache(fs.unstrip_protocol(root), split, manifest)  # one key for data/x, ./data/x, file://...
-    if memory_map and not (where / _COMPLETE).exists():
+    if memory_map and not (where / COMPLETE).exists():
         memory_map = _build_split_cache(fs, root, manifest, split, layout, where)
     if memory_map:
         return {name: np.load(where / f"{name}.npy", mmap_mode="r") for name in layout}, manifest
@@ -123,22 +121,9 @@ def _build_split_cache(
             for chunk in _decode_shards(fs, root, manifest, split):
                 for name, (_, dtype) in layout.items():
                     files[name].write(np.ascontiguousarray(chunk[name], dtype).tobytes())
-        (tmp / _COMPLETE).touch()
-        try:
-            tmp.rename(where)
-        except OSError:  # another process on this host finished first
-            if not (where / _COMPLETE).exists():
-                raise
+        publish(tmp, where)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    prefix = where.name.rsplit("-", 1)[0] + "-"
-    for old in where.parent.glob(prefix + "*"):
-        if old != where and not old.name.endswith(".tmp"):
-            shutil.rmtree(old, ignore_errors=True)  # a run that has it memory-mapped keeps reading it
-    for stale in where.parent.glob("*.tmp"):  # left by a process killed while decoding
-        with contextlib.suppress(OSError):  # another process may be removing it too
-            if time.time() - stale.stat().st_mtime > 24 * 3600:
-                shutil.rmtree(stale, ignore_errors=True)
     return True
 
 
