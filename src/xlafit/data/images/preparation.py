@@ -32,7 +32,7 @@ import numpy as np
 
 from xlafit.data.dataset import DataError
 from xlafit.data.mlm.masking import hash_uniform
-from xlafit.paths import StorageError, check_bucket, describe_error, is_url
+from xlafit.data.shards import output_dir, writing
 
 MANIFEST = "manifest.json"
 FORMAT = "xlafit-images-v1"
@@ -115,14 +115,6 @@ def _check_image(path: str) -> tuple[bytes, int, str | None]:
         return b"", 0, f"{type(e).__name__}: {e}"
 
 
-@contextlib.contextmanager
-def _writing(out: str | Path) -> Iterator[None]:
-    try:
-        yield
-    except OSError as e:
-        raise DataError(f"writing the image shards failed: {describe_error(out, e)}") from e
-
-
 def _write_shard(fs: fsspec.AbstractFileSystem, path: str, rows: list[tuple[bytes, int, str]]) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -173,15 +165,7 @@ def prepare(
         raise DataError(f"--shard-size {shard_size} must be at least 1.")
     splits, classes = find_images(input_dir, eval_fraction, seed)
     root_dir = Path(input_dir)
-    fs, root = fsspec.core.url_to_fs(out)
-    root = root.rstrip("/")
-    if is_url(out):
-        try:  # gcsfs's makedirs would create a missing bucket
-            check_bucket(out, "--out")
-        except StorageError as e:
-            raise DataError(str(e)) from None
-    with _writing(out):
-        fs.makedirs(root, exist_ok=True)
+    fs, root = output_dir(out, "the image shards")
     manifest_splits: dict[str, dict] = {}
     channels = 1
     workers = workers or os.cpu_count() or 1
@@ -200,7 +184,7 @@ def prepare(
             def flush(split: str = split, shards: list[dict] = shards, rows: list = rows) -> None:
                 if rows:
                     name = f"{split}-{len(shards):05d}.parquet"
-                    with _writing(out):
+                    with writing(out, "the image shards"):
                         digest = _write_shard(fs, f"{root}/{name}", rows)
                     n = len(rows)
                     shards.append(
@@ -241,7 +225,7 @@ def prepare(
         "eval_fraction": eval_fraction,
         "splits": manifest_splits,
     }
-    with _writing(out), fs.open(f"{root}/{MANIFEST}", "w") as f:
+    with writing(out, "the image shards"), fs.open(f"{root}/{MANIFEST}", "w") as f:
         json.dump(manifest, f, indent=2)
     return manifest
 

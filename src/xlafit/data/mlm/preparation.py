@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -31,9 +30,10 @@ from tqdm import tqdm
 
 from xlafit.data.dataset import DataError
 from xlafit.data.mlm.masking import hash_uniform
+from xlafit.data.shards import output_dir, writing
 from xlafit.data.text import DocBoundary, documents, total_bytes
 from xlafit.data.tokenizer import CLS, SEP, load_tokenizer
-from xlafit.paths import StorageError, as_path, check_bucket, describe_error, files_under, is_url
+from xlafit.paths import as_path, files_under
 
 MANIFEST = "manifest.json"
 FORMAT = "xlafit-mlm-v1"
@@ -103,16 +103,6 @@ class _Packer:
         return ids, [0] * (len(a) + 2) + [1] * (len(b) + 1)
 
 
-@contextlib.contextmanager
-def _writing(out: str | Path) -> Iterator[None]:
-    """Turns a failed write under ``out`` (a 403, a full disk, an unreachable server) into a
-    :class:`DataError` that names the cause and the fix, instead of the client's traceback."""
-    try:
-        yield
-    except OSError as e:
-        raise DataError(f"writing the MLM shards failed: {describe_error(out, e)}") from e
-
-
 class _ShardWriter:
     """Buffers rows and writes ``{split}-{n:05d}.parquet`` shards of ``shard_size`` rows."""
 
@@ -152,7 +142,7 @@ class _ShardWriter:
         buffer = pa.BufferOutputStream()
         pq.write_table(table, buffer, compression="zstd")
         data = buffer.getvalue().to_pybytes()
-        with _writing(self.out), self.fs.open(f"{self.root}/{name}", "wb") as f:
+        with writing(self.out, "the MLM shards"), self.fs.open(f"{self.root}/{name}", "wb") as f:
             f.write(data)
         digest = hashlib.sha256(data).hexdigest()
         self.shards.append({"path": name, "sequences": n, "tokens": int(lengths.sum()), "sha256": digest})
@@ -196,14 +186,8 @@ def prepare(
     if not 0.0 <= eval_fraction < 1.0:
         raise DataError(f"--eval-fraction {eval_fraction} must lie in [0, 1).")
     tok = load_tokenizer(tokenizer_dir)
-    fs, root = fsspec.core.url_to_fs(out)
-    if is_url(out):
-        try:  # gcsfs's makedirs would create a missing bucket
-            check_bucket(out, "--out")
-        except StorageError as e:
-            raise DataError(str(e)) from None
-    with _writing(out):
-        fs.makedirs(root, exist_ok=True)
+    fs, root = output_dir(out, "the MLM shards")
+    with writing(out, "the MLM shards"):
         _copy_tokenizer(tokenizer_dir, fs, f"{root}/tokenizer")
     rng = np.random.default_rng(seed)
     writers = {s: _ShardWriter(fs, root, s, seq_len, shard_size, str(out)) for s in ("train", "eval")}
@@ -252,7 +236,7 @@ def prepare(
             for split, w in writers.items()
         },
     }
-    with _writing(out), fs.open(f"{root}/{MANIFEST}", "w") as f:
+    with writing(out, "the MLM shards"), fs.open(f"{root}/{MANIFEST}", "w") as f:
         json.dump(manifest, f, indent=2)
     return manifest
 
