@@ -20,7 +20,7 @@ from flax import nnx
 
 import xlafit
 from helpers import mlm_dataset
-from xlafit.checkpoint import Checkpointer, fingerprint
+from xlafit.checkpoint import Checkpointer, fingerprint, path_name
 from xlafit.config import ConfigError, MeshConfig, TrainerConfig, validate_mesh
 from xlafit.devices import DeviceError, make_mesh
 from xlafit.models.bert import BertConfig, BertForMaskedLM
@@ -213,7 +213,12 @@ def test_tensor_parallelism_splits_the_work_of_a_device(data):
         _, _, batch = next(iter(trainer.batches(data)))
         flops[mesh] = trainer.train_step.flops_for(trainer.state, batch)
         mlp = trainer.state.params["layers"][0]["intermediate"]["kernel"][...]
+        qkv = trainer.state.params["layers"][0]["attention"]["qkv"]["kernel"][...]
     assert mlp.sharding.shard_shape(mlp.shape) == (64 // 4, 256 // 2)
+    # q, k and v (3, in, out) split by head: each device holds 2 of the 4 heads, 16 columns each
+    assert qkv.shape == (3, 64, 64)
+    assert qkv.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+    assert qkv.sharding.shard_shape(qkv.shape) == (3, 64 // 4, 64 // 2)
     assert flops[(1, 4, 2)] < 1.25 * flops[(1, 8, 1)], flops
 
 
@@ -253,6 +258,33 @@ def test_a_checkpoint_restores_under_any_layout(tmp_path, data, strategy1):
         got = restorer.evaluate(data)
         assert got["count"] == expected["count"]
         assert got["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+
+
+def test_a_checkpoint_of_the_older_qkv_layout_restores_into_the_per_head_one(tmp_path, data):
+    """Checkpoints written before q, k and v were split by head hold BERT's [q|k|v] kernel as a
+    (hidden, 3 * hidden) matrix (and the same for Adam's moments): they restore, onto FSDP x TP,
+    with every value where the reshape puts it."""
+    trainer = bert_trainer((1, 4, 2), optax.adamw(1e-3), config=TrainerConfig(epochs=1, stop_at_step=2))
+    state = trainer.fit(data).state
+    h = TINY.hidden_size
+
+    def older(path, x):
+        name = path_name(path).removesuffix("/value")
+        if name.endswith("qkv/kernel"):  # (3, in, out) -> [q|k|v] columns
+            return jnp.concatenate(list(x), axis=1)
+        return x.reshape(3 * h) if name.endswith("qkv/bias") else x
+
+    old = jax.tree_util.tree_map_with_path(older, state)
+    assert old.params["layers"][0]["attention"]["qkv"]["kernel"][...].shape == (h, 3 * h)
+    saver = Checkpointer(tmp_path)
+    saver.save(2, old)
+    saver.wait()
+    restored, step = Checkpointer(tmp_path).restore(state)
+    assert step == 2
+    host = lambda x: np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x)  # noqa: E731
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+        assert got.shape == want.shape and got.sharding == want.sharding
+        np.testing.assert_array_equal(host(got), host(want))
 
 
 # --------------------------------------------------------------------------- rematerialisation

@@ -20,7 +20,9 @@ import datetime
 import hashlib
 import json
 import logging
+import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +32,31 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from xlafit.devices import is_prng_key
+from xlafit.models.bert import qkv_from_matrix
 from xlafit.paths import StorageError, check_bucket, describe_error, files_under, is_url, move, refresh
 
 log = logging.getLogger("xlafit")
 
 SEAL = "xlafit-integrity.json"
 COMMIT = "commit_success.txt"
+
+
+# Parameters whose layout changed with their values kept: a checkpoint that holds one in its
+# older shape (the same number of elements) restores into the new one. Path suffix -> (the
+# older layout, the conversion of an array in it).
+RESHAPED: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "attention/qkv/kernel": ("BERT's (hidden, 3 * hidden) [q|k|v] matrix, xlafit before 2026-11-24", qkv_from_matrix),
+    "attention/qkv/bias": ("BERT's (3 * hidden,) [q|k|v] bias", lambda a: a.reshape(*a.shape[:-1], 3, -1)),
+}
+
+
+def older_layout(path: str, saved: tuple[int, ...], wanted: tuple[int, ...]) -> Callable[[Any], Any] | None:
+    """The conversion of ``path``'s array from the older layout it was saved in
+    (:data:`RESHAPED`), or None when it was saved as ``wanted``."""
+    if saved == wanted or math.prod(saved) != math.prod(wanted):
+        return None
+    name = path.removesuffix("/value")
+    return next((convert for suffix, (_, convert) in RESHAPED.items() if name.endswith(suffix)), None)
 
 
 class CheckpointError(RuntimeError):
@@ -299,9 +320,9 @@ class Checkpointer:
             if status.startswith("corrupt"):
                 self._set_aside(s, status)
                 continue
-            self._check_structure(s, like)
+            saved = self._check_structure(s, like)
             try:
-                raw = self._manager.restore(s, args=ocp.args.StandardRestore(_abstract(like)))
+                raw = self._restore_as(s, _abstract(like), saved)
             except Exception as e:  # unreadable despite the marker: treat as corrupt
                 self._set_aside(s, f"unreadable ({type(e).__name__}: {e})")
                 continue
@@ -326,7 +347,32 @@ class Checkpointer:
         """The saved tree of array metadata (shape, dtype) of checkpoint ``step``."""
         return self._manager.item_metadata(step)
 
-    def _check_structure(self, step: int, like: Any) -> None:
+    def _restore_as(self, step: int, target: Any, saved: dict[str, tuple[tuple[int, ...], str]]) -> Any:
+        """Restores ``step`` onto ``target``'s shapes and shardings; a leaf saved in an older
+        layout (:data:`RESHAPED`) is read in its saved shape, replicated, then converted and
+        placed on its target sharding."""
+
+        def as_saved(path: tuple, x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+            shape = saved[path_name(path)][0]
+            if shape == x.shape:
+                return x
+            sharding = x.sharding
+            if isinstance(sharding, jax.sharding.NamedSharding):
+                sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+            return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
+
+        raw = self._manager.restore(
+            step, args=ocp.args.StandardRestore(jax.tree_util.tree_map_with_path(as_saved, target))
+        )
+
+        def convert(path: tuple, r: jax.Array, x: jax.ShapeDtypeStruct) -> jax.Array:
+            older = older_layout(path_name(path), r.shape, x.shape)
+            return r if older is None else jax.device_put(older(r), x.sharding)
+
+        return jax.tree_util.tree_map_with_path(convert, raw, target)
+
+    def _check_structure(self, step: int, like: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+        """The saved ``path -> (shape, dtype)``, checked against ``like``'s."""
         saved = {
             path_name(p): (tuple(m.shape), str(m.dtype))
             for p, m in jax.tree_util.tree_flatten_with_path(self.metadata(step))[0]
@@ -336,6 +382,9 @@ class Checkpointer:
             for p, x in jax.tree_util.tree_flatten_with_path(_abstract(like))[0]
         }
         for path in sorted(set(saved) | set(wanted)):
+            if path in saved and path in wanted and saved[path][1] == wanted[path][1]:
+                if older_layout(path, saved[path][0], wanted[path][0]):
+                    continue
             if saved.get(path) != wanted.get(path):
                 have = "absent" if path not in saved else f"{saved[path][0]} {saved[path][1]}"
                 want = "absent" if path not in wanted else f"{wanted[path][0]} {wanted[path][1]}"
@@ -344,6 +393,7 @@ class Checkpointer:
                     f"{want} here. Resume with the config the run was started with, or use --restart "
                     "(or another --run-dir) to start over."
                 )
+        return saved
 
     def restore_params(self, step: int) -> Any:
         """The ``params`` of checkpoint ``step`` as host NumPy arrays, without the model.

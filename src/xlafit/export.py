@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import yaml
 from flax import nnx
 
-from xlafit.checkpoint import Checkpointer, CheckpointError, path_name
+from xlafit.checkpoint import Checkpointer, CheckpointError, older_layout, path_name
 from xlafit.config import Config, ConfigError
 from xlafit.models.bert import BertForMaskedLM
 from xlafit.models.bert_hf import save_hf
@@ -112,10 +112,17 @@ def _fill(model: nnx.Module, kind: Any, saved: Any, prefix: str = "") -> None:
     state = nnx.state(model, kind)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
     try:
-        values = [jnp.asarray(raw[prefix + path_name(p)]) for p, _ in leaves]
+        values = [_value(raw[prefix + path_name(p)], prefix + path_name(p), x) for p, x in leaves]
     except KeyError as e:
         raise CheckpointError(f"the checkpoint has no {e.args[0]}; was it written by another model?") from None
     nnx.update(model, jax.tree_util.tree_unflatten(treedef, values))
+
+
+def _value(saved: Any, path: str, like: Any) -> jax.Array:
+    """A saved array in ``like``'s shape: converted when saved in an older layout (``RESHAPED``)."""
+    value = jnp.asarray(saved)
+    older = older_layout(path, value.shape, tuple(like.shape))
+    return value if older is None else older(value)
 
 
 def _resnet(cfg: Config, arrays: Any) -> ResNet:

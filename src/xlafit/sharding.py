@@ -49,7 +49,6 @@ DEFAULT_RULES: Mapping[str, str | None] = {
     "mlp": "tensor",  # MLP hidden units: column-parallel in, row-parallel out (Megatron)
     "heads": "tensor",  # attention heads (Megatron)
     "vocab": "tensor",  # vocabulary rows of the embedding / the tied output layer
-    "qkv": None,  # BERT's fused [q|k|v] columns: not head-aligned, see models/bert.py
     "conv_out": "fsdp",  # a convolution's output channels
     "conv_in": None,
     "kernel_h": None,

@@ -3,8 +3,9 @@
 The same computation as Hugging Face's ``BertForMaskedLM`` (post-LayerNorm encoder, exact
 GELU, LayerNorm eps 1e-12, an MLM head tied to the word embeddings), so weights move both
 ways (:mod:`xlafit.models.bert_hf`) and logits agree to float rounding (tested to 1e-4).
-Two differences in layout, not in math: query, key and value are one ``[hidden, 3 * hidden]``
-matmul (one kernel launch instead of three), and the MLM head can run only at the
+Two differences in layout, not in math: query, key and value are one matmul with a
+``(3, hidden, hidden)`` kernel (one kernel launch instead of three, split by head under
+tensor parallelism), and the MLM head can run only at the
 ``max_predictions`` masked positions of each sequence, as original BERT does, instead of
 at every position.
 
@@ -160,6 +161,41 @@ def _dense(cfg: BertConfig, din: int, dout: int, rngs: nnx.Rngs, axes: tuple[str
     )
 
 
+class QKV(nnx.Module):
+    """Query, key and value projections as one matmul: ``x (B, T, hidden) -> (B, T, 3, hidden)``.
+
+    The kernel is ``(3, hidden, hidden)``: ``kernel[0]`` is the query's ``(in, out)`` matrix,
+    with logical axes ``(-, embed, heads)``. Its output columns are head after head, so a
+    split of them over ``tensor`` gives each device whole heads (Megatron: each device of a
+    tensor group holds and computes its own heads' q, k and v), and FSDP splits ``embed``.
+    The two minor dimensions stay ``hidden`` wide (a TPU pads a minor dimension of 64, a
+    head's width, to 128). The initial values are those of a ``(hidden, 3 * hidden)``
+    ``[q|k|v]`` matrix, and checkpoints written in that older layout still restore
+    (:data:`xlafit.checkpoint.RESHAPED`).
+    """
+
+    def __init__(self, cfg: BertConfig, rngs: nnx.Rngs) -> None:
+        h = cfg.hidden_size
+        normal = nnx.initializers.truncated_normal(stddev=cfg.initializer_range)
+
+        def init(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
+            return qkv_from_matrix(normal(key, (h, 3 * h), dtype))  # the values of the [q|k|v] matrix
+
+        self.kernel = nnx.Param(logical(init, None, "embed", "heads")(rngs.params(), (3, h, h)))
+        self.bias = nnx.Param(logical(nnx.initializers.zeros_init(), None, "heads")(rngs.params(), (3, h)))
+        self.dtype = cfg.compute_dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x, kernel, bias = nnx.nn.dtypes.promote_dtype((x, self.kernel[...], self.bias[...]), dtype=self.dtype)
+        return jnp.einsum("bth,khd->btkd", x, kernel) + bias[None, None]
+
+
+def qkv_from_matrix(matrix: Any) -> Any:
+    """``(..., hidden, 3 * hidden)`` ``[q|k|v]`` columns -> ``(..., 3, hidden, hidden)`` (NumPy or JAX)."""
+    *lead, h, _ = matrix.shape
+    return matrix.reshape(*lead, h, 3, h).swapaxes(-3, -2)
+
+
 def _layer_norm(cfg: BertConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
     # Statistics are computed in float32 even for bf16 inputs (Flax upcasts them).
     return nnx.LayerNorm(
@@ -254,10 +290,8 @@ class BertEmbeddings(nnx.Module):
 class BertAttention(nnx.Module):
     def __init__(self, cfg: BertConfig, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
-        # [q|k|v] columns are not grouped by head, so a split of them over `tensor` would not
-        # follow the heads: "qkv" is replicated over it (sharding.DEFAULT_RULES), the output
-        # projection is row-parallel over the heads.
-        self.qkv = _dense(cfg, cfg.hidden_size, 3 * cfg.hidden_size, rngs, ("embed", "qkv"))
+        # Megatron: q, k and v column-parallel by head, the output projection row-parallel.
+        self.qkv = QKV(cfg, rngs)
         self.out = _dense(cfg, cfg.hidden_size, cfg.hidden_size, rngs, ("heads", "embed"))
         self.attention_dropout = nnx.Dropout(cfg.attention_dropout, rngs=rngs)
         self.dropout = Dropout(cfg.hidden_dropout, bits=cfg.dropout_bits, rngs=rngs)
@@ -266,9 +300,9 @@ class BertAttention(nnx.Module):
     def __call__(self, x: jax.Array, mask: jax.Array, kv_lengths: jax.Array | None) -> jax.Array:
         b, t, h = x.shape
         heads = self.cfg.num_heads
-        q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * heads, h // heads), 3, axis=2)  # 3 x (B, T, nh, hd)
-        # Tensor parallelism: each device of a tensor group computes its own heads.
-        q, k, v = (constrain(a, "batch", None, "heads", None) for a in (q, k, v))
+        qkv = self.qkv(x).reshape(b, t, 3, heads, h // heads)
+        qkv = constrain(qkv, "batch", None, None, "heads", None)  # each device of a tensor group: its own heads
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         if self.cfg.attention_dropout > 0 and not self.attention_dropout.deterministic:
             # Dropout on the attention probabilities needs them materialised: the plain path.
             scores = jnp.einsum("btnd,bsnd->bnts", q, k) / jnp.sqrt(h // heads).astype(q.dtype)

@@ -121,13 +121,12 @@ def to_hf_state(model: BertForMaskedLM) -> dict[str, np.ndarray]:
     for name, param, transposed in _pairs(model):
         value = np.asarray(param[...], np.float32)
         state[name] = value.T if transposed else value
-    h = model.cfg.hidden_size
     for i, layer in enumerate(model.layers):
         qkv_bias = _present(layer.attention.qkv.bias, f"the query/key/value bias of layer {i}")
-        kernel, bias = np.asarray(layer.attention.qkv.kernel[...]), np.asarray(qkv_bias[...])
+        kernel, bias = np.asarray(layer.attention.qkv.kernel[...]), np.asarray(qkv_bias[...])  # (3, in, out), (3, out)
         for j, name in enumerate(("query", "key", "value")):
-            state[f"bert.encoder.layer.{i}.attention.self.{name}.weight"] = kernel[:, j * h : (j + 1) * h].T.copy()
-            state[f"bert.encoder.layer.{i}.attention.self.{name}.bias"] = bias[j * h : (j + 1) * h].copy()
+            state[f"bert.encoder.layer.{i}.attention.self.{name}.weight"] = kernel[j].T.copy()
+            state[f"bert.encoder.layer.{i}.attention.self.{name}.bias"] = bias[j].copy()
     return {k: np.ascontiguousarray(v) for k, v in state.items()}
 
 
@@ -155,9 +154,10 @@ def from_hf_state(model: BertForMaskedLM, state: dict[str, np.ndarray]) -> None:
     for i, layer in enumerate(model.layers):
         p = f"bert.encoder.layer.{i}.attention.self"
         q, k, v = (take(f"{p}.{n}.weight", (h, h)).T for n in ("query", "key", "value"))
-        layer.attention.qkv.kernel[...] = np.concatenate([q, k, v], axis=1)
-        qkv_bias = _present(layer.attention.qkv.bias, f"the query/key/value bias of layer {i}")
-        qkv_bias[...] = np.concatenate([take(f"{p}.{n}.bias", (h,)) for n in ("query", "key", "value")])
+        qkv = layer.attention.qkv
+        qkv.kernel[...] = np.stack([q, k, v])
+        qkv_bias = _present(qkv.bias, f"the query/key/value bias of layer {i}")
+        qkv_bias[...] = np.stack([take(f"{p}.{n}.bias", (h,)) for n in ("query", "key", "value")])
     decoder = state.get("cls.predictions.decoder.weight")
     if decoder is not None and not np.array_equal(
         np.asarray(decoder, np.float32), model.embeddings.word.embedding[...]
