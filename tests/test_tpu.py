@@ -19,7 +19,7 @@ from xlafit import tpu
 from xlafit.check import check_file, check_recipe
 from xlafit.cli import main
 from xlafit.config import ConfigError, TrainerConfig
-from xlafit.tpu_check import Program, _no_persistent_cache, check_target
+from xlafit.tpu_check import Program, _needed_bytes, _no_persistent_cache, check_target
 from xlafit.train.step import abstract_state, build_train_step
 
 CASES = Path(__file__).parent / "check_cases"
@@ -191,3 +191,13 @@ def test_synthetic_bert_data_has_berts_sizes_without_a_corpus():
     batch = train.take(np.arange(4))
     assert batch["input_ids"].shape == (4, 512) and batch["input_ids"].max() < 30522
     assert recipe.sequence_lengths(cfg) is None
+
+
+def test_the_refusals_byte_count_is_read_in_any_unit():
+    """The compiler writes what a refused program needs in K/M/G/T ("(384.00M) exceeds");
+    `--max-batch` interpolates on it, so a refusal under 1 GiB must not lose it."""
+    line = "the total memory required for HLO temporaries ({}) exceeds available HBM (15.75G)"
+    assert _needed_bytes(line.format("384.00M")) == 384 * 2**20
+    assert _needed_bytes(line.format("23.88G")) == int(23.88 * 2**30)
+    assert _needed_bytes(line.format("1.50T")) == int(1.5 * 2**40)
+    assert _needed_bytes("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm.") is None  # unknown, not 0

@@ -153,6 +153,9 @@ class TargetReport:
         return None if total is None or not self.capacity else self.capacity - total
 
 
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}  # the compiler's byte counts: "(15.75G)"
+
+
 class _OutOfMemory(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -179,8 +182,7 @@ def usable_hbm(target: tpu.Target) -> tuple[float, str]:
     except Exception as e:
         found = re.search(r"available HBM \((\d+(?:\.\d+)?)([KMGT])\)", str(e))
         if found:
-            scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[found.group(2)]
-            return float(found.group(1)) * scale, "the TPU compiler's limit"
+            return float(found.group(1)) * _UNITS[found.group(2)], "the TPU compiler's limit"
     return target.hbm_bytes, f"{target.source} (datasheet)"
 
 
@@ -333,8 +335,8 @@ class _Steps:
 def _needed_bytes(message: str) -> int | None:
     """The bytes per core that a refused program needs, from the compiler's message
     ("... HLO temporaries (23.88G) exceeds available HBM (15.75G)")."""
-    needed = re.search(r"\((\d+(?:\.\d+)?)G\) exceeds", message)
-    return int(float(needed.group(1)) * 2**30) if needed else None
+    needed = re.search(r"\((\d+(?:\.\d+)?)([KMGT])\) exceeds", message)
+    return int(float(needed.group(1)) * _UNITS[needed.group(2)]) if needed else None
 
 
 def _equations(jaxpr: Any, outer: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
