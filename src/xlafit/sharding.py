@@ -42,7 +42,7 @@ from xlafit.devices import BATCH_AXES, MESH_AXES
 __all__ = ["BATCH_AXES", "DEFAULT_RULES", "MESH_AXES", "logical", "parse_rules", "tree_shardings"]
 
 # Logical axis -> mesh axis (None: replicated). A model may use any other name: unknown
-# names are replicated, so a new model (ResNet: conv_in, conv_out) needs a row here or in
+# names are replicated, so a new model's own names need a row here or in
 # mesh.rules only where it wants a split.
 DEFAULT_RULES: Mapping[str, str | None] = {
     "embed": "fsdp",  # the model width (BERT's hidden size, a dense layer's input features)

@@ -45,6 +45,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
+from xlafit.sharding import logical
+
+# Logical axes (xlafit.sharding) of a convolution kernel: FSDP splits its output channels.
+CONV_AXES = ("kernel_h", "kernel_w", "conv_in", "conv_out")
+
 # depth -> (bottleneck blocks?, blocks per stage): He et al. 2016, table 1.
 DEPTHS: dict[int, tuple[bool, tuple[int, ...]]] = {
     18: (False, (2, 2, 2, 2)),
@@ -168,10 +173,11 @@ class BatchNorm(nnx.Module):
         zero_scale: bool = False,
         dtype: DTypeLike = jnp.float32,
     ) -> None:
-        self.scale = nnx.Param(jnp.zeros((features,)) if zero_scale else jnp.ones((features,)))
-        self.bias = nnx.Param(jnp.zeros((features,)))
-        self.mean = nnx.BatchStat(jnp.zeros((features,)))
-        self.var = nnx.BatchStat(jnp.ones((features,)))
+        axes = {"out_sharding": ("norm",), "eager_sharding": False}  # logical axes, as xlafit.sharding.logical
+        self.scale = nnx.Param(jnp.zeros((features,)) if zero_scale else jnp.ones((features,)), **axes)
+        self.bias = nnx.Param(jnp.zeros((features,)), **axes)
+        self.mean = nnx.BatchStat(jnp.zeros((features,)), **axes)
+        self.var = nnx.BatchStat(jnp.ones((features,)), **axes)
         self.group = group
         self.momentum = momentum
         self.eps = eps
@@ -236,7 +242,7 @@ class ConvBN(nnx.Module):
             use_bias=False,
             dtype=cfg.compute_dtype,
             # He et al. 2015 with fan_out, as torchvision and Hugging Face initialise ResNets.
-            kernel_init=nnx.initializers.variance_scaling(2.0, "fan_out", "normal"),
+            kernel_init=logical(nnx.initializers.variance_scaling(2.0, "fan_out", "normal"), *CONV_AXES),
             rngs=rngs,
         )
         self.norm = BatchNorm(
@@ -303,7 +309,8 @@ def classifier(cfg: ResNetConfig, rngs: nnx.Rngs) -> nnx.Linear:
         cfg.num_classes,
         dtype=cfg.compute_dtype,
         # PyTorch's nn.Linear default (kaiming_uniform with a=sqrt(5)): U(+-1/sqrt(fan_in)).
-        kernel_init=nnx.initializers.variance_scaling(1 / 3, "fan_in", "uniform"),
+        kernel_init=logical(nnx.initializers.variance_scaling(1 / 3, "fan_in", "uniform"), "embed", "classes"),
+        bias_init=logical(nnx.initializers.zeros_init(), "classes"),
         rngs=rngs,
     )
 
