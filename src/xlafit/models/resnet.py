@@ -173,11 +173,11 @@ class BatchNorm(nnx.Module):
         zero_scale: bool = False,
         dtype: DTypeLike = jnp.float32,
     ) -> None:
-        axes = {"out_sharding": ("norm",), "eager_sharding": False}  # logical axes, as xlafit.sharding.logical
-        self.scale = nnx.Param(jnp.zeros((features,)) if zero_scale else jnp.ones((features,)), **axes)
-        self.bias = nnx.Param(jnp.zeros((features,)), **axes)
-        self.mean = nnx.BatchStat(jnp.zeros((features,)), **axes)
-        self.var = nnx.BatchStat(jnp.ones((features,)), **axes)
+        norm = logical(lambda key, shape, value: jnp.full(shape, value, jnp.float32), "norm")  # logical axes
+        self.scale = nnx.Param(norm(None, (features,), 0.0 if zero_scale else 1.0))
+        self.bias = nnx.Param(norm(None, (features,), 0.0))
+        self.mean = nnx.BatchStat(norm(None, (features,), 0.0))
+        self.var = nnx.BatchStat(norm(None, (features,), 1.0))
         self.group = group
         self.momentum = momentum
         self.eps = eps
