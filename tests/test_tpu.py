@@ -19,7 +19,7 @@ from xlafit import tpu
 from xlafit.check import check_file, check_recipe
 from xlafit.cli import main
 from xlafit.config import ConfigError, TrainerConfig
-from xlafit.tpu_check import Program, _needed_bytes, _no_persistent_cache, check_target
+from xlafit.tpu_check import Program, _needed_bytes, _no_persistent_cache, check_target, format_report
 from xlafit.train.step import abstract_state, build_train_step
 
 CASES = Path(__file__).parent / "check_cases"
@@ -192,6 +192,18 @@ def test_the_resnet_recipe_compiles_for_a_tpu_with_its_batch_statistics():
     # backward): 0.89 measured for this small-stem net at 32 px (0.975 for ResNet-50 at 224 px)
     assert 0.8 < r.flops_per_step / r.analytic_flops_per_step < 1.1
     assert report.ok
+
+
+def test_a_tensor_parallel_report_counts_cores_and_batch_shards_apart():
+    """FSDP 4 x TP 2 on a v2-8: 8 cores, 4 batch shards (a tensor pair shares its rows); the
+    global batch, examples/s and the analytic FLOPs per core follow from that."""
+    overrides = ["data.source=synthetic", "model.preset=tiny", "data.seq_len=64", "data.max_predictions=10"]
+    overrides += ["data.per_device_batch=8", "data.global_batch=null", "mesh.fsdp=4", "mesh.tensor=2"]
+    (r,) = check_recipe("bert", overrides, tpu="v2-8").tpu
+    assert r.fits and (r.devices, r.batch_shards, r.per_device_batch) == (8, 4, 8)
+    assert r.examples_per_s == pytest.approx(8 * 4 / r.step_s)
+    assert 0.9 < r.flops_per_step / r.analytic_flops_per_step < 1.15  # 0.51 when divided by 4 shards
+    assert "global 32; each batch shard is shared by a tensor group of 2 cores" in format_report(r)
 
 
 def test_synthetic_bert_data_has_berts_sizes_without_a_corpus():

@@ -118,8 +118,9 @@ class TargetReport:
 
     target: str
     device_kind: str = ""
-    devices: int = 0
-    per_device_batch: int = 0
+    devices: int = 0  # the slice's cores
+    batch_shards: int = 0  # data x fsdp: the cores unless a tensor-parallel group shares its rows
+    per_device_batch: int = 0  # per batch shard
     steps_per_call: int = 1
     layout: str = ""  # the mesh line (Strategy.layout)
     fits: bool | None = None  # None: it failed for another reason (``error``)
@@ -366,8 +367,9 @@ def _roofline(report: TargetReport, target: tpu.Target, program: Program, cost: 
     flops = float(cost.get("flops", 0.0)) / counted or None
     report.flops_per_step = flops
     report.bytes_per_step = float(cost.get("bytes accessed", 0.0)) / counted or None
-    if program.flops_per_example:
-        report.analytic_flops_per_step = program.flops_per_example * report.per_device_batch
+    rows = report.per_device_batch * report.batch_shards  # the global batch
+    if program.flops_per_example:  # per core: a tensor-parallel group splits its shard's work
+        report.analytic_flops_per_step = program.flops_per_example * rows / report.devices
     if flops is None:
         return
     compute = flops / target.peak_flops
@@ -375,7 +377,7 @@ def _roofline(report: TargetReport, target: tpu.Target, program: Program, cost: 
     report.compute_s, report.memory_s = compute, memory
     report.step_s = max(compute, memory)
     report.bound = "compute" if compute >= memory else "HBM bandwidth"
-    report.examples_per_s = report.per_device_batch * report.devices / report.step_s
+    report.examples_per_s = rows / report.step_s
     if program.tokens_per_example:
         report.tokens_per_s = report.examples_per_s * program.tokens_per_example
 
@@ -388,7 +390,8 @@ def check_target(target: tpu.Target, program: Program, max_batch: bool = False) 
         report = TargetReport(
             target.name,
             device_kind=steps.strategy.mesh.devices.flat[0].device_kind,
-            devices=n,
+            devices=steps.strategy.mesh.devices.size,
+            batch_shards=n,
             per_device_batch=program.per_device_batch or max(1, (program.global_batch or n) // n),
             steps_per_call=program.config.steps_per_call,
             layout=steps.strategy.layout(),
@@ -565,9 +568,14 @@ def target_peak(r: TargetReport) -> str:
 
 def format_report(r: TargetReport) -> str:
     """One target's report, as lines for a terminal."""
+    shared = (
+        f"; each batch shard is shared by a tensor group of {r.devices // r.batch_shards} cores"
+        if r.batch_shards and r.batch_shards != r.devices
+        else ""
+    )
     head = (
         f"{r.target} ({r.devices} x {r.device_kind}), per-core batch {r.per_device_batch} "
-        f"(global {r.per_device_batch * r.devices}), {r.steps_per_call} step(s) per call"
+        f"(global {r.per_device_batch * r.batch_shards}{shared}), {r.steps_per_call} step(s) per call"
     )
     lines = [head, f"  {r.layout}"] if r.layout and "replicated" not in r.layout else [head]
     if r.error is not None:
