@@ -13,6 +13,7 @@ import xlafit
 from xlafit.config import TrainerConfig
 from xlafit.models.resnet import BatchNorm, ResNet, ResNetConfig, parameter_count, train_flops_per_example
 from xlafit.models.resnet_hf import HFFormatError, from_hf, save_hf, to_hf_state
+from xlafit.sharding import logical_axes
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -279,6 +280,10 @@ def test_fsdp_splits_the_convolutions_and_trains_what_one_device_does(strategy1,
     """The logical axes: convolutions split along their output channels over `fsdp`, batch
     norm and the classifier's 4 classes replicated (too small to split over 8). Global batch
     statistics under FSDP are those of the whole batch, as on 1 device (measured ~1e-7 apart)."""
+    model = _tiny()  # the names themselves (the default rule alone would split these two the same way)
+    assert logical_axes(model.stages[1][0].convs[0].conv.kernel) == ("kernel_h", "kernel_w", "conv_in", "conv_out")
+    assert logical_axes(model.stem.norm.scale) == logical_axes(model.stem.norm.mean) == ("norm",)
+    assert logical_axes(model.head.kernel) == ("embed", "classes")
     fsdp = xlafit.connect(mesh=(1, 8, 1))
     r8 = _trainer(fsdp, _tiny()).fit(pictures, eval=pictures)
     r1 = _trainer(strategy1, _tiny()).fit(pictures, eval=pictures)
