@@ -34,6 +34,7 @@ from etils import epath
 from xlafit.devices import is_prng_key
 from xlafit.models.bert import qkv_from_matrix
 from xlafit.paths import StorageError, check_bucket, describe_error, files_under, is_url, move, refresh
+from xlafit.sharding import path_name
 
 log = logging.getLogger("xlafit")
 
@@ -99,18 +100,6 @@ def fingerprint(params: Any) -> str:
         digest.update(f"{path_name(path)}|{value.shape}|{value.dtype}|".encode())
         digest.update(value.tobytes())
     return digest.hexdigest()
-
-
-def path_name(path: tuple) -> str:
-    """``model_state/dropout1/rngs/count/value``: a pytree path without its container types,
-    so the saved tree (nested dicts) and the live one (dataclasses, nnx.State) compare."""
-    names = []
-    for entry in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(entry, attr):
-                names.append(str(getattr(entry, attr)))
-                break
-    return "/".join(names)
 
 
 def _files(directory: epath.Path) -> dict[str, epath.Path]:

@@ -176,14 +176,21 @@ def default_spec(shape: tuple[int, ...], mesh_shape: Mapping[str, int]) -> Parti
     return PartitionSpec(*[("fsdp" if d == dim else None) for d in range(len(shape))])
 
 
-def _path_name(path: tuple) -> str:
-    parts = []
+def path_name(path: tuple) -> str:
+    """``model_state/dropout1/rngs/count/value``: a pytree path without its container types,
+    so the saved tree (nested dicts) and the live one (dataclasses, nnx.State) compare."""
+    names = []
     for entry in path:
         for attr in ("key", "name", "idx"):
             if hasattr(entry, attr):
-                parts.append(str(getattr(entry, attr)))
+                names.append(str(getattr(entry, attr)))
                 break
-    return "/".join(p for p in parts if p != "value")
+    return "/".join(names)
+
+
+def _path_name(path: tuple) -> str:
+    """:func:`path_name` without the variables' ``value`` entries: the parameter's own name."""
+    return "/".join(p for p in path_name(path).split("/") if p != "value")
 
 
 def tree_specs(tree: Any, mesh_shape: Mapping[str, int], rules: Mapping[str, str | None]) -> Any:
