@@ -138,7 +138,7 @@ def test_too_big_for_v5e_fits_v5p_and_says_by_how_much():
     assert not report.ok
 
 
-def test_max_batch_is_the_largest_that_fits():
+def test_max_batch_is_the_largest_that_fits(capsys):
     report = check_file(CASES / "tpu_wide_inputs.py", tpu="v2-8", max_batch=True)
     (r,) = report.tpu
     fits = {p.per_device_batch: p.fits for p in r.probes}
@@ -150,6 +150,13 @@ def test_max_batch_is_the_largest_that_fits():
     # 8 fits (the report's compile); 128 is refused and says what it needs; the line through
     # both lands on the answer: one more fit and one more refusal (doubling and bisection took 7)
     assert len(r.probes) <= 4, [(p.per_device_batch, p.fits) for p in r.probes]
+    # Progress on stderr as it happens: the first compile, then each probe's start and outcome.
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "v2-8: compiling the train step, 8 per core, 1 step(s) per call ..."
+    probed = [line for line in err if "--max-batch probe" in line]
+    assert len(probed) == len(r.probes)
+    assert all(line.endswith(" s)") and (" ... fits (" in line or " ... does not fit, needs " in line) for line in probed)
+    assert any(f": {b + 8} per core ... does not fit, needs " in line for line in probed)
 
 
 def test_a_cpu_only_operation_is_reported_at_the_users_line():

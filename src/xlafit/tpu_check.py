@@ -22,6 +22,9 @@ devices and compiled by libtpu. Nothing is allocated: the model may come from
 - with ``max_batch``, the largest per-core batch that compiles (a far probe, then the bytes
   interpolated at the capacity, bisection as the fallback;
   each probe one compile, refusals are fast).
+
+Each compile takes seconds to minutes here, so a line on stderr says what is compiling and
+how each ``--max-batch`` probe ended, as it happens.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import dataclasses
 import functools
 import math
 import re
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -58,6 +62,11 @@ LEVERS = (
     "rematerialisation (model.remat=full or dots_saveable in bert: activations recomputed, not kept)",
     "a TPU with more HBM per core (v5p: 95 GiB per chip, v6e: 32 GiB)",
 )
+
+
+def _progress(text: str, end: str = "\n") -> None:
+    """Progress on stderr (the report itself goes to stdout, or is returned)."""
+    print(text, end=end, file=sys.stderr, flush=True)
 
 
 @dataclasses.dataclass
@@ -417,6 +426,7 @@ def _train_report(report: TargetReport, steps: _Steps, target: tpu.Target) -> No
     from xlafit.check import classify
 
     program, per_device, k = steps.program, report.per_device_batch, report.steps_per_call
+    _progress(f"{target.name}: compiling the train step, {per_device} per core, {k} step(s) per call ...")
     try:
         compiled, report.compile_s = steps.compile_train(per_device)
     except _OutOfMemory as e:
@@ -486,8 +496,11 @@ def largest_batch(
     needs: dict[int, int] = {}  # per-core batch -> bytes per core, as the compiler said
 
     def fits(batch: int) -> bool:
+        _progress(f"{steps.target.name}: --max-batch probe {len(probes) + 1}: {batch} per core ...", end=" ")
         ok, seconds, needed = steps.fits(batch)
         probes.append(Probe(batch, ok, seconds))
+        need = f", needs {_gib(needed)}" if needed is not None and not ok else ""
+        _progress(f"{'fits' if ok else 'does not fit'}{need} ({seconds:.0f} s)")
         if needed is not None:
             needs[batch] = needed
         return ok
