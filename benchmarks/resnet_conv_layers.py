@@ -59,11 +59,10 @@ def xla_times(size: int, cin: int, cout: int, k: int, stride: int) -> tuple[floa
         return jax.lax.conv_general_dilated(x, w, (stride, stride), pad, dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
     g = jnp.ones_like(conv(x, w))
-    forward = jax.jit(conv)
+    forward = jax.jit(lambda x, w, g: conv(x, w))
     d_input = jax.jit(lambda x, w, g: jax.vjp(lambda x: conv(x, w), x)[1](g)[0])
     d_weight = jax.jit(lambda x, w, g: jax.vjp(lambda w: conv(x, w), w)[1](g)[0])
-    times = [median_ms(lambda f=f: jax.block_until_ready(f(x, w, g) if f is not forward else f(x, w)))
-             for f in (forward, d_input, d_weight)]
+    times = [median_ms(lambda f=f: jax.block_until_ready(f(x, w, g))) for f in (forward, d_input, d_weight)]
     if k == 1 and stride == 1:
         matmul = jax.jit(lambda x, g: x.reshape(-1, cin).T @ g.reshape(-1, cout))
         times.append(median_ms(lambda: jax.block_until_ready(matmul(x, g))))
@@ -92,12 +91,15 @@ def torch_times(size: int, cin: int, cout: int, k: int, stride: int) -> tuple[fl
         median_ms(lambda: torch.autograd.grad(y, [w], g, retain_graph=True)),
     )
 
+
 def main() -> None:
     xlafit.connect()
     torch.set_num_threads(2)
     print(f"batch {BATCH}, float32, NHWC; ms, median of {REPEATS}")
-    print("| layer (HxW, Cin->Cout, k, stride) | XLA fwd | XLA d-input | XLA d-weight | XLA x.T@g | oneDNN fwd "
-          "| oneDNN d-input | oneDNN d-weight | XLA / oneDNN (sum) |")
+    print(
+        "| layer (HxW, Cin->Cout, k, stride) | XLA fwd | XLA d-input | XLA d-weight | XLA x.T@g | oneDNN fwd "
+        "| oneDNN d-input | oneDNN d-weight | XLA / oneDNN (sum) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     total_xla = total_torch = 0.0
     for layer in LAYERS:
@@ -107,8 +109,10 @@ def main() -> None:
         size, cin, cout, k, stride = layer
         cells = [f"{t:.1f}" if t == t else "-" for t in ours + theirs]
         ratio = sum(ours[:3]) / sum(theirs)
-        print(f"| {size}x{size}, {cin}->{cout}, {k}x{k}, /{stride} | " + " | ".join(cells) + f" | {ratio:.2f} |",
-              flush=True)
+        print(
+            f"| {size}x{size}, {cin}->{cout}, {k}x{k}, /{stride} | " + " | ".join(cells) + f" | {ratio:.2f} |",
+            flush=True,
+        )
     print(f"all layers: XLA {total_xla:.1f} ms, oneDNN {total_torch:.1f} ms, {total_xla / total_torch:.2f}x")
 
 
