@@ -235,3 +235,54 @@ def test_the_refusals_byte_count_is_read_in_any_unit():
     assert _needed_bytes(line.format("23.88G")) == int(23.88 * 2**30)
     assert _needed_bytes(line.format("1.50T")) == int(1.5 * 2**40)
     assert _needed_bytes("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm.") is None  # unknown, not 0
+
+
+def _user_file(tmp_path, batch: str, loss: str = 'model(batch["x"]).sum(-1)') -> Path:
+    path = tmp_path / "user.py"
+    path.write_text(
+        "import jax, jax.numpy as jnp, numpy as np\nfrom flax import nnx\n"
+        "model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))\n"
+        f"batch = {batch}\n"
+        f"def loss_fn(model, batch):\n    return {loss}\n"
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    ("batch", "says"),
+    [
+        ('{"t": 1.0, "x": np.zeros((8, 4), np.float32)}', "batch['t'] is a scalar"),  # was an AttributeError
+        ('{"x": np.zeros((8, 4), np.float32), "y": np.zeros((6,))}', "disagree on the batch (first) axis: x 8, y 6"),
+        ('{"inputs": {"x": np.zeros((8, 4), np.float32)}}', "batch['inputs'] is a dict"),
+        ('{"x": np.zeros((8, 4), np.float32), "y": [[1, 2], [3]]}', "batch['y'] is not an array"),
+    ],
+)
+def test_a_malformed_batch_is_one_line_before_any_compile(tmp_path, capsys, batch, says):
+    assert main(["check", str(_user_file(tmp_path, batch)), "--tpu", "v3-8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err, err
+
+
+@pytest.mark.parametrize("flag", ["--per-device-batch", "--global-batch"])
+def test_a_batch_size_below_one_is_refused(tmp_path, capsys, flag):
+    path = _user_file(tmp_path, '{"x": np.zeros((8, 4), np.float32)}')
+    assert main(["check", str(path), "--tpu", "v3-8", flag, "0"]) == 2  # 0 used to mean "not given"
+    assert f"{flag} must be a positive whole number, got 0" in capsys.readouterr().err
+
+
+def test_a_failure_while_tracing_is_not_blamed_on_the_tpu(tmp_path):
+    """A KeyError in loss_fn fails on any device: not "compiles for the CPU, not for v3-8",
+    and the trace did not succeed."""
+    path = _user_file(tmp_path, '{"x": np.zeros((8, 4), np.float32)}', 'model(batch["inputs"]).sum(-1)')
+    report = check_file(path, tpu="v3-8,v5e-8")
+    assert not report.traced and not report.ok
+    assert [f.kind for f in report.findings] == ["fails while tracing the train step (on any device, not only a TPU)"]
+    assert report.findings[0].line == 6 and "KeyError" in report.findings[0].message
+    assert all(t.error.kind == report.findings[0].kind for t in report.tpu)
+    assert "trace: failed" in report.format() and "not for v3-8" not in report.format()
+
+
+def test_float64_numpy_inputs_count_as_the_float32_the_step_gets(tmp_path):
+    path = _user_file(tmp_path, '{"x": np.zeros((8, 4)), "y": np.arange(8)}', 'model(batch["x"]).sum(-1) - batch["y"]')
+    (r,) = check_file(path, tpu="v3-8").tpu
+    assert r.fits and r.memory["batch"] == 8 * (4 * 4 + 4)  # float32 and int32 without jax_enable_x64

@@ -41,7 +41,7 @@ from xlafit.config import ConfigError, TrainerConfig
 from xlafit.data.dataset import as_dataset
 from xlafit.data.shapes import Plan, compare_plans, format_plans
 from xlafit.tpu import parse_targets
-from xlafit.tpu_check import Program, TargetReport, check_targets, format_table
+from xlafit.tpu_check import TRACE_FAILURE, Program, TargetReport, check_targets, format_table
 from xlafit.tpu_check import format_report as format_tpu_report
 from xlafit.tpu_check import to_json as tpu_json
 from xlafit.train.step import TrainState, build_train_step
@@ -336,15 +336,43 @@ def _check_lengths(report: Report, lengths: np.ndarray | None, max_shapes: int) 
 
 
 def _example(batch: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
-    """One example's layout (shape without the batch axis, dtype) from a batch of arrays or
-    ``ShapeDtypeStruct``s."""
-    out = {}
+    """One example's layout (shape without the batch axis, dtype as a TPU step gets it) from a
+    batch of arrays or ``ShapeDtypeStruct``s; a one-line ``ConfigError`` for an entry that is
+    no array, has no batch axis, or whose batch axis disagrees with the others'."""
+    out, rows = {}, {}
     for k, v in batch.items():
-        v = v if isinstance(v, jax.ShapeDtypeStruct) else np.asarray(v)
+        if isinstance(v, dict):
+            raise ConfigError(
+                f"batch[{k!r}] is a dict; `batch` must be a flat dict of arrays: give its entries keys of their "
+                f"own, e.g. batch[{k + '_' + str(next(iter(v), 'x'))!r}]."
+            )
+        if not isinstance(v, jax.ShapeDtypeStruct):
+            try:
+                v = np.asarray(v)
+            except ValueError as e:  # a ragged list
+                raise ConfigError(f"batch[{k!r}] is not an array ({e}); pad its rows to one shape.") from None
+            if v.dtype == object:
+                raise ConfigError(
+                    f"batch[{k!r}] is a {type(batch[k]).__name__} that is not an array of numbers; every entry of "
+                    "`batch` must be an array or a jax.ShapeDtypeStruct."
+                )
         if not v.shape:
             raise ConfigError(f"batch[{k!r}] is a scalar; every entry of `batch` needs a leading batch axis.")
-        out[k] = jax.ShapeDtypeStruct(tuple(v.shape[1:]), v.dtype)
+        rows[k] = v.shape[0]
+        # As jit takes it: float64 and int64 become float32 and int32 unless jax_enable_x64 is on.
+        out[k] = jax.ShapeDtypeStruct(tuple(v.shape[1:]), jax.dtypes.canonicalize_dtype(v.dtype))
+    if len(set(rows.values())) > 1:
+        sizes = ", ".join(f"{k} {n}" for k, n in rows.items())
+        raise ConfigError(
+            f"the entries of `batch` disagree on the batch (first) axis: {sizes} rows; give every entry the same "
+            "number of rows."
+        )
     return out
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ConfigError(f"{name} must be a positive whole number, got {value}.")
 
 
 def check_tpu(
@@ -364,9 +392,11 @@ def check_tpu(
     _check_lengths(report, lengths, max_shapes)
     report.tpu = check_targets(parsed, program, max_batch)
     for t in report.tpu:
-        if t.error is not None and t.error.rule in (1, 2) and all(f.rule != t.error.rule for f in report.findings):
-            report.findings.append(t.error)  # a rule violation fails every target alike: reported once
-    report.traced = all(t.error is None or t.error.rule == 0 for t in report.tpu)
+        # A rule violation, or any failure while tracing, fails every target alike: reported once.
+        if t.error is not None and (t.error.rule in (1, 2) or t.error.kind == TRACE_FAILURE):
+            if all((f.rule, f.kind) != (t.error.rule, t.error.kind) for f in report.findings):
+                report.findings.append(t.error)
+    report.traced = all(t.error is None or (t.error.rule == 0 and t.error.kind != TRACE_FAILURE) for t in report.tpu)
     return report
 
 
@@ -403,6 +433,8 @@ def check_file(path: str | Path, tpu: str | None = None, max_batch: bool = False
     (an optax transformation; default ``optax.adamw(1e-3)``) and build ``model`` with
     ``nnx.eval_shape`` and ``batch`` from ``jax.ShapeDtypeStruct``s: nothing is allocated.
     """
+    _positive("--per-device-batch", options.get("per_device_batch"))
+    _positive("--global-batch", options.get("global_batch"))
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path} does not exist.")
@@ -437,14 +469,15 @@ def check_file(path: str | Path, tpu: str | None = None, max_batch: bool = False
             optimizer = namespace.get("optimizer", optax.adamw(1e-3))
             if not isinstance(optimizer, optax.GradientTransformation):
                 raise ConfigError(f"`optimizer` in {path} must be an optax transformation, e.g. optax.adamw(1e-3).")
-            rows = jax.tree.leaves(batch)[0].shape[0]
+            example = _example(batch)  # checks every entry first: a one-line error, not a traceback
+            rows = np.shape(next(iter(batch.values())))[0]
             global_batch = options.get("global_batch")
             program = Program(
                 namespace["model"],
                 namespace["loss_fn"],
                 optimizer,
                 TrainerConfig(),
-                _example(batch),
+                example,
                 per_device_batch=options.get("per_device_batch") or (None if global_batch else rows),
                 global_batch=global_batch,
                 eval_global_batch=None,
@@ -483,6 +516,8 @@ def check_recipe(
     from xlafit.sharding import parse_rules
     from xlafit.train.optim import make_optimizer
 
+    _positive("--per-device-batch", options.get("per_device_batch"))
+    _positive("--global-batch", options.get("global_batch"))
     cfg = load_config(name, overrides or [])
     recipe = get_recipe(name)
     train = as_dataset(recipe.load_data(cfg)[0])

@@ -166,6 +166,19 @@ class TargetReport:
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}  # the compiler's byte counts: "(15.75G)"
 
 
+# The title of a failure raised while tracing the step (a KeyError in loss_fn, mismatched
+# shapes): the program fails on any device, the CPU too, and no TPU is to blame.
+TRACE_FAILURE = "fails while tracing the train step (on any device, not only a TPU)"
+
+
+class _TraceFailure(Exception):
+    """An exception raised while tracing a step (``original``), before any lowering for a TPU."""
+
+    def __init__(self, original: Exception) -> None:
+        super().__init__(str(original))
+        self.original = original
+
+
 class _OutOfMemory(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -249,6 +262,15 @@ def _no_persistent_cache() -> Iterator[None]:
         compilation_cache.reset_cache()
 
 
+def _trace(jitted: Any, *args: Any) -> Any:
+    """``jitted.trace(*args)``; what the tracing raises (the user's code, on any device) is a
+    :class:`_TraceFailure`, apart from what lowering for the TPU raises later."""
+    try:
+        return jitted.trace(*args)
+    except Exception as e:
+        raise _TraceFailure(e) from e
+
+
 def _compile(lower: Callable[[], Any]) -> tuple[Any, float]:
     """Lowers and compiles; the compiler's out-of-memory refusal becomes :class:`_OutOfMemory`."""
     t0 = time.perf_counter()
@@ -289,7 +311,7 @@ class _Steps:
             self.train_graphdef, self.eval_graphdef, p.loss_fn, p.tx, s, p.config, rows, self.shardings
         )
         batch = _batch(p.example, rows, (p.config.steps_per_call,), s.batch_sharding(1))
-        return _compile(lambda: train_step._jitted.lower(self.state, batch))
+        return _compile(lambda: _trace(train_step._jitted, self.state, batch).lower())
 
     def compile_eval(self, per_device: int) -> tuple[Any, float]:
         p, s = self.program, self.strategy
@@ -433,6 +455,10 @@ def _train_report(report: TargetReport, steps: _Steps, target: tpu.Target) -> No
         report.fits, report.message = False, e.message
         if (needed := _needed_bytes(e.message)) is not None:
             report.memory["total"] = needed
+    except _TraceFailure as e:  # the user's code fails on any device: rules 1, 2, or a plain error
+        finding = classify(e.original, program.user_file)
+        report.error = finding if finding.rule else dataclasses.replace(finding, kind=TRACE_FAILURE)
+        report.message = finding.message
     except Exception as e:  # a failure that is not about memory: placed at the user's line
         finding = classify(e, program.user_file)
         if finding.rule == 0:
