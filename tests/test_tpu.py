@@ -286,3 +286,11 @@ def test_float64_numpy_inputs_count_as_the_float32_the_step_gets(tmp_path):
     path = _user_file(tmp_path, '{"x": np.zeros((8, 4)), "y": np.arange(8)}', 'model(batch["x"]).sum(-1) - batch["y"]')
     (r,) = check_file(path, tpu="v3-8").tpu
     assert r.fits and r.memory["batch"] == 8 * (4 * 4 + 4)  # float32 and int32 without jax_enable_x64
+
+
+def test_a_global_batch_that_does_not_divide_over_the_cores_is_not_rounded_down(tmp_path):
+    path = _user_file(tmp_path, '{"x": np.zeros((8, 4), np.float32)}')
+    report = check_file(path, tpu="v3-8,v4-8", global_batch=12)  # 8 cores: no; v4-8's 4 megacore chips: 3 each
+    v3, v4 = report.tpu
+    assert v3.fits is None and v3.error.kind == "batch" and "use a multiple of 8 (8 or 16)" in v3.message
+    assert v4.fits and v4.per_device_batch == 3 and not report.ok

@@ -428,6 +428,19 @@ def check_target(target: tpu.Target, program: Program, max_batch: bool = False) 
             layout=steps.strategy.layout(),
         )
         report.capacity, report.capacity_source = usable_hbm(target)
+        g = program.global_batch
+        if program.per_device_batch is None and g and g % n:  # not rounded down in silence
+            from xlafit.check import Finding
+
+            lower, upper = max(n, g // n * n), (g // n + 1) * n
+            report.error = Finding(
+                0,
+                f"global batch {g} does not divide over the {n} batch shards of {target.name}; use a multiple of "
+                f"{n} ({lower} or {upper}), or give --per-device-batch.",
+                kind="batch",
+            )
+            report.message = report.error.message
+            return report
         # The eval step compiles in a thread beside the train step: the TPU compiler holds
         # no Python lock, and compiling one program keeps one core busy.
         evaluation = None
