@@ -20,7 +20,6 @@ from xlafit.check import check_file, check_recipe
 from xlafit.cli import main
 from xlafit.config import ConfigError, TrainerConfig
 from xlafit.tpu_check import Program, _needed_bytes, _no_persistent_cache, check_target, format_report
-from xlafit.train.step import abstract_state, build_train_step
 
 CASES = Path(__file__).parent / "check_cases"
 
@@ -62,16 +61,28 @@ def test_missing_libtpu_is_one_line_with_the_install_command(monkeypatch, capsys
 
 
 def _direct_memory(model, loss_fn, tx, target_name, per_device, example_shape):
-    """The same step compiled by hand: jax.jit(...).lower(...).compile().memory_analysis()."""
+    """The step a user would write, compiled by hand: ``value_and_grad`` + optax, the state
+    donated, the batch split over the slice's cores; then ``memory_analysis()``. Not
+    xlafit's step: what ``xlafit check --tpu`` reports must agree with this one."""
     devices = tpu.devices(tpu.parse_target(target_name))
     mesh = Mesh(np.array(devices), ("data",))
-    replicated, data = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec(None, "data"))
+    replicated, data = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
     model.train()
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    state = abstract_state(params, rest, tx, replicated)
-    rows = per_device * len(devices)
-    batch = {"x": jax.ShapeDtypeStruct((1, rows, *example_shape), jnp.float32, sharding=data)}
-    step = build_train_step(graphdef, loss_fn, tx)
+    shapes = (params, jax.eval_shape(tx.init, params), rest)
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), shapes)
+    batch = {"x": jax.ShapeDtypeStruct((per_device * len(devices), *example_shape), jnp.float32, sharding=data)}
+
+    def step(state, batch):
+        params, opt_state, rest = state
+
+        def loss(params):
+            return jnp.mean(loss_fn(nnx.merge(graphdef, params, rest, copy=True), batch))
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, rest), value
+
     jitted = jax.jit(step, out_shardings=(replicated, replicated), donate_argnums=0)
     with _no_persistent_cache():
         compiled = jitted.lower(state, batch).compile()
@@ -106,6 +117,36 @@ def test_a_tiny_model_compiles_for_the_tpu_with_the_memory_of_a_direct_compile(t
     analytic = 6 * 32 * (64 * 256 + 256 * 64)  # forward + backward matmuls of 32 examples
     assert 0.9 * analytic < report.flops_per_step < 2 * analytic
     assert report.step_s > 0 and report.examples_per_s > 0 and report.eval["fits"]
+
+
+class _ThreeLayers(nnx.Module):
+    def __init__(self, rngs):
+        self.layers = nnx.List([nnx.Linear(2048, 2048, use_bias=False, rngs=rngs) for _ in range(3)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jnp.tanh(layer(x))
+        return x
+
+
+def test_the_default_step_takes_the_memory_of_a_bare_step_and_skips_guard_costs_gradients():
+    """On v5p the compiler updates each parameter as soon as its gradient is ready; a guard on
+    the gradient norm (nan_policy=skip, rollback) holds every gradient until the check, the
+    default (stop: the loss only) does not."""
+    model = nnx.eval_shape(lambda: _ThreeLayers(nnx.Rngs(0)))
+    tx = optax.adam(1e-3)
+    example = {"x": jax.ShapeDtypeStruct((2048,), jnp.float32)}
+    totals = {}
+    for policy in ("stop", "skip"):
+        config = TrainerConfig(nan_policy=policy)
+        program = Program(model, _mlp_loss, tx, config, example, per_device_batch=8, eval_global_batch=None)
+        report = check_target(tpu.parse_target("v5p-8"), program)
+        assert report.fits and report.error is None
+        totals[policy] = report.memory["total"]
+    direct = _direct_memory(model, _mlp_loss, tx, "v5p-8", 8, (2048,))
+    assert abs(totals["stop"] - direct) <= 0.05 * direct
+    one_layer = 2048 * 2048 * 4
+    assert totals["skip"] - totals["stop"] >= one_layer  # at least one more layer's gradient alive
 
 
 def test_flops_of_a_k_step_call_are_k_times_one_step():

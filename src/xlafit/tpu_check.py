@@ -571,6 +571,12 @@ def largest_batch(
     streak: list[bool] = []  # the outcomes of the interpolated probes since the last bisection
     while (bad - good) // unit >= 2 and bad - good > tolerance * good:
         guess = _interpolate(good, bad, needs, capacity, unit)
+        if guess is not None:
+            # Near the capacity the compiler packs tighter and the line lands just above the
+            # last fit, which crept up 8 at a time (a v5p search: 33800, 33808, 33816, 33824,
+            # two minutes each). A guess at least `tolerance` above it ends the search with one
+            # cheap refusal, or moves it up that much.
+            guess = min(max(guess, good + max(unit, int(tolerance * good) // unit * unit)), bad - unit)
         if guess is None or streak[-2:] in ([True, True], [False, False]):
             guess, streak = good + (bad - good) // unit // 2 * unit, []
             ok = fits(guess)

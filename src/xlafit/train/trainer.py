@@ -560,8 +560,16 @@ class Trainer:
             f"checkpoint {last} in {self._ckpt.directory}" if self._ckpt is not None and last is not None else "none"
         )
         if policy == "stop":
+            # nan_policy=stop's step drops an update whose loss is not finite; one with a finite loss
+            # and a non-finite gradient was applied (checking the gradient first costs memory).
+            applied = (
+                "its update was not applied"
+                if not np.isfinite(values.get("loss", np.nan))
+                else "its update was applied (the loss was finite, the gradient not), so the model in memory "
+                "holds non-finite values"
+            )
             raise NonFiniteError(
-                f"non-finite values at step {step + 1} ({which}); its update was not applied. "
+                f"non-finite values at step {step + 1} ({which}); {applied}. "
                 f"Last good checkpoint: {where}. Lower optimizer.learning_rate, set optimizer.grad_clip_norm, "
                 "check the data, or set trainer.nan_policy=skip or rollback."
             )
