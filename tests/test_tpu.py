@@ -149,6 +149,19 @@ def test_the_default_step_takes_the_memory_of_a_bare_step_and_skips_guard_costs_
     assert totals["skip"] - totals["stop"] >= one_layer  # at least one more layer's gradient alive
 
 
+def test_a_user_files_config_sets_the_loop_and_a_wrong_one_is_one_line(tmp_path):
+    source = (CASES / "clean.py").read_text()
+    good = tmp_path / "with_config.py"
+    good.write_text(source + "\nfrom xlafit.config import TrainerConfig\nconfig = TrainerConfig(steps_per_call=2)\n")
+    (r,) = check_file(good, tpu="v3-8").tpu
+    assert r.fits and r.steps_per_call == 2
+    bad = tmp_path / "bad_config.py"
+    bad.write_text(source + "\nconfig = {'steps_per_call': 2}\n")
+    with pytest.raises(ConfigError, match="`config` in .* must be an xlafit.config.TrainerConfig") as e:
+        check_file(bad, tpu="v3-8")
+    assert "\n" not in str(e.value)
+
+
 def test_flops_of_a_k_step_call_are_k_times_one_step():
     model = nnx.Linear(128, 128, rngs=nnx.Rngs(0))
     example = {"x": jax.ShapeDtypeStruct((128,), jnp.float32)}

@@ -430,7 +430,8 @@ def check_file(path: str | Path, tpu: str | None = None, max_batch: bool = False
 
     With ``tpu`` (``"v3-8,v5e-8"``), compiles the step for those TPU slices instead of
     running it here (:mod:`xlafit.tpu_check`). The file may then also define ``optimizer``
-    (an optax transformation; default ``optax.adamw(1e-3)``) and build ``model`` with
+    (an optax transformation; default ``optax.adamw(1e-3)``) and ``config`` (a
+    :class:`~xlafit.TrainerConfig`: steps per call, accumulation, ``nan_policy``), and build ``model`` with
     ``nnx.eval_shape`` and ``batch`` from ``jax.ShapeDtypeStruct``s: nothing is allocated.
     """
     _positive("--per-device-batch", options.get("per_device_batch"))
@@ -469,6 +470,12 @@ def check_file(path: str | Path, tpu: str | None = None, max_batch: bool = False
             optimizer = namespace.get("optimizer", optax.adamw(1e-3))
             if not isinstance(optimizer, optax.GradientTransformation):
                 raise ConfigError(f"`optimizer` in {path} must be an optax transformation, e.g. optax.adamw(1e-3).")
+            config = namespace.get("config", TrainerConfig())
+            if not isinstance(config, TrainerConfig):
+                raise ConfigError(
+                    f"`config` in {path} must be an xlafit.config.TrainerConfig, e.g. "
+                    f"TrainerConfig(nan_policy='skip'); it is a {type(config).__name__}."
+                )
             example = _example(batch)  # checks every entry first: a one-line error, not a traceback
             rows = np.shape(next(iter(batch.values())))[0]
             global_batch = options.get("global_batch")
@@ -476,7 +483,7 @@ def check_file(path: str | Path, tpu: str | None = None, max_batch: bool = False
                 namespace["model"],
                 namespace["loss_fn"],
                 optimizer,
-                TrainerConfig(),
+                config,
                 example,
                 per_device_batch=options.get("per_device_batch") or (None if global_batch else rows),
                 global_batch=global_batch,
