@@ -348,3 +348,4 @@ def test_a_global_batch_that_does_not_divide_over_the_cores_is_not_rounded_down(
     v3, v4 = report.tpu
     assert v3.fits is None and v3.error.kind == "batch" and "use a multiple of 8 (8 or 16)" in v3.message
     assert v4.fits and v4.per_device_batch == 3 and not report.ok
+    assert format_report(v3).splitlines()[0] == "v3-8 (8 x TPU v3), 1 step(s) per call"  # no made-up batch

@@ -631,10 +631,10 @@ def format_report(r: TargetReport) -> str:
         if r.batch_shards and r.batch_shards != r.devices
         else ""
     )
-    head = (
-        f"{r.target} ({r.devices} x {r.device_kind}), per-core batch {r.per_device_batch} "
-        f"(global {r.per_device_batch * r.batch_shards}{shared}), {r.steps_per_call} step(s) per call"
-    )
+    batch = f"per-core batch {r.per_device_batch} (global {r.per_device_batch * r.batch_shards}{shared}), "
+    if r.error is not None and r.error.kind == "batch":  # no per-core batch: the error says why
+        batch = ""
+    head = f"{r.target} ({r.devices} x {r.device_kind}), {batch}{r.steps_per_call} step(s) per call"
     lines = [head, f"  {r.layout}"] if r.layout and "replicated" not in r.layout else [head]
     if r.error is not None:
         where = f" at {r.error.file}:{r.error.line}" if r.error.file and r.error.line else ""
