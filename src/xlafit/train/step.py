@@ -145,8 +145,8 @@ def apply_if_finite(
     tx: optax.GradientTransformation,
     model_state: nnx.State,
     metrics: dict[str, jax.Array],
-    guard: Guard = "gradient",
-    select: bool = False,
+    guard: Guard,
+    select: bool,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update, dropped when the loss (``guard="loss"``), or the loss or the
     gradient (``guard="gradient"``), is not finite.
@@ -181,12 +181,8 @@ def apply_if_finite(
         return jnp.where(applied, new, old) if jnp.issubdtype(old.dtype, jnp.floating) else new
 
     if select and guard == "loss":
-        new_params, new_opt_state = update(state.params, state.opt_state)
-        where = lambda new, old: jnp.where(applied, new, old)  # noqa: E731
-        params, opt_state = (
-            jax.tree.map(where, new_params, state.params),
-            jax.tree.map(where, new_opt_state, state.opt_state),
-        )
+        old = (state.params, state.opt_state)
+        params, opt_state = jax.tree.map(lambda n, o: jnp.where(applied, n, o), update(*old), old)
     else:
         keep = lambda params, opt_state: (params, opt_state)  # noqa: E731
         params, opt_state = jax.lax.cond(applied, update, keep, state.params, state.opt_state)
