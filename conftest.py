@@ -10,8 +10,10 @@ import jax  # noqa: E402
 
 from xlafit.devices import configure  # noqa: E402
 
-# The same XLA:CPU flags as every xlafit run, whichever test happens to start JAX first.
-configure()
+# The same XLA:CPU flags as every xlafit run, whichever test happens to start JAX first. The
+# suite's one process compiles hundreds of programs: it returns their freed memory to the OS
+# (tests/test_host_memory.py covers run.cpu_keep_memory, in processes of its own).
+configure(cpu_keep_memory=False)
 
 # Implicit rank promotion hides shape bugs (a [B] loss broadcast against [B, 1]).
 jax.config.update("jax_numpy_rank_promotion", "raise")

@@ -158,6 +158,9 @@ class RunConfig:
     # dot, eltwise, reduce, individual_dot, individual_convolution. Measured on 2 cores: the
     # MNIST CNN is fastest with dot,eltwise,reduce; BERT with dot (its recipe sets that).
     xla_cpu_ynn_fusion: str = "dot,eltwise,reduce"
+    # On the CPU, keep freed host memory for reuse: XLA:CPU's per-call temporaries are otherwise
+    # page-faulted in afresh every step (ResNet-50: 1 s of kernel time per step; xlafit.host_memory).
+    cpu_keep_memory: bool = True
 
 
 @dataclasses.dataclass

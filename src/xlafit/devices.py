@@ -21,6 +21,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from xlafit.host_memory import accelerator_present, keep_freed_memory
+
 SIMULATE_ENV = "XLAFIT_SIMULATE_DEVICES"
 COORDINATOR_ENV = "XLAFIT_COORDINATOR"
 NUM_PROCESSES_ENV = "XLAFIT_NUM_PROCESSES"
@@ -257,7 +259,11 @@ def _backend_started() -> bool:
 
 
 def configure(
-    simulate: int | None = None, *, cpu_fast_paths: bool = True, ynn_fusion: str = DEFAULT_YNN_FUSION
+    simulate: int | None = None,
+    *,
+    cpu_fast_paths: bool = True,
+    ynn_fusion: str = DEFAULT_YNN_FUSION,
+    cpu_keep_memory: bool = True,
 ) -> None:
     """Sets platform options; must run before JAX starts its backends.
 
@@ -267,6 +273,10 @@ def configure(
         cpu_fast_paths: hand the ``ynn_fusion`` operations of CPU programs to YNNPACK (adds
             :data:`YNN_FUSION_FLAG` to ``XLA_FLAGS``, unless it is set there already).
         ynn_fusion: a comma-separated subset of :data:`YNN_FUSION_TYPES`.
+        cpu_keep_memory: when the run is on the CPU (simulated devices, ``JAX_PLATFORMS=cpu``,
+            or a host without GPU/TPU device files), keep freed host memory for reuse
+            instead of page-faulting every call's temporaries in afresh
+            (:mod:`xlafit.host_memory`).
     """
     types = [t.strip() for t in ynn_fusion.split(",") if t.strip()]
     unknown = [t for t in types if t not in YNN_FUSION_TYPES]
@@ -295,6 +305,10 @@ def configure(
     from xlafit.cache import enable_compilation_cache
 
     enable_compilation_cache()
+    platforms = jax.config.jax_platforms or ""  # type: ignore[attr-defined]
+    on_cpu = simulate is not None or platforms.split(",")[0] == "cpu" or (not platforms and not accelerator_present())
+    if cpu_keep_memory and on_cpu:
+        keep_freed_memory()
     if simulate is not None:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", simulate)
@@ -444,6 +458,7 @@ def connect(
     *,
     cpu_fast_paths: bool = True,
     ynn_fusion: str = DEFAULT_YNN_FUSION,
+    cpu_keep_memory: bool = True,
     cluster: Cluster | None = None,
     mesh: tuple[int, int, int] = (-1, 1, 1),
     rules: Mapping[str, str | None] | None = None,
@@ -456,7 +471,7 @@ def connect(
     Args:
         simulate: use this many simulated CPU devices (per process; rehearse an 8-core TPU
             with 8).
-        cpu_fast_paths, ynn_fusion: see :func:`configure`.
+        cpu_fast_paths, ynn_fusion, cpu_keep_memory: see :func:`configure`.
         cluster: join this job; default: :meth:`Cluster.from_env`.
         mesh: sizes of ``(data, fsdp, tensor)``, one of them may be -1 (see :func:`make_mesh`);
             the default is pure data parallelism.
@@ -476,7 +491,7 @@ def connect(
         mesh: data=1 fsdp=4 tensor=2 -> parameters and optimizer state split over fsdp, tensor-parallel ... (4 shards)
     """
     started = _backend_started()
-    configure(simulate, cpu_fast_paths=cpu_fast_paths, ynn_fusion=ynn_fusion)
+    configure(simulate, cpu_fast_paths=cpu_fast_paths, ynn_fusion=ynn_fusion, cpu_keep_memory=cpu_keep_memory)
     cluster = cluster or Cluster.from_env()
     if cluster is not None and not started and not jax.distributed.is_initialized():
         _join(cluster)

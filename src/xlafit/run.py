@@ -74,6 +74,7 @@ def train_and_evaluate(cfg: Config) -> FitResult:
             cfg.run.simulate_devices,
             cpu_fast_paths=cfg.run.xla_cpu_fast_paths,
             ynn_fusion=cfg.run.xla_cpu_ynn_fusion,
+            cpu_keep_memory=cfg.run.cpu_keep_memory,
             mesh=cfg.mesh.sizes,
             rules=parse_rules(cfg.mesh.rules),
         )
