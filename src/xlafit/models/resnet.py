@@ -290,16 +290,62 @@ class Block(nnx.Module):
         return nnx.relu(y + residual)
 
 
+_POOL_WINDOW, _POOL_STRIDES, _POOL_PADDING = (1, 3, 3, 1), (1, 2, 2, 1), ((0, 0), (1, 1), (1, 1), (0, 0))
+
+
+def _reduce_window_max(x: jax.Array) -> jax.Array:
+    # a Python -inf: JAX recognises max with its identity and uses the differentiable reduce_window_max
+    return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, _POOL_WINDOW, _POOL_STRIDES, _POOL_PADDING)
+
+
+@jax.custom_vjp
 def max_pool_3x3_stride2(x: jax.Array) -> jax.Array:
     """PyTorch's ``MaxPool2d(3, stride=2, padding=1)`` over ``[B, H, W, C]`` (padding never wins).
 
-    ``lax.reduce_window``, whose gradient is XLA's select-and-scatter. Measured on this CPU
-    against the maximum of the nine strided views (compares and selects in the gradient):
-    1.21 vs 1.24 s per ResNet-50 step at batch 8, 4 alternating rounds (BENCHMARKS.md).
+    ``lax.reduce_window``. Its gradient is XLA's select-and-scatter on TPUs and GPUs, where
+    it is native; on the CPU it is :func:`_scatter_free_pool_grad`, because XLA:CPU expands
+    select-and-scatter into index arrays and a scatter (BENCHMARKS.md: 1.825 vs 1.875 s per
+    ResNet-50 step at batch 8). Both send each output's gradient to the first maximum of its
+    window, as PyTorch does.
     """
-    window, strides = (1, 3, 3, 1), (1, 2, 2, 1)
-    # a Python -inf: JAX recognises max with its identity and uses the differentiable reduce_window_max
-    return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, window, strides, ((0, 0), (1, 1), (1, 1), (0, 0)))
+    return _reduce_window_max(x)
+
+
+def _scatter_free_pool_grad(x: jax.Array, y: jax.Array, g: jax.Array) -> jax.Array:
+    """The max-pool gradient as nine compare/selects, one per window position, in the order
+    select-and-scatter scans the window; each output's gradient goes to its first maximum."""
+    b, h, w, c = x.shape
+    ho, wo = y.shape[1:3]
+    xp = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)), constant_values=-jnp.inf)
+    zero = jnp.zeros((), g.dtype)
+    grad = jnp.zeros(xp.shape, g.dtype)
+    taken = jnp.zeros(y.shape, bool)
+    for i in range(3):
+        for j in range(3):
+            view = jax.lax.slice(xp, (0, i, j, 0), (b, i + 2 * ho - 1, j + 2 * wo - 1, c), (1, 2, 2, 1))
+            hit = (view == y) & ~taken
+            taken = taken | hit
+            # back onto the padded input grid: rows i, i + 2, ..., columns j, j + 2, ...
+            rows, cols = (i, h + 2 - i - (2 * ho - 1), 1), (j, w + 2 - j - (2 * wo - 1), 1)
+            grad = grad + jax.lax.pad(jnp.where(hit, g, zero), zero, ((0, 0, 0), rows, cols, (0, 0, 0)))
+    return grad[:, 1:-1, 1:-1, :]
+
+
+def _pool_fwd(x: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    y = _reduce_window_max(x)
+    return y, (x, y)
+
+
+def _pool_bwd(res: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array]:
+    x, y = res
+
+    def select_and_scatter(x: jax.Array, y: jax.Array, g: jax.Array) -> jax.Array:
+        return jax.vjp(_reduce_window_max, x)[1](g)[0]
+
+    return (jax.lax.platform_dependent(x, y, g, cpu=_scatter_free_pool_grad, default=select_and_scatter),)
+
+
+max_pool_3x3_stride2.defvjp(_pool_fwd, _pool_bwd)
 
 
 def classifier(cfg: ResNetConfig, rngs: nnx.Rngs) -> nnx.Linear:
