@@ -103,7 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--compare", default="", help="peers, comma-separated: torch, torch-compile")
     bench.add_argument("--steps", type=int, default=60, help="timed steps per run")
     bench.add_argument("--epochs", type=float, help="time this many epochs instead of --steps")
-    bench.add_argument("--warmup", type=int, default=10, help="untimed steps first (the compile happens here)")
+    bench.add_argument(
+        "--warmup", type=int, default=10, help="untimed steps first (the compile and, on CPUs, the heap's growth)"
+    )
     bench.add_argument("--repeats", type=int, default=3, help="runs per configuration, interleaved")
     bench.add_argument("--batch", type=int, default=128, help="global batch, the same for every configuration")
     bench.add_argument(
