@@ -5,6 +5,12 @@
 # torch.compile, the same batch, optimizer (Nesterov SGD) and synthetic images.
 #   OUT=results bash benchmarks/gpu_resnet.sh          # an H100: about 10 minutes
 #   TINY=1 bash benchmarks/gpu_resnet.sh               # the rehearsal on a CPU (ResNet-18, width 8, 32 px)
+#   PARTS="2 3" OUT=results bash benchmarks/gpu_resnet.sh   # only some of the three parts below
+# On the lent GPU machine (its image has JAX with the CUDA plugin, flax, optax, orbax, torch
+# and transformers; grain, simplejpeg and tensorboardX are not needed for synthetic images,
+# which a CPU rehearsal with those three imports blocked confirmed), from the repository root:
+#   PYTHONPATH=src XLAFIT="python3 -m xlafit" OUT=$OUT bash benchmarks/gpu_resnet.sh
+# One device call runs at most 10 minutes: give part 1 a call of its own (PARTS=1, then "2 3").
 set -euo pipefail
 OUT=${OUT:-runs/gpu-resnet}
 mkdir -p "$OUT"
@@ -16,13 +22,18 @@ else
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null | tee "$OUT/gpu.txt" || true
 
+PARTS=${PARTS:-1 2 3}
+part() { [[ " $PARTS " == *" $1 "* ]]; }
+
 # 1. The table: xlafit bf16 (1 and 2 steps per call) against both PyTorch peers.
-$XLAFIT bench resnet "${size[@]}" --dtype bfloat16 --devices 1 --steps-per-call 1,2 \
+part 1 && $XLAFIT bench resnet "${size[@]}" --dtype bfloat16 --devices 1 --steps-per-call 1,2 \
     --compare torch,torch-compile --json "$OUT/resnet50_bf16.json" 2>&1 | tee "$OUT/resnet50_bf16.txt"
 # 2. float32 (TF32 matmuls where XLA picks them) against PyTorch eager, same batch.
-$XLAFIT bench resnet "${size[@]}" --dtype float32 --devices 1 --compare torch \
+part 2 && $XLAFIT bench resnet "${size[@]}" --dtype float32 --devices 1 --compare torch \
     --json "$OUT/resnet50_f32.json" 2>&1 | tee "$OUT/resnet50_f32.txt"
 # 3. Where the time goes: a profile of 5 steps of the bf16 row, summarised by kernel.
-$XLAFIT bench resnet "${size[@]}" --dtype bfloat16 --devices 1 --repeats 1 --profile 5 \
-    --profile-dir "$OUT/profile" > /dev/null
-${PYTHON:-python3} "$(dirname "$0")/perfetto_top.py" "$OUT/profile" 5 2>&1 | tee "$OUT/profile_top.txt"
+if part 3; then
+    $XLAFIT bench resnet "${size[@]}" --dtype bfloat16 --devices 1 --repeats 1 --profile 5 \
+        --profile-dir "$OUT/profile" > /dev/null
+    ${PYTHON:-python3} "$(dirname "$0")/perfetto_top.py" "$OUT/profile" 5 2>&1 | tee "$OUT/profile_top.txt"
+fi
