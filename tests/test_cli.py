@@ -92,8 +92,10 @@ def test_train_pulse_and_resume(tmp_path):
     assert "per-device batch: 16   global batch: 128" in first.stdout
     assert "peak 0.002 at global batch 128" in first.stdout
     assert "train step compiled 1 time(s)" in first.stdout
-    second = run(*common, "trainer.stop_at_step=4", env=cache)
+    assert "host memory: freed blocks are kept for the next step" in first.stdout  # run.cpu_keep_memory
+    second = run(*common, "trainer.stop_at_step=4", "run.cpu_keep_memory=false", env=cache)
     assert second.returncode == 0, second.stderr
+    assert "host memory:" not in second.stdout
     assert "resumed from checkpoint 2 " in second.stdout
     compiling = [float(re.search(r"([0-9.]+)s compiling", out.stdout).group(1)) for out in (first, second)]
     assert any((tmp_path / "cache" / "jax").iterdir())

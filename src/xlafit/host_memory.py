@@ -44,6 +44,14 @@ def accelerator_present() -> bool:
     return any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICES)
 
 
+_kept = False  # whether keep_freed_memory took in this process (mallopt is process-wide)
+
+
+def keeping_freed_memory() -> bool:
+    """True once :func:`keep_freed_memory` took in this process (the trainer says so at start)."""
+    return _kept
+
+
 def keep_freed_memory() -> bool:
     """Makes glibc keep freed memory for reuse (see the module text).
 
@@ -57,4 +65,6 @@ def keep_freed_memory() -> bool:
     mallopt = getattr(libc, "mallopt", None)
     if mallopt is None or not hasattr(libc, "gnu_get_libc_version"):
         return False
-    return all(mallopt(param, value) == 1 for param, value in KEEP.items())
+    global _kept
+    _kept = all(mallopt(param, value) == 1 for param, value in KEEP.items())
+    return _kept

@@ -41,6 +41,7 @@ from xlafit.config import ConfigError, TrainerConfig, validate_watchdog
 from xlafit.data.dataset import Batch, Dataset, StreamedDataset, as_dataset, num_shapes
 from xlafit.data.loader import Prefetcher, TakeRequests, TrainOrder, eval_batches, to_global
 from xlafit.devices import Strategy, connect
+from xlafit.host_memory import keeping_freed_memory
 from xlafit.paths import as_path
 from xlafit.train.optim import highest_rate
 from xlafit.train.report import RunReport
@@ -487,6 +488,12 @@ class Trainer:
             f"devices: {s.num_devices} x {s.platform} ({s.process_count} process(es))   "
             f"per-device batch: {self.global_batch // s.num_replicas}   global batch: {self.global_batch}"
         )
+        if keeping_freed_memory():
+            # Users see the process grow 2-3x its temporaries and should know why (BENCHMARKS.md).
+            report.print(
+                "host memory: freed blocks are kept for the next step (no page faults; the process holds "
+                "more memory); run.cpu_keep_memory=false returns them"
+            )
         if not s.data_parallel_only:
             from xlafit.sharding import bytes_per_device
 
