@@ -23,6 +23,9 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null | tee "$OUT/gpu.txt" || true
 
 PARTS=${PARTS:-1 2 3}
+for p in $PARTS; do
+    [[ $p == [123] ]] || { echo "PARTS=\"$PARTS\": the parts are 1, 2 and 3, e.g. PARTS=\"2 3\"" >&2; exit 2; }
+done
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 
 # 1. The table: xlafit bf16 (1 and 2 steps per call) against both PyTorch peers.
