@@ -268,6 +268,26 @@ def test_a_tensor_parallel_report_counts_cores_and_batch_shards_apart():
     assert "global 32; each batch shard is shared by a tensor group of 2 cores" in format_report(r)
 
 
+@pytest.mark.parametrize("name", ["v5e-16", "v4-32"])
+def test_a_slices_mesh_keeps_hosts_contiguous_and_tensor_groups_on_neighbouring_chips(name):
+    """The mesh xlafit lays over a multi-host slice (libtpu's devices and coordinates): each
+    host's chips are one contiguous block of the batch axes, and every tensor group of 2 or 4
+    is a 1x2 or 2x2 block of neighbouring chips (make_mesh's docstring says why it does not
+    take mesh_utils' ring order)."""
+    from xlafit.tpu_check import _strategy
+
+    target = tpu.parse_target(name)
+    for tensor in (2, 4):
+        mesh = _strategy(target, (-1, 1, tensor)).mesh
+        groups = mesh.devices.reshape(-1, tensor)  # rows: one tensor group, in batch order
+        hosts = [g[0].process_index for g in groups]
+        assert hosts == sorted(hosts) and len(set(hosts)) > 1, hosts
+        for group in groups:
+            coords = np.array([d.coords for d in group])
+            assert len({d.process_index for d in group}) == 1
+            assert (coords.max(0) - coords.min(0)).sum() == (1 if tensor == 2 else 2), coords
+
+
 def test_synthetic_bert_data_has_berts_sizes_without_a_corpus():
     from xlafit.recipes import get_recipe, load_config
 
