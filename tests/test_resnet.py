@@ -415,3 +415,20 @@ def test_a_resnet_run_exports_to_hugging_face(tmp_path):
     np.testing.assert_allclose(
         np.asarray(_forward(model, jnp.asarray(images))), _hf_logits(hf.eval(), images), atol=1e-4
     )
+
+
+def test_exporting_a_small_stem_run_is_a_usage_error_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """resnet_hf's HFFormatError is the one the command reports (it once had a class of its
+    own, and `xlafit export hf` of a small-stem run ended in a traceback, exit 1)."""
+    import xlafit.export
+    from xlafit.cli import main
+    from xlafit.models import bert_hf
+
+    assert HFFormatError is bert_hf.HFFormatError
+    small = nnx.eval_shape(lambda: ResNet(18, 4, width=4, small_stem=True, rngs=nnx.Rngs(0)))
+    # the export of a small-stem run's model, without training one: save_hf raises the same way
+    monkeypatch.setattr(xlafit.export, "export_hf", lambda run, out, step: (save_hf(small, out), step))
+    assert main(["export", "hf", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("xlafit: error: this ResNet has the small (3x3, no max-pool) stem") and "Traceback" not in err
+    assert not (tmp_path / "hf").exists()

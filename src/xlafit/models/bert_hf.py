@@ -41,7 +41,9 @@ _CONFIG_KEYS = {
 
 
 class HFFormatError(ValueError):
-    """A Hugging Face checkpoint that cannot become this BERT; the message says why."""
+    """A Hugging Face checkpoint that cannot become an xlafit model, or a model that cannot
+    become one (BERT here, ResNet in :mod:`xlafit.models.resnet_hf`: one class, so that the
+    ``xlafit`` command reports either as a usage error); the message says why."""
 
 
 def hf_config(cfg: BertConfig) -> dict:

@@ -27,11 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from xlafit.models.bert_hf import HFFormatError
 from xlafit.models.resnet import ConvBN, ResNet, ResNetConfig, classifier
-
-
-class HFFormatError(ValueError):
-    """A Hugging Face checkpoint that cannot become this ResNet; the message says why."""
 
 
 def hf_config(cfg: ResNetConfig, labels: Sequence[str] | None = None) -> dict[str, Any]:
