@@ -146,3 +146,39 @@ def test_synthetic_source_and_the_imagenet_preset_resolve_without_files():
     assert (cfg.model.width, cfg.model.small_stem, cfg.model.zero_init_residual) == (64, False, True)
     net = resnet_config(cfg, cfg.data.num_classes, 3)
     assert net.depths == (3, 4, 6, 3) and net.bottleneck and normalisation(cfg) == "imagenet"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.bn_group=4"], "model.bn_group=4 does not divide the 2 examples each device normalises at a time"),
+        (["model.bn_group=3", "data.per_device_batch=8"], "use one of [1, 2, 4, 8] or a larger batch"),
+        (
+            ["model.bn_group=8", "data.per_device_batch=8", "trainer.accumulate_steps=2"],
+            "the 4 examples each device normalises at a time (data.per_device_batch=8, trainer.accumulate_steps=2)",
+        ),
+        (
+            ["model.bn_group=4", "data.per_device_batch=8", "data.global_batch=64", "trainer.invariant_chunks=32"],
+            "the 2 examples each device normalises at a time (data.per_device_batch=8, trainer.invariant_chunks=32)",
+        ),
+    ],
+)
+def test_a_bn_group_that_does_not_divide_the_per_device_batch_is_refused_by_name(overrides, message):
+    """Before: a group larger than the per-device batch but dividing the global one trained
+    silently with groups spanning devices; one dividing neither failed inside the traced
+    model with a raw ValueError naming the global batch."""
+    from xlafit.config import ConfigError
+    from xlafit.recipes import load_config
+    from xlafit.recipes.resnet import build_model, check_bn_group, from_data, load_data
+
+    base = ["data.source=synthetic", "data.synthetic_examples=64", "data.image_size=16", "model.preset=resnet18"]
+    cfg = load_config("resnet", [*base, "model.width=4", "model.bn=local", "data.per_device_batch=2", *overrides])
+    train, _ = load_data(cfg)
+    cfg = from_data(cfg, train)
+    with pytest.raises(ConfigError) as e:
+        build_model(cfg, train)
+    assert message in str(e.value)
+    ok = load_config("resnet", [*base, "model.bn=local", "model.bn_group=4", "data.per_device_batch=8"])
+    check_bn_group(from_data(ok, train))  # 4 divides 8
+    unresolved = load_config("resnet", [*base, "model.bn=local", "model.bn_group=4"])  # no per-device batch yet
+    check_bn_group(from_data(unresolved, train))

@@ -260,7 +260,34 @@ class ImageClassifier(nnx.Module):
         return self.net(x)
 
 
+def check_bn_group(cfg: Config) -> None:
+    """``model.bn_group`` must divide the examples one device normalises at a time, so that a
+    group never spans devices (``bn=local`` means no communication, as in Goyal et al. and
+    MLPerf): the per-device batch, over ``trainer.accumulate_steps`` micro-batches, or the
+    rows of one ``trainer.invariant_chunks`` chunk. Unknown until the run has resolved its
+    batch (``data.per_device_batch`` null): then nothing to check.
+
+    Raises:
+        ConfigError: it does not divide them.
+    """
+    m, t, per_device = cfg.model, cfg.trainer, cfg.data.per_device_batch
+    if m.bn != "local" or m.bn_group is None or per_device is None:
+        return
+    if t.invariant_chunks:
+        rows, where = cfg.data.global_batch // t.invariant_chunks, f"trainer.invariant_chunks={t.invariant_chunks}"
+    else:
+        rows, where = per_device // max(t.accumulate_steps, 1), f"trainer.accumulate_steps={t.accumulate_steps}"
+    if rows % m.bn_group:
+        divisors = [g for g in range(1, rows + 1) if rows % g == 0]
+        raise ConfigError(
+            f"model.bn_group={m.bn_group} does not divide the {rows} examples each device normalises at a time "
+            f"(data.per_device_batch={per_device}, {where}), so its groups would span devices or not fit; "
+            f"use one of {divisors} or a larger batch."
+        )
+
+
 def build_model(cfg: Config, train: ImageDataset | SyntheticImages) -> ImageClassifier:
+    check_bn_group(cfg)
     channels = _channels(train)
     mean, std = NORMALISATION[normalisation(cfg)]
     if len(mean) != channels:
