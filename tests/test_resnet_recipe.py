@@ -161,12 +161,17 @@ def test_synthetic_source_and_the_imagenet_preset_resolve_without_files():
             ["model.bn_group=4", "data.per_device_batch=8", "data.global_batch=64", "trainer.invariant_chunks=32"],
             "the 2 examples each device normalises at a time (data.per_device_batch=8, trainer.invariant_chunks=32)",
         ),
+        (
+            ["model.bn=global", "model.bn_group=null", "trainer.invariant_chunks=8"],
+            "model.bn=global normalises with the whole batch's statistics, but trainer.invariant_chunks=8",
+        ),
     ],
 )
-def test_a_bn_group_that_does_not_divide_the_per_device_batch_is_refused_by_name(overrides, message):
+def test_batch_norm_settings_the_batch_cannot_honour_are_refused_by_name(overrides, message):
     """Before: a group larger than the per-device batch but dividing the global one trained
     silently with groups spanning devices; one dividing neither failed inside the traced
-    model with a raw ValueError naming the global batch."""
+    model with a raw ValueError naming the global batch. bn=global with invariant chunks
+    normalised each chunk alone."""
     from xlafit.config import ConfigError
     from xlafit.recipes import load_config
     from xlafit.recipes.resnet import build_model, check_bn_group, from_data, load_data

@@ -267,10 +267,19 @@ def check_bn_group(cfg: Config) -> None:
     rows of one ``trainer.invariant_chunks`` chunk. Unknown until the run has resolved its
     batch (``data.per_device_batch`` null): then nothing to check.
 
+    ``bn=global`` cannot go with ``trainer.invariant_chunks``, which runs each chunk of the
+    batch on its own: its statistics would be the chunk's, not the global batch's.
+
     Raises:
-        ConfigError: it does not divide them.
+        ConfigError: it does not divide them, or bn=global with invariant chunks.
     """
     m, t, per_device = cfg.model, cfg.trainer, cfg.data.per_device_batch
+    if m.bn == "global" and t.invariant_chunks:
+        raise ConfigError(
+            f"model.bn=global normalises with the whole batch's statistics, but trainer.invariant_chunks="
+            f"{t.invariant_chunks} computes each chunk of the batch on its own; use model.bn=local with a "
+            "model.bn_group dividing a chunk, or trainer.invariant_chunks=null."
+        )
     if m.bn != "local" or m.bn_group is None or per_device is None:
         return
     if t.invariant_chunks:

@@ -326,7 +326,7 @@ def build_invariant_train_step(
     def on_device(params, model_state, batch):
         first = jax.lax.axis_index("data") * per_device
         rows = jax.tree.leaves(batch)[0].shape[0] // per_device
-        sums, grads, new_state = [], [], None
+        sums, grads, states = [], [], []
         for j in range(per_device):
             chunk = jax.tree.map(lambda x, j=j: x[j * rows : (j + 1) * rows], batch)
             # The barrier keeps XLA from merging the chunks' matmuls into larger ones, whose
@@ -335,16 +335,16 @@ def build_invariant_train_step(
             m, g, new_state = chunk_grads(chunk_params, model_state, chunk, first + j)
             sums.append(m)
             grads.append(g)
+            states.append(jax.tree.map(lambda new, old: old if is_prng_key(old) else new, new_state, model_state))
         stack = lambda *xs: jnp.stack(xs)  # noqa: E731
-        new_state = jax.tree.map(lambda new, old: old if is_prng_key(old) else new, new_state, model_state)
-        return jax.tree.map(stack, *sums), jax.tree.map(stack, *grads), new_state
+        return jax.tree.map(stack, *sums), jax.tree.map(stack, *grads), jax.tree.map(stack, *states)
 
     spec = jax.sharding.PartitionSpec
     per_chunk = jax.shard_map(
         on_device,
         mesh=mesh,
         in_specs=(spec(), spec(), spec("data")),
-        out_specs=(spec("data"), spec("data"), spec()),
+        out_specs=(spec("data"), spec("data"), spec("data")),
         check_vma=False,
     )
     replicated = jax.sharding.NamedSharding(mesh, spec())
@@ -359,9 +359,21 @@ def build_invariant_train_step(
             total = jax.lax.optimization_barrier(total + parts[i])
         return total
 
+    def chunk_mean(new: jax.Array, old: jax.Array) -> jax.Array:
+        # Each chunk's model state, from the same old one: float state (batch-norm running
+        # averages, m * old + (1 - m) * chunk statistics) is their mean in chunk order, the
+        # running average of the chunks' mean statistics, as bn=local's groups give; other
+        # state (counters, keys) is the same in every chunk.
+        if is_prng_key(old):
+            return old
+        if not jnp.issubdtype(old.dtype, jnp.floating):
+            return new[0]
+        return (ordered_sum(new) / chunks).astype(old.dtype)
+
     def one_step(state: TrainState, batch: Mapping[str, jax.Array]):
         n = jax.tree.leaves(batch)[0].shape[0]
-        sums, grads, model_state = per_chunk(state.params, state.model_state, batch)
+        sums, grads, chunk_states = per_chunk(state.params, state.model_state, batch)
+        model_state = jax.tree.map(chunk_mean, chunk_states, state.model_state)
         grads = jax.tree.map(lambda g: ordered_sum(g) / n, grads)
         metrics = {k: ordered_sum(v) / n for k, v in sums.items()}
         return apply_if_finite(state, grads, tx, model_state, metrics, guard, select)
