@@ -456,3 +456,16 @@ def test_invariant_chunks_keep_8_and_1_device_batch_statistics_bit_identical(str
     params8, params1 = jax.device_get(r8.state.params), jax.device_get(r1.state.params)
     for x, y in zip(jax.tree.leaves(params8), jax.tree.leaves(params1), strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+def test_from_hf_reads_a_sharded_checkpoint(tmp_path):
+    """save_pretrained(max_shard_size=...) writes model-0000k-of-0000n.safetensors and an index
+    instead of model.safetensors; from_hf refused it as having no model.safetensors."""
+    hf = _random_hf(HF_CONFIGS["basic"])
+    hf.save_pretrained(tmp_path / "whole")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="5KB")
+    assert len(list((tmp_path / "sharded").glob("model-*-of-*.safetensors"))) > 1
+    whole, sharded = to_hf_state(from_hf(tmp_path / "whole")), to_hf_state(from_hf(tmp_path / "sharded"))
+    assert whole.keys() == sharded.keys()
+    for name in whole:
+        np.testing.assert_array_equal(whole[name], sharded[name], err_msg=name)

@@ -412,7 +412,7 @@ class ResNet(nnx.Module):
     @classmethod
     def from_hf(cls, directory: str | Path, rngs: nnx.Rngs | None = None, **overrides: Any) -> ResNet:
         """Imports a Hugging Face ``ResNetForImageClassification`` checkpoint (``config.json`` +
-        ``model.safetensors``, the ``microsoft/resnet-50`` layout), e.g. to fine-tune it.
+        ``model.safetensors``, or its shards and index; the ``microsoft/resnet-50`` layout), e.g. to fine-tune it.
         ``overrides`` are :class:`ResNetConfig` fields (``bn``, ``bn_group``, ``dtype``, or
         ``num_classes`` for a new head); see :func:`xlafit.models.resnet_hf.from_hf`.
 
