@@ -434,7 +434,7 @@ def test_exporting_a_small_stem_run_is_a_usage_error_not_a_traceback(tmp_path, m
     assert not (tmp_path / "hf").exists()
 
 
-def test_invariant_chunks_keep_8_and_1_device_batch_statistics_bit_identical(strategy8, strategy1, pictures):
+def test_invariant_chunks_keep_the_chunks_mean_batch_statistics_on_8_and_1_devices(strategy8, strategy1, pictures):
     """trainer.invariant_chunks normalises each chunk alone (bn=local with groups of a chunk
     or less: the same forward as without chunks); the running averages are the chunks'
     mean in chunk order. Before, one device kept its last chunk's and 8 devices device 0's
