@@ -144,6 +144,9 @@ def test_synthetic_source_and_the_imagenet_preset_resolve_without_files():
     assert (cfg.data.global_batch, cfg.data.image_size, cfg.data.num_classes) == (1024, 224, 1000)
     assert (cfg.data.crop_scale_min, cfg.data.hflip, cfg.data.eval_crop_fraction) == (0.08, True, 0.875)
     assert (cfg.model.width, cfg.model.small_stem, cfg.model.zero_init_residual) == (64, False, True)
+    # Goyal et al.'s SGD: Nesterov momentum, weight decay on the kernels only (not on biases
+    # and batch-norm parameters; which leaves that is: tests/test_optim.py)
+    assert (cfg.optimizer.name, cfg.optimizer.nesterov, cfg.optimizer.weight_decay_on) == ("sgd", True, "matrices")
     net = resnet_config(cfg, cfg.data.num_classes, 3)
     assert net.depths == (3, 4, 6, 3) and net.bottleneck and normalisation(cfg) == "imagenet"
 
