@@ -190,3 +190,34 @@ def test_batch_norm_settings_the_batch_cannot_honour_are_refused_by_name(overrid
     check_bn_group(from_data(ok, train))  # 4 divides 8
     unresolved = load_config("resnet", [*base, "model.bn=local", "model.bn_group=4"])  # no per-device batch yet
     check_bn_group(from_data(unresolved, train))
+
+
+def test_an_exported_run_names_its_classes_and_prepares_images_as_its_evaluation(tmp_path, shards):
+    """``xlafit export hf`` of a run on an image folder: ``id2label`` holds the folder's class
+    names (recorded in the run's classes.json) and ``preprocessor_config.json`` makes Hugging
+    Face's image processor give the pixels xlafit's evaluation transform gives, so
+    ``pipeline("image-classification")`` works on image files as they are."""
+    transformers = pytest.importorskip("transformers")
+    from PIL import Image
+
+    from xlafit.data.images import Augment
+    from xlafit.export import export_hf
+    from xlafit.recipes import load_config
+    from xlafit.run import train_and_evaluate
+
+    overrides = [f"data.data_dir={shards}", "data.image_size=12", "data.eval_crop_fraction=1.0", "data.workers=0"]
+    overrides += ["data.global_batch=8", "model.preset=resnet18", "model.width=4", "trainer.epochs=1"]
+    train_and_evaluate(load_config("resnet", [*overrides, f"run.run_dir={tmp_path / 'run'}"]))
+    assert json.loads((tmp_path / "run" / "classes.json").read_text()) == ["a", "b", "c"]
+    out, _ = export_hf(tmp_path / "run", tmp_path / "hf")
+
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf_config["id2label"] == {"0": "a", "1": "b", "2": "c"}
+    processor = transformers.AutoImageProcessor.from_pretrained(out)
+    photo = shards.parent / "in" / "b" / "1.png"
+    theirs = processor(images=Image.open(photo), return_tensors="np")["pixel_values"][0]  # [C, H, W]
+    ours = Augment(image_size=12, train=False, eval_crop_fraction=1.0, channels=3)(photo.read_bytes(), 0, 0)
+    mean, std = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])  # the run's "imagenet"
+    np.testing.assert_allclose(theirs.transpose(1, 2, 0), (ours / 255.0 - mean) / std, atol=1e-5)
+    classify = transformers.pipeline("image-classification", model=out)
+    assert {r["label"] for r in classify(str(photo), top_k=3)} == {"a", "b", "c"}

@@ -1,7 +1,8 @@
 """Export: a run's checkpoint -> a Hugging Face directory.
 
 A bert run becomes a ``BertForMaskedLM`` (tokenizer included), a resnet run a
-``ResNetForImageClassification`` (running batch statistics included): ``config.json`` and
+``ResNetForImageClassification`` (running batch statistics included, its classes' names,
+and the image processor of its evaluation transform): ``config.json`` and
 ``model.safetensors`` that ``from_pretrained`` loads.
 """
 
@@ -22,6 +23,7 @@ from xlafit.config import Config, ConfigError
 from xlafit.models.bert import BertForMaskedLM
 from xlafit.models.bert_hf import save_hf
 from xlafit.models.resnet import ResNet
+from xlafit.models.resnet_hf import image_processor_config
 from xlafit.models.resnet_hf import save_hf as save_resnet_hf
 from xlafit.paths import (
     StorageError,
@@ -75,7 +77,7 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
             tok_dir = download_dir(run / "tokenizer", Path(tmp) / "tokenizer")  # the run's may be on gs://
             save_hf(model, local, tokenizer_dir=tok_dir)
         else:
-            save_resnet_hf(_resnet(cfg, arrays), local)
+            save_resnet_hf(_resnet(cfg, arrays), local, labels=_classes(run), processor=_image_processor(cfg))
         (local / "xlafit-config.yaml").write_text(config_text)
         if is_url(out):
             if bucket_of(out):
@@ -123,6 +125,23 @@ def _value(saved: Any, path: str, like: Any) -> jax.Array:
     value = jnp.asarray(saved)
     older = older_layout(path, value.shape, tuple(like.shape))
     return value if older is None else older(value)
+
+
+def _classes(run: Any) -> list[str] | None:
+    """The class names a resnet run recorded (``classes.json``); None for synthetic data or a
+    run from before they were recorded (the export then names them LABEL_0, LABEL_1, ...)."""
+    from xlafit.recipes.resnet import CLASSES_FILE
+
+    names = run / CLASSES_FILE
+    return json.loads(names.read_text()) if names.exists() else None
+
+
+def _image_processor(cfg: Config) -> dict[str, Any]:
+    """The evaluation transform of a resnet run, as Hugging Face's image processor config."""
+    from xlafit.recipes.resnet import NORMALISATION, augmentation, image_size, normalisation
+
+    mean, std = NORMALISATION[normalisation(cfg)]
+    return image_processor_config(image_size(cfg), augmentation(cfg)[2], mean, std)
 
 
 def _resnet(cfg: Config, arrays: Any) -> ResNet:

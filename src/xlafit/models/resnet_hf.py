@@ -155,11 +155,48 @@ def from_hf_state(model: ResNet, state: dict[str, np.ndarray]) -> None:
         var.set_value(jnp.asarray(value.transpose(np.argsort(perm)) if perm else value))
 
 
-def save_hf(model: ResNet, directory: str | Path, labels: Sequence[str] | None = None) -> Path:
-    """Writes ``config.json`` and ``model.safetensors`` to ``directory``.
+def image_processor_config(
+    image_size: int, crop_fraction: float, mean: Sequence[float], std: Sequence[float]
+) -> dict[str, Any]:
+    """``preprocessor_config.json`` for Hugging Face's ``ConvNextImageProcessor`` (the one
+    ``microsoft/resnet-50`` ships) that prepares images as xlafit's evaluation does: the
+    shorter side resized to ``image_size / crop_fraction`` (Pillow bilinear), the centre
+    ``image_size`` square cropped, pixels / 255 normalised with ``mean`` and ``std``.
+
+    (xlafit crops the centre square of the original, then resizes: the same region, pixels
+    that differ by the rounding of one resize. At ``image_size`` >= 384 ConvNext's processor
+    resizes to the square without cropping.)
+
+    Example:
+        >>> image_processor_config(224, 0.875, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))["crop_pct"]
+        0.875
+    """
+    return {
+        "image_processor_type": "ConvNextImageProcessor",
+        "do_resize": True,
+        "size": {"shortest_edge": image_size},
+        "crop_pct": crop_fraction,
+        "resample": 2,  # PIL.Image.Resampling.BILINEAR, as xlafit.data.images.transforms
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": list(mean),
+        "image_std": list(std),
+    }
+
+
+def save_hf(
+    model: ResNet,
+    directory: str | Path,
+    labels: Sequence[str] | None = None,
+    processor: dict[str, Any] | None = None,
+) -> Path:
+    """Writes ``config.json`` and ``model.safetensors`` to ``directory``, and
+    ``preprocessor_config.json`` when ``processor`` is given (:func:`image_processor_config`).
 
     The result loads with ``transformers.ResNetForImageClassification.from_pretrained(directory)``
-    and gives the same logits in eval mode.
+    and gives the same logits in eval mode; with the processor, ``pipeline("image-classification",
+    model=directory)`` takes image files and names the classes by ``labels``.
 
     Example:
         >>> save_hf(ResNet(50, 1000, rngs=nnx.Rngs(0)), "resnet50-hf/")  # doctest: +SKIP
@@ -171,6 +208,8 @@ def save_hf(model: ResNet, directory: str | Path, labels: Sequence[str] | None =
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(to_hf_state(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    if processor is not None:
+        (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
     return out
 
 

@@ -24,6 +24,8 @@ resnetN    ResNet-N v1.5 (18, 34, 50, 101, 152),      224         1024
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Literal
 
 import jax
@@ -39,6 +41,8 @@ from xlafit.models.resnet import ResNet, ResNetConfig, train_flops_per_example
 from xlafit.recipes.base import Recipe, Throughput
 
 Preset = Literal["demo", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152"]
+CLASSES_FILE = "classes.json"  # in the run directory: the class names, label 0 first
+
 # Per-channel mean and standard deviation of pixels / 255.
 NORMALISATION = {
     "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),  # torchvision's ImageNet statistics
@@ -318,6 +322,13 @@ def loss_fn(model: ImageClassifier, batch: dict[str, jax.Array]) -> tuple[jax.Ar
     return losses, {"accuracy": (logits.argmax(-1) == batch["label"]).astype(jnp.float32)}
 
 
+def save_artifacts(cfg: Config, run_dir: Path, train: ImageDataset | SyntheticImages) -> None:
+    """Writes the class names, label 0 first, to ``run_dir/classes.json``: ``xlafit export hf``
+    names the exported model's labels with them (synthetic images have none)."""
+    if isinstance(train, ImageDataset):
+        (run_dir / CLASSES_FILE).write_text(json.dumps(train.classes, ensure_ascii=False) + "\n")
+
+
 def throughput(cfg: Config, train: ImageDataset | SyntheticImages) -> Throughput:
     """Model FLOPs per training image (convolutions and the classifier, forward and backward)."""
     net = resnet_config(cfg, _classes(train), _channels(train))
@@ -333,4 +344,5 @@ RECIPE = Recipe(
     build_model=build_model,
     loss_fn=loss_fn,
     throughput=throughput,
+    save_artifacts=save_artifacts,
 )
