@@ -277,17 +277,17 @@ def check_bn_group(cfg: Config) -> None:
     Raises:
         ConfigError: it does not divide them, or bn=global with invariant chunks.
     """
-    m, t, per_device = cfg.model, cfg.trainer, cfg.data.per_device_batch
+    m, t, per_device, global_batch = cfg.model, cfg.trainer, cfg.data.per_device_batch, cfg.data.global_batch
     if m.bn == "global" and t.invariant_chunks:
         raise ConfigError(
             f"model.bn=global normalises with the whole batch's statistics, but trainer.invariant_chunks="
             f"{t.invariant_chunks} computes each chunk of the batch on its own; use model.bn=local with a "
             "model.bn_group dividing a chunk, or trainer.invariant_chunks=null."
         )
-    if m.bn != "local" or m.bn_group is None or per_device is None:
+    if m.bn != "local" or m.bn_group is None or per_device is None or global_batch is None:
         return
     if t.invariant_chunks:
-        rows, where = cfg.data.global_batch // t.invariant_chunks, f"trainer.invariant_chunks={t.invariant_chunks}"
+        rows, where = global_batch // t.invariant_chunks, f"trainer.invariant_chunks={t.invariant_chunks}"
     else:
         rows, where = per_device // max(t.accumulate_steps, 1), f"trainer.accumulate_steps={t.accumulate_steps}"
     if rows % m.bn_group:
