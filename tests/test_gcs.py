@@ -423,3 +423,22 @@ def test_read_only_bucket_is_named_and_the_checkpoints_stay_readable(gcs, monkey
     finally:
         front.close()
         gcs.forget_clients()
+
+
+def test_image_shards_in_a_bucket_are_not_replaced_without_overwrite(gcs, tmp_path, monkeypatch):
+    from tests.test_images import write_folder
+    from xlafit.data.dataset import DataError
+    from xlafit.data.images import load_split, prepare
+    from xlafit.paths import filesystem
+
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
+    out = f"{gcs.bucket}/images"
+    prepare(write_folder(tmp_path / "in"), out, shard_size=4, workers=1)  # 18 images: 5 shards
+    small = write_folder(tmp_path / "small", classes=("x", "y"), per_class=2)
+    with pytest.raises(DataError, match=r"already holds prepared images \(manifest.json, train-00000.parquet"):
+        prepare(small, out, workers=1)
+    prepare(small, out, workers=1, overwrite=True)
+    fs, root = filesystem(out)
+    fs.invalidate_cache()
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)) == ["manifest.json", "train-00000.parquet"]
+    assert len(load_split(out, "train")[0]) == 4

@@ -248,3 +248,23 @@ def test_grain_workers_end_when_the_training_process_is_killed(tmp_path, cache):
         assert not alive, f"{len(alive)} Grain process(es) outlived the killed reader"
     finally:
         proc.kill()
+
+
+def test_an_out_that_already_holds_prepared_images_is_refused_unless_overwrite(tmp_path, capsys):
+    """Preparing into a directory that holds earlier shards replaced them silently (and left the
+    shards the new manifest no longer lists); now it needs --overwrite, which removes those."""
+    out = tmp_path / "out"
+    prepare(write_folder(tmp_path / "in"), str(out), shard_size=4, workers=1)  # 18 images: 5 shards
+    (out / "notes.txt").write_text("the user's")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    small = write_folder(tmp_path / "small", classes=("x", "y"), per_class=2)
+    with pytest.raises(
+        DataError, match=r"already holds prepared images \(manifest.json, train-00000.parquet, .*--overwrite"
+    ):
+        prepare(small, str(out), workers=1)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing written or removed
+    args = ["data", "images", "--input", str(small), "--out", str(out), "--workers", "1"]
+    assert main(args) == 2 and "--overwrite" in capsys.readouterr().err
+    assert main([*args, "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "notes.txt", "train-00000.parquet"]
+    assert len(load_split(str(out), "train")[0]) == 4

@@ -23,6 +23,7 @@ import io
 import json
 import multiprocessing
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Literal
@@ -143,6 +144,7 @@ def prepare(
     shard_size: int = 1024,
     on_corrupt: OnCorrupt = "skip",
     workers: int | None = None,
+    overwrite: bool = False,
 ) -> dict:
     """Writes the images of ``input_dir`` as Parquet shards + ``manifest.json`` under ``out``.
 
@@ -154,6 +156,8 @@ def prepare(
         on_corrupt: an image that cannot be decoded is ``skip``-ped (named in the manifest's
             ``skipped``) or a ``stop`` (a :class:`DataError` naming it).
         workers: processes that decode to check the images (default: every core).
+        overwrite: replace images prepared in ``out`` before (their shards that the new
+            manifest does not list are removed once it is written); without it they are refused.
 
     Returns:
         The manifest (also written to ``out/manifest.json``).
@@ -166,6 +170,14 @@ def prepare(
     splits, classes = find_images(input_dir, eval_fraction, seed)
     root_dir = Path(input_dir)
     fs, root = output_dir(out, "the image shards")
+    with writing(out, "the image shards"):
+        earlier = _prepared_files(fs, root)
+    if earlier and not overwrite:
+        found = ", ".join(earlier[:3]) + (", ..." if len(earlier) > 3 else "")
+        raise DataError(
+            f"--out {out} already holds prepared images ({found}); "
+            "choose an empty directory, or pass --overwrite to replace them."
+        )
     manifest_splits: dict[str, dict] = {}
     channels = 1
     workers = workers or os.cpu_count() or 1
@@ -227,7 +239,21 @@ def prepare(
     }
     with writing(out, "the image shards"), fs.open(f"{root}/{MANIFEST}", "w") as f:
         json.dump(manifest, f, indent=2)
+    listed = {s["path"] for info in manifest_splits.values() for s in info["shards"]}
+    with writing(out, "the image shards"):
+        for name in earlier:  # only with overwrite: the previous preparation's shards the new manifest drops
+            if name != MANIFEST and name not in listed:
+                fs.rm(f"{root}/{name}")
     return manifest
+
+
+def _prepared_files(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
+    """The names of what :func:`prepare` writes (``manifest.json``, ``<split>-NNNNN.parquet``) found in ``root``."""
+    try:
+        names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
+    except FileNotFoundError:  # an object store's new "directory" holds nothing yet
+        return []
+    return [n for n in names if n == MANIFEST or re.fullmatch(r"(train|eval)-\d{5,}\.parquet", n)]
 
 
 def read_manifest(url: str) -> tuple[fsspec.AbstractFileSystem, str, dict]:
