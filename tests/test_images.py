@@ -2,6 +2,7 @@
 Grain worker processes (the same batches for any worker count), damaged images."""
 
 import hashlib
+import io
 import json
 import subprocess
 import sys
@@ -268,3 +269,16 @@ def test_an_out_that_already_holds_prepared_images_is_refused_unless_overwrite(t
     assert main([*args, "--overwrite"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "notes.txt", "train-00000.parquet"]
     assert len(load_split(str(out), "train")[0]) == 4
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_a_16_bit_png_keeps_its_brightness(channels):
+    """Pillow's conversion of a 16-bit grey PNG clips every value above 255: the image came out white."""
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 65536, (8, 8), dtype=np.uint16)
+    png = _encode(pixels, "PNG")
+    assert Image.open(io.BytesIO(png)).mode.startswith("I")  # 16 bits a pixel in the file
+    out = Augment(image_size=8, train=False, eval_crop_fraction=1.0, channels=channels)(png, 0, 0)
+    assert out.shape == (8, 8, channels)
+    for c in range(channels):
+        assert np.array_equal(out[..., c], (pixels >> 8).astype(np.uint8))
