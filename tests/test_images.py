@@ -282,3 +282,29 @@ def test_a_16_bit_png_keeps_its_brightness(channels):
     assert out.shape == (8, 8, channels)
     for c in range(channels):
         assert np.array_equal(out[..., c], (pixels >> 8).astype(np.uint8))
+
+
+def test_an_empty_class_folder_is_refused_by_name(tmp_path):
+    """An empty class folder was a class with no image: a label the model learns never to predict."""
+    folder = write_folder(tmp_path / "in", per_class=1)
+    (folder / "fox").mkdir()
+    with pytest.raises(DataError, match=r"class folder\(s\) fox of .* hold no .*add images or remove the folder"):
+        find_images(folder)
+
+
+def test_a_file_name_that_is_not_utf8_is_prepared_and_named_readably(tmp_path, cache):
+    """Such a name (bytes kept as they were by the file system) raised UnicodeEncodeError."""
+    import os
+
+    folder = write_folder(tmp_path / "in", per_class=2)
+    odd = os.fsdecode(bytes(folder / "cat") + b"/caf\xe9.png")  # Latin-1, not UTF-8
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(odd, format="PNG")
+    manifest = prepare(folder, str(tmp_path / "out"), eval_fraction=0.5, workers=1)
+    assert sum(s["examples"] for s in manifest["splits"].values()) == 7
+    names = [
+        split.file(i)
+        for name in ("train", "eval")
+        for split in [load_split(str(tmp_path / "out"), name)[0]]
+        for i in range(len(split))
+    ]
+    assert "cat/caf\\xe9.png" in names

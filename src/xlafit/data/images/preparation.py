@@ -53,7 +53,8 @@ def find_images(
     same classes.
 
     Raises:
-        DataError: no class folders, no images, or splits whose classes differ.
+        DataError: no class folders, no images, a training class folder with no image, or
+            splits whose classes differ.
     """
     root = Path(directory)
     if not root.is_dir():
@@ -68,11 +69,14 @@ def find_images(
                 f"{root / 'train'} and {held_out} have different class folders (e.g. {', '.join(extra)}); "
                 "both splits need the same classes."
             )
+        _no_empty_classes(root / "train", train, classes)
         return {"train": train, "eval": evaluation}, classes
     files, classes = _image_folder(root)
+    _no_empty_classes(root, files, classes)
     if not 0.0 <= eval_fraction < 1.0:
         raise DataError(f"--eval-fraction {eval_fraction} must lie in [0, 1).")
-    names = [hashlib.sha256(os.path.relpath(f, root).encode()).digest() for f, _ in files]
+    # os.fsencode: a name that is not UTF-8 (bytes the file system kept as they were) hashes too
+    names = [hashlib.sha256(os.fsencode(os.path.relpath(f, root))).digest() for f, _ in files]
     keys = np.array([int.from_bytes(d[:4], "little") for d in names], np.int64)
     draws = hash_uniform(np.full(len(files), seed), keys, 11) if files else np.zeros(0)
     splits = {
@@ -98,6 +102,21 @@ def _image_folder(root: Path) -> tuple[list[tuple[str, int]], list[str]]:
     if not files:
         raise DataError(f"{root} holds no {', '.join(EXTENSIONS)} files under its class folders.")
     return files, classes
+
+
+def _no_empty_classes(root: Path, files: list[tuple[str, int]], classes: list[str]) -> None:
+    empty = sorted(set(classes) - {classes[label] for _, label in files})
+    if empty:
+        raise DataError(
+            f"the class folder(s) {', '.join(empty[:5])} of {root} hold no {', '.join(EXTENSIONS)} files, so their "
+            "labels would have no training image; add images or remove the folder(s)."
+        )
+
+
+def _printable(name: str) -> str:
+    """``name`` as valid UTF-8 (for the shards' ``file`` column and messages): bytes of a file
+    name that are not UTF-8 become ``\\xNN``."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
 def _check_image(path: str) -> tuple[bytes, int, str | None]:
@@ -206,11 +225,11 @@ def prepare(
 
             paths = [f for f, _ in files]
             for (path, label), (data, ch, error) in zip(files, decode(_check_image, paths), strict=True):
-                name = os.path.relpath(path, root_dir)
+                name = _printable(os.path.relpath(path, root_dir))
                 if error is not None:
                     if on_corrupt == "stop":
                         raise DataError(
-                            f"{path} cannot be decoded ({error}); remove or replace it, or pass "
+                            f"{_printable(path)} cannot be decoded ({error}); remove or replace it, or pass "
                             "--on-corrupt skip to leave it out (it is then listed in the manifest)."
                         )
                     skipped.append({"file": name, "error": error})
