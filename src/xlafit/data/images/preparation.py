@@ -34,6 +34,7 @@ import numpy as np
 from xlafit.data.dataset import DataError
 from xlafit.data.mlm.masking import hash_uniform
 from xlafit.data.shards import output_dir, writing
+from xlafit.paths import describe_error
 
 MANIFEST = "manifest.json"
 FORMAT = "xlafit-images-v1"
@@ -286,19 +287,35 @@ def read_manifest(url: str) -> tuple[fsspec.AbstractFileSystem, str, dict]:
         >>> len(manifest["classes"])                            # doctest: +SKIP
         1000
     """
-    fs, root = fsspec.core.url_to_fs(url)
-    path = f"{root.rstrip('/')}/{MANIFEST}"
-    if not fs.exists(path):
-        raise DataError(
-            f"{url} has no {MANIFEST}; prepare the images with `xlafit data images --input DIR --out {url}`."
-        )
-    with fs.open(path, "r") as f:
-        manifest = json.load(f)
+    with reading(url):
+        fs, root = fsspec.core.url_to_fs(url)
+        path = f"{root.rstrip('/')}/{MANIFEST}"
+        if not fs.exists(path):
+            raise DataError(
+                f"{url} has no {MANIFEST}; prepare the images with `xlafit data images --input DIR --out {url}`."
+            )
+        with fs.open(path, "r") as f:
+            manifest = json.load(f)
     if manifest.get("format") != FORMAT:
         raise DataError(
             f"{url}/{MANIFEST} is not an xlafit image manifest ({FORMAT}); prepare it with `xlafit data images`."
         )
     return fs, root.rstrip("/"), manifest
+
+
+@contextlib.contextmanager
+def reading(url: str) -> Iterator[None]:
+    """Turns a failed read of prepared images (no permission, an unreachable server) into a
+    :class:`DataError` that names the URL, the cause and the fix, instead of the client's traceback."""
+    try:
+        yield
+    except FileNotFoundError:  # the caller names what is missing
+        raise
+    except Exception as e:
+        # gcsfs raises aiohttp's errors, which are not all OSErrors ("Server disconnected")
+        if not isinstance(e, OSError) and not type(e).__module__.startswith("aiohttp"):
+            raise
+        raise DataError(f"reading the prepared images failed: {describe_error(url, e)}") from e
 
 
 def class_names(manifest: dict) -> Sequence[str]:
