@@ -308,3 +308,19 @@ def test_a_file_name_that_is_not_utf8_is_prepared_and_named_readably(tmp_path, c
         for i in range(len(split))
     ]
     assert "cat/caf\\xe9.png" in names
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"format": "xlafit-images-v1", "splits": {', r"manifest.json is damaged \(Expecting"),
+        ('{"format": "xlafit-images-v1", "splits": {}}', r"manifest.json is damaged: it lacks classes, channels"),
+        ("[1, 2]", "is not an xlafit image manifest"),
+    ],
+)
+def test_a_damaged_manifest_is_named_with_the_fix(tmp_path, cache, text, message):
+    """It raised the JSONDecodeError, KeyError or AttributeError of the code that read it."""
+    prepare(write_folder(tmp_path / "in", per_class=1), str(tmp_path / "out"), workers=1)
+    (tmp_path / "out" / "manifest.json").write_text(text)
+    with pytest.raises(DataError, match=message + ".*prepare"):
+        load_split(str(tmp_path / "out"), "train")

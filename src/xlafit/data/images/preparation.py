@@ -295,10 +295,21 @@ def read_manifest(url: str) -> tuple[fsspec.AbstractFileSystem, str, dict]:
                 f"{url} has no {MANIFEST}; prepare the images with `xlafit data images --input DIR --out {url}`."
             )
         with fs.open(path, "r") as f:
-            manifest = json.load(f)
-    if manifest.get("format") != FORMAT:
+            try:
+                manifest = json.load(f)
+            except json.JSONDecodeError as e:
+                raise DataError(
+                    f"{url}/{MANIFEST} is damaged ({e}); prepare the data again (xlafit data images)."
+                ) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise DataError(
             f"{url}/{MANIFEST} is not an xlafit image manifest ({FORMAT}); prepare it with `xlafit data images`."
+        )
+    missing = [key for key in ("classes", "channels", "splits") if key not in manifest]
+    if missing or "train" not in manifest["splits"]:
+        raise DataError(
+            f"{url}/{MANIFEST} is damaged: it lacks {', '.join(missing) or 'the train split'}; "
+            "prepare the data again (xlafit data images)."
         )
     return fs, root.rstrip("/"), manifest
 
