@@ -423,3 +423,57 @@ def test_read_only_bucket_is_named_and_the_checkpoints_stay_readable(gcs, monkey
     finally:
         front.close()
         gcs.forget_clients()
+
+
+def test_image_shards_in_a_bucket_are_not_replaced_without_overwrite(gcs, tmp_path, monkeypatch):
+    from tests.test_images import write_folder
+    from xlafit.data.dataset import DataError
+    from xlafit.data.images import load_split, prepare
+    from xlafit.paths import filesystem
+
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
+    out = f"{gcs.bucket}/images"
+    prepare(write_folder(tmp_path / "in"), out, shard_size=4, workers=1)  # 18 images: 5 shards
+    small = write_folder(tmp_path / "small", classes=("x", "y"), per_class=2)
+    with pytest.raises(DataError, match=r"already holds prepared images \(manifest.json, train-00000.parquet"):
+        prepare(small, out, workers=1)
+    prepare(small, out, workers=1, overwrite=True)
+    fs, root = filesystem(out)
+    fs.invalidate_cache()
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)) == ["manifest.json", "train-00000.parquet"]
+    assert len(load_split(out, "train")[0]) == 4
+
+
+@pytest.mark.parametrize("verdict", ["403", "dead"])
+def test_image_shards_that_cannot_be_read_are_named_with_the_fix(gcs, tmp_path, monkeypatch, verdict):
+    """No permission to read (a machine with no credentials for the bucket) or a server that is
+    gone: ``xlafit train resnet data.data_dir=gs://...`` printed the client's traceback."""
+    import gcsfs.retry
+
+    from tests.test_images import write_folder
+    from xlafit.data.dataset import DataError
+    from xlafit.data.images import load_split, prepare
+
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gcsfs.retry, "is_retriable", lambda e: False)  # else minutes of retries
+    out = f"{gcs.bucket}/images"
+    prepare(write_folder(tmp_path / "in", per_class=2), out, workers=1)
+    reads = []
+
+    def refuse(method, path):  # the manifest once read, then the shards too (the second case)
+        reads.append(path)
+        return verdict if len(reads) > blocked_after else None
+
+    front = Front(gcs.url, refuse)
+    try:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", front.url)
+        for blocked_after in (0, 2):  # the manifest itself; a shard
+            reads.clear()
+            gcs.forget_clients()
+            with pytest.raises(DataError, match="reading the prepared images failed: ") as err:
+                load_split(out, "train")
+            reason = "permission denied" if verdict == "403" else "cannot be reached"
+            assert reason in str(err.value) and gcs.bucket in str(err.value), (blocked_after, str(err.value))
+    finally:
+        front.close()
+        gcs.forget_clients()

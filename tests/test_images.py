@@ -2,6 +2,7 @@
 Grain worker processes (the same batches for any worker count), damaged images."""
 
 import hashlib
+import io
 import json
 import subprocess
 import sys
@@ -248,3 +249,78 @@ def test_grain_workers_end_when_the_training_process_is_killed(tmp_path, cache):
         assert not alive, f"{len(alive)} Grain process(es) outlived the killed reader"
     finally:
         proc.kill()
+
+
+def test_an_out_that_already_holds_prepared_images_is_refused_unless_overwrite(tmp_path, capsys):
+    """Preparing into a directory that holds earlier shards replaced them silently (and left the
+    shards the new manifest no longer lists); now it needs --overwrite, which removes those."""
+    out = tmp_path / "out"
+    prepare(write_folder(tmp_path / "in"), str(out), shard_size=4, workers=1)  # 18 images: 5 shards
+    (out / "notes.txt").write_text("the user's")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    small = write_folder(tmp_path / "small", classes=("x", "y"), per_class=2)
+    with pytest.raises(
+        DataError, match=r"already holds prepared images \(manifest.json, train-00000.parquet, .*--overwrite"
+    ):
+        prepare(small, str(out), workers=1)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing written or removed
+    args = ["data", "images", "--input", str(small), "--out", str(out), "--workers", "1"]
+    assert main(args) == 2 and "--overwrite" in capsys.readouterr().err
+    assert main([*args, "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "notes.txt", "train-00000.parquet"]
+    assert len(load_split(str(out), "train")[0]) == 4
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_a_16_bit_png_keeps_its_brightness(channels):
+    """Pillow's conversion of a 16-bit grey PNG clips every value above 255: the image came out white."""
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 65536, (8, 8), dtype=np.uint16)
+    png = _encode(pixels, "PNG")
+    assert Image.open(io.BytesIO(png)).mode.startswith("I")  # 16 bits a pixel in the file
+    out = Augment(image_size=8, train=False, eval_crop_fraction=1.0, channels=channels)(png, 0, 0)
+    assert out.shape == (8, 8, channels)
+    for c in range(channels):
+        assert np.array_equal(out[..., c], (pixels >> 8).astype(np.uint8))
+
+
+def test_an_empty_class_folder_is_refused_by_name(tmp_path):
+    """An empty class folder was a class with no image: a label the model learns never to predict."""
+    folder = write_folder(tmp_path / "in", per_class=1)
+    (folder / "fox").mkdir()
+    with pytest.raises(DataError, match=r"class folder\(s\) fox of .* hold no .*add images or remove the folder"):
+        find_images(folder)
+
+
+def test_a_file_name_that_is_not_utf8_is_prepared_and_named_readably(tmp_path, cache):
+    """Such a name (bytes kept as they were by the file system) raised UnicodeEncodeError."""
+    import os
+
+    folder = write_folder(tmp_path / "in", per_class=2)
+    odd = os.fsdecode(bytes(folder / "cat") + b"/caf\xe9.png")  # Latin-1, not UTF-8
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(odd, format="PNG")
+    manifest = prepare(folder, str(tmp_path / "out"), eval_fraction=0.5, workers=1)
+    assert sum(s["examples"] for s in manifest["splits"].values()) == 7
+    names = [
+        split.file(i)
+        for name in ("train", "eval")
+        for split in [load_split(str(tmp_path / "out"), name)[0]]
+        for i in range(len(split))
+    ]
+    assert "cat/caf\\xe9.png" in names
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"format": "xlafit-images-v1", "splits": {', r"manifest.json is damaged \(Expecting"),
+        ('{"format": "xlafit-images-v1", "splits": {}}', r"manifest.json is damaged: it lacks classes, channels"),
+        ("[1, 2]", "is not an xlafit image manifest"),
+    ],
+)
+def test_a_damaged_manifest_is_named_with_the_fix(tmp_path, cache, text, message):
+    """It raised the JSONDecodeError, KeyError or AttributeError of the code that read it."""
+    prepare(write_folder(tmp_path / "in", per_class=1), str(tmp_path / "out"), workers=1)
+    (tmp_path / "out" / "manifest.json").write_text(text)
+    with pytest.raises(DataError, match=message + ".*prepare"):
+        load_split(str(tmp_path / "out"), "train")

@@ -221,3 +221,30 @@ def test_an_exported_run_names_its_classes_and_prepares_images_as_its_evaluation
     np.testing.assert_allclose(theirs.transpose(1, 2, 0), (ours / 255.0 - mean) / std, atol=1e-5)
     classify = transformers.pipeline("image-classification", model=out)
     assert {r["label"] for r in classify(str(photo), top_k=3)} == {"a", "b", "c"}
+
+
+def test_data_with_no_evaluation_images_trains_without_evaluation(tmp_path, env):
+    """One folder prepared with the default ``--eval-fraction 0``: the run trains and says why it
+    does not evaluate (it raised a bare StopIteration compiling the eval step)."""
+    rng = np.random.default_rng(1)
+    for name in ("a", "b"):
+        (tmp_path / "in" / name).mkdir(parents=True)
+        for i in range(8):
+            Image.fromarray(rng.integers(0, 256, (10, 10, 3), dtype=np.uint8)).save(tmp_path / "in" / name / f"{i}.png")
+    prepare(tmp_path / "in", str(tmp_path / "out"), workers=1)
+    cmd = train_cmd(tmp_path / "run", tmp_path / "out", "data.workers=0", "trainer.checkpoint_every_steps=0")
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "holds no evaluation images, so this run trains without evaluation" in out.stderr
+    assert "--eval-fraction 0.05" in out.stderr and "[train] step 2 " in out.stdout and "[eval]" not in out.stdout
+
+
+@pytest.mark.parametrize("size", ["0", "-5"])
+def test_an_image_size_below_one_is_refused_by_name(size):
+    from xlafit.config import ConfigError
+    from xlafit.recipes import load_config
+    from xlafit.recipes.resnet import load_data
+
+    cfg = load_config("resnet", [f"data.image_size={size}", "data.source=synthetic"])
+    with pytest.raises(ConfigError, match=rf"data.image_size={size} must be at least 1"):
+        load_data(cfg)

@@ -198,6 +198,9 @@ def _parser() -> argparse.ArgumentParser:
         "--on-corrupt", choices=("skip", "stop"), default="skip", help="an image that cannot be decoded"
     )
     data_images.add_argument("--workers", type=int, help="processes decoding to check (default: every core)")
+    data_images.add_argument(
+        "--overwrite", action="store_true", help="replace images prepared in --out before (refused without it)"
+    )
 
     export = sub.add_parser("export", help="export a run's model to another library's format")
     export_sub = export.add_subparsers(dest="export_command", required=True)
@@ -425,6 +428,7 @@ def _data_images(args: argparse.Namespace) -> int:
         shard_size=args.shard_size,
         on_corrupt=args.on_corrupt,
         workers=args.workers,
+        overwrite=args.overwrite,
     )
     classes = len(manifest["classes"])
     for split, info in manifest["splits"].items():

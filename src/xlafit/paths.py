@@ -93,7 +93,14 @@ def describe_error(url: AnyPath, e: BaseException) -> str:
             f"the bucket gs://{bucket} of {url} does not exist. Create it "
             f"(gcloud storage buckets create gs://{bucket}) or fix the URL."
         )
-    unreachable = ("Cannot connect", "Connection refused", "UNAVAILABLE", "Empty reply from server", "Couldn't connect")
+    unreachable = (
+        "Cannot connect",
+        "Connection refused",
+        "UNAVAILABLE",
+        "Empty reply from server",
+        "Couldn't connect",
+        "Server disconnected",
+    )
     if any(word in everything for word in unreachable) or isinstance(root, ConnectionError):
         return f"the storage service for {url} cannot be reached ({text}). Check the network and run again."
     return f"{url}: {text}."

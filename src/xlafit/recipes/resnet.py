@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Literal
 
@@ -39,6 +40,8 @@ from xlafit.config import Config, ConfigError
 from xlafit.data.images import Augment, ImageDataset, SyntheticImages, load_split, mnist_demo
 from xlafit.models.resnet import ResNet, ResNetConfig, train_flops_per_example
 from xlafit.recipes.base import Recipe, Throughput
+
+log = logging.getLogger("xlafit")
 
 Preset = Literal["demo", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152"]
 CLASSES_FILE = "classes.json"  # in the run directory: the class names, label 0 first
@@ -100,6 +103,8 @@ def _demo(cfg: Config) -> bool:
 
 def image_size(cfg: Config) -> int:
     size = data_config(cfg).image_size
+    if size is not None and size < 1:
+        raise ConfigError(f"data.image_size={size} must be at least 1 (pixels a side; ImageNet: 224).")
     return size if size is not None else (28 if _demo(cfg) else 224)
 
 
@@ -174,9 +179,14 @@ def _augment(cfg: Config, train: bool, channels: int) -> Augment:
     )
 
 
-def load_data(cfg: Config) -> tuple[ImageDataset | SyntheticImages, ImageDataset | SyntheticImages]:
-    """(train, eval): prepared images (``data.data_dir``, else the MNIST image demo), or synthetic ones."""
+def load_data(cfg: Config) -> tuple[ImageDataset | SyntheticImages, ImageDataset | SyntheticImages | None]:
+    """(train, eval): prepared images (``data.data_dir``, else the MNIST image demo), or synthetic ones.
+
+    Data prepared with no held-out images (one folder, ``--eval-fraction 0``) trains without
+    evaluation: eval is None, and a warning says how to hold some out.
+    """
     d = data_config(cfg)
+    image_size(cfg)  # a bad data.image_size is refused before any data is read or written
     if d.workers < 0 or d.eval_workers < 0:
         raise ConfigError("data.workers and data.eval_workers must be 0 (decode in the main process) or more.")
     if d.source == "synthetic":
@@ -190,11 +200,19 @@ def load_data(cfg: Config) -> tuple[ImageDataset | SyntheticImages, ImageDataset
 
     train_split, manifest = load_split(where, "train")
     eval_split, _ = load_split(where, "eval")
+    if not len(eval_split):
+        log.warning(
+            "%s holds no evaluation images, so this run trains without evaluation; to evaluate, prepare the data "
+            "again with --eval-fraction 0.05 (or from a folder with train/ and val/).",
+            where,
+        )
     channels = int(manifest["channels"])
     classes = manifest["classes"]
     train = ImageDataset(
         train_split, _augment(cfg, True, channels), workers=d.workers, on_corrupt=d.on_corrupt, classes=classes
     )
+    if not len(eval_split):
+        return train, None
     evaluation = ImageDataset(
         eval_split, _augment(cfg, False, channels), workers=d.eval_workers, on_corrupt=d.on_corrupt, classes=classes
     )

@@ -23,7 +23,7 @@ import numpy as np
 
 from xlafit.cache import COMPLETE, cache_dir, publish
 from xlafit.data.dataset import DataError
-from xlafit.data.images.preparation import MANIFEST, read_manifest
+from xlafit.data.images.preparation import MANIFEST, read_manifest, reading
 
 log = logging.getLogger("xlafit")
 
@@ -127,7 +127,8 @@ def _build(fs, root: str, manifest: dict, split: str, where: Path) -> None:
             for shard in info["shards"]:
                 path = f"{root}/{shard['path']}"
                 try:
-                    data = fs.cat_file(path)
+                    with reading(fs.unstrip_protocol(path)):
+                        data = fs.cat_file(path)
                 except FileNotFoundError:
                     raise DataError(
                         f"shard {path} listed in the manifest is missing; prepare the data again."

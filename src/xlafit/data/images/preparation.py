@@ -23,6 +23,7 @@ import io
 import json
 import multiprocessing
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Literal
@@ -33,6 +34,7 @@ import numpy as np
 from xlafit.data.dataset import DataError
 from xlafit.data.mlm.masking import hash_uniform
 from xlafit.data.shards import output_dir, writing
+from xlafit.paths import describe_error
 
 MANIFEST = "manifest.json"
 FORMAT = "xlafit-images-v1"
@@ -52,7 +54,8 @@ def find_images(
     same classes.
 
     Raises:
-        DataError: no class folders, no images, or splits whose classes differ.
+        DataError: no class folders, no images, a training class folder with no image, or
+            splits whose classes differ.
     """
     root = Path(directory)
     if not root.is_dir():
@@ -67,11 +70,14 @@ def find_images(
                 f"{root / 'train'} and {held_out} have different class folders (e.g. {', '.join(extra)}); "
                 "both splits need the same classes."
             )
+        _no_empty_classes(root / "train", train, classes)
         return {"train": train, "eval": evaluation}, classes
     files, classes = _image_folder(root)
+    _no_empty_classes(root, files, classes)
     if not 0.0 <= eval_fraction < 1.0:
         raise DataError(f"--eval-fraction {eval_fraction} must lie in [0, 1).")
-    names = [hashlib.sha256(os.path.relpath(f, root).encode()).digest() for f, _ in files]
+    # os.fsencode: a name that is not UTF-8 (bytes the file system kept as they were) hashes too
+    names = [hashlib.sha256(os.fsencode(os.path.relpath(f, root))).digest() for f, _ in files]
     keys = np.array([int.from_bytes(d[:4], "little") for d in names], np.int64)
     draws = hash_uniform(np.full(len(files), seed), keys, 11) if files else np.zeros(0)
     splits = {
@@ -97,6 +103,21 @@ def _image_folder(root: Path) -> tuple[list[tuple[str, int]], list[str]]:
     if not files:
         raise DataError(f"{root} holds no {', '.join(EXTENSIONS)} files under its class folders.")
     return files, classes
+
+
+def _no_empty_classes(root: Path, files: list[tuple[str, int]], classes: list[str]) -> None:
+    empty = sorted(set(classes) - {classes[label] for _, label in files})
+    if empty:
+        raise DataError(
+            f"the class folder(s) {', '.join(empty[:5])} of {root} hold no {', '.join(EXTENSIONS)} files, so their "
+            "labels would have no training image; add images or remove the folder(s)."
+        )
+
+
+def _printable(name: str) -> str:
+    """``name`` as valid UTF-8 (for the shards' ``file`` column and messages): bytes of a file
+    name that are not UTF-8 become ``\\xNN``."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
 def _check_image(path: str) -> tuple[bytes, int, str | None]:
@@ -143,6 +164,7 @@ def prepare(
     shard_size: int = 1024,
     on_corrupt: OnCorrupt = "skip",
     workers: int | None = None,
+    overwrite: bool = False,
 ) -> dict:
     """Writes the images of ``input_dir`` as Parquet shards + ``manifest.json`` under ``out``.
 
@@ -154,6 +176,8 @@ def prepare(
         on_corrupt: an image that cannot be decoded is ``skip``-ped (named in the manifest's
             ``skipped``) or a ``stop`` (a :class:`DataError` naming it).
         workers: processes that decode to check the images (default: every core).
+        overwrite: replace images prepared in ``out`` before (their shards that the new
+            manifest does not list are removed once it is written); without it they are refused.
 
     Returns:
         The manifest (also written to ``out/manifest.json``).
@@ -166,6 +190,14 @@ def prepare(
     splits, classes = find_images(input_dir, eval_fraction, seed)
     root_dir = Path(input_dir)
     fs, root = output_dir(out, "the image shards")
+    with writing(out, "the image shards"):
+        earlier = _prepared_files(fs, root)
+    if earlier and not overwrite:
+        found = ", ".join(earlier[:3]) + (", ..." if len(earlier) > 3 else "")
+        raise DataError(
+            f"--out {out} already holds prepared images ({found}); "
+            "choose an empty directory, or pass --overwrite to replace them."
+        )
     manifest_splits: dict[str, dict] = {}
     channels = 1
     workers = workers or os.cpu_count() or 1
@@ -194,11 +226,11 @@ def prepare(
 
             paths = [f for f, _ in files]
             for (path, label), (data, ch, error) in zip(files, decode(_check_image, paths), strict=True):
-                name = os.path.relpath(path, root_dir)
+                name = _printable(os.path.relpath(path, root_dir))
                 if error is not None:
                     if on_corrupt == "stop":
                         raise DataError(
-                            f"{path} cannot be decoded ({error}); remove or replace it, or pass "
+                            f"{_printable(path)} cannot be decoded ({error}); remove or replace it, or pass "
                             "--on-corrupt skip to leave it out (it is then listed in the manifest)."
                         )
                     skipped.append({"file": name, "error": error})
@@ -227,7 +259,21 @@ def prepare(
     }
     with writing(out, "the image shards"), fs.open(f"{root}/{MANIFEST}", "w") as f:
         json.dump(manifest, f, indent=2)
+    listed = {s["path"] for info in manifest_splits.values() for s in info["shards"]}
+    with writing(out, "the image shards"):
+        for name in earlier:  # only with overwrite: the previous preparation's shards the new manifest drops
+            if name != MANIFEST and name not in listed:
+                fs.rm(f"{root}/{name}")
     return manifest
+
+
+def _prepared_files(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
+    """The names of what :func:`prepare` writes (``manifest.json``, ``<split>-NNNNN.parquet``) found in ``root``."""
+    try:
+        names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
+    except FileNotFoundError:  # an object store's new "directory" holds nothing yet
+        return []
+    return [n for n in names if n == MANIFEST or re.fullmatch(r"(train|eval)-\d{5,}\.parquet", n)]
 
 
 def read_manifest(url: str) -> tuple[fsspec.AbstractFileSystem, str, dict]:
@@ -241,19 +287,46 @@ def read_manifest(url: str) -> tuple[fsspec.AbstractFileSystem, str, dict]:
         >>> len(manifest["classes"])                            # doctest: +SKIP
         1000
     """
-    fs, root = fsspec.core.url_to_fs(url)
-    path = f"{root.rstrip('/')}/{MANIFEST}"
-    if not fs.exists(path):
-        raise DataError(
-            f"{url} has no {MANIFEST}; prepare the images with `xlafit data images --input DIR --out {url}`."
-        )
-    with fs.open(path, "r") as f:
-        manifest = json.load(f)
-    if manifest.get("format") != FORMAT:
+    with reading(url):
+        fs, root = fsspec.core.url_to_fs(url)
+        path = f"{root.rstrip('/')}/{MANIFEST}"
+        if not fs.exists(path):
+            raise DataError(
+                f"{url} has no {MANIFEST}; prepare the images with `xlafit data images --input DIR --out {url}`."
+            )
+        with fs.open(path, "r") as f:
+            try:
+                manifest = json.load(f)
+            except json.JSONDecodeError as e:
+                raise DataError(
+                    f"{url}/{MANIFEST} is damaged ({e}); prepare the data again (xlafit data images)."
+                ) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise DataError(
             f"{url}/{MANIFEST} is not an xlafit image manifest ({FORMAT}); prepare it with `xlafit data images`."
         )
+    missing = [key for key in ("classes", "channels", "splits") if key not in manifest]
+    if missing or "train" not in manifest["splits"]:
+        raise DataError(
+            f"{url}/{MANIFEST} is damaged: it lacks {', '.join(missing) or 'the train split'}; "
+            "prepare the data again (xlafit data images)."
+        )
     return fs, root.rstrip("/"), manifest
+
+
+@contextlib.contextmanager
+def reading(url: str) -> Iterator[None]:
+    """Turns a failed read of prepared images (no permission, an unreachable server) into a
+    :class:`DataError` that names the URL, the cause and the fix, instead of the client's traceback."""
+    try:
+        yield
+    except FileNotFoundError:  # the caller names what is missing
+        raise
+    except Exception as e:
+        # gcsfs raises aiohttp's errors, which are not all OSErrors ("Server disconnected")
+        if not isinstance(e, OSError) and not type(e).__module__.startswith("aiohttp"):
+            raise
+        raise DataError(f"reading the prepared images failed: {describe_error(url, e)}") from e
 
 
 def class_names(manifest: dict) -> Sequence[str]:

@@ -110,6 +110,8 @@ class Augment:
         else:
             img = Image.open(io.BytesIO(encoded))
             img.load()
+            if img.mode.startswith("I"):  # a 16-bit grey PNG: Pillow's convert clips it at 255 instead of scaling
+                img = Image.fromarray((np.asarray(img) >> 8).astype(np.uint8))
             img = img.convert("L" if self.channels == 1 else "RGB")
             box = self.box(img.width, img.height, epoch, index)
         out = np.asarray(img.resize((size, size), Image.Resampling.BILINEAR, box=box))
