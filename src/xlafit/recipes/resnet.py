@@ -302,9 +302,11 @@ def check_bn_group(cfg: Config) -> None:
             f"{t.invariant_chunks} computes each chunk of the batch on its own; use model.bn=local with a "
             "model.bn_group dividing a chunk, or trainer.invariant_chunks=null."
         )
-    if m.bn != "local" or m.bn_group is None or per_device is None or global_batch is None:
+    if m.bn != "local" or m.bn_group is None or per_device is None:
         return
     if t.invariant_chunks:
+        if global_batch is None:
+            return
         rows, where = global_batch // t.invariant_chunks, f"trainer.invariant_chunks={t.invariant_chunks}"
     else:
         rows, where = per_device // max(t.accumulate_steps, 1), f"trainer.accumulate_steps={t.accumulate_steps}"
