@@ -470,7 +470,7 @@ def test_image_shards_that_cannot_be_read_are_named_with_the_fix(gcs, tmp_path, 
         for blocked_after in (0, 2):  # the manifest itself; a shard
             reads.clear()
             gcs.forget_clients()
-            with pytest.raises(DataError, match="reading the prepared images failed: ") as err:
+            with pytest.raises(DataError, match="reading the prepared image data failed: ") as err:
                 load_split(out, "train")
             reason = "permission denied" if verdict == "403" else "cannot be reached"
             assert reason in str(err.value) and gcs.bucket in str(err.value), (blocked_after, str(err.value))

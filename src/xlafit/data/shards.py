@@ -1,19 +1,27 @@
-"""Where prepared shards are written: an output directory, local or on any fsspec URL.
+"""Prepared shards and their manifest, local or on any fsspec URL: where they are written,
+and reading them back with every failure named (a missing, damaged or changed file, no
+permission, an unreachable server) instead of the client's traceback.
 
-Shared by ``xlafit data mlm`` (:mod:`xlafit.data.mlm.preparation`) and ``xlafit data images``
-(:mod:`xlafit.data.images.preparation`).
+Shared by ``xlafit data mlm`` (:mod:`xlafit.data.mlm`) and ``xlafit data images``
+(:mod:`xlafit.data.images`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import hashlib
+import json
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import fsspec
 
 from xlafit.data.dataset import DataError
 from xlafit.paths import StorageError, check_bucket, describe_error, is_url
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 
 @contextlib.contextmanager
@@ -40,3 +48,87 @@ def output_dir(out: str | Path, what: str) -> tuple[fsspec.AbstractFileSystem, s
     with writing(out, what):
         fs.makedirs(root, exist_ok=True)
     return fs, root
+
+
+@contextlib.contextmanager
+def reading(url: str, what: str) -> Iterator[None]:
+    """Turns a failed read of prepared data (no permission, an unreachable server) into a
+    :class:`DataError` that names the URL, the cause and the fix. ``what`` names the data
+    ("the prepared image data"). A missing file passes through: the caller names what is missing."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise
+    except Exception as e:
+        # gcsfs raises aiohttp's errors, which are not all OSErrors ("Server disconnected")
+        if not isinstance(e, OSError) and not type(e).__module__.startswith("aiohttp"):
+            raise
+        raise DataError(f"reading {what} failed: {describe_error(url, e)}") from e
+
+
+def read_manifest(
+    url: str, name: str, fmt: str, kind: str, prepare: str, required: Sequence[str] = ()
+) -> tuple[fsspec.AbstractFileSystem, str, dict]:
+    """The filesystem, root path (no trailing ``/``) and manifest (``name``, JSON) under ``url``.
+
+    Args:
+        url: the prepared directory.
+        name: the manifest's file name.
+        fmt: the ``format`` the manifest must have.
+        kind: the data, for messages ("image", "MLM").
+        prepare: the command that prepares it, for messages.
+        required: keys the manifest must hold.
+
+    Raises:
+        DataError: no manifest, not JSON, another format or keys missing (each says to
+            prepare the data again), or the storage cannot be read.
+    """
+    with reading(url, f"the prepared {kind} data"):
+        fs, root = fsspec.core.url_to_fs(url)
+        path = f"{root.rstrip('/')}/{name}"
+        if not fs.exists(path):
+            raise DataError(f"{url} has no {name}; prepare the data with `{prepare}`.")
+        with fs.open(path, "r") as f:
+            try:
+                manifest = json.load(f)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{url}/{name} is damaged ({e}); prepare the data again (`{prepare}`).") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != fmt:
+        raise DataError(f"{url}/{name} is not an xlafit {kind} manifest ({fmt}); prepare the data with `{prepare}`.")
+    missing = [key for key in required if key not in manifest]
+    if missing:
+        raise DataError(
+            f"{url}/{name} is damaged: it lacks {', '.join(missing)}; prepare the data again (`{prepare}`)."
+        )
+    return fs, root.rstrip("/"), manifest
+
+
+def read_shard(fs: fsspec.AbstractFileSystem, root: str, shard: dict, kind: str, rows: str) -> pa.Table:
+    """The Parquet table of the shard the manifest lists as ``shard`` (``path``, ``sha256`` and
+    its row count under the key ``rows``), checked against the manifest.
+
+    Raises:
+        DataError: the shard is missing or cannot be read, its SHA-256 differs from the
+            manifest's (damaged, or changed since it was prepared), it is not Parquet, or its
+            row count differs.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = f"{root}/{shard['path']}"
+    try:
+        with reading(fs.unstrip_protocol(path), f"the prepared {kind} data"):
+            data = fs.cat_file(path)
+    except FileNotFoundError:
+        raise DataError(f"shard {path} listed in the manifest is missing; prepare the data again.") from None
+    if "sha256" in shard and hashlib.sha256(data).hexdigest() != shard["sha256"]:
+        raise DataError(
+            f"shard {path} is damaged or was changed: its sha256 differs from the manifest's; prepare the data again."
+        )
+    try:
+        table = pq.read_table(pa.BufferReader(data))
+    except Exception as e:  # pyarrow raises its own types for damaged files
+        raise DataError(f"shard {path} cannot be read ({e}); prepare the data again.") from None
+    if table.num_rows != shard[rows]:
+        raise DataError(f"shard {path} holds {table.num_rows} {rows}, the manifest says {shard[rows]}.")
+    return table

@@ -23,7 +23,8 @@ import numpy as np
 
 from xlafit.cache import COMPLETE, cache_dir, publish
 from xlafit.data.dataset import DataError
-from xlafit.data.images.preparation import MANIFEST, read_manifest, reading
+from xlafit.data.images.preparation import MANIFEST, read_manifest
+from xlafit.data.shards import read_shard
 
 log = logging.getLogger("xlafit")
 
@@ -113,8 +114,6 @@ def _npy_header(size: int) -> bytes:
 def _build(fs, root: str, manifest: dict, split: str, where: Path) -> None:
     """Copies the split's shards into ``where`` (through a temporary directory renamed into
     place: a process that finds ``where`` finds it whole) and removes older versions."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
     info = manifest["splits"][split]
     where.parent.mkdir(parents=True, exist_ok=True)
@@ -125,30 +124,12 @@ def _build(fs, root: str, manifest: dict, split: str, where: Path) -> None:
         with open(tmp / "images.npy", "wb") as out:
             out.write(_npy_header(0))  # rewritten with the size at the end; the same length
             for shard in info["shards"]:
-                path = f"{root}/{shard['path']}"
-                try:
-                    with reading(fs.unstrip_protocol(path)):
-                        data = fs.cat_file(path)
-                except FileNotFoundError:
-                    raise DataError(
-                        f"shard {path} listed in the manifest is missing; prepare the data again."
-                    ) from None
-                if hashlib.sha256(data).hexdigest() != shard["sha256"]:
-                    raise DataError(
-                        f"shard {path} is damaged or was changed: its sha256 differs from the manifest's; "
-                        "prepare the data again (xlafit data images)."
-                    )
-                try:
-                    table = pq.read_table(pa.BufferReader(data))
-                except Exception as e:  # pyarrow raises its own types for damaged files
-                    raise DataError(f"shard {path} cannot be read ({e}); prepare the data again.") from None
-                if table.num_rows != shard["examples"]:
-                    raise DataError(
-                        f"shard {path} holds {table.num_rows} images, the manifest says {shard['examples']}."
-                    )
+                table = read_shard(fs, root, shard, "image", rows="examples")
                 shard_labels = table.column("label").to_numpy()
                 if len(shard_labels) and (shard_labels.min() < 0 or shard_labels.max() >= num_classes):
-                    raise DataError(f"shard {path} has labels outside 0..{num_classes - 1}; prepare the data again.")
+                    raise DataError(
+                        f"shard {root}/{shard['path']} has labels outside 0..{num_classes - 1}; prepare the data again."
+                    )
                 for blob in table.column("image").to_pylist():
                     out.write(blob)
                     offsets.append(offsets[-1] + len(blob))

@@ -31,10 +31,10 @@ from typing import Literal
 import fsspec
 import numpy as np
 
+from xlafit.data import shards
 from xlafit.data.dataset import DataError
 from xlafit.data.mlm.masking import hash_uniform
 from xlafit.data.shards import output_dir, writing
-from xlafit.paths import describe_error
 
 MANIFEST = "manifest.json"
 FORMAT = "xlafit-images-v1"
@@ -280,53 +280,21 @@ def read_manifest(url: str) -> tuple[fsspec.AbstractFileSystem, str, dict]:
     """The filesystem, root path (no trailing ``/``) and manifest of data :func:`prepare` wrote.
 
     Raises:
-        DataError: ``url`` holds no manifest, or not one of this format.
+        DataError: ``url`` holds no manifest, a damaged one or not one of this format, or
+            cannot be read (:func:`xlafit.data.shards.read_manifest`).
 
     Example:
         >>> fs, root, manifest = read_manifest("data/images")  # doctest: +SKIP
         >>> len(manifest["classes"])                            # doctest: +SKIP
         1000
     """
-    with reading(url):
-        fs, root = fsspec.core.url_to_fs(url)
-        path = f"{root.rstrip('/')}/{MANIFEST}"
-        if not fs.exists(path):
-            raise DataError(
-                f"{url} has no {MANIFEST}; prepare the images with `xlafit data images --input DIR --out {url}`."
-            )
-        with fs.open(path, "r") as f:
-            try:
-                manifest = json.load(f)
-            except json.JSONDecodeError as e:
-                raise DataError(
-                    f"{url}/{MANIFEST} is damaged ({e}); prepare the data again (xlafit data images)."
-                ) from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise DataError(
-            f"{url}/{MANIFEST} is not an xlafit image manifest ({FORMAT}); prepare it with `xlafit data images`."
-        )
-    missing = [key for key in ("classes", "channels", "splits") if key not in manifest]
-    if missing or "train" not in manifest["splits"]:
-        raise DataError(
-            f"{url}/{MANIFEST} is damaged: it lacks {', '.join(missing) or 'the train split'}; "
-            "prepare the data again (xlafit data images)."
-        )
-    return fs, root.rstrip("/"), manifest
-
-
-@contextlib.contextmanager
-def reading(url: str) -> Iterator[None]:
-    """Turns a failed read of prepared images (no permission, an unreachable server) into a
-    :class:`DataError` that names the URL, the cause and the fix, instead of the client's traceback."""
-    try:
-        yield
-    except FileNotFoundError:  # the caller names what is missing
-        raise
-    except Exception as e:
-        # gcsfs raises aiohttp's errors, which are not all OSErrors ("Server disconnected")
-        if not isinstance(e, OSError) and not type(e).__module__.startswith("aiohttp"):
-            raise
-        raise DataError(f"reading the prepared images failed: {describe_error(url, e)}") from e
+    prepare = f"xlafit data images --input DIR --out {url}"
+    fs, root, manifest = shards.read_manifest(
+        url, MANIFEST, FORMAT, "image", prepare, ("classes", "channels", "splits")
+    )
+    if "train" not in manifest["splits"]:
+        raise DataError(f"{url}/{MANIFEST} is damaged: it lacks the train split; prepare the data again (`{prepare}`).")
+    return fs, root, manifest
 
 
 def class_names(manifest: dict) -> Sequence[str]:

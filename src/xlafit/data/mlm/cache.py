@@ -23,6 +23,7 @@ from tqdm import tqdm
 from xlafit.cache import COMPLETE, cache_dir, publish
 from xlafit.data.dataset import DataError
 from xlafit.data.mlm.preparation import MANIFEST, read_manifest
+from xlafit.data.shards import read_shard
 
 log = logging.getLogger("xlafit")
 
@@ -132,27 +133,11 @@ def _decode_shards(
 ) -> Iterator[dict[str, np.ndarray]]:
     """The arrays of each shard in turn, checked against the manifest."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     t = manifest["seq_len"]
     shards = manifest["splits"][split]["shards"]
     for shard in tqdm(shards, desc=f"decoding {split}", unit="shard", disable=len(shards) < 4 or None):
-        path = f"{root}/{shard['path']}"
-        try:
-            data = fs.cat_file(path)
-        except FileNotFoundError:
-            raise DataError(f"shard {path} listed in the manifest is missing; prepare the data again.") from None
-        if "sha256" in shard and hashlib.sha256(data).hexdigest() != shard["sha256"]:
-            raise DataError(
-                f"shard {path} is damaged or was changed: its sha256 differs from the manifest's; "
-                "prepare the data again."
-            )
-        try:
-            table = pq.read_table(pa.BufferReader(data))
-        except Exception as e:  # pyarrow raises its own types for damaged files
-            raise DataError(f"shard {path} cannot be read ({e}); prepare the data again.") from None
-        if table.num_rows != shard["sequences"]:
-            raise DataError(f"shard {path} holds {table.num_rows} sequences, the manifest says {shard['sequences']}.")
+        table = read_shard(fs, root, shard, "MLM", rows="sequences")
         chunk = {
             n: table.column(n).combine_chunks().flatten().to_numpy().reshape(-1, t)
             for n in ("input_ids", "token_type_ids")

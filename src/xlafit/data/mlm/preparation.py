@@ -28,6 +28,7 @@ import fsspec
 import numpy as np
 from tqdm import tqdm
 
+from xlafit.data import shards
 from xlafit.data.dataset import DataError
 from xlafit.data.mlm.masking import hash_uniform
 from xlafit.data.shards import output_dir, writing
@@ -258,19 +259,13 @@ def read_manifest(url: str) -> tuple[fsspec.AbstractFileSystem, str, dict]:
     """The filesystem, root path (no trailing ``/``) and manifest of data :func:`prepare` wrote.
 
     Raises:
-        DataError: ``url`` holds no manifest, or not one of this format.
+        DataError: ``url`` holds no manifest, a damaged one or not one of this format, or
+            cannot be read (:func:`xlafit.data.shards.read_manifest`).
 
     Example:
         >>> fs, root, manifest = read_manifest("data/mlm")  # doctest: +SKIP
         >>> manifest["seq_len"]                              # doctest: +SKIP
         128
     """
-    fs, root = fsspec.core.url_to_fs(url)
-    path = f"{root.rstrip('/')}/{MANIFEST}"
-    if not fs.exists(path):
-        raise DataError(f"{url} has no {MANIFEST}; prepare the data with `xlafit data mlm --out {url}`.")
-    with fs.open(path, "r") as f:
-        manifest = json.load(f)
-    if manifest.get("format") != FORMAT:
-        raise DataError(f"{url}/{MANIFEST} is not an xlafit MLM manifest ({FORMAT}).")
-    return fs, root.rstrip("/"), manifest
+    required = ("seq_len", "splits", "tokenizer")
+    return shards.read_manifest(url, MANIFEST, FORMAT, "MLM", f"xlafit data mlm --out {url}", required)
