@@ -292,6 +292,14 @@ def test_an_empty_class_folder_is_refused_by_name(tmp_path):
         find_images(folder)
 
 
+def test_a_class_the_eval_split_takes_whole_is_refused_by_name(tmp_path):
+    """One folder split by --eval-fraction: a class of one image could land in evaluation only."""
+    folder = write_folder(tmp_path / "in", per_class=1)
+    with pytest.raises(DataError, match=r"--eval-fraction 0.9 holds out every image of the class\(es\) .*smaller"):
+        find_images(folder, eval_fraction=0.9)
+    assert len(find_images(folder, eval_fraction=0.0)[0]["train"]) == 3
+
+
 def test_a_file_name_that_is_not_utf8_is_prepared_and_named_readably(tmp_path, cache):
     """Such a name (bytes kept as they were by the file system) raised UnicodeEncodeError."""
     import os

@@ -84,6 +84,12 @@ def find_images(
         "train": [f for f, u in zip(files, draws, strict=True) if u >= eval_fraction],
         "eval": [f for f, u in zip(files, draws, strict=True) if u < eval_fraction],
     }
+    held = sorted(set(classes) - {classes[label] for _, label in splits["train"]})
+    if held:  # a small class whose every image was drawn for evaluation
+        raise DataError(
+            f"--eval-fraction {eval_fraction} holds out every image of the class(es) {', '.join(held[:5])} of {root}, "
+            "so they would have no training image; use a smaller --eval-fraction or add images to them."
+        )
     return splits, classes
 
 
