@@ -1,6 +1,7 @@
 """The command line, run as a user runs it: in a fresh process."""
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -140,3 +141,22 @@ def test_inspect_fails_when_the_newest_checkpoint_is_corrupt(tmp_path, capsys):
     assert main(["inspect", str(tmp_path), "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["fingerprint"]["step"] == 1 and report["checkpoints"][1]["time_source"] == "commit"
+
+
+def test_gcsfs_tracebacks_of_errors_it_raises_again_are_dropped_unless_verbose(caplog):
+    """gcsfs logged 'out of retries' with a whole traceback before xlafit named the same error."""
+    from xlafit.cli import configure_logging
+
+    gcsfs = logging.getLogger("gcsfs")
+    for verbose in (False, True):
+        configure_logging(verbose=verbose)
+        caplog.clear()
+        try:
+            raise OSError("Cannot connect to host 127.0.0.1:9")
+        except OSError as e:
+            gcsfs.exception(f"_request out of retries on exception: {e}")
+        gcsfs.warning("a warning of its own")
+        messages = [r.getMessage() for r in caplog.records if r.name == "gcsfs"]
+        assert ("_request out of retries on exception: Cannot connect to host 127.0.0.1:9" in messages) == verbose
+        assert "a warning of its own" in messages
+    configure_logging(verbose=False)

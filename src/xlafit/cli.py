@@ -473,6 +473,29 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def configure_logging(verbose: bool) -> None:
+    """xlafit's messages at WARNING (INFO with ``--verbose``), libraries' at WARNING.
+
+    gcsfs logs every exception it gives up on with its traceback (``_request out of retries``,
+    ``non-retriable exception``) and then raises it; xlafit names that same error with the
+    fix (:func:`xlafit.paths.describe_error`), so those tracebacks are dropped unless verbose.
+    """
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    # Orbax and absl are chatty at INFO; keep xlafit's own messages only.
+    for name in ("absl", "orbax", "jax"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    gcsfs = logging.getLogger("gcsfs")
+    gcsfs.removeFilter(_raised_again)
+    if not verbose:
+        gcsfs.addFilter(_raised_again)
+
+
+def _raised_again(record: logging.LogRecord) -> bool:
+    return record.exc_info is None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -499,13 +522,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         if getattr(args, flag, None) is not None:
             os.environ[env] = str(getattr(args, flag))
-    logging.basicConfig(
-        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
-    # Orbax and absl are chatty at INFO; keep xlafit's own messages only.
-    for name in ("absl", "orbax", "jax"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    configure_logging(verbose=getattr(args, "verbose", False))
     try:
         if args.command == "devices":
             from xlafit.devices import connect
