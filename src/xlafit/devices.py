@@ -11,8 +11,11 @@ parallelism, every device on ``data``). Where each array lies on it: :mod:`xlafi
 from __future__ import annotations
 
 import dataclasses
+import glob
+import importlib.util
 import os
 import socket
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -21,7 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from xlafit.host_memory import accelerator_present, keep_freed_memory
+from xlafit.host_memory import TPU_DEVICES, accelerator_present, keep_freed_memory
 
 SIMULATE_ENV = "XLAFIT_SIMULATE_DEVICES"
 COORDINATOR_ENV = "XLAFIT_COORDINATOR"
@@ -326,6 +329,30 @@ def configure(
         os.environ["XLA_FLAGS"] = f"{flags} {YNN_FUSION_FLAG}={','.join(types)}".strip()
 
 
+# What libtpu writes to stderr when JAX tries its TPU backend on a host with no TPU (libtpu
+# is installed for `xlafit check --tpu`): it cannot find the VM's accelerator type and
+# worker hostnames, then JAX goes on with the other backends.
+_LIBTPU_NOISE = ("could not determine TPU", "Logging before InitGoogle", "Source Location Trace", "libtpu_init_utils")
+
+
+def _start_backends() -> list[jax.Device]:
+    """``jax.devices()``, the first call (it starts the backends), without libtpu's five lines
+    of start-up errors on a host that has libtpu but no TPU; everything else on stderr stays."""
+    if importlib.util.find_spec("libtpu") is None or any(glob.glob(p) for p in TPU_DEVICES):
+        return jax.devices()
+    from xlafit.tpu import quiet_stderr
+
+    sys.stderr.flush()
+    kept: list[str] = []
+    try:
+        with quiet_stderr() as kept:
+            return jax.devices()
+    finally:
+        lines = "".join(kept).splitlines(keepends=True)
+        sys.stderr.write("".join(line for line in lines if not any(n in line for n in _LIBTPU_NOISE)))
+        sys.stderr.flush()
+
+
 @dataclasses.dataclass(frozen=True)
 class Cluster:
     """How this process joins a multi-process job (``jax.distributed``)."""
@@ -503,7 +530,7 @@ def connect(
     cluster = cluster or Cluster.from_env()
     if cluster is not None and not started and not jax.distributed.is_initialized():
         _join(cluster)
-    devices = jax.devices()
+    devices = _start_backends() if not started else jax.devices()
     # Order by (process, id) so each process's devices are contiguous along the batch axes
     # and process p owns rows [p*L, (p+1)*L) of every global batch.
     devices = sorted(devices, key=lambda d: (d.process_index, d.id))

@@ -36,7 +36,8 @@ M_ARENA_MAX = -8
 KEEP = {M_ARENA_MAX: 1, M_MMAP_MAX: 0, M_TRIM_THRESHOLD: -1}  # -1: never trim (man mallopt)
 
 # Device files of the accelerators JAX would use instead of the CPU.
-ACCELERATOR_DEVICES = ("/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*", "/dev/kfd")
+TPU_DEVICES = ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*")  # TPU v2/v3; v4 and later
+ACCELERATOR_DEVICES = ("/dev/nvidia[0-9]*", *TPU_DEVICES, "/dev/kfd")
 
 
 def accelerator_present() -> bool:

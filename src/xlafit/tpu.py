@@ -176,7 +176,7 @@ def require_libtpu() -> None:
 
 
 @contextlib.contextmanager
-def _quiet_stderr() -> Iterator[list[str]]:
+def quiet_stderr() -> Iterator[list[str]]:
     """Sends what C++ code writes to file descriptor 2 to a buffer instead of the terminal.
 
     libtpu, loaded on a machine that is no TPU VM, logs that it cannot find the VM's
@@ -208,7 +208,7 @@ def devices(target: Target) -> list[Any]:
     options: dict[str, Any] = {"chip_config_name": "megacore"} if target.generation.megacore else {}
     if target.chips == 1:  # libtpu's default host is 2x2 chips; a single-chip VM is its own host
         options["chips_per_host_bounds"] = (1, 1, 1)
-    with _quiet_stderr():
+    with quiet_stderr():
         topology = topologies.get_topology_desc(platform="tpu", topology_name=target.topology, **options)
     found = list(topology.devices)
     if len(found) != target.num_devices:  # the table and libtpu disagree: say so rather than guess
