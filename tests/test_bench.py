@@ -133,6 +133,13 @@ def test_bench_compares_with_pytorch_eager(tmp_path):
         (["--steps-per-call", "two"], "expected whole numbers"),
         (["--steps", "0"], "--steps must be at least 1"),
         (["--batch", "100000", "--data", "synthetic", "--examples", "1000"], "larger than the 1000 training"),
+        (["--devices", "abc"], "--devices abc: expected device counts or 'all'"),
+        (["--devices", "3", "--batch", "8"], "--batch 8 does not divide over 3 devices"),
+        (["--profile", "-1"], "--profile must be 0"),
+        (["--epochs", "-1"], "--epochs must be more than 0"),
+        (["--simulate", "-2"], "--simulate must be at least 1"),
+        (["--data", "synthetic", "--examples", "-5"], "--examples must be at least 1"),
+        (["--json", "/nonexistent-xlafit-dir/b.json"], "--json /nonexistent-xlafit-dir/b.json: the folder"),
     ],
 )
 def test_bench_bad_input(args, message):

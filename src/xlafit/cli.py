@@ -283,6 +283,11 @@ def _bench(args: argparse.Namespace) -> int:
 
     from xlafit.bench import format_table, plot, run_bench
 
+    # Checked before the benchmark runs, not after its minutes of work.
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            raise ConfigError(f"{flag} {path}: the folder {folder} does not exist; create it or write elsewhere.")
     result = run_bench(
         args.recipe,
         devices=[d.strip() for d in args.devices.split(",") if d.strip()],

@@ -100,9 +100,18 @@ def plan_configs(
     available = (simulate or 1) if cpu else probe["device_count"]
     counts: list[int] = []
     for d in devices:
-        n = available if d == "all" else int(d)
+        try:
+            n = available if d == "all" else int(d)
+        except ValueError:
+            raise ConfigError(f"--devices {d}: expected device counts or 'all', e.g. --devices 1,all.") from None
         if n < 1 or (not cpu and n > available):
             raise ConfigError(f"--devices {d}: this machine has {available} {probe['platform']} device(s).")
+        if base.batch % n:
+            # Each device takes an equal share of the global batch (the Trainer refuses otherwise).
+            raise ConfigError(
+                f"--batch {base.batch} does not divide over {n} devices (--devices {d}): "
+                f"use a batch that is a multiple of {n}, or other --devices."
+            )
         if n not in counts:
             counts.append(n)
     configs = []
@@ -231,6 +240,14 @@ def run_bench(
             raise ConfigError(f"--{name} must be at least 1, got {value}.")
     if warmup < 0:
         raise ConfigError(f"--warmup must be 0 or more, got {warmup}.")
+    if profile < 0:
+        raise ConfigError(f"--profile must be 0 (no trace) or more steps, got {profile}.")
+    if epochs is not None and epochs <= 0:
+        raise ConfigError(f"--epochs must be more than 0, got {epochs}.")
+    if simulate is not None and simulate < 1:
+        raise ConfigError(f"--simulate must be at least 1 device, got {simulate}.")
+    if examples is not None and examples < 1:
+        raise ConfigError(f"--examples must be at least 1, got {examples}.")
     if recipe == "resnet":
         data = "synthetic"  # same-shape random images: the benchmark times the step, not a decoder
         examples = examples or 8 * batch
