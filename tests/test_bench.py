@@ -147,3 +147,18 @@ def test_bench_bad_input(args, message):
     assert out.returncode == 2
     assert message in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed (make bench installs it)")
+def test_pytorch_peer_gets_the_xlafit_rows_cpu_allocator():
+    """On a CPU the xlafit rows keep freed memory for reuse (xlafit.connect()); the peer must
+    too, or its ResNet activations are page-faulted in afresh every step and the comparison
+    times glibc, not PyTorch."""
+    from xlafit.bench import run_worker
+    from xlafit.bench.worker import Spec
+
+    env_tunables = "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")
+    common = {"recipe": "resnet", "depth": 18, "width": 8, "image_size": 32, "batch": 8, "examples": 16}
+    for framework in ("xlafit", "torch"):
+        result = run_worker(Spec(framework, warmup=0, steps=1, **common))
+        assert result["cpu_keep_memory"] is not env_tunables, framework  # GLIBC_TUNABLES: the user's choice
