@@ -1,5 +1,6 @@
 """`xlafit check`: each rule at the right line, clean files pass, the recipes' reports."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -156,3 +157,13 @@ def test_load_errors_name_the_line_and_leave_sys_path_as_it_was(tmp_path):
     with pytest.raises(ConfigError, match=r"broken.py failed while being loaded, at line 3: ValueError: no data"):
         check_file(path)
     assert sys.path == before
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu not installed (xlafit[tpu])")
+def test_cpu_check_keeps_libtpus_start_up_errors_off_stderr():
+    """libtpu, installed for --tpu, logs five lines of errors when JAX starts its backends
+    on a host with no TPU; `xlafit check RECIPE` starts them as xlafit.connect() does."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # as a user runs it: JAX tries libtpu
+    out = subprocess.run([sys.executable, "-m", "xlafit", "check", "mnist"], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "could not determine TPU" not in out.stderr and "InitGoogle" not in out.stderr, out.stderr

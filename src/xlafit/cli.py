@@ -448,7 +448,10 @@ def _data_images(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     from xlafit.check import check_file, check_recipe, to_json
+    from xlafit.devices import start_backends
 
+    if not args.tpu:  # the CPU check: without libtpu's start-up errors on a host with libtpu, no TPU
+        start_backends()
     options = {
         "per_device_batch": args.per_device_batch,
         "global_batch": args.global_batch,

@@ -335,7 +335,7 @@ def configure(
 _LIBTPU_NOISE = ("could not determine TPU", "Logging before InitGoogle", "Source Location Trace", "libtpu_init_utils")
 
 
-def _start_backends() -> list[jax.Device]:
+def start_backends() -> list[jax.Device]:
     """``jax.devices()``, the first call (it starts the backends), without libtpu's five lines
     of start-up errors on a host that has libtpu but no TPU; everything else on stderr stays."""
     if importlib.util.find_spec("libtpu") is None or any(glob.glob(p) for p in TPU_DEVICES):
@@ -530,7 +530,7 @@ def connect(
     cluster = cluster or Cluster.from_env()
     if cluster is not None and not started and not jax.distributed.is_initialized():
         _join(cluster)
-    devices = _start_backends() if not started else jax.devices()
+    devices = start_backends() if not started else jax.devices()
     # Order by (process, id) so each process's devices are contiguous along the batch axes
     # and process p owns rows [p*L, (p+1)*L) of every global batch.
     devices = sorted(devices, key=lambda d: (d.process_index, d.id))
