@@ -393,3 +393,30 @@ def test_libtpus_start_up_errors_on_a_host_with_no_tpu_are_not_shown():
     assert run.returncode == 0, run.stderr
     assert "TPU" not in run.stderr and "InitGoogle" not in run.stderr, run.stderr
     assert "written after" in run.stderr  # stderr still works
+
+
+def test_inspect_shows_no_libtpu_start_up_errors_either(tmp_path):
+    """`xlafit inspect` and `xlafit export hf` read checkpoints without connect(): they printed
+    libtpu's five lines of start-up errors on a host with libtpu but no TPU."""
+    import glob
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from xlafit.checkpoint import Checkpointer
+    from xlafit.host_memory import TPU_DEVICES
+
+    if any(glob.glob(p) for p in TPU_DEVICES):
+        pytest.skip("a TPU host: libtpu starts")
+    ckpt = Checkpointer(tmp_path / "checkpoints", async_save=False)
+    ckpt.save(1, {"params": {"w": np.arange(3, dtype=np.float32)}, "step": np.int32(1)})
+    ckpt.close()
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "XLAFIT_SIMULATE_DEVICES")}
+    run = subprocess.run(
+        [sys.executable, "-m", "xlafit", "inspect", str(tmp_path)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert "parameters at step 1: sha256" in run.stdout
+    assert "could not determine TPU" not in run.stderr and "InitGoogle" not in run.stderr, run.stderr

@@ -550,6 +550,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "bench":
             return _bench(args)
+        if args.command in ("inspect", "export"):
+            # They read checkpoints without connect(): start the backends as it does, without
+            # libtpu's start-up errors on a host that has libtpu but no TPU.
+            from xlafit.devices import _start_backends
+
+            _start_backends()
         if args.command == "inspect":
             return _inspect(args)
         if args.command == "tokenizer":
