@@ -553,9 +553,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("inspect", "export"):
             # They read checkpoints without connect(): start the backends as it does, without
             # libtpu's start-up errors on a host that has libtpu but no TPU.
-            from xlafit.devices import _start_backends
+            from xlafit.devices import start_backends
 
-            _start_backends()
+            start_backends()
         if args.command == "inspect":
             return _inspect(args)
         if args.command == "tokenizer":
