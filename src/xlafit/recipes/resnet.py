@@ -200,18 +200,17 @@ def load_data(cfg: Config) -> tuple[ImageDataset | SyntheticImages, ImageDataset
 
     train_split, manifest = load_split(where, "train")
     eval_split, _ = load_split(where, "eval")
-    if not len(eval_split):
-        log.warning(
-            "%s holds no evaluation images, so this run trains without evaluation; to evaluate, prepare the data "
-            "again with --eval-fraction 0.05 (or from a folder with train/ and val/).",
-            where,
-        )
     channels = int(manifest["channels"])
     classes = manifest["classes"]
     train = ImageDataset(
         train_split, _augment(cfg, True, channels), workers=d.workers, on_corrupt=d.on_corrupt, classes=classes
     )
     if not len(eval_split):
+        log.warning(
+            "%s holds no evaluation images, so this run trains without evaluation; to evaluate, prepare the data "
+            "again with --eval-fraction 0.05 (or from a folder with train/ and val/).",
+            where,
+        )
         return train, None
     evaluation = ImageDataset(
         eval_split, _augment(cfg, False, channels), workers=d.eval_workers, on_corrupt=d.on_corrupt, classes=classes

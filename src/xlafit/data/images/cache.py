@@ -114,7 +114,6 @@ def _npy_header(size: int) -> bytes:
 def _build(fs, root: str, manifest: dict, split: str, where: Path) -> None:
     """Copies the split's shards into ``where`` (through a temporary directory renamed into
     place: a process that finds ``where`` finds it whole) and removes older versions."""
-
     info = manifest["splits"][split]
     where.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{where.name}.", suffix=".tmp", dir=where.parent))

@@ -84,7 +84,7 @@ def find_images(
         "train": [f for f, u in zip(files, draws, strict=True) if u >= eval_fraction],
         "eval": [f for f, u in zip(files, draws, strict=True) if u < eval_fraction],
     }
-    held = sorted(set(classes) - {classes[label] for _, label in splits["train"]})
+    held = _classes_without_images(splits["train"], classes)
     if held:  # a small class whose every image was drawn for evaluation
         raise DataError(
             f"--eval-fraction {eval_fraction} holds out every image of the class(es) {', '.join(held[:5])} of {root}, "
@@ -111,8 +111,12 @@ def _image_folder(root: Path) -> tuple[list[tuple[str, int]], list[str]]:
     return files, classes
 
 
+def _classes_without_images(files: list[tuple[str, int]], classes: list[str]) -> list[str]:
+    return sorted(set(classes) - {classes[label] for _, label in files})
+
+
 def _no_empty_classes(root: Path, files: list[tuple[str, int]], classes: list[str]) -> None:
-    empty = sorted(set(classes) - {classes[label] for _, label in files})
+    empty = _classes_without_images(files, classes)
     if empty:
         raise DataError(
             f"the class folder(s) {', '.join(empty[:5])} of {root} hold no {', '.join(EXTENSIONS)} files, so their "
