@@ -16,6 +16,7 @@ from xlafit.models.resnet import (
     ResNet,
     ResNetConfig,
     _reduce_window_max,
+    batch_norm_train,
     max_pool_3x3_stride2,
     parameter_count,
     train_flops_per_example,
@@ -239,6 +240,68 @@ def test_local_batch_norm_uses_each_groups_statistics():
     np.testing.assert_allclose(norm.var[...], 0.9 + 0.1 * np.mean(variances, 0), atol=1e-6)
     with pytest.raises(ValueError, match="groups of 2 examples do not divide the batch of 5"):
         norm(jnp.asarray(x[:5]))
+
+
+@pytest.mark.parametrize("group", [None, 2])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("relu", [False, True])
+def test_batch_norm_gradients_equal_pytorch_autograd(group, residual, relu):
+    """batch_norm_train's closed-form VJP = PyTorch autograd of the plain formula in float64,
+    for every input, with per-group statistics, a residual and ReLU (exact zeros included)."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((4, 3, 5, 6)) * 2 + 1).astype(np.float32)
+    x[0, 0, 0] = x[1, 0, 0]  # repeated values, and (below) pre-activations that are exactly 0
+    scale, bias = rng.standard_normal(6).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+    scale[0] = 0.0  # a zero-initialised residual scale
+    res = rng.standard_normal(x.shape).astype(np.float32)
+    res[0, 0, 0] = 0.0
+    bias[0] = 0.0  # with scale 0 and residual 0: y = 0 exactly at [0, 0, 0, 0]
+    weight = rng.standard_normal(x.shape).astype(np.float32)
+    shape = x.shape if group is None else (x.shape[0] // group, group, *x.shape[1:])
+    axes = (0, 1, 2) if group is None else (1, 2, 3)
+
+    def ours(x, scale, bias, res):
+        out = batch_norm_train(
+            x.reshape(shape), scale, bias, res.reshape(shape) if residual else None, axes, 1e-5, relu
+        )[0]
+        return (out.reshape(x.shape) * weight).sum()
+
+    grads = jax.grad(ours, argnums=(0, 1, 2, 3))(*map(jnp.asarray, (x, scale, bias, res)))
+    tx, ts, tb, tr = (torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in (x, scale, bias, res))
+    xs = tx.reshape(shape)
+    mean, var = xs.mean(axes, keepdim=True), xs.var(axes, keepdim=True, unbiased=False)
+    y = (xs - mean) / torch.sqrt(var + 1e-5) * ts + tb
+    y = y + tr.reshape(shape) if residual else y
+    out = torch.relu(y) if relu else y
+    (out.reshape(x.shape) * torch.tensor(weight, dtype=torch.float64)).sum().backward()
+    for name, ours_grad, theirs in zip("x scale bias residual".split(), grads, (tx, ts, tb, tr), strict=True):
+        expected = theirs.grad.numpy() if name != "residual" or residual else np.zeros_like(x)
+        np.testing.assert_allclose(np.asarray(ours_grad), expected, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_train_mode_gradients_equal_hugging_faces(tmp_path):
+    """The whole model's gradients in training mode (batch statistics, the fused batch norm +
+    residual + ReLU of every block) equal PyTorch autograd through Hugging Face's model."""
+    hf = _random_hf(HF_CONFIGS["bottleneck"]).train()
+    hf.save_pretrained(tmp_path)
+    model = from_hf(tmp_path)
+    model.train()
+    images = _images(batch=4, size=32)
+    weight = np.random.default_rng(2).standard_normal((4, 7)).astype(np.float32)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params):
+        return (nnx.merge(graphdef, params, rest, copy=True)(jnp.asarray(images)) * weight).sum()
+
+    grads = jax.jit(jax.grad(loss))(params)
+    (hf(pixel_values=torch.tensor(images).permute(0, 3, 1, 2)).logits * torch.tensor(weight)).sum().backward()
+    ours = to_hf_state(nnx.merge(graphdef, grads, rest))  # gradients laid out as Hugging Face's tensors
+    checked = 0
+    for name, p in hf.named_parameters():
+        theirs = p.grad.numpy()
+        np.testing.assert_allclose(ours[name], theirs, atol=2e-4 * max(1.0, np.abs(theirs).max()), err_msg=name)
+        checked += 1
+    assert checked == len(list(hf.parameters())) > 40
 
 
 # --------------------------------------------------------------------------- batch norm in the trainer

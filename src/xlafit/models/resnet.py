@@ -37,6 +37,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -152,6 +154,86 @@ def _channels(x: jax.Array, c: jax.Array) -> jax.Array:
     return c.reshape((1,) * (x.ndim - 1) + c.shape)
 
 
+def _bn_statistics(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """``E[x]`` and the biased ``E[x^2] - E[x]^2`` over ``axes`` (kept as size-1 dimensions)."""
+    mean = x.mean(axes, keepdims=True)
+    return mean, jnp.maximum((x * x).mean(axes, keepdims=True) - mean * mean, 0.0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def batch_norm_train(
+    x: jax.Array,
+    scale: jax.Array,
+    bias: jax.Array,
+    residual: jax.Array | None,
+    axes: tuple[int, ...],
+    eps: float,
+    relu: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Batch norm of float32 ``x`` with the statistics of ``x`` over ``axes``, plus ``residual``
+    if given, then ReLU if ``relu``: ``(out, mean, var)``, the statistics with size-1 dimensions.
+
+    A custom VJP with the closed-form gradient (Ioffe & Szegedy 2015, section 3) instead of
+    autodiff through the statistics: forward and backward are each a few passes of
+    multiply-adds with per-channel vectors, ReLU's gradient is ``dout * sign(out)`` (no
+    compare/select), and the sum before the ReLU is never stored. XLA:CPU hands such passes
+    whole to YNNPACK; autodiff's version also materialised the broadcast scale and ReLU's
+    zeros at the activations' size, and a select (BENCHMARKS.md). ``mean`` and ``var`` feed the
+    running averages; their cotangents are ignored.
+
+    Example:
+        >>> x = jnp.arange(8.0).reshape(2, 1, 2, 2)
+        >>> out, mean, var = batch_norm_train(x, jnp.ones(2), jnp.zeros(2), None, (0, 1, 2), 1e-5, True)
+        >>> mean.ravel().tolist(), out.shape
+        ([3.0, 4.0], (2, 1, 2, 2))
+    """
+    return _bn_forward(x, scale, bias, residual, axes, eps, relu)[0]
+
+
+def _bn_forward(
+    x: jax.Array,
+    scale: jax.Array,
+    bias: jax.Array,
+    residual: jax.Array | None,
+    axes: tuple[int, ...],
+    eps: float,
+    relu: bool,
+) -> tuple[tuple[jax.Array, jax.Array, jax.Array], tuple[Any, ...]]:
+    mean, var = _bn_statistics(x, axes)
+    rstd = jax.lax.rsqrt(var + eps)
+    a = _channels(x, scale) * rstd  # y = a * x + b per channel (and group)
+    y = x * a + (_channels(x, bias) - mean * a)
+    if residual is not None:
+        y = y + residual
+    out = jnp.maximum(y, 0.0) if relu else y
+    return (out, mean, var), (x, out, mean, rstd, a, residual is not None)
+
+
+def _bn_backward(
+    axes: tuple[int, ...], eps: float, relu: bool, saved: tuple[Any, ...], cotangents: tuple[jax.Array, ...]
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    x, out, mean, rstd, a, has_residual = saved
+    # out = max(y, 0) >= 0, so sign(out) is ReLU's 0/1 mask (NaN where out is NaN)
+    dy = cotangents[0] * jnp.sign(out) if relu else cotangents[0]
+    n = math.prod(x.shape[i] for i in axes)
+    sum_dy = dy.sum(axes, keepdims=True)
+    # sum(dy * xhat), xhat = (x - mean) * rstd, from one pass over dy * x
+    sum_dy_xhat = rstd * ((dy * x).sum(axes, keepdims=True) - mean * sum_dy)
+    # dx = a * (dy - mean(dy) - xhat * mean(dy * xhat)) = dy * a + x * c1 + c0
+    c1 = -a * rstd * sum_dy_xhat / n
+    c0 = -a * sum_dy / n - c1 * mean
+    # The barrier keeps this `a` apart from the forward's: one broadcast shared by both
+    # passes is materialised at the activations' size instead of fused into each.
+    dx = dy * jax.lax.optimization_barrier(a) + x * c1 + c0
+    channels = x.shape[-1]
+    d_scale = sum_dy_xhat.reshape(-1, channels).sum(0)  # summed over groups
+    d_bias = sum_dy.reshape(-1, channels).sum(0)
+    return dx, d_scale, d_bias, dy if has_residual else None
+
+
+batch_norm_train.defvjp(_bn_forward, _bn_backward)
+
+
 class BatchNorm(nnx.Module):
     """Batch norm over ``[B, H, W, C]`` with global or per-group statistics.
 
@@ -161,6 +243,8 @@ class BatchNorm(nnx.Module):
     running averages. The statistics are ``E[x]`` and ``E[x^2] - E[x]^2`` in float32 (one
     pass over the activations, as Flax's ``use_fast_variance``); the running variance is
     the biased one, as Flax's (PyTorch keeps the unbiased, a factor n / (n - 1) apart).
+    ``norm(x, residual, relu=True)`` adds ``residual`` after normalising and applies ReLU,
+    in the same passes (:func:`batch_norm_train`).
     """
 
     def __init__(
@@ -184,32 +268,33 @@ class BatchNorm(nnx.Module):
         self.dtype = dtype
         self.use_running_average = True
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, residual: jax.Array | None = None, *, relu: bool = False) -> jax.Array:
         xf = x.astype(jnp.float32)
+        res = None if residual is None else residual.astype(jnp.float32)
         if self.use_running_average:
-            mean, var = _channels(xf, self.mean[...]), _channels(xf, self.var[...])
-        else:
-            b = x.shape[0]
-            if self.group is not None:
-                if b % self.group:
-                    raise ValueError(
-                        f"batch norm groups of {self.group} examples do not divide the batch of {b}; make "
-                        "model.bn_group divide the per-device batch."
-                    )
-                # [B, H, W, C] -> [B / g, g, H, W, C]: with g dividing the per-device batch every group
-                # lives on one device, so its statistics need no communication.
-                xf = xf.reshape(b // self.group, self.group, *x.shape[1:])
-            axes = tuple(range(xf.ndim - 4, xf.ndim - 1))  # (batch or group, H, W)
-            mean = xf.mean(axes, keepdims=True)
-            var = jnp.maximum((xf * xf).mean(axes, keepdims=True) - mean * mean, 0.0)
-            m = self.momentum
-            # Running averages: the mean over groups of the group statistics (the batch's, for global).
-            batch_mean = mean.reshape(-1, x.shape[-1]).mean(0)
-            batch_var = var.reshape(-1, x.shape[-1]).mean(0)
-            self.mean.set_value(m * self.mean[...] + (1 - m) * jax.lax.stop_gradient(batch_mean))
-            self.var.set_value(m * self.var[...] + (1 - m) * jax.lax.stop_gradient(batch_var))
-        inv = jax.lax.rsqrt(var + self.eps) * _channels(xf, self.scale[...])
-        y = xf * inv + (_channels(xf, self.bias[...]) - mean * inv)
+            inv = jax.lax.rsqrt(_channels(xf, self.var[...]) + self.eps) * _channels(xf, self.scale[...])
+            y = xf * inv + (_channels(xf, self.bias[...]) - _channels(xf, self.mean[...]) * inv)
+            y = y if res is None else y + res
+            return (jnp.maximum(y, 0.0) if relu else y).astype(self.dtype)
+        b = x.shape[0]
+        if self.group is not None:
+            if b % self.group:
+                raise ValueError(
+                    f"batch norm groups of {self.group} examples do not divide the batch of {b}; make "
+                    "model.bn_group divide the per-device batch."
+                )
+            # [B, H, W, C] -> [B / g, g, H, W, C]: with g dividing the per-device batch every group
+            # lives on one device, so its statistics need no communication.
+            xf = xf.reshape(b // self.group, self.group, *x.shape[1:])
+            res = None if res is None else res.reshape(xf.shape)
+        axes = tuple(range(xf.ndim - 4, xf.ndim - 1))  # (batch or group, H, W)
+        y, mean, var = batch_norm_train(xf, self.scale[...], self.bias[...], res, axes, self.eps, relu)
+        m = self.momentum
+        # Running averages: the mean over groups of the group statistics (the batch's, for global).
+        batch_mean = mean.reshape(-1, x.shape[-1]).mean(0)
+        batch_var = var.reshape(-1, x.shape[-1]).mean(0)
+        self.mean.set_value(m * self.mean[...] + (1 - m) * jax.lax.stop_gradient(batch_mean))
+        self.var.set_value(m * self.var[...] + (1 - m) * jax.lax.stop_gradient(batch_var))
         return y.reshape(x.shape).astype(self.dtype)
 
 
@@ -254,8 +339,9 @@ class ConvBN(nnx.Module):
             dtype=cfg.compute_dtype,
         )
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.norm(self.conv(x))
+    def __call__(self, x: jax.Array, residual: jax.Array | None = None, *, relu: bool = False) -> jax.Array:
+        """``norm(conv(x)) [+ residual]``, then ReLU if ``relu``."""
+        return self.norm(self.conv(x), residual, relu=relu)
 
 
 class Block(nnx.Module):
@@ -281,13 +367,11 @@ class Block(nnx.Module):
         self.shortcut = ConvBN(cin, cout, 1, stride, cfg, rngs=rngs) if cin != cout or stride != 1 else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = x
-        for i, conv in enumerate(self.convs):
-            y = conv(y)
-            if i < len(self.convs) - 1:
-                y = nnx.relu(y)
         residual = self.shortcut(x) if self.shortcut is not None else x
-        return nnx.relu(y + residual)
+        y = x
+        for conv in self.convs[:-1]:
+            y = conv(y, relu=True)
+        return self.convs[-1](y, residual, relu=True)  # relu(norm(conv(y)) + residual)
 
 
 _POOL_WINDOW, _POOL_STRIDES, _POOL_PADDING = (1, 3, 3, 1), (1, 2, 2, 1), ((0, 0), (1, 1), (1, 1), (0, 0))
@@ -425,7 +509,7 @@ class ResNet(nnx.Module):
 
     def __call__(self, images: jax.Array) -> jax.Array:
         """Images ``[B, H, W, C]`` (normalised) -> float32 logits ``[B, num_classes]``."""
-        x = nnx.relu(self.stem(images.astype(self.cfg.compute_dtype)))
+        x = self.stem(images.astype(self.cfg.compute_dtype), relu=True)
         if not self.cfg.small_stem:
             x = max_pool_3x3_stride2(x)  # (B, H/4, W/4, width)
         for stage in self.stages:
