@@ -279,6 +279,28 @@ def test_batch_norm_gradients_equal_pytorch_autograd(group, residual, relu):
         np.testing.assert_allclose(np.asarray(ours_grad), expected, rtol=1e-4, atol=1e-4, err_msg=name)
 
 
+def test_batch_norm_under_mixed_precision_keeps_bf16_activations_and_float32_statistics():
+    """bfloat16 in, bfloat16 out and bfloat16 input gradients; statistics and the scale's and
+    bias's gradients in float32, and close to the float32 computation's."""
+    rng = np.random.default_rng(0)
+    x, res = (jnp.asarray(rng.standard_normal((4, 3, 3, 8)), jnp.float32) for _ in range(2))
+    scale, bias = jnp.asarray(rng.standard_normal(8), jnp.float32), jnp.asarray(rng.standard_normal(8), jnp.float32)
+
+    def run(dtype):
+        def loss(x, scale, bias, res):
+            out, mean, var = batch_norm_train(x, scale, bias, res, (0, 1, 2), 1e-5, True)
+            assert out.dtype == dtype and mean.dtype == var.dtype == jnp.float32
+            return (out.astype(jnp.float32) ** 2).sum()
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(x.astype(dtype), scale, bias, res.astype(dtype))
+
+    low, full = run(jnp.bfloat16), run(jnp.float32)
+    assert [g.dtype for g in low] == [jnp.bfloat16, jnp.float32, jnp.float32, jnp.bfloat16]
+    for a, b in zip(low, full, strict=True):
+        tolerance = 0.05 * float(jnp.abs(b).max())
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), rtol=0.05, atol=tolerance)
+
+
 def test_train_mode_gradients_equal_hugging_faces(tmp_path):
     """The whole model's gradients in training mode (batch statistics, the fused batch norm +
     residual + ReLU of every block) equal PyTorch autograd through Hugging Face's model."""

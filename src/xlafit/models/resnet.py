@@ -170,8 +170,9 @@ def batch_norm_train(
     eps: float,
     relu: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Batch norm of float32 ``x`` with the statistics of ``x`` over ``axes``, plus ``residual``
-    if given, then ReLU if ``relu``: ``(out, mean, var)``, the statistics with size-1 dimensions.
+    """Batch norm of ``x`` with its statistics over ``axes``, plus ``residual`` if given, then ReLU
+    if ``relu``: ``(out, mean, var)``. ``out`` has ``x``'s dtype (as ``residual`` must); the
+    arithmetic and the statistics (with size-1 dimensions) are float32.
 
     A custom VJP with the closed-form gradient (Ioffe & Szegedy 2015, section 3) instead of
     autodiff through the statistics: forward and backward are each a few passes of
@@ -199,22 +200,26 @@ def _bn_forward(
     eps: float,
     relu: bool,
 ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], tuple[Any, ...]]:
-    mean, var = _bn_statistics(x, axes)
+    xf = x.astype(jnp.float32)
+    mean, var = _bn_statistics(xf, axes)
     rstd = jax.lax.rsqrt(var + eps)
-    a = _channels(x, scale) * rstd  # y = a * x + b per channel (and group)
-    y = x * a + (_channels(x, bias) - mean * a)
+    a = _channels(xf, scale) * rstd  # y = a * x + b per channel (and group)
+    y = xf * a + (_channels(xf, bias) - mean * a)
     if residual is not None:
-        y = y + residual
-    out = jnp.maximum(y, 0.0) if relu else y
+        y = y + residual.astype(jnp.float32)
+    out = (jnp.maximum(y, 0.0) if relu else y).astype(x.dtype)
+    # x and out are kept for the backward pass in x's dtype (bfloat16 under mixed precision)
     return (out, mean, var), (x, out, mean, rstd, a, residual is not None)
 
 
 def _bn_backward(
     axes: tuple[int, ...], eps: float, relu: bool, saved: tuple[Any, ...], cotangents: tuple[jax.Array, ...]
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    x, out, mean, rstd, a, has_residual = saved
+    x_saved, out, mean, rstd, a, has_residual = saved
+    x = x_saved.astype(jnp.float32)
+    dout = cotangents[0].astype(jnp.float32)
     # out = max(y, 0) >= 0, so sign(out) is ReLU's 0/1 mask (NaN where out is NaN)
-    dy = cotangents[0] * jnp.sign(out) if relu else cotangents[0]
+    dy = dout * jnp.sign(out.astype(jnp.float32)) if relu else dout
     n = math.prod(x.shape[i] for i in axes)
     sum_dy = dy.sum(axes, keepdims=True)
     # sum(dy * xhat), xhat = (x - mean) * rstd, from one pass over dy * x
@@ -228,7 +233,7 @@ def _bn_backward(
     channels = x.shape[-1]
     d_scale = sum_dy_xhat.reshape(-1, channels).sum(0)  # summed over groups
     d_bias = sum_dy.reshape(-1, channels).sum(0)
-    return dx, d_scale, d_bias, dy if has_residual else None
+    return dx.astype(x_saved.dtype), d_scale, d_bias, dy.astype(x_saved.dtype) if has_residual else None
 
 
 batch_norm_train.defvjp(_bn_forward, _bn_backward)
@@ -269,9 +274,8 @@ class BatchNorm(nnx.Module):
         self.use_running_average = True
 
     def __call__(self, x: jax.Array, residual: jax.Array | None = None, *, relu: bool = False) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        res = None if residual is None else residual.astype(jnp.float32)
         if self.use_running_average:
+            xf, res = x.astype(jnp.float32), None if residual is None else residual.astype(jnp.float32)
             inv = jax.lax.rsqrt(_channels(xf, self.var[...]) + self.eps) * _channels(xf, self.scale[...])
             y = xf * inv + (_channels(xf, self.bias[...]) - _channels(xf, self.mean[...]) * inv)
             y = y if res is None else y + res
@@ -285,17 +289,18 @@ class BatchNorm(nnx.Module):
                 )
             # [B, H, W, C] -> [B / g, g, H, W, C]: with g dividing the per-device batch every group
             # lives on one device, so its statistics need no communication.
-            xf = xf.reshape(b // self.group, self.group, *x.shape[1:])
-            res = None if res is None else res.reshape(xf.shape)
-        axes = tuple(range(xf.ndim - 4, xf.ndim - 1))  # (batch or group, H, W)
-        y, mean, var = batch_norm_train(xf, self.scale[...], self.bias[...], res, axes, self.eps, relu)
+            x = x.reshape(b // self.group, self.group, *x.shape[1:])
+            residual = None if residual is None else residual.reshape(x.shape)
+        residual = None if residual is None else residual.astype(x.dtype)
+        axes = tuple(range(x.ndim - 4, x.ndim - 1))  # (batch or group, H, W)
+        y, mean, var = batch_norm_train(x, self.scale[...], self.bias[...], residual, axes, self.eps, relu)
         m = self.momentum
         # Running averages: the mean over groups of the group statistics (the batch's, for global).
         batch_mean = mean.reshape(-1, x.shape[-1]).mean(0)
         batch_var = var.reshape(-1, x.shape[-1]).mean(0)
         self.mean.set_value(m * self.mean[...] + (1 - m) * jax.lax.stop_gradient(batch_mean))
         self.var.set_value(m * self.var[...] + (1 - m) * jax.lax.stop_gradient(batch_var))
-        return y.reshape(x.shape).astype(self.dtype)
+        return y.reshape(b, *x.shape[-3:]).astype(self.dtype)
 
 
 class ConvBN(nnx.Module):
