@@ -2,15 +2,22 @@
 tool behind BENCHMARKS.md's ResNet CPU knobs (machine noise hits every variant alike).
 
     YNN=dot,eltwise,reduce python benchmarks/resnet_cpu_ab.py BATCH ROUNDS f32 bf16 torch
+    python benchmarks/resnet_cpu_ab.py 8 20 git:c85ec33 f32   # the model before the fused batch norm
 
 Each variant: the bare jitted step (forward, backward, Nesterov SGD), 224 px images, one
 warm-up call, then ROUNDS timed calls per variant, interleaved. ``torch``: the same step
 of Hugging Face's ResNetForImageClassification in PyTorch eager, channels-last.
+``git:REV``: the float32 model of ``src/xlafit/models/resnet.py`` as it was at git revision
+REV (the rest of xlafit is the working tree's).
 """
 
+import importlib.util
 import os
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -50,13 +57,28 @@ def torch_step():
     return run
 
 
+def model_at_revision(revision):
+    root = Path(__file__).resolve().parent.parent
+    show = ["git", "show", f"{revision}:src/xlafit/models/resnet.py"]
+    path = Path(tempfile.mkdtemp()) / "resnet_at_revision.py"
+    path.write_text(subprocess.run(show, cwd=root, check=True, capture_output=True, text=True).stdout)
+    spec = importlib.util.spec_from_file_location(f"resnet_at_{revision}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 for v in variants:
     if v == "torch":
         fn = torch_step()
         fn()
         runs[v] = [lambda *state, fn=fn: (*fn(*state[:3]), None), [None, None, None], []]
         continue
-    model = ResNet(50, 1000, dtype={"f32": "float32", "bf16": "bfloat16"}[v], rngs=nnx.Rngs(0))
+    if v.startswith("git:"):
+        model = model_at_revision(v[4:]).ResNet(50, 1000, rngs=nnx.Rngs(0))
+    else:
+        model = ResNet(50, 1000, dtype={"f32": "float32", "bf16": "bfloat16"}[v], rngs=nnx.Rngs(0))
     model.train()
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
