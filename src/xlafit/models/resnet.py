@@ -154,10 +154,25 @@ def _channels(x: jax.Array, c: jax.Array) -> jax.Array:
     return c.reshape((1,) * (x.ndim - 1) + c.shape)
 
 
-def _bn_statistics(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
-    """``E[x]`` and the biased ``E[x^2] - E[x]^2`` over ``axes`` (kept as size-1 dimensions)."""
-    mean = x.mean(axes, keepdims=True)
-    return mean, jnp.maximum((x * x).mean(axes, keepdims=True) - mean * mean, 0.0)
+def _normalise(
+    x: jax.Array,
+    mean: jax.Array,
+    var: jax.Array,
+    scale: jax.Array,
+    bias: jax.Array,
+    residual: jax.Array | None,
+    eps: float,
+    relu: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Float32 ``relu(a * x + b [+ residual])`` with ``a = scale / sqrt(var + eps)`` and ``b = bias -
+    mean * a`` per channel (``mean``/``var`` broadcast against ``x``): ``(out, rsqrt(var + eps), a)``."""
+    xf = x.astype(jnp.float32)
+    rstd = jax.lax.rsqrt(var + eps)
+    a = _channels(xf, scale) * rstd
+    y = xf * a + (_channels(xf, bias) - mean * a)
+    if residual is not None:
+        y = y + residual.astype(jnp.float32)
+    return (jnp.maximum(y, 0.0) if relu else y), rstd, a
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -201,13 +216,10 @@ def _bn_forward(
     relu: bool,
 ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], tuple[Any, ...]]:
     xf = x.astype(jnp.float32)
-    mean, var = _bn_statistics(xf, axes)
-    rstd = jax.lax.rsqrt(var + eps)
-    a = _channels(xf, scale) * rstd  # y = a * x + b per channel (and group)
-    y = xf * a + (_channels(xf, bias) - mean * a)
-    if residual is not None:
-        y = y + residual.astype(jnp.float32)
-    out = (jnp.maximum(y, 0.0) if relu else y).astype(x.dtype)
+    mean = xf.mean(axes, keepdims=True)
+    var = jnp.maximum((xf * xf).mean(axes, keepdims=True) - mean * mean, 0.0)  # biased, as Flax's
+    y, rstd, a = _normalise(xf, mean, var, scale, bias, residual, eps, relu)
+    out = y.astype(x.dtype)
     # x and out are kept for the backward pass in x's dtype (bfloat16 under mixed precision)
     return (out, mean, var), (x, out, mean, rstd, a, residual is not None)
 
@@ -276,11 +288,9 @@ class BatchNorm(nnx.Module):
 
     def __call__(self, x: jax.Array, residual: jax.Array | None = None, *, relu: bool = False) -> jax.Array:
         if self.use_running_average:
-            xf, res = x.astype(jnp.float32), None if residual is None else residual.astype(jnp.float32)
-            inv = jax.lax.rsqrt(_channels(xf, self.var[...]) + self.eps) * _channels(xf, self.scale[...])
-            y = xf * inv + (_channels(xf, self.bias[...]) - _channels(xf, self.mean[...]) * inv)
-            y = y if res is None else y + res
-            return (jnp.maximum(y, 0.0) if relu else y).astype(self.dtype)
+            mean, var = _channels(x, self.mean[...]), _channels(x, self.var[...])
+            y = _normalise(x, mean, var, self.scale[...], self.bias[...], residual, self.eps, relu)[0]
+            return y.astype(self.dtype)
         b = x.shape[0]
         if self.group is not None:
             if b % self.group:
