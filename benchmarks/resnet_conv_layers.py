@@ -1,6 +1,6 @@
 """Where XLA:CPU loses to PyTorch's oneDNN on ResNet-50: one convolution at a time.
 
-    python benchmarks/resnet_conv_layers.py [BATCH] [REPEATS]
+    python benchmarks/resnet_conv_layers.py [BATCH] [REPEATS] [all]
 
 For representative ResNet-50 convolutions (batch 8, 224 px images, NHWC / channels-last,
 float32), the milliseconds of the forward pass, the input gradient and the weight gradient,
@@ -9,6 +9,12 @@ paths ``xlafit.connect()`` sets on CPU) against PyTorch eager (``F.conv2d``, and
 gradient alone through autograd: the oneDNN kernels ``loss.backward()`` runs).
 Also the 1x1 weight gradient written as a plain matmul (``x.T @ g``), to tell the GEMM from
 the convolution emitter. Medians of REPEATS calls after one warm-up.
+
+With ``all``: every distinct convolution of ResNet-50 (the stem, the strided shortcuts), each
+counted as often as the network has it, so that the totals cover all of a step's
+convolutions (the stem's input gradient is counted too, though training does not need it).
+The totals overstate a step's convolution time: a step runs an input gradient and a weight
+gradient at once, and each call here pays its own dispatch.
 """
 
 import sys
@@ -36,6 +42,32 @@ LAYERS = [
     (14, 1024, 256, 1, 1),
     (7, 512, 512, 3, 1),
     (7, 2048, 512, 1, 1),
+]
+# (layer, how many ResNet-50 has): every distinct convolution, for ``all``.
+ALL_LAYERS = [
+    ((224, 3, 64, 7, 2), 1),
+    ((56, 64, 64, 1, 1), 1),
+    ((56, 64, 64, 3, 1), 3),
+    ((56, 64, 256, 1, 1), 4),
+    ((56, 256, 64, 1, 1), 2),
+    ((56, 256, 128, 1, 1), 1),
+    ((56, 128, 128, 3, 2), 1),
+    ((56, 256, 512, 1, 2), 1),
+    ((28, 128, 512, 1, 1), 4),
+    ((28, 512, 128, 1, 1), 3),
+    ((28, 128, 128, 3, 1), 3),
+    ((28, 512, 256, 1, 1), 1),
+    ((28, 256, 256, 3, 2), 1),
+    ((28, 512, 1024, 1, 2), 1),
+    ((14, 256, 1024, 1, 1), 6),
+    ((14, 1024, 256, 1, 1), 5),
+    ((14, 256, 256, 3, 1), 5),
+    ((14, 1024, 512, 1, 1), 1),
+    ((14, 512, 512, 3, 2), 1),
+    ((14, 1024, 2048, 1, 2), 1),
+    ((7, 512, 2048, 1, 1), 3),
+    ((7, 2048, 512, 1, 1), 2),
+    ((7, 512, 512, 3, 1), 2),
 ]
 
 
@@ -102,15 +134,16 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     total_xla = total_torch = 0.0
-    for layer in LAYERS:
+    layers = ALL_LAYERS if "all" in sys.argv[3:] else [(layer, 1) for layer in LAYERS]
+    for layer, count in layers:
         ours, theirs = xla_times(*layer), torch_times(*layer)
-        total_xla += sum(ours[:3])
-        total_torch += sum(theirs)
+        total_xla += count * sum(ours[:3])
+        total_torch += count * sum(theirs)
         size, cin, cout, k, stride = layer
         cells = [f"{t:.1f}" if t == t else "-" for t in ours + theirs]
         ratio = sum(ours[:3]) / sum(theirs)
         print(
-            f"| {size}x{size}, {cin}->{cout}, {k}x{k}, /{stride} | " + " | ".join(cells) + f" | {ratio:.2f} |",
+            f"| {size}x{size}, {cin}->{cout}, {k}x{k}, /{stride}{f' (x{count})' if count > 1 else ''} | " + " | ".join(cells) + f" | {ratio:.2f} |",
             flush=True,
         )
     print(f"all layers: XLA {total_xla:.1f} ms, oneDNN {total_torch:.1f} ms, {total_xla / total_torch:.2f}x")

@@ -74,6 +74,30 @@ def test_train_and_val_folders_are_the_splits_and_must_share_classes(tmp_path):
         find_images(tmp_path / "in" / "train" / "cat")
 
 
+def test_split_folders_are_never_taken_for_classes(tmp_path):
+    """A review found train/ alone (or train/ + valid/) read as one image folder whose classes
+    were the splits: every image labelled by its split, and 100% accuracy for nothing."""
+    write_folder(tmp_path / "alone" / "train", per_class=4)
+    splits, classes = find_images(tmp_path / "alone", eval_fraction=0.5)
+    assert classes == ["cat", "dog", "eel"] and len(splits["train"]) + len(splits["eval"]) == 12
+    assert len(splits["eval"]) > 0
+
+    write_folder(tmp_path / "kaggle" / "train", per_class=2)
+    write_folder(tmp_path / "kaggle" / "valid", per_class=1, seed=1)
+    splits, classes = find_images(tmp_path / "kaggle")
+    assert classes == ["cat", "dog", "eel"] and (len(splits["train"]), len(splits["eval"])) == (6, 3)
+    with pytest.raises(DataError, match=r"--eval-fraction 0.1 .*own held-out split \(valid/\); drop --eval-fraction"):
+        find_images(tmp_path / "kaggle", eval_fraction=0.1)
+
+    write_folder(tmp_path / "no_train" / "val", per_class=1)
+    with pytest.raises(DataError, match=r"has a val/ folder but no train/ beside it; name the training split"):
+        find_images(tmp_path / "no_train")
+
+    # A class that happens to be called "train" holds images: it stays a class.
+    folder = write_folder(tmp_path / "vehicles", classes=("bus", "car", "train"), per_class=1)
+    assert find_images(folder)[1] == ["bus", "car", "train"]
+
+
 def test_a_changed_shard_is_refused_by_name(tmp_path, cache):
     prepare(write_folder(tmp_path / "in"), str(tmp_path / "out"), shard_size=8, workers=1)
     shard = tmp_path / "out" / "train-00001.parquet"

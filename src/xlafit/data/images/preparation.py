@@ -24,7 +24,7 @@ import json
 import multiprocessing
 import os
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -39,7 +39,7 @@ from xlafit.data.shards import output_dir, writing
 MANIFEST = "manifest.json"
 FORMAT = "xlafit-images-v1"
 EXTENSIONS = (".jpg", ".jpeg", ".png")
-EVAL_NAMES = ("val", "validation", "eval", "test")  # the held-out split's folder, first found
+EVAL_NAMES = ("val", "validation", "valid", "eval", "test")  # the held-out split's folder, first found
 OnCorrupt = Literal["skip", "stop"]
 
 
@@ -50,18 +50,34 @@ def find_images(
 
     ``directory`` is either one ImageFolder (``class/*.jpg``; ``eval_fraction`` of its files,
     by a hash of their names, go to ``eval``), or holds ``train/`` and one of ``val/``,
-    ``validation/``, ``eval/``, ``test/`` (ImageNet's layout), each an ImageFolder with the
-    same classes.
+    ``validation/``, ``valid/``, ``eval/``, ``test/`` (ImageNet's layout), each an ImageFolder
+    with the same classes. A ``train/`` alone is read as the ImageFolder, split by
+    ``eval_fraction``: split folders are never taken for classes. (A folder with one of
+    these names is a split when it holds folders only, and a class when it holds images.)
 
     Raises:
-        DataError: no class folders, no images, a training class folder with no image, or
-            splits whose classes differ.
+        DataError: no class folders, no images, a training class folder with no image,
+            splits whose classes differ, a held-out folder without ``train/``, or an
+            ``eval_fraction`` for a folder that has its own held-out split.
     """
     root = Path(directory)
     if not root.is_dir():
         raise DataError(f"--input {directory} is not a directory; point it at an image folder (class/*.jpg).")
-    held_out = next((root / n for n in EVAL_NAMES if (root / n).is_dir()), None)
-    if (root / "train").is_dir() and held_out is not None:
+    held_out = next((root / n for n in EVAL_NAMES if _is_split(root / n)), None)
+    has_train = _is_split(root / "train")
+    if not has_train and held_out is not None:
+        raise DataError(
+            f"{root} has a {held_out.name}/ folder but no train/ beside it; name the training split's "
+            f"folder train/ (then {held_out.name}/ is held out), or point --input at one image folder."
+        )
+    if has_train and held_out is None:
+        root = root / "train"  # the training split alone: hold out eval_fraction of it
+    elif held_out is not None:
+        if eval_fraction:
+            raise DataError(
+                f"--eval-fraction {eval_fraction} holds out part of an image folder, but {root} has its own "
+                f"held-out split ({held_out.name}/); drop --eval-fraction to evaluate on {held_out.name}/."
+            )
         train, classes = _image_folder(root / "train")
         evaluation, eval_classes = _image_folder(held_out)
         if eval_classes != classes:
@@ -91,6 +107,14 @@ def find_images(
             "so they would have no training image; use a smaller --eval-fraction or add images to them."
         )
     return splits, classes
+
+
+def _is_split(path: Path) -> bool:
+    """A split's folder (``train/``, ``val/``, ...) holds class folders; a class's folder, images."""
+    if not path.is_dir():
+        return False
+    children = [c for c in path.iterdir() if not c.name.startswith(".")]
+    return any(c.is_dir() for c in children) and not any(c.suffix.lower() in EXTENSIONS for c in children)
 
 
 def _image_folder(root: Path) -> tuple[list[tuple[str, int]], list[str]]:
@@ -305,8 +329,3 @@ def read_manifest(url: str) -> tuple[fsspec.AbstractFileSystem, str, dict]:
     if "train" not in manifest["splits"]:
         raise DataError(f"{url}/{MANIFEST} is damaged: it lacks the train split; prepare the data again (`{prepare}`).")
     return fs, root, manifest
-
-
-def class_names(manifest: dict) -> Sequence[str]:
-    """The class folder names, label 0 first."""
-    return list(manifest["classes"])
