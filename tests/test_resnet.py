@@ -242,6 +242,20 @@ def test_local_batch_norm_uses_each_groups_statistics():
         norm(jnp.asarray(x[:5]))
 
 
+def test_batch_norm_over_one_value_per_channel_is_refused():
+    """A review found ResNet-50 on 32 px images at batch 1 (a 1x1 last stage) giving the
+    same logits for every image: one value per channel normalises to the bias."""
+    norm = BatchNorm(3, group=1)
+    norm.use_running_average = False
+    with pytest.raises(ValueError, match=r"one value per channel \(groups of 1 example\(s\) at 1x1\).*small_stem"):
+        norm(jnp.ones((4, 1, 1, 3)))
+    assert norm(jnp.arange(24.0).reshape(4, 2, 1, 3)).shape == (4, 2, 1, 3)  # two values: fine
+    norm.group = None
+    assert norm(jnp.arange(24.0).reshape(8, 1, 1, 3)).shape == (8, 1, 1, 3)  # the batch's 8 values
+    norm.use_running_average = True
+    assert norm(jnp.ones((1, 1, 1, 3))).shape == (1, 1, 1, 3)  # evaluation: running averages, any size
+
+
 @pytest.mark.parametrize("group", [None, 2])
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("relu", [False, True])

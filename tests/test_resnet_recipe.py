@@ -9,6 +9,7 @@ measured in BENCHMARKS.md ("ResNet demo"); it takes too long for the suite.
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -168,13 +169,17 @@ def test_synthetic_source_and_the_imagenet_preset_resolve_without_files():
             ["model.bn=global", "model.bn_group=null", "trainer.invariant_chunks=8"],
             "model.bn=global normalises with the whole batch's statistics, but trainer.invariant_chunks=8",
         ),
+        (
+            ["model.bn=global", "model.bn_group=null", "data.per_device_batch=8", "trainer.accumulate_steps=2"],
+            "but trainer.accumulate_steps=2 runs the model on one micro-batch at a time",
+        ),
     ],
 )
 def test_batch_norm_settings_the_batch_cannot_honour_are_refused_by_name(overrides, message):
     """Before: a group larger than the per-device batch but dividing the global one trained
     silently with groups spanning devices; one dividing neither failed inside the traced
     model with a raw ValueError naming the global batch. bn=global with invariant chunks
-    normalised each chunk alone."""
+    normalised each chunk alone, and with accumulation each micro-batch alone."""
     from xlafit.config import ConfigError
     from xlafit.recipes import load_config
     from xlafit.recipes.resnet import build_model, check_bn_group, from_data, load_data
@@ -190,6 +195,28 @@ def test_batch_norm_settings_the_batch_cannot_honour_are_refused_by_name(overrid
     check_bn_group(from_data(ok, train))  # 4 divides 8
     unresolved = load_config("resnet", [*base, "model.bn=local", "model.bn_group=4"])  # no per-device batch yet
     check_bn_group(from_data(unresolved, train))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.label_smoothing=1.5", "model.label_smoothing=1.5 must lie in [0, 1)"),
+        ("model.width=0", "model: width=0 must be positive"),
+        ("trainer.accumulate_steps=2", "trainer.accumulate_steps=2 runs the model on one micro-batch at a time"),
+    ],
+)
+def test_model_settings_are_refused_before_any_data_is_read(tmp_path, override, message):
+    """A review found these errors raised after the data was loaded (ImageNet's first read
+    copies and checks about 140 GB) and the run directory written."""
+    from xlafit.config import ConfigError
+    from xlafit.recipes import load_config
+    from xlafit.run import train_and_evaluate
+
+    missing = tmp_path / "not-prepared-yet"
+    overrides = [f"data.data_dir={missing}", "model.preset=resnet18", override, f"run.run_dir={tmp_path / 'run'}"]
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        train_and_evaluate(load_config("resnet", overrides))
+    assert not (tmp_path / "run").exists()
 
 
 def test_an_exported_run_names_its_classes_and_prepares_images_as_its_evaluation(tmp_path, shards):

@@ -527,6 +527,7 @@ def check_recipe(
     _positive("--global-batch", options.get("global_batch"))
     cfg = load_config(name, overrides or [])
     recipe = get_recipe(name)
+    recipe.validate(cfg)
     train = as_dataset(recipe.load_data(cfg)[0])
     cfg = recipe.from_data(cfg, train)
     if tpu:  # the recipes feed fixed shapes (bert packs its sequences): rule 3 has nothing to say

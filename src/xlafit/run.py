@@ -78,6 +78,7 @@ def train_and_evaluate(cfg: Config) -> FitResult:
             mesh=cfg.mesh.sizes,
             rules=parse_rules(cfg.mesh.rules),
         )
+        recipe.validate(cfg)
         train_data, eval_data = recipe.load_data(cfg)
         train_data = as_dataset(train_data)
         cfg, run = resolve(recipe.from_data(cfg, train_data), strategy, len(train_data))

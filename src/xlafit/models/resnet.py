@@ -259,7 +259,9 @@ class BatchNorm(nnx.Module):
     (``group=None``) or of each group of ``group`` consecutive examples, and updates the
     running averages (``nnx.BatchStat``, float32) with their mean; evaluation uses the
     running averages. The statistics are ``E[x]`` and ``E[x^2] - E[x]^2`` in float32 (one
-    pass over the activations, as Flax's ``use_fast_variance``); the running variance is
+    pass over the activations, as Flax's ``use_fast_variance``; it loses the variance when a
+    channel's mean is about 1,000 times its spread or more, which batch-normalised
+    activations do not reach); the running variance is
     the biased one, as Flax's (PyTorch keeps the unbiased, a factor n / (n - 1) apart).
     ``norm(x, residual, relu=True)`` adds ``residual`` after normalising and applies ReLU,
     in the same passes (:func:`batch_norm_train`).
@@ -292,6 +294,13 @@ class BatchNorm(nnx.Module):
             y = _normalise(x, mean, var, self.scale[...], self.bias[...], residual, self.eps, relu)[0]
             return y.astype(self.dtype)
         b = x.shape[0]
+        values = (self.group or b) * x.shape[1] * x.shape[2]
+        if values == 1:  # PyTorch refuses this too ("Expected more than 1 value per channel")
+            raise ValueError(
+                f"batch norm over one value per channel (groups of {self.group or b} example(s) at "
+                f"{x.shape[1]}x{x.shape[2]}) sets every output to the bias, whatever the input; use a larger "
+                "batch (or model.bn_group), larger images, or model.small_stem=true for small images."
+            )
         if self.group is not None:
             if b % self.group:
                 raise ValueError(

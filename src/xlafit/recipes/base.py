@@ -48,6 +48,10 @@ def _no_lengths(cfg: Config) -> np.ndarray | None:
     return None
 
 
+def _nothing_to_check(cfg: Config) -> None:
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """One workload: its config types and the functions that wire data, model and loss.
@@ -68,6 +72,8 @@ class Recipe:
             (a tokenizer).
         sequence_lengths: ``(cfg) -> lengths or None``: the data's example lengths, for
             ``xlafit check``'s padding plans.
+        validate: ``(cfg) -> None``: raises ``ConfigError`` for model settings that cannot
+            work, before any data is read (preparing data can take hours).
     """
 
     name: str
@@ -81,3 +87,4 @@ class Recipe:
     throughput: Callable[[Config, Any], Throughput] = _no_throughput
     save_artifacts: Callable[[Config, Path, Any], None] = _nothing_to_save
     sequence_lengths: Callable[[Config], np.ndarray | None] = _no_lengths
+    validate: Callable[[Config], None] = _nothing_to_check

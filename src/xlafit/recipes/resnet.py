@@ -288,11 +288,13 @@ def check_bn_group(cfg: Config) -> None:
     rows of one ``trainer.invariant_chunks`` chunk. Unknown until the run has resolved its
     batch (``data.per_device_batch`` null): then nothing to check.
 
-    ``bn=global`` cannot go with ``trainer.invariant_chunks``, which runs each chunk of the
-    batch on its own: its statistics would be the chunk's, not the global batch's.
+    ``bn=global`` cannot go with ``trainer.invariant_chunks`` or ``trainer.accumulate_steps``,
+    which run each chunk or micro-batch of the batch on its own: its statistics would be the
+    chunk's, not the global batch's. (With ``bn=local`` and accumulation, the running averages
+    move once per micro-batch: their momentum acts ``accumulate_steps`` times a step.)
 
     Raises:
-        ConfigError: it does not divide them, or bn=global with invariant chunks.
+        ConfigError: it does not divide them, or bn=global with invariant chunks or accumulation.
     """
     m, t, per_device, global_batch = cfg.model, cfg.trainer, cfg.data.per_device_batch, cfg.data.global_batch
     if m.bn == "global" and t.invariant_chunks:
@@ -300,6 +302,13 @@ def check_bn_group(cfg: Config) -> None:
             f"model.bn=global normalises with the whole batch's statistics, but trainer.invariant_chunks="
             f"{t.invariant_chunks} computes each chunk of the batch on its own; use model.bn=local with a "
             "model.bn_group dividing a chunk, or trainer.invariant_chunks=null."
+        )
+    if m.bn == "global" and t.accumulate_steps > 1:
+        raise ConfigError(
+            f"model.bn=global normalises with the whole batch's statistics, but trainer.accumulate_steps="
+            f"{t.accumulate_steps} runs the model on one micro-batch at a time; use model.bn=local with a "
+            "model.bn_group dividing a micro-batch (statistics per group, as Goyal et al.), or "
+            "trainer.accumulate_steps=1."
         )
     if m.bn != "local" or m.bn_group is None or per_device is None:
         return
@@ -318,15 +327,27 @@ def check_bn_group(cfg: Config) -> None:
         )
 
 
-def build_model(cfg: Config, train: ImageDataset | SyntheticImages) -> ImageClassifier:
+def validate(cfg: Config) -> None:
+    """The model settings' errors before the data is read (ImageNet's first read copies and
+    checks about 140 GB): the architecture, label smoothing and the batch-norm groups as far
+    as the batch is known yet (:func:`check_bn_group` runs again once it is).
+
+    Raises:
+        ConfigError: naming the setting and the fix.
+    """
+    resnet_config(cfg, 1, 3)
+    if not 0.0 <= cfg.model.label_smoothing < 1.0:
+        raise ConfigError(f"model.label_smoothing={cfg.model.label_smoothing} must lie in [0, 1) (0.1 is usual).")
     check_bn_group(cfg)
+
+
+def build_model(cfg: Config, train: ImageDataset | SyntheticImages) -> ImageClassifier:
+    validate(cfg)
     channels = _channels(train)
     mean, std = NORMALISATION[normalisation(cfg)]
     if len(mean) != channels:
         mean, std = (float(np.mean(mean)),) * channels, (float(np.mean(std)),) * channels
     net = ResNet(config=resnet_config(cfg, _classes(train), channels), rngs=nnx.Rngs(params=cfg.trainer.seed))
-    if not 0.0 <= cfg.model.label_smoothing < 1.0:
-        raise ConfigError(f"model.label_smoothing={cfg.model.label_smoothing} must lie in [0, 1) (0.1 is usual).")
     return ImageClassifier(net, mean, std, cfg.model.label_smoothing)
 
 
@@ -364,4 +385,5 @@ RECIPE = Recipe(
     loss_fn=loss_fn,
     throughput=throughput,
     save_artifacts=save_artifacts,
+    validate=validate,
 )

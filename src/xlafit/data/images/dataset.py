@@ -35,6 +35,7 @@ from typing import Any, Literal
 import numpy as np
 
 from xlafit.data.dataset import Batch, DataError
+from xlafit.data.hashing import hash_uniform
 from xlafit.data.images.cache import ImageSplit, load_split
 from xlafit.data.images.transforms import Augment
 
@@ -244,8 +245,6 @@ class SyntheticImages:
         return self.num_examples
 
     def take(self, indices: np.ndarray, epoch: int = 0) -> Batch:
-        from xlafit.data.mlm.masking import hash_uniform
-
         indices = np.asarray(indices)
         labels = (hash_uniform(self.seed, indices) * self.num_classes).astype(np.int32)
         return {"image": self.bank[indices % len(self.bank)], "label": labels}

@@ -33,7 +33,7 @@ import numpy as np
 
 from xlafit.data import shards
 from xlafit.data.dataset import DataError
-from xlafit.data.mlm.masking import hash_uniform
+from xlafit.data.hashing import hash_uniform
 from xlafit.data.shards import output_dir, writing
 
 MANIFEST = "manifest.json"

@@ -7,7 +7,7 @@ centre) and a horizontal flip with probability 1/2. Evaluation: resize the short
 becomes ``uint8 [image_size, image_size, channels]``: normalisation happens on the device.
 
 The random draws come from a counter-based hash of ``(seed, epoch, index, stream)``
-(:func:`xlafit.data.mlm.hash_uniform`): no generator state, so a resumed run, any number of
+(:func:`xlafit.data.hashing.hash_uniform`): no generator state, so a resumed run, any number of
 worker processes and any device count see the same pixels. The crop and resize are one
 Pillow call (``resize(box=...)``, antialiased bilinear); a JPEG is decoded by libjpeg-turbo
 (``simplejpeg``) at the smallest DCT scale (1/2, 1/4, 1/8) that still gives the crop at
@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from xlafit.data.mlm.masking import hash_uniform
+from xlafit.data.hashing import hash_uniform
 
 _TRIES = 10  # torchvision's RandomResizedCrop
 _JPEG_MAGIC = b"\xff\xd8"

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from xlafit.data import shards
 from xlafit.data.dataset import DataError
-from xlafit.data.mlm.masking import hash_uniform
+from xlafit.data.hashing import hash_uniform
 from xlafit.data.shards import output_dir, writing
 from xlafit.data.text import DocBoundary, documents, total_bytes
 from xlafit.data.tokenizer import CLS, SEP, load_tokenizer
