@@ -27,6 +27,10 @@ Batch norm under data parallelism (``bn``):
     ``local``: statistics per group of ``bn_group`` consecutive examples (Goyal et al. 2017,
     MLPerf's "virtual batch" of 32 per replica); no communication when ``bn_group``
     divides the per-device batch. Running averages take the mean of the groups' statistics.
+    Inside ``jit`` the model sees the global batch, so it can only check that ``bn_group``
+    divides that: the ``resnet`` recipe checks the per-device batch
+    (:func:`xlafit.recipes.resnet.check_bn_group`); other callers must, or a group spans
+    devices and XLA adds the communication.
 
 Example:
     >>> from flax import nnx
