@@ -206,6 +206,18 @@ def test_an_image_that_cannot_be_decoded_is_skipped_and_named_or_stops(tmp_path,
         list(stop.stream(requests))  # from a worker process: its error, raised here; the worker is not lost
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_evaluation_image_that_cannot_be_decoded_is_masked_not_counted_twice(tmp_path, workers):
+    """A review found the stand-in (the next image) counted twice in evaluation."""
+    from xlafit.data.loader import eval_batches
+
+    evaluation = ImageDataset(_split_with_a_bad_image(tmp_path), Augment(image_size=8, train=False), workers=workers)
+    (batch, mask), (last, last_mask) = eval_batches(evaluation, 3)
+    assert set(batch) == {"image", "label"}  # the dataset's "valid" column is folded into the mask
+    assert mask.tolist() == [1.0, 1.0, 0.0] and last_mask.tolist() == [1.0, 0.0, 0.0]  # c/2.png; padding
+    assert batch["label"].tolist() == [0, 1, 3] and list(evaluation.skipped) == ["c/2.png"]
+
+
 def test_synthetic_images_are_imagenet_shaped_and_deterministic():
     ds = SyntheticImages(100, image_size=32, num_classes=1000, seed=2)
     a, b = ds.take(np.array([5, 7, 5])), SyntheticImages(100, image_size=32, num_classes=1000, seed=2).take([5])

@@ -148,7 +148,9 @@ def eval_batches(
 
     The last batch is padded (with copies of example 0) to the full shape so that it does
     not compile a new program, and its padding rows get mask 0: every example counts exactly
-    once.
+    once. A dataset may mark rows it could not produce with a ``"valid"`` column (float32,
+    0.0: an image that could not be decoded), which is taken out of the batch and folded into
+    the mask.
 
     Yields:
         ``(batch, mask)``: arrays with ``global_batch / process_count`` rows; ``mask`` is
@@ -162,10 +164,12 @@ def eval_batches(
         masks.append((idx < n).astype(np.float32))
         requests.append((np.where(idx < n, idx, 0), 0))
     if isinstance(dataset, StreamedDataset):  # prepared ahead in its worker processes
-        yield from zip(dataset.stream(requests), masks, strict=True)
+        batches = dataset.stream(requests)
     else:
-        for (idx, _), mask in zip(requests, masks, strict=True):
-            yield dataset.take(idx), mask
+        batches = (dataset.take(idx) for idx, _ in requests)
+    for batch, mask in zip(batches, masks, strict=True):
+        valid = batch.pop("valid", None)
+        yield batch, mask if valid is None else mask * valid
 
 
 def to_global(strategy: Strategy, local: Batch | np.ndarray, leading_axes: int = 0):

@@ -18,7 +18,10 @@ device, where the recipe normalises them.
 
 A damaged image is named by file: ``on_corrupt="skip"`` takes the next example in its
 place (deterministic, so worker counts still agree) and counts it in :attr:`skipped`;
-``"stop"`` raises a :class:`DataError`. A worker never dies of it: every exception of a
+``"stop"`` raises a :class:`DataError`. In evaluation (``Augment(train=False)``) the
+stand-in is masked out instead of counted twice: evaluation batches carry ``valid``
+(float32, 0.0 for a stand-in), which :func:`~xlafit.data.loader.eval_batches` folds into its
+mask. A worker never dies of it: every exception of a
 batch comes back to the main process as that batch's result and is raised there.
 """
 
@@ -95,7 +98,8 @@ class ImageDataset:
         return len(self.split)
 
     def take(self, indices: np.ndarray, epoch: int = 0) -> Batch:
-        """``{"image": uint8 [n, S, S, C], "label": int32 [n]}``, decoded in this process."""
+        """``{"image": uint8 [n, S, S, C], "label": int32 [n]}``, decoded in this process
+        (and ``"valid"``, float32 [n], in evaluation: see the module docstring)."""
         batch = _decode_batch(self.split, self.augment, self.on_corrupt, indices, epoch)
         return self._unwrap(batch)
 
@@ -195,6 +199,7 @@ def _decode_batch(split: ImageSplit, augment: Augment, on_corrupt: OnCorrupt, in
     size, channels = augment.image_size, augment.channels
     images = np.empty((len(indices), size, size, channels), np.uint8)
     labels = np.empty(len(indices), np.int32)
+    valid = np.ones(len(indices), np.float32)
     skipped: list[tuple[str, str]] = []
     for row, index in enumerate(np.asarray(indices).tolist()):
         source = index
@@ -211,13 +216,17 @@ def _decode_batch(split: ImageSplit, augment: Augment, on_corrupt: OnCorrupt, in
                     ) from None
                 skipped.append((split.file(source), why))
                 source = (source + 1) % len(split)
+                valid[row] = 0.0
         else:
             raise DataError(
                 f"{_MAX_SUBSTITUTES} consecutive images from example {index} cannot be decoded; "
                 "the data is damaged: prepare it again (xlafit data images)."
             )
         labels[row] = split.labels[source]
-    return {"image": images, "label": labels, "skipped": skipped}
+    batch = {"image": images, "label": labels, "skipped": skipped}
+    if not augment.train:  # a stand-in is evaluated once already, as itself
+        batch["valid"] = valid
+    return batch
 
 
 class SyntheticImages:
