@@ -142,8 +142,9 @@ def main() -> None:
         size, cin, cout, k, stride = layer
         cells = [f"{t:.1f}" if t == t else "-" for t in ours + theirs]
         ratio = sum(ours[:3]) / sum(theirs)
+        times = f" (x{count})" if count > 1 else ""
         print(
-            f"| {size}x{size}, {cin}->{cout}, {k}x{k}, /{stride}{f' (x{count})' if count > 1 else ''} | " + " | ".join(cells) + f" | {ratio:.2f} |",
+            f"| {size}x{size}, {cin}->{cout}, {k}x{k}, /{stride}{times} | " + " | ".join(cells) + f" | {ratio:.2f} |",
             flush=True,
         )
     print(f"all layers: XLA {total_xla:.1f} ms, oneDNN {total_torch:.1f} ms, {total_xla / total_torch:.2f}x")

@@ -335,7 +335,7 @@ def validate(cfg: Config) -> None:
     Raises:
         ConfigError: naming the setting and the fix.
     """
-    resnet_config(cfg, 1, 3)
+    resnet_config(cfg, 1, 3)  # the data decides classes and channels; any will do for these checks
     if not 0.0 <= cfg.model.label_smoothing < 1.0:
         raise ConfigError(f"model.label_smoothing={cfg.model.label_smoothing} must lie in [0, 1) (0.1 is usual).")
     check_bn_group(cfg)
