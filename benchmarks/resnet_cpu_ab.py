@@ -1,12 +1,13 @@
 """ResNet-50 train steps compiled in one process and timed in alternating rounds: the A/B
 tool behind BENCHMARKS.md's ResNet CPU knobs (machine noise hits every variant alike).
 
-    YNN=dot,eltwise,reduce python benchmarks/resnet_cpu_ab.py BATCH ROUNDS f32 bf16 torch
+    YNN=dot,eltwise,reduce python benchmarks/resnet_cpu_ab.py BATCH ROUNDS f32 xla bf16 torch
     python benchmarks/resnet_cpu_ab.py 8 20 git:c85ec33 f32   # the model before the fused batch norm
 
 Each variant: the bare jitted step (forward, backward, Nesterov SGD), 224 px images, one
 warm-up call, then ROUNDS timed calls per variant, interleaved. ``torch``: the same step
-of Hugging Face's ResNetForImageClassification in PyTorch eager, channels-last.
+of Hugging Face's ResNetForImageClassification in PyTorch eager, channels-last. ``f32``: the
+model's default convolutions (oneDNN on one CPU device); ``xla``: float32 with XLA's own.
 ``git:REV``: the float32 model of ``src/xlafit/models/resnet.py`` as it was at git revision
 REV (the rest of xlafit is the working tree's).
 """
@@ -78,7 +79,8 @@ for v in variants:
     if v.startswith("git:"):
         model = model_at_revision(v[4:]).ResNet(50, 1000, rngs=nnx.Rngs(0))
     else:
-        model = ResNet(50, 1000, dtype={"f32": "float32", "bf16": "bfloat16"}[v], rngs=nnx.Rngs(0))
+        dtype = {"f32": "float32", "xla": "float32", "bf16": "bfloat16"}[v]
+        model = ResNet(50, 1000, dtype=dtype, conv="xla" if v == "xla" else "auto", rngs=nnx.Rngs(0))
     model.train()
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 

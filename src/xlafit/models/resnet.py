@@ -3,7 +3,7 @@
 The constructor::
 
     ResNet(depth: int = 50, num_classes: int = 1000, *, small_stem: bool = False, width: int = 64,
-           bn: str = "global", bn_group: int | None = None, dtype=jnp.float32,
+           bn: str = "global", bn_group: int | None = None, dtype=jnp.float32, conv: str = "auto",
            config: ResNetConfig | None = None, rngs: nnx.Rngs)
 
 ``model(x)`` maps images ``[B, H, W, C]`` (float32, already normalised) to float32 logits
@@ -51,6 +51,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
+from xlafit.native import onednn
 from xlafit.sharding import logical
 
 # Logical axes (xlafit.sharding) of a convolution kernel: FSDP splits its output channels.
@@ -89,6 +90,8 @@ class ResNetConfig:
         bn_eps: added to the variance.
         zero_init_residual: the last batch norm of each block starts with scale 0.
         dtype: compute dtype; parameters and batch statistics stay float32.
+        conv: ``auto``: oneDNN's convolutions where they apply (float32 on one CPU device,
+            :mod:`xlafit.native.onednn`; the max-pool too), XLA's elsewhere; ``xla``: XLA's everywhere.
     """
 
     depths: tuple[int, ...] = (3, 4, 6, 3)
@@ -106,6 +109,7 @@ class ResNetConfig:
     bn_eps: float = 1e-5
     zero_init_residual: bool = True
     dtype: Literal["float32", "bfloat16"] = "float32"
+    conv: Literal["auto", "xla"] = "auto"
 
     def __post_init__(self) -> None:
         if len(self.depths) != len(self.hidden_sizes) or not self.depths:
@@ -123,6 +127,8 @@ class ResNetConfig:
             raise ValueError(f"bn_group={self.bn_group} is only used with bn='local'; set bn='local' or drop it.")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r}: use 'float32' or 'bfloat16'.")
+        if self.conv not in ("auto", "xla"):
+            raise ValueError(f"conv={self.conv!r}: use 'auto' (oneDNN on one CPU device) or 'xla'.")
 
     @classmethod
     def for_depth(cls, depth: int, num_classes: int = 1000, *, width: int = 64, **options) -> ResNetConfig:
@@ -355,6 +361,7 @@ class ConvBN(nnx.Module):
             padding=((pad, pad), (pad, pad)),
             use_bias=False,
             dtype=cfg.compute_dtype,
+            conv_general_dilated=onednn.conv_general_dilated if cfg.conv == "auto" else jax.lax.conv_general_dilated,
             # He et al. 2015 with fan_out, as torchvision and Hugging Face initialise ResNets.
             kernel_init=logical(nnx.initializers.variance_scaling(2.0, "fan_out", "normal"), *CONV_AXES),
             rngs=rngs,
@@ -496,6 +503,7 @@ class ResNet(nnx.Module):
         bn: Literal["global", "local"] = "global",
         bn_group: int | None = None,
         dtype: DTypeLike | str = jnp.float32,
+        conv: Literal["auto", "xla"] = "auto",
         config: ResNetConfig | None = None,
         rngs: nnx.Rngs,
     ) -> None:
@@ -508,6 +516,7 @@ class ResNet(nnx.Module):
                 bn=bn,
                 bn_group=bn_group,
                 dtype=_dtype_name(dtype),
+                conv=conv,
             )
         cfg = self.cfg = config
         kernel, stride = (3, 1) if cfg.small_stem else (7, 2)
@@ -540,7 +549,10 @@ class ResNet(nnx.Module):
         """Images ``[B, H, W, C]`` (normalised) -> float32 logits ``[B, num_classes]``."""
         x = self.stem(images.astype(self.cfg.compute_dtype), relu=True)
         if not self.cfg.small_stem:
-            x = max_pool_3x3_stride2(x)  # (B, H/4, W/4, width)
+            if self.cfg.conv == "auto":  # oneDNN's pool goes with its convolutions
+                x = onednn.max_pool(x, 3, 2, 1, max_pool_3x3_stride2)  # (B, H/4, W/4, width)
+            else:
+                x = max_pool_3x3_stride2(x)
         for stage in self.stages:
             for block in stage:
                 x = block(x)

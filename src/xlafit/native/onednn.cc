@@ -1,0 +1,287 @@
+// oneDNN's convolutions and max-pooling as XLA FFI calls, for XLA:CPU (see onednn.py).
+//
+// float32, channels-last, the shapes in the handlers' comments below. Activations stay NHWC
+// (oneDNN's "nhwc" tag, what PyTorch's channels-last layers use); a kernel is reordered to and
+// from the layout oneDNN picks for its shape. Each shape's primitives are created once and
+// kept; reordered kernels and oneDNN's scratchpads live in per-thread buffers, so XLA may run
+// two of these calls at once.
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "oneapi/dnnl/dnnl.hpp"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using dnnl::memory;
+using tag = dnnl::memory::format_tag;
+using F32 = ffi::Buffer<ffi::F32>;
+using U8 = ffi::Buffer<ffi::U8>;
+using Dims = ffi::Span<const int64_t>;
+
+namespace {
+
+dnnl::engine& Engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+dnnl::stream& Stream() {
+  thread_local dnnl::stream stream(Engine());
+  return stream;
+}
+
+// A per-thread buffer of at least `bytes`, reused across calls.
+void* ThreadBuffer(int slot, size_t bytes) {
+  thread_local std::vector<char> buffers[2];
+  if (buffers[slot].size() < bytes) buffers[slot].resize(bytes);
+  return buffers[slot].data();
+}
+
+memory::desc Md(const memory::dims& dims, tag t, memory::data_type type = memory::data_type::f32) {
+  return memory::desc(dims, type, t);
+}
+
+// [N, H, W, C] as oneDNN's logical {N, C, H, W}.
+memory::dims Nchw(Dims d) { return {d[0], d[3], d[1], d[2]}; }
+
+// The primitives of one shape, created on first use and kept for the process's lifetime.
+template <typename Entry>
+const Entry& Cached(const std::string& key, Entry (*create)(const std::string&, const void*), const void* args) {
+  static std::mutex mutex;
+  static std::unordered_map<std::string, std::unique_ptr<Entry>> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& slot = cache[key];
+  if (!slot) slot = std::make_unique<Entry>(create(key, args));
+  return *slot;
+}
+
+std::string Key(const char* kind, std::initializer_list<const memory::dims*> parts) {
+  std::string key = kind;
+  for (const auto* dims : parts)
+    for (auto d : *dims) key += "," + std::to_string(d);
+  return key;
+}
+
+ffi::Error Failed(const char* what, const dnnl::error& e) {
+  return ffi::Error::Internal(std::string("oneDNN ") + what + " failed: " + e.what());
+}
+
+// --------------------------------------------------------------------------- convolution
+
+enum class Pass { kForward, kBackwardData, kBackwardWeights };
+
+struct ConvShape {
+  Pass pass;
+  memory::dims src, weights, dst, strides, pad_l, pad_r;
+};
+
+struct Conv {
+  dnnl::primitive primitive;
+  memory::desc user_weights, weights, scratchpad;
+  bool reorder = false;
+  dnnl::reorder weights_reorder;  // HWIO -> oneDNN's layout, or back for the weight gradient
+};
+
+Conv CreateConv(const std::string&, const void* args) {
+  const auto& s = *static_cast<const ConvShape*>(args);
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  auto src = Md(s.src, tag::nhwc), dst = Md(s.dst, tag::nhwc), any = Md(s.weights, tag::any);
+  auto algorithm = dnnl::algorithm::convolution_direct;
+  dnnl::convolution_forward::primitive_desc forward(Engine(), dnnl::prop_kind::forward_training, algorithm, src, any,
+                                                    dst, s.strides, s.pad_l, s.pad_r, attr);
+  Conv c;
+  c.user_weights = Md(s.weights, tag::hwio);
+  if (s.pass == Pass::kForward) {
+    c.primitive = dnnl::convolution_forward(forward);
+    c.weights = forward.weights_desc();
+    c.scratchpad = forward.scratchpad_desc();
+  } else if (s.pass == Pass::kBackwardData) {
+    dnnl::convolution_backward_data::primitive_desc pd(Engine(), algorithm, src, any, dst, s.strides, s.pad_l,
+                                                       s.pad_r, forward, attr);
+    c.primitive = dnnl::convolution_backward_data(pd);
+    c.weights = pd.weights_desc();
+    c.scratchpad = pd.scratchpad_desc();
+  } else {
+    dnnl::convolution_backward_weights::primitive_desc pd(Engine(), algorithm, src, any, dst, s.strides, s.pad_l,
+                                                          s.pad_r, forward, attr);
+    c.primitive = dnnl::convolution_backward_weights(pd);
+    c.weights = pd.diff_weights_desc();
+    c.scratchpad = pd.scratchpad_desc();
+  }
+  c.reorder = c.weights != c.user_weights;
+  if (c.reorder) {
+    bool to_user = s.pass == Pass::kBackwardWeights;
+    auto pd = to_user ? dnnl::reorder::primitive_desc(Engine(), c.weights, Engine(), c.user_weights)
+                      : dnnl::reorder::primitive_desc(Engine(), c.user_weights, Engine(), c.weights);
+    c.weights_reorder = dnnl::reorder(pd);
+  }
+  return c;
+}
+
+// x: the input (the input's gradient for kBackwardData), w: the kernel (its gradient for
+// kBackwardWeights), y: the output (the output's gradient for both backward passes).
+ffi::Error RunConv(Pass pass, Dims x_dims, Dims w_dims, Dims y_dims, void* x, void* w, void* y, int64_t stride_h,
+                   int64_t stride_w, int64_t pad_top, int64_t pad_bottom, int64_t pad_left, int64_t pad_right) {
+  if (x_dims.size() != 4 || w_dims.size() != 4 || y_dims.size() != 4)
+    return ffi::Error::InvalidArgument("oneDNN convolution: expected rank-4 NHWC and HWIO buffers");
+  ConvShape s{pass,
+              Nchw(x_dims),
+              {w_dims[3], w_dims[2], w_dims[0], w_dims[1]},
+              Nchw(y_dims),
+              {stride_h, stride_w},
+              {pad_top, pad_left},
+              {pad_bottom, pad_right}};
+  const char* kinds[] = {"fwd", "bwd_data", "bwd_weights"};
+  try {
+    const Conv& c = Cached<Conv>(Key(kinds[static_cast<int>(pass)], {&s.src, &s.weights, &s.dst, &s.strides,
+                                                                       &s.pad_l, &s.pad_r}),
+                                 CreateConv, &s);
+    auto& stream = Stream();
+    memory src(Md(s.src, tag::nhwc), Engine(), x), dst(Md(s.dst, tag::nhwc), Engine(), y);
+    memory user_weights(c.user_weights, Engine(), w), weights = user_weights;
+    if (c.reorder) weights = memory(c.weights, Engine(), ThreadBuffer(0, c.weights.get_size()));
+    memory scratchpad(c.scratchpad, Engine(), ThreadBuffer(1, c.scratchpad.get_size()));
+    if (pass == Pass::kForward) {
+      if (c.reorder) c.weights_reorder.execute(stream, user_weights, weights);
+      c.primitive.execute(stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, weights}, {DNNL_ARG_DST, dst},
+                                   {DNNL_ARG_SCRATCHPAD, scratchpad}});
+    } else if (pass == Pass::kBackwardData) {
+      if (c.reorder) c.weights_reorder.execute(stream, user_weights, weights);
+      c.primitive.execute(stream, {{DNNL_ARG_DIFF_SRC, src}, {DNNL_ARG_WEIGHTS, weights},
+                                   {DNNL_ARG_DIFF_DST, dst}, {DNNL_ARG_SCRATCHPAD, scratchpad}});
+    } else {
+      c.primitive.execute(stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DIFF_WEIGHTS, weights},
+                                   {DNNL_ARG_DIFF_DST, dst}, {DNNL_ARG_SCRATCHPAD, scratchpad}});
+      if (c.reorder) c.weights_reorder.execute(stream, weights, user_weights);
+    }
+    stream.wait();
+  } catch (const dnnl::error& e) {
+    return Failed("convolution", e);
+  }
+  return ffi::Error::Success();
+}
+
+// x [N,H,W,C], w [KH,KW,C,O] -> y [N,OH,OW,O]
+ffi::Error ConvForward(F32 x, F32 w, ffi::ResultBuffer<ffi::F32> y, int64_t sh, int64_t sw, int64_t pt, int64_t pb,
+                       int64_t pl, int64_t pr) {
+  return RunConv(Pass::kForward, x.dimensions(), w.dimensions(), y->dimensions(), x.untyped_data(),
+                 w.untyped_data(), y->untyped_data(), sh, sw, pt, pb, pl, pr);
+}
+
+// x [N,H,W,C], dy [N,OH,OW,O] -> dw [KH,KW,C,O]
+ffi::Error ConvBackwardWeights(F32 x, F32 dy, ffi::ResultBuffer<ffi::F32> dw, int64_t sh, int64_t sw, int64_t pt,
+                               int64_t pb, int64_t pl, int64_t pr) {
+  return RunConv(Pass::kBackwardWeights, x.dimensions(), dw->dimensions(), dy.dimensions(), x.untyped_data(),
+                 dw->untyped_data(), dy.untyped_data(), sh, sw, pt, pb, pl, pr);
+}
+
+// dy [N,OH,OW,O], w [KH,KW,C,O], after (the weight gradient, unread) -> dx [N,H,W,C].
+// `after` makes XLA run this call after the weight gradient's instead of beside it: two at
+// once would share the cores between two OpenMP teams. XLA still drops this call where the
+// input's gradient is unused (the stem).
+ffi::Error ConvBackwardData(F32 dy, F32 w, F32 after, ffi::ResultBuffer<ffi::F32> dx, int64_t sh, int64_t sw,
+                            int64_t pt, int64_t pb, int64_t pl, int64_t pr) {
+  return RunConv(Pass::kBackwardData, dx->dimensions(), w.dimensions(), dy.dimensions(), dx->untyped_data(),
+                 w.untyped_data(), dy.untyped_data(), sh, sw, pt, pb, pl, pr);
+}
+
+// --------------------------------------------------------------------------- max-pooling
+
+struct PoolShape {
+  memory::dims src, dst, kernel, strides, pad_l, pad_r;
+};
+
+struct Pool {
+  dnnl::pooling_forward forward;
+  dnnl::pooling_backward backward;
+  memory::desc workspace;
+};
+
+Pool CreatePool(const std::string&, const void* args) {
+  const auto& s = *static_cast<const PoolShape*>(args);
+  auto src = Md(s.src, tag::nhwc), dst = Md(s.dst, tag::nhwc);
+  memory::dims dilation(s.kernel.size(), 0);
+  auto max = dnnl::algorithm::pooling_max;
+  dnnl::pooling_forward::primitive_desc forward(Engine(), dnnl::prop_kind::forward_training, max, src, dst, s.strides,
+                                                s.kernel, dilation, s.pad_l, s.pad_r);
+  dnnl::pooling_backward::primitive_desc backward(Engine(), max, src, dst, s.strides, s.kernel, dilation, s.pad_l,
+                                                  s.pad_r, forward);
+  return Pool{dnnl::pooling_forward(forward), dnnl::pooling_backward(backward), forward.workspace_desc()};
+}
+
+const Pool& LookupPool(Dims x, Dims y, int64_t window, int64_t stride, int64_t pad) {
+  PoolShape s{Nchw(x), Nchw(y), {window, window}, {stride, stride}, {pad, pad}, {pad, pad}};
+  return Cached<Pool>(Key("pool", {&s.src, &s.dst, &s.kernel, &s.strides, &s.pad_l}), CreatePool, &s);
+}
+
+// x [N,H,W,C] -> y [N,OH,OW,C], workspace [N,OH,OW,C] (u8: which window position won)
+ffi::Error PoolForward(F32 x, ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::U8> workspace, int64_t window,
+                       int64_t stride, int64_t pad) {
+  try {
+    const Pool& p = LookupPool(x.dimensions(), y->dimensions(), window, stride, pad);
+    if (p.workspace.get_size() != workspace->size_bytes())
+      return ffi::Error::Internal("oneDNN max-pool: its workspace is not one byte per output");
+    auto& stream = Stream();
+    p.forward.execute(stream, {{DNNL_ARG_SRC, memory(Md(Nchw(x.dimensions()), tag::nhwc), Engine(), x.untyped_data())},
+                               {DNNL_ARG_DST, memory(Md(Nchw(y->dimensions()), tag::nhwc), Engine(), y->untyped_data())},
+                               {DNNL_ARG_WORKSPACE, memory(p.workspace, Engine(), workspace->untyped_data())}});
+    stream.wait();
+  } catch (const dnnl::error& e) {
+    return Failed("max-pool", e);
+  }
+  return ffi::Error::Success();
+}
+
+// dy [N,OH,OW,C], workspace (the forward's) -> dx [N,H,W,C]: each output's gradient goes to
+// the first maximum of its window, as PyTorch's and XLA's select-and-scatter send it.
+ffi::Error PoolBackward(F32 dy, U8 workspace, ffi::ResultBuffer<ffi::F32> dx, int64_t window, int64_t stride,
+                        int64_t pad) {
+  try {
+    const Pool& p = LookupPool(dx->dimensions(), dy.dimensions(), window, stride, pad);
+    auto& stream = Stream();
+    p.backward.execute(
+        stream, {{DNNL_ARG_DIFF_DST, memory(Md(Nchw(dy.dimensions()), tag::nhwc), Engine(), dy.untyped_data())},
+                 {DNNL_ARG_DIFF_SRC, memory(Md(Nchw(dx->dimensions()), tag::nhwc), Engine(), dx->untyped_data())},
+                 {DNNL_ARG_WORKSPACE, memory(p.workspace, Engine(), workspace.untyped_data())}});
+    stream.wait();
+  } catch (const dnnl::error& e) {
+    return Failed("max-pool gradient", e);
+  }
+  return ffi::Error::Success();
+}
+
+template <typename Binding>
+auto ConvAttrs(Binding binding) {
+  return std::move(binding)
+      .template Attr<int64_t>("stride_h")
+      .template Attr<int64_t>("stride_w")
+      .template Attr<int64_t>("pad_top")
+      .template Attr<int64_t>("pad_bottom")
+      .template Attr<int64_t>("pad_left")
+      .template Attr<int64_t>("pad_right");
+}
+
+template <typename Binding>
+auto PoolAttrs(Binding binding) {
+  return std::move(binding).template Attr<int64_t>("window").template Attr<int64_t>("stride").template Attr<int64_t>(
+      "pad");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(xlafit_onednn_conv_fwd, ConvForward,
+                              ConvAttrs(ffi::Ffi::Bind().Arg<F32>().Arg<F32>().Ret<F32>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(xlafit_onednn_conv_bwd_weights, ConvBackwardWeights,
+                              ConvAttrs(ffi::Ffi::Bind().Arg<F32>().Arg<F32>().Ret<F32>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(xlafit_onednn_conv_bwd_data, ConvBackwardData,
+                              ConvAttrs(ffi::Ffi::Bind().Arg<F32>().Arg<F32>().Arg<F32>().Ret<F32>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(xlafit_onednn_max_pool_fwd, PoolForward,
+                              PoolAttrs(ffi::Ffi::Bind().Arg<F32>().Ret<F32>().Ret<U8>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(xlafit_onednn_max_pool_bwd, PoolBackward,
+                              PoolAttrs(ffi::Ffi::Bind().Arg<F32>().Arg<U8>().Ret<F32>()));
