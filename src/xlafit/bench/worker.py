@@ -225,7 +225,22 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
         "flops_per_step_analytic": flops_per_example * spec.batch,
         "final_loss": final_loss,
         "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__},
+        # who ran ResNet's convolutions and max-pool (xlafit.native.onednn: one CPU device, float32)
+        **({"layers": _resnet_layers(spec, strategy)} if spec.recipe == "resnet" else {}),
     }
+
+
+def _resnet_layers(spec: Spec, strategy: Any) -> str:
+    import importlib.metadata
+
+    import jax
+
+    from xlafit.native import onednn
+
+    if strategy.platform == "cpu" and spec.dtype == "float32" and jax.device_count() == 1:
+        if onednn.status().available:
+            return f"oneDNN {importlib.metadata.version(onednn.LIBRARY_WHEEL)}"
+    return "XLA"
 
 
 def _abstract_batch(train: dict[str, np.ndarray], k: int, batch: int, strategy: Any) -> dict[str, Any]:
