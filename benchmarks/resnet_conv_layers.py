@@ -7,14 +7,16 @@ float32), the milliseconds of the forward pass, the input gradient and the weigh
 each on its own: XLA (a jitted ``lax.conv_general_dilated`` and its VJPs, with the YNNPACK
 paths ``xlafit.connect()`` sets on CPU) against PyTorch eager (``F.conv2d``, and each
 gradient alone through autograd: the oneDNN kernels ``loss.backward()`` runs).
-Also the 1x1 weight gradient written as a plain matmul (``x.T @ g``), to tell the GEMM from
-the convolution emitter. Medians of REPEATS calls after one warm-up.
+The last column: the same passes as xlafit's oneDNN FFI calls (:mod:`xlafit.native.onednn`,
+what a ResNet on one CPU device runs since the ninth session). Also the 1x1 weight gradient
+written as a plain matmul (``x.T @ g``), to tell the GEMM from the convolution emitter.
+Medians of REPEATS calls after one warm-up.
 
 With ``all``: every distinct convolution of ResNet-50 (the stem, the strided shortcuts), each
 counted as often as the network has it, so that the totals cover all of a step's
-convolutions (the stem's input gradient is counted too, though training does not need it).
-The totals overstate a step's convolution time: a step runs an input gradient and a weight
-gradient at once, and each call here pays its own dispatch.
+convolutions (the stem's input gradient is left out: training does not need it).
+The totals understate a step's oneDNN convolution time: in a step the inputs come from
+memory rather than cache, and XLA's own threads share the cores (BENCHMARKS.md).
 """
 
 import sys
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import xlafit
+from xlafit.native import onednn
 
 BATCH = int(sys.argv[1]) if len(sys.argv) > 1 else 8
 REPEATS = int(sys.argv[2]) if len(sys.argv) > 2 else 10
@@ -103,6 +106,23 @@ def xla_times(size: int, cin: int, cout: int, k: int, stride: int) -> tuple[floa
     return tuple(times)
 
 
+def onednn_times(size: int, cin: int, cout: int, k: int, stride: int) -> tuple[float, ...]:
+    """The same three passes as xlafit's oneDNN FFI calls (:mod:`xlafit.native.onednn`)."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((BATCH, size, size, cin), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal((k, k, cin, cout), dtype=np.float32) * 0.01)
+    attrs, pads = onednn._conv_attrs((stride, stride), ((k // 2, k // 2),) * 2), ((k // 2, k // 2),) * 2
+    g = jnp.ones_like(onednn._conv(x, w, (stride, stride), pads))
+    forward = jax.jit(lambda x, w, g: onednn._conv(x, w, (stride, stride), pads))
+    d_weight = jax.jit(
+        lambda x, w, g: onednn._call("conv_bwd_weights", jax.ShapeDtypeStruct(w.shape, w.dtype), x, g, **attrs)
+    )
+    d_input = jax.jit(
+        lambda x, w, g: onednn._call("conv_bwd_data", jax.ShapeDtypeStruct(x.shape, x.dtype), g, w, w, **attrs)
+    )
+    return tuple(median_ms(lambda f=f: jax.block_until_ready(f(x, w, g))) for f in (forward, d_input, d_weight))
+
+
 def torch_times(size: int, cin: int, cout: int, k: int, stride: int) -> tuple[float, ...]:
     rng = np.random.default_rng(0)
     x = torch.from_numpy(rng.standard_normal((BATCH, cin, size, size), dtype=np.float32))
@@ -128,26 +148,36 @@ def main() -> None:
     xlafit.connect()
     torch.set_num_threads(2)
     print(f"batch {BATCH}, float32, NHWC; ms, median of {REPEATS}")
+    assert onednn.status().available, onednn.status().reason
     print(
         "| layer (HxW, Cin->Cout, k, stride) | XLA fwd | XLA d-input | XLA d-weight | XLA x.T@g | oneDNN fwd "
-        "| oneDNN d-input | oneDNN d-weight | XLA / oneDNN (sum) |"
+        "| oneDNN d-input | oneDNN d-weight | XLA / oneDNN (sum) | xlafit's oneDNN calls fwd / d-input / d-weight |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    total_xla = total_torch = 0.0
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    total_xla = total_torch = total_ffi = 0.0
     layers = ALL_LAYERS if "all" in sys.argv[3:] else [(layer, 1) for layer in LAYERS]
     for layer, count in layers:
-        ours, theirs = xla_times(*layer), torch_times(*layer)
-        total_xla += count * sum(ours[:3])
-        total_torch += count * sum(theirs)
+        ours, theirs, ffi = xla_times(*layer), torch_times(*layer), onednn_times(*layer)
+        stem = layer[1] == 3  # training never needs the stem's input gradient: left out of the totals
+        total_xla += count * (sum(ours[:3]) - (ours[1] if stem else 0))
+        total_torch += count * (sum(theirs) - (theirs[1] if stem else 0))
+        total_ffi += count * (sum(ffi) - (ffi[1] if stem else 0))
         size, cin, cout, k, stride = layer
         cells = [f"{t:.1f}" if t == t else "-" for t in ours + theirs]
         ratio = sum(ours[:3]) / sum(theirs)
         times = f" (x{count})" if count > 1 else ""
         print(
-            f"| {size}x{size}, {cin}->{cout}, {k}x{k}, /{stride}{times} | " + " | ".join(cells) + f" | {ratio:.2f} |",
+            f"| {size}x{size}, {cin}->{cout}, {k}x{k}, /{stride}{times} | "
+            + " | ".join(cells)
+            + f" | {ratio:.2f} | "
+            + " / ".join(f"{t:.1f}" for t in ffi)
+            + " |",
             flush=True,
         )
-    print(f"all layers: XLA {total_xla:.1f} ms, oneDNN {total_torch:.1f} ms, {total_xla / total_torch:.2f}x")
+    print(
+        f"all layers (without the stem's input gradient): XLA {total_xla:.1f} ms, PyTorch's oneDNN "
+        f"{total_torch:.1f} ms ({total_xla / total_torch:.2f}x), xlafit's oneDNN calls {total_ffi:.1f} ms"
+    )
 
 
 if __name__ == "__main__":
