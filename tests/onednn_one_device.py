@@ -36,82 +36,86 @@ def conv_loss(conv, stride, pads, **options):
     return loss
 
 
-status = onednn.status()
-assert status.available, status.reason
-print("ok available", status.reason)
+def main() -> None:
+    """Runs the checks (pytest's doctest collection imports this file: nothing runs then)."""
+    status = onednn.status()
+    assert status.available, status.reason
+    print("ok available", status.reason)
 
-# The forward pass and both gradients equal XLA's, over strides, kernels, padding and shapes.
-CASES = [
-    ((2, 9, 9, 5), (3, 3, 5, 7), (1, 1), ((1, 1), (1, 1))),
-    ((2, 9, 9, 5), (3, 3, 5, 7), (2, 2), ((1, 1), (1, 1))),
-    ((2, 8, 10, 4), (1, 1, 4, 6), (2, 2), ((0, 0), (0, 0))),
-    ((1, 16, 16, 3), (7, 7, 3, 8), (2, 2), ((3, 3), (3, 3))),
-    ((3, 7, 6, 4), (3, 2, 4, 5), (1, 2), ((0, 1), (1, 0))),
-]
-for xs, ws, stride, pads in CASES:
-    x, w = normal(*xs), normal(*ws)
-    ours = conv_loss(onednn.conv_general_dilated, stride, pads)
-    xla = conv_loss(jax.lax.conv_general_dilated, stride, pads)
-    assert uses_onednn(ours, x, w), f"{xs} {ws}: not a oneDNN call"
-    close(jax.jit(jax.value_and_grad(ours, (0, 1)))(x, w), jax.jit(jax.value_and_grad(xla, (0, 1)))(x, w))
-print("ok conv equals XLA's")
+    # The forward pass and both gradients equal XLA's, over strides, kernels, padding and shapes.
+    CASES = [
+        ((2, 9, 9, 5), (3, 3, 5, 7), (1, 1), ((1, 1), (1, 1))),
+        ((2, 9, 9, 5), (3, 3, 5, 7), (2, 2), ((1, 1), (1, 1))),
+        ((2, 8, 10, 4), (1, 1, 4, 6), (2, 2), ((0, 0), (0, 0))),
+        ((1, 16, 16, 3), (7, 7, 3, 8), (2, 2), ((3, 3), (3, 3))),
+        ((3, 7, 6, 4), (3, 2, 4, 5), (1, 2), ((0, 1), (1, 0))),
+    ]
+    for xs, ws, stride, pads in CASES:
+        x, w = normal(*xs), normal(*ws)
+        ours = conv_loss(onednn.conv_general_dilated, stride, pads)
+        xla = conv_loss(jax.lax.conv_general_dilated, stride, pads)
+        assert uses_onednn(ours, x, w), f"{xs} {ws}: not a oneDNN call"
+        close(jax.jit(jax.value_and_grad(ours, (0, 1)))(x, w), jax.jit(jax.value_and_grad(xla, (0, 1)))(x, w))
+    print("ok conv equals XLA's")
 
-# Where oneDNN does not apply, XLA's convolution runs: same numbers, no custom call.
-x, w = normal(2, 9, 9, 4), normal(3, 3, 4, 4)
-FALLBACKS = {
-    "bfloat16": (x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), {}, ((1, 1), (1, 1))),
-    "dilation": (x, w, {"rhs_dilation": (2, 2)}, ((1, 1), (1, 1))),
-    "groups": (x, w[:, :, :2, :], {"feature_group_count": 2}, ((1, 1), (1, 1))),
-    "SAME": (x, w, {}, "SAME"),
-}
-for name, (a, b, options, pads) in FALLBACKS.items():
-    ours = conv_loss(onednn.conv_general_dilated, (1, 1), pads, **options)
-    assert not uses_onednn(ours, a, b), f"{name}: should be XLA's convolution"
-    close(
-        jax.grad(ours, (0, 1))(a, b),
-        jax.grad(conv_loss(jax.lax.conv_general_dilated, (1, 1), pads, **options), (0, 1))(a, b),
-        tol=1e-2,
-    )
-print("ok conv falls back")
+    # Where oneDNN does not apply, XLA's convolution runs: same numbers, no custom call.
+    x, w = normal(2, 9, 9, 4), normal(3, 3, 4, 4)
+    FALLBACKS = {
+        "bfloat16": (x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), {}, ((1, 1), (1, 1))),
+        "dilation": (x, w, {"rhs_dilation": (2, 2)}, ((1, 1), (1, 1))),
+        "groups": (x, w[:, :, :2, :], {"feature_group_count": 2}, ((1, 1), (1, 1))),
+        "SAME": (x, w, {}, "SAME"),
+    }
+    for name, (a, b, options, pads) in FALLBACKS.items():
+        ours = conv_loss(onednn.conv_general_dilated, (1, 1), pads, **options)
+        assert not uses_onednn(ours, a, b), f"{name}: should be XLA's convolution"
+        close(
+            jax.grad(ours, (0, 1))(a, b),
+            jax.grad(conv_loss(jax.lax.conv_general_dilated, (1, 1), pads, **options), (0, 1))(a, b),
+            tol=1e-2,
+        )
+    print("ok conv falls back")
 
-# The max-pool and its gradient equal XLA's, ties included (the first maximum wins).
-for shape in [(2, 9, 9, 5), (2, 8, 8, 3), (4, 28, 28, 16)]:
-    x = jnp.asarray(rng.integers(0, 3, shape).astype(np.float32))  # many ties
-    g = normal(shape[0], (shape[1] + 1) // 2, (shape[2] + 1) // 2, shape[3])
+    # The max-pool and its gradient equal XLA's, ties included (the first maximum wins).
+    for shape in [(2, 9, 9, 5), (2, 8, 8, 3), (4, 28, 28, 16)]:
+        x = jnp.asarray(rng.integers(0, 3, shape).astype(np.float32))  # many ties
+        g = normal(shape[0], (shape[1] + 1) // 2, (shape[2] + 1) // 2, shape[3])
 
-    def pool(x):
-        return onednn.max_pool(x, 3, 2, 1, max_pool_3x3_stride2)
+        def pool(x):
+            return onednn.max_pool(x, 3, 2, 1, max_pool_3x3_stride2)
 
-    assert uses_onednn(lambda x: pool(x).sum(), x)
-    y, vjp = jax.vjp(pool, x)
-    y_ref, vjp_ref = jax.vjp(max_pool_3x3_stride2, x)
-    np.testing.assert_array_equal(y, y_ref)
-    close(vjp(g), vjp_ref(g), tol=1e-6)
-print("ok max-pool equals XLA's")
+        assert uses_onednn(lambda x: pool(x).sum(), x)
+        y, vjp = jax.vjp(pool, x)
+        y_ref, vjp_ref = jax.vjp(max_pool_3x3_stride2, x)
+        np.testing.assert_array_equal(y, y_ref)
+        close(vjp(g), vjp_ref(g), tol=1e-6)
+    print("ok max-pool equals XLA's")
 
-# A whole ResNet (7x7 stem and max-pool) in training mode: logits, gradients and batch
-# statistics equal those of the same model with XLA's convolutions.
-images = normal(4, 32, 32, 3)
-labels = jnp.asarray([0, 1, 2, 3])
+    # A whole ResNet (7x7 stem and max-pool) in training mode: logits, gradients and batch
+    # statistics equal those of the same model with XLA's convolutions.
+    images = normal(4, 32, 32, 3)
+    labels = jnp.asarray([0, 1, 2, 3])
+
+    def train_grads(conv):
+        model = ResNet(18, 10, width=8, conv=conv, rngs=nnx.Rngs(0))
+        model.train()
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss(params, images):
+            m = nnx.merge(graphdef, params, rest, copy=True)
+            logits = m(images)
+            return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(4), labels]), (logits, nnx.state(m, nnx.BatchStat))
+
+        return jax.jit(jax.value_and_grad(loss, has_aux=True)), params
+
+    auto, params = train_grads("auto")
+    xla, _ = train_grads("xla")
+    assert uses_onednn(auto, params, images), "the ResNet should use oneDNN here"
+    assert not uses_onednn(xla, params, images)
+    assert not uses_onednn(auto, params, images, platform="tpu"), "a TPU program must not hold the CPU calls"
+    close(auto(params, images), xla(params, images), tol=2e-4)
+    print("ok resnet equals XLA's")
 
 
-def train_grads(conv):
-    model = ResNet(18, 10, width=8, conv=conv, rngs=nnx.Rngs(0))
-    model.train()
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    def loss(params, images):
-        m = nnx.merge(graphdef, params, rest, copy=True)
-        logits = m(images)
-        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(4), labels]), (logits, nnx.state(m, nnx.BatchStat))
-
-    return jax.jit(jax.value_and_grad(loss, has_aux=True)), params
-
-
-auto, params = train_grads("auto")
-xla, _ = train_grads("xla")
-assert uses_onednn(auto, params, images), "the ResNet should use oneDNN here"
-assert not uses_onednn(xla, params, images)
-assert not uses_onednn(auto, params, images, platform="tpu"), "a TPU program must not hold the CPU calls"
-close(auto(params, images), xla(params, images), tol=2e-4)
-print("ok resnet equals XLA's")
+if __name__ == "__main__":
+    main()
