@@ -237,9 +237,8 @@ def _resnet_layers(spec: Spec, strategy: Any) -> str:
 
     from xlafit.native import onednn
 
-    if strategy.platform == "cpu" and spec.dtype == "float32" and jax.device_count() == 1:
-        if onednn.status().available:
-            return f"oneDNN {importlib.metadata.version(onednn.LIBRARY_WHEEL)}"
+    if strategy.platform == "cpu" and onednn.applies(jax.ShapeDtypeStruct((), spec.dtype)):
+        return f"oneDNN {importlib.metadata.version(onednn.LIBRARY_WHEEL)}"
     return "XLA"
 
 

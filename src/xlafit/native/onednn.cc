@@ -42,21 +42,19 @@ void* ThreadBuffer(int slot, size_t bytes) {
   return buffers[slot].data();
 }
 
-memory::desc Md(const memory::dims& dims, tag t, memory::data_type type = memory::data_type::f32) {
-  return memory::desc(dims, type, t);
-}
+memory::desc Md(const memory::dims& dims, tag t) { return memory::desc(dims, memory::data_type::f32, t); }
 
 // [N, H, W, C] as oneDNN's logical {N, C, H, W}.
 memory::dims Nchw(Dims d) { return {d[0], d[3], d[1], d[2]}; }
 
 // The primitives of one shape, created on first use and kept for the process's lifetime.
-template <typename Entry>
-const Entry& Cached(const std::string& key, Entry (*create)(const std::string&, const void*), const void* args) {
+template <typename Entry, typename Shape>
+const Entry& Cached(const std::string& key, Entry (*create)(const Shape&), const Shape& shape) {
   static std::mutex mutex;
   static std::unordered_map<std::string, std::unique_ptr<Entry>> cache;
   std::lock_guard<std::mutex> lock(mutex);
   auto& slot = cache[key];
-  if (!slot) slot = std::make_unique<Entry>(create(key, args));
+  if (!slot) slot = std::make_unique<Entry>(create(shape));
   return *slot;
 }
 
@@ -68,7 +66,8 @@ std::string Key(const char* kind, std::initializer_list<const memory::dims*> par
 }
 
 ffi::Error Failed(const char* what, const dnnl::error& e) {
-  return ffi::Error::Internal(std::string("oneDNN ") + what + " failed: " + e.what());
+  return ffi::Error::Internal(std::string("oneDNN ") + what + " failed: " + e.what() +
+                              "; model.conv=xla (or XLAFIT_ONEDNN=0) runs XLA's operations instead");
 }
 
 // --------------------------------------------------------------------------- convolution
@@ -87,8 +86,7 @@ struct Conv {
   dnnl::reorder weights_reorder;  // HWIO -> oneDNN's layout, or back for the weight gradient
 };
 
-Conv CreateConv(const std::string&, const void* args) {
-  const auto& s = *static_cast<const ConvShape*>(args);
+Conv CreateConv(const ConvShape& s) {
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   auto src = Md(s.src, tag::nhwc), dst = Md(s.dst, tag::nhwc), any = Md(s.weights, tag::any);
@@ -141,7 +139,7 @@ ffi::Error RunConv(Pass pass, Dims x_dims, Dims w_dims, Dims y_dims, void* x, vo
   try {
     const Conv& c = Cached<Conv>(Key(kinds[static_cast<int>(pass)], {&s.src, &s.weights, &s.dst, &s.strides,
                                                                        &s.pad_l, &s.pad_r}),
-                                 CreateConv, &s);
+                                 CreateConv, s);
     auto& stream = Stream();
     memory src(Md(s.src, tag::nhwc), Engine(), x), dst(Md(s.dst, tag::nhwc), Engine(), y);
     memory user_weights(c.user_weights, Engine(), w), weights = user_weights;
@@ -203,8 +201,7 @@ struct Pool {
   memory::desc workspace;
 };
 
-Pool CreatePool(const std::string&, const void* args) {
-  const auto& s = *static_cast<const PoolShape*>(args);
+Pool CreatePool(const PoolShape& s) {
   auto src = Md(s.src, tag::nhwc), dst = Md(s.dst, tag::nhwc);
   memory::dims dilation(s.kernel.size(), 0);
   auto max = dnnl::algorithm::pooling_max;
@@ -217,7 +214,7 @@ Pool CreatePool(const std::string&, const void* args) {
 
 const Pool& LookupPool(Dims x, Dims y, int64_t window, int64_t stride, int64_t pad) {
   PoolShape s{Nchw(x), Nchw(y), {window, window}, {stride, stride}, {pad, pad}, {pad, pad}};
-  return Cached<Pool>(Key("pool", {&s.src, &s.dst, &s.kernel, &s.strides, &s.pad_l}), CreatePool, &s);
+  return Cached<Pool>(Key("pool", {&s.src, &s.dst, &s.kernel, &s.strides, &s.pad_l}), CreatePool, s);
 }
 
 // x [N,H,W,C] -> y [N,OH,OW,C], workspace [N,OH,OW,C] (u8: which window position won)

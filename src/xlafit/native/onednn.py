@@ -102,22 +102,15 @@ def _build(out: Path) -> None:
 
 def library_path() -> Path:
     """The compiled extension in the user cache, built first if this version is not there."""
+    _wheel_file(LIBRARY_WHEEL, "/libdnnl.so.3")  # a missing wheel is named before anything else
     key = hashlib.sha256(SOURCE.read_bytes())
     key.update(jax.__version__.encode())
-    key.update(importlib.metadata.version(LIBRARY_WHEEL).encode() if _installed(LIBRARY_WHEEL) else b"")
+    key.update(importlib.metadata.version(LIBRARY_WHEEL).encode())
     path = cache_dir() / "native" / f"onednn-{key.hexdigest()[:16]}.so"
     if not path.exists():
         log.info("building xlafit's oneDNN extension once (g++, a few seconds) into %s", path.parent)
         _build(path)
     return path
-
-
-def _installed(wheel: str) -> bool:
-    try:
-        importlib.metadata.version(wheel)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
 
 
 @functools.cache
@@ -140,7 +133,7 @@ def status() -> Status:
     return Status(True, str(path))
 
 
-def applies(*arrays: jax.Array) -> bool:
+def applies(*arrays: jax.Array | jax.ShapeDtypeStruct) -> bool:
     """The oneDNN operations can take these arrays: all float32, one device, extension loaded."""
     return all(a.dtype == jnp.float32 for a in arrays) and jax.device_count() == 1 and status().available
 
