@@ -1,6 +1,9 @@
 """Checks of xlafit.native.onednn that need a process with one CPU device (the oneDNN path is
 off with several): run by tests/test_onednn.py as a script; prints ``ok NAME`` per check."""
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,10 +61,39 @@ def main() -> None:
         close(jax.jit(jax.value_and_grad(ours, (0, 1)))(x, w), jax.jit(jax.value_and_grad(xla, (0, 1)))(x, w))
     print("ok conv equals XLA's")
 
+    # bfloat16, where this CPU runs oneDNN's bfloat16 kernels natively: the same passes against
+    # XLA's convolution of the same bfloat16 values computed in float32 (one rounding apart).
+    if status.bfloat16:
+        for xs, ws, stride, pads in CASES:
+            x, w = normal(*xs).astype(jnp.bfloat16), normal(*ws).astype(jnp.bfloat16)
+            ours = functools.partial(onednn.conv_general_dilated, window_strides=stride, padding=pads,
+                                     dimension_numbers=NHWC)  # fmt: skip
+            xla = functools.partial(jax.lax.conv_general_dilated, window_strides=stride, padding=pads,
+                                    dimension_numbers=NHWC)  # fmt: skip
+            assert uses_onednn(ours, x, w), f"bfloat16 {xs} {ws}: not a oneDNN call"
+            y, vjp = jax.vjp(ours, x, w)
+            g = normal(*y.shape).astype(jnp.bfloat16)
+            assert y.dtype == vjp(g)[0].dtype == vjp(g)[1].dtype == jnp.bfloat16
+            y_ref, vjp_ref = jax.vjp(xla, x.astype(jnp.float32), w.astype(jnp.float32))
+            close((y, *vjp(g)), (y_ref, *vjp_ref(g.astype(jnp.float32))), tol=1e-2)
+        print("ok bfloat16 conv equals XLA's")
+    # Without native bfloat16 (status.bfloat16 false), XLA's convolution runs for it.
+    real_status = onednn.status
+    onednn.status = lambda: dataclasses.replace(real_status(), bfloat16=False)
+    x16, w16 = normal(2, 9, 9, 4).astype(jnp.bfloat16), normal(3, 3, 4, 4).astype(jnp.bfloat16)
+    assert not uses_onednn(conv_loss(onednn.conv_general_dilated, (1, 1), ((1, 1), (1, 1))), x16, w16)
+    onednn.status = real_status
+
     # Where oneDNN does not apply, XLA's convolution runs: same numbers, no custom call.
     x, w = normal(2, 9, 9, 4), normal(3, 3, 4, 4)
     FALLBACKS = {
-        "bfloat16": (x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), {}, ((1, 1), (1, 1))),
+        "float16": (x.astype(jnp.float16), w.astype(jnp.float16), {}, ((1, 1), (1, 1))),
+        "bfloat16 in, float32 out": (
+            x.astype(jnp.bfloat16),
+            w.astype(jnp.bfloat16),
+            {"preferred_element_type": jnp.float32},
+            ((1, 1), (1, 1)),
+        ),
         "dilation": (x, w, {"rhs_dilation": (2, 2)}, ((1, 1), (1, 1))),
         "groups": (x, w[:, :, :2, :], {"feature_group_count": 2}, ((1, 1), (1, 1))),
         "SAME": (x, w, {}, "SAME"),
@@ -89,6 +121,13 @@ def main() -> None:
         y_ref, vjp_ref = jax.vjp(max_pool_3x3_stride2, x)
         np.testing.assert_array_equal(y, y_ref)
         close(vjp(g), vjp_ref(g), tol=1e-6)
+        if status.bfloat16:  # the maxima exactly; where windows overlap, sums of two rounded apart
+            x16, g16 = x.astype(jnp.bfloat16), g.astype(jnp.bfloat16)
+            assert uses_onednn(lambda x: pool(x).sum(), x16)
+            y, vjp = jax.vjp(pool, x16)
+            y_ref, vjp_ref = jax.vjp(max_pool_3x3_stride2, x16)
+            np.testing.assert_array_equal(y, y_ref)
+            close(vjp(g16), vjp_ref(g16), tol=1e-2)
     print("ok max-pool equals XLA's")
 
     # A whole ResNet (7x7 stem and max-pool) in training mode: logits, gradients and batch
@@ -115,6 +154,19 @@ def main() -> None:
     assert not uses_onednn(auto, params, images, platform="tpu"), "a TPU program must not hold the CPU calls"
     close(auto(params, images), xla(params, images), tol=2e-4)
     print("ok resnet equals XLA's")
+
+    # The same in bfloat16 compute (float32 parameters and statistics): the loss agrees to
+    # bfloat16's precision.
+    if status.bfloat16:
+        losses = {}
+        for conv in ("auto", "xla"):
+            model = ResNet(18, 10, width=8, conv=conv, dtype="bfloat16", rngs=nnx.Rngs(0))
+            model.train()
+            step = jax.jit(lambda m, x: -jnp.mean(jax.nn.log_softmax(m(x).astype(jnp.float32))[jnp.arange(4), labels]))
+            assert uses_onednn(step, model, images) == (conv == "auto")
+            losses[conv] = float(step(model, images))
+        assert abs(losses["auto"] - losses["xla"]) <= 2e-2 * abs(losses["xla"]), losses
+        print("ok bfloat16 resnet equals XLA's", losses)
 
 
 if __name__ == "__main__":

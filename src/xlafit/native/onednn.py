@@ -12,7 +12,9 @@ its forward pass and gradients as oneDNN calls (XLA FFI custom calls, ``onednn.c
   for TPUs and GPUs unchanged);
 - only in a process with one device: a custom call does not split across a mesh, so XLA's
   operations stay for data parallelism (``--simulate 8``, several hosts);
-- float32 (convolutions: NHWC input, HWIO kernel, no dilation, no groups);
+- float32, or bfloat16 on CPUs with AVX512-BF16 instructions (Zen 4 and later, Cooper Lake and
+  later Xeons), where oneDNN runs it natively (elsewhere it would emulate it):
+  :attr:`Status.bfloat16`; convolutions: NHWC input, HWIO kernel, no dilation, no groups;
 - when the extension is built: oneDNN comes from the ``onednn-cpu-gomp`` wheels
   (``pip install 'xlafit[onednn]'``, x86-64 Linux), and ``onednn.cc`` is compiled once
   with ``g++`` (``$CXX``) into the user cache (``native/``), in a few seconds.
@@ -62,6 +64,7 @@ class Status:
 
     available: bool
     reason: str  # the extension's path, or what is missing and how to get it
+    bfloat16: bool = False  # this CPU runs oneDNN's bfloat16 kernels natively
 
 
 class BuildError(RuntimeError):
@@ -130,12 +133,16 @@ def status() -> Status:
     for name in TARGETS:
         target = f"xlafit_onednn_{name}"
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
-    return Status(True, str(path))
+    return Status(True, str(path), bfloat16=bool(library.xlafit_onednn_native_bf16()))
 
 
 def applies(*arrays: jax.Array | jax.ShapeDtypeStruct) -> bool:
-    """The oneDNN operations can take these arrays: all float32, one device, extension loaded."""
-    return all(a.dtype == jnp.float32 for a in arrays) and jax.device_count() == 1 and status().available
+    """The oneDNN operations can take these arrays: all float32 (or all bfloat16, where
+    :attr:`Status.bfloat16`), one device, extension loaded."""
+    if jax.device_count() != 1 or not status().available:
+        return False
+    types = {jnp.dtype(a.dtype) for a in arrays}
+    return types == {jnp.dtype(jnp.float32)} or (types == {jnp.dtype(jnp.bfloat16)} and status().bfloat16)
 
 
 def _call(target: str, outputs, *args: jax.Array, **attrs: int) -> jax.Array:
@@ -215,7 +222,7 @@ def conv_general_dilated(
         pads is not None
         and lhs.ndim == 4
         and lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers) == NHWC_HWIO
-        and preferred_element_type in (None, jnp.float32)
+        and (preferred_element_type is None or jnp.dtype(preferred_element_type) == lhs.dtype)
         and all(d == 1 for d in (*(lhs_dilation or ()), *(rhs_dilation or ())))
         and feature_group_count == batch_group_count == 1
         and out_sharding is None
