@@ -225,7 +225,8 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
         "flops_per_step_analytic": flops_per_example * spec.batch,
         "final_loss": final_loss,
         "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__},
-        # who ran ResNet's convolutions and max-pool (xlafit.native.onednn: one CPU device, float32)
+        # who ran ResNet's convolutions and max-pool (xlafit.native.onednn: one CPU device,
+        # float32, or bfloat16 where the CPU has it)
         **({"layers": _resnet_layers(spec, strategy)} if spec.recipe == "resnet" else {}),
     }
 

@@ -90,8 +90,9 @@ class ResNetConfig:
         bn_eps: added to the variance.
         zero_init_residual: the last batch norm of each block starts with scale 0.
         dtype: compute dtype; parameters and batch statistics stay float32.
-        conv: ``auto``: oneDNN's convolutions where they apply (float32 on one CPU device,
-            :mod:`xlafit.native.onednn`; the max-pool too), XLA's elsewhere; ``xla``: XLA's everywhere.
+        conv: ``auto``: oneDNN's convolutions where they apply (one CPU device, float32, or
+            bfloat16 on CPUs with AVX512-BF16; :mod:`xlafit.native.onednn`; the max-pool too),
+            XLA's elsewhere; ``xla``: XLA's everywhere.
     """
 
     depths: tuple[int, ...] = (3, 4, 6, 3)
