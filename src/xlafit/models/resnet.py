@@ -183,7 +183,12 @@ def _normalise(
     y = xf * a + (_channels(xf, bias) - mean * a)
     if residual is not None:
         y = y + residual.astype(jnp.float32)
-    return (jnp.maximum(y, 0.0) if relu else y), rstd, a
+    if relu:
+        # ReLU against a per-channel zero vector that XLA cannot see is constant: a scalar 0.0
+        # becomes an activation-sized array of zeros on XLA:CPU, and the max a pass of its own
+        # (BENCHMARKS.md); a per-channel vector is broadcast inside the normalising pass.
+        y = jnp.maximum(y, _channels(xf, jax.lax.optimization_barrier(jnp.zeros(scale.shape, jnp.float32))))
+    return y, rstd, a
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
