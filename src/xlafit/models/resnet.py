@@ -184,10 +184,10 @@ def _normalise(
     if residual is not None:
         y = y + residual.astype(jnp.float32)
     if relu:
-        # ReLU against a per-channel zero vector that XLA cannot see is constant: a scalar 0.0
-        # becomes an activation-sized array of zeros on XLA:CPU, and the max a pass of its own
-        # (BENCHMARKS.md); a per-channel vector is broadcast inside the normalising pass.
-        y = jnp.maximum(y, _channels(xf, jax.lax.optimization_barrier(jnp.zeros(scale.shape, jnp.float32))))
+        # ReLU against a per-channel zero vector computed at run time: against a constant 0.0,
+        # XLA:CPU writes out an activation-sized array of zeros and reads it in a pass of its
+        # own (BENCHMARKS.md); a run-time vector is broadcast inside the normalising pass.
+        y = jnp.maximum(y, _channels(xf, bias * 0.0))
     return y, rstd, a
 
 
