@@ -1,11 +1,10 @@
 // oneDNN's convolutions and max-pooling as XLA FFI calls, for XLA:CPU (see onednn.py).
 //
 // float32 or bfloat16 (every operand of a call the same), channels-last, the shapes in the
-// handlers' comments below. Activations stay NHWC
-// (oneDNN's "nhwc" tag, what PyTorch's channels-last layers use); a kernel is reordered to and
-// from the layout oneDNN picks for its shape. Each shape's primitives are created once and
-// kept; reordered kernels and oneDNN's scratchpads live in per-thread buffers, so XLA may run
-// two of these calls at once.
+// handlers' comments below. Activations stay NHWC (oneDNN's "nhwc" tag, what PyTorch's
+// channels-last layers use); a kernel is reordered to and from the layout oneDNN picks for
+// its shape. Each shape's primitives are created once and kept; reordered kernels and
+// oneDNN's scratchpads live in per-thread buffers, so XLA may run two of these calls at once.
 
 #include <cstdint>
 #include <memory>
