@@ -59,6 +59,11 @@ ffi::ErrorOr<Type> CommonType(std::initializer_list<ffi::DataType> types) {
 // [N, H, W, C] as oneDNN's logical {N, C, H, W}.
 memory::dims Nchw(Dims d) { return {d[0], d[3], d[1], d[2]}; }
 
+// An NHWC activation buffer of XLA's, with oneDNN's logical {N, C, H, W} dimensions.
+memory Activations(const memory::dims& nchw, Type type, void* data) {
+  return memory(Md(nchw, type, tag::nhwc), Engine(), data);
+}
+
 // The primitives of one shape, created on first use and kept for the process's lifetime.
 template <typename Entry, typename Shape>
 const Entry& Cached(const std::string& key, Entry (*create)(const Shape&), const Shape& shape) {
@@ -157,7 +162,7 @@ ffi::Error RunConv(Pass pass, ffi::ErrorOr<Type> type, Dims x_dims, Dims w_dims,
                                      {&s.src, &s.weights, &s.dst, &s.strides, &s.pad_l, &s.pad_r}),
                                  CreateConv, s);
     auto& stream = Stream();
-    memory src(Md(s.src, s.type, tag::nhwc), Engine(), x), dst(Md(s.dst, s.type, tag::nhwc), Engine(), y);
+    memory src = Activations(s.src, s.type, x), dst = Activations(s.dst, s.type, y);
     memory user_weights(c.user_weights, Engine(), w), weights = user_weights;
     if (c.reorder) weights = memory(c.weights, Engine(), ThreadBuffer(0, c.weights.get_size()));
     memory scratchpad(c.scratchpad, Engine(), ThreadBuffer(1, c.scratchpad.get_size()));
@@ -247,9 +252,8 @@ ffi::Error PoolForward(Any x, AnyResult y, ffi::ResultBuffer<ffi::U8> workspace,
     if (p.workspace.get_size() != workspace->size_bytes())
       return ffi::Error::Internal("oneDNN max-pool: its workspace is not one byte per output");
     auto& stream = Stream();
-    auto md = [&](Dims d) { return Md(Nchw(d), type.value(), tag::nhwc); };
-    p.forward.execute(stream, {{DNNL_ARG_SRC, memory(md(x.dimensions()), Engine(), x.untyped_data())},
-                               {DNNL_ARG_DST, memory(md(y->dimensions()), Engine(), y->untyped_data())},
+    p.forward.execute(stream, {{DNNL_ARG_SRC, Activations(Nchw(x.dimensions()), type.value(), x.untyped_data())},
+                               {DNNL_ARG_DST, Activations(Nchw(y->dimensions()), type.value(), y->untyped_data())},
                                {DNNL_ARG_WORKSPACE, memory(p.workspace, Engine(), workspace->untyped_data())}});
     stream.wait();
   } catch (const dnnl::error& e) {
@@ -266,12 +270,10 @@ ffi::Error PoolBackward(Any dy, U8 workspace, AnyResult dx, int64_t window, int6
   try {
     const Pool& p = LookupPool(type.value(), dx->dimensions(), dy.dimensions(), window, stride, pad);
     auto& stream = Stream();
-    p.backward.execute(
-        stream, {{DNNL_ARG_DIFF_DST, memory(Md(Nchw(dy.dimensions()), type.value(), tag::nhwc), Engine(),
-                                            dy.untyped_data())},
-                 {DNNL_ARG_DIFF_SRC, memory(Md(Nchw(dx->dimensions()), type.value(), tag::nhwc), Engine(),
-                                            dx->untyped_data())},
-                 {DNNL_ARG_WORKSPACE, memory(p.workspace, Engine(), workspace.untyped_data())}});
+    p.backward.execute(stream,
+                       {{DNNL_ARG_DIFF_DST, Activations(Nchw(dy.dimensions()), type.value(), dy.untyped_data())},
+                        {DNNL_ARG_DIFF_SRC, Activations(Nchw(dx->dimensions()), type.value(), dx->untyped_data())},
+                        {DNNL_ARG_WORKSPACE, memory(p.workspace, Engine(), workspace.untyped_data())}});
     stream.wait();
   } catch (const dnnl::error& e) {
     return Failed("max-pool gradient", e);

@@ -65,8 +65,8 @@ class ResNetModelConfig:
     bn_group: int | None = None  # examples per statistics group for bn=local
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     label_smoothing: float = 0.0
-    # auto: oneDNN's convolutions and max-pool in a float32 run on one CPU device
-    # (xlafit.native.onednn), XLA's elsewhere; xla: XLA's everywhere.
+    # auto: oneDNN's convolutions and max-pool in a run on one CPU device (float32, or bfloat16
+    # on CPUs with AVX512-BF16; xlafit.native.onednn), XLA's elsewhere; xla: XLA's everywhere.
     conv: Literal["auto", "xla"] = "auto"
 
 
