@@ -1,6 +1,7 @@
 """``run.cpu_keep_memory``: XLA:CPU's per-call temporaries reuse pages instead of faulting in."""
 
 import os
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -10,7 +11,7 @@ import pytest
 from xlafit.host_memory import keep_freed_memory
 
 # A program with a 64 MB temporary (the product, read by two reductions), called 16 times
-# after a warm-up; prints the minor page faults of those calls. 64 MB of fresh pages is
+# after a warm-up; prints the minor page faults of each call. 64 MB of fresh pages is
 # 16,384 faults. The setting is per process and
 # must come before JAX starts, so each case is its own process.
 PROBE = textwrap.dedent(
@@ -23,30 +24,31 @@ PROBE = textwrap.dedent(
     f = jax.jit(lambda x, w: (lambda y: (y.sum(), y.max()))(x @ w))
     assert f.lower(x, w).compile().memory_analysis().temp_size_in_bytes >= 64 * 2**20
     jax.block_until_ready(f(x, w))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(16):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         jax.block_until_ready(f(x, w))
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     """
 )
 
 
-def _faults(mode: str) -> int:
+def _median_faults(mode: str) -> float:
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     out = subprocess.run(
         [sys.executable, "-c", PROBE, mode], capture_output=True, text=True, env=env, timeout=120, check=True
     )
-    return int(out.stdout.split()[-1])
+    return statistics.median(int(n) for n in out.stdout.split())
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_kept_memory_is_reused_instead_of_faulted_in_again():
-    # Without: every call faults its temporary in (16 x 16,384 with 4 kB pages; a kernel that
-    # backs the block with 2 MB pages faults 512 times fewer, hence the ratio). With: none,
-    # except while the heap grows to its working size, once or twice by a temporary
-    # (measured: 2 of 40 calls).
-    off, keep = _faults("off"), _faults("keep")
-    assert off >= 16 * 32, off  # at least one fault per 2 MB of every call's temporary
+    # Without: every call faults its temporary in (16,384 with 4 kB pages; a kernel that backs
+    # the block with 2 MB pages faults 512 times fewer, hence the bound). With: none, except
+    # while the heap grows to its working size, by a temporary per call: on an idle machine
+    # the first call, with two other JAX processes busy up to four of the 16 (measured), so
+    # the test compares medians rather than totals.
+    off, keep = _median_faults("off"), _median_faults("keep")
+    assert off >= 32, off  # at least one fault per 2 MB of the temporary
     assert keep * 4 < off, (keep, off)
 
 
