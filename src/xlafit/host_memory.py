@@ -1,23 +1,27 @@
 """Keeping freed host memory in the process, so XLA:CPU programs stop page-faulting.
 
-XLA:CPU allocates a program's temporaries as one block for every call (1.5 GB for a
-ResNet-50 train step at batch 8) and frees it when the call ends. glibc's ``malloc`` serves
-a block that large with a fresh ``mmap`` and hands it back with ``munmap``, so every step
-touches 1.5 GB of new pages: 377,000 page faults and about 1 s of kernel time per step on
-a 2-core VM (BENCHMARKS.md). :func:`keep_freed_memory` tells glibc to
-serve every block from its heap (``M_MMAP_MAX=0``), to keep what is freed there
-(``M_TRIM_THRESHOLD=-1``) and to use that one heap from every thread (``M_ARENA_MAX=1``:
-the heaps of other threads are capped at 64 MB and map larger blocks anyway). The next
+XLA:CPU allocates a program's temporaries as one block for every call (750 MB for a
+ResNet-50 train step at batch 8; 1.5 GB before its convolutions went to oneDNN) and frees it
+when the call ends. glibc's ``malloc`` serves a block that large with a fresh ``mmap`` and
+hands it back with ``munmap``, so every step touches all of it as new pages: at 1.5 GB,
+377,000 page faults and about 1 s of kernel time per step on a 2-core VM (BENCHMARKS.md).
+:func:`keep_freed_memory` tells glibc to serve every block from its heap (``M_MMAP_MAX=0``),
+to keep what is freed there (``M_TRIM_THRESHOLD=-1``) and to use that one heap from every
+thread (``M_ARENA_MAX=1``: the heaps of other threads are capped at 64 MB and map larger
+blocks anyway). The next
 call then reuses the pages the last one touched: no page faults, 1.76 instead of 2.30 s
-per ResNet-50 step.
+per ResNet-50 step (at 1.5 GB).
 
 The cost is host memory: the process keeps what its heap once held until it exits, as
-JAX's and PyTorch's GPU allocators keep device memory, and the heap fragments, so it holds
-2-3 copies of the temporaries (ResNet-50 at batch 8: 5.1 instead of 2.6 GB; at batch 16:
-11.7 instead of 4.0 GB). It changes no result. The setting must come before the
-threads that allocate exist, so :func:`xlafit.devices.configure` applies it before JAX
-starts its backends, and only when the run is on the CPU (``run.cpu_keep_memory``).
-``GLIBC_TUNABLES`` (read when a process starts) does the same for any process, e.g.
+JAX's and PyTorch's GPU allocators keep device memory. The heap also grows past one copy of
+the temporaries: a call's block can still be held when the next call starts, and small
+blocks split a freed one, so now and then a call finds no free block big enough and the heap
+grows by a whole block, faulted in once. ResNet-50 at batch 8 holds 1.65 GB after its first
+step, 2.4-3.2 GB after 100 steps, 4.65 GB once after 45 (BENCHMARKS.md, eleventh
+session). It changes no result. The setting must come before the threads that allocate
+exist, so :func:`xlafit.devices.configure` applies it before JAX starts its backends, and
+only when the run is on the CPU (``run.cpu_keep_memory``). ``GLIBC_TUNABLES`` (read when a
+process starts) does the same for any process, e.g.
 ``glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776``.
 """
 

@@ -489,7 +489,7 @@ class Trainer:
             f"per-device batch: {self.global_batch // s.num_replicas}   global batch: {self.global_batch}"
         )
         if keeping_freed_memory():
-            # Users see the process grow 2-3x its temporaries and should know why (BENCHMARKS.md).
+            # Users see the process grow 2-4x its temporaries and should know why (BENCHMARKS.md).
             report.print(
                 "host memory: freed blocks are kept for the next step (no page faults; the process holds "
                 "more memory); run.cpu_keep_memory=false returns them"
