@@ -71,6 +71,9 @@ def test_whiskers_are_never_negative():
     }
     one = summarize("xlafit 1 device", [run], 469, batch, 1e12)
     assert [x.tolist() for x in whiskers([one])] == [[0.0], [0.0]]  # one run: no whisker at all
+    assert one["page_faults_per_step"] is None and one["peak_rss_bytes"] is None  # not recorded: not invented
+    grew = summarize("xlafit 1 device", [{**run, "page_faults": 600, "peak_rss_bytes": 2**30}] * 2, 469, batch, 1e12)
+    assert grew["page_faults_per_step"] == 600 / steps and grew["peak_rss_bytes"] == 2**30
 
 
 def test_bench_table_json_plot_and_profile(tmp_path):
@@ -97,6 +100,7 @@ def test_bench_table_json_plot_and_profile(tmp_path):
             assert sum(run["call_s"]) + run["wait_s"] == pytest.approx(run["wall_s"], rel=1e-9)
             assert min(run["call_s"]) > 0
             assert run["compiles"] >= 1 and run["compile_s"] > 0
+            assert run["page_faults"] >= 0 and run["peak_rss_bytes"] > 100 * 2**20  # a JAX process
         per_step = np.median([r["wall_s"] / r["steps"] for r in runs])
         assert row["epoch_s"] == pytest.approx(s["steps_per_epoch"] * per_step, rel=1e-9)
         assert row["examples_per_s"] == pytest.approx(s["batch"] / per_step, rel=1e-9)
@@ -106,6 +110,7 @@ def test_bench_table_json_plot_and_profile(tmp_path):
         # XLA's cost analysis (per device, times the devices) against the analytic count
         assert row["flops_per_step_xla"] == pytest.approx(row["flops_per_step_analytic"], rel=0.05)
     assert result["rows"][0]["speedup"] == 1.0
+    assert "host memory xlafit 2 cpu (simulated): peak" in out.stdout
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     traces = list((tmp_path / "prof").rglob("*.xplane.pb"))
     assert len(traces) == 2, traces  # one per xlafit configuration
@@ -122,6 +127,7 @@ def test_bench_compares_with_pytorch_eager(tmp_path):
     assert [r["configuration"] for r in rows] == ["xlafit 1 cpu", "PyTorch eager"]
     torch_row = rows[1]
     assert torch_row["compile_s"] is None and torch_row["examples_per_s"] > 0
+    assert torch_row["page_faults_per_step"] >= 0 and torch_row["peak_rss_bytes"] > 100 * 2**20
     assert torch_row["speedup"] == pytest.approx(torch_row["examples_per_s"] / rows[0]["examples_per_s"])
 
 

@@ -1,5 +1,6 @@
 """``run.cpu_keep_memory``: XLA:CPU's per-call temporaries reuse pages instead of faulting in."""
 
+import mmap
 import os
 import statistics
 import subprocess
@@ -8,7 +9,7 @@ import textwrap
 
 import pytest
 
-from xlafit.host_memory import keep_freed_memory
+from xlafit.host_memory import keep_freed_memory, page_faults, page_faults_since, peak_rss_bytes
 
 # A program with a 64 MB temporary (the product, read by two reductions), called 16 times
 # after a warm-up; prints the minor page faults of each call. 64 MB of fresh pages is
@@ -55,3 +56,18 @@ def test_kept_memory_is_reused_instead_of_faulted_in_again():
 def test_the_users_glibc_tunables_win(monkeypatch):
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_max=65536")
     assert keep_freed_memory() is False
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no getrusage")
+def test_page_faults_and_peak_memory_count_fresh_pages():
+    # What the bench reports per timed step: a fresh anonymous mapping faults in on first
+    # write, one fault per page (at least one per 2 MB where the kernel uses huge pages).
+    size = 64 * 2**20
+    before = page_faults()
+    block = mmap.mmap(-1, size)
+    for offset in range(0, size, 4096):
+        block[offset] = 1
+    assert page_faults_since(before) >= size // 2**21
+    assert page_faults_since(None) is None
+    assert peak_rss_bytes() >= size
+    block.close()

@@ -44,6 +44,32 @@ TPU_DEVICES = ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*")  # TPU v2/v3; v4 and late
 ACCELERATOR_DEVICES = ("/dev/nvidia[0-9]*", *TPU_DEVICES, "/dev/kfd")
 
 
+def page_faults() -> int | None:
+    """This process's minor page faults so far (``getrusage``); None where there is no
+    ``resource`` module (Windows). The bench counts them over its timed steps."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def page_faults_since(start: int | None) -> int | None:
+    """Minor page faults since ``start``, a :func:`page_faults` reading (None if it was)."""
+    now = page_faults()
+    return None if start is None or now is None else now - start
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident memory (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
 def accelerator_present() -> bool:
     """True if this host has a GPU or TPU device file, so JAX may not pick the CPU."""
     return any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICES)

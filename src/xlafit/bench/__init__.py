@@ -166,6 +166,10 @@ def summarize(name: str, runs: list[dict[str, Any]], steps_per_epoch: int, batch
     # The same expression as the median's, so that one run's whisker is exactly zero.
     per_run = [{"examples_per_s": batch / (r["wall_s"] / r["steps"])} for r in runs]
     compile_s = [r["compile_s"] for r in runs if r["compile_s"] is not None]
+    # Page faults in the timed steps: a run far above the others grew its heap there (for
+    # XLA:CPU, by a whole block of temporaries: xlafit.host_memory) and is slower for it.
+    faults = [r["page_faults"] / r["steps"] for r in runs if r.get("page_faults") is not None]
+    peak_rss = [r["peak_rss_bytes"] for r in runs if r.get("peak_rss_bytes") is not None]
     return {
         "configuration": name,
         "compile_s": float(np.median(compile_s)) if compile_s else None,
@@ -175,6 +179,9 @@ def summarize(name: str, runs: list[dict[str, Any]], steps_per_epoch: int, batch
         "step_ms_p90": 1e3 * float(np.percentile(step_s, 90)),
         **median,
         "examples_per_s_runs": [p["examples_per_s"] for p in per_run],
+        "page_faults_per_step": float(np.median(faults)) if faults else None,
+        "page_faults_per_step_runs": faults,
+        "peak_rss_bytes": max(peak_rss) if peak_rss else None,
         "flops_per_step_xla": first.get("flops_per_step"),
         "flops_per_step_analytic": first["flops_per_step_analytic"],
         "mfu_flops_source": flops_source,
@@ -279,9 +286,11 @@ def run_bench(
                     spec.profile_steps = 0
             runs[c.name].append(run_worker(spec, c.simulate))
             last = runs[c.name][-1]
+            faults = last.get("page_faults")
+            faults_text = "" if faults is None else f", page faults/step {faults / last['steps']:,.0f}"
             progress(
                 f"round {r + 1}/{repeats}  {c.name}: {batch * last['steps'] / last['wall_s']:.0f} examples/s, "
-                f"input wait {100 * last['wait_s'] / last['wall_s']:.1f}%"
+                f"input wait {100 * last['wait_s'] / last['wall_s']:.1f}%{faults_text}"
             )
     cpu = probe["platform"] == "cpu"
     rows = []
@@ -372,6 +381,11 @@ def format_table(result: dict[str, Any]) -> str:
             f"FLOPs/step {r['configuration']}: XLA {_fmt(xla and xla / 1e9, '.2f')} G, analytic "
             f"{r['flops_per_step_analytic'] / 1e9:.2f} G; MFU from {r['mfu_flops_source']}"
         )
+    for r in result["rows"]:
+        if r.get("page_faults_per_step") is not None:
+            runs = ", ".join(f"{f:,.0f}" for f in r["page_faults_per_step_runs"])
+            peak = _fmt(r["peak_rss_bytes"] and r["peak_rss_bytes"] / 2**30, ".2f")
+            lines.append(f"host memory {r['configuration']}: peak {peak} GiB; page faults/timed step {runs}")
     return "\n".join(lines)
 
 

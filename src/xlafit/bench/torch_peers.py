@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from xlafit.host_memory import page_faults, page_faults_since, peak_rss_bytes
+
 
 def mnist_net() -> Any:
     """pytorch/examples ``mnist/main.py``'s ``Net``, the model :class:`xlafit.models.MnistCNN` copies."""
@@ -162,6 +164,7 @@ def _timed_training(
     # dispatches calls ahead), one at the end; a step's time is the interval since the
     # previous step returned, less its input wait.
     step_s, wait_s = [], 0.0
+    faults = page_faults()
     t_start = t_mark = time.perf_counter()
     for i in range(steps):
         x, y = next_batch()
@@ -174,6 +177,7 @@ def _timed_training(
         step_s.append(t2 - t1)
         t_mark = t2
     wall_s = time.perf_counter() - t_start
+    timed_faults = page_faults_since(faults)
     final_loss = loss.item()
     median = float(np.median(step_s))
     return {
@@ -190,5 +194,7 @@ def _timed_training(
         "compile_s": max(sum(warmup_s) - warmup * median, 0.0) if compile else None,
         "compiles": None,
         "final_loss": final_loss,
+        "page_faults": timed_faults,
+        "peak_rss_bytes": peak_rss_bytes(),
         "versions": {"torch": torch.__version__},
     }

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from xlafit.host_memory import page_faults, page_faults_since, peak_rss_bytes
+
 
 @dataclasses.dataclass
 class Spec:
@@ -185,9 +187,12 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
         step_fn.precompile(trainer.state, _abstract_batch(train, k, spec.batch, strategy))
     call_steps, call_s, wait_s, wall_s = [], [], 0.0, 0.0
     t_mark, waited = time.perf_counter(), 0.0
+    faults = page_faults()
     for call in trainer.steps(train, 0, timed_stop):
         if call.first + call.k in (warmup, timed_stop):
             jax.block_until_ready(call.metrics)  # note: host-device sync: the warm-up's, or all, work done
+            if call.first + call.k == warmup:
+                faults = page_faults()
         t1 = time.perf_counter()
         wait = call.wait_s - waited
         if call.first >= warmup:
@@ -197,6 +202,7 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
             wall_s += t1 - t_mark - call.compile_s
         t_mark, waited = t1, call.wait_s
         metrics = call.metrics
+    timed_faults = page_faults_since(faults)
     final_loss = float(np.mean(jax.device_get(metrics["loss"])))
 
     # XLA counts a scanned loop body once: ask for the cost of a single step.
@@ -224,6 +230,8 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
         "flops_per_step": per_device * strategy.num_replicas if per_device else None,
         "flops_per_step_analytic": flops_per_example * spec.batch,
         "final_loss": final_loss,
+        "page_faults": timed_faults,
+        "peak_rss_bytes": peak_rss_bytes(),
         "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__},
         # who ran ResNet's convolutions and max-pool (xlafit.native.onednn: one CPU device,
         # float32, or bfloat16 where the CPU has it)
