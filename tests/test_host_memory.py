@@ -11,7 +11,7 @@ import pytest
 
 from xlafit.host_memory import keep_freed_memory, page_faults, page_faults_since, peak_rss_bytes
 
-# A program with a 64 MB temporary (the product, read by two reductions), called 16 times
+# A program with a 64 MB temporary (the product, read by two reductions), called 24 times
 # after a warm-up; prints the minor page faults of each call. 64 MB of fresh pages is
 # 16,384 faults. The setting is per process and
 # must come before JAX starts, so each case is its own process.
@@ -25,7 +25,7 @@ PROBE = textwrap.dedent(
     f = jax.jit(lambda x, w: (lambda y: (y.sum(), y.max()))(x @ w))
     assert f.lower(x, w).compile().memory_analysis().temp_size_in_bytes >= 64 * 2**20
     jax.block_until_ready(f(x, w))
-    for _ in range(16):
+    for _ in range(24):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         jax.block_until_ready(f(x, w))
         print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -46,7 +46,7 @@ def test_kept_memory_is_reused_instead_of_faulted_in_again():
     # Without: every call faults its temporary in (16,384 with 4 kB pages; a kernel that backs
     # the block with 2 MB pages faults 512 times fewer, hence the bound). With: none, except
     # while the heap grows to its working size, by a temporary per call: on an idle machine
-    # the first call, with two other JAX processes busy up to four of the 16 (measured), so
+    # the first call, with two other JAX processes busy up to four of 16 (measured), so
     # the test compares medians rather than totals.
     off, keep = _median_faults("off"), _median_faults("keep")
     assert off >= 32, off  # at least one fault per 2 MB of the temporary
