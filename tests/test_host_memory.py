@@ -17,18 +17,19 @@ from xlafit.host_memory import keep_freed_memory, page_faults, page_faults_since
 # must come before JAX starts, so each case is its own process.
 PROBE = textwrap.dedent(
     """
-    import resource, sys
+    import sys
     import jax, jax.numpy as jnp
     import xlafit
+    from xlafit.host_memory import page_faults, page_faults_since
     xlafit.connect(1, cpu_keep_memory=sys.argv[1] == "keep")
     x, w = jnp.ones((2048, 1024)), jnp.ones((1024, 8192))
     f = jax.jit(lambda x, w: (lambda y: (y.sum(), y.max()))(x @ w))
     assert f.lower(x, w).compile().memory_analysis().temp_size_in_bytes >= 64 * 2**20
     jax.block_until_ready(f(x, w))
     for _ in range(24):
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        before = page_faults()
         jax.block_until_ready(f(x, w))
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        print(page_faults_since(before))
     """
 )
 

@@ -32,6 +32,13 @@ import ctypes.util
 import glob
 import os
 import sys
+from types import ModuleType
+
+resource: ModuleType | None
+try:
+    import resource
+except ImportError:  # Windows
+    resource = None
 
 # mallopt parameters, from glibc's <malloc.h>
 M_TRIM_THRESHOLD = -1
@@ -47,11 +54,7 @@ ACCELERATOR_DEVICES = ("/dev/nvidia[0-9]*", *TPU_DEVICES, "/dev/kfd")
 def page_faults() -> int | None:
     """This process's minor page faults so far (``getrusage``); None where there is no
     ``resource`` module (Windows). The bench counts them over its timed steps."""
-    try:
-        import resource
-    except ImportError:
-        return None
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    return None if resource is None else resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def page_faults_since(start: int | None) -> int | None:
@@ -62,9 +65,7 @@ def page_faults_since(start: int | None) -> int | None:
 
 def peak_rss_bytes() -> int | None:
     """This process's peak resident memory (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
-    try:
-        import resource
-    except ImportError:
+    if resource is None:
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
