@@ -43,6 +43,6 @@ part 3 && $XLAFIT bench resnet "${size[@]}" --dtype float32 --devices 1 --compar
 # 4. Where the time goes: a profile of 5 steps of the bf16 row, summarised by kernel.
 if part 4; then
     $XLAFIT bench resnet "${size[@]}" --dtype bfloat16 --devices 1 --repeats 1 --profile 5 \
-        --profile-dir "$OUT/profile" > /dev/null
-    ${PYTHON:-python3} "$(dirname "$0")/perfetto_top.py" "$OUT/profile" 5 2>&1 | tee "$OUT/profile_top.txt"
+        --profile-dir "${PROFILE_DIR:-$OUT/profile}" > /dev/null
+    ${PYTHON:-python3} "$(dirname "$0")/perfetto_top.py" "${PROFILE_DIR:-$OUT/profile}" 5 2>&1 | tee "$OUT/profile_top.txt"
 fi

@@ -168,3 +168,19 @@ def test_pytorch_peer_gets_the_xlafit_rows_cpu_allocator():
     for framework in ("xlafit", "torch"):
         result = run_worker(Spec(framework, warmup=0, steps=1, **common))
         assert result["cpu_keep_memory"] is not env_tunables, framework  # GLIBC_TUNABLES: the user's choice
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed (make bench installs it)")
+def test_pytorch_peer_normalises_pixels_as_the_xlafit_rows():
+    """Both ResNet rows are fed the same uint8 pixels; the peer must turn them into the
+    network's input exactly as the recipe's ImageClassifier does."""
+    import torch
+
+    from xlafit.bench.torch_peers import normalise_pixels
+    from xlafit.recipes.resnet import NORMALISATION, ImageClassifier
+
+    pixels = np.random.default_rng(0).integers(0, 256, (2, 5, 7, 3), dtype=np.uint8)
+    ours = ImageClassifier(lambda x: x, *NORMALISATION["imagenet"])(pixels)  # type: ignore[arg-type]
+    peer = normalise_pixels(torch.from_numpy(pixels.transpose(0, 3, 1, 2)), *NORMALISATION["imagenet"])
+    np.testing.assert_allclose(peer.numpy().transpose(0, 2, 3, 1), np.asarray(ours), rtol=1e-6, atol=1e-6)
+    assert float(np.abs(np.asarray(ours)).max()) > 1.5  # normalised, not merely scaled to [0, 1]

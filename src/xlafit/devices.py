@@ -282,7 +282,8 @@ def configure(
         simulate: run on this many CPU devices instead of the accelerators. ``None``
             reads the ``XLAFIT_SIMULATE_DEVICES`` environment variable.
         cpu_fast_paths: hand the ``ynn_fusion`` operations of CPU programs to YNNPACK (adds
-            :data:`YNN_FUSION_FLAG` to ``XLA_FLAGS``, unless it is set there already).
+            :data:`YNN_FUSION_FLAG` to ``XLA_FLAGS`` when the run is on the CPU, unless it
+            is set there already).
         ynn_fusion: a comma-separated subset of :data:`YNN_FUSION_TYPES`.
         cpu_keep_memory: when the run is on the CPU (simulated devices, ``JAX_PLATFORMS=cpu``,
             or a host without GPU/TPU device files), keep freed host memory for reuse
@@ -324,8 +325,9 @@ def configure(
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", simulate)
     flags = os.environ.get("XLA_FLAGS", "")
-    if cpu_fast_paths and YNN_FUSION_FLAG not in flags:
-        # Other backends ignore xla_cpu_* flags, so this is safe on TPU/GPU hosts too.
+    if cpu_fast_paths and on_cpu and YNN_FUSION_FLAG not in flags:
+        # Only where the run is on the CPU: an accelerator's jaxlib may be another XLA
+        # build, one that rejects a flag it does not know.
         os.environ["XLA_FLAGS"] = f"{flags} {YNN_FUSION_FLAG}={','.join(types)}".strip()
 
 

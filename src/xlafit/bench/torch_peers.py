@@ -64,10 +64,21 @@ def run_mnist(
     return _timed_training(loss_of, opt, images, labels, batch=batch, warmup=warmup, steps=steps, compile=compile)
 
 
+def normalise_pixels(x: Any, mean: tuple[float, ...], std: tuple[float, ...]) -> Any:
+    """``uint8 [B, C, H, W]`` pixels -> float32 ``(x / 255 - mean) / std`` per channel, on
+    ``x``'s device: what :class:`xlafit.recipes.resnet.ImageClassifier` does first."""
+    import torch
+
+    shape = (1, -1, 1, 1)
+    m, s = (torch.tensor(v, device=x.device).reshape(shape) for v in (mean, std))
+    return (x.float() * (1.0 / 255.0) - m) / s
+
+
 def run_resnet(
     images: np.ndarray,
     labels: np.ndarray,
     hf_config: dict[str, Any],
+    normalisation: tuple[tuple[float, ...], tuple[float, ...]],
     *,
     batch: int,
     warmup: int,
@@ -79,7 +90,9 @@ def run_resnet(
     same sizes as the xlafit model) in channels-last memory format, with the xlafit rows'
     optimizer: SGD, Nesterov momentum 0.9, learning rate 0.1, weight decay 5e-5 on the
     convolution and classifier weights only. ``dtype="bfloat16"``: the forward and backward
-    under ``torch.autocast`` (bf16 compute, float32 weights), as xlafit's bf16 rows."""
+    under ``torch.autocast`` (bf16 compute, float32 weights), as xlafit's bf16 rows.
+    ``uint8`` images are scaled to [0, 1] and normalised with ``normalisation`` (mean, std)
+    on the device first, as the xlafit rows do."""
     import torch
     import torch.nn.functional as F
     import transformers
@@ -103,6 +116,8 @@ def run_resnet(
     model.train()
 
     def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.uint8:
+            x = normalise_pixels(x, *normalisation)
         with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
             logits = forward(pixel_values=x.contiguous(memory_format=torch.channels_last)).logits
         return F.cross_entropy(logits.float(), y)
