@@ -156,7 +156,6 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
     if spec.recipe == "resnet":
         from xlafit.models.resnet import ResNet
         from xlafit.models.resnet import train_flops_per_example as resnet_flops
-
         from xlafit.recipes.resnet import NORMALISATION, ImageClassifier
 
         train = resnet_data(spec)
