@@ -3,12 +3,13 @@
 # per training image: train_flops_per_example), against Hugging Face's
 # ResNetForImageClassification in PyTorch eager (channels-last, bf16 autocast) and
 # torch.compile, the same batch, optimizer (Nesterov SGD) and synthetic images.
-#   OUT=results bash benchmarks/gpu_resnet.sh          # all four parts below (not yet timed on an H100)
+#   OUT=results bash benchmarks/gpu_resnet.sh          # all four parts below (about 9 minutes on an H200)
 #   TINY=1 bash benchmarks/gpu_resnet.sh               # the rehearsal on a CPU (ResNet-18, width 8, 32 px)
 #   PARTS="2 3" OUT=results bash benchmarks/gpu_resnet.sh   # only some of the parts
 # On the lent GPU machine (its image has JAX with the CUDA plugin, flax, optax, orbax, torch
 # and transformers; grain, simplejpeg and tensorboardX are not needed for synthetic images,
-# which a CPU rehearsal with those three imports blocked confirmed), from the repository root:
+# which a CPU rehearsal with those three imports blocked confirmed), from the repository root
+# (results of 2026-11-26 on an H100 and an H200: BENCHMARKS.md, benchmarks/results/gpu-2026-11-26):
 #   PYTHONPATH=src XLAFIT="python3 -m xlafit" OUT=$OUT bash benchmarks/gpu_resnet.sh
 # One device call runs at most 10 minutes, and a session may have 15 minutes of device time
 # in all: run part 1 (issue 18's numbers) in a call of its own first (PARTS=1), then "2 3 4".
