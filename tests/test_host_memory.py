@@ -72,3 +72,32 @@ def test_page_faults_and_peak_memory_count_fresh_pages():
     assert page_faults_since(None) is None
     assert peak_rss_bytes() >= size
     block.close()
+
+
+def test_inline_dispatch_returns_each_call_done():
+    """``run.cpu_async_dispatch=false`` (the ResNet recipe's): a one-device CPU call returns
+    when it is done, its temporaries freed, so calls never overlap and the heap keeps one copy."""
+    probe = textwrap.dedent(
+        """
+        import sys
+        import jax, jax.numpy as jnp
+        import xlafit
+        xlafit.connect(1, cpu_async_dispatch=sys.argv[1] == "async")
+        x, w = jnp.ones((2048, 1024)), jnp.ones((1024, 8192))
+        f = jax.jit(lambda x, w: (x @ w).sum())
+        jax.block_until_ready(f(x, w))
+        outs = [f(x, w) for _ in range(8)]
+        print(outs[0].is_ready())
+        """
+    )
+    ready = {
+        mode: subprocess.run(
+            [sys.executable, "-c", probe, mode], capture_output=True, text=True, timeout=120, check=True
+        ).stdout.split()[-1]
+        for mode in ("inline", "async")
+    }
+    assert ready == {"inline": "True", "async": "False"}, ready
+    from xlafit.recipes import load_config
+
+    assert load_config("resnet").run.cpu_async_dispatch is False
+    assert load_config("mnist").run.cpu_async_dispatch is True

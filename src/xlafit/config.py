@@ -161,6 +161,10 @@ class RunConfig:
     # On the CPU, keep freed host memory for reuse: XLA:CPU's per-call temporaries are otherwise
     # page-faulted in afresh every step (ResNet-50: 1 s of kernel time per step; xlafit.host_memory).
     cpu_keep_memory: bool = True
+    # On the CPU, dispatch one-device programs asynchronously (JAX's default). false runs each
+    # call inline and frees its temporaries before the next starts: ResNet-50 on one CPU
+    # device holds one block of them instead of growing to 2-4 (its recipe sets false).
+    cpu_async_dispatch: bool = True
 
 
 @dataclasses.dataclass

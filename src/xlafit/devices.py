@@ -275,6 +275,7 @@ def configure(
     cpu_fast_paths: bool = True,
     ynn_fusion: str = DEFAULT_YNN_FUSION,
     cpu_keep_memory: bool = True,
+    cpu_async_dispatch: bool = True,
 ) -> None:
     """Sets platform options; must run before JAX starts its backends.
 
@@ -289,6 +290,11 @@ def configure(
             or a host without GPU/TPU device files), keep freed host memory for reuse
             instead of page-faulting every call's temporaries in afresh
             (:mod:`xlafit.host_memory`).
+        cpu_async_dispatch: when the run is on the CPU, ``False`` runs each one-device call
+            inline (``jax_cpu_enable_async_dispatch``): the call returns when it is done and its
+            temporaries are freed, so the next call reuses them instead of the heap growing by
+            another block while two calls overlap. Programs over several devices stay
+            asynchronous either way.
     """
     types = [t.strip() for t in ynn_fusion.split(",") if t.strip()]
     unknown = [t for t in types if t not in YNN_FUSION_TYPES]
@@ -321,6 +327,8 @@ def configure(
     on_cpu = simulate is not None or platforms.split(",")[0] == "cpu" or (not platforms and not accelerator_present())
     if cpu_keep_memory and on_cpu:
         keep_freed_memory()
+    if on_cpu and not cpu_async_dispatch:
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
     if simulate is not None:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", simulate)
@@ -496,6 +504,7 @@ def connect(
     cpu_fast_paths: bool = True,
     ynn_fusion: str = DEFAULT_YNN_FUSION,
     cpu_keep_memory: bool = True,
+    cpu_async_dispatch: bool = True,
     cluster: Cluster | None = None,
     mesh: tuple[int, int, int] = (-1, 1, 1),
     rules: Mapping[str, str | None] | None = None,
@@ -508,7 +517,7 @@ def connect(
     Args:
         simulate: use this many simulated CPU devices (per process; rehearse an 8-core TPU
             with 8).
-        cpu_fast_paths, ynn_fusion, cpu_keep_memory: see :func:`configure`.
+        cpu_fast_paths, ynn_fusion, cpu_keep_memory, cpu_async_dispatch: see :func:`configure`.
         cluster: join this job; default: :meth:`Cluster.from_env`.
         mesh: sizes of ``(data, fsdp, tensor)``, one of them may be -1 (see :func:`make_mesh`);
             the default is pure data parallelism.
@@ -528,7 +537,13 @@ def connect(
         mesh: data=1 fsdp=4 tensor=2 -> parameters and optimizer state split over fsdp, tensor-parallel ... (4 shards)
     """
     started = _backend_started()
-    configure(simulate, cpu_fast_paths=cpu_fast_paths, ynn_fusion=ynn_fusion, cpu_keep_memory=cpu_keep_memory)
+    configure(
+        simulate,
+        cpu_fast_paths=cpu_fast_paths,
+        ynn_fusion=ynn_fusion,
+        cpu_keep_memory=cpu_keep_memory,
+        cpu_async_dispatch=cpu_async_dispatch,
+    )
     cluster = cluster or Cluster.from_env()
     if cluster is not None and not started and not jax.distributed.is_initialized():
         _join(cluster)

@@ -75,6 +75,7 @@ def train_and_evaluate(cfg: Config) -> FitResult:
             cpu_fast_paths=cfg.run.xla_cpu_fast_paths,
             ynn_fusion=cfg.run.xla_cpu_ynn_fusion,
             cpu_keep_memory=cfg.run.cpu_keep_memory,
+            cpu_async_dispatch=cfg.run.cpu_async_dispatch,
             mesh=cfg.mesh.sizes,
             rules=parse_rules(cfg.mesh.rules),
         )

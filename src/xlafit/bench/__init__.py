@@ -305,7 +305,9 @@ def run_bench(
     return {
         "recipe": recipe,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": "xlafit " + " ".join(sys.argv[1:]) if sys.argv[0].endswith(("xlafit", "xlafit/__main__.py")) else None,
+        "command": "xlafit " + " ".join(sys.argv[1:])
+        if sys.argv[0].endswith(("xlafit", "xlafit/__main__.py"))
+        else None,
         "machine": {
             "platform": probe["platform"],
             "device_kind": probe["device_kind"],

@@ -147,9 +147,12 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
     from xlafit.config import TrainerConfig
     from xlafit.data.loader import TrainOrder
     from xlafit.models.cnn import MnistCNN, train_flops_per_example
+    from xlafit.recipes import load_config
     from xlafit.recipes import mnist as recipe
 
-    everything = xlafit.connect()
+    # As the recipe runs: ResNet dispatches one-device CPU calls inline (run.cpu_async_dispatch).
+    dispatch = load_config("resnet").run.cpu_async_dispatch if spec.recipe == "resnet" else True
+    everything = xlafit.connect(cpu_async_dispatch=dispatch)
     if spec.devices > everything.num_replicas:
         raise SystemExit(f"{spec.devices} devices asked for, {everything.num_replicas} present")
     strategy = xlafit.Strategy(Mesh(everything.mesh.devices.flatten()[: spec.devices], ("data",)))
