@@ -18,13 +18,15 @@ the temporaries: a call's block can still be held when the next call starts, and
 blocks split a freed one, so now and then a call finds no free block big enough and the heap
 grows by a whole block, faulted in once. ResNet-50 at batch 8 holds 1.65 GB after its first
 step, 2.4-3.2 GB after 100 steps, 4.65 GB once after 45 (BENCHMARKS.md, eleventh
-session). Running one-device calls inline (``run.cpu_async_dispatch=false``, the ResNet
-recipe's setting) frees each call's block before the next call starts: ResNet-50 then peaks
-at 2.2 GiB. It changes no result. The setting must come before the threads that allocate
+session). It changes no result. The setting must come before the threads that allocate
 exist, so :func:`xlafit.devices.configure` applies it before JAX starts its backends, and
 only when the run is on the CPU (``run.cpu_keep_memory``). ``GLIBC_TUNABLES`` (read when a
 process starts) does the same for any process, e.g.
 ``glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776``.
+
+Running one-device calls inline (``run.cpu_async_dispatch=false``, the ResNet recipe's
+setting, also applied in ``configure``) frees each call's block before the next call starts:
+ResNet-50 at batch 8 then peaks at 2.2 GiB.
 """
 
 from __future__ import annotations

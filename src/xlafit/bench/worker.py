@@ -150,9 +150,8 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
     from xlafit.recipes import load_config
     from xlafit.recipes import mnist as recipe
 
-    # As the recipe runs: ResNet dispatches one-device CPU calls inline (run.cpu_async_dispatch).
-    dispatch = load_config("resnet").run.cpu_async_dispatch if spec.recipe == "resnet" else True
-    everything = xlafit.connect(cpu_async_dispatch=dispatch)
+    # Dispatched as the recipe runs (ResNet: one-device CPU calls inline, run.cpu_async_dispatch).
+    everything = xlafit.connect(cpu_async_dispatch=load_config(spec.recipe).run.cpu_async_dispatch)
     if spec.devices > everything.num_replicas:
         raise SystemExit(f"{spec.devices} devices asked for, {everything.num_replicas} present")
     strategy = xlafit.Strategy(Mesh(everything.mesh.devices.flatten()[: spec.devices], ("data",)))
