@@ -214,8 +214,8 @@ def main() -> None:
         worker(args)
         return
 
-    from xlafit.bench.peaks import peak_flops
     from xlafit.models.bert import BertConfig
+    from xlafit.platform.hardware import peak_flops
 
     rows = args.rows.split(",")
     runs: dict[str, list[dict]] = {r: [] for r in rows}

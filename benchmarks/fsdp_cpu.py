@@ -30,8 +30,8 @@ import xlafit  # noqa: E402
 from xlafit.config import TrainerConfig  # noqa: E402
 from xlafit.data import mlm  # noqa: E402
 from xlafit.models.bert import BertConfig, BertForMaskedLM  # noqa: E402
+from xlafit.parallel.sharding import bytes_per_device  # noqa: E402
 from xlafit.recipes import bert as recipe  # noqa: E402
-from xlafit.sharding import bytes_per_device  # noqa: E402
 
 LAYOUTS = {
     "DP 8": ((8, 1, 1), "none"),

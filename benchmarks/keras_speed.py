@@ -34,8 +34,8 @@ from jax.sharding import Mesh  # noqa: E402
 
 from xlafit.config import TrainerConfig  # noqa: E402
 from xlafit.data import mnist  # noqa: E402
-from xlafit.devices import Strategy  # noqa: E402
-from xlafit.keras_models import KerasLoss, optax_from_keras  # noqa: E402
+from xlafit.integrations.keras import KerasLoss, optax_from_keras  # noqa: E402
+from xlafit.parallel.mesh import Strategy  # noqa: E402
 
 
 def keras_cnn(seed: int = 0) -> keras.Model:

@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import torch.nn.functional as F
+from xlafit.native import onednn
 
 import xlafit
-from xlafit.native import onednn
 
 BATCH = int(sys.argv[1]) if len(sys.argv) > 1 else 8
 REPEATS = int(sys.argv[2]) if len(sys.argv) > 2 else 10

@@ -18,7 +18,7 @@ def strategy1(strategy8):
     import numpy as np
     from jax.sharding import Mesh
 
-    from xlafit.devices import Strategy
+    from xlafit.parallel.mesh import Strategy
 
     return Strategy(Mesh(np.array(jax.devices()[:1]), ("data",)))
 

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from xlafit.native import onednn
 
 from xlafit.models.resnet import ResNet, max_pool_3x3_stride2
-from xlafit.native import onednn
 
 NHWC = ("NHWC", "HWIO", "NHWC")
 rng = np.random.default_rng(0)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from xlafit.bench import model_flops, summarize, whiskers
-from xlafit.bench.peaks import table_peak
 from xlafit.models.cnn import train_flops_per_example
+from xlafit.platform.hardware import table_peak
 
 
 def bench(*args, timeout=600):

@@ -9,8 +9,9 @@ import pytest
 from flax import nnx
 
 from helpers import hf_logits
+from xlafit.errors import HFFormatError
+from xlafit.hf.bert import from_hf, save_hf, to_hf_state
 from xlafit.models.bert import BertConfig, BertForMaskedLM
-from xlafit.models.bert_hf import HFFormatError, load_hf, save_hf, to_hf_state
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -81,7 +82,7 @@ def test_hf_round_trip_is_exact_and_loads_without_missing_keys(tmp_path):
     cfg = BertConfig.preset("tiny", vocab_size=300, max_position_embeddings=64)
     model = BertForMaskedLM(cfg, rngs=nnx.Rngs(0))
     save_hf(model, tmp_path)
-    back = load_hf(tmp_path)
+    back = from_hf(tmp_path)
     a, b = nnx.state(model, nnx.Param), nnx.state(back, nnx.Param)
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
     _, info = transformers.BertForMaskedLM.from_pretrained(tmp_path, output_loading_info=True)
@@ -89,7 +90,7 @@ def test_hf_round_trip_is_exact_and_loads_without_missing_keys(tmp_path):
     # and HF -> xlafit: weights that HF initialised itself
     hf = transformers.BertForMaskedLM(transformers.BertConfig(**json.loads((tmp_path / "config.json").read_text())))
     hf.save_pretrained(tmp_path / "hf")
-    imported = BertForMaskedLM.from_hf(tmp_path / "hf")
+    imported = from_hf(tmp_path / "hf")
     state = to_hf_state(imported)
     for name, tensor in hf.state_dict().items():
         if name in state:
@@ -111,7 +112,7 @@ def test_from_hf_logits_equal_the_checkpoint_in_eval_mode(tmp_path):
     mask[3, :4] = 0  # left padding
     mask[0, 8:10] = 0  # a hole in the middle
     types[0, -2:] = 2
-    model = BertForMaskedLM.from_hf(tmp_path)
+    model = from_hf(tmp_path)
     ours = [np.asarray(model(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(types))) for _ in range(2)]
     np.testing.assert_array_equal(ours[0], ours[1])  # no dropout
     np.testing.assert_allclose(ours[0], hf_logits(tmp_path, ids, mask, types), atol=1e-4, rtol=0)
@@ -119,15 +120,15 @@ def test_from_hf_logits_equal_the_checkpoint_in_eval_mode(tmp_path):
 
 def test_from_hf_names_the_problem(tmp_path):
     with pytest.raises(HFFormatError, match="no config.json"):
-        load_hf(tmp_path)
+        from_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(HFFormatError, match="not BERT"):
-        load_hf(tmp_path)
+        from_hf(tmp_path)
     save_hf(BertForMaskedLM(BertConfig.preset("tiny", vocab_size=100), rngs=nnx.Rngs(0)), tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": 64, "num_attention_heads": 2}))
     with pytest.raises(HFFormatError, match=r"word_embeddings.weight has shape \(100, 128\), expected \(100, 64\)"):
-        load_hf(tmp_path)
+        from_hf(tmp_path)
     untied = transformers.BertForMaskedLM(
         transformers.BertConfig(
             vocab_size=100,
@@ -140,4 +141,4 @@ def test_from_hf_names_the_problem(tmp_path):
     )
     untied.save_pretrained(tmp_path / "untied")
     with pytest.raises(HFFormatError, match="tie_word_embeddings=false"):
-        load_hf(tmp_path / "untied")
+        from_hf(tmp_path / "untied")

@@ -25,7 +25,7 @@ def test_demo_corpus_is_built_once_into_the_cache(tmp_path, monkeypatch, capsys)
 
 def test_sequence_length_and_vocabulary_come_from_the_data():
     from helpers import mlm_dataset
-    from xlafit.config import ConfigError
+    from xlafit.errors import ConfigError
 
     data = mlm_dataset(n=40, t=64, vocab=1000)
     data.location = "prepared/mlm"

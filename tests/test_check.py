@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from xlafit.check import check_file
-from xlafit.config import ConfigError
+from xlafit.errors import ConfigError
 
 CASES = Path(__file__).parent / "check_cases"
 

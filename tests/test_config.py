@@ -1,6 +1,7 @@
 import pytest
 
-from xlafit.config import ConfigError, DataConfig, parse_overrides, resolve_batch
+from xlafit.config import DataConfig, parse_overrides, resolve_batch
+from xlafit.errors import ConfigError
 from xlafit.recipes import load_config
 
 

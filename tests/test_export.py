@@ -11,7 +11,7 @@ import pytest
 
 from helpers import hf_logits
 from xlafit.data.text import korean_demo_files
-from xlafit.models.bert import BertForMaskedLM
+from xlafit.hf import bert as bert_hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -68,7 +68,7 @@ def test_cli_tokenizer_data_train_export(tmp_path):
     out = xlafit_cli("export", "hf", str(run_dir), "--out", str(tmp_path / "hf"))
     assert out.returncode == 0, out.stderr
     # the exported model: same logits in PyTorch as the checkpoint in xlafit
-    model = BertForMaskedLM.from_hf(tmp_path / "hf")
+    model = bert_hf.from_hf(tmp_path / "hf")
     model.eval()
     auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     enc = auto(["대한민국 헌법 제1조", "국회의원 선거"], padding=True, return_tensors="np")

@@ -19,11 +19,12 @@ import time
 import numpy as np
 import pytest
 
-from xlafit.checkpoint import Checkpointer, CheckpointError, fingerprint
+from xlafit.checkpoint import Checkpointer, fingerprint
 from xlafit.cli import main
-from xlafit.config import ConfigError
 from xlafit.data import mnist
-from xlafit.paths import as_path, filesystem
+from xlafit.errors import CheckpointError, ConfigError
+from xlafit.hf import bert as bert_hf
+from xlafit.io.paths import as_path, filesystem
 from xlafit.recipes import load_config
 from xlafit.run import start_run_dir
 
@@ -34,7 +35,7 @@ STRESS = os.environ.get("XLAFIT_STRESS") == "1"  # longer variants: more kills, 
 def env(gcs, tmp_path):
     """A subprocess's environment: the server's settings, the split cache in ``tmp_path`` and
     the user's JAX compilation cache (programs other runs compiled load instead)."""
-    from xlafit.cache import cache_dir
+    from xlafit.io.cache import cache_dir
 
     base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     return (
@@ -155,9 +156,8 @@ def test_mlm_pipeline_on_gcs_tokenizer_shards_train_kill_resume_export(gcs, tmp_
     from xlafit.data.mlm import prepare
     from xlafit.data.text import expand_inputs, korean_demo_files
     from xlafit.data.tokenizer import train_tokenizer
-    from xlafit.export import export_hf
-    from xlafit.models.bert import BertForMaskedLM
-    from xlafit.paths import download_dir
+    from xlafit.hf.export import export_hf
+    from xlafit.io.paths import download_dir
 
     b = gcs.bucket
     t0 = time.monotonic()
@@ -195,7 +195,7 @@ def test_mlm_pipeline_on_gcs_tokenizer_shards_train_kill_resume_export(gcs, tmp_
     assert {"config.json", "model.safetensors", "tokenizer.json", "xlafit-config.yaml"} <= {
         p.name for p in local.iterdir()
     }
-    exported = fingerprint(nnx.state(BertForMaskedLM.from_hf(local), nnx.Param))
+    exported = fingerprint(nnx.state(bert_hf.from_hf(local), nnx.Param))
     assert exported == inspect_json(run)[1]["fingerprint"]["sha256"]
     print(f"export: {time.monotonic() - t0:.1f}s")
 
@@ -414,9 +414,9 @@ def test_read_only_bucket_is_named_and_the_checkpoints_stay_readable(gcs, monkey
         assert step == 3 and restored["params"]["w"].tolist() == list(range(8))
         assert inspect_json(run)[1]["fingerprint"]["step"] == 3
         # `xlafit data mlm --out` into the same bucket: the 403 named with the fix, no traceback
-        from xlafit.data.dataset import DataError
         from xlafit.data.mlm import prepare
         from xlafit.data.text import korean_demo_files
+        from xlafit.errors import DataError
 
         with pytest.raises(DataError, match=f"writing the MLM shards failed: permission denied .*{gcs.bucket}/mlm"):
             prepare(korean_tokenizer, korean_demo_files()[:1], f"{gcs.bucket}/mlm", seq_len=32, show_progress=False)
@@ -427,9 +427,9 @@ def test_read_only_bucket_is_named_and_the_checkpoints_stay_readable(gcs, monkey
 
 def test_image_shards_in_a_bucket_are_not_replaced_without_overwrite(gcs, tmp_path, monkeypatch):
     from tests.test_images import write_folder
-    from xlafit.data.dataset import DataError
     from xlafit.data.images import load_split, prepare
-    from xlafit.paths import filesystem
+    from xlafit.errors import DataError
+    from xlafit.io.paths import filesystem
 
     monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
     out = f"{gcs.bucket}/images"
@@ -451,8 +451,8 @@ def test_image_shards_that_cannot_be_read_are_named_with_the_fix(gcs, tmp_path, 
     import gcsfs.retry
 
     from tests.test_images import write_folder
-    from xlafit.data.dataset import DataError
     from xlafit.data.images import load_split, prepare
+    from xlafit.errors import DataError
 
     monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(gcsfs.retry, "is_retriable", lambda e: False)  # else minutes of retries

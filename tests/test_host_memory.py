@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from xlafit.host_memory import keep_freed_memory, page_faults, page_faults_since, peak_rss_bytes
+from xlafit.platform.cpu import keep_freed_memory, page_faults, page_faults_since, peak_rss_bytes
 
 # A program with a 64 MB temporary (the product, read by two reductions), called 24 times
 # after a warm-up; prints the minor page faults of each call. 64 MB of fresh pages is
@@ -20,7 +20,7 @@ PROBE = textwrap.dedent(
     import sys
     import jax, jax.numpy as jnp
     import xlafit
-    from xlafit.host_memory import page_faults, page_faults_since
+    from xlafit.platform.cpu import page_faults, page_faults_since
     xlafit.connect(1, cpu_keep_memory=sys.argv[1] == "keep")
     x, w = jnp.ones((2048, 1024)), jnp.ones((1024, 8192))
     f = jax.jit(lambda x, w: (lambda y: (y.sum(), y.max()))(x @ w))

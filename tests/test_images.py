@@ -14,10 +14,11 @@ import pytest
 from PIL import Image
 
 from xlafit.cli import main
-from xlafit.data.dataset import DataError, StreamedDataset
+from xlafit.data.dataset import StreamedDataset
 from xlafit.data.images import Augment, ImageDataset, SyntheticImages, find_images, load_split, prepare
 from xlafit.data.images.cache import ImageSplit
 from xlafit.data.loader import TakeRequests, TrainOrder, eval_batches
+from xlafit.errors import DataError
 
 
 def write_folder(root: Path, classes=("cat", "dog", "eel"), per_class=6, seed=0) -> Path:

@@ -1,4 +1,4 @@
-"""Keras 3 models in xlafit.Trainer (src/xlafit/keras_models.py): the same evaluation as
+"""Keras 3 models in xlafit.Trainer (src/xlafit/integrations/keras.py): the same evaluation as
 Keras' own fit, 8 devices equal to 1, exact evaluation, bit-exact resume, the trained values
 back in the Keras model, and the errors for what does not carry over."""
 
@@ -16,8 +16,9 @@ import optax  # noqa: E402
 import pytest  # noqa: E402
 
 import xlafit  # noqa: E402
-from xlafit.config import ConfigError, TrainerConfig  # noqa: E402
-from xlafit.keras_models import KerasLoss, KerasModule, fit, optax_from_keras  # noqa: E402
+from xlafit.config import TrainerConfig  # noqa: E402
+from xlafit.errors import ConfigError
+from xlafit.integrations.keras import KerasLoss, KerasModule, fit, optax_from_keras  # noqa: E402
 
 # Keras' layers broadcast biases by rank promotion, which the suite's strict setting forbids;
 # Keras' own fit/evaluate/predict run under this (xlafit's adapter sets it for its calls).
@@ -188,7 +189,7 @@ def test_keras_features_that_do_not_carry_over_name_the_xlafit_way(strategy8, kw
 
 def test_another_keras_backend_is_refused_with_the_fix(tmp_path):
     code = (
-        "import keras\nfrom xlafit.keras_models import KerasModule\nfrom xlafit.config import ConfigError\n"
+        "import keras\nfrom xlafit.integrations.keras import KerasModule\nfrom xlafit.config import ConfigError\n"
         "try:\n    KerasModule(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))\n"
         "except ConfigError as e:\n    print(e)\n"
     )
@@ -231,7 +232,7 @@ import xlafit
 from test_keras import LOSS, build, data
 from xlafit.checkpoint import fingerprint
 from xlafit.config import TrainerConfig
-from xlafit.keras_models import KerasLoss
+from xlafit.integrations.keras import KerasLoss
 
 run_dir, kill_after, seed = Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 x, y = data(512, 0)

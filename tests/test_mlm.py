@@ -12,8 +12,8 @@ import pytest
 
 from helpers import mlm_dataset
 from xlafit.data import mlm
-from xlafit.data.dataset import DataError
 from xlafit.data.text import korean_demo_files
+from xlafit.errors import DataError
 
 
 @pytest.mark.parametrize("packing", ["sentences", "pairs"])

@@ -18,7 +18,7 @@ from flax import nnx
 
 from xlafit.checkpoint import Checkpointer
 from xlafit.data import mnist
-from xlafit.launch import free_port
+from xlafit.parallel.launch import free_port
 from xlafit.recipes import get_recipe, load_config
 from xlafit.train.optim import make_optimizer
 

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from xlafit.native import onednn
 
 from xlafit.models.resnet import ResNet
-from xlafit.native import onednn
 
 
 def test_one_device_checks():

@@ -170,7 +170,7 @@ def test_resnet_masks_leave_out_biases_and_batch_norm():
 
 
 def test_a_run_records_warmup_epochs_as_steps(strategy1):
-    from xlafit.config import ConfigError
+    from xlafit.errors import ConfigError
     from xlafit.recipes import load_config
     from xlafit.run import resolve
 

@@ -22,12 +22,12 @@ from jax.sharding import Mesh
 
 import xlafit
 from helpers import cnn_trainer
-from xlafit.checkpoint import Checkpointer, CheckpointError, fingerprint
+from xlafit.checkpoint import Checkpointer, fingerprint
 from xlafit.config import TrainerConfig
 from xlafit.data import mnist
-from xlafit.devices import Strategy
+from xlafit.errors import CheckpointError, NonFiniteError
+from xlafit.parallel.mesh import Strategy
 from xlafit.recipes import mnist as mnist_recipe
-from xlafit.train.trainer import NonFiniteError
 
 XLAFIT = [sys.executable, "-m", "xlafit"]
 # The default suite interrupts 3 times and once (CI time); XLAFIT_KILL_LOOPS=20

@@ -180,7 +180,7 @@ def test_batch_norm_settings_the_batch_cannot_honour_are_refused_by_name(overrid
     silently with groups spanning devices; one dividing neither failed inside the traced
     model with a raw ValueError naming the global batch. bn=global with invariant chunks
     normalised each chunk alone, and with accumulation each micro-batch alone."""
-    from xlafit.config import ConfigError
+    from xlafit.errors import ConfigError
     from xlafit.recipes import load_config
     from xlafit.recipes.resnet import build_model, check_bn_group, from_data, load_data
 
@@ -208,7 +208,7 @@ def test_batch_norm_settings_the_batch_cannot_honour_are_refused_by_name(overrid
 def test_model_settings_are_refused_before_any_data_is_read(tmp_path, override, message):
     """A review found these errors raised after the data was loaded (ImageNet's first read
     copies and checks about 140 GB) and the run directory written."""
-    from xlafit.config import ConfigError
+    from xlafit.errors import ConfigError
     from xlafit.recipes import load_config
     from xlafit.run import train_and_evaluate
 
@@ -228,7 +228,7 @@ def test_an_exported_run_names_its_classes_and_prepares_images_as_its_evaluation
     from PIL import Image
 
     from xlafit.data.images import Augment
-    from xlafit.export import export_hf
+    from xlafit.hf.export import export_hf
     from xlafit.recipes import load_config
     from xlafit.run import train_and_evaluate
 
@@ -268,7 +268,7 @@ def test_data_with_no_evaluation_images_trains_without_evaluation(tmp_path, env)
 
 @pytest.mark.parametrize("size", ["0", "-5"])
 def test_an_image_size_below_one_is_refused_by_name(size):
-    from xlafit.config import ConfigError
+    from xlafit.errors import ConfigError
     from xlafit.recipes import load_config
     from xlafit.recipes.resnet import load_data
 

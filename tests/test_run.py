@@ -7,8 +7,9 @@ import yaml
 from flax import nnx
 
 import xlafit
-from xlafit.config import ConfigError, DataConfig, OptimizerConfig, TrainerConfig, resolve_batch
-from xlafit.data import DataError, as_dataset
+from xlafit.config import DataConfig, OptimizerConfig, TrainerConfig, resolve_batch
+from xlafit.data import as_dataset
+from xlafit.errors import ConfigError, DataError
 from xlafit.recipes import load_config
 from xlafit.run import check_continuation, describe_schedule, resolve
 from xlafit.train.optim import make_optimizer
@@ -154,7 +155,7 @@ def jax_leaves(result):
 
 
 def test_preempted_is_public_with_its_exit_code():
-    assert issubclass(xlafit.Preempted, Exception) and xlafit.exitcodes.PREEMPTED == 75
+    assert issubclass(xlafit.Preempted, Exception) and xlafit.errors.PREEMPTED == 75
 
 
 def test_one_name_per_concept():

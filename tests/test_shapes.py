@@ -11,7 +11,6 @@ from flax import nnx
 
 import xlafit
 from xlafit.config import TrainerConfig
-from xlafit.data.dataset import DataError
 from xlafit.data.shapes import (
     BucketedDataset,
     bucket_batches,
@@ -22,9 +21,9 @@ from xlafit.data.shapes import (
     plan_buckets,
     round_up,
 )
+from xlafit.errors import DataError, RecompileError
 from xlafit.models.bert import BertConfig, BertForMaskedLM
 from xlafit.train.losses import masked_mean
-from xlafit.train.step import RecompileError
 
 
 def test_planner_matches_brute_force():
@@ -182,7 +181,7 @@ def test_unplanned_recompile_stops_naming_the_input(strategy8):
 
 
 def test_compilation_cache_is_on(tmp_path, monkeypatch):
-    from xlafit.cache import enable_compilation_cache
+    from xlafit.io.cache import enable_compilation_cache
 
     monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path))
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)

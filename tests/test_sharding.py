@@ -1,4 +1,4 @@
-"""The named mesh, logical axes, FSDP and tensor parallelism (xlafit.sharding, devices.make_mesh).
+"""The named mesh, logical axes, FSDP and tensor parallelism (xlafit.parallel.sharding, devices.make_mesh).
 
 Equivalence is measured as each parameter's relative L2 distance ``|a - b| / |b|`` to pure
 data parallelism on the same 8 devices. The reference for "the same up to float rounding"
@@ -21,11 +21,12 @@ from flax import nnx
 import xlafit
 from helpers import mlm_dataset
 from xlafit.checkpoint import Checkpointer, fingerprint, path_name
-from xlafit.config import ConfigError, MeshConfig, TrainerConfig, validate_mesh
-from xlafit.devices import DeviceError, make_mesh
+from xlafit.config import MeshConfig, TrainerConfig, validate_mesh
+from xlafit.errors import ConfigError, DeviceError
 from xlafit.models.bert import BertConfig, BertForMaskedLM
+from xlafit.parallel.mesh import make_mesh
+from xlafit.parallel.sharding import bytes_per_device, default_spec, parse_rules, spec_for
 from xlafit.recipes import bert as recipe
-from xlafit.sharding import bytes_per_device, default_spec, parse_rules, spec_for
 
 STRESS = os.environ.get("XLAFIT_STRESS") == "1"  # the longer variants
 TINY = BertConfig(

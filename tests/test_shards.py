@@ -6,8 +6,8 @@ import hashlib
 import pytest
 
 from xlafit.data import images, mlm
-from xlafit.data.dataset import DataError
 from xlafit.data.shards import read_shard
+from xlafit.errors import DataError
 
 READERS = [(mlm.read_manifest, "xlafit data mlm --out"), (images.read_manifest, "xlafit data images --input DIR")]
 

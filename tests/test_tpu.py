@@ -15,11 +15,12 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from xlafit import tpu
 from xlafit.check import check_file, check_recipe
+from xlafit.check.tpu import Program, _needed_bytes, _no_persistent_cache, check_target, format_report
 from xlafit.cli import main
-from xlafit.config import ConfigError, TrainerConfig
-from xlafit.tpu_check import Program, _needed_bytes, _no_persistent_cache, check_target, format_report
+from xlafit.config import TrainerConfig
+from xlafit.errors import ConfigError
+from xlafit.platform import hardware as tpu
 
 CASES = Path(__file__).parent / "check_cases"
 
@@ -274,7 +275,7 @@ def test_a_slices_mesh_keeps_hosts_contiguous_and_tensor_groups_on_neighbouring_
     host's chips are one contiguous block of the batch axes, and every tensor group of 2 or 4
     is a 1x2 or 2x2 block of neighbouring chips (make_mesh's docstring says why it does not
     take mesh_utils' ring order)."""
-    from xlafit.tpu_check import _strategy
+    from xlafit.check.tpu import _strategy
 
     target = tpu.parse_target(name)
     for tensor in (2, 4):
@@ -380,7 +381,7 @@ def test_libtpus_start_up_errors_on_a_host_with_no_tpu_are_not_shown():
     import subprocess
     import sys
 
-    from xlafit.host_memory import TPU_DEVICES
+    from xlafit.platform.cpu import TPU_DEVICES
 
     if any(glob.glob(p) for p in TPU_DEVICES):
         pytest.skip("a TPU host: libtpu starts")
@@ -406,7 +407,7 @@ def test_inspect_shows_no_libtpu_start_up_errors_either(tmp_path):
     import numpy as np
 
     from xlafit.checkpoint import Checkpointer
-    from xlafit.host_memory import TPU_DEVICES
+    from xlafit.platform.cpu import TPU_DEVICES
 
     if any(glob.glob(p) for p in TPU_DEVICES):
         pytest.skip("a TPU host: libtpu starts")

@@ -10,8 +10,9 @@ import time
 
 import pytest
 
-from xlafit import exitcodes
-from xlafit.config import ConfigError, TrainerConfig, validate_watchdog
+from xlafit import errors
+from xlafit.config import TrainerConfig, validate_watchdog
+from xlafit.errors import ConfigError
 from xlafit.train.watchdog import STALL_ENV, Watchdog
 
 # A tiny job for `xlafit launch`: a linear model on random data, thousands of short steps.
@@ -47,7 +48,7 @@ try:
     trainer.fit(data)
 except xlafit.Preempted as e:
     print(e, flush=True)
-    sys.exit(xlafit.exitcodes.PREEMPTED)
+    sys.exit(xlafit.errors.PREEMPTED)
 finally:
     trainer.close()
 """
@@ -160,7 +161,7 @@ def test_a_stalled_peer_ends_the_job_with_stacks_from_both_and_75(tmp_path):
         job.kill()
     print(f"the job ended {elapsed:.1f}s after the stall (floor {FLOOR_S}s)")
     out0, out1 = job.output(0), job.output(1)
-    assert rc == exitcodes.PREEMPTED, out0[-3000:] + out1[-3000:]
+    assert rc == errors.PREEMPTED, out0[-3000:] + out1[-3000:]
     # Each process is gone by the limit (3s after its last call): measured 2.9-3.0s from the
     # stall to the launcher's report, which adds up to its 0.2s poll and the test's 0.05s.
     assert elapsed < FLOOR_S + 0.25, f"the job took {elapsed:.1f}s after the stall"

@@ -31,10 +31,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from xlafit.devices import is_prng_key
+from xlafit.errors import CheckpointError, StorageError
+from xlafit.io.paths import check_bucket, describe_error, files_under, is_url, move, refresh
 from xlafit.models.bert import qkv_from_matrix
-from xlafit.paths import StorageError, check_bucket, describe_error, files_under, is_url, move, refresh
-from xlafit.sharding import path_name
+from xlafit.parallel.mesh import is_prng_key
+from xlafit.parallel.sharding import path_name
 
 log = logging.getLogger("xlafit")
 
@@ -58,10 +59,6 @@ def older_layout(path: str, saved: tuple[int, ...], wanted: tuple[int, ...]) -> 
         return None
     name = path.removesuffix("/value")
     return next((convert for suffix, (_, convert) in RESHAPED.items() if name.endswith(suffix)), None)
-
-
-class CheckpointError(RuntimeError):
-    """No usable checkpoint, or one that cannot continue this run; the message says why."""
 
 
 def to_saveable(tree: Any) -> Any:

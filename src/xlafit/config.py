@@ -18,9 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A configuration a user wrote is invalid; the message says how to fix it."""
+from xlafit.errors import ConfigError
 
 
 @dataclasses.dataclass
@@ -127,7 +125,7 @@ class MeshConfig:
     optimizer state split over it (FSDP / ZeRO-3). ``tensor``: Megatron tensor parallelism
     (MLP units and attention heads split). One size may be -1: the devices left. Batches are
     split over ``data`` x ``fsdp``. The default, every device on ``data``, is pure data
-    parallelism. ``rules`` overrides the logical-axis table of :mod:`xlafit.sharding`:
+    parallelism. ``rules`` overrides the logical-axis table of :mod:`xlafit.parallel.sharding`:
     ``"embed=fsdp,vocab=null"``.
     """
 
@@ -159,7 +157,7 @@ class RunConfig:
     # MNIST CNN is fastest with dot,eltwise,reduce; BERT with dot (its recipe sets that).
     xla_cpu_ynn_fusion: str = "dot,eltwise,reduce"
     # On the CPU, keep freed host memory for reuse: XLA:CPU's per-call temporaries are otherwise
-    # page-faulted in afresh every step (ResNet-50: 1 s of kernel time per step; xlafit.host_memory).
+    # page-faulted in afresh every step (ResNet-50: 1 s of kernel time per step; xlafit.platform.cpu).
     cpu_keep_memory: bool = True
     # On the CPU, dispatch one-device programs asynchronously (JAX's default). false runs each
     # call inline and frees its temporaries before the next starts: ResNet-50 on one CPU

@@ -33,23 +33,15 @@ import yaml
 from etils import epath
 from flax import nnx
 
-from xlafit.config import Config, ConfigError, resolve_batch
+from xlafit.config import Config, resolve_batch
 from xlafit.data.dataset import as_dataset
-from xlafit.devices import Strategy, connect
-from xlafit.paths import (
-    StorageError,
-    as_path,
-    check_bucket,
-    dated_sibling,
-    describe_error,
-    is_url,
-    move,
-    refresh,
-    upload,
-)
+from xlafit.errors import ConfigError, StorageError
+from xlafit.io.paths import as_path, check_bucket, dated_sibling, describe_error, is_url, move, refresh, upload
+from xlafit.parallel.cluster import connect
+from xlafit.parallel.mesh import Strategy
+from xlafit.parallel.sharding import parse_rules
 from xlafit.recipes import get_recipe
 from xlafit.recipes.base import Recipe
-from xlafit.sharding import parse_rules
 from xlafit.train.optim import OptimizerPlan, highest_rate, make_optimizer, warmup_steps
 from xlafit.train.signals import handle_signals
 from xlafit.train.trainer import FitResult, Trainer

@@ -15,7 +15,7 @@ hits all alike, and the parts are reported apart:
 - wall time = step time + input wait, so time per epoch = steps per epoch x wall time per
   step, and examples/s = batch / wall time per step;
 - MFU: FLOPs per step (XLA's cost analysis, checked against the analytic count) / step
-  wall time / peak FLOP/s (:mod:`xlafit.bench.peaks`).
+  wall time / peak FLOP/s (:mod:`xlafit.platform.hardware`).
 
 Example:
     >>> result = run_bench("mnist", devices=["1"], steps=4, warmup=2, repeats=1)  # doctest: +SKIP
@@ -38,14 +38,10 @@ from typing import Any
 import numpy as np
 
 from xlafit.bench.worker import Spec
-from xlafit.config import ConfigError
+from xlafit.errors import BenchError, ConfigError
 
 BENCH_RECIPES = ("mnist", "resnet")
 PEERS = ("torch", "torch-compile")
-
-
-class BenchError(RuntimeError):
-    """A benchmark configuration failed; the message holds the end of its output."""
 
 
 def _worker_env(simulate: int | None) -> dict[str, str]:
@@ -167,7 +163,7 @@ def summarize(name: str, runs: list[dict[str, Any]], steps_per_epoch: int, batch
     per_run = [{"examples_per_s": batch / (r["wall_s"] / r["steps"])} for r in runs]
     compile_s = [r["compile_s"] for r in runs if r["compile_s"] is not None]
     # Page faults in the timed steps: a run far above the others grew its heap there (for
-    # XLA:CPU, by a whole block of temporaries: xlafit.host_memory) and is slower for it.
+    # XLA:CPU, by a whole block of temporaries: xlafit.platform.cpu) and is slower for it.
     faults = [r["page_faults"] / r["steps"] for r in runs if r.get("page_faults") is not None]
     peak_rss = [r["peak_rss_bytes"] for r in runs if r.get("peak_rss_bytes") is not None]
     return {

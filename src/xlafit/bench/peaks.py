@@ -82,7 +82,7 @@ def peak_flops(devices: list[jax.Device]) -> tuple[float, str]:
     found = table_peak(devices[0].device_kind)
     if found is None:
         raise LookupError(
-            f"no peak FLOP/s known for {devices[0].device_kind!r}; add it to xlafit.bench.peaks.PEAK_BF16_TFLOPS."
+            f"no peak FLOP/s known for {devices[0].device_kind!r}; add it to xlafit.platform.hardware.PEAK_BF16_TFLOPS."
         )
     per_device, source = found
     return per_device * len(devices), f"{len(devices)} x {source}"

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from xlafit.host_memory import page_faults, page_faults_since, peak_rss_bytes
+from xlafit.platform.cpu import page_faults, page_faults_since, peak_rss_bytes
 
 
 def mnist_net() -> Any:

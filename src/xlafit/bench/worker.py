@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from xlafit.host_memory import page_faults, page_faults_since, peak_rss_bytes
+from xlafit.platform.cpu import page_faults, page_faults_since, peak_rss_bytes
 
 
 @dataclasses.dataclass
@@ -123,7 +123,7 @@ def resnet_loss_fn(model: Any, batch: dict[str, Any]) -> Any:
 
 def run_probe() -> dict[str, Any]:
     import xlafit
-    from xlafit.bench.peaks import peak_flops
+    from xlafit.platform.hardware import peak_flops
 
     devices = list(xlafit.connect().mesh.devices.flat)
     peak, source = peak_flops(devices[:1])
@@ -270,7 +270,7 @@ def _abstract_batch(train: dict[str, np.ndarray], k: int, batch: int, strategy: 
 
 def run(spec: Spec) -> dict[str, Any]:
     if spec.framework in ("torch", "torch-compile"):
-        from xlafit.host_memory import accelerator_present, keep_freed_memory
+        from xlafit.platform.cpu import accelerator_present, keep_freed_memory
 
         # The xlafit rows run on a CPU with freed memory kept for reuse (xlafit.connect(),
         # run.cpu_keep_memory); the peer gets the same allocator, or the comparison times
@@ -284,8 +284,8 @@ def run(spec: Spec) -> dict[str, Any]:
         return run_xlafit(spec)
     if spec.framework in ("torch", "torch-compile") and spec.recipe == "resnet":
         from xlafit.bench.torch_peers import run_resnet
+        from xlafit.hf.resnet import hf_config
         from xlafit.models.resnet import train_flops_per_example as resnet_flops
-        from xlafit.models.resnet_hf import hf_config
         from xlafit.recipes.resnet import NORMALISATION
 
         train, net_cfg = resnet_data(spec), resnet_config(spec)
@@ -328,7 +328,7 @@ def main() -> None:
     with contextlib.redirect_stdout(io.StringIO()):
         result = run(spec)
     result["python"] = platform.python_version()
-    from xlafit.host_memory import keeping_freed_memory
+    from xlafit.platform.cpu import keeping_freed_memory
 
     result["cpu_keep_memory"] = keeping_freed_memory()
     print(json.dumps(result))

@@ -1,7 +1,8 @@
 """Data: the Dataset protocol, per-process batching, device prefetch, and readers."""
 
-from xlafit.data.dataset import ArrayDataset, DataError, Dataset, PlannedDataset, StreamedDataset, as_dataset
+from xlafit.data.dataset import ArrayDataset, Dataset, PlannedDataset, StreamedDataset, as_dataset
 from xlafit.data.loader import Prefetcher, TakeRequests, TrainOrder, eval_batches, to_global
+from xlafit.errors import DataError
 
 __all__ = [
     "ArrayDataset",

@@ -15,11 +15,9 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from xlafit.errors import DataError
+
 Batch = dict[str, np.ndarray]
-
-
-class DataError(ValueError):
-    """A data file is missing or malformed; the message names the file and the fix."""
 
 
 @runtime_checkable

@@ -11,10 +11,10 @@ import json
 import tempfile
 from pathlib import Path
 
-from xlafit.cache import cache_dir
 from xlafit.data import mlm
 from xlafit.data.text import korean_demo_files
 from xlafit.data.tokenizer import TRAINER_VERSION, train_tokenizer
+from xlafit.io.cache import cache_dir
 
 
 def build(*, vocab_size: int, seq_len: int, packing: mlm.Packing, eval_fraction: float, seed: int) -> str:

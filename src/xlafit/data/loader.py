@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from xlafit.data.dataset import Batch, Dataset, PlannedDataset, StreamedDataset
-from xlafit.devices import Strategy
+from xlafit.parallel.mesh import Strategy
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 from etils import epath
 
-from xlafit.data.dataset import DataError
-from xlafit.paths import as_path
+from xlafit.errors import DataError
+from xlafit.io.paths import as_path
 
 MEAN, STD = 0.1307, 0.3081
 

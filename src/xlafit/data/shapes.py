@@ -22,7 +22,7 @@ from typing import overload
 
 import numpy as np
 
-from xlafit.data.dataset import DataError
+from xlafit.errors import DataError
 
 
 @overload

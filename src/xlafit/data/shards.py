@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 import fsspec
 
-from xlafit.data.dataset import DataError
-from xlafit.paths import StorageError, check_bucket, describe_error, is_url
+from xlafit.errors import DataError, StorageError
+from xlafit.io.paths import check_bucket, describe_error, is_url
 
 if TYPE_CHECKING:
     import pyarrow as pa

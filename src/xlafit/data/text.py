@@ -16,7 +16,7 @@ from typing import Literal
 
 import fsspec
 
-from xlafit.data.dataset import DataError
+from xlafit.errors import DataError
 
 DocBoundary = Literal["blank", "file"]
 

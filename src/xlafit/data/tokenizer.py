@@ -24,9 +24,9 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from tqdm import tqdm
 
-from xlafit.data.dataset import DataError
 from xlafit.data.text import read_lines
-from xlafit.paths import as_path, describe_error, is_url, upload_dir
+from xlafit.errors import DataError
+from xlafit.io.paths import as_path, describe_error, is_url, upload_dir
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # ids 0..4, in this order
 PAD, UNK, CLS, SEP, MASK = range(len(SPECIAL_TOKENS))  # their ids in every vocabulary trained here

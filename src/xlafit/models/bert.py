@@ -2,7 +2,7 @@
 
 The same computation as Hugging Face's ``BertForMaskedLM`` (post-LayerNorm encoder, exact
 GELU, LayerNorm eps 1e-12, an MLM head tied to the word embeddings), so weights move both
-ways (:mod:`xlafit.models.bert_hf`) and logits agree to float rounding (tested to 1e-4).
+ways (:mod:`xlafit.hf.bert`) and logits agree to float rounding (tested to 1e-4).
 Two differences in layout, not in math: query, key and value are one matmul with a
 ``(3, hidden, hidden)`` kernel (one kernel launch instead of three, split by head under
 tensor parallelism), and the MLM head can run only at the
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from pathlib import Path
 from typing import Any, Literal
 
 import jax
@@ -30,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from xlafit.sharding import constrain, logical
+from xlafit.parallel.sharding import constrain, logical
 
 # Sizes of Google's BERT releases: the 24 "BERT miniatures" (Turc et al. 2019) name
 # tiny/mini/small/medium; base and large are the paper's.
@@ -384,19 +383,6 @@ class BertForMaskedLM(nnx.Module):
             jnp.zeros((cfg.vocab_size,), jnp.float32), out_sharding=("vocab",), eager_sharding=False
         )
         self.eval()
-
-    @classmethod
-    def from_hf(cls, directory: str | Path, rngs: nnx.Rngs | None = None, **overrides: Any) -> BertForMaskedLM:
-        """Imports a Hugging Face BERT checkpoint (``config.json`` + ``model.safetensors``),
-        e.g. to continue pretraining it. ``overrides`` change :class:`BertConfig` fields
-        that do not touch the weights (``dtype``, dropout, ``attention``).
-
-        Example:
-            >>> model = BertForMaskedLM.from_hf("exported/")  # doctest: +SKIP
-        """
-        from xlafit.models.bert_hf import load_hf
-
-        return load_hf(directory, rngs=rngs, **overrides)
 
     def encode(
         self,

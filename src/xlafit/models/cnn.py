@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
-from xlafit.sharding import logical
+from xlafit.parallel.sharding import logical
 
 # nnx.Conv's and nnx.Linear's own defaults, named so that logical() can wrap them.
 _DEFAULT_KERNEL = nnx.initializers.lecun_normal()
@@ -50,7 +50,7 @@ class MnistCNN(nnx.Module):
         rngs: nnx.Rngs,
     ) -> None:
         # dtype is the compute dtype ("bfloat16" or jnp.bfloat16); parameters stay float32 (param_dtype default).
-        # Logical axes (xlafit.sharding): FSDP splits output channels and fc1's 9216 inputs.
+        # Logical axes (xlafit.parallel.sharding): FSDP splits output channels and fc1's 9216 inputs.
         conv = lambda cin, cout: nnx.Conv(  # noqa: E731
             cin,
             cout,

@@ -43,7 +43,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from pathlib import Path
 from typing import Any, Literal
 
 import jax
@@ -51,10 +50,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
-from xlafit.native import onednn
-from xlafit.sharding import logical
+from xlafit.parallel.sharding import logical
 
-# Logical axes (xlafit.sharding) of a convolution kernel: FSDP splits its output channels.
+# Logical axes (xlafit.parallel.sharding) of a convolution kernel: FSDP splits its output channels.
 CONV_AXES = ("kernel_h", "kernel_w", "conv_in", "conv_out")
 
 # depth -> (bottleneck blocks?, blocks per stage): He et al. 2016, table 1.
@@ -367,7 +365,7 @@ class ConvBN(nnx.Module):
             padding=((pad, pad), (pad, pad)),
             use_bias=False,
             dtype=cfg.compute_dtype,
-            conv_general_dilated=onednn.conv_general_dilated if cfg.conv == "auto" else jax.lax.conv_general_dilated,
+            conv_general_dilated=jax.lax.conv_general_dilated,
             # He et al. 2015 with fan_out, as torchvision and Hugging Face initialise ResNets.
             kernel_init=logical(nnx.initializers.variance_scaling(2.0, "fan_out", "normal"), *CONV_AXES),
             rngs=rngs,
@@ -537,28 +535,11 @@ class ResNet(nnx.Module):
         self.head = classifier(cfg, rngs)
         self.eval()
 
-    @classmethod
-    def from_hf(cls, directory: str | Path, rngs: nnx.Rngs | None = None, **overrides: Any) -> ResNet:
-        """Imports a Hugging Face ``ResNetForImageClassification`` checkpoint (``config.json`` +
-        ``model.safetensors``, or its shards and index; the ``microsoft/resnet-50`` layout), e.g. to fine-tune it.
-        ``overrides`` are :class:`ResNetConfig` fields (``bn``, ``bn_group``, ``dtype``, or
-        ``num_classes`` for a new head); see :func:`xlafit.models.resnet_hf.from_hf`.
-
-        Example:
-            >>> model = ResNet.from_hf("resnet-50/", num_classes=10)  # doctest: +SKIP
-        """
-        from xlafit.models.resnet_hf import from_hf
-
-        return from_hf(directory, rngs=rngs, **overrides)
-
     def __call__(self, images: jax.Array) -> jax.Array:
         """Images ``[B, H, W, C]`` (normalised) -> float32 logits ``[B, num_classes]``."""
         x = self.stem(images.astype(self.cfg.compute_dtype), relu=True)
         if not self.cfg.small_stem:
-            if self.cfg.conv == "auto":  # oneDNN's pool goes with its convolutions
-                x = onednn.max_pool(x, 3, 2, 1, max_pool_3x3_stride2)  # (B, H/4, W/4, width)
-            else:
-                x = max_pool_3x3_stride2(x)
+            x = max_pool_3x3_stride2(x)
         for stage in self.stages:
             for block in stage:
                 x = block(x)

@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from xlafit.config import Config, ConfigError, build_config, load_yaml, parse_overrides
+from xlafit.config import Config, build_config, load_yaml, parse_overrides
+from xlafit.errors import ConfigError
 from xlafit.recipes.base import Recipe, Throughput
 
 RECIPES = ("mnist", "bert", "resnet")

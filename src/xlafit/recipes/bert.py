@@ -19,10 +19,12 @@ import optax
 from flax import nnx
 
 from xlafit import config as xconfig
-from xlafit.config import Config, ConfigError
+from xlafit.config import Config
 from xlafit.data import korean_demo, mlm
 from xlafit.data.text import read_lines
 from xlafit.data.tokenizer import CLS, SEP, SPECIAL_TOKENS, load_tokenizer
+from xlafit.errors import ConfigError
+from xlafit.hf import bert as bert_hf
 from xlafit.models.bert import PRESETS, BertConfig, BertForMaskedLM
 from xlafit.recipes.base import Recipe, Throughput
 from xlafit.train.losses import masked_accuracy, masked_mean
@@ -197,7 +199,7 @@ def save_artifacts(cfg: Config, run_dir: Path, train: mlm.MLMDataset) -> None:
 def build_model(cfg: Config, train: mlm.MLMDataset) -> BertForMaskedLM:
     bert = bert_config(cfg, train.vocab_size)
     if cfg.model.init_from_hf:
-        model = BertForMaskedLM.from_hf(
+        model = bert_hf.from_hf(
             cfg.model.init_from_hf,
             rngs=nnx.Rngs(params=cfg.trainer.seed, dropout=cfg.trainer.seed + 1),
             hidden_dropout=bert.hidden_dropout,

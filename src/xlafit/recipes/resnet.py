@@ -36,8 +36,9 @@ import optax
 from flax import nnx
 
 from xlafit import config as xconfig
-from xlafit.config import Config, ConfigError
+from xlafit.config import Config
 from xlafit.data.images import Augment, ImageDataset, SyntheticImages, load_split, mnist_demo
+from xlafit.errors import ConfigError
 from xlafit.models.resnet import ResNet, ResNetConfig, train_flops_per_example
 from xlafit.recipes.base import Recipe, Throughput
 

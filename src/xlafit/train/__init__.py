@@ -1,10 +1,11 @@
 """Training: the train state and pure steps, optimizer planning, and the trainer's loop."""
 
+from xlafit.errors import NonFiniteError, Preempted, RecompileError
 from xlafit.train import losses
 from xlafit.train.optim import OptimizerPlan, make_optimizer, make_schedule, scaled_lr
-from xlafit.train.signals import Preempted, handle_signals
-from xlafit.train.step import CompiledStep, RecompileError, TrainState
-from xlafit.train.trainer import Call, FitResult, NonFiniteError, Trainer
+from xlafit.train.signals import handle_signals
+from xlafit.train.step import CompiledStep, TrainState
+from xlafit.train.trainer import Call, FitResult, Trainer
 
 __all__ = [
     "Call",

@@ -20,7 +20,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from xlafit.paths import AnyPath, LocalCopy
+from xlafit.io.paths import AnyPath, LocalCopy
 
 
 class RunReport:

@@ -9,7 +9,7 @@ understands. A library user does the same::
     try:
         xlafit.train_and_evaluate(cfg)
     except xlafit.Preempted:
-        sys.exit(xlafit.exitcodes.PREEMPTED)   # 75; the next run resumes from the checkpoint
+        sys.exit(xlafit.errors.PREEMPTED)   # 75; the next run resumes from the checkpoint
 
 In a multi-process job (``jax.distributed``: ``xlafit launch``, the workers of a TPU slice)
 the platform's notice may reach one process only, and every process must save the same
@@ -40,22 +40,6 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # After this long without JAX's sync point, a process that got SIGTERM shares the request itself.
 NOTICE_GRACE_S = 10.0
 _calls = itertools.count()  # this process's calls of the sync point: the same sequence in every process
-
-
-class Preempted(Exception):
-    """Training stopped on SIGTERM/SIGINT at ``step``; ``where`` says what was saved.
-
-    Running the same command (or calling :func:`xlafit.train_and_evaluate` / ``Trainer.fit``
-    again with the same run directory) resumes from that checkpoint.
-    """
-
-    def __init__(self, step: int, signum: int, where: str, *, sync_point: bool = False) -> None:
-        self.step, self.signum = step, signum
-        how = " (at JAX's preemption sync point: the same step in every process)" if sync_point else ""
-        super().__init__(
-            f"{signal.Signals(signum).name} received: stopped at step {step}; {where}{how}. "
-            "Run the same command again to resume."
-        )
 
 
 class SignalGuard:

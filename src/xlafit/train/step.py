@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from xlafit.config import ConfigError, TrainerConfig
-from xlafit.devices import Strategy, is_prng_key
+from xlafit.config import TrainerConfig
+from xlafit.errors import ConfigError, RecompileError
+from xlafit.parallel.mesh import Strategy, is_prng_key
 
 log = logging.getLogger("xlafit")
 
@@ -57,7 +58,7 @@ def abstract_state(
     layout: Strategy | jax.sharding.Sharding,
 ) -> TrainState:
     """The :class:`TrainState` of these variables as ``ShapeDtypeStruct`` leaves laid out as
-    the strategy lays them (:meth:`~xlafit.devices.Strategy.shardings`), or all with one
+    the strategy lays them (:meth:`~xlafit.parallel.mesh.Strategy.shardings`), or all with one
     sharding: what compiling a step needs, with nothing allocated (``params`` may come from
     ``nnx.eval_shape``)."""
 
@@ -408,10 +409,6 @@ def _signature(tree: Any) -> tuple:
     return (str(treedef), tuple((jax.tree_util.keystr(p), tuple(x.shape), str(x.dtype)) for p, x in leaves))
 
 
-class RecompileError(RuntimeError):
-    """A step was about to compile more programs than allowed; the message names the input."""
-
-
 def _input_name(path: str) -> str:
     """``[0]['input_ids']`` (the first input's key) -> ``input_ids``; ``[1]`` -> ``input 1``."""
     parts = re.findall(r"\[['\"]?([^\]'\"]*)['\"]?\]", path)
@@ -576,8 +573,8 @@ def make_steps(
 
 
 def _with_activation_layout(fn: Callable, strategy: Strategy) -> Callable:
-    """``fn`` traced with :func:`xlafit.sharding.constrain` active on the strategy's mesh."""
-    from xlafit.sharding import DEFAULT_RULES, activation_layout
+    """``fn`` traced with :func:`xlafit.parallel.sharding.constrain` active on the strategy's mesh."""
+    from xlafit.parallel.sharding import DEFAULT_RULES, activation_layout
 
     rules = strategy.rules if strategy.rules is not None else DEFAULT_RULES
 

@@ -37,15 +37,17 @@ import optax
 from flax import nnx
 
 from xlafit.checkpoint import Checkpointer
-from xlafit.config import ConfigError, TrainerConfig, validate_watchdog
+from xlafit.config import TrainerConfig, validate_watchdog
 from xlafit.data.dataset import Batch, Dataset, StreamedDataset, as_dataset, num_shapes
 from xlafit.data.loader import Prefetcher, TakeRequests, TrainOrder, eval_batches, to_global
-from xlafit.devices import Strategy, connect
-from xlafit.host_memory import keeping_freed_memory
-from xlafit.paths import as_path
+from xlafit.errors import ConfigError, NonFiniteError, Preempted
+from xlafit.io.paths import as_path
+from xlafit.parallel.cluster import connect
+from xlafit.parallel.mesh import Strategy
+from xlafit.platform.cpu import keeping_freed_memory
 from xlafit.train.optim import highest_rate
 from xlafit.train.report import RunReport
-from xlafit.train.signals import Preempted, SignalGuard, handle_signals
+from xlafit.train.signals import SignalGuard, handle_signals
 from xlafit.train.step import (
     LossFn,
     TrainState,
@@ -58,10 +60,6 @@ from xlafit.train.watchdog import Watchdog
 log = logging.getLogger("xlafit")
 
 Data = Dataset | Mapping[str, np.ndarray]  # a Dataset, or a dict of arrays with one row per example
-
-
-class NonFiniteError(Exception):
-    """A non-finite loss or gradient under ``trainer.nan_policy=stop``; the message names it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,14 +111,14 @@ class Trainer:
             inside ``jax.jit`` with the state's shardings as outputs, so every device
             creates only its own slices and a model larger than one device (or the host)
             can be built, split over ``mesh.fsdp`` / ``mesh.tensor``. A Keras 3 model
-            (``KERAS_BACKEND=jax``) trains too (:mod:`xlafit.keras_models`): its trainable
+            (``KERAS_BACKEND=jax``) trains too (:mod:`xlafit.integrations.keras`): its trainable
             variables are the parameters, and the trained values are written back into it
             at every checkpoint and at the end of :meth:`fit`.
         loss_fn: ``loss_fn(model, batch)`` -> per-example losses ``[B]``, or
             ``(losses [B], {metric: [B]})``. Per-example values let evaluation weight
             padding rows by zero and count every example exactly once. With a Keras model:
             a Keras loss, its name, ``loss(y_true, y_pred)``, a
-            :class:`~xlafit.keras_models.KerasLoss` (with metrics), or None for the loss of
+            :class:`~xlafit.integrations.keras.KerasLoss` (with metrics), or None for the loss of
             ``model.compile``; batches are ``{"x": inputs, "y": targets}``.
         optimizer: an optax transformation.
         strategy: from :func:`xlafit.connect`; default: all devices.
@@ -136,7 +134,7 @@ class Trainer:
         resume: continue from the newest checkpoint in ``run_dir``.
         tokens_per_example: adds ``tokens_per_sec`` to the logs (sequence models).
         flops_per_example: model FLOPs to train on one example; adds ``mfu`` to the logs
-            (model FLOPs utilisation against :func:`xlafit.bench.peaks.peak_flops`).
+            (model FLOPs utilisation against :func:`xlafit.platform.hardware.peak_flops`).
     """
 
     def __init__(
@@ -179,7 +177,7 @@ class Trainer:
         self.peak_flops: float | None = None  # looked up when fit starts
         self._planned_k: set[int] = set()  # steps-per-call values of the calls planned so far
 
-        from xlafit.keras_models import KerasModule, adapt, is_keras_model
+        from xlafit.integrations.keras import KerasModule, adapt, is_keras_model
 
         builder: Callable[[], nnx.Module] | None = None
         if not isinstance(model, nnx.Module) and not is_keras_model(model) and callable(model):
@@ -208,7 +206,7 @@ class Trainer:
         eval_graphdef = nnx.graphdef(model)
         model.train()
 
-        # Where every array lies (xlafit.sharding): replicated in pure data parallelism, split
+        # Where every array lies (xlafit.parallel.sharding): replicated in pure data parallelism, split
         # over fsdp / tensor otherwise; the same tree of shardings in, out and donated.
         abstract = abstract_state(params, model_state, optimizer, self.strategy)
         shardings = state_shardings(abstract)
@@ -495,7 +493,7 @@ class Trainer:
                 "more memory); run.cpu_keep_memory=false returns them"
             )
         if not s.data_parallel_only:
-            from xlafit.sharding import bytes_per_device
+            from xlafit.parallel.sharding import bytes_per_device
 
             held = bytes_per_device((self._state.params, self._state.opt_state)) / 2**20
             report.print(f"{s.layout()}; parameters + optimizer state: {held:.1f} MiB per device")
@@ -506,7 +504,7 @@ class Trainer:
                 f"({dropped}) is left out, a different one every epoch since the order is reshuffled"
             )
         if self.flops_per_example and self.peak_flops is None:
-            from xlafit.bench.peaks import peak_flops
+            from xlafit.platform.hardware import peak_flops
 
             try:
                 self.peak_flops, source = peak_flops(list(s.mesh.devices.flat))

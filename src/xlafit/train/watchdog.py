@@ -7,7 +7,7 @@ only notices peers that died, so such a job burns its reservation until a person
 :class:`Watchdog` is a daemon thread that the training loop beats after every call of the
 train step. When no call finishes for ``max(floor_s, factor x the median call time)`` it
 writes the Python stacks of every thread of the process (:mod:`faulthandler`) to stderr and
-to the process's log files, then ends the process with :data:`xlafit.exitcodes.PREEMPTED`
+to the process's log files, then ends the process with :data:`xlafit.errors.PREEMPTED`
 (75), so that a scheduler or a restart loop runs the job again from its last checkpoint.
 Every process has its own watchdog: the stuck one and the ones waiting for it all fire,
 each after its own limit, and each log shows where its process was. The limit is when the
@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import IO
 
-from xlafit import exitcodes
+from xlafit import errors
 
 # Test hook, read once per watchdog: "P:S" makes process P sleep for good once step S is
 # done, so that the tests can make one process of a real job stall (tests/test_watchdog.py).
@@ -183,7 +183,7 @@ class Watchdog:
         exit grace (:meth:`_grace_s`), then exits with 75."""
         message = (
             f"xlafit: hang watchdog: {report}. The Python stacks of every thread of this process follow; "
-            f"exiting with {exitcodes.PREEMPTED} so that the job runs again from its last checkpoint."
+            f"exiting with {errors.PREEMPTED} so that the job runs again from its last checkpoint."
         )
         for stream in _log_streams():
             try:
@@ -194,7 +194,7 @@ class Watchdog:
             except (OSError, ValueError):  # a closed or unwritable log must not keep the process alive
                 pass
         time.sleep(self._grace_s())
-        os._exit(exitcodes.PREEMPTED)
+        os._exit(errors.PREEMPTED)
 
 
 def _stall_hook(process_index: int) -> int | None:

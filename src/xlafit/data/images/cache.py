@@ -21,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from xlafit.cache import COMPLETE, cache_dir, publish
-from xlafit.data.dataset import DataError
 from xlafit.data.images.preparation import MANIFEST, read_manifest
 from xlafit.data.shards import read_shard
+from xlafit.errors import DataError
+from xlafit.io.cache import COMPLETE, cache_dir, publish
 
 log = logging.getLogger("xlafit")
 

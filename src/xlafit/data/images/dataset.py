@@ -37,10 +37,11 @@ from typing import Any, Literal
 
 import numpy as np
 
-from xlafit.data.dataset import Batch, DataError
+from xlafit.data.dataset import Batch
 from xlafit.data.hashing import hash_uniform
 from xlafit.data.images.cache import ImageSplit, load_split
 from xlafit.data.images.transforms import Augment
+from xlafit.errors import DataError
 
 log = logging.getLogger("xlafit")
 

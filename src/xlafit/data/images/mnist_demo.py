@@ -15,9 +15,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from xlafit.cache import cache_dir
 from xlafit.data import mnist
 from xlafit.data.images.preparation import FORMAT, MANIFEST, prepare
+from xlafit.io.cache import cache_dir
 
 _VERSION = 1  # bump when the folder's layout changes
 

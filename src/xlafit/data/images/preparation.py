@@ -32,9 +32,9 @@ import fsspec
 import numpy as np
 
 from xlafit.data import shards
-from xlafit.data.dataset import DataError
 from xlafit.data.hashing import hash_uniform
 from xlafit.data.shards import output_dir, writing
+from xlafit.errors import DataError
 
 MANIFEST = "manifest.json"
 FORMAT = "xlafit-images-v1"

@@ -20,10 +20,10 @@ import fsspec
 import numpy as np
 from tqdm import tqdm
 
-from xlafit.cache import COMPLETE, cache_dir, publish
-from xlafit.data.dataset import DataError
 from xlafit.data.mlm.preparation import MANIFEST, read_manifest
 from xlafit.data.shards import read_shard
+from xlafit.errors import DataError
+from xlafit.io.cache import COMPLETE, cache_dir, publish
 
 log = logging.getLogger("xlafit")
 

@@ -29,12 +29,12 @@ import numpy as np
 from tqdm import tqdm
 
 from xlafit.data import shards
-from xlafit.data.dataset import DataError
 from xlafit.data.hashing import hash_uniform
 from xlafit.data.shards import output_dir, writing
 from xlafit.data.text import DocBoundary, documents, total_bytes
 from xlafit.data.tokenizer import CLS, SEP, load_tokenizer
-from xlafit.paths import as_path, files_under
+from xlafit.errors import DataError
+from xlafit.io.paths import as_path, files_under
 
 MANIFEST = "manifest.json"
 FORMAT = "xlafit-mlm-v1"

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from xlafit.models.bert_hf import HFFormatError
+from xlafit.errors import HFFormatError
 from xlafit.models.resnet import ConvBN, ResNet, ResNetConfig, classifier
 
 
@@ -254,4 +254,3 @@ def from_hf(directory: str | Path, rngs: nnx.Rngs | None = None, **overrides: An
     return model
 
 
-load_hf = from_hf

@@ -36,8 +36,10 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from xlafit.config import ConfigError
-from xlafit.devices import BATCH_AXES, MESH_AXES
+from xlafit.errors import ConfigError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # the batch is split over these
 
 __all__ = ["BATCH_AXES", "DEFAULT_RULES", "MESH_AXES", "logical", "parse_rules", "tree_shardings"]
 
@@ -110,7 +112,7 @@ def parse_rules(text: str | None) -> dict[str, str | None]:
     return rules
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -142,7 +144,7 @@ def spec_for(
             continue
         n = mesh_shape[axis]
         if size % n:
-            works = [d for d in _divisors(size) if d <= max(mesh_shape.values()) * 8][:8]
+            works = [d for d in divisors(size) if d <= max(mesh_shape.values()) * 8][:8]
             raise ConfigError(
                 f"parameter {name} {tuple(shape)}: dimension {dim} ({logical_name!r}, {size}) does not divide over "
                 f"mesh.{axis}={n}. Use mesh.{axis} in {works} (sizes that divide {size}), or map {logical_name!r} "

@@ -10,7 +10,7 @@
   (:func:`xlafit.data.images.load_split`); ``mnist-images-*/``: the resnet demo's PNG folder
   and shards.
 - ``launch/<time>-<pid>/``: the output of processes 1..P-1 of each ``xlafit launch``
-  (:func:`xlafit.launch.default_log_dir`); safe to delete.
+  (:func:`xlafit.parallel.launch.default_log_dir`); safe to delete.
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from xlafit import exitcodes
-from xlafit.cache import cache_dir
-from xlafit.devices import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, SIMULATE_ENV
+from xlafit import errors
+from xlafit.io.cache import cache_dir
+from xlafit.parallel.cluster import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, SIMULATE_ENV
 
 GRACE_S = 10.0  # after a process failed: SIGTERM to the others, SIGKILL after this
 SIGNAL_GRACE_S = 30.0  # after SIGTERM/Ctrl-C: time for every process to save a checkpoint
@@ -47,7 +47,7 @@ def free_port() -> int:
 
 
 def default_log_dir() -> Path:
-    """``<cache>/launch/<UTC time>-<pid>``: one new folder per launch (see :func:`xlafit.cache.cache_dir`)."""
+    """``<cache>/launch/<UTC time>-<pid>``: one new folder per launch (see :func:`xlafit.io.cache.cache_dir`)."""
     return cache_dir() / "launch" / f"{datetime.datetime.now(datetime.UTC):%Y%m%d-%H%M%S}-{os.getpid()}"
 
 
@@ -73,7 +73,7 @@ def _stop(procs: Sequence[subprocess.Popen]) -> None:
 def _watch(procs: Sequence[subprocess.Popen], deadline: list[float], log_dir: Path) -> int:
     """Polls every process until all have exited; returns the job's exit code."""
     while [p.poll() for p in procs].count(None):  # poll every process, not only up to the first alive
-        failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0, exitcodes.PREEMPTED)]
+        failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0, errors.PREEMPTED)]
         if failed:
             i, code = failed[0]
             alive = sum(p.poll() is None for p in procs)
@@ -152,7 +152,7 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int, log
         print(f"xlafit launch: process {i} (pid {procs[-1].pid}) -> {where}", file=sys.stderr, flush=True)
 
     # SIGTERM (or Ctrl-C, which the processes receive too) asks every process to save a
-    # checkpoint and exit with exitcodes.PREEMPTED; they agree on the step among themselves. The
+    # checkpoint and exit with errors.PREEMPTED; they agree on the step among themselves. The
     # launcher only forwards the signal once, then waits up to SIGNAL_GRACE_S before SIGKILL: a
     # second signal would make them exit at once, mid-save.
     deadline: list[float] = []

@@ -33,12 +33,9 @@ from pathlib import Path
 import fsspec
 from etils import epath
 
+from xlafit.errors import StorageError
+
 AnyPath = str | os.PathLike[str]
-
-
-class StorageError(OSError):
-    """A read or write of a URL failed (no such bucket, no permission, server unreachable);
-    the message names the URL and the fix."""
 
 
 def is_url(path: AnyPath) -> bool:

@@ -7,6 +7,7 @@ compile on the accelerator:
 2. no data-dependent shapes (boolean-mask indexing, ``jnp.unique``, ``jnp.nonzero``);
 3. every new input shape compiles a new program: pad to a few fixed shapes.
 
+The rules themselves: :mod:`xlafit.check.rules`; the TPU compiles: :mod:`xlafit.check.tpu`.
 A user file defines ``model`` (an ``nnx.Module``, or a Keras 3 model with the JAX backend),
 ``loss_fn(model, batch)`` (per-example losses ``[B]``, or ``(losses, {metric: [B]})``;
 optional for a compiled Keras model) and ``batch`` (a dict of arrays, a small real batch;
@@ -20,14 +21,13 @@ per-device batch to read XLA's memory and cost analyses.
 
 from __future__ import annotations
 
-import ast
+__all__ = ["Finding", "Report", "check_file", "check_recipe", "check_step", "classify", "to_json"]
+
 import contextlib
-import dataclasses
 import json
 import os
 import runpy
 import sys
-import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,199 +37,15 @@ import numpy as np
 import optax
 from flax import nnx
 
-from xlafit.config import ConfigError, TrainerConfig
+from xlafit.check.report import Report
+from xlafit.check.rules import Finding, classify
+from xlafit.check.tpu import TRACE_FAILURE, Program, check_targets
+from xlafit.config import TrainerConfig
 from xlafit.data.dataset import as_dataset
-from xlafit.data.shapes import Plan, compare_plans, format_plans
-from xlafit.tpu import parse_targets
-from xlafit.tpu_check import TRACE_FAILURE, Program, TargetReport, check_targets, format_table
-from xlafit.tpu_check import format_report as format_tpu_report
-from xlafit.tpu_check import to_json as tpu_json
+from xlafit.data.shapes import compare_plans
+from xlafit.errors import ConfigError
+from xlafit.platform.hardware import parse_targets
 from xlafit.train.step import TrainState, build_train_step
-
-RULES = {
-    1: "data-dependent control flow",
-    2: "data-dependent shape",
-    3: "too many input shapes (each compiles a new program)",
-}
-
-FIXES = {
-    1: """# Python `if`/`while` cannot branch on a traced value. Compute both and select:
-y = jnp.where(x.sum() > 0, f(x), g(x))
-# or run one branch (both must return the same shapes):
-y = jax.lax.cond(x.sum() > 0, f, g, x)
-# loops with a data-dependent trip count: jax.lax.while_loop(cond_fn, body_fn, init)""",
-    2: """# A result whose shape depends on the data cannot be compiled. Compute everywhere and
-# weight by a mask instead of selecting:
-loss = jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1)   # not losses[mask].mean()
-# or give the result a fixed size:
-values = jnp.unique(x, size=16, fill_value=-1)
-idx = jnp.nonzero(mask, size=16, fill_value=0)""",
-    3: """# Pad to a few fixed shapes instead of each batch's own length:
-from xlafit.data.shapes import pad_batch, plan_buckets, bucket_batches
-batch = pad_batch(sequences, multiple=32)                       # or, fewer wasted tokens:
-boundaries = plan_buckets(lengths, max_shapes=4)
-batches = bucket_batches(sequences, boundaries, batch_size=32)""",
-}
-
-
-@dataclasses.dataclass
-class Finding:
-    """One problem: which rule (0: not one of the three), where, and the rewrite."""
-
-    rule: int
-    message: str
-    file: str | None = None
-    line: int | None = None
-    code: str | None = None
-    kind: str = "error"  # the title of a finding that is not one of the rules
-
-    @property
-    def title(self) -> str:
-        return f"rule {self.rule}: {RULES[self.rule]}" if self.rule else self.kind
-
-    @property
-    def fix(self) -> str | None:
-        return FIXES.get(self.rule)
-
-
-@dataclasses.dataclass
-class Report:
-    target: str
-    findings: list[Finding] = dataclasses.field(default_factory=list)
-    traced: bool = False
-    ran: bool = False
-    shapes: dict[str, Any] | None = None
-    plans: list[Plan] | None = None
-    memory: dict[str, int] | None = None
-    flops_per_step: float | None = None
-    batch: dict[str, Any] = dataclasses.field(default_factory=dict)
-    tpu: list[TargetReport] | None = None  # with --tpu: one report per TPU target
-
-    @property
-    def ok(self) -> bool:
-        """No rule violated and, with ``--tpu``, every target compiled and fits."""
-        return not self.findings and all(t.fits and t.error is None for t in self.tpu or [])
-
-    def to_json(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["findings"] = [{**dataclasses.asdict(f), "title": f.title, "fix": f.fix} for f in self.findings]
-        out["plans"] = [{**dataclasses.asdict(p), "shapes": p.shapes, "waste": p.waste} for p in self.plans or []]
-        out["tpu"] = [tpu_json(t) for t in self.tpu] if self.tpu is not None else None
-        out["ok"] = self.ok
-        return out
-
-    def format(self) -> str:
-        lines = [f"xlafit check {self.target}"]
-        if self.tpu is not None:
-            lines.append(f"  trace: {'ok' if self.traced else 'failed'} (for the TPU; nothing runs here)")
-        else:
-            lines.append(
-                f"  trace: {'ok' if self.traced else 'failed'}   run on the example batch: "
-                f"{'ok' if self.ran else 'not run' if not self.traced else 'failed'}"
-            )
-        for f in self.findings:
-            where = f" at {f.file}:{f.line}" if f.file and f.line else " in the data" if f.rule == 3 else ""
-            lines += ["", f"✗ {f.title}{where}"]
-            if f.code:
-                lines.append(f"    {f.line} | {f.code}")
-            lines.append(f"  {f.message}")
-            if f.fix:
-                lines += ["  the standard rewrite:", *("    " + s for s in f.fix.splitlines())]
-        if self.shapes is not None:
-            s = self.shapes
-            lines += [
-                "",
-                f"input shapes: {s['distinct']} distinct over {s['examples']} examples -> "
-                f"{s['distinct']} compiles if fed as they are",
-            ]
-            if self.plans:
-                lines += ["  padding plans (rule 3):", *("    " + r for r in format_plans(self.plans).splitlines())]
-        if self.memory is not None or self.flops_per_step is not None:
-            b = self.batch
-            lines += [
-                "",
-                f"per device at batch {b.get('per_device')} ({b.get('devices')} device(s), global {b.get('global')}):",
-            ]
-            if self.memory:
-                m = self.memory
-                lines.append("  memory (XLA): " + ", ".join(f"{k} {_size(v)}" for k, v in m.items()))
-            if self.flops_per_step:
-                lines.append(f"  FLOPs per step (XLA cost analysis): {self.flops_per_step:.4g}")
-        for t in self.tpu or []:
-            lines += ["", format_tpu_report(t)]
-        if self.tpu and len(self.tpu) > 1:
-            lines += ["", format_table(self.tpu)]
-        problems = len(self.findings) + sum(1 for t in self.tpu or [] if not t.fits or t.error is not None)
-        lines += ["", "no rule violated" if not self.findings else f"{len(self.findings)} problem(s) found"]
-        if self.tpu:
-            fit = sum(1 for t in self.tpu if t.fits)
-            lines[-1] += f"; fits {fit} of {len(self.tpu)} TPU target(s)" if problems or fit else ""
-        return "\n".join(lines)
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:,.1f} {unit}"
-    return f"{n} B"
-
-
-# --------------------------------------------------------------------------- locating
-
-
-def _user_frame(exc: BaseException, user_file: str | None) -> tuple[str | None, int | None]:
-    """The deepest frame of ``exc`` in ``user_file`` (or, without one, outside JAX/xlafit)."""
-    found: tuple[str | None, int | None] = (None, None)
-    for frame in traceback.extract_tb(exc.__traceback__):
-        if user_file is not None and Path(frame.filename).resolve() == Path(user_file).resolve():
-            found = (frame.filename, frame.lineno)
-    return found
-
-
-def _is_control_flow(source: str, line: int) -> bool:
-    """Whether the statement at ``line`` branches or loops on a condition (an ``if``,
-    ``while``, ``assert``, conditional expression or ``and``/``or``)."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return False
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.If, ast.While, ast.Assert)):
-            if node.test.lineno <= line <= (node.test.end_lineno or node.test.lineno):
-                return True
-        if isinstance(node, (ast.IfExp, ast.BoolOp)) and node.lineno <= line <= (node.end_lineno or node.lineno):
-            return True
-    return False
-
-
-def classify(exc: BaseException, user_file: str | None) -> Finding:
-    """Maps a tracing or run failure to rule 1, 2 or a plain error, at the user's line."""
-    file, line = _user_frame(exc, user_file)
-    source = Path(file).read_text() if file else ""
-    code = source.splitlines()[line - 1].strip() if file and line else None
-    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    errors = jax.errors
-    if isinstance(exc, (errors.TracerBoolConversionError, errors.TracerIntegerConversionError)):
-        rule = 1
-    elif isinstance(exc, errors.NonConcreteBooleanIndexError):
-        rule = 2
-    elif isinstance(exc, errors.ConcretizationTypeError):
-        rule = 1 if file and line and _is_control_flow(source, line) else 2
-    elif isinstance(exc, errors.TracerArrayConversionError):
-        rule = 1 if file and line and _is_control_flow(source, line) else 0
-        first_line = "a traced value was converted to a NumPy array (np.* or float() on it); use jnp.* instead"
-    else:
-        rule = 0
-    if rule == 1:
-        message = "Python control flow on a traced value: the branch taken depends on the data. " + first_line
-    elif rule == 2:
-        message = "an operation whose output shape depends on the data. " + first_line
-    else:
-        message = f"{type(exc).__name__}: {first_line}"
-    return Finding(rule, message, file, line, code)
-
-
-# --------------------------------------------------------------------------- checking
 
 
 def _train_step(model: nnx.Module, loss_fn: Any) -> tuple[Any, TrainState]:
@@ -385,7 +201,7 @@ def check_tpu(
     max_batch: bool = False,
 ) -> Report:
     """Compiles ``program`` for each TPU target of ``targets`` (``"v3-8,v5e-8"``); see
-    :mod:`xlafit.tpu_check`. Rules 1 and 2 surface while tracing for the TPU, at the
+    :mod:`xlafit.check.tpu`. Rules 1 and 2 surface while tracing for the TPU, at the
     user's line; rule 3 is checked on ``lengths`` as without ``--tpu``."""
     report = Report(target)
     parsed = parse_targets(targets)  # an unknown name fails before any compile
@@ -429,7 +245,7 @@ def check_file(path: str | Path, tpu: str | None = None, max_batch: bool = False
     """Runs the user file and checks its ``model``, ``loss_fn`` and ``batch``.
 
     With ``tpu`` (``"v3-8,v5e-8"``), compiles the step for those TPU slices instead of
-    running it here (:mod:`xlafit.tpu_check`). The file may then also define ``optimizer``
+    running it here (:mod:`xlafit.check.tpu`). The file may then also define ``optimizer``
     (an optax transformation; default ``optax.adamw(1e-3)``) and ``config`` (a
     :class:`~xlafit.TrainerConfig`: steps per call, accumulation, ``nan_policy``), and build ``model`` with
     ``nnx.eval_shape`` and ``batch`` from ``jax.ShapeDtypeStruct``s: nothing is allocated.
@@ -445,7 +261,7 @@ def check_file(path: str | Path, tpu: str | None = None, max_batch: bool = False
             namespace = runpy.run_path(str(path), run_name="__xlafit_check__")
         except Exception as e:
             raise _load_error(path, e) from None
-        from xlafit.keras_models import adapt, is_keras_model
+        from xlafit.integrations.keras import adapt, is_keras_model
 
         if is_keras_model(namespace.get("model")):  # a Keras 3 model: its compiled loss unless loss_fn is given
             namespace["model"], namespace["loss_fn"] = adapt(namespace["model"], namespace.get("loss_fn"))
@@ -519,8 +335,8 @@ def check_recipe(
     run's own optimizer, batch sizes (``data.per_device_batch`` or ``data.global_batch``
     over each target's cores) and loop settings; the model is built abstractly.
     """
+    from xlafit.parallel.sharding import parse_rules
     from xlafit.recipes import get_recipe, load_config
-    from xlafit.sharding import parse_rules
     from xlafit.train.optim import make_optimizer
 
     _positive("--per-device-batch", options.get("per_device_batch"))

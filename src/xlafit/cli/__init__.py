@@ -11,15 +11,20 @@ from collections.abc import Sequence
 
 import yaml
 
-from xlafit import exitcodes
-from xlafit.bench import BenchError
-from xlafit.checkpoint import CheckpointError
-from xlafit.config import ConfigError
-from xlafit.data.dataset import DataError
-from xlafit.devices import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, SIMULATE_ENV, DeviceError
-from xlafit.models.bert_hf import HFFormatError
-from xlafit.paths import StorageError
-from xlafit.train import NonFiniteError, Preempted, RecompileError
+from xlafit import errors
+from xlafit.errors import (
+    BenchError,
+    CheckpointError,
+    ConfigError,
+    DataError,
+    DeviceError,
+    HFFormatError,
+    NonFiniteError,
+    Preempted,
+    RecompileError,
+    StorageError,
+)
+from xlafit.parallel.cluster import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, SIMULATE_ENV
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -339,7 +344,7 @@ def _inspect(args: argparse.Namespace) -> int:
     # A scheduler or script acts on the exit code: a corrupt newest checkpoint means the next
     # resume loses the steps since the one before it.
     newest_corrupt = bool(infos) and not infos[-1].usable
-    code = exitcodes.DAMAGED if step is None or newest_corrupt else 0
+    code = errors.DAMAGED if step is None or newest_corrupt else 0
     if args.json:
         rows = [
             {
@@ -448,7 +453,7 @@ def _data_images(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     from xlafit.check import check_file, check_recipe, to_json
-    from xlafit.devices import start_backends
+    from xlafit.parallel.cluster import start_backends
 
     if not args.tpu:  # the CPU check: without libtpu's start-up errors on a host with libtpu, no TPU
         start_backends()
@@ -471,10 +476,10 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from xlafit.export import export_hf
+    from xlafit.hf.export import export_hf
 
     out, step = export_hf(args.run_dir, args.out, args.step)
-    from xlafit.paths import as_path
+    from xlafit.io.paths import as_path
 
     files = "config.json, model.safetensors" + (", tokenizer" if (as_path(out) / "tokenizer.json").exists() else "")
     print(f"exported checkpoint {step} of {args.run_dir} to {out}: {files}")
@@ -486,7 +491,7 @@ def configure_logging(verbose: bool) -> None:
 
     gcsfs logs every exception it gives up on with its traceback (``_request out of retries``,
     ``non-retriable exception``) and then raises it; xlafit names that same error with the
-    fix (:func:`xlafit.paths.describe_error`), so those tracebacks are dropped unless verbose.
+    fix (:func:`xlafit.io.paths.describe_error`), so those tracebacks are dropped unless verbose.
     """
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
@@ -511,7 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Everything after "--" belongs to the launched command, options included.
         args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
         command = argv[argv.index("--") + 1 :] if "--" in argv else args.command
-        from xlafit.launch import launch
+        from xlafit.parallel.launch import launch
 
         return launch(command, args.processes, args.devices_per_process, args.log_dir)
     # Overrides may come before or after options (`train mnist --simulate 8 trainer.epochs=3`);
@@ -533,7 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(verbose=getattr(args, "verbose", False))
     try:
         if args.command == "devices":
-            from xlafit.devices import connect
+            from xlafit.parallel.cluster import connect
 
             try:
                 sizes = tuple(int(v) for v in args.mesh.split(","))
@@ -553,7 +558,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("inspect", "export"):
             # They read checkpoints without connect(): start the backends as it does, without
             # libtpu's start-up errors on a host that has libtpu but no TPU.
-            from xlafit.devices import start_backends
+            from xlafit.parallel.cluster import start_backends
 
             start_backends()
         if args.command == "inspect":
@@ -578,13 +583,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         StorageError,
     ) as e:
         print(f"xlafit: error: {e}", file=sys.stderr)
-        return exitcodes.USAGE
+        return errors.USAGE
     except Preempted as e:
         print(f"xlafit: {e}", file=sys.stderr)
-        return exitcodes.PREEMPTED
+        return errors.PREEMPTED
     except NonFiniteError as e:
         print(f"xlafit: error: {e}", file=sys.stderr)
-        return exitcodes.NONFINITE
+        return errors.NONFINITE
     except KeyboardInterrupt:
         print("xlafit: interrupted", file=sys.stderr)
         return 130

@@ -19,7 +19,7 @@ blocks split a freed one, so now and then a call finds no free block big enough 
 grows by a whole block, faulted in once. ResNet-50 at batch 8 holds 1.65 GB after its first
 step, 2.4-3.2 GB after 100 steps, 4.65 GB once after 45 (BENCHMARKS.md, eleventh
 session). It changes no result. The setting must come before the threads that allocate
-exist, so :func:`xlafit.devices.configure` applies it before JAX starts its backends, and
+exist, so :func:`xlafit.parallel.cluster.configure` applies it before JAX starts its backends, and
 only when the run is on the CPU (``run.cpu_keep_memory``). ``GLIBC_TUNABLES`` (read when a
 process starts) does the same for any process, e.g.
 ``glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776``.
@@ -43,6 +43,11 @@ try:
     import resource
 except ImportError:  # Windows
     resource = None
+
+# XLA:CPU hands these operations of a CPU program to YNNPACK (run.xla_cpu_ynn_fusion).
+YNN_FUSION_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
+YNN_FUSION_TYPES = ("dot", "eltwise", "reduce", "individual_dot", "individual_convolution")
+DEFAULT_YNN_FUSION = "dot,eltwise,reduce"
 
 # mallopt parameters, from glibc's <malloc.h>
 M_TRIM_THRESHOLD = -1

@@ -18,23 +18,15 @@ import jax.numpy as jnp
 import yaml
 from flax import nnx
 
-from xlafit.checkpoint import Checkpointer, CheckpointError, older_layout, path_name
-from xlafit.config import Config, ConfigError
+from xlafit.checkpoint import Checkpointer, older_layout, path_name
+from xlafit.config import Config
+from xlafit.errors import CheckpointError, ConfigError, StorageError
+from xlafit.hf.bert import save_hf
+from xlafit.hf.resnet import image_processor_config
+from xlafit.hf.resnet import save_hf as save_resnet_hf
+from xlafit.io.paths import as_path, bucket_of, check_bucket, describe_error, download_dir, is_url, upload_dir
 from xlafit.models.bert import BertForMaskedLM
-from xlafit.models.bert_hf import save_hf
 from xlafit.models.resnet import ResNet
-from xlafit.models.resnet_hf import image_processor_config
-from xlafit.models.resnet_hf import save_hf as save_resnet_hf
-from xlafit.paths import (
-    StorageError,
-    as_path,
-    bucket_of,
-    check_bucket,
-    describe_error,
-    download_dir,
-    is_url,
-    upload_dir,
-)
 from xlafit.recipes import config_from_dict
 from xlafit.recipes.bert import bert_config
 from xlafit.run import checkpoint_dir

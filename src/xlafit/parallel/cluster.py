@@ -1,11 +1,9 @@
-"""Finding the devices and laying the ``('data', 'fsdp', 'tensor')`` mesh over them.
+"""Joining the job: platform options, simulated devices, the processes of a multi-host job.
 
-The TensorFlow way is ``TPUClusterResolver`` -> ``initialize_tpu_system`` ->
-``TPUStrategy``; the PyTorch/XLA way is ``xmp.spawn`` with one process per core. With JAX
-one process drives every local device, so :func:`connect` only has to (1) pick the
-platform, optionally simulating N CPU devices, and (2) build a ``Mesh`` over all devices of
-all processes: ``data`` x ``fsdp`` x ``tensor`` (:func:`make_mesh`; the default is pure data
-parallelism, every device on ``data``). Where each array lies on it: :mod:`xlafit.sharding`.
+:func:`connect` (1) sets the platform options before JAX starts its backends, optionally
+simulating N CPU devices (:func:`configure`), (2) joins a multi-process job when the
+environment names one (:class:`Cluster`: a coordinator, a rendezvous, a timeout), and
+(3) builds the :class:`~xlafit.parallel.mesh.Strategy` over all devices of all processes.
 """
 
 from __future__ import annotations
@@ -18,13 +16,19 @@ import socket
 import sys
 import time
 from collections.abc import Mapping
-from typing import Any
 
 import jax
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from xlafit.host_memory import TPU_DEVICES, accelerator_present, keep_freed_memory
+from xlafit.errors import DeviceError
+from xlafit.parallel.mesh import Strategy, make_mesh
+from xlafit.platform.cpu import (
+    DEFAULT_YNN_FUSION,
+    TPU_DEVICES,
+    YNN_FUSION_FLAG,
+    YNN_FUSION_TYPES,
+    accelerator_present,
+    keep_freed_memory,
+)
 
 SIMULATE_ENV = "XLAFIT_SIMULATE_DEVICES"
 COORDINATOR_ENV = "XLAFIT_COORDINATOR"
@@ -36,231 +40,6 @@ DISTRIBUTED_ENV = "XLAFIT_DISTRIBUTED"  # "1": join a job that JAX detects (TPU 
 # XLA:CPU library paths: which operations go to YNNPACK. dot,eltwise,reduce was measured
 # fastest for the CNN/MLP workloads here, dot alone for BERT (BENCHMARKS.md). Only applied
 # to CPU runs, and only when the user has not set the flag in XLA_FLAGS.
-YNN_FUSION_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
-YNN_FUSION_TYPES = ("dot", "eltwise", "reduce", "individual_dot", "individual_convolution")
-DEFAULT_YNN_FUSION = "dot,eltwise,reduce"
-
-
-def is_prng_key(x: Any) -> bool:
-    """True for a typed PRNG key array (``jax.random.key``), which has no plain dtype."""
-    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-class DeviceError(RuntimeError):
-    """The requested devices cannot be had; the message says why and what to do."""
-
-
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
-
-
-def make_mesh(devices: list[jax.Device], data: int = -1, fsdp: int = 1, tensor: int = 1) -> Mesh:
-    """The ``('data', 'fsdp', 'tensor')`` mesh over ``devices`` (ordered by process, then id).
-
-    One size may be -1: the devices left. ``tensor`` is the fastest-varying axis, so a
-    tensor-parallel group is made of neighbouring devices of one process, and each process
-    owns a contiguous block of every batch (the batch is split over ``data`` x ``fsdp``).
-
-    Why not ``mesh_utils.create_device_mesh``'s physical (ICI ring) order on TPUs: for a
-    v5e/v6e 4x4 slice it interleaves the hosts along the batch (processes 0,0,1,1,1,1,0,...
-    on a 16 x 1 x 1 mesh, 0,0,1,1,0,0,... on 4 x 2 x 2), which breaks the contiguous blocks
-    above; process order already puts a host's 2x2 chips (v5e) or 2x2x1 (v4/v5p) on the inner
-    axes, so a tensor group of 2 or 4 is ICI neighbours (device coordinates read from
-    libtpu's topologies), and pure data parallelism all-reduces over every device, whose
-    order does not matter.
-
-    Example:
-        >>> dict(make_mesh(jax.devices(), fsdp=4, tensor=2).shape)
-        {'data': 1, 'fsdp': 4, 'tensor': 2}
-
-    Raises:
-        DeviceError: the sizes do not multiply to the device count (the message lists sizes
-            that would), or a tensor group would span processes.
-    """
-    n = len(devices)
-    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
-    free = [k for k, v in sizes.items() if v == -1]
-    bad = [k for k, v in sizes.items() if v == 0 or v < -1]
-    if bad or len(free) > 1:
-        raise DeviceError(
-            f"mesh.{(bad or free)[0]}={sizes[(bad or free)[0]]}: mesh sizes are positive, and at most one of "
-            "mesh.data, mesh.fsdp, mesh.tensor is -1 (the devices left)."
-        )
-    fixed = int(np.prod([v for v in sizes.values() if v != -1]))
-    if free:
-        if n % fixed:
-            raise DeviceError(
-                f"the mesh {_shape_text(sizes)} cannot cover {n} devices: {fixed} does not divide {n}. "
-                f"Use sizes whose product divides {n} ({_divisors(n)})."
-            )
-        sizes[free[0]] = n // fixed
-    if int(np.prod(list(sizes.values()))) != n:
-        product = int(np.prod(list(sizes.values())))
-        raise DeviceError(
-            f"the mesh {_shape_text(sizes)} has {product} places for {n} devices: mesh.data x mesh.fsdp x "
-            f"mesh.tensor must equal {n}. For example mesh.data=-1 mesh.fsdp={_largest_divisor(n, sizes['fsdp'])} "
-            f"mesh.tensor={_largest_divisor(n, sizes['tensor'])} (sizes that divide {n}: {_divisors(n)})."
-        )
-    local = len([d for d in devices if d.process_index == devices[0].process_index])
-    if local % sizes["tensor"]:
-        raise DeviceError(
-            f"mesh.tensor={sizes['tensor']} would spread a tensor-parallel group over several processes "
-            f"({local} devices each); use a mesh.tensor that divides {local}: {_divisors(local)}."
-        )
-    return Mesh(np.array(devices).reshape(sizes["data"], sizes["fsdp"], sizes["tensor"]), MESH_AXES)
-
-
-def _shape_text(sizes: Mapping[str, int]) -> str:
-    return " x ".join(f"{k}={v}" for k, v in sizes.items())
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _largest_divisor(n: int, at_most: int) -> int:
-    return max(d for d in _divisors(n) if d <= max(at_most, 1))
-
-
-@dataclasses.dataclass(frozen=True)
-class Strategy:
-    """The devices a run uses and how arrays are laid over them.
-
-    Batches are split along their leading axis over ``data`` x ``fsdp`` (``batch``);
-    parameters and optimizer state lie as :mod:`xlafit.sharding` says (``shardings``):
-    replicated on a pure data-parallel mesh, split over ``fsdp`` and ``tensor`` otherwise.
-    A mesh with only a ``data`` axis (older code) is pure data parallelism.
-
-    Example:
-        >>> strategy = connect()
-        >>> strategy.num_replicas >= 1
-        True
-    """
-
-    mesh: Mesh
-    # logical axis name -> mesh axis (xlafit.sharding.DEFAULT_RULES, mesh.rules)
-    rules: Mapping[str, str | None] | None = None
-
-    def axis_size(self, name: str) -> int:
-        """The size of mesh axis ``name`` (1 when the mesh has no such axis)."""
-        return int(dict(self.mesh.shape).get(name, 1))
-
-    @property
-    def num_replicas(self) -> int:
-        """Batch shards: ``data`` x ``fsdp``, the devices (or tensor-parallel groups) that
-        each take their own rows of every batch; all devices, in pure data parallelism."""
-        return self.axis_size("data") * self.axis_size("fsdp")
-
-    @property
-    def num_devices(self) -> int:
-        return self.mesh.size
-
-    @property
-    def data_parallel_only(self) -> bool:
-        """True when every device holds the whole model (``fsdp`` = ``tensor`` = 1)."""
-        return self.axis_size("fsdp") == 1 and self.axis_size("tensor") == 1
-
-    @property
-    def _batch_axes(self) -> tuple[str, ...]:
-        return tuple(a for a in BATCH_AXES if a in self.mesh.axis_names)
-
-    def shardings(self, tree: Any) -> Any:
-        """``NamedSharding``s for a tree of variables (parameters, optimizer state, model
-        state; arrays or ``ShapeDtypeStruct``s): see :func:`xlafit.sharding.tree_shardings`."""
-        from xlafit.sharding import DEFAULT_RULES, tree_shardings
-
-        return tree_shardings(tree, self.mesh, self.rules if self.rules is not None else DEFAULT_RULES)
-
-    def put(self, tree: Any, shardings: Any) -> Any:
-        """Places host values (identical in every process) on the devices with ``shardings``:
-        each device receives only its own slice."""
-
-        def one(x: Any, sharding: NamedSharding) -> jax.Array:
-            if is_prng_key(x):
-                return jax.random.wrap_key_data(one(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
-            x = np.asarray(x)
-            return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
-
-        return jax.tree.map(one, tree, shardings)
-
-    @property
-    def platform(self) -> str:
-        return self.mesh.devices.flat[0].platform
-
-    @property
-    def process_index(self) -> int:
-        return jax.process_index()
-
-    @property
-    def process_count(self) -> int:
-        return jax.process_count()
-
-    @property
-    def replicated(self) -> NamedSharding:
-        return NamedSharding(self.mesh, PartitionSpec())
-
-    @property
-    def batch(self) -> NamedSharding:
-        return self.batch_sharding()
-
-    def batch_sharding(self, leading_axes: int = 0) -> NamedSharding:
-        """Sharding of a batch whose example axis comes after ``leading_axes`` axes.
-
-        ``leading_axes=1`` is the layout of k stacked batches for ``steps_per_call``.
-        """
-        return NamedSharding(self.mesh, PartitionSpec(*([None] * leading_axes), self._batch_axes))
-
-    def replicate(self, tree: Any) -> Any:
-        """Copies host or single-device values to every device, in every process.
-
-        ``jax.device_put`` cannot target devices of other processes; each process instead
-        contributes its (identical) copy through ``make_array_from_process_local_data``.
-        """
-
-        def put(x: Any) -> jax.Array:
-            if is_prng_key(x):
-                return jax.random.wrap_key_data(put(jax.random.key_data(x)), impl=jax.random.key_impl(x))
-            x = np.asarray(x)
-            return jax.make_array_from_process_local_data(self.replicated, x, x.shape)
-
-        return jax.tree.map(put, tree)
-
-    def describe(self) -> str:
-        """A human-readable table of the platform, processes, devices and mesh."""
-        lines = [
-            f"platform: {self.platform}   process {self.process_index} of {self.process_count}",
-            f"{'id':>4}  {'kind':<24} {'process':>7}  {'memory':>12}",
-        ]
-        for d in self.mesh.devices.flat:
-            lines.append(f"{d.id:>4}  {d.device_kind:<24} {d.process_index:>7}  {_memory(d):>12}")
-        lines.append(self.layout())
-        return "\n".join(lines)
-
-    def layout(self) -> str:
-        """One line: the mesh and what it does with parameters and batches."""
-        shape = " ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
-        if self.data_parallel_only:
-            return (
-                f"mesh: {shape} -> parameters replicated on {self.num_devices} devices, "
-                f"batches split over {' x '.join(self._batch_axes)}"
-            )
-        parts = []
-        if self.axis_size("fsdp") > 1:
-            parts.append("parameters and optimizer state split over fsdp")
-        if self.axis_size("tensor") > 1:
-            parts.append("tensor-parallel over tensor")
-        return f"mesh: {shape} -> {', '.join(parts)}; batches split over data x fsdp ({self.num_replicas} shards)"
-
-
-def _memory(device: jax.Device) -> str:
-    try:
-        stats = device.memory_stats() or {}
-    except Exception:  # some backends do not implement memory_stats
-        stats = {}
-    limit = stats.get("bytes_limit")
-    return f"{limit / 2**30:.1f} GiB" if limit else "n/a"
-
-
 def _backend_started() -> bool:
     # jax initialises its backends lazily, on the first device query; after that the CPU
     # device count and XLA flags can no longer change in this process.
@@ -289,7 +68,7 @@ def configure(
         cpu_keep_memory: when the run is on the CPU (simulated devices, ``JAX_PLATFORMS=cpu``,
             or a host without GPU/TPU device files), keep freed host memory for reuse
             instead of page-faulting every call's temporaries in afresh
-            (:mod:`xlafit.host_memory`).
+            (:mod:`xlafit.platform.cpu`).
         cpu_async_dispatch: when the run is on the CPU, ``False`` runs each one-device call
             inline (``jax_cpu_enable_async_dispatch``): the call returns when it is done and its
             temporaries are freed, so the next call reuses them instead of the heap growing by
@@ -320,7 +99,7 @@ def configure(
                 f"simulate={simulate}) before any other JAX call, or set {SIMULATE_ENV}={simulate}."
             )
         return
-    from xlafit.cache import enable_compilation_cache
+    from xlafit.io.cache import enable_compilation_cache
 
     enable_compilation_cache()
     platforms = jax.config.jax_platforms or ""  # type: ignore[attr-defined]
@@ -350,7 +129,7 @@ def start_backends() -> list[jax.Device]:
     of start-up errors on a host that has libtpu but no TPU; everything else on stderr stays."""
     if importlib.util.find_spec("libtpu") is None or any(glob.glob(p) for p in TPU_DEVICES):
         return jax.devices()
-    from xlafit.tpu import quiet_stderr
+    from xlafit.platform.hardware import quiet_stderr
 
     sys.stderr.flush()
     kept: list[str] = []
@@ -521,7 +300,7 @@ def connect(
         cluster: join this job; default: :meth:`Cluster.from_env`.
         mesh: sizes of ``(data, fsdp, tensor)``, one of them may be -1 (see :func:`make_mesh`);
             the default is pure data parallelism.
-        rules: logical axis -> mesh axis (default :data:`xlafit.sharding.DEFAULT_RULES`).
+        rules: logical axis -> mesh axis (default :data:`xlafit.parallel.sharding.DEFAULT_RULES`).
 
     Returns:
         A :class:`Strategy` whose mesh lays ``data`` x ``fsdp`` x ``tensor`` over all devices.

@@ -32,7 +32,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from xlafit.config import ConfigError
+from xlafit.errors import ConfigError
 
 INSTALL = "pip install 'xlafit[tpu]'"
 LIBTPU_MODULE = "libtpu"  # the wheel's module: where the TPU compiler comes from

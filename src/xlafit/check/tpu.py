@@ -1,6 +1,6 @@
 """``xlafit check --tpu``: compile the real train step for TPU slices, on this machine.
 
-For each target (:mod:`xlafit.tpu`) the run's own train and eval steps
+For each target (:mod:`xlafit.platform.hardware`) the run's own train and eval steps
 (:func:`xlafit.train.step.make_steps`: the trainer's shardings, donation, steps per call,
 gradient accumulation and dtypes) are lowered with abstract inputs laid over the slice's
 devices and compiled by libtpu. Nothing is allocated: the model may come from
@@ -13,7 +13,7 @@ devices and compiled by libtpu. Nothing is allocated: the model may come from
   of ``k`` steps per call XLA counts the loop body, one step, once: the call does ``k`` times
   that. An analytic count, where the model has one, is shown beside it;
 - a roofline lower bound of the step time: ``max(FLOPs / peak FLOP/s, bytes / HBM bandwidth)``
-  per core, from the datasheet numbers of :data:`xlafit.tpu.GENERATIONS`, with the bytes as
+  per core, from the datasheet numbers of :data:`xlafit.platform.hardware.GENERATIONS`, with the bytes as
   XLA's cost analysis counts them (every operand and result of the program's operations;
   more than the HBM traffic where operations reuse data on chip, so the memory term leans
   high, and only the compute term is a strict bound). An estimate, not a measurement:
@@ -47,10 +47,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from xlafit import tpu
+from xlafit.check.rules import Finding, classify
 from xlafit.config import TrainerConfig
-from xlafit.devices import Strategy, make_mesh
-from xlafit.sharding import bytes_per_device
+from xlafit.parallel.mesh import Strategy, make_mesh
+from xlafit.parallel.sharding import bytes_per_device
+from xlafit.platform import hardware as tpu
 from xlafit.train.step import LossFn, abstract_state, make_steps, state_shardings
 
 LEVERS = (
@@ -100,7 +101,7 @@ class Program:
     tokens_per_example: float | None = None
     user_file: str | None = None
     # The run's mesh over the target's cores: (data, fsdp, tensor), one may be -1; and its
-    # logical-axis rules (xlafit.sharding). The default is pure data parallelism.
+    # logical-axis rules (xlafit.parallel.sharding). The default is pure data parallelism.
     mesh: tuple[int, int, int] = (-1, 1, 1)
     rules: Mapping[str, str | None] | None = None
 
@@ -430,8 +431,6 @@ def check_target(target: tpu.Target, program: Program, max_batch: bool = False) 
         report.capacity, report.capacity_source = usable_hbm(target)
         g = program.global_batch
         if program.per_device_batch is None and g and g % n:  # not rounded down in silence
-            from xlafit.check import Finding
-
             lower, upper = max(n, g // n * n), (g // n + 1) * n
             report.error = Finding(
                 0,
@@ -458,8 +457,6 @@ def check_target(target: tpu.Target, program: Program, max_batch: bool = False) 
 
 def _train_report(report: TargetReport, steps: _Steps, target: tpu.Target) -> None:
     """The train step's verdict, memory, FLOPs and roofline into ``report``."""
-    from xlafit.check import classify
-
     program, per_device, k = steps.program, report.per_device_batch, report.steps_per_call
     _progress(f"{target.name}: compiling the train step, {per_device} per core, {k} step(s) per call ...")
     try:

@@ -35,9 +35,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from xlafit.config import ConfigError, OptimizerConfig, TrainerConfig
+from xlafit.config import OptimizerConfig, TrainerConfig
 from xlafit.data.dataset import Dataset
-from xlafit.devices import Strategy
+from xlafit.errors import ConfigError
+from xlafit.parallel.mesh import Strategy
 from xlafit.train.trainer import FitResult, Trainer
 
 

@@ -7,7 +7,7 @@ transformers; ``safetensors.numpy`` reads and writes the tensors.
 
 Example:
     >>> save_hf(model, "exported/", tokenizer_dir="runs/bert/tokenizer")  # doctest: +SKIP
-    >>> model = load_hf("exported/")                                      # doctest: +SKIP
+    >>> model = from_hf("exported/")                                      # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
+from xlafit.errors import HFFormatError
 from xlafit.models.bert import BertConfig, BertForMaskedLM
 
 # Our config field -> Hugging Face's BertConfig key.
@@ -38,12 +39,6 @@ _CONFIG_KEYS = {
     "initializer_range": "initializer_range",
     "pad_token_id": "pad_token_id",
 }
-
-
-class HFFormatError(ValueError):
-    """A Hugging Face checkpoint that cannot become an xlafit model, or a model that cannot
-    become one (BERT here, ResNet in :mod:`xlafit.models.resnet_hf`: one class, so that the
-    ``xlafit`` command reports either as a usage error); the message says why."""
 
 
 def hf_config(cfg: BertConfig) -> dict:
@@ -189,7 +184,7 @@ def save_hf(model: BertForMaskedLM, directory: str | Path, tokenizer_dir: str | 
     return out
 
 
-def load_hf(directory: str | Path, rngs: nnx.Rngs | None = None, **overrides: Any) -> BertForMaskedLM:
+def from_hf(directory: str | Path, rngs: nnx.Rngs | None = None, **overrides: Any) -> BertForMaskedLM:
     """A :class:`BertForMaskedLM` with the weights of a Hugging Face checkpoint directory.
 
     Like ``transformers``' ``from_pretrained``, the model is in eval mode (dropout off).

@@ -1,0 +1,86 @@
+"""The errors xlafit raises for a user's mistake or environment, and the command's exit codes.
+
+Every one derives from :class:`XlafitError`, whose message says what happened and the fix,
+and whose ``exit_code`` is what the ``xlafit`` command exits with: the command catches this
+one class. Anything else reaching the user is a bug in xlafit.
+
+Example:
+    >>> from xlafit.errors import ConfigError, XlafitError
+    >>> issubclass(ConfigError, XlafitError), ConfigError.exit_code
+    (True, 2)
+"""
+
+from __future__ import annotations
+
+import signal
+
+# Exit codes that schedulers and scripts can act on.
+DAMAGED = 1  # xlafit inspect: the newest checkpoint is corrupt, or none is intact
+USAGE = 2  # bad config, data, devices or checkpoint: the message says what to fix
+NONFINITE = 3  # a non-finite loss or gradient under trainer.nan_policy=stop
+PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGINT after saving a checkpoint; run again to resume
+INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C where no checkpoint could be saved
+
+
+class XlafitError(Exception):
+    """An error a user can act on; the message names the problem and the fix."""
+
+    exit_code = USAGE
+
+
+class ConfigError(XlafitError, ValueError):
+    """A configuration a user wrote is invalid; the message says how to fix it."""
+
+
+class DataError(XlafitError, ValueError):
+    """A data file is missing or malformed; the message names the file and the fix."""
+
+
+class DeviceError(XlafitError, RuntimeError):
+    """The requested devices cannot be had; the message says why and what to do."""
+
+
+class StorageError(XlafitError, OSError):
+    """A read or write of a URL failed (no such bucket, no permission, server unreachable);
+    the message names the URL and the fix."""
+
+
+class CheckpointError(XlafitError, RuntimeError):
+    """No usable checkpoint, or one that cannot continue this run; the message says why."""
+
+
+class RecompileError(XlafitError, RuntimeError):
+    """A step was about to compile more programs than allowed; the message names the input."""
+
+
+class HFFormatError(XlafitError, ValueError):
+    """A Hugging Face checkpoint that cannot become an xlafit model (BERT, ResNet), or a model
+    that cannot become a Hugging Face one; the message says why."""
+
+
+class BenchError(XlafitError, RuntimeError):
+    """A benchmark configuration failed; the message holds the end of its output."""
+
+
+class NonFiniteError(XlafitError):
+    """A non-finite loss or gradient under ``trainer.nan_policy=stop``; the message names it."""
+
+    exit_code = NONFINITE
+
+
+class Preempted(XlafitError):
+    """Training stopped on SIGTERM/SIGINT at ``step``; ``where`` says what was saved.
+
+    Running the same command (or calling :func:`xlafit.train_and_evaluate` / ``Trainer.fit``
+    again with the same run directory) resumes from that checkpoint.
+    """
+
+    exit_code = PREEMPTED
+
+    def __init__(self, step: int, signum: int, where: str, *, sync_point: bool = False) -> None:
+        self.step, self.signum = step, signum
+        how = " (at JAX's preemption sync point: the same step in every process)" if sync_point else ""
+        super().__init__(
+            f"{signal.Signals(signum).name} received: stopped at step {step}; {where}{how}. "
+            "Run the same command again to resume."
+        )

@@ -1,1 +1,0 @@
-"""Native (C++) extensions: oneDNN convolutions for XLA:CPU (:mod:`xlafit.native.onednn_conv`)."""
