@@ -168,11 +168,6 @@ def apply_if_finite(
     and XLA:CPU ran those selects as passes of their own (4% of a Keras CNN's step on 8
     simulated devices). Both give the same values.
     """
-    if not select:
-        # On CPUs, every gradient first, then the norm: XLA:CPU would otherwise run the norm's
-        # per-gradient sums beside the backward pass's oneDNN calls, whose OpenMP threads then
-        # wait for a core (xlafit.native.onednn; BENCHMARKS.md).
-        grads = jax.lax.optimization_barrier(grads)
     grad_norm = optax.global_norm(grads)
     loss_ok = jnp.isfinite(metrics["loss"])
     finite = loss_ok & jnp.isfinite(grad_norm)
