@@ -8,7 +8,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-from xlafit.parallel.mesh import configure  # noqa: E402
+from xlafit.parallel.cluster import configure  # noqa: E402
 
 # The same XLA:CPU flags as every xlafit run, whichever test happens to start JAX first. The
 # suite's one process compiles hundreds of programs: it returns their freed memory to the OS

@@ -1,4 +1,8 @@
-"""TPU slices without a TPU: the devices of a slice, described for the real TPU compiler.
+"""The one hardware table (TPU generations, GPUs), and TPU slices described for the compiler.
+
+Each TPU generation's row (:data:`GENERATIONS`) and each GPU's (:data:`GPUS`) cites the page
+its figures come from; :func:`peak_flops` (the denominator of MFU), ``xlafit check --tpu``'s
+roofline and HBM verdicts all read them here.
 
 With the ``libtpu`` wheel installed (``pip install 'xlafit[tpu]'``, the version ``jax[tpu]``
 pins), ``jax.experimental.topologies.get_topology_desc`` describes the devices of any TPU
@@ -28,9 +32,14 @@ import importlib.util
 import os
 import platform
 import re
+import statistics
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
+
+import jax
+import jax.numpy as jnp
 
 from xlafit.errors import ConfigError
 
@@ -51,6 +60,7 @@ class Generation:
         hbm_gib: HBM per chip, GiB.
         bf16_tflops: dense bf16 peak per chip.
         hbm_gbps: HBM bandwidth per chip, GB/s.
+        device_kinds: what ``jax.Device.device_kind`` says on this generation.
     """
 
     name: str
@@ -62,19 +72,32 @@ class Generation:
     bf16_tflops: float
     hbm_gbps: float
     source: str
+    device_kinds: tuple[str, ...] = ()
 
 
 GENERATIONS: dict[str, Generation] = {
     g.name: g
     for g in (
-        Generation("v2", 2, False, "cores", 2, 16, 45, 600, "cloud.google.com/tpu/docs/v2"),
-        Generation("v3", 2, False, "cores", 2, 32, 123, 900, "cloud.google.com/tpu/docs/v3"),
-        Generation("v4", 2, True, "cores", 3, 32, 275, 1200, "cloud.google.com/tpu/docs/v4"),
-        Generation("v5e", 1, False, "chips", 2, 16, 197, 819, "cloud.google.com/tpu/docs/v5e"),
-        Generation("v5p", 2, True, "cores", 3, 95, 459, 2765, "cloud.google.com/tpu/docs/v5p"),
-        Generation("v6e", 1, False, "chips", 2, 32, 918, 1638, "cloud.google.com/tpu/docs/v6e"),
-        Generation("tpu7x", 2, False, "cores", 3, 192, 2307, 7380, "cloud.google.com/tpu/docs/tpu7x"),
+        Generation("v2", 2, False, "cores", 2, 16, 45, 600, "cloud.google.com/tpu/docs/v2", ("TPU v2",)),
+        Generation("v3", 2, False, "cores", 2, 32, 123, 900, "cloud.google.com/tpu/docs/v3", ("TPU v3",)),
+        Generation("v4", 2, True, "cores", 3, 32, 275, 1200, "cloud.google.com/tpu/docs/v4", ("TPU v4",)),
+        Generation(
+            "v5e", 1, False, "chips", 2, 16, 197, 819, "cloud.google.com/tpu/docs/v5e", ("TPU v5 lite", "TPU v5e")
+        ),
+        Generation("v5p", 2, True, "cores", 3, 95, 459, 2765, "cloud.google.com/tpu/docs/v5p", ("TPU v5p", "TPU v5")),
+        Generation(
+            "v6e", 1, False, "chips", 2, 32, 918, 1638, "cloud.google.com/tpu/docs/v6e", ("TPU v6 lite", "TPU v6e")
+        ),
+        Generation("tpu7x", 2, False, "cores", 3, 192, 2307, 7380, "cloud.google.com/tpu/docs/tpu7x", ("TPU7x",)),
     )
+}
+
+# GPUs: dense bf16 TFLOP/s per device (sparsity excluded, as MaxText and nanoGPT count it).
+GPUS: dict[str, tuple[float, str]] = {
+    "A100": (312.0, "NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense"),
+    "H100 PCIe": (756.0, "NVIDIA H100 datasheet: PCIe 756 TFLOP/s bf16 dense (1513 sparse)"),
+    "H100": (989.0, "NVIDIA H100 datasheet: SXM 989 TFLOP/s bf16 dense (1979 sparse)"),
+    "H200": (989.0, "NVIDIA H200 datasheet: 989 TFLOP/s bf16 dense (1979 sparse)"),
 }
 
 # The usual names, for the error message and the docs; any power-of-two size parses.
@@ -216,3 +239,77 @@ def devices(target: Target) -> list[Any]:
             f"libtpu describes {target.topology} as {len(found)} devices, xlafit expected {target.num_devices}."
         )
     return found
+
+
+# MFU = model FLOPs per second achieved / peak FLOP/s (PaLM, Chowdhery et al. 2022, app. B). A
+# float32 model is measured against the same bf16 peak, so its MFU reads low by design. CPUs have
+# no honest datasheet number, so their peak is a float32 matrix product measured on the spot.
+
+
+def device_peaks() -> dict[str, tuple[float, str]]:
+    """``device_kind`` -> (dense bf16 TFLOP/s per JAX device, source), from both tables.
+
+    TPU v2/v3 show each of a chip's two TensorCores as a device, so the chip's peak is halved;
+    v4 and v5p (megacore) and the single-core v5e/v6e chips are one device per chip.
+    """
+    out = dict(GPUS)
+    for g in GENERATIONS.values():
+        per_device = g.bf16_tflops / (1 if g.megacore else g.cores_per_chip)
+        for kind in g.device_kinds:
+            out[kind] = (per_device, f"{g.source}: {g.bf16_tflops:g} TFLOP/s per chip, {g.cores_per_chip} core(s)")
+    return out
+
+
+def table_peak(device_kind: str) -> tuple[float, str] | None:
+    """``(peak FLOP/s, source)`` of one device from :func:`device_peaks`, or None.
+
+    The longest matching name wins, so "H100 PCIe" is not read as "H100".
+
+    Example:
+        >>> table_peak("NVIDIA H100 80GB HBM3")[0]
+        989000000000000.0
+        >>> table_peak("cpu") is None
+        True
+    """
+    peaks = device_peaks()
+    matches = [name for name in peaks if name.lower() in device_kind.lower()]
+    if not matches:
+        return None
+    tflops, source = peaks[max(matches, key=len)]
+    return tflops * 1e12, source
+
+
+def measured_cpu_peak(n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of an ``n x n`` float32 matrix product on this machine's CPU, all cores.
+
+    The median of ``repeats`` timed products after one warm-up. Simulated CPU devices share
+    these cores, so this is the peak of the whole machine, not of one simulated device.
+    """
+    cpu = jax.devices("cpu")[0]
+    a = jax.device_put(jax.random.normal(jax.random.key(0), (n, n), jnp.float32), cpu)
+    matmul = jax.jit(jnp.matmul)
+    matmul(a, a).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        matmul(a, a).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times)
+
+
+def peak_flops(devices: list[jax.Device]) -> tuple[float, str]:
+    """``(peak FLOP/s, how it was found)`` of ``devices`` together.
+
+    Raises:
+        LookupError: an accelerator missing from :data:`GENERATIONS` and :data:`GPUS`.
+    """
+    if devices[0].platform == "cpu":
+        return measured_cpu_peak(), "float32 2048^3 matmul measured on this CPU (all cores)"
+    found = table_peak(devices[0].device_kind)
+    if found is None:
+        raise LookupError(
+            f"no peak FLOP/s known for {devices[0].device_kind!r}; add it to xlafit.platform.hardware.GPUS "
+            "(or to a TPU generation's device_kinds)."
+        )
+    per_device, source = found
+    return per_device * len(devices), f"{len(devices)} x {source}"
