@@ -44,7 +44,11 @@ from xlafit.config import TrainerConfig
 from xlafit.data.dataset import as_dataset
 from xlafit.data.shapes import compare_plans
 from xlafit.errors import ConfigError
+from xlafit.integrations.keras import adapt, is_keras_model
+from xlafit.parallel.sharding import parse_rules
 from xlafit.platform.hardware import parse_targets
+from xlafit.recipes import get_recipe, load_config
+from xlafit.train.optim import make_optimizer
 from xlafit.train.step import TrainState, build_train_step
 
 
@@ -261,8 +265,6 @@ def check_file(path: str | Path, tpu: str | None = None, max_batch: bool = False
             namespace = runpy.run_path(str(path), run_name="__xlafit_check__")
         except Exception as e:
             raise _load_error(path, e) from None
-        from xlafit.integrations.keras import adapt, is_keras_model
-
         if is_keras_model(namespace.get("model")):  # a Keras 3 model: its compiled loss unless loss_fn is given
             namespace["model"], namespace["loss_fn"] = adapt(namespace["model"], namespace.get("loss_fn"))
         missing = [name for name in ("model", "loss_fn", "batch") if name not in namespace]
@@ -335,10 +337,6 @@ def check_recipe(
     run's own optimizer, batch sizes (``data.per_device_batch`` or ``data.global_batch``
     over each target's cores) and loop settings; the model is built abstractly.
     """
-    from xlafit.parallel.sharding import parse_rules
-    from xlafit.recipes import get_recipe, load_config
-    from xlafit.train.optim import make_optimizer
-
     _positive("--per-device-batch", options.get("per_device_batch"))
     _positive("--global-batch", options.get("global_batch"))
     cfg = load_config(name, overrides or [])

@@ -29,6 +29,7 @@ from xlafit.models.bert import BertForMaskedLM
 from xlafit.models.resnet import ResNet
 from xlafit.recipes import config_from_dict
 from xlafit.recipes.bert import bert_config
+from xlafit.recipes.resnet import CLASSES_FILE, NORMALISATION, augmentation, image_size, normalisation, resnet_config
 from xlafit.run import checkpoint_dir
 
 
@@ -122,16 +123,12 @@ def _value(saved: Any, path: str, like: Any) -> jax.Array:
 def _classes(run: Any) -> list[str] | None:
     """The class names a resnet run recorded (``classes.json``); None for synthetic data or a
     run from before they were recorded (the export then names them LABEL_0, LABEL_1, ...)."""
-    from xlafit.recipes.resnet import CLASSES_FILE
-
     names = run / CLASSES_FILE
     return json.loads(names.read_text()) if names.exists() else None
 
 
 def _image_processor(cfg: Config) -> dict[str, Any]:
     """The evaluation transform of a resnet run, as Hugging Face's image processor config."""
-    from xlafit.recipes.resnet import NORMALISATION, augmentation, image_size, normalisation
-
     mean, std = NORMALISATION[normalisation(cfg)]
     return image_processor_config(image_size(cfg), augmentation(cfg)[2], mean, std)
 
@@ -142,8 +139,6 @@ def _resnet(cfg: Config, arrays: Any) -> ResNet:
     The recipe's model holds the network as ``net`` (behind its input normalisation); the
     input channels and classes are read off the stem and the classifier.
     """
-    from xlafit.recipes.resnet import resnet_config
-
     params = {path_name(p): v for p, v in jax.tree_util.tree_flatten_with_path(arrays["params"])[0]}
     prefix = "net/" if any(k.startswith("net/stem/") for k in params) else ""
     stem = next(v for k, v in params.items() if k.startswith(f"{prefix}stem/conv/kernel"))

@@ -252,5 +252,3 @@ def from_hf(directory: str | Path, rngs: nnx.Rngs | None = None, **overrides: An
     from_hf_state(model, state)
     assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(nnx.state(model))), "a variable was not loaded"
     return model
-
-

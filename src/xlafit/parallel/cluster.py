@@ -20,6 +20,7 @@ from collections.abc import Mapping
 import jax
 
 from xlafit.errors import DeviceError
+from xlafit.io.cache import enable_compilation_cache
 from xlafit.parallel.mesh import Strategy, make_mesh
 from xlafit.platform.cpu import (
     DEFAULT_YNN_FUSION,
@@ -29,6 +30,7 @@ from xlafit.platform.cpu import (
     accelerator_present,
     keep_freed_memory,
 )
+from xlafit.platform.hardware import quiet_stderr
 
 SIMULATE_ENV = "XLAFIT_SIMULATE_DEVICES"
 COORDINATOR_ENV = "XLAFIT_COORDINATOR"
@@ -36,6 +38,7 @@ NUM_PROCESSES_ENV = "XLAFIT_NUM_PROCESSES"
 PROCESS_ID_ENV = "XLAFIT_PROCESS_ID"
 INIT_TIMEOUT_ENV = "XLAFIT_INIT_TIMEOUT_S"  # how long to wait for every process to join
 DISTRIBUTED_ENV = "XLAFIT_DISTRIBUTED"  # "1": join a job that JAX detects (TPU pod slice, ...)
+
 
 # XLA:CPU library paths: which operations go to YNNPACK. dot,eltwise,reduce was measured
 # fastest for the CNN/MLP workloads here, dot alone for BERT (BENCHMARKS.md). Only applied
@@ -99,8 +102,6 @@ def configure(
                 f"simulate={simulate}) before any other JAX call, or set {SIMULATE_ENV}={simulate}."
             )
         return
-    from xlafit.io.cache import enable_compilation_cache
-
     enable_compilation_cache()
     platforms = jax.config.jax_platforms or ""  # type: ignore[attr-defined]
     on_cpu = simulate is not None or platforms.split(",")[0] == "cpu" or (not platforms and not accelerator_present())
@@ -129,8 +130,6 @@ def start_backends() -> list[jax.Device]:
     of start-up errors on a host that has libtpu but no TPU; everything else on stderr stays."""
     if importlib.util.find_spec("libtpu") is None or any(glob.glob(p) for p in TPU_DEVICES):
         return jax.devices()
-    from xlafit.platform.hardware import quiet_stderr
-
     sys.stderr.flush()
     kept: list[str] = []
     try:

@@ -25,6 +25,7 @@ from flax import nnx, struct
 from xlafit.config import TrainerConfig
 from xlafit.errors import ConfigError, RecompileError
 from xlafit.parallel.mesh import Strategy, is_prng_key
+from xlafit.parallel.sharding import DEFAULT_RULES, activation_layout
 
 log = logging.getLogger("xlafit")
 
@@ -569,8 +570,6 @@ def make_steps(
 
 def _with_activation_layout(fn: Callable, strategy: Strategy) -> Callable:
     """``fn`` traced with :func:`xlafit.parallel.sharding.constrain` active on the strategy's mesh."""
-    from xlafit.parallel.sharding import DEFAULT_RULES, activation_layout
-
     rules = strategy.rules if strategy.rules is not None else DEFAULT_RULES
 
     def traced(*args: Any) -> Any:
