@@ -38,7 +38,9 @@ from typing import Any
 import numpy as np
 
 from xlafit.bench.worker import Spec
+from xlafit.data import mnist
 from xlafit.errors import BenchError, ConfigError
+from xlafit.models.resnet import DEPTHS
 
 BENCH_RECIPES = ("mnist", "resnet")
 PEERS = ("torch", "torch-compile")
@@ -230,36 +232,11 @@ def run_bench(
         profile_dir: where the traces go (one folder per row).
         progress: receives a line per finished run.
     """
-    if recipe not in BENCH_RECIPES:
-        raise ConfigError(f"unknown benchmark recipe {recipe!r}; available: {', '.join(BENCH_RECIPES)}.")
-    checks = [
-        ("steps", steps),
-        ("repeats", repeats),
-        ("batch", batch),
-        *[("steps-per-call", k) for k in steps_per_call],
-    ]
-    for name, value in checks:
-        if value < 1:
-            raise ConfigError(f"--{name} must be at least 1, got {value}.")
-    if warmup < 0:
-        raise ConfigError(f"--warmup must be 0 or more, got {warmup}.")
-    if profile < 0:
-        raise ConfigError(f"--profile must be 0 (no trace) or more steps, got {profile}.")
-    if epochs is not None and epochs <= 0:
-        raise ConfigError(f"--epochs must be more than 0, got {epochs}.")
-    if simulate is not None and simulate < 1:
-        raise ConfigError(f"--simulate must be at least 1 device, got {simulate}.")
-    if examples is not None and examples < 1:
-        raise ConfigError(f"--examples must be at least 1, got {examples}.")
+    _check_options(recipe, steps, warmup, repeats, batch, steps_per_call, epochs, profile, simulate, examples)
     if recipe == "resnet":
+        _check_resnet(depth, width, image_size)
         data = "synthetic"  # same-shape random images: the benchmark times the step, not a decoder
         examples = examples or 8 * batch
-        from xlafit.models.resnet import DEPTHS
-
-        if depth not in DEPTHS:
-            raise ConfigError(f"--depth {depth}: ResNet depths are {', '.join(map(str, sorted(DEPTHS)))}.")
-        if width < 1 or image_size < 32:
-            raise ConfigError(f"--width must be at least 1 and --image-size at least 32, got {width}, {image_size}.")
     examples = examples or 60_000
     n_train = _train_size(data, examples)
     steps_per_epoch = n_train // batch
@@ -271,33 +248,19 @@ def run_bench(
     if epochs is not None:
         base.steps = max(1, round(epochs * steps_per_epoch))
     configs = plan_configs(devices, steps_per_call, compare, probe, base, simulate)
-    runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in configs}
-    for r in range(repeats):
-        for c in configs:
-            spec = c.spec
-            if spec.profile_steps:
-                folder = c.name.replace(" ", "-").replace("(", "").replace(")", "")
-                spec = dataclasses.replace(spec, profile_dir=str(Path(profile_dir) / folder))
-                if r:  # one trace per configuration is enough
-                    spec.profile_steps = 0
-            runs[c.name].append(run_worker(spec, c.simulate))
-            last = runs[c.name][-1]
-            faults = last.get("page_faults")
-            faults_text = "" if faults is None else f", page faults/step {faults / last['steps']:,.0f}"
-            progress(
-                f"round {r + 1}/{repeats}  {c.name}: {batch * last['steps'] / last['wall_s']:.0f} examples/s, "
-                f"input wait {100 * last['wait_s'] / last['wall_s']:.1f}%{faults_text}"
-            )
-    cpu = probe["platform"] == "cpu"
-    rows = []
-    for c in configs:
-        n = runs[c.name][0]["devices"]
-        # simulated CPU devices share the machine's cores: its peak is the whole machine's
-        peak = probe["peak_flops_per_device"] * (1 if cpu else n)
-        rows.append(summarize(c.name, runs[c.name], steps_per_epoch, batch, peak))
-        rows[-1]["peak_flops"] = peak
-    for row in rows:
-        row["speedup"] = row["examples_per_s"] / rows[0]["examples_per_s"]
+    runs = _run_rounds(configs, repeats, batch, Path(profile_dir), progress)
+    settings = {
+        "batch": batch,
+        "warmup": warmup,
+        "steps": base.steps,
+        "repeats": repeats,
+        "steps_per_call": list(steps_per_call),
+        "dtype": dtype,
+        "data": data,
+        "train_examples": n_train,
+        "steps_per_epoch": steps_per_epoch,
+        **({"depth": depth, "width": width, "image_size": image_size} if recipe == "resnet" else {}),
+    }
     return {
         "recipe": recipe,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -313,22 +276,87 @@ def run_bench(
             "python": platform.python_version(),
         },
         "peak": {"flops_per_device": probe["peak_flops_per_device"], "source": probe["peak_source"]},
-        "settings": {
-            "batch": batch,
-            "warmup": warmup,
-            "steps": base.steps,
-            "repeats": repeats,
-            "steps_per_call": list(steps_per_call),
-            "dtype": dtype,
-            "data": data,
-            "train_examples": n_train,
-            "steps_per_epoch": steps_per_epoch,
-            **({"depth": depth, "width": width, "image_size": image_size} if recipe == "resnet" else {}),
-        },
+        "settings": settings,
         "versions": _versions(runs),
-        "rows": rows,
+        "rows": _rows(configs, runs, probe, steps_per_epoch, batch),
         "runs": runs,
     }
+
+
+def _check_options(
+    recipe: str,
+    steps: int,
+    warmup: int,
+    repeats: int,
+    batch: int,
+    steps_per_call: Sequence[int],
+    epochs: float | None,
+    profile: int,
+    simulate: int | None,
+    examples: int | None,
+) -> None:
+    """Refuses impossible settings before any worker starts, naming the flag."""
+    if recipe not in BENCH_RECIPES:
+        raise ConfigError(f"unknown benchmark recipe {recipe!r}; available: {', '.join(BENCH_RECIPES)}.")
+    at_least_one = [("steps", steps), ("repeats", repeats), ("batch", batch)]
+    at_least_one += [("steps-per-call", k) for k in steps_per_call]
+    at_least_one += [("simulate", simulate or 1), ("examples", 1 if examples is None else examples)]
+    for name, value in at_least_one:
+        if value < 1:
+            raise ConfigError(f"--{name} must be at least 1, got {value}.")
+    if warmup < 0:
+        raise ConfigError(f"--warmup must be 0 or more, got {warmup}.")
+    if profile < 0:
+        raise ConfigError(f"--profile must be 0 (no trace) or more steps, got {profile}.")
+    if epochs is not None and epochs <= 0:
+        raise ConfigError(f"--epochs must be more than 0, got {epochs}.")
+
+
+def _check_resnet(depth: int, width: int, image_size: int) -> None:
+    if depth not in DEPTHS:
+        raise ConfigError(f"--depth {depth}: ResNet depths are {', '.join(map(str, sorted(DEPTHS)))}.")
+    if width < 1 or image_size < 32:
+        raise ConfigError(f"--width must be at least 1 and --image-size at least 32, got {width}, {image_size}.")
+
+
+def _run_rounds(
+    configs: list[Any], repeats: int, batch: int, profile_dir: Path, progress: Callable[[str], None]
+) -> dict[str, list[dict[str, Any]]]:
+    """Every configuration once per round, interleaved, so machine noise hits all alike."""
+    runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in configs}
+    for r in range(repeats):
+        for c in configs:
+            spec = c.spec
+            if spec.profile_steps:
+                folder = c.name.replace(" ", "-").replace("(", "").replace(")", "")
+                spec = dataclasses.replace(spec, profile_dir=str(profile_dir / folder))
+                if r:  # one trace per configuration is enough
+                    spec.profile_steps = 0
+            last = run_worker(spec, c.simulate)
+            runs[c.name].append(last)
+            faults = last.get("page_faults")
+            faults_text = "" if faults is None else f", page faults/step {faults / last['steps']:,.0f}"
+            progress(
+                f"round {r + 1}/{repeats}  {c.name}: {batch * last['steps'] / last['wall_s']:.0f} examples/s, "
+                f"input wait {100 * last['wait_s'] / last['wall_s']:.1f}%{faults_text}"
+            )
+    return runs
+
+
+def _rows(
+    configs: list[Any], runs: dict[str, list[dict[str, Any]]], probe: dict[str, Any], steps_per_epoch: int, batch: int
+) -> list[dict[str, Any]]:
+    """The table: one row per configuration, medians, speed-up against the first row."""
+    rows = []
+    for c in configs:
+        n = runs[c.name][0]["devices"]
+        # simulated CPU devices share the machine's cores: its peak is the whole machine's
+        peak = probe["peak_flops_per_device"] * (1 if probe["platform"] == "cpu" else n)
+        rows.append(summarize(c.name, runs[c.name], steps_per_epoch, batch, peak))
+        rows[-1]["peak_flops"] = peak
+    for row in rows:
+        row["speedup"] = row["examples_per_s"] / rows[0]["examples_per_s"]
+    return rows
 
 
 def _versions(runs: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
@@ -342,8 +370,6 @@ def _versions(runs: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
 def _train_size(data: str, examples: int) -> int:
     if data == "synthetic":
         return examples
-    from xlafit.data import mnist
-
     splits = mnist.load_embedded() if data == "embedded" else mnist.load_idx_dir(data)
     return len(splits["train"]["label"])
 

@@ -8,6 +8,7 @@ Imported only inside a benchmark worker process (torch is an optional dependency
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -142,20 +143,7 @@ def _timed_training(
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    # NHWC (JAX's layout) -> NCHW (PyTorch's); the whole set lives on the device, as a
-    # DataLoader with pinned memory would have it ready.
-    x_all = torch.from_numpy(np.ascontiguousarray(images.transpose(0, 3, 1, 2))).to(device)
-    y_all = torch.from_numpy(labels.astype(np.int64)).to(device)
-    n = len(labels)
-    perm, pos = torch.randperm(n, device=device), 0
-
-    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        nonlocal perm, pos
-        if pos + batch > n:
-            perm, pos = torch.randperm(n, device=device), 0
-        idx = perm[pos : pos + batch]
-        pos += batch
-        return x_all[idx], y_all[idx]
+    next_batch = _sampler(images, labels, batch, device)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
@@ -213,3 +201,25 @@ def _timed_training(
         "peak_rss_bytes": peak_rss_bytes(),
         "versions": {"torch": torch.__version__},
     }
+
+
+def _sampler(images: np.ndarray, labels: np.ndarray, batch: int, device: str) -> Callable[[], tuple[Any, Any]]:
+    """Random batches without replacement, reshuffled each epoch, from a set that lives on the
+    device (as a DataLoader with pinned memory would have it ready)."""
+    import torch
+
+    # NHWC (JAX's layout) -> NCHW (PyTorch's)
+    x_all = torch.from_numpy(np.ascontiguousarray(images.transpose(0, 3, 1, 2))).to(device)
+    y_all = torch.from_numpy(labels.astype(np.int64)).to(device)
+    n = len(labels)
+    perm, pos = torch.randperm(n, device=device), 0
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        nonlocal perm, pos
+        if pos + batch > n:
+            perm, pos = torch.randperm(n, device=device), 0
+        idx = perm[pos : pos + batch]
+        pos += batch
+        return x_all[idx], y_all[idx]
+
+    return next_batch
