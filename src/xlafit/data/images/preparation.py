@@ -189,6 +189,53 @@ def _write_shard(fs: fsspec.AbstractFileSystem, path: str, rows: list[tuple[byte
     return hashlib.sha256(data).hexdigest()
 
 
+def _write_split(
+    split: str,
+    files: list[tuple[str, int]],
+    decode: Callable[..., Iterator[tuple[bytes, int, str | None]]],
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    out: str,
+    root_dir: Path,
+    shard_size: int,
+    on_corrupt: OnCorrupt,
+) -> tuple[dict, int]:
+    """One split's images, checked by ``decode`` (in worker processes), as shards of
+    ``shard_size``: ``(its manifest entry, the most channels seen)``."""
+    shards: list[dict] = []
+    skipped: list[dict] = []
+    rows: list[tuple[bytes, int, str]] = []
+    channels = 1
+
+    def flush() -> None:
+        if rows:
+            name = f"{split}-{len(shards):05d}.parquet"
+            with writing(out, "the image shards"):
+                digest = _write_shard(fs, f"{root}/{name}", rows)
+            shards.append(
+                {"path": name, "examples": len(rows), "bytes": sum(len(r[0]) for r in rows), "sha256": digest}
+            )
+            rows.clear()
+
+    paths = [f for f, _ in files]
+    for (path, label), (data, ch, error) in zip(files, decode(_check_image, paths), strict=True):
+        name = _printable(os.path.relpath(path, root_dir))
+        if error is not None:
+            if on_corrupt == "stop":
+                raise DataError(
+                    f"{_printable(path)} cannot be decoded ({error}); remove or replace it, or pass "
+                    "--on-corrupt skip to leave it out (it is then listed in the manifest)."
+                )
+            skipped.append({"file": name, "error": error})
+            continue
+        channels = max(channels, ch)
+        rows.append((data, label, name))
+        if len(rows) >= shard_size:
+            flush()
+    flush()
+    return {"examples": sum(s["examples"] for s in shards), "shards": shards, "skipped": skipped}, channels
+
+
 def prepare(
     input_dir: str | Path,
     out: str,
@@ -243,42 +290,10 @@ def prepare(
             pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(workers, mp_context=spawn))
             decode = functools.partial(pool.map, chunksize=64)
         for split, files in splits.items():
-            shards: list[dict] = []
-            skipped: list[dict] = []
-            rows: list[tuple[bytes, int, str]] = []
-
-            def flush(split: str = split, shards: list[dict] = shards, rows: list = rows) -> None:
-                if rows:
-                    name = f"{split}-{len(shards):05d}.parquet"
-                    with writing(out, "the image shards"):
-                        digest = _write_shard(fs, f"{root}/{name}", rows)
-                    n = len(rows)
-                    shards.append(
-                        {"path": name, "examples": n, "bytes": sum(len(r[0]) for r in rows), "sha256": digest}
-                    )
-                    rows.clear()
-
-            paths = [f for f, _ in files]
-            for (path, label), (data, ch, error) in zip(files, decode(_check_image, paths), strict=True):
-                name = _printable(os.path.relpath(path, root_dir))
-                if error is not None:
-                    if on_corrupt == "stop":
-                        raise DataError(
-                            f"{_printable(path)} cannot be decoded ({error}); remove or replace it, or pass "
-                            "--on-corrupt skip to leave it out (it is then listed in the manifest)."
-                        )
-                    skipped.append({"file": name, "error": error})
-                    continue
-                channels = max(channels, ch)
-                rows.append((data, label, name))
-                if len(rows) >= shard_size:
-                    flush()
-            flush()
-            manifest_splits[split] = {
-                "examples": sum(s["examples"] for s in shards),
-                "shards": shards,
-                "skipped": skipped,
-            }
+            manifest_splits[split], ch = _write_split(
+                split, files, decode, fs, root, out, root_dir, shard_size, on_corrupt
+            )
+            channels = max(channels, ch)
     if not manifest_splits["train"]["examples"]:
         raise DataError(f"{input_dir}: no training image could be decoded.")
     manifest = {
