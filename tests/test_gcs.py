@@ -156,7 +156,7 @@ def test_mlm_pipeline_on_gcs_tokenizer_shards_train_kill_resume_export(gcs, tmp_
     from xlafit.data.mlm import prepare
     from xlafit.data.text import expand_inputs, korean_demo_files
     from xlafit.data.tokenizer import train_tokenizer
-    from xlafit.hf.export import export_hf
+    from xlafit.export import export_hf
     from xlafit.io.paths import download_dir
 
     b = gcs.bucket

@@ -488,7 +488,7 @@ def test_a_nonfinite_batch_leaves_the_batch_statistics_alone(strategy8, pictures
 def test_a_resnet_run_exports_to_hugging_face(tmp_path):
     """The recipe's run -> ``xlafit export hf`` -> ``from_pretrained``: the same logits, with
     the running statistics the run trained."""
-    from xlafit.hf.export import export_hf
+    from xlafit.export import export_hf
     from xlafit.recipes import load_config
     from xlafit.run import train_and_evaluate
 
@@ -520,14 +520,14 @@ def test_a_resnet_run_exports_to_hugging_face(tmp_path):
 def test_exporting_a_small_stem_run_is_a_usage_error_not_a_traceback(tmp_path, monkeypatch, capsys):
     """resnet_hf's HFFormatError is the one the command reports (it once had a class of its
     own, and `xlafit export hf` of a small-stem run ended in a traceback, exit 1)."""
-    import xlafit.hf.export
+    import xlafit.export
     from xlafit.cli import main
     from xlafit.hf import bert as bert_hf
 
     assert HFFormatError is bert_hf.HFFormatError
     small = nnx.eval_shape(lambda: ResNet(18, 4, width=4, small_stem=True, rngs=nnx.Rngs(0)))
     # the export of a small-stem run's model, without training one: save_hf raises the same way
-    monkeypatch.setattr(xlafit.hf.export, "export_hf", lambda run, out, step: (save_hf(small, out), step))
+    monkeypatch.setattr(xlafit.export, "export_hf", lambda run, out, step: (save_hf(small, out), step))
     assert main(["export", "hf", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("xlafit: error: this ResNet has the small (3x3, no max-pool) stem") and "Traceback" not in err

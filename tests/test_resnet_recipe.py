@@ -228,7 +228,7 @@ def test_an_exported_run_names_its_classes_and_prepares_images_as_its_evaluation
     from PIL import Image
 
     from xlafit.data.images import Augment
-    from xlafit.hf.export import export_hf
+    from xlafit.export import export_hf
     from xlafit.recipes import load_config
     from xlafit.run import train_and_evaluate
 

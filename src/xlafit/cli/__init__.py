@@ -476,7 +476,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from xlafit.hf.export import export_hf
+    from xlafit.export import export_hf
 
     out, step = export_hf(args.run_dir, args.out, args.step)
     from xlafit.io.paths import as_path
