@@ -5,6 +5,9 @@ takes well under one.
 """
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -16,10 +19,18 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xlafit.check import check_file, check_recipe
-from xlafit.check.tpu import Program, _needed_bytes, _no_persistent_cache, check_target, format_report
+from xlafit.check.tpu import (
+    Program,
+    TargetReport,
+    _needed_bytes,
+    _no_persistent_cache,
+    check_target,
+    format_report,
+    levers,
+)
 from xlafit.cli import main
 from xlafit.config import TrainerConfig
-from xlafit.errors import ConfigError
+from xlafit.errors import ConfigError, XlafitError
 from xlafit.platform import hardware as tpu
 
 CASES = Path(__file__).parent / "check_cases"
@@ -188,9 +199,37 @@ def test_too_big_for_v5e_fits_v5p_and_says_by_how_much():
     assert "exceeds available HBM" in v5e.message and v5e.margin < 0
     assert v5p.fits is True and v5p.margin > 0 and v5p.memory["total"] > 16 * 2**30
     text = report.format()
-    assert "does not fit" in text and "levers:" in text and "accumulate_steps" in text
+    assert "does not fit" in text and "levers, most promising first" in text and "accumulate_steps" in text
     assert "v5p-8" in text and "yes" in text.splitlines()[-3]  # the table: v5p-8 fits
     assert not report.ok
+    # The state (parameters + Adam's moments, ~19 GiB a core) is what does not fit: splitting it
+    # comes first, in the syntax a file takes, and a file's per-core batch is a flag, not a key.
+    assert v5e.levers[0].startswith("FSDP: mesh.fsdp=8")
+    assert any("--per-device-batch 4" in lever for lever in v5e.levers)
+    assert not any("data.per_device_batch" in lever or "model." in lever for lever in v5e.levers)
+
+
+def test_a_user_file_is_checked_under_the_mesh_it_is_given():
+    """FSDP over the 8 cores splits the ~19 GiB of state: the model that does not fit
+    data-parallel fits, and its state per core is an eighth."""
+    (r,) = check_file(CASES / "tpu_big.py", ["mesh.fsdp=8"], tpu="v5e-8").tpu
+    assert r.fits is True and "fsdp=8" in r.layout
+    assert r.memory["state"] < 3.5 * 2**30
+
+
+@pytest.mark.parametrize(
+    ("overrides", "tpu_target", "message"),
+    [
+        (["foo.bar=3"], "v5e-1", r"unknown override foo\.\*.*Valid keys: mesh\.data, .*trainer\.epochs"),
+        (["trainer.bogus=1"], "v5e-1", r"unknown config key trainer\.bogus\. Valid keys here: trainer\.epochs"),
+        (["mesh.fsdp=3"], "v5e-8", r"mesh data=-1 x fsdp=3 x tensor=1 cannot cover 8 devices: 3 does not divide 8"),
+        (["mesh.fsdp=8"], None, r"overrides apply to the compile for a TPU slice; add --tpu"),
+    ],
+)
+def test_a_user_files_overrides_are_checked(overrides, tpu_target, message):
+    with pytest.raises(XlafitError, match=message) as e:
+        check_file(CASES / "clean.py", overrides, tpu=tpu_target)
+    assert "\n" not in str(e.value)
 
 
 def test_max_batch_is_the_largest_that_fits(capsys):
@@ -421,3 +460,36 @@ def test_inspect_shows_no_libtpu_start_up_errors_either(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "parameters at step 1: sha256" in run.stdout
     assert "could not determine TPU" not in run.stderr and "InitGoogle" not in run.stderr, run.stderr
+
+
+def test_max_batch_at_the_searchs_limit_is_a_lower_bound():
+    """A model that fits at any batch the search tries reports the limit as ">= limit", never as
+    the answer, and names how to search further."""
+    report = check_file(CASES / "clean.py", tpu="v5e-1", max_batch=64)
+    (r,) = report.tpu
+    assert r.max_batch == 64 and r.max_batch_limit == 64
+    assert "largest per-core batch that fits: >= 64 (the search's limit; --max-batch 256 searches further)" in (
+        report.format()
+    )
+
+
+def test_levers_follow_what_the_memory_is_made_of():
+    """Activations, not state, fill the core: a smaller or accumulated batch comes first, FSDP after."""
+    target = tpu.parse_target("v5e-8")
+    report = TargetReport("v5e-8", per_device_batch=64, capacity=16 * 2**30, memory={"state": 2**30})
+    program = Program(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), _mlp_loss, optax.sgd(0.1), TrainerConfig(), {}, 64)
+    found = levers(report, target, program)
+    assert found[0].startswith("a smaller per-core batch: data.per_device_batch=32")
+    assert any(lever.startswith("FSDP: mesh.fsdp=8") for lever in found)
+    assert levers(report, tpu.parse_target("v5e-1"), program)[0].startswith("a smaller")
+    assert not any("FSDP" in lever for lever in levers(report, tpu.parse_target("v5e-1"), program))  # one chip
+
+
+def test_checking_a_file_on_a_machine_without_a_tpu_is_quiet(tmp_path):
+    """Running a user's file starts JAX's backends; libtpu's start-up errors on a host without
+    a TPU (INVALID_ARGUMENT, 'could not determine TPU') are no finding and stay off the screen."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # as a user's shell has it
+    code = f"from xlafit.check import check_file; print(check_file({str(CASES / 'clean.py')!r}, tpu='v5e-1').ok)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.stdout.strip().endswith("True"), out.stderr[-2000:]
+    assert "could not determine TPU" not in out.stderr and "INVALID_ARGUMENT" not in out.stderr

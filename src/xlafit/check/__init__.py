@@ -24,11 +24,12 @@ from __future__ import annotations
 __all__ = ["Finding", "Report", "check_file", "check_recipe", "check_step", "classify", "to_json"]
 
 import contextlib
+import dataclasses
 import json
 import os
 import runpy
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +41,12 @@ from flax import nnx
 from xlafit.check.report import Report
 from xlafit.check.rules import Finding, classify
 from xlafit.check.tpu import TRACE_FAILURE, Program, check_targets
-from xlafit.config import TrainerConfig
+from xlafit.config import MeshConfig, TrainerConfig, deep_merge, from_dict, parse_overrides, validate_mesh
 from xlafit.data.dataset import as_dataset
 from xlafit.data.shapes import compare_plans
 from xlafit.errors import ConfigError
 from xlafit.integrations.keras import adapt, is_keras_model
+from xlafit.parallel.cluster import start_backends
 from xlafit.parallel.sharding import parse_rules
 from xlafit.platform.hardware import parse_targets
 from xlafit.recipes import get_recipe, load_config
@@ -202,7 +204,7 @@ def check_tpu(
     *,
     lengths: np.ndarray | None = None,
     max_shapes: int = 8,
-    max_batch: bool = False,
+    max_batch: bool | int = False,
 ) -> Report:
     """Compiles ``program`` for each TPU target of ``targets`` (``"v3-8,v5e-8"``); see
     :mod:`xlafit.check.tpu`. Rules 1 and 2 surface while tracing for the TPU, at the
@@ -245,76 +247,45 @@ def _load_error(path: Path, e: BaseException) -> ConfigError:
     return ConfigError(f"{path} failed while being loaded{where}: {type(e).__name__}: {e}")
 
 
-def check_file(path: str | Path, tpu: str | None = None, max_batch: bool = False, **options: Any) -> Report:
+def check_file(
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    tpu: str | None = None,
+    max_batch: bool | int = False,
+    **options: Any,
+) -> Report:
     """Runs the user file and checks its ``model``, ``loss_fn`` and ``batch``.
 
     With ``tpu`` (``"v3-8,v5e-8"``), compiles the step for those TPU slices instead of
     running it here (:mod:`xlafit.check.tpu`). The file may then also define ``optimizer``
-    (an optax transformation; default ``optax.adamw(1e-3)``) and ``config`` (a
-    :class:`~xlafit.TrainerConfig`: steps per call, accumulation, ``nan_policy``), and build ``model`` with
-    ``nnx.eval_shape`` and ``batch`` from ``jax.ShapeDtypeStruct``s: nothing is allocated.
+    (an optax transformation; default ``optax.adamw(1e-3)``), ``config`` (a
+    :class:`~xlafit.config.TrainerConfig`: steps per call, accumulation, ``nan_policy``) and
+    ``mesh`` (a :class:`~xlafit.config.MeshConfig`: FSDP, tensor parallelism), and build
+    ``model`` with ``nnx.eval_shape`` and ``batch`` from ``jax.ShapeDtypeStruct``s: nothing is
+    allocated. ``overrides`` (``["mesh.fsdp=-1", "trainer.accumulate_steps=4"]``) change the
+    file's ``mesh`` and ``config`` as they change a recipe's.
+
+    Example:
+        >>> check_file("big.py", ["mesh.fsdp=-1"], tpu="v5e-8")  # doctest: +SKIP
     """
     _positive("--per-device-batch", options.get("per_device_batch"))
     _positive("--global-batch", options.get("global_batch"))
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path} does not exist.")
+    nested = _file_overrides(overrides, tpu)
+    start_backends()  # quietly: libtpu's start-up errors on a machine without a TPU are no finding
     # The loss may import at trace time too: the file's imports stay possible until the end.
     with _importable(path):
-        try:
-            namespace = runpy.run_path(str(path), run_name="__xlafit_check__")
-        except Exception as e:
-            raise _load_error(path, e) from None
-        if is_keras_model(namespace.get("model")):  # a Keras 3 model: its compiled loss unless loss_fn is given
-            namespace["model"], namespace["loss_fn"] = adapt(namespace["model"], namespace.get("loss_fn"))
-        missing = [name for name in ("model", "loss_fn", "batch") if name not in namespace]
-        if missing:
-            raise ConfigError(
-                f"{path} must define model (an nnx.Module, or a compiled Keras 3 model), loss_fn(model, batch) "
-                f"(optional for Keras) and batch (a dict of arrays; {{'x': ..., 'y': ...}} for Keras); "
-                f"missing: {', '.join(missing)}."
-            )
-        if not isinstance(namespace["model"], nnx.Module):
-            raise ConfigError(
-                f"`model` in {path} is a {type(namespace['model']).__name__}, not an nnx.Module or a Keras 3 model."
-            )
+        namespace = _load_file(path)
         lengths = namespace.get("lengths")
         if lengths is None and namespace.get("dataset") is not None:
             lengths = _example_lengths(namespace["dataset"])
+        lengths = None if lengths is None else np.asarray(lengths)
         if tpu:
-            batch = namespace["batch"]
-            if not isinstance(batch, dict) or not batch:
-                raise ConfigError(f"`batch` in {path} must be a dict of arrays or jax.ShapeDtypeStructs.")
-            optimizer = namespace.get("optimizer", optax.adamw(1e-3))
-            if not isinstance(optimizer, optax.GradientTransformation):
-                raise ConfigError(f"`optimizer` in {path} must be an optax transformation, e.g. optax.adamw(1e-3).")
-            config = namespace.get("config", TrainerConfig())
-            if not isinstance(config, TrainerConfig):
-                raise ConfigError(
-                    f"`config` in {path} must be an xlafit.config.TrainerConfig, e.g. "
-                    f"TrainerConfig(nan_policy='skip'); it is a {type(config).__name__}."
-                )
-            example = _example(batch)  # checks every entry first: a one-line error, not a traceback
-            rows = np.shape(next(iter(batch.values())))[0]
-            global_batch = options.get("global_batch")
-            program = Program(
-                namespace["model"],
-                namespace["loss_fn"],
-                optimizer,
-                config,
-                example,
-                per_device_batch=options.get("per_device_batch") or (None if global_batch else rows),
-                global_batch=global_batch,
-                eval_global_batch=None,
-                user_file=str(path),
-            )
+            program = _file_program(path, namespace, nested, options)
             return check_tpu(
-                str(path),
-                program,
-                tpu,
-                lengths=None if lengths is None else np.asarray(lengths),
-                max_shapes=options.get("max_shapes", 8),
-                max_batch=max_batch,
+                str(path), program, tpu, lengths=lengths, max_shapes=options.get("max_shapes", 8), max_batch=max_batch
             )
         return check_step(
             str(path),
@@ -322,13 +293,98 @@ def check_file(path: str | Path, tpu: str | None = None, max_batch: bool = False
             namespace["loss_fn"],
             namespace["batch"],
             user_file=str(path),
-            lengths=None if lengths is None else np.asarray(lengths),
+            lengths=lengths,
             **options,
         )
 
 
+# What overrides of a user file may change: the file defines the model, its batch and its
+# optimizer itself.
+FILE_SECTIONS: dict[str, type] = {"mesh": MeshConfig, "trainer": TrainerConfig}
+
+
+def _file_overrides(overrides: Sequence[str], tpu: str | None) -> dict[str, Any]:
+    """``overrides`` as a nested dict of ``mesh`` and ``trainer`` keys; anything else, or any
+    override without ``tpu`` (the plain check runs one unsharded step here), is refused."""
+    nested = parse_overrides(overrides)
+    unknown = [key for key in nested if key not in FILE_SECTIONS]
+    if unknown:
+        valid = ", ".join(f"{name}.{f.name}" for name, cls in FILE_SECTIONS.items() for f in dataclasses.fields(cls))
+        raise ConfigError(
+            f"unknown override {unknown[0]}.*: a file's check takes mesh.* and trainer.* overrides (the file "
+            f"defines its model, batch and optimizer). Valid keys: {valid}."
+        )
+    if nested and not tpu:
+        raise ConfigError(
+            f"{overrides[0]}: overrides apply to the compile for a TPU slice; add --tpu TARGET (e.g. --tpu v5e-8). "
+            "Without it, xlafit check runs one plain step of the file's model on this machine."
+        )
+    return nested
+
+
+def _load_file(path: Path) -> dict[str, Any]:
+    """The names the user's file defines; a Keras model becomes an ``nnx.Module`` and its loss."""
+    try:
+        namespace = runpy.run_path(str(path), run_name="__xlafit_check__")
+    except Exception as e:
+        raise _load_error(path, e) from None
+    if is_keras_model(namespace.get("model")):  # a Keras 3 model: its compiled loss unless loss_fn is given
+        namespace["model"], namespace["loss_fn"] = adapt(namespace["model"], namespace.get("loss_fn"))
+    missing = [name for name in ("model", "loss_fn", "batch") if name not in namespace]
+    if missing:
+        raise ConfigError(
+            f"{path} must define model (an nnx.Module, or a compiled Keras 3 model), loss_fn(model, batch) "
+            f"(optional for Keras) and batch (a dict of arrays; {{'x': ..., 'y': ...}} for Keras); "
+            f"missing: {', '.join(missing)}."
+        )
+    if not isinstance(namespace["model"], nnx.Module):
+        raise ConfigError(
+            f"`model` in {path} is a {type(namespace['model']).__name__}, not an nnx.Module or a Keras 3 model."
+        )
+    return namespace
+
+
+def _file_program(path: Path, namespace: dict[str, Any], nested: dict[str, Any], options: dict[str, Any]) -> Program:
+    """What to compile for a user file: its model, loss, optimizer, ``config`` and ``mesh``
+    with the overrides applied, and the batch's layout."""
+    batch = namespace["batch"]
+    if not isinstance(batch, dict) or not batch:
+        raise ConfigError(f"`batch` in {path} must be a dict of arrays or jax.ShapeDtypeStructs.")
+    optimizer = namespace.get("optimizer", optax.adamw(1e-3))
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise ConfigError(f"`optimizer` in {path} must be an optax transformation, e.g. optax.adamw(1e-3).")
+    settings = {}
+    for name, cls in FILE_SECTIONS.items():
+        defined = namespace.get("config" if name == "trainer" else name, cls())
+        if not isinstance(defined, cls):
+            raise ConfigError(
+                f"`{'config' if name == 'trainer' else name}` in {path} must be an xlafit.config.{cls.__name__}, "
+                f"e.g. {cls.__name__}(); it is a {type(defined).__name__}."
+            )
+        settings[name] = from_dict(cls, deep_merge(dataclasses.asdict(defined), nested.get(name, {})), f"{name}.")
+    mesh, config = settings["mesh"], settings["trainer"]
+    validate_mesh(mesh, config)
+    example = _example(batch)  # checks every entry first: a one-line error, not a traceback
+    rows = np.shape(next(iter(batch.values())))[0]
+    global_batch = options.get("global_batch")
+    return Program(
+        namespace["model"],
+        namespace["loss_fn"],
+        optimizer,
+        config,
+        example,
+        per_device_batch=options.get("per_device_batch") or (None if global_batch else rows),
+        global_batch=global_batch,
+        eval_global_batch=None,
+        user_file=str(path),
+        mesh=mesh.sizes,
+        rules=parse_rules(mesh.rules),
+        batch_syntax="--per-device-batch {n}",
+    )
+
+
 def check_recipe(
-    name: str, overrides: list[str] | None = None, tpu: str | None = None, max_batch: bool = False, **options: Any
+    name: str, overrides: list[str] | None = None, tpu: str | None = None, max_batch: bool | int = False, **options: Any
 ) -> Report:
     """Checks a recipe's model, loss and a batch of its data (and, for bert, the lengths
     of its tokenized corpus against the padding plans).
@@ -339,6 +395,7 @@ def check_recipe(
     """
     _positive("--per-device-batch", options.get("per_device_batch"))
     _positive("--global-batch", options.get("global_batch"))
+    start_backends()  # quietly, as for a file
     cfg = load_config(name, overrides or [])
     recipe = get_recipe(name)
     recipe.validate(cfg)
@@ -364,12 +421,23 @@ def check_recipe(
             tokens_per_example=work.get("tokens_per_example"),
             mesh=cfg.mesh.sizes,
             rules=parse_rules(cfg.mesh.rules),
+            model_levers=_model_levers(cfg.model),
         )
         return check_tpu(name, program, tpu, max_batch=max_batch)
     lengths = recipe.sequence_lengths(cfg)
     rows = options.get("per_device_batch") or 8
     batch = train.take(np.arange(min(rows, len(train))))
     return check_step(name, recipe.build_model(cfg, train), recipe.loss_fn, batch, lengths=lengths, **options)
+
+
+def _model_levers(model: Any) -> tuple[tuple[str, str], ...]:
+    """The memory levers a recipe's model settings offer, for a run that does not fit."""
+    found = []
+    if getattr(model, "remat", None) == "none":
+        found.append(("activations", "rematerialisation: model.remat=full or dots_saveable (activations recomputed)"))
+    if getattr(model, "compute_dtype", None) == "float32":
+        found.append(("activations", "bf16 compute: model.compute_dtype=bfloat16 (parameters stay float32)"))
+    return tuple(found)
 
 
 def to_json(report: Report) -> str:

@@ -54,15 +54,8 @@ from xlafit.parallel.sharding import bytes_per_device
 from xlafit.platform import hardware as tpu
 from xlafit.train.step import LossFn, abstract_state, make_steps, state_shardings
 
-LEVERS = (
-    "smaller per-core batch (data.per_device_batch, or --max-batch to find the largest that fits)",
-    "bf16 compute (model.compute_dtype=bfloat16 in the recipes; param_dtype stays float32)",
-    "gradient accumulation (trainer.accumulate_steps=N: the same global batch in N micro-batches)",
-    "fewer steps per call (trainer.steps_per_call: each call holds its k batches)",
-    "FSDP (mesh.fsdp=-1: parameters and optimizer state split over the cores instead of copied to each)",
-    "rematerialisation (model.remat=full or dots_saveable in bert: activations recomputed, not kept)",
-    "a TPU with more HBM per core (v5p: 95 GiB per chip, v6e: 32 GiB)",
-)
+# How far --max-batch searches unless told: a per-core batch beyond it is rarely the question.
+MAX_BATCH_LIMIT = 2**16
 
 
 def _progress(text: str, end: str = "\n") -> None:
@@ -104,6 +97,10 @@ class Program:
     # logical-axis rules (xlafit.parallel.sharding). The default is pure data parallelism.
     mesh: tuple[int, int, int] = (-1, 1, 1)
     rules: Mapping[str, str | None] | None = None
+    # How this program's per-core batch is set ({n}: the number), and levers only its maker
+    # knows (a recipe's model.remat): (what they shrink, "state" or "activations", the text).
+    batch_syntax: str = "data.per_device_batch={n}"
+    model_levers: tuple[tuple[str, str], ...] = ()
 
 
 @dataclasses.dataclass
@@ -151,7 +148,9 @@ class TargetReport:
     compile_s: float = 0.0
     eval: dict[str, Any] | None = None
     max_batch: int | None = None
+    max_batch_limit: int | None = None  # the search's upper end: max_batch == it means "at least"
     probes: list[Probe] = dataclasses.field(default_factory=list)
+    levers: list[str] = dataclasses.field(default_factory=list)  # when it does not fit: what would help
 
     @property
     def flops_per_call(self) -> float | None:
@@ -414,7 +413,7 @@ def _roofline(report: TargetReport, target: tpu.Target, program: Program, cost: 
         report.tokens_per_s = report.examples_per_s * program.tokens_per_example
 
 
-def check_target(target: tpu.Target, program: Program, max_batch: bool = False) -> TargetReport:
+def check_target(target: tpu.Target, program: Program, max_batch: bool | int = False) -> TargetReport:
     """Compiles ``program`` for ``target`` and reports memory, verdict, FLOPs and roofline."""
     with _no_persistent_cache(), concurrent.futures.ThreadPoolExecutor(1) as pool:
         steps = _Steps(target, program)
@@ -449,8 +448,14 @@ def check_target(target: tpu.Target, program: Program, max_batch: bool = False) 
         if evaluation is not None and report.error is None:
             report.eval = evaluation.result()
         if max_batch and report.error is None:
+            report.max_batch_limit = MAX_BATCH_LIMIT if max_batch is True else int(max_batch)
             report.max_batch, report.probes = largest_batch(
-                steps, report.per_device_batch, report.fits, report.memory.get("total"), report.capacity
+                steps,
+                report.per_device_batch,
+                report.fits,
+                report.memory.get("total"),
+                report.capacity,
+                limit=report.max_batch_limit,
             )
     return report
 
@@ -463,8 +468,10 @@ def _train_report(report: TargetReport, steps: _Steps, target: tpu.Target) -> No
         compiled, report.compile_s = steps.compile_train(per_device)
     except _OutOfMemory as e:
         report.fits, report.message = False, e.message
+        report.memory["state"] = steps.state_bytes
         if (needed := _needed_bytes(e.message)) is not None:
             report.memory["total"] = needed
+        report.levers = levers(report, target, program)
     except _TraceFailure as e:  # the user's code fails on any device: rules 1, 2, or a plain error
         finding = classify(e.original, program.user_file)
         report.error = finding if finding.rule else dataclasses.replace(finding, kind=TRACE_FAILURE)
@@ -594,10 +601,52 @@ def _interpolate(good: int, bad: int, needs: dict[int, int], capacity: float, un
     return min(max(guess, good + unit), bad - unit)
 
 
-def check_targets(targets: list[tpu.Target], program: Program, max_batch: bool = False) -> list[TargetReport]:
+def check_targets(targets: list[tpu.Target], program: Program, max_batch: bool | int = False) -> list[TargetReport]:
     """:func:`check_target` for each target, in order."""
     with _no_persistent_cache():
         return [check_target(t, program, max_batch) for t in targets]
+
+
+def levers(report: TargetReport, target: tpu.Target, program: Program) -> list[str]:
+    """What would make a program that does not fit fit on ``target``, as settings that apply to
+    it (with their syntax), ordered by what the memory is made of.
+
+    When the train state (parameters, optimizer state) alone takes half the core's HBM or more,
+    the levers that split or move the state come first; otherwise those that shrink the
+    activations (a smaller or accumulated batch, fewer steps per call, rematerialisation).
+    """
+    state, capacity = report.memory.get("state", 0), report.capacity or target.hbm_bytes
+    n, (_, fsdp, tensor) = target.num_devices, program.mesh
+    per_core, k = report.per_device_batch, report.steps_per_call
+    state_levers, activation_levers = [], []
+    if n > 1 and fsdp == 1 and tensor == 1:
+        state_levers.append(
+            f"FSDP: mesh.fsdp={n} (parameters and optimizer state split over the {n} cores: "
+            f"{_gib(state)} -> about {_gib(state / n)} per core)"
+        )
+    bigger = sorted(
+        (g.hbm_gib / (1 if g.megacore else g.cores_per_chip), g.name)
+        for g in tpu.GENERATIONS.values()
+        if g.hbm_gib / (1 if g.megacore else g.cores_per_chip) * 2**30 > target.hbm_bytes
+    )
+    if bigger:
+        state_levers.append(
+            "a TPU with more HBM per core: " + ", ".join(f"{name} ({gib:g} GiB)" for gib, name in bigger[:3])
+        )
+    if per_core > 1:
+        smaller = program.batch_syntax.format(n=max(1, per_core // 2))
+        activation_levers.append(f"a smaller per-core batch: {smaller} (or --max-batch to find the largest)")
+        activation_levers.append(
+            f"gradient accumulation: trainer.accumulate_steps=2 with a per-core batch of {per_core // 2} "
+            "(the same global batch in two micro-batches)"
+        )
+    if k > 1:
+        activation_levers.append(f"fewer steps per call: trainer.steps_per_call=1 (each call holds its {k} batches)")
+    for kind, text in program.model_levers:
+        (state_levers if kind == "state" else activation_levers).append(text)
+    if state >= 0.5 * capacity:
+        return [*state_levers, *activation_levers]
+    return [*activation_levers, *state_levers]
 
 
 # --------------------------------------------------------------------------- formatting
@@ -640,32 +689,59 @@ def format_report(r: TargetReport) -> str:
             lines.append(f"      {r.error.line} | {r.error.code}")
         lines.append(f"    {r.message}")
         return "\n".join(lines)
-    cap = f"{_gib(r.capacity)} per core ({r.capacity_source})"
+    lines += _fit_lines(r) + _eval_lines(r) + _speed_lines(r)
     if r.fits:
-        m = r.memory
-        parts = ", ".join(
-            f"{k} {_gib(m[k])}" for k in ("state", "batch", "outputs", "temporaries", "generated code") if k in m
-        )
-        peak = f", compiler's peak {_gib(m['peak'])}" if "peak" in m else ""
-        lines.append(f"  HBM per core: {_gib(m['total'])} of {cap}{peak}")
-        lines.append(f"    {parts}")
-        share = m["total"] / r.capacity if r.capacity else 0
-        lines.append(f"  ✓ fits, {_gib(r.margin or 0)} to spare ({share:.0%} used)")
-    else:
+        lines.append(f"  compiled in {r.compile_s:.1f} s on this machine")
+    if r.probes:
+        lines.append(_probe_line(r))
+    return "\n".join(lines)
+
+
+def _fit_lines(r: TargetReport) -> list[str]:
+    """The verdict: HBM per core and its parts, or by how much it is over and the levers."""
+    cap = f"{_gib(r.capacity)} per core ({r.capacity_source})"
+    if not r.fits:
         need = f" needs {_gib(r.memory['total'])}," if "total" in r.memory else ""
         over = f" over by {_gib(-(r.margin or 0))}" if r.margin is not None else ""
-        lines.append(f"  ✗ does not fit:{need} {cap}{over}")
-        lines.append(f"    the compiler: {r.message}")
-        lines.append("    levers: " + "; ".join(LEVERS))
-    if r.eval is not None:
-        e = r.eval
-        if e["fits"]:
-            lines.append(
-                f"  eval step (batch {e['per_device_batch']} per core): fits, {_gib(e['total'])}, "
-                f"compiled in {e['compile_s']:.1f} s"
-            )
-        else:
-            lines.append(f"  eval step (batch {e['per_device_batch']} per core): does not fit: {e['message']}")
+        lines = [f"  ✗ does not fit:{need} {cap}{over}", f"    the compiler: {r.message}"]
+        if r.levers:
+            state = r.memory.get("state")
+            made_of = f" (the train state takes {_gib(state)} per core)" if state else ""
+            lines.append(f"    levers, most promising first{made_of}:")
+            lines += [f"      - {lever}" for lever in r.levers]
+        return lines
+    m = r.memory
+    parts = ", ".join(
+        f"{k} {_gib(m[k])}" for k in ("state", "batch", "outputs", "temporaries", "generated code") if k in m
+    )
+    peak = f", compiler's peak {_gib(m['peak'])}" if "peak" in m else ""
+    lines = [f"  HBM per core: {_gib(m['total'])} of {cap}{peak}", f"    {parts}"]
+    if (r.margin or 0) >= 0:
+        share = m["total"] / r.capacity if r.capacity else 0
+        lines.append(f"  ✓ fits, {_gib(r.margin or 0)} to spare ({share:.0%} used)")
+    else:  # accepted by the compiler, whose own peak is what must fit
+        lines.append(
+            f"  ✓ fits, with nothing to spare: the compiler placed it within {_gib(r.capacity)}; the parts above "
+            "add up to more because buffers that are never live at the same time are each counted"
+        )
+    return lines
+
+
+def _eval_lines(r: TargetReport) -> list[str]:
+    if r.eval is None:
+        return []
+    e = r.eval
+    if not e["fits"]:
+        return [f"  eval step (batch {e['per_device_batch']} per core): does not fit: {e['message']}"]
+    return [
+        f"  eval step (batch {e['per_device_batch']} per core): fits, {_gib(e['total'])}, "
+        f"compiled in {e['compile_s']:.1f} s"
+    ]
+
+
+def _speed_lines(r: TargetReport) -> list[str]:
+    """FLOPs per step (XLA's count against the analytic one) and the roofline estimate."""
+    lines = []
     if r.flops_per_step:
         analytic = ""
         if r.analytic_flops_per_step:
@@ -687,14 +763,19 @@ def format_report(r: TargetReport) -> str:
             f"{r.memory_s * 1e3:.3g} ms for XLA's count of {r.bytes_per_step or 0:.3g} bytes accessed (may "
             "overstate HBM traffic)"
         )
-    if r.fits:
-        lines.append(f"  compiled in {r.compile_s:.1f} s on this machine")
-    if r.probes:
-        probes = ", ".join(f"{p.per_device_batch}{'✓' if p.fits else '✗'} {p.seconds:.1f}s" for p in r.probes)
+    return lines
+
+
+def _probe_line(r: TargetReport) -> str:
+    """--max-batch's answer; at the search's limit it is a lower bound, and says so."""
+    probes = ", ".join(f"{p.per_device_batch}{'✓' if p.fits else '✗'} {p.seconds:.1f}s" for p in r.probes)
+    if r.max_batch_limit is not None and r.max_batch is not None and r.max_batch >= r.max_batch_limit:
+        answer = f">= {r.max_batch} (the search's limit; --max-batch {r.max_batch_limit * 4} searches further)"
+    else:
         refused = min((p.per_device_batch for p in r.probes if not p.fits), default=None)
         bound = f" ({refused} does not)" if refused is not None and refused > (r.max_batch or 0) + 8 else ""
-        lines.append(f"  largest per-core batch that fits: {r.max_batch}{bound}   probes: {probes}")
-    return "\n".join(lines)
+        answer = f"{r.max_batch}{bound}"
+    return f"  largest per-core batch that fits: {answer}   probes: {probes}"
 
 
 def format_table(reports: list[TargetReport]) -> str:
