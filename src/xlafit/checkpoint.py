@@ -21,7 +21,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from xlafit.errors import CheckpointError, StorageError
-from xlafit.io.paths import check_bucket, describe_error, files_under, is_url, move, refresh
+from xlafit.io.paths import as_path, check_bucket, describe_error, files_under, is_url, move, refresh
 from xlafit.models.bert import qkv_from_matrix
 from xlafit.parallel.mesh import is_prng_key
 from xlafit.parallel.sharding import path_name
@@ -152,7 +151,7 @@ class Checkpointer:
     def __init__(
         self, directory: str | Path, keep: int = 3, keep_every: int | None = None, async_save: bool = True
     ) -> None:
-        self.directory = epath.Path(os.fspath(directory))
+        self.directory = as_path(directory)
         if is_url(directory):
             refresh(directory)  # another process may have written checkpoints since this one listed them
             try:  # gcsfs would create a missing bucket for Orbax's mkdir: refuse instead

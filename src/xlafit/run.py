@@ -198,10 +198,10 @@ def final_report(metrics: dict[str, float]) -> str:
 def checkpoint_dir(cfg: Config) -> epath.Path:
     """``run.checkpoint_dir`` (a path or URL), or the run directory's ``checkpoints/``."""
     if cfg.run.checkpoint_dir:
-        return epath.Path(cfg.run.checkpoint_dir)
+        return as_path(cfg.run.checkpoint_dir)
     if not cfg.run.run_dir:
         raise ConfigError("no run directory: set run.run_dir (--run-dir) or run.checkpoint_dir.")
-    return epath.Path(cfg.run.run_dir) / "checkpoints"
+    return as_path(cfg.run.run_dir) / "checkpoints"
 
 
 def start_run_dir(run_dir: epath.Path, cfg: Config) -> None:

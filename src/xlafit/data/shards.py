@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import fsspec
 
 from xlafit.errors import DataError, StorageError
-from xlafit.io.paths import check_bucket, describe_error, is_url
+from xlafit.io.paths import check_bucket, describe_error, filesystem, is_url
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -38,7 +38,7 @@ def writing(out: str | Path, what: str) -> Iterator[None]:
 def output_dir(out: str | Path, what: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The filesystem and root path of ``out``, created if missing; a bucket that does not
     exist is refused by name, never created (gcsfs's ``makedirs`` would create it)."""
-    fs, root = fsspec.core.url_to_fs(out)
+    fs, root = filesystem(out)
     root = root.rstrip("/")
     if is_url(out):
         try:
@@ -84,7 +84,7 @@ def read_manifest(
             prepare the data again), or the storage cannot be read.
     """
     with reading(url, f"the prepared {kind} data"):
-        fs, root = fsspec.core.url_to_fs(url)
+        fs, root = filesystem(url)
         path = f"{root.rstrip('/')}/{name}"
         if not fs.exists(path):
             raise DataError(f"{url} has no {name}; prepare the data with `{prepare}`.")

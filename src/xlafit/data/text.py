@@ -17,6 +17,7 @@ from typing import Literal
 import fsspec
 
 from xlafit.errors import DataError
+from xlafit.io.paths import filesystem
 
 DocBoundary = Literal["blank", "file"]
 
@@ -30,7 +31,7 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
     files: list[str] = []
     for pattern in patterns:
         if "://" in pattern:
-            fs, path = fsspec.core.url_to_fs(pattern)
+            fs, path = filesystem(pattern)
             found = sorted(fs.glob(path)) if any(c in path for c in "*?[") else [path]
             files += [fs.unstrip_protocol(f) for f in found if fs.isfile(f)]
             if not found or not fs.exists(found[0]):
@@ -79,7 +80,7 @@ def total_bytes(files: Sequence[str]) -> int:
     """Sum of the files' sizes, for progress bars (0 where a size is unknown)."""
     size = 0
     for name in files:
-        fs, path = fsspec.core.url_to_fs(name)
+        fs, path = filesystem(name)
         size += fs.size(path) or 0
     return size
 

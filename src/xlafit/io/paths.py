@@ -38,19 +38,53 @@ from xlafit.errors import StorageError
 AnyPath = str | os.PathLike[str]
 
 
+# The package that serves a store's URLs, for the message when it is missing.
+INSTALL = {"gs": "pip install 'xlafit[gcs]'", "gcs": "pip install 'xlafit[gcs]'", "s3": "pip install s3fs"}
+
+
+def local(path: AnyPath) -> str:
+    """``path`` as text, a ``file://`` URL as the local path it names.
+
+    Example:
+        >>> local("file:///tmp/run"), local("gs://bucket/run")
+        ('/tmp/run', 'gs://bucket/run')
+    """
+    text = os.fspath(path)
+    return text.removeprefix("file://") if text.startswith("file://") else text
+
+
 def is_url(path: AnyPath) -> bool:
     """Whether ``path`` names an object in a store (``gs://``, ``s3://``, ``memory://``...)."""
-    return "://" in os.fspath(path)
+    return "://" in local(path)
+
+
+def require_store(path: AnyPath) -> None:
+    """Raises a one-line :class:`StorageError` when the client library for ``path``'s store is
+    not installed (gcsfs for ``gs://``), or its protocol is unknown; nothing for local paths."""
+    if not is_url(path):
+        return
+    protocol = local(path).split("://", 1)[0]
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ImportError:
+        fix = INSTALL.get(protocol, f"install the fsspec package for {protocol}://")
+        raise StorageError(f"{path}: {protocol}:// needs a client library that is not installed: {fix}.") from None
+    except ValueError:
+        raise StorageError(
+            f"{path}: no storage is known for {protocol}://; use a local path, file://, gs:// or another fsspec URL."
+        ) from None
 
 
 def as_path(path: AnyPath) -> epath.Path:
     """``path`` as an ``epath.Path``: local paths as they are, URLs with their ``//``."""
-    return epath.Path(os.fspath(path))
+    require_store(path)
+    return epath.Path(local(path))
 
 
 def filesystem(path: AnyPath) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec filesystem of ``path`` and the path inside it (no protocol)."""
-    fs, inner = fsspec.core.url_to_fs(os.fspath(path))
+    require_store(path)
+    fs, inner = fsspec.core.url_to_fs(local(path))
     return fs, inner.rstrip("/")
 
 

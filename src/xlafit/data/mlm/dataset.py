@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import fsspec
 import numpy as np
 
 from xlafit.data.dataset import Batch
 from xlafit.data.mlm.cache import load_split
 from xlafit.data.mlm.masking import MaskingConfig, mask_batch
+from xlafit.io.paths import filesystem
 
 _BERT_MASKING = MaskingConfig()  # frozen: one instance serves as every default
 
@@ -43,7 +43,7 @@ class MLMDataset:
     def from_prepared(cls, url: str, split: str, masking: MaskingConfig = _BERT_MASKING) -> MLMDataset:
         """Loads one split written by :func:`~xlafit.data.mlm.preparation.prepare` (its tokenizer comes along)."""
         arrays, manifest = load_split(url, split)
-        fs, root = fsspec.core.url_to_fs(url)
+        fs, root = filesystem(url)
         with fs.open(f"{root.rstrip('/')}/tokenizer/vocab.txt", "r", encoding="utf-8") as f:
             vocab = f.read().splitlines()
         continuation = np.array([token.startswith("##") for token in vocab])
