@@ -48,6 +48,11 @@ def test_prepare_names_bad_input(tmp_path, korean_tokenizer):
     (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
     with pytest.raises(DataError, match="latin1.txt is not UTF-8"):
         mlm.prepare(korean_tokenizer, [str(tmp_path / "latin1.txt")], str(tmp_path / "out"), show_progress=False)
+    for name, text in (("empty.txt", ""), ("blank.txt", "\n\n\n")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(DataError, match=f"--input .*{name}: no text to train on") as e:
+            mlm.prepare(korean_tokenizer, [str(tmp_path / name)], str(tmp_path / name[:-4]), show_progress=False)
+        assert "\n" not in str(e.value) and not (tmp_path / name[:-4] / "manifest.json").exists()
     out = tmp_path / "ok"
     mlm.prepare(korean_tokenizer, korean_demo_files(), str(out), seq_len=64, show_progress=False)
     shard = out / "train-00000.parquet"

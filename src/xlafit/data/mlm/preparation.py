@@ -211,6 +211,12 @@ def prepare(
         for ids, types in packers[split].flush():
             writers[split].add(ids, types)
         writers[split].flush()
+    if not writers["train"].shards:
+        names = ", ".join(map(str, files[:3])) + (", ..." if len(files) > 3 else "")
+        raise DataError(
+            f"--input {names}: no text to train on ({lines} non-empty lines, none of them in the train split); "
+            "give files with one sentence or paragraph per line (no manifest was written)."
+        )
     tokenizer_json = as_path(tokenizer_dir) / "tokenizer.json"
     manifest = {
         "format": FORMAT,
