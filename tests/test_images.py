@@ -369,3 +369,45 @@ def test_a_damaged_manifest_is_named_with_the_fix(tmp_path, cache, text, message
     (tmp_path / "out" / "manifest.json").write_text(text)
     with pytest.raises(DataError, match=message + ".*prepare"):
         load_split(str(tmp_path / "out"), "train")
+
+
+def test_ctrl_c_during_preparation_is_one_line_leaves_no_worker_and_the_rerun_finishes(tmp_path):
+    """Ctrl-C reaches the whole process group (a terminal, a notebook's "Interrupt kernel"):
+    one line, exit 130, the workers gone; the shards left without a manifest are recognised as
+    an unfinished preparation and replaced by the rerun."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from PIL import Image
+
+    for i in range(2100):  # enough for the worker pool (2,048 images or more)
+        folder = tmp_path / "in" / ("a" if i % 2 else "b")
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (16, 16), (i % 256, 0, 0)).save(folder / f"{i}.png")
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "xlafit", "data", "images", "--input", str(tmp_path / "in"), "--out", str(out)]
+    command += ["--workers", "2", "--shard-size", "64"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not list(out.glob("*.parquet")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() is None, "finished before it could be interrupted"
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert stderr.strip().splitlines() == ["xlafit: interrupted"]
+    for _ in range(100):  # terminated workers take a moment to be reaped
+        left = subprocess.run(["ps", "-o", "pid=,cmd=", "-g", str(proc.pid)], capture_output=True, text=True).stdout
+        if not left.strip():
+            break
+        time.sleep(0.1)
+    assert not left.strip(), f"processes left: {left}"
+    assert list(out.glob("*.parquet")) and not (out / "manifest.json").exists()
+    rerun = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "unfinished preparation are replaced" in rerun.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["splits"]["train"]["examples"] == 2100

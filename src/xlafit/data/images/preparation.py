@@ -21,9 +21,11 @@ import functools
 import hashlib
 import io
 import json
+import logging
 import multiprocessing
 import os
 import re
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
@@ -36,6 +38,7 @@ from xlafit.data.hashing import hash_uniform
 from xlafit.data.shards import output_dir, writing
 from xlafit.errors import DataError
 
+log = logging.getLogger("xlafit")
 MANIFEST = "manifest.json"
 FORMAT = "xlafit-images-v1"
 EXTENSIONS = (".jpg", ".jpeg", ".png")
@@ -273,7 +276,11 @@ def prepare(
     fs, root = output_dir(out, "the image shards")
     with writing(out, "the image shards"):
         earlier = _prepared_files(fs, root)
-    if earlier and not overwrite:
+    if earlier and MANIFEST not in earlier:
+        # Shards without a manifest: a preparation that was interrupted. They are ours (their
+        # names), unusable, and the new manifest will not list them: cleared after it is written.
+        log.warning("--out %s: %d shard(s) of an unfinished preparation are replaced", out, len(earlier))
+    elif earlier and not overwrite:
         found = ", ".join(earlier[:3]) + (", ..." if len(earlier) > 3 else "")
         raise DataError(
             f"--out {out} already holds prepared images ({found}); "
@@ -287,7 +294,10 @@ def prepare(
         decode: Callable[..., Iterator[tuple[bytes, int, str | None]]] = map
         if workers > 1 and total >= 2048:  # a pool of fresh interpreters costs ~2 s to start
             spawn = multiprocessing.get_context("spawn")  # fork after JAX's threads started can deadlock
-            pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(workers, mp_context=spawn))
+            # Ctrl-C reaches the whole process group: the workers leave it to this process,
+            # which stops them (_stopped_on_interrupt) instead of each printing a traceback.
+            pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=spawn, initializer=_ignore_sigint)
+            stack.enter_context(_stopped_on_interrupt(pool))
             decode = functools.partial(pool.map, chunksize=64)
         for split, files in splits.items():
             manifest_splits[split], ch = _write_split(
@@ -314,6 +324,27 @@ def prepare(
             if name != MANIFEST and name not in listed:
                 fs.rm(f"{root}/{name}")
     return manifest
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def _stopped_on_interrupt(pool: concurrent.futures.ProcessPoolExecutor) -> Iterator[None]:
+    """Shuts ``pool`` down; on an interruption (Ctrl-C), its workers are terminated at once
+    instead of finishing the queued work, so that the command ends promptly and none is left."""
+    try:
+        yield
+    except BaseException:
+        processes = list((getattr(pool, "_processes", None) or {}).values())  # no public handle on them
+        pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.join(timeout=10)
+        raise
+    pool.shutdown(wait=True)
 
 
 def _prepared_files(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
