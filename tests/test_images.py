@@ -411,3 +411,24 @@ def test_ctrl_c_during_preparation_is_one_line_leaves_no_worker_and_the_rerun_fi
     assert "unfinished preparation are replaced" in rerun.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["splits"]["train"]["examples"] == 2100
+
+
+def test_files_that_are_not_images_are_named_not_ignored_in_silence(tmp_path, caplog):
+    for name in ("cat", "dog"):
+        (tmp_path / "in" / name).mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / "in" / name / "1.png")
+    (tmp_path / "in" / "cat" / "2.webp").write_bytes(b"RIFF....WEBP")
+    (tmp_path / "in" / "cat" / ".DS_Store").write_bytes(b"")
+    with caplog.at_level("WARNING", logger="xlafit"):
+        manifest = prepare(tmp_path / "in", str(tmp_path / "out"), workers=1)
+    assert manifest["ignored"] == ["cat/2.webp"]
+    assert "1 file(s) are not .jpg/.jpeg/.png images and are left out: cat/2.webp" in caplog.text
+
+
+def test_a_raw_image_folder_as_prepared_data_suggests_where_to_prepare_it(tmp_path):
+    (tmp_path / "shapes" / "circle").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(tmp_path / "shapes" / "circle" / "1.png")
+    url = str(tmp_path / "shapes")
+    with pytest.raises(DataError, match="is an image folder, not prepared images") as e:
+        load_split(url, "train")
+    assert f"--input {url} --out {url}-prepared" in str(e.value)

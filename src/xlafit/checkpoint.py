@@ -314,7 +314,7 @@ class Checkpointer:
             return from_saveable(raw, like), s
         raise CheckpointError(
             f"no intact checkpoint in {self.directory} (tried {', '.join(map(str, candidates)) or 'none'}); "
-            "run with --restart to start over."
+            "start over with --restart (in Python: Trainer(..., resume=False))."
         )
 
     def _set_aside(self, step: int, why: str) -> None:
@@ -375,8 +375,8 @@ class Checkpointer:
                 want = "absent" if path not in wanted else f"{wanted[path][0]} {wanted[path][1]}"
                 raise CheckpointError(
                     f"checkpoint {step} in {self.directory} does not fit this model: {path} is {have} there and "
-                    f"{want} here. Resume with the config the run was started with, or use --restart "
-                    "(or another --run-dir) to start over."
+                    f"{want} here. Resume with the config the run was started with, or start over with --restart or "
+                    "another --run-dir (in Python: Trainer(..., resume=False) or another run_dir)."
                 )
         return saved
 

@@ -416,7 +416,7 @@ def check_continuation(run_dir: epath.Path | Path, cfg: Config, announce: bool =
                 f" trainer.epochs {saved.get('trainer.epochs')} -> {now.get('trainer.epochs')} would stretch the "
                 "learning-rate schedule over the new length, so the rate would jump back up at the next step. To "
                 f"train longer on the run's schedule, add optimizer.decay_steps={saved['optimizer.decay_steps']} "
-                "(the added steps then train at its final rate);"
+                "(the added steps then train at its final rate)."
             )
         raise ConfigError(
             f"cannot resume {run_dir}: {diffs}. This change breaks continuation from its checkpoints.{hint} "

@@ -53,7 +53,8 @@ class TrainOrder:
         if self.num_examples < self.global_batch:
             raise ValueError(
                 f"the training set has {self.num_examples} examples, fewer than one global batch of "
-                f"{self.global_batch}; lower data.global_batch or data.per_device_batch."
+                f"{self.global_batch}; use a smaller global batch (data.global_batch or data.per_device_batch; "
+                "Trainer(global_batch=...) in Python)."
             )
 
     @functools.cached_property

@@ -37,6 +37,7 @@ from xlafit.data import shards
 from xlafit.data.hashing import hash_uniform
 from xlafit.data.shards import output_dir, writing
 from xlafit.errors import DataError
+from xlafit.io.paths import is_url
 
 log = logging.getLogger("xlafit")
 MANIFEST = "manifest.json"
@@ -136,6 +137,26 @@ def _image_folder(root: Path) -> tuple[list[tuple[str, int]], list[str]]:
     if not files:
         raise DataError(f"{root} holds no {', '.join(EXTENSIONS)} files under its class folders.")
     return files, classes
+
+
+def _holds_images(folder: Path) -> bool:
+    """Whether ``folder``'s subfolders hold image files (an image folder's classes, or its splits')."""
+    return any(p.suffix.lower() in EXTENSIONS for p in folder.glob("*/*")) or any(
+        p.suffix.lower() in EXTENSIONS for p in folder.glob("*/*/*")
+    )
+
+
+def _not_images(root: Path, splits: dict[str, list[tuple[str, int]]]) -> list[str]:
+    """Files under ``root``'s folders that are left out for their extension (a ``.webp``, a
+    ``.txt``), relative to ``root``; hidden files are not counted."""
+    taken = {f for files in splits.values() for f, _ in files}
+    left_out = []
+    for p in root.rglob("*"):
+        relative = p.relative_to(root)
+        hidden = any(part.startswith(".") for part in relative.parts)
+        if p.is_file() and str(p) not in taken and len(relative.parts) > 1 and not hidden:
+            left_out.append(_printable(str(relative)))
+    return sorted(left_out)
 
 
 def _classes_without_images(files: list[tuple[str, int]], classes: list[str]) -> list[str]:
@@ -273,6 +294,16 @@ def prepare(
         raise DataError(f"--shard-size {shard_size} must be at least 1.")
     splits, classes = find_images(input_dir, eval_fraction, seed)
     root_dir = Path(input_dir)
+    ignored = _not_images(root_dir, splits)
+    if ignored:
+        names = ", ".join(ignored[:5]) + (f" and {len(ignored) - 5} more" if len(ignored) > 5 else "")
+        log.warning(
+            "--input %s: %d file(s) are not %s images and are left out: %s (listed in the manifest's 'ignored')",
+            input_dir,
+            len(ignored),
+            "/".join(EXTENSIONS),
+            names,
+        )
     fs, root = output_dir(out, "the image shards")
     with writing(out, "the image shards"):
         earlier = _prepared_files(fs, root)
@@ -315,6 +346,7 @@ def prepare(
         "seed": seed,
         "eval_fraction": eval_fraction,
         "splits": manifest_splits,
+        "ignored": ignored,
     }
     with writing(out, "the image shards"), fs.open(f"{root}/{MANIFEST}", "w") as f:
         json.dump(manifest, f, indent=2)
@@ -369,6 +401,12 @@ def read_manifest(url: str) -> tuple[fsspec.AbstractFileSystem, str, dict]:
         1000
     """
     prepare = f"xlafit data images --input DIR --out {url}"
+    folder = Path(url)
+    if not is_url(url) and folder.is_dir() and not (folder / MANIFEST).exists() and _holds_images(folder):
+        raise DataError(
+            f"{url} is an image folder, not prepared images: prepare it with `xlafit data images --input {url} "
+            f"--out {url.rstrip('/')}-prepared` and point the run at {url.rstrip('/')}-prepared."
+        )
     fs, root, manifest = shards.read_manifest(
         url, MANIFEST, FORMAT, "image", prepare, ("classes", "channels", "splits")
     )
