@@ -1,6 +1,6 @@
 import pytest
 
-from xlafit.config import DataConfig, parse_overrides, resolve_batch
+from xlafit.config import DataConfig, MeshConfig, OptimizerConfig, TrainerConfig, parse_overrides, resolve_batch
 from xlafit.errors import ConfigError
 from xlafit.recipes import load_config
 
@@ -70,3 +70,30 @@ def test_yaml_values_parse():
         "d": 2,
         "e": 3e-4,
     }
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: TrainerConfig(epochs=1, steps_per_call=0), r"trainer.steps_per_call=0 must be a positive number"),
+        (lambda: TrainerConfig(epochs=0), r"trainer.epochs=0 must be a positive number"),
+        (lambda: TrainerConfig(nan_policy="ignore"), r"trainer.nan_policy='ignore' is not allowed; choose one of stop"),
+        (lambda: TrainerConfig(watchdog_factor=0.5), r"trainer.watchdog_factor=0.5"),
+        (lambda: MeshConfig(data=-1, fsdp=-1), r"at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1"),
+        (lambda: OptimizerConfig(learning_rate=0), r"optimizer.learning_rate=0 must be positive"),
+    ],
+)
+def test_a_config_built_in_python_refuses_what_the_cli_refuses(build, message):
+    """The library gets every check the command makes: a section refuses its impossible values
+    however it is built (steps_per_call=0 used to spin the trainer forever)."""
+    with pytest.raises(ConfigError, match=message):
+        build()
+
+
+def test_the_presets_setting_gives_way_to_the_users_mesh(caplog):
+    with caplog.at_level("WARNING", logger="xlafit"):
+        cfg = load_config("mnist", ["mesh.fsdp=8"])
+    assert cfg.trainer.invariant_chunks is None and cfg.mesh.fsdp == 8
+    assert "the preset's trainer.invariant_chunks=8" in caplog.text and "off for this mesh" in caplog.text
+    with pytest.raises(ConfigError, match="trainer.invariant_chunks keeps its bit-identical guarantee"):
+        load_config("mnist", ["mesh.fsdp=8", "trainer.invariant_chunks=8"])  # the user's own choice is refused

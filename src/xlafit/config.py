@@ -10,6 +10,7 @@ the valid keys or the fix.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -19,6 +20,28 @@ from typing import Any, Literal
 import yaml
 
 from xlafit.errors import ConfigError
+
+log = logging.getLogger("xlafit")
+
+
+def _check_section(section: Any, name: str, positive: Sequence[str] = (), non_negative: Sequence[str] = ()) -> None:
+    """Refuses a section's impossible values, whoever built it (a YAML preset, an override, or
+    Python: ``TrainerConfig(steps_per_call=0)``): a ``Literal`` field outside its choices, a
+    count that must be positive, an amount that must not be negative."""
+    hints = typing.get_type_hints(type(section))
+    for field in dataclasses.fields(section):
+        tp, value = hints[field.name], getattr(section, field.name)
+        if typing.get_origin(tp) is Literal and value not in typing.get_args(tp):
+            choices = ", ".join(map(str, typing.get_args(tp)))
+            raise ConfigError(f"{name}.{field.name}={value!r} is not allowed; choose one of {choices}.")
+    for key in positive:
+        value = getattr(section, key)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{name}.{key}={value} must be a positive number.")
+    for key in non_negative:
+        value = getattr(section, key)
+        if value is not None and value < 0:
+            raise ConfigError(f"{name}.{key}={value} must be zero or more.")
 
 
 @dataclasses.dataclass
@@ -38,6 +61,9 @@ class DataConfig:
     data_dir: str | None = None  # recipe-specific files; null = the embedded data
     prefetch: int = 2  # batches put on the devices ahead of the step
     seed: int = 0  # data order: a pure function of (seed, step)
+
+    def __post_init__(self) -> None:
+        _check_section(self, "data", ("per_device_batch", "global_batch", "eval_global_batch"), ("prefetch",))
 
 
 @dataclasses.dataclass
@@ -79,6 +105,27 @@ class OptimizerConfig:
     trust_ratio_on: Literal["all", "matrices"] = "matrices"
     grad_clip_norm: float | None = None
 
+    def __post_init__(self) -> None:
+        _check_section(
+            self,
+            "optimizer",
+            ("reference_batch", "decay_steps"),
+            ("warmup_steps", "warmup_epochs", "weight_decay"),
+        )
+        if self.learning_rate <= 0:
+            raise ConfigError(
+                f"optimizer.learning_rate={self.learning_rate} must be positive "
+                "(it is the peak rate at optimizer.reference_batch; try 1e-3)."
+            )
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError(f"optimizer.momentum={self.momentum} must lie in [0, 1) (0.9 is usual).")
+        if self.trust_coefficient <= 0:
+            raise ConfigError(f"optimizer.trust_coefficient={self.trust_coefficient} must be positive (0.001).")
+        if not 0.0 <= self.final_lr_fraction <= 1.0:
+            raise ConfigError(f"optimizer.final_lr_fraction={self.final_lr_fraction} must lie in [0, 1].")
+        if self.grad_clip_norm is not None and self.grad_clip_norm <= 0:
+            raise ConfigError("optimizer.grad_clip_norm must be positive, or null for no clipping.")
+
 
 @dataclasses.dataclass
 class TrainerConfig:
@@ -116,6 +163,13 @@ class TrainerConfig:
     watchdog_factor: float = 20.0
     watchdog_floor_s: float = 600.0
 
+    def __post_init__(self) -> None:
+        positive = ("epochs", "steps_per_call", "accumulate_steps", "log_every_steps", "eval_every_epochs")
+        positive += ("keep_checkpoints", "stop_at_step", "invariant_chunks", "max_compiles")
+        non_negative = ("checkpoint_every_steps", "checkpoint_every_minutes", "keep_every_steps")
+        _check_section(self, "trainer", positive, non_negative)
+        validate_watchdog(self)
+
 
 @dataclasses.dataclass
 class MeshConfig:
@@ -133,6 +187,14 @@ class MeshConfig:
     fsdp: int = 1
     tensor: int = 1
     rules: str | None = None
+
+    def __post_init__(self) -> None:
+        sizes = {"mesh.data": self.data, "mesh.fsdp": self.fsdp, "mesh.tensor": self.tensor}
+        for key, value in sizes.items():
+            if value == 0 or value < -1:
+                raise ConfigError(f"{key}={value} must be a positive number of devices, or -1 (the devices left).")
+        if sum(v == -1 for v in sizes.values()) > 1:
+            raise ConfigError("at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1 (the devices left).")
 
     @property
     def sizes(self) -> tuple[int, int, int]:
@@ -163,6 +225,9 @@ class RunConfig:
     # call inline and frees its temporaries before the next starts: ResNet-50 on one CPU
     # device holds one block of them instead of growing to 2-4 (its recipe sets false).
     cpu_async_dispatch: bool = True
+
+    def __post_init__(self) -> None:
+        _check_section(self, "run", ("simulate_devices",))
 
 
 @dataclasses.dataclass
@@ -336,6 +401,7 @@ def build_config(
     if "per_device_batch" in data_over and "global_batch" not in data_over:
         merged.setdefault("data", {})["global_batch"] = None
     merged["recipe"] = recipe
+    _preset_gives_way(merged, overrides)
     cfg = from_dict(Config, merged, model_cls=model_cls, data_cls=data_cls)
     if not isinstance(cfg.data, data_cls):  # no data section at all: the recipe's defaults
         cfg.data = data_cls()
@@ -343,66 +409,30 @@ def build_config(
     return cfg
 
 
-def validate(cfg: Config) -> None:
-    """Rejects values that no device count could make work."""
-    positive: dict[str, int | None] = {
-        "data.per_device_batch": cfg.data.per_device_batch,
-        "data.global_batch": cfg.data.global_batch,
-        "data.eval_global_batch": cfg.data.eval_global_batch,
-        "optimizer.reference_batch": cfg.optimizer.reference_batch,
-        "optimizer.decay_steps": cfg.optimizer.decay_steps,
-        "trainer.epochs": cfg.trainer.epochs,
-        "trainer.steps_per_call": cfg.trainer.steps_per_call,
-        "trainer.accumulate_steps": cfg.trainer.accumulate_steps,
-        "trainer.log_every_steps": cfg.trainer.log_every_steps,
-        "trainer.eval_every_epochs": cfg.trainer.eval_every_epochs,
-        "trainer.keep_checkpoints": cfg.trainer.keep_checkpoints,
-        "trainer.stop_at_step": cfg.trainer.stop_at_step,
-        "trainer.invariant_chunks": cfg.trainer.invariant_chunks,
-        "trainer.max_compiles": cfg.trainer.max_compiles,
-        "run.simulate_devices": cfg.run.simulate_devices,
-    }
-    for key, value in positive.items():
-        if value is not None and value <= 0:
-            raise ConfigError(f"{key}={value} must be a positive number.")
-    if cfg.optimizer.learning_rate <= 0:
-        raise ConfigError(
-            f"optimizer.learning_rate={cfg.optimizer.learning_rate} must be positive "
-            "(it is the peak rate at optimizer.reference_batch; try 1e-3)."
+def _preset_gives_way(merged: dict[str, Any], overrides: Mapping[str, Any]) -> None:
+    """A setting the preset chose, not the user, yields to the user's mesh: the preset's
+    ``trainer.invariant_chunks`` (pure data parallelism only) is dropped, with a note, when the
+    overrides ask for FSDP or tensor parallelism."""
+    trainer, mesh = merged.get("trainer") or {}, merged.get("mesh") or {}
+    asked = overrides.get("trainer") if isinstance(overrides.get("trainer"), Mapping) else {}
+    split = any(mesh.get(axis, 1) not in (1, None) for axis in ("fsdp", "tensor"))
+    if split and trainer.get("invariant_chunks") is not None and "invariant_chunks" not in (asked or {}):
+        log.warning(
+            "note: the preset's trainer.invariant_chunks=%s (bit-identical across device counts) holds for pure "
+            "data parallelism only; it is off for this mesh",
+            trainer["invariant_chunks"],
         )
-    non_negative: dict[str, float] = {
-        "data.prefetch": cfg.data.prefetch,
-        "optimizer.warmup_steps": cfg.optimizer.warmup_steps,
-        "optimizer.weight_decay": cfg.optimizer.weight_decay,
-        "trainer.checkpoint_every_steps": cfg.trainer.checkpoint_every_steps,
-        "trainer.checkpoint_every_minutes": cfg.trainer.checkpoint_every_minutes,
-        "trainer.keep_every_steps": cfg.trainer.keep_every_steps,
-    }
-    for key, amount in non_negative.items():
-        if amount < 0:
-            raise ConfigError(f"{key}={amount} must be zero or more.")
-    if cfg.optimizer.warmup_epochs is not None and cfg.optimizer.warmup_epochs < 0:
-        raise ConfigError(f"optimizer.warmup_epochs={cfg.optimizer.warmup_epochs} must be zero or more.")
-    if not 0.0 <= cfg.optimizer.momentum < 1.0:
-        raise ConfigError(f"optimizer.momentum={cfg.optimizer.momentum} must lie in [0, 1) (0.9 is usual).")
-    if cfg.optimizer.trust_coefficient <= 0:
-        raise ConfigError(f"optimizer.trust_coefficient={cfg.optimizer.trust_coefficient} must be positive (0.001).")
-    if not 0.0 <= cfg.optimizer.final_lr_fraction <= 1.0:
-        raise ConfigError(f"optimizer.final_lr_fraction={cfg.optimizer.final_lr_fraction} must lie in [0, 1].")
-    if cfg.optimizer.grad_clip_norm is not None and cfg.optimizer.grad_clip_norm <= 0:
-        raise ConfigError("optimizer.grad_clip_norm must be positive, or null for no clipping.")
-    validate_watchdog(cfg.trainer)
+        merged["trainer"] = {**trainer, "invariant_chunks": None}
+
+
+def validate(cfg: Config) -> None:
+    """Rejects settings of one section that another makes impossible (each section refuses
+    its own impossible values when it is built)."""
     validate_mesh(cfg.mesh, cfg.trainer)
 
 
 def validate_mesh(mesh: MeshConfig, trainer: TrainerConfig) -> None:
-    """Rejects mesh sizes no device count could take, and settings the mesh cannot keep."""
-    sizes = {"mesh.data": mesh.data, "mesh.fsdp": mesh.fsdp, "mesh.tensor": mesh.tensor}
-    for key, value in sizes.items():
-        if value == 0 or value < -1:
-            raise ConfigError(f"{key}={value} must be a positive number of devices, or -1 (the devices left).")
-    if sum(v == -1 for v in sizes.values()) > 1:
-        raise ConfigError("at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1 (the devices left).")
+    """Rejects trainer settings the mesh cannot keep (the sizes themselves: :class:`MeshConfig`)."""
     if trainer.invariant_chunks is not None and not mesh.data_parallel_only:
         # Its fixed summation order gathers whole per-chunk gradients on every device: the
         # opposite of sharding them, and its bit-exactness is proven for replicated state only.
