@@ -134,7 +134,7 @@ class TrainerConfig:
     epochs: int = 1
     steps_per_call: int = 1  # k optimizer steps per compiled call (lax.scan)
     accumulate_steps: int = 1  # micro-batches per optimizer step (gradient accumulation)
-    log_every_steps: int = 10
+    log_every_steps: int = 10  # 0: never
     eval_every_epochs: int = 1
     checkpoint_every_steps: int = 0  # also every N steps (0: at the end of every epoch only)
     checkpoint_every_minutes: float = 0.0  # also when this much time passed since the last (0: off)
@@ -164,9 +164,15 @@ class TrainerConfig:
     watchdog_floor_s: float = 600.0
 
     def __post_init__(self) -> None:
-        positive = ("epochs", "steps_per_call", "accumulate_steps", "log_every_steps", "eval_every_epochs")
-        positive += ("keep_checkpoints", "stop_at_step", "invariant_chunks", "max_compiles")
-        non_negative = ("checkpoint_every_steps", "checkpoint_every_minutes", "keep_every_steps")
+        positive: tuple[str, ...] = (
+            "epochs",
+            "steps_per_call",
+            "accumulate_steps",
+            "eval_every_epochs",
+            "keep_checkpoints",
+        )
+        positive += ("stop_at_step", "invariant_chunks", "max_compiles")
+        non_negative = ("log_every_steps", "checkpoint_every_steps", "checkpoint_every_minutes", "keep_every_steps")
         _check_section(self, "trainer", positive, non_negative)
         validate_watchdog(self)
 

@@ -29,6 +29,7 @@ import json
 import os
 import runpy
 import sys
+import typing
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -361,7 +362,9 @@ def _file_program(path: Path, namespace: dict[str, Any], nested: dict[str, Any],
                 f"`{'config' if name == 'trainer' else name}` in {path} must be an xlafit.config.{cls.__name__}, "
                 f"e.g. {cls.__name__}(); it is a {type(defined).__name__}."
             )
-        settings[name] = from_dict(cls, deep_merge(dataclasses.asdict(defined), nested.get(name, {})), f"{name}.")
+        settings[name] = from_dict(
+            cls, deep_merge(dataclasses.asdict(typing.cast(Any, defined)), nested.get(name, {})), f"{name}."
+        )
     mesh, config = settings["mesh"], settings["trainer"]
     validate_mesh(mesh, config)
     example = _example(batch)  # checks every entry first: a one-line error, not a traceback

@@ -101,6 +101,7 @@ class Strategy:
     A mesh with only a ``data`` axis (older code) is pure data parallelism.
 
     Example:
+        >>> from xlafit.parallel.cluster import connect
         >>> strategy = connect()
         >>> strategy.num_replicas >= 1
         True
