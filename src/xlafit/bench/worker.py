@@ -16,9 +16,37 @@ import sys
 import time
 from typing import Any
 
+import flax
+import jax
 import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
 
-from xlafit.platform.cpu import page_faults, page_faults_since, peak_rss_bytes
+from xlafit.bench import torch_peers
+from xlafit.config import OptimizerConfig, TrainerConfig
+from xlafit.data import mnist
+from xlafit.data.loader import TrainOrder
+from xlafit.hf.resnet import hf_config
+from xlafit.models import cnn
+from xlafit.models.resnet import ResNet, ResNetConfig
+from xlafit.models.resnet import train_flops_per_example as resnet_flops
+from xlafit.parallel.cluster import connect
+from xlafit.parallel.mesh import Strategy
+from xlafit.platform.cpu import (
+    accelerator_present,
+    keep_freed_memory,
+    keeping_freed_memory,
+    page_faults,
+    page_faults_since,
+    peak_rss_bytes,
+)
+from xlafit.platform.hardware import peak_flops
+from xlafit.recipes import load_config
+from xlafit.recipes import mnist as mnist_recipe
+from xlafit.recipes.resnet import NORMALISATION, ImageClassifier
+from xlafit.train.optim import make_optimizer
+from xlafit.train.trainer import Trainer
 
 
 @dataclasses.dataclass
@@ -62,8 +90,6 @@ class Spec:
 
 def mnist_data(spec: Spec) -> dict[str, np.ndarray]:
     """The training arrays the spec names, as :func:`xlafit.data.mnist.load_embedded` shapes them."""
-    from xlafit.data import mnist
-
     if spec.data == "embedded":
         return mnist.load_embedded()["train"]
     if spec.data == "synthetic":
@@ -91,17 +117,12 @@ def resnet_data(spec: Spec) -> dict[str, np.ndarray]:
 
 
 def resnet_config(spec: Spec) -> Any:
-    from xlafit.models.resnet import ResNetConfig
-
     return ResNetConfig.for_depth(spec.depth, 1000, width=spec.width, dtype=spec.dtype)
 
 
 def resnet_optimizer() -> Any:
     """SGD with Nesterov momentum 0.9, learning rate 0.1, weight decay 5e-5 on weight
     matrices only: what the PyTorch peer runs (:func:`xlafit.bench.torch_peers.run_resnet`)."""
-    from xlafit.config import OptimizerConfig
-    from xlafit.train.optim import make_optimizer
-
     cfg = OptimizerConfig(
         name="sgd",
         learning_rate=0.1,
@@ -116,16 +137,11 @@ def resnet_optimizer() -> Any:
 
 
 def resnet_loss_fn(model: Any, batch: dict[str, Any]) -> Any:
-    import optax
-
     return optax.softmax_cross_entropy_with_integer_labels(model(batch["image"]), batch["label"])
 
 
 def run_probe() -> dict[str, Any]:
-    import xlafit
-    from xlafit.platform.hardware import peak_flops
-
-    devices = list(xlafit.connect().mesh.devices.flat)
+    devices = list(connect().mesh.devices.flat)
     peak, source = peak_flops(devices[:1])
     return {
         "platform": devices[0].platform,
@@ -136,46 +152,31 @@ def run_probe() -> dict[str, Any]:
     }
 
 
+def _workload(spec: Spec) -> tuple[dict[str, np.ndarray], Any, Any, Any, float]:
+    """``(training arrays, model, loss_fn, optimizer, training FLOPs per example)`` of the spec."""
+    if spec.recipe == "resnet":
+        net_cfg = resnet_config(spec)
+        model = ImageClassifier(ResNet(config=net_cfg, rngs=nnx.Rngs(0)), *NORMALISATION["imagenet"])
+        return resnet_data(spec), model, resnet_loss_fn, resnet_optimizer(), resnet_flops(net_cfg, spec.image_size)
+    dtype = None if spec.dtype == "float32" else spec.dtype
+    model = cnn.MnistCNN(rngs=nnx.Rngs(params=0, dropout=1), dtype=dtype)
+    return mnist_data(spec), model, mnist_recipe.loss_fn, optax.adam(1e-3), cnn.train_flops_per_example()
+
+
 def run_xlafit(spec: Spec) -> dict[str, Any]:
-    import flax
-    import jax
-    import optax
-    from flax import nnx
-    from jax.sharding import Mesh
-
-    import xlafit
-    from xlafit.config import TrainerConfig
-    from xlafit.data.loader import TrainOrder
-    from xlafit.models.cnn import MnistCNN, train_flops_per_example
-    from xlafit.recipes import load_config
-    from xlafit.recipes import mnist as recipe
-
     # Dispatched as the recipe runs (ResNet: one-device CPU calls inline, run.cpu_async_dispatch).
-    everything = xlafit.connect(cpu_async_dispatch=load_config(spec.recipe).run.cpu_async_dispatch)
+    everything = connect(cpu_async_dispatch=load_config(spec.recipe).run.cpu_async_dispatch)
     if spec.devices > everything.num_replicas:
         raise SystemExit(f"{spec.devices} devices asked for, {everything.num_replicas} present")
-    strategy = xlafit.Strategy(Mesh(everything.mesh.devices.flatten()[: spec.devices], ("data",)))
-    if spec.recipe == "resnet":
-        from xlafit.models.resnet import ResNet
-        from xlafit.models.resnet import train_flops_per_example as resnet_flops
-        from xlafit.recipes.resnet import NORMALISATION, ImageClassifier
-
-        train = resnet_data(spec)
-        net_cfg = resnet_config(spec)
-        model: Any = ImageClassifier(ResNet(config=net_cfg, rngs=nnx.Rngs(0)), *NORMALISATION["imagenet"])
-        loss_fn, tx = resnet_loss_fn, resnet_optimizer()
-        flops_per_example = resnet_flops(net_cfg, spec.image_size)
-    else:
-        train = mnist_data(spec)
-        model = MnistCNN(rngs=nnx.Rngs(params=0, dropout=1), dtype=None if spec.dtype == "float32" else spec.dtype)
-        loss_fn, tx, flops_per_example = recipe.loss_fn, optax.adam(1e-3), train_flops_per_example()
+    strategy = Strategy(Mesh(everything.mesh.devices.flatten()[: spec.devices], ("data",)))
+    train, model, loss_fn, tx, flops_per_example = _workload(spec)
     # Timing starts at the first call boundary at or after the warm-up, so that exactly
     # spec.steps steps are timed (calls are k steps long, shorter where an epoch ends).
     order = TrainOrder(len(train["label"]), spec.batch, 0)
     warmup = next(step for step, _ in order.calls(0, 2**62, spec.steps_per_call) if step >= spec.warmup)
     timed_stop = warmup + spec.steps
     total = timed_stop + spec.profile_steps
-    trainer = xlafit.Trainer(
+    trainer = Trainer(
         model,
         loss_fn,
         tx,
@@ -184,15 +185,41 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
         config=TrainerConfig(epochs=total // order.steps_per_epoch + 1, steps_per_call=spec.steps_per_call),
     )
     step_fn = trainer.train_step
-
-    # The trainer's own dispatch loop (Trainer.steps, as in Trainer.fit) is timed: the host
-    # prepares call i+1 while the devices run call i. A call's time is the interval between
-    # two yields, less its input wait: in steady state, the devices' time per call. One sync
-    # after the warm-up and one at the end, so wall = sum(call_s) + wait_s. Every program
-    # the timed steps need is compiled first: a compile inside the timed window would
-    # overlap the devices' work on earlier calls.
+    # Every program the timed steps need is compiled first: a compile inside the timed window
+    # would overlap the devices' work on earlier calls.
     for k in sorted({k for _, k in order.calls(0, timed_stop, spec.steps_per_call)}):
         step_fn.precompile(trainer.state, _abstract_batch(train, k, spec.batch, strategy))
+    timed = _timed_calls(trainer, train, warmup, timed_stop)
+
+    # XLA counts a scanned loop body once: ask for the cost of a single step.
+    per_device = step_fn.flops_for(trainer.state, _abstract_batch(train, 1, spec.batch, strategy))
+    if spec.profile_steps:
+        with jax.profiler.trace(spec.profile_dir or "runs/bench-profile", create_perfetto_trace=True):
+            for call in trainer.steps(train, timed_stop, total):
+                metrics = call.metrics
+            jax.block_until_ready(metrics)
+    return {
+        "platform": strategy.platform,
+        "device_kind": strategy.mesh.devices.flat[0].device_kind,
+        "devices": strategy.num_replicas,
+        **timed,
+        "compile_s": step_fn.compile_s,
+        "compiles": step_fn.compiles,
+        # cost analysis describes one device's share of the SPMD program
+        "flops_per_step": per_device * strategy.num_replicas if per_device else None,
+        "flops_per_step_analytic": flops_per_example * spec.batch,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__},
+    }
+
+
+def _timed_calls(trainer: Trainer, train: dict[str, np.ndarray], warmup: int, timed_stop: int) -> dict[str, Any]:
+    """The trainer's own dispatch loop (:meth:`Trainer.steps`, as in ``fit``), timed.
+
+    The host prepares call i+1 while the devices run call i. A call's time is the interval
+    between two yields, less its input wait: in steady state, the devices' time per call. One
+    sync after the warm-up and one at the end, so wall = sum(call_s) + wait_s.
+    """
     call_steps, call_s, wait_s, wall_s = [], [], 0.0, 0.0
     t_mark, waited = time.perf_counter(), 0.0
     faults = page_faults()
@@ -210,58 +237,18 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
             wall_s += t1 - t_mark - call.compile_s
         t_mark, waited = t1, call.wait_s
         metrics = call.metrics
-    timed_faults = page_faults_since(faults)
-    final_loss = float(np.mean(jax.device_get(metrics["loss"])))
-
-    # XLA counts a scanned loop body once: ask for the cost of a single step.
-    one = _abstract_batch(train, 1, spec.batch, strategy)
-    per_device = step_fn.flops_for(trainer.state, one)
-
-    if spec.profile_steps:
-        with jax.profiler.trace(spec.profile_dir or "runs/bench-profile", create_perfetto_trace=True):
-            for call in trainer.steps(train, timed_stop, total):
-                metrics = call.metrics
-            jax.block_until_ready(metrics)
-
     return {
-        "platform": strategy.platform,
-        "device_kind": strategy.mesh.devices.flat[0].device_kind,
-        "devices": strategy.num_replicas,
         "steps": sum(call_steps),
         "call_steps": call_steps,
         "call_s": call_s,
         "wait_s": wait_s,
         "wall_s": wall_s,
-        "compile_s": step_fn.compile_s,
-        "compiles": step_fn.compiles,
-        # cost analysis describes one device's share of the SPMD program
-        "flops_per_step": per_device * strategy.num_replicas if per_device else None,
-        "flops_per_step_analytic": flops_per_example * spec.batch,
-        "final_loss": final_loss,
-        "page_faults": timed_faults,
-        "peak_rss_bytes": peak_rss_bytes(),
-        "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__},
-        # who ran ResNet's convolutions and max-pool (xlafit.native.onednn: one CPU device,
-        # float32, or bfloat16 where the CPU has it)
-        **({"layers": _resnet_layers(spec, strategy)} if spec.recipe == "resnet" else {}),
+        "final_loss": float(np.mean(jax.device_get(metrics["loss"]))),
+        "page_faults": page_faults_since(faults),
     }
 
 
-def _resnet_layers(spec: Spec, strategy: Any) -> str:
-    import importlib.metadata
-
-    import jax
-
-    from xlafit.native import onednn
-
-    if strategy.platform == "cpu" and onednn.applies(jax.ShapeDtypeStruct((), spec.dtype)):
-        return f"oneDNN {importlib.metadata.version(onednn.LIBRARY_WHEEL)}"
-    return "XLA"
-
-
 def _abstract_batch(train: dict[str, np.ndarray], k: int, batch: int, strategy: Any) -> dict[str, Any]:
-    import jax
-
     sharding = strategy.batch_sharding(1)
     return {
         name: jax.ShapeDtypeStruct((k, batch, *x.shape[1:]), x.dtype, sharding=sharding) for name, x in train.items()
@@ -270,8 +257,6 @@ def _abstract_batch(train: dict[str, np.ndarray], k: int, batch: int, strategy: 
 
 def run(spec: Spec) -> dict[str, Any]:
     if spec.framework in ("torch", "torch-compile"):
-        from xlafit.platform.cpu import accelerator_present, keep_freed_memory
-
         # The xlafit rows run on a CPU with freed memory kept for reuse (xlafit.connect(),
         # run.cpu_keep_memory); the peer gets the same allocator, or the comparison times
         # glibc's mmap/munmap page faults (ResNet's activations) in the peer only. Before
@@ -283,13 +268,8 @@ def run(spec: Spec) -> dict[str, Any]:
     if spec.framework == "xlafit":
         return run_xlafit(spec)
     if spec.framework in ("torch", "torch-compile") and spec.recipe == "resnet":
-        from xlafit.bench.torch_peers import run_resnet
-        from xlafit.hf.resnet import hf_config
-        from xlafit.models.resnet import train_flops_per_example as resnet_flops
-        from xlafit.recipes.resnet import NORMALISATION
-
         train, net_cfg = resnet_data(spec), resnet_config(spec)
-        result = run_resnet(
+        result = torch_peers.run_resnet(
             train["image"],
             train["label"],
             hf_config(net_cfg),
@@ -306,11 +286,8 @@ def run(spec: Spec) -> dict[str, Any]:
             "flops_per_step_analytic": resnet_flops(net_cfg, spec.image_size) * spec.batch,
         }
     if spec.framework in ("torch", "torch-compile"):
-        from xlafit.bench.torch_peers import run_mnist
-        from xlafit.models.cnn import train_flops_per_example
-
         train = mnist_data(spec)
-        result = run_mnist(
+        result = torch_peers.run_mnist(
             train["image"],
             train["label"],
             batch=spec.batch,
@@ -318,7 +295,8 @@ def run(spec: Spec) -> dict[str, Any]:
             steps=spec.steps,
             compile=spec.framework == "torch-compile",
         )
-        return {**result, "flops_per_step": None, "flops_per_step_analytic": train_flops_per_example() * spec.batch}
+        flops = cnn.train_flops_per_example() * spec.batch
+        return {**result, "flops_per_step": None, "flops_per_step_analytic": flops}
     raise SystemExit(f"unknown framework {spec.framework!r}")
 
 
@@ -328,8 +306,6 @@ def main() -> None:
     with contextlib.redirect_stdout(io.StringIO()):
         result = run(spec)
     result["python"] = platform.python_version()
-    from xlafit.platform.cpu import keeping_freed_memory
-
     result["cpu_keep_memory"] = keeping_freed_memory()
     print(json.dumps(result))
 
