@@ -72,7 +72,7 @@ def test_cpu_library_flags_follow_the_recipe_and_yield_to_the_user():
     mine = "--xla_cpu_experimental_ynn_fusion_type=eltwise"
     assert flags("ynn_fusion='dot'", XLA_FLAGS=mine) == mine
     # Not on an accelerator: its jaxlib may be another XLA build, which rejects unknown flags.
-    on_tpu = "import os; from xlafit.parallel import cluster; cluster.configure(); print(os.environ.get('XLA_FLAGS', ''))"
+    on_tpu = "import os; from xlafit.parallel import cluster; cluster.configure(); print(os.environ.get('XLA_FLAGS'))"
     out = subprocess.run(
         [sys.executable, "-c", on_tpu], env={**env, "JAX_PLATFORMS": "tpu"}, capture_output=True, text=True, check=True
     )

@@ -3,7 +3,7 @@
 The constructor::
 
     ResNet(depth: int = 50, num_classes: int = 1000, *, small_stem: bool = False, width: int = 64,
-           bn: str = "global", bn_group: int | None = None, dtype=jnp.float32, conv: str = "auto",
+           bn: str = "global", bn_group: int | None = None, dtype=jnp.float32,
            config: ResNetConfig | None = None, rngs: nnx.Rngs)
 
 ``model(x)`` maps images ``[B, H, W, C]`` (float32, already normalised) to float32 logits
@@ -88,9 +88,6 @@ class ResNetConfig:
         bn_eps: added to the variance.
         zero_init_residual: the last batch norm of each block starts with scale 0.
         dtype: compute dtype; parameters and batch statistics stay float32.
-        conv: ``auto``: oneDNN's convolutions where they apply (one CPU device, float32, or
-            bfloat16 on CPUs with AVX512-BF16; :mod:`xlafit.native.onednn`; the max-pool too),
-            XLA's elsewhere; ``xla``: XLA's everywhere.
     """
 
     depths: tuple[int, ...] = (3, 4, 6, 3)
@@ -108,7 +105,6 @@ class ResNetConfig:
     bn_eps: float = 1e-5
     zero_init_residual: bool = True
     dtype: Literal["float32", "bfloat16"] = "float32"
-    conv: Literal["auto", "xla"] = "auto"
 
     def __post_init__(self) -> None:
         if len(self.depths) != len(self.hidden_sizes) or not self.depths:
@@ -126,8 +122,6 @@ class ResNetConfig:
             raise ValueError(f"bn_group={self.bn_group} is only used with bn='local'; set bn='local' or drop it.")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r}: use 'float32' or 'bfloat16'.")
-        if self.conv not in ("auto", "xla"):
-            raise ValueError(f"conv={self.conv!r}: use 'auto' (oneDNN on one CPU device) or 'xla'.")
 
     @classmethod
     def for_depth(cls, depth: int, num_classes: int = 1000, *, width: int = 64, **options) -> ResNetConfig:
@@ -182,10 +176,7 @@ def _normalise(
     if residual is not None:
         y = y + residual.astype(jnp.float32)
     if relu:
-        # ReLU against a per-channel zero vector computed at run time: against a constant 0.0,
-        # XLA:CPU writes out an activation-sized array of zeros and reads it in a pass of its
-        # own (BENCHMARKS.md); a run-time vector is broadcast inside the normalising pass.
-        y = jnp.maximum(y, _channels(xf, bias * 0.0))
+        y = jnp.maximum(y, 0.0)
     return y, rstd, a
 
 
@@ -204,12 +195,11 @@ def batch_norm_train(
     arithmetic and the statistics (with size-1 dimensions) are float32.
 
     A custom VJP with the closed-form gradient (Ioffe & Szegedy 2015, section 3) instead of
-    autodiff through the statistics: forward and backward are each a few passes of
-    multiply-adds with per-channel vectors, ReLU's gradient is read off ``out``, and the sum
-    before the ReLU is never stored. XLA:CPU hands such passes whole to YNNPACK; autodiff's
-    version also materialised the broadcast scale and ReLU's zeros at the activations' size
-    (BENCHMARKS.md). ``mean`` and ``var`` feed the running averages; their cotangents are
-    ignored.
+    autodiff through the statistics: what the backward pass keeps is ``x`` and ``out`` in
+    ``x``'s dtype (bfloat16 under mixed precision) and per-channel vectors; ReLU's gradient is
+    read off ``out``, so the float32 sum before the ReLU is never stored. That is the memory
+    of the activations a ResNet trains with, on any device. ``mean`` and ``var`` feed the
+    running averages; their cotangents are ignored.
 
     Example:
         >>> x = jnp.arange(8.0).reshape(2, 1, 2, 2)
@@ -244,8 +234,6 @@ def _bn_backward(
     x_saved, out, mean, rstd, a, has_residual = saved
     x = x_saved.astype(jnp.float32)
     dout = cotangents[0].astype(jnp.float32)
-    # A select rather than `dout * sign(out)`: XLA:CPU hands that multiply to YNNPACK together
-    # with the convolution that computed dout, 1.5% slower over the step (BENCHMARKS.md).
     dy = jnp.where(out > 0, dout, 0.0) if relu else dout
     n = math.prod(x.shape[i] for i in axes)
     sum_dy = dy.sum(axes, keepdims=True)
@@ -254,9 +242,7 @@ def _bn_backward(
     # dx = a * (dy - mean(dy) - xhat * mean(dy * xhat)) = dy * a + x * c1 + c0
     c1 = -a * rstd * sum_dy_xhat / n
     c0 = -a * sum_dy / n - c1 * mean
-    # The barrier keeps this `a` apart from the forward's: one broadcast shared by both
-    # passes is materialised at the activations' size instead of fused into each.
-    dx = dy * jax.lax.optimization_barrier(a) + x * c1 + c0
+    dx = dy * a + x * c1 + c0
     channels = x.shape[-1]
     d_scale = sum_dy_xhat.reshape(-1, channels).sum(0)  # summed over groups
     d_bias = sum_dy.reshape(-1, channels).sum(0)
@@ -365,7 +351,6 @@ class ConvBN(nnx.Module):
             padding=((pad, pad), (pad, pad)),
             use_bias=False,
             dtype=cfg.compute_dtype,
-            conv_general_dilated=jax.lax.conv_general_dilated,
             # He et al. 2015 with fan_out, as torchvision and Hugging Face initialise ResNets.
             kernel_init=logical(nnx.initializers.variance_scaling(2.0, "fan_out", "normal"), *CONV_AXES),
             rngs=rngs,
@@ -422,54 +407,13 @@ def _reduce_window_max(x: jax.Array) -> jax.Array:
     return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, _POOL_WINDOW, _POOL_STRIDES, _POOL_PADDING)
 
 
-@jax.custom_vjp
 def max_pool_3x3_stride2(x: jax.Array) -> jax.Array:
     """PyTorch's ``MaxPool2d(3, stride=2, padding=1)`` over ``[B, H, W, C]`` (padding never wins).
 
-    ``lax.reduce_window``. Its gradient is XLA's select-and-scatter on TPUs and GPUs, where
-    it is native; on the CPU it is :func:`_scatter_free_pool_grad`, because XLA:CPU expands
-    select-and-scatter into index arrays and a scatter (BENCHMARKS.md: 1.825 vs 1.875 s per
-    ResNet-50 step at batch 8). Both send each output's gradient to the first maximum of its
-    window, as PyTorch does.
+    Its gradient (XLA's select-and-scatter) sends each output's gradient to the first maximum
+    of its window, as PyTorch does.
     """
     return _reduce_window_max(x)
-
-
-def _scatter_free_pool_grad(x: jax.Array, y: jax.Array, g: jax.Array) -> jax.Array:
-    """The max-pool gradient as nine compare/selects, one per window position, in the order
-    select-and-scatter scans the window; each output's gradient goes to its first maximum."""
-    b, h, w, c = x.shape
-    ho, wo = y.shape[1:3]
-    xp = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)), constant_values=-jnp.inf)
-    zero = jnp.zeros((), g.dtype)
-    grad = jnp.zeros(xp.shape, g.dtype)
-    taken = jnp.zeros(y.shape, bool)
-    for i in range(3):
-        for j in range(3):
-            view = jax.lax.slice(xp, (0, i, j, 0), (b, i + 2 * ho - 1, j + 2 * wo - 1, c), (1, 2, 2, 1))
-            hit = (view == y) & ~taken
-            taken = taken | hit
-            # back onto the padded input grid: rows i, i + 2, ..., columns j, j + 2, ...
-            rows, cols = (i, h + 2 - i - (2 * ho - 1), 1), (j, w + 2 - j - (2 * wo - 1), 1)
-            grad = grad + jax.lax.pad(jnp.where(hit, g, zero), zero, ((0, 0, 0), rows, cols, (0, 0, 0)))
-    return grad[:, 1:-1, 1:-1, :]
-
-
-def _pool_fwd(x: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    y = _reduce_window_max(x)
-    return y, (x, y)
-
-
-def _pool_bwd(res: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array]:
-    x, y = res
-
-    def select_and_scatter(x: jax.Array, y: jax.Array, g: jax.Array) -> jax.Array:
-        return jax.vjp(_reduce_window_max, x)[1](g)[0]
-
-    return (jax.lax.platform_dependent(x, y, g, cpu=_scatter_free_pool_grad, default=select_and_scatter),)
-
-
-max_pool_3x3_stride2.defvjp(_pool_fwd, _pool_bwd)
 
 
 def classifier(cfg: ResNetConfig, rngs: nnx.Rngs) -> nnx.Linear:
@@ -507,7 +451,6 @@ class ResNet(nnx.Module):
         bn: Literal["global", "local"] = "global",
         bn_group: int | None = None,
         dtype: DTypeLike | str = jnp.float32,
-        conv: Literal["auto", "xla"] = "auto",
         config: ResNetConfig | None = None,
         rngs: nnx.Rngs,
     ) -> None:
@@ -520,7 +463,6 @@ class ResNet(nnx.Module):
                 bn=bn,
                 bn_group=bn_group,
                 dtype=_dtype_name(dtype),
-                conv=conv,
             )
         cfg = self.cfg = config
         kernel, stride = (3, 1) if cfg.small_stem else (7, 2)

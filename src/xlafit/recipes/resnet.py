@@ -66,9 +66,6 @@ class ResNetModelConfig:
     bn_group: int | None = None  # examples per statistics group for bn=local
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     label_smoothing: float = 0.0
-    # auto: oneDNN's convolutions and max-pool in a run on one CPU device (float32, or bfloat16
-    # on CPUs with AVX512-BF16; xlafit.native.onednn), XLA's elsewhere; xla: XLA's everywhere.
-    conv: Literal["auto", "xla"] = "auto"
 
 
 @dataclasses.dataclass
@@ -150,7 +147,6 @@ def resnet_config(cfg: Config, num_classes: int, channels: int) -> ResNetConfig:
             bn=m.bn,
             bn_group=m.bn_group,
             dtype=m.compute_dtype,
-            conv=m.conv,
             num_channels=channels,
         )
     except ValueError as e:
