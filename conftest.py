@@ -9,11 +9,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 from xlafit.parallel.cluster import configure  # noqa: E402
+from xlafit.platform.cpu import CpuConfig  # noqa: E402
 
 # The same XLA:CPU flags as every xlafit run, whichever test happens to start JAX first. The
 # suite's one process compiles hundreds of programs: it returns their freed memory to the OS
-# (tests/test_host_memory.py covers run.cpu_keep_memory, in processes of its own).
-configure(cpu_keep_memory=False)
+# (tests/test_host_memory.py covers cpu.keep_memory, in processes of its own).
+configure(cpu=CpuConfig(keep_memory=False))
 
 # Implicit rank promotion hides shape bugs (a [B] loss broadcast against [B, 1]).
 jax.config.update("jax_numpy_rank_promotion", "raise")

@@ -85,7 +85,7 @@ def run_xlafit(args, full_head: bool) -> dict:
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-4, eps=1e-6, weight_decay=0.01))
     from xlafit.recipes import load_config
 
-    strategy = xlafit.connect(ynn_fusion=load_config("bert").run.xla_cpu_ynn_fusion)  # the recipe's CPU setting
+    strategy = xlafit.connect(cpu=load_config("bert").cpu)  # the recipe's CPU setting
     trainer = xlafit.Trainer(
         model,
         full_head_loss if full_head else recipe.loss_fn,

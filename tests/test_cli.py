@@ -41,7 +41,7 @@ def test_devices_simulate_from_environment():
         (["optimizer.learning_rate=-1"], "must be positive"),
         (["data.global_batch=100"], "does not divide evenly over 8 devices"),
         (["--data-dir", "/nonexistent"], "is not a directory"),
-        (["run.xla_cpu_ynn_fusion=dot,bogus"], "unknown YNNPACK fusion type 'bogus' (run.xla_cpu_ynn_fusion)"),
+        (["cpu.ynn_fusion=dot,bogus"], "unknown YNNPACK fusion type 'bogus' (cpu.ynn_fusion)"),
         (
             ["mesh.fsdp=3", "trainer.invariant_chunks=null"],
             "the mesh data=-1 x fsdp=3 x tensor=1 cannot cover 8 devices: 3 does not divide 8",
@@ -60,27 +60,30 @@ def test_bad_input_is_one_clear_line(args, message, tmp_path):
 
 
 def test_cpu_library_flags_follow_the_recipe_and_yield_to_the_user():
-    code = "import os, xlafit; xlafit.connect({}); print(os.environ.get('XLA_FLAGS', ''))"
+    code = (
+        "import os, xlafit; from xlafit.platform.cpu import CpuConfig as C; xlafit.connect({}); "
+        "print(os.environ.get('XLA_FLAGS', ''))"
+    )
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     flags = lambda call, **extra: subprocess.run(  # noqa: E731
         [sys.executable, "-c", code.format(call)], env={**env, **extra}, capture_output=True, text=True, check=True
     ).stdout.strip()
     assert flags("") == "--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce"
-    assert flags("ynn_fusion='dot'") == "--xla_cpu_experimental_ynn_fusion_type=dot"
-    assert flags("cpu_fast_paths=False") == ""
+    assert flags("cpu=C(ynn_fusion='dot')") == "--xla_cpu_experimental_ynn_fusion_type=dot"
+    assert flags("cpu=C(fast_paths=False)") == ""
     mine = "--xla_cpu_experimental_ynn_fusion_type=eltwise"
-    assert flags("ynn_fusion='dot'", XLA_FLAGS=mine) == mine
+    assert flags("cpu=C(ynn_fusion='dot')", XLA_FLAGS=mine) == mine
     # Not on an accelerator: its jaxlib may be another XLA build, which rejects unknown flags.
-    on_tpu = "import os; from xlafit.parallel import cluster; cluster.configure(); print(os.environ.get('XLA_FLAGS'))"
+    on_tpu = "import os; from xlafit.parallel import cluster; cluster.configure(); print(os.getenv('XLA_FLAGS', ''))"
     out = subprocess.run(
         [sys.executable, "-c", on_tpu], env={**env, "JAX_PLATFORMS": "tpu"}, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == ""
     from xlafit.recipes import load_config
 
-    assert load_config("bert").run.xla_cpu_ynn_fusion == "dot"
-    assert load_config("mnist").run.xla_cpu_ynn_fusion == "dot,eltwise,reduce"
+    assert load_config("bert").cpu.ynn_fusion == "dot"
+    assert load_config("mnist").cpu.ynn_fusion == "dot,eltwise,reduce"
 
 
 def test_config_prints_resolved_yaml():
@@ -99,8 +102,8 @@ def test_train_pulse_and_resume(tmp_path):
     assert "per-device batch: 16   global batch: 128" in first.stdout
     assert "peak 0.002 at global batch 128" in first.stdout
     assert "train step compiled 1 time(s)" in first.stdout
-    assert "host memory: freed blocks are kept for the next step" in first.stdout  # run.cpu_keep_memory
-    second = run(*common, "trainer.stop_at_step=4", "run.cpu_keep_memory=false", env=cache)
+    assert "host memory: freed blocks are kept for the next step" in first.stdout  # cpu.keep_memory
+    second = run(*common, "trainer.stop_at_step=4", "cpu.keep_memory=false", env=cache)
     assert second.returncode == 0, second.stderr
     assert "host memory:" not in second.stdout
     assert "resumed from checkpoint 2 " in second.stdout

@@ -1,4 +1,4 @@
-"""``run.cpu_keep_memory``: XLA:CPU's per-call temporaries reuse pages instead of faulting in."""
+"""``cpu.keep_memory``: XLA:CPU's per-call temporaries reuse pages instead of faulting in."""
 
 import mmap
 import os
@@ -20,8 +20,9 @@ PROBE = textwrap.dedent(
     import sys
     import jax, jax.numpy as jnp
     import xlafit
+    from xlafit.platform.cpu import CpuConfig
     from xlafit.platform.cpu import page_faults, page_faults_since
-    xlafit.connect(1, cpu_keep_memory=sys.argv[1] == "keep")
+    xlafit.connect(1, cpu=CpuConfig(keep_memory=sys.argv[1] == "keep"))
     x, w = jnp.ones((2048, 1024)), jnp.ones((1024, 8192))
     f = jax.jit(lambda x, w: (lambda y: (y.sum(), y.max()))(x @ w))
     assert f.lower(x, w).compile().memory_analysis().temp_size_in_bytes >= 64 * 2**20
@@ -75,14 +76,15 @@ def test_page_faults_and_peak_memory_count_fresh_pages():
 
 
 def test_inline_dispatch_returns_each_call_done():
-    """``run.cpu_async_dispatch=false`` (the ResNet recipe's): a one-device CPU call returns
+    """``cpu.async_dispatch=false`` (the ResNet recipe's): a one-device CPU call returns
     when it is done, its temporaries freed, so calls never overlap and the heap keeps one copy."""
     probe = textwrap.dedent(
         """
         import sys
         import jax, jax.numpy as jnp
         import xlafit
-        xlafit.connect(1, cpu_async_dispatch=sys.argv[1] == "async")
+        from xlafit.platform.cpu import CpuConfig
+        xlafit.connect(1, cpu=CpuConfig(async_dispatch=sys.argv[1] == "async"))
         x, w = jnp.ones((2048, 1024)), jnp.ones((1024, 8192))
         f = jax.jit(lambda x, w: (x @ w).sum())
         jax.block_until_ready(f(x, w))
@@ -99,5 +101,5 @@ def test_inline_dispatch_returns_each_call_done():
     assert ready == {"inline": "True", "async": "False"}, ready
     from xlafit.recipes import load_config
 
-    assert load_config("resnet").run.cpu_async_dispatch is False
-    assert load_config("mnist").run.cpu_async_dispatch is True
+    assert load_config("resnet").cpu.async_dispatch is False
+    assert load_config("mnist").cpu.async_dispatch is True

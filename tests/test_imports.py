@@ -117,9 +117,7 @@ def test_no_function_level_import_of_xlafit_outside_the_cli():
     hidden = [
         f"{importer}:{line} imports {imported}"
         for importer, imported, in_function, line in _edges(_modules())
-        if in_function
-        and not importer.startswith("xlafit.cli")
-        and (importer, imported) not in ALLOWED_LAZY
+        if in_function and not importer.startswith("xlafit.cli") and (importer, imported) not in ALLOWED_LAZY
     ]
     assert hidden == [], "import at the top of the module (or move the shared piece down a layer)"
 

@@ -164,3 +164,29 @@ def test_one_name_per_concept():
     # xlafit.train is the subpackage (the run is xlafit.run.train_and_evaluate), so dotted paths resolve
     assert importlib.import_module("xlafit.train.trainer").Trainer is xlafit.Trainer
     assert callable(xlafit.train.losses.masked_mean) and xlafit.train_and_evaluate.__module__ == "xlafit.run"
+
+
+def test_a_run_from_before_the_cpu_section_resumes_with_a_note(strategy8, tmp_path, caplog, capsys):
+    """config.yaml of a run written when the CPU settings were run.* keys (and resnet had
+    model.conv): the moved keys are read under their new names, one note each; nothing differs."""
+    cfg = _resolved(strategy8, tmp_path)
+    _with_checkpoint(tmp_path, cfg)
+    old = cfg.to_dict()
+    cpu = old.pop("cpu")
+    old["run"].update(
+        xla_cpu_fast_paths=cpu["fast_paths"],
+        xla_cpu_ynn_fusion=cpu["ynn_fusion"],
+        cpu_keep_memory=cpu["keep_memory"],
+        cpu_async_dispatch=cpu["async_dispatch"],
+    )
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    with caplog.at_level("WARNING", logger="xlafit"):
+        check_continuation(tmp_path, cfg)
+    (note,) = [r.getMessage() for r in caplog.records]  # one line for all of them
+    assert note.startswith(f"note: {tmp_path}/config.yaml: run.xla_cpu_fast_paths is now cpu.fast_paths; ")
+    assert "run.cpu_keep_memory is now cpu.keep_memory" in note
+    assert "changed" not in capsys.readouterr().out  # the same run: no setting reported as changed
+    # An override in the old spelling still works, with the same note.
+    with caplog.at_level("WARNING", logger="xlafit"):
+        assert load_config("mnist", ["run.cpu_keep_memory=false"]).cpu.keep_memory is False
+    assert "the overrides: run.cpu_keep_memory is now cpu.keep_memory" in caplog.text

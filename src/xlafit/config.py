@@ -20,6 +20,7 @@ from typing import Any, Literal
 import yaml
 
 from xlafit.errors import ConfigError
+from xlafit.platform.cpu import CpuConfig
 
 log = logging.getLogger("xlafit")
 
@@ -148,7 +149,7 @@ class TrainerConfig:
     # Sum gradients over this many equal chunks of the global batch in a fixed order, so 1
     # device, 8 devices or several processes train bit-identical models (a multiple of the
     # device count; null: XLA's all-reduce, faster, equal only to float rounding). On CPU it
-    # also needs run.xla_cpu_fast_paths=false: YNNPACK kernels round differently per layout.
+    # also needs cpu.fast_paths=false: YNNPACK kernels round differently per layout.
     invariant_chunks: int | None = None
     # Compiles allowed per step (train, eval); one more stops the run naming the input shape
     # that changed. null: the programs the run plans (steps-per-call values x data shapes).
@@ -219,18 +220,6 @@ class RunConfig:
     checkpoint_dir: str | None = None  # default: <run_dir>/checkpoints; may be a URL (gs://bucket/run)
     simulate_devices: int | None = None  # N CPU devices (rehearse an N-core TPU)
     resume: bool = True  # continue from the run directory's newest checkpoint
-    xla_cpu_fast_paths: bool = True  # XNNPACK/YNNPACK library calls on CPU (see BENCHMARKS.md)
-    # What XLA:CPU hands to YNNPACK when xla_cpu_fast_paths is on: a comma-separated subset of
-    # dot, eltwise, reduce, individual_dot, individual_convolution. Measured on 2 cores: the
-    # MNIST CNN is fastest with dot,eltwise,reduce; BERT with dot (its recipe sets that).
-    xla_cpu_ynn_fusion: str = "dot,eltwise,reduce"
-    # On the CPU, keep freed host memory for reuse: XLA:CPU's per-call temporaries are otherwise
-    # page-faulted in afresh every step (ResNet-50: 1 s of kernel time per step; xlafit.platform.cpu).
-    cpu_keep_memory: bool = True
-    # On the CPU, dispatch one-device programs asynchronously (JAX's default). false runs each
-    # call inline and frees its temporaries before the next starts: ResNet-50 on one CPU
-    # device holds one block of them instead of growing to 2-4 (its recipe sets false).
-    cpu_async_dispatch: bool = True
 
     def __post_init__(self) -> None:
         _check_section(self, "run", ("simulate_devices",))
@@ -247,6 +236,7 @@ class Config:
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    cpu: CpuConfig = dataclasses.field(default_factory=CpuConfig)  # on a CPU only (xlafit.platform.cpu)
 
     def to_dict(self) -> dict[str, Any]:
         """A plain nested dict (YAML/JSON friendly)."""
@@ -402,6 +392,7 @@ def build_config(
     A user who overrides ``data.per_device_batch`` (and not ``data.global_batch``) means
     the per-device size: the preset's global batch is dropped so the two cannot disagree.
     """
+    preset, overrides = migrate(preset, "the preset"), migrate(overrides, "the overrides")
     data_over = overrides.get("data", {}) if isinstance(overrides.get("data"), Mapping) else {}
     merged = deep_merge(dict(preset), overrides)
     if "per_device_batch" in data_over and "global_batch" not in data_over:
@@ -413,6 +404,46 @@ def build_config(
         cfg.data = data_cls()
     validate(cfg)
     return cfg
+
+
+# Keys that moved, old -> new: a preset, an override or a run's config.yaml that still has
+# the old one is read with a one-line note.
+MOVED = {
+    "run.xla_cpu_fast_paths": "cpu.fast_paths",
+    "run.xla_cpu_ynn_fusion": "cpu.ynn_fusion",
+    "run.cpu_keep_memory": "cpu.keep_memory",
+    "run.cpu_async_dispatch": "cpu.async_dispatch",
+}
+# Keys that are gone, with why: dropped with a note.
+REMOVED = {"model.conv": "ResNet's convolutions are XLA's on every platform"}
+
+
+def migrate(tree: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """``tree`` (nested) with moved keys under their new names and removed ones dropped, each
+    with a one-line note naming ``source`` (a preset, the overrides, a run's config.yaml).
+
+    Example:
+        >>> migrate({"run": {"cpu_keep_memory": False}}, "overrides")
+        {'run': {}, 'cpu': {'keep_memory': False}}
+    """
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in tree.items()}
+    moved, dropped = [], []
+    for old, new in (*MOVED.items(), *((k, "") for k in REMOVED)):
+        section, key = old.split(".")
+        if not isinstance(out.get(section), dict) or key not in out[section]:
+            continue
+        value = out[section].pop(key)
+        if not new:
+            dropped.append(f"{old} ({REMOVED[old]})")
+            continue
+        new_section, new_key = new.split(".")
+        if isinstance(out.setdefault(new_section, {}), dict):
+            out[new_section].setdefault(new_key, value)
+        moved.append(f"{old} is now {new}")
+    if moved or dropped:
+        gone = [f"{', '.join(dropped)}: no longer a setting, ignored"] if dropped else []
+        log.warning("note: %s: %s", source, "; ".join(moved + gone))
+    return out
 
 
 def _preset_gives_way(merged: dict[str, Any], overrides: Mapping[str, Any]) -> None:

@@ -33,7 +33,7 @@ import yaml
 from etils import epath
 from flax import nnx
 
-from xlafit.config import Config, resolve_batch
+from xlafit.config import Config, migrate, resolve_batch
 from xlafit.data.dataset import as_dataset
 from xlafit.errors import ConfigError, StorageError
 from xlafit.io.paths import as_path, check_bucket, dated_sibling, describe_error, is_url, move, refresh, upload
@@ -64,10 +64,7 @@ def train_and_evaluate(cfg: Config) -> FitResult:
         recipe = get_recipe(cfg.recipe)
         strategy = connect(
             cfg.run.simulate_devices,
-            cpu_fast_paths=cfg.run.xla_cpu_fast_paths,
-            ynn_fusion=cfg.run.xla_cpu_ynn_fusion,
-            cpu_keep_memory=cfg.run.cpu_keep_memory,
-            cpu_async_dispatch=cfg.run.cpu_async_dispatch,
+            cpu=cfg.cpu,
             mesh=cfg.mesh.sizes,
             rules=parse_rules(cfg.mesh.rules),
         )
@@ -394,7 +391,7 @@ def check_continuation(run_dir: epath.Path | Path, cfg: Config, announce: bool =
     checkpoints = checkpoint_dir(cfg)
     if not (checkpoints.exists() and any(p.name.isdigit() for p in checkpoints.iterdir())):
         return
-    saved = _flatten(_saved_config(as_path(run_dir)))
+    saved = _flatten(migrate(_saved_config(as_path(run_dir)), f"{run_dir}/config.yaml"))
     now = _flatten(cfg.to_dict())
     restart = "or start over with --restart (run.resume=false) or another --run-dir"
     if saved["recipe"] != now["recipe"]:

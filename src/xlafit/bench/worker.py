@@ -34,6 +34,7 @@ from xlafit.models.resnet import train_flops_per_example as resnet_flops
 from xlafit.parallel.cluster import connect
 from xlafit.parallel.mesh import Strategy
 from xlafit.platform.cpu import (
+    CpuConfig,
     accelerator_present,
     keep_freed_memory,
     keeping_freed_memory,
@@ -156,7 +157,7 @@ def _workload(spec: Spec) -> tuple[dict[str, np.ndarray], Any, Any, Any, float]:
     """``(training arrays, model, loss_fn, optimizer, training FLOPs per example)`` of the spec."""
     if spec.recipe == "resnet":
         net_cfg = resnet_config(spec)
-        model = ImageClassifier(ResNet(config=net_cfg, rngs=nnx.Rngs(0)), *NORMALISATION["imagenet"])
+        model: nnx.Module = ImageClassifier(ResNet(config=net_cfg, rngs=nnx.Rngs(0)), *NORMALISATION["imagenet"])
         return resnet_data(spec), model, resnet_loss_fn, resnet_optimizer(), resnet_flops(net_cfg, spec.image_size)
     dtype = None if spec.dtype == "float32" else spec.dtype
     model = cnn.MnistCNN(rngs=nnx.Rngs(params=0, dropout=1), dtype=dtype)
@@ -164,8 +165,8 @@ def _workload(spec: Spec) -> tuple[dict[str, np.ndarray], Any, Any, Any, float]:
 
 
 def run_xlafit(spec: Spec) -> dict[str, Any]:
-    # Dispatched as the recipe runs (ResNet: one-device CPU calls inline, run.cpu_async_dispatch).
-    everything = connect(cpu_async_dispatch=load_config(spec.recipe).run.cpu_async_dispatch)
+    # Dispatched as the recipe runs (ResNet: one-device CPU calls inline, cpu.async_dispatch).
+    everything = connect(cpu=CpuConfig(async_dispatch=load_config(spec.recipe).cpu.async_dispatch))
     if spec.devices > everything.num_replicas:
         raise SystemExit(f"{spec.devices} devices asked for, {everything.num_replicas} present")
     strategy = Strategy(Mesh(everything.mesh.devices.flatten()[: spec.devices], ("data",)))
@@ -258,7 +259,7 @@ def _abstract_batch(train: dict[str, np.ndarray], k: int, batch: int, strategy: 
 def run(spec: Spec) -> dict[str, Any]:
     if spec.framework in ("torch", "torch-compile"):
         # The xlafit rows run on a CPU with freed memory kept for reuse (xlafit.connect(),
-        # run.cpu_keep_memory); the peer gets the same allocator, or the comparison times
+        # cpu.keep_memory); the peer gets the same allocator, or the comparison times
         # glibc's mmap/munmap page faults (ResNet's activations) in the peer only. Before
         # torch starts its threads, as mallopt asks.
         if not accelerator_present():

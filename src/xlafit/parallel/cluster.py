@@ -22,14 +22,8 @@ import jax
 from xlafit.errors import DeviceError
 from xlafit.io.cache import enable_compilation_cache
 from xlafit.parallel.mesh import Strategy, make_mesh
-from xlafit.platform.cpu import (
-    DEFAULT_YNN_FUSION,
-    TPU_DEVICES,
-    YNN_FUSION_FLAG,
-    YNN_FUSION_TYPES,
-    accelerator_present,
-    keep_freed_memory,
-)
+from xlafit.platform import cpu as cpu_settings
+from xlafit.platform.cpu import TPU_DEVICES, CpuConfig, accelerator_present
 from xlafit.platform.hardware import quiet_stderr
 
 SIMULATE_ENV = "XLAFIT_SIMULATE_DEVICES"
@@ -40,9 +34,6 @@ INIT_TIMEOUT_ENV = "XLAFIT_INIT_TIMEOUT_S"  # how long to wait for every process
 DISTRIBUTED_ENV = "XLAFIT_DISTRIBUTED"  # "1": join a job that JAX detects (TPU pod slice, ...)
 
 
-# XLA:CPU library paths: which operations go to YNNPACK. dot,eltwise,reduce was measured
-# fastest for the CNN/MLP workloads here, dot alone for BERT (BENCHMARKS.md). Only applied
-# to CPU runs, and only when the user has not set the flag in XLA_FLAGS.
 def _backend_started() -> bool:
     # jax initialises its backends lazily, on the first device query; after that the CPU
     # device count and XLA flags can no longer change in this process.
@@ -51,40 +42,16 @@ def _backend_started() -> bool:
     return bool(xla_bridge._backends)
 
 
-def configure(
-    simulate: int | None = None,
-    *,
-    cpu_fast_paths: bool = True,
-    ynn_fusion: str = DEFAULT_YNN_FUSION,
-    cpu_keep_memory: bool = True,
-    cpu_async_dispatch: bool = True,
-) -> None:
+def configure(simulate: int | None = None, *, cpu: CpuConfig | None = None) -> None:
     """Sets platform options; must run before JAX starts its backends.
 
     Args:
         simulate: run on this many CPU devices instead of the accelerators. ``None``
             reads the ``XLAFIT_SIMULATE_DEVICES`` environment variable.
-        cpu_fast_paths: hand the ``ynn_fusion`` operations of CPU programs to YNNPACK (adds
-            :data:`YNN_FUSION_FLAG` to ``XLA_FLAGS`` when the run is on the CPU, unless it
-            is set there already).
-        ynn_fusion: a comma-separated subset of :data:`YNN_FUSION_TYPES`.
-        cpu_keep_memory: when the run is on the CPU (simulated devices, ``JAX_PLATFORMS=cpu``,
-            or a host without GPU/TPU device files), keep freed host memory for reuse
-            instead of page-faulting every call's temporaries in afresh
-            (:mod:`xlafit.platform.cpu`).
-        cpu_async_dispatch: when the run is on the CPU, ``False`` runs each one-device call
-            inline (``jax_cpu_enable_async_dispatch``): the call returns when it is done and its
-            temporaries are freed, so the next call reuses them instead of the heap growing by
-            another block while two calls overlap. Programs over several devices stay
-            asynchronous either way.
+        cpu: the XLA:CPU settings (:class:`~xlafit.platform.cpu.CpuConfig`), applied when the
+            run is on the CPU (simulated devices, ``JAX_PLATFORMS=cpu``, or a host without
+            GPU/TPU device files); default: ``CpuConfig()``.
     """
-    types = [t.strip() for t in ynn_fusion.split(",") if t.strip()]
-    unknown = [t for t in types if t not in YNN_FUSION_TYPES]
-    if unknown:
-        raise DeviceError(
-            f"unknown YNNPACK fusion type {unknown[0]!r} (run.xla_cpu_ynn_fusion); "
-            f"choose from {', '.join(YNN_FUSION_TYPES)}, comma-separated."
-        )
     if simulate is None and os.environ.get(SIMULATE_ENV):
         try:
             simulate = int(os.environ[SIMULATE_ENV])
@@ -105,18 +72,11 @@ def configure(
     enable_compilation_cache()
     platforms = jax.config.jax_platforms or ""  # type: ignore[attr-defined]
     on_cpu = simulate is not None or platforms.split(",")[0] == "cpu" or (not platforms and not accelerator_present())
-    if cpu_keep_memory and on_cpu:
-        keep_freed_memory()
-    if on_cpu and not cpu_async_dispatch:
-        jax.config.update("jax_cpu_enable_async_dispatch", False)
+    if on_cpu:
+        cpu_settings.apply(cpu or CpuConfig())
     if simulate is not None:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", simulate)
-    flags = os.environ.get("XLA_FLAGS", "")
-    if cpu_fast_paths and on_cpu and YNN_FUSION_FLAG not in flags:
-        # Only where the run is on the CPU: an accelerator's jaxlib may be another XLA
-        # build, one that rejects a flag it does not know.
-        os.environ["XLA_FLAGS"] = f"{flags} {YNN_FUSION_FLAG}={','.join(types)}".strip()
 
 
 # What libtpu writes to stderr when JAX tries its TPU backend on a host with no TPU (libtpu
@@ -279,10 +239,7 @@ def _join(cluster: Cluster) -> None:
 def connect(
     simulate: int | None = None,
     *,
-    cpu_fast_paths: bool = True,
-    ynn_fusion: str = DEFAULT_YNN_FUSION,
-    cpu_keep_memory: bool = True,
-    cpu_async_dispatch: bool = True,
+    cpu: CpuConfig | None = None,
     cluster: Cluster | None = None,
     mesh: tuple[int, int, int] = (-1, 1, 1),
     rules: Mapping[str, str | None] | None = None,
@@ -295,7 +252,7 @@ def connect(
     Args:
         simulate: use this many simulated CPU devices (per process; rehearse an 8-core TPU
             with 8).
-        cpu_fast_paths, ynn_fusion, cpu_keep_memory, cpu_async_dispatch: see :func:`configure`.
+        cpu: the XLA:CPU settings, for a run on the CPU (:class:`~xlafit.platform.cpu.CpuConfig`).
         cluster: join this job; default: :meth:`Cluster.from_env`.
         mesh: sizes of ``(data, fsdp, tensor)``, one of them may be -1 (see :func:`make_mesh`);
             the default is pure data parallelism.
@@ -315,13 +272,7 @@ def connect(
         mesh: data=1 fsdp=4 tensor=2 -> parameters and optimizer state split over fsdp, tensor-parallel ... (4 shards)
     """
     started = _backend_started()
-    configure(
-        simulate,
-        cpu_fast_paths=cpu_fast_paths,
-        ynn_fusion=ynn_fusion,
-        cpu_keep_memory=cpu_keep_memory,
-        cpu_async_dispatch=cpu_async_dispatch,
-    )
+    configure(simulate, cpu=cpu)
     cluster = cluster or Cluster.from_env()
     if cluster is not None and not started and not jax.distributed.is_initialized():
         _join(cluster)

@@ -20,11 +20,11 @@ grows by a whole block, faulted in once. ResNet-50 at batch 8 holds 1.65 GB afte
 step, 2.4-3.2 GB after 100 steps, 4.65 GB once after 45 (BENCHMARKS.md, eleventh
 session). It changes no result. The setting must come before the threads that allocate
 exist, so :func:`xlafit.parallel.cluster.configure` applies it before JAX starts its backends, and
-only when the run is on the CPU (``run.cpu_keep_memory``). ``GLIBC_TUNABLES`` (read when a
+only when the run is on the CPU (``cpu.keep_memory``). ``GLIBC_TUNABLES`` (read when a
 process starts) does the same for any process, e.g.
 ``glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776``.
 
-Running one-device calls inline (``run.cpu_async_dispatch=false``, the ResNet recipe's
+Running one-device calls inline (``cpu.async_dispatch=false``, the ResNet recipe's
 setting, also applied in ``configure``) frees each call's block before the next call starts:
 ResNet-50 at batch 8 then peaks at 2.2 GiB.
 """
@@ -33,10 +33,15 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import glob
 import os
 import sys
 from types import ModuleType
+
+import jax
+
+from xlafit.errors import ConfigError
 
 resource: ModuleType | None
 try:
@@ -44,7 +49,7 @@ try:
 except ImportError:  # Windows
     resource = None
 
-# XLA:CPU hands these operations of a CPU program to YNNPACK (run.xla_cpu_ynn_fusion).
+# XLA:CPU hands these operations of a CPU program to YNNPACK (cpu.ynn_fusion).
 YNN_FUSION_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
 YNN_FUSION_TYPES = ("dot", "eltwise", "reduce", "individual_dot", "individual_convolution")
 DEFAULT_YNN_FUSION = "dot,eltwise,reduce"
@@ -109,3 +114,48 @@ def keep_freed_memory() -> bool:
     global _kept
     _kept = all(mallopt(param, value) == 1 for param, value in KEEP.items())
     return _kept
+
+
+@dataclasses.dataclass
+class CpuConfig:
+    """The XLA:CPU settings of a run: they apply only when it runs on the CPU (simulated
+    devices, ``JAX_PLATFORMS=cpu``, or a host without an accelerator), never on a TPU or GPU.
+
+    The CPU is where a TPU run is rehearsed (simulated devices), tested and demonstrated; these
+    settings keep those runs quick without touching what a TPU runs.
+    """
+
+    # YNNPACK kernels for the operations below (dots, elementwise, reductions): faster CPU steps.
+    fast_paths: bool = True
+    # What XLA:CPU hands to YNNPACK when fast_paths is on: a comma-separated subset of
+    # dot, eltwise, reduce, individual_dot, individual_convolution.
+    ynn_fusion: str = DEFAULT_YNN_FUSION
+    # Keep freed host memory for reuse: each step's temporaries are not page-faulted in afresh.
+    keep_memory: bool = True
+    # false: one-device calls run inline, freeing their temporaries before the next call starts.
+    async_dispatch: bool = True
+
+    def __post_init__(self) -> None:
+        unknown = [t for t in self.fusion_types if t not in YNN_FUSION_TYPES]
+        if unknown:
+            raise ConfigError(
+                f"unknown YNNPACK fusion type {unknown[0]!r} (cpu.ynn_fusion); "
+                f"choose from {', '.join(YNN_FUSION_TYPES)}, comma-separated."
+            )
+
+    @property
+    def fusion_types(self) -> list[str]:
+        return [t.strip() for t in self.ynn_fusion.split(",") if t.strip()]
+
+
+def apply(cfg: CpuConfig) -> None:
+    """Applies ``cfg`` to this process; before JAX starts its backends, and only when the
+    run is on the CPU (an accelerator's jaxlib may be another XLA build, one that rejects a
+    flag it does not know)."""
+    if cfg.keep_memory:
+        keep_freed_memory()
+    if not cfg.async_dispatch:
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if cfg.fast_paths and YNN_FUSION_FLAG not in flags:  # the user's own flag wins
+        os.environ["XLA_FLAGS"] = f"{flags} {YNN_FUSION_FLAG}={','.join(cfg.fusion_types)}".strip()

@@ -490,7 +490,7 @@ class Trainer:
             # Users see the process grow 2-4x its temporaries and should know why (BENCHMARKS.md).
             report.print(
                 "host memory: freed blocks are kept for the next step (no page faults; the process holds "
-                "more memory); run.cpu_keep_memory=false returns them"
+                "more memory); cpu.keep_memory=false returns them"
             )
         if not s.data_parallel_only:
             from xlafit.parallel.sharding import bytes_per_device
