@@ -420,7 +420,7 @@ def test_libtpus_start_up_errors_on_a_host_with_no_tpu_are_not_shown():
     import subprocess
     import sys
 
-    from xlafit.platform.cpu import TPU_DEVICES
+    from xlafit.platform.hardware import TPU_DEVICES
 
     if any(glob.glob(p) for p in TPU_DEVICES):
         pytest.skip("a TPU host: libtpu starts")
@@ -446,7 +446,7 @@ def test_inspect_shows_no_libtpu_start_up_errors_either(tmp_path):
     import numpy as np
 
     from xlafit.checkpoint import Checkpointer
-    from xlafit.platform.cpu import TPU_DEVICES
+    from xlafit.platform.hardware import TPU_DEVICES
 
     if any(glob.glob(p) for p in TPU_DEVICES):
         pytest.skip("a TPU host: libtpu starts")

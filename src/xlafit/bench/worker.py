@@ -35,14 +35,13 @@ from xlafit.parallel.cluster import connect
 from xlafit.parallel.mesh import Strategy
 from xlafit.platform.cpu import (
     CpuConfig,
-    accelerator_present,
     keep_freed_memory,
     keeping_freed_memory,
     page_faults,
     page_faults_since,
     peak_rss_bytes,
 )
-from xlafit.platform.hardware import peak_flops
+from xlafit.platform.hardware import accelerator_present, peak_flops
 from xlafit.recipes import load_config
 from xlafit.recipes import mnist as mnist_recipe
 from xlafit.recipes.resnet import NORMALISATION, ImageClassifier

@@ -23,8 +23,8 @@ from xlafit.errors import DeviceError
 from xlafit.io.cache import enable_compilation_cache
 from xlafit.parallel.mesh import Strategy, make_mesh
 from xlafit.platform import cpu as cpu_settings
-from xlafit.platform.cpu import TPU_DEVICES, CpuConfig, accelerator_present
-from xlafit.platform.hardware import quiet_stderr
+from xlafit.platform.cpu import CpuConfig
+from xlafit.platform.hardware import TPU_DEVICES, accelerator_present, quiet_stderr
 
 SIMULATE_ENV = "XLAFIT_SIMULATE_DEVICES"
 COORDINATOR_ENV = "XLAFIT_COORDINATOR"

@@ -34,7 +34,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
-import glob
 import os
 import sys
 from types import ModuleType
@@ -60,10 +59,6 @@ M_MMAP_MAX = -4
 M_ARENA_MAX = -8
 KEEP = {M_ARENA_MAX: 1, M_MMAP_MAX: 0, M_TRIM_THRESHOLD: -1}  # -1: never trim (man mallopt)
 
-# Device files of the accelerators JAX would use instead of the CPU.
-TPU_DEVICES = ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*")  # TPU v2/v3; v4 and later
-ACCELERATOR_DEVICES = ("/dev/nvidia[0-9]*", *TPU_DEVICES, "/dev/kfd")
-
 
 def page_faults() -> int | None:
     """This process's minor page faults so far (``getrusage``); None where there is no
@@ -83,11 +78,6 @@ def peak_rss_bytes() -> int | None:
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
-
-
-def accelerator_present() -> bool:
-    """True if this host has a GPU or TPU device file, so JAX may not pick the CPU."""
-    return any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICES)
 
 
 _kept = False  # whether keep_freed_memory took in this process (mallopt is process-wide)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import importlib.util
 import os
 import platform
@@ -99,6 +100,16 @@ GPUS: dict[str, tuple[float, str]] = {
     "H100": (989.0, "NVIDIA H100 datasheet: SXM 989 TFLOP/s bf16 dense (1979 sparse)"),
     "H200": (989.0, "NVIDIA H200 datasheet: 989 TFLOP/s bf16 dense (1979 sparse)"),
 }
+
+# Device files of the accelerators JAX would use instead of the CPU.
+TPU_DEVICES = ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*")  # TPU v2/v3; v4 and later
+ACCELERATOR_DEVICES = ("/dev/nvidia[0-9]*", *TPU_DEVICES, "/dev/kfd")
+
+
+def accelerator_present() -> bool:
+    """True if this host has a GPU or TPU device file, so JAX may not pick the CPU."""
+    return any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICES)
+
 
 # The usual names, for the error message and the docs; any power-of-two size parses.
 KNOWN = (
