@@ -1,32 +1,25 @@
-"""Keeping freed host memory in the process, so XLA:CPU programs stop page-faulting.
+"""Every XLA:CPU setting of a run, each with its reason (:class:`CpuConfig`, the ``cpu:`` section).
 
-XLA:CPU allocates a program's temporaries as one block for every call (750 MB for a
-ResNet-50 train step at batch 8; 1.5 GB before its convolutions went to oneDNN) and frees it
-when the call ends. glibc's ``malloc`` serves a block that large with a fresh ``mmap`` and
-hands it back with ``munmap``, so every step touches all of it as new pages: at 1.5 GB,
-377,000 page faults and about 1 s of kernel time per step on a 2-core VM (BENCHMARKS.md).
-:func:`keep_freed_memory` tells glibc to serve every block from its heap (``M_MMAP_MAX=0``),
-to keep what is freed there (``M_TRIM_THRESHOLD=-1``) and to use that one heap from every
-thread (``M_ARENA_MAX=1``: the heaps of other threads are capped at 64 MB and map larger
-blocks anyway). The next
-call then reuses the pages the last one touched: no page faults, 1.76 instead of 2.30 s
-per ResNet-50 step (at 1.5 GB).
+The CPU is where a TPU run is rehearsed on simulated devices, where the tests run and where
+the demos train; these settings keep such runs quick. They apply only when a run is on the
+CPU (simulated devices, ``JAX_PLATFORMS=cpu``, or a host without an accelerator), before JAX
+starts its backends (:func:`apply`, called by :func:`xlafit.parallel.cluster.configure`).
 
-The cost is host memory: the process keeps what its heap once held until it exits, as
-JAX's and PyTorch's GPU allocators keep device memory. The heap also grows past one copy of
-the temporaries: a call's block can still be held when the next call starts, and small
-blocks split a freed one, so now and then a call finds no free block big enough and the heap
-grows by a whole block, faulted in once. ResNet-50 at batch 8 holds 1.65 GB after its first
-step, 2.4-3.2 GB after 100 steps, 4.65 GB once after 45 (BENCHMARKS.md, eleventh
-session). It changes no result. The setting must come before the threads that allocate
-exist, so :func:`xlafit.parallel.cluster.configure` applies it before JAX starts its backends, and
-only when the run is on the CPU (``cpu.keep_memory``). ``GLIBC_TUNABLES`` (read when a
-process starts) does the same for any process, e.g.
-``glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776``.
-
-Running one-device calls inline (``cpu.async_dispatch=false``, the ResNet recipe's
-setting, also applied in ``configure``) frees each call's block before the next call starts:
-ResNet-50 at batch 8 then peaks at 2.2 GiB.
+- YNNPACK (``fast_paths``, ``ynn_fusion``): XLA:CPU hands dots, elementwise operations and
+  reductions to YNNPACK's kernels, faster than its own.
+- Keeping freed host memory (``keep_memory``): XLA:CPU allocates a program's temporaries as
+  one block per call and frees it when the call ends; glibc serves a block that large with a
+  fresh ``mmap`` and returns it with ``munmap``, so every step would touch all of it as new
+  pages (page faults, kernel time). :func:`keep_freed_memory` makes glibc serve every block
+  from its heap (``M_MMAP_MAX=0``), keep what is freed (``M_TRIM_THRESHOLD=-1``) and use one
+  heap from every thread (``M_ARENA_MAX=1``), so the next call reuses the pages. The cost is
+  host memory: the process keeps what its heap once held, as JAX's and PyTorch's GPU
+  allocators keep device memory. It changes no result. ``GLIBC_TUNABLES`` does the same for
+  any process (``glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776``),
+  and a user's own setting there wins.
+- Inline dispatch (``async_dispatch=false``, the ResNet recipe's): each one-device call
+  returns when it is done and its temporaries are freed, so the heap holds one block of them,
+  not two while calls overlap. Programs over several devices stay asynchronous either way.
 """
 
 from __future__ import annotations
