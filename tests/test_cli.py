@@ -169,3 +169,26 @@ def test_gcsfs_tracebacks_of_errors_it_raises_again_are_dropped_unless_verbose(c
         assert ("_request out of retries on exception: Cannot connect to host 127.0.0.1:9" in messages) == verbose
         assert "a warning of its own" in messages
     configure_logging(verbose=False)
+
+
+def test_help_loads_no_jax():
+    """The commands import the library when they run: `xlafit --help` answers without JAX
+    (a second instead of a tenth of one)."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from xlafit.cli import build_parser\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    build_parser().parse_args(['train', '--help'])\n"
+        "print(sorted(m for m in ('jax', 'flax', 'optax', 'orbax', 'xlafit.train') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_inspect_of_a_folder_that_is_no_run_is_one_line(tmp_path):
+    out = run("inspect", str(tmp_path))
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip() == (
+        f"xlafit: error: {tmp_path} holds no checkpoint: give a run directory (what `xlafit train --run-dir` "
+        "writes) or its checkpoints/ folder."
+    )

@@ -16,14 +16,19 @@ Example:
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from xlafit import errors
-from xlafit.config import Config
 from xlafit.errors import ConfigError, NonFiniteError, Preempted, XlafitError
-from xlafit.parallel.cluster import connect
-from xlafit.parallel.mesh import Strategy
-from xlafit.recipes import load_config
-from xlafit.run import train_and_evaluate
-from xlafit.train import FitResult, Trainer, TrainState
+
+if TYPE_CHECKING:
+    from xlafit.config import Config
+    from xlafit.parallel.cluster import connect
+    from xlafit.parallel.mesh import Strategy
+    from xlafit.recipes import load_config
+    from xlafit.run import train_and_evaluate
+    from xlafit.train import FitResult, Trainer, TrainState
 
 __version__ = "0.1.0"
 
@@ -42,3 +47,28 @@ __all__ = [
     "load_config",
     "train_and_evaluate",
 ]
+
+# The public names that need JAX are loaded on first use (PEP 562): `import xlafit` and the
+# `xlafit` command's --help stay fast, and the command's modules load the library when they run.
+_LAZY = {
+    "Config": "xlafit.config",
+    "connect": "xlafit.parallel.cluster",
+    "Strategy": "xlafit.parallel.mesh",
+    "load_config": "xlafit.recipes",
+    "train_and_evaluate": "xlafit.run",
+    "FitResult": "xlafit.train",
+    "Trainer": "xlafit.train",
+    "TrainState": "xlafit.train",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # the next access finds it directly
+        return value
+    raise AttributeError(f"module 'xlafit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

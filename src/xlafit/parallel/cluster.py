@@ -21,17 +21,18 @@ import jax
 
 from xlafit.errors import DeviceError
 from xlafit.io.cache import enable_compilation_cache
+from xlafit.parallel.env import (
+    COORDINATOR_ENV,
+    DISTRIBUTED_ENV,
+    INIT_TIMEOUT_ENV,
+    NUM_PROCESSES_ENV,
+    PROCESS_ID_ENV,
+    SIMULATE_ENV,
+)
 from xlafit.parallel.mesh import Strategy, make_mesh
 from xlafit.platform import cpu as cpu_settings
 from xlafit.platform.cpu import CpuConfig
 from xlafit.platform.hardware import TPU_DEVICES, accelerator_present, quiet_stderr
-
-SIMULATE_ENV = "XLAFIT_SIMULATE_DEVICES"
-COORDINATOR_ENV = "XLAFIT_COORDINATOR"
-NUM_PROCESSES_ENV = "XLAFIT_NUM_PROCESSES"
-PROCESS_ID_ENV = "XLAFIT_PROCESS_ID"
-INIT_TIMEOUT_ENV = "XLAFIT_INIT_TIMEOUT_S"  # how long to wait for every process to join
-DISTRIBUTED_ENV = "XLAFIT_DISTRIBUTED"  # "1": join a job that JAX detects (TPU pod slice, ...)
 
 
 def _backend_started() -> bool:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from xlafit import errors
 from xlafit.io.cache import cache_dir
-from xlafit.parallel.cluster import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, SIMULATE_ENV
+from xlafit.parallel.env import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, SIMULATE_ENV
 
 GRACE_S = 10.0  # after a process failed: SIGTERM to the others, SIGKILL after this
 SIGNAL_GRACE_S = 30.0  # after SIGTERM/Ctrl-C: time for every process to save a checkpoint

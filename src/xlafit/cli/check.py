@@ -1,0 +1,77 @@
+"""``xlafit check TARGET``: a train step against the XLA rules on the CPU, and compiled for TPUs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from xlafit.errors import ConfigError
+
+DESCRIPTION = (
+    "Trace and run one train step on the CPU, map failures to the XLA rules (1: data-dependent "
+    "control flow, 2: data-dependent shapes, 3: too many input shapes) with file and line and the "
+    "standard rewrite, scan the data's shapes, and estimate per-device memory and FLOPs. TARGET is a "
+    "recipe name or a Python file defining `model` (an nnx.Module), `loss_fn(model, batch)` and `batch` "
+    "(a dict of arrays), optionally `dataset` (examples) or `lengths`. Exit 1 when a rule is violated. "
+    "With --tpu, compile the real train and eval steps for TPU slices with the TPU compiler (libtpu, "
+    "no TPU needed) and report per-core HBM, whether it fits, FLOPs and a roofline estimate; exit 1 "
+    "when a target does not fit. Overrides: a recipe's keys, or for a file mesh.* and trainer.* "
+    "(with --tpu), e.g. mesh.fsdp=8."
+)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "check", help="check a train step against the XLA rules on the CPU, before the TPU", description=DESCRIPTION
+    )
+    p.add_argument("target", metavar="TARGET", help="a recipe name (mnist, bert, resnet) or path/to/file.py")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key.sub=value",
+        help="config overrides: a recipe's keys; for a file, mesh.* and trainer.* (with --tpu)",
+    )
+    p.add_argument("--per-device-batch", type=int, help="estimate memory and FLOPs at this batch per device")
+    p.add_argument("--global-batch", type=int, help="check that it divides over --devices")
+    p.add_argument("--devices", type=int, help="devices to plan for (default: this machine's)")
+    p.add_argument("--max-shapes", type=int, default=8, help="input shapes allowed before rule 3 is flagged")
+    p.add_argument(
+        "--tpu",
+        metavar="TARGETS",
+        help="compile for these TPU slices, comma-separated: v2-8, v3-8, v4-8, v5e-1/4/8, v5p-8, v6e-1/4/8, "
+        "tpu7x-8, pod slices such as v4-32 or v5e-256",
+    )
+    p.add_argument(
+        "--max-batch",
+        nargs="?",
+        const=True,
+        type=int,
+        metavar="LIMIT",
+        help="with --tpu: find the largest per-core batch that fits each target, searching up to LIMIT (default 65536)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # The library when the command runs: a fast --help.
+    from xlafit.check import check_file, check_recipe, to_json
+
+    if args.max_batch and not args.tpu:
+        raise ConfigError("--max-batch searches per TPU target: add --tpu, e.g. --tpu v3-8 --max-batch.")
+    if args.max_batch is not None and args.max_batch is not True and args.max_batch < 1:
+        raise ConfigError(f"--max-batch {args.max_batch}: the search's limit must be a positive per-core batch.")
+    options = {
+        "per_device_batch": args.per_device_batch,
+        "global_batch": args.global_batch,
+        "devices": args.devices,
+        "max_shapes": args.max_shapes,
+        "tpu": args.tpu,
+        "max_batch": args.max_batch or False,
+    }
+    if args.target.endswith(".py") or os.path.sep in args.target:
+        report = check_file(args.target, args.overrides, **options)
+    else:
+        report = check_recipe(args.target, args.overrides, **options)
+    print(to_json(report) if args.json else report.format())
+    return 0 if report.ok else 1

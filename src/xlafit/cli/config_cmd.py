@@ -1,0 +1,21 @@
+"""``xlafit config RECIPE [key=value ...]``: the resolved config as YAML."""
+
+from __future__ import annotations
+
+import argparse
+
+import yaml
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("config", help="print a recipe's resolved config")
+    p.add_argument("recipe", help="recipe name: mnist, bert, resnet")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from xlafit.recipes import load_config  # the library when the command runs: a fast --help
+
+    print(yaml.safe_dump(load_config(args.recipe, args.overrides).to_dict(), sort_keys=False), end="")
+    return 0

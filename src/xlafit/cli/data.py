@@ -1,0 +1,115 @@
+"""``xlafit data mlm|images``: training data prepared once, as shards + a manifest."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("data", help="prepare training data")
+    data_sub = p.add_subparsers(dest="data_command", required=True)
+    _register_mlm(data_sub)
+    _register_images(data_sub)
+
+
+def _register_mlm(data_sub: argparse._SubParsersAction) -> None:
+    p = data_sub.add_parser(
+        "mlm",
+        help="tokenize text into fixed-length masked-LM sequences (Parquet shards + manifest)",
+        description="Stream text files through a tokenizer and pack them into sequences of --seq-len tokens, "
+        "written as Parquet shards plus manifest.json to a directory or fsspec URL (gs:// needs gcsfs). "
+        "Input: one sentence or paragraph per line, documents separated by blank lines (or one per file).",
+    )
+    p.add_argument("--tokenizer", required=True, metavar="DIR", help="from `xlafit tokenizer train`")
+    p.add_argument("--input", nargs="+", required=True, metavar="FILE", help="text files, globs, dirs or URLs")
+    p.add_argument("--out", required=True, metavar="URL", help="a directory or fsspec URL")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence, [CLS] and [SEP] included")
+    p.add_argument(
+        "--packing",
+        choices=("sentences", "pairs"),
+        default="sentences",
+        help="sentences: [CLS] text... [SEP] across lines and documents (RoBERTa); "
+        "pairs: [CLS] A [SEP] B [SEP] with token types (BERT)",
+    )
+    p.add_argument(
+        "--doc-boundary", choices=("blank", "file"), default="blank", help="documents end at a blank line, or a file"
+    )
+    p.add_argument("--eval-fraction", type=float, default=0.05, help="documents held out for evaluation")
+    p.add_argument("--seed", type=int, default=0, help="the held-out documents and the packing's draws")
+    p.add_argument("--shard-size", type=int, default=65536, help="sequences per shard")
+    p.set_defaults(run=run_mlm)
+
+
+def _register_images(data_sub: argparse._SubParsersAction) -> None:
+    p = data_sub.add_parser(
+        "images",
+        help="an image folder (class/*.jpg|png) -> shards of encoded images + labels + manifest",
+        description="Read an ImageFolder (class/*.jpg|png, or train/ and val/ of such folders) and write the "
+        "encoded images, labels and file names as Parquet shards plus manifest.json (per-shard SHA-256) to a "
+        "directory or fsspec URL. Every image is decoded once here, so an unreadable one is named now.",
+    )
+    p.add_argument("--input", required=True, metavar="DIR", help="an image folder")
+    p.add_argument("--out", required=True, metavar="URL", help="a directory or fsspec URL")
+    p.add_argument(
+        "--eval-fraction", type=float, default=0.0, help="held out for evaluation, when --input has no val/ folder"
+    )
+    p.add_argument("--seed", type=int, default=0, help="which images --eval-fraction holds out")
+    p.add_argument("--shard-size", type=int, default=1024, help="images per shard")
+    p.add_argument("--on-corrupt", choices=("skip", "stop"), default="skip", help="an image that cannot be decoded")
+    p.add_argument("--workers", type=int, help="processes decoding to check (default: every core)")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace images prepared in --out before (refused without it)"
+    )
+    p.set_defaults(run=run_images)
+
+
+def run_mlm(args: argparse.Namespace) -> int:
+    # The library when the command runs: a fast --help.
+    from xlafit.data.mlm import prepare
+    from xlafit.data.text import expand_inputs
+
+    manifest = prepare(
+        args.tokenizer,
+        expand_inputs(args.input),
+        args.out,
+        seq_len=args.seq_len,
+        packing=args.packing,
+        doc_boundary=args.doc_boundary,
+        eval_fraction=args.eval_fraction,
+        seed=args.seed,
+        shard_size=args.shard_size,
+        show_progress=sys.stderr.isatty(),
+    )
+    for split, info in manifest["splits"].items():
+        fill = info["tokens"] / max(info["sequences"] * args.seq_len, 1)
+        print(
+            f"{split}: {info['documents']:,} documents -> {info['sequences']:,} sequences of {args.seq_len} "
+            f"({info['tokens']:,} tokens, {fill:.1%} not padding) in {len(info['shards'])} shard(s)"
+        )
+    print(f"written to {args.out} (manifest.json)")
+    return 0
+
+
+def run_images(args: argparse.Namespace) -> int:
+    from xlafit.data.images import prepare  # the library when the command runs: a fast --help
+
+    manifest = prepare(
+        args.input,
+        args.out,
+        eval_fraction=args.eval_fraction,
+        seed=args.seed,
+        shard_size=args.shard_size,
+        on_corrupt=args.on_corrupt,
+        workers=args.workers,
+        overwrite=args.overwrite,
+    )
+    classes = len(manifest["classes"])
+    for split, info in manifest["splits"].items():
+        print(f"{split}: {info['examples']:,} images of {classes} classes in {len(info['shards'])} shard(s)")
+        if info["skipped"]:
+            names = ", ".join(s["file"] for s in info["skipped"][:5])
+            more = f" and {len(info['skipped']) - 5} more" if len(info["skipped"]) > 5 else ""
+            print(f"  skipped {len(info['skipped'])} that cannot be decoded: {names}{more} (listed in the manifest)")
+    print(f"written to {args.out} (manifest.json)")
+    return 0

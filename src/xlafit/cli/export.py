@@ -1,0 +1,35 @@
+"""``xlafit export hf RUN_DIR --out DIR``: a run as a Hugging Face directory."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="export a run's model to another library's format")
+    export_sub = p.add_subparsers(dest="export_command", required=True)
+    hf = export_sub.add_parser(
+        "hf",
+        help="write a run as a Hugging Face directory (bert: BertForMaskedLM, resnet: ResNetForImageClassification)",
+        description="Writes config.json and model.safetensors (bert: and the tokenizer's files); load them with "
+        "transformers.BertForMaskedLM.from_pretrained(DIR) and AutoTokenizer.from_pretrained(DIR), or "
+        "transformers.ResNetForImageClassification.from_pretrained(DIR).",
+    )
+    hf.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, local or a URL (gs://...)")
+    hf.add_argument("--out", required=True, metavar="DIR", help="the Hugging Face directory to write")
+    hf.add_argument("--step", type=int, help="this checkpoint instead of the newest intact one")
+    hf.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # The library when the command runs (a fast --help); the backends start as connect() starts
+    # them, without libtpu's start-up errors on a host that has libtpu but no TPU.
+    from xlafit.export import export_hf
+    from xlafit.io.paths import as_path
+    from xlafit.parallel.cluster import start_backends
+
+    start_backends()
+    out, step = export_hf(args.run_dir, args.out, args.step)
+    files = "config.json, model.safetensors" + (", tokenizer" if (as_path(out) / "tokenizer.json").exists() else "")
+    print(f"exported checkpoint {step} of {args.run_dir} to {out}: {files}")
+    return 0
