@@ -46,11 +46,11 @@ from xlafit.config import MeshConfig, TrainerConfig, deep_merge, from_dict, pars
 from xlafit.data.dataset import as_dataset
 from xlafit.data.shapes import compare_plans
 from xlafit.errors import ConfigError
-from xlafit.integrations.keras import adapt, is_keras_model
 from xlafit.parallel.cluster import start_backends
 from xlafit.parallel.sharding import parse_rules
 from xlafit.platform.hardware import parse_targets
 from xlafit.recipes import get_recipe, load_config
+from xlafit.train.adapter import adapt, framework_of
 from xlafit.train.optim import make_optimizer
 from xlafit.train.step import TrainState, build_train_step
 
@@ -329,8 +329,9 @@ def _load_file(path: Path) -> dict[str, Any]:
         namespace = runpy.run_path(str(path), run_name="__xlafit_check__")
     except Exception as e:
         raise _load_error(path, e) from None
-    if is_keras_model(namespace.get("model")):  # a Keras 3 model: its compiled loss unless loss_fn is given
-        namespace["model"], namespace["loss_fn"] = adapt(namespace["model"], namespace.get("loss_fn"))
+    if framework_of(namespace.get("model")) is not None:  # a Keras 3 model: its compiled loss unless loss_fn is given
+        adapted = adapt(namespace["model"], namespace.get("loss_fn"))
+        namespace["model"], namespace["loss_fn"] = adapted.module, adapted.loss_fn
     missing = [name for name in ("model", "loss_fn", "batch") if name not in namespace]
     if missing:
         raise ConfigError(

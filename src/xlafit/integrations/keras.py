@@ -36,9 +36,11 @@ import optax
 from flax import nnx
 
 from xlafit.config import OptimizerConfig, TrainerConfig
-from xlafit.data.dataset import Dataset
+from xlafit.data.dataset import Dataset, as_dataset
 from xlafit.errors import ConfigError
 from xlafit.parallel.mesh import Strategy
+from xlafit.train.adapter import Adapted
+from xlafit.train.optim import make_optimizer
 from xlafit.train.trainer import FitResult, Trainer
 
 
@@ -309,6 +311,29 @@ def adapt(model: Any, loss: Any = None, metrics: Sequence[Any] | None = None) ->
     return module, KerasLoss(loss, metrics)
 
 
+def to_adapted(model: Any, loss: Any = None, metrics: Sequence[Any] | None = None) -> Adapted:
+    """A Keras model as the trainer takes it (:mod:`xlafit.train.adapter`): the module and loss
+    of :func:`adapt`, its trained values written back into ``model``, and the settings Keras
+    models cannot take refused."""
+    module, loss_fn = adapt(model, loss, metrics)
+    return Adapted(module, loss_fn, write_back=module.write_back, check=_check_settings)
+
+
+def _check_settings(strategy: Strategy, config: TrainerConfig) -> None:
+    if not strategy.data_parallel_only:
+        raise ConfigError(
+            "Keras models train data-parallel only (their variables carry no logical axes); "
+            "set mesh.fsdp=1 and mesh.tensor=1."
+        )
+    if config.invariant_chunks is not None:
+        # Keras' dropout seed is plain uint32 state, not a JAX key: every chunk would draw
+        # the same masks, a different training from the one the setting promises.
+        raise ConfigError(
+            "trainer.invariant_chunks does not carry over to Keras models (their dropout seed state "
+            "cannot be split per chunk); set trainer.invariant_chunks=null."
+        )
+
+
 # --------------------------------------------------------------------------- optimizers
 
 
@@ -458,8 +483,6 @@ def _as_data(x: Any, y: Any, what: str) -> Dataset | Mapping[str, np.ndarray]:
 def _optimizer(model: Any, optimizer: Any, global_batch: int, total_steps: int) -> tuple[Any, Any]:
     """``(optax transformation, its learning-rate schedule or None)``."""
     if isinstance(optimizer, OptimizerConfig):
-        from xlafit.train.optim import make_optimizer
-
         plan = make_optimizer(optimizer, global_batch, total_steps)
         return plan.tx, plan.schedule
     if optimizer is None:
@@ -571,15 +594,13 @@ def fit(
             raise ConfigError("validation_data must be (x_val, y_val); xlafit does not take sample weights there.")
         val = _as_data(validation_data[0], validation_data[1], "validation_data")
     config = dataclasses.replace(config or TrainerConfig(), epochs=epochs, steps_per_call=steps_per_execution)
-    module, loss_fn = adapt(model, loss, metrics)
-    from xlafit.data.dataset import as_dataset
-
+    adapted = to_adapted(model, loss, metrics)
     rows = len(as_dataset(train))
     total = epochs * max(rows // batch_size, 1)
     tx, lr = _optimizer(model, optimizer, batch_size, total)
     trainer = _EpochTrainer(
-        module,
-        loss_fn,
+        adapted,
+        adapted.loss_fn,
         tx,
         strategy=strategy,
         global_batch=batch_size,
@@ -593,7 +614,7 @@ def fit(
         result = trainer.fit(train, eval=val)
     finally:
         trainer.close()
-    return _history(result, trainer.evaluations, rows // batch_size, ["loss", *loss_fn.names])
+    return _history(result, trainer.evaluations, rows // batch_size, ["loss", *adapted.loss_fn.names])
 
 
 def _history(

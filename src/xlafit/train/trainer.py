@@ -25,7 +25,6 @@ import dataclasses
 import logging
 import signal
 import time
-import typing
 from collections.abc import Callable, Generator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -44,7 +43,10 @@ from xlafit.errors import ConfigError, NonFiniteError, Preempted
 from xlafit.io.paths import as_path
 from xlafit.parallel.cluster import connect
 from xlafit.parallel.mesh import Strategy
+from xlafit.parallel.sharding import bytes_per_device
 from xlafit.platform.cpu import keeping_freed_memory
+from xlafit.platform.hardware import peak_flops
+from xlafit.train.adapter import Adapted, adapt, framework_of
 from xlafit.train.optim import highest_rate
 from xlafit.train.report import RunReport
 from xlafit.train.signals import SignalGuard, handle_signals
@@ -111,9 +113,10 @@ class Trainer:
             inside ``jax.jit`` with the state's shardings as outputs, so every device
             creates only its own slices and a model larger than one device (or the host)
             can be built, split over ``mesh.fsdp`` / ``mesh.tensor``. A Keras 3 model
-            (``KERAS_BACKEND=jax``) trains too (:mod:`xlafit.integrations.keras`): its trainable
-            variables are the parameters, and the trained values are written back into it
-            at every checkpoint and at the end of :meth:`fit`.
+            (``KERAS_BACKEND=jax``) trains too: it is converted first (:mod:`xlafit.train.adapter`,
+            :mod:`xlafit.integrations.keras`), its trainable variables are the parameters, and
+            the trained values are written back into it at every checkpoint and at the end of
+            :meth:`fit`.
         loss_fn: ``loss_fn(model, batch)`` -> per-example losses ``[B]``, or
             ``(losses [B], {metric: [B]})``. Per-example values let evaluation weight
             padding rows by zero and count every example exactly once. With a Keras model:
@@ -139,7 +142,7 @@ class Trainer:
 
     def __init__(
         self,
-        model: nnx.Module | Callable[[], nnx.Module],
+        model: nnx.Module | Adapted | Callable[[], nnx.Module],
         loss_fn: LossFn,
         optimizer: optax.GradientTransformation,
         *,
@@ -177,29 +180,16 @@ class Trainer:
         self.peak_flops: float | None = None  # looked up when fit starts
         self._planned_k: set[int] = set()  # steps-per-call values of the calls planned so far
 
-        from xlafit.integrations.keras import KerasModule, adapt, is_keras_model
-
         builder: Callable[[], nnx.Module] | None = None
-        if not isinstance(model, nnx.Module) and not is_keras_model(model) and callable(model):
+        if callable(model) and not isinstance(model, nnx.Module | Adapted) and framework_of(model) is None:
             builder = model
         # A builder's model as shapes only (nnx.eval_shape): built below, sharded, inside jit.
-        model = nnx.eval_shape(builder) if builder is not None else typing.cast(nnx.Module, model)
-        if is_keras_model(model):  # Keras 3: trained as an nnx.Module, loss(y_true, y_pred)
-            if not self.strategy.data_parallel_only:
-                raise ConfigError(
-                    "Keras models train data-parallel only (their variables carry no logical axes); "
-                    "set mesh.fsdp=1 and mesh.tensor=1."
-                )
-            model, loss_fn = adapt(model, loss_fn)
-        # Trained values go back into a Keras model at checkpoints and at the end of fit.
-        self._keras = model if isinstance(model, KerasModule) else None
-        if self._keras is not None and self.config.invariant_chunks is not None:
-            # Keras' dropout seed is plain uint32 state, not a JAX key: every chunk would draw
-            # the same masks, a different training from the one the setting promises.
-            raise ConfigError(
-                "trainer.invariant_chunks does not carry over to Keras models (their dropout seed state "
-                "cannot be split per chunk); set trainer.invariant_chunks=null."
-            )
+        # A model of another framework is converted first (xlafit.train.adapter): the trainer
+        # sees an nnx.Module, and writes trained values back through the adapter's hook.
+        adapted = Adapted(nnx.eval_shape(builder), loss_fn) if builder is not None else adapt(model, loss_fn)
+        if adapted.check is not None:
+            adapted.check(self.strategy, self.config)
+        model, loss_fn, self._write_back_hook = adapted.module, adapted.loss_fn, adapted.write_back
         model.train()
         train_graphdef, params, model_state = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]  # flax's overloads
         model.eval()
@@ -473,9 +463,10 @@ class Trainer:
         return f"checkpoint {step} saved in {self._ckpt.directory}"
 
     def _write_back(self) -> None:
-        """Puts the trained values into the Keras model this trainer wraps (nothing for NNX)."""
-        if self._keras is not None:
-            self._keras.write_back(self._state.params, self._state.model_state)
+        """Puts the trained values into the model of another framework this trainer adapted
+        (a Keras model); nothing for an ``nnx.Module``, which the state already is."""
+        if self._write_back_hook is not None:
+            self._write_back_hook(self._state.params, self._state.model_state)
 
     def _announce(self, report: RunReport, restored: int | None, order: TrainOrder, train: Dataset, total: int) -> None:
         """The start-up lines: resume point, devices and batch, steps, dropped examples, MFU peak."""
@@ -493,8 +484,6 @@ class Trainer:
                 "more memory); cpu.keep_memory=false returns them"
             )
         if not s.data_parallel_only:
-            from xlafit.parallel.sharding import bytes_per_device
-
             held = bytes_per_device((self._state.params, self._state.opt_state)) / 2**20
             report.print(f"{s.layout()}; parameters + optimizer state: {held:.1f} MiB per device")
         dropped = len(train) - spe * self.global_batch
@@ -504,8 +493,6 @@ class Trainer:
                 f"({dropped}) is left out, a different one every epoch since the order is reshuffled"
             )
         if self.flops_per_example and self.peak_flops is None:
-            from xlafit.platform.hardware import peak_flops
-
             try:
                 self.peak_flops, source = peak_flops(list(s.mesh.devices.flat))
                 report.print(f"MFU against {self.peak_flops / 1e12:.4g} TFLOP/s: {source}")

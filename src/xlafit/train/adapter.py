@@ -1,0 +1,77 @@
+"""Models from other frameworks, turned into what the trainer trains: an ``nnx.Module``.
+
+The :class:`~xlafit.train.trainer.Trainer` (and ``xlafit check``) know no framework but Flax
+NNX. A model from another one (a Keras 3 model) is converted once, before the trainer sees
+it, into an :class:`Adapted`: the ``nnx.Module`` whose ``nnx.Param`` variables are trained,
+the loss in the trainer's form, a hook that writes trained values back into the original
+model, and the settings the framework cannot honour.
+
+Each framework's conversion lives in ``xlafit/integrations/<framework>.py`` as
+``to_adapted(model, loss_fn) -> Adapted``; :data:`ADAPTERS` maps the framework's top-level
+package to that module, which is imported only when one of its models arrives, so neither the
+framework nor its adapter loads for anyone else. Adding a framework is a module there and a
+row here.
+
+Example:
+    >>> from flax import nnx
+    >>> adapted = adapt(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), loss_fn=None)
+    >>> type(adapted.module).__name__, adapted.write_back is None
+    ('Linear', True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from flax import nnx
+
+from xlafit.config import TrainerConfig
+from xlafit.parallel.mesh import Strategy
+
+# A framework's top-level package -> the xlafit module that adapts its models.
+ADAPTERS = {"keras": "xlafit.integrations.keras"}
+
+
+@dataclasses.dataclass
+class Adapted:
+    """A model as the trainer takes it.
+
+    Attributes:
+        module: the ``nnx.Module``: its ``nnx.Param`` variables are trained, the rest of its
+            state (batch statistics, seed state) is model state, updated by the step.
+        loss_fn: ``loss_fn(module, batch)`` -> per-example losses (and metrics).
+        write_back: puts trained ``(params, model_state)`` back into the original model; the
+            trainer calls it at every checkpoint and at the end of ``fit``.
+        check: refuses trainer settings the framework cannot honour (``ConfigError``).
+    """
+
+    module: nnx.Module
+    loss_fn: Any
+    write_back: Callable[[nnx.State, nnx.State], None] | None = None
+    check: Callable[[Strategy, TrainerConfig], None] | None = None
+
+
+def framework_of(model: Any) -> str | None:
+    """The framework in :data:`ADAPTERS` that ``model``'s class (or a base class) comes from."""
+    for cls in type(model).__mro__:
+        root = cls.__module__.split(".")[0]
+        if root in ADAPTERS:
+            return root
+    return None
+
+
+def adapt(model: Any, loss_fn: Any) -> Adapted:
+    """``model`` as an :class:`Adapted`: an ``nnx.Module`` as it is, an :class:`Adapted` as
+    given, a model of a framework in :data:`ADAPTERS` through that framework's adapter."""
+    if isinstance(model, Adapted):
+        return model
+    framework = framework_of(model)
+    if framework is None:
+        return Adapted(model, loss_fn)
+    # The framework's adapter, imported by name when one of its models arrives: the framework
+    # itself (Keras, ...) is loaded by nobody else.
+    adapter = importlib.import_module(ADAPTERS[framework])
+    return adapter.to_adapted(model, loss_fn)
