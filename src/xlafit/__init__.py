@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from xlafit import errors
@@ -67,6 +68,8 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value  # the next access finds it directly
         return value
+    if importlib.util.find_spec(f"xlafit.{name}") is not None:  # a subpackage: xlafit.train.losses, ...
+        return importlib.import_module(f"xlafit.{name}")
     raise AttributeError(f"module 'xlafit' has no attribute {name!r}")
 
 

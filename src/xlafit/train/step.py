@@ -11,6 +11,7 @@ the step runs ``k`` optimizer updates in one call with ``lax.scan`` (Keras'
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 import time
@@ -286,6 +287,32 @@ def build_train_step(
     return _k_steps(one_step, unroll)
 
 
+def _ordered_sum(stacked: jax.Array, replicated: jax.sharding.NamedSharding) -> jax.Array:
+    """The sum over the leading (chunk) axis, added in chunk order on every device."""
+    stacked = jax.lax.with_sharding_constraint(stacked, replicated)
+    # Barriers pin the order of the additions: without them XLA may regroup the sum
+    # differently in the 1-device and the 8-device program.
+    parts = jax.lax.optimization_barrier([stacked[i] for i in range(stacked.shape[0])])
+    total = parts[0]
+    for part in parts[1:]:
+        total = jax.lax.optimization_barrier(total + part)
+    return total
+
+
+def _chunk_mean(new: jax.Array, old: jax.Array, replicated: jax.sharding.NamedSharding) -> jax.Array:
+    """The model state after the chunks, from each chunk's (``new``, stacked) and the old one.
+
+    Float state (batch-norm running averages, ``m * old + (1 - m) * chunk statistics``) is their
+    mean in chunk order: the running average of the chunks' mean statistics, as ``bn=local``'s
+    groups give. Other state (counters, keys) is the same in every chunk.
+    """
+    if is_prng_key(old):
+        return old
+    if not jnp.issubdtype(old.dtype, jnp.floating):
+        return new[0]
+    return (_ordered_sum(new, replicated) / new.shape[0]).astype(old.dtype)
+
+
 def build_invariant_train_step(
     graphdef: nnx.GraphDef,
     loss_fn: LossFn,
@@ -350,27 +377,8 @@ def build_invariant_train_step(
         check_vma=False,
     )
     replicated = jax.sharding.NamedSharding(mesh, spec())
-
-    def ordered_sum(stacked):
-        stacked = jax.lax.with_sharding_constraint(stacked, replicated)
-        # Barriers pin the order of the additions: without them XLA may regroup the sum
-        # differently in the 1-device and the 8-device program (measured: 7e-9 apart).
-        parts = jax.lax.optimization_barrier([stacked[i] for i in range(chunks)])
-        total = parts[0]
-        for i in range(1, chunks):
-            total = jax.lax.optimization_barrier(total + parts[i])
-        return total
-
-    def chunk_mean(new: jax.Array, old: jax.Array) -> jax.Array:
-        # Each chunk's model state, from the same old one: float state (batch-norm running
-        # averages, m * old + (1 - m) * chunk statistics) is their mean in chunk order, the
-        # running average of the chunks' mean statistics, as bn=local's groups give; other
-        # state (counters, keys) is the same in every chunk.
-        if is_prng_key(old):
-            return old
-        if not jnp.issubdtype(old.dtype, jnp.floating):
-            return new[0]
-        return (ordered_sum(new) / chunks).astype(old.dtype)
+    ordered_sum = functools.partial(_ordered_sum, replicated=replicated)
+    chunk_mean = functools.partial(_chunk_mean, replicated=replicated)
 
     def one_step(state: TrainState, batch: Mapping[str, jax.Array]):
         n = jax.tree.leaves(batch)[0].shape[0]

@@ -104,6 +104,52 @@ class FitResult:
     compile_s: float
 
 
+def itstime(step: int, every: int, total: int | None = None, *, previous: int | None = None) -> bool:
+    """Whether a periodic action is due at ``step``: a multiple of ``every`` was reached since
+    ``previous`` (the step before the call that reached ``step``; default ``step - 1``), or
+    ``step`` is the ``total`` (the last step is always a time). ``every`` = 0: only at ``total``.
+    big_vision's ``itstime``, for calls that run several steps.
+
+    Example:
+        >>> itstime(20, 10), itstime(21, 10), itstime(24, 10, previous=18), itstime(7, 0, 7), itstime(7, 0)
+        (True, False, True, True, False)
+    """
+    if total is not None and step == total:
+        return True
+    before = step - 1 if previous is None else previous
+    return bool(every) and step // every > before // every
+
+
+@dataclasses.dataclass
+class _Loop:
+    """What :meth:`Trainer.fit` carries from one call to the next."""
+
+    spe: int  # steps per epoch
+    total: int
+    stop: int
+    report: RunReport
+    step: int
+    history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    last_eval: dict[str, float] | None = None
+    rolled_back: set[int] = dataclasses.field(default_factory=set)  # steps rolled back once already
+    last_save: float = dataclasses.field(default_factory=time.monotonic)
+    signals: Any = None  # the SignalGuard and the Watchdog, while the loop runs
+    watchdog: Any = None
+    # The window since the last log: its calls' metrics (not fetched yet), its start, and the
+    # input wait and compile time at its start.
+    pending: list[tuple[int, dict[str, jax.Array]]] = dataclasses.field(default_factory=list)
+    window_t0: float = 0.0
+    window_wait: float = 0.0
+    window_compile: float = 0.0
+
+    def open_window(self, wait_s: float = 0.0) -> None:
+        self.pending, self.window_t0, self.window_wait, self.window_compile = [], time.perf_counter(), wait_s, 0.0
+
+    def add(self, call: Call) -> None:
+        self.pending.append((call.first, call.metrics))
+        self.window_compile += call.compile_s
+
+
 class Trainer:
     """Trains an ``nnx.Module`` data-parallel over every device of the strategy.
 
@@ -195,11 +241,25 @@ class Trainer:
         model.eval()
         eval_graphdef = nnx.graphdef(model)
         model.train()
-
         # Where every array lies (xlafit.parallel.sharding): replicated in pure data parallelism, split
         # over fsdp / tensor otherwise; the same tree of shardings in, out and donated.
-        abstract = abstract_state(params, model_state, optimizer, self.strategy)
-        shardings = state_shardings(abstract)
+        shardings = state_shardings(abstract_state(params, model_state, optimizer, self.strategy))
+        self._state = self._initial_state(builder, params, model_state, shardings)
+        self.train_step, self.eval_step = make_steps(
+            train_graphdef, eval_graphdef, loss_fn, optimizer, self.strategy, self.config, self.global_batch, shardings
+        )
+        if checkpoint_dir is None and self.run_dir is not None:
+            checkpoint_dir = self.run_dir / "checkpoints"
+        self._ckpt = (
+            Checkpointer(checkpoint_dir, keep=self.config.keep_checkpoints, keep_every=self.config.keep_every_steps)
+            if checkpoint_dir is not None
+            else None
+        )
+
+    def _initial_state(
+        self, builder: Callable[[], nnx.Module] | None, params: nnx.State, model_state: nnx.State, shardings: Any
+    ) -> TrainState:
+        """The train state on the devices, each holding its own slices of it."""
         if builder is not None:
             # Each device computes only its own slices: no device and no host ever holds
             # the whole model (big_vision's jit(init, out_shardings)).
@@ -213,21 +273,11 @@ class Trainer:
         else:
             params = self.strategy.put(params, shardings.params)
             model_state = self.strategy.put(model_state, shardings.model_state)
-        self._state = TrainState(
+        return TrainState(
             step=self.strategy.replicate(jnp.zeros((), jnp.int32)),
             params=params,
-            opt_state=jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params),
+            opt_state=jax.jit(self.tx.init, out_shardings=shardings.opt_state)(params),
             model_state=model_state,
-        )
-        self.train_step, self.eval_step = make_steps(
-            train_graphdef, eval_graphdef, loss_fn, optimizer, self.strategy, self.config, self.global_batch, shardings
-        )
-        if checkpoint_dir is None and self.run_dir is not None:
-            checkpoint_dir = self.run_dir / "checkpoints"
-        self._ckpt = (
-            Checkpointer(checkpoint_dir, keep=self.config.keep_checkpoints, keep_every=self.config.keep_every_steps)
-            if checkpoint_dir is not None
-            else None
         )
 
     @property
@@ -319,14 +369,31 @@ class Trainer:
                 (the ``xlafit`` command: running it again; it exits with 75) resumes.
             NonFiniteError: a non-finite loss or gradient under ``nan_policy="stop"``.
         """
-        cfg = self.config
         train = as_dataset(train)
         eval = as_dataset(eval) if eval is not None else None
-        order = TrainOrder.for_dataset(train, self.global_batch, self.data_seed)
-        spe = order.steps_per_epoch
-        total = cfg.epochs * spe
-        stop = min(total, cfg.stop_at_step) if cfg.stop_at_step else total
+        loop = self._begin(train, eval)
+        try:
+            with handle_signals() as loop.signals, self._watchdog() as loop.watchdog:
+                self._train(loop, train, eval)
+        finally:
+            self._end(loop)
+        if eval is not None and loop.last_eval is None and int(self._state.step) == loop.total:
+            loop.last_eval = self.evaluate(eval)
+        self._write_back()
+        return FitResult(
+            state=self._state,
+            history=loop.history,
+            eval=loop.last_eval,
+            train_compiles=self.train_step.compiles,
+            eval_compiles=self.eval_step.compiles,
+            compile_s=self.train_step.compile_s + self.eval_step.compile_s,
+        )
 
+    def _begin(self, train: Dataset, eval: Dataset | None) -> _Loop:
+        """Restores the newest checkpoint, plans the compiles, prints the start-up lines."""
+        order = TrainOrder.for_dataset(train, self.global_batch, self.data_seed)
+        total = self.config.epochs * order.steps_per_epoch
+        stop = min(total, self.config.stop_at_step) if self.config.stop_at_step else total
         restored = None
         if self._ckpt is not None and self.resume and self._ckpt.latest_step() is not None:
             self._state, restored = self._ckpt.restore(self._state)
@@ -336,100 +403,79 @@ class Trainer:
         self._announce(report, restored, order, train, total)
         if eval is not None:
             self._compile_eval_step(eval)
+        return _Loop(order.steps_per_epoch, total, stop, report, step=start)
 
-        history: list[dict[str, Any]] = []
-        last_eval: dict[str, float] | None = None
-        rolled_back: set[int] = set()  # steps whose non-finite update was rolled back once
-        last_save = time.monotonic()
-        step = start
-        try:
-            with handle_signals() as signals, self._watchdog() as watchdog:
-                # A signal during start-up: nothing new to save. In a multi-process job the others
-                # must stop too: the loop's first calls carry it (JAX's sync point or the all-gather).
-                if signals.received is not None and jax.process_count() == 1:
-                    raise Preempted(
-                        start, signals.received, "before the first step of this session, nothing new to save"
-                    )
-                while step < stop:  # more than once only after a rollback
-                    pending: list[tuple[int, dict[str, jax.Array]]] = []  # calls whose metrics are not fetched
-                    window_t0, window_wait, window_compile = time.perf_counter(), 0.0, 0.0
-                    with contextlib.closing(self.steps(train, step, stop)) as calls:
-                        for call in calls:
-                            step = call.first + call.k
-                            watchdog.beat(step)
-                            pending.append((call.first, call.metrics))
-                            window_compile += call.compile_s
-                            epoch_end = step % spe == 0
-                            stop_requested, save_due = self._requests(signals, last_save)
-                            save = self._ckpt is not None and (
-                                save_due or epoch_end or step == stop or self._every(cfg.checkpoint_every_steps, call)
-                            )
-                            # Metrics are flushed at every checkpoint, so no accumulator outlives one.
-                            if (
-                                save
-                                or stop_requested
-                                or epoch_end
-                                or step == stop
-                                or self._every(cfg.log_every_steps, call)
-                            ):
-                                # note: device_get is a host-device sync point; only at log and checkpoint steps.
-                                values = jax.device_get([m for _, m in pending])
-                                busy = max(time.perf_counter() - window_t0 - window_compile, 1e-9)
-                                record = self._record(step, spe, pending, values, busy, call.wait_s - window_wait)
-                                history.append(record)
-                                report.record(record)
-                                bad = _nonfinite_steps(pending, values)
-                                pending = []
-                                window_t0, window_wait, window_compile = time.perf_counter(), call.wait_s, 0.0
-                                if bad and (rollback_to := self._nan_policy(bad, rolled_back, report)) is not None:
-                                    step = rollback_to
-                                    break
-                            if stop_requested:
-                                # in a multi-process job, a process the signal did not reach stops too
-                                report.sync()  # a URL run dir: metrics reach the bucket before the checkpoint
-                                raise Preempted(
-                                    step,
-                                    signals.received or signal.SIGTERM,
-                                    self._save_now(step),
-                                    sync_point=signals.sync_point,
-                                )
-                            if epoch_end and eval is not None and (step // spe) % cfg.eval_every_epochs == 0:
-                                with watchdog.paused():  # not a step: its time is not a hang
-                                    last_eval = self.evaluate(eval)
-                                report.record({"step": step, "epoch": step // spe, **last_eval}, prefix="eval")
-                                window_t0 = time.perf_counter()
-                            if save and self._ckpt is not None:
-                                report.sync()  # a URL run dir: metrics reach the bucket before the checkpoint
-                                self._ckpt.save(step, self._state)
-                                self._write_back()
-                                last_save = time.monotonic()
-        finally:
-            if self._ckpt is not None:
-                self._ckpt.wait()
-            report.print(
-                f"train step compiled {self.train_step.compiles} time(s), eval step "
-                f"{self.eval_step.compiles} time(s); {self.train_step.compile_s + self.eval_step.compile_s:.1f}s "
-                "compiling, excluded from step times"
+    def _train(self, loop: _Loop, train: Dataset, eval: Dataset | None) -> None:
+        """The calls from ``loop.step`` to ``loop.stop``; again from a checkpoint after a rollback."""
+        # A signal during start-up: nothing new to save. In a multi-process job the others
+        # must stop too: the loop's first calls carry it (JAX's sync point or the all-gather).
+        if loop.signals.received is not None and jax.process_count() == 1:
+            raise Preempted(
+                loop.step, loop.signals.received, "before the first step of this session, nothing new to save"
             )
-            report.close()
-        if eval is not None and last_eval is None and int(self._state.step) == total:
-            last_eval = self.evaluate(eval)
-        self._write_back()
-        return FitResult(
-            state=self._state,
-            history=history,
-            eval=last_eval,
-            train_compiles=self.train_step.compiles,
-            eval_compiles=self.eval_step.compiles,
-            compile_s=self.train_step.compile_s + self.eval_step.compile_s,
+        while loop.step < loop.stop:  # more than once only after a rollback
+            loop.open_window()
+            with contextlib.closing(self.steps(train, loop.step, loop.stop)) as calls:
+                # stops at the first call after which the NaN policy rolled back, if any
+                any(self._after_call(loop, call, eval) for call in calls)
+
+    def _after_call(self, loop: _Loop, call: Call, eval: Dataset | None) -> bool:
+        """Everything that may be due after one call: log, the NaN policy, a stop on a signal,
+        evaluate, checkpoint, each when it is time. True when the NaN policy rolled back."""
+        cfg, previous, loop.step = self.config, call.first, call.first + call.k
+        loop.watchdog.beat(loop.step)
+        loop.add(call)
+        epoch_end = itstime(loop.step, loop.spe, previous=previous)
+        stop_requested, save_due = self._requests(loop.signals, loop.last_save)
+        every_steps = itstime(loop.step, cfg.checkpoint_every_steps, loop.stop, previous=previous)
+        save = self._ckpt is not None and (save_due or epoch_end or every_steps)
+        # Metrics are flushed at every checkpoint, so no accumulator outlives one.
+        if save or stop_requested or epoch_end or itstime(loop.step, cfg.log_every_steps, loop.stop, previous=previous):
+            rollback_to = self._log(loop, call)
+            if rollback_to is not None:
+                loop.step = rollback_to
+                return True
+        if stop_requested:
+            loop.report.sync()  # a URL run dir: metrics reach the bucket before the checkpoint
+            received = loop.signals.received or signal.SIGTERM  # another process's signal stops this one too
+            raise Preempted(loop.step, received, self._save_now(loop.step), sync_point=loop.signals.sync_point)
+        if epoch_end and eval is not None and itstime(loop.step // loop.spe, cfg.eval_every_epochs):
+            with loop.watchdog.paused():  # not a step: its time is not a hang
+                loop.last_eval = self.evaluate(eval)
+            loop.report.record({"step": loop.step, "epoch": loop.step // loop.spe, **loop.last_eval}, prefix="eval")
+            loop.window_t0 = time.perf_counter()
+        if save and self._ckpt is not None:
+            loop.report.sync()  # a URL run dir: metrics reach the bucket before the checkpoint
+            self._ckpt.save(loop.step, self._state)
+            self._write_back()
+            loop.last_save = time.monotonic()
+        return False
+
+    def _log(self, loop: _Loop, call: Call) -> int | None:
+        """Fetches the metrics of the calls since the last log, records their means, and applies
+        the NaN policy to any update the step dropped; returns a step to roll back to, or None."""
+        # note: device_get is a host-device sync point; only at log and checkpoint steps.
+        values = jax.device_get([m for _, m in loop.pending])
+        busy = max(time.perf_counter() - loop.window_t0 - loop.window_compile, 1e-9)
+        record = self._record(loop.step, loop.spe, loop.pending, values, busy, call.wait_s - loop.window_wait)
+        loop.history.append(record)
+        loop.report.record(record)
+        bad = _nonfinite_steps(loop.pending, values)
+        loop.open_window(call.wait_s)
+        return self._nan_policy(bad, loop.rolled_back, loop.report) if bad else None
+
+    def _end(self, loop: _Loop) -> None:
+        """Waits for the last checkpoint, prints the compile summary, closes the report."""
+        if self._ckpt is not None:
+            self._ckpt.wait()
+        loop.report.print(
+            f"train step compiled {self.train_step.compiles} time(s), eval step "
+            f"{self.eval_step.compiles} time(s); {self.train_step.compile_s + self.eval_step.compile_s:.1f}s "
+            "compiling, excluded from step times"
         )
+        loop.report.close()
 
     # ------------------------------------------------------------------ the loop's helpers
-
-    @staticmethod
-    def _every(n: int, call: Call) -> bool:
-        """Whether the call crossed a multiple of ``n`` steps (never, for ``n`` = 0)."""
-        return bool(n) and (call.first + call.k) // n > call.first // n
 
     def _requests(self, signals: SignalGuard, last_save: float) -> tuple[bool, bool]:
         """(stop requested, checkpoint time reached): in a multi-process job, by any process,
