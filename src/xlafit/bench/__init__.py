@@ -1,7 +1,7 @@
 """``xlafit bench``: a table of configurations you can trust.
 
-Seed 004's table (MNIST CNN, 8-core TPU vs 1 core vs GPU) mixed compile time, input stalls
-and device time into one number, with spreads larger than the means. Here every
+A benchmark that mixes compile time, input stalls and device time into one number, with
+spreads larger than the means, answers nothing. Here every
 configuration runs in its own process (:mod:`xlafit.bench.worker`) for a fixed number of
 steps after a warm-up, configurations interleaved round by round so that machine noise
 hits all alike, and the parts are reported apart:

@@ -350,8 +350,8 @@ def scale_by_keras_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-7) -
     The same update as ``optax.scale_by_adam`` in exact arithmetic, except that Keras adds
     epsilon before the bias correction (optax after). Written the way Keras writes it, the
     moments round as Keras' do, and XLA:CPU fuses the update into fewer passes over the
-    parameters than optax's ``(1 - b1) g + b1 m``: 1.0x the examples/s of Keras' own ``fit``
-    on 8 simulated devices instead of 0.9x (BENCHMARKS.md).
+    parameters than optax's ``(1 - b1) g + b1 m``, which keeps xlafit as fast as Keras' own
+    ``fit`` on simulated devices.
     """
 
     def init(params: optax.Params) -> KerasAdamState:

@@ -23,8 +23,8 @@ def max_pool_2x2(x: jax.Array) -> jax.Array:
     """2x2 max pooling with stride 2 over ``[B, H, W, C]`` (H, W even), as reshape + max.
 
     Same values as ``nnx.max_pool(x, (2, 2), (2, 2))``; its gradient is a broadcast compare
-    instead of XLA's select-and-scatter, which made the whole MNIST train step ~1.5x slower
-    on XLA:CPU (BENCHMARKS.md). Where several inputs of a window tie for the maximum the
+    instead of XLA's select-and-scatter, which is much slower on XLA:CPU, where
+    the demos and tests train. Where several inputs of a window tie for the maximum the
     gradient is shared among them; after a ReLU, ties are zeros with zero gradient anyway.
     """
     b, h, w, c = x.shape

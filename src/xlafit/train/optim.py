@@ -1,6 +1,6 @@
 """Learning-rate scaling with the batch size, schedules, and the optimizer from config.
 
-Seed 002's rule of thumb: the learning rate must grow with the global batch, and warmup
+The rule of thumb: the learning rate must grow with the global batch, and warmup
 plus decay keep large batches stable (Goyal et al. 2017, "Accurate, Large Minibatch SGD";
 He et al. 2018, "Bag of Tricks"). The rate in the config is the one tuned at
 ``reference_batch``; :func:`scaled_lr` moves it to the batch actually used.

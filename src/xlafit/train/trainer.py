@@ -410,9 +410,7 @@ class Trainer:
         # A signal during start-up: nothing new to save. In a multi-process job the others
         # must stop too: the loop's first calls carry it (JAX's sync point or the all-gather).
         if loop.signals.received is not None and jax.process_count() == 1:
-            raise Preempted(
-                loop.step, loop.signals.received, "before the first step of this session, nothing new to save"
-            )
+            raise Preempted(loop.step, loop.signals.received, "before its first step, nothing new to save")
         while loop.step < loop.stop:  # more than once only after a rollback
             loop.open_window()
             with contextlib.closing(self.steps(train, loop.step, loop.stop)) as calls:
@@ -524,7 +522,7 @@ class Trainer:
             f"per-device batch: {self.global_batch // s.num_replicas}   global batch: {self.global_batch}"
         )
         if keeping_freed_memory():
-            # Users see the process grow 2-4x its temporaries and should know why (BENCHMARKS.md).
+            # Users see the process grow by its temporaries and should know why.
             report.print(
                 "host memory: freed blocks are kept for the next step (no page faults; the process holds "
                 "more memory); cpu.keep_memory=false returns them"

@@ -117,7 +117,7 @@ class ImageDataset:
             flags.FLAGS.mark_as_parsed()
         ds = grain.MapDataset.source(requests).map(_DecodeRequest(self.split, self.augment, self.on_corrupt))
         # One thread per worker: the processes are the unit of parallelism (and of the
-        # images/s per worker that BENCHMARKS.md reports); a shallow buffer bounds memory.
+        # images/s the pipeline reaches); a shallow buffer bounds memory.
         read = grain.ReadOptions(num_threads=1, prefetch_buffer_size=1)
         options = grain.MultiprocessingOptions(num_workers=self.workers, per_worker_buffer_size=self.buffer)
         prefetch = ds.to_iter_dataset(read).mp_prefetch(options, worker_init_fn=_ExitWithParent(os.getpid()))

@@ -11,8 +11,7 @@ The random draws come from a counter-based hash of ``(seed, epoch, index, stream
 worker processes and any device count see the same pixels. The crop and resize are one
 Pillow call (``resize(box=...)``, antialiased bilinear); a JPEG is decoded by libjpeg-turbo
 (``simplejpeg``) at the smallest DCT scale (1/2, 1/4, 1/8) that still gives the crop at
-least ``image_size`` pixels a side, which is most of the speed-up on ImageNet's photos
-(BENCHMARKS.md, "Image decode").
+least ``image_size`` pixels a side, which is most of the speed-up on ImageNet's photos.
 """
 
 from __future__ import annotations
