@@ -12,6 +12,7 @@ which the resumed run trains and logs again), so every logged step appears once.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -26,8 +27,8 @@ from xlafit.io.paths import AnyPath, LocalCopy
 class RunReport:
     """Writes metrics records and shows progress.
 
-    On a terminal the progress is a bar with ETA; otherwise (CI, log files) it is one plain
-    line per logged step.
+    On a terminal or in a Jupyter notebook the progress is a bar with ETA; otherwise (CI, log
+    files) it is one plain line per logged step.
 
     Args:
         run_dir: where ``metrics.jsonl`` and ``tensorboard/`` go, a path or URL; None
@@ -58,8 +59,9 @@ class RunReport:
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(str(self._copy.local / "tensorboard"))
-        if sys.stderr.isatty():
-            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, leave=True)
+        if sys.stderr.isatty() or in_notebook():
+            bar = notebook_tqdm() if in_notebook() else tqdm
+            self._bar = bar(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, leave=True)
 
     def print(self, message: str) -> None:
         if not self.enabled:
@@ -112,6 +114,24 @@ class RunReport:
             self._tb.close()
         if self._copy is not None:
             self._copy.close()
+
+
+def in_notebook() -> bool:
+    """True inside a Jupyter kernel (Colab, Kaggle, JupyterLab), whose output is no terminal
+    but shows a progress bar."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    return shell is not None and hasattr(shell, "kernel")
+
+
+def notebook_tqdm() -> type[tqdm]:
+    """Jupyter's widget bar where ipywidgets is installed (Colab, Kaggle), else the text bar,
+    which a notebook also redraws in place."""
+    if importlib.util.find_spec("ipywidgets") is None:
+        return tqdm
+    from tqdm.notebook import tqdm as widget_tqdm
+
+    return widget_tqdm
 
 
 _BAR_KEYS = ("loss", "accuracy", "masked_accuracy", "examples_per_sec", "tokens_per_sec", "mfu")

@@ -16,6 +16,8 @@ Example (a linear model on 8 simulated devices; any ``nnx.Module`` trains the sa
     ...
     >>> result.eval["accuracy"], result.eval["count"]
     (1.0, 64)
+    >>> result  # doctest: +ELLIPSIS
+    FitResult(step=40, train: accuracy=1, loss=..., eval: accuracy=1, loss=..., count=64, 20 logged records, ...)
 """
 
 from __future__ import annotations
@@ -102,6 +104,18 @@ class FitResult:
     train_compiles: int
     eval_compiles: int
     compile_s: float
+
+    def __repr__(self) -> str:
+        # Short: a notebook cell ending in `result = trainer.fit(...)`, or `result`, shows this,
+        # not every parameter array of the state.
+        last = self.history[-1] if self.history else {}
+        train = ", ".join(f"{k}={v:.4g}" for k, v in last.items() if k in ("loss", "accuracy"))
+        evaluation = ", ".join(f"{k}={v:.4g}" for k, v in (self.eval or {}).items())
+        return (
+            f"FitResult(step={int(self.state.step)}, train: {train or '-'}, eval: {evaluation or '-'}, "
+            f"{len(self.history)} logged records, compiles: train {self.train_compiles} eval {self.eval_compiles}, "
+            f"{self.compile_s:.1f}s compiling)"
+        )
 
 
 def itstime(step: int, every: int, total: int | None = None, *, previous: int | None = None) -> bool:
