@@ -273,3 +273,19 @@ def test_killed_with_sigkill_then_resumed_ends_bit_identical(strategy8, tmp_path
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resum" in resumed.stdout + resumed.stderr
     assert expected in resumed.stdout, resumed.stdout[-2000:]
+
+
+def test_a_rerun_fit_of_a_finished_run_says_so_and_returns_its_whole_history(strategy8, tmp_path, capsys):
+    """A notebook cell run twice with the same run_dir: the second run trains nothing, says the
+    run is finished (never "epoch 3 of 2"), and returns the history the first one logged."""
+    model = build(dropout=0.0)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=LOSS, metrics=["accuracy"])
+    x, y = data(256, 0)
+    args = dict(batch_size=64, epochs=2, validation_data=data(100, 1), strategy=strategy8, run_dir=tmp_path / "run")
+    first = fit(model, x, y, **args)
+    capsys.readouterr()
+    again = fit(model, x, y, **args)
+    out = capsys.readouterr().out
+    assert "the run is finished: checkpoint 8 is its last step (2 epochs)" in out and "epoch 3" not in out
+    assert again.history == first.history and again.epoch == [0, 1]
+    assert again.history["val_accuracy"][-1] == first.history["val_accuracy"][-1]

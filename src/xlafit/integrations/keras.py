@@ -456,17 +456,6 @@ class History:
     result: FitResult
 
 
-class _EpochTrainer(Trainer):
-    """A :class:`Trainer` that keeps every evaluation, for ``val_*`` per epoch."""
-
-    evaluations: list[tuple[int, dict[str, float]]]
-
-    def evaluate(self, data: Any) -> dict[str, float]:
-        result = super().evaluate(data)
-        self.evaluations.append((int(self.state.step), result))
-        return result
-
-
 def _as_data(x: Any, y: Any, what: str) -> Dataset | Mapping[str, np.ndarray]:
     if y is None and (isinstance(x, Dataset) or isinstance(x, Mapping) and "y" in x):
         return x
@@ -598,7 +587,7 @@ def fit(
     rows = len(as_dataset(train))
     total = epochs * max(rows // batch_size, 1)
     tx, lr = _optimizer(model, optimizer, batch_size, total)
-    trainer = _EpochTrainer(
+    trainer = Trainer(
         adapted,
         adapted.loss_fn,
         tx,
@@ -609,18 +598,16 @@ def fit(
         run_dir=run_dir,
         data_seed=seed,
     )
-    trainer.evaluations = []
     try:
         result = trainer.fit(train, eval=val)
     finally:
         trainer.close()
-    return _history(result, trainer.evaluations, rows // batch_size, ["loss", *adapted.loss_fn.names])
+    return _history(result, rows // batch_size, ["loss", *adapted.loss_fn.names])
 
 
-def _history(
-    result: FitResult, evaluations: list[tuple[int, dict[str, float]]], steps_per_epoch: int, names: list[str]
-) -> History:
-    """Per-epoch means of the logged records (each weighted by its steps), under Keras' names."""
+def _history(result: FitResult, steps_per_epoch: int, names: list[str]) -> History:
+    """Per-epoch means of the logged records (each weighted by its steps), under Keras' names;
+    the whole run's, earlier sessions of a resumed one included."""
     sums: dict[int, dict[str, float]] = {}
     steps: dict[int, int] = {}
     previous = None
@@ -636,7 +623,7 @@ def _history(
                 sums.setdefault(epoch, {})[name] = sums.get(epoch, {}).get(name, 0.0) + record[name] * n
     epochs = sorted(steps)
     history = {name: [sums[e][name] / steps[e] for e in epochs if name in sums.get(e, {})] for name in names}
-    by_epoch = {(step - 1) // steps_per_epoch: values for step, values in evaluations}
+    by_epoch = {(e["step"] - 1) // steps_per_epoch: e for e in result.evaluations}
     for name in names:
         values = [by_epoch[e][name] for e in epochs if e in by_epoch and name in by_epoch[e]]
         if values:

@@ -48,13 +48,15 @@ class RunReport:
         self._tb = None
         self._bar = None
         self._copy: LocalCopy | None = None
+        # The records the run logged before this session of it (a resume), up to its start.
+        self.earlier: list[dict[str, Any]] = []
         if not enabled:
             return
         if run_dir is not None:
             self._copy = LocalCopy(run_dir)
             self._copy.local.mkdir(parents=True, exist_ok=True)
             metrics = self._copy.fetch("metrics.jsonl")
-            _keep_until(metrics, start_step)
+            self.earlier = _keep_until(metrics, start_step)
             self._jsonl = open(metrics, "a", encoding="utf-8")
             from tensorboardX import SummaryWriter
 
@@ -145,13 +147,14 @@ def _fmt(key: str, value: Any) -> str:
     return f"{key}={value}"
 
 
-def _keep_until(path: Path, step: int) -> None:
+def _keep_until(path: Path, step: int) -> list[dict[str, Any]]:
     """Drops the records of ``metrics.jsonl`` after ``step`` (and a line cut short by a
-    crash), rewriting the file atomically; untouched when there is nothing to drop."""
+    crash), rewriting the file atomically (untouched when there is nothing to drop); returns
+    the records kept."""
     if not path.exists():
-        return
+        return []
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = []
+    kept, records = [], []
     for line in lines:
         try:
             record = json.loads(line)
@@ -159,8 +162,9 @@ def _keep_until(path: Path, step: int) -> None:
             continue  # half a line: the process died while writing it
         if line.endswith("\n") and record.get("step", 0) <= step:
             kept.append(line)
-    if len(kept) == len(lines):
-        return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
+            records.append(record)
+    if len(kept) != len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)
+    return records

@@ -91,7 +91,8 @@ class FitResult:
 
     Attributes:
         state: the final train state (replicated on the devices).
-        history: every logged training record.
+        history: every logged training record of the run, those of earlier sessions of a
+            resumed run included (read back from its ``metrics.jsonl``, on process 0).
         eval: the last evaluation (``loss``, the metrics, ``count``), or None.
         train_compiles: how many times the train step was compiled.
         eval_compiles: how many times the eval step was compiled.
@@ -104,6 +105,7 @@ class FitResult:
     train_compiles: int
     eval_compiles: int
     compile_s: float
+    evaluations: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # every one: step, epoch, metrics
 
     def __repr__(self) -> str:
         # Short: a notebook cell ending in `result = trainer.fit(...)`, or `result`, shows this,
@@ -144,6 +146,7 @@ class _Loop:
     report: RunReport
     step: int
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    evaluations: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     last_eval: dict[str, float] | None = None
     rolled_back: set[int] = dataclasses.field(default_factory=set)  # steps rolled back once already
     last_save: float = dataclasses.field(default_factory=time.monotonic)
@@ -401,6 +404,7 @@ class Trainer:
             train_compiles=self.train_step.compiles,
             eval_compiles=self.eval_step.compiles,
             compile_s=self.train_step.compile_s + self.eval_step.compile_s,
+            evaluations=loop.evaluations,
         )
 
     def _begin(self, train: Dataset, eval: Dataset | None) -> _Loop:
@@ -417,7 +421,11 @@ class Trainer:
         self._announce(report, restored, order, train, total)
         if eval is not None:
             self._compile_eval_step(eval)
-        return _Loop(order.steps_per_epoch, total, stop, report, step=start)
+        loop = _Loop(order.steps_per_epoch, total, stop, report, step=start)
+        for record in report.earlier:  # the run's history before this session of it
+            split = record.pop("split", "train")
+            (loop.history if split == "train" else loop.evaluations).append(record)
+        return loop
 
     def _train(self, loop: _Loop, train: Dataset, eval: Dataset | None) -> None:
         """The calls from ``loop.step`` to ``loop.stop``; again from a checkpoint after a rollback."""
@@ -454,7 +462,9 @@ class Trainer:
         if epoch_end and eval is not None and itstime(loop.step // loop.spe, cfg.eval_every_epochs):
             with loop.watchdog.paused():  # not a step: its time is not a hang
                 loop.last_eval = self.evaluate(eval)
-            loop.report.record({"step": loop.step, "epoch": loop.step // loop.spe, **loop.last_eval}, prefix="eval")
+            record = {"step": loop.step, "epoch": loop.step // loop.spe, **loop.last_eval}
+            loop.evaluations.append(record)
+            loop.report.record(record, prefix="eval")
             loop.window_t0 = time.perf_counter()
         if save and self._ckpt is not None:
             loop.report.sync()  # a URL run dir: metrics reach the bucket before the checkpoint
@@ -529,8 +539,10 @@ class Trainer:
     def _announce(self, report: RunReport, restored: int | None, order: TrainOrder, train: Dataset, total: int) -> None:
         """The start-up lines: resume point, devices and batch, steps, dropped examples, MFU peak."""
         s, cfg, spe = self.strategy, self.config, order.steps_per_epoch
-        if restored is not None:
-            report.print(f"resumed from checkpoint {restored} (epoch {restored // spe + 1})")
+        if restored is not None and restored >= total:
+            report.print(f"the run is finished: checkpoint {restored} is its last step ({cfg.epochs} epochs)")
+        elif restored is not None:
+            report.print(f"resumed from checkpoint {restored} (epoch {restored // spe + 1} of {cfg.epochs})")
         report.print(
             f"devices: {s.num_devices} x {s.platform} ({s.process_count} process(es))   "
             f"per-device batch: {self.global_batch // s.num_replicas}   global batch: {self.global_batch}"
