@@ -289,3 +289,44 @@ def test_a_rerun_fit_of_a_finished_run_says_so_and_returns_its_whole_history(str
     assert "the run is finished: checkpoint 8 is its last step (2 epochs)" in out and "epoch 3" not in out
     assert again.history == first.history and again.epoch == [0, 1]
     assert again.history["val_accuracy"][-1] == first.history["val_accuracy"][-1]
+
+
+def two_in_two_out(seed=0):
+    """A Functional model with two inputs and two outputs (a class and a value)."""
+    keras.utils.set_random_seed(seed)
+    a, b = keras.Input((8,), name="a"), keras.Input((4,), name="b")
+    h = keras.layers.Dense(16, activation="relu")(keras.layers.Concatenate()([a, b]))
+    return keras.Model([a, b], [keras.layers.Dense(3, name="cls")(h), keras.layers.Dense(1, name="value")(h)])
+
+
+def test_two_inputs_and_two_outputs_train_as_keras_own_fit_does(strategy8):
+    """Keras' fit takes x and y as lists (or dicts by name): one step on one batch of 64 gives
+    the weights Keras' own fit gives, and the history names each output's metric."""
+    rng = np.random.default_rng(0)
+    xa, xb = rng.normal(size=(64, 8)).astype(np.float32), rng.normal(size=(64, 4)).astype(np.float32)
+    y_cls, y_val = rng.integers(0, 3, 64).astype(np.int32), rng.normal(size=(64, 1)).astype(np.float32)
+    compile_args = dict(loss=[LOSS, "mse"], loss_weights=[1.0, 0.5], metrics=[["accuracy"], []])
+    theirs, ours = two_in_two_out(), two_in_two_out()
+    theirs.compile(optimizer=keras.optimizers.SGD(0.1), **compile_args)
+    ours.compile(optimizer=keras.optimizers.SGD(0.1), **compile_args)
+    with keras_numpy:
+        theirs.fit([xa, xb], [y_cls, y_val], batch_size=64, epochs=1, shuffle=False, verbose=0)
+    history = fit(ours, [xa, xb], [y_cls, y_val], batch_size=64, epochs=1, strategy=strategy8)
+    for mine, keras_own in zip(ours.get_weights(), theirs.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, keras_own, rtol=1e-5, atol=1e-6)
+    assert sorted(history.history) == ["cls_accuracy", "loss"]
+    # The same data as dicts by input and output name, with validation data.
+    by_name = fit(
+        two_in_two_out(),
+        {"a": xa, "b": xb},
+        {"cls": y_cls, "value": y_val},
+        batch_size=32,
+        epochs=2,
+        loss={"cls": LOSS, "value": "mse"},
+        optimizer=optax.adam(1e-2),
+        validation_data=({"a": xa, "b": xb}, {"cls": y_cls, "value": y_val}),
+        strategy=strategy8,
+    )
+    assert by_name.history["loss"][1] < by_name.history["loss"][0] and "val_loss" in by_name.history
+    with pytest.raises(ConfigError, match=r"the model has 2 outputs \(cls, value\): give y as a list of 2 arrays"):
+        fit(two_in_two_out(), [xa, xb], y_cls, batch_size=32, loss=LOSS, optimizer=optax.sgd(0.1), strategy=strategy8)

@@ -234,32 +234,106 @@ class KerasLoss:
         ((4,), ['accuracy'])
     """
 
-    def __init__(self, loss: Any, metrics: Sequence[Any] | None = None, *, x: str = "x", y: str = "y") -> None:
+    def __init__(
+        self,
+        loss: Any,
+        metrics: Sequence[Any] | None = None,
+        *,
+        x: str = "x",
+        y: str = "y",
+        output_names: Sequence[str] | None = None,
+        loss_weights: Any = None,
+    ) -> None:
         keras = keras_backend()
-        self._loss = _resolve_loss(keras, loss)
-        self._metrics = dict(_resolve_metric(keras, m) for m in metrics or ())
-        self.names = list(self._metrics)
+        # One loss, or one per output (a list in output order, or a dict by output name).
+        if isinstance(loss, Mapping):
+            self._loss: Any = {k: _resolve_loss(keras, v) for k, v in loss.items()}
+        elif isinstance(loss, list | tuple):
+            self._loss = [_resolve_loss(keras, v) for v in loss]
+        else:
+            self._loss = _resolve_loss(keras, loss)
+        self._loss_weights = loss_weights
+        self.output_names = list(output_names or [])
+        self._metrics = self._metric_table(keras, metrics)
+        several = len(self.output_names) > 1  # Keras' names for several outputs: <output>_<metric>
+        self.names = [
+            f"{o}_{m}" if several else m
+            for o in self.output_names or [""]
+            for m in {**self._metrics.get("", {}), **self._metrics.get(o, {})}
+        ]
         self.x, self.y = x, y
 
+    def _metric_table(self, keras: Any, metrics: Any) -> dict[str, dict[str, Any]]:
+        """``{output name: {metric name: metric}}``; ``""``: metrics of every output. Metrics
+        come as Keras' compile takes them: a list, a list per output, or a dict by output."""
+        resolve = lambda ms: dict(_resolve_metric(keras, m) for m in ([ms] if isinstance(ms, str) else ms or ()))  # noqa: E731
+        if isinstance(metrics, Mapping):
+            return {str(o): resolve(ms) for o, ms in metrics.items()}
+        per_output = len(self.output_names) > 1 and bool(metrics)
+        if per_output and all(m is None or isinstance(m, list | tuple) for m in metrics):
+            return {o: resolve(ms) for o, ms in zip(self.output_names, metrics, strict=True)}
+        return {"": resolve(metrics)}
+
     def __call__(self, module: KerasModule, batch: Mapping[str, Any]) -> tuple[jax.Array, dict[str, jax.Array]]:
-        missing = [k for k in (self.x, self.y) if k not in batch]
+        x, y_true = unflatten(batch, self.x), unflatten(batch, self.y)
+        missing = [k for k, v in ((self.x, x), (self.y, y_true)) if v is None]
         if missing:
             raise ConfigError(
                 f"a Keras model's batches need the keys {self.x!r} (the input) and {self.y!r} (the target); "
                 f"{', '.join(map(repr, missing))} missing from {sorted(batch)}. Pass {{'x': x, 'y': y}}."
             )
-        y_true = batch[self.y]
-        y_pred, reg = module.forward(batch[self.x])
+        y_pred, reg = module.forward(x)
         # Keras' Loss.__call__ computes in float32 under mixed precision; Loss.call does not cast.
         y_pred = jax.tree.map(lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, y_pred)
         with _keras_numpy():
-            losses = _per_example(self._loss(y_true, y_pred)) + reg
+            pairs = self._outputs(y_true, y_pred)
+            losses = reg + sum(w * _per_example(loss(t, p)) for _, loss, w, t, p in pairs)
             metrics = {}
-            for name, fn in self._metrics.items():
-                if fn == "accuracy":
-                    fn = _accuracy_for(keras_backend(), y_true, y_pred)
-                metrics[name] = _per_example(fn(y_true, y_pred))
+            for output, _, _, t, p in pairs:
+                for name, fn in {**self._metrics.get("", {}), **self._metrics.get(output, {})}.items():
+                    if fn == "accuracy":
+                        fn = _accuracy_for(keras_backend(), t, p)
+                    metrics[f"{output}_{name}" if len(pairs) > 1 else name] = _per_example(fn(t, p))
         return losses, metrics
+
+    def _outputs(self, y_true: Any, y_pred: Any) -> list[tuple[str, Callable, float, Any, Any]]:
+        """``(output name, its loss, its weight, target, prediction)`` per model output."""
+        if not isinstance(y_pred, list | tuple | Mapping):
+            return [("", self._loss, 1.0, y_true, y_pred)]
+        names = self.output_names or [str(i) for i in range(len(y_pred))]
+        preds = dict(y_pred) if isinstance(y_pred, Mapping) else dict(zip(names, y_pred, strict=True))
+        if isinstance(y_true, Mapping):
+            trues = dict(y_true)
+        elif isinstance(y_true, list | tuple) and len(y_true) == len(preds):
+            trues = dict(zip(preds, y_true, strict=True))
+        else:
+            raise ConfigError(
+                f"the model has {len(preds)} outputs ({', '.join(preds)}): give y as a list of {len(preds)} arrays "
+                "or a dict by output name, as Keras' fit takes it."
+            )
+        out = []
+        for i, name in enumerate(preds):
+            if name not in trues:
+                raise ConfigError(f"y has no target for the output {name!r}; its keys: {', '.join(trues)}.")
+            out.append(
+                (
+                    name,
+                    self._per_output(self._loss, name, i),
+                    self._per_output(self._loss_weights, name, i, 1.0),
+                    trues[name],
+                    preds[name],
+                )
+            )
+        return out
+
+    @staticmethod
+    def _per_output(value: Any, name: str, index: int, default: Any = None) -> Any:
+        """A list's ``index``-th item, a dict's ``name`` entry, or the value itself."""
+        if isinstance(value, Mapping):
+            return value.get(name, default)
+        if isinstance(value, list | tuple):
+            return value[index]
+        return default if value is None else value
 
 
 def compiled_loss(model: Any) -> KerasLoss:
@@ -274,8 +348,14 @@ def compiled_loss(model: Any) -> KerasLoss:
             "the Keras model was not compiled with a loss: pass loss= (a Keras loss, its name or "
             "loss(y_true, y_pred)), or call model.compile(loss=..., metrics=[...]) first."
         )
-    metrics = model.get_compile_config().get("metrics") if model.compiled else None
-    return KerasLoss(model.loss, metrics or ())
+    config = model.get_compile_config() if model.compiled else {}
+    return KerasLoss(model.loss, config.get("metrics") or (), **_outputs_of(model, config))
+
+
+def _outputs_of(model: Any, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The model's output names and its compiled loss weights, for a :class:`KerasLoss`."""
+    weights = (config or {}).get("loss_weights")
+    return {"output_names": list(getattr(model, "output_names", None) or []), "loss_weights": weights}
 
 
 def adapt(model: Any, loss: Any = None, metrics: Sequence[Any] | None = None) -> tuple[KerasModule, Any]:
@@ -303,12 +383,13 @@ def adapt(model: Any, loss: Any = None, metrics: Sequence[Any] | None = None) ->
     module = KerasModule(model)
     if isinstance(loss, KerasLoss):
         return module, loss
+    config = model.get_compile_config() if model.compiled else {}
     if loss is None:
         compiled = compiled_loss(model)
-        return module, (compiled if metrics is None else KerasLoss(model.loss, metrics))
-    if metrics is None and model.compiled:
-        metrics = model.get_compile_config().get("metrics")
-    return module, KerasLoss(loss, metrics)
+        return module, (compiled if metrics is None else KerasLoss(model.loss, metrics, **_outputs_of(model, config)))
+    if metrics is None:
+        metrics = config.get("metrics")
+    return module, KerasLoss(loss, metrics, **_outputs_of(model))
 
 
 def to_adapted(model: Any, loss: Any = None, metrics: Sequence[Any] | None = None) -> Adapted:
@@ -457,16 +538,56 @@ class History:
 
 
 def _as_data(x: Any, y: Any, what: str) -> Dataset | Mapping[str, np.ndarray]:
+    """``x`` and ``y`` as Keras' ``fit`` takes them (an array, a list of arrays, or a dict of
+    arrays by input or output name) as one flat dict of arrays (:func:`flatten`)."""
     if y is None and (isinstance(x, Dataset) or isinstance(x, Mapping) and "y" in x):
         return x
     if y is None:
         raise ConfigError(f"{what}: give x and y (NumPy arrays), or a dict {{'x': ..., 'y': ...}}.")
-    if not hasattr(x, "shape") or not hasattr(y, "shape"):
+    batch = {**flatten("x", x, what), **flatten("y", y, what)}
+    rows = {k: len(v) for k, v in batch.items()}
+    if len(set(rows.values())) > 1:
+        sizes = ", ".join(f"{k} {n}" for k, n in rows.items())
+        raise ConfigError(f"{what}: every array needs one row per example, and these disagree: {sizes}.")
+    return batch
+
+
+def flatten(key: str, value: Any, what: str) -> dict[str, np.ndarray]:
+    """One of Keras' ``x`` / ``y`` as batch entries: an array as ``key``, a list's items as
+    ``key/0``, ``key/1``, ..., a dict's as ``key/<name>`` (:func:`unflatten` undoes it).
+
+    Example:
+        >>> import numpy as np
+        >>> sorted(flatten("x", {"image": np.zeros(2), "tags": np.ones(2)}, "data"))
+        ['x/image', 'x/tags']
+    """
+    if isinstance(value, Mapping):
+        parts = {f"{key}/{name}": v for name, v in value.items()}
+    elif isinstance(value, list | tuple):
+        parts = {f"{key}/{i}": v for i, v in enumerate(value)}
+    else:
+        parts = {key: value}
+    bad = [k for k, v in parts.items() if not hasattr(v, "shape")]
+    if bad or not parts:
+        kind = type(parts[bad[0]]).__name__ if bad else "an empty " + type(value).__name__
         raise ConfigError(
-            f"{what}: x and y must be arrays (NumPy); a {type(x).__name__} is not. tf.data pipelines and "
-            "generators do not carry over: xlafit draws batches by index, so resume and evaluation are exact."
+            f"{what}: {key} must be an array, a list of arrays or a dict of arrays (NumPy), as Keras' fit takes "
+            f"it; {bad[0] if bad else key} is {kind}. tf.data pipelines and generators do not carry over: xlafit "
+            "draws batches by index, so resume and evaluation are exact."
         )
-    return {"x": np.asarray(x), "y": np.asarray(y)}
+    return {k: np.asarray(v) for k, v in parts.items()}
+
+
+def unflatten(batch: Mapping[str, Any], key: str) -> Any:
+    """What :func:`flatten` made of ``key``: the array, the list, or the dict; None if absent."""
+    if key in batch:
+        return batch[key]
+    parts = {k[len(key) + 1 :]: v for k, v in batch.items() if k.startswith(key + "/")}
+    if not parts:
+        return None
+    if all(name.isdigit() for name in parts):
+        return [parts[name] for name in sorted(parts, key=int)]
+    return parts
 
 
 def _optimizer(model: Any, optimizer: Any, global_batch: int, total_steps: int) -> tuple[Any, Any]:
