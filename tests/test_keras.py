@@ -330,3 +330,19 @@ def test_two_inputs_and_two_outputs_train_as_keras_own_fit_does(strategy8):
     assert by_name.history["loss"][1] < by_name.history["loss"][0] and "val_loss" in by_name.history
     with pytest.raises(ConfigError, match=r"the model has 2 outputs \(cls, value\): give y as a list of 2 arrays"):
         fit(two_in_two_out(), [xa, xb], y_cls, batch_size=32, loss=LOSS, optimizer=optax.sgd(0.1), strategy=strategy8)
+
+
+@pytest.mark.parametrize(
+    ("loss", "labels", "message"),
+    [
+        ("sparse_categorical_crossentropy", "one-hot", r"one-hot \(\[.*, 3\]\) but the loss sparse_categorical_cross"),
+        ("categorical_crossentropy", "indices", r"class indices \(\[.*\]\) but the loss categorical_crossentropy"),
+    ],
+)
+def test_labels_that_do_not_fit_the_loss_are_named(strategy8, loss, labels, message):
+    x, y = data(64, 0)
+    y = np.eye(3, dtype=np.float32)[y] if labels == "one-hot" else y
+    model = build(dropout=0.0)
+    with pytest.raises(ConfigError, match=message) as e:
+        fit(model, x, y, batch_size=32, loss=loss, optimizer=optax.sgd(0.1), strategy=strategy8)
+    assert "\n" not in str(e.value)

@@ -287,6 +287,8 @@ class KerasLoss:
         y_pred = jax.tree.map(lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, y_pred)
         with _keras_numpy():
             pairs = self._outputs(y_true, y_pred)
+            for output, loss, _, t, p in pairs:
+                _check_labels(loss, t, p, output)
             losses = reg + sum(w * _per_example(loss(t, p)) for _, loss, w, t, p in pairs)
             metrics = {}
             for output, _, _, t, p in pairs:
@@ -334,6 +336,28 @@ class KerasLoss:
         if isinstance(value, list | tuple):
             return value[index]
         return default if value is None else value
+
+
+def _check_labels(loss: Callable, y_true: Any, y_pred: Any, output: str) -> None:
+    """One-hot labels with a sparse loss, or class indices with a categorical one: named with
+    the fix instead of Keras' own shape error from inside the loss."""
+    owner = getattr(loss, "__self__", None)  # Loss.call, bound to the Keras loss object
+    name = str(getattr(owner, "name", None) or getattr(loss, "__name__", ""))
+    shape_t, shape_p = tuple(getattr(y_true, "shape", ())), tuple(getattr(y_pred, "shape", ()))
+    if not shape_p or shape_p[-1] < 2:
+        return
+    one_hot = len(shape_t) == len(shape_p) and shape_t[-1] == shape_p[-1]
+    of = f" of the output {output!r}" if output else ""
+    if "sparse_categorical" in name and one_hot:
+        raise ConfigError(
+            f"the labels{of} are one-hot ({list(shape_t)}) but the loss {name} takes class indices "
+            f"({list(shape_t[:-1])}); use categorical_crossentropy, or pass y.argmax(-1) as the labels."
+        )
+    if "sparse" not in name and "categorical" in name and len(shape_t) < len(shape_p):
+        raise ConfigError(
+            f"the labels{of} are class indices ({list(shape_t)}) but the loss {name} takes one-hot labels "
+            f"({[*shape_t, shape_p[-1]]}); use sparse_categorical_crossentropy, or one-hot encode the labels."
+        )
 
 
 def compiled_loss(model: Any) -> KerasLoss:
