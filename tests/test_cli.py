@@ -173,7 +173,7 @@ def test_gcsfs_tracebacks_of_errors_it_raises_again_are_dropped_unless_verbose(c
 
 def test_help_loads_no_jax():
     """The commands import the library when they run: `xlafit --help` answers without JAX
-    (a second instead of a tenth of one)."""
+    (a twentieth of a second instead of a second)."""
     code = (
         "import sys, contextlib, io\n"
         "from xlafit.cli import build_parser\n"
