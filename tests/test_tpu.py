@@ -493,3 +493,20 @@ def test_checking_a_file_on_a_machine_without_a_tpu_is_quiet(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.stdout.strip().endswith("True"), out.stderr[-2000:]
     assert "could not determine TPU" not in out.stderr and "INVALID_ARGUMENT" not in out.stderr
+
+
+def test_a_fit_whose_parts_add_up_to_more_than_the_capacity_has_no_negative_room():
+    """The compiler placed the program within the HBM: the report never shows "-0.08 GiB to
+    spare (100% used)", it says why the sum of the parts can exceed the capacity."""
+    r = TargetReport(
+        "v5e-1",
+        devices=1,
+        device_kind="TPU v5 lite",
+        batch_shards=1,
+        per_device_batch=65536,
+        fits=True,
+        capacity=15.75 * 2**30,
+        memory={"state": 2**20, "batch": 2**30, "outputs": 0, "temporaries": 14 * 2**30, "total": int(15.83 * 2**30)},
+    )
+    text = format_report(r)
+    assert "GiB to spare" not in text and "fits, with nothing to spare: the compiler placed it within 15.75 GiB" in text
