@@ -4,7 +4,8 @@
 In the repository (on GitHub, in an editor) such a link is an ordinary relative link. MkDocs
 knows only the files under ``docs/``, so this hook checks that each one's target exists — a
 missing one fails the strict build, like any broken link — and points it at ``repo_url``'s
-copy of the file when the site has one; without ``repo_url`` the link text stays, unlinked.
+copy of the file when the site has one; without ``repo_url`` it becomes the file's path in
+the repository, as code.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
             return m.group(0)
         rel = path.relative_to(ROOT).as_posix()
         if not config.repo_url:
-            return m.group("text")
+            return f"`{rel}`"  # where to find it in a clone
         kind = "tree" if path.is_dir() else "blob"
         return f"[{m.group('text')}]({config.repo_url.rstrip('/')}/{kind}/main/{rel}{m.group('anchor') or ''})"
 
