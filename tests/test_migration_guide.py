@@ -1,4 +1,4 @@
-"""docs/from-tpustrategy.md: its xlafit programs run as written and train.
+"""docs/guides/migration.md: its xlafit programs run as written and train.
 
 By default each program runs on 400 of the 4,000 embedded training digits and 200 test
 digits (the real loader, sliced), to keep the suite short: it shows the program runs
@@ -17,7 +17,7 @@ import pytest
 
 from xlafit.data import mnist
 
-GUIDE = Path(__file__).resolve().parents[1] / "docs" / "from-tpustrategy.md"
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guides" / "migration.md"
 FULL = os.environ.get("XLAFIT_STRESS") == "1"
 LOAD_EMBEDDED = mnist.load_embedded  # the real loader, before a test slices it
 
@@ -36,6 +36,15 @@ def embedded():
 
 def test_the_guide_has_its_three_xlafit_programs():
     assert len(programs()) == 3
+
+
+def test_its_other_python_blocks_are_marked_as_needing_a_tpu():
+    """The TensorFlow and PyTorch/XLA programs are shown, not run: tests/test_docs.py skips a
+    block only when it is marked so."""
+    text = GUIDE.read_text(encoding="utf-8")
+    blocks = re.findall(r"(<!-- needs: tpu -->\n)?```python\n(.*?)```", text, re.S)
+    assert [bool(marked) for marked, body in blocks] == ["import xlafit" not in body for _, body in blocks]
+    assert sum(bool(marked) for marked, _ in blocks) == 2
 
 
 @pytest.mark.parametrize("index, accuracy", [(0, 0.85), (1, 0.85), (2, 0.8)])

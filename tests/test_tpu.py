@@ -64,6 +64,21 @@ def test_an_unknown_target_lists_the_valid_ones(name):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("alias, slice_name", [("colab", "v5e-1"), ("Kaggle", "v5e-8")])
+def test_notebook_services_are_aliases_named_with_the_slice_they_stand_for(alias, slice_name):
+    target, plain = tpu.parse_target(alias), tpu.parse_target(slice_name)
+    assert (target.topology, target.num_devices) == (plain.topology, plain.num_devices)
+    assert target.name == f"{alias.lower()} = {slice_name}"
+    with pytest.raises(ConfigError, match=r"colab \(= v5e-1\), kaggle \(= v5e-8\)"):
+        tpu.parse_target("colab-8")
+
+
+def test_the_report_of_an_alias_says_what_it_stands_for(capsys):
+    assert main(["check", str(CASES / "clean.py"), "--tpu", "colab"]) == 0
+    out = capsys.readouterr().out
+    assert "colab = v5e-1 (1 x " in out, out
+
+
 def test_missing_libtpu_is_one_line_with_the_install_command(monkeypatch, capsys):
     monkeypatch.setattr(tpu, "LIBTPU_MODULE", "libtpu_that_is_not_installed")
     assert main(["check", str(CASES / "clean.py"), "--tpu", "v5e-8"]) == 2

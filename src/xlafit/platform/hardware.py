@@ -15,6 +15,7 @@ Targets are named as Cloud TPU names its accelerator types: ``v2-8``, ``v3-8``, 
 ``v5e-8``, ``v5p-8``, ``v6e-8``, ``tpu7x-8``, and slices such as ``v4-32`` or ``v5e-256``.
 The number counts TensorCores on v2, v3, v4, v5p and tpu7x (two per chip) and chips on v5e
 and v6e (one core each); v4 and v5p run a chip's two cores as one device (megacore).
+``colab`` and ``kaggle`` name the slices those notebook services attach (v5e-1, v5e-8).
 
 Example:
     >>> target = parse_targets("v3-8")[0]
@@ -116,6 +117,9 @@ KNOWN = (
     "v2-8 v2-32 v3-8 v3-32 v4-8 v4-32 v5e-1 v5e-4 v5e-8 v5e-16 v5e-256 v5p-8 v5p-32 "
     "v6e-1 v6e-4 v6e-8 v6e-16 v6e-256 tpu7x-8"
 ).split()
+# The TPUs that notebook services attach: Colab's TPU runtime is one v5e chip, Kaggle's a v5e-8.
+# A report names the slice beside the alias ("colab = v5e-1"), so nobody has to remember it.
+ALIASES = {"colab": "v5e-1", "kaggle": "v5e-8"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,9 +181,22 @@ def _shape(chips: int, dims: int) -> tuple[int, ...]:
 
 
 def parse_target(name: str) -> Target:
-    """``"v5e-8"`` -> its :class:`Target`; an unknown name is a ``ConfigError`` listing the known ones."""
-    match = re.fullmatch(r"(v2|v3|v4|v5e|v5litepod|v5p|v6e|tpu7x)-(\d+)", name.strip().lower())
-    known = f"known TPU targets: {', '.join(KNOWN)} (any power-of-two size of these generations)."
+    """``"v5e-8"`` -> its :class:`Target`; an unknown name is a ``ConfigError`` listing the known ones.
+
+    ``colab`` and ``kaggle`` (:data:`ALIASES`) stand for the slices those services attach; the
+    target's name then says both.
+
+    Example:
+        >>> parse_target("kaggle").name, parse_target("colab").num_devices
+        ('kaggle = v5e-8', 1)
+    """
+    key = name.strip().lower()
+    for alias, slice_name in ALIASES.items():
+        if key in (alias, f"{alias} = {slice_name}"):  # the second: a report's name, read back
+            return dataclasses.replace(parse_target(slice_name), name=f"{alias} = {slice_name}")
+    match = re.fullmatch(r"(v2|v3|v4|v5e|v5litepod|v5p|v6e|tpu7x)-(\d+)", key)
+    aliases = ", ".join(f"{a} (= {t})" for a, t in ALIASES.items())
+    known = f"known TPU targets: {', '.join(KNOWN)}, {aliases} (any power-of-two size of these generations)."
     if match is None:
         raise ConfigError(f"unknown TPU target {name!r}; {known}")
     gen = GENERATIONS["v5e" if match.group(1) == "v5litepod" else match.group(1)]
