@@ -291,10 +291,6 @@ def docstrings_and_comments(path: Path) -> list[tuple[int, str]]:
     return found
 
 
-SRC_HITS_LEFT = "src/ docstrings still cite the seed documents by number; the lead rewords them"
-
-
-@pytest.mark.xfail(strict=False, reason=SRC_HITS_LEFT)
 def test_no_docstring_or_comment_in_src_narrates_how_the_project_was_made():
     hits = [
         h
@@ -335,7 +331,6 @@ def test_the_performance_page_is_current_numbers_with_their_sources():
         assert (DOCS / target).resolve().exists(), target
 
 
-@pytest.mark.xfail(strict=False, reason="src/ names docs/cloud.md and docs/multihost.md, now under docs/guides/")
 def test_the_docs_pages_src_names_exist():
     named = {
         (path.relative_to(ROOT).as_posix(), page)

@@ -7,7 +7,7 @@ calls this; the training loop itself is :meth:`xlafit.Trainer.fit`.
 A run directory holds ``config.yaml`` (the config as resolved: batch sizes, schedule length,
 what the data decided), ``metrics.jsonl``, ``tensorboard/``, ``checkpoints/`` and the
 recipe's artifacts (a tokenizer). It may be a local path or a URL (``gs://bucket/run``,
-docs/cloud.md). Running the same command again resumes from the newest intact checkpoint,
+docs/guides/cloud-storage.md). Running the same command again resumes from the newest intact checkpoint,
 after checking that the new config continues the same run; ``--restart`` moves the earlier
 run aside (:func:`start_run_dir`) and deletes nothing.
 

@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--tpu",
         metavar="TARGETS",
         help="compile for these TPU slices, comma-separated: v2-8, v3-8, v4-8, v5e-1/4/8, v5p-8, v6e-1/4/8, "
-        "tpu7x-8, pod slices such as v4-32 or v5e-256",
+        "tpu7x-8, pod slices such as v4-32 or v5e-256; colab (v5e-1) and kaggle (v5e-8), the notebook TPUs",
     )
     p.add_argument(
         "--max-batch",

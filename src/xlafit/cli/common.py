@@ -16,7 +16,7 @@ def add_simulate(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"use N simulated CPU devices (rehearse an N-core TPU); also ${SIMULATE_ENV}",
     )
-    job = p.add_argument_group("multi-process job (docs/multihost.md); default: from the environment")
+    job = p.add_argument_group("multi-process job (docs/guides/multihost.md); default: from the environment")
     job.add_argument("--coordinator", metavar="HOST:PORT", help=f"process 0's address; also ${COORDINATOR_ENV}")
     job.add_argument("--num-processes", type=int, metavar="P", help=f"processes in the job; also ${NUM_PROCESSES_ENV}")
     job.add_argument("--process-id", type=int, metavar="I", help=f"this process, 0..P-1; also ${PROCESS_ID_ENV}")

@@ -752,7 +752,7 @@ def fit(
 
 def _history(result: FitResult, steps_per_epoch: int, names: list[str]) -> History:
     """Per-epoch means of the logged records (each weighted by its steps), under Keras' names;
-    the whole run's, earlier sessions of a resumed one included."""
+    the whole run's, what was logged before a resume included."""
     sums: dict[int, dict[str, float]] = {}
     steps: dict[int, int] = {}
     previous = None

@@ -117,7 +117,8 @@ def describe_error(url: AnyPath, e: BaseException) -> str:
     ):
         return (
             f"permission denied writing or reading {url} ({text}). Grant this machine's service account "
-            f"roles/storage.objectAdmin on gs://{bucket} (docs/cloud.md), or choose another location."
+            f"roles/storage.objectAdmin on gs://{bucket} (docs/getting-started/cloud-tpu-vm.md), or choose another "
+            "location."
         )
     if isinstance(root, FileNotFoundError) and bucket and not bucket_exists(url):
         return (
@@ -165,7 +166,7 @@ def check_bucket(url: AnyPath, what: str) -> None:
         bucket = bucket_of(url)
         raise StorageError(
             f"{what} {url}: the bucket gs://{bucket} does not exist. Create it (gcloud storage buckets create "
-            f"gs://{bucket}, docs/cloud.md) or fix the URL."
+            f"gs://{bucket}, docs/guides/cloud-storage.md) or fix the URL."
         )
 
 

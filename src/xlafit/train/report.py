@@ -48,7 +48,7 @@ class RunReport:
         self._tb = None
         self._bar = None
         self._copy: LocalCopy | None = None
-        # The records the run logged before this session of it (a resume), up to its start.
+        # The records the run logged before this resume, up to the step it resumes from.
         self.earlier: list[dict[str, Any]] = []
         if not enabled:
             return

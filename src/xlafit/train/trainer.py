@@ -91,8 +91,8 @@ class FitResult:
 
     Attributes:
         state: the final train state (replicated on the devices).
-        history: every logged training record of the run, those of earlier sessions of a
-            resumed run included (read back from its ``metrics.jsonl``, on process 0).
+        history: every logged training record of the run, those logged before a resume
+            included (read back from its ``metrics.jsonl``, on process 0).
         eval: the last evaluation (``loss``, the metrics, ``count``), or None.
         train_compiles: how many times the train step was compiled.
         eval_compiles: how many times the eval step was compiled.
@@ -422,7 +422,7 @@ class Trainer:
         if eval is not None:
             self._compile_eval_step(eval)
         loop = _Loop(order.steps_per_epoch, total, stop, report, step=start)
-        for record in report.earlier:  # the run's history before this session of it
+        for record in report.earlier:  # the run's history before this resume
             split = record.pop("split", "train")
             (loop.history if split == "train" else loop.evaluations).append(record)
         return loop
