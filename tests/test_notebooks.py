@@ -69,3 +69,31 @@ def test_tpu_quickstart_runs_checks_trains_resumes_and_plots(tmp_path):
     assert "test accuracy:" in resumed
     assert any("image/png" in out.get("data", {}) for c in code for out in c.outputs), "no inline plot"
     assert "intact" in everything.lower(), everything[-2000:]  # xlafit inspect
+
+
+def test_in_a_notebook_training_shows_a_progress_bar_and_a_short_result(tmp_path):
+    """In a Jupyter kernel the trainer draws a bar (stderr is no terminal there), and a cell
+    ending in a FitResult shows one line, not the parameters."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "import numpy as np, optax, xlafit\n"
+            "from flax import nnx\n"
+            "from xlafit.train.report import in_notebook\n"
+            "data = {'x': np.eye(4, dtype=np.float32).repeat(16, 0), 'y': np.arange(64, dtype=np.int32) // 16}\n"
+            "loss = lambda m, b: optax.softmax_cross_entropy_with_integer_labels(m(b['x']), b['y'])\n"
+            "trainer = xlafit.Trainer(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), loss, optax.sgd(1.0), global_batch=32,\n"
+            "                         config=xlafit.config.TrainerConfig(epochs=3))\n"
+            "print('in a notebook:', in_notebook())"
+        ),
+        nbformat.v4.new_code_cell("trainer.fit(data)"),
+    ]
+    path = tmp_path / "bar.ipynb"
+    nbformat.write(nb, path)
+    ran = run(path, tmp_path)
+    assert "in a notebook: True" in text_of(ran.cells[0])
+    shown = "".join(o.data["text/plain"] for o in ran.cells[1].outputs if o.output_type == "execute_result")
+    assert shown.startswith("FitResult(step=6") and len(shown) < 300
+    bar = "".join(out.get("text", "") for out in ran.cells[1].outputs if out.get("name") == "stderr")
+    widgets = [out for out in ran.cells[1].outputs if "application/vnd.jupyter.widget-view+json" in out.get("data", {})]
+    assert "6/6" in bar or widgets, ran.cells[1].outputs
