@@ -1,6 +1,9 @@
 """The trainer's promises: data parallel = one device, k steps per call = k calls,
 exact evaluation, exact resume, one compile."""
 
+import ast
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +16,8 @@ from helpers import cnn_trainer
 from xlafit.config import TrainerConfig
 from xlafit.data import mnist
 from xlafit.recipes import mnist as mnist_recipe
+from xlafit.train import trainer as trainer_module
+from xlafit.train.trainer import itstime
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +172,29 @@ def test_global_batch_must_divide(strategy8):
         xlafit.Trainer(
             nnx.Linear(2, 2, rngs=nnx.Rngs(0)), lambda m, b: b["x"], optax.sgd(0.1), strategy=strategy8, global_batch=12
         )
+
+
+@pytest.mark.parametrize(
+    ("step", "every", "total", "previous", "due"),
+    [
+        (20, 10, None, None, True),  # a multiple of every
+        (21, 10, None, None, False),
+        (24, 10, None, 18, True),  # a call of 6 steps ran over step 20
+        (29, 10, None, 24, False),  # ... and the next one did not reach 30
+        (7, 10, 7, None, True),  # the last step is always a time
+        (7, 0, 7, None, True),  # every=0: only the last step
+        (7, 0, None, None, False),  # every=0 and no total: never
+        (10, 10, 10, 9, True),
+    ],
+)
+def test_itstime(step, every, total, previous, due):
+    assert itstime(step, every, total, previous=previous) is due
+
+
+def test_the_trainer_imports_no_integration():
+    """The trainer knows no framework: a foreign model reaches it through train/adapter.py."""
+    tree = ast.parse(Path(trainer_module.__file__).read_text())
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert "xlafit.train.adapter" in imported  # the test reads the right file
+    assert [m for m in imported if m.startswith("xlafit.integrations")] == []

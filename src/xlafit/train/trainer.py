@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from xlafit.checkpoint import Checkpointer
 from xlafit.config import TrainerConfig, validate_watchdog
@@ -165,6 +166,16 @@ class _Loop:
     def add(self, call: Call) -> None:
         self.pending.append((call.first, call.metrics))
         self.window_compile += call.compile_s
+
+
+@dataclasses.dataclass(frozen=True)
+class _Due:
+    """What is due after a call, as :meth:`Trainer._due` decides it."""
+
+    log: bool  # fetch the window's metrics, record their means, apply the NaN policy
+    stop: bool  # a signal: save and raise Preempted
+    eval: bool  # an evaluation (an epoch's end)
+    save: bool  # a checkpoint
 
 
 class Trainer:
@@ -440,38 +451,63 @@ class Trainer:
                 any(self._after_call(loop, call, eval) for call in calls)
 
     def _after_call(self, loop: _Loop, call: Call, eval: Dataset | None) -> bool:
-        """Everything that may be due after one call: log, the NaN policy, a stop on a signal,
-        evaluate, checkpoint, each when it is time. True when the NaN policy rolled back."""
-        cfg, previous, loop.step = self.config, call.first, call.first + call.k
-        loop.watchdog.beat(loop.step)
+        """Everything that may be due after one call: log (and the NaN policy), a stop on a
+        signal, evaluate, checkpoint, in that order. True when the NaN policy rolled back."""
+        previous, loop.step = call.first, call.first + call.k
+        loop.watchdog.beat(loop.step)  # every call: the watchdog times calls, it has no period
         loop.add(call)
-        epoch_end = itstime(loop.step, loop.spe, previous=previous)
-        stop_requested, save_due = self._requests(loop.signals, loop.last_save)
-        every_steps = itstime(loop.step, cfg.checkpoint_every_steps, loop.stop, previous=previous)
-        save = self._ckpt is not None and (save_due or epoch_end or every_steps)
-        # Metrics are flushed at every checkpoint, so no accumulator outlives one.
-        if save or stop_requested or epoch_end or itstime(loop.step, cfg.log_every_steps, loop.stop, previous=previous):
+        due = self._due(loop, previous, eval is not None)
+        if due.log:
             rollback_to = self._log(loop, call)
             if rollback_to is not None:
                 loop.step = rollback_to
                 return True
-        if stop_requested:
-            loop.report.sync()  # a URL run dir: metrics reach the bucket before the checkpoint
-            received = loop.signals.received or signal.SIGTERM  # another process's signal stops this one too
-            raise Preempted(loop.step, received, self._save_now(loop.step), sync_point=loop.signals.sync_point)
-        if epoch_end and eval is not None and itstime(loop.step // loop.spe, cfg.eval_every_epochs):
-            with loop.watchdog.paused():  # not a step: its time is not a hang
-                loop.last_eval = self.evaluate(eval)
-            record = {"step": loop.step, "epoch": loop.step // loop.spe, **loop.last_eval}
-            loop.evaluations.append(record)
-            loop.report.record(record, prefix="eval")
-            loop.window_t0 = time.perf_counter()
-        if save and self._ckpt is not None:
-            loop.report.sync()  # a URL run dir: metrics reach the bucket before the checkpoint
-            self._ckpt.save(loop.step, self._state)
-            self._write_back()
-            loop.last_save = time.monotonic()
+        if due.stop:
+            self._stop(loop)
+        if due.eval and eval is not None:
+            self._evaluate_in_loop(loop, eval)
+        if due.save:
+            self._save(loop)
         return False
+
+    def _due(self, loop: _Loop, previous: int, has_eval: bool) -> _Due:
+        """What is due now that a call took the run from ``previous`` to ``loop.step``: every
+        periodic action asks :func:`itstime`; a stop or a timed checkpoint asks every process."""
+        cfg, step = self.config, loop.step
+        epoch_end = itstime(step, loop.spe, previous=previous)
+        stop, minutes_up = self._requests(loop.signals, loop.last_save)
+        save = self._ckpt is not None and (
+            minutes_up or epoch_end or itstime(step, cfg.checkpoint_every_steps, loop.stop, previous=previous)
+        )
+        # Metrics are flushed at every checkpoint, so no accumulator outlives one.
+        log = save or stop or epoch_end or itstime(step, cfg.log_every_steps, loop.stop, previous=previous)
+        evaluate = has_eval and epoch_end and itstime(step // loop.spe, cfg.eval_every_epochs)
+        return _Due(log=log, stop=stop, eval=evaluate, save=save)
+
+    def _stop(self, loop: _Loop) -> None:
+        """Saves the last finished step and raises :class:`Preempted` (a signal, here or in
+        another process of the job)."""
+        loop.report.sync()  # a URL run dir: metrics reach the bucket before the checkpoint
+        received = loop.signals.received or signal.SIGTERM  # another process's signal stops this one too
+        raise Preempted(loop.step, received, self._save_now(loop.step), sync_point=loop.signals.sync_point)
+
+    def _evaluate_in_loop(self, loop: _Loop, eval: Dataset) -> None:
+        """Evaluates at an epoch's end and records it; its time counts in no step time."""
+        with loop.watchdog.paused():  # not a step: its time is not a hang
+            loop.last_eval = self.evaluate(eval)
+        record = {"step": loop.step, "epoch": loop.step // loop.spe, **loop.last_eval}
+        loop.evaluations.append(record)
+        loop.report.record(record, prefix="eval")
+        loop.window_t0 = time.perf_counter()
+
+    def _save(self, loop: _Loop) -> None:
+        """A checkpoint of ``loop.step``, written in the background; the adapted model's
+        original (a Keras model) gets the trained values too."""
+        assert self._ckpt is not None  # _due saves only with a checkpointer
+        loop.report.sync()  # a URL run dir: metrics reach the bucket before the checkpoint
+        self._ckpt.save(loop.step, self._state)
+        self._write_back()
+        loop.last_save = time.monotonic()
 
     def _log(self, loop: _Loop, call: Call) -> int | None:
         """Fetches the metrics of the calls since the last log, records their means, and applies
@@ -508,8 +544,6 @@ class Trainer:
             [signals.must_share(), bool(minutes) and time.monotonic() - last_save >= 60 * minutes], np.int32
         )
         if self.strategy.process_count > 1:
-            from jax.experimental import multihost_utils
-
             # note: a small collective per call, only in multi-process jobs
             flags = np.asarray(multihost_utils.process_allgather(flags)).max(axis=0)
         at_sync_point = signals.at_sync_point()  # every call, in every process: JAX's contract
