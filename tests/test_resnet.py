@@ -308,6 +308,33 @@ def test_batch_norm_under_mixed_precision_keeps_bf16_activations_and_float32_sta
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), rtol=0.05, atol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_batch_norm_backward_keeps_x_and_out_only(dtype):
+    """The reason batch_norm_train has a custom VJP: its backward pass keeps x and out in x's
+    dtype and per-channel vectors, where autodiff through the same formula keeps four float32
+    tensors of x's size (a quarter of the bytes under bfloat16, half under float32)."""
+    x = res = jnp.ones((4, 8, 8, 16), dtype)
+    scale, bias = jnp.ones(16), jnp.zeros(16)
+
+    def autodiff(x, scale, bias, res):
+        xf = x.astype(jnp.float32)
+        mean = xf.mean((0, 1, 2), keepdims=True)
+        var = (xf * xf).mean((0, 1, 2), keepdims=True) - mean * mean
+        y = (xf - mean) * jax.lax.rsqrt(var + 1e-5) * scale.reshape(1, 1, 1, -1) + bias.reshape(1, 1, 1, -1)
+        y = y + res.astype(jnp.float32)
+        return jnp.maximum(y, 0.0).astype(x.dtype)
+
+    def ours(x, scale, bias, res):
+        return batch_norm_train(x, scale, bias, res, (0, 1, 2), 1e-5, True)[0]
+
+    def kept(f):  # the arrays of x's size that a jitted forward pass leaves for the backward
+        pullback = jax.jit(lambda *args: jax.vjp(f, *args)[1])(x, scale, bias, res)
+        return [a for a in jax.tree.leaves(pullback) if a.size == x.size]
+
+    assert [(a.dtype, a.shape) for a in kept(ours)] == [(x.dtype, x.shape)] * 2
+    assert sum(a.nbytes for a in kept(autodiff)) >= 4 * x.size * 4
+
+
 def test_train_mode_gradients_equal_hugging_faces(tmp_path):
     """The whole model's gradients in training mode (batch statistics, the fused batch norm +
     residual + ReLU of every block) equal PyTorch autograd through Hugging Face's model."""

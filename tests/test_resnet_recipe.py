@@ -152,6 +152,39 @@ def test_synthetic_source_and_the_imagenet_preset_resolve_without_files():
     assert net.depths == (3, 4, 6, 3) and net.bottleneck and normalisation(cfg) == "imagenet"
 
 
+def test_a_run_from_before_model_conv_went_resumes_with_a_note(tmp_path, caplog, capsys):
+    """A resnet run's config.yaml (or a user's override) with model.conv, the setting that chose
+    oneDNN's convolutions: dropped with one note, nothing reported as changed, nothing refused."""
+    from xlafit.recipes import load_config
+    from xlafit.run import check_continuation
+
+    cfg = load_config("resnet", [f"run.run_dir={tmp_path}"])
+    old = cfg.to_dict()
+    old["model"]["conv"] = "auto"
+    cpu = old.pop("cpu")
+    old["run"].update(
+        {
+            "xla_cpu_fast_paths": cpu["fast_paths"],
+            "xla_cpu_ynn_fusion": cpu["ynn_fusion"],
+            "cpu_keep_memory": cpu["keep_memory"],
+            "cpu_async_dispatch": cpu["async_dispatch"],
+        }
+    )
+    (tmp_path / "checkpoints" / "7").mkdir(parents=True)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    with caplog.at_level("WARNING", logger="xlafit"):
+        check_continuation(tmp_path, cfg)
+    (note,) = [r.getMessage() for r in caplog.records]
+    assert note.startswith(f"note: {tmp_path}/config.yaml: run.xla_cpu_fast_paths is now cpu.fast_paths; ")
+    assert "run.cpu_async_dispatch is now cpu.async_dispatch" in note
+    assert note.endswith("model.conv (ResNet's convolutions are XLA's on every platform): no longer a setting, ignored")
+    assert "changed" not in capsys.readouterr().out
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="xlafit"):
+        assert load_config("resnet", ["model.conv=xla"]).model == cfg.model
+    assert "the overrides: model.conv (ResNet's convolutions are XLA's on every platform)" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
