@@ -192,3 +192,13 @@ def test_inspect_of_a_folder_that_is_no_run_is_one_line(tmp_path):
         f"xlafit: error: {tmp_path} holds no checkpoint: give a run directory (what `xlafit train --run-dir` "
         "writes) or its checkpoints/ folder."
     )
+
+
+def test_max_batch_is_a_flag_that_overrides_may_follow():
+    """`--max-batch data.source=synthetic`: the override stays an override, not the search's limit."""
+    from xlafit.cli import _parse, build_parser
+
+    args = _parse(build_parser(), ["check", "bert", "--tpu", "v5e-8", "--max-batch", "data.source=synthetic"])
+    assert args.max_batch is True and args.max_batch_limit is None and args.overrides == ["data.source=synthetic"]
+    out = run("check", "mnist", "--max-batch-limit", "64")
+    assert out.returncode == 2 and "--max-batch-limit 64: give a positive per-core batch, with --max-batch" in out.stderr

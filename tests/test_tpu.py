@@ -483,7 +483,7 @@ def test_max_batch_at_the_searchs_limit_is_a_lower_bound():
     report = check_file(CASES / "clean.py", tpu="v5e-1", max_batch=64)
     (r,) = report.tpu
     assert r.max_batch == 64 and r.max_batch_limit == 64
-    assert "largest per-core batch that fits: >= 64 (the search's limit; --max-batch 256 searches further)" in (
+    assert "largest per-core batch that fits: >= 64 (the search's limit; --max-batch-limit 256 searches further)" in (
         report.format()
     )
 

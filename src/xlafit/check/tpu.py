@@ -770,7 +770,7 @@ def _probe_line(r: TargetReport) -> str:
     """--max-batch's answer; at the search's limit it is a lower bound, and says so."""
     probes = ", ".join(f"{p.per_device_batch}{'✓' if p.fits else '✗'} {p.seconds:.1f}s" for p in r.probes)
     if r.max_batch_limit is not None and r.max_batch is not None and r.max_batch >= r.max_batch_limit:
-        answer = f">= {r.max_batch} (the search's limit; --max-batch {r.max_batch_limit * 4} searches further)"
+        answer = f">= {r.max_batch} (the search's limit; --max-batch-limit {r.max_batch_limit * 4} searches further)"
     else:
         refused = min((p.per_device_batch for p in r.probes if not p.fits), default=None)
         bound = f" ({refused} does not)" if refused is not None and refused > (r.max_batch or 0) + 8 else ""

@@ -42,12 +42,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "tpu7x-8, pod slices such as v4-32 or v5e-256; colab (v5e-1) and kaggle (v5e-8), the notebook TPUs",
     )
     p.add_argument(
-        "--max-batch",
-        nargs="?",
-        const=True,
+        "--max-batch", action="store_true", help="with --tpu: find the largest per-core batch that fits each target"
+    )
+    p.add_argument(
+        "--max-batch-limit",
         type=int,
-        metavar="LIMIT",
-        help="with --tpu: find the largest per-core batch that fits each target, searching up to LIMIT (default 65536)",
+        metavar="N",
+        help="with --max-batch: search up to N examples per core (default 65536)",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=run)
@@ -59,15 +60,17 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_batch and not args.tpu:
         raise ConfigError("--max-batch searches per TPU target: add --tpu, e.g. --tpu v3-8 --max-batch.")
-    if args.max_batch is not None and args.max_batch is not True and args.max_batch < 1:
-        raise ConfigError(f"--max-batch {args.max_batch}: the search's limit must be a positive per-core batch.")
+    if args.max_batch_limit is not None and (args.max_batch_limit < 1 or not args.max_batch):
+        raise ConfigError(
+            f"--max-batch-limit {args.max_batch_limit}: give a positive per-core batch, with --max-batch."
+        )
     options = {
         "per_device_batch": args.per_device_batch,
         "global_batch": args.global_batch,
         "devices": args.devices,
         "max_shapes": args.max_shapes,
         "tpu": args.tpu,
-        "max_batch": args.max_batch or False,
+        "max_batch": args.max_batch_limit or args.max_batch,
     }
     if args.target.endswith(".py") or os.path.sep in args.target:
         report = check_file(args.target, args.overrides, **options)
