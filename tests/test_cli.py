@@ -201,4 +201,5 @@ def test_max_batch_is_a_flag_that_overrides_may_follow():
     args = _parse(build_parser(), ["check", "bert", "--tpu", "v5e-8", "--max-batch", "data.source=synthetic"])
     assert args.max_batch is True and args.max_batch_limit is None and args.overrides == ["data.source=synthetic"]
     out = run("check", "mnist", "--max-batch-limit", "64")
-    assert out.returncode == 2 and "--max-batch-limit 64: give a positive per-core batch, with --max-batch" in out.stderr
+    assert out.returncode == 2
+    assert "--max-batch-limit 64: give a positive per-core batch, with --max-batch" in out.stderr

@@ -32,7 +32,7 @@ from xlafit.config import TrainerConfig
 from xlafit.parallel.mesh import Strategy
 
 # A framework's top-level package -> the xlafit module that adapts its models.
-ADAPTERS = {"keras": "xlafit.integrations.keras"}
+ADAPTERS = {"keras": "xlafit.integrations.keras", "torch": "xlafit.integrations.torch"}
 
 
 @dataclasses.dataclass

@@ -1,0 +1,135 @@
+"""PyTorch modules in xlafit.Trainer through torchax (src/xlafit/integrations/torch.py): the
+seed's MNIST network trains as PyTorch eager trains it, BatchNorm's statistics come back into
+the module, and dropout draws from the step's key."""
+
+import numpy as np
+import optax
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import xlafit
+from xlafit.config import TrainerConfig
+from xlafit.data import mnist
+from xlafit.errors import ConfigError
+from xlafit.integrations.torch import TorchModule, torch_loss
+
+
+class Net(nn.Module):
+    """pytorch/examples' MNIST network, the seed's PyTorch/XLA model."""
+
+    def __init__(self, p1: float = 0.25, p2: float = 0.5) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        self.dropout1 = nn.Dropout(p1)
+        self.dropout2 = nn.Dropout(p2)
+        self.fc1 = nn.Linear(9216, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = F.relu(self.conv2(F.relu(self.conv1(x))))
+        x = self.dropout1(F.max_pool2d(x, 2))
+        x = self.dropout2(F.relu(self.fc1(torch.flatten(x, 1))))
+        return F.log_softmax(self.fc2(x), dim=1)
+
+
+def nll(outputs, batch):
+    return F.nll_loss(outputs, batch["y"], reduction="none")
+
+
+def digits(n=64):
+    """The first ``n`` embedded MNIST digits (normalised as the recipe reads them), NCHW as the
+    torch network takes them."""
+    train = mnist.load_embedded()["train"]
+    x = train["image"][:n].reshape(n, 28, 28, 1).transpose(0, 3, 1, 2).astype(np.float32)
+    return {"x": x, "y": train["label"][:n].astype(np.int64)}
+
+
+def test_the_seeds_mnist_net_trains_as_pytorch_eager_does(strategy8):
+    """Dropout off, 30 SGD steps on the same batch: 8 simulated devices against plain PyTorch
+    eager on one CPU, parameters equal within 1e-5 relative."""
+    torch.manual_seed(0)
+    ours, theirs = Net(0.0, 0.0), Net(0.0, 0.0)
+    theirs.load_state_dict(ours.state_dict())
+    data = digits()
+    opt = torch.optim.SGD(theirs.parameters(), lr=0.05)
+    x, y = torch.from_numpy(data["x"]), torch.from_numpy(data["y"])
+    for _ in range(30):
+        opt.zero_grad()
+        F.nll_loss(theirs(x), y).backward()
+        opt.step()
+    trainer = xlafit.Trainer(
+        ours, torch_loss(nll), optax.sgd(0.05), strategy=strategy8, global_batch=64, config=TrainerConfig(epochs=30)
+    )
+    trainer.fit(data)
+    for name, tensor in theirs.state_dict().items():  # written back into the module
+        np.testing.assert_allclose(ours.state_dict()[name].numpy(), tensor.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_batch_norm_statistics_come_back_into_the_module(strategy8):
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 26 * 26, 10))
+    data = digits()
+    trainer = xlafit.Trainer(
+        module,
+        torch_loss(lambda out, b: F.cross_entropy(out, b["y"], reduction="none")),
+        optax.adam(1e-3),
+        strategy=strategy8,
+        global_batch=32,
+        config=TrainerConfig(epochs=2),
+    )
+    trainer.fit(data)
+    bn = module[1]
+    assert int(bn.num_batches_tracked) == 4  # 2 epochs of 2 steps
+    assert float(bn.running_mean.abs().sum()) > 0 and float((bn.running_var - 1).abs().sum()) > 0
+    # the module's statistics are the trainer's
+    state = [np.asarray(v[...]) for v in trainer.state.model_state["buffers"].values()]
+    for buffer in (bn.running_mean, bn.running_var):
+        assert any(v.shape == (4,) and np.allclose(v, buffer.numpy(), rtol=1e-6) for v in state)
+
+
+def test_dropout_draws_from_the_steps_key_and_eval_is_deterministic():
+    torch.manual_seed(0)
+    module = TorchModule(nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5)))
+    x = np.ones((4, 16), np.float32)
+    module.eval()
+    assert np.array_equal(module(x), module(x))
+    module.train()
+    first, second = np.asarray(module(x)), np.asarray(module(x))
+    assert not np.array_equal(first, second)  # a new key each call
+    assert (first == 0).mean() == pytest.approx(0.5, abs=0.15)
+
+
+def test_a_torch_module_is_data_parallel_only(strategy8):
+    with pytest.raises(ConfigError, match="torch modules train data-parallel only"):
+        xlafit.Trainer(
+            nn.Linear(2, 2),
+            torch_loss(nll),
+            optax.sgd(0.1),
+            strategy=xlafit.connect(mesh=(1, 8, 1)),
+            global_batch=8,
+        )
+
+
+def test_batch_norm_running_statistics_equal_pytorchs():
+    torch.manual_seed(0)
+    ours, theirs = nn.BatchNorm2d(4), nn.BatchNorm2d(4)
+    x = torch.randn(8, 4, 5, 5)
+    module = TorchModule(ours)
+    module.train()
+    for _ in range(3):
+        module(x.numpy())
+        theirs(x)
+    module.write_back(*_state(module))
+    np.testing.assert_allclose(ours.running_mean.numpy(), theirs.running_mean.numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(ours.running_var.numpy(), theirs.running_var.numpy(), rtol=1e-5, atol=1e-7)
+    assert int(ours.num_batches_tracked) == 3
+
+
+def _state(module):
+    from flax import nnx
+
+    _, params, rest = nnx.split(module, nnx.Param, ...)
+    return params, rest
