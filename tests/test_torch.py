@@ -2,6 +2,10 @@
 seed's MNIST network trains as PyTorch eager trains it, BatchNorm's statistics come back into
 the module, and dropout draws from the step's key."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import optax
 import pytest
@@ -133,3 +137,84 @@ def _state(module):
 
     _, params, rest = nnx.split(module, nnx.Param, ...)
     return params, rest
+
+
+KILLED_RUN = """
+import os, signal, sys, threading, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import optax, torch
+import xlafit
+from test_torch import Net, digits, nll
+from xlafit.checkpoint import fingerprint
+from xlafit.config import TrainerConfig
+from xlafit.integrations.torch import torch_loss
+
+run_dir, kill_after, seed = Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+torch.manual_seed(seed)
+trainer = xlafit.Trainer(
+    Net(), torch_loss(nll), optax.adam(1e-3), strategy=xlafit.connect(), global_batch=32,
+    config=TrainerConfig(epochs=6, log_every_steps=0, checkpoint_every_steps=2), run_dir=run_dir,
+)
+
+def kill_once_saved():
+    while not any(p.name.isdigit() and int(p.name) >= kill_after for p in (run_dir / "checkpoints").glob("*")):
+        time.sleep(0.002)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if kill_after:
+    threading.Thread(target=kill_once_saved, daemon=True).start()
+state = trainer.fit(digits(128)).state
+print("FINGERPRINT", int(state.step), fingerprint((state.params, state.model_state, state.opt_state)))
+"""
+
+
+def test_killed_with_sigkill_then_resumed_ends_bit_identical(tmp_path):
+    """kill -9 in the middle of a torch module's run (dropout on, checkpoints every 2 steps), then
+    the same program with a module from another seed: the end state (parameters, dropout key,
+    Adam's moments) has the fingerprint of an uninterrupted run."""
+    script = tmp_path / "run.py"
+    script.write_text(KILLED_RUN)
+    run = [sys.executable, str(script), str(Path(__file__).parent)]
+    full = subprocess.run([*run, str(tmp_path / "full"), "0", "0"], capture_output=True, text=True, timeout=300)
+    assert full.returncode == 0, full.stderr[-3000:]
+    expected = [line for line in full.stdout.splitlines() if line.startswith("FINGERPRINT 24 ")]
+    assert expected, full.stdout[-2000:]
+    killed = subprocess.run([*run, str(tmp_path / "run"), "8", "0"], capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    saved = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").glob("*") if p.name.isdigit())
+    assert saved and 8 <= max(saved) < 24, saved
+    resumed = subprocess.run([*run, str(tmp_path / "run"), "0", "7"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from checkpoint" in resumed.stdout and expected[0] in resumed.stdout, resumed.stdout[-2000:]
+
+
+def test_xlafit_check_reads_a_torch_module_file(tmp_path):
+    """`xlafit check FILE` on a file that defines a torch module: a data-dependent branch in
+    the module's forward is rule 1 at the user's line; a clean one compiles for a TPU."""
+    from xlafit.check import check_file
+
+    source = (
+        "import numpy as np, torch\n"
+        "import torch.nn.functional as F\n"
+        "from xlafit.integrations.torch import torch_loss\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = torch.nn.Linear(8, 3)\n"
+        "    def forward(self, x):\n"
+        "        y = self.fc(x)\n"
+        "{branch}"
+        "        return y\n"
+        "model = Net()\n"
+        "loss_fn = torch_loss(lambda out, b: F.cross_entropy(out, b['y'], reduction='none'))\n"
+        "batch = {{'x': np.ones((4, 8), np.float32), 'y': np.zeros(4, np.int64)}}\n"
+    )
+    bad = tmp_path / "bad.py"
+    bad.write_text(source.format(branch="        if y.sum() > 0:\n            y = y * 2\n"))
+    (finding,) = check_file(bad).findings
+    assert finding.rule == 1 and finding.line == 10 and finding.code == "if y.sum() > 0:"
+    good = tmp_path / "good.py"
+    good.write_text(source.format(branch=""))
+    (target,) = check_file(good, tpu="v5e-1").tpu
+    assert target.fits is True

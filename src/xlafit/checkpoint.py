@@ -90,7 +90,7 @@ def fingerprint(params: Any) -> str:
         True
     """
     digest = hashlib.sha256()
-    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    leaves = jax.tree_util.tree_flatten_with_path(to_saveable(params))[0]  # a PRNG key as its key data
     for path, leaf in sorted(leaves, key=lambda pl: path_name(pl[0])):
         value = np.ascontiguousarray(jax.device_get(leaf))
         digest.update(f"{path_name(path)}|{value.shape}|{value.dtype}|".encode())
