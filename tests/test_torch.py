@@ -218,3 +218,12 @@ def test_xlafit_check_reads_a_torch_module_file(tmp_path):
     good.write_text(source.format(branch=""))
     (target,) = check_file(good, tpu="v5e-1").tpu
     assert target.fits is True
+
+
+def test_what_torchax_cannot_run_is_one_line_at_the_users_line():
+    class MakesItsOwnTensor(nn.Module):
+        def forward(self, x):
+            return x + torch.ones(4)  # a CPU tensor of its own, mixed with the model's
+
+    with pytest.raises(ConfigError, match=r"makes a tensor of its own at .*test_torch.py:\d+ \(`return x \+ torch.ones"):
+        TorchModule(MakesItsOwnTensor())(np.ones((2, 4), np.float32))

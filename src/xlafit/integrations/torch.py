@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextvars
 import importlib.metadata
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -131,10 +132,14 @@ class TorchModule(nnx.Module):
                 env.prng_key = key  # the call's randomness is this step's key, not torchax's global one
             t_params, t_buffers, t_args, t_kwargs = env.j2t_iso((params, buffers, args, kwargs))
             through = _THROUGH_TORCHAX.set(True)
-            # PyTorch broadcasts by rank promotion, which strict JAX settings forbid: allowed for its ops
-            with env, jax.numpy_rank_promotion("allow"):
-                out = self.jittable.functional_call("__call__", t_params, t_buffers, *t_args, **t_kwargs)
-            _THROUGH_TORCHAX.reset(through)
+            try:
+                # PyTorch broadcasts by rank promotion, which strict JAX settings forbid: allowed for its ops
+                with env, jax.numpy_rank_promotion("allow"):
+                    out = self.jittable.functional_call("__call__", t_params, t_buffers, *t_args, **t_kwargs)
+            except Exception as e:
+                raise _not_runnable(e) from e
+            finally:
+                _THROUGH_TORCHAX.reset(through)
             new_buffers = env.t2j_iso(t_buffers)  # updated in place by the forward (BatchNorm)
             out = env.t2j_iso(out)
         finally:
@@ -157,6 +162,28 @@ class TorchModule(nnx.Module):
         with torch.no_grad():
             for name, variable in zip(names, [*self.params, *self.buffers], strict=True):
                 tensors[name].copy_(torch.from_numpy(np.array(variable[...])))
+
+
+def _not_runnable(e: Exception) -> Exception:
+    """What torchax cannot run, as one line naming the operation and the user's line; any other
+    error as it is (a tracing error of the user's own code is ``xlafit check``'s to classify)."""
+    kind = type(e).__name__
+    mixed = isinstance(e, AssertionError) and "mixed math" in str(e)
+    if kind != "OperatorNotFound" and not mixed:
+        return e
+    frame = next((f for f in reversed(traceback.extract_tb(e.__traceback__)) if _users(f.filename)), None)
+    where = f" at {frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)" if frame else ""
+    if mixed:
+        return ConfigError(
+            f"the torch module makes a tensor of its own{where} and uses it with the model's: under torchax it must "
+            "come from an input or a buffer (x.new_ones(...), torch.ones(..., device=x.device), register_buffer)."
+        )
+    return ConfigError(f"torchax cannot run the module{where}: {e}; rewrite that line with operations torchax has.")
+
+
+def _users(filename: str) -> bool:
+    """A frame of the user's code: not Python's, a package's, or xlafit's own."""
+    return not any(part in filename for part in ("site-packages", "/lib/python", "xlafit/", "<frozen"))
 
 
 def _to_jax(tensor: Any) -> jax.Array:
