@@ -119,12 +119,14 @@ def test_bench_table_json_plot_and_profile(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed (make bench installs it)")
 def test_bench_compares_with_pytorch_eager(tmp_path):
     out = bench(
-        *("--devices", "1", "--compare", "torch", "--steps", "4", "--warmup", "2", "--repeats", "1"),
+        *("--devices", "1", "--compare", "torch,xlafit-torch", "--steps", "4", "--warmup", "2", "--repeats", "1"),
         *("--data", "synthetic", "--examples", "512", "--json", str(tmp_path / "b.json")),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
-    assert [r["configuration"] for r in rows] == ["xlafit 1 cpu", "PyTorch eager"]
+    names = ["xlafit 1 cpu", "PyTorch eager", "the PyTorch module through xlafit, 1 device(s)"]
+    assert [r["configuration"] for r in rows] == names
+    assert rows[2]["examples_per_s"] > 0 and rows[2]["compiles"] == 1  # PyTorch's Net, compiled once by XLA
     torch_row = rows[1]
     assert torch_row["compile_s"] is None and torch_row["examples_per_s"] > 0
     assert torch_row["page_faults_per_step"] >= 0 and torch_row["peak_rss_bytes"] > 100 * 2**20
@@ -135,7 +137,7 @@ def test_bench_compares_with_pytorch_eager(tmp_path):
     ("args", "message"),
     [
         (["--devices", "0"], "--devices 0"),
-        (["--compare", "jax"], "known peers are torch, torch-compile"),
+        (["--compare", "jax"], "known peers are torch, torch-compile, xlafit-torch"),
         (["--steps-per-call", "two"], "expected whole numbers"),
         (["--steps", "0"], "--steps must be at least 1"),
         (["--batch", "100000", "--data", "synthetic", "--examples", "1000"], "larger than the 1000 training"),

@@ -225,5 +225,32 @@ def test_what_torchax_cannot_run_is_one_line_at_the_users_line():
         def forward(self, x):
             return x + torch.ones(4)  # a CPU tensor of its own, mixed with the model's
 
-    with pytest.raises(ConfigError, match=r"makes a tensor of its own at .*test_torch.py:\d+ \(`return x \+ torch.ones"):
+    with pytest.raises(
+        ConfigError, match=r"makes a tensor of its own at .*test_torch.py:\d+ \(`return x \+ torch.ones"
+    ):
         TorchModule(MakesItsOwnTensor())(np.ones((2, 4), np.float32))
+
+
+def test_a_data_dependent_branch_in_training_is_one_line_at_the_users_line(strategy8):
+    class Branches(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 3)
+
+        def forward(self, x):
+            y = self.fc(x)
+            if y.sum() > 0:  # on the data: no compiled step can follow it
+                y = y * 2
+            return y
+
+    trainer = xlafit.Trainer(
+        Branches(),
+        torch_loss(lambda out, b: F.cross_entropy(out, b["y"], reduction="none")),
+        optax.sgd(0.1),
+        strategy=strategy8,
+        global_batch=8,
+    )
+    data = {"x": np.ones((8, 8), np.float32), "y": np.zeros(8, np.int64)}
+    with pytest.raises(ConfigError, match=r"depends on the data at .*test_torch.py:\d+ \(`if y.sum\(\) > 0:") as e:
+        trainer.fit(data)
+    assert "\n" not in str(e.value)

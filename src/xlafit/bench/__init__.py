@@ -43,7 +43,7 @@ from xlafit.errors import BenchError, ConfigError
 from xlafit.models.resnet import DEPTHS
 
 BENCH_RECIPES = ("mnist", "resnet")
-PEERS = ("torch", "torch-compile")
+PEERS = ("torch", "torch-compile", "xlafit-torch")  # xlafit-torch: the PyTorch module trained by xlafit
 
 
 def _worker_env(simulate: int | None) -> dict[str, str]:
@@ -122,6 +122,13 @@ def plan_configs(
     for peer in compare:
         if peer not in PEERS:
             raise ConfigError(f"--compare {peer}: known peers are {', '.join(PEERS)}.")
+        if peer == "xlafit-torch":  # PyTorch's own module, trained by xlafit on the most devices asked for
+            if base.recipe != "mnist":
+                raise ConfigError("--compare xlafit-torch: the PyTorch module through xlafit is benchmarked for mnist.")
+            n = counts[-1]
+            spec = dataclasses.replace(base, framework=peer, devices=n, profile_steps=0)
+            configs.append(Row(f"the PyTorch module through xlafit, {n} device(s)", spec, simulate=n if cpu else None))
+            continue
         name = "PyTorch eager" if peer == "torch" else "PyTorch torch.compile"
         configs.append(Row(name, dataclasses.replace(base, framework=peer, profile_steps=0)))
     return configs

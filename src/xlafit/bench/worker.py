@@ -18,6 +18,7 @@ from typing import Any
 
 import flax
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -158,9 +159,17 @@ def _workload(spec: Spec) -> tuple[dict[str, np.ndarray], Any, Any, Any, float]:
         net_cfg = resnet_config(spec)
         model: nnx.Module = ImageClassifier(ResNet(config=net_cfg, rngs=nnx.Rngs(0)), *NORMALISATION["imagenet"])
         return resnet_data(spec), model, resnet_loss_fn, resnet_optimizer(), resnet_flops(net_cfg, spec.image_size)
+    if spec.framework == "xlafit-torch":  # pytorch/examples' Net as it is, through torchax
+        return mnist_data(spec), torch_peers.mnist_net(), _nchw_loss, optax.adam(1e-3), cnn.train_flops_per_example()
     dtype = None if spec.dtype == "float32" else spec.dtype
     model = cnn.MnistCNN(rngs=nnx.Rngs(params=0, dropout=1), dtype=dtype)
     return mnist_data(spec), model, mnist_recipe.loss_fn, optax.adam(1e-3), cnn.train_flops_per_example()
+
+
+def _nchw_loss(model: Any, batch: dict[str, Any]) -> Any:
+    """The torch network's loss on the recipe's NHWC images, channels first as it takes them."""
+    logits = model(jnp.transpose(batch["image"], (0, 3, 1, 2)))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
 
 
 def run_xlafit(spec: Spec) -> dict[str, Any]:
@@ -265,7 +274,7 @@ def run(spec: Spec) -> dict[str, Any]:
             keep_freed_memory()
     if spec.framework == "probe":
         return run_probe()
-    if spec.framework == "xlafit":
+    if spec.framework in ("xlafit", "xlafit-torch"):
         return run_xlafit(spec)
     if spec.framework in ("torch", "torch-compile") and spec.recipe == "resnet":
         train, net_cfg = resnet_data(spec), resnet_config(spec)

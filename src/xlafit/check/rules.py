@@ -91,6 +91,9 @@ def _is_control_flow(source: str, line: int) -> bool:
 
 def classify(exc: BaseException, user_file: str | None) -> Finding:
     """Maps a tracing or run failure to rule 1, 2 or a plain error, at the user's line."""
+    tracing = (jax.errors.ConcretizationTypeError, jax.errors.NonConcreteBooleanIndexError)
+    if isinstance(exc.__cause__, tracing):  # an adapter's one-line error about a traced value: the rule is its cause's
+        exc = exc.__cause__
     file, line = _user_frame(exc, user_file)
     source = Path(file).read_text() if file else ""
     code = source.splitlines()[line - 1].strip() if file and line else None

@@ -20,7 +20,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("recipe", help="recipe name: mnist or resnet")
     p.add_argument("--devices", default="1,all", help="xlafit device counts, comma-separated; 'all' = every device")
-    p.add_argument("--compare", default="", help="peers, comma-separated: torch, torch-compile")
+    p.add_argument(
+        "--compare",
+        default="",
+        help="peers, comma-separated: torch (eager), torch-compile, xlafit-torch (mnist: PyTorch's module "
+        "trained by xlafit)",
+    )
     p.add_argument("--steps", type=int, default=60, help="timed steps per run")
     p.add_argument("--epochs", type=float, help="time this many epochs instead of --steps")
     p.add_argument(

@@ -169,10 +169,17 @@ def _not_runnable(e: Exception) -> Exception:
     error as it is (a tracing error of the user's own code is ``xlafit check``'s to classify)."""
     kind = type(e).__name__
     mixed = isinstance(e, AssertionError) and "mixed math" in str(e)
-    if kind != "OperatorNotFound" and not mixed:
+    traced = isinstance(e, jax.errors.ConcretizationTypeError | jax.errors.NonConcreteBooleanIndexError)
+    if kind != "OperatorNotFound" and not mixed and not traced:
         return e
     frame = next((f for f in reversed(traceback.extract_tb(e.__traceback__)) if _users(f.filename)), None)
     where = f" at {frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)" if frame else ""
+    if traced:
+        return ConfigError(
+            f"the torch module's Python control flow or output shape depends on the data{where}, which a compiled "
+            "step cannot follow; compute both branches and select (torch.where), or give the result a fixed size. "
+            "`xlafit check FILE` finds every such line."
+        )
     if mixed:
         return ConfigError(
             f"the torch module makes a tensor of its own{where} and uses it with the model's: under torchax it must "
