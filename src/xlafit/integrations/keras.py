@@ -39,7 +39,7 @@ from xlafit.config import OptimizerConfig, TrainerConfig
 from xlafit.data.dataset import Dataset, as_dataset
 from xlafit.errors import ConfigError
 from xlafit.parallel.mesh import Strategy
-from xlafit.train.adapter import Adapted
+from xlafit.train.adapter import Adapted, require_data_parallel
 from xlafit.train.optim import make_optimizer
 from xlafit.train.trainer import FitResult, Trainer
 
@@ -425,11 +425,7 @@ def to_adapted(model: Any, loss: Any = None, metrics: Sequence[Any] | None = Non
 
 
 def _check_settings(strategy: Strategy, config: TrainerConfig) -> None:
-    if not strategy.data_parallel_only:
-        raise ConfigError(
-            "Keras models train data-parallel only (their variables carry no logical axes); "
-            "set mesh.fsdp=1 and mesh.tensor=1."
-        )
+    require_data_parallel(strategy, "Keras models")
     if config.invariant_chunks is not None:
         # Keras' dropout seed is plain uint32 state, not a JAX key: every chunk would draw
         # the same masks, a different training from the one the setting promises.

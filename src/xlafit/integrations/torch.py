@@ -30,10 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from xlafit.config import TrainerConfig
 from xlafit.errors import ConfigError
-from xlafit.parallel.mesh import Strategy
-from xlafit.train.adapter import Adapted
+from xlafit.train.adapter import Adapted, require_data_parallel
 
 TORCHAX_PIN = "torchax==0.0.14.dev20261026"  # the release that imports with torch 2.13 (xlafit[torch])
 
@@ -226,12 +224,5 @@ def to_adapted(module: Any, loss_fn: Any, seed: int = 0) -> Adapted:
     if loss_fn is None:
         raise ConfigError("a torch module needs a loss_fn(model, batch), or torch_loss(fn) for a torch function.")
     converted = TorchModule(module, seed)
-    return Adapted(converted, loss_fn, write_back=converted.write_back, check=_check_settings)
-
-
-def _check_settings(strategy: Strategy, config: TrainerConfig) -> None:
-    if not strategy.data_parallel_only:
-        raise ConfigError(
-            "torch modules train data-parallel only (their parameters carry no logical axes); "
-            "set mesh.fsdp=1 and mesh.tensor=1."
-        )
+    check = lambda strategy, config: require_data_parallel(strategy, "torch modules")  # noqa: E731
+    return Adapted(converted, loss_fn, write_back=converted.write_back, check=check)

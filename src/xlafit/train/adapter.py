@@ -29,6 +29,7 @@ from typing import Any
 from flax import nnx
 
 from xlafit.config import TrainerConfig
+from xlafit.errors import ConfigError
 from xlafit.parallel.mesh import Strategy
 
 # A framework's top-level package -> the xlafit module that adapts its models.
@@ -52,6 +53,16 @@ class Adapted:
     loss_fn: Any
     write_back: Callable[[nnx.State, nnx.State], None] | None = None
     check: Callable[[Strategy, TrainerConfig], None] | None = None
+
+
+def require_data_parallel(strategy: Strategy, models: str) -> None:
+    """Refuses FSDP and tensor parallelism for ``models`` (e.g. "Keras models"), whose
+    parameters name no logical axes to split them by."""
+    if not strategy.data_parallel_only:
+        raise ConfigError(
+            f"{models} train data-parallel only (their parameters carry no logical axes); "
+            "set mesh.fsdp=1 and mesh.tensor=1."
+        )
 
 
 def framework_of(model: Any) -> str | None:
