@@ -76,35 +76,35 @@ class OptimizerConfig:
     for adaptive optimizers).
     """
 
-    name: Literal["adamw", "adam", "lamb", "sgd", "lars", "adadelta"] = "adamw"
+    name: Literal["adamw", "adam", "lamb", "sgd", "lars", "adadelta"] = "adamw"  # the optimizer (optax's)
     learning_rate: float = 1e-3
     reference_batch: int = 128
     scaling: Literal["none", "linear", "sqrt"] = "linear"
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # steps of linear warmup from 0 to the peak rate
     # Warmup in epochs (Goyal et al. 2017: 5; MLPerf's LARS: a few); when set it decides:
     # a run turns it into warmup_steps for its batch and records both.
     warmup_epochs: float | None = None
-    decay: Literal["cosine", "linear", "polynomial", "constant"] = "cosine"
+    decay: Literal["cosine", "linear", "polynomial", "constant"] = "cosine"  # the rate's shape after warmup
     # Steps the schedule spans, warmup included (null: the whole run, trainer.epochs x steps
     # per epoch); past them the rate stays at its final value. A run records the value it
     # used, so more epochs later need this set to keep the schedule (see xlafit.run).
     decay_steps: int | None = None
     decay_power: float = 1.0  # polynomial decay's exponent (1.0: linear)
     final_lr_fraction: float = 0.0  # end of decay, as a fraction of the peak
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # decoupled weight decay (AdamW's; L2 for sgd and lars)
     # "matrices": decay weight matrices and embeddings only, not biases or LayerNorm (BERT)
     weight_decay_on: Literal["all", "matrices"] = "all"
-    b1: float = 0.9  # Adam-family moments
-    b2: float = 0.999
-    eps: float = 1e-8
+    b1: float = 0.9  # Adam-family moments: the first's decay
+    b2: float = 0.999  # the second's decay
+    eps: float = 1e-8  # added to Adam's denominator
     momentum: float = 0.9  # sgd and lars
     nesterov: bool = False  # sgd and lars: Nesterov momentum
     # lars (You et al. 2017): each layer's step is scaled by trust_coefficient x |w| / |update|;
     # "matrices" leaves biases and batch-norm parameters out of it (MLPerf), as
     # weight_decay_on="matrices" leaves them out of weight decay.
     trust_coefficient: float = 0.001
-    trust_ratio_on: Literal["all", "matrices"] = "matrices"
-    grad_clip_norm: float | None = None
+    trust_ratio_on: Literal["all", "matrices"] = "matrices"  # lars: which parameters get the trust ratio
+    grad_clip_norm: float | None = None  # clip the gradients' global norm to this (null: no clipping)
 
     def __post_init__(self) -> None:
         _check_section(
@@ -132,11 +132,11 @@ class OptimizerConfig:
 class TrainerConfig:
     """The training loop."""
 
-    epochs: int = 1
+    epochs: int = 1  # passes over the training data
     steps_per_call: int = 1  # k optimizer steps per compiled call (lax.scan)
     accumulate_steps: int = 1  # micro-batches per optimizer step (gradient accumulation)
     log_every_steps: int = 10  # 0: never
-    eval_every_epochs: int = 1
+    eval_every_epochs: int = 1  # evaluate at the end of every N-th epoch (and at the last)
     checkpoint_every_steps: int = 0  # also every N steps (0: at the end of every epoch only)
     checkpoint_every_minutes: float = 0.0  # also when this much time passed since the last (0: off)
     keep_checkpoints: int = 3  # the last K
@@ -162,7 +162,7 @@ class TrainerConfig:
     # first call (compiling) and evaluations are not timed; the floor must exceed a checkpoint
     # save and a later compile (10 minutes: PyTorch's default collective timeout). 0: off.
     watchdog_factor: float = 20.0
-    watchdog_floor_s: float = 600.0
+    watchdog_floor_s: float = 600.0  # the shortest time taken for a hang, seconds
 
     def __post_init__(self) -> None:
         positive: tuple[str, ...] = (

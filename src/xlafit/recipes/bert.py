@@ -35,15 +35,17 @@ SYNTHETIC_VOCAB_SIZE = 30522  # BERT's English WordPiece vocabulary (bert-base-u
 
 @dataclasses.dataclass
 class BertModelConfig:
+    # BERT's sizes by name; custom: the four sizes below
     preset: Literal["tiny", "mini", "small", "medium", "base", "large", "custom"] = "tiny"
     num_layers: int | None = None  # null: the preset's
-    hidden_size: int | None = None
-    num_heads: int | None = None
-    intermediate_size: int | None = None
-    max_position_embeddings: int = 512
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.0
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    hidden_size: int | None = None  # null: the preset's
+    num_heads: int | None = None  # null: the preset's
+    intermediate_size: int | None = None  # the MLP's width; null: the preset's
+    max_position_embeddings: int = 512  # the longest sequence the position table holds
+    hidden_dropout: float = 0.1  # dropout after the embeddings, attention output and MLP
+    attention_dropout: float = 0.0  # dropout on the attention probabilities
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16: mixed precision (parameters stay float32)
+    # the attention kernel: cudnn (flash, GPUs) where it applies, else xla
     attention: Literal["auto", "xla", "cudnn"] = "auto"
     dropout_bits: Literal[16, 32] = 16  # random bits per dropout decision; 32 = nnx.Dropout's draw
     init_from_hf: str | None = None  # a Hugging Face BERT directory to continue pretraining
@@ -62,15 +64,16 @@ class BertDataConfig(xconfig.DataConfig):
     # the values used.
     seq_len: int | None = None
     vocab_size: int | None = None  # with no data_dir: the size of the demo tokenizer to train
+    # how synthetic sequences are packed, as `xlafit data mlm --packing`
     packing: Literal["sentences", "pairs"] = "sentences"
-    mask_prob: float = 0.15
-    max_predictions: int = 20
-    whole_word_mask: bool = False
+    mask_prob: float = 0.15  # the share of tokens masked for prediction (BERT: 15%)
+    max_predictions: int = 20  # masked positions per sequence at most (the MLM head runs on these)
+    whole_word_mask: bool = False  # mask every piece of a word together
     eval_fraction: float = 0.1  # of the demo's documents
     # synthetic: random token ids (data.seq_len, default 128; data.vocab_size, default 30522)
     # instead of a corpus: for `xlafit check --tpu` and speed tests at BERT's real sizes.
     source: Literal["corpus", "synthetic"] = "corpus"
-    synthetic_examples: int = 1024
+    synthetic_examples: int = 1024  # sequences of random tokens for data.source=synthetic
 
 
 def data_config(cfg: Config) -> BertDataConfig:

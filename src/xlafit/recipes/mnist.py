@@ -23,9 +23,9 @@ from xlafit.recipes.base import Recipe
 
 @dataclasses.dataclass
 class MnistModelConfig:
-    dropout1: float = 0.25
-    dropout2: float = 0.5
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    dropout1: float = 0.25  # after the convolutions (pytorch/examples' Net)
+    dropout2: float = 0.5  # after the first dense layer
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16: mixed precision (parameters stay float32)
 
 
 def build_model(cfg: Config, train: object = None) -> MnistCNN:

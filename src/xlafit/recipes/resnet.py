@@ -56,16 +56,16 @@ NORMALISATION = {
 
 @dataclasses.dataclass
 class ResNetModelConfig:
-    preset: Preset = "demo"
+    preset: Preset = "demo"  # demo: a small ResNet for the MNIST image demo; resnet18-152: the standard ones
     width: int | None = None  # stem channels; null: the preset's (demo 16, else 64)
     small_stem: bool | None = None  # null: the preset's (demo: yes)
     # Each block's last batch norm starts at scale 0 (Goyal et al. 2017). null: the preset's: on
     # for ImageNet; off for the demo, whose 200 steps cannot spare the ~40 it costs to leave identity.
     zero_init_residual: bool | None = None
-    bn: Literal["global", "local"] = "global"
+    bn: Literal["global", "local"] = "global"  # batch statistics over the global batch, or per bn_group examples
     bn_group: int | None = None  # examples per statistics group for bn=local
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    label_smoothing: float = 0.0
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16: mixed precision (parameters stay float32)
+    label_smoothing: float = 0.0  # the share of the target spread over all classes (0.1 is usual)
 
 
 @dataclasses.dataclass
@@ -83,12 +83,12 @@ class ResNetDataConfig(xconfig.DataConfig):
     # evaluation on the centre 87.5% (224 of 256). The demo's digits: area 0.5-1, no flips
     # (a flipped 2 is no digit), evaluation on the whole 28x28 image.
     crop_scale_min: float | None = None  # random-resized-crop's smallest area fraction
-    hflip: bool | None = None
+    hflip: bool | None = None  # random horizontal flips in training
     eval_crop_fraction: float | None = None  # evaluation: resize to size / fraction, crop the centre
     normalisation: Literal["imagenet", "mnist"] | None = None  # null: mnist for the demo, else imagenet
     num_classes: int | None = None  # null: the data's (a run records it)
-    synthetic_examples: int = 10_000
-    synthetic_classes: int = 1000
+    synthetic_examples: int = 10_000  # random images for data.source=synthetic
+    synthetic_classes: int = 1000  # their classes
 
 
 def data_config(cfg: Config) -> ResNetDataConfig:
