@@ -153,6 +153,7 @@ def gcs(gcs_server, monkeypatch, request):
     """The local GCS server with the environment set for this process (subprocesses: pass
     ``gcs.env``) and a new bucket ``gcs.bucket`` (``gs://<test name>``) for this test."""
     import re
+    import uuid
 
     if gcs_server.process is None:  # a test took it away
         gcs_server.start()
@@ -163,7 +164,8 @@ def gcs(gcs_server, monkeypatch, request):
     # fsspec read FSSPEC_GS_TOKEN when it was imported, before this test set it
     monkeypatch.setitem(fsspec.config.conf, "gs", {**fsspec.config.conf.get("gs", {}), "token": "anon"})
     _forget_gcs_clients()
-    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:50].strip("-") + f"-{id(request) % 10000}"
+    # unique per fixture use: ids of collected objects repeat once freed, and a bucket name twice is a 409
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:50].strip("-") + f"-{uuid.uuid4().hex[:8]}"
     gcs_server.bucket = gcs_server.make_bucket(name)
     yield gcs_server
     _forget_gcs_clients()
