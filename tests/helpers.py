@@ -1,12 +1,14 @@
 """Builders shared by several test files (pyproject.toml puts tests/ on sys.path)."""
 
+import functools
+
 import numpy as np
 import optax
 from flax import nnx
 
 import xlafit
 from xlafit.config import TrainerConfig
-from xlafit.data import mlm
+from xlafit.data import mlm, mnist
 from xlafit.recipes import mnist as mnist_recipe
 
 
@@ -46,3 +48,25 @@ def hf_logits(directory, ids, mask, types):
     with torch.no_grad():
         out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), token_type_ids=torch.tensor(types))
     return out.logits.numpy()
+
+
+LOAD_EMBEDDED = mnist.load_embedded  # the real loader, before a test replaces it
+
+
+@functools.cache
+def _embedded():
+    return LOAD_EMBEDDED()  # parsing the CSV takes seconds: once per process
+
+
+def use_few_digits(monkeypatch, train=400, test=200):
+    """``mnist.load_embedded`` returns the first ``train`` and ``test`` digits of the real split,
+    so a documented program runs in seconds (it shows the program runs end to end and learns)."""
+
+    def sliced():
+        data = _embedded()
+        return {
+            "train": {k: v[:train] for k, v in data["train"].items()},
+            "test": {k: v[:test] for k, v in data["test"].items()},
+        }
+
+    monkeypatch.setattr(mnist, "load_embedded", sliced)

@@ -14,7 +14,6 @@ complete, and no user-facing text narrates how the project was made.
 import ast
 import contextlib
 import dataclasses
-import functools
 import io
 import os
 import re
@@ -25,14 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from xlafit.data import mnist
+from helpers import use_few_digits
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 sys.path.insert(0, str(DOCS))
 import gen_reference  # noqa: E402  (docs/gen_reference.py: the reference pages' generator)
 
-LOAD_EMBEDDED = mnist.load_embedded  # the real loader, before a test slices it
 OWN_TEST = {"guides/migration.md": "test_migration_guide.py"}
 NEEDS = re.compile(r"<!-- needs: (tpu|bucket) -->\s*$")
 
@@ -166,24 +164,12 @@ def test_the_guides_have_python_to_run():
     assert {"README.md", "getting-started/quickstart.md", "guides/own-model.md"} <= set(pages_with_python())
 
 
-@functools.cache
-def embedded():
-    return LOAD_EMBEDDED()
-
-
 @pytest.mark.parametrize("page", pages_with_python())
 def test_python_blocks_run(page, tmp_path, monkeypatch):
     path = ROOT / page if page == "README.md" else DOCS / page
     monkeypatch.chdir(tmp_path)  # blocks write runs/ where they run
 
-    def sliced():
-        data = embedded()
-        return {
-            "train": {k: v[:400] for k, v in data["train"].items()},
-            "test": {k: v[:200] for k, v in data["test"].items()},
-        }
-
-    monkeypatch.setattr(mnist, "load_embedded", sliced)
+    use_few_digits(monkeypatch)
     namespace: dict = {"__name__": "__main__"}
     ran = 0
     for line, source, needs in python_blocks(path):

@@ -7,7 +7,6 @@ and checks the accuracy they reach.
 """
 
 import contextlib
-import functools
 import io
 import os
 import re
@@ -15,11 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from xlafit.data import mnist
+from helpers import use_few_digits
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guides" / "migration.md"
 FULL = os.environ.get("XLAFIT_STRESS") == "1"
-LOAD_EMBEDDED = mnist.load_embedded  # the real loader, before a test slices it
 
 
 def programs():
@@ -27,11 +25,6 @@ def programs():
     ones cannot run here: no TPU, no TensorFlow)."""
     blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(encoding="utf-8"), re.S)
     return [b for b in blocks if "import xlafit" in b]
-
-
-@functools.cache
-def embedded():
-    return LOAD_EMBEDDED()  # parsing the CSV takes seconds: once for the programs
 
 
 def test_the_guide_has_its_four_xlafit_programs():
@@ -51,15 +44,7 @@ def test_its_other_python_blocks_are_marked_as_needing_a_tpu():
 def test_guide_program_runs_as_written(index, accuracy, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the programs write runs/ where they run
     if not FULL:
-
-        def sliced():
-            data = embedded()
-            return {
-                "train": {k: v[:400] for k, v in data["train"].items()},
-                "test": {k: v[:200] for k, v in data["test"].items()},
-            }
-
-        monkeypatch.setattr(mnist, "load_embedded", sliced)
+        use_few_digits(monkeypatch)
         accuracy = 0.2  # chance is 0.1; a few steps on 400 digits
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
