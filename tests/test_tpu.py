@@ -22,11 +22,11 @@ from xlafit.check import check_file, check_recipe
 from xlafit.check.tpu import (
     Program,
     TargetReport,
-    _needed_bytes,
-    _no_persistent_cache,
     check_target,
     format_report,
     levers,
+    needed_bytes,
+    no_persistent_cache,
 )
 from xlafit.cli import main
 from xlafit.config import TrainerConfig
@@ -111,7 +111,7 @@ def _direct_memory(model, loss_fn, tx, target_name, per_device, example_shape):
         return (optax.apply_updates(params, updates), opt_state, rest), value
 
     jitted = jax.jit(step, out_shardings=(replicated, replicated), donate_argnums=0)
-    with _no_persistent_cache():
+    with no_persistent_cache():
         compiled = jitted.lower(state, batch).compile()
     m = compiled.memory_analysis()
     return (
@@ -360,10 +360,10 @@ def test_the_refusals_byte_count_is_read_in_any_unit():
     """The compiler writes what a refused program needs in K/M/G/T ("(384.00M) exceeds");
     `--max-batch` interpolates on it, so a refusal under 1 GiB must not lose it."""
     line = "the total memory required for HLO temporaries ({}) exceeds available HBM (15.75G)"
-    assert _needed_bytes(line.format("384.00M")) == 384 * 2**20
-    assert _needed_bytes(line.format("23.88G")) == int(23.88 * 2**30)
-    assert _needed_bytes(line.format("1.50T")) == int(1.5 * 2**40)
-    assert _needed_bytes("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm.") is None  # unknown, not 0
+    assert needed_bytes(line.format("384.00M")) == 384 * 2**20
+    assert needed_bytes(line.format("23.88G")) == int(23.88 * 2**30)
+    assert needed_bytes(line.format("1.50T")) == int(1.5 * 2**40)
+    assert needed_bytes("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm.") is None  # unknown, not 0
 
 
 def _user_file(tmp_path, batch: str, loss: str = 'model(batch["x"]).sum(-1)') -> Path:

@@ -42,7 +42,15 @@ from flax import nnx
 from xlafit.check.report import Report
 from xlafit.check.rules import Finding, classify
 from xlafit.check.tpu import TRACE_FAILURE, Program, check_targets
-from xlafit.config import MeshConfig, TrainerConfig, deep_merge, from_dict, parse_overrides, validate_mesh
+from xlafit.config import (
+    MeshConfig,
+    TrainerConfig,
+    deep_merge,
+    from_dict,
+    load_yaml,
+    parse_overrides,
+    validate_mesh,
+)
 from xlafit.data.dataset import as_dataset
 from xlafit.data.shapes import compare_plans
 from xlafit.errors import ConfigError
@@ -224,7 +232,7 @@ def check_tpu(
 
 
 @contextlib.contextmanager
-def _importable(path: Path) -> Iterator[None]:
+def importable(path: Path) -> Iterator[None]:
     """``path``'s directory and the working directory on ``sys.path``, as ``python path``
     (and ``python -m``) would have them, so the file can import its neighbours; restored after."""
     saved = list(sys.path)
@@ -253,6 +261,7 @@ def check_file(
     overrides: Sequence[str] = (),
     tpu: str | None = None,
     max_batch: bool | int = False,
+    preset: str | Path | None = None,
     **options: Any,
 ) -> Report:
     """Runs the user file and checks its ``model``, ``loss_fn`` and ``batch``.
@@ -264,7 +273,9 @@ def check_file(
     ``mesh`` (a :class:`~xlafit.config.MeshConfig`: FSDP, tensor parallelism), and build
     ``model`` with ``nnx.eval_shape`` and ``batch`` from ``jax.ShapeDtypeStruct``s: nothing is
     allocated. ``overrides`` (``["mesh.fsdp=-1", "trainer.accumulate_steps=4"]``) change the
-    file's ``mesh`` and ``config`` as they change a recipe's.
+    file's ``mesh`` and ``config`` as they change a recipe's; ``preset``, a YAML file with
+    ``mesh:`` and ``trainer:`` sections (what ``xlafit plan --write`` writes), changes them
+    first.
 
     Example:
         >>> check_file("big.py", ["mesh.fsdp=-1"], tpu="v5e-8")  # doctest: +SKIP
@@ -274,17 +285,17 @@ def check_file(
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path} does not exist.")
-    nested = _file_overrides(overrides, tpu)
+    nested = file_settings(overrides, tpu, preset)
     start_backends()  # quietly: libtpu's start-up errors on a machine without a TPU are no finding
     # The loss may import at trace time too: the file's imports stay possible until the end.
-    with _importable(path):
-        namespace = _load_file(path)
+    with importable(path):
+        namespace = load_file(path)
         lengths = namespace.get("lengths")
         if lengths is None and namespace.get("dataset") is not None:
             lengths = _example_lengths(namespace["dataset"])
         lengths = None if lengths is None else np.asarray(lengths)
         if tpu:
-            program = _file_program(path, namespace, nested, options)
+            program = file_program(path, namespace, nested, options)
             return check_tpu(
                 str(path), program, tpu, lengths=lengths, max_shapes=options.get("max_shapes", 8), max_batch=max_batch
             )
@@ -304,10 +315,11 @@ def check_file(
 FILE_SECTIONS: dict[str, type] = {"mesh": MeshConfig, "trainer": TrainerConfig}
 
 
-def _file_overrides(overrides: Sequence[str], tpu: str | None) -> dict[str, Any]:
-    """``overrides`` as a nested dict of ``mesh`` and ``trainer`` keys; anything else, or any
-    override without ``tpu`` (the plain check runs one unsharded step here), is refused."""
-    nested = parse_overrides(overrides)
+def file_settings(overrides: Sequence[str], tpu: str | None, preset: str | Path | None = None) -> dict[str, Any]:
+    """``overrides`` (over ``preset``'s sections) as a nested dict of ``mesh`` and ``trainer``
+    keys; anything else, or any setting without ``tpu`` (the plain check runs one unsharded
+    step here), is refused."""
+    nested = deep_merge(load_yaml(preset), parse_overrides(overrides)) if preset else parse_overrides(overrides)
     unknown = [key for key in nested if key not in FILE_SECTIONS]
     if unknown:
         valid = ", ".join(f"{name}.{f.name}" for name, cls in FILE_SECTIONS.items() for f in dataclasses.fields(cls))
@@ -316,14 +328,15 @@ def _file_overrides(overrides: Sequence[str], tpu: str | None) -> dict[str, Any]
             f"defines its model, batch and optimizer). Valid keys: {valid}."
         )
     if nested and not tpu:
+        given = overrides[0] if overrides else f"--config {preset}"
         raise ConfigError(
-            f"{overrides[0]}: overrides apply to the compile for a TPU slice; add --tpu TARGET (e.g. --tpu v5e-8). "
+            f"{given}: overrides apply to the compile for a TPU slice; add --tpu TARGET (e.g. --tpu v5e-8). "
             "Without it, xlafit check runs one plain step of the file's model on this machine."
         )
     return nested
 
 
-def _load_file(path: Path) -> dict[str, Any]:
+def load_file(path: Path) -> dict[str, Any]:
     """The names the user's file defines; a Keras model becomes an ``nnx.Module`` and its loss."""
     try:
         namespace = runpy.run_path(str(path), run_name="__xlafit_check__")
@@ -346,7 +359,7 @@ def _load_file(path: Path) -> dict[str, Any]:
     return namespace
 
 
-def _file_program(path: Path, namespace: dict[str, Any], nested: dict[str, Any], options: dict[str, Any]) -> Program:
+def file_program(path: Path, namespace: dict[str, Any], nested: dict[str, Any], options: dict[str, Any]) -> Program:
     """What to compile for a user file: its model, loss, optimizer, ``config`` and ``mesh``
     with the overrides applied, and the batch's layout."""
     batch = namespace["batch"]
@@ -387,47 +400,78 @@ def _file_program(path: Path, namespace: dict[str, Any], nested: dict[str, Any],
     )
 
 
+def recipe_program(
+    name: str,
+    overrides: Sequence[str] = (),
+    preset: str | Path | None = None,
+    per_device_batch: int | None = None,
+    global_batch: int | None = None,
+) -> tuple[Program, Any, int]:
+    """What ``check --tpu`` compiles for a recipe: ``(program, config, train examples)``.
+
+    The model is built abstractly (``nnx.eval_shape``) from the recipe's config with
+    ``overrides`` (``preset``: a YAML file instead of the recipe's own), with the run's own
+    optimizer, batch sizes and loop settings; a given ``per_device_batch`` or
+    ``global_batch`` replaces the config's.
+    """
+    cfg = load_config(name, list(overrides), preset=preset)
+    recipe = get_recipe(name)
+    recipe.validate(cfg)
+    train = as_dataset(recipe.load_data(cfg)[0])
+    cfg = recipe.from_data(cfg, train)
+    per_device = per_device_batch or (None if cfg.data.global_batch else cfg.data.per_device_batch)
+    global_batch = global_batch or cfg.data.global_batch
+    reference = global_batch or (per_device or 1) * 8
+    optimizer = make_optimizer(cfg.optimizer, reference, total_steps=cfg.optimizer.decay_steps or 1000).tx
+    work = recipe.throughput(cfg, train)
+    program = Program(
+        nnx.eval_shape(lambda: recipe.build_model(cfg, train)),
+        recipe.loss_fn,
+        optimizer,
+        cfg.trainer,
+        _example(train.take(np.arange(1))),
+        per_device_batch=per_device,
+        global_batch=None if per_device else global_batch,
+        eval_global_batch=cfg.data.eval_global_batch or global_batch or (per_device or 1) * 8,
+        flops_per_example=work.get("flops_per_example"),
+        tokens_per_example=work.get("tokens_per_example"),
+        mesh=cfg.mesh.sizes,
+        rules=parse_rules(cfg.mesh.rules),
+        model_levers=_model_levers(cfg.model),
+    )
+    return program, cfg, len(train)
+
+
 def check_recipe(
-    name: str, overrides: list[str] | None = None, tpu: str | None = None, max_batch: bool | int = False, **options: Any
+    name: str,
+    overrides: list[str] | None = None,
+    tpu: str | None = None,
+    max_batch: bool | int = False,
+    preset: str | Path | None = None,
+    **options: Any,
 ) -> Report:
     """Checks a recipe's model, loss and a batch of its data (and, for bert, the lengths
     of its tokenized corpus against the padding plans).
 
     With ``tpu``, compiles the recipe's train and eval steps for those TPU slices, with the
     run's own optimizer, batch sizes (``data.per_device_batch`` or ``data.global_batch``
-    over each target's cores) and loop settings; the model is built abstractly.
+    over each target's cores) and loop settings (:func:`recipe_program`); the model is built
+    abstractly. ``preset``: a YAML file in place of the recipe's own (a ``plan.yaml``).
     """
     _positive("--per-device-batch", options.get("per_device_batch"))
     _positive("--global-batch", options.get("global_batch"))
     start_backends()  # quietly, as for a file
-    cfg = load_config(name, overrides or [])
+    if tpu:  # the recipes feed fixed shapes (bert packs its sequences): rule 3 has nothing to say
+        parse_targets(tpu)  # an unknown name fails before the model is built
+        program, _, _ = recipe_program(
+            name, overrides or [], preset, options.get("per_device_batch"), options.get("global_batch")
+        )
+        return check_tpu(name, program, tpu, max_batch=max_batch)
+    cfg = load_config(name, overrides or [], preset=preset)
     recipe = get_recipe(name)
     recipe.validate(cfg)
     train = as_dataset(recipe.load_data(cfg)[0])
     cfg = recipe.from_data(cfg, train)
-    if tpu:  # the recipes feed fixed shapes (bert packs its sequences): rule 3 has nothing to say
-        parse_targets(tpu)  # an unknown name fails before the model is built
-        per_device = options.get("per_device_batch") or (None if cfg.data.global_batch else cfg.data.per_device_batch)
-        global_batch = options.get("global_batch") or cfg.data.global_batch
-        reference = global_batch or (per_device or 1) * 8
-        optimizer = make_optimizer(cfg.optimizer, reference, total_steps=cfg.optimizer.decay_steps or 1000).tx
-        work = recipe.throughput(cfg, train)
-        program = Program(
-            nnx.eval_shape(lambda: recipe.build_model(cfg, train)),
-            recipe.loss_fn,
-            optimizer,
-            cfg.trainer,
-            _example(train.take(np.arange(1))),
-            per_device_batch=per_device,
-            global_batch=None if per_device else global_batch,
-            eval_global_batch=cfg.data.eval_global_batch or global_batch or (per_device or 1) * 8,
-            flops_per_example=work.get("flops_per_example"),
-            tokens_per_example=work.get("tokens_per_example"),
-            mesh=cfg.mesh.sizes,
-            rules=parse_rules(cfg.mesh.rules),
-            model_levers=_model_levers(cfg.model),
-        )
-        return check_tpu(name, program, tpu, max_batch=max_batch)
     lengths = recipe.sequence_lengths(cfg)
     rows = options.get("per_device_batch") or 8
     batch = train.take(np.arange(min(rows, len(train))))

@@ -171,7 +171,7 @@ _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}  # the compiler's byte
 TRACE_FAILURE = "fails while tracing the train step (on any device, not only a TPU)"
 
 
-class _TraceFailure(Exception):
+class TraceFailure(Exception):
     """An exception raised while tracing a step (``original``), before any lowering for a TPU."""
 
     def __init__(self, original: Exception) -> None:
@@ -179,7 +179,7 @@ class _TraceFailure(Exception):
         self.original = original
 
 
-class _OutOfMemory(Exception):
+class OutOfMemory(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
@@ -223,7 +223,7 @@ def _batch(example: dict[str, jax.ShapeDtypeStruct], rows: int, leading: tuple[i
     return {k: jax.ShapeDtypeStruct((*leading, rows, *v.shape), v.dtype, sharding=sharding) for k, v in example.items()}
 
 
-def _memory(compiled: Any, state_bytes: int, batch_bytes: int) -> dict[str, int]:
+def memory_of(compiled: Any, state_bytes: int, batch_bytes: int) -> dict[str, int]:
     """Per-core bytes: the compiler's memory analysis, and the state's and the batch's own
     sizes (the compiler's ``arguments`` add the TPU's tile padding to them)."""
     m = compiled.memory_analysis()
@@ -243,7 +243,7 @@ def _memory(compiled: Any, state_bytes: int, batch_bytes: int) -> dict[str, int]
 
 
 @contextlib.contextmanager
-def _no_persistent_cache() -> Iterator[None]:
+def no_persistent_cache() -> Iterator[None]:
     """JAX's persistent compilation cache off for TPU programs compiled here: the
     compile-only client can write an entry but not load one back ("PjRtCompiler must be
     constructed with a Client"), and the entries would only fill the user's cache."""
@@ -264,29 +264,33 @@ def _no_persistent_cache() -> Iterator[None]:
 
 def _trace(jitted: Any, *args: Any) -> Any:
     """``jitted.trace(*args)``; what the tracing raises (the user's code, on any device) is a
-    :class:`_TraceFailure`, apart from what lowering for the TPU raises later."""
+    :class:`TraceFailure`, apart from what lowering for the TPU raises later."""
     try:
         return jitted.trace(*args)
     except Exception as e:
-        raise _TraceFailure(e) from e
+        raise TraceFailure(e) from e
 
 
-def _compile(lower: Callable[[], Any]) -> tuple[Any, float]:
-    """Lowers and compiles; the compiler's out-of-memory refusal becomes :class:`_OutOfMemory`."""
+def _compile(lower: Callable[[], Any], dump_to: Path | None = None) -> tuple[Any, float]:
+    """Lowers and compiles; the compiler's out-of-memory refusal becomes :class:`OutOfMemory`.
+
+    ``dump_to``: a directory for the compiler's dump (``xla_dump_to``: the optimised program
+    and its buffer assignment, written even when the program does not fit).
+    """
     t0 = time.perf_counter()
     lowered = lower()
     try:
-        compiled = lowered.compile()
+        compiled = lowered.compile({"xla_dump_to": str(dump_to)} if dump_to else None)
     except Exception as e:  # XlaRuntimeError; its type is private to jaxlib
         text = str(e)
         if "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text:
             first = next((line for line in text.splitlines() if "memory" in line.lower()), text.splitlines()[0])
-            raise _OutOfMemory(first.strip()) from None
+            raise OutOfMemory(first.strip()) from None
         raise
     return compiled, time.perf_counter() - t0
 
 
-class _Steps:
+class Steps:
     """A program's steps for one target, with the abstract state, compiled at any batch."""
 
     def __init__(self, target: tpu.Target, program: Program) -> None:
@@ -304,14 +308,14 @@ class _Steps:
         self.shardings = state_shardings(self.state)
         self.state_bytes = bytes_per_device(self.state)  # each core's shards
 
-    def compile_train(self, per_device: int) -> tuple[Any, float]:
+    def compile_train(self, per_device: int, dump_to: Path | None = None) -> tuple[Any, float]:
         p, s = self.program, self.strategy
         rows = per_device * s.num_replicas
         train_step, _ = make_steps(
             self.train_graphdef, self.eval_graphdef, p.loss_fn, p.tx, s, p.config, rows, self.shardings
         )
         batch = _batch(p.example, rows, (p.config.steps_per_call,), s.batch_sharding(1))
-        return _compile(lambda: _trace(train_step._jitted, self.state, batch).lower())
+        return _compile(lambda: _trace(train_step._jitted, self.state, batch).lower(), dump_to)
 
     def compile_eval(self, per_device: int) -> tuple[Any, float]:
         p, s = self.program, self.strategy
@@ -359,12 +363,12 @@ class _Steps:
         t0 = time.perf_counter()
         try:
             compiled, _ = self.compile_train(per_device)
-            return True, time.perf_counter() - t0, _memory(compiled, 0, 0)["total"]
-        except _OutOfMemory as e:
-            return False, time.perf_counter() - t0, _needed_bytes(e.message)
+            return True, time.perf_counter() - t0, memory_of(compiled, 0, 0)["total"]
+        except OutOfMemory as e:
+            return False, time.perf_counter() - t0, needed_bytes(e.message)
 
 
-def _needed_bytes(message: str) -> int | None:
+def needed_bytes(message: str) -> int | None:
     """The bytes per core that a refused program needs, from the compiler's message
     ("... HLO temporaries (23.88G) exceeds available HBM (15.75G)")."""
     needed = re.search(r"\((\d+(?:\.\d+)?)([KMGT])\) exceeds", message)
@@ -384,7 +388,7 @@ def _equations(jaxpr: Any, outer: tuple[Any, ...] = ()) -> Iterator[tuple[Any, .
                     yield from _equations(inner, chain)
 
 
-def _steps_in_cost(compiled: Any, k: int) -> int:
+def steps_in_cost(compiled: Any, k: int) -> int:
     """How many of a call's ``k`` steps XLA's cost analysis counted: one when the steps stayed
     a loop (a ``while`` body is counted once), ``k`` when the compiler unrolled them."""
     if k == 1:
@@ -415,8 +419,8 @@ def _roofline(report: TargetReport, target: tpu.Target, program: Program, cost: 
 
 def check_target(target: tpu.Target, program: Program, max_batch: bool | int = False) -> TargetReport:
     """Compiles ``program`` for ``target`` and reports memory, verdict, FLOPs and roofline."""
-    with _no_persistent_cache(), concurrent.futures.ThreadPoolExecutor(1) as pool:
-        steps = _Steps(target, program)
+    with no_persistent_cache(), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        steps = Steps(target, program)
         n = steps.strategy.num_replicas
         report = TargetReport(
             target.name,
@@ -460,19 +464,19 @@ def check_target(target: tpu.Target, program: Program, max_batch: bool | int = F
     return report
 
 
-def _train_report(report: TargetReport, steps: _Steps, target: tpu.Target) -> None:
+def _train_report(report: TargetReport, steps: Steps, target: tpu.Target) -> None:
     """The train step's verdict, memory, FLOPs and roofline into ``report``."""
     program, per_device, k = steps.program, report.per_device_batch, report.steps_per_call
     _progress(f"{target.name}: compiling the train step, {per_device} per core, {k} step(s) per call ...")
     try:
         compiled, report.compile_s = steps.compile_train(per_device)
-    except _OutOfMemory as e:
+    except OutOfMemory as e:
         report.fits, report.message = False, e.message
         report.memory["state"] = steps.state_bytes
-        if (needed := _needed_bytes(e.message)) is not None:
+        if (needed := needed_bytes(e.message)) is not None:
             report.memory["total"] = needed
         report.levers = levers(report, target, program)
-    except _TraceFailure as e:  # the user's code fails on any device: rules 1, 2, or a plain error
+    except TraceFailure as e:  # the user's code fails on any device: rules 1, 2, or a plain error
         finding = classify(e.original, program.user_file)
         report.error = finding if finding.rule else dataclasses.replace(finding, kind=TRACE_FAILURE)
         report.message = finding.message
@@ -489,24 +493,24 @@ def _train_report(report: TargetReport, steps: _Steps, target: tpu.Target) -> No
         report.message = finding.message
     else:
         report.fits = True
-        report.memory = _memory(compiled, steps.state_bytes, _bytes(program.example) * per_device * k)
-        _roofline(report, target, program, compiled.cost_analysis() or {}, _steps_in_cost(compiled, k))
+        report.memory = memory_of(compiled, steps.state_bytes, _bytes(program.example) * per_device * k)
+        _roofline(report, target, program, compiled.cost_analysis() or {}, steps_in_cost(compiled, k))
 
 
-def _eval_report(steps: _Steps, per_device: int) -> dict[str, Any] | None:
+def _eval_report(steps: Steps, per_device: int) -> dict[str, Any] | None:
     """The eval step's verdict and memory at ``per_device`` examples per core."""
     try:
         compiled, seconds = steps.compile_eval(per_device)
-    except _OutOfMemory as e:
+    except OutOfMemory as e:
         return {"fits": False, "per_device_batch": per_device, "message": e.message}
     except Exception:  # the train step reports the failure
         return None
-    total = _memory(compiled, steps.state_bytes, 0)["total"]
+    total = memory_of(compiled, steps.state_bytes, 0)["total"]
     return {"fits": True, "per_device_batch": per_device, "total": total, "compile_s": seconds}
 
 
 def largest_batch(
-    steps: _Steps,
+    steps: Steps,
     start: int,
     start_fits: bool | None,
     start_bytes: int | None = None,
@@ -603,7 +607,7 @@ def _interpolate(good: int, bad: int, needs: dict[int, int], capacity: float, un
 
 def check_targets(targets: list[tpu.Target], program: Program, max_batch: bool | int = False) -> list[TargetReport]:
     """:func:`check_target` for each target, in order."""
-    with _no_persistent_cache():
+    with no_persistent_cache():
         return [check_target(t, program, max_batch) for t in targets]
 
 

@@ -50,6 +50,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="with --max-batch: search up to N examples per core (default 65536)",
     )
+    p.add_argument(
+        "--config",
+        metavar="YAML",
+        help="a recipe: a YAML preset instead of its own; a file: YAML with mesh: and trainer: sections "
+        "(both as `xlafit plan --write` writes them)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=run)
 
@@ -71,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         "max_shapes": args.max_shapes,
         "tpu": args.tpu,
         "max_batch": args.max_batch_limit or args.max_batch,
+        "preset": args.config,
     }
     if args.target.endswith(".py") or os.path.sep in args.target:
         report = check_file(args.target, args.overrides, **options)

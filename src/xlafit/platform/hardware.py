@@ -63,6 +63,11 @@ class Generation:
         bf16_tflops: dense bf16 peak per chip.
         hbm_gbps: HBM bandwidth per chip, GB/s.
         device_kinds: what ``jax.Device.device_kind`` says on this generation.
+        ici_gbps: bidirectional inter-chip interconnect (ICI) bandwidth per chip, GB/s, over
+            all its ports; None where the generation's page does not give it.
+        ici_ports: ICI ports per chip (one per torus neighbour: 4 in 2D, 6 in 3D).
+        wraparound: the torus axis length from which a slice's axis closes into a ring; a
+            shorter axis is a line (a bidirectional ring over a line moves half as much).
     """
 
     name: str
@@ -75,6 +80,9 @@ class Generation:
     hbm_gbps: float
     source: str
     device_kinds: tuple[str, ...] = ()
+    ici_gbps: float | None = None
+    ici_ports: int = 4
+    wraparound: int = 16
 
 
 GENERATIONS: dict[str, Generation] = {
@@ -82,16 +90,59 @@ GENERATIONS: dict[str, Generation] = {
     for g in (
         Generation("v2", 2, False, "cores", 2, 16, 45, 600, "cloud.google.com/tpu/docs/v2", ("TPU v2",)),
         Generation("v3", 2, False, "cores", 2, 32, 123, 900, "cloud.google.com/tpu/docs/v3", ("TPU v3",)),
-        Generation("v4", 2, True, "cores", 3, 32, 275, 1200, "cloud.google.com/tpu/docs/v4", ("TPU v4",)),
+        Generation("v4", 2, True, "cores", 3, 32, 275, 1200, "cloud.google.com/tpu/docs/v4", ("TPU v4",), None, 6, 4),
         Generation(
-            "v5e", 1, False, "chips", 2, 16, 197, 819, "cloud.google.com/tpu/docs/v5e", ("TPU v5 lite", "TPU v5e")
+            "v5e", 1, False, "chips", 2, 16, 197, 819, "cloud.google.com/tpu/docs/v5e", ("TPU v5 lite", "TPU v5e"), 400
         ),
-        Generation("v5p", 2, True, "cores", 3, 95, 459, 2765, "cloud.google.com/tpu/docs/v5p", ("TPU v5p", "TPU v5")),
         Generation(
-            "v6e", 1, False, "chips", 2, 32, 918, 1638, "cloud.google.com/tpu/docs/v6e", ("TPU v6 lite", "TPU v6e")
+            "v5p",
+            2,
+            True,
+            "cores",
+            3,
+            95,
+            459,
+            2765,
+            "cloud.google.com/tpu/docs/v5p",
+            ("TPU v5p", "TPU v5"),
+            1200,
+            6,
+            4,
         ),
-        Generation("tpu7x", 2, False, "cores", 3, 192, 2307, 7380, "cloud.google.com/tpu/docs/tpu7x", ("TPU7x",)),
+        Generation(
+            "v6e", 1, False, "chips", 2, 32, 918, 1638, "cloud.google.com/tpu/docs/v6e", ("TPU v6 lite", "TPU v6e"), 800
+        ),
+        Generation(
+            "tpu7x", 2, False, "cores", 3, 192, 2307, 7380, "cloud.google.com/tpu/docs/tpu7x", ("TPU7x",), 1200, 6, 4
+        ),
     )
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Price:
+    """List price of one chip for an hour, USD (a slice costs its chips times this).
+
+    ``spot`` is None where no Spot price was read. Prices differ by region and change:
+    ``xlafit plan --price v5e=0.9`` replaces a row's on-demand price for one plan.
+    """
+
+    on_demand: float
+    spot: float | None
+    source: str
+    read: str  # when the row was read (YYYY-MM-DD)
+
+
+# On-demand list prices per chip-hour, as cloud.google.com/tpu/pricing publishes them for its
+# cheapest US regions. That page could not be fetched where this table was written; each
+# row says which copy of the figure was read instead. No Spot price was found in a copy.
+PRICES: dict[str, Price] = {
+    "v4": Price(3.22, None, "Cloud TPU list price, as quoted by a public cost calculator", "2026-11-26"),
+    "v5e": Price(
+        1.20, None, "Cloud TPU list price, as quoted by peakinfer.com and a public cost calculator", "2026-11-26"
+    ),
+    "v5p": Price(4.20, None, "Cloud TPU list price (us-east5); no copy found to confirm it", "2026-11-26"),
+    "v6e": Price(2.70, None, "Cloud TPU list price, as quoted by a public cost calculator", "2026-11-26"),
 }
 
 # GPUs: dense bf16 TFLOP/s per device (sparsity excluded, as MaxText and nanoGPT count it).
@@ -161,6 +212,40 @@ class Target:
     @property
     def source(self) -> str:
         return self.generation.source
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The slice's chips as a grid (``2x4`` for v5e-8)."""
+        return _shape(self.chips, self.generation.dims)
+
+    def ici_bandwidth(self, group: int) -> float | None:
+        """Bytes/s each chip moves in a ring collective over ``group`` chips of this slice.
+
+        The group is taken to lie along as few torus axes as hold it (a mesh axis of
+        ``make_mesh`` follows the slice's grid); along each axis the chip uses its two ports,
+        both ways: ``axes x 2 x ICI / ports``. An axis shorter than the generation's
+        ``wraparound`` length is a line, not a ring, and moves half that. None: the
+        generation's page gives no ICI figure.
+        """
+        g = self.generation
+        if g.ici_gbps is None or group <= 1:
+            return None
+        per_axis = 2 * g.ici_gbps * 1e9 / g.ici_ports
+        total, held = 0.0, 1
+        for length in sorted(self.shape, reverse=True):
+            if held >= group or length == 1:
+                break
+            total += per_axis * (1.0 if length >= g.wraparound else 0.5)
+            held *= length
+        return total or None
+
+    def price_per_hour(self, spot: bool = False, prices: dict[str, Price] | None = None) -> float | None:
+        """USD per hour for the whole slice (its chips x the chip's price); None: not in the table."""
+        row = (prices or PRICES).get(self.generation.name)
+        if row is None:
+            return None
+        each = row.spot if spot else row.on_demand
+        return None if each is None else each * self.chips
 
 
 def _shape(chips: int, dims: int) -> tuple[int, ...]:

@@ -1,0 +1,121 @@
+"""What ``xlafit plan`` may try on a slice: meshes the model's axes allow, and the levers.
+
+A candidate is one way to run: the mesh (``data x fsdp x tensor`` = the slice's devices),
+the model's rematerialisation policy (where the model has ``model.remat``), the per-core
+batch and the gradient accumulation. Each is written as the dotted overrides that
+``xlafit train`` takes, so the plan's answer is a command.
+
+Example:
+    >>> meshes(8)
+    [(8, 1, 1), (4, 2, 1), (2, 4, 1), (1, 8, 1), (4, 1, 2), (2, 2, 2), (1, 4, 2), (2, 1, 4), (1, 2, 4), (1, 1, 8)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from xlafit.errors import ConfigError
+from xlafit.parallel.sharding import DEFAULT_RULES, divisors, tree_specs
+
+# The remat policies a plan tries where the model has model.remat, cheapest first: none keeps
+# every activation, dots_saveable recomputes the elementwise work only, full keeps one per layer.
+REMAT_LADDER = ("none", "dots_saveable", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One way to run on one target; ``overrides()`` says it as ``xlafit train`` keys."""
+
+    target: str
+    mesh: tuple[int, int, int]  # data, fsdp, tensor
+    per_device_batch: int  # examples per batch shard per optimizer step
+    accumulate: int = 1  # micro-batches per step (trainer.accumulate_steps)
+    remat: str | None = None  # None: the model has no model.remat
+
+    @property
+    def shards(self) -> int:
+        """Batch shards: data x fsdp (a tensor group shares its shard)."""
+        return self.mesh[0] * self.mesh[1]
+
+    @property
+    def global_batch(self) -> int:
+        return self.per_device_batch * self.shards
+
+    @property
+    def layout(self) -> str:
+        """``DP 8``, ``FSDP 8``, ``DP 2 x FSDP 2 x TP 2``: the mesh in a few characters."""
+        parts = [f"{name} {n}" for name, n in zip(("DP", "FSDP", "TP"), self.mesh, strict=True) if n > 1]
+        return " x ".join(parts) or "1 device"
+
+    @property
+    def levers(self) -> str:
+        """The candidate's levers beyond the mesh, for a table (``remat full, accumulate 2``)."""
+        parts = []
+        if self.remat not in (None, "none"):
+            parts.append(f"remat {self.remat}")
+        if self.accumulate > 1:
+            parts.append(f"accumulate {self.accumulate}")
+        return ", ".join(parts) or "-"
+
+    def overrides(self, batch_key: str = "data.per_device_batch") -> dict[str, Any]:
+        """The dotted keys that run this candidate (``xlafit train RECIPE key=value ...``)."""
+        data, fsdp, tensor = self.mesh
+        out: dict[str, Any] = {"mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor}
+        if batch_key:
+            out[batch_key] = self.per_device_batch
+        out["trainer.accumulate_steps"] = self.accumulate
+        if self.remat is not None:
+            out["model.remat"] = self.remat
+        return out
+
+
+def meshes(devices: int) -> list[tuple[int, int, int]]:
+    """Every ``(data, fsdp, tensor)`` whose product is ``devices``, tensor-parallel last
+    (smaller tensor groups first), data parallelism first within each."""
+    found = []
+    for tensor in divisors(devices):
+        rest = devices // tensor
+        for fsdp in divisors(rest):
+            found.append((rest // fsdp, fsdp, tensor))
+    return found
+
+
+def mesh_refusal(params: Any, mesh: tuple[int, int, int], rules: Mapping[str, str | None] | None = None) -> str | None:
+    """Why the model's parameters cannot, or need not, be laid over ``mesh``; None: they can.
+
+    A named dimension that does not divide over its mesh axis cannot (the sharding rules'
+    own error); a ``tensor`` (or ``fsdp``) axis that splits no parameter need not: it would
+    only repeat the same work on more devices.
+    """
+    data, fsdp, tensor = mesh
+    shape = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    try:
+        specs = tree_specs(params, shape, rules or DEFAULT_RULES)
+    except ConfigError as e:
+        return str(e)
+    used = {
+        axis
+        for spec in _leaves(specs)
+        for entry in spec
+        for axis in (entry if isinstance(entry, tuple) else (entry,))
+        if axis is not None
+    }
+    for axis, size in (("tensor", tensor), ("fsdp", fsdp)):
+        if size > 1 and axis not in used:
+            return f"no parameter of the model is split over {axis} (its named axes send nothing there)"
+    return None
+
+
+def _leaves(specs: Any) -> list[PartitionSpec]:
+    return jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def params_of(model: nnx.Module) -> Any:
+    """The model's parameters (abstract or not), as the sharding rules see them."""
+    return nnx.state(model, nnx.Param)

@@ -1,0 +1,222 @@
+"""The collectives a compiled program contains, read from its HLO, and their time over ICI.
+
+XLA's cost analysis counts FLOPs and bytes of each core's own work; what the cores send one
+another is in the program text. Each collective instruction of the optimised HLO
+(``compiled.as_text()``) gives its kind, the bytes it moves and the size of its replica
+groups; instructions inside a ``while`` body count once per trip (the trip count read from
+the loop's condition, ``i < N``), inside a fusion or a call once per use.
+
+The TPU compiler writes a reduce-scatter as an ``all-reduce`` inside a fused computation
+named ``all-reduce-scatter``: it is counted as the reduce-scatter it is. Asynchronous pairs
+(``all-gather-start`` / ``-done``) count once, at the start; the copies of one collective
+that an asynchronous collective fusion holds share its channel id and count once.
+
+Time, per collective over a group of ``n`` chips moving ``V`` bytes (the full-size array),
+on a ring at the bandwidth of :meth:`xlafit.platform.hardware.Target.ici_bandwidth`:
+
+- all-gather and reduce-scatter: ``(n - 1) / n * V / bandwidth``;
+- all-reduce: twice that (a reduce-scatter, then an all-gather);
+- all-to-all: ``(n - 1) / n * V / bandwidth`` (each chip keeps 1/n of its data);
+- collective-permute: ``V / bandwidth``.
+
+Latency per collective and contention between simultaneous collectives are not modelled.
+
+Example:
+    >>> hlo = '''
+    ... ENTRY %main (p: bf16[128,64]) -> bf16[1024,64] {
+    ...   %p = bf16[128,64]{1,0} parameter(0)
+    ...   ROOT %ag = bf16[1024,64]{1,0} all-gather(%p), replica_groups=[1,8]<=[8], dimensions={0}
+    ... }'''
+    >>> [(c.kind, c.bytes, c.group) for c in collectives(hlo)]
+    [('all-gather', 131072, 8)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterable
+
+from xlafit.platform.hardware import Target
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+# A ring moves (n - 1) / n of the data this many times.
+_PASSES = {"all-gather": 1, "reduce-scatter": 1, "all-reduce": 2, "all-to-all": 1}
+
+_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+(?P<op>[a-z][\w\-]*)\((?P<rest>.*)$"
+)
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction: its kind, the bytes of the full array it moves, the chips
+    of each replica group, and how often one run of the program executes it."""
+
+    kind: str
+    bytes: int
+    group: int
+    count: int = 1
+    name: str = ""
+
+    def seconds(self, target: Target) -> float | None:
+        """Its time on ``target`` (see the module docstring), or None: no ICI figure."""
+        if self.group <= 1:
+            return 0.0
+        bandwidth = target.ici_bandwidth(self.group)
+        if bandwidth is None:
+            return None
+        share = 1.0 if self.kind == "collective-permute" else _PASSES[self.kind] * (self.group - 1) / self.group
+        return self.count * share * self.bytes / bandwidth
+
+
+def array_bytes(shape: str) -> int:
+    """Bytes of an HLO shape: ``bf16[768,3072]{1,0:T(8,128)}``, or the sum over a tuple's arrays."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        if dtype in _DTYPE_BYTES:
+            total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def group_size(attributes: str, devices: int) -> int:
+    """Chips per replica group from an instruction's attributes, in any of XLA's notations:
+    ``{{0,1},{2,3}}``, the iota form ``[4,2]<=[8]`` (4 groups of 2), or the mesh form
+    ``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`` (the named axes' sizes multiplied); a
+    collective-permute's ``source_target_pairs`` is a group of 2; none given: all ``devices``."""
+    found = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attributes)
+    if found:
+        sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", found.group(1))}
+        return math.prod(sizes[a] for a in re.findall(r"'([^']+)'", found.group(2)))
+    found = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", attributes)
+    if found:
+        return int(found.group(2))
+    found = re.search(r"replica_groups=\{\{([^}]*)\}", attributes)
+    if found:
+        return len(found.group(1).split(","))
+    if "source_target_pairs" in attributes:
+        return 2
+    return devices
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+    """The program's computations (name -> instruction lines) and the entry's name."""
+    bodies: dict[str, list[str]] = {}
+    entry, current = "", None
+    for line in hlo.splitlines():
+        head = _COMPUTATION.match(line)
+        if head:
+            current = head.group("name")
+            bodies[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            bodies[current].append(line)
+    return bodies, entry
+
+
+def _trip_count(condition: list[str]) -> int:
+    """The trip count of a ``while`` whose condition compares its counter against a constant
+    (``i < N``, as ``lax.scan`` and ``fori_loop`` lower); 1 when it is not that simple."""
+    constants = [int(c) for line in condition for c in re.findall(r"constant\((\d+)\)", line)]
+    compares = [line for line in condition if "compare(" in line and "direction=LT" in line]
+    return max(constants) if compares and constants else 1
+
+
+def collectives(hlo: str, devices: int = 1) -> list[Collective]:
+    """Every collective of a compiled program's HLO text, each with how often it runs.
+
+    ``devices``: the group size of a collective that names no replica groups (all of them).
+    """
+    bodies, entry = _computations(hlo)
+    counts: dict[tuple[str, str], Collective] = {}
+
+    def visit(name: str, times: int, fused_in: str) -> None:
+        for line in bodies.get(name, ()):
+            found = _INSTRUCTION.match(line)
+            if found is None:
+                continue
+            op, rest = found.group("op"), found.group("rest")
+            kind = op.removesuffix("-start")
+            if kind in KINDS and not op.endswith("-done"):
+                if kind == "all-reduce" and fused_in.startswith("all-reduce-scatter"):
+                    kind = "reduce-scatter"
+                size = _moved_bytes(kind, op, found.group("shape"), rest)
+                # The TPU compiler copies one collective into the pieces of an asynchronous
+                # fusion (its start and continuations), all with the collective's channel id:
+                # a channel is one collective, run as often as its most frequent copy.
+                channel = re.search(r"channel_id=(\d+)", rest)
+                key = ("channel", channel.group(1)) if channel else (name, found.group("name"))
+                before = counts.get(key)
+                if before is None:
+                    counts[key] = Collective(kind, size, group_size(rest, devices), times, found.group("name"))
+                elif channel is None:
+                    counts[key] = dataclasses.replace(before, count=before.count + times)
+                else:
+                    counts[key] = dataclasses.replace(before, count=max(before.count, times))
+            if op == "while":
+                body = re.search(r"body=%([\w.\-]+)", rest)
+                condition = re.search(r"condition=%([\w.\-]+)", rest)
+                trips = _trip_count(bodies.get(condition.group(1), [])) if condition else 1
+                if body:
+                    visit(body.group(1), times * trips, fused_in)
+                continue
+            for callee in re.findall(r"(?:calls|to_apply|true_computation|false_computation)=%([\w.\-]+)", rest):
+                visit(callee, times, callee if op == "fusion" else fused_in)
+            branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
+            for callee in re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else ():
+                visit(callee, times, fused_in)
+
+    visit(entry, 1, "")
+    return list(counts.values())
+
+
+def _moved_bytes(kind: str, op: str, shape: str, rest: str) -> int:
+    """The full array's bytes: the result of an all-gather (its largest tuple element for the
+    ``-start`` form, which also holds the operand), the operand of a reduce-scatter."""
+    if kind == "reduce-scatter" and op == "reduce-scatter":
+        operands = rest.split(")", 1)[0]
+        return array_bytes(operands) or array_bytes(shape) * group_size(rest, 1)
+    if op.endswith("-start") and kind in ("all-gather", "collective-permute"):
+        return max((array_bytes(m.group(0)) for m in _ARRAY.finditer(shape)), default=0)
+    return array_bytes(shape)
+
+
+@dataclasses.dataclass
+class CommReport:
+    """Collectives summed by kind (bytes per run of the program, and seconds on a target)."""
+
+    by_kind: dict[str, dict[str, float]]
+    seconds: float | None  # None: the target's ICI bandwidth is not in the hardware table
+    count: int
+
+    def to_json(self) -> dict:
+        return {"by_kind": self.by_kind, "seconds": self.seconds, "count": self.count}
+
+
+def summarize(found: Iterable[Collective], target: Target, per: int = 1) -> CommReport:
+    """Bytes and seconds per kind, divided by ``per`` (the steps one run of the program does)."""
+    by_kind: dict[str, dict[str, float]] = {}
+    total: float | None = 0.0
+    count = 0
+    for c in found:
+        row = by_kind.setdefault(c.kind, {"bytes": 0.0, "count": 0, "seconds": 0.0})
+        row["bytes"] += c.bytes * c.count / per
+        row["count"] += c.count / per
+        count += c.count
+        seconds = c.seconds(target)
+        if seconds is None:
+            total = None
+        else:
+            row["seconds"] += seconds / per
+            total = None if total is None else total + seconds / per
+    return CommReport(by_kind, total, count // per)
