@@ -209,7 +209,7 @@ def usable_hbm(target: tpu.Target) -> tuple[float, str]:
     return target.hbm_bytes, f"{target.source} (datasheet)"
 
 
-def _bytes(tree: Any) -> int:
+def tree_bytes(tree: Any) -> int:
     """Bytes of a tree of ``ShapeDtypeStruct``s (a PRNG key counts as its key data)."""
     total = 0
     for x in jax.tree.leaves(tree):
@@ -493,7 +493,7 @@ def _train_report(report: TargetReport, steps: Steps, target: tpu.Target) -> Non
         report.message = finding.message
     else:
         report.fits = True
-        report.memory = memory_of(compiled, steps.state_bytes, _bytes(program.example) * per_device * k)
+        report.memory = memory_of(compiled, steps.state_bytes, tree_bytes(program.example) * per_device * k)
         _roofline(report, target, program, compiled.cost_analysis() or {}, steps_in_cost(compiled, k))
 
 

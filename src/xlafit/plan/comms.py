@@ -132,6 +132,17 @@ def _trip_count(condition: list[str]) -> int:
     return max(constants) if compares and constants else 1
 
 
+def loop_trips(hlo: str) -> list[int]:
+    """The trip count of every ``while`` loop of a program (see :func:`_trip_count`)."""
+    bodies, _ = _computations(hlo)
+    return [
+        _trip_count(bodies.get(condition, []))
+        for lines in bodies.values()
+        for line in lines
+        for condition in re.findall(r"\bwhile\(.*condition=%([\w.\-]+)", line)
+    ]
+
+
 def collectives(hlo: str, devices: int = 1) -> list[Collective]:
     """Every collective of a compiled program's HLO text, each with how often it runs.
 

@@ -18,7 +18,7 @@ from xlafit.recipes.base import Recipe, Throughput
 
 RECIPES = ("mnist", "bert", "resnet")
 
-__all__ = ["RECIPES", "Recipe", "Throughput", "config_from_dict", "get_recipe", "load_config"]
+__all__ = ["RECIPES", "Recipe", "Throughput", "config_from_dict", "get_recipe", "load_config", "preset_path"]
 
 
 def get_recipe(name: str) -> Recipe:
@@ -41,9 +41,13 @@ def load_config(name: str, overrides: Sequence[str] = (), preset: str | Path | N
         >>> cfg.trainer.epochs
         1
     """
+    return config_from_dict(name, load_yaml(preset_path(name, preset)), parse_overrides(overrides))
+
+
+def preset_path(name: str, preset: str | Path | None = None) -> Path:
+    """The YAML preset a run of recipe ``name`` starts from: ``preset``, or the recipe's own."""
     get_recipe(name)  # an unknown name is refused before any file is read
-    path = Path(preset) if preset else Path(__file__).with_name(f"{name}.yaml")
-    return config_from_dict(name, load_yaml(path), parse_overrides(overrides))
+    return Path(preset) if preset else Path(__file__).with_name(f"{name}.yaml")
 
 
 def config_from_dict(name: str, preset: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> Config:

@@ -1,0 +1,127 @@
+"""``xlafit plan TARGET --tpu SLICES``: the layout, batch and TPU to run on, by compiling them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+
+from xlafit.errors import ConfigError
+
+DESCRIPTION = (
+    "Search the ways to run a model on TPU slices with the TPU compiler (libtpu, no TPU needed): every "
+    "mesh (data x fsdp x tensor) the model's named axes allow, gradient accumulation and the model's remat "
+    "policies where a layout does not fit, and the largest per-core batch of the best layouts. Each "
+    "candidate is compiled for the slice and predicted from its compiled program (compute, HBM traffic "
+    "and the collectives it contains, over the slice's ICI): throughput, MFU, HBM, and the time and cost "
+    "of the run. Prints a ranked table, the winner's `xlafit train` overrides and why the others lose; "
+    "--write saves the winner as a preset for `xlafit train RECIPE --config` and `xlafit check --config`. "
+    "TARGET is a recipe name or a Python file in `xlafit check`'s format."
+)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan", help="find the fastest layout, batch and TPU slice by compiling them", description=DESCRIPTION
+    )
+    p.add_argument("target", metavar="TARGET", help="a recipe name (mnist, bert, resnet) or path/to/file.py")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key.sub=value",
+        help="config overrides: a recipe's keys; a file's mesh.*, trainer.*",
+    )
+    p.add_argument(
+        "--tpu",
+        metavar="SLICES",
+        default="v5e-8",
+        help="TPU slices to plan for, comma-separated (default v5e-8): v5e-8,v6e-8,v5p-8, colab, kaggle, ...",
+    )
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        metavar="N",
+        help="keep this global batch (the one your learning rate is tuned for); the plan picks per-core batch "
+        "and accumulation to reach it. Default: each layout's largest per-core batch",
+    )
+    p.add_argument(
+        "--per-device-batch", type=int, metavar="N", help="a file's starting per-core batch (default: its batch's rows)"
+    )
+    p.add_argument("--examples", type=float, metavar="N", help="examples per epoch, for the run's time and cost")
+    p.add_argument("--tokens", type=float, metavar="N", help="tokens per epoch, instead of --examples")
+    p.add_argument(
+        "--epochs", type=float, metavar="N", help="epochs of the run (default: a recipe's trainer.epochs, 1 for a file)"
+    )
+    p.add_argument(
+        "--budget-minutes", type=float, metavar="M", help="start no compile after M minutes; report what was compiled"
+    )
+    p.add_argument(
+        "--top", type=int, default=3, metavar="K", help="search the largest batch of the K fastest layouts (default 3)"
+    )
+    p.add_argument("--spot", action="store_true", help="price the run at Spot prices (where the table has them)")
+    p.add_argument(
+        "--price",
+        action="append",
+        default=[],
+        metavar="GEN=USD",
+        help="a chip-hour price for a generation, e.g. --price v5e=0.9 (your region, discount or Spot)",
+    )
+    p.add_argument("--config", metavar="YAML", help="a recipe's preset to start from instead of its own")
+    p.add_argument("--write", metavar="PLAN.yaml", help="write the winner's settings as a preset")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=run)
+
+
+def _prices(given: list[str]) -> dict[str, float]:
+    out = {}
+    for item in given:
+        name, _, usd = item.partition("=")
+        try:
+            out[name.strip()] = float(usd)
+        except ValueError:
+            raise ConfigError(f"--price {item}: give GENERATION=USD per chip-hour, e.g. --price v5e=0.9.") from None
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    # The library when the command runs: a fast --help.
+    from xlafit.plan import format_plan, plan_file, plan_json, plan_recipe
+
+    for flag in ("global_batch", "per_device_batch", "top"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} {value}: give a positive number.")
+    options = {
+        "global_batch": args.global_batch,
+        "examples": args.examples,
+        "tokens": args.tokens,
+        "budget_minutes": args.budget_minutes,
+        "top": args.top,
+        "spot": args.spot,
+        "prices": _prices(args.price),
+        "command": "xlafit plan " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["plan"] else [args.target]),
+    }
+    if args.target.endswith(".py") or os.path.sep in args.target:
+        if args.config:
+            raise ConfigError(
+                "--config is a recipe's preset; a file's plan starts from the file's own mesh and config."
+            )
+        plan = plan_file(
+            args.target,
+            args.overrides,
+            args.tpu,
+            per_device_batch=args.per_device_batch,
+            epochs=args.epochs or 1,
+            **options,
+        )
+    else:
+        if args.per_device_batch:
+            raise ConfigError("--per-device-batch is for a file; for a recipe give data.per_device_batch=N.")
+        plan = plan_recipe(args.target, args.overrides, args.tpu, preset=args.config, epochs=args.epochs, **options)
+    print(json.dumps(plan_json(plan), indent=2, default=str) if args.json else format_plan(plan))
+    if args.write:
+        written = plan.write(args.write)
+        print(f"wrote {written}", file=sys.stderr)
+    return 0 if plan.winner is not None else 1

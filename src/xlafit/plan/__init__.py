@@ -1,0 +1,187 @@
+"""``xlafit plan``: the layout, batch and TPU to run a model on, chosen by the TPU compiler.
+
+``xlafit check --tpu`` answers whether one configuration fits. ``plan`` searches: every
+mesh (``data x fsdp x tensor``) the model's named axes allow on each target, the levers
+that make a refused one fit (gradient accumulation, the model's remat policies), and the
+largest per-core batch of the best (:mod:`xlafit.plan.search`). Each candidate is compiled
+by libtpu for the target, on this machine, and predicted from its compiled program:
+
+- **step time** = ``max(compute, memory, communication)`` per core: compute is XLA's FLOPs
+  over the datasheet's peak, memory XLA's bytes accessed over HBM bandwidth (as ``check``'s
+  roofline), communication the collectives the compiled program contains, priced over the
+  slice's ICI (:mod:`xlafit.plan.comms`). The ``max`` assumes the collectives overlap the
+  computation (XLA's TPU scheduler runs them asynchronously); ``serial_s`` (their sum) is
+  the bound with no overlap. Ignored: the input pipeline, the host, step-to-step dispatch,
+  kernel efficiency below the peak (real MFU is below the predicted one), and the latency
+  of each collective;
+- **throughput** (examples and tokens per second), **MFU** (the model's FLOPs, analytic
+  where it has a count, over the step time and peak), **HBM** used and free per core;
+- **time and cost of the run**: the run's examples over the throughput, at the slice's
+  price per hour (:data:`xlafit.platform.hardware.PRICES`, on-demand list prices).
+
+The answer is ranked, the Pareto front (throughput, cost of the run, HBM to spare) marked,
+and the winner's settings are the ``xlafit train`` overrides; :meth:`Plan.write` writes them
+as a preset that ``xlafit train RECIPE --config plan.yaml`` and ``xlafit check --config``
+read.
+
+Example:
+    >>> plan = plan_recipe("bert", ["model.preset=base", "data.source=synthetic"], "v5e-8")  # doctest: +SKIP
+    >>> print(format_plan(plan))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+__all__ = ["Plan", "format_plan", "plan_file", "plan_json", "plan_recipe"]
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from xlafit.check import file_program, file_settings, importable, load_file, recipe_program
+from xlafit.check.tpu import Program
+from xlafit.config import load_yaml
+from xlafit.errors import ConfigError
+from xlafit.parallel.cluster import start_backends
+from xlafit.plan.report import format_plan, plan_json
+from xlafit.plan.result import Plan
+from xlafit.plan.search import Planner, Settings
+from xlafit.platform.hardware import PRICES, Price, Target, parse_targets
+from xlafit.recipes import preset_path
+
+
+def _run_examples(examples: float | None, tokens: float | None, program: Program, epochs: float) -> float | None:
+    if examples is not None:
+        return examples * epochs
+    if tokens is not None:
+        if not program.tokens_per_example:
+            raise ConfigError("--tokens needs a model that counts tokens per example; give --examples instead.")
+        return tokens / program.tokens_per_example * epochs
+    return None
+
+
+def _settings(global_batch: int | None, budget_minutes: float | None, top: int) -> Settings:
+    if global_batch is not None and global_batch < 1:
+        raise ConfigError(f"--global-batch {global_batch}: give a positive number of examples per step.")
+    deadline = time.monotonic() + budget_minutes * 60 if budget_minutes else math.inf
+    return Settings(global_batch=global_batch, top=top, deadline=deadline)
+
+
+def _prices(given: dict[str, float] | None) -> dict[str, Price]:
+    prices = dict(PRICES)
+    for generation, usd in (given or {}).items():
+        prices[generation] = Price(usd, usd, "given on the command line (--price)", time.strftime("%Y-%m-%d"))
+    return prices
+
+
+def _run(planner: Planner, targets: list[Target]) -> float:
+    t0 = time.perf_counter()
+    for target in targets:
+        planner.plan_target(target)
+    return time.perf_counter() - t0
+
+
+def plan_recipe(
+    name: str,
+    overrides: Sequence[str] = (),
+    tpu: str = "v5e-8",
+    *,
+    preset: str | Path | None = None,
+    global_batch: int | None = None,
+    examples: float | None = None,
+    tokens: float | None = None,
+    epochs: float | None = None,
+    budget_minutes: float | None = None,
+    top: int = 3,
+    spot: bool = False,
+    prices: dict[str, float] | None = None,
+    command: str = "",
+) -> Plan:
+    """Plans a recipe (with ``overrides``) on the TPU targets of ``tpu`` (``"v5e-8,v6e-8"``).
+
+    The run's size is ``examples`` (or ``tokens``) per epoch, by default the recipe's
+    dataset, times ``epochs`` (the recipe's ``trainer.epochs``).
+    """
+    targets = parse_targets(tpu)
+    start_backends()
+    base, cfg, train_examples = recipe_program(name, overrides, preset)
+    remat = getattr(cfg.model, "remat", None)
+    cache: dict[str | None, Program] = {remat: base}
+
+    def maker(mesh: tuple[int, int, int], policy: str | None, accumulate: int) -> Program:
+        if policy not in cache:
+            cache[policy] = recipe_program(name, [*overrides, f"model.remat={policy}"], preset)[0]
+        program = cache[policy]
+        config = dataclasses.replace(program.config, accumulate_steps=accumulate)
+        return dataclasses.replace(program, mesh=mesh, config=config)
+
+    planner = Planner(maker, base, _settings(global_batch, budget_minutes, top), remat)
+    seconds = _run(planner, targets)
+    size = _run_examples(examples if examples or tokens else train_examples, tokens, base, epochs or cfg.trainer.epochs)
+    # The plan sets the per-core batch (and so the global one): the recipe's global batch gives way.
+    batch_overrides = ["data.global_batch=null"]
+    return Plan(
+        name,
+        command or f"xlafit plan {name} --tpu {tpu}",
+        targets,
+        list(planner.outcomes.values()),
+        planner.skipped,
+        size,
+        [*overrides, *batch_overrides],
+        load_yaml(preset_path(name, preset)),
+        spot=spot,
+        prices=_prices(prices),
+        seconds=seconds,
+    )
+
+
+def plan_file(
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    tpu: str = "v5e-8",
+    *,
+    per_device_batch: int | None = None,
+    global_batch: int | None = None,
+    examples: float | None = None,
+    tokens: float | None = None,
+    epochs: float = 1,
+    budget_minutes: float | None = None,
+    top: int = 3,
+    spot: bool = False,
+    prices: dict[str, float] | None = None,
+    command: str = "",
+) -> Plan:
+    """Plans a user file's model (``check``'s format) on the targets of ``tpu``. Its
+    ``mesh`` and ``config`` (with ``overrides``) are the starting point; the plan's answer
+    is their ``mesh.*`` and ``trainer.*`` keys."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist.")
+    targets = parse_targets(tpu)
+    nested = file_settings(overrides, tpu)
+    start_backends()
+    with importable(path):
+        namespace = load_file(path)
+        base = file_program(path, namespace, nested, {"per_device_batch": per_device_batch})
+
+        def maker(mesh: tuple[int, int, int], policy: str | None, accumulate: int) -> Program:
+            config = dataclasses.replace(base.config, accumulate_steps=accumulate)
+            return dataclasses.replace(base, mesh=mesh, config=config)
+
+        planner = Planner(maker, base, _settings(global_batch, budget_minutes, top))
+        seconds = _run(planner, targets)
+    return Plan(
+        str(path),
+        command or f"xlafit plan {path} --tpu {tpu}",
+        targets,
+        list(planner.outcomes.values()),
+        planner.skipped,
+        _run_examples(examples, tokens, base, epochs),
+        list(overrides),
+        None,
+        batch_key="",
+        spot=spot,
+        prices=_prices(prices),
+        seconds=seconds,
+    )

@@ -1,0 +1,198 @@
+"""A plan for a terminal (a ranked table, the winner, why the others lost) and as JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from xlafit.plan.result import Plan
+from xlafit.plan.search import Outcome
+
+
+def _gib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def _rate(x: float | None) -> str:
+    if not x:
+        return "-"
+    for scale, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if x >= scale:
+            return f"{x / scale:.3g}{prefix}"
+    return f"{x:.3g}"
+
+
+def _hours(h: float | None) -> str:
+    if h is None:
+        return "-"
+    return f"{h * 60:.1f} min" if h < 1 else f"{h:.1f} h"
+
+
+def _row(plan: Plan, rank: str, o: Outcome, front: set) -> tuple[str, ...]:
+    c, p = o.candidate, o.prediction
+    cost = plan.run_cost(o)
+    return (
+        f"{rank}{'*' if c in front else ''}",
+        c.target,
+        c.layout,
+        c.levers,
+        f"{c.per_device_batch} ({c.global_batch})",
+        _gib(o.hbm_used),
+        _gib(o.hbm_free),
+        f"{p.step_s * 1e3:.3g}" if p else "-",
+        f"{p.comm_s * 1e3:.2g}" if p and p.comm_s is not None else "-",
+        _rate(p.examples_per_s if p else None),
+        _rate(p.tokens_per_s if p else None),
+        f"{p.mfu:.0%}" if p else "-",
+        _hours(plan.run_hours(o)),
+        f"${cost:,.2f}" if cost is not None else "-",
+        f"{o.compile_s:.0f}",
+    )
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+HEADER = (
+    "#",
+    "target",
+    "layout",
+    "levers",
+    "batch/core (global)",
+    "HBM GiB",
+    "free",
+    "step ms",
+    "comm ms",
+    "examples/s",
+    "tokens/s",
+    "MFU",
+    "run",
+    "run cost",
+    "compile s",
+)
+
+
+def format_plan(plan: Plan) -> str:
+    """The ranked table (fitting candidates first, the refused after), the winner with its
+    command, why the layouts that do not fit do not, and what the prediction ignores."""
+    fitting, front = plan.fitting(), plan.pareto()
+    rows = [HEADER] + [_row(plan, str(i + 1), o, front) for i, o in enumerate(fitting)]
+    refused = [o for o in plan.outcomes if o not in fitting]
+    rows += [_row(plan, "no" if o.fits is False else "err", o, front) for o in refused]
+    lines = [plan.command, *_table(rows), "  (* the Pareto front: throughput, cost of the run, HBM to spare)"]
+    lines += _winner_lines(plan)
+    lines += _why_not_lines(plan, refused)
+    for target, mesh, why in plan.skipped:
+        lines.append(f"  not tried on {target}: mesh {mesh[0]}x{mesh[1]}x{mesh[2]}: {why}")
+    lines.append(
+        "Prediction: step = max(compute at peak, XLA's bytes at HBM bandwidth, collectives over ICI), the "
+        "collectives assumed overlapped with compute; it ignores input, host and dispatch time and kernels "
+        "below peak (a lower bound on step time, an upper bound on throughput and MFU)."
+    )
+    lines.append(f"Planned in {plan.seconds:.0f} s on this machine ({len(plan.outcomes)} compiles).")
+    return "\n".join(lines)
+
+
+def _winner_lines(plan: Plan) -> list[str]:
+    o = plan.winner
+    if o is None:
+        return ["No candidate fits: see why below."]
+    c, p = o.candidate, o.prediction
+    lines = [f"Fastest: {c.target}, {c.layout}, {c.levers}, {c.per_device_batch} per core (global {c.global_batch})"]
+    if p is not None:
+        comm = f", collectives {p.comm_s * 1e3:.3g} ms" if p.comm_s is not None else ", collectives not priced"
+        lines.append(
+            f"  step >= {p.step_s * 1e3:.3g} ms (compute {p.compute_s * 1e3:.3g} ms, memory "
+            f"{p.memory_s * 1e3:.3g} ms{comm}; {p.serial_s * 1e3:.3g} ms with no overlap)"
+        )
+    lines.append(f"  run it: {plan.command_line(o)}")
+    by_cost = [x for x in plan.fitting() if plan.run_cost(x) is not None]
+    if len(plan.targets) > 1 and by_cost:
+        cheapest = min(by_cost, key=lambda x: plan.run_cost(x) or 0.0)
+        lines.append(
+            f"Cheapest run: {cheapest.candidate.target}, {cheapest.candidate.layout}: "
+            f"${plan.run_cost(cheapest):,.2f} in {_hours(plan.run_hours(cheapest))}"
+        )
+        lines += _slices(plan)
+    return lines
+
+
+def _slices(plan: Plan) -> list[str]:
+    """Each target's best candidate, ranked by time and by cost: which TPU."""
+    best: dict[str, Outcome] = {}
+    for o in plan.fitting():
+        best.setdefault(o.candidate.target, o)
+    by_time = sorted(best.values(), key=lambda o: plan.run_hours(o) or 0.0)
+    by_cost = sorted(best.values(), key=lambda o: plan.run_cost(o) or float("inf"))
+    name = lambda o: o.candidate.target  # noqa: E731
+    return [
+        "Slices by time: " + " < ".join(name(o) for o in by_time),
+        "Slices by cost: " + " < ".join(name(o) for o in by_cost),
+    ]
+
+
+def _why_not_lines(plan: Plan, refused: list[Outcome]) -> list[str]:
+    lines = []
+    for o in refused:
+        if o.fits is None:
+            lines.append(f"  {o.candidate.target} {o.candidate.layout} ({o.candidate.levers}): {o.error}")
+            continue
+        if o.stage != "layout":
+            continue
+        over = f" needs {_gib(o.needed)} GiB of {_gib(o.capacity)} GiB per core" if o.needed else ""
+        lines.append(f"Why not {o.candidate.target} {o.candidate.layout} ({o.candidate.levers}):{over}")
+        lines += [f"    {b.describe()}" for b in o.buffers]
+        fixed = [x for x in plan.fitting() if _same_layout(x, o)]
+        if fixed:
+            f = min(
+                fixed, key=lambda x: (x.candidate.accumulate, x.candidate.remat or "", -x.candidate.per_device_batch)
+            )
+            lines.append(f"    fits with {f.candidate.levers} (compiled: {_gib(f.hbm_used)} GiB per core)")
+    return lines
+
+
+def _same_layout(a: Outcome, b: Outcome) -> bool:
+    return a.candidate.target == b.candidate.target and a.candidate.mesh == b.candidate.mesh
+
+
+def plan_json(plan: Plan) -> dict[str, Any]:
+    """The plan for tools: every outcome with its prediction, run time and cost, and the winner."""
+    front = plan.pareto()
+
+    def outcome(o: Outcome) -> dict[str, Any]:
+        return {
+            "candidate": {**dataclasses.asdict(o.candidate), "layout": o.candidate.layout},
+            "overrides": plan.overrides(o),
+            "fits": o.fits,
+            "stage": o.stage,
+            "hbm_used": o.hbm_used,
+            "hbm_free": o.hbm_free,
+            "capacity": o.capacity,
+            "memory": o.memory,
+            "compile_s": o.compile_s,
+            "flops_per_step": o.flops,
+            "collectives": o.comms.to_json() if o.comms else None,
+            "prediction": dataclasses.asdict(o.prediction) if o.prediction else None,
+            "run_hours": plan.run_hours(o),
+            "run_cost_usd": plan.run_cost(o),
+            "pareto": o.candidate in front,
+            "largest_buffers": [dataclasses.asdict(b) for b in o.buffers],
+            "error": o.error,
+        }
+
+    winner = plan.winner
+    return {
+        "command": plan.command,
+        "source": plan.source,
+        "targets": [t.name for t in plan.targets],
+        "run_examples": plan.run_examples,
+        "prices": {k: dataclasses.asdict(v) for k, v in plan.prices.items()},
+        "spot": plan.spot,
+        "seconds": plan.seconds,
+        "outcomes": [outcome(o) for o in plan.fitting()] + [outcome(o) for o in plan.outcomes if not o.prediction],
+        "skipped": [{"target": t, "mesh": m, "why": w} for t, m, w in plan.skipped],
+        "winner": outcome(winner) if winner else None,
+        "winner_command": plan.command_line(winner) if winner else None,
+    }

@@ -1,0 +1,111 @@
+"""A plan's answer: the candidates compiled for one model, ranked, and the winner's settings."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from xlafit.config import deep_merge, parse_overrides
+from xlafit.errors import ConfigError
+from xlafit.plan.candidates import Candidate
+from xlafit.plan.search import Outcome
+from xlafit.platform.hardware import PRICES, Price, Target
+
+
+@dataclasses.dataclass
+class Plan:
+    """The candidates compiled for one model, ranked; see the module docstring."""
+
+    source: str  # the recipe's name or the file's path
+    command: str  # how the plan was asked for
+    targets: list[Target]
+    outcomes: list[Outcome]
+    skipped: list[tuple[str, tuple[int, int, int], str]]
+    run_examples: float | None  # examples the run trains on (all epochs); None: unknown
+    base_overrides: list[str]
+    preset: dict[str, Any] | None  # a recipe's preset (the file written is it, with the winner's keys)
+    batch_key: str = "data.per_device_batch"
+    spot: bool = False
+    prices: dict[str, Price] = dataclasses.field(default_factory=lambda: dict(PRICES))
+    seconds: float = 0.0
+
+    def fitting(self) -> list[Outcome]:
+        """The candidates that fit, fastest first."""
+        found = [o for o in self.outcomes if o.fits and o.prediction is not None]
+        return sorted(found, key=lambda o: -o.prediction.examples_per_s)  # type: ignore[union-attr]
+
+    @property
+    def winner(self) -> Outcome | None:
+        fitting = self.fitting()
+        return fitting[0] if fitting else None
+
+    def target(self, o: Outcome) -> Target:
+        return next(t for t in self.targets if t.name == o.candidate.target)
+
+    def run_hours(self, o: Outcome) -> float | None:
+        if self.run_examples is None or o.prediction is None:
+            return None
+        return self.run_examples / o.prediction.examples_per_s / 3600
+
+    def run_cost(self, o: Outcome) -> float | None:
+        hours, price = self.run_hours(o), self.target(o).price_per_hour(self.spot, self.prices)
+        return None if hours is None or price is None else hours * price
+
+    def pareto(self) -> set[Candidate]:
+        """Fitting candidates that no other beats on throughput, cost of the run (or price
+        per example when the run's size is unknown) and HBM to spare all at once."""
+
+        def score(o: Outcome) -> tuple[float, float, float]:
+            cost = self.run_cost(o)
+            if cost is None:
+                price = self.target(o).price_per_hour(self.spot, self.prices) or math.inf
+                cost = price / o.prediction.examples_per_s  # type: ignore[union-attr]
+            return (o.prediction.examples_per_s, -cost, o.hbm_free or 0.0)  # type: ignore[union-attr]
+
+        scores = {o.candidate: score(o) for o in self.fitting()}
+        return {
+            c
+            for c, s in scores.items()
+            if not any(all(x >= y for x, y in zip(t, s, strict=True)) and t != s for t in scores.values())
+        }
+
+    def overrides(self, o: Outcome) -> dict[str, Any]:
+        """The winner's (or ``o``'s) settings as ``xlafit train`` keys."""
+        return o.candidate.overrides(self.batch_key)
+
+    def command_line(self, o: Outcome) -> str:
+        keys = " ".join(f"{k}={v}" for k, v in self.overrides(o).items())
+        if self.preset is None:  # a user's file: its model, the plan's mesh and loop
+            return f"xlafit check {self.source} --tpu {o.candidate.target} {keys}"
+        return f"xlafit train {self.source} {' '.join(self.base_overrides)} {keys}".replace("  ", " ")
+
+    def write(self, path: str | Path) -> Path:
+        """The winner's settings as YAML: a recipe's whole preset with them applied (for
+        ``xlafit train RECIPE --config``), or a file's ``mesh:`` and ``trainer:`` sections."""
+        o = self.winner
+        if o is None:
+            raise ConfigError("no candidate fits any target: there is no plan to write.")
+        keys = parse_overrides([f"{k}={v}" for k, v in self.overrides(o).items()])
+        if self.preset is not None:
+            content = deep_merge(self.preset, deep_merge(parse_overrides(self.base_overrides), keys))
+            use = f"xlafit train {self.source} --config {path}"
+        else:
+            content = {k: v for k, v in keys.items() if k in ("mesh", "trainer")}
+            use = f"xlafit check {self.source} --tpu {o.candidate.target} --config {path}"
+        p = o.prediction
+        head = [
+            f"# {self.command}",
+            f"# The plan's choice for {o.candidate.target}: {o.candidate.layout}, {o.candidate.levers}, "
+            f"{o.candidate.per_device_batch} per core (global {o.candidate.global_batch})",
+            f"# predicted {p.examples_per_s:,.0f} examples/s, MFU {p.mfu:.0%} (an estimate from the compiled program)"
+            if p
+            else "#",
+            f"#   {use}",
+        ]
+        out = Path(path)
+        out.write_text("\n".join(head) + "\n" + yaml.safe_dump(content, sort_keys=False))
+        return out

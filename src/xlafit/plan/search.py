@@ -1,0 +1,311 @@
+"""The plan's search: compile candidates for each target, cheap refusals first, and predict.
+
+For each target, in order of cost:
+
+1. **Layouts** (:func:`xlafit.plan.candidates.meshes`): every mesh the model's named axes
+   allow, at the run's per-core batch (``global_batch`` over the mesh's batch shards when
+   the user fixed one), compiled side by side (as many compiles at once as there are cores).
+2. **Levers** for a layout that does not fit: gradient accumulation (as many micro-batches
+   as the compiler's shortfall suggests; the global batch stays) and the model's
+   rematerialisation policies (cheapest first), each one compile; the first that fits is
+   the layout's cheapest way in. A refusal is compiled once more with the compiler's dump,
+   to name the largest buffers at its peak.
+3. **Batch** (without a fixed global batch): for the ``top`` layouts by predicted
+   throughput, the largest per-core batch that fits (the ``--max-batch`` search of
+   :func:`xlafit.check.tpu.largest_batch`, at 10 % tolerance), predicted again there.
+
+Every compile is remembered (a layout and batch compile once), and a deadline stops new
+compiles: what was not compiled by then is reported as such.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from xlafit.check.tpu import (
+    OutOfMemory,
+    Program,
+    Steps,
+    TraceFailure,
+    largest_batch,
+    memory_of,
+    needed_bytes,
+    no_persistent_cache,
+    steps_in_cost,
+    tree_bytes,
+    usable_hbm,
+)
+from xlafit.plan.buffers import Buffer, largest_buffers
+from xlafit.plan.candidates import REMAT_LADDER, Candidate, mesh_refusal, meshes, params_of
+from xlafit.plan.comms import CommReport, collectives, loop_trips, summarize
+from xlafit.platform.hardware import Target
+
+# A program for a candidate's mesh, remat policy and accumulation (the batch is set per compile).
+Maker = Callable[[tuple[int, int, int], str | None, int], Program]
+
+
+@dataclasses.dataclass
+class Prediction:
+    """A candidate's step time and what follows from it (see :mod:`xlafit.plan`)."""
+
+    compute_s: float  # FLOPs / peak FLOP/s
+    memory_s: float  # XLA's bytes accessed / HBM bandwidth
+    comm_s: float | None  # the collectives over ICI; None: no ICI figure for the target
+    step_s: float  # max(compute, memory, communication): collectives overlapped with compute
+    serial_s: float  # max(compute, memory) + communication: none overlapped
+    examples_per_s: float
+    tokens_per_s: float | None
+    mfu: float  # model FLOPs (analytic where the model has a count, else XLA's) / time / peak
+
+
+@dataclasses.dataclass
+class Outcome:
+    """One compile of one candidate: the verdict, memory, collectives and prediction."""
+
+    candidate: Candidate
+    fits: bool | None  # None: an error, or not compiled (``error`` says which)
+    capacity: float = 0.0
+    memory: dict[str, int] = dataclasses.field(default_factory=dict)
+    needed: int | None = None  # bytes per core the compiler asked for, when it refused
+    compile_s: float = 0.0
+    flops: float | None = None  # XLA's, per core per step
+    comms: CommReport | None = None
+    prediction: Prediction | None = None
+    buffers: list[Buffer] = dataclasses.field(default_factory=list)
+    error: str | None = None
+    stage: str = "layout"  # layout, lever, batch
+
+    @property
+    def hbm_used(self) -> int | None:
+        return self.memory.get("total") if self.fits else self.needed
+
+    @property
+    def hbm_free(self) -> float | None:
+        used = self.hbm_used
+        return None if used is None or not self.capacity else self.capacity - used
+
+
+class OverBudget(Exception):
+    """The plan's deadline passed before this compile started."""
+
+
+@dataclasses.dataclass
+class Settings:
+    global_batch: int | None = None  # fixed: each layout's per-core batch and accumulation reach it
+    top: int = 3  # layouts whose largest batch is searched (without a fixed global batch)
+    deadline: float = math.inf  # time.monotonic() after which no compile starts
+    workers: int = max(1, os.cpu_count() or 1)
+    max_batch_limit: int = 2**16
+
+
+class Planner:
+    """Compiles and predicts the candidates of one model (``maker``) on ``targets``."""
+
+    def __init__(self, maker: Maker, base: Program, settings: Settings, remat: str | None = None) -> None:
+        """``base``: the run as configured; ``remat``: its ``model.remat`` (None: the model has none)."""
+        self.maker, self.base, self.settings, self.remat = maker, base, settings, remat
+        self._programs: dict[tuple, Program] = {}
+        self._steps: dict[tuple, Steps] = {}
+        self.outcomes: dict[Candidate, Outcome] = {}
+        self.skipped: list[tuple[str, tuple[int, int, int], str]] = []  # target, mesh, why
+
+    # ------------------------------------------------------------------ compiling
+
+    def steps(self, target: Target, c: Candidate) -> Steps:
+        key = (target.name, c.mesh, c.remat, c.accumulate)
+        if key not in self._steps:
+            pkey = (c.mesh, c.remat, c.accumulate)
+            if pkey not in self._programs:
+                self._programs[pkey] = self.maker(c.mesh, c.remat, c.accumulate)
+            self._steps[key] = Steps(target, self._programs[pkey])
+        return self._steps[key]
+
+    def evaluate(self, target: Target, c: Candidate, stage: str) -> Outcome:
+        """Compiles ``c`` once (later calls return the first outcome) and predicts its step."""
+        if c in self.outcomes:
+            return self.outcomes[c]
+        if time.monotonic() > self.settings.deadline:
+            raise OverBudget
+        capacity = usable_hbm(target)[0]
+        out = Outcome(c, None, capacity, stage=stage)
+        quiet = stage == "batch"  # largest_batch says what each of its probes does
+        if not quiet:
+            _progress(f"{target.name}: compiling {c.layout}, {c.levers}, {c.per_device_batch} per core ...")
+        try:
+            steps = self.steps(target, c)
+            compiled, out.compile_s = steps.compile_train(c.per_device_batch)
+        except OutOfMemory as e:
+            out.fits, out.needed, out.error = False, needed_bytes(e.message), e.message
+        except TraceFailure as e:
+            out.error = f"fails while tracing: {type(e.original).__name__}: {e.original}"
+        except Exception as e:  # a layout the model's code cannot take (a reshape by heads, ...)
+            out.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        else:
+            out.fits = True
+            k = steps.program.config.steps_per_call
+            out.memory = memory_of(
+                compiled, steps.state_bytes, tree_bytes(steps.program.example) * c.per_device_batch * k
+            )
+            self._predict(out, target, steps, compiled, k)
+        verdict = "fits" if out.fits else "does not fit" if out.fits is False else "error"
+        if not quiet:
+            _progress(f"{target.name}: {c.layout}, {c.levers}, {c.per_device_batch} per core: {verdict}")
+        self.outcomes[c] = out
+        return out
+
+    def explain(self, target: Target, out: Outcome) -> None:
+        """The largest buffers of a refused candidate, from a compile with the compiler's dump."""
+        if out.fits is not False or out.buffers or time.monotonic() > self.settings.deadline:
+            return
+        with tempfile.TemporaryDirectory(prefix="xlafit-plan-") as dump:
+            try:
+                self.steps(target, out.candidate).compile_train(out.candidate.per_device_batch, Path(dump))
+            except OutOfMemory:
+                out.buffers = largest_buffers(Path(dump))
+
+    def _predict(self, out: Outcome, target: Target, steps: Steps, compiled: Any, k: int) -> None:
+        cost = compiled.cost_analysis() or {}
+        hlo = compiled.as_text()
+        counted = steps_in_cost(compiled, k)
+        c = out.candidate
+        # XLA's cost analysis counts a loop's body once: a scanned accumulation's micro-batches too.
+        micro = c.accumulate if c.accumulate > 1 and c.accumulate in loop_trips(hlo) else 1
+        flops = float(cost.get("flops", 0.0)) * micro / counted
+        accessed = float(cost.get("bytes accessed", 0.0)) * micro / counted
+        out.flops = flops or None
+        out.comms = summarize(collectives(hlo, target.num_devices), target, per=k)
+        p = steps.program
+        rows = c.global_batch
+        compute, memory = flops / target.peak_flops, accessed / target.hbm_bandwidth
+        comm = out.comms.seconds
+        roof = max(compute, memory)
+        step = max(roof, comm or 0.0)
+        if step <= 0:
+            return
+        model_flops = p.flops_per_example * rows / target.num_devices if p.flops_per_example else flops
+        out.prediction = Prediction(
+            compute,
+            memory,
+            comm,
+            step,
+            roof + (comm or 0.0),
+            rows / step,
+            rows / step * p.tokens_per_example if p.tokens_per_example else None,
+            model_flops / step / target.peak_flops,
+        )
+
+    def _map(self, jobs: Iterable[tuple[Target, Candidate, str]]) -> list[Outcome]:
+        """Outcomes of several compiles, ``workers`` at a time; a job past the deadline is
+        reported as not compiled."""
+
+        def run(job: tuple[Target, Candidate, str]) -> Outcome:
+            target, c, stage = job
+            try:
+                return self.evaluate(target, c, stage)
+            except OverBudget:
+                out = Outcome(c, None, error="not compiled: the plan's time budget ran out", stage=stage)
+                self.outcomes.setdefault(c, out)
+                return out
+
+        jobs = list(jobs)
+        for target, c, _ in jobs:  # built here, one at a time: tracing shares the model objects
+            self.steps(target, c)
+        with concurrent.futures.ThreadPoolExecutor(self.settings.workers) as pool:
+            return list(pool.map(run, jobs))
+
+    # ------------------------------------------------------------------ the search
+
+    def plan_target(self, target: Target) -> None:
+        """Stages 1 to 3 of the module docstring for one target."""
+        with no_persistent_cache():
+            layouts = self._layouts(target)
+            first = self._map((target, c, "layout") for c in layouts)
+            refused = [o for o in first if o.fits is False]
+            self._map(job for o in refused for job in self._lever_jobs(target, o))
+            for o in refused:
+                self.explain(target, o)
+            if self.settings.global_batch is None:
+                self._largest(target)
+
+    def _layouts(self, target: Target) -> list[Candidate]:
+        params = params_of(self.base.model)
+        found = []
+        for mesh in meshes(target.num_devices):
+            why = mesh_refusal(params, mesh, self.base.rules)
+            shards = mesh[0] * mesh[1]
+            g = self.settings.global_batch
+            if why is None and g is not None and g % shards:
+                why = f"the global batch {g} does not divide over its {shards} batch shards"
+            if why is not None:
+                self.skipped.append((target.name, mesh, why))
+                continue
+            per = (
+                g // shards if g else self.base.per_device_batch or max(1, (self.base.global_batch or shards) // shards)
+            )
+            found.append(Candidate(target.name, mesh, per, self.base.config.accumulate_steps, self.remat))
+        return found
+
+    def _lever_jobs(self, target: Target, o: Outcome) -> list[tuple[Target, Candidate, str]]:
+        """Accumulation sized from the shortfall, and each costlier remat policy."""
+        c, jobs = o.candidate, []
+        state = self.steps(target, c).state_bytes
+        if o.needed and o.capacity > state:
+            ratio = (o.needed - state) / (o.capacity * 0.95 - state)
+            k = c.accumulate * 2 ** max(1, math.ceil(math.log2(max(ratio, 1.0))))
+            if ratio > 0 and c.per_device_batch % k == 0:
+                jobs.append((target, dataclasses.replace(c, accumulate=k), "lever"))
+        if c.remat is not None:
+            for policy in REMAT_LADDER[REMAT_LADDER.index(c.remat) + 1 :] if c.remat in REMAT_LADDER else ("full",):
+                jobs.append((target, dataclasses.replace(c, remat=policy), "lever"))
+        return jobs
+
+    def _largest(self, target: Target) -> None:
+        """Stage 3: the largest per-core batch of the best layouts, predicted there."""
+        fitting = [o for o in self.outcomes.values() if o.candidate.target == target.name and o.fits and o.prediction]
+        fitting.sort(key=lambda o: -o.prediction.examples_per_s)  # type: ignore[union-attr]
+        for o in fitting[: self.settings.top]:
+            c = o.candidate
+            recorder = _Recorder(self, target, c)
+            try:
+                best, _ = largest_batch(
+                    recorder,
+                    c.per_device_batch,
+                    True,
+                    o.memory.get("total"),
+                    o.capacity,
+                    limit=self.settings.max_batch_limit,
+                    tolerance=0.1,
+                )
+            except OverBudget:
+                continue
+            _progress(f"{target.name}: {c.layout}, {c.levers}: largest per-core batch {best}")
+
+
+class _Recorder:
+    """What :func:`largest_batch` needs of a :class:`Steps`, each probe an evaluated candidate."""
+
+    def __init__(self, planner: Planner, target: Target, c: Candidate) -> None:
+        self.planner, self.target, self.candidate = planner, target, c
+        steps = planner.steps(target, c)
+        self.program, self.strategy = steps.program, steps.strategy
+
+    def fits(self, per_device: int) -> tuple[bool, float, int | None]:
+        out = self.planner.evaluate(
+            self.target, dataclasses.replace(self.candidate, per_device_batch=per_device), "batch"
+        )
+        if out.fits is None:  # an error at this batch: no larger one either
+            return False, out.compile_s, None
+        return bool(out.fits), out.compile_s, out.hbm_used
+
+
+def _progress(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
