@@ -105,8 +105,16 @@ class OptimizerConfig:
     trust_coefficient: float = 0.001
     trust_ratio_on: Literal["all", "matrices"] = "matrices"  # lars: which parameters get the trust ratio
     grad_clip_norm: float | None = None  # clip the gradients' global norm to this (null: no clipping)
+    # adam and adamw: the dtype of the first moment (optax's mu_dtype); bfloat16 halves it, and
+    # changes the numerics (xlafit plan offers it only with --allow-numerics)
+    moment_dtype: Literal["float32", "bfloat16"] = "float32"
 
     def __post_init__(self) -> None:
+        if self.moment_dtype != "float32" and self.name not in ("adam", "adamw"):
+            raise ConfigError(
+                f"optimizer.moment_dtype={self.moment_dtype} applies to adam and adamw (optax's mu_dtype), not "
+                f"{self.name}; remove it or use optimizer.name=adamw."
+            )
         _check_section(
             self,
             "optimizer",

@@ -60,6 +60,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--top", type=int, default=3, metavar="K", help="search the largest batch of the K fastest layouts (default 3)"
     )
+    p.add_argument(
+        "--allow-numerics",
+        action="store_true",
+        help="also try settings that change the numerics (bf16 compute, bf16 Adam moments), marked in the table",
+    )
     p.add_argument("--spot", action="store_true", help="price the run at Spot prices (where the table has them)")
     p.add_argument(
         "--price",
@@ -119,7 +124,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         if args.per_device_batch:
             raise ConfigError("--per-device-batch is for a file; for a recipe give data.per_device_batch=N.")
-        plan = plan_recipe(args.target, args.overrides, args.tpu, preset=args.config, epochs=args.epochs, **options)
+        plan = plan_recipe(
+            args.target,
+            args.overrides,
+            args.tpu,
+            preset=args.config,
+            epochs=args.epochs,
+            allow_numerics=args.allow_numerics,
+            **options,
+        )
     print(json.dumps(plan_json(plan), indent=2, default=str) if args.json else format_plan(plan))
     if args.write:
         written = plan.write(args.write)

@@ -38,12 +38,14 @@ import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from xlafit.check import file_program, file_settings, importable, load_file, recipe_program
 from xlafit.check.tpu import Program
 from xlafit.config import load_yaml
 from xlafit.errors import ConfigError
 from xlafit.parallel.cluster import start_backends
+from xlafit.plan.candidates import Candidate
 from xlafit.plan.report import format_plan, plan_json
 from xlafit.plan.result import Plan
 from xlafit.plan.search import Planner, Settings
@@ -61,11 +63,21 @@ def _run_examples(examples: float | None, tokens: float | None, program: Program
     return None
 
 
-def _settings(global_batch: int | None, budget_minutes: float | None, top: int) -> Settings:
+def _settings(global_batch: int | None, budget_minutes: float | None, top: int, allow_numerics: bool) -> Settings:
     if global_batch is not None and global_batch < 1:
         raise ConfigError(f"--global-batch {global_batch}: give a positive number of examples per step.")
     deadline = time.monotonic() + budget_minutes * 60 if budget_minutes else math.inf
-    return Settings(global_batch=global_batch, top=top, deadline=deadline)
+    return Settings(global_batch=global_batch, top=top, deadline=deadline, allow_numerics=allow_numerics)
+
+
+def _numerics(cfg: Any) -> tuple[tuple[str, str], ...]:
+    """The settings of a recipe's run that would change its numerics to save memory or time."""
+    found = []
+    if getattr(cfg.model, "compute_dtype", None) == "float32":
+        found.append(("model.compute_dtype", "bfloat16"))
+    if cfg.optimizer.name in ("adam", "adamw") and cfg.optimizer.moment_dtype == "float32":
+        found.append(("optimizer.moment_dtype", "bfloat16"))
+    return tuple(found)
 
 
 def _prices(given: dict[str, float] | None) -> dict[str, Price]:
@@ -96,27 +108,31 @@ def plan_recipe(
     top: int = 3,
     spot: bool = False,
     prices: dict[str, float] | None = None,
+    allow_numerics: bool = False,
     command: str = "",
 ) -> Plan:
     """Plans a recipe (with ``overrides``) on the TPU targets of ``tpu`` (``"v5e-8,v6e-8"``).
 
     The run's size is ``examples`` (or ``tokens``) per epoch, by default the recipe's
-    dataset, times ``epochs`` (the recipe's ``trainer.epochs``).
+    dataset, times ``epochs`` (the recipe's ``trainer.epochs``). ``allow_numerics`` adds the
+    levers that change the numerics (bf16 compute, bf16 Adam moments), marked in the table.
     """
     targets = parse_targets(tpu)
     start_backends()
     base, cfg, train_examples = recipe_program(name, overrides, preset)
     remat = getattr(cfg.model, "remat", None)
-    cache: dict[str | None, Program] = {remat: base}
+    cache: dict[tuple, Program] = {(remat, ()): base}
 
-    def maker(mesh: tuple[int, int, int], policy: str | None, accumulate: int) -> Program:
-        if policy not in cache:
-            cache[policy] = recipe_program(name, [*overrides, f"model.remat={policy}"], preset)[0]
-        program = cache[policy]
-        config = dataclasses.replace(program.config, accumulate_steps=accumulate)
-        return dataclasses.replace(program, mesh=mesh, config=config)
+    def maker(c: Candidate) -> Program:
+        key = (c.remat, c.numerics)
+        if key not in cache:
+            keys = [f"model.remat={c.remat}"] if c.remat is not None else []
+            cache[key] = recipe_program(name, [*overrides, *keys, *(f"{k}={v}" for k, v in c.numerics)], preset)[0]
+        config = dataclasses.replace(cache[key].config, accumulate_steps=c.accumulate)
+        return dataclasses.replace(cache[key], mesh=c.mesh, config=config)
 
-    planner = Planner(maker, base, _settings(global_batch, budget_minutes, top), remat)
+    settings = _settings(global_batch, budget_minutes, top, allow_numerics)
+    planner = Planner(maker, base, settings, remat, _numerics(cfg))
     seconds = _run(planner, targets)
     size = _run_examples(examples if examples or tokens else train_examples, tokens, base, epochs or cfg.trainer.epochs)
     # The plan sets the per-core batch (and so the global one): the recipe's global batch gives way.
@@ -165,11 +181,11 @@ def plan_file(
         namespace = load_file(path)
         base = file_program(path, namespace, nested, {"per_device_batch": per_device_batch})
 
-        def maker(mesh: tuple[int, int, int], policy: str | None, accumulate: int) -> Program:
-            config = dataclasses.replace(base.config, accumulate_steps=accumulate)
-            return dataclasses.replace(base, mesh=mesh, config=config)
+        def maker(c: Candidate) -> Program:
+            config = dataclasses.replace(base.config, accumulate_steps=c.accumulate)
+            return dataclasses.replace(base, mesh=c.mesh, config=config)
 
-        planner = Planner(maker, base, _settings(global_batch, budget_minutes, top))
+        planner = Planner(maker, base, _settings(global_batch, budget_minutes, top, False))
         seconds = _run(planner, targets)
     return Plan(
         str(path),

@@ -37,6 +37,8 @@ class Candidate:
     per_device_batch: int  # examples per batch shard per optimizer step
     accumulate: int = 1  # micro-batches per step (trainer.accumulate_steps)
     remat: str | None = None  # None: the model has no model.remat
+    # Settings that change the numerics (bf16 compute, bf16 optimizer moments): dotted key, value.
+    numerics: tuple[tuple[str, str], ...] = ()
 
     @property
     def shards(self) -> int:
@@ -61,6 +63,7 @@ class Candidate:
             parts.append(f"remat {self.remat}")
         if self.accumulate > 1:
             parts.append(f"accumulate {self.accumulate}")
+        parts += [f"{key.rsplit('.', 1)[-1]}={value} (numerics)" for key, value in self.numerics]
         return ", ".join(parts) or "-"
 
     def overrides(self, batch_key: str = "data.per_device_batch") -> dict[str, Any]:
@@ -72,6 +75,7 @@ class Candidate:
         out["trainer.accumulate_steps"] = self.accumulate
         if self.remat is not None:
             out["model.remat"] = self.remat
+        out.update(self.numerics)
         return out
 
 

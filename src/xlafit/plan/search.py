@@ -44,13 +44,15 @@ from xlafit.check.tpu import (
     tree_bytes,
     usable_hbm,
 )
+from xlafit.errors import XlafitError
 from xlafit.plan.buffers import Buffer, largest_buffers
 from xlafit.plan.candidates import REMAT_LADDER, Candidate, mesh_refusal, meshes, params_of
 from xlafit.plan.comms import CommReport, collectives, loop_trips, summarize
 from xlafit.platform.hardware import Target
 
-# A program for a candidate's mesh, remat policy and accumulation (the batch is set per compile).
-Maker = Callable[[tuple[int, int, int], str | None, int], Program]
+# The program of a candidate: its mesh, remat policy, accumulation and numerics (the batch is
+# set per compile).
+Maker = Callable[[Candidate], Program]
 
 
 @dataclasses.dataclass
@@ -105,14 +107,25 @@ class Settings:
     deadline: float = math.inf  # time.monotonic() after which no compile starts
     workers: int = max(1, os.cpu_count() or 1)
     max_batch_limit: int = 2**16
+    allow_numerics: bool = False  # also try the levers that change the numerics
 
 
 class Planner:
     """Compiles and predicts the candidates of one model (``maker``) on ``targets``."""
 
-    def __init__(self, maker: Maker, base: Program, settings: Settings, remat: str | None = None) -> None:
-        """``base``: the run as configured; ``remat``: its ``model.remat`` (None: the model has none)."""
+    def __init__(
+        self,
+        maker: Maker,
+        base: Program,
+        settings: Settings,
+        remat: str | None = None,
+        numerics: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        """``base``: the run as configured; ``remat``: its ``model.remat`` (None: the model has
+        none); ``numerics``: the settings that would change its numerics, each a lever with
+        ``settings.allow_numerics``."""
         self.maker, self.base, self.settings, self.remat = maker, base, settings, remat
+        self.numerics = numerics if settings.allow_numerics else ()
         self._programs: dict[tuple, Program] = {}
         self._steps: dict[tuple, Steps] = {}
         self.outcomes: dict[Candidate, Outcome] = {}
@@ -121,11 +134,11 @@ class Planner:
     # ------------------------------------------------------------------ compiling
 
     def steps(self, target: Target, c: Candidate) -> Steps:
-        key = (target.name, c.mesh, c.remat, c.accumulate)
+        key = (target.name, c.mesh, c.remat, c.accumulate, c.numerics)
         if key not in self._steps:
-            pkey = (c.mesh, c.remat, c.accumulate)
+            pkey = key[1:]
             if pkey not in self._programs:
-                self._programs[pkey] = self.maker(c.mesh, c.remat, c.accumulate)
+                self._programs[pkey] = self.maker(c)
             self._steps[key] = Steps(target, self._programs[pkey])
         return self._steps[key]
 
@@ -233,8 +246,19 @@ class Planner:
             self._map(job for o in refused for job in self._lever_jobs(target, o))
             for o in refused:
                 self.explain(target, o)
+            if self.numerics:  # the fastest layout with each setting that changes the numerics
+                best = self._best(target)
+                if best is not None:
+                    jobs = [
+                        (target, dataclasses.replace(best.candidate, numerics=(n,)), "numerics") for n in self.numerics
+                    ]
+                    self._map(jobs)
             if self.settings.global_batch is None:
                 self._largest(target)
+
+    def _best(self, target: Target) -> Outcome | None:
+        fitting = [o for o in self.outcomes.values() if o.candidate.target == target.name and o.prediction]
+        return max(fitting, key=lambda o: o.prediction.examples_per_s, default=None)  # type: ignore[union-attr]
 
     def _layouts(self, target: Target) -> list[Candidate]:
         params = params_of(self.base.model)
@@ -251,7 +275,13 @@ class Planner:
             per = (
                 g // shards if g else self.base.per_device_batch or max(1, (self.base.global_batch or shards) // shards)
             )
-            found.append(Candidate(target.name, mesh, per, self.base.config.accumulate_steps, self.remat))
+            candidate = Candidate(target.name, mesh, per, self.base.config.accumulate_steps, self.remat)
+            try:  # the mesh over the slice's hosts: a tensor group must stay on one
+                self.steps(target, candidate)
+            except XlafitError as e:
+                self.skipped.append((target.name, mesh, str(e)))
+                continue
+            found.append(candidate)
         return found
 
     def _lever_jobs(self, target: Target, o: Outcome) -> list[tuple[Target, Candidate, str]]:
@@ -266,6 +296,7 @@ class Planner:
         if c.remat is not None:
             for policy in REMAT_LADDER[REMAT_LADDER.index(c.remat) + 1 :] if c.remat in REMAT_LADDER else ("full",):
                 jobs.append((target, dataclasses.replace(c, remat=policy), "lever"))
+        jobs += [(target, dataclasses.replace(c, numerics=(n,)), "lever") for n in self.numerics]
         return jobs
 
     def _largest(self, target: Target) -> None:

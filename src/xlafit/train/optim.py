@@ -115,12 +115,15 @@ def make_optimizer(
     peak = scaled_lr(cfg.learning_rate, global_batch, cfg.reference_batch, cfg.scaling)
     schedule = make_schedule(cfg, peak, steps)
     mask = matrices if cfg.weight_decay_on == "matrices" else None
+    mu_dtype = None if cfg.moment_dtype == "float32" else jnp.dtype(cfg.moment_dtype)
     if cfg.name == "adamw":
-        opt = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask)
+        opt = optax.adamw(
+            schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, mu_dtype=mu_dtype, weight_decay=cfg.weight_decay, mask=mask
+        )
     elif cfg.name == "lamb":
         opt = optax.lamb(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask)
     elif cfg.name == "adam":
-        opt = optax.adam(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+        opt = optax.adam(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, mu_dtype=mu_dtype)
     elif cfg.name == "sgd":
         # PyTorch's SGD: the decay joins the gradient before the momentum (Goyal et al. 2017).
         sgd = optax.sgd(schedule, momentum=cfg.momentum or None, nesterov=cfg.nesterov)

@@ -1,0 +1,261 @@
+"""``xlafit plan``: candidates, the collectives of compiled TPU programs, cost arithmetic, the
+search on real TPU compiles, and the written plan read back by ``train`` and ``check``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+from xlafit.check import check_file, check_recipe
+from xlafit.check.tpu import Program, Steps, no_persistent_cache
+from xlafit.cli import main
+from xlafit.config import TrainerConfig
+from xlafit.parallel.sharding import logical
+from xlafit.plan import format_plan, plan_file, plan_json, plan_recipe
+from xlafit.plan.candidates import Candidate, mesh_refusal, meshes, params_of
+from xlafit.plan.comms import collectives, loop_trips, summarize
+from xlafit.plan.result import Plan
+from xlafit.plan.search import Outcome, Prediction
+from xlafit.platform.hardware import PRICES, parse_target
+from xlafit.recipes import load_config
+
+pytest.importorskip("libtpu")  # the TPU compiler (the dev extra installs it)
+
+CASES = Path(__file__).parent / "check_cases"
+
+
+class MLP(nnx.Module):
+    """Two named matrices (embed x mlp), no biases: its parameter bytes are known."""
+
+    def __init__(self, rngs: nnx.Rngs, width: int = 1024, hidden: int = 4096) -> None:
+        init = nnx.initializers.lecun_normal()
+        self.up = nnx.Linear(width, hidden, use_bias=False, kernel_init=logical(init, "embed", "mlp"), rngs=rngs)
+        self.down = nnx.Linear(hidden, width, use_bias=False, kernel_init=logical(init, "mlp", "embed"), rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+def mse(model: MLP, batch: dict) -> jax.Array:
+    return jnp.mean((model(batch["x"]) - batch["x"]) ** 2, axis=-1)
+
+
+def mlp_program(mesh: tuple[int, int, int], per_device: int = 16) -> Program:
+    model = nnx.eval_shape(lambda: MLP(nnx.Rngs(0)))
+    example = {"x": jax.ShapeDtypeStruct((1024,), jnp.float32)}
+    return Program(model, mse, optax.sgd(0.1), TrainerConfig(), example, per_device_batch=per_device, mesh=mesh)
+
+
+# ----------------------------------------------------------------------------- candidates
+
+
+def test_meshes_are_every_factorisation():
+    found = meshes(8)
+    assert len(found) == len(set(found)) == 10
+    assert all(math.prod(m) == 8 for m in found)
+    assert found[0] == (8, 1, 1)  # data parallelism first
+    assert meshes(1) == [(1, 1, 1)]
+
+
+def test_mesh_refusal_follows_the_model_axes():
+    params = params_of(nnx.eval_shape(lambda: MLP(nnx.Rngs(0), width=1024, hidden=4096 + 8)))
+    assert mesh_refusal(params, (8, 1, 1)) is None
+    assert mesh_refusal(params, (1, 8, 1)) is None
+    assert mesh_refusal(params, (4, 1, 2)) is None  # mlp 4104 = 2 x 2052
+    assert "does not divide" in mesh_refusal(params, (1, 1, 16))  # 4104 is no multiple of 16
+    plain = params_of(nnx.eval_shape(lambda: nnx.Linear(64, 64, rngs=nnx.Rngs(0))))  # no names
+    assert "no parameter" in mesh_refusal(plain, (4, 1, 2))
+
+
+def test_candidate_overrides_and_layout():
+    c = Candidate("v5e-8", (2, 2, 2), 16, accumulate=2, remat="full")
+    assert c.shards == 4 and c.global_batch == 64
+    assert c.layout == "DP 2 x FSDP 2 x TP 2" and c.levers == "remat full, accumulate 2"
+    assert c.overrides() == {
+        "mesh.data": 2,
+        "mesh.fsdp": 2,
+        "mesh.tensor": 2,
+        "data.per_device_batch": 16,
+        "trainer.accumulate_steps": 2,
+        "model.remat": "full",
+    }
+
+
+# ----------------------------------------------------------------------------- collectives
+
+HLO = """
+HloModule m
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %add = f32[] add(%a, %b)
+}
+
+%all-reduce-scatter.1 (p: f32[1024,64]) -> f32[128,64] {
+  %p = f32[1024,64]{1,0} parameter(0)
+  %ar = f32[1024,64]{1,0} all-reduce(%p), channel_id=3, replica_groups=[1,8]<=[8], to_apply=%sum
+  ROOT %ds = f32[128,64]{1,0} dynamic-slice(%ar), dynamic_slice_sizes={128,64}
+}
+
+%body (t: (s32[], bf16[16,64])) -> (s32[], bf16[16,64]) {
+  %t = (s32[], bf16[16,64]) parameter(0)
+  %x = bf16[16,64]{1,0} get-tuple-element(%t), index=1
+  %g = bf16[128,64]{1,0:T(8,128)(2,1)} all-gather(%x), channel_id=1, replica_groups=mesh['axis_0'=2,'axis_1'=4] \
+{'axis_1'}, dimensions={0}
+  %g2 = bf16[128,64]{1,0} all-gather(%x), channel_id=1, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, \
+dimensions={0}
+  ROOT %r = (s32[], bf16[16,64]) tuple(%i, %x)
+}
+
+%cond (t: (s32[], bf16[16,64])) -> pred[] {
+  %t = (s32[], bf16[16,64]) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (p: f32[1024,64], x: bf16[16,64]) -> f32[128,64] {
+  %p = f32[1024,64]{1,0} parameter(0)
+  %w = (s32[], bf16[16,64]) while(%init), condition=%cond, body=%body
+  %s = f32[] all-reduce(%z), channel_id=9, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%sum
+  ROOT %f = f32[128,64]{1,0} fusion(%p), kind=kCustom, calls=%all-reduce-scatter.1
+}
+"""
+
+
+def test_collectives_read_from_hlo_text():
+    found = {c.name: c for c in collectives(HLO, 8)}
+    # One all-gather (two copies share channel 1) of 128 x 64 bf16 over groups of 4, run
+    # once per trip of a 4-trip loop.
+    assert set(found) == {"g", "s", "ar"}
+    assert (found["g"].kind, found["g"].bytes, found["g"].group, found["g"].count) == ("all-gather", 16384, 4, 4)
+    # The all-reduce of an all-reduce-scatter fusion is the reduce-scatter it implements.
+    assert (found["ar"].kind, found["ar"].bytes, found["ar"].group) == ("reduce-scatter", 1024 * 64 * 4, 8)
+    assert (found["s"].kind, found["s"].bytes, found["s"].group) == ("all-reduce", 4, 8)
+    assert loop_trips(HLO) == [4]
+
+
+def test_collective_seconds_over_ici():
+    v5e = parse_target("v5e-8")  # 2x4, no wraparound: 400 GB/s per chip over 4 ports, halved
+    found = {c.name: c for c in collectives(HLO, 8)}
+    assert v5e.ici_bandwidth(4) == pytest.approx(100e9) and v5e.ici_bandwidth(8) == pytest.approx(200e9)
+    assert found["g"].seconds(v5e) == pytest.approx(4 * 3 / 4 * 16384 / 100e9)
+    assert found["ar"].seconds(v5e) == pytest.approx(7 / 8 * 1024 * 64 * 4 / 200e9)
+    assert found["s"].seconds(v5e) == pytest.approx(2 * 7 / 8 * 4 / 200e9)  # all-reduce: two passes
+    assert found["g"].seconds(parse_target("v3-8")) is None  # no ICI figure: not priced
+    report = summarize(collectives(HLO, 8), v5e, per=2)
+    assert report.by_kind["all-gather"]["bytes"] == 16384 * 4 / 2
+
+
+def test_fsdp_collectives_of_a_compiled_program_move_the_parameters():
+    """FSDP over 8 v5e cores: the forward all-gathers every weight once (the bf16 copy that
+    TPU matmuls at default precision read) and the gradients reduce-scatter in float32."""
+    target = parse_target("v5e-8")
+    with no_persistent_cache():  # a compile-only client cannot read a cache entry back
+        compiled, _ = Steps(target, mlp_program((1, 8, 1))).compile_train(16)
+        dp, _ = Steps(target, mlp_program((8, 1, 1))).compile_train(16)
+    report = summarize(collectives(compiled.as_text(), 8), target)
+    params = 2 * 1024 * 4096
+    assert report.by_kind["all-gather"]["bytes"] == params * 2
+    assert report.by_kind["reduce-scatter"]["bytes"] == params * 4
+    plain = summarize(collectives(dp.as_text(), 8), target)
+    assert "all-gather" not in plain.by_kind  # data parallelism: parameters stay whole
+    assert sum(row["bytes"] for row in plain.by_kind.values()) >= params * 4  # the gradients' all-reduce
+
+
+# ----------------------------------------------------------------------------- cost arithmetic
+
+
+def _outcome(target: str, examples_per_s: float, free: float = 2**30) -> Outcome:
+    c = Candidate(target, (8, 1, 1), 32)
+    prediction = Prediction(0.01, 0.02, 0.001, 0.02, 0.021, examples_per_s, None, 0.5)
+    return Outcome(c, True, capacity=16 * 2**30, memory={"total": int(16 * 2**30 - free)}, prediction=prediction)
+
+
+def test_run_time_and_cost():
+    targets = [parse_target("v5e-8"), parse_target("v6e-8")]
+    fast, slow = _outcome("v6e-8", 2000.0), _outcome("v5e-8", 1000.0)
+    plan = Plan("bert", "xlafit plan bert", targets, [slow, fast], [], 3.6e6, [], {})
+    assert plan.run_hours(slow) == pytest.approx(1.0) and plan.run_hours(fast) == pytest.approx(0.5)
+    assert plan.run_cost(slow) == pytest.approx(8 * PRICES["v5e"].on_demand)
+    assert plan.run_cost(fast) == pytest.approx(0.5 * 8 * PRICES["v6e"].on_demand)
+    assert plan.winner is fast
+    assert targets[0].price_per_hour() == pytest.approx(8 * 1.20)
+    assert targets[0].price_per_hour(spot=True) is None  # no Spot price in the table
+    text = format_plan(plan)
+    assert "Slices by time: v6e-8 < v5e-8" in text and "Slices by cost: v5e-8 < v6e-8" in text
+    # v5e-8 is slower but cheaper: both are on the Pareto front.
+    assert plan.pareto() == {fast.candidate, slow.candidate}
+    dominated = dataclasses.replace(_outcome("v5e-8", 500.0, free=2**29), candidate=Candidate("v5e-8", (4, 2, 1), 8))
+    plan.outcomes.append(dominated)
+    assert dominated.candidate not in plan.pareto()
+
+
+# ----------------------------------------------------------------------------- the search
+
+
+def test_plan_of_a_model_too_big_for_data_parallelism(tmp_path):
+    """The 1.6B-parameter file does not fit a v5e core replicated: the plan says why, picks a
+    layout that splits the state, and `check --config` with the written plan agrees."""
+    plan = plan_file(CASES / "tpu_big.py", [], "v5e-8", global_batch=64, examples=80_000)
+    dp = next(o for o in plan.outcomes if o.candidate.mesh == (8, 1, 1))
+    assert dp.fits is False and dp.needed > dp.capacity
+    assert dp.buffers, "the compiler's dump names the largest buffers of the refused program"
+    winner = plan.winner
+    assert winner is not None and winner.candidate.mesh[1] > 1  # FSDP
+    assert all(o.prediction.examples_per_s <= winner.prediction.examples_per_s for o in plan.fitting())
+    assert {o.candidate.mesh for o in plan.outcomes} == {(8, 1, 1), (4, 2, 1), (2, 4, 1), (1, 8, 1)}
+    assert all("tensor" in why for _, mesh, why in plan.skipped)  # no named axes: nothing to split by tensor
+    text = format_plan(plan)
+    assert "Why not v5e-8 DP 8" in text and "run it: xlafit check" in text
+    data = plan_json(plan)
+    assert data["winner"]["overrides"]["mesh.fsdp"] == winner.candidate.mesh[1]
+    json.dumps(data, default=str)
+
+    written = plan.write(tmp_path / "plan.yaml")
+    report = check_file(CASES / "tpu_big.py", tpu="v5e-8", preset=written)
+    assert report.tpu[0].fits is True
+    assert report.tpu[0].memory["total"] == winner.memory["total"]
+
+
+def test_plan_of_a_recipe_is_read_back_by_train_and_check(tmp_path):
+    """A fixed global batch: each layout gets the per-core batch that keeps it; the plan
+    written is a preset that `train` loads with the winner's mesh and batch."""
+    plan = plan_recipe("mnist", ["trainer.steps_per_call=1"], "v5e-4", global_batch=64)
+    assert {o.candidate.global_batch for o in plan.outcomes} == {64}
+    assert all(o.stage == "layout" for o in plan.outcomes)  # everything fits: no levers, no batch search
+    winner = plan.winner
+    fastest = max(o.prediction.examples_per_s for o in plan.fitting())
+    assert winner.prediction.examples_per_s == fastest
+    written = plan.write(tmp_path / "plan.yaml")
+    cfg = load_config("mnist", preset=written)
+    assert cfg.mesh.sizes == winner.candidate.mesh
+    assert cfg.data.per_device_batch == winner.candidate.per_device_batch and cfg.data.global_batch is None
+    assert cfg.trainer.steps_per_call == 1  # the plan's own overrides are kept
+    report = check_recipe("mnist", tpu="v5e-4", preset=written)
+    assert report.tpu[0].fits and report.tpu[0].per_device_batch == winner.candidate.per_device_batch
+
+
+def test_plan_budget_stops_new_compiles():
+    plan = plan_recipe("mnist", [], "v5e-8", global_batch=64, budget_minutes=1e-9)
+    assert plan.winner is None
+    assert all(o.error and "budget" in o.error for o in plan.outcomes)
+    assert "No candidate fits" in format_plan(plan)
+
+
+def test_plan_cli_errors(capsys):
+    assert main(["plan", "mnist", "--price", "v5e=cheap"]) == 2
+    assert "--price v5e=cheap" in capsys.readouterr().err
+    assert main(["plan", "mnist", "--global-batch", "0"]) == 2
+    assert "--global-batch 0" in capsys.readouterr().err
+    assert main(["plan", "mnist", "--tpu", "v9-8"]) == 2
+    assert "unknown TPU target" in capsys.readouterr().err
