@@ -265,7 +265,6 @@ class LlamaAttention(nnx.Module):
         self.k_proj = _dense(cfg, h, kv_dim, rngs, ("embed", "kv_heads"), cfg.attention_bias)
         self.v_proj = _dense(cfg, h, kv_dim, rngs, ("embed", "kv_heads"), cfg.attention_bias)
         self.o_proj = _dense(cfg, q_dim, h, rngs, ("heads", "embed"), False)
-        self.inv_freq = rope_frequencies(cfg)  # static: a constant of the compiled program
 
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array | None, implementation: str) -> jax.Array:
         b, t, _ = x.shape
@@ -273,8 +272,11 @@ class LlamaAttention(nnx.Module):
         q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_size)
         k = self.k_proj(x).reshape(b, t, cfg.kv_heads, cfg.head_size)
         v = self.v_proj(x).reshape(b, t, cfg.kv_heads, cfg.head_size)
-        q = constrain(apply_rope(q, positions, self.inv_freq), "batch", None, "heads", None)
-        k = constrain(apply_rope(k, positions, self.inv_freq), "batch", None, "kv_heads", None)
+        # Computed from the config at trace time: a constant of the compiled program, not
+        # state (an array attribute would be a leaf of nnx.state and of checkpoints).
+        inv_freq = rope_frequencies(cfg)
+        q = constrain(apply_rope(q, positions, inv_freq), "batch", None, "heads", None)
+        k = constrain(apply_rope(k, positions, inv_freq), "batch", None, "kv_heads", None)
         v = constrain(v, "batch", None, "kv_heads", None)
         # Grouped-query attention: jax takes num_kv_heads dividing num_heads as is (no repeat).
         context = jax.nn.dot_product_attention(
