@@ -166,8 +166,7 @@ def _hf_shape(param: nnx.Variable, row: int | None, transposed: bool) -> tuple[i
 
 
 def _hf_value(param: nnx.Variable, row: int | None, transposed: bool, dtype: Any) -> np.ndarray:
-    value = param[...] if row is None else param[...][row]
-    value = np.asarray(value).astype(dtype)
+    value = np.asarray(param[...] if row is None else param[...][row]).astype(dtype)
     return np.ascontiguousarray(value.T if transposed else value)
 
 

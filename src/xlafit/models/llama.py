@@ -175,7 +175,7 @@ class LlamaConfig:
 
         Example:
             >>> round(LlamaConfig.preset("llama-3.1-8b").train_flops_per_token(4096) / 1e9, 1)
-            48.0
+            51.5
         """
         h, d, layers = self.hidden_size, self.head_size, self.num_layers
         attention = h * d * (2 * self.num_heads + 2 * self.kv_heads)  # q, o; k, v
