@@ -9,12 +9,15 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from xlafit.errors import ConfigError, HFFormatError
 from xlafit.hf.llama import from_hf, save_hf
 from xlafit.hf.peft import load_peft_adapter, save_peft_adapter
+from xlafit.models.bert import BertConfig, BertForMaskedLM
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 from xlafit.models.lora import ADAPTER, BASE, apply_lora, base_fingerprint, lora_state, merge_lora
+from xlafit.parallel.sharding import DEFAULT_RULES, logical_axes, tree_specs
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -265,3 +268,28 @@ def test_base_fingerprint_follows_the_base_weights_only():
     assert base_fingerprint(lora) != before
     with pytest.raises(ConfigError, match="its Linear layers are named: .*gate_proj"):
         apply_lora(lora, ("query",), rank=2, alpha=2.0, rngs=nnx.Rngs(0))
+
+
+def test_parameters_and_adapters_name_their_logical_axes():
+    model = apply_lora(
+        LlamaForCausalLM(tiny(scan_layers=True), rngs=nnx.Rngs(0)), ("k_proj",), rank=2, alpha=2.0, rngs=nnx.Rngs(1)
+    )
+    k_proj = model.layers.self_attn.k_proj
+    assert logical_axes(k_proj.base_module.kernel) == ("layers", "embed", "kv_heads")
+    assert logical_axes(k_proj.lora_a) == ("layers", "embed", None) and k_proj.lora_a.shape == (2, 64, 2)
+    assert logical_axes(k_proj.lora_b) == ("layers", None, "kv_heads")
+    assert logical_axes(model.embed_tokens.embedding) == ("vocab", "embed")
+    assert logical_axes(model.lm_head.kernel) == ("embed", "vocab")
+    specs = tree_specs(nnx.state(model), {"data": 1, "fsdp": 2, "tensor": 2}, DEFAULT_RULES)
+    # out over tensor with its kernel; fsdp (ZeRO-3) takes the first free dimension it divides
+    assert specs["layers"]["self_attn"]["k_proj"]["lora_b"].get_value() == PartitionSpec("fsdp", None, "tensor")
+
+
+def test_lora_is_generic_over_linear_layers():
+    """BERT's dense layers take adapters too (by their attribute names)."""
+    bert = BertForMaskedLM(BertConfig.preset("tiny", vocab_size=50), rngs=nnx.Rngs(0))
+    ids = jnp.ones((1, 8), jnp.int32)
+    before = np.asarray(bert(ids))
+    apply_lora(bert, ("intermediate", "output"), rank=2, alpha=4.0, rngs=nnx.Rngs(1))
+    assert len(nnx.state(bert, ADAPTER).flat_state()) == 2 * 2 * 2  # 2 layers x 2 targets x (A, B)
+    np.testing.assert_array_equal(np.asarray(bert(ids)), before)
