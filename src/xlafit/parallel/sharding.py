@@ -50,6 +50,9 @@ DEFAULT_RULES: Mapping[str, str | None] = {
     "embed": "fsdp",  # the model width (BERT's hidden size, a dense layer's input features)
     "mlp": "tensor",  # MLP hidden units: column-parallel in, row-parallel out (Megatron)
     "heads": "tensor",  # attention heads (Megatron)
+    # key/value heads of grouped-query attention (Llama): fewer than the query heads, so a
+    # tensor axis larger than their count can replicate them with mesh.rules=kv_heads=null
+    "kv_heads": "tensor",
     "vocab": "tensor",  # vocabulary rows of the embedding / the tied output layer
     "conv_out": "fsdp",  # a convolution's output channels
     "conv_in": None,

@@ -1,0 +1,339 @@
+"""Weights between :class:`~xlafit.models.llama.LlamaForCausalLM` and Hugging Face's.
+
+The Hugging Face side is the files ``save_pretrained`` writes and ``from_pretrained`` reads
+for ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM`` when ``attention_bias``): ``config.json``
+and ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` listed in
+``model.safetensors.index.json``. PyTorch's ``Linear`` weights are ``[out, in]``, ours
+``[in, out]``. Nothing here imports PyTorch or transformers. Scanned models
+(``scan_layers``) convert too: layer ``i`` is row ``i`` of each stacked parameter.
+
+Example:
+    >>> save_hf(model, "exported/", max_shard_bytes=2**30)  # doctest: +SKIP
+    >>> model = from_hf("exported/")                        # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from xlafit.errors import HFFormatError
+from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
+
+# Our config field -> Hugging Face's LlamaConfig / Qwen2Config key.
+_CONFIG_KEYS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "rms_norm_eps": "rms_norm_eps",
+    "max_position_embeddings": "max_position_embeddings",
+    "tie_embeddings": "tie_word_embeddings",
+    "initializer_range": "initializer_range",
+}
+# Our field -> key of Hugging Face's "llama3" rope_scaling / rope_parameters.
+_LLAMA3_KEYS = {
+    "rope_factor": "factor",
+    "rope_low_freq_factor": "low_freq_factor",
+    "rope_high_freq_factor": "high_freq_factor",
+    "rope_original_max_position_embeddings": "original_max_position_embeddings",
+}
+INDEX = "model.safetensors.index.json"
+
+
+def hf_config(cfg: LlamaConfig) -> dict:
+    """The ``config.json`` of a Hugging Face ``LlamaForCausalLM`` (``Qwen2ForCausalLM`` when
+    ``attention_bias``) with ``cfg``'s sizes.
+
+    Rotary settings are written as Meta's own files have them (``rope_theta`` and
+    ``rope_scaling``), which transformers 4 and 5 both read.
+
+    Example:
+        >>> hf_config(LlamaConfig.preset("llama-3.2-1b"))["rope_scaling"]["factor"]
+        32.0
+    """
+    if cfg.embedding_scale or cfg.norm_offset:
+        raise HFFormatError("embedding_scale and norm_offset (Gemma's conventions) have no Llama config.json.")
+    qwen = cfg.attention_bias
+    out: dict[str, Any] = {hf: getattr(cfg, ours) for ours, hf in _CONFIG_KEYS.items()}
+    out.update(
+        {
+            "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+            "model_type": "qwen2" if qwen else "llama",
+            "hidden_act": "silu",
+            "rope_theta": cfg.rope_theta,
+            "rope_scaling": None,
+            "torch_dtype": "float32",
+        }
+    )
+    if not qwen:
+        out.update({"attention_bias": False, "mlp_bias": False})
+    if cfg.rope_type == "llama3":
+        out["rope_scaling"] = {"rope_type": "llama3", **{hf: getattr(cfg, ours) for ours, hf in _LLAMA3_KEYS.items()}}
+    return out
+
+
+def _rope_fields(hf: dict) -> dict[str, Any]:
+    """Our rotary fields from ``rope_parameters`` (transformers 5) or ``rope_theta`` +
+    ``rope_scaling`` (transformers 4, Meta's files)."""
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    fields: dict[str, Any] = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if kind == "llama3":
+        fields["rope_type"] = "llama3"
+        fields.update({ours: rope[hf_key] for ours, hf_key in _LLAMA3_KEYS.items() if hf_key in rope})
+    elif kind != "default":
+        raise HFFormatError(f"rope type {kind!r} is not supported: xlafit's Llama has 'default' and 'llama3'.")
+    return fields
+
+
+def config_from_hf(hf: dict, **overrides: Any) -> LlamaConfig:
+    """A :class:`LlamaConfig` from a Hugging Face Llama or Qwen2 ``config.json`` dict.
+
+    Example:
+        >>> config_from_hf({"model_type": "llama", "vocab_size": 100, "hidden_size": 64,
+        ...                 "num_hidden_layers": 2, "num_attention_heads": 4}).head_dim
+        16
+    """
+    kind = hf.get("model_type", "llama")
+    if kind not in ("llama", "qwen2"):
+        raise HFFormatError(f"config.json describes a {kind!r} model, not Llama or Qwen2.")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise HFFormatError(f"hidden_act={hf['hidden_act']!r} is not supported: xlafit's Llama uses 'silu'.")
+    if kind == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
+        raise HFFormatError("attention_bias / mlp_bias Llamas (a bias on o_proj or the MLP) are not supported.")
+    if kind == "qwen2" and hf.get("use_sliding_window"):
+        raise HFFormatError("use_sliding_window=true is not supported: xlafit's Llama attends to the whole context.")
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in hf]
+    if missing:
+        raise HFFormatError(f"config.json lacks {', '.join(missing)}.")
+    fields = {ours: hf[key] for ours, key in _CONFIG_KEYS.items() if hf.get(key) is not None}
+    fields.update(_rope_fields(hf), attention_bias=kind == "qwen2")
+    return LlamaConfig(**{**fields, **overrides})
+
+
+# (Hugging Face name after "model.layers.{i}.", attribute path in a decoder layer, transposed)
+_LAYER_TENSORS = [
+    ("input_layernorm.weight", ("input_layernorm", "scale"), False),
+    *[(f"self_attn.{p}.weight", ("self_attn", p, "kernel"), True) for p in ("q_proj", "k_proj", "v_proj", "o_proj")],
+    ("post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), False),
+    *[(f"mlp.{p}.weight", ("mlp", p, "kernel"), True) for p in ("gate_proj", "up_proj", "down_proj")],
+]
+_BIAS_TENSORS = [(f"self_attn.{p}.bias", ("self_attn", p, "bias"), False) for p in ("q_proj", "k_proj", "v_proj")]
+
+
+def _param(module: Any, path: tuple[str, ...]) -> nnx.Variable:
+    for name in path:
+        module = getattr(module, name)
+    return module
+
+
+# One tensor: (Hugging Face name, our parameter, layer row of a stacked parameter or None, transposed)
+Entry = tuple[str, nnx.Variable, int | None, bool]
+
+
+def _entries(model: LlamaForCausalLM) -> Iterator[Entry]:
+    """Every Hugging Face tensor of ``model`` and where it lives in ours."""
+    cfg = model.cfg
+    if nnx.state(model, nnx.LoRAParam):
+        raise HFFormatError(
+            "the model has LoRA adapters: merge them first (xlafit.models.lora.merge_lora) or save the adapter "
+            "alone (xlafit.hf.peft.save_peft_adapter)."
+        )
+    yield "model.embed_tokens.weight", model.embed_tokens.embedding, None, False
+    tensors = _LAYER_TENSORS + (_BIAS_TENSORS if cfg.attention_bias else [])
+    for i in range(cfg.num_layers):
+        layer = model.layers if cfg.scan_layers else model.layers[i]
+        for suffix, path, transposed in tensors:
+            yield f"model.layers.{i}.{suffix}", _param(layer, path), i if cfg.scan_layers else None, transposed
+    yield "model.norm.weight", model.norm.scale, None, False
+    if model.lm_head is not None:
+        yield "lm_head.weight", model.lm_head.kernel, None, True
+
+
+def _hf_shape(param: nnx.Variable, row: int | None, transposed: bool) -> tuple[int, ...]:
+    shape = tuple(param[...].shape)[0 if row is None else 1 :]
+    return shape[::-1] if transposed else shape
+
+
+def _hf_value(param: nnx.Variable, row: int | None, transposed: bool, dtype: Any) -> np.ndarray:
+    value = np.asarray(param[...] if row is None else param[...][row]).astype(dtype)
+    return np.ascontiguousarray(value.T if transposed else value)
+
+
+def to_hf_state(model: LlamaForCausalLM, dtype: Literal["float32", "bfloat16"] = "float32") -> dict[str, np.ndarray]:
+    """Hugging Face ``LlamaForCausalLM`` tensors (NumPy, PyTorch layout), all in host memory.
+
+    Example:
+        >>> from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig.preset("tiny", vocab_size=100), rngs=nnx.Rngs(0))
+        >>> to_hf_state(model)["model.layers.0.self_attn.k_proj.weight"].shape
+        (32, 64)
+    """
+    np_dtype = _np_dtype(dtype)
+    return {name: _hf_value(p, row, t, np_dtype) for name, p, row, t in _entries(model)}
+
+
+def _np_dtype(dtype: str) -> Any:
+    return ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
+
+
+def from_hf_state(model: LlamaForCausalLM, state: Mapping[str, Any]) -> None:
+    """Loads Hugging Face tensors into ``model`` in place, checking every name and shape.
+
+    ``state`` may be any mapping (:func:`from_hf` passes one that reads each tensor from
+    its file when asked). A tied model ignores a ``lm_head.weight``; a bare ``LlamaModel``
+    checkpoint (names without ``model.``) loads too.
+
+    Raises:
+        HFFormatError: a tensor is missing or has another shape than ``model``'s config gives.
+    """
+    prefixed = any(k.startswith("model.") for k in state)
+
+    def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        key = name if prefixed or name == "lm_head.weight" else name.removeprefix("model.")
+        if key not in state:
+            raise HFFormatError(f"the checkpoint has no tensor {key!r} (expected shape {shape}); is it a Llama?")
+        value = np.asarray(state[key])
+        if value.shape != shape:
+            raise HFFormatError(f"{key} has shape {value.shape}, expected {shape} from config.json.")
+        return value
+
+    stacked: dict[int, tuple[nnx.Variable, list[np.ndarray]]] = {}  # scanned layers: rows, stacked at the end
+    for name, param, row, transposed in _entries(model):
+        value = take(name, _hf_shape(param, row, transposed))
+        value = (value.T if transposed else value).astype(param[...].dtype)
+        if row is None:
+            param[...] = value
+        else:
+            stacked.setdefault(id(param), (param, []))[1].append(value)
+    for param, rows in stacked.values():
+        param[...] = np.stack(rows)
+
+
+def _shards(names: list[str], sizes: list[int], max_shard_bytes: int | None) -> list[list[str]]:
+    """Consecutive tensors in files of at most ``max_shard_bytes`` (a larger tensor alone)."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, size in zip(names, sizes, strict=True):
+        if max_shard_bytes is not None and shards[-1] and used + size > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+def save_hf(
+    model: LlamaForCausalLM,
+    directory: str | Path,
+    *,
+    max_shard_bytes: int | None = 5 * 2**30,
+    dtype: Literal["float32", "bfloat16"] = "float32",
+) -> Path:
+    """Writes ``config.json`` and the weights (safetensors) to ``directory``.
+
+    One ``model.safetensors`` when the tensors fit in ``max_shard_bytes`` (None: no limit),
+    else ``model-0000i-of-0000n.safetensors`` files and ``model.safetensors.index.json``, as
+    ``save_pretrained(max_shard_size=...)``. One file's tensors are in host memory at a time.
+    The result loads with ``transformers.AutoModelForCausalLM.from_pretrained(directory)``.
+
+    Example:
+        >>> save_hf(model, "exported/", max_shard_bytes=2 * 2**30, dtype="bfloat16")  # doctest: +SKIP
+    """
+    from safetensors.numpy import save_file
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {**hf_config(model.cfg), "torch_dtype": dtype}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    entries = {name: (param, row, t) for name, param, row, t in _entries(model)}
+    np_dtype = _np_dtype(dtype)
+    itemsize = np.dtype(np_dtype).itemsize
+    sizes = [int(np.prod(_hf_shape(*entry))) * itemsize for entry in entries.values()]
+    shards = _shards(list(entries), sizes, max_shard_bytes)
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    for file, names in zip(files, shards, strict=True):
+        tensors = {name: _hf_value(*entries[name], np_dtype) for name in names}
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(sizes)},
+            "weight_map": {name: file for file, names in zip(files, shards, strict=True) for name in names},
+        }
+        (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return out
+
+
+class _LazyTensors(Mapping[str, np.ndarray]):
+    """The tensors of safetensors files by name, each read from its file when asked."""
+
+    def __init__(self, files: dict[str, Path], reader: Callable[[Path, str], np.ndarray]) -> None:
+        self.files, self.reader = files, reader
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.reader(self.files[name], name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+
+def _read_tensor(path: Path, name: str) -> np.ndarray:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        return f.get_tensor(name)
+
+
+def _tensor_files(d: Path) -> dict[str, Path]:
+    """Tensor name -> file, from ``model.safetensors`` or the shards' index."""
+    from safetensors import safe_open
+
+    if (d / INDEX).exists():
+        weight_map = json.loads((d / INDEX).read_text()).get("weight_map", {})
+        missing = sorted({f for f in weight_map.values() if not (d / f).exists()})
+        if missing:
+            raise HFFormatError(f"{d / INDEX} lists {', '.join(missing)}, which {d} lacks; copy every shard.")
+        return {name: d / file for name, file in weight_map.items()}
+    if (d / "model.safetensors").exists():
+        with safe_open(str(d / "model.safetensors"), framework="numpy") as f:
+            return {name: d / "model.safetensors" for name in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+    raise HFFormatError(
+        f"{d} has neither model.safetensors nor {INDEX} (only safetensors is read; convert a pytorch_model.bin "
+        "with transformers: AutoModelForCausalLM.from_pretrained(d).save_pretrained(d))."
+    )
+
+
+def from_hf(directory: str | Path, rngs: nnx.Rngs | None = None, **overrides: Any) -> LlamaForCausalLM:
+    """A :class:`LlamaForCausalLM` with the weights of a Hugging Face checkpoint directory.
+
+    Reads one ``model.safetensors`` or the shards of ``model.safetensors.index.json``, one
+    tensor at a time; ``overrides`` set config fields that are not sizes (``dtype``,
+    ``remat``, ``scan_layers``, ``attention``, ...).
+
+    Example:
+        >>> model = from_hf("meta-llama/Llama-3.2-1B", dtype="bfloat16", scan_layers=True)  # doctest: +SKIP
+    """
+    d = Path(directory).expanduser()
+    if not (d / "config.json").exists():
+        raise HFFormatError(f"{d} has no config.json; give a directory written by save_pretrained or save_hf.")
+    cfg = config_from_hf(json.loads((d / "config.json").read_text()), **overrides)
+    model = LlamaForCausalLM(cfg, rngs=rngs or nnx.Rngs(0))
+    from_hf_state(model, _LazyTensors(_tensor_files(d), _read_tensor))
+    return model

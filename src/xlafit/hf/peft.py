@@ -1,0 +1,191 @@
+"""LoRA adapters of a :class:`~xlafit.models.llama.LlamaForCausalLM` as PEFT writes them.
+
+A PEFT LoRA adapter is a directory with ``adapter_config.json`` (``r``, ``lora_alpha``,
+``target_modules``, ...) and ``adapter_model.safetensors`` whose tensors are named
+``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` (``[r, in]``) and
+``...lora_B.weight`` (``[out, r]``): ours transposed. PEFT scales the update by
+``lora_alpha / r``, as :class:`~xlafit.models.lora.LoRA` does, so the tensors carry over
+unchanged. ``peft.PeftModel.from_pretrained(llama, directory)`` loads what
+:func:`save_peft_adapter` writes. The base model's :func:`~xlafit.models.lora.base_fingerprint`
+goes into the safetensors metadata (``xlafit_base_fingerprint``; PEFT ignores it) and
+:func:`load_peft_adapter` checks it when present. Nothing here imports PEFT or PyTorch.
+
+Example:
+    >>> save_peft_adapter(model, "adapter/", base_model_name_or_path="meta-llama/Llama-3.2-1B")  # doctest: +SKIP
+    >>> model = load_peft_adapter(from_hf("Llama-3.2-1B/"), "adapter/")                            # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from flax import nnx
+
+from xlafit.errors import HFFormatError
+from xlafit.models.llama import LlamaForCausalLM
+from xlafit.models.lora import LoRA, apply_lora, base_fingerprint, lora_modules
+
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+FINGERPRINT_KEY = "xlafit_base_fingerprint"
+
+
+def _hf_modules(model: LlamaForCausalLM) -> Iterator[tuple[str, LoRA, int | None]]:
+    """``(PEFT module name, our layer, row of its stacked adapters or None)`` per adapted layer."""
+    for path, layer in lora_modules(model):
+        parts = [str(p) for p in path]
+        prefix = "base_model.model." + ("" if parts[0] == "lm_head" else "model.")
+        if model.cfg.scan_layers and parts[0] == "layers":  # stacked: one PEFT module per layer
+            for i in range(model.cfg.num_layers):
+                yield prefix + ".".join(["layers", str(i), *parts[1:]]), layer, i
+        else:
+            yield prefix + ".".join(parts), layer, None
+
+
+def _rank_and_alpha(model: LlamaForCausalLM) -> tuple[int, float]:
+    layers = [layer for _, layer in lora_modules(model)]
+    if not layers:
+        raise HFFormatError("the model has no LoRA adapters; add them with xlafit.models.lora.apply_lora.")
+    kinds = {(layer.rank, layer.alpha) for layer in layers}
+    if len(kinds) > 1:
+        raise HFFormatError(f"the adapters have several (rank, alpha) pairs {sorted(kinds)}; export needs one.")
+    return kinds.pop()
+
+
+def save_peft_adapter(
+    model: LlamaForCausalLM, directory: str | Path, *, base_model_name_or_path: str | None = None
+) -> Path:
+    """Writes ``model``'s LoRA adapters as a PEFT adapter directory (float32).
+
+    Args:
+        model: a Llama with adapters from :func:`~xlafit.models.lora.apply_lora` (one rank
+            and alpha for all).
+        directory: created if missing.
+        base_model_name_or_path: what PEFT records as the base (a hub id or a path).
+
+    Returns:
+        ``directory``, loadable with ``peft.PeftModel.from_pretrained(base, directory)``.
+
+    Example:
+        >>> save_peft_adapter(model, "adapter/", base_model_name_or_path="exported/")  # doctest: +SKIP
+    """
+    from safetensors.numpy import save_file
+
+    rank, alpha = _rank_and_alpha(model)
+    tensors: dict[str, np.ndarray] = {}
+    targets: set[str] = set()
+    for name, layer, row in _hf_modules(model):
+        a, b = np.asarray(layer.lora_a[...], np.float32), np.asarray(layer.lora_b[...], np.float32)
+        a, b = (a, b) if row is None else (a[row], b[row])
+        tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(a.T)  # [r, in]
+        tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b.T)  # [out, r]
+        targets.add(name.rsplit(".", 1)[-1])
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt", FINGERPRINT_KEY: base_fingerprint(model)})
+    return out
+
+
+def _read_config(d: Path) -> dict:
+    if not (d / CONFIG).exists() or not (d / WEIGHTS).exists():
+        raise HFFormatError(f"{d} is not a PEFT adapter: it needs {CONFIG} and {WEIGHTS}.")
+    config = json.loads((d / CONFIG).read_text())
+    unsupported = {
+        "peft_type": config.get("peft_type") != "LORA",
+        "use_rslora": bool(config.get("use_rslora")),
+        "rank_pattern": bool(config.get("rank_pattern")),
+        "alpha_pattern": bool(config.get("alpha_pattern")),
+        "bias": config.get("bias", "none") != "none",
+        "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
+        "modules_to_save": bool(config.get("modules_to_save")),
+        "target_modules": not isinstance(config.get("target_modules"), list),
+    }
+    bad = [f"{k}={config.get(k)!r}" for k, v in unsupported.items() if v]
+    if bad:
+        raise HFFormatError(
+            f"{d / CONFIG}: {', '.join(bad)} is not supported; xlafit reads plain LoRA adapters "
+            "(one r and lora_alpha, a list of target_modules, no biases or extra modules)."
+        )
+    return config
+
+
+def load_peft_adapter(
+    model: LlamaForCausalLM, directory: str | Path, *, rngs: nnx.Rngs | None = None, check_base: bool = True
+) -> LlamaForCausalLM:
+    """Loads a PEFT LoRA adapter into ``model``, in place, adding the adapters if it has none.
+
+    Args:
+        model: the base model (or one with adapters of the same targets and rank).
+        directory: a PEFT adapter directory (:func:`save_peft_adapter` or PEFT's
+            ``save_pretrained``).
+        rngs: for :func:`~xlafit.models.lora.apply_lora` (the draws are overwritten).
+        check_base: refuse an adapter whose recorded base fingerprint differs from
+            ``model``'s (adapters PEFT wrote record none and are not checked).
+
+    Raises:
+        HFFormatError: an unsupported adapter config, a missing tensor or one of another
+            shape (named), or another base model.
+
+    Example:
+        >>> model = load_peft_adapter(from_hf("base/"), "adapter/")  # doctest: +SKIP
+    """
+    from safetensors import safe_open
+
+    d = Path(directory).expanduser()
+    config = _read_config(d)
+    with safe_open(str(d / WEIGHTS), framework="numpy") as f:
+        recorded = (f.metadata() or {}).get(FINGERPRINT_KEY)
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+    if check_base and recorded is not None and recorded != base_fingerprint(model):
+        raise HFFormatError(
+            f"{d} was trained on another base model (fingerprint {recorded[:12]}..., this model's "
+            f"{base_fingerprint(model)[:12]}...); load the base it was made for, or pass check_base=False."
+        )
+    if not lora_modules(model):
+        apply_lora(
+            model, config["target_modules"], rank=config["r"], alpha=config["lora_alpha"], rngs=rngs or nnx.Rngs(0)
+        )
+    rows: dict[int, tuple[LoRA, list[np.ndarray], list[np.ndarray]]] = {}
+    modules = list(_hf_modules(model))
+    unused = sorted(set(tensors) - {f"{name}.lora_{ab}.weight" for name, _, _ in modules for ab in "AB"})
+    if unused:
+        raise HFFormatError(f"the adapter has tensors for layers this model does not adapt: {', '.join(unused[:3])}.")
+    for name, layer, row in modules:
+        a = _take(tensors, f"{name}.lora_A.weight", (layer.rank, layer.in_features)).T
+        b = _take(tensors, f"{name}.lora_B.weight", (layer.out_features, layer.rank)).T
+        if row is None:
+            layer.lora_a[...], layer.lora_b[...] = a, b
+        else:
+            entry = rows.setdefault(id(layer), (layer, [], []))
+            entry[1].append(a)
+            entry[2].append(b)
+    for layer, a_rows, b_rows in rows.values():  # scanned: the layers' adapters stacked
+        layer.lora_a[...], layer.lora_b[...] = np.stack(a_rows), np.stack(b_rows)
+    return model
+
+
+def _take(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, int]) -> np.ndarray:
+    if name not in tensors:
+        raise HFFormatError(f"the adapter has no tensor {name!r} (expected shape {shape}).")
+    value = np.asarray(tensors[name], np.float32)
+    if value.shape != shape:
+        raise HFFormatError(f"{name} has shape {value.shape}, expected {shape} (r from adapter_config.json).")
+    return value

@@ -1,0 +1,217 @@
+"""LoRA (Hu et al. 2021): low-rank adapters on the dense layers of any NNX model.
+
+:func:`apply_lora` wraps chosen ``nnx.Linear`` layers (by attribute name: ``q_proj``,
+``v_proj`` in a Llama, ``out`` or ``intermediate`` in BERT) in :class:`LoRA`, Flax's
+``nnx.LoRA`` with PEFT's scaling: ``y = base(x) + (alpha / rank) * x @ A @ B``. ``A`` is
+drawn as PEFT draws it, ``B`` starts at zero, so a new adapter leaves the model's outputs
+unchanged. The adapters are ``nnx.LoRAParam`` variables and the base weights stay
+``nnx.Param``; ``LoRAParam`` subclasses ``Param``, so select with the filters here:
+:data:`ADAPTER` (what to train) and :data:`BASE` (what to freeze), e.g.
+``nnx.Optimizer(model, tx, wrt=ADAPTER)`` and ``nnx.grad(..., argnums=nnx.DiffState(0,
+ADAPTER))``. Stacked layers (``scan_layers``) get stacked adapters.
+
+Example:
+    >>> from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
+    >>> model = LlamaForCausalLM(LlamaConfig.preset("tiny", vocab_size=100), rngs=nnx.Rngs(0))
+    >>> model = apply_lora(model, ("q_proj", "v_proj"), rank=4, alpha=8, rngs=nnx.Rngs(1))
+    >>> sorted(nnx.state(model.layers[0].self_attn.q_proj, ADAPTER))
+    ['lora_a', 'lora_b']
+    >>> merged = merge_lora(model)  # plain nnx.Linear layers again, W + (alpha / rank) * A @ B
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from xlafit.errors import ConfigError
+from xlafit.parallel.sharding import logical_axes
+
+ADAPTER = nnx.LoRAParam  # the adapters: what a LoRA fine-tune trains
+BASE = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))  # everything else it keeps frozen
+
+# PEFT's draw of A (torch's kaiming_uniform_ with a=sqrt(5)): uniform in +-1/sqrt(in_features).
+_A_INIT = nnx.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
+
+
+def _stacked(init: Callable, lead: tuple[int, ...]) -> Callable:
+    """``init`` drawn once per stacked layer: ``(*lead, *shape)``, each slice as ``init`` alone."""
+    if not lead:
+        return init
+
+    def stacked(key: jax.Array, shape: Sequence[int], dtype: Any = jnp.float32) -> jax.Array:
+        keys = jax.random.split(key, math.prod(lead))
+        return jax.vmap(lambda k: init(k, shape, dtype))(keys).reshape(*lead, *shape)
+
+    return stacked
+
+
+class LoRA(nnx.LoRA):
+    """``base(x) + (alpha / rank) * x @ lora_a @ lora_b`` around an ``nnx.Linear``.
+
+    ``lora_a`` is ``[in, rank]``, ``lora_b`` ``[rank, out]`` (with the base kernel's leading
+    ``layers`` axis when stacked), float32, computed in the base layer's dtype. Their logical
+    axes are the kernel's in and out axes (the rank axis replicated), so they shard along
+    with it.
+
+    Args:
+        base: the layer adapted; it stays ``base_module``, its weights untouched.
+        rank: the adapters' rank ``r``.
+        alpha: PEFT's ``lora_alpha``; the update is scaled by ``alpha / rank``.
+        rngs: ``params`` draws ``lora_a``.
+    """
+
+    def __init__(self, base: nnx.Linear, *, rank: int, alpha: float, rngs: nnx.Rngs) -> None:
+        lead = tuple(base.kernel[...].shape[:-2])  # (layers,) for a scanned model's stacked kernel
+        names = logical_axes(base.kernel)
+
+        def meta(axes: tuple[str | None, ...] | None) -> dict[str, Any]:
+            return {} if names is None else {"out_sharding": axes, "eager_sharding": False}
+
+        super().__init__(
+            base.in_features,
+            rank,
+            base.out_features,
+            base_module=base,
+            dtype=base.dtype,
+            a_initializer=_stacked(_A_INIT, lead),
+            b_initializer=_stacked(nnx.initializers.zeros_init(), lead),
+            rngs=rngs,
+            a_metadata=meta(None if names is None else (*names[:-1], None)),
+            b_metadata=meta(None if names is None else (*names[:-2], None, names[-1])),
+        )
+        self.rank, self.alpha = rank, alpha
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def __call__(self, x: jax.Array, **kwargs: Any) -> jax.Array:
+        """The base layer's output plus the scaled low-rank update (``x [..., in]``)."""
+        base = self.base_module
+        assert base is not None  # built with one
+        xl, a, b = self.promote_dtype((x, self.lora_a[...], self.lora_b[...]), dtype=self.dtype)
+        return base(x, **kwargs) + (xl @ a @ b) * self.scaling
+
+
+def _set_child(model: nnx.Module, path: tuple, module: nnx.Module) -> None:
+    """Puts ``module`` at ``path`` (attribute names and list indices, as nnx.iter_modules)."""
+    parent: Any = model
+    for key in path[:-1]:
+        parent = parent[key] if isinstance(key, int) else getattr(parent, key)
+    if isinstance(path[-1], int):
+        parent[path[-1]] = module
+    else:
+        setattr(parent, path[-1], module)
+
+
+def apply_lora(model: nnx.Module, targets: Sequence[str], *, rank: int, alpha: float, rngs: nnx.Rngs) -> nnx.Module:
+    """Wraps every ``nnx.Linear`` named one of ``targets`` in a :class:`LoRA`, in place.
+
+    Args:
+        model: any NNX model; its layers are found by attribute name at any depth.
+        targets: attribute names (PEFT's ``target_modules``), e.g. ``("q_proj", "v_proj")``.
+        rank, alpha: the adapters' rank and PEFT's ``lora_alpha`` (scaling ``alpha / rank``).
+        rngs: ``params`` for ``lora_a``.
+
+    Returns:
+        ``model``, whose logits are unchanged until the adapters train (``lora_b`` is 0).
+
+    Raises:
+        ConfigError: no ``nnx.Linear`` has one of those names (the message lists the names
+            there are), or ``rank`` is not positive.
+
+    Example:
+        >>> mlp = nnx.Sequential(nnx.Linear(8, 32, rngs=nnx.Rngs(0)), jax.nn.relu, nnx.Linear(32, 8, rngs=nnx.Rngs(1)))
+        >>> x = jnp.ones((2, 8))
+        >>> before = mlp(x)
+        >>> mlp = apply_lora(mlp, ("0",), rank=2, alpha=4, rngs=nnx.Rngs(2))  # Sequential's layers are named 0, 1, ...
+        >>> type(mlp.layers[0]).__name__, bool(jnp.array_equal(mlp(x), before))
+        ('LoRA', True)
+    """
+    if rank < 1:
+        raise ConfigError(f"LoRA rank={rank} must be at least 1.")
+    linears = [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, nnx.Linear) and path]
+    chosen = [(path, m) for path, m in linears if str(path[-1]) in targets]
+    if not chosen:
+        names = sorted({str(path[-1]) for path, _ in linears})
+        raise ConfigError(
+            f"no nnx.Linear named {', '.join(targets)} in the model (LoRA targets are attribute names); "
+            f"its Linear layers are named: {', '.join(names) or 'none'}."
+        )
+    for path, linear in chosen:
+        _set_child(model, path, LoRA(linear, rank=rank, alpha=alpha, rngs=rngs))
+    return model
+
+
+def lora_modules(model: nnx.Module) -> list[tuple[tuple, LoRA]]:
+    """``(path, layer)`` of every :class:`LoRA` in ``model``, in module order."""
+    return [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, LoRA)]
+
+
+def merge_lora(model: nnx.Module) -> nnx.Module:
+    """Folds each adapter into its base layer (``W + (alpha / rank) * A @ B``) and puts the
+    plain ``nnx.Linear`` back, in place: the result has the original parameter structure
+    (it exports to Hugging Face like a model that never had adapters).
+
+    Example:
+        >>> merge_lora(nnx.Linear(2, 2, rngs=nnx.Rngs(0))).kernel.shape  # nothing to merge
+        (2, 2)
+    """
+    for path, layer in lora_modules(model):
+        base = layer.base_module
+        assert isinstance(base, nnx.Linear)
+        kernel = base.kernel[...]
+        delta = jnp.matmul(layer.lora_a[...].astype(jnp.float32), layer.lora_b[...].astype(jnp.float32))
+        base.kernel[...] = (kernel.astype(jnp.float32) + layer.scaling * delta).astype(kernel.dtype)
+        _set_child(model, path, base)
+    return model
+
+
+def lora_state(model: nnx.Module) -> nnx.State:
+    """The adapters alone (``nnx.LoRAParam``): what a LoRA checkpoint needs beyond the base."""
+    return nnx.state(model, ADAPTER)
+
+
+def _name(path: tuple) -> str:
+    """A parameter's path without the wrappers LoRA adds: the same before and after."""
+    return "/".join(str(p) for p in path if p != "base_module")
+
+
+def base_fingerprint(model: nnx.Module, *, full: bool = False, samples: int = 256) -> str:
+    """A sha256 of the base weights (not the adapters), to check an adapter meets its base.
+
+    The hash covers every base parameter's name, shape and dtype and, by default,
+    ``samples`` values spread evenly over each tensor (gathered on device: milliseconds and
+    a few KB of transfer even for 8B parameters). Two different checkpoints of one
+    architecture differ in practically every weight, so samples tell them apart;
+    ``full=True`` hashes every byte instead (seconds per GB, on the host). The fingerprint
+    is the same before and after :func:`apply_lora`, and differs between scanned and
+    unrolled models (their parameters have other shapes).
+
+    Example:
+        >>> from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig.preset("tiny", vocab_size=100), rngs=nnx.Rngs(0))
+        >>> before = base_fingerprint(model)
+        >>> before == base_fingerprint(apply_lora(model, ("q_proj",), rank=2, alpha=4, rngs=nnx.Rngs(1)))
+        True
+    """
+    digest = hashlib.sha256()
+    flat = sorted(((_name(path), var) for path, var in nnx.state(model, BASE).flat_state()), key=lambda p: p[0])
+    for name, var in flat:
+        value = var[...]
+        digest.update(f"{name}:{tuple(value.shape)}:{value.dtype};".encode())
+        if full or value.size <= samples:
+            digest.update(np.asarray(value).tobytes())
+            continue
+        flat_index = np.linspace(0, value.size - 1, samples).round().astype(np.int64)
+        index = np.unravel_index(flat_index, value.shape)  # a gather: no copy of the tensor
+        digest.update(np.asarray(value[tuple(jnp.asarray(i) for i in index)]).tobytes())
+    return digest.hexdigest()
