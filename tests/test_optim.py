@@ -5,6 +5,7 @@ import optax
 import pytest
 
 from xlafit.config import OptimizerConfig
+from xlafit.errors import ConfigError
 from xlafit.train.optim import make_optimizer, matrices, scaled_lr, warmup_steps
 
 
@@ -181,3 +182,12 @@ def test_a_run_records_warmup_epochs_as_steps(strategy1):
         load_config("mnist", ["optimizer.warmup_epochs=-1"])
     with pytest.raises(ConfigError, match="optimizer.name='rmsprop' is not allowed"):
         load_config("mnist", ["optimizer.name=rmsprop"])
+
+
+def test_bf16_first_moment_halves_it_and_is_refused_where_optax_has_none():
+    tx = make_optimizer(OptimizerConfig(moment_dtype="bfloat16"), 128, total_steps=10).tx
+    state = tx.init({"w": jnp.zeros((4, 4))})
+    adam = next(s for s in jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, "mu")) if hasattr(s, "mu"))
+    assert adam.mu["w"].dtype == jnp.bfloat16 and adam.nu["w"].dtype == jnp.float32
+    with pytest.raises(ConfigError, match="moment_dtype=bfloat16 applies to adam and adamw"):
+        OptimizerConfig(name="sgd", moment_dtype="bfloat16")

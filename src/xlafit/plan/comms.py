@@ -27,8 +27,9 @@ Example:
     ...   %p = bf16[128,64]{1,0} parameter(0)
     ...   ROOT %ag = bf16[1024,64]{1,0} all-gather(%p), replica_groups=[1,8]<=[8], dimensions={0}
     ... }'''
-    >>> [(c.kind, c.bytes, c.group) for c in collectives(hlo)]
-    [('all-gather', 131072, 8)]
+    >>> (found,) = collectives(hlo)
+    >>> found.kind, found.bytes, found.group
+    ('all-gather', 131072, 8)
 """
 
 from __future__ import annotations

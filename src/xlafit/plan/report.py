@@ -143,6 +143,8 @@ def _why_not_lines(plan: Plan, refused: list[Outcome]) -> list[str]:
             continue
         over = f" needs {_gib(o.needed)} GiB of {_gib(o.capacity)} GiB per core" if o.needed else ""
         lines.append(f"Why not {o.candidate.target} {o.candidate.layout} ({o.candidate.levers}):{over}")
+        if o.error and o.error.startswith("the train state alone"):
+            lines.append(f"    {o.error}: split it (FSDP) or use a TPU with more HBM per core")
         lines += [f"    {b.describe()}" for b in o.buffers]
         fixed = [x for x in plan.fitting() if _same_layout(x, o)]
         if fixed:

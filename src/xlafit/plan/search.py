@@ -153,8 +153,14 @@ class Planner:
         quiet = stage == "batch"  # largest_batch says what each of its probes does
         if not quiet:
             _progress(f"{target.name}: compiling {c.layout}, {c.levers}, {c.per_device_batch} per core ...")
+        steps = self.steps(target, c)
+        if steps.state_bytes > capacity:  # refused without a compile: the state alone is too big
+            out.fits, out.needed = False, steps.state_bytes
+            gib = steps.state_bytes / 2**30
+            out.error = f"the train state alone (parameters, optimizer state) takes {gib:.2f} GiB per core"
+            self.outcomes[c] = out
+            return out
         try:
-            steps = self.steps(target, c)
             compiled, out.compile_s = steps.compile_train(c.per_device_batch)
         except OutOfMemory as e:
             out.fits, out.needed, out.error = False, needed_bytes(e.message), e.message
@@ -179,6 +185,8 @@ class Planner:
         """The largest buffers of a refused candidate, from a compile with the compiler's dump."""
         if out.fits is not False or out.buffers or time.monotonic() > self.settings.deadline:
             return
+        if out.needed is not None and out.needed <= self.steps(target, out.candidate).state_bytes:
+            return  # the state alone: nothing for the dump to add
         with tempfile.TemporaryDirectory(prefix="xlafit-plan-") as dump:
             try:
                 self.steps(target, out.candidate).compile_train(out.candidate.per_device_batch, Path(dump))
