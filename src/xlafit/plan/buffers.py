@@ -65,19 +65,37 @@ def _temporaries(assignment: str) -> list[tuple[str, int, int, str]]:
 
 
 def _sources(program: str) -> dict[str, tuple[str, str]]:
-    """Instruction name -> (JAX operation, ``file:line``) from the optimised program's metadata."""
+    """Instruction name -> (JAX operation, ``file:line``) from the optimised program's metadata.
+
+    The line is the innermost frame of the call stack outside installed packages (the
+    user's or xlafit's line that called into Flax or JAX); the stack table's parents are
+    numbered from 1, 0 meaning none.
+    """
     files = dict(re.findall(r'^(\d+) "([^"]*)"$', program.split("FunctionNames")[0], re.M))
     locations = {
         i: (files.get(f, "?"), line)
         for i, f, line in re.findall(r"^(\d+) \{file_name_id=(\d+) function_name_id=\d+ line=(\d+)", program, re.M)
     }
-    frames = dict(re.findall(r"^(\d+) \{file_location_id=(\d+)", program, re.M))
+    frames = {
+        i: (loc, int(parent) - 1)
+        for i, loc, parent in re.findall(r"^(\d+) \{file_location_id=(\d+) parent_frame_id=(\d+)", program, re.M)
+    }
+
+    def where(frame: str) -> str:
+        chain = []
+        while frame in frames and len(chain) < 64:
+            loc, parent = frames[frame]
+            chain.append(locations.get(loc, ("", "")))
+            frame = str(parent)
+        own = [(f, line) for f, line in chain if f and "site-packages" not in f]
+        file, line = (own or chain or [("", "")])[0]
+        return f"{_short(file)}:{line}" if file else ""
+
     out = {}
     for name, op_name, frame in re.findall(
         r"%([\w.\-]+) = .*?metadata=\{op_name=\"([^\"]*)\"(?: stack_frame_id=(\d+))?", program
     ):
-        file, line = locations.get(frames.get(frame, ""), ("", ""))
-        out[name] = (op_name.rsplit("/", 1)[-1], f"{_short(file)}:{line}" if file else "")
+        out[name] = (op_name.rsplit("/", 1)[-1], where(frame))
     return out
 
 

@@ -107,7 +107,7 @@ def _winner_lines(plan: Plan) -> list[str]:
             f"  step >= {p.step_s * 1e3:.3g} ms (compute {p.compute_s * 1e3:.3g} ms, memory "
             f"{p.memory_s * 1e3:.3g} ms{comm}; {p.serial_s * 1e3:.3g} ms with no overlap)"
         )
-    lines.append(f"  run it: {plan.command_line(o)}")
+    lines.append(f"  {'run' if plan.preset is not None else 'check'} it: {plan.command_line(o)}")
     by_cost = [x for x in plan.fitting() if plan.run_cost(x) is not None]
     if len(plan.targets) > 1 and by_cost:
         cheapest = min(by_cost, key=lambda x: plan.run_cost(x) or 0.0)

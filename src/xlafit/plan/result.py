@@ -79,8 +79,9 @@ class Plan:
 
     def command_line(self, o: Outcome) -> str:
         keys = " ".join(f"{k}={v}" for k, v in self.overrides(o).items())
-        if self.preset is None:  # a user's file: its model, the plan's mesh and loop
-            return f"xlafit check {self.source} --tpu {o.candidate.target} {keys}"
+        if self.preset is None:  # a user's file: its model, the plan's mesh, loop and batch
+            batch = f"--per-device-batch {o.candidate.per_device_batch}"
+            return f"xlafit check {self.source} --tpu {o.candidate.target} {batch} {keys}"
         return f"xlafit train {self.source} {' '.join(self.base_overrides)} {keys}".replace("  ", " ")
 
     def write(self, path: str | Path) -> Path:
@@ -95,7 +96,8 @@ class Plan:
             use = f"xlafit train {self.source} --config {path}"
         else:
             content = {k: v for k, v in keys.items() if k in ("mesh", "trainer")}
-            use = f"xlafit check {self.source} --tpu {o.candidate.target} --config {path}"
+            batch = f"--per-device-batch {o.candidate.per_device_batch}"
+            use = f"xlafit check {self.source} --tpu {o.candidate.target} {batch} --config {path}"
         p = o.prediction
         head = [
             f"# {self.command}",
