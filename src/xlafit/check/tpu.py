@@ -518,6 +518,7 @@ def largest_batch(
     multiple: int = 8,
     limit: int = 2**16,
     tolerance: float = 0.02,
+    fixed_bytes: int | None = None,
 ) -> tuple[int, list[Probe]]:
     """The largest per-core batch that compiles, and the probes that found it.
 
@@ -533,6 +534,8 @@ def largest_batch(
     multiples of ``multiple`` (8: a TPU vector register holds 8 rows of a float32 tile) and
     of what the loop needs (``trainer.accumulate_steps``, ``invariant_chunks`` per core);
     below ``multiple``, of the loop's unit only. 0: not even the smallest batch fits.
+    With ``fixed_bytes`` (what does not grow with the batch: the state), each reach follows
+    the line from them through the last fit's bytes to the capacity, instead of 16x.
     """
     config = steps.program.config
     base = config.accumulate_steps
@@ -559,7 +562,7 @@ def largest_batch(
     if start_fits if known else fits(first):
         good, bad = first, 0
         while not bad:
-            far = min(limit, good * 16) // unit * unit
+            far = _reach(good, needs.get(good), fixed_bytes, capacity, unit, limit)
             if far <= good:
                 return good, probes
             if fits(far):
@@ -593,6 +596,17 @@ def largest_batch(
             streak.append(ok)
         good, bad = (guess, bad) if ok else (good, guess)
     return good, probes
+
+
+def _reach(batch: int, used: int | None, fixed: int | None, capacity: float, unit: int, limit: int) -> int:
+    """The next far probe above a fitting ``batch``: 16x, or with ``fixed`` bytes that do not
+    grow with the batch (the state), 10 % beyond where the line from them through
+    ``(batch, used)`` crosses ``capacity``: most likely a cheap refusal that brackets the
+    answer closely (and if it fits, the next reach starts from there)."""
+    if used is None or fixed is None or not capacity or used <= fixed:
+        return min(limit, batch * 16) // unit * unit
+    per_example = (used - fixed) / batch
+    return min(limit, max(batch + unit, int((capacity - fixed) / per_example * 1.1) // unit * unit))
 
 
 def _interpolate(good: int, bad: int, needs: dict[int, int], capacity: float, unit: int) -> int | None:

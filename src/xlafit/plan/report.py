@@ -80,8 +80,15 @@ def format_plan(plan: Plan) -> str:
     fitting, front = plan.fitting(), plan.pareto()
     rows = [HEADER] + [_row(plan, str(i + 1), o, front) for i, o in enumerate(fitting)]
     refused = [o for o in plan.outcomes if o not in fitting]
-    rows += [_row(plan, "no" if o.fits is False else "err", o, front) for o in refused]
-    lines = [plan.command, *_table(rows), "  (* the Pareto front: throughput, cost of the run, HBM to spare)"]
+    shown = [o for o in refused if o.stage != "batch"]  # the batch search's refusals: in --json
+    rows += [_row(plan, "no" if o.fits is False else "err", o, front) for o in shown]
+    probes = len(refused) - len(shown)
+    searched = f"; {probes} larger batches that did not fit are in --json" if probes else ""
+    lines = [
+        plan.command,
+        *_table(rows),
+        f"  (* the Pareto front: throughput, cost of the run, HBM to spare{searched})",
+    ]
     lines += _winner_lines(plan)
     lines += _why_not_lines(plan, refused)
     for target, mesh, why in plan.skipped:

@@ -310,7 +310,7 @@ class Planner:
     def _largest(self, target: Target) -> None:
         """Stage 3: the largest per-core batch of the best layouts, predicted there."""
         fitting = [o for o in self.outcomes.values() if o.candidate.target == target.name and o.fits and o.prediction]
-        fitting.sort(key=lambda o: -o.prediction.examples_per_s)  # type: ignore[union-attr]
+        fitting.sort(key=lambda o: -self._potential(target, o))
         for o in fitting[: self.settings.top]:
             c = o.candidate
             recorder = _Recorder(self, target, c)
@@ -323,10 +323,24 @@ class Planner:
                     o.capacity,
                     limit=self.settings.max_batch_limit,
                     tolerance=0.1,
+                    fixed_bytes=self.steps(target, c).state_bytes,
                 )
             except OverBudget:
                 continue
             _progress(f"{target.name}: {c.layout}, {c.levers}: largest per-core batch {best}")
+
+    def _potential(self, target: Target, o: Outcome) -> float:
+        """Examples/s at the largest batch the memory of this compile predicts: per-core bytes
+        grow linearly from the state with the batch, compute and HBM time in proportion, the
+        collectives (the parameters' and gradients') stay. Ranks layouts before the search:
+        at a small batch a layout's fixed cost hides what it would do at its largest."""
+        c, p, used = o.candidate, o.prediction, o.memory.get("total", 0)
+        state = self.steps(target, c).state_bytes
+        if p is None or used <= state:
+            return 0.0 if p is None else p.examples_per_s
+        scale = max(1.0, (o.capacity - state) / (used - state))
+        step = max(p.compute_s * scale, p.memory_s * scale, p.comm_s or 0.0)
+        return c.global_batch * scale / step
 
 
 class _Recorder:
