@@ -33,8 +33,8 @@ from xlafit.io.paths import as_path, filesystem
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"  # the special tokens of a tokenizer trained here (ids 0, 1, 2)
 # Names other tokenizers give their document markers (Llama 3, Llama 2 / Mistral, GPT-2, BERT).
-_BOS_NAMES = ("<|begin_of_text|>", "<s>", "[CLS]")
-_EOS_NAMES = ("<|end_of_text|>", "</s>", "<|endoftext|>", "[SEP]")
+BOS_NAMES = ("<|begin_of_text|>", "<s>", "[CLS]")
+EOS_NAMES = ("<|end_of_text|>", "</s>", "<|endoftext|>", "[SEP]")
 
 
 def train_bpe(files: Sequence[str], vocab_size: int, out: str | Path) -> Tokenizer:
@@ -81,7 +81,7 @@ def load_tokenizer(where: str | Path) -> Tokenizer:
 def special_ids(tok: Tokenizer) -> tuple[int | None, int | None]:
     """``(bos, eos)``: the ids of the tokenizer's document markers, None where it has none."""
     find = lambda names: next((i for n in names if (i := tok.token_to_id(n)) is not None), None)  # noqa: E731
-    return find(_BOS_NAMES), find(_EOS_NAMES)
+    return find(BOS_NAMES), find(EOS_NAMES)
 
 
 def read_documents(inputs: Sequence[str], text_column: str = "text") -> Iterator[str]:
