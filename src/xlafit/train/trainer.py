@@ -278,9 +278,7 @@ class Trainer:
         model.train()
         self.trainable = trainable
         train_graphdef, params, model_state = nnx.split(model, trainable, ...)  # type: ignore[misc]  # flax's overloads
-        # Parameters left out of `trainable`: frozen, kept out of checkpoints (None: none).
-        frozen = nnx.All(nnx.Param, nnx.Not(trainable))
-        self._frozen = frozen if jax.tree.leaves(model_state.filter(frozen)) else None
+        self._frozen = _frozen_filter(trainable, model_state)
         model.eval()
         eval_graphdef = nnx.graphdef(model)
         model.train()
@@ -289,20 +287,11 @@ class Trainer:
         shardings = state_shardings(abstract_state(params, model_state, optimizer, self.strategy))
         self._state = self._initial_state(builder, params, model_state, shardings)
         self.train_step, self.eval_step = make_steps(
-            train_graphdef,
-            eval_graphdef,
-            loss_fn,
-            optimizer,
-            self.strategy,
-            self.config,
-            self.global_batch,
-            shardings,
+            train_graphdef, eval_graphdef, loss_fn, optimizer, self.strategy, self.config, self.global_batch, shardings,
             trainable,
-        )
+        )  # fmt: skip
         # note: gathers a few values of every frozen array to the host, once
-        self.base_fingerprint = (
-            state_fingerprint(self._state.model_state.filter(self._frozen)) if self._frozen is not None else None
-        )
+        self.base_fingerprint = None if self._frozen is None else state_fingerprint(self._frozen_state())
         if checkpoint_dir is None and self.run_dir is not None:
             checkpoint_dir = self.run_dir / "checkpoints"
         self._ckpt = (
@@ -591,6 +580,10 @@ class Trainer:
         self._ckpt.wait()
         return f"checkpoint {step} saved in {self._ckpt.directory}"
 
+    def _frozen_state(self) -> nnx.State:
+        frozen, _ = self._state.model_state.split(self._frozen, ...)
+        return frozen
+
     def _checkpointed(self) -> tuple[TrainState, dict[str, str]]:
         """What a checkpoint holds: the state without its frozen parameters, and their fingerprint."""
         if self._frozen is None:
@@ -617,8 +610,7 @@ class Trainer:
                 f"(fingerprint {saved or 'none'}, this run's base {self.base_fingerprint}); resume with the "
                 "base model it was trained on, or start over with --restart or another --run-dir."
             )
-        frozen, _ = self._state.model_state.split(self._frozen, ...)
-        return restored.replace(model_state=nnx.merge_state(frozen, restored.model_state)), step
+        return restored.replace(model_state=nnx.merge_state(self._frozen_state(), restored.model_state)), step
 
     def _write_back(self) -> None:
         """Puts the trained values into the model of another framework this trainer adapted
@@ -755,6 +747,12 @@ class Trainer:
         """Waits for a checkpoint being written and releases the checkpointer."""
         if self._ckpt is not None:
             self._ckpt.close()
+
+
+def _frozen_filter(trainable: nnx.filterlib.Filter, model_state: nnx.State) -> nnx.filterlib.Filter | None:
+    """The parameters ``trainable`` leaves out (frozen: out of checkpoints), or None when none is."""
+    frozen = nnx.All(nnx.Param, nnx.Not(trainable))
+    return frozen if jax.tree.leaves(model_state.filter(frozen)) else None
 
 
 def _nonfinite_steps(pending: list, values: list) -> list[tuple[int, dict[str, float]]]:
