@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -145,10 +146,10 @@ def export_llm(cfg: Config, arrays: Any, fingerprint: str | None, tokenizer_json
             )
         if not cfg.model.init_from_hf:
             base = nnx.merge(*nnx.split(model))  # a copy: the adapters' base, unmerged
-            llama_hf.save_hf(merge_lora(_without_adapters(base)), out / "base")
+            llama_hf.save_hf(typing.cast(LlamaForCausalLM, merge_lora(_without_adapters(base))), out / "base")
         base_path = cfg.model.init_from_hf or str((out / "base").absolute())
         save_peft_adapter(model, out / "adapter", base_model_name_or_path=str(Path(base_path).expanduser().absolute()))
-        model = merge_lora(model)
+        model = typing.cast(LlamaForCausalLM, merge_lora(model))
     llama_hf.save_hf(model, out)
     (out / "tokenizer.json").write_text(tokenizer_json)
     specials = {t["content"] for t in json.loads(tokenizer_json).get("added_tokens", [])}

@@ -21,7 +21,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
+import jax
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -31,6 +33,7 @@ from xlafit.data.text import documents, expand_inputs
 from xlafit.errors import DataError
 from xlafit.io.paths import as_path, filesystem
 
+ArrayT = TypeVar("ArrayT", np.ndarray, jax.Array)
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"  # the special tokens of a tokenizer trained here (ids 0, 1, 2)
 # Names other tokenizers give their document markers (Llama 3, Llama 2 / Mistral, GPT-2, BERT).
 BOS_NAMES = ("<|begin_of_text|>", "<s>", "[CLS]")
@@ -191,7 +194,7 @@ def _empty(seq_len: int) -> dict[str, np.ndarray]:
     return {k: np.zeros((0, seq_len), np.int32) for k in ("input_ids", "segment_ids", "positions")}
 
 
-def next_token_targets(input_ids: np.ndarray, segment_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def next_token_targets(input_ids: ArrayT, segment_ids: ArrayT) -> tuple[ArrayT, ArrayT]:
     """``(targets, weights)`` ``[B, T - 1]`` of a packed batch: position ``t`` predicts token
     ``t + 1``, weighted 1 only when both are real tokens of the same piece.
 

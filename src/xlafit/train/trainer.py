@@ -590,7 +590,7 @@ class Trainer:
             return self._state, {}
         _, rest = self._state.model_state.split(self._frozen, ...)
         assert self.base_fingerprint is not None  # computed with the frozen filter
-        return self._state.replace(model_state=rest), {BASE_FINGERPRINT: self.base_fingerprint}
+        return dataclasses.replace(self._state, model_state=rest), {BASE_FINGERPRINT: self.base_fingerprint}
 
     def _restore(self) -> tuple[TrainState, int]:
         """The newest intact checkpoint, the frozen parameters put back beside it.
@@ -610,7 +610,8 @@ class Trainer:
                 f"(fingerprint {saved or 'none'}, this run's base {self.base_fingerprint}); resume with the "
                 "base model it was trained on, or start over with --restart or another --run-dir."
             )
-        return restored.replace(model_state=nnx.merge_state(self._frozen_state(), restored.model_state)), step
+        model_state = nnx.merge_state(self._frozen_state(), restored.model_state)
+        return dataclasses.replace(restored, model_state=model_state), step
 
     def _write_back(self) -> None:
         """Puts the trained values into the model of another framework this trainer adapted
