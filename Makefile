@@ -33,11 +33,11 @@ demo-bert: $(BASE)
 # The Llama demo on the same texts: a tiny causal LM pretrained, exported to Hugging Face, then
 # LoRA-tuned from that export and exported again with its PEFT adapter (about a minute and a half).
 demo-llm: $(BASE)
-	$(VENV)/bin/xlafit train llm --simulate 8 --run-dir runs/demo-llm --restart trainer.epochs=8
+	$(VENV)/bin/xlafit train llm --simulate 8 --run-dir runs/demo-llm --restart trainer.epochs=4
 	$(VENV)/bin/xlafit export hf runs/demo-llm --out runs/demo-llm-hf
 	$(VENV)/bin/xlafit train llm --simulate 8 --run-dir runs/demo-llm-lora --restart \
 		model.init_from_hf=runs/demo-llm-hf lora.rank=16 lora.alpha=32 \
-		lora.targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj \
+		lora.targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head \
 		trainer.epochs=8 optimizer.learning_rate=0.01
 	$(VENV)/bin/xlafit export hf runs/demo-llm-lora --out runs/demo-llm-lora-hf
 

@@ -238,7 +238,13 @@ def test_export_loads_in_transformers_and_peft_with_the_same_logits(tmp_path, mo
     common = ["trainer.stop_at_step=2", "data.vocab_size=400", "data.seq_len=64", "trainer.eval_every_epochs=100"]
     xlafit.train_and_evaluate(load_config("llm", [f"run.run_dir={tmp_path / 'full'}", *common]))
     export_hf(tmp_path / "full", tmp_path / "full-hf")
-    lora = [f"model.init_from_hf={tmp_path / 'full-hf'}", "lora.rank=4", "lora.alpha=8", "optimizer.learning_rate=0.05"]
+    lora = [
+        f"model.init_from_hf={tmp_path / 'full-hf'}",
+        "lora.rank=4",
+        "lora.alpha=8",
+        "lora.targets=q_proj,v_proj,lm_head",
+    ]
+    lora.append("optimizer.learning_rate=0.05")
     xlafit.train_and_evaluate(load_config("llm", [f"run.run_dir={tmp_path / 'lora'}", *common, *lora]))
     export_hf(tmp_path / "lora", tmp_path / "lora-hf")
 
@@ -267,4 +273,5 @@ def test_export_loads_in_transformers_and_peft_with_the_same_logits(tmp_path, mo
     np.testing.assert_allclose(hf_logits(with_adapter), expected, atol=1e-4, rtol=1e-4)
     config = json.loads((tmp_path / "lora-hf" / "adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str((tmp_path / "full-hf").absolute())
+    assert config["target_modules"] == ["lm_head", "q_proj", "v_proj"]
     assert base_fingerprint(merge_lora(ours)) != base_fingerprint(full)  # merged: another model
