@@ -174,6 +174,24 @@ def test_lora_trains_the_adapters_alone_and_checkpoints_no_base(tmp_path, strate
     other.close()
 
 
+def test_lora_config_builds_adapters_on_a_bfloat16_base():
+    from xlafit.config import LoraConfig
+    from xlafit.models.lora import BASE
+    from xlafit.run import with_lora
+
+    model = with_lora(_tiny(lora=False), LoraConfig(rank=4, targets="q_proj, o_proj", base_dtype="bfloat16"), seed=0)
+    dtypes = lambda f: {x.dtype for x in jax.tree.leaves(nnx.state(model, f))}  # noqa: E731
+    assert (dtypes(BASE), dtypes(ADAPTER)) == ({jnp.dtype(jnp.bfloat16)}, {jnp.dtype(jnp.float32)})
+    ids = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
+    grads = nnx.grad(lambda m: _lm_loss(m, {"x": ids}).mean(), argnums=nnx.DiffState(0, ADAPTER))(model)
+    assert np.isfinite(float(_lm_loss(model, {"x": ids}).mean())) and len(jax.tree.leaves(grads)) == 8
+    assert jax.tree.leaves(nnx.state(with_lora(_tiny(lora=False), LoraConfig(rank=0), seed=0), ADAPTER)) == []
+    with pytest.raises(ConfigError, match="no nnx.Linear named query in the model .*named: down_proj, gate_proj"):
+        with_lora(_tiny(lora=False), LoraConfig(rank=4, targets="query"), seed=0)
+    with pytest.raises(ConfigError, match="lora.targets is empty"):
+        LoraConfig(rank=4, targets=" , ")
+
+
 def _segment(cmd, cache):
     """Starts ``cmd``; returns the process and an event set at its first [train] line."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(cache))
