@@ -76,12 +76,28 @@ def test_packed_rows_keep_documents_apart(corpus):
 
     docs = list(clm.read_documents([str(corpus / "text")]))
     pq.write_table(pa.table({"body": docs}), corpus / "docs.parquet")
-    from_parquet, _ = clm.load_packed(
-        [str(corpus / "docs.parquet")], tok, seq_len=64, eval_fraction=0.2, seed=0, text_column="body"
+    from_parquet, _ = clm.load_packed(  # a directory: its *.txt and *.parquet files
+        [str(corpus)], tok, seq_len=64, eval_fraction=0.2, seed=0, text_column="body"
     )
     np.testing.assert_array_equal(from_parquet.arrays["input_ids"], ids)
     with pytest.raises(DataError, match="has no column 'text' .*set data.text_column"):
         clm.load_packed([str(corpus / "docs.parquet")], tok, seq_len=64)
+
+
+def test_documents_and_tokenizer_in_a_bucket_pack_as_local_ones(corpus, gcs):
+    from xlafit.data.text import expand_inputs
+    from xlafit.io.paths import as_path
+
+    b = gcs.bucket
+    as_path(f"{b}/text/a.txt").write_text(TEXT)
+    as_path(f"{b}/tok/tokenizer.json").write_text((corpus / "tok" / "tokenizer.json").read_text())
+    cfg = load_config("llm", [f"data.data_dir={b}/text", f"data.tokenizer={b}/tok", "data.seq_len=64"])
+    train, evaluation = recipe.load_data(cfg)
+    local, _ = clm.load_packed([str(corpus / "text")], clm.load_tokenizer(corpus / "tok"), seq_len=64)
+    np.testing.assert_array_equal(train.arrays["input_ids"], local.arrays["input_ids"])
+    assert expand_inputs([f"{b}/text"]) == [f"{b}/text/a.txt"]  # a directory URL, as a local one
+    recipe.save_artifacts(cfg, as_path(f"{b}/run"), train)  # the run's copy, for the export
+    assert as_path(f"{b}/run/tokenizer/tokenizer.json").read_text() == (corpus / "tok" / "tokenizer.json").read_text()
 
 
 def test_config_errors_name_the_fix(corpus):

@@ -29,7 +29,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from xlafit.data.hashing import hash_uniform
 from xlafit.data.shapes import pack
-from xlafit.data.text import documents, expand_inputs
+from xlafit.data.text import documents
 from xlafit.errors import DataError
 from xlafit.io.paths import as_path, filesystem
 
@@ -70,6 +70,11 @@ def load_tokenizer(where: str | Path) -> Tokenizer:
     Raises:
         DataError: there is no ``tokenizer.json`` there.
     """
+    return Tokenizer.from_str(tokenizer_json(where))
+
+
+def tokenizer_json(where: str | Path) -> str:
+    """The text of the ``tokenizer.json`` :func:`load_tokenizer` reads, as it is on disk."""
     path = as_path(where)
     if not str(path).endswith(".json"):
         path = path / "tokenizer.json"
@@ -78,7 +83,7 @@ def load_tokenizer(where: str | Path) -> Tokenizer:
             f"no tokenizer at {path}; give data.tokenizer as a tokenizer.json or a directory holding one "
             "(a Hugging Face model directory has it)."
         )
-    return Tokenizer.from_str(path.read_text())
+    return path.read_text()
 
 
 def special_ids(tok: Tokenizer) -> tuple[int | None, int | None]:
@@ -90,7 +95,7 @@ def special_ids(tok: Tokenizer) -> tuple[int | None, int | None]:
 def read_documents(inputs: Sequence[str], text_column: str = "text") -> Iterator[str]:
     """The documents of text files (blank-line-separated blocks) and Parquet files (one per
     row of ``text_column``), in order. ``inputs``: files, directories, globs or URLs."""
-    files = expand_inputs(inputs)
+    files = data_files(inputs)
     parquet = [f for f in files if f.endswith(".parquet")]
     text = [f for f in files if not f.endswith(".parquet")]
     for doc in documents(text, "blank"):
@@ -107,6 +112,32 @@ def read_documents(inputs: Sequence[str], text_column: str = "text") -> Iterator
                 "set data.text_column to the one holding the text."
             )
         yield from (t for t in table.column(text_column).to_pylist() if t)
+
+
+def data_files(inputs: Sequence[str]) -> list[str]:
+    """The files named by ``inputs``: files, globs, or directories (their ``*.txt`` and
+    ``*.parquet``), local or URLs.
+
+    Raises:
+        DataError: an input matches no file.
+    """
+    files: list[str] = []
+    for pattern in inputs:
+        fs, path = filesystem(pattern)
+        if any(c in path for c in "*?["):
+            found = sorted(fs.glob(path))
+        elif fs.isdir(path):
+            found = sorted(f for ext in ("txt", "parquet") for f in fs.glob(f"{path.rstrip('/')}/*.{ext}"))
+        else:
+            found = [path]
+        found = [f for f in found if fs.exists(f) and fs.isfile(f)]
+        if not found:
+            raise DataError(
+                f"no input file matches {pattern}; give text or Parquet files, globs, or directories of "
+                "*.txt and *.parquet files."
+            )
+        files += [fs.unstrip_protocol(f) if "://" in pattern else f for f in found]
+    return files
 
 
 @dataclasses.dataclass

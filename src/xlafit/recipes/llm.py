@@ -178,7 +178,7 @@ def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
     """Copies the tokenizer into ``run_dir/tokenizer`` (local or a URL), for ``xlafit export hf``."""
     dest = run_dir / "tokenizer"
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / "tokenizer.json").write_text(clm.load_tokenizer(tokenizer_location(cfg)).to_str())
+    (dest / "tokenizer.json").write_text(clm.tokenizer_json(tokenizer_location(cfg)))
 
 
 # --------------------------------------------------------------------------- model
