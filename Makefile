@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 BASE := $(VENV)/.xlafit-base
 STAMP := $(VENV)/.xlafit-installed
 
-.PHONY: demo demo-bert test docs lint typecheck bench bench-mnist bench-bert clean
+.PHONY: demo demo-bert demo-llm test docs lint typecheck bench bench-mnist bench-bert clean
 
 # What the demos need: xlafit itself and the wheels that carry the embedded data.
 $(BASE): pyproject.toml
@@ -29,6 +29,17 @@ demo: $(BASE)
 # The BERT masked-LM demo on the Korean texts of the konlpy wheel (about 1.5 minutes).
 demo-bert: $(BASE)
 	$(VENV)/bin/xlafit train bert --simulate 8 --run-dir runs/demo-bert --restart
+
+# The Llama demo on the same texts: a tiny causal LM pretrained, exported to Hugging Face, then
+# LoRA-tuned from that export and exported again with its PEFT adapter (about a minute and a half).
+demo-llm: $(BASE)
+	$(VENV)/bin/xlafit train llm --simulate 8 --run-dir runs/demo-llm --restart trainer.epochs=4
+	$(VENV)/bin/xlafit export hf runs/demo-llm --out runs/demo-llm-hf
+	$(VENV)/bin/xlafit train llm --simulate 8 --run-dir runs/demo-llm-lora --restart \
+		model.init_from_hf=runs/demo-llm-hf lora.rank=16 lora.alpha=32 \
+		lora.targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head \
+		trainer.epochs=8 optimizer.learning_rate=0.01
+	$(VENV)/bin/xlafit export hf runs/demo-llm-lora --out runs/demo-llm-lora-hf
 
 # One pytest worker per core, at most 4 (memory: each imports JAX, torch and transformers);
 # worksteal evens out the minute-long tests. On 2 cores: 16.5 instead of 23 minutes.

@@ -172,8 +172,11 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def save(self, step: int, state: Any) -> None:
+    def save(self, step: int, state: Any, metadata: dict[str, str] | None = None) -> None:
         """Starts writing ``state`` as checkpoint ``step`` (returns before it is on disk).
+
+        ``metadata`` (short strings: the fingerprint of a frozen base model) goes into the
+        step's own metadata file, sealed with the arrays; :meth:`saved_metadata` reads it.
 
         Raises:
             CheckpointError: the previous save failed (disk full, no permission): the
@@ -183,7 +186,9 @@ class Checkpointer:
         self.last_saved = step
         self._sealed.discard(step)  # a step saved again (after a rollback) is sealed again
         try:
-            self._manager.save(step, args=ocp.args.StandardSave(to_saveable(state)), force=True)
+            self._manager.save(
+                step, args=ocp.args.StandardSave(to_saveable(state)), force=True, custom_metadata=metadata or {}
+            )
         except Exception as e:  # on a URL the first requests go out here, before the background write
             raise self._failed(e) from e
 
@@ -262,6 +267,13 @@ class Checkpointer:
         except Exception:  # a damaged metadata file: the caller falls back to the files' times
             return None
         return None if nsecs is None else datetime.datetime.fromtimestamp(nsecs / 1e9, datetime.UTC)
+
+    def saved_metadata(self, step: int) -> dict[str, str]:
+        """The ``metadata`` checkpoint ``step`` was saved with (empty when none or unreadable)."""
+        try:
+            return dict(self._manager.metadata(step).custom_metadata or {})
+        except Exception:  # a damaged metadata file: the arrays' own check decides
+            return {}
 
     def list(self) -> list[CheckpointInfo]:
         """Every checkpoint on disk, oldest first, verified."""

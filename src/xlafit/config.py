@@ -221,6 +221,30 @@ class MeshConfig:
 
 
 @dataclasses.dataclass
+class LoraConfig:
+    """Low-rank adapters (LoRA, Hu et al. 2021): with ``rank`` above 0 the model's layers named
+    in ``targets`` get rank-``rank`` adapters, only those are trained and checkpointed, and
+    every other parameter is frozen (``xlafit.models.lora``)."""
+
+    rank: int = 0  # 0: full fine-tuning (every parameter trains); e.g. 16: adapters of rank 16, the base frozen
+    alpha: float = 16.0  # PEFT's lora_alpha: the adapters' update is scaled by alpha / rank
+    # the adapted layers: attribute names of nnx.Linear layers, comma-separated (PEFT's
+    # target_modules; Llama's attention projections by default)
+    targets: str = "q_proj,k_proj,v_proj,o_proj"
+    # the frozen base weights' dtype: bfloat16 halves their memory (the adapters stay float32)
+    base_dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def __post_init__(self) -> None:
+        _check_section(self, "lora", (), ("rank",))
+        if self.rank and not self.target_names:
+            raise ConfigError("lora.targets is empty; name the layers to adapt, e.g. lora.targets=q_proj,v_proj.")
+
+    @property
+    def target_names(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.targets.split(",") if t.strip())
+
+
+@dataclasses.dataclass
 class RunConfig:
     """Where the run writes and on what it runs."""
 
@@ -244,6 +268,7 @@ class Config:
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # rank 0: no adapters
     cpu: CpuConfig = dataclasses.field(default_factory=CpuConfig)  # on a CPU only (xlafit.platform.cpu)
 
     def to_dict(self) -> dict[str, Any]:

@@ -2,14 +2,17 @@
 
 A bert run becomes a ``BertForMaskedLM`` (tokenizer included), a resnet run a
 ``ResNetForImageClassification`` (running batch statistics included, its classes' names,
-and the image processor of its evaluation transform): ``config.json`` and
-``model.safetensors`` that ``from_pretrained`` loads.
+and the image processor of its evaluation transform), an llm run a ``LlamaForCausalLM``
+(tokenizer included; a LoRA run's adapters merged into it, and written apart as a PEFT
+adapter in ``adapter/``): ``config.json`` and ``model.safetensors`` that
+``from_pretrained`` loads.
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -20,23 +23,31 @@ from flax import nnx
 
 from xlafit.checkpoint import Checkpointer, older_layout, path_name
 from xlafit.config import Config
+from xlafit.data import clm
 from xlafit.errors import CheckpointError, ConfigError, StorageError
+from xlafit.hf import llama as llama_hf
 from xlafit.hf.bert import save_hf
+from xlafit.hf.peft import save_peft_adapter
 from xlafit.hf.resnet import image_processor_config
 from xlafit.hf.resnet import save_hf as save_resnet_hf
 from xlafit.io.paths import as_path, bucket_of, check_bucket, describe_error, download_dir, is_url, upload_dir
 from xlafit.models.bert import BertForMaskedLM
+from xlafit.models.llama import LlamaForCausalLM
+from xlafit.models.lora import ADAPTER, base_fingerprint, merge_lora
 from xlafit.models.resnet import ResNet
 from xlafit.recipes import config_from_dict
 from xlafit.recipes.bert import bert_config
+from xlafit.recipes.llm import build_llama
 from xlafit.recipes.resnet import CLASSES_FILE, NORMALISATION, augmentation, image_size, normalisation, resnet_config
-from xlafit.run import checkpoint_dir
+from xlafit.run import checkpoint_dir, with_lora
+from xlafit.train.trainer import BASE_FINGERPRINT
 
 
 def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> tuple[str, int]:
     """Writes a run's model (checkpoint ``step``, default the newest intact one) as a Hugging
     Face directory: a bert run as ``BertForMaskedLM`` with its tokenizer, a resnet run as
-    ``ResNetForImageClassification``. Returns (out, step).
+    ``ResNetForImageClassification``, an llm run as ``LlamaForCausalLM`` with its tokenizer
+    (LoRA: merged, and the adapter alone in ``out/adapter``, :func:`export_llm`). Returns (out, step).
 
     ``run_dir`` and ``out`` may be local paths or URLs (``gs://bucket/run``): a URL output
     is written locally first and uploaded file by file.
@@ -54,13 +65,13 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     config_text = (run / "config.yaml").read_text()
     saved = yaml.safe_load(config_text)
     recipe = saved.get("recipe")
-    if recipe not in ("bert", "resnet"):
-        raise ConfigError(f"{run} is a {recipe!r} run; only bert and resnet runs export to Hugging Face.")
-    if recipe == "bert" and not (run / "tokenizer" / "tokenizer.json").exists():
+    if recipe not in ("bert", "resnet", "llm"):
+        raise ConfigError(f"{run} is a {recipe!r} run; only bert, resnet and llm runs export to Hugging Face.")
+    if recipe in ("bert", "llm") and not (run / "tokenizer" / "tokenizer.json").exists():
         raise ConfigError(f"{run} has no tokenizer/ (written when training starts); cannot export.")
     cfg = config_from_dict(recipe, {k: v for k, v in saved.items() if k != "recipe"})
     cfg.run.run_dir = str(run)  # where the run is now: it may have moved since it trained
-    arrays, step = _checkpoint_arrays(cfg, run, step)
+    arrays, step, metadata = _checkpoint_arrays(cfg, run, step)
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(tmp) / "out" if is_url(out) else Path(out)
         if recipe == "bert":
@@ -69,6 +80,9 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
             _fill(model, nnx.Param, arrays["params"])
             tok_dir = download_dir(run / "tokenizer", Path(tmp) / "tokenizer")  # the run's may be on gs://
             save_hf(model, local, tokenizer_dir=tok_dir)
+        elif recipe == "llm":
+            tokenizer_json = (run / "tokenizer" / "tokenizer.json").read_text()
+            export_llm(cfg, arrays, metadata.get(BASE_FINGERPRINT), tokenizer_json, local)
         else:
             save_resnet_hf(_resnet(cfg, arrays), local, labels=_classes(run), processor=_image_processor(cfg))
         (local / "xlafit-config.yaml").write_text(config_text)
@@ -85,8 +99,9 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     return str(out), step
 
 
-def _checkpoint_arrays(cfg: Config, run: Any, step: int | None) -> tuple[Any, int]:
-    """The saved state of checkpoint ``step`` (default: the newest intact one) as host arrays."""
+def _checkpoint_arrays(cfg: Config, run: Any, step: int | None) -> tuple[Any, int, dict[str, str]]:
+    """The saved state of checkpoint ``step`` (default: the newest intact one) as host arrays,
+    with the metadata it was saved with."""
     ckpt = Checkpointer(checkpoint_dir(cfg))
     try:
         usable = [i.step for i in ckpt.list() if i.usable]
@@ -96,9 +111,60 @@ def _checkpoint_arrays(cfg: Config, run: Any, step: int | None) -> tuple[Any, in
             step = usable[-1]
         elif step not in usable:
             raise CheckpointError(f"no intact checkpoint {step} in {run}; intact: {usable}.")
-        return ckpt.restore_arrays(step), step
+        return ckpt.restore_arrays(step), step, ckpt.saved_metadata(step)
     finally:
         ckpt.close()
+
+
+def export_llm(cfg: Config, arrays: Any, fingerprint: str | None, tokenizer_json: str, out: Path) -> None:
+    """Writes an llm run's model to ``out`` as a ``LlamaForCausalLM`` with its tokenizer.
+
+    A LoRA run's checkpoint holds the adapters only: the base is rebuilt as the run built it
+    (``model.init_from_hf``, or the same initialisation) and must have the fingerprint the
+    checkpoint recorded. The adapter goes to ``out/adapter`` (PEFT's format, its base
+    ``model.init_from_hf``; with no such directory the base itself goes to ``out/base``)
+    and ``out`` holds the merged weights.
+
+    Raises:
+        CheckpointError: the rebuilt base is not the one the adapters were trained on.
+    """
+    vocab_size = len(json.loads(tokenizer_json)["model"]["vocab"])
+    out.mkdir(parents=True, exist_ok=True)
+    build = lambda: with_lora(build_llama(cfg, vocab_size), cfg.lora, cfg.trainer.seed)  # noqa: E731
+    if cfg.model.init_from_hf:
+        model = build()
+    else:  # inside jit, as the trainer built it: eager initialisation rounds differently
+        abstract = nnx.eval_shape(build)
+        model = nnx.merge(nnx.graphdef(abstract), jax.jit(lambda: nnx.state(build()))())
+    _fill(model, ADAPTER if cfg.lora.rank else nnx.Param, arrays["params"])
+    assert isinstance(model, LlamaForCausalLM)
+    if cfg.lora.rank:
+        if fingerprint != base_fingerprint(model):
+            raise CheckpointError(
+                f"the base model rebuilt from the run's config (fingerprint {base_fingerprint(model)}) is not the one "
+                f"its adapters were trained on ({fingerprint}); put the run's model.init_from_hf back as it was."
+            )
+        if not cfg.model.init_from_hf:
+            base = nnx.merge(*nnx.split(model))  # a copy: the adapters' base, unmerged
+            llama_hf.save_hf(typing.cast(LlamaForCausalLM, merge_lora(_without_adapters(base))), out / "base")
+        base_path = cfg.model.init_from_hf or str((out / "base").absolute())
+        save_peft_adapter(model, out / "adapter", base_model_name_or_path=str(Path(base_path).expanduser().absolute()))
+        model = typing.cast(LlamaForCausalLM, merge_lora(model))
+    llama_hf.save_hf(model, out)
+    (out / "tokenizer.json").write_text(tokenizer_json)
+    specials = {t["content"] for t in json.loads(tokenizer_json).get("added_tokens", [])}
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    for key, names in (("bos_token", clm.BOS_NAMES), ("eos_token", clm.EOS_NAMES), ("pad_token", (clm.PAD,))):
+        found = next((name for name in names if name in specials), None)
+        if found is not None:
+            config[key] = found
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _without_adapters(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """``model`` with every adapter zeroed (merging then gives the base weights back)."""
+    nnx.update(model, jax.tree.map(jnp.zeros_like, nnx.state(model, ADAPTER)))
+    return model
 
 
 def _fill(model: nnx.Module, kind: Any, saved: Any, prefix: str = "") -> None:

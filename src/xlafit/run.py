@@ -23,20 +23,24 @@ import atexit
 import dataclasses
 import datetime
 import logging
+import math
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import yaml
 from etils import epath
 from flax import nnx
 
-from xlafit.config import Config, migrate, resolve_batch
+from xlafit.config import Config, LoraConfig, migrate, resolve_batch
 from xlafit.data.dataset import as_dataset
 from xlafit.errors import ConfigError, StorageError
 from xlafit.io.paths import as_path, check_bucket, dated_sibling, describe_error, is_url, move, refresh, upload
+from xlafit.models.lora import ADAPTER, BASE, apply_lora
 from xlafit.parallel.cluster import connect
 from xlafit.parallel.mesh import Strategy
 from xlafit.parallel.sharding import parse_rules
@@ -49,7 +53,7 @@ from xlafit.train.trainer import FitResult, Trainer
 # Config keys whose change makes a checkpoint's state or trajectory another run's: refused
 # on resume. Everything else (logging, evaluation, checkpoint policy, devices with the same
 # global batch, epochs with the same schedule) may change between segments of one run.
-BREAKING = ("recipe", "model", "optimizer", "data.global_batch", "data.seed", "trainer.invariant_chunks")
+BREAKING = ("recipe", "model", "lora", "optimizer", "data.global_batch", "data.seed", "trainer.invariant_chunks")
 
 
 def train_and_evaluate(cfg: Config) -> FitResult:
@@ -97,6 +101,7 @@ def train_and_evaluate(cfg: Config) -> FitResult:
             data_seed=cfg.data.seed,
             prefetch=cfg.data.prefetch,
             resume=cfg.run.resume,
+            trainable=ADAPTER if cfg.lora.rank else nnx.Param,
             **recipe.throughput(cfg, train_data),
         )
         try:
@@ -112,10 +117,23 @@ def model_builder(recipe: Recipe, cfg: Config, train: Any) -> Callable[[], nnx.M
     """What the trainer builds the model from: the recipe's ``build_model`` as a function,
     run inside ``jax.jit`` so that each device creates only its own slices (the same values
     as built eagerly: tested); a model imported from Hugging Face files is read on the host
-    instead (its weights are data, not a computation) and then placed slice by slice."""
+    instead (its weights are data, not a computation) and then placed slice by slice.
+    With ``lora.rank`` set, the model gets its adapters (:func:`with_lora`)."""
     if getattr(cfg.model, "init_from_hf", None):
-        return recipe.build_model(cfg, train)
-    return lambda: recipe.build_model(cfg, train)
+        return with_lora(recipe.build_model(cfg, train), cfg.lora, cfg.trainer.seed)
+    return lambda: with_lora(recipe.build_model(cfg, train), cfg.lora, cfg.trainer.seed)
+
+
+def with_lora(model: nnx.Module, lora: LoraConfig, seed: int) -> nnx.Module:
+    """``model`` with the adapters ``lora`` asks for (none at rank 0), its base weights cast
+    to ``lora.base_dtype``; the adapters' ``A`` drawn from ``seed``."""
+    if not lora.rank:
+        return model
+    model = apply_lora(model, lora.target_names, rank=lora.rank, alpha=lora.alpha, rngs=nnx.Rngs(seed + 2))
+    if lora.base_dtype != "float32":
+        dtype = jnp.dtype(lora.base_dtype)
+        nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), nnx.state(model, BASE)))
+    return model
 
 
 class Resolved(NamedTuple):
@@ -186,6 +204,8 @@ def final_report(metrics: dict[str, float]) -> str:
         lines.append(f"test accuracy: {metrics['accuracy']:.4f}")
     if "masked_accuracy" in metrics:
         lines.append(f"masked-token accuracy: {metrics['masked_accuracy']:.4f}")
+    if "token_accuracy" in metrics:  # a language model: exp of the mean next-token loss
+        lines.append(f"perplexity: {math.exp(metrics['loss']):.2f}")
     return "\n".join(lines)
 
 

@@ -10,10 +10,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     export_sub = p.add_subparsers(dest="export_command", required=True)
     hf = export_sub.add_parser(
         "hf",
-        help="write a run as a Hugging Face directory (bert: BertForMaskedLM, resnet: ResNetForImageClassification)",
+        help="write a run as a Hugging Face directory (bert: BertForMaskedLM, resnet: ResNetForImageClassification, "
+        "llm: LlamaForCausalLM, and a PEFT adapter for LoRA runs)",
         description="Writes config.json and model.safetensors (bert: and the tokenizer's files); load them with "
         "transformers.BertForMaskedLM.from_pretrained(DIR) and AutoTokenizer.from_pretrained(DIR), or "
-        "transformers.ResNetForImageClassification.from_pretrained(DIR).",
+        "transformers.ResNetForImageClassification.from_pretrained(DIR), or (llm) "
+        "transformers.AutoModelForCausalLM.from_pretrained(DIR); a LoRA run's weights are merged, and its adapter "
+        "is in DIR/adapter for peft.PeftModel.from_pretrained(base, DIR/adapter).",
     )
     hf.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, local or a URL (gs://...)")
     hf.add_argument("--out", required=True, metavar="DIR", help="the Hugging Face directory to write")
@@ -31,5 +34,7 @@ def run(args: argparse.Namespace) -> int:
     start_backends()
     out, step = export_hf(args.run_dir, args.out, args.step)
     files = "config.json, model.safetensors" + (", tokenizer" if (as_path(out) / "tokenizer.json").exists() else "")
+    if (as_path(out) / "adapter").exists():
+        files += ", adapter/ (PEFT)"
     print(f"exported checkpoint {step} of {args.run_dir} to {out}: {files}")
     return 0

@@ -32,7 +32,10 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
     for pattern in patterns:
         if "://" in pattern:
             fs, path = filesystem(pattern)
-            found = sorted(fs.glob(path)) if any(c in path for c in "*?[") else [path]
+            if any(c in path for c in "*?["):
+                found = sorted(fs.glob(path))
+            else:  # a directory URL: its *.txt, as a local directory
+                found = sorted(fs.glob(f"{path.rstrip('/')}/*.txt")) if fs.isdir(path) else [path]
             files += [fs.unstrip_protocol(f) for f in found if fs.isfile(f)]
             if not found or not fs.exists(found[0]):
                 raise DataError(f"no input file matches {pattern}.")

@@ -203,10 +203,16 @@ def base_fingerprint(model: nnx.Module, *, full: bool = False, samples: int = 25
         >>> before == base_fingerprint(apply_lora(model, ("q_proj",), rank=2, alpha=4, rngs=nnx.Rngs(1)))
         True
     """
+    return state_fingerprint(nnx.state(model, BASE), full=full, samples=samples)
+
+
+def state_fingerprint(state: nnx.State, *, full: bool = False, samples: int = 256) -> str:
+    """:func:`base_fingerprint` of a state already split off (the frozen part of a train
+    state): the same hash as ``base_fingerprint`` of the model it came from."""
     digest = hashlib.sha256()
-    flat = sorted(((_name(path), var) for path, var in nnx.state(model, BASE).flat_state()), key=lambda p: p[0])
+    flat = sorted(((_name(path), var) for path, var in state.flat_state()), key=lambda p: p[0])
     for name, var in flat:
-        value = var[...]
+        value = var[...] if isinstance(var, nnx.Variable) else var
         digest.update(f"{name}:{tuple(value.shape)}:{value.dtype};".encode())
         if full or value.size <= samples:
             digest.update(np.asarray(value).tobytes())

@@ -16,7 +16,7 @@ from xlafit.config import Config, build_config, load_yaml, parse_overrides
 from xlafit.errors import ConfigError
 from xlafit.recipes.base import Recipe, Throughput
 
-RECIPES = ("mnist", "bert", "resnet")
+RECIPES = ("mnist", "bert", "resnet", "llm")
 
 __all__ = ["RECIPES", "Recipe", "Throughput", "config_from_dict", "get_recipe", "load_config", "preset_path"]
 

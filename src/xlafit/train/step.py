@@ -42,9 +42,11 @@ class TrainState:
 
     Attributes:
         step: optimizer steps taken (int32 scalar).
-        params: the model's ``nnx.Param`` variables.
+        params: the variables trained: the model's ``nnx.Param`` variables, or those of the
+            trainer's ``trainable`` filter (LoRA: the adapters).
         opt_state: the optax state.
-        model_state: the model's other variables (dropout RNG counters, batch statistics).
+        model_state: the model's other variables (dropout RNG counters, batch statistics,
+            parameters left frozen).
     """
 
     step: jax.Array
@@ -180,8 +182,9 @@ def apply_if_finite(
         return optax.apply_updates(params, updates), opt_state
 
     def keep_old(new: jax.Array, old: jax.Array) -> jax.Array:
-        # RNG keys and counters (integers) of the model state advance either way.
-        return jnp.where(applied, new, old) if jnp.issubdtype(old.dtype, jnp.floating) else new
+        # RNG keys and counters (integers) of the model state advance either way; frozen
+        # parameters come back as they went in (no select over a frozen base).
+        return jnp.where(applied, new, old) if new is not old and jnp.issubdtype(old.dtype, jnp.floating) else new
 
     if select and guard == "loss":
         old = (state.params, state.opt_state)
@@ -221,6 +224,7 @@ def build_train_step(
     grad_sharding: Any = None,
     guard: Guard = "loss",
     select: bool = False,
+    trainable: nnx.filterlib.Filter = nnx.Param,
 ) -> Callable:
     """Returns the pure ``(state, batches[k, B, ...]) -> (state, metrics[k])`` function.
 
@@ -240,6 +244,8 @@ def build_train_step(
             all-reducing it whole onto every device.
         guard, select: what the step checks before it applies an update, and how
             (:func:`apply_if_finite`; the default is ``trainer.nan_policy=stop``'s).
+        trainable: the variables ``state.params`` holds (the split the state was made
+            with); everything else is ``model_state``, frozen parameters included.
     """
 
     def loss_of(params: nnx.State, model_state: nnx.State, batch: Mapping[str, jax.Array]):
@@ -247,7 +253,7 @@ def build_train_step(
         # its RNG counter inside grad/scan.
         model = nnx.merge(graphdef, params, model_state, copy=True)
         losses, metrics = split_outputs(loss_fn(model, batch))
-        new_model_state = nnx.state(model, nnx.Not(nnx.Param))
+        new_model_state = nnx.state(model, nnx.Not(trainable))
         # The mean over the global batch: under jit on sharded arrays this reduction is
         # the cross-replica all-reduce.
         return batch_mean(losses), ({k: batch_mean(v) for k, v in metrics.items()}, new_model_state)
@@ -321,6 +327,7 @@ def build_invariant_train_step(
     chunks: int,
     guard: Guard = "loss",
     select: bool = False,
+    trainable: nnx.filterlib.Filter = nnx.Param,
 ) -> Callable:
     """Like :func:`build_train_step`, but the result does not depend on the device count.
 
@@ -345,7 +352,7 @@ def build_invariant_train_step(
         def loss_of(params):
             model = nnx.merge(graphdef, params, model_state, copy=True)
             losses, metrics = split_outputs(loss_fn(model, batch))
-            counts = nnx.state(model, nnx.Not(nnx.Param))
+            counts = nnx.state(model, nnx.Not(trainable))
             rows = jax.tree.leaves(batch)[0].shape[0]
             return batch_sum(losses, rows), ({k: batch_sum(v, rows) for k, v in metrics.items()}, counts)
 
@@ -499,6 +506,7 @@ def make_steps(
     config: TrainerConfig,
     global_batch: int,
     state_sharding: TrainState | None = None,
+    trainable: nnx.filterlib.Filter = nnx.Param,
 ) -> tuple[CompiledStep, CompiledStep]:
     """The train and eval steps of a run, jitted with their shardings and donation.
 
@@ -507,7 +515,8 @@ def make_steps(
     The state lies as ``state_sharding`` says (a :class:`TrainState` of shardings, from
     :func:`state_shardings`; default: replicated), stays so after every step, and is donated;
     batches are split along ``data`` x ``fsdp``; on CPUs the ``k`` steps of a call are
-    unrolled, elsewhere a ``lax.scan``.
+    unrolled, elsewhere a ``lax.scan``. ``trainable`` is the filter the state's ``params``
+    were split with (default ``nnx.Param``; LoRA: the adapters).
 
     Raises:
         ConfigError: ``accumulate_steps`` or ``invariant_chunks`` does not divide the batch,
@@ -541,7 +550,9 @@ def make_steps(
                 f"trainer.invariant_chunks={chunks} must be a multiple of the {devices} devices and divide "
                 f"the global batch {global_batch}; try {devices * max(1, chunks // devices)} or null."
             )
-        step_fn = build_invariant_train_step(train_graphdef, loss_fn, tx, strategy.mesh, chunks, guard, select)
+        step_fn = build_invariant_train_step(
+            train_graphdef, loss_fn, tx, strategy.mesh, chunks, guard, select, trainable
+        )
     else:
         grads = None if state_sharding is None or strategy.data_parallel_only else state_sharding.params
         step_fn = build_train_step(
@@ -554,6 +565,7 @@ def make_steps(
             grad_sharding=grads,
             guard=guard,
             select=select,
+            trainable=trainable,
         )
     if not strategy.data_parallel_only:
         step_fn = _with_activation_layout(step_fn, strategy)

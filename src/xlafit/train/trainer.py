@@ -42,8 +42,9 @@ from xlafit.checkpoint import Checkpointer
 from xlafit.config import TrainerConfig, validate_watchdog
 from xlafit.data.dataset import Batch, Dataset, StreamedDataset, as_dataset, num_shapes
 from xlafit.data.loader import Prefetcher, TakeRequests, TrainOrder, eval_batches, to_global
-from xlafit.errors import ConfigError, NonFiniteError, Preempted
+from xlafit.errors import CheckpointError, ConfigError, NonFiniteError, Preempted
 from xlafit.io.paths import as_path
+from xlafit.models.lora import state_fingerprint
 from xlafit.parallel.cluster import connect
 from xlafit.parallel.mesh import Strategy
 from xlafit.parallel.sharding import bytes_per_device
@@ -63,6 +64,9 @@ from xlafit.train.step import (
 from xlafit.train.watchdog import Watchdog
 
 log = logging.getLogger("xlafit")
+
+# The checkpoint metadata key of the frozen parameters' fingerprint (models/lora.py).
+BASE_FINGERPRINT = "base_fingerprint"
 
 Data = Dataset | Mapping[str, np.ndarray]  # a Dataset, or a dict of arrays with one row per example
 
@@ -212,6 +216,12 @@ class Trainer:
         tokens_per_example: adds ``tokens_per_sec`` to the logs (sequence models).
         flops_per_example: model FLOPs to train on one example; adds ``mfu`` to the logs
             (model FLOPs utilisation against :func:`xlafit.platform.hardware.peak_flops`).
+        trainable: an ``nnx`` filter of the variables to train (differentiate, give
+            optimizer state, checkpoint); default every ``nnx.Param``. Parameters it leaves
+            out are frozen: they live in the state's ``model_state``, are not written in
+            checkpoints (their fingerprint is: :func:`xlafit.models.lora.state_fingerprint`)
+            and a resume onto other frozen weights is refused. LoRA:
+            ``trainable=xlafit.models.lora.ADAPTER``.
     """
 
     def __init__(
@@ -232,6 +242,7 @@ class Trainer:
         resume: bool = True,
         tokens_per_example: float | None = None,
         flops_per_example: float | None = None,
+        trainable: nnx.filterlib.Filter = nnx.Param,
     ) -> None:
         self.strategy = strategy or connect()
         self.config = config or TrainerConfig()
@@ -265,7 +276,9 @@ class Trainer:
             adapted.check(self.strategy, self.config)
         model, loss_fn, self._write_back_hook = adapted.module, adapted.loss_fn, adapted.write_back
         model.train()
-        train_graphdef, params, model_state = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]  # flax's overloads
+        self.trainable = trainable
+        train_graphdef, params, model_state = nnx.split(model, trainable, ...)  # type: ignore[misc]  # flax's overloads
+        self._frozen = _frozen_filter(trainable, model_state)
         model.eval()
         eval_graphdef = nnx.graphdef(model)
         model.train()
@@ -274,8 +287,11 @@ class Trainer:
         shardings = state_shardings(abstract_state(params, model_state, optimizer, self.strategy))
         self._state = self._initial_state(builder, params, model_state, shardings)
         self.train_step, self.eval_step = make_steps(
-            train_graphdef, eval_graphdef, loss_fn, optimizer, self.strategy, self.config, self.global_batch, shardings
-        )
+            train_graphdef, eval_graphdef, loss_fn, optimizer, self.strategy, self.config, self.global_batch, shardings,
+            trainable,
+        )  # fmt: skip
+        # note: gathers a few values of every frozen array to the host, once
+        self.base_fingerprint = None if self._frozen is None else state_fingerprint(self._frozen_state())
         if checkpoint_dir is None and self.run_dir is not None:
             checkpoint_dir = self.run_dir / "checkpoints"
         self._ckpt = (
@@ -294,7 +310,7 @@ class Trainer:
             def init() -> tuple[nnx.State, nnx.State]:
                 built = builder()
                 built.train()
-                _, p, s = nnx.split(built, nnx.Param, ...)  # type: ignore[misc]  # flax's overloads
+                _, p, s = nnx.split(built, self.trainable, ...)  # type: ignore[misc]  # flax's overloads
                 return p, s
 
             params, model_state = jax.jit(init, out_shardings=(shardings.params, shardings.model_state))()
@@ -425,7 +441,7 @@ class Trainer:
         stop = min(total, self.config.stop_at_step) if self.config.stop_at_step else total
         restored = None
         if self._ckpt is not None and self.resume and self._ckpt.latest_step() is not None:
-            self._state, restored = self._ckpt.restore(self._state)
+            self._state, restored = self._restore()
         start = int(self._state.step)
         self._limit_compiles(order, train, eval, start, stop)
         report = RunReport(self.run_dir, total, start, enabled=self.strategy.process_index == 0)
@@ -505,7 +521,7 @@ class Trainer:
         original (a Keras model) gets the trained values too."""
         assert self._ckpt is not None  # _due saves only with a checkpointer
         loop.report.sync()  # a URL run dir: metrics reach the bucket before the checkpoint
-        self._ckpt.save(loop.step, self._state)
+        self._ckpt.save(loop.step, *self._checkpointed())
         self._write_back()
         loop.last_save = time.monotonic()
 
@@ -559,10 +575,43 @@ class Trainer:
         """A synchronous checkpoint before the process exits; says where it went."""
         if self._ckpt is None:
             return "no run directory, nothing saved"
-        self._ckpt.save(step, self._state)
+        self._ckpt.save(step, *self._checkpointed())
         self._write_back()
         self._ckpt.wait()
         return f"checkpoint {step} saved in {self._ckpt.directory}"
+
+    def _frozen_state(self) -> nnx.State:
+        frozen, _ = self._state.model_state.split(self._frozen, ...)
+        return frozen
+
+    def _checkpointed(self) -> tuple[TrainState, dict[str, str]]:
+        """What a checkpoint holds: the state without its frozen parameters, and their fingerprint."""
+        if self._frozen is None:
+            return self._state, {}
+        _, rest = self._state.model_state.split(self._frozen, ...)
+        assert self.base_fingerprint is not None  # computed with the frozen filter
+        return dataclasses.replace(self._state, model_state=rest), {BASE_FINGERPRINT: self.base_fingerprint}
+
+    def _restore(self) -> tuple[TrainState, int]:
+        """The newest intact checkpoint, the frozen parameters put back beside it.
+
+        Raises:
+            CheckpointError: its frozen parameters were others than this run's (another
+                base model): the message names both fingerprints.
+        """
+        assert self._ckpt is not None
+        if self._frozen is None:
+            return self._ckpt.restore(self._state)
+        restored, step = self._ckpt.restore(self._checkpointed()[0])
+        saved = self._ckpt.saved_metadata(step).get(BASE_FINGERPRINT)
+        if saved != self.base_fingerprint:
+            raise CheckpointError(
+                f"checkpoint {step} in {self._ckpt.directory} was trained on another frozen base model "
+                f"(fingerprint {saved or 'none'}, this run's base {self.base_fingerprint}); resume with the "
+                "base model it was trained on, or start over with --restart or another --run-dir."
+            )
+        model_state = nnx.merge_state(self._frozen_state(), restored.model_state)
+        return dataclasses.replace(restored, model_state=model_state), step
 
     def _write_back(self) -> None:
         """Puts the trained values into the model of another framework this trainer adapted
@@ -673,7 +722,7 @@ class Trainer:
         if policy == "rollback" and fresh and self._ckpt is not None and last is not None:
             rolled_back.update(fresh)
             self._ckpt.wait()
-            self._state, restored = self._ckpt.restore(self._state)
+            self._state, restored = self._restore()
             report.print(
                 f"warning: non-finite values at step(s) {steps} ({which}): rolled back to checkpoint {restored}; "
                 "the offending batch's update is dropped again on the way"
@@ -699,6 +748,12 @@ class Trainer:
         """Waits for a checkpoint being written and releases the checkpointer."""
         if self._ckpt is not None:
             self._ckpt.close()
+
+
+def _frozen_filter(trainable: nnx.filterlib.Filter, model_state: nnx.State) -> nnx.filterlib.Filter | None:
+    """The parameters ``trainable`` leaves out (frozen: out of checkpoints), or None when none is."""
+    frozen = nnx.All(nnx.Param, nnx.Not(trainable))
+    return frozen if jax.tree.leaves(model_state.filter(frozen)) else None
 
 
 def _nonfinite_steps(pending: list, values: list) -> list[tuple[int, dict[str, float]]]:

@@ -1,0 +1,234 @@
+"""Recipe: a Llama-architecture causal language model, trained or fine-tuned (full or LoRA).
+
+Config + model + data wiring: documents from ``data.data_dir`` (text or Parquet files) go
+through a Hugging Face tokenizer and are packed into rows with segment ids
+(:mod:`xlafit.data.clm`); the model is :class:`~xlafit.models.llama.LlamaForCausalLM`, new
+or read from a Hugging Face directory (``model.init_from_hf``); ``lora.rank`` trains
+adapters on a frozen base (:func:`xlafit.run.with_lora`). With no ``data.data_dir``, the
+demo: the Korean texts of the konlpy wheel, a byte-level BPE tokenizer trained on them once
+(into the user cache), and a tiny Llama.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+import jax
+import optax
+from flax import nnx
+
+from xlafit import config as xconfig
+from xlafit.config import Config
+from xlafit.data import clm
+from xlafit.data.text import korean_demo_files
+from xlafit.errors import ConfigError
+from xlafit.hf import llama as llama_hf
+from xlafit.io.cache import cache_dir
+from xlafit.models.llama import PRESETS, LlamaConfig, LlamaForCausalLM
+from xlafit.recipes.base import Recipe, Throughput
+from xlafit.train.losses import masked_accuracy, masked_mean
+
+DEMO_VOCAB_SIZE = 2000  # the demo's BPE tokenizer
+_SIZES = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size")
+
+
+@dataclasses.dataclass
+class LlmModelConfig:
+    # Llama's sizes by name (tiny: 2 layers of 64 for tests and the demo; llama-3.2-1b and
+    # llama-3.1-8b: Meta's), or custom: the sizes below
+    preset: Literal["tiny", "llama-3.2-1b", "llama-3.1-8b", "custom"] = "tiny"
+    num_layers: int | None = None  # null: the preset's
+    hidden_size: int | None = None  # null: the preset's
+    num_heads: int | None = None  # query heads; null: the preset's
+    num_kv_heads: int | None = None  # key/value heads (fewer: grouped-query attention); null: the preset's
+    intermediate_size: int | None = None  # the SwiGLU MLP's width; null: the preset's
+    max_position_embeddings: int | None = None  # the longest sequence; null: the preset's
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16: mixed precision (parameters stay float32)
+    # the attention kernel: cudnn (flash, GPUs; unpacked bf16 only) where it applies, else xla
+    attention: Literal["auto", "xla", "cudnn"] = "auto"
+    # a Hugging Face Llama (or Qwen2) directory to start from (config.json + safetensors):
+    # its sizes replace the preset's, and its tokenizer.json is the default data.tokenizer
+    init_from_hf: str | None = None
+    # Recompute activations in the backward pass, per decoder layer: none, full, or a
+    # jax.checkpoint_policies name (dots_saveable, ...; models/bert.py: REMAT_POLICIES).
+    remat: str = "none"
+    scan_layers: bool = False  # nnx.scan over the decoder layers: one layer compiled instead of num_layers
+
+
+@dataclasses.dataclass
+class LlmDataConfig(xconfig.DataConfig):
+    """``data_dir``: text files (documents separated by blank lines) or Parquet files, a file,
+    directory, glob or URL (null: the Korean demo corpus)."""
+
+    seq_len: int = 256  # tokens per packed row (documents longer than this are cut into pieces)
+    # a Hugging Face tokenizer.json, or a directory holding one; null: model.init_from_hf's,
+    # else (the demo) a byte-level BPE trained on the corpus
+    tokenizer: str | None = None
+    vocab_size: int | None = None  # the size of the BPE tokenizer the demo trains (null: 2000)
+    text_column: str = "text"  # the column of Parquet files that holds the documents
+    eval_fraction: float = 0.1  # documents held out for evaluation (a hash of their index and data.seed)
+
+
+def data_config(cfg: Config) -> LlmDataConfig:
+    """``cfg.data`` as this recipe's :class:`LlmDataConfig` (its own keys typed)."""
+    if not isinstance(cfg.data, LlmDataConfig):
+        raise TypeError(f"an llm config has an LlmDataConfig, got {type(cfg.data).__name__}")
+    return cfg.data
+
+
+def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
+    """The model's :class:`LlamaConfig`: the preset's sizes, then the config's overrides;
+    ``vocab_size`` is the tokenizer's for tiny and custom sizes (Meta's presets keep theirs)."""
+    m = cfg.model
+    sizes = {k: getattr(m, k) for k in (*_SIZES, "max_position_embeddings") if getattr(m, k) is not None}
+    if m.preset == "custom":
+        missing = [k for k in _SIZES if k not in sizes and k != "num_kv_heads"]
+        if missing:
+            raise ConfigError(f"model.preset=custom needs {', '.join('model.' + k for k in missing)}.")
+        base: dict[str, Any] = {"vocab_size": vocab_size}
+    else:
+        base = dict(PRESETS[m.preset])
+        if m.preset == "tiny":
+            base["vocab_size"] = vocab_size
+    if base["vocab_size"] < vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {vocab_size} tokens, more than model.preset={m.preset}'s vocabulary of "
+            f"{base['vocab_size']}; use that model's tokenizer (data.tokenizer) or model.preset=custom."
+        )
+    try:
+        return LlamaConfig(
+            **{**base, **sizes}, dtype=m.compute_dtype, attention=m.attention, remat=m.remat, scan_layers=m.scan_layers
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def validate(cfg: Config) -> None:
+    """Refuses sizes that cannot work, before any text is read."""
+    if cfg.model.init_from_hf is None:
+        config = llama_config(cfg, 1)
+        if data_config(cfg).seq_len > config.max_position_embeddings:
+            raise ConfigError(
+                f"data.seq_len={data_config(cfg).seq_len} is longer than the model's max_position_embeddings="
+                f"{config.max_position_embeddings}; lower data.seq_len or raise model.max_position_embeddings."
+            )
+
+
+# --------------------------------------------------------------------------- data
+
+
+def tokenizer_location(cfg: Config) -> str:
+    """Where the run's ``tokenizer.json`` is: ``data.tokenizer``, ``model.init_from_hf``'s, or
+    the demo's BPE (trained once into the user cache)."""
+    d = data_config(cfg)
+    if d.tokenizer:
+        return d.tokenizer
+    if cfg.model.init_from_hf and (Path(cfg.model.init_from_hf).expanduser() / "tokenizer.json").exists():
+        return str(Path(cfg.model.init_from_hf).expanduser())
+    if d.data_dir:
+        raise ConfigError(
+            "data.data_dir needs a tokenizer: set data.tokenizer (a tokenizer.json or a directory holding one), "
+            "or model.init_from_hf to a directory that has one."
+        )
+    return demo_tokenizer(d.vocab_size or DEMO_VOCAB_SIZE)
+
+
+def demo_tokenizer(vocab_size: int) -> str:
+    """The demo's byte-level BPE on the Korean corpus, trained once into the user cache."""
+    files = korean_demo_files()
+    key = json.dumps(["bpe-1", files, vocab_size])
+    target = cache_dir() / f"llm-demo-tokenizer-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if (target / "tokenizer.json").exists():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        tok = clm.train_bpe(files, vocab_size, tmp)
+        print(f"trained the demo's BPE tokenizer ({tok.get_vocab_size()} tokens) into {target} (once)", flush=True)
+        try:
+            Path(tmp).rename(target)
+        except OSError:  # another process finished first
+            if not (target / "tokenizer.json").exists():
+                raise
+    return str(target)
+
+
+def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
+    """(train, eval) packed rows of the documents of ``data.data_dir`` (or the demo corpus)."""
+    d = data_config(cfg)
+    tok = clm.load_tokenizer(tokenizer_location(cfg))
+    inputs = [d.data_dir] if d.data_dir else korean_demo_files()
+    train, evaluation = clm.load_packed(
+        inputs, tok, seq_len=d.seq_len, eval_fraction=d.eval_fraction, seed=d.seed, text_column=d.text_column
+    )
+    print(
+        f"data: {train.documents} documents -> {len(train)} rows of {d.seq_len} tokens "
+        f"({train.tokens / max(train.arrays['input_ids'].size, 1):.1%} not padding); eval: {evaluation.documents} "
+        f"documents, {len(evaluation)} rows",
+        flush=True,
+    )
+    return train, (evaluation if len(evaluation) else None)  # type: ignore[return-value]
+
+
+def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
+    """Copies the tokenizer into ``run_dir/tokenizer`` (local or a URL), for ``xlafit export hf``."""
+    dest = run_dir / "tokenizer"
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "tokenizer.json").write_text(clm.tokenizer_json(tokenizer_location(cfg)))
+
+
+# --------------------------------------------------------------------------- model
+
+
+def build_llama(cfg: Config, vocab_size: int) -> LlamaForCausalLM:
+    """The model: read from ``model.init_from_hf``, or new with the preset's sizes."""
+    m = cfg.model
+    if m.init_from_hf:
+        options = {"dtype": m.compute_dtype, "attention": m.attention, "remat": m.remat, "scan_layers": m.scan_layers}
+        model = llama_hf.from_hf(m.init_from_hf, rngs=nnx.Rngs(cfg.trainer.seed), **options)
+        if model.cfg.vocab_size < vocab_size:
+            raise ConfigError(
+                f"{m.init_from_hf} has a vocabulary of {model.cfg.vocab_size} tokens, the tokenizer {vocab_size}; "
+                "use the checkpoint's own tokenizer (data.tokenizer)."
+            )
+        return model
+    return LlamaForCausalLM(llama_config(cfg, vocab_size), rngs=nnx.Rngs(params=cfg.trainer.seed))
+
+
+def build_model(cfg: Config, train: clm.PackedText) -> LlamaForCausalLM:
+    return build_llama(cfg, train.vocab_size)
+
+
+def loss_fn(model: LlamaForCausalLM, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Per-row mean next-token cross-entropy over real tokens of one piece, and its accuracy."""
+    logits = model(batch["input_ids"], batch["segment_ids"], batch["positions"])  # (B, T, V) float32
+    targets, weights = clm.next_token_targets(batch["input_ids"], batch["segment_ids"])  # (B, T - 1)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], targets)
+    return masked_mean(losses, weights), {"token_accuracy": masked_accuracy(logits[:, :-1], targets, weights)}
+
+
+def throughput(cfg: Config, train: clm.PackedText) -> Throughput:
+    """Tokens (positions, padding included) and model FLOPs (PaLM's 6N + attention) per row."""
+    llama = llama_config(cfg, train.vocab_size) if not cfg.model.init_from_hf else None
+    if llama is None:
+        hf = json.loads((Path(cfg.model.init_from_hf).expanduser() / "config.json").read_text())
+        llama = llama_hf.config_from_hf(hf)
+    t = train.seq_len
+    return {"tokens_per_example": float(t), "flops_per_example": t * llama.train_flops_per_token(t)}
+
+
+RECIPE = Recipe(
+    name="llm",
+    model_config=LlmModelConfig,
+    data_config=LlmDataConfig,
+    load_data=load_data,
+    build_model=build_model,
+    loss_fn=loss_fn,
+    throughput=throughput,
+    save_artifacts=save_artifacts,
+    validate=validate,
+)

@@ -1,0 +1,311 @@
+"""The llm recipe: packed causal-LM data, a 2-step pulse, LoRA in the trainer (frozen base out of
+the optimizer and checkpoints, refused on another base, exact resume after kill -9), and the
+Hugging Face / PEFT export loaded back by transformers with the same logits."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import xlafit
+from xlafit.checkpoint import Checkpointer, fingerprint
+from xlafit.config import TrainerConfig
+from xlafit.data import clm
+from xlafit.errors import CheckpointError, ConfigError, DataError
+from xlafit.hf import llama as llama_hf
+from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
+from xlafit.models.lora import ADAPTER, apply_lora, base_fingerprint, merge_lora
+from xlafit.recipes import llm as recipe
+from xlafit.recipes import load_config
+
+XLAFIT = [sys.executable, "-m", "xlafit"]
+TEXT = "\n\n".join(
+    f"문서 {i}: 대한민국은 민주공화국이다. 모든 권력은 국민으로부터 나온다. 줄 {i} " * (1 + i % 4) for i in range(60)
+)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small text corpus (60 documents) and a BPE tokenizer trained on it."""
+    d = tmp_path_factory.mktemp("corpus")
+    (d / "text").mkdir()
+    (d / "text" / "a.txt").write_text(TEXT)
+    clm.train_bpe([str(d / "text" / "a.txt")], 300, d / "tok")
+    return d
+
+
+def env(cache):
+    keep = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return keep | {"PYTHONUNBUFFERED": "1", "XLAFIT_CACHE": str(cache), "PYTHONPATH": os.pathsep.join(sys.path)}
+
+
+# --------------------------------------------------------------------------- data
+
+
+def test_packed_rows_keep_documents_apart(corpus):
+    tok = clm.load_tokenizer(corpus / "tok")
+    bos, eos = clm.special_ids(tok)
+    assert (bos, eos) == (0, 1)
+    train, evaluation = clm.load_packed([str(corpus / "text")], tok, seq_len=64, eval_fraction=0.2, seed=0)
+    assert train.documents + evaluation.documents == 60 and 0 < evaluation.documents < 30
+    ids, seg, pos = (train.arrays[k] for k in ("input_ids", "segment_ids", "positions"))
+    assert ids.shape[1] == 64 and train.vocab_size == tok.get_vocab_size()
+    # positions restart at 0 where a segment starts; padding is segment 0 with the pad id
+    starts = np.flatnonzero((seg[:, 1:] != seg[:, :-1]).ravel())
+    assert (pos[seg > 0].min(), (ids[seg == 0] == tok.token_to_id(clm.PAD)).all()) == (0, True)
+    first = pos[:, 0] == 0
+    assert first.all() and len(starts) > 0
+    targets, weights = clm.next_token_targets(ids, seg)
+    # a weighted target is always the next token of the same segment, never padding or a new document
+    assert ((seg[:, 1:] == seg[:, :-1])[weights > 0]).all() and (seg[:, 1:][weights > 0] > 0).all()
+    assert ((seg[:, 1:] != seg[:, :-1]) & (weights > 0)).sum() == 0
+    # every document starts with <s>; a whole one ends with </s>
+    assert (ids[(pos == 0) & (seg > 0)] == bos).sum() >= train.documents
+    # the same packing from Parquet (one document per row)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = list(clm.read_documents([str(corpus / "text")]))
+    pq.write_table(pa.table({"body": docs}), corpus / "docs.parquet")
+    from_parquet, _ = clm.load_packed(  # a directory: its *.txt and *.parquet files
+        [str(corpus)], tok, seq_len=64, eval_fraction=0.2, seed=0, text_column="body"
+    )
+    np.testing.assert_array_equal(from_parquet.arrays["input_ids"], ids)
+    with pytest.raises(DataError, match="has no column 'text' .*set data.text_column"):
+        clm.load_packed([str(corpus / "docs.parquet")], tok, seq_len=64)
+
+
+def test_documents_and_tokenizer_in_a_bucket_pack_as_local_ones(corpus, gcs):
+    from xlafit.data.text import expand_inputs
+    from xlafit.io.paths import as_path
+
+    b = gcs.bucket
+    as_path(f"{b}/text/a.txt").write_text(TEXT)
+    as_path(f"{b}/tok/tokenizer.json").write_text((corpus / "tok" / "tokenizer.json").read_text())
+    cfg = load_config("llm", [f"data.data_dir={b}/text", f"data.tokenizer={b}/tok", "data.seq_len=64"])
+    train, evaluation = recipe.load_data(cfg)
+    local, _ = clm.load_packed([str(corpus / "text")], clm.load_tokenizer(corpus / "tok"), seq_len=64)
+    np.testing.assert_array_equal(train.arrays["input_ids"], local.arrays["input_ids"])
+    assert expand_inputs([f"{b}/text"]) == [f"{b}/text/a.txt"]  # a directory URL, as a local one
+    recipe.save_artifacts(cfg, as_path(f"{b}/run"), train)  # the run's copy, for the export
+    assert as_path(f"{b}/run/tokenizer/tokenizer.json").read_text() == (corpus / "tok" / "tokenizer.json").read_text()
+
+
+def test_config_errors_name_the_fix(corpus):
+    with pytest.raises(ConfigError, match="data.data_dir needs a tokenizer: set data.tokenizer"):
+        recipe.load_data(load_config("llm", [f"data.data_dir={corpus / 'text'}"]))
+    with pytest.raises(ConfigError, match="data.seq_len=1024 is longer than the model's max_position_embeddings=512"):
+        recipe.validate(load_config("llm", ["data.seq_len=1024"]))
+    with pytest.raises(ConfigError, match="model.preset=custom needs model.num_layers"):
+        recipe.validate(load_config("llm", ["model.preset=custom", "model.hidden_size=64"]))
+    with pytest.raises(ConfigError, match="more than model.preset=llama-3.2-1b's vocabulary of 128256"):
+        recipe.llama_config(load_config("llm", ["model.preset=llama-3.2-1b"]), 200000)
+    big = load_config("llm", ["model.preset=llama-3.1-8b", "data.seq_len=4096"])
+    per_row = recipe.throughput(big, clm.PackedText({"input_ids": np.zeros((1, 4096))}, 128256, 1))
+    assert per_row["flops_per_example"] / 4096 == pytest.approx(51.5e9, rel=1e-3)  # LlamaConfig's doctest
+
+
+# --------------------------------------------------------------------------- the pulse
+
+
+def test_pulse_two_steps_of_the_demo(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
+    cfg = load_config(
+        "llm",
+        [
+            f"run.run_dir={tmp_path / 'run'}",
+            "trainer.stop_at_step=2",
+            "trainer.log_every_steps=1",
+            "data.vocab_size=500",
+        ],
+    )
+    result = xlafit.train_and_evaluate(cfg)
+    out = capsys.readouterr().out
+    assert "trained the demo's BPE tokenizer" in out and int(result.state.step) == 2
+    assert [r["step"] for r in result.history] == [1, 2]
+    assert result.history[0]["loss"] == pytest.approx(np.log(500), abs=0.3)  # untrained: about uniform
+    assert result.history[0]["mfu"] > 0 and result.history[0]["tokens_per_sec"] > 0
+    assert (tmp_path / "run" / "tokenizer" / "tokenizer.json").exists()
+
+
+# --------------------------------------------------------------------------- LoRA in the trainer
+
+
+def _tiny(seed=0, lora=True):
+    model = LlamaForCausalLM(LlamaConfig.preset("tiny", vocab_size=64), rngs=nnx.Rngs(seed))
+    return apply_lora(model, ("q_proj", "v_proj"), rank=4, alpha=8, rngs=nnx.Rngs(1)) if lora else model
+
+
+def _lm_loss(model, batch):
+    logits = model(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], batch["x"][:, 1:]).mean(-1)
+
+
+def test_lora_trains_the_adapters_alone_and_checkpoints_no_base(tmp_path, strategy8):
+    data = {"x": (np.arange(32 * 16).reshape(32, 16) * 7 % 61).astype(np.int32)}
+
+    def trainer(build, epochs, run_dir):
+        config = TrainerConfig(epochs=epochs, log_every_steps=0)
+        return xlafit.Trainer(
+            build, _lm_loss, optax.adam(1e-2), strategy=strategy8, global_batch=16, config=config,
+            run_dir=run_dir, trainable=ADAPTER,
+        )  # fmt: skip
+
+    t = trainer(_tiny, 1, tmp_path / "run")
+    up = lambda state: np.asarray(state.model_state["layers"][0]["mlp"]["up_proj"]["kernel"][...])  # noqa: E731
+    before = up(t.state)  # a host copy: fit donates the state
+    adapters = jax.tree.leaves(t.state.params)
+    assert len(adapters) == 8  # lora_a, lora_b of q and v in 2 layers: nothing else differentiated
+    assert sum(x.size for x in jax.tree.leaves(t.state.opt_state)) == 2 * sum(x.size for x in adapters) + 1
+    t.fit(data)
+    t.close()
+    # the base did not move (bit for bit), the adapters did
+    np.testing.assert_array_equal(up(t.state), before)
+    assert float(jnp.abs(t.state.params["layers"][0]["self_attn"]["q_proj"]["lora_b"][...]).max()) > 0
+    # the checkpoint holds the adapters, their optimizer state and the step: no base weights
+    ckpt = Checkpointer(tmp_path / "run" / "checkpoints")
+    saved = ckpt.restore_arrays(ckpt.latest_step())
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(saved)[0]]
+    assert not [n for n in names if "kernel" in n or "embedding" in n or "scale" in n]
+    assert ckpt.saved_metadata(ckpt.latest_step()) == {"base_fingerprint": t.base_fingerprint}
+    ckpt.close()
+    # the same base resumes; another base is refused, naming both fingerprints
+    again = trainer(_tiny, 2, tmp_path / "run")
+    assert int(again.fit(data).state.step) == 4
+    again.close()
+    other = trainer(lambda: _tiny(seed=5), 3, tmp_path / "run")
+    with pytest.raises(
+        CheckpointError, match=f"fingerprint {again.base_fingerprint}, this run's base {other.base_fingerprint}"
+    ):
+        other.fit(data)
+    other.close()
+
+
+def test_lora_config_builds_adapters_on_a_bfloat16_base():
+    from xlafit.config import LoraConfig
+    from xlafit.models.lora import BASE
+    from xlafit.run import with_lora
+
+    model = with_lora(_tiny(lora=False), LoraConfig(rank=4, targets="q_proj, o_proj", base_dtype="bfloat16"), seed=0)
+    dtypes = lambda f: {x.dtype for x in jax.tree.leaves(nnx.state(model, f))}  # noqa: E731
+    assert (dtypes(BASE), dtypes(ADAPTER)) == ({jnp.dtype(jnp.bfloat16)}, {jnp.dtype(jnp.float32)})
+    ids = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
+    grads = nnx.grad(lambda m: _lm_loss(m, {"x": ids}).mean(), argnums=nnx.DiffState(0, ADAPTER))(model)
+    assert np.isfinite(float(_lm_loss(model, {"x": ids}).mean())) and len(jax.tree.leaves(grads)) == 8
+    assert jax.tree.leaves(nnx.state(with_lora(_tiny(lora=False), LoraConfig(rank=0), seed=0), ADAPTER)) == []
+    with pytest.raises(ConfigError, match="no nnx.Linear named query in the model .*named: down_proj, gate_proj"):
+        with_lora(_tiny(lora=False), LoraConfig(rank=4, targets="query"), seed=0)
+    with pytest.raises(ConfigError, match="lora.targets is empty"):
+        LoraConfig(rank=4, targets=" , ")
+
+
+def _segment(cmd, cache):
+    """Starts ``cmd``; returns the process and an event set at its first [train] line."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(cache))
+    seen, lines = threading.Event(), []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("[train] step 3 "):
+                seen.set()
+        seen.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    return proc, seen, lines
+
+
+def _final(run_dir):
+    ckpt = Checkpointer(run_dir / "checkpoints")
+    step = ckpt.latest_step()
+    saved = ckpt.restore_arrays(step)
+    ckpt.close()
+    return step, fingerprint({"params": saved["params"], "opt_state": saved["opt_state"]})
+
+
+def test_lora_run_killed_with_sigkill_resumes_exactly(tmp_path):
+    cache = tmp_path / "cache"
+    cmd = lambda run: [  # noqa: E731
+        *XLAFIT, "train", "llm", "--simulate", "2", "--run-dir", str(run),
+        "lora.rank=4", "lora.targets=q_proj,v_proj,down_proj", "data.vocab_size=400", "data.seq_len=64",
+        "data.global_batch=16", "trainer.stop_at_step=8", "trainer.log_every_steps=1",
+        "trainer.checkpoint_every_steps=1", "trainer.eval_every_epochs=100",
+    ]  # fmt: skip
+    whole = subprocess.run(cmd(tmp_path / "whole"), capture_output=True, text=True, env=env(cache), timeout=300)
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    proc, seen, lines = _segment(cmd(tmp_path / "cut"), cache)
+    seen.wait(timeout=300)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL, "".join(lines)[-3000:]
+    resumed = subprocess.run(cmd(tmp_path / "cut"), capture_output=True, text=True, env=env(cache), timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "resumed from checkpoint" in resumed.stdout
+    assert _final(tmp_path / "cut") == _final(tmp_path / "whole")
+    assert _final(tmp_path / "whole")[0] == 8
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _logits_ours(model, ids):
+    return np.asarray(model(jnp.asarray(ids)))
+
+
+# peft 0.21 reads transformers 5's deprecated is_gradient_checkpointing (not our code)
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_export_loads_in_transformers_and_peft_with_the_same_logits(tmp_path, monkeypatch, capsys):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from xlafit.export import export_hf
+
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
+    common = ["trainer.stop_at_step=2", "data.vocab_size=400", "data.seq_len=64", "trainer.eval_every_epochs=100"]
+    xlafit.train_and_evaluate(load_config("llm", [f"run.run_dir={tmp_path / 'full'}", *common]))
+    export_hf(tmp_path / "full", tmp_path / "full-hf")
+    lora = [
+        f"model.init_from_hf={tmp_path / 'full-hf'}",
+        "lora.rank=4",
+        "lora.alpha=8",
+        "lora.targets=q_proj,v_proj,lm_head",
+    ]
+    lora.append("optimizer.learning_rate=0.05")
+    xlafit.train_and_evaluate(load_config("llm", [f"run.run_dir={tmp_path / 'lora'}", *common, *lora]))
+    export_hf(tmp_path / "lora", tmp_path / "lora-hf")
+
+    ids = np.array([[0, 5, 17, 42, 99, 7, 300, 12], [0, 250, 3, 3, 8, 150, 77, 1]], np.int64)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "lora-hf")
+    assert tok.convert_tokens_to_ids("<s>") == 0 and len(tok("대한민국").input_ids) > 0
+
+    def hf_logits(model):
+        with torch.no_grad():
+            return model(torch.from_numpy(ids)).logits.float().numpy()
+
+    # the full run: transformers reads what our model computes
+    full = llama_hf.from_hf(tmp_path / "full-hf")
+    merged_hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "full-hf", dtype=torch.float32)
+    np.testing.assert_allclose(hf_logits(merged_hf), _logits_ours(full, ids), atol=1e-4, rtol=1e-4)
+    # the LoRA run: our model with its trained adapters = the merged export = PEFT on the base
+    from xlafit.hf.peft import load_peft_adapter
+
+    ours = load_peft_adapter(llama_hf.from_hf(tmp_path / "full-hf"), tmp_path / "lora-hf" / "adapter")
+    expected = _logits_ours(ours, ids)
+    assert np.abs(expected - _logits_ours(full, ids)).max() > 1e-3  # the adapters learned something
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lora-hf", dtype=torch.float32)
+    np.testing.assert_allclose(hf_logits(merged), expected, atol=1e-4, rtol=1e-4)
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "full-hf", dtype=torch.float32)
+    with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "lora-hf" / "adapter")
+    np.testing.assert_allclose(hf_logits(with_adapter), expected, atol=1e-4, rtol=1e-4)
+    config = json.loads((tmp_path / "lora-hf" / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((tmp_path / "full-hf").absolute())
+    assert config["target_modules"] == ["lm_head", "q_proj", "v_proj"]
+    assert base_fingerprint(merge_lora(ours)) != base_fingerprint(full)  # merged: another model
