@@ -54,10 +54,12 @@ from xlafit.config import (
 from xlafit.data.dataset import as_dataset
 from xlafit.data.shapes import compare_plans
 from xlafit.errors import ConfigError
+from xlafit.models.lora import ADAPTER
 from xlafit.parallel.cluster import start_backends
 from xlafit.parallel.sharding import parse_rules
 from xlafit.platform.hardware import parse_targets
 from xlafit.recipes import get_recipe, load_config
+from xlafit.run import with_lora
 from xlafit.train.adapter import adapt, framework_of
 from xlafit.train.optim import make_optimizer
 from xlafit.train.step import TrainState, build_train_step
@@ -411,8 +413,9 @@ def recipe_program(
 
     The model is built abstractly (``nnx.eval_shape``) from the recipe's config with
     ``overrides`` (``preset``: a YAML file instead of the recipe's own), with the run's own
-    optimizer, batch sizes and loop settings; a given ``per_device_batch`` or
-    ``global_batch`` replaces the config's.
+    optimizer, batch sizes and loop settings, and with ``lora.rank`` set its adapters, the
+    only trainable variables (the base frozen, as a run trains it); a given
+    ``per_device_batch`` or ``global_batch`` replaces the config's.
     """
     cfg = load_config(name, list(overrides), preset=preset)
     recipe = get_recipe(name)
@@ -425,7 +428,7 @@ def recipe_program(
     optimizer = make_optimizer(cfg.optimizer, reference, total_steps=cfg.optimizer.decay_steps or 1000).tx
     work = recipe.throughput(cfg, train)
     program = Program(
-        nnx.eval_shape(lambda: recipe.build_model(cfg, train)),
+        nnx.eval_shape(lambda: with_lora(recipe.build_model(cfg, train), cfg.lora, cfg.trainer.seed)),
         recipe.loss_fn,
         optimizer,
         cfg.trainer,
@@ -438,6 +441,7 @@ def recipe_program(
         mesh=cfg.mesh.sizes,
         rules=parse_rules(cfg.mesh.rules),
         model_levers=_model_levers(cfg.model),
+        trainable=ADAPTER if cfg.lora.rank else nnx.Param,
     )
     return program, cfg, len(train)
 

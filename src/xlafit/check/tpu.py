@@ -101,6 +101,8 @@ class Program:
     # knows (a recipe's model.remat): (what they shrink, "state" or "activations", the text).
     batch_syntax: str = "data.per_device_batch={n}"
     model_levers: tuple[tuple[str, str], ...] = ()
+    # What the optimizer trains (LoRA: the adapters); the rest is frozen state.
+    trainable: Any = nnx.Param
 
 
 @dataclasses.dataclass
@@ -299,7 +301,7 @@ class Steps:
         self.strategy = _strategy(target, program.mesh, program.rules)
         model = program.model
         model.train()
-        graphdef, params, model_state = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]  # flax's overloads
+        graphdef, params, model_state = nnx.split(model, program.trainable, ...)  # type: ignore[misc]  # flax's overloads
         self.train_graphdef: nnx.GraphDef = graphdef
         model.eval()
         self.eval_graphdef = nnx.graphdef(model)
@@ -312,7 +314,15 @@ class Steps:
         p, s = self.program, self.strategy
         rows = per_device * s.num_replicas
         train_step, _ = make_steps(
-            self.train_graphdef, self.eval_graphdef, p.loss_fn, p.tx, s, p.config, rows, self.shardings
+            self.train_graphdef,
+            self.eval_graphdef,
+            p.loss_fn,
+            p.tx,
+            s,
+            p.config,
+            rows,
+            self.shardings,
+            trainable=p.trainable,
         )
         batch = _batch(p.example, rows, (p.config.steps_per_call,), s.batch_sharding(1))
         return _compile(lambda: _trace(train_step._jitted, self.state, batch).lower(), dump_to)
@@ -321,7 +331,15 @@ class Steps:
         p, s = self.program, self.strategy
         rows = per_device * s.num_replicas
         _, eval_step = make_steps(
-            self.train_graphdef, self.eval_graphdef, p.loss_fn, p.tx, s, p.config, rows, self.shardings
+            self.train_graphdef,
+            self.eval_graphdef,
+            p.loss_fn,
+            p.tx,
+            s,
+            p.config,
+            rows,
+            self.shardings,
+            trainable=p.trainable,
         )
         batch = _batch(p.example, rows, (), s.batch)
         mask = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=s.batch)
