@@ -129,8 +129,8 @@ def test_pulse_two_steps_of_the_demo(tmp_path, monkeypatch, capsys):
         ],
     )
     result = xlafit.train_and_evaluate(cfg)
-    out = capsys.readouterr().out
-    assert "trained the demo's BPE tokenizer" in out and int(result.state.step) == 2
+    err = capsys.readouterr().err  # progress notes go to stderr: `xlafit check llm --json` stays JSON
+    assert "trained the demo's BPE tokenizer" in err and int(result.state.step) == 2
     assert [r["step"] for r in result.history] == [1, 2]
     assert result.history[0]["loss"] == pytest.approx(np.log(500), abs=0.3)  # untrained: about uniform
     assert result.history[0]["mfu"] > 0 and result.history[0]["tokens_per_sec"] > 0

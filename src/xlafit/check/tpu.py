@@ -19,8 +19,9 @@ devices and compiled by libtpu. Nothing is allocated: the model may come from
   high, and only the compute term is a strict bound). An estimate, not a measurement:
   real steps are slower (MFU below 100 %, collectives, input);
 - the compile time on this machine;
-- with ``max_batch``, the largest per-core batch that compiles (a far probe, then the bytes
-  interpolated at the capacity, bisection as the fallback;
+- with ``max_batch``, the largest per-core batch that compiles (a far probe just past where
+  the bytes, growing from the state, reach the capacity; then the bytes interpolated at the
+  capacity, bisection as the fallback;
   each probe one compile, refusals are fast).
 
 Each compile takes seconds to minutes here, so a line on stderr says what is compiling and
@@ -478,6 +479,7 @@ def check_target(target: tpu.Target, program: Program, max_batch: bool | int = F
                 report.memory.get("total"),
                 report.capacity,
                 limit=report.max_batch_limit,
+                fixed_bytes=steps.state_bytes,
             )
     return report
 

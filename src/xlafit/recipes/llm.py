@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
@@ -148,7 +149,11 @@ def demo_tokenizer(vocab_size: int) -> str:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         tok = clm.train_bpe(files, vocab_size, tmp)
-        print(f"trained the demo's BPE tokenizer ({tok.get_vocab_size()} tokens) into {target} (once)", flush=True)
+        print(
+            f"trained the demo's BPE tokenizer ({tok.get_vocab_size()} tokens) into {target} (once)",
+            file=sys.stderr,
+            flush=True,
+        )
         try:
             Path(tmp).rename(target)
         except OSError:  # another process finished first
@@ -170,6 +175,7 @@ def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
         f"({train.tokens / max(train.arrays['input_ids'].size, 1):.1%} not padding); eval: {evaluation.documents} "
         f"documents, {len(evaluation)} rows",
         flush=True,
+        file=sys.stderr,
     )
     return train, (evaluation if len(evaluation) else None)  # type: ignore[return-value]
 
