@@ -555,7 +555,8 @@ def largest_batch(
     of what the loop needs (``trainer.accumulate_steps``, ``invariant_chunks`` per core);
     below ``multiple``, of the loop's unit only. 0: not even the smallest batch fits.
     With ``fixed_bytes`` (what does not grow with the batch: the state), each reach follows
-    the line from them through the last fit's bytes to the capacity, instead of 16x.
+    a line to the capacity instead of 16x: from the state through the first fit, then
+    through the last two fits.
     """
     config = steps.program.config
     base = config.accumulate_steps
@@ -581,12 +582,13 @@ def largest_batch(
         needs[first] = start_bytes
     if start_fits if known else fits(first):
         good, bad = first, 0
+        line = (0, fixed_bytes)  # the reach's line starts at the state, then runs through the last two fits
         while not bad:
-            far = _reach(good, needs.get(good), fixed_bytes, capacity, unit, limit)
+            far = _reach(good, needs.get(good), line, capacity, unit, limit)
             if far <= good:
                 return good, probes
             if fits(far):
-                good = far
+                line, good = (good, needs.get(good)), far
             else:
                 bad = far
     else:
@@ -618,15 +620,19 @@ def largest_batch(
     return good, probes
 
 
-def _reach(batch: int, used: int | None, fixed: int | None, capacity: float, unit: int, limit: int) -> int:
-    """The next far probe above a fitting ``batch``: 16x, or with ``fixed`` bytes that do not
-    grow with the batch (the state), 10 % beyond where the line from them through
-    ``(batch, used)`` crosses ``capacity``: most likely a cheap refusal that brackets the
-    answer closely (and if it fits, the next reach starts from there)."""
-    if used is None or fixed is None or not capacity or used <= fixed:
+def _reach(batch: int, used: int | None, line: tuple[int, int | None], capacity: float, unit: int, limit: int) -> int:
+    """The next far probe above a fitting ``batch``: 16x, or, given the line's other point
+    (``(0, the state's bytes)`` at first, then the previous fit), 5 % beyond where the line
+    through it and ``(batch, used)`` crosses ``capacity``: most likely a cheap refusal that
+    brackets the answer closely. A fit there moves the line to the last two fits, whose slope
+    is the activations' own (the state's line also carries the gradients and the update's
+    buffers, which do not grow with the batch, and so undershoots)."""
+    other, other_used = line
+    if used is None or other_used is None or not capacity or used <= other_used or batch <= other:
         return min(limit, batch * 16) // unit * unit
-    per_example = (used - fixed) / batch
-    return min(limit, max(batch + unit, int((capacity - fixed) / per_example * 1.1) // unit * unit))
+    per_example = (used - other_used) / (batch - other)
+    crossing = batch + (capacity - used) / per_example
+    return min(limit, max(batch + unit, int(crossing * 1.05) // unit * unit))
 
 
 def _interpolate(good: int, bad: int, needs: dict[int, int], capacity: float, unit: int) -> int | None:
