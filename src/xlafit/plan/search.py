@@ -88,7 +88,11 @@ class Outcome:
 
     @property
     def hbm_used(self) -> int | None:
-        return self.memory.get("total") if self.fits else self.needed
+        """Per-core bytes: the compiler's peak where it reports one (the sum of the parts counts
+        buffers that are never live at once), else the parts' sum; the need, if refused."""
+        if not self.fits:
+            return self.needed
+        return self.memory.get("peak") or self.memory.get("total")
 
     @property
     def hbm_free(self) -> float | None:
@@ -319,7 +323,7 @@ class Planner:
                     recorder,
                     c.per_device_batch,
                     True,
-                    o.memory.get("total"),
+                    o.hbm_used,
                     o.capacity,
                     limit=self.settings.max_batch_limit,
                     tolerance=0.1,

@@ -2,8 +2,8 @@
 
     python run_plan.py NAME RECIPE TPU [--global-batch N] [--budget-minutes M] [overrides ...]
 
-Writes NAME.txt (what `xlafit plan` prints) and NAME.json (its --json, plus the wall time of
-the whole plan on this machine, compiles included).
+Writes NAME.txt (what `xlafit plan` prints), NAME.json (its --json, plus the wall time of
+the whole plan on this machine, compiles included) and NAME.plan.yaml (--write).
 """
 
 import json
@@ -27,4 +27,6 @@ plan = plan_recipe(recipe, rest, tpu, command=command, **options)
 wall = time.perf_counter() - t0
 (here / f"{name}.txt").write_text(format_plan(plan) + f"\nwall time of the whole plan: {wall:.0f} s\n")
 (here / f"{name}.json").write_text(json.dumps({**plan_json(plan), "wall_s": wall}, indent=2, default=str))
+if plan.winner is not None:
+    plan.write(here / f"{name}.plan.yaml")
 print(f"{name}: {wall:.0f} s")
