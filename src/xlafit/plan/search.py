@@ -252,6 +252,7 @@ class Planner:
     def plan_target(self, target: Target) -> None:
         """Stages 1 to 3 of the module docstring for one target."""
         with no_persistent_cache():
+            usable_hbm(target)  # asked once, here: the worker threads then read the cache
             layouts = self._layouts(target)
             first = self._map((target, c, "layout") for c in layouts)
             refused = [o for o in first if o.fits is False]

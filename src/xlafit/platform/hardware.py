@@ -36,6 +36,7 @@ import platform
 import re
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -311,6 +312,9 @@ def require_libtpu() -> None:
         raise ConfigError(f"--tpu needs the TPU compiler, the libtpu wheel, which is not installed{where}: {INSTALL}")
 
 
+_STDERR_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def quiet_stderr() -> Iterator[list[str]]:
     """Sends what C++ code writes to file descriptor 2 to a buffer instead of the terminal.
@@ -320,7 +324,9 @@ def quiet_stderr() -> Iterator[list[str]]:
     text is kept (the yielded list) for an error report.
     """
     kept: list[str] = []
-    with tempfile.TemporaryFile(mode="w+b") as sink:
+    # File descriptor 2 belongs to the process: two threads redirecting it at once would
+    # restore each other's sink, and stderr would stay in a deleted file.
+    with _STDERR_LOCK, tempfile.TemporaryFile(mode="w+b") as sink:
         saved = os.dup(2)
         os.dup2(sink.fileno(), 2)
         try:
