@@ -40,7 +40,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -529,8 +529,19 @@ def _eval_report(steps: Steps, per_device: int) -> dict[str, Any] | None:
     return {"fits": True, "per_device_batch": per_device, "total": total, "compile_s": seconds}
 
 
+class BatchProber(Protocol):
+    """What :func:`largest_batch` probes: a program on a target, compiled at any batch
+    (:class:`Steps`, or a planner's recording of them)."""
+
+    program: Program
+    strategy: Strategy
+    target: tpu.Target
+
+    def fits(self, per_device: int) -> tuple[bool, float, int | None]: ...
+
+
 def largest_batch(
-    steps: Steps,
+    steps: BatchProber,
     start: int,
     start_fits: bool | None,
     start_bytes: int | None = None,

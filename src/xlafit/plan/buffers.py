@@ -46,7 +46,8 @@ def _size(n: float) -> str:
 def _temporaries(assignment: str) -> list[tuple[str, int, int, str]]:
     """``(instruction, size, offset, shape)`` of the values of the largest temporary allocation."""
     best: list[tuple[str, int, int, str]] = []
-    best_size, current, current_size = -1, None, 0
+    current: list[tuple[str, int, int, str]] | None = None  # the allocation being read, if a temporary one
+    best_size, current_size = -1, 0
     for line in assignment.splitlines():
         head = _ALLOCATION.match(line)
         if head:
@@ -82,7 +83,7 @@ def _sources(program: str) -> dict[str, tuple[str, str]]:
     }
 
     def where(frame: str) -> str:
-        chain = []
+        chain: list[tuple[str, str]] = []
         while frame in frames and len(chain) < 64:
             loc, parent = frames[frame]
             chain.append(locations.get(loc, ("", "")))
