@@ -311,37 +311,32 @@ class Steps:
         self.shardings = state_shardings(self.state)
         self.state_bytes = bytes_per_device(self.state)  # each core's shards
 
-    def compile_train(self, per_device: int, dump_to: Path | None = None) -> tuple[Any, float]:
-        p, s = self.program, self.strategy
-        rows = per_device * s.num_replicas
-        train_step, _ = make_steps(
+    def _make_steps(self, rows: int) -> tuple[Any, Any]:
+        """The run's train and eval steps for ``rows`` examples per step over all cores."""
+        p = self.program
+        return make_steps(
             self.train_graphdef,
             self.eval_graphdef,
             p.loss_fn,
             p.tx,
-            s,
+            self.strategy,
             p.config,
             rows,
             self.shardings,
             trainable=p.trainable,
         )
+
+    def compile_train(self, per_device: int, dump_to: Path | None = None) -> tuple[Any, float]:
+        p, s = self.program, self.strategy
+        rows = per_device * s.num_replicas
+        train_step, _ = self._make_steps(rows)
         batch = _batch(p.example, rows, (p.config.steps_per_call,), s.batch_sharding(1))
         return _compile(lambda: _trace(train_step._jitted, self.state, batch).lower(), dump_to)
 
     def compile_eval(self, per_device: int) -> tuple[Any, float]:
         p, s = self.program, self.strategy
         rows = per_device * s.num_replicas
-        _, eval_step = make_steps(
-            self.train_graphdef,
-            self.eval_graphdef,
-            p.loss_fn,
-            p.tx,
-            s,
-            p.config,
-            rows,
-            self.shardings,
-            trainable=p.trainable,
-        )
+        _, eval_step = self._make_steps(rows)
         batch = _batch(p.example, rows, (), s.batch)
         mask = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=s.batch)
         return _compile(lambda: eval_step._jitted.lower(self.state, batch, mask))
