@@ -24,6 +24,7 @@ from xlafit.check.tpu import (
     TargetReport,
     check_target,
     format_report,
+    largest_batch,
     levers,
     needed_bytes,
     no_persistent_cache,
@@ -263,10 +264,12 @@ def test_max_batch_is_the_largest_that_fits(capsys):
     err = capsys.readouterr().err.splitlines()
     assert err[0] == "v2-8: compiling the train step, 8 per core, 1 step(s) per call ..."
     probed = [line for line in err if "--max-batch probe" in line]
-    assert len(probed) == len(r.probes)
-    outcomes = (" ... fits (", " ... does not fit, needs ")
-    assert all(line.endswith(" s)") and any(o in line for o in outcomes) for line in probed)
-    assert any(f": {b + 8} per core ... does not fit, needs " in line for line in probed)
+    assert len(probed) == 2 * len(r.probes)  # a line when a probe starts, one when it ends
+    starts, ends = probed[::2], probed[1::2]
+    assert all(line.endswith(" per core ...") for line in starts)
+    outcomes = (" per core fits (", " per core does not fit, needs ")
+    assert all(line.endswith(" s)") and any(o in line for o in outcomes) for line in ends)
+    assert any(f": {b + 8} per core does not fit, needs " in line for line in ends)
 
 
 def test_a_cpu_only_operation_is_reported_at_the_users_line():
@@ -525,3 +528,31 @@ def test_a_fit_whose_parts_add_up_to_more_than_the_capacity_has_no_negative_room
     )
     text = format_report(r)
     assert "GiB to spare" not in text and "fits, with nothing to spare: the compiler placed it within 15.75 GiB" in text
+
+
+class _LinearMemory:
+    """A prober whose per-core bytes are ``1 GiB + batch * 0.1 GiB`` against 16 GiB: no compiler,
+    so the search's arithmetic is checked on its own (the compiled searches are above)."""
+
+    def __init__(self) -> None:
+        self.program = type("P", (), {"config": TrainerConfig()})()
+        self.strategy = type("S", (), {"num_replicas": 8})()
+        self.target = type("T", (), {"name": "fake"})()
+        self.probed: list[int] = []
+
+    def fits(self, per_device: int) -> tuple[bool, float, int | None]:
+        self.probed.append(per_device)
+        need = int((1 + 0.1 * per_device) * 2**30)
+        return need <= 16 * 2**30, 0.0, need
+
+
+def test_max_batch_search_starts_from_a_known_fit_below_the_unit_and_stops_when_told():
+    gib = 2**30
+    prober = _LinearMemory()
+    best, probes = largest_batch(prober, 4, True, int(1.4 * gib), 16 * gib, fixed_bytes=gib, tolerance=0.1)
+    assert 4 not in prober.probed and 8 not in prober.probed  # the known fit is not compiled again
+    assert all(b % 8 == 0 for b in prober.probed)
+    assert best == 144 and len(probes) <= 3  # 150 examples fill 16 GiB; 152 was refused
+    prober = _LinearMemory()
+    best, _ = largest_batch(prober, 4, True, int(1.4 * gib), 8 * gib, fixed_bytes=gib, enough=lambda b: True)
+    assert prober.probed == [best]  # the first fit was enough

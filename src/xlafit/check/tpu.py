@@ -545,6 +545,8 @@ def largest_batch(
     limit: int = 2**16,
     tolerance: float = 0.02,
     fixed_bytes: int | None = None,
+    enough: Callable[[int], bool] | None = None,
+    label: str | None = None,
 ) -> tuple[int, list[Probe]]:
     """The largest per-core batch that compiles, and the probes that found it.
 
@@ -562,68 +564,104 @@ def largest_batch(
     below ``multiple``, of the loop's unit only. 0: not even the smallest batch fits.
     With ``fixed_bytes`` (what does not grow with the batch: the state), each reach follows
     a line to the capacity instead of 16x: from the state through the first fit, then
-    through the last two fits.
+    through the last two fits. ``enough(batch)``, asked after each new fit, ends the search
+    there when it says so (a planner stops once a larger batch no longer runs faster).
+    ``start`` itself, known to fit, may be below ``multiple``: it is not compiled again.
+    ``label`` names the search in its progress lines (several may run at once).
     """
     config = steps.program.config
     base = config.accumulate_steps
     if config.invariant_chunks:
         base = math.lcm(base, config.invariant_chunks // steps.strategy.num_replicas)
     unit = math.lcm(base, multiple)
-    probes: list[Probe] = []
-    needs: dict[int, int] = {}  # per-core batch -> bytes per core, as the compiler said
-
-    def fits(batch: int) -> bool:
-        _progress(f"{steps.target.name}: --max-batch probe {len(probes) + 1}: {batch} per core ...", end=" ")
-        ok, seconds, needed = steps.fits(batch)
-        probes.append(Probe(batch, ok, seconds))
-        need = f", needs {_gib(needed)}" if needed is not None and not ok else ""
-        _progress(f"{'fits' if ok else 'does not fit'}{need} ({seconds:.0f} s)")
-        if needed is not None:
-            needs[batch] = needed
-        return ok
-
-    first = max(unit, start // unit * unit)
+    probing = _Probing(steps, label or steps.target.name, enough)
+    first = start if start_fits and start % base == 0 else max(unit, start // unit * unit)
     known = start_fits is not None and first == start
     if known and start_bytes is not None:
-        needs[first] = start_bytes
-    if start_fits if known else fits(first):
-        good, bad = first, 0
-        line = (0, fixed_bytes)  # the reach's line starts at the state, then runs through the last two fits
-        while not bad:
-            far = _reach(good, needs.get(good), line, capacity, unit, limit)
-            if far <= good:
-                return good, probes
-            if fits(far):
-                line, good = (good, needs.get(good)), far
-            else:
-                bad = far
+        probing.needs[first] = start_bytes
+    if start_fits if known else probing.fits(first):
+        good, bad = _reach_up(probing, first, fixed_bytes, capacity, unit, limit)
+        if not bad:
+            return good, probing.probes
     else:
-        good, bad, unit = 0, first, base
-        while not good:
-            half = bad // 2 // base * base
-            if half < base:
-                return 0, probes
-            if fits(half):
-                good = half
-            else:
-                bad = half
+        (good, bad), unit = _halve_down(probing, first, base), base
+        if not good:
+            return 0, probing.probes
+    return _narrow(probing, good, bad, capacity, unit, tolerance), probing.probes
+
+
+class _Probing:
+    """The probes of one batch search: each compiled once, announced as it starts and ends,
+    with the bytes the compiler reported; ``enough`` may end the search after a fit."""
+
+    def __init__(self, steps: BatchProber, name: str, enough: Callable[[int], bool] | None) -> None:
+        self.steps, self.name, self.enough = steps, name, enough
+        self.probes: list[Probe] = []
+        self.needs: dict[int, int] = {}  # per-core batch -> bytes per core, as the compiler said
+        self.done = False  # ``enough`` said so
+
+    def fits(self, batch: int) -> bool:
+        n = len(self.probes) + 1
+        _progress(f"{self.name}: --max-batch probe {n}: {batch} per core ...")
+        ok, seconds, needed = self.steps.fits(batch)
+        self.probes.append(Probe(batch, ok, seconds))
+        verdict = "fits" if ok else "does not fit" + (f", needs {_gib(needed)}" if needed is not None else "")
+        _progress(f"{self.name}: --max-batch probe {n}: {batch} per core {verdict} ({seconds:.0f} s)")
+        if needed is not None:
+            self.needs[batch] = needed
+        self.done = bool(ok and self.enough is not None and self.enough(batch))
+        return ok
+
+
+def _reach_up(
+    probing: _Probing, good: int, fixed_bytes: int | None, capacity: float, unit: int, limit: int
+) -> tuple[int, int]:
+    """From a fit, far probes upward until one is refused: ``(last fit, refusal)``, the
+    refusal 0 when the search ends without one (the limit, or ``enough``)."""
+    line = (0, fixed_bytes)  # the reach's line starts at the state, then runs through the last two fits
+    while True:
+        far = _reach(good, probing.needs.get(good), line, capacity, unit, limit)
+        if far <= good:
+            return good, 0
+        if not probing.fits(far):
+            return good, far
+        line, good = (good, probing.needs.get(good)), far
+        if probing.done:
+            return good, 0
+
+
+def _halve_down(probing: _Probing, bad: int, base: int) -> tuple[int, int]:
+    """From a refusal, halving until a batch fits: ``(that fit, the last refusal)``, the fit
+    0 when not even ``base`` does."""
+    while True:
+        half = bad // 2 // base * base
+        if half < base:
+            return 0, bad
+        if probing.fits(half):
+            return half, bad
+        bad = half
+
+
+def _narrow(probing: _Probing, good: int, bad: int, capacity: float, unit: int, tolerance: float) -> int:
+    """The bracket between a fit and a refusal narrowed to ``tolerance``: the last fit."""
     streak: list[bool] = []  # the outcomes of the interpolated probes since the last bisection
-    while (bad - good) // unit >= 2 and bad - good > tolerance * good:
-        guess = _interpolate(good, bad, needs, capacity, unit)
+    while (bad - good) // unit >= 2 and bad - good > tolerance * good and not probing.done:
+        floor = good // unit * unit  # the start may be a known fit below the unit
+        guess = _interpolate(good, bad, probing.needs, capacity, unit)
         if guess is not None:
             # Near the capacity the compiler packs tighter and the line lands just above the
             # last fit, which crept up 8 at a time (a v5p search: 33800, 33808, 33816, 33824,
             # two minutes each). A guess at least `tolerance` above it ends the search with one
             # cheap refusal, or moves it up that much.
-            guess = min(max(guess, good + max(unit, int(tolerance * good) // unit * unit)), bad - unit)
+            guess = min(max(guess, floor + max(unit, int(tolerance * good) // unit * unit)), bad - unit)
         if guess is None or streak[-2:] in ([True, True], [False, False]):
-            guess, streak = good + (bad - good) // unit // 2 * unit, []
-            ok = fits(guess)
+            guess, streak = floor + (bad - floor) // unit // 2 * unit, []
+            ok = probing.fits(guess)
         else:
-            ok = fits(guess)
+            ok = probing.fits(guess)
             streak.append(ok)
         good, bad = (guess, bad) if ok else (good, guess)
-    return good, probes
+    return good
 
 
 def _reach(batch: int, used: int | None, line: tuple[int, int | None], capacity: float, unit: int, limit: int) -> int:
@@ -638,7 +676,12 @@ def _reach(batch: int, used: int | None, line: tuple[int, int | None], capacity:
         return min(limit, batch * 16) // unit * unit
     per_example = (used - other_used) / (batch - other)
     crossing = batch + (capacity - used) / per_example
-    return min(limit, max(batch + unit, int(crossing * 1.05) // unit * unit))
+    return min(limit, max(_up(batch + 1, unit), int(crossing * 1.05) // unit * unit))
+
+
+def _up(batch: int, unit: int) -> int:
+    """The smallest multiple of ``unit`` at or above ``batch``."""
+    return -(-batch // unit) * unit
 
 
 def _interpolate(good: int, bad: int, needs: dict[int, int], capacity: float, unit: int) -> int | None:
@@ -648,7 +691,7 @@ def _interpolate(good: int, bad: int, needs: dict[int, int], capacity: float, un
         return None
     slope = (needs[bad] - needs[good]) / (bad - good)
     guess = int(good + (capacity - needs[good]) / slope) // unit * unit
-    return min(max(guess, good + unit), bad - unit)
+    return min(max(guess, _up(good + 1, unit)), bad - unit)
 
 
 def check_targets(targets: list[tpu.Target], program: Program, max_batch: bool | int = False) -> list[TargetReport]:

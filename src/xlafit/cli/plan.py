@@ -13,7 +13,7 @@ from xlafit.errors import ConfigError
 DESCRIPTION = (
     "Search the ways to run a model on TPU slices with the TPU compiler (libtpu, no TPU needed): every "
     "mesh (data x fsdp x tensor) the model's named axes allow, gradient accumulation and the model's remat "
-    "policies where a layout does not fit, and the largest per-core batch of the best layouts. Each "
+    "policies where a layout does not fit, and the fastest per-core batch of the best layouts. Each "
     "candidate is compiled for the slice and predicted from its compiled program (compute, HBM traffic "
     "and the collectives it contains, over the slice's ICI): throughput, MFU, HBM, and the time and cost "
     "of the run. Prints a ranked table, the winner's `xlafit train` overrides and why the others lose; "
