@@ -48,6 +48,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from xlafit.check.hlo import kernel_flops
 from xlafit.check.rules import Finding, classify
 from xlafit.config import TrainerConfig
 from xlafit.parallel.mesh import Strategy, make_mesh
@@ -410,10 +411,12 @@ def steps_in_cost(compiled: Any, k: int) -> int:
     return 1 if re.search(r"\bwhile\(", compiled.as_text()) else k
 
 
-def _roofline(report: TargetReport, target: tpu.Target, program: Program, cost: dict[str, float], counted: int) -> None:
-    """Fills FLOPs, bytes and the roofline bound from the cost analysis of a program in which
-    ``counted`` steps were counted."""
-    flops = float(cost.get("flops", 0.0)) / counted or None
+def _roofline(report: TargetReport, target: tpu.Target, program: Program, compiled: Any, k: int) -> None:
+    """Fills FLOPs, bytes and the roofline bound from the compiled program of ``k`` steps:
+    XLA's cost analysis, plus the FLOPs of the Pallas kernels it cannot see (splash
+    attention: :func:`xlafit.check.hlo.kernel_flops`)."""
+    cost, counted = compiled.cost_analysis() or {}, steps_in_cost(compiled, k)
+    flops = float(cost.get("flops", 0.0)) / counted + kernel_flops(compiled.as_text()) / k or None
     report.flops_per_step = flops
     report.bytes_per_step = float(cost.get("bytes accessed", 0.0)) / counted or None
     rows = report.per_device_batch * report.batch_shards  # the global batch
@@ -509,7 +512,7 @@ def _train_report(report: TargetReport, steps: Steps, target: tpu.Target) -> Non
     else:
         report.fits = True
         report.memory = memory_of(compiled, steps.state_bytes, tree_bytes(program.example) * per_device * k)
-        _roofline(report, target, program, compiled.cost_analysis() or {}, steps_in_cost(compiled, k))
+        _roofline(report, target, program, compiled, k)
 
 
 def _eval_report(steps: Steps, per_device: int) -> dict[str, Any] | None:

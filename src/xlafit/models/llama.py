@@ -27,7 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from xlafit.models import splash
 from xlafit.models.bert import REMAT_POLICIES, remat_policy
+from xlafit.models.splash import splash_attention
 from xlafit.parallel.sharding import constrain, logical
 
 # Meta's released sizes (the config.json of meta-llama/Llama-3.2-1B and Llama-3.1-8B), and a
@@ -83,9 +85,13 @@ class LlamaConfig:
     ``num_kv_heads`` (default ``num_heads``) below ``num_heads`` is grouped-query attention;
     ``head_dim`` defaults to ``hidden_size // num_heads``; both are filled in on
     construction. ``dtype`` is the compute dtype, ``param_dtype`` the parameters' (float32
-    unless memory forces bfloat16). ``attention`` picks the kernel of
+    unless memory forces bfloat16). ``attention`` picks the kernel: "splash" is the Pallas
+    flash-attention kernel for TPUs (:mod:`xlafit.models.splash`: memory linear in the
+    sequence, packed segments too), "cudnn" and "xla" the implementations of
     ``jax.nn.dot_product_attention`` as in :class:`~xlafit.models.bert.BertConfig` (cuDNN
-    takes no segment ids: packed batches run on XLA). ``rope_type="llama3"`` is Llama 3.1's
+    takes no segment ids: packed batches run on XLA); "auto" takes splash on TPUs where
+    the shapes allow it (a sequence that is a multiple of 128), cuDNN on GPUs where it
+    applies, else XLA. ``rope_type="llama3"`` is Llama 3.1's
     frequency scaling (``rope_factor``, ``rope_low_freq_factor``, ``rope_high_freq_factor``,
     ``rope_original_max_position_embeddings``). ``embedding_scale`` (embeddings times
     ``sqrt(hidden_size)``) and ``norm_offset`` (RMSNorm weights used as ``1 + w``) are
@@ -114,7 +120,7 @@ class LlamaConfig:
     norm_offset: bool = False
     dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
-    attention: Literal["auto", "xla", "cudnn"] = "auto"
+    attention: Literal["auto", "xla", "cudnn", "splash"] = "auto"
     remat: str = "none"  # as BertConfig.remat: "full", or a jax.checkpoint_policies name
     # One decoder layer compiled instead of num_layers (parameters stacked on a "layers"
     # axis, the decoder an nnx.scan): as BertConfig.scan_layers.
@@ -278,10 +284,13 @@ class LlamaAttention(nnx.Module):
         q = constrain(apply_rope(q, positions, inv_freq), "batch", None, "heads", None)
         k = constrain(apply_rope(k, positions, inv_freq), "batch", None, "kv_heads", None)
         v = constrain(v, "batch", None, "kv_heads", None)
-        # Grouped-query attention: jax takes num_kv_heads dividing num_heads as is (no repeat).
-        context = jax.nn.dot_product_attention(
-            q, k, v, mask=mask, is_causal=True, implementation=typing.cast(Any, implementation)
-        )  # (B, T, heads, head_dim)
+        # Grouped-query attention: both take num_kv_heads dividing num_heads as is (no repeat).
+        if implementation == "splash":  # ``mask`` is the segment ids [B, T] (or None)
+            context = splash_attention(q, k, v, mask)
+        else:
+            context = jax.nn.dot_product_attention(
+                q, k, v, mask=mask, is_causal=True, implementation=typing.cast(Any, implementation)
+            )  # (B, T, heads, head_dim)
         return self.o_proj(context.reshape(b, t, cfg.num_heads * cfg.head_size))
 
 
@@ -363,15 +372,23 @@ class LlamaForCausalLM(nnx.Module):
             else _dense(cfg, cfg.hidden_size, cfg.vocab_size, rngs, ("embed", "vocab"), False)
         )
 
-    def _implementation(self, segment_ids: jax.Array | None) -> str:
-        """The kernel of ``jax.nn.dot_product_attention``: cuDNN flash attention takes no
-        segment mask and only 16-bit inputs, so "auto" uses it for unpacked bf16 on GPUs."""
+    def _implementation(self, segment_ids: jax.Array | None, seq_len: int) -> str:
+        """The attention kernel (see :class:`LlamaConfig`): splash on TPUs where the shapes
+        allow; cuDNN flash attention takes no segment mask and only 16-bit inputs, so "auto"
+        uses it for unpacked bf16 on GPUs."""
+        attention = self.cfg.attention
         fits = segment_ids is None and self.cfg.dtype == "bfloat16"
-        if self.cfg.attention == "cudnn" and not fits:
+        if attention == "cudnn" and not fits:
             raise ValueError("attention='cudnn' needs dtype='bfloat16' and no segment_ids; use 'xla' or 'auto'.")
-        if self.cfg.attention == "auto":
+        splash_refusal = splash.unsupported(seq_len, self.cfg.head_size)
+        if attention == "splash" and (splash_refusal or not splash.on_tpu()):
+            why = splash_refusal or "it runs on TPUs only"
+            raise ValueError(f"attention='splash': {why}; use 'xla' or 'auto'.")
+        if attention == "auto":
+            if splash_refusal is None and splash.on_tpu():
+                return "splash"
             return "cudnn" if fits and jax.default_backend() == "gpu" else "xla"
-        return self.cfg.attention
+        return attention
 
     def decode(
         self, input_ids: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
@@ -380,9 +397,12 @@ class LlamaForCausalLM(nnx.Module):
         b, t = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
-        # (B, 1, T, T): a query sees keys of its own segment (is_causal adds "and earlier").
-        mask = None if segment_ids is None else segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-        implementation = self._implementation(segment_ids)
+        implementation = self._implementation(segment_ids, t)
+        # (B, 1, T, T): a query sees keys of its own segment (is_causal adds "and earlier");
+        # splash attention takes the segment ids themselves.
+        mask = segment_ids
+        if segment_ids is not None and implementation != "splash":
+            mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
         dtype = self.cfg.compute_dtype
         # The gradient of a lookup is a scatter-add: on the parameter-dtype table (see BertEmbeddings).
         x = jnp.take(self.embed_tokens.embedding[...], input_ids, axis=0).astype(dtype)  # (B, T, h)

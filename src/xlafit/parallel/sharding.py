@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -248,19 +249,36 @@ def bytes_per_device(tree: Any) -> int:
 
 # --------------------------------------------------------------------------- activations
 
-_ACTIVE: contextvars.ContextVar[tuple[Mesh, Mapping[str, str | None]] | None] = contextvars.ContextVar(
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, Mapping[str, str | None], bool] | None] = contextvars.ContextVar(
     "xlafit_sharding", default=None
 )
 
 
 @contextlib.contextmanager
-def activation_layout(mesh: Mesh, rules: Mapping[str, str | None]) -> Iterator[None]:
-    """While a step is traced: :func:`constrain` lays activations over ``mesh`` by ``rules``."""
-    token = _ACTIVE.set((mesh, rules))
+def activation_layout(mesh: Mesh, rules: Mapping[str, str | None], pin: bool = True) -> Iterator[None]:
+    """While a step is traced: :func:`constrain` lays activations over ``mesh`` by ``rules``
+    (with ``pin=False`` it leaves them to XLA, as a data-parallel run does) and
+    :func:`active_layout` names the mesh to kernels that run per shard."""
+    token = _ACTIVE.set((mesh, rules, pin))
     try:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def active_layout() -> tuple[Mesh, Mapping[str, str | None]] | None:
+    """The mesh and rules of the step being traced, or None outside one (a model called on
+    its own): what a per-shard kernel (``shard_map``) needs to split its inputs."""
+    active = _ACTIVE.get()
+    return None if active is None else active[:2]
+
+
+def batch_axes(mesh: Mesh, size: int) -> tuple[str, ...] | None:
+    """The mesh axes a batch of ``size`` rows splits over (``data`` x ``fsdp``, those of more
+    than one device), or None when it does not divide over them."""
+    sizes = dict(mesh.shape)
+    axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+    return axes if axes and size % math.prod(sizes[a] for a in axes) == 0 else None
 
 
 def constrain(x: jax.Array, *names: str | None) -> jax.Array:
@@ -274,18 +292,14 @@ def constrain(x: jax.Array, *names: str | None) -> jax.Array:
     a tensor-parallel group.
     """
     active = _ACTIVE.get()
-    if active is None:
+    if active is None or not active[2]:
         return x
-    mesh, rules = active
+    mesh, rules, _ = active
     sizes = dict(mesh.shape)
     spec: list[Any] = []
     for size, name in zip(x.shape, names, strict=True):
         if name == "batch":
-            axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
-            n = 1
-            for a in axes:
-                n *= sizes[a]
-            spec.append(axes if axes and size % n == 0 else None)
+            spec.append(batch_axes(mesh, size))
             continue
         axis = rules.get(name) if name is not None else None
         spec.append(axis if axis is not None and sizes.get(axis, 1) > 1 and size % sizes[axis] == 0 else None)

@@ -39,21 +39,14 @@ import math
 import re
 from collections.abc import Iterable
 
+from xlafit.check.hlo import _ARRAY, array_bytes, loop_trips, walk
 from xlafit.platform.hardware import Target
+
+__all__ = ["KINDS", "Collective", "CommReport", "array_bytes", "collectives", "group_size", "loop_trips", "summarize"]
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 # A ring moves (n - 1) / n of the data this many times.
 _PASSES = {"all-gather": 1, "reduce-scatter": 1, "all-reduce": 2, "all-to-all": 1}
-
-_DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-}  # fmt: skip
-_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
-_INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+(?P<op>[a-z][\w\-]*)\((?P<rest>.*)$"
-)
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,15 +71,6 @@ class Collective:
         return self.count * share * self.bytes / bandwidth
 
 
-def array_bytes(shape: str) -> int:
-    """Bytes of an HLO shape: ``bf16[768,3072]{1,0:T(8,128)}``, or the sum over a tuple's arrays."""
-    total = 0
-    for dtype, dims in _ARRAY.findall(shape):
-        if dtype in _DTYPE_BYTES:
-            total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-    return total
-
-
 def group_size(attributes: str, devices: int) -> int:
     """Chips per replica group from an instruction's attributes, in any of XLA's notations:
     ``{{0,1},{2,3}}``, the iota form ``[4,2]<=[8]`` (4 groups of 2), or the mesh form
@@ -107,88 +91,32 @@ def group_size(attributes: str, devices: int) -> int:
     return devices
 
 
-def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
-    """The program's computations (name -> instruction lines) and the entry's name."""
-    bodies: dict[str, list[str]] = {}
-    entry, current = "", None
-    for line in hlo.splitlines():
-        head = _COMPUTATION.match(line)
-        if head:
-            current = head.group("name")
-            bodies[current] = []
-            if line.startswith("ENTRY"):
-                entry = current
-        elif line.startswith("}"):
-            current = None
-        elif current is not None:
-            bodies[current].append(line)
-    return bodies, entry
-
-
-def _trip_count(condition: list[str]) -> int:
-    """The trip count of a ``while`` whose condition compares its counter against a constant
-    (``i < N``, as ``lax.scan`` and ``fori_loop`` lower); 1 when it is not that simple."""
-    constants = [int(c) for line in condition for c in re.findall(r"constant\((\d+)\)", line)]
-    compares = [line for line in condition if "compare(" in line and "direction=LT" in line]
-    return max(constants) if compares and constants else 1
-
-
-def loop_trips(hlo: str) -> list[int]:
-    """The trip count of every ``while`` loop of a program (see :func:`_trip_count`)."""
-    bodies, _ = _computations(hlo)
-    return [
-        _trip_count(bodies.get(condition, []))
-        for lines in bodies.values()
-        for line in lines
-        for condition in re.findall(r"\bwhile\(.*condition=%([\w.\-]+)", line)
-    ]
-
-
 def collectives(hlo: str, devices: int = 1) -> list[Collective]:
     """Every collective of a compiled program's HLO text, each with how often it runs.
 
     ``devices``: the group size of a collective that names no replica groups (all of them).
     """
-    bodies, entry = _computations(hlo)
     counts: dict[tuple[str, str], Collective] = {}
-
-    def visit(name: str, times: int, fused_in: str) -> None:
-        for line in bodies.get(name, ()):
-            found = _INSTRUCTION.match(line)
-            if found is None:
-                continue
-            op, rest = found.group("op"), found.group("rest")
-            kind = op.removesuffix("-start")
-            if kind in KINDS and not op.endswith("-done"):
-                if kind == "all-reduce" and fused_in.startswith("all-reduce-scatter"):
-                    kind = "reduce-scatter"
-                size = _moved_bytes(kind, op, found.group("shape"), rest)
-                # The TPU compiler copies one collective into the pieces of an asynchronous
-                # fusion (its start and continuations), all with the collective's channel id:
-                # a channel is one collective, run as often as its most frequent copy.
-                channel = re.search(r"channel_id=(\d+)", rest)
-                key = ("channel", channel.group(1)) if channel else (name, found.group("name"))
-                before = counts.get(key)
-                if before is None:
-                    counts[key] = Collective(kind, size, group_size(rest, devices), times, found.group("name"))
-                elif channel is None:
-                    counts[key] = dataclasses.replace(before, count=before.count + times)
-                else:
-                    counts[key] = dataclasses.replace(before, count=max(before.count, times))
-            if op == "while":
-                body = re.search(r"body=%([\w.\-]+)", rest)
-                condition = re.search(r"condition=%([\w.\-]+)", rest)
-                trips = _trip_count(bodies.get(condition.group(1), [])) if condition else 1
-                if body:
-                    visit(body.group(1), times * trips, fused_in)
-                continue
-            for callee in re.findall(r"(?:calls|to_apply|true_computation|false_computation)=%([\w.\-]+)", rest):
-                visit(callee, times, callee if op == "fusion" else fused_in)
-            branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
-            for callee in re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else ():
-                visit(callee, times, fused_in)
-
-    visit(entry, 1, "")
+    for found, times, computation, fused_in in walk(hlo):
+        op, rest = found.group("op"), found.group("rest")
+        kind = op.removesuffix("-start")
+        if kind not in KINDS or op.endswith("-done"):
+            continue
+        if kind == "all-reduce" and fused_in.startswith("all-reduce-scatter"):
+            kind = "reduce-scatter"
+        size = _moved_bytes(kind, op, found.group("shape"), rest)
+        # The TPU compiler copies one collective into the pieces of an asynchronous fusion
+        # (its start and continuations), all with the collective's channel id: a channel is
+        # one collective, run as often as its most frequent copy.
+        channel = re.search(r"channel_id=(\d+)", rest)
+        key = ("channel", channel.group(1)) if channel else (computation, found.group("name"))
+        before = counts.get(key)
+        if before is None:
+            counts[key] = Collective(kind, size, group_size(rest, devices), times, found.group("name"))
+        elif channel is None:
+            counts[key] = dataclasses.replace(before, count=before.count + times)
+        else:
+            counts[key] = dataclasses.replace(before, count=max(before.count, times))
     return list(counts.values())
 
 

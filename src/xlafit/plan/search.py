@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from xlafit.check.hlo import kernel_flops
 from xlafit.check.tpu import (
     OutOfMemory,
     Program,
@@ -208,7 +209,8 @@ class Planner:
         c = out.candidate
         # XLA's cost analysis counts a loop's body once: a scanned accumulation's micro-batches too.
         micro = c.accumulate if c.accumulate > 1 and c.accumulate in loop_trips(hlo) else 1
-        flops = float(cost.get("flops", 0.0)) * micro / counted
+        # The Pallas kernels' FLOPs (splash attention), which the cost analysis cannot see, per step.
+        flops = float(cost.get("flops", 0.0)) * micro / counted + kernel_flops(hlo) / k
         accessed = float(cost.get("bytes accessed", 0.0)) * micro / counted
         out.flops = flops or None
         out.comms = summarize(collectives(hlo, target.num_devices), target, per=k)

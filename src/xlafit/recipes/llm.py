@@ -50,8 +50,9 @@ class LlmModelConfig:
     intermediate_size: int | None = None  # the SwiGLU MLP's width; null: the preset's
     max_position_embeddings: int | None = None  # the longest sequence; null: the preset's
     compute_dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16: mixed precision (parameters stay float32)
-    # the attention kernel: cudnn (flash, GPUs; unpacked bf16 only) where it applies, else xla
-    attention: Literal["auto", "xla", "cudnn"] = "auto"
+    # the attention kernel: auto takes splash (flash, TPUs; seq_len a multiple of 128) or
+    # cudnn (flash, GPUs; unpacked bf16 only) where it applies, else xla
+    attention: Literal["auto", "xla", "cudnn", "splash"] = "auto"
     # a Hugging Face Llama (or Qwen2) directory to start from (config.json + safetensors):
     # its sizes replace the preset's, and its tokenizer.json is the default data.tokenizer
     init_from_hf: str | None = None

@@ -567,11 +567,8 @@ def make_steps(
             select=select,
             trainable=trainable,
         )
-    if not strategy.data_parallel_only:
-        step_fn = _with_activation_layout(step_fn, strategy)
-    eval_fn = build_eval_step(eval_graphdef, loss_fn)
-    if not strategy.data_parallel_only:
-        eval_fn = _with_activation_layout(eval_fn, strategy)
+    step_fn = _with_activation_layout(step_fn, strategy)
+    eval_fn = _with_activation_layout(build_eval_step(eval_graphdef, loss_fn), strategy)
     train_step = CompiledStep(
         "train step",
         step_fn,
@@ -589,11 +586,13 @@ def make_steps(
 
 
 def _with_activation_layout(fn: Callable, strategy: Strategy) -> Callable:
-    """``fn`` traced with :func:`xlafit.parallel.sharding.constrain` active on the strategy's mesh."""
+    """``fn`` traced on the strategy's mesh: :func:`xlafit.parallel.sharding.constrain` pins
+    activations unless the run is data-parallel only (XLA lays those out alone)."""
     rules = strategy.rules if strategy.rules is not None else DEFAULT_RULES
+    pin = not strategy.data_parallel_only
 
     def traced(*args: Any) -> Any:
-        with activation_layout(strategy.mesh, rules):
+        with activation_layout(strategy.mesh, rules, pin):
             return fn(*args)
 
     return traced

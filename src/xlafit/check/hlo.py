@@ -1,0 +1,141 @@
+"""Reading a compiled program's optimised HLO text (``compiled.as_text()``).
+
+What XLA's cost analysis leaves out is in the program text: the collectives one core sends
+the others (:mod:`xlafit.plan.comms`) and the work inside custom calls, such as the Pallas
+kernels of splash attention, whose FLOPs the cost analysis does not see
+(:func:`kernel_flops`). :func:`walk` visits every instruction with how often one run of
+the program executes it: inside a ``while`` body once per trip (the trip count read from
+the loop's condition, ``i < N``), inside a fusion or a call once per use.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+
+from xlafit.models.splash import block_size
+
+_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+(?P<op>[a-z][\w\-]*)\((?P<rest>.*)$"
+)
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
+
+
+def array_bytes(shape: str) -> int:
+    """Bytes of an HLO shape: ``bf16[768,3072]{1,0:T(8,128)}``, or the sum over a tuple's arrays."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        if dtype in _DTYPE_BYTES:
+            total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+    """The program's computations (name -> instruction lines) and the entry's name."""
+    bodies: dict[str, list[str]] = {}
+    entry, current = "", None
+    for line in hlo.splitlines():
+        head = _COMPUTATION.match(line)
+        if head:
+            current = head.group("name")
+            bodies[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+        elif line.rstrip() == "}":  # a custom call's config may hold lines that start with "}" too
+            current = None
+        elif current is not None:
+            bodies[current].append(line)
+    return bodies, entry
+
+
+def _trip_count(condition: list[str]) -> int:
+    """The trip count of a ``while`` whose condition compares its counter against a constant
+    (``i < N``, as ``lax.scan`` and ``fori_loop`` lower); 1 when it is not that simple."""
+    constants = [int(c) for line in condition for c in re.findall(r"constant\((\d+)\)", line)]
+    compares = [line for line in condition if "compare(" in line and "direction=LT" in line]
+    return max(constants) if compares and constants else 1
+
+
+def loop_trips(hlo: str) -> list[int]:
+    """The trip count of every ``while`` loop of a program (see :func:`_trip_count`)."""
+    bodies, _ = _computations(hlo)
+    return [
+        _trip_count(bodies.get(condition, []))
+        for lines in bodies.values()
+        for line in lines
+        for condition in re.findall(r"\bwhile\(.*condition=%([\w.\-]+)", line)
+    ]
+
+
+def walk(hlo: str) -> Iterator[tuple[re.Match[str], int, str, str]]:
+    """Every instruction of a program: ``(match, times, computation, fused_in)``, the match's
+    groups ``name``, ``shape``, ``op`` and ``rest`` (operands and attributes), ``times`` how
+    often one run executes it, ``fused_in`` the fusion computation it sits in ("" if none)."""
+    bodies, entry = _computations(hlo)
+
+    def visit(name: str, times: int, fused_in: str) -> Iterator[tuple[re.Match[str], int, str, str]]:
+        for line in bodies.get(name, ()):
+            found = _INSTRUCTION.match(line)
+            if found is None:
+                continue
+            yield found, times, name, fused_in
+            op, rest = found.group("op"), found.group("rest")
+            if op == "while":
+                body = re.search(r"body=%([\w.\-]+)", rest)
+                condition = re.search(r"condition=%([\w.\-]+)", rest)
+                trips = _trip_count(bodies.get(condition.group(1), [])) if condition else 1
+                if body:
+                    yield from visit(body.group(1), times * trips, fused_in)
+                continue
+            for callee in re.findall(r"(?:calls|to_apply|true_computation|false_computation)=%([\w.\-]+)", rest):
+                yield from visit(callee, times, callee if op == "fusion" else fused_in)
+            branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
+            for callee in re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else ():
+                yield from visit(callee, times, fused_in)
+
+    yield from visit(entry, 1, "")
+
+
+# Splash attention's kernels, by the name the program gives their custom call, and the
+# matrix products each does per query head and per (query block, key block) pair it visits:
+# the forward S = QK^T and O = PV; the backward's dq kernel recomputes S, then dP = dO V^T
+# and dQ = dS K; its dkv kernel recomputes S and dP, then dV = P^T dO and dK = dS^T Q.
+SPLASH_PRODUCTS = {"fwd": 2, "dq": 3, "dkv": 4}
+_SPLASH = re.compile(r"^splash_mh?q?a_(fwd|dq|dkv)")
+
+
+def kernel_flops(hlo: str) -> float:
+    """FLOPs of the splash-attention kernels one run of a program executes (per core): each
+    call's products over the blocks a causal mask leaves, ``2 * T * T * D`` per head and
+    product for a full square. The query heads come from the forward's and dq kernel's
+    output ``[B, heads, T, D]``; a dkv kernel, whose outputs are per key/value head, is
+    counted with the program's query heads."""
+    calls = []
+    heads = 0
+    for found, times, _, _ in walk(hlo):
+        splash = _SPLASH.match(found.group("name"))
+        if splash is None or found.group("op") != "custom-call":
+            continue
+        dims = [[int(d) for d in shape.split(",") if d] for _, shape in _ARRAY.findall(found.group("shape"))]
+        four = [d for d in dims if len(d) == 4]  # [B, heads, T, D]: the output, then residuals
+        if not four:
+            continue
+        b, h, t, d = four[0]
+        if splash.group(1) != "dkv":
+            heads = max(heads, h)
+        calls.append((splash.group(1), times, b, h, t, d))
+    total = 0.0
+    for kind, times, b, h, t, d in calls:
+        block = block_size(t) or t
+        blocks = t // block
+        visited = blocks * (blocks + 1) / 2 / blocks**2  # the causal mask's share of the blocks
+        if kind == "dkv":
+            h = heads or h
+        total += times * SPLASH_PRODUCTS[kind] * 2 * b * h * t * t * d * visited
+    return total

@@ -1,0 +1,83 @@
+"""Splash attention (the Pallas flash-attention kernel for TPUs) in the Llama decoder: its
+numbers against XLA's attention (the kernel interpreted on the CPU), and its compiled
+program for a TPU target (the TPU compiler on the CPU), FLOPs counted from the program."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from xlafit.check import check_recipe
+from xlafit.check.hlo import kernel_flops
+from xlafit.models.splash import splash_attention, unsupported
+
+
+def test_splash_matches_xla_attention_with_gqa_and_packed_segments():
+    b, t, heads, kv, d = 1, 256, 2, 1, 64
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(b, t, heads, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(b, t, kv, d)), jnp.float32) for _ in range(2))
+    segments = jnp.asarray([[1] * 100 + [2] * 120 + [0] * 36], jnp.int32)  # two documents, then padding
+    mask = segments[:, None, :, None] == segments[:, None, None, :]
+
+    def loss(attend, q, k, v):
+        return (attend(q, k, v) ** 2).sum()
+
+    ours = lambda q, k, v: splash_attention(q, k, v, segments, interpret=True)  # noqa: E731
+    xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)  # noqa: E731
+    np.testing.assert_allclose(ours(q, k, v), xla(q, k, v), atol=1e-5)
+    grads = jax.grad(lambda *a: loss(ours, *a), argnums=(0, 1, 2))(q, k, v)
+    expected = jax.grad(lambda *a: loss(xla, *a), argnums=(0, 1, 2))(q, k, v)
+    for got, want in zip(grads, expected, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_splash_refuses_shapes_it_cannot_tile():
+    assert "multiple of 128" in unsupported(100, 64)
+    assert "head size 16" in unsupported(128, 16)
+    with pytest.raises(ValueError, match="model.attention=xla"):
+        splash_attention(*(jnp.zeros((1, 100, 2, 64)),) * 3, interpret=True)
+
+
+def test_the_llm_compiles_splash_for_a_tpu_and_counts_its_flops():
+    """``auto`` takes splash on a TPU target; the FLOPs XLA cannot see inside the kernel are
+    counted from the program. At one 128-block (the causal mask skips none) the kernel does
+    XLA attention's 6 products per head (QK^T and PV forward; dP, dS K, dV and dK backward)
+    and 3 more: its backward kernels recompute QK^T twice and dO V^T once."""
+    sizes = ["model.hidden_size=128", "model.num_heads=2", "model.num_kv_heads=1", "data.seq_len=128"]
+    reports = {}
+    for attention in ("auto", "xla"):
+        (reports[attention],) = check_recipe("llm", [*sizes, f"model.attention={attention}"], tpu="v4-8").tpu
+    splash, xla = reports["auto"], reports["xla"]
+    assert splash.fits and xla.fits
+    layers, heads, t, d = 2, 2, 128, 64
+    recomputed = 3 * 2 * splash.per_device_batch * heads * t * t * d * layers
+    assert splash.flops_per_step == pytest.approx(xla.flops_per_step + recomputed, rel=0.01)
+
+
+def test_kernel_flops_reads_the_calls_in_loops_and_past_their_multiline_configs():
+    """A custom call's backend config may span lines, some starting with "}": the calls after
+    it still count; one in a ``while`` body counts once per trip."""
+    out = "(f32[2,512,128]{2,1,0}, f32[2,4,512,64]{3,2,1,0})"
+    config = 'backend_config={{"body":"x\n}}}}, x"}}'  # a line of the config starts with "}"
+    call = '%{name} = {out} custom-call(%q), custom_call_target="tpu_custom_call", ' + config
+    hlo = "\n".join(
+        [
+            "%body (p: s32[]) -> s32[] {",
+            "  " + call.format(name="splash_mha_dq_no_residuals.1", out=out),
+            "  ROOT %p = s32[] parameter(0)",
+            "}",
+            "%cond (p: s32[]) -> pred[] {",
+            "  %p = s32[] parameter(0)",
+            "  %c = s32[] constant(3)",
+            "  ROOT %lt = pred[] compare(%p, %c), direction=LT",
+            "}",
+            "ENTRY %main (q: f32[8]) -> f32[8] {",
+            "  " + call.format(name="splash_mha_fwd_residuals.1", out=out),
+            "  %w = s32[] while(%i), condition=%cond, body=%body",
+            "  ROOT %q = f32[8] parameter(0)",
+            "}",
+        ]
+    )
+    square = 2 * 2 * 4 * 512 * 512 * 64  # 2 FLOPs per multiply-add, B=2, 4 heads, T=512, D=64
+    assert kernel_flops(hlo) == (2 + 3 * 3) * square  # the forward once, dq three times; one 512-block
