@@ -531,10 +531,11 @@ def test_a_fit_whose_parts_add_up_to_more_than_the_capacity_has_no_negative_room
 
 
 class _LinearMemory:
-    """A prober whose per-core bytes are ``1 GiB + batch * 0.1 GiB`` against 16 GiB: no compiler,
+    """A prober whose per-core bytes are ``1 GiB + batch * per_example GiB``: no compiler,
     so the search's arithmetic is checked on its own (the compiled searches are above)."""
 
-    def __init__(self) -> None:
+    def __init__(self, per_example: float = 0.1) -> None:
+        self.per_example = per_example
         self.program = type("P", (), {"config": TrainerConfig()})()
         self.strategy = type("S", (), {"num_replicas": 8})()
         self.target = type("T", (), {"name": "fake"})()
@@ -542,7 +543,7 @@ class _LinearMemory:
 
     def fits(self, per_device: int) -> tuple[bool, float, int | None]:
         self.probed.append(per_device)
-        need = int((1 + 0.1 * per_device) * 2**30)
+        need = int((1 + self.per_example * per_device) * 2**30)
         return need <= 16 * 2**30, 0.0, need
 
 
@@ -556,3 +557,7 @@ def test_max_batch_search_starts_from_a_known_fit_below_the_unit_and_stops_when_
     prober = _LinearMemory()
     best, _ = largest_batch(prober, 4, True, int(1.4 * gib), 8 * gib, fixed_bytes=gib, enough=lambda b: True)
     assert prober.probed == [best]  # the first fit was enough
+    # Below 8 per core (a long sequence): the bracket [1, 8) is searched one by one.
+    prober = _LinearMemory(per_example=2.4)
+    best, _ = largest_batch(prober, 1, True, int(3.4 * gib), 16 * gib, fixed_bytes=gib)
+    assert best == 6 and 1 not in prober.probed  # 6 * 2.4 + 1 = 15.4 GiB; 7 needs 17.8

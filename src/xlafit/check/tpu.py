@@ -590,7 +590,7 @@ def largest_batch(
         (good, bad), unit = _halve_down(probing, first, base), base
         if not good:
             return 0, probing.probes
-    return _narrow(probing, good, bad, capacity, unit, tolerance), probing.probes
+    return _narrow(probing, good, bad, capacity, unit, tolerance, base), probing.probes
 
 
 class _Probing:
@@ -645,10 +645,16 @@ def _halve_down(probing: _Probing, bad: int, base: int) -> tuple[int, int]:
         bad = half
 
 
-def _narrow(probing: _Probing, good: int, bad: int, capacity: float, unit: int, tolerance: float) -> int:
-    """The bracket between a fit and a refusal narrowed to ``tolerance``: the last fit."""
+def _narrow(
+    probing: _Probing, good: int, bad: int, capacity: float, multiple: int, tolerance: float, base: int
+) -> int:
+    """The bracket between a fit and a refusal narrowed to ``tolerance``: the last fit.
+    Probes are multiples of ``multiple``, or of ``base`` once the refusal is at or below it."""
     streak: list[bool] = []  # the outcomes of the interpolated probes since the last bisection
-    while (bad - good) // unit >= 2 and bad - good > tolerance * good and not probing.done:
+    while not probing.done:
+        unit = base if bad <= multiple else multiple
+        if _up(good + 1, unit) >= bad or bad - good <= tolerance * good:
+            break
         floor = good // unit * unit  # the start may be a known fit below the unit
         guess = _interpolate(good, bad, probing.needs, capacity, unit)
         if guess is not None:
