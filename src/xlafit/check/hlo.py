@@ -114,8 +114,8 @@ def kernel_flops(hlo: str) -> float:
     """FLOPs of the splash-attention kernels one run of a program executes (per core): each
     call's products over the blocks a causal mask leaves, ``2 * T * T * D`` per head and
     product for a full square. The query heads come from the forward's and dq kernel's
-    output ``[B, heads, T, D]``; a dkv kernel, whose outputs are per key/value head, is
-    counted with the program's query heads."""
+    output ``[B, heads, T, D]`` (``[heads, T, D]`` for one row per shard); a dkv kernel,
+    whose outputs are per key/value head, is counted with the program's query heads."""
     calls = []
     heads = 0
     for found, times, _, _ in walk(hlo):
@@ -123,10 +123,12 @@ def kernel_flops(hlo: str) -> float:
         if splash is None or found.group("op") != "custom-call":
             continue
         dims = [[int(d) for d in shape.split(",") if d] for _, shape in _ARRAY.findall(found.group("shape"))]
-        four = [d for d in dims if len(d) == 4]  # [B, heads, T, D]: the output, then residuals
-        if not four:
+        # Scratch buffers come first, then the output [B, heads, T, D] (the batch dimension
+        # is dropped when a shard holds one row), then residuals: the first of highest rank.
+        rank = max((len(d) for d in dims), default=0)
+        if rank not in (3, 4):
             continue
-        b, h, t, d = four[0]
+        b, h, t, d = ([1] if rank == 3 else []) + next(d for d in dims if len(d) == rank)
         if splash.group(1) != "dkv":
             heads = max(heads, h)
         calls.append((splash.group(1), times, b, h, t, d))
