@@ -645,9 +645,7 @@ def _halve_down(probing: _Probing, bad: int, base: int) -> tuple[int, int]:
         bad = half
 
 
-def _narrow(
-    probing: _Probing, good: int, bad: int, capacity: float, multiple: int, tolerance: float, base: int
-) -> int:
+def _narrow(probing: _Probing, good: int, bad: int, capacity: float, multiple: int, tolerance: float, base: int) -> int:
     """The bracket between a fit and a refusal narrowed to ``tolerance``: the last fit.
     Probes are multiples of ``multiple``, or of ``base`` once the refusal is at or below it."""
     streak: list[bool] = []  # the outcomes of the interpolated probes since the last bisection
