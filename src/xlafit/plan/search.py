@@ -217,13 +217,15 @@ class Planner:
         out.comms = summarize(collectives(hlo, target.num_devices), target, per=k)
         p = steps.program
         rows = c.global_batch
-        compute, memory = flops / target.peak_flops, accessed / target.hbm_bandwidth
+        model_flops = p.flops_per_example * rows / target.num_devices if p.flops_per_example else flops
+        # As check's roofline: never faster than the model's own FLOPs at peak (XLA's count
+        # of a TPU program can fall short of them).
+        compute, memory = max(flops, model_flops) / target.peak_flops, accessed / target.hbm_bandwidth
         comm = out.comms.seconds
         roof = max(compute, memory)
         step = max(roof, comm or 0.0)
         if step <= 0:
             return
-        model_flops = p.flops_per_example * rows / target.num_devices if p.flops_per_example else flops
         out.prediction = Prediction(
             compute,
             memory,

@@ -8,7 +8,8 @@ Memory and the verdict come from the whole 32-layer program with scanned layers 
 compiled, fast). XLA's cost analysis counts a scanned layer once, so FLOPs, HBM bytes and
 collectives come from unscanned programs of 2 and 4 layers at the same shapes: the
 difference is one layer's cost, and 32 layers cost the 2-layer program plus 30 such layers.
-Writes v6e-8-8b-seq8192-b{BATCH}-{REMAT}.json beside this script.
+Compute time is the larger of those FLOPs and the model's own (6N + attention per token) at
+peak, as `xlafit check` does. Writes v6e-8-8b-seq8192-b{BATCH}-{REMAT}.json beside this script.
 """
 
 import json
@@ -75,14 +76,17 @@ with no_persistent_cache():
         out["layers"] = layers
         per_layer = {k: (layers[4][k] - layers[2][k]) / 2 for k in ("flops", "bytes", "comm_s")}
         total = {k: layers[2][k] + 30 * per_layer[k] for k in per_layer}
-        compute, memory_s, comm = total["flops"] / target.peak_flops, total["bytes"] / target.hbm_bandwidth, total["comm_s"]
+        model_flops = program.flops_per_example / program.tokens_per_example  # per token: 6N + attention
+        # As `xlafit check`: compute never below the model's own FLOPs at peak.
+        compute = max(total["flops"], model_flops * batch * 8192) / target.peak_flops
+        memory_s, comm = total["bytes"] / target.hbm_bandwidth, total["comm_s"]
         step = max(compute, memory_s, comm)
         tokens = batch * 8192 / step
-        model_flops = program.flops_per_example / program.tokens_per_example  # per token: 6N + attention
         out["prediction"] = {
             "per_layer": per_layer,
             "total": total,
             "compute_s": compute,
+            "xla_flops_over_model_flops": total["flops"] / (model_flops * batch * 8192),
             "memory_s": memory_s,
             "comm_s": comm,
             "step_s": step,
