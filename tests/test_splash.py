@@ -81,3 +81,22 @@ def test_kernel_flops_reads_the_calls_in_loops_and_past_their_multiline_configs(
     )
     square = 2 * 2 * 4 * 512 * 512 * 64  # 2 FLOPs per multiply-add, B=2, 4 heads, T=512, D=64
     assert kernel_flops(hlo) == (2 + 3 * 3) * square  # the forward once, dq three times; one 512-block
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_splash_runs_per_shard_under_a_steps_mesh(packed):
+    """Inside a step the kernel runs per shard (``shard_map``): the batch over ``data`` x
+    ``fsdp``, the heads over ``tensor``; unpacked rows pass no segment ids."""
+    from xlafit.parallel.mesh import make_mesh
+    from xlafit.parallel.sharding import DEFAULT_RULES, activation_layout
+
+    mesh = make_mesh(jax.devices()[:8], data=2, fsdp=2, tensor=2)
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.normal(size=(4, 128, 2, 64)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(4, 128, 2, 64)), jnp.float32) for _ in range(2))
+    segments = jnp.asarray(np.repeat([[1] * 64 + [2] * 64], 4, axis=0), jnp.int32) if packed else None
+    mask = None if segments is None else segments[:, None, :, None] == segments[:, None, None, :]
+    with activation_layout(mesh, DEFAULT_RULES, pin=False):
+        out = jax.jit(lambda q, k, v: splash_attention(q, k, v, segments, interpret=True))(q, k, v)
+    expected = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
+    np.testing.assert_allclose(out, expected, atol=1e-5)
