@@ -72,7 +72,10 @@ def _kernel(seq_len: int, heads: int, interpret: bool) -> splash.SplashAttention
         block_kv_dq=block,
     )
     mask = masks.MultiHeadMask([masks.CausalMask((seq_len, seq_len)) for _ in range(heads)])
-    return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    # Built on first use, often inside a trace: its mask tables must be constants, not
+    # tracers of that trace (the kernel is cached and reused by later ones).
+    with jax.ensure_compile_time_eval():
+        return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
 def splash_attention(
