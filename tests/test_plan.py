@@ -288,3 +288,5 @@ def test_plan_cli_errors(capsys):
     assert "--global-batch 0" in capsys.readouterr().err
     assert main(["plan", "mnist", "--tpu", "v9-8"]) == 2
     assert "unknown TPU target" in capsys.readouterr().err
+    assert main(["plan", "mnist", "--min-gain", "-1"]) == 2
+    assert "--min-gain -1: give a percentage of 0 or more" in capsys.readouterr().err

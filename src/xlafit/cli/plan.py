@@ -61,6 +61,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--top", type=int, default=3, metavar="K", help="search the largest batch of the K fastest layouts (default 3)"
     )
     p.add_argument(
+        "--min-gain",
+        type=float,
+        default=5.0,
+        metavar="PCT",
+        help="go on searching a layout's batch while a larger one is predicted PCT %% faster "
+        "(default 5; 0: search to the largest batch that fits, more compiles)",
+    )
+    p.add_argument(
         "--allow-numerics",
         action="store_true",
         help="also try settings that change the numerics (bf16 compute, bf16 Adam moments), marked in the table",
@@ -104,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         "tokens": args.tokens,
         "budget_minutes": args.budget_minutes,
         "top": args.top,
+        "min_gain": args.min_gain,
         "spot": args.spot,
         "prices": _prices(args.price),
         "command": "xlafit plan " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["plan"] else [args.target]),

@@ -63,11 +63,21 @@ def _run_examples(examples: float | None, tokens: float | None, program: Program
     return None
 
 
-def _settings(global_batch: int | None, budget_minutes: float | None, top: int, allow_numerics: bool) -> Settings:
+def _settings(
+    global_batch: int | None, budget_minutes: float | None, top: int, allow_numerics: bool, min_gain: float
+) -> Settings:
     if global_batch is not None and global_batch < 1:
         raise ConfigError(f"--global-batch {global_batch}: give a positive number of examples per step.")
+    if min_gain < 0:
+        raise ConfigError(f"--min-gain {min_gain:g}: give a percentage of 0 or more (0: search to the largest batch).")
     deadline = time.monotonic() + budget_minutes * 60 if budget_minutes else math.inf
-    return Settings(global_batch=global_batch, top=top, deadline=deadline, allow_numerics=allow_numerics)
+    return Settings(
+        global_batch=global_batch,
+        top=top,
+        deadline=deadline,
+        allow_numerics=allow_numerics,
+        min_gain=min_gain / 100,
+    )
 
 
 def _numerics(cfg: Any) -> tuple[tuple[str, str], ...]:
@@ -106,6 +116,7 @@ def plan_recipe(
     epochs: float | None = None,
     budget_minutes: float | None = None,
     top: int = 3,
+    min_gain: float = 5.0,
     spot: bool = False,
     prices: dict[str, float] | None = None,
     allow_numerics: bool = False,
@@ -116,6 +127,8 @@ def plan_recipe(
     The run's size is ``examples`` (or ``tokens``) per epoch, by default the recipe's
     dataset, times ``epochs`` (the recipe's ``trainer.epochs``). ``allow_numerics`` adds the
     levers that change the numerics (bf16 compute, bf16 Adam moments), marked in the table.
+    A layout's batch search stops once a larger batch is predicted less than ``min_gain``
+    percent faster (0: it searches to the largest batch that fits).
     """
     targets = parse_targets(tpu)
     start_backends()
@@ -131,7 +144,7 @@ def plan_recipe(
         config = dataclasses.replace(cache[key].config, accumulate_steps=c.accumulate)
         return dataclasses.replace(cache[key], mesh=c.mesh, config=config)
 
-    settings = _settings(global_batch, budget_minutes, top, allow_numerics)
+    settings = _settings(global_batch, budget_minutes, top, allow_numerics, min_gain)
     planner = Planner(maker, base, settings, remat, _numerics(cfg))
     seconds = _run(planner, targets)
     size = _run_examples(examples if examples or tokens else train_examples, tokens, base, epochs or cfg.trainer.epochs)
@@ -164,6 +177,7 @@ def plan_file(
     epochs: float = 1,
     budget_minutes: float | None = None,
     top: int = 3,
+    min_gain: float = 5.0,
     spot: bool = False,
     prices: dict[str, float] | None = None,
     command: str = "",
@@ -185,7 +199,7 @@ def plan_file(
             config = dataclasses.replace(base.config, accumulate_steps=c.accumulate)
             return dataclasses.replace(base, mesh=c.mesh, config=config)
 
-        planner = Planner(maker, base, _settings(global_batch, budget_minutes, top, False))
+        planner = Planner(maker, base, _settings(global_batch, budget_minutes, top, False, min_gain))
         seconds = _run(planner, targets)
     return Plan(
         str(path),

@@ -53,8 +53,8 @@ from xlafit.plan.comms import CommReport, collectives, loop_trips, summarize
 from xlafit.platform.hardware import Target
 
 # A larger batch is worth its compile while it is predicted to run at least this much faster
-# (stage 3): a smaller difference is within what the prediction ignores (module docstring).
-GAIN = 1.05
+# (stage 3, ``Settings.min_gain``): a smaller difference is within what the prediction ignores.
+MIN_GAIN = 0.05
 
 # The program of a candidate: its mesh, remat policy, accumulation and numerics (the batch is
 # set per compile).
@@ -118,6 +118,7 @@ class Settings:
     workers: int = max(1, os.cpu_count() or 1)
     max_batch_limit: int = 2**16
     allow_numerics: bool = False  # also try the levers that change the numerics
+    min_gain: float = MIN_GAIN  # stage 3 goes on while a larger batch is this much faster; 0: to the largest
 
 
 class Planner:
@@ -335,13 +336,13 @@ class Planner:
         speeds = {c.per_device_batch: o.prediction.examples_per_s if o.prediction else 0.0}
 
         def enough(batch: int) -> bool:
-            """The newest fit runs less than ``GAIN`` faster than the largest fit below it:
-            a larger batch would fill the HBM for nothing (the compiler rematerialises
-            near the capacity, so the memory per example stops being a line there too)."""
+            """The newest fit runs less than ``min_gain`` faster than the largest fit below
+            it: a larger batch would most likely fill the HBM for little (the compiler
+            rematerialises near the capacity, so memory per example stops being a line)."""
             out = self.outcomes[dataclasses.replace(c, per_device_batch=batch)]
             speeds[batch] = out.prediction.examples_per_s if out.prediction else 0.0
             below = [b for b in speeds if b < batch]
-            return bool(below) and speeds[batch] < GAIN * speeds[max(below)]
+            return bool(below) and speeds[batch] < (1 + self.settings.min_gain) * speeds[max(below)]
 
         try:
             best, _ = largest_batch(
@@ -353,7 +354,7 @@ class Planner:
                 limit=self.settings.max_batch_limit,
                 tolerance=0.1,
                 fixed_bytes=self.steps(target, c).state_bytes,
-                enough=enough,
+                enough=enough if self.settings.min_gain > 0 else None,
                 label=label,
             )
         except OverBudget:
