@@ -29,7 +29,6 @@ from flax import nnx
 
 from xlafit.models import splash
 from xlafit.models.bert import REMAT_POLICIES, remat_policy
-from xlafit.models.splash import splash_attention
 from xlafit.parallel.sharding import constrain, logical
 
 # Meta's released sizes (the config.json of meta-llama/Llama-3.2-1B and Llama-3.1-8B), and a
@@ -286,7 +285,7 @@ class LlamaAttention(nnx.Module):
         v = constrain(v, "batch", None, "kv_heads", None)
         # Grouped-query attention: both take num_kv_heads dividing num_heads as is (no repeat).
         if implementation == "splash":  # ``mask`` is the segment ids [B, T] (or None)
-            context = splash_attention(q, k, v, mask)
+            context = splash.splash_attention(q, k, v, mask)
         else:
             context = jax.nn.dot_product_attention(
                 q, k, v, mask=mask, is_causal=True, implementation=typing.cast(Any, implementation)

@@ -1,0 +1,16 @@
+"""A refused BERT-base compile for v5e-8: `python compile_refusal.py 1 BATCH` (1,144 per core was
+refused, RESOURCE_EXHAUSTED at 71.31 GiB); time it with `time`."""
+import sys, time, concurrent.futures as cf
+from xlafit.check import recipe_program
+from xlafit.check.tpu import Steps, no_persistent_cache
+from xlafit.platform.hardware import parse_targets
+from xlafit.parallel.cluster import start_backends
+n = int(sys.argv[1])
+target = parse_targets("v5e-8")[0]
+progs = [recipe_program("bert", ["model.preset=base", "data.source=synthetic", "mesh.fsdp=8", "mesh.data=1"])[0] for _ in range(n)]
+steps = [Steps(target, p) for p in progs]
+with no_persistent_cache():
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(n) as pool:
+        res = list(pool.map(lambda s: s.compile_train(int(sys.argv[2]))[1], steps))
+    print(n, "compiles at once:", [round(r) for r in res], "wall", round(time.perf_counter() - t0), flush=True)
