@@ -190,9 +190,15 @@ def test_run_time_and_cost():
     assert plan.run_cost(fast) == pytest.approx(0.5 * 8 * PRICES["v6e"].on_demand)
     assert plan.winner is fast
     assert targets[0].price_per_hour() == pytest.approx(8 * 1.20)
-    assert targets[0].price_per_hour(spot=True) is None  # no Spot price in the table
+    assert targets[0].price_per_hour(spot=True) == pytest.approx(8 * 0.3468)
     text = format_plan(plan)
     assert "Slices by time: v6e-8 < v5e-8" in text and "Slices by cost: v5e-8 < v6e-8" in text
+    assert "Price v5e: $1.2 per chip-hour on-demand (Cloud Billing Catalog SKUs" in text
+    spot = dataclasses.replace(plan, spot=True)  # v6e-8: half an hour at 8 x 0.7803; v5e-8: an hour at 8 x 0.3468
+    assert spot.run_cost(fast) == pytest.approx(0.5 * 8 * 0.7803) and spot.run_cost(slow) == pytest.approx(8 * 0.3468)
+    assert "Price v6e: $0.7803 per chip-hour Spot" in format_plan(spot)
+    priced = dataclasses.replace(plan, prices={"v5e": PRICES["v5e"]})
+    assert "Price v6e: no on-demand price in the table (give one: --price v6e=USD)" in format_plan(priced)
     # v5e-8 is slower but cheaper: both are on the Pareto front.
     assert plan.pareto() == {fast.candidate, slow.candidate}
     dominated = dataclasses.replace(_outcome("v5e-8", 500.0, free=2**29), candidate=Candidate("v5e-8", (4, 2, 1), 8))

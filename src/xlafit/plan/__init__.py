@@ -17,7 +17,7 @@ by libtpu for the target, on this machine, and predicted from its compiled progr
 - **throughput** (examples and tokens per second), **MFU** (the model's FLOPs, analytic
   where it has a count, over the step time and peak), **HBM** used and free per core;
 - **time and cost of the run**: the run's examples over the throughput, at the slice's
-  price per hour (:data:`xlafit.platform.hardware.PRICES`, on-demand list prices).
+  price per hour (:data:`xlafit.platform.hardware.PRICES`, on-demand or Spot).
 
 The answer is ranked, the Pareto front (throughput, cost of the run, HBM to spare) marked,
 and the winner's settings are the ``xlafit train`` overrides; :meth:`Plan.write` writes them

@@ -98,8 +98,23 @@ def format_plan(plan: Plan) -> str:
         "collectives assumed overlapped with compute; it ignores input, host and dispatch time and kernels "
         "below peak (a lower bound on step time, an upper bound on throughput and MFU)."
     )
+    lines += _price_lines(plan)
     lines.append(f"Planned in {plan.seconds:.0f} s on this machine ({len(plan.outcomes)} compiles).")
     return "\n".join(lines)
+
+
+def _price_lines(plan: Plan) -> list[str]:
+    """The price behind each target's run cost, and where it was read."""
+    kind = "Spot" if plan.spot else "on-demand"
+    lines = []
+    for generation in dict.fromkeys(t.generation.name for t in plan.targets):
+        row = plan.prices.get(generation)
+        usd = None if row is None else row.spot if plan.spot else row.on_demand
+        if row is None or usd is None:
+            lines.append(f"Price {generation}: no {kind} price in the table (give one: --price {generation}=USD)")
+        else:
+            lines.append(f"Price {generation}: ${usd:.4g} per chip-hour {kind} ({row.source}, read {row.read})")
+    return lines
 
 
 def _winner_lines(plan: Plan) -> list[str]:

@@ -124,8 +124,9 @@ GENERATIONS: dict[str, Generation] = {
 class Price:
     """List price of one chip for an hour, USD (a slice costs its chips times this).
 
-    ``spot`` is None where no Spot price was read. Prices differ by region and change:
-    ``xlafit plan --price v5e=0.9`` replaces a row's on-demand price for one plan.
+    ``spot`` is None where no Spot price was read. Prices differ by region (Spot prices by
+    up to 2x between US regions) and change: ``xlafit plan --price v5e=0.9`` replaces a row
+    for one plan.
     """
 
     on_demand: float
@@ -134,16 +135,17 @@ class Price:
     read: str  # when the row was read (YYYY-MM-DD)
 
 
-# On-demand list prices per chip-hour, as cloud.google.com/tpu/pricing publishes them for its
-# cheapest US regions. That page could not be fetched where this table was written; each
-# row says which copy of the figure was read instead. No Spot price was found in a copy.
+# Prices per chip-hour, on-demand and Spot, in us-central1 (v4: us-central2, its only region),
+# from Google's Cloud Billing Catalog API (the SKUs of usage type OnDemand and Preemptible) as
+# SkyPilot's catalog machine-reads them every few hours (a slice's price over its chips):
+# cloud.google.com/tpu/pricing itself could not be fetched where this table was written.
+# The on-demand rows agree with the list prices that page publishes for its cheapest US regions.
+_CATALOG = "Cloud Billing Catalog SKUs via github.com/skypilot-org/skypilot-catalog catalogs/v7/gcp/vms.csv @6f65ab5"
 PRICES: dict[str, Price] = {
-    "v4": Price(3.22, None, "Cloud TPU list price, as quoted by a public cost calculator", "2026-11-26"),
-    "v5e": Price(
-        1.20, None, "Cloud TPU list price, as quoted by peakinfer.com and a public cost calculator", "2026-11-26"
-    ),
-    "v5p": Price(4.20, None, "Cloud TPU list price (us-east5); no copy found to confirm it", "2026-11-26"),
-    "v6e": Price(2.70, None, "Cloud TPU list price, as quoted by a public cost calculator", "2026-11-26"),
+    "v4": Price(3.22, 0.9215, _CATALOG + ", us-central2-b: tpu-v4-8 (4 chips) 12.88, Spot 3.686", "2026-11-27"),
+    "v5e": Price(1.20, 0.3468, _CATALOG + ", us-central1-a: tpu-v5litepod-8 9.6, Spot 2.7744", "2026-11-27"),
+    "v5p": Price(4.20, 1.6422, _CATALOG + ", us-central1-a: tpu-v5p-8 (4 chips) 16.8, Spot 6.5688", "2026-11-27"),
+    "v6e": Price(2.70, 0.7803, _CATALOG + ", us-central1-b: tpu-v6e-8 21.6, Spot 6.2424", "2026-11-27"),
 }
 
 # GPUs: dense bf16 TFLOP/s per device (sparsity excluded, as MaxText and nanoGPT count it).
