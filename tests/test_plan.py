@@ -296,3 +296,48 @@ def test_plan_cli_errors(capsys):
     assert "unknown TPU target" in capsys.readouterr().err
     assert main(["plan", "mnist", "--min-gain", "-1"]) == 2
     assert "--min-gain -1: give a percentage of 0 or more" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- scanned layers
+
+BERT_6 = ["data.source=synthetic", "model.preset=tiny", "model.num_layers=6", "data.seq_len=64"]
+BERT_6 += ["data.max_predictions=10", "trainer.steps_per_call=1"]
+
+
+def test_a_scanned_candidate_costs_what_its_unscanned_twin_does():
+    """XLA's cost analysis counts a scanned layer once: a scanned candidate's FLOPs and HBM
+    bytes come from unscanned programs of 2 and 4 layers extrapolated to 6, and agree with
+    the 6-layer unscanned program's own; its collectives are read from its own program."""
+    from xlafit.plan import recipe_planner
+    from xlafit.plan.search import Settings, _cost
+
+    planner, _, _ = recipe_planner("bert", BERT_6, None, Settings())
+    assert (planner.scan, planner.layers) == (False, 6)
+    target = parse_target("v4-8")
+    flat = Candidate(target.name, (2, 2, 1), 8, remat="none", scan=False)
+    scanned = dataclasses.replace(flat, scan=True)
+    with no_persistent_cache():
+        planner._map([(target, flat, "layout"), (target, scanned, "layout")])
+        raw, _ = planner.steps(target, scanned).compile_train(8)
+    a, b = planner.outcomes[flat], planner.outcomes[scanned]
+    assert a.fits and b.fits and b.cost_compile_s > 0, b.error
+    assert b.flops == pytest.approx(a.flops, rel=0.02)
+    assert b.prediction.memory_s == pytest.approx(a.prediction.memory_s, rel=0.1)
+    moved = [sum(row["bytes"] for row in o.comms.by_kind.values()) for o in (a, b)]
+    assert moved[1] == pytest.approx(moved[0], rel=0.1) and "all-gather" in b.comms.by_kind  # FSDP's, per layer
+    assert _cost(raw, scanned, 1)[0] < 0.6 * a.flops  # what the scanned program alone would claim
+    assert "scan layers" in b.candidate.levers and b.candidate.overrides()["model.scan_layers"] is True
+
+
+def test_scanned_layers_are_a_lever_where_the_run_does_not_scan():
+    from xlafit.plan import recipe_planner
+    from xlafit.plan.search import Settings
+
+    planner, _, _ = recipe_planner("bert", BERT_6, None, Settings())
+    target = parse_target("v5e-8")
+    refused = Outcome(Candidate(target.name, (8, 1, 1), 64, remat="none", scan=False), False, capacity=1e9)
+    levers = [c for _, c, _ in planner._lever_jobs(target, refused)]
+    assert [(c.remat, c.scan) for c in levers] == [("dots_saveable", False), ("full", False), ("full", True)]
+    scanning, _, _ = recipe_planner("bert", [*BERT_6, "model.scan_layers=true"], None, Settings())
+    scanned = dataclasses.replace(refused, candidate=dataclasses.replace(refused.candidate, scan=True))
+    assert [c.scan for _, c, _ in scanning._lever_jobs(target, scanned)] == [True, True]  # nothing to add

@@ -132,20 +132,9 @@ def plan_recipe(
     """
     targets = parse_targets(tpu)
     start_backends()
-    base, cfg, train_examples = recipe_program(name, overrides, preset)
-    remat = getattr(cfg.model, "remat", None)
-    cache: dict[tuple, Program] = {(remat, ()): base}
-
-    def maker(c: Candidate) -> Program:
-        key = (c.remat, c.numerics)
-        if key not in cache:
-            keys = [f"model.remat={c.remat}"] if c.remat is not None else []
-            cache[key] = recipe_program(name, [*overrides, *keys, *(f"{k}={v}" for k, v in c.numerics)], preset)[0]
-        config = dataclasses.replace(cache[key].config, accumulate_steps=c.accumulate)
-        return dataclasses.replace(cache[key], mesh=c.mesh, config=config)
-
     settings = _settings(global_batch, budget_minutes, top, allow_numerics, min_gain)
-    planner = Planner(maker, base, settings, remat, _numerics(cfg))
+    planner, cfg, train_examples = recipe_planner(name, overrides, preset, settings)
+    base = planner.base
     seconds = _run(planner, targets)
     size = _run_examples(examples if examples or tokens else train_examples, tokens, base, epochs or cfg.trainer.epochs)
     # The plan sets the per-core batch (and so the global one): the recipe's global batch gives way.
@@ -163,6 +152,29 @@ def plan_recipe(
         prices=_prices(prices),
         seconds=seconds,
     )
+
+
+def recipe_planner(
+    name: str, overrides: Sequence[str], preset: str | Path | None, settings: Settings
+) -> tuple[Planner, Any, int]:
+    """The planner of a recipe's run: ``(planner, config, train examples)``. Its candidates'
+    programs are the recipe's with their remat, scanning and numerics as overrides."""
+    base, cfg, train_examples = recipe_program(name, overrides, preset)
+    remat, scan = getattr(cfg.model, "remat", None), getattr(cfg.model, "scan_layers", None)
+    cache: dict[tuple, Program] = {(remat, (), scan, None): base}
+
+    def maker(c: Candidate, layers: int | None) -> Program:
+        key = (c.remat, c.numerics, c.scan, layers)
+        if key not in cache:
+            keys = [f"model.remat={c.remat}"] if c.remat is not None else []
+            keys += [f"model.scan_layers={str(c.scan).lower()}"] if c.scan is not None else []
+            keys += [f"model.num_layers={layers}"] if layers is not None else []
+            cache[key] = recipe_program(name, [*overrides, *keys, *(f"{k}={v}" for k, v in c.numerics)], preset)[0]
+        config = dataclasses.replace(cache[key].config, accumulate_steps=c.accumulate)
+        return dataclasses.replace(cache[key], mesh=c.mesh, config=config)
+
+    layers = getattr(getattr(base.model, "cfg", None), "num_layers", 0) if scan is not None else 0
+    return Planner(maker, base, settings, remat, _numerics(cfg), scan, layers), cfg, train_examples
 
 
 def plan_file(
@@ -195,7 +207,7 @@ def plan_file(
         namespace = load_file(path)
         base = file_program(path, namespace, nested, {"per_device_batch": per_device_batch})
 
-        def maker(c: Candidate) -> Program:
+        def maker(c: Candidate, layers: int | None) -> Program:  # a file's model: no remat, no scan
             config = dataclasses.replace(base.config, accumulate_steps=c.accumulate)
             return dataclasses.replace(base, mesh=c.mesh, config=config)
 

@@ -1,8 +1,9 @@
 """What ``xlafit plan`` may try on a slice: meshes the model's axes allow, and the levers.
 
 A candidate is one way to run: the mesh (``data x fsdp x tensor`` = the slice's devices),
-the model's rematerialisation policy (where the model has ``model.remat``), the per-core
-batch and the gradient accumulation. Each is written as the dotted overrides that
+the model's rematerialisation policy (where the model has ``model.remat``), whether its
+layers are scanned (``model.scan_layers``, where it has that), the per-core batch and the
+gradient accumulation. Each is written as the dotted overrides that
 ``xlafit train`` takes, so the plan's answer is a command.
 
 Example:
@@ -39,6 +40,7 @@ class Candidate:
     remat: str | None = None  # None: the model has no model.remat
     # Settings that change the numerics (bf16 compute, bf16 optimizer moments): dotted key, value.
     numerics: tuple[tuple[str, str], ...] = ()
+    scan: bool | None = None  # model.scan_layers; None: the model has no such setting
 
     @property
     def shards(self) -> int:
@@ -63,6 +65,8 @@ class Candidate:
             parts.append(f"remat {self.remat}")
         if self.accumulate > 1:
             parts.append(f"accumulate {self.accumulate}")
+        if self.scan:
+            parts.append("scan layers")
         parts += [f"{key.rsplit('.', 1)[-1]}={value} (numerics)" for key, value in self.numerics]
         return ", ".join(parts) or "-"
 
@@ -75,6 +79,8 @@ class Candidate:
         out["trainer.accumulate_steps"] = self.accumulate
         if self.remat is not None:
             out["model.remat"] = self.remat
+        if self.scan is not None:
+            out["model.scan_layers"] = self.scan
         out.update(self.numerics)
         return out
 

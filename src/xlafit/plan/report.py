@@ -171,7 +171,13 @@ def _why_not_lines(plan: Plan, refused: list[Outcome]) -> list[str]:
         fixed = [x for x in plan.fitting() if _same_layout(x, o)]
         if fixed:
             f = min(
-                fixed, key=lambda x: (x.candidate.accumulate, x.candidate.remat or "", -x.candidate.per_device_batch)
+                fixed,
+                key=lambda x: (
+                    x.candidate.accumulate,
+                    bool(x.candidate.scan),
+                    x.candidate.remat or "",
+                    -x.candidate.per_device_batch,
+                ),
             )
             lines.append(f"    fits with {f.candidate.levers} (compiled: {_gib(f.hbm_used)} GiB per core)")
     return lines
@@ -196,6 +202,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "capacity": o.capacity,
             "memory": o.memory,
             "compile_s": o.compile_s,
+            "cost_compile_s": o.cost_compile_s,
             "flops_per_step": o.flops,
             "collectives": o.comms.to_json() if o.comms else None,
             "prediction": dataclasses.asdict(o.prediction) if o.prediction else None,

@@ -6,9 +6,10 @@ For each target, in order of cost:
    allow, at the run's per-core batch (``global_batch`` over the mesh's batch shards when
    the user fixed one), compiled side by side (as many compiles at once as there are cores).
 2. **Levers** for a layout that does not fit: gradient accumulation (as many micro-batches
-   as the compiler's shortfall suggests; the global batch stays) and the model's
-   rematerialisation policies (cheapest first), each one compile; the first that fits is
-   the layout's cheapest way in. A refusal is compiled once more with the compiler's dump,
+   as the compiler's shortfall suggests; the global batch stays), the model's
+   rematerialisation policies (cheapest first) and, where the model can scan its layers,
+   scanned layers with full remat (MaxText's default), each one compile; the first that
+   fits is the layout's cheapest way in. A refusal is compiled once more with the compiler's dump,
    to name the largest buffers at its peak.
 3. **Batch** (without a fixed global batch): for the ``top`` layouts by predicted
    throughput, side by side, the largest per-core batch that fits (the ``--max-batch``
@@ -17,6 +18,12 @@ For each target, in order of cost:
 
 Every compile is remembered (a layout and batch compile once), and a deadline stops new
 compiles: what was not compiled by then is reported as such.
+
+A scanned candidate (``model.scan_layers``) fits or not by its own compile, but XLA's cost
+analysis counts a loop's body once, so one layer of it: its FLOPs and HBM bytes come from two
+unscanned programs of a few layers at the same shapes (the difference is a layer's cost;
+every layer costs the same), extrapolated to the model's layers. Its collectives are read
+from its own program, whose loop bodies count as many times as they run.
 """
 
 from __future__ import annotations
@@ -56,9 +63,10 @@ from xlafit.platform.hardware import Target
 # (stage 3, ``Settings.min_gain``): a smaller difference is within what the prediction ignores.
 MIN_GAIN = 0.05
 
-# The program of a candidate: its mesh, remat policy, accumulation and numerics (the batch is
-# set per compile).
-Maker = Callable[[Candidate], Program]
+# The program of a candidate: its mesh, remat policy, accumulation, numerics and scanning (the
+# batch is set per compile); with a number of layers, the same model that deep (a scanned
+# candidate's costs, see the module's docstring).
+Maker = Callable[[Candidate, int | None], Program]
 
 
 @dataclasses.dataclass
@@ -91,6 +99,7 @@ class Outcome:
     buffers: list[Buffer] = dataclasses.field(default_factory=list)
     error: str | None = None
     stage: str = "layout"  # layout, lever, batch
+    cost_compile_s: float = 0.0  # a scanned candidate: compiling the few-layer programs of its cost
 
     @property
     def hbm_used(self) -> int | None:
@@ -131,12 +140,16 @@ class Planner:
         settings: Settings,
         remat: str | None = None,
         numerics: tuple[tuple[str, str], ...] = (),
+        scan: bool | None = None,
+        layers: int = 0,
     ) -> None:
         """``base``: the run as configured; ``remat``: its ``model.remat`` (None: the model has
         none); ``numerics``: the settings that would change its numerics, each a lever with
-        ``settings.allow_numerics``."""
+        ``settings.allow_numerics``; ``scan``: its ``model.scan_layers`` (None: the model has
+        none) and ``layers`` the model's number of layers."""
         self.maker, self.base, self.settings, self.remat = maker, base, settings, remat
         self.numerics = numerics if settings.allow_numerics else ()
+        self.scan, self.layers = (scan, layers) if layers >= 2 else (None, 0)
         self._programs: dict[tuple, Program] = {}
         self._steps: dict[tuple, Steps] = {}
         self.outcomes: dict[Candidate, Outcome] = {}
@@ -144,14 +157,30 @@ class Planner:
 
     # ------------------------------------------------------------------ compiling
 
-    def steps(self, target: Target, c: Candidate) -> Steps:
-        key = (target.name, c.mesh, c.remat, c.accumulate, c.numerics)
+    def steps(self, target: Target, c: Candidate, layers: int | None = None) -> Steps:
+        """The compiler of ``c``'s program for ``target`` (``layers``: of that many layers)."""
+        key = (target.name, c.mesh, c.remat, c.accumulate, c.numerics, c.scan, layers)
         if key not in self._steps:
             pkey = key[1:]
             if pkey not in self._programs:
-                self._programs[pkey] = self.maker(c)
+                self._programs[pkey] = self.maker(c, layers)
             self._steps[key] = Steps(target, self._programs[pkey])
         return self._steps[key]
+
+    def _cost_depths(self) -> tuple[int, int]:
+        """The depths of the unscanned programs whose difference is a scanned candidate's layer."""
+        return (2, 4) if self.layers >= 4 else (1, 2)
+
+    def _prepare(self, target: Target, c: Candidate) -> None:
+        """Builds the programs ``c`` compiles (model building is not thread-safe: tracing
+        shares the model objects)."""
+        self.steps(target, c)
+        if c.scan:
+            for n in self._cost_depths():
+                try:
+                    self.steps(target, dataclasses.replace(c, scan=False), n)
+                except Exception:  # said by the compile that needs it (no prediction)
+                    pass
 
     def evaluate(self, target: Target, c: Candidate, stage: str) -> Outcome:
         """Compiles ``c`` once (later calls return the first outcome) and predicts its step."""
@@ -185,7 +214,15 @@ class Planner:
             out.memory = memory_of(
                 compiled, steps.state_bytes, tree_bytes(steps.program.example) * c.per_device_batch * k
             )
-            self._predict(out, target, steps, compiled, k)
+            hlo = compiled.as_text()
+            try:
+                flops, accessed = self._scanned_cost(target, out) if c.scan else _cost(compiled, c, k)
+            except Exception as e:  # a few-layer program that fails: the verdict stands, no prediction
+                out.error = f"no prediction: its few-layer cost programs did not compile ({type(e).__name__})"
+            else:
+                out.flops = flops or None
+                out.comms = summarize(collectives(hlo, target.num_devices), target, per=k)
+                self._predict(out, target, steps, flops, accessed)
         verdict = "fits" if out.fits else "does not fit" if out.fits is False else "error"
         if not quiet:
             _progress(f"{target.name}: {c.layout}, {c.levers}, {c.per_device_batch} per core: {verdict}")
@@ -204,19 +241,24 @@ class Planner:
             except OutOfMemory:
                 out.buffers = largest_buffers(Path(dump))
 
-    def _predict(self, out: Outcome, target: Target, steps: Steps, compiled: Any, k: int) -> None:
-        cost = compiled.cost_analysis() or {}
-        hlo = compiled.as_text()
-        counted = steps_in_cost(compiled, k)
+    def _scanned_cost(self, target: Target, out: Outcome) -> tuple[float, float]:
+        """FLOPs and HBM bytes per step of a scanned candidate: from its unscanned programs of
+        ``n1`` and ``n2`` layers, each layer costing ``(cost(n2) - cost(n1)) / (n2 - n1)``."""
         c = out.candidate
-        # XLA's cost analysis counts a loop's body once: a scanned accumulation's micro-batches too.
-        micro = c.accumulate if c.accumulate > 1 and c.accumulate in loop_trips(hlo) else 1
-        # The Pallas kernels' FLOPs (splash attention), which the cost analysis cannot see, per step.
-        flops = float(cost.get("flops", 0.0)) * micro / counted + kernel_flops(hlo) / k
-        accessed = float(cost.get("bytes accessed", 0.0)) * micro / counted
-        out.flops = flops or None
-        out.comms = summarize(collectives(hlo, target.num_devices), target, per=k)
-        p = steps.program
+        flat = dataclasses.replace(c, scan=False)
+        (n1, n2), costs = self._cost_depths(), []
+        for n in self._cost_depths():
+            steps = self.steps(target, flat, n)
+            compiled, seconds = steps.compile_train(c.per_device_batch)
+            out.cost_compile_s += seconds
+            costs.append(_cost(compiled, flat, steps.program.config.steps_per_call))
+        (f1, b1), (f2, b2) = costs
+        more = (self.layers - n1) / (n2 - n1)
+        return f1 + more * (f2 - f1), b1 + more * (b2 - b1)
+
+    def _predict(self, out: Outcome, target: Target, steps: Steps, flops: float, accessed: float) -> None:
+        c, p = out.candidate, steps.program
+        assert out.comms is not None
         rows = c.global_batch
         model_flops = p.flops_per_example * rows / target.num_devices if p.flops_per_example else flops
         # As check's roofline: never faster than the model's own FLOPs at peak (XLA's count
@@ -252,8 +294,8 @@ class Planner:
                 return out
 
         jobs = list(jobs)
-        for target, c, _ in jobs:  # built here, one at a time: tracing shares the model objects
-            self.steps(target, c)
+        for target, c, _ in jobs:  # built here, one at a time
+            self._prepare(target, c)
         with concurrent.futures.ThreadPoolExecutor(self.settings.workers) as pool:
             return list(pool.map(run, jobs))
 
@@ -298,7 +340,7 @@ class Planner:
             per = (
                 g // shards if g else self.base.per_device_batch or max(1, (self.base.global_batch or shards) // shards)
             )
-            candidate = Candidate(target.name, mesh, per, self.base.config.accumulate_steps, self.remat)
+            candidate = Candidate(target.name, mesh, per, self.base.config.accumulate_steps, self.remat, scan=self.scan)
             try:  # the mesh over the slice's hosts: a tensor group must stay on one
                 self.steps(target, candidate)
             except XlafitError as e:
@@ -308,7 +350,8 @@ class Planner:
         return found
 
     def _lever_jobs(self, target: Target, o: Outcome) -> list[tuple[Target, Candidate, str]]:
-        """Accumulation sized from the shortfall, and each costlier remat policy."""
+        """Accumulation sized from the shortfall, each costlier remat policy, and scanned
+        layers with full remat (where the run does not scan them already)."""
         c, jobs = o.candidate, []
         state = self.steps(target, c).state_bytes
         if o.needed and o.capacity > state:
@@ -319,6 +362,8 @@ class Planner:
         if c.remat is not None:
             for policy in REMAT_LADDER[REMAT_LADDER.index(c.remat) + 1 :] if c.remat in REMAT_LADDER else ("full",):
                 jobs.append((target, dataclasses.replace(c, remat=policy), "lever"))
+        if self.scan is False:
+            jobs.append((target, dataclasses.replace(c, scan=True, remat="full" if c.remat else None), "lever"))
         jobs += [(target, dataclasses.replace(c, numerics=(n,)), "lever") for n in self.numerics]
         return jobs
 
@@ -373,6 +418,18 @@ class Planner:
         scale = max(1.0, (o.capacity - state) / (used - state))
         step = max(p.compute_s * scale, p.memory_s * scale, p.comm_s or 0.0)
         return c.global_batch * scale / step
+
+
+def _cost(compiled: Any, c: Candidate, k: int) -> tuple[float, float]:
+    """FLOPs and HBM bytes per step of one compiled call of ``k`` steps of ``c``."""
+    cost = compiled.cost_analysis() or {}
+    hlo = compiled.as_text()
+    counted = steps_in_cost(compiled, k)
+    # XLA's cost analysis counts a loop's body once: a scanned accumulation's micro-batches too.
+    micro = c.accumulate if c.accumulate > 1 and c.accumulate in loop_trips(hlo) else 1
+    # The Pallas kernels' FLOPs (splash attention), which the cost analysis cannot see, per step.
+    flops = float(cost.get("flops", 0.0)) * micro / counted + kernel_flops(hlo) / k
+    return flops, float(cost.get("bytes accessed", 0.0)) * micro / counted
 
 
 class _Recorder:
