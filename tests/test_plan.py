@@ -341,3 +341,33 @@ def test_scanned_layers_are_a_lever_where_the_run_does_not_scan():
     scanning, _, _ = recipe_planner("bert", [*BERT_6, "model.scan_layers=true"], None, Settings())
     scanned = dataclasses.replace(refused, candidate=dataclasses.replace(refused.candidate, scan=True))
     assert [c.scan for _, c, _ in scanning._lever_jobs(target, scanned)] == [True, True]  # nothing to add
+
+
+# ----------------------------------------------------------------------------- when a batch search stops
+
+GIB = 2**30
+
+
+def _fit(batch: int, examples_per_s: float, peak_gib: float) -> tuple[int, Prediction, int]:
+    return batch, Prediction(0, 0, 0, 0, 0, examples_per_s, None, 0), int(peak_gib * GIB)
+
+
+def test_the_reachable_gain_of_a_larger_batch():
+    """Fits recorded by plans of BERT on v5e-8 (15.75 GiB usable per core)."""
+    from xlafit.plan.search import reachable_gain
+
+    cap = 15.75 * GIB
+    # The 1.28B BERT, FSDP 8: 40 and 48 per core at 968 and 1,013 examples/s (+4.6 %), the
+    # compiler's peak flat near the capacity (14.09, 14.06 GiB), 272 refused: the step line
+    # says up to 24 % more below 272 (64 per core ran 12 % faster): search on.
+    points = [_fit(40, 968, 14.09), _fit(48, 1013, 14.06)]
+    assert reachable_gain(points, int(1.78 * GIB), cap, 272) == pytest.approx(0.24, abs=0.01)
+    assert reachable_gain(points, int(1.78 * GIB), cap, None) is None  # flat memory, no refusal: no bound
+    assert reachable_gain(points, int(1.78 * GIB), cap, 49) == 0.0  # nothing left between
+    # BERT-base, FSDP 8: 160 and 248 at 7,635 and 7,850 (10.61, 14.66 GiB): the memory line
+    # reaches the capacity at about 271, where the step line gives under 1 % more: stop.
+    points = [_fit(160, 7635, 10.61), _fit(248, 7850, 14.66)]
+    assert 0 < reachable_gain(points, int(0.15 * GIB), cap, None) < 0.01
+    # A step that does not grow with the batch (all fixed cost): no ceiling below the cap.
+    points = [_fit(8, 100, 2.0), _fit(16, 200, 3.0)]
+    assert reachable_gain(points, GIB, cap, 33) == pytest.approx(32 / 16 - 1)

@@ -14,7 +14,8 @@ For each target, in order of cost:
 3. **Batch** (without a fixed global batch): for the ``top`` layouts by predicted
    throughput, side by side, the largest per-core batch that fits (the ``--max-batch``
    search of :func:`xlafit.check.tpu.largest_batch`, at 10 % tolerance), predicted again
-   there; a layout's search ends early once a larger batch runs less than 5 % faster.
+   there; a layout's search ends early once the largest batch that may still fit is
+   predicted to run less than 5 % faster (:func:`reachable_gain`).
 
 Every compile is remembered (a layout and batch compile once), and a deadline stops new
 compiles: what was not compiled by then is reported as such.
@@ -59,8 +60,8 @@ from xlafit.plan.candidates import REMAT_LADDER, Candidate, mesh_refusal, meshes
 from xlafit.plan.comms import CommReport, collectives, loop_trips, summarize
 from xlafit.platform.hardware import Target
 
-# A larger batch is worth its compile while it is predicted to run at least this much faster
-# (stage 3, ``Settings.min_gain``): a smaller difference is within what the prediction ignores.
+# A larger batch is worth its compiles while the largest that may fit is predicted to run at
+# least this much faster (stage 3, ``Settings.min_gain``): less is within what the prediction ignores.
 MIN_GAIN = 0.05
 
 # The program of a candidate: its mesh, remat policy, accumulation, numerics and scanning (the
@@ -378,16 +379,25 @@ class Planner:
     def _search_batch(self, target: Target, o: Outcome) -> None:
         c = o.candidate
         label = f"{target.name} {c.layout}"
-        speeds = {c.per_device_batch: o.prediction.examples_per_s if o.prediction else 0.0}
+        state = self.steps(target, c).state_bytes
 
         def enough(batch: int) -> bool:
-            """The newest fit runs less than ``min_gain`` faster than the largest fit below
-            it: a larger batch would most likely fill the HBM for little (the compiler
-            rematerialises near the capacity, so memory per example stops being a line)."""
-            out = self.outcomes[dataclasses.replace(c, per_device_batch=batch)]
-            speeds[batch] = out.prediction.examples_per_s if out.prediction else 0.0
-            below = [b for b in speeds if b < batch]
-            return bool(below) and speeds[batch] < (1 + self.settings.min_gain) * speeds[max(below)]
+            """A larger batch is not worth its compiles: at most ``min_gain`` faster, by
+            :func:`reachable_gain` (or, where that has no bound, by the newest fit against
+            the largest fit below it)."""
+            siblings = [x for x in list(self.outcomes.values()) if _sibling(x, c)]  # other threads add outcomes
+            fits = {x.candidate.per_device_batch: x for x in siblings if x.fits and x.prediction}
+            below = [b for b in fits if b < batch]
+            if batch not in fits or not below:
+                return False
+            b0, new, old = max(below), fits[batch], fits[max(below)]
+            larger = [x.candidate.per_device_batch for x in siblings if x.fits is False]
+            larger = [b for b in larger if b > batch]
+            points = [(b0, old.prediction, old.hbm_used), (batch, new.prediction, new.hbm_used)]
+            gain = reachable_gain(points, state, o.capacity, min(larger, default=None))  # type: ignore[arg-type]
+            if gain is None:
+                gain = new.prediction.examples_per_s / old.prediction.examples_per_s - 1  # type: ignore[union-attr]
+            return gain < self.settings.min_gain
 
         try:
             best, _ = largest_batch(
@@ -430,6 +440,43 @@ def _cost(compiled: Any, c: Candidate, k: int) -> tuple[float, float]:
     # The Pallas kernels' FLOPs (splash attention), which the cost analysis cannot see, per step.
     flops = float(cost.get("flops", 0.0)) * micro / counted + kernel_flops(hlo) / k
     return flops, float(cost.get("bytes accessed", 0.0)) * micro / counted
+
+
+def _sibling(x: Outcome, c: Candidate) -> bool:
+    """``x`` is ``c`` at another per-core batch."""
+    return dataclasses.replace(x.candidate, per_device_batch=c.per_device_batch) == c
+
+
+def reachable_gain(
+    points: list[tuple[int, Prediction, int | None]], state: int, capacity: float, refused: int | None
+) -> float | None:
+    """How much faster than at the newest of two fits ``points`` (per-core batch, prediction,
+    HBM used) the largest batch that may still fit could run; None: no bound is known.
+
+    The step time is taken to grow linearly in the batch through the two fits (a fixed part,
+    the parameters' traffic, and a part per example), so throughput climbs toward a ceiling.
+    The largest batch is bounded by the memory line through the two fits at ``capacity``,
+    and below the smallest ``refused`` batch. Near the HBM's capacity the compiler
+    rematerialises and the memory stops growing with the batch: a line that grows less than
+    a quarter of the average bytes per example bounds nothing, and then only a refusal does.
+    """
+    (b0, p0, m0), (b1, p1, m1) = points
+    t0, t1 = b0 / p0.examples_per_s, b1 / p1.examples_per_s  # seconds per step, up to the shards
+    per_batch = (t1 - t0) / (b1 - b0)
+    fixed = t1 - per_batch * b1
+    cap = None
+    if m0 is not None and m1 is not None and m1 > state:
+        slope = (m1 - m0) / (b1 - b0)
+        if slope > 0.25 * (m1 - state) / b1:
+            cap = b1 + (capacity - m1) / slope
+    if refused is not None:
+        cap = min(cap, refused - 1) if cap is not None else refused - 1
+    if cap is None:
+        return None
+    if cap <= b1:
+        return 0.0
+    step = fixed + per_batch * cap
+    return math.inf if step <= 0 else (cap / step) / (b1 / t1) - 1
 
 
 class _Recorder:
