@@ -383,10 +383,16 @@ def test_ctrl_c_during_preparation_is_one_line_leaves_no_worker_and_the_rerun_fi
 
     from PIL import Image
 
-    for i in range(2100):  # enough for the worker pool (2,048 images or more)
+    # Enough for the worker pool (2,048 images or more), each slow enough to decode (600 x 600
+    # pixels, ~5 ms; 2 KB on disk, one file linked 2,100 times) that the preparation is still
+    # running seconds after its first shard appears, also on a loaded machine: with 16 x 16
+    # images it could finish between the test's look and its Ctrl-C.
+    original = tmp_path / "one.png"
+    Image.new("RGB", (600, 600), (3, 0, 0)).save(original)
+    for i in range(2100):
         folder = tmp_path / "in" / ("a" if i % 2 else "b")
         folder.mkdir(parents=True, exist_ok=True)
-        Image.new("RGB", (16, 16), (i % 256, 0, 0)).save(folder / f"{i}.png")
+        os.link(original, folder / f"{i}.png")
     out = tmp_path / "out"
     command = [sys.executable, "-m", "xlafit", "data", "images", "--input", str(tmp_path / "in"), "--out", str(out)]
     command += ["--workers", "2", "--shard-size", "64"]
