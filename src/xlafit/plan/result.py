@@ -78,7 +78,7 @@ class Plan:
         return o.candidate.overrides(self.batch_key)
 
     def command_line(self, o: Outcome) -> str:
-        keys = " ".join(f"{k}={v}" for k, v in self.overrides(o).items())
+        keys = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.overrides(o).items())
         if self.preset is None:  # a user's file: its model, the plan's mesh, loop and batch
             batch = f"--per-device-batch {o.candidate.per_device_batch}"
             return f"xlafit check {self.source} --tpu {o.candidate.target} {batch} {keys}"
