@@ -40,7 +40,7 @@ def _row(plan: Plan, rank: str, o: Outcome, front: set) -> tuple[str, ...]:
         _gib(o.hbm_used),
         _gib(o.hbm_free),
         f"{p.step_s * 1e3:.3g}" if p else "-",
-        f"{p.comm_s * 1e3:.2g}" if p and p.comm_s is not None else "-",
+        f"{p.comm_s * 1e3:.3g}" if p and p.comm_s is not None else "-",
         _rate(p.examples_per_s if p else None),
         _rate(p.tokens_per_s if p else None),
         f"{p.mfu:.0%}" if p else "-",
