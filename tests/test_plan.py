@@ -345,6 +345,7 @@ def test_scanned_layers_are_a_lever_where_the_run_does_not_scan():
 
 # ----------------------------------------------------------------------------- when a batch search stops
 
+
 def test_the_reachable_gain_of_a_larger_batch():
     """Fits recorded by plans of BERT on a v5e-8."""
     from xlafit.plan.search import reachable_gain
