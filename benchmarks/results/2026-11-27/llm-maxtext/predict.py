@@ -28,8 +28,14 @@ batch = int(sys.argv[1])
 remat = sys.argv[2] if len(sys.argv) > 2 else "full"
 target = parse_targets("v6e-8")[0]
 common = [
-    "model.preset=llama-3.1-8b", "data.seq_len=8192", "model.compute_dtype=bfloat16", f"model.remat={remat}",
-    "mesh.data=1", "mesh.fsdp=-1", f"data.per_device_batch={batch}", "data.global_batch=null",
+    "model.preset=llama-3.1-8b",
+    "data.seq_len=8192",
+    "model.compute_dtype=bfloat16",
+    f"model.remat={remat}",
+    "mesh.data=1",
+    "mesh.fsdp=-1",
+    f"data.per_device_batch={batch}",
+    "data.global_batch=null",
     "data.eval_global_batch=8",
 ]
 

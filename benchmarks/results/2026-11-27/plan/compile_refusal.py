@@ -1,13 +1,20 @@
 """A refused BERT-base compile for v5e-8: `python compile_refusal.py 1 BATCH` (1,144 per core was
 refused, RESOURCE_EXHAUSTED at 71.31 GiB); time it with `time`."""
-import sys, time, concurrent.futures as cf
+
+import concurrent.futures as cf
+import sys
+import time
+
 from xlafit.check import recipe_program
 from xlafit.check.tpu import Steps, no_persistent_cache
 from xlafit.platform.hardware import parse_targets
-from xlafit.parallel.cluster import start_backends
+
 n = int(sys.argv[1])
 target = parse_targets("v5e-8")[0]
-progs = [recipe_program("bert", ["model.preset=base", "data.source=synthetic", "mesh.fsdp=8", "mesh.data=1"])[0] for _ in range(n)]
+progs = [
+    recipe_program("bert", ["model.preset=base", "data.source=synthetic", "mesh.fsdp=8", "mesh.data=1"])[0]
+    for _ in range(n)
+]
 steps = [Steps(target, p) for p in progs]
 with no_persistent_cache():
     t0 = time.perf_counter()

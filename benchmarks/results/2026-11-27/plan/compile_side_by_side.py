@@ -1,13 +1,20 @@
 """One BERT-base train-step compile for v5e-8 (FSDP 8), N at once: `python compile_side_by_side.py N`
 (at 64 per core). Prints each compile's seconds and the wall time."""
-import sys, time, concurrent.futures as cf
+
+import concurrent.futures as cf
+import sys
+import time
+
 from xlafit.check import recipe_program
 from xlafit.check.tpu import Steps, no_persistent_cache
 from xlafit.platform.hardware import parse_targets
-from xlafit.parallel.cluster import start_backends
+
 n = int(sys.argv[1])
 target = parse_targets("v5e-8")[0]
-progs = [recipe_program("bert", ["model.preset=base", "data.source=synthetic", "mesh.fsdp=8", "mesh.data=1"])[0] for _ in range(n)]
+progs = [
+    recipe_program("bert", ["model.preset=base", "data.source=synthetic", "mesh.fsdp=8", "mesh.data=1"])[0]
+    for _ in range(n)
+]
 steps = [Steps(target, p) for p in progs]
 with no_persistent_cache():
     t0 = time.perf_counter()
