@@ -19,11 +19,11 @@ from xlafit.check.tpu import Program, Steps, no_persistent_cache
 from xlafit.cli import main
 from xlafit.config import TrainerConfig
 from xlafit.parallel.sharding import logical
-from xlafit.plan import format_plan, plan_file, plan_json, plan_recipe
+from xlafit.plan import format_plan, plan_file, plan_json, plan_recipe, recipe_planner
 from xlafit.plan.candidates import Candidate, mesh_refusal, meshes, params_of
 from xlafit.plan.comms import collectives, loop_trips, summarize
 from xlafit.plan.result import Plan
-from xlafit.plan.search import Outcome, Prediction
+from xlafit.plan.search import Outcome, Prediction, Settings, _cost, reachable_gain
 from xlafit.platform.hardware import PRICES, parse_target
 from xlafit.recipes import load_config
 
@@ -308,9 +308,6 @@ def test_a_scanned_candidate_costs_what_its_unscanned_twin_does():
     """XLA's cost analysis counts a scanned layer once: a scanned candidate's FLOPs and HBM
     bytes come from unscanned programs of 2 and 4 layers extrapolated to 6, and agree with
     the 6-layer unscanned program's own; its collectives are read from its own program."""
-    from xlafit.plan import recipe_planner
-    from xlafit.plan.search import Settings, _cost
-
     planner, _, _ = recipe_planner("bert", BERT_6, None, Settings())
     assert (planner.scan, planner.layers) == (False, 6)
     target = parse_target("v4-8")
@@ -330,9 +327,6 @@ def test_a_scanned_candidate_costs_what_its_unscanned_twin_does():
 
 
 def test_scanned_layers_are_a_lever_where_the_run_does_not_scan():
-    from xlafit.plan import recipe_planner
-    from xlafit.plan.search import Settings
-
     planner, _, _ = recipe_planner("bert", BERT_6, None, Settings())
     target = parse_target("v5e-8")
     refused = Outcome(Candidate(target.name, (8, 1, 1), 64, remat="none", scan=False), False, capacity=1e9)
@@ -348,8 +342,6 @@ def test_scanned_layers_are_a_lever_where_the_run_does_not_scan():
 
 def test_the_reachable_gain_of_a_larger_batch():
     """Fits recorded by plans of BERT on a v5e-8."""
-    from xlafit.plan.search import reachable_gain
-
     # The 1.28B BERT, FSDP 8: 40 and 48 per core at 968 and 1,013 examples/s (+4.6 %), 72
     # refused: the step line says 8 % more at 71 (64 per core ran 12 % faster): search on.
     assert reachable_gain([(40, 968), (48, 1013)], 72) == pytest.approx(0.081, abs=0.002)

@@ -65,8 +65,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=5.0,
         metavar="PCT",
-        help="go on searching a layout's batch while a larger one is predicted PCT %% faster "
-        "(default 5; 0: search to the largest batch that fits, more compiles)",
+        help="go on searching a layout's batch while a larger one (after a refusal: the largest below it) is "
+        "predicted PCT %% faster (default 5; 0: search to the largest batch that fits, more compiles)",
     )
     p.add_argument(
         "--allow-numerics",

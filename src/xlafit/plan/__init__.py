@@ -128,7 +128,8 @@ def plan_recipe(
     dataset, times ``epochs`` (the recipe's ``trainer.epochs``). ``allow_numerics`` adds the
     levers that change the numerics (bf16 compute, bf16 Adam moments), marked in the table.
     A layout's batch search stops once a larger batch is predicted less than ``min_gain``
-    percent faster (0: it searches to the largest batch that fits).
+    percent faster (after a refusal: the largest below it; 0: it searches to the largest
+    batch that fits).
     """
     targets = parse_targets(tpu)
     start_backends()

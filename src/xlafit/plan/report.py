@@ -158,7 +158,7 @@ def _slices(plan: Plan) -> list[str]:
 def _why_not_lines(plan: Plan, refused: list[Outcome]) -> list[str]:
     lines = []
     for o in refused:
-        if o.fits is None:
+        if o.fits is not False:  # an error, or a fit without a prediction
             lines.append(f"  {o.candidate.target} {o.candidate.layout} ({o.candidate.levers}): {o.error}")
             continue
         if o.stage != "layout":

@@ -219,7 +219,12 @@ class Planner:
             try:
                 flops, accessed = self._scanned_cost(target, out) if c.scan else _cost(compiled, c, k)
             except Exception as e:  # a few-layer program that fails: the verdict stands, no prediction
-                out.error = f"no prediction: its few-layer cost programs did not compile ({type(e).__name__})"
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                n1, n2 = self._cost_depths()
+                out.error = (
+                    f"fits, but no prediction: the unscanned {n1}- and {n2}-layer programs that price a scanned "
+                    f"layer did not compile ({first}); plan it unscanned (model.scan_layers=false) for one"
+                )
             else:
                 out.flops = flops or None
                 out.comms = summarize(collectives(hlo, target.num_devices), target, per=k)
@@ -248,7 +253,7 @@ class Planner:
         c = out.candidate
         flat = dataclasses.replace(c, scan=False)
         (n1, n2), costs = self._cost_depths(), []
-        for n in self._cost_depths():
+        for n in (n1, n2):
             steps = self.steps(target, flat, n)
             compiled, seconds = steps.compile_train(c.per_device_batch)
             out.cost_compile_s += seconds
@@ -390,8 +395,11 @@ class Planner:
             if batch not in fits or not below:
                 return False
             b0 = max(below)
-            larger = [x.candidate.per_device_batch for x in siblings if x.fits is False]
-            larger = [b for b in larger if b > batch]
+            larger = [
+                x.candidate.per_device_batch
+                for x in siblings
+                if x.fits is False and x.candidate.per_device_batch > batch
+            ]
             speeds = [(b, fits[b].prediction.examples_per_s) for b in (b0, batch)]  # type: ignore[union-attr]
             gain = reachable_gain(speeds, min(larger, default=None))
             if gain is None:

@@ -125,7 +125,7 @@ class Price:
     """List price of one chip for an hour, USD (a slice costs its chips times this).
 
     ``spot`` is None where no Spot price was read. Prices differ by region (Spot prices by
-    up to 2x between US regions) and change: ``xlafit plan --price v5e=0.9`` replaces a row
+    more than 2x between US regions) and change: ``xlafit plan --price v5e=0.9`` replaces a row
     for one plan.
     """
 
