@@ -429,6 +429,26 @@ def test_ctrl_c_during_preparation_is_one_line_leaves_no_worker_and_the_rerun_fi
     assert manifest["splits"]["train"]["examples"] == 2100
 
 
+def test_ctrl_c_while_the_workers_start_is_left_to_the_parent_and_prints_nothing(tmp_path, capfd):
+    """A Ctrl-C that reaches a worker before its initializer has run (its interpreter takes a
+    second to start) printed that worker's KeyboardInterrupt traceback under the command's one
+    line. Each worker here is interrupted the moment it is started."""
+    import os
+    import signal
+
+    from xlafit.data.images.preparation import _check_image, _worker_pool
+
+    Image.new("RGB", (4, 4)).save(tmp_path / "a.png")
+    with _worker_pool(2) as pool:
+        for worker in pool._pool:  # no public handle on the processes
+            os.kill(worker.pid, signal.SIGINT)
+        checked = list(pool.imap(_check_image, [str(tmp_path / "a.png")] * 8, chunksize=1))
+        pids = {worker.pid for worker in pool._pool}
+    assert [c[1:] for c in checked] == [(3, None)] * 8
+    assert "KeyboardInterrupt" not in capfd.readouterr().err
+    assert pids == {worker.pid for worker in pool._pool}, "a worker died and was replaced"
+
+
 def test_files_that_are_not_images_are_named_not_ignored_in_silence(tmp_path, caplog):
     for name in ("cat", "dog"):
         (tmp_path / "in" / name).mkdir(parents=True)

@@ -14,7 +14,6 @@ manifest's per-shard SHA-256 pins the content: a changed shard is refused by nam
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import datetime
 import functools
@@ -23,6 +22,7 @@ import io
 import json
 import logging
 import multiprocessing
+import multiprocessing.pool
 import os
 import re
 import signal
@@ -324,12 +324,8 @@ def prepare(
     with contextlib.ExitStack() as stack:
         decode: Callable[..., Iterator[tuple[bytes, int, str | None]]] = map
         if workers > 1 and total >= 2048:  # a pool of fresh interpreters costs ~2 s to start
-            spawn = multiprocessing.get_context("spawn")  # fork after JAX's threads started can deadlock
-            # Ctrl-C reaches the whole process group: the workers leave it to this process,
-            # which stops them (_stopped_on_interrupt) instead of each printing a traceback.
-            pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=spawn, initializer=_ignore_sigint)
-            stack.enter_context(_stopped_on_interrupt(pool))
-            decode = functools.partial(pool.map, chunksize=64)
+            pool = stack.enter_context(_worker_pool(workers))
+            decode = functools.partial(pool.imap, chunksize=64)
         for split, files in splits.items():
             manifest_splits[split], ch = _write_split(
                 split, files, decode, fs, root, out, root_dir, shard_size, on_corrupt
@@ -358,25 +354,38 @@ def prepare(
     return manifest
 
 
-def _ignore_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 @contextlib.contextmanager
-def _stopped_on_interrupt(pool: concurrent.futures.ProcessPoolExecutor) -> Iterator[None]:
-    """Shuts ``pool`` down; on an interruption (Ctrl-C), its workers are terminated at once
-    instead of finishing the queued work, so that the command ends promptly and none is left."""
+def _worker_pool(workers: int) -> Iterator[multiprocessing.pool.Pool]:
+    """A pool of ``workers`` fresh interpreters that leave Ctrl-C to this process.
+
+    Ctrl-C reaches the whole process group. Each worker ignores SIGINT, so that this process
+    alone acts on it (it stops them) instead of each printing a traceback. A worker cannot
+    ignore it before its interpreter has started, which takes a second: SIGINT is blocked
+    while the workers start, they are born with it blocked, and their initializer ignores it
+    (discarding one that waited) before unblocking it. Here, one that arrived meanwhile is
+    delivered when the mask is restored. (``spawn``: a fork after JAX's threads started can
+    deadlock.)
+
+    On leaving normally the pool finishes its work; on an interruption or an error its workers
+    are terminated at once, so that the command ends promptly and none is left.
+    """
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        yield
+        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_leave_sigint_to_parent)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    try:
+        yield pool
     except BaseException:
-        processes = list((getattr(pool, "_processes", None) or {}).values())  # no public handle on them
-        pool.shutdown(wait=False, cancel_futures=True)
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.join(timeout=10)
+        pool.terminate()
         raise
-    pool.shutdown(wait=True)
+    pool.close()
+    pool.join()
+
+
+def _leave_sigint_to_parent() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # also discards one pending while blocked
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _prepared_files(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
