@@ -73,6 +73,8 @@ def test_mesh_refusal_follows_the_model_axes():
     assert "does not divide" in mesh_refusal(params, (1, 1, 16))  # 4104 is no multiple of 16
     plain = params_of(nnx.eval_shape(lambda: nnx.Linear(64, 64, rngs=nnx.Rngs(0))))  # no names
     assert "no parameter" in mesh_refusal(plain, (4, 1, 2))
+    assert "logical(init" in mesh_refusal(plain, (4, 1, 2))  # and how to give it one
+    assert mesh_refusal(plain, (1, 8, 1)) is None  # FSDP splits a nameless parameter on its own
 
 
 def test_candidate_overrides_and_layout():

@@ -116,9 +116,14 @@ def mesh_refusal(params: Any, mesh: tuple[int, int, int], rules: Mapping[str, st
         for axis in (entry if isinstance(entry, tuple) else (entry,))
         if axis is not None
     }
-    for axis, size in (("tensor", tensor), ("fsdp", fsdp)):
-        if size > 1 and axis not in used:
-            return f"no parameter of the model is split over {axis} (its named axes send nothing there)"
+    if tensor > 1 and "tensor" not in used:
+        return (
+            "no parameter of the model is split over tensor (its named axes send nothing there; "
+            'name a dense kernel\'s axes with xlafit.parallel.sharding.logical(init, "embed", "mlp") '
+            "or send one of its names there with mesh.rules)"
+        )
+    if fsdp > 1 and "fsdp" not in used:
+        return "no parameter of the model is split over fsdp (its named axes send nothing there)"
     return None
 
 
