@@ -11,7 +11,7 @@ import pytest
 
 from xlafit.bench import model_flops, summarize, whiskers
 from xlafit.models.cnn import train_flops_per_example
-from xlafit.platform.hardware import table_peak
+from xlafit.platform.hardware import table_bandwidth, table_peak
 
 
 def bench(*args, timeout=600):
@@ -41,6 +41,25 @@ def bench(*args, timeout=600):
 )
 def test_peak_table(kind, tflops):
     assert table_peak(kind)[0] == tflops * 1e12
+
+
+@pytest.mark.parametrize(
+    ("kind", "gbps"),
+    [
+        ("NVIDIA H100 80GB HBM3", 3350),
+        ("NVIDIA H100 PCIe", 2000),
+        ("NVIDIA H200", 4800),
+        ("NVIDIA A100-SXM4-80GB", 2039),
+        ("NVIDIA A100-SXM4-40GB", 1555),
+        ("TPU v3", 450),  # a chip's two cores are two devices
+        ("TPU v4", 1200),  # megacore: one device
+        ("TPU v5 lite", 819),
+        ("TPU v5", 2765),
+    ],
+)
+def test_bandwidth_table(kind, gbps):
+    assert table_bandwidth(kind)[0] == gbps * 1e9
+    assert table_bandwidth("cpu") is None
 
 
 def test_mfu_flops_prefer_xla_unless_it_disagrees():

@@ -28,6 +28,7 @@ from xlafit.check.tpu import (
     levers,
     needed_bytes,
     no_persistent_cache,
+    predict_here,
 )
 from xlafit.cli import main
 from xlafit.config import TrainerConfig
@@ -206,6 +207,35 @@ def test_flops_of_a_k_step_call_are_k_times_one_step():
     assert four.flops_per_step == pytest.approx(one.flops_per_step, rel=0.01)
     assert four.flops_per_call == pytest.approx(4 * one.flops_per_call, rel=0.01)
     assert four.memory["batch"] == 4 * one.memory["batch"] == 4 * 16 * 128 * 4  # a call holds its k batches
+
+
+def test_the_prediction_for_this_hosts_devices_is_the_roofline_of_its_compiled_step():
+    """What a lent GPU holds against measured steps (benchmarks/predict_measured.py): the
+    estimator of check --tpu over the device's own figures. A CPU has no table row."""
+    from xlafit.check import recipe_program
+
+    program, _, _ = recipe_program("mnist", ["data.per_device_batch=16"])
+    with pytest.raises(LookupError, match="no peak FLOP/s known for 'cpu'.*GPUS, or give it"):
+        predict_here(program)
+    here = predict_here(program, peak_flops=1e11, bandwidth=1e10)
+    r = here.report
+    assert (here.peak_flops, here.hbm_bandwidth, here.peak_source) == (1e11, 1e10, "given")
+    assert r.fits and r.per_device_batch == 16 and r.devices == jax.device_count() and r.compile_s > 0
+    assert r.flops_per_step > 0 and r.bytes_per_step > 0
+    assert r.compute_s == pytest.approx(r.flops_per_step / 1e11)
+    assert r.memory_s == pytest.approx(r.bytes_per_step / 1e10)
+    assert r.step_s == max(r.compute_s, r.memory_s) and r.bound in ("compute", "HBM bandwidth")
+    # A program compiled elsewhere (the trainer's) is read, not compiled again.
+    again = predict_here(program, peak_flops=2e11, bandwidth=1e10, compiled=_compiled_train(program))
+    assert again.report.compile_s == 0.0
+    assert again.report.flops_per_step == pytest.approx(r.flops_per_step)
+    assert again.report.compute_s == pytest.approx(r.compute_s / 2)
+
+
+def _compiled_train(program):
+    from xlafit.check.tpu import Steps
+
+    return Steps(None, program, jax.devices()).compile_train(16)[0]
 
 
 def test_too_big_for_v5e_fits_v5p_and_says_by_how_much():

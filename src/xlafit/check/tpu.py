@@ -189,8 +189,17 @@ class OutOfMemory(Exception):
         self.message = message
 
 
-def _strategy(target: tpu.Target, mesh: tuple[int, int, int] = (-1, 1, 1), rules: Any = None) -> Strategy:
-    devices = sorted(tpu.devices(target), key=lambda d: (d.process_index, d.id))
+def _strategy(
+    target: tpu.Target | None,
+    mesh: tuple[int, int, int] = (-1, 1, 1),
+    rules: Any = None,
+    devices: list[Any] | None = None,
+) -> Strategy:
+    """A strategy over ``target``'s devices, or over ``devices`` (this host's own) when given."""
+    if devices is None:
+        assert target is not None, "a target or devices"
+        devices = tpu.devices(target)
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
     return Strategy(make_mesh(devices, *mesh), rules)
 
 
@@ -295,12 +304,13 @@ def _compile(lower: Callable[[], Any], dump_to: Path | None = None) -> tuple[Any
 
 
 class Steps:
-    """A program's steps for one target, with the abstract state, compiled at any batch."""
+    """A program's steps for one target (or for this host's ``devices``, target None), with
+    the abstract state, compiled at any batch."""
 
-    def __init__(self, target: tpu.Target, program: Program) -> None:
+    def __init__(self, target: tpu.Target | None, program: Program, devices: list[Any] | None = None) -> None:
         self.target = target
         self.program = program
-        self.strategy = _strategy(target, program.mesh, program.rules)
+        self.strategy = _strategy(target, program.mesh, program.rules, devices)
         model = program.model
         model.train()
         graphdef, params, model_state = nnx.split(model, program.trainable, ...)  # type: ignore[misc]  # flax's overloads
@@ -411,10 +421,11 @@ def steps_in_cost(compiled: Any, k: int) -> int:
     return 1 if re.search(r"\bwhile\(", compiled.as_text()) else k
 
 
-def _roofline(report: TargetReport, target: tpu.Target, program: Program, compiled: Any, k: int) -> None:
+def _roofline(report: TargetReport, peak: float, bandwidth: float, program: Program, compiled: Any, k: int) -> None:
     """Fills FLOPs, bytes and the roofline bound from the compiled program of ``k`` steps:
     XLA's cost analysis, plus the FLOPs of the Pallas kernels it cannot see (splash
-    attention: :func:`xlafit.check.hlo.kernel_flops`)."""
+    attention: :func:`xlafit.check.hlo.kernel_flops`), over one device's ``peak`` FLOP/s and
+    HBM ``bandwidth`` (bytes/s)."""
     cost, counted = compiled.cost_analysis() or {}, steps_in_cost(compiled, k)
     flops = float(cost.get("flops", 0.0)) / counted + kernel_flops(compiled.as_text()) / k or None
     report.flops_per_step = flops
@@ -427,8 +438,8 @@ def _roofline(report: TargetReport, target: tpu.Target, program: Program, compil
     # Never less than the model's own FLOPs: XLA's count of a TPU program can fall short of
     # them (an 8B Llama's step counted 0.89x its analytic FLOPs, recomputed forward and all),
     # and a step faster than its model FLOPs at peak would claim an MFU above 100 %.
-    compute = max(flops, report.analytic_flops_per_step or 0.0) / target.peak_flops
-    memory = (report.bytes_per_step or 0.0) / target.hbm_bandwidth
+    compute = max(flops, report.analytic_flops_per_step or 0.0) / peak
+    memory = (report.bytes_per_step or 0.0) / bandwidth
     report.compute_s, report.memory_s = compute, memory
     report.step_s = max(compute, memory)
     report.bound = "compute" if compute >= memory else "HBM bandwidth"
@@ -485,6 +496,73 @@ def check_target(target: tpu.Target, program: Program, max_batch: bool | int = F
     return report
 
 
+@dataclasses.dataclass
+class LocalPrediction:
+    """:func:`predict_here`'s answer: the report, and the figures it was priced with."""
+
+    report: TargetReport
+    peak_flops: float  # one device's FLOP/s
+    peak_source: str
+    hbm_bandwidth: float  # one device's HBM bytes/s
+    bandwidth_source: str
+
+
+def predict_here(
+    program: Program,
+    peak_flops: float | None = None,
+    bandwidth: float | None = None,
+    compiled: Any = None,
+) -> LocalPrediction:
+    """The prediction of ``check --tpu`` for this host's own devices, to hold against steps
+    measured on them: the same train step (:func:`xlafit.train.step.make_steps`, the run's
+    shardings over ``program.mesh``) compiled for the devices at hand, the same cost analysis
+    and roofline, over the device's rows of the hardware table
+    (:func:`~xlafit.platform.hardware.table_peak`, :func:`~xlafit.platform.hardware.table_bandwidth`).
+
+    Args:
+        program: what to compile, as for ``check --tpu``.
+        peak_flops, bandwidth: one device's FLOP/s and HBM bytes/s in place of the table's
+            (a CPU has no row).
+        compiled: the train step's program as a run here compiled it (``Trainer.train_step``,
+            one step per call), read instead of compiling it again: the program measured is
+            then the program predicted.
+
+    Raises:
+        LookupError: the device has no row in the table and no figure was given.
+    """
+    devices = jax.devices()
+    kind = devices[0].device_kind
+    peak, peak_source = (
+        (peak_flops, "given") if peak_flops else _table_row(tpu.table_peak(kind), "peak FLOP/s", "GPUS", kind)
+    )
+    bytes_per_s, bandwidth_source = (
+        (bandwidth, "given") if bandwidth else _table_row(tpu.table_bandwidth(kind), "HBM bandwidth", "GPU_HBM", kind)
+    )
+    steps = Steps(None, program, devices)
+    n, k = steps.strategy.num_replicas, program.config.steps_per_call
+    report = TargetReport(
+        kind,
+        device_kind=kind,
+        devices=len(devices),
+        batch_shards=n,
+        per_device_batch=program.per_device_batch or max(1, (program.global_batch or n) // n),
+        steps_per_call=k,
+        layout=steps.strategy.layout(),
+        fits=True,
+    )
+    if compiled is None:
+        compiled, report.compile_s = steps.compile_train(report.per_device_batch)
+    report.memory = memory_of(compiled, steps.state_bytes, tree_bytes(program.example) * report.per_device_batch * k)
+    _roofline(report, peak, bytes_per_s, program, compiled, k)
+    return LocalPrediction(report, peak, peak_source, bytes_per_s, bandwidth_source)
+
+
+def _table_row(row: tuple[float, str] | None, what: str, table: str, kind: str) -> tuple[float, str]:
+    if row is None:
+        raise LookupError(f"no {what} known for {kind!r}; add it to xlafit.platform.hardware.{table}, or give it.")
+    return row
+
+
 def _train_report(report: TargetReport, steps: Steps, target: tpu.Target) -> None:
     """The train step's verdict, memory, FLOPs and roofline into ``report``."""
     program, per_device, k = steps.program, report.per_device_batch, report.steps_per_call
@@ -515,7 +593,7 @@ def _train_report(report: TargetReport, steps: Steps, target: tpu.Target) -> Non
     else:
         report.fits = True
         report.memory = memory_of(compiled, steps.state_bytes, tree_bytes(program.example) * per_device * k)
-        _roofline(report, target, program, compiled, k)
+        _roofline(report, target.peak_flops, target.hbm_bandwidth, program, compiled, k)
 
 
 def _eval_report(steps: Steps, per_device: int) -> dict[str, Any] | None:
@@ -536,7 +614,9 @@ class BatchProber(Protocol):
 
     program: Program
     strategy: Strategy
-    target: tpu.Target
+
+    @property
+    def target(self) -> tpu.Target | None: ...
 
     def fits(self, per_device: int) -> tuple[bool, float, int | None]: ...
 
@@ -580,7 +660,7 @@ def largest_batch(
     if config.invariant_chunks:
         base = math.lcm(base, config.invariant_chunks // steps.strategy.num_replicas)
     unit = math.lcm(base, multiple)
-    probing = _Probing(steps, label or steps.target.name, enough)
+    probing = _Probing(steps, label or (steps.target.name if steps.target else "this host"), enough)
     first = start if start_fits and start % base == 0 else max(unit, start // unit * unit)
     known = start_fits is not None and first == start
     if known and start_bytes is not None:

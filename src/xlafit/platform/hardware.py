@@ -156,6 +156,18 @@ GPUS: dict[str, tuple[float, str]] = {
     "H200": (989.0, "NVIDIA H200 datasheet: 989 TFLOP/s bf16 dense (1979 sparse)"),
 }
 
+# GPUs: HBM bandwidth per device, GB/s (the roofline's memory term on a GPU). The longest
+# matching name wins, as for GPUS: JAX calls an H100 SXM "NVIDIA H100 80GB HBM3".
+GPU_HBM: dict[str, tuple[float, str]] = {
+    "A100-SXM4-40GB": (1555.0, "NVIDIA A100 datasheet: 40GB SXM 1,555 GB/s"),
+    "A100-SXM4-80GB": (2039.0, "NVIDIA A100 datasheet: 80GB SXM 2,039 GB/s"),
+    "A100-PCIE-40GB": (1555.0, "NVIDIA A100 datasheet: 40GB PCIe 1,555 GB/s"),
+    "A100 80GB PCIe": (1935.0, "NVIDIA A100 datasheet: 80GB PCIe 1,935 GB/s"),
+    "H100 PCIe": (2000.0, "NVIDIA H100 datasheet: PCIe 2 TB/s"),
+    "H100": (3350.0, "NVIDIA H100 datasheet: SXM 3.35 TB/s"),
+    "H200": (4800.0, "NVIDIA H200 datasheet: 4.8 TB/s"),
+}
+
 # Device files of the accelerators JAX would use instead of the CPU.
 TPU_DEVICES = ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*")  # TPU v2/v3; v4 and later
 ACCELERATOR_DEVICES = ("/dev/nvidia[0-9]*", *TPU_DEVICES, "/dev/kfd")
@@ -398,6 +410,28 @@ def table_peak(device_kind: str) -> tuple[float, str] | None:
         return None
     tflops, source = peaks[max(matches, key=len)]
     return tflops * 1e12, source
+
+
+def table_bandwidth(device_kind: str) -> tuple[float, str] | None:
+    """``(HBM bytes/s, source)`` of one JAX device, from :data:`GENERATIONS` and
+    :data:`GPU_HBM`, or None (a CPU: no row).
+
+    Example:
+        >>> table_bandwidth("NVIDIA H100 80GB HBM3")[0]
+        3350000000000.0
+        >>> table_bandwidth("TPU v4")[0]  # a megacore chip: one device
+        1200000000000.0
+    """
+    rows = dict(GPU_HBM)
+    for g in GENERATIONS.values():
+        per_device = g.hbm_gbps / (1 if g.megacore else g.cores_per_chip)
+        for kind in g.device_kinds:
+            rows[kind] = (per_device, f"{g.source}: {g.hbm_gbps:g} GB/s per chip, {g.cores_per_chip} core(s)")
+    matches = [name for name in rows if name.lower() in device_kind.lower()]
+    if not matches:
+        return None
+    gbps, source = rows[max(matches, key=len)]
+    return gbps * 1e9, source
 
 
 def measured_cpu_peak(n: int = 2048, repeats: int = 5) -> float:

@@ -1,0 +1,163 @@
+"""Predicted against measured step time, on the accelerator at hand (issue 44's predictor check).
+
+For each workload, one process builds the recipe's run as ``xlafit train`` does (its
+model, loss, optimizer, batch and loop settings; :class:`xlafit.Trainer`), times its train
+step with the trainer's own dispatch loop (as ``xlafit bench``: warm-up steps, then timed
+steps between two device syncs, the input wait apart), and asks ``check --tpu``'s
+estimator what that same compiled program should take here
+(:func:`xlafit.check.tpu.predict_here`: XLA's cost analysis of the program, its FLOPs over
+the device's peak and its bytes over the device's HBM bandwidth, from the hardware table).
+The error is ``predicted / measured - 1``: negative where the step is slower than the
+roofline says (the roofline is a lower bound).
+
+Workloads (``--size full``, an H100 or H200; ``--size tiny`` rehearses the same code on a
+CPU with small presets, given ``--peak`` and ``--bandwidth``, since a CPU has no table row):
+
+  bert    BERT-base MLM, seq 128, batch 256, bf16 compute (the recipe, synthetic tokens)
+  resnet  ResNet-50, 224 px, batch 256, bf16 compute (synthetic images)
+  llm     the llm recipe's llama-3.2-1b preset, seq 1024, batch 8, bf16 compute (the demo text)
+
+Commands:
+  PYTHONPATH=src python3 benchmarks/predict_measured.py --json OUT.json                  # GPU
+  JAX_PLATFORMS=cpu .venv/bin/python benchmarks/predict_measured.py --size tiny \\
+      --peak 1e11 --bandwidth 2e10 --json /tmp/predict.json                              # rehearsal
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+WORKLOADS: dict[str, dict[str, list[str]]] = {
+    "bert": {
+        "full": ["model.preset=base", "data.seq_len=128", "data.global_batch=256", "data.synthetic_examples=8192"],
+        "tiny": ["model.preset=tiny", "data.seq_len=64", "data.global_batch=16", "data.synthetic_examples=512"],
+        "common": ["data.source=synthetic", "model.compute_dtype=bfloat16"],
+    },
+    "resnet": {
+        "full": ["model.preset=resnet50", "data.global_batch=256", "data.synthetic_examples=4096"],
+        "tiny": ["model.preset=demo", "data.global_batch=32", "data.synthetic_examples=512"],
+        "common": ["data.source=synthetic", "model.compute_dtype=bfloat16"],
+    },
+    "llm": {
+        "full": ["model.preset=llama-3.2-1b", "data.seq_len=1024", "data.global_batch=8"],
+        "tiny": ["model.preset=tiny", "data.seq_len=128", "data.global_batch=8"],
+        "common": ["model.compute_dtype=bfloat16"],
+    },
+}
+
+
+def run_workload(name: str, size: str, warmup: int, steps: int, peak: float | None, bandwidth: float | None) -> dict:
+    import jax
+    from flax import nnx
+
+    from xlafit import Trainer
+    from xlafit.bench.worker import _timed_calls
+    from xlafit.check import recipe_program
+    from xlafit.check.tpu import predict_here
+    from xlafit.data.dataset import as_dataset
+    from xlafit.models.lora import ADAPTER
+    from xlafit.parallel.cluster import connect
+    from xlafit.parallel.sharding import parse_rules
+    from xlafit.recipes import get_recipe, load_config
+    from xlafit.run import model_builder, resolve
+    from xlafit.train.optim import make_optimizer
+
+    w = WORKLOADS[name]
+    # One step per call: the timed loop counts calls, and the estimator one program.
+    overrides = [*w["common"], *w[size], "trainer.steps_per_call=1", "trainer.epochs=100"]
+    cfg = load_config(name, overrides)
+    recipe = get_recipe(name)
+    recipe.validate(cfg)
+    strategy = connect(cpu=cfg.cpu, mesh=cfg.mesh.sizes, rules=parse_rules(cfg.mesh.rules))
+    train = as_dataset(recipe.load_data(cfg)[0])
+    cfg, run = resolve(recipe.from_data(cfg, train), strategy, len(train))
+    plan = make_optimizer(cfg.optimizer, run.global_batch)
+    trainer = Trainer(
+        model_builder(recipe, cfg, train),
+        recipe.loss_fn,
+        plan.tx,
+        strategy=strategy,
+        global_batch=run.global_batch,
+        config=cfg.trainer,
+        learning_rate=plan.schedule,
+        trainable=ADAPTER if cfg.lora.rank else nnx.Param,
+        **recipe.throughput(cfg, train),
+    )
+    t0 = time.perf_counter()
+    timed = _timed_calls(trainer, train, warmup, warmup + steps)
+    measured = statistics.median(timed["call_s"])
+    # The program just timed (the trainer compiled one, for one step per call), read again.
+    compiled = next(iter(trainer.train_step._cache.values()))
+    program, _, _ = recipe_program(name, overrides, global_batch=run.global_batch)
+    here = predict_here(program, peak, bandwidth, compiled=compiled)
+    report = here.report
+    device = jax.devices()[0]
+    return {
+        "workload": name,
+        "size": size,
+        "overrides": overrides,
+        "device_kind": device.device_kind,
+        "devices": jax.device_count(),
+        "global_batch": run.global_batch,
+        "measured_step_s": measured,
+        "measured_p10_p90_s": [float(x) for x in _quantiles(timed["call_s"])],
+        "input_wait_s": timed["wait_s"],
+        "timed_steps": timed["steps"],
+        "compile_s": trainer.train_step.compile_s,
+        "predicted_step_s": report.step_s,
+        "predicted_compute_s": report.compute_s,
+        "predicted_memory_s": report.memory_s,
+        "bound": report.bound,
+        "flops_per_step": report.flops_per_step,
+        "analytic_flops_per_step": report.analytic_flops_per_step,
+        "bytes_per_step": report.bytes_per_step,
+        "peak_flops": here.peak_flops,
+        "peak_source": here.peak_source,
+        "hbm_bandwidth": here.hbm_bandwidth,
+        "bandwidth_source": here.bandwidth_source,
+        "error": report.step_s / measured - 1 if report.step_s else None,
+        "mfu_measured": (report.analytic_flops_per_step or 0) / measured / here.peak_flops or None,
+        "wall_s": time.perf_counter() - t0,
+        "versions": {"jax": jax.__version__, "python": sys.version.split()[0]},
+    }
+
+
+def _quantiles(xs: list[float]) -> tuple[float, float]:
+    if len(xs) < 2:
+        return xs[0], xs[0]
+    q = statistics.quantiles(xs, n=10)
+    return q[0], q[-1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", default="bert,resnet,llm")
+    p.add_argument("--size", choices=("full", "tiny"), default="full")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--peak", type=float, help="one device's FLOP/s, instead of the hardware table's")
+    p.add_argument("--bandwidth", type=float, help="one device's HBM bytes/s, instead of the table's")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args()
+    results = []
+    for name in args.workloads.split(","):
+        r = run_workload(name, args.size, args.warmup, args.steps, args.peak, args.bandwidth)
+        results.append(r)
+        err = f"{r['error']:+.0%}" if r["error"] is not None else "-"
+        print(
+            f"{name}: measured {r['measured_step_s'] * 1e3:.1f} ms, predicted {r['predicted_step_s'] * 1e3:.1f} ms "
+            f"({r['bound']}; compute {r['predicted_compute_s'] * 1e3:.1f}, HBM {r['predicted_memory_s'] * 1e3:.1f}), "
+            f"error {err}, MFU {r['mfu_measured'] or 0:.1%}",
+            flush=True,
+        )
+        if args.json:  # after every workload: a run cut short keeps what it finished
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main()
