@@ -225,6 +225,9 @@ def test_plan_of_a_model_too_big_for_data_parallelism(tmp_path):
     assert all("tensor" in why for _, mesh, why in plan.skipped)  # no named axes: nothing to split by tensor
     text = format_plan(plan)
     assert "Why not v5e-8 DP 8" in text and "check it: xlafit check" in text and "--per-device-batch 8" in text
+    # The six meshes with a tensor axis share one reason: one line names them all.
+    (not_tried,) = [line for line in text.splitlines() if "not tried" in line]
+    assert "meshes 4x1x2, 2x2x2, 1x4x2, 2x1x4, 1x2x4, 1x1x8:" in not_tried
     data = plan_json(plan)
     assert data["winner"]["overrides"]["mesh.fsdp"] == winner.candidate.mesh[1]
     json.dumps(data, default=str)

@@ -91,8 +91,11 @@ def format_plan(plan: Plan) -> str:
     ]
     lines += _winner_lines(plan)
     lines += _why_not_lines(plan, refused)
+    grouped: dict[tuple[str, str], list[str]] = {}  # one line per reason: it is often the same for many
     for target, mesh, why in plan.skipped:
-        lines.append(f"  not tried on {target}: mesh {mesh[0]}x{mesh[1]}x{mesh[2]}: {why}")
+        grouped.setdefault((target, why), []).append("x".join(map(str, mesh)))
+    for (target, why), meshes in grouped.items():
+        lines.append(f"  not tried on {target}: mesh{'es' if len(meshes) > 1 else ''} {', '.join(meshes)}: {why}")
     lines.append(
         "Prediction: step = max(compute at peak, XLA's bytes at HBM bandwidth, collectives over ICI), the "
         "collectives assumed overlapped with compute; it ignores input, host and dispatch time and kernels "
