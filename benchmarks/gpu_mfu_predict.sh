@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 44 on a lent GPU, in one call: about 7 minutes on an H100 (parts 1 and 2).
+# Issue 44 on a lent GPU, in one call (sized for one 10-minute call on an H100; part 3 optional).
 #   1. BERT-base MLM, seq 128, bf16, batch 256: the recipe's step against Hugging Face
 #      PyTorch + SDPA in the same run (fresh process per run, rows interleaved, median of 2);
 #   2. predicted against measured step time of BERT-base, ResNet-50 and the llm recipe's 1B
 #      preset (benchmarks/predict_measured.py);
-#   3. where BERT's step goes: a profile of 5 steps, its top kernels (about 1 minute more).
+#   3. where BERT's step goes: a profile of 5 steps, its top kernels.
 # From the repository root there (the machine's own jax, flax and optax):
 #   OUT=$OUT PYTHONPATH=src bash benchmarks/gpu_mfu_predict.sh          # PARTS="1 2 3" by default
 # Rehearsal on a CPU, small presets (a CPU has no table row: the predictor gets figures):
