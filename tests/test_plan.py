@@ -208,6 +208,22 @@ def test_run_time_and_cost():
     assert dominated.candidate not in plan.pareto()
 
 
+def test_a_winner_that_changes_the_runs_batch_says_so_and_how_to_keep_it():
+    """Without --global-batch the plan takes the fastest batch: for a small model a batch
+    far beyond any tuned one (a CNN planned at 15,024 per core, 120,192 per step)."""
+    targets = [parse_target("v5e-8")]
+    o = _outcome("v5e-8", 1000.0)  # 32 per core over DP 8: 256 per step
+    per_core = Plan("m.py", "xlafit plan m.py", targets, [o], [], None, [], None, own_per_device_batch=8)
+    assert per_core.own_batch(o) == 64
+    line = next(x for x in format_plan(per_core).splitlines() if x.strip().startswith("batch:"))
+    assert "256 examples per step, 4x the run's own 64" in line and "--global-batch 64" in line
+    assert plan_json(per_core)["winner"]["own_global_batch"] == 64
+    globally = dataclasses.replace(per_core, own_per_device_batch=None, own_global_batch=256)
+    assert "batch:" not in format_plan(globally)  # the same batch: nothing to say
+    fixed = dataclasses.replace(per_core, batch_fixed=True)  # planned at --global-batch: kept
+    assert "batch:" not in format_plan(fixed)
+
+
 # ----------------------------------------------------------------------------- the search
 
 
@@ -281,6 +297,7 @@ def test_plan_of_a_recipe_is_read_back_by_train_and_check(tmp_path):
     assert cfg.mesh.sizes == winner.candidate.mesh
     assert cfg.data.per_device_batch == winner.candidate.per_device_batch and cfg.data.global_batch is None
     assert cfg.trainer.steps_per_call == 1  # the plan's own overrides are kept
+    assert plan.batch_fixed and "batch:" not in format_plan(plan)
     report = check_recipe("mnist", tpu="v5e-4", preset=written)
     assert report.tpu[0].fits and report.tpu[0].per_device_batch == winner.candidate.per_device_batch
 

@@ -152,7 +152,16 @@ def plan_recipe(
         spot=spot,
         prices=_prices(prices),
         seconds=seconds,
+        **_own_batch(base, global_batch),
     )
+
+
+def _own_batch(base: Program, global_batch: int | None) -> dict[str, Any]:
+    return {
+        "own_global_batch": base.global_batch if not base.per_device_batch else None,
+        "own_per_device_batch": base.per_device_batch,
+        "batch_fixed": global_batch is not None,
+    }
 
 
 def recipe_planner(
@@ -227,4 +236,5 @@ def plan_file(
         spot=spot,
         prices=_prices(prices),
         seconds=seconds,
+        **_own_batch(base, global_batch),
     )

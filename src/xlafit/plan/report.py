@@ -132,6 +132,13 @@ def _winner_lines(plan: Plan) -> list[str]:
             f"  step >= {p.step_s * 1e3:.3g} ms (compute {p.compute_s * 1e3:.3g} ms, memory "
             f"{p.memory_s * 1e3:.3g} ms{comm}; {p.serial_s * 1e3:.3g} ms with no overlap)"
         )
+    own = plan.own_batch(o)
+    if not plan.batch_fixed and own and own != c.global_batch:
+        lines.append(
+            f"  batch: {c.global_batch:,} examples per step, {c.global_batch / own:.3g}x the run's own {own:,}: the "
+            f"learning rate and warm-up tuned for {own:,} may not hold (and past some size more examples per step "
+            f"stop paying back); --global-batch {own} plans at the run's own batch"
+        )
     lines.append(f"  {'run' if plan.preset is not None else 'check'} it: {plan.command_line(o)}")
     by_cost = [x for x in plan.fitting() if plan.run_cost(x) is not None]
     if len(plan.targets) > 1 and by_cost:
@@ -211,6 +218,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "prediction": dataclasses.asdict(o.prediction) if o.prediction else None,
             "run_hours": plan.run_hours(o),
             "run_cost_usd": plan.run_cost(o),
+            "own_global_batch": plan.own_batch(o),  # the run's own, as configured (None: unknown)
             "pareto": o.candidate in front,
             "largest_buffers": [dataclasses.asdict(b) for b in o.buffers],
             "error": o.error,

@@ -32,6 +32,17 @@ class Plan:
     spot: bool = False
     prices: dict[str, Price] = dataclasses.field(default_factory=lambda: dict(PRICES))
     seconds: float = 0.0
+    # The run's own batch, as configured: a global batch, or a per-core one (None: unknown),
+    # and whether the plan kept it (--global-batch): a plan that did not may change it.
+    own_global_batch: int | None = None
+    own_per_device_batch: int | None = None
+    batch_fixed: bool = False
+
+    def own_batch(self, o: Outcome) -> int | None:
+        """The run's own global batch on ``o``'s layout (None: unknown)."""
+        if self.own_global_batch:
+            return self.own_global_batch
+        return self.own_per_device_batch * o.candidate.shards if self.own_per_device_batch else None
 
     def fitting(self) -> list[Outcome]:
         """The candidates that fit, fastest first."""

@@ -1,4 +1,5 @@
 """A small GPT written the way a user writes one: plain NNX, no sharding annotations."""
+
 import jax
 import jax.numpy as jnp
 import optax
