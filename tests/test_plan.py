@@ -375,6 +375,39 @@ def test_the_reachable_gain_of_a_larger_batch():
     assert reachable_gain([(8, 100), (16, 200)], 33) == pytest.approx(32 / 16 - 1)
 
 
+FLAX_ANNOTATED = """
+import jax, jax.numpy as jnp
+from flax import nnx
+
+init = nnx.initializers.lecun_normal()
+
+class MLP(nnx.Module):  # annotated as Flax's guides show: eager sharding left at its default
+    def __init__(self, rngs):
+        self.up = nnx.Linear(256, 1024, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), rngs=rngs)
+        self.down = nnx.Linear(1024, 256, kernel_init=nnx.with_partitioning(init, ("mlp", "embed")), rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.gelu(self.up(x)))
+
+model = nnx.eval_shape(lambda: MLP(nnx.Rngs(0)))
+batch = {"x": jax.ShapeDtypeStruct((8, 256), jnp.float32)}
+
+def loss_fn(model, batch):
+    return jnp.mean(model(batch["x"]) ** 2, axis=-1)
+"""
+
+
+def test_a_file_annotated_with_flax_partitioning_is_planned_over_its_names(tmp_path):
+    """Loading it asked for a mesh ("An auto mesh context or metadata is required"): the file
+    now runs with eager sharding off and its names go through the sharding rules, so its
+    tensor-parallel layouts are planned too."""
+    path = tmp_path / "annotated.py"
+    path.write_text(FLAX_ANNOTATED)
+    plan = plan_file(path, tpu="v5e-4", global_batch=32)
+    assert not plan.skipped  # every mesh of 4 devices splits something
+    assert {o.candidate.mesh for o in plan.fitting()} >= {(1, 1, 4), (2, 1, 2), (4, 1, 1)}
+
+
 def test_plan_of_a_keras_model_file():
     """A compiled Keras 3 model, as `check` takes it: its variables carry no axis names, so
     only data parallelism is tried (the others are listed with the reason), and it wins."""

@@ -162,6 +162,38 @@ def test_an_unannotated_model_is_split_along_its_largest_dimension(data):
     assert relative_l2(params_of(results[(1, 8, 1)]), params_of(results[(8, 1, 1)])) < 1e-5
 
 
+def test_a_builder_annotated_as_flax_shows_is_sharded_by_its_names():
+    """nnx.with_partitioning with Flax's default eager sharding asked for a mesh with axes
+    named "embed" and "mlp" when built; the trainer builds with it off, so the names go
+    through the rules: embed -> fsdp, mlp -> tensor."""
+    init = nnx.initializers.lecun_normal()
+
+    class Annotated(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(8, 64, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), rngs=rngs)
+            self.out = nnx.Linear(64, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(nnx.relu(self.up(x)))
+
+    def loss_fn(model, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"])
+
+    rng = np.random.default_rng(0)
+    arrays = {"x": rng.normal(size=(64, 8)).astype(np.float32), "y": rng.integers(0, 3, 64).astype(np.int32)}
+    trainer = xlafit.Trainer(
+        lambda: Annotated(nnx.Rngs(0)),
+        loss_fn,
+        optax.sgd(0.1),
+        strategy=xlafit.connect(mesh=(2, 2, 2)),
+        global_batch=16,
+        config=TrainerConfig(epochs=1, log_every_steps=0),
+    )
+    state = trainer.fit(arrays).state
+    assert state.params["up"]["kernel"][...].sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    assert np.isfinite(np.asarray(state.params["up"]["kernel"][...])).all()
+
+
 def test_a_model_built_on_the_host_is_placed_slice_by_slice(data, dp_sgd):
     trainer = bert_trainer((1, 8, 1), optax.sgd(0.5, momentum=0.9), model=BertForMaskedLM(TINY, rngs=nnx.Rngs(0)))
     assert trainer.state.params["layers"][0]["output"]["kernel"][...].sharding.spec[0] is None  # 'mlp' -> tensor (1)

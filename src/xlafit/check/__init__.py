@@ -339,9 +339,15 @@ def file_settings(overrides: Sequence[str], tpu: str | None, preset: str | Path 
 
 
 def load_file(path: Path) -> dict[str, Any]:
-    """The names the user's file defines; a Keras model becomes an ``nnx.Module`` and its loss."""
+    """The names the user's file defines; a Keras model becomes an ``nnx.Module`` and its loss.
+
+    The file runs with Flax's eager sharding off: a parameter annotated as Flax's guides show
+    (``nnx.with_partitioning(init, ("embed", "mlp"))``) keeps its names as metadata, which
+    the sharding rules lay over each layout's mesh, instead of asking for a mesh at import.
+    """
     try:
-        namespace = runpy.run_path(str(path), run_name="__xlafit_check__")
+        with nnx.use_eager_sharding(False):
+            namespace = runpy.run_path(str(path), run_name="__xlafit_check__")
     except Exception as e:
         raise _load_error(path, e) from None
     if framework_of(namespace.get("model")) is not None:  # a Keras 3 model: its compiled loss unless loss_fn is given

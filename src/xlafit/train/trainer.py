@@ -268,10 +268,12 @@ class Trainer:
         builder: Callable[[], nnx.Module] | None = None
         if callable(model) and not isinstance(model, nnx.Module | Adapted) and framework_of(model) is None:
             builder = model
-        # A builder's model as shapes only (nnx.eval_shape): built below, sharded, inside jit.
+        # A builder's model as shapes only (nnx.eval_shape): built below, sharded, inside jit,
+        # with Flax's eager sharding off (_built), so that parameters annotated as Flax's guides
+        # show (nnx.with_partitioning) keep their names for the sharding rules.
         # A model of another framework is converted first (xlafit.train.adapter): the trainer
         # sees an nnx.Module, and writes trained values back through the adapter's hook.
-        adapted = Adapted(nnx.eval_shape(builder), loss_fn) if builder is not None else adapt(model, loss_fn)
+        adapted = Adapted(nnx.eval_shape(_built(builder)), loss_fn) if builder is not None else adapt(model, loss_fn)
         if adapted.check is not None:
             adapted.check(self.strategy, self.config)
         model, loss_fn, self._write_back_hook = adapted.module, adapted.loss_fn, adapted.write_back
@@ -308,7 +310,7 @@ class Trainer:
             # Each device computes only its own slices: no device and no host ever holds
             # the whole model (big_vision's jit(init, out_shardings)).
             def init() -> tuple[nnx.State, nnx.State]:
-                built = builder()
+                built = _built(builder)()
                 built.train()
                 _, p, s = nnx.split(built, self.trainable, ...)  # type: ignore[misc]  # flax's overloads
                 return p, s
@@ -780,3 +782,15 @@ def _peak_lr(schedule: optax.Schedule | float | None, total: int) -> float | Non
     if schedule is None or not callable(schedule):
         return schedule
     return highest_rate(schedule, total)
+
+
+def _built(builder: Callable[[], nnx.Module]) -> Callable[[], nnx.Module]:
+    """``builder`` run with Flax's eager sharding off: an ``nnx.with_partitioning`` annotation
+    stays a name for the sharding rules (xlafit.parallel.sharding) instead of asking for a
+    mesh whose axes carry the model's own names."""
+
+    def build() -> nnx.Module:
+        with nnx.use_eager_sharding(False):
+            return builder()
+
+    return build
