@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from xlafit.models.splash import block_size
 
@@ -73,10 +73,11 @@ def loop_trips(hlo: str) -> list[int]:
     ]
 
 
-def walk(hlo: str) -> Iterator[tuple[re.Match[str], int, str, str]]:
+def walk(hlo: str, outer: Collection[int] = ()) -> Iterator[tuple[re.Match[str], int, str, str]]:
     """Every instruction of a program: ``(match, times, computation, fused_in)``, the match's
     groups ``name``, ``shape``, ``op`` and ``rest`` (operands and attributes), ``times`` how
-    often one run executes it, ``fused_in`` the fusion computation it sits in ("" if none)."""
+    often one run executes it, ``fused_in`` the fusion computation it sits in ("" if none).
+    Loops whose trip count is in ``outer`` are not counted in ``times``."""
     bodies, entry = _computations(hlo)
 
     def visit(name: str, times: int, fused_in: str) -> Iterator[tuple[re.Match[str], int, str, str]]:
@@ -91,7 +92,7 @@ def walk(hlo: str) -> Iterator[tuple[re.Match[str], int, str, str]]:
                 condition = re.search(r"condition=%([\w.\-]+)", rest)
                 trips = _trip_count(bodies.get(condition.group(1), [])) if condition else 1
                 if body:
-                    yield from visit(body.group(1), times * trips, fused_in)
+                    yield from visit(body.group(1), times * (1 if trips in outer else trips), fused_in)
                 continue
             for callee in re.findall(r"(?:calls|to_apply|true_computation|false_computation)=%([\w.\-]+)", rest):
                 yield from visit(callee, times, callee if op == "fusion" else fused_in)
@@ -140,4 +141,100 @@ def kernel_flops(hlo: str) -> float:
         if kind == "dkv":
             h = heads or h
         total += times * SPLASH_PRODUCTS[kind] * 2 * b * h * t * t * d * visited
+    return total
+
+
+def _dims(shape: str) -> list[int]:
+    """The dimensions of an HLO shape's first array (``f32[64,512]{1,0}`` -> ``[64, 512]``)."""
+    found = _ARRAY.search(shape)
+    return [int(d) for d in found.group(2).split(",") if d] if found else []
+
+
+def _operand_names(rest: str) -> list[str]:
+    """The operands' names of an instruction: up to the parenthesis that closes its list (a
+    GPU or CPU program prints each operand with its shape, whose layout may hold parentheses)."""
+    depth = 0
+    for i, ch in enumerate(rest):
+        depth += ch == "("
+        if ch == ")":
+            if depth == 0:
+                return re.findall(r"%([\w.\-]+)", rest[:i])
+            depth -= 1
+    return re.findall(r"%([\w.\-]+)", rest)
+
+
+def product_flops(op: str, shape: str, rest: str, shapes: dict[str, str]) -> float:
+    """FLOPs of one matrix product (``dot``) or convolution, as XLA's cost analysis counts
+    them: 2 x the multiply-adds. TPU programs write products, batched ones too, as
+    convolutions whose window strides and dilations lay batch dimensions out as spatial ones
+    (:func:`_convolution_fmas`). 0 for any other operation, or where a shape is not known."""
+    names = _operand_names(rest)
+    if op == "dot" and names and names[0] in shapes:
+        lhs = _dims(shapes[names[0]])
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
+        summed = math.prod(lhs[int(i)] for i in contracting.group(1).split(",") if i) if contracting else 1
+        return 2.0 * math.prod(_dims(shape)) * summed
+    if op == "convolution" and len(names) > 1 and names[0] in shapes and names[1] in shapes:
+        return 2.0 * _convolution_fmas(_dims(shapes[names[0]]), _dims(shapes[names[1]]), _dims(shape), rest)
+    return 0.0
+
+
+def _convolution_fmas(lhs: list[int], rhs: list[int], out: list[int], rest: str) -> int:
+    """Multiply-adds of a convolution, counted as XLA's cost analysis counts them: per spatial
+    dimension, the (output, kernel) position pairs that land on an input element (not on
+    padding, not between the elements of a dilated input), times batch, input features per
+    group and output features."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", rest)
+    if not labels or not (len(labels.group(1)) == len(lhs) and len(labels.group(2)) == len(rhs) == len(out)):
+        return 0
+    lhs_l, rhs_l, out_l = labels.groups()
+    window = re.search(r"window=\{([^}]*)\}", rest)
+    attrs = dict(re.findall(r"(\w+)=([\w.x]+)", window.group(1))) if window else {}
+    spatial = sorted(c for c in lhs_l if c.isdigit())
+
+    def per_dim(key: str, default: int) -> list[int]:
+        values = attrs.get(key)
+        return [int(v) for v in values.split("x")] if values else [default] * len(spatial)
+
+    strides, lhs_dilate, rhs_dilate = per_dim("stride", 1), per_dim("lhs_dilate", 1), per_dim("rhs_dilate", 1)
+    pads = [int(p.split("_")[0]) for p in attrs["pad"].split("x")] if "pad" in attrs else [0] * len(spatial)
+    fmas = 1
+    for d, c in enumerate(spatial):
+        size, kernel, outputs = lhs[lhs_l.index(c)], rhs[rhs_l.index(c)], out[out_l.index(c)]
+        dilated = (size - 1) * lhs_dilate[d] + 1
+        valid = 0
+        for o in range(outputs):
+            for k in range(kernel):
+                at = o * strides[d] - pads[d] + k * rhs_dilate[d]
+                valid += 0 <= at < dilated and at % lhs_dilate[d] == 0
+        fmas *= valid
+    groups = re.search(r"feature_group_count=(\d+)", rest)
+    batch_groups = re.search(r"batch_group_count=(\d+)", rest)
+    features_in = lhs[lhs_l.index("f")] // (int(groups.group(1)) if groups else 1)
+    batch = lhs[lhs_l.index("b")] // (int(batch_groups.group(1)) if batch_groups else 1)
+    return fmas * batch * features_in * out[out_l.index("f")]
+
+
+def loop_flops(hlo: str, outer: Collection[int] = ()) -> float:
+    """FLOPs of matrix products and convolutions that XLA's cost analysis leaves out of a
+    program's loops.
+
+    The cost analysis counts a ``while`` body once, however often it runs: a model that scans
+    its layers (``nnx.scan``, ``lax.scan``) is counted as one layer. Here each product in a
+    loop (:func:`product_flops`, fused ones included) counts ``trips - 1`` more times; small
+    element-wise FLOPs are left out. Loops whose trip count is in ``outer`` (the steps of one
+    call, the micro-batches of an accumulation: the caller accounts for them) are not
+    multiplied. HBM bytes are not corrected: in such a loop XLA counts the whole stacked
+    buffer that each trip slices or updates in place, which a per-trip count cannot undo.
+    """
+    bodies, _ = _computations(hlo)
+    shapes = {
+        name: {m.group("name"): m.group("shape") for line in lines if (m := _INSTRUCTION.match(line))}
+        for name, lines in bodies.items()
+    }
+    total = 0.0
+    for found, times, computation, _ in walk(hlo, outer):
+        if times > 1:
+            op, shape, rest = found.group("op"), found.group("shape"), found.group("rest")
+            total += (times - 1) * product_flops(op, shape, rest, shapes.get(computation, {}))
     return total

@@ -48,7 +48,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from xlafit.check.hlo import kernel_flops
+from xlafit.check.hlo import kernel_flops, loop_flops
 from xlafit.check.rules import Finding, classify
 from xlafit.config import TrainerConfig
 from xlafit.parallel.mesh import Strategy, make_mesh
@@ -424,10 +424,13 @@ def steps_in_cost(compiled: Any, k: int) -> int:
 def _roofline(report: TargetReport, peak: float, bandwidth: float, program: Program, compiled: Any, k: int) -> None:
     """Fills FLOPs, bytes and the roofline bound from the compiled program of ``k`` steps:
     XLA's cost analysis, plus the FLOPs of the Pallas kernels it cannot see (splash
-    attention: :func:`xlafit.check.hlo.kernel_flops`), over one device's ``peak`` FLOP/s and
-    HBM ``bandwidth`` (bytes/s)."""
-    cost, counted = compiled.cost_analysis() or {}, steps_in_cost(compiled, k)
-    flops = float(cost.get("flops", 0.0)) / counted + kernel_flops(compiled.as_text()) / k or None
+    attention: :func:`xlafit.check.hlo.kernel_flops`) and the products of loops inside a step,
+    which it counts once (:func:`xlafit.check.hlo.loop_flops`), over one device's ``peak``
+    FLOP/s and HBM ``bandwidth`` (bytes/s)."""
+    cost, counted, hlo = compiled.cost_analysis() or {}, steps_in_cost(compiled, k), compiled.as_text()
+    # The products of loops inside a step (a scan over layers), which the cost analysis counts once.
+    inner = loop_flops(hlo, {k} if k > 1 else ())
+    flops = (float(cost.get("flops", 0.0)) + inner) / counted + kernel_flops(hlo) / k or None
     report.flops_per_step = flops
     report.bytes_per_step = float(cost.get("bytes accessed", 0.0)) / counted or None
     rows = report.per_device_batch * report.batch_shards  # the global batch

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from xlafit.check.hlo import kernel_flops
+from xlafit.check.hlo import kernel_flops, loop_flops
 from xlafit.check.tpu import (
     OutOfMemory,
     Program,
@@ -444,8 +444,10 @@ def _cost(compiled: Any, c: Candidate, k: int) -> tuple[float, float]:
     counted = steps_in_cost(compiled, k)
     # XLA's cost analysis counts a loop's body once: a scanned accumulation's micro-batches too.
     micro = c.accumulate if c.accumulate > 1 and c.accumulate in loop_trips(hlo) else 1
+    # The products of other loops (a model's own scan over its layers), counted once there too.
+    inner = loop_flops(hlo, {n for n in (k, micro) if n > 1})
     # The Pallas kernels' FLOPs (splash attention), which the cost analysis cannot see, per step.
-    flops = float(cost.get("flops", 0.0)) * micro / counted + kernel_flops(hlo) / k
+    flops = (float(cost.get("flops", 0.0)) + inner) * micro / counted + kernel_flops(hlo) / k
     return flops, float(cost.get("bytes accessed", 0.0)) * micro / counted
 
 
