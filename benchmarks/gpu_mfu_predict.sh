@@ -22,12 +22,18 @@ else
   predict=()
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true; python3 -c 'import jax; print(jax.__version__, jax.devices())'; } > "$OUT/machine.txt" 2>&1
+# Each part has its own time limit (seconds), so that one slow part cannot take the call's
+# whole limit: what the others found still comes back (predict.json is written per workload).
+limit() { timeout "$1" "${@:2}" || echo "part stopped (exit $?): over its ${1} s or failed" >&2; }
 for part in $PARTS; do
   case $part in
-    1) python3 benchmarks/bert_speed.py "${bert[@]}" --repeats 2 --rows xlafit,hf --json "$OUT/bert_table.json" 2>&1 | tee "$OUT/bert_table.txt" ;;
-    2) python3 benchmarks/predict_measured.py "${predict[@]}" --json "$OUT/predict.json" 2>&1 | tee "$OUT/predict.txt" ;;
+    1) limit "${LIMIT1:-270}" python3 benchmarks/bert_speed.py "${bert[@]}" --repeats 2 --rows xlafit,hf \
+         --json "$OUT/bert_table.json" 2>&1 | tee "$OUT/bert_table.txt" ;;
+    2) limit "${LIMIT2:-240}" python3 benchmarks/predict_measured.py "${predict[@]}" --json "$OUT/predict.json" 2>&1 \
+         | tee "$OUT/predict.txt" ;;
     3) # the trace's folder is deeper than what comes back from $OUT: kept aside, summarised
-      python3 benchmarks/bert_speed.py "${bert[@]}" --repeats 1 --rows xlafit --profile /tmp/bert-profile > /dev/null
-      python3 benchmarks/perfetto_top.py /tmp/bert-profile 2>&1 | tee "$OUT/profile_top.txt" ;;
+      limit "${LIMIT3:-60}" python3 benchmarks/bert_speed.py "${bert[@]}" --repeats 1 --rows xlafit \
+        --profile /tmp/bert-profile > /dev/null
+      limit 30 python3 benchmarks/perfetto_top.py /tmp/bert-profile 2>&1 | tee "$OUT/profile_top.txt" ;;
   esac
 done
