@@ -201,6 +201,9 @@ def test_run_time_and_cost():
     assert "Price v6e: $0.7803 per chip-hour Spot" in format_plan(spot)
     priced = dataclasses.replace(plan, prices={"v5e": PRICES["v5e"]})
     assert "Price v6e: no on-demand price in the table (give one: --price v6e=USD)" in format_plan(priced)
+    short = dataclasses.replace(plan, run_examples=30.0)  # 15 ms on v6e-8: seconds and "< $0.01", not "0.0 min, $0.00"
+    text = format_plan(short)
+    assert "0.015 s  < $0.01" in text and "Cheapest run: v5e-8, DP 8: < $0.01 in 0.03 s" in text
     # v5e-8 is slower but cheaper: both are on the Pareto front.
     assert plan.pareto() == {fast.candidate, slow.candidate}
     dominated = dataclasses.replace(_outcome("v5e-8", 500.0, free=2**29), candidate=Candidate("v5e-8", (4, 2, 1), 8))

@@ -25,7 +25,15 @@ def _rate(x: float | None) -> str:
 def _hours(h: float | None) -> str:
     if h is None:
         return "-"
+    if h * 60 < 1:
+        return f"{h * 3600:.2g} s"
     return f"{h * 60:.1f} min" if h < 1 else f"{h:.1f} h"
+
+
+def _usd(cost: float | None) -> str:
+    if cost is None:
+        return "-"
+    return f"${cost:,.2f}" if cost >= 0.01 else "< $0.01"
 
 
 def _row(plan: Plan, rank: str, o: Outcome, front: set) -> tuple[str, ...]:
@@ -45,7 +53,7 @@ def _row(plan: Plan, rank: str, o: Outcome, front: set) -> tuple[str, ...]:
         _rate(p.tokens_per_s if p else None),
         f"{p.mfu:.0%}" if p else "-",
         _hours(plan.run_hours(o)),
-        f"${cost:,.2f}" if cost is not None else "-",
+        _usd(cost),
         f"{o.compile_s:.0f}",
     )
 
@@ -145,7 +153,7 @@ def _winner_lines(plan: Plan) -> list[str]:
         cheapest = min(by_cost, key=lambda x: plan.run_cost(x) or 0.0)
         lines.append(
             f"Cheapest run: {cheapest.candidate.target}, {cheapest.candidate.layout}: "
-            f"${plan.run_cost(cheapest):,.2f} in {_hours(plan.run_hours(cheapest))}"
+            f"{_usd(plan.run_cost(cheapest))} in {_hours(plan.run_hours(cheapest))}"
         )
         lines += _slices(plan)
     return lines
