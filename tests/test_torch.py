@@ -220,6 +220,31 @@ def test_xlafit_check_reads_a_torch_module_file(tmp_path):
     assert target.fits is True
 
 
+def test_a_loss_in_torch_operations_without_torch_loss_names_the_fix(tmp_path):
+    """The loss a PyTorch user writes first: torch functions on model(batch["x"]), which is a
+    JAX array here. It failed with torch's "must be Tensor, not LinearizeTracer"."""
+    from xlafit.check import check_file
+
+    path = tmp_path / "net.py"
+    path.write_text(
+        "import numpy as np, torch\n"
+        "import torch.nn.functional as F\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))\n"
+        "batch = {'x': np.ones((4, 8), np.float32), 'y': np.zeros(4, np.int64)}\n"
+        "def loss_fn(model, batch):\n"
+        "    return F.cross_entropy(model(batch['x']), batch['y'], reduction='none')\n"
+    )
+    report = check_file(path)
+    assert not report.ok
+    message = " ".join(f.message for f in report.findings)
+    assert "torch_loss(fn)" in message and "must be Tensor" in message
+    # The same loss in jax.numpy on the module's outputs trains as it is.
+    jax_loss = lambda model, b: -model(b["x"])[:, 0]  # noqa: E731
+    config = TrainerConfig(epochs=1, log_every_steps=1)
+    trainer = xlafit.Trainer(nn.Linear(8, 3), jax_loss, optax.sgd(0.1), global_batch=8, config=config)
+    assert np.isfinite(trainer.fit({"x": np.ones((16, 8), np.float32)}).history[-1]["loss"])
+
+
 def test_what_torchax_cannot_run_is_one_line_at_the_users_line():
     class MakesItsOwnTensor(nn.Module):
         def forward(self, x):

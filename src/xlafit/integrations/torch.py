@@ -216,13 +216,40 @@ def torch_loss(fn: Callable[[Any, Mapping[str, Any]], Any], inputs: str = "x") -
             result = fn(t_outputs, t_batch)
         return env.t2j_iso(result)
 
+    loss_fn.xlafit_torch_loss = True  # type: ignore[attr-defined]  # to_adapted: no second wrapper
     return loss_fn
+
+
+def _torch_ops_named(loss_fn: Callable) -> Callable:
+    """``loss_fn``, whose torch function given a JAX array becomes one error naming the fix.
+
+    The adapted module returns JAX arrays, so a loss written in torch operations on
+    ``model(batch["x"])`` fails inside torch ("must be Tensor, not ...Tracer"): such a loss
+    goes through :func:`torch_loss`, or is written in ``jax.numpy``.
+    """
+
+    def checked(model: Any, batch: Mapping[str, Any]) -> Any:
+        try:
+            return loss_fn(model, batch)
+        except TypeError as e:
+            if "must be Tensor" not in str(e):
+                raise
+            raise ConfigError(
+                f"loss_fn passed a JAX array to a torch function ({str(e).splitlines()[0]}): with a torch module "
+                "the model's outputs are JAX arrays. Write the loss in torch as "
+                "loss_fn = xlafit.integrations.torch.torch_loss(fn), fn(outputs, batch) of torch tensors "
+                "(the model is called on batch['x']), or in jax.numpy."
+            ) from e
+
+    return checked
 
 
 def to_adapted(module: Any, loss_fn: Any, seed: int = 0) -> Adapted:
     """A torch module as the trainer takes it (:mod:`xlafit.train.adapter`)."""
     if loss_fn is None:
         raise ConfigError("a torch module needs a loss_fn(model, batch), or torch_loss(fn) for a torch function.")
+    if not getattr(loss_fn, "xlafit_torch_loss", False):
+        loss_fn = _torch_ops_named(loss_fn)
     converted = TorchModule(module, seed)
     check = lambda strategy, config: require_data_parallel(strategy, "torch modules")  # noqa: E731
     return Adapted(converted, loss_fn, write_back=converted.write_back, check=check)
