@@ -245,6 +245,51 @@ def test_a_loss_in_torch_operations_without_torch_loss_names_the_fix(tmp_path):
     assert np.isfinite(trainer.fit({"x": np.ones((16, 8), np.float32)}).history[-1]["loss"])
 
 
+def test_traces_from_several_threads_take_turns():
+    """A plan compiles candidates side by side, and check compiles the eval step beside the
+    train step: torchax's one environment and the module's train flag were shared, and about
+    one trace in eight failed ("makes a tensor of its own")."""
+    import concurrent.futures
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    module = TorchModule(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)))
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+
+    def trace(rows):
+        def loss(params, x):
+            return jnp.sum(nnx.merge(graphdef, params, rest)(x))
+
+        return jax.jit(jax.grad(loss)).lower(params, jnp.ones((rows, 64))).as_text()
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(trace, range(8, 32)))
+
+
+def test_check_and_plan_keep_a_torch_module_data_parallel(tmp_path):
+    """The trainer refuses FSDP for a torch module: `plan` recommended FSDP 8 for one, and
+    `check mesh.fsdp=8` compiled it."""
+    from xlafit.check import check_file
+    from xlafit.plan import plan_file
+
+    path = tmp_path / "net.py"
+    path.write_text(
+        "import numpy as np, torch\n"
+        "import torch.nn.functional as F\n"
+        "from xlafit.integrations.torch import torch_loss\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))\n"
+        "batch = {'x': np.ones((4, 64), np.float32), 'y': np.zeros(4, np.int64)}\n"
+        "loss_fn = torch_loss(lambda out, b: F.cross_entropy(out, b['y'], reduction='none'))\n"
+    )
+    plan = plan_file(path, tpu="v5e-4", global_batch=32)
+    assert plan.winner is not None and plan.winner.candidate.mesh == (4, 1, 1)
+    assert {mesh for _, mesh, why in plan.skipped if "data-parallel only" in why} == {(2, 2, 1), (1, 4, 1)}
+    with pytest.raises(ConfigError, match="torch modules train data-parallel only.*mesh.fsdp=1"):
+        check_file(path, ["mesh.fsdp=4"], tpu="v5e-4")
+
+
 def test_what_torchax_cannot_run_is_one_line_at_the_users_line():
     class MakesItsOwnTensor(nn.Module):
         def forward(self, x):

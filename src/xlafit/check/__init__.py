@@ -338,6 +338,10 @@ def file_settings(overrides: Sequence[str], tpu: str | None, preset: str | Path 
     return nested
 
 
+# Where load_file keeps a converted model's refusals (Adapted.check) in the file's names.
+SETTINGS_CHECK = "__xlafit_settings_check__"
+
+
 def load_file(path: Path) -> dict[str, Any]:
     """The names the user's file defines; a Keras model becomes an ``nnx.Module`` and its loss.
 
@@ -353,6 +357,7 @@ def load_file(path: Path) -> dict[str, Any]:
     if framework_of(namespace.get("model")) is not None:  # a Keras 3 model: its compiled loss unless loss_fn is given
         adapted = adapt(namespace["model"], namespace.get("loss_fn"))
         namespace["model"], namespace["loss_fn"] = adapted.module, adapted.loss_fn
+        namespace[SETTINGS_CHECK] = adapted.check
     missing = [name for name in ("model", "loss_fn", "batch") if name not in namespace]
     if missing:
         raise ConfigError(
@@ -405,6 +410,7 @@ def file_program(path: Path, namespace: dict[str, Any], nested: dict[str, Any], 
         mesh=mesh.sizes,
         rules=parse_rules(mesh.rules),
         batch_syntax="--per-device-batch {n}",
+        settings_check=namespace.get(SETTINGS_CHECK),
     )
 
 

@@ -105,6 +105,9 @@ class Program:
     model_levers: tuple[tuple[str, str], ...] = ()
     # What the optimizer trains (LoRA: the adapters); the rest is frozen state.
     trainable: Any = nnx.Param
+    # The trainer settings a converted model refuses (a torch module or a Keras model trains
+    # data-parallel only): xlafit.train.adapter.Adapted.check, called with each layout.
+    settings_check: Callable[[Strategy, TrainerConfig], None] | None = None
 
 
 @dataclasses.dataclass
@@ -311,6 +314,8 @@ class Steps:
         self.target = target
         self.program = program
         self.strategy = _strategy(target, program.mesh, program.rules, devices)
+        if program.settings_check is not None:  # what the trainer would refuse, refused here too
+            program.settings_check(self.strategy, program.config)
         model = program.model
         model.train()
         graphdef, params, model_state = nnx.split(model, program.trainable, ...)  # type: ignore[misc]  # flax's overloads

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextvars
 import importlib.metadata
+import threading
 import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -34,6 +35,12 @@ from xlafit.errors import ConfigError
 from xlafit.train.adapter import Adapted, require_data_parallel
 
 TORCHAX_PIN = "torchax==0.0.14.dev20261026"  # the release that imports with torch 2.13 (xlafit[torch])
+
+
+# torchax's environment is one per process (its mode, its PRNG key) and a torch module's
+# train/eval flag is the module's: two threads tracing through them at once (a plan's and
+# check's compiles run side by side) mixed each other's state. Traces take turns.
+_ONE_AT_A_TIME = threading.RLock()
 
 
 def torchax_env() -> Any:
@@ -118,6 +125,10 @@ class TorchModule(nnx.Module):
         self.deterministic = True  # nnx's train()/eval() flag: the module's training = not deterministic
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with _ONE_AT_A_TIME:
+            return self._call(*args, **kwargs)
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
         env = torchax_env()
         args, kwargs = jax.tree.map(jnp.asarray, (args, kwargs))  # NumPy inputs as JAX arrays, as jit makes them
         params = {n: p[...] for n, p in zip(self.param_names, self.params, strict=True)}
@@ -211,10 +222,11 @@ def torch_loss(fn: Callable[[Any, Mapping[str, Any]], Any], inputs: str = "x") -
     def loss_fn(model: TorchModule, batch: Mapping[str, Any]) -> Any:
         outputs = model(batch[inputs])
         env = torchax_env()
-        t_outputs, t_batch = env.j2t_iso((outputs, dict(batch)))
-        with env, jax.numpy_rank_promotion("allow"):
-            result = fn(t_outputs, t_batch)
-        return env.t2j_iso(result)
+        with _ONE_AT_A_TIME:
+            t_outputs, t_batch = env.j2t_iso((outputs, dict(batch)))
+            with env, jax.numpy_rank_promotion("allow"):
+                result = fn(t_outputs, t_batch)
+            return env.t2j_iso(result)
 
     loss_fn.xlafit_torch_loss = True  # type: ignore[attr-defined]  # to_adapted: no second wrapper
     return loss_fn
