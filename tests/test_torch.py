@@ -285,7 +285,8 @@ def test_check_and_plan_keep_a_torch_module_data_parallel(tmp_path):
     )
     plan = plan_file(path, tpu="v5e-4", global_batch=32)
     assert plan.winner is not None and plan.winner.candidate.mesh == (4, 1, 1)
-    assert {mesh for _, mesh, why in plan.skipped if "data-parallel only" in why} == {(2, 2, 1), (1, 4, 1)}
+    refused = {mesh for _, mesh, why in plan.skipped if "data-parallel only" in why}
+    assert refused >= {(2, 2, 1), (1, 4, 1), (2, 1, 2)}  # FSDP and tensor layouts: the trainer's reason
     with pytest.raises(ConfigError, match="torch modules train data-parallel only.*mesh.fsdp=1"):
         check_file(path, ["mesh.fsdp=4"], tpu="v5e-4")
 

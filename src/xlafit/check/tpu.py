@@ -51,6 +51,7 @@ from flax import nnx
 from xlafit.check.hlo import kernel_flops, loop_flops
 from xlafit.check.rules import Finding, classify
 from xlafit.config import TrainerConfig
+from xlafit.errors import ConfigError, XlafitError
 from xlafit.parallel.mesh import Strategy, make_mesh
 from xlafit.parallel.sharding import bytes_per_device
 from xlafit.platform import hardware as tpu
@@ -304,6 +305,22 @@ def _compile(lower: Callable[[], Any], dump_to: Path | None = None) -> tuple[Any
             raise OutOfMemory(first.strip()) from None
         raise
     return compiled, time.perf_counter() - t0
+
+
+def trainer_refusal(program: Program, target: tpu.Target, mesh: tuple[int, int, int]) -> str | None:
+    """What the trainer would refuse for ``program`` over ``mesh`` on ``target`` (a converted
+    model's settings check: a torch module or a Keras model trains data-parallel only), or None."""
+    if program.settings_check is None:
+        return None
+    try:
+        strategy = _strategy(target, mesh, program.rules)
+    except XlafitError:  # a mesh the slice cannot take: the caller's to report
+        return None
+    try:
+        program.settings_check(strategy, program.config)
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 class Steps:

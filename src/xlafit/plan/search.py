@@ -51,6 +51,7 @@ from xlafit.check.tpu import (
     needed_bytes,
     no_persistent_cache,
     steps_in_cost,
+    trainer_refusal,
     tree_bytes,
     usable_hbm,
 )
@@ -335,7 +336,7 @@ class Planner:
         params = params_of(self.base.model)
         found = []
         for mesh in meshes(target.num_devices):
-            why = mesh_refusal(params, mesh, self.base.rules)
+            why = trainer_refusal(self.base, target, mesh) or mesh_refusal(params, mesh, self.base.rules)
             shards = mesh[0] * mesh[1]
             g = self.settings.global_batch
             if why is None and g is not None and g % shards:
