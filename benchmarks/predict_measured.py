@@ -52,18 +52,15 @@ WORKLOADS: dict[str, dict[str, list[str]]] = {
 
 def run_workload(name: str, size: str, warmup: int, steps: int, peak: float | None, bandwidth: float | None) -> dict:
     import jax
-    from flax import nnx
 
-    from xlafit import Trainer
     from xlafit.bench.worker import _timed_calls
     from xlafit.check import recipe_program
     from xlafit.check.tpu import predict_here
     from xlafit.data.dataset import as_dataset
-    from xlafit.models.lora import ADAPTER
     from xlafit.parallel.cluster import connect
     from xlafit.parallel.sharding import parse_rules
     from xlafit.recipes import get_recipe, load_config
-    from xlafit.run import model_builder, resolve
+    from xlafit.run import recipe_trainer, resolve
     from xlafit.train.optim import make_optimizer
 
     w = WORKLOADS[name]
@@ -76,17 +73,7 @@ def run_workload(name: str, size: str, warmup: int, steps: int, peak: float | No
     train = as_dataset(recipe.load_data(cfg)[0])
     cfg, run = resolve(recipe.from_data(cfg, train), strategy, len(train))
     plan = make_optimizer(cfg.optimizer, run.global_batch)
-    trainer = Trainer(
-        model_builder(recipe, cfg, train),
-        recipe.loss_fn,
-        plan.tx,
-        strategy=strategy,
-        global_batch=run.global_batch,
-        config=cfg.trainer,
-        learning_rate=plan.schedule,
-        trainable=ADAPTER if cfg.lora.rank else nnx.Param,
-        **recipe.throughput(cfg, train),
-    )
+    trainer = recipe_trainer(recipe, cfg, run, strategy, train, plan, keep=False)
     t0 = time.perf_counter()
     timed = _timed_calls(trainer, train, warmup, warmup + steps)
     measured = statistics.median(timed["call_s"])

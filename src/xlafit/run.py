@@ -87,23 +87,7 @@ def train_and_evaluate(cfg: Config) -> FitResult:
             print(describe_schedule(cfg, plan), flush=True)
         else:
             log_to_file(run_dir / f"process-{strategy.process_index}.log")
-        trainer = Trainer(
-            model_builder(recipe, cfg, train_data),
-            recipe.loss_fn,
-            plan.tx,
-            strategy=strategy,
-            global_batch=run.global_batch,
-            config=cfg.trainer,
-            learning_rate=plan.schedule,
-            run_dir=run_dir,
-            checkpoint_dir=cfg.run.checkpoint_dir,
-            eval_global_batch=run.eval_batch,
-            data_seed=cfg.data.seed,
-            prefetch=cfg.data.prefetch,
-            resume=cfg.run.resume,
-            trainable=ADAPTER if cfg.lora.rank else nnx.Param,
-            **recipe.throughput(cfg, train_data),
-        )
+        trainer = recipe_trainer(recipe, cfg, run, strategy, train_data, plan, keep=True)
         try:
             result = trainer.fit(train_data, eval=eval_data)
         finally:
@@ -111,6 +95,30 @@ def train_and_evaluate(cfg: Config) -> FitResult:
     if strategy.process_index == 0 and result.eval is not None:
         print(final_report(result.eval), flush=True)
     return result
+
+
+def recipe_trainer(
+    recipe: Recipe, cfg: Config, run: Resolved, strategy: Strategy, train: Any, plan: OptimizerPlan, keep: bool
+) -> Trainer:
+    """The trainer of a resolved recipe run, as ``xlafit train`` builds it. ``keep``: with the
+    run directory (metrics, checkpoints, resume); without it, nothing is written (a benchmark)."""
+    return Trainer(
+        model_builder(recipe, cfg, train),
+        recipe.loss_fn,
+        plan.tx,
+        strategy=strategy,
+        global_batch=run.global_batch,
+        config=cfg.trainer,
+        learning_rate=plan.schedule,
+        run_dir=run.run_dir if keep else None,
+        checkpoint_dir=cfg.run.checkpoint_dir if keep else None,
+        eval_global_batch=run.eval_batch,
+        data_seed=cfg.data.seed,
+        prefetch=cfg.data.prefetch,
+        resume=cfg.run.resume and keep,
+        trainable=ADAPTER if cfg.lora.rank else nnx.Param,
+        **recipe.throughput(cfg, train),
+    )
 
 
 def model_builder(recipe: Recipe, cfg: Config, train: Any) -> Callable[[], nnx.Module] | nnx.Module:
