@@ -15,16 +15,17 @@ import pytest
 from flax import nnx
 
 from xlafit.check import check_file, check_recipe
-from xlafit.check.tpu import Program, Steps, no_persistent_cache
+from xlafit.check.program import Program
+from xlafit.check.tpu import Steps, no_persistent_cache
 from xlafit.cli import main
 from xlafit.config import TrainerConfig
 from xlafit.parallel.sharding import logical
 from xlafit.plan import format_plan, plan_file, plan_json, plan_recipe, recipe_planner
 from xlafit.plan.candidates import Candidate, mesh_refusal, meshes, params_of
-from xlafit.plan.comms import collectives, loop_trips, summarize
 from xlafit.plan.result import Plan
 from xlafit.plan.search import Outcome, Prediction, Settings, _cost, reachable_gain
 from xlafit.platform.hardware import PRICES, parse_target
+from xlafit.predict.collectives import collectives, loop_trips, summarize
 from xlafit.recipes import load_config
 
 pytest.importorskip("libtpu")  # the TPU compiler (the dev extra installs it)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from xlafit.check import check_recipe
-from xlafit.check.hlo import kernel_flops
 from xlafit.models.splash import splash_attention, unsupported
+from xlafit.predict.hlo import kernel_flops
 
 
 def test_splash_matches_xla_attention_with_gqa_and_packed_segments():

@@ -19,17 +19,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xlafit.check import check_file, check_recipe
-from xlafit.check.tpu import (
-    Program,
-    TargetReport,
-    check_target,
-    format_report,
-    largest_batch,
-    levers,
-    needed_bytes,
-    no_persistent_cache,
-    predict_here,
-)
+from xlafit.check.batch_search import largest_batch
+from xlafit.check.program import Program, TargetReport
+from xlafit.check.tpu import check_target, levers, needed_bytes, no_persistent_cache, predict_here
+from xlafit.check.tpu_report import format_report
 from xlafit.cli import main
 from xlafit.config import TrainerConfig
 from xlafit.errors import ConfigError, XlafitError
@@ -310,7 +303,7 @@ def test_a_model_that_scans_its_layers_counts_every_layers_flops(tmp_path):
 
 
 def test_products_flops_read_from_program_text():
-    from xlafit.check.hlo import product_flops
+    from xlafit.predict.hlo import product_flops
 
     shapes = {"a": "f32[64,512]{1,0}", "b": "f32[512,2048]{1,0}", "x": "f32[8,32,32,3]", "k": "f32[3,3,3,16]"}
     dot = "f32[64,512]{1,0} %a, f32[512,2048]{1,0} %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}"
@@ -328,7 +321,7 @@ def test_products_counted_from_the_text_equal_xlas_own_count(strides):
     """A program of convolutions only (one, and the two of its gradient: lhs dilation for a
     strided one, the batch laid out as a window for the kernel's), compiled for a TPU: the
     FLOPs read from its text are XLA's cost analysis's, to the FLOP."""
-    from xlafit.check.hlo import product_flops, walk
+    from xlafit.predict.hlo import product_flops, walk
 
     (device,) = tpu.devices(tpu.parse_target("v5e-1"))
     on = jax.sharding.SingleDeviceSharding(device)

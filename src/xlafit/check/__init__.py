@@ -39,9 +39,10 @@ import numpy as np
 import optax
 from flax import nnx
 
+from xlafit.check.program import Program
 from xlafit.check.report import Report
 from xlafit.check.rules import Finding, classify
-from xlafit.check.tpu import TRACE_FAILURE, Program, check_targets
+from xlafit.check.tpu import TRACE_FAILURE, check_targets
 from xlafit.config import (
     MeshConfig,
     TrainerConfig,

@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from xlafit.check.program import TargetReport
 from xlafit.check.rules import Finding
-from xlafit.check.tpu import TargetReport, format_table
-from xlafit.check.tpu import format_report as format_tpu_report
-from xlafit.check.tpu import to_json as tpu_json
+from xlafit.check.tpu_report import format_report as format_tpu_report
+from xlafit.check.tpu_report import format_table
+from xlafit.check.tpu_report import to_json as tpu_json
 from xlafit.data.shapes import Plan, format_plans
 
 

@@ -34,141 +34,30 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import math
 import re
-import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
-from xlafit.check.hlo import kernel_flops, loop_flops
+from xlafit.check.batch_search import largest_batch
+from xlafit.check.program import Program, TargetReport, progress
 from xlafit.check.rules import Finding, classify
-from xlafit.config import TrainerConfig
+from xlafit.check.speed import model_step, roofline
+from xlafit.check.tpu_report import gib
 from xlafit.errors import ConfigError, XlafitError
 from xlafit.parallel.mesh import Strategy, make_mesh
 from xlafit.parallel.sharding import bytes_per_device
 from xlafit.platform import hardware as tpu
-from xlafit.train.step import LossFn, abstract_state, make_steps, state_shardings
+from xlafit.train.step import abstract_state, make_steps, state_shardings
 
 # How far --max-batch searches unless told: a per-core batch beyond it is rarely the question.
 MAX_BATCH_LIMIT = 2**16
-
-
-def _progress(text: str, end: str = "\n") -> None:
-    """Progress on stderr (the report itself goes to stdout, or is returned)."""
-    print(text, end=end, file=sys.stderr, flush=True)
-
-
-@dataclasses.dataclass
-class Program:
-    """What to compile: one run's model, loss, optimizer, loop settings and example layout.
-
-    Attributes:
-        model: an ``nnx.Module``, concrete or from ``nnx.eval_shape``.
-        loss_fn: ``loss_fn(model, batch)`` as for :class:`xlafit.Trainer`.
-        tx: the optimizer.
-        config: the loop settings (steps per call, accumulation, invariant chunks).
-        example: one example's arrays as ``ShapeDtypeStruct`` (no batch axis).
-        per_device_batch: train examples per core per step; None: ``global_batch`` over the
-            target's cores.
-        global_batch: examples per step over all cores, when ``per_device_batch`` is None.
-        eval_global_batch: eval examples per call over all cores; None skips the eval step.
-        flops_per_example: analytic training FLOPs of one example, when the model has a count.
-        tokens_per_example: for a tokens/s estimate.
-        user_file: the user's file, to place failures at its lines.
-    """
-
-    model: nnx.Module
-    loss_fn: LossFn
-    tx: optax.GradientTransformation
-    config: TrainerConfig
-    example: dict[str, jax.ShapeDtypeStruct]
-    per_device_batch: int | None
-    global_batch: int | None = None
-    eval_global_batch: int | None = None
-    flops_per_example: float | None = None
-    tokens_per_example: float | None = None
-    user_file: str | None = None
-    # The run's mesh over the target's cores: (data, fsdp, tensor), one may be -1; and its
-    # logical-axis rules (xlafit.parallel.sharding). The default is pure data parallelism.
-    mesh: tuple[int, int, int] = (-1, 1, 1)
-    rules: Mapping[str, str | None] | None = None
-    # How this program's per-core batch is set ({n}: the number), and levers only its maker
-    # knows (a recipe's model.remat): (what they shrink, "state" or "activations", the text).
-    batch_syntax: str = "data.per_device_batch={n}"
-    model_levers: tuple[tuple[str, str], ...] = ()
-    # What the optimizer trains (LoRA: the adapters); the rest is frozen state.
-    trainable: Any = nnx.Param
-    # The trainer settings a converted model refuses (a torch module or a Keras model trains
-    # data-parallel only): xlafit.train.adapter.Adapted.check, called with each layout.
-    settings_check: Callable[[Strategy, TrainerConfig], None] | None = None
-
-
-@dataclasses.dataclass
-class Probe:
-    """One compile of ``--max-batch``: the per-core batch, whether it fit, and its time."""
-
-    per_device_batch: int
-    fits: bool
-    seconds: float
-
-
-@dataclasses.dataclass
-class TargetReport:
-    """The answer for one TPU target (see the module docstring).
-
-    ``memory`` is per core, in bytes, from ``compiled.memory_analysis()``: ``arguments``
-    (the ``state`` and ``batch``, whose own sizes are given beside, with tile padding),
-    ``outputs`` (what is not aliased to a donated argument), ``temporaries``, ``generated
-    code``, and ``total`` = arguments + outputs + temporaries + generated code; ``peak`` is
-    the compiler's own peak where it reports one.
-    """
-
-    target: str
-    device_kind: str = ""
-    devices: int = 0  # the slice's cores
-    batch_shards: int = 0  # data x fsdp: the cores unless a tensor-parallel group shares its rows
-    per_device_batch: int = 0  # per batch shard
-    steps_per_call: int = 1
-    layout: str = ""  # the mesh line (Strategy.layout)
-    fits: bool | None = None  # None: it failed for another reason (``error``)
-    capacity: float = 0.0
-    capacity_source: str = ""
-    memory: dict[str, int] = dataclasses.field(default_factory=dict)
-    message: str | None = None  # the compiler's refusal, or the error
-    error: Any = None  # a check.Finding for a failure that is not out-of-memory
-    flops_per_step: float | None = None
-    analytic_flops_per_step: float | None = None
-    bytes_per_step: float | None = None
-    step_s: float | None = None
-    compute_s: float | None = None  # FLOPs / peak FLOP/s
-    memory_s: float | None = None  # XLA's bytes accessed / HBM bandwidth
-    bound: str | None = None
-    examples_per_s: float | None = None
-    tokens_per_s: float | None = None
-    compile_s: float = 0.0
-    eval: dict[str, Any] | None = None
-    max_batch: int | None = None
-    max_batch_limit: int | None = None  # the search's upper end: max_batch == it means "at least"
-    probes: list[Probe] = dataclasses.field(default_factory=list)
-    levers: list[str] = dataclasses.field(default_factory=list)  # when it does not fit: what would help
-
-    @property
-    def flops_per_call(self) -> float | None:
-        return self.flops_per_step * self.steps_per_call if self.flops_per_step else None
-
-    @property
-    def margin(self) -> float | None:
-        """Bytes left per core (negative: over), against the compiler's capacity."""
-        total = self.memory.get("total")
-        return None if total is None or not self.capacity else self.capacity - total
 
 
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}  # the compiler's byte counts: "(15.75G)"
@@ -435,44 +324,6 @@ def _equations(jaxpr: Any, outer: tuple[Any, ...] = ()) -> Iterator[tuple[Any, .
                     yield from _equations(inner, chain)
 
 
-def steps_in_cost(compiled: Any, k: int) -> int:
-    """How many of a call's ``k`` steps XLA's cost analysis counted: one when the steps stayed
-    a loop (a ``while`` body is counted once), ``k`` when the compiler unrolled them."""
-    if k == 1:
-        return 1
-    return 1 if re.search(r"\bwhile\(", compiled.as_text()) else k
-
-
-def _roofline(report: TargetReport, peak: float, bandwidth: float, program: Program, compiled: Any, k: int) -> None:
-    """Fills FLOPs, bytes and the roofline bound from the compiled program of ``k`` steps:
-    XLA's cost analysis, plus the FLOPs of the Pallas kernels it cannot see (splash
-    attention: :func:`xlafit.check.hlo.kernel_flops`) and the products of loops inside a step,
-    which it counts once (:func:`xlafit.check.hlo.loop_flops`), over one device's ``peak``
-    FLOP/s and HBM ``bandwidth`` (bytes/s)."""
-    cost, counted, hlo = compiled.cost_analysis() or {}, steps_in_cost(compiled, k), compiled.as_text()
-    # The products of loops inside a step (a scan over layers), which the cost analysis counts once.
-    inner = loop_flops(hlo, {k} if k > 1 else ())
-    flops = (float(cost.get("flops", 0.0)) + inner) / counted + kernel_flops(hlo) / k or None
-    report.flops_per_step = flops
-    report.bytes_per_step = float(cost.get("bytes accessed", 0.0)) / counted or None
-    rows = report.per_device_batch * report.batch_shards  # the global batch
-    if program.flops_per_example:  # per core: a tensor-parallel group splits its shard's work
-        report.analytic_flops_per_step = program.flops_per_example * rows / report.devices
-    if flops is None:
-        return
-    # Never less than the model's own FLOPs: XLA's count of a TPU program can fall short of
-    # them (an 8B Llama's step counted 0.89x its analytic FLOPs, recomputed forward and all),
-    # and a step faster than its model FLOPs at peak would claim an MFU above 100 %.
-    compute = max(flops, report.analytic_flops_per_step or 0.0) / peak
-    memory = (report.bytes_per_step or 0.0) / bandwidth
-    report.compute_s, report.memory_s = compute, memory
-    report.step_s = max(compute, memory)
-    report.bound = "compute" if compute >= memory else "HBM bandwidth"
-    report.examples_per_s = rows / report.step_s
-    if program.tokens_per_example:
-        report.tokens_per_s = report.examples_per_s * program.tokens_per_example
-
-
 def check_target(target: tpu.Target, program: Program, max_batch: bool | int = False) -> TargetReport:
     """Compiles ``program`` for ``target`` and reports memory, verdict, FLOPs and roofline."""
     with no_persistent_cache(), concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -578,7 +429,8 @@ def predict_here(
     if compiled is None:
         compiled, report.compile_s = steps.compile_train(report.per_device_batch)
     report.memory = memory_of(compiled, steps.state_bytes, tree_bytes(program.example) * report.per_device_batch * k)
-    _roofline(report, peak, bytes_per_s, program, compiled, k)
+    roofline(report, peak, bytes_per_s, program, compiled, k)
+    model_step(report, program, compiled, k, kind)
     return LocalPrediction(report, peak, peak_source, bytes_per_s, bandwidth_source)
 
 
@@ -591,7 +443,7 @@ def _table_row(row: tuple[float, str] | None, what: str, table: str, kind: str) 
 def _train_report(report: TargetReport, steps: Steps, target: tpu.Target) -> None:
     """The train step's verdict, memory, FLOPs and roofline into ``report``."""
     program, per_device, k = steps.program, report.per_device_batch, report.steps_per_call
-    _progress(f"{target.name}: compiling the train step, {per_device} per core, {k} step(s) per call ...")
+    progress(f"{target.name}: compiling the train step, {per_device} per core, {k} step(s) per call ...")
     try:
         compiled, report.compile_s = steps.compile_train(per_device)
     except OutOfMemory as e:
@@ -618,7 +470,8 @@ def _train_report(report: TargetReport, steps: Steps, target: tpu.Target) -> Non
     else:
         report.fits = True
         report.memory = memory_of(compiled, steps.state_bytes, tree_bytes(program.example) * per_device * k)
-        _roofline(report, target.peak_flops, target.hbm_bandwidth, program, compiled, k)
+        roofline(report, target.peak_flops, target.hbm_bandwidth, program, compiled, k)
+        model_step(report, program, compiled, k, target.generation.device_kinds[0], target.ici_bandwidth)
 
 
 def _eval_report(steps: Steps, per_device: int) -> dict[str, Any] | None:
@@ -631,182 +484,6 @@ def _eval_report(steps: Steps, per_device: int) -> dict[str, Any] | None:
         return None
     total = memory_of(compiled, steps.state_bytes, 0)["total"]
     return {"fits": True, "per_device_batch": per_device, "total": total, "compile_s": seconds}
-
-
-class BatchProber(Protocol):
-    """What :func:`largest_batch` probes: a program on a target, compiled at any batch
-    (:class:`Steps`, or a planner's recording of them)."""
-
-    program: Program
-    strategy: Strategy
-
-    @property
-    def target(self) -> tpu.Target | None: ...
-
-    def fits(self, per_device: int) -> tuple[bool, float, int | None]: ...
-
-
-def largest_batch(
-    steps: BatchProber,
-    start: int,
-    start_fits: bool | None,
-    start_bytes: int | None = None,
-    capacity: float = 0.0,
-    multiple: int = 8,
-    limit: int = 2**16,
-    tolerance: float = 0.02,
-    fixed_bytes: int | None = None,
-    enough: Callable[[int], bool] | None = None,
-    label: str | None = None,
-) -> tuple[int, list[Probe]]:
-    """The largest per-core batch that compiles, and the probes that found it.
-
-    A probe that does not fit is cheap (the compiler refuses it at buffer assignment, in
-    seconds, and says how much it needed); one that fits costs a whole compile (minutes for
-    BERT-base). So the search reaches far first: 16x ``start`` (again while that fits), or
-    halving when ``start`` does not fit. Then it narrows the bracket between the last fit
-    and the first refusal by interpolating the bytes each needed (per-core memory grows about
-    linearly with the batch: the state is fixed, activations scale) at ``capacity``, falling
-    back to bisection when an interpolation lands on the same side twice, until the first
-    refusal is within ``tolerance`` (2 %) of the last fit: a fit of 55,000 examples per core
-    costs two minutes to compile, and the next multiple of 8 is no answer worth them. Batches stay
-    multiples of ``multiple`` (8: a TPU vector register holds 8 rows of a float32 tile) and
-    of what the loop needs (``trainer.accumulate_steps``, ``invariant_chunks`` per core);
-    below ``multiple``, of the loop's unit only. 0: not even the smallest batch fits.
-    With ``fixed_bytes`` (what does not grow with the batch: the state), each reach follows
-    a line to the capacity instead of 16x: from the state through the first fit, then
-    through the last two fits. ``enough(batch)``, asked after each new fit, ends the search
-    there when it says so (a planner stops once a larger batch no longer runs faster).
-    ``start`` itself, known to fit, may be below ``multiple``: it is not compiled again.
-    ``label`` names the search in its progress lines (several may run at once).
-    """
-    config = steps.program.config
-    base = config.accumulate_steps
-    if config.invariant_chunks:
-        base = math.lcm(base, config.invariant_chunks // steps.strategy.num_replicas)
-    unit = math.lcm(base, multiple)
-    probing = _Probing(steps, label or (steps.target.name if steps.target else "this host"), enough)
-    first = start if start_fits and start % base == 0 else max(unit, start // unit * unit)
-    known = start_fits is not None and first == start
-    if known and start_bytes is not None:
-        probing.needs[first] = start_bytes
-    if start_fits if known else probing.fits(first):
-        good, bad = _reach_up(probing, first, fixed_bytes, capacity, unit, limit)
-        if not bad:
-            return good, probing.probes
-    else:
-        (good, bad), unit = _halve_down(probing, first, base), base
-        if not good:
-            return 0, probing.probes
-    return _narrow(probing, good, bad, capacity, unit, tolerance, base), probing.probes
-
-
-class _Probing:
-    """The probes of one batch search: each compiled once, announced as it starts and ends,
-    with the bytes the compiler reported; ``enough`` may end the search after a fit."""
-
-    def __init__(self, steps: BatchProber, name: str, enough: Callable[[int], bool] | None) -> None:
-        self.steps, self.name, self.enough = steps, name, enough
-        self.probes: list[Probe] = []
-        self.needs: dict[int, int] = {}  # per-core batch -> bytes per core, as the compiler said
-        self.done = False  # ``enough`` said so
-
-    def fits(self, batch: int) -> bool:
-        n = len(self.probes) + 1
-        _progress(f"{self.name}: --max-batch probe {n}: {batch} per core ...")
-        ok, seconds, needed = self.steps.fits(batch)
-        self.probes.append(Probe(batch, ok, seconds))
-        verdict = "fits" if ok else "does not fit" + (f", needs {_gib(needed)}" if needed is not None else "")
-        _progress(f"{self.name}: --max-batch probe {n}: {batch} per core {verdict} ({seconds:.0f} s)")
-        if needed is not None:
-            self.needs[batch] = needed
-        self.done = bool(ok and self.enough is not None and self.enough(batch))
-        return ok
-
-
-def _reach_up(
-    probing: _Probing, good: int, fixed_bytes: int | None, capacity: float, unit: int, limit: int
-) -> tuple[int, int]:
-    """From a fit, far probes upward until one is refused: ``(last fit, refusal)``, the
-    refusal 0 when the search ends without one (the limit, or ``enough``)."""
-    line = (0, fixed_bytes)  # the reach's line starts at the state, then runs through the last two fits
-    while True:
-        far = _reach(good, probing.needs.get(good), line, capacity, unit, limit)
-        if far <= good:
-            return good, 0
-        if not probing.fits(far):
-            return good, far
-        line, good = (good, probing.needs.get(good)), far
-        if probing.done:
-            return good, 0
-
-
-def _halve_down(probing: _Probing, bad: int, base: int) -> tuple[int, int]:
-    """From a refusal, halving until a batch fits: ``(that fit, the last refusal)``, the fit
-    0 when not even ``base`` does."""
-    while True:
-        half = bad // 2 // base * base
-        if half < base:
-            return 0, bad
-        if probing.fits(half):
-            return half, bad
-        bad = half
-
-
-def _narrow(probing: _Probing, good: int, bad: int, capacity: float, multiple: int, tolerance: float, base: int) -> int:
-    """The bracket between a fit and a refusal narrowed to ``tolerance``: the last fit.
-    Probes are multiples of ``multiple``, or of ``base`` once the refusal is at or below it."""
-    streak: list[bool] = []  # the outcomes of the interpolated probes since the last bisection
-    while not probing.done:
-        unit = base if bad <= multiple else multiple
-        if _up(good + 1, unit) >= bad or bad - good <= tolerance * good:
-            break
-        floor = good // unit * unit  # the start may be a known fit below the unit
-        guess = _interpolate(good, bad, probing.needs, capacity, unit)
-        if guess is not None:
-            # Near the capacity the compiler packs tighter and the line lands just above the
-            # last fit, which crept up 8 at a time (a v5p search: 33800, 33808, 33816, 33824,
-            # two minutes each). A guess at least `tolerance` above it ends the search with one
-            # cheap refusal, or moves it up that much.
-            guess = min(max(guess, floor + max(unit, int(tolerance * good) // unit * unit)), bad - unit)
-        if guess is None or streak[-2:] in ([True, True], [False, False]):
-            guess, streak = floor + (bad - floor) // unit // 2 * unit, []
-            ok = probing.fits(guess)
-        else:
-            ok = probing.fits(guess)
-            streak.append(ok)
-        good, bad = (guess, bad) if ok else (good, guess)
-    return good
-
-
-def _reach(batch: int, used: int | None, line: tuple[int, int | None], capacity: float, unit: int, limit: int) -> int:
-    """The next far probe above a fitting ``batch``: 16x, or, given the line's other point
-    (``(0, the state's bytes)`` at first, then the previous fit), 5 % beyond where the line
-    through it and ``(batch, used)`` crosses ``capacity``: most likely a cheap refusal that
-    brackets the answer closely. A fit there moves the line to the last two fits, whose slope
-    is the activations' own (the state's line also carries the gradients and the update's
-    buffers, which do not grow with the batch, and so undershoots)."""
-    other, other_used = line
-    if used is None or other_used is None or not capacity or used <= other_used or batch <= other:
-        return min(limit, batch * 16) // unit * unit
-    per_example = (used - other_used) / (batch - other)
-    crossing = batch + (capacity - used) / per_example
-    return min(limit, max(_up(batch + 1, unit), int(crossing * 1.05) // unit * unit))
-
-
-def _up(batch: int, unit: int) -> int:
-    """The smallest multiple of ``unit`` at or above ``batch``."""
-    return -(-batch // unit) * unit
-
-
-def _interpolate(good: int, bad: int, needs: dict[int, int], capacity: float, unit: int) -> int | None:
-    """The batch at which the line through the bracket's (batch, bytes) meets ``capacity``,
-    rounded down to ``unit`` and kept strictly inside the bracket; None when unknown."""
-    if not capacity or good not in needs or bad not in needs or needs[bad] <= needs[good]:
-        return None
-    slope = (needs[bad] - needs[good]) / (bad - good)
-    guess = int(good + (capacity - needs[good]) / slope) // unit * unit
-    return min(max(guess, _up(good + 1, unit)), bad - unit)
 
 
 def check_targets(targets: list[tpu.Target], program: Program, max_batch: bool | int = False) -> list[TargetReport]:
@@ -830,7 +507,7 @@ def levers(report: TargetReport, target: tpu.Target, program: Program) -> list[s
     if n > 1 and fsdp == 1 and tensor == 1:
         state_levers.append(
             f"FSDP: mesh.fsdp={n} (parameters and optimizer state split over the {n} cores: "
-            f"{_gib(state)} -> about {_gib(state / n)} per core)"
+            f"{gib(state)} -> about {gib(state / n)} per core)"
         )
     bigger = sorted(
         (g.hbm_gib / (1 if g.megacore else g.cores_per_chip), g.name)
@@ -855,161 +532,3 @@ def levers(report: TargetReport, target: tpu.Target, program: Program) -> list[s
     if state >= 0.5 * capacity:
         return [*state_levers, *activation_levers]
     return [*activation_levers, *state_levers]
-
-
-# --------------------------------------------------------------------------- formatting
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 / 100 else f"{n / 2**20:.1f} MiB"
-
-
-def _rate(x: float | None, unit: str) -> str:
-    if not x:
-        return "-"
-    for scale, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if x >= scale:
-            return f"{x / scale:.3g}{prefix} {unit}"
-    return f"{x:.3g} {unit}"
-
-
-def target_peak(r: TargetReport) -> str:
-    t = tpu.parse_target(r.target)
-    return f"{t.peak_flops / 1e12:.4g} TFLOP/s bf16 per core"
-
-
-def format_report(r: TargetReport) -> str:
-    """One target's report, as lines for a terminal."""
-    shared = (
-        f"; each batch shard is shared by a tensor group of {r.devices // r.batch_shards} cores"
-        if r.batch_shards and r.batch_shards != r.devices
-        else ""
-    )
-    batch = f"per-core batch {r.per_device_batch} (global {r.per_device_batch * r.batch_shards}{shared}), "
-    if r.error is not None and r.error.kind == "batch":  # no per-core batch: the error says why
-        batch = ""
-    head = f"{r.target} ({r.devices} x {r.device_kind}), {batch}{r.steps_per_call} step(s) per call"
-    lines = [head, f"  {r.layout}"] if r.layout and "replicated" not in r.layout else [head]
-    if r.error is not None:
-        where = f" at {r.error.file}:{r.error.line}" if r.error.file and r.error.line else ""
-        lines.append(f"  ✗ {r.error.title}{where}")
-        if r.error.code:
-            lines.append(f"      {r.error.line} | {r.error.code}")
-        lines.append(f"    {r.message}")
-        return "\n".join(lines)
-    lines += _fit_lines(r) + _eval_lines(r) + _speed_lines(r)
-    if r.fits:
-        lines.append(f"  compiled in {r.compile_s:.1f} s on this machine")
-    if r.probes:
-        lines.append(_probe_line(r))
-    return "\n".join(lines)
-
-
-def _fit_lines(r: TargetReport) -> list[str]:
-    """The verdict: HBM per core and its parts, or by how much it is over and the levers."""
-    cap = f"{_gib(r.capacity)} per core ({r.capacity_source})"
-    if not r.fits:
-        need = f" needs {_gib(r.memory['total'])}," if "total" in r.memory else ""
-        over = f" over by {_gib(-(r.margin or 0))}" if r.margin is not None else ""
-        lines = [f"  ✗ does not fit:{need} {cap}{over}", f"    the compiler: {r.message}"]
-        if r.levers:
-            state = r.memory.get("state")
-            made_of = f" (the train state takes {_gib(state)} per core)" if state else ""
-            lines.append(f"    levers, most promising first{made_of}:")
-            lines += [f"      - {lever}" for lever in r.levers]
-        return lines
-    m = r.memory
-    parts = ", ".join(
-        f"{k} {_gib(m[k])}" for k in ("state", "batch", "outputs", "temporaries", "generated code") if k in m
-    )
-    peak = f", compiler's peak {_gib(m['peak'])}" if "peak" in m else ""
-    lines = [f"  HBM per core: {_gib(m['total'])} of {cap}{peak}", f"    {parts}"]
-    if (r.margin or 0) >= 0:
-        share = m["total"] / r.capacity if r.capacity else 0
-        lines.append(f"  ✓ fits, {_gib(r.margin or 0)} to spare ({share:.0%} used)")
-    else:  # accepted by the compiler, whose own peak is what must fit
-        lines.append(
-            f"  ✓ fits, with nothing to spare: the compiler placed it within {_gib(r.capacity)}; the parts above "
-            "add up to more because buffers that are never live at the same time are each counted"
-        )
-    return lines
-
-
-def _eval_lines(r: TargetReport) -> list[str]:
-    if r.eval is None:
-        return []
-    e = r.eval
-    if not e["fits"]:
-        return [f"  eval step (batch {e['per_device_batch']} per core): does not fit: {e['message']}"]
-    return [
-        f"  eval step (batch {e['per_device_batch']} per core): fits, {_gib(e['total'])}, "
-        f"compiled in {e['compile_s']:.1f} s"
-    ]
-
-
-def _speed_lines(r: TargetReport) -> list[str]:
-    """FLOPs per step (XLA's count against the analytic one) and the roofline estimate."""
-    lines = []
-    if r.flops_per_step:
-        analytic = ""
-        if r.analytic_flops_per_step:
-            analytic = (
-                f" (analytic {r.analytic_flops_per_step:.4g}, XLA/analytic "
-                f"{r.flops_per_step / r.analytic_flops_per_step:.3f})"
-            )
-        lines.append(f"  FLOPs per core per step (XLA): {r.flops_per_step:.4g}{analytic}")
-        if r.steps_per_call > 1 and r.flops_per_call:
-            lines.append(f"    per call of {r.steps_per_call} steps: {r.flops_per_call:.4g}")
-    if r.step_s and r.compute_s is not None and r.memory_s is not None:
-        tokens = f", {_rate(r.tokens_per_s, 'tokens/s')}" if r.tokens_per_s else ""
-        lines.append(
-            f"  roofline (an estimate, not a measurement): step >= {r.step_s * 1e3:.3g} ms, "
-            f"<= {_rate(r.examples_per_s, 'examples/s')}{tokens}"
-        )
-        lines.append(
-            f"    compute {r.compute_s * 1e3:.3g} ms at {target_peak(r)} (a strict lower bound); memory "
-            f"{r.memory_s * 1e3:.3g} ms for XLA's count of {r.bytes_per_step or 0:.3g} bytes accessed (may "
-            "overstate HBM traffic)"
-        )
-    return lines
-
-
-def _probe_line(r: TargetReport) -> str:
-    """--max-batch's answer; at the search's limit it is a lower bound, and says so."""
-    probes = ", ".join(f"{p.per_device_batch}{'✓' if p.fits else '✗'} {p.seconds:.1f}s" for p in r.probes)
-    if r.max_batch_limit is not None and r.max_batch is not None and r.max_batch >= r.max_batch_limit:
-        answer = f">= {r.max_batch} (the search's limit; --max-batch-limit {r.max_batch_limit * 4} searches further)"
-    else:
-        refused = min((p.per_device_batch for p in r.probes if not p.fits), default=None)
-        bound = f" ({refused} does not)" if refused is not None and refused > (r.max_batch or 0) + 8 else ""
-        answer = f"{r.max_batch}{bound}"
-    return f"  largest per-core batch that fits: {answer}   probes: {probes}"
-
-
-def format_table(reports: list[TargetReport]) -> str:
-    """Targets side by side: verdict, HBM per core, largest batch, roofline."""
-    rows = [("target", "fits", "HBM/core", "of", "max batch", "step >=", "examples/s <=", "compile")]
-    for r in reports:
-        total = r.memory.get("total")
-        rows.append(
-            (
-                r.target,
-                "error" if r.error is not None else "yes" if r.fits else "no",
-                _gib(total) if total else "-",
-                _gib(r.capacity) if r.capacity else "-",
-                str(r.max_batch) if r.max_batch is not None else "-",
-                f"{r.step_s * 1e3:.3g} ms" if r.step_s else "-",
-                _rate(r.examples_per_s, "").strip() or "-",
-                f"{r.compile_s:.0f} s" if r.compile_s else "-",
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
-
-
-def to_json(r: TargetReport) -> dict[str, Any]:
-    out = dataclasses.asdict(r)
-    out["error"] = None if r.error is None else {**dataclasses.asdict(r.error), "title": r.error.title}
-    out["flops_per_call"] = r.flops_per_call
-    out["margin"] = r.margin
-    return out

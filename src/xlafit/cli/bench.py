@@ -16,9 +16,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="benchmark a recipe: compile time, step time, input wait, MFU, against peers",
         description="Each configuration trains in its own process for --steps steps after --warmup; "
         "the table shows medians over --repeats runs. Example: xlafit bench mnist --simulate 8 "
-        "--devices 1,all --compare torch --plot bench.png",
+        "--devices 1,all --compare torch --plot bench.png. With --calibrate (no recipe): measure this "
+        "machine's achievable rates (matrix products, memory streams, a training step) and write the "
+        "calibration file that check, plan and bench then use for its device kind.",
     )
-    p.add_argument("recipe", help="recipe name: mnist or resnet")
+    p.add_argument("recipe", nargs="?", help="recipe name: mnist or resnet (not with --calibrate)")
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this device's rates for the step model and write its calibration file (a few minutes "
+        "on an accelerator; --calibrate-sizes tiny: seconds, for a try)",
+    )
+    p.add_argument("--calibrate-sizes", choices=("full", "tiny"), default="full", help="--calibrate's problem sizes")
+    p.add_argument("--out", metavar="FILE.json", help="--calibrate: write here instead of the user cache (to share it)")
     p.add_argument("--devices", default="1,all", help="xlafit device counts, comma-separated; 'all' = every device")
     p.add_argument(
         "--compare",
@@ -58,6 +68,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        return _calibrate(args)
+    if not args.recipe:
+        raise ConfigError("xlafit bench needs a recipe (mnist or resnet), or --calibrate.")
     from xlafit.bench import format_table, plot, run_bench  # the library when the command runs: a fast --help
 
     # Checked before the benchmark runs, not after its minutes of work.
@@ -95,4 +109,38 @@ def run(args: argparse.Namespace) -> int:
         print(f"chart: {args.plot}")
     if args.profile:
         print(f"profiles: {args.profile_dir} (tensorboard --logdir {args.profile_dir}, or xprof, or Perfetto)")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    import sys
+    from pathlib import Path
+
+    from xlafit.predict.calibrate import calibrate, write
+
+    if args.recipe:
+        raise ConfigError(f"--calibrate measures the device, not a recipe: drop {args.recipe!r}.")
+    out = Path(args.out) if args.out else None
+    if out is not None and not out.parent.is_dir():
+        raise ConfigError(f"--out {out}: the folder {out.parent} does not exist; create it or write elsewhere.")
+    rates, record = calibrate(args.calibrate_sizes, progress=lambda text: print(text, file=sys.stderr, flush=True))
+    path = write(rates, out)
+    step = record["step"]
+    print(
+        f"{rates.device_kind}: matrix products {rates.matmul_flops / 1e12:.4g} TFLOP/s (tile "
+        f"{rates.matmul_tile[0]}x{rates.matmul_tile[1]} over {rates.units} unit(s)), streams "
+        f"{rates.hbm_bytes_per_s / 1e9:.4g} GB/s + {rates.kernel_s * 1e6:.3g} us per kernel, element-wise "
+        f"{rates.vector_ops_per_s / 1e12:.3g} T ops/s"
+    )
+    print(
+        f"training step: measured {step['measured_s'] * 1e3:.3g} ms, predicted with these rates "
+        f"{step['predicted_s'] * 1e3:.3g} ms ({step['predicted_s'] / step['measured_s'] - 1:+.0%})"
+    )
+    print(
+        f"calibration: {path} (check, plan and bench use it for {rates.device_kind}; share the file to plan "
+        "elsewhere with it: --calibration FILE)"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rates": rates.to_json(), "record": record}, indent=2) + "\n")
+        print(f"JSON: {args.json}")
     return 0

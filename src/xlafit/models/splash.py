@@ -14,7 +14,7 @@ the query and the key/value heads divide over it). Packed rows pass their segmen
 token attends only within its own segment, as with the XLA path's mask.
 
 XLA's cost analysis cannot see inside a Pallas kernel (a custom call), so ``check`` and
-``plan`` add the kernel's FLOPs from :func:`xlafit.check.hlo.kernel_flops`.
+``plan`` add the kernel's FLOPs from :func:`xlafit.predict.hlo.kernel_flops`.
 """
 
 from __future__ import annotations

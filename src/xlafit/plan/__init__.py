@@ -9,7 +9,7 @@ by libtpu for the target, on this machine, and predicted from its compiled progr
 - **step time** = ``max(compute, memory, communication)`` per core: compute is XLA's FLOPs
   over the datasheet's peak, memory XLA's bytes accessed over HBM bandwidth (as ``check``'s
   roofline), communication the collectives the compiled program contains, priced over the
-  slice's ICI (:mod:`xlafit.plan.comms`). The ``max`` assumes the collectives overlap the
+  slice's ICI (:mod:`xlafit.predict.collectives`). The ``max`` assumes the collectives overlap the
   computation (XLA's TPU scheduler runs them asynchronously); ``serial_s`` (their sum) is
   the bound with no overlap. Ignored: the input pipeline, the host, step-to-step dispatch,
   kernel efficiency below the peak (real MFU is below the predicted one), and the latency
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from xlafit.check import file_program, file_settings, importable, load_file, recipe_program
-from xlafit.check.tpu import Program
+from xlafit.check.program import Program
 from xlafit.config import load_yaml
 from xlafit.errors import ConfigError
 from xlafit.parallel.cluster import start_backends

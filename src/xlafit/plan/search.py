@@ -13,7 +13,7 @@ For each target, in order of cost:
    to name the largest buffers at its peak.
 3. **Batch** (without a fixed global batch): for the ``top`` layouts by predicted
    throughput, side by side, the largest per-core batch that fits (the ``--max-batch``
-   search of :func:`xlafit.check.tpu.largest_batch`, at 10 % tolerance), predicted again
+   search of :func:`xlafit.check.batch_search.largest_batch`, at 10 % tolerance), predicted again
    there; a layout's search ends early once the largest batch below its smallest refusal
    is predicted to run less than 5 % faster (:func:`reachable_gain`).
 
@@ -40,17 +40,16 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from xlafit.check.hlo import kernel_flops, loop_flops
+from xlafit.check.batch_search import largest_batch
+from xlafit.check.program import Program
+from xlafit.check.speed import steps_in_cost
 from xlafit.check.tpu import (
     OutOfMemory,
-    Program,
     Steps,
     TraceFailure,
-    largest_batch,
     memory_of,
     needed_bytes,
     no_persistent_cache,
-    steps_in_cost,
     trainer_refusal,
     tree_bytes,
     usable_hbm,
@@ -58,8 +57,9 @@ from xlafit.check.tpu import (
 from xlafit.errors import XlafitError
 from xlafit.plan.buffers import Buffer, largest_buffers
 from xlafit.plan.candidates import REMAT_LADDER, Candidate, mesh_refusal, meshes, params_of
-from xlafit.plan.comms import CommReport, collectives, loop_trips, summarize
 from xlafit.platform.hardware import Target
+from xlafit.predict.collectives import CommReport, collectives, loop_trips, summarize
+from xlafit.predict.hlo import kernel_flops, loop_flops
 
 # A larger batch is worth its compiles while the largest that may fit is predicted to run at
 # least this much faster (stage 3, ``Settings.min_gain``): less is within what the prediction ignores.

@@ -49,6 +49,8 @@ class LlmModelConfig:
     num_kv_heads: int | None = None  # key/value heads (fewer: grouped-query attention); null: the preset's
     intermediate_size: int | None = None  # the SwiGLU MLP's width; null: the preset's
     max_position_embeddings: int | None = None  # the longest sequence; null: the preset's
+    head_dim: int | None = None  # per attention head; null: the preset's (custom: hidden_size / num_heads)
+    vocab_size: int | None = None  # null: the preset's (tiny and custom: the tokenizer's)
     compute_dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16: mixed precision (parameters stay float32)
     # the attention kernel: auto takes splash (flash, TPUs; seq_len a multiple of 128) or
     # cudnn (flash, GPUs; unpacked bf16 only) where it applies, else xla
@@ -87,7 +89,8 @@ def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
     """The model's :class:`LlamaConfig`: the preset's sizes, then the config's overrides;
     ``vocab_size`` is the tokenizer's for tiny and custom sizes (Meta's presets keep theirs)."""
     m = cfg.model
-    sizes = {k: getattr(m, k) for k in (*_SIZES, "max_position_embeddings") if getattr(m, k) is not None}
+    optional = ("max_position_embeddings", "head_dim", "vocab_size")
+    sizes = {k: getattr(m, k) for k in (*_SIZES, *optional) if getattr(m, k) is not None}
     if m.preset == "custom":
         missing = [k for k in _SIZES if k not in sizes and k != "num_kv_heads"]
         if missing:
@@ -97,10 +100,11 @@ def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
         base = dict(PRESETS[m.preset])
         if m.preset == "tiny":
             base["vocab_size"] = vocab_size
-    if base["vocab_size"] < vocab_size:
+    if sizes.get("vocab_size", base["vocab_size"]) < vocab_size:
         raise ConfigError(
-            f"the tokenizer has {vocab_size} tokens, more than model.preset={m.preset}'s vocabulary of "
-            f"{base['vocab_size']}; use that model's tokenizer (data.tokenizer) or model.preset=custom."
+            f"the tokenizer has {vocab_size} tokens, more than the model's vocabulary of "
+            f"{sizes.get('vocab_size', base['vocab_size'])}; use that model's tokenizer (data.tokenizer), "
+            "model.preset=custom, or a larger model.vocab_size."
         )
     try:
         return LlamaConfig(

@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 from xlafit.check import recipe_program
-from xlafit.check.hlo import kernel_flops
 from xlafit.check.tpu import OutOfMemory, Steps, memory_of, needed_bytes, no_persistent_cache, usable_hbm
-from xlafit.plan.comms import collectives, summarize
 from xlafit.platform.hardware import parse_targets
+from xlafit.predict.collectives import collectives, summarize
+from xlafit.predict.hlo import kernel_flops
 
 here = Path(__file__).parent
 batch = int(sys.argv[1])

@@ -39,10 +39,20 @@ import math
 import re
 from collections.abc import Iterable
 
-from xlafit.check.hlo import _ARRAY, array_bytes, loop_trips, walk
 from xlafit.platform.hardware import Target
+from xlafit.predict.hlo import _ARRAY, array_bytes, loop_trips, walk
 
-__all__ = ["KINDS", "Collective", "CommReport", "array_bytes", "collectives", "group_size", "loop_trips", "summarize"]
+__all__ = [
+    "KINDS",
+    "Collective",
+    "CommReport",
+    "array_bytes",
+    "collectives",
+    "group_size",
+    "loop_trips",
+    "moved_bytes",
+    "summarize",
+]
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 # A ring moves (n - 1) / n of the data this many times.
@@ -104,7 +114,7 @@ def collectives(hlo: str, devices: int = 1) -> list[Collective]:
             continue
         if kind == "all-reduce" and fused_in.startswith("all-reduce-scatter"):
             kind = "reduce-scatter"
-        size = _moved_bytes(kind, op, found.group("shape"), rest)
+        size = moved_bytes(kind, op, found.group("shape"), rest)
         # The TPU compiler copies one collective into the pieces of an asynchronous fusion
         # (its start and continuations), all with the collective's channel id: a channel is
         # one collective, run as often as its most frequent copy.
@@ -120,7 +130,7 @@ def collectives(hlo: str, devices: int = 1) -> list[Collective]:
     return list(counts.values())
 
 
-def _moved_bytes(kind: str, op: str, shape: str, rest: str) -> int:
+def moved_bytes(kind: str, op: str, shape: str, rest: str) -> int:
     """The full array's bytes: the result of an all-gather (its largest tuple element for the
     ``-start`` form, which also holds the operand), the operand of a reduce-scatter."""
     if kind == "reduce-scatter" and op == "reduce-scatter":

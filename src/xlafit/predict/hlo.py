@@ -1,7 +1,7 @@
 """Reading a compiled program's optimised HLO text (``compiled.as_text()``).
 
 What XLA's cost analysis leaves out is in the program text: the collectives one core sends
-the others (:mod:`xlafit.plan.comms`) and the work inside custom calls, such as the Pallas
+the others (:mod:`xlafit.predict.collectives`) and the work inside custom calls, such as the Pallas
 kernels of splash attention, whose FLOPs the cost analysis does not see
 (:func:`kernel_flops`). :func:`walk` visits every instruction with how often one run of
 the program executes it: inside a ``while`` body once per trip (the trip count read from

@@ -1,0 +1,131 @@
+"""What ``xlafit check --tpu`` compiles (:class:`Program`) and what it answers per target
+(:class:`TargetReport`, one :class:`Probe` per ``--max-batch`` compile)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+
+from xlafit.config import TrainerConfig
+from xlafit.parallel.mesh import Strategy
+from xlafit.train.step import LossFn
+
+
+def progress(text: str, end: str = "\n") -> None:
+    """Progress on stderr (the report itself goes to stdout, or is returned)."""
+    print(text, end=end, file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass
+class Program:
+    """What to compile: one run's model, loss, optimizer, loop settings and example layout.
+
+    Attributes:
+        model: an ``nnx.Module``, concrete or from ``nnx.eval_shape``.
+        loss_fn: ``loss_fn(model, batch)`` as for :class:`xlafit.Trainer`.
+        tx: the optimizer.
+        config: the loop settings (steps per call, accumulation, invariant chunks).
+        example: one example's arrays as ``ShapeDtypeStruct`` (no batch axis).
+        per_device_batch: train examples per core per step; None: ``global_batch`` over the
+            target's cores.
+        global_batch: examples per step over all cores, when ``per_device_batch`` is None.
+        eval_global_batch: eval examples per call over all cores; None skips the eval step.
+        flops_per_example: analytic training FLOPs of one example, when the model has a count.
+        tokens_per_example: for a tokens/s estimate.
+        user_file: the user's file, to place failures at its lines.
+    """
+
+    model: nnx.Module
+    loss_fn: LossFn
+    tx: optax.GradientTransformation
+    config: TrainerConfig
+    example: dict[str, jax.ShapeDtypeStruct]
+    per_device_batch: int | None
+    global_batch: int | None = None
+    eval_global_batch: int | None = None
+    flops_per_example: float | None = None
+    tokens_per_example: float | None = None
+    user_file: str | None = None
+    # The run's mesh over the target's cores: (data, fsdp, tensor), one may be -1; and its
+    # logical-axis rules (xlafit.parallel.sharding). The default is pure data parallelism.
+    mesh: tuple[int, int, int] = (-1, 1, 1)
+    rules: Mapping[str, str | None] | None = None
+    # How this program's per-core batch is set ({n}: the number), and levers only its maker
+    # knows (a recipe's model.remat): (what they shrink, "state" or "activations", the text).
+    batch_syntax: str = "data.per_device_batch={n}"
+    model_levers: tuple[tuple[str, str], ...] = ()
+    # What the optimizer trains (LoRA: the adapters); the rest is frozen state.
+    trainable: Any = nnx.Param
+    # The trainer settings a converted model refuses (a torch module or a Keras model trains
+    # data-parallel only): xlafit.train.adapter.Adapted.check, called with each layout.
+    settings_check: Callable[[Strategy, TrainerConfig], None] | None = None
+
+
+@dataclasses.dataclass
+class Probe:
+    """One compile of ``--max-batch``: the per-core batch, whether it fit, and its time."""
+
+    per_device_batch: int
+    fits: bool
+    seconds: float
+
+
+@dataclasses.dataclass
+class TargetReport:
+    """The answer for one TPU target (see the module docstring).
+
+    ``memory`` is per core, in bytes, from ``compiled.memory_analysis()``: ``arguments``
+    (the ``state`` and ``batch``, whose own sizes are given beside, with tile padding),
+    ``outputs`` (what is not aliased to a donated argument), ``temporaries``, ``generated
+    code``, and ``total`` = arguments + outputs + temporaries + generated code; ``peak`` is
+    the compiler's own peak where it reports one.
+    """
+
+    target: str
+    device_kind: str = ""
+    devices: int = 0  # the slice's cores
+    batch_shards: int = 0  # data x fsdp: the cores unless a tensor-parallel group shares its rows
+    per_device_batch: int = 0  # per batch shard
+    steps_per_call: int = 1
+    layout: str = ""  # the mesh line (Strategy.layout)
+    fits: bool | None = None  # None: it failed for another reason (``error``)
+    capacity: float = 0.0
+    capacity_source: str = ""
+    memory: dict[str, int] = dataclasses.field(default_factory=dict)
+    message: str | None = None  # the compiler's refusal, or the error
+    error: Any = None  # a check.Finding for a failure that is not out-of-memory
+    flops_per_step: float | None = None
+    analytic_flops_per_step: float | None = None
+    bytes_per_step: float | None = None
+    step_s: float | None = None  # the step model's prediction; the roofline bound where it has no rates
+    predicted: bool = False  # step_s is the step model's (else the bound's)
+    band: str | None = None  # the step model's measured error for this device kind, or why there is none
+    rates: str | None = None  # where the step model's rates come from (built-in, a calibration file)
+    bound_s: float | None = None  # the roofline bound: max(compute, memory)
+    compute_s: float | None = None  # FLOPs / peak FLOP/s
+    memory_s: float | None = None  # XLA's bytes accessed / HBM bandwidth
+    bound: str | None = None  # what bounds the roofline: compute or HBM bandwidth
+    examples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    compile_s: float = 0.0
+    eval: dict[str, Any] | None = None
+    max_batch: int | None = None
+    max_batch_limit: int | None = None  # the search's upper end: max_batch == it means "at least"
+    probes: list[Probe] = dataclasses.field(default_factory=list)
+    levers: list[str] = dataclasses.field(default_factory=list)  # when it does not fit: what would help
+
+    @property
+    def flops_per_call(self) -> float | None:
+        return self.flops_per_step * self.steps_per_call if self.flops_per_step else None
+
+    @property
+    def margin(self) -> float | None:
+        """Bytes left per core (negative: over), against the compiler's capacity."""
+        total = self.memory.get("total")
+        return None if total is None or not self.capacity else self.capacity - total

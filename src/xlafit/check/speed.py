@@ -1,0 +1,85 @@
+"""How fast a compiled train step runs on a device: the step model's prediction
+(:mod:`xlafit.predict`: every kernel at the device's achievable rates) with its measured
+error band, and the roofline bound (FLOPs at peak, bytes at datasheet bandwidth) beside it."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from xlafit.check.program import Program, TargetReport
+from xlafit.predict.hlo import kernel_flops, loop_flops
+from xlafit.predict.model import Link, predict
+from xlafit.predict.rates import rates_for
+
+
+def steps_in_cost(compiled: Any, k: int) -> int:
+    """How many of a call's ``k`` steps XLA's cost analysis counted: one when the steps stayed
+    a loop (a ``while`` body is counted once), ``k`` when the compiler unrolled them."""
+    if k == 1:
+        return 1
+    return 1 if re.search(r"\bwhile\(", compiled.as_text()) else k
+
+
+def roofline(report: TargetReport, peak: float, bandwidth: float, program: Program, compiled: Any, k: int) -> None:
+    """Fills FLOPs, bytes and the roofline bound from the compiled program of ``k`` steps:
+    XLA's cost analysis, plus the FLOPs of the Pallas kernels it cannot see (splash
+    attention: :func:`xlafit.predict.hlo.kernel_flops`) and the products of loops inside a step,
+    which it counts once (:func:`xlafit.predict.hlo.loop_flops`), over one device's ``peak``
+    FLOP/s and HBM ``bandwidth`` (bytes/s)."""
+    cost, counted, hlo = compiled.cost_analysis() or {}, steps_in_cost(compiled, k), compiled.as_text()
+    # The products of loops inside a step (a scan over layers), which the cost analysis counts once.
+    inner = loop_flops(hlo, {k} if k > 1 else ())
+    flops = (float(cost.get("flops", 0.0)) + inner) / counted + kernel_flops(hlo) / k or None
+    report.flops_per_step = flops
+    report.bytes_per_step = float(cost.get("bytes accessed", 0.0)) / counted or None
+    rows = report.per_device_batch * report.batch_shards  # the global batch
+    if program.flops_per_example:  # per core: a tensor-parallel group splits its shard's work
+        report.analytic_flops_per_step = program.flops_per_example * rows / report.devices
+    if flops is None:
+        return
+    # Never less than the model's own FLOPs: XLA's count of a TPU program can fall short of
+    # them (an 8B Llama's step counted 0.89x its analytic FLOPs, recomputed forward and all),
+    # and a step faster than its model FLOPs at peak would claim an MFU above 100 %.
+    compute = max(flops, report.analytic_flops_per_step or 0.0) / peak
+    memory = (report.bytes_per_step or 0.0) / bandwidth
+    report.compute_s, report.memory_s = compute, memory
+    report.bound_s = report.step_s = max(compute, memory)
+    report.bound = "compute" if compute >= memory else "HBM bandwidth"
+    _throughput(report, program)
+
+
+def _throughput(report: TargetReport, program: Program) -> None:
+    rows = report.per_device_batch * report.batch_shards
+    assert report.step_s
+    report.examples_per_s = rows / report.step_s
+    if program.tokens_per_example:
+        report.tokens_per_s = report.examples_per_s * program.tokens_per_example
+
+
+def model_step(
+    report: TargetReport,
+    program: Program,
+    compiled: Any,
+    k: int,
+    device_kind: str,
+    link: Link = None,
+    calibration: str | None = None,
+) -> None:
+    """The step model's prediction of one step of ``compiled`` (``k`` steps per call) on
+    ``device_kind``, with its error band, into ``report`` (after :func:`roofline`); where the
+    device has no rates the report keeps the bound and its band says why."""
+    rates = rates_for(device_kind, calibration)
+    if rates is None:
+        report.band = (
+            f"no step model for {device_kind}: the roofline bound only (xlafit bench --calibrate on one measures it)"
+        )
+        return
+    prediction = predict(compiled.as_text(), rates, link, report.devices)
+    if prediction.seconds <= 0:
+        return
+    report.step_s = prediction.seconds / k
+    report.predicted = True
+    report.band = rates.describe_band()
+    report.rates = rates.origin
+    _throughput(report, program)

@@ -1,0 +1,164 @@
+"""``xlafit check --tpu``'s report: one target's lines, the targets side by side, JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from xlafit.check.program import TargetReport
+from xlafit.platform import hardware as tpu
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 / 100 else f"{n / 2**20:.1f} MiB"
+
+
+def _rate(x: float | None, unit: str) -> str:
+    if not x:
+        return "-"
+    for scale, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if x >= scale:
+            return f"{x / scale:.3g}{prefix} {unit}"
+    return f"{x:.3g} {unit}"
+
+
+def target_peak(r: TargetReport) -> str:
+    t = tpu.parse_target(r.target)
+    return f"{t.peak_flops / 1e12:.4g} TFLOP/s bf16 per core"
+
+
+def format_report(r: TargetReport) -> str:
+    """One target's report, as lines for a terminal."""
+    shared = (
+        f"; each batch shard is shared by a tensor group of {r.devices // r.batch_shards} cores"
+        if r.batch_shards and r.batch_shards != r.devices
+        else ""
+    )
+    batch = f"per-core batch {r.per_device_batch} (global {r.per_device_batch * r.batch_shards}{shared}), "
+    if r.error is not None and r.error.kind == "batch":  # no per-core batch: the error says why
+        batch = ""
+    head = f"{r.target} ({r.devices} x {r.device_kind}), {batch}{r.steps_per_call} step(s) per call"
+    lines = [head, f"  {r.layout}"] if r.layout and "replicated" not in r.layout else [head]
+    if r.error is not None:
+        where = f" at {r.error.file}:{r.error.line}" if r.error.file and r.error.line else ""
+        lines.append(f"  ✗ {r.error.title}{where}")
+        if r.error.code:
+            lines.append(f"      {r.error.line} | {r.error.code}")
+        lines.append(f"    {r.message}")
+        return "\n".join(lines)
+    lines += _fit_lines(r) + _eval_lines(r) + _speed_lines(r)
+    if r.fits:
+        lines.append(f"  compiled in {r.compile_s:.1f} s on this machine")
+    if r.probes:
+        lines.append(_probe_line(r))
+    return "\n".join(lines)
+
+
+def _fit_lines(r: TargetReport) -> list[str]:
+    """The verdict: HBM per core and its parts, or by how much it is over and the levers."""
+    cap = f"{gib(r.capacity)} per core ({r.capacity_source})"
+    if not r.fits:
+        need = f" needs {gib(r.memory['total'])}," if "total" in r.memory else ""
+        over = f" over by {gib(-(r.margin or 0))}" if r.margin is not None else ""
+        lines = [f"  ✗ does not fit:{need} {cap}{over}", f"    the compiler: {r.message}"]
+        if r.levers:
+            state = r.memory.get("state")
+            made_of = f" (the train state takes {gib(state)} per core)" if state else ""
+            lines.append(f"    levers, most promising first{made_of}:")
+            lines += [f"      - {lever}" for lever in r.levers]
+        return lines
+    m = r.memory
+    parts = ", ".join(
+        f"{k} {gib(m[k])}" for k in ("state", "batch", "outputs", "temporaries", "generated code") if k in m
+    )
+    peak = f", compiler's peak {gib(m['peak'])}" if "peak" in m else ""
+    lines = [f"  HBM per core: {gib(m['total'])} of {cap}{peak}", f"    {parts}"]
+    if (r.margin or 0) >= 0:
+        share = m["total"] / r.capacity if r.capacity else 0
+        lines.append(f"  ✓ fits, {gib(r.margin or 0)} to spare ({share:.0%} used)")
+    else:  # accepted by the compiler, whose own peak is what must fit
+        lines.append(
+            f"  ✓ fits, with nothing to spare: the compiler placed it within {gib(r.capacity)}; the parts above "
+            "add up to more because buffers that are never live at the same time are each counted"
+        )
+    return lines
+
+
+def _eval_lines(r: TargetReport) -> list[str]:
+    if r.eval is None:
+        return []
+    e = r.eval
+    if not e["fits"]:
+        return [f"  eval step (batch {e['per_device_batch']} per core): does not fit: {e['message']}"]
+    return [
+        f"  eval step (batch {e['per_device_batch']} per core): fits, {gib(e['total'])}, "
+        f"compiled in {e['compile_s']:.1f} s"
+    ]
+
+
+def _speed_lines(r: TargetReport) -> list[str]:
+    """FLOPs per step (XLA's count against the analytic one) and the roofline estimate."""
+    lines = []
+    if r.flops_per_step:
+        analytic = ""
+        if r.analytic_flops_per_step:
+            analytic = (
+                f" (analytic {r.analytic_flops_per_step:.4g}, XLA/analytic "
+                f"{r.flops_per_step / r.analytic_flops_per_step:.3f})"
+            )
+        lines.append(f"  FLOPs per core per step (XLA): {r.flops_per_step:.4g}{analytic}")
+        if r.steps_per_call > 1 and r.flops_per_call:
+            lines.append(f"    per call of {r.steps_per_call} steps: {r.flops_per_call:.4g}")
+    if r.step_s and r.compute_s is not None and r.memory_s is not None:
+        tokens = f", {_rate(r.tokens_per_s, 'tokens/s')}" if r.tokens_per_s else ""
+        lines.append(
+            f"  roofline (an estimate, not a measurement): step >= {r.step_s * 1e3:.3g} ms, "
+            f"<= {_rate(r.examples_per_s, 'examples/s')}{tokens}"
+        )
+        lines.append(
+            f"    compute {r.compute_s * 1e3:.3g} ms at {target_peak(r)} (a strict lower bound); memory "
+            f"{r.memory_s * 1e3:.3g} ms for XLA's count of {r.bytes_per_step or 0:.3g} bytes accessed (may "
+            "overstate HBM traffic)"
+        )
+    return lines
+
+
+def _probe_line(r: TargetReport) -> str:
+    """--max-batch's answer; at the search's limit it is a lower bound, and says so."""
+    probes = ", ".join(f"{p.per_device_batch}{'✓' if p.fits else '✗'} {p.seconds:.1f}s" for p in r.probes)
+    if r.max_batch_limit is not None and r.max_batch is not None and r.max_batch >= r.max_batch_limit:
+        answer = f">= {r.max_batch} (the search's limit; --max-batch-limit {r.max_batch_limit * 4} searches further)"
+    else:
+        refused = min((p.per_device_batch for p in r.probes if not p.fits), default=None)
+        bound = f" ({refused} does not)" if refused is not None and refused > (r.max_batch or 0) + 8 else ""
+        answer = f"{r.max_batch}{bound}"
+    return f"  largest per-core batch that fits: {answer}   probes: {probes}"
+
+
+def format_table(reports: list[TargetReport]) -> str:
+    """Targets side by side: verdict, HBM per core, largest batch, roofline."""
+    rows = [("target", "fits", "HBM/core", "of", "max batch", "step >=", "examples/s <=", "compile")]
+    for r in reports:
+        total = r.memory.get("total")
+        rows.append(
+            (
+                r.target,
+                "error" if r.error is not None else "yes" if r.fits else "no",
+                gib(total) if total else "-",
+                gib(r.capacity) if r.capacity else "-",
+                str(r.max_batch) if r.max_batch is not None else "-",
+                f"{r.step_s * 1e3:.3g} ms" if r.step_s else "-",
+                _rate(r.examples_per_s, "").strip() or "-",
+                f"{r.compile_s:.0f} s" if r.compile_s else "-",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+
+
+def to_json(r: TargetReport) -> dict[str, Any]:
+    out = dataclasses.asdict(r)
+    out["error"] = None if r.error is None else {**dataclasses.asdict(r.error), "title": r.error.title}
+    out["flops_per_call"] = r.flops_per_call
+    out["margin"] = r.margin
+    return out

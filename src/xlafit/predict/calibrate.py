@@ -1,0 +1,224 @@
+"""``xlafit bench --calibrate``: this machine's achievable rates, measured, as a calibration
+file the step model then uses for its device kind.
+
+Each micro-benchmark is a chain of ``r`` copies of one operation in one compiled program,
+each copy's result fed to the next through an optimisation barrier (so XLA neither fuses
+the copies nor drops one); the time per operation is the difference between a long and a
+short chain over the difference in length, so the host's dispatch cancels out and what
+remains is the kernel and its launch on the device:
+
+- matrix products of several shapes (bf16 on accelerators, float32 on a CPU) ->
+  :func:`xlafit.predict.fit.fit_matmul`;
+- element-wise streams (``x * a + b``) of several sizes -> :func:`xlafit.predict.fit.fit_stream`
+  (bandwidth and fixed cost per kernel);
+- a long element-wise polynomial on a small array -> the vector rate.
+
+Then a short training step (a small MLP; its rows, widths and steps configurable) is timed
+and predicted with the fitted rates: its error is the calibration's band. The file is JSON,
+a few hundred bytes: a Colab user calibrates a v5e-1 once and plans a v5e-64 with it.
+
+Example (the CPU, tiny sizes, a few seconds):
+    >>> rates, record = calibrate(sizes="tiny")
+    >>> rates.origin, rates.matmul_flops > 0, record["step"]["measured_s"] > 0
+    ('calibrated', True, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from xlafit.predict.fit import fit_matmul, fit_stream, held_out_band
+from xlafit.predict.model import predict
+from xlafit.predict.ops import VECTOR_COST
+from xlafit.predict.rates import Rates, calibration_dir, save_rates
+
+__all__ = ["SIZES", "calibrate", "calibration_path", "chain_seconds"]
+
+# (matrix products (m, k) with a k x k weight, element-wise streams in MiB, the polynomial's
+# array in elements, the MLP step: rows, width, layers), by scale.
+SIZES: dict[str, dict[str, Any]] = {
+    "full": {
+        "matmul": [(8192, 8192), (4096, 4096), (32768, 768), (8192, 2048), (2048, 2048), (16384, 1024), (65536, 256)],
+        "stream_mib": [16, 64, 256, 1024],
+        "vector_elements": 1 << 24,
+        "step": (4096, 2048, 4),
+    },
+    "tiny": {
+        "matmul": [(256, 256), (512, 128), (128, 512)],
+        "stream_mib": [1, 4],
+        "vector_elements": 1 << 14,
+        "step": (64, 128, 2),
+    },
+}
+_POLYNOMIAL = 32  # multiply-adds per element of the vector benchmark
+
+
+def chain_seconds(op: Callable[[jax.Array], jax.Array], x: jax.Array, short: int = 4, long: int = 12) -> float:
+    """Seconds per application of ``op`` on the device, from chains of ``short`` and ``long``
+    applications compiled as one program each (median of 5 runs of each)."""
+
+    def chain(r: int) -> Callable[[jax.Array], jax.Array]:
+        def run(y: jax.Array) -> jax.Array:
+            for _ in range(r):
+                y = jax.lax.optimization_barrier(op(y))
+            return y
+
+        return jax.jit(run)
+
+    def timed(f: Callable[[jax.Array], jax.Array]) -> float:
+        f(x).block_until_ready()
+        runs = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            f(x).block_until_ready()
+            runs.append(time.perf_counter() - t0)
+        return statistics.median(runs)
+
+    a, b = timed(chain(short)), timed(chain(long))
+    return max(b - a, 1e-9) / (long - short)
+
+
+def _dtype() -> Any:
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def _matmuls(shapes: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    rows = []
+    dtype = _dtype()
+    for m, k in shapes:
+        w = jnp.asarray(np.random.default_rng(0).standard_normal((k, k)) / np.sqrt(k), dtype)
+        x = jnp.ones((m, k), dtype)
+        seconds = chain_seconds(lambda y, w=w: (y @ w).astype(y.dtype), x)
+        rows.append({"m": m, "n": k, "k": k, "s": seconds, "tflops": 2 * m * k * k / seconds / 1e12})
+    return rows
+
+
+def _streams(sizes_mib: list[int]) -> list[dict[str, Any]]:
+    rows = []
+    dtype = _dtype()
+    for mib in sizes_mib:
+        x = jnp.ones((mib * 2**20 // jnp.dtype(dtype).itemsize // 1024, 1024), dtype)
+        seconds = chain_seconds(lambda y: y * 0.5 + 0.25, x)
+        rows.append({"bytes": 2 * x.nbytes, "s": seconds, "gbps": 2 * x.nbytes / seconds / 1e9})
+    return rows
+
+
+def _vector(elements: int) -> dict[str, Any]:
+    x = jnp.ones((elements // 1024, 1024), jnp.float32)
+
+    def polynomial(y: jax.Array) -> jax.Array:
+        z = y
+        for i in range(_POLYNOMIAL):
+            z = z * 0.999 + 0.001 * i
+        return z
+
+    seconds = chain_seconds(polynomial, x)
+    ops = 2 * _POLYNOMIAL * VECTOR_COST["multiply"] * elements
+    return {"elements": elements, "ops": ops, "bytes": 2 * x.nbytes, "s": seconds}
+
+
+def _step(rows: int, width: int, layers: int) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """A small MLP's AdamW train step (its loss, gradients and update, one program)."""
+    dtype = _dtype()
+    keys = jax.random.split(jax.random.key(0), layers)
+    params = [jax.random.normal(k, (width, width), jnp.float32) / np.sqrt(width) for k in keys]
+    tx = optax.adamw(1e-3)
+    state = tx.init(params)
+    x = jnp.ones((rows, width), dtype)
+
+    def loss(ps: list[jax.Array], batch: jax.Array) -> jax.Array:
+        h = batch
+        for p in ps:
+            h = jax.nn.gelu(h @ p.astype(dtype))
+        return jnp.mean(h.astype(jnp.float32) ** 2)
+
+    def step(ps: list[jax.Array], st: Any, batch: jax.Array) -> tuple[Any, Any, jax.Array]:
+        value, grads = jax.value_and_grad(loss)(ps, batch)
+        updates, st = tx.update(grads, st, ps)
+        return optax.apply_updates(ps, updates), st, value
+
+    return step, (params, state, x)
+
+
+def _measure_step(step: Callable[..., Any], args: tuple[Any, ...], steps: int = 10) -> tuple[float, str]:
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile()
+    params, state, x = args
+    params, state, _ = compiled(params, state, x)  # warm-up
+    jax.block_until_ready(params)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        params, state, loss = compiled(params, state, x)
+        loss.block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), compiled.as_text()
+
+
+def calibrate(sizes: str = "full", progress: Callable[[str], None] = lambda _: None) -> tuple[Rates, dict[str, Any]]:
+    """Measures this machine's default device and fits its rates (see the module docstring).
+
+    Returns:
+        ``(rates, record)``: the fitted row (``origin`` "calibrated", its band from the
+        training step) and every timing behind it.
+    """
+    if sizes not in SIZES:
+        raise ValueError(f"sizes={sizes!r}: one of {', '.join(SIZES)}")
+    plan = SIZES[sizes]
+    device = jax.devices()[0]
+    units = int(getattr(device, "core_count", 0) or 1)
+    progress(f"calibrating {device.device_kind}: matrix products ...")
+    matmuls = _matmuls(plan["matmul"])
+    progress("element-wise streams ...")
+    streams = _streams(plan["stream_mib"])
+    progress("element-wise arithmetic ...")
+    vector = _vector(plan["vector_elements"])
+    flops, tile = fit_matmul(matmuls, units)
+    bandwidth, fixed = fit_stream(streams)
+    vector_rate = vector["ops"] / max(vector["s"] - vector["bytes"] / bandwidth - fixed, vector["s"] / 10)
+    sources = {
+        "matmul_flops": f"fitted to {len(matmuls)} timed products (xlafit bench --calibrate)",
+        "matmul_tile": "the wave model's best tile for those products",
+        "units": "jax.Device.core_count" if units > 1 else "one unit (the device reports no core count)",
+        "hbm_bytes_per_s": f"fitted to {len(streams)} timed element-wise streams",
+        "vector_ops_per_s": f"a {_POLYNOMIAL}-step polynomial per element, timed",
+        "kernel_s": "the streams' fixed cost per kernel",
+    }
+    rates = Rates(device.device_kind, flops, tile, units, bandwidth, vector_rate, fixed, sources=sources)
+    progress("a training step ...")
+    step, args = _step(*plan["step"])
+    measured, hlo = _measure_step(step, args)
+    predicted = predict(hlo, rates).seconds
+    error = predicted / measured - 1
+    rates = dataclasses.replace(rates, band=held_out_band([error], "measured"), origin="calibrated")
+    record = {
+        "device_kind": device.device_kind,
+        "jax": jax.__version__,
+        "sizes": sizes,
+        "matmul": matmuls,
+        "stream": streams,
+        "vector": vector,
+        "step": {"rows_width_layers": plan["step"], "measured_s": measured, "predicted_s": predicted},
+    }
+    return rates, record
+
+
+def calibration_path(device_kind: str, folder: Path | None = None) -> Path:
+    """Where a device kind's calibration is written: ``<cache>/calibration/<kind>.json``."""
+    slug = re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-") or "device"
+    return (folder or calibration_dir()) / f"{slug}.json"
+
+
+def write(rates: Rates, path: Path | None = None) -> Path:
+    """Writes ``rates`` where :func:`xlafit.predict.rates.rates_for` will find it."""
+    return save_rates(rates, path or calibration_path(rates.device_kind))
