@@ -81,5 +81,6 @@ def model_step(
     report.step_s = prediction.seconds / k
     report.predicted = True
     report.band = rates.describe_band()
+    report.band_median = rates.band.median if rates.band else None
     report.rates = rates.origin
     _throughput(report, program)

@@ -12,12 +12,13 @@ devices and compiled by libtpu. Nothing is allocated: the model may come from
 - FLOPs per step from XLA's cost analysis of the compiled program. Inside the ``lax.scan``
   of ``k`` steps per call XLA counts the loop body, one step, once: the call does ``k`` times
   that. An analytic count, where the model has one, is shown beside it;
-- a roofline lower bound of the step time: ``max(FLOPs / peak FLOP/s, bytes / HBM bandwidth)``
-  per core, from the datasheet numbers of :data:`xlafit.platform.hardware.GENERATIONS`, with the bytes as
-  XLA's cost analysis counts them (every operand and result of the program's operations;
-  more than the HBM traffic where operations reuse data on chip, so the memory term leans
-  high, and only the compute term is a strict bound). An estimate, not a measurement:
-  real steps are slower (MFU below 100 %, collectives, input);
+- the predicted step time (:mod:`xlafit.predict`: each kernel of the compiled program at the
+  generation's achievable rates, along its schedule) with the model's measured error band
+  for that generation, and beside it the roofline lower bound
+  ``max(FLOPs / peak FLOP/s, bytes / HBM bandwidth)`` per core from the datasheet numbers
+  of :data:`xlafit.platform.hardware.GENERATIONS` (the bytes as XLA's cost analysis counts
+  them, more than the HBM traffic where operations reuse data on chip: only the compute term
+  is a strict bound). Both are estimates, not measurements;
 - the compile time on this machine;
 - with ``max_batch``, the largest per-core batch that compiles (a far probe just past where
   the bytes, growing from the state, reach the capacity; then the bytes interpolated at the

@@ -97,7 +97,8 @@ def _eval_lines(r: TargetReport) -> list[str]:
 
 
 def _speed_lines(r: TargetReport) -> list[str]:
-    """FLOPs per step (XLA's count against the analytic one) and the roofline estimate."""
+    """FLOPs per step (XLA's count against the analytic one), the step model's prediction
+    with its measured error, and the roofline bound."""
     lines = []
     if r.flops_per_step:
         analytic = ""
@@ -109,18 +110,29 @@ def _speed_lines(r: TargetReport) -> list[str]:
         lines.append(f"  FLOPs per core per step (XLA): {r.flops_per_step:.4g}{analytic}")
         if r.steps_per_call > 1 and r.flops_per_call:
             lines.append(f"    per call of {r.steps_per_call} steps: {r.flops_per_call:.4g}")
-    if r.step_s and r.compute_s is not None and r.memory_s is not None:
-        tokens = f", {_rate(r.tokens_per_s, 'tokens/s')}" if r.tokens_per_s else ""
+    tokens = f", {_rate(r.tokens_per_s, 'tokens/s')}" if r.tokens_per_s else ""
+    if r.predicted and r.step_s:
+        rates = "" if r.rates == "built-in" else f"; rates from {r.rates}"
         lines.append(
-            f"  roofline (an estimate, not a measurement): step >= {r.step_s * 1e3:.3g} ms, "
-            f"<= {_rate(r.examples_per_s, 'examples/s')}{tokens}"
+            f"  step (predicted, not measured): {predicted_step(r)}, {_rate(r.examples_per_s, 'examples/s')}{tokens}"
         )
+        lines.append(f"    the step model's error: {r.band}{rates}")
+    elif r.band:
+        lines.append(f"  {r.band}")
+    if r.bound_s and r.compute_s is not None and r.memory_s is not None:
+        lines.append(f"  roofline bound: step >= {r.bound_s * 1e3:.3g} ms")
         lines.append(
             f"    compute {r.compute_s * 1e3:.3g} ms at {target_peak(r)} (a strict lower bound); memory "
             f"{r.memory_s * 1e3:.3g} ms for XLA's count of {r.bytes_per_step or 0:.3g} bytes accessed (may "
             "overstate HBM traffic)"
         )
     return lines
+
+
+def predicted_step(r: TargetReport) -> str:
+    """``452 ms ±9 %``: the predicted step with its median measured error."""
+    band = f" ±{r.band_median:.0%}" if r.band_median is not None else ""
+    return f"{r.step_s * 1e3:.3g} ms{band}" if r.step_s else "-"
 
 
 def _probe_line(r: TargetReport) -> str:
@@ -136,8 +148,9 @@ def _probe_line(r: TargetReport) -> str:
 
 
 def format_table(reports: list[TargetReport]) -> str:
-    """Targets side by side: verdict, HBM per core, largest batch, roofline."""
-    rows = [("target", "fits", "HBM/core", "of", "max batch", "step >=", "examples/s <=", "compile")]
+    """Targets side by side: verdict, HBM per core, largest batch, predicted step (or the
+    bound where the device has no step model)."""
+    rows = [("target", "fits", "HBM/core", "of", "max batch", "step (predicted)", "examples/s", "compile")]
     for r in reports:
         total = r.memory.get("total")
         rows.append(
@@ -147,8 +160,8 @@ def format_table(reports: list[TargetReport]) -> str:
                 gib(total) if total else "-",
                 gib(r.capacity) if r.capacity else "-",
                 str(r.max_batch) if r.max_batch is not None else "-",
-                f"{r.step_s * 1e3:.3g} ms" if r.step_s else "-",
-                _rate(r.examples_per_s, "").strip() or "-",
+                predicted_step(r) if r.predicted else f">= {r.bound_s * 1e3:.3g} ms (bound)" if r.bound_s else "-",
+                (_rate(r.examples_per_s, "").strip() or "-") if r.predicted else f"<= {_rate(r.examples_per_s, '')}",
                 f"{r.compile_s:.0f} s" if r.compile_s else "-",
             )
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from xlafit.cli.common import add_calibration, apply_calibration
 from xlafit.errors import ConfigError
 
 DESCRIPTION = (
@@ -56,6 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a recipe: a YAML preset instead of its own; a file: YAML with mesh: and trainer: sections "
         "(both as `xlafit plan --write` writes them)",
     )
+    add_calibration(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=run)
 
@@ -64,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     # The library when the command runs: a fast --help.
     from xlafit.check import check_file, check_recipe, to_json
 
+    apply_calibration(args.calibration)
     if args.max_batch and not args.tpu:
         raise ConfigError("--max-batch searches per TPU target: add --tpu, e.g. --tpu v3-8 --max-batch.")
     if args.max_batch_limit is not None and (args.max_batch_limit < 1 or not args.max_batch):

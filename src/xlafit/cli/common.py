@@ -28,3 +28,33 @@ def ints(flag: str, text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ConfigError(f"{flag} {text!r}: expected whole numbers separated by commas, e.g. 1,4.") from None
+
+
+def add_calibration(p: argparse.ArgumentParser) -> None:
+    """``--calibration FILE``: the step model's rates from a calibration file."""
+    p.add_argument(
+        "--calibration",
+        metavar="FILE.json",
+        help="the step model's rates from this calibration file (xlafit bench --calibrate writes one) for the "
+        "device kind it names, instead of the built-in or cached ones; also $XLAFIT_CALIBRATION",
+    )
+
+
+def apply_calibration(path: str | None) -> None:
+    """Checks a ``--calibration`` file and hands it to the step model (by its environment
+    variable, read wherever a prediction is made)."""
+    if not path:
+        return
+    import os
+
+    from xlafit.predict.rates import CALIBRATION_ENV, load_rates
+
+    try:
+        load_rates(path)
+    except OSError as e:
+        raise ConfigError(
+            f"--calibration {path}: {e.strerror or e}; give a file xlafit bench --calibrate wrote."
+        ) from None
+    except ValueError as e:
+        raise ConfigError(f"--calibration {path}: {e}") from None
+    os.environ[CALIBRATION_ENV] = os.path.abspath(path)

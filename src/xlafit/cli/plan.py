@@ -8,6 +8,7 @@ import os
 import shlex
 import sys
 
+from xlafit.cli.common import add_calibration, apply_calibration
 from xlafit.errors import ConfigError
 
 DESCRIPTION = (
@@ -83,6 +84,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", metavar="YAML", help="a recipe's preset to start from instead of its own")
     p.add_argument("--write", metavar="PLAN.yaml", help="write the winner's settings as a preset")
+    add_calibration(p)
+    p.add_argument(
+        "--bound",
+        action="store_true",
+        help="rank by the roofline bound (FLOPs at peak, bytes at datasheet bandwidth, collectives over ICI) "
+        "instead of the step model's prediction",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=run)
 
@@ -102,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     # The library when the command runs: a fast --help.
     from xlafit.plan import format_plan, plan_file, plan_json, plan_recipe
 
+    apply_calibration(args.calibration)
     for flag in ("global_batch", "per_device_batch", "top"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -113,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         "budget_minutes": args.budget_minutes,
         "top": args.top,
         "min_gain": args.min_gain,
+        "bound": args.bound,
         "spot": args.spot,
         "prices": _prices(args.price),
         "command": "xlafit plan " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["plan"] else [args.target]),

@@ -6,14 +6,14 @@ that make a refused one fit (gradient accumulation, the model's remat policies),
 largest per-core batch of the best (:mod:`xlafit.plan.search`). Each candidate is compiled
 by libtpu for the target, on this machine, and predicted from its compiled program:
 
-- **step time** = ``max(compute, memory, communication)`` per core: compute is XLA's FLOPs
-  over the datasheet's peak, memory XLA's bytes accessed over HBM bandwidth (as ``check``'s
-  roofline), communication the collectives the compiled program contains, priced over the
-  slice's ICI (:mod:`xlafit.predict.collectives`). The ``max`` assumes the collectives overlap the
-  computation (XLA's TPU scheduler runs them asynchronously); ``serial_s`` (their sum) is
-  the bound with no overlap. Ignored: the input pipeline, the host, step-to-step dispatch,
-  kernel efficiency below the peak (real MFU is below the predicted one), and the latency
-  of each collective;
+- **step time**: the step model's prediction (:mod:`xlafit.predict`): every kernel of the
+  compiled program at the generation's achievable rates (fitted to published measured runs,
+  or a calibration file's), summed along its schedule, the collectives priced over the
+  slice's ICI and hidden where the schedule overlaps them; each plan says the model's
+  measured error for the generation. Ignored: the input pipeline, the host, step-to-step
+  dispatch. ``--bound`` ranks by the roofline bound instead: ``max(compute, memory,
+  communication)``, XLA's FLOPs at the datasheet's peak, its bytes at HBM bandwidth and the
+  collectives (:mod:`xlafit.predict.collectives`), a lower bound on the step;
 - **throughput** (examples and tokens per second), **MFU** (the model's FLOPs, analytic
   where it has a count, over the step time and peak), **HBM** used and free per core;
 - **time and cost of the run**: the run's examples over the throughput, at the slice's
@@ -64,7 +64,12 @@ def _run_examples(examples: float | None, tokens: float | None, program: Program
 
 
 def _settings(
-    global_batch: int | None, budget_minutes: float | None, top: int, allow_numerics: bool, min_gain: float
+    global_batch: int | None,
+    budget_minutes: float | None,
+    top: int,
+    allow_numerics: bool,
+    min_gain: float,
+    bound: bool = False,
 ) -> Settings:
     if global_batch is not None and global_batch < 1:
         raise ConfigError(f"--global-batch {global_batch}: give a positive number of examples per step.")
@@ -77,6 +82,7 @@ def _settings(
         deadline=deadline,
         allow_numerics=allow_numerics,
         min_gain=min_gain / 100,
+        bound=bound,
     )
 
 
@@ -117,6 +123,7 @@ def plan_recipe(
     budget_minutes: float | None = None,
     top: int = 3,
     min_gain: float = 5.0,
+    bound: bool = False,
     spot: bool = False,
     prices: dict[str, float] | None = None,
     allow_numerics: bool = False,
@@ -133,7 +140,7 @@ def plan_recipe(
     """
     targets = parse_targets(tpu)
     start_backends()
-    settings = _settings(global_batch, budget_minutes, top, allow_numerics, min_gain)
+    settings = _settings(global_batch, budget_minutes, top, allow_numerics, min_gain, bound)
     planner, cfg, train_examples = recipe_planner(name, overrides, preset, settings)
     base = planner.base
     seconds = _run(planner, targets)
@@ -200,6 +207,7 @@ def plan_file(
     budget_minutes: float | None = None,
     top: int = 3,
     min_gain: float = 5.0,
+    bound: bool = False,
     spot: bool = False,
     prices: dict[str, float] | None = None,
     command: str = "",
@@ -221,7 +229,7 @@ def plan_file(
             config = dataclasses.replace(base.config, accumulate_steps=c.accumulate)
             return dataclasses.replace(base, mesh=c.mesh, config=config)
 
-        planner = Planner(maker, base, _settings(global_batch, budget_minutes, top, False, min_gain))
+        planner = Planner(maker, base, _settings(global_batch, budget_minutes, top, False, min_gain, bound))
         seconds = _run(planner, targets)
     return Plan(
         str(path),

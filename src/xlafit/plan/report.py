@@ -47,7 +47,7 @@ def _row(plan: Plan, rank: str, o: Outcome, front: set) -> tuple[str, ...]:
         f"{c.per_device_batch} ({c.global_batch})",
         _gib(o.hbm_used),
         _gib(o.hbm_free),
-        f"{p.step_s * 1e3:.3g}" if p else "-",
+        (f"{p.step_s * 1e3:.3g}" if p.predicted else f">= {p.step_s * 1e3:.3g}") if p else "-",
         f"{p.comm_s * 1e3:.3g}" if p and p.comm_s is not None else "-",
         _rate(p.examples_per_s if p else None),
         _rate(p.tokens_per_s if p else None),
@@ -104,14 +104,25 @@ def format_plan(plan: Plan) -> str:
         grouped.setdefault((target, why), []).append("x".join(map(str, mesh)))
     for (target, why), meshes in grouped.items():
         lines.append(f"  not tried on {target}: mesh{'es' if len(meshes) > 1 else ''} {', '.join(meshes)}: {why}")
-    lines.append(
-        "Prediction: step = max(compute at peak, XLA's bytes at HBM bandwidth, collectives over ICI), the "
-        "collectives assumed overlapped with compute; it ignores input, host and dispatch time and kernels "
-        "below peak (a lower bound on step time, an upper bound on throughput and MFU)."
-    )
+    lines += _prediction_lines(plan)
     lines += _price_lines(plan)
     lines.append(f"Planned in {plan.seconds:.0f} s on this machine ({len(plan.outcomes)} compiles).")
     return "\n".join(lines)
+
+
+def _prediction_lines(plan: Plan) -> list[str]:
+    """What the step times, throughputs, MFUs, run times and costs are, and how far off they were."""
+    bands = {}
+    for o in plan.outcomes:
+        if o.prediction is not None and o.prediction.band:
+            bands.setdefault(o.candidate.target.split("-")[0], o.prediction.band)
+    lines = [
+        "Prediction (not a measurement): each kernel of the compiled step at the generation's achievable rates "
+        "(xlafit.predict), summed along the schedule with the collectives over ICI where they are not hidden; "
+        "input, host and dispatch time are not in it. Step, throughput, MFU, run time and cost are as good as it is:"
+    ]
+    lines += [f"  {generation}: {band}" for generation, band in bands.items()]
+    return lines
 
 
 def _price_lines(plan: Plan) -> list[str]:
@@ -136,8 +147,11 @@ def _winner_lines(plan: Plan) -> list[str]:
     lines = [f"Fastest: {c.target}, {c.layout}, {c.levers}, {c.per_device_batch} per core (global {c.global_batch})"]
     if p is not None:
         comm = f", collectives {p.comm_s * 1e3:.3g} ms" if p.comm_s is not None else ", collectives not priced"
+        if p.predicted:
+            band = f" ±{p.band_median:.0%}" if p.band_median is not None else ""
+            lines.append(f"  step (predicted): {p.step_s * 1e3:.3g} ms{band}, MFU {p.mfu:.0%}")
         lines.append(
-            f"  step >= {p.step_s * 1e3:.3g} ms (compute {p.compute_s * 1e3:.3g} ms, memory "
+            f"  roofline bound: step >= {p.bound_s * 1e3:.3g} ms (compute {p.compute_s * 1e3:.3g} ms, memory "
             f"{p.memory_s * 1e3:.3g} ms{comm}; {p.serial_s * 1e3:.3g} ms with no overlap)"
         )
     own = plan.own_batch(o)

@@ -114,7 +114,9 @@ class Plan:
             f"# {self.command}",
             f"# The plan's choice for {o.candidate.target}: {o.candidate.layout}, {o.candidate.levers}, "
             f"{o.candidate.per_device_batch} per core (global {o.candidate.global_batch})",
-            f"# predicted {p.examples_per_s:,.0f} examples/s, MFU {p.mfu:.0%} (an estimate from the compiled program)"
+            f"# predicted (not measured) {p.examples_per_s:,.0f} examples/s, MFU {p.mfu:.0%}; {p.band}"
+            if p and p.predicted
+            else f"# at most {p.examples_per_s:,.0f} examples/s, MFU {p.mfu:.0%} (the roofline bound)"
             if p
             else "#",
             f"#   {use}",

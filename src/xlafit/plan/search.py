@@ -60,6 +60,8 @@ from xlafit.plan.candidates import REMAT_LADDER, Candidate, mesh_refusal, meshes
 from xlafit.platform.hardware import Target
 from xlafit.predict.collectives import CommReport, collectives, loop_trips, summarize
 from xlafit.predict.hlo import kernel_flops, loop_flops
+from xlafit.predict.model import predict
+from xlafit.predict.rates import rates_for
 
 # A larger batch is worth its compiles while the largest that may fit is predicted to run at
 # least this much faster (stage 3, ``Settings.min_gain``): less is within what the prediction ignores.
@@ -78,11 +80,15 @@ class Prediction:
     compute_s: float  # FLOPs / peak FLOP/s
     memory_s: float  # XLA's bytes accessed / HBM bandwidth
     comm_s: float | None  # the collectives over ICI; None: no ICI figure for the target
-    step_s: float  # max(compute, memory, communication): collectives overlapped with compute
+    step_s: float  # the step model's prediction (xlafit.predict); the bound where it has no rates
     serial_s: float  # max(compute, memory) + communication: none overlapped
     examples_per_s: float
     tokens_per_s: float | None
     mfu: float  # model FLOPs (analytic where the model has a count, else XLA's) / time / peak
+    bound_s: float = 0.0  # the roofline bound: max(compute, memory, communication)
+    predicted: bool = False  # step_s is the step model's, not the bound
+    band: str = ""  # the step model's measured error on this generation, or why there is none
+    band_median: float | None = None
 
 
 @dataclasses.dataclass
@@ -130,6 +136,7 @@ class Settings:
     max_batch_limit: int = 2**16
     allow_numerics: bool = False  # also try the levers that change the numerics
     min_gain: float = MIN_GAIN  # stage 3 goes on while a larger batch is this much faster; 0: to the largest
+    bound: bool = False  # rank by the roofline bound, not the step model
 
 
 class Planner:
@@ -229,7 +236,7 @@ class Planner:
             else:
                 out.flops = flops or None
                 out.comms = summarize(collectives(hlo, target.num_devices), target, per=k)
-                self._predict(out, target, steps, flops, accessed)
+                self._predict(out, target, steps, flops, accessed, hlo)
         verdict = "fits" if out.fits else "does not fit" if out.fits is False else "error"
         if not quiet:
             _progress(f"{target.name}: {c.layout}, {c.levers}, {c.per_device_batch} per core: {verdict}")
@@ -263,7 +270,7 @@ class Planner:
         more = (self.layers - n1) / (n2 - n1)
         return f1 + more * (f2 - f1), b1 + more * (b2 - b1)
 
-    def _predict(self, out: Outcome, target: Target, steps: Steps, flops: float, accessed: float) -> None:
+    def _predict(self, out: Outcome, target: Target, steps: Steps, flops: float, accessed: float, hlo: str) -> None:
         c, p = out.candidate, steps.program
         assert out.comms is not None
         rows = c.global_batch
@@ -273,9 +280,19 @@ class Planner:
         compute, memory = max(flops, model_flops) / target.peak_flops, accessed / target.hbm_bandwidth
         comm = out.comms.seconds
         roof = max(compute, memory)
-        step = max(roof, comm or 0.0)
-        if step <= 0:
+        bound = max(roof, comm or 0.0)
+        if bound <= 0:
             return
+        step, band, median = bound, "", None
+        rates = None if self.settings.bound else rates_for(target.generation.device_kinds[0])
+        if self.settings.bound:
+            band = "the roofline bound (--bound): a lower bound on the step, not a prediction"
+        elif rates is None:
+            band = f"no step model for {target.generation.name}: the roofline bound"
+        else:
+            k = p.config.steps_per_call
+            step = predict(hlo, rates, target.ici_bandwidth, target.num_devices).seconds / k or bound
+            band, median = rates.describe_band(), rates.band.median if rates.band else None
         out.prediction = Prediction(
             compute,
             memory,
@@ -285,6 +302,10 @@ class Planner:
             rows / step,
             rows / step * p.tokens_per_example if p.tokens_per_example else None,
             model_flops / step / target.peak_flops,
+            bound_s=bound,
+            predicted=rates is not None,
+            band=band,
+            band_median=median,
         )
 
     def _map(self, jobs: Iterable[tuple[Target, Candidate, str]]) -> list[Outcome]:
@@ -434,7 +455,10 @@ class Planner:
         if p is None or used <= state:
             return 0.0 if p is None else p.examples_per_s
         scale = max(1.0, (o.capacity - state) / (used - state))
-        step = max(p.compute_s * scale, p.memory_s * scale, p.comm_s or 0.0)
+        if p.predicted:  # the step model's kernels grow with the batch, the collectives stay
+            step = max(p.step_s * scale, p.comm_s or 0.0)
+        else:
+            step = max(p.compute_s * scale, p.memory_s * scale, p.comm_s or 0.0)
         return c.global_batch * scale / step
 
 

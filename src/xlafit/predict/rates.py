@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from xlafit.io.cache import cache_dir
 
-__all__ = ["BUILT_IN", "Band", "Rates", "calibration_dir", "load_rates", "rates_for", "save_rates"]
+__all__ = ["BUILT_IN", "CALIBRATION_ENV", "Band", "Rates", "calibration_dir", "load_rates", "rates_for", "save_rates"]
 
 BUILT_IN = Path(__file__).with_name("rates.json")
+CALIBRATION_ENV = "XLAFIT_CALIBRATION"  # a calibration file to use first (xlafit check/plan --calibration)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,13 +158,14 @@ def _match(rows: list[Rates], device_kind: str) -> Rates | None:
 
 
 def rates_for(device_kind: str, calibration: Path | str | None = None) -> Rates | None:
-    """The rates for ``device_kind``: a given calibration file, else one in
-    :func:`calibration_dir` for that kind, else the built-in row; None if there is none."""
-    if calibration is not None:
+    """The rates for ``device_kind``: a given calibration file (or ``$XLAFIT_CALIBRATION``)
+    if it holds that kind, else one in :func:`calibration_dir`, else the built-in row; None if
+    there is none."""
+    calibration = calibration or os.environ.get(CALIBRATION_ENV)
+    if calibration:
         found = _match(load_rates(calibration), device_kind)
-        if found is None:
-            raise ValueError(f"{calibration} holds no rates for {device_kind!r}")
-        return found
+        if found is not None:
+            return found
     folder = calibration_dir()
     if folder.is_dir():
         for path in sorted(folder.glob("*.json")):
