@@ -202,9 +202,11 @@ def test_flops_of_a_k_step_call_are_k_times_one_step():
     assert four.memory["batch"] == 4 * one.memory["batch"] == 4 * 16 * 128 * 4  # a call holds its k batches
 
 
-def test_the_prediction_for_this_hosts_devices_is_the_roofline_of_its_compiled_step():
+def test_the_prediction_for_this_hosts_devices_is_the_roofline_of_its_compiled_step(tmp_path, monkeypatch):
     """What a lent GPU holds against measured steps (benchmarks/predict_measured.py): the
-    estimator of check --tpu over the device's own figures. A CPU has no table row."""
+    estimator of check --tpu over the device's own figures. A CPU has no table row, and no
+    step model until it is calibrated: the bound stands, and the report says so."""
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path))
     from xlafit.check import recipe_program
 
     program, _, _ = recipe_program("mnist", ["data.per_device_batch=16"])
@@ -217,7 +219,8 @@ def test_the_prediction_for_this_hosts_devices_is_the_roofline_of_its_compiled_s
     assert r.flops_per_step > 0 and r.bytes_per_step > 0
     assert r.compute_s == pytest.approx(r.flops_per_step / 1e11)
     assert r.memory_s == pytest.approx(r.bytes_per_step / 1e10)
-    assert r.step_s == max(r.compute_s, r.memory_s) and r.bound in ("compute", "HBM bandwidth")
+    assert r.step_s == r.bound_s == max(r.compute_s, r.memory_s) and r.bound in ("compute", "HBM bandwidth")
+    assert not r.predicted and "no step model for cpu" in r.band
     # A program compiled elsewhere (the trainer's) is read, not compiled again.
     again = predict_here(program, peak_flops=2e11, bandwidth=1e10, compiled=_compiled_train(program))
     assert again.report.compile_s == 0.0

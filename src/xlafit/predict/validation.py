@@ -40,6 +40,7 @@ __all__ = [
     "kernel_units",
     "tpu_checks",
     "tpu_program_kernels",
+    "tpu_rows",
 ]
 
 
@@ -123,7 +124,7 @@ def gpu_checks(folder: Path, rates: Rates) -> list[Check]:
     summary = json.loads((folder / "summary.json").read_text())
     out = []
     for name, w in summary["workloads"].items():
-        predicted = predict(_hlo(folder / f"{name}.hlo.txt.gz"), rates).seconds
+        predicted = predict(_kernels(folder / f"{name}.hlo.txt.gz"), rates).seconds
         out.append(
             Check(
                 name,
@@ -187,7 +188,7 @@ def kernel_units(folder: Path, workload: str, rates: Rates) -> list[KernelUnit]:
     """
     folder = Path(folder)
     measured: dict[str, list[float]] = json.loads(gzip.open(folder / "kernels.json.gz", "rt").read())[workload]
-    prediction = predict(_hlo(folder / f"{workload}.hlo.txt.gz"), rates)
+    prediction = predict(_kernels(folder / f"{workload}.hlo.txt.gz"), rates)
     by_signature: dict[str, list] = {}
     for t in prediction.kernels:
         if t.kernel.kind != "wait":
@@ -255,9 +256,14 @@ def tpu_runs(folder: Path) -> list[dict]:
     return out
 
 
+@cache
+def _kernels(path: Path) -> list[Kernel]:
+    return kernels(_hlo(path))
+
+
 def tpu_program_kernels(folder: Path, run: dict) -> list[tuple[int, list[Kernel]]]:
     """``(sequences per chip, kernels)`` of each program compiled for a run."""
-    return [(p["batch"], kernels(_hlo(Path(folder) / p["file"]))) for p in run["compiled"]["programs"]]
+    return [(p["batch"], _kernels(Path(folder) / p["file"])) for p in run["compiled"]["programs"]]
 
 
 def tpu_step(folder: Path, run: dict, rates: Rates) -> float:
@@ -349,6 +355,16 @@ def fit_tpu(folder: Path, fitted: Iterable[str]) -> dict[str, Rates]:
     }
 
 
+def tpu_rows(rows: Iterable[Rates]) -> dict[str, Rates]:
+    """The TPU rows of a rates table by generation name (``v5e``), read from their device kinds."""
+    out = {}
+    for row in rows:
+        for g in GENERATIONS.values():
+            if row.device_kind in g.device_kinds:
+                out[g.name] = row
+    return out
+
+
 def tpu_checks(folder: Path, rows: dict[str, Rates], fitted: Iterable[str]) -> list[Check]:
     """Every compiled published run against its prediction with ``rows`` (by generation)."""
     fitted = set(fitted)
@@ -385,4 +401,4 @@ def band_of(checks: Sequence[Check], basis: str, fitted: int = 0) -> dict:
 
 def predictions(folder: Path, workload: str, rates: Rates) -> StepPrediction:
     """The prediction of one stored GPU workload (for a report of its kernels)."""
-    return predict(_hlo(Path(folder) / f"{workload}.hlo.txt.gz"), rates)
+    return predict(_kernels(Path(folder) / f"{workload}.hlo.txt.gz"), rates)

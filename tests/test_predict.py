@@ -1,0 +1,243 @@
+"""The step model (xlafit.predict): what it reads from a compiled program, how it prices it,
+and how far it is from the stored measurements (benchmarks/validation)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from xlafit.predict.fit import fit_matmul, fit_stream
+from xlafit.predict.model import predict, wave_efficiency
+from xlafit.predict.ops import kernels
+from xlafit.predict.rates import BUILT_IN, Rates, load_rates, rates_for, save_rates
+from xlafit.predict.validation import covering, fit_gpu, gpu_checks, kernel_units, tpu_checks, tpu_rows, tpu_runs
+
+ROOT = Path(__file__).resolve().parents[1]
+VALIDATION = ROOT / "benchmarks" / "validation"
+H200 = VALIDATION / "gpu-h200"
+
+# A layer loop of 4 trips ($T: the loop's state, $TL with layouts): a fusion that slices its
+# layer's weight out of the stack and updates the stacked gradient in place, a cuBLAS product,
+# and an asynchronous all-gather.
+LOOP = """
+%slice_and_scale (p0: f32[4,256,256], p1: s32[]) -> f32[256,256] {
+  %p0 = f32[4,256,256]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %ds = f32[1,256,256]{2,1,0} dynamic-slice(%p0, %p1, %zero, %zero), dynamic_slice_sizes={1,256,256}
+  %b = f32[256,256]{1,0} bitcast(%ds)
+  ROOT %e = f32[256,256]{1,0} exponential(%b)
+}
+
+%update (q0: f32[4,256,256], q1: f32[256,256], q2: s32[]) -> f32[4,256,256] {
+  %q0 = f32[4,256,256]{2,1,0} parameter(0)
+  %q1 = f32[256,256]{1,0} parameter(1)
+  %q2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %r = f32[1,256,256]{2,1,0} bitcast(%q1)
+  ROOT %dus = f32[4,256,256]{2,1,0} dynamic-update-slice(%q0, %r, %q2, %z, %z)
+}
+
+%body (t: $T) -> $T {
+  %t = $TL parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %w = f32[4,256,256]{2,1,0} get-tuple-element(%t), index=1
+  %x = f32[512,256]{1,0} get-tuple-element(%t), index=2
+  %g = f32[4,256,256]{2,1,0} get-tuple-element(%t), index=3
+  %ag = (f32[64,256]{1,0}, f32[512,256]{1,0}) all-gather-start(%x), replica_groups=[1,8]<=[8], dimensions={0}
+  %wl = f32[256,256]{1,0} fusion(%w, %i), kind=kLoop, calls=%slice_and_scale
+  %mm = (f32[512,256]{1,0}, s8[8]{0}) custom-call(%x,%wl), custom_call_target="__cublas$lt$matmul", backend_config=$GEMM
+  %agd = f32[512,256]{1,0} all-gather-done(%ag)
+  %y = f32[512,256]{1,0} get-tuple-element(%mm), index=0
+  %g2 = f32[4,256,256]{2,1,0} fusion(%g, %wl, %i), kind=kLoop, calls=%update
+  %one = s32[] constant(1)
+  %i2 = s32[] add(%i, %one)
+  ROOT %out = $TL tuple(%i2, %w, %y, %g2)
+}
+
+%cond (c: $T) -> pred[] {
+  %c = $TL parameter(0)
+  %ci = s32[] get-tuple-element(%c), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%ci, %n), direction=LT
+}
+
+ENTRY %main (a: $T) -> $T {
+  %a = $TL parameter(0)
+  ROOT %loop = $TL while(%a), condition=%cond, body=%body
+}
+"""
+LOOP = (
+    LOOP.replace("$TL", "(s32[], f32[4,256,256]{2,1,0}, f32[512,256]{1,0}, f32[4,256,256]{2,1,0})")
+    .replace("$T", "(s32[], f32[4,256,256], f32[512,256], f32[4,256,256])")
+    .replace(
+        "$GEMM",
+        json.dumps({"gemm_backend_config": {"dot_dimension_numbers": {
+            "lhs_batch_dimensions": [], "lhs_contracting_dimensions": ["1"],
+            "rhs_batch_dimensions": [], "rhs_contracting_dimensions": ["0"],
+        }}}, separators=(",", ":")),
+    )
+)  # fmt: skip
+LAYER = 256 * 256 * 4  # one layer's f32 [256, 256]
+
+
+def test_a_programs_kernels_carry_their_work_and_their_loops_trips():
+    found = {k.name: k for k in kernels(LOOP)}
+    assert set(found) == {"ag", "wl", "mm", "agd", "g2"}  # the scalar add launches nothing
+    wl, mm, g2, ag = found["wl"], found["mm"], found["g2"], found["ag"]
+    assert {k.count for k in found.values()} == {4}
+    # The stacked weight is read at the slice it takes, not whole (and the layer's index).
+    assert (wl.kind, wl.bytes_read, wl.bytes_written, wl.vector) == ("elementwise", LAYER + 4, LAYER, 10.0 * 256 * 256)
+    # A cuBLAS call's FLOPs from its operands (XLA's cost analysis leaves them out); its workspace is no traffic.
+    assert (mm.kind, mm.shape, mm.flops) == ("matmul", (1, 512, 256, 256), 2.0 * 512 * 256 * 256)
+    assert mm.bytes_written == 512 * 256 * 4
+    # The gradient stack is updated in place: its one layer written, the stack not read.
+    assert (g2.bytes_read, g2.bytes_written) == (LAYER + 4, LAYER)
+    assert (ag.kind, ag.group, ag.moved, ag.asynchronous) == ("collective", 8, 512 * 256 * 4, True)
+    assert found["agd"].kind == "wait" and found["agd"].target == "ag"
+
+
+def test_buffers_in_a_tpus_on_chip_memory_are_not_hbm_traffic():
+    hlo = """
+ENTRY %main (p: f32[1024,128]) -> f32[1024,128] {
+  %p = f32[1024,128]{1,0:T(8,128)} parameter(0)
+  %v = f32[1024,128]{1,0:T(8,128)S(1)} copy(%p)
+  ROOT %n = f32[1024,128]{1,0:T(8,128)} negate(%v)
+}"""
+    copy, negate = kernels(hlo)
+    assert (copy.bytes_read, copy.bytes_written) == (1024 * 128 * 4, 0)  # into VMEM: read from HBM only
+    assert (negate.bytes_read, negate.bytes_written) == (0, 1024 * 128 * 4)
+
+
+def test_products_run_in_waves_of_tiles_and_split_their_contraction_when_they_are_few():
+    assert wave_efficiency((1, 4096, 4096, 4096), (128, 256), 132) == pytest.approx(512 / (4 * 132))
+    assert wave_efficiency((1, 128, 256, 256), (128, 256), 132) == 1 / 132  # one tile, k too short to split
+    assert wave_efficiency((1, 128, 256, 132 * 512), (128, 256), 132) == 1.0  # split 132 ways
+    assert wave_efficiency((1, 64, 256, 1024), (128, 256), 1) == 0.5  # a padded tile on one unit
+
+
+def test_the_step_adds_kernels_along_the_schedule_and_hides_an_async_collective_behind_them():
+    rates = Rates("demo", 1e12, (128, 256), 1, 1e11, 1e12, 1e-6, collective_s=0.0, link_bytes_per_s=1e9)
+    step = predict(LOOP, rates, devices=8)
+    by = {t.kernel.name: t for t in step.kernels}
+    mm = by["mm"]
+    assert mm.bound == "compute" and mm.seconds == pytest.approx(2 * 512 * 256 * 256 / 1e12 + 1e-6)
+    assert by["wl"].seconds == pytest.approx((2 * LAYER + 4) / 1e11 + 1e-6)
+    gather = 7 / 8 * 512 * 256 * 4 / 1e9
+    hidden = by["wl"].seconds + mm.seconds  # what the schedule runs between its start and its wait
+    assert step.exposed_collective_s == pytest.approx(4 * (gather - hidden))
+    busy = 4 * (by["wl"].seconds + mm.seconds + by["g2"].seconds)
+    assert step.seconds == pytest.approx(busy + 4 * (gather - hidden))
+    # On a fast link the gather hides entirely.
+    fast = predict(LOOP, dataclasses.replace(rates, link_bytes_per_s=1e12), devices=8)
+    assert fast.exposed_collective_s == 0 and fast.seconds == pytest.approx(busy)
+
+
+def test_the_fits_recover_the_rates_that_made_their_timings():
+    rates = Rates("demo", 500e12, (128, 256), 132, 2e12, None, 0.0)
+    shapes = [(8192, 8192, 8192), (4096, 4096, 4096), (32768, 3072, 768), (8192, 2048, 8192)]
+    rows = [
+        {"m": m, "n": n, "k": k, "s": 2 * m * n * k / (500e12 * wave_efficiency((1, m, n, k), (128, 256), 132))}
+        for m, n, k in shapes
+    ]
+    flops, tile = fit_matmul(rows, 132)
+    assert flops == pytest.approx(rates.matmul_flops) and tile == (128, 256)
+    bandwidth, fixed = fit_stream([{"bytes": b, "s": 5e-6 + b / 2e12} for b in (1e8, 1e9, 4e9)])
+    assert bandwidth == pytest.approx(2e12) and fixed == pytest.approx(5e-6)
+
+
+def test_the_built_in_rates_are_what_the_fit_makes_of_the_stored_measurements():
+    """rates.json is never edited by hand: benchmarks/fit_rates.py writes it from the
+    measurements, and it must be current."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import fit_rates
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert json.loads(BUILT_IN.read_text()) == json.loads(json.dumps(fit_rates.rows()))
+    for row in load_rates(BUILT_IN):
+        assert row.band is not None and set(row.sources) >= {"matmul_flops", "hbm_bytes_per_s"}
+
+
+# The H200's three steps, held out of its rates (fitted to micro.json alone). Bounds a little
+# above today's errors: a change to the model that makes them worse fails here.
+STEP_ERROR = {"bert": 0.04, "resnet": 0.08, "llm": 0.03}
+# Of the kernels that make up 80 % of each step: how many are within 30 % of their measured time.
+KERNELS_WITHIN_30 = {"bert": 9, "resnet": 20, "llm": 8}
+
+
+def test_the_h200s_steps_are_predicted_within_their_recorded_error():
+    rates = rates_for("NVIDIA H200")
+    assert rates is not None and rates.origin == "built-in"
+    checks = {c.id: c for c in gpu_checks(H200, rates)}
+    assert set(checks) == set(STEP_ERROR)
+    for name, bound in STEP_ERROR.items():
+        assert abs(checks[name].error) <= bound, (name, checks[name].error)
+    errors = sorted(abs(c.error) for c in checks.values())
+    assert errors[1] <= 0.10 and errors[-1] <= 0.15  # the issue's bar: median 10 %, each 15 %
+
+
+@pytest.mark.parametrize("workload", sorted(KERNELS_WITHIN_30))
+def test_the_h200s_largest_kernels_are_predicted_one_by_one(workload):
+    units = covering(kernel_units(H200, workload, rates_for("NVIDIA H200")))
+    within = [u for u in units if abs(u.error) <= 0.30]
+    assert len(within) >= KERNELS_WITHIN_30[workload], [(u.name, round(u.error, 2)) for u in units]
+    assert sum(u.measured_s for u in units) > 0
+
+
+def test_the_h200s_rates_come_from_its_micro_benchmarks_alone():
+    fitted = fit_gpu(H200, "NVIDIA H200", 132, 33.5e12, "datasheet")
+    built_in = rates_for("NVIDIA H200")
+    assert fitted.matmul_flops == pytest.approx(built_in.matmul_flops)
+    assert fitted.hbm_bytes_per_s == pytest.approx(built_in.hbm_bytes_per_s)
+
+
+def test_published_tpu_runs_held_out_of_the_fit_are_predicted_within_the_bar():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import fit_rates
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    rows = tpu_rows(load_rates(BUILT_IN))
+    assert set(rows) >= {"v5e", "v5p", "v6e"}
+    assert len(tpu_runs(VALIDATION / "tpu")) >= 8
+    checks = tpu_checks(VALIDATION / "tpu", rows, fit_rates.TPU_FITTED)
+    held = sorted(abs(c.error) for c in checks if c.role == "held out")
+    assert len(held) >= 4
+    assert held[(len(held) - 1) // 2] <= 0.15 and held[-1] <= 0.30, [(c.id, round(c.error, 3)) for c in checks]
+
+
+def test_a_calibration_file_is_found_for_its_device_kind_and_shared_by_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("XLAFIT_CALIBRATION", raising=False)
+    assert rates_for("cpu") is None
+    row = Rates("cpu", 1e11, (128, 128), 1, 1e10, 1e10, 1e-6)
+    from xlafit.predict.calibrate import calibration_path, write
+
+    path = write(row)
+    assert path == calibration_path("cpu") and path.parent == tmp_path / "cache" / "calibration"
+    found = rates_for("cpu")
+    assert found is not None and found.matmul_flops == 1e11 and found.origin == str(path)
+    shared = save_rates(dataclasses.replace(row, matmul_flops=2e11), tmp_path / "shared.json")
+    monkeypatch.setenv("XLAFIT_CALIBRATION", str(shared))
+    assert rates_for("cpu").matmul_flops == 2e11
+    assert rates_for("NVIDIA H200").origin == "built-in"  # a file for another kind changes nothing else
+
+
+def test_bench_calibrate_measures_this_device_and_writes_its_file(tmp_path, monkeypatch, capsys):
+    from xlafit.cli import main
+
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path))
+    out = tmp_path / "cpu.json"
+    assert main(["bench", "--calibrate", "--calibrate-sizes", "tiny", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "training step: measured" in text and str(out) in text
+    (row,) = load_rates(out)
+    assert row.device_kind == "cpu" and row.matmul_flops > 0 and row.hbm_bytes_per_s > 0
+    assert row.band is not None and row.band.steps == 1 and row.band.basis == "measured"
+    assert main(["bench", "mnist", "--calibrate"]) == 2
+    assert "--calibrate measures the device, not a recipe" in capsys.readouterr().err
