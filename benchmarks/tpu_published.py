@@ -57,13 +57,13 @@ def compile_at(run: dict, batch: int) -> tuple[dict, str | None]:
     settings = overrides(run, batch)
     program = recipe_program("llm", settings)[0]
     program.eval_global_batch = None
-    out: dict = {"batch": batch, "overrides": settings}
+    out: dict = {"batch": batch, "overrides": settings, "xla_options": run.get("xla_options")}
     with no_persistent_cache():
         steps = Steps(target, program)
         per_device = batch * target.num_devices // steps.strategy.num_replicas
         t0 = time.perf_counter()
         try:
-            compiled, _ = steps.compile_train(per_device)
+            compiled, _ = steps.compile_train(per_device, options=run.get("xla_options"))
         except OutOfMemory as e:
             out.update(fits=False, compile_s=time.perf_counter() - t0, needs=needed_bytes(e.message))
             return out, None
@@ -102,7 +102,11 @@ def main() -> None:
     )
     for run in chosen:
         print(f"{run['id']}: compiling for {run['target']} ...", file=sys.stderr, flush=True)
-        result = compile_run(run)
+        try:
+            result = compile_run(run)
+        except Exception as e:  # a run the recipe cannot build: said, and the others go on
+            print(f"{run['id']}: failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            continue
         (HERE / f"{run['id']}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
         print(json.dumps({"id": result["id"], "batches": [p["batch"] for p in result["programs"]]}), flush=True)
 

@@ -192,6 +192,9 @@ def summarize(name: str, runs: list[dict[str, Any]], steps_per_epoch: int, batch
         "mfu_flops_source": flops_source,
         "devices": first["devices"],
         "device_kind": first["device_kind"],
+        # the step model's prediction of this configuration's program (not a measurement)
+        "step_ms_predicted": 1e3 * first["predicted_step_s"] if first.get("predicted_step_s") else None,
+        "prediction_band": first.get("prediction_band"),
     }
 
 
@@ -412,6 +415,15 @@ def format_table(result: dict[str, Any]) -> str:
             f"FLOPs/step {r['configuration']}: XLA {_fmt(xla and xla / 1e9, '.2f')} G, analytic "
             f"{r['flops_per_step_analytic'] / 1e9:.2f} G; MFU from {r['mfu_flops_source']}"
         )
+    for r in result["rows"]:
+        if r.get("step_ms_predicted"):
+            error = r["step_ms_predicted"] / r["step_ms_median"] - 1
+            lines.append(
+                f"predicted step {r['configuration']}: {r['step_ms_predicted']:.2f} ms ({error:+.0%} against the "
+                f"measured median); the step model's error: {r['prediction_band']}"
+            )
+        elif r.get("prediction_band"):
+            lines.append(f"predicted step {r['configuration']}: {r['prediction_band']}")
     for r in result["rows"]:
         if r.get("page_faults_per_step") is not None:
             runs = ", ".join(f"{f:,.0f}" for f in r["page_faults_per_step_runs"])

@@ -37,7 +37,7 @@ import dataclasses
 import functools
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -178,16 +178,20 @@ def _trace(jitted: Any, *args: Any) -> Any:
         raise TraceFailure(e) from e
 
 
-def _compile(lower: Callable[[], Any], dump_to: Path | None = None) -> tuple[Any, float]:
+def _compile(
+    lower: Callable[[], Any], dump_to: Path | None = None, options: Mapping[str, Any] | None = None
+) -> tuple[Any, float]:
     """Lowers and compiles; the compiler's out-of-memory refusal becomes :class:`OutOfMemory`.
 
     ``dump_to``: a directory for the compiler's dump (``xla_dump_to``: the optimised program
-    and its buffer assignment, written even when the program does not fit).
+    and its buffer assignment, written even when the program does not fit); ``options``:
+    compiler options (XLA and libtpu flags by name, as MaxText's recipes set them).
     """
     t0 = time.perf_counter()
     lowered = lower()
     try:
-        compiled = lowered.compile({"xla_dump_to": str(dump_to)} if dump_to else None)
+        given = {**(options or {}), **({"xla_dump_to": str(dump_to)} if dump_to else {})}
+        compiled = lowered.compile(given or None)
     except Exception as e:  # XlaRuntimeError; its type is private to jaxlib
         text = str(e)
         if "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text:
@@ -249,12 +253,14 @@ class Steps:
             trainable=p.trainable,
         )
 
-    def compile_train(self, per_device: int, dump_to: Path | None = None) -> tuple[Any, float]:
+    def compile_train(
+        self, per_device: int, dump_to: Path | None = None, options: Mapping[str, Any] | None = None
+    ) -> tuple[Any, float]:
         p, s = self.program, self.strategy
         rows = per_device * s.num_replicas
         train_step, _ = self._make_steps(rows)
         batch = _batch(p.example, rows, (p.config.steps_per_call,), s.batch_sharding(1))
-        return _compile(lambda: _trace(train_step._jitted, self.state, batch).lower(), dump_to)
+        return _compile(lambda: _trace(train_step._jitted, self.state, batch).lower(), dump_to, options)
 
     def compile_eval(self, per_device: int) -> tuple[Any, float]:
         p, s = self.program, self.strategy
