@@ -189,15 +189,16 @@ def _convolution_fmas(lhs: list[int], rhs: list[int], out: list[int], rest: str)
         return 0
     lhs_l, rhs_l, out_l = labels.groups()
     window = re.search(r"window=\{([^}]*)\}", rest)
-    attrs = dict(re.findall(r"(\w+)=([\w.x]+)", window.group(1))) if window else {}
+    attrs = dict(re.findall(r"(\w+)=([-\w.x]+)", window.group(1))) if window else {}  # pads may be negative
     spatial = sorted(c for c in lhs_l if c.isdigit())
 
     def per_dim(key: str, default: int) -> list[int]:
         values = attrs.get(key)
-        return [int(v) for v in values.split("x")] if values else [default] * len(spatial)
+        found = [int(v.split("_")[0]) for v in values.split("x")] if values else []
+        return found if len(found) == len(spatial) else [default] * len(spatial)
 
     strides, lhs_dilate, rhs_dilate = per_dim("stride", 1), per_dim("lhs_dilate", 1), per_dim("rhs_dilate", 1)
-    pads = [int(p.split("_")[0]) for p in attrs["pad"].split("x")] if "pad" in attrs else [0] * len(spatial)
+    pads = per_dim("pad", 0)  # the low side of each dimension's low_high padding
     fmas = 1
     for d, c in enumerate(spatial):
         size, kernel, outputs = lhs[lhs_l.index(c)], rhs[rhs_l.index(c)], out[out_l.index(c)]

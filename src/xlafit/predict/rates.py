@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from xlafit.errors import ConfigError
 from xlafit.io.cache import cache_dir
 
 __all__ = ["BUILT_IN", "CALIBRATION_ENV", "Band", "Rates", "calibration_dir", "load_rates", "rates_for", "save_rates"]
@@ -163,7 +164,14 @@ def rates_for(device_kind: str, calibration: Path | str | None = None) -> Rates 
     there is none."""
     calibration = calibration or os.environ.get(CALIBRATION_ENV)
     if calibration:
-        found = _match(load_rates(calibration), device_kind)
+        try:
+            given = load_rates(calibration)
+        except (OSError, ValueError) as e:
+            raise ConfigError(
+                f"calibration {calibration} ({CALIBRATION_ENV} or --calibration): {e}; give a file xlafit bench "
+                "--calibrate wrote, or unset it."
+            ) from None
+        found = _match(given, device_kind)
         if found is not None:
             return found
     folder = calibration_dir()
