@@ -30,14 +30,15 @@ HERE = Path(__file__).parent / "validation" / "tpu"
 
 def overrides(run: dict, batch: int) -> list[str]:
     """The llm recipe's settings for a published run: its model, sequence and batch, bf16
-    compute, full remat, scanned layers, FSDP over the slice (and its tensor axis)."""
+    compute, its remat (full unless the run names another), scanned layers, FSDP over the
+    slice (and its tensor axis)."""
     target = parse_targets(run["target"])[0]
     tensor = run.get("mesh", {}).get("tensor", 1)
     out = [f"model.{k}={v}" for k, v in run["model"].items()]
     out += [
         f"data.seq_len={run['seq']}",
         "model.compute_dtype=bfloat16",
-        "model.remat=full",
+        f"model.remat={run.get('remat', 'full')}",
         "model.scan_layers=true",
         "mesh.data=1",
         "mesh.fsdp=-1",

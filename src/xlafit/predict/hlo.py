@@ -54,22 +54,52 @@ def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
     return bodies, entry
 
 
-def _trip_count(condition: list[str]) -> int:
+def _trip_count(condition: list[str], body: list[str] | None = None) -> int:
     """The trip count of a ``while`` whose condition compares its counter against a constant
-    (``i < N``, as ``lax.scan`` and ``fori_loop`` lower); 1 when it is not that simple."""
+    (``i < N``, as ``lax.scan`` and ``fori_loop`` lower), the counter starting at 0 and
+    stepping by what the body adds to it (a windowed einsum's bidirectional loop steps by 2);
+    1 when it is not that simple."""
     constants = [int(c) for line in condition for c in re.findall(r"constant\((\d+)\)", line)]
     compares = [line for line in condition if "compare(" in line and "direction=LT" in line]
-    return max(constants) if compares and constants else 1
+    if not (compares and constants):
+        return 1
+    bound = max(constants)
+    step = _counter_step(condition, body) if body else 1
+    return max(1, -(-bound // step))
+
+
+def _counter_step(condition: list[str], body: list[str]) -> int:
+    """What the loop body adds to the counter the condition compares (1 if not found)."""
+    index = next((re.search(r"index=(\d+)", line) for line in condition if "get-tuple-element(" in line), None)
+    root = next((line for line in body if line.lstrip().startswith("ROOT") and " tuple(" in line), None)
+    if index is None or root is None:
+        return 1
+    found = _INSTRUCTION.match(root)
+    outputs = _operand_names(found.group("rest")) if found else []
+    k = int(index.group(1))
+    if k >= len(outputs):
+        return 1
+    by_name = {m.group("name"): m for line in body if (m := _INSTRUCTION.match(line))}
+    update = by_name.get(outputs[k])
+    if update is None or update.group("op") != "add":
+        return 1
+    for operand in _operand_names(update.group("rest")):
+        constant = by_name.get(operand)
+        if constant is not None and constant.group("op") == "constant":
+            value = re.match(r"(\d+)\)", constant.group("rest"))
+            if value and int(value.group(1)) > 0:
+                return int(value.group(1))
+    return 1
 
 
 def loop_trips(hlo: str) -> list[int]:
     """The trip count of every ``while`` loop of a program (see :func:`_trip_count`)."""
     bodies, _ = _computations(hlo)
     return [
-        _trip_count(bodies.get(condition, []))
+        _trip_count(bodies.get(condition, []), bodies.get(body, []))
         for lines in bodies.values()
         for line in lines
-        for condition in re.findall(r"\bwhile\(.*condition=%([\w.\-]+)", line)
+        for condition, body in re.findall(r"\bwhile\(.*condition=%([\w.\-]+), body=%([\w.\-]+)", line)
     ]
 
 
@@ -90,7 +120,11 @@ def walk(hlo: str, outer: Collection[int] = ()) -> Iterator[tuple[re.Match[str],
             if op == "while":
                 body = re.search(r"body=%([\w.\-]+)", rest)
                 condition = re.search(r"condition=%([\w.\-]+)", rest)
-                trips = _trip_count(bodies.get(condition.group(1), [])) if condition else 1
+                trips = (
+                    _trip_count(bodies.get(condition.group(1), []), bodies.get(body.group(1), []) if body else None)
+                    if condition
+                    else 1
+                )
                 if body:
                     yield from visit(body.group(1), times * (1 if trips in outer else trips), fused_in)
                 continue

@@ -203,7 +203,8 @@ def _visit(computations: dict[str, _Computation], name: str, times: int) -> Iter
         if op == "while":
             body = re.search(r"body=%([\w.\-]+)", rest)
             condition = re.search(r"condition=%([\w.\-]+)", rest)
-            trips = _trip_count(computations[condition.group(1)].lines) if condition else 1
+            inner = computations[body.group(1)].lines if body else None
+            trips = _trip_count(computations[condition.group(1)].lines, inner) if condition else 1
             if body:
                 yield from _visit(computations, body.group(1), times * trips)
             continue
