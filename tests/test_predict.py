@@ -167,7 +167,7 @@ def test_the_built_in_rates_are_what_the_fit_makes_of_the_stored_measurements():
 # above today's errors: a change to the model that makes them worse fails here.
 STEP_ERROR = {"bert": 0.04, "resnet": 0.08, "llm": 0.03}
 # Of the kernels that make up 80 % of each step: how many are within 30 % of their measured time.
-KERNELS_WITHIN_30 = {"bert": 9, "resnet": 20, "llm": 8}
+KERNELS_WITHIN_30 = {"bert": 9, "resnet": 21, "llm": 8}
 
 
 def test_the_h200s_steps_are_predicted_within_their_recorded_error():
