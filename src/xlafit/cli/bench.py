@@ -130,7 +130,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         f"{rates.device_kind}: matrix products {rates.matmul_flops / 1e12:.4g} TFLOP/s (tile "
         f"{rates.matmul_tile[0]}x{rates.matmul_tile[1]} over {rates.units} unit(s)), streams "
         f"{rates.hbm_bytes_per_s / 1e9:.4g} GB/s + {rates.kernel_s * 1e6:.3g} us per kernel, element-wise "
-        f"{rates.vector_ops_per_s / 1e12:.3g} T ops/s"
+        f"{(rates.vector_ops_per_s or 0) / 1e12:.3g} T ops/s"
     )
     print(
         f"training step: measured {step['measured_s'] * 1e3:.3g} ms, predicted with these rates "

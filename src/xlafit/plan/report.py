@@ -112,7 +112,7 @@ def format_plan(plan: Plan) -> str:
 
 def _prediction_lines(plan: Plan) -> list[str]:
     """What the step times, throughputs, MFUs, run times and costs are, and how far off they were."""
-    bands = {}
+    bands: dict[str, str] = {}
     for o in plan.outcomes:
         if o.prediction is not None and o.prediction.band:
             bands.setdefault(o.candidate.target.split("-")[0], o.prediction.band)

@@ -99,7 +99,10 @@ def _matmuls(shapes: list[tuple[int, int]]) -> list[dict[str, Any]]:
     for m, k in shapes:
         w = jnp.asarray(np.random.default_rng(0).standard_normal((k, k)) / np.sqrt(k), dtype)
         x = jnp.ones((m, k), dtype)
-        seconds = chain_seconds(lambda y, w=w: (y @ w).astype(y.dtype), x)
+        def product(y: jax.Array, w: jax.Array = w) -> jax.Array:
+            return (y @ w).astype(y.dtype)
+
+        seconds = chain_seconds(product, x)
         rows.append({"m": m, "n": k, "k": k, "s": seconds, "tflops": 2 * m * k * k / seconds / 1e12})
     return rows
 
@@ -162,7 +165,7 @@ def _measure_step(step: Callable[..., Any], args: tuple[Any, ...], steps: int = 
         params, state, loss = compiled(params, state, x)
         loss.block_until_ready()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), compiled.as_text()
+    return statistics.median(times), compiled.as_text() or ""
 
 
 def calibrate(sizes: str = "full", progress: Callable[[str], None] = lambda _: None) -> tuple[Rates, dict[str, Any]]:

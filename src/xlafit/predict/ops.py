@@ -475,7 +475,8 @@ def _fusion(
         )
     read, in_place = _fusion_reads(fused, [shapes.get(o, "") for o in operands])
     written = _fusion_writes(fused, in_place)
-    flops, vector, dims = 0.0, 0.0, ()
+    flops, vector = 0.0, 0.0
+    dims: tuple[int, ...] = ()
     ops: set[str] = set()
     local = {n: m.group("shape") for n, m in fused.by_name.items()}
     for inner in fused.by_name.values():
@@ -544,9 +545,9 @@ def _fusion_reads(fused: _Computation, operand_shapes: list[str]) -> tuple[float
     params = {}
     for inner in fused.by_name.values():
         if inner.group("op") == "parameter":
-            index = re.match(r"(\d+)", inner.group("rest"))
-            if index:
-                params[int(index.group(1))] = inner.group("name")
+            number = re.match(r"(\d+)", inner.group("rest"))
+            if number:
+                params[int(number.group(1))] = inner.group("name")
     roots = _root_outputs(fused)
     total, in_place = 0.0, set()
     for index, operand in enumerate(operand_shapes):
