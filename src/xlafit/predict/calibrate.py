@@ -99,6 +99,7 @@ def _matmuls(shapes: list[tuple[int, int]]) -> list[dict[str, Any]]:
     for m, k in shapes:
         w = jnp.asarray(np.random.default_rng(0).standard_normal((k, k)) / np.sqrt(k), dtype)
         x = jnp.ones((m, k), dtype)
+
         def product(y: jax.Array, w: jax.Array = w) -> jax.Array:
             return (y @ w).astype(y.dtype)
 
