@@ -13,21 +13,23 @@ from xlafit.predict.model import Link, predict
 from xlafit.predict.rates import rates_for
 
 
-def steps_in_cost(compiled: Any, k: int) -> int:
+def steps_in_cost(hlo: str, k: int) -> int:
     """How many of a call's ``k`` steps XLA's cost analysis counted: one when the steps stayed
     a loop (a ``while`` body is counted once), ``k`` when the compiler unrolled them."""
     if k == 1:
         return 1
-    return 1 if re.search(r"\bwhile\(", compiled.as_text()) else k
+    return 1 if re.search(r"\bwhile\(", hlo) else k
 
 
-def roofline(report: TargetReport, peak: float, bandwidth: float, program: Program, compiled: Any, k: int) -> None:
+def roofline(
+    report: TargetReport, peak: float, bandwidth: float, program: Program, compiled: Any, k: int, hlo: str
+) -> None:
     """Fills FLOPs, bytes and the roofline bound from the compiled program of ``k`` steps:
     XLA's cost analysis, plus the FLOPs of the Pallas kernels it cannot see (splash
     attention: :func:`xlafit.predict.hlo.kernel_flops`) and the products of loops inside a step,
     which it counts once (:func:`xlafit.predict.hlo.loop_flops`), over one device's ``peak``
     FLOP/s and HBM ``bandwidth`` (bytes/s)."""
-    cost, counted, hlo = compiled.cost_analysis() or {}, steps_in_cost(compiled, k), compiled.as_text()
+    cost, counted = compiled.cost_analysis() or {}, steps_in_cost(hlo, k)
     # The products of loops inside a step (a scan over layers), which the cost analysis counts once.
     inner = loop_flops(hlo, {k} if k > 1 else ())
     flops = (float(cost.get("flops", 0.0)) + inner) / counted + kernel_flops(hlo) / k or None
@@ -60,13 +62,14 @@ def _throughput(report: TargetReport, program: Program) -> None:
 def model_step(
     report: TargetReport,
     program: Program,
-    compiled: Any,
+    hlo: str,
     k: int,
     device_kind: str,
     link: Link = None,
     calibration: str | None = None,
 ) -> None:
-    """The step model's prediction of one step of ``compiled`` (``k`` steps per call) on
+    """The step model's prediction of one step of a compiled program (its text ``hlo``, ``k``
+    steps per call) on
     ``device_kind``, with its error band, into ``report`` (after :func:`roofline`); where the
     device has no rates the report keeps the bound and its band says why."""
     rates = rates_for(device_kind, calibration)
@@ -75,7 +78,7 @@ def model_step(
             f"no step model for {device_kind}: the roofline bound only (xlafit bench --calibrate on one measures it)"
         )
         return
-    prediction = predict(compiled.as_text(), rates, link, report.devices)
+    prediction = predict(hlo, rates, link, report.devices)
     if prediction.seconds <= 0:
         return
     report.step_s = prediction.seconds / k

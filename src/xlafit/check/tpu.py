@@ -436,8 +436,9 @@ def predict_here(
     if compiled is None:
         compiled, report.compile_s = steps.compile_train(report.per_device_batch)
     report.memory = memory_of(compiled, steps.state_bytes, tree_bytes(program.example) * report.per_device_batch * k)
-    roofline(report, peak, bytes_per_s, program, compiled, k)
-    model_step(report, program, compiled, k, kind)
+    hlo = compiled.as_text()
+    roofline(report, peak, bytes_per_s, program, compiled, k, hlo)
+    model_step(report, program, hlo, k, kind)
     return LocalPrediction(report, peak, peak_source, bytes_per_s, bandwidth_source)
 
 
@@ -477,8 +478,9 @@ def _train_report(report: TargetReport, steps: Steps, target: tpu.Target) -> Non
     else:
         report.fits = True
         report.memory = memory_of(compiled, steps.state_bytes, tree_bytes(program.example) * per_device * k)
-        roofline(report, target.peak_flops, target.hbm_bandwidth, program, compiled, k)
-        model_step(report, program, compiled, k, target.generation.device_kinds[0], target.ici_bandwidth)
+        hlo = compiled.as_text()  # seconds for a large program: read once
+        roofline(report, target.peak_flops, target.hbm_bandwidth, program, compiled, k, hlo)
+        model_step(report, program, hlo, k, target.generation.device_kinds[0], target.ici_bandwidth)
 
 
 def _eval_report(steps: Steps, per_device: int) -> dict[str, Any] | None:

@@ -225,7 +225,7 @@ class Planner:
             )
             hlo = compiled.as_text()
             try:
-                flops, accessed = self._scanned_cost(target, out) if c.scan else _cost(compiled, c, k)
+                flops, accessed = self._scanned_cost(target, out) if c.scan else _cost(compiled, c, k, hlo)
             except Exception as e:  # a few-layer program that fails: the verdict stands, no prediction
                 first = str(e).splitlines()[0] if str(e) else type(e).__name__
                 n1, n2 = self._cost_depths()
@@ -265,7 +265,7 @@ class Planner:
             steps = self.steps(target, flat, n)
             compiled, seconds = steps.compile_train(c.per_device_batch)
             out.cost_compile_s += seconds
-            costs.append(_cost(compiled, flat, steps.program.config.steps_per_call))
+            costs.append(_cost(compiled, flat, steps.program.config.steps_per_call, compiled.as_text()))
         (f1, b1), (f2, b2) = costs
         more = (self.layers - n1) / (n2 - n1)
         return f1 + more * (f2 - f1), b1 + more * (b2 - b1)
@@ -462,11 +462,10 @@ class Planner:
         return c.global_batch * scale / step
 
 
-def _cost(compiled: Any, c: Candidate, k: int) -> tuple[float, float]:
-    """FLOPs and HBM bytes per step of one compiled call of ``k`` steps of ``c``."""
+def _cost(compiled: Any, c: Candidate, k: int, hlo: str) -> tuple[float, float]:
+    """FLOPs and HBM bytes per step of one compiled call of ``k`` steps of ``c`` (``hlo``: its text)."""
     cost = compiled.cost_analysis() or {}
-    hlo = compiled.as_text()
-    counted = steps_in_cost(compiled, k)
+    counted = steps_in_cost(hlo, k)
     # XLA's cost analysis counts a loop's body once: a scanned accumulation's micro-batches too.
     micro = c.accumulate if c.accumulate > 1 and c.accumulate in loop_trips(hlo) else 1
     # The products of other loops (a model's own scan over its layers), counted once there too.

@@ -71,25 +71,35 @@ def _trip_count(condition: list[str], body: list[str] | None = None) -> int:
 def _counter_step(condition: list[str], body: list[str]) -> int:
     """What the loop body adds to the counter the condition compares (1 if not found)."""
     index = next((re.search(r"index=(\d+)", line) for line in condition if "get-tuple-element(" in line), None)
-    root = next((line for line in body if line.lstrip().startswith("ROOT") and " tuple(" in line), None)
-    if index is None or root is None:
+    root = next((line for line in reversed(body) if line.lstrip().startswith("ROOT")), None)
+    found = _INSTRUCTION.match(root) if root and " tuple(" in root else None
+    if index is None or found is None:
         return 1
-    found = _INSTRUCTION.match(root)
-    outputs = _operand_names(found.group("rest")) if found else []
+    outputs = _operand_names(found.group("rest"))
     k = int(index.group(1))
     if k >= len(outputs):
         return 1
-    by_name = {m.group("name"): m for line in body if (m := _INSTRUCTION.match(line))}
-    update = by_name.get(outputs[k])
+    update = _defined(body, outputs[k])
     if update is None or update.group("op") != "add":
         return 1
     for operand in _operand_names(update.group("rest")):
-        constant = by_name.get(operand)
+        constant = _defined(body, operand)
         if constant is not None and constant.group("op") == "constant":
             value = re.match(r"(\d+)\)", constant.group("rest"))
             if value and int(value.group(1)) > 0:
                 return int(value.group(1))
     return 1
+
+
+def _defined(lines: list[str], name: str) -> re.Match[str] | None:
+    """The instruction of ``lines`` that defines ``%name``."""
+    prefix = f"%{name} = "
+    for line in lines:
+        if prefix in line:
+            found = _INSTRUCTION.match(line)
+            if found and found.group("name") == name:
+                return found
+    return None
 
 
 def loop_trips(hlo: str) -> list[int]:

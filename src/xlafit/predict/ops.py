@@ -174,17 +174,18 @@ def _parse(hlo: str) -> tuple[dict[str, _Computation], str]:
     return out, entry
 
 
-def kernels(hlo: str) -> list[Kernel]:
+def kernels(hlo: str, signatures: bool = False) -> list[Kernel]:
     """The kernels one run of a compiled program launches, each with its work per execution
-    and its count (see the module docstring)."""
+    and its count (see the module docstring); with ``signatures``, each fusion's
+    :attr:`Kernel.signature` (to match a GPU profile's kernel names)."""
     computations, entry = _parse(hlo)
     found: dict[str, Kernel] = {}
-    for kernel in _visit(computations, entry, 1):
+    for kernel in _visit(computations, entry, 1, signatures):
         before = found.get(kernel.name)
         found[kernel.name] = (
             kernel if before is None else dataclasses.replace(before, count=before.count + kernel.count)
         )
-    splash = kernel_flops(hlo)
+    splash = kernel_flops(hlo) if "splash_m" in hlo else 0.0
     if splash:  # Pallas splash attention: the FLOPs its kernels' blocks do, shared by its calls
         calls = [k for k in found.values() if k.kind == "attention" and k.target.startswith("tpu_custom_call")]
         runs = sum(k.count for k in calls)
@@ -193,7 +194,7 @@ def kernels(hlo: str) -> list[Kernel]:
     return list(found.values())
 
 
-def _visit(computations: dict[str, _Computation], name: str, times: int) -> Iterator[Kernel]:
+def _visit(computations: dict[str, _Computation], name: str, times: int, signatures: bool) -> Iterator[Kernel]:
     computation = computations.get(name)
     if computation is None:
         return
@@ -206,14 +207,14 @@ def _visit(computations: dict[str, _Computation], name: str, times: int) -> Iter
             inner = computations[body.group(1)].lines if body else None
             trips = _trip_count(computations[condition.group(1)].lines, inner) if condition else 1
             if body:
-                yield from _visit(computations, body.group(1), times * trips)
+                yield from _visit(computations, body.group(1), times * trips, signatures)
             continue
         if op in ("call", "conditional", "async-start"):
             callees = re.findall(r"(?:to_apply|calls|true_computation|false_computation)=%([\w.\-]+)", rest)
             branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
             callees += re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else []
             for callee in callees:
-                yield from _visit(computations, callee, times)
+                yield from _visit(computations, callee, times, signatures)
             continue
         if op.endswith("-done"):  # the end of an asynchronous collective: a wait, not a kernel
             started = _operand_names(rest)
@@ -221,16 +222,15 @@ def _visit(computations: dict[str, _Computation], name: str, times: int) -> Iter
             continue
         if op in _NO_KERNEL or op.endswith("-update"):
             continue
-        kernel = _kernel(found, shapes, computations)
+        kernel = _kernel(found, shapes, computations, signatures)
         if kernel is not None:
             yield dataclasses.replace(kernel, count=times)
 
 
-def _kernel(found: re.Match[str], shapes: dict[str, str], computations: dict[str, _Computation]) -> Kernel | None:
+def _kernel(
+    found: re.Match[str], shapes: dict[str, str], computations: dict[str, _Computation], signatures: bool
+) -> Kernel | None:
     name, shape, op, rest = found.group("name"), found.group("shape"), found.group("op"), found.group("rest")
-    operands = _operand_names(rest)
-    read = [hbm_bytes(shapes.get(o, "")) for o in operands]
-    written = hbm_bytes(shape)
     kind = op.removesuffix("-start")
     if op in _TRANSFERS:  # a DMA between memories, beside the compute (TPU prefetches into VMEM)
         moved = max((array_bytes(m.group(0)) for m in _ARRAY.finditer(shape)), default=0)
@@ -243,10 +243,13 @@ def _kernel(found: re.Match[str], shapes: dict[str, str], computations: dict[str
         )
     if _ARRAY.search(shape) is None or not _dims(shape) and op not in ("custom-call", "fusion"):
         return None  # a scalar: the core's scalar unit (loop counters, indices), no kernel
+    operands = _operand_names(rest)
+    if op == "fusion":
+        return _fusion(name, shape, rest, operands, shapes, computations, signatures)
+    read = [hbm_bytes(shapes.get(o, "")) for o in operands]
+    written = hbm_bytes(shape)
     if op == "custom-call":
         return _custom_call(name, shape, rest, operands, shapes, read)
-    if op == "fusion":
-        return _fusion(name, shape, rest, operands, shapes, computations)
     if op in ("dot", "convolution"):
         flops = product_flops(op, shape, rest, shapes)
         dims = _product_shape(op, shape, rest, shapes)
@@ -458,7 +461,13 @@ def _attention_flops(rest: str, operands: list[str], shapes: dict[str, str], tar
 
 
 def _fusion(
-    name: str, shape: str, rest: str, operands: list[str], shapes: dict[str, str], computations: dict[str, _Computation]
+    name: str,
+    shape: str,
+    rest: str,
+    operands: list[str],
+    shapes: dict[str, str],
+    computations: dict[str, _Computation],
+    signatures: bool,
 ) -> Kernel:
     callee = re.search(r"calls=%([\w.\-]+)", rest)
     fused = computations.get(callee.group(1)) if callee else None
@@ -491,7 +500,8 @@ def _fusion(
         elif op not in _FREE:
             vector += VECTOR_COST.get(op, 1.0) * math.prod(_dims(inner.group("shape")))
     kind = _fusion_kind(name, target, ops, fused, flops)
-    return Kernel(name, kind, 1, flops, vector, read, written, dims, _dtype(shape), target, _signature(fused))
+    signature = _signature(fused) if signatures else ""
+    return Kernel(name, kind, 1, flops, vector, read, written, dims, _dtype(shape), target, signature)
 
 
 def _signature(fused: _Computation) -> str:

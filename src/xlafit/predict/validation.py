@@ -258,7 +258,7 @@ def tpu_runs(folder: Path) -> list[dict]:
 
 @cache
 def _kernels(path: Path) -> list[Kernel]:
-    return kernels(_hlo(path))
+    return kernels(_hlo(path), signatures=True)
 
 
 def tpu_program_kernels(folder: Path, run: dict) -> list[tuple[int, list[Kernel]]]:
