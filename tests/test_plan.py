@@ -350,7 +350,7 @@ def test_a_scanned_candidate_costs_what_its_unscanned_twin_does():
     assert moved[1] == pytest.approx(moved[0], rel=0.1) and "all-gather" in b.comms.by_kind  # FSDP's, per layer
     # The scanned program alone, its loops' products counted per trip (XLA counts the body
     # once: 44 %): within 5 %, its element-wise work counted once; the extrapolation is exact.
-    assert _cost(raw, scanned, 1)[0] == pytest.approx(a.flops, rel=0.05)
+    assert _cost(raw, scanned, 1, raw.as_text())[0] == pytest.approx(a.flops, rel=0.05)
     assert (raw.cost_analysis() or {})["flops"] < 0.6 * a.flops
     assert "scan layers" in b.candidate.levers and b.candidate.overrides()["model.scan_layers"] is True
 

@@ -120,7 +120,7 @@ def _speed_lines(r: TargetReport) -> list[str]:
     elif r.band:
         lines.append(f"  {r.band}")
     if r.bound_s and r.compute_s is not None and r.memory_s is not None:
-        lines.append(f"  roofline bound: step >= {r.bound_s * 1e3:.3g} ms")
+        lines.append(f"  roofline: {r.bound_s * 1e3:.3g} ms, the larger of")
         lines.append(
             f"    compute {r.compute_s * 1e3:.3g} ms at {target_peak(r)} (a strict lower bound); memory "
             f"{r.memory_s * 1e3:.3g} ms for XLA's count of {r.bytes_per_step or 0:.3g} bytes accessed (may "

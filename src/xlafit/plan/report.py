@@ -151,8 +151,9 @@ def _winner_lines(plan: Plan) -> list[str]:
             band = f" ±{p.band_median:.0%}" if p.band_median is not None else ""
             lines.append(f"  step (predicted): {p.step_s * 1e3:.3g} ms{band}, MFU {p.mfu:.0%}")
         lines.append(
-            f"  roofline bound: step >= {p.bound_s * 1e3:.3g} ms (compute {p.compute_s * 1e3:.3g} ms, memory "
-            f"{p.memory_s * 1e3:.3g} ms{comm}; {p.serial_s * 1e3:.3g} ms with no overlap)"
+            f"  roofline: {p.bound_s * 1e3:.3g} ms (compute {p.compute_s * 1e3:.3g} ms at peak, a strict lower bound; "
+            f"memory {p.memory_s * 1e3:.3g} ms for XLA's bytes accessed, which overstates HBM traffic{comm}; "
+            f"{p.serial_s * 1e3:.3g} ms with no overlap)"
         )
     own = plan.own_batch(o)
     if not plan.batch_fixed and own and own != c.global_batch:

@@ -286,7 +286,7 @@ class Planner:
         step, band, median = bound, "", None
         rates = None if self.settings.bound else rates_for(target.generation.device_kinds[0])
         if self.settings.bound:
-            band = "the roofline bound (--bound): a lower bound on the step, not a prediction"
+            band = "the roofline (--bound): XLA's counts at the datasheet's peak and bandwidth, not a prediction"
         elif rates is None:
             band = f"no step model for {target.generation.name}: the roofline bound"
         else:

@@ -19,7 +19,8 @@ a few hundred bytes: a Colab user calibrates a v5e-1 once and plans a v5e-64 wit
 
 Example (the CPU, tiny sizes, a few seconds):
     >>> rates, record = calibrate(sizes="tiny")
-    >>> rates.origin, rates.matmul_flops > 0, record["step"]["measured_s"] > 0
+    >>> step = record["step"]
+    >>> rates.origin, rates.matmul_flops > 0, step["measured_s"] > 0
     ('calibrated', True, True)
 """
 

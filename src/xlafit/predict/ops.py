@@ -78,7 +78,7 @@ KINDS = (
 )
 
 # Element-wise work per output element, in float adds. GPU SMs (compute capability 8.0-9.0)
-# issue 64-128 float adds, multiplies or FMAs per clock but 16 of the special functions
+# execute 64-128 float adds, multiplies or FMAs per clock but 16 of the special functions
 # (exp2, log2, reciprocal, rsqrt, sin, cos) and 16 type conversions between 32-bit and
 # other types (CUDA C++ Programming Guide, "Arithmetic Instructions", throughput table);
 # an exponential is a multiply and an exp2, a divide a reciprocal and two FMAs.

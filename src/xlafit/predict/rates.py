@@ -15,7 +15,7 @@ cache (``<cache>/calibration/``) over the built-in row, and says which it used.
 Example:
     >>> row = rates_for("NVIDIA H200")
     >>> row.origin, round(row.matmul_flops / 1e12)
-    ('built-in', 865)
+    ('built-in', 830)
 """
 
 from __future__ import annotations
