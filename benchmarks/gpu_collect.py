@@ -53,25 +53,9 @@ def kernels_of(trace_dir: str) -> tuple[dict, dict]:
 def workload(name: str, summary: dict) -> tuple[dict, dict]:
     import predict_measured as pm
     from xlafit.bench.worker import _timed_calls
-    from xlafit.data.dataset import as_dataset
-    from xlafit.parallel.cluster import connect
-    from xlafit.parallel.sharding import parse_rules
-    from xlafit.recipes import get_recipe, load_config
-    from xlafit.run import recipe_trainer, resolve
-    from xlafit.train.optim import make_optimizer
 
-    w = pm.WORKLOADS[name]
-    recipe_name = w.get("recipe", [name])[0]
-    overrides = [*w["common"], *w[SIZE], "trainer.steps_per_call=1", "trainer.epochs=100"]
-    cfg = load_config(recipe_name, overrides)
-    recipe = get_recipe(recipe_name)
-    recipe.validate(cfg)
-    strategy = connect(cpu=cfg.cpu, mesh=cfg.mesh.sizes, rules=parse_rules(cfg.mesh.rules))
-    train = as_dataset(recipe.load_data(cfg)[0])
-    cfg, run = resolve(recipe.from_data(cfg, train), strategy, len(train))
-    trainer = recipe_trainer(
-        recipe, cfg, run, strategy, train, make_optimizer(cfg.optimizer, run.global_batch), keep=False
-    )
+    recipe_name, overrides = pm.overrides_of(name, SIZE)
+    trainer, train, run = pm.build_trainer(recipe_name, overrides)
     warm, timed = 3, (20 if SIZE == "full" else 4)
     t = _timed_calls(trainer, train, warm, warm + timed)
     compiled = next(iter(trainer.train_step._cache.values()))

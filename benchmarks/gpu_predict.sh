@@ -24,7 +24,7 @@ for part in $PARTS; do
   case $part in
     1) limit "${LIMIT1:-150}" xlafit bench --calibrate --calibrate-sizes "$SIZE" --out "$OUT/calibration.json" \
          --json "$OUT/calibrate.json" ;;
-    2) if ! python3 -c 'import jax, sys; from xlafit.predict.rates import rates_for; sys.exit(rates_for(jax.devices()[0].device_kind) is None)'; then
+    2) if [ -f "$OUT/calibration.json" ] && ! python3 -c 'import jax, sys; from xlafit.predict.rates import rates_for; sys.exit(rates_for(jax.devices()[0].device_kind) is None)'; then
          export XLAFIT_CALIBRATION="$OUT/calibration.json"  # no built-in row for this card
        fi
        extra=(); [ "$SIZE" = tiny ] && extra=(--size tiny --warmup 2 --steps 4 --peak 1e11 --bandwidth 2e10)

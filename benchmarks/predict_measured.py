@@ -28,6 +28,7 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 
 WORKLOADS: dict[str, dict[str, list[str]]] = {
     "bert-b128": {  # a shape the step model's rates were not checked on: BERT-base at half the batch
@@ -60,12 +61,15 @@ WORKLOADS: dict[str, dict[str, list[str]]] = {
 }
 
 
-def run_workload(name: str, size: str, warmup: int, steps: int, peak: float | None, bandwidth: float | None) -> dict:
-    import jax
+def overrides_of(name: str, size: str) -> tuple[str, list[str]]:
+    """A workload's recipe and overrides, one step per call (the timed loop counts calls,
+    and the prediction is of one program)."""
+    w = WORKLOADS[name]
+    return w.get("recipe", [name])[0], [*w["common"], *w[size], "trainer.steps_per_call=1", "trainer.epochs=100"]
 
-    from xlafit.bench.worker import _timed_calls
-    from xlafit.check import recipe_program
-    from xlafit.check.tpu import predict_here
+
+def build_trainer(recipe_name: str, overrides: list[str]) -> tuple[Any, Any, Any]:
+    """``(trainer, train data, run)``: the recipe's run built as ``xlafit train`` builds it."""
     from xlafit.data.dataset import as_dataset
     from xlafit.parallel.cluster import connect
     from xlafit.parallel.sharding import parse_rules
@@ -73,13 +77,6 @@ def run_workload(name: str, size: str, warmup: int, steps: int, peak: float | No
     from xlafit.run import recipe_trainer, resolve
     from xlafit.train.optim import make_optimizer
 
-    w = WORKLOADS[name]
-    recipe_name = w.get("recipe", [name])[0]
-    # One step per call: the timed loop counts calls, and the estimator one program.
-    overrides = [*w["common"], *w[size], "trainer.steps_per_call=1", "trainer.epochs=100"]
-    # Predicted before it runs: the run's step compiled here and priced.
-    program, _, _ = recipe_program(recipe_name, overrides)
-    before = predict_here(program, peak, bandwidth).report
     cfg = load_config(recipe_name, overrides)
     recipe = get_recipe(recipe_name)
     recipe.validate(cfg)
@@ -87,7 +84,21 @@ def run_workload(name: str, size: str, warmup: int, steps: int, peak: float | No
     train = as_dataset(recipe.load_data(cfg)[0])
     cfg, run = resolve(recipe.from_data(cfg, train), strategy, len(train))
     plan = make_optimizer(cfg.optimizer, run.global_batch)
-    trainer = recipe_trainer(recipe, cfg, run, strategy, train, plan, keep=False)
+    return recipe_trainer(recipe, cfg, run, strategy, train, plan, keep=False), train, run
+
+
+def run_workload(name: str, size: str, warmup: int, steps: int, peak: float | None, bandwidth: float | None) -> dict:
+    import jax
+
+    from xlafit.bench.worker import _timed_calls
+    from xlafit.check import recipe_program
+    from xlafit.check.tpu import predict_here
+
+    recipe_name, overrides = overrides_of(name, size)
+    # Predicted before it runs: the run's step compiled here and priced.
+    program, _, _ = recipe_program(recipe_name, overrides)
+    before = predict_here(program, peak, bandwidth).report
+    trainer, train, run = build_trainer(recipe_name, overrides)
     t0 = time.perf_counter()
     timed = _timed_calls(trainer, train, warmup, warmup + steps)
     measured = statistics.median(timed["call_s"])
