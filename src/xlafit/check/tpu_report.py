@@ -9,6 +9,11 @@ from xlafit.check.program import TargetReport
 from xlafit.platform import hardware as tpu
 
 
+def seconds(x: float) -> str:
+    """``289 ms`` under a second, ``9.17 s`` above."""
+    return f"{x * 1e3:.3g} ms" if x < 1 else f"{x:.3g} s"
+
+
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 / 100 else f"{n / 2**20:.1f} MiB"
 
@@ -120,10 +125,10 @@ def _speed_lines(r: TargetReport) -> list[str]:
     elif r.band:
         lines.append(f"  {r.band}")
     if r.bound_s and r.compute_s is not None and r.memory_s is not None:
-        lines.append(f"  roofline: {r.bound_s * 1e3:.3g} ms, the larger of")
+        lines.append(f"  roofline: {seconds(r.bound_s)}, the larger of")
         lines.append(
-            f"    compute {r.compute_s * 1e3:.3g} ms at {target_peak(r)} (a strict lower bound); memory "
-            f"{r.memory_s * 1e3:.3g} ms for XLA's count of {r.bytes_per_step or 0:.3g} bytes accessed (may "
+            f"    compute {seconds(r.compute_s)} at {target_peak(r)} (a strict lower bound); memory "
+            f"{seconds(r.memory_s)} for XLA's count of {r.bytes_per_step or 0:.3g} bytes accessed (may "
             "overstate HBM traffic)"
         )
     return lines
@@ -132,7 +137,7 @@ def _speed_lines(r: TargetReport) -> list[str]:
 def predicted_step(r: TargetReport) -> str:
     """``452 ms ±9 %``: the predicted step with its median measured error."""
     band = f" ±{r.band_median:.0%}" if r.band_median is not None else ""
-    return f"{r.step_s * 1e3:.3g} ms{band}" if r.step_s else "-"
+    return f"{seconds(r.step_s)}{band}" if r.step_s else "-"
 
 
 def _probe_line(r: TargetReport) -> str:
@@ -160,7 +165,7 @@ def format_table(reports: list[TargetReport]) -> str:
                 gib(total) if total else "-",
                 gib(r.capacity) if r.capacity else "-",
                 str(r.max_batch) if r.max_batch is not None else "-",
-                predicted_step(r) if r.predicted else f">= {r.bound_s * 1e3:.3g} ms (bound)" if r.bound_s else "-",
+                predicted_step(r) if r.predicted else f">= {seconds(r.bound_s)} (bound)" if r.bound_s else "-",
                 (_rate(r.examples_per_s, "").strip() or "-") if r.predicted else f"<= {_rate(r.examples_per_s, '')}",
                 f"{r.compile_s:.0f} s" if r.compile_s else "-",
             )
