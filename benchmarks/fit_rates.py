@@ -33,9 +33,10 @@ def rows() -> list[dict]:
     out = [{**h200.to_json(), "band": band_of(gpu, "measured")}]
     tpu = fit_tpu(VALIDATION / "tpu", TPU_FITTED)
     checks = tpu_checks(VALIDATION / "tpu", tpu, TPU_FITTED)
-    fitted = sum(c.role == "fitted" for c in checks)
-    for _, rates in sorted(tpu.items()):
-        out.append({**rates.to_json(), "band": band_of(checks, "published", fitted)})
+    for generation, rates in sorted(tpu.items()):  # each generation's band from its own runs
+        mine = [c for c in checks if c.device.startswith(f"{generation}-")]
+        fitted = sum(c.role == "fitted" for c in mine)
+        out.append({**rates.to_json(), "band": band_of(mine, "published", fitted)})
     return out
 
 

@@ -241,15 +241,19 @@ def test_plan_of_a_model_too_big_for_data_parallelism(tmp_path):
     winner = plan.winner
     assert winner is not None and winner.candidate.mesh[1] > 1  # FSDP
     assert all(o.prediction.examples_per_s <= winner.prediction.examples_per_s for o in plan.fitting())
+    # Ranked by the step model, each prediction with its measured error; the roofline beside it.
+    assert winner.prediction.predicted and "TPU v5 lite" in winner.prediction.band and winner.prediction.bound_s > 0
     assert {o.candidate.mesh for o in plan.outcomes} == {(8, 1, 1), (4, 2, 1), (2, 4, 1), (1, 8, 1)}
     assert all("tensor" in why for _, mesh, why in plan.skipped)  # no named axes: nothing to split by tensor
     text = format_plan(plan)
     assert "Why not v5e-8 DP 8" in text and "check it: xlafit check" in text and "--per-device-batch 8" in text
+    assert "step (predicted):" in text and "roofline:" in text and "  v5e: ±" in text
     # The six meshes with a tensor axis share one reason: one line names them all.
     (not_tried,) = [line for line in text.splitlines() if "not tried" in line]
     assert "meshes 4x1x2, 2x2x2, 1x4x2, 2x1x4, 1x2x4, 1x1x8:" in not_tried
     data = plan_json(plan)
     assert data["winner"]["overrides"]["mesh.fsdp"] == winner.candidate.mesh[1]
+    assert data["winner"]["prediction"]["predicted"] and data["winner"]["prediction"]["band"]
     json.dumps(data, default=str)
 
     written = plan.write(tmp_path / "plan.yaml")

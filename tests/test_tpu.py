@@ -441,6 +441,20 @@ def test_a_recipe_is_compiled_with_the_runs_own_settings():
     assert report.ok and "fits 1 of 1 TPU target(s)" in report.format()
 
 
+def test_a_generation_with_rates_gets_the_step_models_prediction_and_its_error(tmp_path, monkeypatch):
+    """v5e has a row of rates: the step is the step model's, printed with its measured error
+    beside the roofline; v2 has none: the step is the roofline's, and the report says so."""
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path))
+    (r,) = check_recipe("mnist", ["data.per_device_batch=32"], tpu="v5e-1").tpu
+    assert r.fits and r.predicted and r.rates == "built-in" and r.band_median is not None
+    assert "published steps held out of the fit on TPU v5 lite" in r.band
+    assert r.step_s != r.bound_s and r.examples_per_s == pytest.approx(32 / r.step_s)
+    text = format_report(r)
+    assert "step (predicted, not measured):" in text and "the step model's error: ±" in text and "roofline:" in text
+    (old,) = check_recipe("mnist", ["data.per_device_batch=32"], tpu="v2-8").tpu
+    assert not old.predicted and old.step_s == old.bound_s and "no step model for TPU v2" in old.band
+
+
 def test_the_resnet_recipe_compiles_for_a_tpu_with_its_batch_statistics():
     """`xlafit check resnet --tpu`: the recipe's ResNet (batch norm state in the train state,
     uint8 images normalised on the device) on synthetic ImageNet-shaped data at 32 px."""
