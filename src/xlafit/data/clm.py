@@ -1,7 +1,9 @@
-"""Causal-LM data: documents -> a Hugging Face tokenizer -> packed rows with segment ids.
+"""Causal-LM data: documents or records -> a Hugging Face tokenizer -> packed rows with segment ids.
 
-Documents come from text files (one document per blank-line-separated block) or Parquet
-files (one document per row of a text column), local or at a URL (``gs://`` with gcsfs).
+Documents come from text files (one document per blank-line-separated block), Parquet files
+(one document per row of a text column) or JSON-lines records, local or at a URL (``gs://``
+with gcsfs); chat and prompt/completion records (:mod:`xlafit.data.chat`) are rendered with
+the model's chat template and carry a ``loss_mask`` on their answers.
 Each is tokenized (``<bos>`` before and ``<eos>`` after it when the tokenizer has them),
 cut into pieces of at most ``seq_len`` tokens, and the pieces are packed first-fit into rows
 of ``seq_len`` tokens (:func:`xlafit.data.shapes.pack`): ``segment_ids`` 1, 2, ... per piece
@@ -27,6 +29,7 @@ import jax
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from xlafit.data.chat import FORMATS, ChatTemplate, Encoded, detect_format, encode, masks_in_rows, read_records
 from xlafit.data.hashing import hash_uniform
 from xlafit.data.shapes import pack
 from xlafit.data.text import documents
@@ -92,31 +95,33 @@ def special_ids(tok: Tokenizer) -> tuple[int | None, int | None]:
     return find(BOS_NAMES), find(EOS_NAMES)
 
 
+RECORD_FILES = (".jsonl", ".json")  # one JSON record per line (chat, prompt/completion or text)
+
+
 def read_documents(inputs: Sequence[str], text_column: str = "text") -> Iterator[str]:
     """The documents of text files (blank-line-separated blocks) and Parquet files (one per
     row of ``text_column``), in order. ``inputs``: files, directories, globs or URLs."""
     files = data_files(inputs)
-    parquet = [f for f in files if f.endswith(".parquet")]
-    text = [f for f in files if not f.endswith(".parquet")]
-    for doc in documents(text, "blank"):
-        yield "\n".join(doc)
-    for name in parquet:
-        import pyarrow.parquet as pq
+    yield from _documents([f for f in files if not f.endswith((".parquet", *RECORD_FILES))], [], text_column)
+    for name in files:
+        if name.endswith(".parquet"):
+            yield from _documents([], read_records([name]), text_column, name)
 
-        fs, path = filesystem(name)
-        with fs.open(path, "rb") as f:
-            table = pq.read_table(f)
-        if text_column not in table.column_names:
-            raise DataError(
-                f"{name} has no column {text_column!r} (it has {', '.join(table.column_names)}); "
-                "set data.text_column to the one holding the text."
-            )
-        yield from (t for t in table.column(text_column).to_pylist() if t)
+
+def _documents(text_files: list[str], records: list[dict], text_column: str, where: str = "") -> Iterator[str]:
+    for doc in documents(text_files, "blank"):
+        yield "\n".join(doc)
+    if records and text_column not in records[0]:
+        raise DataError(
+            f"{where} has no column {text_column!r} (it has {', '.join(records[0])}); set data.text_column to the "
+            "one holding the text, or data.format if its records are chat or prompt/completion."
+        )
+    yield from (r[text_column] for r in records if r.get(text_column))
 
 
 def data_files(inputs: Sequence[str]) -> list[str]:
-    """The files named by ``inputs``: files, globs, or directories (their ``*.txt`` and
-    ``*.parquet``), local or URLs.
+    """The files named by ``inputs``: files, globs, or directories (their ``*.txt``,
+    ``*.parquet`` and ``*.jsonl``), local or URLs.
 
     Raises:
         DataError: an input matches no file.
@@ -127,14 +132,14 @@ def data_files(inputs: Sequence[str]) -> list[str]:
         if any(c in path for c in "*?["):
             found = sorted(fs.glob(path))
         elif fs.isdir(path):
-            found = sorted(f for ext in ("txt", "parquet") for f in fs.glob(f"{path.rstrip('/')}/*.{ext}"))
+            found = sorted(f for ext in ("txt", "parquet", "jsonl") for f in fs.glob(f"{path.rstrip('/')}/*.{ext}"))
         else:
             found = [path]
         found = [f for f in found if fs.exists(f) and fs.isfile(f)]
         if not found:
             raise DataError(
-                f"no input file matches {pattern}; give text or Parquet files, globs, or directories of "
-                "*.txt and *.parquet files."
+                f"no input file matches {pattern}; give text, Parquet or JSON-lines files, globs, or directories of "
+                "*.txt, *.parquet and *.jsonl files."
             )
         files += [fs.unstrip_protocol(f) if "://" in pattern else f for f in found]
     return files
@@ -150,6 +155,7 @@ class PackedText:
     arrays: dict[str, np.ndarray]
     vocab_size: int
     documents: int
+    source: Source | None = None  # what was read (set on the train split)
 
     @property
     def seq_len(self) -> int:
@@ -178,6 +184,17 @@ def pieces(ids: list[int], seq_len: int) -> list[list[int]]:
     return [ids[i : i + seq_len] for i in range(0, len(ids), seq_len) if len(ids[i : i + seq_len]) > 1]
 
 
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """What :func:`load_packed` read: records (or documents) per split, in which format, and
+    what the loss counts."""
+
+    format: str
+    records: dict[str, int]
+    truncated: int = 0
+    answer_share: float = 1.0  # of the real tokens, the share the loss counts
+
+
 def load_packed(
     inputs: Sequence[str],
     tok: Tokenizer,
@@ -186,48 +203,117 @@ def load_packed(
     eval_fraction: float = 0.1,
     seed: int = 0,
     text_column: str = "text",
+    fmt: str = "auto",
+    template: ChatTemplate | None = None,
+    loss_on: str = "assistant",
 ) -> tuple[PackedText, PackedText]:
-    """(train, eval) packed rows of the documents of ``inputs``; each document goes to eval
+    """(train, eval) packed rows of the documents or records of ``inputs``; each goes to eval
     with probability ``eval_fraction`` (a hash of its index and ``seed``).
 
+    Text (``fmt="text"``: text files, a Parquet text column, ``{"text"}`` records) is cut into
+    pieces of ``seq_len``; a chat or prompt/completion record (:mod:`xlafit.data.chat`) is one
+    sequence, its end cut off past ``seq_len``, with a ``loss_mask`` (1 where the loss counts
+    the token; ``loss_on`` "assistant" or "all"). ``fmt="auto"``: from each file's records.
+
     Raises:
-        DataError: no text, or no document left for training.
+        DataError: no text, an unknown format, or no document left for training.
     """
     if seq_len < 2:
         raise DataError(f"data.seq_len={seq_len} leaves nothing to predict; use 256, 1024 or more.")
-    bos, eos = special_ids(tok)
-    split: dict[str, list[list[int]]] = {"train": [], "eval": []}
+    if fmt not in ("auto", *FORMATS):
+        raise DataError(f"data.format={fmt!r}: one of auto, {', '.join(FORMATS)}.")
+    if loss_on not in ("assistant", "all"):
+        raise DataError(f"data.loss_on={loss_on!r}: assistant (the answers only) or all.")
+    files = data_files(inputs)
+    encoded, fmt_found = _encode_files(files, tok, fmt, text_column, template, loss_on)
+    draws = hash_uniform(np.array([seed]), np.arange(len(encoded)), 11) if encoded else np.zeros(0)
+    split: dict[str, list[Encoded]] = {"train": [], "eval": []}
     counts = {"train": 0, "eval": 0}
-    docs = list(read_documents(inputs, text_column))
-    encoded = tok.encode_batch(docs, add_special_tokens=False)
-    draws = hash_uniform(np.array([seed]), np.arange(len(docs)), 11) if docs else np.zeros(0)
+    truncated = 0
     for e, draw in zip(encoded, draws, strict=True):
-        ids = ([bos] if bos is not None else []) + e.ids + ([eos] if eos is not None else [])
         name = "eval" if draw < eval_fraction else "train"
         counts[name] += 1
-        split[name] += pieces(ids, seq_len)
+        if fmt_found == "text":
+            split[name] += [Encoded(p, [1] * len(p)) for p in pieces(e.ids, seq_len)]
+        elif len(e.ids) > 1:
+            truncated += len(e.ids) > seq_len
+            split[name].append(Encoded(e.ids[:seq_len], e.mask[:seq_len]))
     if not split["train"]:
         raise DataError(
-            f"no text to train on in {', '.join(map(str, inputs))} ({len(docs)} documents); give text files "
-            "(documents separated by blank lines) or Parquet files with a text column."
+            f"no text to train on in {', '.join(map(str, inputs))} ({len(encoded)} documents or records); give text "
+            "files (documents separated by blank lines), Parquet files with a text column, or JSON-lines records."
         )
     pad = tok.token_to_id(PAD) or 0
     vocab = tok.get_vocab_size()
     out = []
     for name in ("train", "eval"):
-        packed = pack(split[name], seq_len, pad_id=pad) if split[name] else _empty(seq_len)
-        arrays = {k: packed[k] for k in ("input_ids", "segment_ids", "positions")}
+        arrays = _pack(split[name], seq_len, pad, with_mask=fmt_found != "text")
         out.append(PackedText(arrays, vocab, counts[name]))
+    masked = [x for e in split["train"] for x in e.mask]
+    share = sum(masked) / max(len(masked), 1)
+    out[0].source = Source(fmt_found, counts, truncated, share)
     return out[0], out[1]
 
 
-def _empty(seq_len: int) -> dict[str, np.ndarray]:
-    return {k: np.zeros((0, seq_len), np.int32) for k in ("input_ids", "segment_ids", "positions")}
+def _encode_files(
+    files: list[str], tok: Tokenizer, fmt: str, text_column: str, template: ChatTemplate | None, loss_on: str
+) -> tuple[list[Encoded], str]:
+    """Every document or record of ``files`` encoded, and the one format they share."""
+    bos, eos = special_ids(tok)
+    texts = [f for f in files if not f.endswith((".parquet", *RECORD_FILES))]
+    found: set[str] = {"text"} if texts else set()
+    out = []
+    if texts:
+        docs = list(_documents(texts, [], text_column))
+        out += [Encoded(ids, [1] * len(ids)) for ids in _with_markers(tok, docs, bos, eos)]
+    for name in files:
+        if name in texts:
+            continue
+        records = read_records([name])
+        if not records:
+            continue
+        this = fmt if fmt != "auto" else ("text" if text_column in records[0] else detect_format(records, name))
+        found.add(this)
+        if this == "text":
+            docs = list(_documents([], records, text_column, name))
+            out += [Encoded(ids, [1] * len(ids)) for ids in _with_markers(tok, docs, bos, eos)]
+        else:
+            out += [encode(r, this, tok, template, loss_on=loss_on, bos=bos, eos=eos) for r in records]
+    if len(found) > 1:
+        raise DataError(
+            f"the inputs mix formats ({', '.join(sorted(found))}); give one kind of data per run (data.format)."
+        )
+    return out, next(iter(found), "text")
 
 
-def next_token_targets(input_ids: ArrayT, segment_ids: ArrayT) -> tuple[ArrayT, ArrayT]:
+def _with_markers(tok: Tokenizer, docs: list[str], bos: int | None, eos: int | None) -> list[list[int]]:
+    encoded = tok.encode_batch(docs, add_special_tokens=False)
+    return [([bos] if bos is not None else []) + e.ids + ([eos] if eos is not None else []) for e in encoded]
+
+
+def _pack(sequences: list[Encoded], seq_len: int, pad: int, with_mask: bool) -> dict[str, np.ndarray]:
+    if not sequences:
+        return _empty(seq_len, with_mask)
+    packed = pack([e.ids for e in sequences], seq_len, pad_id=pad)
+    arrays = {k: packed[k] for k in ("input_ids", "segment_ids", "positions")}
+    if with_mask:
+        arrays["loss_mask"] = masks_in_rows((e.mask for e in sequences), packed["placement"], packed["input_ids"].shape)
+    return arrays
+
+
+def _empty(seq_len: int, with_mask: bool = False) -> dict[str, np.ndarray]:
+    out = {k: np.zeros((0, seq_len), np.int32) for k in ("input_ids", "segment_ids", "positions")}
+    if with_mask:
+        out["loss_mask"] = np.zeros((0, seq_len), np.int8)
+    return out
+
+
+def next_token_targets(
+    input_ids: ArrayT, segment_ids: ArrayT, loss_mask: ArrayT | None = None
+) -> tuple[ArrayT, ArrayT]:
     """``(targets, weights)`` ``[B, T - 1]`` of a packed batch: position ``t`` predicts token
-    ``t + 1``, weighted 1 only when both are real tokens of the same piece.
+    ``t + 1``, weighted 1 only when both are real tokens of the same piece and, with a
+    ``loss_mask``, the loss counts token ``t + 1`` (an answer's, not the prompt's).
 
     Works on NumPy and JAX arrays alike.
 
@@ -235,6 +321,10 @@ def next_token_targets(input_ids: ArrayT, segment_ids: ArrayT) -> tuple[ArrayT, 
         >>> t, w = next_token_targets(np.array([[5, 6, 7, 8, 0]]), np.array([[1, 1, 2, 2, 0]]))
         >>> t.tolist(), w.tolist()
         ([[6, 7, 8, 0]], [[1.0, 0.0, 1.0, 0.0]])
+        >>> next_token_targets(np.array([[5, 6, 7, 8]]), np.array([[1, 1, 1, 1]]), np.array([[0, 0, 1, 1]]))[1].tolist()
+        [[0.0, 1.0, 1.0]]
     """
     same = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, :-1] > 0)
+    if loss_mask is not None:
+        same = same & (loss_mask[:, 1:] > 0)
     return input_ids[:, 1:], same.astype(np.float32)

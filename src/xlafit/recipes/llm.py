@@ -25,7 +25,7 @@ from flax import nnx
 
 from xlafit import config as xconfig
 from xlafit.config import Config
-from xlafit.data import clm
+from xlafit.data import chat, clm
 from xlafit.data.text import korean_demo_files
 from xlafit.errors import ConfigError
 from xlafit.hf import llama as llama_hf
@@ -76,6 +76,11 @@ class LlmDataConfig(xconfig.DataConfig):
     vocab_size: int | None = None  # the size of the BPE tokenizer the demo trains (null: 2000)
     text_column: str = "text"  # the column of Parquet files that holds the documents
     eval_fraction: float = 0.1  # documents held out for evaluation (a hash of their index and data.seed)
+    # auto (from the records), text, chat ({"messages": [...]}) or prompt_completion ({"prompt", "completion"})
+    format: str = "auto"
+    # chat records: a Jinja chat template file instead of the tokenizer's (tokenizer_config.json's chat_template)
+    chat_template: str | None = None
+    loss_on: str = "assistant"  # chat and prompt/completion records: assistant (the answers only) or all
 
 
 def data_config(cfg: Config) -> LlmDataConfig:
@@ -170,19 +175,50 @@ def demo_tokenizer(vocab_size: int) -> str:
 def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
     """(train, eval) packed rows of the documents of ``data.data_dir`` (or the demo corpus)."""
     d = data_config(cfg)
-    tok = clm.load_tokenizer(tokenizer_location(cfg))
+    where = tokenizer_location(cfg)
+    tok = clm.load_tokenizer(where)
     inputs = [d.data_dir] if d.data_dir else korean_demo_files()
+    template = chat.template_for(where, d.chat_template)
     train, evaluation = clm.load_packed(
-        inputs, tok, seq_len=d.seq_len, eval_fraction=d.eval_fraction, seed=d.seed, text_column=d.text_column
+        inputs,
+        tok,
+        seq_len=d.seq_len,
+        eval_fraction=d.eval_fraction,
+        seed=d.seed,
+        text_column=d.text_column,
+        fmt=d.format,
+        template=template,
+        loss_on=d.loss_on,
     )
-    print(
-        f"data: {train.documents} documents -> {len(train)} rows of {d.seq_len} tokens "
-        f"({train.tokens / max(train.arrays['input_ids'].size, 1):.1%} not padding); eval: {evaluation.documents} "
-        f"documents, {len(evaluation)} rows",
-        flush=True,
-        file=sys.stderr,
-    )
+    print(data_summary(train, evaluation, d), flush=True, file=sys.stderr)
     return train, (evaluation if len(evaluation) else None)  # type: ignore[return-value]
+
+
+def data_summary(train: clm.PackedText, evaluation: clm.PackedText, d: LlmDataConfig) -> str:
+    """What the run will train on, what the loss counts, and an empty evaluation said aloud."""
+    source = train.source
+    kind = "documents" if source is None or source.format == "text" else f"{source.format} records"
+    lines = [
+        f"data: {train.documents} {kind} -> {len(train)} rows of {d.seq_len} tokens "
+        f"({train.tokens / max(train.arrays['input_ids'].size, 1):.1%} not padding); eval: {evaluation.documents} "
+        f"{kind}, {len(evaluation)} rows"
+    ]
+    if source is not None and source.format != "text":
+        counted = "every token" if d.loss_on == "all" else f"the answers: {source.answer_share:.0%} of the tokens"
+        lines.append(f"  loss on {counted} (data.loss_on={d.loss_on})")
+        if source.truncated:
+            lines.append(
+                f"  {source.truncated} records longer than data.seq_len={d.seq_len} are cut at it; raise data.seq_len "
+                "to keep their ends"
+            )
+    if not len(evaluation) and d.eval_fraction > 0:
+        total = train.documents + evaluation.documents
+        lines.append(
+            f"  no evaluation: none of the {total} {kind} was drawn for it at data.eval_fraction={d.eval_fraction} "
+            "(no eval loss or perplexity will be reported); give more data or a larger data.eval_fraction, or "
+            "data.eval_fraction=0 to train without one"
+        )
+    return "\n".join(lines)
 
 
 def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
@@ -217,7 +253,8 @@ def build_model(cfg: Config, train: clm.PackedText) -> LlamaForCausalLM:
 def loss_fn(model: LlamaForCausalLM, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Per-row mean next-token cross-entropy over real tokens of one piece, and its accuracy."""
     logits = model(batch["input_ids"], batch["segment_ids"], batch["positions"])  # (B, T, V) float32
-    targets, weights = clm.next_token_targets(batch["input_ids"], batch["segment_ids"])  # (B, T - 1)
+    # (B, T - 1); chat and prompt/completion data count their answers only (loss_mask)
+    targets, weights = clm.next_token_targets(batch["input_ids"], batch["segment_ids"], batch.get("loss_mask"))
     losses = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], targets)
     return masked_mean(losses, weights), {"token_accuracy": masked_accuracy(logits[:, :-1], targets, weights)}
 

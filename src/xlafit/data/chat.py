@@ -1,0 +1,291 @@
+"""Chat and instruction data for causal-LM fine-tuning: records -> the model's chat template
+-> tokens with a loss mask on the answers -> packed rows.
+
+A record is one JSON line (``*.jsonl``) or one Parquet row, in one of three formats:
+
+- ``chat``: ``{"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}]}``,
+  rendered with the tokenizer's chat template (``tokenizer_config.json``'s ``chat_template``
+  or a ``chat_template.jinja`` beside it, or ``data.chat_template``) in jinja2's sandbox, as
+  Hugging Face's ``apply_chat_template`` renders it (the same token ids);
+- ``prompt_completion``: ``{"prompt": ..., "completion": ...}``: the two texts one after the
+  other (``<bos>`` before, ``<eos>`` after where the tokenizer has them);
+- ``text``: ``{"text": ...}``: a document, as plain-text files are read.
+
+The loss (``loss_on="assistant"``, the default) counts the assistant turns' tokens only,
+their end-of-turn token included and the generation prompt before them (``<|im_start|>
+assistant``) excluded; for a prompt and completion, the completion's. A template that marks
+what the model generates (``{% generation %}`` blocks) is followed exactly; otherwise each
+assistant turn is what rendering the conversation up to it adds to rendering the
+conversation before it with the generation prompt. ``loss_on="all"`` counts every token.
+
+Example:
+    >>> template = ChatTemplate("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</>{% endfor %}")
+    >>> template.render([{"role": "user", "content": "hi"}])
+    '<user>hi</>'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+import numpy as np
+from jinja2 import TemplateError, nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from xlafit.errors import DataError
+from xlafit.io.paths import as_path, filesystem
+
+__all__ = ["FORMATS", "ChatTemplate", "Encoded", "detect_format", "encode", "read_records", "template_for"]
+
+FORMATS = ("text", "chat", "prompt_completion")
+# Marks around a {% generation %} block's output while rendering (private-use characters no
+# text contains), removed after: the block's span in the rendered text.
+_OPEN, _CLOSE = "\ue000", "\ue001"
+
+
+class _Generation(Extension):
+    """``{% generation %} ... {% endgeneration %}``: what the model generates (Hugging Face's
+    ``AssistantTracker``), rendered between marks."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+    def _mark(self, caller: Any) -> str:
+        return _OPEN + caller() + _CLOSE
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:  # fmt: skip
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
+
+
+class ChatTemplate:
+    """A chat template compiled as Hugging Face compiles one: jinja2's immutable sandbox
+    (a downloaded template cannot reach Python), ``trim_blocks`` and ``lstrip_blocks``,
+    ``loopcontrols``, the ``tojson`` filter, ``raise_exception`` and ``strftime_now``.
+
+    Args:
+        source: the template's text.
+        tokens: the special tokens it may name (``bos_token``, ``eos_token``, ...).
+    """
+
+    def __init__(self, source: str, tokens: dict[str, str] | None = None) -> None:
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(source)
+        except TemplateError as e:
+            raise DataError(f"the chat template does not parse: {e}") from None
+        self.source = source
+        self.tokens = dict(tokens or {})
+        self.marks_generation = "{% generation %}" in source or "{%- generation %}" in source
+
+    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        """The conversation as text (marks of generation blocks removed)."""
+        return self._render(messages, add_generation_prompt).replace(_OPEN, "").replace(_CLOSE, "")
+
+    def _render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool) -> str:
+        try:
+            return self._template.render(
+                messages=list(messages), add_generation_prompt=add_generation_prompt, **self.tokens
+            )
+        except TemplateError as e:
+            raise DataError(f"the chat template refuses a conversation: {e}") from None
+
+    def answer_spans(self, messages: Sequence[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
+        """``(text, spans)``: the rendered conversation and the character spans of its
+        assistant turns (what the loss counts)."""
+        if self.marks_generation:
+            marked = self._render(messages, False)
+            spans, text, at = [], [], 0
+            for piece in re.split(f"([{_OPEN}{_CLOSE}])", marked):
+                if piece == _OPEN:
+                    start = at
+                elif piece == _CLOSE:
+                    spans.append((start, at))
+                else:
+                    text.append(piece)
+                    at += len(piece)
+            return "".join(text), spans
+        full = self.render(messages)
+        spans = []
+        for i, message in enumerate(messages):
+            if message.get("role") != "assistant":
+                continue
+            before = self.render(messages[:i], add_generation_prompt=True)
+            upto = self.render(messages[: i + 1])
+            if not (upto.startswith(before) and full.startswith(upto)):
+                raise DataError(
+                    "the chat template renders a conversation differently from its beginning, so its assistant "
+                    "turns cannot be found; use a template with {% generation %} blocks (data.chat_template) or "
+                    "data.loss_on=all."
+                )
+            spans.append((len(before), len(upto)))
+        return full, spans
+
+
+def template_for(tokenizer_dir: str | None, given: str | None = None) -> ChatTemplate | None:
+    """The chat template of a model directory (``chat_template.jinja``, or
+    ``tokenizer_config.json``'s ``chat_template``: a string, or a list of named templates of
+    which ``default`` is taken), or the file ``given`` (``data.chat_template``); the special
+    tokens from ``tokenizer_config.json``. None: the directory has none."""
+    config: dict[str, Any] = {}
+    folder = as_path(tokenizer_dir) if tokenizer_dir else None
+    if folder is not None and str(folder).endswith(".json"):
+        folder = folder.parent
+    if folder is not None and (folder / "tokenizer_config.json").exists():
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    tokens = {}
+    for key, value in config.items():
+        if key.endswith("_token") and value is not None:
+            tokens[key] = value["content"] if isinstance(value, dict) else str(value)
+    if given:
+        path = as_path(given)
+        if not path.exists():
+            raise DataError(f"data.chat_template={given}: no such file; give a Jinja template file.")
+        return ChatTemplate(path.read_text(), tokens)
+    if folder is not None and (folder / "chat_template.jinja").exists():
+        return ChatTemplate((folder / "chat_template.jinja").read_text(), tokens)
+    source = config.get("chat_template")
+    if isinstance(source, list):
+        named = {t.get("name"): t.get("template") for t in source}
+        source = named.get("default") or next(iter(named.values()), None)
+    return ChatTemplate(source, tokens) if source else None
+
+
+def read_records(files: Sequence[str]) -> list[dict[str, Any]]:
+    """The records of JSON-lines (``.jsonl``, ``.json``) and Parquet files, in order.
+
+    Raises:
+        DataError: a line that is not a JSON object (its file and line named).
+    """
+    out: list[dict[str, Any]] = []
+    for name in files:
+        fs, path = filesystem(name)
+        if name.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            with fs.open(path, "rb") as f:
+                out += pq.read_table(f).to_pylist()
+            continue
+        with fs.open(path, "rt", encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{name}:{number} is not JSON ({e.msg}); give one JSON object per line.") from None
+                if not isinstance(record, dict):
+                    raise DataError(f"{name}:{number} is a JSON {type(record).__name__}, not an object.")
+                out.append(record)
+    return out
+
+
+def detect_format(records: Sequence[dict[str, Any]], where: str) -> str:
+    """``chat``, ``prompt_completion`` or ``text``, from the first record's keys.
+
+    Raises:
+        DataError: the keys fit none of them (named, with the three layouts).
+    """
+    if not records:
+        raise DataError(f"{where} holds no records.")
+    keys = set(records[0])
+    if "messages" in keys:
+        return "chat"
+    if {"prompt", "completion"} <= keys:
+        return "prompt_completion"
+    if "text" in keys:
+        return "text"
+    raise DataError(
+        f'{where}: records with keys {sorted(keys)} are none of the formats: chat ({{"messages": [{{"role", '
+        '"content"}, ...]}), prompt_completion ({"prompt", "completion"}) or text ({"text"}); set '
+        "data.format and name the column with data.text_column if it is text."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """One record's token ids and the loss mask over them (1: the loss counts predicting it)."""
+
+    ids: list[int]
+    mask: list[int]
+
+
+def encode(
+    record: dict[str, Any],
+    fmt: str,
+    tok: Tokenizer,
+    template: ChatTemplate | None,
+    *,
+    loss_on: str = "assistant",
+    bos: int | None = None,
+    eos: int | None = None,
+    text_key: str = "text",
+) -> Encoded:
+    """One record as token ids and loss mask (see the module docstring)."""
+    if fmt == "chat":
+        if template is None:
+            raise DataError(
+                "chat records need a chat template: the tokenizer's directory has none (tokenizer_config.json's "
+                "chat_template or chat_template.jinja); give one as data.chat_template."
+            )
+        text, spans = template.answer_spans(_messages(record))
+        encoding = tok.encode(text, add_special_tokens=False)
+        inside = [any(s <= start < e for s, e in spans) for start, _ in encoding.offsets]
+        mask = [1] * len(encoding.ids) if loss_on == "all" else [int(x) for x in inside]
+        return Encoded(list(encoding.ids), mask)
+    head = [bos] if bos is not None else []
+    tail = [eos] if eos is not None else []
+    if fmt == "prompt_completion":
+        prompt = tok.encode(_text(record, "prompt"), add_special_tokens=False).ids
+        completion = tok.encode(_text(record, "completion"), add_special_tokens=False).ids + tail
+        ids = head + prompt + completion
+        answer = [0] * (len(head) + len(prompt)) + [1] * len(completion)
+        return Encoded(ids, [1] * len(ids) if loss_on == "all" else answer)
+    ids = head + tok.encode(_text(record, text_key), add_special_tokens=False).ids + tail
+    return Encoded(ids, [1] * len(ids))
+
+
+def _messages(record: dict[str, Any]) -> list[dict[str, Any]]:
+    messages = record.get("messages")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise DataError(
+            'a chat record\'s messages must be a list of {"role": ..., "content": ...}; got '
+            f"{json.dumps(messages)[:120]}"
+        )
+    return messages
+
+
+def _text(record: dict[str, Any], key: str) -> str:
+    value = record.get(key)
+    if not isinstance(value, str):
+        raise DataError(f"a record's {key!r} must be text; got {json.dumps(value)[:120]}")
+    return value
+
+
+def masks_in_rows(masks: Iterable[Sequence[int]], placement: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """Per-token masks laid out as :func:`xlafit.data.shapes.pack` placed their sequences."""
+    out = np.zeros(shape, np.int8)
+    for mask, (row, start) in zip(masks, placement, strict=True):
+        out[row, start : start + len(mask)] = mask
+    return out

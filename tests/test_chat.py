@@ -1,0 +1,149 @@
+"""Chat and instruction data (xlafit.data.chat): the template renders as Hugging Face's does
+(the same token ids), the loss counts the answers only, and records pack into rows."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from xlafit.data import chat, clm
+from xlafit.errors import DataError
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+    "{% endgeneration %}{{ '\\n' }}{% else %}{{ message['content'] + '<|im_end|>' + '\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+LLAMA3 = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+CONVERSATION = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris."},
+    {"role": "user", "content": "And of Italy?"},
+    {"role": "assistant", "content": "Rome, since 1871."},
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tokenizer trained here with a chat model's special tokens, as a model directory."""
+    root = tmp_path_factory.mktemp("chat-model")
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n".join(m["content"] for m in CONVERSATION * 20) + "\nThe answer is short.\n" * 20)
+    tok = clm.train_bpe([corpus], vocab_size=300, out=root)
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(root / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|im_end|>"}
+    (root / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
+    return root
+
+
+def _hf(model_dir, template):
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    tok.chat_template = template
+    return tok
+
+
+def test_token_ids_and_answer_mask_equal_transformers_apply_chat_template(model_dir):
+    hf = _hf(model_dir, CHATML)
+    expected = hf.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    tok = clm.load_tokenizer(model_dir)
+    template = chat.template_for(str(model_dir))
+    assert template is not None and template.marks_generation
+    got = chat.encode({"messages": CONVERSATION}, "chat", tok, template)
+    assert got.ids == list(expected["input_ids"])
+    assert got.mask == list(expected["assistant_masks"])
+    assert sum(got.mask) > 0
+
+
+def test_without_generation_marks_the_answers_are_what_each_turn_adds(model_dir):
+    """Llama 3's template marks nothing: each assistant turn is what rendering up to it adds to
+    rendering before it with the generation prompt; the prompt's header stays out of the loss,
+    the turn's <|eot_id|> in."""
+    tok = clm.load_tokenizer(model_dir)
+    template = chat.ChatTemplate(LLAMA3, {"bos_token": "<|begin_of_text|>"})
+    got = chat.encode({"messages": CONVERSATION}, "chat", tok, template)
+    hf = _hf(model_dir, LLAMA3)
+    assert got.ids == list(hf.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True)["input_ids"])
+    # The hand-written expectation: the tokens of each answer and its <|eot_id|>, nothing else.
+    expected = []
+    for m in CONVERSATION:
+        header = tok.encode(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n", add_special_tokens=False).ids
+        content = tok.encode(m["content"], add_special_tokens=False).ids + [tok.token_to_id("<|eot_id|>")]
+        expected += [0] * len(header) + [int(m["role"] == "assistant")] * len(content)
+    assert got.mask == [0] + expected  # <|begin_of_text|> first
+    all_tokens = chat.encode({"messages": CONVERSATION}, "chat", tok, template, loss_on="all")
+    assert all_tokens.mask == [1] * len(got.ids)
+
+
+def test_prompt_completion_counts_the_completion_and_its_end(model_dir):
+    tok = clm.load_tokenizer(model_dir)
+    got = chat.encode(
+        {"prompt": "The answer", "completion": " is short."}, "prompt_completion", tok, None, bos=0, eos=1
+    )
+    prompt = tok.encode("The answer", add_special_tokens=False).ids
+    completion = tok.encode(" is short.", add_special_tokens=False).ids
+    assert got.ids == [0, *prompt, *completion, 1]
+    assert got.mask == [0] * (1 + len(prompt)) + [1] * (len(completion) + 1)
+
+
+def test_records_are_detected_packed_and_their_masks_follow_them(model_dir, tmp_path):
+    lines = [{"messages": CONVERSATION}, {"messages": CONVERSATION[:3]}] * 10
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in lines))
+    tok = clm.load_tokenizer(model_dir)
+    template = chat.template_for(str(model_dir))
+    train, evaluation = clm.load_packed([str(path)], tok, seq_len=128, eval_fraction=0.2, seed=1, template=template)
+    assert train.source.format == "chat" and train.documents + evaluation.documents == 20 and evaluation.documents
+    assert set(train.arrays) == {"input_ids", "segment_ids", "positions", "loss_mask"}
+    single = chat.encode({"messages": CONVERSATION}, "chat", tok, template)
+    # Every packed segment is one record: its mask is that record's, and nothing crosses records.
+    ids, seg, mask = (train.arrays[k] for k in ("input_ids", "segment_ids", "loss_mask"))
+    for row in range(len(ids)):
+        for s in range(1, seg[row].max() + 1):
+            at = seg[row] == s
+            if at.sum() == len(single.ids):
+                assert ids[row][at].tolist() == single.ids and mask[row][at].tolist() == single.mask
+    _, weights = clm.next_token_targets(ids, seg, mask)
+    assert weights.sum() > 0 and (weights <= (mask[:, 1:] > 0)).all()
+    assert 0 < train.source.answer_share < 0.5
+
+
+def test_bad_records_are_one_clear_error(model_dir, tmp_path):
+    tok = clm.load_tokenizer(model_dir)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": []}\nnot json\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2 is not JSON"):
+        chat.read_records([str(bad)])
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text('{"question": "a", "answer": "b"}\n')
+    with pytest.raises(DataError, match=r"none of the formats: chat .* prompt_completion .* text"):
+        clm.load_packed([str(odd)], tok, seq_len=64)
+    with pytest.raises(DataError, match="chat records need a chat template"):
+        chat.encode({"messages": CONVERSATION}, "chat", tok, None)
+    with pytest.raises(DataError, match="data.format='dialog'"):
+        clm.load_packed([str(odd)], tok, seq_len=64, fmt="dialog")
+
+
+def test_a_downloaded_template_cannot_reach_python():
+    template = chat.ChatTemplate("{{ messages.__class__.__mro__ }}")
+    with pytest.raises(Exception, match="unsafe|access"):
+        template.render([{"role": "user", "content": "x"}])
+    raising = chat.ChatTemplate("{{ raise_exception('only user and assistant roles') }}")
+    with pytest.raises(DataError, match="only user and assistant roles"):
+        raising.render([])
+
+
+def test_masks_land_where_packing_put_their_sequences():
+    placement = np.array([[0, 0], [1, 0], [0, 3]])
+    out = chat.masks_in_rows([[1, 0, 1], [1, 1], [0, 1]], placement, (2, 6))
+    assert out.tolist() == [[1, 0, 1, 0, 1, 0], [1, 1, 0, 0, 0, 0]]
