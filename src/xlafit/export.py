@@ -23,13 +23,14 @@ from flax import nnx
 
 from xlafit.checkpoint import Checkpointer, older_layout, path_name
 from xlafit.config import Config
-from xlafit.data import clm
+from xlafit.data import chat, clm
 from xlafit.errors import CheckpointError, ConfigError, StorageError
 from xlafit.hf import llama as llama_hf
 from xlafit.hf.bert import save_hf
 from xlafit.hf.peft import save_peft_adapter
 from xlafit.hf.resnet import image_processor_config
 from xlafit.hf.resnet import save_hf as save_resnet_hf
+from xlafit.io import hub
 from xlafit.io.paths import as_path, bucket_of, check_bucket, describe_error, download_dir, is_url, upload_dir
 from xlafit.models.bert import BertForMaskedLM
 from xlafit.models.llama import LlamaForCausalLM
@@ -82,7 +83,9 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
             save_hf(model, local, tokenizer_dir=tok_dir)
         elif recipe == "llm":
             tokenizer_json = (run / "tokenizer" / "tokenizer.json").read_text()
-            export_llm(cfg, arrays, metadata.get(BASE_FINGERPRINT), tokenizer_json, local)
+            template = run / "tokenizer" / chat.TEMPLATE_FILE
+            chat_template = template.read_text() if template.exists() else None
+            export_llm(cfg, arrays, metadata.get(BASE_FINGERPRINT), tokenizer_json, local, chat_template)
         else:
             save_resnet_hf(_resnet(cfg, arrays), local, labels=_classes(run), processor=_image_processor(cfg))
         (local / "xlafit-config.yaml").write_text(config_text)
@@ -116,8 +119,16 @@ def _checkpoint_arrays(cfg: Config, run: Any, step: int | None) -> tuple[Any, in
         ckpt.close()
 
 
-def export_llm(cfg: Config, arrays: Any, fingerprint: str | None, tokenizer_json: str, out: Path) -> None:
-    """Writes an llm run's model to ``out`` as a ``LlamaForCausalLM`` with its tokenizer.
+def export_llm(
+    cfg: Config,
+    arrays: Any,
+    fingerprint: str | None,
+    tokenizer_json: str,
+    out: Path,
+    chat_template: str | None = None,
+) -> None:
+    """Writes an llm run's model to ``out`` as a ``LlamaForCausalLM`` with its tokenizer (and
+    the chat template it trained with, in ``tokenizer_config.json`` and ``chat_template.jinja``).
 
     A LoRA run's checkpoint holds the adapters only: the base is rebuilt as the run built it
     (``model.init_from_hf``, or the same initialisation) and must have the fingerprint the
@@ -148,7 +159,9 @@ def export_llm(cfg: Config, arrays: Any, fingerprint: str | None, tokenizer_json
             base = nnx.merge(*nnx.split(model))  # a copy: the adapters' base, unmerged
             llama_hf.save_hf(typing.cast(LlamaForCausalLM, merge_lora(_without_adapters(base))), out / "base")
         base_path = cfg.model.init_from_hf or str((out / "base").absolute())
-        save_peft_adapter(model, out / "adapter", base_model_name_or_path=str(Path(base_path).expanduser().absolute()))
+        if not hub.is_hub_id(base_path):  # a hub id stays one: PEFT reads it from the hub's cache
+            base_path = str(Path(base_path).expanduser().absolute())
+        save_peft_adapter(model, out / "adapter", base_model_name_or_path=base_path)
         model = typing.cast(LlamaForCausalLM, merge_lora(model))
     llama_hf.save_hf(model, out)
     (out / "tokenizer.json").write_text(tokenizer_json)
@@ -158,6 +171,9 @@ def export_llm(cfg: Config, arrays: Any, fingerprint: str | None, tokenizer_json
         found = next((name for name in names if name in specials), None)
         if found is not None:
             config[key] = found
+    if chat_template:
+        config["chat_template"] = chat_template
+        (out / chat.TEMPLATE_FILE).write_text(chat_template)
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

@@ -42,9 +42,19 @@ from tokenizers import Tokenizer
 from xlafit.errors import DataError
 from xlafit.io.paths import as_path, filesystem
 
-__all__ = ["FORMATS", "ChatTemplate", "Encoded", "detect_format", "encode", "read_records", "template_for"]
+__all__ = [
+    "FORMATS",
+    "TEMPLATE_FILE",
+    "ChatTemplate",
+    "Encoded",
+    "detect_format",
+    "encode",
+    "read_records",
+    "template_for",
+]
 
 FORMATS = ("text", "chat", "prompt_completion")
+TEMPLATE_FILE = "chat_template.jinja"  # where a model directory (and a run's tokenizer/) keeps its template
 # Marks around a {% generation %} block's output while rendering (private-use characters no
 # text contains), removed after: the block's span in the rendered text.
 _OPEN, _CLOSE = "\ue000", "\ue001"
@@ -163,8 +173,8 @@ def template_for(tokenizer_dir: str | None, given: str | None = None) -> ChatTem
         if not path.exists():
             raise DataError(f"data.chat_template={given}: no such file; give a Jinja template file.")
         return ChatTemplate(path.read_text(), tokens)
-    if folder is not None and (folder / "chat_template.jinja").exists():
-        return ChatTemplate((folder / "chat_template.jinja").read_text(), tokens)
+    if folder is not None and (folder / TEMPLATE_FILE).exists():
+        return ChatTemplate((folder / TEMPLATE_FILE).read_text(), tokens)
     source = config.get("chat_template")
     if isinstance(source, list):
         named = {t.get("name"): t.get("template") for t in source}
@@ -201,8 +211,9 @@ def read_records(files: Sequence[str]) -> list[dict[str, Any]]:
     return out
 
 
-def detect_format(records: Sequence[dict[str, Any]], where: str) -> str:
-    """``chat``, ``prompt_completion`` or ``text``, from the first record's keys.
+def detect_format(records: Sequence[dict[str, Any]], where: str, text_column: str = "text") -> str:
+    """``chat``, ``prompt_completion`` or ``text`` (a ``text_column`` field), from the first
+    record's keys.
 
     Raises:
         DataError: the keys fit none of them (named, with the three layouts).
@@ -214,12 +225,12 @@ def detect_format(records: Sequence[dict[str, Any]], where: str) -> str:
         return "chat"
     if {"prompt", "completion"} <= keys:
         return "prompt_completion"
-    if "text" in keys:
+    if text_column in keys:
         return "text"
     raise DataError(
-        f'{where}: records with keys {sorted(keys)} are none of the formats: chat ({{"messages": [{{"role", '
-        '"content"}, ...]}), prompt_completion ({"prompt", "completion"}) or text ({"text"}); set '
-        "data.format and name the column with data.text_column if it is text."
+        f"{where} has no column {text_column!r} (it has {', '.join(sorted(keys))}) and its records are neither chat "
+        '({"messages": [{"role", "content"}, ...]}) nor prompt_completion ({"prompt", "completion"}); set '
+        "data.text_column to the one holding the text, or data.format."
     )
 
 

@@ -272,7 +272,7 @@ def _encode_files(
         records = read_records([name])
         if not records:
             continue
-        this = fmt if fmt != "auto" else ("text" if text_column in records[0] else detect_format(records, name))
+        this = fmt if fmt != "auto" else detect_format(records, name, text_column)
         found.add(this)
         if this == "text":
             docs = list(_documents([], records, text_column, name))

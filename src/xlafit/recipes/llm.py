@@ -12,6 +12,7 @@ demo: the Korean texts of the konlpy wheel, a byte-level BPE tokenizer trained o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import sys
@@ -29,6 +30,7 @@ from xlafit.data import chat, clm
 from xlafit.data.text import korean_demo_files
 from xlafit.errors import ConfigError
 from xlafit.hf import llama as llama_hf
+from xlafit.io import hub
 from xlafit.io.cache import cache_dir
 from xlafit.models.llama import PRESETS, LlamaConfig, LlamaForCausalLM
 from xlafit.recipes.base import Recipe, Throughput
@@ -58,6 +60,7 @@ class LlmModelConfig:
     # a Hugging Face Llama (or Qwen2) directory to start from (config.json + safetensors):
     # its sizes replace the preset's, and its tokenizer.json is the default data.tokenizer
     init_from_hf: str | None = None
+    revision: str | None = None  # a hub id's branch, tag or commit (model.init_from_hf, data.tokenizer)
     # Recompute activations in the backward pass, per decoder layer: none, full, or a
     # jax.checkpoint_policies name (dots_saveable, ...; models/bert.py: REMAT_POLICIES).
     remat: str = "none"
@@ -133,14 +136,28 @@ def validate(cfg: Config) -> None:
 # --------------------------------------------------------------------------- data
 
 
+def model_dir(cfg: Config) -> str | None:
+    """``model.init_from_hf`` as a local directory: a hub id downloaded into the Hugging Face
+    cache first (:func:`xlafit.io.hub.resolve`); None when the model starts from scratch."""
+    name = cfg.model.init_from_hf
+    return _resolved(name, cfg.model.revision, "model.init_from_hf") if name else None
+
+
+@functools.cache
+def _resolved(name: str, revision: str | None, what: str) -> str:
+    return hub.resolve(name, revision, what)
+
+
 def tokenizer_location(cfg: Config) -> str:
-    """Where the run's ``tokenizer.json`` is: ``data.tokenizer``, ``model.init_from_hf``'s, or
-    the demo's BPE (trained once into the user cache)."""
+    """Where the run's ``tokenizer.json`` is: ``data.tokenizer`` (a hub id read from the
+    Hugging Face cache), ``model.init_from_hf``'s, or the demo's BPE (trained once into the
+    user cache)."""
     d = data_config(cfg)
     if d.tokenizer:
-        return d.tokenizer
-    if cfg.model.init_from_hf and (Path(cfg.model.init_from_hf).expanduser() / "tokenizer.json").exists():
-        return str(Path(cfg.model.init_from_hf).expanduser())
+        return _resolved(d.tokenizer, cfg.model.revision, "data.tokenizer")
+    source = model_dir(cfg)
+    if source and (Path(source).expanduser() / "tokenizer.json").exists():
+        return str(Path(source).expanduser())
     if d.data_dir:
         raise ConfigError(
             "data.data_dir needs a tokenizer: set data.tokenizer (a tokenizer.json or a directory holding one), "
@@ -222,10 +239,16 @@ def data_summary(train: clm.PackedText, evaluation: clm.PackedText, d: LlmDataCo
 
 
 def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
-    """Copies the tokenizer into ``run_dir/tokenizer`` (local or a URL), for ``xlafit export hf``."""
+    """Copies the tokenizer into ``run_dir/tokenizer`` (local or a URL), with its chat
+    template and special tokens where it has them, for ``xlafit export hf`` and generation."""
     dest = run_dir / "tokenizer"
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / "tokenizer.json").write_text(clm.tokenizer_json(tokenizer_location(cfg)))
+    where = tokenizer_location(cfg)
+    (dest / "tokenizer.json").write_text(clm.tokenizer_json(where))
+    template = chat.template_for(where, data_config(cfg).chat_template)
+    if template is not None:  # what the run's chat data was rendered with, for generation and export
+        (dest / chat.TEMPLATE_FILE).write_text(template.source)
+        (dest / "tokenizer_config.json").write_text(json.dumps(template.tokens, indent=2) + "\n")
 
 
 # --------------------------------------------------------------------------- model
@@ -234,9 +257,10 @@ def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
 def build_llama(cfg: Config, vocab_size: int) -> LlamaForCausalLM:
     """The model: read from ``model.init_from_hf``, or new with the preset's sizes."""
     m = cfg.model
-    if m.init_from_hf:
+    source = model_dir(cfg)
+    if source:
         options = {"dtype": m.compute_dtype, "attention": m.attention, "remat": m.remat, "scan_layers": m.scan_layers}
-        model = llama_hf.from_hf(m.init_from_hf, rngs=nnx.Rngs(cfg.trainer.seed), **options)
+        model = llama_hf.from_hf(source, rngs=nnx.Rngs(cfg.trainer.seed), **options)
         if model.cfg.vocab_size < vocab_size:
             raise ConfigError(
                 f"{m.init_from_hf} has a vocabulary of {model.cfg.vocab_size} tokens, the tokenizer {vocab_size}; "
@@ -261,9 +285,10 @@ def loss_fn(model: LlamaForCausalLM, batch: dict[str, jax.Array]) -> tuple[jax.A
 
 def throughput(cfg: Config, train: clm.PackedText) -> Throughput:
     """Tokens (positions, padding included) and model FLOPs (PaLM's 6N + attention) per row."""
-    llama = llama_config(cfg, train.vocab_size) if not cfg.model.init_from_hf else None
+    source = model_dir(cfg)
+    llama = llama_config(cfg, train.vocab_size) if not source else None
     if llama is None:
-        hf = json.loads((Path(cfg.model.init_from_hf).expanduser() / "config.json").read_text())
+        hf = json.loads((Path(source).expanduser() / "config.json").read_text())
         llama = llama_hf.config_from_hf(hf)
     t = train.seq_len
     return {"tokens_per_example": float(t), "flops_per_example": t * llama.train_flops_per_token(t)}

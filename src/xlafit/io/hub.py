@@ -1,0 +1,75 @@
+"""Hugging Face hub ids as model and tokenizer locations: ``meta-llama/Llama-3.2-1B`` is
+downloaded once into the Hugging Face cache (``$HF_HOME``, as ``transformers`` does) and
+read from there; a local directory or a URL is used as it is.
+
+Only what a run reads is downloaded (configs, tokenizer files, safetensors weights; never
+pickled ``*.bin`` checkpoints). ``HF_TOKEN`` authenticates gated and private models;
+``HF_HUB_OFFLINE=1`` reads the cache only. What goes wrong is one line naming the fix: a
+gated model whose license was not accepted, a model the hub does not have, a model not in
+the cache while offline.
+
+Example:
+    >>> is_hub_id("meta-llama/Llama-3.2-1B"), is_hub_id("runs/demo-llm-hf"), is_hub_id("gs://b/m")
+    (True, False, False)
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from xlafit.errors import ConfigError
+
+__all__ = ["FILES", "is_hub_id", "resolve"]
+
+# What a run reads of a model repository.
+FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
+_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` reads as ``org/name`` and names no local path or URL."""
+    return "://" not in name and bool(_ID.match(name)) and not Path(name).expanduser().exists()
+
+
+def resolve(name: str, revision: str | None = None, what: str = "model.init_from_hf") -> str:
+    """A local directory for ``name``: itself, or a hub id's snapshot in the Hugging Face
+    cache (downloaded there first when it is not).
+
+    Args:
+        name: a local directory or file, a URL, or a hub id ``org/name``.
+        revision: a branch, tag or commit of the hub repository (default: main).
+        what: the setting that named it, for the errors.
+
+    Raises:
+        ConfigError: gated, not on the hub, offline and not cached, or unreachable.
+    """
+    if not is_hub_id(name):
+        return name
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    try:
+        return huggingface_hub.snapshot_download(name, revision=revision, allow_patterns=FILES)
+    except errors.GatedRepoError:
+        raise ConfigError(
+            f"{what}={name} is gated: accept its license at https://huggingface.co/{name} and set HF_TOKEN to a "
+            "token of that account."
+        ) from None
+    except errors.RevisionNotFoundError:
+        raise ConfigError(f"{what}={name}: the hub has no revision {revision!r} of it.") from None
+    except errors.RepositoryNotFoundError:
+        raise ConfigError(
+            f"{what}={name}: the Hugging Face hub has no such model (or it is private: set HF_TOKEN); for a local "
+            "directory give its path (./name)."
+        ) from None
+    except errors.LocalEntryNotFoundError:
+        raise ConfigError(
+            f"{what}={name} is not in the Hugging Face cache and the hub cannot be reached (offline or "
+            f"HF_HUB_OFFLINE=1): download it where the hub is reachable (hf download {name}) into the same "
+            "HF_HOME, or give a local directory."
+        ) from None
+    except (OSError, errors.HfHubHTTPError) as e:
+        raise ConfigError(
+            f"{what}={name}: the hub could not be read ({e}); retry, or give a local directory."
+        ) from None

@@ -1,0 +1,119 @@
+"""Hub ids (xlafit.io.hub): read from a Hugging Face cache laid out as the hub writes it, with
+no network; what goes wrong is one line naming the fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from flax import nnx
+
+from xlafit.data import clm
+from xlafit.errors import ConfigError
+from xlafit.hf import llama as llama_hf
+from xlafit.io import hub
+from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def lay_out_cache(home, repo, files):
+    """``$HF_HOME/hub/models--org--name`` with ``refs/main`` and ``snapshots/<commit>/``: what
+    ``hf download`` leaves (the blobs are links to files in ``blobs/``; copies read the same)."""
+    root = home / "hub" / f"models--{repo.replace('/', '--')}"
+    snapshot = root / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(COMMIT)
+    for name, source in files.items():
+        (snapshot / name).write_bytes(source.read_bytes())
+    return snapshot
+
+
+@pytest.fixture(scope="module")
+def hub_home(tmp_path_factory):
+    """A tiny Llama saved as transformers saves one, and its tokenizer, in a hub cache."""
+    work = tmp_path_factory.mktemp("hub")
+    (work / "text.txt").write_text("\n\n".join(f"document {i}: the quick brown fox jumps" for i in range(40)))
+    tok = clm.train_bpe([str(work / "text.txt")], 200, work / "model")
+    config = LlamaConfig(
+        num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64,
+        vocab_size=tok.get_vocab_size(), max_position_embeddings=128,
+    )  # fmt: skip
+    llama_hf.save_hf(LlamaForCausalLM(config, rngs=nnx.Rngs(0)), work / "model")
+    files = {p.name: p for p in (work / "model").iterdir() if p.is_file()}
+    home = work / "hf-home"
+    lay_out_cache(home, "tiny-org/tiny-llama", files)
+    return home, work
+
+
+def _env(home, cache):
+    keep = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "HF_TOKEN")}
+    return keep | {
+        "HF_HOME": str(home),
+        "HF_HUB_OFFLINE": "1",
+        "XLAFIT_CACHE": str(cache),
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(sys.path),
+    }
+
+
+def test_a_hub_id_trains_from_the_cache_with_no_network(hub_home, tmp_path):
+    home, work = hub_home
+    run = subprocess.run(
+        [sys.executable, "-m", "xlafit", "train", "llm", "--run-dir", str(tmp_path / "run"),
+         "model.init_from_hf=tiny-org/tiny-llama", f"--data-dir={work / 'text.txt'}", "data.seq_len=32",
+         "trainer.epochs=1", "data.global_batch=8"],
+        capture_output=True, text=True, env=_env(home, tmp_path / "cache"), timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / "run" / "tokenizer" / "tokenizer.json").exists()  # the hub model's own tokenizer
+    saved = (tmp_path / "run" / "tokenizer" / "tokenizer.json").read_text()
+    assert json.loads(saved) == json.loads((work / "model" / "tokenizer.json").read_text())
+
+
+def test_a_hub_id_missing_from_the_cache_offline_says_so_in_one_line(hub_home, tmp_path):
+    home, work = hub_home
+    run = subprocess.run(
+        [sys.executable, "-m", "xlafit", "train", "llm", "--run-dir", str(tmp_path / "run"),
+         "model.init_from_hf=meta-llama/Llama-3.2-1B", f"--data-dir={work / 'text.txt'}"],
+        capture_output=True, text=True, env=_env(home, tmp_path / "cache"), timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("xlafit: error")]
+    assert len(errors) == 1 and "Traceback" not in run.stderr
+    assert "model.init_from_hf=meta-llama/Llama-3.2-1B is not in the Hugging Face cache" in errors[0]
+    assert "hf download meta-llama/Llama-3.2-1B" in errors[0]
+
+
+def test_the_hubs_refusals_name_the_fix(monkeypatch):
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    class Response:  # what the hub's errors carry; no request is made
+        status_code, headers, request, url = 403, {}, None, "https://huggingface.co"
+
+    for error, message in (
+        (
+            errors.GatedRepoError("gated", response=Response()),
+            "is gated: accept its license at https://huggingface.co/",
+        ),
+        (errors.RepositoryNotFoundError("no", response=Response()), "the Hugging Face hub has no such model"),
+    ):
+
+        def refuse(*args, error=error, **kwargs):
+            raise error
+
+        monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
+        with pytest.raises(ConfigError, match=message):
+            hub.resolve("some-org/some-model")
+
+
+def test_local_paths_and_urls_are_not_hub_ids(tmp_path):
+    (tmp_path / "org").mkdir()
+    (tmp_path / "org" / "model").mkdir()
+    assert hub.resolve(str(tmp_path / "org" / "model")) == str(tmp_path / "org" / "model")
+    assert not hub.is_hub_id("gs://bucket/model") and not hub.is_hub_id("./model") and hub.is_hub_id("a/b")
