@@ -292,6 +292,37 @@ class LlamaAttention(nnx.Module):
             )  # (B, T, heads, head_dim)
         return self.o_proj(context.reshape(b, t, cfg.num_heads * cfg.head_size))
 
+    def cached(
+        self, x: jax.Array, positions: jax.Array, cache: KVCache, slot: jax.Array, visible: jax.Array
+    ) -> tuple[jax.Array, KVCache]:
+        """Attention of ``x [B, T, h]`` written into the key/value cache at ``slot`` (the
+        same slot for every row), over the cache's keys up to each query's own slot that are
+        ``visible [B, S]`` (a left-padded prompt's padding is not)."""
+        b, t, _ = x.shape
+        cfg = self.cfg
+        q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_size)
+        k = self.k_proj(x).reshape(b, t, cfg.kv_heads, cfg.head_size)
+        v = self.v_proj(x).reshape(b, t, cfg.kv_heads, cfg.head_size)
+        inv_freq = rope_frequencies(cfg)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        keys = jax.lax.dynamic_update_slice(cache.keys, k.astype(cache.keys.dtype), (0, slot, 0, 0))
+        values = jax.lax.dynamic_update_slice(cache.values, v.astype(cache.values.dtype), (0, slot, 0, 0))
+        s = keys.shape[1]
+        causal = jnp.arange(s)[None, :] <= (slot + jnp.arange(t))[:, None]  # (T, S)
+        mask = visible[:, None, None, :] & causal[None, None]  # (B, 1, T, S)
+        context = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=mask)
+        return self.o_proj(context.reshape(b, t, cfg.num_heads * cfg.head_size)), KVCache(keys, values)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """The keys and values generation has computed: ``[B, S, kv_heads, head_dim]`` per
+    layer, or ``[layers, B, S, kv_heads, head_dim]`` for the whole model."""
+
+    keys: jax.Array
+    values: jax.Array
+
 
 class LlamaMLP(nnx.Module):
     """SwiGLU (Shazeer 2020): ``down(silu(gate(x)) * up(x))``; Megatron's column/row split."""
@@ -318,6 +349,13 @@ class LlamaDecoderLayer(nnx.Module):
         x = x + self.self_attn(self.input_layernorm(x), positions, mask, implementation)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return constrain(x, "batch", None, None)
+
+    def cached(
+        self, x: jax.Array, positions: jax.Array, cache: KVCache, slot: jax.Array, visible: jax.Array
+    ) -> tuple[jax.Array, KVCache]:
+        attended, cache = self.self_attn.cached(self.input_layernorm(x), positions, cache, slot, visible)
+        x = x + attended
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
 
 
 def _stacked_layers(cfg: LlamaConfig, rngs: nnx.Rngs) -> LlamaDecoderLayer:
@@ -422,6 +460,43 @@ class LlamaForCausalLM(nnx.Module):
             for layer in self.layers:
                 x = run(layer, x, positions, mask, implementation)
         return self.norm(x)
+
+    def empty_cache(self, batch: int, length: int, dtype: Any = None) -> KVCache:
+        """A key/value cache of ``length`` slots for ``batch`` sequences (zeros)."""
+        cfg = self.cfg
+        shape = (cfg.num_layers, batch, length, cfg.kv_heads, cfg.head_size)
+        zeros = jnp.zeros(shape, dtype or cfg.compute_dtype)
+        return KVCache(zeros, zeros)
+
+    def cached(
+        self, input_ids: jax.Array, positions: jax.Array, cache: KVCache, slot: jax.Array, visible: jax.Array
+    ) -> tuple[jax.Array, KVCache]:
+        """Next-token logits ``[B, T, vocab]`` of ``input_ids`` placed at cache ``slot``
+        onwards (a prompt, then one token at a time), and the cache with their keys and
+        values: what :meth:`__call__` computes for the whole sequence, token by token."""
+        dtype = self.cfg.compute_dtype
+        x = jnp.take(self.embed_tokens.embedding[...], input_ids, axis=0).astype(dtype)
+        if self.cfg.embedding_scale:
+            x = x * jnp.asarray(math.sqrt(self.cfg.hidden_size), dtype)
+        if self.cfg.scan_layers:
+
+            @nnx.scan(in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0, 0))
+            def decoder(layer: LlamaDecoderLayer, x: jax.Array, keys: jax.Array, values: jax.Array) -> Any:
+                x, layer_cache = layer.cached(x, positions, KVCache(keys, values), slot, visible)
+                return x, layer_cache.keys, layer_cache.values
+
+            x, keys, values = decoder(typing.cast(LlamaDecoderLayer, self.layers), x, cache.keys, cache.values)
+            cache = KVCache(keys, values)
+        else:
+            keys, values = [], []
+            for i, layer in enumerate(self.layers):
+                x, layer_cache = layer.cached(x, positions, KVCache(cache.keys[i], cache.values[i]), slot, visible)
+                keys.append(layer_cache.keys)
+                values.append(layer_cache.values)
+            cache = KVCache(jnp.stack(keys), jnp.stack(values))
+        x = self.norm(x)
+        logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+        return logits.astype(jnp.float32), cache
 
     def __call__(
         self, input_ids: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None

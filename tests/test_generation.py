@@ -1,0 +1,105 @@
+"""Generation (xlafit.models.generation): the key/value cache computes what recomputing the
+whole prefix does, greedy tokens equal transformers' generate on the same weights, and
+sampling keeps to its top-k and top-p."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from xlafit.hf import llama as llama_hf
+from xlafit.models.generation import Sampling, filter_logits, generate
+from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 3], [11, 12], [40, 41, 42, 43]]
+
+
+def tiny(scan: bool = False, **overrides) -> LlamaForCausalLM:
+    cfg = LlamaConfig(
+        num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64, vocab_size=97,
+        max_position_embeddings=128, scan_layers=scan, **overrides,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+
+
+def recomputed(model: LlamaForCausalLM, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens by running the whole sequence through the model at every step."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(jnp.argmax(model(jnp.array([seq]))[0, -1])))
+    return seq[len(prompt) :]
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_the_cache_computes_what_recomputing_the_prefix_does(scan):
+    model = tiny(scan)
+    got = generate(model, PROMPTS, 7)
+    assert got == [recomputed(model, p, 7) for p in PROMPTS]  # a batch of lengths 7, 2, 4: padding unseen
+
+
+def test_greedy_tokens_equal_transformers_generate(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = tiny(rope_theta=500000.0)
+    llama_hf.save_hf(model, tmp_path)
+    theirs = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32).eval()
+    length = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (length - len(p)) + p for p in PROMPTS])
+    mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in PROMPTS])
+    with torch.no_grad():
+        out = theirs.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+    assert generate(model, PROMPTS, 8) == out[:, length:].tolist()
+
+
+def test_a_sequence_ends_at_its_end_token():
+    model = tiny()
+    full = generate(model, PROMPTS, 6)
+    stop = full[0][2]
+    cut = generate(model, PROMPTS, 6, eos_ids=[stop])
+    assert cut[0] == full[0][: full[0].index(stop) + 1]
+    for whole, part in zip(full, cut, strict=True):
+        assert whole[: len(part)] == part
+
+
+def test_top_k_and_top_p_keep_only_the_likeliest():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]]))
+    kept = np.isfinite(np.asarray(filter_logits(logits, top_k=2, top_p=1.0)))
+    assert kept.tolist() == [[True, True, False, False], [False, False, True, True]]
+    nucleus = np.isfinite(np.asarray(filter_logits(logits, top_k=0, top_p=0.75)))
+    assert nucleus.tolist() == [[True, True, False, False], [False, False, True, True]]  # 0.5 + 0.3 reach 0.75
+    assert np.isfinite(np.asarray(filter_logits(logits, 0, 0.1))).sum(axis=1).tolist() == [1, 1]  # the top stays
+
+
+def test_sampling_is_reproducible_and_stays_in_the_top_k():
+    model = tiny()
+    sampling = Sampling(temperature=1.5, top_k=3, seed=7)
+    a = generate(model, PROMPTS, 5, sampling)
+    assert a == generate(model, PROMPTS, 5, sampling)
+    assert a != generate(model, PROMPTS, 5, Sampling(temperature=1.5, top_k=3, seed=8))
+    # Each sampled token is among the 3 likeliest after its prefix.
+    for prompt, tokens in zip(PROMPTS, a, strict=True):
+        seq = list(prompt)
+        for t in tokens:
+            top = np.argsort(np.asarray(model(jnp.array([seq]))[0, -1]))[-3:]
+            assert t in top
+            seq.append(t)
+    with pytest.raises(ValueError, match="0 < top_p <= 1"):
+        Sampling(top_p=0.0)
+
+
+def test_a_sharded_model_generates_what_one_device_does():
+    """FSDP x TP over the 8 simulated devices: the state stays where the mesh put it."""
+    from xlafit.parallel.mesh import Strategy, make_mesh
+    from xlafit.parallel.sharding import tree_shardings
+
+    model = tiny()
+    expected = generate(model, PROMPTS, 5)
+    strategy = Strategy(make_mesh(jax.devices(), data=1, fsdp=4, tensor=2))
+    graphdef, state = nnx.split(model)
+    placed = jax.device_put(state, tree_shardings(state, strategy.mesh, {}))
+    assert generate(nnx.merge(graphdef, placed), PROMPTS, 5) == expected
