@@ -72,7 +72,7 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
         raise ConfigError(f"{run} has no tokenizer/ (written when training starts); cannot export.")
     cfg = config_from_dict(recipe, {k: v for k, v in saved.items() if k != "recipe"})
     cfg.run.run_dir = str(run)  # where the run is now: it may have moved since it trained
-    arrays, step, metadata = _checkpoint_arrays(cfg, run, step)
+    arrays, step, metadata = checkpoint_arrays(cfg, run, step)
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(tmp) / "out" if is_url(out) else Path(out)
         if recipe == "bert":
@@ -102,7 +102,7 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     return str(out), step
 
 
-def _checkpoint_arrays(cfg: Config, run: Any, step: int | None) -> tuple[Any, int, dict[str, str]]:
+def checkpoint_arrays(cfg: Config, run: Any, step: int | None) -> tuple[Any, int, dict[str, str]]:
     """The saved state of checkpoint ``step`` (default: the newest intact one) as host arrays,
     with the metadata it was saved with."""
     ckpt = Checkpointer(checkpoint_dir(cfg))
@@ -117,6 +117,30 @@ def _checkpoint_arrays(cfg: Config, run: Any, step: int | None) -> tuple[Any, in
         return ckpt.restore_arrays(step), step, ckpt.saved_metadata(step)
     finally:
         ckpt.close()
+
+
+def run_model(cfg: Config, arrays: Any, fingerprint: str | None, vocab_size: int) -> LlamaForCausalLM:
+    """An llm run's model with a checkpoint's weights (``arrays``): a LoRA run's base rebuilt
+    as the run built it (``model.init_from_hf``, or the same initialisation, which must have
+    the fingerprint the checkpoint recorded) with the adapters, unmerged.
+
+    Raises:
+        CheckpointError: the rebuilt base is not the one the adapters were trained on.
+    """
+    build = lambda: with_lora(build_llama(cfg, vocab_size), cfg.lora, cfg.trainer.seed)  # noqa: E731
+    if cfg.model.init_from_hf:
+        model = build()
+    else:  # inside jit, as the trainer built it: eager initialisation rounds differently
+        abstract = nnx.eval_shape(build)
+        model = nnx.merge(nnx.graphdef(abstract), jax.jit(lambda: nnx.state(build()))())
+    _fill(model, ADAPTER if cfg.lora.rank else nnx.Param, arrays["params"])
+    assert isinstance(model, LlamaForCausalLM)
+    if cfg.lora.rank and fingerprint != base_fingerprint(model):
+        raise CheckpointError(
+            f"the base model rebuilt from the run's config (fingerprint {base_fingerprint(model)}) is not the one "
+            f"its adapters were trained on ({fingerprint}); put the run's model.init_from_hf back as it was."
+        )
+    return model
 
 
 def export_llm(
@@ -139,22 +163,9 @@ def export_llm(
     Raises:
         CheckpointError: the rebuilt base is not the one the adapters were trained on.
     """
-    vocab_size = len(json.loads(tokenizer_json)["model"]["vocab"])
     out.mkdir(parents=True, exist_ok=True)
-    build = lambda: with_lora(build_llama(cfg, vocab_size), cfg.lora, cfg.trainer.seed)  # noqa: E731
-    if cfg.model.init_from_hf:
-        model = build()
-    else:  # inside jit, as the trainer built it: eager initialisation rounds differently
-        abstract = nnx.eval_shape(build)
-        model = nnx.merge(nnx.graphdef(abstract), jax.jit(lambda: nnx.state(build()))())
-    _fill(model, ADAPTER if cfg.lora.rank else nnx.Param, arrays["params"])
-    assert isinstance(model, LlamaForCausalLM)
+    model = run_model(cfg, arrays, fingerprint, len(json.loads(tokenizer_json)["model"]["vocab"]))
     if cfg.lora.rank:
-        if fingerprint != base_fingerprint(model):
-            raise CheckpointError(
-                f"the base model rebuilt from the run's config (fingerprint {base_fingerprint(model)}) is not the one "
-                f"its adapters were trained on ({fingerprint}); put the run's model.init_from_hf back as it was."
-            )
         if not cfg.model.init_from_hf:
             base = nnx.merge(*nnx.split(model))  # a copy: the adapters' base, unmerged
             llama_hf.save_hf(typing.cast(LlamaForCausalLM, merge_lora(_without_adapters(base))), out / "base")

@@ -13,12 +13,25 @@ import os
 import sys
 from collections.abc import Sequence
 
-from xlafit.cli import bench, check, config_cmd, data, devices, export, inspect, launch, plan, tokenizer, train
+from xlafit.cli import (
+    bench,
+    check,
+    config_cmd,
+    data,
+    devices,
+    export,
+    generate,
+    inspect,
+    launch,
+    plan,
+    tokenizer,
+    train,
+)
 from xlafit.errors import INTERRUPTED, Preempted, XlafitError
 from xlafit.parallel.env import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
 
 # The commands, in the order `xlafit --help` lists them.
-COMMANDS = (devices, train, launch, bench, inspect, tokenizer, data, export, check, plan, config_cmd)
+COMMANDS = (devices, train, launch, bench, inspect, tokenizer, data, export, generate, check, plan, config_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

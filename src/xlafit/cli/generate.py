@@ -1,0 +1,82 @@
+"""``xlafit generate SOURCE --prompt TEXT``: a model's answers, from a run or a Hugging Face model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from xlafit.cli.common import add_simulate
+from xlafit.errors import ConfigError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="answer prompts with an llm run's model, a Hugging Face model directory or a hub id",
+        description="Greedy unless --temperature is given. A chat model (its tokenizer has a chat template) gets "
+        "each prompt as a user turn, as a chat pipeline does; --no-chat gives the text as it is. Example: xlafit "
+        "generate runs/chat-lora --prompt 'What is 3 plus 4?' --max-new-tokens 32",
+    )
+    p.add_argument("source", metavar="SOURCE", help="an llm run directory, a Hugging Face model directory, or org/name")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
+    p.add_argument(
+        "--prompts-file",
+        metavar="FILE",
+        help='prompts, one per line (or JSON lines: a string, or {"messages": [...]} for a chat model)',
+    )
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the K likeliest tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample among the likeliest tokens summing to P")
+    p.add_argument("--seed", type=int, default=0, help="the sampling's seed")
+    p.add_argument("--no-chat", action="store_true", help="give a chat model the prompt as plain text")
+    p.add_argument("--step", type=int, help="a run's checkpoint (default: the newest intact one)")
+    p.add_argument("--revision", help="a hub id's branch, tag or commit")
+    p.add_argument("--json", action="store_true", help="print the prompts and answers as JSON lines")
+    add_simulate(p)
+    p.set_defaults(run=run)
+
+
+def _prompts(args: argparse.Namespace) -> list:
+    prompts: list = list(args.prompt)
+    if args.prompts_file:
+        try:
+            lines = open(args.prompts_file, encoding="utf-8").read().splitlines()
+        except OSError as e:
+            raise ConfigError(f"--prompts-file {args.prompts_file}: {e.strerror or e}.") from None
+        for line in filter(str.strip, lines):
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError:
+                item = line
+            prompts.append(item["messages"] if isinstance(item, dict) and "messages" in item else item)
+    if not prompts:
+        raise ConfigError("give a prompt: --prompt TEXT (repeat it for a batch) or --prompts-file FILE.")
+    return prompts
+
+
+def run(args: argparse.Namespace) -> int:
+    from xlafit.generator import Generator  # the library when the command runs: a fast --help
+    from xlafit.models.generation import Sampling
+    from xlafit.parallel.cluster import start_backends
+
+    prompts = _prompts(args)
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: generate at least one token.")
+    try:
+        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not args.simulate:
+        start_backends()
+    print(f"loading {args.source} ...", file=sys.stderr, flush=True)
+    ask = Generator.load(args.source, args.step, args.revision, args.simulate)
+    answers = ask(prompts, args.max_new_tokens, sampling, use_chat=False if args.no_chat else None)
+    for prompt, answer in zip(prompts, answers, strict=True):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "answer": answer}, ensure_ascii=False))
+        else:
+            shown = prompt if isinstance(prompt, str) else prompt[-1].get("content", "")
+            print(f"> {shown}\n{answer}\n")
+    return 0

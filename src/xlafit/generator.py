@@ -1,0 +1,162 @@
+"""Asking a trained model something: ``xlafit generate`` and :class:`Generator`.
+
+A source is an llm run directory (its newest intact checkpoint, or ``step``; a LoRA run
+with its adapters merged into the base it was trained on), a Hugging Face model directory,
+or a hub id read into the Hugging Face cache. A chat model (its tokenizer has a chat
+template) gets each prompt as a user turn with the generation prompt after it, as
+``transformers``' chat pipeline does; the answer stops at the end of its turn. The model
+runs on the run's mesh over this host's devices (FSDP and tensor parallelism as trained).
+
+Example:
+    >>> ask = Generator.load("runs/chat-lora")                    # doctest: +SKIP
+    >>> ask(["What is 3 plus 4?"], max_new_tokens=16)             # doctest: +SKIP
+    ['3 plus 4 is 7.']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import yaml
+from flax import nnx
+from tokenizers import Tokenizer
+
+from xlafit.data import chat, clm
+from xlafit.errors import ConfigError, XlafitError
+from xlafit.export import checkpoint_arrays, run_model
+from xlafit.hf import llama as llama_hf
+from xlafit.io import hub
+from xlafit.io.paths import as_path
+from xlafit.models.generation import Sampling, generate
+from xlafit.models.llama import LlamaForCausalLM
+from xlafit.models.lora import merge_lora
+from xlafit.parallel.cluster import connect
+from xlafit.parallel.sharding import parse_rules, tree_shardings
+from xlafit.recipes import config_from_dict
+from xlafit.train.trainer import BASE_FINGERPRINT
+
+__all__ = ["Generator"]
+
+Prompt = str | Sequence[dict[str, Any]]  # a text, or a conversation of {"role", "content"} turns
+
+
+@dataclasses.dataclass
+class Generator:
+    """A model with its tokenizer, ready to answer prompts (see the module docstring).
+
+    Attributes:
+        model: the model (its state on this host's devices).
+        tokenizer: its tokenizer.
+        template: its chat template, None for a plain language model.
+        eos_ids: the tokens that end an answer (the end of a turn too).
+        source: where it was loaded from.
+    """
+
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+    template: chat.ChatTemplate | None
+    eos_ids: tuple[int, ...]
+    source: str
+
+    @classmethod
+    def load(
+        cls, source: str, step: int | None = None, revision: str | None = None, simulate: int | None = None
+    ) -> Generator:
+        """A run directory, a Hugging Face model directory or a hub id (see the module
+        docstring); ``simulate``: this many simulated CPU devices for a run's mesh.
+
+        Raises:
+            ConfigError: not a model (no ``config.yaml`` nor ``config.json``), or not an llm run.
+        """
+        path = as_path(source)
+        if (path / "config.yaml").exists():
+            return _from_run(source, step, simulate)
+        folder = hub.resolve(source, revision, "the model")
+        if not (Path(folder) / "config.json").exists():
+            raise ConfigError(
+                f"{source} is neither an llm run directory (config.yaml) nor a Hugging Face model directory "
+                "(config.json); give one, or a hub id org/name."
+            )
+        model = llama_hf.from_hf(folder)
+        return cls(model, clm.load_tokenizer(folder), chat.template_for(folder), _eos(folder), source)
+
+    def encode(self, prompt: Prompt, use_chat: bool | None = None) -> list[int]:
+        """A prompt's token ids: a chat model's rendered as a user turn (or the conversation
+        given) with the generation prompt; otherwise the text after ``<bos>``."""
+        as_chat = self.template is not None if use_chat is None else use_chat
+        if as_chat:
+            if self.template is None:
+                raise ConfigError(f"{self.source} has no chat template; ask without --chat.")
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            text = self.template.render(messages, add_generation_prompt=True)
+            return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        if not isinstance(prompt, str):
+            raise ConfigError("a conversation needs a chat model; give the prompt as text.")
+        bos, _ = clm.special_ids(self.tokenizer)
+        return ([bos] if bos is not None else []) + list(self.tokenizer.encode(prompt, add_special_tokens=False).ids)
+
+    def __call__(
+        self,
+        prompts: Sequence[Prompt],
+        max_new_tokens: int = 128,
+        sampling: Sampling | None = None,
+        use_chat: bool | None = None,
+    ) -> list[str]:
+        """The answers to ``prompts``, one batch (see :func:`xlafit.models.generation.generate`)."""
+        ids = [self.encode(p, use_chat) for p in prompts]
+        pad = self.tokenizer.token_to_id(clm.PAD) or 0
+        tokens = generate(self.model, ids, max_new_tokens, sampling, self.eos_ids, pad)
+        return [self.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+
+
+def _eos(folder: str | Path) -> tuple[int, ...]:
+    """The end tokens of a model directory: its tokenizer's, its ``eos_token`` (a chat
+    model's end of turn) and ``generation_config.json``'s ``eos_token_id``."""
+    folder = as_path(folder)
+    tok = clm.load_tokenizer(folder)
+    found = {clm.special_ids(tok)[1]}
+    config = folder / "tokenizer_config.json"
+    if config.exists():
+        eos = json.loads(config.read_text()).get("eos_token")
+        name = eos["content"] if isinstance(eos, dict) else eos
+        found.add(tok.token_to_id(name) if name else None)
+    generation = folder / "generation_config.json"
+    if generation.exists():
+        value = json.loads(generation.read_text()).get("eos_token_id")
+        found.update(value if isinstance(value, list) else [value])
+    return tuple(sorted(i for i in found if i is not None))
+
+
+def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
+    """An llm run's model at checkpoint ``step``, placed on the run's mesh over this host's
+    devices (where they do not make that mesh, replicated over them, and said)."""
+    run = as_path(source)
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    if saved.get("recipe") != "llm":
+        raise ConfigError(f"{source} is a {saved.get('recipe')!r} run; xlafit generate answers with llm runs.")
+    cfg = config_from_dict("llm", {k: v for k, v in saved.items() if k != "recipe"})
+    cfg.run.run_dir = str(run)
+    rules = parse_rules(cfg.mesh.rules)
+    try:  # first: the devices (simulated ones too) before anything else starts JAX
+        strategy = connect(simulate, cpu=cfg.cpu, mesh=cfg.mesh.sizes, rules=rules)
+    except XlafitError as e:
+        strategy = connect(simulate, cpu=cfg.cpu)
+        print(f"the run's mesh does not fit this host's devices ({e}); the model is replicated", file=sys.stderr)
+    tokenizer = clm.load_tokenizer(run / "tokenizer")
+    arrays, _, metadata = checkpoint_arrays(cfg, run, step)
+    model = run_model(cfg, arrays, metadata.get(BASE_FINGERPRINT), tokenizer.get_vocab_size())
+    if cfg.lora.rank:
+        model = typing.cast(LlamaForCausalLM, merge_lora(model))
+    graphdef, state = nnx.split(model)
+    state = jax.device_put(state, tree_shardings(state, strategy.mesh, rules))
+    template = chat.template_for(str(run / "tokenizer"))
+    return Generator(
+        typing.cast(LlamaForCausalLM, nnx.merge(graphdef, state)), tokenizer, template, _eos(run / "tokenizer"), source
+    )
