@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -149,3 +150,44 @@ def test_masks_land_where_packing_put_their_sequences():
     placement = np.array([[0, 0], [1, 0], [0, 3]])
     out = chat.masks_in_rows([[1, 0, 1], [1, 1], [0, 1]], placement, (2, 6))
     assert out.tolist() == [[1, 0, 1, 0, 1, 0], [1, 1, 0, 0, 0, 0]]
+
+
+def test_the_chat_demo_tunes_a_model_whose_answers_follow(tmp_path):
+    """`make demo-chat` in small: pretrain on plain text, LoRA on conversations (the loss on
+    the answers falling), then ask the tuned run in ChatML."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {
+        "XLAFIT_CACHE": str(tmp_path / "cache"),
+        "PYTHONPATH": os.pathsep.join(sys.path),
+    }
+    xlafit = [sys.executable, "-m", "xlafit"]
+
+    def run(*args):
+        done = subprocess.run([*xlafit, *args], capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    base, tuned = tmp_path / "base", tmp_path / "lora"
+    run("train", "llm", "--simulate", "8", "--run-dir", str(base), "data.demo=arithmetic", "data.seq_len=96",
+        "trainer.epochs=3", "optimizer.learning_rate=0.006")  # fmt: skip
+    run("export", "hf", str(base), "--out", str(tmp_path / "base-hf"))
+    lora = ["lora.rank=8", "lora.alpha=16", "lora.targets=q_proj,v_proj,gate_proj,up_proj,down_proj"]
+    trained = run(
+        "train", "llm", "--simulate", "8", "--run-dir", str(tuned), f"model.init_from_hf={tmp_path / 'base-hf'}",
+        "data.demo=chat", "data.seq_len=96", *lora, "trainer.epochs=2", "optimizer.learning_rate=0.01",
+    )  # fmt: skip
+    assert "loss on the answers:" in trained.stderr
+    logged = [json.loads(line) for line in (tuned / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["loss"] for m in logged if m.get("split") == "train"]
+    assert losses[-1] < 0.8 * losses[0]  # the loss on the answers falls
+    assert (tuned / "tokenizer" / chat.TEMPLATE_FILE).exists()
+    answer = run("generate", str(tuned), "--simulate", "8", "--prompt", "What is 3 plus 4?", "--max-new-tokens", "12",
+                 "--json")  # fmt: skip
+    (line,) = [json.loads(x) for x in answer.stdout.splitlines() if x.startswith("{")]
+    # An answer in the conversations' form, stopped at the end of its turn (the full demo's are right too).
+    assert line["prompt"] == "What is 3 plus 4?" and re.fullmatch(
+        r"-?\d+ (plus|minus|times) -?\d+ is -?\d+\.", line["answer"]
+    )

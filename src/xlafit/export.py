@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import yaml
 from flax import nnx
+from tokenizers import Tokenizer
 
 from xlafit.checkpoint import Checkpointer, older_layout, path_name
 from xlafit.config import Config
@@ -85,7 +86,9 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
             tokenizer_json = (run / "tokenizer" / "tokenizer.json").read_text()
             template = run / "tokenizer" / chat.TEMPLATE_FILE
             chat_template = template.read_text() if template.exists() else None
-            export_llm(cfg, arrays, metadata.get(BASE_FINGERPRINT), tokenizer_json, local, chat_template)
+            tokens_file = run / "tokenizer" / "tokenizer_config.json"
+            tokens = json.loads(tokens_file.read_text()) if tokens_file.exists() else {}
+            export_llm(cfg, arrays, metadata.get(BASE_FINGERPRINT), tokenizer_json, local, chat_template, tokens)
         else:
             save_resnet_hf(_resnet(cfg, arrays), local, labels=_classes(run), processor=_image_processor(cfg))
         (local / "xlafit-config.yaml").write_text(config_text)
@@ -150,9 +153,12 @@ def export_llm(
     tokenizer_json: str,
     out: Path,
     chat_template: str | None = None,
+    tokens: dict[str, str] | None = None,
 ) -> None:
     """Writes an llm run's model to ``out`` as a ``LlamaForCausalLM`` with its tokenizer (and
-    the chat template it trained with, in ``tokenizer_config.json`` and ``chat_template.jinja``).
+    the chat template it trained with, in ``tokenizer_config.json`` and ``chat_template.jinja``;
+    ``tokens``: the special tokens the run's tokenizer named, a chat model's end of turn as
+    its ``eos_token``).
 
     A LoRA run's checkpoint holds the adapters only: the base is rebuilt as the run built it
     (``model.init_from_hf``, or the same initialisation) and must have the fingerprint the
@@ -164,7 +170,8 @@ def export_llm(
         CheckpointError: the rebuilt base is not the one the adapters were trained on.
     """
     out.mkdir(parents=True, exist_ok=True)
-    model = run_model(cfg, arrays, fingerprint, len(json.loads(tokenizer_json)["model"]["vocab"]))
+    # The model's vocabulary is the tokenizer's, tokens added after training (a chat model's) included.
+    model = run_model(cfg, arrays, fingerprint, Tokenizer.from_str(tokenizer_json).get_vocab_size())
     if cfg.lora.rank:
         if not cfg.model.init_from_hf:
             base = nnx.merge(*nnx.split(model))  # a copy: the adapters' base, unmerged
@@ -179,7 +186,7 @@ def export_llm(
     specials = {t["content"] for t in json.loads(tokenizer_json).get("added_tokens", [])}
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
     for key, names in (("bos_token", clm.BOS_NAMES), ("eos_token", clm.EOS_NAMES), ("pad_token", (clm.PAD,))):
-        found = next((name for name in names if name in specials), None)
+        found = (tokens or {}).get(key) or next((name for name in names if name in specials), None)
         if found is not None:
             config[key] = found
     if chat_template:

@@ -26,7 +26,7 @@ from flax import nnx
 
 from xlafit import config as xconfig
 from xlafit.config import Config
-from xlafit.data import chat, clm
+from xlafit.data import chat, chat_demo, clm
 from xlafit.data.text import korean_demo_files
 from xlafit.errors import ConfigError
 from xlafit.hf import llama as llama_hf
@@ -84,6 +84,9 @@ class LlmDataConfig(xconfig.DataConfig):
     # chat records: a Jinja chat template file instead of the tokenizer's (tokenizer_config.json's chat_template)
     chat_template: str | None = None
     loss_on: str = "assistant"  # chat and prompt/completion records: assistant (the answers only) or all
+    # with no data.data_dir: korean (the konlpy wheel's texts), chat (arithmetic conversations with a ChatML
+    # tokenizer) or arithmetic (the same kind of questions and answers as plain text, the same tokenizer)
+    demo: Literal["korean", "chat", "arithmetic"] = "korean"
 
 
 def data_config(cfg: Config) -> LlmDataConfig:
@@ -158,6 +161,8 @@ def tokenizer_location(cfg: Config) -> str:
     source = model_dir(cfg)
     if source and (Path(source).expanduser() / "tokenizer.json").exists():
         return str(Path(source).expanduser())
+    if not d.data_dir and d.demo in ("chat", "arithmetic"):
+        return chat_demo.demo_files()[2]
     if d.data_dir:
         raise ConfigError(
             "data.data_dir needs a tokenizer: set data.tokenizer (a tokenizer.json or a directory holding one), "
@@ -194,7 +199,7 @@ def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
     d = data_config(cfg)
     where = tokenizer_location(cfg)
     tok = clm.load_tokenizer(where)
-    inputs = [d.data_dir] if d.data_dir else korean_demo_files()
+    inputs = [d.data_dir] if d.data_dir else _demo_inputs(d.demo)
     template = chat.template_for(where, d.chat_template)
     train, evaluation = clm.load_packed(
         inputs,
@@ -209,6 +214,11 @@ def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
     )
     print(data_summary(train, evaluation, d), flush=True, file=sys.stderr)
     return train, (evaluation if len(evaluation) else None)  # type: ignore[return-value]
+
+
+def _demo_inputs(demo: str) -> list[str]:
+    records, text, _ = chat_demo.demo_files()
+    return {"chat": [records], "arithmetic": [text]}.get(demo) or korean_demo_files()
 
 
 def data_summary(train: clm.PackedText, evaluation: clm.PackedText, d: LlmDataConfig) -> str:
