@@ -1,7 +1,8 @@
 """Weights between :class:`~xlafit.models.llama.LlamaForCausalLM` and Hugging Face's.
 
 The Hugging Face side is the files ``save_pretrained`` writes and ``from_pretrained`` reads
-for ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM`` when ``attention_bias``): ``config.json``
+for ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``,
+``Gemma2ForCausalLM`` and ``Gemma3ForCausalLM`` (the family is the config's ``model_type``): ``config.json``
 and ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` listed in
 ``model.safetensors.index.json``. PyTorch's ``Linear`` weights are ``[out, in]``, ours
 ``[in, out]``. Nothing here imports PyTorch or transformers. Scanned models
@@ -50,9 +51,26 @@ _LLAMA3_KEYS = {
 INDEX = "model.safetensors.index.json"
 
 
+# The families: Hugging Face's model_type -> its model class.
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+_GEMMA = ("gemma2", "gemma3_text")
+
+
+def _family(cfg: LlamaConfig) -> str:
+    return "qwen2" if cfg.family == "llama" and cfg.attention_bias else cfg.family
+
+
 def hf_config(cfg: LlamaConfig) -> dict:
-    """The ``config.json`` of a Hugging Face ``LlamaForCausalLM`` (``Qwen2ForCausalLM`` when
-    ``attention_bias``) with ``cfg``'s sizes.
+    """The ``config.json`` of the Hugging Face model of ``cfg``'s family (``LlamaForCausalLM``,
+    ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Gemma2ForCausalLM``,
+    ``Gemma3ForCausalLM``) with its sizes.
 
     Rotary settings are written as Meta's own files have them (``rope_theta`` and
     ``rope_scaling``), which transformers 4 and 5 both read.
@@ -61,43 +79,105 @@ def hf_config(cfg: LlamaConfig) -> dict:
         >>> hf_config(LlamaConfig.preset("llama-3.2-1b"))["rope_scaling"]["factor"]
         32.0
     """
-    if cfg.embedding_scale or cfg.norm_offset:
-        raise HFFormatError("embedding_scale and norm_offset (Gemma's conventions) have no Llama config.json.")
-    qwen = cfg.attention_bias
+    family = _family(cfg)
+    if family not in _GEMMA and (cfg.embedding_scale or cfg.norm_offset):
+        raise HFFormatError(f"embedding_scale and norm_offset (Gemma's conventions) have no {family} config.json.")
     out: dict[str, Any] = {hf: getattr(cfg, ours) for ours, hf in _CONFIG_KEYS.items()}
+    act = "gelu_pytorch_tanh" if cfg.hidden_activation == "gelu_tanh" else "silu"
     out.update(
         {
-            "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-            "model_type": "qwen2" if qwen else "llama",
-            "hidden_act": "silu",
+            "architectures": [ARCHITECTURES[family]],
+            "model_type": family,
+            "hidden_act": act,
             "rope_theta": cfg.rope_theta,
             "rope_scaling": None,
             "torch_dtype": "float32",
         }
     )
-    if not qwen:
-        out.update({"attention_bias": False, "mlp_bias": False})
+    if family in ("llama", "qwen3", "mistral"):
+        out.update({"attention_bias": cfg.attention_bias, "mlp_bias": False})
+    if family in ("mistral", *_GEMMA):
+        out["sliding_window"] = cfg.sliding_window
+    if family in _GEMMA:
+        out.update(
+            {
+                "hidden_activation": act,
+                "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_size,
+                "attn_logit_softcapping": cfg.attn_logit_softcap,
+                "final_logit_softcapping": cfg.final_logit_softcap,
+                "layer_types": list(cfg.kinds),
+            }
+        )
+    if family == "gemma3_text":
+        out["rope_local_base_freq"] = cfg.rope_local_theta or cfg.rope_theta
     if cfg.rope_type == "llama3":
         out["rope_scaling"] = {"rope_type": "llama3", **{hf: getattr(cfg, ours) for ours, hf in _LLAMA3_KEYS.items()}}
+    elif cfg.rope_type == "linear":
+        out["rope_scaling"] = {"rope_type": "linear", "factor": cfg.rope_factor}
     return out
 
 
 def _rope_fields(hf: dict) -> dict[str, Any]:
-    """Our rotary fields from ``rope_parameters`` (transformers 5) or ``rope_theta`` +
-    ``rope_scaling`` (transformers 4, Meta's files)."""
+    """Our rotary fields from ``rope_parameters`` (transformers 5; per layer kind for Gemma 3)
+    or ``rope_theta`` + ``rope_scaling`` (transformers 4, Meta's files)."""
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    local = rope.get("sliding_attention") if isinstance(rope.get("sliding_attention"), dict) else None
+    rope = rope.get("full_attention", rope) if isinstance(rope.get("full_attention"), dict) else rope
     kind = rope.get("rope_type", rope.get("type", "default"))
     fields: dict[str, Any] = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if local is not None and "rope_theta" in local:
+        fields["rope_local_theta"] = float(local["rope_theta"])
     if kind == "llama3":
         fields["rope_type"] = "llama3"
         fields.update({ours: rope[hf_key] for ours, hf_key in _LLAMA3_KEYS.items() if hf_key in rope})
+    elif kind == "linear":
+        fields.update(rope_type="linear", rope_factor=float(rope["factor"]))
     elif kind != "default":
-        raise HFFormatError(f"rope type {kind!r} is not supported: xlafit's Llama has 'default' and 'llama3'.")
+        raise HFFormatError(f"rope type {kind!r} is not supported: xlafit has 'default', 'llama3' and 'linear'.")
+    return fields
+
+
+def _family_fields(kind: str, hf: dict) -> dict[str, Any]:
+    """The fields a family's config.json sets beyond Llama's."""
+    act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
+    if act not in ("silu", "gelu_pytorch_tanh", "gelu_tanh"):
+        raise HFFormatError(f"hidden_act={act!r} is not supported: xlafit has 'silu' and 'gelu_pytorch_tanh'.")
+    fields: dict[str, Any] = {"family": kind, "hidden_activation": "silu" if act == "silu" else "gelu_tanh"}
+    if kind in ("llama", "qwen3", "mistral") and hf.get("mlp_bias"):
+        raise HFFormatError("mlp_bias models (a bias on the MLP) are not supported.")
+    if kind == "llama" and hf.get("attention_bias"):
+        raise HFFormatError("attention_bias Llamas (a bias on o_proj too) are not supported.")
+    if kind in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+        raise HFFormatError("use_sliding_window=true is not supported for Qwen: xlafit attends to the whole context.")
+    fields["attention_bias"] = kind == "qwen2" or (kind == "qwen3" and bool(hf.get("attention_bias")))
+    fields["qk_norm"] = kind in ("qwen3", "gemma3_text")
+    if kind == "mistral":
+        fields["sliding_window"] = hf.get("sliding_window")
+    if kind in _GEMMA:
+        pattern = 2 if kind == "gemma2" else int(hf.get("sliding_window_pattern", 6))
+        layers = int(hf["num_hidden_layers"])
+        types = hf.get("layer_types") or [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        ]
+        fields.update(
+            embedding_scale=True,
+            norm_offset=True,
+            sandwich_norms=True,
+            attn_logit_softcap=hf.get("attn_logit_softcapping"),
+            final_logit_softcap=hf.get("final_logit_softcapping"),
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
+            sliding_window=hf.get("sliding_window"),
+            layer_types=tuple(types),
+            tie_embeddings=hf.get("tie_word_embeddings", True),
+        )
+        if kind == "gemma3_text" and "rope_local_base_freq" in hf:
+            fields["rope_local_theta"] = float(hf["rope_local_base_freq"])
     return fields
 
 
 def config_from_hf(hf: dict, **overrides: Any) -> LlamaConfig:
-    """A :class:`LlamaConfig` from a Hugging Face Llama or Qwen2 ``config.json`` dict.
+    """A :class:`LlamaConfig` from a Hugging Face ``config.json`` dict of a Llama, Qwen2,
+    Qwen3, Mistral, Gemma 2 or Gemma 3 (text) model.
 
     Example:
         >>> config_from_hf({"model_type": "llama", "vocab_size": 100, "hidden_size": 64,
@@ -105,19 +185,19 @@ def config_from_hf(hf: dict, **overrides: Any) -> LlamaConfig:
         16
     """
     kind = hf.get("model_type", "llama")
-    if kind not in ("llama", "qwen2"):
-        raise HFFormatError(f"config.json describes a {kind!r} model, not Llama or Qwen2.")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise HFFormatError(f"hidden_act={hf['hidden_act']!r} is not supported: xlafit's Llama uses 'silu'.")
-    if kind == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
-        raise HFFormatError("attention_bias / mlp_bias Llamas (a bias on o_proj or the MLP) are not supported.")
-    if kind == "qwen2" and hf.get("use_sliding_window"):
-        raise HFFormatError("use_sliding_window=true is not supported: xlafit's Llama attends to the whole context.")
+    if kind == "gemma3":
+        raise HFFormatError(
+            "config.json describes Gemma 3 with its vision tower (gemma3); xlafit reads the text models (gemma3_text: "
+            "Gemma 3 1B, or a text-only checkpoint)."
+        )
+    if kind not in ARCHITECTURES:
+        raise HFFormatError(f"config.json describes a {kind!r} model; xlafit reads {', '.join(ARCHITECTURES)}.")
     missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in hf]
     if missing:
         raise HFFormatError(f"config.json lacks {', '.join(missing)}.")
     fields = {ours: hf[key] for ours, key in _CONFIG_KEYS.items() if hf.get(key) is not None}
-    fields.update(_rope_fields(hf), attention_bias=kind == "qwen2")
+    fields.update(_rope_fields(hf))
+    fields.update(_family_fields(kind, hf))
     return LlamaConfig(**{**fields, **overrides})
 
 
@@ -129,6 +209,10 @@ _LAYER_TENSORS = [
     *[(f"mlp.{p}.weight", ("mlp", p, "kernel"), True) for p in ("gate_proj", "up_proj", "down_proj")],
 ]
 _BIAS_TENSORS = [(f"self_attn.{p}.bias", ("self_attn", p, "bias"), False) for p in ("q_proj", "k_proj", "v_proj")]
+_QK_NORM_TENSORS = [(f"self_attn.{n}.weight", ("self_attn", n, "scale"), False) for n in ("q_norm", "k_norm")]
+_SANDWICH_TENSORS = [
+    (f"{n}.weight", (n, "scale"), False) for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+]
 
 
 def _param(module: Any, path: tuple[str, ...]) -> nnx.Variable:
@@ -151,6 +235,7 @@ def _entries(model: LlamaForCausalLM) -> Iterator[Entry]:
         )
     yield "model.embed_tokens.weight", model.embed_tokens.embedding, None, False
     tensors = _LAYER_TENSORS + (_BIAS_TENSORS if cfg.attention_bias else [])
+    tensors += (_QK_NORM_TENSORS if cfg.qk_norm else []) + (_SANDWICH_TENSORS if cfg.sandwich_norms else [])
     for i in range(cfg.num_layers):
         layer = model.layers if cfg.scan_layers else model.layers[i]
         for suffix, path, transposed in tensors:
@@ -202,7 +287,9 @@ def from_hf_state(model: LlamaForCausalLM, state: Mapping[str, Any]) -> None:
     def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
         key = name if prefixed or name == "lm_head.weight" else name.removeprefix("model.")
         if key not in state:
-            raise HFFormatError(f"the checkpoint has no tensor {key!r} (expected shape {shape}); is it a Llama?")
+            raise HFFormatError(
+                f"the checkpoint has no tensor {key!r} (expected shape {shape}); is it the model config.json names?"
+            )
         value = np.asarray(state[key])
         if value.shape != shape:
             raise HFFormatError(f"{key} has shape {value.shape}, expected {shape} from config.json.")

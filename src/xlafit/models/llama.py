@@ -20,211 +20,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from xlafit.models import splash
-from xlafit.models.bert import REMAT_POLICIES, remat_policy
+from xlafit.models.attention import apply_rope, attention, causal_mask, default_scale, rope_frequencies
+from xlafit.models.bert import remat_policy
+from xlafit.models.llama_config import DTYPES, PRESETS, LlamaConfig
 from xlafit.parallel.sharding import constrain, logical
 
-# Meta's released sizes (the config.json of meta-llama/Llama-3.2-1B and Llama-3.1-8B), and a
-# tiny one for tests. vocab_size of "tiny" is a placeholder: set it to the tokenizer's.
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {
-        "num_layers": 2,
-        "hidden_size": 64,
-        "num_heads": 4,
-        "num_kv_heads": 2,
-        "intermediate_size": 128,
-        "vocab_size": 512,
-        "max_position_embeddings": 512,
-    },
-    "llama-3.2-1b": {
-        "num_layers": 16,
-        "hidden_size": 2048,
-        "num_heads": 32,
-        "num_kv_heads": 8,
-        "head_dim": 64,
-        "intermediate_size": 8192,
-        "vocab_size": 128256,
-        "rope_theta": 500000.0,
-        "rope_type": "llama3",
-        "rope_factor": 32.0,
-        "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 131072,
-        "tie_embeddings": True,
-    },
-    "llama-3.1-8b": {
-        "num_layers": 32,
-        "hidden_size": 4096,
-        "num_heads": 32,
-        "num_kv_heads": 8,
-        "intermediate_size": 14336,
-        "vocab_size": 128256,
-        "rope_theta": 500000.0,
-        "rope_type": "llama3",
-        "rope_factor": 8.0,
-        "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 131072,
-        "tie_embeddings": False,
-    },
-}
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-    """Sizes and options of a Llama; :meth:`preset` fills the sizes by name.
-
-    ``num_kv_heads`` (default ``num_heads``) below ``num_heads`` is grouped-query attention;
-    ``head_dim`` defaults to ``hidden_size // num_heads``; both are filled in on
-    construction. ``dtype`` is the compute dtype, ``param_dtype`` the parameters' (float32
-    unless memory forces bfloat16). ``attention`` picks the kernel: "splash" is the Pallas
-    flash-attention kernel for TPUs (:mod:`xlafit.models.splash`: memory linear in the
-    sequence, packed segments too), "cudnn" and "xla" the implementations of
-    ``jax.nn.dot_product_attention`` as in :class:`~xlafit.models.bert.BertConfig` (cuDNN
-    takes no segment ids: packed batches run on XLA); "auto" takes splash on TPUs where
-    the shapes allow it (a sequence that is a multiple of 128), cuDNN on GPUs where it
-    applies, else XLA. ``rope_type="llama3"`` is Llama 3.1's
-    frequency scaling (``rope_factor``, ``rope_low_freq_factor``, ``rope_high_freq_factor``,
-    ``rope_original_max_position_embeddings``). ``embedding_scale`` (embeddings times
-    ``sqrt(hidden_size)``) and ``norm_offset`` (RMSNorm weights used as ``1 + w``) are
-    Gemma's conventions.
-    """
-
-    vocab_size: int = 32000
-    hidden_size: int = 4096
-    intermediate_size: int = 11008
-    num_layers: int = 32
-    num_heads: int = 32
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-    rope_theta: float = 10000.0
-    rope_type: Literal["default", "llama3"] = "default"
-    rope_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_position_embeddings: int = 8192
-    rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 2048
-    tie_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2: biases on q, k and v (not on o)
-    initializer_range: float = 0.02
-    embedding_scale: bool = False
-    norm_offset: bool = False
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    attention: Literal["auto", "xla", "cudnn", "splash"] = "auto"
-    remat: str = "none"  # as BertConfig.remat: "full", or a jax.checkpoint_policies name
-    # One decoder layer compiled instead of num_layers (parameters stacked on a "layers"
-    # axis, the decoder an nnx.scan): as BertConfig.scan_layers.
-    scan_layers: bool = False
-
-    def __post_init__(self) -> None:
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"remat={self.remat!r} is not one of {', '.join(REMAT_POLICIES)}.")
-        if self.num_kv_heads is None:
-            object.__setattr__(self, "num_kv_heads", self.num_heads)
-        if self.head_dim is None:
-            if self.hidden_size % self.num_heads:
-                raise ValueError(
-                    f"hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}; "
-                    "give head_dim explicitly."
-                )
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-        if self.num_heads % self.kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads} "
-                "(each key/value head serves a group of query heads)."
-            )
-        if self.head_size % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even (rotary embeddings rotate pairs).")
-
-    @classmethod
-    def preset(cls, name: str, **overrides: Any) -> LlamaConfig:
-        """A named size (tiny, llama-3.2-1b, llama-3.1-8b) with ``overrides`` applied.
-
-        Example:
-            >>> LlamaConfig.preset("llama-3.2-1b").num_kv_heads
-            8
-        """
-        if name not in PRESETS:
-            raise ValueError(f"unknown Llama preset {name!r}; choose one of {', '.join(PRESETS)} or 'custom'.")
-        return cls(**{**PRESETS[name], **overrides})
-
-    @property
-    def kv_heads(self) -> int:
-        return typing.cast(int, self.num_kv_heads)
-
-    @property
-    def head_size(self) -> int:
-        return typing.cast(int, self.head_dim)
-
-    @property
-    def compute_dtype(self) -> Any:
-        return _DTYPES[self.dtype]
-
-    def train_flops_per_token(self, seq_len: int) -> float:
-        """Model FLOPs to train on one token of a ``seq_len``-token sequence.
-
-        PaLM's count (Chowdhery et al. 2022, appendix B; MaxText's too): ``6 * N`` for the
-        matmul parameters ``N`` (the decoder's projections and the output layer, not the
-        embedding lookup) plus ``12 * layers * heads * head_dim * seq_len`` for attention
-        scores and their weighting, forward and backward, with no discount for the causal
-        mask. Divide tokens/s times this by the peak FLOP/s for MFU.
-
-        Example:
-            >>> round(LlamaConfig.preset("llama-3.1-8b").train_flops_per_token(4096) / 1e9, 1)
-            51.5
-        """
-        h, d, layers = self.hidden_size, self.head_size, self.num_layers
-        attention = h * d * (2 * self.num_heads + 2 * self.kv_heads)  # q, o; k, v
-        per_layer = attention + 3 * h * self.intermediate_size  # gate, up, down
-        matmul_params = layers * per_layer + h * self.vocab_size
-        return 6.0 * matmul_params + 12.0 * layers * self.num_heads * d * seq_len
-
-
-def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
-    """The rotary inverse frequencies ``[head_dim / 2]`` (float32), Llama 3 scaling applied.
-
-    Computed as Hugging Face does (``_compute_default_rope_parameters``,
-    ``_compute_llama3_parameters``), in float32, so the angles agree bit for bit.
-    """
-    d = cfg.head_size
-    inv_freq = (1.0 / (cfg.rope_theta ** (np.arange(0, d, 2).astype(np.float32) / d))).astype(np.float32)
-    if cfg.rope_type == "default":
-        return inv_freq
-    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-    old = cfg.rope_original_max_position_embeddings
-    wavelen = 2 * math.pi / inv_freq
-    scaled = np.where(wavelen > old / low, inv_freq / factor, inv_freq)  # long waves: stretched
-    smooth = (old / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old / high) & ~(wavelen > old / low)  # between: interpolated
-    return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def rotate_half(x: jax.Array) -> jax.Array:
-    """Hugging Face's rotation: halves ``(x1, x2) -> (-x2, x1)`` (not interleaved pairs)."""
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    return jnp.concatenate([-x2, x1], axis=-1)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotates ``x [B, T, heads, head_dim]`` by the angles of ``positions [B, T]``.
-
-    The angles are float32 (bf16 positions past 256 would round), cos and sin are cast to
-    ``x``'s dtype before the products, as in Hugging Face.
-    """
-    freqs = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)[None, None, :]  # (B, T, d/2)
-    angles = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # (B, T, 1, d)
-    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-    return x * cos + rotate_half(x) * sin
+__all__ = ["PRESETS", "KVCache", "LlamaConfig", "LlamaForCausalLM", "rope_frequencies"]
 
 
 def _dense(cfg: LlamaConfig, din: int, dout: int, rngs: nnx.Rngs, axes: tuple[str, str], bias: bool) -> nnx.Linear:
@@ -237,31 +45,33 @@ def _dense(cfg: LlamaConfig, din: int, dout: int, rngs: nnx.Rngs, axes: tuple[st
         kernel_init=logical(init, *axes),
         bias_init=logical(nnx.initializers.zeros_init(), axes[1]),
         dtype=cfg.compute_dtype,
-        param_dtype=_DTYPES[cfg.param_dtype],
+        param_dtype=DTYPES[cfg.param_dtype],
         rngs=rngs,
     )
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019): statistics in float32, as Hugging Face's
-    ``LlamaRMSNorm``; the weight is ``1 + w`` with ``offset`` (Gemma, initialised at 0)."""
+    """Root-mean-square norm (Zhang & Sennrich 2019) over the last ``size`` features
+    (default the hidden size; a head's for q/k norms): statistics in float32, as Hugging
+    Face's ``LlamaRMSNorm``; the weight is ``1 + w`` with ``offset`` (Gemma, initialised at 0)."""
 
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, size: int | None = None) -> None:
         init = nnx.initializers.zeros_init() if cfg.norm_offset else nnx.initializers.ones_init()
-        self.scale = nnx.Param(logical(init, "norm")(rngs.params(), (cfg.hidden_size,), _DTYPES[cfg.param_dtype]))
+        shape = (size or cfg.hidden_size,)
+        self.scale = nnx.Param(logical(init, "norm")(rngs.params(), shape, DTYPES[cfg.param_dtype]))
         self.eps, self.offset = cfg.rms_norm_eps, cfg.norm_offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        scale = self.scale[...].astype(jnp.float32)
+        scale = self.scale[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
         if self.offset:  # Gemma multiplies in float32, then casts
-            return (y * (1.0 + scale)[None, None]).astype(x.dtype)
-        return y.astype(x.dtype) * scale.astype(x.dtype)[None, None]
+            return (y * (1.0 + scale)).astype(x.dtype)
+        return y.astype(x.dtype) * scale.astype(x.dtype)
 
 
 class LlamaAttention(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, kind: str = "full_attention") -> None:
         self.cfg = cfg
         h, q_dim, kv_dim = cfg.hidden_size, cfg.num_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
         # Megatron: q, k, v column-parallel by head, o row-parallel. "kv_heads" is its own
@@ -270,26 +80,58 @@ class LlamaAttention(nnx.Module):
         self.k_proj = _dense(cfg, h, kv_dim, rngs, ("embed", "kv_heads"), cfg.attention_bias)
         self.v_proj = _dense(cfg, h, kv_dim, rngs, ("embed", "kv_heads"), cfg.attention_bias)
         self.o_proj = _dense(cfg, q_dim, h, rngs, ("heads", "embed"), False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg, rngs, cfg.head_size)
+            self.k_norm = RMSNorm(cfg, rngs, cfg.head_size)
+        # A sliding layer sees the last sliding_window keys (a static property of the layer).
+        self.window = cfg.sliding_window if kind == "sliding_attention" else None
+        self.local_rope = kind == "sliding_attention" and cfg.rope_local_theta is not None
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array | None, implementation: str) -> jax.Array:
+    def _project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         b, t, _ = x.shape
         cfg = self.cfg
         q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_size)
         k = self.k_proj(x).reshape(b, t, cfg.kv_heads, cfg.head_size)
         v = self.v_proj(x).reshape(b, t, cfg.kv_heads, cfg.head_size)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         # Computed from the config at trace time: a constant of the compiled program, not
         # state (an array attribute would be a leaf of nnx.state and of checkpoints).
-        inv_freq = rope_frequencies(cfg)
-        q = constrain(apply_rope(q, positions, inv_freq), "batch", None, "heads", None)
-        k = constrain(apply_rope(k, positions, inv_freq), "batch", None, "kv_heads", None)
+        inv_freq = rope_frequencies(cfg, self.local_rope)
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    @property
+    def plain(self) -> bool:
+        """Llama's attention: causal, whole context, 1/sqrt(head_dim), no soft-cap."""
+        cfg = self.cfg
+        return self.window is None and not cfg.attn_logit_softcap and not cfg.query_pre_attn_scalar
+
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, implementation: str
+    ) -> jax.Array:
+        b, t, _ = x.shape
+        cfg = self.cfg
+        q, k, v = self._project(x, positions)
+        q = constrain(q, "batch", None, "heads", None)
+        k = constrain(k, "batch", None, "kv_heads", None)
         v = constrain(v, "batch", None, "kv_heads", None)
-        # Grouped-query attention: both take num_kv_heads dividing num_heads as is (no repeat).
-        if implementation == "splash":  # ``mask`` is the segment ids [B, T] (or None)
-            context = splash.splash_attention(q, k, v, mask)
-        else:
+        # Grouped-query attention: every path takes num_kv_heads dividing num_heads as is (no repeat).
+        if implementation == "splash":
+            context = splash.splash_attention(
+                q, k, v, segment_ids, window=self.window, scale=default_scale(cfg), softcap=cfg.attn_logit_softcap
+            )
+        elif self.plain:  # (B, 1, T, T): a query sees keys of its own segment; is_causal adds "and earlier"
+            mask = None if segment_ids is None else segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
             context = jax.nn.dot_product_attention(
                 q, k, v, mask=mask, is_causal=True, implementation=typing.cast(Any, implementation)
-            )  # (B, T, heads, head_dim)
+            )
+        else:
+            mask = jnp.asarray(causal_mask(t))[None, None]
+            if segment_ids is not None:
+                mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+            if self.window:  # within a packed segment, by its own positions
+                mask = mask & (positions[:, None, :, None] - positions[:, None, None, :] < self.window)
+            context = attention(q, k, v, mask, default_scale(cfg), cfg.attn_logit_softcap)
         return self.o_proj(context.reshape(b, t, cfg.num_heads * cfg.head_size))
 
     def cached(
@@ -300,17 +142,16 @@ class LlamaAttention(nnx.Module):
         ``visible [B, S]`` (a left-padded prompt's padding is not)."""
         b, t, _ = x.shape
         cfg = self.cfg
-        q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_size)
-        k = self.k_proj(x).reshape(b, t, cfg.kv_heads, cfg.head_size)
-        v = self.v_proj(x).reshape(b, t, cfg.kv_heads, cfg.head_size)
-        inv_freq = rope_frequencies(cfg)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q, k, v = self._project(x, positions)
         keys = jax.lax.dynamic_update_slice(cache.keys, k.astype(cache.keys.dtype), (0, slot, 0, 0))
         values = jax.lax.dynamic_update_slice(cache.values, v.astype(cache.values.dtype), (0, slot, 0, 0))
         s = keys.shape[1]
-        causal = jnp.arange(s)[None, :] <= (slot + jnp.arange(t))[:, None]  # (T, S)
-        mask = visible[:, None, None, :] & causal[None, None]  # (B, 1, T, S)
-        context = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=mask)
+        distance = (slot + jnp.arange(t))[:, None] - jnp.arange(s)[None, :]  # (T, S): query slot - key slot
+        seen = (distance >= 0) & ((distance < self.window) if self.window else True)
+        mask = visible[:, None, None, :] & seen[None, None]  # (B, 1, T, S)
+        context = attention(
+            q, keys.astype(q.dtype), values.astype(q.dtype), mask, default_scale(cfg), cfg.attn_logit_softcap
+        )
         return self.o_proj(context.reshape(b, t, cfg.num_heads * cfg.head_size)), KVCache(keys, values)
 
 
@@ -325,37 +166,57 @@ class KVCache:
 
 
 class LlamaMLP(nnx.Module):
-    """SwiGLU (Shazeer 2020): ``down(silu(gate(x)) * up(x))``; Megatron's column/row split."""
+    """A gated MLP: ``down(act(gate(x)) * up(x))`` with SiLU (SwiGLU, Shazeer 2020) or tanh
+    GELU (GeGLU, Gemma); Megatron's column/row split."""
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> None:
         h, i = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = _dense(cfg, h, i, rngs, ("embed", "mlp"), False)
         self.up_proj = _dense(cfg, h, i, rngs, ("embed", "mlp"), False)
         self.down_proj = _dense(cfg, i, h, rngs, ("mlp", "embed"), False)
+        self.gelu = cfg.hidden_activation == "gelu_tanh"
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = constrain(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x), "batch", None, "mlp")  # (B, T, i)
+        gate = self.gate_proj(x)
+        act = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
+        y = constrain(act * self.up_proj(x), "batch", None, "mlp")  # (B, T, i)
         return self.down_proj(y)
 
 
 class LlamaDecoderLayer(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> None:
-        self.input_layernorm = RMSNorm(cfg, rngs)
-        self.self_attn = LlamaAttention(cfg, rngs)
-        self.post_attention_layernorm = RMSNorm(cfg, rngs)
-        self.mlp = LlamaMLP(cfg, rngs)
+    """Pre-norm attention and MLP with residuals; Gemma's ``sandwich_norms`` also normalise
+    each branch's output (``post_attention_layernorm`` is then on the attention's output, and
+    ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` around the MLP)."""
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array | None, implementation: str) -> jax.Array:
-        x = x + self.self_attn(self.input_layernorm(x), positions, mask, implementation)
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return constrain(x, "batch", None, None)
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, kind: str = "full_attention") -> None:
+        self.input_layernorm = RMSNorm(cfg, rngs)
+        self.self_attn = LlamaAttention(cfg, rngs, kind)
+        self.post_attention_layernorm = RMSNorm(cfg, rngs)
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(cfg, rngs)
+            self.post_feedforward_layernorm = RMSNorm(cfg, rngs)
+        self.mlp = LlamaMLP(cfg, rngs)
+        self.sandwich = cfg.sandwich_norms
+
+    def _mlp(self, x: jax.Array) -> jax.Array:
+        if self.sandwich:
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _residual(self, x: jax.Array, attended: jax.Array) -> jax.Array:
+        return x + (self.post_attention_layernorm(attended) if self.sandwich else attended)
+
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, implementation: str
+    ) -> jax.Array:
+        x = self._residual(x, self.self_attn(self.input_layernorm(x), positions, segment_ids, implementation))
+        return constrain(self._mlp(x), "batch", None, None)
 
     def cached(
         self, x: jax.Array, positions: jax.Array, cache: KVCache, slot: jax.Array, visible: jax.Array
     ) -> tuple[jax.Array, KVCache]:
         attended, cache = self.self_attn.cached(self.input_layernorm(x), positions, cache, slot, visible)
-        x = x + attended
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        return self._mlp(self._residual(x, attended)), cache
 
 
 def _stacked_layers(cfg: LlamaConfig, rngs: nnx.Rngs) -> LlamaDecoderLayer:
@@ -365,15 +226,15 @@ def _stacked_layers(cfg: LlamaConfig, rngs: nnx.Rngs) -> LlamaDecoderLayer:
     @nnx.split_rngs(splits=cfg.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def build(rngs: nnx.Rngs) -> LlamaDecoderLayer:
-        return LlamaDecoderLayer(cfg, rngs)
+        return LlamaDecoderLayer(cfg, rngs, cfg.kinds[0])  # every layer alike (LlamaConfig checks)
 
     return build(rngs)
 
 
 def _run_layer(
-    layer: LlamaDecoderLayer, x: jax.Array, positions: jax.Array, mask: jax.Array | None, implementation: str
+    layer: LlamaDecoderLayer, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, implementation: str
 ) -> jax.Array:
-    return layer(x, positions, mask, implementation)
+    return layer(x, positions, segment_ids, implementation)
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -393,14 +254,14 @@ class LlamaForCausalLM(nnx.Module):
             cfg.hidden_size,
             embedding_init=logical(init, "vocab", "embed"),
             dtype=cfg.compute_dtype,
-            param_dtype=_DTYPES[cfg.param_dtype],
+            param_dtype=DTYPES[cfg.param_dtype],
             rngs=rngs,
         )
         # With scan_layers, one layer whose variables are stacked (typed as the list it replaces).
         self.layers: nnx.List[LlamaDecoderLayer] = (
             typing.cast(Any, _stacked_layers(cfg, rngs))
             if cfg.scan_layers
-            else nnx.List([LlamaDecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+            else nnx.List([LlamaDecoderLayer(cfg, rngs, kind) for kind in cfg.kinds])
         )
         self.norm = RMSNorm(cfg, rngs)
         self.lm_head = (
@@ -413,8 +274,12 @@ class LlamaForCausalLM(nnx.Module):
         """The attention kernel (see :class:`LlamaConfig`): splash on TPUs where the shapes
         allow; cuDNN flash attention takes no segment mask and only 16-bit inputs, so "auto"
         uses it for unpacked bf16 on GPUs."""
-        attention = self.cfg.attention
-        fits = segment_ids is None and self.cfg.dtype == "bfloat16"
+        cfg = self.cfg
+        attention = cfg.attention
+        plain = not (cfg.sliding_window or cfg.attn_logit_softcap or cfg.query_pre_attn_scalar)
+        fits = segment_ids is None and cfg.dtype == "bfloat16" and plain
+        if attention == "cudnn" and not plain:
+            raise ValueError("attention='cudnn' takes no sliding window or soft-cap; use 'xla' or 'auto'.")
         if attention == "cudnn" and not fits:
             raise ValueError("attention='cudnn' needs dtype='bfloat16' and no segment_ids; use 'xla' or 'auto'.")
         splash_refusal = splash.unsupported(seq_len, self.cfg.head_size)
@@ -435,11 +300,6 @@ class LlamaForCausalLM(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
         implementation = self._implementation(segment_ids, t)
-        # (B, 1, T, T): a query sees keys of its own segment (is_causal adds "and earlier");
-        # splash attention takes the segment ids themselves.
-        mask = segment_ids
-        if segment_ids is not None and implementation != "splash":
-            mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
         dtype = self.cfg.compute_dtype
         # The gradient of a lookup is a scatter-add: on the parameter-dtype table (see BertEmbeddings).
         x = jnp.take(self.embed_tokens.embedding[...], input_ids, axis=0).astype(dtype)  # (B, T, h)
@@ -453,13 +313,20 @@ class LlamaForCausalLM(nnx.Module):
 
             @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
             def decoder(layer: LlamaDecoderLayer, x: jax.Array) -> jax.Array:
-                return run(layer, x, positions, mask, implementation)
+                return run(layer, x, positions, segment_ids, implementation)
 
             x = decoder(typing.cast(LlamaDecoderLayer, self.layers), x)
         else:
             for layer in self.layers:
-                x = run(layer, x, positions, mask, implementation)
+                x = run(layer, x, positions, segment_ids, implementation)
         return self.norm(x)
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        logits = (self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)).astype(jnp.float32)
+        if self.cfg.final_logit_softcap:  # Gemma 2
+            cap = self.cfg.final_logit_softcap
+            logits = jnp.tanh(logits / cap) * cap
+        return logits
 
     def empty_cache(self, batch: int, length: int, dtype: Any = None) -> KVCache:
         """A key/value cache of ``length`` slots for ``batch`` sequences (zeros)."""
@@ -494,9 +361,7 @@ class LlamaForCausalLM(nnx.Module):
                 keys.append(layer_cache.keys)
                 values.append(layer_cache.values)
             cache = KVCache(jnp.stack(keys), jnp.stack(values))
-        x = self.norm(x)
-        logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
-        return logits.astype(jnp.float32), cache
+        return self._logits(self.norm(x)), cache
 
     def __call__(
         self, input_ids: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
@@ -511,6 +376,4 @@ class LlamaForCausalLM(nnx.Module):
             positions: ``[B, T]`` rotary positions, restarting at 0 in every segment of a
                 packed row; default ``0..T-1``.
         """
-        x = self.decode(input_ids, segment_ids, positions)
-        logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
-        return constrain(logits.astype(jnp.float32), "batch", None, "vocab")
+        return constrain(self._logits(self.decode(input_ids, segment_ids, positions)), "batch", None, "vocab")

@@ -58,7 +58,9 @@ def on_tpu() -> bool:
 
 
 @functools.cache
-def _kernel(seq_len: int, heads: int, interpret: bool) -> splash.SplashAttentionKernel:
+def _kernel(
+    seq_len: int, heads: int, interpret: bool, window: int | None = None, softcap: float | None = None
+) -> splash.SplashAttentionKernel:
     block = block_size(seq_len)
     assert block is not None
     sizes = splash.BlockSizes(
@@ -71,29 +73,46 @@ def _kernel(seq_len: int, heads: int, interpret: bool) -> splash.SplashAttention
         block_q_dq=block,
         block_kv_dq=block,
     )
-    mask = masks.MultiHeadMask([masks.CausalMask((seq_len, seq_len)) for _ in range(heads)])
+    # Causal, or causal within a window: a query sees itself and the window - 1 keys before it.
+    one = (
+        masks.LocalMask((seq_len, seq_len), window_size=(window - 1, 0), offset=0)
+        if window
+        else masks.CausalMask((seq_len, seq_len))
+    )
+    mask = masks.MultiHeadMask([one for _ in range(heads)])
     # Built on first use, often inside a trace: its mask tables must be constants, not
     # tracers of that trace (the kernel is cached and reused by later ones).
     with jax.ensure_compile_time_eval():
-        return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+        return splash.make_splash_mha(
+            mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret, attn_logits_soft_cap=softcap
+        )
 
 
 def splash_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, interpret: bool = False
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
+    interpret: bool = False,
+    *,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Causal attention ``[B, T, H, D]`` from queries ``[B, T, H, D]`` and keys and values
-    ``[B, T, KV, D]`` (KV dividing H: grouped-query attention), scaled by ``1/sqrt(D)``,
-    within the segments of ``segment_ids`` ``[B, T]`` when given. ``interpret`` runs the
-    kernel in Python on any backend (tests)."""
+    ``[B, T, KV, D]`` (KV dividing H: grouped-query attention), scaled by ``scale`` (default
+    ``1/sqrt(D)``), within the segments of ``segment_ids`` ``[B, T]`` when given; with
+    ``window``, each query sees the last ``window`` keys; ``softcap`` caps the scores
+    (``cap * tanh(s / cap)``). ``interpret`` runs the kernel in Python on any backend (tests)."""
     b, t, h, d = q.shape
     why = unsupported(t, d)
     if why is not None:
         raise ValueError(f"splash attention: {why}; use model.attention=xla.")
-    q = (q * jnp.asarray(1 / math.sqrt(d), q.dtype)).transpose(0, 2, 1, 3)  # (B, H, T, D)
+    q = (q * jnp.asarray(scale or 1 / math.sqrt(d), q.dtype)).transpose(0, 2, 1, 3)  # (B, H, T, D)
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
     def per_shard(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None) -> jax.Array:
-        kernel = _kernel(q.shape[2], q.shape[1], interpret)  # returns the output alone (no residuals)
+        kernel = _kernel(q.shape[2], q.shape[1], interpret, window, softcap)  # the output alone (no residuals)
         if segments is None:
             return typing.cast(jax.Array, jax.vmap(kernel)(q, k, v))
         run = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(s, s)))

@@ -1,0 +1,98 @@
+"""Attention pieces the decoder families share: rotary position embeddings (Hugging Face's
+conventions, Llama 3's and linear scaling) and attention over explicit masks with a scale,
+a logit soft-cap (Gemma 2) and grouped-query heads, in float32 scores as ``transformers``'
+eager implementation computes them.
+
+Example:
+    >>> causal_mask(4, window=2).astype(int).tolist()[3]
+    [0, 0, 1, 1]
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xlafit.models.llama_config import LlamaConfig
+
+__all__ = ["apply_rope", "attention", "causal_mask", "rope_frequencies", "rotate_half"]
+
+
+def rope_frequencies(cfg: LlamaConfig, local: bool = False) -> np.ndarray:
+    """The rotary inverse frequencies ``[head_dim / 2]`` (float32), Llama 3's or linear
+    scaling applied; a sliding layer of Gemma 3 (``local``) has its own base and none.
+
+    Computed as Hugging Face does (``_compute_default_rope_parameters``,
+    ``_compute_llama3_parameters``, ``_compute_linear_scaling_rope_parameters``), in
+    float32, so the angles agree bit for bit.
+    """
+    d = cfg.head_size
+    theta = cfg.rope_local_theta if local and cfg.rope_local_theta else cfg.rope_theta
+    inv_freq = (1.0 / (theta ** (np.arange(0, d, 2).astype(np.float32) / d))).astype(np.float32)
+    if cfg.rope_type == "default" or (local and cfg.rope_local_theta):
+        return inv_freq
+    if cfg.rope_type == "linear":
+        return (inv_freq / np.float32(cfg.rope_factor)).astype(np.float32)
+    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old = cfg.rope_original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > old / low, inv_freq / factor, inv_freq)  # long waves: stretched
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)  # between: interpolated
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rotate_half(x: jax.Array) -> jax.Array:
+    """Hugging Face's rotation: halves ``(x1, x2) -> (-x2, x1)`` (not interleaved pairs)."""
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-x2, x1], axis=-1)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotates ``x [B, T, heads, head_dim]`` by the angles of ``positions [B, T]``.
+
+    The angles are float32 (bf16 positions past 256 would round), cos and sin are cast to
+    ``x``'s dtype before the products, as in Hugging Face.
+    """
+    freqs = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)[None, None, :]  # (B, T, d/2)
+    angles = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # (B, T, 1, d)
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+def causal_mask(length: int, window: int | None = None) -> np.ndarray:
+    """``[T, T]`` booleans: query ``i`` sees key ``j`` when ``j <= i`` (and ``i - j <
+    window``)."""
+    i, j = np.arange(length)[:, None], np.arange(length)[None, :]
+    return (j <= i) & ((i - j < window) if window else True)
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    scale: float,
+    softcap: float | None = None,
+) -> jax.Array:
+    """``softmax(cap(q k^T scale) + mask) v``: queries ``[B, T, H, D]``, keys and values
+    ``[B, S, KV, D]`` (KV dividing H), ``mask [B or 1, 1, T, S]`` (True: attend). Scores in
+    float32; a row that sees no key gives zeros' average (never NaN)."""
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, h // kv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    if softcap:
+        scores = jnp.tanh(scores / softcap) * softcap
+    scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)  # (B, KV, G, T, S)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
+
+
+def default_scale(cfg: LlamaConfig) -> float:
+    """``1 / sqrt(head_dim)``, or Gemma's ``query_pre_attn_scalar ** -0.5``."""
+    return 1.0 / math.sqrt(cfg.query_pre_attn_scalar or cfg.head_size)

@@ -1,0 +1,211 @@
+"""The sizes and options of :class:`xlafit.models.llama.LlamaForCausalLM` and the families
+it covers (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3), with named presets.
+
+Example:
+    >>> LlamaConfig.preset("llama-3.2-1b").num_kv_heads
+    8
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Literal
+
+import jax.numpy as jnp
+
+from xlafit.models.bert import REMAT_POLICIES
+
+__all__ = ["DTYPES", "PRESETS", "LlamaConfig"]
+
+# Meta's released sizes (the config.json of meta-llama/Llama-3.2-1B and Llama-3.1-8B), and a
+# tiny one for tests. vocab_size of "tiny" is a placeholder: set it to the tokenizer's.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "num_layers": 2,
+        "hidden_size": 64,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 512,
+        "max_position_embeddings": 512,
+    },
+    "llama-3.2-1b": {
+        "num_layers": 16,
+        "hidden_size": 2048,
+        "num_heads": 32,
+        "num_kv_heads": 8,
+        "head_dim": 64,
+        "intermediate_size": 8192,
+        "vocab_size": 128256,
+        "rope_theta": 500000.0,
+        "rope_type": "llama3",
+        "rope_factor": 32.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072,
+        "tie_embeddings": True,
+    },
+    "llama-3.1-8b": {
+        "num_layers": 32,
+        "hidden_size": 4096,
+        "num_heads": 32,
+        "num_kv_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+        "rope_theta": 500000.0,
+        "rope_type": "llama3",
+        "rope_factor": 8.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072,
+        "tie_embeddings": False,
+    },
+}
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Sizes and options of a Llama; :meth:`preset` fills the sizes by name.
+
+    ``num_kv_heads`` (default ``num_heads``) below ``num_heads`` is grouped-query attention;
+    ``head_dim`` defaults to ``hidden_size // num_heads``; both are filled in on
+    construction. ``dtype`` is the compute dtype, ``param_dtype`` the parameters' (float32
+    unless memory forces bfloat16). ``attention`` picks the kernel: "splash" is the Pallas
+    flash-attention kernel for TPUs (:mod:`xlafit.models.splash`: memory linear in the
+    sequence, packed segments too), "cudnn" and "xla" the implementations of
+    ``jax.nn.dot_product_attention`` as in :class:`~xlafit.models.bert.BertConfig` (cuDNN
+    takes no segment ids: packed batches run on XLA); "auto" takes splash on TPUs where
+    the shapes allow it (a sequence that is a multiple of 128), cuDNN on GPUs where it
+    applies, else XLA. ``rope_type="llama3"`` is Llama 3.1's
+    frequency scaling (``rope_factor``, ``rope_low_freq_factor``, ``rope_high_freq_factor``,
+    ``rope_original_max_position_embeddings``). ``embedding_scale`` (embeddings times
+    ``sqrt(hidden_size)``) and ``norm_offset`` (RMSNorm weights used as ``1 + w``) are
+    Gemma's conventions.
+    """
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_layers: int = 32
+    num_heads: int = 32
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rope_type: Literal["default", "llama3", "linear"] = "default"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    tie_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: biases on q, k and v (not on o)
+    initializer_range: float = 0.02
+    embedding_scale: bool = False
+    norm_offset: bool = False
+    # The families' differences (Hugging Face's model_type: llama, qwen2, qwen3, mistral, gemma2, gemma3_text).
+    family: Literal["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text"] = "llama"
+    hidden_activation: Literal["silu", "gelu_tanh"] = "silu"  # the gated MLP's (Gemma: GeGLU)
+    qk_norm: bool = False  # an RMSNorm over each head of q and k before the rotation (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # Gemma 2/3: norms after attention and around the MLP as well as before
+    attn_logit_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: the same on the output logits
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by its -1/2 power instead of head_dim's
+    sliding_window: int | None = None  # a sliding layer's query sees the last this many keys (itself included)
+    # per layer "sliding_attention" or "full_attention"; None: every layer sliding when sliding_window is set
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None  # Gemma 3: sliding layers' own rotary base (no scaling)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    attention: Literal["auto", "xla", "cudnn", "splash"] = "auto"
+    remat: str = "none"  # as BertConfig.remat: "full", or a jax.checkpoint_policies name
+    # One decoder layer compiled instead of num_layers (parameters stacked on a "layers"
+    # axis, the decoder an nnx.scan): as BertConfig.scan_layers.
+    scan_layers: bool = False
+
+    def __post_init__(self) -> None:
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={self.remat!r} is not one of {', '.join(REMAT_POLICIES)}.")
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}; "
+                    "give head_dim explicitly."
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads} "
+                "(each key/value head serves a group of query heads)."
+            )
+        if self.head_size % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even (rotary embeddings rotate pairs).")
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers.")
+        if self.scan_layers and len(set(self.kinds)) > 1:
+            raise ValueError(
+                "scan_layers=True needs identical layers; this model mixes sliding-window and global layers "
+                "(Gemma's pattern): use scan_layers=False."
+            )
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> LlamaConfig:
+        """A named size (tiny, llama-3.2-1b, llama-3.1-8b) with ``overrides`` applied.
+
+        Example:
+            >>> LlamaConfig.preset("llama-3.2-1b").num_kv_heads
+            8
+        """
+        if name not in PRESETS:
+            raise ValueError(f"unknown Llama preset {name!r}; choose one of {', '.join(PRESETS)} or 'custom'.")
+        return cls(**{**PRESETS[name], **overrides})
+
+    @property
+    def kv_heads(self) -> int:
+        return typing.cast(int, self.num_kv_heads)
+
+    @property
+    def head_size(self) -> int:
+        return typing.cast(int, self.head_dim)
+
+    @property
+    def compute_dtype(self) -> Any:
+        return DTYPES[self.dtype]
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Each layer's attention: "sliding_attention" (the last ``sliding_window`` keys) or
+        "full_attention"."""
+        if self.layer_types is not None:
+            return self.layer_types
+        kind = "sliding_attention" if self.sliding_window else "full_attention"
+        return (kind,) * self.num_layers
+
+    def train_flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs to train on one token of a ``seq_len``-token sequence.
+
+        PaLM's count (Chowdhery et al. 2022, appendix B; MaxText's too): ``6 * N`` for the
+        matmul parameters ``N`` (the decoder's projections and the output layer, not the
+        embedding lookup) plus ``12 * layers * heads * head_dim * seq_len`` for attention
+        scores and their weighting, forward and backward, with no discount for the causal
+        mask. Divide tokens/s times this by the peak FLOP/s for MFU.
+
+        Example:
+            >>> round(LlamaConfig.preset("llama-3.1-8b").train_flops_per_token(4096) / 1e9, 1)
+            51.5
+        """
+        h, d, layers = self.hidden_size, self.head_size, self.num_layers
+        attention = h * d * (2 * self.num_heads + 2 * self.kv_heads)  # q, o; k, v
+        per_layer = attention + 3 * h * self.intermediate_size  # gate, up, down
+        matmul_params = layers * per_layer + h * self.vocab_size
+        # A sliding layer's query sees at most sliding_window keys.
+        seen = sum(
+            min(seq_len, self.sliding_window or seq_len) if kind == "sliding_attention" else seq_len
+            for kind in self.kinds
+        )
+        return 6.0 * matmul_params + 12.0 * self.num_heads * d * seen
