@@ -71,6 +71,20 @@ def test_tpu_quickstart_runs_checks_trains_resumes_and_plots(tmp_path):
     assert "intact" in everything.lower(), everything[-2000:]  # xlafit inspect
 
 
+def test_the_fine_tuning_notebook_checks_tunes_resumes_asks_and_exports(tmp_path):
+    nb = run(ROOT / "examples" / "finetune_on_colab_tpu.ipynb", tmp_path)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    outputs = [text_of(c) for c in code]
+    everything = "\n".join(outputs)
+    assert "xlafit is already installed" in everything  # the install cell sees the suite's xlafit
+    assert "colab = v5e-1" in everything and "fits" in everything, everything[-3000:]
+    assert "loss on the answers" in everything, everything[-3000:]
+    resumed = next(o for c, o in zip(code, outputs, strict=True) if "resumes at step 10" in c.source)
+    assert "resumed from checkpoint 10" in resumed, resumed[-2000:]
+    exported = next(o for c, o in zip(code, outputs, strict=True) if "export" in c.source and "hf" in c.source)
+    assert "adapter_config.json" in exported and "adapter_model.safetensors" in exported, exported
+
+
 def test_in_a_notebook_training_shows_a_progress_bar_and_a_short_result(tmp_path):
     """In a Jupyter kernel the trainer draws a bar (stderr is no terminal there), and a cell
     ending in a FitResult shows one line, not the parameters."""

@@ -18,8 +18,8 @@ from xlafit.models.bert import REMAT_POLICIES
 
 __all__ = ["DTYPES", "PRESETS", "LlamaConfig"]
 
-# Meta's released sizes (the config.json of meta-llama/Llama-3.2-1B and Llama-3.1-8B), and a
-# tiny one for tests. vocab_size of "tiny" is a placeholder: set it to the tokenizer's.
+# Released sizes (the config.json of meta-llama/Llama-3.2-1B and Llama-3.1-8B, google/gemma-3-1b-it,
+# Qwen/Qwen3-1.7B), and a tiny one for tests. vocab_size of "tiny" is a placeholder: set it to the tokenizer's.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "num_layers": 2,
@@ -43,6 +43,44 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rope_factor": 32.0,
         "rms_norm_eps": 1e-5,
         "max_position_embeddings": 131072,
+        "tie_embeddings": True,
+    },
+    "gemma-3-1b": {  # google/gemma-3-1b-it's config.json
+        "family": "gemma3_text",
+        "num_layers": 26,
+        "hidden_size": 1152,
+        "num_heads": 4,
+        "num_kv_heads": 1,
+        "head_dim": 256,
+        "intermediate_size": 6912,
+        "vocab_size": 262144,
+        "hidden_activation": "gelu_tanh",
+        "qk_norm": True,
+        "sandwich_norms": True,
+        "embedding_scale": True,
+        "norm_offset": True,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 512,
+        "layer_types": tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)),
+        "rope_theta": 1000000.0,
+        "rope_local_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "tie_embeddings": True,
+    },
+    "qwen3-1.7b": {  # Qwen/Qwen3-1.7B's config.json
+        "family": "qwen3",
+        "num_layers": 28,
+        "hidden_size": 2048,
+        "num_heads": 16,
+        "num_kv_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 6144,
+        "vocab_size": 151936,
+        "qk_norm": True,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 40960,
         "tie_embeddings": True,
     },
     "llama-3.1-8b": {

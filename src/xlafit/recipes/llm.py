@@ -44,7 +44,7 @@ _SIZES = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediat
 class LlmModelConfig:
     # Llama's sizes by name (tiny: 2 layers of 64 for tests and the demo; llama-3.2-1b and
     # llama-3.1-8b: Meta's), or custom: the sizes below
-    preset: Literal["tiny", "llama-3.2-1b", "llama-3.1-8b", "custom"] = "tiny"
+    preset: Literal["tiny", "llama-3.2-1b", "llama-3.1-8b", "gemma-3-1b", "qwen3-1.7b", "custom"] = "tiny"
     num_layers: int | None = None  # null: the preset's
     hidden_size: int | None = None  # null: the preset's
     num_heads: int | None = None  # query heads; null: the preset's
