@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from xlafit.data import chat, clm
-from xlafit.errors import DataError
+from xlafit.errors import ConfigError, DataError
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
@@ -191,3 +191,31 @@ def test_the_chat_demo_tunes_a_model_whose_answers_follow(tmp_path):
     assert line["prompt"] == "What is 3 plus 4?" and re.fullmatch(
         r"-?\d+ (plus|minus|times) -?\d+ is -?\d+\.", line["answer"]
     )
+
+
+def test_the_generator_asks_a_hugging_face_directory_in_its_chat_template(model_dir, tmp_path):
+    from flax import nnx
+
+    from xlafit.generator import Generator
+    from xlafit.hf import llama as llama_hf
+    from xlafit.models.generation import generate
+    from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((model_dir / name).read_bytes())
+    vocab = clm.load_tokenizer(model_dir).get_vocab_size()
+    cfg = LlamaConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64, vocab_size=vocab)
+    llama_hf.save_hf(LlamaForCausalLM(cfg, rngs=nnx.Rngs(3)), folder)
+
+    ask = Generator.load(str(folder))
+    end = ask.tokenizer.token_to_id("<|im_end|>")
+    assert ask.template is not None and end in ask.eos_ids
+    ids = ask.encode("What is the capital of France?")
+    rendered = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    assert ask.tokenizer.decode(ids, skip_special_tokens=False) == rendered
+    tokens = generate(ask.model, [ids], 6, eos_ids=ask.eos_ids)[0]
+    assert ask(["What is the capital of France?"], max_new_tokens=6) == [ask.tokenizer.decode(tokens)]
+    with pytest.raises(ConfigError, match="neither an llm run"):
+        Generator.load(str(model_dir))

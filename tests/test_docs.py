@@ -32,7 +32,7 @@ sys.path.insert(0, str(DOCS))
 import gen_reference  # noqa: E402  (docs/gen_reference.py: the reference pages' generator)
 
 OWN_TEST = {"guides/migration.md": "test_migration_guide.py"}
-NEEDS = re.compile(r"<!-- needs: (tpu|bucket) -->\s*$")
+NEEDS = re.compile(r"<!-- needs: (tpu|bucket|a run) -->\s*$")
 
 
 # --------------------------------------------------------------------------- the site
