@@ -219,3 +219,71 @@ def test_the_generator_asks_a_hugging_face_directory_in_its_chat_template(model_
     assert ask(["What is the capital of France?"], max_new_tokens=6) == [ask.tokenizer.decode(tokens)]
     with pytest.raises(ConfigError, match="neither an llm run"):
         Generator.load(str(model_dir))
+
+
+def test_parquet_is_read_on_the_calling_thread_only(tmp_path, monkeypatch):
+    """Arrow given a Python file reads it from its own I/O threads, which abort the process
+    (SIGABRT) when an error ends it mid-read; the bytes are read first, here."""
+    import threading
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "content.parquet"
+    pq.write_table(pa.table({"content": [f"document {i} " * 40 for i in range(3000)]}), path, row_group_size=200)
+    readers: set[str] = set()
+    real = chat.filesystem
+
+    class Watched:
+        def __init__(self, f):
+            self.f = f
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def read(self, *args):
+            readers.add(threading.current_thread().name)
+            return self.f.read(*args)
+
+        def read_at(self, *args):  # what Arrow's PythonFile uses where it can
+            readers.add(threading.current_thread().name)
+            return self.f.read_at(*args)
+
+    def watched(name):
+        fs, p = real(name)
+        opened = fs.open
+
+        class FS:
+            def open(self, *args, **kw):
+                return Watched(opened(*args, **kw))
+
+        return FS(), p
+
+    monkeypatch.setattr(chat, "filesystem", watched)
+    assert len(chat.read_records([str(path)])) == 3000
+    assert readers == {threading.current_thread().name}
+
+
+def test_a_parquet_file_without_text_is_one_line_and_exit_2(model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "content.parquet"
+    pq.write_table(pa.table({"content": [f"document {i} " * 40 for i in range(3000)]}), path, row_group_size=200)
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, "-m", "xlafit", "train", "llm", "--data-dir", str(path), f"data.tokenizer={model_dir}",
+             "--run-dir", str(tmp_path / "run")],
+            capture_output=True, text=True, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"},
+        )  # fmt: skip
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert out.stderr.count("\n") == 1 and "has no column 'text'" in out.stderr
