@@ -185,6 +185,20 @@ def test_help_loads_no_jax():
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.parametrize("command", ["train", "check", "plan", "config"])
+def test_help_names_every_recipe(command):
+    import contextlib
+    import io
+
+    from xlafit.cli import build_parser
+    from xlafit.recipes import RECIPES
+
+    out = io.StringIO()
+    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(out):
+        build_parser().parse_args([command, "--help"])
+    assert ", ".join(RECIPES) in " ".join(out.getvalue().split())
+
+
 def test_inspect_of_a_folder_that_is_no_run_is_one_line(tmp_path):
     out = run("inspect", str(tmp_path))
     assert out.returncode == 2 and out.stdout == ""

@@ -113,6 +113,56 @@ ENTRY %main (p: f32[1024,128]) -> f32[1024,128] {
     assert (negate.bytes_read, negate.bytes_written) == (0, 1024 * 128 * 4)
 
 
+# A TPU's asynchronous collective fusion: one all-gather of a [4096, 1024] table (channel 7),
+# carried through the two compute fusions it overlaps: each holds the gather and passes the
+# gathered buffer and its shard through, beside its own product.
+CARRIED = """
+%gather_and_multiply.1 (p0: bf16[4096,128], p1: bf16[4096,1024], p2: bf16[256,1024], p3: bf16[1024,1024]) -> (bf16[256,1024], bf16[4096,128], bf16[4096,1024]) {
+  %p0 = bf16[4096,128]{1,0} parameter(0)
+  %p1 = bf16[4096,1024]{1,0} parameter(1)
+  %p2 = bf16[256,1024]{1,0} parameter(2)
+  %p3 = bf16[1024,1024]{1,0} parameter(3)
+  %d = bf16[256,1024]{1,0} dot(%p2, %p3), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %ag = bf16[4096,1024]{1,0} all-gather(%p0), channel_id=7, replica_groups=[1,8]<=[8], dimensions={1}
+  ROOT %t = (bf16[256,1024]{1,0}, bf16[4096,128]{1,0}, bf16[4096,1024]{1,0}) tuple(%d, %p0, %ag)
+}
+
+%gather_and_multiply.2 (p0: bf16[4096,128], p1: bf16[4096,1024], p2: bf16[256,1024], p3: bf16[1024,1024]) -> (bf16[256,1024], bf16[4096,128], bf16[4096,1024]) {
+  %p0 = bf16[4096,128]{1,0} parameter(0)
+  %p1 = bf16[4096,1024]{1,0} parameter(1)
+  %p2 = bf16[256,1024]{1,0} parameter(2)
+  %p3 = bf16[1024,1024]{1,0} parameter(3)
+  %d = bf16[256,1024]{1,0} dot(%p2, %p3), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %ag = bf16[4096,1024]{1,0} all-gather(%p0), channel_id=7, replica_groups=[1,8]<=[8], dimensions={1}
+  ROOT %t = (bf16[256,1024]{1,0}, bf16[4096,128]{1,0}, bf16[4096,1024]{1,0}) tuple(%d, %p0, %ag)
+}
+
+ENTRY %main (shard: bf16[4096,128], buffer: bf16[4096,1024], x: bf16[256,1024], w: bf16[1024,1024]) -> bf16[256,1024] {
+  %shard = bf16[4096,128]{1,0} parameter(0)
+  %buffer = bf16[4096,1024]{1,0} parameter(1)
+  %x = bf16[256,1024]{1,0} parameter(2)
+  %w = bf16[1024,1024]{1,0} parameter(3)
+  %f1 = (bf16[256,1024]{1,0}, bf16[4096,128]{1,0}, bf16[4096,1024]{1,0}) fusion(%shard, %buffer, %x, %w), kind=kOutput, calls=%gather_and_multiply.1
+  %y1 = bf16[256,1024]{1,0} get-tuple-element(%f1), index=0
+  %s1 = bf16[4096,128]{1,0} get-tuple-element(%f1), index=1
+  %b1 = bf16[4096,1024]{1,0} get-tuple-element(%f1), index=2
+  %f2 = (bf16[256,1024]{1,0}, bf16[4096,128]{1,0}, bf16[4096,1024]{1,0}) fusion(%s1, %b1, %y1, %w), kind=kOutput, calls=%gather_and_multiply.2
+  ROOT %y2 = bf16[256,1024]{1,0} get-tuple-element(%f2), index=0
+}
+"""
+
+
+def test_a_collective_carried_through_compute_fusions_is_one_collective_and_no_hbm_traffic():
+    found = {k.name: k for k in kernels(CARRIED)}
+    assert set(found) == {"f1", "f2", "channel#7"}
+    for name in ("f1", "f2"):  # the product's operands and result only, not the gathered table
+        assert found[name].bytes_read == (256 * 1024 + 1024 * 1024) * 2
+        assert found[name].bytes_written == 256 * 1024 * 2
+    gather = found["channel#7"]
+    assert (gather.kind, gather.count, gather.group, gather.asynchronous) == ("collective", 1, 8, True)
+    assert gather.moved == 4096 * 1024 * 2
+
+
 def test_products_run_in_waves_of_tiles_and_split_their_contraction_when_they_are_few():
     assert wave_efficiency((1, 4096, 4096, 4096), (128, 256), 132) == pytest.approx(512 / (4 * 132))
     assert wave_efficiency((1, 128, 256, 256), (128, 256), 132) == 1 / 132  # one tile, k too short to split

@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "check", help="check a train step against the XLA rules on the CPU, before the TPU", description=DESCRIPTION
     )
-    p.add_argument("target", metavar="TARGET", help="a recipe name (mnist, bert, resnet) or path/to/file.py")
+    p.add_argument("target", metavar="TARGET", help="a recipe name (mnist, bert, resnet, llm) or path/to/file.py")
     p.add_argument(
         "overrides",
         nargs="*",

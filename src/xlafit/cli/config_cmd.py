@@ -9,7 +9,7 @@ import yaml
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("config", help="print a recipe's resolved config")
-    p.add_argument("recipe", help="recipe name: mnist, bert, resnet")
+    p.add_argument("recipe", help="recipe name: mnist, bert, resnet, llm")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
     p.set_defaults(run=run)
 

@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan", help="find the fastest layout, batch and TPU slice by compiling them", description=DESCRIPTION
     )
-    p.add_argument("target", metavar="TARGET", help="a recipe name (mnist, bert, resnet) or path/to/file.py")
+    p.add_argument("target", metavar="TARGET", help="a recipe name (mnist, bert, resnet, llm) or path/to/file.py")
     p.add_argument(
         "overrides",
         nargs="*",

@@ -15,7 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Train a recipe. Overrides are dotted key=value pairs, e.g. trainer.epochs=3 "
         "data.per_device_batch=32. `xlafit config RECIPE` shows every key.",
     )
-    p.add_argument("recipe", help="recipe name: mnist, bert, resnet")
+    p.add_argument("recipe", help="recipe name: mnist, bert, resnet, llm")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
     add_simulate(p)
     p.add_argument("--run-dir", help="where config, metrics, TensorBoard logs and checkpoints go")

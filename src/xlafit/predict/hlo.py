@@ -223,6 +223,38 @@ def product_flops(op: str, shape: str, rest: str, shapes: dict[str, str]) -> flo
     return 0.0
 
 
+def _product_shape(op: str, shape: str, rest: str, shapes: dict[str, str]) -> tuple[int, ...]:
+    """(batch, m, n, k) of a ``dot``; a convolution's (1, positions, output features, taps x
+    input features), from its FLOPs and output."""
+    names = _operand_names(rest)
+    if op == "dot" and len(names) > 1:
+        lhs, rhs = _dims(shapes.get(names[0], "")), _dims(shapes.get(names[1], ""))
+
+        def dims(key: str) -> list[int]:
+            found = re.search(key + r"=\{([\d,]*)\}", rest)
+            return [int(d) for d in found.group(1).split(",") if d] if found else []
+
+        lb, lk, rb, rk = (
+            dims("lhs_batch_dims"),
+            dims("lhs_contracting_dims"),
+            dims("rhs_batch_dims"),
+            dims("rhs_contracting_dims"),
+        )
+        if not lhs or not rhs:
+            return ()
+        m = math.prod(s for d, s in enumerate(lhs) if d not in lb and d not in lk)
+        n = math.prod(s for d, s in enumerate(rhs) if d not in rb and d not in rk)
+        return (math.prod(lhs[d] for d in lb), m, n, math.prod(lhs[d] for d in lk))
+    flops = product_flops(op, shape, rest, shapes)
+    out = _dims(shape)
+    labels = re.search(r"dim_labels=\w+_\w+->(\w+)", rest)
+    if not out or not labels or "f" not in labels.group(1):
+        return ()
+    features = out[labels.group(1).index("f")]
+    positions = math.prod(out) // max(features, 1)
+    return (1, positions, features, round(flops / 2 / max(positions * features, 1)))
+
+
 def _convolution_fmas(lhs: list[int], rhs: list[int], out: list[int], rest: str) -> int:
     """Multiply-adds of a convolution, counted as XLA's cost analysis counts them: per spatial
     dimension, the (output, kernel) position pairs that land on an input element (not on
