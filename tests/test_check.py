@@ -167,3 +167,13 @@ def test_cpu_check_keeps_libtpus_start_up_errors_off_stderr():
     out = subprocess.run([sys.executable, "-m", "xlafit", "check", "mnist"], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "could not determine TPU" not in out.stderr and "InitGoogle" not in out.stderr, out.stderr
+
+
+def test_a_file_whose_model_is_of_no_known_kind_names_every_kind_it_takes(tmp_path):
+    path = tmp_path / "odd.py"
+    path.write_text("model = 3\nloss_fn = None\nbatch = {'x': [1.0]}\n")
+    with pytest.raises(ConfigError, match=r"is a int, not an nnx.Module, a torch.nn.Module or a Keras 3 model"):
+        check_file(path)
+    path.write_text("model = 3\n")
+    with pytest.raises(ConfigError, match=r"an nnx.Module, a torch.nn.Module or a compiled Keras 3 model.*missing"):
+        check_file(path)

@@ -23,7 +23,7 @@ from xlafit.parallel.sharding import logical
 from xlafit.plan import format_plan, plan_file, plan_json, plan_recipe, recipe_planner
 from xlafit.plan.candidates import Candidate, mesh_refusal, meshes, params_of
 from xlafit.plan.result import Plan
-from xlafit.plan.search import Outcome, Prediction, Settings, _cost, reachable_gain
+from xlafit.plan.search import Outcome, Planner, Prediction, Settings, _cost, reachable_gain
 from xlafit.platform.hardware import PRICES, parse_target
 from xlafit.predict.collectives import collectives, loop_trips, summarize
 from xlafit.recipes import load_config
@@ -220,7 +220,7 @@ def test_a_winner_that_changes_the_runs_batch_says_so_and_how_to_keep_it():
     per_core = Plan("m.py", "xlafit plan m.py", targets, [o], [], None, [], None, own_per_device_batch=8)
     assert per_core.own_batch(o) == 64
     line = next(x for x in format_plan(per_core).splitlines() if x.strip().startswith("batch:"))
-    assert "256 examples per step, 4x the run's own 64" in line and "--global-batch 64" in line
+    assert "256 examples per step, 4x the run's own 64" in line and "without --search-batch" in line
     assert plan_json(per_core)["winner"]["own_global_batch"] == 64
     globally = dataclasses.replace(per_core, own_per_device_batch=None, own_global_batch=256)
     assert "batch:" not in format_plan(globally)  # the same batch: nothing to say
@@ -292,10 +292,11 @@ def test_activations_over_hbm_are_named_and_accumulation_fits(tmp_path):
 
 
 def test_plan_of_a_recipe_is_read_back_by_train_and_check(tmp_path):
-    """A fixed global batch: each layout gets the per-core batch that keeps it; the plan
-    written is a preset that `train` loads with the winner's mesh and batch."""
-    plan = plan_recipe("mnist", ["trainer.steps_per_call=1"], "v5e-4", global_batch=64)
-    assert {o.candidate.global_batch for o in plan.outcomes} == {64}
+    """The run's own global batch (the recipe's 128) unless --search-batch: each layout gets
+    the per-core batch that keeps it; the plan written is a preset that `train` loads with
+    the winner's mesh and batch."""
+    plan = plan_recipe("mnist", ["trainer.steps_per_call=1"], "v5e-4")
+    assert {o.candidate.global_batch for o in plan.outcomes} == {128}
     assert all(o.stage == "layout" for o in plan.outcomes)  # everything fits: no levers, no batch search
     winner = plan.winner
     fastest = max(o.prediction.examples_per_s for o in plan.fitting())
@@ -326,6 +327,24 @@ def test_plan_cli_errors(capsys):
     assert "unknown TPU target" in capsys.readouterr().err
     assert main(["plan", "mnist", "--min-gain", "-1"]) == 2
     assert "--min-gain -1: give a percentage of 0 or more" in capsys.readouterr().err
+    assert main(["plan", "mnist", "--search-batch", "--global-batch", "64"]) == 2
+    assert "give one of them" in capsys.readouterr().err
+
+
+def test_no_compile_starts_that_the_longest_so_far_says_would_overrun_the_budget():
+    import time
+
+    base = recipe_planner("mnist", [], None, Settings())[0].base
+    now = time.monotonic()
+    planner = Planner(lambda c, n: base, base, Settings(deadline=now + 60, budget_s=60))
+    target = parse_target("v5e-8")
+    assert not planner.over_budget(target)  # nothing compiled yet: the first compile starts
+    slow = dataclasses.replace(_outcome("v5e-8", 1.0), compile_s=40.0)
+    planner.outcomes[slow.candidate] = slow
+    assert not planner.over_budget(target)  # 40 s from now ends before the minute is up
+    planner.settings.deadline = now + 30
+    assert planner.over_budget(target)  # 40 s from now ends 10 s (17 %) past the deadline
+    assert not planner.over_budget(parse_target("v6e-8"))  # another target's compiles say nothing
 
 
 # ----------------------------------------------------------------------------- scanned layers

@@ -117,7 +117,7 @@ ENTRY %main (p: f32[1024,128]) -> f32[1024,128] {
 # carried through the two compute fusions it overlaps: each holds the gather and passes the
 # gathered buffer and its shard through, beside its own product.
 CARRIED = """
-%gather_and_multiply.1 (p0: bf16[4096,128], p1: bf16[4096,1024], p2: bf16[256,1024], p3: bf16[1024,1024]) -> (bf16[256,1024], bf16[4096,128], bf16[4096,1024]) {
+%gather_and_multiply.1 $SIGNATURE {
   %p0 = bf16[4096,128]{1,0} parameter(0)
   %p1 = bf16[4096,1024]{1,0} parameter(1)
   %p2 = bf16[256,1024]{1,0} parameter(2)
@@ -127,7 +127,7 @@ CARRIED = """
   ROOT %t = (bf16[256,1024]{1,0}, bf16[4096,128]{1,0}, bf16[4096,1024]{1,0}) tuple(%d, %p0, %ag)
 }
 
-%gather_and_multiply.2 (p0: bf16[4096,128], p1: bf16[4096,1024], p2: bf16[256,1024], p3: bf16[1024,1024]) -> (bf16[256,1024], bf16[4096,128], bf16[4096,1024]) {
+%gather_and_multiply.2 $SIGNATURE {
   %p0 = bf16[4096,128]{1,0} parameter(0)
   %p1 = bf16[4096,1024]{1,0} parameter(1)
   %p2 = bf16[256,1024]{1,0} parameter(2)
@@ -142,14 +142,19 @@ ENTRY %main (shard: bf16[4096,128], buffer: bf16[4096,1024], x: bf16[256,1024], 
   %buffer = bf16[4096,1024]{1,0} parameter(1)
   %x = bf16[256,1024]{1,0} parameter(2)
   %w = bf16[1024,1024]{1,0} parameter(3)
-  %f1 = (bf16[256,1024]{1,0}, bf16[4096,128]{1,0}, bf16[4096,1024]{1,0}) fusion(%shard, %buffer, %x, %w), kind=kOutput, calls=%gather_and_multiply.1
+  %f1 = $OUT fusion(%shard, %buffer, %x, %w), kind=kOutput, calls=%gather_and_multiply.1
   %y1 = bf16[256,1024]{1,0} get-tuple-element(%f1), index=0
   %s1 = bf16[4096,128]{1,0} get-tuple-element(%f1), index=1
   %b1 = bf16[4096,1024]{1,0} get-tuple-element(%f1), index=2
-  %f2 = (bf16[256,1024]{1,0}, bf16[4096,128]{1,0}, bf16[4096,1024]{1,0}) fusion(%s1, %b1, %y1, %w), kind=kOutput, calls=%gather_and_multiply.2
+  %f2 = $OUT fusion(%s1, %b1, %y1, %w), kind=kOutput, calls=%gather_and_multiply.2
   ROOT %y2 = bf16[256,1024]{1,0} get-tuple-element(%f2), index=0
 }
 """
+CARRIED = CARRIED.replace(
+    "$SIGNATURE",
+    "(p0: bf16[4096,128], p1: bf16[4096,1024], p2: bf16[256,1024], p3: bf16[1024,1024])"
+    " -> (bf16[256,1024], bf16[4096,128], bf16[4096,1024])",
+).replace("$OUT", "(bf16[256,1024]{1,0}, bf16[4096,128]{1,0}, bf16[4096,1024]{1,0})")
 
 
 def test_a_collective_carried_through_compute_fusions_is_one_collective_and_no_hbm_traffic():

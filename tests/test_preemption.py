@@ -485,3 +485,18 @@ def test_sigterm_to_one_process_before_jax_distributed_is_up_stops_every_process
     stops = [re.search(r"stopped at step (\d+); [^\n]*\(at JAX's preemption sync point", out) for out in (out0, out1)]
     assert all(stops), out0[-3000:] + out1[-3000:]
     assert stops[0].group(1) == stops[1].group(1)
+
+
+def test_a_stop_in_a_notebook_says_to_run_the_cell_again(monkeypatch):
+    import signal
+    import sys
+    import types
+
+    from xlafit.errors import Preempted
+
+    monkeypatch.delitem(sys.modules, "ipykernel", raising=False)
+    assert "Run the same command again to resume." in str(Preempted(7, signal.SIGINT, "checkpoint saved"))
+    monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
+    assert "Run the cell again (with the same run directory) to resume." in str(
+        Preempted(7, signal.SIGINT, "checkpoint saved")
+    )

@@ -190,3 +190,21 @@ def test_a_run_from_before_the_cpu_section_resumes_with_a_note(strategy8, tmp_pa
     with caplog.at_level("WARNING", logger="xlafit"):
         assert load_config("mnist", ["run.cpu_keep_memory=false"]).cpu.keep_memory is False
     assert "the overrides: run.cpu_keep_memory is now cpu.keep_memory" in caplog.text
+
+
+def test_the_progress_bar_closes_at_100_percent_and_what_follows_prints_below_it(monkeypatch, capsys):
+    """On a terminal, each line printed past the end used to clear the finished bar and draw
+    it again (six 100 % bars for one run)."""
+    import sys
+
+    from xlafit.train.report import RunReport
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    report = RunReport(None, total_steps=4)
+    for step in (2, 4):
+        report.record({"step": step, "loss": 1.0 / step})
+    for line in ("[eval] step 4", "checkpoint saved", "test accuracy: 1.0"):
+        report.print(line)
+    report.close()
+    err = capsys.readouterr().err
+    assert err.count("4/4") == 1, err

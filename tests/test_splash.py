@@ -47,7 +47,12 @@ def test_the_llm_compiles_splash_for_a_tpu_and_counts_its_flops():
     sizes = ["model.hidden_size=128", "model.num_heads=2", "model.num_kv_heads=1", "data.seq_len=128"]
     reports = {}
     for attention in ("auto", "xla"):
-        (reports[attention],) = check_recipe("llm", [*sizes, f"model.attention={attention}"], tpu="v4-8").tpu
+        report = check_recipe("llm", [*sizes, f"model.attention={attention}"], tpu="v4-8")
+        (reports[attention],) = report.tpu
+    # The answer says what it is for, the recipe's defaults included, as overrides to copy.
+    assert {"data.seq_len=128", "model.preset=tiny", "model.attention=xla", "model.remat=none"} <= set(report.assumed)
+    assert report.command.startswith("xlafit check llm --tpu v4-8 data.") and "data.seq_len=128" in report.command
+    assert f"  for: {' '.join(report.assumed)}" in report.format()
     splash, xla = reports["auto"], reports["xla"]
     assert splash.fits and xla.fits
     layers, heads, t, d = 2, 2, 128, 64

@@ -238,6 +238,10 @@ def test_a_loss_in_torch_operations_without_torch_loss_names_the_fix(tmp_path):
     assert not report.ok
     message = " ".join(f.message for f in report.findings)
     assert "torch_loss(fn)" in message and "must be Tensor" in message
+    # The module itself handed to the torch loss: named as the module, not as a JAX array.
+    path.write_text(path.read_text().replace("F.cross_entropy(model(batch['x'])", "F.cross_entropy(model"))
+    message = " ".join(f.message for f in check_file(path).findings)
+    assert "passed the model itself" in message and "model(batch['x'])" in message, message
     # The same loss in jax.numpy on the module's outputs trains as it is.
     jax_loss = lambda model, b: -model(b["x"])[:, 0]  # noqa: E731
     config = TrainerConfig(epochs=1, log_every_steps=1)

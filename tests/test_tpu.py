@@ -22,7 +22,7 @@ from xlafit.check import check_file, check_recipe
 from xlafit.check.batch_search import largest_batch
 from xlafit.check.program import Program, TargetReport
 from xlafit.check.tpu import check_target, levers, needed_bytes, no_persistent_cache, predict_here
-from xlafit.check.tpu_report import format_report
+from xlafit.check.tpu_report import _probe_line, format_report
 from xlafit.cli import main
 from xlafit.config import TrainerConfig
 from xlafit.errors import ConfigError, XlafitError
@@ -716,3 +716,22 @@ def test_max_batch_search_starts_from_a_known_fit_below_the_unit_and_stops_when_
     prober = _LinearMemory(per_example=2.4)
     best, _ = largest_batch(prober, 1, True, int(3.4 * gib), 16 * gib, fixed_bytes=gib)
     assert best == 6 and 1 not in prober.probed  # 6 * 2.4 + 1 = 15.4 GiB; 7 needs 17.8
+
+
+class _Cliff(_LinearMemory):
+    """Memory that jumps past a batch (the compiler switching strategy): lines mislead."""
+
+    def fits(self, per_device: int) -> tuple[bool, float, int | None]:
+        self.probed.append(per_device)
+        need = int((1 + 0.01 * per_device) * 2**30) if per_device <= 1000 else 40 * 2**30
+        return need <= 16 * 2**30, 0.0, need
+
+
+def test_max_batch_search_compiles_at_most_five_probes_and_says_what_it_left():
+    gib = 2**30
+    prober = _Cliff()
+    best, probes = largest_batch(prober, 8, True, int(1.08 * gib), 16 * gib, fixed_bytes=gib)
+    assert len(probes) == 5 and best <= 1000 and all(p.fits == (p.per_device_batch <= 1000) for p in probes)
+    report = TargetReport("v5e-1", "TPU v5 lite", 1, 1, 8, fits=True, capacity=16 * gib, max_batch=best, probes=probes)
+    refused = min(p.per_device_batch for p in probes if not p.fits)
+    assert f"{refused} does not; the batches between were not compiled: 5 probes at most" in _probe_line(report)

@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import signal
+import sys
 
 # Exit codes that schedulers and scripts can act on.
 DAMAGED = 1  # xlafit inspect: the newest checkpoint is corrupt, or none is intact
@@ -68,6 +69,13 @@ class NonFiniteError(XlafitError):
     exit_code = NONFINITE
 
 
+def resume_hint() -> str:
+    """How to go on after a stop: in a notebook (an IPython kernel), the cell; else the command."""
+    if "ipykernel" in sys.modules:
+        return "Run the cell again (with the same run directory) to resume."
+    return "Run the same command again to resume."
+
+
 class Preempted(XlafitError):
     """Training stopped on SIGTERM/SIGINT at ``step``; ``where`` says what was saved.
 
@@ -81,6 +89,5 @@ class Preempted(XlafitError):
         self.step, self.signum = step, signum
         how = " (at JAX's preemption sync point: the same step in every process)" if sync_point else ""
         super().__init__(
-            f"{signal.Signals(signum).name} received: stopped at step {step}; {where}{how}. "
-            "Run the same command again to resume."
+            f"{signal.Signals(signum).name} received: stopped at step {step}; {where}{how}. {resume_hint()}"
         )

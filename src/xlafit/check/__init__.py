@@ -362,13 +362,15 @@ def load_file(path: Path) -> dict[str, Any]:
     missing = [name for name in ("model", "loss_fn", "batch") if name not in namespace]
     if missing:
         raise ConfigError(
-            f"{path} must define model (an nnx.Module, or a compiled Keras 3 model), loss_fn(model, batch) "
+            f"{path} must define model (an nnx.Module, a torch.nn.Module or a compiled Keras 3 model), "
+            "loss_fn(model, batch) "
             f"(optional for Keras) and batch (a dict of arrays; {{'x': ..., 'y': ...}} for Keras); "
             f"missing: {', '.join(missing)}."
         )
     if not isinstance(namespace["model"], nnx.Module):
         raise ConfigError(
-            f"`model` in {path} is a {type(namespace['model']).__name__}, not an nnx.Module or a Keras 3 model."
+            f"`model` in {path} is a {type(namespace['model']).__name__}, not an nnx.Module, a torch.nn.Module or a "
+            "Keras 3 model."
         )
     return namespace
 
@@ -480,10 +482,13 @@ def check_recipe(
     start_backends()  # quietly, as for a file
     if tpu:  # the recipes feed fixed shapes (bert packs its sequences): rule 3 has nothing to say
         parse_targets(tpu)  # an unknown name fails before the model is built
-        program, _, _ = recipe_program(
+        program, cfg, _ = recipe_program(
             name, overrides or [], preset, options.get("per_device_batch"), options.get("global_batch")
         )
-        return check_tpu(name, program, tpu, max_batch=max_batch)
+        report = check_tpu(name, program, tpu, max_batch=max_batch)
+        report.assumed = assumed_settings(cfg, program, overrides or [])
+        report.command = f"xlafit check {name} --tpu {tpu} " + " ".join(report.assumed)
+        return report
     cfg = load_config(name, overrides or [], preset=preset)
     recipe = get_recipe(name)
     recipe.validate(cfg)
@@ -493,6 +498,39 @@ def check_recipe(
     rows = options.get("per_device_batch") or 8
     batch = train.take(np.arange(min(rows, len(train))))
     return check_step(name, recipe.build_model(cfg, train), recipe.loss_fn, batch, lengths=lengths, **options)
+
+
+# The settings that shape a recipe's compiled step, printed with every answer (when present).
+SHAPING = (
+    "model.preset", "data.seq_len", "data.image_size", "lora.rank", "lora.base_dtype", "model.compute_dtype",
+    "model.remat", "model.scan_layers", "model.attention", "mesh.data", "mesh.fsdp", "mesh.tensor",
+    "trainer.steps_per_call", "trainer.accumulate_steps",
+)  # fmt: skip
+
+
+def assumed_settings(cfg: Any, program: Program, overrides: Sequence[str]) -> list[str]:
+    """The settings an answer is for, as overrides to copy: the batch the program compiles
+    and each of :data:`SHAPING` the config has, the recipe's defaults included (a run that
+    meant 2,048 tokens sees that the answer is for the default's 128)."""
+    given = {o.split("=", 1)[0].strip() for o in overrides}
+    batch = (
+        f"data.per_device_batch={program.per_device_batch}"
+        if program.per_device_batch
+        else f"data.global_batch={program.global_batch}"
+    )
+    out = [batch]
+    for key in SHAPING:
+        section, _, field = key.partition(".")
+        holder = getattr(cfg, section, None)
+        if holder is None or not hasattr(holder, field):
+            continue
+        value = getattr(holder, field)
+        if value is None or key not in given and key.startswith(("mesh.", "trainer.")) and value in (1, -1):
+            continue  # an unset preset, a mesh axis or loop setting at its default: nothing assumed
+        if key.startswith("lora.") and not getattr(cfg.lora, "rank", 0):
+            continue  # no adapters
+        out.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
+    return out
 
 
 def _model_levers(model: Any) -> tuple[tuple[str, str], ...]:

@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable
 from typing import Protocol
 
-from xlafit.check.program import Probe, Program, progress
+from xlafit.check.program import MAX_PROBES, Probe, Program, progress
 from xlafit.check.tpu_report import gib
 from xlafit.parallel.mesh import Strategy
 from xlafit.platform import hardware as tpu
@@ -37,6 +37,7 @@ def largest_batch(
     fixed_bytes: int | None = None,
     enough: Callable[[int], bool] | None = None,
     label: str | None = None,
+    max_probes: int = MAX_PROBES,
 ) -> tuple[int, list[Probe]]:
     """The largest per-core batch that compiles, and the probes that found it.
 
@@ -57,14 +58,16 @@ def largest_batch(
     through the last two fits. ``enough(batch)``, asked after each new fit, ends the search
     there when it says so (a planner stops once a larger batch no longer runs faster).
     ``start`` itself, known to fit, may be below ``multiple``: it is not compiled again.
-    ``label`` names the search in its progress lines (several may run at once).
+    ``label`` names the search in its progress lines (several may run at once). The search
+    compiles at most ``max_probes`` batches: then the last fit is the answer, and the first
+    refusal above it the bound the report prints.
     """
     config = steps.program.config
     base = config.accumulate_steps
     if config.invariant_chunks:
         base = math.lcm(base, config.invariant_chunks // steps.strategy.num_replicas)
     unit = math.lcm(base, multiple)
-    probing = _Probing(steps, label or (steps.target.name if steps.target else "this host"), enough)
+    probing = _Probing(steps, label or (steps.target.name if steps.target else "this host"), enough, max_probes)
     first = start if start_fits and start % base == 0 else max(unit, start // unit * unit)
     known = start_fits is not None and first == start
     if known and start_bytes is not None:
@@ -84,8 +87,8 @@ class _Probing:
     """The probes of one batch search: each compiled once, announced as it starts and ends,
     with the bytes the compiler reported; ``enough`` may end the search after a fit."""
 
-    def __init__(self, steps: BatchProber, name: str, enough: Callable[[int], bool] | None) -> None:
-        self.steps, self.name, self.enough = steps, name, enough
+    def __init__(self, steps: BatchProber, name: str, enough: Callable[[int], bool] | None, budget: int) -> None:
+        self.steps, self.name, self.enough, self.budget = steps, name, enough, budget
         self.probes: list[Probe] = []
         self.needs: dict[int, int] = {}  # per-core batch -> bytes per core, as the compiler said
         self.done = False  # ``enough`` said so
@@ -102,6 +105,11 @@ class _Probing:
         self.done = bool(ok and self.enough is not None and self.enough(batch))
         return ok
 
+    @property
+    def spent(self) -> bool:
+        """The search's compiles are used up."""
+        return len(self.probes) >= self.budget
+
 
 def _reach_up(
     probing: _Probing, good: int, fixed_bytes: int | None, capacity: float, unit: int, limit: int
@@ -111,7 +119,7 @@ def _reach_up(
     line = (0, fixed_bytes)  # the reach's line starts at the state, then runs through the last two fits
     while True:
         far = _reach(good, probing.needs.get(good), line, capacity, unit, limit)
-        if far <= good:
+        if far <= good or probing.spent:
             return good, 0
         if not probing.fits(far):
             return good, far
@@ -125,7 +133,7 @@ def _halve_down(probing: _Probing, bad: int, base: int) -> tuple[int, int]:
     0 when not even ``base`` does."""
     while True:
         half = bad // 2 // base * base
-        if half < base:
+        if half < base or probing.spent:
             return 0, bad
         if probing.fits(half):
             return half, bad
@@ -136,7 +144,7 @@ def _narrow(probing: _Probing, good: int, bad: int, capacity: float, multiple: i
     """The bracket between a fit and a refusal narrowed to ``tolerance``: the last fit.
     Probes are multiples of ``multiple``, or of ``base`` once the refusal is at or below it."""
     streak: list[bool] = []  # the outcomes of the interpolated probes since the last bisection
-    while not probing.done:
+    while not probing.done and not probing.spent:
         unit = base if bad <= multiple else multiple
         if _up(good + 1, unit) >= bad or bad - good <= tolerance * good:
             break

@@ -16,6 +16,11 @@ from xlafit.config import TrainerConfig
 from xlafit.parallel.mesh import Strategy
 from xlafit.train.step import LossFn
 
+# The batches one --max-batch search may compile (with the check's own compile at the start
+# batch: 6). A fit costs a whole compile (minutes for a 1B model at 2,048 tokens), and past a
+# few probes the bracket is narrower than the batch's effect on anything but memory.
+MAX_PROBES = 5
+
 
 def progress(text: str, end: str = "\n") -> None:
     """Progress on stderr (the report itself goes to stdout, or is returned)."""

@@ -25,6 +25,10 @@ class Report:
     flops_per_step: float | None = None
     batch: dict[str, Any] = dataclasses.field(default_factory=dict)
     tpu: list[TargetReport] | None = None  # with --tpu: one report per TPU target
+    # A recipe's settings the answer is for (the batch, the sequence, the model: defaults
+    # included), as overrides, and the command that asks again with them written out.
+    assumed: list[str] = dataclasses.field(default_factory=list)
+    command: str = ""
 
     @property
     def ok(self) -> bool:
@@ -41,6 +45,8 @@ class Report:
 
     def format(self) -> str:
         lines = [f"xlafit check {self.target}"]
+        if self.assumed:
+            lines += [f"  for: {' '.join(self.assumed)}", f"  to change any of them: {self.command}"]
         if self.tpu is not None:
             lines.append(f"  trace: {'ok' if self.traced else 'failed'} (for the TPU; nothing runs here)")
         else:

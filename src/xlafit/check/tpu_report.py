@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from xlafit.check.program import TargetReport
+from xlafit.check.program import MAX_PROBES, TargetReport
 from xlafit.platform import hardware as tpu
 
 
@@ -148,6 +148,8 @@ def _probe_line(r: TargetReport) -> str:
     else:
         refused = min((p.per_device_batch for p in r.probes if not p.fits), default=None)
         bound = f" ({refused} does not)" if refused is not None and refused > (r.max_batch or 0) + 8 else ""
+        if bound and len(r.probes) >= MAX_PROBES:
+            bound = f" ({refused} does not; the batches between were not compiled: {MAX_PROBES} probes at most)"
         answer = f"{r.max_batch}{bound}"
     return f"  largest per-core batch that fits: {answer}   probes: {probes}"
 

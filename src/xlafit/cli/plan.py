@@ -13,8 +13,9 @@ from xlafit.errors import ConfigError
 
 DESCRIPTION = (
     "Search the ways to run a model on TPU slices with the TPU compiler (libtpu, no TPU needed): every "
-    "mesh (data x fsdp x tensor) the model's named axes allow, gradient accumulation and the model's remat "
-    "policies where a layout does not fit, and the fastest per-core batch of the best layouts. Each "
+    "mesh (data x fsdp x tensor) the model's named axes allow at the run's own batch, gradient accumulation and "
+    "the model's remat policies where a layout does not fit (and with --search-batch the fastest per-core batch "
+    "of the best layouts). Each "
     "candidate is compiled for the slice and predicted from its compiled program (compute, HBM traffic "
     "and the collectives it contains, over the slice's ICI): throughput, MFU, HBM, and the time and cost "
     "of the run. Prints a ranked table, the winner's `xlafit train` overrides and why the others lose; "
@@ -44,8 +45,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--global-batch",
         type=int,
         metavar="N",
-        help="keep this global batch (the one your learning rate is tuned for); the plan picks per-core batch "
-        "and accumulation to reach it. Default: each layout's largest per-core batch",
+        help="plan at this global batch (the one your learning rate is tuned for); the plan picks per-core batch "
+        "and accumulation to reach it. Default: the run's own batch",
+    )
+    p.add_argument(
+        "--search-batch",
+        action="store_true",
+        help="also search the per-core batch of the best layouts (the largest that runs faster): this changes the "
+        "global batch, and with it what the learning rate was tuned for",
     )
     p.add_argument(
         "--per-device-batch", type=int, metavar="N", help="a file's starting per-core batch (default: its batch's rows)"
@@ -59,7 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--budget-minutes", type=float, metavar="M", help="start no compile after M minutes; report what was compiled"
     )
     p.add_argument(
-        "--top", type=int, default=3, metavar="K", help="search the largest batch of the K fastest layouts (default 3)"
+        "--top", type=int, default=3, metavar="K", help="--search-batch: search the K fastest layouts (default 3)"
     )
     p.add_argument(
         "--min-gain",
@@ -123,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         "top": args.top,
         "min_gain": args.min_gain,
         "bound": args.bound,
+        "search_batch": args.search_batch,
         "spot": args.spot,
         "prices": _prices(args.price),
         "command": "xlafit plan " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["plan"] else [args.target]),

@@ -246,6 +246,13 @@ def _torch_ops_named(loss_fn: Callable) -> Callable:
         except TypeError as e:
             if "must be Tensor" not in str(e):
                 raise
+            if type(model).__name__ in str(e):
+                raise ConfigError(
+                    f"loss_fn passed the model itself to a torch function ({str(e).splitlines()[0]}): "
+                    "loss_fn(model, batch) gets the model; call it on the inputs (model(batch['x'])) and give the "
+                    "outputs to the loss, or write loss_fn = xlafit.integrations.torch.torch_loss(fn), whose "
+                    "fn(outputs, batch) gets the model's outputs as torch tensors."
+                ) from e
             raise ConfigError(
                 f"loss_fn passed a JAX array to a torch function ({str(e).splitlines()[0]}): with a torch module "
                 "the model's outputs are JAX arrays. Write the loss in torch as "

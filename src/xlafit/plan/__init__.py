@@ -70,16 +70,23 @@ def _settings(
     allow_numerics: bool,
     min_gain: float,
     bound: bool = False,
+    search_batch: bool = False,
 ) -> Settings:
     if global_batch is not None and global_batch < 1:
         raise ConfigError(f"--global-batch {global_batch}: give a positive number of examples per step.")
     if min_gain < 0:
         raise ConfigError(f"--min-gain {min_gain:g}: give a percentage of 0 or more (0: search to the largest batch).")
-    deadline = time.monotonic() + budget_minutes * 60 if budget_minutes else math.inf
+    budget_s = budget_minutes * 60 if budget_minutes else math.inf
+    if search_batch and global_batch is not None:
+        raise ConfigError(
+            f"--search-batch searches the per-core batch, --global-batch {global_batch} fixes it: give one of them."
+        )
     return Settings(
         global_batch=global_batch,
+        deadline=time.monotonic() + budget_s,
+        budget_s=budget_s,
+        search_batch=search_batch,
         top=top,
-        deadline=deadline,
         allow_numerics=allow_numerics,
         min_gain=min_gain / 100,
         bound=bound,
@@ -124,6 +131,7 @@ def plan_recipe(
     top: int = 3,
     min_gain: float = 5.0,
     bound: bool = False,
+    search_batch: bool = False,
     spot: bool = False,
     prices: dict[str, float] | None = None,
     allow_numerics: bool = False,
@@ -140,7 +148,7 @@ def plan_recipe(
     """
     targets = parse_targets(tpu)
     start_backends()
-    settings = _settings(global_batch, budget_minutes, top, allow_numerics, min_gain, bound)
+    settings = _settings(global_batch, budget_minutes, top, allow_numerics, min_gain, bound, search_batch)
     planner, cfg, train_examples = recipe_planner(name, overrides, preset, settings)
     base = planner.base
     seconds = _run(planner, targets)
@@ -159,15 +167,15 @@ def plan_recipe(
         spot=spot,
         prices=_prices(prices),
         seconds=seconds,
-        **_own_batch(base, global_batch),
+        **_own_batch(base, global_batch, search_batch),
     )
 
 
-def _own_batch(base: Program, global_batch: int | None) -> dict[str, Any]:
+def _own_batch(base: Program, global_batch: int | None, search_batch: bool) -> dict[str, Any]:
     return {
         "own_global_batch": base.global_batch if not base.per_device_batch else None,
         "own_per_device_batch": base.per_device_batch,
-        "batch_fixed": global_batch is not None,
+        "batch_fixed": global_batch is not None or not search_batch,
     }
 
 
@@ -208,6 +216,7 @@ def plan_file(
     top: int = 3,
     min_gain: float = 5.0,
     bound: bool = False,
+    search_batch: bool = False,
     spot: bool = False,
     prices: dict[str, float] | None = None,
     command: str = "",
@@ -229,7 +238,9 @@ def plan_file(
             config = dataclasses.replace(base.config, accumulate_steps=c.accumulate)
             return dataclasses.replace(base, mesh=c.mesh, config=config)
 
-        planner = Planner(maker, base, _settings(global_batch, budget_minutes, top, False, min_gain, bound))
+        planner = Planner(
+            maker, base, _settings(global_batch, budget_minutes, top, False, min_gain, bound, search_batch)
+        )
         seconds = _run(planner, targets)
     return Plan(
         str(path),
@@ -244,5 +255,5 @@ def plan_file(
         spot=spot,
         prices=_prices(prices),
         seconds=seconds,
-        **_own_batch(base, global_batch),
+        **_own_batch(base, global_batch, search_batch),
     )

@@ -160,7 +160,7 @@ def _winner_lines(plan: Plan) -> list[str]:
         lines.append(
             f"  batch: {c.global_batch:,} examples per step, {c.global_batch / own:.3g}x the run's own {own:,}: the "
             f"learning rate and warm-up tuned for {own:,} may not hold (and past some size more examples per step "
-            f"stop paying back); --global-batch {own} plans at the run's own batch"
+            f"stop paying back); without --search-batch the plan keeps the run's own batch"
         )
     lines.append(f"  {'run' if plan.preset is not None else 'check'} it: {plan.command_line(o)}")
     by_cost = [x for x in plan.fitting() if plan.run_cost(x) is not None]

@@ -11,14 +11,16 @@ For each target, in order of cost:
    scanned layers with full remat (MaxText's default), each one compile; the first that
    fits is the layout's cheapest way in. A refusal is compiled once more with the compiler's dump,
    to name the largest buffers at its peak.
-3. **Batch** (without a fixed global batch): for the ``top`` layouts by predicted
+3. **Batch** (only when asked: ``search_batch``, which changes the run's global batch and
+   so what its learning rate was tuned for): for the ``top`` layouts by predicted
    throughput, side by side, the largest per-core batch that fits (the ``--max-batch``
    search of :func:`xlafit.check.batch_search.largest_batch`, at 10 % tolerance), predicted again
    there; a layout's search ends early once the largest batch below its smallest refusal
    is predicted to run less than 5 % faster (:func:`reachable_gain`).
 
 Every compile is remembered (a layout and batch compile once), and a deadline stops new
-compiles: what was not compiled by then is reported as such.
+compiles: none starts that the longest compile so far says would end more than 5 % of the
+budget past it; what was not compiled is reported as such.
 
 A scanned candidate (``model.scan_layers``) fits or not by its own compile, but XLA's cost
 analysis counts a loop's body once, so one layer of it: its FLOPs and HBM bytes come from two
@@ -131,7 +133,9 @@ class OverBudget(Exception):
 class Settings:
     global_batch: int | None = None  # fixed: each layout's per-core batch and accumulation reach it
     top: int = 3  # layouts whose largest batch is searched (without a fixed global batch)
-    deadline: float = math.inf  # time.monotonic() after which no compile starts
+    deadline: float = math.inf  # time.monotonic() by which the plan should be done
+    budget_s: float = math.inf  # the time the plan was given (the deadline's distance from its start)
+    search_batch: bool = False  # stage 3: search the best layouts' per-core batch (the global batch changes)
     workers: int = max(1, os.cpu_count() or 1)
     max_batch_limit: int = 2**16
     allow_numerics: bool = False  # also try the levers that change the numerics
@@ -195,7 +199,7 @@ class Planner:
         """Compiles ``c`` once (later calls return the first outcome) and predicts its step."""
         if c in self.outcomes:
             return self.outcomes[c]
-        if time.monotonic() > self.settings.deadline:
+        if self.over_budget(target):
             raise OverBudget
         capacity = usable_hbm(target)[0]
         out = Outcome(c, None, capacity, stage=stage)
@@ -243,9 +247,19 @@ class Planner:
         self.outcomes[c] = out
         return out
 
+    def over_budget(self, target: Target) -> bool:
+        """Whether a compile for ``target`` started now would end past the deadline (by more
+        than 5 % of the budget), judged by the longest compile for it so far."""
+        now = time.monotonic()
+        if now > self.settings.deadline:
+            return True
+        seen = [o.compile_s for o in list(self.outcomes.values()) if o.candidate.target == target.name]
+        expected = max((s for s in seen if s), default=0.0)
+        return now + expected > self.settings.deadline + 0.05 * self.settings.budget_s
+
     def explain(self, target: Target, out: Outcome) -> None:
         """The largest buffers of a refused candidate, from a compile with the compiler's dump."""
-        if out.fits is not False or out.buffers or time.monotonic() > self.settings.deadline:
+        if out.fits is not False or out.buffers or self.over_budget(target):
             return
         if out.needed is not None and out.needed <= self.steps(target, out.candidate).state_bytes:
             return  # the state alone: nothing for the dump to add
@@ -346,7 +360,7 @@ class Planner:
                         (target, dataclasses.replace(best.candidate, numerics=(n,)), "numerics") for n in self.numerics
                     ]
                     self._map(jobs)
-            if self.settings.global_batch is None:
+            if self.settings.search_batch and self.settings.global_batch is None:
                 self._largest(target)
 
     def _best(self, target: Target) -> Outcome | None:

@@ -91,6 +91,11 @@ class RunReport:
             brief = "  ".join(_fmt(k, v) for k, v in record.items() if k in _BAR_KEYS)
             self._bar.set_postfix_str(brief, refresh=False)
             self._bar.update(step - self._bar.n)
+            if self._bar.total and self._bar.n >= self._bar.total:
+                # Done: closed at 100 %, so what follows (the evaluation, the checkpoint, the
+                # result) prints below it instead of clearing and redrawing it each time.
+                self._bar.close()
+                self._bar = None
         else:
             self.print(f"[{prefix}] step {step} epoch {record.get('epoch', '')}  {shown}")
 
