@@ -136,7 +136,9 @@ def test_from_hf_names_the_problem(tmp_path):
     with pytest.raises(HFFormatError, match="no tensor 'model.layers.2.input_layernorm.weight'"):
         from_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
-    with pytest.raises(HFFormatError, match="not Llama or Qwen2"):
+    with pytest.raises(
+        HFFormatError, match="describes a 'gpt2' model; xlafit reads llama, qwen2, qwen3, mistral, gemma2, gemma3_text"
+    ):
         from_hf(tmp_path)
 
 

@@ -51,6 +51,22 @@ def env(cache):
 # --------------------------------------------------------------------------- data
 
 
+def test_an_evaluation_split_of_nothing_is_said_aloud(corpus, tmp_path):
+    """One document at data.eval_fraction=0.1: nothing is drawn for evaluation, and the run
+    says so instead of training without an eval loss unannounced."""
+    from xlafit.recipes.llm import LlmDataConfig, data_summary
+
+    one = tmp_path / "one.txt"
+    one.write_text("A single document of a few words.")
+    tok = clm.load_tokenizer(corpus / "tok")
+    train, evaluation = clm.load_packed([str(one)], tok, seq_len=32, eval_fraction=0.1, seed=0)
+    assert evaluation.documents == 0
+    summary = data_summary(train, evaluation, LlmDataConfig(seq_len=32, eval_fraction=0.1))
+    assert "no evaluation: none of the 1 documents was drawn for it at data.eval_fraction=0.1" in summary
+    assert "data.eval_fraction=0 to train without one" in summary
+    assert "no evaluation" not in data_summary(train, evaluation, LlmDataConfig(seq_len=32, eval_fraction=0.0))
+
+
 def test_packed_rows_keep_documents_apart(corpus):
     tok = clm.load_tokenizer(corpus / "tok")
     bos, eos = clm.special_ids(tok)

@@ -53,7 +53,7 @@ def fusion_kernel(
             bytes_written=hbm_bytes(shape),
             target=target,
         )
-    read, in_place = _fusion_reads(fused, [shapes.get(o, "") for o in operands])
+    read, in_place = _fusion_reads(fused, [shapes.get(o, "") for o in operands], computations)
     written = _fusion_writes(fused, in_place)
     flops, vector = 0.0, 0.0
     dims: tuple[int, ...] = ()
@@ -116,19 +116,49 @@ def _users(fused: _Computation) -> dict[str, list[tuple[re.Match[str], int]]]:
     return users
 
 
-def _fusion_reads(fused: _Computation, operand_shapes: list[str]) -> tuple[float, set[str]]:
-    """Bytes a fusion reads of its operands, and the parameters it updates in place.
-
-    A parameter used only through slices (a layer's weights out of a scanned stack) is read
-    at the slices' size; one that is the buffer of a root ``dynamic-update-slice`` or
-    ``scatter`` is updated in place, not read."""
-    users = _users(fused)
+def _parameters(fused: _Computation) -> dict[int, str]:
+    """A fused computation's parameters by number."""
     params = {}
     for inner in fused.by_name.values():
         if inner.group("op") == "parameter":
             number = re.match(r"(\d+)", inner.group("rest"))
             if number:
                 params[int(number.group(1))] = inner.group("name")
+    return params
+
+
+def _sliced_bytes(
+    param: str, fused: _Computation, computations: dict[str, _Computation], depth: int = 0
+) -> float | None:
+    """The bytes read of a parameter used only through slices, directly or inside the
+    fusions nested in ``fused`` (a TPU fusion around a product slices a scanned stack in
+    an inner fusion); None when some use reads it whole."""
+    total = 0.0
+    for use, position in _terminal_uses(param, _users(fused)):
+        op = use.group("op")
+        if op in _SLICING and position == 0:
+            total += hbm_bytes(use.group("shape"))
+            continue
+        callee = re.search(r"calls=%([\w.\-]+)", use.group("rest")) if op == "fusion" else None
+        nested = computations.get(callee.group(1)) if callee else None
+        inner = _parameters(nested).get(position) if nested is not None else None
+        read = _sliced_bytes(inner, nested, computations, depth + 1) if inner and nested and depth < 4 else None
+        if read is None:
+            return None
+        total += read
+    return total
+
+
+def _fusion_reads(
+    fused: _Computation, operand_shapes: list[str], computations: dict[str, _Computation] | None = None
+) -> tuple[float, set[str]]:
+    """Bytes a fusion reads of its operands, and the parameters it updates in place.
+
+    A parameter used only through slices (a layer's weights out of a scanned stack, here or
+    in a fusion nested in this one) is read at the slices' size; one that is the buffer of a
+    root ``dynamic-update-slice`` or ``scatter`` is updated in place, not read."""
+    users = _users(fused)
+    params = _parameters(fused)
     roots = _root_outputs(fused)
     total, in_place = 0.0, set()
     for index, operand in enumerate(operand_shapes):
@@ -143,10 +173,8 @@ def _fusion_reads(fused: _Computation, operand_shapes: list[str]) -> tuple[float
             continue
         if all(u.group("op") == "tuple" or u.group("op").removesuffix("-start") in _COLLECTIVES for u, _ in uses):
             continue  # unused, carried through (an asynchronous collective's buffers) or sent: no HBM read here
-        if uses and all(u.group("op") in _SLICING and pos == 0 for u, pos in uses):
-            total += min(full, sum(hbm_bytes(u.group("shape")) for u, _ in uses))
-            continue
-        total += full
+        sliced = _sliced_bytes(param, fused, computations or {}) if uses else None
+        total += full if sliced is None else min(full, sliced)
     return total, in_place
 
 
