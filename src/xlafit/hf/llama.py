@@ -76,7 +76,8 @@ def hf_config(cfg: LlamaConfig) -> dict:
     ``rope_scaling``), which transformers 4 and 5 both read.
 
     Example:
-        >>> hf_config(LlamaConfig.preset("llama-3.2-1b"))["rope_scaling"]["factor"]
+        >>> scaling = hf_config(LlamaConfig.preset("llama-3.2-1b"))["rope_scaling"]
+        >>> scaling["factor"]
         32.0
     """
     family = _family(cfg)

@@ -14,8 +14,9 @@ end-of-sequence token (the tokens after it are dropped).
 Example:
     >>> import jax.numpy as jnp
     >>> logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
-    >>> filter_logits(logits, top_k=2, top_p=1.0).tolist()[0][2:]
-    [-inf, -inf]
+    >>> kept = filter_logits(logits, top_k=2, top_p=1.0) > -jnp.inf
+    >>> kept.tolist()
+    [[True, True, False, False]]
 """
 
 from __future__ import annotations

@@ -118,7 +118,8 @@ def apply_lora(model: nnx.Module, targets: Sequence[str], *, rank: int, alpha: f
     Args:
         model: any NNX model; its layers are found by attribute name at any depth.
         targets: attribute names (PEFT's ``target_modules``), e.g. ``("q_proj", "v_proj")``.
-        rank, alpha: the adapters' rank and PEFT's ``lora_alpha`` (scaling ``alpha / rank``).
+        rank: the adapters' rank.
+        alpha: PEFT's ``lora_alpha`` (the adapters' output is scaled by ``alpha / rank``).
         rngs: ``params`` for ``lora_a``.
 
     Returns:
