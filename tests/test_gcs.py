@@ -477,3 +477,37 @@ def test_image_shards_that_cannot_be_read_are_named_with_the_fix(gcs, tmp_path, 
     finally:
         front.close()
         gcs.forget_clients()
+
+
+def test_chat_jsonl_and_prompt_completion_parquet_read_from_a_bucket(gcs, tmp_path):
+    """Chat records as JSON lines and prompt/completion records as Parquet, both in a bucket:
+    each format detected, and each record packed exactly as the same file read locally."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from xlafit.data import chat, clm
+
+    conversation = [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "4."}]
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps({"messages": conversation}) for _ in range(12)))
+    pq.write_table(pa.table({"prompt": ["Say hi."] * 12, "completion": ["Hi."] * 12}), tmp_path / "pc.parquet")
+    (tmp_path / "corpus.txt").write_text("What is 2 plus 2? 4. Say hi. Hi.\n" * 20)
+    tok = clm.train_bpe([str(tmp_path / "corpus.txt")], 300, tmp_path / "tok")
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    template = chat.ChatTemplate(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}{% generation %}"
+        "{{ m['content'] }}<|im_end|>{% endgeneration %}{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        {"eos_token": "<|im_end|>"},
+    )
+    fs, _ = filesystem(gcs.bucket)
+    for name in ("chat.jsonl", "pc.parquet"):
+        fs.put(str(tmp_path / name), f"{gcs.bucket}/data/{name}")
+        fs.invalidate_cache()
+        remote = clm.load_packed([f"{gcs.bucket}/data/{name}"], tok, seq_len=64, eval_fraction=0.0, template=template)
+        local = clm.load_packed([str(tmp_path / name)], tok, seq_len=64, eval_fraction=0.0, template=template)
+        assert remote[0].source.format == ("chat" if name.endswith(".jsonl") else "prompt_completion")
+        for key in ("input_ids", "loss_mask"):
+            np.testing.assert_array_equal(remote[0].arrays[key], local[0].arrays[key])
+        assert remote[0].documents == 12 and 0 < remote[0].source.answer_share < 0.5
