@@ -119,15 +119,15 @@ class Generator:
 def _eos(folder: str | Path) -> tuple[int, ...]:
     """The end tokens of a model directory: its tokenizer's, its ``eos_token`` (a chat
     model's end of turn) and ``generation_config.json``'s ``eos_token_id``."""
-    folder = as_path(folder)
-    tok = clm.load_tokenizer(folder)
+    root = as_path(folder)
+    tok = clm.load_tokenizer(root)
     found = {clm.special_ids(tok)[1]}
-    config = folder / "tokenizer_config.json"
+    config = root / "tokenizer_config.json"
     if config.exists():
         eos = json.loads(config.read_text()).get("eos_token")
         name = eos["content"] if isinstance(eos, dict) else eos
         found.add(tok.token_to_id(name) if name else None)
-    generation = folder / "generation_config.json"
+    generation = root / "generation_config.json"
     if generation.exists():
         value = json.loads(generation.read_text()).get("eos_token_id")
         found.update(value if isinstance(value, list) else [value])

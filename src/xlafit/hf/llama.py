@@ -235,8 +235,8 @@ def _entries(model: LlamaForCausalLM) -> Iterator[Entry]:
             "alone (xlafit.hf.peft.save_peft_adapter)."
         )
     yield "model.embed_tokens.weight", model.embed_tokens.embedding, None, False
-    tensors = _LAYER_TENSORS + (_BIAS_TENSORS if cfg.attention_bias else [])
-    tensors += (_QK_NORM_TENSORS if cfg.qk_norm else []) + (_SANDWICH_TENSORS if cfg.sandwich_norms else [])
+    tensors: list[tuple[str, tuple[str, ...], bool]] = [*_LAYER_TENSORS, *(_BIAS_TENSORS if cfg.attention_bias else [])]
+    tensors += [*(_QK_NORM_TENSORS if cfg.qk_norm else []), *(_SANDWICH_TENSORS if cfg.sandwich_norms else [])]
     for i in range(cfg.num_layers):
         layer = model.layers if cfg.scan_layers else model.layers[i]
         for suffix, path, transposed in tensors:

@@ -298,6 +298,7 @@ def throughput(cfg: Config, train: clm.PackedText) -> Throughput:
     source = model_dir(cfg)
     llama = llama_config(cfg, train.vocab_size) if not source else None
     if llama is None:
+        assert source is not None
         hf = json.loads((Path(source).expanduser() / "config.json").read_text())
         llama = llama_hf.config_from_hf(hf)
     t = train.seq_len
