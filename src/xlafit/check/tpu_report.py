@@ -18,13 +18,14 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 / 100 else f"{n / 2**20:.1f} MiB"
 
 
-def _rate(x: float | None, unit: str) -> str:
+def rate(x: float | None, unit: str = "") -> str:
+    """A rate in three digits with its SI prefix: ``rate(12345, "tokens/s")`` is ``12.3k tokens/s``."""
     if not x:
         return "-"
     for scale, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
         if x >= scale:
-            return f"{x / scale:.3g}{prefix} {unit}"
-    return f"{x:.3g} {unit}"
+            return f"{x / scale:.3g}{prefix} {unit}".rstrip()
+    return f"{x:.3g} {unit}".rstrip()
 
 
 def target_peak(r: TargetReport) -> str:
@@ -115,11 +116,11 @@ def _speed_lines(r: TargetReport) -> list[str]:
         lines.append(f"  FLOPs per core per step (XLA): {r.flops_per_step:.4g}{analytic}")
         if r.steps_per_call > 1 and r.flops_per_call:
             lines.append(f"    per call of {r.steps_per_call} steps: {r.flops_per_call:.4g}")
-    tokens = f", {_rate(r.tokens_per_s, 'tokens/s')}" if r.tokens_per_s else ""
+    tokens = f", {rate(r.tokens_per_s, 'tokens/s')}" if r.tokens_per_s else ""
     if r.predicted and r.step_s:
         rates = "" if r.rates == "built-in" else f"; rates from {r.rates}"
         lines.append(
-            f"  step (predicted, not measured): {predicted_step(r)}, {_rate(r.examples_per_s, 'examples/s')}{tokens}"
+            f"  step (predicted, not measured): {predicted_step(r)}, {rate(r.examples_per_s, 'examples/s')}{tokens}"
         )
         lines.append(f"    the step model's error: {r.band}{rates}")
     elif r.band:
@@ -168,7 +169,7 @@ def format_table(reports: list[TargetReport]) -> str:
                 gib(r.capacity) if r.capacity else "-",
                 str(r.max_batch) if r.max_batch is not None else "-",
                 predicted_step(r) if r.predicted else f">= {seconds(r.bound_s)} (bound)" if r.bound_s else "-",
-                (_rate(r.examples_per_s, "").strip() or "-") if r.predicted else f"<= {_rate(r.examples_per_s, '')}",
+                rate(r.examples_per_s) if r.predicted else f"<= {rate(r.examples_per_s)}",
                 f"{r.compile_s:.0f} s" if r.compile_s else "-",
             )
         )

@@ -5,21 +5,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from xlafit.check.tpu_report import rate
 from xlafit.plan.result import Plan
 from xlafit.plan.search import Outcome
 
 
 def _gib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f}"
-
-
-def _rate(x: float | None) -> str:
-    if not x:
-        return "-"
-    for scale, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if x >= scale:
-            return f"{x / scale:.3g}{prefix}"
-    return f"{x:.3g}"
 
 
 def _hours(h: float | None) -> str:
@@ -49,8 +41,8 @@ def _row(plan: Plan, rank: str, o: Outcome, front: set) -> tuple[str, ...]:
         _gib(o.hbm_free),
         (f"{p.step_s * 1e3:.3g}" if p.predicted else f">= {p.step_s * 1e3:.3g}") if p else "-",
         f"{p.comm_s * 1e3:.3g}" if p and p.comm_s is not None else "-",
-        _rate(p.examples_per_s if p else None),
-        _rate(p.tokens_per_s if p else None),
+        rate(p.examples_per_s if p else None),
+        rate(p.tokens_per_s if p else None),
         f"{p.mfu:.0%}" if p else "-",
         _hours(plan.run_hours(o)),
         _usd(cost),
