@@ -9,7 +9,7 @@ gated model whose license was not accepted, a model the hub does not have, a mod
 the cache while offline.
 
 Example:
-    >>> is_hub_id("meta-llama/Llama-3.2-1B"), is_hub_id("runs/demo-llm-hf"), is_hub_id("gs://b/m")
+    >>> is_hub_id("meta-llama/Llama-3.2-1B"), is_hub_id("./runs/demo-llm-hf"), is_hub_id("gs://b/m")
     (True, False, False)
 """
 
