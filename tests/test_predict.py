@@ -113,6 +113,21 @@ ENTRY %main (p: f32[1024,128]) -> f32[1024,128] {
     assert (negate.bytes_read, negate.bytes_written) == (0, 1024 * 128 * 4)
 
 
+
+def test_a_tpus_prefetch_into_on_chip_memory_moves_what_it_copies_and_a_slice_its_piece():
+    hlo = """
+ENTRY %main (w: bf16[1152,6912]) -> bf16[288,6912] {
+  %w = bf16[1152,6912]{1,0:T(8,128)(2,1)} parameter(0)
+  %s = ((bf16[1152,6912]{1,0:T(8,128)(2,1)}), bf16[288,6912]{1,0:T(8,128)(2,1)S(1)}, s32[]{:S(2)}) slice-start(%w), slice={[0:288], [0:6912]}
+  %c = (bf16[1152,6912]{1,0:T(8,128)(2,1)}, bf16[1152,6912]{1,0:T(8,128)(2,1)S(1)}, u32[]{:S(2)}) copy-start(%w)
+  %sd = bf16[288,6912]{1,0:T(8,128)(2,1)S(1)} slice-done(%s)
+  %cd = bf16[1152,6912]{1,0:T(8,128)(2,1)S(1)} copy-done(%c)
+  ROOT %n = bf16[288,6912]{1,0:T(8,128)(2,1)} negate(%sd)
+}"""
+    found = {k.name: k for k in kernels(hlo)}
+    assert (found["s"].kind, found["s"].bytes) == ("transfer", 288 * 6912 * 2)  # a quarter, not the whole weight
+    assert (found["c"].kind, found["c"].bytes) == ("transfer", 1152 * 6912 * 2)
+
 # A TPU's asynchronous collective fusion: one all-gather of a [4096, 1024] table (channel 7),
 # carried through the two compute fusions it overlaps: each holds the gather and passes the
 # gathered buffer and its shard through, beside its own product.

@@ -181,7 +181,10 @@ def _kernel(
     name, shape, op, rest = found.group("name"), found.group("shape"), found.group("op"), found.group("rest")
     kind = op.removesuffix("-start")
     if op in _TRANSFERS:  # a DMA between memories, beside the compute (TPU prefetches into VMEM)
-        moved = max((array_bytes(m.group(0)) for m in _ARRAY.finditer(shape)), default=0)
+        # ((source), destination, context): what moves is the destination, a slice-start's
+        # piece of its source (a weight prefetched into VMEM in parts is read once, not per part).
+        arrays = [array_bytes(m.group(0)) for m in _ARRAY.finditer(shape)]
+        moved = arrays[1] if len(arrays) > 1 else max(arrays, default=0)
         return Kernel(name, "transfer", 1, bytes_read=moved, target=op, asynchronous=True)
     if kind in _COLLECTIVES:
         moved = moved_bytes(kind, op, shape, rest)
