@@ -20,15 +20,17 @@ from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
-def lay_out_cache(home, repo, files):
-    """``$HF_HOME/hub/models--org--name`` with ``refs/main`` and ``snapshots/<commit>/``: what
-    ``hf download`` leaves (the blobs are links to files in ``blobs/``; copies read the same)."""
-    root = home / "hub" / f"models--{repo.replace('/', '--')}"
+def lay_out_cache(home, repo, files, kind="models"):
+    """``$HF_HOME/hub/models--org--name`` (or ``datasets--org--name``) with ``refs/main`` and
+    ``snapshots/<commit>/``: what ``hf download`` leaves (the blobs are links to files in
+    ``blobs/``; copies read the same)."""
+    root = home / "hub" / f"{kind}--{repo.replace('/', '--')}"
     snapshot = root / "snapshots" / COMMIT
     snapshot.mkdir(parents=True)
     (root / "refs").mkdir()
     (root / "refs" / "main").write_text(COMMIT)
     for name, source in files.items():
+        (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
         (snapshot / name).write_bytes(source.read_bytes())
     return snapshot
 
@@ -47,6 +49,7 @@ def hub_home(tmp_path_factory):
     files = {p.name: p for p in (work / "model").iterdir() if p.is_file()}
     home = work / "hf-home"
     lay_out_cache(home, "tiny-org/tiny-llama", files)
+    lay_out_cache(home, "tiny-org/fox-text", {"data/train.txt": work / "text.txt"}, kind="datasets")
     return home, work
 
 
@@ -61,11 +64,11 @@ def _env(home, cache):
     }
 
 
-def test_a_hub_id_trains_from_the_cache_with_no_network(hub_home, tmp_path):
+def test_a_hub_id_trains_on_hub_data_from_the_cache_with_no_network(hub_home, tmp_path):
     home, work = hub_home
     run = subprocess.run(
         [sys.executable, "-m", "xlafit", "train", "llm", "--run-dir", str(tmp_path / "run"),
-         "model.init_from_hf=tiny-org/tiny-llama", f"--data-dir={work / 'text.txt'}", "data.seq_len=32",
+         "model.init_from_hf=tiny-org/tiny-llama", "--data-dir=hf://datasets/tiny-org/fox-text/data", "data.seq_len=32",
          "trainer.epochs=1", "data.global_batch=8"],
         capture_output=True, text=True, env=_env(home, tmp_path / "cache"), timeout=600,
     )  # fmt: skip
@@ -87,6 +90,29 @@ def test_a_hub_id_missing_from_the_cache_offline_says_so_in_one_line(hub_home, t
     assert len(errors) == 1 and "Traceback" not in run.stderr
     assert "model.init_from_hf=meta-llama/Llama-3.2-1B is not in the Hugging Face cache" in errors[0]
     assert "hf download meta-llama/Llama-3.2-1B" in errors[0]
+
+
+def test_hub_data_paths_read_the_cache_and_say_what_is_missing(hub_home, tmp_path):
+    home, work = hub_home
+    script = (
+        "import sys\n"
+        "from xlafit.data import clm\n"
+        "from xlafit.errors import ConfigError\n"
+        "for url in sys.argv[1:]:\n"
+        "    try:\n"
+        "        print([f.split('/snapshots/')[-1] for f in clm.data_files([url])])\n"
+        "    except ConfigError as e:\n"
+        "        print('error:', e)\n"
+    )
+    urls = ["hf://datasets/tiny-org/fox-text/data/train.txt", "hf://datasets/tiny-org/fox-text/data/*.txt",
+            "hf://datasets/tiny-org/fox-text@main/data", "hf://datasets/other-org/chats/train.jsonl", "hf://tiny-org/fox-text"]
+    run = subprocess.run([sys.executable, "-c", script, *urls], capture_output=True, text=True,
+                         env=_env(home, tmp_path / "cache"), timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert lines[:3] == [f"['{COMMIT}/data/train.txt']"] * 3  # a file, a glob, a folder at a revision
+    assert "hf download other-org/chats --repo-type dataset" in lines[3] and "not in the Hugging Face cache" in lines[3]
+    assert "hf://datasets/org/name/path" in lines[4]
 
 
 def test_the_hubs_refusals_name_the_fix(monkeypatch):

@@ -34,6 +34,7 @@ from xlafit.data.hashing import hash_uniform
 from xlafit.data.shapes import pack
 from xlafit.data.text import documents
 from xlafit.errors import DataError
+from xlafit.io import hub
 from xlafit.io.paths import as_path, filesystem
 
 ArrayT = TypeVar("ArrayT", np.ndarray, jax.Array)
@@ -121,13 +122,17 @@ def _documents(text_files: list[str], records: list[dict], text_column: str, whe
 
 def data_files(inputs: Sequence[str]) -> list[str]:
     """The files named by ``inputs``: files, globs, or directories (their ``*.txt``,
-    ``*.parquet`` and ``*.jsonl``), local or URLs.
+    ``*.parquet`` and ``*.jsonl``), local or URLs; ``hf://datasets/org/name/path`` through
+    the Hugging Face cache (:func:`xlafit.io.hub.dataset_path`).
 
     Raises:
         DataError: an input matches no file.
+        ConfigError: a Hugging Face path that cannot be read (gated, unknown, offline).
     """
     files: list[str] = []
     for pattern in inputs:
+        if pattern.startswith("hf://"):
+            pattern = hub.dataset_path(pattern, "data.data_dir")
         fs, path = filesystem(pattern)
         if any(c in path for c in "*?["):
             found = sorted(fs.glob(path))

@@ -1,6 +1,8 @@
 """Hugging Face hub ids as model and tokenizer locations: ``meta-llama/Llama-3.2-1B`` is
 downloaded once into the Hugging Face cache (``$HF_HOME``, as ``transformers`` does) and
-read from there; a local directory or a URL is used as it is.
+read from there; a local directory or a URL is used as it is. Data files on the hub are
+named ``hf://datasets/org/name/path`` (a file, folder or glob of a dataset repository, with
+``@revision`` after the name if not main): downloaded into the same cache, read from there.
 
 Only what a run reads is downloaded (configs, tokenizer files, safetensors weights; never
 pickled ``*.bin`` checkpoints). ``HF_TOKEN`` authenticates gated and private models;
@@ -20,11 +22,12 @@ from pathlib import Path
 
 from xlafit.errors import ConfigError
 
-__all__ = ["FILES", "is_hub_id", "resolve"]
+__all__ = ["FILES", "dataset_path", "is_hub_id", "resolve"]
 
 # What a run reads of a model repository.
 FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
 _ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_DATASET = re.compile(r"^hf://datasets/(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>[^/]+))?(?:/(?P<path>.*))?$")
 
 
 def is_hub_id(name: str) -> bool:
@@ -46,30 +49,54 @@ def resolve(name: str, revision: str | None = None, what: str = "model.init_from
     """
     if not is_hub_id(name):
         return name
+    return _snapshot(name, revision, FILES, "model", what)
+
+
+def dataset_path(url: str, what: str = "data.train_files") -> str:
+    """The local path of ``hf://datasets/org/name[@revision]/path``: the files of the dataset
+    repository that ``path`` names (a file, a folder's files or a glob; the whole repository
+    when none), downloaded into the Hugging Face cache first when they are not there.
+
+    Raises:
+        ConfigError: not of that form, gated, not on the hub, offline and not cached.
+    """
+    found = _DATASET.match(url)
+    if found is None:
+        raise ConfigError(
+            f"{what}={url}: a Hugging Face path reads hf://datasets/org/name/path (a dataset repository, then a "
+            "file, folder or glob in it)."
+        )
+    path = (found.group("path") or "").strip("/")
+    patterns = [path] if any(c in path for c in "*?[") else [path, f"{path}/*"] if path else ["*"]
+    folder = _snapshot(found.group("repo"), found.group("revision"), patterns, "dataset", what, url)
+    return str(Path(folder) / path) if path else folder
+
+
+def _snapshot(repo: str, revision: str | None, patterns: list[str], kind: str, what: str, name: str = "") -> str:
     import huggingface_hub
     from huggingface_hub import errors
 
+    name = name or repo
+    page = f"https://huggingface.co/{'datasets/' if kind == 'dataset' else ''}{repo}"
     try:
-        return huggingface_hub.snapshot_download(name, revision=revision, allow_patterns=FILES)
+        return huggingface_hub.snapshot_download(repo, repo_type=kind, revision=revision, allow_patterns=patterns)
     except errors.GatedRepoError:
         raise ConfigError(
-            f"{what}={name} is gated: accept its license at https://huggingface.co/{name} and set HF_TOKEN to a "
-            "token of that account."
+            f"{what}={name} is gated: accept its license at {page} and set HF_TOKEN to a token of that account."
         ) from None
     except errors.RevisionNotFoundError:
         raise ConfigError(f"{what}={name}: the hub has no revision {revision!r} of it.") from None
     except errors.RepositoryNotFoundError:
         raise ConfigError(
-            f"{what}={name}: the Hugging Face hub has no such model (or it is private: set HF_TOKEN); for a local "
+            f"{what}={name}: the Hugging Face hub has no such {kind} (or it is private: set HF_TOKEN); for a local "
             "directory give its path (./name)."
         ) from None
     except errors.LocalEntryNotFoundError:
+        download = f"hf download {repo}" + (" --repo-type dataset" if kind == "dataset" else "")
         raise ConfigError(
             f"{what}={name} is not in the Hugging Face cache and the hub cannot be reached (offline or "
-            f"HF_HUB_OFFLINE=1): download it where the hub is reachable (hf download {name}) into the same "
-            "HF_HOME, or give a local directory."
+            f"HF_HUB_OFFLINE=1): download it where the hub is reachable ({download}) into the same "
+            "HF_HOME, or give a local path."
         ) from None
     except (OSError, errors.HfHubHTTPError) as e:
-        raise ConfigError(
-            f"{what}={name}: the hub could not be read ({e}); retry, or give a local directory."
-        ) from None
+        raise ConfigError(f"{what}={name}: the hub could not be read ({e}); retry, or give a local path.") from None
