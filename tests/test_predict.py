@@ -113,20 +113,64 @@ ENTRY %main (p: f32[1024,128]) -> f32[1024,128] {
     assert (negate.bytes_read, negate.bytes_written) == (0, 1024 * 128 * 4)
 
 
-
 def test_a_tpus_prefetch_into_on_chip_memory_moves_what_it_copies_and_a_slice_its_piece():
     hlo = """
 ENTRY %main (w: bf16[1152,6912]) -> bf16[288,6912] {
-  %w = bf16[1152,6912]{1,0:T(8,128)(2,1)} parameter(0)
-  %s = ((bf16[1152,6912]{1,0:T(8,128)(2,1)}), bf16[288,6912]{1,0:T(8,128)(2,1)S(1)}, s32[]{:S(2)}) slice-start(%w), slice={[0:288], [0:6912]}
-  %c = (bf16[1152,6912]{1,0:T(8,128)(2,1)}, bf16[1152,6912]{1,0:T(8,128)(2,1)S(1)}, u32[]{:S(2)}) copy-start(%w)
-  %sd = bf16[288,6912]{1,0:T(8,128)(2,1)S(1)} slice-done(%s)
-  %cd = bf16[1152,6912]{1,0:T(8,128)(2,1)S(1)} copy-done(%c)
-  ROOT %n = bf16[288,6912]{1,0:T(8,128)(2,1)} negate(%sd)
-}"""
+  %w = bf16[1152,6912]{1,0:$T} parameter(0)
+  %s = ((bf16[1152,6912]{1,0:$T}), bf16[288,6912]{1,0:$T$V}, s32[]{:S(2)}) slice-start(%w), slice={[0:288], [0:6912]}
+  %c = (bf16[1152,6912]{1,0:$T}, bf16[1152,6912]{1,0:$T$V}, u32[]{:S(2)}) copy-start(%w)
+  %sd = bf16[288,6912]{1,0:$T$V} slice-done(%s)
+  %cd = bf16[1152,6912]{1,0:$T$V} copy-done(%c)
+  ROOT %n = bf16[288,6912]{1,0:$T} negate(%sd)
+}""".replace("$T", "T(8,128)(2,1)").replace("$V", "S(1)")  # tiled; in VMEM
     found = {k.name: k for k in kernels(hlo)}
     assert (found["s"].kind, found["s"].bytes) == ("transfer", 288 * 6912 * 2)  # a quarter, not the whole weight
     assert (found["c"].kind, found["c"].bytes) == ("transfer", 1152 * 6912 * 2)
+
+
+# A TPU product fusion whose operands come from fusions nested in it: the stacked weight
+# sliced to one layer inside one, the tied [32768, 256] embedding only bitcast in another.
+NESTED = """
+%take_layer (a0: bf16[16,256,256], a1: s32[]) -> bf16[256,256] {
+  %a0 = bf16[16,256,256]{2,1,0} parameter(0)
+  %a1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %ds = bf16[1,256,256]{2,1,0} dynamic-slice(%a0, %a1, %z, %z), dynamic_slice_sizes={1,256,256}
+  ROOT %b = bf16[256,256]{1,0} bitcast(%ds)
+}
+
+%as_is (e0: bf16[32768,256]) -> bf16[32768,256] {
+  %e0 = bf16[32768,256]{1,0} parameter(0)
+  ROOT %b = bf16[32768,256]{1,0} bitcast(%e0)
+}
+
+%layer_then_logits (p0: bf16[16,256,256], p1: s32[], p2: bf16[8,256], p3: bf16[32768,256]) -> bf16[8,32768] {
+  %p0 = bf16[16,256,256]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %p2 = bf16[8,256]{1,0} parameter(2)
+  %p3 = bf16[32768,256]{1,0} parameter(3)
+  %w = bf16[256,256]{1,0} fusion(%p0, %p1), kind=kLoop, calls=%take_layer
+  %h = bf16[8,256]{1,0} convolution(%p2, %w), dim_labels=bf_io->bf
+  %e = bf16[32768,256]{1,0} fusion(%p3), kind=kLoop, calls=%as_is
+  ROOT %y = bf16[8,32768]{1,0} convolution(%h, %e), dim_labels=bf_oi->bf
+}
+
+ENTRY %main (s: bf16[16,256,256], i: s32[], x: bf16[8,256], t: bf16[32768,256]) -> bf16[8,32768] {
+  %s = bf16[16,256,256]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %x = bf16[8,256]{1,0} parameter(2)
+  %t = bf16[32768,256]{1,0} parameter(3)
+  ROOT %f = bf16[8,32768]{1,0} fusion(%s, %i, %x, %t), kind=kOutput, calls=%layer_then_logits
+}
+"""
+
+
+def test_a_fusion_reads_a_stack_sliced_in_a_nested_fusion_at_the_slice_and_a_nested_output_whole():
+    (fusion,) = kernels(NESTED)
+    layer, index, x, table = 256 * 256 * 2, 4, 8 * 256 * 2, 32768 * 256 * 2
+    assert fusion.bytes_read == layer + index + x + table  # one layer of the stack; the whole table
+    assert fusion.bytes_written == 8 * 32768 * 2
+
 
 # A TPU's asynchronous collective fusion: one all-gather of a [4096, 1024] table (channel 7),
 # carried through the two compute fusions it overlaps: each holds the gather and passes the

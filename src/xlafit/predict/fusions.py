@@ -132,9 +132,13 @@ def _sliced_bytes(
 ) -> float | None:
     """The bytes read of a parameter used only through slices, directly or inside the
     fusions nested in ``fused`` (a TPU fusion around a product slices a scanned stack in
-    an inner fusion); None when some use reads it whole."""
+    an inner fusion); None when some use reads it whole, or when it flows out of ``fused``
+    (a nested fusion's output: what uses it there reads it)."""
+    uses = _terminal_uses(param, _users(fused))
+    if not uses:
+        return None
     total = 0.0
-    for use, position in _terminal_uses(param, _users(fused)):
+    for use, position in uses:
         op = use.group("op")
         if op in _SLICING and position == 0:
             total += hbm_bytes(use.group("shape"))
