@@ -104,8 +104,13 @@ def test_hub_data_paths_read_the_cache_and_say_what_is_missing(hub_home, tmp_pat
         "    except ConfigError as e:\n"
         "        print('error:', e)\n"
     )
-    urls = ["hf://datasets/tiny-org/fox-text/data/train.txt", "hf://datasets/tiny-org/fox-text/data/*.txt",
-            "hf://datasets/tiny-org/fox-text@main/data", "hf://datasets/other-org/chats/train.jsonl", "hf://tiny-org/fox-text"]
+    urls = [
+        "hf://datasets/tiny-org/fox-text/data/train.txt",
+        "hf://datasets/tiny-org/fox-text/data/*.txt",
+        "hf://datasets/tiny-org/fox-text@main/data",
+        "hf://datasets/other-org/chats/train.jsonl",
+        "hf://tiny-org/fox-text",
+    ]
     run = subprocess.run([sys.executable, "-c", script, *urls], capture_output=True, text=True,
                          env=_env(home, tmp_path / "cache"), timeout=120)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
