@@ -12,7 +12,7 @@ import pytest
 
 from xlafit.predict.fit import fit_matmul, fit_stream
 from xlafit.predict.model import predict, wave_efficiency
-from xlafit.predict.ops import kernels
+from xlafit.predict.ops import Kernel, kernels
 from xlafit.predict.rates import BUILT_IN, Rates, load_rates, rates_for, save_rates
 from xlafit.predict.validation import covering, fit_gpu, gpu_checks, kernel_units, tpu_checks, tpu_rows, tpu_runs
 
@@ -249,6 +249,16 @@ def test_the_step_adds_kernels_along_the_schedule_and_hides_an_async_collective_
     # On a fast link the gather hides entirely.
     fast = predict(LOOP, dataclasses.replace(rates, link_bytes_per_s=1e12), devices=8)
     assert fast.exposed_collective_s == 0 and fast.seconds == pytest.approx(busy)
+
+
+def test_a_prefetch_overlaps_a_product_but_shares_the_hbm_with_a_streaming_kernel():
+    rates = Rates("demo", 1e12, (128, 128), 1, 1e11, 1e12, 0.0)
+    prefetch = Kernel("p", "transfer", 1, bytes_read=1e9, asynchronous=True)  # 10 ms alone
+    done = Kernel("pd", "wait", 1, target="p")
+    product = Kernel("mm", "matmul", 1, flops=2e10, bytes_read=1e8, shape=(1, 4096, 4096, 4096))  # 20 ms, 1 of HBM
+    stream = Kernel("add", "elementwise", 1, bytes_read=5e8, bytes_written=5e8)  # 10 ms, all of it HBM
+    assert predict([prefetch, product, done], rates).seconds == pytest.approx(0.020)  # hidden in the 19 ms free
+    assert predict([prefetch, stream, done], rates).seconds == pytest.approx(0.020)  # one after the other
 
 
 def test_the_fits_recover_the_rates_that_made_their_timings():

@@ -15,7 +15,9 @@ fixed cost:
 A collective costs ``collective_s`` plus its bytes over the link (a ring: ``(n - 1) / n`` of
 the array per pass, two passes for an all-reduce). An asynchronous collective (``-start`` /
 ``-done``) overlaps the kernels the schedule puts between its start and its end; only what
-they do not cover adds to the step. Kernels inside a loop count once per trip.
+they do not cover adds to the step. An asynchronous copy between memories (a TPU's prefetch
+into on-chip memory) shares the HBM with those kernels: it overlaps only the part of each
+that is not moving its own bytes. Kernels inside a loop count once per trip.
 
 Example:
     >>> from xlafit.predict.ops import Kernel
@@ -157,14 +159,18 @@ def predict(program: str | list[Kernel], rates: Rates, link: Link = None, device
     """
     found = kernels(program) if isinstance(program, str) else program
     times = [KernelTime(k, *_price(k, rates, link, devices)) for k in found]
-    # Along the schedule: an asynchronous collective runs beside the kernels until its wait.
+    # Along the schedule: an asynchronous collective or copy runs beside the kernels until
+    # its wait; a copy only beside the time a kernel is not streaming HBM itself.
     running: dict[str, float] = {}
+    copies: set[str] = set()
     exposed = 0.0
     busy = 0.0
     for t in times:
         k = t.kernel
         if k.asynchronous:
             running[k.name] = t.seconds
+            if k.kind == "transfer":
+                copies.add(k.name)
             continue
         if k.kind == "wait":
             left = running.pop(k.target, 0.0)
@@ -174,7 +180,9 @@ def predict(program: str | list[Kernel], rates: Rates, link: Link = None, device
             exposed += t.total
             continue
         busy += t.total
+        streaming = min(t.seconds, k.bytes / rates.hbm_bytes_per_s)
         for name in running:
-            running[name] = max(0.0, running[name] - t.seconds)
+            cover = t.seconds - streaming if name in copies else t.seconds
+            running[name] = max(0.0, running[name] - cover)
     exposed += sum(running.values())  # started and never waited for in the listing
     return StepPrediction(busy + exposed, times, exposed, rates)
