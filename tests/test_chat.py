@@ -137,6 +137,26 @@ def test_bad_records_are_one_clear_error(model_dir, tmp_path):
         clm.load_packed([str(odd)], tok, seq_len=64, fmt="dialog")
 
 
+
+def test_records_that_would_train_on_nothing_are_refused_by_name(model_dir, tmp_path):
+    tok = clm.load_tokenizer(model_dir)
+    template = chat.template_for(str(model_dir))
+    typo = [{**m, "role": "assistent"} if m["role"] == "assistant" else m for m in CONVERSATION]
+    path = tmp_path / "typo.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": c}) for c in [CONVERSATION, typo]))
+    with pytest.raises(DataError, match=r"typo.jsonl, record 2 \(read as chat\): .*role 'assistent' is not one of"):
+        clm.load_packed([str(path)], tok, seq_len=128, template=template)
+    # Every record without an answer: the loss would count no token.
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("\n".join(json.dumps({"messages": CONVERSATION[:1]}) for _ in range(10)))
+    with pytest.raises(DataError, match=r"no token of .*questions.jsonl counts for the loss.*data.loss_on=all"):
+        clm.load_packed([str(questions)], tok, seq_len=128, eval_fraction=0.0, template=template)
+    # A chat file read as prompt/completion names the file, the record and the keys it has.
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": CONVERSATION}))
+    with pytest.raises(DataError, match=r"chats.jsonl, record 1 .*'prompt' must be text; it has none \(its keys are messages"):
+        clm.load_packed([str(chats)], tok, seq_len=128, fmt="prompt_completion")
+
 def test_a_downloaded_template_cannot_reach_python():
     template = chat.ChatTemplate("{{ messages.__class__.__mro__ }}")
     with pytest.raises(Exception, match="unsafe|access"):

@@ -22,7 +22,7 @@ import pytest
 from xlafit.checkpoint import Checkpointer, fingerprint
 from xlafit.cli import main
 from xlafit.data import mnist
-from xlafit.errors import CheckpointError, ConfigError
+from xlafit.errors import CheckpointError, ConfigError, DataError
 from xlafit.hf import bert as bert_hf
 from xlafit.io.paths import as_path, filesystem
 from xlafit.recipes import load_config
@@ -511,3 +511,20 @@ def test_chat_jsonl_and_prompt_completion_parquet_read_from_a_bucket(gcs, tmp_pa
         for key in ("input_ids", "loss_mask"):
             np.testing.assert_array_equal(remote[0].arrays[key], local[0].arrays[key])
         assert remote[0].documents == 12 and 0 < remote[0].source.answer_share < 0.5
+
+
+def test_data_in_a_bucket_that_cannot_be_reached_is_one_line(gcs, monkeypatch):
+    """The storage service gone (gcsfs told to give up at once, not after its 30 s of
+    retries): the data's URL and "cannot be reached", not the HTTP client's traceback."""
+    import gcsfs.retry
+
+    from xlafit.data import clm
+
+    monkeypatch.setattr(gcsfs.retry, "is_retriable", lambda e: False)
+    gcs.stop()
+    try:
+        filesystem(gcs.bucket)[0].invalidate_cache()
+        with pytest.raises(DataError, match=rf"cannot read {gcs.bucket}/data/chat.jsonl: .*cannot be reached"):
+            clm.data_files([f"{gcs.bucket}/data/chat.jsonl"])
+    finally:
+        gcs.start()

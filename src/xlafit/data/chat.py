@@ -44,6 +44,7 @@ from xlafit.io.paths import as_path, filesystem
 
 __all__ = [
     "FORMATS",
+    "ROLES",
     "TEMPLATE_FILE",
     "ChatTemplate",
     "Encoded",
@@ -54,6 +55,8 @@ __all__ = [
 ]
 
 FORMATS = ("text", "chat", "prompt_completion")
+# The roles chat templates know (OpenAI's and Hugging Face's; Llama 3's ipython for tool results).
+ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 TEMPLATE_FILE = "chat_template.jinja"  # where a model directory (and a run's tokenizer/) keeps its template
 # Marks around a {% generation %} block's output while rendering (private-use characters no
 # text contains), removed after: the block's span in the rendered text.
@@ -283,17 +286,22 @@ def encode(
 def _messages(record: dict[str, Any]) -> list[dict[str, Any]]:
     messages = record.get("messages")
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-        raise DataError(
-            'a chat record\'s messages must be a list of {"role": ..., "content": ...}; got '
-            f"{json.dumps(messages)[:120]}"
-        )
+        got = f"its keys are {', '.join(record)}" if messages is None else f"got {json.dumps(messages)[:120]}"
+        raise DataError(f'a chat record\'s messages must be a list of {{"role": ..., "content": ...}}; {got}')
+    for message in messages:
+        if message["role"] not in ROLES:
+            raise DataError(
+                f"a chat message's role {message['role']!r} is not one of {', '.join(ROLES)}: a misspelt role would "
+                "leave its turn out of the loss (the loss is on the assistant's turns)."
+            )
     return messages
 
 
 def _text(record: dict[str, Any], key: str) -> str:
     value = record.get(key)
     if not isinstance(value, str):
-        raise DataError(f"a record's {key!r} must be text; got {json.dumps(value)[:120]}")
+        got = f"it has none (its keys are {', '.join(record)})" if key not in record else f"got {json.dumps(value)[:120]}"
+        raise DataError(f"a record's {key!r} must be text; {got}")
     return value
 
 

@@ -35,7 +35,7 @@ from xlafit.data.shapes import pack
 from xlafit.data.text import documents
 from xlafit.errors import DataError
 from xlafit.io import hub
-from xlafit.io.paths import as_path, filesystem
+from xlafit.io.paths import as_path, describe_error, filesystem, is_url
 
 ArrayT = TypeVar("ArrayT", np.ndarray, jax.Array)
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"  # the special tokens of a tokenizer trained here (ids 0, 1, 2)
@@ -133,21 +133,30 @@ def data_files(inputs: Sequence[str]) -> list[str]:
     for pattern in inputs:
         if pattern.startswith("hf://"):
             pattern = hub.dataset_path(pattern, "data.data_dir")
-        fs, path = filesystem(pattern)
-        if any(c in path for c in "*?["):
-            found = sorted(fs.glob(path))
-        elif fs.isdir(path):
-            found = sorted(f for ext in ("txt", "parquet", "jsonl") for f in fs.glob(f"{path.rstrip('/')}/*.{ext}"))
-        else:
-            found = [path]
-        found = [f for f in found if fs.exists(f) and fs.isfile(f)]
+        try:
+            found = _matching(pattern)
+        except Exception as e:  # a bucket that cannot be reached or read: gcsfs's own error is a long traceback
+            if not is_url(pattern):
+                raise
+            raise DataError(f"cannot read {pattern}: {describe_error(pattern, e)}") from None
         if not found:
             raise DataError(
                 f"no input file matches {pattern}; give text, Parquet or JSON-lines files, globs, or directories of "
                 "*.txt, *.parquet and *.jsonl files."
             )
-        files += [fs.unstrip_protocol(f) if "://" in pattern else f for f in found]
+        files += found
     return files
+
+
+def _matching(pattern: str) -> list[str]:
+    fs, path = filesystem(pattern)
+    if any(c in path for c in "*?["):
+        found = sorted(fs.glob(path))
+    elif fs.isdir(path):
+        found = sorted(f for ext in ("txt", "parquet", "jsonl") for f in fs.glob(f"{path.rstrip('/')}/*.{ext}"))
+    else:
+        found = [path]
+    return [fs.unstrip_protocol(f) if "://" in pattern else f for f in found if fs.exists(f) and fs.isfile(f)]
 
 
 @dataclasses.dataclass
@@ -256,6 +265,12 @@ def load_packed(
         out.append(PackedText(arrays, vocab, counts[name]))
     masked = [x for e in split["train"] for x in e.mask]
     share = sum(masked) / max(len(masked), 1)
+    if not share:
+        raise DataError(
+            f"no token of {', '.join(map(str, inputs))} counts for the loss: with data.loss_on={loss_on} the loss is on "
+            "the answers (assistant turns, completions), and no training record has one; check the records' roles, or "
+            "set data.loss_on=all."
+        )
     out[0].source = Source(fmt_found, counts, truncated, share)
     return out[0], out[1]
 
@@ -283,7 +298,11 @@ def _encode_files(
             docs = list(_documents([], records, text_column, name))
             out += [Encoded(ids, [1] * len(ids)) for ids in _with_markers(tok, docs, bos, eos)]
         else:
-            out += [encode(r, this, tok, template, loss_on=loss_on, bos=bos, eos=eos) for r in records]
+            for number, record in enumerate(records, 1):
+                try:
+                    out.append(encode(record, this, tok, template, loss_on=loss_on, bos=bos, eos=eos))
+                except DataError as e:
+                    raise DataError(f"{name}, record {number} (read as {this}): {e}") from None
     if len(found) > 1:
         raise DataError(
             f"the inputs mix formats ({', '.join(sorted(found))}); give one kind of data per run (data.format)."
