@@ -137,7 +137,6 @@ def test_bad_records_are_one_clear_error(model_dir, tmp_path):
         clm.load_packed([str(odd)], tok, seq_len=64, fmt="dialog")
 
 
-
 def test_records_that_would_train_on_nothing_are_refused_by_name(model_dir, tmp_path):
     tok = clm.load_tokenizer(model_dir)
     template = chat.template_for(str(model_dir))
@@ -154,8 +153,10 @@ def test_records_that_would_train_on_nothing_are_refused_by_name(model_dir, tmp_
     # A chat file read as prompt/completion names the file, the record and the keys it has.
     chats = tmp_path / "chats.jsonl"
     chats.write_text(json.dumps({"messages": CONVERSATION}))
-    with pytest.raises(DataError, match=r"chats.jsonl, record 1 .*'prompt' must be text; it has none \(its keys are messages"):
+    keys = r"'prompt' must be text; it has none \(its keys are messages"
+    with pytest.raises(DataError, match=rf"chats.jsonl, record 1 .*{keys}"):
         clm.load_packed([str(chats)], tok, seq_len=128, fmt="prompt_completion")
+
 
 def test_a_downloaded_template_cannot_reach_python():
     template = chat.ChatTemplate("{{ messages.__class__.__mro__ }}")

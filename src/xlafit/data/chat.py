@@ -300,7 +300,8 @@ def _messages(record: dict[str, Any]) -> list[dict[str, Any]]:
 def _text(record: dict[str, Any], key: str) -> str:
     value = record.get(key)
     if not isinstance(value, str):
-        got = f"it has none (its keys are {', '.join(record)})" if key not in record else f"got {json.dumps(value)[:120]}"
+        keys = ", ".join(record)
+        got = f"it has none (its keys are {keys})" if key not in record else f"got {json.dumps(value)[:120]}"
         raise DataError(f"a record's {key!r} must be text; {got}")
     return value
 

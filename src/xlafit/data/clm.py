@@ -267,9 +267,9 @@ def load_packed(
     share = sum(masked) / max(len(masked), 1)
     if not share:
         raise DataError(
-            f"no token of {', '.join(map(str, inputs))} counts for the loss: with data.loss_on={loss_on} the loss is on "
-            "the answers (assistant turns, completions), and no training record has one; check the records' roles, or "
-            "set data.loss_on=all."
+            f"no token of {', '.join(map(str, inputs))} counts for the loss: with data.loss_on={loss_on} the loss "
+            "is on the answers (assistant turns, completions), and no training record has one; check the records' "
+            "roles, or set data.loss_on=all."
         )
     out[0].source = Source(fmt_found, counts, truncated, share)
     return out[0], out[1]
