@@ -22,7 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--data-dir",
         help="the recipe's data (mnist: a directory of IDX files; bert: the output of `xlafit data mlm`; "
-        "resnet: of `xlafit data images`)",
+        "resnet: of `xlafit data images`; llm: text, JSON-lines or Parquet files, a directory or glob of them, "
+        "gs:// or hf://datasets/ URLs)",
     )
     p.add_argument("--config", help="a YAML preset to use instead of the recipe's own")
     p.add_argument(
