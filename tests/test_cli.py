@@ -217,3 +217,16 @@ def test_max_batch_is_a_flag_that_overrides_may_follow():
     out = run("check", "mnist", "--max-batch-limit", "64")
     assert out.returncode == 2
     assert "--max-batch-limit 64: give a positive per-core batch, with --max-batch" in out.stderr
+
+
+def test_a_misplaced_flag_names_the_command_that_takes_it(capsys):
+    from xlafit.cli import _parse, build_parser
+
+    for argv, hint in (
+        (["plan", "model.py", "--max-batch"], "(--max-batch is a flag of xlafit check, not of xlafit plan)"),
+        (["train", "mnist", "--trainer.epochs=1"], "(config overrides take no dashes: trainer.epochs=1)"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            _parse(build_parser(), argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and f"xlafit {argv[0]}: error: unrecognized arguments" in err and hint in err

@@ -58,10 +58,24 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     args, extra = parser.parse_known_args(argv)
     unknown = [e for e in extra if e.startswith("-") or not hasattr(args, "overrides")]
     if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        commands = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        own = commands.get(getattr(args, "command", ""), parser)
+        own.error(f"unrecognized arguments: {' '.join(unknown)}{_hint(unknown, args.command, commands)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
     return args
+
+
+def _hint(unknown: list[str], command: str, commands: dict[str, argparse.ArgumentParser]) -> str:
+    """Where a misplaced flag belongs: the commands that take it, or the override it spells."""
+    for arg in unknown:
+        flag = arg.split("=", 1)[0]
+        takers = [name for name, p in commands.items() if flag in p._option_string_actions]
+        if takers:
+            return f" ({flag} is a flag of {' and '.join(f'xlafit {t}' for t in takers)}, not of xlafit {command})"
+        if arg.startswith("--") and "." in flag and "=" in arg:
+            return f" (config overrides take no dashes: {arg[2:]})"
+    return ""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
