@@ -123,8 +123,16 @@ def test_config_errors_name_the_fix(corpus):
         recipe.validate(load_config("llm", ["data.seq_len=1024"]))
     with pytest.raises(ConfigError, match="model.preset=custom needs model.num_layers"):
         recipe.validate(load_config("llm", ["model.preset=custom", "model.hidden_size=64"]))
-    with pytest.raises(ConfigError, match="more than the model's vocabulary of 128256"):
+    with pytest.raises(
+        ConfigError, match="vocabulary of 128256; .* or model.preset=custom with model.vocab_size=200000"
+    ):
         recipe.llama_config(load_config("llm", ["model.preset=llama-3.2-1b"]), 200000)
+    custom = ["model.preset=custom", "model.num_layers=1", "model.hidden_size=64", "model.num_heads=4",
+              "model.intermediate_size=128", "model.vocab_size=512"]  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"vocabulary of 512; use that model's tokenizer \(data.tokenizer\) or model.vocab"
+    ):
+        recipe.llama_config(load_config("llm", custom), 2000)
     big = load_config("llm", ["model.preset=llama-3.1-8b", "data.seq_len=4096"])
     per_row = recipe.throughput(big, clm.PackedText({"input_ids": np.zeros((1, 4096))}, 128256, 1))
     assert per_row["flops_per_example"] / 4096 == pytest.approx(51.5e9, rel=1e-3)  # LlamaConfig's doctest

@@ -114,8 +114,9 @@ def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
     if sizes.get("vocab_size", base["vocab_size"]) < vocab_size:
         raise ConfigError(
             f"the tokenizer has {vocab_size} tokens, more than the model's vocabulary of "
-            f"{sizes.get('vocab_size', base['vocab_size'])}; use that model's tokenizer (data.tokenizer), "
-            "model.preset=custom, or a larger model.vocab_size."
+            f"{sizes.get('vocab_size', base['vocab_size'])}; use that model's tokenizer (data.tokenizer) or "
+            + ("" if m.preset == "custom" else "model.preset=custom with ")
+            + f"model.vocab_size={vocab_size} or more."
         )
     try:
         return LlamaConfig(
