@@ -78,6 +78,11 @@ class Generator:
         path = as_path(source)
         if (path / "config.yaml").exists():
             return _from_run(source, step, simulate)
+        if hub.is_local(source) and not path.exists():
+            raise ConfigError(
+                f"{source}: no such directory; give an llm run directory, a Hugging Face model directory, or a hub "
+                "id org/name."
+            )
         folder = hub.resolve(source, revision, "the model")
         if not (Path(folder) / "config.json").exists():
             raise ConfigError(

@@ -126,7 +126,12 @@ def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
 
 
 def validate(cfg: Config) -> None:
-    """Refuses sizes that cannot work, before any text is read."""
+    """Refuses sizes that cannot work and local model or tokenizer paths that are missing (or
+    an xlafit run's, not a Hugging Face directory), before any text is read."""
+    if cfg.model.init_from_hf:
+        hub.check_local(cfg.model.init_from_hf, "model.init_from_hf")
+    if data_config(cfg).tokenizer:
+        hub.check_local(data_config(cfg).tokenizer, "data.tokenizer")
     if cfg.model.init_from_hf is None:
         config = llama_config(cfg, 1)
         if data_config(cfg).seq_len > config.max_position_embeddings:
