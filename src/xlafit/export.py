@@ -121,15 +121,21 @@ def _write(recipe: str, cfg: Config, run: Any, arrays: Any, metadata: dict[str, 
         save_resnet_hf(_resnet(cfg, arrays), local, labels=_classes(run), processor=_image_processor(cfg))
 
 
-def checkpoint_arrays(cfg: Config, run: Any, step: int | None) -> tuple[Any, int, dict[str, str]]:
+def checkpoint_arrays(cfg: Config, run: Any, step: int | None, use: str = "export") -> tuple[Any, int, dict[str, str]]:
     """The saved state of checkpoint ``step`` (default: the newest intact one) as host arrays,
-    with the metadata it was saved with."""
+    with the metadata it was saved with; ``use`` (export or generate) words the error of a run
+    with no checkpoint."""
     ckpt = Checkpointer(checkpoint_dir(cfg))
     try:
         usable = [i.step for i in ckpt.list() if i.usable]
         if step is None:
+            if not usable and use == "generate":
+                raise CheckpointError(
+                    f"{run} has no intact checkpoint to generate with; train it until it saves one, or give "
+                    "a Hugging Face model directory."
+                )
             if not usable:
-                raise CheckpointError(f"{run} has no intact checkpoint to export.")
+                raise CheckpointError(f"{run} has no intact checkpoint to export; train it until it saves one.")
             step = usable[-1]
         elif step not in usable:
             raise CheckpointError(f"no intact checkpoint {step} in {run}; intact: {usable}.")

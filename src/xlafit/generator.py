@@ -155,7 +155,7 @@ def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
         strategy = connect(simulate, cpu=cfg.cpu)
         print(f"the run's mesh does not fit this host's devices ({e}); the model is replicated", file=sys.stderr)
     tokenizer = clm.load_tokenizer(run / "tokenizer")
-    arrays, _, metadata = checkpoint_arrays(cfg, run, step)
+    arrays, _, metadata = checkpoint_arrays(cfg, run, step, use="generate")
     model = run_model(cfg, arrays, metadata.get(BASE_FINGERPRINT), tokenizer.get_vocab_size())
     if cfg.lora.rank:
         model = typing.cast(LlamaForCausalLM, merge_lora(model))
