@@ -131,8 +131,9 @@ def validate(cfg: Config) -> None:
     if cfg.model.init_from_hf:
         hub.check_local(cfg.model.init_from_hf, "model.init_from_hf")
         _refuse_size_overrides(cfg)
-    if data_config(cfg).tokenizer:
-        hub.check_local(data_config(cfg).tokenizer, "data.tokenizer")
+    tokenizer = data_config(cfg).tokenizer
+    if tokenizer:
+        hub.check_local(tokenizer, "data.tokenizer")
     if cfg.model.init_from_hf is None:
         config = llama_config(cfg, 1)
         if data_config(cfg).seq_len > config.max_position_embeddings:
