@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 
 def run(*args, env=None, timeout=600):
@@ -230,3 +231,30 @@ def test_a_misplaced_flag_names_the_command_that_takes_it(capsys):
             _parse(build_parser(), argv)
         err = capsys.readouterr().err
         assert stop.value.code == 2 and f"xlafit {argv[0]}: error: unrecognized arguments" in err and hint in err
+
+
+def test_lora_on_a_new_model_exports_and_generates(tmp_path):
+    """A LoRA run on a new model (no model.init_from_hf), each command in its own process as a
+    user runs them: export and generate re-initialise the base with the run's CPU settings, so
+    its fingerprint is the one the adapters were trained on. A failed export leaves no --out."""
+    from xlafit.errors import CheckpointError
+    from xlafit.export import export_hf
+
+    run_dir, out = tmp_path / "run", tmp_path / "hf"
+    train = run(
+        "train", "llm", "lora.rank=4", "data.demo=arithmetic", "trainer.epochs=1", "trainer.stop_at_step=2",
+        "data.seq_len=32", "--run-dir", str(run_dir), env={"XLAFIT_CACHE": str(tmp_path / "cache")},
+    )  # fmt: skip
+    assert train.returncode == 0, train.stderr
+    exported = run("export", "hf", str(run_dir), "--out", str(out))
+    assert exported.returncode == 0, exported.stderr
+    assert {"model.safetensors", "adapter", "base"} <= {p.name for p in out.iterdir()}
+    answered = run("generate", str(run_dir), "--prompt", "1 plus 2", "--max-new-tokens", "4")
+    assert answered.returncode == 0, answered.stderr
+    # another seed re-initialises another base: refused, and the --out it made is gone again
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config["trainer"]["seed"] = 1
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(CheckpointError, match="is not the one its adapters were trained on"):
+        export_hf(run_dir, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()

@@ -103,3 +103,39 @@ def test_a_sharded_model_generates_what_one_device_does():
     graphdef, state = nnx.split(model)
     placed = jax.device_put(state, tree_shardings(state, strategy.mesh, {}))
     assert generate(nnx.merge(graphdef, placed), PROMPTS, 5) == expected
+
+
+def test_more_tokens_than_the_context_are_refused():
+    """A prompt and max_new_tokens past max_position_embeddings (128 here): one line naming
+    both numbers and the largest max_new_tokens, before anything compiles or runs."""
+    from xlafit.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        generate(tiny(), PROMPTS, 122)  # the longest prompt has 7 tokens
+    assert str(e.value) == (
+        "the longest prompt's 7 tokens + max_new_tokens=122 = 129 is more than the model's context "
+        "(max_position_embeddings=128); give max_new_tokens=121 or fewer."
+    )
+    with pytest.raises(ConfigError, match="shorten the prompt"):
+        generate(tiny(), [list(range(128))], 1)
+
+
+def test_a_run_with_no_checkpoint_says_to_train_it_not_to_export_it(tmp_path):
+    import yaml
+
+    from xlafit.data import clm
+    from xlafit.errors import CheckpointError
+    from xlafit.generator import Generator
+    from xlafit.recipes import load_config
+
+    run = tmp_path / "run"
+    (tmp_path / "text.txt").write_text("\n\n".join(f"document {i}: the quick brown fox" for i in range(20)))
+    clm.train_bpe([str(tmp_path / "text.txt")], 100, run / "tokenizer")
+    cfg = load_config("llm", [f"run.run_dir={run}"])
+    (run / "config.yaml").write_text(yaml.safe_dump({"recipe": "llm", **cfg.to_dict()}))
+    with pytest.raises(CheckpointError) as e:
+        Generator.load(str(run))
+    assert str(e.value) == (
+        f"{run} has no intact checkpoint to generate with; train it until it saves one, or give a Hugging Face "
+        "model directory."
+    )

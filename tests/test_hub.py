@@ -148,3 +148,33 @@ def test_local_paths_and_urls_are_not_hub_ids(tmp_path):
     (tmp_path / "org" / "model").mkdir()
     assert hub.resolve(str(tmp_path / "org" / "model")) == str(tmp_path / "org" / "model")
     assert not hub.is_hub_id("gs://bucket/model") and not hub.is_hub_id("./model") and hub.is_hub_id("a/b")
+
+
+def test_local_paths_that_are_missing_or_runs_are_named_before_the_tokenizer(tmp_path, monkeypatch):
+    """``~/x``, ``/abs/x`` and ``runs/new`` beside a ``runs/`` folder are local paths, never hub
+    ids: missing, they say so; an xlafit run directory says to export it first. The llm recipe
+    checks them before it looks for a tokenizer."""
+    from xlafit.generator import Generator
+    from xlafit.recipes import llm, load_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "base" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "runs" / "base" / "config.yaml").write_text("recipe: llm\n")
+    assert not hub.is_hub_id("runs/pc-hf") and hub.is_local("runs/pc-hf") and hub.is_hub_id("org/pc-hf")
+
+    def refusal(name, data_dir="text.txt"):
+        cfg = load_config("llm", [f"model.init_from_hf={name}", f"data.data_dir={data_dir}"])
+        with pytest.raises(ConfigError) as e:
+            llm.validate(cfg)
+        return str(e.value)
+
+    for name in ("~/no-such-xlafit-model", str(tmp_path / "x" / "nope"), "runs/pc-hf"):
+        assert refusal(name) == (
+            f"model.init_from_hf={name}: no such file or directory; give the path of a Hugging Face model "
+            "directory, or a hub id org/name."
+        )
+    assert "is an xlafit run directory, not a Hugging Face one; export it first (xlafit export hf runs/base" in (
+        refusal("runs/base")
+    )
+    with pytest.raises(ConfigError, match="runs/nonexistent: no such directory; give an llm run directory"):
+        Generator.load("runs/nonexistent")

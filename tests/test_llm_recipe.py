@@ -169,6 +169,21 @@ def _tiny(seed=0, lora=True):
     return apply_lora(model, ("q_proj", "v_proj"), rank=4, alpha=8, rngs=nnx.Rngs(1)) if lora else model
 
 
+def test_a_size_given_with_init_from_hf_that_differs_from_its_config_is_refused(tmp_path):
+    """model.num_layers=6 with a 2-layer model.init_from_hf would be recorded and not used:
+    refused, naming both; the checkpoint's own size, or none, passes."""
+    llama_hf.save_hf(_tiny(lora=False), tmp_path / "hf")
+    source = f"model.init_from_hf={tmp_path / 'hf'}"
+    with pytest.raises(ConfigError) as e:
+        recipe.validate(load_config("llm", [source, "model.num_layers=6"]))
+    assert str(e.value) == (
+        f"model.num_layers=6 conflicts with {source}, whose config.json has 2; its sizes are the checkpoint's: "
+        "drop model.num_layers, or drop model.init_from_hf to train a new model of that size."
+    )
+    recipe.validate(load_config("llm", [source, "model.num_layers=2"]))
+    recipe.validate(load_config("llm", [source]))
+
+
 def _lm_loss(model, batch):
     logits = model(batch["x"])
     return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], batch["x"][:, 1:]).mean(-1)

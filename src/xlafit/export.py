@@ -37,6 +37,7 @@ from xlafit.models.bert import BertForMaskedLM
 from xlafit.models.llama import LlamaForCausalLM
 from xlafit.models.lora import ADAPTER, base_fingerprint, merge_lora
 from xlafit.models.resnet import ResNet
+from xlafit.parallel.cluster import configure, start_backends
 from xlafit.recipes import config_from_dict
 from xlafit.recipes.bert import bert_config
 from xlafit.recipes.llm import build_llama
@@ -73,24 +74,20 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
         raise ConfigError(f"{run} has no tokenizer/ (written when training starts); cannot export.")
     cfg = config_from_dict(recipe, {k: v for k, v in saved.items() if k != "recipe"})
     cfg.run.run_dir = str(run)  # where the run is now: it may have moved since it trained
+    # The run's XLA:CPU settings before JAX starts: a new model's LoRA base is re-initialised
+    # here, and its rounding (so its fingerprint) depends on them.
+    configure(cpu=cfg.cpu)
+    start_backends()
     arrays, step, metadata = checkpoint_arrays(cfg, run, step)
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(tmp) / "out" if is_url(out) else Path(out)
-        if recipe == "bert":
-            vocab = json.loads((run / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
-            model = BertForMaskedLM(bert_config(cfg, len(vocab)), rngs=nnx.Rngs(0))
-            _fill(model, nnx.Param, arrays["params"])
-            tok_dir = download_dir(run / "tokenizer", Path(tmp) / "tokenizer")  # the run's may be on gs://
-            save_hf(model, local, tokenizer_dir=tok_dir)
-        elif recipe == "llm":
-            tokenizer_json = (run / "tokenizer" / "tokenizer.json").read_text()
-            template = run / "tokenizer" / chat.TEMPLATE_FILE
-            chat_template = template.read_text() if template.exists() else None
-            tokens_file = run / "tokenizer" / "tokenizer_config.json"
-            tokens = json.loads(tokens_file.read_text()) if tokens_file.exists() else {}
-            export_llm(cfg, arrays, metadata.get(BASE_FINGERPRINT), tokenizer_json, local, chat_template, tokens)
-        else:
-            save_resnet_hf(_resnet(cfg, arrays), local, labels=_classes(run), processor=_image_processor(cfg))
+        existed = local.exists()
+        try:
+            _write(recipe, cfg, run, arrays, metadata, local, Path(tmp))
+        except BaseException:
+            if not existed and local.is_dir() and not any(local.iterdir()):
+                local.rmdir()  # a failed export leaves no empty --out behind
+            raise
         (local / "xlafit-config.yaml").write_text(config_text)
         if is_url(out):
             if bucket_of(out):
@@ -105,15 +102,40 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     return str(out), step
 
 
-def checkpoint_arrays(cfg: Config, run: Any, step: int | None) -> tuple[Any, int, dict[str, str]]:
+def _write(recipe: str, cfg: Config, run: Any, arrays: Any, metadata: dict[str, str], local: Path, tmp: Path) -> None:
+    """Writes the model of one recipe's checkpoint (``arrays``) to ``local``."""
+    if recipe == "bert":
+        vocab = json.loads((run / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
+        model = BertForMaskedLM(bert_config(cfg, len(vocab)), rngs=nnx.Rngs(0))
+        _fill(model, nnx.Param, arrays["params"])
+        tok_dir = download_dir(run / "tokenizer", tmp / "tokenizer")  # the run's may be on gs://
+        save_hf(model, local, tokenizer_dir=tok_dir)
+    elif recipe == "llm":
+        tokenizer_json = (run / "tokenizer" / "tokenizer.json").read_text()
+        template = run / "tokenizer" / chat.TEMPLATE_FILE
+        chat_template = template.read_text() if template.exists() else None
+        tokens_file = run / "tokenizer" / "tokenizer_config.json"
+        tokens = json.loads(tokens_file.read_text()) if tokens_file.exists() else {}
+        export_llm(cfg, arrays, metadata.get(BASE_FINGERPRINT), tokenizer_json, local, chat_template, tokens)
+    else:
+        save_resnet_hf(_resnet(cfg, arrays), local, labels=_classes(run), processor=_image_processor(cfg))
+
+
+def checkpoint_arrays(cfg: Config, run: Any, step: int | None, use: str = "export") -> tuple[Any, int, dict[str, str]]:
     """The saved state of checkpoint ``step`` (default: the newest intact one) as host arrays,
-    with the metadata it was saved with."""
+    with the metadata it was saved with; ``use`` (export or generate) words the error of a run
+    with no checkpoint."""
     ckpt = Checkpointer(checkpoint_dir(cfg))
     try:
         usable = [i.step for i in ckpt.list() if i.usable]
         if step is None:
+            if not usable and use == "generate":
+                raise CheckpointError(
+                    f"{run} has no intact checkpoint to generate with; train it until it saves one, or give "
+                    "a Hugging Face model directory."
+                )
             if not usable:
-                raise CheckpointError(f"{run} has no intact checkpoint to export.")
+                raise CheckpointError(f"{run} has no intact checkpoint to export; train it until it saves one.")
             step = usable[-1]
         elif step not in usable:
             raise CheckpointError(f"no intact checkpoint {step} in {run}; intact: {usable}.")
@@ -139,9 +161,14 @@ def run_model(cfg: Config, arrays: Any, fingerprint: str | None, vocab_size: int
     _fill(model, ADAPTER if cfg.lora.rank else nnx.Param, arrays["params"])
     assert isinstance(model, LlamaForCausalLM)
     if cfg.lora.rank and fingerprint != base_fingerprint(model):
+        rebuilt = base_fingerprint(model)[:12]
+        if cfg.model.init_from_hf:
+            fix = "put the run's model.init_from_hf back as it was"
+        else:  # a new model's random base: its rounding depends on the platform and the cpu.* settings
+            fix = "a new model's base is re-initialised from the run's config; do this on the platform it trained on"
         raise CheckpointError(
-            f"the base model rebuilt from the run's config (fingerprint {base_fingerprint(model)}) is not the one "
-            f"its adapters were trained on ({fingerprint}); put the run's model.init_from_hf back as it was."
+            f"the base model rebuilt from the run's config (fingerprint {rebuilt}...) is not the one its adapters "
+            f"were trained on ({(fingerprint or 'none')[:12]}...); {fix}."
         )
     return model
 

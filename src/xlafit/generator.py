@@ -78,6 +78,11 @@ class Generator:
         path = as_path(source)
         if (path / "config.yaml").exists():
             return _from_run(source, step, simulate)
+        if hub.is_local(source) and not path.exists():
+            raise ConfigError(
+                f"{source}: no such directory; give an llm run directory, a Hugging Face model directory, or a hub "
+                "id org/name."
+            )
         folder = hub.resolve(source, revision, "the model")
         if not (Path(folder) / "config.json").exists():
             raise ConfigError(
@@ -150,7 +155,7 @@ def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
         strategy = connect(simulate, cpu=cfg.cpu)
         print(f"the run's mesh does not fit this host's devices ({e}); the model is replicated", file=sys.stderr)
     tokenizer = clm.load_tokenizer(run / "tokenizer")
-    arrays, _, metadata = checkpoint_arrays(cfg, run, step)
+    arrays, _, metadata = checkpoint_arrays(cfg, run, step, use="generate")
     model = run_model(cfg, arrays, metadata.get(BASE_FINGERPRINT), tokenizer.get_vocab_size())
     if cfg.lora.rank:
         model = typing.cast(LlamaForCausalLM, merge_lora(model))

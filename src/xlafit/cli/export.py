@@ -25,13 +25,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # The library when the command runs (a fast --help); the backends start as connect() starts
-    # them, without libtpu's start-up errors on a host that has libtpu but no TPU.
+    # The library when the command runs (a fast --help); export_hf starts the backends with the
+    # run's CPU settings, without libtpu's start-up errors on a host that has libtpu but no TPU.
     from xlafit.export import export_hf
     from xlafit.io.paths import as_path
-    from xlafit.parallel.cluster import start_backends
 
-    start_backends()
     out, step = export_hf(args.run_dir, args.out, args.step)
     files = "config.json, model.safetensors" + (", tokenizer" if (as_path(out) / "tokenizer.json").exists() else "")
     if (as_path(out) / "adapter").exists():

@@ -10,6 +10,10 @@ pickled ``*.bin`` checkpoints). ``HF_TOKEN`` authenticates gated and private mod
 gated model whose license was not accepted, a model the hub does not have, a model not in
 the cache while offline.
 
+A name reads as a local path when it is absolute, starts with ``~`` or ``.``, exists, or
+its first folder exists here (``runs/new-hf`` beside ``runs/``): a local path that is missing,
+or an xlafit run directory rather than a Hugging Face one, is refused in one line.
+
 Example:
     >>> is_hub_id("meta-llama/Llama-3.2-1B"), is_hub_id("./runs/demo-llm-hf"), is_hub_id("gs://b/m")
     (True, False, False)
@@ -22,7 +26,7 @@ from pathlib import Path
 
 from xlafit.errors import ConfigError
 
-__all__ = ["FILES", "dataset_path", "is_hub_id", "resolve"]
+__all__ = ["FILES", "check_local", "dataset_path", "is_hub_id", "is_local", "resolve"]
 
 # What a run reads of a model repository.
 FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
@@ -30,9 +34,42 @@ _ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _DATASET = re.compile(r"^hf://datasets/(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>[^/]+))?(?:/(?P<path>.*))?$")
 
 
+def is_local(name: str) -> bool:
+    """Whether ``name`` reads as a local path (see the module docstring), existing or not."""
+    if "://" in name:
+        return False
+    path = Path(name).expanduser()
+    first = Path(path.parts[0]) if len(path.parts) > 1 else None
+    return path.is_absolute() or name.startswith((".", "~")) or path.exists() or bool(first and first.is_dir())
+
+
 def is_hub_id(name: str) -> bool:
     """Whether ``name`` reads as ``org/name`` and names no local path or URL."""
-    return "://" not in name and bool(_ID.match(name)) and not Path(name).expanduser().exists()
+    return "://" not in name and bool(_ID.match(name)) and not is_local(name)
+
+
+def check_local(name: str, what: str = "model.init_from_hf") -> None:
+    """Refuses a local path that cannot be a Hugging Face model or tokenizer: a missing one,
+    or an xlafit run directory (it has ``config.yaml`` or ``checkpoints/``, no ``config.json``).
+    Hub ids and URLs pass: they are checked where they are read.
+
+    Raises:
+        ConfigError: the path is missing, or a run directory that needs ``xlafit export hf`` first.
+    """
+    if is_hub_id(name) or not is_local(name):
+        return
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise ConfigError(
+            f"{what}={name}: no such file or directory; give the path of a Hugging Face model directory, or a hub "
+            "id org/name."
+        )
+    run = (path / "config.yaml").exists() or (path / "checkpoints").is_dir()
+    if path.is_dir() and run and not (path / "config.json").exists():
+        raise ConfigError(
+            f"{what}={name} is an xlafit run directory, not a Hugging Face one; export it first "
+            f"(xlafit export hf {name} --out DIR) and give DIR."
+        )
 
 
 def resolve(name: str, revision: str | None = None, what: str = "model.init_from_hf") -> str:
@@ -45,9 +82,11 @@ def resolve(name: str, revision: str | None = None, what: str = "model.init_from
         what: the setting that named it, for the errors.
 
     Raises:
-        ConfigError: gated, not on the hub, offline and not cached, or unreachable.
+        ConfigError: gated, not on the hub, offline and not cached, or unreachable; a local
+            path that is missing or an xlafit run directory (:func:`check_local`).
     """
     if not is_hub_id(name):
+        check_local(name, what)
         return name
     return _snapshot(name, revision, FILES, "model", what)
 
@@ -96,7 +135,7 @@ def _snapshot(repo: str, revision: str | None, patterns: list[str], kind: str, w
         raise ConfigError(
             f"{what}={name} is not in the Hugging Face cache and the hub cannot be reached (offline or "
             f"HF_HUB_OFFLINE=1): download it where the hub is reachable ({download}) into the same "
-            "HF_HOME, or give a local path."
+            "HF_HOME, or for a local directory give its path as ./name."
         ) from None
     except (OSError, errors.HfHubHTTPError) as e:
         raise ConfigError(f"{what}={name}: the hub could not be read ({e}); retry, or give a local path.") from None

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from xlafit.errors import ConfigError
 from xlafit.models.llama import LlamaForCausalLM
 
 __all__ = ["Sampling", "filter_logits", "generate"]
@@ -127,12 +128,25 @@ def generate(
         sampling: greedy by default.
         eos_ids: the tokens that end a sequence (a chat model's end of turn too).
         pad_id: the id that pads short prompts (never attended to).
+
+    Raises:
+        ConfigError: the longest prompt and ``max_new_tokens`` do not fit the model's
+            ``max_position_embeddings``.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: generate at least one token")
     length = max(len(p) for p in prompts)
+    # Past the context the positions have no trained embedding, and the cache of length +
+    # max_new_tokens slots is allocated up front: refused rather than run (or hung) on.
+    context = model.cfg.max_position_embeddings
+    if length + max_new_tokens > context:
+        fix = f"give max_new_tokens={context - length} or fewer" if length < context else "shorten the prompt"
+        raise ConfigError(
+            f"the longest prompt's {length} tokens + max_new_tokens={max_new_tokens} = {length + max_new_tokens} is "
+            f"more than the model's context (max_position_embeddings={context}); {fix}."
+        )
     ids = np.full((len(prompts), length), pad_id, np.int32)
     pads = np.array([length - len(p) for p in prompts], np.int32)
     for row, prompt in enumerate(prompts):

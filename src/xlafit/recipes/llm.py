@@ -38,6 +38,7 @@ from xlafit.train.losses import masked_accuracy, masked_mean
 
 DEMO_VOCAB_SIZE = 2000  # the demo's BPE tokenizer
 _SIZES = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size")
+_OPTIONAL = ("max_position_embeddings", "head_dim", "vocab_size")  # sizes that a preset supplies when not given
 
 
 @dataclasses.dataclass
@@ -100,8 +101,7 @@ def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
     """The model's :class:`LlamaConfig`: the preset's sizes, then the config's overrides;
     ``vocab_size`` is the tokenizer's for tiny and custom sizes (Meta's presets keep theirs)."""
     m = cfg.model
-    optional = ("max_position_embeddings", "head_dim", "vocab_size")
-    sizes = {k: getattr(m, k) for k in (*_SIZES, *optional) if getattr(m, k) is not None}
+    sizes = {k: getattr(m, k) for k in (*_SIZES, *_OPTIONAL) if getattr(m, k) is not None}
     if m.preset == "custom":
         missing = [k for k in _SIZES if k not in sizes and k != "num_kv_heads"]
         if missing:
@@ -127,7 +127,14 @@ def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
 
 
 def validate(cfg: Config) -> None:
-    """Refuses sizes that cannot work, before any text is read."""
+    """Refuses sizes that cannot work and local model or tokenizer paths that are missing (or
+    an xlafit run's, not a Hugging Face directory), before any text is read."""
+    if cfg.model.init_from_hf:
+        hub.check_local(cfg.model.init_from_hf, "model.init_from_hf")
+        _refuse_size_overrides(cfg)
+    tokenizer = data_config(cfg).tokenizer
+    if tokenizer:
+        hub.check_local(tokenizer, "data.tokenizer")
     if cfg.model.init_from_hf is None:
         config = llama_config(cfg, 1)
         if data_config(cfg).seq_len > config.max_position_embeddings:
@@ -135,6 +142,27 @@ def validate(cfg: Config) -> None:
                 f"data.seq_len={data_config(cfg).seq_len} is longer than the model's max_position_embeddings="
                 f"{config.max_position_embeddings}; lower data.seq_len or raise model.max_position_embeddings."
             )
+
+
+def _refuse_size_overrides(cfg: Config) -> None:
+    """Refuses a size given with ``model.init_from_hf`` that differs from its ``config.json``:
+    the checkpoint's sizes are the model's, and an override would be recorded but not used."""
+    m = cfg.model
+    given = {k: getattr(m, k) for k in (*_SIZES, *_OPTIONAL) if getattr(m, k) is not None}
+    if not given:
+        return  # nothing to compare: no need to read (or download) the checkpoint's config
+    config = Path(str(model_dir(cfg))).expanduser() / "config.json"
+    if not config.exists():
+        return  # llama_hf.from_hf names what is missing
+    checkpoint = llama_hf.config_from_hf(json.loads(config.read_text()))
+    differ = {k: v for k, v in given.items() if v != getattr(checkpoint, k)}
+    if differ:
+        key, value = next(iter(differ.items()))
+        raise ConfigError(
+            f"model.{key}={value} conflicts with model.init_from_hf={m.init_from_hf}, whose config.json has "
+            f"{getattr(checkpoint, key)}; its sizes are the checkpoint's: drop model.{key}, or drop "
+            "model.init_from_hf to train a new model of that size."
+        )
 
 
 # --------------------------------------------------------------------------- data
