@@ -3,14 +3,18 @@
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from xlafit.check import check_file
+from xlafit.check import assumed_settings, check_command, check_file, check_recipe
+from xlafit.cli import _parse, build_parser
 from xlafit.errors import ConfigError
+from xlafit.recipes import load_config
 
 CASES = Path(__file__).parent / "check_cases"
 
@@ -177,3 +181,35 @@ def test_a_file_whose_model_is_of_no_known_kind_names_every_kind_it_takes(tmp_pa
     path.write_text("model = 3\n")
     with pytest.raises(ConfigError, match=r"an nnx.Module, a torch.nn.Module or a compiled Keras 3 model.*missing"):
         check_file(path)
+
+
+def test_a_recipes_check_command_carries_every_override_and_names_the_checkpoint_not_the_preset():
+    """The command printed under the answer checks the same run when pasted: each override
+    given (the data, the adapters' alpha and targets) and each assumed setting, each key once;
+    with model.init_from_hf the sizes are the checkpoint's, so "for:" names it, not a preset."""
+    given = [
+        "model.init_from_hf=runs/base-hf",
+        "data.data_dir=chat.jsonl",
+        "lora.rank=16",
+        "lora.alpha=32",
+        "lora.targets=q_proj,v_proj",
+        "mesh.data=1",
+        "mesh.fsdp=-1",
+    ]
+    cfg = load_config("llm", given)
+    assumed = assumed_settings(cfg, SimpleNamespace(per_device_batch=None, global_batch=32), given)
+    assert "model.init_from_hf=runs/base-hf" in assumed and not any(a.startswith("model.preset=") for a in assumed)
+    command = check_command("llm", "colab", given, assumed)
+    args = _parse(build_parser(), shlex.split(command)[1:])
+    assert args.target == "llm" and args.tpu == "colab"
+    assert set(given) | set(assumed) == set(args.overrides)
+    assert len({o.partition("=")[0] for o in args.overrides}) == len(args.overrides)
+    assert "--config plan.yaml" in check_command("llm", "colab", given, assumed, "plan.yaml")
+
+
+def test_a_recipes_plain_check_reports_the_runs_own_batch():
+    """mnist trains at a global batch of 128: the plain check estimates memory and FLOPs at
+    it (as --tpu does), not at the few rows it runs here."""
+    report = check_recipe("mnist", devices=1)
+    assert report.ok and report.batch == {"per_device": 128, "devices": 1, "global": 128}
+    assert "per device at batch 128 (1 device(s), global 128)" in report.format()

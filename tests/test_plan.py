@@ -6,19 +6,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shlex
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
+import yaml
 from flax import nnx
 
 from xlafit.check import check_file, check_recipe
 from xlafit.check.program import Program
 from xlafit.check.tpu import Steps, no_persistent_cache
-from xlafit.cli import main
-from xlafit.config import TrainerConfig
+from xlafit.cli import _parse, build_parser, main
+from xlafit.config import TrainerConfig, parse_overrides
+from xlafit.errors import ConfigError
 from xlafit.parallel.sharding import logical
 from xlafit.plan import format_plan, plan_file, plan_json, plan_recipe, recipe_planner
 from xlafit.plan.candidates import Candidate, mesh_refusal, meshes, params_of
@@ -228,7 +231,61 @@ def test_a_winner_that_changes_the_runs_batch_says_so_and_how_to_keep_it():
     assert "batch:" not in format_plan(fixed)
 
 
+def test_the_winners_command_pastes_back_with_the_bare_target_and_each_key_once(tmp_path):
+    """A notebook target's report name ("colab = v5e-1") is no --tpu argument: the command and
+    the written plan's comment name the slice as --tpu takes it; a key given twice (the run's
+    global batch, then the plan's null) is written once, at the value that wins."""
+    targets = [parse_target("colab")]
+    o = dataclasses.replace(_outcome("colab = v5e-1", 1000.0), candidate=Candidate("colab = v5e-1", (1, 1, 1), 64))
+    plan = Plan(
+        "tmodel.py", "xlafit plan tmodel.py", targets, [o], [], None, ["trainer.steps_per_call=2"], None, batch_key=""
+    )
+    line = plan.command_line(o)
+    assert line.startswith("xlafit check tmodel.py --tpu colab --per-device-batch 64 ")
+    args = _parse(build_parser(), shlex.split(line)[1:])  # as `xlafit` reads it
+    assert args.tpu == "colab" and args.per_device_batch == 64 and "trainer.steps_per_call=2" in args.overrides
+    parse_overrides(args.overrides)  # every override is key.sub=value
+    assert "#   xlafit check tmodel.py --tpu colab --config " in plan.write(tmp_path / "plan.yaml").read_text()
+    recipe = dataclasses.replace(
+        plan,
+        source="mnist",
+        preset={},
+        batch_key="data.per_device_batch",
+        base_overrides=["data.global_batch=8", "data.global_batch=null"],
+    )
+    keys = shlex.split(recipe.command_line(o))[3:]
+    assert [k for k in keys if k.startswith("data.global_batch=")] == ["data.global_batch=null"]
+    assert len({k.partition("=")[0] for k in keys}) == len(keys)
+
+
 # ----------------------------------------------------------------------------- the search
+
+
+def test_a_step_of_microseconds_is_predicted_without_the_band_measured_on_longer_ones():
+    """A tiny model's step is far shorter than the steps the error band comes from: the plan
+    prints its prediction marked, without the band, and says why; the JSON says so too."""
+    plan = plan_file(CASES / "clean.py", [], "colab")
+    p = plan.winner.prediction
+    assert p.predicted and p.step_s < 1e-3 and p.outside_band and p.band_median is None
+    text = format_plan(plan)
+    assert "ms ±" not in text and f"{p.step_s * 1e3:.3g}? " in text and "(? no error band: a step under 1 ms" in text
+    assert "check it: xlafit check " in text and " --tpu colab --per-device-batch 8 " in text
+    assert plan_json(plan)["winner"]["prediction"]["outside_band"] is True
+
+
+def test_a_files_written_plan_carries_its_batch_to_check(tmp_path):
+    """The plan's batch (64 per core at --global-batch 64, the file's own is 8 rows) is in the
+    written plan, and `check FILE --config plan.yaml` compiles that batch, not the file's."""
+    plan = plan_file(CASES / "clean.py", [], "colab", global_batch=64)
+    assert plan.winner.candidate.per_device_batch == 64
+    written = plan.write(tmp_path / "plan.yaml")
+    assert yaml.safe_load(written.read_text())["data"] == {"per_device_batch": 64}
+    (r,) = check_file(CASES / "clean.py", tpu="colab", preset=written).tpu
+    assert r.fits and r.per_device_batch == 64
+    (flag,) = check_file(CASES / "clean.py", tpu="colab", preset=written, per_device_batch=16).tpu
+    assert flag.per_device_batch == 16  # a flag given wins
+    with pytest.raises(ConfigError, match="unknown override data.seq_len"):
+        check_file(CASES / "clean.py", ["data.seq_len=8"], tpu="colab")
 
 
 def test_plan_of_a_model_too_big_for_data_parallelism(tmp_path):
@@ -257,8 +314,8 @@ def test_plan_of_a_model_too_big_for_data_parallelism(tmp_path):
     json.dumps(data, default=str)
 
     written = plan.write(tmp_path / "plan.yaml")
-    assert f"--per-device-batch {winner.candidate.per_device_batch} --config" in written.read_text()
-    report = check_file(CASES / "tpu_big.py", tpu="v5e-8", preset=written, per_device_batch=8)
+    assert f"--tpu v5e-8 --config {written}" in written.read_text()
+    report = check_file(CASES / "tpu_big.py", tpu="v5e-8", preset=written)  # the plan's batch, from data:
     assert report.tpu[0].fits is True
     assert report.tpu[0].memory["total"] == winner.memory["total"]
 

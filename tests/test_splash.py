@@ -51,7 +51,8 @@ def test_the_llm_compiles_splash_for_a_tpu_and_counts_its_flops():
         (reports[attention],) = report.tpu
     # The answer says what it is for, the recipe's defaults included, as overrides to copy.
     assert {"data.seq_len=128", "model.preset=tiny", "model.attention=xla", "model.remat=none"} <= set(report.assumed)
-    assert report.command.startswith("xlafit check llm --tpu v4-8 data.") and "data.seq_len=128" in report.command
+    assert report.command.startswith("xlafit check llm --tpu v4-8 model.hidden_size=128 ")
+    assert "data.seq_len=128" in report.command and report.command.count("data.seq_len=") == 1
     assert f"  for: {' '.join(report.assumed)}" in report.format()
     splash, xla = reports["auto"], reports["xla"]
     assert splash.fits and xla.fits

@@ -426,6 +426,11 @@ def test_cli_json_and_exit_codes(capsys):
     out = json.loads(capsys.readouterr().out)
     (t,) = out["tpu"]
     assert t["target"] == "v5e-8" and t["fits"] and t["memory"]["total"] > 0 and out["ok"]
+    # A step of microseconds is far below the steps the error band was measured on: none is quoted.
+    assert t["predicted"] and t["step_s"] < 1e-3 and t["outside_band"] and t["band_median"] is None
+    assert main(["check", str(CASES / "clean.py"), "--tpu", "v5e-8"]) == 0
+    text = capsys.readouterr().out
+    assert "ms ±" not in text and "no error band: a step under 1 ms is outside the range" in text
     assert main(["check", str(CASES / "clean.py"), "--tpu", "v5e-9"]) == 2
     err = capsys.readouterr().err
     assert "'v5e-9'" in err and "known TPU targets" in err
@@ -443,12 +448,13 @@ def test_a_recipe_is_compiled_with_the_runs_own_settings():
 
 def test_a_generation_with_rates_gets_the_step_models_prediction_and_its_error(tmp_path, monkeypatch):
     """v5e has a row of rates: the step is the step model's, printed with its measured error
-    beside the roofline; v2 has none: the step is the roofline's, and the report says so."""
+    beside the roofline (at a batch whose step takes milliseconds, as the measured ones do);
+    v2 has none: the step is the roofline's, and the report says so."""
     monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path))
-    (r,) = check_recipe("mnist", ["data.per_device_batch=32"], tpu="v5e-1").tpu
-    assert r.fits and r.predicted and r.rates == "built-in" and r.band_median is not None
+    (r,) = check_recipe("mnist", ["data.per_device_batch=2048"], tpu="v5e-1").tpu
+    assert r.fits and r.predicted and r.rates == "built-in" and r.band_median is not None and not r.outside_band
     assert "published steps held out of the fit on TPU v5 lite" in r.band
-    assert r.step_s != r.bound_s and r.examples_per_s == pytest.approx(32 / r.step_s)
+    assert r.step_s > 1e-3 and r.step_s != r.bound_s and r.examples_per_s == pytest.approx(2048 / r.step_s)
     text = format_report(r)
     assert "step (predicted, not measured):" in text and "the step model's error: ±" in text and "roofline:" in text
     (old,) = check_recipe("mnist", ["data.per_device_batch=32"], tpu="v2-8").tpu

@@ -388,6 +388,16 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
     return nested
 
 
+def merge_overrides(*groups: Sequence[str]) -> list[str]:
+    """``groups`` of overrides as one list with each key once, at its last value (the one that
+    wins): ``merge_overrides(["data.global_batch=8"], ["data.global_batch=null"])`` is
+    ``["data.global_batch=null"]``."""
+    merged: dict[str, str] = {}
+    for item in (item for group in groups for item in group):
+        merged[item.partition("=")[0].strip()] = item
+    return list(merged.values())
+
+
 def deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
     """Returns ``base`` updated by ``update``, merging nested dicts key by key."""
     merged = dict(base)

@@ -28,6 +28,7 @@ import dataclasses
 import json
 import os
 import runpy
+import shlex
 import sys
 import typing
 from collections.abc import Iterator, Sequence
@@ -49,6 +50,7 @@ from xlafit.config import (
     deep_merge,
     from_dict,
     load_yaml,
+    merge_overrides,
     parse_overrides,
     validate_mesh,
 )
@@ -276,9 +278,10 @@ def check_file(
     ``mesh`` (a :class:`~xlafit.config.MeshConfig`: FSDP, tensor parallelism), and build
     ``model`` with ``nnx.eval_shape`` and ``batch`` from ``jax.ShapeDtypeStruct``s: nothing is
     allocated. ``overrides`` (``["mesh.fsdp=-1", "trainer.accumulate_steps=4"]``) change the
-    file's ``mesh`` and ``config`` as they change a recipe's; ``preset``, a YAML file with
-    ``mesh:`` and ``trainer:`` sections (what ``xlafit plan --write`` writes), changes them
-    first.
+    file's ``mesh`` and ``config`` as they change a recipe's, and ``data.per_device_batch``
+    (or ``data.global_batch``) the rows a step takes where no batch flag is given;
+    ``preset``, a YAML file with ``mesh:``, ``trainer:`` and ``data:`` sections (what
+    ``xlafit plan --write`` writes), changes them first.
 
     Example:
         >>> check_file("big.py", ["mesh.fsdp=-1"], tpu="v5e-8")  # doctest: +SKIP
@@ -313,9 +316,10 @@ def check_file(
         )
 
 
-# What overrides of a user file may change: the file defines the model, its batch and its
-# optimizer itself.
+# What overrides of a user file may change: the file defines the model, its batch's layout and
+# its optimizer itself; data.* sets how many rows a step takes (what a plan chose).
 FILE_SECTIONS: dict[str, type] = {"mesh": MeshConfig, "trainer": TrainerConfig}
+FILE_BATCH_KEYS = ("per_device_batch", "global_batch")
 
 
 def file_settings(overrides: Sequence[str], tpu: str | None, preset: str | Path | None = None) -> dict[str, Any]:
@@ -323,13 +327,19 @@ def file_settings(overrides: Sequence[str], tpu: str | None, preset: str | Path 
     keys; anything else, or any setting without ``tpu`` (the plain check runs one unsharded
     step here), is refused."""
     nested = deep_merge(load_yaml(preset), parse_overrides(overrides)) if preset else parse_overrides(overrides)
-    unknown = [key for key in nested if key not in FILE_SECTIONS]
+    data = nested.get("data") or {}
+    unknown = [f"{key}.*" for key in nested if key not in (*FILE_SECTIONS, "data")]
+    unknown += [f"data.{key}" for key in data if key not in FILE_BATCH_KEYS] if isinstance(data, dict) else ["data"]
     if unknown:
         valid = ", ".join(f"{name}.{f.name}" for name, cls in FILE_SECTIONS.items() for f in dataclasses.fields(cls))
         raise ConfigError(
-            f"unknown override {unknown[0]}.*: a file's check takes mesh.* and trainer.* overrides (the file "
-            f"defines its model, batch and optimizer). Valid keys: {valid}."
+            f"unknown override {unknown[0]}: a file's check takes "
+            "mesh.*, trainer.* and data.per_device_batch or data.global_batch overrides (the file defines its "
+            f"model, batch layout and optimizer). Valid keys: {valid}, data.per_device_batch, data.global_batch."
         )
+    for key, value in data.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"data.{key}={value}: give a positive whole number of examples.")
     if nested and not tpu:
         given = overrides[0] if overrides else f"--config {preset}"
         raise ConfigError(
@@ -399,14 +409,16 @@ def file_program(path: Path, namespace: dict[str, Any], nested: dict[str, Any], 
     validate_mesh(mesh, config)
     example = _example(batch)  # checks every entry first: a one-line error, not a traceback
     rows = np.shape(next(iter(batch.values())))[0]
-    global_batch = options.get("global_batch")
+    per_device, global_batch = options.get("per_device_batch"), options.get("global_batch")
+    if per_device is None and global_batch is None:  # the flags win over data.* (a plan's batch)
+        per_device, global_batch = ((nested.get("data") or {}).get(key) for key in FILE_BATCH_KEYS)
     return Program(
         namespace["model"],
         namespace["loss_fn"],
         optimizer,
         config,
         example,
-        per_device_batch=options.get("per_device_batch") or (None if global_batch else rows),
+        per_device_batch=per_device or (None if global_batch else rows),
         global_batch=global_batch,
         eval_global_batch=None,
         user_file=str(path),
@@ -487,7 +499,9 @@ def check_recipe(
         )
         report = check_tpu(name, program, tpu, max_batch=max_batch)
         report.assumed = assumed_settings(cfg, program, overrides or [])
-        report.command = f"xlafit check {name} --tpu {tpu} " + " ".join(report.assumed)
+        # A per-core batch compiled over a config's global one: the command clears the global one.
+        cleared = ["data.global_batch=null"] if program.per_device_batch and cfg.data.global_batch else []
+        report.command = check_command(name, tpu, [*(overrides or []), *cleared], report.assumed, preset)
         return report
     cfg = load_config(name, overrides or [], preset=preset)
     recipe = get_recipe(name)
@@ -495,8 +509,14 @@ def check_recipe(
     train = as_dataset(recipe.load_data(cfg)[0])
     cfg = recipe.from_data(cfg, train)
     lengths = recipe.sequence_lengths(cfg)
-    rows = options.get("per_device_batch") or 8
+    rows = options.get("per_device_batch") or 8  # the example batch run here: small
     batch = train.take(np.arange(min(rows, len(train))))
+    if not options.get("per_device_batch") and not options.get("global_batch"):
+        # Memory and FLOPs at the run's own batch, as --tpu compiles it, not the example's rows.
+        if cfg.data.global_batch:
+            options = {**options, "global_batch": cfg.data.global_batch}
+        elif cfg.data.per_device_batch:
+            options = {**options, "per_device_batch": cfg.data.per_device_batch}
     return check_step(name, recipe.build_model(cfg, train), recipe.loss_fn, batch, lengths=lengths, **options)
 
 
@@ -529,8 +549,19 @@ def assumed_settings(cfg: Any, program: Program, overrides: Sequence[str]) -> li
             continue  # an unset preset, a mesh axis or loop setting at its default: nothing assumed
         if key.startswith("lora.") and not getattr(cfg.lora, "rank", 0):
             continue  # no adapters
+        if key == "model.preset" and getattr(cfg.model, "init_from_hf", None):
+            key, value = "model.init_from_hf", cfg.model.init_from_hf  # the checkpoint's sizes, not the preset's
         out.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
     return out
+
+
+def check_command(
+    name: str, tpu: str, overrides: Sequence[str], assumed: Sequence[str], preset: str | Path | None = None
+) -> str:
+    """The command that checks the same run again: every override given and every setting
+    assumed, each key once (the assumed value, which the config resolved, wins)."""
+    config = ["--config", str(preset)] if preset else []
+    return shlex.join(["xlafit", "check", name, "--tpu", tpu, *config, *merge_overrides(overrides, assumed)])
 
 
 def _model_levers(model: Any) -> tuple[tuple[str, str], ...]:

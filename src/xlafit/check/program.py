@@ -112,6 +112,7 @@ class TargetReport:
     predicted: bool = False  # step_s is the step model's (else the bound's)
     band: str | None = None  # the step model's measured error for this device kind, or why there is none
     band_median: float | None = None  # that error's median, |predicted / measured - 1|
+    outside_band: bool = False  # a predicted step too short for that error to hold (no median then)
     rates: str | None = None  # where the step model's rates come from (built-in, a calibration file)
     bound_s: float | None = None  # the roofline bound: max(compute, memory)
     compute_s: float | None = None  # FLOPs / peak FLOP/s

@@ -12,6 +12,19 @@ from xlafit.predict.hlo import kernel_flops, loop_flops
 from xlafit.predict.model import Link, predict
 from xlafit.predict.rates import rates_for
 
+# The error bands come from steps of seconds; a step under SHORTEST_BANDED_S is bound by kernel
+# launch and host dispatch, which the step model does not price: its band would mislead there.
+SHORTEST_BANDED_S = 1e-3
+OUTSIDE_BAND = (
+    "no error band: a step under 1 ms is outside the range the step model was measured on (so short a step is "
+    "bound by launch and dispatch costs the model does not price)"
+)
+
+
+def outside_band(step_s: float | None) -> bool:
+    """Whether a predicted step is too short for the step model's measured error to hold."""
+    return step_s is not None and 0 < step_s < SHORTEST_BANDED_S
+
 
 def steps_in_cost(hlo: str, k: int) -> int:
     """How many of a call's ``k`` steps XLA's cost analysis counted: one when the steps stayed
@@ -85,5 +98,7 @@ def model_step(
     report.predicted = True
     report.band = rates.describe_band()
     report.band_median = rates.band.median if rates.band else None
+    if outside_band(report.step_s):
+        report.band, report.band_median, report.outside_band = OUTSIDE_BAND, None, True
     report.rates = rates.origin
     _throughput(report, program)

@@ -122,7 +122,7 @@ def _speed_lines(r: TargetReport) -> list[str]:
         lines.append(
             f"  step (predicted, not measured): {predicted_step(r)}, {rate(r.examples_per_s, 'examples/s')}{tokens}"
         )
-        lines.append(f"    the step model's error: {r.band}{rates}")
+        lines.append(f"    {r.band}" if r.outside_band else f"    the step model's error: {r.band}{rates}")
     elif r.band:
         lines.append(f"  {r.band}")
     if r.bound_s and r.compute_s is not None and r.memory_s is not None:

@@ -16,8 +16,8 @@ DESCRIPTION = (
     "(a dict of arrays), optionally `dataset` (examples) or `lengths`. Exit 1 when a rule is violated. "
     "With --tpu, compile the real train and eval steps for TPU slices with the TPU compiler (libtpu, "
     "no TPU needed) and report per-core HBM, whether it fits, FLOPs and a roofline estimate; exit 1 "
-    "when a target does not fit. Overrides: a recipe's keys, or for a file mesh.* and trainer.* "
-    "(with --tpu), e.g. mesh.fsdp=8."
+    "when a target does not fit. Overrides: a recipe's keys, or for a file mesh.*, trainer.* and "
+    "data.per_device_batch (with --tpu), e.g. mesh.fsdp=8."
 )
 
 
@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "overrides",
         nargs="*",
         metavar="key.sub=value",
-        help="config overrides: a recipe's keys; for a file, mesh.* and trainer.* (with --tpu)",
+        help="config overrides: a recipe's keys; for a file, mesh.*, trainer.* and data.per_device_batch (with --tpu)",
     )
     p.add_argument("--per-device-batch", type=int, help="estimate memory and FLOPs at this batch per device")
     p.add_argument("--global-batch", type=int, help="check that it divides over --devices")
@@ -54,8 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--config",
         metavar="YAML",
-        help="a recipe: a YAML preset instead of its own; a file: YAML with mesh: and trainer: sections "
-        "(both as `xlafit plan --write` writes them)",
+        help="a recipe: a YAML preset instead of its own; a file: YAML with mesh:, trainer: and data: (its batch) "
+        "sections (both as `xlafit plan --write` writes them)",
     )
     add_calibration(p)
     p.add_argument("--json", action="store_true", help="print JSON")

@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "overrides",
         nargs="*",
         metavar="key.sub=value",
-        help="config overrides: a recipe's keys; a file's mesh.*, trainer.*",
+        help="config overrides: a recipe's keys; a file's mesh.*, trainer.*, data.per_device_batch",
     )
     p.add_argument(
         "--tpu",

@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from xlafit.check.speed import OUTSIDE_BAND
 from xlafit.check.tpu_report import rate
 from xlafit.plan.result import Plan
-from xlafit.plan.search import Outcome
+from xlafit.plan.search import Outcome, Prediction
 
 
 def _gib(n: float | None) -> str:
@@ -39,7 +40,7 @@ def _row(plan: Plan, rank: str, o: Outcome, front: set) -> tuple[str, ...]:
         f"{c.per_device_batch} ({c.global_batch})",
         _gib(o.hbm_used),
         _gib(o.hbm_free),
-        (f"{p.step_s * 1e3:.3g}" if p.predicted else f">= {p.step_s * 1e3:.3g}") if p else "-",
+        _step_ms(p) if p else "-",
         f"{p.comm_s * 1e3:.3g}" if p and p.comm_s is not None else "-",
         rate(p.examples_per_s if p else None),
         rate(p.tokens_per_s if p else None),
@@ -48,6 +49,13 @@ def _row(plan: Plan, rank: str, o: Outcome, front: set) -> tuple[str, ...]:
         _usd(cost),
         f"{o.compile_s:.0f}",
     )
+
+
+def _step_ms(p: Prediction) -> str:
+    """The table's step: the prediction (``?``: too short for its error band), or the bound."""
+    if not p.predicted:
+        return f">= {p.step_s * 1e3:.3g}"
+    return f"{p.step_s * 1e3:.3g}{'?' if p.outside_band else ''}"
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
@@ -89,6 +97,8 @@ def format_plan(plan: Plan) -> str:
         *_table(rows),
         f"  (* the Pareto front: throughput, cost of the run, HBM to spare{searched})",
     ]
+    if any(o.prediction and o.prediction.outside_band for o in plan.outcomes):
+        lines.append(f"  (? {OUTSIDE_BAND}; the throughput, run time and cost that follow share it)")
     lines += _winner_lines(plan)
     lines += _why_not_lines(plan, refused)
     grouped: dict[tuple[str, str], list[str]] = {}  # one line per reason: it is often the same for many
@@ -106,8 +116,11 @@ def _prediction_lines(plan: Plan) -> list[str]:
     """What the step times, throughputs, MFUs, run times and costs are, and how far off they were."""
     bands: dict[str, str] = {}
     for o in plan.outcomes:
-        if o.prediction is not None and o.prediction.band:
+        if o.prediction is not None and o.prediction.band and not o.prediction.outside_band:
             bands.setdefault(o.candidate.target.split("-")[0], o.prediction.band)
+    for o in plan.outcomes:  # a generation whose every step is too short for its band
+        if o.prediction is not None and o.prediction.outside_band:
+            bands.setdefault(o.candidate.target.split("-")[0], "no error band (every step under 1 ms, see ? above)")
     lines = [
         "Prediction (not a measurement): each kernel of the compiled step at the generation's achievable rates "
         "(xlafit.predict), summed along the schedule with the collectives over ICI where they are not hidden; "
@@ -142,6 +155,8 @@ def _winner_lines(plan: Plan) -> list[str]:
         if p.predicted:
             band = f" ±{p.band_median:.0%}" if p.band_median is not None else ""
             lines.append(f"  step (predicted): {p.step_s * 1e3:.3g} ms{band}, MFU {p.mfu:.0%}")
+            if p.outside_band:
+                lines.append(f"    {OUTSIDE_BAND}")
         lines.append(
             f"  roofline: {p.bound_s * 1e3:.3g} ms (compute {p.compute_s * 1e3:.3g} ms at peak, a strict lower bound; "
             f"memory {p.memory_s * 1e3:.3g} ms for XLA's bytes accessed, which overstates HBM traffic{comm}; "

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shlex
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from xlafit.config import deep_merge, parse_overrides
+from xlafit.config import deep_merge, merge_overrides, parse_overrides
 from xlafit.errors import ConfigError
 from xlafit.plan.candidates import Candidate
 from xlafit.plan.search import Outcome
-from xlafit.platform.hardware import PRICES, Price, Target
+from xlafit.platform.hardware import PRICES, Price, Target, command_name
 
 
 @dataclasses.dataclass
@@ -89,15 +90,20 @@ class Plan:
         return o.candidate.overrides(self.batch_key)
 
     def command_line(self, o: Outcome) -> str:
-        keys = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.overrides(o).items())
+        """The command that runs ``o`` (a recipe) or checks it (a file), each key once."""
+        keys = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.overrides(o).items()]
+        keys = merge_overrides(self.base_overrides, keys)
         if self.preset is None:  # a user's file: its model, the plan's mesh, loop and batch
             batch = f"--per-device-batch {o.candidate.per_device_batch}"
-            return f"xlafit check {self.source} --tpu {o.candidate.target} {batch} {keys}"
-        return f"xlafit train {self.source} {' '.join(self.base_overrides)} {keys}".replace("  ", " ")
+            return shlex.join(["xlafit", "check", self.source, "--tpu", command_name(o.candidate.target)]) + (
+                f" {batch} {shlex.join(keys)}"
+            )
+        return shlex.join(["xlafit", "train", self.source, *keys])
 
     def write(self, path: str | Path) -> Path:
         """The winner's settings as YAML: a recipe's whole preset with them applied (for
-        ``xlafit train RECIPE --config``), or a file's ``mesh:`` and ``trainer:`` sections."""
+        ``xlafit train RECIPE --config``), or a file's ``mesh:``, ``trainer:`` and ``data:``
+        (its per-core batch) sections, for ``xlafit check FILE --config``."""
         o = self.winner
         if o is None:
             raise ConfigError("no candidate fits any target: there is no plan to write.")
@@ -107,8 +113,8 @@ class Plan:
             use = f"xlafit train {self.source} --config {path}"
         else:
             content = {k: v for k, v in keys.items() if k in ("mesh", "trainer")}
-            batch = f"--per-device-batch {o.candidate.per_device_batch}"
-            use = f"xlafit check {self.source} --tpu {o.candidate.target} {batch} --config {path}"
+            content["data"] = {"per_device_batch": o.candidate.per_device_batch}  # check FILE --config reads it
+            use = f"xlafit check {self.source} --tpu {command_name(o.candidate.target)} --config {path}"
         p = o.prediction
         head = [
             f"# {self.command}",

@@ -44,7 +44,7 @@ from typing import Any
 
 from xlafit.check.batch_search import largest_batch
 from xlafit.check.program import Program
-from xlafit.check.speed import steps_in_cost
+from xlafit.check.speed import OUTSIDE_BAND, outside_band, steps_in_cost
 from xlafit.check.tpu import (
     OutOfMemory,
     Steps,
@@ -91,6 +91,7 @@ class Prediction:
     predicted: bool = False  # step_s is the step model's, not the bound
     band: str = ""  # the step model's measured error on this generation, or why there is none
     band_median: float | None = None
+    outside_band: bool = False  # a predicted step too short for the band to hold (band_median None)
 
 
 @dataclasses.dataclass
@@ -307,6 +308,8 @@ class Planner:
             k = p.config.steps_per_call
             step = predict(hlo, rates, target.ici_bandwidth, target.num_devices).seconds / k or bound
             band, median = rates.describe_band(), rates.band.median if rates.band else None
+            if outside_band(step):
+                band, median = OUTSIDE_BAND, None
         out.prediction = Prediction(
             compute,
             memory,
@@ -320,6 +323,7 @@ class Planner:
             predicted=rates is not None,
             band=band,
             band_median=median,
+            outside_band=rates is not None and outside_band(step),
         )
 
     def _map(self, jobs: Iterable[tuple[Target, Candidate, str]]) -> list[Outcome]:

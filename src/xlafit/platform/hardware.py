@@ -280,6 +280,11 @@ def _shape(chips: int, dims: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def command_name(name: str) -> str:
+    """A target's name as ``--tpu`` takes it: a report's ``"colab = v5e-1"`` is ``"colab"``."""
+    return name.partition(" = ")[0].strip()
+
+
 def parse_target(name: str) -> Target:
     """``"v5e-8"`` -> its :class:`Target`; an unknown name is a ``ConfigError`` listing the known ones.
 
