@@ -259,6 +259,14 @@ def test_a_prefetch_overlaps_a_product_but_shares_the_hbm_with_a_streaming_kerne
     stream = Kernel("add", "elementwise", 1, bytes_read=5e8, bytes_written=5e8)  # 10 ms, all of it HBM
     assert predict([prefetch, product, done], rates).seconds == pytest.approx(0.020)  # hidden in the 19 ms free
     assert predict([prefetch, stream, done], rates).seconds == pytest.approx(0.020)  # one after the other
+    # Two prefetches beside one product share its 19 ms of free HBM: 1 ms of them is left.
+    second = Kernel("q", "transfer", 1, bytes_read=1e9, asynchronous=True)
+    waits = [done, Kernel("qd", "wait", 1, target="q")]
+    assert predict([prefetch, second, product, *waits], rates).seconds == pytest.approx(0.021)
+    # A loop body of 4 trips that waits for the prefetch its previous trip started: the
+    # prefetch runs beside the next trip's product, before its wait.
+    trip = [dataclasses.replace(k, count=4) for k in (product, done, stream, prefetch)]
+    assert predict(trip, rates).seconds == pytest.approx(4 * 0.030)
 
 
 def test_the_fits_recover_the_rates_that_made_their_timings():

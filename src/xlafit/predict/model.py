@@ -146,6 +146,19 @@ def _price(kernel: Kernel, rates: Rates, link: Link, devices: int) -> tuple[floa
     return parts[bound] + rates.kernel_s, bound if parts[bound] > rates.kernel_s else "launch"
 
 
+def _advance(running: dict[str, float], copies: set[str], seconds: float, spare: float) -> None:
+    """What one kernel of ``seconds`` leaves of the asynchronous work beside it: each
+    collective runs ``seconds`` on (the link is its own); the copies take the HBM time the
+    kernel leaves ``spare`` one after another, oldest first (they share the one HBM)."""
+    for name in running:
+        if name in copies:
+            step = min(running[name], spare)
+            running[name] -= step
+            spare -= step
+        else:
+            running[name] = max(0.0, running[name] - seconds)
+
+
 def predict(program: str | list[Kernel], rates: Rates, link: Link = None, devices: int = 1) -> StepPrediction:
     """The predicted time of one run of a compiled program.
 
@@ -160,29 +173,41 @@ def predict(program: str | list[Kernel], rates: Rates, link: Link = None, device
     found = kernels(program) if isinstance(program, str) else program
     times = [KernelTime(k, *_price(k, rates, link, devices)) for k in found]
     # Along the schedule: an asynchronous collective or copy runs beside the kernels until
-    # its wait; a copy only beside the time a kernel is not streaming HBM itself.
+    # its wait; a copy only beside the time a kernel is not streaming HBM itself. A loop's
+    # body may wait first and start after (a prefetch for the next trip): what is left of
+    # such a one at the body's end runs on beside the body's first kernels, up to its wait.
+    def cover(t: KernelTime, name: str) -> float:
+        streaming = min(t.seconds, t.kernel.bytes / rates.hbm_bytes_per_s)
+        return t.seconds - streaming if name in copies or not name else t.seconds
+
     running: dict[str, float] = {}
+    counts: dict[str, int] = {}
     copies: set[str] = set()
+    early: dict[str, int] = {}  # waits met before their start, at their place in the listing
     exposed = 0.0
     busy = 0.0
-    for t in times:
+    for at, t in enumerate(times):
         k = t.kernel
         if k.asynchronous:
-            running[k.name] = t.seconds
+            running[k.name], counts[k.name] = t.seconds, k.count
             if k.kind == "transfer":
                 copies.add(k.name)
             continue
         if k.kind == "wait":
-            left = running.pop(k.target, 0.0)
-            exposed += left * k.count
+            if k.target in running:
+                exposed += running.pop(k.target) * k.count
+            else:
+                early[k.target] = at
             continue
         if k.kind == "collective":
             exposed += t.total
             continue
         busy += t.total
-        streaming = min(t.seconds, k.bytes / rates.hbm_bytes_per_s)
-        for name in running:
-            cover = t.seconds - streaming if name in copies else t.seconds
-            running[name] = max(0.0, running[name] - cover)
-    exposed += sum(running.values())  # started and never waited for in the listing
+        _advance(running, copies, t.seconds, cover(t, ""))
+    for name, left in running.items():
+        if name in early:  # into the next trip: the same loop's kernels before its wait
+            for t in times[: early[name]]:
+                if t.kernel.count == counts[name] and not t.kernel.asynchronous and t.kernel.kind != "wait":
+                    left = max(0.0, left - cover(t, name))
+        exposed += left * counts[name]  # started and never waited for in the listing: once per start
     return StepPrediction(busy + exposed, times, exposed, rates)
