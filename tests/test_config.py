@@ -99,3 +99,8 @@ def test_the_presets_setting_gives_way_to_the_users_mesh(caplog):
     assert "the preset's trainer.invariant_chunks=8" in caplog.text and "off for this mesh" in caplog.text
     with pytest.raises(ConfigError, match="trainer.invariant_chunks keeps its bit-identical guarantee"):
         load_config("mnist", ["mesh.fsdp=8", "trainer.invariant_chunks=8"])  # the user's own choice is refused
+    # "The devices left" moves to the axis the user gives it; two of the user's own are refused.
+    assert load_config("llm", ["mesh.fsdp=-1"]).mesh.sizes == (1, -1, 1)
+    assert load_config("llm", []).mesh.sizes == (-1, 1, 1)
+    with pytest.raises(ConfigError, match="at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1"):
+        load_config("llm", ["mesh.fsdp=-1", "mesh.data=-1"])

@@ -490,10 +490,17 @@ def migrate(tree: Mapping[str, Any], source: str) -> dict[str, Any]:
 
 
 def _preset_gives_way(merged: dict[str, Any], overrides: Mapping[str, Any]) -> None:
-    """A setting the preset chose, not the user, yields to the user's mesh: the preset's
+    """A setting the preset chose, not the user, yields to the user's mesh: a mesh axis the
+    preset sized -1 (the devices left) is 1 when the user gives another axis -1; the preset's
     ``trainer.invariant_chunks`` (pure data parallelism only) is dropped, with a note, when the
     overrides ask for FSDP or tensor parallelism."""
     trainer, mesh = merged.get("trainer") or {}, merged.get("mesh") or {}
+    mine = overrides.get("mesh") if isinstance(overrides.get("mesh"), Mapping) else {}
+    if -1 in (mine or {}).values():  # the user's "the devices left" replaces the preset's
+        defaults = {f.name: f.default for f in dataclasses.fields(MeshConfig)}
+        for axis in ("data", "fsdp", "tensor"):
+            if mesh.get(axis, defaults[axis]) == -1 and axis not in mine:
+                merged["mesh"] = mesh = {**mesh, axis: 1}
     asked = overrides.get("trainer") if isinstance(overrides.get("trainer"), Mapping) else {}
     split = any(mesh.get(axis, 1) not in (1, None) for axis in ("fsdp", "tensor"))
     if split and trainer.get("invariant_chunks") is not None and "invariant_chunks" not in (asked or {}):
