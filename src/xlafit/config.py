@@ -495,8 +495,8 @@ def _preset_gives_way(merged: dict[str, Any], overrides: Mapping[str, Any]) -> N
     ``trainer.invariant_chunks`` (pure data parallelism only) is dropped, with a note, when the
     overrides ask for FSDP or tensor parallelism."""
     trainer, mesh = merged.get("trainer") or {}, merged.get("mesh") or {}
-    mine = overrides.get("mesh") if isinstance(overrides.get("mesh"), Mapping) else {}
-    if -1 in (mine or {}).values():  # the user's "the devices left" replaces the preset's
+    mine: Mapping[str, Any] = overrides["mesh"] if isinstance(overrides.get("mesh"), Mapping) else {}
+    if -1 in mine.values():  # the user's "the devices left" replaces the preset's
         defaults = {f.name: f.default for f in dataclasses.fields(MeshConfig)}
         for axis in ("data", "fsdp", "tensor"):
             if mesh.get(axis, defaults[axis]) == -1 and axis not in mine:

@@ -172,6 +172,7 @@ def predict(program: str | list[Kernel], rates: Rates, link: Link = None, device
     """
     found = kernels(program) if isinstance(program, str) else program
     times = [KernelTime(k, *_price(k, rates, link, devices)) for k in found]
+
     # Along the schedule: an asynchronous collective or copy runs beside the kernels until
     # its wait; a copy only beside the time a kernel is not streaming HBM itself. A loop's
     # body may wait first and start after (a prefetch for the next trip): what is left of
