@@ -89,6 +89,14 @@ def test_schedule_line_says_what_a_short_run_does():
     line = describe_schedule(dataclasses_replace(cfg, o), plan)
     assert "40 warmup steps, more than the schedule's 24" in line and "before the peak" in line
     assert f"rises to {max(float(plan.schedule(s)) for s in range(24)):.4g}" in line
+    # A schedule shorter than the run (optimizer.decay_steps given): the warm-up ends at its
+    # end, the peak is reached, and the rest of the run is at the schedule's last rate.
+    line = describe_schedule(dataclasses_replace(cfg, o), plan, run_steps=30)
+    assert "warmup over the schedule's 24 steps (of 40 asked)" in line and "before the peak" not in line
+    assert f"then {float(plan.schedule(24)):.4g} for the run's last 6 steps" in line
+    short = OptimizerConfig(learning_rate=0.003, reference_batch=32, warmup_steps=4, final_lr_fraction=0.1)
+    line = describe_schedule(dataclasses_replace(cfg, short), make_optimizer(short, 32, total_steps=24), 30)
+    assert line.endswith("4 warmup steps, cosine decay over 20 steps, then 0.0003 for the run's last 6 steps")
 
 
 def dataclasses_replace(cfg, optimizer):

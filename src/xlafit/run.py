@@ -84,7 +84,7 @@ def train_and_evaluate(cfg: Config) -> FitResult:
             start_run_dir(run_dir, cfg)
             recipe.save_artifacts(cfg, run_dir, train_data)
             print(f"run directory: {run_dir}", flush=True)
-            print(describe_schedule(cfg, plan), flush=True)
+            print(describe_schedule(cfg, plan, cfg.trainer.epochs * (len(train_data) // run.global_batch)), flush=True)
         else:
             log_to_file(run_dir / f"process-{strategy.process_index}.log")
         trainer = recipe_trainer(recipe, cfg, run, strategy, train_data, plan, keep=True)
@@ -188,20 +188,28 @@ def resolve(cfg: Config, strategy: Strategy, num_examples: int) -> tuple[Config,
     return resolved, Resolved(as_path(run_dir), global_batch, eval_batch)
 
 
-def describe_schedule(cfg: Config, plan: OptimizerPlan) -> str:
-    """The learning-rate line of the start-up: scaled peak, warmup and decay, as the run will do them."""
+def describe_schedule(cfg: Config, plan: OptimizerPlan, run_steps: int | None = None) -> str:
+    """The learning-rate line of the start-up: scaled peak, warmup and decay, as the run of
+    ``run_steps`` steps (default: the schedule's) will do them."""
     o = cfg.optimizer
+    run_steps = run_steps or plan.decay_steps
     line = (
         f"learning rate: {o.learning_rate:g} at batch {o.reference_batch} -> peak {plan.peak_lr:.4g} at global "
         f"batch {cfg.data.global_batch} ({o.scaling} scaling), "
     )
-    if o.warmup_steps >= plan.decay_steps:
+    after = run_steps - plan.decay_steps
+    last = float(plan.schedule(plan.decay_steps))
+    beyond = f", then {last:.4g} for the run's last {after} steps" if after > 0 else ""
+    if o.warmup_steps >= plan.decay_steps:  # the warm-up is cut to the schedule's length
+        if after > 0:
+            return line + f"warmup over the schedule's {plan.decay_steps} steps (of {o.warmup_steps} asked){beyond}"
         reached = highest_rate(plan.schedule, plan.decay_steps)
         return line + (
             f"{o.warmup_steps} warmup steps, more than the schedule's {plan.decay_steps}: the rate rises to "
             f"{reached:.4g} and the run ends before the peak and before any decay"
         )
-    return line + f"{o.warmup_steps} warmup steps, {o.decay} decay over {plan.decay_steps - o.warmup_steps} steps"
+    decay = plan.decay_steps - o.warmup_steps
+    return line + f"{o.warmup_steps} warmup steps, {o.decay} decay over {decay} steps{beyond}"
 
 
 def final_report(metrics: dict[str, float]) -> str:
