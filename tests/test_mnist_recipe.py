@@ -11,6 +11,7 @@ flip (measured: 0.970 vs 0.967).
 import json
 import re
 
+import jax
 import pytest
 
 from tests.test_cli import run
@@ -19,6 +20,10 @@ from tests.test_cli import run
 def _final_eval(run_dir):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if r["split"] == "eval"][-1]
+
+
+# The JAX the project pins (below 0.12): its XLA:CPU keeps the CNN bit-identical on any device count.
+PINNED_XLA = tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 12)
 
 
 def _eval_at(run_dir, epoch):
@@ -49,7 +54,11 @@ def test_mnist_recipe_reaches_95_percent_on_8_and_1_devices(tmp_path):
     accuracy = float(results[8].group(1))
     assert accuracy >= 0.95 and evals[8]["accuracy"] == pytest.approx(accuracy, abs=1e-4)
     ones = train_losses[1]
-    assert len(ones) >= 4 and train_losses[8][: len(ones)] == ones  # bit for bit, at every logged step
+    assert len(ones) >= 4
+    if PINNED_XLA:
+        assert train_losses[8][: len(ones)] == ones  # bit for bit, at every logged step
+    else:  # newer XLA:CPU rounds the CNN apart per device count (docs/explanations/determinism.md)
+        assert train_losses[8][: len(ones)] == pytest.approx(ones, rel=1e-5)
     # Evaluation after epoch 1 (the model is the same; XLA's reduction order differs, so the
     # count of correct digits is equal and the mean loss equal to float rounding)
     first = {d: _eval_at(tmp_path / f"d{d}", epoch=1) for d in (8, 1)}
