@@ -129,13 +129,13 @@ def checkpoint_arrays(cfg: Config, run: Any, step: int | None, use: str = "expor
     try:
         usable = [i.step for i in ckpt.list() if i.usable]
         if step is None:
-            if not usable and use == "generate":
-                raise CheckpointError(
-                    f"{run} has no intact checkpoint to generate with; train it until it saves one, or give "
-                    "a Hugging Face model directory."
-                )
             if not usable:
-                raise CheckpointError(f"{run} has no intact checkpoint to export; train it until it saves one.")
+                generating = use == "generate"
+                purpose = "generate with" if generating else "export"
+                other = ", or give a Hugging Face model directory" if generating else ""
+                raise CheckpointError(
+                    f"{run} has no intact checkpoint to {purpose}; train it until it saves one{other}."
+                )
             step = usable[-1]
         elif step not in usable:
             raise CheckpointError(f"no intact checkpoint {step} in {run}; intact: {usable}.")

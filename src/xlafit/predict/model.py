@@ -177,9 +177,8 @@ def predict(program: str | list[Kernel], rates: Rates, link: Link = None, device
     # its wait; a copy only beside the time a kernel is not streaming HBM itself. A loop's
     # body may wait first and start after (a prefetch for the next trip): what is left of
     # such a one at the body's end runs on beside the body's first kernels, up to its wait.
-    def cover(t: KernelTime, name: str) -> float:
-        streaming = min(t.seconds, t.kernel.bytes / rates.hbm_bytes_per_s)
-        return t.seconds - streaming if name in copies or not name else t.seconds
+    def spare(t: KernelTime) -> float:  # the time a kernel leaves the HBM to the copies beside it
+        return t.seconds - min(t.seconds, t.kernel.bytes / rates.hbm_bytes_per_s)
 
     running: dict[str, float] = {}
     counts: dict[str, int] = {}
@@ -204,11 +203,11 @@ def predict(program: str | list[Kernel], rates: Rates, link: Link = None, device
             exposed += t.total
             continue
         busy += t.total
-        _advance(running, copies, t.seconds, cover(t, ""))
+        _advance(running, copies, t.seconds, spare(t))
     for name, left in running.items():
         if name in early:  # into the next trip: the same loop's kernels before its wait
             for t in times[: early[name]]:
                 if t.kernel.count == counts[name] and not t.kernel.asynchronous and t.kernel.kind != "wait":
-                    left = max(0.0, left - cover(t, name))
+                    left = max(0.0, left - (spare(t) if name in copies else t.seconds))
         exposed += left * counts[name]  # started and never waited for in the listing: once per start
     return StepPrediction(busy + exposed, times, exposed, rates)

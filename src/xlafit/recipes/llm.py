@@ -101,7 +101,7 @@ def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
     """The model's :class:`LlamaConfig`: the preset's sizes, then the config's overrides;
     ``vocab_size`` is the tokenizer's for tiny and custom sizes (Meta's presets keep theirs)."""
     m = cfg.model
-    sizes = {k: getattr(m, k) for k in (*_SIZES, *_OPTIONAL) if getattr(m, k) is not None}
+    sizes = _given_sizes(m)
     if m.preset == "custom":
         missing = [k for k in _SIZES if k not in sizes and k != "num_kv_heads"]
         if missing:
@@ -144,11 +144,16 @@ def validate(cfg: Config) -> None:
             )
 
 
+def _given_sizes(m: Any) -> dict[str, int]:
+    """The model sizes the config sets (the rest come from the preset or the checkpoint)."""
+    return {k: getattr(m, k) for k in (*_SIZES, *_OPTIONAL) if getattr(m, k) is not None}
+
+
 def _refuse_size_overrides(cfg: Config) -> None:
     """Refuses a size given with ``model.init_from_hf`` that differs from its ``config.json``:
     the checkpoint's sizes are the model's, and an override would be recorded but not used."""
     m = cfg.model
-    given = {k: getattr(m, k) for k in (*_SIZES, *_OPTIONAL) if getattr(m, k) is not None}
+    given = _given_sizes(m)
     if not given:
         return  # nothing to compare: no need to read (or download) the checkpoint's config
     config = Path(str(model_dir(cfg))).expanduser() / "config.json"
