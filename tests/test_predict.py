@@ -113,6 +113,32 @@ ENTRY %main (p: f32[1024,128]) -> f32[1024,128] {
     assert (negate.bytes_read, negate.bytes_written) == (0, 1024 * 128 * 4)
 
 
+def test_a_fused_attention_backward_accumulates_dq_through_its_workspace():
+    # cuDNN's flash attention, forward and backward ([B, T, H, D] = [2, 128, 4, 64], bf16): the
+    # forward's tiny workspace is no traffic; the backward's (a float32 dQ and the row sums)
+    # is zeroed, added into and read back, and its first pass reads dO once more.
+    hlo = """
+ENTRY %main (q: bf16[2,128,4,64], k: bf16[2,128,4,64], v: bf16[2,128,4,64], do: bf16[2,128,4,64]) -> bf16[2,4,128,64] {
+  %q = bf16[2,128,4,64]{3,2,1,0} parameter(0)
+  %k = bf16[2,128,4,64]{3,2,1,0} parameter(1)
+  %v = bf16[2,128,4,64]{3,2,1,0} parameter(2)
+  %do = bf16[2,128,4,64]{3,2,1,0} parameter(3)
+  %fwd = (bf16[2,4,128,64]{3,1,2,0}, f32[2,4,128]{2,1,0}, u8[256]{0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax"
+  %o = bf16[2,4,128,64]{3,1,2,0} get-tuple-element(%fwd), index=0
+  %s = f32[2,4,128]{2,1,0} get-tuple-element(%fwd), index=1
+  %bwd = (bf16[2,4,128,64]{3,1,2,0}, bf16[2,4,128,64]{3,1,2,0}, bf16[2,4,128,64]{3,1,2,0}, u8[266240]{0}) custom-call(%q, %k, %v, %s, %do, %o), custom_call_target="__cudnn$fmhaSoftmaxBackward"
+  ROOT %dq = bf16[2,4,128,64]{3,1,2,0} get-tuple-element(%bwd), index=0
+}"""
+    fwd, bwd = kernels(hlo)
+    tensor, stats = 2 * 128 * 4 * 64 * 2, 2 * 4 * 128 * 4
+    workspace = 2 * tensor + stats  # a float32 dQ and a float32 row sum per query: 266,240 bytes
+    assert (fwd.kind, fwd.bytes_read, fwd.bytes_written) == ("attention", 3 * tensor, tensor + stats)
+    assert fwd.flops == 2 * 2.0 * 2 * 4 * 128 * 128 * 64
+    assert bwd.flops == 5 * 2.0 * 2 * 4 * 128 * 128 * 64
+    assert bwd.bytes_read == 5 * tensor + stats + tensor + 2 * workspace
+    assert bwd.bytes_written == 3 * tensor + 2 * workspace
+
+
 def test_a_tpus_prefetch_into_on_chip_memory_moves_what_it_copies_and_a_slice_its_piece():
     hlo = """
 ENTRY %main (w: bf16[1152,6912]) -> bf16[288,6912] {
@@ -299,7 +325,7 @@ def test_the_built_in_rates_are_what_the_fit_makes_of_the_stored_measurements():
 # above today's errors: a change to the model that makes them worse fails here.
 STEP_ERROR = {"bert": 0.04, "resnet": 0.08, "llm": 0.03}
 # Of the kernels that make up 80 % of each step: how many are within 30 % of their measured time.
-KERNELS_WITHIN_30 = {"bert": 9, "resnet": 21, "llm": 8}
+KERNELS_WITHIN_30 = {"bert": 10, "resnet": 21, "llm": 8}
 
 
 def test_the_h200s_steps_are_predicted_within_their_recorded_error():

@@ -249,9 +249,11 @@ def _custom_call(
     if target_name in _PSEUDO_CALLS:
         return None
     outputs = [m.group(0) for m in _LAID_OUT.finditer(shape)]
-    # A library call's last output is its workspace (s8[...] / u8[...]): scratch, not traffic.
+    # A library call's last output is its workspace (s8[...] / u8[...]): scratch, not traffic,
+    # except a fused attention backward's (below).
+    workspace = 0
     if len(outputs) > 1 and re.match(r"[su]8\[", outputs[-1]):
-        outputs = outputs[:-1]
+        workspace = hbm_bytes(outputs.pop())
     written = sum(hbm_bytes(o) for o in outputs)
     if target_name in _BLAS:
         dims = _blas_shape(rest, [shapes.get(o, "") for o in operands[:2]])
@@ -262,7 +264,18 @@ def _custom_call(
         return Kernel(name, "convolution", 1, flops, 0.0, sum(read), written, dims, _dtype(shape), target_name)
     if target_name.startswith("__cudnn$fmha"):
         flops, dims = _attention_flops(rest, operands, shapes, target_name)
-        return Kernel(name, "attention", 1, flops, 0.0, sum(read), written, dims, _dtype(shape), target_name)
+        extra_read = extra_written = 0
+        if "Backward" in target_name:
+            # A flash-attention backward (FlashAttention-2's algorithm, which cuDNN's follows)
+            # accumulates dQ in float32 in its workspace: the workspace is zeroed, added into,
+            # and read back into dQ (two writes, two reads of it); a first pass reads dO again
+            # (the query's shape) for the row sums rowsum(dO * O) the workspace also holds.
+            extra_read = 2 * workspace + (read[0] if read else 0)
+            extra_written = 2 * workspace
+        return Kernel(
+            name, "attention", 1, flops, 0.0, sum(read) + extra_read, written + extra_written, dims, _dtype(shape),
+            target_name,
+        )  # fmt: skip
     if target_name == "tpu_custom_call" and re.match(r"splash_", name):
         return Kernel(name, "attention", 1, 0.0, 0.0, sum(read), written, (), _dtype(shape), "tpu_custom_call")
     return Kernel(name, "other", 1, 0.0, 0.0, sum(read), written, (), _dtype(shape), target_name)
