@@ -118,17 +118,23 @@ def test_a_fused_attention_backward_accumulates_dq_through_its_workspace():
     # forward's tiny workspace is no traffic; the backward's (a float32 dQ and the row sums)
     # is zeroed, added into and read back, and its first pass reads dO once more.
     hlo = """
-ENTRY %main (q: bf16[2,128,4,64], k: bf16[2,128,4,64], v: bf16[2,128,4,64], do: bf16[2,128,4,64]) -> bf16[2,4,128,64] {
-  %q = bf16[2,128,4,64]{3,2,1,0} parameter(0)
-  %k = bf16[2,128,4,64]{3,2,1,0} parameter(1)
-  %v = bf16[2,128,4,64]{3,2,1,0} parameter(2)
-  %do = bf16[2,128,4,64]{3,2,1,0} parameter(3)
-  %fwd = (bf16[2,4,128,64]{3,1,2,0}, f32[2,4,128]{2,1,0}, u8[256]{0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax"
-  %o = bf16[2,4,128,64]{3,1,2,0} get-tuple-element(%fwd), index=0
+ENTRY %main (q: $IN, k: $IN, v: $IN, do: $IN) -> $OUT {
+  %q = $IN{3,2,1,0} parameter(0)
+  %k = $IN{3,2,1,0} parameter(1)
+  %v = $IN{3,2,1,0} parameter(2)
+  %do = $IN{3,2,1,0} parameter(3)
+  %fwd = ($OUT{3,1,2,0}, f32[2,4,128]{2,1,0}, u8[256]{0}) custom-call(%q, %k, %v), custom_call_target="$FWD"
+  %o = $OUT{3,1,2,0} get-tuple-element(%fwd), index=0
   %s = f32[2,4,128]{2,1,0} get-tuple-element(%fwd), index=1
-  %bwd = (bf16[2,4,128,64]{3,1,2,0}, bf16[2,4,128,64]{3,1,2,0}, bf16[2,4,128,64]{3,1,2,0}, u8[266240]{0}) custom-call(%q, %k, %v, %s, %do, %o), custom_call_target="__cudnn$fmhaSoftmaxBackward"
-  ROOT %dq = bf16[2,4,128,64]{3,1,2,0} get-tuple-element(%bwd), index=0
+  %bwd = ($OUT{3,1,2,0}, $OUT{3,1,2,0}, $OUT{3,1,2,0}, u8[266240]{0}) custom-call(%q, %k, %v, %s, %do, %o), $BWD
+  ROOT %dq = $OUT{3,1,2,0} get-tuple-element(%bwd), index=0
 }"""
+    hlo = (
+        hlo.replace("$IN", "bf16[2,128,4,64]")
+        .replace("$OUT", "bf16[2,4,128,64]")
+        .replace("$FWD", "__cudnn$fmhaSoftmax")
+        .replace("$BWD", 'custom_call_target="__cudnn$fmhaSoftmaxBackward"')
+    )
     fwd, bwd = kernels(hlo)
     tensor, stats = 2 * 128 * 4 * 64 * 2, 2 * 4 * 128 * 4
     workspace = 2 * tensor + stats  # a float32 dQ and a float32 row sum per query: 266,240 bytes
