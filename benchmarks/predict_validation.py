@@ -48,12 +48,24 @@ def main() -> None:
     parser.add_argument(
         "--kernels", action="store_true", help="also list the H200 kernels that make up 80 % of each step"
     )
+    parser.add_argument(
+        "--h200-peak-stream",
+        type=float,
+        metavar="BYTES_PER_S",
+        help="what if: price the H200's element-wise kernels wider than its 4-byte stream up to this bandwidth "
+        "(xlafit.predict.model.stream_rate; the stored micro-benchmarks do not measure it)",
+    )
     args = parser.parse_args()
     rows = load_rates(BUILT_IN)
     h200 = next(r for r in rows if r.device_kind == "NVIDIA H200")
+    if args.h200_peak_stream:
+        h200 = dataclasses.replace(h200, stream_bytes_per_element=4, hbm_peak_bytes_per_s=args.h200_peak_stream)
     gpu = gpu_checks(VALIDATION / "gpu-h200", h200)
     tpu = tpu_checks(VALIDATION / "tpu", tpu_rows(rows), TPU_FITTED)
-    print("GPU (rates from micro-benchmarks only; " + _summary(gpu) + ")\n")
+    basis = "rates from micro-benchmarks only"
+    if args.h200_peak_stream:
+        basis = f"what if: wide element-wise kernels up to {args.h200_peak_stream / 1e12:g} TB/s, not measured"
+    print(f"GPU ({basis}; " + _summary(gpu) + ")\n")
     print("\n".join(_table(gpu)))
     print("\nTPU (published MaxText runs; " + _summary(tpu) + ")\n")
     print("\n".join(_table(tpu)))
@@ -75,6 +87,7 @@ def main() -> None:
     if args.json:
         out = {
             "rates": [r.to_json() for r in rows],
+            "h200": h200.to_json(),
             "gpu": [dataclasses.asdict(c) | {"error": c.error} for c in gpu],
             "tpu": [dataclasses.asdict(c) | {"error": c.error} for c in tpu],
             "kernels": kernels,

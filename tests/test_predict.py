@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from xlafit.predict.fit import fit_matmul, fit_stream
-from xlafit.predict.model import predict, wave_efficiency
+from xlafit.predict.fit import fit_matmul, fit_peak_stream, fit_stream
+from xlafit.predict.model import predict, stream_rate, wave_efficiency
 from xlafit.predict.ops import Kernel, kernels
 from xlafit.predict.rates import BUILT_IN, Rates, load_rates, rates_for, save_rates
 from xlafit.predict.validation import covering, fit_gpu, gpu_checks, kernel_units, tpu_checks, tpu_rows, tpu_runs
@@ -283,6 +283,48 @@ def test_the_step_adds_kernels_along_the_schedule_and_hides_an_async_collective_
     assert fast.exposed_collective_s == 0 and fast.seconds == pytest.approx(busy)
 
 
+def test_an_element_wise_kernel_moving_wider_elements_streams_faster_up_to_the_peak():
+    hlo = """
+%widen (p: bf16[1024,1024]) -> f32[1024,1024] {
+  %p = bf16[1024,1024]{1,0} parameter(0)
+  ROOT %c = f32[1024,1024]{1,0} convert(%p)
+}
+
+%total (a: f32[1024,1024]) -> f32[1024] {
+  %a = f32[1024,1024]{1,0} parameter(0)
+  %z = f32[] constant(0)
+  ROOT %r = f32[1024]{0} reduce(%a, %z), dimensions={1}, to_apply=%add
+}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+ENTRY %main (b: bf16[1024,1024]) -> f32[1024] {
+  %b = bf16[1024,1024]{1,0} parameter(0)
+  %n = bf16[1024,1024]{1,0} negate(%b)
+  %w = f32[1024,1024]{1,0} fusion(%n), kind=kLoop, calls=%widen
+  ROOT %t = f32[1024]{0} fusion(%w), kind=kInput, calls=%total
+}"""
+    negate, widen, total = kernels(hlo)
+    assert (negate.elements, widen.elements, total.elements) == (2**20, 2**20, 0)
+    base = Rates("demo", 1e12, (128, 128), 1, 1e11, None, 0.0)
+    rates = dataclasses.replace(base, stream_bytes_per_element=4, hbm_peak_bytes_per_s=1.25e11)
+    # 4 bytes per element (a bf16 in and out): the reference stream's rate; 6 (bf16 in, float32
+    # out): 1.5 x, held to the peak; a reduction: the reference rate.
+    assert [stream_rate(k, rates) for k in (negate, widen, total)] == [1e11, 1.25e11, 1e11]
+    assert predict([widen], rates).seconds == pytest.approx(6 * 2**20 / 1.25e11)
+    assert predict([widen], base).seconds == pytest.approx(6 * 2**20 / 1e11)  # no wider streams measured
+
+
+def test_the_peak_stream_is_the_fastest_wider_stream_when_it_beats_the_reference():
+    fast = [{"bytes": 8e9, "s": 2e-3 + 10e-6}, {"bytes": 8e9, "s": 2.5e-3 + 10e-6}]
+    assert fit_peak_stream(3e12, 10e-6, fast) == pytest.approx(4e12)
+    assert fit_peak_stream(3e12, 10e-6, [{"bytes": 3e9, "s": 1e-3 + 10e-6}]) is None  # no faster
+
+
 def test_a_prefetch_overlaps_a_product_but_shares_the_hbm_with_a_streaming_kernel():
     rates = Rates("demo", 1e12, (128, 128), 1, 1e11, 1e12, 0.0)
     prefetch = Kernel("p", "transfer", 1, bytes_read=1e9, asynchronous=True)  # 10 ms alone
@@ -360,6 +402,16 @@ def test_the_h200s_rates_come_from_its_micro_benchmarks_alone():
     assert fitted.hbm_bytes_per_s == pytest.approx(built_in.hbm_bytes_per_s)
 
 
+def test_wider_streams_in_a_gpus_micro_benchmarks_set_its_peak_stream(tmp_path):
+    micro = json.loads((H200 / "micro.json").read_text())
+    micro["wide_stream"] = [{"name": "float32", "bytes": 8 * 2**30, "bytes_per_element": 8, "s": 2e-3}]
+    (tmp_path / "micro.json").write_text(json.dumps(micro))
+    row = fit_gpu(tmp_path, "NVIDIA H200", 132, 33.5e12, "datasheet")
+    assert row.stream_bytes_per_element == 4 and row.hbm_peak_bytes_per_s > 4e12
+    assert "wider streams" in row.sources["hbm_peak_bytes_per_s"]
+    assert rates_for("NVIDIA H200").hbm_peak_bytes_per_s is None  # the stored file has none
+
+
 def test_published_tpu_runs_held_out_of_the_fit_are_predicted_within_the_bar():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
@@ -396,12 +448,17 @@ def test_bench_calibrate_measures_this_device_and_writes_its_file(tmp_path, monk
     from xlafit.cli import main
 
     monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path))
-    out = tmp_path / "cpu.json"
-    assert main(["bench", "--calibrate", "--calibrate-sizes", "tiny", "--out", str(out)]) == 0
+    out, record = tmp_path / "cpu.json", tmp_path / "record.json"
+    assert main(["bench", "--calibrate", "--calibrate-sizes", "tiny", "--out", str(out), "--json", str(record)]) == 0
     text = capsys.readouterr().out
-    assert "training step: measured" in text and str(out) in text
+    assert "training step: measured" in text and str(out) in text and "wider elements" in text
     (row,) = load_rates(out)
     assert row.device_kind == "cpu" and row.matmul_flops > 0 and row.hbm_bytes_per_s > 0
+    # The wider streams are timed; they set a peak only where they beat the reference stream.
+    wide = json.loads(record.read_text())["record"]["wide_stream"]
+    assert wide and all(w["bytes_per_element"] > 8 and w["s"] > 0 for w in wide)  # float32 x*a+b moves 8
+    assert row.hbm_peak_bytes_per_s is None or row.hbm_peak_bytes_per_s > 1.05 * row.hbm_bytes_per_s
+    assert (row.stream_bytes_per_element is None) == (row.hbm_peak_bytes_per_s is None)
     assert row.band is not None and row.band.steps == 1 and row.band.basis == "measured"
     assert main(["bench", "mnist", "--calibrate"]) == 2
     assert "--calibrate measures the device, not a recipe" in capsys.readouterr().err

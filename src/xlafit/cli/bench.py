@@ -126,10 +126,12 @@ def _calibrate(args: argparse.Namespace) -> int:
     rates, record = calibrate(args.calibrate_sizes, progress=lambda text: print(text, file=sys.stderr, flush=True))
     path = write(rates, out)
     step = record["step"]
+    peak = rates.hbm_peak_bytes_per_s
+    wide = f" (wider elements up to {peak / 1e9:.4g} GB/s)" if peak else " (wider elements no faster)"
     print(
         f"{rates.device_kind}: matrix products {rates.matmul_flops / 1e12:.4g} TFLOP/s (tile "
         f"{rates.matmul_tile[0]}x{rates.matmul_tile[1]} over {rates.units} unit(s)), streams "
-        f"{rates.hbm_bytes_per_s / 1e9:.4g} GB/s + {rates.kernel_s * 1e6:.3g} us per kernel, element-wise "
+        f"{rates.hbm_bytes_per_s / 1e9:.4g} GB/s + {rates.kernel_s * 1e6:.3g} us per kernel{wide}, element-wise "
         f"{(rates.vector_ops_per_s or 0) / 1e12:.3g} T ops/s"
     )
     print(

@@ -11,6 +11,9 @@ remains is the kernel and its launch on the device:
   :func:`xlafit.predict.fit.fit_matmul`;
 - element-wise streams (``x * a + b``) of several sizes -> :func:`xlafit.predict.fit.fit_stream`
   (bandwidth and fixed cost per kernel);
+- wider streams at the largest size (float32 ``x * a + b``; three arrays summed into one) ->
+  :func:`xlafit.predict.fit.fit_peak_stream` (the bandwidth of kernels moving more bytes per
+  element, :func:`xlafit.predict.model.stream_rate`);
 - a long element-wise polynomial on a small array -> the vector rate.
 
 Then a short training step (a small MLP; its rows, widths and steps configurable) is timed
@@ -39,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from xlafit.predict.fit import fit_matmul, fit_stream, held_out_band
+from xlafit.predict.fit import fit_matmul, fit_peak_stream, fit_stream, held_out_band
 from xlafit.predict.model import predict
 from xlafit.predict.ops import VECTOR_COST
 from xlafit.predict.rates import Rates, calibration_dir, save_rates
@@ -65,24 +68,27 @@ SIZES: dict[str, dict[str, Any]] = {
 _POLYNOMIAL = 32  # multiply-adds per element of the vector benchmark
 
 
-def chain_seconds(op: Callable[[jax.Array], jax.Array], x: jax.Array, short: int = 4, long: int = 12) -> float:
-    """Seconds per application of ``op`` on the device, from chains of ``short`` and ``long``
-    applications compiled as one program each (median of 5 runs of each)."""
+def chain_seconds(
+    op: Callable[..., jax.Array], x: jax.Array, *others: jax.Array, short: int = 4, long: int = 12
+) -> float:
+    """Seconds per application of ``op(x, *others)`` (an array of ``x``'s shape) on the
+    device, from chains of ``short`` and ``long`` applications compiled as one program each
+    (median of 5 runs of each); ``others`` are read by every application, unchanged."""
 
-    def chain(r: int) -> Callable[[jax.Array], jax.Array]:
-        def run(y: jax.Array) -> jax.Array:
+    def chain(r: int) -> Callable[..., jax.Array]:
+        def run(y: jax.Array, *rest: jax.Array) -> jax.Array:
             for _ in range(r):
-                y = jax.lax.optimization_barrier(op(y))
+                y = jax.lax.optimization_barrier(op(y, *rest))
             return y
 
         return jax.jit(run)
 
-    def timed(f: Callable[[jax.Array], jax.Array]) -> float:
-        f(x).block_until_ready()
+    def timed(f: Callable[..., jax.Array]) -> float:
+        f(x, *others).block_until_ready()
         runs = []
         for _ in range(5):
             t0 = time.perf_counter()
-            f(x).block_until_ready()
+            f(x, *others).block_until_ready()
             runs.append(time.perf_counter() - t0)
         return statistics.median(runs)
 
@@ -116,6 +122,28 @@ def _streams(sizes_mib: list[int]) -> list[dict[str, Any]]:
         x = jnp.ones((mib * 2**20 // jnp.dtype(dtype).itemsize // 1024, 1024), dtype)
         seconds = chain_seconds(lambda y: y * 0.5 + 0.25, x)
         rows.append({"bytes": 2 * x.nbytes, "s": seconds, "gbps": 2 * x.nbytes / seconds / 1e9})
+    return rows
+
+
+def _wide_streams(mib: int) -> list[dict[str, Any]]:
+    """Streams of ``mib`` MiB per array that move more bytes per element than
+    :func:`_streams`: float32 ``x * a + b`` (on accelerators, where the reference is bf16) and
+    ``x * a + b + y + z`` (three arrays read, one written)."""
+    dtype = _dtype()
+    rows = []
+    cases: list[tuple[str, Any, int]] = [("three into one", dtype, 3)]
+    if dtype != jnp.float32:
+        cases.insert(0, ("float32", jnp.float32, 1))
+        cases.append(("three float32 into one", jnp.float32, 3))
+    for name, kind, inputs in cases:
+        shape = (mib * 2**20 // jnp.dtype(kind).itemsize // 1024, 1024)
+        x, *others = (jnp.full(shape, 1.0 + i, kind) for i in range(inputs))
+        seconds = chain_seconds(lambda y, *rest: sum(rest, y * 0.5 + 0.25), x, *others)
+        moved = (inputs + 1) * x.nbytes
+        width = (inputs + 1) * jnp.dtype(kind).itemsize
+        rows.append(
+            {"name": name, "bytes": moved, "bytes_per_element": width, "s": seconds, "gbps": moved / seconds / 1e9}
+        )
     return rows
 
 
@@ -186,10 +214,13 @@ def calibrate(sizes: str = "full", progress: Callable[[str], None] = lambda _: N
     matmuls = _matmuls(plan["matmul"])
     progress("element-wise streams ...")
     streams = _streams(plan["stream_mib"])
+    progress("wider element-wise streams ...")
+    wide = _wide_streams(plan["stream_mib"][-1])
     progress("element-wise arithmetic ...")
     vector = _vector(plan["vector_elements"])
     flops, tile = fit_matmul(matmuls, units)
     bandwidth, fixed = fit_stream(streams)
+    peak = fit_peak_stream(bandwidth, fixed, wide)
     vector_rate = vector["ops"] / max(vector["s"] - vector["bytes"] / bandwidth - fixed, vector["s"] / 10)
     sources = {
         "matmul_flops": f"fitted to {len(matmuls)} timed products (xlafit bench --calibrate)",
@@ -198,8 +229,18 @@ def calibrate(sizes: str = "full", progress: Callable[[str], None] = lambda _: N
         "hbm_bytes_per_s": f"fitted to {len(streams)} timed element-wise streams",
         "vector_ops_per_s": f"a {_POLYNOMIAL}-step polynomial per element, timed",
         "kernel_s": "the streams' fixed cost per kernel",
+        "stream_bytes_per_element": "the element-wise streams' dtype, read and written",
+        "hbm_peak_bytes_per_s": (
+            f"the fastest of {len(wide)} timed wider streams"
+            if peak
+            else f"none: {len(wide)} timed wider streams were no faster"
+        ),
     }
-    rates = Rates(device.device_kind, flops, tile, units, bandwidth, vector_rate, fixed, sources=sources)
+    width = 2 * jnp.dtype(_dtype()).itemsize
+    rates = Rates(
+        device.device_kind, flops, tile, units, bandwidth, vector_rate, fixed,
+        stream_bytes_per_element=width if peak else None, hbm_peak_bytes_per_s=peak, sources=sources,
+    )  # fmt: skip
     progress("a training step ...")
     step, args = _step(*plan["step"])
     measured, hlo = _measure_step(step, args)
@@ -212,6 +253,7 @@ def calibrate(sizes: str = "full", progress: Callable[[str], None] = lambda _: N
         "sizes": sizes,
         "matmul": matmuls,
         "stream": streams,
+        "wide_stream": wide,
         "vector": vector,
         "step": {"rows_width_layers": plan["step"], "measured_s": measured, "predicted_s": predicted},
     }

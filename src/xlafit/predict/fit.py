@@ -5,6 +5,8 @@ every calibration file.
   (:func:`xlafit.predict.model.wave_efficiency`) from timed products of several shapes;
 - :func:`fit_stream`: the streaming bandwidth and the fixed cost per kernel from element-wise
   kernels of several sizes (time = fixed + bytes / bandwidth);
+- :func:`fit_peak_stream`: the bandwidth of element-wise kernels that move more bytes per
+  element than those (:func:`xlafit.predict.model.stream_rate`);
 - :func:`held_out_band`: the error band of a row's predictions against measured steps.
 
 Timings too close to a run's dispatch floor say nothing about the kernel (a product of
@@ -27,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from xlafit.predict.model import wave_efficiency
 from xlafit.predict.rates import Band
 
-__all__ = ["TILES", "fit_matmul", "fit_stream", "held_out_band", "informative"]
+__all__ = ["TILES", "fit_matmul", "fit_peak_stream", "fit_stream", "held_out_band", "informative"]
 
 # Output tiles the fit chooses among: the shapes GPU GEMM libraries and TPU MXUs work in.
 TILES = ((128, 128), (128, 256), (256, 128), (256, 256), (64, 128))
@@ -83,6 +85,15 @@ def fit_stream(rows: Iterable[dict]) -> tuple[float, float]:
         slope = sum(b * s for b, s in points) / sum(b * b for b, _ in points)
         fixed = 0.0
     return 1.0 / slope, fixed
+
+
+def fit_peak_stream(bandwidth: float, fixed: float, wide: Iterable[dict], gain: float = 1.05) -> float | None:
+    """The fastest of the wider streams ``{"bytes", "s"}`` (after the ``fixed`` cost per
+    kernel :func:`fit_stream` found), or None when none beats ``bandwidth`` by ``gain``: the
+    device streams wide elements no faster, and the model keeps one bandwidth."""
+    rates = [float(r["bytes"]) / max(float(r["s"]) - fixed, float(r["s"]) / 2) for r in wide]
+    fastest = max(rates, default=0.0)
+    return fastest if fastest > gain * bandwidth else None
 
 
 def held_out_band(errors: Sequence[float], basis: str, fitted: int = 0) -> Band:

@@ -72,7 +72,10 @@ def fusion_kernel(
             vector += VECTOR_COST.get(op, 1.0) * math.prod(_dims(inner.group("shape")))
     kind = _fusion_kind(name, target, ops, fused, flops)
     signature = _signature(fused) if signatures else ""
-    return Kernel(name, kind, 1, flops, vector, read, written, dims, _dtype(shape), target, signature)
+    elements = _fusion_elements(fused) if kind == "elementwise" else 0
+    return Kernel(
+        name, kind, 1, flops, vector, read, written, dims, _dtype(shape), target, signature, elements=elements
+    )
 
 
 def _signature(fused: _Computation) -> str:
@@ -207,6 +210,21 @@ def _root_outputs(fused: _Computation) -> set[str]:
             inner = fused.by_name.get(name)
         out.add(name)
     return out
+
+
+def _fusion_elements(fused: _Computation) -> int:
+    """The elements a loop fusion computes: its largest output's (an update's, in place)."""
+    most = 0
+    for name in _root_outputs(fused):
+        inner = fused.by_name.get(name)
+        if inner is None or inner.group("op") == "parameter":
+            continue
+        if inner.group("op") in _IN_PLACE:
+            names = _operand_names(inner.group("rest"))
+            update = fused.by_name.get(names[_IN_PLACE[inner.group("op")]]) if len(names) > 1 else None
+            inner = update or inner
+        most = max(most, math.prod(_dims(inner.group("shape"))))
+    return most
 
 
 def _fusion_writes(fused: _Computation, in_place: set[str]) -> float:

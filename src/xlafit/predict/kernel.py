@@ -96,6 +96,7 @@ class Kernel:
     group: int = 1  # a collective's devices per replica group
     moved: float = 0.0  # a collective's full array, bytes
     asynchronous: bool = False  # a collective's -start, ended by a "wait" kernel naming it
+    elements: int = 0  # an element-wise kernel's elements: its (largest) output's, or its update's in place
 
     @property
     def bytes(self) -> float:

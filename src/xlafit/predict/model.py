@@ -8,8 +8,9 @@ fixed cost:
   compute units tile by tile (a last partial wave of tiles leaves units idle: a product of
   120 output tiles on 132 SMs runs at 120/132 of the rate); fused attention is priced as the
   batched products it runs;
-- every kernel: its HBM bytes (read + written) over the streaming bandwidth, and its
-  element-wise work over the vector rate;
+- every kernel: its HBM bytes (read + written) over the streaming bandwidth (an element-wise
+  kernel moving more bytes per element than the measured stream, faster: :func:`stream_rate`),
+  and its element-wise work over the vector rate;
 - ``kernel_s`` per launch.
 
 A collective costs ``collective_s`` plus its bytes over the link (a ring: ``(n - 1) / n`` of
@@ -37,7 +38,7 @@ from collections.abc import Callable, Sequence
 from xlafit.predict.ops import Kernel, kernels
 from xlafit.predict.rates import Rates
 
-__all__ = ["SPLIT_K", "KernelTime", "StepPrediction", "kernel_seconds", "predict", "wave_efficiency"]
+__all__ = ["SPLIT_K", "KernelTime", "StepPrediction", "kernel_seconds", "predict", "stream_rate", "wave_efficiency"]
 
 # The shortest piece of a product's contraction that a split-K library kernel gives one unit.
 SPLIT_K = 512
@@ -136,7 +137,7 @@ def _price(kernel: Kernel, rates: Rates, link: Link, devices: int) -> tuple[floa
             return rates.collective_s, "link"
         share = 1.0 if kernel.target == "collective-permute" else _PASSES.get(kernel.target, 1) * (group - 1) / group
         return rates.collective_s + share * kernel.moved / bandwidth, "link"
-    parts = {"memory": kernel.bytes / rates.hbm_bytes_per_s}
+    parts = {"memory": kernel.bytes / stream_rate(kernel, rates)}
     if rates.vector_ops_per_s:
         parts["vector"] = kernel.vector / rates.vector_ops_per_s
     if kernel.flops:
@@ -144,6 +145,32 @@ def _price(kernel: Kernel, rates: Rates, link: Link, devices: int) -> tuple[floa
         parts["compute"] = kernel.flops / (rates.matmul_flops * efficiency)
     bound = max(parts, key=lambda p: parts[p])
     return parts[bound] + rates.kernel_s, bound if parts[bound] > rates.kernel_s else "launch"
+
+
+def stream_rate(kernel: Kernel, rates: Rates) -> float:
+    """The bandwidth ``kernel`` streams HBM at.
+
+    A loop kernel keeps as many loads in flight as each thread touches bytes per element
+    (every operand and output of the element), and a memory system gives bandwidth in
+    proportion to the bytes in flight up to its peak (Little's law): on an H200, an
+    element-wise kernel moving 4 bytes per element (a bf16 in, a bf16 out) streams about
+    two-thirds as fast as one moving 8 or more. Where a row has measured streams of several
+    widths (``stream_bytes_per_element``, ``hbm_peak_bytes_per_s``), an element-wise kernel
+    wider than the reference stream gets ``hbm_bytes_per_s`` scaled by its width, up to the
+    peak; every other kernel, and every kernel of a row without them, ``hbm_bytes_per_s``.
+
+    Example:
+        >>> row = Rates("GPU", 1e15, (128, 128), 100, 3e12, None, 0.0, stream_bytes_per_element=4,
+        ...             hbm_peak_bytes_per_s=4.5e12)
+        >>> wide = Kernel("convert", "elementwise", 1, bytes_read=4e6, bytes_written=2e6, elements=10**6)
+        >>> stream_rate(wide, row) / 1e12  # 6 bytes per element: 1.5 x the 4-byte stream's rate
+        4.5
+    """
+    if kernel.kind != "elementwise" or not kernel.elements or not rates.stream_bytes_per_element:
+        return rates.hbm_bytes_per_s
+    width = kernel.bytes / kernel.elements
+    rate = rates.hbm_bytes_per_s * max(1.0, width / rates.stream_bytes_per_element)
+    return min(rate, rates.hbm_peak_bytes_per_s or rate)
 
 
 def _advance(running: dict[str, float], copies: set[str], seconds: float, spare: float) -> None:
@@ -178,7 +205,7 @@ def predict(program: str | list[Kernel], rates: Rates, link: Link = None, device
     # body may wait first and start after (a prefetch for the next trip): what is left of
     # such a one at the body's end runs on beside the body's first kernels, up to its wait.
     def spare(t: KernelTime) -> float:  # the time a kernel leaves the HBM to the copies beside it
-        return t.seconds - min(t.seconds, t.kernel.bytes / rates.hbm_bytes_per_s)
+        return t.seconds - min(t.seconds, t.kernel.bytes / stream_rate(t.kernel, rates))
 
     running: dict[str, float] = {}
     counts: dict[str, int] = {}

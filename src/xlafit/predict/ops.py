@@ -229,6 +229,7 @@ def _kernel(
         bytes_written=written,
         dtype=_dtype(shape),
         target=op,
+        elements=elements,
     )
 
 

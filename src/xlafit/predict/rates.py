@@ -80,6 +80,11 @@ class Rates:
         collective_s: fixed time per collective (latency of the link).
         link_bytes_per_s: bytes/s per device over the link collectives use; None: the hardware
             table's ICI figure for the slice.
+        stream_bytes_per_element: the bytes per element of the streams ``hbm_bytes_per_s``
+            was measured on (4: a bf16 read and written); with ``hbm_peak_bytes_per_s``, wider
+            element-wise kernels stream faster (:func:`xlafit.predict.model.stream_rate`).
+        hbm_peak_bytes_per_s: the fastest measured stream of the wider ones; None: not
+            measured, every kernel streams at ``hbm_bytes_per_s``.
         sources: for each field above, where its value comes from.
         band: the measured error of predictions made with this row, None if never held
             against a measured step.
@@ -95,6 +100,8 @@ class Rates:
     kernel_s: float
     collective_s: float = 0.0
     link_bytes_per_s: float | None = None
+    stream_bytes_per_element: float | None = None
+    hbm_peak_bytes_per_s: float | None = None
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
     band: Band | None = None
     origin: str = "built-in"

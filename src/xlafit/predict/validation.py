@@ -26,7 +26,7 @@ from functools import cache
 from pathlib import Path
 
 from xlafit.platform.hardware import GENERATIONS, parse_targets
-from xlafit.predict.fit import fit_matmul, fit_stream, held_out_band, informative
+from xlafit.predict.fit import fit_matmul, fit_peak_stream, fit_stream, held_out_band, informative
 from xlafit.predict.model import StepPrediction, predict
 from xlafit.predict.ops import Kernel, kernels
 from xlafit.predict.rates import Rates
@@ -96,6 +96,17 @@ def fit_gpu(folder: Path, device_kind: str, units: int, vector_ops_per_s: float,
     flops, tile = fit_matmul(products, units)
     bandwidth, fixed = fit_stream(streams)
     where = f"benchmarks/validation/{Path(folder).name}/micro.json"
+    # Wider streams (xlafit bench --calibrate's "wide_stream" rows), where the file has them.
+    wide = micro.get("wide_stream", [])
+    peak = fit_peak_stream(bandwidth, fixed, wide) if wide else None
+    peak_source = (
+        f"the fastest of the {len(wide)} wider streams of {where}"
+        if peak
+        else f"none: the {len(wide)} wider streams of {where} were no faster"
+        if wide
+        else f"not measured: {where} times bf16 streams only (4 bytes per element); xlafit bench --calibrate "
+        "times wider ones"
+    )
     return Rates(
         device_kind,
         flops,
@@ -104,6 +115,8 @@ def fit_gpu(folder: Path, device_kind: str, units: int, vector_ops_per_s: float,
         bandwidth,
         vector_ops_per_s,
         0.0,
+        stream_bytes_per_element=4 if peak else None,
+        hbm_peak_bytes_per_s=peak,
         sources={
             "matmul_flops": f"fitted to the {len(products)} bf16 products of {where} timed above twice its dispatch "
             f"floor ({floor * 1e6:.0f} us)",
@@ -113,6 +126,7 @@ def fit_gpu(folder: Path, device_kind: str, units: int, vector_ops_per_s: float,
             "vector_ops_per_s": vector_source,
             "kernel_s": f"not measured: the fit's fixed cost ({fixed * 1e6:.0f} us) is each timed call's, and every "
             "small row of micro.json is dispatch-bound; xlafit bench --calibrate measures it on the device",
+            "hbm_peak_bytes_per_s": peak_source,
         },
     )
 
