@@ -1,6 +1,5 @@
 """The BERT model: Hugging Face parity and round trips, dropout, attention masks."""
 
-import functools
 import json
 
 import jax
@@ -12,7 +11,7 @@ from flax import nnx
 from helpers import hf_logits
 from xlafit.errors import HFFormatError
 from xlafit.hf.bert import from_hf, save_hf, to_hf_state
-from xlafit.models.bert import BertConfig, BertForMaskedLM, gelu
+from xlafit.models.bert import BertConfig, BertForMaskedLM
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -66,19 +65,6 @@ def test_dropout_keeps_the_rate_and_the_mean():
         np.testing.assert_array_equal(layer(x), x)
     with pytest.raises(ValueError, match="hidden_dropout=1.0 must be in"):
         BertConfig(hidden_dropout=1.0)
-
-
-def test_gelu_is_the_exact_one_and_keeps_one_array_for_its_backward():
-    x = jnp.linspace(-6.0, 6.0, 1001, dtype=jnp.float32)
-    exact = functools.partial(jax.nn.gelu, approximate=False)
-    np.testing.assert_allclose(gelu(x), exact(x), atol=2e-6)
-    np.testing.assert_allclose(jax.vmap(jax.grad(gelu))(x), jax.vmap(jax.grad(exact))(x), atol=1e-6)
-    np.testing.assert_allclose(jax.grad(jax.grad(gelu))(0.3), jax.grad(jax.grad(exact))(0.3), rtol=1e-6)
-    # What the forward pass keeps for the backward: the slope alone (jax.nn.gelu keeps three arrays).
-    h = jnp.ones((8, 16), jnp.bfloat16)
-    for f, kept in ((gelu, 1), (exact, 3)):
-        _, backward = jax.vjp(f, h)
-        assert sum(getattr(leaf, "shape", None) == h.shape for leaf in jax.tree_util.tree_leaves(backward)) == kept
 
 
 def test_cudnn_attention_refuses_masks_it_cannot_express():

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from xlafit.models.activations import gelu
 from xlafit.parallel.sharding import constrain, logical
 
 # Sizes of Google's BERT releases: the 24 "BERT miniatures" (Turc et al. 2019) name
@@ -205,38 +206,6 @@ def _layer_norm(cfg: BertConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
         bias_init=logical(nnx.initializers.zeros_init(), "norm"),
         rngs=rngs,
     )
-
-
-@jax.custom_jvp
-def gelu(x: jax.Array) -> jax.Array:
-    """The exact (erf) GELU of BERT and Hugging Face's ``"gelu"`` (``x / 2 * (1 + erf(x /
-    sqrt(2)))``, as ``transformers`` computes it), not the tanh approximation.
-
-    Computed in float32 and returned in ``x``'s dtype. Its derivative is a rule of its own
-    (:func:`_gelu_jvp`): the forward pass keeps one array for the backward, the derivative
-    itself, where differentiating ``jax.nn.gelu`` keeps three (half the input, ``erfc`` of it,
-    the input), which the backward reads back: on an H200 those were 12 % of a BERT-base step.
-
-    Example:
-        >>> [round(float(v), 4) for v in gelu(jnp.array([-1.0, 0.0, 2.0]))]
-        [-0.1587, 0.0, 1.9545]
-    """
-    y, _ = _gelu_and_slope(x)
-    return y
-
-
-def _gelu_and_slope(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    xf = x.astype(jnp.float32)
-    cdf = 0.5 * (1.0 + jax.lax.erf(xf * np.float32(1 / np.sqrt(2))))
-    pdf = jnp.exp(-0.5 * xf * xf) * np.float32(1 / np.sqrt(2 * np.pi))
-    return (xf * cdf).astype(x.dtype), (cdf + xf * pdf).astype(x.dtype)
-
-
-@gelu.defjvp
-def _gelu_jvp(primals: tuple[jax.Array], tangents: tuple[jax.Array]) -> tuple[jax.Array, jax.Array]:
-    (x,), (dx,) = primals, tangents
-    y, slope = _gelu_and_slope(x)
-    return y, dx * slope
 
 
 class Dropout(nnx.Dropout):

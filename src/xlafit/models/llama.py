@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xlafit.models import splash
+from xlafit.models.activations import gated
 from xlafit.models.attention import apply_rope, attention, causal_mask, default_scale, rope_frequencies
 from xlafit.models.bert import remat_policy
 from xlafit.models.llama_config import DTYPES, PRESETS, LlamaConfig
@@ -177,9 +178,8 @@ class LlamaMLP(nnx.Module):
         self.gelu = cfg.hidden_activation == "gelu_tanh"
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = self.gate_proj(x)
-        act = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
-        y = constrain(act * self.up_proj(x), "batch", None, "mlp")  # (B, T, i)
+        gated_product = gated(self.gate_proj(x), self.up_proj(x), "gelu_tanh" if self.gelu else "silu")
+        y = constrain(gated_product, "batch", None, "mlp")  # (B, T, i)
         return self.down_proj(y)
 
 
