@@ -11,13 +11,17 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from xlafit.data.clm import PackedText
+from xlafit.data.shapes import pack
 from xlafit.errors import ConfigError, HFFormatError
 from xlafit.hf.llama import from_hf, save_hf
 from xlafit.hf.peft import load_peft_adapter, save_peft_adapter
+from xlafit.models.attention import packed_segments_limit, segment_offsets
 from xlafit.models.bert import BertConfig, BertForMaskedLM
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 from xlafit.models.lora import ADAPTER, BASE, apply_lora, base_fingerprint, lora_state, merge_lora
 from xlafit.parallel.sharding import DEFAULT_RULES, logical_axes, tree_specs
+from xlafit.recipes.llm import check_packed_segments
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -153,6 +157,34 @@ def test_packed_segments_equal_the_sequences_alone():
     np.testing.assert_allclose(packed[0, 10:24], logits(model, second[None])[0], atol=1e-5, rtol=0)
     # and without the segment ids the second sequence sees the first: the mask matters
     assert np.abs(logits(model, row, positions=jnp.asarray(positions))[0, 10:24] - packed[0, 10:24]).max() > 1e-2
+
+
+def test_packed_rows_in_cudnns_layout_are_each_segments_start_and_length():
+    rng = np.random.default_rng(0)
+    documents = [list(range(int(n))) for n in rng.integers(1, 40, size=60)]
+    segments = jnp.asarray(pack(documents, 64)["segment_ids"])
+    limit = packed_segments_limit(64)
+    starts, lengths = segment_offsets(segments, limit)
+    assert starts.shape == (segments.shape[0], limit + 1) and lengths.shape == (segments.shape[0], limit)
+    for row, first, length in zip(np.asarray(segments), np.asarray(starts), np.asarray(lengths), strict=True):
+        ids = [i for i in np.unique(row) if i > 0]
+        assert list(length[: len(ids)]) == [int((row == i).sum()) for i in ids] and set(length[len(ids) :]) == {-1}
+        assert list(first[: len(ids)]) == [int(np.argmax(row == i)) for i in ids] and set(first[len(ids) :]) == {-1}
+
+
+def test_cudnn_attention_takes_packed_rows_in_bf16_up_to_its_limit_of_segments():
+    model = LlamaForCausalLM(tiny(dtype="bfloat16", attention="cudnn"), rngs=nnx.Rngs(0))
+    assert model._implementation(jnp.ones((1, 8), jnp.int32), 8) == "cudnn"  # packed rows included
+    with pytest.raises(ValueError, match="needs dtype='bfloat16'"):
+        LlamaForCausalLM(tiny(attention="cudnn"), rngs=nnx.Rngs(0))._implementation(None, 8)
+    rows = PackedText({"segment_ids": np.array([[1, 1, 2, 3, 4, 5, 0, 0]]), "input_ids": np.zeros((1, 8))}, 50, 5)
+    with pytest.raises(
+        ConfigError, match="takes up to 2 documents packed in a row of 8 tokens; this data packs up to 5"
+    ):
+        check_packed_segments(rows)
+    check_packed_segments(
+        PackedText({"segment_ids": np.array([[1, 1, 1, 2, 2, 2, 0, 0]]), "input_ids": np.zeros((1, 8))}, 50, 2)
+    )
 
 
 def test_scan_layers_and_remat_give_the_same_logits_and_gradients(tmp_path):

@@ -3,9 +3,10 @@ keeps the fewest arrays for its backward.
 
 Differentiating ``jax.nn.gelu(x, approximate=False)`` keeps three arrays of ``x``'s shape
 for the backward (half the input, ``erfc`` of it, the input) and ``jax.nn.silu(g) * u``
-keeps five (seven with the tanh GELU of GeGLU); the backward reads each back from HBM. With the rules here the forward pass
-computes the slopes in the kernel that computes the value, and keeps them alone: one array
-for :func:`gelu`, two for :func:`gated` (a gated MLP's inner product). Values are computed
+keeps five (seven with GeGLU's tanh GELU); the backward reads each back from HBM. With the
+rules here the forward pass computes the slopes in the kernel that computes the value, and
+keeps them alone: one array for :func:`gelu`, two for :func:`gated` (a gated MLP's inner
+product). Values are computed
 in float32 and returned in the inputs' dtype; the rules are forward-mode (``jax.custom_jvp``),
 so ``jax.jvp`` and higher derivatives work as with the plain functions.
 

@@ -18,7 +18,15 @@ import numpy as np
 
 from xlafit.models.llama_config import LlamaConfig
 
-__all__ = ["apply_rope", "attention", "causal_mask", "rope_frequencies", "rotate_half"]
+__all__ = [
+    "apply_rope",
+    "attention",
+    "causal_mask",
+    "packed_segments_limit",
+    "rope_frequencies",
+    "rotate_half",
+    "segment_offsets",
+]
 
 
 def rope_frequencies(cfg: LlamaConfig, local: bool = False) -> np.ndarray:
@@ -96,3 +104,29 @@ def attention(
 def default_scale(cfg: LlamaConfig) -> float:
     """``1 / sqrt(head_dim)``, or Gemma's ``query_pre_attn_scalar ** -0.5``."""
     return 1.0 / math.sqrt(cfg.query_pre_attn_scalar or cfg.head_size)
+
+
+def packed_segments_limit(seq_len: int) -> int:
+    """How many segments a packed row of ``seq_len`` tokens may hold for cuDNN's packed
+    attention (:func:`segment_offsets`: a static bound, one slot per segment)."""
+    return max(1, seq_len // 4)
+
+
+def segment_offsets(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
+    """Rows packed as :func:`xlafit.data.shapes.pack` packs them (segments ``1, 2, ...`` one
+    after another from the row's start, ``0`` for the padding after them) in cuDNN's packed
+    layout: each row's segment starts ``[B, max_segments + 1]`` and lengths ``[B,
+    max_segments]``, ``-1`` past its last segment.
+
+    Example:
+        >>> starts, lengths = segment_offsets(jnp.array([[1, 1, 2, 2, 2, 0]]), 3)
+        >>> starts.tolist(), lengths.tolist()
+        ([[0, 2, -1, -1]], [[2, 3, -1]])
+    """
+    ids = jnp.arange(1, max_segments + 1, dtype=segment_ids.dtype)
+    lengths = jnp.sum(segment_ids[:, :, None] == ids[None, None, :], axis=1, dtype=jnp.int32)  # (B, M)
+    starts = jnp.cumsum(lengths, axis=1, dtype=jnp.int32) - lengths
+    present = lengths > 0
+    none = jnp.full((segment_ids.shape[0], 1), -1, jnp.int32)
+    starts = jnp.concatenate([jnp.where(present, starts, -1), none], axis=1)
+    return starts, jnp.where(present, lengths, -1)

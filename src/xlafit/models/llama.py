@@ -30,6 +30,7 @@ from xlafit.models import splash
 from xlafit.models.activations import gated
 from xlafit.models.attention import apply_rope, attention, causal_mask, default_scale, rope_frequencies
 from xlafit.models.bert import remat_policy
+from xlafit.models.cudnn import packed_flash_attention
 from xlafit.models.llama_config import DTYPES, PRESETS, LlamaConfig
 from xlafit.parallel.sharding import constrain, logical
 
@@ -121,6 +122,8 @@ class LlamaAttention(nnx.Module):
             context = splash.splash_attention(
                 q, k, v, segment_ids, window=self.window, scale=default_scale(cfg), softcap=cfg.attn_logit_softcap
             )
+        elif implementation == "cudnn" and segment_ids is not None:  # packed rows: plain, bf16 (checked)
+            context = packed_flash_attention(q, k, v, segment_ids, default_scale(cfg))
         elif self.plain:  # (B, 1, T, T): a query sees keys of its own segment; is_causal adds "and earlier"
             mask = None if segment_ids is None else segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
             context = jax.nn.dot_product_attention(
@@ -272,16 +275,16 @@ class LlamaForCausalLM(nnx.Module):
 
     def _implementation(self, segment_ids: jax.Array | None, seq_len: int) -> str:
         """The attention kernel (see :class:`LlamaConfig`): splash on TPUs where the shapes
-        allow; cuDNN flash attention takes no segment mask and only 16-bit inputs, so "auto"
-        uses it for unpacked bf16 on GPUs."""
+        allow; cuDNN flash attention takes only 16-bit inputs, so "auto" uses it for unpacked
+        bf16 on GPUs, and "cudnn" also for packed rows (:mod:`xlafit.models.cudnn`)."""
         cfg = self.cfg
         attention = cfg.attention
         plain = not (cfg.sliding_window or cfg.attn_logit_softcap or cfg.query_pre_attn_scalar)
         fits = segment_ids is None and cfg.dtype == "bfloat16" and plain
         if attention == "cudnn" and not plain:
             raise ValueError("attention='cudnn' takes no sliding window or soft-cap; use 'xla' or 'auto'.")
-        if attention == "cudnn" and not fits:
-            raise ValueError("attention='cudnn' needs dtype='bfloat16' and no segment_ids; use 'xla' or 'auto'.")
+        if attention == "cudnn" and cfg.dtype != "bfloat16":
+            raise ValueError("attention='cudnn' needs dtype='bfloat16'; use 'xla' or 'auto'.")
         splash_refusal = splash.unsupported(seq_len, self.cfg.head_size)
         if attention == "splash" and (splash_refusal or not splash.on_tpu()):
             why = splash_refusal or "it runs on TPUs only"

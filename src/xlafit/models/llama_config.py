@@ -112,8 +112,9 @@ class LlamaConfig:
     unless memory forces bfloat16). ``attention`` picks the kernel: "splash" is the Pallas
     flash-attention kernel for TPUs (:mod:`xlafit.models.splash`: memory linear in the
     sequence, packed segments too), "cudnn" and "xla" the implementations of
-    ``jax.nn.dot_product_attention`` as in :class:`~xlafit.models.bert.BertConfig` (cuDNN
-    takes no segment ids: packed batches run on XLA); "auto" takes splash on TPUs where
+    ``jax.nn.dot_product_attention`` as in :class:`~xlafit.models.bert.BertConfig`, "cudnn"
+    with packed rows through cuDNN's packed layout (:mod:`xlafit.models.cudnn`; "auto"
+    leaves packed rows to XLA); "auto" takes splash on TPUs where
     the shapes allow it (a sequence that is a multiple of 128), cuDNN on GPUs where it
     applies, else XLA. ``rope_type="llama3"`` is Llama 3.1's
     frequency scaling (``rope_factor``, ``rope_low_freq_factor``, ``rope_high_freq_factor``,

@@ -32,6 +32,7 @@ from xlafit.errors import ConfigError
 from xlafit.hf import llama as llama_hf
 from xlafit.io import hub
 from xlafit.io.cache import cache_dir
+from xlafit.models.attention import packed_segments_limit
 from xlafit.models.llama import PRESETS, LlamaConfig, LlamaForCausalLM
 from xlafit.recipes.base import Recipe, Throughput
 from xlafit.train.losses import masked_accuracy, masked_mean
@@ -56,7 +57,7 @@ class LlmModelConfig:
     vocab_size: int | None = None  # null: the preset's (tiny and custom: the tokenizer's)
     compute_dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16: mixed precision (parameters stay float32)
     # the attention kernel: auto takes splash (flash, TPUs; seq_len a multiple of 128) or
-    # cudnn (flash, GPUs; unpacked bf16 only) where it applies, else xla
+    # cudnn (flash, GPUs; unpacked bf16) where it applies, else xla; cudnn: packed rows too (bf16)
     attention: Literal["auto", "xla", "cudnn", "splash"] = "auto"
     # a Hugging Face Llama (or Qwen2) directory to start from (config.json + safetensors):
     # its sizes replace the preset's, and its tokenizer.json is the default data.tokenizer
@@ -247,7 +248,24 @@ def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
         loss_on=d.loss_on,
     )
     print(data_summary(train, evaluation, d), flush=True, file=sys.stderr)
+    if cfg.model.attention == "cudnn":
+        check_packed_segments(train, evaluation)
     return train, (evaluation if len(evaluation) else None)  # type: ignore[return-value]
+
+
+def check_packed_segments(*datasets: clm.PackedText) -> None:
+    """cuDNN's packed attention takes a fixed number of segments a row
+    (:func:`~xlafit.models.attention.packed_segments_limit`): refuses data that packs more."""
+    for data in datasets:
+        segments = data.arrays["segment_ids"]
+        if not len(segments):
+            continue
+        most, limit = int(segments.max()), packed_segments_limit(data.seq_len)
+        if most > limit:
+            raise ConfigError(
+                f"model.attention=cudnn takes up to {limit} documents packed in a row of {data.seq_len} tokens; "
+                f"this data packs up to {most}. Use model.attention=xla (or auto), or a shorter data.seq_len."
+            )
 
 
 def _demo_inputs(demo: str) -> list[str]:
