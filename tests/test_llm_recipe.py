@@ -169,6 +169,46 @@ def _tiny(seed=0, lora=True):
     return apply_lora(model, ("q_proj", "v_proj"), rank=4, alpha=8, rngs=nnx.Rngs(1)) if lora else model
 
 
+@pytest.mark.parametrize("chunk", [5, 8, 64])  # a chunk not dividing the 31 positions; one holding them all
+def test_the_loss_over_chunks_of_positions_is_the_loss_and_its_gradient(chunk):
+    """model.logits_chunk: the same loss, accuracy and gradients, the logits a chunk at a time."""
+    sizes = dict(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, max_position_embeddings=64
+    )
+    rng = np.random.default_rng(0)
+    batch = {
+        "input_ids": jnp.asarray(rng.integers(1, 97, (3, 32)), jnp.int32),
+        "segment_ids": jnp.asarray(np.repeat([[1] * 12 + [2] * 14 + [0] * 6], 3, axis=0), jnp.int32),
+        "positions": jnp.asarray(np.repeat([list(range(12)) + list(range(14)) + [0] * 6], 3, axis=0), jnp.int32),
+    }
+    results = []
+    for logits_chunk in (0, chunk):
+        model = LlamaForCausalLM(LlamaConfig(**sizes, logits_chunk=logits_chunk), rngs=nnx.Rngs(0))
+
+        def loss(m):
+            value, metrics = recipe.loss_fn(m, batch)
+            return value.mean(), metrics["token_accuracy"]
+
+        (value, accuracy), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+        results.append((value, accuracy, jax.tree.leaves(nnx.state(grads))))
+    (v0, a0, g0), (v1, a1, g1) = results
+    np.testing.assert_allclose(v1, v0, rtol=1e-6)
+    np.testing.assert_allclose(a1, a0, rtol=1e-6)
+    for x, y in zip(g1, g0, strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-7)
+    with pytest.raises(ValueError, match="logits_chunk=-1 must be 0"):
+        LlamaConfig(**sizes, logits_chunk=-1)
+
+
+def test_a_run_that_does_not_fit_is_offered_the_loss_in_chunks():
+    from xlafit.check import _model_levers
+
+    offered = [text for _, text in _model_levers(load_config("llm", []).model)]
+    assert any("model.logits_chunk=1024" in text for text in offered)
+    chunked = load_config("llm", ["model.logits_chunk=512"]).model
+    assert not any("logits_chunk" in text for _, text in _model_levers(chunked))
+
+
 def test_a_size_given_with_init_from_hf_that_differs_from_its_config_is_refused(tmp_path):
     """model.num_layers=6 with a 2-layer model.init_from_hf would be recorded and not used:
     refused, naming both; the checkpoint's own size, or none, passes."""

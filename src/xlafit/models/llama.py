@@ -330,7 +330,8 @@ class LlamaForCausalLM(nnx.Module):
                 x = run(layer, x, positions, segment_ids, implementation)
         return self.norm(x)
 
-    def _logits(self, x: jax.Array) -> jax.Array:
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Float32 logits ``[..., vocab]`` of final hidden states (:meth:`decode`'s)."""
         logits = (self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)).astype(jnp.float32)
         if self.cfg.final_logit_softcap:  # Gemma 2
             cap = self.cfg.final_logit_softcap
@@ -370,7 +371,7 @@ class LlamaForCausalLM(nnx.Module):
                 keys.append(layer_cache.keys)
                 values.append(layer_cache.values)
             cache = KVCache(jnp.stack(keys), jnp.stack(values))
-        return self._logits(self.norm(x)), cache
+        return self.logits(self.norm(x)), cache
 
     def __call__(
         self, input_ids: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
@@ -385,4 +386,4 @@ class LlamaForCausalLM(nnx.Module):
             positions: ``[B, T]`` rotary positions, restarting at 0 in every segment of a
                 packed row; default ``0..T-1``.
         """
-        return constrain(self._logits(self.decode(input_ids, segment_ids, positions)), "batch", None, "vocab")
+        return constrain(self.logits(self.decode(input_ids, segment_ids, positions)), "batch", None, "vocab")

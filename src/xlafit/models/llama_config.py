@@ -162,8 +162,13 @@ class LlamaConfig:
     # One decoder layer compiled instead of num_layers (parameters stacked on a "layers"
     # axis, the decoder an nnx.scan): as BertConfig.scan_layers.
     scan_layers: bool = False
+    # Training's loss over chunks of this many positions (0: all at once): only a chunk's
+    # [B, chunk, vocab] float32 logits are held, recomputed in the backward pass.
+    logits_chunk: int = 0
 
     def __post_init__(self) -> None:
+        if self.logits_chunk < 0:
+            raise ValueError(f"logits_chunk={self.logits_chunk} must be 0 (off) or a number of positions.")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat={self.remat!r} is not one of {', '.join(REMAT_POLICIES)}.")
         if self.num_kv_heads is None:

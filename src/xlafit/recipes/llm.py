@@ -34,8 +34,9 @@ from xlafit.io import hub
 from xlafit.io.cache import cache_dir
 from xlafit.models.attention import packed_segments_limit
 from xlafit.models.llama import PRESETS, LlamaConfig, LlamaForCausalLM
+from xlafit.parallel.sharding import constrain
 from xlafit.recipes.base import Recipe, Throughput
-from xlafit.train.losses import masked_accuracy, masked_mean
+from xlafit.train.losses import chunked_cross_entropy, masked_accuracy, masked_mean
 
 DEMO_VOCAB_SIZE = 2000  # the demo's BPE tokenizer
 _SIZES = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size")
@@ -67,6 +68,9 @@ class LlmModelConfig:
     # jax.checkpoint_policies name (dots_saveable, ...; models/bert.py: REMAT_POLICIES).
     remat: str = "none"
     scan_layers: bool = False  # nnx.scan over the decoder layers: one layer compiled instead of num_layers
+    # the loss over chunks of this many positions (0: all at once): holds [batch, chunk, vocab]
+    # float32 logits instead of [batch, seq_len, vocab], for a third more output-layer FLOPs
+    logits_chunk: int = 0
 
 
 @dataclasses.dataclass
@@ -121,7 +125,12 @@ def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
         )
     try:
         return LlamaConfig(
-            **{**base, **sizes}, dtype=m.compute_dtype, attention=m.attention, remat=m.remat, scan_layers=m.scan_layers
+            **{**base, **sizes},
+            dtype=m.compute_dtype,
+            attention=m.attention,
+            remat=m.remat,
+            scan_layers=m.scan_layers,
+            logits_chunk=m.logits_chunk,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -321,7 +330,13 @@ def build_llama(cfg: Config, vocab_size: int) -> LlamaForCausalLM:
     m = cfg.model
     source = model_dir(cfg)
     if source:
-        options = {"dtype": m.compute_dtype, "attention": m.attention, "remat": m.remat, "scan_layers": m.scan_layers}
+        options = {
+            "dtype": m.compute_dtype,
+            "attention": m.attention,
+            "remat": m.remat,
+            "scan_layers": m.scan_layers,
+            "logits_chunk": m.logits_chunk,
+        }
         model = llama_hf.from_hf(source, rngs=nnx.Rngs(cfg.trainer.seed), **options)
         if model.cfg.vocab_size < vocab_size:
             raise ConfigError(
@@ -338,9 +353,17 @@ def build_model(cfg: Config, train: clm.PackedText) -> LlamaForCausalLM:
 
 def loss_fn(model: LlamaForCausalLM, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Per-row mean next-token cross-entropy over real tokens of one piece, and its accuracy."""
-    logits = model(batch["input_ids"], batch["segment_ids"], batch["positions"])  # (B, T, V) float32
     # (B, T - 1); chat and prompt/completion data count their answers only (loss_mask)
     targets, weights = clm.next_token_targets(batch["input_ids"], batch["segment_ids"], batch.get("loss_mask"))
+    if model.cfg.logits_chunk:  # the logits a chunk of positions at a time (model.logits_chunk)
+        hidden = model.decode(batch["input_ids"], batch["segment_ids"], batch["positions"])
+
+        def piece_logits(h: jax.Array) -> jax.Array:
+            return constrain(model.logits(h), "batch", None, "vocab")
+
+        loss, accuracy = chunked_cross_entropy(piece_logits, hidden[:, :-1], targets, weights, model.cfg.logits_chunk)
+        return loss, {"token_accuracy": accuracy}
+    logits = model(batch["input_ids"], batch["segment_ids"], batch["positions"])  # (B, T, V) float32
     losses = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], targets)
     return masked_mean(losses, weights), {"token_accuracy": masked_accuracy(logits[:, :-1], targets, weights)}
 
