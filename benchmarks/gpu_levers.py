@@ -22,6 +22,8 @@ levers (what the stored H200 profile found, ``benchmarks/kernel_sources.py``):
                            float32 [B, heads, T, T] scores), checked against model.attention=xla
                            on the same batch first (loss and gradient)
   llm-cudnn-b16            and twice the batch
+  llm-logits-chunk         the loss 1,024 positions at a time (model.logits_chunk: memory for a
+                           recomputed output layer)
   bert-hf                  Hugging Face BertForMaskedLM + SDPA (bert_speed.py's row)
   llm-torch, llm-torch-compile   transformers' LlamaForCausalLM + SDPA at the same sizes,
                            eager and torch.compile (random tokens, unpacked rows)
@@ -63,6 +65,7 @@ VARIANTS: dict[str, tuple[str, dict[str, str], list[str]]] = {
     "llm-plain-activations": ("llm", {}, []),
     "llm-cudnn": ("llm", {}, ["model.attention=cudnn"]),
     "llm-cudnn-b16": ("llm", {}, ["model.attention=cudnn", "data.global_batch=16"]),
+    "llm-logits-chunk": ("llm", {}, ["model.logits_chunk=1024"]),
     "bert-hf": ("bert", {}, []),
     "llm-torch": ("llm", {}, []),
     "llm-torch-compile": ("llm", {}, []),
@@ -72,7 +75,7 @@ VARIANTS: dict[str, tuple[str, dict[str, str], list[str]]] = {
 GROUPS = {
     "bert": ["bert", "bert-plain-activations", "bert-hf", "bert-rbg", "bert-unsafe-rbg", "bert-vocab-30592"],
     "llm": ["llm", "llm-cudnn", "llm-torch", "llm-torch-compile", "llm-plain-activations", "llm-cudnn-b16"],
-    "more": ["bert-cudnn-layer-norm", "bert-no-triton-gemm", "bert-b512"],
+    "more": ["bert-cudnn-layer-norm", "bert-no-triton-gemm", "bert-b512", "llm-logits-chunk"],
 }
 
 
