@@ -49,6 +49,7 @@ def chunked_cross_entropy(
     :func:`masked_accuracy` up to float summation order (tested).
     """
     b, t, _ = hidden.shape
+    chunk = min(chunk, t)
     pieces = -(-t // chunk)
     pad = pieces * chunk - t
     if pad:  # padded positions weigh nothing
