@@ -200,6 +200,19 @@ def test_the_loss_over_chunks_of_positions_is_the_loss_and_its_gradient(chunk):
         LlamaConfig(**sizes, logits_chunk=-1)
 
 
+def test_a_chunk_longer_than_the_positions_computes_each_position_once():
+    from xlafit.train.losses import chunked_cross_entropy
+
+    seen = []
+
+    def logits_fn(h):
+        seen.append(h.shape)
+        return h @ jnp.ones((4, 7))
+
+    chunked_cross_entropy(logits_fn, jnp.ones((2, 5, 4)), jnp.zeros((2, 5), jnp.int32), jnp.ones((2, 5)), 64)
+    assert seen == [(2, 5, 4)]
+
+
 def test_a_run_that_does_not_fit_is_offered_the_loss_in_chunks():
     from xlafit.check import _model_levers
 
