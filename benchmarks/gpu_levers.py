@@ -26,7 +26,8 @@ levers (what the stored H200 profile found, ``benchmarks/kernel_sources.py``):
                            recomputed output layer)
   bert-hf                  Hugging Face BertForMaskedLM + SDPA (bert_speed.py's row)
   llm-torch, llm-torch-compile   transformers' LlamaForCausalLM + SDPA at the same sizes,
-                           eager and torch.compile (random tokens, unpacked rows)
+                           eager and torch.compile (float32 weights, bf16 autocast; random
+                           tokens, unpacked rows)
 
     PYTHONPATH=src:benchmarks python3 benchmarks/gpu_levers.py --group bert --json $OUT/bert.json   # ~6 min
     PYTHONPATH=src:benchmarks python3 benchmarks/gpu_levers.py --group llm --json $OUT/llm.json     # ~7 min
@@ -162,7 +163,8 @@ def run_xlafit(name: str, size: str, warmup: int, steps: int) -> dict[str, Any]:
 
 
 def run_torch_llama(name: str, size: str, warmup: int, steps: int) -> dict[str, Any]:
-    """transformers' LlamaForCausalLM + SDPA at the preset's sizes, AdamW, bf16 weights."""
+    """transformers' LlamaForCausalLM + SDPA at the preset's sizes: float32 weights, bf16
+    autocast, fused AdamW (the mixed precision of xlafit's bf16 compute)."""
     import numpy as np
     import torch
     import transformers
@@ -180,14 +182,16 @@ def run_torch_llama(name: str, size: str, warmup: int, steps: int) -> dict[str, 
     device = torch.device("cuda" if cuda else "cpu")
     hf = transformers.LlamaConfig(**{k: v for k, v in hf_config(cfg).items() if k != "architectures"})
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM._from_config(hf, attn_implementation="sdpa", torch_dtype=torch.bfloat16)
+    model = transformers.LlamaForCausalLM._from_config(hf, attn_implementation="sdpa", torch_dtype=torch.float32)
     model.to(device).train()
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
     forward = torch.compile(model) if name.endswith("compile") else model
     tokens = torch.from_numpy(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq))).to(device)
 
     def step() -> float:
-        loss = forward(input_ids=tokens, labels=tokens).loss
+        with autocast:
+            loss = forward(input_ids=tokens, labels=tokens).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
