@@ -214,12 +214,12 @@ def test_a_chunk_longer_than_the_positions_computes_each_position_once():
 
 
 def test_a_run_that_does_not_fit_is_offered_the_loss_in_chunks():
-    from xlafit.check import _model_levers
+    from xlafit.check.recipes import memory_levers
 
-    offered = [text for _, text in _model_levers(load_config("llm", []).model)]
+    offered = [text for _, text in memory_levers(load_config("llm", []).model)]
     assert any("model.logits_chunk=1024" in text for text in offered)
     chunked = load_config("llm", ["model.logits_chunk=512"]).model
-    assert not any("logits_chunk" in text for _, text in _model_levers(chunked))
+    assert not any("logits_chunk" in text for _, text in memory_levers(chunked))
 
 
 def test_a_size_given_with_init_from_hf_that_differs_from_its_config_is_refused(tmp_path):

@@ -1,0 +1,174 @@
+"""``xlafit check RECIPE``: a recipe's model, loss and a batch of its data, checked here or
+compiled for TPU slices with the run's own settings, and the settings each answer is for."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from xlafit.check.program import Program
+from xlafit.check.report import Report
+from xlafit.check.step import check_step, check_tpu, example_layout, positive
+from xlafit.config import merge_overrides
+from xlafit.data.dataset import as_dataset
+from xlafit.models.lora import ADAPTER
+from xlafit.parallel.cluster import start_backends
+from xlafit.parallel.sharding import parse_rules
+from xlafit.platform.hardware import parse_targets
+from xlafit.recipes import get_recipe, load_config
+from xlafit.run import with_lora
+from xlafit.train.optim import make_optimizer
+
+__all__ = ["SHAPING", "assumed_settings", "check_command", "check_recipe", "memory_levers", "recipe_program"]
+
+
+def recipe_program(
+    name: str,
+    overrides: Sequence[str] = (),
+    preset: str | Path | None = None,
+    per_device_batch: int | None = None,
+    global_batch: int | None = None,
+) -> tuple[Program, Any, int]:
+    """What ``check --tpu`` compiles for a recipe: ``(program, config, train examples)``.
+
+    The model is built abstractly (``nnx.eval_shape``) from the recipe's config with
+    ``overrides`` (``preset``: a YAML file instead of the recipe's own), with the run's own
+    optimizer, batch sizes and loop settings, and with ``lora.rank`` set its adapters, the
+    only trainable variables (the base frozen, as a run trains it); a given
+    ``per_device_batch`` or ``global_batch`` replaces the config's.
+    """
+    cfg = load_config(name, list(overrides), preset=preset)
+    recipe = get_recipe(name)
+    recipe.validate(cfg)
+    train = as_dataset(recipe.load_data(cfg)[0])
+    cfg = recipe.from_data(cfg, train)
+    per_device = per_device_batch or (None if cfg.data.global_batch else cfg.data.per_device_batch)
+    global_batch = global_batch or cfg.data.global_batch
+    reference = global_batch or (per_device or 1) * 8
+    optimizer = make_optimizer(cfg.optimizer, reference, total_steps=cfg.optimizer.decay_steps or 1000).tx
+    work = recipe.throughput(cfg, train)
+    program = Program(
+        nnx.eval_shape(lambda: with_lora(recipe.build_model(cfg, train), cfg.lora, cfg.trainer.seed)),
+        recipe.loss_fn,
+        optimizer,
+        cfg.trainer,
+        example_layout(train.take(np.arange(1))),
+        per_device_batch=per_device,
+        global_batch=None if per_device else global_batch,
+        eval_global_batch=cfg.data.eval_global_batch or global_batch or (per_device or 1) * 8,
+        flops_per_example=work.get("flops_per_example"),
+        tokens_per_example=work.get("tokens_per_example"),
+        mesh=cfg.mesh.sizes,
+        rules=parse_rules(cfg.mesh.rules),
+        model_levers=memory_levers(cfg.model),
+        trainable=ADAPTER if cfg.lora.rank else nnx.Param,
+    )
+    return program, cfg, len(train)
+
+
+def check_recipe(
+    name: str,
+    overrides: list[str] | None = None,
+    tpu: str | None = None,
+    max_batch: bool | int = False,
+    preset: str | Path | None = None,
+    **options: Any,
+) -> Report:
+    """Checks a recipe's model, loss and a batch of its data (and, for bert, the lengths
+    of its tokenized corpus against the padding plans).
+
+    With ``tpu``, compiles the recipe's train and eval steps for those TPU slices, with the
+    run's own optimizer, batch sizes (``data.per_device_batch`` or ``data.global_batch``
+    over each target's cores) and loop settings (:func:`recipe_program`); the model is built
+    abstractly. ``preset``: a YAML file in place of the recipe's own (a ``plan.yaml``).
+    """
+    positive("--per-device-batch", options.get("per_device_batch"))
+    positive("--global-batch", options.get("global_batch"))
+    start_backends()  # quietly, as for a file
+    if tpu:  # the recipes feed fixed shapes (bert packs its sequences): rule 3 has nothing to say
+        parse_targets(tpu)  # an unknown name fails before the model is built
+        program, cfg, _ = recipe_program(
+            name, overrides or [], preset, options.get("per_device_batch"), options.get("global_batch")
+        )
+        report = check_tpu(name, program, tpu, max_batch=max_batch)
+        report.assumed = assumed_settings(cfg, program, overrides or [])
+        # A per-core batch compiled over a config's global one: the command clears the global one.
+        cleared = ["data.global_batch=null"] if program.per_device_batch and cfg.data.global_batch else []
+        report.command = check_command(name, tpu, [*(overrides or []), *cleared], report.assumed, preset)
+        return report
+    cfg = load_config(name, overrides or [], preset=preset)
+    recipe = get_recipe(name)
+    recipe.validate(cfg)
+    train = as_dataset(recipe.load_data(cfg)[0])
+    cfg = recipe.from_data(cfg, train)
+    lengths = recipe.sequence_lengths(cfg)
+    rows = options.get("per_device_batch") or 8  # the example batch run here: small
+    batch = train.take(np.arange(min(rows, len(train))))
+    if not options.get("per_device_batch") and not options.get("global_batch"):
+        # Memory and FLOPs at the run's own batch, as --tpu compiles it, not the example's rows.
+        if cfg.data.global_batch:
+            options = {**options, "global_batch": cfg.data.global_batch}
+        elif cfg.data.per_device_batch:
+            options = {**options, "per_device_batch": cfg.data.per_device_batch}
+    return check_step(name, recipe.build_model(cfg, train), recipe.loss_fn, batch, lengths=lengths, **options)
+
+
+# The settings that shape a recipe's compiled step, printed with every answer (when present).
+SHAPING = (
+    "model.preset", "data.seq_len", "data.image_size", "lora.rank", "lora.base_dtype", "model.compute_dtype",
+    "model.remat", "model.scan_layers", "model.attention", "mesh.data", "mesh.fsdp", "mesh.tensor",
+    "trainer.steps_per_call", "trainer.accumulate_steps",
+)  # fmt: skip
+
+
+def assumed_settings(cfg: Any, program: Program, overrides: Sequence[str]) -> list[str]:
+    """The settings an answer is for, as overrides to copy: the batch the program compiles
+    and each of :data:`SHAPING` the config has, the recipe's defaults included (a run that
+    meant 2,048 tokens sees that the answer is for the default's 128)."""
+    given = {o.split("=", 1)[0].strip() for o in overrides}
+    batch = (
+        f"data.per_device_batch={program.per_device_batch}"
+        if program.per_device_batch
+        else f"data.global_batch={program.global_batch}"
+    )
+    out = [batch]
+    for key in SHAPING:
+        section, _, field = key.partition(".")
+        holder = getattr(cfg, section, None)
+        if holder is None or not hasattr(holder, field):
+            continue
+        value = getattr(holder, field)
+        if value is None or key not in given and key.startswith(("mesh.", "trainer.")) and value in (1, -1):
+            continue  # an unset preset, a mesh axis or loop setting at its default: nothing assumed
+        if key.startswith("lora.") and not getattr(cfg.lora, "rank", 0):
+            continue  # no adapters
+        if key == "model.preset" and getattr(cfg.model, "init_from_hf", None):
+            key, value = "model.init_from_hf", cfg.model.init_from_hf  # the checkpoint's sizes, not the preset's
+        out.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
+    return out
+
+
+def check_command(
+    name: str, tpu: str, overrides: Sequence[str], assumed: Sequence[str], preset: str | Path | None = None
+) -> str:
+    """The command that checks the same run again: every override given and every setting
+    assumed, each key once (the assumed value, which the config resolved, wins)."""
+    config = ["--config", str(preset)] if preset else []
+    return shlex.join(["xlafit", "check", name, "--tpu", tpu, *config, *merge_overrides(overrides, assumed)])
+
+
+def memory_levers(model: Any) -> tuple[tuple[str, str], ...]:
+    """The memory levers a recipe's model settings offer, for a run that does not fit."""
+    found = []
+    if getattr(model, "remat", None) == "none":
+        found.append(("activations", "rematerialisation: model.remat=full or dots_saveable (activations recomputed)"))
+    if getattr(model, "compute_dtype", None) == "float32":
+        found.append(("activations", "bf16 compute: model.compute_dtype=bfloat16 (parameters stay float32)"))
+    if getattr(model, "logits_chunk", None) == 0:
+        found.append(("activations", "the loss's logits a chunk at a time: model.logits_chunk=1024 (recomputed)"))
+    return tuple(found)
