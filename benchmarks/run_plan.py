@@ -1,7 +1,7 @@
 """Runs one plan and keeps what it printed, its JSON and its preset in a results folder.
 
     python benchmarks/run_plan.py OUT_DIR NAME RECIPE|FILE.py TPU [--global-batch N] [--budget-minutes M]
-        [--examples N] [--bound] [overrides ...]
+        [--examples N] [--bound] [--search-batch] [overrides ...]
 
 Writes OUT_DIR/NAME.txt (what `xlafit plan` prints, and the wall time of the whole plan on
 this machine, compiles included), NAME.json (its --json, with the wall time) and
@@ -23,9 +23,9 @@ def main() -> None:
     here = Path(out)
     here.mkdir(parents=True, exist_ok=True)
     options: dict = {}
-    while rest[:1] in (["--global-batch"], ["--budget-minutes"], ["--examples"], ["--bound"]):
-        if rest[0] == "--bound":
-            options["bound"], rest = True, rest[1:]
+    while rest[:1] in (["--global-batch"], ["--budget-minutes"], ["--examples"], ["--bound"], ["--search-batch"]):
+        if rest[0] in ("--bound", "--search-batch"):
+            options[rest[0][2:].replace("-", "_")], rest = True, rest[1:]
             continue
         options[rest[0][2:].replace("-", "_")], rest = float(rest[1]), rest[2:]
     if "global_batch" in options:
