@@ -172,8 +172,11 @@ def test_packed_rows_in_cudnns_layout_are_each_segments_start_and_length():
         assert list(first[: len(ids)]) == [int(np.argmax(row == i)) for i in ids] and set(first[len(ids) :]) == {-1}
 
 
-def test_cudnn_attention_takes_packed_rows_in_bf16_up_to_its_limit_of_segments():
+def test_cudnn_attention_takes_packed_rows_in_bf16_up_to_its_limit_of_segments(monkeypatch):
     model = LlamaForCausalLM(tiny(dtype="bfloat16", attention="cudnn"), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="runs on NVIDIA GPUs .cuDNN.; this is cpu: use 'xla' or 'auto'"):
+        model._implementation(None, 8)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # what the choice is on a GPU
     assert model._implementation(jnp.ones((1, 8), jnp.int32), 8) == "cudnn"  # packed rows included
     with pytest.raises(ValueError, match="needs dtype='bfloat16'"):
         LlamaForCausalLM(tiny(attention="cudnn"), rngs=nnx.Rngs(0))._implementation(None, 8)

@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 import xlafit
+from xlafit.check.recipes import memory_levers
 from xlafit.checkpoint import Checkpointer, fingerprint
 from xlafit.config import TrainerConfig
 from xlafit.data import clm
@@ -26,6 +27,7 @@ from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 from xlafit.models.lora import ADAPTER, apply_lora, base_fingerprint, merge_lora
 from xlafit.recipes import llm as recipe
 from xlafit.recipes import load_config
+from xlafit.train.losses import chunked_cross_entropy
 
 XLAFIT = [sys.executable, "-m", "xlafit"]
 TEXT = "\n\n".join(
@@ -201,8 +203,6 @@ def test_the_loss_over_chunks_of_positions_is_the_loss_and_its_gradient(chunk):
 
 
 def test_a_chunk_longer_than_the_positions_computes_each_position_once():
-    from xlafit.train.losses import chunked_cross_entropy
-
     seen = []
 
     def logits_fn(h):
@@ -214,8 +214,6 @@ def test_a_chunk_longer_than_the_positions_computes_each_position_once():
 
 
 def test_a_run_that_does_not_fit_is_offered_the_loss_in_chunks():
-    from xlafit.check.recipes import memory_levers
-
     offered = [text for _, text in memory_levers(load_config("llm", []).model)]
     assert any("model.logits_chunk=1024" in text for text in offered)
     chunked = load_config("llm", ["model.logits_chunk=512"]).model

@@ -23,6 +23,8 @@ def packed_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
     :func:`xlafit.data.shapes.pack` makes them, at most
     :func:`~xlafit.models.attention.packed_segments_limit` segments a row (the llm recipe
     checks its data)."""
+    # JAX's own module, not exported: imported where it is used, so that a JAX without it
+    # fails only this path (no cycle: it imports nothing of xlafit's).
     from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
 
     starts, lengths = segment_offsets(segment_ids, packed_segments_limit(q.shape[1]))

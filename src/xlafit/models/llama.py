@@ -285,6 +285,10 @@ class LlamaForCausalLM(nnx.Module):
             raise ValueError("attention='cudnn' takes no sliding window or soft-cap; use 'xla' or 'auto'.")
         if attention == "cudnn" and cfg.dtype != "bfloat16":
             raise ValueError("attention='cudnn' needs dtype='bfloat16'; use 'xla' or 'auto'.")
+        if attention == "cudnn" and jax.default_backend() != "gpu":
+            raise ValueError(
+                f"attention='cudnn' runs on NVIDIA GPUs (cuDNN); this is {jax.default_backend()}: use 'xla' or 'auto'."
+            )
         splash_refusal = splash.unsupported(seq_len, self.cfg.head_size)
         if attention == "splash" and (splash_refusal or not splash.on_tpu()):
             why = splash_refusal or "it runs on TPUs only"
