@@ -104,12 +104,11 @@ def _same_batch_check(recipe_name: str, overrides: list[str]) -> dict[str, float
     from xlafit.recipes import get_recipe, load_config
 
     recipe = get_recipe(recipe_name)
+    train = recipe.load_data(load_config(recipe_name, overrides))[0]  # the same rows for both
+    batch = {k: jax.numpy.asarray(v) for k, v in train.take(np.arange(8)).items()}
     results = {}
     for attention in ("xla", "cudnn"):
-        cfg = load_config(recipe_name, [*overrides, f"model.attention={attention}"])
-        train = recipe.load_data(cfg)[0]
-        model = recipe.build_model(cfg, train)
-        batch = {k: jax.numpy.asarray(v) for k, v in train.take(np.arange(8)).items()}
+        model = recipe.build_model(load_config(recipe_name, [*overrides, f"model.attention={attention}"]), train)
 
         def loss(m: Any, b: dict = batch) -> Any:
             value = recipe.loss_fn(m, b)

@@ -80,9 +80,11 @@ def _computations(hlo: str) -> dict[str, list[str]]:
     return out
 
 
-def describe(hlo: str, instruction: str, tables: tuple, computations: dict[str, list[str]]) -> tuple[str, str]:
+def describe(
+    instruction: str, calls: dict[str, str], tables: tuple, computations: dict[str, list[str]]
+) -> tuple[str, str]:
     """(the JAX operations a kernel computes, their source lines), from its instruction."""
-    line = next((x for x in _entry_lines(computations) if re.match(rf"\s*%{re.escape(instruction)} = ", x)), "")
+    line = calls.get(instruction, "")
     callee = re.search(r"calls=%([\w.\-]+)", line)
     body = computations.get(callee.group(1), []) if callee else [line]
     names, sources = collections.Counter(), collections.Counter()
@@ -97,8 +99,15 @@ def describe(hlo: str, instruction: str, tables: tuple, computations: dict[str, 
     return ops or "-", "; ".join(s for s, _ in sources.most_common(3)) or "-"
 
 
-def _entry_lines(computations: dict[str, list[str]]) -> list[str]:
-    return [x for body in computations.values() for x in body if "calls=%" in x or "custom-call(" in x]
+def _calls(computations: dict[str, list[str]]) -> dict[str, str]:
+    """Each instruction that launches a fusion or library call, by name: its line."""
+    out = {}
+    for body in computations.values():
+        for line in body:
+            found = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = ", line)
+            if found and ("calls=%" in line or "custom-call(" in line):
+                out[found.group(1)] = line
+    return out
 
 
 def main() -> None:
@@ -111,6 +120,7 @@ def main() -> None:
     hlo = gzip.open(folder / f"{args.workload}.hlo.txt.gz", "rt").read()
     tables = _tables(hlo)
     computations = _computations(hlo)
+    calls = _calls(computations)
     rates = rates_for("NVIDIA H200")
     units = kernel_units(folder, args.workload, rates)
     total = sum(u.measured_s for u in units)
@@ -120,7 +130,7 @@ def main() -> None:
     for u in units[: args.top]:
         instruction = u.name.replace("_", ".")
         found = [n for n in (u.name, instruction, re.sub(r"_(\d+)$", r".\1", u.name)) if f"%{n} = " in hlo]
-        ops, sources = describe(hlo, found[0], tables, computations) if found else ("library kernels", "-")
+        ops, sources = describe(found[0], calls, tables, computations) if found else ("library kernels", "-")
         print(
             f"| {u.name} | {u.measured_s * 1e3:.2f} | {u.measured_s / total:.1%} | {u.launches} | "
             f"{u.predicted_s * 1e3:.2f} | {ops} | {sources} |"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+from collections.abc import Iterator
 
 from xlafit.predict.hlo import _INSTRUCTION, _dims, _operand_names, _product_shape, product_flops
 from xlafit.predict.kernel import (
@@ -212,36 +213,30 @@ def _root_outputs(fused: _Computation) -> set[str]:
     return out
 
 
-def _fusion_elements(fused: _Computation) -> int:
-    """The elements a loop fusion computes: its largest output's (an update's, in place)."""
-    most = 0
-    for name in _root_outputs(fused):
-        inner = fused.by_name.get(name)
-        if inner is None or inner.group("op") == "parameter":
-            continue
-        if inner.group("op") in _IN_PLACE:
-            names = _operand_names(inner.group("rest"))
-            update = fused.by_name.get(names[_IN_PLACE[inner.group("op")]]) if len(names) > 1 else None
-            inner = update or inner
-        most = max(most, math.prod(_dims(inner.group("shape"))))
-    return most
-
-
-def _fusion_writes(fused: _Computation, in_place: set[str]) -> float:
-    """Bytes a fusion writes: each output's, a ``dynamic-update-slice`` or ``scatter`` of an
-    operand updated in place at its update's size."""
-    total = 0.0
+def _written_shapes(fused: _Computation) -> Iterator[str]:
+    """The shape each output of a fusion writes: the output's, or the update's of an operand
+    updated in place (``dynamic-update-slice``, ``scatter``); a buffer carried through and a
+    collective's result (priced as the collective) write nothing."""
     for name in _root_outputs(fused):
         inner = fused.by_name.get(name)
         if inner is None:
             continue
         if inner.group("op") == "parameter" or inner.group("op").removesuffix("-start") in _COLLECTIVES:
-            continue  # a buffer carried through, or a collective's result (priced as the collective)
+            continue
         if inner.group("op") in _IN_PLACE:
             names = _operand_names(inner.group("rest"))
             position = _IN_PLACE[inner.group("op")]
             update = fused.by_name.get(names[position]) if len(names) > position else None
-            total += hbm_bytes(update.group("shape")) if update is not None else hbm_bytes(inner.group("shape"))
-        else:
-            total += hbm_bytes(inner.group("shape"))
-    return total
+            inner = update or inner
+        yield inner.group("shape")
+
+
+def _fusion_elements(fused: _Computation) -> int:
+    """The elements a loop fusion computes: its largest output's (an update's, in place)."""
+    return max((math.prod(_dims(shape)) for shape in _written_shapes(fused)), default=0)
+
+
+def _fusion_writes(fused: _Computation, in_place: set[str]) -> float:
+    """Bytes a fusion writes: each output's, a ``dynamic-update-slice`` or ``scatter`` of an
+    operand updated in place at its update's size."""
+    return float(sum(hbm_bytes(shape) for shape in _written_shapes(fused)))
