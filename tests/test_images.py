@@ -371,6 +371,40 @@ def test_a_damaged_manifest_is_named_with_the_fix(tmp_path, cache, text, message
         load_split(str(tmp_path / "out"), "train")
 
 
+_SIGINT_AT_EVERY_MOMENT = """
+import glob, time
+from xlafit.data.images.preparation import _worker_pool
+
+def sigint_held_off(pid):  # in each thread: blocked (until the initializer ignores it), or ignored
+    for status in glob.glob(f"/proc/{pid}/task/*/status"):
+        fields = dict(line.split(":", 1) for line in open(status) if ":" in line)
+        if not (int(fields["SigBlk"], 16) | int(fields["SigIgn"], 16)) & 2:
+            return False
+    return True
+
+if __name__ == "__main__":
+    with _worker_pool(2) as pool:
+        seen = []
+        end = time.monotonic() + 3
+        while time.monotonic() < end:
+            seen += [sigint_held_off(w.pid) for w in pool._pool]
+    print(len(seen), all(seen))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the signal masks in /proc (Linux)")
+def test_preparation_workers_never_take_ctrl_c_themselves(tmp_path):
+    """From its first instant, a worker blocks SIGINT (until its initializer ignores it) or
+    ignores it. Starting the pool's resource tracker unblocks SIGINT in the calling thread; in
+    a fresh interpreter that start comes with the pool, and the workers must not be born after it."""
+    script = tmp_path / "workers.py"
+    script.write_text(_SIGINT_AT_EVERY_MOMENT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    samples, held_off = done.stdout.split()
+    assert int(samples) > 10 and held_off == "True", done.stdout
+
+
 def test_ctrl_c_during_preparation_is_one_line_leaves_no_worker_and_the_rerun_finishes(tmp_path):
     """Ctrl-C reaches the whole process group (a terminal, a notebook's "Interrupt kernel"):
     one line, exit 130, the workers gone; the shards left without a manifest are recognised as

@@ -23,6 +23,7 @@ import json
 import logging
 import multiprocessing
 import multiprocessing.pool
+import multiprocessing.resource_tracker
 import os
 import re
 import signal
@@ -364,11 +365,14 @@ def _worker_pool(workers: int) -> Iterator[multiprocessing.pool.Pool]:
     while the workers start, they are born with it blocked, and their initializer ignores it
     (discarding one that waited) before unblocking it. Here, one that arrived meanwhile is
     delivered when the mask is restored. (``spawn``: a fork after JAX's threads started can
-    deadlock.)
+    deadlock.) The pool's resource tracker is started first: starting it unblocks SIGINT in the
+    calling thread (``multiprocessing.resource_tracker``), which would leave the workers born
+    with it deliverable.
 
     On leaving normally the pool finishes its work; on an interruption or an error its workers
     are terminated at once, so that the command ends promptly and none is left.
     """
+    multiprocessing.resource_tracker.ensure_running()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_leave_sigint_to_parent)
