@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from xlafit.check import assumed_settings, check_command, check_file, check_recipe
-from xlafit.cli import _parse, build_parser
+from xlafit.cli import build_parser
+from xlafit.cli.entry import _parse
 from xlafit.errors import ConfigError
 from xlafit.recipes import load_config
 

@@ -211,7 +211,8 @@ def test_inspect_of_a_folder_that_is_no_run_is_one_line(tmp_path):
 
 def test_max_batch_is_a_flag_that_overrides_may_follow():
     """`--max-batch data.source=synthetic`: the override stays an override, not the search's limit."""
-    from xlafit.cli import _parse, build_parser
+    from xlafit.cli import build_parser
+    from xlafit.cli.entry import _parse
 
     args = _parse(build_parser(), ["check", "bert", "--tpu", "v5e-8", "--max-batch", "data.source=synthetic"])
     assert args.max_batch is True and args.max_batch_limit is None and args.overrides == ["data.source=synthetic"]
@@ -221,7 +222,8 @@ def test_max_batch_is_a_flag_that_overrides_may_follow():
 
 
 def test_a_misplaced_flag_names_the_command_that_takes_it(capsys):
-    from xlafit.cli import _parse, build_parser
+    from xlafit.cli import build_parser
+    from xlafit.cli.entry import _parse
 
     for argv, hint in (
         (["plan", "model.py", "--max-batch"], "(--max-batch is a flag of xlafit check, not of xlafit plan)"),

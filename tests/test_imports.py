@@ -150,3 +150,23 @@ def test_no_function_is_longer_than_a_screen():
             if lines > MAX_FUNCTION_LINES and f"{name}.{node.name}" not in LONG_FUNCTIONS:
                 long.append(f"{name}.{node.name}: {lines} lines")
     assert long == []
+
+
+# The package's own lazy attribute access (`xlafit.Trainer` without importing the trainer
+# at `import xlafit`) is the one logic a package's __init__.py holds.
+INIT_FUNCTIONS = {"xlafit": {"__getattr__", "__dir__"}}
+
+
+def test_a_packages_init_re_exports_and_holds_no_logic():
+    """A package's ``__init__.py`` names what it offers; its functions and classes live in
+    modules of their own, where a reader of the package's tree finds them by name."""
+    held = []
+    for name, path in _modules().items():
+        if path.name != "__init__.py":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        defined = {
+            node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+        }
+        held += [f"{name}.{d}" for d in sorted(defined - INIT_FUNCTIONS.get(name, set()))]
+    assert not held, f"defined in a package's __init__.py (move each to a module and re-export it): {held}"

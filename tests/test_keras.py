@@ -1,4 +1,4 @@
-"""Keras 3 models in xlafit.Trainer (src/xlafit/integrations/keras.py): the same evaluation as
+"""Keras 3 models in xlafit.Trainer (src/xlafit/integrations/keras/): the same evaluation as
 Keras' own fit, 8 devices equal to 1, exact evaluation, bit-exact resume, the trained values
 back in the Keras model, and the errors for what does not carry over."""
 

@@ -19,7 +19,8 @@ from flax import nnx
 from xlafit.check import check_file, check_recipe
 from xlafit.check.program import Program
 from xlafit.check.tpu import Steps, no_persistent_cache
-from xlafit.cli import _parse, build_parser, main
+from xlafit.cli import build_parser, main
+from xlafit.cli.entry import _parse
 from xlafit.config import TrainerConfig, parse_overrides
 from xlafit.errors import ConfigError
 from xlafit.parallel.sharding import logical

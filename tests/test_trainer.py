@@ -17,7 +17,7 @@ from xlafit.config import TrainerConfig
 from xlafit.data import mnist
 from xlafit.recipes import mnist as mnist_recipe
 from xlafit.train import trainer as trainer_module
-from xlafit.train.trainer import itstime
+from xlafit.train.loop import itstime
 
 
 @pytest.fixture(scope="module")

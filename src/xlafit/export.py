@@ -43,7 +43,7 @@ from xlafit.recipes.bert import bert_config
 from xlafit.recipes.llm import build_llama
 from xlafit.recipes.resnet import CLASSES_FILE, NORMALISATION, augmentation, image_size, normalisation, resnet_config
 from xlafit.run import checkpoint_dir, with_lora
-from xlafit.train.trainer import BASE_FINGERPRINT
+from xlafit.train.frozen import BASE_FINGERPRINT
 
 
 def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> tuple[str, int]:

@@ -40,7 +40,7 @@ from xlafit.models.lora import merge_lora
 from xlafit.parallel.cluster import connect
 from xlafit.parallel.sharding import parse_rules, tree_shardings
 from xlafit.recipes import config_from_dict
-from xlafit.train.trainer import BASE_FINGERPRINT
+from xlafit.train.frozen import BASE_FINGERPRINT
 
 __all__ = ["Generator"]
 

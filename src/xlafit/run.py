@@ -46,9 +46,10 @@ from xlafit.parallel.mesh import Strategy
 from xlafit.parallel.sharding import parse_rules
 from xlafit.recipes import get_recipe
 from xlafit.recipes.base import Recipe
+from xlafit.train.loop import FitResult
 from xlafit.train.optim import OptimizerPlan, highest_rate, make_optimizer, warmup_steps
 from xlafit.train.signals import handle_signals
-from xlafit.train.trainer import FitResult, Trainer
+from xlafit.train.trainer import Trainer
 
 # Config keys whose change makes a checkpoint's state or trajectory another run's: refused
 # on resume. Everything else (logging, evaluation, checkpoint policy, devices with the same

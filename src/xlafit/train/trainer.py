@@ -23,7 +23,6 @@ Example (a linear model on 8 simulated devices; any ``nnx.Module`` trains the sa
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import signal
 import time
@@ -42,7 +41,7 @@ from xlafit.checkpoint import Checkpointer
 from xlafit.config import TrainerConfig, validate_watchdog
 from xlafit.data.dataset import Batch, Dataset, StreamedDataset, as_dataset, num_shapes
 from xlafit.data.loader import Prefetcher, TakeRequests, TrainOrder, eval_batches, to_global
-from xlafit.errors import CheckpointError, ConfigError, NonFiniteError, Preempted
+from xlafit.errors import ConfigError, NonFiniteError, Preempted
 from xlafit.io.paths import as_path
 from xlafit.models.lora import state_fingerprint
 from xlafit.parallel.cluster import connect
@@ -51,7 +50,8 @@ from xlafit.parallel.sharding import bytes_per_device
 from xlafit.platform.cpu import keeping_freed_memory
 from xlafit.platform.hardware import peak_flops
 from xlafit.train.adapter import Adapted, adapt, framework_of
-from xlafit.train.optim import highest_rate
+from xlafit.train.frozen import checkpointed, frozen_filter, frozen_part, restore
+from xlafit.train.loop import Call, Due, FitResult, Loop, itstime, lr_at, nonfinite_steps, peak_lr, times
 from xlafit.train.report import RunReport
 from xlafit.train.signals import SignalGuard, handle_signals
 from xlafit.train.step import (
@@ -65,121 +65,7 @@ from xlafit.train.watchdog import Watchdog
 
 log = logging.getLogger("xlafit")
 
-# The checkpoint metadata key of the frozen parameters' fingerprint (models/lora.py).
-BASE_FINGERPRINT = "base_fingerprint"
-
 Data = Dataset | Mapping[str, np.ndarray]  # a Dataset, or a dict of arrays with one row per example
-
-
-@dataclasses.dataclass(frozen=True)
-class Call:
-    """One call of the compiled train step, as :meth:`Trainer.steps` yields it.
-
-    Attributes:
-        first: the step the call began at.
-        k: optimizer steps it ran (``steps_per_call``, fewer where an epoch ends).
-        metrics: per-step metrics ``[k]``, still on the devices (fetching them syncs).
-        compile_s: seconds this call spent compiling a new program (0 almost always).
-        wait_s: input wait so far: the seconds the loop spent waiting for batches.
-    """
-
-    first: int
-    k: int
-    metrics: dict[str, jax.Array]
-    compile_s: float
-    wait_s: float
-
-
-@dataclasses.dataclass
-class FitResult:
-    """What :meth:`Trainer.fit` returns.
-
-    Attributes:
-        state: the final train state (replicated on the devices).
-        history: every logged training record of the run, those logged before a resume
-            included (read back from its ``metrics.jsonl``, on process 0).
-        eval: the last evaluation (``loss``, the metrics, ``count``), or None.
-        train_compiles: how many times the train step was compiled.
-        eval_compiles: how many times the eval step was compiled.
-        compile_s: seconds spent compiling, apart from step time.
-    """
-
-    state: TrainState
-    history: list[dict[str, Any]]
-    eval: dict[str, float] | None
-    train_compiles: int
-    eval_compiles: int
-    compile_s: float
-    evaluations: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # every one: step, epoch, metrics
-
-    def __repr__(self) -> str:
-        # Short: a notebook cell ending in `result = trainer.fit(...)`, or `result`, shows this,
-        # not every parameter array of the state.
-        last = self.history[-1] if self.history else {}
-        train = ", ".join(f"{k}={v:.4g}" for k, v in last.items() if k in ("loss", "accuracy"))
-        evaluation = ", ".join(f"{k}={v:.4g}" for k, v in (self.eval or {}).items())
-        return (
-            f"FitResult(step={int(self.state.step)}, train: {train or '-'}, eval: {evaluation or '-'}, "
-            f"{len(self.history)} logged records, compiles: train {self.train_compiles} eval {self.eval_compiles}, "
-            f"{self.compile_s:.1f}s compiling)"
-        )
-
-
-def itstime(step: int, every: int, total: int | None = None, *, previous: int | None = None) -> bool:
-    """Whether a periodic action is due at ``step``: a multiple of ``every`` was reached since
-    ``previous`` (the step before the call that reached ``step``; default ``step - 1``), or
-    ``step`` is the ``total`` (the last step is always a time). ``every`` = 0: only at ``total``.
-    big_vision's ``itstime``, for calls that run several steps.
-
-    Example:
-        >>> itstime(20, 10), itstime(21, 10), itstime(24, 10, previous=18), itstime(7, 0, 7), itstime(7, 0)
-        (True, False, True, True, False)
-    """
-    if total is not None and step == total:
-        return True
-    before = step - 1 if previous is None else previous
-    return bool(every) and step // every > before // every
-
-
-@dataclasses.dataclass
-class _Loop:
-    """What :meth:`Trainer.fit` carries from one call to the next."""
-
-    spe: int  # steps per epoch
-    total: int
-    stop: int
-    report: RunReport
-    step: int
-    history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    evaluations: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    last_eval: dict[str, float] | None = None
-    rolled_back: set[int] = dataclasses.field(default_factory=set)  # steps rolled back once already
-    last_save: float = dataclasses.field(default_factory=time.monotonic)
-    signals: Any = None  # the SignalGuard and the Watchdog, while the loop runs
-    watchdog: Any = None
-    # The window since the last log: its calls' metrics (not fetched yet), its start, and the
-    # input wait and compile time at its start.
-    pending: list[tuple[int, dict[str, jax.Array]]] = dataclasses.field(default_factory=list)
-    window_t0: float = 0.0
-    window_wait: float = 0.0
-    window_compile: float = 0.0
-
-    def open_window(self, wait_s: float = 0.0) -> None:
-        self.pending, self.window_t0, self.window_wait, self.window_compile = [], time.perf_counter(), wait_s, 0.0
-
-    def add(self, call: Call) -> None:
-        self.pending.append((call.first, call.metrics))
-        self.window_compile += call.compile_s
-
-
-@dataclasses.dataclass(frozen=True)
-class _Due:
-    """What is due after a call, as :meth:`Trainer._due` decides it."""
-
-    log: bool  # fetch the window's metrics, record their means, apply the NaN policy
-    stop: bool  # a signal: save and raise Preempted
-    eval: bool  # an evaluation (an epoch's end)
-    save: bool  # a checkpoint
 
 
 class Trainer:
@@ -280,7 +166,7 @@ class Trainer:
         model.train()
         self.trainable = trainable
         train_graphdef, params, model_state = nnx.split(model, trainable, ...)  # type: ignore[misc]  # flax's overloads
-        self._frozen = _frozen_filter(trainable, model_state)
+        self._frozen = frozen_filter(trainable, model_state)
         model.eval()
         eval_graphdef = nnx.graphdef(model)
         model.train()
@@ -293,7 +179,9 @@ class Trainer:
             trainable,
         )  # fmt: skip
         # note: gathers a few values of every frozen array to the host, once
-        self.base_fingerprint = None if self._frozen is None else state_fingerprint(self._frozen_state())
+        self.base_fingerprint = (
+            None if self._frozen is None else state_fingerprint(frozen_part(self._state, self._frozen))
+        )
         if checkpoint_dir is None and self.run_dir is not None:
             checkpoint_dir = self.run_dir / "checkpoints"
         self._ckpt = (
@@ -436,27 +324,27 @@ class Trainer:
             evaluations=loop.evaluations,
         )
 
-    def _begin(self, train: Dataset, eval: Dataset | None) -> _Loop:
+    def _begin(self, train: Dataset, eval: Dataset | None) -> Loop:
         """Restores the newest checkpoint, plans the compiles, prints the start-up lines."""
         order = TrainOrder.for_dataset(train, self.global_batch, self.data_seed)
         total = self.config.epochs * order.steps_per_epoch
         stop = min(total, self.config.stop_at_step) if self.config.stop_at_step else total
         restored = None
         if self._ckpt is not None and self.resume and self._ckpt.latest_step() is not None:
-            self._state, restored = self._restore()
+            self._state, restored = restore(self._ckpt, self._state, self._frozen, self.base_fingerprint)
         start = int(self._state.step)
         self._limit_compiles(order, train, eval, start, stop)
         report = RunReport(self.run_dir, total, start, enabled=self.strategy.process_index == 0)
         self._announce(report, restored, order, train, total)
         if eval is not None:
             self._compile_eval_step(eval)
-        loop = _Loop(order.steps_per_epoch, total, stop, report, step=start)
+        loop = Loop(order.steps_per_epoch, total, stop, report, step=start)
         for record in report.earlier:  # the run's history before this resume
             split = record.pop("split", "train")
             (loop.history if split == "train" else loop.evaluations).append(record)
         return loop
 
-    def _train(self, loop: _Loop, train: Dataset, eval: Dataset | None) -> None:
+    def _train(self, loop: Loop, train: Dataset, eval: Dataset | None) -> None:
         """The calls from ``loop.step`` to ``loop.stop``; again from a checkpoint after a rollback."""
         # A signal during start-up: nothing new to save. In a multi-process job the others
         # must stop too: the loop's first calls carry it (JAX's sync point or the all-gather).
@@ -468,7 +356,7 @@ class Trainer:
                 # stops at the first call after which the NaN policy rolled back, if any
                 any(self._after_call(loop, call, eval) for call in calls)
 
-    def _after_call(self, loop: _Loop, call: Call, eval: Dataset | None) -> bool:
+    def _after_call(self, loop: Loop, call: Call, eval: Dataset | None) -> bool:
         """Everything that may be due after one call: log (and the NaN policy), a stop on a
         signal, evaluate, checkpoint, in that order. True when the NaN policy rolled back."""
         previous, loop.step = call.first, call.first + call.k
@@ -488,7 +376,7 @@ class Trainer:
             self._save(loop)
         return False
 
-    def _due(self, loop: _Loop, previous: int, has_eval: bool) -> _Due:
+    def _due(self, loop: Loop, previous: int, has_eval: bool) -> Due:
         """What is due now that a call took the run from ``previous`` to ``loop.step``: every
         periodic action asks :func:`itstime`; a stop or a timed checkpoint asks every process."""
         cfg, step = self.config, loop.step
@@ -500,16 +388,16 @@ class Trainer:
         # Metrics are flushed at every checkpoint, so no accumulator outlives one.
         log = save or stop or epoch_end or itstime(step, cfg.log_every_steps, loop.stop, previous=previous)
         evaluate = has_eval and epoch_end and itstime(step // loop.spe, cfg.eval_every_epochs)
-        return _Due(log=log, stop=stop, eval=evaluate, save=save)
+        return Due(log=log, stop=stop, eval=evaluate, save=save)
 
-    def _stop(self, loop: _Loop) -> None:
+    def _stop(self, loop: Loop) -> None:
         """Saves the last finished step and raises :class:`Preempted` (a signal, here or in
         another process of the job)."""
         loop.report.sync()  # a URL run dir: metrics reach the bucket before the checkpoint
         received = loop.signals.received or signal.SIGTERM  # another process's signal stops this one too
         raise Preempted(loop.step, received, self._save_now(loop.step), sync_point=loop.signals.sync_point)
 
-    def _evaluate_in_loop(self, loop: _Loop, eval: Dataset) -> None:
+    def _evaluate_in_loop(self, loop: Loop, eval: Dataset) -> None:
         """Evaluates at an epoch's end and records it; its time counts in no step time."""
         with loop.watchdog.paused():  # not a step: its time is not a hang
             loop.last_eval = self.evaluate(eval)
@@ -518,16 +406,16 @@ class Trainer:
         loop.report.record(record, prefix="eval")
         loop.window_t0 = time.perf_counter()
 
-    def _save(self, loop: _Loop) -> None:
+    def _save(self, loop: Loop) -> None:
         """A checkpoint of ``loop.step``, written in the background; the adapted model's
         original (a Keras model) gets the trained values too."""
         assert self._ckpt is not None  # _due saves only with a checkpointer
         loop.report.sync()  # a URL run dir: metrics reach the bucket before the checkpoint
-        self._ckpt.save(loop.step, *self._checkpointed())
+        self._ckpt.save(loop.step, *checkpointed(self._state, self._frozen, self.base_fingerprint))
         self._write_back()
         loop.last_save = time.monotonic()
 
-    def _log(self, loop: _Loop, call: Call) -> int | None:
+    def _log(self, loop: Loop, call: Call) -> int | None:
         """Fetches the metrics of the calls since the last log, records their means, and applies
         the NaN policy to any update the step dropped; returns a step to roll back to, or None."""
         # note: device_get is a host-device sync point; only at log and checkpoint steps.
@@ -536,11 +424,11 @@ class Trainer:
         record = self._record(loop.step, loop.spe, loop.pending, values, busy, call.wait_s - loop.window_wait)
         loop.history.append(record)
         loop.report.record(record)
-        bad = _nonfinite_steps(loop.pending, values)
+        bad = nonfinite_steps(loop.pending, values)
         loop.open_window(call.wait_s)
         return self._nan_policy(bad, loop.rolled_back, loop.report) if bad else None
 
-    def _end(self, loop: _Loop) -> None:
+    def _end(self, loop: Loop) -> None:
         """Waits for the last checkpoint, prints the compile summary, closes the report."""
         if self._ckpt is not None:
             self._ckpt.wait()
@@ -577,43 +465,10 @@ class Trainer:
         """A synchronous checkpoint before the process exits; says where it went."""
         if self._ckpt is None:
             return "no run directory, nothing saved"
-        self._ckpt.save(step, *self._checkpointed())
+        self._ckpt.save(step, *checkpointed(self._state, self._frozen, self.base_fingerprint))
         self._write_back()
         self._ckpt.wait()
         return f"checkpoint {step} saved in {self._ckpt.directory}"
-
-    def _frozen_state(self) -> nnx.State:
-        frozen, _ = self._state.model_state.split(self._frozen, ...)
-        return frozen
-
-    def _checkpointed(self) -> tuple[TrainState, dict[str, str]]:
-        """What a checkpoint holds: the state without its frozen parameters, and their fingerprint."""
-        if self._frozen is None:
-            return self._state, {}
-        _, rest = self._state.model_state.split(self._frozen, ...)
-        assert self.base_fingerprint is not None  # computed with the frozen filter
-        return dataclasses.replace(self._state, model_state=rest), {BASE_FINGERPRINT: self.base_fingerprint}
-
-    def _restore(self) -> tuple[TrainState, int]:
-        """The newest intact checkpoint, the frozen parameters put back beside it.
-
-        Raises:
-            CheckpointError: its frozen parameters were others than this run's (another
-                base model): the message names both fingerprints.
-        """
-        assert self._ckpt is not None
-        if self._frozen is None:
-            return self._ckpt.restore(self._state)
-        restored, step = self._ckpt.restore(self._checkpointed()[0])
-        saved = self._ckpt.saved_metadata(step).get(BASE_FINGERPRINT)
-        if saved != self.base_fingerprint:
-            raise CheckpointError(
-                f"checkpoint {step} in {self._ckpt.directory} was trained on another frozen base model "
-                f"(fingerprint {saved or 'none'}, this run's base {self.base_fingerprint}); resume with the "
-                "base model it was trained on, or start over with --restart or another --run-dir."
-            )
-        model_state = nnx.merge_state(self._frozen_state(), restored.model_state)
-        return dataclasses.replace(restored, model_state=model_state), step
 
     def _write_back(self) -> None:
         """Puts the trained values into the model of another framework this trainer adapted
@@ -653,7 +508,7 @@ class Trainer:
                 report.print(f"MFU against {self.peak_flops / 1e12:.4g} TFLOP/s: {source}")
             except LookupError as e:
                 report.print(f"MFU not reported: {e}")
-        peak = _peak_lr(self.learning_rate, total)
+        peak = peak_lr(self.learning_rate, total)
         report.print(
             f"steps: {spe}/epoch x {cfg.epochs} epochs = {total}   steps per call: {cfg.steps_per_call}"
             + (f"   peak learning rate: {peak:.4g}" if peak is not None else "")
@@ -682,10 +537,10 @@ class Trainer:
         rate = steps_done * self.global_batch / busy
         record.update(
             {
-                "learning_rate": _lr_at(self.learning_rate, step - 1),
+                "learning_rate": lr_at(self.learning_rate, step - 1),
                 "examples_per_sec": rate,
-                "tokens_per_sec": _times(rate, self.tokens_per_example),
-                "mfu": _times(rate, self.flops_per_example, self.peak_flops),
+                "tokens_per_sec": times(rate, self.tokens_per_example),
+                "mfu": times(rate, self.flops_per_example, self.peak_flops),
                 "step_time_s": busy / steps_done,
                 "input_wait_s": wait,
                 "compiles": self.train_step.compiles,
@@ -724,7 +579,7 @@ class Trainer:
         if policy == "rollback" and fresh and self._ckpt is not None and last is not None:
             rolled_back.update(fresh)
             self._ckpt.wait()
-            self._state, restored = self._restore()
+            self._state, restored = restore(self._ckpt, self._state, self._frozen, self.base_fingerprint)
             report.print(
                 f"warning: non-finite values at step(s) {steps} ({which}): rolled back to checkpoint {restored}; "
                 "the offending batch's update is dropped again on the way"
@@ -750,38 +605,6 @@ class Trainer:
         """Waits for a checkpoint being written and releases the checkpointer."""
         if self._ckpt is not None:
             self._ckpt.close()
-
-
-def _frozen_filter(trainable: nnx.filterlib.Filter, model_state: nnx.State) -> nnx.filterlib.Filter | None:
-    """The parameters ``trainable`` leaves out (frozen: out of checkpoints), or None when none is."""
-    frozen = nnx.All(nnx.Param, nnx.Not(trainable))
-    return frozen if jax.tree.leaves(model_state.filter(frozen)) else None
-
-
-def _nonfinite_steps(pending: list, values: list) -> list[tuple[int, dict[str, float]]]:
-    """``(step, that step's metrics)`` of every update the step dropped as non-finite."""
-    return [
-        (first + i, {key: float(v[key][i]) for key in v})
-        for (first, _), v in zip(pending, values, strict=True)
-        for i in np.flatnonzero(v["nonfinite"])
-    ]
-
-
-def _times(rate: float, per_example: float | None, peak: float | None = 1.0) -> float | None:
-    """``rate * per_example / peak``, or None when either is unknown."""
-    return rate * per_example / peak if per_example and peak else None
-
-
-def _lr_at(schedule: optax.Schedule | float | None, step: int) -> float | None:
-    if schedule is None:
-        return None
-    return float(schedule(step)) if callable(schedule) else float(schedule)
-
-
-def _peak_lr(schedule: optax.Schedule | float | None, total: int) -> float | None:
-    if schedule is None or not callable(schedule):
-        return schedule
-    return highest_rate(schedule, total)
 
 
 def _built(builder: Callable[[], nnx.Module]) -> Callable[[], nnx.Module]:

@@ -1,0 +1,228 @@
+"""A plan for a recipe (:func:`plan_recipe`) or for a user's model file (:func:`plan_file`):
+their settings read, the planner built, every target searched."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from xlafit.check import file_program, file_settings, importable, load_file, recipe_program
+from xlafit.check.program import Program
+from xlafit.config import load_yaml
+from xlafit.errors import ConfigError
+from xlafit.parallel.cluster import start_backends
+from xlafit.plan.candidates import Candidate
+from xlafit.plan.result import Plan
+from xlafit.plan.search import Planner, Settings
+from xlafit.platform.hardware import PRICES, Price, Target, parse_targets
+from xlafit.recipes import preset_path
+
+
+def _run_examples(examples: float | None, tokens: float | None, program: Program, epochs: float) -> float | None:
+    if examples is not None:
+        return examples * epochs
+    if tokens is not None:
+        if not program.tokens_per_example:
+            raise ConfigError("--tokens needs a model that counts tokens per example; give --examples instead.")
+        return tokens / program.tokens_per_example * epochs
+    return None
+
+
+def _settings(
+    global_batch: int | None,
+    budget_minutes: float | None,
+    top: int,
+    allow_numerics: bool,
+    min_gain: float,
+    bound: bool = False,
+    search_batch: bool = False,
+) -> Settings:
+    if global_batch is not None and global_batch < 1:
+        raise ConfigError(f"--global-batch {global_batch}: give a positive number of examples per step.")
+    if min_gain < 0:
+        raise ConfigError(f"--min-gain {min_gain:g}: give a percentage of 0 or more (0: search to the largest batch).")
+    budget_s = budget_minutes * 60 if budget_minutes else math.inf
+    if search_batch and global_batch is not None:
+        raise ConfigError(
+            f"--search-batch searches the per-core batch, --global-batch {global_batch} fixes it: give one of them."
+        )
+    return Settings(
+        global_batch=global_batch,
+        deadline=time.monotonic() + budget_s,
+        budget_s=budget_s,
+        search_batch=search_batch,
+        top=top,
+        allow_numerics=allow_numerics,
+        min_gain=min_gain / 100,
+        bound=bound,
+    )
+
+
+def _numerics(cfg: Any) -> tuple[tuple[str, str], ...]:
+    """The settings of a recipe's run that would change its numerics to save memory or time."""
+    found = []
+    if getattr(cfg.model, "compute_dtype", None) == "float32":
+        found.append(("model.compute_dtype", "bfloat16"))
+    if cfg.optimizer.name in ("adam", "adamw") and cfg.optimizer.moment_dtype == "float32":
+        found.append(("optimizer.moment_dtype", "bfloat16"))
+    return tuple(found)
+
+
+def _prices(given: dict[str, float] | None) -> dict[str, Price]:
+    prices = dict(PRICES)
+    for generation, usd in (given or {}).items():
+        prices[generation] = Price(usd, usd, "given on the command line (--price)", time.strftime("%Y-%m-%d"))
+    return prices
+
+
+def _run(planner: Planner, targets: list[Target]) -> float:
+    t0 = time.perf_counter()
+    for target in targets:
+        planner.plan_target(target)
+    return time.perf_counter() - t0
+
+
+def plan_recipe(
+    name: str,
+    overrides: Sequence[str] = (),
+    tpu: str = "v5e-8",
+    *,
+    preset: str | Path | None = None,
+    global_batch: int | None = None,
+    examples: float | None = None,
+    tokens: float | None = None,
+    epochs: float | None = None,
+    budget_minutes: float | None = None,
+    top: int = 3,
+    min_gain: float = 5.0,
+    bound: bool = False,
+    search_batch: bool = False,
+    spot: bool = False,
+    prices: dict[str, float] | None = None,
+    allow_numerics: bool = False,
+    command: str = "",
+) -> Plan:
+    """Plans a recipe (with ``overrides``) on the TPU targets of ``tpu`` (``"v5e-8,v6e-8"``).
+
+    The run's size is ``examples`` (or ``tokens``) per epoch, by default the recipe's
+    dataset, times ``epochs`` (the recipe's ``trainer.epochs``). ``allow_numerics`` adds the
+    levers that change the numerics (bf16 compute, bf16 Adam moments), marked in the table.
+    A layout's batch search stops once a larger batch is predicted less than ``min_gain``
+    percent faster (after a refusal: the largest below it; 0: it searches to the largest
+    batch that fits).
+    """
+    targets = parse_targets(tpu)
+    start_backends()
+    settings = _settings(global_batch, budget_minutes, top, allow_numerics, min_gain, bound, search_batch)
+    planner, cfg, train_examples = recipe_planner(name, overrides, preset, settings)
+    base = planner.base
+    seconds = _run(planner, targets)
+    size = _run_examples(examples if examples or tokens else train_examples, tokens, base, epochs or cfg.trainer.epochs)
+    # The plan sets the per-core batch (and so the global one): the recipe's global batch gives way.
+    batch_overrides = ["data.global_batch=null"]
+    return Plan(
+        name,
+        command or f"xlafit plan {name} --tpu {tpu}",
+        targets,
+        list(planner.outcomes.values()),
+        planner.skipped,
+        size,
+        [*overrides, *batch_overrides],
+        load_yaml(preset_path(name, preset)),
+        spot=spot,
+        prices=_prices(prices),
+        seconds=seconds,
+        **_own_batch(base, global_batch, search_batch),
+    )
+
+
+def _own_batch(base: Program, global_batch: int | None, search_batch: bool) -> dict[str, Any]:
+    return {
+        "own_global_batch": base.global_batch if not base.per_device_batch else None,
+        "own_per_device_batch": base.per_device_batch,
+        "batch_fixed": global_batch is not None or not search_batch,
+    }
+
+
+def recipe_planner(
+    name: str, overrides: Sequence[str], preset: str | Path | None, settings: Settings
+) -> tuple[Planner, Any, int]:
+    """The planner of a recipe's run: ``(planner, config, train examples)``. Its candidates'
+    programs are the recipe's with their remat, scanning and numerics as overrides."""
+    base, cfg, train_examples = recipe_program(name, overrides, preset)
+    remat, scan = getattr(cfg.model, "remat", None), getattr(cfg.model, "scan_layers", None)
+    cache: dict[tuple, Program] = {(remat, (), scan, None): base}
+
+    def maker(c: Candidate, layers: int | None) -> Program:
+        key = (c.remat, c.numerics, c.scan, layers)
+        if key not in cache:
+            keys = [f"model.remat={c.remat}"] if c.remat is not None else []
+            keys += [f"model.scan_layers={str(c.scan).lower()}"] if c.scan is not None else []
+            keys += [f"model.num_layers={layers}"] if layers is not None else []
+            cache[key] = recipe_program(name, [*overrides, *keys, *(f"{k}={v}" for k, v in c.numerics)], preset)[0]
+        config = dataclasses.replace(cache[key].config, accumulate_steps=c.accumulate)
+        return dataclasses.replace(cache[key], mesh=c.mesh, config=config)
+
+    layers = getattr(getattr(base.model, "cfg", None), "num_layers", 0) if scan is not None else 0
+    return Planner(maker, base, settings, remat, _numerics(cfg), scan, layers), cfg, train_examples
+
+
+def plan_file(
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    tpu: str = "v5e-8",
+    *,
+    per_device_batch: int | None = None,
+    global_batch: int | None = None,
+    examples: float | None = None,
+    tokens: float | None = None,
+    epochs: float = 1,
+    budget_minutes: float | None = None,
+    top: int = 3,
+    min_gain: float = 5.0,
+    bound: bool = False,
+    search_batch: bool = False,
+    spot: bool = False,
+    prices: dict[str, float] | None = None,
+    command: str = "",
+) -> Plan:
+    """Plans a user file's model (``check``'s format) on the targets of ``tpu``. Its
+    ``mesh`` and ``config`` (with ``overrides``) are the starting point; the plan's answer
+    is their ``mesh.*`` and ``trainer.*`` keys."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist.")
+    targets = parse_targets(tpu)
+    nested = file_settings(overrides, tpu)
+    start_backends()
+    with importable(path):
+        namespace = load_file(path)
+        base = file_program(path, namespace, nested, {"per_device_batch": per_device_batch})
+
+        def maker(c: Candidate, layers: int | None) -> Program:  # a file's model: no remat, no scan
+            config = dataclasses.replace(base.config, accumulate_steps=c.accumulate)
+            return dataclasses.replace(base, mesh=c.mesh, config=config)
+
+        planner = Planner(
+            maker, base, _settings(global_batch, budget_minutes, top, False, min_gain, bound, search_batch)
+        )
+        seconds = _run(planner, targets)
+    return Plan(
+        str(path),
+        command or f"xlafit plan {path} --tpu {tpu}",
+        targets,
+        list(planner.outcomes.values()),
+        planner.skipped,
+        _run_examples(examples, tokens, base, epochs),
+        list(overrides),
+        None,
+        batch_key="",
+        spot=spot,
+        prices=_prices(prices),
+        seconds=seconds,
+        **_own_batch(base, global_batch, search_batch),
+    )
