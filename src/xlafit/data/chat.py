@@ -39,6 +39,7 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from xlafit.data.shards import parquet_table
 from xlafit.errors import DataError
 from xlafit.io.paths import as_path, filesystem
 
@@ -195,13 +196,10 @@ def read_records(files: Sequence[str]) -> list[dict[str, Any]]:
     for name in files:
         fs, path = filesystem(name)
         if name.endswith(".parquet"):
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-
             # The bytes first, then Arrow: given a Python file, Arrow's I/O threads call back into
             # Python, and one still reading when an error ends the process aborts it (SIGABRT).
             with fs.open(path, "rb") as f:
-                out += pq.read_table(pa.BufferReader(f.read())).to_pylist()
+                out += parquet_table(f.read()).to_pylist()
             continue
         with fs.open(path, "rt", encoding="utf-8") as f:
             for number, line in enumerate(f, 1):

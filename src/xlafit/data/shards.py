@@ -112,9 +112,6 @@ def read_shard(fs: fsspec.AbstractFileSystem, root: str, shard: dict, kind: str,
             manifest's (damaged, or changed since it was prepared), it is not Parquet, or its
             row count differs.
     """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     path = f"{root}/{shard['path']}"
     try:
         with reading(fs.unstrip_protocol(path), f"the prepared {kind} data"):
@@ -126,9 +123,26 @@ def read_shard(fs: fsspec.AbstractFileSystem, root: str, shard: dict, kind: str,
             f"shard {path} is damaged or was changed: its sha256 differs from the manifest's; prepare the data again."
         )
     try:
-        table = pq.read_table(pa.BufferReader(data))
+        table = parquet_table(data)
     except Exception as e:  # pyarrow raises its own types for damaged files
         raise DataError(f"shard {path} cannot be read ({e}); prepare the data again.") from None
     if table.num_rows != shard[rows]:
         raise DataError(f"shard {path} holds {table.num_rows} {rows}, the manifest says {shard[rows]}.")
     return table
+
+
+def parquet_table(data: bytes) -> pa.Table:
+    """The table of a Parquet file's bytes, read from Arrow's own copy of them.
+
+    Arrow reading Python's ``bytes`` holds them through a reference that one of its threads
+    may drop last, after the read; dropping it takes the GIL, which a thread cannot take once
+    the interpreter is exiting (an error a moment later), and the process then aborts
+    (SIGABRT, "terminate called without an active exception"). A copy in Arrow's memory holds
+    nothing of Python's.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sink = pa.BufferOutputStream()
+    sink.write(data)
+    return pq.read_table(pa.BufferReader(sink.getvalue()))
