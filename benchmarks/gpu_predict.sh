@@ -7,7 +7,9 @@
 #      where the card has one, else with part 1's calibration);
 #   3. the new shapes' programs and per-kernel profiles, each kernel named by its HLO
 #      instruction where the profiler says (benchmarks/gpu_collect.py).
-# From the repository root there (the machine's own jax, flax and optax):
+# From the repository root there (the machine's own jax, flax and optax; the llm workloads
+# read the Korean demo corpus from the konlpy wheel: put its files on PYTHONPATH if the
+# machine lacks it; WORKLOADS and KERNELS pick a subset):
 #   OUT=$OUT PYTHONPATH=src:benchmarks bash benchmarks/gpu_predict.sh
 # Rehearsal on a CPU, small sizes:
 #   SIZE=tiny JAX_PLATFORMS=cpu OUT=/tmp/gp PYTHONPATH=src:benchmarks PATH=.venv/bin:$PATH bash benchmarks/gpu_predict.sh
@@ -19,18 +21,17 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 SIZE
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true; python3 -c 'import jax; print(jax.__version__, jax.devices())'; } > "$OUT/machine.txt" 2>&1
 limit() { timeout "$1" "${@:2}" || echo "part stopped (exit $?): over its ${1} s or failed" >&2; }
-xlafit() { python3 -c 'import sys; from xlafit.cli import main; sys.exit(main(sys.argv[1:]))' "$@"; }
 for part in $PARTS; do
   case $part in
-    1) limit "${LIMIT1:-150}" xlafit bench --calibrate --calibrate-sizes "$SIZE" --out "$OUT/calibration.json" \
+    1) limit "${LIMIT1:-150}" python3 -m xlafit bench --calibrate --calibrate-sizes "$SIZE" --out "$OUT/calibration.json" \
          --json "$OUT/calibrate.json" ;;
     2) if [ -f "$OUT/calibration.json" ] && ! python3 -c 'import jax, sys; from xlafit.predict.rates import rates_for; sys.exit(rates_for(jax.devices()[0].device_kind) is None)'; then
          export XLAFIT_CALIBRATION="$OUT/calibration.json"  # no built-in row for this card
        fi
        extra=(); [ "$SIZE" = tiny ] && extra=(--size tiny --warmup 2 --steps 4 --peak 1e11 --bandwidth 2e10)
-       limit "${LIMIT2:-330}" python3 benchmarks/predict_measured.py --workloads bert-b128,llm-s2048,bert,resnet,llm \
+       limit "${LIMIT2:-330}" python3 benchmarks/predict_measured.py --workloads "${WORKLOADS:-bert-b128,llm-s2048,bert,resnet,llm}" \
          "${extra[@]}" --json "$OUT/predict.json" ;;
-    3) limit "${LIMIT3:-120}" env OUT="$OUT/kernels" python3 benchmarks/gpu_collect.py bert-b128,llm-s2048 ;;
+    3) limit "${LIMIT3:-120}" env OUT="$OUT/kernels" python3 benchmarks/gpu_collect.py "${KERNELS:-bert-b128,llm-s2048}" ;;
   esac
 done
 ls -la "$OUT"

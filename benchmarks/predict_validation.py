@@ -1,5 +1,5 @@
 """Predicted against measured, for every measured step the project holds
-(``benchmarks/validation``): the H200's three training steps and their largest kernels, and
+(``benchmarks/validation``): the H200's training steps and their largest kernels, and
 the published MaxText runs on TPUs, each predicted by today's step model with the built-in
 rates (``src/xlafit/predict/rates.json``, made by ``benchmarks/fit_rates.py``).
 
@@ -70,7 +70,7 @@ def main() -> None:
     print("\nTPU (published MaxText runs; " + _summary(tpu) + ")\n")
     print("\n".join(_table(tpu)))
     kernels = {}
-    for workload in ("bert", "resnet", "llm"):
+    for workload in (c.id for c in gpu):
         units = covering(kernel_units(VALIDATION / "gpu-h200", workload, h200))
         within = sum(abs(u.error) <= 0.3 for u in units)
         kernels[workload] = [dataclasses.asdict(u) | {"error": u.error} for u in units]

@@ -65,7 +65,10 @@ SIZES: dict[str, dict[str, Any]] = {
         "step": (64, 128, 2),
     },
 }
-_POLYNOMIAL = 32  # multiply-adds per element of the vector benchmark
+# Multiply-adds per element of the vector benchmark: 256 operations for the 8 bytes it moves
+# keep it compute-bound (an H200 computes about 10 float32 operations in the time it streams
+# a byte, and 32 steps were memory-bound there; XLA:CPU runs 512 steps 5x slower per step).
+_POLYNOMIAL = 128
 
 
 def chain_seconds(
@@ -221,13 +224,15 @@ def calibrate(sizes: str = "full", progress: Callable[[str], None] = lambda _: N
     flops, tile = fit_matmul(matmuls, units)
     bandwidth, fixed = fit_stream(streams)
     peak = fit_peak_stream(bandwidth, fixed, wide)
-    vector_rate = vector["ops"] / max(vector["s"] - vector["bytes"] / bandwidth - fixed, vector["s"] / 10)
+    computing = vector["s"] - vector["bytes"] / bandwidth - fixed  # what its bytes do not explain
+    vector_rate = vector["ops"] / max(computing, vector["s"] / 10)
     sources = {
         "matmul_flops": f"fitted to {len(matmuls)} timed products (xlafit bench --calibrate)",
         "matmul_tile": "the wave model's best tile for those products",
         "units": "jax.Device.core_count" if units > 1 else "one unit (the device reports no core count)",
         "hbm_bytes_per_s": f"fitted to {len(streams)} timed element-wise streams",
-        "vector_ops_per_s": f"a {_POLYNOMIAL}-step polynomial per element, timed",
+        "vector_ops_per_s": f"a {_POLYNOMIAL}-step polynomial per element, timed"
+        + ("" if computing >= vector["s"] / 2 else " (memory-bound: a lower bound at best)"),
         "kernel_s": "the streams' fixed cost per kernel",
         "stream_bytes_per_element": "the element-wise streams' dtype, read and written",
         "hbm_peak_bytes_per_s": (
