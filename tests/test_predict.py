@@ -479,3 +479,20 @@ def test_the_calibrations_vector_benchmark_is_compute_bound_on_every_built_in_de
     for row in load_rates(BUILT_IN):
         if row.vector_ops_per_s:
             assert ops_per_byte >= 3 * row.vector_ops_per_s / row.hbm_bytes_per_s, row.device_kind
+
+
+def test_the_kernel_micro_benchmarks_time_and_predict_each_case(tmp_path, monkeypatch):
+    """benchmarks/gpu_kernel_micro.py's rehearsal: each case compiled, timed, profiled and
+    priced by the step model with this device's rates."""
+    calibration = tmp_path / "cpu.json"
+    save_rates(Rates("cpu", 1e11, (128, 128), 1, 1e10, 1e10, 1e-6), calibration)
+    monkeypatch.setenv("XLAFIT_CALIBRATION", str(calibration))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_kernel_micro
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    for case in ("reduce-rows", "maxpool-backward"):
+        r = gpu_kernel_micro.run(case, "tiny")
+        assert r["measured_s"] > 0 and r["predicted_s"] > 0 and r["rates"] == str(calibration)
+        assert r["kernels_predicted"] and r["kernels_measured_us"] and "HloModule" in r["hlo"]
