@@ -12,7 +12,8 @@ levers (what the stored H200 profile found, ``benchmarks/kernel_sources.py``):
                            3 and 5 arrays for the backward (the program before
                            xlafit.models.activations): what that change gained
   bert-rbg, bert-unsafe-rbg  dropout's bits from XLA's RngBitGenerator instead of threefry
-                           (JAX_DEFAULT_PRNG_IMPL; 2 % of the step was the threefry hash)
+                           (JAX_DEFAULT_PRNG_IMPL; 2 % of the step was the threefry hash; rbg
+                           was no faster on an H200: benchmarks/results/2026-11-28)
   bert-cudnn-layer-norm, bert-no-triton-gemm   XLA flags
   bert-vocab-30592         the vocabulary padded to a multiple of 128 (the MLM head's
                            gradient GEMM ran at a third of the card's rate at 30,522)
@@ -74,7 +75,7 @@ VARIANTS: dict[str, tuple[str, dict[str, str], list[str]]] = {
 
 # What fits one call of a lent GPU (10 minutes), the most telling first.
 GROUPS = {
-    "bert": ["bert", "bert-plain-activations", "bert-hf", "bert-rbg", "bert-unsafe-rbg", "bert-vocab-30592"],
+    "bert": ["bert", "bert-plain-activations", "bert-hf", "bert-vocab-30592", "bert-unsafe-rbg"],
     "llm": ["llm", "llm-cudnn", "llm-torch", "llm-torch-compile", "llm-plain-activations", "llm-cudnn-b16"],
     "more": ["bert-cudnn-layer-norm", "bert-no-triton-gemm", "bert-b512", "llm-logits-chunk"],
 }
