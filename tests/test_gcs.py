@@ -528,3 +528,25 @@ def test_data_in_a_bucket_that_cannot_be_reached_is_one_line(gcs, monkeypatch):
             clm.data_files([f"{gcs.bucket}/data/chat.jsonl"])
     finally:
         gcs.start()
+
+
+def test_a_storage_host_whose_name_does_not_resolve_fails_at_once(tmp_path):
+    """No network (no DNS): one line naming the host within seconds, where gcsfs would probe
+    for credentials and retry for about a minute first."""
+    env = {
+        **os.environ,
+        "STORAGE_EMULATOR_HOST": "http://storage.no-such-host.invalid:4443",
+        "XLAFIT_CACHE": str(tmp_path),
+    }
+    for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        env.pop(proxy, None)
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "xlafit", "inspect", "gs://some-bucket/run"], env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert time.monotonic() - t0 < 30
+    lines = [line for line in done.stderr.splitlines() if line.startswith("xlafit:")]
+    assert len(lines) == 1 and "gs://some-bucket/run cannot be reached (storage.no-such-host.invalid" in lines[0], lines
+    assert "Check STORAGE_EMULATOR_HOST" in lines[0] and "Traceback" not in done.stderr

@@ -27,8 +27,10 @@ import datetime
 import os
 import re
 import shutil
+import socket
 import tempfile
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import fsspec
 from etils import epath
@@ -73,6 +75,33 @@ def require_store(path: AnyPath) -> None:
         raise StorageError(
             f"{path}: no storage is known for {protocol}://; use a local path, file://, gs:// or another fsspec URL."
         ) from None
+    if protocol in ("gs", "gcs"):
+        _require_resolvable(path)
+
+
+_RESOLVED: set[str] = set()  # storage hosts whose names resolved in this process
+
+
+def _require_resolvable(url: AnyPath) -> None:
+    """Raises :class:`StorageError` at once when the name of the Cloud Storage host does not
+    resolve (no network, no DNS): gcsfs would otherwise probe for credentials and retry for
+    about a minute, silently, before failing the same way. A host that resolved once is not
+    looked up again, so a lookup that fails later in a run is left to gcsfs's retries. Behind
+    a proxy (``HTTPS_PROXY``) the proxy resolves names: nothing is looked up here."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+    host = (urlsplit(emulator).hostname if emulator and "://" in emulator else emulator) or "storage.googleapis.com"
+    if host in _RESOLVED:
+        return
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError as e:
+        where = "STORAGE_EMULATOR_HOST" if emulator else "the network"
+        raise StorageError(
+            f"the storage service for {url} cannot be reached ({host}: {e.strerror or e}). Check {where} and run again."
+        ) from None
+    _RESOLVED.add(host)
 
 
 def as_path(path: AnyPath) -> epath.Path:
