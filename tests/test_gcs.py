@@ -232,6 +232,23 @@ def test_missing_bucket_is_named_and_never_created(gcs):
     assert not fs.exists("xlafit-no-such-bucket")  # gcsfs's mkdir would have made it
 
 
+def test_a_machine_without_credentials_is_told_how_to_get_them(gcs, capsys, monkeypatch):
+    """GCS answers a caller with no credentials 401 ("Anonymous caller does not have ...");
+    that is not a missing role but missing credentials, and the fix differs."""
+    front = Front(gcs.url, lambda method, path: "401")
+    try:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", front.url)
+        gcs.forget_clients()
+        assert main(["inspect", f"{gcs.bucket}/run"]) == 2
+    finally:
+        front.close()
+        gcs.forget_clients()
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("xlafit:")]
+    assert len(lines) == 1 and f"{gcs.bucket}/run refused this machine: it has no Google credentials" in lines[0], err
+    assert "gcloud auth application-default login" in lines[0] and "Traceback" not in err, err
+
+
 def test_server_gone_at_a_save_names_the_url_and_the_last_checkpoint_survives(gcs, monkeypatch):
     """The server goes away after checkpoint 1 and before checkpoint 2 is written.
 
@@ -266,7 +283,8 @@ def test_server_gone_at_a_save_names_the_url_and_the_last_checkpoint_survives(gc
 
 class Front:
     """An HTTP front of the local server that passes every request, except that
-    ``verdict(method, path)`` may answer ``"403"`` (GCS's refusal of a write) or ``"dead"``
+    ``verdict(method, path)`` may answer ``"403"`` (GCS's refusal of a write), ``"401"`` (its
+    answer to a caller with no credentials, on a bucket that is not public) or ``"dead"``
     (the connection closed unanswered, as a server that went away). fake-gcs-server has no IAM
     and cannot be made to die on cue; the clients still talk real HTTP to the real server."""
 
@@ -290,15 +308,19 @@ class Front:
                 if answer == "dead":
                     self.close_connection = True
                     return
-                if answer == "403":
-                    data = json.dumps(
-                        {"error": {"code": 403, "message": "caller does not have storage.objects.create access"}}
-                    ).encode()
-                    self.send_response(403)
+                if answer in ("401", "403"):
+                    message = {
+                        "401": "Anonymous caller does not have storage.objects.list access to the Google Cloud "
+                        "Storage bucket. Permission 'storage.objects.list' denied on resource (or it may not exist).",
+                        "403": "caller does not have storage.objects.create access",
+                    }[answer]
+                    data = json.dumps({"error": {"code": int(answer), "message": message}}).encode()
+                    self.send_response(int(answer))
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
-                    self.wfile.write(data)
+                    if self.command != "HEAD":
+                        self.wfile.write(data)
                     return
                 skip = {"host", "content-length", "connection", "accept-encoding"}
                 sent = {k: v for k, v in self.headers.items() if k.lower() not in skip}  # Range, Content-Type...
@@ -319,7 +341,12 @@ class Front:
 
             do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _forward
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(http.server.ThreadingHTTPServer):
+            def handle_error(self, request, client_address):  # a client that hung up on an answer: its business
+                if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+                    super().handle_error(request, client_address)
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 

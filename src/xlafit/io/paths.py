@@ -149,6 +149,14 @@ def describe_error(url: AnyPath, e: BaseException) -> str:
             f"roles/storage.objectAdmin on gs://{bucket} (docs/getting-started/cloud-tpu-vm.md), or choose another "
             "location."
         )
+    if any(getattr(c, "code", None) == 401 for c in chain) or re.search(
+        r"Anonymous caller|Invalid Credentials|\b401\b|UNAUTHENTICATED", everything
+    ):
+        return (
+            f"{url} refused this machine: it has no Google credentials, or they have expired ({text}). "
+            "On a workstation: gcloud auth application-default login; a Cloud TPU VM or GCE machine uses its "
+            "service account (docs/getting-started/cloud-tpu-vm.md)."
+        )
     if isinstance(root, FileNotFoundError) and bucket and not bucket_exists(url):
         return (
             f"the bucket gs://{bucket} of {url} does not exist. Create it "
