@@ -356,6 +356,21 @@ def test_the_fits_recover_the_rates_that_made_their_timings():
     assert bandwidth == pytest.approx(2e12) and fixed == pytest.approx(5e-6)
 
 
+def test_the_matrix_rate_fit_is_not_pulled_down_by_products_that_stream_their_operands():
+    """Products with a 256-long contraction move more bytes than they compute on an H200: the
+    model prices them by their bytes, and so must the fit (it found 675 TFLOP/s where the same
+    card's other products ran at 780-890 before it did)."""
+    rate, bandwidth, units, tile = 8e14, 3.3e12, 132, (128, 256)
+    shapes = [(8192, 8192, 8192), (4096, 4096, 4096), (32768, 768, 768), (65536, 256, 256), (131072, 128, 128)]
+    rows = []
+    for m, n, k in shapes:
+        compute = 2 * m * n * k / (rate * wave_efficiency((1, m, n, k), tile, units))
+        rows.append({"m": m, "n": n, "k": k, "s": max(compute, (m * k + k * n + m * n) * 2 / bandwidth)})
+    flops, _ = fit_matmul(rows, units, bandwidth=bandwidth)  # the tile: any the full waves allow
+    assert flops == pytest.approx(rate, rel=1e-3)
+    assert fit_matmul(rows, units)[0] < 0.8 * rate  # without the bandwidth: pulled down
+
+
 def test_the_built_in_rates_are_what_the_fit_makes_of_the_stored_measurements():
     """rates.json is never edited by hand: benchmarks/fit_rates.py writes it from the
     measurements, and it must be current."""

@@ -221,8 +221,8 @@ def calibrate(sizes: str = "full", progress: Callable[[str], None] = lambda _: N
     wide = _wide_streams(plan["stream_mib"][-1])
     progress("element-wise arithmetic ...")
     vector = _vector(plan["vector_elements"])
-    flops, tile = fit_matmul(matmuls, units)
     bandwidth, fixed = fit_stream(streams)
+    flops, tile = fit_matmul(matmuls, units, bandwidth=bandwidth, itemsize=jnp.dtype(_dtype()).itemsize)
     peak = fit_peak_stream(bandwidth, fixed, wide)
     computing = vector["s"] - vector["bytes"] / bandwidth - fixed  # what its bytes do not explain
     vector_rate = vector["ops"] / max(computing, vector["s"] / 10)

@@ -44,28 +44,67 @@ def informative(rows: Sequence[dict], floor_factor: float = 2.0) -> list[dict]:
 
 
 def fit_matmul(
-    rows: Iterable[dict], units: int, tiles: Sequence[tuple[int, int]] = TILES
+    rows: Iterable[dict],
+    units: int,
+    tiles: Sequence[tuple[int, int]] = TILES,
+    bandwidth: float | None = None,
+    itemsize: int = 2,
 ) -> tuple[float, tuple[int, int]]:
     """``(FLOP/s, tile)`` that best predict timed products ``{"m", "n", "k", "s"}`` (batch 1):
     for each tile, the rate that minimises the squared log error of
-    ``2 m n k / (rate * wave_efficiency)``; the tile with the least error wins."""
+    ``2 m n k / (rate * wave_efficiency)``; the tile with the least error wins.
+
+    With ``bandwidth`` (bytes/s, and the operands' ``itemsize``), each product is predicted
+    as the step model prices it, the larger of that and its operands and result over the
+    bandwidth: a product with a short contraction that streams its operands then says nothing
+    about the matrix rate and does not pull it down."""
     rows = list(rows)
     if not rows:
         raise ValueError("no timed matrix products to fit")
+    # Each product's time can be no less than its bytes over the bandwidth (0 without one).
+    moved = [(r["m"] * r["k"] + r["k"] * r["n"] + r["m"] * r["n"]) * itemsize / (bandwidth or math.inf) for r in rows]
     best: tuple[float, float, tuple[int, int]] | None = None
     for tile in tiles:
-        # log(s) = log(flops / efficiency) - log(rate): the rate is the geometric mean.
-        logs = [
-            math.log(2.0 * r["m"] * r["n"] * r["k"] / wave_efficiency((1, r["m"], r["n"], r["k"]), tile, units))
-            - math.log(r["s"])
-            for r in rows
+        work = [
+            2.0 * r["m"] * r["n"] * r["k"] / wave_efficiency((1, r["m"], r["n"], r["k"]), tile, units) for r in rows
         ]
-        log_rate = statistics.fmean(logs)
-        error = sum((x - log_rate) ** 2 for x in logs)
+        # Without a bandwidth, log(s) = log(work) - log(rate): the rate is the geometric mean.
+        log_rate = statistics.fmean(math.log(w) - math.log(r["s"]) for w, r in zip(work, rows, strict=True))
+        if bandwidth:
+            log_rate = _fit_bounded(work, moved, [r["s"] for r in rows], log_rate)
+        error = sum(
+            (math.log(max(w / math.exp(log_rate), t)) - math.log(r["s"])) ** 2
+            for w, t, r in zip(work, moved, rows, strict=True)
+        )
         if best is None or error < best[0] - 1e-12:
             best = (error, math.exp(log_rate), tile)
     assert best is not None
     return best[1], best[2]
+
+
+def _fit_bounded(work: Sequence[float], moved: Sequence[float], seconds: Sequence[float], start: float) -> float:
+    """The log rate minimising the squared log error of ``max(work / rate, moved)`` against
+    ``seconds``: a grid over a factor of 20 either side of ``start``, then a golden-section
+    search between the best point's neighbours (each term is unimodal, the sum need not be)."""
+
+    def error(log_rate: float) -> float:
+        return sum(
+            (math.log(max(w / math.exp(log_rate), t)) - math.log(s)) ** 2
+            for w, t, s in zip(work, moved, seconds, strict=True)
+        )
+
+    step = 0.01
+    grid = [start + step * i for i in range(-300, 301)]
+    best = min(grid, key=error)
+    low, high = best - step, best + step
+    ratio = (math.sqrt(5) - 1) / 2
+    for _ in range(40):
+        x, y = high - ratio * (high - low), low + ratio * (high - low)
+        if error(x) <= error(y):
+            high = y
+        else:
+            low = x
+    return (low + high) / 2
 
 
 def fit_stream(rows: Iterable[dict]) -> tuple[float, float]:

@@ -93,8 +93,8 @@ def fit_gpu(folder: Path, device_kind: str, units: int, vector_ops_per_s: float,
     floor = min(r["s"] for r in everything)
     products = [r for r in informative(everything) if "m" in r]
     streams = [{"bytes": r["gbps_rw"] * 1e9 * r["s"], "s": r["s"]} for r in micro["elementwise"] if r["s"] >= 2 * floor]
-    flops, tile = fit_matmul(products, units)
     bandwidth, fixed = fit_stream(streams)
+    flops, tile = fit_matmul(products, units, bandwidth=bandwidth)  # bf16 products
     where = f"benchmarks/validation/{Path(folder).name}/micro.json"
     # Wider streams (xlafit bench --calibrate's "wide_stream" rows), where the file has them.
     wide = micro.get("wide_stream", [])
