@@ -511,3 +511,14 @@ def test_the_kernel_micro_benchmarks_time_and_predict_each_case(tmp_path, monkey
         r = gpu_kernel_micro.run(case, "tiny")
         assert r["measured_s"] > 0 and r["predicted_s"] > 0 and r["rates"] == str(calibration)
         assert r["kernels_predicted"] and r["kernels_measured_us"] and "HloModule" in r["hlo"]
+
+
+def test_a_product_timed_above_the_datasheet_peak_is_left_out_of_a_calibration():
+    """On an H200 the calibration timed one product at 1,078 TFLOP/s, above the card's 989: a
+    timing error, which would pull the fitted rate up."""
+    from xlafit.predict.calibrate import _possible
+
+    record = json.loads((ROOT / "benchmarks/results/2026-11-28/gpu-predict/calibrate.json").read_text())["record"]
+    kept, left_out = _possible(record["matmul"], "NVIDIA H200")
+    assert [(r["m"], r["n"], r["k"]) for r in left_out] == [(8192, 2048, 2048)] and len(kept) == 6
+    assert _possible(record["matmul"], "cpu") == (record["matmul"], [])  # no datasheet row: all kept

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from xlafit.platform.hardware import table_peak
 from xlafit.predict.fit import fit_matmul, fit_peak_stream, fit_stream, held_out_band
 from xlafit.predict.model import predict
 from xlafit.predict.ops import VECTOR_COST
@@ -116,6 +117,17 @@ def _matmuls(shapes: list[tuple[int, int]]) -> list[dict[str, Any]]:
         seconds = chain_seconds(product, x)
         rows.append({"m": m, "n": k, "k": k, "s": seconds, "tflops": 2 * m * k * k / seconds / 1e12})
     return rows
+
+
+def _possible(rows: list[dict[str, Any]], device_kind: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(kept, left out)``: the timed products, less those faster than the device's datasheet
+    peak (:func:`xlafit.platform.hardware.table_peak`, 2 % of slack), which only a timing error
+    makes; all of them where the device has no datasheet row or every one is above it."""
+    known = table_peak(device_kind)
+    if known is None:
+        return rows, []
+    kept = [r for r in rows if r["tflops"] * 1e12 <= 1.02 * known[0]]
+    return (kept, [r for r in rows if r not in kept]) if kept else (rows, [])
 
 
 def _streams(sizes_mib: list[int]) -> list[dict[str, Any]]:
@@ -222,12 +234,19 @@ def calibrate(sizes: str = "full", progress: Callable[[str], None] = lambda _: N
     progress("element-wise arithmetic ...")
     vector = _vector(plan["vector_elements"])
     bandwidth, fixed = fit_stream(streams)
-    flops, tile = fit_matmul(matmuls, units, bandwidth=bandwidth, itemsize=jnp.dtype(_dtype()).itemsize)
+    kept, impossible = _possible(matmuls, device.device_kind)
+    for r in impossible:
+        progress(
+            f"left out: the {r['m']}x{r['n']}x{r['k']} product timed at {r['tflops']:.0f} TFLOP/s, above the "
+            "device's datasheet peak (timing noise; calibrate again if many are)"
+        )
+    flops, tile = fit_matmul(kept, units, bandwidth=bandwidth, itemsize=jnp.dtype(_dtype()).itemsize)
     peak = fit_peak_stream(bandwidth, fixed, wide)
     computing = vector["s"] - vector["bytes"] / bandwidth - fixed  # what its bytes do not explain
     vector_rate = vector["ops"] / max(computing, vector["s"] / 10)
     sources = {
-        "matmul_flops": f"fitted to {len(matmuls)} timed products (xlafit bench --calibrate)",
+        "matmul_flops": f"fitted to {len(kept)} timed products (xlafit bench --calibrate)"
+        + (f"; {len(impossible)} timed above the datasheet peak left out" if impossible else ""),
         "matmul_tile": "the wave model's best tile for those products",
         "units": "jax.Device.core_count" if units > 1 else "one unit (the device reports no core count)",
         "hbm_bytes_per_s": f"fitted to {len(streams)} timed element-wise streams",
@@ -256,7 +275,8 @@ def calibrate(sizes: str = "full", progress: Callable[[str], None] = lambda _: N
         "device_kind": device.device_kind,
         "jax": jax.__version__,
         "sizes": sizes,
-        "matmul": matmuls,
+        "matmul": kept,
+        "matmul_left_out": impossible,
         "stream": streams,
         "wide_stream": wide,
         "vector": vector,
