@@ -83,21 +83,27 @@ _RESOLVED: set[str] = set()  # storage hosts whose names resolved in this proces
 
 
 def _require_resolvable(url: AnyPath) -> None:
-    """Raises :class:`StorageError` at once when the name of the Cloud Storage host does not
-    resolve (no network, no DNS): gcsfs would otherwise probe for credentials and retry for
-    about a minute, silently, before failing the same way. A host that resolved once is not
-    looked up again, so a lookup that fails later in a run is left to gcsfs's retries. Behind
-    a proxy (``HTTPS_PROXY``) the proxy resolves names: nothing is looked up here."""
+    """Raises :class:`StorageError` at once when the name of the Cloud Storage host that gcsfs
+    will connect to (its own ``_location``: ``STORAGE_EMULATOR_HOST``, or the universe's
+    ``storage.`` host) does not resolve (no network, no DNS): gcsfs would otherwise probe for
+    credentials and retry for about a minute, silently, before failing the same way. A host
+    that resolved once is not looked up again, so a lookup that fails later in a run is left
+    to gcsfs's retries. Behind a proxy (``HTTPS_PROXY``) the proxy resolves names, and a gcsfs
+    without ``_location`` is not second-guessed: nothing is looked up then."""
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return
-    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
-    host = (urlsplit(emulator).hostname if emulator and "://" in emulator else emulator) or "storage.googleapis.com"
-    if host in _RESOLVED:
+    try:
+        from gcsfs.core import _location
+
+        host = urlsplit(_location()).hostname
+    except Exception:  # another gcsfs: its endpoint is its business
+        return
+    if not host or host in _RESOLVED:
         return
     try:
         socket.getaddrinfo(host, None)
     except OSError as e:
-        where = "STORAGE_EMULATOR_HOST" if emulator else "the network"
+        where = "STORAGE_EMULATOR_HOST" if os.environ.get("STORAGE_EMULATOR_HOST") else "the network"
         raise StorageError(
             f"the storage service for {url} cannot be reached ({host}: {e.strerror or e}). Check {where} and run again."
         ) from None
