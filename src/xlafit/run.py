@@ -39,7 +39,17 @@ from flax import nnx
 from xlafit.config import Config, LoraConfig, migrate, resolve_batch
 from xlafit.data.dataset import as_dataset
 from xlafit.errors import ConfigError, StorageError
-from xlafit.io.paths import as_path, check_bucket, dated_sibling, describe_error, is_url, move, refresh, upload
+from xlafit.io.paths import (
+    as_path,
+    check_bucket,
+    dated_sibling,
+    describe_error,
+    filesystem,
+    is_url,
+    move,
+    refresh,
+    upload,
+)
 from xlafit.models.lora import ADAPTER, BASE, apply_lora
 from xlafit.parallel.cluster import connect
 from xlafit.parallel.mesh import Strategy
@@ -426,8 +436,17 @@ def check_continuation(run_dir: epath.Path | Path, cfg: Config, announce: bool =
             the fix.
     """
     checkpoints = checkpoint_dir(cfg)
-    if not (checkpoints.exists() and any(p.name.isdigit() for p in checkpoints.iterdir())):
-        return
+    try:
+        if is_url(checkpoints):
+            filesystem(checkpoints)  # a storage host whose name does not resolve: refused at once
+        if not (checkpoints.exists() and any(p.name.isdigit() for p in checkpoints.iterdir())):
+            return
+    except StorageError:
+        raise
+    except Exception as e:
+        if not is_url(checkpoints):
+            raise
+        raise ConfigError(f"cannot read {checkpoints}: {describe_error(checkpoints, e)}") from None
     saved = _flatten(migrate(_saved_config(as_path(run_dir)), f"{run_dir}/config.yaml"))
     now = _flatten(cfg.to_dict())
     restart = "or start over with --restart (run.resume=false) or another --run-dir"

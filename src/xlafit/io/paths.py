@@ -75,8 +75,6 @@ def require_store(path: AnyPath) -> None:
         raise StorageError(
             f"{path}: no storage is known for {protocol}://; use a local path, file://, gs:// or another fsspec URL."
         ) from None
-    if protocol in ("gs", "gcs"):
-        _require_resolvable(path)
 
 
 _RESOLVED: set[str] = set()  # storage hosts whose names resolved in this process
@@ -117,8 +115,11 @@ def as_path(path: AnyPath) -> epath.Path:
 
 
 def filesystem(path: AnyPath) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The fsspec filesystem of ``path`` and the path inside it (no protocol)."""
+    """The fsspec filesystem of ``path`` and the path inside it (no protocol): the first access
+    to a store, where a Cloud Storage host whose name does not resolve is refused at once."""
     require_store(path)
+    if local(path).startswith(("gs://", "gcs://")):
+        _require_resolvable(path)
     fs, inner = fsspec.core.url_to_fs(local(path))
     return fs, inner.rstrip("/")
 
