@@ -249,22 +249,33 @@ def test_a_machine_without_credentials_is_told_how_to_get_them(gcs, capsys, monk
     assert "gcloud auth application-default login" in lines[0] and "Traceback" not in err, err
 
 
-def test_training_into_a_bucket_whose_server_is_gone_is_one_line(gcs, capsys, monkeypatch):
-    """The run directory's bucket unreachable when training starts: its first access (is
-    there a run to resume?) printed the HTTP client's traceback."""
+@pytest.mark.parametrize(
+    "command, named",
+    [
+        (["train", "mnist", "--run-dir", "{bucket}/run", "trainer.epochs=1"], "cannot read {bucket}/run/checkpoints"),
+        (["generate", "{bucket}/run", "--prompt", "hi"], "cannot read {bucket}/run"),
+        (["export", "hf", "{bucket}/run", "--out", "{tmp}/out"], "cannot read {bucket}/run"),
+        (["inspect", "{bucket}/run"], "cannot read {bucket}/run"),
+    ],
+    ids=["train", "generate", "export", "inspect"],
+)
+def test_a_bucket_whose_server_is_gone_is_one_line(gcs, capsys, monkeypatch, tmp_path, command, named):
+    """The run directory's server unreachable: each command's first access to it (is there a
+    run to resume, is it a run) is one line naming it; train and generate printed the HTTP
+    client's traceback."""
     import gcsfs.retry
 
     monkeypatch.setattr(gcsfs.retry, "is_retriable", lambda e: False)  # else 30 s of retries
     gcs.stop()
     try:
         gcs.forget_clients()
-        code = main(["train", "mnist", "--run-dir", f"{gcs.bucket}/run", "trainer.epochs=1"])
+        code = main([part.format(bucket=gcs.bucket, tmp=tmp_path) for part in command])
     finally:
         gcs.start()
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("xlafit:")]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    assert f"cannot read {gcs.bucket}/run/checkpoints" in lines[0] and "cannot be reached" in lines[0], lines
+    assert named.format(bucket=gcs.bucket) in lines[0] and "cannot be reached" in lines[0], lines
 
 
 def test_server_gone_at_a_save_names_the_url_and_the_last_checkpoint_survives(gcs, monkeypatch):

@@ -32,7 +32,7 @@ from xlafit.hf.peft import save_peft_adapter
 from xlafit.hf.resnet import image_processor_config
 from xlafit.hf.resnet import save_hf as save_resnet_hf
 from xlafit.io import hub
-from xlafit.io.paths import as_path, bucket_of, check_bucket, describe_error, download_dir, is_url, upload_dir
+from xlafit.io.paths import as_path, bucket_of, check_bucket, describe_error, download_dir, is_url, reach, upload_dir
 from xlafit.models.bert import BertForMaskedLM
 from xlafit.models.llama import LlamaForCausalLM
 from xlafit.models.lora import ADAPTER, base_fingerprint, merge_lora
@@ -59,6 +59,7 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
         >>> export_hf("runs/bert", "hf/")  # doctest: +SKIP
     """
     run = as_path(run_dir)
+    reach(run)
     try:
         found = (run / "config.yaml").exists()
     except Exception as e:

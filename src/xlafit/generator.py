@@ -33,7 +33,7 @@ from xlafit.errors import ConfigError, XlafitError
 from xlafit.export import checkpoint_arrays, run_model
 from xlafit.hf import llama as llama_hf
 from xlafit.io import hub
-from xlafit.io.paths import as_path
+from xlafit.io.paths import as_path, describe_error, is_url, reach
 from xlafit.models.generation import Sampling, generate
 from xlafit.models.llama import LlamaForCausalLM
 from xlafit.models.lora import merge_lora
@@ -76,7 +76,7 @@ class Generator:
             ConfigError: not a model (no ``config.yaml`` nor ``config.json``), or not an llm run.
         """
         path = as_path(source)
-        if (path / "config.yaml").exists():
+        if is_run_directory(source):
             return _from_run(source, step, simulate)
         if hub.is_local(source) and not path.exists():
             raise ConfigError(
@@ -119,6 +119,23 @@ class Generator:
         pad = self.tokenizer.token_to_id(clm.PAD) or 0
         tokens = generate(self.model, ids, max_new_tokens, sampling, self.eos_ids, pad)
         return [self.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+
+
+def is_run_directory(source: str) -> bool:
+    """Whether ``source`` is an xlafit run directory (it has a ``config.yaml``), local or a URL.
+
+    Raises:
+        StorageError: a URL whose storage host's name does not resolve (at once).
+        ConfigError: a URL that cannot be read (the reason and the fix).
+    """
+    path = as_path(source)
+    reach(path)
+    try:
+        return bool((path / "config.yaml").exists())
+    except Exception as e:
+        if not is_url(path):
+            raise
+        raise ConfigError(f"cannot read {source}: {describe_error(path, e)}") from None
 
 
 def _eos(folder: str | Path) -> tuple[int, ...]:

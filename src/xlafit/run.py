@@ -44,9 +44,9 @@ from xlafit.io.paths import (
     check_bucket,
     dated_sibling,
     describe_error,
-    filesystem,
     is_url,
     move,
+    reach,
     refresh,
     upload,
 )
@@ -437,8 +437,7 @@ def check_continuation(run_dir: epath.Path | Path, cfg: Config, announce: bool =
     """
     checkpoints = checkpoint_dir(cfg)
     try:
-        if is_url(checkpoints):
-            filesystem(checkpoints)  # a storage host whose name does not resolve: refused at once
+        reach(checkpoints)
         if not (checkpoints.exists() and any(p.name.isdigit() for p in checkpoints.iterdir())):
             return
     except StorageError:

@@ -57,8 +57,7 @@ def _prompts(args: argparse.Namespace) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
-    from xlafit.generator import Generator  # the library when the command runs: a fast --help
-    from xlafit.io.paths import as_path
+    from xlafit.generator import Generator, is_run_directory  # the library when the command runs: a fast --help
     from xlafit.models.generation import Sampling
     from xlafit.parallel.cluster import start_backends
 
@@ -71,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(str(e)) from None
     # A run's model starts the backends itself, with the run's CPU settings (a new model's LoRA
     # base is re-initialised, and its rounding depends on them).
-    if not args.simulate and not (as_path(args.source) / "config.yaml").exists():
+    if not args.simulate and not is_run_directory(args.source):
         start_backends()
     print(f"loading {args.source} ...", file=sys.stderr, flush=True)
     ask = Generator.load(args.source, args.step, args.revision, args.simulate)

@@ -124,6 +124,13 @@ def filesystem(path: AnyPath) -> tuple[fsspec.AbstractFileSystem, str]:
     return fs, inner.rstrip("/")
 
 
+def reach(path: AnyPath) -> None:
+    """Before the first read or write of ``path``: a URL whose Cloud Storage host's name does
+    not resolve is refused at once (:class:`StorageError`); nothing for local paths."""
+    if is_url(path):
+        filesystem(path)
+
+
 def refresh(path: AnyPath) -> None:
     """Forgets the directory listings that gcsfs caches for ``path``'s store, in both clients
     (fsspec's and etils'), so that what another process wrote since is seen. No-op locally."""
