@@ -256,8 +256,9 @@ def test_a_machine_without_credentials_is_told_how_to_get_them(gcs, capsys, monk
         (["generate", "{bucket}/run", "--prompt", "hi"], "cannot read {bucket}/run"),
         (["export", "hf", "{bucket}/run", "--out", "{tmp}/out"], "cannot read {bucket}/run"),
         (["inspect", "{bucket}/run"], "cannot read {bucket}/run"),
+        (["train", "mnist", "--data-dir", "{bucket}/mnist"], "cannot read --data-dir {bucket}/mnist"),
     ],
-    ids=["train", "generate", "export", "inspect"],
+    ids=["train", "generate", "export", "inspect", "mnist-data"],
 )
 def test_a_bucket_whose_server_is_gone_is_one_line(gcs, capsys, monkeypatch, tmp_path, command, named):
     """The run directory's server unreachable: each command's first access to it (is there a
@@ -276,6 +277,13 @@ def test_a_bucket_whose_server_is_gone_is_one_line(gcs, capsys, monkeypatch, tmp
     lines = [line for line in err.splitlines() if line.startswith("xlafit:")]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert named.format(bucket=gcs.bucket) in lines[0] and "cannot be reached" in lines[0], lines
+
+
+def test_mnist_data_dir_that_is_not_in_the_bucket_is_named(gcs):
+    from xlafit.data import mnist
+
+    with pytest.raises(DataError, match=f"--data-dir {gcs.bucket}/nothing-here is not a directory"):
+        mnist.load_idx_dir(f"{gcs.bucket}/nothing-here")
 
 
 def test_server_gone_at_a_save_names_the_url_and_the_last_checkpoint_survives(gcs, monkeypatch):

@@ -18,7 +18,7 @@ import numpy as np
 from etils import epath
 
 from xlafit.errors import DataError
-from xlafit.io.paths import as_path
+from xlafit.io.paths import as_path, describe_error, filesystem, is_url, reach
 
 MEAN, STD = 0.1307, 0.3081
 
@@ -134,7 +134,19 @@ def normalise(images: np.ndarray) -> np.ndarray:
 def load_idx_dir(directory: str | Path) -> dict[str, dict[str, np.ndarray]]:
     """Loads ``train`` and ``test`` splits from a directory (or URL) of standard MNIST IDX files."""
     data_dir = as_path(directory)
-    if not data_dir.is_dir():
+    reach(data_dir)
+    try:
+        if is_url(data_dir):  # is_dir() says False for a store that cannot be read: ask in a way that raises
+            fs, inner = filesystem(data_dir)
+            fs.ls(inner)
+        found = data_dir.is_dir()
+    except FileNotFoundError:
+        found = False
+    except Exception as e:
+        if not is_url(data_dir):
+            raise
+        raise DataError(f"cannot read --data-dir {data_dir}: {describe_error(data_dir, e)}") from None
+    if not found:
         raise DataError(f"--data-dir {data_dir} is not a directory.")
     splits = {}
     for split, (images_name, labels_name) in IDX_FILES.items():

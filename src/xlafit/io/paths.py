@@ -144,6 +144,8 @@ def refresh(path: AnyPath) -> None:
 
 def describe_error(url: AnyPath, e: BaseException) -> str:
     """One sentence on why an access to ``url`` failed, with the fix, for the common causes."""
+    if isinstance(e, StorageError):  # already one sentence with the fix
+        return str(e)
     chain = [e]  # Orbax and TensorStore wrap the client's error: look at every cause
     while (cause := chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 10:
         chain.append(cause)
