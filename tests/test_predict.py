@@ -483,6 +483,9 @@ def test_bench_calibrate_measures_this_device_and_writes_its_file(tmp_path, monk
     assert row.band is not None and row.band.steps == 1 and row.band.basis == "measured"
     assert main(["bench", "mnist", "--calibrate"]) == 2
     assert "--calibrate measures the device, not a recipe" in capsys.readouterr().err
+    # --out without --calibrate was ignored: the table went nowhere after minutes of benchmark.
+    assert main(["bench", "mnist", "--out", str(tmp_path / "table.json")]) == 2
+    assert "is where --calibrate writes its calibration; a benchmark's table goes to --json" in capsys.readouterr().err
 
 
 def test_the_calibrations_vector_benchmark_is_compute_bound_on_every_built_in_device():

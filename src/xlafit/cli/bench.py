@@ -72,6 +72,11 @@ def run(args: argparse.Namespace) -> int:
         return _calibrate(args)
     if not args.recipe:
         raise ConfigError("xlafit bench needs a recipe (mnist or resnet), or --calibrate.")
+    if args.out:
+        raise ConfigError(
+            f"--out {args.out} is where --calibrate writes its calibration; a benchmark's table goes to --json "
+            f"{args.out} (and its chart to --plot FILE.png)."
+        )
     from xlafit.bench import format_table, plot, run_bench  # the library when the command runs: a fast --help
 
     # Checked before the benchmark runs, not after its minutes of work.
