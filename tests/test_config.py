@@ -104,3 +104,15 @@ def test_the_presets_setting_gives_way_to_the_users_mesh(caplog):
     assert load_config("llm", []).mesh.sizes == (-1, 1, 1)
     with pytest.raises(ConfigError, match="at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1"):
         load_config("llm", ["mesh.fsdp=-1", "mesh.data=-1"])
+
+
+def test_an_override_that_is_a_path_says_which_flag_takes_it():
+    """``xlafit check mnist --tpu v5e-8 --json out.json``: check's --json takes no file, so the
+    path became an override; the error says so instead of only asking for key=value."""
+    from xlafit.config import parse_overrides
+
+    with pytest.raises(ConfigError, match=r"looks like a file or directory: name it with its flag .*redirect it"):
+        parse_overrides(["runs/out.json"])
+    with pytest.raises(ConfigError) as err:
+        parse_overrides(["epochs"])
+    assert "looks like a file" not in str(err.value)

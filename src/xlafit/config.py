@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -370,7 +371,16 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key or any(not part for part in key.split(".")):
-            raise ConfigError(f"override {item!r} is not of the form key.sub=value (for example trainer.epochs=3).")
+            hint = ""
+            if not sep and re.search(r"/|\.(json|ya?ml|png|txt|csv)$", item):
+                hint = (
+                    " It looks like a file or directory: name it with its flag (--data-dir DIR, --run-dir DIR, "
+                    "--config FILE); --json of check, plan, inspect and generate takes none (it prints JSON: "
+                    "redirect it, > FILE)."
+                )
+            raise ConfigError(
+                f"override {item!r} is not of the form key.sub=value (for example trainer.epochs=3).{hint}"
+            )
         value = yaml.safe_load(raw) if raw.strip() else None
         # YAML 1.1 reads "1e-3" as a string; numbers in scientific notation are common here.
         if isinstance(value, str):
