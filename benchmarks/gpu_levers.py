@@ -13,7 +13,7 @@ levers (what the stored H200 profile found, ``benchmarks/kernel_sources.py``):
                            xlafit.models.activations): what that change gained
   bert-rbg, bert-unsafe-rbg  dropout's bits from XLA's RngBitGenerator instead of threefry
                            (JAX_DEFAULT_PRNG_IMPL; 2 % of the step was the threefry hash; rbg
-                           was no faster on an H200: benchmarks/results/2026-11-28)
+                           was no faster on an H200)
   bert-cudnn-layer-norm, bert-no-triton-gemm   XLA flags
   bert-vocab-30592         the vocabulary padded to a multiple of 128 (the MLM head's
                            gradient GEMM ran at a third of the card's rate at 30,522)

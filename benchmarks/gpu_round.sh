@@ -2,10 +2,10 @@
 # What a lent GPU runs next, in one call of about 9 minutes (a session has 15 minutes of
 # device time, a machine start included):
 #   1. benchmarks/gpu_kernel_micro.py: the kernels the step model prices worst, alone, timed,
-#      profiled and predicted (issue 52's per-kernel bar);
+#      profiled and predicted (to price them from measurements, kernel by kernel);
 #   2. benchmarks/gpu_levers.py: the 1B Llama with cuDNN's flash attention (checked against
 #      XLA's on one batch first) at batch 8 and 16, and BERT with its vocabulary padded to a
-#      multiple of 128, each beside the recipe as it is (issue 55).
+#      multiple of 128, each beside the recipe as it is.
 # The llm recipe's demo data reads the Korean corpus of the konlpy wheel, which GPU images
 # lack: make runs/site here first and carry it (the run tool's carry=["runs/site"]):
 #   mkdir -p runs/site/konlpy/data/corpus && cp .venv/lib/python3.*/site-packages/konlpy/__init__.py runs/site/konlpy/ \

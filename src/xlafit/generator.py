@@ -33,7 +33,7 @@ from xlafit.errors import ConfigError, XlafitError
 from xlafit.export import checkpoint_arrays, run_model
 from xlafit.hf import llama as llama_hf
 from xlafit.io import hub
-from xlafit.io.paths import as_path, describe_error, is_url, reach
+from xlafit.io.paths import as_path, reach, reading
 from xlafit.models.generation import Sampling, generate
 from xlafit.models.llama import LlamaForCausalLM
 from xlafit.models.lora import merge_lora
@@ -130,12 +130,8 @@ def is_run_directory(source: str) -> bool:
     """
     path = as_path(source)
     reach(path)
-    try:
+    with reading(path, name=source):
         return bool((path / "config.yaml").exists())
-    except Exception as e:
-        if not is_url(path):
-            raise
-        raise ConfigError(f"cannot read {source}: {describe_error(path, e)}") from None
 
 
 def _eos(folder: str | Path) -> tuple[int, ...]:

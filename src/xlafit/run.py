@@ -47,6 +47,7 @@ from xlafit.io.paths import (
     is_url,
     move,
     reach,
+    reading,
     refresh,
     upload,
 )
@@ -436,16 +437,10 @@ def check_continuation(run_dir: epath.Path | Path, cfg: Config, announce: bool =
             the fix.
     """
     checkpoints = checkpoint_dir(cfg)
-    try:
-        reach(checkpoints)
+    reach(checkpoints)
+    with reading(checkpoints):
         if not (checkpoints.exists() and any(p.name.isdigit() for p in checkpoints.iterdir())):
             return
-    except StorageError:
-        raise
-    except Exception as e:
-        if not is_url(checkpoints):
-            raise
-        raise ConfigError(f"cannot read {checkpoints}: {describe_error(checkpoints, e)}") from None
     saved = _flatten(migrate(_saved_config(as_path(run_dir)), f"{run_dir}/config.yaml"))
     now = _flatten(cfg.to_dict())
     restart = "or start over with --restart (run.resume=false) or another --run-dir"

@@ -18,7 +18,7 @@ import numpy as np
 from etils import epath
 
 from xlafit.errors import DataError
-from xlafit.io.paths import as_path, describe_error, filesystem, is_url, reach
+from xlafit.io.paths import as_path, filesystem, is_url, reach, reading
 
 MEAN, STD = 0.1307, 0.3081
 
@@ -135,17 +135,14 @@ def load_idx_dir(directory: str | Path) -> dict[str, dict[str, np.ndarray]]:
     """Loads ``train`` and ``test`` splits from a directory (or URL) of standard MNIST IDX files."""
     data_dir = as_path(directory)
     reach(data_dir)
-    try:
-        if is_url(data_dir):  # is_dir() says False for a store that cannot be read: ask in a way that raises
-            fs, inner = filesystem(data_dir)
-            fs.ls(inner)
-        found = data_dir.is_dir()
-    except FileNotFoundError:
-        found = False
-    except Exception as e:
-        if not is_url(data_dir):
-            raise
-        raise DataError(f"cannot read --data-dir {data_dir}: {describe_error(data_dir, e)}") from None
+    with reading(data_dir, DataError, f"--data-dir {data_dir}"):
+        try:
+            if is_url(data_dir):  # is_dir() says False for a store that cannot be read: ask in a way that raises
+                fs, inner = filesystem(data_dir)
+                fs.ls(inner)
+            found = data_dir.is_dir()
+        except FileNotFoundError:
+            found = False
     if not found:
         raise DataError(f"--data-dir {data_dir} is not a directory.")
     splits = {}

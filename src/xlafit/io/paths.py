@@ -23,19 +23,21 @@ Example:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
 import re
 import shutil
 import socket
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import fsspec
 from etils import epath
 
-from xlafit.errors import StorageError
+from xlafit.errors import ConfigError, StorageError, XlafitError
 
 AnyPath = str | os.PathLike[str]
 
@@ -117,18 +119,33 @@ def as_path(path: AnyPath) -> epath.Path:
 def filesystem(path: AnyPath) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec filesystem of ``path`` and the path inside it (no protocol): the first access
     to a store, where a Cloud Storage host whose name does not resolve is refused at once."""
-    require_store(path)
-    if local(path).startswith(("gs://", "gcs://")):
-        _require_resolvable(path)
+    reach(path)
     fs, inner = fsspec.core.url_to_fs(local(path))
     return fs, inner.rstrip("/")
 
 
 def reach(path: AnyPath) -> None:
-    """Before the first read or write of ``path``: a URL whose Cloud Storage host's name does
-    not resolve is refused at once (:class:`StorageError`); nothing for local paths."""
-    if is_url(path):
-        filesystem(path)
+    """Before the first read or write of ``path``: a URL with no client library, or whose
+    Cloud Storage host's name does not resolve, is refused at once (:class:`StorageError`);
+    nothing for local paths."""
+    require_store(path)
+    if local(path).startswith(("gs://", "gcs://")):
+        _require_resolvable(path)
+
+
+@contextlib.contextmanager
+def reading(path: AnyPath, error: type[XlafitError] = ConfigError, name: str | None = None) -> Iterator[None]:
+    """Around a first read of ``path``: a failure to read a URL becomes one ``error`` line,
+    "cannot read NAME: why, and the fix" (:func:`describe_error`); xlafit's own errors and a
+    local path's pass through as they are."""
+    try:
+        yield
+    except XlafitError:
+        raise
+    except Exception as e:
+        if not is_url(path):
+            raise
+        raise error(f"cannot read {name or path}: {describe_error(path, e)}") from None
 
 
 def refresh(path: AnyPath) -> None:

@@ -126,8 +126,10 @@ def _possible(rows: list[dict[str, Any]], device_kind: str) -> tuple[list[dict[s
     known = table_peak(device_kind)
     if known is None:
         return rows, []
-    kept = [r for r in rows if r["tflops"] * 1e12 <= 1.02 * known[0]]
-    return (kept, [r for r in rows if r not in kept]) if kept else (rows, [])
+    kept, left_out = [], []
+    for r in rows:
+        (kept if r["tflops"] * 1e12 <= 1.02 * known[0] else left_out).append(r)
+    return (kept, left_out) if kept else (rows, [])
 
 
 def _streams(sizes_mib: list[int]) -> list[dict[str, Any]]:

@@ -70,16 +70,24 @@ def fit_matmul(
         ]
         # Without a bandwidth, log(s) = log(work) - log(rate): the rate is the geometric mean.
         log_rate = statistics.fmean(math.log(w) - math.log(r["s"]) for w, r in zip(work, rows, strict=True))
+        seconds = [r["s"] for r in rows]
         if bandwidth:
-            log_rate = _fit_bounded(work, moved, [r["s"] for r in rows], log_rate)
-        error = sum(
-            (math.log(max(w / math.exp(log_rate), t)) - math.log(r["s"])) ** 2
-            for w, t, r in zip(work, moved, rows, strict=True)
-        )
+            log_rate = _fit_bounded(work, moved, seconds, log_rate)
+        error = _squared_log_error(work, moved, seconds, log_rate)
         if best is None or error < best[0] - 1e-12:
             best = (error, math.exp(log_rate), tile)
     assert best is not None
     return best[1], best[2]
+
+
+def _squared_log_error(
+    work: Sequence[float], moved: Sequence[float], seconds: Sequence[float], log_rate: float
+) -> float:
+    """The squared log error of ``max(work / rate, moved)`` against the timed ``seconds``."""
+    return sum(
+        (math.log(max(w / math.exp(log_rate), t)) - math.log(s)) ** 2
+        for w, t, s in zip(work, moved, seconds, strict=True)
+    )
 
 
 def _fit_bounded(work: Sequence[float], moved: Sequence[float], seconds: Sequence[float], start: float) -> float:
@@ -88,10 +96,7 @@ def _fit_bounded(work: Sequence[float], moved: Sequence[float], seconds: Sequenc
     search between the best point's neighbours (each term is unimodal, the sum need not be)."""
 
     def error(log_rate: float) -> float:
-        return sum(
-            (math.log(max(w / math.exp(log_rate), t)) - math.log(s)) ** 2
-            for w, t, s in zip(work, moved, seconds, strict=True)
-        )
+        return _squared_log_error(work, moved, seconds, log_rate)
 
     step = 0.01
     grid = [start + step * i for i in range(-300, 301)]
