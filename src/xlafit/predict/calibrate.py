@@ -126,7 +126,8 @@ def _possible(rows: list[dict[str, Any]], device_kind: str) -> tuple[list[dict[s
     known = table_peak(device_kind)
     if known is None:
         return rows, []
-    kept, left_out = [], []
+    kept: list[dict[str, Any]] = []
+    left_out: list[dict[str, Any]] = []
     for r in rows:
         (kept if r["tflops"] * 1e12 <= 1.02 * known[0] else left_out).append(r)
     return (kept, left_out) if kept else (rows, [])
