@@ -243,8 +243,9 @@ def calibrate(sizes: str = "full", progress: Callable[[str], None] = lambda _: N
             f"left out: the {r['m']}x{r['n']}x{r['k']} product timed at {r['tflops']:.0f} TFLOP/s, above the "
             "device's datasheet peak (timing noise; calibrate again if many are)"
         )
-    flops, tile = fit_matmul(kept, units, bandwidth=bandwidth, itemsize=jnp.dtype(_dtype()).itemsize)
     peak = fit_peak_stream(bandwidth, fixed, wide)
+    # the products' operands streamed as the model streams a product's (stream_rate)
+    flops, tile = fit_matmul(kept, units, bandwidth=peak or bandwidth, itemsize=jnp.dtype(_dtype()).itemsize)
     computing = vector["s"] - vector["bytes"] / bandwidth - fixed  # what its bytes do not explain
     vector_rate = vector["ops"] / max(computing, vector["s"] / 10)
     sources = {

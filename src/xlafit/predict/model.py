@@ -9,7 +9,8 @@ fixed cost:
   120 output tiles on 132 SMs runs at 120/132 of the rate); fused attention is priced as the
   batched products it runs;
 - every kernel: its HBM bytes (read + written) over the streaming bandwidth (an element-wise
-  kernel moving more bytes per element than the measured stream, faster: :func:`stream_rate`),
+  kernel moving more bytes per element than the measured stream, and a matrix product's
+  pipelined loads, faster: :func:`stream_rate`),
   and its element-wise work over the vector rate;
 - ``kernel_s`` per launch.
 
@@ -157,7 +158,11 @@ def stream_rate(kernel: Kernel, rates: Rates) -> float:
     two-thirds as fast as one moving 8 or more. Where a row has measured streams of several
     widths (``stream_bytes_per_element``, ``hbm_peak_bytes_per_s``), an element-wise kernel
     wider than the reference stream gets ``hbm_bytes_per_s`` scaled by its width, up to the
-    peak; every other kernel, and every kernel of a row without them, ``hbm_bytes_per_s``.
+    peak. A matrix product loads its operands tile by tile through a pipeline of several
+    stages (cuBLAS's, cuDNN's and XLA's Triton GEMMs: ``num_stages`` in a fusion's config),
+    tens of kilobytes in flight per unit: one bound by its bytes (a float32 operand read for
+    a short contraction) streams at the peak. Every other kernel, and every kernel of a row
+    without the wider streams, ``hbm_bytes_per_s``.
 
     Example:
         >>> row = Rates("GPU", 1e15, (128, 128), 100, 3e12, None, 0.0, stream_bytes_per_element=4,
@@ -165,7 +170,11 @@ def stream_rate(kernel: Kernel, rates: Rates) -> float:
         >>> wide = Kernel("convert", "elementwise", 1, bytes_read=4e6, bytes_written=2e6, elements=10**6)
         >>> stream_rate(wide, row) / 1e12  # 6 bytes per element: 1.5 x the 4-byte stream's rate
         4.5
+        >>> stream_rate(Kernel("dot", "matmul", 1, bytes_read=1e9), row) / 1e12
+        4.5
     """
+    if kernel.kind == "matmul" and rates.hbm_peak_bytes_per_s:
+        return rates.hbm_peak_bytes_per_s
     if kernel.kind != "elementwise" or not kernel.elements or not rates.stream_bytes_per_element:
         return rates.hbm_bytes_per_s
     width = kernel.bytes / kernel.elements

@@ -94,11 +94,12 @@ def fit_gpu(folder: Path, device_kind: str, units: int, vector_ops_per_s: float,
     products = [r for r in informative(everything) if "m" in r]
     streams = [{"bytes": r["gbps_rw"] * 1e9 * r["s"], "s": r["s"]} for r in micro["elementwise"] if r["s"] >= 2 * floor]
     bandwidth, fixed = fit_stream(streams)
-    flops, tile = fit_matmul(products, units, bandwidth=bandwidth)  # bf16 products
     where = f"benchmarks/validation/{Path(folder).name}/micro.json"
     # Wider streams (xlafit bench --calibrate's "wide_stream" rows), where the file has them.
     wide = micro.get("wide_stream", [])
     peak = fit_peak_stream(bandwidth, fixed, wide) if wide else None
+    # bf16 products, their operands streamed as the model streams a product's (stream_rate)
+    flops, tile = fit_matmul(products, units, bandwidth=peak or bandwidth)
     peak_source = (
         f"the fastest of the {len(wide)} wider streams of {where}"
         if peak
