@@ -46,7 +46,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="FILE", help="write every check as JSON")
     parser.add_argument(
-        "--kernels", action="store_true", help="also list the H200 kernels that make up 80 % of each step"
+        "--kernels", action="store_true", help="also list the H200 kernels that make up 80 %% of each step"
     )
     parser.add_argument(
         "--h200-peak-stream",

@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -198,6 +199,37 @@ def test_help_names_every_recipe(command):
     with contextlib.suppress(SystemExit), contextlib.redirect_stdout(out):
         build_parser().parse_args([command, "--help"])
     assert ", ".join(RECIPES) in " ".join(out.getvalue().split())
+
+
+def test_every_commands_help_formats():
+    """argparse formats help with %: a lone "%" in a help text makes --help a traceback."""
+    import argparse
+
+    from xlafit.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert len(commands) > 5
+    for name, command in commands.items():
+        assert command.format_help(), name
+
+
+def test_every_benchmark_scripts_help_formats():
+    """The scripts under benchmarks/ import JAX (seconds each): their help texts are read, not run."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    scripts = sorted(root.glob("*.py"))
+    checked = 0
+    for script in scripts:
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
+                for keyword in node.keywords:
+                    if keyword.arg == "help" and isinstance(keyword.value, ast.Constant):
+                        text = keyword.value.value
+                        checked += 1
+                        assert re.sub(r"%%|%\(\w+\)[sd]", "", text).count("%") == 0, (script.name, text)
+    assert checked > 20
 
 
 def test_inspect_of_a_folder_that_is_no_run_is_one_line(tmp_path):
