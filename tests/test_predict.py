@@ -518,6 +518,27 @@ def test_bench_calibrate_measures_this_device_and_writes_its_file(tmp_path, monk
     assert "is where --calibrate writes its calibration; a benchmark's table goes to --json" in capsys.readouterr().err
 
 
+def test_bench_calibrate_on_a_machine_without_a_tpu_is_quiet(tmp_path):
+    """It started JAX's backends itself: libtpu's five lines of start-up errors (INVALID_ARGUMENT,
+    "could not determine TPU") came before the calibration on a host with libtpu and no TPU."""
+    import glob
+    import os
+    import subprocess
+
+    from xlafit.platform.hardware import TPU_DEVICES
+
+    if any(glob.glob(p) for p in TPU_DEVICES):
+        pytest.skip("a TPU host: libtpu starts")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "XLAFIT_SIMULATE_DEVICES")}
+    command = ["bench", "--calibrate", "--calibrate-sizes", "tiny", "--out", str(tmp_path / "cal.json")]
+    run = subprocess.run(
+        [sys.executable, "-m", "xlafit", *command], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    assert "calibrating cpu: matrix products" in run.stderr
+    assert "could not determine TPU" not in run.stderr and "InitGoogle" not in run.stderr, run.stderr
+
+
 def test_the_calibrations_vector_benchmark_is_compute_bound_on_every_built_in_device():
     """Its rate is the polynomial's time less what its bytes explain: where the bytes explain
     most of it (32 steps on an H200), the rate is the clamp's, not the card's."""

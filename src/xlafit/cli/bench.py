@@ -121,6 +121,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     import sys
     from pathlib import Path
 
+    from xlafit.parallel.cluster import start_backends
     from xlafit.predict.calibrate import calibrate, write
 
     if args.recipe:
@@ -128,6 +129,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     if out is not None and not out.parent.is_dir():
         raise ConfigError(f"--out {out}: the folder {out.parent} does not exist; create it or write elsewhere.")
+    start_backends()  # quietly: libtpu's start-up errors on a machine without a TPU
     rates, record = calibrate(args.calibrate_sizes, progress=lambda text: print(text, file=sys.stderr, flush=True))
     path = write(rates, out)
     step = record["step"]
