@@ -167,8 +167,12 @@ def test_gcsfs_tracebacks_of_errors_it_raises_again_are_dropped_unless_verbose(c
         except OSError as e:
             gcsfs.exception(f"_request out of retries on exception: {e}")
         gcsfs.warning("a warning of its own")
+        # Logged twice (two clients) before xlafit's own line on a machine without credentials.
+        fallback = "Could not determine bucket type for bucket name b: 401, falling back to GCSFileSystem"
+        gcsfs.warning(fallback)
         messages = [r.getMessage() for r in caplog.records if r.name == "gcsfs"]
         assert ("_request out of retries on exception: Cannot connect to host 127.0.0.1:9" in messages) == verbose
+        assert (fallback in messages) == verbose
         assert "a warning of its own" in messages
     configure_logging(verbose=False)
 

@@ -104,6 +104,9 @@ def configure_logging(verbose: bool) -> None:
     gcsfs logs every exception it gives up on with its traceback (``_request out of retries``,
     ``non-retriable exception``) and then raises it; xlafit names that same error with the
     fix (:func:`xlafit.io.paths.describe_error`), so those tracebacks are dropped unless verbose.
+    So are its warnings that it could not tell a bucket's type (hierarchical or not) and falls
+    back to the plain client: the fallback works, and a bucket that cannot be read is named by
+    xlafit with its reason.
     """
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
@@ -117,5 +120,11 @@ def configure_logging(verbose: bool) -> None:
         gcsfs.addFilter(_raised_again)
 
 
+_FALLBACKS = ("Could not determine bucket type", "storage layout api used to detect bucket type")
+
+
 def _raised_again(record: logging.LogRecord) -> bool:
-    return record.exc_info is None
+    if record.exc_info is not None:
+        return False
+    message = record.getMessage()
+    return not any(fallback in message for fallback in _FALLBACKS)
