@@ -163,6 +163,43 @@ def test_pulse_two_steps_of_the_demo(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "run" / "tokenizer" / "tokenizer.json").exists()
 
 
+def test_a_resume_with_another_tokenizer_is_refused_and_the_run_is_left_as_it_was(corpus, tmp_path, capsys):
+    """Another tokenizer of the same size fits the checkpoints' shapes but not their token ids:
+    the resume rewrote config.yaml and tokenizer/ before it failed (or trained on), and the
+    run's export then carried the other tokenizer."""
+    other = tmp_path / "other.txt"
+    other.write_text("\n\n".join(f"another corpus, line {i}: the quick brown fox jumps. " * 3 for i in range(80)))
+    clm.train_bpe([str(other)], 300, tmp_path / "tok2")
+    run = tmp_path / "run"
+    common = [f"run.run_dir={run}", f"data.data_dir={corpus / 'text'}", "data.seq_len=32", "trainer.epochs=1",
+              "data.global_batch=8", "model.preset=custom", "model.num_layers=1", "model.hidden_size=32",
+              "model.num_heads=2", "model.intermediate_size=64", "optimizer.decay_steps=100"]  # fmt: skip
+    xlafit.train_and_evaluate(load_config("llm", [*common, f"data.tokenizer={corpus / 'tok'}"]))
+    before = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and "checkpoints" not in p.parts}
+    capsys.readouterr()
+    with pytest.raises(ConfigError) as refused:
+        xlafit.train_and_evaluate(load_config("llm", [*common, f"data.tokenizer={tmp_path / 'tok2'}"]))
+    assert str(refused.value).startswith(
+        f"cannot resume {run}: its tokenizer/tokenizer.json differs from this run's tokenizer (data.tokenizer, else "
+        "model.init_from_hf's); the checkpoints learned the run's token ids."
+    )
+    assert f"its own copy is {run}/tokenizer/tokenizer.json" in str(refused.value)
+    assert "resuming with changed settings" not in capsys.readouterr().out
+    after = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and "checkpoints" not in p.parts}
+    assert after == before
+    # The run's own tokenizer, given again (another copy of it): resumes.
+    xlafit.train_and_evaluate(load_config("llm", [*common, f"data.tokenizer={run / 'tokenizer'}", "trainer.epochs=1"]))
+    # A run whose tokenizer was replaced by hand after training: the export wrote config.json for
+    # the new vocabulary beside the checkpoint's embeddings, which transformers cannot load.
+    from xlafit.errors import CheckpointError
+    from xlafit.export import export_hf
+
+    clm.train_bpe([str(other)], 200, tmp_path / "tok3")
+    (run / "tokenizer" / "tokenizer.json").write_text((tmp_path / "tok3" / "tokenizer.json").read_text())
+    with pytest.raises(CheckpointError, match=r"embed_tokens.* is \(300, 32\), and the model the run's config.yaml"):
+        export_hf(run, tmp_path / "hf")
+
+
 # --------------------------------------------------------------------------- LoRA in the trainer
 
 

@@ -245,7 +245,15 @@ def _value(saved: Any, path: str, like: Any) -> jax.Array:
     """A saved array in ``like``'s shape: converted when saved in an older layout (``RESHAPED``)."""
     value = jnp.asarray(saved)
     older = older_layout(path, value.shape, tuple(like.shape))
-    return value if older is None else older(value)
+    if older is not None:
+        return older(value)
+    if value.shape != tuple(like.shape):
+        raise CheckpointError(
+            f"the checkpoint's {path} is {value.shape}, and the model the run's config.yaml and files describe has "
+            f"{tuple(like.shape)}: they were changed after the checkpoint was written. Restore the run's config.yaml "
+            "(and tokenizer/) to what trained it."
+        )
+    return value
 
 
 def _classes(run: Any) -> list[str] | None:

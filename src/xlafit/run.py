@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime
+import json
 import logging
 import math
 import os
@@ -91,7 +92,12 @@ def train_and_evaluate(cfg: Config) -> FitResult:
         plan = make_optimizer(cfg.optimizer, run.global_batch)
         run_dir = run.run_dir
         if cfg.run.resume:
-            check_continuation(run_dir, cfg, announce=strategy.process_index == 0)
+            check_continuation(
+                run_dir,
+                cfg,
+                announce=strategy.process_index == 0,
+                kept=lambda: check_kept_files(recipe, cfg, run_dir, train_data),
+            )
         if strategy.process_index == 0:
             start_run_dir(run_dir, cfg)
             recipe.save_artifacts(cfg, run_dir, train_data)
@@ -425,11 +431,48 @@ def _saved_config(run_dir: epath.Path) -> dict[str, Any]:
     return saved
 
 
-def check_continuation(run_dir: epath.Path | Path, cfg: Config, announce: bool = True) -> None:
+def check_kept_files(recipe: Recipe, cfg: Config, run_dir: epath.Path | Path, train: Any) -> None:
+    """Refuses to resume when a file that gives the checkpoints' numbers their meaning
+    (:attr:`Recipe.kept_files`: a tokenizer, the class names) would be another: the recipe's
+    files for this config are written to a scratch folder and compared with the run's
+    (JSON by its content), before anything in the run directory is written.
+
+    Raises:
+        ConfigError: naming the file, what it is, and the fix.
+    """
+    if not recipe.kept_files:
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        recipe.save_artifacts(cfg, Path(scratch), train)
+        for name, what in recipe.kept_files.items():
+            before, now = as_path(run_dir) / name, Path(scratch) / name
+            with reading(before):
+                if not (before.exists() and now.exists()) or _same_file(before.read_text(), now.read_text(), name):
+                    continue
+            raise ConfigError(
+                f"cannot resume {run_dir}: its {name} differs from this run's {what}. Use the run's settings (see "
+                f"its config.yaml; its own copy is {run_dir}/{name}), or start over with --restart (run.resume=false) "
+                "or another --run-dir."
+            )
+
+
+def _same_file(before: str, now: str, name: str) -> bool:
+    if name.endswith(".json"):
+        try:
+            return bool(json.loads(before) == json.loads(now))
+        except json.JSONDecodeError:
+            pass
+    return before == now
+
+
+def check_continuation(
+    run_dir: epath.Path | Path, cfg: Config, announce: bool = True, kept: Callable[[], None] | None = None
+) -> None:
     """Refuses to resume a run whose checkpoints were made under an incompatible config.
 
     ``cfg`` is the resolved config (:func:`resolve`). Nothing happens when the run has no
-    checkpoints yet.
+    checkpoints yet. ``kept``: called after the config's checks, before the changed settings
+    are announced (:func:`check_kept_files`).
 
     Raises:
         ConfigError: the run's ``config.yaml`` is missing or unreadable, or a
@@ -469,6 +512,8 @@ def check_continuation(run_dir: epath.Path | Path, cfg: Config, announce: bool =
             f"cannot resume {run_dir}: {diffs}. This change breaks continuation from its checkpoints.{hint} "
             f"Use the run's values (see its config.yaml), {restart}."
         )
+    if kept is not None:
+        kept()
     safe = [k for k in changed if k != "run.resume"]
     if safe and announce:
         print(

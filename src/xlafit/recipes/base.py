@@ -70,6 +70,9 @@ class Recipe:
         throughput: ``(cfg, train) -> Throughput`` for the logs.
         save_artifacts: ``(cfg, run_dir, train)``: files a run keeps beside its checkpoints
             (a tokenizer).
+        kept_files: those of the files ``save_artifacts`` writes that give the checkpoints'
+            numbers their meaning (a tokenizer's ids, the class names), each with what it is:
+            a resumed run whose files would differ is refused before anything is written.
         sequence_lengths: ``(cfg) -> lengths or None``: the data's example lengths, for
             ``xlafit check``'s padding plans.
         validate: ``(cfg) -> None``: raises ``ConfigError`` for model settings that cannot
@@ -86,5 +89,6 @@ class Recipe:
     from_data: Callable[[Config, Any], Config] = _config_as_is
     throughput: Callable[[Config, Any], Throughput] = _no_throughput
     save_artifacts: Callable[[Config, Path, Any], None] = _nothing_to_save
+    kept_files: dict[str, str] = dataclasses.field(default_factory=dict)
     sequence_lengths: Callable[[Config], np.ndarray | None] = _no_lengths
     validate: Callable[[Config], None] = _nothing_to_check

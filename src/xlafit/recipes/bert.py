@@ -270,5 +270,8 @@ RECIPE = Recipe(
     loss_fn=loss_fn,
     throughput=throughput,
     save_artifacts=save_artifacts,
+    kept_files={
+        "tokenizer/tokenizer.json": "tokenizer (the prepared data's); the checkpoints learned the run's token ids"
+    },
     sequence_lengths=sequence_lengths,
 )

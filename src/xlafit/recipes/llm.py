@@ -389,5 +389,9 @@ RECIPE = Recipe(
     loss_fn=loss_fn,
     throughput=throughput,
     save_artifacts=save_artifacts,
+    kept_files={
+        "tokenizer/tokenizer.json": "tokenizer (data.tokenizer, else model.init_from_hf's); the checkpoints learned "
+        "the run's token ids"
+    },
     validate=validate,
 )

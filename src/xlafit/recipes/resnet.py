@@ -386,5 +386,8 @@ RECIPE = Recipe(
     loss_fn=loss_fn,
     throughput=throughput,
     save_artifacts=save_artifacts,
+    kept_files={
+        CLASSES_FILE: "class names (the data's folders, in order); the checkpoints' outputs are the run's classes"
+    },
     validate=validate,
 )
