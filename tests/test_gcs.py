@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 import pytest
+import yaml
 
 from xlafit.checkpoint import Checkpointer, fingerprint
 from xlafit.cli import main
@@ -189,7 +190,7 @@ def test_mlm_pipeline_on_gcs_tokenizer_shards_train_kill_resume_export(gcs, tmp_
     assert [r["step"] for r in metrics(run) if r["split"] == "train"] == list(range(1, 7))
 
     t0 = time.monotonic()
-    out, step = export_hf(run, f"{b}/hf")
+    out, step, *_ = export_hf(run, f"{b}/hf")
     assert step == 6
     local = download_dir(f"{b}/hf", tmp_path / "hf")
     assert {"config.json", "model.safetensors", "tokenizer.json", "xlafit-config.yaml"} <= {
@@ -230,6 +231,18 @@ def test_missing_bucket_is_named_and_never_created(gcs):
     fs, _ = filesystem(missing)
     fs.invalidate_cache()
     assert not fs.exists("xlafit-no-such-bucket")  # gcsfs's mkdir would have made it
+
+
+def test_an_export_into_a_bucket_folder_of_other_files_is_refused_before_any_work(gcs, tmp_path, capsys):
+    """The export's files would have gone up beside them (a README, another model's weights)."""
+    run = tmp_path / "run"
+    (run / "tokenizer").mkdir(parents=True)
+    (run / "tokenizer" / "tokenizer.json").write_text("{}")
+    (run / "config.yaml").write_text(yaml.safe_dump(load_config("llm", []).to_dict() | {"recipe": "llm"}))
+    as_path(f"{gcs.bucket}/notes/README.md").write_text("mine")
+    assert main(["export", "hf", str(run), "--out", f"{gcs.bucket}/notes"]) == 2
+    assert f"--out {gcs.bucket}/notes holds files that are not an xlafit export" in capsys.readouterr().err
+    assert as_path(f"{gcs.bucket}/notes/README.md").read_text() == "mine"
 
 
 def test_a_machine_without_credentials_is_told_how_to_get_them(gcs, capsys, monkeypatch):

@@ -436,3 +436,40 @@ def test_export_loads_in_transformers_and_peft_with_the_same_logits(tmp_path, mo
     assert config["base_model_name_or_path"] == str((tmp_path / "full-hf").absolute())
     assert config["target_modules"] == ["lm_head", "q_proj", "v_proj"]
     assert base_fingerprint(merge_lora(ours)) != base_fingerprint(full)  # merged: another model
+
+
+def test_an_export_replaces_an_earlier_one_whole_and_refuses_other_folders(tmp_path, monkeypatch, capsys):
+    """Exporting a full run over an earlier LoRA export left its adapter/ behind, and the
+    summary named it as written; --out inside the run mixed HF files into it; a file as --out
+    was a FileExistsError."""
+    from xlafit.cli import main
+
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
+    run, out = tmp_path / "run", tmp_path / "hf"
+    common = ["trainer.stop_at_step=1", "data.vocab_size=300", "data.seq_len=32", "trainer.eval_every_epochs=100"]
+    xlafit.train_and_evaluate(load_config("llm", [f"run.run_dir={run}", *common]))
+    (out / "adapter").mkdir(parents=True)  # an earlier export, of a LoRA run
+    (out / "adapter" / "adapter_config.json").write_text("{}")
+    (out / "xlafit-config.yaml").write_text("recipe: llm\n")
+    capsys.readouterr()
+    assert main(["export", "hf", str(run), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    (earlier,) = tmp_path.glob("hf-before-export-*")
+    assert f"the earlier export in {out} was moved to {earlier}" in printed
+    assert (earlier / "adapter" / "adapter_config.json").exists() and not (out / "adapter").exists()
+    summary = printed.splitlines()[-1]
+    assert summary.startswith(f"exported checkpoint 1 of {run} to {out}: config.json, ") and "adapter" not in summary
+    assert {name.rstrip(",") for name in summary.split(": ", 1)[1].split()} == {p.name for p in out.iterdir()}
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README.md").write_text("mine")
+    (tmp_path / "file.txt").write_text("mine")
+    for where, says in [
+        (run / "hf", f"--out {run / 'hf'} is inside the run directory {run}; give a folder outside it."),
+        (run, f"--out {run} is inside the run directory {run}"),
+        (tmp_path / "file.txt", f"--out {tmp_path / 'file.txt'} is a file; give a folder"),
+        (tmp_path / "notes", f"--out {tmp_path / 'notes'} holds files that are not an xlafit export"),
+    ]:
+        assert main(["export", "hf", str(run), "--out", str(where)]) == 2
+        assert says in capsys.readouterr().err
+    assert (tmp_path / "notes" / "README.md").read_text() == "mine" and not (run / "hf").exists()
+    assert (tmp_path / "file.txt").read_text() == "mine"

@@ -330,7 +330,7 @@ def test_a_product_bound_by_its_bytes_streams_at_the_peak():
   %t = f32[64,1024,4096]{2,1,0} transpose(%p), dimensions={0,2,1}
   %v = bf16[64,4096,64]{2,1,0} parameter(1)
   %c = f32[64,4096,64]{2,1,0} convert(%v)
-  %d = f32[64,1024,64]{2,1,0} dot(%t, %c), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+  %d = f32[64,1024,64]{2,1,0} dot(%t, %c), DIMS
   ROOT %r = bf16[64,1024,64]{2,1,0} convert(%d)
 }
 
@@ -339,7 +339,8 @@ ENTRY %main (a: f32[64,4096,1024], b: bf16[64,4096,64]) -> bf16[64,1024,64] {
   %b = bf16[64,4096,64]{2,1,0} parameter(1)
   ROOT %g = bf16[64,1024,64]{2,1,0} fusion(%a, %b), kind=kCustom, calls=%pv
 }"""
-    (product,) = kernels(hlo)
+    dims = "lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}"
+    (product,) = kernels(hlo.replace("DIMS", dims))
     assert product.kind == "matmul" and product.bytes_read == 64 * 4096 * (1024 * 4 + 64 * 2)
     rates = Rates("demo", 1e15, (128, 256), 132, 3.2e12, None, 0.0, stream_bytes_per_element=4,
                   hbm_peak_bytes_per_s=4.3e12)  # fmt: skip

@@ -524,7 +524,7 @@ def test_a_resnet_run_exports_to_hugging_face(tmp_path):
     ]
     cfg = load_config("resnet", overrides=overrides)
     train_and_evaluate(cfg)
-    out, step = export_hf(tmp_path / "run", tmp_path / "hf")
+    out, step, *_ = export_hf(tmp_path / "run", tmp_path / "hf")
     assert step == 2
     hf, info = transformers.ResNetForImageClassification.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]

@@ -269,7 +269,7 @@ def test_an_exported_run_names_its_classes_and_prepares_images_as_its_evaluation
     overrides += ["data.global_batch=8", "model.preset=resnet18", "model.width=4", "trainer.epochs=1"]
     train_and_evaluate(load_config("resnet", [*overrides, f"run.run_dir={tmp_path / 'run'}"]))
     assert json.loads((tmp_path / "run" / "classes.json").read_text()) == ["a", "b", "c"]
-    out, _ = export_hf(tmp_path / "run", tmp_path / "hf")
+    out, *_ = export_hf(tmp_path / "run", tmp_path / "hf")
 
     hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert hf_config["id2label"] == {"0": "a", "1": "b", "2": "c"}

@@ -11,6 +11,8 @@ adapter in ``adapter/``): ``config.json`` and ``model.safetensors`` that
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import tempfile
 import typing
 from pathlib import Path
@@ -32,7 +34,18 @@ from xlafit.hf.peft import save_peft_adapter
 from xlafit.hf.resnet import image_processor_config
 from xlafit.hf.resnet import save_hf as save_resnet_hf
 from xlafit.io import hub
-from xlafit.io.paths import as_path, bucket_of, check_bucket, describe_error, download_dir, is_url, reach, upload_dir
+from xlafit.io.paths import (
+    as_path,
+    bucket_of,
+    check_bucket,
+    dated_sibling,
+    describe_error,
+    download_dir,
+    is_url,
+    move,
+    reach,
+    upload_dir,
+)
 from xlafit.models.bert import BertForMaskedLM
 from xlafit.models.llama import LlamaForCausalLM
 from xlafit.models.lora import ADAPTER, base_fingerprint, merge_lora
@@ -46,14 +59,26 @@ from xlafit.run import checkpoint_dir, with_lora
 from xlafit.train.frozen import BASE_FINGERPRINT
 
 
-def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> tuple[str, int]:
+class Exported(typing.NamedTuple):
+    """What :func:`export_hf` wrote."""
+
+    out: str
+    step: int  # the checkpoint's
+    files: list[str]  # the top-level names written in ``out`` ("adapter/": a folder)
+    earlier: str | None  # where an earlier export in ``out`` was moved, None if there was none
+
+
+def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> Exported:
     """Writes a run's model (checkpoint ``step``, default the newest intact one) as a Hugging
     Face directory: a bert run as ``BertForMaskedLM`` with its tokenizer, a resnet run as
     ``ResNetForImageClassification``, an llm run as ``LlamaForCausalLM`` with its tokenizer
-    (LoRA: merged, and the adapter alone in ``out/adapter``, :func:`export_llm`). Returns (out, step).
+    (LoRA: merged, and the adapter alone in ``out/adapter``, :func:`export_llm`).
 
-    ``run_dir`` and ``out`` may be local paths or URLs (``gs://bucket/run``): a URL output
-    is written locally first and uploaded file by file.
+    ``run_dir`` and ``out`` may be local paths or URLs (``gs://bucket/run``). The export is
+    written to a scratch folder first and moved (a URL: uploaded file by file) into ``out``
+    whole, so no file of another export is left beside it: an earlier xlafit export in
+    ``out`` is moved aside to ``<out>-before-export-<time>``; ``out`` holding anything else,
+    or lying inside the run directory, is refused before any work.
 
     Example:
         >>> export_hf("runs/bert", "hf/")  # doctest: +SKIP
@@ -73,6 +98,8 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
         raise ConfigError(f"{run} is a {recipe!r} run; only bert, resnet and llm runs export to Hugging Face.")
     if recipe in ("bert", "llm") and not (run / "tokenizer" / "tokenizer.json").exists():
         raise ConfigError(f"{run} has no tokenizer/ (written when training starts); cannot export.")
+    target = as_path(out)
+    _check_out(run, target)
     cfg = config_from_dict(recipe, {k: v for k, v in saved.items() if k != "recipe"})
     cfg.run.run_dir = str(run)  # where the run is now: it may have moved since it trained
     # The run's XLA:CPU settings before JAX starts: a new model's LoRA base is re-initialised
@@ -81,26 +108,60 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     start_backends()
     arrays, step, metadata = checkpoint_arrays(cfg, run, step)
     with tempfile.TemporaryDirectory() as tmp:
-        local = Path(tmp) / "out" if is_url(out) else Path(out)
-        existed = local.exists()
-        try:
-            _write(recipe, cfg, run, arrays, metadata, local, Path(tmp))
-        except BaseException:
-            if not existed and local.is_dir() and not any(local.iterdir()):
-                local.rmdir()  # a failed export leaves no empty --out behind
-            raise
-        (local / "xlafit-config.yaml").write_text(config_text)
-        if is_url(out):
-            if bucket_of(out):
-                try:
-                    check_bucket(out, "--out")
-                except StorageError as e:
-                    raise ConfigError(str(e)) from None
+        local = Path(tmp) / "out"
+        _write(recipe, cfg, run, arrays, metadata, local, Path(tmp))
+        (local / EXPORT_MARK).write_text(config_text)
+        files = sorted(p.name + ("/" if p.is_dir() else "") for p in local.iterdir())
+        if is_url(out) and bucket_of(out):
             try:
-                upload_dir(local, as_path(out))
-            except Exception as e:
-                raise ConfigError(f"cannot write the export: {describe_error(out, e)}") from None
-    return str(out), step
+                check_bucket(out, "--out")
+            except StorageError as e:
+                raise ConfigError(str(e)) from None
+        earlier = None
+        if _holds_files(target):  # an earlier export (_check_out refused anything else)
+            earlier = dated_sibling(target, "before-export")
+            move(target, earlier)
+        try:
+            if is_url(out):
+                upload_dir(local, target)
+            else:
+                if Path(out).is_dir():
+                    Path(out).rmdir()  # empty (one with files went aside): else the move would nest in it
+                Path(out).parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(local, out)
+        except Exception as e:
+            raise ConfigError(f"cannot write the export: {describe_error(out, e)}") from None
+    return Exported(str(out), step, files, str(earlier) if earlier is not None else None)
+
+
+# The file every export writes (the run's config): a folder holding it is an earlier export.
+EXPORT_MARK = "xlafit-config.yaml"
+
+
+def _holds_files(path: Any) -> bool:
+    try:
+        return bool(path.is_dir() and any(path.iterdir()))
+    except Exception as e:
+        raise ConfigError(f"cannot read --out {path}: {describe_error(path, e)}") from None
+
+
+def _check_out(run: Any, out: Any) -> None:
+    """Refuses an ``--out`` the export would mix with other files, before any work."""
+    inside = os.path.abspath(os.fspath(out)) if not is_url(out) else os.fspath(out).rstrip("/")
+    home = os.path.abspath(os.fspath(run)) if not is_url(run) else os.fspath(run).rstrip("/")
+    if inside == home or inside.startswith(home + "/"):
+        raise ConfigError(f"--out {out} is inside the run directory {run}; give a folder outside it.")
+    try:
+        is_file = out.is_file()
+    except Exception as e:
+        raise ConfigError(f"cannot read --out {out}: {describe_error(out, e)}") from None
+    if is_file:
+        raise ConfigError(f"--out {out} is a file; give a folder (a new one, or an earlier export to replace).")
+    if _holds_files(out) and not (out / EXPORT_MARK).exists():
+        raise ConfigError(
+            f"--out {out} holds files that are not an xlafit export (no {EXPORT_MARK}); give a new or empty folder, "
+            "so that no other file ends up beside the model."
+        )
 
 
 def _write(recipe: str, cfg: Config, run: Any, arrays: Any, metadata: dict[str, str], local: Path, tmp: Path) -> None:

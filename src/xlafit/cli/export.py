@@ -28,11 +28,10 @@ def run(args: argparse.Namespace) -> int:
     # The library when the command runs (a fast --help); export_hf starts the backends with the
     # run's CPU settings, without libtpu's start-up errors on a host that has libtpu but no TPU.
     from xlafit.export import export_hf
-    from xlafit.io.paths import as_path
 
-    out, step = export_hf(args.run_dir, args.out, args.step)
-    files = "config.json, model.safetensors" + (", tokenizer" if (as_path(out) / "tokenizer.json").exists() else "")
-    if (as_path(out) / "adapter").exists():
-        files += ", adapter/ (PEFT)"
-    print(f"exported checkpoint {step} of {args.run_dir} to {out}: {files}")
+    done = export_hf(args.run_dir, args.out, args.step)
+    if done.earlier:
+        print(f"the earlier export in {done.out} was moved to {done.earlier}")
+    files = ", ".join(name + (" (PEFT)" if name == "adapter/" else "") for name in done.files)
+    print(f"exported checkpoint {done.step} of {args.run_dir} to {done.out}: {files}")
     return 0

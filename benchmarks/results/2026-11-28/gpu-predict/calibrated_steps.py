@@ -29,7 +29,11 @@ variants = {
 out = {}
 for name, rates in variants.items():
     checks = gpu_checks(Path("benchmarks/validation/gpu-h200"), rates)
-    out[name] = {"matmul_flops": rates.matmul_flops, "tile": list(rates.matmul_tile),
-                 "vector_ops_per_s": rates.vector_ops_per_s, "errors": {c.id: c.error for c in checks}}
+    out[name] = {
+        "matmul_flops": rates.matmul_flops,
+        "tile": list(rates.matmul_tile),
+        "vector_ops_per_s": rates.vector_ops_per_s,
+        "errors": {c.id: c.error for c in checks},
+    }
     print(name, f"{rates.matmul_flops / 1e12:.0f} TFLOP/s", {c.id: f"{c.error:+.1%}" for c in checks})
 (HERE / "calibrated_steps.json").write_text(json.dumps(out, indent=1) + "\n")
