@@ -272,6 +272,25 @@ def test_a_size_given_with_init_from_hf_that_differs_from_its_config_is_refused(
     recipe.validate(load_config("llm", [source]))
 
 
+def test_a_local_checkpoint_that_cannot_serve_the_run_is_refused_before_the_run_directory(tmp_path):
+    """A family xlafit does not read was named only after the run directory was written (and,
+    with --restart, the earlier run moved aside); data.seq_len beyond the checkpoint's
+    positions trained on without a word (a new model's is refused)."""
+    llama = {"model_type": "llama", "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 1,
+             "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64}  # fmt: skip
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(llama))
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 300}))
+    with pytest.raises(ConfigError, match=r"model.init_from_hf=.*gpt2: config.json describes a 'gpt2' model; xlafit"):
+        recipe.validate(load_config("llm", [f"model.init_from_hf={tmp_path / 'gpt2'}", "data.seq_len=32"]))
+    with pytest.raises(
+        ConfigError, match=r"data.seq_len=128 is longer than model.init_from_hf=.*'s max_position_embeddings=64"
+    ):
+        recipe.validate(load_config("llm", [f"model.init_from_hf={tmp_path / 'llama'}", "data.seq_len=128"]))
+    recipe.validate(load_config("llm", [f"model.init_from_hf={tmp_path / 'llama'}", "data.seq_len=64"]))
+
+
 def _lm_loss(model, batch):
     logits = model(batch["x"])
     return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], batch["x"][:, 1:]).mean(-1)

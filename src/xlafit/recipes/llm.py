@@ -142,6 +142,7 @@ def validate(cfg: Config) -> None:
     if cfg.model.init_from_hf:
         hub.check_local(cfg.model.init_from_hf, "model.init_from_hf")
         _refuse_size_overrides(cfg)
+        _check_local_checkpoint(cfg)
     tokenizer = data_config(cfg).tokenizer
     if tokenizer:
         hub.check_local(tokenizer, "data.tokenizer")
@@ -177,6 +178,28 @@ def _refuse_size_overrides(cfg: Config) -> None:
             f"model.{key}={value} conflicts with model.init_from_hf={m.init_from_hf}, whose config.json has "
             f"{getattr(checkpoint, key)}; its sizes are the checkpoint's: drop model.{key}, or drop "
             "model.init_from_hf to train a new model of that size."
+        )
+
+
+def _check_local_checkpoint(cfg: Config) -> None:
+    """A local ``model.init_from_hf``'s ``config.json`` read before the run directory is
+    written: a model family xlafit does not read, or ``data.seq_len`` beyond the positions
+    the checkpoint was trained on, is refused (a hub id is checked as it is read, after its
+    download)."""
+    m = cfg.model
+    config = Path(str(m.init_from_hf)).expanduser() / "config.json"
+    if not config.is_file():
+        return  # a hub id, or a directory llama_hf.from_hf names what is missing of
+    try:
+        checkpoint = llama_hf.config_from_hf(json.loads(config.read_text()))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"model.init_from_hf={m.init_from_hf}: {e}") from None
+    seq_len = data_config(cfg).seq_len
+    if seq_len > checkpoint.max_position_embeddings:
+        raise ConfigError(
+            f"data.seq_len={seq_len} is longer than model.init_from_hf={m.init_from_hf}'s max_position_embeddings="
+            f"{checkpoint.max_position_embeddings} (its config.json): the model never saw positions that far; lower "
+            "data.seq_len."
         )
 
 
