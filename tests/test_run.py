@@ -56,6 +56,20 @@ def test_more_epochs_keep_the_schedule_or_are_refused_with_the_fix(strategy8, tm
     assert rates[1] >= rates[2] and max(rates[2:]) == pytest.approx(rates[2])
 
 
+def test_a_resume_on_more_data_names_why_the_schedule_moved(strategy8, tmp_path):
+    """More data makes an epoch longer, so the schedule's length (decay_steps, never given)
+    differs: the refusal named a key the user never set and offered no value for it."""
+    first = _resolved(strategy8, tmp_path, "trainer.epochs=2")
+    _with_checkpoint(tmp_path, first)
+    more = _resolved(strategy8, tmp_path, "trainer.epochs=2", "data.data_dir=more-digits", examples=1500)
+    with pytest.raises(ConfigError) as err:
+        check_continuation(tmp_path, more)
+    message = str(err.value)
+    assert "optimizer.decay_steps: 14 in the run, 22 now" in message
+    assert "trainer.epochs x the steps of an epoch of this data (data.data_dir changed)" in message
+    assert "add optimizer.decay_steps=14" in message
+
+
 @pytest.mark.parametrize("damage", ["missing", "garbage", "not a config"])
 def test_resume_refuses_without_a_readable_config(strategy8, tmp_path, damage):
     cfg = _resolved(strategy8, tmp_path)

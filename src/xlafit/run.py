@@ -508,6 +508,14 @@ def check_continuation(
                 f"train longer on the run's schedule, add optimizer.decay_steps={saved['optimizer.decay_steps']} "
                 "(the added steps then train at its final rate)."
             )
+        elif breaking == ["optimizer.decay_steps"]:
+            data = [k for k in changed if k.startswith("data.")]
+            because = f"this data ({', '.join(data)} changed)" if data else "this data"
+            hint = (
+                " optimizer.decay_steps was not given: it is the run's length, trainer.epochs x the steps of an epoch "
+                f"of {because}. To go on with the run's schedule, add "
+                f"optimizer.decay_steps={saved['optimizer.decay_steps']}."
+            )
         raise ConfigError(
             f"cannot resume {run_dir}: {diffs}. This change breaks continuation from its checkpoints.{hint} "
             f"Use the run's values (see its config.yaml), {restart}."
