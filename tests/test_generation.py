@@ -139,3 +139,28 @@ def test_a_run_with_no_checkpoint_says_to_train_it_not_to_export_it(tmp_path):
         f"{run} has no intact checkpoint to generate with; train it until it saves one, or give a Hugging Face "
         "model directory."
     )
+
+
+def test_a_run_without_its_tokenizer_and_flags_of_the_other_kind_of_source_are_named(tmp_path, capsys):
+    """A run directory without tokenizer/ was told to "give data.tokenizer", which generate
+    does not take; --step with a Hugging Face directory, and --revision with a run, were ignored."""
+    import json
+
+    import yaml
+
+    from xlafit.cli import main
+    from xlafit.recipes import load_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({"recipe": "llm", **load_config("llm", []).to_dict()}))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    for args, says in [
+        ([str(run)], f"{run} has no tokenizer/ (a run writes it when training starts); cannot generate."),
+        ([str(hf), "--step", "3"], f"--step 3 picks a run's checkpoint, and {hf} is a Hugging Face model"),
+        ([str(run), "--revision", "main"], f"--revision main picks a hub model's revision, and {run} is a run"),
+    ]:
+        assert main(["generate", *args, "--prompt", "hi"]) == 2
+        assert says in capsys.readouterr().err

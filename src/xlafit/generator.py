@@ -159,6 +159,8 @@ def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
     saved = yaml.safe_load((run / "config.yaml").read_text())
     if saved.get("recipe") != "llm":
         raise ConfigError(f"{source} is a {saved.get('recipe')!r} run; xlafit generate answers with llm runs.")
+    if not (run / "tokenizer" / "tokenizer.json").exists():
+        raise ConfigError(f"{source} has no tokenizer/ (a run writes it when training starts); cannot generate.")
     cfg = config_from_dict("llm", {k: v for k, v in saved.items() if k != "recipe"})
     cfg.run.run_dir = str(run)
     rules = parse_rules(cfg.mesh.rules)

@@ -70,7 +70,18 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(str(e)) from None
     # A run's model starts the backends itself, with the run's CPU settings (a new model's LoRA
     # base is re-initialised, and its rounding depends on them).
-    if not args.simulate and not is_run_directory(args.source):
+    run = is_run_directory(args.source)
+    if args.step is not None and not run:
+        raise ConfigError(
+            f"--step {args.step} picks a run's checkpoint, and {args.source} is a Hugging Face model (one set of "
+            "weights): drop --step (a hub id's other revisions: --revision)."
+        )
+    if args.revision and run:
+        raise ConfigError(
+            f"--revision {args.revision} picks a hub model's revision, and {args.source} is a run directory: drop it "
+            "(a run's other checkpoints: --step)."
+        )
+    if not args.simulate and not run:
         start_backends()
     print(f"loading {args.source} ...", file=sys.stderr, flush=True)
     ask = Generator.load(args.source, args.step, args.revision, args.simulate)
