@@ -134,13 +134,18 @@ def test_evaluation_counts_every_example_once(strategy8):
     assert trainer.eval_step.compiles == 1  # the padded last batch reuses the program
 
 
-def test_stop_and_resume_equals_uninterrupted(strategy8, digits, tmp_path):
+def test_stop_and_resume_equals_uninterrupted(strategy8, digits, tmp_path, capsys):
     train, test = digits
     full = _cnn_trainer(strategy8, stop_at_step=None, epochs=2).fit(train, eval=test)
+    assert "stopped at step" not in capsys.readouterr().out
     first = _cnn_trainer(strategy8, stop_at_step=7, epochs=2, run_dir=tmp_path)
     part = first.fit(train)
     first.close()
     assert int(part.state.step) == 7
+    assert (
+        "stopped at step 7 of 20 (trainer.stop_at_step=7) with a checkpoint; to go on, run again with a later "
+        "trainer.stop_at_step or without it"
+    ) in capsys.readouterr().out  # a stop at a step said nothing: it looked like the end of the run
     second = _cnn_trainer(strategy8, stop_at_step=None, epochs=2, run_dir=tmp_path)
     resumed = second.fit(train, eval=test)
     second.close()

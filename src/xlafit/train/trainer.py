@@ -437,6 +437,13 @@ class Trainer:
             f"{self.eval_step.compiles} time(s); {self.train_step.compile_s + self.eval_step.compile_s:.1f}s "
             "compiling, excluded from step times"
         )
+        if loop.step == loop.stop < loop.total:  # trainer.stop_at_step ended it, not the schedule
+            saved = " with a checkpoint" if self._ckpt is not None else ""
+            at = f"trainer.stop_at_step={self.config.stop_at_step}"
+            loop.report.print(
+                f"stopped at step {loop.stop} of {loop.total} ({at}){saved}; to go on, run again with a later "
+                "trainer.stop_at_step or without it"
+            )
         loop.report.close()
 
     # ------------------------------------------------------------------ the loop's helpers
