@@ -118,9 +118,13 @@ def test_documents_and_tokenizer_in_a_bucket_pack_as_local_ones(corpus, gcs):
     assert as_path(f"{b}/run/tokenizer/tokenizer.json").read_text() == (corpus / "tok" / "tokenizer.json").read_text()
 
 
-def test_config_errors_name_the_fix(corpus):
+def test_config_errors_name_the_fix(corpus, tmp_path):
     with pytest.raises(ConfigError, match="data.data_dir needs a tokenizer: set data.tokenizer"):
         recipe.load_data(load_config("llm", [f"data.data_dir={corpus / 'text'}"]))
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')  # a model's, not a tokenizer
+    not_a_tokenizer = [f"data.data_dir={corpus / 'text'}", f"data.tokenizer={tmp_path}/config.json"]
+    with pytest.raises(DataError, match=r"config.json is not a Hugging Face tokenizer.json \(.+\); give data"):
+        recipe.load_data(load_config("llm", not_a_tokenizer))
     with pytest.raises(ConfigError, match="data.seq_len=1024 is longer than the model's max_position_embeddings=512"):
         recipe.validate(load_config("llm", ["data.seq_len=1024"]))
     with pytest.raises(ConfigError, match="model.preset=custom needs model.num_layers"):

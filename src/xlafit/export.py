@@ -33,6 +33,7 @@ from xlafit.hf.resnet import image_processor_config
 from xlafit.hf.resnet import save_hf as save_resnet_hf
 from xlafit.io import hub
 from xlafit.io.paths import as_path, bucket_of, check_bucket, describe_error, download_dir, is_url, reach, upload_dir
+from xlafit.io.paths import local as local_path
 from xlafit.models.bert import BertForMaskedLM
 from xlafit.models.llama import LlamaForCausalLM
 from xlafit.models.lora import ADAPTER, base_fingerprint, merge_lora
@@ -58,6 +59,8 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     Example:
         >>> export_hf("runs/bert", "hf/")  # doctest: +SKIP
     """
+    if not is_url(out) and Path(local_path(out)).is_file():
+        raise ConfigError(f"--out {out} is a file; give a directory to write the export to (a new one, or a folder).")
     run = as_path(run_dir)
     reach(run)
     try:
@@ -81,7 +84,7 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     start_backends()
     arrays, step, metadata = checkpoint_arrays(cfg, run, step)
     with tempfile.TemporaryDirectory() as tmp:
-        local = Path(tmp) / "out" if is_url(out) else Path(out)
+        local = Path(tmp) / "out" if is_url(out) else Path(local_path(out))
         existed = local.exists()
         try:
             _write(recipe, cfg, run, arrays, metadata, local, Path(tmp))

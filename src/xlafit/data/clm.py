@@ -27,6 +27,7 @@ from typing import TypeVar
 
 import jax
 import numpy as np
+from etils import epath
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from xlafit.data.chat import FORMATS, ChatTemplate, Encoded, detect_format, encode, masks_in_rows, read_records
@@ -72,13 +73,24 @@ def load_tokenizer(where: str | Path) -> Tokenizer:
     directory from the hub, ``xlafit export hf``, or :func:`train_bpe`); local or a URL.
 
     Raises:
-        DataError: there is no ``tokenizer.json`` there.
+        DataError: there is no ``tokenizer.json`` there, or the file is not one.
     """
-    return Tokenizer.from_str(tokenizer_json(where))
+    path = _tokenizer_path(where)
+    try:
+        return Tokenizer.from_str(path.read_text())
+    except Exception as e:  # tokenizers raises a bare Exception for JSON that is not a tokenizer
+        raise DataError(
+            f"{path} is not a Hugging Face tokenizer.json ({e}); give data.tokenizer as a model directory's "
+            "tokenizer.json or the directory holding it."
+        ) from None
 
 
 def tokenizer_json(where: str | Path) -> str:
     """The text of the ``tokenizer.json`` :func:`load_tokenizer` reads, as it is on disk."""
+    return _tokenizer_path(where).read_text()
+
+
+def _tokenizer_path(where: str | Path) -> epath.Path:
     path = as_path(where)
     if not str(path).endswith(".json"):
         path = path / "tokenizer.json"
@@ -87,7 +99,7 @@ def tokenizer_json(where: str | Path) -> str:
             f"no tokenizer at {path}; give data.tokenizer as a tokenizer.json or a directory holding one "
             "(a Hugging Face model directory has it)."
         )
-    return path.read_text()
+    return path
 
 
 def special_ids(tok: Tokenizer) -> tuple[int | None, int | None]:
