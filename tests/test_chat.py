@@ -196,6 +196,11 @@ def test_records_that_would_train_on_nothing_are_refused_by_name(model_dir, tmp_
     questions.write_text("\n".join(json.dumps({"messages": CONVERSATION[:1]}) for _ in range(10)))
     with pytest.raises(DataError, match=r"no token of .*questions.jsonl counts for the loss.*data.loss_on=all"):
         clm.load_packed([str(questions)], tok, seq_len=128, eval_fraction=0.0, template=template)
+    # Answers there, but every record cut at data.seq_len before its answer: raise data.seq_len, not check roles.
+    long = tmp_path / "long.jsonl"
+    long.write_text("\n".join(json.dumps({"messages": CONVERSATION}) for _ in range(10)))
+    with pytest.raises(DataError, match=r"every training record with an answer \(10\) is cut at data.seq_len=8 before"):
+        clm.load_packed([str(long)], tok, seq_len=8, eval_fraction=0.0, template=template)
     # A chat file read as prompt/completion names the file, the record and the keys it has.
     chats = tmp_path / "chats.jsonl"
     chats.write_text(json.dumps({"messages": CONVERSATION}))

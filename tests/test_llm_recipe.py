@@ -125,6 +125,9 @@ def test_config_errors_name_the_fix(corpus, tmp_path):
     not_a_tokenizer = [f"data.data_dir={corpus / 'text'}", f"data.tokenizer={tmp_path}/config.json"]
     with pytest.raises(DataError, match=r"config.json is not a Hugging Face tokenizer.json \(.+\); give data"):
         recipe.load_data(load_config("llm", not_a_tokenizer))
+    for fraction in (1, 1.5, -0.5):  # all held out (nothing to train on), or a share that is none
+        with pytest.raises(ConfigError, match=rf"data.eval_fraction={fraction} is the share of the data held out"):
+            load_config("llm", [f"data.eval_fraction={fraction}"])
     with pytest.raises(ConfigError, match="data.seq_len=1024 is longer than the model's max_position_embeddings=512"):
         recipe.validate(load_config("llm", ["data.seq_len=1024"]))
     with pytest.raises(ConfigError, match="model.preset=custom needs model.num_layers"):

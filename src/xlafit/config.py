@@ -46,6 +46,15 @@ def _check_section(section: Any, name: str, positive: Sequence[str] = (), non_ne
             raise ConfigError(f"{name}.{key}={value} must be zero or more.")
 
 
+def check_fraction(value: float, key: str) -> None:
+    """Refuses a held-out share outside ``[0, 1)``: 1 or more leaves nothing to train on."""
+    if not 0 <= value < 1:
+        raise ConfigError(
+            f"{key}={value:g} is the share of the data held out for evaluation: give a number from 0 (none) up to, "
+            "not including, 1 (e.g. 0.1)."
+        )
+
+
 @dataclasses.dataclass
 class DataConfig:
     """How batches are formed.

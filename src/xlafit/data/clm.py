@@ -255,7 +255,7 @@ def load_packed(
     draws = hash_uniform(np.array([seed]), np.arange(len(encoded)), 11) if encoded else np.zeros(0)
     split: dict[str, list[Encoded]] = {"train": [], "eval": []}
     counts = {"train": 0, "eval": 0}
-    truncated = 0
+    truncated = answers_cut = longest = 0
     for e, draw in zip(encoded, draws, strict=True):
         name = "eval" if draw < eval_fraction else "train"
         counts[name] += 1
@@ -263,6 +263,8 @@ def load_packed(
             split[name] += [Encoded(p, [1] * len(p)) for p in pieces(e.ids, seq_len)]
         elif len(e.ids) > 1:
             truncated += len(e.ids) > seq_len
+            answers_cut += name == "train" and any(e.mask) and not any(e.mask[:seq_len])
+            longest = max(longest, len(e.ids))
             split[name].append(Encoded(e.ids[:seq_len], e.mask[:seq_len]))
     if not split["train"]:
         raise DataError(
@@ -277,6 +279,12 @@ def load_packed(
         out.append(PackedText(arrays, vocab, counts[name]))
     masked = [x for e in split["train"] for x in e.mask]
     share = sum(masked) / max(len(masked), 1)
+    if not share and answers_cut:
+        raise DataError(
+            f"no token of {', '.join(map(str, inputs))} counts for the loss: every training record with an answer "
+            f"({answers_cut}) is cut at data.seq_len={seq_len} before its answer begins; raise data.seq_len (the "
+            f"longest record has {longest} tokens)."
+        )
     if not share:
         raise DataError(
             f"no token of {', '.join(map(str, inputs))} counts for the loss: with data.loss_on={loss_on} the loss "

@@ -94,6 +94,10 @@ class LlmDataConfig(xconfig.DataConfig):
     # tokenizer) or arithmetic (the same kind of questions and answers as plain text, the same tokenizer)
     demo: Literal["korean", "chat", "arithmetic"] = "korean"
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        xconfig.check_fraction(self.eval_fraction, "data.eval_fraction")
+
 
 def data_config(cfg: Config) -> LlmDataConfig:
     """``cfg.data`` as this recipe's :class:`LlmDataConfig` (its own keys typed)."""
