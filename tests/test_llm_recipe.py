@@ -305,6 +305,27 @@ def test_lora_config_builds_adapters_on_a_bfloat16_base():
         LoraConfig(rank=4, targets=" , ")
 
 
+@pytest.mark.parametrize(
+    "overrides, tied, error",
+    [
+        # one unknown name beside a known one: refused too, not dropped
+        (["lora.targets=q_proj,qproj"], False, r"no nnx.Linear named qproj in the model .*named: down_proj, gate_proj"),
+        (["lora.targets=q_proj,lm_head"], True,
+         r"named lm_head .* ties its output layer to its embedding \(tie_word_embeddings\), so lm_head is no"),
+        (["lora.alpha=0"], False, r"lora.alpha=0 must be positive: .* at 0 nothing trains"),
+        (["lora.alpha=-8"], False, r"lora.alpha=-8 must be positive"),
+        (["lora.targets="], False, r"lora.targets is empty \(given as lora.targets= or null\); give it a value"),
+    ],
+    ids=["unknown-beside-known", "tied-lm-head", "alpha-0", "alpha-negative", "targets-empty"],
+)  # fmt: skip
+def test_lora_settings_that_would_train_other_layers_or_nothing_are_refused(overrides, tied, error):
+    from xlafit.run import with_lora
+
+    model = LlamaForCausalLM(LlamaConfig.preset("tiny", vocab_size=64, tie_embeddings=tied), rngs=nnx.Rngs(0))
+    with pytest.raises(ConfigError, match=error):
+        with_lora(model, load_config("llm", ["lora.rank=4", *overrides]).lora, seed=0)
+
+
 def _segment(cmd, cache):
     """Starts ``cmd``; returns the process and an event set at its first [train] line."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(cache))
