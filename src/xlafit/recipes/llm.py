@@ -259,6 +259,7 @@ def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
         fmt=d.format,
         template=template,
         loss_on=d.loss_on,
+        progress=functools.partial(print, file=sys.stderr, flush=True),
     )
     print(data_summary(train, evaluation, d), flush=True, file=sys.stderr)
     if cfg.model.attention == "cudnn":
