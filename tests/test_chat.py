@@ -138,6 +138,51 @@ def test_bad_records_are_one_clear_error(model_dir, tmp_path):
         clm.load_packed([str(odd)], tok, seq_len=64, fmt="dialog")
 
 
+TOOL_CALL = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]}
+PARTS = {"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}
+
+
+@pytest.mark.parametrize(
+    "name, content, error",
+    [
+        ("latin1.jsonl", json.dumps({"messages": CONVERSATION[1:3]}).replace("France", "Fr\u00e4nce").encode("latin-1"),
+         r"latin1.jsonl is not UTF-8 text \(byte \d+\); convert it with iconv"),
+        ("bad.parquet", b"not a parquet file at all",
+         r"bad.parquet is not a Parquet file \(.*\); give Parquet files, or name the file for what it holds"),
+        ("null.jsonl", json.dumps({"messages": [CONVERSATION[1], {"role": "assistant", "content": None}]}).encode(),
+         r"null.jsonl, record 1 \(read as chat\): a message of role 'assistant' has content null; give its content"),
+        ("number.jsonl", json.dumps({"messages": [{"role": "user", "content": 42}]}).encode(),
+         r"number.jsonl, record 1 .*: a message of role 'user' has content 42; give its content as text, or a list"),
+        # Accepted as transformers' templates take them, and this template joins strings: one line, not a TypeError.
+        ("tools.jsonl", json.dumps({"messages": [CONVERSATION[1], TOOL_CALL]}).encode(),
+         r"tools.jsonl, record 1 .*: the chat template cannot render a conversation \(TypeError: .*\); a template"),
+        ("parts.jsonl", json.dumps({"messages": [PARTS, CONVERSATION[2]]}).encode(),
+         r"parts.jsonl, record 1 .*cannot render .*handles null content or lists of parts \(data.chat_template\)"),
+    ],
+    ids=["latin-1", "not-parquet", "null-content", "number-content", "tool-call", "text-parts"],
+)  # fmt: skip
+def test_a_file_or_record_that_cannot_be_read_is_one_error_naming_it(model_dir, tmp_path, name, content, error):
+    (tmp_path / name).write_bytes(content)
+    tok = clm.load_tokenizer(model_dir)
+    with pytest.raises(DataError, match=error) as e:
+        clm.load_packed([str(tmp_path / name)], tok, seq_len=128, template=chat.template_for(str(model_dir)))
+    assert "\n" not in str(e.value)
+
+
+def test_text_parts_go_to_the_template_as_transformers_gives_them(model_dir):
+    """OpenAI-style parts reach the template unchanged, as in apply_chat_template: a template
+    that iterates them renders the same token ids as transformers'."""
+    parts = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+        "{% else %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    )
+    conversation = [PARTS, CONVERSATION[2]]
+    tok = clm.load_tokenizer(model_dir)
+    got = chat.encode({"messages": conversation}, "chat", tok, chat.ChatTemplate(parts))
+    expected = _hf(model_dir, parts).apply_chat_template(conversation, tokenize=True, return_dict=True)["input_ids"]
+    assert got.ids == list(expected) and sum(got.mask) > 0
+
+
 def test_records_that_would_train_on_nothing_are_refused_by_name(model_dir, tmp_path):
     tok = clm.load_tokenizer(model_dir)
     template = chat.template_for(str(model_dir))
@@ -151,12 +196,34 @@ def test_records_that_would_train_on_nothing_are_refused_by_name(model_dir, tmp_
     questions.write_text("\n".join(json.dumps({"messages": CONVERSATION[:1]}) for _ in range(10)))
     with pytest.raises(DataError, match=r"no token of .*questions.jsonl counts for the loss.*data.loss_on=all"):
         clm.load_packed([str(questions)], tok, seq_len=128, eval_fraction=0.0, template=template)
+    # Answers there, but every record cut at data.seq_len before its answer: raise data.seq_len, not check roles.
+    long = tmp_path / "long.jsonl"
+    long.write_text("\n".join(json.dumps({"messages": CONVERSATION}) for _ in range(10)))
+    with pytest.raises(DataError, match=r"every training record with an answer \(10\) is cut at data.seq_len=8 before"):
+        clm.load_packed([str(long)], tok, seq_len=8, eval_fraction=0.0, template=template)
     # A chat file read as prompt/completion names the file, the record and the keys it has.
     chats = tmp_path / "chats.jsonl"
     chats.write_text(json.dumps({"messages": CONVERSATION}))
     keys = r"'prompt' must be text; it has none \(its keys are messages"
     with pytest.raises(DataError, match=rf"chats.jsonl, record 1 .*{keys}"):
         clm.load_packed([str(chats)], tok, seq_len=128, fmt="prompt_completion")
+
+
+def test_tokenizing_says_how_far_it_is(model_dir, tmp_path, monkeypatch, capsys):
+    """A large file is tokenized for minutes: the run prints where it is, on stderr with the
+    recipe's other notes (here at every record: PROGRESS_EVERY_S=0)."""
+    from xlafit.recipes import llm, load_config
+
+    monkeypatch.setattr(clm, "PROGRESS_EVERY_S", 0.0)
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": CONVERSATION}) for _ in range(12)))
+    (tmp_path / "a.txt").write_text("one document\n\nand another\n")
+    lines: list[str] = []
+    template = chat.template_for(str(model_dir))
+    clm.load_packed([str(path)], clm.load_tokenizer(model_dir), seq_len=128, template=template, progress=lines.append)
+    assert lines[0] == f"tokenizing {path} (file 1 of 1): 1 of 12 records" and lines[-1].endswith(": 12 of 12 records")
+    llm.load_data(load_config("llm", [f"data.data_dir={tmp_path / 'a.txt'}", f"data.tokenizer={model_dir}"]))
+    assert f"tokenizing {tmp_path / 'a.txt'}: 2 of 2 documents\n" in capsys.readouterr().err
 
 
 def test_a_downloaded_template_cannot_reach_python():

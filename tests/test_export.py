@@ -79,3 +79,15 @@ def test_cli_tokenizer_data_train_export(tmp_path):
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
     out = xlafit_cli("export", "hf", str(tmp_path / "mlm"), "--out", str(tmp_path / "x"))
     assert out.returncode == 2 and "not a run directory" in out.stderr
+
+
+def test_an_out_that_is_a_file_is_refused_in_one_line(tmp_path):
+    from xlafit.errors import ConfigError
+    from xlafit.export import export_hf
+
+    (tmp_path / "notes.txt").write_text("not a directory")
+    with pytest.raises(ConfigError) as e:
+        export_hf(tmp_path / "run", tmp_path / "notes.txt")
+    assert str(e.value) == (
+        f"--out {tmp_path / 'notes.txt'} is a file; give a directory to write the export to (a new one, or a folder)."
+    )

@@ -73,6 +73,8 @@ def test_top_k_and_top_p_keep_only_the_likeliest():
     nucleus = np.isfinite(np.asarray(filter_logits(logits, top_k=0, top_p=0.75)))
     assert nucleus.tolist() == [[True, True, False, False], [False, False, True, True]]  # 0.5 + 0.3 reach 0.75
     assert np.isfinite(np.asarray(filter_logits(logits, 0, 0.1))).sum(axis=1).tolist() == [1, 1]  # the top stays
+    # A top_k past the vocabulary (--top-k 100000) keeps every token, as transformers' TopKLogitsWarper does.
+    np.testing.assert_array_equal(filter_logits(logits, top_k=100_000, top_p=1.0), logits)
 
 
 def test_sampling_is_reproducible_and_stays_in_the_top_k():
@@ -164,3 +166,28 @@ def test_a_run_without_its_tokenizer_and_flags_of_the_other_kind_of_source_are_n
     ]:
         assert main(["generate", *args, "--prompt", "hi"]) == 2
         assert says in capsys.readouterr().err
+
+
+def test_a_prompts_file_line_is_a_prompt_unless_it_is_a_json_string_or_a_conversation(tmp_path):
+    """--prompts-file: a JSON string is its text, {"messages": [...]} a conversation, and any
+    other line (42, null, true, [1, 2], plain text) the prompt as written; an object without
+    messages, or with messages that are not a conversation, is one line naming the line."""
+    import argparse
+    import json
+
+    from xlafit.cli.generate import _prompts
+    from xlafit.errors import ConfigError
+
+    turn = {"role": "user", "content": "hi"}
+    lines = ["42", "null", "true", "[1, 2]", "plain text", json.dumps("a string"), json.dumps({"messages": [turn]})]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(lines) + "\n\n")
+    args = argparse.Namespace(prompt=["given"], prompts_file=str(path))
+    assert _prompts(args) == ["given", "42", "null", "true", "[1, 2]", "plain text", "a string", [turn]]
+    for bad, error in [
+        ({"prompt": "hi"}, r'prompts.jsonl:2 is a JSON object without "messages" \(its keys are prompt\); give'),
+        ({"messages": ["hi"]}, r"prompts.jsonl:2: a chat record's messages must be a list of"),
+    ]:
+        path.write_text("hello\n" + json.dumps(bad))
+        with pytest.raises(ConfigError, match=error):
+            _prompts(args)

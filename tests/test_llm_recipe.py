@@ -118,9 +118,16 @@ def test_documents_and_tokenizer_in_a_bucket_pack_as_local_ones(corpus, gcs):
     assert as_path(f"{b}/run/tokenizer/tokenizer.json").read_text() == (corpus / "tok" / "tokenizer.json").read_text()
 
 
-def test_config_errors_name_the_fix(corpus):
+def test_config_errors_name_the_fix(corpus, tmp_path):
     with pytest.raises(ConfigError, match="data.data_dir needs a tokenizer: set data.tokenizer"):
         recipe.load_data(load_config("llm", [f"data.data_dir={corpus / 'text'}"]))
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')  # a model's, not a tokenizer
+    not_a_tokenizer = [f"data.data_dir={corpus / 'text'}", f"data.tokenizer={tmp_path}/config.json"]
+    with pytest.raises(DataError, match=r"config.json is not a Hugging Face tokenizer.json \(.+\); give data"):
+        recipe.load_data(load_config("llm", not_a_tokenizer))
+    for fraction in (1, 1.5, -0.5):  # all held out (nothing to train on), or a share that is none
+        with pytest.raises(ConfigError, match=rf"data.eval_fraction={fraction} is the share of the data held out"):
+            load_config("llm", [f"data.eval_fraction={fraction}"])
     with pytest.raises(ConfigError, match="data.seq_len=1024 is longer than the model's max_position_embeddings=512"):
         recipe.validate(load_config("llm", ["data.seq_len=1024"]))
     with pytest.raises(ConfigError, match="model.preset=custom needs model.num_layers"):
@@ -354,6 +361,27 @@ def test_lora_config_builds_adapters_on_a_bfloat16_base():
         LoraConfig(rank=4, targets=" , ")
 
 
+@pytest.mark.parametrize(
+    "overrides, tied, error",
+    [
+        # one unknown name beside a known one: refused too, not dropped
+        (["lora.targets=q_proj,qproj"], False, r"no nnx.Linear named qproj in the model .*named: down_proj, gate_proj"),
+        (["lora.targets=q_proj,lm_head"], True,
+         r"named lm_head .* ties its output layer to its embedding \(tie_word_embeddings\), so lm_head is no"),
+        (["lora.alpha=0"], False, r"lora.alpha=0 must be positive: .* at 0 nothing trains"),
+        (["lora.alpha=-8"], False, r"lora.alpha=-8 must be positive"),
+        (["lora.targets="], False, r"lora.targets is empty \(given as lora.targets= or null\); give it a value"),
+    ],
+    ids=["unknown-beside-known", "tied-lm-head", "alpha-0", "alpha-negative", "targets-empty"],
+)  # fmt: skip
+def test_lora_settings_that_would_train_other_layers_or_nothing_are_refused(overrides, tied, error):
+    from xlafit.run import with_lora
+
+    model = LlamaForCausalLM(LlamaConfig.preset("tiny", vocab_size=64, tie_embeddings=tied), rngs=nnx.Rngs(0))
+    with pytest.raises(ConfigError, match=error):
+        with_lora(model, load_config("llm", ["lora.rank=4", *overrides]).lora, seed=0)
+
+
 def _segment(cmd, cache):
     """Starts ``cmd``; returns the process and an event set at its first [train] line."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(cache))
@@ -485,7 +513,7 @@ def test_an_export_replaces_an_earlier_one_whole_and_refuses_other_folders(tmp_p
     for where, says in [
         (run / "hf", f"--out {run / 'hf'} is inside the run directory {run}; give a folder outside it."),
         (run, f"--out {run} is inside the run directory {run}"),
-        (tmp_path / "file.txt", f"--out {tmp_path / 'file.txt'} is a file; give a folder"),
+        (tmp_path / "file.txt", f"--out {tmp_path / 'file.txt'} is a file; give a directory"),
         (tmp_path / "notes", f"--out {tmp_path / 'notes'} holds files that are not an xlafit export"),
     ]:
         assert main(["export", "hf", str(run), "--out", str(where)]) == 2

@@ -53,3 +53,23 @@ def test_gs_without_gcsfs_is_one_line_naming_the_install(command, without_gcsfs,
     assert out.stderr.strip().splitlines() == [
         f"xlafit: error: {argv[-1]}: gs:// needs a client library that is not installed: pip install 'xlafit[gcs]'."
     ]
+
+
+def test_a_path_from_the_home_directory_is_read_there(tmp_path, monkeypatch, strategy8):
+    """``~`` left unexpanded by the shell (quoted, `key=~/x`, a YAML value) is the home
+    directory for every local path a run reads or writes; a URL keeps its text."""
+    from xlafit.data import clm
+    from xlafit.io import hub
+    from xlafit.recipes import load_config, preset_path
+    from xlafit.run import resolve
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "corpus.txt").write_text("one document\n\nand another one\n" * 20)
+    clm.train_bpe([str(tmp_path / "corpus.txt")], 100, tmp_path / "tok")
+    assert as_path("~/run") == as_path(tmp_path / "run") and local("gs://b/~x") == "gs://b/~x"
+    assert filesystem("~/corpus.txt")[1] == str(tmp_path / "corpus.txt")
+    assert clm.load_tokenizer("~/tok").get_vocab_size() == clm.load_tokenizer(tmp_path / "tok").get_vocab_size()
+    assert hub.resolve("~/tok", what="data.tokenizer") == str(tmp_path / "tok")
+    assert preset_path("llm", "~/preset.yaml") == tmp_path / "preset.yaml"
+    run_dir = resolve(load_config("mnist", ["run.run_dir=~/x/run"]), strategy8, 1000)[1].run_dir
+    assert str(run_dir) == str(tmp_path / "x" / "run")

@@ -46,6 +46,15 @@ def _check_section(section: Any, name: str, positive: Sequence[str] = (), non_ne
             raise ConfigError(f"{name}.{key}={value} must be zero or more.")
 
 
+def check_fraction(value: float, key: str) -> None:
+    """Refuses a held-out share outside ``[0, 1)``: 1 or more leaves nothing to train on."""
+    if not 0 <= value < 1:
+        raise ConfigError(
+            f"{key}={value:g} is the share of the data held out for evaluation: give a number from 0 (none) up to, "
+            "not including, 1 (e.g. 0.1)."
+        )
+
+
 @dataclasses.dataclass
 class DataConfig:
     """How batches are formed.
@@ -237,6 +246,11 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         _check_section(self, "lora", (), ("rank",))
+        if self.alpha <= 0:
+            raise ConfigError(
+                f"lora.alpha={self.alpha:g} must be positive: the adapters' update is scaled by lora.alpha / "
+                "lora.rank, so at 0 nothing trains (PEFT's usual value is twice the rank, e.g. lora.alpha=32)."
+            )
         if self.rank and not self.target_names:
             raise ConfigError("lora.targets is empty; name the layers to adapt, e.g. lora.targets=q_proj,v_proj.")
 
@@ -306,6 +320,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if value not in choices:
             raise ConfigError(f"{key}={value!r} is not allowed; choose one of {', '.join(map(str, choices))}.")
         return value
+    if value is None:
+        raise ConfigError(f"{key} is empty (given as {key}= or null); give it a value of type {_type_name(tp)}.")
     ok = {
         bool: isinstance(value, bool),
         int: isinstance(value, int) and not isinstance(value, bool),

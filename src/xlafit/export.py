@@ -46,6 +46,7 @@ from xlafit.io.paths import (
     reach,
     upload_dir,
 )
+from xlafit.io.paths import local as local_path
 from xlafit.models.bert import BertForMaskedLM
 from xlafit.models.llama import LlamaForCausalLM
 from xlafit.models.lora import ADAPTER, base_fingerprint, merge_lora
@@ -83,6 +84,8 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     Example:
         >>> export_hf("runs/bert", "hf/")  # doctest: +SKIP
     """
+    if not is_url(out) and Path(local_path(out)).is_file():
+        raise ConfigError(f"--out {out} is a file; give a directory to write the export to (a new one, or a folder).")
     run = as_path(run_dir)
     reach(run)
     try:
@@ -125,10 +128,11 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
             if is_url(out):
                 upload_dir(local, target)
             else:
-                if Path(out).is_dir():
-                    Path(out).rmdir()  # empty (one with files went aside): else the move would nest in it
-                Path(out).parent.mkdir(parents=True, exist_ok=True)
-                shutil.move(local, out)
+                folder = Path(local_path(out))
+                if folder.is_dir():
+                    folder.rmdir()  # empty (one with files went aside): else the move would nest in it
+                folder.parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(local, folder)
         except Exception as e:
             raise ConfigError(f"cannot write the export: {describe_error(out, e)}") from None
     return Exported(str(out), step, files, str(earlier) if earlier is not None else None)
@@ -156,7 +160,7 @@ def _check_out(run: Any, out: Any) -> None:
     except Exception as e:
         raise ConfigError(f"cannot read --out {out}: {describe_error(out, e)}") from None
     if is_file:
-        raise ConfigError(f"--out {out} is a file; give a folder (a new one, or an earlier export to replace).")
+        raise ConfigError(f"--out {out} is a file; give a directory to write the export to (a new one, or a folder).")
     if _holds_files(out) and not (out / EXPORT_MARK).exists():
         raise ConfigError(
             f"--out {out} holds files that are not an xlafit export (no {EXPORT_MARK}); give a new or empty folder, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from xlafit.cli.common import add_simulate
 from xlafit.errors import ConfigError
@@ -39,18 +40,41 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _prompts(args: argparse.Namespace) -> list:
+    """The prompts: each ``--prompt``, then each line of ``--prompts-file``: a JSON string, a
+    JSON object's ``messages`` (a conversation), or else the line as it is."""
+    from xlafit.data.chat import messages_of
+    from xlafit.errors import DataError
+
     prompts: list = list(args.prompt)
     if args.prompts_file:
+        name = str(Path(args.prompts_file).expanduser())
         try:
-            lines = open(args.prompts_file, encoding="utf-8").read().splitlines()
+            lines = open(name, encoding="utf-8").read().splitlines()
         except OSError as e:
             raise ConfigError(f"--prompts-file {args.prompts_file}: {e.strerror or e}.") from None
-        for line in filter(str.strip, lines):
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"--prompts-file {args.prompts_file} is not UTF-8 text (byte {e.start}); convert it with iconv first."
+            ) from None
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
             try:
                 item = json.loads(line)
             except json.JSONDecodeError:
                 item = line
-            prompts.append(item["messages"] if isinstance(item, dict) and "messages" in item else item)
+            if isinstance(item, dict):
+                if "messages" not in item:
+                    raise ConfigError(
+                        f'--prompts-file {args.prompts_file}:{number} is a JSON object without "messages" (its keys '
+                        f'are {", ".join(item) or "none"}); give {{"messages": [...]}}, or the prompt as plain text.'
+                    )
+                try:
+                    prompts.append(messages_of(item))
+                except DataError as e:
+                    raise ConfigError(f"--prompts-file {args.prompts_file}:{number}: {e}") from None
+            else:  # a JSON string is its text; any other JSON value (42, null, [1, 2]) is the line as written
+                prompts.append(item if isinstance(item, str) else line)
     if not prompts:
         raise ConfigError("give a prompt: --prompt TEXT (repeat it for a batch) or --prompts-file FILE.")
     return prompts

@@ -51,6 +51,7 @@ __all__ = [
     "Encoded",
     "detect_format",
     "encode",
+    "messages_of",
     "read_records",
     "template_for",
 ]
@@ -124,6 +125,12 @@ class ChatTemplate:
             )
         except TemplateError as e:
             raise DataError(f"the chat template refuses a conversation: {e}") from None
+        except Exception as e:  # the template's own Python: `message['content'] + ...` on a null or a list
+            raise DataError(
+                f"the chat template cannot render a conversation ({type(e).__name__}: {e}); a template that joins "
+                "text expects every message's content to be a string: give it as text, or use a template that "
+                "handles null content or lists of parts (data.chat_template)."
+            ) from None
 
     def answer_spans(self, messages: Sequence[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
         """``(text, spans)``: the rendered conversation and the character spans of its
@@ -190,7 +197,8 @@ def read_records(files: Sequence[str]) -> list[dict[str, Any]]:
     """The records of JSON-lines (``.jsonl``, ``.json``) and Parquet files, in order.
 
     Raises:
-        DataError: a line that is not a JSON object (its file and line named).
+        DataError: a line that is not a JSON object (its file and line named), a file that is
+            not UTF-8 text, or a ``.parquet`` file that is not Parquet.
     """
     out: list[dict[str, Any]] = []
     for name in files:
@@ -199,19 +207,31 @@ def read_records(files: Sequence[str]) -> list[dict[str, Any]]:
             # The bytes first, then Arrow: given a Python file, Arrow's I/O threads call back into
             # Python, and one still reading when an error ends the process aborts it (SIGABRT).
             with fs.open(path, "rb") as f:
-                out += parquet_table(f.read()).to_pylist()
+                data = f.read()
+            try:
+                out += parquet_table(data).to_pylist()
+            except Exception as e:  # pyarrow raises its own types for what is not Parquet
+                raise DataError(
+                    f"{name} is not a Parquet file ({e}); give Parquet files, or name the file for what it holds "
+                    "(.jsonl for JSON lines, .txt for text)."
+                ) from None
             continue
-        with fs.open(path, "rt", encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{name}:{number} is not JSON ({e.msg}); give one JSON object per line.") from None
-                if not isinstance(record, dict):
-                    raise DataError(f"{name}:{number} is a JSON {type(record).__name__}, not an object.")
-                out.append(record)
+        with fs.open(path, "rb") as f:
+            lines = f.read()
+        try:
+            text = lines.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{name} is not UTF-8 text (byte {e.start}); convert it with iconv first.") from None
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{name}:{number} is not JSON ({e.msg}); give one JSON object per line.") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{name}:{number} is a JSON {type(record).__name__}, not an object.")
+            out.append(record)
     return out
 
 
@@ -264,7 +284,7 @@ def encode(
                 "chat records need a chat template: the tokenizer's directory has none (tokenizer_config.json's "
                 "chat_template or chat_template.jinja); give one as data.chat_template."
             )
-        text, spans = template.answer_spans(_messages(record))
+        text, spans = template.answer_spans(messages_of(record))
         encoding = tok.encode(text, add_special_tokens=False)
         inside = [any(s <= start < e for s, e in spans) for start, _ in encoding.offsets]
         mask = [1] * len(encoding.ids) if loss_on == "all" else [int(x) for x in inside]
@@ -281,7 +301,13 @@ def encode(
     return Encoded(ids, [1] * len(ids))
 
 
-def _messages(record: dict[str, Any]) -> list[dict[str, Any]]:
+def messages_of(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat record's ``messages``, checked: each a dict with a known role and content a
+    chat template takes.
+
+    Raises:
+        DataError: what is wrong with them, and the layout they need.
+    """
     messages = record.get("messages")
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         got = f"its keys are {', '.join(record)}" if messages is None else f"got {json.dumps(messages)[:120]}"
@@ -292,7 +318,28 @@ def _messages(record: dict[str, Any]) -> list[dict[str, Any]]:
                 f"a chat message's role {message['role']!r} is not one of {', '.join(ROLES)}: a misspelt role would "
                 "leave its turn out of the loss (the loss is on the assistant's turns)."
             )
+        _check_content(message)
     return messages
+
+
+def _check_content(message: dict[str, Any]) -> None:
+    """A message's ``content`` as chat templates take it (``apply_chat_template`` passes it
+    unchanged): text; a list of text parts (``[{"type": "text", "text": ...}]``, for a
+    template that iterates them); null only in a turn that calls tools (``tool_calls``)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return
+    if content is None and message.get("tool_calls"):
+        return
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        return
+    got = "no content" if "content" not in message else f"content {json.dumps(content)[:120]}"
+    raise DataError(
+        f"a message of role {message['role']!r} has {got}; give its content as text, or a list of text parts "
+        '([{"type": "text", "text": ...}]); null only in a turn with tool_calls.'
+    )
 
 
 def _text(record: dict[str, Any], key: str) -> str:

@@ -21,12 +21,14 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 import jax
 import numpy as np
+from etils import epath
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from xlafit.data.chat import FORMATS, ChatTemplate, Encoded, detect_format, encode, masks_in_rows, read_records
@@ -38,6 +40,8 @@ from xlafit.io import hub
 from xlafit.io.paths import as_path, describe_error, filesystem, is_url
 
 ArrayT = TypeVar("ArrayT", np.ndarray, jax.Array)
+PROGRESS_EVERY_S = 5.0  # the least time between two lines of load_packed's progress
+_BATCH = 10_000  # documents tokenized in one call (tokenizers spreads a call over its threads)
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"  # the special tokens of a tokenizer trained here (ids 0, 1, 2)
 # Names other tokenizers give their document markers (Llama 3, Llama 2 / Mistral, GPT-2, BERT).
 BOS_NAMES = ("<|begin_of_text|>", "<s>", "[CLS]")
@@ -72,13 +76,24 @@ def load_tokenizer(where: str | Path) -> Tokenizer:
     directory from the hub, ``xlafit export hf``, or :func:`train_bpe`); local or a URL.
 
     Raises:
-        DataError: there is no ``tokenizer.json`` there.
+        DataError: there is no ``tokenizer.json`` there, or the file is not one.
     """
-    return Tokenizer.from_str(tokenizer_json(where))
+    path = _tokenizer_path(where)
+    try:
+        return Tokenizer.from_str(path.read_text())
+    except Exception as e:  # tokenizers raises a bare Exception for JSON that is not a tokenizer
+        raise DataError(
+            f"{path} is not a Hugging Face tokenizer.json ({e}); give data.tokenizer as a model directory's "
+            "tokenizer.json or the directory holding it."
+        ) from None
 
 
 def tokenizer_json(where: str | Path) -> str:
     """The text of the ``tokenizer.json`` :func:`load_tokenizer` reads, as it is on disk."""
+    return _tokenizer_path(where).read_text()
+
+
+def _tokenizer_path(where: str | Path) -> epath.Path:
     path = as_path(where)
     if not str(path).endswith(".json"):
         path = path / "tokenizer.json"
@@ -87,7 +102,7 @@ def tokenizer_json(where: str | Path) -> str:
             f"no tokenizer at {path}; give data.tokenizer as a tokenizer.json or a directory holding one "
             "(a Hugging Face model directory has it)."
         )
-    return path.read_text()
+    return path
 
 
 def special_ids(tok: Tokenizer) -> tuple[int | None, int | None]:
@@ -220,6 +235,7 @@ def load_packed(
     fmt: str = "auto",
     template: ChatTemplate | None = None,
     loss_on: str = "assistant",
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[PackedText, PackedText]:
     """(train, eval) packed rows of the documents or records of ``inputs``; each goes to eval
     with probability ``eval_fraction`` (a hash of its index and ``seed``).
@@ -228,6 +244,8 @@ def load_packed(
     pieces of ``seq_len``; a chat or prompt/completion record (:mod:`xlafit.data.chat`) is one
     sequence, its end cut off past ``seq_len``, with a ``loss_mask`` (1 where the loss counts
     the token; ``loss_on`` "assistant" or "all"). ``fmt="auto"``: from each file's records.
+    ``progress`` gets a line every :data:`PROGRESS_EVERY_S` seconds while the inputs are
+    tokenized (files and records done of all).
 
     Raises:
         DataError: no text, an unknown format, or no document left for training.
@@ -239,11 +257,11 @@ def load_packed(
     if loss_on not in ("assistant", "all"):
         raise DataError(f"data.loss_on={loss_on!r}: assistant (the answers only) or all.")
     files = data_files(inputs)
-    encoded, fmt_found = _encode_files(files, tok, fmt, text_column, template, loss_on)
+    encoded, fmt_found = _encode_files(files, tok, fmt, text_column, template, loss_on, progress)
     draws = hash_uniform(np.array([seed]), np.arange(len(encoded)), 11) if encoded else np.zeros(0)
     split: dict[str, list[Encoded]] = {"train": [], "eval": []}
     counts = {"train": 0, "eval": 0}
-    truncated = 0
+    truncated = answers_cut = longest = 0
     for e, draw in zip(encoded, draws, strict=True):
         name = "eval" if draw < eval_fraction else "train"
         counts[name] += 1
@@ -251,6 +269,8 @@ def load_packed(
             split[name] += [Encoded(p, [1] * len(p)) for p in pieces(e.ids, seq_len)]
         elif len(e.ids) > 1:
             truncated += len(e.ids) > seq_len
+            answers_cut += name == "train" and any(e.mask) and not any(e.mask[:seq_len])
+            longest = max(longest, len(e.ids))
             split[name].append(Encoded(e.ids[:seq_len], e.mask[:seq_len]))
     if not split["train"]:
         raise DataError(
@@ -265,6 +285,12 @@ def load_packed(
         out.append(PackedText(arrays, vocab, counts[name]))
     masked = [x for e in split["train"] for x in e.mask]
     share = sum(masked) / max(len(masked), 1)
+    if not share and answers_cut:
+        raise DataError(
+            f"no token of {', '.join(map(str, inputs))} counts for the loss: every training record with an answer "
+            f"({answers_cut}) is cut at data.seq_len={seq_len} before its answer begins; raise data.seq_len (the "
+            f"longest record has {longest} tokens)."
+        )
     if not share:
         raise DataError(
             f"no token of {', '.join(map(str, inputs))} counts for the loss: with data.loss_on={loss_on} the loss "
@@ -275,18 +301,48 @@ def load_packed(
     return out[0], out[1]
 
 
+class _Progress:
+    """Calls ``report`` with a line at most every :data:`PROGRESS_EVERY_S` seconds."""
+
+    def __init__(self, report: Callable[[str], None] | None) -> None:
+        self.report, self.last = report, time.monotonic()
+
+    def __call__(self, what: str, done: int, total: int, unit: str) -> None:
+        # time.monotonic per record: tens of nanoseconds against the microseconds of encoding one
+        if self.report is None or time.monotonic() - self.last < PROGRESS_EVERY_S:
+            return
+        self.last = time.monotonic()
+        self.report(f"tokenizing {what}: {done:,} of {total:,} {unit}")
+
+
 def _encode_files(
-    files: list[str], tok: Tokenizer, fmt: str, text_column: str, template: ChatTemplate | None, loss_on: str
+    files: list[str],
+    tok: Tokenizer,
+    fmt: str,
+    text_column: str,
+    template: ChatTemplate | None,
+    loss_on: str,
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[list[Encoded], str]:
     """Every document or record of ``files`` encoded, and the one format they share."""
     bos, eos = special_ids(tok)
     texts = [f for f in files if not f.endswith((".parquet", *RECORD_FILES))]
     found: set[str] = {"text"} if texts else set()
     out = []
+    tick = _Progress(progress)
+
+    def documents_encoded(docs: list[str], what: str) -> list[Encoded]:
+        encoded = []
+        for start in range(0, len(docs), _BATCH):  # a batch at a time: a line between batches
+            chunk = _with_markers(tok, docs[start : start + _BATCH], bos, eos)
+            encoded += [Encoded(ids, [1] * len(ids)) for ids in chunk]
+            tick(what, start + len(chunk), len(docs), "documents")
+        return encoded
+
     if texts:
-        docs = list(_documents(texts, [], text_column))
-        out += [Encoded(ids, [1] * len(ids)) for ids in _with_markers(tok, docs, bos, eos)]
-    for name in files:
+        what = texts[0] if len(texts) == 1 else f"{len(texts)} text files"
+        out += documents_encoded(list(_documents(texts, [], text_column)), what)
+    for index, name in enumerate(files, 1):
         if name in texts:
             continue
         records = read_records([name])
@@ -294,15 +350,16 @@ def _encode_files(
             continue
         this = fmt if fmt != "auto" else detect_format(records, name, text_column)
         found.add(this)
+        what = f"{name} (file {index} of {len(files)})"
         if this == "text":
-            docs = list(_documents([], records, text_column, name))
-            out += [Encoded(ids, [1] * len(ids)) for ids in _with_markers(tok, docs, bos, eos)]
-        else:
-            for number, record in enumerate(records, 1):
-                try:
-                    out.append(encode(record, this, tok, template, loss_on=loss_on, bos=bos, eos=eos))
-                except DataError as e:
-                    raise DataError(f"{name}, record {number} (read as {this}): {e}") from None
+            out += documents_encoded(list(_documents([], records, text_column, name)), what)
+            continue
+        for number, record in enumerate(records, 1):
+            try:
+                out.append(encode(record, this, tok, template, loss_on=loss_on, bos=bos, eos=eos))
+            except DataError as e:
+                raise DataError(f"{name}, record {number} (read as {this}): {e}") from None
+            tick(what, number, len(records), "records")
     if len(found) > 1:
         raise DataError(
             f"the inputs mix formats ({', '.join(sorted(found))}); give one kind of data per run (data.format)."

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal
@@ -40,6 +41,7 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
             if not found or not fs.exists(found[0]):
                 raise DataError(f"no input file matches {pattern}.")
             continue
+        pattern = os.path.expanduser(pattern)
         p = Path(pattern)
         if p.is_dir():
             matched = sorted(str(f) for f in p.glob("*.txt"))

@@ -87,7 +87,7 @@ def resolve(name: str, revision: str | None = None, what: str = "model.init_from
     """
     if not is_hub_id(name):
         check_local(name, what)
-        return name
+        return str(Path(name).expanduser()) if is_local(name) else name
     return _snapshot(name, revision, FILES, "model", what)
 
 

@@ -47,14 +47,16 @@ INSTALL = {"gs": "pip install 'xlafit[gcs]'", "gcs": "pip install 'xlafit[gcs]'"
 
 
 def local(path: AnyPath) -> str:
-    """``path`` as text, a ``file://`` URL as the local path it names.
+    """``path`` as text: a ``file://`` URL as the local path it names, and a local path's
+    leading ``~`` as the home directory (a shell leaves it in a quoted path or a YAML value).
 
     Example:
-        >>> local("file:///tmp/run"), local("gs://bucket/run")
-        ('/tmp/run', 'gs://bucket/run')
+        >>> local("file:///tmp/run"), local("gs://bucket/run"), local("~/run") == os.path.expanduser("~/run")
+        ('/tmp/run', 'gs://bucket/run', True)
     """
     text = os.fspath(path)
-    return text.removeprefix("file://") if text.startswith("file://") else text
+    text = text.removeprefix("file://") if text.startswith("file://") else text
+    return os.path.expanduser(text) if text.startswith("~") else text
 
 
 def is_url(path: AnyPath) -> bool:

@@ -57,7 +57,9 @@ class Sampling:
 
 def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
     """``logits [B, V]`` with everything outside the ``top_k`` largest and outside the
-    smallest set reaching probability ``top_p`` set to -inf (the most likely token stays)."""
+    smallest set reaching probability ``top_p`` set to -inf (the most likely token stays).
+    A ``top_k`` above the vocabulary keeps every token, as in ``transformers``."""
+    top_k = min(top_k, logits.shape[-1])
     if top_k:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)

@@ -126,8 +126,8 @@ def apply_lora(model: nnx.Module, targets: Sequence[str], *, rank: int, alpha: f
         ``model``, whose logits are unchanged until the adapters train (``lora_b`` is 0).
 
     Raises:
-        ConfigError: no ``nnx.Linear`` has one of those names (the message lists the names
-            there are), or ``rank`` is not positive.
+        ConfigError: a target names no ``nnx.Linear`` (the message lists the names there
+            are), or ``rank`` or ``alpha`` is not positive.
 
     Example:
         >>> mlp = nnx.Sequential(nnx.Linear(8, 32, rngs=nnx.Rngs(0)), jax.nn.relu, nnx.Linear(32, 8, rngs=nnx.Rngs(1)))
@@ -139,14 +139,25 @@ def apply_lora(model: nnx.Module, targets: Sequence[str], *, rank: int, alpha: f
     """
     if rank < 1:
         raise ConfigError(f"LoRA rank={rank} must be at least 1.")
+    if alpha <= 0:
+        raise ConfigError(f"LoRA alpha={alpha} must be positive: the adapters' update is scaled by alpha / rank.")
     linears = [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, nnx.Linear) and path]
-    chosen = [(path, m) for path, m in linears if str(path[-1]) in targets]
-    if not chosen:
-        names = sorted({str(path[-1]) for path, _ in linears})
-        raise ConfigError(
-            f"no nnx.Linear named {', '.join(targets)} in the model (LoRA targets are attribute names); "
-            f"its Linear layers are named: {', '.join(names) or 'none'}."
+    names = sorted({str(path[-1]) for path, _ in linears})
+    unknown = [t for t in targets if t not in names]
+    if unknown:
+        # An attribute that is None where a layer could be: Llama's lm_head with tied embeddings.
+        tied = [t for t in unknown if any(getattr(m, t, False) is None for _, m in nnx.iter_modules(model))]
+        why = (
+            f" The model ties its output layer to its embedding (tie_word_embeddings), so {', '.join(tied)} is no "
+            "nnx.Linear: drop it from the targets."
+            if tied
+            else ""
         )
+        raise ConfigError(
+            f"no nnx.Linear named {', '.join(unknown)} in the model (LoRA targets are attribute names); "
+            f"its Linear layers are named: {', '.join(names) or 'none'}.{why}"
+        )
+    chosen = [(path, m) for path, m in linears if str(path[-1]) in targets]
     for path, linear in chosen:
         _set_child(model, path, LoRA(linear, rank=rank, alpha=alpha, rngs=rngs))
     return model

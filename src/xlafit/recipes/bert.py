@@ -75,6 +75,10 @@ class BertDataConfig(xconfig.DataConfig):
     source: Literal["corpus", "synthetic"] = "corpus"
     synthetic_examples: int = 1024  # sequences of random tokens for data.source=synthetic
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        xconfig.check_fraction(self.eval_fraction, "data.eval_fraction")
+
 
 def data_config(cfg: Config) -> BertDataConfig:
     """``cfg.data`` as this recipe's :class:`BertDataConfig` (its own keys typed)."""

@@ -94,6 +94,10 @@ class LlmDataConfig(xconfig.DataConfig):
     # tokenizer) or arithmetic (the same kind of questions and answers as plain text, the same tokenizer)
     demo: Literal["korean", "chat", "arithmetic"] = "korean"
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        xconfig.check_fraction(self.eval_fraction, "data.eval_fraction")
+
 
 def data_config(cfg: Config) -> LlmDataConfig:
     """``cfg.data`` as this recipe's :class:`LlmDataConfig` (its own keys typed)."""
@@ -278,6 +282,7 @@ def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
         fmt=d.format,
         template=template,
         loss_on=d.loss_on,
+        progress=functools.partial(print, file=sys.stderr, flush=True),
     )
     print(data_summary(train, evaluation, d), flush=True, file=sys.stderr)
     if cfg.model.attention == "cudnn":

@@ -46,7 +46,7 @@ def load_config(name: str, overrides: Sequence[str] = (), preset: str | Path | N
 def preset_path(name: str, preset: str | Path | None = None) -> Path:
     """The YAML preset a run of recipe ``name`` starts from: ``preset``, or the recipe's own."""
     get_recipe(name)  # an unknown name is refused before any file is read
-    return Path(preset) if preset else Path(__file__).with_name(f"{name}.yaml")
+    return Path(preset).expanduser() if preset else Path(__file__).with_name(f"{name}.yaml")
 
 
 def config_from_dict(name: str, preset: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> Config:
