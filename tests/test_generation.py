@@ -139,3 +139,86 @@ def test_a_run_with_no_checkpoint_says_to_train_it_not_to_export_it(tmp_path):
         f"{run} has no intact checkpoint to generate with; train it until it saves one, or give a Hugging Face "
         "model directory."
     )
+
+
+# --------------------------------------------------------------------------- a chat run's end of turn
+
+# ChatML with no {% generation %} marks, as most hub models have it: a turn ends with <|im_end|>.
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+QUESTION = "What is 3 plus 4?"
+
+
+@pytest.fixture(scope="module")
+def chatml_run(tmp_path_factory):
+    """A tiny chat run as a newcomer trains one: ``data.tokenizer`` a directory whose
+    ``tokenizer_config.json`` ends documents with ``</s>`` and has no chat template,
+    ``data.chat_template`` a ChatML file ending turns with ``<|im_end|>``; one step."""
+    import json
+
+    import xlafit
+    from xlafit.data import clm
+    from xlafit.recipes import load_config
+
+    root = tmp_path_factory.mktemp("chatml")
+    sums = [(a, b) for a in range(10) for b in range(10)]
+    (root / "corpus.txt").write_text("\n\n".join(f"What is {a} plus {b}? {a} plus {b} is {a + b}." for a, b in sums))
+    tok = clm.train_bpe([root / "corpus.txt"], 300, root / "tok")
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(str(root / "tok" / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+    }
+    (root / "tok" / "tokenizer_config.json").write_text(json.dumps(config))
+    (root / "chatml.jinja").write_text(CHATML)
+    turn = lambda a, b: [  # noqa: E731
+        {"role": "user", "content": f"What is {a} plus {b}?"},
+        {"role": "assistant", "content": f"{a} plus {b} is {a + b}."},
+    ]
+    records = [{"messages": turn(a, b)} for a, b in sums]
+    (root / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    run = root / "run"
+    overrides = [
+        f"run.run_dir={run}", f"data.data_dir={root / 'chat.jsonl'}", f"data.tokenizer={root / 'tok'}",
+        f"data.chat_template={root / 'chatml.jinja'}", "data.seq_len=64", "trainer.stop_at_step=1",
+        "trainer.eval_every_epochs=100",
+    ]  # fmt: skip
+    xlafit.train_and_evaluate(load_config("llm", overrides))
+    return run
+
+
+def test_a_chat_run_stops_at_its_templates_end_of_turn_not_only_at_eos(chatml_run):
+    """The template closes a turn with <|im_end|>, the tokenizer's eos_token is </s>: the run
+    records <|im_end|> as its eos_token (the template does not render eos_token, so what it
+    renders is unchanged), and the generator stops at either."""
+    import json
+
+    from xlafit.generator import Generator
+
+    recorded = json.loads((chatml_run / "tokenizer" / "tokenizer_config.json").read_text())
+    assert recorded["eos_token"] == "<|im_end|>" and recorded["bos_token"] == "<s>"
+    ask = Generator.load(str(chatml_run))
+    end, eos = ask.tokenizer.token_to_id("<|im_end|>"), ask.tokenizer.token_to_id("</s>")
+    assert ask.eos_ids == tuple(sorted((end, eos)))
+    rendered = "<|im_start|>user\nWhat is 3 plus 4?<|im_end|>\n<|im_start|>assistant\n"
+    assert ask.tokenizer.decode(ask.encode(QUESTION), skip_special_tokens=False) == rendered
+
+
+def test_the_end_of_turn_is_found_from_the_template_where_no_file_names_it(chatml_run, tmp_path):
+    """A run's tokenizer files that still name </s> (written before the end of turn was
+    recorded): its template says where a turn ends."""
+    import json
+    import shutil
+
+    from xlafit.data import clm
+
+    older = shutil.copytree(chatml_run / "tokenizer", tmp_path / "tokenizer")
+    config = json.loads((older / "tokenizer_config.json").read_text())
+    (older / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "</s>"}))
+    tok = clm.load_tokenizer(older)
+    assert clm.stop_ids(older) == tuple(sorted((tok.token_to_id("<|im_end|>"), tok.token_to_id("</s>"))))

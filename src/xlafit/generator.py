@@ -16,7 +16,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import typing
 from collections.abc import Sequence
@@ -90,7 +89,7 @@ class Generator:
                 "(config.json); give one, or a hub id org/name."
             )
         model = llama_hf.from_hf(folder)
-        return cls(model, clm.load_tokenizer(folder), chat.template_for(folder), _eos(folder), source)
+        return cls(model, clm.load_tokenizer(folder), chat.template_for(folder), clm.stop_ids(folder), source)
 
     def encode(self, prompt: Prompt, use_chat: bool | None = None) -> list[int]:
         """A prompt's token ids: a chat model's rendered as a user turn (or the conversation
@@ -134,24 +133,6 @@ def is_run_directory(source: str) -> bool:
         return bool((path / "config.yaml").exists())
 
 
-def _eos(folder: str | Path) -> tuple[int, ...]:
-    """The end tokens of a model directory: its tokenizer's, its ``eos_token`` (a chat
-    model's end of turn) and ``generation_config.json``'s ``eos_token_id``."""
-    root = as_path(folder)
-    tok = clm.load_tokenizer(root)
-    found = {clm.special_ids(tok)[1]}
-    config = root / "tokenizer_config.json"
-    if config.exists():
-        eos = json.loads(config.read_text()).get("eos_token")
-        name = eos["content"] if isinstance(eos, dict) else eos
-        found.add(tok.token_to_id(name) if name else None)
-    generation = root / "generation_config.json"
-    if generation.exists():
-        value = json.loads(generation.read_text()).get("eos_token_id")
-        found.update(value if isinstance(value, list) else [value])
-    return tuple(sorted(i for i in found if i is not None))
-
-
 def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
     """An llm run's model at checkpoint ``step``, placed on the run's mesh over this host's
     devices (where they do not make that mesh, replicated over them, and said)."""
@@ -176,5 +157,9 @@ def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
     state = jax.device_put(state, tree_shardings(state, strategy.mesh, rules))
     template = chat.template_for(str(run / "tokenizer"))
     return Generator(
-        typing.cast(LlamaForCausalLM, nnx.merge(graphdef, state)), tokenizer, template, _eos(run / "tokenizer"), source
+        typing.cast(LlamaForCausalLM, nnx.merge(graphdef, state)),
+        tokenizer,
+        template,
+        clm.stop_ids(run / "tokenizer"),
+        source,
     )
