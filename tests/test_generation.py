@@ -222,3 +222,75 @@ def test_the_end_of_turn_is_found_from_the_template_where_no_file_names_it(chatm
     (older / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "</s>"}))
     tok = clm.load_tokenizer(older)
     assert clm.stop_ids(older) == tuple(sorted((tok.token_to_id("<|im_end|>"), tok.token_to_id("</s>"))))
+
+
+def test_the_export_stops_in_transformers_where_xlafit_generate_does(chatml_run, tmp_path):
+    """config.json names the tokenizer's bos, eos (the end of turn) and pad ids, and
+    generation_config.json every end token: transformers' generate on the export, with the
+    export's own settings, stops at <|im_end|> with the tokens xlafit's greedy answer has."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    from xlafit.data import clm
+    from xlafit.export import export_hf
+    from xlafit.generator import Generator
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "hf"
+    export_hf(chatml_run, out)
+    tok = clm.load_tokenizer(out)
+    bos, eos, pad, end = (tok.token_to_id(t) for t in ("<s>", "</s>", "<pad>", "<|im_end|>"))
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (bos, end, pad)
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": bos, "eos_token_id": sorted((eos, end)), "pad_token_id": pad}
+
+    # An untrained model rarely says <|im_end|>: swap its output row with that of the k-th token
+    # of its answer (k >= 4), which it then says instead (nothing before that step changes).
+    prompt = Generator.load(str(out)).encode(QUESTION)
+    free = generate(Generator.load(str(out)).model, [prompt], 16)[0]
+    k = next(i for i in range(4, len(free)) if free[i] not in free[:i] and not {eos, end} & set(free[: i + 1]))
+    weights = load_file(out / "model.safetensors")
+    head = weights["lm_head.weight"]
+    head[[free[k], end]] = head[[end, free[k]]]
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+
+    ask = Generator.load(str(out))
+    ours = generate(ask.model, [prompt], 16, eos_ids=ask.eos_ids)[0]
+    assert ours == free[:k] + [end]
+    assert ask([QUESTION], max_new_tokens=16) == [tok.decode(ours)]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    rendered = hf_tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True)
+    assert list(rendered if isinstance(rendered, list) else rendered["input_ids"]) == prompt
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        answer = theirs.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)), max_new_tokens=16)
+    assert answer[0, len(prompt) :].tolist() == ours
+
+
+def test_an_export_keeps_the_generation_settings_of_the_checkpoint_it_started_from(chatml_run, tmp_path):
+    """A run initialised from a checkpoint with a generation_config.json (model.init_from_hf)
+    exports its sampling settings and end tokens, with the tokenizer's ids."""
+    import json
+
+    import xlafit
+    from xlafit.export import export_hf
+    from xlafit.recipes import load_config
+
+    base = tmp_path / "base"
+    export_hf(chatml_run, base)
+    settings = json.loads((base / "generation_config.json").read_text())
+    extra = settings["eos_token_id"] + [settings["pad_token_id"] + 1]  # a token the checkpoint also stops at
+    sampling = {"do_sample": True, "temperature": 0.6, "top_p": 0.9}
+    (base / "generation_config.json").write_text(json.dumps({**settings, **sampling, "eos_token_id": extra}))
+    overrides = [
+        f"run.run_dir={tmp_path / 'tuned'}", f"model.init_from_hf={base}",
+        f"data.data_dir={chatml_run.parent / 'chat.jsonl'}", "data.seq_len=64", "trainer.stop_at_step=1",
+        "trainer.eval_every_epochs=100",
+    ]  # fmt: skip
+    xlafit.train_and_evaluate(load_config("llm", overrides))
+    export_hf(tmp_path / "tuned", tmp_path / "tuned-hf")
+    exported = json.loads((tmp_path / "tuned-hf" / "generation_config.json").read_text())
+    assert exported == {**settings, **sampling, "eos_token_id": sorted(extra)}
