@@ -294,3 +294,47 @@ def test_an_export_keeps_the_generation_settings_of_the_checkpoint_it_started_fr
     export_hf(tmp_path / "tuned", tmp_path / "tuned-hf")
     exported = json.loads((tmp_path / "tuned-hf" / "generation_config.json").read_text())
     assert exported == {**settings, **sampling, "eos_token_id": sorted(extra)}
+
+
+def test_a_prompt_completion_run_is_asked_as_it_trained_not_in_the_chat_template(chatml_run, tmp_path, capsys):
+    """A tokenizer with a chat template (an instruct model's) and prompt/completion records:
+    the run trained on `<s>prompt completion</s>`, so generate gives it the text as it is by
+    default, says so in a line, and --chat gives it the template."""
+    import json
+    import shutil
+
+    import xlafit
+    from xlafit.cli import main
+    from xlafit.generator import Generator
+    from xlafit.recipes import load_config
+
+    tok_dir = shutil.copytree(chatml_run.parent / "tok", tmp_path / "tok")
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
+    records = [{"prompt": f"What is {a} plus {b}?", "completion": f" {a + b}."} for a in range(10) for b in range(10)]
+    (tmp_path / "sums.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    run = tmp_path / "run"
+    overrides = [
+        f"run.run_dir={run}", f"data.data_dir={tmp_path / 'sums.jsonl'}", f"data.tokenizer={tok_dir}",
+        "data.seq_len=32", "data.global_batch=8", "trainer.stop_at_step=1", "trainer.eval_every_epochs=100",
+    ]  # fmt: skip
+    xlafit.train_and_evaluate(load_config("llm", overrides))
+    assert json.loads((run / "data_format.json").read_text()) == {"format": "prompt_completion"}
+
+    ask = Generator.load(str(run))
+    bos = ask.tokenizer.token_to_id("<s>")
+    assert ask.encode(QUESTION) == [bos, *ask.tokenizer.encode(QUESTION, add_special_tokens=False).ids]
+    assert ask.template is not None and ask.trained_on == "prompt_completion" and not ask.chat_by_default
+    rendered = "<|im_start|>user\nWhat is 3 plus 4?<|im_end|>\n<|im_start|>assistant\n"
+    assert ask.tokenizer.decode(ask.encode(QUESTION, use_chat=True), skip_special_tokens=False) == rendered
+
+    capsys.readouterr()
+    asked = ["generate", str(run), "--prompt", QUESTION, "--max-new-tokens", "4", "--json"]
+    assert main(asked) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["answer"] == ask([QUESTION], max_new_tokens=4, use_chat=False)[0]
+    assert f"{run} trained on prompt/completion records: its prompts are given as text, as it trained" in err
+    assert main([*asked, "--chat"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["answer"] == ask([QUESTION], max_new_tokens=4, use_chat=True)[0]
+    assert "trained on" not in err
