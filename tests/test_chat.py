@@ -87,6 +87,18 @@ def test_without_generation_marks_the_answers_are_what_each_turn_adds(model_dir)
     assert all_tokens.mask == [1] * len(got.ids)
 
 
+def test_the_end_of_an_assistant_turn_is_the_special_token_after_the_answer(model_dir):
+    tok = clm.load_tokenizer(model_dir)
+    assert chat.end_of_turn(chat.ChatTemplate(CHATML), tok) == "<|im_end|>"
+    assert chat.end_of_turn(chat.ChatTemplate(LLAMA3, {"bos_token": "<|begin_of_text|>"}), tok) == "<|eot_id|>"
+    plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n\n{% endfor %}"
+    assert chat.end_of_turn(chat.ChatTemplate(plain), tok) is None  # no special token ends a turn
+    user_only = (
+        "{% for m in messages %}{% if m['role'] != 'user' %}{{ raise_exception('users only') }}{% endif %}{% endfor %}"
+    )
+    assert chat.end_of_turn(chat.ChatTemplate(user_only), tok) is None
+
+
 def test_prompt_completion_counts_the_completion_and_its_end(model_dir):
     tok = clm.load_tokenizer(model_dir)
     got = chat.encode(

@@ -191,3 +191,202 @@ def test_a_prompts_file_line_is_a_prompt_unless_it_is_a_json_string_or_a_convers
         path.write_text("hello\n" + json.dumps(bad))
         with pytest.raises(ConfigError, match=error):
             _prompts(args)
+
+
+# --------------------------------------------------------------------------- a chat run's end of turn
+
+# ChatML with no {% generation %} marks, as most hub models have it: a turn ends with <|im_end|>.
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+QUESTION = "What is 3 plus 4?"
+
+
+@pytest.fixture(scope="module")
+def chatml_run(tmp_path_factory):
+    """A tiny chat run as a newcomer trains one: ``data.tokenizer`` a directory whose
+    ``tokenizer_config.json`` ends documents with ``</s>`` and has no chat template,
+    ``data.chat_template`` a ChatML file ending turns with ``<|im_end|>``; one step."""
+    import json
+
+    import xlafit
+    from xlafit.data import clm
+    from xlafit.recipes import load_config
+
+    root = tmp_path_factory.mktemp("chatml")
+    sums = [(a, b) for a in range(10) for b in range(10)]
+    (root / "corpus.txt").write_text("\n\n".join(f"What is {a} plus {b}? {a} plus {b} is {a + b}." for a, b in sums))
+    tok = clm.train_bpe([root / "corpus.txt"], 300, root / "tok")
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(str(root / "tok" / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+    }
+    (root / "tok" / "tokenizer_config.json").write_text(json.dumps(config))
+    (root / "chatml.jinja").write_text(CHATML)
+    turn = lambda a, b: [  # noqa: E731
+        {"role": "user", "content": f"What is {a} plus {b}?"},
+        {"role": "assistant", "content": f"{a} plus {b} is {a + b}."},
+    ]
+    records = [{"messages": turn(a, b)} for a, b in sums]
+    (root / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    run = root / "run"
+    overrides = [
+        f"run.run_dir={run}", f"data.data_dir={root / 'chat.jsonl'}", f"data.tokenizer={root / 'tok'}",
+        f"data.chat_template={root / 'chatml.jinja'}", "data.seq_len=64", "trainer.stop_at_step=1",
+        "trainer.eval_every_epochs=100",
+    ]  # fmt: skip
+    xlafit.train_and_evaluate(load_config("llm", overrides))
+    return run
+
+
+def test_a_chat_run_stops_at_its_templates_end_of_turn_not_only_at_eos(chatml_run):
+    """The template closes a turn with <|im_end|>, the tokenizer's eos_token is </s>: the run
+    records <|im_end|> as its eos_token (the template does not render eos_token, so what it
+    renders is unchanged), and the generator stops at either."""
+    import json
+
+    from xlafit.generator import Generator
+
+    recorded = json.loads((chatml_run / "tokenizer" / "tokenizer_config.json").read_text())
+    assert recorded["eos_token"] == "<|im_end|>" and recorded["bos_token"] == "<s>"
+    ask = Generator.load(str(chatml_run))
+    end, eos = ask.tokenizer.token_to_id("<|im_end|>"), ask.tokenizer.token_to_id("</s>")
+    assert ask.eos_ids == tuple(sorted((end, eos)))
+    rendered = "<|im_start|>user\nWhat is 3 plus 4?<|im_end|>\n<|im_start|>assistant\n"
+    assert ask.tokenizer.decode(ask.encode(QUESTION), skip_special_tokens=False) == rendered
+
+
+def test_the_end_of_turn_is_found_from_the_template_where_no_file_names_it(chatml_run, tmp_path):
+    """A run's tokenizer files that still name </s> (written before the end of turn was
+    recorded): its template says where a turn ends."""
+    import json
+    import shutil
+
+    from xlafit.data import clm
+
+    older = shutil.copytree(chatml_run / "tokenizer", tmp_path / "tokenizer")
+    config = json.loads((older / "tokenizer_config.json").read_text())
+    (older / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "</s>"}))
+    tok = clm.load_tokenizer(older)
+    assert clm.stop_ids(older) == tuple(sorted((tok.token_to_id("<|im_end|>"), tok.token_to_id("</s>"))))
+
+
+def test_the_export_stops_in_transformers_where_xlafit_generate_does(chatml_run, tmp_path):
+    """config.json names the tokenizer's bos, eos (the end of turn) and pad ids, and
+    generation_config.json every end token: transformers' generate on the export, with the
+    export's own settings, stops at <|im_end|> with the tokens xlafit's greedy answer has."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    from xlafit.data import clm
+    from xlafit.export import export_hf
+    from xlafit.generator import Generator
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "hf"
+    export_hf(chatml_run, out)
+    tok = clm.load_tokenizer(out)
+    bos, eos, pad, end = (tok.token_to_id(t) for t in ("<s>", "</s>", "<pad>", "<|im_end|>"))
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (bos, end, pad)
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": bos, "eos_token_id": sorted((eos, end)), "pad_token_id": pad}
+
+    # An untrained model rarely says <|im_end|>: swap its output row with that of the k-th token
+    # of its answer (k >= 4), which it then says instead (nothing before that step changes).
+    prompt = Generator.load(str(out)).encode(QUESTION)
+    free = generate(Generator.load(str(out)).model, [prompt], 16)[0]
+    k = next(i for i in range(4, len(free)) if free[i] not in free[:i] and not {eos, end} & set(free[: i + 1]))
+    weights = load_file(out / "model.safetensors")
+    head = weights["lm_head.weight"]
+    head[[free[k], end]] = head[[end, free[k]]]
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+
+    ask = Generator.load(str(out))
+    ours = generate(ask.model, [prompt], 16, eos_ids=ask.eos_ids)[0]
+    assert ours == free[:k] + [end]
+    assert ask([QUESTION], max_new_tokens=16) == [tok.decode(ours)]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    rendered = hf_tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True)
+    assert list(rendered if isinstance(rendered, list) else rendered["input_ids"]) == prompt
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        answer = theirs.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)), max_new_tokens=16)
+    assert answer[0, len(prompt) :].tolist() == ours
+
+
+def test_an_export_keeps_the_generation_settings_of_the_checkpoint_it_started_from(chatml_run, tmp_path):
+    """A run initialised from a checkpoint with a generation_config.json (model.init_from_hf)
+    exports its sampling settings and end tokens, with the tokenizer's ids."""
+    import json
+
+    import xlafit
+    from xlafit.export import export_hf
+    from xlafit.recipes import load_config
+
+    base = tmp_path / "base"
+    export_hf(chatml_run, base)
+    settings = json.loads((base / "generation_config.json").read_text())
+    extra = settings["eos_token_id"] + [settings["pad_token_id"] + 1]  # a token the checkpoint also stops at
+    sampling = {"do_sample": True, "temperature": 0.6, "top_p": 0.9}
+    (base / "generation_config.json").write_text(json.dumps({**settings, **sampling, "eos_token_id": extra}))
+    overrides = [
+        f"run.run_dir={tmp_path / 'tuned'}", f"model.init_from_hf={base}",
+        f"data.data_dir={chatml_run.parent / 'chat.jsonl'}", "data.seq_len=64", "trainer.stop_at_step=1",
+        "trainer.eval_every_epochs=100",
+    ]  # fmt: skip
+    xlafit.train_and_evaluate(load_config("llm", overrides))
+    export_hf(tmp_path / "tuned", tmp_path / "tuned-hf")
+    exported = json.loads((tmp_path / "tuned-hf" / "generation_config.json").read_text())
+    assert exported == {**settings, **sampling, "eos_token_id": sorted(extra)}
+
+
+def test_a_prompt_completion_run_is_asked_as_it_trained_not_in_the_chat_template(chatml_run, tmp_path, capsys):
+    """A tokenizer with a chat template (an instruct model's) and prompt/completion records:
+    the run trained on `<s>prompt completion</s>`, so generate gives it the text as it is by
+    default, says so in a line, and --chat gives it the template."""
+    import json
+    import shutil
+
+    import xlafit
+    from xlafit.cli import main
+    from xlafit.generator import Generator
+    from xlafit.recipes import load_config
+
+    tok_dir = shutil.copytree(chatml_run.parent / "tok", tmp_path / "tok")
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
+    records = [{"prompt": f"What is {a} plus {b}?", "completion": f" {a + b}."} for a in range(10) for b in range(10)]
+    (tmp_path / "sums.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    run = tmp_path / "run"
+    overrides = [
+        f"run.run_dir={run}", f"data.data_dir={tmp_path / 'sums.jsonl'}", f"data.tokenizer={tok_dir}",
+        "data.seq_len=32", "data.global_batch=8", "trainer.stop_at_step=1", "trainer.eval_every_epochs=100",
+    ]  # fmt: skip
+    xlafit.train_and_evaluate(load_config("llm", overrides))
+    assert json.loads((run / "data_format.json").read_text()) == {"format": "prompt_completion"}
+
+    ask = Generator.load(str(run))
+    bos = ask.tokenizer.token_to_id("<s>")
+    assert ask.encode(QUESTION) == [bos, *ask.tokenizer.encode(QUESTION, add_special_tokens=False).ids]
+    assert ask.template is not None and ask.trained_on == "prompt_completion" and not ask.chat_by_default
+    rendered = "<|im_start|>user\nWhat is 3 plus 4?<|im_end|>\n<|im_start|>assistant\n"
+    assert ask.tokenizer.decode(ask.encode(QUESTION, use_chat=True), skip_special_tokens=False) == rendered
+
+    capsys.readouterr()
+    asked = ["generate", str(run), "--prompt", QUESTION, "--max-new-tokens", "4", "--json"]
+    assert main(asked) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["answer"] == ask([QUESTION], max_new_tokens=4, use_chat=False)[0]
+    assert f"{run} trained on prompt/completion records: its prompts are given as text, as it trained" in err
+    assert main([*asked, "--chat"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["answer"] == ask([QUESTION], max_new_tokens=4, use_chat=True)[0]
+    assert "trained on" not in err

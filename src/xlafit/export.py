@@ -54,7 +54,7 @@ from xlafit.models.resnet import ResNet
 from xlafit.parallel.cluster import configure, start_backends
 from xlafit.recipes import config_from_dict
 from xlafit.recipes.bert import bert_config
-from xlafit.recipes.llm import build_llama
+from xlafit.recipes.llm import build_llama, model_dir
 from xlafit.recipes.resnet import CLASSES_FILE, NORMALISATION, augmentation, image_size, normalisation, resnet_config
 from xlafit.run import checkpoint_dir, with_lora
 from xlafit.train.frozen import BASE_FINGERPRINT
@@ -253,6 +253,13 @@ def export_llm(
     ``tokens``: the special tokens the run's tokenizer named, a chat model's end of turn as
     its ``eos_token``).
 
+    ``config.json`` names the tokenizer's ``bos_token_id``, ``eos_token_id`` and
+    ``pad_token_id``, and ``generation_config.json`` every token that ends an answer (the end
+    of document and a chat template's end of turn, :func:`xlafit.data.clm.stop_ids`), so that
+    ``transformers``' ``generate`` stops where ``xlafit generate`` does. A run initialised from
+    a checkpoint with a ``generation_config.json`` (``model.init_from_hf``) keeps its settings
+    (sampling, its end tokens where the run kept its tokenizer).
+
     A LoRA run's checkpoint holds the adapters only: the base is rebuilt as the run built it
     (``model.init_from_hf``, or the same initialisation) and must have the fingerprint the
     checkpoint recorded. The adapter goes to ``out/adapter`` (PEFT's format, its base
@@ -263,18 +270,31 @@ def export_llm(
         CheckpointError: the rebuilt base is not the one the adapters were trained on.
     """
     out.mkdir(parents=True, exist_ok=True)
+    token_ids, generation = _write_tokenizer(cfg, tokenizer_json, out, chat_template, tokens)
     # The model's vocabulary is the tokenizer's, tokens added after training (a chat model's) included.
     model = run_model(cfg, arrays, fingerprint, Tokenizer.from_str(tokenizer_json).get_vocab_size())
     if cfg.lora.rank:
         if not cfg.model.init_from_hf:
             base = nnx.merge(*nnx.split(model))  # a copy: the adapters' base, unmerged
-            llama_hf.save_hf(typing.cast(LlamaForCausalLM, merge_lora(_without_adapters(base))), out / "base")
+            without = typing.cast(LlamaForCausalLM, merge_lora(_without_adapters(base)))
+            llama_hf.save_hf(without, out / "base", token_ids=token_ids)
         base_path = cfg.model.init_from_hf or str((out / "base").absolute())
         if not hub.is_hub_id(base_path):  # a hub id stays one: PEFT reads it from the hub's cache
             base_path = str(Path(base_path).expanduser().absolute())
         save_peft_adapter(model, out / "adapter", base_model_name_or_path=base_path)
         model = typing.cast(LlamaForCausalLM, merge_lora(model))
-    llama_hf.save_hf(model, out)
+    llama_hf.save_hf(model, out, token_ids=token_ids)
+    (out / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
+
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+def _write_tokenizer(
+    cfg: Config, tokenizer_json: str, out: Path, chat_template: str | None, tokens: dict[str, str] | None
+) -> tuple[dict[str, int | None], dict[str, Any]]:
+    """Writes the tokenizer's files to ``out``; returns the ids of its special tokens (for
+    ``config.json``) and ``generation_config.json``'s settings."""
     (out / "tokenizer.json").write_text(tokenizer_json)
     specials = {t["content"] for t in json.loads(tokenizer_json).get("added_tokens", [])}
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
@@ -286,6 +306,32 @@ def export_llm(
         config["chat_template"] = chat_template
         (out / chat.TEMPLATE_FILE).write_text(chat_template)
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tok = Tokenizer.from_str(tokenizer_json)
+    ids = {
+        f"{key}_id": tok.token_to_id(config[key]) if key in config else None
+        for key in ("bos_token", "eos_token", "pad_token")
+    }
+    generation = _base_generation(cfg, tokenizer_json)
+    ends = set(clm.stop_ids(out))
+    theirs = generation.get("eos_token_id")
+    ends.update(theirs if isinstance(theirs, list) else [] if theirs is None else [theirs])
+    generation.update({key: value for key, value in ids.items() if value is not None})
+    if ends:
+        generation["eos_token_id"] = sorted(ends) if len(ends) > 1 else next(iter(ends))
+    return ids, generation
+
+
+def _base_generation(cfg: Config, tokenizer_json: str) -> dict[str, Any]:
+    """``model.init_from_hf``'s ``generation_config.json`` ({} where it has none), without its
+    token ids where the run has another tokenizer (they would name other tokens)."""
+    source = model_dir(cfg)
+    base = as_path(os.path.expanduser(source)) if source else None
+    if base is None or not (base / GENERATION_CONFIG).exists():
+        return {}
+    settings = json.loads((base / GENERATION_CONFIG).read_text())
+    if not (base / "tokenizer.json").exists() or (base / "tokenizer.json").read_text() != tokenizer_json:
+        settings = {k: v for k, v in settings.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return settings
 
 
 def _without_adapters(model: LlamaForCausalLM) -> LlamaForCausalLM:

@@ -4,8 +4,10 @@ A source is an llm run directory (its newest intact checkpoint, or ``step``; a L
 with its adapters merged into the base it was trained on), a Hugging Face model directory,
 or a hub id read into the Hugging Face cache. A chat model (its tokenizer has a chat
 template) gets each prompt as a user turn with the generation prompt after it, as
-``transformers``' chat pipeline does; the answer stops at the end of its turn. The model
-runs on the run's mesh over this host's devices (FSDP and tensor parallelism as trained).
+``transformers``' chat pipeline does; the answer stops at the end of its turn. A run that
+trained on prompt/completion records or text gets the text as it is, as it trained, unless
+asked for the template (``use_chat=True``). The model runs on the run's mesh over this
+host's devices (FSDP and tensor parallelism as trained).
 
 Example:
     >>> ask = Generator.load("runs/chat-lora")                    # doctest: +SKIP
@@ -28,6 +30,7 @@ import yaml
 from flax import nnx
 from tokenizers import Tokenizer
 
+from xlafit.config import Config
 from xlafit.data import chat, clm
 from xlafit.errors import ConfigError, XlafitError
 from xlafit.export import checkpoint_arrays, run_model
@@ -40,6 +43,7 @@ from xlafit.models.lora import merge_lora
 from xlafit.parallel.cluster import connect
 from xlafit.parallel.sharding import parse_rules, tree_shardings
 from xlafit.recipes import config_from_dict
+from xlafit.recipes.llm import DATA_FORMAT_FILE, data_config
 from xlafit.train.frozen import BASE_FINGERPRINT
 
 __all__ = ["Generator"]
@@ -57,6 +61,8 @@ class Generator:
         template: its chat template, None for a plain language model.
         eos_ids: the tokens that end an answer (the end of a turn too).
         source: where it was loaded from.
+        trained_on: the format of the data a run trained on (``chat``, ``prompt_completion``,
+            ``text``); None for a Hugging Face model, or a run that did not record it.
     """
 
     model: LlamaForCausalLM
@@ -64,6 +70,14 @@ class Generator:
     template: chat.ChatTemplate | None
     eos_ids: tuple[int, ...]
     source: str
+    trained_on: str | None = None
+
+    @property
+    def chat_by_default(self) -> bool:
+        """Whether a text prompt goes through the chat template unless told otherwise: a
+        model with a template, unless it is a run that trained on prompt/completion records
+        or text (its template came with the tokenizer; it learnt ``prompt completion</s>``)."""
+        return self.template is not None and self.trained_on in (None, "chat")
 
     @classmethod
     def load(
@@ -90,12 +104,13 @@ class Generator:
                 "(config.json); give one, or a hub id org/name."
             )
         model = llama_hf.from_hf(folder)
-        return cls(model, clm.load_tokenizer(folder), chat.template_for(folder), _eos(folder), source)
+        return cls(model, clm.load_tokenizer(folder), chat.template_for(folder), clm.stop_ids(folder), source)
 
     def encode(self, prompt: Prompt, use_chat: bool | None = None) -> list[int]:
-        """A prompt's token ids: a chat model's rendered as a user turn (or the conversation
-        given) with the generation prompt; otherwise the text after ``<bos>``."""
-        as_chat = self.template is not None if use_chat is None else use_chat
+        """A prompt's token ids: rendered as a user turn (or the conversation given) with the
+        generation prompt where ``use_chat`` (default :attr:`chat_by_default`; a conversation
+        always); otherwise the text after ``<bos>``."""
+        as_chat = (self.chat_by_default or not isinstance(prompt, str)) if use_chat is None else use_chat
         if as_chat:
             if self.template is None:
                 raise ConfigError(f"{self.source} has no chat template; ask without --chat.")
@@ -134,24 +149,6 @@ def is_run_directory(source: str) -> bool:
         return bool((path / "config.yaml").exists())
 
 
-def _eos(folder: str | Path) -> tuple[int, ...]:
-    """The end tokens of a model directory: its tokenizer's, its ``eos_token`` (a chat
-    model's end of turn) and ``generation_config.json``'s ``eos_token_id``."""
-    root = as_path(folder)
-    tok = clm.load_tokenizer(root)
-    found = {clm.special_ids(tok)[1]}
-    config = root / "tokenizer_config.json"
-    if config.exists():
-        eos = json.loads(config.read_text()).get("eos_token")
-        name = eos["content"] if isinstance(eos, dict) else eos
-        found.add(tok.token_to_id(name) if name else None)
-    generation = root / "generation_config.json"
-    if generation.exists():
-        value = json.loads(generation.read_text()).get("eos_token_id")
-        found.update(value if isinstance(value, list) else [value])
-    return tuple(sorted(i for i in found if i is not None))
-
-
 def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
     """An llm run's model at checkpoint ``step``, placed on the run's mesh over this host's
     devices (where they do not make that mesh, replicated over them, and said)."""
@@ -177,6 +174,15 @@ def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
     graphdef, state = nnx.split(model)
     state = jax.device_put(state, tree_shardings(state, strategy.mesh, rules))
     template = chat.template_for(str(run / "tokenizer"))
-    return Generator(
-        typing.cast(LlamaForCausalLM, nnx.merge(graphdef, state)), tokenizer, template, _eos(run / "tokenizer"), source
-    )
+    model = typing.cast(LlamaForCausalLM, nnx.merge(graphdef, state))
+    return Generator(model, tokenizer, template, clm.stop_ids(run / "tokenizer"), source, _trained_on(run, cfg))
+
+
+def _trained_on(run: Any, cfg: Config) -> str | None:
+    """The format of the data a run trained on: recorded when it started, else its
+    ``data.format`` where that names one (None: not known)."""
+    recorded = run / DATA_FORMAT_FILE
+    if recorded.exists():
+        return str(json.loads(recorded.read_text())["format"])
+    fmt = data_config(cfg).format
+    return None if fmt == "auto" else fmt

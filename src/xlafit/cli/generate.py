@@ -10,14 +10,17 @@ from pathlib import Path
 from xlafit.cli.common import add_simulate
 from xlafit.errors import ConfigError
 
+_FORMATS = {"prompt_completion": "prompt/completion records", "text": "plain text"}  # data.format, said in words
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate",
         help="answer prompts with an llm run's model, a Hugging Face model directory or a hub id",
         description="Greedy unless --temperature is given. A chat model (its tokenizer has a chat template) gets "
-        "each prompt as a user turn, as a chat pipeline does; --no-chat gives the text as it is. Example: xlafit "
-        "generate runs/chat-lora --prompt 'What is 3 plus 4?' --max-new-tokens 32",
+        "each prompt as a user turn, as a chat pipeline does; --no-chat gives the text as it is. A run that trained "
+        "on prompt/completion records or text gets the text as it is, as it trained; --chat gives it the template. "
+        "Example: xlafit generate runs/chat-lora --prompt 'What is 3 plus 4?' --max-new-tokens 32",
     )
     p.add_argument("source", metavar="SOURCE", help="an llm run directory, a Hugging Face model directory, or org/name")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
@@ -31,7 +34,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample among the K likeliest tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="sample among the likeliest tokens summing to P")
     p.add_argument("--seed", type=int, default=0, help="the sampling's seed")
-    p.add_argument("--no-chat", action="store_true", help="give a chat model the prompt as plain text")
+    as_chat = p.add_mutually_exclusive_group()
+    as_chat.add_argument("--no-chat", action="store_true", help="give a chat model the prompt as plain text")
+    as_chat.add_argument(
+        "--chat",
+        action="store_true",
+        help="give each prompt as a user turn in the chat template, also to a run that trained on prompt/completion "
+        "records or text",
+    )
     p.add_argument("--step", type=int, help="a run's checkpoint (default: the newest intact one)")
     p.add_argument("--revision", help="a hub id's branch, tag or commit")
     p.add_argument("--json", action="store_true", help="print the prompts and answers as JSON lines")
@@ -109,7 +119,14 @@ def run(args: argparse.Namespace) -> int:
         start_backends()
     print(f"loading {args.source} ...", file=sys.stderr, flush=True)
     ask = Generator.load(args.source, args.step, args.revision, args.simulate)
-    answers = ask(prompts, args.max_new_tokens, sampling, use_chat=False if args.no_chat else None)
+    use_chat = True if args.chat else False if args.no_chat else None
+    if use_chat is None and ask.template is not None and not ask.chat_by_default:
+        print(
+            f"{args.source} trained on {_FORMATS.get(ask.trained_on or '', ask.trained_on)}: its prompts are given "
+            "as text, as it trained, not in its tokenizer's chat template (--chat gives them in it)",
+            file=sys.stderr,
+        )
+    answers = ask(prompts, args.max_new_tokens, sampling, use_chat=use_chat)
     for prompt, answer in zip(prompts, answers, strict=True):
         if args.json:
             print(json.dumps({"prompt": prompt, "answer": answer}, ensure_ascii=False))

@@ -51,6 +51,7 @@ __all__ = [
     "Encoded",
     "detect_format",
     "encode",
+    "end_of_turn",
     "messages_of",
     "read_records",
     "template_for",
@@ -191,6 +192,37 @@ def template_for(tokenizer_dir: str | None, given: str | None = None) -> ChatTem
         named = {t.get("name"): t.get("template") for t in source}
         source = named.get("default") or next(iter(named.values()), None)
     return ChatTemplate(source, tokens) if source else None
+
+
+# A conversation rendered to find where an assistant turn ends (the answer: text no template alters).
+_PROBE_ANSWER = "The probe's answer."
+_PROBE = ({"role": "user", "content": "A probe's question?"}, {"role": "assistant", "content": _PROBE_ANSWER})
+
+
+def end_of_turn(template: ChatTemplate, tok: Tokenizer) -> str | None:
+    """The special token that closes an assistant turn in ``template`` (``<|im_end|>`` in
+    ChatML, ``<|eot_id|>`` in Llama 3's): the first of the tokenizer's special tokens after an
+    answer's text in a rendered conversation. None: the template ends a turn with no special
+    token (or renders no conversation of one question and one answer).
+
+    Example:
+        >>> from tokenizers import models
+        >>> ends = ChatTemplate("{% for m in messages %}{{ m['content'] }}<|end|>{% endfor %}")
+        >>> tok = Tokenizer(models.WordLevel({"<|end|>": 0, "[UNK]": 1}, unk_token="[UNK]"))
+        >>> _ = tok.add_special_tokens(["<|end|>"])
+        >>> end_of_turn(ends, tok)
+        '<|end|>'
+    """
+    try:
+        text = template.render(list(_PROBE))
+    except DataError:
+        return None
+    at = text.rfind(_PROBE_ANSWER)
+    if at < 0:
+        return None
+    specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    after = tok.encode(text[at + len(_PROBE_ANSWER) :], add_special_tokens=False).tokens
+    return next((t for t in after if t in specials), None)
 
 
 def read_records(files: Sequence[str]) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -31,7 +32,17 @@ import numpy as np
 from etils import epath
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from xlafit.data.chat import FORMATS, ChatTemplate, Encoded, detect_format, encode, masks_in_rows, read_records
+from xlafit.data.chat import (
+    FORMATS,
+    ChatTemplate,
+    Encoded,
+    detect_format,
+    encode,
+    end_of_turn,
+    masks_in_rows,
+    read_records,
+    template_for,
+)
 from xlafit.data.hashing import hash_uniform
 from xlafit.data.shapes import pack
 from xlafit.data.text import documents
@@ -109,6 +120,29 @@ def special_ids(tok: Tokenizer) -> tuple[int | None, int | None]:
     """``(bos, eos)``: the ids of the tokenizer's document markers, None where it has none."""
     find = lambda names: next((i for n in names if (i := tok.token_to_id(n)) is not None), None)  # noqa: E731
     return find(BOS_NAMES), find(EOS_NAMES)
+
+
+def stop_ids(folder: str | Path) -> tuple[int, ...]:
+    """The tokens that end an answer of a model directory (or a run's ``tokenizer/``): its
+    tokenizer's end of document, ``tokenizer_config.json``'s ``eos_token``, the end of an
+    assistant turn in its chat template (:func:`~xlafit.data.chat.end_of_turn`, which need not
+    be the ``eos_token``) and ``generation_config.json``'s ``eos_token_id``."""
+    root = as_path(folder)
+    tok = load_tokenizer(root)
+    found = {special_ids(tok)[1]}
+    config = root / "tokenizer_config.json"
+    if config.exists():
+        eos = json.loads(config.read_text()).get("eos_token")
+        name = eos["content"] if isinstance(eos, dict) else eos
+        found.add(tok.token_to_id(name) if name else None)
+    template = template_for(str(root))
+    if template is not None and (end := end_of_turn(template, tok)) is not None:
+        found.add(tok.token_to_id(end))
+    generation = root / "generation_config.json"
+    if generation.exists():
+        value = json.loads(generation.read_text()).get("eos_token_id")
+        found.update(value if isinstance(value, list) else [value])
+    return tuple(sorted(i for i in found if i is not None))
 
 
 RECORD_FILES = (".jsonl", ".json")  # one JSON record per line (chat, prompt/completion or text)

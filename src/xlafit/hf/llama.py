@@ -327,8 +327,13 @@ def save_hf(
     *,
     max_shard_bytes: int | None = 5 * 2**30,
     dtype: Literal["float32", "bfloat16"] = "float32",
+    token_ids: Mapping[str, int | None] | None = None,
 ) -> Path:
     """Writes ``config.json`` and the weights (safetensors) to ``directory``.
+
+    ``token_ids``: the tokenizer's ``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` for
+    ``config.json`` (None values left out); without them ``transformers`` falls back to its
+    config class's defaults, which name other tokens.
 
     One ``model.safetensors`` when the tensors fit in ``max_shard_bytes`` (None: no limit),
     else ``model-0000i-of-0000n.safetensors`` files and ``model.safetensors.index.json``, as
@@ -342,7 +347,8 @@ def save_hf(
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    config = {**hf_config(model.cfg), "torch_dtype": dtype}
+    ids = {key: value for key, value in (token_ids or {}).items() if value is not None}
+    config = {**hf_config(model.cfg), **ids, "torch_dtype": dtype}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     entries = {name: (param, row, t) for name, param, row, t in _entries(model)}
     np_dtype = _np_dtype(dtype)

@@ -39,6 +39,7 @@ from xlafit.recipes.base import Recipe, Throughput
 from xlafit.train.losses import chunked_cross_entropy, masked_accuracy, masked_mean
 
 DEMO_VOCAB_SIZE = 2000  # the demo's BPE tokenizer
+DATA_FORMAT_FILE = "data_format.json"  # the format of the data a run trained on (chat, prompt_completion, text)
 _SIZES = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size")
 _OPTIONAL = ("max_position_embeddings", "head_dim", "vocab_size")  # sizes that a preset supplies when not given
 
@@ -339,15 +340,30 @@ def data_summary(train: clm.PackedText, evaluation: clm.PackedText, d: LlmDataCo
 
 def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
     """Copies the tokenizer into ``run_dir/tokenizer`` (local or a URL), with its chat
-    template and special tokens where it has them, for ``xlafit export hf`` and generation."""
+    template and special tokens where it has them, for ``xlafit export hf`` and generation;
+    records the data's format in ``run_dir/data_format.json`` (``xlafit generate`` asks a run
+    that trained on chat records through the template, any other with the text as it is).
+
+    A chat run whose template closes the assistant's turn with another special token than the
+    tokenizer's ``eos_token`` (ChatML's ``<|im_end|>`` with a tokenizer that ends documents
+    with ``</s>``) records that token as its ``eos_token``, as chat models on the hub do, so
+    that generation stops at the end of the turn; not where the template itself renders
+    ``eos_token``, which must stay what the run trained on.
+    """
     dest = run_dir / "tokenizer"
     dest.mkdir(parents=True, exist_ok=True)
     where = tokenizer_location(cfg)
     (dest / "tokenizer.json").write_text(clm.tokenizer_json(where))
+    fmt = train.source.format if train.source is not None else "text"
+    (run_dir / DATA_FORMAT_FILE).write_text(json.dumps({"format": fmt}) + "\n")
     template = chat.template_for(where, data_config(cfg).chat_template)
     if template is not None:  # what the run's chat data was rendered with, for generation and export
         (dest / chat.TEMPLATE_FILE).write_text(template.source)
-        (dest / "tokenizer_config.json").write_text(json.dumps(template.tokens, indent=2) + "\n")
+        tokens = dict(template.tokens)
+        end = chat.end_of_turn(template, clm.load_tokenizer(where))
+        if fmt == "chat" and end is not None and "eos_token" not in template.source:
+            tokens["eos_token"] = end
+        (dest / "tokenizer_config.json").write_text(json.dumps(tokens, indent=2) + "\n")
 
 
 # --------------------------------------------------------------------------- model
