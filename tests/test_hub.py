@@ -92,6 +92,22 @@ def test_a_hub_id_missing_from_the_cache_offline_says_so_in_one_line(hub_home, t
     assert "hf download meta-llama/Llama-3.2-1B" in errors[0]
 
 
+def test_a_hub_models_positions_are_checked_before_the_run_directory_is_written(hub_home, tmp_path):
+    """data.seq_len beyond a hub checkpoint's max_position_embeddings (128 here) trained on
+    without a word; a local directory's was refused already (test_llm_recipe)."""
+    home, work = hub_home
+    run = subprocess.run(
+        [sys.executable, "-m", "xlafit", "train", "llm", "--run-dir", str(tmp_path / "run"),
+         "model.init_from_hf=tiny-org/tiny-llama", f"--data-dir={work / 'text.txt'}", "data.seq_len=256"],
+        capture_output=True, text=True, env=_env(home, tmp_path / "cache"), timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert "data.seq_len=256 is longer than model.init_from_hf=tiny-org/tiny-llama's max_position_embeddings=128" in (
+        run.stderr
+    )
+    assert not (tmp_path / "run").exists()
+
+
 def test_hub_data_paths_read_the_cache_and_say_what_is_missing(hub_home, tmp_path):
     home, work = hub_home
     script = (

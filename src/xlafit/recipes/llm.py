@@ -147,7 +147,9 @@ def validate(cfg: Config) -> None:
     if cfg.model.init_from_hf:
         hub.check_local(cfg.model.init_from_hf, "model.init_from_hf")
         _refuse_size_overrides(cfg)
-        _check_local_checkpoint(cfg)
+        local = Path(str(cfg.model.init_from_hf)).expanduser()
+        if (local / "config.json").is_file():  # a hub id: once it is read (from_data)
+            check_checkpoint(cfg, local)
     tokenizer = data_config(cfg).tokenizer
     if tokenizer:
         hub.check_local(tokenizer, "data.tokenizer")
@@ -186,15 +188,15 @@ def _refuse_size_overrides(cfg: Config) -> None:
         )
 
 
-def _check_local_checkpoint(cfg: Config) -> None:
-    """A local ``model.init_from_hf``'s ``config.json`` read before the run directory is
-    written: a model family xlafit does not read, or ``data.seq_len`` beyond the positions
-    the checkpoint was trained on, is refused (a hub id is checked as it is read, after its
-    download)."""
+def check_checkpoint(cfg: Config, folder: str | Path) -> None:
+    """``model.init_from_hf``'s ``config.json`` (in ``folder``) read before the run directory
+    is written: a model family xlafit does not read, or ``data.seq_len`` beyond the positions
+    the checkpoint was trained on, is refused. A local directory is checked with the config
+    (:func:`validate`), a hub id once it is read (:func:`from_data`)."""
     m = cfg.model
-    config = Path(str(m.init_from_hf)).expanduser() / "config.json"
+    config = Path(folder) / "config.json"
     if not config.is_file():
-        return  # a hub id, or a directory llama_hf.from_hf names what is missing of
+        return  # llama_hf.from_hf names what is missing
     try:
         checkpoint = llama_hf.config_from_hf(json.loads(config.read_text()))
     except (ValueError, KeyError, TypeError) as e:
@@ -206,6 +208,15 @@ def _check_local_checkpoint(cfg: Config) -> None:
             f"{checkpoint.max_position_embeddings} (its config.json): the model never saw positions that far; lower "
             "data.seq_len."
         )
+
+
+def from_data(cfg: Config, train: clm.PackedText) -> Config:
+    """Checks a hub ``model.init_from_hf`` (:func:`check_checkpoint`), read by now with the
+    data's tokenizer or here, before the run directory is written."""
+    source = model_dir(cfg)
+    if source is not None:
+        check_checkpoint(cfg, source)
+    return cfg
 
 
 # --------------------------------------------------------------------------- data
@@ -429,6 +440,7 @@ RECIPE = Recipe(
     model_config=LlmModelConfig,
     data_config=LlmDataConfig,
     load_data=load_data,
+    from_data=from_data,
     build_model=build_model,
     loss_fn=loss_fn,
     throughput=throughput,
