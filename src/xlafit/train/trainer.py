@@ -41,7 +41,7 @@ from xlafit.checkpoint import Checkpointer
 from xlafit.config import TrainerConfig, validate_watchdog
 from xlafit.data.dataset import Batch, Dataset, StreamedDataset, as_dataset, num_shapes
 from xlafit.data.loader import Prefetcher, TakeRequests, TrainOrder, eval_batches, to_global
-from xlafit.errors import ConfigError, NonFiniteError, Preempted
+from xlafit.errors import ConfigError, Preempted
 from xlafit.io.paths import as_path
 from xlafit.models.lora import state_fingerprint
 from xlafit.parallel.cluster import connect
@@ -52,6 +52,7 @@ from xlafit.platform.hardware import peak_flops
 from xlafit.train.adapter import Adapted, adapt, framework_of
 from xlafit.train.frozen import checkpointed, frozen_filter, frozen_part, restore
 from xlafit.train.loop import Call, Due, FitResult, Loop, itstime, lr_at, nonfinite_steps, peak_lr, times
+from xlafit.train.nonfinite import apply_nan_policy
 from xlafit.train.report import RunReport
 from xlafit.train.signals import SignalGuard, handle_signals
 from xlafit.train.step import (
@@ -559,41 +560,14 @@ class Trainer:
         self, bad: list[tuple[int, dict[str, float]]], rolled_back: set[int], report: RunReport
     ) -> int | None:
         """Applies ``trainer.nan_policy`` to dropped updates; returns a step to go on from."""
-        policy = self.config.nan_policy
-        step, values = bad[0]
-        which = ", ".join(f"{k}={v}" for k, v in values.items() if k != "nonfinite" and not np.isfinite(v))
-        which = which or ", ".join(f"{k}={v}" for k, v in values.items() if k != "nonfinite")
-        steps = ", ".join(str(s + 1) for s, _ in bad)
-        last = self._ckpt.latest_step() if self._ckpt is not None else None
-        where = (
-            f"checkpoint {last} in {self._ckpt.directory}" if self._ckpt is not None and last is not None else "none"
-        )
-        if policy == "stop":
-            # nan_policy=stop's step drops an update whose loss is not finite; one with a finite loss
-            # and a non-finite gradient was applied (checking the gradient first costs memory).
-            applied = (
-                "its update was not applied"
-                if not np.isfinite(values.get("loss", np.nan))
-                else "its update was applied (the loss was finite, the gradient not), so the model in memory "
-                "holds non-finite values"
-            )
-            raise NonFiniteError(
-                f"non-finite values at step {step + 1} ({which}); {applied}. "
-                f"Last good checkpoint: {where}. Lower optimizer.learning_rate, set optimizer.grad_clip_norm, "
-                "check the data, or set trainer.nan_policy=skip or rollback."
-            )
-        fresh = [s for s, _ in bad if s not in rolled_back]
-        if policy == "rollback" and fresh and self._ckpt is not None and last is not None:
-            rolled_back.update(fresh)
-            self._ckpt.wait()
-            self._state, restored = restore(self._ckpt, self._state, self._frozen, self.base_fingerprint)
-            report.print(
-                f"warning: non-finite values at step(s) {steps} ({which}): rolled back to checkpoint {restored}; "
-                "the offending batch's update is dropped again on the way"
-            )
-            return restored
-        report.print(f"warning: non-finite values at step(s) {steps} ({which}): update(s) skipped")
-        return None
+        return apply_nan_policy(self.config.nan_policy, bad, rolled_back, report, self._ckpt, self._rollback)
+
+    def _rollback(self) -> int:
+        """Restores the newest checkpoint (after the one being written); returns its step."""
+        assert self._ckpt is not None  # apply_nan_policy rolls back only with a checkpointer
+        self._ckpt.wait()
+        self._state, restored = restore(self._ckpt, self._state, self._frozen, self.base_fingerprint)
+        return restored
 
     def _limit_compiles(self, order: TrainOrder, train: Dataset, eval: Dataset | None, start: int, stop: int) -> None:
         """Sets each step's ``max_compiles``: ``trainer.max_compiles``, or by default the
