@@ -36,18 +36,44 @@ def test_conflicting_batch_settings_are_one_error(strategy8):
     assert (resolved.data.per_device_batch, resolved.data.global_batch) == (16, 128)
 
 
+def test_more_epochs_on_a_schedule_that_ends_at_zero_are_not_offered_its_end(strategy8, tmp_path):
+    """mnist's schedule ends at a rate of 0: the fix offered (decay_steps kept) trained the added
+    epochs at 0, saving checkpoints of weights that never changed."""
+    first = _resolved(strategy8, tmp_path, "trainer.epochs=2")
+    assert first.optimizer.final_lr_fraction == 0
+    _with_checkpoint(tmp_path, first)
+    with pytest.raises(ConfigError) as err:
+        check_continuation(tmp_path, _resolved(strategy8, tmp_path, "trainer.epochs=3"))
+    message = str(err.value)
+    assert "add optimizer.decay_steps" not in message
+    assert "ends at a learning rate of 0 (optimizer.final_lr_fraction=0), so steps past its end would not train" in (
+        message
+    )
+
+
 def test_more_epochs_keep_the_schedule_or_are_refused_with_the_fix(strategy8, tmp_path, capsys):
-    first = _resolved(strategy8, tmp_path, "trainer.epochs=2", "optimizer.warmup_steps=2")
+    first = _resolved(
+        strategy8, tmp_path, "trainer.epochs=2", "optimizer.warmup_steps=2", "optimizer.final_lr_fraction=0.1"
+    )
     assert first.optimizer.decay_steps == 2 * (1000 // 128)
     _with_checkpoint(tmp_path, first)
-    longer = _resolved(strategy8, tmp_path, "trainer.epochs=3", "optimizer.warmup_steps=2")
+    longer = _resolved(
+        strategy8, tmp_path, "trainer.epochs=3", "optimizer.warmup_steps=2", "optimizer.final_lr_fraction=0.1"
+    )
     with pytest.raises(ConfigError) as err:
         check_continuation(tmp_path, longer)
     message = str(err.value)
     assert "optimizer.decay_steps: 14 in the run, 21 now" in message
     assert "trainer.epochs 2 -> 3" in message and "add optimizer.decay_steps=14" in message
     # with the run's horizon kept, more epochs are a safe change, announced
-    kept = _resolved(strategy8, tmp_path, "trainer.epochs=3", "optimizer.warmup_steps=2", "optimizer.decay_steps=14")
+    kept = _resolved(
+        strategy8,
+        tmp_path,
+        "trainer.epochs=3",
+        "optimizer.warmup_steps=2",
+        "optimizer.final_lr_fraction=0.1",
+        "optimizer.decay_steps=14",
+    )
     check_continuation(tmp_path, kept)
     assert "trainer.epochs 2 -> 3" in capsys.readouterr().out
     # and the schedule does stay: the rate after step 14 is the final one, no jump
@@ -111,6 +137,13 @@ def test_schedule_line_says_what_a_short_run_does():
     short = OptimizerConfig(learning_rate=0.003, reference_batch=32, warmup_steps=4, final_lr_fraction=0.1)
     line = describe_schedule(dataclasses_replace(cfg, short), make_optimizer(short, 32, total_steps=24), 30)
     assert line.endswith("4 warmup steps, cosine decay over 20 steps, then 0.0003 for the run's last 6 steps")
+    # A schedule that ends at 0 (every preset's): the steps past it run and save, changing nothing.
+    to_zero = OptimizerConfig(learning_rate=0.003, reference_batch=32, warmup_steps=4, final_lr_fraction=0.0)
+    line = describe_schedule(dataclasses_replace(cfg, to_zero), make_optimizer(to_zero, 32, total_steps=24), 30)
+    assert line.endswith(
+        "then 0 for the run's last 6 steps (warning: at a rate of 0 they do not change the model; "
+        "optimizer.final_lr_fraction sets the end)"
+    )
 
 
 def dataclasses_replace(cfg, optimizer):

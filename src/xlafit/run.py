@@ -218,6 +218,8 @@ def describe_schedule(cfg: Config, plan: OptimizerPlan, run_steps: int | None = 
     after = run_steps - plan.decay_steps
     last = float(plan.schedule(plan.decay_steps))
     beyond = f", then {last:.4g} for the run's last {after} steps" if after > 0 else ""
+    if after > 0 and last == 0:
+        beyond += " (warning: at a rate of 0 they do not change the model; optimizer.final_lr_fraction sets the end)"
     if o.warmup_steps >= plan.decay_steps:  # the warm-up is cut to the schedule's length
         if after > 0:
             return line + f"warmup over the schedule's {plan.decay_steps} steps (of {o.warmup_steps} asked){beyond}"
@@ -504,10 +506,19 @@ def check_continuation(
         if "optimizer.decay_steps" in breaking and "trainer.epochs" in changed:
             hint = (
                 f" trainer.epochs {saved.get('trainer.epochs')} -> {now.get('trainer.epochs')} would stretch the "
-                "learning-rate schedule over the new length, so the rate would jump back up at the next step. To "
-                f"train longer on the run's schedule, add optimizer.decay_steps={saved['optimizer.decay_steps']} "
-                "(the added steps then train at its final rate)."
+                "learning-rate schedule over the new length, so the rate would jump back up at the next step. "
             )
+            if saved.get("optimizer.final_lr_fraction"):
+                kept = saved["optimizer.decay_steps"]
+                hint += (
+                    f"To train longer on the run's schedule, add optimizer.decay_steps={kept} (the added steps then "
+                    "train at its final rate)."
+                )
+            else:  # the schedule ends at 0: steps past it would run and save without changing a weight
+                hint += (
+                    "The run's schedule ends at a learning rate of 0 (optimizer.final_lr_fraction=0), so steps past "
+                    "its end would not train: to train longer, start over with the new trainer.epochs."
+                )
         elif breaking == ["optimizer.decay_steps"]:
             data = [k for k in changed if k.startswith("data.")]
             because = f"this data ({', '.join(data)} changed)" if data else "this data"
