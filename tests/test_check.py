@@ -81,7 +81,7 @@ def test_violations_written_other_ways(tmp_path):
         assert [(f.rule, f.line) for f in report.findings] == [(rule, line)], (name, report.format())
 
 
-def test_cli_exit_codes_and_json():
+def test_cli_exit_codes_and_json(tmp_path):
     env = {**os.environ}
     env.pop("XLA_FLAGS", None)
 
@@ -97,6 +97,11 @@ def test_cli_exit_codes_and_json():
     assert out.returncode == 1 and report["findings"][0]["kind"] == "batch" and "multiple of 8" in out.stdout
     out = run(str(CASES / "missing.py"))
     assert out.returncode == 2 and "does not exist" in out.stderr
+    # A file that prints (the static-shapes guide's example does): its lines went into the JSON.
+    printing = tmp_path / "printing.py"
+    printing.write_text((CASES / "clean.py").read_text() + "\nprint(batch['x'].shape)\n")
+    out = run(str(printing), "--json")
+    assert json.loads(out.stdout)["ok"] and "(8, 4)" in out.stderr, out.stdout
 
 
 def test_planner_on_the_korean_corpus_beats_multiples(tmp_path, monkeypatch):

@@ -153,9 +153,10 @@ def load_file(path: Path) -> dict[str, Any]:
     The file runs with Flax's eager sharding off: a parameter annotated as Flax's guides show
     (``nnx.with_partitioning(init, ("embed", "mlp"))``) keeps its names as metadata, which
     the sharding rules lay over each layout's mesh, instead of asking for a mesh at import.
+    What it prints goes to stderr: stdout is the report's (``--json``: JSON alone).
     """
     try:
-        with nnx.use_eager_sharding(False):
+        with nnx.use_eager_sharding(False), contextlib.redirect_stdout(sys.stderr):
             namespace = runpy.run_path(str(path), run_name="__xlafit_check__")
     except Exception as e:
         raise _load_error(path, e) from None
