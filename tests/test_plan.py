@@ -355,6 +355,10 @@ def test_plan_of_a_recipe_is_read_back_by_train_and_check(tmp_path):
     the winner's mesh and batch."""
     plan = plan_recipe("mnist", ["trainer.steps_per_call=1"], "v5e-4")
     assert {o.candidate.global_batch for o in plan.outcomes} == {128}
+    # The preset's trainer.invariant_chunks (pure data parallelism only) gives way to layouts
+    # that split the model: they were error rows.
+    assert [o.error for o in plan.outcomes if o.error] == []
+    assert any(o.candidate.mesh[1] > 1 for o in plan.outcomes)
     assert all(o.stage == "layout" for o in plan.outcomes)  # everything fits: no levers, no batch search
     winner = plan.winner
     fastest = max(o.prediction.examples_per_s for o in plan.fitting())

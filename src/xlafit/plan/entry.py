@@ -156,6 +156,10 @@ def recipe_planner(
     base, cfg, train_examples = recipe_program(name, overrides, preset)
     remat, scan = getattr(cfg.model, "remat", None), getattr(cfg.model, "scan_layers", None)
     cache: dict[tuple, Program] = {(remat, (), scan, None): base}
+    # The preset's trainer.invariant_chunks holds for pure data parallelism only: it gives way
+    # to a candidate that splits the model, as it does to the user's mesh (config.load);
+    # asked for by the user, it stays, and such candidates say why they cannot run.
+    asked = any(o.split("=", 1)[0].strip() == "trainer.invariant_chunks" for o in overrides)
 
     def maker(c: Candidate, layers: int | None) -> Program:
         key = (c.remat, c.numerics, c.scan, layers)
@@ -165,6 +169,8 @@ def recipe_planner(
             keys += [f"model.num_layers={layers}"] if layers is not None else []
             cache[key] = recipe_program(name, [*overrides, *keys, *(f"{k}={v}" for k, v in c.numerics)], preset)[0]
         config = dataclasses.replace(cache[key].config, accumulate_steps=c.accumulate)
+        if not asked and (c.mesh[1] > 1 or c.mesh[2] > 1):
+            config = dataclasses.replace(config, invariant_chunks=None)
         return dataclasses.replace(cache[key], mesh=c.mesh, config=config)
 
     layers = getattr(getattr(base.model, "cfg", None), "num_layers", 0) if scan is not None else 0
