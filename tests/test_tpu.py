@@ -490,6 +490,16 @@ def test_a_tensor_parallel_report_counts_cores_and_batch_shards_apart():
     assert "global 32; each batch shard is shared by a tensor group of 2 cores" in format_report(r)
 
 
+def test_an_eight_chip_v5e_or_v6e_is_one_host():
+    """v5litepod-8 (Kaggle's TPU) and v6e-8 are one VM of 8 chips; libtpu's default 2x2-chip
+    host made them two processes, and plan never tried tensor parallelism over 8 chips."""
+    from xlafit.platform.hardware import devices
+
+    hosts = {name: len({d.process_index for d in devices(tpu.parse_target(name))}) for name in
+             ("v5e-1", "v5e-4", "v5e-8", "v6e-8", "v5e-16", "v4-8", "v4-16")}  # fmt: skip
+    assert hosts == {"v5e-1": 1, "v5e-4": 1, "v5e-8": 1, "v6e-8": 1, "v5e-16": 4, "v4-8": 1, "v4-16": 2}
+
+
 @pytest.mark.parametrize("name", ["v5e-16", "v4-32"])
 def test_a_slices_mesh_keeps_hosts_contiguous_and_tensor_groups_on_neighbouring_chips(name):
     """The mesh xlafit lays over a multi-host slice (libtpu's devices and coordinates): each

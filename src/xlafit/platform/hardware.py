@@ -69,6 +69,9 @@ class Generation:
         ici_ports: ICI ports per chip (one per torus neighbour: 4 in 2D, 6 in 3D).
         wraparound: the torus axis length from which a slice's axis closes into a ring; a
             shorter axis is a line (a bidirectional ring over a line moves half as much).
+        host_chips: chips of the largest slice that is one VM (one JAX process): 8 for v5e
+            and v6e (v5litepod-8 on ct5lp-hightpu-8t, v6e-8 on ct6e-standard-8t), 4 for the
+            others (a v4-8 or v5p-8 is 4 chips on one host). Larger slices have 4 per host.
     """
 
     name: str
@@ -84,6 +87,7 @@ class Generation:
     ici_gbps: float | None = None
     ici_ports: int = 4
     wraparound: int = 16
+    host_chips: int = 4
 
 
 GENERATIONS: dict[str, Generation] = {
@@ -93,7 +97,18 @@ GENERATIONS: dict[str, Generation] = {
         Generation("v3", 2, False, "cores", 2, 32, 123, 900, "cloud.google.com/tpu/docs/v3", ("TPU v3",)),
         Generation("v4", 2, True, "cores", 3, 32, 275, 1200, "cloud.google.com/tpu/docs/v4", ("TPU v4",), None, 6, 4),
         Generation(
-            "v5e", 1, False, "chips", 2, 16, 197, 819, "cloud.google.com/tpu/docs/v5e", ("TPU v5 lite", "TPU v5e"), 400
+            "v5e",
+            1,
+            False,
+            "chips",
+            2,
+            16,
+            197,
+            819,
+            "cloud.google.com/tpu/docs/v5e",
+            ("TPU v5 lite", "TPU v5e"),
+            400,
+            host_chips=8,
         ),
         Generation(
             "v5p",
@@ -111,7 +126,18 @@ GENERATIONS: dict[str, Generation] = {
             4,
         ),
         Generation(
-            "v6e", 1, False, "chips", 2, 32, 918, 1638, "cloud.google.com/tpu/docs/v6e", ("TPU v6 lite", "TPU v6e"), 800
+            "v6e",
+            1,
+            False,
+            "chips",
+            2,
+            32,
+            918,
+            1638,
+            "cloud.google.com/tpu/docs/v6e",
+            ("TPU v6 lite", "TPU v6e"),
+            800,
+            host_chips=8,
         ),
         Generation(
             "tpu7x", 2, False, "cores", 3, 192, 2307, 7380, "cloud.google.com/tpu/docs/tpu7x", ("TPU7x",), 1200, 6, 4
@@ -367,8 +393,8 @@ def devices(target: Target) -> list[Any]:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
     options: dict[str, Any] = {"chip_config_name": "megacore"} if target.generation.megacore else {}
-    if target.chips == 1:  # libtpu's default host is 2x2 chips; a single-chip VM is its own host
-        options["chips_per_host_bounds"] = (1, 1, 1)
+    if target.chips <= target.generation.host_chips:  # one VM (libtpu's default host is 2x2 chips)
+        options["chips_per_host_bounds"] = (*target.shape, 1, 1)[:3]
     with quiet_stderr():
         topology = topologies.get_topology_desc(platform="tpu", topology_name=target.topology, **options)
     found = list(topology.devices)
