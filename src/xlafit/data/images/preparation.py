@@ -123,7 +123,15 @@ def _is_split(path: Path) -> bool:
 
 def _image_folder(root: Path) -> tuple[list[tuple[str, int]], list[str]]:
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    # images directly in root, which an image folder does not read: their folder is their class
+    loose = [p for p in root.iterdir() if p.suffix.lower() in EXTENSIONS and p.is_file()]
+    per_class = f"one folder per class ({root / 'cat'}/*.jpg, {root / 'dog'}/*.jpg, ...)"
     if not classes:
+        if loose:
+            raise DataError(
+                f"the {len(loose)} image(s) of {root} sit directly in it, with no class folders; "
+                f"move them into {per_class}, as torchvision's ImageFolder reads."
+            )
         raise DataError(
             f"{root} has no class folders; an image folder holds one folder per class with its images "
             "(e.g. cat/1.jpg, dog/2.png), as torchvision's ImageFolder reads."
@@ -135,6 +143,11 @@ def _image_folder(root: Path) -> tuple[list[tuple[str, int]], list[str]]:
         if p.suffix.lower() in EXTENSIONS and p.is_file()
     ]
     if not files:
+        if loose:
+            raise DataError(
+                f"the {len(loose)} image(s) of {root} sit directly in it, and its folder(s) "
+                f"{', '.join(classes[:5])} hold none; move the images into {per_class}."
+            )
         raise DataError(f"{root} holds no {', '.join(EXTENSIONS)} files under its class folders.")
     return files, classes
 
