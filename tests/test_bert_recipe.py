@@ -23,6 +23,26 @@ def test_demo_corpus_is_built_once_into_the_cache(tmp_path, monkeypatch, capsys)
     assert float(losses.mean()) == pytest.approx(np.log(1000), abs=0.5)  # untrained: about uniform
 
 
+def test_eval_fraction_with_prepared_data_is_refused(tmp_path, monkeypatch, korean_tokenizer, capsys):
+    """``data.eval_fraction`` with a data_dir was ignored (the split is the manifest's) yet
+    recorded in the run's config.yaml as if it had been used."""
+    from xlafit.cli import main
+    from xlafit.data import mlm
+    from xlafit.data.text import korean_demo_files
+
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
+    prepared = str(tmp_path / "mlm")
+    mlm.prepare(korean_tokenizer, korean_demo_files(), prepared, seq_len=64, show_progress=False)
+    run = tmp_path / "run"
+    args = ["train", "bert", "--data-dir", prepared, "--run-dir", str(run), "data.eval_fraction=0.5"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"data.eval_fraction=0.5 but {prepared} was split into train and eval when it was prepared" in err
+    assert "`xlafit data mlm --eval-fraction 0.5`" in err and not (run / "config.yaml").exists()
+    train, evaluation = recipe.load_data(load_config("bert", [f"data.data_dir={prepared}"]))  # the default is fine
+    assert len(train) > 100 and len(evaluation) > 0
+
+
 def test_sequence_length_and_vocabulary_come_from_the_data():
     from helpers import mlm_dataset
     from xlafit.errors import ConfigError

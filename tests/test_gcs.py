@@ -521,6 +521,25 @@ def test_image_shards_in_a_bucket_are_not_replaced_without_overwrite(gcs, tmp_pa
     assert len(load_split(out, "train")[0]) == 4
 
 
+def test_mlm_shards_in_a_bucket_are_not_replaced_without_overwrite(gcs, tmp_path, monkeypatch, korean_tokenizer):
+    from xlafit.data.mlm import load_split, prepare
+    from xlafit.data.text import korean_demo_files
+    from xlafit.errors import DataError
+    from xlafit.io.paths import filesystem
+
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
+    out, files = f"{gcs.bucket}/mlm", korean_demo_files()
+    prepare(korean_tokenizer, files, out, seq_len=64, shard_size=50, show_progress=False)  # several shards
+    with pytest.raises(DataError, match=r"already holds prepared MLM data \(eval-00000.parquet, .*--overwrite"):
+        prepare(korean_tokenizer, files, out, seq_len=64, show_progress=False)
+    manifest = prepare(korean_tokenizer, files, out, seq_len=64, show_progress=False, overwrite=True)
+    fs, root = filesystem(out)
+    fs.invalidate_cache()
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
+    assert names == ["eval-00000.parquet", "manifest.json", "tokenizer", "train-00000.parquet"]
+    assert len(load_split(out, "train")[0]["input_ids"]) == manifest["splits"]["train"]["sequences"]
+
+
 @pytest.mark.parametrize("verdict", ["403", "dead"])
 def test_image_shards_that_cannot_be_read_are_named_with_the_fix(gcs, tmp_path, monkeypatch, verdict):
     """No permission to read (a machine with no credentials for the bucket) or a server that is

@@ -321,6 +321,22 @@ def test_a_16_bit_png_keeps_its_brightness(channels):
         assert np.array_equal(out[..., c], (pixels >> 8).astype(np.uint8))
 
 
+@pytest.mark.parametrize("empty_class", [True, False])
+def test_images_directly_in_the_input_folder_are_named_with_the_fix(tmp_path, capsys, empty_class):
+    """Images at the top of --input, beside an empty class folder, were reported as "no .jpg, ...
+    files under its class folders", which does not say where they are or where they go."""
+    flat = write_folder(tmp_path / "flat", classes=("all",), per_class=3)
+    for image in (flat / "all").iterdir():
+        image.rename(flat / image.name)
+    if not empty_class:
+        (flat / "all").rmdir()
+    assert main(["data", "images", "--input", str(flat), "--out", str(tmp_path / "o"), "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"the 3 image(s) of {flat} sit directly in it" in err
+    assert f"one folder per class ({flat / 'cat'}/*.jpg, {flat / 'dog'}/*.jpg, ...)" in err
+    assert ("its folder(s) all hold none" in err) == empty_class
+
+
 def test_an_empty_class_folder_is_refused_by_name(tmp_path):
     """An empty class folder was a class with no image: a label the model learns never to predict."""
     folder = write_folder(tmp_path / "in", per_class=1)

@@ -66,6 +66,39 @@ def test_prepare_names_bad_input(tmp_path, korean_tokenizer):
         mlm.load_split(str(out), "train")
 
 
+def test_an_out_that_already_holds_prepared_data_is_refused_unless_overwrite(
+    tmp_path, monkeypatch, korean_tokenizer, capsys
+):
+    """Preparing into a directory that held earlier MLM data replaced it silently and left the
+    shards the new manifest no longer lists (a run resuming there mixed two datasets); now it
+    needs --overwrite, which removes them."""
+    from xlafit.cli import main
+
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "mlm"
+    args = ["data", "mlm", "--tokenizer", str(korean_tokenizer), "--input", *korean_demo_files()]
+    args += ["--seq-len", "64", "--out", str(out)]
+    assert main([*args, "--shard-size", "50"]) == 0
+    assert len(list(out.glob("train-*.parquet"))) > 1
+    (out / "notes.txt").write_text("the user's")
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "already holds prepared MLM data (eval-00000.parquet, " in err and "pass --overwrite" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before  # nothing written or removed
+    assert main([*args, "--overwrite"]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["eval-00000.parquet", "manifest.json", "notes.txt", "tokenizer", "train-00000.parquet"]
+    data, _ = mlm.load_split(str(out), "train")
+    assert len(data["input_ids"]) == json.loads((out / "manifest.json").read_text())["splits"]["train"]["sequences"]
+    # an overwrite that fails leaves no manifest listing shards it may have replaced
+    (tmp_path / "blank.txt").write_text("\n\n")
+    with pytest.raises(DataError, match="no text to train on"):
+        mlm.prepare(korean_tokenizer, [str(tmp_path / "blank.txt")], str(out), overwrite=True, show_progress=False)
+    assert not (out / "manifest.json").exists()
+
+
 def test_split_is_decoded_once_into_a_memory_mapped_cache(tmp_path, monkeypatch, caplog, korean_tokenizer):
     monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
     url, files = str(tmp_path / "data"), korean_demo_files()
@@ -102,7 +135,7 @@ def test_split_is_decoded_once_into_a_memory_mapped_cache(tmp_path, monkeypatch,
     stale = tmp_path / "cache" / "mlm" / "killed.abc.tmp"
     stale.mkdir()
     os.utime(stale, (time.time() - 2 * 86400,) * 2)
-    mlm.prepare(korean_tokenizer, files, url, seq_len=64, shard_size=100, seed=1, show_progress=False)
+    mlm.prepare(korean_tokenizer, files, url, seq_len=64, shard_size=100, seed=1, show_progress=False, overwrite=True)
     new, _ = mlm.load_split(url, "train")
     assert len(caches()) == 1 and caches() != first and not stale.exists()
     assert not np.array_equal(new["input_ids"][:100], in_memory["input_ids"][:100])

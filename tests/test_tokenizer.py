@@ -52,3 +52,32 @@ def test_nfd_would_have_split_hangul(tmp_path):
 
     assert new_tokenizer(strip_accents=False).normalizer.normalize_str("한국") == "한국"
     assert new_tokenizer(strip_accents=True).normalizer.normalize_str("한국") != "한국"
+
+
+def test_an_out_that_is_a_file_is_refused_before_training(tmp_path, capsys):
+    """``--out`` naming an existing file ended, after the training, in mkdir's FileExistsError traceback."""
+    from xlafit.cli import main
+
+    corpus = tmp_path / "a.txt"
+    corpus.write_text("the cat sat on the mat\nthe dog sat on the log\n" * 20)
+    taken = tmp_path / "b.txt"
+    taken.write_text("the user's notes\n")
+    args = ["tokenizer", "train", "--input", str(corpus), "--vocab-size", "500", "--out", str(taken)]
+    assert main(args) == 2
+    assert f"--out {taken} is a file; give a directory" in capsys.readouterr().err
+    assert taken.read_text() == "the user's notes\n"
+
+
+@pytest.mark.parametrize("text", ['{"x": 1}', "garbage{"])
+def test_a_tokenizer_json_that_is_not_one_is_named_with_the_fix(tmp_path, capsys, text):
+    """``xlafit data mlm --tokenizer`` on a damaged or foreign tokenizer.json printed tokenizers'
+    bare ``Exception: expected ...`` traceback."""
+    from xlafit.cli import main
+
+    (tmp_path / "badtok").mkdir()
+    (tmp_path / "badtok" / "tokenizer.json").write_text(text)
+    args = ["data", "mlm", "--tokenizer", str(tmp_path / "badtok"), "--input", *korean_demo_files()]
+    assert main([*args, "--out", str(tmp_path / "mlm")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'badtok' / 'tokenizer.json'} is not a Hugging Face tokenizer.json (" in err
+    assert "make one with `xlafit tokenizer train`" in err and "Traceback" not in err

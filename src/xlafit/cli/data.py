@@ -38,6 +38,9 @@ def _register_mlm(data_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-fraction", type=float, default=0.05, help="documents held out for evaluation")
     p.add_argument("--seed", type=int, default=0, help="the held-out documents and the packing's draws")
     p.add_argument("--shard-size", type=int, default=65536, help="sequences per shard")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace data prepared in --out before (refused without it)"
+    )
     p.set_defaults(run=run_mlm)
 
 
@@ -80,6 +83,7 @@ def run_mlm(args: argparse.Namespace) -> int:
         seed=args.seed,
         shard_size=args.shard_size,
         show_progress=sys.stderr.isatty(),
+        overwrite=args.overwrite,
     )
     for split, info in manifest["splits"].items():
         fill = info["tokens"] / max(info["sequences"] * args.seq_len, 1)

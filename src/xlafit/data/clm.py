@@ -46,6 +46,7 @@ from xlafit.data.chat import (
 from xlafit.data.hashing import hash_uniform
 from xlafit.data.shapes import pack
 from xlafit.data.text import documents
+from xlafit.data.tokenizer import read_tokenizer_json
 from xlafit.errors import DataError
 from xlafit.io import hub
 from xlafit.io.paths import as_path, describe_error, filesystem, is_url
@@ -89,14 +90,8 @@ def load_tokenizer(where: str | Path) -> Tokenizer:
     Raises:
         DataError: there is no ``tokenizer.json`` there, or the file is not one.
     """
-    path = _tokenizer_path(where)
-    try:
-        return Tokenizer.from_str(path.read_text())
-    except Exception as e:  # tokenizers raises a bare Exception for JSON that is not a tokenizer
-        raise DataError(
-            f"{path} is not a Hugging Face tokenizer.json ({e}); give data.tokenizer as a model directory's "
-            "tokenizer.json or the directory holding it."
-        ) from None
+    fix = "give data.tokenizer as a model directory's tokenizer.json or the directory holding it."
+    return read_tokenizer_json(_tokenizer_path(where), fix)
 
 
 def tokenizer_json(where: str | Path) -> str:

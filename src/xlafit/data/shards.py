@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,6 +24,8 @@ from xlafit.io.paths import check_bucket, describe_error, filesystem, is_url
 
 if TYPE_CHECKING:
     import pyarrow as pa
+
+log = logging.getLogger("xlafit")
 
 
 @contextlib.contextmanager
@@ -48,6 +52,57 @@ def output_dir(out: str | Path, what: str) -> tuple[fsspec.AbstractFileSystem, s
     with writing(out, what):
         fs.makedirs(root, exist_ok=True)
     return fs, root
+
+
+def earlier_preparation(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    out: str | Path,
+    manifest: str,
+    data: str,
+    what: str,
+    overwrite: bool,
+) -> list[str]:
+    """The shards (``<split>-NNNNN.parquet``) an earlier preparation left in ``root``, for
+    :func:`remove_unlisted` to clear once the new manifest is written.
+
+    Shards without a manifest (an interrupted preparation: unusable) are replaced. A manifest
+    is refused unless ``overwrite``; with it, the manifest is removed here, before any shard is
+    replaced, so that a preparation interrupted now leaves none that lists shards it changed.
+    ``data`` names the data for messages ("images", "MLM data"), ``what`` the files being
+    written ("the MLM shards").
+
+    Raises:
+        DataError: ``root`` holds a manifest and not ``overwrite``; nothing was written.
+    """
+    with writing(out, what):
+        try:
+            names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
+        except FileNotFoundError:  # an object store's new "directory" holds nothing yet
+            names = []
+        earlier = [n for n in names if n == manifest or re.fullmatch(r"(train|eval)-\d{5,}\.parquet", n)]
+        if earlier and manifest not in earlier:
+            log.warning("--out %s: %d shard(s) of an unfinished preparation are replaced", out, len(earlier))
+        elif earlier and not overwrite:
+            found = ", ".join(earlier[:3]) + (", ..." if len(earlier) > 3 else "")
+            raise DataError(
+                f"--out {out} already holds prepared {data} ({found}); "
+                "choose an empty directory, or pass --overwrite to replace them."
+            )
+        elif earlier:
+            fs.rm(f"{root}/{manifest}")
+    return [n for n in earlier if n != manifest]
+
+
+def remove_unlisted(
+    fs: fsspec.AbstractFileSystem, root: str, out: str | Path, what: str, earlier: Sequence[str], manifest: dict
+) -> None:
+    """Removes the shards of ``earlier`` (:func:`earlier_preparation`) that the new ``manifest`` does not list."""
+    listed = {s["path"] for info in manifest["splits"].values() for s in info["shards"]}
+    with writing(out, what):
+        for name in earlier:
+            if name not in listed:
+                fs.rm(f"{root}/{name}")
 
 
 @contextlib.contextmanager

@@ -111,8 +111,10 @@ def train_tokenizer(
         strip_accents: NFD + drop combining marks; splits Hangul into jamo, so off.
 
     Raises:
-        DataError: ``vocab_size`` too small, or no text in ``files``.
+        DataError: ``out`` is a file, ``vocab_size`` too small, or no text in ``files``.
     """
+    if not is_url(out) and Path(out).is_file():  # refused before the training, not after it
+        raise DataError(f"--out {out} is a file; give a directory (tokenizer.json, vocab.txt and configs go in it).")
     if vocab_size <= len(SPECIAL_TOKENS) + 10:
         raise DataError(f"--vocab-size {vocab_size} is too small; BERT vocabularies hold thousands (try 8000).")
     tok = new_tokenizer(lowercase, strip_accents)
@@ -181,7 +183,7 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     """The tokenizer saved in ``directory`` by :func:`train_tokenizer`.
 
     Raises:
-        DataError: no ``tokenizer.json`` there, or it lacks BERT's special tokens.
+        DataError: no ``tokenizer.json`` there, not one, or it lacks BERT's special tokens.
     """
     path = as_path(directory) / "tokenizer.json"  # a local directory or a URL
     try:
@@ -190,11 +192,31 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
         raise DataError(f"cannot read the tokenizer: {describe_error(path, e)}") from None
     if not found:
         raise DataError(f"{directory} holds no tokenizer.json; create one with `xlafit tokenizer train`.")
-    tok = Tokenizer.from_str(path.read_text(encoding="utf-8"))
+    tok = read_tokenizer_json(path, "make one with `xlafit tokenizer train`.")
     missing = [t for t in SPECIAL_TOKENS if tok.token_to_id(t) is None]
     if missing:
         raise DataError(f"the tokenizer in {directory} lacks BERT's special tokens {missing}.")
     return tok
+
+
+def read_tokenizer_json(where: str | Path, fix: str) -> Tokenizer:
+    """The tokenizer in the ``tokenizer.json`` file ``where`` (local or a URL).
+
+    Raises:
+        DataError: the file cannot be read, or is not a Hugging Face ``tokenizer.json``;
+            ``fix`` ends the message with what to give instead.
+    """
+    path = as_path(where)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise DataError(f"cannot read the tokenizer: {describe_error(path, e)}") from None
+    except UnicodeDecodeError:
+        raise DataError(f"{path} is not a Hugging Face tokenizer.json (it is not UTF-8 text); {fix}") from None
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as e:  # tokenizers raises a bare Exception for JSON that is not a tokenizer
+        raise DataError(f"{path} is not a Hugging Face tokenizer.json ({e}); {fix}") from None
 
 
 def measure(

@@ -30,6 +30,7 @@ from xlafit.recipes.base import Recipe, Throughput
 from xlafit.train.losses import masked_accuracy, masked_mean
 
 DEMO_VOCAB_SIZE, DEMO_SEQ_LEN = 2000, 128  # the Korean demo's tokenizer and sequences
+DEMO_EVAL_FRACTION = 0.1  # of the demo's documents; prepared data was split by `xlafit data mlm`
 SYNTHETIC_VOCAB_SIZE = 30522  # BERT's English WordPiece vocabulary (bert-base-uncased)
 
 
@@ -69,7 +70,7 @@ class BertDataConfig(xconfig.DataConfig):
     mask_prob: float = 0.15  # the share of tokens masked for prediction (BERT: 15%)
     max_predictions: int = 20  # masked positions per sequence at most (the MLM head runs on these)
     whole_word_mask: bool = False  # mask every piece of a word together
-    eval_fraction: float = 0.1  # of the demo's documents
+    eval_fraction: float = DEMO_EVAL_FRACTION  # of the demo's documents (a data_dir holds its own split)
     # synthetic: random token ids (data.seq_len, default 128; data.vocab_size, default 30522)
     # instead of a corpus: for `xlafit check --tpu` and speed tests at BERT's real sizes.
     source: Literal["corpus", "synthetic"] = "corpus"
@@ -151,7 +152,12 @@ def synthetic(seq_len: int, vocab_size: int, examples: int, seed: int, masking: 
 
 
 def load_data(cfg: Config) -> tuple[mlm.MLMDataset, mlm.MLMDataset]:
-    """(train, eval) masked-LM datasets; eval masks stay fixed (epoch 0)."""
+    """(train, eval) masked-LM datasets; eval masks stay fixed (epoch 0).
+
+    Raises:
+        ConfigError: ``data.eval_fraction`` was set with a ``data_dir`` (its split was made when
+            it was prepared), or ``data.source=synthetic`` with one.
+    """
     d = data_config(cfg)
     masking = mlm.MaskingConfig(d.mask_prob, d.max_predictions, d.whole_word_mask, d.seed)
     if d.source == "synthetic":
@@ -159,6 +165,12 @@ def load_data(cfg: Config) -> tuple[mlm.MLMDataset, mlm.MLMDataset]:
             raise ConfigError("data.source=synthetic makes its own data: leave data.data_dir unset.")
         seq, vocab, n = d.seq_len or DEMO_SEQ_LEN, d.vocab_size or SYNTHETIC_VOCAB_SIZE, d.synthetic_examples
         return synthetic(seq, vocab, n, d.seed, masking), synthetic(seq, vocab, max(1, n // 8), d.seed + 1, masking)
+    if d.data_dir and d.eval_fraction != DEMO_EVAL_FRACTION:  # refused before the data is read
+        raise ConfigError(
+            f"data.eval_fraction={d.eval_fraction} but {d.data_dir} was split into train and eval when it was "
+            "prepared; leave data.eval_fraction unset with a data_dir (it splits the demo's documents only), or "
+            f"prepare the data again with `xlafit data mlm --eval-fraction {d.eval_fraction}`."
+        )
     where = data_location(cfg)
     train = mlm.MLMDataset.from_prepared(where, "train", masking)
     evaluation = mlm.MLMDataset.from_prepared(where, "eval", masking)

@@ -25,7 +25,6 @@ import multiprocessing
 import multiprocessing.pool
 import multiprocessing.resource_tracker
 import os
-import re
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -124,7 +123,15 @@ def _is_split(path: Path) -> bool:
 
 def _image_folder(root: Path) -> tuple[list[tuple[str, int]], list[str]]:
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    # images directly in root, which an image folder does not read: their folder is their class
+    loose = [p for p in root.iterdir() if p.suffix.lower() in EXTENSIONS and p.is_file()]
+    per_class = f"one folder per class ({root / 'cat'}/*.jpg, {root / 'dog'}/*.jpg, ...)"
     if not classes:
+        if loose:
+            raise DataError(
+                f"the {len(loose)} image(s) of {root} sit directly in it, with no class folders; "
+                f"move them into {per_class}, as torchvision's ImageFolder reads."
+            )
         raise DataError(
             f"{root} has no class folders; an image folder holds one folder per class with its images "
             "(e.g. cat/1.jpg, dog/2.png), as torchvision's ImageFolder reads."
@@ -136,6 +143,11 @@ def _image_folder(root: Path) -> tuple[list[tuple[str, int]], list[str]]:
         if p.suffix.lower() in EXTENSIONS and p.is_file()
     ]
     if not files:
+        if loose:
+            raise DataError(
+                f"the {len(loose)} image(s) of {root} sit directly in it, and its folder(s) "
+                f"{', '.join(classes[:5])} hold none; move the images into {per_class}."
+            )
         raise DataError(f"{root} holds no {', '.join(EXTENSIONS)} files under its class folders.")
     return files, classes
 
@@ -306,18 +318,7 @@ def prepare(
             names,
         )
     fs, root = output_dir(out, "the image shards")
-    with writing(out, "the image shards"):
-        earlier = _prepared_files(fs, root)
-    if earlier and MANIFEST not in earlier:
-        # Shards without a manifest: a preparation that was interrupted. They are ours (their
-        # names), unusable, and the new manifest will not list them: cleared after it is written.
-        log.warning("--out %s: %d shard(s) of an unfinished preparation are replaced", out, len(earlier))
-    elif earlier and not overwrite:
-        found = ", ".join(earlier[:3]) + (", ..." if len(earlier) > 3 else "")
-        raise DataError(
-            f"--out {out} already holds prepared images ({found}); "
-            "choose an empty directory, or pass --overwrite to replace them."
-        )
+    earlier = shards.earlier_preparation(fs, root, out, MANIFEST, "images", "the image shards", overwrite)
     manifest_splits: dict[str, dict] = {}
     channels = 1
     workers = workers or os.cpu_count() or 1
@@ -347,11 +348,7 @@ def prepare(
     }
     with writing(out, "the image shards"), fs.open(f"{root}/{MANIFEST}", "w") as f:
         json.dump(manifest, f, indent=2)
-    listed = {s["path"] for info in manifest_splits.values() for s in info["shards"]}
-    with writing(out, "the image shards"):
-        for name in earlier:  # only with overwrite: the previous preparation's shards the new manifest drops
-            if name != MANIFEST and name not in listed:
-                fs.rm(f"{root}/{name}")
+    shards.remove_unlisted(fs, root, out, "the image shards", earlier, manifest)
     return manifest
 
 
@@ -390,15 +387,6 @@ def _worker_pool(workers: int) -> Iterator[multiprocessing.pool.Pool]:
 def _leave_sigint_to_parent() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # also discards one pending while blocked
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-
-
-def _prepared_files(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
-    """The names of what :func:`prepare` writes (``manifest.json``, ``<split>-NNNNN.parquet``) found in ``root``."""
-    try:
-        names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
-    except FileNotFoundError:  # an object store's new "directory" holds nothing yet
-        return []
-    return [n for n in names if n == MANIFEST or re.fullmatch(r"(train|eval)-\d{5,}\.parquet", n)]
 
 
 def read_manifest(url: str) -> tuple[fsspec.AbstractFileSystem, str, dict]:

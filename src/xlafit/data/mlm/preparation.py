@@ -163,6 +163,7 @@ def prepare(
     shard_size: int = 65536,
     batch_lines: int = 2000,
     show_progress: bool = True,
+    overwrite: bool = False,
 ) -> dict:
     """Tokenizes ``files`` and writes MLM sequences as Parquet shards + ``manifest.json``.
 
@@ -175,6 +176,8 @@ def prepare(
         files: UTF-8 text files or URLs.
         out: a local directory or fsspec URL.
         seq_len: tokens per sequence, ``[CLS]`` and ``[SEP]`` included.
+        overwrite: replace data prepared in ``out`` before (their shards that the new
+            manifest does not list are removed once it is written); without it they are refused.
 
     Returns:
         The manifest (also written to ``out/manifest.json``).
@@ -188,6 +191,7 @@ def prepare(
         raise DataError(f"--eval-fraction {eval_fraction} must lie in [0, 1).")
     tok = load_tokenizer(tokenizer_dir)
     fs, root = output_dir(out, "the MLM shards")
+    earlier = shards.earlier_preparation(fs, root, out, MANIFEST, "MLM data", "the MLM shards", overwrite)
     with writing(out, "the MLM shards"):
         _copy_tokenizer(tokenizer_dir, fs, f"{root}/tokenizer")
     rng = np.random.default_rng(seed)
@@ -245,6 +249,7 @@ def prepare(
     }
     with writing(out, "the MLM shards"), fs.open(f"{root}/{MANIFEST}", "w") as f:
         json.dump(manifest, f, indent=2)
+    shards.remove_unlisted(fs, root, out, "the MLM shards", earlier, manifest)
     return manifest
 
 
