@@ -25,7 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "resnet: of `xlafit data images`; llm: text, JSON-lines or Parquet files, a directory or glob of them, "
         "gs:// or hf://datasets/ URLs)",
     )
-    p.add_argument("--config", help="a YAML preset to use instead of the recipe's own")
+    p.add_argument(
+        "--config", help="a whole YAML config used instead of the recipe's preset: start from `xlafit config RECIPE`"
+    )
     p.add_argument(
         "--checkpoint-dir", help="checkpoints here instead of RUN_DIR/checkpoints: a path or gs://bucket/dir"
     )
