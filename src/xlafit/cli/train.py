@@ -67,7 +67,8 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
         theirs = _lookup(user, FLAG_KEYS[flag])
         if theirs is not _ABSENT and theirs != _lookup(flagged, FLAG_KEYS[flag]):
             option = "--" + flag.replace("_", "-") + ("" if flag == "restart" else f" {value}")
-            given_as = next(o for o in reversed(args.overrides) if o.partition("=")[0] == FLAG_KEYS[flag])
+            written = [o for o in args.overrides if o.partition("=")[0] == FLAG_KEYS[flag]]
+            given_as = written[-1] if written else f"{FLAG_KEYS[flag]}={theirs}"  # else inside a section's value
             raise ConfigError(
                 f"{option} ({override}) and the override {given_as} set {FLAG_KEYS[flag]} to different values; "
                 "keep one of them."
