@@ -43,6 +43,13 @@ def test_devices_simulate_from_environment():
         (["optimizer.learning_rate=-1"], "must be positive"),
         (["data.global_batch=100"], "does not divide evenly over 8 devices"),
         (["--data-dir", "/nonexistent"], "is not a directory"),
+        (
+            ["--data-dir", "mlm", "data.data_dir=/nonexistent"],
+            "--data-dir mlm (data.data_dir=mlm) and the override data.data_dir=/nonexistent set data.data_dir to "
+            "different values; keep one of them.",
+        ),
+        (["run.simulate_devices=4"], "--simulate 8 (run.simulate_devices=8) and the override run.simulate_devices=4"),
+        (["--restart", "run.resume=true"], "--restart (run.resume=false) and the override run.resume=true set"),
         (["cpu.ynn_fusion=dot,bogus"], "unknown YNNPACK fusion type 'bogus' (cpu.ynn_fusion)"),
         (
             ["mesh.fsdp=3", "trainer.invariant_chunks=null"],

@@ -1,4 +1,7 @@
+import re
+
 import pytest
+import yaml
 
 from xlafit.config import DataConfig, MeshConfig, OptimizerConfig, TrainerConfig, parse_overrides, resolve_batch
 from xlafit.errors import ConfigError
@@ -116,3 +119,28 @@ def test_an_override_that_is_a_path_says_which_flag_takes_it():
     with pytest.raises(ConfigError) as err:
         parse_overrides(["epochs"])
     assert "looks like a file" not in str(err.value)
+
+
+def test_a_partial_config_file_is_refused_with_the_whole_preset_to_start_from(tmp_path):
+    """--config replaces the recipe's preset: a file with a section or two is not merged into it."""
+    part = tmp_path / "t2.yaml"
+    part.write_text("trainer:\n  epochs: 2\n")
+    with pytest.raises(ConfigError) as e:
+        load_config("mnist", preset=part)
+    assert str(e.value) == (
+        f"{part} is not a whole config (missing sections: model, data, optimizer, cpu): --config replaces mnist's "
+        "preset rather than adding to it. Start from the preset: `xlafit config mnist > my.yaml`, then edit my.yaml "
+        "and pass --config my.yaml; or give the changes as overrides on the command line (trainer.epochs=2)."
+    )
+    whole = tmp_path / "my.yaml"
+    whole.write_text(yaml.safe_dump(load_config("mnist", ["trainer.epochs=2"]).to_dict()))
+    assert load_config("mnist", preset=whole).trainer.epochs == 2
+
+
+def test_another_recipes_config_file_says_whose_it_is(tmp_path):
+    other = tmp_path / "b.yaml"
+    other.write_text(yaml.safe_dump(load_config("bert").to_dict()))
+    expected = f"{other} is a config of the bert recipe (recipe: bert), not of mnist: use it with bert"
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load_config("mnist", preset=other)
+    assert load_config("bert", preset=other).recipe == "bert"

@@ -329,7 +329,11 @@ def test_lora_trains_the_adapters_alone_and_checkpoints_no_base(tmp_path, strate
     saved = ckpt.restore_arrays(ckpt.latest_step())
     names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(saved)[0]]
     assert not [n for n in names if "kernel" in n or "embedding" in n or "scale" in n]
-    assert ckpt.saved_metadata(ckpt.latest_step()) == {"base_fingerprint": t.base_fingerprint}
+    assert ckpt.saved_metadata(ckpt.latest_step()) == {
+        "base_fingerprint": t.base_fingerprint,
+        "global_batch": "16",
+        "data_seed": "0",
+    }
     ckpt.close()
     # the same base resumes; another base is refused, naming both fingerprints
     again = trainer(_tiny, 2, tmp_path / "run")

@@ -352,6 +352,55 @@ def test_model_shape_change_in_the_library_is_named(strategy1, digits, tmp_path)
     other.close()
 
 
+def _cnn(strategy, run_dir, global_batch=64, data_seed=0, stop_at_step=None):
+    """The MNIST CNN of ``_trainer`` with another global batch or data seed."""
+    return xlafit.Trainer(
+        xlafit.models.MnistCNN(rngs=nnx.Rngs(params=0, dropout=1)),
+        mnist_recipe.loss_fn,
+        optax.adam(1e-3),
+        strategy=strategy,
+        global_batch=global_batch,
+        data_seed=data_seed,
+        config=TrainerConfig(epochs=2, stop_at_step=stop_at_step),
+        run_dir=run_dir,
+    )
+
+
+def test_trainer_resume_with_another_global_batch_or_data_seed_is_refused(strategy1, digits, tmp_path):
+    """The Python API writes no config.yaml: its checkpoints record the global batch and the
+    data seed, and a resume with another value is refused (not trained as other examples)."""
+    train, _ = digits
+    first = _cnn(strategy1, tmp_path, stop_at_step=2)
+    first.fit(train)
+    first.close()
+    for changed, expected in (
+        ({"global_batch": 32}, "trained with global_batch=64 and this run has global_batch=32"),
+        ({"data_seed": 1}, "trained with data_seed=0 and this run has data_seed=1"),
+    ):
+        other = _cnn(strategy1, tmp_path, stop_at_step=4, **changed)
+        with pytest.raises(CheckpointError, match=expected + r".*Resume with .*=(64|0) \(data\.(global_batch|seed)"):
+            other.fit(train)
+        other.close()
+    same = _cnn(strategy1, tmp_path, stop_at_step=3)
+    assert int(same.fit(train).state.step) == 3
+    same.close()
+
+
+def test_trainer_resumes_a_checkpoint_without_run_settings(strategy1, digits, tmp_path):
+    """A checkpoint written before the run settings were recorded (no metadata) still resumes."""
+    train, _ = digits
+    trained = _cnn(strategy1, None, stop_at_step=2)
+    trained.fit(train)
+    older = Checkpointer(tmp_path / "checkpoints")
+    older.save(2, trained.state)
+    older.wait()
+    assert older.saved_metadata(2) == {}
+    older.close()
+    resumed = _cnn(strategy1, tmp_path, global_batch=32, stop_at_step=3)
+    assert int(resumed.fit(train).state.step) == 3
+    resumed.close()
+
+
 # Orbax's writer threads leave "Event loop is closed" behind them after a failed write.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_failed_save_keeps_the_previous_checkpoint_and_says_so(strategy1, digits, tmp_path):

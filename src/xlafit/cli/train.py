@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import signal
+from typing import Any
 
 from xlafit.cli.common import add_simulate
+from xlafit.errors import ConfigError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "resnet: of `xlafit data images`; llm: text, JSON-lines or Parquet files, a directory or glob of them, "
         "gs:// or hf://datasets/ URLs)",
     )
-    p.add_argument("--config", help="a YAML preset to use instead of the recipe's own")
+    p.add_argument(
+        "--config", help="a whole YAML config used instead of the recipe's preset: start from `xlafit config RECIPE`"
+    )
     p.add_argument(
         "--checkpoint-dir", help="checkpoints here instead of RUN_DIR/checkpoints: a path or gs://bucket/dir"
     )
@@ -38,19 +42,51 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+# Flags that stand for a config key: flag (argparse's name) -> key.
+FLAG_KEYS = {
+    "simulate": "run.simulate_devices",
+    "run_dir": "run.run_dir",
+    "data_dir": "data.data_dir",
+    "checkpoint_dir": "run.checkpoint_dir",
+    "restart": "run.resume",
+}
+
+
 def overrides_of(args: argparse.Namespace) -> list[str]:
-    """The command's flags as the dotted overrides they stand for, after the user's own."""
-    overrides = list(args.overrides)
-    flags = (
-        ("simulate", "run.simulate_devices"),
-        ("run_dir", "run.run_dir"),
-        ("data_dir", "data.data_dir"),
-        ("checkpoint_dir", "run.checkpoint_dir"),
-    )
-    overrides += [f"{key}={getattr(args, flag)}" for flag, key in flags if getattr(args, flag) not in (None, "")]
-    if args.restart:
-        overrides.append("run.resume=false")
-    return overrides
+    """The command's flags as the dotted overrides they stand for, after the user's own.
+
+    Raises:
+        ConfigError: a flag and an override set the same key to different values.
+    """
+    from xlafit.config import parse_overrides  # the library when the command runs: a fast --help
+
+    given = {flag: getattr(args, flag) for flag in FLAG_KEYS if getattr(args, flag) not in (None, "", False)}
+    flags = [f"{FLAG_KEYS[flag]}={'false' if flag == 'restart' else value}" for flag, value in given.items()]
+    user, flagged = parse_overrides(args.overrides), parse_overrides(flags)
+    for (flag, value), override in zip(given.items(), flags, strict=True):
+        theirs = _lookup(user, FLAG_KEYS[flag])
+        if theirs is not _ABSENT and theirs != _lookup(flagged, FLAG_KEYS[flag]):
+            option = "--" + flag.replace("_", "-") + ("" if flag == "restart" else f" {value}")
+            written = [o for o in args.overrides if o.partition("=")[0] == FLAG_KEYS[flag]]
+            given_as = written[-1] if written else f"{FLAG_KEYS[flag]}={theirs}"  # else inside a section's value
+            raise ConfigError(
+                f"{option} ({override}) and the override {given_as} set {FLAG_KEYS[flag]} to different values; "
+                "keep one of them."
+            )
+    return list(args.overrides) + flags
+
+
+_ABSENT = object()
+
+
+def _lookup(nested: dict[str, Any], key: str) -> Any:
+    """The value of dotted ``key`` in ``nested`` (parsed overrides), or ``_ABSENT``."""
+    node: Any = nested
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _ABSENT
+        node = node[part]
+    return node
 
 
 def run(args: argparse.Namespace) -> int:

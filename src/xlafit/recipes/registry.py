@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -40,7 +41,50 @@ def load_config(name: str, overrides: Sequence[str] = (), preset: str | Path | N
         >>> cfg.trainer.epochs
         1
     """
-    return config_from_dict(name, load_yaml(preset_path(name, preset)), parse_overrides(overrides))
+    tree = load_yaml(preset_path(name, preset))
+    if preset:
+        check_whole(name, tree, preset)
+    return config_from_dict(name, tree, parse_overrides(overrides))
+
+
+def check_whole(name: str, tree: Mapping[str, Any], path: str | Path) -> None:
+    """Refuses a ``--config`` file that cannot stand in for recipe ``name``'s preset: another
+    recipe's config, or a part of one (the file replaces the preset, it is not merged into it).
+
+    Raises:
+        ConfigError: naming the file's recipe, or the sections it lacks, and the fix.
+    """
+    start = f"`xlafit config {name} > my.yaml`, then edit my.yaml and pass --config my.yaml"
+    other = tree.get("recipe")
+    if other is not None and other != name:
+        raise ConfigError(
+            f"{path} is a config of the {other} recipe (recipe: {other}), not of {name}: use it with {other}, "
+            f"or start from {name}'s own: {start}."
+        )
+    required = [
+        f.name
+        for f in dataclasses.fields(Config)
+        if f.name != "recipe" and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if any(section not in tree for section in required):
+        missing = [section for section in load_yaml(preset_path(name)) if section not in tree]
+        overrides = " ".join(_dotted(tree)[:6]) or "trainer.epochs=2"
+        raise ConfigError(
+            f"{path} is not a whole config (missing sections: {', '.join(missing)}): --config replaces {name}'s "
+            f"preset rather than adding to it. Start from the preset: {start}; or give the changes as overrides "
+            f"on the command line ({overrides})."
+        )
+
+
+def _dotted(tree: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """``tree``'s values as dotted ``key.sub=value`` overrides."""
+    items: list[str] = []
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            items += _dotted(value, f"{prefix}{key}.")
+        else:
+            items.append(f"{prefix}{key}={'null' if value is None else value}")
+    return items
 
 
 def preset_path(name: str, preset: str | Path | None = None) -> Path:

@@ -1,25 +1,39 @@
-"""Frozen parameters (a LoRA run's base model) and checkpoints.
+"""What a trainer's checkpoint holds beside the state: frozen parameters' fingerprint, run settings.
 
 Parameters the trainable filter leaves out are not trained, so a checkpoint leaves them out
 too (a LoRA checkpoint is the adapters' megabytes, not the base model's gigabytes). It keeps
 their fingerprint instead (:func:`xlafit.models.lora.state_fingerprint`), and a resume puts
 the run's own frozen parameters back beside the restored ones, refusing a checkpoint trained
 on another base model.
+
+A checkpoint also records the settings that give its step a meaning (:data:`RUN_SETTINGS`):
+the data order is a function of the seed, the global batch and the step, so a resume with
+another global batch or data seed would train other examples than the run's next ones. Such a
+resume is refused; a checkpoint written without them (an older run) restores unchecked.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import jax
 from flax import nnx
 
 from xlafit.checkpoint import Checkpointer
 from xlafit.errors import CheckpointError
+from xlafit.models.lora import state_fingerprint
 from xlafit.train.step import TrainState
 
 # The checkpoint metadata key of the frozen parameters' fingerprint.
 BASE_FINGERPRINT = "base_fingerprint"
+# The checkpoint metadata keys of the settings a resume must keep: Trainer argument -> config key.
+RUN_SETTINGS = {"global_batch": "data.global_batch", "data_seed": "data.seed"}
+
+
+def run_settings(global_batch: int, data_seed: int) -> dict[str, str]:
+    """The :data:`RUN_SETTINGS` of a run, as checkpoint metadata (strings)."""
+    return {"global_batch": str(global_batch), "data_seed": str(data_seed)}
 
 
 def frozen_filter(trainable: nnx.filterlib.Filter, model_state: nnx.State) -> nnx.filterlib.Filter | None:
@@ -34,29 +48,61 @@ def frozen_part(state: TrainState, frozen: nnx.filterlib.Filter) -> nnx.State:
     return part
 
 
+def frozen_fingerprint(state: TrainState, frozen: nnx.filterlib.Filter | None) -> str | None:
+    """The fingerprint of ``state``'s frozen parameters, or None when none is frozen."""
+    # note: gathers a few values of every frozen array to the host
+    return None if frozen is None else state_fingerprint(frozen_part(state, frozen))
+
+
 def checkpointed(
-    state: TrainState, frozen: nnx.filterlib.Filter | None, fingerprint: str | None
+    state: TrainState, frozen: nnx.filterlib.Filter | None, fingerprint: str | None, settings: Mapping[str, str]
 ) -> tuple[TrainState, dict[str, str]]:
-    """What a checkpoint holds: ``state`` without its frozen parameters, and their fingerprint."""
+    """What a checkpoint holds: ``state`` without its frozen parameters, and as metadata
+    their fingerprint and the run's ``settings`` (:func:`run_settings`)."""
     if frozen is None:
-        return state, {}
+        return state, dict(settings)
     _, rest = state.model_state.split(frozen, ...)
     assert fingerprint is not None  # computed with the frozen filter
-    return dataclasses.replace(state, model_state=rest), {BASE_FINGERPRINT: fingerprint}
+    return dataclasses.replace(state, model_state=rest), {**settings, BASE_FINGERPRINT: fingerprint}
+
+
+def check_settings(ckpt: Checkpointer, step: int, settings: Mapping[str, str]) -> None:
+    """Refuses checkpoint ``step`` when it records another value of one of ``settings``.
+
+    Raises:
+        CheckpointError: the message names the setting, the run's value and this one's.
+    """
+    saved = ckpt.saved_metadata(step)
+    for name, value in settings.items():
+        if name in saved and saved[name] != value:  # absent: written before xlafit recorded it
+            raise CheckpointError(
+                f"checkpoint {step} in {ckpt.directory} was trained with {name}={saved[name]} and this run has "
+                f"{name}={value}: its steps would mean other examples (another data order, another epoch length). "
+                f"Resume with {name}={saved[name]} ({RUN_SETTINGS.get(name, name)} in a config), or start over with "
+                "another run_dir or resume=False (the command: another --run-dir or --restart)."
+            )
 
 
 def restore(
-    ckpt: Checkpointer, state: TrainState, frozen: nnx.filterlib.Filter | None, fingerprint: str | None
+    ckpt: Checkpointer,
+    state: TrainState,
+    frozen: nnx.filterlib.Filter | None,
+    fingerprint: str | None,
+    settings: Mapping[str, str],
 ) -> tuple[TrainState, int]:
     """The newest intact checkpoint in the shape of ``state``, its frozen parameters put back beside it.
 
     Raises:
-        CheckpointError: its frozen parameters were others than this run's (another base
-            model): the message names both fingerprints.
+        CheckpointError: it was trained with other ``settings`` (:func:`check_settings`), or
+            its frozen parameters were others than this run's (another base model): the
+            message names both values.
     """
     if frozen is None:
-        return ckpt.restore(state)
-    restored, step = ckpt.restore(checkpointed(state, frozen, fingerprint)[0])
+        restored, step = ckpt.restore(state)
+        check_settings(ckpt, step, settings)
+        return restored, step
+    restored, step = ckpt.restore(checkpointed(state, frozen, fingerprint, settings)[0])
+    check_settings(ckpt, step, settings)
     saved = ckpt.saved_metadata(step).get(BASE_FINGERPRINT)
     if saved != fingerprint:
         raise CheckpointError(

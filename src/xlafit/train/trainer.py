@@ -43,14 +43,13 @@ from xlafit.data.dataset import Batch, Dataset, StreamedDataset, as_dataset, num
 from xlafit.data.loader import Prefetcher, TakeRequests, TrainOrder, eval_batches, to_global
 from xlafit.errors import ConfigError, Preempted
 from xlafit.io.paths import as_path
-from xlafit.models.lora import state_fingerprint
 from xlafit.parallel.cluster import connect
 from xlafit.parallel.mesh import Strategy
 from xlafit.parallel.sharding import bytes_per_device
 from xlafit.platform.cpu import keeping_freed_memory
 from xlafit.platform.hardware import peak_flops
 from xlafit.train.adapter import Adapted, adapt, framework_of
-from xlafit.train.frozen import checkpointed, frozen_filter, frozen_part, restore
+from xlafit.train.frozen import checkpointed, frozen_filter, frozen_fingerprint, restore, run_settings
 from xlafit.train.loop import Call, Due, FitResult, Loop, itstime, lr_at, nonfinite_steps, peak_lr, times
 from xlafit.train.nonfinite import apply_nan_policy
 from xlafit.train.report import RunReport
@@ -99,7 +98,8 @@ class Trainer:
         eval_global_batch: evaluation batch; default ``global_batch``.
         data_seed: seed of the data order.
         prefetch: batches moved to the devices ahead of the step.
-        resume: continue from the newest checkpoint in ``run_dir``.
+        resume: continue from the newest checkpoint in ``run_dir`` (refused if it was
+            trained with another ``global_batch`` or ``data_seed``).
         tokens_per_example: adds ``tokens_per_sec`` to the logs (sequence models).
         flops_per_example: model FLOPs to train on one example; adds ``mfu`` to the logs
             (model FLOPs utilisation against :func:`xlafit.platform.hardware.peak_flops`).
@@ -179,10 +179,8 @@ class Trainer:
             train_graphdef, eval_graphdef, loss_fn, optimizer, self.strategy, self.config, self.global_batch, shardings,
             trainable,
         )  # fmt: skip
-        # note: gathers a few values of every frozen array to the host, once
-        self.base_fingerprint = (
-            None if self._frozen is None else state_fingerprint(frozen_part(self._state, self._frozen))
-        )
+        self.base_fingerprint = frozen_fingerprint(self._state, self._frozen)  # once: a host gather
+        self._settings = run_settings(self.global_batch, self.data_seed)  # in every checkpoint, checked on resume
         if checkpoint_dir is None and self.run_dir is not None:
             checkpoint_dir = self.run_dir / "checkpoints"
         self._ckpt = (
@@ -332,7 +330,7 @@ class Trainer:
         stop = min(total, self.config.stop_at_step) if self.config.stop_at_step else total
         restored = None
         if self._ckpt is not None and self.resume and self._ckpt.latest_step() is not None:
-            self._state, restored = restore(self._ckpt, self._state, self._frozen, self.base_fingerprint)
+            restored = self._restore()
         start = int(self._state.step)
         self._limit_compiles(order, train, eval, start, stop)
         report = RunReport(self.run_dir, total, start, enabled=self.strategy.process_index == 0)
@@ -412,7 +410,7 @@ class Trainer:
         original (a Keras model) gets the trained values too."""
         assert self._ckpt is not None  # _due saves only with a checkpointer
         loop.report.sync()  # a URL run dir: metrics reach the bucket before the checkpoint
-        self._ckpt.save(loop.step, *checkpointed(self._state, self._frozen, self.base_fingerprint))
+        self._ckpt.save(loop.step, *checkpointed(self._state, self._frozen, self.base_fingerprint, self._settings))
         self._write_back()
         loop.last_save = time.monotonic()
 
@@ -473,7 +471,7 @@ class Trainer:
         """A synchronous checkpoint before the process exits; says where it went."""
         if self._ckpt is None:
             return "no run directory, nothing saved"
-        self._ckpt.save(step, *checkpointed(self._state, self._frozen, self.base_fingerprint))
+        self._ckpt.save(step, *checkpointed(self._state, self._frozen, self.base_fingerprint, self._settings))
         self._write_back()
         self._ckpt.wait()
         return f"checkpoint {step} saved in {self._ckpt.directory}"
@@ -560,13 +558,13 @@ class Trainer:
         self, bad: list[tuple[int, dict[str, float]]], rolled_back: set[int], report: RunReport
     ) -> int | None:
         """Applies ``trainer.nan_policy`` to dropped updates; returns a step to go on from."""
-        return apply_nan_policy(self.config.nan_policy, bad, rolled_back, report, self._ckpt, self._rollback)
+        return apply_nan_policy(self.config.nan_policy, bad, rolled_back, report, self._ckpt, self._restore)
 
-    def _rollback(self) -> int:
-        """Restores the newest checkpoint (after the one being written); returns its step."""
-        assert self._ckpt is not None  # apply_nan_policy rolls back only with a checkpointer
+    def _restore(self) -> int:
+        """Restores the newest intact checkpoint (after any save under way: a rollback); returns its step."""
+        assert self._ckpt is not None  # called only with a checkpointer
         self._ckpt.wait()
-        self._state, restored = restore(self._ckpt, self._state, self._frozen, self.base_fingerprint)
+        self._state, restored = restore(self._ckpt, self._state, self._frozen, self.base_fingerprint, self._settings)
         return restored
 
     def _limit_compiles(self, order: TrainOrder, train: Dataset, eval: Dataset | None, start: int, stop: int) -> None:
