@@ -509,9 +509,9 @@ def check_continuation(
                 "learning-rate schedule over the new length, so the rate would jump back up at the next step. "
             )
             if saved.get("optimizer.final_lr_fraction"):
-                kept = saved["optimizer.decay_steps"]
+                length = saved["optimizer.decay_steps"]
                 hint += (
-                    f"To train longer on the run's schedule, add optimizer.decay_steps={kept} (the added steps then "
+                    f"To train longer on the run's schedule, add optimizer.decay_steps={length} (the added steps then "
                     "train at its final rate)."
                 )
             else:  # the schedule ends at 0: steps past it would run and save without changing a weight
