@@ -120,6 +120,17 @@ def test_planner_on_the_korean_corpus_beats_multiples(tmp_path, monkeypatch):
         assert planned.padded_tokens <= multiple.padded_tokens, (planned, multiple)
 
 
+def test_a_recipe_that_packs_its_rows_passes_rule_3_and_shows_the_lengths_as_information(tmp_path, monkeypatch):
+    """`xlafit check bert` exited 1 on rule 3 (the corpus's line lengths) although the recipe
+    packs its lines into rows of data.seq_len tokens: one shape, one compile."""
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path))
+    report = check_recipe("bert", ["model.preset=custom", "model.num_layers=1", "model.hidden_size=32",
+                                   "model.num_heads=2", "model.intermediate_size=64"])  # fmt: skip
+    assert report.ok and not [f for f in report.findings if f.rule == 3], report.format()
+    assert report.shapes["one_shape"] and report.shapes["distinct"] > 30 and report.plans
+    assert "input shapes: one (the examples are packed or padded to rows of one length)" in report.format()
+
+
 NEIGHBOUR = """from flax import nnx
 
 

@@ -15,7 +15,7 @@ from xlafit.check.program import Program
 from xlafit.check.report import Report
 from xlafit.check.step import check_step, check_tpu, example_layout, positive
 from xlafit.config import merge_overrides
-from xlafit.data.dataset import as_dataset
+from xlafit.data.dataset import as_dataset, num_shapes
 from xlafit.models.lora import ADAPTER
 from xlafit.parallel.cluster import start_backends
 from xlafit.parallel.sharding import parse_rules
@@ -115,7 +115,9 @@ def check_recipe(
             options = {**options, "global_batch": cfg.data.global_batch}
         elif cfg.data.per_device_batch:
             options = {**options, "per_device_batch": cfg.data.per_device_batch}
-    return check_step(name, recipe.build_model(cfg, train), recipe.loss_fn, batch, lengths=lengths, **options)
+    model = recipe.build_model(cfg, train)
+    # A recipe's rows have one shape (packed or padded) unless its dataset plans buckets.
+    return check_step(name, model, recipe.loss_fn, batch, lengths=lengths, one_shape=num_shapes(train) == 1, **options)
 
 
 # The settings that shape a recipe's compiled step, printed with every answer (when present).

@@ -64,11 +64,18 @@ class Report:
                 lines += ["  the standard rewrite:", *("    " + s for s in f.fix.splitlines())]
         if self.shapes is not None:
             s = self.shapes
-            lines += [
-                "",
-                f"input shapes: {s['distinct']} distinct over {s['examples']} examples -> "
-                f"{s['distinct']} compiles if fed as they are",
-            ]
+            if s.get("one_shape"):  # the recipe packs or pads its examples: rule 3 holds
+                head = (
+                    f"input shapes: one (the examples are packed or padded to rows of one length); fed one per row "
+                    f"instead, the {s['examples']} examples' {s['distinct']} lengths would compile {s['distinct']} "
+                    "programs"
+                )
+            else:
+                head = (
+                    f"input shapes: {s['distinct']} distinct over {s['examples']} examples -> {s['distinct']} "
+                    "compiles if fed as they are"
+                )
+            lines += ["", head]
             if self.plans:
                 lines += ["  padding plans (rule 3):", *("    " + r for r in format_plans(self.plans).splitlines())]
         if self.memory is not None or self.flops_per_step is not None:

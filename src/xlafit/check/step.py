@@ -66,8 +66,11 @@ def check_step(
     global_batch: int | None = None,
     devices: int | None = None,
     max_shapes: int = 8,
+    one_shape: bool = False,
 ) -> Report:
-    """Checks one model + loss + batch; see the module docstring."""
+    """Checks one model + loss + batch; see the module docstring. ``one_shape``: the data
+    reaches the step in one shape whatever ``lengths`` are (a recipe packs or pads its
+    examples to rows of one length), so the lengths' plans are information, not rule 3."""
     report = Report(target)
     if not isinstance(batch, dict) or not batch:
         raise ConfigError("`batch` must be a dict of arrays (one small real batch), e.g. {'x': ..., 'y': ...}.")
@@ -81,7 +84,7 @@ def check_step(
     except Exception as e:  # every failure becomes a finding with a line
         report.findings.append(classify(e, user_file))
 
-    _check_lengths(report, lengths, max_shapes)
+    _check_lengths(report, lengths, max_shapes, one_shape)
     devices = devices or jax.device_count()
     per_device = per_device_batch or (global_batch // devices if global_batch else rows)
     report.batch = {"per_device": per_device, "devices": devices, "global": global_batch or per_device * devices}
@@ -109,14 +112,15 @@ def check_step(
     return report
 
 
-def _check_lengths(report: Report, lengths: np.ndarray | None, max_shapes: int) -> None:
+def _check_lengths(report: Report, lengths: np.ndarray | None, max_shapes: int, one_shape: bool = False) -> None:
     """Rule 3: the data's distinct lengths against ``max_shapes``, with the padding plans."""
     if lengths is None or not len(lengths):
         return
     distinct = int(len(np.unique(lengths)))
     report.shapes = {"examples": int(len(lengths)), "distinct": distinct, "max": int(np.max(lengths))}
+    report.shapes["one_shape"] = one_shape
     report.plans = compare_plans(lengths, min(max_shapes, distinct))
-    if distinct > max_shapes:
+    if distinct > max_shapes and not one_shape:
         best = min((p for p in report.plans if p.shapes <= max_shapes), key=lambda p: p.padded_tokens)
         report.findings.append(
             Finding(
