@@ -550,6 +550,7 @@ def test_exporting_a_small_stem_run_is_a_usage_error_not_a_traceback(tmp_path, m
     assert main(["export", "hf", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("xlafit: error: this ResNet has the small (3x3, no max-pool) stem") and "Traceback" not in err
+    assert "Train with model.small_stem=false" in err  # the fix, not only why
     assert not (tmp_path / "hf").exists()
 
 

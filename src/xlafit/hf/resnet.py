@@ -40,7 +40,8 @@ def hf_config(cfg: ResNetConfig, labels: Sequence[str] | None = None) -> dict[st
     if cfg.small_stem:
         raise HFFormatError(
             "this ResNet has the small (3x3, no max-pool) stem; Hugging Face's ResNetForImageClassification "
-            "only has the 7x7 stem, so it cannot be exported as one."
+            "only has the 7x7 stem, so it cannot be exported as one. Train with model.small_stem=false (the resnet "
+            "recipe's demo preset uses the small one) to export."
         )
     if labels is not None and len(labels) != cfg.num_classes:
         raise ValueError(f"{len(labels)} labels for a model with {cfg.num_classes} classes.")
