@@ -19,11 +19,13 @@ from xlafit.errors import DataError
 @pytest.mark.parametrize("packing", ["sentences", "pairs"])
 def test_prepare_is_deterministic_and_well_formed(korean_tokenizer, packing):
     files = korean_demo_files()
-    m1 = mlm.prepare(korean_tokenizer, files, "memory://mlm-a", seq_len=64, packing=packing, show_progress=False)
-    m2 = mlm.prepare(korean_tokenizer, files, "memory://mlm-b", seq_len=64, packing=packing, show_progress=False)
+    # one folder per parametrization: the memory filesystem lives as long as the process
+    first, second = f"memory://mlm-a-{packing}", f"memory://mlm-b-{packing}"
+    m1 = mlm.prepare(korean_tokenizer, files, first, seq_len=64, packing=packing, show_progress=False)
+    m2 = mlm.prepare(korean_tokenizer, files, second, seq_len=64, packing=packing, show_progress=False)
     assert m1["splits"] == m2["splits"]
-    a, _ = mlm.load_split("memory://mlm-a", "train")
-    b, _ = mlm.load_split("memory://mlm-b", "train")
+    a, _ = mlm.load_split(first, "train")
+    b, _ = mlm.load_split(second, "train")
     assert all(np.array_equal(a[k], b[k]) for k in a)
     ids, types, length = a["input_ids"], a["token_type_ids"], a["length"]
     assert len(ids) == m1["splits"]["train"]["sequences"] > 100

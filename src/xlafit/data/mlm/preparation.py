@@ -237,20 +237,22 @@ def prepare(
             "vocab_size": tok.get_vocab_size(),
             "sha256": hashlib.sha256(tokenizer_json.read_bytes()).hexdigest(),
         },
-        "splits": {
-            split: {
-                "documents": documents_per_split[split],
-                "sequences": sum(s["sequences"] for s in w.shards),
-                "tokens": sum(s["tokens"] for s in w.shards),
-                "shards": w.shards,
-            }
-            for split, w in writers.items()
-        },
+        "splits": {split: _split_record(w.shards, documents_per_split[split]) for split, w in writers.items()},
     }
     with writing(out, "the MLM shards"), fs.open(f"{root}/{MANIFEST}", "w") as f:
         json.dump(manifest, f, indent=2)
     shards.remove_unlisted(fs, root, out, "the MLM shards", earlier, manifest)
     return manifest
+
+
+def _split_record(written: list[dict], documents: int) -> dict:
+    """A split's entry in the manifest: its documents, sequences, tokens and shards."""
+    return {
+        "documents": documents,
+        "sequences": sum(s["sequences"] for s in written),
+        "tokens": sum(s["tokens"] for s in written),
+        "shards": written,
+    }
 
 
 def _split_draw(seed: int, index: int) -> float:
