@@ -84,9 +84,8 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     Example:
         >>> export_hf("runs/bert", "hf/")  # doctest: +SKIP
     """
-    if not is_url(out) and Path(local_path(out)).is_file():
-        raise ConfigError(f"--out {out} is a file; give a directory to write the export to (a new one, or a folder).")
-    run = as_path(run_dir)
+    run, target = as_path(run_dir), as_path(out)
+    _check_out(run, target)
     reach(run)
     try:
         found = (run / "config.yaml").exists()
@@ -101,8 +100,6 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
         raise ConfigError(f"{run} is a {recipe!r} run; only bert, resnet and llm runs export to Hugging Face.")
     if recipe in ("bert", "llm") and not (run / "tokenizer" / "tokenizer.json").exists():
         raise ConfigError(f"{run} has no tokenizer/ (written when training starts); cannot export.")
-    target = as_path(out)
-    _check_out(run, target)
     cfg = config_from_dict(recipe, {k: v for k, v in saved.items() if k != "recipe"})
     cfg.run.run_dir = str(run)  # where the run is now: it may have moved since it trained
     # The run's XLA:CPU settings before JAX starts: a new model's LoRA base is re-initialised

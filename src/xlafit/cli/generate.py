@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from xlafit.cli.common import add_simulate
-from xlafit.errors import ConfigError
+from xlafit.errors import ConfigError, DataError
 
 _FORMATS = {"prompt_completion": "prompt/completion records", "text": "plain text"}  # data.format, said in words
 
@@ -53,7 +53,6 @@ def _prompts(args: argparse.Namespace) -> list:
     """The prompts: each ``--prompt``, then each line of ``--prompts-file``: a JSON string, a
     JSON object's ``messages`` (a conversation), or else the line as it is."""
     from xlafit.data.chat import messages_of
-    from xlafit.errors import DataError
 
     prompts: list = list(args.prompt)
     if args.prompts_file:

@@ -213,9 +213,9 @@ def check_checkpoint(cfg: Config, folder: str | Path) -> None:
 def from_data(cfg: Config, train: clm.PackedText) -> Config:
     """Checks a hub ``model.init_from_hf`` (:func:`check_checkpoint`), read by now with the
     data's tokenizer or here, before the run directory is written."""
-    source = model_dir(cfg)
-    if source is not None:
-        check_checkpoint(cfg, source)
+    name = cfg.model.init_from_hf
+    if name and not hub.is_local(name):  # a local directory was checked with the config (validate)
+        check_checkpoint(cfg, str(model_dir(cfg)))
     return cfg
 
 
