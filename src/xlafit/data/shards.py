@@ -68,7 +68,7 @@ def earlier_preparation(
 
     Shards without a manifest (an interrupted preparation: unusable) are replaced. A manifest
     is refused unless ``overwrite``; with it, the manifest is removed here, before any shard is
-    replaced, so that a preparation interrupted now leaves none that lists shards it changed.
+    replaced, so that an interrupted preparation leaves none that lists shards it changed.
     ``data`` names the data for messages ("images", "MLM data"), ``what`` the files being
     written ("the MLM shards").
 
