@@ -11,7 +11,7 @@ from xlafit.config import DataConfig, OptimizerConfig, TrainerConfig, resolve_ba
 from xlafit.data import as_dataset
 from xlafit.errors import ConfigError, DataError
 from xlafit.recipes import load_config
-from xlafit.run import check_continuation, describe_schedule, resolve
+from xlafit.run import check_continuation, check_device_split, describe_schedule, resolve
 from xlafit.train.optim import make_optimizer
 
 
@@ -34,6 +34,27 @@ def test_conflicting_batch_settings_are_one_error(strategy8):
     assert resolve_batch(DataConfig(per_device_batch=16, global_batch=128), 8) == (16, 128)
     resolved = resolve(load_config("mnist"), strategy8, 1000)[0]
     assert (resolved.data.per_device_batch, resolved.data.global_batch) == (16, 128)
+
+
+def test_a_device_count_that_splits_no_batch_setting_names_them_all_at_once():
+    """--simulate 3 on mnist met the global batch, the eval batch and the invariant chunks one
+    error at a time; one message names the three and the overrides that run."""
+    with pytest.raises(ConfigError) as caught:
+        check_device_split(load_config("mnist"), 3)
+    message = str(caught.value)
+    for setting in ("data.global_batch=128", "data.eval_global_batch=256", "trainer.invariant_chunks=8"):
+        assert f"\n  {setting}" in message
+    assert message.endswith(
+        "add: data.global_batch=126 data.eval_global_batch=255 trainer.invariant_chunks=6 "
+        "(or set data.per_device_batch instead)."
+    )
+    fixed = load_config("mnist", ["data.global_batch=126", "data.eval_global_batch=255", "trainer.invariant_chunks=6"])
+    check_device_split(fixed, 3)
+    # chunks that cannot divide the suggested batch are turned off rather than guessed
+    only_chunks = r"(?s)^trainer.invariant_chunks=8 .* over 4 devices.*add: trainer.invariant_chunks=null"
+    with pytest.raises(ConfigError, match=only_chunks):
+        check_device_split(load_config("mnist", ["data.global_batch=12"]), 4)
+    check_device_split(load_config("mnist"), 8)
 
 
 def test_more_epochs_on_a_schedule_that_ends_at_zero_are_not_offered_its_end(strategy8, tmp_path):

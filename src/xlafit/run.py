@@ -174,13 +174,9 @@ def resolve(cfg: Config, strategy: Strategy, num_examples: int) -> tuple[Config,
     """``cfg`` with what this run decides filled in: batch sizes for these devices, the
     schedule's length and the run directory, so that ``config.yaml`` records what was used
     and a resume on another device count keeps the global batch."""
+    check_device_split(cfg, strategy.num_replicas, strategy.data_parallel_only)
     per_device, global_batch = resolve_batch(cfg.data, strategy.num_replicas)
     eval_batch = cfg.data.eval_global_batch or global_batch
-    if eval_batch % strategy.num_replicas:
-        raise ConfigError(
-            f"data.eval_global_batch={eval_batch} does not divide evenly over {strategy.num_replicas} devices; "
-            f"use a multiple of {strategy.num_replicas}."
-        )
     steps_per_epoch = num_examples // global_batch
     if steps_per_epoch == 0:
         raise ConfigError(
@@ -204,6 +200,41 @@ def resolve(cfg: Config, strategy: Strategy, num_examples: int) -> tuple[Config,
         run=dataclasses.replace(cfg.run, run_dir=run_dir),
     )
     return resolved, Resolved(as_path(run_dir), global_batch, eval_batch)
+
+
+def check_device_split(cfg: Config, devices: int, data_parallel_only: bool = True) -> None:
+    """Refuses, in one message, every batch setting that ``devices`` devices cannot split,
+    with the overrides that run on them (a device count such as ``--simulate 3`` often
+    meets the global batch, the eval batch and the invariant chunks at once).
+
+    Raises:
+        ConfigError: one line per setting, then the overrides to add.
+    """
+    data, chunks = cfg.data, cfg.trainer.invariant_chunks
+    problems: list[str] = []
+    fixes: dict[str, int | None] = {}
+    global_batch = data.global_batch or (data.per_device_batch or 0) * devices
+    if data.global_batch is not None and data.global_batch % devices:
+        problems.append(f"data.global_batch={data.global_batch}")
+        global_batch = fixes["data.global_batch"] = max(data.global_batch // devices * devices, devices)
+    eval_batch = data.eval_global_batch
+    if eval_batch is not None and eval_batch % devices:
+        problems.append(f"data.eval_global_batch={eval_batch}")
+        fixes["data.eval_global_batch"] = max(eval_batch // devices * devices, devices)
+    if chunks is not None and data_parallel_only and (chunks % devices or (global_batch and global_batch % chunks)):
+        problems.append(f"trainer.invariant_chunks={chunks} (a multiple of the devices dividing the global batch)")
+        fixed = devices * max(1, chunks // devices)
+        fixes["trainer.invariant_chunks"] = fixed if global_batch and global_batch % fixed == 0 else None
+    if not problems:
+        return
+    add = " ".join(f"{key}={'null' if value is None else value}" for key, value in fixes.items())
+    if len(problems) == 1:
+        head = f"{problems[0]} does not divide evenly over {devices} devices."
+    else:
+        head = f"these batch settings do not divide evenly over {devices} devices:" + "".join(
+            f"\n  {problem}" for problem in problems
+        )
+    raise ConfigError(f"{head}\nTo run on {devices} devices, add: {add} (or set data.per_device_batch instead).")
 
 
 def describe_schedule(cfg: Config, plan: OptimizerPlan, run_steps: int | None = None) -> str:
