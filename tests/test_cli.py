@@ -95,10 +95,16 @@ def test_cpu_library_flags_follow_the_recipe_and_yield_to_the_user():
     assert load_config("mnist").cpu.ynn_fusion == "dot,eltwise,reduce"
 
 
-def test_config_prints_resolved_yaml():
+def test_config_prints_resolved_yaml(tmp_path):
     out = run("config", "mnist", "trainer.epochs=2")
     assert out.returncode == 0, out.stderr
     assert "epochs: 2" in out.stdout and "global_batch: 128" in out.stdout
+    # the file `train --config` would take, shown as that train would use it
+    mine = tmp_path / "my.yaml"
+    mine.write_text(out.stdout.replace("global_batch: 128", "global_batch: 64"))
+    out = run("config", "mnist", "--config", str(mine), "trainer.epochs=3")
+    assert out.returncode == 0, out.stderr
+    assert "epochs: 3" in out.stdout and "global_batch: 64" in out.stdout
 
 
 def test_train_pulse_and_resume(tmp_path):
