@@ -213,6 +213,23 @@ def test_xlafit_check_takes_a_keras_model_file():
     assert report.ok and report.traced and report.ran and report.flops_per_step > 0
 
 
+def test_xlafit_checks_rewrite_for_a_keras_model_is_in_keras_ops(tmp_path):
+    """A branch on a value in a Keras model's loss is rule 1; the rewrite it shows is written
+    in keras.ops (it showed jnp.where)."""
+    from xlafit.check import check_file
+
+    path = tmp_path / "branchy.py"
+    path.write_text(
+        (Path(__file__).parent / "check_cases" / "keras_model.py").read_text() + "\n\ndef loss_fn(y_true, y_pred):\n"
+        "    if keras.ops.sum(y_pred) > 0:\n"
+        "        y_pred = y_pred * 2\n"
+        "    return keras.ops.mean(y_pred, axis=-1)\n"
+    )
+    (finding,) = check_file(path).findings
+    assert finding.rule == 1 and finding.code == "if keras.ops.sum(y_pred) > 0:", finding
+    assert "keras.ops.where(" in finding.fix and "jnp." not in finding.fix
+
+
 def test_invariant_chunks_are_refused_for_keras_with_the_fix():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dropout(0.5), keras.layers.Dense(2)])
     model.compile(loss="mse")

@@ -214,6 +214,8 @@ def test_xlafit_check_reads_a_torch_module_file(tmp_path):
     bad.write_text(source.format(branch="        if y.sum() > 0:\n            y = y * 2\n"))
     (finding,) = check_file(bad).findings
     assert finding.rule == 1 and finding.line == 10 and finding.code == "if y.sum() > 0:"
+    # the rewrite in the model's own operations (it showed jnp.where)
+    assert "torch.where(" in finding.fix and "jnp." not in finding.fix
     good = tmp_path / "good.py"
     good.write_text(source.format(branch=""))
     (target,) = check_file(good, tpu="v5e-1").tpu

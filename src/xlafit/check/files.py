@@ -96,18 +96,22 @@ def check_file(
         lengths = None if lengths is None else np.asarray(lengths)
         if tpu:
             program = file_program(path, namespace, nested, options)
-            return check_tpu(
+            report = check_tpu(
                 str(path), program, tpu, lengths=lengths, max_shapes=options.get("max_shapes", 8), max_batch=max_batch
             )
-        return check_step(
-            str(path),
-            namespace["model"],
-            namespace["loss_fn"],
-            namespace["batch"],
-            user_file=str(path),
-            lengths=lengths,
-            **options,
-        )
+        else:
+            report = check_step(
+                str(path),
+                namespace["model"],
+                namespace["loss_fn"],
+                namespace["batch"],
+                user_file=str(path),
+                lengths=lengths,
+                **options,
+            )
+    for finding in [*report.findings, *(t.error for t in report.tpu or [] if t.error is not None)]:
+        finding.framework = namespace.get(FRAMEWORK)
+    return report
 
 
 # What overrides of a user file may change: the file defines the model, its batch's layout and
@@ -145,6 +149,7 @@ def file_settings(overrides: Sequence[str], tpu: str | None, preset: str | Path 
 
 # Where load_file keeps a converted model's refusals (Adapted.check) in the file's names.
 SETTINGS_CHECK = "__xlafit_settings_check__"
+FRAMEWORK = "__xlafit_framework__"  # the model's framework when it is not Flax: "torch", "keras"
 
 
 def load_file(path: Path) -> dict[str, Any]:
@@ -160,7 +165,9 @@ def load_file(path: Path) -> dict[str, Any]:
             namespace = runpy.run_path(str(path), run_name="__xlafit_check__")
     except Exception as e:
         raise _load_error(path, e) from None
-    if framework_of(namespace.get("model")) is not None:  # a Keras 3 model: its compiled loss unless loss_fn is given
+    framework = framework_of(namespace.get("model"))
+    if framework is not None:  # a Keras 3 model: its compiled loss unless loss_fn is given
+        namespace[FRAMEWORK] = framework
         adapted = adapt(namespace["model"], namespace.get("loss_fn"))
         namespace["model"], namespace["loss_fn"] = adapted.module, adapted.loss_fn
         namespace[SETTINGS_CHECK] = adapted.check

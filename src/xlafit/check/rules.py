@@ -44,6 +44,29 @@ batches = bucket_batches(sequences, boundaries, batch_size=32)""",
 }
 
 
+# The same rewrites in the operations of a model written with PyTorch (through torchax) or
+# Keras 3: `check` shows them for a file whose `model` is one.
+FRAMEWORK_FIXES = {
+    "torch": {
+        1: """# Python `if`/`while` cannot branch on a traced value. Compute both and select:
+y = torch.where(x.sum() > 0, f(x), g(x))
+# loops with a data-dependent trip count: a fixed number of steps, masked with torch.where""",
+        2: """# A result whose shape depends on the data cannot be compiled. Compute everywhere and
+# weight by a mask instead of selecting:
+loss = (losses * mask).sum() / mask.sum().clamp(min=1)   # not losses[mask].mean()""",
+    },
+    "keras": {
+        1: """# Python `if`/`while` cannot branch on a traced value. Compute both and select:
+y = keras.ops.where(keras.ops.sum(x) > 0, f(x), g(x))
+# or run one branch (both must return the same shapes):
+y = keras.ops.cond(keras.ops.sum(x) > 0, lambda: f(x), lambda: g(x))""",
+        2: """# A result whose shape depends on the data cannot be compiled. Compute everywhere and
+# weight by a mask instead of selecting:
+loss = keras.ops.sum(losses * mask) / keras.ops.maximum(keras.ops.sum(mask), 1)   # not losses[mask]""",
+    },
+}
+
+
 @dataclasses.dataclass
 class Finding:
     """One problem: which rule (0: not one of the three), where, and the rewrite."""
@@ -54,6 +77,7 @@ class Finding:
     line: int | None = None
     code: str | None = None
     kind: str = "error"  # the title of a finding that is not one of the rules
+    framework: str | None = None  # "torch", "keras": the model's framework, for the rewrite
 
     @property
     def title(self) -> str:
@@ -61,7 +85,7 @@ class Finding:
 
     @property
     def fix(self) -> str | None:
-        return FIXES.get(self.rule)
+        return FRAMEWORK_FIXES.get(self.framework or "", {}).get(self.rule) or FIXES.get(self.rule)
 
 
 def _user_frame(exc: BaseException, user_file: str | None) -> tuple[str | None, int | None]:
