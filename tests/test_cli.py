@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from xlafit.errors import ConfigError
+
 
 def run(*args, env=None, timeout=600):
     env = {**os.environ, **(env or {})}
@@ -93,6 +95,24 @@ def test_cpu_library_flags_follow_the_recipe_and_yield_to_the_user():
 
     assert load_config("bert").cpu.ynn_fusion == "dot"
     assert load_config("mnist").cpu.ynn_fusion == "dot,eltwise,reduce"
+
+
+def test_a_flag_and_an_override_naming_one_place_agree():
+    """`--run-dir runs/a run.run_dir=runs/a/` was refused as a conflict: paths are compared as
+    places, not as strings; two places still conflict."""
+    from xlafit.cli import build_parser
+    from xlafit.cli.train import overrides_of
+
+    def parse(*argv):
+        return overrides_of(build_parser().parse_args(["train", "mnist", *argv]))
+
+    assert parse("--run-dir", "runs/a", "run.run_dir=runs/a/")[-1] == "run.run_dir=runs/a"
+    assert parse("--run-dir", "./runs/a", "run.run_dir=runs/a")
+    assert parse("--data-dir", "gs://b/d/", "data.data_dir=gs://b/d")
+    with pytest.raises(ConfigError, match="set run.run_dir to different values"):
+        parse("--run-dir", "runs/a", "run.run_dir=runs/b")
+    with pytest.raises(ConfigError, match="set data.data_dir to different values"):
+        parse("--data-dir", "gs://b/d", "data.data_dir=gs://b/e")
 
 
 def test_config_prints_resolved_yaml(tmp_path):

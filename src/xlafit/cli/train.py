@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 from typing import Any
 
@@ -65,7 +66,7 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
     user, flagged = parse_overrides(args.overrides), parse_overrides(flags)
     for (flag, value), override in zip(given.items(), flags, strict=True):
         theirs = _lookup(user, FLAG_KEYS[flag])
-        if theirs is not _ABSENT and theirs != _lookup(flagged, FLAG_KEYS[flag]):
+        if theirs is not _ABSENT and not _same(theirs, _lookup(flagged, FLAG_KEYS[flag])):
             option = "--" + flag.replace("_", "-") + ("" if flag == "restart" else f" {value}")
             written = [o for o in args.overrides if o.partition("=")[0] == FLAG_KEYS[flag]]
             given_as = written[-1] if written else f"{FLAG_KEYS[flag]}={theirs}"  # else inside a section's value
@@ -77,6 +78,16 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
 
 
 _ABSENT = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two values of one key agree; paths as the same place (``runs/a`` is ``runs/a/``
+    and ``./runs/a``; a URL up to its trailing ``/``)."""
+    if isinstance(a, str) and isinstance(b, str):
+        if "://" in a or "://" in b:
+            return a.rstrip("/") == b.rstrip("/")
+        return os.path.normpath(os.path.expanduser(a)) == os.path.normpath(os.path.expanduser(b))
+    return bool(a == b)
 
 
 def _lookup(nested: dict[str, Any], key: str) -> Any:
