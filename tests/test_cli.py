@@ -101,10 +101,11 @@ def test_a_flag_and_an_override_naming_one_place_agree():
     """`--run-dir runs/a run.run_dir=runs/a/` was refused as a conflict: paths are compared as
     places, not as strings; two places still conflict."""
     from xlafit.cli import build_parser
+    from xlafit.cli.entry import _parse
     from xlafit.cli.train import overrides_of
 
     def parse(*argv):
-        return overrides_of(build_parser().parse_args(["train", "mnist", *argv]))
+        return overrides_of(_parse(build_parser(), ["train", "mnist", *argv]))
 
     assert parse("--run-dir", "runs/a", "run.run_dir=runs/a/")[-1] == "run.run_dir=runs/a"
     assert parse("--run-dir", "./runs/a", "run.run_dir=runs/a")
