@@ -2,10 +2,11 @@
 
 from xlafit.errors import NonFiniteError, Preempted, RecompileError
 from xlafit.train import losses
+from xlafit.train.compiled import CompiledStep
 from xlafit.train.loop import Call, FitResult
 from xlafit.train.optim import OptimizerPlan, make_optimizer, make_schedule, scaled_lr
 from xlafit.train.signals import handle_signals
-from xlafit.train.step import CompiledStep, TrainState
+from xlafit.train.step import TrainState
 from xlafit.train.trainer import Trainer
 
 __all__ = [
