@@ -390,3 +390,11 @@ def test_a_prompt_completion_run_is_asked_as_it_trained_not_in_the_chat_template
     out, err = capsys.readouterr()
     assert json.loads(out)["answer"] == ask([QUESTION], max_new_tokens=4, use_chat=True)[0]
     assert "trained on" not in err
+
+    # its export is asked the same way (it was asked through the tokenizer's template)
+    from xlafit.export import export_hf
+
+    export_hf(run, tmp_path / "run-hf")
+    exported = Generator.load(str(tmp_path / "run-hf"))
+    assert exported.trained_on == "prompt_completion" and not exported.chat_by_default
+    assert exported.encode(QUESTION) == ask.encode(QUESTION)

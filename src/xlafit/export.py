@@ -54,7 +54,7 @@ from xlafit.models.resnet import ResNet
 from xlafit.parallel.cluster import configure, start_backends
 from xlafit.recipes import config_from_dict
 from xlafit.recipes.bert import bert_config
-from xlafit.recipes.llm import build_llama, model_dir
+from xlafit.recipes.llm import DATA_FORMAT_FILE, build_llama, model_dir
 from xlafit.recipes.resnet import CLASSES_FILE, NORMALISATION, augmentation, image_size, normalisation, resnet_config
 from xlafit.run import checkpoint_dir, with_lora
 from xlafit.train.frozen import BASE_FINGERPRINT
@@ -180,6 +180,8 @@ def _write(recipe: str, cfg: Config, run: Any, arrays: Any, metadata: dict[str, 
         tokens_file = run / "tokenizer" / "tokenizer_config.json"
         tokens = json.loads(tokens_file.read_text()) if tokens_file.exists() else {}
         export_llm(cfg, arrays, metadata.get(BASE_FINGERPRINT), tokenizer_json, local, chat_template, tokens)
+        if (run / DATA_FORMAT_FILE).exists():  # `xlafit generate` asks the export as the run trained
+            (local / DATA_FORMAT_FILE).write_text((run / DATA_FORMAT_FILE).read_text())
     else:
         save_resnet_hf(_resnet(cfg, arrays), local, labels=_classes(run), processor=_image_processor(cfg))
 

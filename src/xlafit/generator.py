@@ -104,7 +104,8 @@ class Generator:
                 "(config.json); give one, or a hub id org/name."
             )
         model = llama_hf.from_hf(folder)
-        return cls(model, clm.load_tokenizer(folder), chat.template_for(folder), clm.stop_ids(folder), source)
+        template, stops = chat.template_for(folder), clm.stop_ids(folder)
+        return cls(model, clm.load_tokenizer(folder), template, stops, source, _recorded_format(as_path(folder)))
 
     def encode(self, prompt: Prompt, use_chat: bool | None = None) -> list[int]:
         """A prompt's token ids: rendered as a user turn (or the conversation given) with the
@@ -181,8 +182,14 @@ def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
 def _trained_on(run: Any, cfg: Config) -> str | None:
     """The format of the data a run trained on: recorded when it started, else its
     ``data.format`` where that names one (None: not known)."""
-    recorded = run / DATA_FORMAT_FILE
-    if recorded.exists():
-        return str(json.loads(recorded.read_text())["format"])
+    recorded = _recorded_format(run)
+    if recorded is not None:
+        return recorded
     fmt = data_config(cfg).format
     return None if fmt == "auto" else fmt
+
+
+def _recorded_format(folder: Any) -> str | None:
+    """The data format recorded in ``folder`` (a run directory, or an export of one), or None."""
+    recorded = folder / DATA_FORMAT_FILE
+    return str(json.loads(recorded.read_text())["format"]) if recorded.exists() else None
