@@ -321,6 +321,9 @@ def test_lora_on_a_new_model_exports_and_generates(tmp_path):
     exported = run("export", "hf", str(run_dir), "--out", str(out))
     assert exported.returncode == 0, exported.stderr
     assert {"model.safetensors", "adapter", "base"} <= {p.name for p in out.iterdir()}
+    # the base, PEFT's base_model_name_or_path, stops where the merged model does
+    generation = (out / "generation_config.json").read_text()
+    assert (out / "base" / "generation_config.json").read_text() == generation and "eos_token_id" in generation
     answered = run("generate", str(run_dir), "--prompt", "1 plus 2", "--max-new-tokens", "4")
     assert answered.returncode == 0, answered.stderr
     # another seed re-initialises another base: refused, and the --out it made is gone again

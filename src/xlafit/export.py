@@ -277,6 +277,7 @@ def export_llm(
             base = nnx.merge(*nnx.split(model))  # a copy: the adapters' base, unmerged
             without = typing.cast(LlamaForCausalLM, merge_lora(_without_adapters(base)))
             llama_hf.save_hf(without, out / "base", token_ids=token_ids)
+            (out / "base" / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
         base_path = cfg.model.init_from_hf or str((out / "base").absolute())
         if not hub.is_hub_id(base_path):  # a hub id stays one: PEFT reads it from the hub's cache
             base_path = str(Path(base_path).expanduser().absolute())
