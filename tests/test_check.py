@@ -36,9 +36,22 @@ def test_each_violation_gets_its_rule_and_line(name, rule, line):
 
 def test_clean_file_passes_with_memory_and_flops():
     report = check_file(CASES / "clean.py", per_device_batch=64)
-    assert report.ok and report.traced and report.ran
+    assert report.ok and report.traced and report.ran and not report.notes
     assert report.memory["arguments"] > 0 and report.flops_per_step > 0
     assert report.batch["per_device"] == 64
+
+
+def test_a_scalar_loss_passes_with_a_note_that_evaluation_needs_one_per_example(tmp_path):
+    """A loss_fn returning a mean trains, but fit(eval=...) refuses it at the start of a run;
+    check said nothing about it."""
+    path = tmp_path / "mean.py"
+    path.write_text((CASES / "clean.py").read_text().replace("return losses * batch", "return jnp.mean(losses * batch"))
+    path.write_text(path.read_text().replace("* positive\n", "* positive)\n"))
+    report = check_file(path)
+    assert report.ok and report.ran
+    (note,) = report.notes
+    assert "scalar" in note and "one loss per example" in note and note in report.format()
+    assert report.to_json()["notes"] == [note]
 
 
 def test_violations_written_other_ways(tmp_path):

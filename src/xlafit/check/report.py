@@ -29,6 +29,7 @@ class Report:
     # included), as overrides, and the command that asks again with them written out.
     assumed: list[str] = dataclasses.field(default_factory=list)
     command: str = ""
+    notes: list[str] = dataclasses.field(default_factory=list)  # what works, and what the user should know
 
     @property
     def ok(self) -> bool:
@@ -54,6 +55,7 @@ class Report:
                 f"  trace: {'ok' if self.traced else 'failed'}   run on the example batch: "
                 f"{'ok' if self.ran else 'not run' if not self.traced else 'failed'}"
             )
+        lines += [f"  note: {note}" for note in self.notes]
         for f in self.findings:
             where = f" at {f.file}:{f.line}" if f.file and f.line else " in the data" if f.rule == 3 else ""
             lines += ["", f"✗ {f.title}{where}"]

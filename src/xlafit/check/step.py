@@ -25,12 +25,27 @@ from xlafit.train.step import TrainState, build_train_step
 __all__ = ["check_step", "check_tpu", "example_layout", "example_lengths", "positive", "to_json"]
 
 
-def _train_step(model: nnx.Module, loss_fn: Any) -> tuple[Any, TrainState]:
+SCALAR_LOSS_NOTE = (
+    "loss_fn returns a scalar (a mean over the batch): training takes it, but evaluation "
+    "(fit(eval=...)) needs one loss per example, so that a padded last batch's padding rows count zero; "
+    "return the unreduced losses (e.g. without .mean()) to evaluate too."
+)
+
+
+def _train_step(model: nnx.Module, loss_fn: Any, seen: dict[str, Any] | None = None) -> tuple[Any, TrainState]:
+    """The check's train step and state; ``seen`` gets the loss's ``ndim`` when it is traced."""
     tx = optax.adamw(1e-3)
     model.train()
     graphdef, params, model_state = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]  # flax's overloads
     state = TrainState(jax.numpy.zeros((), jax.numpy.int32), params, tx.init(params), model_state)
-    return build_train_step(graphdef, loss_fn, tx, unroll=True), state
+
+    def recorded(module: Any, batch: Any) -> Any:
+        out = loss_fn(module, batch)
+        if seen is not None:
+            seen["ndim"] = getattr(out[0] if isinstance(out, tuple) else out, "ndim", None)
+        return out
+
+    return build_train_step(graphdef, recorded, tx, unroll=True), state
 
 
 def _stacked(batch: dict[str, Any], rows: int | None = None) -> dict[str, Any]:
@@ -74,11 +89,14 @@ def check_step(
     report = Report(target)
     if not isinstance(batch, dict) or not batch:
         raise ConfigError("`batch` must be a dict of arrays (one small real batch), e.g. {'x': ..., 'y': ...}.")
-    step, state = _train_step(model, loss_fn)
+    seen: dict[str, Any] = {}
+    step, state = _train_step(model, loss_fn, seen)
     rows = len(np.asarray(next(iter(batch.values()))))
     try:
         jax.eval_shape(step, state, _stacked(batch))
         report.traced = True
+        if seen.get("ndim") == 0:
+            report.notes.append(SCALAR_LOSS_NOTE)
         jax.block_until_ready(jax.jit(step)(state, _stacked(batch)))
         report.ran = True
     except Exception as e:  # every failure becomes a finding with a line
