@@ -190,7 +190,7 @@ def _comments(klass: type) -> dict[str, str]:
 
 
 def _type_name(tp: Any) -> str:
-    from xlafit.config import _type_name as name
+    from xlafit.overrides import _type_name as name
 
     return name(tp)
 

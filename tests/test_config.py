@@ -3,8 +3,9 @@ import re
 import pytest
 import yaml
 
-from xlafit.config import DataConfig, MeshConfig, OptimizerConfig, TrainerConfig, parse_overrides, resolve_batch
+from xlafit.config import DataConfig, MeshConfig, OptimizerConfig, TrainerConfig, resolve_batch
 from xlafit.errors import ConfigError
+from xlafit.overrides import parse_overrides
 from xlafit.recipes import load_config
 
 
@@ -112,7 +113,7 @@ def test_the_presets_setting_gives_way_to_the_users_mesh(caplog):
 def test_an_override_that_is_a_path_says_which_flag_takes_it():
     """``xlafit check mnist --tpu v5e-8 --json out.json``: check's --json takes no file, so the
     path became an override; the error says so instead of only asking for key=value."""
-    from xlafit.config import parse_overrides
+    from xlafit.overrides import parse_overrides
 
     with pytest.raises(ConfigError, match=r"looks like a file or directory: name it with its flag .*redirect it"):
         parse_overrides(["runs/out.json"])

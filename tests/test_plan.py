@@ -21,8 +21,9 @@ from xlafit.check.program import Program
 from xlafit.check.tpu import Steps, no_persistent_cache
 from xlafit.cli import build_parser, main
 from xlafit.cli.entry import _parse
-from xlafit.config import TrainerConfig, parse_overrides
+from xlafit.config import TrainerConfig
 from xlafit.errors import ConfigError
+from xlafit.overrides import parse_overrides
 from xlafit.parallel.sharding import logical
 from xlafit.plan import format_plan, plan_file, plan_json, plan_recipe, recipe_planner
 from xlafit.plan.candidates import Candidate, mesh_refusal, meshes, params_of

@@ -37,7 +37,7 @@ import yaml
 from etils import epath
 from flax import nnx
 
-from xlafit.config import Config, LoraConfig, migrate, resolve_batch
+from xlafit.config import Config, LoraConfig, resolve_batch
 from xlafit.data.dataset import as_dataset
 from xlafit.errors import ConfigError, StorageError
 from xlafit.io.paths import (
@@ -53,6 +53,7 @@ from xlafit.io.paths import (
     upload,
 )
 from xlafit.models.lora import ADAPTER, BASE, apply_lora
+from xlafit.overrides import migrate
 from xlafit.parallel.cluster import connect
 from xlafit.parallel.mesh import Strategy
 from xlafit.parallel.sharding import parse_rules

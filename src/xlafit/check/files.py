@@ -21,8 +21,9 @@ from xlafit.check.program import Program
 from xlafit.check.report import Report
 from xlafit.check.rules import classify
 from xlafit.check.step import check_step, check_tpu, example_layout, example_lengths, positive
-from xlafit.config import MeshConfig, TrainerConfig, deep_merge, from_dict, load_yaml, parse_overrides, validate_mesh
+from xlafit.config import MeshConfig, TrainerConfig, validate_mesh
 from xlafit.errors import ConfigError
+from xlafit.overrides import deep_merge, from_dict, load_yaml, parse_overrides
 from xlafit.parallel.cluster import start_backends
 from xlafit.parallel.sharding import parse_rules
 from xlafit.train.adapter import adapt, framework_of

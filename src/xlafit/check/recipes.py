@@ -14,9 +14,9 @@ from flax import nnx
 from xlafit.check.program import Program
 from xlafit.check.report import Report
 from xlafit.check.step import check_step, check_tpu, example_layout, positive
-from xlafit.config import merge_overrides
 from xlafit.data.dataset import as_dataset, num_shapes
 from xlafit.models.lora import ADAPTER
+from xlafit.overrides import merge_overrides
 from xlafit.parallel.cluster import start_backends
 from xlafit.parallel.sharding import parse_rules
 from xlafit.platform.hardware import parse_targets

@@ -59,7 +59,7 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
     Raises:
         ConfigError: a flag and an override set the same key to different values.
     """
-    from xlafit.config import parse_overrides  # the library when the command runs: a fast --help
+    from xlafit.overrides import parse_overrides  # the library when the command runs: a fast --help
 
     given = {flag: getattr(args, flag) for flag in FLAG_KEYS if getattr(args, flag) not in (None, "", False)}
     flags = [f"{FLAG_KEYS[flag]}={'false' if flag == 'restart' else value}" for flag, value in given.items()]

@@ -12,8 +12,8 @@ from typing import Any
 
 from xlafit.check import file_program, file_settings, importable, load_file, recipe_program
 from xlafit.check.program import Program
-from xlafit.config import load_yaml
 from xlafit.errors import ConfigError
+from xlafit.overrides import load_yaml
 from xlafit.parallel.cluster import start_backends
 from xlafit.plan.candidates import Candidate
 from xlafit.plan.result import Plan

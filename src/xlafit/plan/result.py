@@ -10,8 +10,8 @@ from typing import Any
 
 import yaml
 
-from xlafit.config import deep_merge, merge_overrides, parse_overrides
 from xlafit.errors import ConfigError
+from xlafit.overrides import deep_merge, merge_overrides, parse_overrides
 from xlafit.plan.candidates import Candidate
 from xlafit.plan.search import Outcome
 from xlafit.platform.hardware import PRICES, Price, Target, command_name

@@ -9,8 +9,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from xlafit.config import Config, build_config, load_yaml, parse_overrides
+from xlafit.config import Config
 from xlafit.errors import ConfigError
+from xlafit.overrides import build_config, load_yaml, parse_overrides
 from xlafit.recipes.base import Recipe
 
 RECIPES = ("mnist", "bert", "resnet", "llm")

@@ -1,0 +1,269 @@
+"""Reading a :class:`~xlafit.config.Config`: a recipe's YAML preset, dotted ``key=value``
+overrides merged over it, every value coerced to its field's type, and keys that moved
+read under their new names.
+
+Every mistake a user can make here (an unknown key, a value of the wrong type, a file that
+is not YAML) raises :class:`~xlafit.errors.ConfigError` naming the valid keys or the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from xlafit.config import Config, DataConfig, MeshConfig, validate
+from xlafit.errors import ConfigError
+
+log = logging.getLogger("xlafit")
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if _is_optional(tp):
+        return f"{_type_name(_strip_optional(tp))} or null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _is_optional(tp: Any) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+
+
+def _strip_optional(tp: Any) -> Any:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0]
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Checks ``value`` against the annotation ``tp``; ints are accepted for floats."""
+    if _is_optional(tp):
+        return None if value is None else _coerce(value, _strip_optional(tp), key)
+    if typing.get_origin(tp) is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not allowed; choose one of {', '.join(map(str, choices))}.")
+        return value
+    if value is None:
+        raise ConfigError(f"{key} is empty (given as {key}= or null); give it a value of type {_type_name(tp)}.")
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }.get(tp)
+    if ok is None:
+        raise TypeError(f"unsupported config annotation {tp!r} for {key}")
+    if not ok:
+        raise ConfigError(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}.")
+    return float(value) if tp is float else value
+
+
+def from_dict(
+    cls: type, data: Mapping[str, Any], prefix: str = "", model_cls: type | None = None, data_cls: type | None = None
+) -> Any:
+    """Builds dataclass ``cls`` from a nested mapping, rejecting unknown keys and bad types.
+
+    Args:
+        cls: the dataclass to build.
+        data: nested plain values (from YAML).
+        prefix: the dotted path of ``data`` inside the whole config, for messages.
+        model_cls: the recipe's model dataclass, used for the ``model`` field of
+            :class:`Config`.
+        data_cls: the recipe's data dataclass (a :class:`DataConfig` subclass), if any.
+
+    Returns:
+        An instance of ``cls``.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping of keys to values, got {data!r}.")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        valid = ", ".join(prefix + name for name in fields)
+        raise ConfigError(f"unknown config key {prefix}{unknown[0]}. Valid keys here: {valid}.")
+    kwargs = {}
+    for name, value in data.items():
+        tp = hints[name]
+        if name == "model" and cls is Config:
+            tp = model_cls
+        if name == "data" and cls is Config and data_cls is not None:
+            tp = data_cls
+        # is_dataclass is true of instances too; an annotation naming a dataclass is its type.
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            kwargs[name] = from_dict(tp, value or {}, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(value, tp, prefix + name)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required field is missing
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {e}") from None
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
+    """Turns ``["trainer.epochs=3", "data.seed=1"]`` into a nested dict.
+
+    Values are parsed as YAML scalars, so ``3`` is an int, ``1e-3`` a float, ``null``
+    None and ``true`` a bool.
+    """
+    nested: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            hint = ""
+            if not sep and re.search(r"/|\.(json|ya?ml|png|txt|csv)$", item):
+                hint = (
+                    " It looks like a file or directory: name it with its flag (--data-dir DIR, --run-dir DIR, "
+                    "--config FILE); --json of check, plan, inspect and generate takes none (it prints JSON: "
+                    "redirect it, > FILE)."
+                )
+            raise ConfigError(
+                f"override {item!r} is not of the form key.sub=value (for example trainer.epochs=3).{hint}"
+            )
+        value = yaml.safe_load(raw) if raw.strip() else None
+        # YAML 1.1 reads "1e-3" as a string; numbers in scientific notation are common here.
+        if isinstance(value, str):
+            try:
+                value = float(value) if any(c in value for c in ".eE") else value
+            except ValueError:
+                pass
+        node = nested
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} conflicts with another override of {part}.")
+        node[leaf] = value
+    return nested
+
+
+def merge_overrides(*groups: Sequence[str]) -> list[str]:
+    """``groups`` of overrides as one list with each key once, at its last value (the one that
+    wins): ``merge_overrides(["data.global_batch=8"], ["data.global_batch=null"])`` is
+    ``["data.global_batch=null"]``."""
+    merged: dict[str, str] = {}
+    for item in (item for group in groups for item in group):
+        merged[item.partition("=")[0].strip()] = item
+    return list(merged.values())
+
+
+def deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """Returns ``base`` updated by ``update``, merging nested dicts key by key."""
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(dict(merged[key]), value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Reads a YAML preset; an empty file is an empty mapping."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist.") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level.")
+    return data
+
+
+def build_config(
+    recipe: str,
+    preset: Mapping[str, Any],
+    overrides: Mapping[str, Any],
+    model_cls: type,
+    data_cls: type = DataConfig,
+) -> Config:
+    """Merges preset and overrides into a validated :class:`Config`.
+
+    A user who overrides ``data.per_device_batch`` (and not ``data.global_batch``) means
+    the per-device size: the preset's global batch is dropped so the two cannot disagree.
+    """
+    preset, overrides = migrate(preset, "the preset"), migrate(overrides, "the overrides")
+    data_over = overrides.get("data", {}) if isinstance(overrides.get("data"), Mapping) else {}
+    merged = deep_merge(dict(preset), overrides)
+    if "per_device_batch" in data_over and "global_batch" not in data_over:
+        merged.setdefault("data", {})["global_batch"] = None
+    merged["recipe"] = recipe
+    _preset_gives_way(merged, overrides)
+    cfg = from_dict(Config, merged, model_cls=model_cls, data_cls=data_cls)
+    if not isinstance(cfg.data, data_cls):  # no data section at all: the recipe's defaults
+        cfg.data = data_cls()
+    validate(cfg)
+    return cfg
+
+
+# Keys that moved, old -> new: a preset, an override or a run's config.yaml that still has
+# the old one is read with a one-line note.
+MOVED = {
+    "run.xla_cpu_fast_paths": "cpu.fast_paths",
+    "run.xla_cpu_ynn_fusion": "cpu.ynn_fusion",
+    "run.cpu_keep_memory": "cpu.keep_memory",
+    "run.cpu_async_dispatch": "cpu.async_dispatch",
+}
+# Keys that are gone, with why: dropped with a note.
+REMOVED = {"model.conv": "ResNet's convolutions are XLA's on every platform"}
+
+
+def migrate(tree: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """``tree`` (nested) with moved keys under their new names and removed ones dropped, each
+    with a one-line note naming ``source`` (a preset, the overrides, a run's config.yaml).
+
+    Example:
+        >>> migrate({"run": {"cpu_keep_memory": False}}, "overrides")
+        {'run': {}, 'cpu': {'keep_memory': False}}
+    """
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in tree.items()}
+    moved, dropped = [], []
+    for old, new in (*MOVED.items(), *((k, "") for k in REMOVED)):
+        section, key = old.split(".")
+        if not isinstance(out.get(section), dict) or key not in out[section]:
+            continue
+        value = out[section].pop(key)
+        if not new:
+            dropped.append(f"{old} ({REMOVED[old]})")
+            continue
+        new_section, new_key = new.split(".")
+        if isinstance(out.setdefault(new_section, {}), dict):
+            out[new_section].setdefault(new_key, value)
+        moved.append(f"{old} is now {new}")
+    if moved or dropped:
+        gone = [f"{', '.join(dropped)}: no longer a setting, ignored"] if dropped else []
+        log.warning("note: %s: %s", source, "; ".join(moved + gone))
+    return out
+
+
+def _preset_gives_way(merged: dict[str, Any], overrides: Mapping[str, Any]) -> None:
+    """A setting the preset chose, not the user, yields to the user's mesh: a mesh axis the
+    preset sized -1 (the devices left) is 1 when the user gives another axis -1; the preset's
+    ``trainer.invariant_chunks`` (pure data parallelism only) is dropped, with a note, when the
+    overrides ask for FSDP or tensor parallelism."""
+    trainer, mesh = merged.get("trainer") or {}, merged.get("mesh") or {}
+    mine: Mapping[str, Any] = overrides["mesh"] if isinstance(overrides.get("mesh"), Mapping) else {}
+    if -1 in mine.values():  # the user's "the devices left" replaces the preset's
+        defaults = {f.name: f.default for f in dataclasses.fields(MeshConfig)}
+        for axis in ("data", "fsdp", "tensor"):
+            if mesh.get(axis, defaults[axis]) == -1 and axis not in mine:
+                merged["mesh"] = mesh = {**mesh, axis: 1}
+    asked = overrides.get("trainer") if isinstance(overrides.get("trainer"), Mapping) else {}
+    split = any(mesh.get(axis, 1) not in (1, None) for axis in ("fsdp", "tensor"))
+    if split and trainer.get("invariant_chunks") is not None and "invariant_chunks" not in (asked or {}):
+        log.warning(
+            "note: the preset's trainer.invariant_chunks=%s (bit-identical across device counts) holds for pure "
+            "data parallelism only; it is off for this mesh",
+            trainer["invariant_chunks"],
+        )
+        merged["trainer"] = {**trainer, "invariant_chunks": None}
