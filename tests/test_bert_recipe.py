@@ -43,6 +43,27 @@ def test_eval_fraction_with_prepared_data_is_refused(tmp_path, monkeypatch, kore
     assert len(train) > 100 and len(evaluation) > 0
 
 
+def test_data_with_no_held_out_document_trains_without_evaluation(
+    tmp_path, monkeypatch, korean_tokenizer, capsys, caplog
+):
+    """Two documents at --eval-fraction 0.05 hold none out: `data mlm` said nothing, and the
+    run printed its start then a StopIteration traceback from compiling the eval step."""
+    from xlafit.cli import main
+    from xlafit.data.text import korean_demo_files
+
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
+    prepared = tmp_path / "mlm"
+    files = korean_demo_files()[:2]
+    assert main(["data", "mlm", "--tokenizer", str(korean_tokenizer), "--input", *files, "--doc-boundary", "file",
+                 "--seq-len", "64", "--out", str(prepared)]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert "--eval-fraction 0.05 held out no document (--doc-boundary file)" in err
+    run = tmp_path / "run"
+    args = ["train", "bert", "--simulate", "8", "--data-dir", str(prepared), "--run-dir", str(run)]
+    assert main([*args, "trainer.stop_at_step=1", "data.global_batch=8"]) == 0
+    assert "the evaluation set holds no examples: this run trains without evaluation" in caplog.text
+
+
 def test_sequence_length_and_vocabulary_come_from_the_data():
     from helpers import mlm_dataset
     from xlafit.errors import ConfigError

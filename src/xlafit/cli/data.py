@@ -91,6 +91,13 @@ def run_mlm(args: argparse.Namespace) -> int:
             f"{split}: {info['documents']:,} documents -> {info['sequences']:,} sequences of {args.seq_len} "
             f"({info['tokens']:,} tokens, {fill:.1%} not padding) in {len(info['shards'])} shard(s)"
         )
+    held_out = manifest["splits"].get("eval", {"sequences": 0})
+    if args.eval_fraction > 0 and held_out["sequences"] == 0:
+        print(
+            f"note: --eval-fraction {args.eval_fraction} held out no document (--doc-boundary {args.doc_boundary}): "
+            "a run on this data trains without evaluation. Give more documents, or a larger --eval-fraction.",
+            file=sys.stderr,
+        )
     print(f"written to {args.out} (manifest.json)")
     return 0
 

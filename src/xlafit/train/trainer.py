@@ -304,6 +304,9 @@ class Trainer:
         """
         train = as_dataset(train)
         eval = as_dataset(eval) if eval is not None else None
+        if eval is not None and len(eval) == 0:
+            log.warning("warning: the evaluation set holds no examples: this run trains without evaluation")
+            eval = None
         loop = self._begin(train, eval)
         try:
             with handle_signals() as loop.signals, self._watchdog() as loop.watchdog:
