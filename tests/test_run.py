@@ -284,3 +284,21 @@ def test_the_progress_bar_closes_at_100_percent_and_what_follows_prints_below_it
     report.close()
     err = capsys.readouterr().err
     assert err.count("4/4") == 1, err
+
+
+def test_cpu_settings_that_cannot_apply_any_more_are_named(strategy8, monkeypatch, caplog):
+    """`xlafit.connect()` first (the notebooks' order) starts JAX with the default XLA:CPU
+    settings; a recipe run then asked for its own (mnist: cpu.fast_paths=false) and went on
+    without them, silently, though its numbers then differ from `xlafit train`'s."""
+    from xlafit.parallel import cluster
+    from xlafit.platform.cpu import CpuConfig
+
+    monkeypatch.setitem(cluster._APPLIED, "settings", CpuConfig())
+    xlafit.connect(cpu=CpuConfig())  # the same settings: nothing to say
+    assert "cannot apply" not in caplog.text
+    xlafit.connect(cpu=load_config("mnist").cpu)  # what train_and_evaluate asks for
+    assert (
+        "this run's XLA:CPU settings (cpu.fast_paths=false) cannot apply: an earlier xlafit.connect() started JAX "
+        "with cpu.fast_paths=true" in caplog.text
+    )
+    assert "xlafit.connect(cpu=config.cpu)" in caplog.text

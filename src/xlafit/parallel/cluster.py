@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import importlib.util
+import logging
 import os
 import socket
 import sys
@@ -33,6 +34,12 @@ from xlafit.parallel.mesh import Strategy, make_mesh
 from xlafit.platform import cpu as cpu_settings
 from xlafit.platform.cpu import CpuConfig
 from xlafit.platform.hardware import TPU_DEVICES, accelerator_present, quiet_stderr
+
+log = logging.getLogger("xlafit")
+
+# The XLA:CPU settings this process started with ("settings"), once configure applied them:
+# they hold until the process ends, whatever a later run asks for.
+_APPLIED: dict[str, CpuConfig] = {}
 
 
 def _backend_started() -> bool:
@@ -69,15 +76,43 @@ def configure(simulate: int | None = None, *, cpu: CpuConfig | None = None) -> N
                 f"{simulate} simulated devices cannot be made in this process. Call xlafit.connect("
                 f"simulate={simulate}) before any other JAX call, or set {SIMULATE_ENV}={simulate}."
             )
+        if cpu is not None and jax.default_backend() == "cpu":
+            _warn_if_not_applied(cpu)
         return
     enable_compilation_cache()
     platforms = jax.config.jax_platforms or ""  # type: ignore[attr-defined]
     on_cpu = simulate is not None or platforms.split(",")[0] == "cpu" or (not platforms and not accelerator_present())
     if on_cpu:
-        cpu_settings.apply(cpu or CpuConfig())
+        _APPLIED["settings"] = cpu or CpuConfig()
+        cpu_settings.apply(_APPLIED["settings"])
     if simulate is not None:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", simulate)
+
+
+def _warn_if_not_applied(asked: CpuConfig) -> None:
+    """Says so when a run asks for XLA:CPU settings other than those this process started
+    with (an earlier ``xlafit.connect()`` applied its defaults): they cannot change now, and
+    the run's numbers can differ in their last bits from the same run started afresh."""
+    applied = _APPLIED.get("settings")
+    if applied == asked:
+        return
+    names = [f.name for f in dataclasses.fields(CpuConfig)]
+    differ = [n for n in names if applied is None or getattr(asked, n) != getattr(applied, n)]
+
+    def listed(settings: CpuConfig) -> str:
+        values = {n: getattr(settings, n) for n in differ}
+        return ", ".join(f"cpu.{n}={str(v).lower() if isinstance(v, bool) else v}" for n, v in values.items())
+
+    before = f"an earlier xlafit.connect() started JAX with {listed(applied)}" if applied else "JAX started first"
+    log.warning(
+        "warning: this run's XLA:CPU settings (%s) cannot apply: %s, and they hold until the process ends. The run "
+        "goes on with those; its numbers can differ in their last bits from the same run in a new process "
+        "(`xlafit train`). To have them, start with xlafit.connect(cpu=config.cpu), or call train_and_evaluate "
+        "first.",
+        listed(asked),
+        before,
+    )
 
 
 # What libtpu writes to stderr when JAX tries its TPU backend on a host with no TPU (libtpu
