@@ -146,6 +146,13 @@ def test_stop_and_resume_equals_uninterrupted(strategy8, digits, tmp_path, capsy
         "stopped at step 7 of 20 (trainer.stop_at_step=7) with a checkpoint; to go on, run again with a later "
         "trainer.stop_at_step or without it"
     ) in capsys.readouterr().out  # a stop at a step said nothing: it looked like the end of the run
+    behind = _cnn_trainer(strategy8, stop_at_step=5, epochs=2, run_dir=tmp_path)
+    assert int(behind.fit(train).state.step) == 7
+    behind.close()
+    assert (
+        "nothing trained: the run is at step 7, past trainer.stop_at_step=5; to go on, run again with a later "
+        "trainer.stop_at_step or without it"
+    ) in capsys.readouterr().out  # it said nothing and exited 0
     second = _cnn_trainer(strategy8, stop_at_step=None, epochs=2, run_dir=tmp_path)
     resumed = second.fit(train, eval=test)
     second.close()
