@@ -18,7 +18,21 @@ from xlafit.checkpoint import Checkpointer
 from xlafit.errors import NonFiniteError
 from xlafit.train.report import RunReport
 
-__all__ = ["apply_nan_policy"]
+__all__ = ["applied_means", "apply_nan_policy"]
+
+
+def applied_means(values: list[dict[str, np.ndarray]]) -> dict[str, float | int]:
+    """The means of the calls' per-step metrics (``values``: one dict of arrays per call) over
+    the applied updates only (one dropped update's NaN would hide the rest), and
+    ``nonfinite_steps``, the count of dropped ones, where there are any."""
+    ok = np.concatenate([v["nonfinite"] for v in values]) == 0
+    means: dict[str, float | int] = {}
+    for key in values[0]:
+        if key != "nonfinite" and ok.any():
+            means[key] = float(np.mean(np.concatenate([v[key] for v in values])[ok]))
+    if not ok.all():
+        means["nonfinite_steps"] = int((~ok).sum())
+    return means
 
 
 def apply_nan_policy(

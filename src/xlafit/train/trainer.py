@@ -51,7 +51,7 @@ from xlafit.platform.hardware import peak_flops
 from xlafit.train.adapter import Adapted, adapt, framework_of
 from xlafit.train.frozen import checkpointed, frozen_filter, frozen_fingerprint, restore, run_settings
 from xlafit.train.loop import Call, Due, FitResult, Loop, itstime, lr_at, nonfinite_steps, peak_lr, times
-from xlafit.train.nonfinite import apply_nan_policy
+from xlafit.train.nonfinite import applied_means, apply_nan_policy
 from xlafit.train.report import RunReport
 from xlafit.train.signals import SignalGuard, handle_signals
 from xlafit.train.step import (
@@ -539,15 +539,7 @@ class Trainer:
         """The logged record of the calls in ``pending``: means of their metrics over the
         applied updates, throughput over ``busy`` seconds, and the input wait."""
         steps_done = step - pending[0][0]
-        ok = np.concatenate([v["nonfinite"] for v in values]) == 0
-        record: dict[str, Any] = {"step": step, "epoch": round(step / spe, 3)}
-        for key in values[0]:
-            if key != "nonfinite" and ok.any():
-                series = np.concatenate([v[key] for v in values])
-                # means over the applied updates only: one dropped update's NaN would hide the rest
-                record[key] = float(np.mean(series[ok]))
-        if not ok.all():
-            record["nonfinite_steps"] = int((~ok).sum())
+        record: dict[str, Any] = {"step": step, "epoch": round(step / spe, 3), **applied_means(values)}
         rate = steps_done * self.global_batch / busy
         record.update(
             {
