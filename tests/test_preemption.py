@@ -193,6 +193,7 @@ def test_corrupt_latest_checkpoint_falls_back_with_a_warning(tmp_path, idx_dir, 
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "warning: checkpoint 4" in out.stdout and "does not match its checksum" in out.stdout
+    assert "checkpoint 4" not in out.stderr  # said once (it was said again as a log line)
     assert "resumed from checkpoint 3" in out.stdout
 
 

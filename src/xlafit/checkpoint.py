@@ -336,7 +336,6 @@ class Checkpointer:
         target = self.directory / f"corrupt-{step}-{datetime.datetime.now(datetime.UTC):%Y%m%dT%H%M%S}"
         if jax.process_index() == 0:
             print(f"warning: checkpoint {step} ({source}) is {why}; not using it, moved to {target}", flush=True)
-            log.warning("checkpoint %d is %s; moved to %s", step, why, target)
             move(source, target)
         self._manager.reload()
 
