@@ -19,7 +19,6 @@ import dataclasses
 import datetime
 import hashlib
 import json
-import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -35,8 +34,6 @@ from xlafit.io.paths import as_path, check_bucket, describe_error, files_under, 
 from xlafit.models.bert import qkv_from_matrix
 from xlafit.parallel.mesh import is_prng_key
 from xlafit.parallel.sharding import path_name
-
-log = logging.getLogger("xlafit")
 
 SEAL = "xlafit-integrity.json"
 COMMIT = "commit_success.txt"
