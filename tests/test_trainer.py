@@ -153,6 +153,13 @@ def test_stop_and_resume_equals_uninterrupted(strategy8, digits, tmp_path, capsy
         "nothing trained: the run is at step 7, past trainer.stop_at_step=5; to go on, run again with a later "
         "trainer.stop_at_step or without it"
     ) in capsys.readouterr().out  # it said nothing and exited 0
+    # resume=False over those checkpoints: refused before any step (its first save failed,
+    # "checkpoint for step 10 already exists", though messages offered it as the way to start over)
+    over = _cnn_trainer(strategy8, stop_at_step=None, epochs=2, run_dir=tmp_path)
+    over.resume = False
+    with pytest.raises(xlafit.ConfigError, match=r"holds the checkpoints of an earlier run \(the newest at step 7\)"):
+        over.fit(train)
+    over.close()
     second = _cnn_trainer(strategy8, stop_at_step=None, epochs=2, run_dir=tmp_path)
     resumed = second.fit(train, eval=test)
     second.close()

@@ -323,7 +323,7 @@ class Checkpointer:
             return from_saveable(raw, like), s
         raise CheckpointError(
             f"no intact checkpoint in {self.directory} (tried {', '.join(map(str, candidates)) or 'none'}); "
-            "start over with --restart (in Python: Trainer(..., resume=False))."
+            "start over with --restart (in Python: another run_dir)."
         )
 
     def _set_aside(self, step: int, why: str) -> None:
@@ -384,7 +384,7 @@ class Checkpointer:
                 raise CheckpointError(
                     f"checkpoint {step} in {self.directory} does not fit this model: {path} is {have} there and "
                     f"{want} here. Resume with the config the run was started with, or start over with --restart or "
-                    "another --run-dir (in Python: Trainer(..., resume=False) or another run_dir)."
+                    "another --run-dir (in Python: another run_dir)."
                 )
         return saved
 

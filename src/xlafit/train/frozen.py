@@ -79,7 +79,7 @@ def check_settings(ckpt: Checkpointer, step: int, settings: Mapping[str, str]) -
                 f"checkpoint {step} in {ckpt.directory} was trained with {name}={saved[name]} and this run has "
                 f"{name}={value}: its steps would mean other examples (another data order, another epoch length). "
                 f"Resume with {name}={saved[name]} ({RUN_SETTINGS.get(name, name)} in a config), or start over with "
-                "another run_dir or resume=False (the command: another --run-dir or --restart)."
+                "another run_dir (the command: another --run-dir or --restart)."
             )
 
 

@@ -99,7 +99,8 @@ class Trainer:
         data_seed: seed of the data order.
         prefetch: batches moved to the devices ahead of the step.
         resume: continue from the newest checkpoint in ``run_dir`` (refused if it was
-            trained with another ``global_batch`` or ``data_seed``).
+            trained with another ``global_batch`` or ``data_seed``); False starts over, in a
+            ``run_dir`` without checkpoints (one with them is refused: nothing is written over).
         tokens_per_example: adds ``tokens_per_sec`` to the logs (sequence models).
         flops_per_example: model FLOPs to train on one example; adds ``mfu`` to the logs
             (model FLOPs utilisation against :func:`xlafit.platform.hardware.peak_flops`).
@@ -331,8 +332,15 @@ class Trainer:
         order = TrainOrder.for_dataset(train, self.global_batch, self.data_seed)
         total = self.config.epochs * order.steps_per_epoch
         stop = min(total, self.config.stop_at_step) if self.config.stop_at_step else total
-        restored = None
-        if self._ckpt is not None and self.resume and self._ckpt.latest_step() is not None:
+        ckpt, restored = self._ckpt, None
+        latest = ckpt.latest_step() if ckpt is not None else None
+        if ckpt is not None and latest is not None and not self.resume:  # a save would meet a step already there
+            raise ConfigError(
+                f"{ckpt.directory} holds the checkpoints of an earlier run (the newest at step {latest}): "
+                "resume=False cannot start over there without writing over them. Give another run_dir (the "
+                "command's --restart moves the earlier run aside), or resume=True to go on from it."
+            )
+        if latest is not None:
             restored = self._restore()
         start = int(self._state.step)
         self._limit_compiles(order, train, eval, start, stop)
