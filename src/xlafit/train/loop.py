@@ -121,6 +121,17 @@ class Loop:
         self.pending.append((call.first, call.metrics))
         self.window_compile += call.compile_s
 
+    def stop_note(self, stop_at: int | None, saved: bool) -> str | None:
+        """What ``trainer.stop_at_step`` did to this run, once it ended: stopped it before the
+        schedule's end, or found it past that step already (nothing trained); None: neither."""
+        again = "to go on, run again with a later trainer.stop_at_step or without it"
+        if self.stop < self.step < self.total:
+            return f"nothing trained: the run is at step {self.step}, past trainer.stop_at_step={stop_at}; {again}"
+        if self.step == self.stop < self.total:
+            kept = " with a checkpoint" if saved else ""
+            return f"stopped at step {self.stop} of {self.total} (trainer.stop_at_step={stop_at}){kept}; {again}"
+        return None
+
 
 @dataclasses.dataclass(frozen=True)
 class Due:

@@ -447,18 +447,9 @@ class Trainer:
             f"{self.eval_step.compiles} time(s); {self.train_step.compile_s + self.eval_step.compile_s:.1f}s "
             "compiling, excluded from step times"
         )
-        if loop.stop < loop.step < loop.total:  # resumed past trainer.stop_at_step: nothing to train
-            loop.report.print(
-                f"nothing trained: the run is at step {loop.step}, past trainer.stop_at_step="
-                f"{self.config.stop_at_step}; to go on, run again with a later trainer.stop_at_step or without it"
-            )
-        elif loop.step == loop.stop < loop.total:  # trainer.stop_at_step ended it, not the schedule
-            saved = " with a checkpoint" if self._ckpt is not None else ""
-            at = f"trainer.stop_at_step={self.config.stop_at_step}"
-            loop.report.print(
-                f"stopped at step {loop.stop} of {loop.total} ({at}){saved}; to go on, run again with a later "
-                "trainer.stop_at_step or without it"
-            )
+        note = loop.stop_note(self.config.stop_at_step, saved=self._ckpt is not None)
+        if note is not None:
+            loop.report.print(note)
         loop.report.close()
 
     # ------------------------------------------------------------------ the loop's helpers
