@@ -157,7 +157,10 @@ def test_schedule_line_says_what_a_short_run_does():
     assert f"then {float(plan.schedule(24)):.4g} for the run's last 6 steps" in line
     short = OptimizerConfig(learning_rate=0.003, reference_batch=32, warmup_steps=4, final_lr_fraction=0.1)
     line = describe_schedule(dataclasses_replace(cfg, short), make_optimizer(short, 32, total_steps=24), 30)
-    assert line.endswith("4 warmup steps, cosine decay over 20 steps, then 0.0003 for the run's last 6 steps")
+    assert line.endswith(
+        "4 warmup steps, cosine decay over 20 steps (optimizer.decay_steps=24: warmup and decay), then 0.0003 for the "
+        "run's last 6 steps"
+    )
     # A schedule that ends at 0 (every preset's): the steps past it run and save, changing nothing.
     to_zero = OptimizerConfig(learning_rate=0.003, reference_batch=32, warmup_steps=4, final_lr_fraction=0.0)
     line = describe_schedule(dataclasses_replace(cfg, to_zero), make_optimizer(to_zero, 32, total_steps=24), 30)

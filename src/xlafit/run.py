@@ -261,7 +261,10 @@ def describe_schedule(cfg: Config, plan: OptimizerPlan, run_steps: int | None = 
             f"{reached:.4g} and the run ends before the peak and before any decay"
         )
     decay = plan.decay_steps - o.warmup_steps
-    return line + f"{o.warmup_steps} warmup steps, {o.decay} decay over {decay} steps{beyond}"
+    return line + (
+        f"{o.warmup_steps} warmup steps, {o.decay} decay over {decay} steps "
+        f"(optimizer.decay_steps={plan.decay_steps}: warmup and decay){beyond}"
+    )
 
 
 def final_report(metrics: dict[str, float]) -> str:
