@@ -10,11 +10,13 @@ metadata-server probes at a closed local port (``FakeGCS.env``).
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -646,3 +648,13 @@ def test_a_storage_host_whose_name_does_not_resolve_fails_at_once(tmp_path):
     lines = [line for line in done.stderr.splitlines() if line.startswith("xlafit:")]
     assert len(lines) == 1 and "gs://some-bucket/run cannot be reached (storage.no-such-host.invalid" in lines[0], lines
     assert "Check STORAGE_EMULATOR_HOST" in lines[0] and "Traceback" not in done.stderr
+
+
+def test_the_guides_local_bucket_sets_what_the_tests_set(gcs_server):
+    """The cloud-storage guide's block for a bucket on one's own machine exports the variables
+    the tests' server needs, every one of them; a variable added here and not there would
+    leave a reader's clients talking to Google."""
+    guide = (Path(__file__).parents[1] / "docs" / "guides" / "cloud-storage.md").read_text()
+    block = guide.split("## A bucket on your machine", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    exported = set(re.findall(r"\b([A-Z_a-z]+)=", block.split("export ", 1)[1].split("\ncurl", 1)[0]))
+    assert exported == set(gcs_server.env)
