@@ -4,6 +4,7 @@ Each compile of these tiny programs takes a second or a few; an out-of-memory re
 takes well under one.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -359,14 +360,26 @@ def test_too_big_for_v5e_fits_v5p_and_says_by_how_much():
     assert "exceeds available HBM" in v5e.message and v5e.margin < 0
     assert v5p.fits is True and v5p.margin > 0 and v5p.memory["total"] > 16 * 2**30
     text = report.format()
-    assert "does not fit" in text and "levers, most promising first" in text and "accumulate_steps" in text
+    assert "does not fit" in text and "FSDP: mesh.fsdp=8" in text
     assert "v5p-8" in text and "yes" in text.splitlines()[-3]  # the table: v5p-8 fits
     assert not report.ok
-    # The state (parameters + Adam's moments, ~19 GiB a core) is what does not fit: splitting it
-    # comes first, in the syntax a file takes, and a file's per-core batch is a flag, not a key.
+
+
+def test_a_state_larger_than_the_core_gets_the_state_levers_only():
+    """The train state alone (parameters + Adam's moments, 17.88 GiB a core) is over v5e's
+    15.75 GiB: no batch fits, and the report said to halve the batch or accumulate gradients.
+    It says so and lists what splits or moves the state, in the syntax a file takes. One
+    refused compile: seconds."""
+    (v5e,) = check_file(CASES / "tpu_big.py", tpu="v5e-8").tpu
+    assert v5e.fits is False and v5e.memory["state"] > v5e.capacity
     assert v5e.levers[0].startswith("FSDP: mesh.fsdp=8")
-    assert any("--per-device-batch 4" in lever for lever in v5e.levers)
-    assert not any("data.per_device_batch" in lever or "model." in lever for lever in v5e.levers)
+    assert not any("batch" in lever or "accumulate" in lever or "model." in lever for lever in v5e.levers)
+    text = format_report(v5e)
+    assert "no per-core batch fits: the train state alone (parameters, optimizer state) takes 17.88 GiB per core, " in (
+        text
+    )
+    assert "more than the 15.75 GiB there; only splitting or moving the state helps:" in text
+    assert "levers, most promising first" not in text and "accumulate_steps" not in text
 
 
 def test_a_user_file_is_checked_under_the_mesh_it_is_given():
@@ -675,6 +688,28 @@ def test_levers_follow_what_the_memory_is_made_of():
     assert any(lever.startswith("FSDP: mesh.fsdp=8") for lever in found)
     assert levers(report, tpu.parse_target("v5e-1"), program)[0].startswith("a smaller")
     assert not any("FSDP" in lever for lever in levers(report, tpu.parse_target("v5e-1"), program))  # one chip
+
+
+def test_a_state_over_the_core_leaves_out_the_batch_levers_and_names_a_larger_slice():
+    """The state alone is over the core's HBM: a smaller or accumulated batch, fewer steps per
+    call and a model's activation levers cannot help and are left out; already split over all
+    8 cores, a slice of 16 (the next that brings the state under the core's HBM) is named."""
+    target = tpu.parse_target("v5e-8")
+    report = TargetReport(
+        "v5e-8", per_device_batch=64, steps_per_call=3, capacity=16 * 2**30, memory={"state": 20 * 2**30}
+    )
+    remat = (("activations", "rematerialisation: model.remat=full"),)
+    program = Program(
+        nnx.Linear(2, 2, rngs=nnx.Rngs(0)), _mlp_loss, optax.sgd(0.1), TrainerConfig(), {}, 64, model_levers=remat
+    )
+    found = levers(report, target, program)
+    assert found[0].startswith("FSDP: mesh.fsdp=8") and "a TPU with more HBM per core" in found[1]
+    assert not any(word in lever for lever in found for word in ("batch", "accumulate", "steps_per_call", "remat"))
+    split = dataclasses.replace(program, mesh=(1, 8, 1))
+    assert levers(report, target, split)[-1] == (
+        "a larger slice: split over all 8 cores the state still takes about 20.00 GiB per core; 16 cores or more "
+        "with mesh.fsdp=16 bring the state to about 10.00 GiB per core"
+    )
 
 
 def test_checking_a_file_on_a_machine_without_a_tpu_is_quiet(tmp_path):

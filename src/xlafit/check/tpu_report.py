@@ -67,8 +67,14 @@ def _fit_lines(r: TargetReport) -> list[str]:
         need = f" needs {gib(r.memory['total'])}," if "total" in r.memory else ""
         over = f" over by {gib(-(r.margin or 0))}" if r.margin is not None else ""
         lines = [f"  ✗ does not fit:{need} {cap}{over}", f"    the compiler: {r.message}"]
-        if r.levers:
-            state = r.memory.get("state")
+        state = r.memory.get("state")
+        if state and r.capacity and state >= r.capacity:  # then the levers are the state's (check.tpu.levers)
+            lines.append(
+                f"    no per-core batch fits: the train state alone (parameters, optimizer state) takes {gib(state)} "
+                f"per core, more than the {gib(r.capacity)} there; only splitting or moving the state helps:"
+            )
+            lines += [f"      - {lever}" for lever in r.levers]
+        elif r.levers:
             made_of = f" (the train state takes {gib(state)} per core)" if state else ""
             lines.append(f"    levers, most promising first{made_of}:")
             lines += [f"      - {lever}" for lever in r.levers]
