@@ -23,7 +23,7 @@ from xlafit.check import check_file, check_recipe
 from xlafit.check.batch_search import largest_batch
 from xlafit.check.program import Program, TargetReport
 from xlafit.check.tpu import check_target, levers, needed_bytes, no_persistent_cache, predict_here
-from xlafit.check.tpu_report import _probe_line, format_report
+from xlafit.check.tpu_report import _probe_line, format_report, format_table
 from xlafit.cli import main
 from xlafit.config import TrainerConfig
 from xlafit.errors import ConfigError, XlafitError
@@ -472,7 +472,8 @@ def test_a_generation_with_rates_gets_the_step_models_prediction_and_its_error(t
     assert "published steps held out of the fit on TPU v5 lite" in r.band
     assert r.step_s > 1e-3 and r.step_s != r.bound_s and r.examples_per_s == pytest.approx(2048 / r.step_s)
     text = format_report(r)
-    assert "step (predicted, not measured):" in text and "the step model's error: ±" in text and "roofline:" in text
+    assert "step (predicted, not measured):" in text and "the step model's error: ±" in text
+    assert "roofline estimate:" in text
     (old,) = check_recipe("mnist", ["data.per_device_batch=32"], tpu="v2-8").tpu
     assert not old.predicted and old.step_s == old.bound_s and "no step model for TPU v2" in old.band
 
@@ -710,6 +711,31 @@ def test_a_state_over_the_core_leaves_out_the_batch_levers_and_names_a_larger_sl
         "a larger slice: split over all 8 cores the state still takes about 20.00 GiB per core; 16 cores or more "
         "with mesh.fsdp=16 bring the state to about 10.00 GiB per core"
     )
+
+
+def test_a_roofline_above_the_predicted_step_is_an_estimate_that_says_why():
+    """`step (predicted) 23.9 ms` above `roofline: 57.4 ms` read as a bound the prediction
+    broke: the memory term counts XLA's bytes accessed, on-chip buffers included, which the
+    step model leaves out of HBM traffic. It is an estimate, and says why it is above; below
+    the prediction it says nothing more, and without a step model the table marks it `~`."""
+    report = TargetReport(
+        "v5e-8", device_kind="TPU v5 lite", devices=8, batch_shards=8, per_device_batch=8, fits=True,
+        capacity=16 * 2**30, memory={"total": 2**30}, flops_per_step=1e12, bytes_per_step=4.7e10,
+        compute_s=0.0121, memory_s=0.0574, bound_s=0.0574, step_s=0.0239, predicted=True, band="±4%",
+        examples_per_s=2678.0,
+    )  # fmt: skip
+    lines = format_report(report).splitlines()
+    at = next(i for i, line in enumerate(lines) if "roofline" in line)
+    assert lines[at] == "  roofline estimate: 57.4 ms, the larger of"
+    assert lines[at + 2] == (
+        "    above the predicted step: its memory term counts XLA's bytes accessed, buffers kept in on-chip memory "
+        "included; the step model counts HBM traffic only"
+    )
+    below = dataclasses.replace(report, step_s=0.07)
+    assert "above the predicted step" not in format_report(below)
+    unpredicted = dataclasses.replace(report, predicted=False, step_s=0.0574, band="")
+    assert "above the predicted step" not in format_report(unpredicted)
+    assert "~57.4 ms (roofline)" in format_table([unpredicted]) and "(bound)" not in format_table([unpredicted])
 
 
 def test_checking_a_file_on_a_machine_without_a_tpu_is_quiet(tmp_path):
