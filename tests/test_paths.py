@@ -73,3 +73,58 @@ def test_a_path_from_the_home_directory_is_read_there(tmp_path, monkeypatch, str
     assert preset_path("llm", "~/preset.yaml") == tmp_path / "preset.yaml"
     run_dir = resolve(load_config("mnist", ["run.run_dir=~/x/run"]), strategy8, 1000)[1].run_dir
     assert str(run_dir) == str(tmp_path / "x" / "run")
+
+
+@pytest.mark.parametrize(
+    "name, problem",
+    [
+        ("my-bucket", ""),
+        ("a_b", ""),
+        ("runs.example.com", ""),
+        ("a" * 63, ""),
+        ("wb", "it has 2 characters, a name has 3 to 63"),
+        ("a" * 64, "it has 64 characters, a name has 3 to 63"),
+        ("YOUR-BUCKET", "it has uppercase letters"),
+        ("my bucket", "it has ' '"),
+        ("-bucket", "starts and ends with a letter or a digit"),
+        ("bucket.", "starts and ends with a letter or a digit"),
+        ("a..b", "a part between dots has 0 characters"),
+        ("a" * 64 + ".com", "a part between dots has 64 characters"),
+        ("a." * 111 + "bb", "it has 224 characters, a name with dots has at most 222"),
+        ("192.168.5.4", "cannot be an IP address"),
+        ("goog-runs", "cannot start with 'goog'"),
+        ("my-google-runs", "contain 'google'"),
+    ],
+)
+def test_bucket_names_follow_cloud_storage_rules(name, problem):
+    from xlafit.io.paths import bucket_name_problem
+
+    got = bucket_name_problem(name)
+    assert problem in got and (got == "") == (problem == ""), got
+
+
+def test_an_invalid_bucket_name_is_refused_before_anything_runs(capsys):
+    """`--run-dir gs://wb/run` passed every check (a server that takes any name answered
+    them), trained, and died at the first checkpoint in a page of TensorStore's traceback
+    ("Invalid GCS bucket name"). The name is refused when the config is read, by the first
+    access to the URL and by the bucket check, with no server involved; a missing bucket's
+    message suggests no `gcloud` command for a name that cannot be created."""
+    from xlafit.checkpoint import Checkpointer
+    from xlafit.cli import main
+    from xlafit.io.paths import check_bucket, describe_error, reach
+
+    assert main(["train", "mnist", "--simulate", "1", "--run-dir", "gs://wb/run", "trainer.stop_at_step=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        'xlafit: error: run.run_dir=gs://wb/run: "wb" is not a valid Cloud Storage bucket name (it has 2 '
+        "characters, a name has 3 to 63). Put the name of a bucket you created in the URL, or create one with a "
+        "valid name (https://cloud.google.com/storage/docs/buckets#naming)."
+    ]
+    with pytest.raises(StorageError, match='--run-dir gs://wb/run: "wb" is not a valid Cloud Storage bucket name'):
+        check_bucket("gs://wb/run", "--run-dir")
+    with pytest.raises(StorageError, match='gs://YOUR-BUCKET/data: "YOUR-BUCKET" is not a valid'):
+        reach("gs://YOUR-BUCKET/data")
+    with pytest.raises(StorageError, match='"wb" is not a valid Cloud Storage bucket name'):
+        Checkpointer("gs://wb/run/checkpoints")
+    why = describe_error("gs://YOUR-BUCKET/run", FileNotFoundError("gs://YOUR-BUCKET/run"))
+    assert why.startswith('"YOUR-BUCKET" is not a valid Cloud Storage bucket name') and "gcloud" not in why

@@ -217,6 +217,22 @@ def test_run_time_and_cost():
     assert dominated.candidate not in plan.pareto()
 
 
+def test_a_roofline_above_the_predicted_step_is_an_estimate_that_says_why():
+    """The plan's roofline beside its prediction: an estimate, and when its memory term is
+    above the predicted step, why (XLA's bytes accessed include on-chip buffers)."""
+    o = _outcome("v5e-8", 1000.0)
+    roof = dataclasses.replace(o.prediction, compute_s=0.01, memory_s=0.0574, step_s=0.0574, bound_s=0.0574)
+    outcomes = [dataclasses.replace(o, prediction=roof)]
+    plan = Plan("m.py", "xlafit plan m.py", [parse_target("v5e-8")], outcomes, [], None, [], None)
+    plain = format_plan(plan)
+    assert "  roofline estimate: 57.4 ms (compute 10 ms at peak, a strict lower bound;" in plain
+    assert "above the predicted step" not in plain  # not predicted: the estimate is the step
+    above = dataclasses.replace(roof, step_s=0.0239, predicted=True)
+    lines = format_plan(dataclasses.replace(plan, outcomes=[dataclasses.replace(o, prediction=above)])).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("  roofline estimate: 57.4 ms"))
+    assert lines[at + 1].startswith("    above the predicted step: its memory term counts XLA's bytes accessed")
+
+
 def test_a_winner_that_changes_the_runs_batch_says_so_and_how_to_keep_it():
     """Without --global-batch the plan takes the fastest batch: for a small model a batch
     far beyond any tuned one (a CNN planned at 15,024 per core, 120,192 per step)."""
@@ -306,7 +322,7 @@ def test_plan_of_a_model_too_big_for_data_parallelism(tmp_path):
     assert all("tensor" in why for _, mesh, why in plan.skipped)  # no named axes: nothing to split by tensor
     text = format_plan(plan)
     assert "Why not v5e-8 DP 8" in text and "check it: xlafit check" in text and "--per-device-batch 8" in text
-    assert "step (predicted):" in text and "roofline:" in text and "  v5e: ±" in text
+    assert "step (predicted):" in text and "roofline estimate:" in text and "  v5e: ±" in text
     # The six meshes with a tensor axis share one reason: one line names them all.
     (not_tried,) = [line for line in text.splitlines() if "not tried" in line]
     assert "meshes 4x1x2, 2x2x2, 1x4x2, 2x1x4, 1x2x4, 1x1x8:" in not_tried

@@ -27,6 +27,7 @@ from xlafit.models.bert import BertConfig, BertForMaskedLM
 from xlafit.parallel.mesh import make_mesh
 from xlafit.parallel.sharding import bytes_per_device, default_spec, parse_rules, spec_for
 from xlafit.recipes import bert as recipe
+from xlafit.recipes import load_config
 
 STRESS = os.environ.get("XLAFIT_STRESS") == "1"  # the longer variants
 TINY = BertConfig(
@@ -233,6 +234,40 @@ def test_rules_and_invariant_chunks_refusals():
         parse_rules("embed=model")
     with pytest.raises(ConfigError, match="invariant_chunks keeps its bit-identical guarantee"):
         validate_mesh(MeshConfig(fsdp=8), TrainerConfig(invariant_chunks=8))
+
+
+def test_a_rule_for_an_axis_the_model_does_not_carry_is_refused_naming_the_model_axes():
+    """`mesh.rules=embd=fsdp` (a typo of embed) was accepted in silence and the run laid out
+    as if it were not there: the rule's name is checked against the axes the model's
+    parameters carry, where the state's shardings are made, before anything is allocated.
+    A default name sent elsewhere counts too (BERT has no kv_heads); a default left as it is,
+    or an axis the model carries, passes."""
+    mesh = make_mesh(jax.devices(), -1, 1, 1)
+
+    def trainer(rules):
+        return xlafit.Trainer(
+            lambda: BertForMaskedLM(TINY, rngs=nnx.Rngs(0)), recipe.loss_fn, optax.sgd(0.1),
+            strategy=xlafit.Strategy(mesh, rules=parse_rules(rules)), global_batch=8,
+        )  # fmt: skip
+
+    for rules in ("embd=fsdp", "mlp=tensor,kv_heads=null"):
+        stray = rules.split(",")[-1]
+        with pytest.raises(ConfigError) as e:
+            trainer(rules)
+        assert str(e.value) == (
+            f"mesh.rules: {stray} names a logical axis that no parameter of this model carries, so it would change "
+            "nothing; its axes are embed, heads, mlp, norm, positions, types, vocab. Correct the name, or drop the "
+            "entry."
+        )
+    trainer("kv_heads=tensor,heads=fsdp,classes=null").close()
+
+
+def test_a_misspelt_rule_stops_a_recipe_run_before_its_first_step(tmp_path):
+    """Through the Python API, as `xlafit train mnist mesh.rules=embd=fsdp` runs."""
+    cfg = load_config("mnist", [f"run.run_dir={tmp_path}", "mesh.rules=embd=fsdp", "trainer.stop_at_step=1"])
+    with pytest.raises(ConfigError, match=r"mesh.rules: embd=fsdp names a logical axis .* its axes are classes, "):
+        xlafit.train_and_evaluate(cfg)
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def test_tensor_parallelism_splits_the_work_of_a_device(data):

@@ -4,6 +4,7 @@ Each compile of these tiny programs takes a second or a few; an out-of-memory re
 takes well under one.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -22,7 +23,7 @@ from xlafit.check import check_file, check_recipe
 from xlafit.check.batch_search import largest_batch
 from xlafit.check.program import Program, TargetReport
 from xlafit.check.tpu import check_target, levers, needed_bytes, no_persistent_cache, predict_here
-from xlafit.check.tpu_report import _probe_line, format_report
+from xlafit.check.tpu_report import _probe_line, format_report, format_table
 from xlafit.cli import main
 from xlafit.config import TrainerConfig
 from xlafit.errors import ConfigError, XlafitError
@@ -359,14 +360,26 @@ def test_too_big_for_v5e_fits_v5p_and_says_by_how_much():
     assert "exceeds available HBM" in v5e.message and v5e.margin < 0
     assert v5p.fits is True and v5p.margin > 0 and v5p.memory["total"] > 16 * 2**30
     text = report.format()
-    assert "does not fit" in text and "levers, most promising first" in text and "accumulate_steps" in text
+    assert "does not fit" in text and "FSDP: mesh.fsdp=8" in text
     assert "v5p-8" in text and "yes" in text.splitlines()[-3]  # the table: v5p-8 fits
     assert not report.ok
-    # The state (parameters + Adam's moments, ~19 GiB a core) is what does not fit: splitting it
-    # comes first, in the syntax a file takes, and a file's per-core batch is a flag, not a key.
+
+
+def test_a_state_larger_than_the_core_gets_the_state_levers_only():
+    """The train state alone (parameters + Adam's moments, 17.88 GiB a core) is over v5e's
+    15.75 GiB: no batch fits, and the report said to halve the batch or accumulate gradients.
+    It says so and lists what splits or moves the state, in the syntax a file takes. One
+    refused compile: seconds."""
+    (v5e,) = check_file(CASES / "tpu_big.py", tpu="v5e-8").tpu
+    assert v5e.fits is False and v5e.memory["state"] > v5e.capacity
     assert v5e.levers[0].startswith("FSDP: mesh.fsdp=8")
-    assert any("--per-device-batch 4" in lever for lever in v5e.levers)
-    assert not any("data.per_device_batch" in lever or "model." in lever for lever in v5e.levers)
+    assert not any("batch" in lever or "accumulate" in lever or "model." in lever for lever in v5e.levers)
+    text = format_report(v5e)
+    assert "no per-core batch fits: the train state alone (parameters, optimizer state) takes 17.88 GiB per core, " in (
+        text
+    )
+    assert "more than the 15.75 GiB there; only splitting or moving the state helps:" in text
+    assert "levers, most promising first" not in text and "accumulate_steps" not in text
 
 
 def test_a_user_file_is_checked_under_the_mesh_it_is_given():
@@ -459,7 +472,8 @@ def test_a_generation_with_rates_gets_the_step_models_prediction_and_its_error(t
     assert "published steps held out of the fit on TPU v5 lite" in r.band
     assert r.step_s > 1e-3 and r.step_s != r.bound_s and r.examples_per_s == pytest.approx(2048 / r.step_s)
     text = format_report(r)
-    assert "step (predicted, not measured):" in text and "the step model's error: ±" in text and "roofline:" in text
+    assert "step (predicted, not measured):" in text and "the step model's error: ±" in text
+    assert "roofline estimate:" in text
     (old,) = check_recipe("mnist", ["data.per_device_batch=32"], tpu="v2-8").tpu
     assert not old.predicted and old.step_s == old.bound_s and "no step model for TPU v2" in old.band
 
@@ -675,6 +689,53 @@ def test_levers_follow_what_the_memory_is_made_of():
     assert any(lever.startswith("FSDP: mesh.fsdp=8") for lever in found)
     assert levers(report, tpu.parse_target("v5e-1"), program)[0].startswith("a smaller")
     assert not any("FSDP" in lever for lever in levers(report, tpu.parse_target("v5e-1"), program))  # one chip
+
+
+def test_a_state_over_the_core_leaves_out_the_batch_levers_and_names_a_larger_slice():
+    """The state alone is over the core's HBM: a smaller or accumulated batch, fewer steps per
+    call and a model's activation levers cannot help and are left out; already split over all
+    8 cores, a slice of 16 (the next that brings the state under the core's HBM) is named."""
+    target = tpu.parse_target("v5e-8")
+    report = TargetReport(
+        "v5e-8", per_device_batch=64, steps_per_call=3, capacity=16 * 2**30, memory={"state": 20 * 2**30}
+    )
+    remat = (("activations", "rematerialisation: model.remat=full"),)
+    program = Program(
+        nnx.Linear(2, 2, rngs=nnx.Rngs(0)), _mlp_loss, optax.sgd(0.1), TrainerConfig(), {}, 64, model_levers=remat
+    )
+    found = levers(report, target, program)
+    assert found[0].startswith("FSDP: mesh.fsdp=8") and "a TPU with more HBM per core" in found[1]
+    assert not any(word in lever for lever in found for word in ("batch", "accumulate", "steps_per_call", "remat"))
+    split = dataclasses.replace(program, mesh=(1, 8, 1))
+    assert levers(report, target, split)[-1] == (
+        "a larger slice: split over all 8 cores the state still takes about 20.00 GiB per core; 16 cores or more "
+        "with mesh.fsdp=16 bring the state to about 10.00 GiB per core"
+    )
+
+
+def test_a_roofline_above_the_predicted_step_is_an_estimate_that_says_why():
+    """`step (predicted) 23.9 ms` above `roofline: 57.4 ms` read as a bound the prediction
+    broke: the memory term counts XLA's bytes accessed, on-chip buffers included, which the
+    step model leaves out of HBM traffic. It is an estimate, and says why it is above; below
+    the prediction it says nothing more, and without a step model the table marks it `~`."""
+    report = TargetReport(
+        "v5e-8", device_kind="TPU v5 lite", devices=8, batch_shards=8, per_device_batch=8, fits=True,
+        capacity=16 * 2**30, memory={"total": 2**30}, flops_per_step=1e12, bytes_per_step=4.7e10,
+        compute_s=0.0121, memory_s=0.0574, bound_s=0.0574, step_s=0.0239, predicted=True, band="±4%",
+        examples_per_s=2678.0,
+    )  # fmt: skip
+    lines = format_report(report).splitlines()
+    at = next(i for i, line in enumerate(lines) if "roofline" in line)
+    assert lines[at] == "  roofline estimate: 57.4 ms, the larger of"
+    assert lines[at + 2] == (
+        "    above the predicted step: its memory term counts XLA's bytes accessed, buffers kept in on-chip memory "
+        "included; the step model counts HBM traffic only"
+    )
+    below = dataclasses.replace(report, step_s=0.07)
+    assert "above the predicted step" not in format_report(below)
+    unpredicted = dataclasses.replace(report, predicted=False, step_s=0.0574, band="")
+    assert "above the predicted step" not in format_report(unpredicted)
+    assert "~57.4 ms (roofline)" in format_table([unpredicted]) and "(bound)" not in format_table([unpredicted])
 
 
 def test_checking_a_file_on_a_machine_without_a_tpu_is_quiet(tmp_path):

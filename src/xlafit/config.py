@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from xlafit.errors import ConfigError
+from xlafit.io.paths import check_bucket_name
 from xlafit.platform.cpu import CpuConfig
 
 log = logging.getLogger("xlafit")
@@ -69,6 +70,8 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check_section(self, "data", ("per_device_batch", "global_batch", "eval_global_batch"), ("prefetch",))
+        if self.data_dir:
+            check_bucket_name(self.data_dir, f"data.data_dir={self.data_dir}", ConfigError)
 
 
 @dataclasses.dataclass
@@ -264,6 +267,9 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _check_section(self, "run", ("simulate_devices",))
+        for key in ("run_dir", "checkpoint_dir"):  # refused before any data is read or step is run
+            if value := getattr(self, key):
+                check_bucket_name(value, f"run.{key}={value}", ConfigError)
 
 
 @dataclasses.dataclass

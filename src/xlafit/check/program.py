@@ -108,13 +108,13 @@ class TargetReport:
     flops_per_step: float | None = None
     analytic_flops_per_step: float | None = None
     bytes_per_step: float | None = None
-    step_s: float | None = None  # the step model's prediction; the roofline bound where it has no rates
+    step_s: float | None = None  # the step model's prediction; the roofline estimate where it has no rates
     predicted: bool = False  # step_s is the step model's (else the bound's)
     band: str | None = None  # the step model's measured error for this device kind, or why there is none
     band_median: float | None = None  # that error's median, |predicted / measured - 1|
     outside_band: bool = False  # a predicted step too short for that error to hold (no median then)
     rates: str | None = None  # where the step model's rates come from (built-in, a calibration file)
-    bound_s: float | None = None  # the roofline bound: max(compute, memory)
+    bound_s: float | None = None  # the roofline estimate: max(compute, memory)
     compute_s: float | None = None  # FLOPs / peak FLOP/s
     memory_s: float | None = None  # XLA's bytes accessed / HBM bandwidth
     bound: str | None = None  # what bounds the roofline: compute or HBM bandwidth

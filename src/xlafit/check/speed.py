@@ -1,6 +1,9 @@
 """How fast a compiled train step runs on a device: the step model's prediction
 (:mod:`xlafit.predict`: every kernel at the device's achievable rates) with its measured
-error band, and the roofline bound (FLOPs at peak, bytes at datasheet bandwidth) beside it."""
+error band, and the roofline estimate (FLOPs at peak, bytes at datasheet bandwidth) beside
+it. The estimate's compute term is a strict lower bound on the step; its memory term is not
+(XLA's bytes accessed include buffers kept in on-chip memory), so the estimate may lie above
+the prediction (:func:`above_prediction`)."""
 
 from __future__ import annotations
 
@@ -26,6 +29,32 @@ def outside_band(step_s: float | None) -> bool:
     return step_s is not None and 0 < step_s < SHORTEST_BANDED_S
 
 
+def above_prediction(step_s: float, compute_s: float, memory_s: float) -> str:
+    """Why a roofline estimate above the predicted step ``step_s`` does not contradict it, in
+    a few words; ``""`` when neither term is above it. The memory term is XLA's count of bytes
+    accessed, buffers the compiler keeps in on-chip memory (a TPU's VMEM) included, where the
+    step model counts HBM traffic only (docs/explanations/step-model.md); the compute term
+    takes the model's analytic FLOPs where XLA counts fewer.
+
+    Example:
+        >>> above_prediction(0.0239, 0.012, 0.0574).split(";")[0]
+        "above the predicted step: its memory term counts XLA's bytes accessed, buffers kept in on-chip memory included"
+        >>> above_prediction(0.07, 0.012, 0.0574)
+        ''
+    """
+    if memory_s > step_s and memory_s >= compute_s:
+        return (
+            "above the predicted step: its memory term counts XLA's bytes accessed, buffers kept in on-chip memory "
+            "included; the step model counts HBM traffic only"
+        )
+    if compute_s > step_s:
+        return (
+            "above the predicted step: its compute term counts the model's analytic FLOPs (or XLA's), more than the "
+            "step model found in the compiled kernels"
+        )
+    return ""
+
+
 def steps_in_cost(hlo: str, k: int) -> int:
     """How many of a call's ``k`` steps XLA's cost analysis counted: one when the steps stayed
     a loop (a ``while`` body is counted once), ``k`` when the compiler unrolled them."""
@@ -37,7 +66,7 @@ def steps_in_cost(hlo: str, k: int) -> int:
 def roofline(
     report: TargetReport, peak: float, bandwidth: float, program: Program, compiled: Any, k: int, hlo: str
 ) -> None:
-    """Fills FLOPs, bytes and the roofline bound from the compiled program of ``k`` steps:
+    """Fills FLOPs, bytes and the roofline estimate from the compiled program of ``k`` steps:
     XLA's cost analysis, plus the FLOPs of the Pallas kernels it cannot see (splash
     attention: :func:`xlafit.predict.hlo.kernel_flops`) and the products of loops inside a step,
     which it counts once (:func:`xlafit.predict.hlo.loop_flops`), over one device's ``peak``
@@ -84,11 +113,11 @@ def model_step(
     """The step model's prediction of one step of a compiled program (its text ``hlo``, ``k``
     steps per call) on
     ``device_kind``, with its error band, into ``report`` (after :func:`roofline`); where the
-    device has no rates the report keeps the bound and its band says why."""
+    device has no rates the report keeps the roofline estimate and its band says why."""
     rates = rates_for(device_kind, calibration)
     if rates is None:
         report.band = (
-            f"no step model for {device_kind}: the roofline bound only (xlafit bench --calibrate on one measures it)"
+            f"no step model for {device_kind}: the roofline estimate only (xlafit bench --calibrate on one measures it)"
         )
         return
     prediction = predict(hlo, rates, link, report.devices)

@@ -508,6 +508,8 @@ def levers(report: TargetReport, target: tpu.Target, program: Program) -> list[s
     When the train state (parameters, optimizer state) alone takes half the core's HBM or more,
     the levers that split or move the state come first; otherwise those that shrink the
     activations (a smaller or accumulated batch, fewer steps per call, rematerialisation).
+    When the state alone takes more than the core has, no batch fits: only the state's levers
+    are given.
     """
     state, capacity = report.memory.get("state", 0), report.capacity or target.hbm_bytes
     n, (_, fsdp, tensor) = target.num_devices, program.mesh
@@ -527,6 +529,16 @@ def levers(report: TargetReport, target: tpu.Target, program: Program) -> list[s
         state_levers.append(
             "a TPU with more HBM per core: " + ", ".join(f"{name} ({gib:g} GiB)" for gib, name in bigger[:3])
         )
+    whole = state * fsdp * tensor  # about: the state of one copy, as the mesh splits it now
+    if whole / n >= capacity:  # even split over every core of the slice, it does not fit
+        cores = 2 * n
+        while whole / cores >= capacity:
+            cores *= 2
+        still = f"split over all {n} cores the state still takes about {gib(whole / n)} per core; " if n > 1 else ""
+        state_levers.append(
+            f"a larger slice: {still}{cores} cores or more with mesh.fsdp={cores} bring the state to about "
+            f"{gib(whole / cores)} per core"
+        )
     if per_core > 1:
         smaller = program.batch_syntax.format(n=max(1, per_core // 2))
         activation_levers.append(f"a smaller per-core batch: {smaller} (or --max-batch to find the largest)")
@@ -538,6 +550,8 @@ def levers(report: TargetReport, target: tpu.Target, program: Program) -> list[s
         activation_levers.append(f"fewer steps per call: trainer.steps_per_call=1 (each call holds its {k} batches)")
     for kind, text in program.model_levers:
         (state_levers if kind == "state" else activation_levers).append(text)
+    if state >= capacity:  # no batch fits: a smaller batch, accumulation or remat cannot help
+        return state_levers
     if state >= 0.5 * capacity:
         return [*state_levers, *activation_levers]
     return [*activation_levers, *state_levers]

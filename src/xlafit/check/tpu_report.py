@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from xlafit.check.program import MAX_PROBES, TargetReport
+from xlafit.check.speed import above_prediction
 from xlafit.platform import hardware as tpu
 
 
@@ -67,8 +68,14 @@ def _fit_lines(r: TargetReport) -> list[str]:
         need = f" needs {gib(r.memory['total'])}," if "total" in r.memory else ""
         over = f" over by {gib(-(r.margin or 0))}" if r.margin is not None else ""
         lines = [f"  ✗ does not fit:{need} {cap}{over}", f"    the compiler: {r.message}"]
-        if r.levers:
-            state = r.memory.get("state")
+        state = r.memory.get("state")
+        if state and r.capacity and state >= r.capacity:  # then the levers are the state's (check.tpu.levers)
+            lines.append(
+                f"    no per-core batch fits: the train state alone (parameters, optimizer state) takes {gib(state)} "
+                f"per core, more than the {gib(r.capacity)} there; only splitting or moving the state helps:"
+            )
+            lines += [f"      - {lever}" for lever in r.levers]
+        elif r.levers:
             made_of = f" (the train state takes {gib(state)} per core)" if state else ""
             lines.append(f"    levers, most promising first{made_of}:")
             lines += [f"      - {lever}" for lever in r.levers]
@@ -104,7 +111,7 @@ def _eval_lines(r: TargetReport) -> list[str]:
 
 def _speed_lines(r: TargetReport) -> list[str]:
     """FLOPs per step (XLA's count against the analytic one), the step model's prediction
-    with its measured error, and the roofline bound."""
+    with its measured error, and the roofline estimate (and why, when it is above the prediction)."""
     lines = []
     if r.flops_per_step:
         analytic = ""
@@ -126,12 +133,14 @@ def _speed_lines(r: TargetReport) -> list[str]:
     elif r.band:
         lines.append(f"  {r.band}")
     if r.bound_s and r.compute_s is not None and r.memory_s is not None:
-        lines.append(f"  roofline: {seconds(r.bound_s)}, the larger of")
+        lines.append(f"  roofline estimate: {seconds(r.bound_s)}, the larger of")
         lines.append(
             f"    compute {seconds(r.compute_s)} at {target_peak(r)} (a strict lower bound); memory "
             f"{seconds(r.memory_s)} for XLA's count of {r.bytes_per_step or 0:.3g} bytes accessed (may "
             "overstate HBM traffic)"
         )
+        if r.predicted and r.step_s and (why := above_prediction(r.step_s, r.compute_s, r.memory_s)):
+            lines.append(f"    {why}")
     return lines
 
 
@@ -157,7 +166,7 @@ def _probe_line(r: TargetReport) -> str:
 
 def format_table(reports: list[TargetReport]) -> str:
     """Targets side by side: verdict, HBM per core, largest batch, predicted step (or the
-    bound where the device has no step model)."""
+    roofline estimate, marked ``~``, where the device has no step model)."""
     rows = [("target", "fits", "HBM/core", "of", "max batch", "step (predicted)", "examples/s", "compile")]
     for r in reports:
         total = r.memory.get("total")
@@ -168,8 +177,8 @@ def format_table(reports: list[TargetReport]) -> str:
                 gib(total) if total else "-",
                 gib(r.capacity) if r.capacity else "-",
                 str(r.max_batch) if r.max_batch is not None else "-",
-                predicted_step(r) if r.predicted else f">= {seconds(r.bound_s)} (bound)" if r.bound_s else "-",
-                rate(r.examples_per_s) if r.predicted else f"<= {rate(r.examples_per_s)}",
+                predicted_step(r) if r.predicted else f"~{seconds(r.bound_s)} (roofline)" if r.bound_s else "-",
+                rate(r.examples_per_s) if r.predicted or not r.examples_per_s else f"~{rate(r.examples_per_s)}",
                 f"{r.compile_s:.0f} s" if r.compile_s else "-",
             )
         )

@@ -95,7 +95,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--bound",
         action="store_true",
-        help="rank by the roofline bound (FLOPs at peak, bytes at datasheet bandwidth, collectives over ICI) "
+        help="rank by the roofline estimate (FLOPs at peak, bytes at datasheet bandwidth, collectives over ICI) "
         "instead of the step model's prediction",
     )
     p.add_argument("--json", action="store_true", help="print JSON")

@@ -11,7 +11,10 @@ three ways that matter here, handled by the helpers below:
 - there are no directories and no rename: a "move" copies every object and then deletes the
   originals (:func:`move`), so an interruption leaves both copies, never neither;
 - gcsfs creates a missing *bucket* when asked to make a directory in it, so nothing here
-  calls ``mkdir`` on a URL; a missing bucket is reported instead (:func:`check_bucket`).
+  calls ``mkdir`` on a URL; a missing bucket is reported instead (:func:`check_bucket`);
+- a bucket name that Cloud Storage refuses (``gs://wb``, ``gs://YOUR-BUCKET``) can pass
+  gcsfs's calls and fail only at Orbax's first checkpoint write, after the steps it was
+  to keep: such a name is refused before the first access (:func:`invalid_bucket`).
 
 Example:
     >>> str(as_path("gs://bucket/run") / "checkpoints")
@@ -127,11 +130,12 @@ def filesystem(path: AnyPath) -> tuple[fsspec.AbstractFileSystem, str]:
 
 
 def reach(path: AnyPath) -> None:
-    """Before the first read or write of ``path``: a URL with no client library, or whose
-    Cloud Storage host's name does not resolve, is refused at once (:class:`StorageError`);
-    nothing for local paths."""
+    """Before the first read or write of ``path``: a URL with no client library, whose bucket
+    name Cloud Storage refuses, or whose Cloud Storage host's name does not resolve, is
+    refused at once (:class:`StorageError`); nothing for local paths."""
     require_store(path)
     if local(path).startswith(("gs://", "gcs://")):
+        check_bucket_name(path, os.fspath(path))
         _require_resolvable(path)
 
 
@@ -174,6 +178,8 @@ def describe_error(url: AnyPath, e: BaseException) -> str:
     everything = " ".join(f"{type(c).__name__}: {c}" for c in chain)
     code = getattr(root, "code", None)
     bucket = bucket_of(url)
+    if invalid := invalid_bucket(url):
+        return invalid
     if (
         code == 403
         or isinstance(root, PermissionError)
@@ -231,9 +237,69 @@ def bucket_exists(url: AnyPath) -> bool:
         return True
 
 
+# Cloud Storage's bucket naming rules (https://cloud.google.com/storage/docs/buckets#naming).
+_BUCKET_CHARACTER = re.compile(r"[a-z0-9._-]")
+_IP_ADDRESS = re.compile(r"\d{1,3}(\.\d{1,3}){3}")
+
+
+def bucket_name_problem(name: str) -> str:
+    """Why Cloud Storage would refuse ``name`` as a bucket name, or ``""`` when it would not:
+    3 to 63 lowercase letters, digits, ``-``, ``_`` and ``.``, starting and ending with a
+    letter or digit; with dots up to 222, each dot-separated part up to 63; not an IP
+    address; no ``goog`` prefix and no ``google`` inside.
+
+    Example:
+        >>> bucket_name_problem("my-bucket"), bucket_name_problem("wb")
+        ('', 'it has 2 characters, a name has 3 to 63')
+        >>> bucket_name_problem("YOUR-BUCKET")
+        "it has uppercase letters; a name has lowercase letters, digits, '-', '_' and '.'"
+    """
+    parts = name.split(".")
+    if other := sorted({c for c in name if not _BUCKET_CHARACTER.fullmatch(c)}):
+        has = "uppercase letters" if all(c.isupper() for c in other) else " ".join(map(repr, other))
+        return f"it has {has}; a name has lowercase letters, digits, '-', '_' and '.'"
+    if len(name) < 3 or (len(name) > 63 and len(parts) == 1):
+        return f"it has {len(name)} characters, a name has 3 to 63"
+    if len(name) > 222:
+        return f"it has {len(name)} characters, a name with dots has at most 222"
+    if not (name[0].isalnum() and name[-1].isalnum()):
+        return "a name starts and ends with a letter or a digit"
+    if (wrong := next((part for part in parts if not 1 <= len(part) <= 63), None)) is not None:
+        return f"a part between dots has {len(wrong)} characters, each has 1 to 63"
+    if _IP_ADDRESS.fullmatch(name):
+        return "a name cannot be an IP address"
+    if name.startswith("goog") or "google" in name:
+        return "a name cannot start with 'goog' or contain 'google'"
+    return ""
+
+
+def invalid_bucket(url: AnyPath) -> str:
+    """The sentence, with the fix, that says why Cloud Storage refuses the bucket name of the
+    ``gs://`` URL ``url``; ``""`` when it does not, and for other URLs and local paths."""
+    if not local(url).startswith(("gs://", "gcs://")):
+        return ""
+    bucket = bucket_of(url)
+    if not (problem := bucket_name_problem(bucket)):
+        return ""
+    return (
+        f'"{bucket}" is not a valid Cloud Storage bucket name ({problem}). Put the name of a bucket you created '
+        "in the URL, or create one with a valid name (https://cloud.google.com/storage/docs/buckets#naming)."
+    )
+
+
+def check_bucket_name(url: AnyPath, where: str, error: type[XlafitError] = StorageError) -> None:
+    """Raises ``error`` ("WHERE: why the name is refused, and the fix") when ``url`` is a
+    ``gs://`` URL whose bucket name Cloud Storage refuses (:func:`bucket_name_problem`).
+    ``where`` names the setting and the URL, as the user gave them."""
+    if invalid := invalid_bucket(url):
+        raise error(f"{where}: {invalid}")
+
+
 def check_bucket(url: AnyPath, what: str) -> None:
-    """Raises :class:`StorageError` when ``url``'s bucket does not exist (``what``: the
-    setting that named it, for the message). gcsfs would otherwise create it on ``mkdir``."""
+    """Raises :class:`StorageError` when ``url``'s bucket name is invalid or the bucket does
+    not exist (``what``: the setting that named it, for the message). gcsfs would otherwise
+    create it on ``mkdir``."""
+    check_bucket_name(url, f"{what} {url}")
     if not bucket_exists(url):
         bucket = bucket_of(url)
         raise StorageError(

@@ -116,6 +116,44 @@ def parse_rules(text: str | None) -> dict[str, str | None]:
     return rules
 
 
+def check_rules(tree: Any, rules: Mapping[str, str | None]) -> None:
+    """Refuses the ``mesh.rules`` entries that no variable of ``tree`` (a train state, abstract
+    or not) is named for: a misspelt name (``embd=fsdp``) would otherwise pass in silence and
+    the run be laid out as if it were not there. An entry is one that adds a name to
+    :data:`DEFAULT_RULES` or sends one of its names elsewhere; the activations' names
+    (:func:`constrain`) are among the parameters'.
+
+    Example:
+        >>> layer = nnx.eval_shape(lambda: nnx.Linear(4, 8, kernel_init=logical(nnx.initializers.lecun_normal(),
+        ...                        "embed", "mlp"), rngs=nnx.Rngs(0)))
+        >>> check_rules(nnx.state(layer), parse_rules("mlp=fsdp"))
+        >>> check_rules(nnx.state(layer), parse_rules("embd=fsdp"))
+        Traceback (most recent call last):
+        ...
+        xlafit.errors.ConfigError: mesh.rules: embd=fsdp names a logical axis that no parameter of this model ...
+
+    Raises:
+        ConfigError: an entry names an axis the model does not carry; the message lists the
+            names it carries.
+    """
+    carried: set[str] = set()
+    for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        if isinstance(x, nnx.Variable):
+            carried.update(name for name in logical_axes(x) or () if name)
+    stray = [
+        f"{name}={axis or 'null'}"
+        for name, axis in rules.items()
+        if name not in carried and (name not in DEFAULT_RULES or DEFAULT_RULES[name] != axis)
+    ]
+    if not stray:
+        return
+    has = f"its axes are {', '.join(sorted(carried))}" if carried else "its parameters name no axes (split by size)"
+    raise ConfigError(
+        f"mesh.rules: {', '.join(stray)} names a logical axis that no parameter of this model carries, so it would "
+        f"change nothing; {has}. Correct the name, or drop the entry."
+    )
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

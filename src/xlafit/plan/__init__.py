@@ -11,9 +11,10 @@ by libtpu for the target, on this machine, and predicted from its compiled progr
   or a calibration file's), summed along its schedule, the collectives priced over the
   slice's ICI and hidden where the schedule overlaps them; each plan says the model's
   measured error for the generation. Ignored: the input pipeline, the host, step-to-step
-  dispatch. ``--bound`` ranks by the roofline bound instead: ``max(compute, memory,
+  dispatch. ``--bound`` ranks by the roofline estimate instead: ``max(compute, memory,
   communication)``, XLA's FLOPs at the datasheet's peak, its bytes at HBM bandwidth and the
-  collectives (:mod:`xlafit.predict.collectives`), a lower bound on the step;
+  collectives (:mod:`xlafit.predict.collectives`); only its compute term is a strict lower
+  bound on the step (XLA's bytes accessed include buffers kept in on-chip memory);
 - **throughput** (examples and tokens per second), **MFU** (the model's FLOPs, analytic
   where it has a count, over the step time and peak), **HBM** used and free per core;
 - **time and cost of the run**: the run's examples over the throughput, at the slice's

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from xlafit.check.speed import OUTSIDE_BAND
+from xlafit.check.speed import OUTSIDE_BAND, above_prediction
 from xlafit.check.tpu_report import rate
 from xlafit.plan.result import Plan
 from xlafit.plan.search import Outcome, Prediction
@@ -158,10 +158,13 @@ def _winner_lines(plan: Plan) -> list[str]:
             if p.outside_band:
                 lines.append(f"    {OUTSIDE_BAND}")
         lines.append(
-            f"  roofline: {p.bound_s * 1e3:.3g} ms (compute {p.compute_s * 1e3:.3g} ms at peak, a strict lower bound; "
-            f"memory {p.memory_s * 1e3:.3g} ms for XLA's bytes accessed, which overstates HBM traffic{comm}; "
+            f"  roofline estimate: {p.bound_s * 1e3:.3g} ms (compute {p.compute_s * 1e3:.3g} ms at peak, a strict "
+            f"lower bound; memory {p.memory_s * 1e3:.3g} ms for XLA's bytes accessed, which overstates HBM "
+            f"traffic{comm}; "
             f"{p.serial_s * 1e3:.3g} ms with no overlap)"
         )
+        if p.predicted and (why := above_prediction(p.step_s, p.compute_s, p.memory_s)):
+            lines.append(f"    {why}")
     own = plan.own_batch(o)
     if not plan.batch_fixed and own and own != c.global_batch:
         lines.append(

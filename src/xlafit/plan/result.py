@@ -122,7 +122,7 @@ class Plan:
             f"{o.candidate.per_device_batch} per core (global {o.candidate.global_batch})",
             f"# predicted (not measured) {p.examples_per_s:,.0f} examples/s, MFU {p.mfu:.0%}; {p.band}"
             if p and p.predicted
-            else f"# at most {p.examples_per_s:,.0f} examples/s, MFU {p.mfu:.0%} (the roofline bound)"
+            else f"# about {p.examples_per_s:,.0f} examples/s, MFU {p.mfu:.0%} (the roofline estimate)"
             if p
             else "#",
             f"#   {use}",

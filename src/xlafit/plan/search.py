@@ -87,8 +87,8 @@ class Prediction:
     examples_per_s: float
     tokens_per_s: float | None
     mfu: float  # model FLOPs (analytic where the model has a count, else XLA's) / time / peak
-    bound_s: float = 0.0  # the roofline bound: max(compute, memory, communication)
-    predicted: bool = False  # step_s is the step model's, not the bound
+    bound_s: float = 0.0  # the roofline estimate: max(compute, memory, communication)
+    predicted: bool = False  # step_s is the step model's, not the roofline estimate
     band: str = ""  # the step model's measured error on this generation, or why there is none
     band_median: float | None = None
     outside_band: bool = False  # a predicted step too short for the band to hold (band_median None)
@@ -141,7 +141,7 @@ class Settings:
     max_batch_limit: int = 2**16
     allow_numerics: bool = False  # also try the levers that change the numerics
     min_gain: float = MIN_GAIN  # stage 3 goes on while a larger batch is this much faster; 0: to the largest
-    bound: bool = False  # rank by the roofline bound, not the step model
+    bound: bool = False  # rank by the roofline estimate, not the step model
 
 
 class Planner:
@@ -303,7 +303,7 @@ class Planner:
         if self.settings.bound:
             band = "the roofline (--bound): XLA's counts at the datasheet's peak and bandwidth, not a prediction"
         elif rates is None:
-            band = f"no step model for {target.generation.name}: the roofline bound"
+            band = f"no step model for {target.generation.name}: the roofline estimate"
         else:
             k = p.config.steps_per_call
             step = predict(hlo, rates, target.ici_bandwidth, target.num_devices).seconds / k or bound

@@ -24,7 +24,7 @@ from flax import nnx, struct
 from xlafit.config import TrainerConfig
 from xlafit.errors import ConfigError
 from xlafit.parallel.mesh import Strategy, is_prng_key
-from xlafit.parallel.sharding import DEFAULT_RULES, activation_layout
+from xlafit.parallel.sharding import DEFAULT_RULES, activation_layout, check_rules
 from xlafit.train.compiled import CompiledStep
 
 log = logging.getLogger("xlafit")
@@ -70,6 +70,8 @@ def abstract_state(
 
     shapes = jax.eval_shape(init, params, model_state)
     if isinstance(layout, Strategy):
+        if layout.rules is not None:  # where the model's axis names meet mesh.rules
+            check_rules(shapes, layout.rules)
         shardings = layout.shardings(shapes)
     else:
         shardings = jax.tree.map(lambda _: layout, shapes)
