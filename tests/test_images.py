@@ -3,6 +3,7 @@ Grain worker processes (the same batches for any worker count), damaged images."
 
 import hashlib
 import io
+import contextlib
 import json
 import subprocess
 import sys
@@ -456,13 +457,21 @@ def test_ctrl_c_during_preparation_is_one_line_leaves_no_worker_and_the_rerun_fi
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # SIGABRT: every thread's stack, should it hang
     )
     deadline = time.monotonic() + 120
     while not list(out.glob("*.parquet")) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
     assert proc.poll() is None, "finished before it could be interrupted"
     os.killpg(proc.pid, signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
+    try:
+        _, stderr = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # a hang: where each thread of the command stands
+        os.kill(proc.pid, signal.SIGABRT)
+        _, stderr = proc.communicate(timeout=30)
+        with contextlib.suppress(ProcessLookupError):  # the workers, if any are left
+            os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"no exit within 60 s of Ctrl-C; the command's threads:\n{stderr[-6000:]}")
     assert proc.returncode == 130, stderr[-3000:]
     assert stderr.strip().splitlines() == ["xlafit: interrupted"]
     for _ in range(100):  # terminated workers take a moment to be reaped
