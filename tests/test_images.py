@@ -1,9 +1,9 @@
 """The image pipeline: ImageFolder -> shards + manifest, checksums, deterministic augmentation,
 Grain worker processes (the same batches for any worker count), damaged images."""
 
+import contextlib
 import hashlib
 import io
-import contextlib
 import json
 import subprocess
 import sys
