@@ -488,6 +488,29 @@ def test_ctrl_c_during_preparation_is_one_line_leaves_no_worker_and_the_rerun_fi
     assert manifest["splits"]["train"]["examples"] == 2100
 
 
+def test_a_pool_whose_terminate_hangs_still_ends_with_its_workers_killed(monkeypatch):
+    """Pool.terminate joins the pool's threads and can wait on a queue lock a worker holds;
+    the interrupted command then hung. Past a few seconds the workers are killed instead."""
+    import threading
+    import time
+
+    from xlafit.data.images import preparation
+
+    with preparation._worker_pool(2) as pool:
+        workers = list(pool._pool)
+        assert all(w.is_alive() for w in workers)
+        hang = threading.Event()
+        monkeypatch.setattr(pool, "terminate", hang.wait)  # never set: a terminate that does not return
+        t0 = time.monotonic()
+        preparation._stop(pool, wait_s=0.5)
+        assert time.monotonic() - t0 < 5
+        for worker in workers:
+            worker.join(timeout=5)
+        assert not any(w.is_alive() for w in workers)
+        hang.set()
+        monkeypatch.undo()
+
+
 def test_ctrl_c_while_the_workers_start_is_left_to_the_parent_and_prints_nothing(tmp_path, capfd):
     """A Ctrl-C that reaches a worker before its initializer has run (its interpreter takes a
     second to start) printed that worker's KeyboardInterrupt traceback under the command's one

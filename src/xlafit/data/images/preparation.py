@@ -26,6 +26,7 @@ import multiprocessing.pool
 import multiprocessing.resource_tracker
 import os
 import signal
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
@@ -367,7 +368,7 @@ def _worker_pool(workers: int) -> Iterator[multiprocessing.pool.Pool]:
     with it deliverable.
 
     On leaving normally the pool finishes its work; on an interruption or an error its workers
-    are terminated at once, so that the command ends promptly and none is left.
+    are terminated at once (:func:`_stop`), so that the command ends promptly and none is left.
     """
     multiprocessing.resource_tracker.ensure_running()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
@@ -378,10 +379,27 @@ def _worker_pool(workers: int) -> Iterator[multiprocessing.pool.Pool]:
     try:
         yield pool
     except BaseException:
-        pool.terminate()
+        _stop(pool)
         raise
     pool.close()
     pool.join()
+
+
+STOP_WAIT_S = 10.0
+
+
+def _stop(pool: multiprocessing.pool.Pool, wait_s: float | None = None) -> None:
+    """``pool.terminate()``, given ``wait_s`` seconds (default :data:`STOP_WAIT_S`): it joins
+    the pool's threads and can wait on a queue lock a worker holds; past that, the workers are
+    killed and the pool's threads left behind, so that the command still ends."""
+    wait_s = STOP_WAIT_S if wait_s is None else wait_s
+    stopper = threading.Thread(target=pool.terminate, name="xlafit-pool-stop", daemon=True)
+    stopper.start()
+    stopper.join(wait_s)
+    if stopper.is_alive():
+        log.warning("the image workers did not stop within %.0f s; killing them", wait_s)
+        for worker in pool._pool:  # type: ignore[attr-defined]  # no public handle on the processes
+            worker.kill()
 
 
 def _leave_sigint_to_parent() -> None:
