@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -38,6 +39,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xlafit.errors import ConfigError
+
+log = logging.getLogger("xlafit")
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch is split over these
@@ -116,25 +119,23 @@ def parse_rules(text: str | None) -> dict[str, str | None]:
     return rules
 
 
-def check_rules(tree: Any, rules: Mapping[str, str | None]) -> None:
-    """Refuses the ``mesh.rules`` entries that no variable of ``tree`` (a train state, abstract
-    or not) is named for: a misspelt name (``embd=fsdp``) would otherwise pass in silence and
-    the run be laid out as if it were not there. An entry is one that adds a name to
-    :data:`DEFAULT_RULES` or sends one of its names elsewhere; the activations' names
-    (:func:`constrain`) are among the parameters'.
+def check_rules(tree: Any, rules: Mapping[str, str | None]) -> list[str]:
+    """Warns about the ``mesh.rules`` entries that no variable of ``tree`` (a train state,
+    abstract or not) is named for: a misspelt name (``embd=fsdp``) would otherwise pass in
+    silence and the run be laid out as if it were not there. An entry is one that adds a name
+    to :data:`DEFAULT_RULES` or sends one of its names elsewhere. A warning, not an error: a
+    name that only activations carry (:func:`constrain` in a model's own code) is a rule that
+    works, and only the traced step knows those names.
+
+    Returns:
+        The entries warned about, as ``name=axis``.
 
     Example:
         >>> layer = nnx.eval_shape(lambda: nnx.Linear(4, 8, kernel_init=logical(nnx.initializers.lecun_normal(),
         ...                        "embed", "mlp"), rngs=nnx.Rngs(0)))
-        >>> check_rules(nnx.state(layer), parse_rules("mlp=fsdp"))
-        >>> check_rules(nnx.state(layer), parse_rules("embd=fsdp"))
-        Traceback (most recent call last):
-        ...
-        xlafit.errors.ConfigError: mesh.rules: embd=fsdp names a logical axis that no parameter of this model ...
-
-    Raises:
-        ConfigError: an entry names an axis the model does not carry; the message lists the
-            names it carries.
+        >>> state = nnx.state(layer)
+        >>> check_rules(state, parse_rules("mlp=fsdp")), check_rules(state, parse_rules("embd=fsdp"))
+        ([], ['embd=fsdp'])
     """
     carried: set[str] = set()
     for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable)):
@@ -145,13 +146,19 @@ def check_rules(tree: Any, rules: Mapping[str, str | None]) -> None:
         for name, axis in rules.items()
         if name not in carried and (name not in DEFAULT_RULES or DEFAULT_RULES[name] != axis)
     ]
-    if not stray:
-        return
-    has = f"its axes are {', '.join(sorted(carried))}" if carried else "its parameters name no axes (split by size)"
-    raise ConfigError(
-        f"mesh.rules: {', '.join(stray)} names a logical axis that no parameter of this model carries, so it would "
-        f"change nothing; {has}. Correct the name, or drop the entry."
+    has = f"its axes are {', '.join(sorted(carried))}" if carried else "its parameters name no axes"
+    message = (
+        f"warning: mesh.rules: {', '.join(stray)} names a logical axis that no parameter of this model carries "
+        f"({has}). A misspelt name changes nothing: correct it. A name that only the model's activations carry "
+        "(constrain) is fine."
     )
+    if stray and message not in _WARNED:  # once per process: a plan compiles many layouts
+        _WARNED.add(message)
+        log.warning("%s", message)
+    return stray
+
+
+_WARNED: set[str] = set()
 
 
 def divisors(n: int) -> list[int]:
