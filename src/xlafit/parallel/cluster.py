@@ -91,26 +91,26 @@ def configure(simulate: int | None = None, *, cpu: CpuConfig | None = None) -> N
 
 
 def _warn_if_not_applied(asked: CpuConfig) -> None:
-    """Says so when a run asks for XLA:CPU settings other than those this process started
-    with (an earlier ``xlafit.connect()`` applied its defaults): they cannot change now, and
-    the run's numbers can differ in their last bits from the same run started afresh."""
+    """Says so when a run asks for XLA:CPU kernels other than those this process started with
+    (``cpu.fast_paths``, ``cpu.ynn_fusion``; an earlier ``xlafit.connect()`` applies the
+    defaults): they cannot change once JAX runs, and they round differently, so the run's
+    numbers can differ in their last bits from the same run started afresh. The memory and
+    dispatch settings change no result and are not named."""
     applied = _APPLIED.get("settings")
-    if applied == asked:
+
+    def kernels(settings: CpuConfig) -> str:
+        fusion = f", cpu.ynn_fusion={','.join(settings.fusion_types)}" if settings.fast_paths else ""
+        return f"cpu.fast_paths={str(settings.fast_paths).lower()}{fusion}"
+
+    if applied is not None and kernels(applied) == kernels(asked):
         return
-    names = [f.name for f in dataclasses.fields(CpuConfig)]
-    differ = [n for n in names if applied is None or getattr(asked, n) != getattr(applied, n)]
-
-    def listed(settings: CpuConfig) -> str:
-        values = {n: getattr(settings, n) for n in differ}
-        return ", ".join(f"cpu.{n}={str(v).lower() if isinstance(v, bool) else v}" for n, v in values.items())
-
-    before = f"an earlier xlafit.connect() started JAX with {listed(applied)}" if applied else "JAX started first"
+    before = f"JAX started earlier in this process with {kernels(applied)}" if applied else "JAX started first"
     log.warning(
-        "warning: this run's XLA:CPU settings (%s) cannot apply: %s, and they hold until the process ends. The run "
+        "warning: this run's XLA:CPU kernels (%s) cannot apply: %s, and they hold until the process ends. The run "
         "goes on with those; its numbers can differ in their last bits from the same run in a new process "
         "(`xlafit train`). To have them, start with xlafit.connect(cpu=config.cpu), or call train_and_evaluate "
         "first.",
-        listed(asked),
+        kernels(asked),
         before,
     )
 
