@@ -711,6 +711,19 @@ def test_a_state_over_the_core_leaves_out_the_batch_levers_and_names_a_larger_sl
         "a larger slice: split over all 8 cores the state still takes about 20.00 GiB per core; 16 cores or more "
         "with mesh.fsdp=16 bring the state to about 10.00 GiB per core"
     )
+    # FSDP over part of the slice (4 of 8): the rest of it still splits the state, to 10 GiB
+    partly = levers(report, target, dataclasses.replace(program, mesh=(-1, 4, 1)))
+    assert partly[0] == (
+        "FSDP: mesh.fsdp=8 (parameters and optimizer state split over the 8 cores: 20.00 GiB -> about 10.00 GiB "
+        "per core)"
+    )
+    # a TPU whose core holds less than the state is no lever (tpu7x's 96 GiB for 99 GiB)
+    v5p = tpu.parse_target("v5p-8")
+    huge = dataclasses.replace(report, capacity=95 * 2**30, memory={"state": 99 * 2**30})
+    assert not any("tpu7x" in lever for lever in levers(huge, v5p, split))
+    # with no lever at all the report says so rather than end on a colon
+    stuck = dataclasses.replace(huge, fits=False, message="out of memory", levers=[])
+    assert format_report(stuck).splitlines()[-1].startswith("      - none known to xlafit for this program")
 
 
 def test_a_roofline_above_the_predicted_step_is_an_estimate_that_says_why():

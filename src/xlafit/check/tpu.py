@@ -515,21 +515,22 @@ def levers(report: TargetReport, target: tpu.Target, program: Program) -> list[s
     n, (_, fsdp, tensor) = target.num_devices, program.mesh
     per_core, k = report.per_device_batch, report.steps_per_call
     state_levers, activation_levers = [], []
-    if n > 1 and fsdp == 1 and tensor == 1:
+    whole = state * fsdp * tensor  # about: the state of one copy, as the mesh splits it now
+    if n > 1 and fsdp * tensor < n:  # a data axis holds copies of the state: FSDP splits them
         state_levers.append(
-            f"FSDP: mesh.fsdp={n} (parameters and optimizer state split over the {n} cores: "
-            f"{gib(state)} -> about {gib(state / n)} per core)"
+            f"FSDP: mesh.fsdp={n // tensor} (parameters and optimizer state split over the {n} cores: "
+            f"{gib(state)} -> about {gib(whole / n)} per core)"
         )
+    # Another generation with the same cores: the same state per core, in more HBM.
     bigger = sorted(
         (g.hbm_gib / (1 if g.megacore else g.cores_per_chip), g.name)
         for g in tpu.GENERATIONS.values()
-        if g.hbm_gib / (1 if g.megacore else g.cores_per_chip) * 2**30 > target.hbm_bytes
+        if g.hbm_gib / (1 if g.megacore else g.cores_per_chip) * 2**30 > max(target.hbm_bytes, state)
     )
     if bigger:
         state_levers.append(
             "a TPU with more HBM per core: " + ", ".join(f"{name} ({gib:g} GiB)" for gib, name in bigger[:3])
         )
-    whole = state * fsdp * tensor  # about: the state of one copy, as the mesh splits it now
     if whole / n >= capacity:  # even split over every core of the slice, it does not fit
         cores = 2 * n
         while whole / cores >= capacity:

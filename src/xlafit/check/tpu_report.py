@@ -74,7 +74,10 @@ def _fit_lines(r: TargetReport) -> list[str]:
                 f"    no per-core batch fits: the train state alone (parameters, optimizer state) takes {gib(state)} "
                 f"per core, more than the {gib(r.capacity)} there; only splitting or moving the state helps:"
             )
-            lines += [f"      - {lever}" for lever in r.levers]
+            lines += [f"      - {lever}" for lever in r.levers] or [
+                "      - none known to xlafit for this program: a smaller model, or smaller parameters and optimizer "
+                "state (bfloat16, LoRA's frozen base)"
+            ]
         elif r.levers:
             made_of = f" (the train state takes {gib(state)} per core)" if state else ""
             lines.append(f"    levers, most promising first{made_of}:")
