@@ -746,6 +746,9 @@ def test_a_roofline_above_the_predicted_step_is_an_estimate_that_says_why():
     )
     below = dataclasses.replace(report, step_s=0.07)
     assert "above the predicted step" not in format_report(below)
+    # a compute term above the prediction is the prediction's error, said as such
+    too_fast = dataclasses.replace(report, compute_s=0.03, memory_s=0.02, bound_s=0.03)
+    assert "the prediction, which is too fast here" in format_report(too_fast)
     unpredicted = dataclasses.replace(report, predicted=False, step_s=0.0574, band="")
     assert "above the predicted step" not in format_report(unpredicted)
     assert "~57.4 ms (roofline)" in format_table([unpredicted]) and "(bound)" not in format_table([unpredicted])

@@ -33,8 +33,8 @@ def above_prediction(step_s: float, compute_s: float, memory_s: float) -> str:
     """Why a roofline estimate above the predicted step ``step_s`` does not contradict it, in
     a few words; ``""`` when neither term is above it. The memory term is XLA's count of bytes
     accessed, buffers the compiler keeps in on-chip memory (a TPU's VMEM) included, where the
-    step model counts HBM traffic only (docs/explanations/step-model.md); the compute term
-    takes the model's analytic FLOPs where XLA counts fewer.
+    step model counts HBM traffic only (docs/explanations/step-model.md). A compute term above
+    it is the prediction's error: no step runs its FLOPs faster than the chip's peak.
 
     Example:
         >>> above_prediction(0.0239, 0.012, 0.0574).split(";")[0]
@@ -47,10 +47,11 @@ def above_prediction(step_s: float, compute_s: float, memory_s: float) -> str:
             "above the predicted step: its memory term counts XLA's bytes accessed, buffers kept in on-chip memory "
             "included; the step model counts HBM traffic only"
         )
-    if compute_s > step_s:
+    if compute_s > step_s:  # no step runs its FLOPs faster than the chip's peak
         return (
-            "above the predicted step: its compute term counts the model's analytic FLOPs (or XLA's), more than the "
-            "step model found in the compiled kernels"
+            "above the predicted step: the step's FLOPs at the chip's peak take longer than the prediction, which "
+            "is too fast here (the step model found fewer FLOPs in the compiled kernels); the compute term is the "
+            "floor"
         )
     return ""
 
