@@ -50,10 +50,14 @@ def test_a_device_count_that_splits_no_batch_setting_names_them_all_at_once():
     )
     fixed = load_config("mnist", ["data.global_batch=126", "data.eval_global_batch=255", "trainer.invariant_chunks=6"])
     check_device_split(fixed, 3)
-    # chunks that cannot divide the suggested batch are turned off rather than guessed
-    only_chunks = r"(?s)^trainer.invariant_chunks=8 .* over 4 devices.*add: trainer.invariant_chunks=null"
+    # chunks that do not divide the batch: the largest multiple of the devices that does (it
+    # offered null, which turns off the invariance the preset is there for)
+    only_chunks = r"(?s)^trainer.invariant_chunks=8 .* over 4 devices.*add: trainer.invariant_chunks=4 "
     with pytest.raises(ConfigError, match=only_chunks):
         check_device_split(load_config("mnist", ["data.global_batch=12"]), 4)
+    # with only a per-device batch (16 by default) the chunks are checked against its global batch
+    with pytest.raises(ConfigError, match=r"add: trainer.invariant_chunks=16 "):
+        check_device_split(load_config("mnist", ["data.global_batch=null", "trainer.invariant_chunks=24"]), 4)
     check_device_split(load_config("mnist"), 8)
 
 

@@ -37,7 +37,7 @@ import yaml
 from etils import epath
 from flax import nnx
 
-from xlafit.config import Config, LoraConfig, resolve_batch
+from xlafit.config import DEFAULT_PER_DEVICE_BATCH, Config, LoraConfig, resolve_batch
 from xlafit.data.dataset import as_dataset
 from xlafit.errors import ConfigError, StorageError
 from xlafit.io.paths import (
@@ -213,8 +213,8 @@ def check_device_split(cfg: Config, devices: int, data_parallel_only: bool = Tru
     """
     data, chunks = cfg.data, cfg.trainer.invariant_chunks
     problems: list[str] = []
-    fixes: dict[str, int | None] = {}
-    global_batch = data.global_batch or (data.per_device_batch or 0) * devices
+    fixes: dict[str, int] = {}
+    global_batch = data.global_batch or (data.per_device_batch or DEFAULT_PER_DEVICE_BATCH) * devices
     if data.global_batch is not None and data.global_batch % devices:
         problems.append(f"data.global_batch={data.global_batch}")
         global_batch = fixes["data.global_batch"] = max(data.global_batch // devices * devices, devices)
@@ -222,13 +222,15 @@ def check_device_split(cfg: Config, devices: int, data_parallel_only: bool = Tru
     if eval_batch is not None and eval_batch % devices:
         problems.append(f"data.eval_global_batch={eval_batch}")
         fixes["data.eval_global_batch"] = max(eval_batch // devices * devices, devices)
-    if chunks is not None and data_parallel_only and (chunks % devices or (global_batch and global_batch % chunks)):
+    if chunks is not None and data_parallel_only and (chunks % devices or global_batch % chunks):
         problems.append(f"trainer.invariant_chunks={chunks} (a multiple of the devices dividing the global batch)")
-        fixed = devices * max(1, chunks // devices)
-        fixes["trainer.invariant_chunks"] = fixed if global_batch and global_batch % fixed == 0 else None
+        # the largest such multiple up to the chunks asked for; the devices themselves always are one
+        fixes["trainer.invariant_chunks"] = max(
+            m for m in range(devices, max(chunks, devices) + 1, devices) if global_batch % m == 0
+        )
     if not problems:
         return
-    add = " ".join(f"{key}={'null' if value is None else value}" for key, value in fixes.items())
+    add = " ".join(f"{key}={value}" for key, value in fixes.items())
     if len(problems) == 1:
         head = f"{problems[0]} does not divide evenly over {devices} devices."
     else:
