@@ -50,8 +50,13 @@ def test_a_scalar_loss_passes_with_a_note_that_evaluation_needs_one_per_example(
     report = check_file(path)
     assert report.ok and report.ran
     (note,) = report.notes
-    assert "scalar" in note and "one loss per example" in note and note in report.format()
-    assert report.to_json()["notes"] == [note]
+    assert note.startswith("loss_fn returns loss as a scalar") and "one value per example" in note
+    assert note in report.format() and report.to_json()["notes"] == [note]
+    # a scalar metric beside per-example losses: evaluation refuses it the same way
+    metric = (CASES / "clean.py").read_text().replace("* positive\n", '* positive, {"acc": jnp.mean(losses)}\n')
+    path.write_text(metric)
+    (note,) = check_file(path).notes
+    assert note.startswith("loss_fn returns acc as a scalar")
 
 
 def test_violations_written_other_ways(tmp_path):

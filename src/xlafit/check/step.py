@@ -26,14 +26,15 @@ __all__ = ["check_step", "check_tpu", "example_layout", "example_lengths", "posi
 
 
 SCALAR_LOSS_NOTE = (
-    "loss_fn returns a scalar (a mean over the batch): training takes it, but evaluation "
-    "(fit(eval=...)) needs one loss per example, so that a padded last batch's padding rows count zero; "
-    "return the unreduced losses (e.g. without .mean()) to evaluate too."
+    "loss_fn returns {names} as a scalar (a mean over the batch): training takes it, but evaluation "
+    "(fit(eval=...)) needs one value per example, so that a padded last batch's padding rows count zero; "
+    "return the unreduced values (e.g. without .mean()) to evaluate too."
 )
 
 
 def _train_step(model: nnx.Module, loss_fn: Any, seen: dict[str, Any] | None = None) -> tuple[Any, TrainState]:
-    """The check's train step and state; ``seen`` gets the loss's ``ndim`` when it is traced."""
+    """The check's train step and state; ``seen`` gets the names of the loss's outputs that are
+    scalars (``loss``, a metric's name) when it is traced."""
     tx = optax.adamw(1e-3)
     model.train()
     graphdef, params, model_state = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]  # flax's overloads
@@ -42,7 +43,9 @@ def _train_step(model: nnx.Module, loss_fn: Any, seen: dict[str, Any] | None = N
     def recorded(module: Any, batch: Any) -> Any:
         out = loss_fn(module, batch)
         if seen is not None:
-            seen["ndim"] = getattr(out[0] if isinstance(out, tuple) else out, "ndim", None)
+            losses, metrics = out if isinstance(out, tuple) else (out, {})
+            values = {"loss": losses, **(metrics if isinstance(metrics, dict) else {})}
+            seen["scalars"] = [name for name, value in values.items() if getattr(value, "ndim", None) == 0]
         return out
 
     return build_train_step(graphdef, recorded, tx, unroll=True), state
@@ -95,8 +98,8 @@ def check_step(
     try:
         jax.eval_shape(step, state, _stacked(batch))
         report.traced = True
-        if seen.get("ndim") == 0:
-            report.notes.append(SCALAR_LOSS_NOTE)
+        if seen.get("scalars"):
+            report.notes.append(SCALAR_LOSS_NOTE.format(names=", ".join(seen["scalars"])))
         jax.block_until_ready(jax.jit(step)(state, _stacked(batch)))
         report.ran = True
     except Exception as e:  # every failure becomes a finding with a line

@@ -337,8 +337,8 @@ class Trainer:
         if ckpt is not None and latest is not None and not self.resume:  # a save would meet a step already there
             raise ConfigError(
                 f"{ckpt.directory} holds the checkpoints of an earlier run (the newest at step {latest}): "
-                "resume=False cannot start over there without writing over them. Give another run_dir (the "
-                "command's --restart moves the earlier run aside), or resume=True to go on from it."
+                "resume=False cannot start over there without writing over them. Give another run_dir (or "
+                "checkpoint_dir; the command's --restart moves the earlier run aside), or resume=True to go on from it."
             )
         if latest is not None:
             restored = self._restore()
