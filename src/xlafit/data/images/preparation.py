@@ -385,7 +385,7 @@ def _worker_pool(workers: int) -> Iterator[multiprocessing.pool.Pool]:
     pool.join()
 
 
-STOP_WAIT_S = 10.0
+STOP_WAIT_S = 5.0
 
 
 def _stop(pool: multiprocessing.pool.Pool, wait_s: float | None = None) -> None:
@@ -396,8 +396,8 @@ def _stop(pool: multiprocessing.pool.Pool, wait_s: float | None = None) -> None:
     stopper = threading.Thread(target=pool.terminate, name="xlafit-pool-stop", daemon=True)
     stopper.start()
     stopper.join(wait_s)
-    if stopper.is_alive():
-        log.warning("the image workers did not stop within %.0f s; killing them", wait_s)
+    if stopper.is_alive():  # the work was asked to stop: killing its workers is no news to the user
+        log.info("the image workers did not stop within %.0f s; killing them", wait_s)
         for worker in pool._pool:  # type: ignore[attr-defined]  # no public handle on the processes
             worker.kill()
 
