@@ -156,9 +156,11 @@ class TrainerConfig:
     checkpoint_every_minutes: float = 0.0  # also when this much time passed since the last (0: off)
     keep_checkpoints: int = 3  # the last K
     keep_every_steps: int = 0  # and, for good, every checkpoint whose step is a multiple of this (0: none)
-    # A non-finite loss or gradient is never applied; then: stop (name the step and the last
-    # good checkpoint), skip (go on without that batch's update), or rollback (reload the last
-    # checkpoint and go on from there, the offending batch's update dropped again).
+    # What a non-finite loss or gradient does: stop (the update of a non-finite loss is
+    # dropped; name the step, the last good checkpoint, and whether the last update landed),
+    # skip (go on without that batch's update), or rollback (reload the last checkpoint and go
+    # on, the offending update dropped again); skip and rollback drop any update whose loss or
+    # gradient is not finite.
     nan_policy: Literal["stop", "skip", "rollback"] = "stop"
     stop_at_step: int | None = None  # stop (with a checkpoint) at this step; schedule unchanged
     # Sum gradients over this many equal chunks of the global batch in a fixed order, so 1

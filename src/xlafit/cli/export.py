@@ -11,7 +11,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     hf = export_sub.add_parser(
         "hf",
         help="write a run as a Hugging Face directory (bert: BertForMaskedLM, resnet: ResNetForImageClassification, "
-        "llm: LlamaForCausalLM, and a PEFT adapter for LoRA runs)",
+        "llm: its family's causal LM class (Llama, Qwen2, Mistral, Gemma), and a PEFT adapter for LoRA runs)",
         description="Writes config.json and model.safetensors (bert: and the tokenizer's files); load them with "
         "transformers.BertForMaskedLM.from_pretrained(DIR) and AutoTokenizer.from_pretrained(DIR), or "
         "transformers.ResNetForImageClassification.from_pretrained(DIR), or (llm) "
