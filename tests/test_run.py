@@ -7,11 +7,11 @@ import yaml
 from flax import nnx
 
 import xlafit
-from xlafit.config import DataConfig, OptimizerConfig, TrainerConfig, resolve_batch
+from xlafit.config import DataConfig, OptimizerConfig, TrainerConfig, check_device_split, resolve_batch
 from xlafit.data import as_dataset
 from xlafit.errors import ConfigError, DataError
 from xlafit.recipes import load_config
-from xlafit.run import check_continuation, check_device_split, describe_schedule, resolve
+from xlafit.run import check_continuation, describe_schedule, resolve
 from xlafit.train.optim import make_optimizer
 
 

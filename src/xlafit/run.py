@@ -37,7 +37,7 @@ import yaml
 from etils import epath
 from flax import nnx
 
-from xlafit.config import DEFAULT_PER_DEVICE_BATCH, Config, LoraConfig, resolve_batch
+from xlafit.config import Config, LoraConfig, check_device_split, resolve_batch
 from xlafit.data.dataset import as_dataset
 from xlafit.errors import ConfigError, StorageError
 from xlafit.io.paths import (
@@ -201,43 +201,6 @@ def resolve(cfg: Config, strategy: Strategy, num_examples: int) -> tuple[Config,
         run=dataclasses.replace(cfg.run, run_dir=run_dir),
     )
     return resolved, Resolved(as_path(run_dir), global_batch, eval_batch)
-
-
-def check_device_split(cfg: Config, devices: int, data_parallel_only: bool = True) -> None:
-    """Refuses, in one message, every batch setting that ``devices`` devices cannot split,
-    with the overrides that run on them (a device count such as ``--simulate 3`` often
-    meets the global batch, the eval batch and the invariant chunks at once).
-
-    Raises:
-        ConfigError: one line per setting, then the overrides to add.
-    """
-    data, chunks = cfg.data, cfg.trainer.invariant_chunks
-    problems: list[str] = []
-    fixes: dict[str, int] = {}
-    global_batch = data.global_batch or (data.per_device_batch or DEFAULT_PER_DEVICE_BATCH) * devices
-    if data.global_batch is not None and data.global_batch % devices:
-        problems.append(f"data.global_batch={data.global_batch}")
-        global_batch = fixes["data.global_batch"] = max(data.global_batch // devices * devices, devices)
-    eval_batch = data.eval_global_batch
-    if eval_batch is not None and eval_batch % devices:
-        problems.append(f"data.eval_global_batch={eval_batch}")
-        fixes["data.eval_global_batch"] = max(eval_batch // devices * devices, devices)
-    if chunks is not None and data_parallel_only and (chunks % devices or global_batch % chunks):
-        problems.append(f"trainer.invariant_chunks={chunks} (a multiple of the devices dividing the global batch)")
-        # the largest such multiple up to the chunks asked for; the devices themselves always are one
-        fixes["trainer.invariant_chunks"] = max(
-            m for m in range(devices, max(chunks, devices) + 1, devices) if global_batch % m == 0
-        )
-    if not problems:
-        return
-    add = " ".join(f"{key}={value}" for key, value in fixes.items())
-    if len(problems) == 1:
-        head = f"{problems[0]} does not divide evenly over {devices} devices."
-    else:
-        head = f"these batch settings do not divide evenly over {devices} devices:" + "".join(
-            f"\n  {problem}" for problem in problems
-        )
-    raise ConfigError(f"{head}\nTo run on {devices} devices, add: {add} (or set data.per_device_batch instead).")
 
 
 def describe_schedule(cfg: Config, plan: OptimizerPlan, run_steps: int | None = None) -> str:
