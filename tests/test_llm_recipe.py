@@ -4,6 +4,8 @@ Hugging Face / PEFT export loaded back by transformers with the same logits."""
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +23,7 @@ from xlafit.check.recipes import memory_levers
 from xlafit.checkpoint import Checkpointer, fingerprint
 from xlafit.config import TrainerConfig
 from xlafit.data import clm
-from xlafit.errors import CheckpointError, ConfigError, DataError
+from xlafit.errors import CheckpointError, ConfigError, DataError, HFFormatError
 from xlafit.hf import llama as llama_hf
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 from xlafit.models.lora import ADAPTER, apply_lora, base_fingerprint, merge_lora
@@ -283,10 +285,9 @@ def test_a_local_checkpoint_that_cannot_serve_the_run_is_refused_before_the_run_
     """A family xlafit does not read was named only after the run directory was written (and,
     with --restart, the earlier run moved aside); data.seq_len beyond the checkpoint's
     positions trained on without a word (a new model's is refused)."""
-    llama = {"model_type": "llama", "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 1,
-             "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64}  # fmt: skip
-    (tmp_path / "llama").mkdir()
-    (tmp_path / "llama" / "config.json").write_text(json.dumps(llama))
+    llama_hf.save_hf(_tiny(lora=False), tmp_path / "llama")
+    config = json.loads((tmp_path / "llama" / "config.json").read_text())
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 300}))
     with pytest.raises(ConfigError, match=r"model.init_from_hf=.*gpt2: config.json describes a 'gpt2' model; xlafit"):
@@ -524,3 +525,35 @@ def test_an_export_replaces_an_earlier_one_whole_and_refuses_other_folders(tmp_p
         assert says in capsys.readouterr().err
     assert (tmp_path / "notes" / "README.md").read_text() == "mine" and not (run / "hf").exists()
     assert (tmp_path / "file.txt").read_text() == "mine"
+
+
+def test_missing_or_damaged_checkpoint_files_are_named_before_the_run_directory(tmp_path):
+    """A truncated model.safetensors (an interrupted download) raised safetensors' own
+    SafetensorError after the data was read and the run directory written, and a config.json
+    that is not JSON was reported without its file; a folder with no config.json or no weights
+    was named only when the model was built. Each is refused by validate, naming the file."""
+    good = tmp_path / "good"
+    llama_hf.save_hf(_tiny(lora=False), good)
+
+    def refusal(name, damage):
+        folder = tmp_path / name
+        shutil.copytree(good, folder)
+        damage(folder)
+        with pytest.raises(ConfigError) as e:
+            recipe.validate(load_config("llm", [f"model.init_from_hf={folder}", "data.seq_len=32"]))
+        return str(e.value)
+
+    def truncate(path):
+        path.write_bytes(path.read_bytes()[:1000])
+
+    assert re.search(r"good2/model.safetensors is damaged \(.*header.*\); download or export it again",
+                     refusal("good2", lambda d: truncate(d / "model.safetensors")))  # fmt: skip
+    assert re.search(r"config.json is not valid JSON \(line 1, column 2: .*\); download or export it again",
+                     refusal("badjson", lambda d: (d / "config.json").write_text("{bad")))  # fmt: skip
+    assert "has neither model.safetensors nor model.safetensors.index.json" in refusal(
+        "noweights", lambda d: (d / "model.safetensors").unlink()
+    )
+    assert "has no config.json" in refusal("noconfig", lambda d: (d / "config.json").unlink())
+    truncate(good / "model.safetensors")
+    with pytest.raises(HFFormatError, match="model.safetensors is damaged"):
+        llama_hf.from_hf(good)  # what generate reads

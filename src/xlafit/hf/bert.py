@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from xlafit.errors import HFFormatError
+from xlafit.hf.files import load_safetensors, read_json
 from xlafit.models.bert import BertConfig, BertForMaskedLM
 
 # Our config field -> Hugging Face's BertConfig key.
@@ -189,12 +190,10 @@ def from_hf(directory: str | Path, rngs: nnx.Rngs | None = None, **overrides: An
 
     Like ``transformers``' ``from_pretrained``, the model is in eval mode (dropout off).
     """
-    from safetensors.numpy import load_file
-
     d = Path(directory).expanduser()
     if not (d / "config.json").exists():
         raise HFFormatError(f"{d} has no config.json; give a directory written by save_pretrained or xlafit export hf.")
-    cfg = config_from_hf(json.loads((d / "config.json").read_text()), **overrides)
+    cfg = config_from_hf(read_json(d / "config.json"), **overrides)
     weights = d / "model.safetensors"
     if not weights.exists():
         raise HFFormatError(
@@ -202,5 +201,5 @@ def from_hf(directory: str | Path, rngs: nnx.Rngs | None = None, **overrides: An
             "transformers: BertForMaskedLM.from_pretrained(d).save_pretrained(d, safe_serialization=True))."
         )
     model = BertForMaskedLM(cfg, rngs=rngs or nnx.Rngs(0))
-    from_hf_state(model, load_file(str(weights)))
+    from_hf_state(model, load_safetensors(weights))
     return model

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from xlafit.errors import HFFormatError
+from xlafit.hf.files import open_safetensors, read_json
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 
 # Our config field -> Hugging Face's LlamaConfig / Qwen2Config key.
@@ -389,24 +390,20 @@ class _LazyTensors(Mapping[str, np.ndarray]):
 
 
 def _read_tensor(path: Path, name: str) -> np.ndarray:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="numpy") as f:
+    with open_safetensors(path) as f:
         return f.get_tensor(name)
 
 
-def _tensor_files(d: Path) -> dict[str, Path]:
+def tensor_files(d: Path) -> dict[str, Path]:
     """Tensor name -> file, from ``model.safetensors`` or the shards' index."""
-    from safetensors import safe_open
-
     if (d / INDEX).exists():
-        weight_map = json.loads((d / INDEX).read_text()).get("weight_map", {})
+        weight_map = read_json(d / INDEX).get("weight_map", {})
         missing = sorted({f for f in weight_map.values() if not (d / f).exists()})
         if missing:
             raise HFFormatError(f"{d / INDEX} lists {', '.join(missing)}, which {d} lacks; copy every shard.")
         return {name: d / file for name, file in weight_map.items()}
     if (d / "model.safetensors").exists():
-        with safe_open(str(d / "model.safetensors"), framework="numpy") as f:
+        with open_safetensors(d / "model.safetensors") as f:
             return {name: d / "model.safetensors" for name in f.keys()}  # noqa: SIM118 (safe_open is no dict)
     raise HFFormatError(
         f"{d} has neither model.safetensors nor {INDEX} (only safetensors is read; convert a pytorch_model.bin "
@@ -427,7 +424,7 @@ def from_hf(directory: str | Path, rngs: nnx.Rngs | None = None, **overrides: An
     d = Path(directory).expanduser()
     if not (d / "config.json").exists():
         raise HFFormatError(f"{d} has no config.json; give a directory written by save_pretrained or save_hf.")
-    cfg = config_from_hf(json.loads((d / "config.json").read_text()), **overrides)
+    cfg = config_from_hf(read_json(d / "config.json"), **overrides)
     model = LlamaForCausalLM(cfg, rngs=rngs or nnx.Rngs(0))
-    from_hf_state(model, _LazyTensors(_tensor_files(d), _read_tensor))
+    from_hf_state(model, _LazyTensors(tensor_files(d), _read_tensor))
     return model

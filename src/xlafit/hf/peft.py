@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from xlafit.errors import HFFormatError
+from xlafit.hf.files import open_safetensors, read_json
 from xlafit.models.llama import LlamaForCausalLM
 from xlafit.models.lora import LoRA, apply_lora, base_fingerprint, lora_modules
 
@@ -107,7 +108,7 @@ def save_peft_adapter(
 def _read_config(d: Path) -> dict:
     if not (d / CONFIG).exists() or not (d / WEIGHTS).exists():
         raise HFFormatError(f"{d} is not a PEFT adapter: it needs {CONFIG} and {WEIGHTS}.")
-    config = json.loads((d / CONFIG).read_text())
+    config = read_json(d / CONFIG)
     unsupported = {
         "peft_type": config.get("peft_type") != "LORA",
         "use_rslora": bool(config.get("use_rslora")),
@@ -147,11 +148,9 @@ def load_peft_adapter(
     Example:
         >>> model = load_peft_adapter(from_hf("base/"), "adapter/")  # doctest: +SKIP
     """
-    from safetensors import safe_open
-
     d = Path(directory).expanduser()
     config = _read_config(d)
-    with safe_open(str(d / WEIGHTS), framework="numpy") as f:
+    with open_safetensors(d / WEIGHTS) as f:
         recorded = (f.metadata() or {}).get(FINGERPRINT_KEY)
         tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is no dict)
     if check_base and recorded is not None and recorded != base_fingerprint(model):

@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from xlafit.errors import HFFormatError
+from xlafit.hf.files import load_safetensors, read_json
 from xlafit.models.resnet import ConvBN, ResNet, ResNetConfig, classifier
 
 
@@ -224,18 +225,16 @@ def from_hf(directory: str | Path, rngs: nnx.Rngs | None = None, **overrides: An
     Example:
         >>> model = from_hf("resnet-50/", num_classes=10, dtype="bfloat16")  # doctest: +SKIP
     """
-    from safetensors.numpy import load_file
-
     d = Path(directory).expanduser()
     if not (d / "config.json").exists():
         raise HFFormatError(f"{d} has no config.json; give a directory written by save_pretrained or xlafit export hf.")
-    hf = json.loads((d / "config.json").read_text())
+    hf = read_json(d / "config.json")
     cfg = config_from_hf(hf, **overrides)
     weights, index = d / "model.safetensors", d / "model.safetensors.index.json"
     if weights.exists():
         files = [weights]
     elif index.exists():  # save_pretrained(max_shard_size=...): shards listed in the index
-        files = [d / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        files = [d / name for name in sorted(set(read_json(index)["weight_map"].values()))]
     else:
         raise HFFormatError(
             f"{d} has no model.safetensors (only safetensors is read; convert a pytorch_model.bin with transformers: "
@@ -244,7 +243,7 @@ def from_hf(directory: str | Path, rngs: nnx.Rngs | None = None, **overrides: An
     # Built abstract (nothing allocated or initialised: eager initialisation compiles a random
     # kernel per parameter shape, seconds), then every variable is filled from the checkpoint.
     model = nnx.eval_shape(lambda: ResNet(config=cfg, rngs=nnx.Rngs(0)))
-    state = {k: v for f in files for k, v in load_file(str(f)).items()}
+    state = {k: v for f in files for k, v in load_safetensors(f).items()}
     if cfg.num_classes != config_from_hf(hf).num_classes:  # a new head: keep only the backbone
         state = {k: v for k, v in state.items() if not k.startswith("classifier.")}
         model.head = classifier(cfg, rngs or nnx.Rngs(0))

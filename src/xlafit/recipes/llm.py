@@ -28,8 +28,9 @@ from xlafit import config as xconfig
 from xlafit.config import Config
 from xlafit.data import chat, chat_demo, clm
 from xlafit.data.text import korean_demo_files
-from xlafit.errors import ConfigError
+from xlafit.errors import ConfigError, HFFormatError
 from xlafit.hf import llama as llama_hf
+from xlafit.hf.files import read_json
 from xlafit.io import hub
 from xlafit.io.cache import cache_dir
 from xlafit.models.attention import packed_segments_limit
@@ -147,9 +148,8 @@ def validate(cfg: Config) -> None:
     if cfg.model.init_from_hf:
         hub.check_local(cfg.model.init_from_hf, "model.init_from_hf")
         _refuse_size_overrides(cfg)
-        local = Path(str(cfg.model.init_from_hf)).expanduser()
-        if (local / "config.json").is_file():  # a hub id: once it is read (from_data)
-            check_checkpoint(cfg, local)
+        if hub.is_local(cfg.model.init_from_hf):  # a hub id: once it is read (from_data)
+            check_checkpoint(cfg, Path(cfg.model.init_from_hf).expanduser())
     tokenizer = data_config(cfg).tokenizer
     if tokenizer:
         hub.check_local(tokenizer, "data.tokenizer")
@@ -177,7 +177,7 @@ def _refuse_size_overrides(cfg: Config) -> None:
     config = Path(str(model_dir(cfg))).expanduser() / "config.json"
     if not config.exists():
         return  # llama_hf.from_hf names what is missing
-    checkpoint = llama_hf.config_from_hf(json.loads(config.read_text()))
+    checkpoint = llama_hf.config_from_hf(read_json(config))
     differ = {k: v for k, v in given.items() if v != getattr(checkpoint, k)}
     if differ:
         key, value = next(iter(differ.items()))
@@ -190,15 +190,19 @@ def _refuse_size_overrides(cfg: Config) -> None:
 
 def check_checkpoint(cfg: Config, folder: str | Path) -> None:
     """``model.init_from_hf``'s ``config.json`` (in ``folder``) read before the run directory
-    is written: a model family xlafit does not read, or ``data.seq_len`` beyond the positions
-    the checkpoint was trained on, is refused. A local directory is checked with the config
-    (:func:`validate`), a hub id once it is read (:func:`from_data`)."""
+    is written: a model family xlafit does not read, missing or damaged weights (their
+    safetensors headers are read), or ``data.seq_len`` beyond the positions the checkpoint was
+    trained on, is refused. A local directory is checked with the config (:func:`validate`), a
+    hub id once it is read (:func:`from_data`)."""
     m = cfg.model
-    config = Path(folder) / "config.json"
-    if not config.is_file():
-        return  # llama_hf.from_hf names what is missing
+    folder = Path(folder)
     try:
-        checkpoint = llama_hf.config_from_hf(json.loads(config.read_text()))
+        if not (folder / "config.json").is_file():
+            raise HFFormatError(
+                f"{folder} has no config.json; give a directory written by save_pretrained or xlafit export hf."
+            )
+        checkpoint = llama_hf.config_from_hf(read_json(folder / "config.json"))
+        llama_hf.tensor_files(folder)
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"model.init_from_hf={m.init_from_hf}: {e}") from None
     seq_len = data_config(cfg).seq_len
@@ -429,7 +433,7 @@ def throughput(cfg: Config, train: clm.PackedText) -> Throughput:
     llama = llama_config(cfg, train.vocab_size) if not source else None
     if llama is None:
         assert source is not None
-        hf = json.loads((Path(source).expanduser() / "config.json").read_text())
+        hf = read_json(Path(source).expanduser() / "config.json")
         llama = llama_hf.config_from_hf(hf)
     t = train.seq_len
     return {"tokens_per_example": float(t), "flops_per_example": t * llama.train_flops_per_token(t)}

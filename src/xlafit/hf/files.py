@@ -1,0 +1,56 @@
+"""Reading a Hugging Face directory's files as data: ``config.json`` and its kin as JSON,
+weights as safetensors (never a pickle). A damaged or truncated file (an interrupted
+download, a copy cut short) is refused with its path and the fix, as an
+:class:`~xlafit.errors.HFFormatError`, instead of the parser's own exception."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from xlafit.errors import HFFormatError
+
+_FIX = "download or export it again"
+
+
+def read_json(path: str | Path) -> dict[str, Any]:
+    """The JSON object in ``path``; a file that is not one names itself and where it breaks."""
+    path = Path(path)
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise HFFormatError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); {_FIX}.") from None
+    except json.JSONDecodeError as e:
+        raise HFFormatError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); {_FIX}.") from None
+    if not isinstance(value, dict):
+        raise HFFormatError(f"{path} holds a JSON {type(value).__name__}, not an object; {_FIX}.")
+    return value
+
+
+@contextmanager
+def open_safetensors(path: str | Path) -> Iterator[Any]:
+    """``safetensors.safe_open(path, framework="numpy")``, a damaged file named as such."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(str(path), framework="numpy")
+    except SafetensorError as e:
+        raise HFFormatError(f"{path} is damaged ({e}); {_FIX}.") from None
+    with handle as f:
+        yield f
+
+
+def load_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file, by name (see :func:`open_safetensors`)."""
+    from safetensors import SafetensorError
+
+    with open_safetensors(path) as f:
+        try:
+            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+        except SafetensorError as e:
+            raise HFFormatError(f"{path} is damaged ({e}); {_FIX}.") from None
