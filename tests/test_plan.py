@@ -297,6 +297,7 @@ def test_a_files_written_plan_carries_its_batch_to_check(tmp_path):
     plan = plan_file(CASES / "clean.py", [], "colab", global_batch=64)
     assert plan.winner.candidate.per_device_batch == 64
     written = plan.write(tmp_path / "plan.yaml")
+    assert plan.write(written) == written  # an earlier plan is replaced
     assert yaml.safe_load(written.read_text())["data"] == {"per_device_batch": 64}
     (r,) = check_file(CASES / "clean.py", tpu="colab", preset=written).tpu
     assert r.fits and r.per_device_batch == 64
@@ -398,7 +399,14 @@ def test_plan_budget_stops_new_compiles():
     assert "No candidate fits" in format_plan(plan)
 
 
-def test_plan_cli_errors(capsys):
+def test_plan_cli_errors(capsys, tmp_path):
+    notes = tmp_path / "precious.yaml"
+    notes.write_text("my notes\n")
+    assert main(["plan", "mnist", "--tpu", "v5e-1", "--write", str(notes)]) == 2  # before any compile
+    assert "exists and is not a plan xlafit wrote, so it is kept" in capsys.readouterr().err
+    assert notes.read_text() == "my notes\n"
+    assert main(["plan", "mnist", "--tpu", "v5e-1", "--write", str(tmp_path)]) == 2
+    assert "is a directory; give a file name" in capsys.readouterr().err
     assert main(["plan", "mnist", "--price", "v5e=cheap"]) == 2
     assert "--price v5e=cheap" in capsys.readouterr().err
     assert main(["plan", "mnist", "--global-batch", "0"]) == 2

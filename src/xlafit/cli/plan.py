@@ -116,8 +116,11 @@ def _prices(given: list[str]) -> dict[str, float]:
 def run(args: argparse.Namespace) -> int:
     # The library when the command runs: a fast --help.
     from xlafit.plan import format_plan, plan_file, plan_json, plan_recipe
+    from xlafit.plan.result import check_plan_path
 
     apply_calibration(args.calibration)
+    if args.write:
+        check_plan_path(args.write)
     for flag in ("global_batch", "per_device_batch", "top"):
         value = getattr(args, flag)
         if value is not None and value < 1:

@@ -127,6 +127,26 @@ class Plan:
             else "#",
             f"#   {use}",
         ]
-        out = Path(path)
+        out = check_plan_path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("\n".join(head) + "\n" + yaml.safe_dump(content, sort_keys=False))
         return out
+
+
+def check_plan_path(path: str | Path) -> Path:
+    """``path`` as a place to write a plan: new, or a plan written before (replaced); a
+    folder, or a file of anything else, is refused before the plan's compiles, not after."""
+    out = Path(path)
+    if out.is_dir():
+        raise ConfigError(f"--write {path} is a directory; give a file name, e.g. {out / 'plan.yaml'}.")
+    if out.exists():
+        try:
+            earlier = out.read_text(encoding="utf-8").startswith("# xlafit plan ")
+        except (OSError, UnicodeDecodeError):
+            earlier = False
+        if not earlier:
+            raise ConfigError(
+                f"--write {path}: the file exists and is not a plan xlafit wrote, so it is kept; give another path, "
+                "or move it away first."
+            )
+    return out
