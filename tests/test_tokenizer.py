@@ -68,6 +68,23 @@ def test_an_out_that_is_a_file_is_refused_before_training(tmp_path, capsys):
     assert taken.read_text() == "the user's notes\n"
 
 
+def test_an_out_that_holds_a_tokenizer_is_kept_unless_overwrite(tmp_path, capsys):
+    """``--out`` over an earlier tokenizer replaced it without a word: data prepared with it
+    (and runs trained on its token ids) no longer matched."""
+    from xlafit.cli import main
+
+    corpus = tmp_path / "a.txt"
+    corpus.write_text("the cat sat on the mat\nthe dog sat on the log\n" * 20)
+    args = ["tokenizer", "train", "--input", str(corpus), "--out", str(tmp_path / "tok")]
+    assert main([*args, "--vocab-size", "500"]) == 0
+    first = (tmp_path / "tok" / "tokenizer.json").read_bytes()
+    assert main([*args, "--vocab-size", "400", "--lowercase"]) == 2
+    assert "holds a tokenizer already, kept" in capsys.readouterr().err
+    assert (tmp_path / "tok" / "tokenizer.json").read_bytes() == first
+    assert main([*args, "--vocab-size", "400", "--lowercase", "--overwrite"]) == 0
+    assert (tmp_path / "tok" / "tokenizer.json").read_bytes() != first
+
+
 @pytest.mark.parametrize("text", ['{"x": 1}', "garbage{"])
 def test_a_tokenizer_json_that_is_not_one_is_named_with_the_fix(tmp_path, capsys, text):
     """``xlafit data mlm --tokenizer`` on a damaged or foreign tokenizer.json printed tokenizers'

@@ -22,6 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--min-frequency", type=int, default=2, help="merges seen fewer times are not learned")
     t.add_argument("--lowercase", action="store_true", help="lowercase Latin text (Hangul is unaffected)")
     t.add_argument("--strip-accents", action="store_true", help="NFD + drop accents: breaks Hangul, off")
+    t.add_argument("--overwrite", action="store_true", help="replace a tokenizer in --out (refused without it)")
     t.set_defaults(run=run)
 
 
@@ -40,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
         lowercase=args.lowercase,
         strip_accents=args.strip_accents,
         show_progress=sys.stderr.isatty(),
+        overwrite=args.overwrite,
     )
     size = tok.get_vocab_size()
     floor = " (more than --vocab-size: every character of the text gets a token, twice with ## inside words)"

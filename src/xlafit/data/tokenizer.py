@@ -97,6 +97,7 @@ def train_tokenizer(
     lowercase: bool = False,
     strip_accents: bool = False,
     show_progress: bool = True,
+    overwrite: bool = False,
 ) -> Tokenizer:
     """Trains a WordPiece vocabulary on ``files`` (streamed) and saves it to ``out``.
 
@@ -109,12 +110,20 @@ def train_tokenizer(
         min_frequency: a merge must occur this often.
         lowercase: lowercase Latin text (Hangul has no case and is unaffected).
         strip_accents: NFD + drop combining marks; splits Hangul into jamo, so off.
+        overwrite: replace a tokenizer ``out`` holds already (refused without it).
 
     Raises:
-        DataError: ``out`` is a file, ``vocab_size`` too small, or no text in ``files``.
+        DataError: ``out`` is a file or holds a tokenizer (without ``overwrite``),
+            ``vocab_size`` too small, or no text in ``files``.
     """
-    if not is_url(out) and Path(out).is_file():  # refused before the training, not after it
+    target = as_path(out)  # refused before the training, not after it
+    if target.is_file():
         raise DataError(f"--out {out} is a file; give a directory (tokenizer.json, vocab.txt and configs go in it).")
+    if not overwrite and (target / "tokenizer.json").exists():
+        raise DataError(
+            f"--out {out} holds a tokenizer already, kept: data prepared with it and runs trained on it need its "
+            "token ids. Give another --out, or --overwrite to replace it."
+        )
     if vocab_size <= len(SPECIAL_TOKENS) + 10:
         raise DataError(f"--vocab-size {vocab_size} is too small; BERT vocabularies hold thousands (try 8000).")
     tok = new_tokenizer(lowercase, strip_accents)
