@@ -68,6 +68,24 @@ def test_prepare_names_bad_input(tmp_path, korean_tokenizer):
         mlm.load_split(str(out), "train")
 
 
+def test_an_out_that_is_a_file_or_a_shard_size_below_one_is_refused_before_tokenizing(
+    tmp_path, korean_tokenizer, capsys
+):
+    """``--out FILE`` failed with FileExistsError once every line was tokenized; ``--shard-size
+    0`` wrote one shard per sequence."""
+    from xlafit.cli import main
+
+    taken = tmp_path / "notes.txt"
+    taken.write_text("the user's")
+    args = ["data", "mlm", "--tokenizer", str(korean_tokenizer), "--input", *korean_demo_files()]
+    assert main([*args, "--out", str(taken)]) == 2
+    assert f"--out {taken} is a file; give a directory for the MLM shards" in capsys.readouterr().err
+    assert taken.read_text() == "the user's"
+    assert main([*args, "--out", str(tmp_path / "mlm"), "--shard-size", "0"]) == 2
+    assert "--shard-size 0 must be at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "mlm").exists()
+
+
 def test_an_out_that_already_holds_prepared_data_is_refused_unless_overwrite(
     tmp_path, monkeypatch, korean_tokenizer, capsys
 ):

@@ -50,6 +50,8 @@ def output_dir(out: str | Path, what: str) -> tuple[fsspec.AbstractFileSystem, s
         except StorageError as e:
             raise DataError(str(e)) from None
     with writing(out, what):
+        if fs.isfile(root):
+            raise DataError(f"--out {out} is a file; give a directory for {what} (it is created if missing).")
         fs.makedirs(root, exist_ok=True)
     return fs, root
 

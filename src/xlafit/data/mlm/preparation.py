@@ -189,6 +189,8 @@ def prepare(
         raise DataError(f"--seq-len {seq_len} is too short for [CLS] text [SEP]; use 64, 128 or 512.")
     if not 0.0 <= eval_fraction < 1.0:
         raise DataError(f"--eval-fraction {eval_fraction} must lie in [0, 1).")
+    if shard_size < 1:
+        raise DataError(f"--shard-size {shard_size} must be at least 1.")
     tok = load_tokenizer(tokenizer_dir)
     fs, root = output_dir(out, "the MLM shards")
     earlier = shards.earlier_preparation(fs, root, out, MANIFEST, "MLM data", "the MLM shards", overwrite)
