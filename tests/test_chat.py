@@ -167,7 +167,7 @@ PARTS = {"role": "user", "content": [{"type": "text", "text": "What is the capit
          r"number.jsonl, record 1 .*: a message of role 'user' has content 42; give its content as text, or a list"),
         # Accepted as transformers' templates take them, and this template joins strings: one line, not a TypeError.
         ("tools.jsonl", json.dumps({"messages": [CONVERSATION[1], TOOL_CALL]}).encode(),
-         r"tools.jsonl, record 1 .*: the chat template cannot render a conversation \(TypeError: .*\); a template"),
+         r"tools.jsonl, record 1 .*: the chat template .*cannot render a conversation \(TypeError: .*\); a template"),
         ("parts.jsonl", json.dumps({"messages": [PARTS, CONVERSATION[2]]}).encode(),
          r"parts.jsonl, record 1 .*cannot render .*handles null content or lists of parts \(data.chat_template\)"),
     ],
@@ -179,6 +179,24 @@ def test_a_file_or_record_that_cannot_be_read_is_one_error_naming_it(model_dir, 
     with pytest.raises(DataError, match=error) as e:
         clm.load_packed([str(tmp_path / name)], tok, seq_len=128, template=chat.template_for(str(model_dir)))
     assert "\n" not in str(e.value)
+
+
+def test_a_template_that_breaks_is_named_with_its_file_and_not_blamed_on_the_content(model_dir, tmp_path):
+    """A template with a syntax error was reported without its file or line; one that fails
+    on text content (endless recursion, a huge range) was told the content must be text."""
+    tok = clm.load_tokenizer(model_dir)
+    record = {"messages": CONVERSATION[1:3]}
+    (tmp_path / "broken.jinja").write_text("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
+    with pytest.raises(DataError) as e:
+        chat.template_for(str(model_dir), str(tmp_path / "broken.jinja"))
+    assert str(e.value).startswith(f"the chat template {tmp_path / 'broken.jinja'} (data.chat_template) does not parse")
+    assert "(line 2: unexpected '}')" in str(e.value)
+    for source in ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "{% for i in range(10**9) %}{% endfor %}"):
+        (tmp_path / "bad.jinja").write_text(source)
+        template = chat.template_for(str(model_dir), str(tmp_path / "bad.jinja"))
+        with pytest.raises(DataError, match=r"bad.jinja \(data.chat_template\) cannot render a conversation") as e:
+            chat.encode(record, "chat", tok, template)
+        assert str(e.value).endswith("fix the template, or give another as data.chat_template.")
 
 
 def test_text_parts_go_to_the_template_as_transformers_gives_them(model_dir):

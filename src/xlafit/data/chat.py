@@ -34,7 +34,7 @@ from datetime import datetime
 from typing import Any
 
 import numpy as np
-from jinja2 import TemplateError, nodes
+from jinja2 import TemplateError, TemplateSyntaxError, nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
@@ -100,7 +100,7 @@ class ChatTemplate:
         tokens: the special tokens it may name (``bos_token``, ``eos_token``, ...).
     """
 
-    def __init__(self, source: str, tokens: dict[str, str] | None = None) -> None:
+    def __init__(self, source: str, tokens: dict[str, str] | None = None, name: str = "the chat template") -> None:
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols]
         )
@@ -109,8 +109,13 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
             self._template = env.from_string(source)
+        except TemplateSyntaxError as e:
+            raise DataError(
+                f"{name} does not parse (line {e.lineno}: {e.message}); fix it, or give another as data.chat_template."
+            ) from None
         except TemplateError as e:
-            raise DataError(f"the chat template does not parse: {e}") from None
+            raise DataError(f"{name} does not parse ({e}); fix it, or give another as data.chat_template.") from None
+        self.name = name
         self.source = source
         self.tokens = dict(tokens or {})
         self.marks_generation = "{% generation %}" in source or "{%- generation %}" in source
@@ -125,12 +130,17 @@ class ChatTemplate:
                 messages=list(messages), add_generation_prompt=add_generation_prompt, **self.tokens
             )
         except TemplateError as e:
-            raise DataError(f"the chat template refuses a conversation: {e}") from None
+            raise DataError(f"{self.name} refuses a conversation: {e}") from None
         except Exception as e:  # the template's own Python: `message['content'] + ...` on a null or a list
+            text = all(isinstance(m.get("content"), str) for m in messages if isinstance(m, dict))
             raise DataError(
-                f"the chat template cannot render a conversation ({type(e).__name__}: {e}); a template that joins "
-                "text expects every message's content to be a string: give it as text, or use a template that "
-                "handles null content or lists of parts (data.chat_template)."
+                f"{self.name} cannot render a conversation ({type(e).__name__}: {str(e)[:200]}); "
+                + (
+                    "fix the template, or give another as data.chat_template."
+                    if text
+                    else "a template that joins text expects every message's content to be a string: give it as "
+                    "text, or use a template that handles null content or lists of parts (data.chat_template)."
+                )
             ) from None
 
     def answer_spans(self, messages: Sequence[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
@@ -184,14 +194,15 @@ def template_for(tokenizer_dir: str | None, given: str | None = None) -> ChatTem
         path = as_path(given)
         if not path.exists():
             raise DataError(f"data.chat_template={given}: no such file; give a Jinja template file.")
-        return ChatTemplate(path.read_text(), tokens)
+        return ChatTemplate(path.read_text(), tokens, f"the chat template {given} (data.chat_template)")
     if folder is not None and (folder / TEMPLATE_FILE).exists():
-        return ChatTemplate((folder / TEMPLATE_FILE).read_text(), tokens)
+        return ChatTemplate((folder / TEMPLATE_FILE).read_text(), tokens, f"the chat template {folder / TEMPLATE_FILE}")
     source = config.get("chat_template")
     if isinstance(source, list):
         named = {t.get("name"): t.get("template") for t in source}
         source = named.get("default") or next(iter(named.values()), None)
-    return ChatTemplate(source, tokens) if source else None
+    where = f"the chat template of {folder / 'tokenizer_config.json'}" if folder is not None else "the chat template"
+    return ChatTemplate(source, tokens, where) if source else None
 
 
 # A conversation rendered to find where an assistant turn ends (the answer: text no template alters).
