@@ -4,6 +4,8 @@ sampling keeps to its top-k and top-p."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,6 +122,27 @@ def test_more_tokens_than_the_context_are_refused():
     )
     with pytest.raises(ConfigError, match="shorten the prompt"):
         generate(tiny(), [list(range(128))], 1)
+
+
+def test_a_model_directory_without_a_usable_tokenizer_is_told_where_one_comes_from(tmp_path):
+    """generate on a Hugging Face directory with no (or a broken) tokenizer.json read its
+    weights first, then said to give data.tokenizer, a setting generate does not have."""
+    from flax import nnx
+
+    from xlafit.errors import DataError
+    from xlafit.generator import Generator
+    from xlafit.hf import llama as llama_hf
+    from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path / "m"
+    llama_hf.save_hf(LlamaForCausalLM(LlamaConfig.preset("tiny", vocab_size=64), rngs=nnx.Rngs(0)), folder)
+    fix = "needs the tokenizer.json of the model its weights come from (save_pretrained with the tokenizer"
+    with pytest.raises(DataError, match=r"no tokenizer at .*m/tokenizer.json; .*m " + re.escape(fix)):
+        Generator.load(str(folder))
+    (folder / "tokenizer.json").write_text('{"x": 1}')
+    with pytest.raises(DataError, match=r"is not a Hugging Face tokenizer.json \(.*\); .*" + re.escape(fix)) as e:
+        Generator.load(str(folder))
+    assert "data.tokenizer" not in str(e.value)
 
 
 def test_a_run_with_no_checkpoint_says_to_train_it_not_to_export_it(tmp_path):

@@ -103,9 +103,14 @@ class Generator:
                 f"{source} is neither an llm run directory (config.yaml) nor a Hugging Face model directory "
                 "(config.json); give one, or a hub id org/name."
             )
+        fix = (
+            f"{source} needs the tokenizer.json of the model its weights come from (save_pretrained with the "
+            "tokenizer, and xlafit export hf, write it)."
+        )
+        tokenizer = clm.load_tokenizer(folder, fix)  # before the weights are read: it may be what is missing
         model = llama_hf.from_hf(folder)
         template, stops = chat.template_for(folder), clm.stop_ids(folder)
-        return cls(model, clm.load_tokenizer(folder), template, stops, source, _recorded_format(as_path(folder)))
+        return cls(model, tokenizer, template, stops, source, _recorded_format(as_path(folder)))
 
     def encode(self, prompt: Prompt, use_chat: bool | None = None) -> list[int]:
         """A prompt's token ids: rendered as a user turn (or the conversation given) with the
@@ -167,7 +172,9 @@ def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
     except XlafitError as e:
         strategy = connect(simulate, cpu=cfg.cpu)
         print(f"the run's mesh does not fit this host's devices ({e}); the model is replicated", file=sys.stderr)
-    tokenizer = clm.load_tokenizer(run / "tokenizer")
+    tokenizer = clm.load_tokenizer(
+        run / "tokenizer", f"{source}/tokenizer/ holds the tokenizer the run's checkpoints learned; restore it."
+    )
     arrays, _, metadata = checkpoint_arrays(cfg, run, step, use="generate")
     model = run_model(cfg, arrays, metadata.get(BASE_FINGERPRINT), tokenizer.get_vocab_size())
     if cfg.lora.rank:

@@ -83,15 +83,16 @@ def train_bpe(files: Sequence[str], vocab_size: int, out: str | Path) -> Tokeniz
     return tok
 
 
-def load_tokenizer(where: str | Path) -> Tokenizer:
+def load_tokenizer(where: str | Path, fix: str | None = None) -> Tokenizer:
     """A Hugging Face ``tokenizer.json``, given as the file or a directory holding it (a model
     directory from the hub, ``xlafit export hf``, or :func:`train_bpe`); local or a URL.
 
     Raises:
-        DataError: there is no ``tokenizer.json`` there, or the file is not one.
+        DataError: there is no ``tokenizer.json`` there, or the file is not one; ``fix`` ends
+            the message (default: what to give as ``data.tokenizer``).
     """
-    fix = "give data.tokenizer as a model directory's tokenizer.json or the directory holding it."
-    return read_tokenizer_json(_tokenizer_path(where), fix)
+    fix = fix or "give data.tokenizer as a model directory's tokenizer.json or the directory holding it."
+    return read_tokenizer_json(_tokenizer_path(where, fix), fix)
 
 
 def tokenizer_json(where: str | Path) -> str:
@@ -99,15 +100,16 @@ def tokenizer_json(where: str | Path) -> str:
     return _tokenizer_path(where).read_text()
 
 
-def _tokenizer_path(where: str | Path) -> epath.Path:
+def _tokenizer_path(where: str | Path, fix: str | None = None) -> epath.Path:
     path = as_path(where)
     if not str(path).endswith(".json"):
         path = path / "tokenizer.json"
     if not path.exists():
         raise DataError(
-            f"no tokenizer at {path}; give data.tokenizer as a tokenizer.json or a directory holding one "
-            "(a Hugging Face model directory has it)."
-        )
+            f"no tokenizer at {path}; "
+            + (fix or "give data.tokenizer as a tokenizer.json or a directory holding one (a Hugging Face model "
+               "directory has it).")
+        )  # fmt: skip
     return path
 
 
