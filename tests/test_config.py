@@ -1,9 +1,18 @@
 import re
 
+import numpy as np
 import pytest
 import yaml
 
-from xlafit.config import DataConfig, MeshConfig, OptimizerConfig, TrainerConfig, resolve_batch
+from xlafit.config import (
+    DataConfig,
+    LoraConfig,
+    MeshConfig,
+    OptimizerConfig,
+    RunConfig,
+    TrainerConfig,
+    resolve_batch,
+)
 from xlafit.errors import ConfigError
 from xlafit.overrides import parse_overrides
 from xlafit.recipes import load_config
@@ -94,6 +103,37 @@ def test_a_config_built_in_python_refuses_what_the_cli_refuses(build, message):
     however it is built (steps_per_call=0 used to spin the trainer forever)."""
     with pytest.raises(ConfigError, match=message):
         build()
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: TrainerConfig(epochs="3"), r"^trainer\.epochs='3' has the wrong type: expected int\.$"),
+        (lambda: TrainerConfig(epochs=True), r"^trainer\.epochs=True has the wrong type: expected int\.$"),
+        (
+            lambda: TrainerConfig(stop_at_step=2.5),
+            r"^trainer\.stop_at_step=2\.5 has the wrong type: expected int or null\.$",
+        ),
+        (
+            lambda: TrainerConfig(watchdog_factor="20"),
+            r"^trainer\.watchdog_factor='20' has the wrong type: expected float\.$",
+        ),
+        (lambda: OptimizerConfig(learning_rate="1e-3"), r"^optimizer\.learning_rate='1e-3' has the wrong type"),
+        (lambda: OptimizerConfig(nesterov=1), r"^optimizer\.nesterov=1 has the wrong type: expected bool\.$"),
+        (lambda: DataConfig(global_batch="32"), r"^data\.global_batch='32' has the wrong type: expected int or null"),
+        (lambda: MeshConfig(fsdp="2"), r"^mesh\.fsdp='2' has the wrong type: expected int\.$"),
+        (lambda: RunConfig(run_dir=5), r"^run\.run_dir=5 has the wrong type: expected str or null\.$"),
+        (lambda: LoraConfig(rank=None), r"^lora\.rank=None has the wrong type: expected int\.$"),
+    ],
+)
+def test_a_config_field_of_the_wrong_type_is_named_with_the_type_it_takes(build, message):
+    with pytest.raises(ConfigError, match=message):
+        build()
+
+
+def test_numpy_numbers_fill_config_fields():
+    """An int is a float too, and NumPy's scalars count (a count computed with NumPy)."""
+    assert TrainerConfig(epochs=np.int64(2), checkpoint_every_minutes=np.float32(0.5), watchdog_factor=3).epochs == 2
 
 
 def test_the_presets_setting_gives_way_to_the_users_mesh(caplog):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
+import types
 import typing
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -21,24 +23,83 @@ from xlafit.platform.cpu import CpuConfig
 log = logging.getLogger("xlafit")
 
 
+def type_name(tp: Any) -> str:
+    """An annotation as a user reads it: ``int``, ``int or null``, ``'stop' | 'skip'``."""
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if is_optional(tp):
+        return f"{type_name(strip_optional(tp))} or null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def is_optional(tp: Any) -> bool:
+    """Whether the annotation ``tp`` allows None (``int | None``)."""
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+
+
+def strip_optional(tp: Any) -> Any:
+    """``int | None`` -> ``int``."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0]
+
+
+# The value types a config field may have, and what passes for each: an int is a float too,
+# a bool is no number (YAML's ``true`` for a count is a mistake); NumPy's scalars count.
+SCALARS: dict[type, tuple[type, ...]] = {
+    bool: (bool,),
+    int: (numbers.Integral,),
+    float: (numbers.Real,),
+    str: (str,),
+}
+
+
+def check_type(value: Any, tp: Any, key: str) -> None:
+    """Refuses ``value`` unless it fits the annotation ``tp``: one of :data:`SCALARS`, a
+    ``Literal``'s choices, or either or None (``int | None``). Other annotations pass unchecked.
+
+    Example:
+        >>> check_type("3", int, "trainer.epochs")
+        Traceback (most recent call last):
+        ...
+        xlafit.errors.ConfigError: trainer.epochs='3' has the wrong type: expected int.
+    """
+    inner = strip_optional(tp) if is_optional(tp) else tp
+    if inner is not tp and value is None:
+        return
+    if typing.get_origin(inner) is Literal:
+        if value not in typing.get_args(inner):
+            choices = ", ".join(map(str, typing.get_args(inner)))
+            raise ConfigError(f"{key}={value!r} is not allowed; choose one of {choices}.")
+        return
+    allowed = SCALARS.get(inner)
+    if allowed is not None and (not isinstance(value, allowed) or (inner is not bool and isinstance(value, bool))):
+        raise ConfigError(f"{key}={value!r} has the wrong type: expected {type_name(tp)}.")
+
+
+def check_positive(value: Any, key: str) -> None:
+    """Refuses a count that must be positive (a batch, epochs); None passes (not set)."""
+    if value is not None and value <= 0:
+        raise ConfigError(f"{key}={value} must be a positive number.")
+
+
+def check_non_negative(value: Any, key: str) -> None:
+    """Refuses an amount that must not be negative (a prefetch depth, a period); None passes."""
+    if value is not None and value < 0:
+        raise ConfigError(f"{key}={value} must be zero or more.")
+
+
 def _check_section(section: Any, name: str, positive: Sequence[str] = (), non_negative: Sequence[str] = ()) -> None:
     """Refuses a section's impossible values, whoever built it (a YAML preset, an override, or
-    Python: ``TrainerConfig(steps_per_call=0)``): a ``Literal`` field outside its choices, a
-    count that must be positive, an amount that must not be negative."""
+    Python: ``TrainerConfig(steps_per_call=0)``): a value of the wrong type (``epochs="3"``), a
+    ``Literal`` field outside its choices, a count that must be positive, an amount that must
+    not be negative."""
     hints = typing.get_type_hints(type(section))
     for field in dataclasses.fields(section):
-        tp, value = hints[field.name], getattr(section, field.name)
-        if typing.get_origin(tp) is Literal and value not in typing.get_args(tp):
-            choices = ", ".join(map(str, typing.get_args(tp)))
-            raise ConfigError(f"{name}.{field.name}={value!r} is not allowed; choose one of {choices}.")
+        check_type(getattr(section, field.name), hints[field.name], f"{name}.{field.name}")
     for key in positive:
-        value = getattr(section, key)
-        if value is not None and value <= 0:
-            raise ConfigError(f"{name}.{key}={value} must be a positive number.")
+        check_positive(getattr(section, key), f"{name}.{key}")
     for key in non_negative:
-        value = getattr(section, key)
-        if value is not None and value < 0:
-            raise ConfigError(f"{name}.{key}={value} must be zero or more.")
+        check_non_negative(getattr(section, key), f"{name}.{key}")
 
 
 def check_fraction(value: float, key: str) -> None:
@@ -213,6 +274,7 @@ class MeshConfig:
     rules: str | None = None
 
     def __post_init__(self) -> None:
+        _check_section(self, "mesh")
         sizes = {"mesh.data": self.data, "mesh.fsdp": self.fsdp, "mesh.tensor": self.tensor}
         for key, value in sizes.items():
             if value == 0 or value < -1:

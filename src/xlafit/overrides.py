@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -19,51 +18,32 @@ from typing import Any, Literal
 
 import yaml
 
-from xlafit.config import Config, DataConfig, MeshConfig, validate
+from xlafit.config import (
+    SCALARS,
+    Config,
+    DataConfig,
+    MeshConfig,
+    check_type,
+    is_optional,
+    strip_optional,
+    type_name,
+    validate,
+)
 from xlafit.errors import ConfigError
 
 log = logging.getLogger("xlafit")
 
 
-def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if _is_optional(tp):
-        return f"{_type_name(_strip_optional(tp))} or null"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _is_optional(tp: Any) -> bool:
-    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
-
-
-def _strip_optional(tp: Any) -> Any:
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    return args[0]
-
-
 def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Checks ``value`` against the annotation ``tp``; ints are accepted for floats."""
-    if _is_optional(tp):
-        return None if value is None else _coerce(value, _strip_optional(tp), key)
-    if typing.get_origin(tp) is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"{key}={value!r} is not allowed; choose one of {', '.join(map(str, choices))}.")
-        return value
-    if value is None:
-        raise ConfigError(f"{key} is empty (given as {key}= or null); give it a value of type {_type_name(tp)}.")
-    ok = {
-        bool: isinstance(value, bool),
-        int: isinstance(value, int) and not isinstance(value, bool),
-        float: isinstance(value, (int, float)) and not isinstance(value, bool),
-        str: isinstance(value, str),
-    }.get(tp)
-    if ok is None:
+    """Checks ``value`` against the annotation ``tp`` (:func:`~xlafit.config.check_type`, the rule
+    of the config's own checks); ints are accepted for floats, and become floats."""
+    inner = strip_optional(tp) if is_optional(tp) else tp
+    if typing.get_origin(inner) is not Literal and inner not in SCALARS:
         raise TypeError(f"unsupported config annotation {tp!r} for {key}")
-    if not ok:
-        raise ConfigError(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}.")
-    return float(value) if tp is float else value
+    if value is None and inner is tp and typing.get_origin(tp) is not Literal:
+        raise ConfigError(f"{key} is empty (given as {key}= or null); give it a value of type {type_name(tp)}.")
+    check_type(value, tp, key)
+    return float(value) if inner is float and value is not None else value
 
 
 def from_dict(

@@ -49,6 +49,7 @@ from xlafit.parallel.sharding import bytes_per_device
 from xlafit.platform.cpu import keeping_freed_memory
 from xlafit.platform.hardware import peak_flops
 from xlafit.train.adapter import Adapted, adapt, framework_of
+from xlafit.train.arguments import built, check_arguments, check_batches
 from xlafit.train.frozen import checkpointed, frozen_filter, frozen_fingerprint, restore, run_settings
 from xlafit.train.loop import Call, Due, FitResult, Loop, itstime, lr_at, nonfinite_steps, peak_lr, times
 from xlafit.train.nonfinite import applied_means, apply_nan_policy
@@ -80,25 +81,31 @@ class Trainer:
             (``KERAS_BACKEND=jax``) trains too: it is converted first (:mod:`xlafit.train.adapter`,
             :mod:`xlafit.integrations.keras`), its trainable variables are the parameters, and
             the trained values are written back into it at every checkpoint and at the end of
-            :meth:`fit`.
+            :meth:`fit`; a ``torch.nn.Module`` too (:mod:`xlafit.integrations.torch`).
         loss_fn: ``loss_fn(model, batch)`` -> per-example losses ``[B]``, or
             ``(losses [B], {metric: [B]})``. Per-example values let evaluation weight
             padding rows by zero and count every example exactly once. With a Keras model:
             a Keras loss, its name, ``loss(y_true, y_pred)``, a
             :class:`~xlafit.integrations.keras.KerasLoss` (with metrics), or None for the loss of
             ``model.compile``; batches are ``{"x": inputs, "y": targets}``.
-        optimizer: an optax transformation.
-        strategy: from :func:`xlafit.connect`; default: all devices.
-        global_batch: examples per optimizer step over all devices (must divide evenly).
-        config: loop settings (epochs, steps per call, logging, checkpoints).
-        learning_rate: the schedule inside ``optimizer``, only to log the rate.
-        run_dir: where metrics, TensorBoard logs and checkpoints go; None keeps nothing.
-        checkpoint_dir: where checkpoints go instead of ``run_dir/checkpoints``: a local
-            path or a URL such as ``gs://bucket/run`` (Orbax; ``gcsfs`` for gs://).
-        eval_global_batch: evaluation batch; default ``global_batch``.
-        data_seed: seed of the data order.
-        prefetch: batches moved to the devices ahead of the step.
-        resume: continue from the newest checkpoint in ``run_dir`` (refused if it was
+        optimizer: an ``optax.GradientTransformation`` (``optax.adamw(1e-3)``; a Keras
+            optimizer converts with :func:`xlafit.integrations.keras.optax_from_keras`).
+        strategy: what :func:`xlafit.connect` returns; None: all devices.
+        global_batch: a positive int, the examples per optimizer step over all devices; a
+            multiple of ``strategy.num_replicas``.
+        config: a :class:`~xlafit.config.TrainerConfig`, the loop's settings (epochs, steps per
+            call, logging, checkpoints); None: its defaults.
+        learning_rate: the schedule inside ``optimizer`` (or a number), only to log the rate.
+        run_dir: a str or ``os.PathLike``: where metrics, TensorBoard logs and checkpoints go;
+            None keeps nothing.
+        checkpoint_dir: a str or ``os.PathLike``: where checkpoints go instead of
+            ``run_dir/checkpoints``, a local path or a URL such as ``gs://bucket/run`` (Orbax;
+            ``gcsfs`` for gs://).
+        eval_global_batch: the evaluation batch, a positive int as ``global_batch``; None:
+            ``global_batch``.
+        data_seed: an int, the seed of the data order.
+        prefetch: an int, the batches moved to the devices ahead of the step (0 or more).
+        resume: a bool: continue from the newest checkpoint in ``run_dir`` (refused if it was
             trained with another ``global_batch`` or ``data_seed``); False starts over, in a
             ``run_dir`` without checkpoints (one with them is refused: nothing is written over).
         tokens_per_example: adds ``tokens_per_sec`` to the logs (sequence models).
@@ -110,6 +117,10 @@ class Trainer:
             checkpoints (their fingerprint is: :func:`xlafit.models.lora.state_fingerprint`)
             and a resume onto other frozen weights is refused. LoRA:
             ``trainable=xlafit.models.lora.ADAPTER``.
+
+    Raises:
+        ConfigError: an argument of the wrong kind or value (:mod:`xlafit.train.arguments`),
+            refused before anything is compiled or written.
     """
 
     def __init__(
@@ -132,16 +143,16 @@ class Trainer:
         flops_per_example: float | None = None,
         trainable: nnx.filterlib.Filter = nnx.Param,
     ) -> None:
+        check_arguments(
+            model, loss_fn, optimizer, strategy=strategy, config=config, learning_rate=learning_rate,
+            run_dir=run_dir, checkpoint_dir=checkpoint_dir, data_seed=data_seed, prefetch=prefetch, resume=resume,
+            tokens_per_example=tokens_per_example, flops_per_example=flops_per_example,
+        )  # fmt: skip
         self.strategy = strategy or connect()
+        check_batches(global_batch, eval_global_batch, self.strategy.num_replicas)
         self.config = config or TrainerConfig()
-        self.global_batch = global_batch
-        self.eval_global_batch = eval_global_batch or global_batch
-        for name, batch in (("global batch", self.global_batch), ("eval global batch", self.eval_global_batch)):
-            if batch % self.strategy.num_replicas:
-                raise ConfigError(
-                    f"the {name} {batch} does not divide over {self.strategy.num_replicas} devices; "
-                    f"use a multiple of {self.strategy.num_replicas}."
-                )
+        self.global_batch = int(global_batch)
+        self.eval_global_batch = int(eval_global_batch or global_batch)
         self.learning_rate = learning_rate
         self.run_dir = as_path(run_dir) if run_dir is not None else None  # keeps gs://'s //
         self.data_seed = data_seed
@@ -157,11 +168,11 @@ class Trainer:
         if callable(model) and not isinstance(model, nnx.Module | Adapted) and framework_of(model) is None:
             builder = model
         # A builder's model as shapes only (nnx.eval_shape): built below, sharded, inside jit,
-        # with Flax's eager sharding off (_built), so that parameters annotated as Flax's guides
+        # with Flax's eager sharding off (built), so that parameters annotated as Flax's guides
         # show (nnx.with_partitioning) keep their names for the sharding rules.
         # A model of another framework is converted first (xlafit.train.adapter): the trainer
         # sees an nnx.Module, and writes trained values back through the adapter's hook.
-        adapted = Adapted(nnx.eval_shape(_built(builder)), loss_fn) if builder is not None else adapt(model, loss_fn)
+        adapted = Adapted(nnx.eval_shape(built(builder)), loss_fn) if builder is not None else adapt(model, loss_fn)
         if adapted.check is not None:
             adapted.check(self.strategy, self.config)
         model, loss_fn, self._write_back_hook = adapted.module, adapted.loss_fn, adapted.write_back
@@ -198,9 +209,9 @@ class Trainer:
             # Each device computes only its own slices: no device and no host ever holds
             # the whole model (big_vision's jit(init, out_shardings)).
             def init() -> tuple[nnx.State, nnx.State]:
-                built = _built(builder)()
-                built.train()
-                _, p, s = nnx.split(built, self.trainable, ...)  # type: ignore[misc]  # flax's overloads
+                module = built(builder)()
+                module.train()
+                _, p, s = nnx.split(module, self.trainable, ...)  # type: ignore[misc]  # flax's overloads
                 return p, s
 
             params, model_state = jax.jit(init, out_shardings=(shardings.params, shardings.model_state))()
@@ -583,15 +594,3 @@ class Trainer:
         """Waits for a checkpoint being written and releases the checkpointer."""
         if self._ckpt is not None:
             self._ckpt.close()
-
-
-def _built(builder: Callable[[], nnx.Module]) -> Callable[[], nnx.Module]:
-    """``builder`` run with Flax's eager sharding off: an ``nnx.with_partitioning`` annotation
-    stays a name for the sharding rules (xlafit.parallel.sharding) instead of asking for a
-    mesh whose axes carry the model's own names."""
-
-    def build() -> nnx.Module:
-        with nnx.use_eager_sharding(False):
-            return builder()
-
-    return build

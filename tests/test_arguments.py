@@ -1,0 +1,105 @@
+"""Trainer's arguments are refused by name before anything is built, compiled or written
+(train/arguments.py): the own-model guide's MLP with one argument wrong at a time."""
+
+import pathlib
+
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import xlafit
+from xlafit.config import TrainerConfig
+from xlafit.errors import ConfigError
+from xlafit.train.adapter import Adapted
+from xlafit.train.arguments import check_model
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(20, 16, rngs=rngs)
+        self.out = nnx.Linear(16, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.hidden(x)))
+
+
+def loss_fn(model, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"])
+
+
+BAD = {
+    "negative batch": ({"global_batch": -1}, r"^global_batch=-1 must be a positive number\.$"),
+    "zero batch": ({"global_batch": 0}, r"^global_batch=0 must be a positive number\.$"),
+    "batch as a string": ({"global_batch": "32"}, r"^global_batch='32' has the wrong type: expected int\.$"),
+    "batch as a bool": ({"global_batch": True}, r"^global_batch=True has the wrong type: expected int\.$"),
+    "zero eval batch": ({"eval_global_batch": 0}, r"^eval_global_batch=0 must be a positive number\.$"),
+    "eval batch off the devices": (
+        {"eval_global_batch": 12},
+        r"^eval_global_batch=12 does not divide over 8 devices; use a multiple of 8 \(e\.g\. 8\)\.$",
+    ),
+    "optimizer by name": (
+        {"optimizer": "adam"},
+        r"^optimizer must be an optax\.GradientTransformation \(e\.g\. optax\.adamw\(1e-3\)\), got str\.$",
+    ),
+    "optimizer as a rate": ({"optimizer": 1e-3}, r"optax\.GradientTransformation .*, got float\.$"),
+    "config as a dict": (
+        {"config": {"epochs": 1}},
+        r"^config must be an xlafit\.config\.TrainerConfig, got dict: "
+        r"TrainerConfig\(\*\*\{'epochs': 1\}\) builds one\.$",
+    ),
+    "strategy by name": ({"strategy": "tpu"}, r"^strategy must be what xlafit\.connect\(\) returns .* got str\.$"),
+    "run_dir as a number": ({"run_dir": 5}, r"^run_dir must be a str or os\.PathLike .*, got int\.$"),
+    "checkpoint_dir as a number": ({"checkpoint_dir": 5}, r"^checkpoint_dir must be a str or os\.PathLike"),
+    "no loss": ({"loss_fn": None}, r"^loss_fn must be a callable \(model, batch\) -> per-example losses .*NoneType"),
+    "loss by name": ({"loss_fn": "cross_entropy"}, r"^loss_fn must be a callable .*got str\.$"),
+    "model by name": ({"model": "mlp"}, r"^model must be an nnx\.Module, a function that builds one .*got str\.$"),
+    "learning rate by name": ({"learning_rate": "1e-3"}, r"^learning_rate .*optax schedule.*got str\.$"),
+    "seed as a float": ({"data_seed": 0.5}, r"^data_seed=0\.5 has the wrong type: expected int\.$"),
+    "negative prefetch": ({"prefetch": -1}, r"^prefetch=-1 must be zero or more\.$"),
+    "resume as a string": ({"resume": "no"}, r"^resume='no' has the wrong type: expected bool\.$"),
+    "zero FLOPs": ({"flops_per_example": 0}, r"^flops_per_example=0 must be a positive number\.$"),
+}
+
+
+@pytest.mark.parametrize(("bad", "message"), BAD.values(), ids=BAD.keys())
+def test_a_wrong_argument_is_refused_by_name_before_anything_is_built(strategy8, tmp_path, bad, message):
+    built = []
+
+    def build():
+        built.append(True)
+        return MLP(nnx.Rngs(0))
+
+    args = {"model": build, "loss_fn": loss_fn, "optimizer": optax.adamw(1e-2), "strategy": strategy8}
+    args |= {"global_batch": 32, "config": TrainerConfig(epochs=1), "run_dir": tmp_path / "run", **bad}
+    with pytest.raises(ConfigError, match=message):
+        xlafit.Trainer(args.pop("model"), args.pop("loss_fn"), args.pop("optimizer"), **args)
+    assert built == []  # refused before the model was built (or anything compiled)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_model_function_must_return_a_module(strategy8):
+    with pytest.raises(ConfigError, match=r"^the model function returned int, not an nnx\.Module; it must build"):
+        xlafit.Trainer(lambda: 3, loss_fn, optax.sgd(0.1), strategy=strategy8, global_batch=32)
+
+
+def test_numpy_numbers_and_paths_are_accepted(strategy8, tmp_path):
+    trainer = xlafit.Trainer(
+        nnx.Linear(2, 2, rngs=nnx.Rngs(0)),
+        lambda m, b: (m(b["x"]) ** 2).sum(-1),
+        optax.sgd(0.1),
+        strategy=strategy8,
+        global_batch=np.int64(16),
+        config=TrainerConfig(epochs=np.int64(1)),
+        run_dir=pathlib.Path(tmp_path),
+        data_seed=np.int32(3),
+        tokens_per_example=np.float32(4.0),
+        flops_per_example=100,  # an int is a float
+    )
+    assert (trainer.global_batch, trainer.eval_global_batch) == (16, 16)
+    assert type(trainer.global_batch) is int
+
+
+def test_a_foreign_models_loss_is_its_adapters_to_check():
+    """A Keras model's loss may be a name or None (model.compile's): the adapter decides."""
+    check_model(Adapted(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), loss_fn), None)
