@@ -214,6 +214,9 @@ def test_a_prompts_file_line_is_a_prompt_unless_it_is_a_json_string_or_a_convers
         path.write_text("hello\n" + json.dumps(bad))
         with pytest.raises(ConfigError, match=error):
             _prompts(args)
+    path.write_text("\n \n")  # it was told to give --prompts-file, which it had given
+    with pytest.raises(ConfigError, match=r"prompts.jsonl holds no prompt \(only blank lines, or none\)"):
+        _prompts(argparse.Namespace(prompt=[], prompts_file=str(path)))
 
 
 # --------------------------------------------------------------------------- a chat run's end of turn

@@ -84,6 +84,10 @@ def _prompts(args: argparse.Namespace) -> list:
                     raise ConfigError(f"--prompts-file {args.prompts_file}:{number}: {e}") from None
             else:  # a JSON string is its text; any other JSON value (42, null, [1, 2]) is the line as written
                 prompts.append(item if isinstance(item, str) else line)
+    if not prompts and args.prompts_file:
+        raise ConfigError(
+            f"--prompts-file {args.prompts_file} holds no prompt (only blank lines, or none); give one prompt a line."
+        )
     if not prompts:
         raise ConfigError("give a prompt: --prompt TEXT (repeat it for a batch) or --prompts-file FILE.")
     return prompts
