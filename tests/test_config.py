@@ -173,6 +173,19 @@ def test_a_partial_config_file_is_refused_with_the_whole_preset_to_start_from(tm
         "preset rather than adding to it. Start from the preset: `xlafit config mnist > my.yaml`, then edit my.yaml "
         "and pass --config my.yaml; or give the changes as overrides on the command line (trainer.epochs=2)."
     )
+    # settings that would not apply as overrides are not offered as the fix (a typo was), nor
+    # are settings the file does not hold (an empty file was offered trainer.epochs=2)
+    part.write_text("trainer:\n  epochz: 2\n")
+    with pytest.raises(ConfigError, match=r"Its settings would not apply as overrides either: .*epochz") as e:
+        load_config("mnist", preset=part)
+    assert "command line (trainer.epochz=2)" not in str(e.value)
+    part.write_text("")
+    with pytest.raises(ConfigError) as e:
+        load_config("mnist", preset=part)
+    assert str(e.value) == (
+        f"{part} is empty; a --config file is a whole config: `xlafit config mnist > my.yaml`, then edit my.yaml "
+        "and pass --config my.yaml."
+    )
     whole = tmp_path / "my.yaml"
     whole.write_text(yaml.safe_dump(load_config("mnist", ["trainer.epochs=2"]).to_dict()))
     assert load_config("mnist", preset=whole).trainer.epochs == 2

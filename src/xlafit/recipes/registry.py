@@ -67,14 +67,20 @@ def check_whole(name: str, tree: Mapping[str, Any], path: str | Path) -> None:
         for f in dataclasses.fields(Config)
         if f.name != "recipe" and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     ]
+    if not tree:
+        raise ConfigError(f"{path} is empty; a --config file is a whole config: {start}.")
     if any(section not in tree for section in required):
         missing = [section for section in load_yaml(preset_path(name)) if section not in tree]
-        overrides = " ".join(_dotted(tree)[:6]) or "trainer.epochs=2"
-        raise ConfigError(
+        head = (
             f"{path} is not a whole config (missing sections: {', '.join(missing)}): --config replaces {name}'s "
-            f"preset rather than adding to it. Start from the preset: {start}; or give the changes as overrides "
-            f"on the command line ({overrides})."
+            f"preset rather than adding to it. Start from the preset: {start}"
         )
+        dotted = _dotted(tree)
+        try:  # the file's own settings as overrides, offered only if they apply
+            config_from_dict(name, load_yaml(preset_path(name)), parse_overrides(dotted))
+        except ConfigError as e:
+            raise ConfigError(f"{head}. Its settings would not apply as overrides either: {e}") from None
+        raise ConfigError(f"{head}; or give the changes as overrides on the command line ({' '.join(dotted[:6])}).")
 
 
 def _dotted(tree: Mapping[str, Any], prefix: str = "") -> list[str]:
