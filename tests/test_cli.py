@@ -103,6 +103,7 @@ def test_a_flag_and_an_override_naming_one_place_agree():
     from xlafit.cli import build_parser
     from xlafit.cli.entry import _parse
     from xlafit.cli.train import overrides_of
+    from xlafit.recipes import load_config
 
     def parse(*argv):
         return overrides_of(_parse(build_parser(), ["train", "mnist", *argv]))
@@ -114,6 +115,9 @@ def test_a_flag_and_an_override_naming_one_place_agree():
         parse("--run-dir", "runs/a", "run.run_dir=runs/b")
     with pytest.raises(ConfigError, match="set data.data_dir to different values"):
         parse("--data-dir", "gs://b/d", "data.data_dir=gs://b/e")
+    # --simulate 0 is given, and refused by the config's rule (it was dropped as if not given)
+    with pytest.raises(ConfigError, match=r"run.simulate_devices=0 must be a positive number"):
+        load_config("mnist", parse("--simulate", "0"))
 
 
 def test_config_prints_resolved_yaml(tmp_path):

@@ -60,6 +60,23 @@ def test_an_unknown_target_lists_the_valid_ones(name):
     assert "\n" not in str(e.value)
 
 
+def test_a_slice_larger_than_its_pod_or_no_target_is_refused(capsys):
+    """v2-16384 (8,192 chips of a 256-chip pod) was accepted; ``--tpu ""`` ran the CPU check."""
+    with pytest.raises(ConfigError) as e:
+        tpu.parse_target("v2-16384")
+    assert str(e.value) == (
+        "TPU target 'v2-16384' has 8,192 chips; a whole v2 pod has 256 (cloud.google.com/tpu/docs/v2): the largest "
+        "slice named here is v2-512."
+    )
+    with pytest.raises(ConfigError, match="the largest slice named here is v5e-256"):
+        tpu.parse_target("v5e-512")
+    with pytest.raises(ConfigError, match="the largest slice named here is v5p-16384"):
+        tpu.parse_target("v5p-32768")
+    assert [tpu.parse_target(n).num_devices for n in ("v5e-256", "v4-8192", "v3-2048")] == [256, 4096, 2048]
+    assert main(["check", str(CASES / "clean.py"), "--tpu", ""]) == 2
+    assert "--tpu '' names no TPU target; give one or more" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("alias, slice_name", [("colab", "v5e-1"), ("Kaggle", "v5e-8")])
 def test_notebook_services_are_aliases_named_with_the_slice_they_stand_for(alias, slice_name):
     target, plain = tpu.parse_target(alias), tpu.parse_target(slice_name)

@@ -67,6 +67,10 @@ def run(args: argparse.Namespace) -> int:
     from xlafit.check import check_file, check_recipe, to_json
 
     apply_calibration(args.calibration)
+    if args.tpu is not None:
+        from xlafit.platform.hardware import parse_targets
+
+        parse_targets(args.tpu)  # --tpu "" names none: refused, not a check on the CPU
     if args.max_batch and not args.tpu:
         raise ConfigError("--max-batch searches per TPU target: add --tpu, e.g. --tpu v3-8 --max-batch.")
     if args.max_batch_limit is not None and (args.max_batch_limit < 1 or not args.max_batch):

@@ -61,7 +61,9 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
     """
     from xlafit.overrides import parse_overrides  # the library when the command runs: a fast --help
 
-    given = {flag: getattr(args, flag) for flag in FLAG_KEYS if getattr(args, flag) not in (None, "", False)}
+    # Given: any value but None, "" and --restart's False (a 0 is given: --simulate 0 is refused, not ignored)
+    values = {flag: getattr(args, flag) for flag in FLAG_KEYS}
+    given = {flag: v for flag, v in values.items() if v is not None and v is not False and v != ""}
     flags = [f"{FLAG_KEYS[flag]}={'false' if flag == 'restart' else value}" for flag, value in given.items()]
     user, flagged = parse_overrides(args.overrides), parse_overrides(flags)
     for (flag, value), override in zip(given.items(), flags, strict=True):

@@ -72,6 +72,8 @@ class Generation:
         host_chips: chips of the largest slice that is one VM (one JAX process): 8 for v5e
             and v6e (v5litepod-8 on ct5lp-hightpu-8t, v6e-8 on ct6e-standard-8t), 4 for the
             others (a v4-8 or v5p-8 is 4 chips on one host). Larger slices have 4 per host.
+        pod_chips: chips of a whole pod, the largest slice (its page's system architecture):
+            v2 256, v3 1,024, v4 4,096, v5e 256, v5p 8,960, v6e 256, TPU7x 9,216.
     """
 
     name: str
@@ -88,14 +90,32 @@ class Generation:
     ici_ports: int = 4
     wraparound: int = 16
     host_chips: int = 4
+    pod_chips: int = 256
 
 
 GENERATIONS: dict[str, Generation] = {
     g.name: g
     for g in (
         Generation("v2", 2, False, "cores", 2, 16, 45, 600, "cloud.google.com/tpu/docs/v2", ("TPU v2",)),
-        Generation("v3", 2, False, "cores", 2, 32, 123, 900, "cloud.google.com/tpu/docs/v3", ("TPU v3",)),
-        Generation("v4", 2, True, "cores", 3, 32, 275, 1200, "cloud.google.com/tpu/docs/v4", ("TPU v4",), None, 6, 4),
+        Generation(
+            "v3", 2, False, "cores", 2, 32, 123, 900, "cloud.google.com/tpu/docs/v3", ("TPU v3",), pod_chips=1024
+        ),
+        Generation(
+            "v4",
+            2,
+            True,
+            "cores",
+            3,
+            32,
+            275,
+            1200,
+            "cloud.google.com/tpu/docs/v4",
+            ("TPU v4",),
+            None,
+            6,
+            4,
+            pod_chips=4096,
+        ),
         Generation(
             "v5e",
             1,
@@ -124,6 +144,7 @@ GENERATIONS: dict[str, Generation] = {
             1200,
             6,
             4,
+            pod_chips=8960,
         ),
         Generation(
             "v6e",
@@ -140,7 +161,20 @@ GENERATIONS: dict[str, Generation] = {
             host_chips=8,
         ),
         Generation(
-            "tpu7x", 2, False, "cores", 3, 192, 2307, 7380, "cloud.google.com/tpu/docs/tpu7x", ("TPU7x",), 1200, 6, 4
+            "tpu7x",
+            2,
+            False,
+            "cores",
+            3,
+            192,
+            2307,
+            7380,
+            "cloud.google.com/tpu/docs/tpu7x",
+            ("TPU7x",),
+            1200,
+            6,
+            4,
+            pod_chips=9216,
         ),
     )
 }
@@ -339,12 +373,22 @@ def parse_target(name: str) -> Target:
             f"TPU target {name!r}: the number counts {unit} and must be a power of two"
             f"{' and at least 2' if gen.name_counts == 'cores' else ''}; {known}"
         )
+    if chips > gen.pod_chips:
+        largest = 1 << (gen.pod_chips.bit_length() - 1)  # the largest power-of-two slice
+        size = largest * (gen.cores_per_chip if gen.name_counts == "cores" else 1)
+        raise ConfigError(
+            f"TPU target {name!r} has {chips:,} chips; a whole {gen.name} pod has {gen.pod_chips:,} "
+            f"({gen.source}): the largest slice named here is {gen.name}-{size}."
+        )
     return Target(f"{gen.name}-{count}", gen, chips)
 
 
 def parse_targets(names: str) -> list[Target]:
-    """``"v3-8,v5e-8"`` -> targets, in order."""
-    return [parse_target(n) for n in names.split(",") if n.strip()]
+    """``"v3-8,v5e-8"`` -> targets, in order; naming none is an error."""
+    targets = [parse_target(n) for n in names.split(",") if n.strip()]
+    if not targets:
+        raise ConfigError(f"--tpu {names!r} names no TPU target; give one or more, e.g. --tpu v5e-8 or --tpu colab.")
+    return targets
 
 
 def require_libtpu() -> None:
