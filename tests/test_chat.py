@@ -221,6 +221,10 @@ def test_records_that_would_train_on_nothing_are_refused_by_name(model_dir, tmp_
     path.write_text("\n".join(json.dumps({"messages": c}) for c in [CONVERSATION, typo]))
     with pytest.raises(DataError, match=r"typo.jsonl, record 2 \(read as chat\): .*role 'assistent' is not one of"):
         clm.load_packed([str(path)], tok, seq_len=128, template=template)
+    empty = tmp_path / "empty.jsonl"  # it was counted as a record
+    empty.write_text(json.dumps({"messages": CONVERSATION}) + '\n{"messages": []}\n')
+    with pytest.raises(DataError, match=r"empty.jsonl, record 2 \(read as chat\): .*messages are an empty list"):
+        clm.load_packed([str(empty)], tok, seq_len=128, template=template)
     # Every record without an answer: the loss would count no token.
     questions = tmp_path / "questions.jsonl"
     questions.write_text("\n".join(json.dumps({"messages": CONVERSATION[:1]}) for _ in range(10)))
