@@ -118,7 +118,27 @@ def test_a_resume_on_more_data_names_why_the_schedule_moved(strategy8, tmp_path)
     message = str(err.value)
     assert "optimizer.decay_steps: 14 in the run, 22 now" in message
     assert "trainer.epochs x the steps of an epoch of this data (data.data_dir changed)" in message
-    assert "add optimizer.decay_steps=14" in message
+    assert "add optimizer.decay_steps=14." in message
+    # less data: the run's schedule alone would outlast the run, which stopped before its end
+    less = _resolved(strategy8, tmp_path, "trainer.epochs=2", "data.data_dir=fewer-digits", examples=600)
+    with pytest.raises(ConfigError) as err:
+        check_continuation(tmp_path, less)
+    assert (
+        "add optimizer.decay_steps=14 and trainer.epochs=4 (with this data, 2 epochs are 8 steps: the run would stop "
+        "before its schedule ends)."
+    ) in str(err.value)
+
+
+def test_a_resume_that_cuts_the_text_into_other_rows_is_refused(tmp_path):
+    """data.seq_len (or data.demo) changed: the rows are others, and step N of the run would
+    mean other examples; it was announced and went on (after an optimizer.decay_steps hint)."""
+    cfg = load_config("llm", [f"run.run_dir={tmp_path}", "data.seq_len=64", "data.demo=arithmetic"])
+    _with_checkpoint(tmp_path, cfg)
+    for change in ("data.seq_len=96", "data.demo=chat"):
+        other = load_config("llm", [f"run.run_dir={tmp_path}", "data.seq_len=64", "data.demo=arithmetic", change])
+        key = change.partition("=")[0]
+        with pytest.raises(ConfigError, match=rf"cannot resume .*: {key}: .* in the run, .* now\. This change breaks"):
+            check_continuation(tmp_path, other)
 
 
 @pytest.mark.parametrize("damage", ["missing", "garbage", "not a config"])

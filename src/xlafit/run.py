@@ -67,7 +67,20 @@ from xlafit.train.trainer import Trainer
 # Config keys whose change makes a checkpoint's state or trajectory another run's: refused
 # on resume. Everything else (logging, evaluation, checkpoint policy, devices with the same
 # global batch, epochs with the same schedule) may change between segments of one run.
-BREAKING = ("recipe", "model", "lora", "optimizer", "data.global_batch", "data.seed", "trainer.invariant_chunks")
+# Settings whose change breaks continuation from a run's checkpoints: the model and its
+# training, the batch and the data order; the rows themselves (data.seq_len cuts the text into
+# other rows, data.demo is another dataset), where a step would mean other examples.
+BREAKING = (
+    "recipe",
+    "model",
+    "lora",
+    "optimizer",
+    "data.global_batch",
+    "data.seed",
+    "data.seq_len",
+    "data.demo",
+    "trainer.invariant_chunks",
+)
 
 
 def train_and_evaluate(cfg: Config) -> FitResult:
@@ -525,8 +538,16 @@ def check_continuation(
             hint = (
                 " optimizer.decay_steps was not given: it is the run's length, trainer.epochs x the steps of an epoch "
                 f"of {because}. To go on with the run's schedule, add "
-                f"optimizer.decay_steps={saved['optimizer.decay_steps']}."
+                f"optimizer.decay_steps={saved['optimizer.decay_steps']}"
             )
+            length, epochs = now["optimizer.decay_steps"], now.get("trainer.epochs")
+            if isinstance(epochs, int) and length < saved["optimizer.decay_steps"]:
+                enough = math.ceil(saved["optimizer.decay_steps"] * epochs / length)
+                hint += (
+                    f" and trainer.epochs={enough} (with this data, {epochs} epochs are {length} steps: the run would "
+                    "stop before its schedule ends)"
+                )
+            hint += "."
         raise ConfigError(
             f"cannot resume {run_dir}: {diffs}. This change breaks continuation from its checkpoints.{hint} "
             f"Use the run's values (see its config.yaml), {restart}."
