@@ -29,7 +29,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -540,9 +540,12 @@ def check_continuation(
                 f"of {because}. To go on with the run's schedule, add "
                 f"optimizer.decay_steps={saved['optimizer.decay_steps']}"
             )
-            length, epochs = now["optimizer.decay_steps"], now.get("trainer.epochs")
-            if isinstance(epochs, int) and length < saved["optimizer.decay_steps"]:
-                enough = math.ceil(saved["optimizer.decay_steps"] * epochs / length)
+            length, run_length, epochs = (
+                cast(int, v)
+                for v in (now["optimizer.decay_steps"], saved["optimizer.decay_steps"], now["trainer.epochs"])
+            )
+            if length < run_length:
+                enough = math.ceil(run_length * epochs / length)
                 hint += (
                     f" and trainer.epochs={enough} (with this data, {epochs} epochs are {length} steps: the run would "
                     "stop before its schedule ends)"
