@@ -632,6 +632,8 @@ def test_a_global_batch_that_does_not_divide_over_the_cores_is_not_rounded_down(
     assert v3.fits is None and v3.error.kind == "batch" and "use a multiple of 8 (8 or 16)" in v3.message
     assert v4.fits and v4.per_device_batch == 3 and not report.ok
     assert format_report(v3).splitlines()[0] == "v3-8 (8 x TPU v3), 1 step(s) per call"  # no made-up batch
+    (small,) = check_file(path, tpu="v3-8", global_batch=4).tpu  # one multiple above and below: said once
+    assert "use a multiple of 8 (8), or give --per-device-batch" in small.message
 
 
 def test_libtpus_start_up_errors_on_a_host_with_no_tpu_are_not_shown():

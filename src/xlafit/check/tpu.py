@@ -349,10 +349,11 @@ def check_target(target: tpu.Target, program: Program, max_batch: bool | int = F
         g = program.global_batch
         if program.per_device_batch is None and g and g % n:  # not rounded down in silence
             lower, upper = max(n, g // n * n), (g // n + 1) * n
+            choices = f"{lower} or {upper}" if lower != upper else f"{lower}"
             report.error = Finding(
                 0,
                 f"global batch {g} does not divide over the {n} batch shards of {target.name}; use a multiple of "
-                f"{n} ({lower} or {upper}), or give --per-device-batch.",
+                f"{n} ({choices}), or give --per-device-batch.",
                 kind="batch",
             )
             report.message = report.error.message
