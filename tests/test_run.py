@@ -331,3 +331,29 @@ def test_cpu_settings_that_cannot_apply_any_more_are_named(strategy8, monkeypatc
         "cpu.fast_paths=true, cpu.ynn_fusion=" in caplog.text
     )
     assert "xlafit.connect(cpu=config.cpu)" in caplog.text
+
+
+def test_a_run_directory_of_other_files_is_refused(tmp_path):
+    """--run-dir naming a folder of the user's own files wrote the run among them (and
+    --restart then moved them all aside with it)."""
+    from xlafit.run import refuse_foreign_dir
+
+    def check(folder):
+        refuse_foreign_dir(load_config("mnist", [f"run.run_dir={folder}"]))
+
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    for name in ("notes.txt", "a.py", "b.py"):
+        (project / name).write_text("the user's")
+    with pytest.raises(ConfigError) as e:
+        check(project)
+    assert str(e.value) == (
+        f"--run-dir {project} holds files that are no xlafit run's (a.py, b.py, notes.txt and 1 more): the run would "
+        "write its config, metrics and checkpoints among them, and --restart would move them all aside. Give a new "
+        f"or empty directory, e.g. --run-dir {project / 'run'}."
+    )
+    (project / "config.yaml").write_text("recipe: mnist\n")  # a run's: resumed or restarted as before
+    check(project)
+    (tmp_path / "notebook" / ".ipynb_checkpoints").mkdir(parents=True)
+    check(tmp_path / "notebook")
+    check(tmp_path / "new")

@@ -100,6 +100,7 @@ def train_and_evaluate(cfg: Config) -> FitResult:
             rules=parse_rules(cfg.mesh.rules),
         )
         recipe.validate(cfg)
+        refuse_foreign_dir(cfg)
         train_data, eval_data = recipe.load_data(cfg)
         train_data = as_dataset(train_data)
         cfg, run = resolve(recipe.from_data(cfg, train_data), strategy, len(train_data))
@@ -268,6 +269,35 @@ def checkpoint_dir(cfg: Config) -> epath.Path:
     if not cfg.run.run_dir:
         raise ConfigError("no run directory: set run.run_dir (--run-dir) or run.checkpoint_dir.")
     return as_path(cfg.run.run_dir) / "checkpoints"
+
+
+# What a run writes first (config.yaml) and what it keeps: one of them marks a run directory.
+RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
+
+
+def refuse_foreign_dir(cfg: Config) -> None:
+    """Refuses a local ``run.run_dir`` that holds files but no run's (``config.yaml``, metrics,
+    checkpoints): the run would write among them, and ``--restart`` would move them all aside
+    with it. Hidden entries (``.ipynb_checkpoints``) do not count; a URL is not listed (a
+    bucket's prefix may hold millions of objects).
+
+    Raises:
+        ConfigError: naming a few of the files and the fix.
+    """
+    run_dir = cfg.run.run_dir
+    if not run_dir or is_url(run_dir):
+        return
+    path = Path(run_dir).expanduser()
+    if not path.is_dir() or any((path / marker).exists() for marker in RUN_MARKERS):
+        return
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir() if not p.name.startswith("."))
+    if names:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise ConfigError(
+            f"--run-dir {run_dir} holds files that are no xlafit run's ({shown}): the run would write its config, "
+            "metrics and checkpoints among them, and --restart would move them all aside. Give a new or empty "
+            "directory, e.g. --run-dir " + str(Path(run_dir) / "run") + "."
+        )
 
 
 def start_run_dir(run_dir: epath.Path, cfg: Config) -> None:
