@@ -15,19 +15,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime
 import hashlib
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from orbax.checkpoint._src import asyncio_utils
 
 from xlafit.errors import CheckpointError, StorageError
 from xlafit.io.paths import as_path, check_bucket, describe_error, files_under, is_url, move, refresh
@@ -37,6 +39,41 @@ from xlafit.parallel.sharding import path_name
 
 SEAL = "xlafit-integrity.json"
 COMMIT = "commit_success.txt"
+
+_T = TypeVar("_T")
+
+
+def _run_until_settled(coro: Coroutine[Any, Any, _T]) -> _T:
+    """Orbax's way to run a coroutine from synchronous code (a new event loop, closed after
+    it), closing the loop only once every task on it has finished.
+
+    A restore reads every array at once (``asyncio.gather``). When one read fails (a
+    truncated file), gather raises at once, and Orbax closed its loop with the other reads
+    in flight: TensorStore then delivered each into the closed loop ("RuntimeError: Event
+    loop is closed", a traceback per read), and the abandoned reads printed "Exception
+    ignored" when collected. Cancelling them is not enough: TensorStore still calls back into
+    the loop from its own threads after a cancel. So they run to their end (a failed
+    restore costs the rest of its reads, as a successful one would). ``asyncio.all_tasks``
+    takes this loop's tasks only, retrying its walk over a set other threads change (the
+    reason Orbax does not use ``asyncio.run``).
+    """
+    loop = asyncio.new_event_loop()
+    try:
+        asyncio.set_event_loop(loop)
+        return loop.run_until_complete(coro)
+    finally:
+        try:
+            while pending := asyncio.all_tasks(loop):  # a finishing task may start others
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+
+
+def _settle_orbax_reads() -> None:
+    """Makes Orbax's synchronous calls finish their reads before closing their event loop
+    (:func:`_run_until_settled`). Idempotent."""
+    asyncio_utils._run_sync_via_new_loop = _run_until_settled
 
 
 # Parameters whose layout changed with their values kept: a checkpoint that holds one in its
@@ -113,6 +150,27 @@ def _file_hashes(directory: epath.Path) -> dict[str, str]:
     return hashes
 
 
+def first_line(e: BaseException) -> str:
+    """The innermost cause of ``e``, its type and first line: Orbax wraps a TensorStore read
+    error (the array, the file, the byte range) in one that appends the array's whole
+    TensorStore spec, some 60 lines.
+
+    Example:
+        >>> try:
+        ...     try:
+        ...         raise ValueError("OUT_OF_RANGE: w/0.0")
+        ...     except ValueError as inner:
+        ...         raise Exception("error reading w; spec:\\n{...}") from inner
+        ... except Exception as e:
+        ...     first_line(e)
+        'ValueError: OUT_OF_RANGE: w/0.0'
+    """
+    while e.__cause__ is not None:
+        e = e.__cause__
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
 @dataclasses.dataclass
 class CheckpointInfo:
     """One checkpoint on disk, as :meth:`Checkpointer.list` reports it."""
@@ -157,6 +215,7 @@ class Checkpointer:
                 raise CheckpointError(str(e)) from None
         else:
             self.directory = epath.Path(Path(directory).absolute())
+        _settle_orbax_reads()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, keep_period=keep_every or None, create=True, enable_async_checkpointing=async_save
         )
@@ -318,7 +377,7 @@ class Checkpointer:
             try:
                 raw = self._restore_as(s, _abstract(like), saved)
             except Exception as e:  # unreadable despite the marker: treat as corrupt
-                self._set_aside(s, f"unreadable ({type(e).__name__}: {e})")
+                self._set_aside(s, f"unreadable ({first_line(e)})")
                 continue
             return from_saveable(raw, like), s
         raise CheckpointError(
