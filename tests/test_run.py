@@ -9,7 +9,7 @@ from flax import nnx
 import xlafit
 from xlafit.config import DataConfig, OptimizerConfig, TrainerConfig, check_device_split, resolve_batch
 from xlafit.data import as_dataset
-from xlafit.errors import ConfigError, DataError
+from xlafit.errors import CheckpointError, ConfigError, DataError
 from xlafit.recipes import load_config
 from xlafit.run import check_continuation, describe_schedule, resolve
 from xlafit.train.optim import make_optimizer
@@ -144,6 +144,17 @@ def test_resume_names_the_recipe_the_directory_holds(strategy8, tmp_path):
     (tmp_path / "checkpoints" / "3").mkdir(parents=True)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
     with pytest.raises(ConfigError, match="it holds a bert run, and this is mnist"):
+        check_continuation(tmp_path, cfg)
+
+
+def test_resume_refuses_a_run_whose_checkpoints_were_all_set_aside(strategy8, tmp_path):
+    """A run directory whose every checkpoint a resume moved aside as corrupt (as xlafit did
+    before it kept them in place while none is intact) was started again from step 0 without
+    a word, writing over its metrics; the fix is --restart."""
+    cfg = _resolved(strategy8, tmp_path)
+    _with_checkpoint(tmp_path, cfg)
+    (tmp_path / "checkpoints" / "7").rename(tmp_path / "checkpoints" / "corrupt-7-20260101T000000")
+    with pytest.raises(CheckpointError, match=r"set aside \(corrupt-7-20260101T000000\).* --restart"):
         check_continuation(tmp_path, cfg)
 
 

@@ -39,6 +39,7 @@ from xlafit.parallel.sharding import path_name
 
 SEAL = "xlafit-integrity.json"
 COMMIT = "commit_success.txt"
+SET_ASIDE = "corrupt-"  # the prefix of a checkpoint moved aside by the resume that found it corrupt
 
 _T = TypeVar("_T")
 
@@ -169,6 +170,24 @@ def first_line(e: BaseException) -> str:
         e = e.__cause__
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def check_not_all_set_aside(directory: epath.Path) -> None:
+    """Refuses to train from step 0 in a checkpoint directory that holds no checkpoint but
+    the ones a resume set aside as corrupt: the run has a history (its metrics), which a
+    start from step 0 would write over.
+
+    Raises:
+        CheckpointError: naming the checkpoints set aside and the fix.
+    """
+    names = sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+    left = [name for name in names if name.startswith(SET_ASIDE)]
+    if left and not any(name.isdigit() for name in names):
+        raise CheckpointError(
+            f"no checkpoint to resume from in {directory}: each was found corrupt and set aside "
+            f"({', '.join(left)}), and training from step 0 would write over the run's metrics. Start over with "
+            "--restart (the earlier run moves aside, nothing is deleted; in Python: another run_dir)."
+        )
 
 
 @dataclasses.dataclass
@@ -357,39 +376,47 @@ class Checkpointer:
 
         Args:
             like: a state of the structure to restore (its values are not used).
-            step: this checkpoint; default: the newest one that verifies, skipping (with a
-                warning naming each) any that do not.
+            step: this checkpoint; default: the newest one that verifies and reads. Each
+                newer one is set aside (``corrupt-<step>-<time>``, a warning naming it) once
+                an older one restores; with none intact, nothing moves.
 
         Returns:
             ``(state, step)``.
 
         Raises:
-            CheckpointError: no intact checkpoint, or one whose arrays do not match
-                ``like`` (a model change): the message names the first difference.
+            CheckpointError: no intact checkpoint (the message names what is wrong with
+                each), or one whose arrays do not match ``like`` (a model change): the
+                message names the first difference.
         """
         candidates = [step] if step is not None else sorted(self._manager.all_steps(), reverse=True)
+        bad: list[tuple[int, str]] = []
         for s in candidates:
             status = self.verify(s)
             if status.startswith("corrupt"):
-                self._set_aside(s, status)
+                bad.append((s, status))
                 continue
             saved = self._check_structure(s, like)
             try:
                 raw = self._restore_as(s, _abstract(like), saved)
             except Exception as e:  # unreadable despite the marker: treat as corrupt
-                self._set_aside(s, f"unreadable ({first_line(e)})")
+                bad.append((s, f"unreadable ({first_line(e)})"))
                 continue
+            # Moved only once the run goes on from an older one: with none intact, the run is
+            # refused, and every later attempt must find them and refuse again.
+            for b, why in bad:
+                self._set_aside(b, why)
             return from_saveable(raw, like), s
+        found = "; ".join(f"checkpoint {b} is {why}" for b, why in bad) or "it holds none"
         raise CheckpointError(
-            f"no intact checkpoint in {self.directory} (tried {', '.join(map(str, candidates)) or 'none'}); "
-            "start over with --restart (in Python: another run_dir)."
+            f"no intact checkpoint in {self.directory} ({found}); nothing was moved. Start over with --restart "
+            "(the earlier run moves aside, nothing is deleted; in Python: another run_dir)."
         )
 
     def _set_aside(self, step: int, why: str) -> None:
         """Warns about a bad checkpoint and renames it ``corrupt-<step>-<time>``, out of the
         way of the step that will be saved again under its number (kept for a post-mortem)."""
         source = self._step_dir(step)
-        target = self.directory / f"corrupt-{step}-{datetime.datetime.now(datetime.UTC):%Y%m%dT%H%M%S}"
+        target = self.directory / f"{SET_ASIDE}{step}-{datetime.datetime.now(datetime.UTC):%Y%m%dT%H%M%S}"
         if jax.process_index() == 0:
             print(f"warning: checkpoint {step} ({source}) is {why}; not using it, moved to {target}", flush=True)
             move(source, target)

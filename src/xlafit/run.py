@@ -37,6 +37,7 @@ import yaml
 from etils import epath
 from flax import nnx
 
+from xlafit.checkpoint import check_not_all_set_aside
 from xlafit.config import Config, LoraConfig, check_device_split, resolve_batch
 from xlafit.data.dataset import as_dataset
 from xlafit.errors import ConfigError, StorageError
@@ -480,10 +481,13 @@ def check_continuation(
         ConfigError: the run's ``config.yaml`` is missing or unreadable, or a
             :data:`BREAKING` key differs from it; the message names each difference and
             the fix.
+        CheckpointError: every checkpoint of the run was set aside as corrupt
+            (:func:`~xlafit.checkpoint.check_not_all_set_aside`).
     """
     checkpoints = checkpoint_dir(cfg)
     reach(checkpoints)
     with reading(checkpoints):
+        check_not_all_set_aside(checkpoints)
         if not (checkpoints.exists() and any(p.name.isdigit() for p in checkpoints.iterdir())):
             return
     saved = _flatten(migrate(_saved_config(as_path(run_dir)), f"{run_dir}/config.yaml"))
