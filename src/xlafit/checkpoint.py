@@ -21,9 +21,9 @@ import datetime
 import hashlib
 import json
 import math
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import numpy as np
@@ -206,6 +206,22 @@ class CheckpointInfo:
     @property
     def usable(self) -> bool:
         return not self.status.startswith("corrupt")
+
+
+class Read(NamedTuple):
+    """What :meth:`Checkpointer.read` found: a checkpoint's arrays and the newer ones it passed over."""
+
+    arrays: Any  # the whole saved state as host NumPy arrays in nested dicts
+    step: int
+    passed_over: list[tuple[int, str]]  # (step, what is wrong with it: "corrupt: <why>"), newest first
+
+    def passed(self) -> str:
+        """The checkpoints passed over, in words: ``checkpoint 3 is corrupt: <why>; ...``."""
+        return _in_words(self.passed_over)
+
+
+def _in_words(passed: Sequence[tuple[int, str]]) -> str:
+    return "; ".join(f"checkpoint {step} is {why}" for step, why in passed)
 
 
 class Checkpointer:
@@ -489,6 +505,50 @@ class Checkpointer:
             lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=device), self.metadata(step)
         )
         return jax.device_get(self._manager.restore(step, args=ocp.args.StandardRestore(target)))
+
+    def read(self, step: int | None = None, infos: Sequence[CheckpointInfo] | None = None) -> Read:
+        """The whole saved state of checkpoint ``step`` (default: the newest that verifies and
+        reads) as host arrays (:meth:`restore_arrays`), for the commands that read a run
+        (``inspect``, ``export``, ``generate``). Nothing is moved.
+
+        Args:
+            step: this checkpoint, which must be intact (or unsealed) and readable.
+            infos: :meth:`list`'s answer, where the caller has it (it checksums every file).
+
+        Raises:
+            CheckpointError: ``step`` is absent, corrupt or unreadable, or (without ``step``)
+                no checkpoint reads; the message says what is wrong with it and names the
+                intact ones.
+        """
+        infos = self.list() if infos is None else infos
+        intact = [i.step for i in infos if i.usable]
+        if step is not None:
+            asked = [i for i in infos if i.step == step]
+            if not asked:
+                raise CheckpointError(
+                    f"no checkpoint {step} in {self.directory}; there are: {[i.step for i in infos]}, intact: {intact}."
+                )
+            why = None if asked[0].usable else asked[0].status
+            if why is None:
+                try:
+                    return Read(self.restore_arrays(step), step, [])
+                except Exception as e:  # unreadable despite the marker
+                    why = f"unreadable ({first_line(e)})"
+                    intact.remove(step)
+            raise CheckpointError(f"checkpoint {step} in {self.directory} is {why}; intact: {intact}.")
+        passed: list[tuple[int, str]] = []
+        for info in reversed(infos):
+            if info.usable:
+                try:
+                    return Read(self.restore_arrays(info.step), info.step, passed)
+                except Exception as e:  # unreadable despite the marker: the next older one
+                    passed.append((info.step, f"unreadable ({first_line(e)})"))
+            else:
+                passed.append((info.step, info.status))
+        raise CheckpointError(
+            f"no checkpoint in {self.directory} can be read ({_in_words(passed) or 'it holds none'}); the run has "
+            "to start over (xlafit train --restart) to write new ones."
+        )
 
     def close(self) -> None:
         self._manager.close()

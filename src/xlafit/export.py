@@ -189,22 +189,22 @@ def _write(recipe: str, cfg: Config, run: Any, arrays: Any, metadata: dict[str, 
 def checkpoint_arrays(cfg: Config, run: Any, step: int | None, use: str = "export") -> tuple[Any, int, dict[str, str]]:
     """The saved state of checkpoint ``step`` (default: the newest intact one) as host arrays,
     with the metadata it was saved with; ``use`` (export or generate) words the error of a run
-    with no checkpoint."""
+    with no checkpoint.
+
+    Raises:
+        CheckpointError: no checkpoint; ``step`` absent, corrupt or unreadable; or none that
+            reads (:meth:`~xlafit.checkpoint.Checkpointer.read`).
+    """
     ckpt = Checkpointer(checkpoint_dir(cfg))
     try:
-        usable = [i.step for i in ckpt.list() if i.usable]
-        if step is None:
-            if not usable:
-                generating = use == "generate"
-                purpose = "generate with" if generating else "export"
-                other = ", or give a Hugging Face model directory" if generating else ""
-                raise CheckpointError(
-                    f"{run} has no intact checkpoint to {purpose}; train it until it saves one{other}."
-                )
-            step = usable[-1]
-        elif step not in usable:
-            raise CheckpointError(f"no intact checkpoint {step} in {run}; intact: {usable}.")
-        return ckpt.restore_arrays(step), step, ckpt.saved_metadata(step)
+        infos = ckpt.list()
+        if step is None and not infos:
+            generating = use == "generate"
+            purpose = "generate with" if generating else "export"
+            other = ", or give a Hugging Face model directory" if generating else ""
+            raise CheckpointError(f"{run} has no intact checkpoint to {purpose}; train it until it saves one{other}.")
+        read = ckpt.read(step, infos)
+        return read.arrays, read.step, ckpt.saved_metadata(read.step)
     finally:
         ckpt.close()
 
