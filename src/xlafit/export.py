@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 import typing
 from pathlib import Path
@@ -189,7 +190,8 @@ def _write(recipe: str, cfg: Config, run: Any, arrays: Any, metadata: dict[str, 
 def checkpoint_arrays(cfg: Config, run: Any, step: int | None, use: str = "export") -> tuple[Any, int, dict[str, str]]:
     """The saved state of checkpoint ``step`` (default: the newest intact one) as host arrays,
     with the metadata it was saved with; ``use`` (export or generate) words the error of a run
-    with no checkpoint.
+    with no checkpoint. A newer checkpoint passed over (corrupt, unreadable) is said once, on
+    stderr, with the one used.
 
     Raises:
         CheckpointError: no checkpoint; ``step`` absent, corrupt or unreadable; or none that
@@ -204,6 +206,8 @@ def checkpoint_arrays(cfg: Config, run: Any, step: int | None, use: str = "expor
             other = ", or give a Hugging Face model directory" if generating else ""
             raise CheckpointError(f"{run} has no intact checkpoint to {purpose}; train it until it saves one{other}.")
         read = ckpt.read(step, infos)
+        if read.passed_over:
+            print(f"warning: {read.passed()}; using checkpoint {read.step}", file=sys.stderr, flush=True)
         return read.arrays, read.step, ckpt.saved_metadata(read.step)
     finally:
         ckpt.close()
