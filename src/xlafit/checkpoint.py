@@ -172,6 +172,24 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
+def check_directory(directory: str | Path | epath.Path) -> None:
+    """Refuses a local checkpoint directory that is a file or lies under one, before anything
+    lists or creates it (no-op for a URL).
+
+    Raises:
+        CheckpointError: naming the file and the fix.
+    """
+    if is_url(directory):
+        return
+    path = Path(directory).absolute()
+    blocking = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise CheckpointError(
+            f"cannot keep checkpoints in {directory}: {blocking} is a file, not a directory. Choose another "
+            "--checkpoint-dir (run.checkpoint_dir)."
+        )
+
+
 def check_not_all_set_aside(directory: epath.Path) -> None:
     """Refuses to train from step 0 in a checkpoint directory that holds no checkpoint but
     the ones a resume set aside as corrupt: the run has a history (its metrics), which a
@@ -249,6 +267,7 @@ class Checkpointer:
             except StorageError as e:
                 raise CheckpointError(str(e)) from None
         else:
+            check_directory(directory)
             self.directory = epath.Path(Path(directory).absolute())
         _settle_orbax_reads()
         options = ocp.CheckpointManagerOptions(

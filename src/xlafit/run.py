@@ -37,7 +37,7 @@ import yaml
 from etils import epath
 from flax import nnx
 
-from xlafit.checkpoint import check_not_all_set_aside
+from xlafit.checkpoint import check_directory, check_not_all_set_aside
 from xlafit.config import Config, LoraConfig, check_device_split, resolve_batch
 from xlafit.data.dataset import as_dataset
 from xlafit.errors import ConfigError, StorageError
@@ -93,6 +93,8 @@ def train_and_evaluate(cfg: Config) -> FitResult:
         cfg, run = resolve(recipe.from_data(cfg, train_data), strategy, len(train_data))
         plan = make_optimizer(cfg.optimizer, run.global_batch)
         run_dir = run.run_dir
+        if cfg.run.checkpoint_dir:  # before the resume check or --restart lists it
+            check_directory(cfg.run.checkpoint_dir)
         if cfg.run.resume:
             check_continuation(
                 run_dir,
