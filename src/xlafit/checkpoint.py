@@ -39,6 +39,7 @@ from xlafit.parallel.sharding import path_name
 
 SEAL = "xlafit-integrity.json"
 COMMIT = "commit_success.txt"
+ORBAX_METADATA = "_CHECKPOINT_METADATA"  # in every step's folder Orbax writes
 SET_ASIDE = "corrupt-"  # the prefix of a checkpoint moved aside by the resume that found it corrupt
 
 _T = TypeVar("_T")

@@ -37,7 +37,7 @@ import yaml
 from etils import epath
 from flax import nnx
 
-from xlafit.checkpoint import check_directory, check_not_all_set_aside
+from xlafit.checkpoint import COMMIT, ORBAX_METADATA, check_directory, check_not_all_set_aside
 from xlafit.config import Config, LoraConfig, check_device_split, resolve_batch
 from xlafit.data.dataset import as_dataset
 from xlafit.errors import ConfigError, StorageError
@@ -352,13 +352,14 @@ def move_aside(run_dir: epath.Path, checkpoints: epath.Path) -> list[str]:
     return lines
 
 
-def checkpoints_of(target: str) -> epath.Path:
-    """The checkpoint directory a user means by ``target``: a run directory (its
-    ``config.yaml`` says where its checkpoints are; default ``checkpoints/``), or a
-    checkpoint directory itself; local or a URL.
+def checkpoints_of(target: str) -> tuple[epath.Path, int | None]:
+    """The checkpoint directory a user means by ``target``, and the step where ``target`` is
+    one checkpoint's folder (``runs/demo/checkpoints/2``): a run directory (its
+    ``config.yaml`` says where its checkpoints are; default ``checkpoints/``), a checkpoint
+    directory itself, or one step's folder in it; local or a URL.
 
     Raises:
-        ConfigError: ``target`` is neither.
+        ConfigError: ``target`` does not exist, or is none of these.
     """
     path = as_path(target)
     refresh(path)
@@ -366,16 +367,21 @@ def checkpoints_of(target: str) -> epath.Path:
         if (path / "config.yaml").exists():  # a run directory: its checkpoints may live elsewhere
             saved = yaml.safe_load((path / "config.yaml").read_text()) or {}
             where = (saved.get("run") or {}).get("checkpoint_dir") if isinstance(saved, dict) else None
-            return as_path(where) if where else path / "checkpoints"
+            return (as_path(where) if where else path / "checkpoints"), None
         if (path / "checkpoints").is_dir():
-            return path / "checkpoints"
+            return path / "checkpoints", None
         if path.is_dir():
-            return path
+            one_step = path.name.isdigit() and any((path / name).exists() for name in (COMMIT, ORBAX_METADATA))
+            return (path.parent, int(path.name)) if one_step else (path, None)
+        exists = path.exists()
     except Exception as e:
         if not is_url(path):
             raise
         raise ConfigError(f"cannot read {target}: {describe_error(path, e)}") from None
-    raise ConfigError(f"{target} is neither a run directory nor a checkpoint directory.")
+    what = "is a file" if exists else "does not exist"
+    raise ConfigError(
+        f"{target} {what}: give a run directory (what `xlafit train --run-dir` writes) or its checkpoints/ folder."
+    )
 
 
 def log_to_file(path: epath.Path) -> None:

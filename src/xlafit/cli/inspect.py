@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from xlafit import errors
-from xlafit.errors import CheckpointError
+from xlafit.errors import CheckpointError, ConfigError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,7 +17,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Lists the checkpoints of RUN_DIR with step, time, size and integrity, and prints the "
         "SHA-256 fingerprint of the newest intact checkpoint's parameters (or --step S's).",
     )
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run or checkpoint directory, local or a URL (gs://...)")
+    p.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        help="a run or checkpoint directory, or one checkpoint's folder (as --step), local or a URL (gs://...)",
+    )
     p.add_argument("--step", type=int, help="fingerprint this checkpoint instead of the newest intact one")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=run)
@@ -31,7 +35,15 @@ def run(args: argparse.Namespace) -> int:
     from xlafit.run import checkpoints_of
 
     start_backends()
-    directory = str(checkpoints_of(args.run_dir))  # a run or checkpoint directory, local or gs://
+    where, folder_step = checkpoints_of(args.run_dir)  # a run or checkpoint directory, local or gs://
+    if folder_step is not None:  # one checkpoint's folder: that checkpoint, in its directory
+        if args.step not in (None, folder_step):
+            raise ConfigError(
+                f"{args.run_dir} is checkpoint {folder_step}'s folder, and --step {args.step} asks for another: give "
+                f"{where} (or the run directory) with --step {args.step}."
+            )
+        args.step = folder_step
+    directory = str(where)
     ckpt = Checkpointer(directory)
     try:
         infos = ckpt.list()
