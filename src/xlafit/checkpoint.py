@@ -21,6 +21,7 @@ import datetime
 import hashlib
 import json
 import math
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
@@ -45,9 +46,13 @@ SET_ASIDE = "corrupt-"  # the prefix of a checkpoint moved aside by the resume t
 _T = TypeVar("_T")
 
 
+_SETTLE_S = 60.0  # the longest a failed call waits for its other reads (a slow store): then it closes anyway
+
+
 def _run_until_settled(coro: Coroutine[Any, Any, _T]) -> _T:
     """Orbax's way to run a coroutine from synchronous code (a new event loop, closed after
-    it), closing the loop only once every task on it has finished.
+    it), where a failure first lets the loop's other tasks finish (for :data:`_SETTLE_S` at
+    most).
 
     A restore reads every array at once (``asyncio.gather``). When one read fails (a
     truncated file), gather raises at once, and Orbax closed its loop with the other reads
@@ -57,19 +62,23 @@ def _run_until_settled(coro: Coroutine[Any, Any, _T]) -> _T:
     the loop from its own threads after a cancel. So they run to their end (a failed
     restore costs the rest of its reads, as a successful one would). ``asyncio.all_tasks``
     takes this loop's tasks only, retrying its walk over a set other threads change (the
-    reason Orbax does not use ``asyncio.run``).
+    reason Orbax does not use ``asyncio.run``). A call that succeeds, or stops on Ctrl-C,
+    closes its loop at once, as Orbax does.
     """
     loop = asyncio.new_event_loop()
     try:
         asyncio.set_event_loop(loop)
         return loop.run_until_complete(coro)
+    except Exception:
+        deadline = time.monotonic() + _SETTLE_S
+        while (pending := asyncio.all_tasks(loop)) and (left := deadline - time.monotonic()) > 0:
+            done, _ = loop.run_until_complete(asyncio.wait(pending, timeout=left))  # it may start others
+            for task in done:  # their errors are the first one's echoes: retrieved, so never logged
+                _ = task.cancelled() or task.exception()
+        raise
     finally:
-        try:
-            while pending := asyncio.all_tasks(loop):  # a finishing task may start others
-                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-        finally:
-            asyncio.set_event_loop(None)
-            loop.close()
+        asyncio.set_event_loop(None)
+        loop.close()
 
 
 def _settle_orbax_reads() -> None:
