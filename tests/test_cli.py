@@ -192,6 +192,69 @@ def test_inspect_fails_when_the_newest_checkpoint_is_corrupt(tmp_path, capsys):
     assert report["fingerprint"]["step"] == 1 and report["checkpoints"][1]["time_source"] == "commit"
 
 
+def test_inspect_names_a_checkpoint_that_cannot_be_read_as_export_does(tmp_path, capsys):
+    """Tester's report: `inspect --step 2` on a corrupt checkpoint printed some 950 lines of
+    Orbax tracebacks and exited 1. It says what `export --step` says (the file that fails
+    its checksum, the intact checkpoints) and exits 2; without --step, a newest checkpoint
+    that is unsealed and unreadable is named, and the parameters are the previous one's."""
+    import numpy as np
+
+    from xlafit.checkpoint import SEAL, Checkpointer
+    from xlafit.cli import main
+
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=5)
+    for step in (1, 2):
+        ckpt.save(step, {"params": {"w": np.arange(4096, dtype=np.float32) * step}})
+    ckpt.wait()
+    ckpt.close()
+    data = (tmp_path / "checkpoints" / "2" / "default").rglob("*")
+    biggest = max((p for p in data if p.is_file()), key=os.path.getsize)
+    os.truncate(biggest, 100)
+    name = biggest.relative_to(tmp_path / "checkpoints" / "2")
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path), "--step", "2"]) == 2
+    assert capsys.readouterr().err == (
+        f"xlafit: error: checkpoint 2 in {tmp_path / 'checkpoints'} is corrupt: {name} does not match its checksum; "
+        "intact: [1].\n"
+    )
+    (tmp_path / "checkpoints" / "2" / SEAL).unlink()  # unsealed: only reading it tells
+    assert main(["inspect", str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    assert "parameters at step 1: sha256 " in out and err == ""
+    assert "checkpoint 2 is unreadable (ValueError: " in out
+    assert "checkpoint 2, the newest, cannot be read: resuming sets it aside and continues from checkpoint 1" in out
+
+
+def test_inspect_says_a_path_does_not_exist_and_takes_one_checkpoints_folder(tmp_path, capsys):
+    """Tester's report: a path that does not exist was "neither a run directory nor a checkpoint
+    directory", and one checkpoint's folder (which `--help` calls a checkpoint directory)
+    "held no checkpoint". That folder is that checkpoint, as --step."""
+    import numpy as np
+
+    from xlafit.checkpoint import Checkpointer
+    from xlafit.cli import main
+
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=5)
+    for step in (1, 2):
+        ckpt.save(step, {"params": {"w": np.full(3, step, np.float32)}})
+    ckpt.wait()
+    ckpt.close()
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err == (
+        f"xlafit: error: {tmp_path / 'nowhere'} does not exist: give a run directory (what `xlafit train --run-dir` "
+        "writes) or its checkpoints/ folder.\n"
+    )
+    folder = tmp_path / "checkpoints" / "1"
+    assert main(["inspect", str(folder), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fingerprint"]["step"] == 1
+    assert main(["inspect", str(folder), "--step", "2"]) == 2
+    assert capsys.readouterr().err == (
+        f"xlafit: error: {folder} is checkpoint 1's folder, and --step 2 asks for another: give "
+        f"{tmp_path / 'checkpoints'} (or the run directory) with --step 2.\n"
+    )
+
+
 def test_gcsfs_tracebacks_of_errors_it_raises_again_are_dropped_unless_verbose(caplog):
     """gcsfs logged 'out of retries' with a whole traceback before xlafit named the same error."""
     from xlafit.cli import configure_logging

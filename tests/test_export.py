@@ -91,3 +91,35 @@ def test_an_out_that_is_a_file_is_refused_in_one_line(tmp_path):
     assert str(e.value) == (
         f"--out {tmp_path / 'notes.txt'} is a file; give a directory to write the export to (a new one, or a folder)."
     )
+
+
+def test_a_corrupt_newest_checkpoint_is_named_once_with_the_one_used(tmp_path, capsys):
+    """Tester's report: `export` and `generate` went on from checkpoint 2 past a corrupt 3
+    without a word. One line names it and the checkpoint used; --step 3 is refused with what
+    is wrong with it and the intact ones."""
+    from xlafit.checkpoint import Checkpointer
+    from xlafit.errors import CheckpointError
+    from xlafit.export import checkpoint_arrays
+    from xlafit.recipes import load_config
+
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=5)
+    for step in (1, 2, 3):
+        ckpt.save(step, {"params": {"w": np.full(64, step, np.float32)}})
+    ckpt.wait()
+    ckpt.close()
+    data = (tmp_path / "checkpoints" / "3" / "default").rglob("*")
+    biggest = max((p for p in data if p.is_file()), key=os.path.getsize)
+    biggest.write_bytes(biggest.read_bytes()[:-1])
+    cfg = load_config("llm", [f"run.run_dir={tmp_path}"])
+    capsys.readouterr()
+    arrays, step, _ = checkpoint_arrays(cfg, tmp_path, None)
+    assert step == 2 and arrays["params"]["w"][0] == 2
+    name = biggest.relative_to(tmp_path / "checkpoints" / "3")
+    assert capsys.readouterr().err == (
+        f"warning: checkpoint 3 is corrupt: {name} does not match its checksum; using checkpoint 2\n"
+    )
+    with pytest.raises(CheckpointError) as e:
+        checkpoint_arrays(cfg, tmp_path, 3)
+    assert str(e.value) == (
+        f"checkpoint 3 in {tmp_path / 'checkpoints'} is corrupt: {name} does not match its checksum; intact: [1, 2]."
+    )

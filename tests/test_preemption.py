@@ -217,6 +217,35 @@ def test_truncated_checkpoint_and_missing_commit_marker_are_skipped(tmp_path, st
         ckpt.restore(_trainer(strategy1, None).state)
 
 
+def test_with_every_checkpoint_corrupt_the_run_refuses_every_time_and_keeps_its_metrics(tmp_path, strategy1, digits):
+    """Tester's report: the first resume refused ("no intact checkpoint"), but it had moved
+    every checkpoint aside as corrupt, so the next one found none, trained from step 0 and
+    wrote over metrics.jsonl. Nothing moves while none is intact; a directory left with set
+    aside checkpoints only (by earlier xlafit) is refused too."""
+    train, _ = digits
+    trainer = _trainer(strategy1, tmp_path, stop_at_step=2, checkpoint_every_steps=1)
+    trainer.fit(train)
+    trainer.close()
+    for step in (1, 2):
+        (tmp_path / "checkpoints" / str(step) / "_CHECKPOINT_METADATA").write_text("{")
+    metrics = (tmp_path / "metrics.jsonl").read_text()
+    for _ in range(2):
+        again = _trainer(strategy1, tmp_path, stop_at_step=1)
+        with pytest.raises(CheckpointError, match="no intact checkpoint") as refused:
+            again.fit(train)
+        again.close()
+    assert "checkpoint 2 is corrupt: " in str(refused.value) and "nothing was moved" in str(refused.value)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "2"]
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics
+    for step in (1, 2):  # as earlier xlafit left them
+        (tmp_path / "checkpoints" / str(step)).rename(tmp_path / "checkpoints" / f"corrupt-{step}-20260101T000000")
+    again = _trainer(strategy1, tmp_path, stop_at_step=1)
+    with pytest.raises(CheckpointError, match=r"each was found corrupt and set aside \(corrupt-1-.*--restart"):
+        again.fit(train)
+    again.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics
+
+
 def _trainer(strategy, run_dir, **kwargs):
     return cnn_trainer(strategy, run_dir, **kwargs)
 

@@ -7,9 +7,11 @@ import yaml
 from flax import nnx
 
 import xlafit
+from helpers import use_few_digits
+from xlafit.checkpoint import Checkpointer
 from xlafit.config import DataConfig, OptimizerConfig, TrainerConfig, check_device_split, resolve_batch
 from xlafit.data import as_dataset
-from xlafit.errors import ConfigError, DataError
+from xlafit.errors import CheckpointError, ConfigError, DataError
 from xlafit.recipes import load_config
 from xlafit.run import check_continuation, describe_schedule, resolve
 from xlafit.train.optim import make_optimizer
@@ -165,6 +167,41 @@ def test_resume_names_the_recipe_the_directory_holds(strategy8, tmp_path):
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
     with pytest.raises(ConfigError, match="it holds a bert run, and this is mnist"):
         check_continuation(tmp_path, cfg)
+
+
+def test_resume_refuses_a_run_whose_checkpoints_were_all_set_aside(strategy8, tmp_path):
+    """A run directory whose every checkpoint a resume moved aside as corrupt (as xlafit did
+    before it kept them in place while none is intact) was started again from step 0 without
+    a word, writing over its metrics; the fix is --restart."""
+    cfg = _resolved(strategy8, tmp_path)
+    _with_checkpoint(tmp_path, cfg)
+    (tmp_path / "checkpoints" / "7").rename(tmp_path / "checkpoints" / "corrupt-7-20260101T000000")
+    with pytest.raises(CheckpointError, match=r"set aside \(corrupt-7-20260101T000000\).* --restart"):
+        check_continuation(tmp_path, cfg)
+
+
+@pytest.mark.parametrize("resume", [True, False])
+def test_a_checkpoint_dir_that_is_a_file_is_refused_in_one_line(strategy8, tmp_path, monkeypatch, resume):
+    """Tester's report: `--checkpoint-dir afile.txt` (an existing file) ended in a
+    NotADirectoryError traceback from the resume check (and from --restart's move aside);
+    `--run-dir afile.txt` already got one line. Nothing is written."""
+    use_few_digits(monkeypatch)
+    (tmp_path / "afile.txt").write_text("notes")
+    for where in ("afile.txt", "afile.txt/checkpoints"):
+        overrides = [
+            f"run.run_dir={tmp_path / 'run'}",
+            f"run.checkpoint_dir={tmp_path / where}",
+            f"run.resume={resume}",
+        ]
+        with pytest.raises(CheckpointError) as e:
+            xlafit.train_and_evaluate(load_config("mnist", overrides))
+        assert str(e.value) == (
+            f"cannot keep checkpoints in {tmp_path / where}: {tmp_path / 'afile.txt'} is a file, not a directory. "
+            "Choose another --checkpoint-dir (run.checkpoint_dir)."
+        )
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(CheckpointError, match="afile.txt is a file, not a directory"):  # a Trainer's checkpoint_dir
+        Checkpointer(tmp_path / "afile.txt")
 
 
 def test_schedule_line_says_what_a_short_run_does():

@@ -15,14 +15,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime
 import hashlib
 import json
 import math
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import numpy as np
@@ -37,6 +39,58 @@ from xlafit.parallel.sharding import path_name
 
 SEAL = "xlafit-integrity.json"
 COMMIT = "commit_success.txt"
+ORBAX_METADATA = "_CHECKPOINT_METADATA"  # in every step's folder Orbax writes
+SET_ASIDE = "corrupt-"  # the prefix of a checkpoint moved aside by the resume that found it corrupt
+
+_T = TypeVar("_T")
+
+
+_SETTLE_S = 60.0  # the longest a failed call waits for its other reads (a slow store): then it closes anyway
+
+
+def _run_until_settled(coro: Coroutine[Any, Any, _T]) -> _T:
+    """Orbax's way to run a coroutine from synchronous code (a new event loop, closed after
+    it), where a failure first lets the loop's other tasks finish (for :data:`_SETTLE_S` at
+    most).
+
+    A restore reads every array at once (``asyncio.gather``). When one read fails (a
+    truncated file), gather raises at once, and Orbax closed its loop with the other reads
+    in flight: TensorStore then delivered each into the closed loop ("RuntimeError: Event
+    loop is closed", a traceback per read), and the abandoned reads printed "Exception
+    ignored" when collected. Cancelling them is not enough: TensorStore still calls back into
+    the loop from its own threads after a cancel. So they run to their end (a failed
+    restore costs the rest of its reads, as a successful one would). ``asyncio.all_tasks``
+    takes this loop's tasks only, retrying its walk over a set other threads change (the
+    reason Orbax does not use ``asyncio.run``). A call that succeeds, or stops on Ctrl-C,
+    closes its loop at once, as Orbax does.
+    """
+    loop = asyncio.new_event_loop()
+    try:
+        asyncio.set_event_loop(loop)
+        return loop.run_until_complete(coro)
+    except Exception:
+        deadline = time.monotonic() + _SETTLE_S
+        while (pending := asyncio.all_tasks(loop)) and (left := deadline - time.monotonic()) > 0:
+            done, _ = loop.run_until_complete(asyncio.wait(pending, timeout=left))  # it may start others
+            for task in done:  # their errors are the first one's echoes: retrieved, so never logged
+                _ = task.cancelled() or task.exception()
+        raise
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+def _settle_orbax_reads() -> None:
+    """Makes Orbax's synchronous calls finish their reads before closing their event loop
+    (:func:`_run_until_settled`). Idempotent. The function replaced is a private one of
+    Orbax's: with a version that lacks it, nothing is replaced and a failed restore is only
+    noisier (``test_checkpoint`` says when that happens)."""
+    try:
+        from orbax.checkpoint._src import asyncio_utils
+    except ImportError:
+        return
+    if hasattr(asyncio_utils, "_run_sync_via_new_loop"):
+        asyncio_utils._run_sync_via_new_loop = _run_until_settled
 
 
 # Parameters whose layout changed with their values kept: a checkpoint that holds one in its
@@ -113,6 +167,63 @@ def _file_hashes(directory: epath.Path) -> dict[str, str]:
     return hashes
 
 
+def first_line(e: BaseException) -> str:
+    """The innermost cause of ``e``, its type and first line: Orbax wraps a TensorStore read
+    error (the array, the file, the byte range) in one that appends the array's whole
+    TensorStore spec, some 60 lines.
+
+    Example:
+        >>> try:
+        ...     try:
+        ...         raise ValueError("OUT_OF_RANGE: w/0.0")
+        ...     except ValueError as inner:
+        ...         raise Exception("error reading w; spec:\\n{...}") from inner
+        ... except Exception as e:
+        ...     first_line(e)
+        'ValueError: OUT_OF_RANGE: w/0.0'
+    """
+    while e.__cause__ is not None:
+        e = e.__cause__
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def check_directory(directory: str | Path | epath.Path) -> None:
+    """Refuses a local checkpoint directory that is a file or lies under one, before anything
+    lists or creates it (no-op for a URL).
+
+    Raises:
+        CheckpointError: naming the file and the fix.
+    """
+    if is_url(directory):
+        return
+    path = Path(directory).absolute()
+    blocking = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise CheckpointError(
+            f"cannot keep checkpoints in {directory}: {blocking} is a file, not a directory. Choose another "
+            "--checkpoint-dir (run.checkpoint_dir)."
+        )
+
+
+def check_not_all_set_aside(directory: epath.Path) -> None:
+    """Refuses to train from step 0 in a checkpoint directory that holds no checkpoint but
+    the ones a resume set aside as corrupt: the run has a history (its metrics), which a
+    start from step 0 would write over.
+
+    Raises:
+        CheckpointError: naming the checkpoints set aside and the fix.
+    """
+    names = sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+    left = [name for name in names if name.startswith(SET_ASIDE)]
+    if left and not any(name.isdigit() for name in names):
+        raise CheckpointError(
+            f"no checkpoint to resume from in {directory}: each was found corrupt and set aside "
+            f"({', '.join(left)}), and training from step 0 would write over the run's metrics. Start over with "
+            "--restart (the earlier run moves aside, nothing is deleted; in Python: another run_dir)."
+        )
+
+
 @dataclasses.dataclass
 class CheckpointInfo:
     """One checkpoint on disk, as :meth:`Checkpointer.list` reports it."""
@@ -129,6 +240,22 @@ class CheckpointInfo:
     @property
     def usable(self) -> bool:
         return not self.status.startswith("corrupt")
+
+
+class Read(NamedTuple):
+    """What :meth:`Checkpointer.read` found: a checkpoint's arrays and the newer ones it passed over."""
+
+    arrays: Any  # the whole saved state as host NumPy arrays in nested dicts
+    step: int
+    passed_over: list[tuple[int, str]]  # (step, what is wrong with it: "corrupt: <why>"), newest first
+
+    def passed(self) -> str:
+        """The checkpoints passed over, in words: ``checkpoint 3 is corrupt: <why>; ...``."""
+        return _in_words(self.passed_over)
+
+
+def _in_words(passed: Sequence[tuple[int, str]]) -> str:
+    return "; ".join(f"checkpoint {step} is {why}" for step, why in passed)
 
 
 class Checkpointer:
@@ -156,7 +283,9 @@ class Checkpointer:
             except StorageError as e:
                 raise CheckpointError(str(e)) from None
         else:
+            check_directory(directory)
             self.directory = epath.Path(Path(directory).absolute())
+        _settle_orbax_reads()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, keep_period=keep_every or None, create=True, enable_async_checkpointing=async_save
         )
@@ -298,39 +427,47 @@ class Checkpointer:
 
         Args:
             like: a state of the structure to restore (its values are not used).
-            step: this checkpoint; default: the newest one that verifies, skipping (with a
-                warning naming each) any that do not.
+            step: this checkpoint; default: the newest one that verifies and reads. Each
+                newer one is set aside (``corrupt-<step>-<time>``, a warning naming it) once
+                an older one restores; with none intact, nothing moves.
 
         Returns:
             ``(state, step)``.
 
         Raises:
-            CheckpointError: no intact checkpoint, or one whose arrays do not match
-                ``like`` (a model change): the message names the first difference.
+            CheckpointError: no intact checkpoint (the message names what is wrong with
+                each), or one whose arrays do not match ``like`` (a model change): the
+                message names the first difference.
         """
         candidates = [step] if step is not None else sorted(self._manager.all_steps(), reverse=True)
+        bad: list[tuple[int, str]] = []
         for s in candidates:
             status = self.verify(s)
             if status.startswith("corrupt"):
-                self._set_aside(s, status)
+                bad.append((s, status))
                 continue
             saved = self._check_structure(s, like)
             try:
                 raw = self._restore_as(s, _abstract(like), saved)
             except Exception as e:  # unreadable despite the marker: treat as corrupt
-                self._set_aside(s, f"unreadable ({type(e).__name__}: {e})")
+                bad.append((s, f"unreadable ({first_line(e)})"))
                 continue
+            # Moved only once the run goes on from an older one: with none intact, the run is
+            # refused, and every later attempt must find them and refuse again.
+            for b, why in bad:
+                self._set_aside(b, why)
             return from_saveable(raw, like), s
+        found = "; ".join(f"checkpoint {b} is {why}" for b, why in bad) or "it holds none"
         raise CheckpointError(
-            f"no intact checkpoint in {self.directory} (tried {', '.join(map(str, candidates)) or 'none'}); "
-            "start over with --restart (in Python: another run_dir)."
+            f"no intact checkpoint in {self.directory} ({found}); nothing was moved. Start over with --restart "
+            "(the earlier run moves aside, nothing is deleted; in Python: another run_dir)."
         )
 
     def _set_aside(self, step: int, why: str) -> None:
         """Warns about a bad checkpoint and renames it ``corrupt-<step>-<time>``, out of the
         way of the step that will be saved again under its number (kept for a post-mortem)."""
         source = self._step_dir(step)
-        target = self.directory / f"corrupt-{step}-{datetime.datetime.now(datetime.UTC):%Y%m%dT%H%M%S}"
+        target = self.directory / f"{SET_ASIDE}{step}-{datetime.datetime.now(datetime.UTC):%Y%m%dT%H%M%S}"
         if jax.process_index() == 0:
             print(f"warning: checkpoint {step} ({source}) is {why}; not using it, moved to {target}", flush=True)
             move(source, target)
@@ -403,6 +540,50 @@ class Checkpointer:
             lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=device), self.metadata(step)
         )
         return jax.device_get(self._manager.restore(step, args=ocp.args.StandardRestore(target)))
+
+    def read(self, step: int | None = None, infos: Sequence[CheckpointInfo] | None = None) -> Read:
+        """The whole saved state of checkpoint ``step`` (default: the newest that verifies and
+        reads) as host arrays (:meth:`restore_arrays`), for the commands that read a run
+        (``inspect``, ``export``, ``generate``). Nothing is moved.
+
+        Args:
+            step: this checkpoint, which must be intact (or unsealed) and readable.
+            infos: :meth:`list`'s answer, where the caller has it (it checksums every file).
+
+        Raises:
+            CheckpointError: ``step`` is absent, corrupt or unreadable, or (without ``step``)
+                no checkpoint reads; the message says what is wrong with it and names the
+                intact ones.
+        """
+        infos = self.list() if infos is None else infos
+        intact = [i.step for i in infos if i.usable]
+        if step is not None:
+            asked = [i for i in infos if i.step == step]
+            if not asked:
+                raise CheckpointError(
+                    f"no checkpoint {step} in {self.directory}; there are: {[i.step for i in infos]}, intact: {intact}."
+                )
+            why = None if asked[0].usable else asked[0].status
+            if why is None:
+                try:
+                    return Read(self.restore_arrays(step), step, [])
+                except Exception as e:  # unreadable despite the marker
+                    why = f"unreadable ({first_line(e)})"
+                    intact.remove(step)
+            raise CheckpointError(f"checkpoint {step} in {self.directory} is {why}; intact: {intact}.")
+        passed: list[tuple[int, str]] = []
+        for info in reversed(infos):
+            if info.usable:
+                try:
+                    return Read(self.restore_arrays(info.step), info.step, passed)
+                except Exception as e:  # unreadable despite the marker: the next older one
+                    passed.append((info.step, f"unreadable ({first_line(e)})"))
+            else:
+                passed.append((info.step, info.status))
+        raise CheckpointError(
+            f"no checkpoint in {self.directory} can be read ({_in_words(passed) or 'it holds none'}); the run has "
+            "to start over (xlafit train --restart) to write new ones."
+        )
 
     def close(self) -> None:
         self._manager.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 import typing
 from pathlib import Path
@@ -189,22 +190,25 @@ def _write(recipe: str, cfg: Config, run: Any, arrays: Any, metadata: dict[str, 
 def checkpoint_arrays(cfg: Config, run: Any, step: int | None, use: str = "export") -> tuple[Any, int, dict[str, str]]:
     """The saved state of checkpoint ``step`` (default: the newest intact one) as host arrays,
     with the metadata it was saved with; ``use`` (export or generate) words the error of a run
-    with no checkpoint."""
+    with no checkpoint. A newer checkpoint passed over (corrupt, unreadable) is said once, on
+    stderr, with the one used.
+
+    Raises:
+        CheckpointError: no checkpoint; ``step`` absent, corrupt or unreadable; or none that
+            reads (:meth:`~xlafit.checkpoint.Checkpointer.read`).
+    """
     ckpt = Checkpointer(checkpoint_dir(cfg))
     try:
-        usable = [i.step for i in ckpt.list() if i.usable]
-        if step is None:
-            if not usable:
-                generating = use == "generate"
-                purpose = "generate with" if generating else "export"
-                other = ", or give a Hugging Face model directory" if generating else ""
-                raise CheckpointError(
-                    f"{run} has no intact checkpoint to {purpose}; train it until it saves one{other}."
-                )
-            step = usable[-1]
-        elif step not in usable:
-            raise CheckpointError(f"no intact checkpoint {step} in {run}; intact: {usable}.")
-        return ckpt.restore_arrays(step), step, ckpt.saved_metadata(step)
+        infos = ckpt.list()
+        if step is None and not infos:
+            generating = use == "generate"
+            purpose = "generate with" if generating else "export"
+            other = ", or give a Hugging Face model directory" if generating else ""
+            raise CheckpointError(f"{run} has no intact checkpoint to {purpose}; train it until it saves one{other}.")
+        read = ckpt.read(step, infos)
+        if read.passed_over:
+            print(f"warning: {read.passed()}; using checkpoint {read.step}", file=sys.stderr, flush=True)
+        return read.arrays, read.step, ckpt.saved_metadata(read.step)
     finally:
         ckpt.close()
 

@@ -37,6 +37,7 @@ import yaml
 from etils import epath
 from flax import nnx
 
+from xlafit.checkpoint import COMMIT, ORBAX_METADATA, check_directory, check_not_all_set_aside
 from xlafit.config import Config, LoraConfig, check_device_split, resolve_batch
 from xlafit.data.dataset import as_dataset
 from xlafit.errors import ConfigError, StorageError
@@ -106,6 +107,8 @@ def train_and_evaluate(cfg: Config) -> FitResult:
         cfg, run = resolve(recipe.from_data(cfg, train_data), strategy, len(train_data))
         plan = make_optimizer(cfg.optimizer, run.global_batch)
         run_dir = run.run_dir
+        if cfg.run.checkpoint_dir:  # before the resume check or --restart lists it
+            check_directory(cfg.run.checkpoint_dir)
         if cfg.run.resume:
             check_continuation(
                 run_dir,
@@ -392,13 +395,14 @@ def move_aside(run_dir: epath.Path, checkpoints: epath.Path) -> list[str]:
     return lines
 
 
-def checkpoints_of(target: str) -> epath.Path:
-    """The checkpoint directory a user means by ``target``: a run directory (its
-    ``config.yaml`` says where its checkpoints are; default ``checkpoints/``), or a
-    checkpoint directory itself; local or a URL.
+def checkpoints_of(target: str) -> tuple[epath.Path, int | None]:
+    """The checkpoint directory a user means by ``target``, and the step where ``target`` is
+    one checkpoint's folder (``runs/demo/checkpoints/2``): a run directory (its
+    ``config.yaml`` says where its checkpoints are; default ``checkpoints/``), a checkpoint
+    directory itself, or one step's folder in it; local or a URL.
 
     Raises:
-        ConfigError: ``target`` is neither.
+        ConfigError: ``target`` does not exist, or is none of these.
     """
     path = as_path(target)
     refresh(path)
@@ -406,16 +410,21 @@ def checkpoints_of(target: str) -> epath.Path:
         if (path / "config.yaml").exists():  # a run directory: its checkpoints may live elsewhere
             saved = yaml.safe_load((path / "config.yaml").read_text()) or {}
             where = (saved.get("run") or {}).get("checkpoint_dir") if isinstance(saved, dict) else None
-            return as_path(where) if where else path / "checkpoints"
+            return (as_path(where) if where else path / "checkpoints"), None
         if (path / "checkpoints").is_dir():
-            return path / "checkpoints"
+            return path / "checkpoints", None
         if path.is_dir():
-            return path
+            one_step = path.name.isdigit() and any((path / name).exists() for name in (COMMIT, ORBAX_METADATA))
+            return (path.parent, int(path.name)) if one_step else (path, None)
+        exists = path.exists()
     except Exception as e:
         if not is_url(path):
             raise
         raise ConfigError(f"cannot read {target}: {describe_error(path, e)}") from None
-    raise ConfigError(f"{target} is neither a run directory nor a checkpoint directory.")
+    what = "is a file" if exists else "does not exist"
+    raise ConfigError(
+        f"{target} {what}: give a run directory (what `xlafit train --run-dir` writes) or its checkpoints/ folder."
+    )
 
 
 def log_to_file(path: epath.Path) -> None:
@@ -523,10 +532,13 @@ def check_continuation(
         ConfigError: the run's ``config.yaml`` is missing or unreadable, or a
             :data:`BREAKING` key differs from it; the message names each difference and
             the fix.
+        CheckpointError: every checkpoint of the run was set aside as corrupt
+            (:func:`~xlafit.checkpoint.check_not_all_set_aside`).
     """
     checkpoints = checkpoint_dir(cfg)
     reach(checkpoints)
     with reading(checkpoints):
+        check_not_all_set_aside(checkpoints)
         if not (checkpoints.exists() and any(p.name.isdigit() for p in checkpoints.iterdir())):
             return
     saved = _flatten(migrate(_saved_config(as_path(run_dir)), f"{run_dir}/config.yaml"))

@@ -17,7 +17,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Lists the checkpoints of RUN_DIR with step, time, size and integrity, and prints the "
         "SHA-256 fingerprint of the newest intact checkpoint's parameters (or --step S's).",
     )
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run or checkpoint directory, local or a URL (gs://...)")
+    p.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        help="a run or checkpoint directory, or one checkpoint's folder (as --step), local or a URL (gs://...)",
+    )
     p.add_argument("--step", type=int, help="fingerprint this checkpoint instead of the newest intact one")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=run)
@@ -31,30 +35,51 @@ def run(args: argparse.Namespace) -> int:
     from xlafit.run import checkpoints_of
 
     start_backends()
-    directory = str(checkpoints_of(args.run_dir))  # a run or checkpoint directory, local or gs://
+    where, folder_step = checkpoints_of(args.run_dir)  # a run or checkpoint directory, local or gs://
+    if folder_step is not None:  # one checkpoint's folder: that checkpoint, in its directory
+        if args.step not in (None, folder_step):
+            raise ConfigError(
+                f"{args.run_dir} is checkpoint {folder_step}'s folder, and --step {args.step} asks for another: give "
+                f"{where} (or the run directory) with --step {args.step}."
+            )
+        args.step = folder_step
+    directory = str(where)
     ckpt = Checkpointer(directory)
-    infos = ckpt.list()
-    if not infos:
+    try:
+        infos = ckpt.list()
+        if not infos:
+            raise CheckpointError(
+                f"{args.run_dir} holds no checkpoint: give a run directory (what `xlafit train --run-dir` writes) "
+                "or its checkpoints/ folder."
+            )
+        # --step must read, as export and generate require; by default the newest that reads
+        wanted = args.step is not None or any(i.usable for i in infos)
+        read = ckpt.read(args.step, infos) if wanted else None
+    finally:
         ckpt.close()
-        raise CheckpointError(
-            f"{args.run_dir} holds no checkpoint: give a run directory (what `xlafit train --run-dir` writes) "
-            "or its checkpoints/ folder."
-        )
-    usable = [i.step for i in infos if i.usable]
-    step = args.step if args.step is not None else (usable[-1] if usable else None)
-    if args.step is not None and args.step not in [i.step for i in infos]:
-        raise ConfigError(f"no checkpoint {args.step} in {directory}; there are: {[i.step for i in infos]}.")
-    digest = fingerprint(ckpt.restore_params(step)) if step is not None else None
-    ckpt.close()
-    # A scheduler or script acts on the exit code: a corrupt newest checkpoint means the next
-    # resume loses the steps since the one before it.
-    newest_corrupt = not infos[-1].usable
-    code = errors.DAMAGED if step is None or newest_corrupt else 0
+    step = read.step if read else None
+    digest = fingerprint(read.arrays["params"]) if read else None
+    # A scheduler or script acts on the exit code: a corrupt (or unreadable) newest checkpoint
+    # means the next resume loses the steps since the one before it.
+    newest_bad = not infos[-1].usable or (args.step is None and step != infos[-1].step)
+    code = errors.DAMAGED if step is None or newest_bad else 0
     if args.json:
         rows = [_row(i) for i in infos]
         print(json.dumps({"checkpoints": rows, "fingerprint": {"step": step, "sha256": digest}}, indent=2))
         return code
-    _print_table(infos, step, digest, newest_corrupt)
+    _print_table(infos, step, digest)
+    if read is not None and newest_bad:
+        usable = [i.step for i in infos if i.usable]
+        resumes_from = step if args.step is None else usable[-1]
+        newest = infos[-1]
+        why = "is corrupt" if not newest.usable else "cannot be read"
+        for passed, what in read.passed_over:  # unreadable ones, which the table shows unsealed
+            if passed in usable:
+                print(f"checkpoint {passed} is {what}")
+        print(
+            f"checkpoint {newest.step}, the newest, {why}: resuming sets it aside and continues from checkpoint "
+            f"{resumes_from}, losing the steps in between."
+        )
     return code
 
 
@@ -68,7 +93,7 @@ def _row(i: Any) -> dict[str, Any]:
     }
 
 
-def _print_table(infos: list[Any], step: int | None, digest: str | None, newest_corrupt: bool) -> None:
+def _print_table(infos: list[Any], step: int | None, digest: str | None) -> None:
     print(f"{'step':>8}  {'written (UTC)':<21}  {'size':>10}  status")
     for i in infos:
         mark = "  " if i.time_source == "commit" else " *"
@@ -79,8 +104,3 @@ def _print_table(infos: list[Any], step: int | None, digest: str | None, newest_
         print("no intact checkpoint")
         return
     print(f"parameters at step {step}: sha256 {digest}")
-    if newest_corrupt:
-        print(
-            f"checkpoint {infos[-1].step}, the newest, is corrupt: resuming sets it aside and continues from "
-            f"checkpoint {[i.step for i in infos if i.usable][-1]}, losing the steps in between."
-        )

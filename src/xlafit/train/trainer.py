@@ -37,7 +37,7 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from xlafit.checkpoint import Checkpointer
+from xlafit.checkpoint import Checkpointer, check_not_all_set_aside
 from xlafit.config import TrainerConfig, validate_watchdog
 from xlafit.data.dataset import Batch, Dataset, StreamedDataset, as_dataset, num_shapes
 from xlafit.data.loader import Prefetcher, TakeRequests, TrainOrder, eval_batches, to_global
@@ -353,6 +353,8 @@ class Trainer:
             )
         if latest is not None:
             restored = self._restore()
+        elif ckpt is not None and self.resume:
+            check_not_all_set_aside(ckpt.directory)
         start = int(self._state.step)
         self._limit_compiles(order, train, eval, start, stop)
         report = RunReport(self.run_dir, total, start, enabled=self.strategy.process_index == 0)
