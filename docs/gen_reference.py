@@ -190,9 +190,9 @@ def _comments(klass: type) -> dict[str, str]:
 
 
 def _type_name(tp: Any) -> str:
-    from xlafit.overrides import _type_name as name
+    from xlafit.config import type_name
 
-    return name(tp)
+    return type_name(tp)
 
 
 def _default(f: dataclasses.Field) -> str:

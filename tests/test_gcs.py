@@ -29,7 +29,7 @@ from xlafit.errors import CheckpointError, ConfigError, DataError
 from xlafit.hf import bert as bert_hf
 from xlafit.io.paths import as_path, filesystem
 from xlafit.recipes import load_config
-from xlafit.run import start_run_dir
+from xlafit.rundir import start_run_dir
 
 XLAFIT = [sys.executable, "-m", "xlafit"]
 STRESS = os.environ.get("XLAFIT_STRESS") == "1"  # longer variants: more kills, more steps

@@ -373,7 +373,7 @@ def test_cpu_settings_that_cannot_apply_any_more_are_named(strategy8, monkeypatc
 def test_a_run_directory_of_other_files_is_refused(tmp_path):
     """--run-dir naming a folder of the user's own files wrote the run among them (and
     --restart then moved them all aside with it)."""
-    from xlafit.run import refuse_foreign_dir
+    from xlafit.rundir import refuse_foreign_dir
 
     def check(folder):
         refuse_foreign_dir(load_config("mnist", [f"run.run_dir={folder}"]))

@@ -57,7 +57,8 @@ from xlafit.recipes import config_from_dict
 from xlafit.recipes.bert import bert_config
 from xlafit.recipes.llm import DATA_FORMAT_FILE, build_llama, model_dir
 from xlafit.recipes.resnet import CLASSES_FILE, NORMALISATION, augmentation, image_size, normalisation, resnet_config
-from xlafit.run import checkpoint_dir, with_lora
+from xlafit.run import with_lora
+from xlafit.rundir import checkpoint_dir
 from xlafit.train.frozen import BASE_FINGERPRINT
 
 

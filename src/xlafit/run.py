@@ -9,7 +9,7 @@ what the data decided), ``metrics.jsonl``, ``tensorboard/``, ``checkpoints/`` an
 recipe's artifacts (a tokenizer). It may be a local path or a URL (``gs://bucket/run``,
 docs/guides/cloud-storage.md). Running the same command again resumes from the newest intact checkpoint,
 after checking that the new config continues the same run; ``--restart`` moves the earlier
-run aside (:func:`start_run_dir`) and deletes nothing.
+run aside (:func:`~xlafit.rundir.start_run_dir`) and deletes nothing.
 
 Example:
     >>> import xlafit
@@ -19,13 +19,10 @@ Example:
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import datetime
 import json
-import logging
 import math
-import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -37,21 +34,14 @@ import yaml
 from etils import epath
 from flax import nnx
 
-from xlafit.checkpoint import COMMIT, ORBAX_METADATA, check_directory, check_not_all_set_aside
+from xlafit.checkpoint import check_directory, check_not_all_set_aside
 from xlafit.config import Config, LoraConfig, check_device_split, resolve_batch
 from xlafit.data.dataset import as_dataset
-from xlafit.errors import ConfigError, StorageError
+from xlafit.errors import ConfigError
 from xlafit.io.paths import (
     as_path,
-    check_bucket,
-    dated_sibling,
-    describe_error,
-    is_url,
-    move,
     reach,
     reading,
-    refresh,
-    upload,
 )
 from xlafit.models.lora import ADAPTER, BASE, apply_lora
 from xlafit.overrides import migrate
@@ -60,17 +50,17 @@ from xlafit.parallel.mesh import Strategy
 from xlafit.parallel.sharding import parse_rules
 from xlafit.recipes import get_recipe
 from xlafit.recipes.base import Recipe
+from xlafit.rundir import checkpoint_dir, log_to_file, refuse_foreign_dir, start_run_dir
 from xlafit.train.loop import FitResult
 from xlafit.train.optim import OptimizerPlan, highest_rate, make_optimizer, warmup_steps
 from xlafit.train.signals import handle_signals
 from xlafit.train.trainer import Trainer
 
-# Config keys whose change makes a checkpoint's state or trajectory another run's: refused
-# on resume. Everything else (logging, evaluation, checkpoint policy, devices with the same
-# global batch, epochs with the same schedule) may change between segments of one run.
-# Settings whose change breaks continuation from a run's checkpoints: the model and its
-# training, the batch and the data order; the rows themselves (data.seq_len cuts the text into
-# other rows, data.demo is another dataset), where a step would mean other examples.
+# Config keys whose change makes a checkpoint's state or trajectory another run's, refused on
+# resume: the model and its training, the batch and the data order, and the rows themselves
+# (data.seq_len cuts the text into other rows, data.demo is another dataset), where a step would
+# mean other examples. Everything else (logging, evaluation, checkpoint policy, devices with the
+# same global batch, epochs with the same schedule) may change between segments of one run.
 BREAKING = (
     "recipe",
     "model",
@@ -263,189 +253,6 @@ def final_report(metrics: dict[str, float]) -> str:
 
 
 # --------------------------------------------------------------------------- run directory
-
-
-def checkpoint_dir(cfg: Config) -> epath.Path:
-    """``run.checkpoint_dir`` (a path or URL), or the run directory's ``checkpoints/``."""
-    if cfg.run.checkpoint_dir:
-        return as_path(cfg.run.checkpoint_dir)
-    if not cfg.run.run_dir:
-        raise ConfigError("no run directory: set run.run_dir (--run-dir) or run.checkpoint_dir.")
-    return as_path(cfg.run.run_dir) / "checkpoints"
-
-
-# What a run writes first (config.yaml) and what it keeps: one of them marks a run directory.
-RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
-
-
-def refuse_foreign_dir(cfg: Config) -> None:
-    """Refuses a local ``run.run_dir`` that holds files but no run's (``config.yaml``, metrics,
-    checkpoints): the run would write among them, and ``--restart`` would move them all aside
-    with it. Hidden entries (``.ipynb_checkpoints``) do not count; a URL is not listed (a
-    bucket's prefix may hold millions of objects).
-
-    Raises:
-        ConfigError: naming a few of the files and the fix.
-    """
-    run_dir = cfg.run.run_dir
-    if not run_dir or is_url(run_dir):
-        return
-    path = Path(run_dir).expanduser()
-    if not path.is_dir() or any((path / marker).exists() for marker in RUN_MARKERS):
-        return
-    names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir() if not p.name.startswith("."))
-    if names:
-        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        raise ConfigError(
-            f"--run-dir {run_dir} holds files that are no xlafit run's ({shown}): the run would write its config, "
-            "metrics and checkpoints among them, and --restart would move them all aside. Give a new or empty "
-            "directory, e.g. --run-dir " + str(Path(run_dir) / "run") + "."
-        )
-
-
-def start_run_dir(run_dir: epath.Path, cfg: Config) -> None:
-    """Creates ``run_dir`` (or finds it writable), moves an earlier run aside for
-    ``--restart`` (:func:`move_aside`) and writes ``config.yaml``. Process 0 only.
-
-    Raises:
-        ConfigError: the directory cannot be created or written, or its bucket does not
-            exist; the message names it and the fix.
-    """
-    if is_url(run_dir):
-        # No mkdir on a URL: object stores have no directories, and gcsfs would create a
-        # missing bucket. Writing config.yaml below is the test that the bucket takes writes.
-        for where, what in ((run_dir, "--run-dir"), (checkpoint_dir(cfg), "run.checkpoint_dir")):
-            try:
-                check_bucket(where, what)
-            except StorageError as e:
-                raise ConfigError(str(e)) from None
-    else:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(
-                f"cannot create the run directory {run_dir}: {e.strerror}. Choose another --run-dir."
-            ) from None
-        if not os.access(run_dir, os.W_OK):
-            raise ConfigError(f"the run directory {run_dir} is not writable. Choose another --run-dir.")
-    if not cfg.run.resume:
-        for line in move_aside(run_dir, checkpoint_dir(cfg)):
-            print(line, flush=True)
-    path = run_dir / "config.yaml"
-    try:
-        path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    except Exception as e:
-        if not is_url(run_dir):
-            raise
-        raise ConfigError(f"cannot write the run directory: {describe_error(path, e)}") from None
-
-
-def move_aside(run_dir: epath.Path, checkpoints: epath.Path) -> list[str]:
-    """``--restart``: moves an earlier run in ``run_dir`` to a dated sibling,
-    ``<run_dir>-before-restart-<UTC time>``, and says where. Nothing is deleted.
-
-    The whole earlier run moves (config.yaml, metrics, TensorBoard, checkpoints, tokenizer),
-    so the sibling is a run directory that ``xlafit inspect`` and ``xlafit export hf`` read
-    as any other. Checkpoints kept outside the run directory (``run.checkpoint_dir``) move
-    to their own dated sibling, and the moved ``config.yaml`` points at them. A run
-    directory holding neither checkpoints nor metrics is left as it is. On a URL a move is
-    a copy of every object then a delete (an interruption leaves two copies, never none).
-
-    Returns:
-        The lines to print: what moved where.
-
-    Example:
-        >>> import tempfile
-        >>> run = as_path(tempfile.mkdtemp()) / "run"
-        >>> (run / "checkpoints" / "5").mkdir(parents=True)
-        >>> _ = (run / "metrics.jsonl").write_text("{}\\n")
-        >>> lines = move_aside(run, run / "checkpoints")
-        >>> sorted(p.name for p in run.iterdir()), "-before-restart-" in lines[0]
-        ([], True)
-    """
-    when = datetime.datetime.now(datetime.UTC)
-    refresh(run_dir)
-    refresh(checkpoints)
-    inside = str(checkpoints).startswith(str(run_dir).rstrip("/") + "/")
-    has_checkpoints = checkpoints.exists() and any(True for _ in checkpoints.iterdir())
-    if not (has_checkpoints or (run_dir / "metrics.jsonl").exists()):
-        return []
-    lines = []
-    moved_checkpoints = None
-    if has_checkpoints and not inside:
-        moved_checkpoints = dated_sibling(checkpoints, "before-restart", when)
-        move(checkpoints, moved_checkpoints)
-        lines.append(f"--restart: moved the earlier checkpoints {checkpoints} to {moved_checkpoints}")
-    entries = [p for p in run_dir.iterdir()] if run_dir.exists() else []
-    if entries:
-        target = dated_sibling(run_dir, "before-restart", when)
-        if not is_url(target):
-            target.mkdir(parents=True)
-        for entry in entries:
-            move(entry, target / entry.name)
-        if moved_checkpoints is not None and (target / "config.yaml").exists():
-            saved = yaml.safe_load((target / "config.yaml").read_text()) or {}
-            if isinstance(saved, dict) and isinstance(saved.get("run"), dict):
-                saved["run"]["checkpoint_dir"] = str(moved_checkpoints)
-                (target / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
-        lines.append(
-            f"--restart: moved the earlier run in {run_dir} (checkpoints, metrics, config) to {target}; "
-            f"nothing was deleted (xlafit inspect {target})"
-        )
-    return lines
-
-
-def checkpoints_of(target: str) -> tuple[epath.Path, int | None]:
-    """The checkpoint directory a user means by ``target``, and the step where ``target`` is
-    one checkpoint's folder (``runs/demo/checkpoints/2``): a run directory (its
-    ``config.yaml`` says where its checkpoints are; default ``checkpoints/``), a checkpoint
-    directory itself, or one step's folder in it; local or a URL.
-
-    Raises:
-        ConfigError: ``target`` does not exist, or is none of these.
-    """
-    path = as_path(target)
-    refresh(path)
-    try:
-        if (path / "config.yaml").exists():  # a run directory: its checkpoints may live elsewhere
-            saved = yaml.safe_load((path / "config.yaml").read_text()) or {}
-            where = (saved.get("run") or {}).get("checkpoint_dir") if isinstance(saved, dict) else None
-            return (as_path(where) if where else path / "checkpoints"), None
-        if (path / "checkpoints").is_dir():
-            return path / "checkpoints", None
-        if path.is_dir():
-            one_step = path.name.isdigit() and any((path / name).exists() for name in (COMMIT, ORBAX_METADATA))
-            return (path.parent, int(path.name)) if one_step else (path, None)
-        exists = path.exists()
-    except Exception as e:
-        if not is_url(path):
-            raise
-        raise ConfigError(f"cannot read {target}: {describe_error(path, e)}") from None
-    what = "is a file" if exists else "does not exist"
-    raise ConfigError(
-        f"{target} {what}: give a run directory (what `xlafit train --run-dir` writes) or its checkpoints/ folder."
-    )
-
-
-def log_to_file(path: epath.Path) -> None:
-    """Processes other than 0 print nothing; their own events go to their own file. For a
-    URL run directory the file is written locally and uploaded when the process exits."""
-    local = Path(path)
-    if is_url(path):
-        local = Path(tempfile.mkdtemp(prefix="xlafit-log-")) / path.name
-        atexit.register(_upload_log, local, path)
-    local.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(local)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    logging.getLogger("xlafit").addHandler(handler)
-    logging.getLogger("xlafit").setLevel(logging.INFO)
-
-
-def _upload_log(local: Path, target: epath.Path) -> None:
-    try:
-        upload(local, target)
-    except Exception as e:  # at exit: say so, never raise
-        print(f"warning: could not upload {local} to {target}: {e}", flush=True)
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, object]:

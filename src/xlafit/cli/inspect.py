@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     # them, without libtpu's start-up errors on a host that has libtpu but no TPU.
     from xlafit.checkpoint import Checkpointer, fingerprint
     from xlafit.parallel.cluster import start_backends
-    from xlafit.run import checkpoints_of
+    from xlafit.rundir import checkpoints_of
 
     start_backends()
     where, folder_step = checkpoints_of(args.run_dir)  # a run or checkpoint directory, local or gs://

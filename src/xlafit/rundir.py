@@ -1,0 +1,205 @@
+"""A run's directory: where it is (:func:`checkpoint_dir`), refusing one that is not a run's
+(:func:`refuse_foreign_dir`), starting it (:func:`start_run_dir`: created, an earlier run
+moved aside for ``--restart`` by :func:`move_aside`, ``config.yaml`` written), finding the
+checkpoints a user names (:func:`checkpoints_of`), and the log of processes other than 0
+(:func:`log_to_file`). Local paths and URLs (``gs://bucket/run``) alike."""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import yaml
+from etils import epath
+
+from xlafit.checkpoint import COMMIT, ORBAX_METADATA
+from xlafit.config import Config
+from xlafit.errors import ConfigError, StorageError
+from xlafit.io.paths import as_path, check_bucket, dated_sibling, describe_error, is_url, move, refresh, upload
+
+
+def checkpoint_dir(cfg: Config) -> epath.Path:
+    """``run.checkpoint_dir`` (a path or URL), or the run directory's ``checkpoints/``."""
+    if cfg.run.checkpoint_dir:
+        return as_path(cfg.run.checkpoint_dir)
+    if not cfg.run.run_dir:
+        raise ConfigError("no run directory: set run.run_dir (--run-dir) or run.checkpoint_dir.")
+    return as_path(cfg.run.run_dir) / "checkpoints"
+
+
+# What a run writes first (config.yaml) and what it keeps: one of them marks a run directory.
+RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
+
+
+def refuse_foreign_dir(cfg: Config) -> None:
+    """Refuses a local ``run.run_dir`` that holds files but no run's (``config.yaml``, metrics,
+    checkpoints): the run would write among them, and ``--restart`` would move them all aside
+    with it. Hidden entries (``.ipynb_checkpoints``) do not count; a URL is not listed (a
+    bucket's prefix may hold millions of objects).
+
+    Raises:
+        ConfigError: naming a few of the files and the fix.
+    """
+    run_dir = cfg.run.run_dir
+    if not run_dir or is_url(run_dir):
+        return
+    path = Path(run_dir).expanduser()
+    if not path.is_dir() or any((path / marker).exists() for marker in RUN_MARKERS):
+        return
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir() if not p.name.startswith("."))
+    if names:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise ConfigError(
+            f"--run-dir {run_dir} holds files that are no xlafit run's ({shown}): the run would write its config, "
+            "metrics and checkpoints among them, and --restart would move them all aside. Give a new or empty "
+            "directory, e.g. --run-dir " + str(Path(run_dir) / "run") + "."
+        )
+
+
+def start_run_dir(run_dir: epath.Path, cfg: Config) -> None:
+    """Creates ``run_dir`` (or finds it writable), moves an earlier run aside for
+    ``--restart`` (:func:`move_aside`) and writes ``config.yaml``. Process 0 only.
+
+    Raises:
+        ConfigError: the directory cannot be created or written, or its bucket does not
+            exist; the message names it and the fix.
+    """
+    if is_url(run_dir):
+        # No mkdir on a URL: object stores have no directories, and gcsfs would create a
+        # missing bucket. Writing config.yaml below is the test that the bucket takes writes.
+        for where, what in ((run_dir, "--run-dir"), (checkpoint_dir(cfg), "run.checkpoint_dir")):
+            try:
+                check_bucket(where, what)
+            except StorageError as e:
+                raise ConfigError(str(e)) from None
+    else:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"cannot create the run directory {run_dir}: {e.strerror}. Choose another --run-dir."
+            ) from None
+        if not os.access(run_dir, os.W_OK):
+            raise ConfigError(f"the run directory {run_dir} is not writable. Choose another --run-dir.")
+    if not cfg.run.resume:
+        for line in move_aside(run_dir, checkpoint_dir(cfg)):
+            print(line, flush=True)
+    path = run_dir / "config.yaml"
+    try:
+        path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    except Exception as e:
+        if not is_url(run_dir):
+            raise
+        raise ConfigError(f"cannot write the run directory: {describe_error(path, e)}") from None
+
+
+def move_aside(run_dir: epath.Path, checkpoints: epath.Path) -> list[str]:
+    """``--restart``: moves an earlier run in ``run_dir`` to a dated sibling,
+    ``<run_dir>-before-restart-<UTC time>``, and says where. Nothing is deleted.
+
+    The whole earlier run moves (config.yaml, metrics, TensorBoard, checkpoints, tokenizer),
+    so the sibling is a run directory that ``xlafit inspect`` and ``xlafit export hf`` read
+    as any other. Checkpoints kept outside the run directory (``run.checkpoint_dir``) move
+    to their own dated sibling, and the moved ``config.yaml`` points at them. A run
+    directory holding neither checkpoints nor metrics is left as it is. On a URL a move is
+    a copy of every object then a delete (an interruption leaves two copies, never none).
+
+    Returns:
+        The lines to print: what moved where.
+
+    Example:
+        >>> import tempfile
+        >>> run = as_path(tempfile.mkdtemp()) / "run"
+        >>> (run / "checkpoints" / "5").mkdir(parents=True)
+        >>> _ = (run / "metrics.jsonl").write_text("{}\\n")
+        >>> lines = move_aside(run, run / "checkpoints")
+        >>> sorted(p.name for p in run.iterdir()), "-before-restart-" in lines[0]
+        ([], True)
+    """
+    when = datetime.datetime.now(datetime.UTC)
+    refresh(run_dir)
+    refresh(checkpoints)
+    inside = str(checkpoints).startswith(str(run_dir).rstrip("/") + "/")
+    has_checkpoints = checkpoints.exists() and any(True for _ in checkpoints.iterdir())
+    if not (has_checkpoints or (run_dir / "metrics.jsonl").exists()):
+        return []
+    lines = []
+    moved_checkpoints = None
+    if has_checkpoints and not inside:
+        moved_checkpoints = dated_sibling(checkpoints, "before-restart", when)
+        move(checkpoints, moved_checkpoints)
+        lines.append(f"--restart: moved the earlier checkpoints {checkpoints} to {moved_checkpoints}")
+    entries = [p for p in run_dir.iterdir()] if run_dir.exists() else []
+    if entries:
+        target = dated_sibling(run_dir, "before-restart", when)
+        if not is_url(target):
+            target.mkdir(parents=True)
+        for entry in entries:
+            move(entry, target / entry.name)
+        if moved_checkpoints is not None and (target / "config.yaml").exists():
+            saved = yaml.safe_load((target / "config.yaml").read_text()) or {}
+            if isinstance(saved, dict) and isinstance(saved.get("run"), dict):
+                saved["run"]["checkpoint_dir"] = str(moved_checkpoints)
+                (target / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+        lines.append(
+            f"--restart: moved the earlier run in {run_dir} (checkpoints, metrics, config) to {target}; "
+            f"nothing was deleted (xlafit inspect {target})"
+        )
+    return lines
+
+
+def checkpoints_of(target: str) -> tuple[epath.Path, int | None]:
+    """The checkpoint directory a user means by ``target``, and the step where ``target`` is
+    one checkpoint's folder (``runs/demo/checkpoints/2``): a run directory (its
+    ``config.yaml`` says where its checkpoints are; default ``checkpoints/``), a checkpoint
+    directory itself, or one step's folder in it; local or a URL.
+
+    Raises:
+        ConfigError: ``target`` does not exist, or is none of these.
+    """
+    path = as_path(target)
+    refresh(path)
+    try:
+        if (path / "config.yaml").exists():  # a run directory: its checkpoints may live elsewhere
+            saved = yaml.safe_load((path / "config.yaml").read_text()) or {}
+            where = (saved.get("run") or {}).get("checkpoint_dir") if isinstance(saved, dict) else None
+            return (as_path(where) if where else path / "checkpoints"), None
+        if (path / "checkpoints").is_dir():
+            return path / "checkpoints", None
+        if path.is_dir():
+            one_step = path.name.isdigit() and any((path / name).exists() for name in (COMMIT, ORBAX_METADATA))
+            return (path.parent, int(path.name)) if one_step else (path, None)
+        exists = path.exists()
+    except Exception as e:
+        if not is_url(path):
+            raise
+        raise ConfigError(f"cannot read {target}: {describe_error(path, e)}") from None
+    what = "is a file" if exists else "does not exist"
+    raise ConfigError(
+        f"{target} {what}: give a run directory (what `xlafit train --run-dir` writes) or its checkpoints/ folder."
+    )
+
+
+def log_to_file(path: epath.Path) -> None:
+    """Processes other than 0 print nothing; their own events go to their own file. For a
+    URL run directory the file is written locally and uploaded when the process exits."""
+    local = Path(path)
+    if is_url(path):
+        local = Path(tempfile.mkdtemp(prefix="xlafit-log-")) / path.name
+        atexit.register(_upload_log, local, path)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(local)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    logging.getLogger("xlafit").addHandler(handler)
+    logging.getLogger("xlafit").setLevel(logging.INFO)
+
+
+def _upload_log(local: Path, target: epath.Path) -> None:
+    try:
+        upload(local, target)
+    except Exception as e:  # at exit: say so, never raise
+        print(f"warning: could not upload {local} to {target}: {e}", flush=True)
