@@ -135,7 +135,8 @@ def test_config_prints_resolved_yaml(tmp_path):
 def test_train_pulse_and_resume(tmp_path):
     """Two steps, then two more from the checkpoint: the whole CLI path, twice. The second
     process loads the train step from JAX's persistent compilation cache."""
-    common = ["train", "mnist", "--simulate", "8", "--run-dir", str(tmp_path), "trainer.log_every_steps=1"]
+    run_dir = tmp_path / "run"  # beside the cache: a run directory holds a run's files only
+    common = ["train", "mnist", "--simulate", "8", "--run-dir", str(run_dir), "trainer.log_every_steps=1"]
     cache = {"XLAFIT_CACHE": str(tmp_path / "cache")}
     first = run(*common, "trainer.stop_at_step=2", env=cache)
     assert first.returncode == 0, first.stderr
@@ -150,9 +151,9 @@ def test_train_pulse_and_resume(tmp_path):
     compiling = [float(re.search(r"([0-9.]+)s compiling", out.stdout).group(1)) for out in (first, second)]
     assert any((tmp_path / "cache" / "jax").iterdir())
     assert compiling[1] < 0.5 * compiling[0], compiling  # loaded, not compiled again
-    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
-    assert (tmp_path / "config.yaml").exists()
+    assert (run_dir / "config.yaml").exists()
 
 
 def test_inspect_fails_when_the_newest_checkpoint_is_corrupt(tmp_path, capsys):
