@@ -254,6 +254,13 @@ def test_inspect_says_a_path_does_not_exist_and_takes_one_checkpoints_folder(tmp
         f"xlafit: error: {folder} is checkpoint 1's folder, and --step 2 asks for another: give "
         f"{tmp_path / 'checkpoints'} (or the run directory) with --step 2.\n"
     )
+    for step in (1, 2):  # every checkpoint set aside as corrupt: said so, not "holds no checkpoint: give a run"
+        (tmp_path / "checkpoints" / str(step)).rename(tmp_path / "checkpoints" / f"corrupt-{step}-20260101T000000")
+    assert main(["inspect", str(tmp_path / "checkpoints")]) != 0
+    assert capsys.readouterr().err == (
+        f"xlafit: error: {tmp_path / 'checkpoints'} holds no checkpoint, only ones a resume set aside as corrupt "
+        "(corrupt-1-20260101T000000, corrupt-2-20260101T000000); nothing there can be read.\n"
+    )
 
 
 def test_gcsfs_tracebacks_of_errors_it_raises_again_are_dropped_unless_verbose(caplog):
