@@ -66,3 +66,34 @@ def test_prefetcher_keeps_order_and_reraises():
     with pytest.raises(OSError, match="disk gone"):
         next(prefetched)
     prefetched.close()
+
+
+def test_text_or_objects_in_the_data_are_refused_by_name():
+    """A string array (even one the loss never reads) failed inside JAX ("Dtype <U1 is not a
+    valid JAX array type"), far from the data."""
+    from xlafit.errors import DataError
+
+    with pytest.raises(DataError, match=r"the data's 'note' holds <U1 values \(text\): the devices take numbers"):
+        ArrayDataset({"x": np.zeros((4, 2)), "note": np.array(["a"] * 4)})
+    with pytest.raises(DataError, match=r"'meta' holds object values \(Python objects\)"):
+        ArrayDataset({"x": np.zeros((2, 2)), "meta": np.array([{}, {}], dtype=object)})
+
+
+def test_what_a_datasets_take_returns_is_checked():
+    """A Dataset whose take() returned a list, or 5 rows for 32 indices, trained on without a
+    word or failed in the step with "'list' object has no attribute 'items'"."""
+    from xlafit.data.dataset import checked_batch
+    from xlafit.errors import DataError
+
+    class FewRows:
+        def __len__(self):
+            return 64
+
+        def take(self, indices, epoch=0):
+            return {"x": np.zeros((5, 2), np.float32)}
+
+    with pytest.raises(DataError, match=r"returned 'x' as shape \(5, 2\) for 8 indices; it must return one row"):
+        list(eval_batches(FewRows(), 8))
+    with pytest.raises(DataError, match=r"Dataset.take returned a list; it must return a dict of arrays"):
+        checked_batch([np.zeros(3)], 3)
+    assert checked_batch({"x": np.zeros((3, 2))}, 3)["x"].shape == (3, 2)

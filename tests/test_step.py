@@ -85,3 +85,14 @@ def test_the_select_and_cond_forms_of_the_loss_guard_give_the_same_bits():
         results.append(jax.tree.leaves(nnx.to_pure_dict(state.params)))
     for x, y in zip(*results, strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+def test_a_loss_fn_returning_a_python_number_is_named():
+    """``return 1.0`` failed with "'float' object has no attribute 'ndim'"."""
+    from xlafit.train.step import split_outputs
+
+    with pytest.raises(ValueError, match=r"the loss as an array computed from the model's output .*got a float"):
+        split_outputs(1.0)
+    with pytest.raises(ValueError, match=r"the accuracy as an array .*got a int"):
+        split_outputs((jnp.ones(3), {"accuracy": 1}))
+    assert split_outputs(jnp.ones(3))[0].shape == (3,)

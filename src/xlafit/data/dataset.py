@@ -82,6 +82,8 @@ class ArrayDataset:
         if len(set(lengths.values())) != 1:
             raise DataError(f"every array of a dataset must have the same number of examples, got {lengths}.")
         self.arrays = {name: np.asarray(a) for name, a in arrays.items()}
+        for name, a in self.arrays.items():
+            _check_numeric(name, a)
         self._len = next(iter(lengths.values()))
 
     def __len__(self) -> int:
@@ -90,6 +92,35 @@ class ArrayDataset:
     def take(self, indices: np.ndarray, epoch: int = 0) -> Batch:
         """The examples at ``indices``; arrays are the same every epoch."""
         return {name: a[indices] for name, a in self.arrays.items()}
+
+
+def _check_numeric(name: str, a: np.ndarray) -> None:
+    """Refuses an array the devices cannot take: strings, Python objects."""
+    if a.dtype.kind in "USO":  # text, bytes, Python objects (bfloat16 and the like are kind "V": kept)
+        raise DataError(
+            f"the data's {name!r} holds {a.dtype} values ({'Python objects' if a.dtype.kind == 'O' else 'text'}): "
+            "the devices take numbers only; encode it (token ids, class indices) or leave it out of the data."
+        )
+
+
+def checked_batch(batch: object, rows: int) -> Batch:
+    """What a :class:`Dataset`'s ``take`` returned, refused unless it is a dict of numeric
+    arrays with one row per index asked (``rows``): a list, or a batch of other rows, failed
+    later inside the step, far from the dataset that made it."""
+    if not isinstance(batch, Mapping):
+        raise DataError(
+            f"Dataset.take returned a {type(batch).__name__}; it must return a dict of arrays (name -> array with "
+            "one row per index)."
+        )
+    for name, x in batch.items():
+        shape = getattr(x, "shape", None)
+        if not shape or shape[0] != rows:
+            got = f"shape {tuple(shape)}" if shape is not None else f"a {type(x).__name__}"
+            raise DataError(
+                f"Dataset.take returned {name!r} as {got} for {rows} indices; it must return one row per index."
+            )
+        _check_numeric(name, x if hasattr(x, "dtype") else np.asarray(x))
+    return dict(batch)
 
 
 def as_dataset(data: Dataset | Mapping[str, np.ndarray]) -> Dataset:

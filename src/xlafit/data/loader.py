@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 import jax
 import numpy as np
 
-from xlafit.data.dataset import Batch, Dataset, PlannedDataset, StreamedDataset
+from xlafit.data.dataset import Batch, Dataset, PlannedDataset, StreamedDataset, checked_batch
 from xlafit.parallel.mesh import Strategy
 
 
@@ -167,7 +167,7 @@ def eval_batches(
     if isinstance(dataset, StreamedDataset):  # prepared ahead in its worker processes
         batches = dataset.stream(requests)
     else:
-        batches = (dataset.take(idx) for idx, _ in requests)
+        batches = (checked_batch(dataset.take(idx), len(idx)) for idx, _ in requests)
     for batch, mask in zip(batches, masks, strict=True):
         valid = batch.pop("valid", None)
         yield batch, mask if valid is None else mask * valid

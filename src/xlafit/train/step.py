@@ -92,6 +92,11 @@ def split_outputs(out: Any, per_example: bool = False) -> tuple[jax.Array, dict[
     """
     losses, metrics = out if isinstance(out, tuple) else (out, {})
     for name, value in {"loss": losses, **metrics}.items():
+        if not hasattr(value, "ndim"):  # a Python number: computed from no model output, it trains nothing
+            raise ValueError(
+                f"loss_fn must return the {name} as an array computed from the model's output (one per example, "
+                f"shape [batch]); got a {type(value).__name__}."
+            )
         if value.ndim > 1:
             raise ValueError(
                 f"loss_fn must return one {name} per example (shape [batch]) or a scalar, got shape {value.shape}."

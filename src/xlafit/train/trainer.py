@@ -39,7 +39,7 @@ from jax.experimental import multihost_utils
 
 from xlafit.checkpoint import Checkpointer, check_not_all_set_aside
 from xlafit.config import TrainerConfig, validate_watchdog
-from xlafit.data.dataset import Batch, Dataset, StreamedDataset, as_dataset, num_shapes
+from xlafit.data.dataset import Batch, Dataset, StreamedDataset, as_dataset, checked_batch, num_shapes
 from xlafit.data.loader import Prefetcher, TakeRequests, TrainOrder, eval_batches, to_global
 from xlafit.errors import ConfigError, Preempted
 from xlafit.io.paths import as_path
@@ -271,7 +271,7 @@ class Trainer:
         if isinstance(data, StreamedDataset):  # it prepares the batches ahead itself (Grain workers)
             taken: Iterator[Batch] = data.stream(requests)
         else:
-            taken = (data.take(idx, epoch=epoch) for idx, epoch in requests)
+            taken = (checked_batch(data.take(idx, epoch=epoch), len(idx)) for idx, epoch in requests)
         for (step, k), batch in zip(requests.calls.tolist(), taken, strict=True):
             stacked = {name: x.reshape(k, -1, *x.shape[1:]) for name, x in batch.items()}  # [k, rows, ...]
             yield step, k, to_global(s, stacked, leading_axes=1)
