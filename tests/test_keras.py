@@ -363,3 +363,14 @@ def test_labels_that_do_not_fit_the_loss_are_named(strategy8, loss, labels, mess
     with pytest.raises(ConfigError, match=message) as e:
         fit(model, x, y, batch_size=32, loss=loss, optimizer=optax.sgd(0.1), strategy=strategy8)
     assert "\n" not in str(e.value)
+
+
+def test_an_nnx_style_loss_fn_given_with_a_keras_model_is_named(strategy8):
+    """loss_fn(model, batch) beside a Keras model was called as loss(y_true, y_pred) and failed
+    in JAX ("does not support string indexing; got idx='y'")."""
+
+    def loss_fn(model, batch):
+        return keras.losses.sparse_categorical_crossentropy(batch["y"], model(batch["x"]), from_logits=True)
+
+    with pytest.raises(ConfigError, match=r"this one takes \(model, batch\), the form of an nnx.Module's loss_fn"):
+        xlafit.Trainer(build(dropout=0.0), loss_fn, optax.sgd(0.1), strategy=strategy8, global_batch=32)

@@ -3,6 +3,7 @@ values, per output, under Keras' names."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -22,11 +23,24 @@ def _resolve_loss(keras: Any, loss: Any) -> Callable:
         # Loss.call is the unreduced loss of Keras' convention; __call__ would reduce it.
         return loss.call
     if callable(loss):
+        if _parameters(loss)[:2] == ["model", "batch"]:
+            raise ConfigError(
+                "with a Keras model, the loss is a Keras loss, its name, loss(y_true, y_pred) or a KerasLoss (batches "
+                "are {'x': inputs, 'y': targets}); this one takes (model, batch), the form of an nnx.Module's loss_fn."
+            )
         return loss
     raise ConfigError(
         f"loss must be a Keras loss, its name ('sparse_categorical_crossentropy') or a function "
         f"loss(y_true, y_pred) -> one value per example; got a {type(loss).__name__}."
     )
+
+
+def _parameters(fn: Callable) -> list[str]:
+    """The names of ``fn``'s parameters, or none where Python cannot say (a builtin)."""
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return []
 
 
 def _accuracy_for(keras: Any, y_true: Any, y_pred: Any) -> Callable:
