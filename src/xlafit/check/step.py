@@ -28,7 +28,7 @@ __all__ = ["check_step", "check_tpu", "example_layout", "example_lengths", "posi
 SCALAR_LOSS_NOTE = (
     "loss_fn returns {names} as a scalar (a mean over the batch): training takes it, but evaluation "
     "(fit(eval=...)) needs one value per example, so that a padded last batch's padding rows count zero; "
-    "return the unreduced values (e.g. without .mean()) to evaluate too."
+    "return the unreduced values (optax's losses without .mean(), torch's with reduction='none') to evaluate too."
 )
 
 

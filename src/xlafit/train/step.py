@@ -105,8 +105,8 @@ def split_outputs(out: Any, per_example: bool = False) -> tuple[jax.Array, dict[
             raise ValueError(
                 f"evaluation needs loss_fn to return one {name} per example (shape [batch]), got a scalar: the "
                 "last batch is padded, and only per-example values let its padding rows count zero. Return the "
-                "unreduced values (e.g. optax.softmax_cross_entropy_with_integer_labels without .mean()); "
-                "training takes them too."
+                "unreduced values (optax's losses without .mean(), torch's with reduction='none'); training takes "
+                "them too."
             )
     return losses, dict(metrics)
 
