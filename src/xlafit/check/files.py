@@ -180,10 +180,18 @@ def load_file(path: Path) -> dict[str, Any]:
             f"(optional for Keras) and batch (a dict of arrays; {{'x': ..., 'y': ...}} for Keras); "
             f"missing: {', '.join(missing)}."
         )
-    if not isinstance(namespace["model"], nnx.Module):
+    model = namespace["model"]
+    if not isinstance(model, nnx.Module):
+        built = isinstance(model, type) or callable(model)  # the class, or a function that builds the model
         raise ConfigError(
-            f"`model` in {path} is a {type(namespace['model']).__name__}, not an nnx.Module, a torch.nn.Module or a "
-            "Keras 3 model."
+            f"`model` in {path} is a {type(model).__name__}, not an nnx.Module, a torch.nn.Module or a Keras 3 "
+            "model"
+            + (
+                "; build it in the file: model = MyModel(nnx.Rngs(0)) (nnx.eval_shape(lambda: MyModel(nnx.Rngs(0))) "
+                "builds it as shapes only, without memory for its parameters)."
+                if built
+                else "."
+            )
         )
     return namespace
 
