@@ -235,6 +235,12 @@ def test_a_file_whose_model_is_of_no_known_kind_names_every_kind_it_takes(tmp_pa
     path.write_text("model = 3\n")
     with pytest.raises(ConfigError, match=r"an nnx.Module, a torch.nn.Module or a compiled Keras 3 model.*missing"):
         check_file(path)
+    path.write_text(  # check --tpu said it fits
+        "from flax import nnx\nclass M(nnx.Module):\n    def __init__(self, rngs):\n        pass\n"
+        "model = M(nnx.Rngs(0))\nloss_fn = lambda m, b: b['x']\nbatch = {'x': [1.0], 'note': ['a']}\n"
+    )
+    with pytest.raises(ConfigError, match=r"batch\['note'\] holds text \(<U1\): a step takes numbers only"):
+        check_file(path)
     # the class itself, or a function that builds it: told to build it in the file
     for model in ("M", "lambda: M(nnx.Rngs(0))"):
         path.write_text(

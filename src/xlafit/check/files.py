@@ -20,7 +20,7 @@ from flax import nnx
 from xlafit.check.program import Program
 from xlafit.check.report import Report
 from xlafit.check.rules import classify
-from xlafit.check.step import check_step, check_tpu, example_layout, example_lengths, positive
+from xlafit.check.step import check_step, check_tpu, example_layout, example_lengths, positive, refuse_text
 from xlafit.config import MeshConfig, TrainerConfig, validate_mesh
 from xlafit.errors import ConfigError
 from xlafit.overrides import deep_merge, from_dict, load_yaml, parse_overrides
@@ -101,6 +101,8 @@ def check_file(
                 str(path), program, tpu, lengths=lengths, max_shapes=options.get("max_shapes", 8), max_batch=max_batch
             )
         else:
+            for key, value in (namespace["batch"] if isinstance(namespace["batch"], dict) else {}).items():
+                refuse_text(key, value)
             report = check_step(
                 str(path),
                 namespace["model"],

@@ -153,6 +153,22 @@ def _check_lengths(report: Report, lengths: np.ndarray | None, max_shapes: int, 
         )
 
 
+def refuse_text(key: str, value: Any) -> None:
+    """Refuses a batch entry of text (a step takes numbers only), before JAX does with a page
+    about abstract arrays, or a TPU compile that never sees the entry says it fits."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        try:
+            dtype = np.asarray(value).dtype
+        except ValueError:  # ragged: example_layout names it
+            return
+    if dtype.kind in "US":
+        raise ConfigError(
+            f"batch[{key!r}] holds text ({dtype}): a step takes numbers only; encode it (token ids, class indices) "
+            "or leave it out of `batch`."
+        )
+
+
 def example_layout(batch: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
     """One example's layout (shape without the batch axis, dtype as a TPU step gets it) from a
     batch of arrays or ``ShapeDtypeStruct``s; a one-line ``ConfigError`` for an entry that is
@@ -169,6 +185,7 @@ def example_layout(batch: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
                 v = np.asarray(v)
             except ValueError as e:  # a ragged list
                 raise ConfigError(f"batch[{k!r}] is not an array ({e}); pad its rows to one shape.") from None
+            refuse_text(k, v)
             if v.dtype == object:
                 raise ConfigError(
                     f"batch[{k!r}] is a {type(batch[k]).__name__} that is not an array of numbers; every entry of "
