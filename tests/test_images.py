@@ -558,3 +558,13 @@ def test_a_raw_image_folder_as_prepared_data_suggests_where_to_prepare_it(tmp_pa
     with pytest.raises(DataError, match="is an image folder, not prepared images") as e:
         load_split(url, "train")
     assert f"--input {url} --out {url}-prepared" in str(e.value)
+
+
+@pytest.mark.parametrize("inside", [".", "shards"])
+def test_an_out_inside_the_input_folder_is_refused(tmp_path, inside):
+    """``--out`` inside ``--input`` wrote shards into the image folder, whose next preparation
+    took the shards' folder for a class."""
+    folder = write_folder(tmp_path / "in", classes=("cat", "dog"), per_class=2)
+    with pytest.raises(DataError, match=r"lies inside --input .*; give an --out outside the image folder"):
+        prepare(folder, str(folder / inside), workers=1)
+    assert sorted(p.name for p in folder.iterdir()) == ["cat", "dog"]

@@ -45,3 +45,23 @@ def test_a_shard_that_is_missing_changed_or_not_parquet_is_named(tmp_path):
         read_shard(fs, str(tmp_path), {"path": "train-00000.parquet", "sha256": "0" * 64, "rows": 1}, "MLM", "rows")
     with pytest.raises(DataError, match="train-00001.parquet listed in the manifest is missing"):
         read_shard(fs, str(tmp_path), {"path": "train-00001.parquet", "rows": 1}, "MLM", "rows")
+
+
+@pytest.mark.parametrize("marker", ["config.yaml", "checkpoints"])
+def test_an_out_that_is_a_run_directory_is_refused(tmp_path, korean_tokenizer, marker):
+    """Preparing into a run directory wrote shards among its files and replaced its tokenizer/
+    (the run could no longer be exported)."""
+    from test_images import write_folder
+    from xlafit.data.text import korean_demo_files
+
+    run = tmp_path / "run"
+    (run / "tokenizer").mkdir(parents=True)
+    (run / "tokenizer" / "vocab.txt").write_text("the run's")
+    (run / marker).mkdir() if marker == "checkpoints" else (run / marker).write_text("recipe: bert\n")
+    says = rf"--out {run} is a run directory of `xlafit train` \(it holds {marker}\); give a new directory"
+    with pytest.raises(DataError, match=says):
+        mlm.prepare(korean_tokenizer, korean_demo_files(), str(run), show_progress=False)
+    with pytest.raises(DataError, match=says):
+        images.prepare(write_folder(tmp_path / "in"), str(run), workers=1)
+    assert sorted(p.name for p in run.iterdir()) == sorted([marker, "tokenizer"])
+    assert (run / "tokenizer" / "vocab.txt").read_text() == "the run's"

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import fsspec
 
 from xlafit.errors import DataError, StorageError
-from xlafit.io.paths import check_bucket, describe_error, filesystem, is_url
+from xlafit.io.paths import RUN_MARKERS, check_bucket, describe_error, filesystem, is_url
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -40,8 +40,11 @@ def writing(out: str | Path, what: str) -> Iterator[None]:
 
 
 def output_dir(out: str | Path, what: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem and root path of ``out``, created if missing; a bucket that does not
-    exist is refused by name, never created (gcsfs's ``makedirs`` would create it)."""
+    """The filesystem and root path of ``out``, created if missing.
+
+    A bucket that does not exist is refused by name, never created (gcsfs's ``makedirs``
+    would create it), and so is a run directory (:data:`~xlafit.io.paths.RUN_MARKERS`): the
+    shards would sit among its files and replace its ``tokenizer/``, which its export reads."""
     fs, root = filesystem(out)
     root = root.rstrip("/")
     if is_url(out):
@@ -52,6 +55,12 @@ def output_dir(out: str | Path, what: str) -> tuple[fsspec.AbstractFileSystem, s
     with writing(out, what):
         if fs.isfile(root):
             raise DataError(f"--out {out} is a file; give a directory for {what} (it is created if missing).")
+        run_files = [name for name in RUN_MARKERS if fs.exists(f"{root}/{name}")]
+        if run_files:  # shards among a run's files, and its tokenizer/ replaced: the run could not be exported
+            raise DataError(
+                f"--out {out} is a run directory of `xlafit train` (it holds {', '.join(run_files)}); "
+                f"give a new directory for {what}."
+            )
         fs.makedirs(root, exist_ok=True)
     return fs, root
 

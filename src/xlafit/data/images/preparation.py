@@ -306,6 +306,7 @@ def prepare(
     """
     if shard_size < 1:
         raise DataError(f"--shard-size {shard_size} must be at least 1.")
+    _out_outside_input(input_dir, out)
     splits, classes = find_images(input_dir, eval_fraction, seed)
     root_dir = Path(input_dir)
     ignored = _not_images(root_dir, splits)
@@ -351,6 +352,19 @@ def prepare(
         json.dump(manifest, f, indent=2)
     shards.remove_unlisted(fs, root, out, "the image shards", earlier, manifest)
     return manifest
+
+
+def _out_outside_input(input_dir: str | Path, out: str) -> None:
+    """Refuses an ``out`` that is ``input_dir`` or lies inside it: its shards folder would be
+    read as a class folder (or its shards as images) by this preparation or the next."""
+    if is_url(out) or is_url(str(input_dir)):
+        return
+    source, target = Path(input_dir).expanduser().resolve(), Path(out).expanduser().resolve()
+    if target == source or source in target.parents:
+        raise DataError(
+            f"--out {out} lies inside --input {input_dir}, where its folder would be taken for a class; "
+            "give an --out outside the image folder."
+        )
 
 
 @contextlib.contextmanager
