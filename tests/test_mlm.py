@@ -240,3 +240,26 @@ def test_whole_word_masking_takes_whole_words():
                 assert p - 1 in chosen, (r, p)
                 pieces += 1
     assert pieces > 300  # the test saw many multi-piece words
+
+
+def test_a_tokenizer_replaced_in_prepared_data_is_refused(tmp_path, monkeypatch, korean_tokenizer):
+    """A tokenizer/ swapped for another one after preparation trained with the wrong vocabulary
+    (and a run copied it), although the manifest records the tokenizer's sha256."""
+    import shutil
+
+    from xlafit.data.tokenizer import train_tokenizer
+
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "mlm"
+    mlm.prepare(korean_tokenizer, korean_demo_files(), str(out), seq_len=64, show_progress=False)
+    assert len(mlm.MLMDataset.from_prepared(str(out), "train")) > 0
+    (tmp_path / "other.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 20)
+    train_tokenizer([str(tmp_path / "other.txt")], 120, tmp_path / "other", show_progress=False)
+    shutil.rmtree(out / "tokenizer")
+    shutil.copytree(tmp_path / "other", out / "tokenizer")
+    says = rf"{out}/tokenizer differs from the tokenizer the data was prepared with \(sha256 .*; restore it, or prepare"
+    with pytest.raises(DataError, match=says):
+        mlm.MLMDataset.from_prepared(str(out), "train")
+    (out / "tokenizer" / "tokenizer.json").unlink()
+    with pytest.raises(DataError, match=r"tokenizer has no tokenizer.json; restore it, or prepare the data again"):
+        mlm.MLMDataset.from_prepared(str(out), "train")

@@ -223,7 +223,6 @@ def prepare(
             f"--input {names}: no text to train on ({lines} non-empty lines, none of them in the train split); "
             "give files with one sentence or paragraph per line (no manifest was written)."
         )
-    tokenizer_json = as_path(tokenizer_dir) / "tokenizer.json"
     manifest = {
         "format": FORMAT,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -237,7 +236,7 @@ def prepare(
         "tokenizer": {
             "path": "tokenizer",
             "vocab_size": tok.get_vocab_size(),
-            "sha256": hashlib.sha256(tokenizer_json.read_bytes()).hexdigest(),
+            "sha256": tokenizer_sha256(tokenizer_dir),
         },
         "splits": {split: _split_record(w.shards, documents_per_split[split]) for split, w in writers.items()},
     }
@@ -260,6 +259,12 @@ def _split_record(written: list[dict], documents: int) -> dict:
 def _split_draw(seed: int, index: int) -> float:
     """A document's uniform draw in [0, 1) for the train/eval split (stream 7 of the hash)."""
     return float(hash_uniform(np.array([seed]), np.array([index]), 7)[0])
+
+
+def tokenizer_sha256(tokenizer_dir: str | Path) -> str:
+    """The SHA-256 of a tokenizer directory's ``tokenizer.json`` (a path or URL): what the
+    manifest records, so that a run can tell the tokenizer the data was prepared with."""
+    return hashlib.sha256((as_path(tokenizer_dir) / "tokenizer.json").read_bytes()).hexdigest()
 
 
 def _copy_tokenizer(tokenizer_dir: str | Path, fs: fsspec.AbstractFileSystem, dest: str) -> None:
