@@ -5,6 +5,7 @@ import contextlib
 import hashlib
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -305,7 +306,15 @@ def test_an_out_that_already_holds_prepared_images_is_refused_unless_overwrite(t
     args = ["data", "images", "--input", str(small), "--out", str(out), "--workers", "1"]
     assert main(args) == 2 and "--overwrite" in capsys.readouterr().err
     assert main([*args, "--overwrite"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "notes.txt", "train-00000.parquet"]
+    names = " ".join(sorted(p.name for p in out.iterdir()))  # the new shard's name is the earlier's + a tag
+    assert re.fullmatch(r"manifest.json notes.txt train-00000\.\w{8}\.parquet", names)
+    assert len(load_split(str(out), "train")[0]) == 4
+    # an overwrite that stops at a corrupt image changes nothing: the earlier images still load
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    (small / "x" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    with pytest.raises(DataError, match="broken.jpg cannot be decoded"):
+        prepare(small, str(out), workers=1, on_corrupt="stop", overwrite=True, shard_size=1)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert len(load_split(str(out), "train")[0]) == 4
 
 

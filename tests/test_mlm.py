@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -108,15 +109,19 @@ def test_an_out_that_already_holds_prepared_data_is_refused_unless_overwrite(
     assert "already holds prepared MLM data (eval-00000.parquet, " in err and "pass --overwrite" in err
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before  # nothing written or removed
     assert main([*args, "--overwrite"]) == 0
-    names = sorted(p.name for p in out.iterdir())
-    assert names == ["eval-00000.parquet", "manifest.json", "notes.txt", "tokenizer", "train-00000.parquet"]
+    names = " ".join(sorted(p.name for p in out.iterdir()))  # the new shards' names are the earlier's + a tag
+    assert re.fullmatch(
+        r"eval-00000\.(\w{8})\.parquet manifest.json notes.txt tokenizer train-00000\.\1\.parquet", names
+    )
     data, _ = mlm.load_split(str(out), "train")
     assert len(data["input_ids"]) == json.loads((out / "manifest.json").read_text())["splits"]["train"]["sequences"]
-    # an overwrite that fails leaves no manifest listing shards it may have replaced
+    # an overwrite that fails changes nothing: the earlier data still loads
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     (tmp_path / "blank.txt").write_text("\n\n")
     with pytest.raises(DataError, match="no text to train on"):
         mlm.prepare(korean_tokenizer, [str(tmp_path / "blank.txt")], str(out), overwrite=True, show_progress=False)
-    assert not (out / "manifest.json").exists()
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert len(mlm.MLMDataset.from_prepared(str(out), "train")) == len(data["input_ids"])
 
 
 def test_split_is_decoded_once_into_a_memory_mapped_cache(tmp_path, monkeypatch, caplog, korean_tokenizer):

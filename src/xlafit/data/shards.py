@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import re
+import secrets
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -65,6 +66,9 @@ def output_dir(out: str | Path, what: str) -> tuple[fsspec.AbstractFileSystem, s
     return fs, root
 
 
+SHARD_NAME = re.compile(r"(train|eval)-\d{5,}(\.[0-9a-f]{8})?\.parquet")  # shard_name's
+
+
 def earlier_preparation(
     fs: fsspec.AbstractFileSystem,
     root: str,
@@ -74,14 +78,17 @@ def earlier_preparation(
     what: str,
     overwrite: bool,
 ) -> list[str]:
-    """The shards (``<split>-NNNNN.parquet``) an earlier preparation left in ``root``, for
-    :func:`remove_unlisted` to clear once the new manifest is written.
+    """The shards (:data:`SHARD_NAME`) an earlier preparation left in ``root``, for
+    :func:`publish` to clear once the new manifest is written.
 
     Shards without a manifest (an interrupted preparation: unusable) are replaced. A manifest
-    is refused unless ``overwrite``; with it, the manifest is removed here, before any shard is
-    replaced, so that an interrupted preparation leaves none that lists shards it changed.
-    ``data`` names the data for messages ("images", "MLM data"), ``what`` the files being
-    written ("the MLM shards").
+    is refused unless ``overwrite``; with it, the earlier manifest and shards stay as they are
+    until the new data is complete: the new shards take names of their own (:func:`shard_tag`),
+    the new manifest replaces the old in one write (:func:`publish`), and only then are the
+    old shards removed. A preparation that fails or is interrupted before then (a corrupt
+    image, no text, Ctrl-C) leaves the earlier data usable; its own shards are removed
+    (:func:`discarded_on_failure`), or by the next preparation. ``data`` names the data for
+    messages ("images", "MLM data"), ``what`` the files being written ("the MLM shards").
 
     Raises:
         DataError: ``root`` holds a manifest and not ``overwrite``; nothing was written.
@@ -91,29 +98,68 @@ def earlier_preparation(
             names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
         except FileNotFoundError:  # an object store's new "directory" holds nothing yet
             names = []
-        earlier = [n for n in names if n == manifest or re.fullmatch(r"(train|eval)-\d{5,}\.parquet", n)]
-        if earlier and manifest not in earlier:
-            log.warning("--out %s: %d shard(s) of an unfinished preparation are replaced", out, len(earlier))
-        elif earlier and not overwrite:
-            found = ", ".join(earlier[:3]) + (", ..." if len(earlier) > 3 else "")
-            raise DataError(
-                f"--out {out} already holds prepared {data} ({found}); "
-                "choose an empty directory, or pass --overwrite to replace them."
-            )
-        elif earlier:
-            fs.rm(f"{root}/{manifest}")
+    earlier = [n for n in names if n == manifest or SHARD_NAME.fullmatch(n)]
+    if earlier and manifest not in earlier:
+        log.warning("--out %s: %d shard(s) of an unfinished preparation are replaced", out, len(earlier))
+    elif earlier and not overwrite:
+        found = ", ".join(earlier[:3]) + (", ..." if len(earlier) > 3 else "")
+        raise DataError(
+            f"--out {out} already holds prepared {data} ({found}); "
+            "choose an empty directory, or pass --overwrite to replace them."
+        )
     return [n for n in earlier if n != manifest]
 
 
-def remove_unlisted(
-    fs: fsspec.AbstractFileSystem, root: str, out: str | Path, what: str, earlier: Sequence[str], manifest: dict
+def shard_tag(earlier: Sequence[str], manifest: str, fs: fsspec.AbstractFileSystem, root: str) -> str:
+    """``""`` where no manifest lists shards in ``root``; else a tag new to it (``.1a2b3c4d``)
+    that keeps the new shards' names (:func:`shard_name`) off those the earlier manifest lists."""
+    if not earlier or not fs.exists(f"{root}/{manifest}"):
+        return ""
+    return "." + secrets.token_hex(4)
+
+
+def shard_name(split: str, index: int, tag: str) -> str:
+    """``<split>-NNNNN<tag>.parquet``: the ``index``-th shard of ``split``."""
+    return f"{split}-{index:05d}{tag}.parquet"
+
+
+@contextlib.contextmanager
+def discarded_on_failure(fs: fsspec.AbstractFileSystem, root: str, tag: str) -> Iterator[None]:
+    """Removes the shards named with ``tag`` (:func:`shard_tag`) when the block fails or is
+    interrupted, leaving ``root`` as the earlier preparation left it; a removal that fails is
+    left to the next preparation (the block's error is the one to report)."""
+    try:
+        yield
+    except BaseException:
+        if tag:
+            with contextlib.suppress(OSError):
+                for path in fs.ls(root, detail=False):
+                    name = path.rstrip("/").rsplit("/", 1)[-1]
+                    if SHARD_NAME.fullmatch(name) and name.endswith(f"{tag}.parquet"):
+                        fs.rm(path)
+        raise
+
+
+def publish(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    out: str | Path,
+    what: str,
+    name: str,
+    manifest: dict,
+    earlier: Sequence[str],
 ) -> None:
-    """Removes the shards of ``earlier`` (:func:`earlier_preparation`) that the new ``manifest`` does not list."""
+    """Writes ``manifest`` as ``root/name`` (written beside it, then renamed over the earlier
+    one: a reader finds one manifest or the other, whole), then
+    removes the shards of ``earlier`` (:func:`earlier_preparation`) that it does not list."""
     listed = {s["path"] for info in manifest["splits"].values() for s in info["shards"]}
     with writing(out, what):
-        for name in earlier:
-            if name not in listed:
-                fs.rm(f"{root}/{name}")
+        with fs.open(f"{root}/.{name}.tmp", "w") as f:
+            json.dump(manifest, f, indent=2)
+        fs.mv(f"{root}/.{name}.tmp", f"{root}/{name}")  # a rename where the filesystem has one
+        for shard in earlier:
+            if shard not in listed:
+                fs.rm(f"{root}/{shard}")
 
 
 @contextlib.contextmanager

@@ -19,7 +19,6 @@ import datetime
 import functools
 import hashlib
 import io
-import json
 import logging
 import multiprocessing
 import multiprocessing.pool
@@ -36,7 +35,7 @@ import numpy as np
 
 from xlafit.data import shards
 from xlafit.data.hashing import hash_uniform
-from xlafit.data.shards import output_dir, writing
+from xlafit.data.shards import output_dir, shard_name, writing
 from xlafit.errors import DataError
 from xlafit.io.paths import is_url
 
@@ -232,14 +231,16 @@ def _write_split(
     files: list[tuple[str, int]],
     decode: Callable[..., Iterator[tuple[bytes, int, str | None]]],
     fs: fsspec.AbstractFileSystem,
-    root: str,
+    where: tuple[str, str],
     out: str,
     root_dir: Path,
     shard_size: int,
     on_corrupt: OnCorrupt,
 ) -> tuple[dict, int]:
     """One split's images, checked by ``decode`` (in worker processes), as shards of
-    ``shard_size``: ``(its manifest entry, the most channels seen)``."""
+    ``shard_size`` in ``where`` (the root path and :func:`~xlafit.data.shards.shard_tag`'s tag
+    of the names): ``(its manifest entry, the most channels seen)``."""
+    root, tag = where
     shards: list[dict] = []
     skipped: list[dict] = []
     rows: list[tuple[bytes, int, str]] = []
@@ -247,7 +248,7 @@ def _write_split(
 
     def flush() -> None:
         if rows:
-            name = f"{split}-{len(shards):05d}.parquet"
+            name = shard_name(split, len(shards), tag)
             with writing(out, "the image shards"):
                 digest = _write_shard(fs, f"{root}/{name}", rows)
             shards.append(
@@ -295,8 +296,10 @@ def prepare(
         on_corrupt: an image that cannot be decoded is ``skip``-ped (named in the manifest's
             ``skipped``) or a ``stop`` (a :class:`DataError` naming it).
         workers: processes that decode to check the images (default: every core).
-        overwrite: replace images prepared in ``out`` before (their shards that the new
-            manifest does not list are removed once it is written); without it they are refused.
+        overwrite: replace images prepared in ``out`` before; without it they are refused. The
+            earlier images stay usable until the new manifest replaces theirs: a preparation
+            that fails (a corrupt image with ``stop``) or is interrupted loses nothing
+            (:func:`xlafit.data.shards.earlier_preparation`).
 
     Returns:
         The manifest (also written to ``out/manifest.json``).
@@ -321,22 +324,23 @@ def prepare(
         )
     fs, root = output_dir(out, "the image shards")
     earlier = shards.earlier_preparation(fs, root, out, MANIFEST, "images", "the image shards", overwrite)
+    tag = shards.shard_tag(earlier, MANIFEST, fs, root)
     manifest_splits: dict[str, dict] = {}
     channels = 1
     workers = workers or os.cpu_count() or 1
     total = sum(map(len, splits.values()))
-    with contextlib.ExitStack() as stack:
+    with shards.discarded_on_failure(fs, root, tag), contextlib.ExitStack() as stack:
         decode: Callable[..., Iterator[tuple[bytes, int, str | None]]] = map
         if workers > 1 and total >= 2048:  # a pool of fresh interpreters costs ~2 s to start
             pool = stack.enter_context(_worker_pool(workers))
             decode = functools.partial(pool.imap, chunksize=64)
         for split, files in splits.items():
             manifest_splits[split], ch = _write_split(
-                split, files, decode, fs, root, out, root_dir, shard_size, on_corrupt
+                split, files, decode, fs, (root, tag), out, root_dir, shard_size, on_corrupt
             )
             channels = max(channels, ch)
-    if not manifest_splits["train"]["examples"]:
-        raise DataError(f"{input_dir}: no training image could be decoded.")
+        if not manifest_splits["train"]["examples"]:
+            raise DataError(f"{input_dir}: no training image could be decoded.")
     manifest = {
         "format": FORMAT,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -348,9 +352,7 @@ def prepare(
         "splits": manifest_splits,
         "ignored": ignored,
     }
-    with writing(out, "the image shards"), fs.open(f"{root}/{MANIFEST}", "w") as f:
-        json.dump(manifest, f, indent=2)
-    shards.remove_unlisted(fs, root, out, "the image shards", earlier, manifest)
+    shards.publish(fs, root, out, "the image shards", MANIFEST, manifest, earlier)
     return manifest
 
 
