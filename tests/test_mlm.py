@@ -268,3 +268,16 @@ def test_a_tokenizer_replaced_in_prepared_data_is_refused(tmp_path, monkeypatch,
     (out / "tokenizer" / "tokenizer.json").unlink()
     with pytest.raises(DataError, match=r"tokenizer has no tokenizer.json; restore it, or prepare the data again"):
         mlm.MLMDataset.from_prepared(str(out), "train")
+
+
+def test_a_manifest_whose_seq_len_was_changed_is_named(tmp_path, monkeypatch, korean_tokenizer):
+    """A manifest edited from seq_len 32 to 64 failed with numpy's "cannot reshape array"."""
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "mlm"
+    mlm.prepare(korean_tokenizer, korean_demo_files(), str(out), seq_len=32, show_progress=False)
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**manifest, "seq_len": 64}))
+    says = r"train-00000.parquet holds sequences of 32 tokens, not the manifest's seq_len=64: the manifest was changed"
+    for memory_map in (True, False):
+        with pytest.raises(DataError, match=says):
+            mlm.load_split(str(out), "train", memory_map=memory_map)
