@@ -66,6 +66,8 @@ def output_dir(out: str | Path, what: str) -> tuple[fsspec.AbstractFileSystem, s
     return fs, root
 
 
+# What each manifest format holds, for a message that finds one where another was expected.
+KINDS = {"xlafit-mlm-v1": "MLM shards of `xlafit data mlm`", "xlafit-images-v1": "image shards of `xlafit data images`"}
 SHARD_NAME = re.compile(r"(train|eval)-\d{5,}(\.[0-9a-f]{8})?\.parquet")  # shard_name's
 
 
@@ -77,6 +79,7 @@ def earlier_preparation(
     data: str,
     what: str,
     overwrite: bool,
+    fmt: str,
 ) -> list[str]:
     """The shards (:data:`SHARD_NAME`) an earlier preparation left in ``root``, for
     :func:`publish` to clear once the new manifest is written.
@@ -88,10 +91,12 @@ def earlier_preparation(
     old shards removed. A preparation that fails or is interrupted before then (a corrupt
     image, no text, Ctrl-C) leaves the earlier data usable; its own shards are removed
     (:func:`discarded_on_failure`), or by the next preparation. ``data`` names the data for
-    messages ("images", "MLM data"), ``what`` the files being written ("the MLM shards").
+    messages ("images", "MLM data"), ``what`` the files being written ("the MLM shards"),
+    ``fmt`` the manifest's format: data of another format is refused even with ``overwrite``.
 
     Raises:
-        DataError: ``root`` holds a manifest and not ``overwrite``; nothing was written.
+        DataError: ``root`` holds a manifest and not ``overwrite``, or one of another kind of
+            data; nothing was written.
     """
     with writing(out, what):
         try:
@@ -99,6 +104,9 @@ def earlier_preparation(
         except FileNotFoundError:  # an object store's new "directory" holds nothing yet
             names = []
     earlier = [n for n in names if n == manifest or SHARD_NAME.fullmatch(n)]
+    other = _format_of(fs, f"{root}/{manifest}") if manifest in earlier else fmt
+    if other != fmt and other in KINDS:
+        raise DataError(f"--out {out} holds {KINDS[other]}, not {data}; give a new directory for {what}.")
     if earlier and manifest not in earlier:
         log.warning("--out %s: %d shard(s) of an unfinished preparation are replaced", out, len(earlier))
     elif earlier and not overwrite:
@@ -108,6 +116,16 @@ def earlier_preparation(
             "choose an empty directory, or pass --overwrite to replace them."
         )
     return [n for n in earlier if n != manifest]
+
+
+def _format_of(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
+    """The ``format`` of the manifest at ``path``; None where it has none or cannot be read."""
+    try:
+        with fs.open(path, "r") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return manifest.get("format") if isinstance(manifest, dict) else None
 
 
 def shard_tag(earlier: Sequence[str], manifest: str, fs: fsspec.AbstractFileSystem, root: str) -> str:
@@ -188,29 +206,38 @@ def read_manifest(
         name: the manifest's file name.
         fmt: the ``format`` the manifest must have.
         kind: the data, for messages ("image", "MLM").
-        prepare: the command that prepares it, for messages.
+        prepare: the command that prepares it, without ``--out``, for messages.
         required: keys the manifest must hold.
 
     Raises:
-        DataError: no manifest, not JSON, another format or keys missing (each says to
-            prepare the data again), or the storage cannot be read.
+        DataError: no manifest, not JSON, another format or keys missing (each says how to
+            prepare the data), or the storage cannot be read.
     """
     with reading(url, f"the prepared {kind} data"):
         fs, root = filesystem(url)
         path = f"{root.rstrip('/')}/{name}"
         if not fs.exists(path):
-            raise DataError(f"{url} has no {name}; prepare the data with `{prepare}`.")
+            raise DataError(f"{url} has no {name}; prepare the data with `{prepare} --out {url}`.")
         with fs.open(path, "r") as f:
             try:
                 manifest = json.load(f)
             except json.JSONDecodeError as e:
-                raise DataError(f"{url}/{name} is damaged ({e}); prepare the data again (`{prepare}`).") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != fmt:
-        raise DataError(f"{url}/{name} is not an xlafit {kind} manifest ({fmt}); prepare the data with `{prepare}`.")
+                again = f"{prepare} --out {url} --overwrite"
+                raise DataError(f"{url}/{name} is damaged ({e}); prepare the data again (`{again}`).") from None
+    found = manifest.get("format") if isinstance(manifest, dict) else None
+    if found != fmt:
+        if found in KINDS:
+            what = f"{url} holds {KINDS[found]}, not {kind} data"
+        else:
+            what = f"{url}/{name} is not an xlafit {kind} manifest ({fmt})"
+        raise DataError(
+            f"{what}; prepare the data in a new directory (`{prepare} --out NEWDIR`) and point the run at it."
+        )
     missing = [key for key in required if key not in manifest]
     if missing:
         raise DataError(
-            f"{url}/{name} is damaged: it lacks {', '.join(missing)}; prepare the data again (`{prepare}`)."
+            f"{url}/{name} is damaged: it lacks {', '.join(missing)}; prepare the data again "
+            f"(`{prepare} --out {url} --overwrite`)."
         )
     return fs, root.rstrip("/"), manifest
 

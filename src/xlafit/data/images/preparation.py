@@ -323,7 +323,7 @@ def prepare(
             names,
         )
     fs, root = output_dir(out, "the image shards")
-    earlier = shards.earlier_preparation(fs, root, out, MANIFEST, "images", "the image shards", overwrite)
+    earlier = shards.earlier_preparation(fs, root, out, MANIFEST, "images", "the image shards", overwrite, FORMAT)
     tag = shards.shard_tag(earlier, MANIFEST, fs, root)
     manifest_splits: dict[str, dict] = {}
     channels = 1
@@ -435,7 +435,7 @@ def read_manifest(url: str) -> tuple[fsspec.AbstractFileSystem, str, dict]:
         >>> len(manifest["classes"])                            # doctest: +SKIP
         1000
     """
-    prepare = f"xlafit data images --input DIR --out {url}"
+    prepare = "xlafit data images --input DIR"
     folder = Path(url)
     if not is_url(url) and folder.is_dir() and not (folder / MANIFEST).exists() and _holds_images(folder):
         raise DataError(
@@ -446,5 +446,8 @@ def read_manifest(url: str) -> tuple[fsspec.AbstractFileSystem, str, dict]:
         url, MANIFEST, FORMAT, "image", prepare, ("classes", "channels", "splits")
     )
     if "train" not in manifest["splits"]:
-        raise DataError(f"{url}/{MANIFEST} is damaged: it lacks the train split; prepare the data again (`{prepare}`).")
+        raise DataError(
+            f"{url}/{MANIFEST} is damaged: it lacks the train split; prepare the data again "
+            f"(`{prepare} --out {url} --overwrite`)."
+        )
     return fs, root, manifest

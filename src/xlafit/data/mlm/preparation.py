@@ -33,7 +33,7 @@ from xlafit.data.shards import output_dir, writing
 from xlafit.data.text import DocBoundary, documents, total_bytes
 from xlafit.data.tokenizer import CLS, SEP, load_tokenizer
 from xlafit.errors import DataError
-from xlafit.io.paths import as_path, files_under
+from xlafit.io.paths import as_path, files_under, is_url
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -199,7 +199,7 @@ def prepare(
         raise DataError(f"--shard-size {shard_size} must be at least 1.")
     tok = load_tokenizer(tokenizer_dir)
     fs, root = output_dir(out, "the MLM shards")
-    earlier = shards.earlier_preparation(fs, root, out, MANIFEST, "MLM data", "the MLM shards", overwrite)
+    earlier = shards.earlier_preparation(fs, root, out, MANIFEST, "MLM data", "the MLM shards", overwrite, FORMAT)
     tag = shards.shard_tag(earlier, MANIFEST, fs, root)
     writers = {s: _ShardWriter(fs, root, s, seq_len, shard_size, str(out), tag) for s in ("train", "eval")}
     with shards.discarded_on_failure(fs, root, tag):
@@ -312,5 +312,19 @@ def read_manifest(url: str) -> tuple[fsspec.AbstractFileSystem, str, dict]:
         >>> manifest["seq_len"]                              # doctest: +SKIP
         128
     """
+    prepare = "xlafit data mlm --tokenizer TOK --input TEXT"
+    folder = Path(url)
+    if not is_url(url) and folder.is_file():
+        raise DataError(
+            f"{url} is a file, not a directory of prepared MLM data; prepare its text with "
+            f"`xlafit data mlm --tokenizer TOK --input {url} --out NEWDIR` and point the run at NEWDIR."
+        )
+    texts = sorted(p.name for p in folder.glob("*.txt")) if not is_url(url) and folder.is_dir() else []
+    if texts and not (folder / MANIFEST).exists():
+        shown = ", ".join(texts[:3]) + (", ..." if len(texts) > 3 else "")
+        raise DataError(
+            f"{url} holds text files ({shown}), not prepared MLM data; prepare them with "
+            f"`xlafit data mlm --tokenizer TOK --input {url} --out NEWDIR` and point the run at NEWDIR."
+        )
     required = ("seq_len", "splits", "tokenizer")
-    return shards.read_manifest(url, MANIFEST, FORMAT, "MLM", f"xlafit data mlm --out {url}", required)
+    return shards.read_manifest(url, MANIFEST, FORMAT, "MLM", prepare, required)
