@@ -577,3 +577,15 @@ def test_an_out_inside_the_input_folder_is_refused(tmp_path, inside):
     with pytest.raises(DataError, match=r"lies inside --input .*; give an --out outside the image folder"):
         prepare(folder, str(folder / inside), workers=1)
     assert sorted(p.name for p in folder.iterdir()) == ["cat", "dog"]
+
+
+def test_a_single_class_is_refused(tmp_path):
+    """One class folder was prepared, and a run on it reported loss 0 and accuracy 1."""
+    one = write_folder(tmp_path / "one", classes=("cat",), per_class=2)
+    with pytest.raises(DataError, match=rf"{one} has one class \(cat\): a classifier needs two or more"):
+        prepare(one, str(tmp_path / "o"), workers=1)
+    write_folder(tmp_path / "splits" / "train", classes=("cat",), per_class=2)
+    write_folder(tmp_path / "splits" / "val", classes=("cat",), per_class=1)
+    with pytest.raises(DataError, match=r"train has one class \(cat\)"):
+        prepare(tmp_path / "splits", str(tmp_path / "o"), workers=1)
+    assert not (tmp_path / "o").exists()

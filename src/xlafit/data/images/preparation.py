@@ -60,7 +60,7 @@ def find_images(
     these names is a split when it holds folders only, and a class when it holds images.)
 
     Raises:
-        DataError: no class folders, no images, a training class folder with no image,
+        DataError: no class folders, no images, one class, a training class folder with no image,
             splits whose classes differ, a held-out folder without ``train/``, or an
             ``eval_fraction`` for a folder that has its own held-out split.
     """
@@ -91,9 +91,11 @@ def find_images(
                 "both splits need the same classes."
             )
         _no_empty_classes(root / "train", train, classes)
+        _two_classes_or_more(root / "train", classes)
         return {"train": train, "eval": evaluation}, classes
     files, classes = _image_folder(root)
     _no_empty_classes(root, files, classes)
+    _two_classes_or_more(root, classes)
     if not 0.0 <= eval_fraction < 1.0:
         raise DataError(f"--eval-fraction {eval_fraction} must lie in [0, 1).")
     # os.fsencode: a name that is not UTF-8 (bytes the file system kept as they were) hashes too
@@ -182,6 +184,16 @@ def _no_empty_classes(root: Path, files: list[tuple[str, int]], classes: list[st
         raise DataError(
             f"the class folder(s) {', '.join(empty[:5])} of {root} hold no {', '.join(EXTENSIONS)} files, so their "
             "labels would have no training image; add images or remove the folder(s)."
+        )
+
+
+def _two_classes_or_more(root: Path, classes: list[str]) -> None:
+    """Refuses one class: every label is the same, so a run learns nothing and reports a loss
+    of 0 and an accuracy of 1."""
+    if len(classes) < 2:
+        raise DataError(
+            f"{root} has one class ({classes[0]}): a classifier needs two or more; add a folder of images for "
+            "each other class beside it."
         )
 
 
