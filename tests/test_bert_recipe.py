@@ -81,3 +81,35 @@ def test_sequence_length_and_vocabulary_come_from_the_data():
     # a setting that agrees is fine
     agreed = load_config("bert", ["data.data_dir=prepared/mlm", "data.seq_len=64"])
     assert recipe.from_data(agreed, data).data.seq_len == 64
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("data.mask_prob=1.5", r"data.mask_prob=1.5 is the share of tokens masked .*above 0 and at most 1"),
+        ("data.mask_prob=-0.5", r"data.mask_prob=-0.5 is the share"),
+        ("data.mask_prob=0", r"data.mask_prob=0 is the share"),
+        ("data.max_predictions=0", r"data.max_predictions=0 must be a positive number"),
+    ],
+)
+def test_masking_settings_that_cannot_train_are_refused(override, says):
+    """data.max_predictions=0 failed with numpy's "cannot reshape array of size 0"; a mask_prob
+    outside (0, 1] was accepted (0 trained on nothing and still reported a masked accuracy)."""
+    from xlafit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=says):
+        load_config("bert", [override])
+
+
+def test_sequences_longer_than_the_position_table_are_refused_before_the_model_is_built():
+    """Data prepared at --seq-len 600 failed with a traceback from inside the model."""
+    from helpers import mlm_dataset
+    from xlafit.errors import ConfigError
+
+    data = mlm_dataset(n=4, t=600, vocab=1000)
+    data.location = "prepared/mlm600"
+    says = r"prepared/mlm600 holds sequences of 600 tokens, longer than model.max_position_embeddings=512; set mod"
+    with pytest.raises(ConfigError, match=says):
+        recipe.from_data(load_config("bert", ["data.data_dir=prepared/mlm600"]), data)
+    longer = load_config("bert", ["data.data_dir=prepared/mlm600", "model.max_position_embeddings=600"])
+    assert recipe.from_data(longer, data).data.seq_len == 600

@@ -5,6 +5,7 @@ import contextlib
 import hashlib
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -305,7 +306,15 @@ def test_an_out_that_already_holds_prepared_images_is_refused_unless_overwrite(t
     args = ["data", "images", "--input", str(small), "--out", str(out), "--workers", "1"]
     assert main(args) == 2 and "--overwrite" in capsys.readouterr().err
     assert main([*args, "--overwrite"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "notes.txt", "train-00000.parquet"]
+    names = " ".join(sorted(p.name for p in out.iterdir()))  # the new shard's name is the earlier's + a tag
+    assert re.fullmatch(r"manifest.json notes.txt train-00000\.\w{8}\.parquet", names)
+    assert len(load_split(str(out), "train")[0]) == 4
+    # an overwrite that stops at a corrupt image changes nothing: the earlier images still load
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    (small / "x" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    with pytest.raises(DataError, match="broken.jpg cannot be decoded"):
+        prepare(small, str(out), workers=1, on_corrupt="stop", overwrite=True, shard_size=1)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert len(load_split(str(out), "train")[0]) == 4
 
 
@@ -558,3 +567,25 @@ def test_a_raw_image_folder_as_prepared_data_suggests_where_to_prepare_it(tmp_pa
     with pytest.raises(DataError, match="is an image folder, not prepared images") as e:
         load_split(url, "train")
     assert f"--input {url} --out {url}-prepared" in str(e.value)
+
+
+@pytest.mark.parametrize("inside", [".", "shards"])
+def test_an_out_inside_the_input_folder_is_refused(tmp_path, inside):
+    """``--out`` inside ``--input`` wrote shards into the image folder, whose next preparation
+    took the shards' folder for a class."""
+    folder = write_folder(tmp_path / "in", classes=("cat", "dog"), per_class=2)
+    with pytest.raises(DataError, match=r"lies inside --input .*; give an --out outside the image folder"):
+        prepare(folder, str(folder / inside), workers=1)
+    assert sorted(p.name for p in folder.iterdir()) == ["cat", "dog"]
+
+
+def test_a_single_class_is_refused(tmp_path):
+    """One class folder was prepared, and a run on it reported loss 0 and accuracy 1."""
+    one = write_folder(tmp_path / "one", classes=("cat",), per_class=2)
+    with pytest.raises(DataError, match=rf"{one} has one class \(cat\): a classifier needs two or more"):
+        prepare(one, str(tmp_path / "o"), workers=1)
+    write_folder(tmp_path / "splits" / "train", classes=("cat",), per_class=2)
+    write_folder(tmp_path / "splits" / "val", classes=("cat",), per_class=1)
+    with pytest.raises(DataError, match=r"train has one class \(cat\)"):
+        prepare(tmp_path / "splits", str(tmp_path / "o"), workers=1)
+    assert not (tmp_path / "o").exists()

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -108,15 +109,19 @@ def test_an_out_that_already_holds_prepared_data_is_refused_unless_overwrite(
     assert "already holds prepared MLM data (eval-00000.parquet, " in err and "pass --overwrite" in err
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before  # nothing written or removed
     assert main([*args, "--overwrite"]) == 0
-    names = sorted(p.name for p in out.iterdir())
-    assert names == ["eval-00000.parquet", "manifest.json", "notes.txt", "tokenizer", "train-00000.parquet"]
+    names = " ".join(sorted(p.name for p in out.iterdir()))  # the new shards' names are the earlier's + a tag
+    assert re.fullmatch(
+        r"eval-00000\.(\w{8})\.parquet manifest.json notes.txt tokenizer train-00000\.\1\.parquet", names
+    )
     data, _ = mlm.load_split(str(out), "train")
     assert len(data["input_ids"]) == json.loads((out / "manifest.json").read_text())["splits"]["train"]["sequences"]
-    # an overwrite that fails leaves no manifest listing shards it may have replaced
+    # an overwrite that fails changes nothing: the earlier data still loads
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     (tmp_path / "blank.txt").write_text("\n\n")
     with pytest.raises(DataError, match="no text to train on"):
         mlm.prepare(korean_tokenizer, [str(tmp_path / "blank.txt")], str(out), overwrite=True, show_progress=False)
-    assert not (out / "manifest.json").exists()
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert len(mlm.MLMDataset.from_prepared(str(out), "train")) == len(data["input_ids"])
 
 
 def test_split_is_decoded_once_into_a_memory_mapped_cache(tmp_path, monkeypatch, caplog, korean_tokenizer):
@@ -240,3 +245,39 @@ def test_whole_word_masking_takes_whole_words():
                 assert p - 1 in chosen, (r, p)
                 pieces += 1
     assert pieces > 300  # the test saw many multi-piece words
+
+
+def test_a_tokenizer_replaced_in_prepared_data_is_refused(tmp_path, monkeypatch, korean_tokenizer):
+    """A tokenizer/ swapped for another one after preparation trained with the wrong vocabulary
+    (and a run copied it), although the manifest records the tokenizer's sha256."""
+    import shutil
+
+    from xlafit.data.tokenizer import train_tokenizer
+
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "mlm"
+    mlm.prepare(korean_tokenizer, korean_demo_files(), str(out), seq_len=64, show_progress=False)
+    assert len(mlm.MLMDataset.from_prepared(str(out), "train")) > 0
+    (tmp_path / "other.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 20)
+    train_tokenizer([str(tmp_path / "other.txt")], 120, tmp_path / "other", show_progress=False)
+    shutil.rmtree(out / "tokenizer")
+    shutil.copytree(tmp_path / "other", out / "tokenizer")
+    says = rf"{out}/tokenizer differs from the tokenizer the data was prepared with \(sha256 .*; restore it, or prepare"
+    with pytest.raises(DataError, match=says):
+        mlm.MLMDataset.from_prepared(str(out), "train")
+    (out / "tokenizer" / "tokenizer.json").unlink()
+    with pytest.raises(DataError, match=r"tokenizer has no tokenizer.json; restore it, or prepare the data again"):
+        mlm.MLMDataset.from_prepared(str(out), "train")
+
+
+def test_a_manifest_whose_seq_len_was_changed_is_named(tmp_path, monkeypatch, korean_tokenizer):
+    """A manifest edited from seq_len 32 to 64 failed with numpy's "cannot reshape array"."""
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "mlm"
+    mlm.prepare(korean_tokenizer, korean_demo_files(), str(out), seq_len=32, show_progress=False)
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**manifest, "seq_len": 64}))
+    says = r"train-00000.parquet holds sequences of 32 tokens, not the manifest's seq_len=64: the manifest was changed"
+    for memory_map in (True, False):
+        with pytest.raises(DataError, match=says):
+            mlm.load_split(str(out), "train", memory_map=memory_map)

@@ -19,7 +19,17 @@ from etils import epath
 from xlafit.checkpoint import COMMIT, ORBAX_METADATA
 from xlafit.config import Config
 from xlafit.errors import ConfigError, StorageError
-from xlafit.io.paths import as_path, check_bucket, dated_sibling, describe_error, is_url, move, refresh, upload
+from xlafit.io.paths import (
+    RUN_MARKERS,
+    as_path,
+    check_bucket,
+    dated_sibling,
+    describe_error,
+    is_url,
+    move,
+    refresh,
+    upload,
+)
 
 
 def checkpoint_dir(cfg: Config) -> epath.Path:
@@ -29,10 +39,6 @@ def checkpoint_dir(cfg: Config) -> epath.Path:
     if not cfg.run.run_dir:
         raise ConfigError("no run directory: set run.run_dir (--run-dir) or run.checkpoint_dir.")
     return as_path(cfg.run.run_dir) / "checkpoints"
-
-
-# What a run writes first (config.yaml) and what it keeps: one of them marks a run directory.
-RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 
 
 def refuse_foreign_dir(cfg: Config) -> None:

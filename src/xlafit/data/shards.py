@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import re
+import secrets
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 import fsspec
 
 from xlafit.errors import DataError, StorageError
-from xlafit.io.paths import check_bucket, describe_error, filesystem, is_url
+from xlafit.io.paths import RUN_MARKERS, check_bucket, describe_error, filesystem, is_url
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -40,8 +41,11 @@ def writing(out: str | Path, what: str) -> Iterator[None]:
 
 
 def output_dir(out: str | Path, what: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem and root path of ``out``, created if missing; a bucket that does not
-    exist is refused by name, never created (gcsfs's ``makedirs`` would create it)."""
+    """The filesystem and root path of ``out``, created if missing.
+
+    A bucket that does not exist is refused by name, never created (gcsfs's ``makedirs``
+    would create it), and so is a run directory (:data:`~xlafit.io.paths.RUN_MARKERS`): the
+    shards would sit among its files and replace its ``tokenizer/``, which its export reads."""
     fs, root = filesystem(out)
     root = root.rstrip("/")
     if is_url(out):
@@ -52,8 +56,19 @@ def output_dir(out: str | Path, what: str) -> tuple[fsspec.AbstractFileSystem, s
     with writing(out, what):
         if fs.isfile(root):
             raise DataError(f"--out {out} is a file; give a directory for {what} (it is created if missing).")
+        run_files = [name for name in RUN_MARKERS if fs.exists(f"{root}/{name}")]
+        if run_files:  # shards among a run's files, and its tokenizer/ replaced: the run could not be exported
+            raise DataError(
+                f"--out {out} is a run directory of `xlafit train` (it holds {', '.join(run_files)}); "
+                f"give a new directory for {what}."
+            )
         fs.makedirs(root, exist_ok=True)
     return fs, root
+
+
+# What each manifest format holds, for a message that finds one where another was expected.
+KINDS = {"xlafit-mlm-v1": "MLM shards of `xlafit data mlm`", "xlafit-images-v1": "image shards of `xlafit data images`"}
+SHARD_NAME = re.compile(r"(train|eval)-\d{5,}(\.[0-9a-f]{8})?\.parquet")  # shard_name's
 
 
 def earlier_preparation(
@@ -64,47 +79,105 @@ def earlier_preparation(
     data: str,
     what: str,
     overwrite: bool,
+    fmt: str,
 ) -> list[str]:
-    """The shards (``<split>-NNNNN.parquet``) an earlier preparation left in ``root``, for
-    :func:`remove_unlisted` to clear once the new manifest is written.
+    """The shards (:data:`SHARD_NAME`) an earlier preparation left in ``root``, for
+    :func:`publish` to clear once the new manifest is written.
 
     Shards without a manifest (an interrupted preparation: unusable) are replaced. A manifest
-    is refused unless ``overwrite``; with it, the manifest is removed here, before any shard is
-    replaced, so that an interrupted preparation leaves none that lists shards it changed.
-    ``data`` names the data for messages ("images", "MLM data"), ``what`` the files being
-    written ("the MLM shards").
+    is refused unless ``overwrite``; with it, the earlier manifest and shards stay as they are
+    until the new data is complete: the new shards take names of their own (:func:`shard_tag`),
+    the new manifest replaces the old in one write (:func:`publish`), and only then are the
+    old shards removed. A preparation that fails or is interrupted before then (a corrupt
+    image, no text, Ctrl-C) leaves the earlier data usable; its own shards are removed
+    (:func:`discarded_on_failure`), or by the next preparation. ``data`` names the data for
+    messages ("images", "MLM data"), ``what`` the files being written ("the MLM shards"),
+    ``fmt`` the manifest's format: data of another format is refused even with ``overwrite``.
 
     Raises:
-        DataError: ``root`` holds a manifest and not ``overwrite``; nothing was written.
+        DataError: ``root`` holds a manifest and not ``overwrite``, or one of another kind of
+            data; nothing was written.
     """
     with writing(out, what):
         try:
             names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
         except FileNotFoundError:  # an object store's new "directory" holds nothing yet
             names = []
-        earlier = [n for n in names if n == manifest or re.fullmatch(r"(train|eval)-\d{5,}\.parquet", n)]
-        if earlier and manifest not in earlier:
-            log.warning("--out %s: %d shard(s) of an unfinished preparation are replaced", out, len(earlier))
-        elif earlier and not overwrite:
-            found = ", ".join(earlier[:3]) + (", ..." if len(earlier) > 3 else "")
-            raise DataError(
-                f"--out {out} already holds prepared {data} ({found}); "
-                "choose an empty directory, or pass --overwrite to replace them."
-            )
-        elif earlier:
-            fs.rm(f"{root}/{manifest}")
+    earlier = [n for n in names if n == manifest or SHARD_NAME.fullmatch(n)]
+    other = _format_of(fs, f"{root}/{manifest}") if manifest in earlier else fmt
+    if other != fmt and other in KINDS:
+        raise DataError(f"--out {out} holds {KINDS[other]}, not {data}; give a new directory for {what}.")
+    if earlier and manifest not in earlier:
+        log.warning("--out %s: %d shard(s) of an unfinished preparation are replaced", out, len(earlier))
+    elif earlier and not overwrite:
+        found = ", ".join(earlier[:3]) + (", ..." if len(earlier) > 3 else "")
+        raise DataError(
+            f"--out {out} already holds prepared {data} ({found}); "
+            "choose an empty directory, or pass --overwrite to replace them."
+        )
     return [n for n in earlier if n != manifest]
 
 
-def remove_unlisted(
-    fs: fsspec.AbstractFileSystem, root: str, out: str | Path, what: str, earlier: Sequence[str], manifest: dict
+def _format_of(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
+    """The ``format`` of the manifest at ``path``; None where it has none or cannot be read."""
+    try:
+        with fs.open(path, "r") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return manifest.get("format") if isinstance(manifest, dict) else None
+
+
+def shard_tag(earlier: Sequence[str], manifest: str, fs: fsspec.AbstractFileSystem, root: str) -> str:
+    """``""`` where no manifest lists shards in ``root``; else a tag new to it (``.1a2b3c4d``)
+    that keeps the new shards' names (:func:`shard_name`) off those the earlier manifest lists."""
+    if not earlier or not fs.exists(f"{root}/{manifest}"):
+        return ""
+    return "." + secrets.token_hex(4)
+
+
+def shard_name(split: str, index: int, tag: str) -> str:
+    """``<split>-NNNNN<tag>.parquet``: the ``index``-th shard of ``split``."""
+    return f"{split}-{index:05d}{tag}.parquet"
+
+
+@contextlib.contextmanager
+def discarded_on_failure(fs: fsspec.AbstractFileSystem, root: str, tag: str) -> Iterator[None]:
+    """Removes the shards named with ``tag`` (:func:`shard_tag`) when the block fails or is
+    interrupted, leaving ``root`` as the earlier preparation left it; a removal that fails is
+    left to the next preparation (the block's error is the one to report)."""
+    try:
+        yield
+    except BaseException:
+        if tag:
+            with contextlib.suppress(OSError):
+                for path in fs.ls(root, detail=False):
+                    name = path.rstrip("/").rsplit("/", 1)[-1]
+                    if SHARD_NAME.fullmatch(name) and name.endswith(f"{tag}.parquet"):
+                        fs.rm(path)
+        raise
+
+
+def publish(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    out: str | Path,
+    what: str,
+    name: str,
+    manifest: dict,
+    earlier: Sequence[str],
 ) -> None:
-    """Removes the shards of ``earlier`` (:func:`earlier_preparation`) that the new ``manifest`` does not list."""
+    """Writes ``manifest`` as ``root/name`` (written beside it, then renamed over the earlier
+    one: a reader finds one manifest or the other, whole), then
+    removes the shards of ``earlier`` (:func:`earlier_preparation`) that it does not list."""
     listed = {s["path"] for info in manifest["splits"].values() for s in info["shards"]}
     with writing(out, what):
-        for name in earlier:
-            if name not in listed:
-                fs.rm(f"{root}/{name}")
+        with fs.open(f"{root}/.{name}.tmp", "w") as f:
+            json.dump(manifest, f, indent=2)
+        fs.mv(f"{root}/.{name}.tmp", f"{root}/{name}")  # a rename where the filesystem has one
+        for shard in earlier:
+            if shard not in listed:
+                fs.rm(f"{root}/{shard}")
 
 
 @contextlib.contextmanager
@@ -133,29 +206,38 @@ def read_manifest(
         name: the manifest's file name.
         fmt: the ``format`` the manifest must have.
         kind: the data, for messages ("image", "MLM").
-        prepare: the command that prepares it, for messages.
+        prepare: the command that prepares it, without ``--out``, for messages.
         required: keys the manifest must hold.
 
     Raises:
-        DataError: no manifest, not JSON, another format or keys missing (each says to
-            prepare the data again), or the storage cannot be read.
+        DataError: no manifest, not JSON, another format or keys missing (each says how to
+            prepare the data), or the storage cannot be read.
     """
     with reading(url, f"the prepared {kind} data"):
         fs, root = filesystem(url)
         path = f"{root.rstrip('/')}/{name}"
         if not fs.exists(path):
-            raise DataError(f"{url} has no {name}; prepare the data with `{prepare}`.")
+            raise DataError(f"{url} has no {name}; prepare the data with `{prepare} --out {url}`.")
         with fs.open(path, "r") as f:
             try:
                 manifest = json.load(f)
             except json.JSONDecodeError as e:
-                raise DataError(f"{url}/{name} is damaged ({e}); prepare the data again (`{prepare}`).") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != fmt:
-        raise DataError(f"{url}/{name} is not an xlafit {kind} manifest ({fmt}); prepare the data with `{prepare}`.")
+                again = f"{prepare} --out {url} --overwrite"
+                raise DataError(f"{url}/{name} is damaged ({e}); prepare the data again (`{again}`).") from None
+    found = manifest.get("format") if isinstance(manifest, dict) else None
+    if found != fmt:
+        if found in KINDS:
+            what = f"{url} holds {KINDS[found]}, not {kind} data"
+        else:
+            what = f"{url}/{name} is not an xlafit {kind} manifest ({fmt})"
+        raise DataError(
+            f"{what}; prepare the data in a new directory (`{prepare} --out NEWDIR`) and point the run at it."
+        )
     missing = [key for key in required if key not in manifest]
     if missing:
         raise DataError(
-            f"{url}/{name} is damaged: it lacks {', '.join(missing)}; prepare the data again (`{prepare}`)."
+            f"{url}/{name} is damaged: it lacks {', '.join(missing)}; prepare the data again "
+            f"(`{prepare} --out {url} --overwrite`)."
         )
     return fs, root.rstrip("/"), manifest
 

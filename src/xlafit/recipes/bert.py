@@ -79,6 +79,12 @@ class BertDataConfig(xconfig.DataConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         xconfig.check_fraction(self.eval_fraction, "data.eval_fraction")
+        if not 0.0 < self.mask_prob <= 1.0:  # 0 masks nothing: no loss, and an accuracy of nothing
+            raise ConfigError(
+                f"data.mask_prob={self.mask_prob:g} is the share of tokens masked for prediction: give a number "
+                "above 0 and at most 1 (BERT: 0.15)."
+            )
+        xconfig.check_positive(self.max_predictions, "data.max_predictions")
 
 
 def data_config(cfg: Config) -> BertDataConfig:
@@ -182,7 +188,8 @@ def from_data(cfg: Config, train: mlm.MLMDataset) -> Config:
 
     Raises:
         ConfigError: ``data.seq_len`` (or, with a data_dir, ``data.vocab_size``) was set and
-            contradicts the prepared data.
+            contradicts the prepared data, or the sequences are longer than
+            ``model.max_position_embeddings``.
     """
     d = data_config(cfg)
     if d.seq_len is not None and d.seq_len != train.seq_len:
@@ -194,6 +201,14 @@ def from_data(cfg: Config, train: mlm.MLMDataset) -> Config:
         raise ConfigError(
             f"data.vocab_size={d.vocab_size} but the tokenizer of {train.location} has {train.vocab_size} tokens; "
             "leave data.vocab_size unset with a data_dir (it sizes the demo's tokenizer only)."
+        )
+    longest = cfg.model.max_position_embeddings
+    if train.seq_len > longest and not cfg.model.init_from_hf:  # a checkpoint brings its own position table
+        where = f"{train.location} holds sequences" if train.location else "the sequences are"
+        raise ConfigError(
+            f"{where} of {train.seq_len} tokens, longer than model.max_position_embeddings={longest}; set "
+            f"model.max_position_embeddings={train.seq_len} (or more), or prepare the data with --seq-len {longest} "
+            "or less."
         )
     return dataclasses.replace(cfg, data=dataclasses.replace(d, seq_len=train.seq_len, vocab_size=train.vocab_size))
 

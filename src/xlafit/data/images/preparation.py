@@ -19,7 +19,6 @@ import datetime
 import functools
 import hashlib
 import io
-import json
 import logging
 import multiprocessing
 import multiprocessing.pool
@@ -36,7 +35,7 @@ import numpy as np
 
 from xlafit.data import shards
 from xlafit.data.hashing import hash_uniform
-from xlafit.data.shards import output_dir, writing
+from xlafit.data.shards import output_dir, shard_name, writing
 from xlafit.errors import DataError
 from xlafit.io.paths import is_url
 
@@ -61,7 +60,7 @@ def find_images(
     these names is a split when it holds folders only, and a class when it holds images.)
 
     Raises:
-        DataError: no class folders, no images, a training class folder with no image,
+        DataError: no class folders, no images, one class, a training class folder with no image,
             splits whose classes differ, a held-out folder without ``train/``, or an
             ``eval_fraction`` for a folder that has its own held-out split.
     """
@@ -92,9 +91,11 @@ def find_images(
                 "both splits need the same classes."
             )
         _no_empty_classes(root / "train", train, classes)
+        _two_classes_or_more(root / "train", classes)
         return {"train": train, "eval": evaluation}, classes
     files, classes = _image_folder(root)
     _no_empty_classes(root, files, classes)
+    _two_classes_or_more(root, classes)
     if not 0.0 <= eval_fraction < 1.0:
         raise DataError(f"--eval-fraction {eval_fraction} must lie in [0, 1).")
     # os.fsencode: a name that is not UTF-8 (bytes the file system kept as they were) hashes too
@@ -186,6 +187,16 @@ def _no_empty_classes(root: Path, files: list[tuple[str, int]], classes: list[st
         )
 
 
+def _two_classes_or_more(root: Path, classes: list[str]) -> None:
+    """Refuses one class: every label is the same, so a run learns nothing and reports a loss
+    of 0 and an accuracy of 1."""
+    if len(classes) < 2:
+        raise DataError(
+            f"{root} has one class ({classes[0]}): a classifier needs two or more; add a folder of images for "
+            "each other class beside it."
+        )
+
+
 def _printable(name: str) -> str:
     """``name`` as valid UTF-8 (for the shards' ``file`` column and messages): bytes of a file
     name that are not UTF-8 become ``\\xNN``."""
@@ -232,14 +243,16 @@ def _write_split(
     files: list[tuple[str, int]],
     decode: Callable[..., Iterator[tuple[bytes, int, str | None]]],
     fs: fsspec.AbstractFileSystem,
-    root: str,
+    where: tuple[str, str],
     out: str,
     root_dir: Path,
     shard_size: int,
     on_corrupt: OnCorrupt,
 ) -> tuple[dict, int]:
     """One split's images, checked by ``decode`` (in worker processes), as shards of
-    ``shard_size``: ``(its manifest entry, the most channels seen)``."""
+    ``shard_size`` in ``where`` (the root path and :func:`~xlafit.data.shards.shard_tag`'s tag
+    of the names): ``(its manifest entry, the most channels seen)``."""
+    root, tag = where
     shards: list[dict] = []
     skipped: list[dict] = []
     rows: list[tuple[bytes, int, str]] = []
@@ -247,7 +260,7 @@ def _write_split(
 
     def flush() -> None:
         if rows:
-            name = f"{split}-{len(shards):05d}.parquet"
+            name = shard_name(split, len(shards), tag)
             with writing(out, "the image shards"):
                 digest = _write_shard(fs, f"{root}/{name}", rows)
             shards.append(
@@ -295,8 +308,10 @@ def prepare(
         on_corrupt: an image that cannot be decoded is ``skip``-ped (named in the manifest's
             ``skipped``) or a ``stop`` (a :class:`DataError` naming it).
         workers: processes that decode to check the images (default: every core).
-        overwrite: replace images prepared in ``out`` before (their shards that the new
-            manifest does not list are removed once it is written); without it they are refused.
+        overwrite: replace images prepared in ``out`` before; without it they are refused. The
+            earlier images stay usable until the new manifest replaces theirs: a preparation
+            that fails (a corrupt image with ``stop``) or is interrupted loses nothing
+            (:func:`xlafit.data.shards.earlier_preparation`).
 
     Returns:
         The manifest (also written to ``out/manifest.json``).
@@ -306,6 +321,7 @@ def prepare(
     """
     if shard_size < 1:
         raise DataError(f"--shard-size {shard_size} must be at least 1.")
+    _out_outside_input(input_dir, out)
     splits, classes = find_images(input_dir, eval_fraction, seed)
     root_dir = Path(input_dir)
     ignored = _not_images(root_dir, splits)
@@ -319,23 +335,24 @@ def prepare(
             names,
         )
     fs, root = output_dir(out, "the image shards")
-    earlier = shards.earlier_preparation(fs, root, out, MANIFEST, "images", "the image shards", overwrite)
+    earlier = shards.earlier_preparation(fs, root, out, MANIFEST, "images", "the image shards", overwrite, FORMAT)
+    tag = shards.shard_tag(earlier, MANIFEST, fs, root)
     manifest_splits: dict[str, dict] = {}
     channels = 1
     workers = workers or os.cpu_count() or 1
     total = sum(map(len, splits.values()))
-    with contextlib.ExitStack() as stack:
+    with shards.discarded_on_failure(fs, root, tag), contextlib.ExitStack() as stack:
         decode: Callable[..., Iterator[tuple[bytes, int, str | None]]] = map
         if workers > 1 and total >= 2048:  # a pool of fresh interpreters costs ~2 s to start
             pool = stack.enter_context(_worker_pool(workers))
             decode = functools.partial(pool.imap, chunksize=64)
         for split, files in splits.items():
             manifest_splits[split], ch = _write_split(
-                split, files, decode, fs, root, out, root_dir, shard_size, on_corrupt
+                split, files, decode, fs, (root, tag), out, root_dir, shard_size, on_corrupt
             )
             channels = max(channels, ch)
-    if not manifest_splits["train"]["examples"]:
-        raise DataError(f"{input_dir}: no training image could be decoded.")
+        if not manifest_splits["train"]["examples"]:
+            raise DataError(f"{input_dir}: no training image could be decoded.")
     manifest = {
         "format": FORMAT,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -347,10 +364,21 @@ def prepare(
         "splits": manifest_splits,
         "ignored": ignored,
     }
-    with writing(out, "the image shards"), fs.open(f"{root}/{MANIFEST}", "w") as f:
-        json.dump(manifest, f, indent=2)
-    shards.remove_unlisted(fs, root, out, "the image shards", earlier, manifest)
+    shards.publish(fs, root, out, "the image shards", MANIFEST, manifest, earlier)
     return manifest
+
+
+def _out_outside_input(input_dir: str | Path, out: str) -> None:
+    """Refuses an ``out`` that is ``input_dir`` or lies inside it: its shards folder would be
+    read as a class folder (or its shards as images) by this preparation or the next."""
+    if is_url(out) or is_url(str(input_dir)):
+        return
+    source, target = Path(input_dir).expanduser().resolve(), Path(out).expanduser().resolve()
+    if target == source or source in target.parents:
+        raise DataError(
+            f"--out {out} lies inside --input {input_dir}, where its folder would be taken for a class; "
+            "give an --out outside the image folder."
+        )
 
 
 @contextlib.contextmanager
@@ -419,7 +447,7 @@ def read_manifest(url: str) -> tuple[fsspec.AbstractFileSystem, str, dict]:
         >>> len(manifest["classes"])                            # doctest: +SKIP
         1000
     """
-    prepare = f"xlafit data images --input DIR --out {url}"
+    prepare = "xlafit data images --input DIR"
     folder = Path(url)
     if not is_url(url) and folder.is_dir() and not (folder / MANIFEST).exists() and _holds_images(folder):
         raise DataError(
@@ -430,5 +458,8 @@ def read_manifest(url: str) -> tuple[fsspec.AbstractFileSystem, str, dict]:
         url, MANIFEST, FORMAT, "image", prepare, ("classes", "channels", "splits")
     )
     if "train" not in manifest["splits"]:
-        raise DataError(f"{url}/{MANIFEST} is damaged: it lacks the train split; prepare the data again (`{prepare}`).")
+        raise DataError(
+            f"{url}/{MANIFEST} is damaged: it lacks the train split; prepare the data again "
+            f"(`{prepare} --out {url} --overwrite`)."
+        )
     return fs, root, manifest

@@ -138,6 +138,12 @@ def _decode_shards(
     shards = manifest["splits"][split]["shards"]
     for shard in tqdm(shards, desc=f"decoding {split}", unit="shard", disable=len(shards) < 4 or None):
         table = read_shard(fs, root, shard, "MLM", rows="sequences")
+        held = table.schema.field("input_ids").type.list_size
+        if held != t:  # the shard's checksum holds: the manifest was changed
+            raise DataError(
+                f"shard {root}/{shard['path']} holds sequences of {held} tokens, not the manifest's seq_len={t}: "
+                f"the manifest was changed since the data was prepared; prepare the data again."
+            )
         chunk = {
             n: table.column(n).combine_chunks().flatten().to_numpy().reshape(-1, t)
             for n in ("input_ids", "token_type_ids")

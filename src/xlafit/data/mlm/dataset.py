@@ -7,6 +7,8 @@ import numpy as np
 from xlafit.data.dataset import Batch
 from xlafit.data.mlm.cache import load_split
 from xlafit.data.mlm.masking import MaskingConfig, mask_batch
+from xlafit.data.mlm.preparation import tokenizer_sha256
+from xlafit.errors import DataError
 from xlafit.io.paths import filesystem
 
 _BERT_MASKING = MaskingConfig()  # frozen: one instance serves as every default
@@ -43,6 +45,7 @@ class MLMDataset:
     def from_prepared(cls, url: str, split: str, masking: MaskingConfig = _BERT_MASKING) -> MLMDataset:
         """Loads one split written by :func:`~xlafit.data.mlm.preparation.prepare` (its tokenizer comes along)."""
         arrays, manifest = load_split(url, split)
+        _check_tokenizer(url, manifest)
         fs, root = filesystem(url)
         with fs.open(f"{root.rstrip('/')}/tokenizer/vocab.txt", "r", encoding="utf-8") as f:
             vocab = f.read().splitlines()
@@ -65,4 +68,22 @@ class MLMDataset:
             self.masking,
             self.vocab_size,
             self.continuation,
+        )
+
+
+def _check_tokenizer(url: str, manifest: dict) -> None:
+    """Refuses a ``tokenizer/`` other than the one the data was prepared with (the manifest's
+    SHA-256): its vocabulary would not match the token ids, and a run would copy it."""
+    folder = f"{url.rstrip('/')}/tokenizer"
+    expected = manifest["tokenizer"].get("sha256")
+    if expected is None:  # data prepared before the manifest recorded it
+        return
+    try:
+        found = tokenizer_sha256(folder)
+    except FileNotFoundError:
+        raise DataError(f"{folder} has no tokenizer.json; restore it, or prepare the data again.") from None
+    if found != expected:
+        raise DataError(
+            f"{folder} differs from the tokenizer the data was prepared with (sha256 {found[:12]}..., the "
+            f"manifest's {expected[:12]}...); restore it, or prepare the data again."
         )

@@ -19,10 +19,9 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
-import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import fsspec
 import numpy as np
@@ -34,7 +33,10 @@ from xlafit.data.shards import output_dir, writing
 from xlafit.data.text import DocBoundary, documents, total_bytes
 from xlafit.data.tokenizer import CLS, SEP, load_tokenizer
 from xlafit.errors import DataError
-from xlafit.io.paths import as_path, files_under
+from xlafit.io.paths import as_path, files_under, is_url
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 MANIFEST = "manifest.json"
 FORMAT = "xlafit-mlm-v1"
@@ -107,8 +109,11 @@ class _Packer:
 class _ShardWriter:
     """Buffers rows and writes ``{split}-{n:05d}.parquet`` shards of ``shard_size`` rows."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, split: str, seq_len: int, shard_size: int, out: str):
+    def __init__(
+        self, fs: fsspec.AbstractFileSystem, root: str, split: str, seq_len: int, shard_size: int, out: str, tag: str
+    ):
         self.fs, self.root, self.split, self.seq_len, self.shard_size = fs, root, split, seq_len, shard_size
+        self.tag = tag  # shards.shard_tag's: the names stay off an earlier manifest's
         self.out = out  # the URL as the user wrote it, for messages
         self.rows: list[tuple[list[int], list[int]]] = []
         self.shards: list[dict] = []
@@ -139,7 +144,7 @@ class _ShardWriter:
                 "length": pa.array(lengths),
             }
         )
-        name = f"{self.split}-{len(self.shards):05d}.parquet"
+        name = shards.shard_name(self.split, len(self.shards), self.tag)
         buffer = pa.BufferOutputStream()
         pq.write_table(table, buffer, compression="zstd")
         data = buffer.getvalue().to_pybytes()
@@ -176,8 +181,9 @@ def prepare(
         files: UTF-8 text files or URLs.
         out: a local directory or fsspec URL.
         seq_len: tokens per sequence, ``[CLS]`` and ``[SEP]`` included.
-        overwrite: replace data prepared in ``out`` before (their shards that the new
-            manifest does not list are removed once it is written); without it they are refused.
+        overwrite: replace data prepared in ``out`` before; without it they are refused. The
+            earlier data stays usable until the new manifest replaces its own: a preparation
+            that fails or is interrupted loses nothing (:func:`xlafit.data.shards.earlier_preparation`).
 
     Returns:
         The manifest (also written to ``out/manifest.json``).
@@ -193,12 +199,57 @@ def prepare(
         raise DataError(f"--shard-size {shard_size} must be at least 1.")
     tok = load_tokenizer(tokenizer_dir)
     fs, root = output_dir(out, "the MLM shards")
-    earlier = shards.earlier_preparation(fs, root, out, MANIFEST, "MLM data", "the MLM shards", overwrite)
-    with writing(out, "the MLM shards"):
-        _copy_tokenizer(tokenizer_dir, fs, f"{root}/tokenizer")
+    earlier = shards.earlier_preparation(fs, root, out, MANIFEST, "MLM data", "the MLM shards", overwrite, FORMAT)
+    tag = shards.shard_tag(earlier, MANIFEST, fs, root)
+    writers = {s: _ShardWriter(fs, root, s, seq_len, shard_size, str(out), tag) for s in ("train", "eval")}
+    with shards.discarded_on_failure(fs, root, tag):
+        documents_per_split, lines = _tokenize(
+            tok, files, writers, packing, doc_boundary, seed, eval_fraction, batch_lines, show_progress
+        )
+        if not writers["train"].shards:
+            names = ", ".join(map(str, files[:3])) + (", ..." if len(files) > 3 else "")
+            raise DataError(
+                f"--input {names}: no text to train on ({lines} non-empty lines, none of them in the train split); "
+                "give files with one sentence or paragraph per line (no manifest was written)."
+            )
+        # last, beside the manifest: the earlier data keeps its tokenizer until its shards are replaced
+        with writing(out, "the MLM shards"):
+            _copy_tokenizer(tokenizer_dir, fs, f"{root}/tokenizer")
+    manifest = {
+        "format": FORMAT,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "seq_len": seq_len,
+        "packing": packing,
+        "doc_boundary": doc_boundary,
+        "seed": seed,
+        "eval_fraction": eval_fraction,
+        "inputs": list(files),
+        "lines": lines,
+        "tokenizer": {
+            "path": "tokenizer",
+            "vocab_size": tok.get_vocab_size(),
+            "sha256": tokenizer_sha256(tokenizer_dir),
+        },
+        "splits": {split: _split_record(w.shards, documents_per_split[split]) for split, w in writers.items()},
+    }
+    shards.publish(fs, root, out, "the MLM shards", MANIFEST, manifest, earlier)
+    return manifest
+
+
+def _tokenize(
+    tok: Tokenizer,
+    files: Sequence[str],
+    writers: dict[str, _ShardWriter],
+    packing: Packing,
+    doc_boundary: DocBoundary,
+    seed: int,
+    eval_fraction: float,
+    batch_lines: int,
+    show_progress: bool,
+) -> tuple[dict[str, int], int]:
+    """Tokenizes ``files`` into ``writers``' shards: ``(documents per split, non-empty lines)``."""
     rng = np.random.default_rng(seed)
-    writers = {s: _ShardWriter(fs, root, s, seq_len, shard_size, str(out)) for s in ("train", "eval")}
-    packers = {s: _Packer(seq_len, packing, rng) for s in ("train", "eval")}
+    packers = {s: _Packer(writers[s].seq_len, packing, rng) for s in ("train", "eval")}
     documents_per_split = {"train": 0, "eval": 0}
     lines = 0
     bar = tqdm(total=total_bytes(files), unit="B", unit_scale=True, desc="tokenizing", disable=not show_progress)
@@ -217,34 +268,7 @@ def prepare(
         for ids, types in packers[split].flush():
             writers[split].add(ids, types)
         writers[split].flush()
-    if not writers["train"].shards:
-        names = ", ".join(map(str, files[:3])) + (", ..." if len(files) > 3 else "")
-        raise DataError(
-            f"--input {names}: no text to train on ({lines} non-empty lines, none of them in the train split); "
-            "give files with one sentence or paragraph per line (no manifest was written)."
-        )
-    tokenizer_json = as_path(tokenizer_dir) / "tokenizer.json"
-    manifest = {
-        "format": FORMAT,
-        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "seq_len": seq_len,
-        "packing": packing,
-        "doc_boundary": doc_boundary,
-        "seed": seed,
-        "eval_fraction": eval_fraction,
-        "inputs": list(files),
-        "lines": lines,
-        "tokenizer": {
-            "path": "tokenizer",
-            "vocab_size": tok.get_vocab_size(),
-            "sha256": hashlib.sha256(tokenizer_json.read_bytes()).hexdigest(),
-        },
-        "splits": {split: _split_record(w.shards, documents_per_split[split]) for split, w in writers.items()},
-    }
-    with writing(out, "the MLM shards"), fs.open(f"{root}/{MANIFEST}", "w") as f:
-        json.dump(manifest, f, indent=2)
-    shards.remove_unlisted(fs, root, out, "the MLM shards", earlier, manifest)
-    return manifest
+    return documents_per_split, lines
 
 
 def _split_record(written: list[dict], documents: int) -> dict:
@@ -260,6 +284,12 @@ def _split_record(written: list[dict], documents: int) -> dict:
 def _split_draw(seed: int, index: int) -> float:
     """A document's uniform draw in [0, 1) for the train/eval split (stream 7 of the hash)."""
     return float(hash_uniform(np.array([seed]), np.array([index]), 7)[0])
+
+
+def tokenizer_sha256(tokenizer_dir: str | Path) -> str:
+    """The SHA-256 of a tokenizer directory's ``tokenizer.json`` (a path or URL): what the
+    manifest records, so that a run can tell the tokenizer the data was prepared with."""
+    return hashlib.sha256((as_path(tokenizer_dir) / "tokenizer.json").read_bytes()).hexdigest()
 
 
 def _copy_tokenizer(tokenizer_dir: str | Path, fs: fsspec.AbstractFileSystem, dest: str) -> None:
@@ -282,5 +312,19 @@ def read_manifest(url: str) -> tuple[fsspec.AbstractFileSystem, str, dict]:
         >>> manifest["seq_len"]                              # doctest: +SKIP
         128
     """
+    prepare = "xlafit data mlm --tokenizer TOK --input TEXT"
+    folder = Path(url)
+    if not is_url(url) and folder.is_file():
+        raise DataError(
+            f"{url} is a file, not a directory of prepared MLM data; prepare its text with "
+            f"`xlafit data mlm --tokenizer TOK --input {url} --out NEWDIR` and point the run at NEWDIR."
+        )
+    texts = sorted(p.name for p in folder.glob("*.txt")) if not is_url(url) and folder.is_dir() else []
+    if texts and not (folder / MANIFEST).exists():
+        shown = ", ".join(texts[:3]) + (", ..." if len(texts) > 3 else "")
+        raise DataError(
+            f"{url} holds text files ({shown}), not prepared MLM data; prepare them with "
+            f"`xlafit data mlm --tokenizer TOK --input {url} --out NEWDIR` and point the run at NEWDIR."
+        )
     required = ("seq_len", "splits", "tokenizer")
-    return shards.read_manifest(url, MANIFEST, FORMAT, "MLM", f"xlafit data mlm --out {url}", required)
+    return shards.read_manifest(url, MANIFEST, FORMAT, "MLM", prepare, required)
