@@ -260,3 +260,32 @@ def test_logs_go_to_the_cache_not_the_working_directory(tmp_path, monkeypatch, c
     (log_dir,) = (tmp_path / "cache" / "launch").iterdir()
     assert (log_dir / "process-1.log").read_text() == "I am 1\n"
     assert f"the output of process 1 goes to {log_dir} (--log-dir)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "command", "said"),
+    [
+        (["--processes", "999", "--devices-per-process", "1"], ["xlafit", "devices"], "--processes 999 is more than"),
+        (
+            ["--processes", "2", "--devices-per-process", "2"],
+            ["xlafit", "train", "mnist", "--simulate", "8"],
+            "--simulate 8",
+        ),
+        (["--processes", "2", "--devices-per-process", "2"], ["xlafit", "devices", "--simulate=8"], "--simulate=8"),
+        (["--log-dir", "a-file"], ["xlafit", "devices"], "--log-dir a-file is a file, not a folder"),
+    ],
+)
+def test_a_launch_that_cannot_be_what_was_asked_starts_nothing(flags, command, said, tmp_path, monkeypatch, capsys):
+    """999 processes on 2 cores forked them all; --simulate in the command silently replaced
+    --devices-per-process (16 devices for 2 x 2); a --log-dir that is a file gave a traceback."""
+    from xlafit.cli import main
+    from xlafit.parallel import launch
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    started = []
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: started.append(a))
+    assert main(["launch", *flags, "--", *command]) == 2
+    err = capsys.readouterr().err
+    assert said in err and err.count("\n") == 1, err
+    assert started == []
