@@ -205,3 +205,16 @@ def test_pytorch_peer_normalises_pixels_as_the_xlafit_rows():
     peer = normalise_pixels(torch.from_numpy(pixels.transpose(0, 3, 1, 2)), *NORMALISATION["imagenet"])
     np.testing.assert_allclose(peer.numpy().transpose(0, 2, 3, 1), np.asarray(ours), rtol=1e-6, atol=1e-6)
     assert float(np.abs(np.asarray(ours)).max()) > 1.5  # normalised, not merely scaled to [0, 1]
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_a_json_or_plot_path_that_is_a_folder_is_refused_before_the_benchmark(flag, tmp_path, monkeypatch):
+    """--json <a folder> ran the whole benchmark, then raised IsADirectoryError."""
+    from xlafit import bench
+    from xlafit.cli.entry import build_parser
+    from xlafit.errors import ConfigError
+
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("the benchmark ran"))
+    args = build_parser().parse_args(["bench", "mnist", "--steps", "1", flag, str(tmp_path)])
+    with pytest.raises(ConfigError, match=f"{flag} {tmp_path} is a folder; give a file in it"):
+        args.run(args)

@@ -408,3 +408,26 @@ def test_lora_on_a_new_model_exports_and_generates(tmp_path):
     with pytest.raises(CheckpointError, match="is not the one its adapters were trained on"):
         export_hf(run_dir, tmp_path / "refused")
     assert not (tmp_path / "refused").exists()
+
+
+def test_a_checkpoint_that_cannot_be_written_ends_the_command_with_one_line(tmp_path):
+    """A checkpoint directory that cannot be created (no permission: root ignores chmod, so
+    the refusal is injected at os.makedirs) left Orbax's writer threads waiting 300 s for its
+    signal, and the process hung after printing its error, under a traceback per thread."""
+    code = (
+        "import os, sys\n"
+        "makedirs = os.makedirs\n"
+        "def refuse(path, *args, **kwargs):\n"
+        "    if str(path).endswith('orbax-checkpoint-tmp'):\n"
+        "        raise PermissionError(13, 'Permission denied', str(path))\n"
+        "    return makedirs(path, *args, **kwargs)\n"
+        "os.makedirs = refuse\n"
+        f"sys.argv = ['xlafit', 'train', 'mnist', '--run-dir', {str(tmp_path / 'run')!r}, 'trainer.stop_at_step=1']\n"
+        "from xlafit.cli import main\n"
+        "sys.exit(main())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert "xlafit: error: writing checkpoint 1 in" in out.stderr and "Permission denied" in out.stderr

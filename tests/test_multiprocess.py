@@ -260,3 +260,64 @@ def test_logs_go_to_the_cache_not_the_working_directory(tmp_path, monkeypatch, c
     (log_dir,) = (tmp_path / "cache" / "launch").iterdir()
     assert (log_dir / "process-1.log").read_text() == "I am 1\n"
     assert f"the output of process 1 goes to {log_dir} (--log-dir)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "command", "said"),
+    [
+        (["--processes", "999", "--devices-per-process", "1"], ["xlafit", "devices"], "--processes 999 is more than"),
+        (
+            ["--processes", "2", "--devices-per-process", "2"],
+            ["xlafit", "train", "mnist", "--simulate", "8"],
+            "--simulate 8",
+        ),
+        (["--processes", "2", "--devices-per-process", "2"], ["xlafit", "devices", "--simulate=8"], "--simulate=8"),
+        (["--log-dir", "a-file"], ["xlafit", "devices"], "--log-dir a-file is a file, not a folder"),
+    ],
+)
+def test_a_launch_that_cannot_be_what_was_asked_starts_nothing(flags, command, said, tmp_path, monkeypatch, capsys):
+    """999 processes on 2 cores forked them all; --simulate in the command silently replaced
+    --devices-per-process (16 devices for 2 x 2); a --log-dir that is a file gave a traceback."""
+    from xlafit.cli import main
+    from xlafit.parallel import launch
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    started = []
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: started.append(a))
+    assert main(["launch", *flags, "--", *command]) == 2
+    err = capsys.readouterr().err
+    assert said in err and err.count("\n") == 1, err
+    assert started == []
+
+
+@pytest.mark.parametrize("taken", [0, 1])
+def test_process_0_names_its_port_in_use_at_once(taken):
+    """A port in use: the coordinator's made process 0 wait out the timeout and blame process 1;
+    the rendezvous port (the coordinator's + 1) gave a bare OSError."""
+    import socket
+
+    from xlafit.errors import DeviceError
+    from xlafit.parallel.cluster import Cluster, _rendezvous
+
+    port = free_port()
+    with socket.create_server(("127.0.0.1", port + taken)):
+        start = time.monotonic()
+        with pytest.raises(DeviceError) as e:
+            _rendezvous(Cluster(f"127.0.0.1:{port}", 2, 0, timeout_s=10))
+    assert time.monotonic() - start < 5
+    assert f"port {port + taken} (" in str(e.value) and "Address already in use" in str(e.value)
+    assert "choose another XLAFIT_COORDINATOR port (--coordinator HOST:PORT)" in str(e.value)
+
+
+def test_a_job_setting_left_out_names_its_flag(monkeypatch):
+    from xlafit.errors import DeviceError
+    from xlafit.parallel.cluster import Cluster
+
+    monkeypatch.delenv("XLAFIT_COORDINATOR", raising=False)
+    monkeypatch.delenv("XLAFIT_PROCESS_ID", raising=False)
+    monkeypatch.setenv("XLAFIT_NUM_PROCESSES", "2")
+    with pytest.raises(
+        DeviceError, match=r"XLAFIT_COORDINATOR \(--coordinator\), XLAFIT_PROCESS_ID \(--process-id\) are"
+    ):
+        Cluster.from_env()

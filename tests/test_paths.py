@@ -33,6 +33,14 @@ def test_an_unknown_store_is_one_line():
         require_store("nosuch://bucket/run")
 
 
+def test_a_store_fsspec_knows_but_a_run_cannot_use_is_one_line():
+    """hdfs:// passed fsspec's check, then etils' paths raised KeyError: 'hdfs://'."""
+    with pytest.raises(
+        StorageError, match=r"hdfs:// cannot hold a run's directory .* use a local path, file:// or gs://"
+    ):
+        as_path("hdfs://nn/run")
+
+
 @pytest.mark.parametrize(
     "command",
     [

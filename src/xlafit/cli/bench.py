@@ -81,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
 
     # Checked before the benchmark runs, not after its minutes of work.
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and os.path.isdir(path):
+            example = os.path.join(path, "bench.json" if flag == "--json" else "bench.png")
+            raise ConfigError(f"{flag} {path} is a folder; give a file in it, e.g. {flag} {example}.")
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not os.path.isdir(folder):
             raise ConfigError(f"{flag} {path}: the folder {folder} does not exist; create it or write elsewhere.")

@@ -6,6 +6,8 @@ import argparse
 import logging
 import os
 import sys
+import threading
+import time
 from collections.abc import Sequence
 
 from xlafit.cli import (
@@ -92,10 +94,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.exit_code
     except XlafitError as e:
         print(f"xlafit: error: {e}", file=sys.stderr)
+        if argv is None:  # the process's own command (the `xlafit` program), not a caller's
+            _exit_past_stuck_threads(e.exit_code)
         return e.exit_code
     except KeyboardInterrupt:
         print("xlafit: interrupted", file=sys.stderr)
         return INTERRUPTED
+
+
+_GRACE_S = 2.0  # how long a failed command's leftover threads get to finish on their own
+
+
+def _exit_past_stuck_threads(code: int) -> None:
+    """Ends the process now when threads that never finish would hold up its exit.
+
+    A checkpoint whose directory cannot be created (no permission) leaves Orbax's writer
+    threads, which are not daemons, waiting for the signal that the directory exists: it never
+    comes, and they give up only after Orbax's coordination timeout (300 s). Python waits for
+    such threads before it exits, so the command hung after printing its error. Orbax has no
+    call that wakes them (its cancel marks them cancelled but leaves them waiting, and
+    ``CheckpointManager.close`` joins only the thread that already failed), so a command that
+    failed, its error printed, gives its threads a moment and then exits without them.
+    """
+    deadline = time.monotonic() + _GRACE_S
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            # Thread's own join: Orbax's threads override it to raise when the time runs out.
+            threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.current_thread()):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def configure_logging(verbose: bool) -> None:
@@ -114,10 +144,13 @@ def configure_logging(verbose: bool) -> None:
     # Orbax and absl are chatty at INFO; keep xlafit's own messages only.
     for name in ("absl", "orbax", "jax"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    gcsfs = logging.getLogger("gcsfs")
-    gcsfs.removeFilter(_raised_again)
-    if not verbose:
-        gcsfs.addFilter(_raised_again)
+    # Orbax logs a failed background save with its traceback from each of its threads (through
+    # absl), then raises the error in the main thread, where xlafit names it with the fix.
+    for name in ("gcsfs", "absl"):
+        logger = logging.getLogger(name)
+        logger.removeFilter(_raised_again)
+        if not verbose:
+            logger.addFilter(_raised_again)
 
 
 _FALLBACKS = ("Could not determine bucket type", "storage layout api used to detect bucket type")

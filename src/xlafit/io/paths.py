@@ -121,7 +121,14 @@ def _require_resolvable(url: AnyPath) -> None:
 def as_path(path: AnyPath) -> epath.Path:
     """``path`` as an ``epath.Path``: local paths as they are, URLs with their ``//``."""
     require_store(path)
-    return epath.Path(local(path))
+    try:
+        return epath.Path(local(path))
+    except KeyError:  # fsspec knows the protocol (hdfs://), but etils' paths, which Orbax writes through, do not
+        protocol = local(path).split("://", 1)[0]
+        raise StorageError(
+            f"{path}: {protocol}:// cannot hold a run's directory or checkpoints (Orbax writes through etils' paths, "
+            "which know gs://, s3://, az:// and hf://); use a local path, file:// or gs://."
+        ) from None
 
 
 def filesystem(path: AnyPath) -> tuple[fsspec.AbstractFileSystem, str]:

@@ -159,9 +159,11 @@ class Cluster:
         if given:
             missing = [n for n in names if n not in given]
             if missing:
+                flags = dict(zip(names, ("--coordinator", "--num-processes", "--process-id"), strict=True))
                 raise DeviceError(
-                    f"a multi-process run needs all of {', '.join(names)}; {', '.join(missing)} "
-                    "is not set. `xlafit launch` sets them for you."
+                    f"a multi-process run needs all of {', '.join(f'{n} ({flags[n]})' for n in names)}; "
+                    f"{', '.join(f'{n} ({flags[n]})' for n in missing)} {'is' if len(missing) == 1 else 'are'} "
+                    "not set. Give the flags or the variables; `xlafit launch` sets them for you."
                 )
             try:
                 num, pid = int(given[NUM_PROCESSES_ENV]), int(given[PROCESS_ID_ENV])
@@ -187,6 +189,26 @@ def _timeout() -> int:
         raise DeviceError(f"{INIT_TIMEOUT_ENV} must be a whole number of seconds.") from None
 
 
+def _refuse_ports_in_use(coordinator: str) -> None:
+    """Process 0 tries its two ports (JAX's coordinator, then the rendezvous) before it waits.
+
+    Another program on the coordinator's port made process 0 wait out the whole timeout and
+    then blame the other processes; one on the rendezvous port raised a bare OSError.
+    """
+    port = int(coordinator.rpartition(":")[2])
+    for p, role in ((port, "the coordinator's"), (port + 1, "the rendezvous, the coordinator's + 1")):
+        try:
+            with socket.create_server(("", p)):
+                pass
+        except OSError as e:
+            why = os.strerror(e.errno) if e.errno else str(e)  # "Address already in use"
+            raise DeviceError(
+                f"port {p} ({role}) on this host cannot be listened on ({why}), so process 0 of the job at "
+                f"{coordinator} cannot serve it; choose another {COORDINATOR_ENV} port (--coordinator HOST:PORT) "
+                "whose successor is free too (`xlafit launch` picks one)."
+            ) from None
+
+
 def _rendezvous(cluster: Cluster) -> None:
     """Meets every process on the port after the coordinator's before JAX does.
 
@@ -206,6 +228,7 @@ def _rendezvous(cluster: Cluster) -> None:
                 f"process 0 of the job at {cluster.coordinator} cannot tell how many processes to wait for: "
                 f"set {NUM_PROCESSES_ENV} (`xlafit launch` sets it)."
             )
+        _refuse_ports_in_use(cluster.coordinator)
         with socket.create_server(("", address[1]), reuse_port=False) as server:
             server.settimeout(0.5)
             arrived: dict[int, socket.socket] = {}

@@ -102,6 +102,49 @@ def _watch(procs: Sequence[subprocess.Popen], deadline: list[float], log_dir: Pa
     return 0
 
 
+def max_processes() -> int:
+    """The most processes a launch starts here: 4 per CPU core, at least 8.
+
+    Each process is a whole JAX runtime (seconds of start-up, hundreds of MB of memory, its
+    own compile): a launch rehearses a pod slice's few hosts on one machine, and hundreds of
+    them would only bury the machine's cores.
+    """
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
+def _refusal(command: Sequence[str], processes: int, devices_per_process: int) -> str | None:
+    """Why the launch cannot start as asked (the fix included), or None."""
+    if processes < 1 or devices_per_process < 1:
+        return "--processes and --devices-per-process must be at least 1"
+    if processes > max_processes():
+        return (
+            f"--processes {processes} is more than this machine can run as a rehearsal of a pod slice "
+            f"(at most {max_processes()}: 4 per CPU core, {os.cpu_count()} core(s), each process a whole JAX "
+            f"runtime); give --processes {max_processes()} or fewer, and more --devices-per-process for more devices"
+        )
+    if not command:
+        return "give the command after --, e.g. xlafit launch -- xlafit train mnist"
+    simulate = [" ".join(command[i : i + 2]) for i, a in enumerate(command) if a.split("=")[0] == "--simulate"]
+    if simulate:
+        return (
+            f"the command carries {simulate[0]}, but --devices-per-process already sets each process's devices "
+            f"({devices_per_process} here; {simulate[0]} would replace them in every process, a job of other "
+            "devices than asked); drop it from the command and give the count as --devices-per-process"
+        )
+    return None
+
+
+def _make_log_dir(log_dir: Path) -> str | None:
+    """Creates ``log_dir``; what stands in the way (the fix included), or None."""
+    if log_dir.exists() and not log_dir.is_dir():
+        return f"--log-dir {log_dir} is a file, not a folder; give a folder (it is created if missing)"
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot create --log-dir {log_dir} ({e.strerror or e}); give a folder this user can write"
+    return None
+
+
 def launch(command: Sequence[str], processes: int, devices_per_process: int, log_dir: str | Path | None = None) -> int:
     """Runs ``command`` as ``processes`` cooperating processes; returns the job's exit code.
 
@@ -110,15 +153,12 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int, log
     Example:
         >>> launch(["xlafit", "train", "mnist"], processes=2, devices_per_process=4)  # doctest: +SKIP
     """
-    if processes < 1 or devices_per_process < 1:
-        print("xlafit launch: --processes and --devices-per-process must be at least 1", file=sys.stderr)
-        return 2
-    if not command:
-        print("xlafit launch: give the command after --, e.g. xlafit launch -- xlafit train mnist", file=sys.stderr)
-        return 2
     log_dir = Path(log_dir) if log_dir is not None else default_log_dir()
+    refusal = _refusal(command, processes, devices_per_process) or (processes > 1 and _make_log_dir(log_dir))
+    if refusal:
+        print(f"xlafit launch: {refusal}", file=sys.stderr)
+        return 2
     if processes > 1:
-        log_dir.mkdir(parents=True, exist_ok=True)
         others = "process 1" if processes == 2 else f"processes 1-{processes - 1}"
         print(f"xlafit launch: the output of {others} goes to {log_dir} (--log-dir)", file=sys.stderr)
     address = f"127.0.0.1:{free_port()}"
