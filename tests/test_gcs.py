@@ -659,3 +659,14 @@ def test_the_guides_local_bucket_sets_what_the_tests_set(gcs_server):
     block = guide.split("## A bucket on your machine", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     exported = set(re.findall(r"\b([A-Z_a-z]+)=", block.split("export ", 1)[1].split("\ncurl", 1)[0]))
     assert exported == set(gcs_server.env)
+
+
+def test_a_tokenizer_out_in_a_missing_bucket_is_refused_before_training(gcs, tmp_path, monkeypatch):
+    """It trained first, then failed to upload (with no network: after 52 s, a page of
+    aiohttp traceback): the work lost."""
+    from xlafit.data import tokenizer
+
+    monkeypatch.setattr(tokenizer, "_continuation_tokens", lambda *a: pytest.fail("trained before the check"))
+    (tmp_path / "a.txt").write_text("the cat sat on the mat\n" * 20)
+    with pytest.raises(DataError, match=r"--out gs://xlafit-no-such-bucket/tok: the bucket gs://xlafit-no-such"):
+        tokenizer.train_tokenizer([str(tmp_path / "a.txt")], 100, "gs://xlafit-no-such-bucket/tok")

@@ -25,8 +25,8 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from tqdm import tqdm
 
 from xlafit.data.text import read_lines
-from xlafit.errors import DataError
-from xlafit.io.paths import as_path, describe_error, is_url, upload_dir
+from xlafit.errors import DataError, StorageError
+from xlafit.io.paths import as_path, check_bucket, describe_error, is_url, upload_dir
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # ids 0..4, in this order
 PAD, UNK, CLS, SEP, MASK = range(len(SPECIAL_TOKENS))  # their ids in every vocabulary trained here
@@ -116,7 +116,12 @@ def train_tokenizer(
         DataError: ``out`` is a file or holds a tokenizer (without ``overwrite``),
             ``vocab_size`` too small, or no text in ``files``.
     """
-    target = as_path(out)  # refused before the training, not after it
+    if is_url(out):  # an unreachable store or a missing bucket: refused before the training, not after it
+        try:
+            check_bucket(str(out), "--out")
+        except StorageError as e:
+            raise DataError(str(e)) from None
+    target = as_path(out)
     if target.is_file():
         raise DataError(f"--out {out} is a file; give a directory (tokenizer.json, vocab.txt and configs go in it).")
     if not overwrite and (target / "tokenizer.json").exists():
