@@ -49,11 +49,11 @@ def test_a_store_fsspec_knows_but_a_run_cannot_use_is_one_line():
     ],
 )
 def test_gs_without_gcsfs_is_one_line_naming_the_install(command, without_gcsfs, tmp_path):
-    images = tmp_path / "images" / "a"
-    images.mkdir(parents=True)
     from PIL import Image
 
-    Image.new("RGB", (8, 8)).save(images / "one.png")
+    for name in ("a", "b"):  # two classes: one is refused before the --out is looked at
+        (tmp_path / "images" / name).mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / "images" / name / "one.png")
     argv = [c.format(images=tmp_path / "images") for c in command]
     env = {"PYTHONPATH": without_gcsfs, "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-m", "xlafit", *argv], capture_output=True, text=True, env=env, timeout=300)
