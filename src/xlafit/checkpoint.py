@@ -206,6 +206,12 @@ def check_directory(directory: str | Path | epath.Path) -> None:
         )
 
 
+def set_aside(names: Sequence[str]) -> list[str]:
+    """The names among ``names`` (a checkpoint directory's entries) of checkpoints a resume set
+    aside as corrupt (``corrupt-<step>-<time>``)."""
+    return [name for name in names if name.startswith(SET_ASIDE)]
+
+
 def check_not_all_set_aside(directory: epath.Path) -> None:
     """Refuses to train from step 0 in a checkpoint directory that holds no checkpoint but
     the ones a resume set aside as corrupt: the run has a history (its metrics), which a
@@ -215,7 +221,7 @@ def check_not_all_set_aside(directory: epath.Path) -> None:
         CheckpointError: naming the checkpoints set aside and the fix.
     """
     names = sorted(p.name for p in directory.iterdir()) if directory.exists() else []
-    left = [name for name in names if name.startswith(SET_ASIDE)]
+    left = set_aside(names)
     if left and not any(name.isdigit() for name in names):
         raise CheckpointError(
             f"no checkpoint to resume from in {directory}: each was found corrupt and set aside "
@@ -457,7 +463,7 @@ class Checkpointer:
             for b, why in bad:
                 self._set_aside(b, why)
             return from_saveable(raw, like), s
-        found = "; ".join(f"checkpoint {b} is {why}" for b, why in bad) or "it holds none"
+        found = _in_words(bad) or "it holds none"
         raise CheckpointError(
             f"no intact checkpoint in {self.directory} ({found}); nothing was moved. Start over with --restart "
             "(the earlier run moves aside, nothing is deleted; in Python: another run_dir)."

@@ -252,7 +252,7 @@ def final_report(metrics: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------- run directory
+# --------------------------------------------------------------------------- the resume check
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, object]:

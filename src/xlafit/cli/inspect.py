@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     # The library when the command runs (a fast --help); the backends start as connect() starts
     # them, without libtpu's start-up errors on a host that has libtpu but no TPU.
-    from xlafit.checkpoint import SET_ASIDE, Checkpointer, fingerprint
+    from xlafit.checkpoint import Checkpointer, fingerprint, set_aside
     from xlafit.parallel.cluster import start_backends
     from xlafit.rundir import checkpoints_of
 
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         infos = ckpt.list()
         if not infos:
-            aside = sorted(p.name for p in where.iterdir() if p.name.startswith(SET_ASIDE)) if where.is_dir() else []
+            aside = set_aside(sorted(p.name for p in where.iterdir())) if where.is_dir() else []
             raise CheckpointError(
                 f"{args.run_dir} holds no checkpoint"
                 + (

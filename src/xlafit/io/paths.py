@@ -45,10 +45,10 @@ from xlafit.errors import ConfigError, StorageError, XlafitError
 AnyPath = str | os.PathLike[str]
 
 
-# The package that serves a store's URLs, for the message when it is missing.
 # What a run of `xlafit train` writes first (config.yaml) and what it keeps: one of them marks
 # a run directory (a run refuses other folders; data preparation refuses run directories).
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
+# The package that serves a store's URLs, for the message when it is missing.
 INSTALL = {"gs": "pip install 'xlafit[gcs]'", "gcs": "pip install 'xlafit[gcs]'", "s3": "pip install s3fs"}
 
 
