@@ -89,7 +89,8 @@ class LlmDataConfig(xconfig.DataConfig):
     eval_fraction: float = 0.1  # documents held out for evaluation (a hash of their index and data.seed)
     # auto (from the records), text, chat ({"messages": [...]}) or prompt_completion ({"prompt", "completion"})
     format: str = "auto"
-    # chat records: a Jinja chat template file instead of the tokenizer's (tokenizer_config.json's chat_template)
+    # chat records: a Jinja chat template file instead of the tokenizer's (tokenizer_config.json's chat_template),
+    # or one of xlafit's training templates by name (qwen3, mistral-v0.3; see xlafit/data/templates.py)
     chat_template: str | None = None
     loss_on: str = "assistant"  # chat and prompt/completion records: assistant (the answers only) or all
     # with no data.data_dir: korean (the konlpy wheel's texts), chat (arithmetic conversations with a ChatML
