@@ -89,7 +89,8 @@ class LlmDataConfig(xconfig.DataConfig):
     eval_fraction: float = 0.1  # documents held out for evaluation (a hash of their index and data.seed)
     # auto (from the records), text, chat ({"messages": [...]}) or prompt_completion ({"prompt", "completion"})
     format: str = "auto"
-    # chat records: a Jinja chat template file instead of the tokenizer's (tokenizer_config.json's chat_template)
+    # chat records: a Jinja chat template file instead of the tokenizer's (tokenizer_config.json's chat_template),
+    # or one of xlafit's training templates by name (qwen3, mistral-v0.3; see xlafit/data/templates.py)
     chat_template: str | None = None
     loss_on: str = "assistant"  # chat and prompt/completion records: assistant (the answers only) or all
     # with no data.data_dir: korean (the konlpy wheel's texts), chat (arithmetic conversations with a ChatML
@@ -287,7 +288,9 @@ def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
     where = tokenizer_location(cfg)
     tok = clm.load_tokenizer(where)
     inputs = [d.data_dir] if d.data_dir else _demo_inputs(d.demo)
-    template = chat.template_for(where, d.chat_template)
+    # The template the conversations are rendered with: a family's training template in place of
+    # its official one where xlafit ships one (data/templates.py); data.chat_template wins.
+    template = chat.template_for(where, d.chat_template, training=True)
     train, evaluation = clm.load_packed(
         inputs,
         tok,
@@ -300,7 +303,10 @@ def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
         loss_on=d.loss_on,
         progress=functools.partial(print, file=sys.stderr, flush=True),
     )
-    print(data_summary(train, evaluation, d), flush=True, file=sys.stderr)
+    summary = data_summary(train, evaluation, d)
+    if train.source is not None and train.source.format == "chat":
+        summary += f"\n  {chat.describe(template)}"
+    print(summary, flush=True, file=sys.stderr)
     if cfg.model.attention == "cudnn":
         check_packed_segments(train, evaluation)
     return train, (evaluation if len(evaluation) else None)  # type: ignore[return-value]
@@ -357,7 +363,10 @@ def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
     """Copies the tokenizer into ``run_dir/tokenizer`` (local or a URL), with its chat
     template and special tokens where it has them, for ``xlafit export hf`` and generation;
     records the data's format in ``run_dir/data_format.json`` (``xlafit generate`` asks a run
-    that trained on chat records through the template, any other with the text as it is).
+    that trained on chat records through the template, any other with the text as it is), and
+    for chat records the template they were rendered with. A training template that stood in
+    for the tokenizer's official one (:mod:`xlafit.data.templates`) is recorded by name; the
+    run's tokenizer keeps the official one, which the model is asked with.
 
     A chat run whose template closes the assistant's turn with another special token than the
     tokenizer's ``eos_token`` (ChatML's ``<|im_end|>`` with a tokenizer that ends documents
@@ -370,8 +379,16 @@ def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
     where = tokenizer_location(cfg)
     (dest / "tokenizer.json").write_text(clm.tokenizer_json(where))
     fmt = train.source.format if train.source is not None else "text"
-    (run_dir / DATA_FORMAT_FILE).write_text(json.dumps({"format": fmt}) + "\n")
-    template = chat.template_for(where, data_config(cfg).chat_template)
+    trained = chat.template_for(where, data_config(cfg).chat_template, training=True)
+    recorded: dict[str, Any] = {"format": fmt}
+    if fmt == "chat" and trained is not None:
+        recorded["chat_template"] = {
+            "rendered_with": trained.name,
+            "shipped": trained.shipped.name if trained.shipped is not None else None,
+            "in_place_of": trained.official.name if trained.official is not None else None,
+        }
+    (run_dir / DATA_FORMAT_FILE).write_text(json.dumps(recorded) + "\n")
+    template = trained.official if trained is not None and trained.official is not None else trained
     if template is not None:  # what the run's chat data was rendered with, for generation and export
         (dest / chat.TEMPLATE_FILE).write_text(template.source)
         tokens = dict(template.tokens)
