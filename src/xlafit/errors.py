@@ -22,9 +22,7 @@ DAMAGED = 1  # xlafit inspect: the newest checkpoint is corrupt, or none is inta
 USAGE = 2  # bad config, data, devices or checkpoint: the message says what to fix
 NONFINITE = 3  # a non-finite loss or gradient under trainer.nan_policy=stop
 BUSY = 73  # another process is training in the run directory (the message names it): run again once it has ended
-STORAGE = (
-    74  # EX_IOERR: a file of the run could not be written (disk full, no permission): fix that, run again to resume
-)
+STORAGE = 74  # EX_IOERR: a file of the run could not be written (a full disk, read-only): fix it, run again
 PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGINT after saving a checkpoint; run again to resume
 INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C where no checkpoint could be saved
 
