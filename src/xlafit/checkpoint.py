@@ -21,6 +21,7 @@ import datetime
 import hashlib
 import json
 import math
+import re
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
@@ -31,7 +32,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from xlafit.errors import CheckpointError, StorageError
+from xlafit.errors import CheckpointError, CheckpointWriteError, StorageError
 from xlafit.io.paths import as_path, check_bucket, describe_error, files_under, is_url, move, refresh
 from xlafit.models.bert import qkv_from_matrix
 from xlafit.parallel.mesh import is_prng_key
@@ -181,11 +182,17 @@ def first_line(e: BaseException) -> str:
         ... except Exception as e:
         ...     first_line(e)
         'ValueError: OUT_OF_RANGE: w/0.0'
+        >>> first_line(ValueError("OUT_OF_RANGE: size 10 [tensorstore_spec='{\\"driver\\":\\"zarr\\"}']"))
+        'ValueError: OUT_OF_RANGE: size 10'
     """
     while e.__cause__ is not None:
         e = e.__cause__
-    lines = str(e).strip().splitlines()
+    # TensorStore appends the array's whole spec to the line itself (some 1,400 characters)
+    lines = [_SPEC.sub("", line) for line in str(e).strip().splitlines()]
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+_SPEC = re.compile(r"\s*\[tensorstore_spec='.*?'\]")
 
 
 def check_directory(directory: str | Path | epath.Path) -> None:
@@ -335,23 +342,30 @@ class Checkpointer:
         except Exception as e:  # Orbax re-raises the background writer's error here
             raise self._failed(e) from e
 
-    def _failed(self, e: Exception) -> CheckpointError:
-        """The error for a failed save: what failed, the newest intact checkpoint, the fix."""
+    def _failed(self, e: Exception) -> CheckpointWriteError:
+        """The error for a failed save: what failed, the newest complete checkpoint, the fix.
+        A checkpoint whose arrays are complete (committed) but whose seal could not be
+        written is named as such: a resume loads it."""
         try:
-            intact = [c.step for c in self.list() if c.status == "intact"]
-            known = f"checkpoint {intact[-1]} is intact. " if intact else "no earlier checkpoint exists. "
+            usable = [c for c in self.list() if c.usable]  # intact, or committed and not yet sealed
+            what = f"writing checkpoint {self.last_saved} in {self.directory} failed"
+            if usable and usable[-1].step == self.last_saved:
+                what = f"checkpoint {self.last_saved} in {self.directory} was written, but not its checksums ({SEAL})"
+                known = f"a resume loads checkpoint {self.last_saved}. "
+            elif usable:
+                known = f"checkpoint {usable[-1].step} is {'intact' if usable[-1].status == 'intact' else 'complete'}. "
+            else:
+                known = "no earlier checkpoint exists. "
         except Exception:  # the store is unreachable for reading too
+            what = f"writing checkpoint {self.last_saved} in {self.directory} failed"
             known = "the checkpoints before it are untouched (a save never overwrites one); a resume verifies them. "
         if is_url(self.directory):
-            return CheckpointError(
-                f"writing checkpoint {self.last_saved} in {self.directory} failed: "
-                f"{describe_error(self.directory, e)} {known}Run again to resume once the storage answers."
+            return CheckpointWriteError(
+                f"{what}: {describe_error(self.directory, e)} {known}Run again to resume once the storage answers."
             )
-        return CheckpointError(
-            f"writing checkpoint {self.last_saved} in {self.directory} failed ({e}); "
-            + known
-            + "Free disk space (or fix the permissions) and run again to resume."
-        )
+        reason = f"{e.strerror}" if isinstance(e, OSError) and e.strerror else first_line(e)
+        fix = "Free disk space" if "No space left" in str(e) else "Free disk space (or fix the permissions)"
+        return CheckpointWriteError(f"{what} ({reason}); {known}{fix}, then run the same command again to resume.")
 
     def _step_dir(self, step: int) -> epath.Path:
         return self.directory / str(step)
