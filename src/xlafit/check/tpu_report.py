@@ -112,7 +112,7 @@ def _eval_lines(r: TargetReport) -> list[str]:
         what = "the compiler's peak" if e.peak else "its buffers"
         parts = (
             f" (its buffers add up to {gib(e.total)}: temporaries never live at the same time are each counted)"
-            if e.total and e.total > used
+            if e.total and e.total > max(used, r.capacity)  # a sum over the capacity, placed by the compiler
             else ""
         )
         return [
