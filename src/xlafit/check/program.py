@@ -57,6 +57,9 @@ class Program:
     flops_per_example: float | None = None
     tokens_per_example: float | None = None
     user_file: str | None = None
+    # The kind of model, as the step model's error bands name it (a recipe: llm, bert,
+    # resnet, mnist); None: a user's own, never held against a measured step.
+    family: str | None = None
     # The run's mesh over the target's cores: (data, fsdp, tensor), one may be -1; and its
     # logical-axis rules (xlafit.parallel.sharding). The default is pure data parallelism.
     mesh: tuple[int, int, int] = (-1, 1, 1)
@@ -160,7 +163,7 @@ class TargetReport:
     predicted: bool = False  # step_s is the step model's (else the bound's)
     band: str | None = None  # the step model's measured error for this device kind, or why there is none
     band_median: float | None = None  # that error's median, |predicted / measured - 1|
-    outside_band: bool = False  # a predicted step too short for that error to hold (no median then)
+    outside_band: bool = False  # no band quoted: the program is unlike those it was measured on (no median then)
     rates: str | None = None  # where the step model's rates come from (built-in, a calibration file)
     bound_s: float | None = None  # the roofline estimate: max(compute, memory)
     compute_s: float | None = None  # FLOPs / peak FLOP/s

@@ -66,6 +66,7 @@ def recipe_program(
         eval_global_batch=cfg.data.eval_global_batch or global_batch or (per_device or 1) * 8,
         flops_per_example=work.get("flops_per_example"),
         tokens_per_example=work.get("tokens_per_example"),
+        family=name,
         mesh=cfg.mesh.sizes,
         rules=parse_rules(cfg.mesh.rules),
         model_levers=memory_levers(cfg.model),
