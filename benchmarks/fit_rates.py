@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from xlafit.check.recipes import recipe_program
-from xlafit.check.speed import parameters
 from xlafit.platform.hardware import parse_targets
-from xlafit.predict.rates import BUILT_IN
+from xlafit.predict.rates import BUILT_IN, parameter_count
 from xlafit.predict.validation import band_of, fit_gpu, fit_tpu, gpu_checks, tpu_checks, tpu_runs
 
 VALIDATION = Path(__file__).parent / "validation"
@@ -36,7 +35,7 @@ def kind(recipe: str, overrides: list[str], devices: int) -> dict[str, Any]:
     of the model its overrides build (abstractly: nothing allocated), its devices."""
     program = recipe_program(recipe, overrides)[0]
     training = "full" if not any(o.startswith("lora.rank=") and o != "lora.rank=0" for o in overrides) else "lora"
-    return {"family": recipe, "params": parameters(program.model), "devices": devices, "training": training}
+    return {"family": recipe, "params": parameter_count(program.model), "devices": devices, "training": training}
 
 
 def gpu_kinds(folder: Path) -> dict[str, dict[str, Any]]:

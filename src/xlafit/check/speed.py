@@ -10,13 +10,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import jax
 from flax import nnx
 
 from xlafit.check.program import Program, TargetReport
 from xlafit.predict.hlo import kernel_flops, loop_flops
 from xlafit.predict.model import Link, predict
-from xlafit.predict.rates import Kind, rates_for
+from xlafit.predict.rates import Kind, parameter_count, rates_for
 
 # The error bands come from steps of seconds; a step under SHORTEST_BANDED_S is bound by kernel
 # launch and host dispatch, which the step model does not price: its band would mislead there.
@@ -32,17 +31,11 @@ def outside_band(step_s: float | None) -> bool:
     return step_s is not None and 0 < step_s < SHORTEST_BANDED_S
 
 
-def parameters(model: nnx.Module) -> int:
-    """The parameters of a model, concrete or abstract (``nnx.Param``: a LoRA run's frozen
-    base and its adapters included)."""
-    return sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-
-
 def program_kind(program: Program, devices: int, step_s: float) -> Kind:
     """What a prediction of ``program``'s step is for, to hold against the programs its
     error band was measured on (:meth:`xlafit.predict.rates.Band.unlike`)."""
     training = "full" if program.trainable is nnx.Param else "lora"
-    return Kind(program.family, parameters(program.model), devices, step_s, training)
+    return Kind(program.family, parameter_count(program.model), devices, step_s, training)
 
 
 def above_prediction(step_s: float, compute_s: float, memory_s: float) -> str:

@@ -27,6 +27,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import jax
+from flax import nnx
+
 from xlafit.errors import ConfigError
 from xlafit.io.cache import cache_dir
 
@@ -42,6 +45,7 @@ __all__ = [
     "Validated",
     "calibration_dir",
     "load_rates",
+    "parameter_count",
     "rates_for",
     "save_rates",
 ]
@@ -91,6 +95,12 @@ class Kind:
     devices: int
     step_s: float
     training: str = "full"
+
+
+def parameter_count(model: Any) -> int:
+    """The parameters of an ``nnx.Module``, concrete or abstract (``nnx.Param``: a LoRA
+    run's frozen base and its adapters included), for a :class:`Kind`."""
+    return sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
 def _params(n: float) -> str:
