@@ -156,7 +156,7 @@ def test_a_tiny_model_compiles_for_the_tpu_with_the_memory_of_a_direct_compile(t
     assert 15 * 2**30 < report.capacity < 16 * 2**30  # the compiler's own limit (v3: 15.48G, v5e: 15.75G)
     analytic = 6 * 32 * (64 * 256 + 256 * 64)  # forward + backward matmuls of 32 examples
     assert 0.9 * analytic < report.flops_per_step < 2 * analytic
-    assert report.step_s > 0 and report.examples_per_s > 0 and report.eval["fits"]
+    assert report.step_s > 0 and report.examples_per_s > 0 and report.eval.fits
 
 
 class _ThreeLayers(nnx.Module):
