@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
 
@@ -312,6 +313,24 @@ def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
     return train, (evaluation if len(evaluation) else None)  # type: ignore[return-value]
 
 
+def shapes(cfg: Config) -> clm.PackedText | None:
+    """One placeholder row of ``data.seq_len`` tokens in the vocabulary of a named model
+    (Meta's, Gemma's or Qwen's preset, or custom sizes with ``model.vocab_size``), for a
+    compile that needs shapes only: the demo corpus (the konlpy wheel's texts) is not read.
+    None where the data decides (``data.data_dir``: its format may add a loss mask; the tiny
+    preset, whose vocabulary is the demo tokenizer's; a checkpoint's) or ships with xlafit
+    (the chat demos)."""
+    d, m = data_config(cfg), cfg.model
+    if d.data_dir or d.demo != "korean" or m.init_from_hf or m.preset == "tiny":
+        return None
+    vocab = _given_sizes(m).get("vocab_size") or PRESETS.get(m.preset, {}).get("vocab_size")
+    if not vocab:  # custom sizes without a vocabulary: the tokenizer's
+        return None
+    row = np.arange(d.seq_len, dtype=np.int32)[None]
+    arrays = {"input_ids": np.zeros_like(row), "segment_ids": np.ones_like(row), "positions": row}
+    return clm.PackedText(arrays, vocab_size=int(vocab), documents=0)
+
+
 def check_packed_segments(*datasets: clm.PackedText) -> None:
     """cuDNN's packed attention takes a fixed number of segments a row
     (:func:`~xlafit.models.attention.packed_segments_limit`): refuses data that packs more."""
@@ -465,6 +484,7 @@ RECIPE = Recipe(
     build_model=build_model,
     loss_fn=loss_fn,
     throughput=throughput,
+    shapes=shapes,
     save_artifacts=save_artifacts,
     kept_files={
         "tokenizer/tokenizer.json": "tokenizer (data.tokenizer, else model.init_from_hf's); the checkpoints learned "
