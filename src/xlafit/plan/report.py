@@ -121,6 +121,7 @@ def _compiles_line(plan: Plan) -> str:
     n = len(plan.outcomes)
     text = f"{n} compile{'' if n == 1 else 's'} of train steps"
     evals = [o for o in plan.outcomes if o.eval_batch is not None]
+    evals.sort(key=lambda o: -o.prediction.examples_per_s if o.prediction else 0.0)  # compiled fastest first
     if evals:
         count = sum(1 + (len(o.eval.probes) if o.eval else 0) for o in evals)
         whose = " and ".join("the answer" if o is plan.winner else _name(o) for o in evals)
