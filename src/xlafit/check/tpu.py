@@ -486,9 +486,8 @@ def _train_report(report: TargetReport, steps: Steps, target: tpu.Target) -> Non
 
 
 def eval_fit(steps: Steps, per_device: int, capacity: float) -> EvalFit | None:
-    """The eval step's verdict and memory at ``per_device`` examples per core (``check --tpu``'s
-    and ``plan``'s); where it does not fit, the largest eval batch that does (:func:`largest_eval_batch`)
-    and its setting. None: it failed for another reason than memory."""
+    """The eval step's verdict and memory at ``per_device`` per core (check's and plan's); where it
+    does not fit, the largest eval batch that does (:func:`largest_eval_batch`). None: another failure."""
     name = steps.target.name if steps.target else "this host"
     progress(f"{name}: compiling the eval step, {per_device} per core ...")
     try:
