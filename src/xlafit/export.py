@@ -27,7 +27,7 @@ from tokenizers import Tokenizer
 
 from xlafit.checkpoint import Checkpointer, older_layout, path_name
 from xlafit.config import Config
-from xlafit.data import chat, clm
+from xlafit.data import chat, clm, special_tokens
 from xlafit.errors import CheckpointError, ConfigError, StorageError
 from xlafit.hf import llama as llama_hf
 from xlafit.hf.bert import save_hf
@@ -301,17 +301,21 @@ def _write_tokenizer(
     """Writes the tokenizer's files to ``out``; returns the ids of its special tokens (for
     ``config.json``) and ``generation_config.json``'s settings."""
     (out / "tokenizer.json").write_text(tokenizer_json)
-    specials = {t["content"] for t in json.loads(tokenizer_json).get("added_tokens", [])}
+    tok = Tokenizer.from_str(tokenizer_json)
+    given = tokens or {}
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
-    for key, names in (("bos_token", clm.BOS_NAMES), ("eos_token", clm.EOS_NAMES), ("pad_token", (clm.PAD,))):
-        found = (tokens or {}).get(key) or next((name for name in names if name in specials), None)
-        if found is not None:
-            config[key] = found
+    bos, eos = special_tokens.markers(tok, given or None)  # what the run trained with
+    for key, found in (("bos_token", bos), ("eos_token", eos), ("pad_token", tok.token_to_id(clm.PAD))):
+        name = special_tokens.token_name(given.get(key)) or (tok.id_to_token(found) if found is not None else None)
+        if name is not None:
+            config[key] = name
+    config.update({key: given[key] for key in ("add_bos_token", "add_eos_token") if key in given})
+    if "add_bos_token" not in config and bos is not None and special_tokens.first_added(tok) != bos:
+        config["add_bos_token"] = True  # a tokenizer.json alone (a run of an older xlafit): transformers adds it too
     if chat_template:
         config["chat_template"] = chat_template
         (out / chat.TEMPLATE_FILE).write_text(chat_template)
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tok = Tokenizer.from_str(tokenizer_json)
     ids = {
         f"{key}_id": tok.token_to_id(config[key]) if key in config else None
         for key in ("bos_token", "eos_token", "pad_token")

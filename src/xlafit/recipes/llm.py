@@ -26,7 +26,7 @@ from flax import nnx
 
 from xlafit import config as xconfig
 from xlafit.config import Config
-from xlafit.data import chat, chat_demo, clm
+from xlafit.data import chat, chat_demo, clm, special_tokens
 from xlafit.data.text import korean_demo_files
 from xlafit.errors import ConfigError, HFFormatError
 from xlafit.hf import llama as llama_hf
@@ -261,7 +261,7 @@ def tokenizer_location(cfg: Config) -> str:
 def demo_tokenizer(vocab_size: int) -> str:
     """The demo's byte-level BPE on the Korean corpus, trained once into the user cache."""
     files = korean_demo_files()
-    key = json.dumps(["bpe-1", files, vocab_size])
+    key = json.dumps(["bpe-2", files, vocab_size])  # 2: its files declare its special tokens
     target = cache_dir() / f"llm-demo-tokenizer-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (target / "tokenizer.json").exists():
         return str(target)
@@ -298,6 +298,7 @@ def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
         fmt=d.format,
         template=template,
         loss_on=d.loss_on,
+        markers=clm.special_ids(where),
         progress=functools.partial(print, file=sys.stderr, flush=True),
     )
     print(data_summary(train, evaluation, d), flush=True, file=sys.stderr)
@@ -354,10 +355,13 @@ def data_summary(train: clm.PackedText, evaluation: clm.PackedText, d: LlmDataCo
 
 
 def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
-    """Copies the tokenizer into ``run_dir/tokenizer`` (local or a URL), with its chat
-    template and special tokens where it has them, for ``xlafit export hf`` and generation;
-    records the data's format in ``run_dir/data_format.json`` (``xlafit generate`` asks a run
-    that trained on chat records through the template, any other with the text as it is).
+    """Copies the tokenizer into ``run_dir/tokenizer`` (local or a URL) with its settings
+    (``tokenizer_config.json``: its special tokens, ``add_bos_token`` and ``add_eos_token``
+    where it sets them, so that :func:`xlafit.data.clm.special_ids` reads there what the run
+    trained with) and its chat template where it has one, for ``xlafit export hf`` and
+    generation; records the data's format in ``run_dir/data_format.json`` (``xlafit
+    generate`` asks a run that trained on chat records through the template, any other with
+    the text as it is).
 
     A chat run whose template closes the assistant's turn with another special token than the
     tokenizer's ``eos_token`` (ChatML's ``<|im_end|>`` with a tokenizer that ends documents
@@ -371,14 +375,26 @@ def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
     (dest / "tokenizer.json").write_text(clm.tokenizer_json(where))
     fmt = train.source.format if train.source is not None else "text"
     (run_dir / DATA_FORMAT_FILE).write_text(json.dumps({"format": fmt}) + "\n")
+    tok = clm.load_tokenizer(where)
+    source = special_tokens.settings(where)
+    if source is None:  # a tokenizer.json alone: what the run put before and after each document, said
+        bos, eos = clm.special_ids(where)
+        name = lambda i: tok.id_to_token(i) if i is not None else None  # noqa: E731
+        tokens: dict[str, Any] = {"bos_token": name(bos), "eos_token": name(eos), "add_bos_token": bos is not None}
+    else:
+        tokens = {
+            k: special_tokens.token_name(v)
+            for k, v in source.items()
+            if k.endswith("_token") and not k.startswith("add_")
+        }
+        tokens.update({k: source[k] for k in ("add_bos_token", "add_eos_token") if k in source})
     template = chat.template_for(where, data_config(cfg).chat_template)
     if template is not None:  # what the run's chat data was rendered with, for generation and export
         (dest / chat.TEMPLATE_FILE).write_text(template.source)
-        tokens = dict(template.tokens)
-        end = chat.end_of_turn(template, clm.load_tokenizer(where))
+        end = chat.end_of_turn(template, tok)
         if fmt == "chat" and end is not None and "eos_token" not in template.source:
             tokens["eos_token"] = end
-        (dest / "tokenizer_config.json").write_text(json.dumps(tokens, indent=2) + "\n")
+    (dest / "tokenizer_config.json").write_text(json.dumps(tokens, indent=2) + "\n")
 
 
 # --------------------------------------------------------------------------- model
