@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import yaml
 from flax import nnx
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, processors
 
 from xlafit.checkpoint import Checkpointer, older_layout, path_name
 from xlafit.config import Config
@@ -300,7 +300,6 @@ def _write_tokenizer(
 ) -> tuple[dict[str, int | None], dict[str, Any]]:
     """Writes the tokenizer's files to ``out``; returns the ids of its special tokens (for
     ``config.json``) and ``generation_config.json``'s settings."""
-    (out / "tokenizer.json").write_text(tokenizer_json)
     tok = Tokenizer.from_str(tokenizer_json)
     given = tokens or {}
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
@@ -309,9 +308,14 @@ def _write_tokenizer(
         name = special_tokens.token_name(given.get(key)) or (tok.id_to_token(found) if found is not None else None)
         if name is not None:
             config[key] = name
-    config.update({key: given[key] for key in ("add_bos_token", "add_eos_token") if key in given})
-    if "add_bos_token" not in config and bos is not None and special_tokens.first_added(tok) != bos:
-        config["add_bos_token"] = True  # a tokenizer.json alone (a run of an older xlafit): transformers adds it too
+    written = tokenizer_json
+    if bos is not None and special_tokens.first_added(tok) != bos:  # an older xlafit's: transformers adds <s> too
+        name = tok.id_to_token(bos)
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{name} $A", pair=f"{name} $A {name}:1 $B:1", special_tokens=[(name, bos)]
+        )
+        written = tok.to_str(pretty=True)
+    (out / "tokenizer.json").write_text(written)
     if chat_template:
         config["chat_template"] = chat_template
         (out / chat.TEMPLATE_FILE).write_text(chat_template)

@@ -1,23 +1,26 @@
 """A tokenizer's document markers, read from its own files as ``transformers`` reads them.
 
-``bos``: the token ``transformers``' tokenizer puts before a text it encodes. Where
-``tokenizer_config.json`` sets ``add_bos_token`` or ``add_eos_token``, the tokenizer is
-rebuilt from them (``bos_token`` before the text where ``add_bos_token`` is true); otherwise
-``tokenizer.json``'s post-processor decides (Llama 3's ``TemplateProcessing`` puts
-``<|begin_of_text|>`` first; Qwen's ``ByteLevel`` adds nothing).
+``bos``: the token ``transformers``' tokenizer puts before a text it encodes, which is what
+``tokenizer.json``'s post-processor puts there (Gemma's and Llama 3's ``TemplateProcessing``
+put ``<bos>`` and ``<|begin_of_text|>`` first; Qwen's ``ByteLevel`` adds nothing). Where
+there is a ``tokenizer.json``, ``transformers`` builds the tokenizer from it and sets aside
+``tokenizer_config.json``'s ``add_bos_token`` and ``add_eos_token`` (a hub model's files
+agree with each other).
 
 ``eos``: the tokenizer's ``eos_token`` (``tokenizer_config.json``, else
 ``special_tokens_map.json``; a string or an ``AddedToken`` dict), which training appends to
 each document and completion, as TRL's ``SFTTrainer`` appends ``eos_token``.
 
 A tokenizer trained by xlafit (:func:`xlafit.data.clm.train_bpe`) declares its ``<s>``,
-``</s>`` and ``<pad>`` in these files too; one written before it did (a ``tokenizer.json``
-alone, those three tokens at ids 0, 1, 2) is read as it trained: ``<s>`` first, ``</s>`` last.
+``</s>`` and ``<pad>`` in these files too; one written before it did (those three tokens at
+ids 0, 1, 2, a post-processor that adds nothing, no ``eos_token`` beside it) is read as it
+trained: ``<s>`` first, ``</s>`` last.
 
 Example:
-    >>> from tokenizers import models
+    >>> from tokenizers import models, processors
     >>> tok = Tokenizer(models.WordLevel({"<bos>": 0, "<eos>": 1, "[UNK]": 2}, unk_token="[UNK]"))
-    >>> markers(tok, {"bos_token": "<bos>", "eos_token": {"content": "<eos>"}, "add_bos_token": True})
+    >>> tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 0)])
+    >>> markers(tok, {"bos_token": "<bos>", "eos_token": {"content": "<eos>"}})
     (0, 1)
 """
 
@@ -60,14 +63,12 @@ def token_name(value: Any) -> str | None:
 def markers(tok: Tokenizer, config: dict[str, Any] | None) -> tuple[int | None, int | None]:
     """``(bos, eos)`` ids of ``tok`` with the settings ``config`` (:func:`settings`), as the
     module docstring says; None where it has none."""
-    if config is None:
-        return _trained_here(tok)
-    name = token_name(config.get("eos_token"))
+    name = token_name((config or {}).get("eos_token"))
     eos = tok.token_to_id(name) if name else None
-    if "add_bos_token" in config or "add_eos_token" in config:  # transformers rebuilds its post-processor from them
-        bos_name = token_name(config.get("bos_token")) if config.get("add_bos_token") else None
-        return (tok.token_to_id(bos_name) if bos_name else None), eos
-    return first_added(tok), eos
+    bos = first_added(tok)
+    if bos is None and _older_xlafit(tok):
+        return 0, (1 if eos is None else eos)
+    return bos, eos
 
 
 def first_added(tok: Tokenizer) -> int | None:
@@ -94,10 +95,8 @@ def _leading(processor: dict[str, Any] | None) -> int | None:
     return None
 
 
-def _trained_here(tok: Tokenizer) -> tuple[int | None, int | None]:
-    """A ``tokenizer.json`` with no settings beside it: xlafit's own (its three special
-    tokens at ids 0, 1, 2) is read as it trained; any other declares no markers."""
+def _older_xlafit(tok: Tokenizer) -> bool:
+    """Whether ``tok`` is a tokenizer of xlafit's from before its files declared its markers:
+    its added tokens are :data:`TRAINED_HERE` at ids 0, 1, 2 and nothing else."""
     added = {i: t.content for i, t in tok.get_added_tokens_decoder().items()}
-    if added == dict(enumerate(TRAINED_HERE)):
-        return 0, 1
-    return None, None
+    return added == dict(enumerate(TRAINED_HERE))

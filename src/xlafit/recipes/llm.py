@@ -355,13 +355,12 @@ def data_summary(train: clm.PackedText, evaluation: clm.PackedText, d: LlmDataCo
 
 
 def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
-    """Copies the tokenizer into ``run_dir/tokenizer`` (local or a URL) with its settings
-    (``tokenizer_config.json``: its special tokens, ``add_bos_token`` and ``add_eos_token``
-    where it sets them, so that :func:`xlafit.data.clm.special_ids` reads there what the run
-    trained with) and its chat template where it has one, for ``xlafit export hf`` and
-    generation; records the data's format in ``run_dir/data_format.json`` (``xlafit
-    generate`` asks a run that trained on chat records through the template, any other with
-    the text as it is).
+    """Copies the tokenizer into ``run_dir/tokenizer`` (local or a URL) with its special
+    tokens (``tokenizer_config.json``, so that :func:`xlafit.data.clm.special_ids` reads
+    there what the run trained with) and its chat template where it has one, for ``xlafit
+    export hf`` and generation; records the data's format in ``run_dir/data_format.json``
+    (``xlafit generate`` asks a run that trained on chat records through the template, any
+    other with the text as it is).
 
     A chat run whose template closes the assistant's turn with another special token than the
     tokenizer's ``eos_token`` (ChatML's ``<|im_end|>`` with a tokenizer that ends documents
@@ -377,17 +376,11 @@ def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
     (run_dir / DATA_FORMAT_FILE).write_text(json.dumps({"format": fmt}) + "\n")
     tok = clm.load_tokenizer(where)
     source = special_tokens.settings(where)
-    if source is None:  # a tokenizer.json alone: what the run put before and after each document, said
+    if source is None:  # a tokenizer.json alone: its markers, named
         bos, eos = clm.special_ids(where)
-        name = lambda i: tok.id_to_token(i) if i is not None else None  # noqa: E731
-        tokens: dict[str, Any] = {"bos_token": name(bos), "eos_token": name(eos), "add_bos_token": bos is not None}
+        tokens = {k: tok.id_to_token(i) for k, i in (("bos_token", bos), ("eos_token", eos)) if i is not None}
     else:
-        tokens = {
-            k: special_tokens.token_name(v)
-            for k, v in source.items()
-            if k.endswith("_token") and not k.startswith("add_")
-        }
-        tokens.update({k: source[k] for k in ("add_bos_token", "add_eos_token") if k in source})
+        tokens = {k: special_tokens.token_name(v) for k, v in source.items() if k.endswith("_token")}
     template = chat.template_for(where, data_config(cfg).chat_template)
     if template is not None:  # what the run's chat data was rendered with, for generation and export
         (dest / chat.TEMPLATE_FILE).write_text(template.source)
