@@ -14,6 +14,7 @@ import pytest
 
 from helpers import TOKENIZER_FAMILIES, family_tokenizer
 from xlafit.data import clm
+from xlafit.errors import DataError
 from xlafit.recipes import llm as recipe
 from xlafit.recipes import load_config
 
@@ -133,3 +134,16 @@ def test_a_tokenizer_json_of_an_older_xlafit_alone_is_read_as_it_trained(tmp_pat
     _write_tokenizer(cfg, (folder / "tokenizer.json").read_text(), out, None, {})
     exported = transformers.AutoTokenizer.from_pretrained(str(out))
     assert exported(TEXT)["input_ids"][0] == 0 and exported.eos_token_id == 1
+
+
+def test_conversations_without_an_assistant_turn_are_named_as_such(tmp_path):
+    """System-only conversations: Gemma's template renders them as <bos> alone (nothing to
+    train on), ChatML's as turns with no answer (nothing the loss counts); either way the
+    error says they have no assistant turn, not that the file is not JSON-lines records."""
+    system = [{"role": "system", "content": "You answer briefly."}]
+    data = tmp_path / "system.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": system}) for _ in range(4)))
+    for family, fix in (("gemma3", "give conversations with an assistant turn"), ("qwen3", "data.loss_on=all")):
+        folder = family_tokenizer(family, tmp_path / family)
+        with pytest.raises(DataError, match=rf"4 of its 4 conversations have no assistant turn.*{fix}"):
+            _train(folder, data, tmp_path)

@@ -399,9 +399,11 @@ def encode_files(
     loss_on: str = "assistant",
     markers: tuple[int | None, int | None] = (None, None),
     progress: Callable[[str], None] | None = None,
+    limit: int | None = None,
 ) -> tuple[list[Encoded], str]:
     """Every document or record of ``files`` (:func:`data_files`) encoded as :func:`load_packed`
-    trains on it (before cutting, :func:`sequences`), and the one format they share.
+    trains on it (before cutting, :func:`sequences`), and the one format they share;
+    ``limit``: the first this many only.
 
     Raises:
         DataError: an unknown format or ``loss_on``, a record that cannot be encoded (its file
@@ -424,9 +426,9 @@ def encode_files(
 
     if texts:
         what = texts[0] if len(texts) == 1 else f"{len(texts)} text files"
-        out += documents_encoded(list(_documents(texts, [], text_column)), what)
+        out += documents_encoded(list(_documents(texts, [], text_column))[:limit], what)
     for index, name in enumerate(files, 1):
-        if name in texts:
+        if name in texts or (limit is not None and len(out) >= limit):
             continue
         records = read_records([name])
         if not records:
@@ -434,10 +436,11 @@ def encode_files(
         this = fmt if fmt != "auto" else detect_format(records, name, text_column)
         found.add(this)
         what = f"{name} (file {index} of {len(files)})"
+        left = None if limit is None else limit - len(out)
         if this == "text":
-            out += documents_encoded(list(_documents([], records, text_column, name)), what)
+            out += documents_encoded(list(_documents([], records, text_column, name))[:left], what)
             continue
-        for number, record in enumerate(records, 1):
+        for number, record in enumerate(records[:left], 1):
             try:
                 out.append(encode(record, this, tok, template, loss_on=loss_on, bos=bos, eos=eos))
             except DataError as e:

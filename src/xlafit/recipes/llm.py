@@ -23,6 +23,7 @@ from typing import Any, Literal
 import jax
 import optax
 from flax import nnx
+from tokenizers import Tokenizer
 
 from xlafit import config as xconfig
 from xlafit.config import Config
@@ -281,13 +282,32 @@ def demo_tokenizer(vocab_size: int) -> str:
     return str(target)
 
 
+@dataclasses.dataclass(frozen=True)
+class Encoding:
+    """How a run encodes its data: the tokenizer, the chat template (None: none), the
+    ``(bos, eos)`` markers (:func:`xlafit.data.clm.special_ids`) and the inputs."""
+
+    tok: Tokenizer
+    template: chat.ChatTemplate | None
+    markers: tuple[int | None, int | None]
+    inputs: list[str]
+
+
+def encoding(cfg: Config) -> Encoding:
+    """The run's :class:`Encoding`: ``data.tokenizer`` (else ``model.init_from_hf``'s, else the
+    demo's), ``data.chat_template`` or the tokenizer's, ``data.data_dir`` (else the demo's)."""
+    d = data_config(cfg)
+    where = tokenizer_location(cfg)
+    inputs = [d.data_dir] if d.data_dir else _demo_inputs(d.demo)
+    template = chat.template_for(where, d.chat_template)
+    return Encoding(clm.load_tokenizer(where), template, clm.special_ids(where), inputs)
+
+
 def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
     """(train, eval) packed rows of the documents of ``data.data_dir`` (or the demo corpus)."""
     d = data_config(cfg)
-    where = tokenizer_location(cfg)
-    tok = clm.load_tokenizer(where)
-    inputs = [d.data_dir] if d.data_dir else _demo_inputs(d.demo)
-    template = chat.template_for(where, d.chat_template)
+    e = encoding(cfg)
+    tok, inputs, template = e.tok, e.inputs, e.template
     train, evaluation = clm.load_packed(
         inputs,
         tok,
@@ -298,7 +318,7 @@ def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
         fmt=d.format,
         template=template,
         loss_on=d.loss_on,
-        markers=clm.special_ids(where),
+        markers=e.markers,
         progress=functools.partial(print, file=sys.stderr, flush=True),
     )
     print(data_summary(train, evaluation, d), flush=True, file=sys.stderr)
