@@ -181,6 +181,12 @@ def _write(recipe: str, cfg: Config, run: Any, arrays: Any, metadata: dict[str, 
         chat_template = template.read_text() if template.exists() else None
         tokens_file = run / "tokenizer" / "tokenizer_config.json"
         tokens = json.loads(tokens_file.read_text()) if tokens_file.exists() else {}
+        ends = (
+            run / "tokenizer" / GENERATION_CONFIG
+        )  # end tokens the run kept beside its tokenizer (stop_ids reads them)
+        if ends.exists():
+            local.mkdir(parents=True, exist_ok=True)
+            (local / GENERATION_CONFIG).write_text(ends.read_text())
         export_llm(cfg, arrays, metadata.get(BASE_FINGERPRINT), tokenizer_json, local, chat_template, tokens)
         if (run / DATA_FORMAT_FILE).exists():  # `xlafit generate` asks the export as the run trained
             (local / DATA_FORMAT_FILE).write_text((run / DATA_FORMAT_FILE).read_text())

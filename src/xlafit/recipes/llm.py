@@ -385,8 +385,9 @@ def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
     A chat run whose template closes the assistant's turn with another special token than the
     tokenizer's ``eos_token`` (ChatML's ``<|im_end|>`` with a tokenizer that ends documents
     with ``</s>``) records that token as its ``eos_token``, as chat models on the hub do, so
-    that generation stops at the end of the turn; not where the template itself renders
-    ``eos_token``, which must stay what the run trained on.
+    that generation stops at the end of the turn (the tokenizer's own ``eos_token`` kept in
+    ``generation_config.json``'s ``eos_token_id``, where generation stops too); not where the
+    template itself renders ``eos_token``, which must stay what the run trained on.
     """
     dest = run_dir / "tokenizer"
     dest.mkdir(parents=True, exist_ok=True)
@@ -406,7 +407,10 @@ def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
         (dest / chat.TEMPLATE_FILE).write_text(template.source)
         end = chat.end_of_turn(template, tok)
         if fmt == "chat" and end is not None and "eos_token" not in template.source:
+            own = clm.special_ids(where)[1]
             tokens["eos_token"] = end
+            if own is not None and own != tok.token_to_id(end):  # it still ends a document: generation stops there too
+                (dest / "generation_config.json").write_text(json.dumps({"eos_token_id": [own]}) + "\n")
     (dest / "tokenizer_config.json").write_text(json.dumps(tokens, indent=2) + "\n")
 
 
