@@ -73,9 +73,11 @@ def test_an_evaluation_split_of_nothing_is_said_aloud(corpus, tmp_path):
 
 def test_packed_rows_keep_documents_apart(corpus):
     tok = clm.load_tokenizer(corpus / "tok")
-    bos, eos = clm.special_ids(tok)
+    bos, eos = clm.special_ids(corpus / "tok")
     assert (bos, eos) == (0, 1)
-    train, evaluation = clm.load_packed([str(corpus / "text")], tok, seq_len=64, eval_fraction=0.2, seed=0)
+    train, evaluation = clm.load_packed(
+        [str(corpus / "text")], tok, seq_len=64, eval_fraction=0.2, seed=0, markers=(bos, eos)
+    )
     assert train.documents + evaluation.documents == 60 and 0 < evaluation.documents < 30
     ids, seg, pos = (train.arrays[k] for k in ("input_ids", "segment_ids", "positions"))
     assert ids.shape[1] == 64 and train.vocab_size == tok.get_vocab_size()
@@ -97,7 +99,7 @@ def test_packed_rows_keep_documents_apart(corpus):
     docs = list(clm.read_documents([str(corpus / "text")]))
     pq.write_table(pa.table({"body": docs}), corpus / "docs.parquet")
     from_parquet, _ = clm.load_packed(  # a directory: its *.txt and *.parquet files
-        [str(corpus)], tok, seq_len=64, eval_fraction=0.2, seed=0, text_column="body"
+        [str(corpus)], tok, seq_len=64, eval_fraction=0.2, seed=0, text_column="body", markers=(bos, eos)
     )
     np.testing.assert_array_equal(from_parquet.arrays["input_ids"], ids)
     with pytest.raises(DataError, match="has no column 'text' .*set data.text_column"):
@@ -110,10 +112,13 @@ def test_documents_and_tokenizer_in_a_bucket_pack_as_local_ones(corpus, gcs):
 
     b = gcs.bucket
     as_path(f"{b}/text/a.txt").write_text(TEXT)
-    as_path(f"{b}/tok/tokenizer.json").write_text((corpus / "tok" / "tokenizer.json").read_text())
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        as_path(f"{b}/tok/{name}").write_text((corpus / "tok" / name).read_text())
     cfg = load_config("llm", [f"data.data_dir={b}/text", f"data.tokenizer={b}/tok", "data.seq_len=64"])
     train, evaluation = recipe.load_data(cfg)
-    local, _ = clm.load_packed([str(corpus / "text")], clm.load_tokenizer(corpus / "tok"), seq_len=64)
+    assert clm.special_ids(f"{b}/tok") == clm.special_ids(corpus / "tok") == (0, 1)
+    markers = clm.special_ids(corpus / "tok")
+    local, _ = clm.load_packed([str(corpus / "text")], clm.load_tokenizer(corpus / "tok"), seq_len=64, markers=markers)
     np.testing.assert_array_equal(train.arrays["input_ids"], local.arrays["input_ids"])
     assert expand_inputs([f"{b}/text"]) == [f"{b}/text/a.txt"]  # a directory URL, as a local one
     recipe.save_artifacts(cfg, as_path(f"{b}/run"), train)  # the run's copy, for the export

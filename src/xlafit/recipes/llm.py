@@ -24,10 +24,11 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
+from tokenizers import Tokenizer
 
 from xlafit import config as xconfig
 from xlafit.config import Config
-from xlafit.data import chat, chat_demo, clm
+from xlafit.data import chat, chat_demo, clm, special_tokens
 from xlafit.data.text import korean_demo_files
 from xlafit.errors import ConfigError, HFFormatError
 from xlafit.hf import llama as llama_hf
@@ -263,7 +264,7 @@ def tokenizer_location(cfg: Config) -> str:
 def demo_tokenizer(vocab_size: int) -> str:
     """The demo's byte-level BPE on the Korean corpus, trained once into the user cache."""
     files = korean_demo_files()
-    key = json.dumps(["bpe-1", files, vocab_size])
+    key = json.dumps(["bpe-2", files, vocab_size])  # 2: its files declare its special tokens
     target = cache_dir() / f"llm-demo-tokenizer-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (target / "tokenizer.json").exists():
         return str(target)
@@ -283,15 +284,34 @@ def demo_tokenizer(vocab_size: int) -> str:
     return str(target)
 
 
-def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
-    """(train, eval) packed rows of the documents of ``data.data_dir`` (or the demo corpus)."""
+@dataclasses.dataclass(frozen=True)
+class Encoding:
+    """How a run encodes its data: the tokenizer, the chat template (None: none), the
+    ``(bos, eos)`` markers (:func:`xlafit.data.clm.special_ids`) and the inputs."""
+
+    tok: Tokenizer
+    template: chat.ChatTemplate | None
+    markers: tuple[int | None, int | None]
+    inputs: list[str]
+
+
+def encoding(cfg: Config) -> Encoding:
+    """The run's :class:`Encoding`: ``data.tokenizer`` (else ``model.init_from_hf``'s, else the
+    demo's), ``data.chat_template`` or the tokenizer's, ``data.data_dir`` (else the demo's)."""
     d = data_config(cfg)
     where = tokenizer_location(cfg)
-    tok = clm.load_tokenizer(where)
     inputs = [d.data_dir] if d.data_dir else _demo_inputs(d.demo)
     # The template the conversations are rendered with: a family's training template in place of
     # its official one where xlafit ships one (data/templates.py); data.chat_template wins.
     template = chat.template_for(where, d.chat_template, training=True)
+    return Encoding(clm.load_tokenizer(where), template, clm.special_ids(where), inputs)
+
+
+def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
+    """(train, eval) packed rows of the documents of ``data.data_dir`` (or the demo corpus)."""
+    d = data_config(cfg)
+    e = encoding(cfg)
+    tok, inputs, template = e.tok, e.inputs, e.template
     train, evaluation = clm.load_packed(
         inputs,
         tok,
@@ -302,6 +322,7 @@ def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
         fmt=d.format,
         template=template,
         loss_on=d.loss_on,
+        markers=e.markers,
         progress=functools.partial(print, file=sys.stderr, flush=True),
     )
     summary = data_summary(train, evaluation, d)
@@ -379,8 +400,10 @@ def data_summary(train: clm.PackedText, evaluation: clm.PackedText, d: LlmDataCo
 
 
 def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
-    """Copies the tokenizer into ``run_dir/tokenizer`` (local or a URL), with its chat
-    template and special tokens where it has them, for ``xlafit export hf`` and generation;
+    """Copies the tokenizer into ``run_dir/tokenizer`` (local or a URL) with its special
+    tokens (``tokenizer_config.json``, so that :func:`xlafit.data.clm.special_ids` reads
+    there what the run trained with) and its chat template where it has one, for ``xlafit
+    export hf`` and generation;
     records the data's format in ``run_dir/data_format.json`` (``xlafit generate`` asks a run
     that trained on chat records through the template, any other with the text as it is), and
     for chat records the template they were rendered with. A training template that stood in
@@ -390,8 +413,9 @@ def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
     A chat run whose template closes the assistant's turn with another special token than the
     tokenizer's ``eos_token`` (ChatML's ``<|im_end|>`` with a tokenizer that ends documents
     with ``</s>``) records that token as its ``eos_token``, as chat models on the hub do, so
-    that generation stops at the end of the turn; not where the template itself renders
-    ``eos_token``, which must stay what the run trained on.
+    that generation stops at the end of the turn (the tokenizer's own ``eos_token`` kept in
+    ``generation_config.json``'s ``eos_token_id``, where generation stops too); not where the
+    template itself renders ``eos_token``, which must stay what the run trained on.
     """
     dest = run_dir / "tokenizer"
     dest.mkdir(parents=True, exist_ok=True)
@@ -407,14 +431,23 @@ def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
             "in_place_of": trained.official.name if trained.official is not None else None,
         }
     (run_dir / DATA_FORMAT_FILE).write_text(json.dumps(recorded) + "\n")
+    tok = clm.load_tokenizer(where)
+    source = special_tokens.settings(where)
+    if source is None:  # a tokenizer.json alone: its markers, named
+        bos, eos = clm.special_ids(where)
+        tokens = {k: tok.id_to_token(i) for k, i in (("bos_token", bos), ("eos_token", eos)) if i is not None}
+    else:
+        tokens = {k: special_tokens.token_name(v) for k, v in source.items() if k.endswith("_token")}
     template = trained.official if trained is not None and trained.official is not None else trained
     if template is not None:  # what the run's chat data was rendered with, for generation and export
         (dest / chat.TEMPLATE_FILE).write_text(template.source)
-        tokens = dict(template.tokens)
-        end = chat.end_of_turn(template, clm.load_tokenizer(where))
+        end = chat.end_of_turn(template, tok)
         if fmt == "chat" and end is not None and "eos_token" not in template.source:
+            own = clm.special_ids(where)[1]
             tokens["eos_token"] = end
-        (dest / "tokenizer_config.json").write_text(json.dumps(tokens, indent=2) + "\n")
+            if own is not None and own != tok.token_to_id(end):  # it still ends a document: generation stops there too
+                (dest / "generation_config.json").write_text(json.dumps({"eos_token_id": [own]}) + "\n")
+    (dest / "tokenizer_config.json").write_text(json.dumps(tokens, indent=2) + "\n")
 
 
 # --------------------------------------------------------------------------- model
