@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -170,8 +173,16 @@ class Checkpointer:
     """
 
     def __init__(
-        self, directory: str | Path, keep: int = 3, keep_every: int | None = None, async_save: bool = True
+        self,
+        directory: str | Path,
+        keep: int = 3,
+        keep_every: int | None = None,
+        async_save: bool = True,
+        reader: bool = False,
     ) -> None:
+        """``reader``: for a command that reads a run (``inspect``, ``export``, ``generate``)
+        that may be training meanwhile: Orbax lists the steps without reading each one's
+        metadata (a running job's rotation may remove a step between the two)."""
         self.directory = as_path(directory)
         if is_url(directory):
             refresh(directory)  # another process may have written checkpoints since this one listed them
@@ -184,11 +195,17 @@ class Checkpointer:
             self.directory = epath.Path(Path(directory).absolute())
         settle_orbax_reads()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, keep_period=keep_every or None, create=True, enable_async_checkpointing=async_save
+            max_to_keep=keep,
+            keep_period=keep_every or None,
+            create=True,
+            enable_async_checkpointing=async_save,
+            lightweight_initialize=reader,
         )
-        self._manager = ocp.CheckpointManager(
+        self._open = lambda: ocp.CheckpointManager(
             self.directory, options=options, item_handlers=ocp.StandardCheckpointHandler()
         )
+        self._manager = self._open()
+        self._reader = reader
         self.last_saved: int | None = None
         self._sealing: threading.Thread | None = None  # commits the newest save, then seals it
         self._sealing_error: Exception | None = None
@@ -486,10 +503,45 @@ class Checkpointer:
         check_arrays(arrays, record)
         return Read(jax.device_get(arrays), step, [], metadata)
 
+    def _read_pinned(self, step: int) -> Read:
+        """:meth:`_read_one` of a snapshot of checkpoint ``step``: its files hard-linked into
+        a hidden folder of the run directory, in a few milliseconds, so a running job's
+        rotation that removes them meanwhile leaves the links' data to read. In place on a URL,
+        or where links cannot be made (another filesystem, no permission to write)."""
+        if is_url(self.directory):
+            return self._read_one(step)
+        try:
+            root = Path(tempfile.mkdtemp(prefix=".xlafit-reading-", dir=Path(self.directory).parent))
+        except OSError:
+            return self._read_one(step)
+        try:
+            try:
+                shutil.copytree(Path(self._step_dir(step)), root / str(step), copy_function=os.link)
+            except shutil.Error as e:  # files removed while linked: what the retry is for
+                raise FileNotFoundError(f"checkpoint {step} lost files while it was read ({e})") from None
+            except FileNotFoundError:
+                raise
+            except OSError:  # no hard links here
+                return self._read_one(step)
+            pinned = Checkpointer(root, reader=True)
+            try:
+                status = pinned.verify(step)
+                if status.startswith("corrupt"):
+                    raise Damaged(status.removeprefix("corrupt: "))
+                return pinned._read_one(step)
+            finally:
+                pinned.close()
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
     def _saved_since(self, newest: int | None) -> bool:
         """Whether a checkpoint newer than ``newest`` appeared: a run is saving here, and its
         rotation may have removed what was listed (a read that failed, or a file missing)."""
-        self._manager.reload()
+        if self._reader:  # a new list, from the names alone (reload reads every step's metadata too)
+            self._manager.close()
+            self._manager = self._open()
+        else:
+            self._manager.reload()
         latest = self._manager.latest_step()
         return latest is not None and (newest is None or latest > newest)
 
@@ -521,7 +573,7 @@ class Checkpointer:
                 why = None if info.usable else info.status
                 if why is None:
                     try:
-                        found = self._read_one(info.step)
+                        found = self._read_pinned(info.step)
                         break
                     except Damaged as e:
                         why = f"corrupt: {e}"
@@ -553,7 +605,7 @@ class Checkpointer:
         why = None if asked[0].usable else asked[0].status
         if why is None:
             try:
-                return self._read_one(step)
+                return self._read_pinned(step)
             except Damaged as e:
                 why = f"corrupt: {e}"
             except Exception as e:  # unreadable despite the marker

@@ -200,7 +200,7 @@ def checkpoint_arrays(cfg: Config, run: Any, step: int | None, use: str = "expor
         CheckpointError: no checkpoint; ``step`` absent, corrupt or unreadable; or none that
             reads (:meth:`~xlafit.checkpoint.Checkpointer.read`).
     """
-    ckpt = Checkpointer(checkpoint_dir(cfg))
+    ckpt = Checkpointer(checkpoint_dir(cfg), reader=True)  # the run may be training meanwhile
     try:
         infos = ckpt.list()
         if step is None and not infos:

@@ -1,8 +1,9 @@
 """Asking a trained model something: ``xlafit generate`` and :class:`Generator`.
 
-A source is an llm run directory (its newest intact checkpoint, or ``step``; a LoRA run
-with its adapters merged into the base it was trained on), a Hugging Face model directory,
-or a hub id read into the Hugging Face cache. A chat model (its tokenizer has a chat
+A source is an llm run directory (its newest intact checkpoint, or ``step``, whose step is
+said when loaded; a LoRA run with its adapters merged into the base it was trained on; a
+run still training is read as it is then), a Hugging Face model directory, or a hub id
+read into the Hugging Face cache. A chat model (its tokenizer has a chat
 template) gets each prompt as a user turn with the generation prompt after it, as
 ``transformers``' chat pipeline does; the answer stops at the end of its turn. A run that
 trained on prompt/completion records or text gets the text as it is, as it trained, unless
@@ -63,6 +64,8 @@ class Generator:
         source: where it was loaded from.
         trained_on: the format of the data a run trained on (``chat``, ``prompt_completion``,
             ``text``); None for a Hugging Face model, or a run that did not record it.
+        step: the step of the run's checkpoint the model comes from (said on stderr when
+            loaded); None for a Hugging Face model.
     """
 
     model: LlamaForCausalLM
@@ -71,6 +74,7 @@ class Generator:
     eos_ids: tuple[int, ...]
     source: str
     trained_on: str | None = None
+    step: int | None = None
 
     @property
     def chat_by_default(self) -> bool:
@@ -175,7 +179,8 @@ def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
     tokenizer = clm.load_tokenizer(
         run / "tokenizer", f"{source}/tokenizer/ holds the tokenizer the run's checkpoints learned; restore it."
     )
-    arrays, _, metadata = checkpoint_arrays(cfg, run, step, use="generate")
+    arrays, step, metadata = checkpoint_arrays(cfg, run, step, use="generate")  # a training run's newest, as it is now
+    print(f"answering from step {step} of {source}", file=sys.stderr, flush=True)
     model = run_model(cfg, arrays, metadata.get(BASE_FINGERPRINT), tokenizer.get_vocab_size())
     if cfg.lora.rank:
         model = typing.cast(LlamaForCausalLM, merge_lora(model))
@@ -183,7 +188,8 @@ def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
     state = jax.device_put(state, tree_shardings(state, strategy.mesh, rules))
     template = chat.template_for(str(run / "tokenizer"))
     model = typing.cast(LlamaForCausalLM, nnx.merge(graphdef, state))
-    return Generator(model, tokenizer, template, clm.stop_ids(run / "tokenizer"), source, _trained_on(run, cfg))
+    stops = clm.stop_ids(run / "tokenizer")
+    return Generator(model, tokenizer, template, stops, source, _trained_on(run, cfg), step)
 
 
 def _trained_on(run: Any, cfg: Config) -> str | None:
