@@ -45,7 +45,7 @@ from xlafit.integrity import (
 )
 from xlafit.integrity import SEAL as SEAL
 from xlafit.io.paths import as_path, check_bucket, describe_error, files_under, is_url, move, refresh
-from xlafit.orbax_loop import settle_orbax_reads
+from xlafit.orbax_loop import first_line, settle_orbax_reads
 from xlafit.parallel.sharding import path_name
 from xlafit.saveable import abstract, from_saveable, older_layout, to_saveable
 from xlafit.saveable import fingerprint as fingerprint
@@ -53,27 +53,6 @@ from xlafit.saveable import fingerprint as fingerprint
 COMMIT = "commit_success.txt"
 ORBAX_METADATA = "_CHECKPOINT_METADATA"  # in every step's folder Orbax writes
 SET_ASIDE = "corrupt-"  # the prefix of a checkpoint moved aside by the resume that found it corrupt
-
-
-def first_line(e: BaseException) -> str:
-    """The innermost cause of ``e``, its type and first line: Orbax wraps a TensorStore read
-    error (the array, the file, the byte range) in one that appends the array's whole
-    TensorStore spec, some 60 lines.
-
-    Example:
-        >>> try:
-        ...     try:
-        ...         raise ValueError("OUT_OF_RANGE: w/0.0")
-        ...     except ValueError as inner:
-        ...         raise Exception("error reading w; spec:\\n{...}") from inner
-        ... except Exception as e:
-        ...     first_line(e)
-        'ValueError: OUT_OF_RANGE: w/0.0'
-    """
-    while e.__cause__ is not None:
-        e = e.__cause__
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
 def check_directory(directory: str | Path | epath.Path) -> None:

@@ -1,4 +1,5 @@
-"""Orbax's synchronous calls made to let their reads finish before their event loop closes.
+"""Orbax's synchronous calls made to let their reads finish before their event loop closes,
+and its errors in one line.
 
 A failed restore (a truncated or removed file) otherwise printed a traceback for every read
 still in flight ("Event loop is closed") and "Exception ignored" when they were collected.
@@ -60,3 +61,24 @@ def settle_orbax_reads() -> None:
         return
     if hasattr(asyncio_utils, "_run_sync_via_new_loop"):
         asyncio_utils._run_sync_via_new_loop = _run_until_settled
+
+
+def first_line(e: BaseException) -> str:
+    """The innermost cause of ``e``, its type and first line: Orbax wraps a TensorStore read
+    error (the array, the file, the byte range) in one that appends the array's whole
+    TensorStore spec, some 60 lines.
+
+    Example:
+        >>> try:
+        ...     try:
+        ...         raise ValueError("OUT_OF_RANGE: w/0.0")
+        ...     except ValueError as inner:
+        ...         raise Exception("error reading w; spec:\\n{...}") from inner
+        ... except Exception as e:
+        ...     first_line(e)
+        'ValueError: OUT_OF_RANGE: w/0.0'
+    """
+    while e.__cause__ is not None:
+        e = e.__cause__
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
