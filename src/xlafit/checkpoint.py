@@ -599,4 +599,11 @@ class Checkpointer:
         raise CheckpointError(f"checkpoint {step} in {self.directory} is {why}; intact: {intact}.")
 
     def close(self) -> None:
+        """Waits for the saves in flight, then closes Orbax's manager; after a failed save (its
+        error raised by :meth:`wait` or :meth:`save`), Orbax's close would raise it again, so
+        the manager is left to the process's end."""
+        try:
+            self.wait()
+        except CheckpointError:
+            return
         self._manager.close()
