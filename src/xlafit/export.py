@@ -25,7 +25,7 @@ import yaml
 from flax import nnx
 from tokenizers import Tokenizer, processors
 
-from xlafit.checkpoint import Checkpointer, older_layout, path_name
+from xlafit.checkpoint import Checkpointer
 from xlafit.config import Config
 from xlafit.data import chat, clm, special_tokens
 from xlafit.errors import CheckpointError, ConfigError, StorageError
@@ -53,12 +53,14 @@ from xlafit.models.llama import LlamaForCausalLM
 from xlafit.models.lora import ADAPTER, base_fingerprint, merge_lora
 from xlafit.models.resnet import ResNet
 from xlafit.parallel.cluster import configure, start_backends
+from xlafit.parallel.sharding import path_name
 from xlafit.recipes import config_from_dict
 from xlafit.recipes.bert import bert_config
 from xlafit.recipes.llm import DATA_FORMAT_FILE, build_llama, model_dir
 from xlafit.recipes.resnet import CLASSES_FILE, NORMALISATION, augmentation, image_size, normalisation, resnet_config
 from xlafit.run import with_lora
 from xlafit.rundir import checkpoint_dir
+from xlafit.saveable import older_layout
 from xlafit.train.frozen import BASE_FINGERPRINT
 
 
@@ -204,7 +206,7 @@ def checkpoint_arrays(cfg: Config, run: Any, step: int | None, use: str = "expor
         CheckpointError: no checkpoint; ``step`` absent, corrupt or unreadable; or none that
             reads (:meth:`~xlafit.checkpoint.Checkpointer.read`).
     """
-    ckpt = Checkpointer(checkpoint_dir(cfg))
+    ckpt = Checkpointer(checkpoint_dir(cfg), reader=True)  # the run may be training meanwhile
     try:
         infos = ckpt.list()
         if step is None and not infos:
@@ -215,7 +217,7 @@ def checkpoint_arrays(cfg: Config, run: Any, step: int | None, use: str = "expor
         read = ckpt.read(step, infos)
         if read.passed_over:
             print(f"warning: {read.passed()}; using checkpoint {read.step}", file=sys.stderr, flush=True)
-        return read.arrays, read.step, ckpt.saved_metadata(read.step)
+        return read.arrays, read.step, read.metadata  # the same save's: a rotation may remove it now
     finally:
         ckpt.close()
 

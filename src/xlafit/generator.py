@@ -1,8 +1,9 @@
 """Asking a trained model something: ``xlafit generate`` and :class:`Generator`.
 
-A source is an llm run directory (its newest intact checkpoint, or ``step``; a LoRA run
-with its adapters merged into the base it was trained on), a Hugging Face model directory,
-or a hub id read into the Hugging Face cache. A chat model (its tokenizer has a chat
+A source is an llm run directory (its newest intact checkpoint, or ``step``, whose step is
+said when loaded; a LoRA run with its adapters merged into the base it was trained on; a
+run still training is read as it is then), a Hugging Face model directory, or a hub id
+read into the Hugging Face cache. A chat model (its tokenizer has a chat
 template) gets each prompt as a user turn with the generation prompt after it, as
 ``transformers``' chat pipeline does; the answer stops at the end of its turn. A run that
 trained on prompt/completion records or text gets the text as it is, as it trained, unless
@@ -65,6 +66,8 @@ class Generator:
             what a prompt asked without the chat template starts with, as in ``transformers``.
         trained_on: the format of the data a run trained on (``chat``, ``prompt_completion``,
             ``text``); None for a Hugging Face model, or a run that did not record it.
+        step: the step of the run's checkpoint the model comes from (said on stderr when
+            loaded); None for a Hugging Face model.
     """
 
     model: LlamaForCausalLM
@@ -74,6 +77,7 @@ class Generator:
     source: str
     trained_on: str | None = None
     bos_id: int | None = None
+    step: int | None = None
 
     @property
     def chat_by_default(self) -> bool:
@@ -180,7 +184,8 @@ def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
     tokenizer = clm.load_tokenizer(
         run / "tokenizer", f"{source}/tokenizer/ holds the tokenizer the run's checkpoints learned; restore it."
     )
-    arrays, _, metadata = checkpoint_arrays(cfg, run, step, use="generate")
+    arrays, step, metadata = checkpoint_arrays(cfg, run, step, use="generate")  # a training run's newest, as it is now
+    print(f"answering from step {step} of {source}", file=sys.stderr, flush=True)
     model = run_model(cfg, arrays, metadata.get(BASE_FINGERPRINT), tokenizer.get_vocab_size())
     if cfg.lora.rank:
         model = typing.cast(LlamaForCausalLM, merge_lora(model))
@@ -189,7 +194,7 @@ def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
     template = chat.template_for(str(run / "tokenizer"))
     model = typing.cast(LlamaForCausalLM, nnx.merge(graphdef, state))
     stops, bos = clm.stop_ids(run / "tokenizer"), clm.special_ids(run / "tokenizer")[0]
-    return Generator(model, tokenizer, template, stops, source, _trained_on(run, cfg), bos)
+    return Generator(model, tokenizer, template, stops, source, _trained_on(run, cfg), bos, step)
 
 
 def _trained_on(run: Any, cfg: Config) -> str | None:
