@@ -158,14 +158,14 @@ class _Blocks:
     dtype: Any
     layout: Callable[[jax.Array], jax.Array]
 
-    def columns(self, kernel: jax.Array, j: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Tile ``j`` of ``kernel [H, V]``: ``(kernel [H, tile], its column ids, fresh)``. The
-        last tile starts early enough to end at ``V``; the columns it shares with the tile
-        before are not ``fresh`` (counted there, not here)."""
-        vocab = kernel.shape[1]
-        start = jnp.minimum(j * self.tile, vocab - self.tile)
-        cols = start + jnp.arange(self.tile)
-        return jax.lax.dynamic_slice_in_dim(kernel, start, self.tile, axis=1), cols, cols >= j * self.tile
+    def columns(self, kernel: jax.Array, j: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """Tile ``j`` of ``kernel [H, V]``: ``(kernel [H, tile], its first column, column ids
+        [1, 1, tile], fresh [1, 1, tile])``. The last tile starts early enough to end at
+        ``V``; the columns it shares with the tile before are not ``fresh`` (counted there)."""
+        start = jnp.minimum(j * self.tile, kernel.shape[1] - self.tile)
+        cols = (start + jnp.arange(self.tile))[None, None, :]
+        k = jax.lax.dynamic_slice_in_dim(kernel, start, self.tile, axis=1)
+        return k, start, cols, cols >= j * self.tile
 
     def logits(self, h: jax.Array, k: jax.Array) -> jax.Array:
         """Float32 logits ``[B, chunk, tile]`` of ``h [B, chunk, H]``, capped where the model caps them."""
@@ -193,7 +193,7 @@ def _forward(
     Stats = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
 
     def tile_step(stats: Stats, j: jax.Array) -> tuple[Stats, None]:
-        k, cols, fresh = blocks.columns(kernel, j)
+        k, start, cols, fresh = blocks.columns(kernel, j)
 
         def chunk_step(_: None, xs: tuple[jax.Array, ...]) -> tuple[None, Stats]:
             h, y, m, s, zy, best, arg = xs
@@ -204,7 +204,7 @@ def _forward(
             hit = (cols == y[..., None]) & fresh  # a label's column is fresh in one tile only
             zy = zy + jnp.where(hit, z, 0.0).sum(-1)
             better = top > best  # ties keep the earlier column, as argmax does
-            arg = jnp.where(better, cols[jnp.argmax(z, -1)], arg)
+            arg = jnp.where(better, start + jnp.argmax(z, -1).astype(jnp.int32), arg)
             return None, (m_new, s, zy, jnp.maximum(best, top), arg)
 
         _, stats = jax.lax.scan(chunk_step, None, (hs, ys, *stats))
@@ -241,7 +241,7 @@ def _blockwise_bwd(
 
     def tile_step(carry: tuple[jax.Array, jax.Array], j: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
         dhs, dkernel = carry
-        k, cols, fresh = blocks.columns(kernel, j)
+        k, start, cols, fresh = blocks.columns(kernel, j)
         k_dt = k.astype(blocks.dtype)
 
         def chunk_step(dk: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
@@ -257,7 +257,6 @@ def _blockwise_bwd(
             return dk, dh
 
         dk, dh = jax.lax.scan(chunk_step, jnp.zeros(k.shape, jnp.float32), (hs, ys, lse, coef))
-        start = jnp.minimum(j * blocks.tile, kernel.shape[1] - blocks.tile)
         # the shared columns of the last tile hold 0 here: added, not written over
         seen = jax.lax.dynamic_slice_in_dim(dkernel, start, blocks.tile, axis=1)
         dkernel = jax.lax.dynamic_update_slice_in_dim(dkernel, seen + dk, start, axis=1)
