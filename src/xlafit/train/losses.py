@@ -15,7 +15,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
 
 def masked_mean(values: jax.Array, weights: jax.Array, axis: int | tuple[int, ...] = -1) -> jax.Array:
