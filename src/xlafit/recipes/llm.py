@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -37,9 +38,10 @@ from xlafit.io import hub
 from xlafit.io.cache import cache_dir
 from xlafit.models.attention import packed_segments_limit
 from xlafit.models.llama import PRESETS, LlamaConfig, LlamaForCausalLM
-from xlafit.parallel.sharding import constrain
+from xlafit.parallel.sharding import active_layout, batch_axes, constrain
+from xlafit.platform.hardware import table_memory
 from xlafit.recipes.base import Recipe, Throughput
-from xlafit.train.losses import chunked_cross_entropy, masked_accuracy, masked_mean
+from xlafit.train.losses import blocks_for, blockwise_cross_entropy, masked_accuracy, masked_mean, whole_logits_bytes
 
 DEMO_VOCAB_SIZE = 2000  # the demo's BPE tokenizer
 DATA_FORMAT_FILE = "data_format.json"  # the format of the data a run trained on (chat, prompt_completion, text)
@@ -72,9 +74,19 @@ class LlmModelConfig:
     # jax.checkpoint_policies name (dots_saveable, ...; models/bert.py: REMAT_POLICIES).
     remat: str = "none"
     scan_layers: bool = False  # nnx.scan over the decoder layers: one layer compiled instead of num_layers
-    # the loss over chunks of this many positions (0: all at once): holds [batch, chunk, vocab]
-    # float32 logits instead of [batch, seq_len, vocab], for a third more output-layer FLOPs
-    logits_chunk: int = 0
+    # the loss (training's and evaluation's) in blocks of this many positions, and of the
+    # vocabulary where a block's row is large: holds [batch, chunk, tile] float32 logits instead
+    # of [batch, seq_len, vocab], for a third more output-layer FLOPs. auto: in blocks where the
+    # whole logits and their gradient would take more than 1/8 of a device's memory (logits_blocks);
+    # 0: the whole logits at once
+    logits_chunk: int | Literal["auto"] = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.logits_chunk, int) and self.logits_chunk < 0:
+            raise ConfigError(
+                f"model.logits_chunk={self.logits_chunk} must be auto, 0 (the whole logits at once) or a number of "
+                "positions."
+            )
 
 
 @dataclasses.dataclass
@@ -480,20 +492,87 @@ def build_model(cfg: Config, train: clm.PackedText) -> LlamaForCausalLM:
 
 
 def loss_fn(model: LlamaForCausalLM, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Per-row mean next-token cross-entropy over real tokens of one piece, and its accuracy."""
+    """Per-row mean next-token cross-entropy over real tokens of one piece, and its accuracy:
+    the logits in blocks where :func:`logits_blocks` says so, else whole."""
     # (B, T - 1); chat and prompt/completion data count their answers only (loss_mask)
     targets, weights = clm.next_token_targets(batch["input_ids"], batch["segment_ids"], batch.get("loss_mask"))
-    if model.cfg.logits_chunk:  # the logits a chunk of positions at a time (model.logits_chunk)
+    blocks = logits_blocks(model.cfg, *targets.shape)
+    if blocks is not None:
         hidden = model.decode(batch["input_ids"], batch["segment_ids"], batch["positions"])
+        chunk, tile = blocks
+        split = "vocab" if tile == model.cfg.vocab_size else None  # a tile of the vocabulary stays whole
 
-        def piece_logits(h: jax.Array) -> jax.Array:
-            return constrain(model.logits(h), "batch", None, "vocab")
+        def layout(z: jax.Array) -> jax.Array:
+            return constrain(z, "batch", None, split)
 
-        loss, accuracy = chunked_cross_entropy(piece_logits, hidden[:, :-1], targets, weights, model.cfg.logits_chunk)
+        cfg = model.cfg
+        loss, accuracy = blockwise_cross_entropy(
+            hidden[:, :-1],
+            model.output_kernel(),
+            targets,
+            weights,
+            chunk=chunk,
+            tile=tile,
+            softcap=cfg.final_logit_softcap,
+            dtype=cfg.compute_dtype,
+            layout=layout,
+        )
         return loss, {"token_accuracy": accuracy}
     logits = model(batch["input_ids"], batch["segment_ids"], batch["positions"])  # (B, T, V) float32
     losses = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], targets)
     return masked_mean(losses, weights), {"token_accuracy": masked_accuracy(logits[:, :-1], targets, weights)}
+
+
+# A device whose memory neither the hardware table nor JAX knows (a CPU) is taken to have a v5e chip's.
+ASSUMED_MEMORY = 16 * 2**30
+
+
+def logits_blocks(cfg: LlamaConfig, rows: int, seq_len: int) -> tuple[int, int] | None:
+    """``(positions, vocabulary columns)`` of a block of the loss's logits for a batch of
+    ``rows`` sequences of ``seq_len`` positions, or None for the whole logits at once.
+
+    ``model.logits_chunk``: 0 is None; N positions a block; "auto" is None unless the whole
+    float32 logits of one device's rows and their gradient
+    (:func:`~xlafit.train.losses.whole_logits_bytes`, ``2 x rows x seq_len x vocab x 4``) would
+    take more than 1/8 of its memory: the hardware table's HBM on a TPU
+    (:func:`~xlafit.platform.hardware.table_memory`), what JAX reports on a GPU,
+    :data:`ASSUMED_MEMORY` elsewhere. The blocks' sizes are
+    :func:`~xlafit.train.losses.blocks_for`'s, over one device's rows (the batch over
+    ``data`` x ``fsdp``) and vocabulary (the vocabulary whole where a tensor-parallel mesh
+    splits it). Read while the step is traced, from its mesh.
+
+    Example:
+        >>> logits_blocks(LlamaConfig.preset("llama-3.1-8b"), rows=2, seq_len=8192)  # a CPU: 16 GiB assumed
+        (2048, 16128)
+        >>> logits_blocks(LlamaConfig.preset("tiny", vocab_size=2000), rows=8, seq_len=256) is None
+        True
+    """
+    setting = cfg.logits_chunk
+    if setting == 0:
+        return None
+    vocab, split = cfg.vocab_size, False
+    layout = active_layout()
+    device = jax.devices()[0] if layout is None else layout[0].devices.flat[0]
+    if layout is not None:
+        mesh, rules = layout
+        sizes = dict(mesh.shape)
+        rows //= math.prod(sizes[a] for a in batch_axes(mesh, rows) or ())
+        axis = rules.get("vocab")
+        if axis is not None and sizes.get(axis, 1) > 1 and vocab % sizes[axis] == 0:
+            vocab, split = vocab // sizes[axis], True
+    if setting == "auto" and whole_logits_bytes(rows, seq_len, vocab) <= device_memory(device) / 8:
+        return None
+    chunk, tile = blocks_for(rows, seq_len, vocab, None if setting == "auto" else setting)
+    return chunk, cfg.vocab_size if split else tile
+
+
+def device_memory(device: Any) -> float:
+    """Bytes of memory of one device: the hardware table's for a TPU, JAX's for a GPU, else
+    :data:`ASSUMED_MEMORY`."""
+    found = table_memory(device.device_kind)
+    if found is None and device.platform == "gpu":
+        found = (device.memory_stats() or {}).get("bytes_limit")
+    return float(found or ASSUMED_MEMORY)
 
 
 def throughput(cfg: Config, train: clm.PackedText) -> Throughput:
