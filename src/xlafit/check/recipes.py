@@ -175,6 +175,6 @@ def memory_levers(model: Any) -> tuple[tuple[str, str], ...]:
         found.append(("activations", "rematerialisation: model.remat=full or dots_saveable (activations recomputed)"))
     if getattr(model, "compute_dtype", None) == "float32":
         found.append(("activations", "bf16 compute: model.compute_dtype=bfloat16 (parameters stay float32)"))
-    if getattr(model, "logits_chunk", None) == 0:
+    if getattr(model, "logits_chunk", None) in (0, "auto"):  # auto keeps logits under 1/8 of memory whole
         found.append(("activations", "the loss's logits a chunk at a time: model.logits_chunk=1024 (recomputed)"))
     return tuple(found)
