@@ -3,7 +3,8 @@ is compiled for the answer at the run's eval batch, and where it does not fit, t
 the largest eval batch that compiles.
 
 The model is ``tests/test_tpu_verdict.py``'s: Meta's 1B preset cut to one narrow layer, whose
-vocabulary (128,256 tokens) makes the eval step's logits what fills the core.
+vocabulary (128,256 tokens), its logits kept whole (``model.logits_chunk=0``), makes the eval
+step's logits what fills the core.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ pytest.importorskip("libtpu")  # the TPU compiler (the dev extra installs it)
 
 SMALL = [
     "model.preset=llama-3.2-1b", "model.num_layers=1", "model.hidden_size=128", "model.intermediate_size=256",
-    "model.num_heads=2", "model.num_kv_heads=1", "data.seq_len=64", "data.per_device_batch=1",
-    "data.global_batch=null",
+    "model.num_heads=2", "model.num_kv_heads=1", "model.logits_chunk=0", "data.seq_len=64",
+    "data.per_device_batch=1", "data.global_batch=null",
 ]  # fmt: skip
 
 
