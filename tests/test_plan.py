@@ -387,6 +387,9 @@ def test_plan_of_a_recipe_is_read_back_by_train_and_check(tmp_path):
     assert any(o.candidate.mesh[1] > 1 for o in plan.outcomes)
     assert all(o.stage == "layout" for o in plan.outcomes)  # everything fits: no levers, no batch search
     winner = plan.winner
+    # The run's eval step too, the winner's only, at the preset's eval batch over its cores.
+    assert winner.eval_batch == 256 and winner.eval.fits and winner.eval_fix is None
+    assert [o for o in plan.outcomes if o.eval_batch is not None] == [winner]
     fastest = max(o.prediction.examples_per_s for o in plan.fitting())
     assert winner.prediction.examples_per_s == fastest
     written = plan.write(tmp_path / "plan.yaml")

@@ -2,7 +2,8 @@
 step and the eval step), and a named model's shapes need no corpus.
 
 The model is Meta's 1B preset cut to one narrow layer: its vocabulary (128,256 tokens) is the
-preset's, so the eval step's logits are what fills the core; each compile takes seconds.
+preset's, and its logits are kept whole (``model.logits_chunk=0``; ``auto`` computes them in
+blocks), so the eval step's logits are what fills the core; each compile takes seconds.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # A preset's vocabulary, one small layer, a short sequence: the shapes of a named model, cheap to compile.
 SMALL = [
     "model.preset=llama-3.2-1b", "model.num_layers=1", "model.hidden_size=128", "model.intermediate_size=256",
-    "model.num_heads=2", "model.num_kv_heads=1", "data.seq_len=64", "data.per_device_batch=1",
-    "data.global_batch=null",
+    "model.num_heads=2", "model.num_kv_heads=1", "model.logits_chunk=0", "data.seq_len=64",
+    "data.per_device_batch=1", "data.global_batch=null",
 ]  # fmt: skip
 
 

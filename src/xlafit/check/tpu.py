@@ -363,7 +363,7 @@ def check_target(target: tpu.Target, program: Program, max_batch: bool | int = F
         evaluation = None
         if program.eval_global_batch:
             per_core = -(-program.eval_global_batch // n)  # the last batch padded
-            evaluation = pool.submit(_eval_report, steps, per_core, report.capacity)
+            evaluation = pool.submit(eval_fit, steps, per_core, report.capacity)
         _train_report(report, steps, target)
         if evaluation is not None and report.error is None:
             report.eval = evaluation.result()
@@ -485,9 +485,9 @@ def _train_report(report: TargetReport, steps: Steps, target: tpu.Target) -> Non
         model_step(report, program, hlo, k, target.generation.device_kinds[0], target.ici_bandwidth)
 
 
-def _eval_report(steps: Steps, per_device: int, capacity: float) -> EvalFit | None:
-    """The eval step's verdict and memory at ``per_device`` examples per core; where it does
-    not fit, the largest eval batch that does (:func:`largest_eval_batch`) and its setting."""
+def eval_fit(steps: Steps, per_device: int, capacity: float) -> EvalFit | None:
+    """The eval step's verdict and memory at ``per_device`` per core (check's and plan's); where it
+    does not fit, the largest eval batch that does (:func:`largest_eval_batch`). None: another failure."""
     name = steps.target.name if steps.target else "this host"
     progress(f"{name}: compiling the eval step, {per_device} per core ...")
     try:
