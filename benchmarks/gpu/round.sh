@@ -19,7 +19,7 @@ OUT=${OUT:-runs/gpu-round}
 SIZE=${SIZE:-full}
 LEVERS=${LEVERS:-llm,llm-cudnn,llm-cudnn-b16,bert,bert-vocab-30592}
 mkdir -p "$OUT"
-[ -d runs/site ] && export PYTHONPATH="${PYTHONPATH:-src:benchmarks}:runs/site"
+[ -d runs/site ] && export PYTHONPATH="${PYTHONPATH:-src}:runs/site"
 export PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true; python3 -c 'import jax; print(jax.__version__, jax.devices())'; } > "$OUT/machine.txt" 2>&1
 limit() { timeout "$1" "${@:2}" || echo "stopped (exit $?): over its ${1} s or failed" >&2; }
