@@ -35,8 +35,10 @@ MARKER = re.compile(r"<!-- fit-table (?P<name>[\w-]+) (?P<folder>\S+) -->\n(?P<b
 
 # bf16 compute, remat full, every core on fsdp, one sequence per core (the recipe's notebook
 # settings); eval at 8 sequences.
-LLM = ("model.compute_dtype=bfloat16 model.remat=full mesh.data=1 mesh.fsdp=-1 data.per_device_batch=1 "
-       "data.global_batch=null data.eval_global_batch=8").split()
+LLM = (
+    "model.compute_dtype=bfloat16 model.remat=full mesh.data=1 mesh.fsdp=-1 data.per_device_batch=1 "
+    "data.global_batch=null data.eval_global_batch=8"
+).split()
 LORA = ["lora.rank=16", "lora.base_dtype=bfloat16"]
 TRAINING = {"full": "full (AdamW, f32 state)", "lora": "LoRA r16 (bf16 base)"}
 
@@ -84,8 +86,18 @@ def step_cell(t: dict) -> str:
 
 
 def _llm_row(model: str, mode: str, seq: int, scan: bool, max_batch: bool, label: tuple[str, ...]) -> Row:
-    args = ["llm", "--tpu", "colab,kaggle", *(["--max-batch"] if max_batch else []), "--json", f"model.preset={model}",
-            f"data.seq_len={seq}", *LLM, f"model.scan_layers={str(scan).lower()}", *(LORA if mode == "lora" else [])]
+    args = [
+        "llm",
+        "--tpu",
+        "colab,kaggle",
+        *(["--max-batch"] if max_batch else []),
+        "--json",
+        f"model.preset={model}",
+        f"data.seq_len={seq}",
+        *LLM,
+        f"model.scan_layers={str(scan).lower()}",
+        *(LORA if mode == "lora" else []),
+    ]
     return Row(f"{model}-{mode}-{seq}", label, tuple(args))
 
 
@@ -148,8 +160,10 @@ def render(name: str, folder: Path) -> str:
     if (ROOT / folder / name).is_dir():
         made = f"Made by `python {SCRIPT} run {name} --out {folder}` ({table.note}); its JSON is in `{folder}/{name}/`."
     else:  # a folder of an earlier script that ran the same commands
-        made = (f"Made by `python {SCRIPT} run {name} --out benchmarks/results/DATE/fit-tables` ({table.note}); "
-                f"the JSON behind this table is in `{folder}/`.")
+        made = (
+            f"Made by `python {SCRIPT} run {name} --out benchmarks/results/DATE/fit-tables` ({table.note}); "
+            f"the JSON behind this table is in `{folder}/`."
+        )
     return "\n".join([*lines, "", *textwrap.wrap(made, 92, break_long_words=False, break_on_hyphens=False)]) + "\n"
 
 
@@ -188,8 +202,9 @@ def run(name: str, out: Path, only: set[str] | None) -> list[str]:
         (folder / f"{row.name}.cmd").write_text(command(row) + "\n")
         start = time.perf_counter()
         with open(folder / f"{row.name}.json", "w") as stdout, open(folder / f"{row.name}.log", "w") as stderr:
-            code = subprocess.call([sys.executable, "-m", "xlafit", "check", *row.args], stdout=stdout,
-                                   stderr=stderr, env=env, cwd=ROOT)
+            code = subprocess.call(
+                [sys.executable, "-m", "xlafit", "check", *row.args], stdout=stdout, stderr=stderr, env=env, cwd=ROOT
+            )
         # exit 1: a target does not fit, which is a row's answer; 2 and above: no report
         print(f"{row.name}: exit {code} in {time.perf_counter() - start:.0f} s", flush=True)
     missing = []
