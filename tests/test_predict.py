@@ -403,13 +403,13 @@ def test_the_matrix_rate_fit_is_not_pulled_down_by_products_that_stream_their_op
 
 
 def test_the_built_in_rates_are_what_the_fit_makes_of_the_stored_measurements():
-    """rates.json is never edited by hand: benchmarks/fit_rates.py writes it from the
+    """rates.json is never edited by hand: benchmarks/predict/fit_rates.py writes it from the
     measurements, and it must be current."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "predict"))
     try:
         import fit_rates
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path.remove(str(ROOT / "benchmarks" / "predict"))
     assert json.loads(BUILT_IN.read_text()) == json.loads(json.dumps(fit_rates.rows()))
     for row in load_rates(BUILT_IN):
         assert row.band is not None and set(row.sources) >= {"matmul_flops", "hbm_bytes_per_s"}
@@ -465,11 +465,11 @@ def test_wider_streams_in_a_gpus_micro_benchmarks_set_its_peak_stream(tmp_path):
 
 
 def test_published_tpu_runs_held_out_of_the_fit_are_predicted_within_the_bar():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "predict"))
     try:
         import fit_rates
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path.remove(str(ROOT / "benchmarks" / "predict"))
     rows = tpu_rows(load_rates(BUILT_IN))
     assert set(rows) >= {"v5e", "v5p", "v6e"}
     assert len(tpu_runs(VALIDATION / "tpu")) >= 8
@@ -552,18 +552,18 @@ def test_the_calibrations_vector_benchmark_is_compute_bound_on_every_built_in_de
 
 
 def test_the_kernel_micro_benchmarks_time_and_predict_each_case(tmp_path, monkeypatch):
-    """benchmarks/gpu_kernel_micro.py's rehearsal: each case compiled, timed, profiled and
+    """benchmarks/gpu/kernel_micro.py's rehearsal: each case compiled, timed, profiled and
     priced by the step model with this device's rates."""
     calibration = tmp_path / "cpu.json"
     save_rates(Rates("cpu", 1e11, (128, 128), 1, 1e10, 1e10, 1e-6), calibration)
     monkeypatch.setenv("XLAFIT_CALIBRATION", str(calibration))
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
     try:
-        import gpu_kernel_micro
+        import kernel_micro
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path.remove(str(ROOT / "benchmarks" / "gpu"))
     for case in ("reduce-rows", "maxpool-backward"):
-        r = gpu_kernel_micro.run(case, "tiny")
+        r = kernel_micro.run(case, "tiny")
         assert r["measured_s"] > 0 and r["predicted_s"] > 0 and r["rates"] == str(calibration)
         assert r["kernels_predicted"] and r["kernels_measured_us"] and "HloModule" in r["hlo"]
 

@@ -224,7 +224,7 @@ def test_flops_of_a_k_step_call_are_k_times_one_step():
 
 
 def test_the_prediction_for_this_hosts_devices_is_the_roofline_of_its_compiled_step(tmp_path, monkeypatch):
-    """What a lent GPU holds against measured steps (benchmarks/predict_measured.py): the
+    """What a lent GPU holds against measured steps (benchmarks/gpu/measured.py): the
     estimator of check --tpu over the device's own figures. A CPU has no table row, and no
     step model until it is calibrated: the bound stands, and the report says so."""
     monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path))
