@@ -77,6 +77,9 @@ class Recipe:
             ``xlafit check``'s padding plans.
         validate: ``(cfg) -> None``: raises ``ConfigError`` for model settings that cannot
             work, before any data is read (preparing data can take hours).
+        bit_identical_chunks: whether ``trainer.invariant_chunks`` makes the recipe's runs
+            bit-identical on any device count (checked by the suite); elsewhere they agree to
+            float rounding, and a run with it says so.
     """
 
     name: str
@@ -92,3 +95,4 @@ class Recipe:
     kept_files: dict[str, str] = dataclasses.field(default_factory=dict)
     sequence_lengths: Callable[[Config], np.ndarray | None] = _no_lengths
     validate: Callable[[Config], None] = _nothing_to_check
+    bit_identical_chunks: bool = False
