@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-from xlafit.predict.rates import BUILT_IN
-from xlafit.predict.validation import band_of, fit_gpu, fit_tpu, gpu_checks, tpu_checks
+from xlafit.check.recipes import recipe_program
+from xlafit.platform.hardware import parse_targets
+from xlafit.predict.rates import BUILT_IN, parameter_count
+from xlafit.predict.validation import band_of, fit_gpu, fit_tpu, gpu_checks, tpu_checks, tpu_runs
 
 VALIDATION = Path(__file__).parent / "validation"
 # The published runs the TPU rows are fitted to, chosen before any prediction was compared:
@@ -27,16 +30,39 @@ TPU_FITTED = ("v5e-256-synthetic-16b-b6", "v5e-256-synthetic-64b-b2", "v6e-256-l
 H200_VECTOR = (33.5e12, "132 SMs x 128 float32 lanes x 1.98 GHz (NVIDIA H200 datasheet: 67 TFLOP/s FP32, FMA = 2)")
 
 
+def kind(recipe: str, overrides: list[str], devices: int) -> dict[str, Any]:
+    """What a measured step's program was (a band's population): its recipe, the parameters
+    of the model its overrides build (abstractly: nothing allocated), its devices."""
+    program = recipe_program(recipe, overrides)[0]
+    training = "full" if not any(o.startswith("lora.rank=") and o != "lora.rank=0" for o in overrides) else "lora"
+    return {"family": recipe, "params": parameter_count(program.model), "devices": devices, "training": training}
+
+
+def gpu_kinds(folder: Path) -> dict[str, dict[str, Any]]:
+    """Each stored GPU workload's kind (``bert-b128``: the bert recipe), on one device."""
+    summary = json.loads((folder / "summary.json").read_text())
+    return {name: kind(name.split("-")[0], w["overrides"], 1) for name, w in summary["workloads"].items()}
+
+
+def tpu_kinds(folder: Path) -> dict[str, dict[str, Any]]:
+    """Each compiled published run's kind: the llm recipe at its first program's overrides."""
+    return {
+        run["id"]: kind("llm", run["compiled"]["programs"][0]["overrides"], parse_targets(run["target"])[0].num_devices)
+        for run in tpu_runs(folder)
+    }
+
+
 def rows() -> list[dict]:
     h200 = fit_gpu(VALIDATION / "gpu-h200", "NVIDIA H200", 132, *H200_VECTOR)
     gpu = gpu_checks(VALIDATION / "gpu-h200", h200)
-    out = [{**h200.to_json(), "band": band_of(gpu, "measured")}]
+    out = [{**h200.to_json(), "band": band_of(gpu, "measured", kinds=gpu_kinds(VALIDATION / "gpu-h200"))}]
     tpu = fit_tpu(VALIDATION / "tpu", TPU_FITTED)
     checks = tpu_checks(VALIDATION / "tpu", tpu, TPU_FITTED)
+    kinds = tpu_kinds(VALIDATION / "tpu")
     for generation, rates in sorted(tpu.items()):  # each generation's band from its own runs
         mine = [c for c in checks if c.device.startswith(f"{generation}-")]
         fitted = sum(c.role == "fitted" for c in mine)
-        out.append({**rates.to_json(), "band": band_of(mine, "published", fitted)})
+        out.append({**rates.to_json(), "band": band_of(mine, "published", fitted, kinds)})
     return out
 
 

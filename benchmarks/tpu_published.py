@@ -31,7 +31,7 @@ HERE = Path(__file__).parent / "validation" / "tpu"
 def overrides(run: dict, batch: int) -> list[str]:
     """The llm recipe's settings for a published run: its model, sequence and batch, bf16
     compute, its remat (full unless the run names another), scanned layers, FSDP over the
-    slice (and its tensor axis)."""
+    slice (and its tensor axis), the whole logits."""
     target = parse_targets(run["target"])[0]
     tensor = run.get("mesh", {}).get("tensor", 1)
     out = [f"model.{k}={v}" for k, v in run["model"].items()]
@@ -45,6 +45,7 @@ def overrides(run: dict, batch: int) -> list[str]:
         f"mesh.tensor={tensor}",
         f"data.global_batch={batch * target.num_devices}",
         "data.eval_global_batch=null",
+        "model.logits_chunk=0",  # the whole float32 logits, as the recorded programs were compiled
     ]
     if run["model"].get("preset") == "custom":
         out.append(f"model.max_position_embeddings={run['seq']}")

@@ -457,6 +457,6 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_command_with_one_line(tmp_
     )
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
-    assert out.returncode == 2, out.stderr
+    assert out.returncode == 74, out.stderr  # STORAGE: the same command resumes once it can write
     assert "Traceback" not in out.stderr
     assert "xlafit: error: writing checkpoint 1 in" in out.stderr and "Permission denied" in out.stderr

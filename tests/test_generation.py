@@ -546,3 +546,55 @@ def test_the_command_says_its_drawn_seed_and_stops_at_texts_and_ids(chat_model, 
     assert "--temperature 0 is greedy, and --top-k 5, --top-p 1.0 choose among" in capsys.readouterr().err
     assert main([*asked, "--stop-id", "100000"]) == 2
     assert "stop id 100000 is not a token of this model" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- asking a run that is training
+
+
+def test_generate_during_training_reads_the_newest_checkpoint_that_stays_and_names_its_step(tmp_path, capsys):
+    """Issue 63 (15): asked mid-run, with checkpoints rotating every step, every call failed:
+    a checkpoint removed while it was read was called corrupt ("the run has to start over"),
+    its metadata read after it was gone made "the base model ... is not the one its adapters
+    were trained on", and asyncio printed tracebacks. Each call reads the newest checkpoint
+    that stays while it is read (looking again when one is removed) and names its step."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from xlafit.cli import main
+
+    run = tmp_path / "run"
+    keep = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = keep | {"PYTHONUNBUFFERED": "1", "XLAFIT_CACHE": str(tmp_path / "cache")}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    train = [
+        sys.executable, "-m", "xlafit", "train", "llm", "--simulate", "1", "--run-dir", str(run),
+        "lora.rank=4", "data.vocab_size=400", "data.seq_len=64", "data.global_batch=8",
+        "trainer.stop_at_step=100000", "trainer.log_every_steps=1", "trainer.checkpoint_every_steps=1",
+        "trainer.keep_checkpoints=1", "trainer.eval_every_epochs=100",
+    ]  # fmt: skip
+    proc = subprocess.Popen(train, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while not any(p.name.isdigit() for p in (run / "checkpoints").glob("*")) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(0.5)
+        capsys.readouterr()
+        steps = []
+        for _ in range(3):
+            code = main(["generate", str(run), "--prompt", "대한민국은", "--max-new-tokens", "3", "--json"])
+            assert code == 0, capsys.readouterr().err[-3000:]
+            assert proc.poll() is None  # asked while it trains
+            out, err = capsys.readouterr()
+            assert "Traceback" not in err and "corrupt" not in err and "base model" not in err, err
+            answer = json.loads(out.strip().splitlines()[-1])
+            steps.append(answer["step"])
+            assert f"answering from step {answer['step']} of {run}" in err, err
+        saved = sorted(int(p.name) for p in (run / "checkpoints").glob("*") if p.name.isdigit())
+        assert steps == sorted(steps) and steps[-1] < saved[-1], (steps, saved)  # the run went on meanwhile
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)

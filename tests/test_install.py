@@ -72,6 +72,8 @@ def test_the_sdist_and_the_wheel_carry_the_package_and_its_data(dist):
     (sdist,) = dist.glob("xlafit-*.tar.gz")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"xlafit/cli/__init__.py", "xlafit/recipes/llm.yaml", "xlafit/predict/rates.json"} <= names
+    # xlafit's training chat templates (xlafit.data.templates)
+    assert {"xlafit/data/chat_templates/qwen3.jinja", "xlafit/data/chat_templates/mistral-v0.3.jinja"} <= names
     assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
     assert any(n.endswith("/src/xlafit/predict/rates.json") for n in tarfile.open(sdist).getnames())
 

@@ -577,3 +577,39 @@ def test_a_product_timed_above_the_datasheet_peak_is_left_out_of_a_calibration()
     kept, left_out = _possible(record["matmul"], "NVIDIA H200")
     assert [(r["m"], r["n"], r["k"]) for r in left_out] == [(8192, 2048, 2048)] and len(kept) == 6
     assert _possible(record["matmul"], "cpu") == (record["matmul"], [])  # no datasheet row: all kept
+
+
+def test_a_band_is_quoted_only_for_programs_like_those_it_was_measured_on():
+    """Every v5e prediction printed "±4 % over 2 published steps", steps of 33B and 69B models
+    on 256 chips, for a 1B LoRA step on one chip or a BERT step alike. The rule (LIKE_*): the
+    same family and kind of training, parameters and step within 2x of the validated range,
+    devices within 4x."""
+    from xlafit.predict.rates import Kind
+
+    v5e = rates_for("TPU v5 lite")
+    population = v5e.band.population
+    assert {v.id for v in population} == {"v5e-256-llama2-70b-b2", "v5e-256-synthetic-32b-b4"}
+    assert all(v.family == "llm" and v.devices == 256 and v.training == "full" for v in population)
+    like = Kind("llm", 40_000_000_000, 128, 11.0)
+    text, median = v5e.band_for(like)
+    assert median == v5e.band.median and text.startswith("±4% (worst 6%) over 2 published steps")
+    assert "validated on: 2 published steps: llm (full training), 32.9B-69B parameters, 256 devices" in text
+    text, median = v5e.band_for(Kind("llm", 1_000_000_000, 1, 0.108, "lora"))  # Gemma 3 1B LoRA on a v5e-1
+    assert median is None and text.startswith(
+        "not validated for this kind of program (LoRA training, 1B parameters, 1 device, a step of 108 ms); "
+        "validated on: 2 published steps"
+    )
+    assert v5e.band_for(Kind("bert", 110_000_000, 8, 0.00565))[0].startswith(
+        "not validated for this kind of program (a bert model, 110M parameters, 8 devices, a step of 5.65 ms)"
+    )
+    assert v5e.band_for(Kind(None, 40_000_000_000, 256, 12.0))[0].startswith(
+        "not validated for this kind of program (a model of your own)"
+    )
+    h200 = rates_for("NVIDIA H200")
+    assert h200.band_for(Kind("bert", 110_000_000, 1, 0.04))[1] == h200.band.median
+    # A 13 ms step of small kernels, a third short in a blind check: below the 27-229 ms validated.
+    assert h200.band_for(Kind("bert", 110_000_000, 1, 0.013)) == (
+        "not validated for this kind of program (a step of 13 ms); validated on: 5 measured steps: bert, resnet, "
+        "llm (full training), 25.6M-1.24B parameters, 1 device, steps of 26.8 ms-229 ms on NVIDIA H200",
+        None,
+    )

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -51,7 +52,8 @@ from xlafit.parallel.mesh import Strategy
 from xlafit.parallel.sharding import parse_rules
 from xlafit.recipes import get_recipe
 from xlafit.recipes.base import Recipe
-from xlafit.rundir import checkpoint_dir, log_to_file, refuse_foreign_dir, start_run_dir
+from xlafit.rundir import checkpoint_dir, log_to_file, make_run_dir, refuse_foreign_dir, start_run_dir
+from xlafit.runlock import hold_run_dir
 from xlafit.train.loop import FitResult
 from xlafit.train.optim import OptimizerPlan, highest_rate, make_optimizer, warmup_steps
 from xlafit.train.signals import handle_signals
@@ -83,9 +85,10 @@ def train_and_evaluate(cfg: Config) -> FitResult:
     SIGTERM/SIGINT at any point stop it cleanly: during training after a checkpoint
     (:class:`~xlafit.train.signals.Preempted`, which the ``xlafit`` command turns into exit
     status 75), during start-up before anything is trained. ``run.resume=false`` is the
-    command's ``--restart``.
+    command's ``--restart``. While it runs, the run directory is held
+    (:func:`~xlafit.runlock.hold_run_dir`): another run there is refused.
     """
-    with handle_signals():
+    with handle_signals(), contextlib.ExitStack() as held:
         recipe = get_recipe(cfg.recipe)
         strategy = connect(
             cfg.run.simulate_devices,
@@ -104,6 +107,10 @@ def train_and_evaluate(cfg: Config) -> FitResult:
         run_dir = run.run_dir
         if cfg.run.checkpoint_dir:  # before the resume check or --restart lists it
             check_directory(cfg.run.checkpoint_dir)
+        if strategy.process_index == 0:  # one training per run directory: the job's process 0 holds it
+            make_run_dir(run_dir, cfg)
+            for line in held.enter_context(hold_run_dir(run_dir)):
+                print(line, flush=True)
         if cfg.run.resume:
             check_continuation(
                 run_dir,

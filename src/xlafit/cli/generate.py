@@ -79,7 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--step", type=int, help="a run's checkpoint (default: the newest intact one)")
     p.add_argument("--revision", help="a hub id's branch, tag or commit")
-    p.add_argument("--json", action="store_true", help="print the prompts and answers as JSON lines")
+    p.add_argument("--json", action="store_true", help="print the prompts and answers (and a run's step) as JSON lines")
     add_simulate(p)
     p.set_defaults(run=run)
 
@@ -172,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
     answers = ask(prompts, args.max_new_tokens, sampling, use_chat=use_chat, stop=args.stop, stop_ids=args.stop_id)
     for prompt, answer in zip(prompts, answers, strict=True):
         if args.json:
-            print(json.dumps({"prompt": prompt, "answer": answer}, ensure_ascii=False))
+            step = {} if ask.step is None else {"step": ask.step}  # a run's: the checkpoint answering
+            print(json.dumps({"prompt": prompt, "answer": answer, **step}, ensure_ascii=False))
         else:
             shown = prompt if isinstance(prompt, str) else prompt[-1].get("content", "")
             print(f"> {shown}\n{answer}\n")

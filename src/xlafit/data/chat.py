@@ -39,6 +39,7 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from xlafit.data import templates
 from xlafit.data.shards import parquet_table
 from xlafit.errors import DataError
 from xlafit.io.paths import as_path, filesystem
@@ -49,6 +50,7 @@ __all__ = [
     "TEMPLATE_FILE",
     "ChatTemplate",
     "Encoded",
+    "describe",
     "detect_format",
     "encode",
     "end_of_turn",
@@ -98,9 +100,21 @@ class ChatTemplate:
     Args:
         source: the template's text.
         tokens: the special tokens it may name (``bos_token``, ``eos_token``, ...).
+        name: what messages call it.
+        shipped: the xlafit training template it is (:mod:`xlafit.data.templates`), if one.
+        official: the tokenizer's own template it stands in for while training (the one the
+            model is asked with, kept for generation and export), if it does.
     """
 
-    def __init__(self, source: str, tokens: dict[str, str] | None = None, name: str = "the chat template") -> None:
+    def __init__(
+        self,
+        source: str,
+        tokens: dict[str, str] | None = None,
+        name: str = "the chat template",
+        *,
+        shipped: templates.Shipped | None = None,
+        official: ChatTemplate | None = None,
+    ) -> None:
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols]
         )
@@ -117,6 +131,8 @@ class ChatTemplate:
             raise DataError(f"{name} does not parse ({e}); fix it, or give another as data.chat_template.") from None
         self.name = name
         self.source = source
+        self.shipped = shipped
+        self.official = official
         self.tokens = dict(tokens or {})
         self.marks_generation = "{% generation %}" in source or "{%- generation %}" in source
 
@@ -167,19 +183,26 @@ class ChatTemplate:
             upto = self.render(messages[: i + 1])
             if not (upto.startswith(before) and full.startswith(upto)):
                 raise DataError(
-                    "the chat template renders a conversation differently from its beginning, so its assistant "
-                    "turns cannot be found; use a template with {% generation %} blocks (data.chat_template) or "
-                    "data.loss_on=all."
+                    f"{self.name} renders a conversation differently from its beginning, so its assistant turns "
+                    f"cannot be found; xlafit's training templates render their families' conversations with the "
+                    f"answers marked ({templates.choices()}); for another, give a template with "
+                    "{% generation %} blocks around the answers (data.chat_template=FILE), or data.loss_on=all."
                 )
             spans.append((len(before), len(upto)))
         return full, spans
 
 
-def template_for(tokenizer_dir: str | None, given: str | None = None) -> ChatTemplate | None:
+def template_for(tokenizer_dir: str | None, given: str | None = None, *, training: bool = False) -> ChatTemplate | None:
     """The chat template of a model directory (``chat_template.jinja``, or
     ``tokenizer_config.json``'s ``chat_template``: a string, or a list of named templates of
-    which ``default`` is taken), or the file ``given`` (``data.chat_template``); the special
-    tokens from ``tokenizer_config.json``. None: the directory has none."""
+    which ``default`` is taken), or ``given`` (``data.chat_template``: the name of one of
+    xlafit's training templates, or a file); the special tokens from ``tokenizer_config.json``.
+    None: the directory has none.
+
+    ``training``: a directory's template that is the official one of a family xlafit ships a
+    training template for (:func:`xlafit.data.templates.recognise`) gives that training
+    template, with the official one as its ``official``; ``given`` always wins.
+    """
     config: dict[str, Any] = {}
     folder = as_path(tokenizer_dir) if tokenizer_dir else None
     if folder is not None and str(folder).endswith(".json"):
@@ -191,18 +214,65 @@ def template_for(tokenizer_dir: str | None, given: str | None = None) -> ChatTem
         if key.endswith("_token") and value is not None:
             tokens[key] = value["content"] if isinstance(value, dict) else str(value)
     if given:
+        shipped = templates.by_name(given)
+        if shipped is not None:
+            return ChatTemplate(templates.source(shipped), tokens, _shipped_name(shipped), shipped=shipped)
         path = as_path(given)
         if not path.exists():
             raise DataError(f"data.chat_template={given}: no such file; give a Jinja template file.")
         return ChatTemplate(path.read_text(), tokens, f"the chat template {given} (data.chat_template)")
+    own: ChatTemplate | None = None
     if folder is not None and (folder / TEMPLATE_FILE).exists():
-        return ChatTemplate((folder / TEMPLATE_FILE).read_text(), tokens, f"the chat template {folder / TEMPLATE_FILE}")
-    source = config.get("chat_template")
-    if isinstance(source, list):
-        named = {t.get("name"): t.get("template") for t in source}
-        source = named.get("default") or next(iter(named.values()), None)
-    where = f"the chat template of {folder / 'tokenizer_config.json'}" if folder is not None else "the chat template"
-    return ChatTemplate(source, tokens, where) if source else None
+        own = ChatTemplate((folder / TEMPLATE_FILE).read_text(), tokens, f"the chat template {folder / TEMPLATE_FILE}")
+    else:
+        source = config.get("chat_template")
+        if isinstance(source, list):
+            named = {t.get("name"): t.get("template") for t in source}
+            source = named.get("default") or next(iter(named.values()), None)
+        where = (
+            f"the chat template of {folder / 'tokenizer_config.json'}" if folder is not None else "the chat template"
+        )
+        own = ChatTemplate(source, tokens, where) if source else None
+    shipped = templates.recognise(own.source) if training and own is not None else None
+    if own is None or shipped is None:
+        return own
+    trained = ChatTemplate(templates.source(shipped), tokens, _shipped_name(shipped), shipped=shipped, official=own)
+    return trained if _asks_alike(own, trained) else own
+
+
+def _shipped_name(shipped: templates.Shipped) -> str:
+    return f"xlafit's training template for {shipped.family} (data.chat_template={shipped.name})"
+
+
+def _asks_alike(official: ChatTemplate, trained: ChatTemplate) -> bool:
+    """Whether ``trained`` renders a question, with and without a system prompt, and a one-turn
+    exchange as ``official`` does: the recognised template is the official one in what it
+    renders too (a copy whose lines differ only in indentation could render otherwise)."""
+    system = {"role": "system", "content": "A probe's system prompt."}
+    cases = (([system, _PROBE[0]], True), ([_PROBE[0]], True), (list(_PROBE), False))
+    try:
+        return all(official.render(m, add_generation_prompt=g) == trained.render(m, add_generation_prompt=g)
+                   for m, g in cases)  # fmt: skip
+    except DataError:
+        return False
+
+
+def describe(template: ChatTemplate | None) -> str:
+    """One line: which chat template a run renders its conversations with, and why where it is
+    not the tokenizer's own.
+
+    Example:
+        >>> describe(ChatTemplate("{{ messages }}", name="the chat template of tok/tokenizer_config.json"))
+        'chat template: the chat template of tok/tokenizer_config.json'
+    """
+    if template is None:
+        return "chat template: none"
+    if template.official is not None and template.shipped is not None:
+        return (
+            f"chat template: {template.name}, in place of {template.official.name} ({template.shipped.why}); "
+            "generation and export keep the official one"
+        )
+    return f"chat template: {template.name}"
 
 
 # A conversation rendered to find where an assistant turn ends (the answer: text no template alters).

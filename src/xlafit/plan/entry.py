@@ -150,7 +150,7 @@ def _own_batch(base: Program, global_batch: int | None, search_batch: bool) -> d
 
 def recipe_planner(
     name: str, overrides: Sequence[str], preset: str | Path | None, settings: Settings
-) -> tuple[Planner, Any, int]:
+) -> tuple[Planner, Any, int | None]:
     """The planner of a recipe's run: ``(planner, config, train examples)``. Its candidates'
     programs are the recipe's with their remat, scanning and numerics as overrides."""
     base, cfg, train_examples = recipe_program(name, overrides, preset)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from xlafit.check.speed import OUTSIDE_BAND, above_prediction
+from xlafit.check.speed import above_prediction
 from xlafit.check.tpu_report import rate
 from xlafit.plan.result import Plan
 from xlafit.plan.search import Outcome, Prediction
@@ -52,7 +52,7 @@ def _row(plan: Plan, rank: str, o: Outcome, front: set) -> tuple[str, ...]:
 
 
 def _step_ms(p: Prediction) -> str:
-    """The table's step: the prediction (``?``: too short for its error band), or the bound."""
+    """The table's step: the prediction (``?``: outside its error band's population), or the bound."""
     if not p.predicted:
         return f">= {p.step_s * 1e3:.3g}"
     return f"{p.step_s * 1e3:.3g}{'?' if p.outside_band else ''}"
@@ -98,7 +98,10 @@ def format_plan(plan: Plan) -> str:
         f"  (* the Pareto front: throughput, cost of the run, HBM to spare{searched})",
     ]
     if any(o.prediction and o.prediction.outside_band for o in plan.outcomes):
-        lines.append(f"  (? {OUTSIDE_BAND}; the throughput, run time and cost that follow share it)")
+        lines.append(
+            "  (? no error band: the step is outside the programs the step model was validated on (below); the "
+            "throughput, run time and cost that follow share it)"
+        )
     lines += _winner_lines(plan)
     lines += _why_not_lines(plan, refused)
     grouped: dict[tuple[str, str], list[str]] = {}  # one line per reason: it is often the same for many
@@ -118,9 +121,9 @@ def _prediction_lines(plan: Plan) -> list[str]:
     for o in plan.outcomes:
         if o.prediction is not None and o.prediction.band and not o.prediction.outside_band:
             bands.setdefault(o.candidate.target.split("-")[0], o.prediction.band)
-    for o in plan.outcomes:  # a generation whose every step is too short for its band
+    for o in plan.outcomes:  # a generation whose every step is outside its band's population
         if o.prediction is not None and o.prediction.outside_band:
-            bands.setdefault(o.candidate.target.split("-")[0], "no error band (every step under 1 ms, see ? above)")
+            bands.setdefault(o.candidate.target.split("-")[0], o.prediction.band)
     lines = [
         "Prediction (not a measurement): each kernel of the compiled step at the generation's achievable rates "
         "(xlafit.predict), summed along the schedule with the collectives over ICI where they are not hidden; "
@@ -156,7 +159,7 @@ def _winner_lines(plan: Plan) -> list[str]:
             band = f" ±{p.band_median:.0%}" if p.band_median is not None else ""
             lines.append(f"  step (predicted): {p.step_s * 1e3:.3g} ms{band}, MFU {p.mfu:.0%}")
             if p.outside_band:
-                lines.append(f"    {OUTSIDE_BAND}")
+                lines.append(f"    {p.band}")
         lines.append(
             f"  roofline estimate: {p.bound_s * 1e3:.3g} ms (compute {p.compute_s * 1e3:.3g} ms at peak, a strict "
             f"lower bound; memory {p.memory_s * 1e3:.3g} ms for XLA's bytes accessed, which overstates HBM "

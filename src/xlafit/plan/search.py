@@ -44,7 +44,7 @@ from typing import Any
 
 from xlafit.check.batch_search import largest_batch
 from xlafit.check.program import Program
-from xlafit.check.speed import OUTSIDE_BAND, outside_band, steps_in_cost
+from xlafit.check.speed import OUTSIDE_BAND, outside_band, program_kind, steps_in_cost
 from xlafit.check.tpu import (
     OutOfMemory,
     Steps,
@@ -307,7 +307,7 @@ class Planner:
         else:
             k = p.config.steps_per_call
             step = predict(hlo, rates, target.ici_bandwidth, target.num_devices).seconds / k or bound
-            band, median = rates.describe_band(), rates.band.median if rates.band else None
+            band, median = rates.band_for(program_kind(p, target.num_devices, step))
             if outside_band(step):
                 band, median = OUTSIDE_BAND, None
         out.prediction = Prediction(
@@ -323,7 +323,7 @@ class Planner:
             predicted=rates is not None,
             band=band,
             band_median=median,
-            outside_band=rates is not None and outside_band(step),
+            outside_band=rates is not None and rates.band is not None and median is None,
         )
 
     def _map(self, jobs: Iterable[tuple[Target, Candidate, str]]) -> list[Outcome]:

@@ -52,6 +52,10 @@ def _nothing_to_check(cfg: Config) -> None:
     return None
 
 
+def _shapes_from_data(cfg: Config) -> None:
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """One workload: its config types and the functions that wire data, model and loss.
@@ -80,6 +84,10 @@ class Recipe:
         bit_identical_chunks: whether ``trainer.invariant_chunks`` makes the recipe's runs
             bit-identical on any device count (checked by the suite); elsewhere they agree to
             float rounding, and a run with it says so.
+        shapes: ``(cfg) -> dataset or None``: placeholder rows with the data's shapes and
+            vocabulary when the config alone decides them (a named model's vocabulary, the
+            configured sequence length), for what needs shapes only (``check --tpu``,
+            ``plan``): no corpus is read. None: the shapes come from the data.
     """
 
     name: str
@@ -96,3 +104,4 @@ class Recipe:
     sequence_lengths: Callable[[Config], np.ndarray | None] = _no_lengths
     validate: Callable[[Config], None] = _nothing_to_check
     bit_identical_chunks: bool = False
+    shapes: Callable[[Config], Any] = _shapes_from_data
