@@ -122,8 +122,10 @@ def tpu(name: str) -> list[dict[str, Any]]:
         for batch in (1, 8):
             ids = jax.ShapeDtypeStruct((batch, TPU_PROMPT), jnp.int32, sharding=whole)
             pads = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=whole)
+            stops = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=whole)  # the end-of-sequence id
+            seed = jax.ShapeDtypeStruct((), jnp.uint32, sharding=whole)
             with no_persistent_cache():
-                lower = functools.partial(_run.lower, graphdef, state, ids, pads, TPU_NEW, Sampling())
+                lower = functools.partial(_run.lower, graphdef, state, ids, pads, stops, seed, TPU_NEW, Sampling())
                 compiled, compile_s = _compile(lower)
             step = predict(compiled.as_text(), rates, target.ici_bandwidth, target.num_devices)
             # The floor: every decode step reads every weight once from HBM.

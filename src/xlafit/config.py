@@ -242,8 +242,9 @@ class TrainerConfig:
     stop_at_step: int | None = None  # stop (with a checkpoint) at this step; schedule unchanged
     # Sum gradients over this many equal chunks of the global batch in a fixed order, so 1
     # device, 8 devices or several processes train bit-identical models (a multiple of the
-    # device count; null: XLA's all-reduce, faster, equal only to float rounding). On CPU it
-    # also needs cpu.fast_paths=false: YNNPACK kernels round differently per layout.
+    # device count; null: XLA's all-reduce, faster, equal only to float rounding). Checked for
+    # the mnist recipe; the llm recipe's agree to rounding only (docs/explanations/determinism.md).
+    # On CPU it also needs cpu.fast_paths=false: YNNPACK kernels round differently per layout.
     invariant_chunks: int | None = None
     # Compiles allowed per step (train, eval); one more stops the run naming the input shape
     # that changed. null: the programs the run plans (steps-per-call values x data shapes).

@@ -47,7 +47,7 @@ from xlafit.recipes import config_from_dict
 from xlafit.recipes.llm import DATA_FORMAT_FILE, data_config
 from xlafit.train.frozen import BASE_FINGERPRINT
 
-__all__ = ["Generator"]
+__all__ = ["Answers", "Generator"]
 
 Prompt = str | Sequence[dict[str, Any]]  # a text, or a conversation of {"role", "content"} turns
 
@@ -143,12 +143,49 @@ class Generator:
         max_new_tokens: int = 128,
         sampling: Sampling | None = None,
         use_chat: bool | None = None,
-    ) -> list[str]:
-        """The answers to ``prompts``, one batch (see :func:`xlafit.models.generation.generate`)."""
+        stop: Sequence[str] = (),
+        stop_ids: Sequence[int] = (),
+    ) -> Answers:
+        """The answers to ``prompts``, one batch (see :func:`xlafit.models.generation.generate`).
+
+        Args:
+            prompts: texts, or conversations of ``{"role", "content"}`` turns.
+            max_new_tokens: the tokens each answer has at most.
+            sampling: greedy by default; one that samples without a seed draws one, said
+                in :attr:`Answers.seed`.
+            use_chat: the chat template or not (default :attr:`chat_by_default`).
+            stop: texts that end an answer: it is cut before the first one found in its
+                text (the tokens after it were generated, then dropped).
+            stop_ids: tokens that end an answer besides :attr:`eos_ids` (kept, as an end
+                of sequence is); each row stops at its own, inside the compiled loop.
+
+        Raises:
+            ConfigError: an empty stop text, or a stop id outside the vocabulary.
+        """
+        if any(not s for s in stop):
+            raise ConfigError(
+                "an empty stop text would end every answer before it starts; give stop texts of 1+ characters."
+            )
         ids = [self.encode(p, use_chat) for p in prompts]
         pad = self.tokenizer.token_to_id(clm.PAD) or 0
-        tokens = generate(self.model, ids, max_new_tokens, sampling, self.eos_ids, pad)
-        return [self.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+        stops = (*self.eos_ids, *stop_ids)
+        tokens = generate(self.model, ids, max_new_tokens, sampling, stops, pad)
+        answers = Answers(_cut(self.tokenizer.decode(t, skip_special_tokens=True), stop) for t in tokens)
+        answers.seed = tokens.seed
+        return answers
+
+
+class Answers(list[str]):
+    """The answers, one text per prompt (a list), and the :attr:`seed` the sampling drew them
+    with (None where greedy): ``Sampling(seed=answers.seed)`` asks for the same again."""
+
+    seed: int | None = None
+
+
+def _cut(text: str, stops: Sequence[str]) -> str:
+    """``text`` up to (without) the first of ``stops`` in it."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[: min(found)] if found else text
 
 
 def is_run_directory(source: str) -> bool:
