@@ -26,6 +26,7 @@ from flax import nnx
 from tokenizers import Tokenizer, processors
 
 from xlafit.checkpoint import Checkpointer
+from xlafit.checkpoint_read import read_checkpoint
 from xlafit.config import Config
 from xlafit.data import chat, clm, special_tokens
 from xlafit.errors import CheckpointError, ConfigError, StorageError
@@ -204,7 +205,7 @@ def checkpoint_arrays(cfg: Config, run: Any, step: int | None, use: str = "expor
 
     Raises:
         CheckpointError: no checkpoint; ``step`` absent, corrupt or unreadable; or none that
-            reads (:meth:`~xlafit.checkpoint.Checkpointer.read`).
+            reads (:func:`~xlafit.checkpoint_read.read_checkpoint`).
     """
     ckpt = Checkpointer(checkpoint_dir(cfg), reader=True)  # the run may be training meanwhile
     try:
@@ -214,7 +215,7 @@ def checkpoint_arrays(cfg: Config, run: Any, step: int | None, use: str = "expor
             purpose = "generate with" if generating else "export"
             other = ", or give a Hugging Face model directory" if generating else ""
             raise CheckpointError(f"{run} has no intact checkpoint to {purpose}; train it until it saves one{other}.")
-        read = ckpt.read(step, infos)
+        read = read_checkpoint(ckpt, step, infos)
         if read.passed_over:
             print(f"warning: {read.passed()}; using checkpoint {read.step}", file=sys.stderr, flush=True)
         return read.arrays, read.step, read.metadata  # the same save's: a rotation may remove it now
