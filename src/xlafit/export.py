@@ -57,7 +57,8 @@ from xlafit.parallel.cluster import configure, start_backends
 from xlafit.parallel.sharding import path_name
 from xlafit.recipes import config_from_dict
 from xlafit.recipes.bert import bert_config
-from xlafit.recipes.llm import DATA_FORMAT_FILE, build_llama, model_dir
+from xlafit.recipes.llm import build_llama
+from xlafit.recipes.llm_data import DATA_FORMAT_FILE, model_dir
 from xlafit.recipes.resnet import CLASSES_FILE, NORMALISATION, augmentation, image_size, normalisation, resnet_config
 from xlafit.run import with_lora
 from xlafit.rundir import checkpoint_dir
