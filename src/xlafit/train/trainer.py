@@ -47,7 +47,8 @@ from xlafit.parallel.cluster import connect
 from xlafit.parallel.mesh import Strategy
 from xlafit.train.adapter import Adapted, adapt, framework_of
 from xlafit.train.arguments import built, check_arguments, check_batches
-from xlafit.train.evaluation import compile_eval_step, evaluate, final_evaluation
+from xlafit.train.evaluation import compile_eval_step, final_evaluation
+from xlafit.train.evaluation import evaluate as evaluate_data
 from xlafit.train.frozen import checkpointed, frozen_filter, frozen_fingerprint, restore, run_settings
 from xlafit.train.loop import Call, Due, FitResult, Loop, itstime, nonfinite_steps
 from xlafit.train.nonfinite import apply_nan_policy
@@ -238,7 +239,7 @@ class Trainer:
         ``stop``: asked before each batch; True ends the evaluation early (its result then
         covers the batches before).
         """
-        return evaluate(self.eval_step, self._state, self.strategy, as_dataset(data), self.eval_global_batch, stop)
+        return evaluate_data(self.eval_step, self._state, self.strategy, as_dataset(data), self.eval_global_batch, stop)
 
     # ------------------------------------------------------------------ training
 
