@@ -249,7 +249,7 @@ def test_records_that_would_train_on_nothing_are_refused_by_name(model_dir, tmp_
 def test_tokenizing_says_how_far_it_is(model_dir, tmp_path, monkeypatch, capsys):
     """A large file is tokenized for minutes: the run prints where it is, on stderr with the
     recipe's other notes (here at every record: PROGRESS_EVERY_S=0)."""
-    from xlafit.recipes import llm, load_config
+    from xlafit.recipes import llm_data, load_config
 
     monkeypatch.setattr(clm, "PROGRESS_EVERY_S", 0.0)
     path = tmp_path / "chat.jsonl"
@@ -259,7 +259,7 @@ def test_tokenizing_says_how_far_it_is(model_dir, tmp_path, monkeypatch, capsys)
     template = chat.template_for(str(model_dir))
     clm.load_packed([str(path)], clm.load_tokenizer(model_dir), seq_len=128, template=template, progress=lines.append)
     assert lines[0] == f"tokenizing {path} (file 1 of 1): 1 of 12 records" and lines[-1].endswith(": 12 of 12 records")
-    llm.load_data(load_config("llm", [f"data.data_dir={tmp_path / 'a.txt'}", f"data.tokenizer={model_dir}"]))
+    llm_data.load_data(load_config("llm", [f"data.data_dir={tmp_path / 'a.txt'}", f"data.tokenizer={model_dir}"]))
     assert f"tokenizing {tmp_path / 'a.txt'}: 2 of 2 documents\n" in capsys.readouterr().err
 
 

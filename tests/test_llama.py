@@ -21,7 +21,7 @@ from xlafit.models.bert import BertConfig, BertForMaskedLM
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 from xlafit.models.lora import ADAPTER, BASE, apply_lora, base_fingerprint, lora_state, merge_lora
 from xlafit.parallel.sharding import DEFAULT_RULES, logical_axes, tree_specs
-from xlafit.recipes.llm import check_packed_segments
+from xlafit.recipes.llm_data import check_packed_segments
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -31,7 +31,7 @@ from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 from xlafit.models.lora import ADAPTER, apply_lora, base_fingerprint, merge_lora
 from xlafit.parallel.sharding import DEFAULT_RULES, activation_layout
 from xlafit.recipes import llm as recipe
-from xlafit.recipes import load_config
+from xlafit.recipes import llm_data, load_config
 
 XLAFIT = [sys.executable, "-m", "xlafit"]
 TEXT = "\n\n".join(
@@ -60,7 +60,7 @@ def env(cache):
 def test_an_evaluation_split_of_nothing_is_said_aloud(corpus, tmp_path):
     """One document at data.eval_fraction=0.1: nothing is drawn for evaluation, and the run
     says so instead of training without an eval loss unannounced."""
-    from xlafit.recipes.llm import LlmDataConfig, data_summary
+    from xlafit.recipes.llm_data import LlmDataConfig, data_summary
 
     one = tmp_path / "one.txt"
     one.write_text("A single document of a few words.")
@@ -117,23 +117,23 @@ def test_documents_and_tokenizer_in_a_bucket_pack_as_local_ones(corpus, gcs):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         as_path(f"{b}/tok/{name}").write_text((corpus / "tok" / name).read_text())
     cfg = load_config("llm", [f"data.data_dir={b}/text", f"data.tokenizer={b}/tok", "data.seq_len=64"])
-    train, evaluation = recipe.load_data(cfg)
+    train, evaluation = llm_data.load_data(cfg)
     assert clm.special_ids(f"{b}/tok") == clm.special_ids(corpus / "tok") == (0, 1)
     markers = clm.special_ids(corpus / "tok")
     local, _ = clm.load_packed([str(corpus / "text")], clm.load_tokenizer(corpus / "tok"), seq_len=64, markers=markers)
     np.testing.assert_array_equal(train.arrays["input_ids"], local.arrays["input_ids"])
     assert expand_inputs([f"{b}/text"]) == [f"{b}/text/a.txt"]  # a directory URL, as a local one
-    recipe.save_artifacts(cfg, as_path(f"{b}/run"), train)  # the run's copy, for the export
+    llm_data.save_artifacts(cfg, as_path(f"{b}/run"), train)  # the run's copy, for the export
     assert as_path(f"{b}/run/tokenizer/tokenizer.json").read_text() == (corpus / "tok" / "tokenizer.json").read_text()
 
 
 def test_config_errors_name_the_fix(corpus, tmp_path):
     with pytest.raises(ConfigError, match="data.data_dir needs a tokenizer: set data.tokenizer"):
-        recipe.load_data(load_config("llm", [f"data.data_dir={corpus / 'text'}"]))
+        llm_data.load_data(load_config("llm", [f"data.data_dir={corpus / 'text'}"]))
     (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')  # a model's, not a tokenizer
     not_a_tokenizer = [f"data.data_dir={corpus / 'text'}", f"data.tokenizer={tmp_path}/config.json"]
     with pytest.raises(DataError, match=r"config.json is not a Hugging Face tokenizer.json \(.+\); give data"):
-        recipe.load_data(load_config("llm", not_a_tokenizer))
+        llm_data.load_data(load_config("llm", not_a_tokenizer))
     for fraction in (1, 1.5, -0.5):  # all held out (nothing to train on), or a share that is none
         with pytest.raises(ConfigError, match=rf"data.eval_fraction={fraction} is the share of the data held out"):
             load_config("llm", [f"data.eval_fraction={fraction}"])

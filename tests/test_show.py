@@ -14,8 +14,7 @@ import pytest
 from helpers import family_tokenizer
 from xlafit.data import clm
 from xlafit.data.show import CLOSE, OPEN
-from xlafit.recipes import llm as recipe
-from xlafit.recipes import load_config
+from xlafit.recipes import llm_data, load_config
 
 CONVERSATION = [
     {"role": "system", "content": "You answer briefly."},
@@ -38,7 +37,7 @@ def _trained_runs(folder, data, extra):
     loss_on = extra[1] if extra else "assistant"
     cfg = load_config("llm", [f"data.data_dir={data}", f"data.tokenizer={folder}", "data.seq_len=128",
                               "data.eval_fraction=0", f"data.loss_on={loss_on}"])  # fmt: skip
-    train, _ = recipe.load_data(cfg)
+    train, _ = llm_data.load_data(cfg)
     a = train.arrays
     _, weights = clm.next_token_targets(a["input_ids"], a["segment_ids"], a.get("loss_mask"))
     first = a["segment_ids"][0] == 1

@@ -15,8 +15,7 @@ import pytest
 from helpers import TOKENIZER_FAMILIES, family_tokenizer
 from xlafit.data import clm
 from xlafit.errors import DataError
-from xlafit.recipes import llm as recipe
-from xlafit.recipes import load_config
+from xlafit.recipes import llm_data, load_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,7 +42,7 @@ def _train(folder, data, tmp_path):
     cfg = load_config(
         "llm", [f"data.data_dir={data}", f"data.tokenizer={folder}", "data.seq_len=128", "data.eval_fraction=0"]
     )
-    train, _ = recipe.load_data(cfg)
+    train, _ = llm_data.load_data(cfg)
     return cfg, train
 
 
@@ -107,7 +106,7 @@ def test_a_run_and_its_export_keep_the_markers_it_trained_with(family, tmp_path)
     pc.write_text("\n".join(json.dumps({"prompt": PROMPT, "completion": COMPLETION}) for _ in range(3)))
     cfg, train = _train(folder, pc, tmp_path)
     run = tmp_path / "run"
-    recipe.save_artifacts(cfg, as_path(str(run)), train)
+    llm_data.save_artifacts(cfg, as_path(str(run)), train)
     assert clm.special_ids(run / "tokenizer") == clm.special_ids(folder)
     tokens = json.loads((run / "tokenizer" / "tokenizer_config.json").read_text())
     out = tmp_path / "export"

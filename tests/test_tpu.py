@@ -21,8 +21,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xlafit.check import check_file, check_recipe
 from xlafit.check.batch_search import largest_batch
+from xlafit.check.levers import levers
+from xlafit.check.local_prediction import predict_here
 from xlafit.check.program import Program, TargetReport
-from xlafit.check.tpu import check_target, levers, needed_bytes, no_persistent_cache, predict_here
+from xlafit.check.tpu import check_target, needed_bytes, no_persistent_cache
 from xlafit.check.tpu_report import _probe_line, format_report, format_table, to_json
 from xlafit.cli import main
 from xlafit.config import TrainerConfig

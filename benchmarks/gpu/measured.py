@@ -1,6 +1,6 @@
 """Predicted against measured step time, on the accelerator at hand.
 
-For each workload the step is predicted first (:func:`xlafit.check.tpu.predict_here`: the
+For each workload the step is predicted first (:func:`xlafit.check.local_prediction.predict_here`: the
 run's train step compiled here and priced by the step model, :mod:`xlafit.predict`, at the
 device's rates: a calibration file's or the built-in row), then the recipe's run is built as
 ``xlafit train`` does (:class:`xlafit.Trainer`) and its train step timed with the trainer's
@@ -92,7 +92,7 @@ def run_workload(name: str, size: str, warmup: int, steps: int, peak: float | No
 
     from xlafit.bench.worker import _timed_calls
     from xlafit.check import recipe_program
-    from xlafit.check.tpu import predict_here
+    from xlafit.check.local_prediction import predict_here
 
     recipe_name, overrides = overrides_of(name, size)
     # Predicted before it runs: the run's step compiled here and priced.

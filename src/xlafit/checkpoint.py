@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
-import shutil
-import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -116,8 +113,9 @@ class CheckpointInfo:
 
 
 class Read(NamedTuple):
-    """What :meth:`Checkpointer.read` found: a checkpoint's arrays, the metadata saved with
-    them (the same save's: its checksums cover both) and the newer ones it passed over."""
+    """What :func:`~xlafit.checkpoint_read.read_checkpoint` found: a checkpoint's arrays, the
+    metadata saved with them (the same save's: its checksums cover both) and the newer ones it
+    passed over."""
 
     arrays: Any  # the whole saved state as host NumPy arrays in nested dicts
     step: int
@@ -126,14 +124,11 @@ class Read(NamedTuple):
 
     def passed(self) -> str:
         """The checkpoints passed over, in words: ``checkpoint 3 is corrupt: <why>; ...``."""
-        return _in_words(self.passed_over)
+        return in_words(self.passed_over)
 
 
-def _in_words(passed: Sequence[tuple[int, str]]) -> str:
+def in_words(passed: Sequence[tuple[int, str]]) -> str:
     return "; ".join(f"checkpoint {step} is {why}" for step, why in passed)
-
-
-_READ_TRIES = 5  # fresh looks at a directory whose run saves (and rotates) while it is read
 
 
 class Checkpointer:
@@ -385,7 +380,7 @@ class Checkpointer:
             for b, why in bad:
                 self._set_aside(b, why)
             return from_saveable(raw, like), s
-        found = _in_words(bad) or "it holds none"
+        found = in_words(bad) or "it holds none"
         raise CheckpointError(
             f"no intact checkpoint in {self.directory} ({found}); nothing was moved. Start over with --restart "
             "(the earlier run moves aside, nothing is deleted; in Python: another run_dir)."
@@ -474,9 +469,9 @@ class Checkpointer:
         Raises:
             Damaged: its metadata or arrays are not what was saved.
         """
-        return self._read_one(step).arrays
+        return self.read_one(step).arrays
 
-    def _read_one(self, step: int) -> Read:
+    def read_one(self, step: int) -> Read:
         """Checkpoint ``step``'s arrays (on this process's first CPU device, then the host) and
         metadata, both checked against what its save recorded."""
         metadata, record = self._recorded(step)  # first: the arrays read next must be this save's
@@ -489,38 +484,7 @@ class Checkpointer:
         check_arrays(arrays, record)
         return Read(jax.device_get(arrays), step, [], metadata)
 
-    def _read_pinned(self, step: int) -> Read:
-        """:meth:`_read_one` of a snapshot of checkpoint ``step``: its files hard-linked into
-        a hidden folder of the run directory, in a few milliseconds, so a running job's
-        rotation that removes them meanwhile leaves the links' data to read. In place on a URL,
-        or where links cannot be made (another filesystem, no permission to write)."""
-        if is_url(self.directory):
-            return self._read_one(step)
-        try:
-            root = Path(tempfile.mkdtemp(prefix=".xlafit-reading-", dir=Path(self.directory).parent))
-        except OSError:
-            return self._read_one(step)
-        try:
-            try:
-                shutil.copytree(Path(self._step_dir(step)), root / str(step), copy_function=os.link)
-            except shutil.Error as e:  # files removed while linked: what the retry is for
-                raise FileNotFoundError(f"checkpoint {step} lost files while it was read ({e})") from None
-            except FileNotFoundError:
-                raise
-            except OSError:  # no hard links here
-                return self._read_one(step)
-            pinned = Checkpointer(root, reader=True)
-            try:
-                status = pinned.verify(step)
-                if status.startswith("corrupt"):
-                    raise Damaged(status.removeprefix("corrupt: "))
-                return pinned._read_one(step)
-            finally:
-                pinned.close()
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-
-    def _saved_since(self, newest: int | None) -> bool:
+    def saved_since(self, newest: int | None) -> bool:
         """Whether a checkpoint newer than ``newest`` appeared: a run is saving here, and its
         rotation may have removed what was listed (a read that failed, or a file missing)."""
         if self._reader:  # a new list, from the names alone (reload reads every step's metadata too)
@@ -530,80 +494,6 @@ class Checkpointer:
             self._manager.reload()
         latest = self._manager.latest_step()
         return latest is not None and (newest is None or latest > newest)
-
-    def read(self, step: int | None = None, infos: Sequence[CheckpointInfo] | None = None) -> Read:
-        """The whole saved state of checkpoint ``step`` (default: the newest that verifies and
-        reads) as host arrays, with the metadata saved with them (:meth:`restore_arrays`), for
-        the commands that read a run (``inspect``, ``export``, ``generate``). Nothing is moved.
-
-        A run that is training saves and rotates its checkpoints meanwhile: a checkpoint
-        removed while it was listed or read is not called corrupt; the newest is looked up
-        again (a few times at most).
-
-        Args:
-            step: this checkpoint, which must be intact (or unsealed) and readable.
-            infos: :meth:`list`'s answer, where the caller has it (it checksums every file).
-
-        Raises:
-            CheckpointError: ``step`` is absent, corrupt or unreadable, or (without ``step``)
-                no checkpoint reads; the message says what is wrong with it and names the
-                intact ones.
-        """
-        infos = self.list() if infos is None else infos
-        if step is not None:
-            return self._read_asked(step, infos)
-        for _ in range(_READ_TRIES):
-            infos = self.list() if infos is None else infos
-            found, passed = None, []
-            for info in reversed(infos):
-                why = None if info.usable else info.status
-                if why is None:
-                    try:
-                        found = self._read_pinned(info.step)
-                        break
-                    except Damaged as e:
-                        why = f"corrupt: {e}"
-                    except Exception as e:  # unreadable despite the marker: the next older one
-                        why = f"unreadable ({first_line(e)})"
-                passed.append((info.step, why))
-            if not passed or not self._saved_since(infos[-1].step if infos else None):
-                if found is None:
-                    raise CheckpointError(
-                        f"no checkpoint in {self.directory} can be read ({_in_words(passed) or 'it holds none'}); "
-                        "the run has to start over (xlafit train --restart) to write new ones."
-                    )
-                return found._replace(passed_over=passed)
-            infos = None  # the run saved meanwhile: what looked wrong may be what its rotation removed
-        raise CheckpointError(
-            f"the checkpoints in {self.directory} were replaced while being read, {_READ_TRIES} times over: the run "
-            "there saves faster than they can be read. Give --step a checkpoint it keeps (trainer.keep_every_steps), "
-            "or read it once it stops."
-        )
-
-    def _read_asked(self, step: int, infos: Sequence[CheckpointInfo]) -> Read:
-        """:meth:`read` of checkpoint ``step``."""
-        intact = [i.step for i in infos if i.usable]
-        asked = [i for i in infos if i.step == step]
-        if not asked:
-            raise CheckpointError(
-                f"no checkpoint {step} in {self.directory}; there are: {[i.step for i in infos]}, intact: {intact}."
-            )
-        why = None if asked[0].usable else asked[0].status
-        if why is None:
-            try:
-                return self._read_pinned(step)
-            except Damaged as e:
-                why = f"corrupt: {e}"
-            except Exception as e:  # unreadable despite the marker
-                why = f"unreadable ({first_line(e)})"
-            intact.remove(step)
-            if self._saved_since(infos[-1].step):
-                raise CheckpointError(
-                    f"checkpoint {step} in {self.directory} was removed while it was read: the run there saves and "
-                    f"keeps only its newest ones (now {self._manager.latest_step()}). Give a newer --step, or none "
-                    "for the newest."
-                )
-        raise CheckpointError(f"checkpoint {step} in {self.directory} is {why}; intact: {intact}.")
 
     def close(self) -> None:
         """Waits for the saves in flight, then closes Orbax's manager; after a failed save (its

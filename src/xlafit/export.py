@@ -26,6 +26,7 @@ from flax import nnx
 from tokenizers import Tokenizer, processors
 
 from xlafit.checkpoint import Checkpointer
+from xlafit.checkpoint_read import read_checkpoint
 from xlafit.config import Config
 from xlafit.data import chat, clm, special_tokens
 from xlafit.errors import CheckpointError, ConfigError, StorageError
@@ -56,7 +57,8 @@ from xlafit.parallel.cluster import configure, start_backends
 from xlafit.parallel.sharding import path_name
 from xlafit.recipes import config_from_dict
 from xlafit.recipes.bert import bert_config
-from xlafit.recipes.llm import DATA_FORMAT_FILE, build_llama, model_dir
+from xlafit.recipes.llm import build_llama
+from xlafit.recipes.llm_data import DATA_FORMAT_FILE, model_dir
 from xlafit.recipes.resnet import CLASSES_FILE, NORMALISATION, augmentation, image_size, normalisation, resnet_config
 from xlafit.run import with_lora
 from xlafit.rundir import checkpoint_dir
@@ -204,7 +206,7 @@ def checkpoint_arrays(cfg: Config, run: Any, step: int | None, use: str = "expor
 
     Raises:
         CheckpointError: no checkpoint; ``step`` absent, corrupt or unreadable; or none that
-            reads (:meth:`~xlafit.checkpoint.Checkpointer.read`).
+            reads (:func:`~xlafit.checkpoint_read.read_checkpoint`).
     """
     ckpt = Checkpointer(checkpoint_dir(cfg), reader=True)  # the run may be training meanwhile
     try:
@@ -214,7 +216,7 @@ def checkpoint_arrays(cfg: Config, run: Any, step: int | None, use: str = "expor
             purpose = "generate with" if generating else "export"
             other = ", or give a Hugging Face model directory" if generating else ""
             raise CheckpointError(f"{run} has no intact checkpoint to {purpose}; train it until it saves one{other}.")
-        read = ckpt.read(step, infos)
+        read = read_checkpoint(ckpt, step, infos)
         if read.passed_over:
             print(f"warning: {read.passed()}; using checkpoint {read.step}", file=sys.stderr, flush=True)
         return read.arrays, read.step, read.metadata  # the same save's: a rotation may remove it now

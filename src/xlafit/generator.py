@@ -44,7 +44,7 @@ from xlafit.models.lora import merge_lora
 from xlafit.parallel.cluster import connect
 from xlafit.parallel.sharding import parse_rules, tree_shardings
 from xlafit.recipes import config_from_dict
-from xlafit.recipes.llm import DATA_FORMAT_FILE, data_config
+from xlafit.recipes.llm_data import DATA_FORMAT_FILE, data_config
 from xlafit.train.frozen import BASE_FINGERPRINT
 
 __all__ = ["Answers", "Generator"]

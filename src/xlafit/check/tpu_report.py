@@ -69,7 +69,7 @@ def _fit_lines(r: TargetReport) -> list[str]:
         over = f" over by {gib(-(r.margin or 0))}" if r.margin is not None else ""
         lines = [f"  ✗ train step does not fit:{need} {cap}{over}", f"    the compiler: {r.message}"]
         state = r.memory.get("state")
-        if state and r.capacity and state >= r.capacity:  # then the levers are the state's (check.tpu.levers)
+        if state and r.capacity and state >= r.capacity:  # then the levers are the state's (check.levers)
             lines.append(
                 f"    no per-core batch fits: the train state alone (parameters, optimizer state) takes {gib(state)} "
                 f"per core, more than the {gib(r.capacity)} there; only splitting or moving the state helps:"

@@ -98,7 +98,7 @@ def _register_show(data_sub: argparse._SubParsersAction) -> None:
 
 def run_show(args: argparse.Namespace) -> int:
     from xlafit.data import clm, show  # the library when the command runs: a fast --help
-    from xlafit.recipes import llm, load_config
+    from xlafit.recipes import llm_data, load_config
 
     overrides = [
         f"data.data_dir={args.file}",
@@ -109,9 +109,9 @@ def run_show(args: argparse.Namespace) -> int:
         f"data.seq_len={args.seq_len}",
     ] + ([f"data.chat_template={args.chat_template}"] if args.chat_template else [])
     cfg = load_config("llm", overrides)
-    e = llm.encoding(cfg)
+    e = llm_data.encoding(cfg)
     files = clm.data_files(e.inputs)
-    d = llm.data_config(cfg)
+    d = llm_data.data_config(cfg)
     encoded, fmt = clm.encode_files(
         files, e.tok, d.format, d.text_column, e.template, d.loss_on, e.markers, limit=max(args.records, 0)
     )
