@@ -32,8 +32,18 @@ from xlafit.models.lora import ADAPTER, apply_lora, base_fingerprint, merge_lora
 from xlafit.parallel.sharding import DEFAULT_RULES, activation_layout
 from xlafit.recipes import llm as recipe
 from xlafit.recipes import llm_data, load_config
+from xlafit.runlock import LOCK
 
 XLAFIT = [sys.executable, "-m", "xlafit"]
+
+
+def run_files(run):
+    """A run directory's files and their bytes, less its checkpoints and its lock (whose holder
+    each attempt names)."""
+    kept = (p for p in sorted(run.rglob("*")) if p.is_file() and "checkpoints" not in p.parts and p.name != LOCK)
+    return {p: p.read_bytes() for p in kept}
+
+
 TEXT = "\n\n".join(
     f"문서 {i}: 대한민국은 민주공화국이다. 모든 권력은 국민으로부터 나온다. 줄 {i} " * (1 + i % 4) for i in range(60)
 )
@@ -191,7 +201,7 @@ def test_a_resume_with_another_tokenizer_is_refused_and_the_run_is_left_as_it_wa
               "data.global_batch=8", "model.preset=custom", "model.num_layers=1", "model.hidden_size=32",
               "model.num_heads=2", "model.intermediate_size=64", "optimizer.decay_steps=100"]  # fmt: skip
     xlafit.train_and_evaluate(load_config("llm", [*common, f"data.tokenizer={corpus / 'tok'}"]))
-    before = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and "checkpoints" not in p.parts}
+    before = run_files(run)
     capsys.readouterr()
     with pytest.raises(ConfigError) as refused:
         xlafit.train_and_evaluate(load_config("llm", [*common, f"data.tokenizer={tmp_path / 'tok2'}"]))
@@ -201,7 +211,7 @@ def test_a_resume_with_another_tokenizer_is_refused_and_the_run_is_left_as_it_wa
     )
     assert f"its own copy is {run}/tokenizer/tokenizer.json" in str(refused.value)
     assert "resuming with changed settings" not in capsys.readouterr().out
-    after = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and "checkpoints" not in p.parts}
+    after = run_files(run)
     assert after == before
     # The run's own tokenizer, given again (another copy of it): resumes.
     xlafit.train_and_evaluate(load_config("llm", [*common, f"data.tokenizer={run / 'tokenizer'}", "trainer.epochs=1"]))
