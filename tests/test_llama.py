@@ -206,7 +206,13 @@ def test_scan_layers_and_remat_give_the_same_logits_and_gradients(tmp_path):
         64,
         96,
     )
-    for overrides in ({"remat": "full"}, {"scan_layers": True}, {"scan_layers": True, "remat": "dots_saveable"}):
+    for overrides in (
+        {"remat": "full"},
+        {"scan_layers": True},
+        {"scan_layers": True, "remat": "dots_saveable"},
+        {"remat": "offload"},  # the layer input in pinned host memory: on a CPU, the same memory
+        {"scan_layers": True, "remat": "offload"},
+    ):
         other = from_hf(tmp_path, **overrides)
         np.testing.assert_allclose(logits(other, ids), reference_logits, atol=1e-5, rtol=0, err_msg=str(overrides))
         grads = nnx.state(nnx.grad(loss)(other), nnx.Param)

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from xlafit.platform.hardware import table_host_bandwidth
 from xlafit.predict.fit import fit_matmul, fit_peak_stream, fit_stream
-from xlafit.predict.model import predict, stream_rate, wave_efficiency
+from xlafit.predict.model import host_rate, predict, stream_rate, wave_efficiency
 from xlafit.predict.ops import Kernel, kernels
 from xlafit.predict.rates import BUILT_IN, Rates, load_rates, rates_for, save_rates
 from xlafit.predict.validation import covering, fit_gpu, gpu_checks, kernel_units, tpu_checks, tpu_rows, tpu_runs
@@ -159,6 +160,72 @@ ENTRY %main (w: bf16[1152,6912]) -> bf16[288,6912] {
     found = {k.name: k for k in kernels(hlo)}
     assert (found["s"].kind, found["s"].bytes) == ("transfer", 288 * 6912 * 2)  # a quarter, not the whole weight
     assert (found["c"].kind, found["c"].bytes) == ("transfer", 1152 * 6912 * 2)
+
+
+# Host offloading as the TPU compiler emits it (model.remat=offload): a layer's input copied
+# to the host's memory (S(5)) and back, and, in a scanned loop, written into and read from
+# a stacked buffer in host memory; each beside a product fusion.
+OFFLOAD = """
+%product (p0: bf16[8,512,256], p1: bf16[256,256]) -> bf16[8,512,256] {
+  %p0 = bf16[8,512,256]{2,1,0:$T} parameter(0)
+  %p1 = bf16[256,256]{1,0:$T} parameter(1)
+  ROOT %d = bf16[8,512,256]{2,1,0:$T} dot(%p0, %p1), lhs_contracting_dims={2}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: bf16[8,512,256], w: bf16[256,256], s: bf16[4,8,512,256]) -> bf16[8,512,256] {
+  %x = bf16[8,512,256]{2,1,0:$T} parameter(0)
+  %w = bf16[256,256]{1,0:$T} parameter(1)
+  %s = bf16[4,8,512,256]{3,2,1,0:$T$H} parameter(2)
+  %i = s32[] constant(1)
+  %z = s32[] constant(0)
+  %out = (bf16[8,512,256]{2,1,0:$T$H}, bf16[8,512,256]{2,1,0:$T}, u32[]{:S(2)}) copy-start(%x)
+  %y = bf16[8,512,256]{2,1,0:$T} fusion(%x, %w), kind=kOutput, calls=%product
+  %outd = bf16[8,512,256]{2,1,0:$T$H} copy-done(%out)
+  %back = (bf16[8,512,256]{2,1,0:$T}, bf16[8,512,256]{2,1,0:$T$H}, u32[]{:S(2)}) copy-start(%outd)
+  %backd = bf16[8,512,256]{2,1,0:$T} copy-done(%back)
+  %x1 = bf16[1,8,512,256]{3,2,1,0:$T} bitcast(%y)
+  %put = (($S, $L, s32[], s32[], s32[], s32[]), $S, u32[]{:S(2)}) dynamic-update-slice-start(%s, %x1, %i, %z, %z, %z)
+  %putd = bf16[4,8,512,256]{3,2,1,0:$T$H} dynamic-update-slice-done(%put)
+  %get = (($S, s32[], s32[], s32[], s32[]), $L, u32[]{:S(2)}) dynamic-slice-start(%putd, %i, %z, %z, %z), $SIZES
+  %getd = bf16[1,8,512,256]{3,2,1,0:$T} dynamic-slice-done(%get)
+  ROOT %r = bf16[8,512,256]{2,1,0:$T} bitcast(%getd)
+}"""
+OFFLOAD = (
+    OFFLOAD.replace("$SIZES", "dynamic_slice_sizes={1,8,512,256}")
+    .replace("$S", "bf16[4,8,512,256]{3,2,1,0:$T$H}")  # the stack of layer inputs, in host memory
+    .replace("$L", "bf16[1,8,512,256]{3,2,1,0:$T}")  # one layer's, in HBM
+    .replace("$T", "T(8,128)(2,1)")
+    .replace("$H", "S(5)")
+)
+ACTIVATION = 8 * 512 * 256 * 2  # one layer's bf16 input, 2 MiB
+
+
+def test_a_copy_to_or_from_host_memory_takes_its_bytes_over_the_host_link():
+    """Host offloading's moves are kernels of kind ``host``, priced at the generation's host
+    link (the hardware table's, PCIe Gen4 x16 assumed: 31.5 GB/s), not at the HBM's."""
+    found = {k.name: k for k in kernels(OFFLOAD)}
+    moves = {name: (k.kind, k.bytes, k.target) for name, k in found.items() if k.kind == "host"}
+    assert moves == {
+        "out": ("host", ACTIVATION, "copy-start to host"),
+        "back": ("host", ACTIVATION, "copy-start from host"),
+        "put": ("host", ACTIVATION, "dynamic-update-slice-start to host"),
+        "get": ("host", ACTIVATION, "dynamic-slice-start from host"),
+    }
+    assert all(found[n].asynchronous for n in moves) and found["y"].bytes == 2 * ACTIVATION + 256 * 256 * 2
+    (v5e,) = [r for r in load_rates(BUILT_IN) if r.device_kind == "TPU v5 lite"]
+    assert host_rate(v5e) == table_host_bandwidth("TPU v5 lite")[0] == 31.5e9
+    step = predict(OFFLOAD, v5e)
+    by = {t.kernel.name: t for t in step.kernels}
+    for name in moves:
+        assert (by[name].seconds, by[name].bound) == (ACTIVATION / 31.5e9, "host")
+    # The copy out runs beside the product (hidden up to its length); the three after it
+    # have nothing beside them.
+    hidden = min(by["y"].seconds, ACTIVATION / 31.5e9)
+    assert step.exposed_collective_s == pytest.approx(4 * ACTIVATION / 31.5e9 - hidden)
+    assert step.seconds == pytest.approx(by["y"].seconds + step.exposed_collective_s)
+    # A row's own host rate is used first.
+    faster = predict(OFFLOAD, dataclasses.replace(v5e, host_bytes_per_s=63e9))
+    assert {t.kernel.name: t.seconds for t in faster.kernels}["get"] == ACTIVATION / 63e9
 
 
 # A TPU product fusion whose operands come from fusions nested in it: the stacked weight

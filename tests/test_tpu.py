@@ -29,7 +29,9 @@ from xlafit.check.tpu_report import _probe_line, format_report, format_table, to
 from xlafit.cli import main
 from xlafit.config import TrainerConfig
 from xlafit.errors import ConfigError, XlafitError
+from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 from xlafit.platform import hardware as tpu
+from xlafit.predict import kernels
 
 CASES = Path(__file__).parent / "check_cases"
 
@@ -858,3 +860,35 @@ def test_max_batch_search_compiles_at_most_five_probes_and_says_what_it_left():
     )
     refused = min(p.per_device_batch for p in probes if not p.fits)
     assert f"{refused} does not; the batches between were not compiled: 5 probes at most" in _probe_line(report)
+
+
+def test_offloading_the_layer_inputs_to_host_memory_frees_device_memory_on_a_tpu():
+    """model.remat=offload with scanned layers: the TPU compiler keeps the stacked layer
+    inputs in host memory (S(5)), moves each layer's there in the forward pass and back in the
+    backward (kernels the step model prices at the host link), and the device holds less than
+    with full remat, which keeps those inputs in HBM."""
+    layers, rows, seq, hidden = 4, 16, 256, 1024
+    (device,) = tpu.devices(tpu.parse_target("v5e-1"))
+    replicated = NamedSharding(Mesh(np.array([device]), ("data",)), PartitionSpec())
+    compiled = {}
+    for remat in ("full", "offload"):
+        cfg = LlamaConfig.preset(
+            "tiny", num_layers=layers, hidden_size=hidden, num_heads=8, num_kv_heads=4, intermediate_size=1024,
+            vocab_size=512, dtype="bfloat16", attention="xla", scan_layers=True, remat=remat,
+        )  # fmt: skip
+        graphdef, params = nnx.split(nnx.eval_shape(lambda cfg=cfg: LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))))
+
+        def loss(params, ids, graphdef=graphdef):
+            return jnp.mean(nnx.merge(graphdef, params)(ids) ** 2)
+
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), params)
+        ids = jax.ShapeDtypeStruct((rows, seq), jnp.int32, sharding=replicated)
+        with no_persistent_cache():
+            compiled[remat] = jax.jit(jax.grad(loss)).lower(shapes, ids).compile()
+    inputs = layers * rows * seq * hidden * 2  # the bf16 layer inputs, 32 MiB
+    full, offload = (compiled[r].memory_analysis() for r in ("full", "offload"))
+    assert (full.host_temp_size_in_bytes, offload.host_temp_size_in_bytes) == (0, inputs)
+    assert offload.temp_size_in_bytes < full.temp_size_in_bytes - inputs / 2
+    moved = [k for k in kernels(compiled["offload"].as_text()) if k.kind == "host"]
+    assert {k.target for k in moved} == {"dynamic-update-slice-start to host", "dynamic-slice-start from host"}
+    assert sum(k.bytes * k.count for k in moved) == 2 * inputs  # out in the forward, back in the backward

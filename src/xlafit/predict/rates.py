@@ -208,6 +208,8 @@ class Rates:
             element-wise kernels stream faster (:func:`xlafit.predict.model.stream_rate`).
         hbm_peak_bytes_per_s: the fastest measured stream of the wider ones; None: not
             measured, every kernel streams at ``hbm_bytes_per_s``.
+        host_bytes_per_s: bytes/s a copy between HBM and the host's memory moves (host
+            offloading); None: the hardware table's host link for the device kind.
         sources: for each field above, where its value comes from.
         band: the measured error of predictions made with this row, None if never held
             against a measured step.
@@ -225,6 +227,7 @@ class Rates:
     link_bytes_per_s: float | None = None
     stream_bytes_per_element: float | None = None
     hbm_peak_bytes_per_s: float | None = None
+    host_bytes_per_s: float | None = None
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
     band: Band | None = None
     origin: str = "built-in"
