@@ -267,7 +267,10 @@ def test_a_machine_without_credentials_is_told_how_to_get_them(gcs, capsys, monk
 @pytest.mark.parametrize(
     "command, named",
     [
-        (["train", "mnist", "--run-dir", "{bucket}/run", "trainer.epochs=1"], "cannot read {bucket}/run/checkpoints"),
+        (
+            ["train", "mnist", "--run-dir", "{bucket}/run", "trainer.epochs=1"],
+            "cannot take the run directory's lock: the storage service for {bucket}/run",
+        ),
         (["generate", "{bucket}/run", "--prompt", "hi"], "cannot read {bucket}/run"),
         (["export", "hf", "{bucket}/run", "--out", "{tmp}/out"], "cannot read {bucket}/run"),
         (["inspect", "{bucket}/run"], "cannot read {bucket}/run"),

@@ -125,6 +125,7 @@ def test_a_gs_lock_refuses_a_second_run_and_a_lapsed_one_is_taken_over(gcs, monk
 
 
 def test_a_gs_lock_is_renewed_by_its_holder(gcs, monkeypatch):
+    monkeypatch.setattr(runlock, "RENEW_S", 3600.0)  # only the renewal below, none from the thread
     run = as_path(f"{gcs.bucket}/runs/b")
     lock = runlock._UrlLock(run)
     lock.acquire()

@@ -108,7 +108,7 @@ def write_failed(path: str | os.PathLike[str], e: OSError) -> WriteError:
     Example:
         >>> full = OSError(errno.ENOSPC, "No space left on device")
         >>> print(write_failed("runs/a/metrics.jsonl", full))  # doctest: +ELLIPSIS
-        cannot write runs/a/metrics.jsonl: No space left on device. Free disk space, then run the same ...
+        cannot write runs/a/metrics.jsonl: No space left on device. Free disk space, then run ... to resume.
     """
     fix, then = _WRITE_FIXES.get(e.errno or 0, "Fix that"), resume_hint()
     return WriteError(f"cannot write {os.fspath(path)}: {e.strerror or e}. {fix}, then {then[0].lower()}{then[1:]}")

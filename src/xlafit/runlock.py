@@ -65,6 +65,20 @@ def holder_record() -> dict[str, Any]:
     }
 
 
+def _ended_here(holder: dict[str, Any] | None) -> bool:
+    """Whether the holder ran on this host and its process has ended (a kill -9, a crash): its
+    lock is taken over at once instead of after its lease (a resume right after a kill)."""
+    if not holder or holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return False
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's live process
+        return False
+    return False
+
+
 def describe(holder: dict[str, Any] | None) -> str:
     """The holder in words: ``process 1234 on host-a (started ...: xlafit train mnist ...)``."""
     if not holder:
@@ -177,14 +191,19 @@ class _UrlLock:
                         raise _busy(self.run_dir, None)
                 else:
                     holder, generation, age = found
-                    if age < LEASE_S:
+                    gone = _ended_here(holder)
+                    if age < LEASE_S and not gone:
                         raise _busy(self.run_dir, holder)
                     self._delete(generation)
                     if not self._create():  # another newcomer took it first
                         raise _busy(self.run_dir, (self._read() or (None, 0, 0))[0])
+                    why = (
+                        "that process no longer runs on this host"
+                        if gone
+                        else f"it was last renewed {age:.0f} s ago (a holder renews it every {RENEW_S:.0f} s)"
+                    )
                     lines.append(
-                        f"took over the lock of {self.run_dir} from {describe(holder)}: it was last renewed "
-                        f"{age:.0f} s ago (a holder renews it every {RENEW_S:.0f} s), so that process ended without "
+                        f"took over the lock of {self.run_dir} from {describe(holder)}: {why}, so it ended without "
                         "releasing it"
                     )
         except (RunDirBusy, StorageError):
