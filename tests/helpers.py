@@ -2,6 +2,8 @@
 
 import functools
 import json
+import os
+import sys
 
 import numpy as np
 import optax
@@ -220,3 +222,42 @@ def family_tokenizer(family, folder):
     (folder / "special_tokens_map.json").write_text(json.dumps(named, indent=2))
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2))
     return folder
+
+
+def write_mnist_idx(directory, train=512, test=128):
+    """The first ``train`` training and ``test`` test digits of the embedded MNIST as IDX files
+    in ``directory`` (quick to load in a subprocess); returns ``directory``."""
+    raw = mnist.load_embedded()
+    for split, prefix, n in (("train", "train", train), ("test", "t10k", test)):
+        images = np.round((raw[split]["image"][:n, :, :, 0] * mnist.STD + mnist.MEAN) * 255).astype(np.uint8)
+        mnist.write_idx(directory / f"{prefix}-images-idx3-ubyte", images)
+        mnist.write_idx(directory / f"{prefix}-labels-idx1-ubyte", raw[split]["label"][:n].astype(np.uint8))
+    return directory
+
+
+# A preset's vocabulary, one small layer, a short sequence, the logits whole: the shapes of a
+# named model, cheap to compile for a TPU (the eval-step fit tests of check and plan).
+SMALL_LLM = [
+    "model.preset=llama-3.2-1b", "model.num_layers=1", "model.hidden_size=128", "model.intermediate_size=256",
+    "model.num_heads=2", "model.num_kv_heads=1", "model.logits_chunk=0", "data.seq_len=64",
+    "data.per_device_batch=1", "data.global_batch=null",
+]  # fmt: skip
+
+
+def mnist_train_cmd(run_dir, idx_dir, *extra, epochs=4, checkpoint_every=1):
+    """``xlafit train mnist`` on one simulated device over :func:`write_mnist_idx`'s digits,
+    logging every step, as a subprocess's command line."""
+    return [
+        sys.executable, "-m", "xlafit",
+        *("train", "mnist", "--simulate", "1", "--data-dir", str(idx_dir), "--run-dir", str(run_dir)),
+        *("data.global_batch=64", "data.eval_global_batch=128", "trainer.invariant_chunks=null"),
+        *(f"trainer.epochs={epochs}", "trainer.log_every_steps=1"),
+        f"trainer.checkpoint_every_steps={checkpoint_every}",
+        *extra,
+    ]  # fmt: skip
+
+
+def user_env():
+    """This process's environment without the suite's simulated devices (``XLA_FLAGS``), with
+    unbuffered output: what a subprocess a user starts has."""
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"PYTHONUNBUFFERED": "1"}

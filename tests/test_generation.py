@@ -42,20 +42,27 @@ def test_the_cache_computes_what_recomputing_the_prefix_does(scan):
     assert got == [recomputed(model, p, 7) for p in PROMPTS]  # a batch of lengths 7, 2, 4: padding unseen
 
 
-def test_greedy_tokens_equal_transformers_generate(tmp_path):
+def transformers_greedy(model, folder, new_tokens, eos_token_id=None):
+    """``transformers.generate``'s greedy new tokens for :data:`PROMPTS` (left-padded with 0)
+    from ``model`` saved into ``folder``: a row per prompt."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    model = tiny(rope_theta=500000.0)
-    llama_hf.save_hf(model, tmp_path)
-    theirs = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32).eval()
+    llama_hf.save_hf(model, folder)
+    theirs = transformers.LlamaForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32).eval()
     length = max(map(len, PROMPTS))
     ids = torch.tensor([[0] * (length - len(p)) + p for p in PROMPTS])
     mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in PROMPTS])
     with torch.no_grad():
         out = theirs.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None
-        )
-    assert generate(model, PROMPTS, 8) == out[:, length:].tolist()
+            input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+            eos_token_id=eos_token_id,
+        )  # fmt: skip
+    return out[:, length:].tolist()
+
+
+def test_greedy_tokens_equal_transformers_generate(tmp_path):
+    model = tiny(rope_theta=500000.0)
+    assert generate(model, PROMPTS, 8) == transformers_greedy(model, tmp_path, 8)
 
 
 def test_a_sequence_ends_at_its_end_token():
@@ -100,24 +107,14 @@ def test_stop_ids_end_each_row_where_transformers_generate_ends_it(tmp_path):
     """Greedy, several stop ids, rows that stop at different steps (one never): each row's
     tokens equal transformers' generate with the same ids as eos_token_id, and inside the
     compiled loop a stopped row generates nothing more (its later tokens are the pad id)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
     from xlafit.models.generation import _run
 
     model = tiny(rope_theta=500000.0)
     full = generate(model, PROMPTS, 10)
     stops = [full[0][2], full[2][5]]  # row 0 stops by its 3rd token, row 2 by its 6th
-    llama_hf.save_hf(model, tmp_path)
-    theirs = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32).eval()
     length = max(map(len, PROMPTS))
-    ids = torch.tensor([[0] * (length - len(p)) + p for p in PROMPTS])
-    mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in PROMPTS])
-    with torch.no_grad():
-        out = theirs.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=stops
-        )
     expected = []
-    for row in out[:, length:].tolist():
+    for row in transformers_greedy(model, tmp_path, 10, eos_token_id=stops):
         end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
         assert set(row[end:]) <= {0}  # transformers pads a finished row
         expected.append(row[:end])

@@ -14,6 +14,7 @@ import dataclasses
 import pytest
 import yaml
 
+from helpers import SMALL_LLM
 from xlafit.check.program import EvalFit, Probe
 from xlafit.plan import format_plan, plan_json, plan_recipe
 from xlafit.plan.candidates import Candidate
@@ -25,11 +26,7 @@ from xlafit.recipes import load_config
 
 pytest.importorskip("libtpu")  # the TPU compiler (the dev extra installs it)
 
-SMALL = [
-    "model.preset=llama-3.2-1b", "model.num_layers=1", "model.hidden_size=128", "model.intermediate_size=256",
-    "model.num_heads=2", "model.num_kv_heads=1", "model.logits_chunk=0", "data.seq_len=64",
-    "data.per_device_batch=1", "data.global_batch=null",
-]  # fmt: skip
+SMALL = SMALL_LLM
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import xlafit
-from helpers import cnn_trainer
+from helpers import cnn_trainer, mnist_train_cmd, user_env, write_mnist_idx
 from xlafit.checkpoint import Checkpointer, fingerprint
 from xlafit.config import TrainerConfig
 from xlafit.data import mnist
@@ -45,27 +45,14 @@ def digits():
 @pytest.fixture(scope="module")
 def idx_dir(tmp_path_factory):
     """512 training and 128 test digits as IDX files: quick to load in every segment."""
-    directory = tmp_path_factory.mktemp("idx")
-    raw = mnist.load_embedded()
-    for split, prefix, n in (("train", "train", 512), ("test", "t10k", 128)):
-        images = np.round((raw[split]["image"][:n, :, :, 0] * mnist.STD + mnist.MEAN) * 255).astype(np.uint8)
-        mnist.write_idx(directory / f"{prefix}-images-idx3-ubyte", images)
-        mnist.write_idx(directory / f"{prefix}-labels-idx1-ubyte", raw[split]["label"][:n].astype(np.uint8))
-    return directory
+    return write_mnist_idx(tmp_path_factory.mktemp("idx"))
 
 
 def train_cmd(run_dir, idx_dir, *extra):
-    return [
-        *XLAFIT,
-        *("train", "mnist", "--simulate", "1", "--data-dir", str(idx_dir), "--run-dir", str(run_dir)),
-        *("data.global_batch=64", "data.eval_global_batch=128", "trainer.invariant_chunks=null"),
-        *("trainer.epochs=4", "trainer.log_every_steps=1", "trainer.checkpoint_every_steps=1"),
-        *extra,
-    ]
+    return mnist_train_cmd(run_dir, idx_dir, *extra, epochs=4, checkpoint_every=1)
 
 
-def env():
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"PYTHONUNBUFFERED": "1"}
+env = user_env
 
 
 def final_fingerprint(run_dir):

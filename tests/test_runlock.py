@@ -10,11 +10,10 @@ import subprocess
 import sys
 import threading
 
-import numpy as np
 import pytest
 
+from helpers import mnist_train_cmd, user_env, write_mnist_idx
 from xlafit import runlock
-from xlafit.data import mnist
 from xlafit.errors import BUSY, RunDirBusy
 from xlafit.io.paths import as_path
 from xlafit.runlock import LOCK, hold_run_dir
@@ -25,27 +24,14 @@ XLAFIT = [sys.executable, "-m", "xlafit"]
 @pytest.fixture(scope="module")
 def idx_dir(tmp_path_factory):
     """512 training and 128 test digits as IDX files."""
-    directory = tmp_path_factory.mktemp("idx")
-    raw = mnist.load_embedded()
-    for split, prefix, n in (("train", "train", 512), ("test", "t10k", 128)):
-        images = np.round((raw[split]["image"][:n, :, :, 0] * mnist.STD + mnist.MEAN) * 255).astype(np.uint8)
-        mnist.write_idx(directory / f"{prefix}-images-idx3-ubyte", images)
-        mnist.write_idx(directory / f"{prefix}-labels-idx1-ubyte", raw[split]["label"][:n].astype(np.uint8))
-    return directory
+    return write_mnist_idx(tmp_path_factory.mktemp("idx"))
 
 
 def train_cmd(run_dir, idx_dir, *extra):
-    return [
-        *XLAFIT,
-        *("train", "mnist", "--simulate", "1", "--data-dir", str(idx_dir), "--run-dir", str(run_dir)),
-        *("data.global_batch=64", "data.eval_global_batch=128", "trainer.invariant_chunks=null"),
-        *("trainer.epochs=200", "trainer.log_every_steps=1", "trainer.checkpoint_every_steps=2"),
-        *extra,
-    ]
+    return mnist_train_cmd(run_dir, idx_dir, *extra, epochs=200, checkpoint_every=2)
 
 
-def env():
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"PYTHONUNBUFFERED": "1"}
+env = user_env
 
 
 def test_a_second_train_in_the_run_dir_is_refused_naming_the_first_and_kill_9_frees_it(tmp_path, idx_dir):

@@ -16,17 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from helpers import SMALL_LLM
 from xlafit.check import check_recipe, to_json
 from xlafit.check.program import EvalFit, TargetReport
 from xlafit.check.tpu_report import _probe_line, format_report
 
 ROOT = Path(__file__).resolve().parents[1]
-# A preset's vocabulary, one small layer, a short sequence: the shapes of a named model, cheap to compile.
-SMALL = [
-    "model.preset=llama-3.2-1b", "model.num_layers=1", "model.hidden_size=128", "model.intermediate_size=256",
-    "model.num_heads=2", "model.num_kv_heads=1", "model.logits_chunk=0", "data.seq_len=64",
-    "data.per_device_batch=1", "data.global_batch=null",
-]  # fmt: skip
+SMALL = SMALL_LLM
 
 
 @pytest.fixture(scope="module")
