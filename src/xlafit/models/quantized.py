@@ -2,7 +2,8 @@
 4-bit NormalFloat (``nf4``), ``int4`` or ``int8`` blocks, stored and dequantized with Qwix.
 
 :class:`QuantizedLinear` stands in for a frozen ``nnx.Linear``: ``qvalue`` holds the kernel's
-quantized values (``[in, out]``, uint4 codes for NF4, int4 or int8) and ``scale`` one float32
+quantized values (Qwix's uint4 codes for NF4, int4 or int8; the 4-bit ones two a byte,
+:func:`pack`) and ``scale`` one float32
 absmax scale per block of ``block`` consecutive input features of each output column
 (``[in / block, out]``), as bitsandbytes' NF4 blocks of 64 along PyTorch's ``[out, in]`` rows.
 Both are :class:`QuantizedParam` (an ``nnx.Param`` that is never trained), so the trainer's
@@ -21,8 +22,8 @@ quantized model (:mod:`xlafit.hf.quantized`).
 Example:
     >>> layer = nnx.Linear(64, 8, rngs=nnx.Rngs(0))
     >>> q = QuantizedLinear.of(layer, "nf4", block=64)
-    >>> q.qvalue.shape, q.scale.shape, str(q.qvalue.dtype)
-    ((64, 8), (1, 8), 'uint4')
+    >>> q.qvalue.shape, q.scale.shape, str(q.qvalue.dtype)  # two 4-bit codes a byte
+    ((32, 8), (1, 8), 'uint8')
     >>> float(jnp.abs(q(jnp.ones((1, 64))) - layer(jnp.ones((1, 64)))).max()) < 0.5
     True
 """
@@ -80,15 +81,42 @@ def check_tiling(name: str, shape: Sequence[int], block: int, qtype: str) -> Non
         )
 
 
-def _quantize(kernel: jax.Array, qtype: str, block: int) -> tuple[jax.Array, jax.Array]:
+def qwix_quantize(kernel: jax.Array, qtype: str, block: int) -> qwix.QArray:
     """Qwix's blocks of ``kernel`` (``[..., in, out]``): codes ``[..., in, out]``, float32
     scales ``[..., in / block, out]`` (each stacked layer and output column its own)."""
     axis = kernel.ndim - 2
     channels = tuple(a for a in range(kernel.ndim) if a != axis)
-    q = qwix.quantize(
+    return qwix.quantize(
         kernel.astype(jnp.float32), _storage(qtype), channelwise_axes=channels, tiled_axes={axis: block}
     )
-    return q.qvalue, q.scale
+
+
+def pack(codes: jax.Array, qtype: str) -> jax.Array:
+    """Qwix's codes as stored: int8 as they are; 4-bit ones two to a byte (uint8
+    ``[..., in / 2, out]``, row ``2i`` in the low nibble, ``2i + 1`` in the high one), so no
+    sub-byte array ever leaves a computation (XLA:CPU lays them out unpacked when they are
+    put on a mesh, and a compiled step refuses them)."""
+    if qtype == "int8":
+        return codes
+    nibbles = codes.astype(jnp.int8).astype(jnp.uint8) & 0xF  # int4: its two's complement low nibble
+    return nibbles[..., 0::2, :] | (nibbles[..., 1::2, :] << 4)
+
+
+def unpack(stored: jax.Array, qtype: str) -> jax.Array:
+    """The codes :func:`pack` stored, as Qwix holds them (uint4 for NF4, int4, int8)."""
+    if qtype == "int8":
+        return stored
+    pairs = jnp.stack([stored & 0xF, stored >> 4], axis=-2)  # [..., in / 2, 2, out]
+    nibbles = pairs.reshape(*stored.shape[:-2], 2 * stored.shape[-2], stored.shape[-1])
+    if qtype == "nf4":
+        return nibbles.astype(jnp.uint4)
+    return ((nibbles.astype(jnp.int8) ^ 8) - 8).astype(jnp.int4)  # the nibble's sign extended
+
+
+def _quantize(kernel: jax.Array, qtype: str, block: int) -> tuple[jax.Array, jax.Array]:
+    """:func:`qwix_quantize`'s codes as stored (:func:`pack`) and its scales."""
+    q = qwix_quantize(kernel, qtype, block)
+    return pack(q.qvalue, qtype), q.scale
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -122,9 +150,9 @@ def quantize_kernel(kernel: Any, qtype: str, block: int) -> tuple[jax.Array, jax
 
 
 def dequantize(qvalue: jax.Array, scale: jax.Array, qtype: str, dtype: Any = jnp.float32) -> jax.Array:
-    """The kernel Qwix's values stand for: each code's level (NF4's table, or the integer)
-    times its block's scale, as ``dtype``."""
-    return qwix.dequantize(qwix.QArray(qvalue, scale, None, _storage(qtype))).astype(dtype)
+    """The kernel Qwix's values stand for (``qvalue`` as :func:`pack` stores them): each
+    code's level (NF4's table, or the integer) times its block's scale, as ``dtype``."""
+    return qwix.dequantize(qwix.QArray(unpack(qvalue, qtype), scale, None, _storage(qtype))).astype(dtype)
 
 
 def _matmul(x: jax.Array, qvalue: jax.Array, scale: jax.Array, qtype: str, dtype: Any) -> jax.Array:
@@ -147,7 +175,9 @@ class QuantizedLinear(nnx.Module):
     an ``nnx.Linear``.
 
     Args:
-        qvalue: the codes ``[..., in, out]`` (a leading ``layers`` axis when stacked).
+        qvalue: the codes as :func:`pack` stores them: ``[..., in, out]`` int8, or
+            ``[..., in / 2, out]`` uint8 (two 4-bit codes a byte); a leading ``layers`` axis
+            when stacked.
         scale: float32 scales ``[..., in / block, out]``.
         bias: the layer's bias ``[..., out]`` (unquantized), or None.
         qtype: ``nf4``, ``int4`` or ``int8``.
@@ -171,7 +201,8 @@ class QuantizedLinear(nnx.Module):
             return {} if names is None else {"out_sharding": names, "eager_sharding": False}
 
         self.qtype, self.dtype = qtype, dtype
-        self.in_features, self.out_features = int(qvalue.shape[-2]), int(qvalue.shape[-1])
+        rows = int(qvalue.shape[-2]) * (1 if qtype == "int8" else 2)  # 4-bit codes: two rows a byte
+        self.in_features, self.out_features = rows, int(qvalue.shape[-1])
         self.block = self.in_features // int(scale.shape[-2])
         self.qvalue = QuantizedParam(qvalue, **meta(axes))
         # The blocks' axis is replicated: an input dimension's blocks need not divide over the
@@ -299,12 +330,11 @@ def is_quantized(model: nnx.Module) -> bool:
     return bool(quantized_layers(model))
 
 
-def quantized_bytes(model: nnx.Module) -> int:
-    """Bytes of ``model``'s parameters as stored: 4-bit codes at half a byte each."""
+def param_bytes(model: nnx.Module) -> int:
+    """Bytes of ``model``'s parameters as stored (a quantized base's packed codes and scales)."""
     total = 0
     for _, var in nnx.state(model, nnx.Param).flat_state():
         value = var.get_value() if isinstance(var, nnx.Variable) else var
-        bits = 4 if jnp.dtype(value.dtype).name in ("uint4", "int4") else 8 * jnp.dtype(value.dtype).itemsize
-        total += int(np.prod(value.shape)) * bits // 8
+        total += int(np.prod(value.shape)) * jnp.dtype(value.dtype).itemsize
     return total
 

@@ -31,6 +31,7 @@ from xlafit.data.text import korean_demo_files
 from xlafit.errors import ConfigError, HFFormatError
 from xlafit.hf import llama as llama_hf
 from xlafit.hf.files import read_json
+from xlafit.hf.quantized import from_hf_quantized
 from xlafit.io import hub
 from xlafit.io.cache import cache_dir
 from xlafit.models.attention import packed_segments_limit
@@ -413,7 +414,10 @@ def build_llama(cfg: Config, vocab_size: int) -> LlamaForCausalLM:
             "scan_layers": m.scan_layers,
             "logits_chunk": m.logits_chunk,
         }
-        model = llama_hf.from_hf(source, rngs=nnx.Rngs(cfg.trainer.seed), **options)
+        if cfg.lora.rank and cfg.lora.quantized:  # quantized as it is read: one tensor in full precision at a time
+            model = from_hf_quantized(source, cfg.lora.base_dtype, cfg.lora.base_block, **options)
+        else:
+            model = llama_hf.from_hf(source, rngs=nnx.Rngs(cfg.trainer.seed), **options)
         if model.cfg.vocab_size < vocab_size:
             raise ConfigError(
                 f"{m.init_from_hf} has a vocabulary of {model.cfg.vocab_size} tokens, the tokenizer {vocab_size}; "

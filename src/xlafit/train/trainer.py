@@ -50,7 +50,7 @@ from xlafit.platform.cpu import keeping_freed_memory
 from xlafit.platform.hardware import peak_flops
 from xlafit.train.adapter import Adapted, adapt, framework_of
 from xlafit.train.arguments import built, check_arguments, check_batches
-from xlafit.train.frozen import checkpointed, frozen_filter, frozen_fingerprint, restore, run_settings
+from xlafit.train.frozen import check_trainable, checkpointed, frozen_filter, frozen_fingerprint, restore, run_settings
 from xlafit.train.loop import Call, Due, FitResult, Loop, itstime, lr_at, nonfinite_steps, peak_lr, times
 from xlafit.train.nonfinite import applied_means, apply_nan_policy
 from xlafit.train.report import RunReport
@@ -179,6 +179,7 @@ class Trainer:
         model.train()
         self.trainable = trainable
         train_graphdef, params, model_state = nnx.split(model, trainable, ...)  # type: ignore[misc]  # flax's overloads
+        check_trainable(params)
         self._frozen = frozen_filter(trainable, model_state)
         model.eval()
         eval_graphdef = nnx.graphdef(model)
