@@ -98,7 +98,8 @@ def pack(codes: jax.Array, qtype: str) -> jax.Array:
     put on a mesh, and a compiled step refuses them)."""
     if qtype == "int8":
         return codes
-    nibbles = codes.astype(jnp.int8).astype(jnp.uint8) & 0xF  # int4: its two's complement low nibble
+    # int4: the low nibble of its two's complement (a bit cast: a conversion saturates at 0)
+    nibbles = jax.lax.bitcast_convert_type(codes.astype(jnp.int8), jnp.uint8) & 0xF
     return nibbles[..., 0::2, :] | (nibbles[..., 1::2, :] << 4)
 
 
