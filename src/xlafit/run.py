@@ -44,7 +44,7 @@ from xlafit.io.paths import (
     reading,
 )
 from xlafit.models.lora import ADAPTER, BASE, apply_lora
-from xlafit.models.quantized import QuantizedParam, quantize_linears
+from xlafit.models.quantized import quantize_base
 from xlafit.overrides import migrate
 from xlafit.parallel.cluster import connect
 from xlafit.parallel.mesh import Strategy
@@ -168,11 +168,10 @@ def with_lora(model: nnx.Module, lora: LoraConfig, seed: int) -> nnx.Module:
         return model
     model = apply_lora(model, lora.target_names, rank=lora.rank, alpha=lora.alpha, rngs=nnx.Rngs(seed + 2))
     if lora.quantized:
-        model = quantize_linears(model, lora.base_dtype, lora.base_block)
+        return quantize_base(model, lora.base_dtype, lora.base_block)
     if lora.base_dtype != "float32":
-        dtype = jnp.dtype("bfloat16" if lora.quantized else lora.base_dtype)
-        floats = nnx.All(BASE, nnx.Not(QuantizedParam))
-        nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), nnx.state(model, floats)))
+        dtype = jnp.dtype(lora.base_dtype)
+        nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), nnx.state(model, BASE)))
     return model
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from xlafit.errors import HFFormatError
-from xlafit.hf.files import open_safetensors, read_json
+from xlafit.hf.files import open_safetensors, read_json, read_tensor
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 
 # Our config field -> Hugging Face's LlamaConfig / Qwen2Config key.
@@ -391,6 +391,9 @@ class _LazyTensors(Mapping[str, np.ndarray]):
     def __getitem__(self, name: str) -> np.ndarray:
         return self.reader(self.files[name], name)
 
+    def __contains__(self, name: object) -> bool:  # Mapping's own would read the tensor
+        return name in self.files
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.files)
 
@@ -398,9 +401,6 @@ class _LazyTensors(Mapping[str, np.ndarray]):
         return len(self.files)
 
 
-def _read_tensor(path: Path, name: str) -> np.ndarray:
-    with open_safetensors(path) as f:
-        return f.get_tensor(name)
 
 
 def tensor_files(d: Path) -> dict[str, Path]:
@@ -446,4 +446,4 @@ def read_config(directory: str | Path, **overrides: Any) -> tuple[Path, LlamaCon
 
 def lazy_tensors(d: Path) -> Mapping[str, np.ndarray]:
     """The tensors of checkpoint directory ``d`` by name, each read from its file when asked."""
-    return _LazyTensors(tensor_files(d), _read_tensor)
+    return _LazyTensors(tensor_files(d), read_tensor)

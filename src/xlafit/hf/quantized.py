@@ -81,7 +81,7 @@ def from_hf_quantized(
             else:
                 rows.setdefault(id(param), []).append(quantized)
             return
-        value = np.asarray(value).astype(param.get_value().dtype)
+        value = np.asarray(value).astype(param.get_value().dtype, copy=False)
         if row is None:
             param.set_value(value)
         else:

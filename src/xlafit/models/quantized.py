@@ -309,6 +309,15 @@ def quantize_linears(
     return model
 
 
+def quantize_base(model: nnx.Module, qtype: str, block: int = BLOCK, skip: Sequence[str] = UNQUANTIZED) -> nnx.Module:
+    """``model``'s quantized base, in place: its dense layers quantized (:func:`quantize_linears`;
+    those already quantized kept) and every other float parameter but the adapters in bfloat16."""
+    model = quantize_linears(model, qtype, block, skip)
+    rest = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam), nnx.Not(QuantizedParam))
+    nnx.update(model, jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(model, rest)))
+    return model
+
+
 def check_qtype(qtype: str) -> None:
     if qtype not in QTYPES:
         raise ConfigError(f"unknown quantized base type {qtype!r}: use one of {', '.join(QTYPES)}.")
