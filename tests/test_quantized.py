@@ -251,9 +251,19 @@ def test_the_adapter_of_a_quantized_base_applies_in_peft_and_the_merge_is_bfloat
     xlafit.train_and_evaluate(
         load_config(
             "llm",
-            [f"run.run_dir={tmp_path / 'run'}", f"model.init_from_hf={tiny_hf}", "lora.rank=4", "lora.alpha=8",
-             "lora.base_dtype=nf4", "lora.targets=q_proj,v_proj,up_proj", "data.vocab_size=400", "data.seq_len=64",
-             "trainer.stop_at_step=2", "trainer.eval_every_epochs=100", "optimizer.learning_rate=0.05"],
+            [
+                f"run.run_dir={tmp_path / 'run'}",
+                f"model.init_from_hf={tiny_hf}",
+                "lora.rank=4",
+                "lora.alpha=8",
+                "lora.base_dtype=nf4",
+                "lora.targets=q_proj,v_proj,up_proj",
+                "data.vocab_size=400",
+                "data.seq_len=64",
+                "trainer.stop_at_step=2",
+                "trainer.eval_every_epochs=100",
+                "optimizer.learning_rate=0.05",
+            ],
         )  # fmt: skip
     )
     export_hf(tmp_path / "run", tmp_path / "hf")

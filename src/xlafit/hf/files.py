@@ -96,7 +96,7 @@ def read_tensor(path: str | Path, name: str) -> np.ndarray:
             if end - begin != out.nbytes:
                 raise ValueError(f"{name} holds {end - begin} bytes for shape {tuple(info['shape'])}")
             f.seek(8 + size + begin)
-            if f.readinto(out.reshape(-1).view(np.uint8)) != out.nbytes:
+            if f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != out.nbytes:
                 raise ValueError(f"{name} is cut short")
             return out
     except (struct.error, ValueError, KeyError, TypeError) as e:

@@ -401,8 +401,6 @@ class _LazyTensors(Mapping[str, np.ndarray]):
         return len(self.files)
 
 
-
-
 def tensor_files(d: Path) -> dict[str, Path]:
     """Tensor name -> file, from ``model.safetensors`` or the shards' index."""
     if (d / INDEX).exists():

@@ -92,7 +92,9 @@ def from_hf_quantized(
         param.set_value(np.stack(values))
     for path, layer in layers:
         parts = rows.pop(id(layer.kernel))
-        qvalue, scale = parts[0] if len(parts) == 1 else (jnp.stack([q for q, _ in parts]), jnp.stack([s for _, s in parts]))
+        qvalue, scale = (
+            parts[0] if len(parts) == 1 else (jnp.stack([q for q, _ in parts]), jnp.stack([s for _, s in parts]))
+        )
         bias = None if layer.bias is None else layer.bias.get_value()
         quantized = QuantizedLinear(
             qvalue,

@@ -162,9 +162,7 @@ def _matmul(x: jax.Array, qvalue: jax.Array, scale: jax.Array, qtype: str, dtype
 
 # The backward pass dequantizes again instead of keeping every layer's dequantized kernel
 # between the passes (a whole bfloat16 model, the memory the quantization saves).
-_dequantized_matmul = jax.checkpoint(
-    _matmul, static_argnums=(3, 4), policy=jax.checkpoint_policies.nothing_saveable
-)
+_dequantized_matmul = jax.checkpoint(_matmul, static_argnums=(3, 4), policy=jax.checkpoint_policies.nothing_saveable)
 
 
 class QuantizedLinear(nnx.Module):
@@ -347,4 +345,3 @@ def param_bytes(model: nnx.Module) -> int:
         value = var.get_value() if isinstance(var, nnx.Variable) else var
         total += int(np.prod(value.shape)) * jnp.dtype(value.dtype).itemsize
     return total
-
