@@ -92,12 +92,13 @@ def read_tensor(path: str | Path, name: str) -> np.ndarray:
                 with open_safetensors(path) as handle:
                     return handle.get_tensor(name)
             begin, end = info["data_offsets"]
-            out = np.empty(tuple(info["shape"]), _DTYPES[info["dtype"]])
-            if end - begin != out.nbytes:
-                raise ValueError(f"{name} holds {end - begin} bytes for shape {tuple(info['shape'])}")
+            dtype, shape = np.dtype(_DTYPES[info["dtype"]]), tuple(info["shape"])
+            if end - begin != dtype.itemsize * int(np.prod(shape)):
+                raise ValueError(f"{name} holds {end - begin} bytes for shape {shape}")
+            data = bytearray(end - begin)  # the array's own memory: one copy of the tensor
             f.seek(8 + size + begin)
-            if f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != out.nbytes:
+            if f.readinto(data) != len(data):
                 raise ValueError(f"{name} is cut short")
-            return out
+            return np.frombuffer(data, dtype).reshape(shape)
     except (struct.error, ValueError, KeyError, TypeError) as e:
         raise HFFormatError(f"{path} is damaged ({e}); {_FIX}.") from None
