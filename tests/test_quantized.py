@@ -245,6 +245,7 @@ def test_the_adapter_of_a_quantized_base_applies_in_peft_and_the_merge_is_bfloat
     peft = pytest.importorskip("peft")
     import xlafit
     from xlafit.export import export_hf
+    from xlafit.generator import Generator
     from xlafit.hf.peft import load_peft_adapter
 
     monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
@@ -286,6 +287,9 @@ def test_the_adapter_of_a_quantized_base_applies_in_peft_and_the_merge_is_bfloat
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     run_model = load_peft_adapter(from_hf_quantized(tiny_hf, "nf4"), tmp_path / "hf" / "adapter")
     np.testing.assert_allclose(hf_logits(merged), np.asarray(run_model(jnp.asarray(ids))), atol=2e-2)
+    # generate: the run's own model, its base still quantized, the adapters beside it
+    ask = Generator.load(str(tmp_path / "run"))
+    assert quantized_layers(ask.model) and len(ask(["What is 3 plus 4?"], max_new_tokens=2)) == 1
 
 
 # --------------------------------------------------------------------------- host memory
@@ -340,3 +344,38 @@ def test_loading_a_4bit_base_holds_one_tensor_beside_the_quantized_model(tmp_pat
     grew = measured["peak"] - measured["before"]
     assert measured["quantized"] < 80e6  # codes and scales, and the bfloat16 embeddings and output layer
     assert grew <= 1.5 * measured["quantized"] + largest, (grew, measured, largest)
+
+
+def test_a_new_models_int4_base_trains_split_over_fsdp_and_tensor(tmp_path, monkeypatch, strategy8):
+    """The pulse of a quantized base built inside jit (no model.init_from_hf), its codes and
+    scales laid out by their logical axes over fsdp and tensor: the adapters train, the base
+    stays what it was."""
+    import xlafit
+
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
+    result = xlafit.train_and_evaluate(
+        load_config(
+            "llm",
+            [
+                f"run.run_dir={tmp_path / 'run'}",
+                "lora.rank=4",
+                "lora.base_dtype=int4",
+                "lora.targets=q_proj,up_proj",
+                "mesh.data=2",
+                "mesh.fsdp=2",
+                "mesh.tensor=2",
+                "data.vocab_size=400",
+                "data.seq_len=64",
+                "data.global_batch=8",
+                "trainer.stop_at_step=3",
+                "trainer.eval_every_epochs=100",
+            ],
+        )  # fmt: skip
+    )
+    up = result.state.model_state["layers"][0]["mlp"]["up_proj"]["base_module"]
+    codes, scales = up["qvalue"].get_value(), up["scale"].get_value()
+    assert codes.dtype == jnp.uint8 and codes.shape == (32, 128)  # 64 input features, two a byte
+    assert tuple(codes.sharding.spec) == ("fsdp", "tensor") and scales.sharding.spec[1] == "tensor"  # as the kernel
+    trained = result.state.params["layers"][0]["mlp"]["up_proj"]["lora_b"][...]
+    assert float(jnp.abs(trained).max()) > 0
+    assert all(np.isfinite(row["loss"]) for row in result.history)
