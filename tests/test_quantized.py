@@ -181,6 +181,13 @@ def test_a_dimension_the_blocks_do_not_divide_is_refused_with_a_block_that_does(
     llama_hf.save_hf(LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)), tmp_path)
     with pytest.raises(ConfigError, match=r"down_proj has 96 input features"):  # before a tensor is read
         from_hf_quantized(tmp_path, "nf4", 64)
+    # a run: refused with the config, before the run directory is written
+    from xlafit.recipes import llm
+
+    for source in ([f"model.init_from_hf={tmp_path}"], ["model.preset=custom", "model.num_layers=1",
+                   "model.hidden_size=64", "model.num_heads=4", "model.intermediate_size=96"]):  # fmt: skip
+        with pytest.raises(ConfigError, match=r"layers.\*.down_proj has 96 input features.*lora.base_block=32"):
+            llm.validate(load_config("llm", [*source, "lora.rank=4", "lora.base_dtype=nf4"]))
 
 
 def test_the_trainer_refuses_to_train_a_quantized_bases_weights(strategy1):

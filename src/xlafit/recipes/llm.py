@@ -36,6 +36,7 @@ from xlafit.io import hub
 from xlafit.io.cache import cache_dir
 from xlafit.models.attention import packed_segments_limit
 from xlafit.models.llama import PRESETS, LlamaConfig, LlamaForCausalLM
+from xlafit.models.quantized import check_tiling
 from xlafit.parallel.sharding import constrain
 from xlafit.recipes.base import Recipe, Throughput
 from xlafit.train.losses import chunked_cross_entropy, masked_accuracy, masked_mean
@@ -157,6 +158,7 @@ def validate(cfg: Config) -> None:
         hub.check_local(tokenizer, "data.tokenizer")
     if cfg.model.init_from_hf is None:
         config = llama_config(cfg, 1)
+        check_base_blocks(cfg, config)
         if data_config(cfg).seq_len > config.max_position_embeddings:
             raise ConfigError(
                 f"data.seq_len={data_config(cfg).seq_len} is longer than the model's max_position_embeddings="
@@ -207,6 +209,7 @@ def check_checkpoint(cfg: Config, folder: str | Path) -> None:
         llama_hf.tensor_files(folder)
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"model.init_from_hf={m.init_from_hf}: {e}") from None
+    check_base_blocks(cfg, checkpoint)
     seq_len = data_config(cfg).seq_len
     if seq_len > checkpoint.max_position_embeddings:
         raise ConfigError(
@@ -214,6 +217,18 @@ def check_checkpoint(cfg: Config, folder: str | Path) -> None:
             f"{checkpoint.max_position_embeddings} (its config.json): the model never saw positions that far; lower "
             "data.seq_len."
         )
+
+
+def check_base_blocks(cfg: Config, llama: LlamaConfig) -> None:
+    """A quantized base (``lora.base_dtype=nf4|int4|int8``) needs every dense layer's input
+    features to be a multiple of ``lora.base_block``: refused here, before the run directory
+    is written, naming the layer and a block that divides it."""
+    if not (cfg.lora.rank and cfg.lora.quantized):
+        return
+    inputs = {"q_proj": llama.hidden_size, "o_proj": llama.num_heads * llama.head_size,
+              "down_proj": llama.intermediate_size}  # fmt: skip
+    for name, features in inputs.items():
+        check_tiling(f"layers.*.{name}", (features, 1), cfg.lora.base_block, cfg.lora.base_dtype)
 
 
 def from_data(cfg: Config, train: clm.PackedText) -> Config:
