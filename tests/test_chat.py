@@ -13,6 +13,9 @@ import pytest
 from xlafit.data import chat, clm
 from xlafit.errors import ConfigError, DataError
 
+# The command as a user runs it: without the suite's XLA_FLAGS (8 host devices), on the CPU.
+USER_ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
     "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
@@ -406,7 +409,7 @@ def test_a_parquet_file_without_text_is_one_line_and_exit_2(model_dir, tmp_path)
         out = subprocess.run(
             [sys.executable, "-m", "xlafit", "train", "llm", "--data-dir", str(path), f"data.tokenizer={model_dir}",
              "--run-dir", str(tmp_path / "run")],
-            capture_output=True, text=True, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"},
+            capture_output=True, text=True, env=USER_ENV,
         )  # fmt: skip
         assert out.returncode == 2, out.stderr[-2000:]
         assert out.stderr.count("\n") == 1 and "has no column 'text'" in out.stderr
@@ -433,8 +436,7 @@ def test_the_error_after_reading_parquet_never_aborts_under_load(model_dir, tmp_
     def run(i: int) -> int:
         command = [sys.executable, "-m", "xlafit", "train", "llm", "--data-dir", str(path),
                    f"data.tokenizer={model_dir}", "--run-dir", str(tmp_path / f"run-{i}")]  # fmt: skip
-        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        return subprocess.run(command, capture_output=True, text=True, env=env).returncode
+        return subprocess.run(command, capture_output=True, text=True, env=USER_ENV).returncode
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         codes = list(pool.map(run, range(100)))

@@ -132,7 +132,15 @@ def test_exit_codes_page_lists_every_code():
     from xlafit import errors
 
     codes = {code for _, code, _ in gen_reference.exit_codes()}
-    assert codes == {errors.DAMAGED, errors.USAGE, errors.NONFINITE, errors.PREEMPTED, errors.INTERRUPTED}
+    assert codes == {
+        errors.DAMAGED,
+        errors.USAGE,
+        errors.NONFINITE,
+        errors.BUSY,
+        errors.STORAGE,
+        errors.PREEMPTED,
+        errors.INTERRUPTED,
+    }
 
 
 # --------------------------------------------------------------------------- the Python blocks

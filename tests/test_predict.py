@@ -403,13 +403,13 @@ def test_the_matrix_rate_fit_is_not_pulled_down_by_products_that_stream_their_op
 
 
 def test_the_built_in_rates_are_what_the_fit_makes_of_the_stored_measurements():
-    """rates.json is never edited by hand: benchmarks/fit_rates.py writes it from the
+    """rates.json is never edited by hand: benchmarks/predict/fit_rates.py writes it from the
     measurements, and it must be current."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "predict"))
     try:
         import fit_rates
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path.remove(str(ROOT / "benchmarks" / "predict"))
     assert json.loads(BUILT_IN.read_text()) == json.loads(json.dumps(fit_rates.rows()))
     for row in load_rates(BUILT_IN):
         assert row.band is not None and set(row.sources) >= {"matmul_flops", "hbm_bytes_per_s"}
@@ -465,11 +465,11 @@ def test_wider_streams_in_a_gpus_micro_benchmarks_set_its_peak_stream(tmp_path):
 
 
 def test_published_tpu_runs_held_out_of_the_fit_are_predicted_within_the_bar():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "predict"))
     try:
         import fit_rates
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path.remove(str(ROOT / "benchmarks" / "predict"))
     rows = tpu_rows(load_rates(BUILT_IN))
     assert set(rows) >= {"v5e", "v5p", "v6e"}
     assert len(tpu_runs(VALIDATION / "tpu")) >= 8
@@ -552,18 +552,18 @@ def test_the_calibrations_vector_benchmark_is_compute_bound_on_every_built_in_de
 
 
 def test_the_kernel_micro_benchmarks_time_and_predict_each_case(tmp_path, monkeypatch):
-    """benchmarks/gpu_kernel_micro.py's rehearsal: each case compiled, timed, profiled and
+    """benchmarks/gpu/kernel_micro.py's rehearsal: each case compiled, timed, profiled and
     priced by the step model with this device's rates."""
     calibration = tmp_path / "cpu.json"
     save_rates(Rates("cpu", 1e11, (128, 128), 1, 1e10, 1e10, 1e-6), calibration)
     monkeypatch.setenv("XLAFIT_CALIBRATION", str(calibration))
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
     try:
-        import gpu_kernel_micro
+        import kernel_micro
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path.remove(str(ROOT / "benchmarks" / "gpu"))
     for case in ("reduce-rows", "maxpool-backward"):
-        r = gpu_kernel_micro.run(case, "tiny")
+        r = kernel_micro.run(case, "tiny")
         assert r["measured_s"] > 0 and r["predicted_s"] > 0 and r["rates"] == str(calibration)
         assert r["kernels_predicted"] and r["kernels_measured_us"] and "HloModule" in r["hlo"]
 
@@ -577,3 +577,39 @@ def test_a_product_timed_above_the_datasheet_peak_is_left_out_of_a_calibration()
     kept, left_out = _possible(record["matmul"], "NVIDIA H200")
     assert [(r["m"], r["n"], r["k"]) for r in left_out] == [(8192, 2048, 2048)] and len(kept) == 6
     assert _possible(record["matmul"], "cpu") == (record["matmul"], [])  # no datasheet row: all kept
+
+
+def test_a_band_is_quoted_only_for_programs_like_those_it_was_measured_on():
+    """Every v5e prediction printed "±4 % over 2 published steps", steps of 33B and 69B models
+    on 256 chips, for a 1B LoRA step on one chip or a BERT step alike. The rule (LIKE_*): the
+    same family and kind of training, parameters and step within 2x of the validated range,
+    devices within 4x."""
+    from xlafit.predict.rates import Kind
+
+    v5e = rates_for("TPU v5 lite")
+    population = v5e.band.population
+    assert {v.id for v in population} == {"v5e-256-llama2-70b-b2", "v5e-256-synthetic-32b-b4"}
+    assert all(v.family == "llm" and v.devices == 256 and v.training == "full" for v in population)
+    like = Kind("llm", 40_000_000_000, 128, 11.0)
+    text, median = v5e.band_for(like)
+    assert median == v5e.band.median and text.startswith("±4% (worst 6%) over 2 published steps")
+    assert "validated on: 2 published steps: llm (full training), 32.9B-69B parameters, 256 devices" in text
+    text, median = v5e.band_for(Kind("llm", 1_000_000_000, 1, 0.108, "lora"))  # Gemma 3 1B LoRA on a v5e-1
+    assert median is None and text.startswith(
+        "not validated for this kind of program (LoRA training, 1B parameters, 1 device, a step of 108 ms); "
+        "validated on: 2 published steps"
+    )
+    assert v5e.band_for(Kind("bert", 110_000_000, 8, 0.00565))[0].startswith(
+        "not validated for this kind of program (a bert model, 110M parameters, 8 devices, a step of 5.65 ms)"
+    )
+    assert v5e.band_for(Kind(None, 40_000_000_000, 256, 12.0))[0].startswith(
+        "not validated for this kind of program (a model of your own)"
+    )
+    h200 = rates_for("NVIDIA H200")
+    assert h200.band_for(Kind("bert", 110_000_000, 1, 0.04))[1] == h200.band.median
+    # A 13 ms step of small kernels, a third short in a blind check: below the 27-229 ms validated.
+    assert h200.band_for(Kind("bert", 110_000_000, 1, 0.013)) == (
+        "not validated for this kind of program (a step of 13 ms); validated on: 5 measured steps: bert, resnet, "
+        "llm (full training), 25.6M-1.24B parameters, 1 device, steps of 26.8 ms-229 ms on NVIDIA H200",
+        None,
+    )

@@ -12,6 +12,8 @@ Example:
 
 from __future__ import annotations
 
+import errno
+import os
 import signal
 import sys
 
@@ -19,6 +21,8 @@ import sys
 DAMAGED = 1  # xlafit inspect: the newest checkpoint is corrupt, or none is intact
 USAGE = 2  # bad config, data, devices or checkpoint: the message says what to fix
 NONFINITE = 3  # a non-finite loss or gradient under trainer.nan_policy=stop
+BUSY = 73  # another process is training in the run directory (the message names it): run again once it has ended
+STORAGE = 74  # EX_IOERR: a file of the run could not be written (a full disk, read-only): fix it, run again
 PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGINT after saving a checkpoint; run again to resume
 INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C where no checkpoint could be saved
 
@@ -50,6 +54,24 @@ class CheckpointError(XlafitError, RuntimeError):
     """No usable checkpoint, or one that cannot continue this run; the message says why."""
 
 
+class WriteError(XlafitError, OSError):
+    """A file of the run (its config, metrics, TensorBoard log, a checkpoint) could not be
+    written: a full disk, a read-only directory, no permission. The message names the file and
+    the fix; once that is fixed, the same command resumes the run, so the exit code is its own."""
+
+    exit_code = STORAGE
+
+
+class CheckpointWriteError(CheckpointError, WriteError):
+    """A checkpoint could not be written; the message names the newest complete one and the fix."""
+
+
+class RunDirBusy(XlafitError):
+    """Another process is training in the run directory; the message names its host and process."""
+
+    exit_code = BUSY
+
+
 class RecompileError(XlafitError, RuntimeError):
     """A step was about to compile more programs than allowed; the message names the input."""
 
@@ -67,6 +89,29 @@ class NonFiniteError(XlafitError):
     """A non-finite loss or gradient under ``trainer.nan_policy=stop``; the message names it."""
 
     exit_code = NONFINITE
+
+
+_WRITE_FIXES = {
+    errno.ENOSPC: "Free disk space",
+    errno.EDQUOT: "Free space within your disk quota",
+    errno.EROFS: "Make the file system writable (it is mounted read-only)",
+    errno.EACCES: "Make it writable (its permissions, or its directory's, forbid writing)",
+    errno.EPERM: "Make it writable (its permissions, or its directory's, forbid writing)",
+    errno.EFBIG: "Raise the file-size limit (ulimit -f) or free space",
+}
+
+
+def write_failed(path: str | os.PathLike[str], e: OSError) -> WriteError:
+    """The one-line error for a file of the run that could not be written: the file, why, the
+    fix, and that the same command resumes once it is fixed.
+
+    Example:
+        >>> full = OSError(errno.ENOSPC, "No space left on device")
+        >>> print(write_failed("runs/a/metrics.jsonl", full))  # doctest: +ELLIPSIS
+        cannot write runs/a/metrics.jsonl: No space left on device. Free disk space, then run the same ...
+    """
+    fix, then = _WRITE_FIXES.get(e.errno or 0, "Fix that"), resume_hint()
+    return WriteError(f"cannot write {os.fspath(path)}: {e.strerror or e}. {fix}, then {then[0].lower()}{then[1:]}")
 
 
 def resume_hint() -> str:

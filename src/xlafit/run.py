@@ -19,9 +19,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
+import logging
 import math
 import tempfile
 from collections.abc import Callable
@@ -51,11 +53,14 @@ from xlafit.parallel.mesh import Strategy
 from xlafit.parallel.sharding import parse_rules
 from xlafit.recipes import get_recipe
 from xlafit.recipes.base import Recipe
-from xlafit.rundir import checkpoint_dir, log_to_file, refuse_foreign_dir, start_run_dir
+from xlafit.rundir import checkpoint_dir, log_to_file, make_run_dir, refuse_foreign_dir, start_run_dir
+from xlafit.runlock import hold_run_dir
 from xlafit.train.loop import FitResult
 from xlafit.train.optim import OptimizerPlan, highest_rate, make_optimizer, warmup_steps
 from xlafit.train.signals import handle_signals
 from xlafit.train.trainer import Trainer
+
+log = logging.getLogger("xlafit")
 
 # Config keys whose change makes a checkpoint's state or trajectory another run's, refused on
 # resume: the model and its training, the batch and the data order, and the rows themselves
@@ -81,9 +86,10 @@ def train_and_evaluate(cfg: Config) -> FitResult:
     SIGTERM/SIGINT at any point stop it cleanly: during training after a checkpoint
     (:class:`~xlafit.train.signals.Preempted`, which the ``xlafit`` command turns into exit
     status 75), during start-up before anything is trained. ``run.resume=false`` is the
-    command's ``--restart``.
+    command's ``--restart``. While it runs, the run directory is held
+    (:func:`~xlafit.runlock.hold_run_dir`): another run there is refused.
     """
-    with handle_signals():
+    with handle_signals(), contextlib.ExitStack() as held:
         recipe = get_recipe(cfg.recipe)
         strategy = connect(
             cfg.run.simulate_devices,
@@ -92,6 +98,8 @@ def train_and_evaluate(cfg: Config) -> FitResult:
             rules=parse_rules(cfg.mesh.rules),
         )
         recipe.validate(cfg)
+        if strategy.process_index == 0:
+            warn_where_chunks_are_not_bit_identical(recipe, cfg)
         refuse_foreign_dir(cfg)
         train_data, eval_data = recipe.load_data(cfg)
         train_data = as_dataset(train_data)
@@ -100,6 +108,10 @@ def train_and_evaluate(cfg: Config) -> FitResult:
         run_dir = run.run_dir
         if cfg.run.checkpoint_dir:  # before the resume check or --restart lists it
             check_directory(cfg.run.checkpoint_dir)
+        if strategy.process_index == 0:  # one training per run directory: the job's process 0 holds it
+            make_run_dir(run_dir, cfg)
+            for line in held.enter_context(hold_run_dir(run_dir)):
+                print(line, flush=True)
         if cfg.run.resume:
             check_continuation(
                 run_dir,
@@ -122,6 +134,33 @@ def train_and_evaluate(cfg: Config) -> FitResult:
     if strategy.process_index == 0 and result.eval is not None:
         print(final_report(result.eval), flush=True)
     return result
+
+
+def warn_where_chunks_are_not_bit_identical(recipe: Recipe, cfg: Config) -> None:
+    """Says so when ``trainer.invariant_chunks`` cannot keep its promise, bit-identical runs
+    on any device count: on the CPU with YNNPACK's kernels (``cpu.fast_paths``), which round
+    differently per device layout, and with a recipe whose bit-identity the suite does not
+    check (the llm recipe's is measured not to hold: see docs/explanations/determinism.md)."""
+    chunks = cfg.trainer.invariant_chunks
+    if not chunks:
+        return
+    if jax.default_backend() == "cpu" and cfg.cpu.fast_paths:
+        log.warning(
+            "warning: trainer.invariant_chunks=%s with cpu.fast_paths=true: YNNPACK's CPU kernels round differently "
+            "per device layout, so runs on different device counts agree to float rounding, not bit for bit; set "
+            "cpu.fast_paths=false for bit-identical runs.",
+            chunks,
+        )
+    if not recipe.bit_identical_chunks:
+        log.warning(
+            "warning: trainer.invariant_chunks=%s sums the gradients in one fixed order, but the %s recipe's runs "
+            "on different device counts are not held bit-identical: XLA can round a per-chunk gradient differently "
+            "in the programs for different device counts (measured for the llm recipe, full fine-tuning and "
+            "LoRA), so they agree to float rounding. The suite checks bit-identity for the mnist recipe only "
+            "(docs/explanations/determinism.md).",
+            chunks,
+            cfg.recipe,
+        )
 
 
 def recipe_trainer(

@@ -1,6 +1,7 @@
 """A run's directory: where it is (:func:`checkpoint_dir`), refusing one that is not a run's
-(:func:`refuse_foreign_dir`), starting it (:func:`start_run_dir`: created, an earlier run
-moved aside for ``--restart`` by :func:`move_aside`, ``config.yaml`` written), finding the
+(:func:`refuse_foreign_dir`), starting it (:func:`start_run_dir`: created by
+:func:`make_run_dir`, an earlier run moved aside for ``--restart`` by :func:`move_aside`,
+``config.yaml`` written whole or not at all), finding the
 checkpoints a user names (:func:`checkpoints_of`), and the log of processes other than 0
 (:func:`log_to_file`). Local paths and URLs (``gs://bucket/run``) alike."""
 
@@ -18,7 +19,7 @@ from etils import epath
 
 from xlafit.checkpoint import COMMIT, ORBAX_METADATA
 from xlafit.config import Config
-from xlafit.errors import ConfigError, StorageError
+from xlafit.errors import ConfigError, StorageError, WriteError, write_failed
 from xlafit.io.paths import (
     RUN_MARKERS,
     as_path,
@@ -30,6 +31,7 @@ from xlafit.io.paths import (
     refresh,
     upload,
 )
+from xlafit.runlock import LOCK
 
 
 def checkpoint_dir(cfg: Config) -> epath.Path:
@@ -66,41 +68,78 @@ def refuse_foreign_dir(cfg: Config) -> None:
         )
 
 
-def start_run_dir(run_dir: epath.Path, cfg: Config) -> None:
-    """Creates ``run_dir`` (or finds it writable), moves an earlier run aside for
-    ``--restart`` (:func:`move_aside`) and writes ``config.yaml``. Process 0 only.
+def make_run_dir(run_dir: epath.Path, cfg: Config) -> None:
+    """Creates ``run_dir`` (or finds it writable); for a URL, checks that its buckets exist.
 
     Raises:
-        ConfigError: the directory cannot be created or written, or its bucket does not
-            exist; the message names it and the fix.
+        ConfigError: the directory cannot be created, or its bucket does not exist; the
+            message names it and the fix.
+        WriteError: the directory holds a run and cannot be written (read-only): the fix is
+            to make it writable, not another directory, which would start the run over.
     """
     if is_url(run_dir):
         # No mkdir on a URL: object stores have no directories, and gcsfs would create a
-        # missing bucket. Writing config.yaml below is the test that the bucket takes writes.
+        # missing bucket. Writing config.yaml (start_run_dir) is the test that the bucket takes writes.
         for where, what in ((run_dir, "--run-dir"), (checkpoint_dir(cfg), "run.checkpoint_dir")):
             try:
                 check_bucket(where, what)
             except StorageError as e:
                 raise ConfigError(str(e)) from None
-    else:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(
-                f"cannot create the run directory {run_dir}: {e.strerror}. Choose another --run-dir."
-            ) from None
-        if not os.access(run_dir, os.W_OK):
-            raise ConfigError(f"the run directory {run_dir} is not writable. Choose another --run-dir.")
+        return
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"cannot create the run directory {run_dir}: {e.strerror}. Choose another --run-dir."
+        ) from None
+    if not os.access(run_dir, os.W_OK):
+        if any((run_dir / marker).exists() for marker in RUN_MARKERS):
+            raise WriteError(
+                f"the run directory {run_dir} is not writable, and its run cannot go on without writing there: make "
+                "it writable (its permissions, or remount it read-write), then run the same command again to resume."
+            )
+        raise ConfigError(f"the run directory {run_dir} is not writable. Choose another --run-dir.")
+
+
+def start_run_dir(run_dir: epath.Path, cfg: Config) -> None:
+    """Creates ``run_dir`` (:func:`make_run_dir`), moves an earlier run aside for
+    ``--restart`` (:func:`move_aside`) and writes ``config.yaml`` (locally: a temporary file
+    renamed over it, so that it is never left empty or half written). Process 0 only.
+
+    Raises:
+        ConfigError: the directory cannot be created or written, or its bucket does not
+            exist; the message names it and the fix.
+        WriteError: ``config.yaml`` cannot be written (a full disk); the message names it.
+    """
+    make_run_dir(run_dir, cfg)
     if not cfg.run.resume:
         for line in move_aside(run_dir, checkpoint_dir(cfg)):
             print(line, flush=True)
     path = run_dir / "config.yaml"
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    if is_url(run_dir):  # an object is written whole or not at all
+        try:
+            path.write_text(text)
+        except Exception as e:
+            raise ConfigError(f"cannot write the run directory: {describe_error(path, e)}") from None
+        return
+    write_atomically(Path(path), text)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Writes ``text`` to the local file ``path`` through a temporary file beside it, renamed
+    over it once whole: a full disk leaves the earlier file as it was (and no temporary).
+
+    Raises:
+        WriteError: the file cannot be written; the message names it and the fix.
+    """
+    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    except Exception as e:
-        if not is_url(run_dir):
-            raise
-        raise ConfigError(f"cannot write the run directory: {describe_error(path, e)}") from None
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise write_failed(path, e) from None
 
 
 def move_aside(run_dir: epath.Path, checkpoints: epath.Path) -> list[str]:
@@ -139,7 +178,8 @@ def move_aside(run_dir: epath.Path, checkpoints: epath.Path) -> list[str]:
         moved_checkpoints = dated_sibling(checkpoints, "before-restart", when)
         move(checkpoints, moved_checkpoints)
         lines.append(f"--restart: moved the earlier checkpoints {checkpoints} to {moved_checkpoints}")
-    entries = [p for p in run_dir.iterdir()] if run_dir.exists() else []
+    # The lock stays: the process moving the run aside holds it (xlafit.runlock).
+    entries = [p for p in run_dir.iterdir() if p.name != LOCK] if run_dir.exists() else []
     if entries:
         target = dated_sibling(run_dir, "before-restart", when)
         if not is_url(target):

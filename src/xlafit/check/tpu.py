@@ -47,7 +47,7 @@ import numpy as np
 from flax import nnx
 
 from xlafit.check.batch_search import largest_batch
-from xlafit.check.program import Program, TargetReport, progress
+from xlafit.check.program import EvalFit, Program, TargetReport, progress
 from xlafit.check.rules import Finding, classify
 from xlafit.check.speed import model_step, roofline
 from xlafit.check.tpu_report import gib
@@ -362,7 +362,8 @@ def check_target(target: tpu.Target, program: Program, max_batch: bool | int = F
         # no Python lock, and compiling one program keeps one core busy.
         evaluation = None
         if program.eval_global_batch:
-            evaluation = pool.submit(_eval_report, steps, -(-program.eval_global_batch // n))  # last batch padded
+            per_core = -(-program.eval_global_batch // n)  # the last batch padded
+            evaluation = pool.submit(eval_fit, steps, per_core, report.capacity)
         _train_report(report, steps, target)
         if evaluation is not None and report.error is None:
             report.eval = evaluation.result()
@@ -371,7 +372,7 @@ def check_target(target: tpu.Target, program: Program, max_batch: bool | int = F
             report.max_batch, report.probes = largest_batch(
                 steps,
                 report.per_device_batch,
-                report.fits,
+                report.train_fits,
                 report.memory.get("total"),
                 report.capacity,
                 limit=report.max_batch_limit,
@@ -432,7 +433,7 @@ def predict_here(
         per_device_batch=program.per_device_batch or max(1, (program.global_batch or n) // n),
         steps_per_call=k,
         layout=steps.strategy.layout(),
-        fits=True,
+        train_fits=True,
     )
     if compiled is None:
         compiled, report.compile_s = steps.compile_train(report.per_device_batch)
@@ -456,7 +457,7 @@ def _train_report(report: TargetReport, steps: Steps, target: tpu.Target) -> Non
     try:
         compiled, report.compile_s = steps.compile_train(per_device)
     except OutOfMemory as e:
-        report.fits, report.message = False, e.message
+        report.train_fits, report.message = False, e.message
         report.memory["state"] = steps.state_bytes
         if (needed := needed_bytes(e.message)) is not None:
             report.memory["total"] = needed
@@ -477,23 +478,62 @@ def _train_report(report: TargetReport, steps: Steps, target: tpu.Target) -> Non
         report.error = finding
         report.message = finding.message
     else:
-        report.fits = True
+        report.train_fits = True
         report.memory = memory_of(compiled, steps.state_bytes, tree_bytes(program.example) * per_device * k)
         hlo = compiled.as_text()  # seconds for a large program: read once
         roofline(report, target.peak_flops, target.hbm_bandwidth, program, compiled, k, hlo)
         model_step(report, program, hlo, k, target.generation.device_kinds[0], target.ici_bandwidth)
 
 
-def _eval_report(steps: Steps, per_device: int) -> dict[str, Any] | None:
-    """The eval step's verdict and memory at ``per_device`` examples per core."""
+def eval_fit(steps: Steps, per_device: int, capacity: float) -> EvalFit | None:
+    """The eval step's verdict and memory at ``per_device`` per core (check's and plan's); where it
+    does not fit, the largest eval batch that does (:func:`largest_eval_batch`). None: another failure."""
+    name = steps.target.name if steps.target else "this host"
+    progress(f"{name}: compiling the eval step, {per_device} per core ...")
     try:
         compiled, seconds = steps.compile_eval(per_device)
     except OutOfMemory as e:
-        return {"fits": False, "per_device_batch": per_device, "message": e.message}
+        out = EvalFit(False, per_device, needed=needed_bytes(e.message), message=e.message)
+        out.largest, out.probes = largest_eval_batch(steps, per_device, out.needed, capacity)
+        if out.largest:
+            out.fix = steps.program.eval_batch_syntax.format(n=out.largest * steps.strategy.num_replicas)
+        return out
     except Exception:  # the train step reports the failure
         return None
-    total = memory_of(compiled, steps.state_bytes, 0)["total"]
-    return {"fits": True, "per_device_batch": per_device, "total": total, "compile_s": seconds}
+    memory = memory_of(compiled, steps.state_bytes, 0)
+    return EvalFit(True, per_device, total=memory["total"], peak=memory.get("peak"), compile_s=seconds)
+
+
+class EvalSteps:
+    """A program's eval step as :func:`largest_batch` probes it, at per-core batches that
+    the run's loop settings allow (``trainer.invariant_chunks`` divides the eval batch too)."""
+
+    def __init__(self, steps: Steps) -> None:
+        self.steps, self.program, self.strategy = steps, steps.program, steps.strategy
+
+    @property
+    def target(self) -> tpu.Target | None:
+        return self.steps.target
+
+    def fits(self, per_device: int) -> tuple[bool, float, int | None]:
+        t0 = time.perf_counter()
+        try:
+            compiled, _ = self.steps.compile_eval(per_device)
+        except OutOfMemory as e:
+            return False, time.perf_counter() - t0, needed_bytes(e.message)
+        memory = memory_of(compiled, 0, 0)
+        return True, time.perf_counter() - t0, memory.get("peak") or memory["total"]
+
+
+def largest_eval_batch(steps: Steps, refused: int, needed: int | None, capacity: float) -> tuple[int, list[Any]]:
+    """The largest per-core eval batch below ``refused`` that compiles, found as
+    ``--max-batch`` finds the train step's: the first probe where the bytes, in proportion
+    to the batch, meet the capacity (the refusal said it ``needed``), then halving or
+    narrowing; 0 when not even one example per core fits."""
+    guess = int(refused * capacity / needed) if needed and capacity else refused // 2
+    guess = max(1, min(guess, refused - 1))
+    label = f"{steps.target.name if steps.target else 'this host'} eval step"
+    return largest_batch(EvalSteps(steps), guess, None, capacity=capacity, limit=refused - 1, label=label)
 
 
 def check_targets(targets: list[tpu.Target], program: Program, max_batch: bool | int = False) -> list[TargetReport]:

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
             )
         args.step = folder_step
     directory = str(where)
-    ckpt = Checkpointer(directory)
+    ckpt = Checkpointer(directory, reader=True)  # the run may be training meanwhile
     try:
         infos = ckpt.list()
         if not infos:

@@ -32,6 +32,7 @@ from xlafit.models.attention import apply_rope, attention, causal_mask, default_
 from xlafit.models.bert import remat_policy
 from xlafit.models.cudnn import packed_flash_attention
 from xlafit.models.llama_config import DTYPES, PRESETS, LlamaConfig
+from xlafit.models.lora import LoRA
 from xlafit.parallel.sharding import constrain, logical
 
 __all__ = ["PRESETS", "KVCache", "LlamaConfig", "LlamaForCausalLM", "rope_frequencies"]
@@ -333,6 +334,19 @@ class LlamaForCausalLM(nnx.Module):
             for layer in self.layers:
                 x = run(layer, x, positions, segment_ids, implementation)
         return self.norm(x)
+
+    def output_kernel(self) -> jax.Array:
+        """The output layer as one ``[hidden, vocab]`` matrix: :meth:`logits` is ``x @`` it
+        (then cast to float32 and soft-capped), for a loss that computes the logits a block
+        at a time (:func:`xlafit.train.losses.blockwise_cross_entropy`). A tied model's is the
+        embedding's transpose; a LoRA-adapted ``lm_head``'s, its kernel plus the scaled update."""
+        if self.lm_head is None:
+            return self.embed_tokens.embedding[...].T
+        if isinstance(self.lm_head, LoRA):
+            base = typing.cast(nnx.Linear, self.lm_head.base_module)
+            update = self.lm_head.lora_a[...] @ self.lm_head.lora_b[...]
+            return base.kernel[...] + (update * self.lm_head.scaling).astype(base.kernel[...].dtype)
+        return self.lm_head.kernel[...]
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Float32 logits ``[..., vocab]`` of final hidden states (:meth:`decode`'s)."""

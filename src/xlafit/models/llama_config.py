@@ -162,13 +162,17 @@ class LlamaConfig:
     # One decoder layer compiled instead of num_layers (parameters stacked on a "layers"
     # axis, the decoder an nnx.scan): as BertConfig.scan_layers.
     scan_layers: bool = False
-    # Training's loss over chunks of this many positions (0: all at once): only a chunk's
-    # [B, chunk, vocab] float32 logits are held, recomputed in the backward pass.
-    logits_chunk: int = 0
+    # Training's and evaluation's loss in blocks of positions (and of the vocabulary where a
+    # block's row is large), never the whole [B, T, vocab] logits: "auto" where the whole
+    # would be a large share of memory (xlafit.recipes.llm.logits_blocks), N positions a
+    # block, or 0: the whole logits at once.
+    logits_chunk: int | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
-        if self.logits_chunk < 0:
-            raise ValueError(f"logits_chunk={self.logits_chunk} must be 0 (off) or a number of positions.")
+        if self.logits_chunk != "auto" and (not isinstance(self.logits_chunk, int) or self.logits_chunk < 0):
+            raise ValueError(
+                f"logits_chunk={self.logits_chunk!r} must be auto, 0 (the whole logits) or a number of positions."
+            )
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat={self.remat!r} is not one of {', '.join(REMAT_POLICIES)}.")
         if self.num_kv_heads is None:

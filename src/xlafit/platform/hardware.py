@@ -509,6 +509,20 @@ def table_bandwidth(device_kind: str) -> tuple[float, str] | None:
     return gbps * 1e9, source
 
 
+def table_memory(device_kind: str) -> float | None:
+    """HBM bytes of one JAX device of a TPU generation in :data:`GENERATIONS` (a core, or a
+    megacore chip), per its datasheet, or None (another kind of device).
+
+    Example:
+        >>> table_memory("TPU v5 lite") / 2**30
+        16.0
+    """
+    for g in GENERATIONS.values():
+        if any(kind.lower() == device_kind.lower() for kind in g.device_kinds):
+            return g.hbm_gib * 2**30 / (1 if g.megacore else g.cores_per_chip)
+    return None
+
+
 def measured_cpu_peak(n: int = 2048, repeats: int = 5) -> float:
     """FLOP/s of an ``n x n`` float32 matrix product on this machine's CPU, all cores.
 

@@ -15,18 +15,21 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
+from tokenizers import Tokenizer
 
 from xlafit import config as xconfig
 from xlafit.config import Config
-from xlafit.data import chat, chat_demo, clm
+from xlafit.data import chat, chat_demo, clm, special_tokens
 from xlafit.data.text import korean_demo_files
 from xlafit.errors import ConfigError, HFFormatError
 from xlafit.hf import llama as llama_hf
@@ -37,9 +40,10 @@ from xlafit.io.cache import cache_dir
 from xlafit.models.attention import packed_segments_limit
 from xlafit.models.llama import PRESETS, LlamaConfig, LlamaForCausalLM
 from xlafit.models.quantized import check_tiling
-from xlafit.parallel.sharding import constrain
+from xlafit.parallel.sharding import active_layout, batch_axes, constrain
+from xlafit.platform.hardware import table_memory
 from xlafit.recipes.base import Recipe, Throughput
-from xlafit.train.losses import chunked_cross_entropy, masked_accuracy, masked_mean
+from xlafit.train.losses import blocks_for, blockwise_cross_entropy, masked_accuracy, masked_mean, whole_logits_bytes
 
 DEMO_VOCAB_SIZE = 2000  # the demo's BPE tokenizer
 DATA_FORMAT_FILE = "data_format.json"  # the format of the data a run trained on (chat, prompt_completion, text)
@@ -72,9 +76,19 @@ class LlmModelConfig:
     # jax.checkpoint_policies name (dots_saveable, ...; models/bert.py: REMAT_POLICIES).
     remat: str = "none"
     scan_layers: bool = False  # nnx.scan over the decoder layers: one layer compiled instead of num_layers
-    # the loss over chunks of this many positions (0: all at once): holds [batch, chunk, vocab]
-    # float32 logits instead of [batch, seq_len, vocab], for a third more output-layer FLOPs
-    logits_chunk: int = 0
+    # the loss (training's and evaluation's) in blocks of this many positions, and of the
+    # vocabulary where a block's row is large: holds [batch, chunk, tile] float32 logits instead
+    # of [batch, seq_len, vocab], for a third more output-layer FLOPs. auto: in blocks where the
+    # whole logits and their gradient would take more than 1/8 of a device's memory (logits_blocks);
+    # 0: the whole logits at once
+    logits_chunk: int | Literal["auto"] = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.logits_chunk, int) and self.logits_chunk < 0:
+            raise ConfigError(
+                f"model.logits_chunk={self.logits_chunk} must be auto, 0 (the whole logits at once) or a number of "
+                "positions."
+            )
 
 
 @dataclasses.dataclass
@@ -278,7 +292,7 @@ def tokenizer_location(cfg: Config) -> str:
 def demo_tokenizer(vocab_size: int) -> str:
     """The demo's byte-level BPE on the Korean corpus, trained once into the user cache."""
     files = korean_demo_files()
-    key = json.dumps(["bpe-1", files, vocab_size])
+    key = json.dumps(["bpe-2", files, vocab_size])  # 2: its files declare its special tokens
     target = cache_dir() / f"llm-demo-tokenizer-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (target / "tokenizer.json").exists():
         return str(target)
@@ -298,15 +312,34 @@ def demo_tokenizer(vocab_size: int) -> str:
     return str(target)
 
 
-def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
-    """(train, eval) packed rows of the documents of ``data.data_dir`` (or the demo corpus)."""
+@dataclasses.dataclass(frozen=True)
+class Encoding:
+    """How a run encodes its data: the tokenizer, the chat template (None: none), the
+    ``(bos, eos)`` markers (:func:`xlafit.data.clm.special_ids`) and the inputs."""
+
+    tok: Tokenizer
+    template: chat.ChatTemplate | None
+    markers: tuple[int | None, int | None]
+    inputs: list[str]
+
+
+def encoding(cfg: Config) -> Encoding:
+    """The run's :class:`Encoding`: ``data.tokenizer`` (else ``model.init_from_hf``'s, else the
+    demo's), ``data.chat_template`` or the tokenizer's, ``data.data_dir`` (else the demo's)."""
     d = data_config(cfg)
     where = tokenizer_location(cfg)
-    tok = clm.load_tokenizer(where)
     inputs = [d.data_dir] if d.data_dir else _demo_inputs(d.demo)
     # The template the conversations are rendered with: a family's training template in place of
     # its official one where xlafit ships one (data/templates.py); data.chat_template wins.
     template = chat.template_for(where, d.chat_template, training=True)
+    return Encoding(clm.load_tokenizer(where), template, clm.special_ids(where), inputs)
+
+
+def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
+    """(train, eval) packed rows of the documents of ``data.data_dir`` (or the demo corpus)."""
+    d = data_config(cfg)
+    e = encoding(cfg)
+    tok, inputs, template = e.tok, e.inputs, e.template
     train, evaluation = clm.load_packed(
         inputs,
         tok,
@@ -317,6 +350,7 @@ def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
         fmt=d.format,
         template=template,
         loss_on=d.loss_on,
+        markers=e.markers,
         progress=functools.partial(print, file=sys.stderr, flush=True),
     )
     summary = data_summary(train, evaluation, d)
@@ -326,6 +360,24 @@ def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
     if cfg.model.attention == "cudnn":
         check_packed_segments(train, evaluation)
     return train, (evaluation if len(evaluation) else None)  # type: ignore[return-value]
+
+
+def shapes(cfg: Config) -> clm.PackedText | None:
+    """One placeholder row of ``data.seq_len`` tokens in the vocabulary of a named model
+    (Meta's, Gemma's or Qwen's preset, or custom sizes with ``model.vocab_size``), for a
+    compile that needs shapes only: the demo corpus (the konlpy wheel's texts) is not read.
+    None where the data decides (``data.data_dir``: its format may add a loss mask; the tiny
+    preset, whose vocabulary is the demo tokenizer's; a checkpoint's) or ships with xlafit
+    (the chat demos)."""
+    d, m = data_config(cfg), cfg.model
+    if d.data_dir or d.demo != "korean" or m.init_from_hf or m.preset == "tiny":
+        return None
+    vocab = _given_sizes(m).get("vocab_size") or PRESETS.get(m.preset, {}).get("vocab_size")
+    if not vocab:  # custom sizes without a vocabulary: the tokenizer's
+        return None
+    row = np.arange(d.seq_len, dtype=np.int32)[None]
+    arrays = {"input_ids": np.zeros_like(row), "segment_ids": np.ones_like(row), "positions": row}
+    return clm.PackedText(arrays, vocab_size=int(vocab), documents=0)
 
 
 def check_packed_segments(*datasets: clm.PackedText) -> None:
@@ -376,8 +428,10 @@ def data_summary(train: clm.PackedText, evaluation: clm.PackedText, d: LlmDataCo
 
 
 def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
-    """Copies the tokenizer into ``run_dir/tokenizer`` (local or a URL), with its chat
-    template and special tokens where it has them, for ``xlafit export hf`` and generation;
+    """Copies the tokenizer into ``run_dir/tokenizer`` (local or a URL) with its special
+    tokens (``tokenizer_config.json``, so that :func:`xlafit.data.clm.special_ids` reads
+    there what the run trained with) and its chat template where it has one, for ``xlafit
+    export hf`` and generation;
     records the data's format in ``run_dir/data_format.json`` (``xlafit generate`` asks a run
     that trained on chat records through the template, any other with the text as it is), and
     for chat records the template they were rendered with. A training template that stood in
@@ -387,8 +441,9 @@ def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
     A chat run whose template closes the assistant's turn with another special token than the
     tokenizer's ``eos_token`` (ChatML's ``<|im_end|>`` with a tokenizer that ends documents
     with ``</s>``) records that token as its ``eos_token``, as chat models on the hub do, so
-    that generation stops at the end of the turn; not where the template itself renders
-    ``eos_token``, which must stay what the run trained on.
+    that generation stops at the end of the turn (the tokenizer's own ``eos_token`` kept in
+    ``generation_config.json``'s ``eos_token_id``, where generation stops too); not where the
+    template itself renders ``eos_token``, which must stay what the run trained on.
     """
     dest = run_dir / "tokenizer"
     dest.mkdir(parents=True, exist_ok=True)
@@ -404,14 +459,23 @@ def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
             "in_place_of": trained.official.name if trained.official is not None else None,
         }
     (run_dir / DATA_FORMAT_FILE).write_text(json.dumps(recorded) + "\n")
+    tok = clm.load_tokenizer(where)
+    source = special_tokens.settings(where)
+    if source is None:  # a tokenizer.json alone: its markers, named
+        bos, eos = clm.special_ids(where)
+        tokens = {k: tok.id_to_token(i) for k, i in (("bos_token", bos), ("eos_token", eos)) if i is not None}
+    else:
+        tokens = {k: special_tokens.token_name(v) for k, v in source.items() if k.endswith("_token")}
     template = trained.official if trained is not None and trained.official is not None else trained
     if template is not None:  # what the run's chat data was rendered with, for generation and export
         (dest / chat.TEMPLATE_FILE).write_text(template.source)
-        tokens = dict(template.tokens)
-        end = chat.end_of_turn(template, clm.load_tokenizer(where))
+        end = chat.end_of_turn(template, tok)
         if fmt == "chat" and end is not None and "eos_token" not in template.source:
+            own = clm.special_ids(where)[1]
             tokens["eos_token"] = end
-        (dest / "tokenizer_config.json").write_text(json.dumps(tokens, indent=2) + "\n")
+            if own is not None and own != tok.token_to_id(end):  # it still ends a document: generation stops there too
+                (dest / "generation_config.json").write_text(json.dumps({"eos_token_id": [own]}) + "\n")
+    (dest / "tokenizer_config.json").write_text(json.dumps(tokens, indent=2) + "\n")
 
 
 # --------------------------------------------------------------------------- model
@@ -447,20 +511,87 @@ def build_model(cfg: Config, train: clm.PackedText) -> LlamaForCausalLM:
 
 
 def loss_fn(model: LlamaForCausalLM, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Per-row mean next-token cross-entropy over real tokens of one piece, and its accuracy."""
+    """Per-row mean next-token cross-entropy over real tokens of one piece, and its accuracy:
+    the logits in blocks where :func:`logits_blocks` says so, else whole."""
     # (B, T - 1); chat and prompt/completion data count their answers only (loss_mask)
     targets, weights = clm.next_token_targets(batch["input_ids"], batch["segment_ids"], batch.get("loss_mask"))
-    if model.cfg.logits_chunk:  # the logits a chunk of positions at a time (model.logits_chunk)
+    blocks = logits_blocks(model.cfg, *targets.shape)
+    if blocks is not None:
         hidden = model.decode(batch["input_ids"], batch["segment_ids"], batch["positions"])
+        chunk, tile = blocks
+        split = "vocab" if tile == model.cfg.vocab_size else None  # a tile of the vocabulary stays whole
 
-        def piece_logits(h: jax.Array) -> jax.Array:
-            return constrain(model.logits(h), "batch", None, "vocab")
+        def layout(z: jax.Array) -> jax.Array:
+            return constrain(z, "batch", None, split)
 
-        loss, accuracy = chunked_cross_entropy(piece_logits, hidden[:, :-1], targets, weights, model.cfg.logits_chunk)
+        cfg = model.cfg
+        loss, accuracy = blockwise_cross_entropy(
+            hidden[:, :-1],
+            model.output_kernel(),
+            targets,
+            weights,
+            chunk=chunk,
+            tile=tile,
+            softcap=cfg.final_logit_softcap,
+            dtype=cfg.compute_dtype,
+            layout=layout,
+        )
         return loss, {"token_accuracy": accuracy}
     logits = model(batch["input_ids"], batch["segment_ids"], batch["positions"])  # (B, T, V) float32
     losses = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], targets)
     return masked_mean(losses, weights), {"token_accuracy": masked_accuracy(logits[:, :-1], targets, weights)}
+
+
+# A device whose memory neither the hardware table nor JAX knows (a CPU) is taken to have a v5e chip's.
+ASSUMED_MEMORY = 16 * 2**30
+
+
+def logits_blocks(cfg: LlamaConfig, rows: int, seq_len: int) -> tuple[int, int] | None:
+    """``(positions, vocabulary columns)`` of a block of the loss's logits for a batch of
+    ``rows`` sequences of ``seq_len`` positions, or None for the whole logits at once.
+
+    ``model.logits_chunk``: 0 is None; N positions a block; "auto" is None unless the whole
+    float32 logits of one device's rows and their gradient
+    (:func:`~xlafit.train.losses.whole_logits_bytes`, ``2 x rows x seq_len x vocab x 4``) would
+    take more than 1/8 of its memory: the hardware table's HBM on a TPU
+    (:func:`~xlafit.platform.hardware.table_memory`), what JAX reports on a GPU,
+    :data:`ASSUMED_MEMORY` elsewhere. The blocks' sizes are
+    :func:`~xlafit.train.losses.blocks_for`'s, over one device's rows (the batch over
+    ``data`` x ``fsdp``) and vocabulary (the vocabulary whole where a tensor-parallel mesh
+    splits it). Read while the step is traced, from its mesh.
+
+    Example:
+        >>> logits_blocks(LlamaConfig.preset("llama-3.1-8b"), rows=2, seq_len=8192)  # a CPU: 16 GiB assumed
+        (2048, 16128)
+        >>> logits_blocks(LlamaConfig.preset("tiny", vocab_size=2000), rows=8, seq_len=256) is None
+        True
+    """
+    setting = cfg.logits_chunk
+    if setting == 0:
+        return None
+    vocab, split = cfg.vocab_size, False
+    layout = active_layout()
+    device = jax.devices()[0] if layout is None else layout[0].devices.flat[0]
+    if layout is not None:
+        mesh, rules = layout
+        sizes = dict(mesh.shape)
+        rows //= math.prod(sizes[a] for a in batch_axes(mesh, rows) or ())
+        axis = rules.get("vocab")
+        if axis is not None and sizes.get(axis, 1) > 1 and vocab % sizes[axis] == 0:
+            vocab, split = vocab // sizes[axis], True
+    if setting == "auto" and whole_logits_bytes(rows, seq_len, vocab) <= device_memory(device) / 8:
+        return None
+    chunk, tile = blocks_for(rows, seq_len, vocab, None if setting == "auto" else setting)
+    return chunk, cfg.vocab_size if split else tile
+
+
+def device_memory(device: Any) -> float:
+    """Bytes of memory of one device: the hardware table's for a TPU, JAX's for a GPU, else
+    :data:`ASSUMED_MEMORY`."""
+    found = table_memory(device.device_kind)
+    if found is None and device.platform == "gpu":
+        found = (device.memory_stats() or {}).get("bytes_limit")
+    return float(found or ASSUMED_MEMORY)
 
 
 def throughput(cfg: Config, train: clm.PackedText) -> Throughput:
@@ -484,6 +615,7 @@ RECIPE = Recipe(
     build_model=build_model,
     loss_fn=loss_fn,
     throughput=throughput,
+    shapes=shapes,
     save_artifacts=save_artifacts,
     kept_files={
         "tokenizer/tokenizer.json": "tokenizer (data.tokenizer, else model.init_from_hf's); the checkpoints learned "

@@ -12,6 +12,7 @@ which the resumed run trains and logs again), so every logged step appears once.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -21,6 +22,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from xlafit.errors import WriteError, write_failed
 from xlafit.io.paths import AnyPath, LocalCopy
 
 
@@ -40,6 +42,8 @@ class RunReport:
 
     Raises:
         StorageError: ``run_dir`` is a URL that cannot be read (the message names it).
+        WriteError: ``metrics.jsonl`` or ``tensorboard/`` cannot be written (a full disk, a
+            read-only directory); the message names it and the fix.
     """
 
     def __init__(self, run_dir: AnyPath | None, total_steps: int, start_step: int = 0, enabled: bool = True) -> None:
@@ -48,6 +52,7 @@ class RunReport:
         self._tb = None
         self._bar = None
         self._copy: LocalCopy | None = None
+        self._metrics: Any = None
         # The records the run logged before this resume, up to the step it resumes from.
         self.earlier: list[dict[str, Any]] = []
         if not enabled:
@@ -56,11 +61,19 @@ class RunReport:
             self._copy = LocalCopy(run_dir)
             self._copy.local.mkdir(parents=True, exist_ok=True)
             metrics = self._copy.fetch("metrics.jsonl")
-            self.earlier = _keep_until(metrics, start_step)
-            self._jsonl = open(metrics, "a", encoding="utf-8")
+            self._metrics = self._copy.target / "metrics.jsonl"  # the name the user knows (a URL stays one)
+            try:
+                self.earlier = _keep_until(metrics, start_step)
+                self._jsonl = open(metrics, "a", encoding="utf-8")
+            except OSError as e:
+                raise write_failed(self._metrics, e) from None
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(self._copy.local / "tensorboard"))
+            try:
+                self._tb = SummaryWriter(str(self._copy.local / "tensorboard"))
+            except OSError as e:
+                self.close()
+                raise write_failed(self._copy.target / "tensorboard", e) from None
         if sys.stderr.isatty() or in_notebook():
             bar = notebook_tqdm() if in_notebook() else tqdm
             self._bar = bar(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, leave=True)
@@ -79,13 +92,19 @@ class RunReport:
             return
         step = record["step"]
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps({"split": prefix, **record}) + "\n")
-            self._jsonl.flush()
+            try:
+                self._jsonl.write(json.dumps({"split": prefix, **record}) + "\n")
+                self._jsonl.flush()
+            except OSError as e:
+                raise write_failed(self._metrics, e) from None
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(f"{prefix}/{key}", value, step)
-            self._tb.flush()
+            try:
+                self._tb.flush()
+            except OSError as e:
+                raise write_failed(self._tb.logdir, e) from None
         shown = "  ".join(_fmt(k, v) for k, v in record.items() if k not in ("step", "epoch"))
         if self._bar is not None and prefix == "train":
             brief = "  ".join(_fmt(k, v) for k, v in record.items() if k in _BAR_KEYS)
@@ -113,14 +132,54 @@ class RunReport:
             self._copy.upload()
 
     def close(self) -> None:
+        """Closes the bar, the files and the TensorBoard writer, each even when another fails
+        (a writer left open prints tracebacks when the process exits).
+
+        Raises:
+            WriteError: what was left to write could not be (a full disk); the message names it.
+        """
+        failed: WriteError | None = None
         if self._bar is not None:
             self._bar.close()
+            self._bar = None
         if self._jsonl is not None:
-            self._jsonl.close()
+            jsonl, self._jsonl = self._jsonl, None
+            try:
+                jsonl.close()
+            except OSError as e:
+                failed = write_failed(self._metrics, e)
+                with contextlib.suppress(OSError):
+                    jsonl.close()  # a second close only releases the descriptor
         if self._tb is not None:
-            self._tb.close()
+            tb, self._tb = self._tb, None
+            error = _close_tensorboard(tb)
+            if error is not None and failed is None:
+                failed = write_failed(tb.logdir, error)
         if self._copy is not None:
-            self._copy.close()
+            copy, self._copy = self._copy, None
+            copy.close()
+        if failed is not None:
+            raise failed
+
+
+def _close_tensorboard(tb: Any) -> OSError | None:
+    """Closes TensorBoard's writer; returns the error of a final flush that failed (a full
+    disk), after stopping the writer anyway: tensorboardX marks a writer closed only once its
+    flush succeeds, and otherwise tries again from its exit handler, which prints a traceback
+    after xlafit's own message. What was left to write is lost either way."""
+    try:
+        tb.close()
+        return None
+    except OSError as e:
+        for writer in (tb.all_writers or {}).values():
+            events = writer.event_writer
+            with contextlib.suppress(Exception):
+                events._worker.stop()
+            with contextlib.suppress(Exception):
+                events._ev_writer.close()
+            events._closed = True  # tensorboardX's own flag: its exit handler then does nothing
+        tb.file_writer = tb.all_writers = None
+        return e
 
 
 def in_notebook() -> bool:
@@ -170,6 +229,9 @@ def _keep_until(path: Path, step: int) -> list[dict[str, Any]]:
             records.append(record)
     if len(kept) != len(lines):
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        os.replace(tmp, path)
+        try:
+            tmp.write_text("".join(kept), encoding="utf-8")
+            os.replace(tmp, path)  # atomic: the file is the old one or the new one, never a part
+        finally:
+            tmp.unlink(missing_ok=True)
     return records

@@ -232,21 +232,25 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
 
-    def evaluate(self, data: Data) -> dict[str, float]:
+    def evaluate(self, data: Data, stop: Callable[[], bool] | None = None) -> dict[str, float]:
         """Loss and metrics over every example of ``data``, each counted exactly once.
 
         The last partial batch is padded to the full batch shape and its padding rows are
         masked out, so the result equals a single-device computation over the whole set.
+        ``stop``: asked before each batch; True ends the evaluation early (its result then
+        covers the batches before).
         """
         data = as_dataset(data)
         s = self.strategy
         totals: dict[str, float] = {}
         for batch, mask in eval_batches(data, self.eval_global_batch, s.process_index, s.process_count):
+            if stop is not None and stop():
+                break
             sums = self.eval_step(self._state, to_global(s, batch), to_global(s, mask))
             # note: a host sync per eval batch; evaluation is short next to training.
             for key, value in jax.device_get(sums).items():
                 totals[key] = totals.get(key, 0.0) + float(value)
-        count = totals.pop("count")
+        count = totals.pop("count", 0.0)
         return {**{k: v / count for k, v in totals.items()}, "count": int(round(count))}
 
     # ------------------------------------------------------------------ training
@@ -324,10 +328,15 @@ class Trainer:
         try:
             with handle_signals() as loop.signals, self._watchdog() as loop.watchdog:
                 self._train(loop, train, eval)
-        finally:
-            self._end(loop)
+        except BaseException:
+            # The first failure is the one to report: a checkpoint still being written, or the
+            # report's files, may fail again on the same full disk; they are closed all the same.
+            with contextlib.suppress(Exception):
+                self._end(loop)
+            raise
+        self._end(loop)
         if eval is not None and loop.last_eval is None and int(self._state.step) == loop.total:
-            loop.last_eval = self.evaluate(eval)
+            self._final_evaluation(loop, eval)
         self._write_back()
         return FitResult(
             state=self._state,
@@ -453,18 +462,39 @@ class Trainer:
         return self._nan_policy(bad, loop.rolled_back, loop.report) if bad else None
 
     def _end(self, loop: Loop) -> None:
-        """Waits for the last checkpoint, prints the compile summary, closes the report."""
-        if self._ckpt is not None:
-            self._ckpt.wait()
-        loop.report.print(
-            f"train step compiled {self.train_step.compiles} time(s), eval step "
-            f"{self.eval_step.compiles} time(s); {self.train_step.compile_s + self.eval_step.compile_s:.1f}s "
-            "compiling, excluded from step times"
-        )
-        note = loop.stop_note(self.config.stop_at_step, saved=self._ckpt is not None)
-        if note is not None:
-            loop.report.print(note)
-        loop.report.close()
+        """Waits for the last checkpoint, prints the compile summary, closes the report (also
+        when the checkpoint failed: TensorBoard's writer left open prints tracebacks at exit)."""
+        try:
+            if self._ckpt is not None:
+                self._ckpt.wait()
+            loop.report.print(
+                f"train step compiled {self.train_step.compiles} time(s), eval step "
+                f"{self.eval_step.compiles} time(s); {self.train_step.compile_s + self.eval_step.compile_s:.1f}s "
+                "compiling, excluded from step times"
+            )
+            note = loop.stop_note(self.config.stop_at_step, saved=self._ckpt is not None)
+            if note is not None:
+                loop.report.print(note)
+        finally:
+            loop.report.close()
+
+    def _final_evaluation(self, loop: Loop, eval: Dataset) -> None:
+        """The evaluation after the last step. A SIGTERM/SIGINT here stops it (between batches,
+        in a single process; a job's processes evaluate together and finish it) and raises
+        :class:`Preempted`: the training is done and saved, and running again evaluates."""
+        with handle_signals() as signals:
+            alone = self.strategy.process_count == 1
+            loop.last_eval = self.evaluate(eval, stop=(lambda: signals.received is not None) if alone else None)
+            received = signals.received
+        if received is not None:
+            loop.last_eval = None
+            saved = (
+                f"the training is done: checkpoint {loop.step} in {self._ckpt.directory} holds its last step, and "
+                "running again evaluates it"
+                if self._ckpt is not None
+                else "the training is done, but with no run directory nothing was saved"
+            )
+            raise Preempted(loop.step, received, f"the final evaluation did not finish; {saved}")
 
     # ------------------------------------------------------------------ the loop's helpers
 
