@@ -150,10 +150,33 @@ def quantize_kernel(kernel: Any, qtype: str, block: int) -> tuple[jax.Array, jax
     return jnp.concatenate(codes), jnp.concatenate(scales)
 
 
+@functools.cache
+def nf4_levels() -> tuple[float, ...]:
+    """NF4's 16 levels, as Qwix dequantizes the codes 0..15 (a unit scale)."""
+    with jax.ensure_compile_time_eval():  # a constant even when first asked inside a trace
+        codes = jnp.arange(16, dtype=jnp.uint4).reshape(16, 1)
+        levels = qwix.dequantize(qwix.QArray(codes, jnp.ones((1, 1)), None, "nf4"))
+        return tuple(float(v) for v in np.asarray(levels).ravel())
+
+
 def dequantize(qvalue: jax.Array, scale: jax.Array, qtype: str, dtype: Any = jnp.float32) -> jax.Array:
     """The kernel Qwix's values stand for (``qvalue`` as :func:`pack` stores them): each
-    code's level (NF4's table, or the integer) times its block's scale, as ``dtype``."""
-    return qwix.dequantize(qwix.QArray(unpack(qvalue, qtype), scale, None, _storage(qtype))).astype(dtype)
+    code's level (NF4's table, or the integer) times its block's scale, as ``dtype``.
+
+    int4 and int8 go through ``qwix.dequantize``. NF4's levels are picked by a chain of
+    selects on the code instead of Qwix's table lookup (a gather of every weight, which made
+    the TPU compiler's program of an 8B model gigabytes of code); the values are the same.
+    """
+    if qtype != "nf4":
+        return qwix.dequantize(qwix.QArray(unpack(qvalue, qtype), scale, None, _storage(qtype))).astype(dtype)
+    codes = unpack(qvalue, qtype).astype(jnp.uint8)
+    levels = jnp.zeros(codes.shape, jnp.float32)
+    for code, level in enumerate(nf4_levels()):
+        levels = jnp.where(codes == code, jnp.float32(level), levels)
+    *lead, rows, cols = levels.shape
+    blocks = scale.shape[-2]  # [..., blocks, rows / blocks, out] x [..., blocks, 1, out]
+    grouped = levels.reshape(*lead, blocks, rows // blocks, cols) * scale.astype(jnp.float32)[..., :, None, :]
+    return grouped.reshape(levels.shape).astype(dtype)
 
 
 def _matmul(x: jax.Array, qvalue: jax.Array, scale: jax.Array, qtype: str, dtype: Any) -> jax.Array:
