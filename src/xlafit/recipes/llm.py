@@ -26,8 +26,10 @@ from xlafit.data import clm
 from xlafit.errors import ConfigError, HFFormatError
 from xlafit.hf import llama as llama_hf
 from xlafit.hf.files import read_json
+from xlafit.hf.quantized import from_hf_quantized
 from xlafit.io import hub
 from xlafit.models.llama import PRESETS, LlamaConfig, LlamaForCausalLM
+from xlafit.models.quantized import check_tiling
 from xlafit.parallel.sharding import active_layout, batch_axes, constrain
 from xlafit.platform.hardware import table_memory
 from xlafit.recipes.base import Recipe, Throughput
@@ -126,6 +128,7 @@ def validate(cfg: Config) -> None:
         hub.check_local(tokenizer, "data.tokenizer")
     if cfg.model.init_from_hf is None:
         config = llama_config(cfg, 1)
+        check_base_blocks(cfg, config)
         if data_config(cfg).seq_len > config.max_position_embeddings:
             raise ConfigError(
                 f"data.seq_len={data_config(cfg).seq_len} is longer than the model's max_position_embeddings="
@@ -176,6 +179,7 @@ def check_checkpoint(cfg: Config, folder: str | Path) -> None:
         llama_hf.tensor_files(folder)
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"model.init_from_hf={m.init_from_hf}: {e}") from None
+    check_base_blocks(cfg, checkpoint)
     seq_len = data_config(cfg).seq_len
     if seq_len > checkpoint.max_position_embeddings:
         raise ConfigError(
@@ -183,6 +187,18 @@ def check_checkpoint(cfg: Config, folder: str | Path) -> None:
             f"{checkpoint.max_position_embeddings} (its config.json): the model never saw positions that far; lower "
             "data.seq_len."
         )
+
+
+def check_base_blocks(cfg: Config, llama: LlamaConfig) -> None:
+    """A quantized base (``lora.base_dtype=nf4|int4|int8``) needs every dense layer's input
+    features to be a multiple of ``lora.base_block``: refused here, before the run directory
+    is written, naming the layer and a block that divides it."""
+    if not (cfg.lora.rank and cfg.lora.quantized):
+        return
+    inputs = {"q_proj": llama.hidden_size, "o_proj": llama.num_heads * llama.head_size,
+              "down_proj": llama.intermediate_size}  # fmt: skip
+    for name, features in inputs.items():
+        check_tiling(f"layers.*.{name}", (features, 1), cfg.lora.base_block, cfg.lora.base_dtype)
 
 
 def from_data(cfg: Config, train: clm.PackedText) -> Config:
@@ -227,7 +243,10 @@ def build_llama(cfg: Config, vocab_size: int) -> LlamaForCausalLM:
             "scan_layers": m.scan_layers,
             "logits_chunk": m.logits_chunk,
         }
-        model = llama_hf.from_hf(source, rngs=nnx.Rngs(cfg.trainer.seed), **options)
+        if cfg.lora.rank and cfg.lora.quantized:  # quantized as it is read: one tensor in full precision at a time
+            model = from_hf_quantized(source, cfg.lora.base_dtype, cfg.lora.base_block, **options)
+        else:
+            model = llama_hf.from_hf(source, rngs=nnx.Rngs(cfg.trainer.seed), **options)
         if model.cfg.vocab_size < vocab_size:
             raise ConfigError(
                 f"{m.init_from_hf} has a vocabulary of {model.cfg.vocab_size} tokens, the tokenizer {vocab_size}; "
