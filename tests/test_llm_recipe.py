@@ -299,9 +299,9 @@ def test_the_tpu_compiler_holds_less_than_the_whole_logits_by_default():
     (3.5 GiB with the whole logits, 1.0 GiB in blocks of 256 MiB)."""
     settings = ["model.vocab_size=262144", "data.seq_len=256", "data.per_device_batch=8", "data.eval_global_batch=8"]
     (report,) = check_recipe("llm", settings, tpu="v5e-1").tpu
-    assert report.fits and report.eval is not None and report.eval["fits"]
+    assert report.fits and report.eval is not None and report.eval.fits
     logits = 8 * 255 * 262144 * 4
-    assert report.memory["total"] < logits and report.eval["total"] < logits / 4
+    assert report.memory["total"] < logits and report.eval.total < logits / 4
 
 
 @pytest.mark.parametrize("value", ["auto", 0, 1024])
