@@ -62,6 +62,8 @@ class Recipe:
         load_data: ``(cfg) -> (train, eval)``: datasets (or dicts of arrays); eval may be None.
         build_model: ``(cfg, train) -> nnx.Module``.
         loss_fn: ``(model, batch) -> losses [B]`` or ``(losses [B], {metric: [B]})``.
+        loss_for: ``(cfg) -> loss_fn``: the loss a config trains with, where settings choose
+            it (the llm recipe's ``model.objective``); None: ``loss_fn`` always.
         data_config: the dataclass of the ``data`` section (a :class:`DataConfig` subclass
             with the recipe's own keys).
         from_data: ``(cfg, train) -> cfg``: settings the data decides (BERT: the sequence
@@ -92,3 +94,8 @@ class Recipe:
     kept_files: dict[str, str] = dataclasses.field(default_factory=dict)
     sequence_lengths: Callable[[Config], np.ndarray | None] = _no_lengths
     validate: Callable[[Config], None] = _nothing_to_check
+    loss_for: Callable[[Config], LossFn] | None = None
+
+    def loss(self, cfg: Config) -> LossFn:
+        """The loss a run of ``cfg`` trains and evaluates with."""
+        return self.loss_for(cfg) if self.loss_for is not None else self.loss_fn

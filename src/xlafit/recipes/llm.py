@@ -6,7 +6,8 @@ through a Hugging Face tokenizer and are packed into rows with segment ids
 or read from a Hugging Face directory (``model.init_from_hf``); ``lora.rank`` trains
 adapters on a frozen base (:func:`xlafit.run.with_lora`). With no ``data.data_dir``, the
 demo: the Korean texts of the konlpy wheel, a byte-level BPE tokenizer trained on them once
-(into the user cache), and a tiny Llama.
+(into the user cache), and a tiny Llama. ``model.objective=dpo`` (``simpo``, ``orpo``) tunes
+on preference pairs instead (:mod:`xlafit.recipes.llm_preference`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from xlafit.io.cache import cache_dir
 from xlafit.models.attention import packed_segments_limit
 from xlafit.models.llama import PRESETS, LlamaConfig, LlamaForCausalLM
 from xlafit.parallel.sharding import constrain
+from xlafit.recipes import llm_preference
 from xlafit.recipes.base import Recipe, Throughput
 from xlafit.train.losses import chunked_cross_entropy, masked_accuracy, masked_mean
 
@@ -73,6 +75,9 @@ class LlmModelConfig:
     # the loss over chunks of this many positions (0: all at once): holds [batch, chunk, vocab]
     # float32 logits instead of [batch, seq_len, vocab], for a third more output-layer FLOPs
     logits_chunk: int = 0
+    # next_token (pretraining, SFT), or a preference objective on pairs of completions: dpo, simpo, orpo
+    objective: Literal["next_token", "dpo", "simpo", "orpo"] = "next_token"
+    preference: llm_preference.PreferenceConfig = dataclasses.field(default_factory=llm_preference.PreferenceConfig)
 
 
 @dataclasses.dataclass
@@ -87,15 +92,17 @@ class LlmDataConfig(xconfig.DataConfig):
     vocab_size: int | None = None  # the size of the BPE tokenizer the demo trains (null: 2000)
     text_column: str = "text"  # the column of Parquet files that holds the documents
     eval_fraction: float = 0.1  # documents held out for evaluation (a hash of their index and data.seed)
-    # auto (from the records), text, chat ({"messages": [...]}) or prompt_completion ({"prompt", "completion"})
+    # auto (from the records), text, chat ({"messages": [...]}), prompt_completion ({"prompt", "completion"})
+    # or preference ({"prompt", "chosen", "rejected"}: model.objective=dpo, simpo, orpo)
     format: str = "auto"
     # chat records: a Jinja chat template file instead of the tokenizer's (tokenizer_config.json's chat_template),
     # or one of xlafit's training templates by name (qwen3, mistral-v0.3; see xlafit/data/templates.py)
     chat_template: str | None = None
     loss_on: str = "assistant"  # chat and prompt/completion records: assistant (the answers only) or all
     # with no data.data_dir: korean (the konlpy wheel's texts), chat (arithmetic conversations with a ChatML
-    # tokenizer) or arithmetic (the same kind of questions and answers as plain text, the same tokenizer)
-    demo: Literal["korean", "chat", "arithmetic"] = "korean"
+    # tokenizer), arithmetic (the same kind of questions and answers as plain text, the same tokenizer) or
+    # preference (sums with a right answer chosen and a wrong one rejected: model.objective=dpo)
+    demo: Literal["korean", "chat", "arithmetic", "preference"] = "korean"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -146,6 +153,7 @@ def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
 def validate(cfg: Config) -> None:
     """Refuses sizes that cannot work and local model or tokenizer paths that are missing (or
     an xlafit run's, not a Hugging Face directory), before any text is read."""
+    llm_preference.validate(cfg)
     if cfg.model.init_from_hf:
         hub.check_local(cfg.model.init_from_hf, "model.init_from_hf")
         _refuse_size_overrides(cfg)
@@ -249,7 +257,7 @@ def tokenizer_location(cfg: Config) -> str:
     source = model_dir(cfg)
     if source and (Path(source).expanduser() / "tokenizer.json").exists():
         return str(Path(source).expanduser())
-    if not d.data_dir and d.demo in ("chat", "arithmetic"):
+    if not d.data_dir and d.demo in ("chat", "arithmetic", "preference"):
         return chat_demo.demo_files()[2]
     if d.data_dir:
         raise ConfigError(
@@ -283,7 +291,8 @@ def demo_tokenizer(vocab_size: int) -> str:
 
 
 def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
-    """(train, eval) packed rows of the documents of ``data.data_dir`` (or the demo corpus)."""
+    """(train, eval) packed rows of the documents of ``data.data_dir`` (or the demo corpus);
+    for a preference objective, pairs of rows (:func:`xlafit.recipes.llm_preference.load`)."""
     d = data_config(cfg)
     where = tokenizer_location(cfg)
     tok = clm.load_tokenizer(where)
@@ -291,6 +300,9 @@ def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
     # The template the conversations are rendered with: a family's training template in place of
     # its official one where xlafit ships one (data/templates.py); data.chat_template wins.
     template = chat.template_for(where, d.chat_template, training=True)
+    if llm_preference.objective_of(cfg) is not None:
+        pairs = llm_preference.load(cfg, tok, template, build_llama)
+        return pairs[0], (pairs[1] if len(pairs[1]) else None)  # type: ignore[return-value]
     train, evaluation = clm.load_packed(
         inputs,
         tok,
@@ -453,6 +465,9 @@ def throughput(cfg: Config, train: clm.PackedText) -> Throughput:
         hf = read_json(Path(source).expanduser() / "config.json")
         llama = llama_hf.config_from_hf(hf)
     t = train.seq_len
+    if llm_preference.objective_of(cfg) is not None:  # an example is a pair of rows; DPO may add the base's forward
+        flops = 2 * t * llama.train_flops_per_token(t) * (1 + llm_preference.reference_passes(cfg) / 3)
+        return {"tokens_per_example": 2.0 * t, "flops_per_example": flops}
     return {"tokens_per_example": float(t), "flops_per_example": t * llama.train_flops_per_token(t)}
 
 
@@ -464,6 +479,7 @@ RECIPE = Recipe(
     from_data=from_data,
     build_model=build_model,
     loss_fn=loss_fn,
+    loss_for=functools.partial(llm_preference.loss_for, next_token=loss_fn),
     throughput=throughput,
     save_artifacts=save_artifacts,
     kept_files={
