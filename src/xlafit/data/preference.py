@@ -162,13 +162,13 @@ def encode_pair(
     """``(chosen, rejected)``: each completion after the prompt, as token ids and the mask of
     the completion's tokens."""
     if kind == "text":
-        chosen, rejected = (
+        good, bad = (
             encode(
                 {"prompt": record["prompt"], "completion": record[k]}, "prompt_completion", tok, None, bos=bos, eos=eos
             )
             for k in ("chosen", "rejected")
         )
-        return chosen, rejected
+        return good, bad
     if template is None:
         raise DataError(
             "preference conversations need a chat template: the tokenizer's directory has none "

@@ -61,17 +61,18 @@ def validate(cfg: Config) -> None:
     """Refuses preference settings that cannot work, before any data is read: DPO on full
     fine-tuning with no reference, the demo of one objective with the other's data."""
     objective = objective_of(cfg)  # the settings' own ranges (Objective refuses them)
-    demo = cfg.data.demo if not cfg.data.data_dir else None
+    d: Any = cfg.data  # the llm recipe's LlmDataConfig
+    demo = d.demo if not d.data_dir else None
     if objective is None:
-        if demo == "preference" or cfg.data.format == "preference":
+        if demo == "preference" or d.format == "preference":
             raise ConfigError(
                 "preference pairs train a preference objective: set model.objective=dpo (or simpo, orpo), or give "
                 "other data for next-token training."
             )
         return
-    if cfg.data.format not in ("auto", "preference"):
+    if d.format not in ("auto", "preference"):
         raise ConfigError(
-            f"model.objective={objective.loss} trains on preference pairs; data.format={cfg.data.format} is another "
+            f"model.objective={objective.loss} trains on preference pairs; data.format={d.format} is another "
             "kind of data: set data.format=auto (or preference)."
         )
     if demo is not None and demo != "preference":
@@ -95,7 +96,7 @@ def load(
     """(train, eval) pairs of ``data.data_dir`` (or the demo's), with the reference's
     log-probabilities where ``model.preference.reference=precomputed`` (``build_base``
     builds the model as the run starts, adapters aside)."""
-    d = cfg.data
+    d: Any = cfg.data  # the llm recipe's LlmDataConfig
     inputs = [d.data_dir] if d.data_dir else [chat_demo.preference_file()]
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     train, evaluation = load_pairs(
