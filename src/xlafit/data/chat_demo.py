@@ -34,6 +34,7 @@ CHATML = (
 SPECIALS = ["<|im_start|>", "<|im_end|>"]
 _WORDS = {"plus": lambda a, b: a + b, "minus": lambda a, b: a - b, "times": lambda a, b: a * b}
 VERSION = "chat-demo-2"
+PREFERENCE_VERSION = "2"  # the pairs' layout and held-out split (a new one makes a new file)
 
 
 def conversations(n: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -95,9 +96,10 @@ def demo_files(n: int = 3000, vocab_size: int = 400) -> tuple[str, str, str]:
 
 
 def held_out_sums() -> list[tuple[int, int]]:
-    """The sums ``a plus b`` (``a, b`` in 0..9) that :func:`preference_pairs` never asks:
-    every fifth, to measure a tuned model on questions its pairs did not hold."""
-    return [(a, b) for a in range(10) for b in range(10) if (10 * a + b) % 5 == 2]
+    """The sums ``a plus b`` (``a, b`` in 0..9) that :func:`preference_pairs` never asks: a
+    fifth of them, two for each ``a`` and two for each ``b``, to measure a tuned model on
+    questions its pairs did not hold."""
+    return [(a, b) for a in range(10) for b in range(10) if (3 * a + b) % 5 == 0]
 
 
 def preference_pairs(n: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -124,7 +126,7 @@ def preference_pairs(n: int, seed: int = 0) -> list[dict[str, Any]]:
 def preference_file(n: int = 2000) -> str:
     """:func:`preference_pairs` as JSON lines, made once in the cache (the demo's tokenizer
     is :func:`demo_files`')."""
-    target = cache_dir() / f"chat-demo-preferences-{VERSION}-{n}.jsonl"
+    target = cache_dir() / f"chat-demo-preferences-{PREFERENCE_VERSION}-{n}.jsonl"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=target.parent, delete=False, suffix=".tmp") as f:
