@@ -77,6 +77,7 @@ class LlmModelConfig:
     logits_chunk: int = 0
     # next_token (pretraining, SFT), or a preference objective on pairs of completions: dpo, simpo, orpo
     objective: Literal["next_token", "dpo", "simpo", "orpo"] = "next_token"
+    # the preference objectives' settings: beta, label_smoothing, gamma, reference (docs/guides/preference.md)
     preference: llm_preference.PreferenceConfig = dataclasses.field(default_factory=llm_preference.PreferenceConfig)
 
 

@@ -37,9 +37,7 @@ OBJECTIVES = ("next_token", *preference.LOSSES)
 class PreferenceConfig:
     """The preference objectives' settings (TRL's names and defaults)."""
 
-    beta: float = (
-        0.1  # DPO: the KL strength; SimPO: the reward scale (its paper: 2 to 10); ORPO: the odds ratio's weight
-    )
+    beta: float = 0.1  # DPO's KL strength; SimPO's reward scale (its paper: 2 to 10); ORPO's odds-ratio weight
     label_smoothing: float = 0.0  # the chance that a pair's preference is flipped (conservative DPO; SimPO), < 0.5
     gamma: float = 0.5  # SimPO's target margin (TRL's simpo_gamma)
     # DPO's reference model: auto (with LoRA the base with its adapters off, no copy) or precomputed
