@@ -75,7 +75,7 @@ def test_completion_logps_equal_trl_get_batch_logps(pairs):
     )
 
 
-def trl_dpo_trainer(beta):
+def trl_dpo_trainer(beta, loss_types=("sigmoid",), loss_weights=(1.0,)):
     """TRL's DPOTrainer with what its ``_compute_loss`` reads and nothing else: a sigmoid
     loss with precomputed reference log-probabilities, on one process."""
     trainer = object.__new__(trl_dpo.DPOTrainer)
@@ -87,8 +87,8 @@ def trl_dpo_trainer(beta):
         "precompute_ref_logps": True,
         "ld_alpha": None,
         "f_divergence_type": "reverse_kl",
-        "loss_types": ["sigmoid"],
-        "loss_weights": [1.0],
+        "loss_types": list(loss_types),
+        "loss_weights": list(loss_weights),
         "beta": beta,
         "label_smoothing": 0.0,
         "use_weighting": False,
@@ -101,15 +101,13 @@ def trl_dpo_trainer(beta):
     return trainer
 
 
-def test_dpo_equals_trl_dpo_trainer(pairs):
-    """The loss and TRL's logged rewards, margins, accuracies and log-probabilities of
-    DPOTrainer._compute_loss, fed the same per-token log-probabilities as its model's."""
-    batch, logits, ref = pairs
-    beta = 0.3
+def trl_dpo_loss(batch, logits, ref, beta, **losses):
+    """DPOTrainer._compute_loss on pairs, fed the same per-token log-probabilities as its
+    model's: ``(loss, {metric: value})``."""
     labels = trl_labels(batch)
     token_logps = trl_utils.selective_log_softmax(torch_rows(logits)[:, :-1], labels[:, 1:].clamp(min=0))
     token_logps = token_logps * (labels[:, 1:] != -100)
-    rows = 2 * PAIRS
+    rows = 2 * len(ref)
     outputs = types.SimpleNamespace(
         log_probs=token_logps,
         entropy=torch.zeros(rows, T - 1),
@@ -123,9 +121,17 @@ def test_dpo_equals_trl_dpo_trainer(pairs):
         "ref_chosen_logps": torch.from_numpy(ref[:, 0].copy()),
         "ref_rejected_logps": torch.from_numpy(ref[:, 1].copy()),
     }
-    trainer = trl_dpo_trainer(beta)
+    trainer = trl_dpo_trainer(beta, **losses)
     loss = trainer._compute_loss(lambda **kwargs: outputs, inputs, return_outputs=False)
-    logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    return loss, {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+
+def test_dpo_equals_trl_dpo_trainer(pairs):
+    """The loss and TRL's logged rewards, margins, accuracies and log-probabilities of
+    DPOTrainer._compute_loss."""
+    batch, logits, ref = pairs
+    beta = 0.3
+    loss, logged = trl_dpo_loss(batch, logits, ref, beta)
 
     sums, _ = ours(batch, logits)
     losses, chosen, rejected = preference.dpo(
@@ -276,3 +282,23 @@ def test_precomputed_reference_equals_the_base(pairs):
     rows = {k: jnp.asarray(v.reshape(-1, T)) for k, v in batch.items()}
     expected, _ = preference._pair_logps(base, rows)
     np.testing.assert_allclose(got, np.asarray(expected), rtol=0, atol=1e-5)
+
+
+def test_dpo_with_the_sft_term_equals_trl_sigmoid_plus_sft(pairs):
+    """sft_weight: TRL's loss_type=["sigmoid", "sft"], loss_weights=[1, w], a pair at a time
+    (TRL's SFT term averages over the batch's chosen tokens, xlafit's over each pair's)."""
+    batch, logits, ref = pairs
+    beta, weight = 0.3, 0.7
+    rows = {k: jnp.asarray(v) for k, v in batch.items()}
+    given_logits = jnp.asarray(logits.reshape(-1, T, V))
+    model = lambda ids, segments, positions: given_logits  # noqa: E731  (the logits as the model's)
+    losses, metrics = preference.loss_fn(
+        preference.Objective("dpo", beta=beta, reference="precomputed", sft_weight=weight)
+    )(model, {**rows, "ref_logps": ref})
+    for i in range(PAIRS):
+        one = {k: v[i : i + 1] for k, v in batch.items()}
+        expected, logged = trl_dpo_loss(
+            one, logits[i : i + 1], ref[i : i + 1], beta, loss_types=("sigmoid", "sft"), loss_weights=(1.0, weight)
+        )
+        assert abs(float(losses[i]) - expected.item()) < TOL
+        assert abs(float(metrics["rewards/chosen"][i]) - logged["rewards/chosen"]) < TOL

@@ -43,6 +43,9 @@ class PreferenceConfig:
     # DPO's reference model: auto (with LoRA the base with its adapters off, no copy) or precomputed
     # (its log-probabilities computed once before training: full fine-tuning, or a cheaper LoRA step)
     reference: Literal["auto", "precomputed"] = "auto"
+    # DPO: the weight of the chosen completion's negative log-likelihood added to the loss (TRL's "sft" loss
+    # beside "sigmoid"; RPO): keeps the chosen answers likely while the rejected ones fall; 0: DPO alone
+    sft_weight: float = 0.0
 
 
 def objective_of(cfg: Config) -> preference.Objective | None:
@@ -52,7 +55,7 @@ def objective_of(cfg: Config) -> preference.Objective | None:
         return None
     p = m.preference
     reference: preference.Reference = "precomputed" if p.reference == "precomputed" else "base"
-    return preference.Objective(m.objective, p.beta, p.label_smoothing, p.gamma, reference)
+    return preference.Objective(m.objective, p.beta, p.label_smoothing, p.gamma, reference, p.sft_weight)
 
 
 def validate(cfg: Config) -> None:

@@ -11,7 +11,10 @@ its tokens' (:func:`completion_logps`).
 - **DPO** (Rafailov et al. 2023, TRL's ``loss_type="sigmoid"``): ``-log σ(β Δ)`` where
   ``Δ`` is how much more the policy than the reference prefers the chosen completion;
   ``label_smoothing`` ``ε`` gives conservative DPO, ``-(1-ε) log σ(β Δ) - ε log σ(-β Δ)``.
-  Rewards: ``β (log π - log π_ref)`` per completion.
+  Rewards: ``β (log π - log π_ref)`` per completion. ``sft_weight`` adds that times the
+  chosen completion's mean negative log-likelihood (TRL's ``loss_type=["sigmoid", "sft"]``
+  with ``loss_weights=[1, sft_weight]``; RPO, Pang et al. 2024), which keeps DPO from
+  lowering the chosen completion's likelihood along with the rejected one's.
 - **SimPO** (Meng et al. 2024, TRL's ``CPOTrainer`` with ``loss_type="simpo"``): no
   reference; the log-probabilities are averaged over each completion's tokens, and the
   chosen one must win by a margin ``γ``: ``-log σ(β (avg_c - avg_r) - γ)``. Rewards:
@@ -77,6 +80,8 @@ class Objective:
         gamma: SimPO's target margin (TRL's ``simpo_gamma``).
         reference: DPO's reference: ``base`` (the model with its LoRA adapters off) or
             ``precomputed`` (``ref_logps`` in the batch).
+        sft_weight: DPO: the weight of the chosen completion's mean negative log-likelihood
+            added to the loss (0: DPO alone).
     """
 
     loss: str = "dpo"
@@ -84,12 +89,15 @@ class Objective:
     label_smoothing: float = 0.0
     gamma: float = 0.5
     reference: Reference = "base"
+    sft_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
             raise ConfigError(f"preference loss {self.loss!r}: one of {', '.join(LOSSES)}.")
         if self.beta <= 0:
             raise ConfigError(f"model.preference.beta={self.beta:g} must be positive (TRL's default is 0.1).")
+        if self.sft_weight < 0:
+            raise ConfigError(f"model.preference.sft_weight={self.sft_weight:g} must be 0 (DPO alone) or more.")
         if not 0 <= self.label_smoothing < 0.5:
             raise ConfigError(
                 f"model.preference.label_smoothing={self.label_smoothing:g} must be in [0, 0.5): the probability that "
@@ -221,6 +229,10 @@ def loss_fn(objective: Objective) -> Callable[[Any, dict[str, jax.Array]], tuple
                 beta=objective.beta,
                 label_smoothing=objective.label_smoothing,
             )
+            if objective.sft_weight:
+                nll = -sums[:, 0] / jnp.maximum(counts[:, 0], 1.0)
+                losses = losses + objective.sft_weight * nll
+                extras = {"nll_loss": jax.lax.stop_gradient(nll)}
             logged = sums
         else:
             avg = sums / jnp.maximum(counts, 1.0)
