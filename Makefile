@@ -47,7 +47,7 @@ demo-llm: $(BASE)
 # loss on the answers only), its answers from the tuned run.
 DPO_BETA := 0.5
 DPO_LR := 0.002
-DPO_EPOCHS := 4
+DPO_EPOCHS := 6
 CHAT_LORA := lora.rank=16 lora.alpha=32 lora.targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj
 demo-chat: $(BASE)
 	$(VENV)/bin/xlafit train llm --simulate 8 --run-dir runs/demo-chat-base --restart data.demo=arithmetic \
@@ -63,7 +63,8 @@ demo-chat: $(BASE)
 # Preference tuning on the CPU: the chat model of demo-chat (made first if it is missing),
 # tuned with DPO and LoRA on sums whose right answer is chosen and a wrong one rejected
 # (docs/guides/preference.md), then asked sums its pairs never held.
-DPO_SETTINGS := model.objective=dpo model.preference.beta=$(DPO_BETA) data.demo=preference data.seq_len=48 \
+DPO_SETTINGS := model.objective=dpo model.preference.beta=$(DPO_BETA) model.preference.sft_weight=1 \
+	data.demo=preference data.seq_len=48 \
 	$(CHAT_LORA) trainer.epochs=$(DPO_EPOCHS) optimizer.learning_rate=$(DPO_LR)
 demo-dpo: $(BASE)
 	@test -d runs/demo-chat-lora || $(MAKE) --no-print-directory demo-chat
