@@ -35,7 +35,7 @@ def overrides(pairs_file, run_dir, *extra):
         f"data.tokenizer={chat_demo.demo_files()[2]}",
         f"run.run_dir={run_dir}",
         *("data.seq_len=40", "data.global_batch=8", "data.eval_global_batch=8", "data.eval_fraction=0.2"),
-        *("trainer.epochs=1", "trainer.log_every_steps=1", "run.simulate_devices=1"),
+        *("trainer.epochs=1", "trainer.log_every_steps=1"),
         *extra,
     ]
 
@@ -109,7 +109,7 @@ def test_kill_9_during_a_dpo_run_resumes_to_the_uninterrupted_metrics(tmp_path, 
         "trainer.epochs=2",
         "trainer.invariant_chunks=null",
     ]
-    cmd = lambda run_dir: [*XLAFIT, "train", "llm", *overrides(pairs_file, run_dir, *settings)]  # noqa: E731
+    cmd = lambda run_dir: [*XLAFIT, "train", "llm", "--simulate", "1", *overrides(pairs_file, run_dir, *settings)]  # noqa: E731
     whole = tmp_path / "whole"
     out = subprocess.run(cmd(whole), capture_output=True, text=True, env=env())
     assert out.returncode == 0, out.stderr[-3000:]
