@@ -134,7 +134,7 @@ bench-mnist: $(VENV)/.torch-installed
 
 bench-bert: $(VENV)/.torch-installed
 	mkdir -p runs
-	$(PY) benchmarks/bert_speed.py --preset mini --batch 32 --dtype float32 --steps 20 --warmup 3 --repeats 3 \
+	$(PY) benchmarks/speed/bert_speed.py --preset mini --batch 32 --dtype float32 --steps 20 --warmup 3 --repeats 3 \
 	  --json runs/bench-bert.json
 
 clean:

@@ -1,6 +1,7 @@
 """Builders shared by several test files (pyproject.toml puts tests/ on sys.path)."""
 
 import functools
+import json
 
 import numpy as np
 import optax
@@ -70,3 +71,152 @@ def use_few_digits(monkeypatch, train=400, test=200):
         }
 
     monkeypatch.setattr(mnist, "load_embedded", sliced)
+
+
+# --------------------------------------------------------------------------- tiny tokenizers of model families
+
+# Each family's tokenizer laid out as its hub files are (tokenizer.json's normaliser, pre-tokenizer,
+# post-processor and decoder; tokenizer_config.json, special_tokens_map.json and
+# generation_config.json's special tokens and flags), with a vocabulary trained on TOKENIZER_CORPUS.
+TOKENIZER_CORPUS = (
+    "The capital of France is Paris. What is 3 plus 4? It is 7. You answer briefly.\n"
+    "Say hi to the model. Hi, and how are you today? Rome, since 1871.\n"
+)
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
+    "{%- if message['role'] == 'assistant' -%}{%- set role = 'model' -%}{%- else -%}{%- set role = message['role'] -%}"
+    "{%- endif -%}{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+CHATML_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}[/INST]"
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+_QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+TOKENIZER_FAMILIES = ("gemma3", "llama3", "qwen3", "mistral", "xlafit")
+
+
+def _added(content):
+    return {"content": content, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+
+
+def family_tokenizer(family, folder):
+    """``folder`` holding a tiny tokenizer of ``family`` (one of TOKENIZER_FAMILIES; xlafit:
+    :func:`xlafit.data.clm.train_bpe`'s), laid out as the family's hub files are."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    from xlafit.data import clm
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if family == "xlafit":
+        (folder / "corpus.txt").write_text(TOKENIZER_CORPUS * 5)
+        clm.train_bpe([str(folder / "corpus.txt")], 300, folder)
+        return folder
+    byte_level = family in ("llama3", "qwen3")
+    if family in ("gemma3", "mistral"):
+        tok = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+            + ([decoders.Strip(" ", 1, 0)] if family == "mistral" else [])
+        )
+    else:
+        tok = Tokenizer(models.BPE(ignore_merges=family == "llama3"))
+        tok.decoder = decoders.ByteLevel()
+    if family == "gemma3":
+        tok.normalizer = normalizers.Replace(" ", "▁")
+        tok.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
+        first, later = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"], ["<start_of_turn>", "<end_of_turn>"]
+    elif family == "mistral":
+        tok.pre_tokenizer = pre_tokenizers.Metaspace("▁", "first", split=False)
+        first, later = ["<unk>", "<s>", "</s>"], ["[INST]", "[/INST]"]
+    else:
+        split = _LLAMA3_SPLIT if family == "llama3" else _QWEN_SPLIT
+        if family == "qwen3":
+            tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), "isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        first = []
+        later = (
+            ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+            if family == "llama3"
+            else ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        )
+    alphabet = pre_tokenizers.ByteLevel.alphabet() if byte_level else []
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=first, initial_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator([TOKENIZER_CORPUS] * 5, trainer)
+    tok.add_special_tokens(later)
+    ids = {t: tok.token_to_id(t) for t in first + later}
+    if family == "gemma3":
+        tok.post_processor = processors.TemplateProcessing(
+            single="<bos> $A", pair="<bos> $A <bos>:1 $B:1", special_tokens=[("<bos>", ids["<bos>"])]
+        )
+        config = {"add_bos_token": True, "add_eos_token": False, "bos_token": "<bos>", "eos_token": "<eos>",
+                  "pad_token": "<pad>", "unk_token": "<unk>", "mask_token": "<mask>",
+                  "tokenizer_class": "GemmaTokenizer", "spaces_between_special_tokens": False,
+                  "use_default_system_prompt": False, "clean_up_tokenization_spaces": False,
+                  "chat_template": GEMMA3_TEMPLATE}  # fmt: skip
+        generation = {"bos_token_id": ids["<bos>"], "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]],
+                      "pad_token_id": ids["<pad>"]}  # fmt: skip
+    elif family == "mistral":
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s>:1 $B:1", special_tokens=[("<s>", ids["<s>"])]
+        )
+        config = {"add_bos_token": True, "add_eos_token": False, "bos_token": "<s>", "eos_token": "</s>",
+                  "unk_token": "<unk>", "pad_token": None, "legacy": False, "tokenizer_class": "LlamaTokenizer",
+                  "spaces_between_special_tokens": False, "use_default_system_prompt": False,
+                  "chat_template": MISTRAL_TEMPLATE}  # fmt: skip
+        generation = {"bos_token_id": ids["<s>"], "eos_token_id": ids["</s>"]}
+    elif family == "llama3":
+        tok.post_processor = processors.Sequence(
+            [
+                processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True),
+                processors.TemplateProcessing(
+                    single="<|begin_of_text|> $A",
+                    pair="<|begin_of_text|> $A <|begin_of_text|>:1 $B:1",
+                    special_tokens=[("<|begin_of_text|>", ids["<|begin_of_text|>"])],
+                ),
+            ]
+        )
+        config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "clean_up_tokenization_spaces": True,
+                  "model_input_names": ["input_ids", "attention_mask"], "tokenizer_class": "PreTrainedTokenizerFast",
+                  "chat_template": LLAMA3_TEMPLATE}  # fmt: skip
+        generation = {"bos_token_id": ids["<|begin_of_text|>"],
+                      "eos_token_id": [ids["<|end_of_text|>"], ids["<|eot_id|>"]]}  # fmt: skip
+    else:
+        tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+        config = {"add_prefix_space": False, "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                  "unk_token": None, "errors": "replace", "split_special_tokens": False,
+                  "tokenizer_class": "Qwen2Tokenizer", "clean_up_tokenization_spaces": False,
+                  "chat_template": CHATML_TEMPLATE}  # fmt: skip
+        generation = {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]]}
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    named = {k: _added(v) for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
+    (folder / "special_tokens_map.json").write_text(json.dumps(named, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    return folder

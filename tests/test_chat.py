@@ -13,6 +13,9 @@ import pytest
 from xlafit.data import chat, clm
 from xlafit.errors import ConfigError, DataError
 
+# The command as a user runs it: without the suite's XLA_FLAGS (8 host devices), on the CPU.
+USER_ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
     "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
@@ -246,7 +249,7 @@ def test_records_that_would_train_on_nothing_are_refused_by_name(model_dir, tmp_
 def test_tokenizing_says_how_far_it_is(model_dir, tmp_path, monkeypatch, capsys):
     """A large file is tokenized for minutes: the run prints where it is, on stderr with the
     recipe's other notes (here at every record: PROGRESS_EVERY_S=0)."""
-    from xlafit.recipes import llm, load_config
+    from xlafit.recipes import llm_data, load_config
 
     monkeypatch.setattr(clm, "PROGRESS_EVERY_S", 0.0)
     path = tmp_path / "chat.jsonl"
@@ -256,7 +259,7 @@ def test_tokenizing_says_how_far_it_is(model_dir, tmp_path, monkeypatch, capsys)
     template = chat.template_for(str(model_dir))
     clm.load_packed([str(path)], clm.load_tokenizer(model_dir), seq_len=128, template=template, progress=lines.append)
     assert lines[0] == f"tokenizing {path} (file 1 of 1): 1 of 12 records" and lines[-1].endswith(": 12 of 12 records")
-    llm.load_data(load_config("llm", [f"data.data_dir={tmp_path / 'a.txt'}", f"data.tokenizer={model_dir}"]))
+    llm_data.load_data(load_config("llm", [f"data.data_dir={tmp_path / 'a.txt'}", f"data.tokenizer={model_dir}"]))
     assert f"tokenizing {tmp_path / 'a.txt'}: 2 of 2 documents\n" in capsys.readouterr().err
 
 
@@ -406,7 +409,7 @@ def test_a_parquet_file_without_text_is_one_line_and_exit_2(model_dir, tmp_path)
         out = subprocess.run(
             [sys.executable, "-m", "xlafit", "train", "llm", "--data-dir", str(path), f"data.tokenizer={model_dir}",
              "--run-dir", str(tmp_path / "run")],
-            capture_output=True, text=True, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"},
+            capture_output=True, text=True, env=USER_ENV,
         )  # fmt: skip
         assert out.returncode == 2, out.stderr[-2000:]
         assert out.stderr.count("\n") == 1 and "has no column 'text'" in out.stderr
@@ -433,8 +436,7 @@ def test_the_error_after_reading_parquet_never_aborts_under_load(model_dir, tmp_
     def run(i: int) -> int:
         command = [sys.executable, "-m", "xlafit", "train", "llm", "--data-dir", str(path),
                    f"data.tokenizer={model_dir}", "--run-dir", str(tmp_path / f"run-{i}")]  # fmt: skip
-        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        return subprocess.run(command, capture_output=True, text=True, env=env).returncode
+        return subprocess.run(command, capture_output=True, text=True, env=USER_ENV).returncode
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         codes = list(pool.map(run, range(100)))

@@ -38,6 +38,35 @@ def test_devices_simulate_from_environment():
     assert "mesh: data=4 fsdp=1 tensor=1" in out.stdout
 
 
+def test_the_simulate_variable_holds_however_jax_is_first_started():
+    """XLAFIT_SIMULATE_DEVICES=8 and a model built before xlafit.connect() (the fine-tuning
+    notebook's test mode): JAX started with 1 device, and connect() said to set the variable
+    that was set. ``import xlafit`` makes the devices; a run's own CPU settings still replace
+    the defaults it applied (mnist: cpu.fast_paths=false, no YNNPACK flag); JAX started before
+    the import is told to import xlafit first."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["XLAFIT_SIMULATE_DEVICES"] = "8"
+    code = (
+        "import os, jax; from flax import nnx; import xlafit; nnx.Rngs(0); "
+        "print(jax.device_count(), xlafit.connect().num_replicas)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["8", "8"], out.stderr[-2000:]
+    code = (
+        "import os, xlafit; from xlafit.parallel.cluster import configure; from xlafit.platform.cpu import CpuConfig; "
+        "before = os.environ['XLA_FLAGS']; configure(cpu=CpuConfig(fast_paths=False)); "
+        "print(repr(before), repr(os.environ['XLA_FLAGS']))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["'--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce'", "''"], out.stderr
+    code = "import jax; jax.devices(); import xlafit; xlafit.connect()"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "8 simulated devices cannot be made in this process; import xlafit before anything else runs JAX" in (
+        out.stderr
+    )
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -332,7 +361,7 @@ def test_every_benchmark_scripts_help_formats():
     import ast
 
     root = Path(__file__).resolve().parents[1] / "benchmarks"
-    scripts = sorted(root.glob("*.py"))
+    scripts = sorted(p for p in root.rglob("*.py") if "results" not in p.relative_to(root).parts)
     checked = 0
     for script in scripts:
         for node in ast.walk(ast.parse(script.read_text())):

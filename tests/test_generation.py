@@ -96,6 +96,69 @@ def test_sampling_is_reproducible_and_stays_in_the_top_k():
         Sampling(top_p=0.0)
 
 
+def test_stop_ids_end_each_row_where_transformers_generate_ends_it(tmp_path):
+    """Greedy, several stop ids, rows that stop at different steps (one never): each row's
+    tokens equal transformers' generate with the same ids as eos_token_id, and inside the
+    compiled loop a stopped row generates nothing more (its later tokens are the pad id)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from xlafit.models.generation import _run
+
+    model = tiny(rope_theta=500000.0)
+    full = generate(model, PROMPTS, 10)
+    stops = [full[0][2], full[2][5]]  # row 0 stops by its 3rd token, row 2 by its 6th
+    llama_hf.save_hf(model, tmp_path)
+    theirs = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32).eval()
+    length = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (length - len(p)) + p for p in PROMPTS])
+    mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in PROMPTS])
+    with torch.no_grad():
+        out = theirs.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=stops
+        )
+    expected = []
+    for row in out[:, length:].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+        assert set(row[end:]) <= {0}  # transformers pads a finished row
+        expected.append(row[:end])
+    got = generate(model, PROMPTS, 10, eos_ids=stops)
+    assert got == expected
+    assert len(got[0]) <= 3 and len({len(row) for row in got}) > 1  # the rows stop apart
+    # In the loop: after its stop a row holds the pad id (here 96), not the tokens it would go on with.
+    graphdef, state = nnx.split(model)
+    padded = jnp.asarray([[0] * (length - len(p)) + p for p in PROMPTS], jnp.int32)
+    pads = jnp.asarray([length - len(p) for p in PROMPTS], jnp.int32)
+    raw = _run(graphdef, state, padded, pads, jnp.asarray(stops, jnp.int32), jnp.uint32(0), 10, Sampling(), 96)
+    assert np.asarray(raw)[0].tolist() == got[0] + [96] * (10 - len(got[0]))
+
+
+def test_sampling_without_a_seed_draws_one_and_returns_it():
+    """--temperature 0.8 without --seed gave the same tokens every call (seed 0): a fresh seed
+    is drawn per call and returned; giving it back repeats the tokens. Greedy has no seed."""
+    model = tiny()
+    warm = Sampling(temperature=0.8)
+    a, b = generate(model, PROMPTS, 6, warm), generate(model, PROMPTS, 6, warm)
+    assert a.seed is not None and b.seed is not None and a.seed != b.seed
+    assert a != b
+    assert generate(model, PROMPTS, 6, Sampling(temperature=0.8, seed=a.seed)) == a
+    assert generate(model, PROMPTS, 6).seed is None
+    with pytest.raises(ValueError, match=r"seed=-1: give a seed from 0 to 4294967295"):
+        Sampling(temperature=1.0, seed=-1)
+
+
+def test_top_k_or_top_p_without_a_temperature_samples_at_1_as_transformers_does():
+    """top_k / top_p without a temperature were ignored (greedy): they sample at temperature
+    1.0, transformers' default when it samples; temperature 0 with them is refused."""
+    model = tiny()
+    assert Sampling(top_p=0.9).temperature == 1.0 and Sampling(top_k=5).temperature == 1.0
+    assert Sampling().temperature == 0.0 and not Sampling().samples
+    at_one = generate(model, PROMPTS, 6, Sampling(temperature=1.0, top_k=40, seed=3))
+    assert generate(model, PROMPTS, 6, Sampling(top_k=40, seed=3)) == at_one
+    assert at_one != generate(model, PROMPTS, 6)
+    with pytest.raises(ValueError, match=r"temperature=0 is greedy, and top_k=0, top_p=0.9 choose among"):
+        Sampling(temperature=0.0, top_p=0.9)
+
+
 def test_a_sharded_model_generates_what_one_device_does():
     """FSDP x TP over the 8 simulated devices: the state stays where the mesh put it."""
     from xlafit.parallel.mesh import Strategy, make_mesh
@@ -424,3 +487,114 @@ def test_a_prompt_completion_run_is_asked_as_it_trained_not_in_the_chat_template
     exported = Generator.load(str(tmp_path / "run-hf"))
     assert exported.trained_on == "prompt_completion" and not exported.chat_by_default
     assert exported.encode(QUESTION) == ask.encode(QUESTION)
+
+
+# --------------------------------------------------------------------------- the command's sampling and stops
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """A tiny random model with the chat demo's tokenizer, as a Hugging Face directory."""
+    import shutil
+
+    from xlafit.data.chat_demo import demo_files
+    from xlafit.data.clm import load_tokenizer
+    from xlafit.models.llama import LlamaConfig
+
+    folder = tmp_path_factory.mktemp("chat-model")
+    _, _, tokenizer = demo_files()
+    vocab = load_tokenizer(tokenizer).get_vocab_size()
+    llama_hf.save_hf(LlamaForCausalLM(LlamaConfig.preset("tiny", vocab_size=vocab), rngs=nnx.Rngs(0)), folder)
+    shutil.copytree(tokenizer, folder, dirs_exist_ok=True)
+    return folder
+
+
+def test_the_command_says_its_drawn_seed_and_stops_at_texts_and_ids(chat_model, capsys):
+    """`xlafit generate --temperature 0.8` without --seed drew no seed (the same answer every
+    call): it prints the one it draws, and --seed repeats it; --top-p alone samples; --stop
+    cuts the answer before a text, --stop-id ends it at a token."""
+    import json
+
+    from xlafit.cli import main
+    from xlafit.generator import Generator
+
+    asked = ["generate", str(chat_model), "--prompt", QUESTION, "--max-new-tokens", "12", "--json", "--no-chat"]
+
+    def answer(*flags: str) -> tuple[str, str]:
+        assert main([*asked, *flags]) == 0
+        out, err = capsys.readouterr()
+        return json.loads(out)["answer"], err
+
+    first, err = answer("--temperature", "0.8")
+    seed = int(re.search(r"^seed (\d+) \(pass --seed \1 to repeat\)$", err, re.M).group(1))
+    assert answer("--temperature", "0.8", "--seed", str(seed)) == (
+        first,
+        err.replace(f"seed {seed} (pass --seed {seed} to repeat)\n", ""),
+    )
+    assert re.search(r"^seed \d+ ", answer("--top-p", "0.9")[1], re.M)  # it samples (at temperature 1.0)
+    greedy, err = answer()
+    assert "seed" not in err
+    ask = Generator.load(str(chat_model))
+    assert greedy == ask([QUESTION], 12, use_chat=False)[0]
+    stop = greedy.strip()[len(greedy.strip()) // 2 :][:3]  # a text from the middle of the answer
+    assert answer("--stop", stop, "--stop", "never in it")[0] == greedy[: greedy.index(stop)]
+    ids = ask.encode(QUESTION, use_chat=False)
+    tokens = generate(ask.model, [ids], 12, eos_ids=ask.eos_ids)[0]
+    kept = answer("--stop-id", str(tokens[1]))[0]
+    assert kept == ask.tokenizer.decode(tokens[: tokens.index(tokens[1]) + 1], skip_special_tokens=True)
+    assert main([*asked, "--temperature", "0", "--top-k", "5"]) == 2
+    assert "--temperature 0 is greedy, and --top-k 5, --top-p 1.0 choose among" in capsys.readouterr().err
+    assert main([*asked, "--stop-id", "100000"]) == 2
+    assert "stop id 100000 is not a token of this model" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- asking a run that is training
+
+
+def test_generate_during_training_reads_the_newest_checkpoint_that_stays_and_names_its_step(tmp_path, capsys):
+    """Issue 63 (15): asked mid-run, with checkpoints rotating every step, every call failed:
+    a checkpoint removed while it was read was called corrupt ("the run has to start over"),
+    its metadata read after it was gone made "the base model ... is not the one its adapters
+    were trained on", and asyncio printed tracebacks. Each call reads the newest checkpoint
+    that stays while it is read (looking again when one is removed) and names its step."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from xlafit.cli import main
+
+    run = tmp_path / "run"
+    keep = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = keep | {"PYTHONUNBUFFERED": "1", "XLAFIT_CACHE": str(tmp_path / "cache")}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    train = [
+        sys.executable, "-m", "xlafit", "train", "llm", "--simulate", "1", "--run-dir", str(run),
+        "lora.rank=4", "data.vocab_size=400", "data.seq_len=64", "data.global_batch=8",
+        "trainer.stop_at_step=100000", "trainer.log_every_steps=1", "trainer.checkpoint_every_steps=1",
+        "trainer.keep_checkpoints=1", "trainer.eval_every_epochs=100",
+    ]  # fmt: skip
+    proc = subprocess.Popen(train, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while not any(p.name.isdigit() for p in (run / "checkpoints").glob("*")) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(0.5)
+        capsys.readouterr()
+        steps = []
+        for _ in range(3):
+            code = main(["generate", str(run), "--prompt", "대한민국은", "--max-new-tokens", "3", "--json"])
+            assert code == 0, capsys.readouterr().err[-3000:]
+            assert proc.poll() is None  # asked while it trains
+            out, err = capsys.readouterr()
+            assert "Traceback" not in err and "corrupt" not in err and "base model" not in err, err
+            answer = json.loads(out.strip().splitlines()[-1])
+            steps.append(answer["step"])
+            assert f"answering from step {answer['step']} of {run}" in err, err
+        saved = sorted(int(p.name) for p in (run / "checkpoints").glob("*") if p.name.isdigit())
+        assert steps == sorted(steps) and steps[-1] < saved[-1], (steps, saved)  # the run went on meanwhile
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)

@@ -21,7 +21,7 @@ from xlafit.models.bert import BertConfig, BertForMaskedLM
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 from xlafit.models.lora import ADAPTER, BASE, apply_lora, base_fingerprint, lora_state, merge_lora
 from xlafit.parallel.sharding import DEFAULT_RULES, logical_axes, tree_specs
-from xlafit.recipes.llm import check_packed_segments
+from xlafit.recipes.llm_data import check_packed_segments
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -206,7 +206,13 @@ def test_scan_layers_and_remat_give_the_same_logits_and_gradients(tmp_path):
         64,
         96,
     )
-    for overrides in ({"remat": "full"}, {"scan_layers": True}, {"scan_layers": True, "remat": "dots_saveable"}):
+    for overrides in (
+        {"remat": "full"},
+        {"scan_layers": True},
+        {"scan_layers": True, "remat": "dots_saveable"},
+        {"remat": "offload"},  # the layer input in pinned host memory: on a CPU, the same memory
+        {"scan_layers": True, "remat": "offload"},
+    ):
         other = from_hf(tmp_path, **overrides)
         np.testing.assert_allclose(logits(other, ids), reference_logits, atol=1e-5, rtol=0, err_msg=str(overrides))
         grads = nnx.state(nnx.grad(loss)(other), nnx.Param)

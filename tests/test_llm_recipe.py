@@ -2,6 +2,7 @@
 the optimizer and checkpoints, refused on another base, exact resume after kill -9), and the
 Hugging Face / PEFT export loaded back by transformers with the same logits."""
 
+import dataclasses
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import pytest
 from flax import nnx
 
 import xlafit
+from xlafit.check import check_recipe
 from xlafit.check.recipes import memory_levers
 from xlafit.checkpoint import Checkpointer, fingerprint
 from xlafit.config import TrainerConfig
@@ -27,11 +29,21 @@ from xlafit.errors import CheckpointError, ConfigError, DataError, HFFormatError
 from xlafit.hf import llama as llama_hf
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 from xlafit.models.lora import ADAPTER, apply_lora, base_fingerprint, merge_lora
+from xlafit.parallel.sharding import DEFAULT_RULES, activation_layout
 from xlafit.recipes import llm as recipe
-from xlafit.recipes import load_config
-from xlafit.train.losses import chunked_cross_entropy
+from xlafit.recipes import llm_data, load_config
+from xlafit.runlock import LOCK
 
 XLAFIT = [sys.executable, "-m", "xlafit"]
+
+
+def run_files(run):
+    """A run directory's files and their bytes, less its checkpoints and its lock (whose holder
+    each attempt names)."""
+    kept = (p for p in sorted(run.rglob("*")) if p.is_file() and "checkpoints" not in p.parts and p.name != LOCK)
+    return {p: p.read_bytes() for p in kept}
+
+
 TEXT = "\n\n".join(
     f"문서 {i}: 대한민국은 민주공화국이다. 모든 권력은 국민으로부터 나온다. 줄 {i} " * (1 + i % 4) for i in range(60)
 )
@@ -58,7 +70,7 @@ def env(cache):
 def test_an_evaluation_split_of_nothing_is_said_aloud(corpus, tmp_path):
     """One document at data.eval_fraction=0.1: nothing is drawn for evaluation, and the run
     says so instead of training without an eval loss unannounced."""
-    from xlafit.recipes.llm import LlmDataConfig, data_summary
+    from xlafit.recipes.llm_data import LlmDataConfig, data_summary
 
     one = tmp_path / "one.txt"
     one.write_text("A single document of a few words.")
@@ -73,9 +85,11 @@ def test_an_evaluation_split_of_nothing_is_said_aloud(corpus, tmp_path):
 
 def test_packed_rows_keep_documents_apart(corpus):
     tok = clm.load_tokenizer(corpus / "tok")
-    bos, eos = clm.special_ids(tok)
+    bos, eos = clm.special_ids(corpus / "tok")
     assert (bos, eos) == (0, 1)
-    train, evaluation = clm.load_packed([str(corpus / "text")], tok, seq_len=64, eval_fraction=0.2, seed=0)
+    train, evaluation = clm.load_packed(
+        [str(corpus / "text")], tok, seq_len=64, eval_fraction=0.2, seed=0, markers=(bos, eos)
+    )
     assert train.documents + evaluation.documents == 60 and 0 < evaluation.documents < 30
     ids, seg, pos = (train.arrays[k] for k in ("input_ids", "segment_ids", "positions"))
     assert ids.shape[1] == 64 and train.vocab_size == tok.get_vocab_size()
@@ -97,7 +111,7 @@ def test_packed_rows_keep_documents_apart(corpus):
     docs = list(clm.read_documents([str(corpus / "text")]))
     pq.write_table(pa.table({"body": docs}), corpus / "docs.parquet")
     from_parquet, _ = clm.load_packed(  # a directory: its *.txt and *.parquet files
-        [str(corpus)], tok, seq_len=64, eval_fraction=0.2, seed=0, text_column="body"
+        [str(corpus)], tok, seq_len=64, eval_fraction=0.2, seed=0, text_column="body", markers=(bos, eos)
     )
     np.testing.assert_array_equal(from_parquet.arrays["input_ids"], ids)
     with pytest.raises(DataError, match="has no column 'text' .*set data.text_column"):
@@ -110,23 +124,26 @@ def test_documents_and_tokenizer_in_a_bucket_pack_as_local_ones(corpus, gcs):
 
     b = gcs.bucket
     as_path(f"{b}/text/a.txt").write_text(TEXT)
-    as_path(f"{b}/tok/tokenizer.json").write_text((corpus / "tok" / "tokenizer.json").read_text())
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        as_path(f"{b}/tok/{name}").write_text((corpus / "tok" / name).read_text())
     cfg = load_config("llm", [f"data.data_dir={b}/text", f"data.tokenizer={b}/tok", "data.seq_len=64"])
-    train, evaluation = recipe.load_data(cfg)
-    local, _ = clm.load_packed([str(corpus / "text")], clm.load_tokenizer(corpus / "tok"), seq_len=64)
+    train, evaluation = llm_data.load_data(cfg)
+    assert clm.special_ids(f"{b}/tok") == clm.special_ids(corpus / "tok") == (0, 1)
+    markers = clm.special_ids(corpus / "tok")
+    local, _ = clm.load_packed([str(corpus / "text")], clm.load_tokenizer(corpus / "tok"), seq_len=64, markers=markers)
     np.testing.assert_array_equal(train.arrays["input_ids"], local.arrays["input_ids"])
     assert expand_inputs([f"{b}/text"]) == [f"{b}/text/a.txt"]  # a directory URL, as a local one
-    recipe.save_artifacts(cfg, as_path(f"{b}/run"), train)  # the run's copy, for the export
+    llm_data.save_artifacts(cfg, as_path(f"{b}/run"), train)  # the run's copy, for the export
     assert as_path(f"{b}/run/tokenizer/tokenizer.json").read_text() == (corpus / "tok" / "tokenizer.json").read_text()
 
 
 def test_config_errors_name_the_fix(corpus, tmp_path):
     with pytest.raises(ConfigError, match="data.data_dir needs a tokenizer: set data.tokenizer"):
-        recipe.load_data(load_config("llm", [f"data.data_dir={corpus / 'text'}"]))
+        llm_data.load_data(load_config("llm", [f"data.data_dir={corpus / 'text'}"]))
     (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')  # a model's, not a tokenizer
     not_a_tokenizer = [f"data.data_dir={corpus / 'text'}", f"data.tokenizer={tmp_path}/config.json"]
     with pytest.raises(DataError, match=r"config.json is not a Hugging Face tokenizer.json \(.+\); give data"):
-        recipe.load_data(load_config("llm", not_a_tokenizer))
+        llm_data.load_data(load_config("llm", not_a_tokenizer))
     for fraction in (1, 1.5, -0.5):  # all held out (nothing to train on), or a share that is none
         with pytest.raises(ConfigError, match=rf"data.eval_fraction={fraction} is the share of the data held out"):
             load_config("llm", [f"data.eval_fraction={fraction}"])
@@ -184,7 +201,7 @@ def test_a_resume_with_another_tokenizer_is_refused_and_the_run_is_left_as_it_wa
               "data.global_batch=8", "model.preset=custom", "model.num_layers=1", "model.hidden_size=32",
               "model.num_heads=2", "model.intermediate_size=64", "optimizer.decay_steps=100"]  # fmt: skip
     xlafit.train_and_evaluate(load_config("llm", [*common, f"data.tokenizer={corpus / 'tok'}"]))
-    before = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and "checkpoints" not in p.parts}
+    before = run_files(run)
     capsys.readouterr()
     with pytest.raises(ConfigError) as refused:
         xlafit.train_and_evaluate(load_config("llm", [*common, f"data.tokenizer={tmp_path / 'tok2'}"]))
@@ -194,7 +211,7 @@ def test_a_resume_with_another_tokenizer_is_refused_and_the_run_is_left_as_it_wa
     )
     assert f"its own copy is {run}/tokenizer/tokenizer.json" in str(refused.value)
     assert "resuming with changed settings" not in capsys.readouterr().out
-    after = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and "checkpoints" not in p.parts}
+    after = run_files(run)
     assert after == before
     # The run's own tokenizer, given again (another copy of it): resumes.
     xlafit.train_and_evaluate(load_config("llm", [*common, f"data.tokenizer={run / 'tokenizer'}", "trainer.epochs=1"]))
@@ -217,9 +234,12 @@ def _tiny(seed=0, lora=True):
     return apply_lora(model, ("q_proj", "v_proj"), rank=4, alpha=8, rngs=nnx.Rngs(1)) if lora else model
 
 
-@pytest.mark.parametrize("chunk", [5, 8, 64])  # a chunk not dividing the 31 positions; one holding them all
-def test_the_loss_over_chunks_of_positions_is_the_loss_and_its_gradient(chunk):
-    """model.logits_chunk: the same loss, accuracy and gradients, the logits a chunk at a time."""
+@pytest.mark.parametrize(
+    "chunk, family",
+    [(5, {}), (8, {"final_logit_softcap": 2.0, "tie_embeddings": True}), (64, {})],
+)  # a chunk not dividing the 31 positions (Gemma 2's soft-cap on tied embeddings); one holding them all
+def test_the_loss_in_blocks_is_the_loss_and_its_gradient(chunk, family):
+    """model.logits_chunk: the same loss, accuracy and gradients, the logits a block at a time."""
     sizes = dict(
         vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, max_position_embeddings=64
     )
@@ -231,7 +251,7 @@ def test_the_loss_over_chunks_of_positions_is_the_loss_and_its_gradient(chunk):
     }
     results = []
     for logits_chunk in (0, chunk):
-        model = LlamaForCausalLM(LlamaConfig(**sizes, logits_chunk=logits_chunk), rngs=nnx.Rngs(0))
+        model = LlamaForCausalLM(LlamaConfig(**sizes, **family, logits_chunk=logits_chunk), rngs=nnx.Rngs(0))
 
         def loss(m):
             value, metrics = recipe.loss_fn(m, batch)
@@ -244,24 +264,69 @@ def test_the_loss_over_chunks_of_positions_is_the_loss_and_its_gradient(chunk):
     np.testing.assert_allclose(a1, a0, rtol=1e-6)
     for x, y in zip(g1, g0, strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-7)
-    with pytest.raises(ValueError, match="logits_chunk=-1 must be 0"):
+    with pytest.raises(ValueError, match="logits_chunk=-1 must be auto, 0"):
         LlamaConfig(**sizes, logits_chunk=-1)
 
 
-def test_a_chunk_longer_than_the_positions_computes_each_position_once():
-    seen = []
+def test_a_lora_adapted_output_layer_is_the_kernel_of_the_loss_in_blocks():
+    model = apply_lora(_tiny(lora=False), ("lm_head",), rank=2, alpha=4, rngs=nnx.Rngs(1))
+    nnx.update(model, jax.tree.map(lambda b: b + 0.1, nnx.state(model, ADAPTER)))  # B starts at 0: move it
+    x = jax.random.normal(jax.random.key(0), (2, 3, 64))
+    np.testing.assert_allclose(x @ model.output_kernel(), model.logits(x), rtol=1e-5, atol=1e-6)
 
-    def logits_fn(h):
-        seen.append(h.shape)
-        return h @ jnp.ones((4, 7))
 
-    chunked_cross_entropy(logits_fn, jnp.ones((2, 5, 4)), jnp.zeros((2, 5), jnp.int32), jnp.ones((2, 5)), 64)
-    assert seen == [(2, 5, 4)]
+def test_auto_takes_blocks_where_the_whole_logits_would_be_a_large_share_of_memory(strategy8):
+    """The rule: blocks where 2 x rows x seq_len x vocab x 4 bytes pass 1/8 of a device's memory
+    (a CPU: 16 GiB assumed), the rows and vocabulary one device's."""
+    big = LlamaConfig.preset("llama-3.1-8b")  # 128,256 tokens
+    assert recipe.logits_blocks(big, rows=2, seq_len=8192) == (2048, 16128)  # 16.8 GB whole: tiles of the vocabulary
+    assert recipe.logits_blocks(big, rows=1, seq_len=2048) is None  # 2.1 GB whole, under 1/8 of 16 GiB
+    assert recipe.logits_blocks(dataclasses.replace(big, logits_chunk=0), rows=2, seq_len=8192) is None
+    assert recipe.logits_blocks(dataclasses.replace(big, logits_chunk=512), rows=1, seq_len=2048) == (512, 128256)
+    tiny = LlamaConfig.preset("tiny", vocab_size=2000)
+    assert recipe.logits_blocks(tiny, rows=8, seq_len=256) is None
+    # Traced under an 8-device mesh, 16 rows are 2 a device: the whole logits stay whole.
+    with activation_layout(strategy8.mesh, DEFAULT_RULES):
+        assert recipe.logits_blocks(big, rows=16, seq_len=1024) is None
+    assert recipe.logits_blocks(big, rows=16, seq_len=1024) == (256, 16128)
+    assert load_config("llm", []).model.logits_chunk == "auto"
+
+
+def test_the_tpu_compiler_holds_less_than_the_whole_logits_by_default():
+    """A tiny model with Gemma's 262,144-token vocabulary at 8 x 256 tokens a core: the whole
+    logits alone are 2.1 GB (4.3 with their gradient, over 1/8 of a v5e's 16 GiB), so auto takes
+    blocks; the TPU compiler's whole program, state and all, then needs less than those logits
+    (3.5 GiB with the whole logits, 1.0 GiB in blocks of 256 MiB)."""
+    settings = ["model.vocab_size=262144", "data.seq_len=256", "data.per_device_batch=8", "data.eval_global_batch=8"]
+    (report,) = check_recipe("llm", settings, tpu="v5e-1").tpu
+    assert report.fits and report.eval is not None and report.eval["fits"]
+    logits = 8 * 255 * 262144 * 4
+    assert report.memory["total"] < logits and report.eval["total"] < logits / 4
+
+
+@pytest.mark.parametrize("value", ["auto", 0, 1024])
+def test_logits_chunk_takes_auto_zero_or_a_number(value):
+    assert load_config("llm", [f"model.logits_chunk={value}"]).model.logits_chunk == value
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("-1", "model.logits_chunk=-1 must be auto, 0 (the whole logits at once) or a number of positions."),
+        ("big", "model.logits_chunk='big' is not allowed: expected int or 'auto'."),
+        ("true", "model.logits_chunk=True is not allowed: expected int or 'auto'."),
+    ],
+)
+def test_a_wrong_logits_chunk_is_one_line(value, message):
+    with pytest.raises(ConfigError) as e:
+        load_config("llm", [f"model.logits_chunk={value}"])
+    assert str(e.value) == message
 
 
 def test_a_run_that_does_not_fit_is_offered_the_loss_in_chunks():
-    offered = [text for _, text in memory_levers(load_config("llm", []).model)]
-    assert any("model.logits_chunk=1024" in text for text in offered)
+    for setting in ([], ["model.logits_chunk=0"]):
+        offered = [text for _, text in memory_levers(load_config("llm", setting).model)]
+        assert any("model.logits_chunk=1024" in text for text in offered)
     chunked = load_config("llm", ["model.logits_chunk=512"]).model
     assert not any("logits_chunk" in text for _, text in memory_levers(chunked))
 

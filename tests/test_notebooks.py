@@ -1,8 +1,10 @@
 """The notebooks under examples/ are stored without outputs and run as stored.
 
-Each notebook runs in a Jupyter kernel (nbclient) on 8 simulated CPU devices, with
-``XLAFIT_NOTEBOOK_TEST=1``: a notebook reads it to skip what needs the service it was written
-for (installing, mounting Drive) and to train a few steps instead of a few epochs.
+Each notebook runs in a Jupyter kernel (nbclient) in a user's environment: the suite's own
+settings (conftest.py's ``XLA_FLAGS`` with 8 host devices, ``JAX_PLATFORMS``) stay out, and
+the documented test mode comes in: ``XLAFIT_NOTEBOOK_TEST=1`` (a notebook reads it to skip
+what needs the service it was written for, installing, mounting Drive, and to train a few
+steps instead of a few epochs) and ``XLAFIT_SIMULATE_DEVICES=8``.
 """
 
 import os
@@ -30,18 +32,28 @@ def test_stored_without_outputs(path):
             assert cell.outputs == [] and cell.execution_count is None, f"{path.name}, cell {i}: clear its outputs"
 
 
-def run(path: Path, tmp_path: Path) -> nbformat.NotebookNode:
-    nb = nbformat.read(path, as_version=4)
-    env = {
-        **os.environ,
+# Settings of the suite's process, not of a user's: JAX's and XLA's (conftest.py gives XLA 8
+# host devices, which hid a notebook that made only 1), xlafit's, libtpu's, matplotlib's
+# backend (the kernel draws inline).
+SUITE_ONLY = ("XLA_", "JAX_", "XLAFIT_", "TPU_", "LIBTPU", "MPLBACKEND")
+
+
+def user_env() -> dict[str, str]:
+    """A user's environment, with the notebooks' documented test mode."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(SUITE_ONLY)}
+    return {
+        **env,
         "XLAFIT_NOTEBOOK_TEST": "1",
         "XLAFIT_SIMULATE_DEVICES": "8",
-        "JAX_PLATFORMS": "cpu",
-        # The kernel and the notebook's `!xlafit ...` use this tree and this environment.
+        # The kernel and the notebook's `!xlafit ...` use this tree (as installed) and this venv.
         "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
     }
-    env.pop("MPLBACKEND", None)  # the kernel's own: figures inline
+
+
+def run(path: Path, tmp_path: Path) -> nbformat.NotebookNode:
+    nb = nbformat.read(path, as_version=4)
+    env = user_env()
     client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
     client.execute(env=env)
     return nb

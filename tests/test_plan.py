@@ -286,7 +286,12 @@ def test_a_step_of_microseconds_is_predicted_without_the_band_measured_on_longer
     p = plan.winner.prediction
     assert p.predicted and p.step_s < 1e-3 and p.outside_band and p.band_median is None
     text = format_plan(plan)
-    assert "ms ±" not in text and f"{p.step_s * 1e3:.3g}? " in text and "(? no error band: a step under 1 ms" in text
+    assert (
+        "ms ±" not in text
+        and f"{p.step_s * 1e3:.3g}? " in text
+        and "(? no error band: the step is outside the programs" in text
+    )
+    assert ": no error band: a step under 1 ms is outside the range" in text
     assert "check it: xlafit check " in text and " --tpu colab --per-device-batch 8 " in text
     assert plan_json(plan)["winner"]["prediction"]["outside_band"] is True
 
@@ -323,7 +328,9 @@ def test_plan_of_a_model_too_big_for_data_parallelism(tmp_path):
     assert all("tensor" in why for _, mesh, why in plan.skipped)  # no named axes: nothing to split by tensor
     text = format_plan(plan)
     assert "Why not v5e-8 DP 8" in text and "check it: xlafit check" in text and "--per-device-batch 8" in text
-    assert "step (predicted):" in text and "roofline estimate:" in text and "  v5e: ±" in text
+    assert "step (predicted):" in text and "roofline estimate:" in text and " ms ±" not in text
+    # A model of the user's own: no error band is quoted for it (validated on llm models).
+    assert "  v5e: not validated for this kind of program (a model of your own, " in text
     # The six meshes with a tensor axis share one reason: one line names them all.
     (not_tried,) = [line for line in text.splitlines() if "not tried" in line]
     assert "meshes 4x1x2, 2x2x2, 1x4x2, 2x1x4, 1x2x4, 1x1x8:" in not_tried
@@ -380,6 +387,9 @@ def test_plan_of_a_recipe_is_read_back_by_train_and_check(tmp_path):
     assert any(o.candidate.mesh[1] > 1 for o in plan.outcomes)
     assert all(o.stage == "layout" for o in plan.outcomes)  # everything fits: no levers, no batch search
     winner = plan.winner
+    # The run's eval step too, the winner's only, at the preset's eval batch over its cores.
+    assert winner.eval_batch == 256 and winner.eval.fits and winner.eval_fix is None
+    assert [o for o in plan.outcomes if o.eval_batch is not None] == [winner]
     fastest = max(o.prediction.examples_per_s for o in plan.fitting())
     assert winner.prediction.examples_per_s == fastest
     written = plan.write(tmp_path / "plan.yaml")

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from xlafit.platform.hardware import table_host_bandwidth
 from xlafit.predict.fit import fit_matmul, fit_peak_stream, fit_stream
-from xlafit.predict.model import predict, stream_rate, wave_efficiency
+from xlafit.predict.model import host_rate, predict, stream_rate, wave_efficiency
 from xlafit.predict.ops import Kernel, kernels
 from xlafit.predict.rates import BUILT_IN, Rates, load_rates, rates_for, save_rates
 from xlafit.predict.validation import covering, fit_gpu, gpu_checks, kernel_units, tpu_checks, tpu_rows, tpu_runs
@@ -159,6 +160,72 @@ ENTRY %main (w: bf16[1152,6912]) -> bf16[288,6912] {
     found = {k.name: k for k in kernels(hlo)}
     assert (found["s"].kind, found["s"].bytes) == ("transfer", 288 * 6912 * 2)  # a quarter, not the whole weight
     assert (found["c"].kind, found["c"].bytes) == ("transfer", 1152 * 6912 * 2)
+
+
+# Host offloading as the TPU compiler emits it (model.remat=offload): a layer's input copied
+# to the host's memory (S(5)) and back, and, in a scanned loop, written into and read from
+# a stacked buffer in host memory; each beside a product fusion.
+OFFLOAD = """
+%product (p0: bf16[8,512,256], p1: bf16[256,256]) -> bf16[8,512,256] {
+  %p0 = bf16[8,512,256]{2,1,0:$T} parameter(0)
+  %p1 = bf16[256,256]{1,0:$T} parameter(1)
+  ROOT %d = bf16[8,512,256]{2,1,0:$T} dot(%p0, %p1), lhs_contracting_dims={2}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: bf16[8,512,256], w: bf16[256,256], s: bf16[4,8,512,256]) -> bf16[8,512,256] {
+  %x = bf16[8,512,256]{2,1,0:$T} parameter(0)
+  %w = bf16[256,256]{1,0:$T} parameter(1)
+  %s = bf16[4,8,512,256]{3,2,1,0:$T$H} parameter(2)
+  %i = s32[] constant(1)
+  %z = s32[] constant(0)
+  %out = (bf16[8,512,256]{2,1,0:$T$H}, bf16[8,512,256]{2,1,0:$T}, u32[]{:S(2)}) copy-start(%x)
+  %y = bf16[8,512,256]{2,1,0:$T} fusion(%x, %w), kind=kOutput, calls=%product
+  %outd = bf16[8,512,256]{2,1,0:$T$H} copy-done(%out)
+  %back = (bf16[8,512,256]{2,1,0:$T}, bf16[8,512,256]{2,1,0:$T$H}, u32[]{:S(2)}) copy-start(%outd)
+  %backd = bf16[8,512,256]{2,1,0:$T} copy-done(%back)
+  %x1 = bf16[1,8,512,256]{3,2,1,0:$T} bitcast(%y)
+  %put = (($S, $L, s32[], s32[], s32[], s32[]), $S, u32[]{:S(2)}) dynamic-update-slice-start(%s, %x1, %i, %z, %z, %z)
+  %putd = bf16[4,8,512,256]{3,2,1,0:$T$H} dynamic-update-slice-done(%put)
+  %get = (($S, s32[], s32[], s32[], s32[]), $L, u32[]{:S(2)}) dynamic-slice-start(%putd, %i, %z, %z, %z), $SIZES
+  %getd = bf16[1,8,512,256]{3,2,1,0:$T} dynamic-slice-done(%get)
+  ROOT %r = bf16[8,512,256]{2,1,0:$T} bitcast(%getd)
+}"""
+OFFLOAD = (
+    OFFLOAD.replace("$SIZES", "dynamic_slice_sizes={1,8,512,256}")
+    .replace("$S", "bf16[4,8,512,256]{3,2,1,0:$T$H}")  # the stack of layer inputs, in host memory
+    .replace("$L", "bf16[1,8,512,256]{3,2,1,0:$T}")  # one layer's, in HBM
+    .replace("$T", "T(8,128)(2,1)")
+    .replace("$H", "S(5)")
+)
+ACTIVATION = 8 * 512 * 256 * 2  # one layer's bf16 input, 2 MiB
+
+
+def test_a_copy_to_or_from_host_memory_takes_its_bytes_over_the_host_link():
+    """Host offloading's moves are kernels of kind ``host``, priced at the generation's host
+    link (the hardware table's, PCIe Gen4 x16 assumed: 31.5 GB/s), not at the HBM's."""
+    found = {k.name: k for k in kernels(OFFLOAD)}
+    moves = {name: (k.kind, k.bytes, k.target) for name, k in found.items() if k.kind == "host"}
+    assert moves == {
+        "out": ("host", ACTIVATION, "copy-start to host"),
+        "back": ("host", ACTIVATION, "copy-start from host"),
+        "put": ("host", ACTIVATION, "dynamic-update-slice-start to host"),
+        "get": ("host", ACTIVATION, "dynamic-slice-start from host"),
+    }
+    assert all(found[n].asynchronous for n in moves) and found["y"].bytes == 2 * ACTIVATION + 256 * 256 * 2
+    (v5e,) = [r for r in load_rates(BUILT_IN) if r.device_kind == "TPU v5 lite"]
+    assert host_rate(v5e) == table_host_bandwidth("TPU v5 lite")[0] == 31.5e9
+    step = predict(OFFLOAD, v5e)
+    by = {t.kernel.name: t for t in step.kernels}
+    for name in moves:
+        assert (by[name].seconds, by[name].bound) == (ACTIVATION / 31.5e9, "host")
+    # The copy out runs beside the product (hidden up to its length); the three after it
+    # have nothing beside them.
+    hidden = min(by["y"].seconds, ACTIVATION / 31.5e9)
+    assert step.exposed_collective_s == pytest.approx(4 * ACTIVATION / 31.5e9 - hidden)
+    assert step.seconds == pytest.approx(by["y"].seconds + step.exposed_collective_s)
+    # A row's own host rate is used first.
+    faster = predict(OFFLOAD, dataclasses.replace(v5e, host_bytes_per_s=63e9))
+    assert {t.kernel.name: t.seconds for t in faster.kernels}["get"] == ACTIVATION / 63e9
 
 
 # A TPU product fusion whose operands come from fusions nested in it: the stacked weight
@@ -403,13 +470,13 @@ def test_the_matrix_rate_fit_is_not_pulled_down_by_products_that_stream_their_op
 
 
 def test_the_built_in_rates_are_what_the_fit_makes_of_the_stored_measurements():
-    """rates.json is never edited by hand: benchmarks/fit_rates.py writes it from the
+    """rates.json is never edited by hand: benchmarks/predict/fit_rates.py writes it from the
     measurements, and it must be current."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "predict"))
     try:
         import fit_rates
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path.remove(str(ROOT / "benchmarks" / "predict"))
     assert json.loads(BUILT_IN.read_text()) == json.loads(json.dumps(fit_rates.rows()))
     for row in load_rates(BUILT_IN):
         assert row.band is not None and set(row.sources) >= {"matmul_flops", "hbm_bytes_per_s"}
@@ -465,11 +532,11 @@ def test_wider_streams_in_a_gpus_micro_benchmarks_set_its_peak_stream(tmp_path):
 
 
 def test_published_tpu_runs_held_out_of_the_fit_are_predicted_within_the_bar():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "predict"))
     try:
         import fit_rates
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path.remove(str(ROOT / "benchmarks" / "predict"))
     rows = tpu_rows(load_rates(BUILT_IN))
     assert set(rows) >= {"v5e", "v5p", "v6e"}
     assert len(tpu_runs(VALIDATION / "tpu")) >= 8
@@ -552,18 +619,18 @@ def test_the_calibrations_vector_benchmark_is_compute_bound_on_every_built_in_de
 
 
 def test_the_kernel_micro_benchmarks_time_and_predict_each_case(tmp_path, monkeypatch):
-    """benchmarks/gpu_kernel_micro.py's rehearsal: each case compiled, timed, profiled and
+    """benchmarks/gpu/kernel_micro.py's rehearsal: each case compiled, timed, profiled and
     priced by the step model with this device's rates."""
     calibration = tmp_path / "cpu.json"
     save_rates(Rates("cpu", 1e11, (128, 128), 1, 1e10, 1e10, 1e-6), calibration)
     monkeypatch.setenv("XLAFIT_CALIBRATION", str(calibration))
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
     try:
-        import gpu_kernel_micro
+        import kernel_micro
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path.remove(str(ROOT / "benchmarks" / "gpu"))
     for case in ("reduce-rows", "maxpool-backward"):
-        r = gpu_kernel_micro.run(case, "tiny")
+        r = kernel_micro.run(case, "tiny")
         assert r["measured_s"] > 0 and r["predicted_s"] > 0 and r["rates"] == str(calibration)
         assert r["kernels_predicted"] and r["kernels_measured_us"] and "HloModule" in r["hlo"]
 
@@ -577,3 +644,39 @@ def test_a_product_timed_above_the_datasheet_peak_is_left_out_of_a_calibration()
     kept, left_out = _possible(record["matmul"], "NVIDIA H200")
     assert [(r["m"], r["n"], r["k"]) for r in left_out] == [(8192, 2048, 2048)] and len(kept) == 6
     assert _possible(record["matmul"], "cpu") == (record["matmul"], [])  # no datasheet row: all kept
+
+
+def test_a_band_is_quoted_only_for_programs_like_those_it_was_measured_on():
+    """Every v5e prediction printed "±4 % over 2 published steps", steps of 33B and 69B models
+    on 256 chips, for a 1B LoRA step on one chip or a BERT step alike. The rule (LIKE_*): the
+    same family and kind of training, parameters and step within 2x of the validated range,
+    devices within 4x."""
+    from xlafit.predict.rates import Kind
+
+    v5e = rates_for("TPU v5 lite")
+    population = v5e.band.population
+    assert {v.id for v in population} == {"v5e-256-llama2-70b-b2", "v5e-256-synthetic-32b-b4"}
+    assert all(v.family == "llm" and v.devices == 256 and v.training == "full" for v in population)
+    like = Kind("llm", 40_000_000_000, 128, 11.0)
+    text, median = v5e.band_for(like)
+    assert median == v5e.band.median and text.startswith("±4% (worst 6%) over 2 published steps")
+    assert "validated on: 2 published steps: llm (full training), 32.9B-69B parameters, 256 devices" in text
+    text, median = v5e.band_for(Kind("llm", 1_000_000_000, 1, 0.108, "lora"))  # Gemma 3 1B LoRA on a v5e-1
+    assert median is None and text.startswith(
+        "not validated for this kind of program (LoRA training, 1B parameters, 1 device, a step of 108 ms); "
+        "validated on: 2 published steps"
+    )
+    assert v5e.band_for(Kind("bert", 110_000_000, 8, 0.00565))[0].startswith(
+        "not validated for this kind of program (a bert model, 110M parameters, 8 devices, a step of 5.65 ms)"
+    )
+    assert v5e.band_for(Kind(None, 40_000_000_000, 256, 12.0))[0].startswith(
+        "not validated for this kind of program (a model of your own)"
+    )
+    h200 = rates_for("NVIDIA H200")
+    assert h200.band_for(Kind("bert", 110_000_000, 1, 0.04))[1] == h200.band.median
+    # A 13 ms step of small kernels, a third short in a blind check: below the 27-229 ms validated.
+    assert h200.band_for(Kind("bert", 110_000_000, 1, 0.013)) == (
+        "not validated for this kind of program (a step of 13 ms); validated on: 5 measured steps: bert, resnet, "
+        "llm (full training), 25.6M-1.24B parameters, 1 device, steps of 26.8 ms-229 ms on NVIDIA H200",
+        None,
+    )

@@ -394,3 +394,28 @@ def test_a_run_directory_of_other_files_is_refused(tmp_path):
     (tmp_path / "notebook" / ".ipynb_checkpoints").mkdir(parents=True)
     check(tmp_path / "notebook")
     check(tmp_path / "new")
+
+
+def test_invariant_chunks_say_where_they_are_not_bit_identical(caplog):
+    """trainer.invariant_chunks promised bit-identical runs on any device count for every
+    recipe; the llm recipe's end with other parameters on 1 and 8 devices (XLA rounds some
+    per-chunk gradients differently in the two programs), and YNNPACK's CPU kernels round per
+    layout. A run says so; the mnist preset (checked bit for bit, cpu.fast_paths=false) does not."""
+    from xlafit.recipes import get_recipe
+    from xlafit.run import warn_where_chunks_are_not_bit_identical
+
+    def said(recipe, *overrides):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="xlafit"):
+            warn_where_chunks_are_not_bit_identical(get_recipe(recipe), load_config(recipe, list(overrides)))
+        return [r.getMessage() for r in caplog.records]
+
+    assert said("mnist") == []  # the preset: invariant_chunks=8, cpu.fast_paths=false
+    assert said("llm", "cpu.fast_paths=false") == []  # no invariant_chunks: nothing promised
+    (llm,) = said("llm", "trainer.invariant_chunks=8", "cpu.fast_paths=false")
+    assert llm.startswith("warning: trainer.invariant_chunks=8 sums the gradients in one fixed order, but the llm")
+    assert "agree to float rounding" in llm and "docs/explanations/determinism.md" in llm
+    (fast,) = said("mnist", "cpu.fast_paths=true")
+    assert "cpu.fast_paths=true: YNNPACK's CPU kernels round differently per device layout" in fast
+    assert "set cpu.fast_paths=false for bit-identical runs" in fast
+    assert len(said("llm", "trainer.invariant_chunks=8")) == 2  # the llm preset keeps YNNPACK on

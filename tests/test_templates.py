@@ -13,7 +13,7 @@ import pytest
 
 from xlafit.data import chat, clm, templates
 from xlafit.errors import DataError
-from xlafit.recipes import llm, load_config
+from xlafit.recipes import llm, llm_data, load_config
 
 OFFICIAL = Path(__file__).parent / "chat_templates"
 CONVERSATION = [
@@ -91,7 +91,7 @@ def _train(folder: Path, tmp_path: Path, *overrides: str):
         "llm",
         [f"data.data_dir={data}", f"data.tokenizer={folder}", "data.seq_len=512", "data.eval_fraction=0", *overrides],
     )
-    train, _ = llm.load_data(cfg)
+    train, _ = llm_data.load_data(cfg)
     return cfg, train
 
 
@@ -203,7 +203,7 @@ def test_the_run_records_the_template_and_keeps_the_official_one(dirs, tmp_path)
     cfg, train = _train(folder, tmp_path)
     run = tmp_path / "run"
     llm.RECIPE.save_artifacts(cfg, run, train)
-    recorded = json.loads((run / llm.DATA_FORMAT_FILE).read_text())
+    recorded = json.loads((run / llm_data.DATA_FORMAT_FILE).read_text())
     assert recorded["format"] == "chat" and recorded["chat_template"]["shipped"] == "qwen3"
     assert recorded["chat_template"]["in_place_of"].endswith("tokenizer_config.json")
     # The tokenizer the run keeps (for generation and export) carries the official template.

@@ -188,16 +188,20 @@ def test_a_failure_writing_metrics_is_named_as_such_and_tensorboard_is_closed(di
 
 def test_a_checkpoint_whose_checksums_cannot_be_written_is_named_as_written(disk):
     """It said "writing checkpoint 1 failed; no earlier checkpoint exists" of a checkpoint
-    that was complete (and which the next run resumed from)."""
+    that was complete (and which the next run resumed from). The seal is written right after
+    the commit, so the window is the seal's own write: a checkpoint committed and not sealed
+    when the disk filled (its seal removed here) is the one the error reports."""
     ckpt = Checkpointer(disk.path / "checkpoints", async_save=False)
-    ckpt.save(1, {"w": np.arange(1000.0)})  # written and committed; sealed at the next wait
+    ckpt.save(1, {"w": np.arange(1000.0)})
+    ckpt.wait()
+    (disk.path / "checkpoints" / "1" / SEAL).unlink()  # committed, its seal never written
     disk.fill()
-    with pytest.raises(CheckpointWriteError) as failed:
-        ckpt.wait()
-    message = str(failed.value)
+    failed = ckpt._failed(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    message = str(failed)
+    assert isinstance(failed, CheckpointWriteError)
     assert f"checkpoint 1 in {disk.path / 'checkpoints'} was written, but not its checksums ({SEAL})" in message
     assert "a resume loads checkpoint 1" in message and "no earlier checkpoint" not in message
-    assert "Free disk space" in message and failed.value.exit_code == STORAGE
+    assert "Free disk space" in message and failed.exit_code == STORAGE
     (disk.path / ".filler").unlink()
     assert ckpt.restore({"w": np.zeros(1000)})[1] == 1
     ckpt.close()

@@ -18,10 +18,20 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from typing import TYPE_CHECKING, Any
 
 from xlafit import errors
 from xlafit.errors import ConfigError, NonFiniteError, Preempted, XlafitError
+from xlafit.parallel.env import SIMULATE_ENV
+
+if os.environ.get(SIMULATE_ENV):
+    # XLAFIT_SIMULATE_DEVICES=N makes N CPU devices however JAX is first started after this
+    # import (a notebook's model before xlafit.connect()), not only through connect(). It
+    # loads JAX, which the variable says will run.
+    from xlafit.parallel.cluster import simulate_from_env
+
+    simulate_from_env()
 
 if TYPE_CHECKING:
     from xlafit.config import Config

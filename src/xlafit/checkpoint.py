@@ -4,10 +4,13 @@
   Orbax writes into a temporary directory, renames it when complete and leaves a
   ``commit_success.txt`` marker, so an interrupted save never shadows the previous
   checkpoint.
-- Once a save is complete, xlafit *seals* it: ``xlafit-integrity.json`` beside it holds
-  the SHA-256 of every file. On restore the newest checkpoint is verified first; a
-  truncated, corrupted or half-deleted one is skipped with a warning naming it, and the
-  newest intact one is used.
+- Each save records its arrays' checksums in the step's metadata, and once Orbax commits
+  it, a background thread *seals* it (``xlafit-integrity.json``: the SHA-256 of every
+  file), done before the next save starts (:mod:`xlafit.integrity`). On restore the
+  newest checkpoint is verified first (its seal, then its arrays against their
+  checksums: a checkpoint left unsealed by a kill -9 is checked too); a truncated,
+  corrupted or half-deleted one is skipped with a warning naming it, and the newest
+  intact one is used.
 - Typed PRNG keys are stored as their raw ``uint32`` key data.
 - Retention: the last ``keep`` checkpoints, plus every one whose step is a multiple of
   ``keep_every`` (kept for good).
@@ -15,184 +18,38 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import datetime
-import hashlib
-import json
-import math
-import re
-import time
-from collections.abc import Callable, Coroutine, Sequence
+import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
 from xlafit.errors import CheckpointError, CheckpointWriteError, StorageError
+from xlafit.integrity import (
+    CHECKSUMS,
+    Damaged,
+    check_arrays,
+    check_seal,
+    check_shapes,
+    checksum_record,
+    split_record,
+    write_seal,
+)
+from xlafit.integrity import SEAL as SEAL
 from xlafit.io.paths import as_path, check_bucket, describe_error, files_under, is_url, move, refresh
-from xlafit.models.bert import qkv_from_matrix
-from xlafit.parallel.mesh import is_prng_key
+from xlafit.orbax_loop import first_line, settle_orbax_reads
 from xlafit.parallel.sharding import path_name
+from xlafit.saveable import abstract, from_saveable, older_layout, to_saveable
+from xlafit.saveable import fingerprint as fingerprint
 
-SEAL = "xlafit-integrity.json"
 COMMIT = "commit_success.txt"
 ORBAX_METADATA = "_CHECKPOINT_METADATA"  # in every step's folder Orbax writes
 SET_ASIDE = "corrupt-"  # the prefix of a checkpoint moved aside by the resume that found it corrupt
-
-_T = TypeVar("_T")
-
-
-_SETTLE_S = 60.0  # the longest a failed call waits for its other reads (a slow store): then it closes anyway
-
-
-def _run_until_settled(coro: Coroutine[Any, Any, _T]) -> _T:
-    """Orbax's way to run a coroutine from synchronous code (a new event loop, closed after
-    it), where a failure first lets the loop's other tasks finish (for :data:`_SETTLE_S` at
-    most).
-
-    A restore reads every array at once (``asyncio.gather``). When one read fails (a
-    truncated file), gather raises at once, and Orbax closed its loop with the other reads
-    in flight: TensorStore then delivered each into the closed loop ("RuntimeError: Event
-    loop is closed", a traceback per read), and the abandoned reads printed "Exception
-    ignored" when collected. Cancelling them is not enough: TensorStore still calls back into
-    the loop from its own threads after a cancel. So they run to their end (a failed
-    restore costs the rest of its reads, as a successful one would). ``asyncio.all_tasks``
-    takes this loop's tasks only, retrying its walk over a set other threads change (the
-    reason Orbax does not use ``asyncio.run``). A call that succeeds, or stops on Ctrl-C,
-    closes its loop at once, as Orbax does.
-    """
-    loop = asyncio.new_event_loop()
-    try:
-        asyncio.set_event_loop(loop)
-        return loop.run_until_complete(coro)
-    except Exception:
-        deadline = time.monotonic() + _SETTLE_S
-        while (pending := asyncio.all_tasks(loop)) and (left := deadline - time.monotonic()) > 0:
-            done, _ = loop.run_until_complete(asyncio.wait(pending, timeout=left))  # it may start others
-            for task in done:  # their errors are the first one's echoes: retrieved, so never logged
-                _ = task.cancelled() or task.exception()
-        raise
-    finally:
-        asyncio.set_event_loop(None)
-        loop.close()
-
-
-def _settle_orbax_reads() -> None:
-    """Makes Orbax's synchronous calls finish their reads before closing their event loop
-    (:func:`_run_until_settled`). Idempotent. The function replaced is a private one of
-    Orbax's: with a version that lacks it, nothing is replaced and a failed restore is only
-    noisier (``test_checkpoint`` says when that happens)."""
-    try:
-        from orbax.checkpoint._src import asyncio_utils
-    except ImportError:
-        return
-    if hasattr(asyncio_utils, "_run_sync_via_new_loop"):
-        asyncio_utils._run_sync_via_new_loop = _run_until_settled
-
-
-# Parameters whose layout changed with their values kept: a checkpoint that holds one in its
-# older shape (the same number of elements) restores into the new one. Path suffix -> (the
-# older layout, the conversion of an array in it).
-RESHAPED: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "attention/qkv/kernel": ("BERT's (hidden, 3 * hidden) [q|k|v] matrix, xlafit before 2026-11-24", qkv_from_matrix),
-    "attention/qkv/bias": ("BERT's (3 * hidden,) [q|k|v] bias", lambda a: a.reshape(*a.shape[:-1], 3, -1)),
-}
-
-
-def older_layout(path: str, saved: tuple[int, ...], wanted: tuple[int, ...]) -> Callable[[Any], Any] | None:
-    """The conversion of ``path``'s array from the older layout it was saved in
-    (:data:`RESHAPED`), or None when it was saved as ``wanted``."""
-    if saved == wanted or math.prod(saved) != math.prod(wanted):
-        return None
-    name = path.removesuffix("/value")
-    return next((convert for suffix, (_, convert) in RESHAPED.items() if name.endswith(suffix)), None)
-
-
-def to_saveable(tree: Any) -> Any:
-    """Replaces typed PRNG key arrays by their ``uint32`` key data."""
-    return jax.tree.map(lambda x: jax.random.key_data(x) if is_prng_key(x) else x, tree)
-
-
-def from_saveable(raw: Any, like: Any) -> Any:
-    """Inverse of :func:`to_saveable`, using ``like`` to know which leaves were keys."""
-    return jax.tree.map(
-        lambda r, ref: jax.random.wrap_key_data(r, impl=jax.random.key_impl(ref)) if is_prng_key(ref) else r, raw, like
-    )
-
-
-def _abstract(tree: Any) -> Any:
-    def leaf(x: Any) -> jax.ShapeDtypeStruct:
-        data = jax.random.key_data(x) if is_prng_key(x) else x
-        return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=getattr(x, "sharding", None))
-
-    return jax.tree.map(leaf, tree)
-
-
-def fingerprint(params: Any) -> str:
-    """SHA-256 over every parameter's path, shape, dtype and bytes, in sorted path order.
-
-    Two runs that end with this fingerprint hold bit-identical parameters.
-
-    Example:
-        >>> fingerprint({"w": np.zeros(2, np.float32)}) == fingerprint({"w": np.zeros(2, np.float32)})
-        True
-    """
-    digest = hashlib.sha256()
-    leaves = jax.tree_util.tree_flatten_with_path(to_saveable(params))[0]  # a PRNG key as its key data
-    for path, leaf in sorted(leaves, key=lambda pl: path_name(pl[0])):
-        value = np.ascontiguousarray(jax.device_get(leaf))
-        digest.update(f"{path_name(path)}|{value.shape}|{value.dtype}|".encode())
-        digest.update(value.tobytes())
-    return digest.hexdigest()
-
-
-def _files(directory: epath.Path) -> dict[str, epath.Path]:
-    """Every file under ``directory`` by its relative name (local paths or gs:// URLs)."""
-    return files_under(directory)
-
-
-def _file_hashes(directory: epath.Path) -> dict[str, str]:
-    hashes = {}
-    for name, path in sorted(_files(directory).items()):
-        if path.name.startswith(SEAL):
-            continue
-        digest = hashlib.sha256()
-        with path.open("rb") as f:
-            while block := f.read(1 << 20):
-                digest.update(block)
-        hashes[name] = digest.hexdigest()
-    return hashes
-
-
-def first_line(e: BaseException) -> str:
-    """The innermost cause of ``e``, its type and first line: Orbax wraps a TensorStore read
-    error (the array, the file, the byte range) in one that appends the array's whole
-    TensorStore spec, some 60 lines.
-
-    Example:
-        >>> try:
-        ...     try:
-        ...         raise ValueError("OUT_OF_RANGE: w/0.0")
-        ...     except ValueError as inner:
-        ...         raise Exception("error reading w; spec:\\n{...}") from inner
-        ... except Exception as e:
-        ...     first_line(e)
-        'ValueError: OUT_OF_RANGE: w/0.0'
-        >>> first_line(ValueError("OUT_OF_RANGE: size 10 [tensorstore_spec='{\\"driver\\":\\"zarr\\"}']"))
-        'ValueError: OUT_OF_RANGE: size 10'
-    """
-    while e.__cause__ is not None:
-        e = e.__cause__
-    # TensorStore appends the array's whole spec to the line itself (some 1,400 characters)
-    lines = [_SPEC.sub("", line) for line in str(e).strip().splitlines()]
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
-
-
-_SPEC = re.compile(r"\s*\[tensorstore_spec='.*?'\]")
 
 
 def check_directory(directory: str | Path | epath.Path) -> None:
@@ -256,18 +113,21 @@ class CheckpointInfo:
 
 
 class Read(NamedTuple):
-    """What :meth:`Checkpointer.read` found: a checkpoint's arrays and the newer ones it passed over."""
+    """What :func:`~xlafit.checkpoint_read.read_checkpoint` found: a checkpoint's arrays, the
+    metadata saved with them (the same save's: its checksums cover both) and the newer ones it
+    passed over."""
 
     arrays: Any  # the whole saved state as host NumPy arrays in nested dicts
     step: int
     passed_over: list[tuple[int, str]]  # (step, what is wrong with it: "corrupt: <why>"), newest first
+    metadata: dict[str, str]  # what Checkpointer.save was given as metadata
 
     def passed(self) -> str:
         """The checkpoints passed over, in words: ``checkpoint 3 is corrupt: <why>; ...``."""
-        return _in_words(self.passed_over)
+        return in_words(self.passed_over)
 
 
-def _in_words(passed: Sequence[tuple[int, str]]) -> str:
+def in_words(passed: Sequence[tuple[int, str]]) -> str:
     return "; ".join(f"checkpoint {step} is {why}" for step, why in passed)
 
 
@@ -277,6 +137,7 @@ class Checkpointer:
 
     Example:
         >>> import tempfile
+        >>> import numpy as np
         >>> ckpt = Checkpointer(tempfile.mkdtemp(), keep=3)
         >>> ckpt.save(100, {"w": np.arange(3.0)}); ckpt.wait()
         >>> state, step = ckpt.restore({"w": np.zeros(3)})
@@ -286,8 +147,16 @@ class Checkpointer:
     """
 
     def __init__(
-        self, directory: str | Path, keep: int = 3, keep_every: int | None = None, async_save: bool = True
+        self,
+        directory: str | Path,
+        keep: int = 3,
+        keep_every: int | None = None,
+        async_save: bool = True,
+        reader: bool = False,
     ) -> None:
+        """``reader``: for a command that reads a run (``inspect``, ``export``, ``generate``)
+        that may be training meanwhile: Orbax lists the steps without reading each one's
+        metadata (a running job's rotation may remove a step between the two)."""
         self.directory = as_path(directory)
         if is_url(directory):
             refresh(directory)  # another process may have written checkpoints since this one listed them
@@ -298,15 +167,22 @@ class Checkpointer:
         else:
             check_directory(directory)
             self.directory = epath.Path(Path(directory).absolute())
-        _settle_orbax_reads()
+        settle_orbax_reads()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, keep_period=keep_every or None, create=True, enable_async_checkpointing=async_save
+            max_to_keep=keep,
+            keep_period=keep_every or None,
+            create=True,
+            enable_async_checkpointing=async_save,
+            lightweight_initialize=reader,
         )
-        self._manager = ocp.CheckpointManager(
+        self._open = lambda: ocp.CheckpointManager(
             self.directory, options=options, item_handlers=ocp.StandardCheckpointHandler()
         )
+        self._manager = self._open()
+        self._reader = reader
         self.last_saved: int | None = None
-        self._sealed: set[int] = set()  # steps whose seal exists
+        self._sealing: threading.Thread | None = None  # commits the newest save, then seals it
+        self._sealing_error: Exception | None = None
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -316,6 +192,8 @@ class Checkpointer:
 
         ``metadata`` (short strings: the fingerprint of a frozen base model) goes into the
         step's own metadata file, sealed with the arrays; :meth:`saved_metadata` reads it.
+        The arrays' checksums go there too, and a background thread seals the checkpoint
+        once Orbax has committed it (the next save, or :meth:`wait`, waits for it).
 
         Raises:
             CheckpointError: the previous save failed (disk full, no permission): the
@@ -323,23 +201,39 @@ class Checkpointer:
         """
         self.wait()
         self.last_saved = step
-        self._sealed.discard(step)  # a step saved again (after a rollback) is sealed again
+        saveable = to_saveable(state)
+        # On every process: the sums are one program over the global arrays.
+        record = {CHECKSUMS: checksum_record(saveable, metadata or {})}
         try:
             self._manager.save(
-                step, args=ocp.args.StandardSave(to_saveable(state)), force=True, custom_metadata=metadata or {}
+                step, args=ocp.args.StandardSave(saveable), force=True, custom_metadata={**(metadata or {}), **record}
             )
         except Exception as e:  # on a URL the first requests go out here, before the background write
             raise self._failed(e) from e
+        self._sealing = threading.Thread(target=self._commit_and_seal, args=(step,), name="xlafit-seal", daemon=True)
+        self._sealing.start()
 
-    def wait(self) -> None:
-        """Blocks until every save started so far is on disk, then seals it."""
+    def _commit_and_seal(self, step: int) -> None:
+        """Waits for Orbax to commit ``step``, then seals it (process 0): the window in which a
+        kill -9 leaves it unsealed is the time to hash its files, not a whole save interval."""
         try:
             self._manager.wait_until_finished()
-            if jax.process_index() == 0:
-                for step in self._manager.all_steps():
-                    if step not in self._sealed:  # one look per checkpoint, not per save (requests on gs://)
-                        self._seal(step)
+            if jax.process_index() == 0 and (self._step_dir(step) / COMMIT).exists():
+                write_seal(self._step_dir(step), step)
         except Exception as e:  # Orbax re-raises the background writer's error here
+            self._sealing_error = e
+
+    def wait(self) -> None:
+        """Blocks until every save started so far is on disk and sealed."""
+        if self._sealing is not None:
+            self._sealing.join()
+            self._sealing = None
+        error, self._sealing_error = self._sealing_error, None
+        try:
+            if error is not None:
+                raise error
+            self._manager.wait_until_finished()  # a save that started no thread (its start failed)
+        except Exception as e:
             raise self._failed(e) from e
 
     def _failed(self, e: Exception) -> CheckpointWriteError:
@@ -370,40 +264,13 @@ class Checkpointer:
     def _step_dir(self, step: int) -> epath.Path:
         return self.directory / str(step)
 
-    def _seal(self, step: int) -> None:
-        directory = self._step_dir(step)
-        if (directory / SEAL).exists():
-            self._sealed.add(step)
-            return
-        if not (directory / COMMIT).exists():
-            return
-        seal = json.dumps({"step": step, "sha256": _file_hashes(directory)}, indent=1)
-        if is_url(directory):
-            (directory / SEAL).write_text(seal)  # object stores write an object whole or not at all
-        else:
-            tmp = directory / f"{SEAL}.tmp"
-            tmp.write_text(seal)
-            tmp.replace(directory / SEAL)  # atomic rename: a seal is whole or absent
-        self._sealed.add(step)
-
     def verify(self, step: int) -> str:
-        """``"intact"``, ``"unsealed"`` or ``"corrupt: <why>"`` for checkpoint ``step``."""
+        """``"intact"``, ``"unsealed"`` or ``"corrupt: <why>"`` for checkpoint ``step``, from
+        its files (an unsealed one's arrays are checked when they are read)."""
         directory = self._step_dir(step)
         if not (directory / COMMIT).exists():
             return f"corrupt: no commit marker ({COMMIT}): the save never finished"
-        if not (directory / SEAL).exists():
-            return "unsealed"
-        try:
-            expected = json.loads((directory / SEAL).read_text())["sha256"]
-        except (OSError, ValueError, KeyError) as e:
-            return f"corrupt: unreadable {SEAL} ({e})"
-        actual = _file_hashes(directory)
-        for name, digest in expected.items():
-            if name not in actual:
-                return f"corrupt: {name} is missing"
-            if actual[name] != digest:
-                return f"corrupt: {name} does not match its checksum"
-        return "intact"
+        return check_seal(directory)
 
     def committed_at(self, step: int) -> datetime.datetime | None:
         """When checkpoint ``step`` was committed, from the step metadata Orbax writes with
@@ -417,16 +284,45 @@ class Checkpointer:
     def saved_metadata(self, step: int) -> dict[str, str]:
         """The ``metadata`` checkpoint ``step`` was saved with (empty when none or unreadable)."""
         try:
-            return dict(self._manager.metadata(step).custom_metadata or {})
+            saved = dict(self._manager.metadata(step).custom_metadata or {})
         except Exception:  # a damaged metadata file: the arrays' own check decides
             return {}
+        saved.pop(CHECKSUMS, None)
+        return saved
+
+    def _recorded(self, step: int) -> tuple[dict[str, str], dict[str, Any] | None]:
+        """Checkpoint ``step``'s saved metadata and the record of its checksums (:func:`split_record`).
+
+        Raises:
+            Damaged: unreadable, or not what the save recorded.
+        """
+        try:
+            saved = self._manager.metadata(step).custom_metadata or {}
+        except Exception as e:
+            raise Damaged(f"its {ORBAX_METADATA} is unreadable ({first_line(e)})") from None
+        return split_record(saved)
+
+    def _shapes(self, step: int, record: dict[str, Any] | None) -> dict[str, tuple[tuple[int, ...], str]]:
+        """The saved ``path -> (shape, dtype)`` of checkpoint ``step``, as Orbax's array
+        metadata says, checked against the ``record`` (:func:`check_shapes`)."""
+        try:
+            leaves = jax.tree_util.tree_flatten_with_path(self.metadata(step))[0]
+        except Exception as e:
+            raise Damaged(f"its array metadata is unreadable ({first_line(e)})") from None
+        saved = {path_name(p): (tuple(m.shape), str(m.dtype)) for p, m in leaves}
+        check_shapes(record, saved)
+        return saved
 
     def list(self) -> list[CheckpointInfo]:
         """Every checkpoint on disk, oldest first, verified."""
         infos = []
         for step in sorted(self._manager.all_steps()):
             directory = self._step_dir(step)
-            stats = [p.stat() for p in _files(directory).values()]
+            try:
+                stats = [p.stat() for p in files_under(directory).values()]
+                status = self.verify(step)
+            except FileNotFoundError:  # a file listed a moment ago is gone: a running job's rotation removes it
+                continue
             # Modification times change when a file is touched or damaged after the save.
             committed = self.committed_at(step)
             modified = datetime.datetime.fromtimestamp(max((st.mtime for st in stats), default=0), datetime.UTC)
@@ -436,7 +332,7 @@ class Checkpointer:
                     path=directory,
                     time=committed or modified,
                     size_bytes=sum(st.length for st in stats),
-                    status=self.verify(step),
+                    status=status,
                     time_source="commit" if committed else "mtime",
                 )
             )
@@ -466,9 +362,16 @@ class Checkpointer:
             if status.startswith("corrupt"):
                 bad.append((s, status))
                 continue
-            saved = self._check_structure(s, like)
             try:
-                raw = self._restore_as(s, _abstract(like), saved)
+                _, record = self._recorded(s)
+                saved = self._shapes(s, record)
+                self._check_structure(s, like, saved)  # a model change: refused, whatever the checkpoint
+                raw = self._restore_as(s, abstract(like), saved, record)
+            except Damaged as e:  # an unsealed one's changed bits: found by the checksums saved with it
+                bad.append((s, f"corrupt: {e}"))
+                continue
+            except CheckpointError:
+                raise
             except Exception as e:  # unreadable despite the marker: treat as corrupt
                 bad.append((s, f"unreadable ({first_line(e)})"))
                 continue
@@ -477,7 +380,7 @@ class Checkpointer:
             for b, why in bad:
                 self._set_aside(b, why)
             return from_saveable(raw, like), s
-        found = _in_words(bad) or "it holds none"
+        found = in_words(bad) or "it holds none"
         raise CheckpointError(
             f"no intact checkpoint in {self.directory} ({found}); nothing was moved. Start over with --restart "
             "(the earlier run moves aside, nothing is deleted; in Python: another run_dir)."
@@ -497,10 +400,16 @@ class Checkpointer:
         """The saved tree of array metadata (shape, dtype) of checkpoint ``step``."""
         return self._manager.item_metadata(step)
 
-    def _restore_as(self, step: int, target: Any, saved: dict[str, tuple[tuple[int, ...], str]]) -> Any:
-        """Restores ``step`` onto ``target``'s shapes and shardings; a leaf saved in an older
-        layout (:data:`RESHAPED`) is read in its saved shape, replicated, then converted and
-        placed on its target sharding."""
+    def _restore_as(
+        self, step: int, target: Any, saved: dict[str, tuple[tuple[int, ...], str]], record: dict[str, Any] | None
+    ) -> Any:
+        """Restores ``step`` onto ``target``'s shapes and shardings, checked against the
+        ``record`` of its checksums; a leaf saved in an older layout (:data:`~xlafit.saveable.RESHAPED`) is
+        read in its saved shape, replicated, then converted and placed on its target sharding.
+
+        Raises:
+            Damaged: an array read back is not what was saved.
+        """
 
         def as_saved(path: tuple, x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
             shape = saved[path_name(path)][0]
@@ -514,6 +423,7 @@ class Checkpointer:
         raw = self._manager.restore(
             step, args=ocp.args.StandardRestore(jax.tree_util.tree_map_with_path(as_saved, target))
         )
+        check_arrays(raw, record)  # one pass over the arrays where they landed, two words back each
 
         def convert(path: tuple, r: jax.Array, x: jax.ShapeDtypeStruct) -> jax.Array:
             older = older_layout(path_name(path), r.shape, x.shape)
@@ -521,15 +431,15 @@ class Checkpointer:
 
         return jax.tree_util.tree_map_with_path(convert, raw, target)
 
-    def _check_structure(self, step: int, like: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-        """The saved ``path -> (shape, dtype)``, checked against ``like``'s."""
-        saved = {
-            path_name(p): (tuple(m.shape), str(m.dtype))
-            for p, m in jax.tree_util.tree_flatten_with_path(self.metadata(step))[0]
-        }
+    def _check_structure(self, step: int, like: Any, saved: dict[str, tuple[tuple[int, ...], str]]) -> None:
+        """Checks the saved ``path -> (shape, dtype)`` against ``like``'s.
+
+        Raises:
+            CheckpointError: the first difference, and the fix.
+        """
         wanted = {
             path_name(p): (tuple(x.shape), str(x.dtype))
-            for p, x in jax.tree_util.tree_flatten_with_path(_abstract(like))[0]
+            for p, x in jax.tree_util.tree_flatten_with_path(abstract(like))[0]
         }
         for path in sorted(set(saved) | set(wanted)):
             if path in saved and path in wanted and saved[path][1] == wanted[path][1]:
@@ -543,7 +453,6 @@ class Checkpointer:
                     f"{want} here. Resume with the config the run was started with, or start over with --restart or "
                     "another --run-dir (in Python: another run_dir)."
                 )
-        return saved
 
     def restore_params(self, step: int) -> Any:
         """The ``params`` of checkpoint ``step`` as host NumPy arrays, without the model.
@@ -554,56 +463,44 @@ class Checkpointer:
 
     def restore_arrays(self, step: int) -> Any:
         """The whole saved state of checkpoint ``step`` (``params``, ``model_state`` with batch
-        statistics, ``opt_state``, ``step``) as host NumPy arrays in nested dicts, without the model."""
+        statistics, ``opt_state``, ``step``) as host NumPy arrays in nested dicts, without the
+        model, checked against the checksums saved with it.
+
+        Raises:
+            Damaged: its metadata or arrays are not what was saved.
+        """
+        return self.read_one(step).arrays
+
+    def read_one(self, step: int) -> Read:
+        """Checkpoint ``step``'s arrays (on this process's first CPU device, then the host) and
+        metadata, both checked against what its save recorded."""
+        metadata, record = self._recorded(step)  # first: the arrays read next must be this save's
+        self._shapes(step, record)
         device = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
         target = jax.tree.map(
             lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=device), self.metadata(step)
         )
-        return jax.device_get(self._manager.restore(step, args=ocp.args.StandardRestore(target)))
+        arrays = self._manager.restore(step, args=ocp.args.StandardRestore(target))
+        check_arrays(arrays, record)
+        return Read(jax.device_get(arrays), step, [], metadata)
 
-    def read(self, step: int | None = None, infos: Sequence[CheckpointInfo] | None = None) -> Read:
-        """The whole saved state of checkpoint ``step`` (default: the newest that verifies and
-        reads) as host arrays (:meth:`restore_arrays`), for the commands that read a run
-        (``inspect``, ``export``, ``generate``). Nothing is moved.
-
-        Args:
-            step: this checkpoint, which must be intact (or unsealed) and readable.
-            infos: :meth:`list`'s answer, where the caller has it (it checksums every file).
-
-        Raises:
-            CheckpointError: ``step`` is absent, corrupt or unreadable, or (without ``step``)
-                no checkpoint reads; the message says what is wrong with it and names the
-                intact ones.
-        """
-        infos = self.list() if infos is None else infos
-        intact = [i.step for i in infos if i.usable]
-        if step is not None:
-            asked = [i for i in infos if i.step == step]
-            if not asked:
-                raise CheckpointError(
-                    f"no checkpoint {step} in {self.directory}; there are: {[i.step for i in infos]}, intact: {intact}."
-                )
-            why = None if asked[0].usable else asked[0].status
-            if why is None:
-                try:
-                    return Read(self.restore_arrays(step), step, [])
-                except Exception as e:  # unreadable despite the marker
-                    why = f"unreadable ({first_line(e)})"
-                    intact.remove(step)
-            raise CheckpointError(f"checkpoint {step} in {self.directory} is {why}; intact: {intact}.")
-        passed: list[tuple[int, str]] = []
-        for info in reversed(infos):
-            if info.usable:
-                try:
-                    return Read(self.restore_arrays(info.step), info.step, passed)
-                except Exception as e:  # unreadable despite the marker: the next older one
-                    passed.append((info.step, f"unreadable ({first_line(e)})"))
-            else:
-                passed.append((info.step, info.status))
-        raise CheckpointError(
-            f"no checkpoint in {self.directory} can be read ({_in_words(passed) or 'it holds none'}); the run has "
-            "to start over (xlafit train --restart) to write new ones."
-        )
+    def saved_since(self, newest: int | None) -> bool:
+        """Whether a checkpoint newer than ``newest`` appeared: a run is saving here, and its
+        rotation may have removed what was listed (a read that failed, or a file missing)."""
+        if self._reader:  # a new list, from the names alone (reload reads every step's metadata too)
+            self._manager.close()
+            self._manager = self._open()
+        else:
+            self._manager.reload()
+        latest = self._manager.latest_step()
+        return latest is not None and (newest is None or latest > newest)
 
     def close(self) -> None:
+        """Waits for the saves in flight, then closes Orbax's manager; after a failed save (its
+        error raised by :meth:`wait` or :meth:`save`), Orbax's close would raise it again, so
+        the manager is left to the process's end."""
+        try:
+            self.wait()
+        except CheckpointError:
+            return
         self._manager.close()

@@ -29,12 +29,19 @@ def type_name(tp: Any) -> str:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     if is_optional(tp):
         return f"{type_name(strip_optional(tp))} or null"
+    if is_choice(tp):
+        return " or ".join(type_name(a) for a in typing.get_args(tp))
     return getattr(tp, "__name__", str(tp))
 
 
 def is_optional(tp: Any) -> bool:
     """Whether the annotation ``tp`` allows None (``int | None``)."""
     return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+
+
+def is_choice(tp: Any) -> bool:
+    """Whether ``tp`` is a union of values without None: a number or a name (``int | Literal["auto"]``)."""
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and not is_optional(tp)
 
 
 def strip_optional(tp: Any) -> Any:
@@ -55,7 +62,8 @@ SCALARS: dict[type, tuple[type, ...]] = {
 
 def check_type(value: Any, tp: Any, key: str) -> None:
     """Refuses ``value`` unless it fits the annotation ``tp``: one of :data:`SCALARS`, a
-    ``Literal``'s choices, or either or None (``int | None``). Other annotations pass unchecked.
+    ``Literal``'s choices, either or None (``int | None``), or a union of them (``int |
+    Literal["auto"]``). Other annotations pass unchecked.
 
     Example:
         >>> check_type("3", int, "trainer.epochs")
@@ -66,6 +74,14 @@ def check_type(value: Any, tp: Any, key: str) -> None:
     inner = strip_optional(tp) if is_optional(tp) else tp
     if inner is not tp and value is None:
         return
+    if is_choice(inner):
+        for arm in typing.get_args(inner):
+            try:
+                check_type(value, arm, key)
+            except ConfigError:
+                continue
+            return
+        raise ConfigError(f"{key}={value!r} is not allowed: expected {type_name(tp)}.")
     if typing.get_origin(inner) is Literal:
         if value not in typing.get_args(inner):
             choices = ", ".join(map(str, typing.get_args(inner)))
@@ -226,8 +242,9 @@ class TrainerConfig:
     stop_at_step: int | None = None  # stop (with a checkpoint) at this step; schedule unchanged
     # Sum gradients over this many equal chunks of the global batch in a fixed order, so 1
     # device, 8 devices or several processes train bit-identical models (a multiple of the
-    # device count; null: XLA's all-reduce, faster, equal only to float rounding). On CPU it
-    # also needs cpu.fast_paths=false: YNNPACK kernels round differently per layout.
+    # device count; null: XLA's all-reduce, faster, equal only to float rounding). Checked for
+    # the mnist recipe; the llm recipe's agree to rounding only (docs/explanations/determinism.md).
+    # On CPU it also needs cpu.fast_paths=false: YNNPACK kernels round differently per layout.
     invariant_chunks: int | None = None
     # Compiles allowed per step (train, eval); one more stops the run naming the input shape
     # that changed. null: the programs the run plans (steps-per-call values x data shapes).

@@ -23,11 +23,12 @@ import jax
 import jax.numpy as jnp
 import yaml
 from flax import nnx
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, processors
 
-from xlafit.checkpoint import Checkpointer, older_layout, path_name
+from xlafit.checkpoint import Checkpointer
+from xlafit.checkpoint_read import read_checkpoint
 from xlafit.config import Config
-from xlafit.data import chat, clm
+from xlafit.data import chat, clm, special_tokens
 from xlafit.errors import CheckpointError, ConfigError, StorageError
 from xlafit.hf import llama as llama_hf
 from xlafit.hf.bert import save_hf
@@ -53,12 +54,15 @@ from xlafit.models.llama import LlamaForCausalLM
 from xlafit.models.lora import ADAPTER, base_fingerprint, merge_lora
 from xlafit.models.resnet import ResNet
 from xlafit.parallel.cluster import configure, start_backends
+from xlafit.parallel.sharding import path_name
 from xlafit.recipes import config_from_dict
 from xlafit.recipes.bert import bert_config
-from xlafit.recipes.llm import DATA_FORMAT_FILE, build_llama, model_dir
+from xlafit.recipes.llm import build_llama
+from xlafit.recipes.llm_data import DATA_FORMAT_FILE, model_dir
 from xlafit.recipes.resnet import CLASSES_FILE, NORMALISATION, augmentation, image_size, normalisation, resnet_config
 from xlafit.run import with_lora
 from xlafit.rundir import checkpoint_dir
+from xlafit.saveable import older_layout
 from xlafit.train.frozen import BASE_FINGERPRINT
 
 
@@ -181,6 +185,12 @@ def _write(recipe: str, cfg: Config, run: Any, arrays: Any, metadata: dict[str, 
         chat_template = template.read_text() if template.exists() else None
         tokens_file = run / "tokenizer" / "tokenizer_config.json"
         tokens = json.loads(tokens_file.read_text()) if tokens_file.exists() else {}
+        ends = (
+            run / "tokenizer" / GENERATION_CONFIG
+        )  # end tokens the run kept beside its tokenizer (stop_ids reads them)
+        if ends.exists():
+            local.mkdir(parents=True, exist_ok=True)
+            (local / GENERATION_CONFIG).write_text(ends.read_text())
         export_llm(cfg, arrays, metadata.get(BASE_FINGERPRINT), tokenizer_json, local, chat_template, tokens)
         if (run / DATA_FORMAT_FILE).exists():  # `xlafit generate` asks the export as the run trained
             (local / DATA_FORMAT_FILE).write_text((run / DATA_FORMAT_FILE).read_text())
@@ -196,9 +206,9 @@ def checkpoint_arrays(cfg: Config, run: Any, step: int | None, use: str = "expor
 
     Raises:
         CheckpointError: no checkpoint; ``step`` absent, corrupt or unreadable; or none that
-            reads (:meth:`~xlafit.checkpoint.Checkpointer.read`).
+            reads (:func:`~xlafit.checkpoint_read.read_checkpoint`).
     """
-    ckpt = Checkpointer(checkpoint_dir(cfg))
+    ckpt = Checkpointer(checkpoint_dir(cfg), reader=True)  # the run may be training meanwhile
     try:
         infos = ckpt.list()
         if step is None and not infos:
@@ -206,10 +216,10 @@ def checkpoint_arrays(cfg: Config, run: Any, step: int | None, use: str = "expor
             purpose = "generate with" if generating else "export"
             other = ", or give a Hugging Face model directory" if generating else ""
             raise CheckpointError(f"{run} has no intact checkpoint to {purpose}; train it until it saves one{other}.")
-        read = ckpt.read(step, infos)
+        read = read_checkpoint(ckpt, step, infos)
         if read.passed_over:
             print(f"warning: {read.passed()}; using checkpoint {read.step}", file=sys.stderr, flush=True)
-        return read.arrays, read.step, ckpt.saved_metadata(read.step)
+        return read.arrays, read.step, read.metadata  # the same save's: a rotation may remove it now
     finally:
         ckpt.close()
 
@@ -300,18 +310,26 @@ def _write_tokenizer(
 ) -> tuple[dict[str, int | None], dict[str, Any]]:
     """Writes the tokenizer's files to ``out``; returns the ids of its special tokens (for
     ``config.json``) and ``generation_config.json``'s settings."""
-    (out / "tokenizer.json").write_text(tokenizer_json)
-    specials = {t["content"] for t in json.loads(tokenizer_json).get("added_tokens", [])}
+    tok = Tokenizer.from_str(tokenizer_json)
+    given = tokens or {}
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
-    for key, names in (("bos_token", clm.BOS_NAMES), ("eos_token", clm.EOS_NAMES), ("pad_token", (clm.PAD,))):
-        found = (tokens or {}).get(key) or next((name for name in names if name in specials), None)
-        if found is not None:
-            config[key] = found
+    bos, eos = special_tokens.markers(tok, given or None)  # what the run trained with
+    for key, found in (("bos_token", bos), ("eos_token", eos), ("pad_token", tok.token_to_id(clm.PAD))):
+        name = special_tokens.token_name(given.get(key)) or (tok.id_to_token(found) if found is not None else None)
+        if name is not None:
+            config[key] = name
+    written = tokenizer_json
+    if bos is not None and special_tokens.first_added(tok) != bos:  # an older xlafit's: transformers adds <s> too
+        name = tok.id_to_token(bos)
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{name} $A", pair=f"{name} $A {name}:1 $B:1", special_tokens=[(name, bos)]
+        )
+        written = tok.to_str(pretty=True)
+    (out / "tokenizer.json").write_text(written)
     if chat_template:
         config["chat_template"] = chat_template
         (out / chat.TEMPLATE_FILE).write_text(chat_template)
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tok = Tokenizer.from_str(tokenizer_json)
     ids = {
         f"{key}_id": tok.token_to_id(config[key]) if key in config else None
         for key in ("bos_token", "eos_token", "pad_token")

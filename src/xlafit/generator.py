@@ -1,8 +1,9 @@
 """Asking a trained model something: ``xlafit generate`` and :class:`Generator`.
 
-A source is an llm run directory (its newest intact checkpoint, or ``step``; a LoRA run
-with its adapters merged into the base it was trained on), a Hugging Face model directory,
-or a hub id read into the Hugging Face cache. A chat model (its tokenizer has a chat
+A source is an llm run directory (its newest intact checkpoint, or ``step``, whose step is
+said when loaded; a LoRA run with its adapters merged into the base it was trained on; a
+run still training is read as it is then), a Hugging Face model directory, or a hub id
+read into the Hugging Face cache. A chat model (its tokenizer has a chat
 template) gets each prompt as a user turn with the generation prompt after it, as
 ``transformers``' chat pipeline does; the answer stops at the end of its turn. A run that
 trained on prompt/completion records or text gets the text as it is, as it trained, unless
@@ -43,10 +44,10 @@ from xlafit.models.lora import merge_lora
 from xlafit.parallel.cluster import connect
 from xlafit.parallel.sharding import parse_rules, tree_shardings
 from xlafit.recipes import config_from_dict
-from xlafit.recipes.llm import DATA_FORMAT_FILE, data_config
+from xlafit.recipes.llm_data import DATA_FORMAT_FILE, data_config
 from xlafit.train.frozen import BASE_FINGERPRINT
 
-__all__ = ["Generator"]
+__all__ = ["Answers", "Generator"]
 
 Prompt = str | Sequence[dict[str, Any]]  # a text, or a conversation of {"role", "content"} turns
 
@@ -61,8 +62,12 @@ class Generator:
         template: its chat template, None for a plain language model.
         eos_ids: the tokens that end an answer (the end of a turn too).
         source: where it was loaded from.
+        bos_id: the token its tokenizer puts before a text (:func:`xlafit.data.clm.special_ids`):
+            what a prompt asked without the chat template starts with, as in ``transformers``.
         trained_on: the format of the data a run trained on (``chat``, ``prompt_completion``,
             ``text``); None for a Hugging Face model, or a run that did not record it.
+        step: the step of the run's checkpoint the model comes from (said on stderr when
+            loaded); None for a Hugging Face model.
     """
 
     model: LlamaForCausalLM
@@ -71,6 +76,8 @@ class Generator:
     eos_ids: tuple[int, ...]
     source: str
     trained_on: str | None = None
+    bos_id: int | None = None
+    step: int | None = None
 
     @property
     def chat_by_default(self) -> bool:
@@ -110,12 +117,14 @@ class Generator:
         tokenizer = clm.load_tokenizer(folder, fix)  # before the weights are read: it may be what is missing
         model = llama_hf.from_hf(folder)
         template, stops = chat.template_for(folder), clm.stop_ids(folder)
-        return cls(model, tokenizer, template, stops, source, _recorded_format(as_path(folder)))
+        bos = clm.special_ids(folder)[0]
+        return cls(model, tokenizer, template, stops, source, _recorded_format(as_path(folder)), bos)
 
     def encode(self, prompt: Prompt, use_chat: bool | None = None) -> list[int]:
         """A prompt's token ids: rendered as a user turn (or the conversation given) with the
         generation prompt where ``use_chat`` (default :attr:`chat_by_default`; a conversation
-        always); otherwise the text after ``<bos>``."""
+        always); otherwise the text after :attr:`bos_id` (the ids ``transformers``' tokenizer
+        gives it, but an ``<eos>`` its tokenizer may put after a text: an answer follows)."""
         as_chat = (self.chat_by_default or not isinstance(prompt, str)) if use_chat is None else use_chat
         if as_chat:
             if self.template is None:
@@ -125,8 +134,8 @@ class Generator:
             return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
         if not isinstance(prompt, str):
             raise ConfigError("a conversation needs a chat model; give the prompt as text.")
-        bos, _ = clm.special_ids(self.tokenizer)
-        return ([bos] if bos is not None else []) + list(self.tokenizer.encode(prompt, add_special_tokens=False).ids)
+        head = [self.bos_id] if self.bos_id is not None else []
+        return head + list(self.tokenizer.encode(prompt, add_special_tokens=False).ids)
 
     def __call__(
         self,
@@ -134,12 +143,49 @@ class Generator:
         max_new_tokens: int = 128,
         sampling: Sampling | None = None,
         use_chat: bool | None = None,
-    ) -> list[str]:
-        """The answers to ``prompts``, one batch (see :func:`xlafit.models.generation.generate`)."""
+        stop: Sequence[str] = (),
+        stop_ids: Sequence[int] = (),
+    ) -> Answers:
+        """The answers to ``prompts``, one batch (see :func:`xlafit.models.generation.generate`).
+
+        Args:
+            prompts: texts, or conversations of ``{"role", "content"}`` turns.
+            max_new_tokens: the tokens each answer has at most.
+            sampling: greedy by default; one that samples without a seed draws one, said
+                in :attr:`Answers.seed`.
+            use_chat: the chat template or not (default :attr:`chat_by_default`).
+            stop: texts that end an answer: it is cut before the first one found in its
+                text (the tokens after it were generated, then dropped).
+            stop_ids: tokens that end an answer besides :attr:`eos_ids` (kept, as an end
+                of sequence is); each row stops at its own, inside the compiled loop.
+
+        Raises:
+            ConfigError: an empty stop text, or a stop id outside the vocabulary.
+        """
+        if any(not s for s in stop):
+            raise ConfigError(
+                "an empty stop text would end every answer before it starts; give stop texts of 1+ characters."
+            )
         ids = [self.encode(p, use_chat) for p in prompts]
         pad = self.tokenizer.token_to_id(clm.PAD) or 0
-        tokens = generate(self.model, ids, max_new_tokens, sampling, self.eos_ids, pad)
-        return [self.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+        stops = (*self.eos_ids, *stop_ids)
+        tokens = generate(self.model, ids, max_new_tokens, sampling, stops, pad)
+        answers = Answers(_cut(self.tokenizer.decode(t, skip_special_tokens=True), stop) for t in tokens)
+        answers.seed = tokens.seed
+        return answers
+
+
+class Answers(list[str]):
+    """The answers, one text per prompt (a list), and the :attr:`seed` the sampling drew them
+    with (None where greedy): ``Sampling(seed=answers.seed)`` asks for the same again."""
+
+    seed: int | None = None
+
+
+def _cut(text: str, stops: Sequence[str]) -> str:
+    """``text`` up to (without) the first of ``stops`` in it."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[: min(found)] if found else text
 
 
 def is_run_directory(source: str) -> bool:
@@ -175,7 +221,8 @@ def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
     tokenizer = clm.load_tokenizer(
         run / "tokenizer", f"{source}/tokenizer/ holds the tokenizer the run's checkpoints learned; restore it."
     )
-    arrays, _, metadata = checkpoint_arrays(cfg, run, step, use="generate")
+    arrays, step, metadata = checkpoint_arrays(cfg, run, step, use="generate")  # a training run's newest, as it is now
+    print(f"answering from step {step} of {source}", file=sys.stderr, flush=True)
     model = run_model(cfg, arrays, metadata.get(BASE_FINGERPRINT), tokenizer.get_vocab_size())
     if cfg.lora.rank:
         model = typing.cast(LlamaForCausalLM, merge_lora(model))
@@ -183,7 +230,8 @@ def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
     state = jax.device_put(state, tree_shardings(state, strategy.mesh, rules))
     template = chat.template_for(str(run / "tokenizer"))
     model = typing.cast(LlamaForCausalLM, nnx.merge(graphdef, state))
-    return Generator(model, tokenizer, template, clm.stop_ids(run / "tokenizer"), source, _trained_on(run, cfg))
+    stops, bos = clm.stop_ids(run / "tokenizer"), clm.special_ids(run / "tokenizer")[0]
+    return Generator(model, tokenizer, template, stops, source, _trained_on(run, cfg), bos, step)
 
 
 def _trained_on(run: Any, cfg: Config) -> str | None:

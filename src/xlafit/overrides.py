@@ -24,6 +24,7 @@ from xlafit.config import (
     DataConfig,
     MeshConfig,
     check_type,
+    is_choice,
     is_optional,
     strip_optional,
     type_name,
@@ -38,7 +39,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Checks ``value`` against the annotation ``tp`` (:func:`~xlafit.config.check_type`, the rule
     of the config's own checks); ints are accepted for floats, and become floats."""
     inner = strip_optional(tp) if is_optional(tp) else tp
-    if typing.get_origin(inner) is not Literal and inner not in SCALARS:
+    arms = typing.get_args(inner) if is_choice(inner) else (inner,)
+    if any(typing.get_origin(arm) is not Literal and arm not in SCALARS for arm in arms):
         raise TypeError(f"unsupported config annotation {tp!r} for {key}")
     if value is None and inner is tp and typing.get_origin(tp) is not Literal:
         raise ConfigError(f"{key} is empty (given as {key}= or null); give it a value of type {type_name(tp)}.")

@@ -44,7 +44,7 @@ from xlafit.platform.cpu import (
 )
 from xlafit.platform.hardware import accelerator_present, peak_flops
 from xlafit.predict.model import predict
-from xlafit.predict.rates import rates_for
+from xlafit.predict.rates import Kind, parameter_count, rates_for
 from xlafit.recipes import load_config
 from xlafit.recipes import mnist as mnist_recipe
 from xlafit.recipes.resnet import NORMALISATION, ImageClassifier
@@ -204,7 +204,7 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
 
     # XLA counts a scanned loop body once: ask for the cost of a single step.
     per_device = step_fn.flops_for(trainer.state, _abstract_batch(train, 1, spec.batch, strategy))
-    predicted = _predicted_step(step_fn, spec.steps_per_call, strategy)
+    predicted = _predicted_step(step_fn, spec.steps_per_call, strategy, spec.recipe, model)
     if spec.profile_steps:
         with jax.profiler.trace(spec.profile_dir or "runs/bench-profile", create_perfetto_trace=True):
             for call in trainer.steps(train, timed_stop, total):
@@ -226,17 +226,20 @@ def run_xlafit(spec: Spec) -> dict[str, Any]:
     }
 
 
-def _predicted_step(step_fn: Any, k: int, strategy: Strategy) -> dict[str, Any]:
+def _predicted_step(step_fn: Any, k: int, strategy: Strategy, recipe: str, model: nnx.Module) -> dict[str, Any]:
     """The step model's prediction of the program just timed (its first compiled call of
-    ``k`` steps), with its error band, for the table beside the measured step; or why
-    there is none (no rates for this device kind until ``xlafit bench --calibrate``)."""
+    ``k`` steps), with its error band where the program is like those the band was
+    measured on (:meth:`xlafit.predict.rates.Rates.band_for`), for the table beside the
+    measured step; or why there is none (no rates for this device kind until ``xlafit bench
+    --calibrate``)."""
     kind = strategy.mesh.devices.flat[0].device_kind
     rates = rates_for(kind)
     compiled = next(iter(step_fn._cache.values()), None)
     if rates is None or compiled is None:
         return {"predicted_step_s": None, "prediction_band": f"no step model for {kind} (xlafit bench --calibrate)"}
     seconds = predict(compiled.as_text(), rates, devices=strategy.num_replicas).seconds / k
-    return {"predicted_step_s": seconds, "prediction_band": rates.describe_band()}
+    program = Kind(recipe, parameter_count(model), strategy.mesh.devices.size, seconds)
+    return {"predicted_step_s": seconds, "prediction_band": rates.band_for(program)[0]}
 
 
 def _timed_calls(trainer: Trainer, train: dict[str, np.ndarray], warmup: int, timed_stop: int) -> dict[str, Any]:

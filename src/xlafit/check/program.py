@@ -57,6 +57,9 @@ class Program:
     flops_per_example: float | None = None
     tokens_per_example: float | None = None
     user_file: str | None = None
+    # The kind of model, as the step model's error bands name it (a recipe: llm, bert,
+    # resnet, mnist); None: a user's own, never held against a measured step.
+    family: str | None = None
     # The run's mesh over the target's cores: (data, fsdp, tensor), one may be -1; and its
     # logical-axis rules (xlafit.parallel.sharding). The default is pure data parallelism.
     mesh: tuple[int, int, int] = (-1, 1, 1)
@@ -64,6 +67,7 @@ class Program:
     # How this program's per-core batch is set ({n}: the number), and levers only its maker
     # knows (a recipe's model.remat): (what they shrink, "state" or "activations", the text).
     batch_syntax: str = "data.per_device_batch={n}"
+    eval_batch_syntax: str = "data.eval_global_batch={n}"  # {n}: eval examples per call over all cores
     model_levers: tuple[tuple[str, str], ...] = ()
     # What the optimizer trains (LoRA: the adapters); the rest is frozen state.
     trainable: Any = nnx.Param
@@ -79,6 +83,53 @@ class Probe:
     per_device_batch: int
     fits: bool
     seconds: float
+
+
+@dataclasses.dataclass
+class EvalFit:
+    """The eval step's compile at ``per_device_batch`` examples per core.
+
+    ``total`` sums the compiler's buffers (arguments, outputs, temporaries, code); ``peak``
+    is the compiler's own peak, which is what must fit: temporaries never live at the same
+    time are each counted in the total, so a program the compiler accepts may total more
+    than the core's HBM. A refused program has ``needed`` (the compiler's count) and, where
+    a smaller eval batch compiles, ``largest`` (per core) and ``fix`` (the setting that
+    gives it), found by ``--max-batch``'s search (``probes``).
+    """
+
+    fits: bool
+    per_device_batch: int
+    total: int | None = None
+    peak: int | None = None
+    needed: int | None = None
+    message: str | None = None
+    compile_s: float = 0.0
+    largest: int | None = None
+    fix: str | None = None
+    probes: list[Probe] = dataclasses.field(default_factory=list)
+
+
+def not_fitting(train_fits: bool | None, evaluation: EvalFit | None) -> list[str]:
+    """The programs of a run that do not fit, by name."""
+    out = ["train step"] if train_fits is False else []
+    return out + (["eval step"] if evaluation is not None and not evaluation.fits else [])
+
+
+def decide(train_fits: bool | None, evaluation: EvalFit | None) -> bool | None:
+    """A run's verdict, from every program it compiles: it fits only when the train step
+    and (where the run evaluates) the eval step both fit; a run whose first evaluation
+    does not compile dies there, after the training up to it. None: the train step failed
+    for another reason than memory (an error), and nothing is known.
+
+    Example:
+        >>> decide(True, EvalFit(fits=False, per_device_batch=64))
+        False
+        >>> decide(True, None), decide(None, None)
+        (True, None)
+    """
+    if train_fits is None:
+        return None
+    return not not_fitting(train_fits, evaluation)
 
 
 @dataclasses.dataclass
@@ -99,7 +150,7 @@ class TargetReport:
     per_device_batch: int = 0  # per batch shard
     steps_per_call: int = 1
     layout: str = ""  # the mesh line (Strategy.layout)
-    fits: bool | None = None  # None: it failed for another reason (``error``)
+    train_fits: bool | None = None  # the train step's compile; None: it failed for another reason (``error``)
     capacity: float = 0.0
     capacity_source: str = ""
     memory: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -112,7 +163,7 @@ class TargetReport:
     predicted: bool = False  # step_s is the step model's (else the bound's)
     band: str | None = None  # the step model's measured error for this device kind, or why there is none
     band_median: float | None = None  # that error's median, |predicted / measured - 1|
-    outside_band: bool = False  # a predicted step too short for that error to hold (no median then)
+    outside_band: bool = False  # no band quoted: the program is unlike those it was measured on (no median then)
     rates: str | None = None  # where the step model's rates come from (built-in, a calibration file)
     bound_s: float | None = None  # the roofline estimate: max(compute, memory)
     compute_s: float | None = None  # FLOPs / peak FLOP/s
@@ -121,11 +172,21 @@ class TargetReport:
     examples_per_s: float | None = None
     tokens_per_s: float | None = None
     compile_s: float = 0.0
-    eval: dict[str, Any] | None = None
+    eval: EvalFit | None = None  # the eval step's compile, where the run evaluates
     max_batch: int | None = None
     max_batch_limit: int | None = None  # the search's upper end: max_batch == it means "at least"
     probes: list[Probe] = dataclasses.field(default_factory=list)
     levers: list[str] = dataclasses.field(default_factory=list)  # when it does not fit: what would help
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the run fits: :func:`decide` over every program it compiles."""
+        return decide(self.train_fits, self.eval)
+
+    @property
+    def unfit(self) -> list[str]:
+        """The programs that do not fit, by name (``train step``, ``eval step``)."""
+        return not_fitting(self.train_fits, self.eval)
 
     @property
     def flops_per_call(self) -> float | None:

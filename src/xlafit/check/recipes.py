@@ -33,19 +33,22 @@ def recipe_program(
     preset: str | Path | None = None,
     per_device_batch: int | None = None,
     global_batch: int | None = None,
-) -> tuple[Program, Any, int]:
+) -> tuple[Program, Any, int | None]:
     """What ``check --tpu`` compiles for a recipe: ``(program, config, train examples)``.
 
     The model is built abstractly (``nnx.eval_shape``) from the recipe's config with
     ``overrides`` (``preset``: a YAML file instead of the recipe's own), with the run's own
     optimizer, batch sizes and loop settings, and with ``lora.rank`` set its adapters, the
     only trainable variables (the base frozen, as a run trains it); a given
-    ``per_device_batch`` or ``global_batch`` replaces the config's.
+    ``per_device_batch`` or ``global_batch`` replaces the config's. Where the config alone
+    decides the data's shapes (``Recipe.shapes``: an llm preset on the demo corpus), no data
+    is read, and the train examples are None (unknown).
     """
     cfg = load_config(name, list(overrides), preset=preset)
     recipe = get_recipe(name)
     recipe.validate(cfg)
-    train = as_dataset(recipe.load_data(cfg)[0])
+    placeholder = recipe.shapes(cfg)
+    train = as_dataset(placeholder if placeholder is not None else recipe.load_data(cfg)[0])
     cfg = recipe.from_data(cfg, train)
     per_device = per_device_batch or (None if cfg.data.global_batch else cfg.data.per_device_batch)
     global_batch = global_batch or cfg.data.global_batch
@@ -63,12 +66,13 @@ def recipe_program(
         eval_global_batch=cfg.data.eval_global_batch or global_batch or (per_device or 1) * 8,
         flops_per_example=work.get("flops_per_example"),
         tokens_per_example=work.get("tokens_per_example"),
+        family=name,
         mesh=cfg.mesh.sizes,
         rules=parse_rules(cfg.mesh.rules),
         model_levers=memory_levers(cfg.model),
         trainable=ADAPTER if cfg.lora.rank else nnx.Param,
     )
-    return program, cfg, len(train)
+    return program, cfg, None if placeholder is not None else len(train)
 
 
 def check_recipe(
@@ -173,6 +177,6 @@ def memory_levers(model: Any) -> tuple[tuple[str, str], ...]:
         found.append(("activations", "rematerialisation: model.remat=full or dots_saveable (activations recomputed)"))
     if getattr(model, "compute_dtype", None) == "float32":
         found.append(("activations", "bf16 compute: model.compute_dtype=bfloat16 (parameters stay float32)"))
-    if getattr(model, "logits_chunk", None) == 0:
+    if getattr(model, "logits_chunk", None) in (0, "auto"):  # auto keeps logits under 1/8 of memory whole
         found.append(("activations", "the loss's logits a chunk at a time: model.logits_chunk=1024 (recomputed)"))
     return tuple(found)

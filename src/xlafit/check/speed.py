@@ -10,10 +10,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from flax import nnx
+
 from xlafit.check.program import Program, TargetReport
 from xlafit.predict.hlo import kernel_flops, loop_flops
 from xlafit.predict.model import Link, predict
-from xlafit.predict.rates import rates_for
+from xlafit.predict.rates import Kind, parameter_count, rates_for
 
 # The error bands come from steps of seconds; a step under SHORTEST_BANDED_S is bound by kernel
 # launch and host dispatch, which the step model does not price: its band would mislead there.
@@ -27,6 +29,13 @@ OUTSIDE_BAND = (
 def outside_band(step_s: float | None) -> bool:
     """Whether a predicted step is too short for the step model's measured error to hold."""
     return step_s is not None and 0 < step_s < SHORTEST_BANDED_S
+
+
+def program_kind(program: Program, devices: int, step_s: float) -> Kind:
+    """What a prediction of ``program``'s step is for, to hold against the programs its
+    error band was measured on (:meth:`xlafit.predict.rates.Band.unlike`)."""
+    training = "full" if program.trainable is nnx.Param else "lora"
+    return Kind(program.family, parameter_count(program.model), devices, step_s, training)
 
 
 def above_prediction(step_s: float, compute_s: float, memory_s: float) -> str:
@@ -126,8 +135,8 @@ def model_step(
         return
     report.step_s = prediction.seconds / k
     report.predicted = True
-    report.band = rates.describe_band()
-    report.band_median = rates.band.median if rates.band else None
+    report.band, report.band_median = rates.band_for(program_kind(program, report.devices, report.step_s))
+    report.outside_band = report.band_median is None and rates.band is not None
     if outside_band(report.step_s):
         report.band, report.band_median, report.outside_band = OUTSIDE_BAND, None, True
     report.rates = rates.origin

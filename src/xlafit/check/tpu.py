@@ -47,10 +47,10 @@ import numpy as np
 from flax import nnx
 
 from xlafit.check.batch_search import largest_batch
-from xlafit.check.program import Program, TargetReport, progress
+from xlafit.check.levers import levers
+from xlafit.check.program import EvalFit, Program, TargetReport, progress
 from xlafit.check.rules import Finding, classify
 from xlafit.check.speed import model_step, roofline
-from xlafit.check.tpu_report import gib
 from xlafit.errors import ConfigError, XlafitError
 from xlafit.parallel.mesh import Strategy, make_mesh
 from xlafit.parallel.sharding import bytes_per_device
@@ -362,7 +362,8 @@ def check_target(target: tpu.Target, program: Program, max_batch: bool | int = F
         # no Python lock, and compiling one program keeps one core busy.
         evaluation = None
         if program.eval_global_batch:
-            evaluation = pool.submit(_eval_report, steps, -(-program.eval_global_batch // n))  # last batch padded
+            per_core = -(-program.eval_global_batch // n)  # the last batch padded
+            evaluation = pool.submit(eval_fit, steps, per_core, report.capacity)
         _train_report(report, steps, target)
         if evaluation is not None and report.error is None:
             report.eval = evaluation.result()
@@ -371,82 +372,13 @@ def check_target(target: tpu.Target, program: Program, max_batch: bool | int = F
             report.max_batch, report.probes = largest_batch(
                 steps,
                 report.per_device_batch,
-                report.fits,
+                report.train_fits,
                 report.memory.get("total"),
                 report.capacity,
                 limit=report.max_batch_limit,
                 fixed_bytes=steps.state_bytes,
             )
     return report
-
-
-@dataclasses.dataclass
-class LocalPrediction:
-    """:func:`predict_here`'s answer: the report, and the figures it was priced with."""
-
-    report: TargetReport
-    peak_flops: float  # one device's FLOP/s
-    peak_source: str
-    hbm_bandwidth: float  # one device's HBM bytes/s
-    bandwidth_source: str
-
-
-def predict_here(
-    program: Program,
-    peak_flops: float | None = None,
-    bandwidth: float | None = None,
-    compiled: Any = None,
-) -> LocalPrediction:
-    """The prediction of ``check --tpu`` for this host's own devices, to hold against steps
-    measured on them: the same train step (:func:`xlafit.train.step.make_steps`, the run's
-    shardings over ``program.mesh``) compiled for the devices at hand, the same cost analysis
-    and roofline, over the device's rows of the hardware table
-    (:func:`~xlafit.platform.hardware.table_peak`, :func:`~xlafit.platform.hardware.table_bandwidth`).
-
-    Args:
-        program: what to compile, as for ``check --tpu``.
-        peak_flops, bandwidth: one device's FLOP/s and HBM bytes/s in place of the table's
-            (a CPU has no row).
-        compiled: the train step's program as a run here compiled it (``Trainer.train_step``,
-            one step per call), read instead of compiling it again: the program measured is
-            then the program predicted.
-
-    Raises:
-        LookupError: the device has no row in the table and no figure was given.
-    """
-    devices = jax.devices()
-    kind = devices[0].device_kind
-    peak, peak_source = (
-        (peak_flops, "given") if peak_flops else _table_row(tpu.table_peak(kind), "peak FLOP/s", "GPUS", kind)
-    )
-    bytes_per_s, bandwidth_source = (
-        (bandwidth, "given") if bandwidth else _table_row(tpu.table_bandwidth(kind), "HBM bandwidth", "GPU_HBM", kind)
-    )
-    steps = Steps(None, program, devices)
-    n, k = steps.strategy.num_replicas, program.config.steps_per_call
-    report = TargetReport(
-        kind,
-        device_kind=kind,
-        devices=len(devices),
-        batch_shards=n,
-        per_device_batch=program.per_device_batch or max(1, (program.global_batch or n) // n),
-        steps_per_call=k,
-        layout=steps.strategy.layout(),
-        fits=True,
-    )
-    if compiled is None:
-        compiled, report.compile_s = steps.compile_train(report.per_device_batch)
-    report.memory = memory_of(compiled, steps.state_bytes, tree_bytes(program.example) * report.per_device_batch * k)
-    hlo = compiled.as_text()
-    roofline(report, peak, bytes_per_s, program, compiled, k, hlo)
-    model_step(report, program, hlo, k, kind)
-    return LocalPrediction(report, peak, peak_source, bytes_per_s, bandwidth_source)
-
-
-def _table_row(row: tuple[float, str] | None, what: str, table: str, kind: str) -> tuple[float, str]:
-    if row is None:
-        raise LookupError(f"no {what} known for {kind!r}; add it to xlafit.platform.hardware.{table}, or give it.")
-    return row
 
 
 def _train_report(report: TargetReport, steps: Steps, target: tpu.Target) -> None:
@@ -456,7 +388,7 @@ def _train_report(report: TargetReport, steps: Steps, target: tpu.Target) -> Non
     try:
         compiled, report.compile_s = steps.compile_train(per_device)
     except OutOfMemory as e:
-        report.fits, report.message = False, e.message
+        report.train_fits, report.message = False, e.message
         report.memory["state"] = steps.state_bytes
         if (needed := needed_bytes(e.message)) is not None:
             report.memory["total"] = needed
@@ -477,83 +409,65 @@ def _train_report(report: TargetReport, steps: Steps, target: tpu.Target) -> Non
         report.error = finding
         report.message = finding.message
     else:
-        report.fits = True
+        report.train_fits = True
         report.memory = memory_of(compiled, steps.state_bytes, tree_bytes(program.example) * per_device * k)
         hlo = compiled.as_text()  # seconds for a large program: read once
         roofline(report, target.peak_flops, target.hbm_bandwidth, program, compiled, k, hlo)
         model_step(report, program, hlo, k, target.generation.device_kinds[0], target.ici_bandwidth)
 
 
-def _eval_report(steps: Steps, per_device: int) -> dict[str, Any] | None:
-    """The eval step's verdict and memory at ``per_device`` examples per core."""
+def eval_fit(steps: Steps, per_device: int, capacity: float) -> EvalFit | None:
+    """The eval step's verdict and memory at ``per_device`` per core (check's and plan's); where it
+    does not fit, the largest eval batch that does (:func:`largest_eval_batch`). None: another failure."""
+    name = steps.target.name if steps.target else "this host"
+    progress(f"{name}: compiling the eval step, {per_device} per core ...")
     try:
         compiled, seconds = steps.compile_eval(per_device)
     except OutOfMemory as e:
-        return {"fits": False, "per_device_batch": per_device, "message": e.message}
+        out = EvalFit(False, per_device, needed=needed_bytes(e.message), message=e.message)
+        out.largest, out.probes = largest_eval_batch(steps, per_device, out.needed, capacity)
+        if out.largest:
+            out.fix = steps.program.eval_batch_syntax.format(n=out.largest * steps.strategy.num_replicas)
+        return out
     except Exception:  # the train step reports the failure
         return None
-    total = memory_of(compiled, steps.state_bytes, 0)["total"]
-    return {"fits": True, "per_device_batch": per_device, "total": total, "compile_s": seconds}
+    memory = memory_of(compiled, steps.state_bytes, 0)
+    return EvalFit(True, per_device, total=memory["total"], peak=memory.get("peak"), compile_s=seconds)
+
+
+class EvalSteps:
+    """A program's eval step as :func:`largest_batch` probes it, at per-core batches that
+    the run's loop settings allow (``trainer.invariant_chunks`` divides the eval batch too)."""
+
+    def __init__(self, steps: Steps) -> None:
+        self.steps, self.program, self.strategy = steps, steps.program, steps.strategy
+
+    @property
+    def target(self) -> tpu.Target | None:
+        return self.steps.target
+
+    def fits(self, per_device: int) -> tuple[bool, float, int | None]:
+        t0 = time.perf_counter()
+        try:
+            compiled, _ = self.steps.compile_eval(per_device)
+        except OutOfMemory as e:
+            return False, time.perf_counter() - t0, needed_bytes(e.message)
+        memory = memory_of(compiled, 0, 0)
+        return True, time.perf_counter() - t0, memory.get("peak") or memory["total"]
+
+
+def largest_eval_batch(steps: Steps, refused: int, needed: int | None, capacity: float) -> tuple[int, list[Any]]:
+    """The largest per-core eval batch below ``refused`` that compiles, found as
+    ``--max-batch`` finds the train step's: the first probe where the bytes, in proportion
+    to the batch, meet the capacity (the refusal said it ``needed``), then halving or
+    narrowing; 0 when not even one example per core fits."""
+    guess = int(refused * capacity / needed) if needed and capacity else refused // 2
+    guess = max(1, min(guess, refused - 1))
+    label = f"{steps.target.name if steps.target else 'this host'} eval step"
+    return largest_batch(EvalSteps(steps), guess, None, capacity=capacity, limit=refused - 1, label=label)
 
 
 def check_targets(targets: list[tpu.Target], program: Program, max_batch: bool | int = False) -> list[TargetReport]:
     """:func:`check_target` for each target, in order."""
     with no_persistent_cache():
         return [check_target(t, program, max_batch) for t in targets]
-
-
-def levers(report: TargetReport, target: tpu.Target, program: Program) -> list[str]:
-    """What would make a program that does not fit fit on ``target``, as settings that apply to
-    it (with their syntax), ordered by what the memory is made of.
-
-    When the train state (parameters, optimizer state) alone takes half the core's HBM or more,
-    the levers that split or move the state come first; otherwise those that shrink the
-    activations (a smaller or accumulated batch, fewer steps per call, rematerialisation).
-    When the state alone takes more than the core has, no batch fits: only the state's levers
-    are given.
-    """
-    state, capacity = report.memory.get("state", 0), report.capacity or target.hbm_bytes
-    n, (_, fsdp, tensor) = target.num_devices, program.mesh
-    per_core, k = report.per_device_batch, report.steps_per_call
-    state_levers, activation_levers = [], []
-    whole = state * fsdp * tensor  # about: the state of one copy, as the mesh splits it now
-    if n > 1 and fsdp * tensor < n:  # a data axis holds copies of the state: FSDP splits them
-        state_levers.append(
-            f"FSDP: mesh.fsdp={n // tensor} (parameters and optimizer state split over the {n} cores: "
-            f"{gib(state)} -> about {gib(whole / n)} per core)"
-        )
-    # Another generation with the same cores: the same state per core, in more HBM.
-    bigger = sorted(
-        (g.hbm_gib / (1 if g.megacore else g.cores_per_chip), g.name)
-        for g in tpu.GENERATIONS.values()
-        if g.hbm_gib / (1 if g.megacore else g.cores_per_chip) * 2**30 > max(target.hbm_bytes, state)
-    )
-    if bigger:
-        state_levers.append(
-            "a TPU with more HBM per core: " + ", ".join(f"{name} ({gib:g} GiB)" for gib, name in bigger[:3])
-        )
-    if whole / n >= capacity:  # even split over every core of the slice, it does not fit
-        cores = 2 * n
-        while whole / cores >= capacity:
-            cores *= 2
-        still = f"split over all {n} cores the state still takes about {gib(whole / n)} per core; " if n > 1 else ""
-        state_levers.append(
-            f"a larger slice: {still}{cores} cores or more with mesh.fsdp={cores} bring the state to about "
-            f"{gib(whole / cores)} per core"
-        )
-    if per_core > 1:
-        smaller = program.batch_syntax.format(n=max(1, per_core // 2))
-        activation_levers.append(f"a smaller per-core batch: {smaller} (or --max-batch to find the largest)")
-        activation_levers.append(
-            f"gradient accumulation: trainer.accumulate_steps=2 with a per-core batch of {per_core // 2} "
-            "(the same global batch in two micro-batches)"
-        )
-    if k > 1:
-        activation_levers.append(f"fewer steps per call: trainer.steps_per_call=1 (each call holds its {k} batches)")
-    for kind, text in program.model_levers:
-        (state_levers if kind == "state" else activation_levers).append(text)
-    if state >= capacity:  # no batch fits: a smaller batch, accumulation or remat cannot help
-        return state_levers
-    if state >= 0.5 * capacity:
-        return [*state_levers, *activation_levers]
-    return [*activation_levers, *state_levers]

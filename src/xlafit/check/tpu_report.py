@@ -53,8 +53,8 @@ def format_report(r: TargetReport) -> str:
             lines.append(f"      {r.error.line} | {r.error.code}")
         lines.append(f"    {r.message}")
         return "\n".join(lines)
-    lines += _fit_lines(r) + _eval_lines(r) + _speed_lines(r)
-    if r.fits:
+    lines += _fit_lines(r) + _eval_lines(r) + _verdict_lines(r) + _speed_lines(r)
+    if r.train_fits:
         lines.append(f"  compiled in {r.compile_s:.1f} s on this machine")
     if r.probes:
         lines.append(_probe_line(r))
@@ -64,12 +64,12 @@ def format_report(r: TargetReport) -> str:
 def _fit_lines(r: TargetReport) -> list[str]:
     """The verdict: HBM per core and its parts, or by how much it is over and the levers."""
     cap = f"{gib(r.capacity)} per core ({r.capacity_source})"
-    if not r.fits:
+    if not r.train_fits:
         need = f" needs {gib(r.memory['total'])}," if "total" in r.memory else ""
         over = f" over by {gib(-(r.margin or 0))}" if r.margin is not None else ""
-        lines = [f"  ✗ does not fit:{need} {cap}{over}", f"    the compiler: {r.message}"]
+        lines = [f"  ✗ train step does not fit:{need} {cap}{over}", f"    the compiler: {r.message}"]
         state = r.memory.get("state")
-        if state and r.capacity and state >= r.capacity:  # then the levers are the state's (check.tpu.levers)
+        if state and r.capacity and state >= r.capacity:  # then the levers are the state's (check.levers)
             lines.append(
                 f"    no per-core batch fits: the train state alone (parameters, optimizer state) takes {gib(state)} "
                 f"per core, more than the {gib(r.capacity)} there; only splitting or moving the state helps:"
@@ -91,24 +91,57 @@ def _fit_lines(r: TargetReport) -> list[str]:
     lines = [f"  HBM per core: {gib(m['total'])} of {cap}{peak}", f"    {parts}"]
     if (r.margin or 0) >= 0:
         share = m["total"] / r.capacity if r.capacity else 0
-        lines.append(f"  ✓ fits, {gib(r.margin or 0)} to spare ({share:.0%} used)")
+        lines.append(f"  ✓ train step fits, {gib(r.margin or 0)} to spare ({share:.0%} used)")
     else:  # accepted by the compiler, whose own peak is what must fit
         lines.append(
-            f"  ✓ fits, with nothing to spare: the compiler placed it within {gib(r.capacity)}; the parts above "
-            "add up to more because buffers that are never live at the same time are each counted"
+            f"  ✓ train step fits, with nothing to spare: the compiler placed it within {gib(r.capacity)}; the parts "
+            "above add up to more because buffers that are never live at the same time are each counted"
         )
     return lines
 
 
 def _eval_lines(r: TargetReport) -> list[str]:
-    if r.eval is None:
-        return []
+    """The eval step's verdict: what the compiler placed (its peak, the sum of its buffers
+    beside), or by how much it is over and the eval batch that fits."""
     e = r.eval
-    if not e["fits"]:
-        return [f"  eval step (batch {e['per_device_batch']} per core): does not fit: {e['message']}"]
+    if e is None:
+        return []
+    head = f"  {'✓' if e.fits else '✗'} eval step (batch {e.per_device_batch} per core)"
+    if e.fits:
+        used = e.peak or e.total or 0
+        what = "the compiler's peak" if e.peak else "its buffers"
+        parts = (
+            f" (its buffers add up to {gib(e.total)}: temporaries never live at the same time are each counted)"
+            if e.total and e.total > max(used, r.capacity)  # a sum over the capacity, placed by the compiler
+            else ""
+        )
+        return [
+            f"{head} fits: {what} {gib(used)} of {gib(r.capacity)} per core{parts}, compiled in {e.compile_s:.1f} s"
+        ]
+    need = f" needs {gib(e.needed)}," if e.needed else ""
+    over = f" over by {gib(e.needed - r.capacity)}" if e.needed and r.capacity else ""
+    lines = [f"{head} does not fit:{need} {gib(r.capacity)} per core{over}", f"    the compiler: {e.message}"]
+    probes = ", ".join(f"{p.per_device_batch}{'✓' if p.fits else '✗'} {p.seconds:.1f}s" for p in e.probes)
+    if e.fix:
+        lines.append(f"    fix: {e.fix} ({e.largest} per core, the largest that compiles; probes: {probes})")
+    else:
+        lines.append(
+            f"    no eval batch fits, not even one example per core (probes: {probes}): the train step's levers "
+            "below shrink it too"
+        )
+    return lines
+
+
+def _verdict_lines(r: TargetReport) -> list[str]:
+    """The run's verdict, from every program it compiles (:func:`xlafit.check.program.decide`),
+    where it differs from the train step's own: a run whose eval step does not fit dies at its
+    first evaluation."""
+    if r.fits is not False or not r.train_fits:
+        return []
+    fix = f"; {r.eval.fix}" if r.eval is not None and r.eval.fix else ""
     return [
-        f"  eval step (batch {e['per_device_batch']} per core): fits, {gib(e['total'])}, "
-        f"compiled in {e['compile_s']:.1f} s"
+        f"  ✗ the run does not fit: its {' and '.join(r.unfit)} does not (a run dies at its first evaluation, "
+        f"after the training up to it){fix}"
     ]
 
 
@@ -164,7 +197,10 @@ def _probe_line(r: TargetReport) -> str:
         if bound and len(r.probes) >= MAX_PROBES:
             bound = f" ({refused} does not; the batches between were not compiled: {MAX_PROBES} probes at most)"
         answer = f"{r.max_batch}{bound}"
-    return f"  largest per-core batch that fits: {answer}   probes: {probes}"
+    line = f"  largest per-core batch that fits: {answer}   probes: {probes}"
+    if r.eval is not None:  # the search compiles the train step; the eval step has a batch of its own
+        line += "\n    (the train step's; the eval step is checked at its own batch, data.eval_global_batch, above)"
+    return line
 
 
 def format_table(reports: list[TargetReport]) -> str:
@@ -192,6 +228,7 @@ def format_table(reports: list[TargetReport]) -> str:
 def to_json(r: TargetReport) -> dict[str, Any]:
     out = dataclasses.asdict(r)
     out["error"] = None if r.error is None else {**dataclasses.asdict(r.error), "title": r.error.title}
+    out["fits"], out["unfit"] = r.fits, r.unfit
     out["flops_per_call"] = r.flops_per_call
     out["margin"] = r.margin
     return out

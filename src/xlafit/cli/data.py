@@ -1,4 +1,5 @@
-"""``xlafit data mlm|images``: training data prepared once, as shards + a manifest."""
+"""``xlafit data mlm|images``: training data prepared once, as shards + a manifest;
+``xlafit data show``: what the llm recipe trains on of a few records."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     data_sub = p.add_subparsers(dest="data_command", required=True)
     _register_mlm(data_sub)
     _register_images(data_sub)
+    _register_show(data_sub)
 
 
 def _register_mlm(data_sub: argparse._SubParsersAction) -> None:
@@ -65,6 +67,70 @@ def _register_images(data_sub: argparse._SubParsersAction) -> None:
         "--overwrite", action="store_true", help="replace images prepared in --out before (refused without it)"
     )
     p.set_defaults(run=run_images)
+
+
+def _register_show(data_sub: argparse._SubParsersAction) -> None:
+    p = data_sub.add_parser(
+        "show",
+        help="a few records as the llm recipe trains on them: the text the model reads, the trained tokens marked",
+        description="Encode the first records (or documents) of FILE as `xlafit train llm` does: the chat "
+        "template, the tokenizer's own <bos> and <eos>, the loss mask, the cut at --seq-len. Print each one's "
+        "text as the model reads it (special tokens shown) with the text the loss trains on between "
+        "\u27e6 and \u27e7 (in colour on a terminal), and its counts of tokens and trained tokens.",
+    )
+    p.add_argument("file", metavar="FILE", help="text, Parquet or JSON-lines records (chat, prompt/completion, text)")
+    p.add_argument(
+        "--tokenizer", required=True, metavar="T", help="a tokenizer.json, the folder holding one, or a model folder"
+    )
+    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template instead of the tokenizer's")
+    p.add_argument("--loss-on", choices=("assistant", "all"), default="assistant", help="what the loss counts")
+    p.add_argument(
+        "--format", default="auto", choices=("auto", "text", "chat", "prompt_completion"), help="the records' format"
+    )
+    p.add_argument("--text-column", default="text", help="the field of text records and Parquet files")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per row: a record is cut here (data.seq_len)")
+    p.add_argument("-n", "--records", type=int, default=3, metavar="N", help="how many records to show")
+    p.add_argument(
+        "--color", choices=("auto", "always", "never"), default="auto", help="trained text in colour (auto: a terminal)"
+    )
+    p.set_defaults(run=run_show)
+
+
+def run_show(args: argparse.Namespace) -> int:
+    from xlafit.data import clm, show  # the library when the command runs: a fast --help
+    from xlafit.recipes import llm_data, load_config
+
+    overrides = [
+        f"data.data_dir={args.file}",
+        f"data.tokenizer={args.tokenizer}",
+        f"data.loss_on={args.loss_on}",
+        f"data.format={args.format}",
+        f"data.text_column={args.text_column}",
+        f"data.seq_len={args.seq_len}",
+    ] + ([f"data.chat_template={args.chat_template}"] if args.chat_template else [])
+    cfg = load_config("llm", overrides)
+    e = llm_data.encoding(cfg)
+    files = clm.data_files(e.inputs)
+    d = llm_data.data_config(cfg)
+    encoded, fmt = clm.encode_files(
+        files, e.tok, d.format, d.text_column, e.template, d.loss_on, e.markers, limit=max(args.records, 0)
+    )
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+    name = lambda i: e.tok.id_to_token(i) if i is not None else "none"  # noqa: E731
+    print(
+        f"{args.file}: "
+        + ("text documents" if fmt == "text" else f"{fmt} records")
+        + f"; tokenizer {args.tokenizer}: {name(e.markers[0])} before and "
+        f"{name(e.markers[1])} after each document and prompt/completion record; loss on "
+        + ("every token" if d.loss_on == "all" or fmt == "text" else "the answers")
+        + ("" if color else f"; trained text between {show.OPEN} and {show.CLOSE}")
+    )
+    for number, record in enumerate(encoded, 1):
+        s = show.shown(e.tok, record, fmt, d.seq_len)
+        cut = f", cut at --seq-len {d.seq_len}" if fmt != "text" and len(s.ids) > d.seq_len else ""
+        print(f"\n--- record {number}: {len(s.ids)} tokens, {sum(s.trained)} trained{cut}")
+        print(show.render(s.runs, color))
+    return 0
 
 
 def run_mlm(args: argparse.Namespace) -> int:

@@ -30,10 +30,45 @@ def register(sub: argparse._SubParsersAction) -> None:
         help='prompts, one per line (or JSON lines: a string, or {"messages": [...]} for a chat model)',
     )
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the K likeliest tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="sample among the likeliest tokens summing to P")
-    p.add_argument("--seed", type=int, default=0, help="the sampling's seed")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        help="sample at this temperature (0: greedy); default: greedy, or 1.0 with --top-k or --top-p",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        help="sample among the K likeliest tokens (0: all); without --temperature it samples at 1.0, as transformers "
+        "does when asked to sample",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample among the likeliest tokens summing to P; without --temperature it samples at 1.0",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        help="the sampling's seed (0 to 2**32-1); default: a fresh one, printed so that the answers can be repeated",
+    )
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="end an answer at this text, cut before it (repeat for several)",
+    )
+    p.add_argument(
+        "--stop-id",
+        action="append",
+        default=[],
+        type=int,
+        metavar="ID",
+        help="end an answer at this token id, kept as an end of sequence is (repeat for several); each prompt of "
+        "the batch stops at its own",
+    )
     as_chat = p.add_mutually_exclusive_group()
     as_chat.add_argument("--no-chat", action="store_true", help="give a chat model the prompt as plain text")
     as_chat.add_argument(
@@ -44,7 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--step", type=int, help="a run's checkpoint (default: the newest intact one)")
     p.add_argument("--revision", help="a hub id's branch, tag or commit")
-    p.add_argument("--json", action="store_true", help="print the prompts and answers as JSON lines")
+    p.add_argument("--json", action="store_true", help="print the prompts and answers (and a run's step) as JSON lines")
     add_simulate(p)
     p.set_defaults(run=run)
 
@@ -104,7 +139,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(_in_flags(str(e))) from None
+    if any(not text for text in args.stop):
+        raise ConfigError("--stop '' would end every answer before it starts; give a text of 1 or more characters.")
     # A run's model starts the backends itself, with the run's CPU settings (a new model's LoRA
     # base is re-initialised, and its rounding depends on them).
     run = is_run_directory(args.source)
@@ -129,11 +166,24 @@ def run(args: argparse.Namespace) -> int:
             "as text, as it trained, not in its tokenizer's chat template (--chat gives them in it)",
             file=sys.stderr,
         )
-    answers = ask(prompts, args.max_new_tokens, sampling, use_chat=use_chat)
+    if sampling.samples and sampling.seed is None:  # drawn here, said before the answers: a crash still tells it
+        sampling = sampling.seeded()
+        print(f"seed {sampling.seed} (pass --seed {sampling.seed} to repeat)", file=sys.stderr, flush=True)
+    answers = ask(prompts, args.max_new_tokens, sampling, use_chat=use_chat, stop=args.stop, stop_ids=args.stop_id)
     for prompt, answer in zip(prompts, answers, strict=True):
         if args.json:
-            print(json.dumps({"prompt": prompt, "answer": answer}, ensure_ascii=False))
+            step = {} if ask.step is None else {"step": ask.step}  # a run's: the checkpoint answering
+            print(json.dumps({"prompt": prompt, "answer": answer, **step}, ensure_ascii=False))
         else:
             shown = prompt if isinstance(prompt, str) else prompt[-1].get("content", "")
             print(f"> {shown}\n{answer}\n")
     return 0
+
+
+def _in_flags(message: str) -> str:
+    """A :class:`Sampling` refusal in the command's words (``top_k=`` -> ``--top-k``)."""
+    for name in ("temperature", "top_k", "top_p", "seed"):
+        message = message.replace(f"{name}=", f"--{name.replace('_', '-')} ").replace(
+            f" {name} ", f" --{name.replace('_', '-')} "
+        )
+    return message

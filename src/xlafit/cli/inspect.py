@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
     # The library when the command runs (a fast --help); the backends start as connect() starts
     # them, without libtpu's start-up errors on a host that has libtpu but no TPU.
     from xlafit.checkpoint import Checkpointer, fingerprint, set_aside
+    from xlafit.checkpoint_read import read_checkpoint
     from xlafit.parallel.cluster import start_backends
     from xlafit.rundir import checkpoints_of
 
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
             )
         args.step = folder_step
     directory = str(where)
-    ckpt = Checkpointer(directory)
+    ckpt = Checkpointer(directory, reader=True)  # the run may be training meanwhile
     try:
         infos = ckpt.list()
         if not infos:
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
             )
         # --step must read, as export and generate require; by default the newest that reads
         wanted = args.step is not None or any(i.usable for i in infos)
-        read = ckpt.read(args.step, infos) if wanted else None
+        read = read_checkpoint(ckpt, args.step, infos) if wanted else None
     finally:
         ckpt.close()
     step = read.step if read else None

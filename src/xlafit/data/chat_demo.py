@@ -33,7 +33,7 @@ CHATML = (
 )
 SPECIALS = ["<|im_start|>", "<|im_end|>"]
 _WORDS = {"plus": lambda a, b: a + b, "minus": lambda a, b: a - b, "times": lambda a, b: a * b}
-VERSION = "chat-demo-2"
+VERSION = "chat-demo-3"  # 3: its tokenizer puts <s> before a text (train_bpe's post-processor)
 PREFERENCE_VERSION = "2"  # the pairs' layout and held-out split (a new one makes a new file)
 
 

@@ -4,7 +4,8 @@ Documents come from text files (one document per blank-line-separated block), Pa
 (one document per row of a text column) or JSON-lines records, local or at a URL (``gs://``
 with gcsfs); chat and prompt/completion records (:mod:`xlafit.data.chat`) are rendered with
 the model's chat template and carry a ``loss_mask`` on their answers.
-Each is tokenized (``<bos>`` before and ``<eos>`` after it when the tokenizer has them),
+Each is tokenized (``<bos>`` before it where the tokenizer puts one before a text and
+``<eos>`` after it, as its own files declare them: :func:`special_ids`),
 cut into pieces of at most ``seq_len`` tokens, and the pieces are packed first-fit into rows
 of ``seq_len`` tokens (:func:`xlafit.data.shapes.pack`): ``segment_ids`` 1, 2, ... per piece
 and 0 for padding, ``positions`` restarting at 0 in each piece. The loss
@@ -30,7 +31,7 @@ from typing import TypeVar
 import jax
 import numpy as np
 from etils import epath
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from xlafit.data.chat import (
     FORMATS,
@@ -45,6 +46,7 @@ from xlafit.data.chat import (
 )
 from xlafit.data.hashing import hash_uniform
 from xlafit.data.shapes import pack
+from xlafit.data.special_tokens import markers, settings
 from xlafit.data.text import documents
 from xlafit.data.tokenizer import read_tokenizer_json
 from xlafit.errors import DataError
@@ -55,15 +57,14 @@ ArrayT = TypeVar("ArrayT", np.ndarray, jax.Array)
 PROGRESS_EVERY_S = 5.0  # the least time between two lines of load_packed's progress
 _BATCH = 10_000  # documents tokenized in one call (tokenizers spreads a call over its threads)
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"  # the special tokens of a tokenizer trained here (ids 0, 1, 2)
-# Names other tokenizers give their document markers (Llama 3, Llama 2 / Mistral, GPT-2, BERT).
-BOS_NAMES = ("<|begin_of_text|>", "<s>", "[CLS]")
-EOS_NAMES = ("<|end_of_text|>", "</s>", "<|endoftext|>", "[SEP]")
 
 
 def train_bpe(files: Sequence[str], vocab_size: int, out: str | Path) -> Tokenizer:
     """A byte-level BPE tokenizer (GPT-2's and Llama 3's kind) trained on ``files``, written
-    as ``out/tokenizer.json`` (``transformers.PreTrainedTokenizerFast(tokenizer_file=...)``
-    and ``AutoTokenizer`` read it). Any text round-trips: unseen characters fall back to bytes.
+    as ``out/tokenizer.json`` and ``out/tokenizer_config.json`` (``AutoTokenizer`` reads
+    them). Any text round-trips: unseen characters fall back to bytes. Its ``<s>``, ``</s>``
+    and ``<pad>`` (ids 0, 1, 2) are declared in its files as ``bos_token``, ``eos_token`` and
+    ``pad_token``, and encoding a text puts ``<s>`` before it, here and in ``transformers``.
 
     Example:
         >>> tok = train_bpe(["corpus.txt"], vocab_size=4000, out="tok/")  # doctest: +SKIP
@@ -78,8 +79,21 @@ def train_bpe(files: Sequence[str], vocab_size: int, out: str | Path) -> Tokeniz
         show_progress=False,
     )
     tok.train([str(f) for f in files], trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B:1", special_tokens=[(BOS, tok.token_to_id(BOS))]
+    )
     Path(out).mkdir(parents=True, exist_ok=True)
     tok.save(str(Path(out) / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+    }
+    (Path(out) / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return tok
 
 
@@ -113,25 +127,27 @@ def _tokenizer_path(where: str | Path, fix: str | None = None) -> epath.Path:
     return path
 
 
-def special_ids(tok: Tokenizer) -> tuple[int | None, int | None]:
-    """``(bos, eos)``: the ids of the tokenizer's document markers, None where it has none."""
-    find = lambda names: next((i for n in names if (i := tok.token_to_id(n)) is not None), None)  # noqa: E731
-    return find(BOS_NAMES), find(EOS_NAMES)
+def special_ids(where: str | Path) -> tuple[int | None, int | None]:
+    """``(bos, eos)``: the ids of the document markers of the tokenizer at ``where`` (as
+    :func:`load_tokenizer` takes it), from its own files (:mod:`xlafit.data.special_tokens`):
+    ``bos`` what ``transformers`` puts before a text it encodes, ``eos`` its ``eos_token``;
+    None where it has none.
+
+    Example:
+        >>> special_ids("tok/")  # a tokenizer of train_bpe                  # doctest: +SKIP
+        (0, 1)
+    """
+    return markers(load_tokenizer(where), settings(where))
 
 
 def stop_ids(folder: str | Path) -> tuple[int, ...]:
     """The tokens that end an answer of a model directory (or a run's ``tokenizer/``): its
-    tokenizer's end of document, ``tokenizer_config.json``'s ``eos_token``, the end of an
-    assistant turn in its chat template (:func:`~xlafit.data.chat.end_of_turn`, which need not
-    be the ``eos_token``) and ``generation_config.json``'s ``eos_token_id``."""
+    ``eos_token`` (:func:`special_ids`), the end of an assistant turn in its chat template
+    (:func:`~xlafit.data.chat.end_of_turn`, which need not be the ``eos_token``) and
+    ``generation_config.json``'s ``eos_token_id``."""
     root = as_path(folder)
     tok = load_tokenizer(root)
-    found = {special_ids(tok)[1]}
-    config = root / "tokenizer_config.json"
-    if config.exists():
-        eos = json.loads(config.read_text()).get("eos_token")
-        name = eos["content"] if isinstance(eos, dict) else eos
-        found.add(tok.token_to_id(name) if name else None)
+    found = {special_ids(root)[1]}
     template = template_for(str(root))
     if template is not None and (end := end_of_turn(template, tok)) is not None:
         found.add(tok.token_to_id(end))
@@ -266,6 +282,7 @@ def load_packed(
     fmt: str = "auto",
     template: ChatTemplate | None = None,
     loss_on: str = "assistant",
+    markers: tuple[int | None, int | None] = (None, None),
     progress: Callable[[str], None] | None = None,
 ) -> tuple[PackedText, PackedText]:
     """(train, eval) packed rows of the documents or records of ``inputs``; each goes to eval
@@ -275,7 +292,9 @@ def load_packed(
     pieces of ``seq_len``; a chat or prompt/completion record (:mod:`xlafit.data.chat`) is one
     sequence, its end cut off past ``seq_len``, with a ``loss_mask`` (1 where the loss counts
     the token; ``loss_on`` "assistant" or "all"). ``fmt="auto"``: from each file's records.
-    ``progress`` gets a line every :data:`PROGRESS_EVERY_S` seconds while the inputs are
+    ``markers``: the ``(bos, eos)`` ids put before and after each document and
+    prompt/completion record (:func:`special_ids` reads them from the tokenizer's files;
+    None: none). ``progress`` gets a line every :data:`PROGRESS_EVERY_S` seconds while the inputs are
     tokenized (files and records done of all).
 
     Raises:
@@ -283,12 +302,9 @@ def load_packed(
     """
     if seq_len < 2:
         raise DataError(f"data.seq_len={seq_len} leaves nothing to predict; use 256, 1024 or more.")
-    if fmt not in ("auto", *FORMATS):
-        raise DataError(f"data.format={fmt!r}: one of auto, {', '.join(FORMATS)}.")
-    if loss_on not in ("assistant", "all"):
-        raise DataError(f"data.loss_on={loss_on!r}: assistant (the answers only) or all.")
+    _check_options(fmt, loss_on)
     files = data_files(inputs)
-    encoded, fmt_found = _encode_files(files, tok, fmt, text_column, template, loss_on, progress)
+    encoded, fmt_found = encode_files(files, tok, fmt, text_column, template, loss_on, markers, progress)
     draws = hash_uniform(np.array([seed]), np.arange(len(encoded)), 11) if encoded else np.zeros(0)
     split: dict[str, list[Encoded]] = {"train": [], "eval": []}
     counts = {"train": 0, "eval": 0}
@@ -296,13 +312,17 @@ def load_packed(
     for e, draw in zip(encoded, draws, strict=True):
         name = "eval" if draw < eval_fraction else "train"
         counts[name] += 1
-        if fmt_found == "text":
-            split[name] += [Encoded(p, [1] * len(p)) for p in pieces(e.ids, seq_len)]
-        elif len(e.ids) > 1:
+        if fmt_found != "text" and len(e.ids) > 1:
             truncated += len(e.ids) > seq_len
             answers_cut += name == "train" and any(e.mask) and not any(e.mask[:seq_len])
             longest = max(longest, len(e.ids))
-            split[name].append(Encoded(e.ids[:seq_len], e.mask[:seq_len]))
+        split[name] += sequences(e, fmt_found, seq_len)
+    if not split["train"] and fmt_found == "chat" and (unanswered := _without_answers(files)):
+        raise DataError(
+            f"no text to train on in {', '.join(map(str, inputs))}: {unanswered} of its {len(encoded)} conversations "
+            "have no assistant turn, and the chat template renders them as at most one token; give conversations "
+            'with an assistant turn (the loss is on its answers), or the text as text records ({"text": ...}).'
+        )
     if not split["train"]:
         raise DataError(
             f"no text to train on in {', '.join(map(str, inputs))} ({len(encoded)} documents or records); give text "
@@ -322,6 +342,12 @@ def load_packed(
             f"({answers_cut}) is cut at data.seq_len={seq_len} before its answer begins; raise data.seq_len (the "
             f"longest record has {longest} tokens)."
         )
+    if not share and fmt_found == "chat" and (unanswered := _without_answers(files)):
+        raise DataError(
+            f"no token of {', '.join(map(str, inputs))} counts for the loss: {unanswered} of its {len(encoded)} "
+            f"conversations have no assistant turn, and with data.loss_on={loss_on} the loss is on the assistant's "
+            "answers; give conversations with an assistant turn, or set data.loss_on=all to train on every token."
+        )
     if not share:
         raise DataError(
             f"no token of {', '.join(map(str, inputs))} counts for the loss: with data.loss_on={loss_on} the loss "
@@ -330,6 +356,24 @@ def load_packed(
         )
     out[0].source = Source(fmt_found, counts, truncated, share)
     return out[0], out[1]
+
+
+def sequences(encoded: Encoded, fmt: str, seq_len: int) -> list[Encoded]:
+    """What training takes of one encoded document or record: a document cut into pieces
+    (:func:`pieces`), a record cut off at ``seq_len``; nothing of a single token."""
+    if fmt == "text":
+        return [Encoded(p, [1] * len(p)) for p in pieces(encoded.ids, seq_len)]
+    return [Encoded(encoded.ids[:seq_len], encoded.mask[:seq_len])] if len(encoded.ids) > 1 else []
+
+
+def _without_answers(files: list[str]) -> int:
+    """How many chat records of ``files`` have no assistant turn (read again: only an error needs it)."""
+    records = [r for f in files if f.endswith((".parquet", *RECORD_FILES)) for r in read_records([f])]
+    return sum(
+        not any(isinstance(m, dict) and m.get("role") == "assistant" for m in r.get("messages") or [])
+        for r in records
+        if "messages" in r
+    )
 
 
 class _Progress:
@@ -346,17 +390,27 @@ class _Progress:
         self.report(f"tokenizing {what}: {done:,} of {total:,} {unit}")
 
 
-def _encode_files(
+def encode_files(
     files: list[str],
     tok: Tokenizer,
-    fmt: str,
-    text_column: str,
-    template: ChatTemplate | None,
-    loss_on: str,
+    fmt: str = "auto",
+    text_column: str = "text",
+    template: ChatTemplate | None = None,
+    loss_on: str = "assistant",
+    markers: tuple[int | None, int | None] = (None, None),
     progress: Callable[[str], None] | None = None,
+    limit: int | None = None,
 ) -> tuple[list[Encoded], str]:
-    """Every document or record of ``files`` encoded, and the one format they share."""
-    bos, eos = special_ids(tok)
+    """Every document or record of ``files`` (:func:`data_files`) encoded as :func:`load_packed`
+    trains on it (before cutting, :func:`sequences`), and the one format they share;
+    ``limit``: the first this many only.
+
+    Raises:
+        DataError: an unknown format or ``loss_on``, a record that cannot be encoded (its file
+            and number named), or formats mixed.
+    """
+    _check_options(fmt, loss_on)
+    bos, eos = markers
     texts = [f for f in files if not f.endswith((".parquet", *RECORD_FILES))]
     found: set[str] = {"text"} if texts else set()
     out = []
@@ -372,9 +426,9 @@ def _encode_files(
 
     if texts:
         what = texts[0] if len(texts) == 1 else f"{len(texts)} text files"
-        out += documents_encoded(list(_documents(texts, [], text_column)), what)
+        out += documents_encoded(list(_documents(texts, [], text_column))[:limit], what)
     for index, name in enumerate(files, 1):
-        if name in texts:
+        if name in texts or (limit is not None and len(out) >= limit):
             continue
         records = read_records([name])
         if not records:
@@ -382,10 +436,11 @@ def _encode_files(
         this = fmt if fmt != "auto" else detect_format(records, name, text_column)
         found.add(this)
         what = f"{name} (file {index} of {len(files)})"
+        left = None if limit is None else limit - len(out)
         if this == "text":
-            out += documents_encoded(list(_documents([], records, text_column, name)), what)
+            out += documents_encoded(list(_documents([], records, text_column, name))[:left], what)
             continue
-        for number, record in enumerate(records, 1):
+        for number, record in enumerate(records[:left], 1):
             try:
                 out.append(encode(record, this, tok, template, loss_on=loss_on, bos=bos, eos=eos))
             except DataError as e:
@@ -396,6 +451,13 @@ def _encode_files(
             f"the inputs mix formats ({', '.join(sorted(found))}); give one kind of data per run (data.format)."
         )
     return out, next(iter(found), "text")
+
+
+def _check_options(fmt: str, loss_on: str) -> None:
+    if fmt not in ("auto", *FORMATS):
+        raise DataError(f"data.format={fmt!r}: one of auto, {', '.join(FORMATS)}.")
+    if loss_on not in ("assistant", "all"):
+        raise DataError(f"data.loss_on={loss_on!r}: assistant (the answers only) or all.")
 
 
 def _with_markers(tok: Tokenizer, docs: list[str], bos: int | None, eos: int | None) -> list[list[int]]:

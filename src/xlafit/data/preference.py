@@ -33,7 +33,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from xlafit.data.chat import ChatTemplate, Encoded, encode, messages_of, read_records
-from xlafit.data.clm import PAD, data_files, special_ids
+from xlafit.data.clm import PAD, data_files
 from xlafit.data.hashing import hash_uniform
 from xlafit.errors import DataError
 
@@ -186,18 +186,20 @@ def load_pairs(
     seq_len: int,
     eval_fraction: float = 0.1,
     seed: int = 0,
+    markers: tuple[int | None, int | None] = (None, None),
     progress: Callable[[str], None] | None = None,
 ) -> tuple[PreferencePairs, PreferencePairs]:
     """(train, eval) pairs of the preference records of ``inputs`` (files, globs, directories
     or URLs of JSON lines or Parquet); each record goes to eval with probability
-    ``eval_fraction`` (a hash of its index and ``seed``).
+    ``eval_fraction`` (a hash of its index and ``seed``). ``markers``: the tokenizer's
+    ``(bos, eos)`` (:func:`xlafit.data.clm.special_ids`), around text pairs' rows.
 
     Raises:
         DataError: a record that is no preference pair (:func:`check_pair`), records mixing
             text and conversations, a pair whose completions ``seq_len`` cuts off entirely,
             or no pair left to train on.
     """
-    bos, eos = special_ids(tok)
+    bos, eos = markers
     encoded: list[tuple[Encoded, Encoded]] = []
     kinds: set[str] = set()
     for name in data_files(inputs):

@@ -171,7 +171,7 @@ class QKV(nnx.Module):
     The two minor dimensions stay ``hidden`` wide (a TPU pads a minor dimension of 64, a
     head's width, to 128). The initial values are those of a ``(hidden, 3 * hidden)``
     ``[q|k|v]`` matrix, and checkpoints written in that older layout still restore
-    (:data:`xlafit.checkpoint.RESHAPED`).
+    (:data:`xlafit.saveable.RESHAPED`).
     """
 
     def __init__(self, cfg: BertConfig, rngs: nnx.Rngs) -> None:

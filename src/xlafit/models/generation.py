@@ -8,8 +8,16 @@ token and its padding is never attended to, so a row generates what it would alo
 
 Sampling follows the usual order: logits over ``temperature``, then the ``top_k`` largest,
 then the smallest set whose probabilities add up to ``top_p``; ``temperature=0`` is greedy
-(the largest logit, ties to the smallest id, as ``argmax``). A row stops at its first
-end-of-sequence token (the tokens after it are dropped).
+(the largest logit, ties to the smallest id, as ``argmax``). A ``top_k`` or ``top_p`` without
+a temperature samples at temperature 1, as ``transformers``' ``generate(do_sample=True,
+top_p=...)`` does. Sampling without a seed draws a fresh one, returned with the tokens
+(:attr:`Generated.seed`) so that the same answers can be asked for again.
+
+A row stops at its first stop token (``eos_ids``: its end-of-sequence tokens, and any others
+asked for), inside the compiled loop: from there on it holds the pad id, whatever the other
+rows still generate. The loop keeps its fixed number of steps (a ``lax.cond`` that skipped
+the model once every row has stopped would put the cache through a conditional every
+step); the host cuts each row after its stop.
 
 Example:
     >>> import jax.numpy as jnp
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,25 +43,63 @@ from flax import nnx
 from xlafit.errors import ConfigError
 from xlafit.models.llama import LlamaForCausalLM
 
-__all__ = ["Sampling", "filter_logits", "generate"]
+__all__ = ["Generated", "Sampling", "filter_logits", "generate"]
+
+
+SEEDS = 2**32  # a seed is a uint32: jax.random.key's own range for one word
 
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """How the next token is chosen: ``temperature`` 0 is greedy; ``top_k`` 0 and
-    ``top_p`` 1 leave the distribution whole."""
+    """How the next token is chosen.
 
-    temperature: float = 0.0
+    ``temperature`` 0 is greedy; None (the default) is greedy too, unless ``top_k`` or
+    ``top_p`` asks for sampling: then it is 1.0, ``transformers``' default temperature when
+    it samples. ``top_k`` 0 and ``top_p`` 1 leave the distribution whole. ``seed`` None:
+    a fresh one for each call that samples (:meth:`seeded`).
+    """
+
+    temperature: float | None = None
     top_k: int = 0
     top_p: float = 1.0
-    seed: int = 0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+        temperature = self.temperature
+        if temperature is None:
+            temperature = 1.0 if self.top_k or self.top_p < 1 else 0.0
+            object.__setattr__(self, "temperature", temperature)  # frozen: set once, here
+        if temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
             raise ValueError(
-                f"temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}: give temperature >= 0 "
+                f"temperature={temperature}, top_k={self.top_k}, top_p={self.top_p}: give temperature >= 0 "
                 "(0: greedy), top_k >= 0 (0: all) and 0 < top_p <= 1."
             )
+        if temperature == 0 and (self.top_k or self.top_p < 1):
+            raise ValueError(
+                f"temperature=0 is greedy, and top_k={self.top_k}, top_p={self.top_p} choose among the tokens to "
+                "sample from: give a temperature above 0 to sample, or drop top_k and top_p for greedy."
+            )
+        if self.seed is not None and not 0 <= self.seed < SEEDS:
+            raise ValueError(f"seed={self.seed}: give a seed from 0 to {SEEDS - 1}.")
+
+    @property
+    def samples(self) -> bool:
+        """Whether the tokens are drawn (a temperature above 0), not the likeliest one."""
+        return bool(self.temperature)
+
+    def seeded(self) -> Sampling:
+        """This sampling with a seed: its own, or a fresh one where it samples and has none."""
+        if self.seed is not None or not self.samples:
+            return self
+        return dataclasses.replace(self, seed=secrets.randbelow(SEEDS))
+
+
+class Generated(list[list[int]]):
+    """The tokens each prompt continues with (a list, one list of ids per prompt), and the
+    :attr:`seed` the sampling drew them with (None where greedy): give it as
+    ``Sampling(seed=...)`` to draw the same tokens again."""
+
+    seed: int | None = None
 
 
 def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
@@ -74,17 +121,27 @@ def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
 
 
 def _choose(logits: jax.Array, sampling: Sampling, key: jax.Array) -> jax.Array:
-    if sampling.temperature == 0:
+    if not sampling.samples:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
+    logits = filter_logits(logits / float(sampling.temperature or 1.0), sampling.top_k, sampling.top_p)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling"))
 def _run(
-    graphdef: Any, state: Any, ids: jax.Array, pads: jax.Array, max_new_tokens: int, sampling: Sampling
+    graphdef: Any,
+    state: Any,
+    ids: jax.Array,
+    pads: jax.Array,
+    stop_ids: jax.Array,
+    seed: jax.Array,
+    max_new_tokens: int,
+    sampling: Sampling,
+    pad_id: int | jax.Array = 0,
 ) -> jax.Array:
-    """The prefill and ``max_new_tokens`` steps, compiled as one program: new tokens ``[B, N]``."""
+    """The prefill and up to ``max_new_tokens`` steps, compiled as one program: new tokens
+    ``[B, N]``, ``pad_id`` after a row's first stop token (one of ``stop_ids [K]``). The seed
+    is an argument, not part of ``sampling``: a new seed runs the same program."""
     model = nnx.merge(graphdef, state)
     b, p = ids.shape
     slots = p + max_new_tokens
@@ -92,23 +149,24 @@ def _run(
     positions = jnp.maximum(jnp.arange(p)[None, :] - pads[:, None], 0)
     cache = model.empty_cache(b, slots)
     logits, cache = model.cached(ids, positions, cache, jnp.int32(0), visible)
-    keys = jax.random.split(jax.random.key(sampling.seed), max_new_tokens)
+    keys = jax.random.split(jax.random.key(seed), max_new_tokens)
     first = _choose(logits[:, -1], sampling, keys[0])
+    tokens = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
+    Carry = tuple[jax.Array, jax.Array, jax.Array, Any, Any]
 
-    def step(carry: tuple[jax.Array, Any, Any], i: jax.Array) -> tuple[tuple[jax.Array, Any, Any], jax.Array]:
-        token, cache, weights = carry
+    def step(i: jax.Array, carry: Carry) -> Carry:
+        token, stopped, tokens, cache, weights = carry  # token: column i's, (B,)
         slot = p + i
         position = (slot - pads)[:, None]
         # The weights ride in the carry, merged inside the loop: a module made outside a
-        # lax.scan cannot enter the nnx.scan over scanned layers inside it.
+        # loop cannot enter the nnx.scan over scanned layers inside it.
         logits, cache = nnx.merge(graphdef, weights).cached(token[:, None], position, cache, slot, visible)
-        following = _choose(logits[:, -1], sampling, keys[i + 1])
-        return (following, cache, weights), token
+        following = jnp.where(stopped, pad_id, _choose(logits[:, -1], sampling, keys[i + 1]))
+        tokens = jax.lax.dynamic_update_slice(tokens, following[:, None], (0, i + 1))
+        return following, stopped | jnp.isin(following, stop_ids), tokens, cache, weights
 
-    if max_new_tokens == 1:
-        return first[:, None]
-    (last, _, _), tokens = jax.lax.scan(step, (first, cache, state), jnp.arange(max_new_tokens - 1))
-    return jnp.concatenate([tokens.T, last[:, None]], axis=1)
+    start = (first, jnp.isin(first, stop_ids), tokens, cache, state)
+    return jax.lax.fori_loop(0, max_new_tokens - 1, step, start)[2]
 
 
 def generate(
@@ -118,22 +176,26 @@ def generate(
     sampling: Sampling | None = None,
     eos_ids: Sequence[int] = (),
     pad_id: int = 0,
-) -> list[list[int]]:
-    """The tokens each prompt continues with: at most ``max_new_tokens``, cut after the first
-    of ``eos_ids`` (which is kept).
+) -> Generated:
+    """The tokens each prompt continues with: at most ``max_new_tokens``, up to and with the
+    first of ``eos_ids``.
 
     Args:
         model: the model, on whatever devices its state is (sharded state stays sharded).
         prompts: token ids per prompt (a batch of any lengths, each at least one token).
-        max_new_tokens: the tokens generated per prompt (one compiled program per prompt
-            length, batch and this number).
-        sampling: greedy by default.
-        eos_ids: the tokens that end a sequence (a chat model's end of turn too).
+        max_new_tokens: the tokens generated per prompt at most (one compiled program per
+            prompt length, batch, this number and sampling; a seed is no new program).
+        sampling: greedy by default; one that samples without a seed draws one.
+        eos_ids: the tokens that stop a sequence (its end of sequence, a chat model's end of
+            turn, any other stop ids); each row stops at its own.
         pad_id: the id that pads short prompts (never attended to).
+
+    Returns:
+        One list of token ids per prompt, with the sampling's seed (:class:`Generated`).
 
     Raises:
         ConfigError: the longest prompt and ``max_new_tokens`` do not fit the model's
-            ``max_position_embeddings``.
+            ``max_position_embeddings``, or a stop id is not in its vocabulary.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
@@ -149,17 +211,32 @@ def generate(
             f"the longest prompt's {length} tokens + max_new_tokens={max_new_tokens} = {length + max_new_tokens} is "
             f"more than the model's context (max_position_embeddings={context}); {fix}."
         )
+    vocab = model.cfg.vocab_size
+    outside = [t for t in eos_ids if not 0 <= t < vocab]
+    if outside:
+        raise ConfigError(
+            f"stop id {outside[0]} is not a token of this model (its {vocab} ids are 0 to {vocab - 1}); give ids "
+            "in that range."
+        )
+    sampling = (sampling or Sampling()).seeded()
     ids = np.full((len(prompts), length), pad_id, np.int32)
     pads = np.array([length - len(p) for p in prompts], np.int32)
     for row, prompt in enumerate(prompts):
         ids[row, length - len(prompt) :] = prompt
     graphdef, state = nnx.split(model)
+    stops = np.array(sorted(set(eos_ids)), np.int32)
+    seed = np.uint32(sampling.seed or 0)
+    static = dataclasses.replace(sampling, seed=None)  # one program for every seed
     tokens = np.asarray(
-        _run(graphdef, state, jnp.asarray(ids), jnp.asarray(pads), max_new_tokens, sampling or Sampling())
-    )
-    out = []
+        _run(
+            graphdef, state, jnp.asarray(ids), jnp.asarray(pads), jnp.asarray(stops), jnp.asarray(seed),
+            max_new_tokens, static, jnp.int32(pad_id),
+        )
+    )  # fmt: skip
+    out = Generated()
     stop = set(eos_ids)
     for row in tokens.tolist():
         end = next((i + 1 for i, t in enumerate(row) if t in stop), len(row))
         out.append(row[:end])
+    out.seed = sampling.seed if sampling.samples else None
     return out

@@ -25,16 +25,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from xlafit.models import splash
 from xlafit.models.activations import gated
 from xlafit.models.attention import apply_rope, attention, causal_mask, default_scale, rope_frequencies
 from xlafit.models.bert import remat_policy
 from xlafit.models.cudnn import packed_flash_attention
-from xlafit.models.llama_config import DTYPES, PRESETS, LlamaConfig
+from xlafit.models.llama_config import DTYPES, LAYER_INPUT, PRESETS, LlamaConfig
+from xlafit.models.lora import LoRA
 from xlafit.parallel.sharding import constrain, logical
 
-__all__ = ["PRESETS", "KVCache", "LlamaConfig", "LlamaForCausalLM", "rope_frequencies"]
+__all__ = ["PRESETS", "KVCache", "LlamaConfig", "LlamaForCausalLM", "layer_remat_policy", "rope_frequencies"]
 
 
 def _dense(cfg: LlamaConfig, din: int, dout: int, rngs: nnx.Rngs, axes: tuple[str, str], bias: bool) -> nnx.Linear:
@@ -237,7 +239,28 @@ def _stacked_layers(cfg: LlamaConfig, rngs: nnx.Rngs) -> LlamaDecoderLayer:
 def _run_layer(
     layer: LlamaDecoderLayer, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, implementation: str
 ) -> jax.Array:
-    return layer(x, positions, segment_ids, implementation)
+    # Named for remat="offload", whose policy keeps this one array of the layer for the
+    # backward pass, in host memory (an identity otherwise).
+    return layer(checkpoint_name(x, LAYER_INPUT), positions, segment_ids, implementation)
+
+
+def layer_remat_policy(name: str) -> Any:
+    """The ``jax.checkpoint`` policy of a decoder layer's ``remat`` name: ``"offload"``
+    saves the layer's input in pinned host memory and recomputes the rest (MaxText's
+    ``decoder_layer_input: offload``); the others as :func:`~xlafit.models.bert.remat_policy`.
+
+    Example:
+        >>> layer_remat_policy("full") is None
+        True
+    """
+    if name == "offload":
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=[LAYER_INPUT],
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+    return remat_policy(name)
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -315,7 +338,7 @@ class LlamaForCausalLM(nnx.Module):
         x = constrain(x, "batch", None, None)
         run = _run_layer
         if self.cfg.remat != "none":
-            run = nnx.remat(_run_layer, policy=remat_policy(self.cfg.remat), static_argnums=(4,))
+            run = nnx.remat(_run_layer, policy=layer_remat_policy(self.cfg.remat), static_argnums=(4,))
         if self.cfg.scan_layers:
             # A plain lax.scan over the layers' stacked state, each layer merged in the body:
             # nnx.scan would also return the state it scans (to carry a layer's mutations out),
@@ -333,6 +356,19 @@ class LlamaForCausalLM(nnx.Module):
             for layer in self.layers:
                 x = run(layer, x, positions, segment_ids, implementation)
         return self.norm(x)
+
+    def output_kernel(self) -> jax.Array:
+        """The output layer as one ``[hidden, vocab]`` matrix: :meth:`logits` is ``x @`` it
+        (then cast to float32 and soft-capped), for a loss that computes the logits a block
+        at a time (:func:`xlafit.train.losses.blockwise_cross_entropy`). A tied model's is the
+        embedding's transpose; a LoRA-adapted ``lm_head``'s, its kernel plus the scaled update."""
+        if self.lm_head is None:
+            return self.embed_tokens.embedding[...].T
+        if isinstance(self.lm_head, LoRA):
+            base = typing.cast(nnx.Linear, self.lm_head.base_module)
+            update = self.lm_head.lora_a[...] @ self.lm_head.lora_b[...]
+            return base.kernel[...] + (update * self.lm_head.scaling).astype(base.kernel[...].dtype)
+        return self.lm_head.kernel[...]
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Float32 logits ``[..., vocab]`` of final hidden states (:meth:`decode`'s)."""

@@ -16,7 +16,12 @@ import jax.numpy as jnp
 
 from xlafit.models.bert import REMAT_POLICIES
 
-__all__ = ["DTYPES", "PRESETS", "LlamaConfig"]
+__all__ = ["DTYPES", "LAYER_INPUT", "PRESETS", "REMAT", "LlamaConfig"]
+
+# The name (jax.ad_checkpoint.checkpoint_name) of each decoder layer's input: MaxText's.
+LAYER_INPUT = "decoder_layer_input"
+# A decoder layer's remat names: BERT's, and "offload" (the layer's input kept in host memory).
+REMAT = (*REMAT_POLICIES, "offload")
 
 # Released sizes (the config.json of meta-llama/Llama-3.2-1B and Llama-3.1-8B, google/gemma-3-1b-it,
 # Qwen/Qwen3-1.7B), and a tiny one for tests. vocab_size of "tiny" is a placeholder: set it to the tokenizer's.
@@ -158,19 +163,25 @@ class LlamaConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     attention: Literal["auto", "xla", "cudnn", "splash"] = "auto"
-    remat: str = "none"  # as BertConfig.remat: "full", or a jax.checkpoint_policies name
+    # As BertConfig.remat ("full", or a jax.checkpoint_policies name), or "offload": each
+    # layer's input saved in pinned host memory, the rest recomputed (layer_remat_policy).
+    remat: str = "none"
     # One decoder layer compiled instead of num_layers (parameters stacked on a "layers"
     # axis, the decoder an nnx.scan): as BertConfig.scan_layers.
     scan_layers: bool = False
-    # Training's loss over chunks of this many positions (0: all at once): only a chunk's
-    # [B, chunk, vocab] float32 logits are held, recomputed in the backward pass.
-    logits_chunk: int = 0
+    # Training's and evaluation's loss in blocks of positions (and of the vocabulary where a
+    # block's row is large), never the whole [B, T, vocab] logits: "auto" where the whole
+    # would be a large share of memory (xlafit.recipes.llm.logits_blocks), N positions a
+    # block, or 0: the whole logits at once.
+    logits_chunk: int | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
-        if self.logits_chunk < 0:
-            raise ValueError(f"logits_chunk={self.logits_chunk} must be 0 (off) or a number of positions.")
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"remat={self.remat!r} is not one of {', '.join(REMAT_POLICIES)}.")
+        if self.logits_chunk != "auto" and (not isinstance(self.logits_chunk, int) or self.logits_chunk < 0):
+            raise ValueError(
+                f"logits_chunk={self.logits_chunk!r} must be auto, 0 (the whole logits) or a number of positions."
+            )
+        if self.remat not in REMAT:
+            raise ValueError(f"remat={self.remat!r} is not one of {', '.join(REMAT)}.")
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.head_dim is None:

@@ -71,10 +71,15 @@ def configure(simulate: int | None = None, *, cpu: CpuConfig | None = None) -> N
         raise DeviceError(f"cannot simulate {simulate} devices; use --simulate 1 or more.")
     if _backend_started():
         if simulate is not None and (jax.default_backend() != "cpu" or jax.device_count() != simulate):
+            fix = (
+                f"import xlafit before anything else runs JAX ({SIMULATE_ENV} takes effect on import)"
+                if os.environ.get(SIMULATE_ENV)
+                else f"call xlafit.connect(simulate={simulate}) before any other JAX call, or set "
+                f"{SIMULATE_ENV}={simulate} before starting Python"
+            )
             raise DeviceError(
                 f"JAX already started with {jax.device_count()} {jax.default_backend()} device(s), so "
-                f"{simulate} simulated devices cannot be made in this process. Call xlafit.connect("
-                f"simulate={simulate}) before any other JAX call, or set {SIMULATE_ENV}={simulate}."
+                f"{simulate} simulated devices cannot be made in this process; {fix}."
             )
         if cpu is not None and jax.default_backend() == "cpu":
             _warn_if_not_applied(cpu)
@@ -88,6 +93,17 @@ def configure(simulate: int | None = None, *, cpu: CpuConfig | None = None) -> N
     if simulate is not None:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", simulate)
+
+
+def simulate_from_env() -> None:
+    """Makes the devices ``XLAFIT_SIMULATE_DEVICES`` asks for (and the default XLA:CPU
+    settings), as ``xlafit.connect()`` would; ``import xlafit`` calls it, so that the variable
+    holds however JAX is first started afterwards (a model built before ``connect``, a bare
+    ``jax.devices()``). Nothing where JAX already runs or the value is no count of devices:
+    ``connect`` says so, with the fix."""
+    value = os.environ.get(SIMULATE_ENV, "").strip()
+    if value.isdigit() and int(value) >= 1 and not _backend_started():
+        configure(int(value))
 
 
 def _warn_if_not_applied(asked: CpuConfig) -> None:

@@ -20,8 +20,11 @@ by libtpu for the target, on this machine, and predicted from its compiled progr
 - **time and cost of the run**: the run's examples over the throughput, at the slice's
   price per hour (:data:`xlafit.platform.hardware.PRICES`, on-demand or Spot).
 
-The answer is ranked, the Pareto front (throughput, cost of the run, HBM to spare) marked,
-and the winner's settings are the ``xlafit train`` overrides; :meth:`Plan.write` writes them
+The answer is ranked, the Pareto front (throughput, cost of the run, HBM to spare) marked;
+the winner's eval step is compiled too, at the run's eval batch, and where it does not fit
+the largest eval batch that does is part of the answer (:mod:`xlafit.plan.evaluation`): a
+run fits only when every program it compiles fits. The winner's settings are the
+``xlafit train`` overrides; :meth:`Plan.write` writes them
 as a preset that ``xlafit train RECIPE --config plan.yaml`` and ``xlafit check --config``
 read.
 

@@ -16,6 +16,7 @@ from xlafit.errors import ConfigError
 from xlafit.overrides import load_yaml
 from xlafit.parallel.cluster import start_backends
 from xlafit.plan.candidates import Candidate
+from xlafit.plan.evaluation import check_answer_eval
 from xlafit.plan.result import Plan
 from xlafit.plan.search import Planner, Settings
 from xlafit.platform.hardware import PRICES, Price, Target, parse_targets
@@ -113,7 +114,8 @@ def plan_recipe(
     levers that change the numerics (bf16 compute, bf16 Adam moments), marked in the table.
     A layout's batch search stops once a larger batch is predicted less than ``min_gain``
     percent faster (after a refusal: the largest below it; 0: it searches to the largest
-    batch that fits).
+    batch that fits). The answer's eval step is compiled too, at the run's eval batch
+    (:mod:`xlafit.plan.evaluation`): where it does not fit, the plan sets the largest that does.
     """
     targets = parse_targets(tpu)
     start_backends()
@@ -124,7 +126,7 @@ def plan_recipe(
     size = _run_examples(examples if examples or tokens else train_examples, tokens, base, epochs or cfg.trainer.epochs)
     # The plan sets the per-core batch (and so the global one): the recipe's global batch gives way.
     batch_overrides = ["data.global_batch=null"]
-    return Plan(
+    plan = Plan(
         name,
         command or f"xlafit plan {name} --tpu {tpu}",
         targets,
@@ -136,8 +138,14 @@ def plan_recipe(
         spot=spot,
         prices=_prices(prices),
         seconds=seconds,
+        evaluates=bool(base.eval_global_batch),
         **_own_batch(base, global_batch, search_batch),
     )
+    if plan.evaluates:  # the answer's eval step, at the run's own eval batch (None: its global batch)
+        t0 = time.perf_counter()
+        check_answer_eval(plan, planner.evaluate_eval, cfg.data.eval_global_batch)
+        plan.seconds += time.perf_counter() - t0
+    return plan
 
 
 def _own_batch(base: Program, global_batch: int | None, search_batch: bool) -> dict[str, Any]:
@@ -150,7 +158,7 @@ def _own_batch(base: Program, global_batch: int | None, search_batch: bool) -> d
 
 def recipe_planner(
     name: str, overrides: Sequence[str], preset: str | Path | None, settings: Settings
-) -> tuple[Planner, Any, int]:
+) -> tuple[Planner, Any, int | None]:
     """The planner of a recipe's run: ``(planner, config, train examples)``. Its candidates'
     programs are the recipe's with their remat, scanning and numerics as overrides."""
     base, cfg, train_examples = recipe_program(name, overrides, preset)

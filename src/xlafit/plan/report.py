@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from xlafit.check.speed import OUTSIDE_BAND, above_prediction
-from xlafit.check.tpu_report import rate
+from xlafit.check.speed import above_prediction
+from xlafit.check.tpu_report import gib, rate
 from xlafit.plan.result import Plan
 from xlafit.plan.search import Outcome, Prediction
 
@@ -52,7 +52,7 @@ def _row(plan: Plan, rank: str, o: Outcome, front: set) -> tuple[str, ...]:
 
 
 def _step_ms(p: Prediction) -> str:
-    """The table's step: the prediction (``?``: too short for its error band), or the bound."""
+    """The table's step: the prediction (``?``: outside its error band's population), or the bound."""
     if not p.predicted:
         return f">= {p.step_s * 1e3:.3g}"
     return f"{p.step_s * 1e3:.3g}{'?' if p.outside_band else ''}"
@@ -89,7 +89,7 @@ def format_plan(plan: Plan) -> str:
     rows = [HEADER] + [_row(plan, str(i + 1), o, front) for i, o in enumerate(fitting)]
     refused = [o for o in plan.outcomes if o not in fitting]
     shown = [o for o in refused if o.stage != "batch"]  # the batch search's refusals: in --json
-    rows += [_row(plan, "no" if o.fits is False else "err", o, front) for o in shown]
+    rows += [_row(plan, "no" if o.run_fits is False else "err", o, front) for o in shown]
     probes = len(refused) - len(shown)
     searched = f"; {probes} larger batches that did not fit are in --json" if probes else ""
     lines = [
@@ -98,7 +98,10 @@ def format_plan(plan: Plan) -> str:
         f"  (* the Pareto front: throughput, cost of the run, HBM to spare{searched})",
     ]
     if any(o.prediction and o.prediction.outside_band for o in plan.outcomes):
-        lines.append(f"  (? {OUTSIDE_BAND}; the throughput, run time and cost that follow share it)")
+        lines.append(
+            "  (? no error band: the step is outside the programs the step model was validated on (below); the "
+            "throughput, run time and cost that follow share it)"
+        )
     lines += _winner_lines(plan)
     lines += _why_not_lines(plan, refused)
     grouped: dict[tuple[str, str], list[str]] = {}  # one line per reason: it is often the same for many
@@ -108,8 +111,51 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  not tried on {target}: mesh{'es' if len(meshes) > 1 else ''} {', '.join(meshes)}: {why}")
     lines += _prediction_lines(plan)
     lines += _price_lines(plan)
-    lines.append(f"Planned in {plan.seconds:.0f} s on this machine ({len(plan.outcomes)} compiles).")
+    lines.append(_compiles_line(plan))
     return "\n".join(lines)
+
+
+def _compiles_line(plan: Plan) -> str:
+    """The plan's time and what it compiled: the train steps, and the eval steps of the answer
+    (and of a faster candidate whose eval step fit at none of the batches compiled)."""
+    n = len(plan.outcomes)
+    text = f"{n} compile{'' if n == 1 else 's'} of train steps"
+    evals = [o for o in plan.outcomes if o.eval_batch is not None]
+    evals.sort(key=lambda o: -o.prediction.examples_per_s if o.prediction else 0.0)  # compiled fastest first
+    if evals:
+        count = sum(1 + (len(o.eval.probes) if o.eval else 0) for o in evals)
+        whose = " and ".join("the answer" if o is plan.winner else _name(o) for o in evals)
+        text += f"; {count} of {'the eval step' if len(evals) == 1 else 'eval steps'}, for {whose}"
+    return f"Planned in {plan.seconds:.0f} s on this machine ({text})."
+
+
+def _name(o: Outcome) -> str:
+    return f"{o.candidate.target} {o.candidate.layout} ({o.candidate.levers})"
+
+
+def _eval_lines(plan: Plan, o: Outcome) -> list[str]:
+    """The answer's eval step: where it fits, or the eval batch the plan sets instead."""
+    e = o.eval
+    if o.eval_batch is None:
+        if not plan.evaluates:
+            return []
+        return [
+            "  eval step: not compiled (the faster candidates' eval steps fit at none of the batches compiled, and a "
+            "plan compiles no more): `xlafit check --tpu` with these settings compiles it"
+        ]
+    at = f"the run's eval batch of {o.eval_batch}"
+    if e is None:
+        return [f"  eval step: failed at {at} for another reason than memory: `xlafit check --tpu` shows why"]
+    per_core = f"{e.per_device_batch} per core"
+    if e.fits:
+        peak = e.peak or e.total
+        used = f": the compiler's peak {gib(peak)} of {gib(o.capacity)} per core" if peak else ""
+        return [f"  eval step: fits at {at} ({per_core}){used}"]
+    needs = f", needs {gib(e.needed)} of {gib(o.capacity)} per core" if e.needed else ""
+    return [
+        f"  eval step: does not fit at {at} ({per_core}{needs}); the largest that compiles is {e.largest} per core: "
+        f"the plan sets data.eval_global_batch={o.eval_fix}"
+    ]
 
 
 def _prediction_lines(plan: Plan) -> list[str]:
@@ -118,9 +164,9 @@ def _prediction_lines(plan: Plan) -> list[str]:
     for o in plan.outcomes:
         if o.prediction is not None and o.prediction.band and not o.prediction.outside_band:
             bands.setdefault(o.candidate.target.split("-")[0], o.prediction.band)
-    for o in plan.outcomes:  # a generation whose every step is too short for its band
+    for o in plan.outcomes:  # a generation whose every step is outside its band's population
         if o.prediction is not None and o.prediction.outside_band:
-            bands.setdefault(o.candidate.target.split("-")[0], "no error band (every step under 1 ms, see ? above)")
+            bands.setdefault(o.candidate.target.split("-")[0], o.prediction.band)
     lines = [
         "Prediction (not a measurement): each kernel of the compiled step at the generation's achievable rates "
         "(xlafit.predict), summed along the schedule with the collectives over ICI where they are not hidden; "
@@ -156,7 +202,7 @@ def _winner_lines(plan: Plan) -> list[str]:
             band = f" ±{p.band_median:.0%}" if p.band_median is not None else ""
             lines.append(f"  step (predicted): {p.step_s * 1e3:.3g} ms{band}, MFU {p.mfu:.0%}")
             if p.outside_band:
-                lines.append(f"    {OUTSIDE_BAND}")
+                lines.append(f"    {p.band}")
         lines.append(
             f"  roofline estimate: {p.bound_s * 1e3:.3g} ms (compute {p.compute_s * 1e3:.3g} ms at peak, a strict "
             f"lower bound; memory {p.memory_s * 1e3:.3g} ms for XLA's bytes accessed, which overstates HBM "
@@ -165,6 +211,7 @@ def _winner_lines(plan: Plan) -> list[str]:
         )
         if p.predicted and (why := above_prediction(p.step_s, p.compute_s, p.memory_s)):
             lines.append(f"    {why}")
+    lines += _eval_lines(plan, o)
     own = plan.own_batch(o)
     if not plan.batch_fixed and own and own != c.global_batch:
         lines.append(
@@ -201,6 +248,13 @@ def _slices(plan: Plan) -> list[str]:
 def _why_not_lines(plan: Plan, refused: list[Outcome]) -> list[str]:
     lines = []
     for o in refused:
+        if o.fits and o.eval is not None and o.run_fits is False:
+            tried = sorted({o.eval.per_device_batch, *(p.per_device_batch for p in o.eval.probes)})
+            lines.append(
+                f"Why not {_name(o)}: its eval step fits at none of the eval batches compiled "
+                f"({tried[-1]} down to {tried[0]} per core; the run's is {o.eval_batch} over all cores)"
+            )
+            continue
         if o.fits is not False:  # an error, or a fit without a prediction
             lines.append(f"  {o.candidate.target} {o.candidate.layout} ({o.candidate.levers}): {o.error}")
             continue
@@ -255,9 +309,15 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "pareto": o.candidate in front,
             "largest_buffers": [dataclasses.asdict(b) for b in o.buffers],
             "error": o.error,
+            # The eval step (the answer's, compiled at the run's eval batch over all cores): its
+            # verdict, and the eval batch the plan sets where that one does not fit.
+            "eval_global_batch": o.eval_batch,
+            "eval": dataclasses.asdict(o.eval) if o.eval else None,
+            "eval_fix": o.eval_fix,
+            "run_fits": o.run_fits,
         }
 
-    winner = plan.winner
+    winner, fitting = plan.winner, plan.fitting()
     return {
         "command": plan.command,
         "source": plan.source,
@@ -266,7 +326,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "prices": {k: dataclasses.asdict(v) for k, v in plan.prices.items()},
         "spot": plan.spot,
         "seconds": plan.seconds,
-        "outcomes": [outcome(o) for o in plan.fitting()] + [outcome(o) for o in plan.outcomes if not o.prediction],
+        "outcomes": [outcome(o) for o in fitting] + [outcome(o) for o in plan.outcomes if o not in fitting],
         "skipped": [{"target": t, "mesh": m, "why": w} for t, m, w in plan.skipped],
         "winner": outcome(winner) if winner else None,
         "winner_command": plan.command_line(winner) if winner else None,

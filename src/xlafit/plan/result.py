@@ -38,6 +38,8 @@ class Plan:
     own_global_batch: int | None = None
     own_per_device_batch: int | None = None
     batch_fixed: bool = False
+    # Whether the run evaluates (a recipe's does: plan compiles its answer's eval step).
+    evaluates: bool = False
 
     def own_batch(self, o: Outcome) -> int | None:
         """The run's own global batch on ``o``'s layout (None: unknown)."""
@@ -46,8 +48,9 @@ class Plan:
         return self.own_per_device_batch * o.candidate.shards if self.own_per_device_batch else None
 
     def fitting(self) -> list[Outcome]:
-        """The candidates that fit, fastest first."""
-        found = [o for o in self.outcomes if o.fits and o.prediction is not None]
+        """The candidates that fit, fastest first: their train step fits, and their eval step
+        where it was compiled (at the run's eval batch, or the largest that compiles)."""
+        found = [o for o in self.outcomes if o.fits and o.prediction is not None and o.run_fits is not False]
         return sorted(found, key=lambda o: -o.prediction.examples_per_s)  # type: ignore[union-attr]
 
     @property
@@ -86,8 +89,12 @@ class Plan:
         }
 
     def overrides(self, o: Outcome) -> dict[str, Any]:
-        """The winner's (or ``o``'s) settings as ``xlafit train`` keys."""
-        return o.candidate.overrides(self.batch_key)
+        """The winner's (or ``o``'s) settings as ``xlafit train`` keys: with the largest eval
+        batch that compiles where the run's own does not."""
+        out = o.candidate.overrides(self.batch_key)
+        if o.eval_fix:
+            out["data.eval_global_batch"] = o.eval_fix
+        return out
 
     def command_line(self, o: Outcome) -> str:
         """The command that runs ``o`` (a recipe) or checks it (a file), each key once."""
@@ -127,6 +134,12 @@ class Plan:
             else "#",
             f"#   {use}",
         ]
+        if o.eval_fix:
+            head.insert(
+                -1,
+                f"# data.eval_global_batch={o.eval_fix}: the largest eval batch that compiles on this layout "
+                f"(the run's own {o.eval_batch} does not)",
+            )
         out = check_plan_path(path)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("\n".join(head) + "\n" + yaml.safe_dump(content, sort_keys=False))

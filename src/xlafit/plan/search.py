@@ -43,12 +43,13 @@ from pathlib import Path
 from typing import Any
 
 from xlafit.check.batch_search import largest_batch
-from xlafit.check.program import Program
-from xlafit.check.speed import OUTSIDE_BAND, outside_band, steps_in_cost
+from xlafit.check.program import EvalFit, Program, decide
+from xlafit.check.speed import OUTSIDE_BAND, outside_band, program_kind, steps_in_cost
 from xlafit.check.tpu import (
     OutOfMemory,
     Steps,
     TraceFailure,
+    eval_fit,
     memory_of,
     needed_bytes,
     no_persistent_cache,
@@ -111,6 +112,27 @@ class Outcome:
     error: str | None = None
     stage: str = "layout"  # layout, lever, batch
     cost_compile_s: float = 0.0  # a scanned candidate: compiling the few-layer programs of its cost
+    # The eval step, compiled for the plan's answer only (xlafit.plan.evaluation): at the run's
+    # eval batch over all cores (eval_batch), its verdict there (None: an error, or not compiled).
+    eval_batch: int | None = None
+    eval: EvalFit | None = None
+
+    @property
+    def eval_fix(self) -> int | None:
+        """The eval batch over all cores that the plan sets in place of the run's own, which
+        does not fit: the largest that compiles on this layout; None: the run's own stands."""
+        e = self.eval
+        return e.largest * self.candidate.shards if e is not None and not e.fits and e.largest else None
+
+    @property
+    def run_fits(self) -> bool | None:
+        """Whether the run the plan writes fits: :func:`xlafit.check.program.decide` over the
+        train step and, where it was compiled, the eval step at the eval batch the plan sets
+        (the run's own, or the largest that compiles: a probe that fit)."""
+        e = self.eval
+        if e is not None and self.eval_fix:
+            e = EvalFit(True, e.largest or 0)
+        return decide(self.fits, e)
 
     @property
     def hbm_used(self) -> int | None:
@@ -248,6 +270,15 @@ class Planner:
         self.outcomes[c] = out
         return out
 
+    def evaluate_eval(self, target: Target, o: Outcome, eval_batch: int) -> None:
+        """Compiles ``o``'s eval step at ``eval_batch`` examples over all cores (each core's
+        share rounded up: the last batch is padded) with ``o``'s layout; where it does not
+        fit, searches the largest eval batch that does (``check --tpu``'s :func:`eval_fit`)."""
+        steps = self.steps(target, o.candidate)
+        per_core = -(-eval_batch // steps.strategy.num_replicas)
+        with no_persistent_cache():
+            o.eval_batch, o.eval = eval_batch, eval_fit(steps, per_core, o.capacity)
+
     def over_budget(self, target: Target) -> bool:
         """Whether a compile for ``target`` started now would end past the deadline (by more
         than 5 % of the budget), judged by the longest compile for it so far."""
@@ -307,7 +338,7 @@ class Planner:
         else:
             k = p.config.steps_per_call
             step = predict(hlo, rates, target.ici_bandwidth, target.num_devices).seconds / k or bound
-            band, median = rates.describe_band(), rates.band.median if rates.band else None
+            band, median = rates.band_for(program_kind(p, target.num_devices, step))
             if outside_band(step):
                 band, median = OUTSIDE_BAND, None
         out.prediction = Prediction(
@@ -323,7 +354,7 @@ class Planner:
             predicted=rates is not None,
             band=band,
             band_median=median,
-            outside_band=rates is not None and outside_band(step),
+            outside_band=rates is not None and rates.band is not None and median is None,
         )
 
     def _map(self, jobs: Iterable[tuple[Target, Candidate, str]]) -> list[Outcome]:

@@ -131,14 +131,26 @@ class CpuConfig:
         return [t.strip() for t in self.ynn_fusion.split(",") if t.strip()]
 
 
+# What apply() set (not the user's own): a later apply, before JAX starts, replaces it
+# (``import xlafit`` with XLAFIT_SIMULATE_DEVICES applies the defaults, a run's own settings
+# come after): the XLA_FLAGS entry it added, and whether it turned async dispatch off.
+_added: list[str] = []
+_inline: list[bool] = []
+
+
 def apply(cfg: CpuConfig) -> None:
     """Applies ``cfg`` to this process; before JAX starts its backends, and only when the
     run is on the CPU (an accelerator's jaxlib may be another XLA build, one that rejects a
     flag it does not know)."""
     if cfg.keep_memory:
         keep_freed_memory()
-    if not cfg.async_dispatch:
-        jax.config.update("jax_cpu_enable_async_dispatch", False)
-    flags = os.environ.get("XLA_FLAGS", "")
-    if cfg.fast_paths and YNN_FUSION_FLAG not in flags:  # the user's own flag wins
-        os.environ["XLA_FLAGS"] = f"{flags} {YNN_FUSION_FLAG}={','.join(cfg.fusion_types)}".strip()
+    if not cfg.async_dispatch or _inline:
+        jax.config.update("jax_cpu_enable_async_dispatch", cfg.async_dispatch)
+        _inline[:] = [] if cfg.async_dispatch else [True]
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f not in _added]
+    _added.clear()
+    if cfg.fast_paths and not any(f.startswith(YNN_FUSION_FLAG) for f in flags):  # the user's own flag wins
+        _added.append(f"{YNN_FUSION_FLAG}={','.join(cfg.fusion_types)}")
+        flags.append(_added[0])
+    if flags or "XLA_FLAGS" in os.environ:
+        os.environ["XLA_FLAGS"] = " ".join(flags)

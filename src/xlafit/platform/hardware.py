@@ -50,6 +50,13 @@ INSTALL = "pip install 'xlafit[tpu]'"
 LIBTPU_MODULE = "libtpu"  # the wheel's module: where the TPU compiler comes from
 
 
+# No Cloud TPU page (a generation's "system architecture") gives the rate of the link between
+# a chip and its host. Every generation is given PCIe Gen4 x16's peak (PCI-SIG's PCIe 4.0 base
+# specification: 16 GT/s per lane, 128b/130b encoding): an assumption, not a measurement, so a
+# host copy priced at it is a lower bound on its time where the link is slower or shared.
+HOST_LINK = "no published figure; PCIe Gen4 x16 assumed: 16 GT/s x 16 lanes x 128/130 / 8 bits = 31.5 GB/s each way"
+
+
 @dataclasses.dataclass(frozen=True)
 class Generation:
     """One TPU generation's chip, from its Cloud TPU page (``source``).
@@ -74,6 +81,8 @@ class Generation:
             others (a v4-8 or v5p-8 is 4 chips on one host). Larger slices have 4 per host.
         pod_chips: chips of a whole pod, the largest slice (its page's system architecture):
             v2 256, v3 1,024, v4 4,096, v5e 256, v5p 8,960, v6e 256, TPU7x 9,216.
+        host_gbps: bytes a chip moves between its HBM and its host's memory, GB/s each way
+            (host offloading's copies); ``host_source`` says where the figure comes from.
     """
 
     name: str
@@ -91,6 +100,12 @@ class Generation:
     wraparound: int = 16
     host_chips: int = 4
     pod_chips: int = 256
+    host_gbps: float = 31.5
+    host_source: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.host_source:
+            object.__setattr__(self, "host_source", HOST_LINK)
 
 
 GENERATIONS: dict[str, Generation] = {
@@ -283,6 +298,11 @@ class Target:
     def hbm_bandwidth(self) -> float:
         """HBM bytes/s of one JAX device."""
         return self.generation.hbm_gbps * 1e9 / self.devices_per_chip
+
+    @property
+    def host_bandwidth(self) -> float:
+        """Bytes/s one JAX device moves to or from its host's memory (a chip's cores share its link)."""
+        return self.generation.host_gbps * 1e9 / self.devices_per_chip
 
     @property
     def source(self) -> str:
@@ -507,6 +527,39 @@ def table_bandwidth(device_kind: str) -> tuple[float, str] | None:
         return None
     gbps, source = rows[max(matches, key=len)]
     return gbps * 1e9, source
+
+
+def table_host_bandwidth(device_kind: str) -> tuple[float, str] | None:
+    """``(bytes/s each way between one JAX device and its host's memory, source)`` of a TPU
+    generation in :data:`GENERATIONS` (:data:`HOST_LINK`), or None (another kind of device).
+
+    Example:
+        >>> table_host_bandwidth("TPU v6 lite")[0] / 1e9
+        31.5
+        >>> table_host_bandwidth("TPU v3")[0] / 1e9  # two cores share a chip's link
+        15.75
+    """
+    rows = {}
+    for g in GENERATIONS.values():
+        per_device = g.host_gbps / (1 if g.megacore else g.cores_per_chip)
+        for kind in g.device_kinds:
+            rows[kind] = (per_device * 1e9, f"{g.host_source}, per chip, {g.cores_per_chip} core(s)")
+    matches = [name for name in rows if name.lower() in device_kind.lower()]
+    return rows[max(matches, key=len)] if matches else None
+
+
+def table_memory(device_kind: str) -> float | None:
+    """HBM bytes of one JAX device of a TPU generation in :data:`GENERATIONS` (a core, or a
+    megacore chip), per its datasheet, or None (another kind of device).
+
+    Example:
+        >>> table_memory("TPU v5 lite") / 2**30
+        16.0
+    """
+    for g in GENERATIONS.values():
+        if any(kind.lower() == device_kind.lower() for kind in g.device_kinds):
+            return g.hbm_gib * 2**30 / (1 if g.megacore else g.cores_per_chip)
+    return None
 
 
 def measured_cpu_peak(n: int = 2048, repeats: int = 5) -> float:

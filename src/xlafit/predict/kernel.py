@@ -13,7 +13,7 @@ import re
 
 from xlafit.predict.hlo import _ARRAY, _DTYPE_BYTES
 
-__all__ = ["KINDS", "VECTOR_COST", "Kernel", "hbm_bytes"]
+__all__ = ["HOST_SPACE", "KINDS", "VECTOR_COST", "Kernel", "hbm_bytes"]
 
 # What a kernel is, for the rates that price it (xlafit.predict.rates):
 KINDS = (
@@ -24,6 +24,7 @@ KINDS = (
     "reduction",  # a fusion whose root reduces (GPU "input" fusions: layer norms, sums)
     "transpose",  # a fusion or copy that moves data between layouts
     "transfer",  # an asynchronous copy between memories (a TPU's DMA into on-chip memory)
+    "host",  # an asynchronous copy between HBM and the host's memory (host offloading, over PCIe)
     "gather",  # gathers and scatters: data-dependent addressing
     "collective",  # data sent to other devices
     "other",  # any other custom call or kernel (its bytes only)
@@ -68,6 +69,11 @@ _PASS_THROUGH = {"bitcast", "reshape"}
 _BLAS = ("__cublas$gemm", "__cublas$lt$matmul")
 # Asynchronous copies between memories (their -done is the wait).
 _TRANSFERS = ("copy-start", "slice-start")
+# Asynchronous moves that may have one side in the host's memory (host offloading): a copy,
+# and a scanned loop's slice of a stacked buffer read or written in place.
+_HOST_MOVES = ("copy-start", "slice-start", "dynamic-slice-start", "dynamic-update-slice-start")
+# XLA's memory space of the host's memory in a layout (xla::Layout::kHostMemorySpace).
+HOST_SPACE = re.compile(r"S\(5\)")
 # Custom calls that only allocate or name memory.
 _PSEUDO_CALLS = ("AllocateBuffer", "ConcatBitcast", "SliceToDynamic", "PadToStatic")
 

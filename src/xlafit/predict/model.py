@@ -19,7 +19,11 @@ the array per pass, two passes for an all-reduce). An asynchronous collective (`
 ``-done``) overlaps the kernels the schedule puts between its start and its end; only what
 they do not cover adds to the step. An asynchronous copy between memories (a TPU's prefetch
 into on-chip memory) shares the HBM with those kernels: it overlaps only the part of each
-that is not moving its own bytes. Kernels inside a loop count once per trip.
+that is not moving its own bytes. A copy between HBM and the host's memory (host
+offloading: ``model.remat=offload``) moves its bytes over the host link (a TPU generation's
+``host_gbps``, :func:`xlafit.platform.hardware.table_host_bandwidth`, unless the rates hold
+``host_bytes_per_s``), beside the kernels up to its wait as an asynchronous collective does.
+Kernels inside a loop count once per trip.
 
 Example:
     >>> from xlafit.predict.ops import Kernel
@@ -36,10 +40,20 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
+from xlafit.platform.hardware import table_host_bandwidth
 from xlafit.predict.ops import Kernel, kernels
 from xlafit.predict.rates import Rates
 
-__all__ = ["SPLIT_K", "KernelTime", "StepPrediction", "kernel_seconds", "predict", "stream_rate", "wave_efficiency"]
+__all__ = [
+    "SPLIT_K",
+    "KernelTime",
+    "StepPrediction",
+    "host_rate",
+    "kernel_seconds",
+    "predict",
+    "stream_rate",
+    "wave_efficiency",
+]
 
 # The shortest piece of a product's contraction that a split-K library kernel gives one unit.
 SPLIT_K = 512
@@ -53,7 +67,7 @@ class KernelTime:
 
     kernel: Kernel
     seconds: float
-    bound: str  # "compute", "memory", "vector", "link", "launch"
+    bound: str  # "compute", "memory", "vector", "link", "host", "launch"
 
     @property
     def total(self) -> float:
@@ -67,7 +81,8 @@ class StepPrediction:
     Attributes:
         seconds: one run of the program (one call: ``steps_per_call`` steps).
         kernels: every kernel's predicted time.
-        exposed_collective_s: the collectives' time not hidden behind other kernels.
+        exposed_collective_s: the time of the collectives and host copies not hidden behind
+            other kernels.
         rates: the rates used.
     """
 
@@ -124,9 +139,23 @@ def kernel_seconds(kernel: Kernel, rates: Rates, link: Link = None, devices: int
     return _price(kernel, rates, link, devices)[0]
 
 
+def host_rate(rates: Rates) -> float:
+    """Bytes/s between a device and its host's memory: the rates' own figure, else the
+    hardware table's for the device kind, else the HBM's (no figure: a GPU, a CPU).
+
+    Example:
+        >>> host_rate(Rates("TPU v5 lite", 1e14, (128, 128), 1, 5e11, None, 0.0)) / 1e9
+        31.5
+    """
+    found = table_host_bandwidth(rates.device_kind)
+    return rates.host_bytes_per_s or (found[0] if found else rates.hbm_bytes_per_s)
+
+
 def _price(kernel: Kernel, rates: Rates, link: Link, devices: int) -> tuple[float, str]:
     if kernel.kind == "wait":
         return 0.0, "launch"
+    if kernel.kind == "host":
+        return kernel.bytes / host_rate(rates), "host"
     if kernel.kind == "transfer":
         return kernel.bytes / rates.hbm_bytes_per_s, "memory"
     if kernel.kind == "collective":
@@ -184,7 +213,7 @@ def stream_rate(kernel: Kernel, rates: Rates) -> float:
 
 def _advance(running: dict[str, float], copies: set[str], seconds: float, spare: float) -> None:
     """What one kernel of ``seconds`` leaves of the asynchronous work beside it: each
-    collective runs ``seconds`` on (the link is its own); the copies take the HBM time the
+    collective and host copy runs ``seconds`` on (the link is its own); the copies take the HBM time the
     kernel leaves ``spare`` one after another, oldest first (they share the one HBM)."""
     for name in running:
         if name in copies:

@@ -15,7 +15,8 @@ and custom call (a Pallas kernel) is one. :func:`kernels` lists them with, per e
 
 Collectives are listed as kernels of kind ``collective`` with the bytes they move
 (:mod:`xlafit.predict.model` prices them over a link), asynchronous ones and asynchronous
-copies (``transfer``) followed by a ``wait`` where the schedule ends them. Instructions that
+copies (``transfer``; ``host`` where one side is the host's memory, ``S(5)`` in a TPU
+program's layouts: host offloading) followed by a ``wait`` where the schedule ends them. Instructions that
 launch nothing (parameters, tuples, bitcasts, ``get-tuple-element``, scalar arithmetic) are
 left out.
 
@@ -63,10 +64,12 @@ from xlafit.predict.hlo import (
 from xlafit.predict.kernel import (
     _BLAS,
     _COLLECTIVES,
+    _HOST_MOVES,
     _LAID_OUT,
     _NO_KERNEL,
     _PSEUDO_CALLS,
     _TRANSFERS,
+    HOST_SPACE,
     KINDS,
     VECTOR_COST,
     Kernel,
@@ -180,6 +183,8 @@ def _kernel(
 ) -> Kernel | None:
     name, shape, op, rest = found.group("name"), found.group("shape"), found.group("op"), found.group("rest")
     kind = op.removesuffix("-start")
+    if op in _HOST_MOVES and HOST_SPACE.search(shape):
+        return _host_move(name, shape, op)
     if op in _TRANSFERS:  # a DMA between memories, beside the compute (TPU prefetches into VMEM)
         # ((source), destination, context): what moves is the destination, a slice-start's
         # piece of its source (a weight prefetched into VMEM in parts is read once, not per part).
@@ -231,6 +236,31 @@ def _kernel(
         target=op,
         elements=elements,
     )
+
+
+def _host_move(name: str, shape: str, op: str) -> Kernel:
+    """An asynchronous move between HBM and the host's memory: its bytes are the device
+    side's arrays in its shape (a copy's source or destination, a slice read from or an update
+    written into a stacked buffer in host memory), scalars and the context left out.
+
+    Example:
+        >>> stack = "bf16[4,8,256]{2,1,0:S(5)}"  # in host memory
+        >>> shape = f"(({stack}, bf16[1,8,256]{{2,1,0}}, s32[]), {stack}, u32[]{{:S(2)}})"
+        >>> k = _host_move("dus", shape, "dynamic-update-slice-start")
+        >>> k.kind, k.bytes, k.target
+        ('host', 4096.0, 'dynamic-update-slice-start to host')
+    """
+    moved = sum(
+        array_bytes(m.group(0))
+        for m in _LAID_OUT.finditer(shape)
+        if m.group(2) and not HOST_SPACE.search(m.group(3) or "")
+    )
+    first = _LAID_OUT.search(shape)  # a copy's destination; a slice's or update's buffer
+    to_host = op == "dynamic-update-slice-start" or (
+        op == "copy-start" and first is not None and bool(HOST_SPACE.search(first.group(3) or ""))
+    )
+    where = "to host" if to_host else "from host"
+    return Kernel(name, "host", 1, bytes_read=moved, target=f"{op} {where}", asynchronous=True)
 
 
 def _relayout(found: re.Match[str], shapes: dict[str, str]) -> bool:

@@ -23,16 +23,98 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+
+import jax
+from flax import nnx
 
 from xlafit.errors import ConfigError
 from xlafit.io.cache import cache_dir
 
-__all__ = ["BUILT_IN", "CALIBRATION_ENV", "Band", "Rates", "calibration_dir", "load_rates", "rates_for", "save_rates"]
+__all__ = [
+    "BUILT_IN",
+    "CALIBRATION_ENV",
+    "LIKE_DEVICES",
+    "LIKE_PARAMS",
+    "LIKE_STEP",
+    "Band",
+    "Kind",
+    "Rates",
+    "Validated",
+    "calibration_dir",
+    "load_rates",
+    "parameter_count",
+    "rates_for",
+    "save_rates",
+]
 
 BUILT_IN = Path(__file__).with_name("rates.json")
 CALIBRATION_ENV = "XLAFIT_CALIBRATION"  # a calibration file to use first (xlafit check/plan --calibration)
+
+
+# When a program is like the steps a band was measured on (Band.unlike): its step time and
+# parameter count within the validated range widened by these factors either way, and its
+# devices within LIKE_DEVICES of it (the same order of magnitude); the same device kind (the
+# band is its row's), a model family and a kind of training (full, LoRA) that were measured.
+LIKE_STEP = 2.0
+LIKE_PARAMS = 2.0
+LIKE_DEVICES = 4.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Validated:
+    """One measured step a band comes from: what program it was.
+
+    Attributes:
+        id: the step's name in the validation data (``benchmarks/validation``).
+        family: the recipe (``llm``, ``bert``, ``resnet``): the kind of model.
+        params: the model's parameter count.
+        devices: the JAX devices the step ran on.
+        step_s: the measured step.
+        training: ``full`` or ``lora``.
+    """
+
+    id: str
+    family: str
+    params: int
+    devices: int
+    step_s: float
+    training: str = "full"
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """What a prediction is for, to hold against a band's population (:meth:`Band.unlike`):
+    the model family (None: a user's own model), its parameter count, the devices, the
+    predicted step and the kind of training."""
+
+    family: str | None
+    params: int | None
+    devices: int
+    step_s: float
+    training: str = "full"
+
+
+def parameter_count(model: Any) -> int:
+    """The parameters of an ``nnx.Module``, concrete or abstract (``nnx.Param``: a LoRA
+    run's frozen base and its adapters included), for a :class:`Kind`."""
+    return sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def _params(n: float) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
+def _seconds(x: float) -> str:
+    return f"{x * 1e3:.3g} ms" if x < 1 else f"{x:.3g} s"
+
+
+def _range(values: Iterable[float], show: Callable[[float], str]) -> str:
+    """``34.1B-69B``: the smallest and the largest, each as ``show`` writes it."""
+    lo, hi = show(min(values := list(values))), show(max(values))
+    return lo if lo == hi else f"{lo}-{hi}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +129,8 @@ class Band:
             fit) or ``published`` (steps others measured and published, held out of the fit).
         fitted: how many further published steps the row's rates were fitted to (0: the rates
             come from micro-benchmarks alone).
+        population: what the steps held out were (:class:`Validated`); empty: not recorded
+            (a calibration file's), and the band is quoted for every program.
     """
 
     median: float
@@ -54,6 +138,45 @@ class Band:
     steps: int
     basis: str
     fitted: int = 0
+    population: tuple[Validated, ...] = ()
+
+    def validated_on(self) -> str:
+        """What the band was measured on, in a line: ``2 published steps: llm (full
+        training), 34.1B-69B parameters, 256 devices, steps of 12.5-15.1 s``."""
+        p = self.population
+        if not p:
+            return f"{self.steps} {self.basis} steps (not described)"
+        families = ", ".join(dict.fromkeys(v.family for v in p))
+        training = " and ".join(dict.fromkeys(v.training for v in p))
+        return (
+            f"{len(p)} {self.basis} steps: {families} ({training} training), "
+            f"{_range((v.params for v in p), _params)} parameters, {_range((v.devices for v in p), str)} "
+            f"device{'s' if max(v.devices for v in p) > 1 else ''}, "
+            f"steps of {_range((v.step_s for v in p), _seconds)}"
+        )
+
+    def unlike(self, kind: Kind) -> list[str]:
+        """How ``kind`` differs from the programs the band was measured on, by the rule of
+        :data:`LIKE_STEP`, :data:`LIKE_PARAMS`, :data:`LIKE_DEVICES`; empty: like them (or
+        no population is recorded)."""
+        p = self.population
+        if not p:
+            return []
+        out = []
+        if kind.family not in {v.family for v in p}:
+            out.append(f"a {kind.family} model" if kind.family else "a model of your own")
+        if kind.training not in {v.training for v in p}:
+            out.append(f"{kind.training.replace('lora', 'LoRA')} training")
+        params = [v.params for v in p]
+        if kind.params is not None and not min(params) / LIKE_PARAMS <= kind.params <= max(params) * LIKE_PARAMS:
+            out.append(f"{_params(kind.params)} parameters")
+        devices = [v.devices for v in p]
+        if not min(devices) / LIKE_DEVICES <= kind.devices <= max(devices) * LIKE_DEVICES:
+            out.append(f"{kind.devices} device{'s' if kind.devices != 1 else ''}")
+        steps = [v.step_s for v in p]
+        if not min(steps) / LIKE_STEP <= kind.step_s <= max(steps) * LIKE_STEP:
+            out.append(f"a step of {_seconds(kind.step_s)}")
+        return out
 
     def describe(self, kind: str) -> str:
         """``±9 % (worst 14 %) over 3 measured steps on NVIDIA H200``."""
@@ -85,6 +208,8 @@ class Rates:
             element-wise kernels stream faster (:func:`xlafit.predict.model.stream_rate`).
         hbm_peak_bytes_per_s: the fastest measured stream of the wider ones; None: not
             measured, every kernel streams at ``hbm_bytes_per_s``.
+        host_bytes_per_s: bytes/s a copy between HBM and the host's memory moves (host
+            offloading); None: the hardware table's host link for the device kind.
         sources: for each field above, where its value comes from.
         band: the measured error of predictions made with this row, None if never held
             against a measured step.
@@ -102,6 +227,7 @@ class Rates:
     link_bytes_per_s: float | None = None
     stream_bytes_per_element: float | None = None
     hbm_peak_bytes_per_s: float | None = None
+    host_bytes_per_s: float | None = None
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
     band: Band | None = None
     origin: str = "built-in"
@@ -119,6 +245,8 @@ class Rates:
         if unknown:
             raise ValueError(f"unknown fields {sorted(unknown)}; a rates row has {sorted(known)}")
         band = data.get("band")
+        if band:
+            band = {**band, "population": tuple(Validated(**v) for v in band.get("population", ()))}
         return cls(
             **{
                 **data,
@@ -133,6 +261,23 @@ class Rates:
         if self.band is None:
             return f"error unknown: {self.device_kind}'s rates were never held against a measured step"
         return self.band.describe(self.device_kind)
+
+    def band_for(self, kind: Kind) -> tuple[str, float | None]:
+        """The error band as quoted for a prediction of ``kind``, and its median: the band
+        where ``kind`` is like the programs it was measured on (:meth:`Band.unlike`), else
+        "not validated for this kind of program" with what differs and what it was measured
+        on, and no median."""
+        if self.band is None:
+            return self.describe_band(), None
+        reasons = self.band.unlike(kind)
+        if reasons:
+            return (
+                f"not validated for this kind of program ({', '.join(reasons)}); validated on: "
+                f"{self.band.validated_on()} on {self.device_kind}",
+                None,
+            )
+        measured = f"; validated on: {self.band.validated_on()}" if self.band.population else ""
+        return self.describe_band() + measured, self.band.median
 
 
 def load_rates(path: Path | str) -> list[Rates]:

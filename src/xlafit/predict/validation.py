@@ -21,15 +21,16 @@ import json
 import math
 import re
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 from xlafit.platform.hardware import GENERATIONS, parse_targets
 from xlafit.predict.fit import fit_matmul, fit_peak_stream, fit_stream, held_out_band, informative
 from xlafit.predict.model import StepPrediction, predict
 from xlafit.predict.ops import Kernel, kernels
-from xlafit.predict.rates import Rates
+from xlafit.predict.rates import Rates, Validated
 
 __all__ = [
     "Check",
@@ -412,10 +413,18 @@ def tpu_checks(folder: Path, rows: dict[str, Rates], fitted: Iterable[str]) -> l
     return out
 
 
-def band_of(checks: Sequence[Check], basis: str, fitted: int = 0) -> dict:
-    """The held-out checks' band as ``rates.json`` stores it."""
-    held = [c.error for c in checks if c.role == "held out"]
-    return dataclasses.asdict(held_out_band(held, basis, fitted))
+def band_of(
+    checks: Sequence[Check], basis: str, fitted: int = 0, kinds: Mapping[str, Mapping[str, Any]] | None = None
+) -> dict:
+    """The held-out checks' band as ``rates.json`` stores it; with ``kinds`` (each check's
+    family, params, devices and training, by id), the programs it was measured on, which a
+    prediction must be like for the band to be quoted (:meth:`xlafit.predict.rates.Band.unlike`)."""
+    held = [c for c in checks if c.role == "held out"]
+    band = held_out_band([c.error for c in held], basis, fitted)
+    if kinds is not None:
+        population = tuple(Validated(c.id, step_s=c.measured_s, **kinds[c.id]) for c in held)
+        band = dataclasses.replace(band, population=population)
+    return dataclasses.asdict(band)
 
 
 def predictions(folder: Path, workload: str, rates: Rates) -> StepPrediction:

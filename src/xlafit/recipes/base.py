@@ -52,6 +52,10 @@ def _nothing_to_check(cfg: Config) -> None:
     return None
 
 
+def _shapes_from_data(cfg: Config) -> None:
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """One workload: its config types and the functions that wire data, model and loss.
@@ -79,6 +83,13 @@ class Recipe:
             ``xlafit check``'s padding plans.
         validate: ``(cfg) -> None``: raises ``ConfigError`` for model settings that cannot
             work, before any data is read (preparing data can take hours).
+        bit_identical_chunks: whether ``trainer.invariant_chunks`` makes the recipe's runs
+            bit-identical on any device count (checked by the suite); elsewhere they agree to
+            float rounding, and a run with it says so.
+        shapes: ``(cfg) -> dataset or None``: placeholder rows with the data's shapes and
+            vocabulary when the config alone decides them (a named model's vocabulary, the
+            configured sequence length), for what needs shapes only (``check --tpu``,
+            ``plan``): no corpus is read. None: the shapes come from the data.
     """
 
     name: str
@@ -94,6 +105,8 @@ class Recipe:
     kept_files: dict[str, str] = dataclasses.field(default_factory=dict)
     sequence_lengths: Callable[[Config], np.ndarray | None] = _no_lengths
     validate: Callable[[Config], None] = _nothing_to_check
+    bit_identical_chunks: bool = False
+    shapes: Callable[[Config], Any] = _shapes_from_data
     loss_for: Callable[[Config], LossFn] | None = None
 
     def loss(self, cfg: Config) -> LossFn:

@@ -6,43 +6,38 @@ through a Hugging Face tokenizer and are packed into rows with segment ids
 or read from a Hugging Face directory (``model.init_from_hf``); ``lora.rank`` trains
 adapters on a frozen base (:func:`xlafit.run.with_lora`). With no ``data.data_dir``, the
 demo: the Korean texts of the konlpy wheel, a byte-level BPE tokenizer trained on them once
-(into the user cache), and a tiny Llama. ``model.objective=dpo`` (``simpo``, ``orpo``) tunes
-on preference pairs instead (:mod:`xlafit.recipes.llm_preference`).
+(into the user cache), and a tiny Llama. The data wiring is :mod:`xlafit.recipes.llm_data`'s.
+``model.objective=dpo`` (``simpo``, ``orpo``) tunes on preference pairs instead
+(:mod:`xlafit.recipes.llm_preference`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import json
-import sys
-import tempfile
+import math
 from pathlib import Path
 from typing import Any, Literal
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
 
-from xlafit import config as xconfig
 from xlafit.config import Config
-from xlafit.data import chat, chat_demo, clm
-from xlafit.data.text import korean_demo_files
+from xlafit.data import clm
 from xlafit.errors import ConfigError, HFFormatError
 from xlafit.hf import llama as llama_hf
 from xlafit.hf.files import read_json
 from xlafit.io import hub
-from xlafit.io.cache import cache_dir
-from xlafit.models.attention import packed_segments_limit
 from xlafit.models.llama import PRESETS, LlamaConfig, LlamaForCausalLM
-from xlafit.parallel.sharding import constrain
-from xlafit.recipes import llm_preference
+from xlafit.parallel.sharding import active_layout, batch_axes, constrain
+from xlafit.platform.hardware import table_memory
+from xlafit.recipes import llm_data, llm_preference
 from xlafit.recipes.base import Recipe, Throughput
-from xlafit.train.losses import chunked_cross_entropy, masked_accuracy, masked_mean
+from xlafit.recipes.llm_data import LlmDataConfig, data_config, model_dir, save_artifacts
+from xlafit.train.losses import blocks_for, blockwise_cross_entropy, masked_accuracy, masked_mean, whole_logits_bytes
 
-DEMO_VOCAB_SIZE = 2000  # the demo's BPE tokenizer
-DATA_FORMAT_FILE = "data_format.json"  # the format of the data a run trained on (chat, prompt_completion, text)
 _SIZES = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size")
 _OPTIONAL = ("max_position_embeddings", "head_dim", "vocab_size")  # sizes that a preset supplies when not given
 
@@ -68,53 +63,28 @@ class LlmModelConfig:
     # its sizes replace the preset's, and its tokenizer.json is the default data.tokenizer
     init_from_hf: str | None = None
     revision: str | None = None  # a hub id's branch, tag or commit (model.init_from_hf, data.tokenizer)
-    # Recompute activations in the backward pass, per decoder layer: none, full, or a
-    # jax.checkpoint_policies name (dots_saveable, ...; models/bert.py: REMAT_POLICIES).
+    # Recompute activations in the backward pass, per decoder layer: none, full, a
+    # jax.checkpoint_policies name (dots_saveable, ...), or offload: each layer's input kept in
+    # the host's memory, the rest recomputed (models/llama_config.py: REMAT)
     remat: str = "none"
     scan_layers: bool = False  # nnx.scan over the decoder layers: one layer compiled instead of num_layers
-    # the loss over chunks of this many positions (0: all at once): holds [batch, chunk, vocab]
-    # float32 logits instead of [batch, seq_len, vocab], for a third more output-layer FLOPs
-    logits_chunk: int = 0
+    # the loss (training's and evaluation's) in blocks of this many positions, and of the
+    # vocabulary where a block's row is large: holds [batch, chunk, tile] float32 logits instead
+    # of [batch, seq_len, vocab], for a third more output-layer FLOPs. auto: in blocks where the
+    # whole logits and their gradient would take more than 1/8 of a device's memory (logits_blocks);
+    # 0: the whole logits at once
+    logits_chunk: int | Literal["auto"] = "auto"
     # next_token (pretraining, SFT), or a preference objective on pairs of completions: dpo, simpo, orpo
     objective: Literal["next_token", "dpo", "simpo", "orpo"] = "next_token"
     # the preference objectives' settings: beta, label_smoothing, gamma, reference (docs/guides/preference.md)
     preference: llm_preference.PreferenceConfig = dataclasses.field(default_factory=llm_preference.PreferenceConfig)
 
-
-@dataclasses.dataclass
-class LlmDataConfig(xconfig.DataConfig):
-    """``data_dir``: text files (documents separated by blank lines) or Parquet files, a file,
-    directory, glob or URL (null: the Korean demo corpus)."""
-
-    seq_len: int = 256  # tokens per packed row (documents longer than this are cut into pieces)
-    # a Hugging Face tokenizer.json, or a directory holding one; null: model.init_from_hf's,
-    # else (the demo) a byte-level BPE trained on the corpus
-    tokenizer: str | None = None
-    vocab_size: int | None = None  # the size of the BPE tokenizer the demo trains (null: 2000)
-    text_column: str = "text"  # the column of Parquet files that holds the documents
-    eval_fraction: float = 0.1  # documents held out for evaluation (a hash of their index and data.seed)
-    # auto (from the records), text, chat ({"messages": [...]}), prompt_completion ({"prompt", "completion"})
-    # or preference ({"prompt", "chosen", "rejected"}: model.objective=dpo, simpo, orpo)
-    format: str = "auto"
-    # chat records: a Jinja chat template file instead of the tokenizer's (tokenizer_config.json's chat_template),
-    # or one of xlafit's training templates by name (qwen3, mistral-v0.3; see xlafit/data/templates.py)
-    chat_template: str | None = None
-    loss_on: str = "assistant"  # chat and prompt/completion records: assistant (the answers only) or all
-    # with no data.data_dir: korean (the konlpy wheel's texts), chat (arithmetic conversations with a ChatML
-    # tokenizer), arithmetic (the same kind of questions and answers as plain text, the same tokenizer) or
-    # preference (sums with a right answer chosen and a wrong one rejected: model.objective=dpo)
-    demo: Literal["korean", "chat", "arithmetic", "preference"] = "korean"
-
     def __post_init__(self) -> None:
-        super().__post_init__()
-        xconfig.check_fraction(self.eval_fraction, "data.eval_fraction")
-
-
-def data_config(cfg: Config) -> LlmDataConfig:
-    """``cfg.data`` as this recipe's :class:`LlmDataConfig` (its own keys typed)."""
-    if not isinstance(cfg.data, LlmDataConfig):
-        raise TypeError(f"an llm config has an LlmDataConfig, got {type(cfg.data).__name__}")
-    return cfg.data
+        if isinstance(self.logits_chunk, int) and self.logits_chunk < 0:
+            raise ConfigError(
+                f"model.logits_chunk={self.logits_chunk} must be auto, 0 (the whole logits at once) or a number of "
+                "positions."
+            )
 
 
 def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
@@ -233,182 +203,22 @@ def from_data(cfg: Config, train: clm.PackedText) -> Config:
     return cfg
 
 
-# --------------------------------------------------------------------------- data
-
-
-def model_dir(cfg: Config) -> str | None:
-    """``model.init_from_hf`` as a local directory: a hub id downloaded into the Hugging Face
-    cache first (:func:`xlafit.io.hub.resolve`); None when the model starts from scratch."""
-    name = cfg.model.init_from_hf
-    return _resolved(name, cfg.model.revision, "model.init_from_hf") if name else None
-
-
-@functools.cache
-def _resolved(name: str, revision: str | None, what: str) -> str:
-    return hub.resolve(name, revision, what)
-
-
-def tokenizer_location(cfg: Config) -> str:
-    """Where the run's ``tokenizer.json`` is: ``data.tokenizer`` (a hub id read from the
-    Hugging Face cache), ``model.init_from_hf``'s, or the demo's BPE (trained once into the
-    user cache)."""
-    d = data_config(cfg)
-    if d.tokenizer:
-        return _resolved(d.tokenizer, cfg.model.revision, "data.tokenizer")
-    source = model_dir(cfg)
-    if source and (Path(source).expanduser() / "tokenizer.json").exists():
-        return str(Path(source).expanduser())
-    if not d.data_dir and d.demo in ("chat", "arithmetic", "preference"):
-        return chat_demo.demo_files()[2]
-    if d.data_dir:
-        raise ConfigError(
-            "data.data_dir needs a tokenizer: set data.tokenizer (a tokenizer.json or a directory holding one), "
-            "or model.init_from_hf to a directory that has one."
-        )
-    return demo_tokenizer(d.vocab_size or DEMO_VOCAB_SIZE)
-
-
-def demo_tokenizer(vocab_size: int) -> str:
-    """The demo's byte-level BPE on the Korean corpus, trained once into the user cache."""
-    files = korean_demo_files()
-    key = json.dumps(["bpe-1", files, vocab_size])
-    target = cache_dir() / f"llm-demo-tokenizer-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    if (target / "tokenizer.json").exists():
-        return str(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        tok = clm.train_bpe(files, vocab_size, tmp)
-        print(
-            f"trained the demo's BPE tokenizer ({tok.get_vocab_size()} tokens) into {target} (once)",
-            file=sys.stderr,
-            flush=True,
-        )
-        try:
-            Path(tmp).rename(target)
-        except OSError:  # another process finished first
-            if not (target / "tokenizer.json").exists():
-                raise
-    return str(target)
-
-
-def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
-    """(train, eval) packed rows of the documents of ``data.data_dir`` (or the demo corpus);
-    for a preference objective, pairs of rows (:func:`xlafit.recipes.llm_preference.load`)."""
-    d = data_config(cfg)
-    where = tokenizer_location(cfg)
-    tok = clm.load_tokenizer(where)
-    inputs = [d.data_dir] if d.data_dir else _demo_inputs(d.demo)
-    # The template the conversations are rendered with: a family's training template in place of
-    # its official one where xlafit ships one (data/templates.py); data.chat_template wins.
-    template = chat.template_for(where, d.chat_template, training=True)
-    if llm_preference.objective_of(cfg) is not None:
-        pairs = llm_preference.load(cfg, tok, template, build_llama)
-        return pairs[0], (pairs[1] if len(pairs[1]) else None)  # type: ignore[return-value]
-    train, evaluation = clm.load_packed(
-        inputs,
-        tok,
-        seq_len=d.seq_len,
-        eval_fraction=d.eval_fraction,
-        seed=d.seed,
-        text_column=d.text_column,
-        fmt=d.format,
-        template=template,
-        loss_on=d.loss_on,
-        progress=functools.partial(print, file=sys.stderr, flush=True),
-    )
-    summary = data_summary(train, evaluation, d)
-    if train.source is not None and train.source.format == "chat":
-        summary += f"\n  {chat.describe(template)}"
-    print(summary, flush=True, file=sys.stderr)
-    if cfg.model.attention == "cudnn":
-        check_packed_segments(train, evaluation)
-    return train, (evaluation if len(evaluation) else None)  # type: ignore[return-value]
-
-
-def check_packed_segments(*datasets: clm.PackedText) -> None:
-    """cuDNN's packed attention takes a fixed number of segments a row
-    (:func:`~xlafit.models.attention.packed_segments_limit`): refuses data that packs more."""
-    for data in datasets:
-        segments = data.arrays["segment_ids"]
-        if not len(segments):
-            continue
-        most, limit = int(segments.max()), packed_segments_limit(data.seq_len)
-        if most > limit:
-            raise ConfigError(
-                f"model.attention=cudnn takes up to {limit} documents packed in a row of {data.seq_len} tokens; "
-                f"this data packs up to {most}. Use model.attention=xla (or auto), or a shorter data.seq_len."
-            )
-
-
-def _demo_inputs(demo: str) -> list[str]:
-    records, text, _ = chat_demo.demo_files()
-    return {"chat": [records], "arithmetic": [text]}.get(demo) or korean_demo_files()
-
-
-def data_summary(train: clm.PackedText, evaluation: clm.PackedText, d: LlmDataConfig) -> str:
-    """What the run will train on, what the loss counts, and an empty evaluation said aloud."""
-    source = train.source
-    kind = "documents" if source is None or source.format == "text" else f"{source.format} records"
-    lines = [
-        f"data: {train.documents} {kind} -> {len(train)} rows of {d.seq_len} tokens "
-        f"({train.tokens / max(train.arrays['input_ids'].size, 1):.1%} not padding); eval: {evaluation.documents} "
-        f"{kind}, {len(evaluation)} rows"
-    ]
-    if source is not None and source.format != "text":
-        counted = "every token" if d.loss_on == "all" else f"the answers: {source.answer_share:.0%} of the tokens"
-        lines.append(f"  loss on {counted} (data.loss_on={d.loss_on})")
-        if source.truncated:
-            lines.append(
-                f"  {source.truncated} records longer than data.seq_len={d.seq_len} are cut at it; raise data.seq_len "
-                "to keep their ends"
-            )
-    if not len(evaluation) and d.eval_fraction > 0:
-        total = train.documents + evaluation.documents
-        lines.append(
-            f"  no evaluation: none of the {total} {kind} was drawn for it at data.eval_fraction={d.eval_fraction} "
-            "(no eval loss or perplexity will be reported); give more data or a larger data.eval_fraction, or "
-            "data.eval_fraction=0 to train without one"
-        )
-    return "\n".join(lines)
-
-
-def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
-    """Copies the tokenizer into ``run_dir/tokenizer`` (local or a URL), with its chat
-    template and special tokens where it has them, for ``xlafit export hf`` and generation;
-    records the data's format in ``run_dir/data_format.json`` (``xlafit generate`` asks a run
-    that trained on chat records through the template, any other with the text as it is), and
-    for chat records the template they were rendered with. A training template that stood in
-    for the tokenizer's official one (:mod:`xlafit.data.templates`) is recorded by name; the
-    run's tokenizer keeps the official one, which the model is asked with.
-
-    A chat run whose template closes the assistant's turn with another special token than the
-    tokenizer's ``eos_token`` (ChatML's ``<|im_end|>`` with a tokenizer that ends documents
-    with ``</s>``) records that token as its ``eos_token``, as chat models on the hub do, so
-    that generation stops at the end of the turn; not where the template itself renders
-    ``eos_token``, which must stay what the run trained on.
-    """
-    dest = run_dir / "tokenizer"
-    dest.mkdir(parents=True, exist_ok=True)
-    where = tokenizer_location(cfg)
-    (dest / "tokenizer.json").write_text(clm.tokenizer_json(where))
-    fmt = train.source.format if train.source is not None else "text"
-    trained = chat.template_for(where, data_config(cfg).chat_template, training=True)
-    recorded: dict[str, Any] = {"format": fmt}
-    if fmt == "chat" and trained is not None:
-        recorded["chat_template"] = {
-            "rendered_with": trained.name,
-            "shipped": trained.shipped.name if trained.shipped is not None else None,
-            "in_place_of": trained.official.name if trained.official is not None else None,
-        }
-    (run_dir / DATA_FORMAT_FILE).write_text(json.dumps(recorded) + "\n")
-    template = trained.official if trained is not None and trained.official is not None else trained
-    if template is not None:  # what the run's chat data was rendered with, for generation and export
-        (dest / chat.TEMPLATE_FILE).write_text(template.source)
-        tokens = dict(template.tokens)
-        end = chat.end_of_turn(template, clm.load_tokenizer(where))
-        if fmt == "chat" and end is not None and "eos_token" not in template.source:
-            tokens["eos_token"] = end
-        (dest / "tokenizer_config.json").write_text(json.dumps(tokens, indent=2) + "\n")
+def shapes(cfg: Config) -> clm.PackedText | None:
+    """One placeholder row of ``data.seq_len`` tokens in the vocabulary of a named model
+    (Meta's, Gemma's or Qwen's preset, or custom sizes with ``model.vocab_size``), for a
+    compile that needs shapes only: the demo corpus (the konlpy wheel's texts) is not read.
+    None where the data decides (``data.data_dir``: its format may add a loss mask; the tiny
+    preset, whose vocabulary is the demo tokenizer's; a checkpoint's) or ships with xlafit
+    (the chat demos)."""
+    d, m = data_config(cfg), cfg.model
+    if d.data_dir or d.demo != "korean" or m.init_from_hf or m.preset == "tiny":
+        return None
+    vocab = _given_sizes(m).get("vocab_size") or PRESETS.get(m.preset, {}).get("vocab_size")
+    if not vocab:  # custom sizes without a vocabulary: the tokenizer's
+        return None
+    row = np.arange(d.seq_len, dtype=np.int32)[None]
+    arrays = {"input_ids": np.zeros_like(row), "segment_ids": np.ones_like(row), "positions": row}
+    return clm.PackedText(arrays, vocab_size=int(vocab), documents=0)
 
 
 # --------------------------------------------------------------------------- model
@@ -436,25 +246,103 @@ def build_llama(cfg: Config, vocab_size: int) -> LlamaForCausalLM:
     return LlamaForCausalLM(llama_config(cfg, vocab_size), rngs=nnx.Rngs(params=cfg.trainer.seed))
 
 
+def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
+    """(train, eval) packed rows of the documents of ``data.data_dir`` (or the demo corpus,
+    :func:`xlafit.recipes.llm_data.load_data`); for a preference objective, pairs of rows
+    (:func:`xlafit.recipes.llm_preference.load`)."""
+    if llm_preference.objective_of(cfg) is None:
+        return llm_data.load_data(cfg)
+    e = llm_data.encoding(cfg)
+    train, evaluation = llm_preference.load(cfg, e.tok, e.template, e.markers, e.inputs, build_llama)
+    return train, (evaluation if len(evaluation) else None)  # type: ignore[return-value]
+
+
 def build_model(cfg: Config, train: clm.PackedText) -> LlamaForCausalLM:
     return build_llama(cfg, train.vocab_size)
 
 
 def loss_fn(model: LlamaForCausalLM, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Per-row mean next-token cross-entropy over real tokens of one piece, and its accuracy."""
+    """Per-row mean next-token cross-entropy over real tokens of one piece, and its accuracy:
+    the logits in blocks where :func:`logits_blocks` says so, else whole."""
     # (B, T - 1); chat and prompt/completion data count their answers only (loss_mask)
     targets, weights = clm.next_token_targets(batch["input_ids"], batch["segment_ids"], batch.get("loss_mask"))
-    if model.cfg.logits_chunk:  # the logits a chunk of positions at a time (model.logits_chunk)
+    blocks = logits_blocks(model.cfg, *targets.shape)
+    if blocks is not None:
         hidden = model.decode(batch["input_ids"], batch["segment_ids"], batch["positions"])
+        chunk, tile = blocks
+        split = "vocab" if tile == model.cfg.vocab_size else None  # a tile of the vocabulary stays whole
 
-        def piece_logits(h: jax.Array) -> jax.Array:
-            return constrain(model.logits(h), "batch", None, "vocab")
+        def layout(z: jax.Array) -> jax.Array:
+            return constrain(z, "batch", None, split)
 
-        loss, accuracy = chunked_cross_entropy(piece_logits, hidden[:, :-1], targets, weights, model.cfg.logits_chunk)
+        cfg = model.cfg
+        loss, accuracy = blockwise_cross_entropy(
+            hidden[:, :-1],
+            model.output_kernel(),
+            targets,
+            weights,
+            chunk=chunk,
+            tile=tile,
+            softcap=cfg.final_logit_softcap,
+            dtype=cfg.compute_dtype,
+            layout=layout,
+        )
         return loss, {"token_accuracy": accuracy}
     logits = model(batch["input_ids"], batch["segment_ids"], batch["positions"])  # (B, T, V) float32
     losses = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], targets)
     return masked_mean(losses, weights), {"token_accuracy": masked_accuracy(logits[:, :-1], targets, weights)}
+
+
+# A device whose memory neither the hardware table nor JAX knows (a CPU) is taken to have a v5e chip's.
+ASSUMED_MEMORY = 16 * 2**30
+
+
+def logits_blocks(cfg: LlamaConfig, rows: int, seq_len: int) -> tuple[int, int] | None:
+    """``(positions, vocabulary columns)`` of a block of the loss's logits for a batch of
+    ``rows`` sequences of ``seq_len`` positions, or None for the whole logits at once.
+
+    ``model.logits_chunk``: 0 is None; N positions a block; "auto" is None unless the whole
+    float32 logits of one device's rows and their gradient
+    (:func:`~xlafit.train.losses.whole_logits_bytes`, ``2 x rows x seq_len x vocab x 4``) would
+    take more than 1/8 of its memory: the hardware table's HBM on a TPU
+    (:func:`~xlafit.platform.hardware.table_memory`), what JAX reports on a GPU,
+    :data:`ASSUMED_MEMORY` elsewhere. The blocks' sizes are
+    :func:`~xlafit.train.losses.blocks_for`'s, over one device's rows (the batch over
+    ``data`` x ``fsdp``) and vocabulary (the vocabulary whole where a tensor-parallel mesh
+    splits it). Read while the step is traced, from its mesh.
+
+    Example:
+        >>> logits_blocks(LlamaConfig.preset("llama-3.1-8b"), rows=2, seq_len=8192)  # a CPU: 16 GiB assumed
+        (2048, 16128)
+        >>> logits_blocks(LlamaConfig.preset("tiny", vocab_size=2000), rows=8, seq_len=256) is None
+        True
+    """
+    setting = cfg.logits_chunk
+    if setting == 0:
+        return None
+    vocab, split = cfg.vocab_size, False
+    layout = active_layout()
+    device = jax.devices()[0] if layout is None else layout[0].devices.flat[0]
+    if layout is not None:
+        mesh, rules = layout
+        sizes = dict(mesh.shape)
+        rows //= math.prod(sizes[a] for a in batch_axes(mesh, rows) or ())
+        axis = rules.get("vocab")
+        if axis is not None and sizes.get(axis, 1) > 1 and vocab % sizes[axis] == 0:
+            vocab, split = vocab // sizes[axis], True
+    if setting == "auto" and whole_logits_bytes(rows, seq_len, vocab) <= device_memory(device) / 8:
+        return None
+    chunk, tile = blocks_for(rows, seq_len, vocab, None if setting == "auto" else setting)
+    return chunk, cfg.vocab_size if split else tile
+
+
+def device_memory(device: Any) -> float:
+    """Bytes of memory of one device: the hardware table's for a TPU, JAX's for a GPU, else
+    :data:`ASSUMED_MEMORY`."""
+    found = table_memory(device.device_kind)
+    if found is None and device.platform == "gpu":
+        found = (device.memory_stats() or {}).get("bytes_limit")
+    return float(found or ASSUMED_MEMORY)
 
 
 def throughput(cfg: Config, train: clm.PackedText) -> Throughput:
@@ -482,6 +370,7 @@ RECIPE = Recipe(
     loss_fn=loss_fn,
     loss_for=functools.partial(llm_preference.loss_for, next_token=loss_fn),
     throughput=throughput,
+    shapes=shapes,
     save_artifacts=save_artifacts,
     kept_files={
         "tokenizer/tokenizer.json": "tokenizer (data.tokenizer, else model.init_from_hf's); the checkpoints learned "

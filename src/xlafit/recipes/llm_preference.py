@@ -22,7 +22,6 @@ from typing import Any, Literal
 from flax import nnx
 
 from xlafit.config import Config
-from xlafit.data import chat_demo
 from xlafit.data.preference import PreferencePairs, load_pairs, summary
 from xlafit.errors import ConfigError
 from xlafit.train import preference
@@ -92,16 +91,28 @@ def validate(cfg: Config) -> None:
 
 
 def load(
-    cfg: Config, tok: Any, template: Any, build_base: Callable[[Config, int], nnx.Module]
+    cfg: Config,
+    tok: Any,
+    template: Any,
+    markers: tuple[int | None, int | None],
+    inputs: list[str],
+    build_base: Callable[[Config, int], nnx.Module],
 ) -> tuple[PreferencePairs, PreferencePairs]:
-    """(train, eval) pairs of ``data.data_dir`` (or the demo's), with the reference's
-    log-probabilities where ``model.preference.reference=precomputed`` (``build_base``
-    builds the model as the run starts, adapters aside)."""
+    """(train, eval) pairs of ``inputs`` (``data.data_dir``, or the demo's), with the
+    reference's log-probabilities where ``model.preference.reference=precomputed``
+    (``build_base`` builds the model as the run starts, adapters aside); ``markers``: the
+    tokenizer's ``(bos, eos)``."""
     d: Any = cfg.data  # the llm recipe's LlmDataConfig
-    inputs = [d.data_dir] if d.data_dir else [chat_demo.preference_file()]
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     train, evaluation = load_pairs(
-        inputs, tok, template, seq_len=d.seq_len, eval_fraction=d.eval_fraction, seed=d.seed, progress=say
+        inputs,
+        tok,
+        template,
+        seq_len=d.seq_len,
+        eval_fraction=d.eval_fraction,
+        seed=d.seed,
+        markers=markers,
+        progress=say,
     )
     say(summary(train, evaluation))
     objective = objective_of(cfg)

@@ -48,5 +48,10 @@ def load_data(cfg: Config) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]
 
 
 RECIPE = Recipe(
-    name="mnist", model_config=MnistModelConfig, load_data=load_data, build_model=build_model, loss_fn=loss_fn
+    name="mnist",
+    model_config=MnistModelConfig,
+    load_data=load_data,
+    build_model=build_model,
+    loss_fn=loss_fn,
+    bit_identical_chunks=True,  # tests/test_mnist_recipe.py, test_multiprocess.py
 )

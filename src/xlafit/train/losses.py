@@ -8,11 +8,13 @@ has a data-dependent shape.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
 
 def masked_mean(values: jax.Array, weights: jax.Array, axis: int | tuple[int, ...] = -1) -> jax.Array:
@@ -33,26 +35,104 @@ def masked_accuracy(logits: jax.Array, labels: jax.Array, weights: jax.Array) ->
     return masked_mean((logits.argmax(-1) == labels).astype(jnp.float32), weights)
 
 
-def chunked_cross_entropy(
-    logits_fn: Callable[[jax.Array], jax.Array],
+# --------------------------------------------------------------------------- the loss in blocks
+
+# A block of logits the blockwise loss holds at once: rows (positions x rows of the batch)
+# times vocabulary columns, float32. The backward pass holds about three such blocks (the
+# logits, their softmax, its gradient in the compute dtype).
+BLOCK_BYTES = 256 * 2**20
+# Rows of a block: enough that each pass over the output layer's kernel (read once per
+# chunk of positions) feeds a large matrix product.
+BLOCK_ROWS = 4096
+LANES = 128  # a vocabulary tile is a multiple of this (the TPU's vector width), unless the vocabulary is smaller
+
+
+def whole_logits_bytes(rows: int, seq_len: int, vocab: int) -> int:
+    """Bytes of a batch's float32 logits ``[rows, seq_len, vocab]`` and their gradient: what
+    the whole cross-entropy holds at once, and the blockwise one never does."""
+    return 2 * rows * seq_len * vocab * 4
+
+
+def blocks_for(rows: int, seq_len: int, vocab: int, chunk: int | None = None) -> tuple[int, int]:
+    """``(positions per chunk, vocabulary columns per tile)`` of :func:`blockwise_cross_entropy`
+    for a batch of ``rows`` sequences of ``seq_len`` positions over ``vocab`` columns.
+
+    ``chunk`` (the positions per chunk) is given, or chosen so that a chunk has
+    :data:`BLOCK_ROWS` rows (positions times sequences, at most the whole sequence); the
+    vocabulary is split into tiles (a multiple of :data:`LANES` columns) only where one chunk's
+    float32 logits would exceed :data:`BLOCK_BYTES`: Llama 3's 128,256 columns or Gemma's 262,144
+    at 4,096 rows, not a 32,000-token vocabulary at 2,048.
+
+    Example:
+        >>> blocks_for(rows=1, seq_len=8192, vocab=262144)  # Gemma: 4,096 positions, 16 tiles
+        (4096, 16384)
+        >>> blocks_for(rows=8, seq_len=256, vocab=2000)  # the demo: one chunk, one tile
+        (256, 2000)
+    """
+    if chunk is None:
+        chunk = max(1, BLOCK_ROWS // rows)
+    chunk = min(chunk, seq_len)
+    tiles = -(-rows * chunk * vocab * 4 // BLOCK_BYTES)
+    if tiles <= 1:
+        return chunk, vocab
+    tile = -(-vocab // tiles)
+    return chunk, min(vocab, -(-tile // LANES) * LANES)
+
+
+def blockwise_cross_entropy(
     hidden: jax.Array,
+    kernel: jax.Array,
     labels: jax.Array,
     weights: jax.Array,
+    *,
     chunk: int,
+    tile: int | None = None,
+    softcap: float | None = None,
+    dtype: Any = None,
+    layout: Callable[[jax.Array], jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Per-row weighted mean cross-entropy and accuracy of ``logits_fn(hidden)`` ``[B, T, V]``
-    against ``labels [B, T]``, without holding the ``[B, T, V]`` logits: the positions go
-    ``chunk`` at a time through a loop, and each chunk's logits are recomputed in the
-    backward pass instead of kept (one more forward product of the output layer).
+    """Per-row weighted mean cross-entropy and accuracy of the logits ``hidden @ kernel``
+    against ``labels``, never holding the ``[B, T, V]`` logits.
 
-    Equal to ``masked_mean(softmax_cross_entropy(logits_fn(hidden), labels), weights)`` and
-    :func:`masked_accuracy` up to float summation order (tested).
+    The logits go in blocks of ``chunk`` positions by ``tile`` vocabulary columns: a block is
+    computed, folded into a running maximum and sum of exponentials per position (an online
+    logsumexp), the label's logit and the running arg-max, and dropped. The backward pass (a
+    custom VJP) recomputes each block from ``hidden``, ``kernel`` and the saved logsumexp
+    ``[B, T]``, so no logits outlive their block: memory ``O(B x chunk x tile)`` instead of
+    ``O(B x T x V)``, for one more product with the output layer's kernel. Soft-capping
+    (Gemma 2's ``cap * tanh(logits / cap)``) is applied to every block and differentiated
+    exactly. Equal to the whole computation (``masked_mean`` of
+    ``optax.softmax_cross_entropy_with_integer_labels`` and :func:`masked_accuracy`) up to
+    float summation order, the gradients with respect to ``hidden`` and ``kernel`` too (tested).
+
+    Args:
+        hidden: final hidden states ``[B, T, H]``.
+        kernel: the output layer ``[H, V]`` (a tied embedding's transpose).
+        labels: ``[B, T]`` integer targets.
+        weights: ``[B, T]`` (0 for padding and positions the loss skips).
+        chunk: positions per block (any; the last block is padded).
+        tile: vocabulary columns per block (default: all of them; any, the last tile
+            overlaps the one before it rather than reading past the end).
+        softcap: the logits' soft-cap, or None.
+        dtype: the product's dtype (the model's compute dtype); default ``hidden``'s. The
+            logits are float32 after it.
+        layout: applied to every block of logits ``[B, chunk, tile]`` (a sharding hint).
+
+    Returns:
+        ``(loss [B], accuracy [B])``: each row's weighted means (0 for a row of no weight).
+
+    Example:
+        >>> h, k = jnp.ones((2, 5, 4)), jnp.ones((4, 7))
+        >>> loss, accuracy = blockwise_cross_entropy(h, k, jnp.zeros((2, 5), jnp.int32), jnp.ones((2, 5)), chunk=2)
+        >>> [round(float(x), 4) for x in loss]  # seven equal logits: log 7
+        [1.9459, 1.9459]
     """
     b, t, _ = hidden.shape
-    chunk = min(chunk, t)
+    vocab = kernel.shape[1]
+    chunk, tile = min(chunk, t), min(tile or vocab, vocab)
     pieces = -(-t // chunk)
-    pad = pieces * chunk - t
-    if pad:  # padded positions weigh nothing
+    if pieces * chunk > t:  # padded positions weigh nothing
+        pad = pieces * chunk - t
         hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
         labels = jnp.pad(labels, ((0, 0), (0, pad)))
         weights = jnp.pad(weights, ((0, 0), (0, pad)))
@@ -60,20 +140,130 @@ def chunked_cross_entropy(
     def split(x: jax.Array) -> jax.Array:  # (B, T, ...) -> (pieces, B, chunk, ...)
         return jnp.moveaxis(x.reshape(b, pieces, chunk, *x.shape[2:]), 1, 0)
 
-    @jax.checkpoint
-    def piece(h: jax.Array, y: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
-        logits = logits_fn(h)
-        w = w.astype(jnp.float32)
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-        return jnp.sum(losses * w, axis=-1), jnp.sum((logits.argmax(-1) == y) * w, axis=-1)
-
-    Pair = tuple[jax.Array, jax.Array]
-
-    def step(totals: Pair, xs: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[Pair, None]:
-        loss, correct = piece(*xs)
-        return (totals[0] + loss, totals[1] + correct), None
-
-    zeros = jnp.zeros((b,), jnp.float32)
-    (loss, correct), _ = jax.lax.scan(step, (zeros, zeros), (split(hidden), split(labels), split(weights)))
-    count = jnp.maximum(jnp.sum(weights.astype(jnp.float32), axis=-1), 1e-9)
+    blocks = _Blocks(tile, -(-vocab // tile), softcap, dtype or hidden.dtype, layout or (lambda z: z))
+    w = weights.astype(jnp.float32)
+    loss, correct = _blockwise(blocks, split(hidden), kernel, split(labels), split(w))
+    count = jnp.maximum(jnp.sum(w, axis=-1), 1e-9)
     return loss / count, correct / count
+
+
+@dataclasses.dataclass(frozen=True)
+class _Blocks:
+    """How :func:`blockwise_cross_entropy` tiles the vocabulary and computes a block."""
+
+    tile: int
+    tiles: int
+    softcap: float | None
+    dtype: Any
+    layout: Callable[[jax.Array], jax.Array]
+
+    def columns(self, kernel: jax.Array, j: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """Tile ``j`` of ``kernel [H, V]``: ``(kernel [H, tile], its first column, column ids
+        [1, 1, tile], fresh [1, 1, tile])``. The last tile starts early enough to end at
+        ``V``; the columns it shares with the tile before are not ``fresh`` (counted there)."""
+        start = jnp.minimum(j * self.tile, kernel.shape[1] - self.tile)
+        cols = (start + jnp.arange(self.tile))[None, None, :]
+        k = jax.lax.dynamic_slice_in_dim(kernel, start, self.tile, axis=1)
+        return k, start, cols, cols >= j * self.tile
+
+    def logits(self, h: jax.Array, k: jax.Array) -> jax.Array:
+        """Float32 logits ``[B, chunk, tile]`` of ``h [B, chunk, H]``, capped where the model caps them."""
+        z = jnp.einsum("bch,hv->bcv", h.astype(self.dtype), k.astype(self.dtype)).astype(jnp.float32)
+        if self.softcap:
+            z = jnp.tanh(z / self.softcap) * self.softcap
+        return self.layout(z)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _blockwise(
+    blocks: _Blocks, hs: jax.Array, kernel: jax.Array, ys: jax.Array, ws: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Per-row weighted sums of the loss and of correct arg-maxes, from ``hs [n, B, c, H]``."""
+    (loss, correct), _ = _forward(blocks, hs, kernel, ys, ws)
+    return loss, correct
+
+
+def _forward(
+    blocks: _Blocks, hs: jax.Array, kernel: jax.Array, ys: jax.Array, ws: jax.Array
+) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+    """Over the vocabulary's tiles (the kernel read once), each tile over the chunks of
+    positions: per position the running max ``m``, sum ``s`` of ``exp(z - m)``, label logit
+    and arg-max. Returns the per-row sums and the logsumexp ``[n, B, c]``."""
+    Stats = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
+
+    def tile_step(stats: Stats, j: jax.Array) -> tuple[Stats, None]:
+        k, start, cols, fresh = blocks.columns(kernel, j)
+
+        def chunk_step(_: None, xs: tuple[jax.Array, ...]) -> tuple[None, Stats]:
+            h, y, m, s, zy, best, arg = xs
+            z = jnp.where(fresh, blocks.logits(h, k), -jnp.inf)  # (B, c, tile)
+            top = z.max(-1)
+            m_new = jnp.maximum(m, top)
+            s = s * jnp.exp(m - m_new) + jnp.exp(z - m_new[..., None]).sum(-1)
+            hit = (cols == y[..., None]) & fresh  # a label's column is fresh in one tile only
+            zy = zy + jnp.where(hit, z, 0.0).sum(-1)
+            better = top > best  # ties keep the earlier column, as argmax does
+            arg = jnp.where(better, start + jnp.argmax(z, -1).astype(jnp.int32), arg)
+            return None, (m_new, s, zy, jnp.maximum(best, top), arg)
+
+        _, stats = jax.lax.scan(chunk_step, None, (hs, ys, *stats))
+        return stats, None
+
+    shape = ys.shape
+    minus = jnp.full(shape, -jnp.inf, jnp.float32)
+    zeros = jnp.zeros(shape, jnp.float32)
+    init = (minus, zeros, zeros, minus, jnp.zeros(shape, jnp.int32))
+    (m, s, zy, _, arg), _ = jax.lax.scan(tile_step, init, jnp.arange(blocks.tiles))
+    lse = m + jnp.log(s)
+    # (n, B, c) -> per row (B,)
+    loss = jnp.sum((lse - zy) * ws, axis=(0, 2))
+    correct = jnp.sum((arg == ys) * ws, axis=(0, 2))
+    return (loss, correct), lse
+
+
+def _blockwise_fwd(
+    blocks: _Blocks, hs: jax.Array, kernel: jax.Array, ys: jax.Array, ws: jax.Array
+) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
+    out, lse = _forward(blocks, hs, kernel, ys, ws)
+    return out, (hs, kernel, ys, ws, lse)
+
+
+def _blockwise_bwd(
+    blocks: _Blocks, residuals: tuple[jax.Array, ...], cotangents: tuple[jax.Array, jax.Array]
+) -> tuple[jax.Array, jax.Array, None, None]:
+    """Each block recomputed: ``d loss / d z = (softmax(z) - onehot(label)) x weight x the
+    row's cotangent`` (the accuracy has none), through the soft-cap's ``1 - (z / cap)^2``, then
+    into ``hidden`` and ``kernel`` in the compute dtype with float32 sums, as autodiff of the
+    whole computation does."""
+    hs, kernel, ys, ws, lse = residuals
+    coef = ws * cotangents[0][None, :, None]  # (n, B, c)
+
+    def tile_step(carry: tuple[jax.Array, jax.Array], j: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
+        dhs, dkernel = carry
+        k, start, cols, fresh = blocks.columns(kernel, j)
+        k_dt = k.astype(blocks.dtype)
+
+        def chunk_step(dk: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+            h, y, lse_c, coef_c = xs
+            z = blocks.logits(h, k)
+            p = jnp.where(fresh, jnp.exp(z - lse_c[..., None]), 0.0)
+            dz = (p - ((cols == y[..., None]) & fresh)) * coef_c[..., None]
+            if blocks.softcap:
+                dz = dz * (1.0 - jnp.square(z / blocks.softcap))
+            du = dz.astype(blocks.dtype)
+            dh = jnp.einsum("bcv,hv->bch", du, k_dt, preferred_element_type=jnp.float32)
+            dk = dk + jnp.einsum("bch,bcv->hv", h.astype(blocks.dtype), du, preferred_element_type=jnp.float32)
+            return dk, dh
+
+        dk, dh = jax.lax.scan(chunk_step, jnp.zeros(k.shape, jnp.float32), (hs, ys, lse, coef))
+        # the shared columns of the last tile hold 0 here: added, not written over
+        seen = jax.lax.dynamic_slice_in_dim(dkernel, start, blocks.tile, axis=1)
+        dkernel = jax.lax.dynamic_update_slice_in_dim(dkernel, seen + dk, start, axis=1)
+        return (dhs + dh, dkernel), None
+
+    init = (jnp.zeros(hs.shape, jnp.float32), jnp.zeros(kernel.shape, jnp.float32))
+    (dhs, dkernel), _ = jax.lax.scan(tile_step, init, jnp.arange(blocks.tiles))
+    return dhs.astype(hs.dtype), dkernel.astype(kernel.dtype), None, None
+
+
+_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)

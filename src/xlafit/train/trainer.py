@@ -40,19 +40,19 @@ from jax.experimental import multihost_utils
 from xlafit.checkpoint import Checkpointer, check_not_all_set_aside
 from xlafit.config import TrainerConfig, validate_watchdog
 from xlafit.data.dataset import Batch, Dataset, StreamedDataset, as_dataset, checked_batch, num_shapes
-from xlafit.data.loader import Prefetcher, TakeRequests, TrainOrder, eval_batches, to_global
+from xlafit.data.loader import Prefetcher, TakeRequests, TrainOrder, to_global
 from xlafit.errors import ConfigError, Preempted
 from xlafit.io.paths import as_path
 from xlafit.parallel.cluster import connect
 from xlafit.parallel.mesh import Strategy
-from xlafit.parallel.sharding import bytes_per_device
-from xlafit.platform.cpu import keeping_freed_memory
-from xlafit.platform.hardware import peak_flops
 from xlafit.train.adapter import Adapted, adapt, framework_of
 from xlafit.train.arguments import built, check_arguments, check_batches
+from xlafit.train.evaluation import compile_eval_step, final_evaluation
+from xlafit.train.evaluation import evaluate as evaluate_data
 from xlafit.train.frozen import checkpointed, frozen_filter, frozen_fingerprint, restore, run_settings
-from xlafit.train.loop import Call, Due, FitResult, Loop, itstime, lr_at, nonfinite_steps, peak_lr, times
-from xlafit.train.nonfinite import applied_means, apply_nan_policy
+from xlafit.train.loop import Call, Due, FitResult, Loop, itstime, nonfinite_steps
+from xlafit.train.nonfinite import apply_nan_policy
+from xlafit.train.progress import announce, progress_record
 from xlafit.train.report import RunReport
 from xlafit.train.signals import SignalGuard, handle_signals
 from xlafit.train.step import (
@@ -239,18 +239,7 @@ class Trainer:
         ``stop``: asked before each batch; True ends the evaluation early (its result then
         covers the batches before).
         """
-        data = as_dataset(data)
-        s = self.strategy
-        totals: dict[str, float] = {}
-        for batch, mask in eval_batches(data, self.eval_global_batch, s.process_index, s.process_count):
-            if stop is not None and stop():
-                break
-            sums = self.eval_step(self._state, to_global(s, batch), to_global(s, mask))
-            # note: a host sync per eval batch; evaluation is short next to training.
-            for key, value in jax.device_get(sums).items():
-                totals[key] = totals.get(key, 0.0) + float(value)
-        count = totals.pop("count", 0.0)
-        return {**{k: v / count for k, v in totals.items()}, "count": int(round(count))}
+        return evaluate_data(self.eval_step, self._state, self.strategy, as_dataset(data), self.eval_global_batch, stop)
 
     # ------------------------------------------------------------------ training
 
@@ -335,7 +324,8 @@ class Trainer:
             raise
         self._end(loop)
         if eval is not None and loop.last_eval is None and int(self._state.step) == loop.total:
-            self._final_evaluation(loop, eval)
+            alone = self.strategy.process_count == 1
+            loop.last_eval = final_evaluation(self.evaluate, eval, loop.step, alone, self._ckpt)
         self._write_back()
         return FitResult(
             state=self._state,
@@ -367,9 +357,13 @@ class Trainer:
         start = int(self._state.step)
         self._limit_compiles(order, train, eval, start, stop)
         report = RunReport(self.run_dir, total, start, enabled=self.strategy.process_index == 0)
-        self._announce(report, restored, order, train, total)
+        self.peak_flops = announce(
+            report, self.strategy, self.config, self._state, restored=restored, order=order, train=train, total=total,
+            global_batch=self.global_batch, learning_rate=self.learning_rate,
+            flops_per_example=self.flops_per_example, peak=self.peak_flops,
+        )  # fmt: skip
         if eval is not None:
-            self._compile_eval_step(eval)
+            compile_eval_step(self.eval_step, self._state, self.strategy, eval, self.eval_global_batch)
         loop = Loop(order.steps_per_epoch, total, stop, report, step=start)
         for record in report.earlier:  # the run's history before this resume
             split = record.pop("split", "train")
@@ -453,7 +447,12 @@ class Trainer:
         # note: device_get is a host-device sync point; only at log and checkpoint steps.
         values = jax.device_get([m for _, m in loop.pending])
         busy = max(time.perf_counter() - loop.window_t0 - loop.window_compile, 1e-9)
-        record = self._record(loop.step, loop.spe, loop.pending, values, busy, call.wait_s - loop.window_wait)
+        record = progress_record(
+            loop.step, loop.spe, loop.pending, values, busy, call.wait_s - loop.window_wait,
+            global_batch=self.global_batch, learning_rate=self.learning_rate,
+            tokens_per_example=self.tokens_per_example, flops_per_example=self.flops_per_example,
+            peak=self.peak_flops, compiles=self.train_step.compiles,
+        )  # fmt: skip
         loop.history.append(record)
         loop.report.record(record)
         bad = nonfinite_steps(loop.pending, values)
@@ -476,24 +475,6 @@ class Trainer:
                 loop.report.print(note)
         finally:
             loop.report.close()
-
-    def _final_evaluation(self, loop: Loop, eval: Dataset) -> None:
-        """The evaluation after the last step. A SIGTERM/SIGINT here stops it (between batches,
-        in a single process; a job's processes evaluate together and finish it) and raises
-        :class:`Preempted`: the training is done and saved, and running again evaluates."""
-        with handle_signals() as signals:
-            alone = self.strategy.process_count == 1
-            loop.last_eval = self.evaluate(eval, stop=(lambda: signals.received is not None) if alone else None)
-            received = signals.received
-        if received is not None:
-            loop.last_eval = None
-            saved = (
-                f"the training is done: checkpoint {loop.step} in {self._ckpt.directory} holds its last step, and "
-                "running again evaluates it"
-                if self._ckpt is not None
-                else "the training is done, but with no run directory nothing was saved"
-            )
-            raise Preempted(loop.step, received, f"the final evaluation did not finish; {saved}")
 
     # ------------------------------------------------------------------ the loop's helpers
 
@@ -531,70 +512,6 @@ class Trainer:
         (a Keras model); nothing for an ``nnx.Module``, which the state already is."""
         if self._write_back_hook is not None:
             self._write_back_hook(self._state.params, self._state.model_state)
-
-    def _announce(self, report: RunReport, restored: int | None, order: TrainOrder, train: Dataset, total: int) -> None:
-        """The start-up lines: resume point, devices and batch, steps, dropped examples, MFU peak."""
-        s, cfg, spe = self.strategy, self.config, order.steps_per_epoch
-        if restored is not None and restored >= total:
-            report.print(f"the run is finished: checkpoint {restored} is its last step ({cfg.epochs} epochs)")
-        elif restored is not None:
-            report.print(f"resumed from checkpoint {restored} (epoch {restored // spe + 1} of {cfg.epochs})")
-        report.print(
-            f"devices: {s.num_devices} x {s.platform} ({s.process_count} process(es))   "
-            f"per-device batch: {self.global_batch // s.num_replicas}   global batch: {self.global_batch}"
-        )
-        if keeping_freed_memory():
-            # Users see the process grow by its temporaries and should know why.
-            report.print(
-                "host memory: freed blocks are kept for the next step (no page faults; the process holds "
-                "more memory); cpu.keep_memory=false returns them"
-            )
-        if not s.data_parallel_only:
-            held = bytes_per_device((self._state.params, self._state.opt_state)) / 2**20
-            report.print(f"{s.layout()}; parameters + optimizer state: {held:.1f} MiB per device")
-        dropped = len(train) - spe * self.global_batch
-        if order.plan is None and dropped:
-            report.print(
-                f"each epoch trains on {spe * self.global_batch} of {len(train)} examples: the last partial batch "
-                f"({dropped}) is left out, a different one every epoch since the order is reshuffled"
-            )
-        if self.flops_per_example and self.peak_flops is None:
-            try:
-                self.peak_flops, source = peak_flops(list(s.mesh.devices.flat))
-                report.print(f"MFU against {self.peak_flops / 1e12:.4g} TFLOP/s: {source}")
-            except LookupError as e:
-                report.print(f"MFU not reported: {e}")
-        peak = peak_lr(self.learning_rate, total)
-        report.print(
-            f"steps: {spe}/epoch x {cfg.epochs} epochs = {total}   steps per call: {cfg.steps_per_call}"
-            + (f"   peak learning rate: {peak:.4g}" if peak is not None else "")
-        )
-
-    def _compile_eval_step(self, eval: Dataset) -> None:
-        """Compiles the eval step on the first evaluation batch now, so that a ``loss_fn`` that
-        cannot evaluate fails before training, not after the first epoch."""
-        s = self.strategy
-        batch, mask = next(eval_batches(eval, self.eval_global_batch, s.process_index, s.process_count))
-        self.eval_step.precompile(self._state, to_global(s, batch), to_global(s, mask))
-
-    def _record(self, step: int, spe: int, pending: list, values: list, busy: float, wait: float) -> dict[str, Any]:
-        """The logged record of the calls in ``pending``: means of their metrics over the
-        applied updates, throughput over ``busy`` seconds, and the input wait."""
-        steps_done = step - pending[0][0]
-        record: dict[str, Any] = {"step": step, "epoch": round(step / spe, 3), **applied_means(values)}
-        rate = steps_done * self.global_batch / busy
-        record.update(
-            {
-                "learning_rate": lr_at(self.learning_rate, step - 1),
-                "examples_per_sec": rate,
-                "tokens_per_sec": times(rate, self.tokens_per_example),
-                "mfu": times(rate, self.flops_per_example, self.peak_flops),
-                "step_time_s": busy / steps_done,
-                "input_wait_s": wait,
-                "compiles": self.train_step.compiles,
-            }
-        )
-        return {k: v for k, v in record.items() if v is not None}
 
     def _nan_policy(
         self, bad: list[tuple[int, dict[str, float]]], rolled_back: set[int], report: RunReport

@@ -1,0 +1,250 @@
+"""The docs' "will it fit" tables, made from ``xlafit check --tpu --json``: one command per row,
+its JSON stored in a dated results folder, the table rewritten in the page between markers.
+
+    python benchmarks/tpu/fit_tables.py run llm-families --out benchmarks/results/DATE/fit-tables
+    python benchmarks/tpu/fit_tables.py run llm-llama --out DIR --rows llama-3.2-1b-lora-2048
+    python benchmarks/tpu/fit_tables.py render     # the pages again from the JSON their markers name
+    python benchmarks/tpu/fit_tables.py commands llm-llama   # the rows' command lines, nothing run
+
+A table in a page sits between ``<!-- fit-table NAME FOLDER -->`` and ``<!-- fit-table end -->``;
+FOLDER is where its JSON is (``FOLDER/NAME/ROW.json``, or ``FOLDER/ROW.json`` for folders
+written before this script). ``run`` compiles with libtpu on this machine (no TPU needed; a
+row is minutes on two cores, a ``--max-batch`` row many compiles), writes
+``ROW.json``/``.log``/``.cmd`` and, once every row of the table is there, points the page's
+marker at the new folder and rewrites the table. tests/test_fit_tables.py checks that each
+page's table is what ``render`` makes of its JSON, so a hand edit fails the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = "benchmarks/tpu/fit_tables.py"
+MARKER = re.compile(r"<!-- fit-table (?P<name>[\w-]+) (?P<folder>\S+) -->\n(?P<body>.*?)<!-- fit-table end -->\n", re.S)
+
+# bf16 compute, remat full, every core on fsdp, one sequence per core (the recipe's notebook
+# settings); eval at 8 sequences.
+LLM = (
+    "model.compute_dtype=bfloat16 model.remat=full mesh.data=1 mesh.fsdp=-1 data.per_device_batch=1 "
+    "data.global_batch=null data.eval_global_batch=8"
+).split()
+LORA = ["lora.rank=16", "lora.base_dtype=bfloat16"]
+TRAINING = {"full": "full (AdamW, f32 state)", "lora": "LoRA r16 (bf16 base)"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One row: its file name, its cells before the targets', and the check's arguments."""
+
+    name: str
+    label: tuple[str, ...]
+    args: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """A page's table: its header, its rows and how a target's report reads in a cell."""
+
+    page: str
+    header: tuple[str, ...]
+    align: tuple[str, ...]
+    rows: tuple[Row, ...]
+    cell: Callable[[dict], str]
+    note: str
+
+
+def gib(n: float | None) -> str:
+    return f"{(n or 0) / 2**30:.1f} GiB"
+
+
+def max_batch_cell(t: dict) -> str:
+    """HBM per core at one sequence per core, and the largest batch that compiles (--max-batch)."""
+    if not t["fits"]:
+        return f"no: {gib(t['memory'].get('total'))} at 1 (state {gib(t['memory'].get('state')).removesuffix(' GiB')})"
+    refused = min((p["per_device_batch"] for p in t["probes"] if not p["fits"]), default=None)
+    above = f" ({refused} does not)" if refused is not None else ""
+    return f"fits: {gib(t['memory'].get('total'))} at 1; largest **{t['max_batch']}**{above}"
+
+
+def step_cell(t: dict) -> str:
+    """HBM per core, and the step model's prediction with its median error (a prediction)."""
+    if not t["fits"]:
+        return f"no: {gib(t['memory'].get('total'))} (state {gib(t['memory'].get('state')).removesuffix(' GiB')})"
+    band = f" ±{t['band_median']:.0%}" if t.get("band_median") is not None else ""
+    return f"fits: {gib(t['memory'].get('total'))}; {t['step_s'] * 1e3:.0f} ms{band}, {t['tokens_per_s']:,.0f} tokens/s"
+
+
+def _llm_row(model: str, mode: str, seq: int, scan: bool, max_batch: bool, label: tuple[str, ...]) -> Row:
+    args = [
+        "llm",
+        "--tpu",
+        "colab,kaggle",
+        *(["--max-batch"] if max_batch else []),
+        "--json",
+        f"model.preset={model}",
+        f"data.seq_len={seq}",
+        *LLM,
+        f"model.scan_layers={str(scan).lower()}",
+        *(LORA if mode == "lora" else []),
+    ]
+    return Row(f"{model}-{mode}-{seq}", label, tuple(args))
+
+
+TABLES = {
+    # Meta's two small shapes at 2,048 and 8,192 tokens, scanned layers, largest batch per core.
+    "llm-llama": Table(
+        "docs/guides/llm.md",
+        ("model", "training", "tokens", "v5e-1 (Colab)", "v5e-8 (Kaggle), FSDP 8"),
+        ("---", "---", "---:", "---", "---"),
+        tuple(
+            _llm_row(m, mode, seq, True, True, (m, TRAINING[mode], f"{seq:,}"))
+            for m in ("llama-3.2-1b", "llama-3.1-8b")
+            for mode in ("full", "lora")
+            for seq in (2048, 8192)
+        ),
+        max_batch_cell,
+        "each row one `xlafit check llm --tpu colab,kaggle --max-batch --json ...`, in the row's `.cmd`",
+    ),
+    # Gemma 3 1B (unscanned: its sliding-window and global layers differ) and Qwen3 1.7B, at
+    # 2,048 tokens, one sequence per core, with the step model's prediction.
+    "llm-families": Table(
+        "docs/guides/llm.md",
+        ("model", "training", "v5e-1 (Colab)", "v5e-8 (Kaggle), FSDP 8"),
+        ("---", "---", "---", "---"),
+        tuple(
+            _llm_row(m, mode, 2048, m != "gemma-3-1b", False, (m, TRAINING[mode]))
+            for m in ("gemma-3-1b", "qwen3-1.7b")
+            for mode in ("full", "lora")
+        ),
+        step_cell,
+        "each row one `xlafit check llm --tpu colab,kaggle --json ...`, in the row's `.cmd`",
+    ),
+}
+
+
+def command(row: Row) -> str:
+    """The row's command line as a user types it."""
+    return " ".join(["xlafit", "check", *row.args])
+
+
+def report_of(path: Path) -> dict:
+    """A stored ``check --json`` output (a note printed before the JSON is skipped)."""
+    text = path.read_text()
+    return json.loads(text[text.index("{") :])
+
+
+def row_file(folder: Path, table: str, row: Row) -> Path:
+    """``FOLDER/TABLE/ROW.json``; a folder written before this script holds ``FOLDER/ROW.json``."""
+    nested = folder / table / f"{row.name}.json"
+    return nested if nested.exists() or not (folder / f"{row.name}.json").exists() else folder / f"{row.name}.json"
+
+
+def render(name: str, folder: Path) -> str:
+    """The table ``name`` from the JSON under ``folder`` (relative to the repository root)."""
+    table = TABLES[name]
+    lines = [f"| {' | '.join(table.header)} |", f"|{'|'.join(table.align)}|"]
+    for row in table.rows:
+        targets = report_of(row_file(ROOT / folder, name, row))["tpu"]
+        lines.append(f"| {' | '.join([*row.label, *(table.cell(t) for t in targets)])} |")
+    if (ROOT / folder / name).is_dir():
+        made = f"Made by `python {SCRIPT} run {name} --out {folder}` ({table.note}); its JSON is in `{folder}/{name}/`."
+    else:  # a folder of an earlier script that ran the same commands
+        made = (
+            f"Made by `python {SCRIPT} run {name} --out benchmarks/results/DATE/fit-tables` ({table.note}); "
+            f"the JSON behind this table is in `{folder}/`."
+        )
+    return "\n".join([*lines, "", *textwrap.wrap(made, 92, break_long_words=False, break_on_hyphens=False)]) + "\n"
+
+
+def regions(page: Path) -> list[re.Match[str]]:
+    return list(MARKER.finditer(page.read_text()))
+
+
+def rewrite(page: Path, name: str | None = None, folder: str | None = None) -> bool:
+    """Renders the tables of ``page`` (or only ``name``, pointed at ``folder``); True if it changed."""
+    text = page.read_text()
+
+    def fill(m: re.Match[str]) -> str:
+        if name is not None and m["name"] != name:
+            return m[0]
+        where = folder if folder is not None else m["folder"]
+        return f"<!-- fit-table {m['name']} {where} -->\n{render(m['name'], Path(where))}<!-- fit-table end -->\n"
+
+    new = MARKER.sub(fill, text)
+    page.write_text(new)
+    return new != text
+
+
+def run(name: str, out: Path, only: set[str] | None) -> list[str]:
+    """Compiles the table's rows (all, or ``only``), one ``xlafit check`` each; the rows whose JSON is missing."""
+    table = TABLES[name]
+    folder = ROOT / out / name
+    folder.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    for row in table.rows:
+        if only is not None and row.name not in only:
+            continue
+        (folder / f"{row.name}.cmd").write_text(command(row) + "\n")
+        start = time.perf_counter()
+        with open(folder / f"{row.name}.json", "w") as stdout, open(folder / f"{row.name}.log", "w") as stderr:
+            code = subprocess.call(
+                [sys.executable, "-m", "xlafit", "check", *row.args], stdout=stdout, stderr=stderr, env=env, cwd=ROOT
+            )
+        # exit 1: a target does not fit, which is a row's answer; 2 and above: no report
+        print(f"{row.name}: exit {code} in {time.perf_counter() - start:.0f} s", flush=True)
+    missing = []
+    for row in table.rows:
+        path = folder / f"{row.name}.json"
+        try:
+            report_of(path)
+        except (OSError, ValueError):
+            missing.append(row.name)
+    return missing
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="action", required=True)
+    p = sub.add_parser("run", help="compile a table's rows, store their JSON, rewrite its page")
+    p.add_argument("table", choices=sorted(TABLES))
+    p.add_argument(
+        "--out", required=True, type=Path, help="the dated results folder, e.g. benchmarks/results/DATE/fit-tables"
+    )
+    p.add_argument("--rows", help="only these rows (comma-separated names, as in `commands`)")
+    sub.add_parser("render", help="rewrite every page's tables from the JSON their markers name")
+    p = sub.add_parser("commands", help="print a table's command lines")
+    p.add_argument("table", choices=sorted(TABLES))
+    args = parser.parse_args()
+    if args.action == "commands":
+        for row in TABLES[args.table].rows:
+            print(f"{row.name}: {command(row)}")
+    elif args.action == "render":
+        for page in sorted({t.page for t in TABLES.values()}):
+            print(f"{page}: {'rewritten' if rewrite(ROOT / page) else 'unchanged'}")
+    else:
+        only = set(args.rows.split(",")) if args.rows else None
+        missing = run(args.table, args.out, only)
+        if missing:
+            print(f"the page is left as it is: no JSON yet for {', '.join(missing)}")
+        else:
+            rewrite(ROOT / TABLES[args.table].page, args.table, args.out.as_posix())
+            print(f"{TABLES[args.table].page}: {args.table} rendered from {args.out}")
+
+
+if __name__ == "__main__":
+    main()

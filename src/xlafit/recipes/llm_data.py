@@ -1,0 +1,271 @@
+"""The llm recipe's data wiring: its ``data`` section, the tokenizer and chat template a run
+encodes with, the packed rows (:func:`load_data`), what they hold in words, and the files a
+run keeps to read its model back (:func:`save_artifacts`). ``model.init_from_hf``'s
+directory is found here too (:func:`model_dir`): its tokenizer is the default one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+from tokenizers import Tokenizer
+
+from xlafit import config as xconfig
+from xlafit.config import Config
+from xlafit.data import chat, chat_demo, clm, special_tokens
+from xlafit.data.text import korean_demo_files
+from xlafit.errors import ConfigError
+from xlafit.io import hub
+from xlafit.io.cache import cache_dir
+from xlafit.models.attention import packed_segments_limit
+
+DEMO_VOCAB_SIZE = 2000  # the demo's BPE tokenizer
+DATA_FORMAT_FILE = "data_format.json"  # the format of the data a run trained on (chat, prompt_completion, text)
+
+
+@dataclasses.dataclass
+class LlmDataConfig(xconfig.DataConfig):
+    """``data_dir``: text files (documents separated by blank lines) or Parquet files, a file,
+    directory, glob or URL (null: the Korean demo corpus)."""
+
+    seq_len: int = 256  # tokens per packed row (documents longer than this are cut into pieces)
+    # a Hugging Face tokenizer.json, or a directory holding one; null: model.init_from_hf's,
+    # else (the demo) a byte-level BPE trained on the corpus
+    tokenizer: str | None = None
+    vocab_size: int | None = None  # the size of the BPE tokenizer the demo trains (null: 2000)
+    text_column: str = "text"  # the column of Parquet files that holds the documents
+    eval_fraction: float = 0.1  # documents held out for evaluation (a hash of their index and data.seed)
+    # auto (from the records), text, chat ({"messages": [...]}), prompt_completion ({"prompt", "completion"})
+    # or preference ({"prompt", "chosen", "rejected"}: model.objective=dpo, simpo, orpo)
+    format: str = "auto"
+    # chat records: a Jinja chat template file instead of the tokenizer's (tokenizer_config.json's chat_template),
+    # or one of xlafit's training templates by name (qwen3, mistral-v0.3; see xlafit/data/templates.py)
+    chat_template: str | None = None
+    loss_on: str = "assistant"  # chat and prompt/completion records: assistant (the answers only) or all
+    # with no data.data_dir: korean (the konlpy wheel's texts), chat (arithmetic conversations with a ChatML
+    # tokenizer), arithmetic (the same kind of questions and answers as plain text, the same tokenizer) or
+    # preference (sums with a right answer chosen and a wrong one rejected: model.objective=dpo)
+    demo: Literal["korean", "chat", "arithmetic", "preference"] = "korean"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        xconfig.check_fraction(self.eval_fraction, "data.eval_fraction")
+
+
+def data_config(cfg: Config) -> LlmDataConfig:
+    """``cfg.data`` as this recipe's :class:`LlmDataConfig` (its own keys typed)."""
+    if not isinstance(cfg.data, LlmDataConfig):
+        raise TypeError(f"an llm config has an LlmDataConfig, got {type(cfg.data).__name__}")
+    return cfg.data
+
+
+def model_dir(cfg: Config) -> str | None:
+    """``model.init_from_hf`` as a local directory: a hub id downloaded into the Hugging Face
+    cache first (:func:`xlafit.io.hub.resolve`); None when the model starts from scratch."""
+    name = cfg.model.init_from_hf
+    return _resolved(name, cfg.model.revision, "model.init_from_hf") if name else None
+
+
+@functools.cache
+def _resolved(name: str, revision: str | None, what: str) -> str:
+    return hub.resolve(name, revision, what)
+
+
+def tokenizer_location(cfg: Config) -> str:
+    """Where the run's ``tokenizer.json`` is: ``data.tokenizer`` (a hub id read from the
+    Hugging Face cache), ``model.init_from_hf``'s, or the demo's BPE (trained once into the
+    user cache)."""
+    d = data_config(cfg)
+    if d.tokenizer:
+        return _resolved(d.tokenizer, cfg.model.revision, "data.tokenizer")
+    source = model_dir(cfg)
+    if source and (Path(source).expanduser() / "tokenizer.json").exists():
+        return str(Path(source).expanduser())
+    if not d.data_dir and d.demo in ("chat", "arithmetic", "preference"):
+        return chat_demo.demo_files()[2]
+    if d.data_dir:
+        raise ConfigError(
+            "data.data_dir needs a tokenizer: set data.tokenizer (a tokenizer.json or a directory holding one), "
+            "or model.init_from_hf to a directory that has one."
+        )
+    return demo_tokenizer(d.vocab_size or DEMO_VOCAB_SIZE)
+
+
+def demo_tokenizer(vocab_size: int) -> str:
+    """The demo's byte-level BPE on the Korean corpus, trained once into the user cache."""
+    files = korean_demo_files()
+    key = json.dumps(["bpe-2", files, vocab_size])  # 2: its files declare its special tokens
+    target = cache_dir() / f"llm-demo-tokenizer-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if (target / "tokenizer.json").exists():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        tok = clm.train_bpe(files, vocab_size, tmp)
+        print(
+            f"trained the demo's BPE tokenizer ({tok.get_vocab_size()} tokens) into {target} (once)",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            Path(tmp).rename(target)
+        except OSError:  # another process finished first
+            if not (target / "tokenizer.json").exists():
+                raise
+    return str(target)
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoding:
+    """How a run encodes its data: the tokenizer, the chat template (None: none), the
+    ``(bos, eos)`` markers (:func:`xlafit.data.clm.special_ids`) and the inputs."""
+
+    tok: Tokenizer
+    template: chat.ChatTemplate | None
+    markers: tuple[int | None, int | None]
+    inputs: list[str]
+
+
+def encoding(cfg: Config) -> Encoding:
+    """The run's :class:`Encoding`: ``data.tokenizer`` (else ``model.init_from_hf``'s, else the
+    demo's), ``data.chat_template`` or the tokenizer's, ``data.data_dir`` (else the demo's)."""
+    d = data_config(cfg)
+    where = tokenizer_location(cfg)
+    inputs = [d.data_dir] if d.data_dir else _demo_inputs(d.demo)
+    # The template the conversations are rendered with: a family's training template in place of
+    # its official one where xlafit ships one (data/templates.py); data.chat_template wins.
+    template = chat.template_for(where, d.chat_template, training=True)
+    return Encoding(clm.load_tokenizer(where), template, clm.special_ids(where), inputs)
+
+
+def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
+    """(train, eval) packed rows of the documents of ``data.data_dir`` (or the demo corpus)."""
+    d = data_config(cfg)
+    e = encoding(cfg)
+    tok, inputs, template = e.tok, e.inputs, e.template
+    train, evaluation = clm.load_packed(
+        inputs,
+        tok,
+        seq_len=d.seq_len,
+        eval_fraction=d.eval_fraction,
+        seed=d.seed,
+        text_column=d.text_column,
+        fmt=d.format,
+        template=template,
+        loss_on=d.loss_on,
+        markers=e.markers,
+        progress=functools.partial(print, file=sys.stderr, flush=True),
+    )
+    summary = data_summary(train, evaluation, d)
+    if train.source is not None and train.source.format == "chat":
+        summary += f"\n  {chat.describe(template)}"
+    print(summary, flush=True, file=sys.stderr)
+    if cfg.model.attention == "cudnn":
+        check_packed_segments(train, evaluation)
+    return train, (evaluation if len(evaluation) else None)  # type: ignore[return-value]
+
+
+def check_packed_segments(*datasets: clm.PackedText) -> None:
+    """cuDNN's packed attention takes a fixed number of segments a row
+    (:func:`~xlafit.models.attention.packed_segments_limit`): refuses data that packs more."""
+    for data in datasets:
+        segments = data.arrays["segment_ids"]
+        if not len(segments):
+            continue
+        most, limit = int(segments.max()), packed_segments_limit(data.seq_len)
+        if most > limit:
+            raise ConfigError(
+                f"model.attention=cudnn takes up to {limit} documents packed in a row of {data.seq_len} tokens; "
+                f"this data packs up to {most}. Use model.attention=xla (or auto), or a shorter data.seq_len."
+            )
+
+
+def _demo_inputs(demo: str) -> list[str]:
+    records, text, _ = chat_demo.demo_files()
+    if demo == "preference":
+        return [chat_demo.preference_file()]
+    return {"chat": [records], "arithmetic": [text]}.get(demo) or korean_demo_files()
+
+
+def data_summary(train: clm.PackedText, evaluation: clm.PackedText, d: LlmDataConfig) -> str:
+    """What the run will train on, what the loss counts, and an empty evaluation said aloud."""
+    source = train.source
+    kind = "documents" if source is None or source.format == "text" else f"{source.format} records"
+    lines = [
+        f"data: {train.documents} {kind} -> {len(train)} rows of {d.seq_len} tokens "
+        f"({train.tokens / max(train.arrays['input_ids'].size, 1):.1%} not padding); eval: {evaluation.documents} "
+        f"{kind}, {len(evaluation)} rows"
+    ]
+    if source is not None and source.format != "text":
+        counted = "every token" if d.loss_on == "all" else f"the answers: {source.answer_share:.0%} of the tokens"
+        lines.append(f"  loss on {counted} (data.loss_on={d.loss_on})")
+        if source.truncated:
+            lines.append(
+                f"  {source.truncated} records longer than data.seq_len={d.seq_len} are cut at it; raise data.seq_len "
+                "to keep their ends"
+            )
+    if not len(evaluation) and d.eval_fraction > 0:
+        total = train.documents + evaluation.documents
+        lines.append(
+            f"  no evaluation: none of the {total} {kind} was drawn for it at data.eval_fraction={d.eval_fraction} "
+            "(no eval loss or perplexity will be reported); give more data or a larger data.eval_fraction, or "
+            "data.eval_fraction=0 to train without one"
+        )
+    return "\n".join(lines)
+
+
+def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
+    """Copies the tokenizer into ``run_dir/tokenizer`` (local or a URL) with its special
+    tokens (``tokenizer_config.json``, so that :func:`xlafit.data.clm.special_ids` reads
+    there what the run trained with) and its chat template where it has one, for ``xlafit
+    export hf`` and generation;
+    records the data's format in ``run_dir/data_format.json`` (``xlafit generate`` asks a run
+    that trained on chat records through the template, any other with the text as it is), and
+    for chat records the template they were rendered with. A training template that stood in
+    for the tokenizer's official one (:mod:`xlafit.data.templates`) is recorded by name; the
+    run's tokenizer keeps the official one, which the model is asked with.
+
+    A chat run whose template closes the assistant's turn with another special token than the
+    tokenizer's ``eos_token`` (ChatML's ``<|im_end|>`` with a tokenizer that ends documents
+    with ``</s>``) records that token as its ``eos_token``, as chat models on the hub do, so
+    that generation stops at the end of the turn (the tokenizer's own ``eos_token`` kept in
+    ``generation_config.json``'s ``eos_token_id``, where generation stops too); not where the
+    template itself renders ``eos_token``, which must stay what the run trained on.
+    """
+    dest = run_dir / "tokenizer"
+    dest.mkdir(parents=True, exist_ok=True)
+    where = tokenizer_location(cfg)
+    (dest / "tokenizer.json").write_text(clm.tokenizer_json(where))
+    fmt = train.source.format if train.source is not None else "text"
+    trained = chat.template_for(where, data_config(cfg).chat_template, training=True)
+    recorded: dict[str, Any] = {"format": fmt}
+    if fmt == "chat" and trained is not None:
+        recorded["chat_template"] = {
+            "rendered_with": trained.name,
+            "shipped": trained.shipped.name if trained.shipped is not None else None,
+            "in_place_of": trained.official.name if trained.official is not None else None,
+        }
+    (run_dir / DATA_FORMAT_FILE).write_text(json.dumps(recorded) + "\n")
+    tok = clm.load_tokenizer(where)
+    source = special_tokens.settings(where)
+    if source is None:  # a tokenizer.json alone: its markers, named
+        bos, eos = clm.special_ids(where)
+        tokens = {k: tok.id_to_token(i) for k, i in (("bos_token", bos), ("eos_token", eos)) if i is not None}
+    else:
+        tokens = {k: special_tokens.token_name(v) for k, v in source.items() if k.endswith("_token")}
+    template = trained.official if trained is not None and trained.official is not None else trained
+    if template is not None:  # what the run's chat data was rendered with, for generation and export
+        (dest / chat.TEMPLATE_FILE).write_text(template.source)
+        end = chat.end_of_turn(template, tok)
+        if fmt == "chat" and end is not None and "eos_token" not in template.source:
+            own = clm.special_ids(where)[1]
+            tokens["eos_token"] = end
+            if own is not None and own != tok.token_to_id(end):  # it still ends a document: generation stops there too
+                (dest / "generation_config.json").write_text(json.dumps({"eos_token_id": [own]}) + "\n")
+    (dest / "tokenizer_config.json").write_text(json.dumps(tokens, indent=2) + "\n")

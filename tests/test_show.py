@@ -1,0 +1,81 @@
+"""`xlafit data show` (xlafit.data.show): the text it marks as trained is the text of the
+tokens the llm recipe's loss counts, for chat, prompt/completion and text data."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from helpers import family_tokenizer
+from xlafit.data import clm
+from xlafit.data.show import CLOSE, OPEN
+from xlafit.recipes import llm_data, load_config
+
+CONVERSATION = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "What is 3 plus 4?"},
+    {"role": "assistant", "content": "It is 7."},
+    {"role": "user", "content": "Say hi to the model."},
+    {"role": "assistant", "content": "Hi, and how are you today?"},
+]
+CASES = {  # the data, the tokenizer family, extra arguments
+    "chat": ({"messages": CONVERSATION}, "gemma3", []),
+    "chat-all": ({"messages": CONVERSATION}, "qwen3", ["--loss-on", "all"]),
+    "prompt_completion": ({"prompt": "Say hi.", "completion": " Hi, and how are you today?"}, "mistral", []),
+    "text": ({"text": "The capital of France is Paris. What is 3 plus 4? It is 7."}, "xlafit", []),
+}  # fmt: skip
+
+
+def _trained_runs(folder, data, extra):
+    """The recipe's first packed sequence: its token count, and the text of each run of the
+    tokens its loss counts (next_token_targets' weights on the packed rows)."""
+    loss_on = extra[1] if extra else "assistant"
+    cfg = load_config("llm", [f"data.data_dir={data}", f"data.tokenizer={folder}", "data.seq_len=128",
+                              "data.eval_fraction=0", f"data.loss_on={loss_on}"])  # fmt: skip
+    train, _ = llm_data.load_data(cfg)
+    a = train.arrays
+    _, weights = clm.next_token_targets(a["input_ids"], a["segment_ids"], a.get("loss_mask"))
+    first = a["segment_ids"][0] == 1
+    ids = a["input_ids"][0][first].tolist()
+    trained = [False] + (weights[0][: len(ids) - 1] > 0).tolist()
+    tok = clm.load_tokenizer(folder)
+    spans, run = [], []
+    for i, t in zip(ids, trained, strict=True):
+        if t:
+            run.append(i)
+        elif run:
+            spans.append(tok.decode(run, skip_special_tokens=False))
+            run = []
+    if run:
+        spans.append(tok.decode(run, skip_special_tokens=False))
+    return len(ids), sum(trained), spans, tok.decode(ids, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_marked_text_is_what_the_recipes_loss_trains_on(case, tmp_path):
+    record, family, extra = CASES[case]
+    folder = family_tokenizer(family, tmp_path / family)
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps(record) for _ in range(4)) + "\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, "-m", "xlafit", "data", "show", str(data), "--tokenizer", str(folder), "-n", "2",
+         "--seq-len", "128", *extra],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    blocks = re.split(r"\n--- record \d+: ", out.stdout)
+    assert len(blocks) == 3  # the header and -n 2 records
+    tokens, trained, spans, text = _trained_runs(folder, data, extra)
+    assert 0 < trained < tokens
+    head, body = blocks[1].split("\n", 1)
+    assert head == f"{tokens} tokens, {trained} trained"
+    shown = re.findall(f"{OPEN}(.*?){CLOSE}", body, flags=re.S)
+    assert [s.strip() for s in shown] == [s.strip() for s in spans]  # a run decoded alone may lose a leading space
+    assert body.replace(OPEN, "").replace(CLOSE, "").rstrip("\n") == text.rstrip("\n")  # the whole text, in order
+    assert blocks[1].rstrip("\n") == blocks[2].rstrip("\n")
