@@ -15,9 +15,9 @@ from xlafit.errors import DataError
 
 @pytest.fixture(scope="module")
 def demo():
-    """The chat demo's tokenizer (ChatML with its answers marked) and its template."""
+    """The chat demo's tokenizer (ChatML with its answers marked), its template and markers."""
     where = chat_demo.demo_files()[2]
-    return clm.load_tokenizer(where), chat.template_for(where, training=True)
+    return clm.load_tokenizer(where), chat.template_for(where, training=True), clm.special_ids(where)
 
 
 def write_jsonl(path, records):
@@ -26,8 +26,9 @@ def write_jsonl(path, records):
 
 
 def loaded(tmp_path, demo, records, name="prefs.jsonl", seq_len=64):
-    tok, template = demo
-    train, _ = load_pairs([write_jsonl(tmp_path / name, records)], tok, template, seq_len=seq_len, eval_fraction=0)
+    tok, template, markers = demo
+    path = write_jsonl(tmp_path / name, records)
+    train, _ = load_pairs([path], tok, template, seq_len=seq_len, eval_fraction=0, markers=markers)
     return train, tok
 
 
@@ -57,7 +58,8 @@ def test_conversations_mask_the_answers_and_share_the_prompt(tmp_path, demo):
     assert prompt_ids(a, 0, 0) == prompt_ids(a, 0, 1)
     asked = tok.decode(prompt_ids(a, 0, 0), skip_special_tokens=False)
     assert asked == "<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n"
-    assert (a["segment_ids"][0] > 0).sum(-1).tolist() == [len(tok.encode(asked + "2 plus 3 is 5.<|im_end|>\n").ids)] * 2
+    whole = tok.encode(asked + "2 plus 3 is 5.<|im_end|>\n", add_special_tokens=False).ids  # as chat records
+    assert (a["segment_ids"][0] > 0).sum(-1).tolist() == [len(whole)] * 2
 
 
 def test_an_implicit_prompt_is_the_shared_start(tmp_path, demo):
@@ -80,14 +82,18 @@ def test_the_prompts_own_assistant_turns_are_not_counted(tmp_path, demo):
 
 
 def test_text_pairs_count_the_completion_and_its_eos(tmp_path, demo):
+    """The prompt after the tokenizer's bos, the completion and its eos counted (as
+    prompt/completion records are read)."""
     train, tok = loaded(tmp_path, demo, [{"prompt": "What is 4 plus 4?", "chosen": " 8", "rejected": " 9"}])
-    assert completion_text(tok, train.arrays, 0, 0) == " 8" + clm.EOS  # as prompt/completion records end
+    bos, eos = demo[2]
+    assert bos is not None and eos is not None
+    assert completion_text(tok, train.arrays, 0, 0) == " 8" + tok.id_to_token(eos)
     assert train.source.format == "prompt_completion"
-    assert prompt_ids(train.arrays, 0, 0)[0] == tok.token_to_id(clm.BOS)
+    assert prompt_ids(train.arrays, 0, 0)[0] == bos
 
 
 def test_parquet_pairs_read_as_json_lines(tmp_path, demo):
-    tok, template = demo
+    tok, template, _ = demo
     records = chat_demo.preference_pairs(8)
     pq.write_table(pa.Table.from_pylist(records), tmp_path / "prefs.parquet")
     from_parquet, _ = load_pairs([str(tmp_path / "prefs.parquet")], tok, template, seq_len=48, eval_fraction=0)
