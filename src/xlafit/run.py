@@ -170,7 +170,7 @@ def recipe_trainer(
     run directory (metrics, checkpoints, resume); without it, nothing is written (a benchmark)."""
     return Trainer(
         model_builder(recipe, cfg, train),
-        recipe.loss_fn,
+        recipe.loss(cfg),
         plan.tx,
         strategy=strategy,
         global_batch=run.global_batch,

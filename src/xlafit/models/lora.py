@@ -21,9 +21,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -37,6 +39,9 @@ from xlafit.parallel.sharding import logical_axes
 
 ADAPTER = nnx.LoRAParam  # the adapters: what a LoRA fine-tune trains
 BASE = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))  # everything else it keeps frozen
+
+# Set while a model runs as its base (adapters_off): read when a LoRA layer is traced.
+_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("lora_adapters_off", default=False)
 
 # PEFT's draw of A (torch's kaiming_uniform_ with a=sqrt(5)): uniform in +-1/sqrt(in_features).
 _A_INIT = nnx.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
@@ -101,8 +106,35 @@ class LoRA(nnx.LoRA):
         """The base layer's output plus the scaled low-rank update (``x [..., in]``)."""
         base = self.base_module
         assert base is not None  # built with one
+        if _OFF.get():
+            return base(x, **kwargs)
         xl, a, b = self.promote_dtype((x, self.lora_a[...], self.lora_b[...]), dtype=self.dtype)
         return base(x, **kwargs) + (xl @ a @ b) * self.scaling
+
+
+@contextlib.contextmanager
+def adapters_off() -> Iterator[None]:
+    """Within it, every :class:`LoRA` layer computes its base layer alone, as PEFT's
+    ``disable_adapter()`` does: the model is the frozen base, with no second copy of its
+    weights. Read when a layer is traced, so a function traced inside it (under ``jax.jit``,
+    ``nnx.scan``, ``jax.grad``) keeps the base's path; the reference model of preference
+    tuning (:mod:`xlafit.train.preference`).
+
+    Example:
+        >>> layer = apply_lora(nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0))), ("0",), rank=1, alpha=1,
+        ...                    rngs=nnx.Rngs(1)).layers[0]
+        >>> layer.lora_b[...] = jnp.ones((1, 2))
+        >>> x = jnp.ones((1, 2))
+        >>> with adapters_off():
+        ...     off = layer(x)
+        >>> bool(jnp.array_equal(off, layer.base_module(x))), bool(jnp.array_equal(layer(x), off))
+        (True, False)
+    """
+    token = _OFF.set(True)
+    try:
+        yield
+    finally:
+        _OFF.reset(token)
 
 
 def _set_child(model: nnx.Module, path: tuple, module: nnx.Module) -> None:

@@ -7,11 +7,14 @@ or read from a Hugging Face directory (``model.init_from_hf``); ``lora.rank`` tr
 adapters on a frozen base (:func:`xlafit.run.with_lora`). With no ``data.data_dir``, the
 demo: the Korean texts of the konlpy wheel, a byte-level BPE tokenizer trained on them once
 (into the user cache), and a tiny Llama. The data wiring is :mod:`xlafit.recipes.llm_data`'s.
+``model.objective=dpo`` (``simpo``, ``orpo``) tunes on preference pairs instead
+(:mod:`xlafit.recipes.llm_preference`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from pathlib import Path
 from typing import Any, Literal
@@ -32,8 +35,9 @@ from xlafit.models.llama import PRESETS, LlamaConfig, LlamaForCausalLM
 from xlafit.models.quantized import check_tiling
 from xlafit.parallel.sharding import active_layout, batch_axes, constrain
 from xlafit.platform.hardware import table_memory
+from xlafit.recipes import llm_data, llm_preference
 from xlafit.recipes.base import Recipe, Throughput
-from xlafit.recipes.llm_data import LlmDataConfig, data_config, load_data, model_dir, save_artifacts
+from xlafit.recipes.llm_data import LlmDataConfig, data_config, model_dir, save_artifacts
 from xlafit.train.losses import blocks_for, blockwise_cross_entropy, masked_accuracy, masked_mean, whole_logits_bytes
 
 _SIZES = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size")
@@ -72,6 +76,10 @@ class LlmModelConfig:
     # whole logits and their gradient would take more than 1/8 of a device's memory (logits_blocks);
     # 0: the whole logits at once
     logits_chunk: int | Literal["auto"] = "auto"
+    # next_token (pretraining, SFT), or a preference objective on pairs of completions: dpo, simpo, orpo
+    objective: Literal["next_token", "dpo", "simpo", "orpo"] = "next_token"
+    # the preference objectives' settings: beta, label_smoothing, gamma, reference (docs/guides/preference.md)
+    preference: llm_preference.PreferenceConfig = dataclasses.field(default_factory=llm_preference.PreferenceConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.logits_chunk, int) and self.logits_chunk < 0:
@@ -118,6 +126,7 @@ def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
 def validate(cfg: Config) -> None:
     """Refuses sizes that cannot work and local model or tokenizer paths that are missing (or
     an xlafit run's, not a Hugging Face directory), before any text is read."""
+    llm_preference.validate(cfg)
     if cfg.model.init_from_hf:
         hub.check_local(cfg.model.init_from_hf, "model.init_from_hf")
         _refuse_size_overrides(cfg)
@@ -256,6 +265,17 @@ def build_llama(cfg: Config, vocab_size: int) -> LlamaForCausalLM:
     return LlamaForCausalLM(llama_config(cfg, vocab_size), rngs=nnx.Rngs(params=cfg.trainer.seed))
 
 
+def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
+    """(train, eval) packed rows of the documents of ``data.data_dir`` (or the demo corpus,
+    :func:`xlafit.recipes.llm_data.load_data`); for a preference objective, pairs of rows
+    (:func:`xlafit.recipes.llm_preference.load`)."""
+    if llm_preference.objective_of(cfg) is None:
+        return llm_data.load_data(cfg)
+    e = llm_data.encoding(cfg)
+    train, evaluation = llm_preference.load(cfg, e.tok, e.template, e.markers, e.inputs, build_llama)
+    return train, (evaluation if len(evaluation) else None)  # type: ignore[return-value]
+
+
 def build_model(cfg: Config, train: clm.PackedText) -> LlamaForCausalLM:
     return build_llama(cfg, train.vocab_size)
 
@@ -353,6 +373,9 @@ def throughput(cfg: Config, train: clm.PackedText) -> Throughput:
         hf = read_json(Path(source).expanduser() / "config.json")
         llama = llama_hf.config_from_hf(hf)
     t = train.seq_len
+    if llm_preference.objective_of(cfg) is not None:  # an example is a pair of rows; DPO may add the base's forward
+        flops = 2 * t * llama.train_flops_per_token(t) * (1 + llm_preference.reference_passes(cfg) / 3)
+        return {"tokens_per_example": 2.0 * t, "flops_per_example": flops}
     return {"tokens_per_example": float(t), "flops_per_example": t * llama.train_flops_per_token(t)}
 
 
@@ -364,6 +387,7 @@ RECIPE = Recipe(
     from_data=from_data,
     build_model=build_model,
     loss_fn=loss_fn,
+    loss_for=functools.partial(llm_preference.loss_for, next_token=loss_fn),
     throughput=throughput,
     shapes=shapes,
     save_artifacts=save_artifacts,
