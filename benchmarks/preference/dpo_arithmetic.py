@@ -2,7 +2,7 @@
 on sums, and the preference accuracy of DPO's implicit reward on pairs of sums its training
 pairs never asked (``chat_demo.held_out_sums``).
 
-    python benchmarks/dpo_arithmetic.py --reference runs/demo-chat-hf --tuned runs/demo-dpo \\
+    python benchmarks/preference/dpo_arithmetic.py --reference runs/demo-chat-hf --tuned runs/demo-dpo \\
         --beta 0.1 --out benchmarks/results/DATE/dpo/arithmetic.json
 
 ``--reference``: the model DPO started from (a Hugging Face directory or a run); ``--tuned``:
