@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 BASE := $(VENV)/.xlafit-base
 STAMP := $(VENV)/.xlafit-installed
 
-.PHONY: demo demo-bert demo-llm demo-chat test test-newest docs lint typecheck bench bench-mnist bench-bert clean
+.PHONY: demo demo-bert demo-llm demo-chat demo-dpo test test-newest docs lint typecheck bench bench-mnist bench-bert clean
 
 # What the demos need: xlafit itself and the wheels that carry the embedded data.
 $(BASE): pyproject.toml
@@ -45,6 +45,9 @@ demo-llm: $(BASE)
 # Chat fine-tuning on the CPU (about a minute and a half): a tiny Llama pretrained on arithmetic
 # written as plain text, asked in ChatML before and after LoRA on arithmetic conversations (the
 # loss on the answers only), its answers from the tuned run.
+DPO_BETA := 0.5
+DPO_LR := 0.002
+DPO_EPOCHS := 6
 CHAT_LORA := lora.rank=16 lora.alpha=32 lora.targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj
 demo-chat: $(BASE)
 	$(VENV)/bin/xlafit train llm --simulate 8 --run-dir runs/demo-chat-base --restart data.demo=arithmetic \
@@ -56,6 +59,20 @@ demo-chat: $(BASE)
 		trainer.epochs=4 optimizer.learning_rate=0.01
 	$(VENV)/bin/xlafit generate runs/demo-chat-lora --simulate 8 --max-new-tokens 16 \
 		--prompt "What is 3 plus 4?" --prompt "What is 9 minus 2?"
+
+# Preference tuning on the CPU: the chat model of demo-chat (made first if it is missing),
+# tuned with DPO and LoRA on sums whose right answer is chosen and a wrong one rejected
+# (docs/guides/preference.md), then asked sums its pairs never held.
+DPO_SETTINGS := model.objective=dpo model.preference.beta=$(DPO_BETA) model.preference.sft_weight=1 \
+	data.demo=preference data.seq_len=48 \
+	$(CHAT_LORA) trainer.epochs=$(DPO_EPOCHS) optimizer.learning_rate=$(DPO_LR)
+demo-dpo: $(BASE)
+	@test -d runs/demo-chat-lora || $(MAKE) --no-print-directory demo-chat
+	$(VENV)/bin/xlafit export hf runs/demo-chat-lora --out runs/demo-chat-hf
+	$(VENV)/bin/xlafit train llm --simulate 8 --run-dir runs/demo-dpo --restart \
+		model.init_from_hf=runs/demo-chat-hf $(DPO_SETTINGS)
+	$(VENV)/bin/xlafit generate runs/demo-dpo --simulate 8 --max-new-tokens 16 \
+		--prompt "What is 4 plus 8?" --prompt "What is 2 plus 9?" --prompt "What is 8 plus 6?"
 
 # One pytest worker per core, at most 4 (memory: each imports JAX, torch and transformers);
 # worksteal evens out the minute-long tests. On 2 cores: 16.5 instead of 23 minutes.

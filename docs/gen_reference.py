@@ -220,6 +220,10 @@ def sections() -> list[tuple[str, type]]:
     for name in RECIPES:
         recipe = get_recipe(name)
         per_recipe.append((f"model ({name})", recipe.model_config))
+        hints = typing.get_type_hints(recipe.model_config)
+        for f in dataclasses.fields(recipe.model_config):  # a nested section: model.preference
+            if isinstance(hints[f.name], type) and dataclasses.is_dataclass(hints[f.name]):
+                per_recipe.append((f"model.{f.name} ({name})", hints[f.name]))
         if recipe.data_config is not config.DataConfig:
             per_recipe.append((f"data ({name})", recipe.data_config))
     return shared + per_recipe

@@ -319,8 +319,11 @@ class LoraConfig:
     # the adapted layers: attribute names of nnx.Linear layers, comma-separated (PEFT's
     # target_modules; Llama's attention projections by default)
     targets: str = "q_proj,k_proj,v_proj,o_proj"
-    # the frozen base weights' dtype: bfloat16 halves their memory (the adapters stay float32)
-    base_dtype: Literal["float32", "bfloat16"] = "float32"
+    # the frozen base weights' dtype: bfloat16 halves their memory (the adapters stay float32);
+    # nf4, int4 or int8 quantize its dense layers with Qwix (QLoRA; the embeddings, the output
+    # layer and the norms in bfloat16), nf4 and int4 a quarter of bfloat16's memory
+    base_dtype: Literal["float32", "bfloat16", "nf4", "int4", "int8"] = "float32"
+    base_block: int = 64  # nf4/int4/int8: weights per quantization scale, along each layer's input features
 
     def __post_init__(self) -> None:
         _check_section(self, "lora", (), ("rank",))
@@ -331,6 +334,19 @@ class LoraConfig:
             )
         if self.rank and not self.target_names:
             raise ConfigError("lora.targets is empty; name the layers to adapt, e.g. lora.targets=q_proj,v_proj.")
+        if self.quantized and not self.rank:
+            raise ConfigError(
+                f"lora.base_dtype={self.base_dtype} quantizes the frozen base of a LoRA fine-tune, and lora.rank is 0 "
+                "(full fine-tuning, which cannot train quantized weights): set lora.rank (e.g. lora.rank=16), or "
+                "lora.base_dtype=float32 to train every weight."
+            )
+        if self.base_block < 1:
+            raise ConfigError(f"lora.base_block={self.base_block} must be positive (64: bitsandbytes' NF4 blocks).")
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the base is quantized (``nf4``, ``int4``, ``int8``)."""
+        return self.base_dtype in ("nf4", "int4", "int8")
 
     @property
     def target_names(self) -> tuple[str, ...]:

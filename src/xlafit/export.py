@@ -287,18 +287,28 @@ def export_llm(
     token_ids, generation = _write_tokenizer(cfg, tokenizer_json, out, chat_template, tokens)
     # The model's vocabulary is the tokenizer's, tokens added after training (a chat model's) included.
     model = run_model(cfg, arrays, fingerprint, Tokenizer.from_str(tokenizer_json).get_vocab_size())
+    # A quantized base is merged as PEFT merges into a bitsandbytes base: into its dequantized
+    # weights, written in bfloat16 (merge_lora).
+    dtype: typing.Literal["float32", "bfloat16"] = "bfloat16" if cfg.lora.rank and cfg.lora.quantized else "float32"
     if cfg.lora.rank:
         if not cfg.model.init_from_hf:
             base = nnx.merge(*nnx.split(model))  # a copy: the adapters' base, unmerged
             without = typing.cast(LlamaForCausalLM, merge_lora(_without_adapters(base)))
-            llama_hf.save_hf(without, out / "base", token_ids=token_ids)
+            llama_hf.save_hf(without, out / "base", token_ids=token_ids, dtype=dtype)
             (out / "base" / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
         base_path = cfg.model.init_from_hf or str((out / "base").absolute())
         if not hub.is_hub_id(base_path):  # a hub id stays one: PEFT reads it from the hub's cache
             base_path = str(Path(base_path).expanduser().absolute())
         save_peft_adapter(model, out / "adapter", base_model_name_or_path=base_path)
         model = typing.cast(LlamaForCausalLM, merge_lora(model))
-    llama_hf.save_hf(model, out, token_ids=token_ids)
+        if cfg.lora.quantized:
+            print(
+                f"the adapters trained on a {cfg.lora.base_dtype} base (lora.base_dtype): the merged model is its "
+                "dequantized weights plus the adapters' update, in bfloat16, as PEFT merges into a bitsandbytes "
+                "base; adapter/ applies to the unquantized base model",
+                flush=True,
+            )
+    llama_hf.save_hf(model, out, token_ids=token_ids, dtype=dtype)
     (out / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
 
 

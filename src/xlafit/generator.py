@@ -224,7 +224,7 @@ def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
     arrays, step, metadata = checkpoint_arrays(cfg, run, step, use="generate")  # a training run's newest, as it is now
     print(f"answering from step {step} of {source}", file=sys.stderr, flush=True)
     model = run_model(cfg, arrays, metadata.get(BASE_FINGERPRINT), tokenizer.get_vocab_size())
-    if cfg.lora.rank:
+    if cfg.lora.rank and not cfg.lora.quantized:  # a quantized base stays quantized: its adapters run beside it
         model = typing.cast(LlamaForCausalLM, merge_lora(model))
     graphdef, state = nnx.split(model)
     state = jax.device_put(state, tree_shardings(state, strategy.mesh, rules))

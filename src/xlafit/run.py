@@ -46,6 +46,7 @@ from xlafit.io.paths import (
     reading,
 )
 from xlafit.models.lora import ADAPTER, BASE, apply_lora
+from xlafit.models.quantized import quantize_base
 from xlafit.overrides import migrate
 from xlafit.parallel.cluster import connect
 from xlafit.parallel.mesh import Strategy
@@ -169,7 +170,7 @@ def recipe_trainer(
     run directory (metrics, checkpoints, resume); without it, nothing is written (a benchmark)."""
     return Trainer(
         model_builder(recipe, cfg, train),
-        recipe.loss_fn,
+        recipe.loss(cfg),
         plan.tx,
         strategy=strategy,
         global_batch=run.global_batch,
@@ -199,10 +200,14 @@ def model_builder(recipe: Recipe, cfg: Config, train: Any) -> Callable[[], nnx.M
 
 def with_lora(model: nnx.Module, lora: LoraConfig, seed: int) -> nnx.Module:
     """``model`` with the adapters ``lora`` asks for (none at rank 0), its base weights cast
-    to ``lora.base_dtype``; the adapters' ``A`` drawn from ``seed``."""
+    to ``lora.base_dtype`` (``nf4``, ``int4``, ``int8``: its dense layers quantized, where a
+    reader of Hugging Face files has not done it already, the rest in bfloat16); the
+    adapters' ``A`` drawn from ``seed``."""
     if not lora.rank:
         return model
     model = apply_lora(model, lora.target_names, rank=lora.rank, alpha=lora.alpha, rngs=nnx.Rngs(seed + 2))
+    if lora.quantized:
+        return quantize_base(model, lora.base_dtype, lora.base_block)
     if lora.base_dtype != "float32":
         dtype = jnp.dtype(lora.base_dtype)
         nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), nnx.state(model, BASE)))

@@ -57,7 +57,7 @@ def recipe_program(
     work = recipe.throughput(cfg, train)
     program = Program(
         nnx.eval_shape(lambda: with_lora(recipe.build_model(cfg, train), cfg.lora, cfg.trainer.seed)),
-        recipe.loss_fn,
+        recipe.loss(cfg),
         optimizer,
         cfg.trainer,
         example_layout(train.take(np.arange(1))),
@@ -121,7 +121,9 @@ def check_recipe(
             options = {**options, "per_device_batch": cfg.data.per_device_batch}
     model = recipe.build_model(cfg, train)
     # A recipe's rows have one shape (packed or padded) unless its dataset plans buckets.
-    return check_step(name, model, recipe.loss_fn, batch, lengths=lengths, one_shape=num_shapes(train) == 1, **options)
+    return check_step(
+        name, model, recipe.loss(cfg), batch, lengths=lengths, one_shape=num_shapes(train) == 1, **options
+    )
 
 
 # The settings that shape a recipe's compiled step, printed with every answer (when present).

@@ -1,6 +1,7 @@
 """The chat demo's data: short arithmetic conversations a tiny model learns in a minute on a
 CPU, the same questions and answers as plain text (to pretrain on), and a tokenizer with a
-chat template (ChatML, its answers marked for the loss), made once into the user cache.
+chat template (ChatML, its answers marked for the loss), made once into the user cache; and
+preference pairs on sums (a right and a wrong answer), to tune the chat model with DPO.
 
 Example:
     >>> records = conversations(3, seed=0)
@@ -21,7 +22,7 @@ from typing import Any
 from xlafit.data import clm
 from xlafit.io.cache import cache_dir
 
-__all__ = ["CHATML", "SPECIALS", "conversations", "demo_files"]
+__all__ = ["CHATML", "SPECIALS", "conversations", "demo_files", "held_out_sums", "preference_file", "preference_pairs"]
 
 # ChatML (Qwen's layout), the assistant's turn and its end marked as what the model generates.
 CHATML = (
@@ -33,6 +34,7 @@ CHATML = (
 SPECIALS = ["<|im_start|>", "<|im_end|>"]
 _WORDS = {"plus": lambda a, b: a + b, "minus": lambda a, b: a - b, "times": lambda a, b: a * b}
 VERSION = "chat-demo-3"  # 3: its tokenizer puts <s> before a text (train_bpe's post-processor)
+PREFERENCE_VERSION = "2"  # the pairs' layout and held-out split (a new one makes a new file)
 
 
 def conversations(n: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -91,3 +93,43 @@ def demo_files(n: int = 3000, vocab_size: int = 400) -> tuple[str, str, str]:
         else:
             Path(tmp).mkdir()  # the context manager removes the (now empty) directory it made
     return str(target / "chat.jsonl"), str(target / "text.txt"), str(target / "tokenizer")
+
+
+def held_out_sums() -> list[tuple[int, int]]:
+    """The sums ``a plus b`` (``a, b`` in 0..9) that :func:`preference_pairs` never asks: a
+    fifth of them, two for each ``a`` and two for each ``b``, to measure a tuned model on
+    questions its pairs did not hold."""
+    return [(a, b) for a in range(10) for b in range(10) if (3 * a + b) % 5 == 0]
+
+
+def preference_pairs(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` preference pairs in TRL's conversational layout: a question ``What is a plus
+    b?``, the right answer chosen, an answer off by 1 to 3 rejected; the sums of
+    :func:`held_out_sums` left out."""
+    rng = random.Random(seed)
+    held = set(held_out_sums())
+    asked = [(a, b) for a in range(10) for b in range(10) if (a, b) not in held]
+    out = []
+    for _ in range(n):
+        a, b = rng.choice(asked)
+        wrong = a + b + rng.choice([-3, -2, -1, 1, 2, 3])
+        out.append(
+            {
+                "prompt": [{"role": "user", "content": f"What is {a} plus {b}?"}],
+                "chosen": [{"role": "assistant", "content": f"{a} plus {b} is {a + b}."}],
+                "rejected": [{"role": "assistant", "content": f"{a} plus {b} is {wrong}."}],
+            }
+        )
+    return out
+
+
+def preference_file(n: int = 2000) -> str:
+    """:func:`preference_pairs` as JSON lines, made once in the cache (the demo's tokenizer
+    is :func:`demo_files`')."""
+    target = cache_dir() / f"chat-demo-preferences-{PREFERENCE_VERSION}-{n}.jsonl"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=target.parent, delete=False, suffix=".tmp") as f:
+            f.write("\n".join(json.dumps(r) for r in preference_pairs(n)) + "\n")
+        Path(f.name).replace(target)
+    return str(target)

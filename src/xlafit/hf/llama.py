@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from xlafit.errors import HFFormatError
-from xlafit.hf.files import open_safetensors, read_json
+from xlafit.hf.files import open_safetensors, read_json, read_tensor
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 
 # Our config field -> Hugging Face's LlamaConfig / Qwen2Config key.
@@ -227,7 +227,7 @@ def _param(module: Any, path: tuple[str, ...]) -> nnx.Variable:
 Entry = tuple[str, nnx.Variable, int | None, bool]
 
 
-def _entries(model: LlamaForCausalLM) -> Iterator[Entry]:
+def entries(model: LlamaForCausalLM) -> Iterator[Entry]:
     """Every Hugging Face tensor of ``model`` and where it lives in ours."""
     cfg = model.cfg
     if nnx.state(model, nnx.LoRAParam):
@@ -248,7 +248,7 @@ def _entries(model: LlamaForCausalLM) -> Iterator[Entry]:
 
 
 def _hf_shape(param: nnx.Variable, row: int | None, transposed: bool) -> tuple[int, ...]:
-    shape = tuple(param[...].shape)[0 if row is None else 1 :]
+    shape = tuple(param.get_value().shape)[0 if row is None else 1 :]
     return shape[::-1] if transposed else shape
 
 
@@ -267,19 +267,25 @@ def to_hf_state(model: LlamaForCausalLM, dtype: Literal["float32", "bfloat16"] =
         (32, 64)
     """
     np_dtype = _np_dtype(dtype)
-    return {name: _hf_value(p, row, t, np_dtype) for name, p, row, t in _entries(model)}
+    return {name: _hf_value(p, row, t, np_dtype) for name, p, row, t in entries(model)}
 
 
 def _np_dtype(dtype: str) -> Any:
     return ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
 
 
-def from_hf_state(model: LlamaForCausalLM, state: Mapping[str, Any]) -> None:
+# Where a tensor read (in our layout) goes: (our parameter, its layer row when stacked, the value).
+Put = Callable[[nnx.Variable, int | None, np.ndarray], None]
+
+
+def from_hf_state(model: LlamaForCausalLM, state: Mapping[str, Any], put: Put | None = None) -> None:
     """Loads Hugging Face tensors into ``model`` in place, checking every name and shape.
 
     ``state`` may be any mapping (:func:`from_hf` passes one that reads each tensor from
     its file when asked). A tied model ignores a ``lm_head.weight``; a bare ``LlamaModel``
-    checkpoint (names without ``model.``) loads too.
+    checkpoint (names without ``model.``) loads too. ``put``: where each tensor goes instead
+    of its parameter, one at a time (a quantizing reader, :mod:`xlafit.hf.quantized`), in our
+    ``[in, out]`` layout and the file's dtype.
 
     Raises:
         HFFormatError: a tensor is missing or has another shape than ``model``'s config gives.
@@ -298,8 +304,11 @@ def from_hf_state(model: LlamaForCausalLM, state: Mapping[str, Any]) -> None:
         return value
 
     stacked: dict[int, tuple[nnx.Variable, list[np.ndarray]]] = {}  # scanned layers: rows, stacked at the end
-    for name, param, row, transposed in _entries(model):
+    for name, param, row, transposed in entries(model):
         value = take(name, _hf_shape(param, row, transposed))
+        if put is not None:
+            put(param, row, value.T if transposed else value)
+            continue
         value = (value.T if transposed else value).astype(param[...].dtype)
         if row is None:
             param[...] = value
@@ -351,19 +360,19 @@ def save_hf(
     ids = {key: value for key, value in (token_ids or {}).items() if value is not None}
     config = {**hf_config(model.cfg), **ids, "torch_dtype": dtype}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    entries = {name: (param, row, t) for name, param, row, t in _entries(model)}
+    tensors = {name: (param, row, t) for name, param, row, t in entries(model)}
     np_dtype = _np_dtype(dtype)
     itemsize = np.dtype(np_dtype).itemsize
-    sizes = [int(np.prod(_hf_shape(*entry))) * itemsize for entry in entries.values()]
-    shards = _shards(list(entries), sizes, max_shard_bytes)
+    sizes = [int(np.prod(_hf_shape(*entry))) * itemsize for entry in tensors.values()]
+    shards = _shards(list(tensors), sizes, max_shard_bytes)
     files = (
         ["model.safetensors"]
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
     for file, names in zip(files, shards, strict=True):
-        tensors = {name: _hf_value(*entries[name], np_dtype) for name in names}
-        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        values = {name: _hf_value(*tensors[name], np_dtype) for name in names}
+        save_file(values, str(out / file), metadata={"format": "pt"})
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": sum(sizes)},
@@ -382,16 +391,14 @@ class _LazyTensors(Mapping[str, np.ndarray]):
     def __getitem__(self, name: str) -> np.ndarray:
         return self.reader(self.files[name], name)
 
+    def __contains__(self, name: object) -> bool:  # Mapping's own would read the tensor
+        return name in self.files
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.files)
 
     def __len__(self) -> int:
         return len(self.files)
-
-
-def _read_tensor(path: Path, name: str) -> np.ndarray:
-    with open_safetensors(path) as f:
-        return f.get_tensor(name)
 
 
 def tensor_files(d: Path) -> dict[str, Path]:
@@ -421,10 +428,20 @@ def from_hf(directory: str | Path, rngs: nnx.Rngs | None = None, **overrides: An
     Example:
         >>> model = from_hf("meta-llama/Llama-3.2-1B", dtype="bfloat16", scan_layers=True)  # doctest: +SKIP
     """
+    d, cfg = read_config(directory, **overrides)
+    model = LlamaForCausalLM(cfg, rngs=rngs or nnx.Rngs(0))
+    from_hf_state(model, lazy_tensors(d))
+    return model
+
+
+def read_config(directory: str | Path, **overrides: Any) -> tuple[Path, LlamaConfig]:
+    """A checkpoint directory and its :class:`LlamaConfig` (``overrides`` set fields that are not sizes)."""
     d = Path(directory).expanduser()
     if not (d / "config.json").exists():
         raise HFFormatError(f"{d} has no config.json; give a directory written by save_pretrained or save_hf.")
-    cfg = config_from_hf(read_json(d / "config.json"), **overrides)
-    model = LlamaForCausalLM(cfg, rngs=rngs or nnx.Rngs(0))
-    from_hf_state(model, _LazyTensors(tensor_files(d), _read_tensor))
-    return model
+    return d, config_from_hf(read_json(d / "config.json"), **overrides)
+
+
+def lazy_tensors(d: Path) -> Mapping[str, np.ndarray]:
+    """The tensors of checkpoint directory ``d`` by name, each read from its file when asked."""
+    return _LazyTensors(tensor_files(d), read_tensor)

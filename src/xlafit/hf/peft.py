@@ -28,9 +28,12 @@ from xlafit.errors import HFFormatError
 from xlafit.hf.files import open_safetensors, read_json
 from xlafit.models.llama import LlamaForCausalLM
 from xlafit.models.lora import LoRA, apply_lora, base_fingerprint, lora_modules
+from xlafit.models.quantized import is_quantized, quantize_base, quantized_layers
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 FINGERPRINT_KEY = "xlafit_base_fingerprint"
+# An adapter trained on a quantized base: "nf4:64" (its type and block); the fingerprint is that base's.
+QUANTIZED_KEY = "xlafit_base_quantized"
 
 
 def _hf_modules(model: LlamaForCausalLM) -> Iterator[tuple[str, LoRA, int | None]]:
@@ -101,8 +104,21 @@ def save_peft_adapter(
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt", FINGERPRINT_KEY: base_fingerprint(model)})
+    metadata = {"format": "pt", FINGERPRINT_KEY: base_fingerprint(model)}
+    quantized = [layer for _, layer in quantized_layers(model)]
+    if quantized:  # PEFT applies it to the unquantized base; xlafit checks that base quantized alike
+        metadata[QUANTIZED_KEY] = f"{quantized[0].qtype}:{quantized[0].block}"
+    save_file(tensors, str(out / WEIGHTS), metadata=metadata)
     return out
+
+
+def _fingerprint_as_trained(model: LlamaForCausalLM, quantized: str | None) -> str:
+    """``model``'s base fingerprint as the adapter's base was: quantized as recorded (a copy;
+    the model stays as it is) when the adapter trained on a quantized base and ``model`` is not."""
+    if quantized is None or is_quantized(model):
+        return base_fingerprint(model)
+    qtype, block = quantized.split(":")
+    return base_fingerprint(quantize_base(nnx.clone(model), qtype, int(block)))
 
 
 def _read_config(d: Path) -> dict:
@@ -139,7 +155,8 @@ def load_peft_adapter(
             ``save_pretrained``).
         rngs: for :func:`~xlafit.models.lora.apply_lora` (the draws are overwritten).
         check_base: refuse an adapter whose recorded base fingerprint differs from
-            ``model``'s (adapters PEFT wrote record none and are not checked).
+            ``model``'s (adapters PEFT wrote record none and are not checked); an adapter
+            trained on a quantized base is checked against ``model`` quantized alike.
 
     Raises:
         HFFormatError: an unsupported adapter config, a missing tensor or one of another
@@ -151,13 +168,16 @@ def load_peft_adapter(
     d = Path(directory).expanduser()
     config = _read_config(d)
     with open_safetensors(d / WEIGHTS) as f:
-        recorded = (f.metadata() or {}).get(FINGERPRINT_KEY)
+        metadata = f.metadata() or {}
+        recorded = metadata.get(FINGERPRINT_KEY)
         tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is no dict)
-    if check_base and recorded is not None and recorded != base_fingerprint(model):
-        raise HFFormatError(
-            f"{d} was trained on another base model (fingerprint {recorded[:12]}..., this model's "
-            f"{base_fingerprint(model)[:12]}...); load the base it was made for, or pass check_base=False."
-        )
+    if check_base and recorded is not None:
+        ours = _fingerprint_as_trained(model, metadata.get(QUANTIZED_KEY))
+        if recorded != ours:
+            raise HFFormatError(
+                f"{d} was trained on another base model (fingerprint {recorded[:12]}..., this model's "
+                f"{ours[:12]}...); load the base it was made for, or pass check_base=False."
+            )
     if not lora_modules(model):
         apply_lora(
             model, config["target_modules"], rank=config["r"], alpha=config["lora_alpha"], rngs=rngs or nnx.Rngs(0)

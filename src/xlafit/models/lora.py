@@ -21,9 +21,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -32,10 +34,14 @@ import numpy as np
 from flax import nnx
 
 from xlafit.errors import ConfigError
+from xlafit.models.quantized import QuantizedLinear, dequantize_linears
 from xlafit.parallel.sharding import logical_axes
 
 ADAPTER = nnx.LoRAParam  # the adapters: what a LoRA fine-tune trains
 BASE = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))  # everything else it keeps frozen
+
+# Set while a model runs as its base (adapters_off): read when a LoRA layer is traced.
+_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("lora_adapters_off", default=False)
 
 # PEFT's draw of A (torch's kaiming_uniform_ with a=sqrt(5)): uniform in +-1/sqrt(in_features).
 _A_INIT = nnx.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
@@ -62,15 +68,18 @@ class LoRA(nnx.LoRA):
     with it.
 
     Args:
-        base: the layer adapted; it stays ``base_module``, its weights untouched.
+        base: the layer adapted (an ``nnx.Linear``, or a quantized base's
+            :class:`~xlafit.models.quantized.QuantizedLinear`); it stays ``base_module``, its
+            weights untouched.
         rank: the adapters' rank ``r``.
         alpha: PEFT's ``lora_alpha``; the update is scaled by ``alpha / rank``.
         rngs: ``params`` draws ``lora_a``.
     """
 
-    def __init__(self, base: nnx.Linear, *, rank: int, alpha: float, rngs: nnx.Rngs) -> None:
-        lead = tuple(base.kernel[...].shape[:-2])  # (layers,) for a scanned model's stacked kernel
-        names = logical_axes(base.kernel)
+    def __init__(self, base: nnx.Linear | QuantizedLinear, *, rank: int, alpha: float, rngs: nnx.Rngs) -> None:
+        kernel = base.kernel if isinstance(base, nnx.Linear) else base.qvalue
+        lead = tuple(kernel.get_value().shape[:-2])  # (layers,) for a scanned model's stacked kernel
+        names = logical_axes(kernel)
 
         def meta(axes: tuple[str | None, ...] | None) -> dict[str, Any]:
             return {} if names is None else {"out_sharding": axes, "eager_sharding": False}
@@ -97,8 +106,35 @@ class LoRA(nnx.LoRA):
         """The base layer's output plus the scaled low-rank update (``x [..., in]``)."""
         base = self.base_module
         assert base is not None  # built with one
+        if _OFF.get():
+            return base(x, **kwargs)
         xl, a, b = self.promote_dtype((x, self.lora_a[...], self.lora_b[...]), dtype=self.dtype)
         return base(x, **kwargs) + (xl @ a @ b) * self.scaling
+
+
+@contextlib.contextmanager
+def adapters_off() -> Iterator[None]:
+    """Within it, every :class:`LoRA` layer computes its base layer alone, as PEFT's
+    ``disable_adapter()`` does: the model is the frozen base, with no second copy of its
+    weights. Read when a layer is traced, so a function traced inside it (under ``jax.jit``,
+    ``nnx.scan``, ``jax.grad``) keeps the base's path; the reference model of preference
+    tuning (:mod:`xlafit.train.preference`).
+
+    Example:
+        >>> layer = apply_lora(nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0))), ("0",), rank=1, alpha=1,
+        ...                    rngs=nnx.Rngs(1)).layers[0]
+        >>> layer.lora_b[...] = jnp.ones((1, 2))
+        >>> x = jnp.ones((1, 2))
+        >>> with adapters_off():
+        ...     off = layer(x)
+        >>> bool(jnp.array_equal(off, layer.base_module(x))), bool(jnp.array_equal(layer(x), off))
+        (True, False)
+    """
+    token = _OFF.set(True)
+    try:
+        yield
+    finally:
+        _OFF.reset(token)
 
 
 def _set_child(model: nnx.Module, path: tuple, module: nnx.Module) -> None:
@@ -141,7 +177,7 @@ def apply_lora(model: nnx.Module, targets: Sequence[str], *, rank: int, alpha: f
         raise ConfigError(f"LoRA rank={rank} must be at least 1.")
     if alpha <= 0:
         raise ConfigError(f"LoRA alpha={alpha} must be positive: the adapters' update is scaled by alpha / rank.")
-    linears = [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, nnx.Linear) and path]
+    linears = [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, nnx.Linear | QuantizedLinear) and path]
     names = sorted({str(path[-1]) for path, _ in linears})
     unknown = [t for t in targets if t not in names]
     if unknown:
@@ -173,18 +209,25 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
     plain ``nnx.Linear`` back, in place: the result has the original parameter structure
     (it exports to Hugging Face like a model that never had adapters).
 
+    A quantized base (:mod:`xlafit.models.quantized`) is merged as PEFT merges into a
+    bitsandbytes base: ``W`` is the dequantized kernel, and every layer of the result is a
+    plain bfloat16 ``nnx.Linear`` (the quantized layers without adapters dequantized too).
+
     Example:
         >>> merge_lora(nnx.Linear(2, 2, rngs=nnx.Rngs(0))).kernel.shape  # nothing to merge
         (2, 2)
     """
     for path, layer in lora_modules(model):
         base = layer.base_module
+        delta = jnp.matmul(layer.lora_a[...].astype(jnp.float32), layer.lora_b[...].astype(jnp.float32))
+        if isinstance(base, QuantizedLinear):
+            _set_child(model, path, base.dequantized(jnp.bfloat16, layer.scaling * delta))
+            continue
         assert isinstance(base, nnx.Linear)
         kernel = base.kernel[...]
-        delta = jnp.matmul(layer.lora_a[...].astype(jnp.float32), layer.lora_b[...].astype(jnp.float32))
         base.kernel[...] = (kernel.astype(jnp.float32) + layer.scaling * delta).astype(kernel.dtype)
         _set_child(model, path, base)
-    return model
+    return dequantize_linears(model, jnp.bfloat16)
 
 
 def lora_state(model: nnx.Module) -> nnx.State:

@@ -66,6 +66,8 @@ class Recipe:
         load_data: ``(cfg) -> (train, eval)``: datasets (or dicts of arrays); eval may be None.
         build_model: ``(cfg, train) -> nnx.Module``.
         loss_fn: ``(model, batch) -> losses [B]`` or ``(losses [B], {metric: [B]})``.
+        loss_for: ``(cfg) -> loss_fn``: the loss a config trains with, where settings choose
+            it (the llm recipe's ``model.objective``); None: ``loss_fn`` always.
         data_config: the dataclass of the ``data`` section (a :class:`DataConfig` subclass
             with the recipe's own keys).
         from_data: ``(cfg, train) -> cfg``: settings the data decides (BERT: the sequence
@@ -105,3 +107,8 @@ class Recipe:
     validate: Callable[[Config], None] = _nothing_to_check
     bit_identical_chunks: bool = False
     shapes: Callable[[Config], Any] = _shapes_from_data
+    loss_for: Callable[[Config], LossFn] | None = None
+
+    def loss(self, cfg: Config) -> LossFn:
+        """The loss a run of ``cfg`` trains and evaluates with."""
+        return self.loss_for(cfg) if self.loss_for is not None else self.loss_fn

@@ -7,11 +7,14 @@ or read from a Hugging Face directory (``model.init_from_hf``); ``lora.rank`` tr
 adapters on a frozen base (:func:`xlafit.run.with_lora`). With no ``data.data_dir``, the
 demo: the Korean texts of the konlpy wheel, a byte-level BPE tokenizer trained on them once
 (into the user cache), and a tiny Llama. The data wiring is :mod:`xlafit.recipes.llm_data`'s.
+``model.objective=dpo`` (``simpo``, ``orpo``) tunes on preference pairs instead
+(:mod:`xlafit.recipes.llm_preference`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from pathlib import Path
 from typing import Any, Literal
@@ -26,12 +29,15 @@ from xlafit.data import clm
 from xlafit.errors import ConfigError, HFFormatError
 from xlafit.hf import llama as llama_hf
 from xlafit.hf.files import read_json
+from xlafit.hf.quantized import from_hf_quantized
 from xlafit.io import hub
 from xlafit.models.llama import PRESETS, LlamaConfig, LlamaForCausalLM
+from xlafit.models.quantized import check_tiling
 from xlafit.parallel.sharding import active_layout, batch_axes, constrain
 from xlafit.platform.hardware import table_memory
+from xlafit.recipes import llm_data, llm_preference
 from xlafit.recipes.base import Recipe, Throughput
-from xlafit.recipes.llm_data import LlmDataConfig, data_config, load_data, model_dir, save_artifacts
+from xlafit.recipes.llm_data import LlmDataConfig, data_config, model_dir, save_artifacts
 from xlafit.train.losses import blocks_for, blockwise_cross_entropy, masked_accuracy, masked_mean, whole_logits_bytes
 
 _SIZES = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size")
@@ -70,6 +76,10 @@ class LlmModelConfig:
     # whole logits and their gradient would take more than 1/8 of a device's memory (logits_blocks);
     # 0: the whole logits at once
     logits_chunk: int | Literal["auto"] = "auto"
+    # next_token (pretraining, SFT), or a preference objective on pairs of completions: dpo, simpo, orpo
+    objective: Literal["next_token", "dpo", "simpo", "orpo"] = "next_token"
+    # the preference objectives' settings: beta, label_smoothing, gamma, reference (docs/guides/preference.md)
+    preference: llm_preference.PreferenceConfig = dataclasses.field(default_factory=llm_preference.PreferenceConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.logits_chunk, int) and self.logits_chunk < 0:
@@ -116,6 +126,7 @@ def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
 def validate(cfg: Config) -> None:
     """Refuses sizes that cannot work and local model or tokenizer paths that are missing (or
     an xlafit run's, not a Hugging Face directory), before any text is read."""
+    llm_preference.validate(cfg)
     if cfg.model.init_from_hf:
         hub.check_local(cfg.model.init_from_hf, "model.init_from_hf")
         _refuse_size_overrides(cfg)
@@ -126,6 +137,7 @@ def validate(cfg: Config) -> None:
         hub.check_local(tokenizer, "data.tokenizer")
     if cfg.model.init_from_hf is None:
         config = llama_config(cfg, 1)
+        check_base_blocks(cfg, config)
         if data_config(cfg).seq_len > config.max_position_embeddings:
             raise ConfigError(
                 f"data.seq_len={data_config(cfg).seq_len} is longer than the model's max_position_embeddings="
@@ -176,6 +188,7 @@ def check_checkpoint(cfg: Config, folder: str | Path) -> None:
         llama_hf.tensor_files(folder)
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"model.init_from_hf={m.init_from_hf}: {e}") from None
+    check_base_blocks(cfg, checkpoint)
     seq_len = data_config(cfg).seq_len
     if seq_len > checkpoint.max_position_embeddings:
         raise ConfigError(
@@ -183,6 +196,18 @@ def check_checkpoint(cfg: Config, folder: str | Path) -> None:
             f"{checkpoint.max_position_embeddings} (its config.json): the model never saw positions that far; lower "
             "data.seq_len."
         )
+
+
+def check_base_blocks(cfg: Config, llama: LlamaConfig) -> None:
+    """A quantized base (``lora.base_dtype=nf4|int4|int8``) needs every dense layer's input
+    features to be a multiple of ``lora.base_block``: refused here, before the run directory
+    is written, naming the layer and a block that divides it."""
+    if not (cfg.lora.rank and cfg.lora.quantized):
+        return
+    inputs = {"q_proj": llama.hidden_size, "o_proj": llama.num_heads * llama.head_size,
+              "down_proj": llama.intermediate_size}  # fmt: skip
+    for name, features in inputs.items():
+        check_tiling(f"layers.*.{name}", (features, 1), cfg.lora.base_block, cfg.lora.base_dtype)
 
 
 def from_data(cfg: Config, train: clm.PackedText) -> Config:
@@ -227,7 +252,10 @@ def build_llama(cfg: Config, vocab_size: int) -> LlamaForCausalLM:
             "scan_layers": m.scan_layers,
             "logits_chunk": m.logits_chunk,
         }
-        model = llama_hf.from_hf(source, rngs=nnx.Rngs(cfg.trainer.seed), **options)
+        if cfg.lora.rank and cfg.lora.quantized:  # quantized as it is read: one tensor in full precision at a time
+            model = from_hf_quantized(source, cfg.lora.base_dtype, cfg.lora.base_block, **options)
+        else:
+            model = llama_hf.from_hf(source, rngs=nnx.Rngs(cfg.trainer.seed), **options)
         if model.cfg.vocab_size < vocab_size:
             raise ConfigError(
                 f"{m.init_from_hf} has a vocabulary of {model.cfg.vocab_size} tokens, the tokenizer {vocab_size}; "
@@ -235,6 +263,17 @@ def build_llama(cfg: Config, vocab_size: int) -> LlamaForCausalLM:
             )
         return model
     return LlamaForCausalLM(llama_config(cfg, vocab_size), rngs=nnx.Rngs(params=cfg.trainer.seed))
+
+
+def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
+    """(train, eval) packed rows of the documents of ``data.data_dir`` (or the demo corpus,
+    :func:`xlafit.recipes.llm_data.load_data`); for a preference objective, pairs of rows
+    (:func:`xlafit.recipes.llm_preference.load`)."""
+    if llm_preference.objective_of(cfg) is None:
+        return llm_data.load_data(cfg)
+    e = llm_data.encoding(cfg)
+    train, evaluation = llm_preference.load(cfg, e.tok, e.template, e.markers, e.inputs, build_llama)
+    return train, (evaluation if len(evaluation) else None)  # type: ignore[return-value]
 
 
 def build_model(cfg: Config, train: clm.PackedText) -> LlamaForCausalLM:
@@ -334,6 +373,9 @@ def throughput(cfg: Config, train: clm.PackedText) -> Throughput:
         hf = read_json(Path(source).expanduser() / "config.json")
         llama = llama_hf.config_from_hf(hf)
     t = train.seq_len
+    if llm_preference.objective_of(cfg) is not None:  # an example is a pair of rows; DPO may add the base's forward
+        flops = 2 * t * llama.train_flops_per_token(t) * (1 + llm_preference.reference_passes(cfg) / 3)
+        return {"tokens_per_example": 2.0 * t, "flops_per_example": flops}
     return {"tokens_per_example": float(t), "flops_per_example": t * llama.train_flops_per_token(t)}
 
 
@@ -345,6 +387,7 @@ RECIPE = Recipe(
     from_data=from_data,
     build_model=build_model,
     loss_fn=loss_fn,
+    loss_for=functools.partial(llm_preference.loss_for, next_token=loss_fn),
     throughput=throughput,
     shapes=shapes,
     save_artifacts=save_artifacts,

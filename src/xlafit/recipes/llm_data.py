@@ -42,15 +42,17 @@ class LlmDataConfig(xconfig.DataConfig):
     vocab_size: int | None = None  # the size of the BPE tokenizer the demo trains (null: 2000)
     text_column: str = "text"  # the column of Parquet files that holds the documents
     eval_fraction: float = 0.1  # documents held out for evaluation (a hash of their index and data.seed)
-    # auto (from the records), text, chat ({"messages": [...]}) or prompt_completion ({"prompt", "completion"})
+    # auto (from the records), text, chat ({"messages": [...]}), prompt_completion ({"prompt", "completion"})
+    # or preference ({"prompt", "chosen", "rejected"}: model.objective=dpo, simpo, orpo)
     format: str = "auto"
     # chat records: a Jinja chat template file instead of the tokenizer's (tokenizer_config.json's chat_template),
     # or one of xlafit's training templates by name (qwen3, mistral-v0.3; see xlafit/data/templates.py)
     chat_template: str | None = None
     loss_on: str = "assistant"  # chat and prompt/completion records: assistant (the answers only) or all
     # with no data.data_dir: korean (the konlpy wheel's texts), chat (arithmetic conversations with a ChatML
-    # tokenizer) or arithmetic (the same kind of questions and answers as plain text, the same tokenizer)
-    demo: Literal["korean", "chat", "arithmetic"] = "korean"
+    # tokenizer), arithmetic (the same kind of questions and answers as plain text, the same tokenizer) or
+    # preference (sums with a right answer chosen and a wrong one rejected: model.objective=dpo)
+    demo: Literal["korean", "chat", "arithmetic", "preference"] = "korean"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -86,7 +88,7 @@ def tokenizer_location(cfg: Config) -> str:
     source = model_dir(cfg)
     if source and (Path(source).expanduser() / "tokenizer.json").exists():
         return str(Path(source).expanduser())
-    if not d.data_dir and d.demo in ("chat", "arithmetic"):
+    if not d.data_dir and d.demo in ("chat", "arithmetic", "preference"):
         return chat_demo.demo_files()[2]
     if d.data_dir:
         raise ConfigError(
@@ -186,6 +188,8 @@ def check_packed_segments(*datasets: clm.PackedText) -> None:
 
 def _demo_inputs(demo: str) -> list[str]:
     records, text, _ = chat_demo.demo_files()
+    if demo == "preference":
+        return [chat_demo.preference_file()]
     return {"chat": [records], "arithmetic": [text]}.get(demo) or korean_demo_files()
 
 

@@ -21,8 +21,9 @@ import jax
 from flax import nnx
 
 from xlafit.checkpoint import Checkpointer
-from xlafit.errors import CheckpointError
+from xlafit.errors import CheckpointError, ConfigError
 from xlafit.models.lora import state_fingerprint
+from xlafit.models.quantized import QuantizedParam
 from xlafit.train.step import TrainState
 
 # The checkpoint metadata key of the frozen parameters' fingerprint.
@@ -40,6 +41,22 @@ def frozen_filter(trainable: nnx.filterlib.Filter, model_state: nnx.State) -> nn
     """The parameters ``trainable`` leaves out (frozen: out of checkpoints), or None when none is."""
     frozen = nnx.All(nnx.Param, nnx.Not(trainable))
     return frozen if jax.tree.leaves(model_state.filter(frozen)) else None
+
+
+def check_trainable(params: nnx.State) -> None:
+    """Refuses a trainable filter that selects a quantized base's weights (full fine-tuning of
+    a quantized model): their 4- or 8-bit codes have no gradient.
+
+    Raises:
+        ConfigError: naming the fix (adapters, or an unquantized base).
+    """
+    if jax.tree.leaves(params.filter(QuantizedParam)):
+        raise ConfigError(
+            "the model's base is quantized (lora.base_dtype=nf4, int4 or int8) and the trainer was asked to train "
+            "every parameter: quantized weights cannot be trained. Train LoRA adapters on it (lora.rank=16; "
+            "Trainer(..., trainable=xlafit.models.lora.ADAPTER)), or fine-tune an unquantized base "
+            "(lora.base_dtype=bfloat16 or float32)."
+        )
 
 
 def frozen_part(state: TrainState, frozen: nnx.filterlib.Filter) -> nnx.State:

@@ -49,7 +49,7 @@ from xlafit.train.adapter import Adapted, adapt, framework_of
 from xlafit.train.arguments import built, check_arguments, check_batches
 from xlafit.train.evaluation import compile_eval_step, final_evaluation
 from xlafit.train.evaluation import evaluate as evaluate_data
-from xlafit.train.frozen import checkpointed, frozen_filter, frozen_fingerprint, restore, run_settings
+from xlafit.train.frozen import check_trainable, checkpointed, frozen_filter, frozen_fingerprint, restore, run_settings
 from xlafit.train.loop import Call, Due, FitResult, Loop, itstime, nonfinite_steps
 from xlafit.train.nonfinite import apply_nan_policy
 from xlafit.train.progress import announce, progress_record
@@ -179,6 +179,7 @@ class Trainer:
         model.train()
         self.trainable = trainable
         train_graphdef, params, model_state = nnx.split(model, trainable, ...)  # type: ignore[misc]  # flax's overloads
+        check_trainable(params)
         self._frozen = frozen_filter(trainable, model_state)
         model.eval()
         eval_graphdef = nnx.graphdef(model)

@@ -1,0 +1,109 @@
+"""A Hugging Face checkpoint read into a quantized base (QLoRA), one tensor at a time.
+
+:func:`from_hf_quantized` builds the model as shapes only (``nnx.eval_shape``: no weight in
+memory), then reads the safetensors files tensor by tensor: each dense layer's kernel is
+quantized as it arrives (:func:`xlafit.models.quantized.quantize_kernel`, on the CPU, a
+slice of rows at a time) and only its codes and scales are kept; the embeddings, norms and
+output layer are kept in bfloat16. The host holds about one tensor of the file plus the
+quantized model at any time, never the whole model in full precision (a notebook VM's memory
+is shared with everything else it holds).
+
+Example:
+    >>> model = from_hf_quantized("meta-llama/Llama-3.2-1B", "nf4")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from xlafit.hf import llama as llama_hf
+from xlafit.models.llama import LlamaForCausalLM
+from xlafit.models.quantized import (
+    BLOCK,
+    UNQUANTIZED,
+    QuantizedLinear,
+    check_qtype,
+    check_tiling,
+    quantizable,
+    quantize_kernel,
+)
+from xlafit.parallel.sharding import logical_axes
+
+
+def _set(model: nnx.Module, path: tuple, module: nnx.Module) -> None:
+    parent: Any = model
+    for key in path[:-1]:
+        parent = parent[key] if isinstance(key, int) else getattr(parent, key)
+    if isinstance(path[-1], int):
+        parent[path[-1]] = module
+    else:
+        setattr(parent, path[-1], module)
+
+
+def from_hf_quantized(
+    directory: str | Path,
+    qtype: str,
+    block: int = BLOCK,
+    *,
+    skip: tuple[str, ...] = UNQUANTIZED,
+    **overrides: Any,
+) -> LlamaForCausalLM:
+    """A :class:`LlamaForCausalLM` of a Hugging Face checkpoint with its dense layers
+    quantized (``nf4``, ``int4``, ``int8`` in blocks of ``block``: :class:`QuantizedLinear`)
+    and every other parameter in bfloat16; ``skip`` names layers left in bfloat16 (the
+    output layer). ``overrides`` as :func:`xlafit.hf.llama.from_hf`'s.
+
+    Raises:
+        ConfigError: an unknown ``qtype``, or a layer whose input features ``block`` does not divide.
+        HFFormatError: a tensor is missing or has another shape than ``config.json`` gives.
+    """
+    check_qtype(qtype)
+    d, cfg = llama_hf.read_config(directory, **{**overrides, "param_dtype": "bfloat16"})
+    # Shapes only: every value is read from the files (no draw is used).
+    model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    layers = quantizable(model, skip)
+    for path, layer in layers:  # every shape refused before a tensor is read
+        check_tiling(".".join(map(str, path)), layer.kernel.get_value().shape, block, qtype)
+    kernels = {id(layer.kernel) for _, layer in layers}
+    rows: dict[int, list[tuple[Any, Any]]] = {}  # a scanned model's layers: quantized rows, stacked at the end
+    stacked: dict[int, tuple[nnx.Variable, list[np.ndarray]]] = {}
+
+    def put(param: nnx.Variable, row: int | None, value: np.ndarray) -> None:
+        if id(param) in kernels:
+            quantized = quantize_kernel(value, qtype, block)
+            if row is None:
+                rows[id(param)] = [quantized]
+            else:
+                rows.setdefault(id(param), []).append(quantized)
+            return
+        value = np.asarray(value).astype(param.get_value().dtype, copy=False)
+        if row is None:
+            param.set_value(value)
+        else:
+            stacked.setdefault(id(param), (param, []))[1].append(value)
+
+    llama_hf.from_hf_state(model, llama_hf.lazy_tensors(d), put)
+    for param, values in stacked.values():
+        param.set_value(np.stack(values))
+    for path, layer in layers:
+        parts = rows.pop(id(layer.kernel))
+        qvalue, scale = (
+            parts[0] if len(parts) == 1 else (jnp.stack([q for q, _ in parts]), jnp.stack([s for _, s in parts]))
+        )
+        bias = None if layer.bias is None else layer.bias.get_value()
+        quantized = QuantizedLinear(
+            qvalue,
+            scale,
+            bias,
+            qtype=qtype,
+            dtype=layer.dtype,
+            axes=logical_axes(layer.kernel),
+            bias_axes=None if layer.bias is None else logical_axes(layer.bias),
+        )
+        _set(model, path, quantized)
+    return model

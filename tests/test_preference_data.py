@@ -1,0 +1,127 @@
+"""Preference pairs (xlafit.data.preference): TRL's text and conversational layouts, the mask on
+the completions only, Parquet, and bad records refused in one line with the fix."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from xlafit.data import chat, chat_demo, clm
+from xlafit.data.preference import load_pairs
+from xlafit.errors import DataError
+
+
+@pytest.fixture(scope="module")
+def demo():
+    """The chat demo's tokenizer (ChatML with its answers marked), its template and markers."""
+    where = chat_demo.demo_files()[2]
+    return clm.load_tokenizer(where), chat.template_for(where, training=True), clm.special_ids(where)
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def loaded(tmp_path, demo, records, name="prefs.jsonl", seq_len=64):
+    tok, template, markers = demo
+    path = write_jsonl(tmp_path / name, records)
+    train, _ = load_pairs([path], tok, template, seq_len=seq_len, eval_fraction=0, markers=markers)
+    return train, tok
+
+
+def completion_text(tok, arrays, i, j):
+    ids = arrays["input_ids"][i, j][arrays["loss_mask"][i, j] > 0]
+    return tok.decode(ids.tolist(), skip_special_tokens=False)
+
+
+def prompt_ids(arrays, i, j):
+    first = int(np.argmax(arrays["loss_mask"][i, j]))
+    return arrays["input_ids"][i, j, :first].tolist()
+
+
+CONVERSATION = {
+    "prompt": [{"role": "user", "content": "What is 2 plus 3?"}],
+    "chosen": [{"role": "assistant", "content": "2 plus 3 is 5."}],
+    "rejected": [{"role": "assistant", "content": "2 plus 3 is 6."}],
+}
+
+
+def test_conversations_mask_the_answers_and_share_the_prompt(tmp_path, demo):
+    train, tok = loaded(tmp_path, demo, [CONVERSATION])
+    a = train.arrays
+    assert a["input_ids"].shape == (1, 2, 64)
+    assert completion_text(tok, a, 0, 0) == "2 plus 3 is 5.<|im_end|>"
+    assert completion_text(tok, a, 0, 1) == "2 plus 3 is 6.<|im_end|>"
+    assert prompt_ids(a, 0, 0) == prompt_ids(a, 0, 1)
+    asked = tok.decode(prompt_ids(a, 0, 0), skip_special_tokens=False)
+    assert asked == "<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n"
+    whole = tok.encode(asked + "2 plus 3 is 5.<|im_end|>\n", add_special_tokens=False).ids  # as chat records
+    assert (a["segment_ids"][0] > 0).sum(-1).tolist() == [len(whole)] * 2
+
+
+def test_an_implicit_prompt_is_the_shared_start(tmp_path, demo):
+    implicit = {k: CONVERSATION["prompt"] + CONVERSATION[k] for k in ("chosen", "rejected")}
+    explicit, _ = loaded(tmp_path, demo, [CONVERSATION], "explicit.jsonl")
+    found, _ = loaded(tmp_path, demo, [implicit], "implicit.jsonl")
+    for k in explicit.arrays:
+        np.testing.assert_array_equal(found.arrays[k], explicit.arrays[k])
+
+
+def test_the_prompts_own_assistant_turns_are_not_counted(tmp_path, demo):
+    history = [
+        {"role": "user", "content": "What is 1 plus 1?"},
+        {"role": "assistant", "content": "1 plus 1 is 2."},
+        {"role": "user", "content": "And 2 plus 2?"},
+    ]
+    record = {**CONVERSATION, "prompt": history}
+    train, tok = loaded(tmp_path, demo, [record])
+    assert completion_text(tok, train.arrays, 0, 0) == "2 plus 3 is 5.<|im_end|>"
+
+
+def test_text_pairs_count_the_completion_and_its_eos(tmp_path, demo):
+    """The prompt after the tokenizer's bos, the completion and its eos counted (as
+    prompt/completion records are read)."""
+    train, tok = loaded(tmp_path, demo, [{"prompt": "What is 4 plus 4?", "chosen": " 8", "rejected": " 9"}])
+    bos, eos = demo[2]
+    assert bos is not None and eos is not None
+    assert completion_text(tok, train.arrays, 0, 0) == " 8" + tok.id_to_token(eos)
+    assert train.source.format == "prompt_completion"
+    assert prompt_ids(train.arrays, 0, 0)[0] == bos
+
+
+def test_parquet_pairs_read_as_json_lines(tmp_path, demo):
+    tok, template, _ = demo
+    records = chat_demo.preference_pairs(8)
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "prefs.parquet")
+    from_parquet, _ = load_pairs([str(tmp_path / "prefs.parquet")], tok, template, seq_len=48, eval_fraction=0)
+    from_jsonl, _ = loaded(tmp_path, demo, records, seq_len=48)
+    for k in from_jsonl.arrays:
+        np.testing.assert_array_equal(from_parquet.arrays[k], from_jsonl.arrays[k])
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        ({"prompt": "2+2=", "chosen": "4"}, r"record 2 has no 'rejected' .* a preference record needs both"),
+        ({"question": "2+2=", "answer": "4"}, r"has no 'chosen' and no 'rejected' \(its keys: question, answer\)"),
+        ({"prompt": "2+2=", "chosen": "4", "rejected": "4"}, r"chosen and rejected completions are the same .* remove"),
+        ({"chosen": "4", "rejected": "5"}, r'text completions but no "prompt"; give the prompt as its own field'),
+        (
+            {"prompt": "2+2=", "chosen": [{"role": "assistant", "content": "4"}], "rejected": "5"},
+            r"mixes kinds of field .* all of them as text, or all as conversations",
+        ),
+    ],
+)
+def test_bad_records_are_refused_in_one_line_with_the_fix(tmp_path, demo, record, message):
+    with pytest.raises(DataError, match=message) as e:
+        loaded(tmp_path, demo, [CONVERSATION, record])
+    assert "\n" not in str(e.value)
+    assert "prefs.jsonl, record 2" in str(e.value)
+
+
+def test_a_completion_cut_off_entirely_names_seq_len(tmp_path, demo):
+    with pytest.raises(DataError, match=r"data.seq_len=8 cuts off entirely .* raise data.seq_len"):
+        loaded(tmp_path, demo, [CONVERSATION], seq_len=8)
