@@ -40,7 +40,11 @@ LLM = (
     "data.global_batch=null data.eval_global_batch=8"
 ).split()
 LORA = ["lora.rank=16", "lora.base_dtype=bfloat16"]
-TRAINING = {"full": "full (AdamW, f32 state)", "lora": "LoRA r16 (bf16 base)"}
+LORA_NF4 = ["lora.rank=16", "lora.base_dtype=nf4"]
+TRAINING = {"full": "full (AdamW, f32 state)", "lora": "LoRA r16 (bf16 base)", "lora_nf4": "LoRA r16 (NF4 base)"}
+MODE_ARGS = {"full": [], "lora": LORA, "lora_nf4": LORA_NF4}
+# Gemma 3 mixes sliding-window and global layers, which one scanned layer cannot hold.
+UNSCANNED = ("gemma-3",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +66,11 @@ class Table:
     rows: tuple[Row, ...]
     cell: Callable[[dict], str]
     note: str
+    # The targets of the columns, as --tpu names them, where a row compiles only some of
+    # them (its other cells say so); None: every row compiles every column, in order.
+    targets: tuple[str, ...] | None = None
+    # What follows the table in its region (a summary of its rows), from the rows' reports.
+    summary: Callable[[list[tuple[Row, dict]]], list[str]] | None = None
 
 
 def gib(n: float | None) -> str:
@@ -85,20 +94,70 @@ def step_cell(t: dict) -> str:
     return f"fits: {gib(t['memory'].get('total'))}; {t['step_s'] * 1e3:.0f} ms{band}, {t['tokens_per_s']:,.0f} tokens/s"
 
 
-def _llm_row(model: str, mode: str, seq: int, scan: bool, max_batch: bool, label: tuple[str, ...]) -> Row:
+def largest_cell(t: dict) -> str:
+    """HBM per core at one sequence per core; the largest batch (--max-batch) or the step model's
+    prediction with its band; where it does not fit, the lever that makes it fit."""
+    if not t["fits"]:
+        state = gib(t["memory"].get("state")).removesuffix(" GiB")
+        lever = next((lv for lv in t.get("levers", []) if lv.get("fits")), None)
+        fix = f"; fits with `{lever['override']}`" if lever else ""
+        return f"no: {gib(t['memory'].get('total'))} at 1 (state {state}){fix}"
+    if t.get("max_batch") is not None:
+        return max_batch_cell(t)
+    band = f" ±{t['band_median']:.0%}" if t.get("band_median") is not None else " (not validated)"
+    return f"fits: {gib(t['memory'].get('total'))} at 1; {t['tokens_per_s']:,.0f} tokens/s{band}"
+
+
+def largest_summary(reports: list[tuple[Row, dict]]) -> list[str]:
+    """The largest model of the rows that fits each target, per kind of training."""
+    targets = {"colab": "v5e-1 (Colab)", "kaggle": "v5e-8 (Kaggle)", "v6e-8": "v6e-8"}
+    best: dict[tuple[str, str], tuple[float, str]] = {}
+    for row, report in reports:
+        mode, params = row.label[1], float(row.label[-1].removesuffix("B"))
+        for t in report["tpu"]:
+            key = (mode, t["target"].partition(" = ")[0])
+            if t["fits"] and params > best.get(key, (0.0, ""))[0]:
+                best[key] = (params, f"{row.label[0]} at {row.label[2]} tokens")
+    lines = [
+        "",
+        "The largest of these models that fits each TPU:",
+        "",
+        f"| training | {' | '.join(targets.values())} |",
+        f"|---|{'|'.join('---' for _ in targets)}|",
+    ]
+    for mode in TRAINING.values():
+        cells = [best.get((mode, t), (0.0, "none of these rows"))[1] for t in targets]
+        lines.append(f"| {mode} | {' | '.join(cells)} |")
+    return lines
+
+
+def _llm_row(
+    model: str,
+    mode: str,
+    seq: int,
+    scan: bool,
+    max_batch: bool,
+    label: tuple[str, ...],
+    tpu: str = "colab,kaggle",
+) -> Row:
     args = [
         "llm",
         "--tpu",
-        "colab,kaggle",
+        tpu,
         *(["--max-batch"] if max_batch else []),
         "--json",
         f"model.preset={model}",
         f"data.seq_len={seq}",
         *LLM,
         f"model.scan_layers={str(scan).lower()}",
-        *(LORA if mode == "lora" else []),
+        *MODE_ARGS[mode],
     ]
     return Row(f"{model}-{mode}-{seq}", label, tuple(args))
+
+
+def _largest_row(model: str, params: str, mode: str, seq: int, tpu: str, max_batch: bool = False) -> Row:
+    scan = not model.startswith(UNSCANNED)
+    return _llm_row(model, mode, seq, scan, max_batch, (model, TRAINING[mode], f"{seq:,}", params), tpu)
 
 
 TABLES = {
@@ -130,6 +189,28 @@ TABLES = {
         step_cell,
         "each row one `xlafit check llm --tpu colab,kaggle --json ...`, in the row's `.cmd`",
     ),
+    # The largest models each TPU trains: full, LoRA on a bf16 base, LoRA on an NF4 base;
+    # each row compiled only for the TPUs where its answer is in doubt.
+    "llm-largest": Table(
+        "docs/guides/llm.md",
+        ("model", "training", "tokens", "parameters", "v5e-1 (Colab)", "v5e-8 (Kaggle), FSDP 8", "v6e-8, FSDP 8"),
+        ("---", "---", "---:", "---:", "---", "---", "---"),
+        (
+            _largest_row("llama-3.1-8b", "8.0B", "lora_nf4", 2048, "colab", max_batch=True),
+            _largest_row("gemma-3-12b", "11.8B", "lora_nf4", 2048, "colab"),
+            _largest_row("qwen3-14b", "14.8B", "lora_nf4", 2048, "colab"),
+            _largest_row("llama-3.1-70b", "70.6B", "lora_nf4", 2048, "kaggle,v6e-8"),
+            _largest_row("gemma-3-27b", "27.0B", "lora", 4096, "kaggle,v6e-8"),
+            _largest_row("qwen3-32b", "32.8B", "lora", 4096, "kaggle,v6e-8"),
+            _largest_row("llama-3.1-8b", "8.0B", "lora", 8192, "kaggle", max_batch=True),
+            _largest_row("llama-3.1-8b", "8.0B", "full", 2048, "v6e-8"),
+            _largest_row("qwen3-14b", "14.8B", "full", 2048, "v6e-8"),
+        ),
+        largest_cell,
+        "each row one `xlafit check llm --tpu TARGETS --json ...`, in the row's `.cmd`",
+        targets=("colab", "kaggle", "v6e-8"),
+        summary=largest_summary,
+    ),
 }
 
 
@@ -154,9 +235,19 @@ def render(name: str, folder: Path) -> str:
     """The table ``name`` from the JSON under ``folder`` (relative to the repository root)."""
     table = TABLES[name]
     lines = [f"| {' | '.join(table.header)} |", f"|{'|'.join(table.align)}|"]
+    reports = []
     for row in table.rows:
-        targets = report_of(row_file(ROOT / folder, name, row))["tpu"]
-        lines.append(f"| {' | '.join([*row.label, *(table.cell(t) for t in targets)])} |")
+        report = report_of(row_file(ROOT / folder, name, row))
+        reports.append((row, report))
+        targets = report["tpu"]
+        if table.targets is not None:  # a column per target, whether the row compiled it or not
+            by_name = {t["target"].partition(" = ")[0]: t for t in targets}
+            cells = [table.cell(by_name[n]) if n in by_name else "not compiled" for n in table.targets]
+        else:
+            cells = [table.cell(t) for t in targets]
+        lines.append(f"| {' | '.join([*row.label, *cells])} |")
+    if table.summary is not None:
+        lines.extend(table.summary(reports))
     if (ROOT / folder / name).is_dir():
         made = f"Made by `python {SCRIPT} run {name} --out {folder}` ({table.note}); its JSON is in `{folder}/{name}/`."
     else:  # a folder of an earlier script that ran the same commands
