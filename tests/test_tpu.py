@@ -31,6 +31,7 @@ from xlafit.config import TrainerConfig
 from xlafit.errors import ConfigError, XlafitError
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 from xlafit.platform import hardware as tpu
+from xlafit.platform import slices
 from xlafit.predict import kernels
 
 CASES = Path(__file__).parent / "check_cases"
@@ -97,7 +98,7 @@ def test_the_report_of_an_alias_says_what_it_stands_for(capsys):
 
 
 def test_missing_libtpu_is_one_line_with_the_install_command(monkeypatch, capsys):
-    monkeypatch.setattr(tpu, "LIBTPU_MODULE", "libtpu_that_is_not_installed")
+    monkeypatch.setattr(slices, "LIBTPU_MODULE", "libtpu_that_is_not_installed")
     assert main(["check", str(CASES / "clean.py"), "--tpu", "v5e-8"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
