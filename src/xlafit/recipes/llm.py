@@ -46,9 +46,12 @@ _OPTIONAL = ("max_position_embeddings", "head_dim", "vocab_size")  # sizes that 
 
 @dataclasses.dataclass
 class LlmModelConfig:
-    # Llama's sizes by name (tiny: 2 layers of 64 for tests and the demo; llama-3.2-1b and
-    # llama-3.1-8b: Meta's), or custom: the sizes below
-    preset: Literal["tiny", "llama-3.2-1b", "llama-3.1-8b", "gemma-3-1b", "qwen3-1.7b", "custom"] = "tiny"
+    # Llama's sizes by name (tiny: 2 layers of 64 for tests and the demo; the others the
+    # released models' shapes, models/llama_config.py: PRESETS), or custom: the sizes below
+    preset: Literal[
+        "tiny", "llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b", "gemma-3-1b", "gemma-3-12b", "gemma-3-27b",
+        "qwen3-1.7b", "qwen3-14b", "qwen3-32b", "custom",
+    ] = "tiny"  # fmt: skip
     num_layers: int | None = None  # null: the preset's
     hidden_size: int | None = None  # null: the preset's
     num_heads: int | None = None  # query heads; null: the preset's
