@@ -97,15 +97,25 @@ def step_cell(t: dict) -> str:
 def largest_cell(t: dict) -> str:
     """HBM per core at one sequence per core; the largest batch (--max-batch) or the step model's
     prediction with its band; where it does not fit, the lever that makes it fit."""
+    fixes = [lv for lv in t.get("lever_fits", []) if lv["fits"]]
+    fix = f"; with `{' '.join(fixes[0]['overrides'])}` {lever_speed(fixes[0])}" if fixes else ""
     if not t["fits"]:
         state = gib(t["memory"].get("state")).removesuffix(" GiB")
-        lever = next((lv for lv in t.get("levers", []) if lv.get("fits")), None)
-        fix = f"; fits with `{lever['override']}`" if lever else ""
         return f"no: {gib(t['memory'].get('total'))} at 1 (state {state}){fix}"
     if t.get("max_batch") is not None:
-        return max_batch_cell(t)
-    band = f" ±{t['band_median']:.0%}" if t.get("band_median") is not None else " (not validated)"
-    return f"fits: {gib(t['memory'].get('total'))} at 1; {t['tokens_per_s']:,.0f} tokens/s{band}"
+        return max_batch_cell(t) + (f"; {fixes[0]['per_device_batch']}{fix}" if fixes else "")
+    return f"fits: {gib(t['memory'].get('total'))} at 1; {tokens(t)}"
+
+
+def tokens(t: dict) -> str:
+    """The step model's tokens/s, with its median error or "not validated" (a prediction)."""
+    band = f" ±{t['band_median']:.0%}" if t.get("band_median") is not None else ", not validated"
+    return f"{t['tokens_per_s']:,.0f} tokens/s predicted{band}"
+
+
+def lever_speed(lv: dict) -> str:
+    """A lever's compile that fits: its memory per core and predicted tokens/s."""
+    return f"fits, {gib(lv['memory'])}, {tokens(lv)}" if lv.get("tokens_per_s") else f"fits, {gib(lv['memory'])}"
 
 
 def largest_summary(reports: list[tuple[Row, dict]]) -> list[str]:

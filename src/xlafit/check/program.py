@@ -27,6 +27,22 @@ def progress(text: str, end: str = "\n") -> None:
     print(text, end=end, file=sys.stderr, flush=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class FitLever:
+    """A setting that may make a run fit, which ``check --tpu`` compiles to find out.
+
+    Attributes:
+        name: what it does, in a few words (``a 4-bit (NF4) frozen base``).
+        overrides: the dotted settings that turn it on (``lora.base_dtype=nf4``).
+        shrinks: ``state`` (parameters, optimizer state) or ``activations``: a lever of the
+            activations cannot help a run whose state alone is over the core's memory.
+    """
+
+    name: str
+    overrides: tuple[str, ...]
+    shrinks: str = "activations"
+
+
 @dataclasses.dataclass
 class Program:
     """What to compile: one run's model, loss, optimizer, loop settings and example layout.
@@ -71,6 +87,10 @@ class Program:
     model_levers: tuple[tuple[str, str], ...] = ()
     # What the optimizer trains (LoRA: the adapters); the rest is frozen state.
     trainable: Any = nnx.Param
+    # Levers the check compiles where the run does not fit (a recipe's: its settings), and
+    # the same program with more settings (None: a user's file, which cannot be rebuilt).
+    fit_levers: tuple[FitLever, ...] = ()
+    with_overrides: Callable[[tuple[str, ...]], Program] | None = None
     # The trainer settings a converted model refuses (a torch module or a Keras model trains
     # data-parallel only): xlafit.train.adapter.Adapted.check, called with each layout.
     settings_check: Callable[[Strategy, TrainerConfig], None] | None = None
@@ -133,6 +153,30 @@ def decide(train_fits: bool | None, evaluation: EvalFit | None) -> bool | None:
 
 
 @dataclasses.dataclass
+class LeverFit:
+    """One lever's compile (:class:`FitLever`): the train step at ``per_device_batch`` per core
+    with ``overrides``, whether it fits, its memory per core and the step model's prediction.
+
+    ``memory`` is the compiler's peak where it fits (else the sum of its buffers), or what
+    the refusal asked for; ``band`` says the prediction's measured error, or that it was
+    not validated for such a program (``band_median`` None)."""
+
+    name: str
+    overrides: list[str]
+    per_device_batch: int
+    fits: bool | None = None  # None: not compiled (``message`` says why)
+    memory: int | None = None
+    step_s: float | None = None
+    predicted: bool = False  # step_s is the step model's (else the roofline estimate's)
+    band: str | None = None
+    band_median: float | None = None
+    tokens_per_s: float | None = None
+    examples_per_s: float | None = None
+    compile_s: float = 0.0
+    message: str | None = None
+
+
+@dataclasses.dataclass
 class TargetReport:
     """The answer for one TPU target (see the module docstring).
 
@@ -177,6 +221,9 @@ class TargetReport:
     max_batch_limit: int | None = None  # the search's upper end: max_batch == it means "at least"
     probes: list[Probe] = dataclasses.field(default_factory=list)
     levers: list[str] = dataclasses.field(default_factory=list)  # when it does not fit: what would help
+    # The levers compiled (xlafit.check.lever_fits): where the run does not fit, at its batch;
+    # under --max-batch, at the smallest batch refused
+    lever_fits: list[LeverFit] = dataclasses.field(default_factory=list)
 
     @property
     def fits(self) -> bool | None:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from xlafit.check.program import Program
+from xlafit.check.program import FitLever, Program
 from xlafit.check.report import Report
 from xlafit.check.step import check_step, check_tpu, example_layout, positive
 from xlafit.data.dataset import as_dataset, num_shapes
@@ -21,10 +21,19 @@ from xlafit.parallel.cluster import start_backends
 from xlafit.parallel.sharding import parse_rules
 from xlafit.platform.hardware import parse_targets
 from xlafit.recipes import get_recipe, load_config
+from xlafit.recipes.llm import LlmModelConfig
 from xlafit.run import with_lora
 from xlafit.train.optim import make_optimizer
 
-__all__ = ["SHAPING", "assumed_settings", "check_command", "check_recipe", "memory_levers", "recipe_program"]
+__all__ = [
+    "SHAPING",
+    "assumed_settings",
+    "check_command",
+    "check_recipe",
+    "fit_levers_of",
+    "memory_levers",
+    "recipe_program",
+]
 
 
 def recipe_program(
@@ -71,6 +80,10 @@ def recipe_program(
         rules=parse_rules(cfg.mesh.rules),
         model_levers=memory_levers(cfg.model),
         trainable=ADAPTER if cfg.lora.rank else nnx.Param,
+        fit_levers=fit_levers_of(cfg),
+        with_overrides=lambda more: recipe_program(name, [*overrides, *more], preset, per_device_batch, global_batch)[
+            0
+        ],
     )
     return program, cfg, None if placeholder is not None else len(train)
 
@@ -179,4 +192,29 @@ def memory_levers(model: Any) -> tuple[tuple[str, str], ...]:
         found.append(("activations", "bf16 compute: model.compute_dtype=bfloat16 (parameters stay float32)"))
     if getattr(model, "logits_chunk", None) in (0, "auto"):  # auto keeps logits under 1/8 of memory whole
         found.append(("activations", "the loss's logits a chunk at a time: model.logits_chunk=1024 (recomputed)"))
+    return tuple(found)
+
+
+def fit_levers_of(cfg: Any) -> tuple[FitLever, ...]:
+    """The levers ``check --tpu`` compiles for a recipe's run that does not fit, the ones its
+    settings leave room for, most likely to help first: a 4-bit (NF4) frozen base (LoRA runs
+    only: a quantized base cannot be trained), the loss's logits in chunks, each decoder
+    layer's input in host memory (the llm recipe's ``model.remat=offload``), full remat.
+
+    Example:
+        >>> [lv.overrides for lv in fit_levers_of(load_config("llm", ["lora.rank=8"]))]
+        [('lora.base_dtype=nf4',), ('model.logits_chunk=1024',), ('model.remat=offload',), ('model.remat=full',)]
+    """
+    found = []
+    lora = getattr(cfg, "lora", None)
+    if lora is not None and lora.rank and lora.base_dtype in ("float32", "bfloat16"):
+        found.append(FitLever("a 4-bit (NF4) frozen base", ("lora.base_dtype=nf4",), "state"))
+    model = cfg.model
+    if getattr(model, "logits_chunk", None) in (0, "auto"):  # auto keeps logits under 1/8 of memory whole
+        found.append(FitLever("the logits in chunks", ("model.logits_chunk=1024",)))
+    remat = getattr(model, "remat", None)
+    if isinstance(model, LlmModelConfig) and remat != "offload":
+        found.append(FitLever("layer inputs in host memory", ("model.remat=offload",)))
+    if remat is not None and remat not in ("full", "offload"):
+        found.append(FitLever("full remat", ("model.remat=full",)))
     return tuple(found)

@@ -13,6 +13,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from xlafit.check.lever_fits import fit_levers
 from xlafit.check.program import Program
 from xlafit.check.report import Report
 from xlafit.check.rules import Finding, classify
@@ -226,6 +227,8 @@ def check_tpu(
     parsed = parse_targets(targets)  # an unknown name fails before any compile
     _check_lengths(report, lengths, max_shapes)
     report.tpu = check_targets(parsed, program, max_batch)
+    for t, each in zip(report.tpu, parsed, strict=True):  # what would make it fit, compiled
+        fit_levers(t, each, program, max_batch)
     for t in report.tpu:
         # A rule violation, or any failure while tracing, fails every target alike: reported once.
         if t.error is not None and (t.error.rule in (1, 2) or t.error.kind == TRACE_FAILURE):

@@ -364,7 +364,7 @@ def check_target(target: tpu.Target, program: Program, max_batch: bool | int = F
         if program.eval_global_batch:
             per_core = -(-program.eval_global_batch // n)  # the last batch padded
             evaluation = pool.submit(eval_fit, steps, per_core, report.capacity)
-        _train_report(report, steps, target)
+        train_report(report, steps, target)
         if evaluation is not None and report.error is None:
             report.eval = evaluation.result()
         if max_batch and report.error is None:
@@ -381,7 +381,7 @@ def check_target(target: tpu.Target, program: Program, max_batch: bool | int = F
     return report
 
 
-def _train_report(report: TargetReport, steps: Steps, target: tpu.Target) -> None:
+def train_report(report: TargetReport, steps: Steps, target: tpu.Target) -> None:
     """The train step's verdict, memory, FLOPs and roofline into ``report``."""
     program, per_device, k = steps.program, report.per_device_batch, report.steps_per_call
     progress(f"{target.name}: compiling the train step, {per_device} per core, {k} step(s) per call ...")

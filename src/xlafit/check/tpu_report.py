@@ -58,6 +58,7 @@ def format_report(r: TargetReport) -> str:
         lines.append(f"  compiled in {r.compile_s:.1f} s on this machine")
     if r.probes:
         lines.append(_probe_line(r))
+    lines += lever_lines(r)
     return "\n".join(lines)
 
 
@@ -97,6 +98,41 @@ def _fit_lines(r: TargetReport) -> list[str]:
             f"  ✓ train step fits, with nothing to spare: the compiler placed it within {gib(r.capacity)}; the parts "
             "above add up to more because buffers that are never live at the same time are each counted"
         )
+    return lines
+
+
+def lever_lines(r: TargetReport) -> list[str]:
+    """The levers compiled (:mod:`xlafit.check.lever_fits`): one line each, with its memory and,
+    where it fits, the predicted step and its error band (or "not validated")."""
+    if not r.lever_fits:
+        return []
+    batch = r.lever_fits[0].per_device_batch
+    where = "the run's batch" if not r.train_fits else "the smallest batch that does not fit"
+    n = sum(1 for f in r.lever_fits if f.fits is not None)
+    lines = [f"  with each lever, compiled (train step, {batch} per core: {where}; {n} compile(s)):"]
+    for f in r.lever_fits:
+        setting = " ".join(f.overrides)
+        if f.fits:
+            step = "-"
+            if f.step_s:
+                band = (
+                    f" ±{f.band_median:.0%}"
+                    if f.band_median is not None
+                    else " (not validated)"
+                    if f.predicted
+                    else " (roofline)"
+                )
+                tokens = f", {rate(f.tokens_per_s, 'tokens/s')}" if f.tokens_per_s else ""
+                step = f"{seconds(f.step_s)}{band}{tokens}"
+            lines.append(f"    ✓ {setting} ({f.name}): fits, {gib(f.memory or 0)} per core; step {step}")
+        elif f.fits is False:
+            need = f" needs {gib(f.memory)}" if f.memory else ""
+            why = f": {f.message}" if f.message and "state alone" in f.message else ""
+            lines.append(f"    ✗ {setting} ({f.name}): does not fit,{need}{why}")
+        else:
+            lines.append(f"    - {setting} ({f.name}): not compiled: {f.message}")
+    if not any(f.fits for f in r.lever_fits):
+        lines.append("    none of these fits: a smaller batch, a larger slice or a smaller model (the levers above)")
     return lines
 
 

@@ -25,8 +25,13 @@ from xlafit.errors import ConfigError
 from xlafit.parallel.sharding import DEFAULT_RULES, divisors, tree_specs
 
 # The remat policies a plan tries where the model has model.remat, cheapest first: none keeps
-# every activation, dots_saveable recomputes the elementwise work only, full keeps one per layer.
+# every activation, dots_saveable recomputes the elementwise work only, full keeps one per layer;
+# offload (the llm recipe's) keeps that one in the host's memory, copied over PCIe.
 REMAT_LADDER = ("none", "dots_saveable", "full")
+OFFLOAD_LADDER = (*REMAT_LADDER, "offload")
+# Memory levers (Candidate.memory) are compiled on this many refused layouts, those closest
+# to fitting: each is one compile per layout, and a far refusal is rarely saved by one.
+MEMORY_LAYOUTS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +46,9 @@ class Candidate:
     # Settings that change the numerics (bf16 compute, bf16 optimizer moments): dotted key, value.
     numerics: tuple[tuple[str, str], ...] = ()
     scan: bool | None = None  # model.scan_layers; None: the model has no such setting
+    # Settings that shrink memory beyond remat (a LoRA run's 4-bit base, the logits in chunks):
+    # dotted key, value.
+    memory: tuple[tuple[str, str], ...] = ()
 
     @property
     def shards(self) -> int:
@@ -67,6 +75,7 @@ class Candidate:
             parts.append(f"accumulate {self.accumulate}")
         if self.scan:
             parts.append("scan layers")
+        parts += [f"{key.rsplit('.', 1)[-1]}={value}" for key, value in self.memory]
         parts += [f"{key.rsplit('.', 1)[-1]}={value} (numerics)" for key, value in self.numerics]
         return ", ".join(parts) or "-"
 
@@ -81,8 +90,39 @@ class Candidate:
             out["model.remat"] = self.remat
         if self.scan is not None:
             out["model.scan_layers"] = self.scan
+        out.update(self.memory)
         out.update(self.numerics)
         return out
+
+
+def memory_candidates(
+    refused: list[Candidate],
+    memory: tuple[tuple[str, str], ...],
+    ladder: tuple[str, ...] = REMAT_LADDER,
+    fitted: list[Candidate] | None = None,
+) -> list[Candidate]:
+    """Each memory lever alone on the first :data:`MEMORY_LAYOUTS` of ``refused`` (the layouts
+    closest to fitting first); given what fits after those (``fitted``), all the levers
+    together with the costliest remat of ``ladder`` on the first, where none of those layouts
+    fits with any lever.
+
+    Example:
+        >>> a, b = Candidate("v5e-8", (8, 1, 1), 1, remat="full"), Candidate("v5e-8", (1, 8, 1), 1, remat="full")
+        >>> chunks = (("model.logits_chunk", "1024"),)
+        >>> [c.levers for c in memory_candidates([a, b], chunks)]
+        ['remat full, logits_chunk=1024', 'remat full, logits_chunk=1024']
+        >>> [c.levers for c in memory_candidates([a, b], chunks, OFFLOAD_LADDER, fitted=[])]
+        ['remat offload, logits_chunk=1024']
+    """
+    if not memory or not refused:
+        return []
+    closest = refused[:MEMORY_LAYOUTS]
+    if fitted is None:
+        return [dataclasses.replace(c, memory=(m,)) for c in closest for m in memory]
+    if any(f.target == c.target and f.mesh == c.mesh for c in closest for f in fitted):
+        return []
+    c = closest[0]
+    return [dataclasses.replace(c, memory=memory, remat=ladder[-1] if c.remat is not None else None)]
 
 
 def meshes(devices: int) -> list[tuple[int, int, int]]:

@@ -15,7 +15,7 @@ from xlafit.check.program import Program
 from xlafit.errors import ConfigError
 from xlafit.overrides import load_yaml
 from xlafit.parallel.cluster import start_backends
-from xlafit.plan.candidates import Candidate
+from xlafit.plan.candidates import OFFLOAD_LADDER, REMAT_LADDER, Candidate
 from xlafit.plan.evaluation import check_answer_eval
 from xlafit.plan.result import Plan
 from xlafit.plan.search import Planner, Settings
@@ -163,26 +163,32 @@ def recipe_planner(
     programs are the recipe's with their remat, scanning and numerics as overrides."""
     base, cfg, train_examples = recipe_program(name, overrides, preset)
     remat, scan = getattr(cfg.model, "remat", None), getattr(cfg.model, "scan_layers", None)
-    cache: dict[tuple, Program] = {(remat, (), scan, None): base}
+    cache: dict[tuple, Program] = {(remat, (), scan, (), None): base}
     # The preset's trainer.invariant_chunks holds for pure data parallelism only: it gives way
     # to a candidate that splits the model, as it does to the user's mesh (config.load);
     # asked for by the user, it stays, and such candidates say why they cannot run.
     asked = any(o.split("=", 1)[0].strip() == "trainer.invariant_chunks" for o in overrides)
 
     def maker(c: Candidate, layers: int | None) -> Program:
-        key = (c.remat, c.numerics, c.scan, layers)
+        key = (c.remat, c.numerics, c.scan, c.memory, layers)
         if key not in cache:
             keys = [f"model.remat={c.remat}"] if c.remat is not None else []
             keys += [f"model.scan_layers={str(c.scan).lower()}"] if c.scan is not None else []
             keys += [f"model.num_layers={layers}"] if layers is not None else []
-            cache[key] = recipe_program(name, [*overrides, *keys, *(f"{k}={v}" for k, v in c.numerics)], preset)[0]
+            keys += [f"{k}={v}" for k, v in (*c.memory, *c.numerics)]
+            cache[key] = recipe_program(name, [*overrides, *keys], preset)[0]
         config = dataclasses.replace(cache[key].config, accumulate_steps=c.accumulate)
         if not asked and (c.mesh[1] > 1 or c.mesh[2] > 1):
             config = dataclasses.replace(config, invariant_chunks=None)
         return dataclasses.replace(cache[key], mesh=c.mesh, config=config)
 
     layers = getattr(getattr(base.model, "cfg", None), "num_layers", 0) if scan is not None else 0
-    return Planner(maker, base, settings, remat, _numerics(cfg), scan, layers), cfg, train_examples
+    # The levers check --tpu compiles (fit_levers_of), as a plan tries them: remat on its ladder.
+    levers = [lv.overrides[0].split("=", 1) for lv in base.fit_levers if len(lv.overrides) == 1]
+    memory = tuple((k, v) for k, v in levers if k != "model.remat")
+    ladder = OFFLOAD_LADDER if ["model.remat", "offload"] in levers or remat == "offload" else REMAT_LADDER
+    planner = Planner(maker, base, settings, remat, _numerics(cfg), scan, layers, memory, ladder)
+    return planner, cfg, train_examples
 
 
 def plan_file(

@@ -7,6 +7,7 @@ from typing import Any
 
 from xlafit.check.speed import above_prediction
 from xlafit.check.tpu_report import gib, rate
+from xlafit.plan.candidates import MEMORY_LAYOUTS
 from xlafit.plan.result import Plan
 from xlafit.plan.search import Outcome, Prediction
 
@@ -120,6 +121,12 @@ def _compiles_line(plan: Plan) -> str:
     (and of a faster candidate whose eval step fit at none of the batches compiled)."""
     n = len(plan.outcomes)
     text = f"{n} compile{'' if n == 1 else 's'} of train steps"
+    memory = sum(1 for o in plan.outcomes if o.candidate.memory)
+    if memory:
+        text += (
+            f", {memory} of them with memory levers (each alone on the {MEMORY_LAYOUTS} refused layouts closest to "
+            "fitting, all together on the closest where none of those fit)"
+        )
     evals = [o for o in plan.outcomes if o.eval_batch is not None]
     evals.sort(key=lambda o: -o.prediction.examples_per_s if o.prediction else 0.0)  # compiled fastest first
     if evals:

@@ -9,8 +9,12 @@ For each target, in order of cost:
    as the compiler's shortfall suggests; the global batch stays), the model's
    rematerialisation policies (cheapest first) and, where the model can scan its layers,
    scanned layers with full remat (MaxText's default), each one compile; the first that
-   fits is the layout's cheapest way in. A refusal is compiled once more with the compiler's dump,
-   to name the largest buffers at its peak.
+   fits is the layout's cheapest way in. Then the memory levers the run leaves room for (a
+   LoRA run's 4-bit base, the logits in chunks: ``memory``), each alone, on the
+   :data:`~xlafit.plan.candidates.MEMORY_LAYOUTS` refused layouts closest to fitting, and all
+   of them together with the costliest remat on the closest one where none of those fits: at
+   most ``MEMORY_LAYOUTS x levers + 1`` compiles a target. A refusal is compiled once more with
+   the compiler's dump, to name the largest buffers at its peak.
 3. **Batch** (only when asked: ``search_batch``, which changes the run's global batch and
    so what its learning rate was tuned for): for the ``top`` layouts by predicted
    throughput, side by side, the largest per-core batch that fits (the ``--max-batch``
@@ -59,7 +63,7 @@ from xlafit.check.tpu import (
 )
 from xlafit.errors import XlafitError
 from xlafit.plan.buffers import Buffer, largest_buffers
-from xlafit.plan.candidates import REMAT_LADDER, Candidate, mesh_refusal, meshes, params_of
+from xlafit.plan.candidates import REMAT_LADDER, Candidate, memory_candidates, mesh_refusal, meshes, params_of
 from xlafit.platform.hardware import Target
 from xlafit.predict.collectives import CommReport, collectives, loop_trips, summarize
 from xlafit.predict.hlo import kernel_flops, loop_flops
@@ -178,12 +182,17 @@ class Planner:
         numerics: tuple[tuple[str, str], ...] = (),
         scan: bool | None = None,
         layers: int = 0,
+        memory: tuple[tuple[str, str], ...] = (),
+        remat_ladder: tuple[str, ...] = REMAT_LADDER,
     ) -> None:
         """``base``: the run as configured; ``remat``: its ``model.remat`` (None: the model has
-        none); ``numerics``: the settings that would change its numerics, each a lever with
+        none) and ``remat_ladder`` the policies its model takes, cheapest first; ``numerics``:
+        the settings that would change its numerics, each a lever with
         ``settings.allow_numerics``; ``scan``: its ``model.scan_layers`` (None: the model has
-        none) and ``layers`` the model's number of layers."""
+        none) and ``layers`` the model's number of layers; ``memory``: the memory levers
+        (dotted key, value) the run leaves room for."""
         self.maker, self.base, self.settings, self.remat = maker, base, settings, remat
+        self.memory, self.remat_ladder = memory, remat_ladder
         self.numerics = numerics if settings.allow_numerics else ()
         self.scan, self.layers = (scan, layers) if layers >= 2 else (None, 0)
         self._programs: dict[tuple, Program] = {}
@@ -195,7 +204,7 @@ class Planner:
 
     def steps(self, target: Target, c: Candidate, layers: int | None = None) -> Steps:
         """The compiler of ``c``'s program for ``target`` (``layers``: of that many layers)."""
-        key = (target.name, c.mesh, c.remat, c.accumulate, c.numerics, c.scan, layers)
+        key = (target.name, c.mesh, c.remat, c.accumulate, c.numerics, c.scan, c.memory, layers)
         if key not in self._steps:
             pkey = key[1:]
             if pkey not in self._programs:
@@ -386,6 +395,8 @@ class Planner:
             first = self._map((target, c, "layout") for c in layouts)
             refused = [o for o in first if o.fits is False]
             self._map(job for o in refused for job in self._lever_jobs(target, o))
+            self._map(self._memory_jobs(target, refused))
+            self._map(self._memory_jobs(target, refused, together=True))  # where no lever alone fits
             for o in refused:
                 self.explain(target, o)
             if self.numerics:  # the fastest layout with each setting that changes the numerics
@@ -437,12 +448,22 @@ class Planner:
             if ratio > 0 and c.per_device_batch % k == 0:
                 jobs.append((target, dataclasses.replace(c, accumulate=k), "lever"))
         if c.remat is not None:
-            for policy in REMAT_LADDER[REMAT_LADDER.index(c.remat) + 1 :] if c.remat in REMAT_LADDER else ("full",):
+            ladder = self.remat_ladder
+            for policy in ladder[ladder.index(c.remat) + 1 :] if c.remat in ladder else ("full",):
                 jobs.append((target, dataclasses.replace(c, remat=policy), "lever"))
         if self.scan is False:
             jobs.append((target, dataclasses.replace(c, scan=True, remat="full" if c.remat else None), "lever"))
         jobs += [(target, dataclasses.replace(c, numerics=(n,)), "lever") for n in self.numerics]
         return jobs
+
+    def _memory_jobs(
+        self, target: Target, refused: list[Outcome], together: bool = False
+    ) -> list[tuple[Target, Candidate, str]]:
+        """:func:`~xlafit.plan.candidates.memory_candidates` of the refused layouts, those the
+        compiler asked least of first: each lever alone, or (``together``) all at once."""
+        closest = [o.candidate for o in sorted(refused, key=lambda o: o.needed or math.inf)]
+        fitted = [o.candidate for o in self.outcomes.values() if o.fits] if together else None
+        return [(target, c, "lever") for c in memory_candidates(closest, self.memory, self.remat_ladder, fitted)]
 
     def _largest(self, target: Target) -> None:
         """Stage 3: for the best layouts, side by side, the per-core batch that runs fastest:

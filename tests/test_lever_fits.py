@@ -1,0 +1,119 @@
+"""`xlafit check --tpu` compiles the levers that would make a run fit (xlafit.check.lever_fits),
+with the real TPU compiler (libtpu) on this CPU: tiny programs made not to fit by their
+logits (a 128,256-token vocabulary at 1,024 sequences a core) or by their frozen base."""
+
+import dataclasses
+import json
+
+import pytest
+
+from helpers import SMALL_LLM
+from xlafit.check.lever_fits import fit_levers
+from xlafit.check.program import FitLever, Probe
+from xlafit.check.recipes import fit_levers_of, recipe_program
+from xlafit.check.tpu import check_target
+from xlafit.check.tpu_report import format_report, to_json
+from xlafit.plan import format_plan, plan_json, plan_recipe
+from xlafit.platform import hardware as tpu
+from xlafit.recipes import load_config
+
+V5E = tpu.parse_target("v5e-1")
+# 1,024 rows of 64 tokens a core: the whole float32 logits are 33 GB, twice a v5e core.
+LOGITS_OVER = [
+    *(o for o in SMALL_LLM if not o.startswith("data.per_device_batch")),
+    "data.per_device_batch=1024",
+    "model.remat=full",
+]
+
+
+def _program(overrides):
+    program, _, _ = recipe_program("llm", overrides)
+    return dataclasses.replace(program, eval_global_batch=None)  # the train step's levers only
+
+
+def test_the_levers_a_run_is_offered_follow_its_settings():
+    assert [lv.overrides for lv in fit_levers_of(load_config("llm", []))] == [
+        ("model.logits_chunk=1024",),
+        ("model.remat=offload",),
+        ("model.remat=full",),
+    ]
+    lora = fit_levers_of(load_config("llm", ["lora.rank=8", "lora.base_dtype=bfloat16", "model.remat=full"]))
+    assert lora[0] == FitLever("a 4-bit (NF4) frozen base", ("lora.base_dtype=nf4",), "state")
+    # A quantized base only for LoRA (full fine-tuning cannot train a quantized weight), and
+    # nothing a run already has.
+    done = load_config("llm", ["lora.rank=8", "lora.base_dtype=nf4", "model.remat=offload", "model.logits_chunk=512"])
+    assert fit_levers_of(done) == ()
+
+
+def test_a_run_whose_logits_do_not_fit_is_told_which_lever_fits_and_how_fast():
+    program = _program(LOGITS_OVER)
+    report = check_target(V5E, program)
+    assert report.train_fits is False
+    fit_levers(report, V5E, program)
+    by_setting = {" ".join(f.overrides): f for f in report.lever_fits}
+    assert list(by_setting) == ["model.logits_chunk=1024", "model.remat=offload"]  # no quantized base: no LoRA
+    chunks, offload = by_setting.values()
+    assert chunks.fits and chunks.per_device_batch == 1024 and chunks.memory < report.capacity
+    assert chunks.step_s > 0 and chunks.tokens_per_s == pytest.approx(1024 * 64 / chunks.step_s, rel=0.02)
+    assert chunks.predicted and chunks.band_median is None  # a 1-layer LoRA step: outside the measured band
+    assert offload.fits is False and offload.memory > report.capacity  # the logits, not the layer inputs
+    text = format_report(report)
+    assert "with each lever, compiled (train step, 1024 per core: the run's batch; 2 compile(s)):" in text
+    line = next(x for x in text.splitlines() if "model.logits_chunk=1024" in x and "✓" in x)
+    assert "(the logits in chunks): fits" in line and "(not validated)" in line and "tokens/s" in line
+    assert "✗ model.remat=offload (layer inputs in host memory): does not fit, needs" in text
+    out = json.loads(json.dumps(to_json(report), default=str))
+    assert [f["fits"] for f in out["lever_fits"]] == [True, False]
+
+
+def test_under_max_batch_the_levers_are_compiled_at_the_smallest_batch_refused():
+    """--max-batch asked for more than fits: the levers say which makes the next batch fit."""
+    chunk = FitLever("the logits in chunks", ("model.logits_chunk=1024",))
+    program = dataclasses.replace(_program([*LOGITS_OVER[:-2], "data.per_device_batch=8"]), fit_levers=(chunk,))
+    report = check_target(V5E, program)
+    assert report.train_fits
+    report.probes = [Probe(256, True, 0.0), Probe(1024, False, 0.0), Probe(4096, False, 0.0)]
+    fit_levers(report, V5E, program, max_batch=True)
+    (found,) = report.lever_fits
+    assert found.per_device_batch == 1024 and found.fits
+    assert "1024 per core: the smallest batch that does not fit" in format_report(report)
+    report.lever_fits, report.probes = [], [Probe(256, True, 0.0)]  # nothing refused: nothing to try
+    fit_levers(report, V5E, program, max_batch=True)
+    assert report.lever_fits == []
+
+
+def test_a_lora_run_whose_bf16_base_is_over_the_core_is_told_a_4_bit_base_fits():
+    """Five scanned layers of 8,192 x 65,536 MLPs: a 19.6 GB bfloat16 base, over a v5e core
+    before any activation; the state's lever alone is compiled (the activations' cannot help),
+    and with an NF4 base the run fits."""
+    big = [
+        "model.preset=llama-3.2-1b", "model.num_layers=5", "model.hidden_size=8192", "model.intermediate_size=65536",
+        "model.num_heads=64", "model.num_kv_heads=8", "model.head_dim=128", "model.scan_layers=true",
+        "model.compute_dtype=bfloat16", "data.seq_len=64", "data.per_device_batch=1", "data.global_batch=null",
+        "lora.rank=4", "lora.base_dtype=bfloat16",
+    ]  # fmt: skip
+    program = _program(big)
+    report = check_target(V5E, program)
+    assert report.train_fits is False and report.memory["state"] > report.capacity
+    fit_levers(report, V5E, program)
+    (nf4,) = report.lever_fits
+    assert nf4.overrides == ["lora.base_dtype=nf4"] and nf4.fits
+    assert nf4.memory < report.capacity < report.memory["state"]
+
+
+def test_a_plan_ranks_the_memory_levers_with_the_layouts():
+    """One v5e core, one layout, refused for its logits: remat's next rung (offload) is tried
+    and does not fit; the logits in chunks does, and is ranked with what else fits (gradient
+    accumulation), with its command. One lever alone fits: all together is not compiled."""
+    plan = plan_recipe("llm", [*LOGITS_OVER, "data.eval_global_batch=8"], "v5e-1")
+    by_levers = {o.candidate.levers: o for o in plan.outcomes}
+    assert by_levers["remat full"].fits is False and by_levers["remat offload"].fits is False
+    chunked = by_levers["remat full, logits_chunk=1024"]
+    assert chunked.fits and chunked.prediction is not None and chunked in plan.fitting()
+    assert [o.candidate.memory for o in plan.outcomes if o.candidate.memory] == [(("model.logits_chunk", "1024"),)]
+    assert "model.logits_chunk=1024" in plan.command_line(chunked)
+    text = format_plan(plan)
+    n = len(plan.outcomes)
+    assert f"{n} compiles of train steps, 1 of them with memory levers (each alone on the 2 refused layouts" in text
+    outcomes = json.loads(json.dumps(plan_json(plan), default=str))["outcomes"]
+    assert [["model.logits_chunk", "1024"]] in [x["candidate"]["memory"] for x in outcomes if x["fits"]]
