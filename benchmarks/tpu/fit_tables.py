@@ -136,7 +136,7 @@ def largest_summary(reports: list[tuple[Row, dict]]) -> list[str]:
         f"|---|{'|'.join('---' for _ in targets)}|",
     ]
     for mode in TRAINING.values():
-        cells = [best.get((mode, t), (0.0, "none of these rows"))[1] for t in targets]
+        cells = [best.get((mode, t), (0.0, "none of the rows compiled"))[1] for t in targets]
         lines.append(f"| {mode} | {' | '.join(cells)} |")
     return lines
 
@@ -247,7 +247,13 @@ def render(name: str, folder: Path) -> str:
     lines = [f"| {' | '.join(table.header)} |", f"|{'|'.join(table.align)}|"]
     reports = []
     for row in table.rows:
-        report = report_of(row_file(ROOT / folder, name, row))
+        path = row_file(ROOT / folder, name, row)
+        if table.targets is not None and not path.exists():  # a row still to compile: its command says how
+            asked = row.args[row.args.index("--tpu") + 1].split(",")
+            cells = ["not compiled yet" if t in asked else "not compiled" for t in table.targets]
+            lines.append(f"| {' | '.join([*row.label, *cells])} |")
+            continue
+        report = report_of(path)
         reports.append((row, report))
         targets = report["tpu"]
         if table.targets is not None:  # a column per target, whether the row compiled it or not
