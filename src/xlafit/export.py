@@ -208,7 +208,7 @@ def checkpoint_arrays(cfg: Config, run: Any, step: int | None, use: str = "expor
         CheckpointError: no checkpoint; ``step`` absent, corrupt or unreadable; or none that
             reads (:func:`~xlafit.checkpoint_read.read_checkpoint`).
     """
-    ckpt = Checkpointer(checkpoint_dir(cfg), reader=True)  # the run may be training meanwhile
+    ckpt = Checkpointer(checkpoint_dir(cfg))  # the run may be training meanwhile
     try:
         infos = ckpt.list()
         if step is None and not infos:

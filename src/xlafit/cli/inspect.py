@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
             )
         args.step = folder_step
     directory = str(where)
-    ckpt = Checkpointer(directory, reader=True)  # the run may be training meanwhile
+    ckpt = Checkpointer(directory)  # the run may be training meanwhile
     try:
         infos = ckpt.list()
         if not infos:
