@@ -429,7 +429,12 @@ def test_a_misplaced_flag_names_the_command_that_takes_it(capsys):
     for argv, hint in (
         (["plan", "model.py", "--max-batch"], "(--max-batch is a flag of xlafit check, not of xlafit plan)"),
         (["train", "mnist", "--trainer.epochs=1"], "(config overrides take no dashes: trainer.epochs=1)"),
-    ):
+        # issue 63's walk: the data of a check is the key --data-dir stands for in train
+        (["check", "llm", "--data-dir", "chat.jsonl", "lora.rank=8"],
+         "(--data-dir is a flag of xlafit train, not of xlafit check: give the key it stands for, "
+         "data.data_dir=chat.jsonl)"),
+        (["inspect", "runs/a", "--data-dir", "x"], "(--data-dir is a flag of xlafit train, not of xlafit inspect)\n"),
+    ):  # fmt: skip
         with pytest.raises(SystemExit) as stop:
             _parse(build_parser(), argv)
         err = capsys.readouterr().err
