@@ -189,3 +189,33 @@ def test_the_checksums_of_an_array_are_the_same_on_any_devices_and_change_with_a
     for dtype in ("bfloat16", "float16", "int8", "bool", "int32"):
         y = jax.numpy.asarray(np.arange(24).reshape(4, 6) % 3).astype(dtype)
         assert checksums({"y": y}) == checksums({"y": np.asarray(y)}), dtype
+
+
+@pytest.mark.parametrize("sealed", [True, False])
+@pytest.mark.parametrize("key", ["item_handlers", "metrics", "commit_timestamp_nsecs"])
+def test_a_renamed_key_in_orbaxs_step_metadata_falls_back_to_the_previous_checkpoint(tmp_path, capsys, key, sealed):
+    """Issue 63's walk: one flipped bit renaming a key of a step's ``_CHECKPOINT_METADATA``
+    ("metrics" -> "metricr") made Orbax's CheckpointManager raise a ValueError traceback
+    while it opened the directory, before any of xlafit's checks. The step is now passed
+    over as other corruptions are, with one line naming it, sealed or not."""
+    ckpt = Checkpointer(tmp_path, keep=5)
+    ckpt.save(1, _state(1))
+    ckpt.save(2, _state(2))
+    ckpt.close()
+    if not sealed:
+        (tmp_path / "2" / SEAL).unlink()
+    record = tmp_path / "2" / "_CHECKPOINT_METADATA"
+    text = record.read_text()
+    record.write_text(text.replace(f'"{key}"', f'"{key[:-1]}{chr(ord(key[-1]) ^ 1)}"', 1))  # one bit
+    capsys.readouterr()
+
+    ckpt = Checkpointer(tmp_path, keep=5)
+    statuses = [(i.step, i.status.split(":")[0]) for i in ckpt.list()]
+    state, step = ckpt.restore(_state(0))
+    ckpt.save(3, _state(3))  # the run goes on, in the same directory
+    ckpt.close()
+    out = capsys.readouterr().out
+    assert statuses == [(1, "intact"), (2, "corrupt" if sealed else "unsealed")]
+    assert step == 1 and state["params"]["w"].tolist() == [1.0] * 3
+    assert out.startswith("warning: checkpoint 2 (") and out.count("\n") == 1 and " is corrupt: " in out, out
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("corrupt-")) == ["1", "3"]

@@ -255,6 +255,33 @@ def test_inspect_names_a_checkpoint_that_cannot_be_read_as_export_does(tmp_path,
     assert "checkpoint 2, the newest, cannot be read: resuming sets it aside and continues from checkpoint 1" in out
 
 
+def test_inspect_exits_1_when_no_checkpoint_can_be_read(tmp_path, capsys):
+    """Issue 63's walk: with every checkpoint unsealed and unreadable (or set aside), `inspect`
+    exited 2, which the exit-code table (xlafit.errors) and the preemption guide give to a
+    usage mistake; "none is intact" is 1. The table is printed, with why none reads."""
+    import numpy as np
+
+    from xlafit.checkpoint import SEAL, Checkpointer
+    from xlafit.cli import main
+
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=5)
+    for step in (1, 2):
+        ckpt.save(step, {"params": {"w": np.arange(4096, dtype=np.float32) * step}})
+    ckpt.wait()
+    ckpt.close()
+    for step in (1, 2):  # killed before their seals, then damaged: only reading them tells
+        (tmp_path / "checkpoints" / str(step) / SEAL).unlink()
+        data = (tmp_path / "checkpoints" / str(step) / "default").rglob("*")
+        os.truncate(max((p for p in data if p.is_file()), key=os.path.getsize), 100)
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    assert err == "" and "no intact checkpoint" in out
+    assert f"no checkpoint in {tmp_path / 'checkpoints'} can be read (checkpoint 2 is unreadable (" in out
+    assert main(["inspect", str(tmp_path), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["fingerprint"] == {"step": None, "sha256": None}
+
+
 def test_inspect_says_a_path_does_not_exist_and_takes_one_checkpoints_folder(tmp_path, capsys):
     """Tester's report: a path that does not exist was "neither a run directory nor a checkpoint
     directory", and one checkpoint's folder (which `--help` calls a checkpoint directory)
@@ -285,7 +312,7 @@ def test_inspect_says_a_path_does_not_exist_and_takes_one_checkpoints_folder(tmp
     )
     for step in (1, 2):  # every checkpoint set aside as corrupt: said so, not "holds no checkpoint: give a run"
         (tmp_path / "checkpoints" / str(step)).rename(tmp_path / "checkpoints" / f"corrupt-{step}-20260101T000000")
-    assert main(["inspect", str(tmp_path / "checkpoints")]) != 0
+    assert main(["inspect", str(tmp_path / "checkpoints")]) == 1  # none is intact (xlafit.errors.DAMAGED)
     assert capsys.readouterr().err == (
         f"xlafit: error: {tmp_path / 'checkpoints'} holds no checkpoint, only ones a resume set aside as corrupt "
         "(corrupt-1-20260101T000000, corrupt-2-20260101T000000); nothing there can be read.\n"
@@ -402,7 +429,12 @@ def test_a_misplaced_flag_names_the_command_that_takes_it(capsys):
     for argv, hint in (
         (["plan", "model.py", "--max-batch"], "(--max-batch is a flag of xlafit check, not of xlafit plan)"),
         (["train", "mnist", "--trainer.epochs=1"], "(config overrides take no dashes: trainer.epochs=1)"),
-    ):
+        # issue 63's walk: the data of a check is the key --data-dir stands for in train
+        (["check", "llm", "--data-dir", "chat.jsonl", "lora.rank=8"],
+         "(--data-dir is a flag of xlafit train, not of xlafit check: give the key it stands for, "
+         "data.data_dir=chat.jsonl)"),
+        (["inspect", "runs/a", "--data-dir", "x"], "(--data-dir is a flag of xlafit train, not of xlafit inspect)\n"),
+    ):  # fmt: skip
         with pytest.raises(SystemExit) as stop:
             _parse(build_parser(), argv)
         err = capsys.readouterr().err

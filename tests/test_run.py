@@ -419,3 +419,20 @@ def test_invariant_chunks_say_where_they_are_not_bit_identical(caplog):
     assert "cpu.fast_paths=true: YNNPACK's CPU kernels round differently per device layout" in fast
     assert "set cpu.fast_paths=false for bit-identical runs" in fast
     assert len(said("llm", "trainer.invariant_chunks=8")) == 2  # the llm preset keeps YNNPACK on
+
+
+def test_the_final_report_names_the_step_of_an_evaluation_made_before_the_stop(
+    strategy8, tmp_path, monkeypatch, capsys
+):
+    """Issue 63's walk: a run stopped by trainer.stop_at_step between evaluations printed the
+    last evaluation (an earlier step's model) as its "test:" line, as if of the model it
+    stopped with. It names the step it evaluated; a run that evaluates at its stop does not."""
+    use_few_digits(monkeypatch)  # 400 digits: 3 steps an epoch at global batch 128
+    common = [f"run.run_dir={tmp_path}", "data.global_batch=128", "trainer.epochs=4"]
+    xlafit.train_and_evaluate(load_config("mnist", [*common, "trainer.stop_at_step=4"]))
+    last = capsys.readouterr().out.splitlines()
+    report = next(line for line in last if line.startswith("test"))
+    assert report.startswith("test (the last evaluation, at step 3; the run stopped at step 4): accuracy="), report
+    xlafit.train_and_evaluate(load_config("mnist", [*common, "trainer.stop_at_step=6"]))
+    report = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("test"))
+    assert report.startswith("test: accuracy="), report

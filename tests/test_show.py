@@ -79,3 +79,31 @@ def test_the_marked_text_is_what_the_recipes_loss_trains_on(case, tmp_path):
     assert [s.strip() for s in shown] == [s.strip() for s in spans]  # a run decoded alone may lose a leading space
     assert body.replace(OPEN, "").replace(CLOSE, "").rstrip("\n") == text.rstrip("\n")  # the whole text, in order
     assert blocks[1].rstrip("\n") == blocks[2].rstrip("\n")
+
+
+def test_show_names_the_chat_template_and_refuses_an_empty_file(tmp_path, capsys):
+    """Issue 63's walk: `data show` rendered Qwen3 conversations with xlafit's training
+    template in place of the tokenizer's official one without a word (a run says it in a
+    line), and an empty file printed its header and nothing, exit 0. It says which template,
+    as the run does; an empty file is refused as training refuses it."""
+    from pathlib import Path
+
+    from xlafit.cli import main
+
+    folder = family_tokenizer("qwen3", tmp_path / "qwen3")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = (Path(__file__).parent / "chat_templates" / "qwen3.jinja").read_text()  # the official
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
+    capsys.readouterr()
+    assert main(["data", "show", str(data), "--tokenizer", str(folder), "-n", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith(
+        "  chat template: xlafit's training template for Qwen3 (data.chat_template=qwen3), in place of the chat "
+        f"template of {folder}/tokenizer_config.json"
+    ), lines[:3]
+    (tmp_path / "empty.jsonl").write_text("")
+    assert main(["data", "show", str(tmp_path / "empty.jsonl"), "--tokenizer", str(folder)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"xlafit: error: {tmp_path / 'empty.jsonl'} holds no documents or records")

@@ -152,11 +152,11 @@ class Checkpointer:
         keep: int = 3,
         keep_every: int | None = None,
         async_save: bool = True,
-        reader: bool = False,
     ) -> None:
-        """``reader``: for a command that reads a run (``inspect``, ``export``, ``generate``)
-        that may be training meanwhile: Orbax lists the steps without reading each one's
-        metadata (a running job's rotation may remove a step between the two)."""
+        """Orbax lists the steps from their names alone, never reading each one's metadata
+        file: one damaged there (a flipped bit renaming a key) made Orbax's manager raise
+        while it opened, before any check here could pass it over; and a running job's
+        rotation may remove a step between the two."""
         self.directory = as_path(directory)
         if is_url(directory):
             refresh(directory)  # another process may have written checkpoints since this one listed them
@@ -173,13 +173,12 @@ class Checkpointer:
             keep_period=keep_every or None,
             create=True,
             enable_async_checkpointing=async_save,
-            lightweight_initialize=reader,
+            lightweight_initialize=True,  # see above: step metadata is read where it is checked
         )
         self._open = lambda: ocp.CheckpointManager(
             self.directory, options=options, item_handlers=ocp.StandardCheckpointHandler()
         )
         self._manager = self._open()
-        self._reader = reader
         self.last_saved: int | None = None
         self._sealing: threading.Thread | None = None  # commits the newest save, then seals it
         self._sealing_error: Exception | None = None
@@ -394,7 +393,14 @@ class Checkpointer:
         if jax.process_index() == 0:
             print(f"warning: checkpoint {step} ({source}) is {why}; not using it, moved to {target}", flush=True)
             move(source, target)
-        self._manager.reload()
+        self._relist()
+
+    def _relist(self) -> None:
+        """Orbax's list of steps read again from the names alone: its ``reload`` reads every
+        step's metadata file, and raises on a damaged one."""
+        self.wait()
+        self._manager.close()
+        self._manager = self._open()
 
     def metadata(self, step: int) -> Any:
         """The saved tree of array metadata (shape, dtype) of checkpoint ``step``."""
@@ -487,11 +493,7 @@ class Checkpointer:
     def saved_since(self, newest: int | None) -> bool:
         """Whether a checkpoint newer than ``newest`` appeared: a run is saving here, and its
         rotation may have removed what was listed (a read that failed, or a file missing)."""
-        if self._reader:  # a new list, from the names alone (reload reads every step's metadata too)
-            self._manager.close()
-            self._manager = self._open()
-        else:
-            self._manager.reload()
+        self._relist()
         latest = self._manager.latest_step()
         return latest is not None and (newest is None or latest > newest)
 

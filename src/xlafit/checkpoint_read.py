@@ -120,7 +120,7 @@ def _read_pinned(ckpt: Checkpointer, step: int) -> Read:
             raise
         except OSError:  # no hard links here
             return ckpt.read_one(step)
-        pinned = Checkpointer(root, reader=True)
+        pinned = Checkpointer(root)
         try:
             status = pinned.verify(step)
             if status.startswith("corrupt"):

@@ -62,6 +62,13 @@ class WriteError(XlafitError, OSError):
     exit_code = STORAGE
 
 
+class NoIntactCheckpoint(CheckpointError):
+    """``xlafit inspect``: the run has checkpoints, and none of them is intact (each corrupt,
+    unreadable or set aside); the message names what is wrong with them."""
+
+    exit_code = DAMAGED
+
+
 class CheckpointWriteError(CheckpointError, WriteError):
     """A checkpoint could not be written; the message names the newest complete one and the fix."""
 

@@ -208,7 +208,7 @@ def checkpoint_arrays(cfg: Config, run: Any, step: int | None, use: str = "expor
         CheckpointError: no checkpoint; ``step`` absent, corrupt or unreadable; or none that
             reads (:func:`~xlafit.checkpoint_read.read_checkpoint`).
     """
-    ckpt = Checkpointer(checkpoint_dir(cfg), reader=True)  # the run may be training meanwhile
+    ckpt = Checkpointer(checkpoint_dir(cfg))  # the run may be training meanwhile
     try:
         infos = ckpt.list()
         if step is None and not infos:
@@ -292,7 +292,7 @@ def export_llm(
     dtype: typing.Literal["float32", "bfloat16"] = "bfloat16" if cfg.lora.rank and cfg.lora.quantized else "float32"
     if cfg.lora.rank:
         if not cfg.model.init_from_hf:
-            base = nnx.merge(*nnx.split(model))  # a copy: the adapters' base, unmerged
+            base = nnx.clone(model)  # a copy with its own variables: zeroing its adapters leaves the model's
             without = typing.cast(LlamaForCausalLM, merge_lora(_without_adapters(base)))
             llama_hf.save_hf(without, out / "base", token_ids=token_ids, dtype=dtype)
             (out / "base" / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")

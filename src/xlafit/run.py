@@ -132,7 +132,7 @@ def train_and_evaluate(cfg: Config) -> FitResult:
         finally:
             trainer.close()
     if strategy.process_index == 0 and result.eval is not None:
-        print(final_report(result.eval), flush=True)
+        print(final_report(result.eval, result.eval_step, int(result.state.step)), flush=True)
     return result
 
 
@@ -283,10 +283,18 @@ def describe_schedule(cfg: Config, plan: OptimizerPlan, run_steps: int | None = 
     )
 
 
-def final_report(metrics: dict[str, float]) -> str:
-    """The last lines of a run: the final evaluation, and its headline metric alone."""
+def final_report(metrics: dict[str, float], at: int | None = None, last: int | None = None) -> str:
+    """The last lines of a run: the final evaluation, and its headline metric alone; ``at``,
+    the step it evaluated, named where it is not the run's ``last`` (a run stopped by
+    ``trainer.stop_at_step`` between evaluations reports the model of an earlier step).
+
+    Example:
+        >>> print(final_report({"loss": 4.5, "count": 8}, at=16, last=20))
+        test (the last evaluation, at step 16; the run stopped at step 20): loss=4.5000  (8 examples)
+    """
     shown = "  ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k != "count")
-    lines = [f"test: {shown}  ({metrics['count']} examples)"]
+    when = "" if at is None or at == last else f" (the last evaluation, at step {at}; the run stopped at step {last})"
+    lines = [f"test{when}: {shown}  ({metrics['count']} examples)"]
     if "accuracy" in metrics:
         lines.append(f"test accuracy: {metrics['accuracy']:.4f}")
     if "masked_accuracy" in metrics:

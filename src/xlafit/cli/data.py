@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from xlafit.errors import DataError
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("data", help="prepare training data")
@@ -97,7 +99,7 @@ def _register_show(data_sub: argparse._SubParsersAction) -> None:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from xlafit.data import clm, show  # the library when the command runs: a fast --help
+    from xlafit.data import chat, clm, show  # the library when the command runs: a fast --help
     from xlafit.recipes import llm_data, load_config
 
     overrides = [
@@ -115,6 +117,11 @@ def run_show(args: argparse.Namespace) -> int:
     encoded, fmt = clm.encode_files(
         files, e.tok, d.format, d.text_column, e.template, d.loss_on, e.markers, limit=max(args.records, 0)
     )
+    if not encoded:  # as training refuses it: an empty file shows nothing, and says so
+        raise DataError(
+            f"{args.file} holds no documents or records to show; give text files (documents separated by blank "
+            "lines), Parquet files with a text column, or JSON-lines records."
+        )
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     name = lambda i: e.tok.id_to_token(i) if i is not None else "none"  # noqa: E731
     print(
@@ -125,6 +132,8 @@ def run_show(args: argparse.Namespace) -> int:
         + ("every token" if d.loss_on == "all" or fmt == "text" else "the answers")
         + ("" if color else f"; trained text between {show.OPEN} and {show.CLOSE}")
     )
+    if fmt == "chat":  # a family's training template may stand in for the tokenizer's, as in a run
+        print(f"  {chat.describe(e.template)}")
     for number, record in enumerate(encoded, 1):
         s = show.shown(e.tok, record, fmt, d.seq_len)
         cut = f", cut at --seq-len {d.seq_len}" if fmt != "text" and len(s.ids) > d.seq_len else ""

@@ -57,19 +57,31 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     if unknown:
         commands = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         own = commands.get(getattr(args, "command", ""), parser)
-        own.error(f"unrecognized arguments: {' '.join(unknown)}{_hint(unknown, args.command, commands)}")
+        hint = _hint(unknown, args.command, commands, extra if hasattr(args, "overrides") else None)
+        own.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     if extra:
         args.overrides = [*args.overrides, *extra]
     return args
 
 
-def _hint(unknown: list[str], command: str, commands: dict[str, argparse.ArgumentParser]) -> str:
-    """Where a misplaced flag belongs: the commands that take it, or the override it spells."""
+def _hint(
+    unknown: list[str], command: str, commands: dict[str, argparse.ArgumentParser], extra: list[str] | None = None
+) -> str:
+    """Where a misplaced flag belongs: the commands that take it, or the override it spells;
+    ``extra``: the words left over, where ``command`` takes config overrides (``check llm
+    --data-dir D`` is ``data.data_dir=D`` there)."""
     for arg in unknown:
         flag = arg.split("=", 1)[0]
         takers = [name for name, p in commands.items() if flag in p._option_string_actions]
         if takers:
-            return f" ({flag} is a flag of {' and '.join(f'xlafit {t}' for t in takers)}, not of xlafit {command})"
+            where = f"{flag} is a flag of {' and '.join(f'xlafit {t}' for t in takers)}, not of xlafit {command}"
+            action = commands["train"]._option_string_actions.get(flag)
+            key = train.FLAG_KEYS.get(action.dest) if action is not None else None
+            if extra is not None and key == "data.data_dir":  # the data a check or plan reads too
+                follows = extra[extra.index(arg) + 1 : extra.index(arg) + 2]
+                value = arg.split("=", 1)[1] if "=" in arg else (follows[0] if follows else "...")
+                return f" ({where}: give the key it stands for, {key}={value})"
+            return f" ({where})"
         if arg.startswith("--") and "." in flag and "=" in arg:
             return f" (config overrides take no dashes: {arg[2:]})"
     return ""

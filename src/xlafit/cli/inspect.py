@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from xlafit import errors
-from xlafit.errors import CheckpointError, ConfigError
+from xlafit.errors import CheckpointError, ConfigError, NoIntactCheckpoint
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -45,22 +45,29 @@ def run(args: argparse.Namespace) -> int:
             )
         args.step = folder_step
     directory = str(where)
-    ckpt = Checkpointer(directory, reader=True)  # the run may be training meanwhile
+    ckpt = Checkpointer(directory)  # the run may be training meanwhile
     try:
         infos = ckpt.list()
         if not infos:
             aside = set_aside(sorted(p.name for p in where.iterdir())) if where.is_dir() else []
-            raise CheckpointError(
-                f"{args.run_dir} holds no checkpoint"
-                + (
-                    f", only ones a resume set aside as corrupt ({', '.join(aside)}); nothing there can be read."
-                    if aside
-                    else ": give a run directory (what `xlafit train --run-dir` writes) or its checkpoints/ folder."
+            if aside:  # none is intact: the exit code of a damaged run, not of a wrong path
+                raise NoIntactCheckpoint(
+                    f"{args.run_dir} holds no checkpoint, only ones a resume set aside as corrupt "
+                    f"({', '.join(aside)}); nothing there can be read."
                 )
+            raise CheckpointError(
+                f"{args.run_dir} holds no checkpoint: give a run directory (what `xlafit train --run-dir` writes) "
+                "or its checkpoints/ folder."
             )
         # --step must read, as export and generate require; by default the newest that reads
         wanted = args.step is not None or any(i.usable for i in infos)
-        read = read_checkpoint(ckpt, args.step, infos) if wanted else None
+        unreadable = None
+        try:
+            read = read_checkpoint(ckpt, args.step, infos) if wanted else None
+        except CheckpointError as e:
+            if args.step is not None:
+                raise
+            read, unreadable = None, e  # none of them reads: none is intact, shown in the table
     finally:
         ckpt.close()
     step = read.step if read else None
@@ -74,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"checkpoints": rows, "fingerprint": {"step": step, "sha256": digest}}, indent=2))
         return code
     _print_table(infos, step, digest)
+    if unreadable is not None:
+        print(unreadable)
     if read is not None and newest_bad:
         usable = [i.step for i in infos if i.usable]
         resumes_from = step if args.step is None else usable[-1]

@@ -49,6 +49,8 @@ class FitResult:
         history: every logged training record of the run, those logged before a resume
             included (read back from its ``metrics.jsonl``, on process 0).
         eval: the last evaluation (``loss``, the metrics, ``count``), or None.
+        eval_step: the step ``eval`` evaluated: earlier than ``state.step`` where the run
+            stopped (``trainer.stop_at_step``) between evaluations.
         train_compiles: how many times the train step was compiled.
         eval_compiles: how many times the eval step was compiled.
         compile_s: seconds spent compiling, apart from step time.
@@ -61,6 +63,7 @@ class FitResult:
     eval_compiles: int
     compile_s: float
     evaluations: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # every one: step, epoch, metrics
+    eval_step: int | None = None
 
     def __repr__(self) -> str:
         # Short: a notebook cell ending in `result = trainer.fit(...)`, or `result`, shows this,
@@ -103,6 +106,7 @@ class Loop:
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     evaluations: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     last_eval: dict[str, float] | None = None
+    last_eval_step: int | None = None  # the step last_eval evaluated
     rolled_back: set[int] = dataclasses.field(default_factory=set)  # steps rolled back once already
     last_save: float = dataclasses.field(default_factory=time.monotonic)
     signals: Any = None  # the SignalGuard and the Watchdog, while the loop runs

@@ -327,6 +327,7 @@ class Trainer:
         if eval is not None and loop.last_eval is None and int(self._state.step) == loop.total:
             alone = self.strategy.process_count == 1
             loop.last_eval = final_evaluation(self.evaluate, eval, loop.step, alone, self._ckpt)
+            loop.last_eval_step = loop.step
         self._write_back()
         return FitResult(
             state=self._state,
@@ -336,6 +337,7 @@ class Trainer:
             eval_compiles=self.eval_step.compiles,
             compile_s=self.train_step.compile_s + self.eval_step.compile_s,
             evaluations=loop.evaluations,
+            eval_step=loop.last_eval_step,
         )
 
     def _begin(self, train: Dataset, eval: Dataset | None) -> Loop:
@@ -428,6 +430,7 @@ class Trainer:
         """Evaluates at an epoch's end and records it; its time counts in no step time."""
         with loop.watchdog.paused():  # not a step: its time is not a hang
             loop.last_eval = self.evaluate(eval)
+        loop.last_eval_step = loop.step
         record = {"step": loop.step, "epoch": loop.step // loop.spe, **loop.last_eval}
         loop.evaluations.append(record)
         loop.report.record(record, prefix="eval")
