@@ -37,7 +37,7 @@ class GrpoConfig:
     """GRPO's settings (TRL's names and defaults; docs/guides/preference.md)."""
 
     rewards: str | None = None  # the reward functions: FILE.py:fn_a,fn_b (TRL's signature)
-    reward_weights: str | None = None  # one weight per function, comma-separated (null: 1 each)
+    reward_weights: float | str | None = None  # one weight per function, comma-separated (null: 1 each)
     num_generations: int = 8  # G: the completions of each prompt (data.global_batch counts completions)
     max_completion_length: int = 256  # the tokens of a completion at most
     temperature: float = 1.0  # the sampler's; the log-probabilities are the model's at it too
@@ -114,6 +114,8 @@ def validate(cfg: Config) -> None:
             f"model.objective=grpo trains on prompts; data.format={d.format} is another kind of data: set "
             "data.format=auto (or prompt)."
         )
+    if d.global_batch and d.global_batch % g.num_generations:  # else when the batch is known (PromptSet)
+        PromptSet([], [], {}, None, (), g.num_generations).prompts_per_step(d.global_batch)  # type: ignore[arg-type]
     if not d.data_dir:
         raise ConfigError(
             'model.objective=grpo needs prompts: give --data-dir (JSON lines or Parquet of {"prompt": ...} with the '
