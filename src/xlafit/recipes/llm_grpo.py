@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, Literal
 
+import jax
 import numpy as np
 
 from xlafit.config import Config
@@ -80,8 +81,9 @@ def validate(cfg: Config) -> None:
     a reference without LoRA, data of another kind, steps per call that split a generation batch."""
     objective = objective_of(cfg)  # the settings' own ranges (GrpoObjective refuses them)
     d: Any = cfg.data
+    demo = d.demo if not d.data_dir else None
     if objective is None:
-        if d.format == "prompt":
+        if d.format == "prompt" or demo == "grpo":
             raise ConfigError("prompt records train model.objective=grpo; set it, or give other data.")
         return
     g = cfg.model.grpo
@@ -116,10 +118,10 @@ def validate(cfg: Config) -> None:
         )
     if d.global_batch and d.global_batch % g.num_generations:  # else when the batch is known (PromptSet)
         PromptSet([], [], {}, None, (), g.num_generations).prompts_per_step(d.global_batch)  # type: ignore[arg-type]
-    if not d.data_dir:
+    if demo is not None and demo != "grpo":
         raise ConfigError(
             'model.objective=grpo needs prompts: give --data-dir (JSON lines or Parquet of {"prompt": ...} with the '
-            "columns the rewards read)."
+            "columns the rewards read), or data.demo=grpo for the chat demo's questions."
         )
     steps = cfg.trainer.steps_per_call
     if steps not in (1, g.num_iterations):
@@ -172,6 +174,11 @@ def rollout_for(cfg: Config, train: Any) -> Rollout | None:
     objective = objective_of(cfg)
     if objective is None:
         return None
+    if jax.process_count() > 1:
+        raise ConfigError(
+            "model.objective=grpo runs in one process (its rollout asks the reward functions on one host); run it "
+            "on one host's devices."
+        )
     g = cfg.model.grpo
     assert g.rewards is not None  # validate
     rewards = load_rewards(g.rewards)
