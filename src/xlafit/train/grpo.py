@@ -29,8 +29,8 @@ where a generation batch trains more than one step (``num_iterations``), ``ref_l
 
 Example:
     >>> adv, _ = advantages(np.array([[1.0], [0.0], [1.0], [1.0]]), np.array([1.0]), group=2)
-    >>> [round(float(a), 3) for a in adv]
-    [0.707, -0.707, 0.0, 0.0]
+    >>> tuple(round(float(a), 3) for a in adv)
+    (0.707, -0.707, 0.0, 0.0)
 """
 
 from __future__ import annotations
