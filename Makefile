@@ -80,7 +80,7 @@ demo-dpo: $(BASE)
 # before and after. One device: the rollout's batch is not split over simulated devices.
 GRPO_SETTINGS := model.objective=grpo data.demo=grpo model.grpo.rewards=examples/arithmetic_rewards.py:exact_answer \
 	data.global_batch=128 model.grpo.num_generations=16 model.grpo.max_completion_length=16 \
-	model.grpo.temperature=0.7 $(CHAT_LORA) trainer.epochs=10 optimizer.learning_rate=0.0014
+	model.grpo.temperature=0.7 $(CHAT_LORA) trainer.epochs=20 optimizer.learning_rate=0.0014
 demo-grpo: $(BASE)
 	@test -d runs/demo-chat-base-hf || $(MAKE) --no-print-directory demo-chat
 	$(VENV)/bin/xlafit train llm --simulate 8 --run-dir runs/demo-grpo-sft --restart \

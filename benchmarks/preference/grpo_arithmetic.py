@@ -29,7 +29,7 @@ def exact_match(model: Generator, questions: list[tuple[int, str, int]]) -> tupl
     return float(np.mean(right)), answers
 
 
-def measure(source: str, simulate: int) -> dict:
+def measure(source: str, simulate: int | None) -> dict:
     model = (
         Generator.load(source, simulate=simulate) if Path(source, "config.yaml").exists() else Generator.load(source)
     )
@@ -59,7 +59,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--start", required=True)
     parser.add_argument("--tuned", required=True)
-    parser.add_argument("--simulate", type=int, default=8)
+    parser.add_argument("--simulate", type=int, help="simulated CPU devices for a run's mesh (default: this host's)")
     parser.add_argument("--out")
     args = parser.parse_args()
     result = {"start": measure(args.start, args.simulate), "tuned": measure(args.tuned, args.simulate)}
