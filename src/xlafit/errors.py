@@ -92,6 +92,12 @@ class BenchError(XlafitError, RuntimeError):
     """A benchmark configuration failed; the message holds the end of its output."""
 
 
+class RewardError(XlafitError, ValueError):
+    """A reward function of a GRPO run raised, or returned what is not one number per
+    completion; the message names the function, the prompt and the fix. Nothing was trained
+    on that batch."""
+
+
 class NonFiniteError(XlafitError):
     """A non-finite loss or gradient under ``trainer.nan_policy=stop``; the message names it."""
 

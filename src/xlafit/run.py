@@ -183,6 +183,7 @@ def recipe_trainer(
         prefetch=cfg.data.prefetch,
         resume=cfg.run.resume and keep,
         trainable=ADAPTER if cfg.lora.rank else nnx.Param,
+        rollout=recipe.rollout(cfg, train),
         **recipe.throughput(cfg, train),
     )
 

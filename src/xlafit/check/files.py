@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import runpy
 import sys
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,20 +26,9 @@ from xlafit.overrides import deep_merge, from_dict, load_yaml, parse_overrides
 from xlafit.parallel.cluster import start_backends
 from xlafit.parallel.sharding import parse_rules
 from xlafit.train.adapter import adapt, framework_of
+from xlafit.train.rewards import importable
 
 __all__ = ["SETTINGS_CHECK", "check_file", "file_program", "file_settings", "importable", "load_file"]
-
-
-@contextlib.contextmanager
-def importable(path: Path) -> Iterator[None]:
-    """``path``'s directory and the working directory on ``sys.path``, as ``python path``
-    (and ``python -m``) would have them, so the file can import its neighbours; restored after."""
-    saved = list(sys.path)
-    sys.path[:0] = [str(path.parent.resolve()), os.getcwd()]
-    try:
-        yield
-    finally:
-        sys.path[:] = saved
 
 
 def _load_error(path: Path, e: BaseException) -> ConfigError:

@@ -1,7 +1,8 @@
 """The chat demo's data: short arithmetic conversations a tiny model learns in a minute on a
 CPU, the same questions and answers as plain text (to pretrain on), and a tokenizer with a
 chat template (ChatML, its answers marked for the loss), made once into the user cache; and
-preference pairs on sums (a right and a wrong answer), to tune the chat model with DPO.
+preference pairs on sums (a right and a wrong answer), to tune the chat model with DPO; and
+questions with their answers as prompts, to tune it with GRPO and an exact-answer reward.
 
 Example:
     >>> records = conversations(3, seed=0)
@@ -22,7 +23,18 @@ from typing import Any
 from xlafit.data import clm
 from xlafit.io.cache import cache_dir
 
-__all__ = ["CHATML", "SPECIALS", "conversations", "demo_files", "held_out_sums", "preference_file", "preference_pairs"]
+__all__ = [
+    "CHATML",
+    "SPECIALS",
+    "conversations",
+    "demo_files",
+    "grpo_file",
+    "grpo_prompts",
+    "held_out_questions",
+    "held_out_sums",
+    "preference_file",
+    "preference_pairs",
+]
 
 # ChatML (Qwen's layout), the assistant's turn and its end marked as what the model generates.
 CHATML = (
@@ -35,6 +47,7 @@ SPECIALS = ["<|im_start|>", "<|im_end|>"]
 _WORDS = {"plus": lambda a, b: a + b, "minus": lambda a, b: a - b, "times": lambda a, b: a * b}
 VERSION = "chat-demo-3"  # 3: its tokenizer puts <s> before a text (train_bpe's post-processor)
 PREFERENCE_VERSION = "2"  # the pairs' layout and held-out split (a new one makes a new file)
+GRPO_VERSION = "1"  # the prompts' layout and held-out split
 
 
 def conversations(n: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -131,5 +144,41 @@ def preference_file(n: int = 2000) -> str:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=target.parent, delete=False, suffix=".tmp") as f:
             f.write("\n".join(json.dumps(r) for r in preference_pairs(n)) + "\n")
+        Path(f.name).replace(target)
+    return str(target)
+
+
+def held_out_questions() -> list[tuple[int, str, int]]:
+    """``(a, word, b)`` of every operation (plus, minus, times) on the pairs of
+    :func:`held_out_sums`: the questions :func:`grpo_prompts` never asks (60)."""
+    return [(a, word, b) for word in sorted(_WORDS) for a, b in held_out_sums()]
+
+
+def answer(a: int, word: str, b: int) -> str:
+    """The chat demo's answer to ``What is a word b?``: ``a word b is result.``"""
+    return f"{a} {word} {b} is {_WORDS[word](a, b)}."
+
+
+def grpo_prompts() -> list[dict[str, Any]]:
+    """Every question ``What is a word b?`` (``a, b`` in 0..9, plus, minus and times) but
+    :func:`held_out_questions`, in TRL's conversational prompt layout, with the full answer
+    as the ``answer`` column an exact-answer reward compares with (240)."""
+    held = set(held_out_questions())
+    return [
+        {"prompt": [{"role": "user", "content": f"What is {a} {word} {b}?"}], "answer": answer(a, word, b)}
+        for word in sorted(_WORDS)
+        for a in range(10)
+        for b in range(10)
+        if (a, word, b) not in held
+    ]
+
+
+def grpo_file() -> str:
+    """:func:`grpo_prompts` as JSON lines, made once in the cache."""
+    target = cache_dir() / f"chat-demo-grpo-{GRPO_VERSION}.jsonl"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=target.parent, delete=False, suffix=".tmp") as f:
+            f.write("\n".join(json.dumps(r) for r in grpo_prompts()) + "\n")
         Path(f.name).replace(target)
     return str(target)

@@ -176,6 +176,7 @@ def generate(
     sampling: Sampling | None = None,
     eos_ids: Sequence[int] = (),
     pad_id: int = 0,
+    prompt_length: int | None = None,
 ) -> Generated:
     """The tokens each prompt continues with: at most ``max_new_tokens``, up to and with the
     first of ``eos_ids``.
@@ -189,6 +190,8 @@ def generate(
         eos_ids: the tokens that stop a sequence (its end of sequence, a chat model's end of
             turn, any other stop ids); each row stops at its own.
         pad_id: the id that pads short prompts (never attended to).
+        prompt_length: the prompts left-padded to this many tokens at least (None: the
+            longest prompt's), so that batches of other prompts run the same program.
 
     Returns:
         One list of token ids per prompt, with the sampling's seed (:class:`Generated`).
@@ -201,7 +204,7 @@ def generate(
         raise ValueError("every prompt needs at least one token")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: generate at least one token")
-    length = max(len(p) for p in prompts)
+    length = max(max(len(p) for p in prompts), prompt_length or 0)
     # Past the context the positions have no trained embedding, and the cache of length +
     # max_new_tokens slots is allocated up front: refused rather than run (or hung) on.
     context = model.cfg.max_position_embeddings

@@ -23,6 +23,7 @@ from flax import nnx
 from xlafit.config import Config, DataConfig
 from xlafit.data.dataset import Dataset
 from xlafit.train.step import LossFn
+from xlafit.train.trainer import Rollout
 
 
 class Throughput(TypedDict, total=False):
@@ -53,6 +54,10 @@ def _nothing_to_check(cfg: Config) -> None:
 
 
 def _shapes_from_data(cfg: Config) -> None:
+    return None
+
+
+def _no_rollout(cfg: Config, train: Any) -> None:
     return None
 
 
@@ -90,6 +95,9 @@ class Recipe:
             vocabulary when the config alone decides them (a named model's vocabulary, the
             configured sequence length), for what needs shapes only (``check --tpu``,
             ``plan``): no corpus is read. None: the shapes come from the data.
+        rollout: ``(cfg, train) -> rollout or None``: what makes each train-step call's
+            batch from the data's with the model being trained (the llm recipe's GRPO:
+            :class:`xlafit.train.rollout.Rollout`); None: the data's batches are the step's.
     """
 
     name: str
@@ -108,6 +116,7 @@ class Recipe:
     bit_identical_chunks: bool = False
     shapes: Callable[[Config], Any] = _shapes_from_data
     loss_for: Callable[[Config], LossFn] | None = None
+    rollout: Callable[[Config, Any], Rollout | None] = _no_rollout
 
     def loss(self, cfg: Config) -> LossFn:
         """The loss a run of ``cfg`` trains and evaluates with."""

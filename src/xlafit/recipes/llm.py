@@ -8,7 +8,8 @@ adapters on a frozen base (:func:`xlafit.run.with_lora`). With no ``data.data_di
 demo: the Korean texts of the konlpy wheel, a byte-level BPE tokenizer trained on them once
 (into the user cache), and a tiny Llama. The data wiring is :mod:`xlafit.recipes.llm_data`'s.
 ``model.objective=dpo`` (``simpo``, ``orpo``) tunes on preference pairs instead
-(:mod:`xlafit.recipes.llm_preference`).
+(:mod:`xlafit.recipes.llm_preference`); ``model.objective=grpo`` on prompts, with rewards
+for the completions the model samples (:mod:`xlafit.recipes.llm_grpo`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from xlafit.models.llama import PRESETS, LlamaConfig, LlamaForCausalLM
 from xlafit.models.quantized import check_tiling
 from xlafit.parallel.sharding import active_layout, batch_axes, constrain
 from xlafit.platform.hardware import table_memory
-from xlafit.recipes import llm_data, llm_preference
+from xlafit.recipes import llm_data, llm_grpo, llm_preference
 from xlafit.recipes.base import Recipe, Throughput
 from xlafit.recipes.llm_data import LlmDataConfig, data_config, model_dir, save_artifacts
 from xlafit.train.losses import blocks_for, blockwise_cross_entropy, masked_accuracy, masked_mean, whole_logits_bytes
@@ -79,10 +80,13 @@ class LlmModelConfig:
     # whole logits and their gradient would take more than 1/8 of a device's memory (logits_blocks);
     # 0: the whole logits at once
     logits_chunk: int | Literal["auto"] = "auto"
-    # next_token (pretraining, SFT), or a preference objective on pairs of completions: dpo, simpo, orpo
-    objective: Literal["next_token", "dpo", "simpo", "orpo"] = "next_token"
+    # next_token (pretraining, SFT), a preference objective on pairs of completions (dpo, simpo, orpo), or
+    # grpo: reinforcement learning with reward functions on completions the model samples from prompts
+    objective: Literal["next_token", "dpo", "simpo", "orpo", "grpo"] = "next_token"
     # the preference objectives' settings: beta, label_smoothing, gamma, reference (docs/guides/preference.md)
     preference: llm_preference.PreferenceConfig = dataclasses.field(default_factory=llm_preference.PreferenceConfig)
+    # GRPO's settings: rewards, num_generations, max_completion_length, beta, epsilon, loss_type, ...
+    grpo: llm_grpo.GrpoConfig = dataclasses.field(default_factory=llm_grpo.GrpoConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.logits_chunk, int) and self.logits_chunk < 0:
@@ -130,6 +134,7 @@ def validate(cfg: Config) -> None:
     """Refuses sizes that cannot work and local model or tokenizer paths that are missing (or
     an xlafit run's, not a Hugging Face directory), before any text is read."""
     llm_preference.validate(cfg)
+    llm_grpo.validate(cfg)
     if cfg.model.init_from_hf:
         hub.check_local(cfg.model.init_from_hf, "model.init_from_hf")
         _refuse_size_overrides(cfg)
@@ -219,7 +224,7 @@ def from_data(cfg: Config, train: clm.PackedText) -> Config:
     name = cfg.model.init_from_hf
     if name and not hub.is_local(name):  # a local directory was checked with the config (validate)
         check_checkpoint(cfg, str(model_dir(cfg)))
-    return cfg
+    return llm_grpo.settle(cfg)
 
 
 def shapes(cfg: Config) -> clm.PackedText | None:
@@ -272,6 +277,10 @@ def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
     """(train, eval) packed rows of the documents of ``data.data_dir`` (or the demo corpus,
     :func:`xlafit.recipes.llm_data.load_data`); for a preference objective, pairs of rows
     (:func:`xlafit.recipes.llm_preference.load`)."""
+    if cfg.model.objective == "grpo":  # prompts; no evaluation set (the rewards are the measure)
+        e = llm_data.encoding(cfg)
+        stops = clm.stop_ids(llm_data.tokenizer_location(cfg))
+        return llm_grpo.load(cfg, e.tok, e.template, e.markers, stops, e.inputs), None  # type: ignore[return-value]
     if llm_preference.objective_of(cfg) is None:
         return llm_data.load_data(cfg)
     e = llm_data.encoding(cfg)
@@ -376,6 +385,9 @@ def throughput(cfg: Config, train: clm.PackedText) -> Throughput:
         hf = read_json(Path(source).expanduser() / "config.json")
         llama = llama_hf.config_from_hf(hf)
     t = train.seq_len
+    if cfg.model.objective == "grpo":  # an example is a completion: the train step's row (the rollout not counted)
+        t += cfg.model.grpo.max_completion_length
+        return {"tokens_per_example": float(t), "flops_per_example": t * llama.train_flops_per_token(t)}
     if llm_preference.objective_of(cfg) is not None:  # an example is a pair of rows; DPO may add the base's forward
         flops = 2 * t * llama.train_flops_per_token(t) * (1 + llm_preference.reference_passes(cfg) / 3)
         return {"tokens_per_example": 2.0 * t, "flops_per_example": flops}
@@ -390,7 +402,7 @@ RECIPE = Recipe(
     from_data=from_data,
     build_model=build_model,
     loss_fn=loss_fn,
-    loss_for=functools.partial(llm_preference.loss_for, next_token=loss_fn),
+    loss_for=functools.partial(llm_grpo.loss_for, other=functools.partial(llm_preference.loss_for, next_token=loss_fn)),
     throughput=throughput,
     shapes=shapes,
     save_artifacts=save_artifacts,
@@ -399,4 +411,5 @@ RECIPE = Recipe(
         "the run's token ids"
     },
     validate=validate,
+    rollout=llm_grpo.rollout_for,
 )

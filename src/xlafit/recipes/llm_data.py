@@ -43,7 +43,8 @@ class LlmDataConfig(xconfig.DataConfig):
     text_column: str = "text"  # the column of Parquet files that holds the documents
     eval_fraction: float = 0.1  # documents held out for evaluation (a hash of their index and data.seed)
     # auto (from the records), text, chat ({"messages": [...]}), prompt_completion ({"prompt", "completion"})
-    # or preference ({"prompt", "chosen", "rejected"}: model.objective=dpo, simpo, orpo)
+    # preference ({"prompt", "chosen", "rejected"}: model.objective=dpo, simpo, orpo) or prompt ({"prompt"}
+    # and any columns for the rewards: model.objective=grpo)
     format: str = "auto"
     # chat records: a Jinja chat template file instead of the tokenizer's (tokenizer_config.json's chat_template),
     # or one of xlafit's training templates by name (qwen3, mistral-v0.3; see xlafit/data/templates.py)
@@ -51,8 +52,9 @@ class LlmDataConfig(xconfig.DataConfig):
     loss_on: str = "assistant"  # chat and prompt/completion records: assistant (the answers only) or all
     # with no data.data_dir: korean (the konlpy wheel's texts), chat (arithmetic conversations with a ChatML
     # tokenizer), arithmetic (the same kind of questions and answers as plain text, the same tokenizer) or
-    # preference (sums with a right answer chosen and a wrong one rejected: model.objective=dpo)
-    demo: Literal["korean", "chat", "arithmetic", "preference"] = "korean"
+    # preference (sums with a right answer chosen and a wrong one rejected: model.objective=dpo) or
+    # grpo (the chat demo's questions as prompts, each with its answer: model.objective=grpo)
+    demo: Literal["korean", "chat", "arithmetic", "preference", "grpo"] = "korean"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -88,7 +90,7 @@ def tokenizer_location(cfg: Config) -> str:
     source = model_dir(cfg)
     if source and (Path(source).expanduser() / "tokenizer.json").exists():
         return str(Path(source).expanduser())
-    if not d.data_dir and d.demo in ("chat", "arithmetic", "preference"):
+    if not d.data_dir and d.demo in ("chat", "arithmetic", "preference", "grpo"):
         return chat_demo.demo_files()[2]
     if d.data_dir:
         raise ConfigError(
@@ -190,6 +192,8 @@ def _demo_inputs(demo: str) -> list[str]:
     records, text, _ = chat_demo.demo_files()
     if demo == "preference":
         return [chat_demo.preference_file()]
+    if demo == "grpo":
+        return [chat_demo.grpo_file()]
     return {"chat": [records], "arithmetic": [text]}.get(demo) or korean_demo_files()
 
 

@@ -29,7 +29,7 @@ from xlafit.train.step import LossFn
 
 __all__ = ["OBJECTIVES", "PreferenceConfig", "load", "loss_for", "objective_of", "validate"]
 
-OBJECTIVES = ("next_token", *preference.LOSSES)
+OBJECTIVES = ("next_token", *preference.LOSSES, "grpo")
 
 
 @dataclasses.dataclass
@@ -50,7 +50,7 @@ class PreferenceConfig:
 def objective_of(cfg: Config) -> preference.Objective | None:
     """The run's preference objective, None for next-token training."""
     m = cfg.model
-    if m.objective == "next_token":
+    if m.objective in ("next_token", "grpo"):
         return None
     p = m.preference
     reference: preference.Reference = "precomputed" if p.reference == "precomputed" else "base"

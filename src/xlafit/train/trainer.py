@@ -67,6 +67,8 @@ from xlafit.train.watchdog import Watchdog
 log = logging.getLogger("xlafit")
 
 Data = Dataset | Mapping[str, np.ndarray]  # a Dataset, or a dict of arrays with one row per example
+# (model, first step, k, host batch [k, rows, ...]) -> the call's train batch [k, rows', ...] (GRPO's rollout)
+Rollout = Callable[[nnx.Module, int, int, Batch], Batch]
 
 
 class Trainer:
@@ -117,6 +119,12 @@ class Trainer:
             checkpoints (their fingerprint is: :func:`xlafit.models.lora.state_fingerprint`)
             and a resume onto other frozen weights is refused. LoRA:
             ``trainable=xlafit.models.lora.ADAPTER``.
+        rollout: makes each call's train batch from the data's batch with the model as it
+            is then (``rollout(model, first_step, k, batch)``, batches ``[k, rows, ...]`` on
+            the host), in the dispatch loop before the call: reinforcement learning whose
+            examples the model generates (:class:`xlafit.train.rollout.Rollout`, GRPO). The
+            model shares the train state's arrays (no copy); the data is read ahead, the
+            rollout is not.
 
     Raises:
         ConfigError: an argument of the wrong kind or value (:mod:`xlafit.train.arguments`),
@@ -142,6 +150,7 @@ class Trainer:
         tokens_per_example: float | None = None,
         flops_per_example: float | None = None,
         trainable: nnx.filterlib.Filter = nnx.Param,
+        rollout: Rollout | None = None,
     ) -> None:
         check_arguments(
             model, loss_fn, optimizer, strategy=strategy, config=config, learning_rate=learning_rate,
@@ -182,8 +191,9 @@ class Trainer:
         check_trainable(params)
         self._frozen = frozen_filter(trainable, model_state)
         model.eval()
-        eval_graphdef = nnx.graphdef(model)
+        eval_graphdef = self._eval_graphdef = nnx.graphdef(model)
         model.train()
+        self.rollout = rollout
         # Where every array lies (xlafit.parallel.sharding): replicated in pure data parallelism, split
         # over fsdp / tensor otherwise; the same tree of shardings in, out and donated.
         shardings = state_shardings(abstract_state(params, model_state, optimizer, self.strategy))
@@ -230,6 +240,11 @@ class Trainer:
     def state(self) -> TrainState:
         return self._state
 
+    def model(self) -> nnx.Module:
+        """The model (in eval mode) on the train state's arrays as they are now: no copy; a
+        train step donates them, so use it before the next one."""
+        return nnx.merge(self._eval_graphdef, self._state.params, self._state.model_state)
+
     # ------------------------------------------------------------------ evaluation
 
     def evaluate(self, data: Data, stop: Callable[[], bool] | None = None) -> dict[str, float]:
@@ -268,7 +283,8 @@ class Trainer:
             taken = (checked_batch(data.take(idx, epoch=epoch), len(idx)) for idx, epoch in requests)
         for (step, k), batch in zip(requests.calls.tolist(), taken, strict=True):
             stacked = {name: x.reshape(k, -1, *x.shape[1:]) for name, x in batch.items()}  # [k, rows, ...]
-            yield step, k, to_global(s, stacked, leading_axes=1)
+            # a rollout's input stays on the host: the batch it makes goes to the devices
+            yield step, k, stacked if self.rollout is not None else to_global(s, stacked, leading_axes=1)
 
     def steps(self, train: Data, start: int, stop: int) -> Generator[Call, None, None]:
         """Runs the train step for steps ``[start, stop)``, yielding after each call.
@@ -283,6 +299,8 @@ class Trainer:
         previous = None
         try:
             for first, k, batch in batches:
+                if self.rollout is not None:  # the model as trained so far makes the call's batch
+                    batch = to_global(self.strategy, self.rollout(self.model(), first, k, batch), leading_axes=1)
                 compile_before = self.train_step.compile_s
                 self._state, metrics = self.train_step(self._state, batch)
                 compile_s = self.train_step.compile_s - compile_before

@@ -1,0 +1,200 @@
+"""GRPO's rollout: the train step's batch made from a batch of prompts by the model being
+trained, in the trainer's dispatch loop (:meth:`xlafit.Trainer.steps`), before the step.
+
+For one call of the train step (``n = num_iterations`` steps on one generation batch) it
+takes the call's prompts (:class:`xlafit.data.prompts.PromptSet`: ``G`` rows each),
+samples a completion for each row with the KV-cache generator on the trained weights as
+they are (:func:`xlafit.models.generation.generate`: the same arrays, on the run's mesh, no
+copy), scores the completions with the reward functions (:mod:`xlafit.train.rewards`),
+computes the advantages and each row's loss weight (:mod:`xlafit.train.grpo`), and where
+needed the per-token log-probabilities of the policy as it generated (``n > 1``) and of the
+reference (``β > 0``: the model with its LoRA adapters off). The sampler's seed is a
+function of ``(data.seed, step)``: a resumed run draws what the uninterrupted one drew.
+
+Example:
+    >>> sampler_seed(0, 12) == sampler_seed(0, 12) != sampler_seed(0, 13)
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from xlafit.data.prompts import PromptSet
+from xlafit.errors import ConfigError
+from xlafit.models.generation import Sampling, generate
+from xlafit.models.lora import adapters_off, lora_modules
+from xlafit.train import grpo
+from xlafit.train.rewards import Reward, score
+
+__all__ = ["Rollout", "sampler_seed"]
+
+
+def sampler_seed(seed: int, step: int) -> int:
+    """The sampler's seed at ``step`` (a uint32), a pure function of ``(seed, step)``."""
+    return int(np.random.SeedSequence([seed, step, 0x6770]).generate_state(1)[0])
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "reference"))
+def _logps(graphdef: Any, state: Any, rows: dict[str, jax.Array], temperature: float, reference: bool) -> jax.Array:
+    """Per-token log-probabilities ``[R, T - 1]`` of the completions in ``rows``: the model's,
+    or with ``reference`` its base's (LoRA adapters off; read while tracing)."""
+    model = nnx.merge(graphdef, state)
+    with adapters_off() if reference else contextlib.nullcontext():
+        logits = model(rows["input_ids"], rows["segment_ids"], rows["positions"])
+    return grpo.token_logps(logits, rows, temperature)[0]
+
+
+@dataclasses.dataclass
+class Rollout:
+    """Makes each call's train batch from its prompts (the module docstring).
+
+    Attributes:
+        prompts: the data (its token ids, columns, tokenizer and stop tokens).
+        objective: GRPO's settings.
+        rewards: the reward functions, with their names.
+        reward_weights: one weight per function (default 1 each).
+        iterations: the steps each generation batch trains (``num_iterations``).
+        top_p, top_k: the sampler's nucleus and top-k (1.0 and 0: the whole distribution).
+        seed: the run's data seed, from which each step's sampler seed derives.
+    """
+
+    prompts: PromptSet
+    objective: grpo.GrpoObjective
+    rewards: list[Reward]
+    reward_weights: np.ndarray | None = None
+    iterations: int = 1
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        weights = np.ones(len(self.rewards), np.float32) if self.reward_weights is None else self.reward_weights
+        self.reward_weights = np.asarray(weights, np.float32)
+        if len(self.reward_weights) != len(self.rewards):
+            raise ConfigError(
+                f"model.grpo.reward_weights has {len(self.reward_weights)} weights for {len(self.rewards)} reward "
+                "functions; give one weight per function (or none: 1 each)."
+            )
+
+    def __call__(self, model: Any, step: int, k: int, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The train batch ``[k, B, ...]`` of a call of ``k`` steps from ``step`` whose data
+        is ``batch`` (``prompt_index [k, B]``; the ``k`` steps share one generation batch)."""
+        rows = self.generation_batch(model, step, batch["prompt_index"][0])
+        return {name: np.broadcast_to(x[None], (k, *x.shape)).copy() for name, x in rows.items()}
+
+    def generation_batch(self, model: Any, step: int, prompt_index: np.ndarray) -> dict[str, np.ndarray]:
+        """The rows ``[B, ...]`` of one generation batch: ``prompt_index [B]`` (each prompt's
+        ``G`` rows adjacent) answered, scored and weighted."""
+        o, data = self.objective, self.prompts
+        index = [int(i) for i in prompt_index]
+        sampling = Sampling(o.temperature, self.top_k, self.top_p, seed=sampler_seed(self.seed, step))
+        start = time.perf_counter()
+        completions = generate(
+            model, [data.ids[i] for i in index], o.max_completion_length, sampling, data.stop_ids, data.pad_id,
+            prompt_length=data.prompt_length,
+        )  # fmt: skip
+        rollout_s = time.perf_counter() - start  # generate fetches the tokens: the loop has ended
+        rows = self._rows(index, completions)
+        lengths = np.array([len(c) for c in completions], np.float32)
+        values = score(self.rewards, self._reward_inputs(index, completions), index, data.group)
+        assert self.reward_weights is not None
+        adv, stats = grpo.advantages(values, self.reward_weights, data.group, o.scale_rewards)
+        rows["advantages"] = adv
+        rows["weights"] = grpo.row_weights(lengths, o.loss_type, o.max_completion_length, int(lengths.sum()))
+        self._add_logps(model, rows)
+        rows |= self._logged(values, stats, lengths, completions, rollout_s)
+        return rows
+
+    def _rows(self, index: list[int], completions: list[list[int]]) -> dict[str, np.ndarray]:
+        """Prompt then completion per row, padded at the end to prompt length + max completion."""
+        data = self.prompts
+        width = data.prompt_length + self.objective.max_completion_length
+        b = len(index)
+        ids = np.full((b, width), data.pad_id, np.int32)
+        segments = np.zeros((b, width), np.int32)
+        mask = np.zeros((b, width), np.int8)
+        for r, (i, completion) in enumerate(zip(index, completions, strict=True)):
+            prompt = data.ids[i]
+            p, c = len(prompt), len(completion)
+            ids[r, :p], ids[r, p : p + c] = prompt, completion
+            segments[r, : p + c] = 1
+            mask[r, p : p + c] = 1
+        positions = np.broadcast_to(np.arange(width, dtype=np.int32), (b, width)).copy()
+        return {"input_ids": ids, "segment_ids": segments, "positions": positions, "loss_mask": mask}
+
+    def _reward_inputs(self, index: list[int], completions: list[list[int]]) -> dict[str, list[Any]]:
+        """What the reward functions are called with (TRL's keywords), one item per completion."""
+        data = self.prompts
+        texts = data.tokenizer.decode_batch(completions, skip_special_tokens=True)
+        if data.conversational:
+            answered: list[Any] = [[{"role": "assistant", "content": t}] for t in texts]
+        else:
+            answered = list(texts)
+        kwargs: dict[str, list[Any]] = {
+            "prompts": [data.prompts[i] for i in index],
+            "completions": answered,
+            "completion_ids": [list(c) for c in completions],
+        }
+        for name, values in data.columns.items():
+            kwargs[name] = [values[i] for i in index]
+        return kwargs
+
+    def _add_logps(self, model: Any, rows: dict[str, np.ndarray]) -> None:
+        """The policy's log-probabilities as it generated (``num_iterations > 1``) and the
+        reference's (``β > 0``), ``[B, T - 1]`` float32, into ``rows``."""
+        need_old, need_ref = self.iterations > 1, bool(self.objective.beta)
+        if not (need_old or need_ref):
+            return
+        graphdef, state = nnx.split(model)
+        device_rows = {k: jnp.asarray(rows[k]) for k in grpo.ROW_KEYS}
+        t = self.objective.temperature
+        if need_old:
+            rows["old_logps"] = np.asarray(_logps(graphdef, state, device_rows, t, reference=False))
+        if need_ref:
+            if not lora_modules(model):
+                raise ConfigError(
+                    "model.grpo.beta > 0 compares the policy with a reference (the model before tuning), and this "
+                    "model has no LoRA adapters to turn off for one; set lora.rank=16 (or another rank), or "
+                    "model.grpo.beta=0."
+                )
+            rows["ref_logps"] = np.asarray(_logps(graphdef, state, device_rows, t, reference=True))
+
+    def _logged(
+        self,
+        values: np.ndarray,
+        stats: dict[str, np.ndarray],
+        lengths: np.ndarray,
+        completions: list[list[int]],
+        rollout_s: float,
+    ) -> dict[str, np.ndarray]:
+        """The rollout's statistics as ``log/NAME`` columns ``[B]`` (TRL's names): per row where
+        the batch mean is the statistic, the same in every row where it is a spread or a rate."""
+        b = len(lengths)
+
+        def constant(x: float) -> np.ndarray:
+            return np.full(b, x, np.float32)
+
+        stops = set(self.prompts.stop_ids)
+        truncated = np.array([not c or c[-1] not in stops for c in completions], np.float32)
+        out = {
+            "log/reward": stats["reward"],
+            "log/reward_std": constant(float(stats["reward"].std(ddof=1))),
+            "log/frac_reward_zero_std": stats["zero_std"],
+            "log/completions/mean_length": lengths,
+            "log/completions/clipped_ratio": truncated,
+            "log/rollout_tokens_per_sec": constant(float(lengths.sum()) / max(rollout_s, 1e-9)),
+        }
+        for column, (name, _) in enumerate(self.rewards):
+            out[f"log/rewards/{name}/mean"] = values[:, column]
+            out[f"log/rewards/{name}/std"] = constant(float(values[:, column].std(ddof=1)))
+        return {k: np.asarray(v, np.float32) for k, v in out.items()}

@@ -1,0 +1,144 @@
+"""The llm recipe's GRPO (model.objective=grpo): settings refused before any data is read, a
+pulse with LoRA, the KL to the base and two steps per generation batch, and kill -9 during a
+GRPO run resumed to the uninterrupted run's metrics bit for bit."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import xlafit
+from helpers import user_env
+from xlafit.data import chat_demo
+from xlafit.errors import ConfigError
+from xlafit.recipes import get_recipe
+from xlafit.train.rollout import sampler_seed
+
+XLAFIT = [sys.executable, "-m", "xlafit"]
+REWARDS = """
+def exact(prompts, completions, answer, **kwargs):
+    return [1.0 if c[0]["content"].strip().endswith(f"is {a}.") else 0.0 for c, a in zip(completions, answer)]
+
+def short(prompts, completions, completion_ids, **kwargs):
+    return [-len(ids) / 8 for ids in completion_ids]
+"""
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """12 sums as conversational prompts with their answers, and the two rewards."""
+    root = tmp_path_factory.mktemp("grpo")
+    rows = [
+        {"prompt": [{"role": "user", "content": f"What is {a} plus {b}?"}], "answer": str(a + b)}
+        for a, b in [(a, b) for a in range(4) for b in range(3)]
+    ]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "rewards.py").write_text(REWARDS)
+    return root
+
+
+def overrides(files, run_dir, *extra):
+    return [
+        "model.objective=grpo",
+        f"model.grpo.rewards={files / 'rewards.py'}:exact,short",
+        f"data.data_dir={files / 'prompts.jsonl'}",
+        f"data.tokenizer={chat_demo.demo_files()[2]}",
+        f"run.run_dir={run_dir}",
+        *("data.global_batch=8", "model.grpo.num_generations=4", "model.grpo.max_completion_length=6"),
+        *("trainer.epochs=1", "trainer.log_every_steps=1", "model.max_position_embeddings=64", "data.seq_len=32"),
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (["model.objective=grpo"], r"learns from rewards: name the reward functions, as model.grpo.rewards="),
+        (["model.grpo.beta=0.04"], r"full fine-tuning \(lora.rank=0\) has no frozen base .* Set lora.rank=16"),
+        (["trainer.steps_per_call=3", "model.grpo.num_iterations=2"], r"drop trainer.steps_per_call"),
+        (["model.grpo.reward_weights=1"], r"1 weights for the 2 functions"),
+        (["model.grpo.loss_type=ppo"], r"model.grpo.loss_type"),
+        (["trainer.stop_at_step=3", "model.grpo.num_iterations=2"], r"stops inside a generation batch"),
+    ],
+)
+def test_grpo_settings_that_cannot_work_are_refused(files, tmp_path, settings, message):
+    args = overrides(files, tmp_path, *settings)
+    if settings == ["model.objective=grpo"]:
+        args = [a for a in args if not a.startswith("model.grpo.rewards")]
+    with pytest.raises(ConfigError, match=message) as e:
+        get_recipe("llm").validate(xlafit.load_config("llm", args))
+    assert "\n" not in str(e.value)
+
+
+def test_a_group_that_does_not_divide_the_batch_is_refused(files, tmp_path):
+    cfg = xlafit.load_config("llm", overrides(files, tmp_path, "model.grpo.num_generations=3"))
+    with pytest.raises(ConfigError, match=r"8 completions is not a whole number of groups of .*num_generations=3"):
+        xlafit.train_and_evaluate(cfg)
+    assert not (tmp_path / "checkpoints").exists()  # nothing trained
+
+
+def test_pulse(files, tmp_path):
+    """LoRA, the KL to the base (adapters off) and two steps per generation batch: a run that
+    learns (the second batch's policy differs from the base: KL above 0) and logs every
+    statistic."""
+    settings = ["lora.rank=4", "model.grpo.beta=0.04", "model.grpo.num_iterations=2", "trainer.stop_at_step=4",
+                "optimizer.warmup_steps=0", "optimizer.learning_rate=0.05", "optimizer.decay=constant"]  # fmt: skip
+    result = xlafit.train_and_evaluate(xlafit.load_config("llm", overrides(files, tmp_path, *settings)))
+    first, second = result.history[0], result.history[1]
+    assert [r["step"] for r in result.history] == [2, 4]  # a call is a generation batch of two steps
+    for name in ("reward", "reward_std", "rewards/exact/mean", "rewards/exact/std", "rewards/short/mean", "kl",
+                 "completions/mean_length", "clip_ratio/region_mean", "frac_reward_zero_std",
+                 "rollout_tokens_per_sec"):  # fmt: skip
+        assert name in first, name
+    assert 1 <= first["completions/mean_length"] <= 6
+    assert first["grad_norm"] > 0 or second["grad_norm"] > 0
+    assert second["kl"] > 0  # the adapters moved the policy away from the base
+    saved = (tmp_path / "config.yaml").read_text()
+    assert "steps_per_call: 2" in saved
+
+
+def test_the_sampler_seed_is_a_function_of_seed_and_step():
+    assert sampler_seed(0, 5) == sampler_seed(0, 5)
+    assert len({sampler_seed(s, t) for s in range(3) for t in range(50)}) == 150
+
+
+def records(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    timing = ("examples_per_sec", "tokens_per_sec", "mfu", "step_time_s", "input_wait_s", "compiles", "time",
+              "rollout_tokens_per_sec")  # fmt: skip
+    return [{k: v for k, v in json.loads(line).items() if k not in timing} for line in lines]
+
+
+def test_kill_9_during_a_grpo_run_resumes_to_the_uninterrupted_metrics(files, tmp_path):
+    """A GRPO run killed while training (a checkpoint at every generation batch), then run
+    again, logs the same numbers, bit for bit, as the run that was never interrupted: the
+    sampler's seed is a function of (seed, step), and the old log-probabilities of a
+    generation batch never outlive its call."""
+    settings = ["lora.rank=4", "model.grpo.num_iterations=2", "trainer.checkpoint_every_steps=2"]
+    cmd = lambda run_dir: [*XLAFIT, "train", "llm", "--simulate", "1", *overrides(files, run_dir, *settings)]  # noqa: E731
+    whole = tmp_path / "whole"
+    out = subprocess.run(cmd(whole), capture_output=True, text=True, env=user_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen(cmd(cut), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=user_env())
+    assert proc.stdout is not None
+    for line in proc.stdout:  # killed just after its second generation batch is logged
+        if line.startswith("[train] step 4 "):
+            break
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    steps = [r["step"] for r in records(cut) if r["split"] == "train"]
+    assert steps and max(steps) < max(r["step"] for r in records(whole) if r["split"] == "train")
+    again = subprocess.run(cmd(cut), capture_output=True, text=True, env=user_env())
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from checkpoint" in again.stdout
+
+    def by_step(run_dir):  # the last record of each (split, step): a resumed step is logged again
+        return {(r["split"], r["step"]): r for r in records(run_dir)}
+
+    assert by_step(cut) == by_step(whole)

@@ -1,0 +1,99 @@
+"""Reward functions of GRPO (xlafit.train.rewards): read from a Python file by name, called
+with TRL's keywords, and each way a reward file or function can be wrong refused in one line
+that names the function, the prompt and the fix."""
+
+import numpy as np
+import pytest
+
+from xlafit.errors import ConfigError, RewardError
+from xlafit.train.rewards import load_rewards, score
+
+G = 2
+PROMPT_INDEX = [40, 40, 7, 7]  # two prompts of the data, two completions each
+
+
+def kwargs():
+    return {
+        "prompts": ["a", "a", "b", "b"],
+        "completions": ["1", "22", "333", "boom"],
+        "completion_ids": [[1], [2, 2], [3, 3, 3], [4]],
+        "answer": ["1", "1", "3", "3"],
+    }
+
+
+def write(tmp_path, source, name="rewards.py"):
+    path = tmp_path / name
+    path.write_text(source)
+    return str(path)
+
+
+def test_functions_are_read_by_name_and_called_with_the_columns(tmp_path):
+    path = write(
+        tmp_path,
+        "import helper\n"
+        "def exact(prompts, completions, answer, **kwargs):\n"
+        "    return [float(c == a) for c, a in zip(completions, answer)]\n"
+        "def length(prompts, completions, completion_ids, **kwargs):\n"
+        "    return [helper.SCALE * len(i) for i in completion_ids]\n",
+    )
+    write(tmp_path, "SCALE = 0.5\n", "helper.py")  # a neighbour the file imports
+    rewards = load_rewards(f"{path}:exact,length")
+    assert [name for name, _ in rewards] == ["exact", "length"]
+    values = score(rewards, kwargs(), PROMPT_INDEX, G)
+    np.testing.assert_array_equal(values, [[1, 0.5], [0, 1], [0, 1.5], [0, 0.5]])
+
+
+@pytest.mark.parametrize(
+    ("source", "spec", "message"),
+    [
+        ("def f(:\n", "f", r"is not Python: line 1: .*; give a \.py file that defines f"),
+        ("def f(**k): return []\n", "g", r"has no function 'g' \(it defines f\); name one it defines"),
+        ("f = 3\n", "f", r"f in .* is a int, not a function"),
+        ("raise RuntimeError('no GPU')\n", "f", r"failed while being loaded: RuntimeError: no GPU; fix it"),
+    ],
+    ids=["not-python", "no-such-function", "not-callable", "raises-on-load"],
+)
+def test_a_reward_file_that_cannot_serve_is_refused(tmp_path, source, spec, message):
+    path = write(tmp_path, source)
+    with pytest.raises(ConfigError, match=message) as e:
+        load_rewards(f"{path}:{spec}")
+    assert "\n" not in str(e.value)
+
+
+def test_a_missing_file_and_a_spec_without_functions_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="is not a file"):
+        load_rewards(f"{tmp_path}/none.py:f")
+    with pytest.raises(ConfigError, match="give a Python file and its reward functions"):
+        load_rewards(f"{tmp_path}/none.py")
+
+
+def test_an_edited_file_is_read_again(tmp_path):
+    path = write(tmp_path, "def f(**k): return [1.0] * len(k['prompts'])\n")
+    assert score(load_rewards(f"{path}:f"), kwargs(), PROMPT_INDEX, G)[0, 0] == 1.0
+    write(tmp_path, "def f(**k):\n    return [2.0] * len(k['prompts'])\n")
+    assert score(load_rewards(f"{path}:f"), kwargs(), PROMPT_INDEX, G)[0, 0] == 2.0
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (
+            "return [1 / (c != 'boom') for c in completions]",
+            r"reward function bad raised ZeroDivisionError: division by zero on the completions of prompt 7 of the "
+            r"data; fix the function",
+        ),
+        ("return [1.0, 2.0]", r"reward function bad returned 2 values for 4 completions; return one float per"),
+        (
+            "return [0.0, 0.0, float('nan'), 0.0]",
+            r"reward function bad returned nan for completion 0 of prompt 7 of the data; return a finite number",
+        ),
+        ("return [0.0, None, 0.0, 0.0]", r"returned None for completion 1 of prompt 40 of the data"),
+        ("return 1.0", r"reward function bad returned a float, not a list"),
+    ],
+    ids=["raises", "wrong-count", "nan", "none", "not-a-list"],
+)
+def test_a_reward_function_that_misbehaves_is_named_with_its_prompt(tmp_path, body, message):
+    path = write(tmp_path, f"def ok(**k):\n    return [0.0] * 4\ndef bad(prompts, completions, **k):\n    {body}\n")
+    with pytest.raises(RewardError, match=message) as e:
+        score(load_rewards(f"{path}:ok,bad"), kwargs(), PROMPT_INDEX, G)
+    assert "\n" not in str(e.value)
