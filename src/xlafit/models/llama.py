@@ -32,26 +32,12 @@ from xlafit.models.activations import gated
 from xlafit.models.attention import apply_rope, attention, causal_mask, default_scale, rope_frequencies
 from xlafit.models.bert import remat_policy
 from xlafit.models.cudnn import packed_flash_attention
+from xlafit.models.dense import dense as _dense
 from xlafit.models.llama_config import DTYPES, LAYER_INPUT, PRESETS, LlamaConfig
 from xlafit.models.lora import LoRA
 from xlafit.parallel.sharding import constrain, logical
 
 __all__ = ["PRESETS", "KVCache", "LlamaConfig", "LlamaForCausalLM", "layer_remat_policy", "rope_frequencies"]
-
-
-def _dense(cfg: LlamaConfig, din: int, dout: int, rngs: nnx.Rngs, axes: tuple[str, str], bias: bool) -> nnx.Linear:
-    """A bias-free (unless ``bias``) dense layer whose kernel has the logical axes ``axes``."""
-    init = nnx.initializers.normal(stddev=cfg.initializer_range)
-    return nnx.Linear(
-        din,
-        dout,
-        use_bias=bias,
-        kernel_init=logical(init, *axes),
-        bias_init=logical(nnx.initializers.zeros_init(), axes[1]),
-        dtype=cfg.compute_dtype,
-        param_dtype=DTYPES[cfg.param_dtype],
-        rngs=rngs,
-    )
 
 
 class RMSNorm(nnx.Module):
