@@ -11,7 +11,9 @@ import pytest
 from flax import nnx
 
 from xlafit.hf import llama as llama_hf
+from xlafit.hf.peft import save_peft_adapter
 from xlafit.models.generation import generate
+from xlafit.models.lora import apply_lora, merge_lora
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -119,3 +121,22 @@ def test_generation_equals_transformers_generate(checkpoint, ours):
     with torch.no_grad():
         want = theirs.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert generate(ours, PROMPTS, 8) == want[:, length:].tolist()
+
+
+# peft 0.21 reads transformers 5's deprecated is_gradient_checkpointing (not our code)
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_lora_on_the_deltanet_projections_exports_a_peft_adapter(checkpoint, tmp_path):
+    """Adapters on the Gated DeltaNet layers' projections (and the gated q_proj) keep transformers' names."""
+    peft = pytest.importorskip("peft")
+    plain, folder = checkpoint
+    targets = ["q_proj", "in_proj_qkv", "in_proj_z", "out_proj", "down_proj"]
+    ours = apply_lora(llama_hf.from_hf(folder, linear_chunk_size=16), targets, rank=4, alpha=8, rngs=nnx.Rngs(1))
+    for path, value in nnx.state(ours, nnx.LoRAParam).flat_state():  # non-zero B: the adapter changes the logits
+        if path[-1] == "lora_b":
+            value.set_value(jnp.full(value.shape, 0.05, value.dtype))
+    save_peft_adapter(ours, tmp_path / "adapter", base_model_name_or_path=str(folder))
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(folder))
+    tuned = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    want = _theirs(tuned, IDS)
+    assert np.abs(want - _theirs(plain, IDS)).max() > 1e-2  # the adapters do change transformers' logits
+    np.testing.assert_allclose(np.asarray(run(merge_lora(ours), jnp.array(IDS))), want, atol=1e-4, rtol=1e-4)

@@ -275,19 +275,31 @@ class LlamaConfig:
         matmul parameters ``N`` (the decoder's projections and the output layer, not the
         embedding lookup) plus ``12 * layers * heads * head_dim * seq_len`` for attention
         scores and their weighting, forward and backward, with no discount for the causal
-        mask. Divide tokens/s times this by the peak FLOP/s for MFU.
+        mask. Divide tokens/s times this by the peak FLOP/s for MFU. A Gated DeltaNet layer
+        (Qwen3.5) counts its projections and its delta rule's products per token instead.
 
         Example:
             >>> round(LlamaConfig.preset("llama-3.1-8b").train_flops_per_token(4096) / 1e9, 1)
             51.5
         """
-        h, d, layers = self.hidden_size, self.head_size, self.num_layers
-        attention = h * d * (2 * self.num_heads + 2 * self.kv_heads)  # q, o; k, v
-        per_layer = attention + 3 * h * self.intermediate_size  # gate, up, down
-        matmul_params = layers * per_layer + h * self.vocab_size
+        h, d = self.hidden_size, self.head_size
+        gates = 2 if self.attn_output_gate else 1
+        attention = h * d * ((1 + gates) * self.num_heads + 2 * self.kv_heads)  # q (and its gate), o; k, v
+        mlp = 3 * h * self.intermediate_size  # gate, up, down
+        kinds = self.kinds
+        linear = kinds.count("linear_attention")
+        # A Gated DeltaNet layer: its projections (q, k, v, z, b, a in; out), and per token and
+        # value head the delta rule's state products (read, predict, write: 3 Dk Dv) and the
+        # in-chunk products (C (2 Dk + Dv)), 6 FLOPs each forward and backward as the matmuls.
+        heads, dk, dv = self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim
+        key_dim, value_dim = self.linear_num_key_heads * dk, heads * dv
+        deltanet = h * (2 * key_dim + 2 * value_dim + 2 * heads) + value_dim * h
+        rule = heads * (3 * dk * dv + self.linear_chunk_size * (2 * dk + dv))
+        matmul_params = (len(kinds) - linear) * attention + linear * deltanet + len(kinds) * mlp + h * self.vocab_size
         # A sliding layer's query sees at most sliding_window keys.
         seen = sum(
             min(seq_len, self.sliding_window or seq_len) if kind == "sliding_attention" else seq_len
-            for kind in self.kinds
+            for kind in kinds
+            if kind != "linear_attention"
         )
-        return 6.0 * matmul_params + 12.0 * self.num_heads * d * seen
+        return 6.0 * (matmul_params + linear * rule) + 12.0 * self.num_heads * d * seen
