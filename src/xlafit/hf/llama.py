@@ -145,8 +145,9 @@ def _rope_fields(hf: dict) -> dict[str, Any]:
     fields: dict[str, Any] = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
     if local is not None and "rope_theta" in local:
         fields["rope_local_theta"] = float(local["rope_theta"])
-    if "partial_rotary_factor" in rope or "partial_rotary_factor" in hf:
-        fields["partial_rotary_factor"] = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor")))
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial is not None:
+        fields["partial_rotary_factor"] = float(partial)
     if kind == "llama3":
         fields["rope_type"] = "llama3"
         fields.update({ours: rope[hf_key] for ours, hf_key in _LLAMA3_KEYS.items() if hf_key in rope})

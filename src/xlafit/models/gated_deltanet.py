@@ -159,7 +159,7 @@ class GatedDeltaNet(nnx.Module):
         conv = causal_conv(window, self.conv1d.kernel[...], x.shape[1], same)
         return self._mix(x, conv, None, segment_ids)[0]
 
-    def empty_state(self, batch: int, dtype: jax.typing.DTypeLike = None) -> LinearState:
+    def empty_state(self, batch: int, dtype: jax.typing.DTypeLike | None = None) -> LinearState:
         """The state before a sequence's first token (zeros)."""
         cfg = self.cfg
         channels = 2 * self.key_dim + self.value_dim
