@@ -145,9 +145,6 @@ def _rope_fields(hf: dict) -> dict[str, Any]:
     fields: dict[str, Any] = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
     if local is not None and "rope_theta" in local:
         fields["rope_local_theta"] = float(local["rope_theta"])
-    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
-    if partial is not None:
-        fields["partial_rotary_factor"] = float(partial)
     if kind == "llama3":
         fields["rope_type"] = "llama3"
         fields.update({ours: rope[hf_key] for ours, hf_key in _LLAMA3_KEYS.items() if hf_key in rope})
@@ -209,6 +206,8 @@ def _qwen3_5_fields(hf: dict) -> dict[str, Any]:
     unknown = sorted(set(types) - {"full_attention", "linear_attention"})
     if unknown:
         raise HFFormatError(f"layer_types has {', '.join(unknown)}; Qwen3.5 has full_attention and linear_attention.")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
     fields: dict[str, Any] = {key: int(hf[key]) for key in _LINEAR_KEYS if key in hf}
     fields.update(
         layer_types=tuple(types),
@@ -216,7 +215,7 @@ def _qwen3_5_fields(hf: dict) -> dict[str, Any]:
         qk_norm=True,
         norm_offset=True,
         attention_bias=bool(hf.get("attention_bias")),
-        partial_rotary_factor=float(hf.get("partial_rotary_factor", 0.25)),
+        partial_rotary_factor=float(partial),
     )
     return fields
 
@@ -245,8 +244,8 @@ def config_from_hf(hf: dict, **overrides: Any) -> LlamaConfig:
     if missing:
         raise HFFormatError(f"config.json lacks {', '.join(missing)}.")
     fields = {ours: hf[key] for ours, key in _CONFIG_KEYS.items() if hf.get(key) is not None}
+    fields.update(_rope_fields(hf))
     fields.update(_family_fields(kind, hf))
-    fields.update(_rope_fields(hf))  # a partial_rotary_factor in rope_parameters wins over the family's default
     return LlamaConfig(**{**fields, **overrides})
 
 
