@@ -2,7 +2,8 @@
 
 The Hugging Face side is the files ``save_pretrained`` writes and ``from_pretrained`` reads
 for ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``,
-``Gemma2ForCausalLM`` and ``Gemma3ForCausalLM`` (the family is the config's ``model_type``): ``config.json``
+``Gemma2ForCausalLM``, ``Gemma3ForCausalLM`` and ``Qwen3_5ForCausalLM`` (the family is the config's
+``model_type``; Qwen3.5's multimodal checkpoints give their text model): ``config.json``
 and ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` listed in
 ``model.safetensors.index.json``. PyTorch's ``Linear`` weights are ``[out, in]``, ours
 ``[in, out]``. Nothing here imports PyTorch or transformers. Scanned models
@@ -60,8 +61,17 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
 }
 _GEMMA = ("gemma2", "gemma3_text")
+# Qwen3.5's Gated DeltaNet sizes: the same names in our config and Hugging Face's.
+_LINEAR_KEYS = (
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
 
 
 def _family(cfg: LlamaConfig) -> str:
@@ -82,7 +92,7 @@ def hf_config(cfg: LlamaConfig) -> dict:
         32.0
     """
     family = _family(cfg)
-    if family not in _GEMMA and (cfg.embedding_scale or cfg.norm_offset):
+    if family not in _GEMMA and cfg.embedding_scale or family not in (*_GEMMA, "qwen3_5_text") and cfg.norm_offset:
         raise HFFormatError(f"embedding_scale and norm_offset (Gemma's conventions) have no {family} config.json.")
     out: dict[str, Any] = {hf: getattr(cfg, ours) for ours, hf in _CONFIG_KEYS.items()}
     act = "gelu_pytorch_tanh" if cfg.hidden_activation == "gelu_tanh" else "silu"
@@ -112,6 +122,12 @@ def hf_config(cfg: LlamaConfig) -> dict:
         )
     if family == "gemma3_text":
         out["rope_local_base_freq"] = cfg.rope_local_theta or cfg.rope_theta
+    if family == "qwen3_5_text":
+        out.update({key: getattr(cfg, key) for key in _LINEAR_KEYS})
+        out.update(attention_bias=cfg.attention_bias, layer_types=list(cfg.kinds))
+        out["rope_parameters"] = {
+            "rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": cfg.partial_rotary_factor
+        }  # fmt: skip
     if cfg.rope_type == "llama3":
         out["rope_scaling"] = {"rope_type": "llama3", **{hf: getattr(cfg, ours) for ours, hf in _LLAMA3_KEYS.items()}}
     elif cfg.rope_type == "linear":
@@ -174,6 +190,33 @@ def _family_fields(kind: str, hf: dict) -> dict[str, Any]:
         )
         if kind == "gemma3_text" and "rope_local_base_freq" in hf:
             fields["rope_local_theta"] = float(hf["rope_local_base_freq"])
+    if kind == "qwen3_5_text":
+        fields.update(_qwen3_5_fields(hf))
+    return fields
+
+
+def _qwen3_5_fields(hf: dict) -> dict[str, Any]:
+    """Qwen3.5 (text): Gated DeltaNet layers with every ``full_attention_interval``-th (4) a
+    full-attention layer whose output is gated; q/k norms; RMSNorm weights used as ``1 + w``."""
+    layers = int(hf["num_hidden_layers"])
+    interval = int(hf.get("full_attention_interval", 4))
+    types = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)
+    ]
+    unknown = sorted(set(types) - {"full_attention", "linear_attention"})
+    if unknown:
+        raise HFFormatError(f"layer_types has {', '.join(unknown)}; Qwen3.5 has full_attention and linear_attention.")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+    fields: dict[str, Any] = {key: int(hf[key]) for key in _LINEAR_KEYS if key in hf}
+    fields.update(
+        layer_types=tuple(types),
+        attn_output_gate=True,
+        qk_norm=True,
+        norm_offset=True,
+        attention_bias=bool(hf.get("attention_bias")),
+        partial_rotary_factor=float(partial),
+    )
     return fields
 
 
@@ -187,6 +230,9 @@ def config_from_hf(hf: dict, **overrides: Any) -> LlamaConfig:
         16
     """
     kind = hf.get("model_type", "llama")
+    if kind == "qwen3_5" and isinstance(hf.get("text_config"), dict):  # the multimodal checkpoint: its text model
+        hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"]}
+        kind = hf["model_type"] = "qwen3_5_text"
     if kind == "gemma3":
         raise HFFormatError(
             "config.json describes Gemma 3 with its vision tower (gemma3); xlafit reads the text models (gemma3_text: "
@@ -215,6 +261,17 @@ _QK_NORM_TENSORS = [(f"self_attn.{n}.weight", ("self_attn", n, "scale"), False) 
 _SANDWICH_TENSORS = [
     (f"{n}.weight", (n, "scale"), False) for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 ]
+# A Gated DeltaNet layer's (Qwen3.5) in place of self_attn's; conv1d's [C, 1, K] is our [K, 1, C] reversed.
+_LINEAR_TENSORS = [
+    ("input_layernorm.weight", ("input_layernorm", "scale"), False),
+    *[
+        (f"linear_attn.{p}.weight", ("linear_attn", p, "kernel"), True)
+        for p in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "out_proj")
+    ],
+    *[(f"linear_attn.{p}", ("linear_attn", p), False) for p in ("dt_bias", "A_log")],
+    ("linear_attn.norm.weight", ("linear_attn", "norm", "scale"), False),
+    *[entry for entry in _LAYER_TENSORS if entry[1][0] != "self_attn" and entry[0] != "input_layernorm.weight"],
+]
 
 
 def _param(module: Any, path: tuple[str, ...]) -> nnx.Variable:
@@ -238,9 +295,9 @@ def entries(model: LlamaForCausalLM) -> Iterator[Entry]:
     yield "model.embed_tokens.weight", model.embed_tokens.embedding, None, False
     tensors: list[tuple[str, tuple[str, ...], bool]] = [*_LAYER_TENSORS, *(_BIAS_TENSORS if cfg.attention_bias else [])]
     tensors += [*(_QK_NORM_TENSORS if cfg.qk_norm else []), *(_SANDWICH_TENSORS if cfg.sandwich_norms else [])]
-    for i in range(cfg.num_layers):
+    for i, kind in enumerate(cfg.kinds):
         layer = model.layers if cfg.scan_layers else model.layers[i]
-        for suffix, path, transposed in tensors:
+        for suffix, path, transposed in _LINEAR_TENSORS if kind == "linear_attention" else tensors:
             yield f"model.layers.{i}.{suffix}", _param(layer, path), i if cfg.scan_layers else None, transposed
     yield "model.norm.weight", model.norm.scale, None, False
     if model.lm_head is not None:
@@ -291,9 +348,13 @@ def from_hf_state(model: LlamaForCausalLM, state: Mapping[str, Any], put: Put | 
         HFFormatError: a tensor is missing or has another shape than ``model``'s config gives.
     """
     prefixed = any(k.startswith("model.") for k in state)
+    # Qwen3.5's multimodal checkpoints keep the text model under model.language_model.
+    language_model = any(k.startswith("model.language_model.") for k in state)
 
     def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
         key = name if prefixed or name == "lm_head.weight" else name.removeprefix("model.")
+        if language_model and key.startswith("model."):
+            key = "model.language_model." + key.removeprefix("model.")
         if key not in state:
             raise HFFormatError(
                 f"the checkpoint has no tensor {key!r} (expected shape {shape}); is it the model config.json names?"

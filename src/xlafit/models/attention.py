@@ -30,14 +30,15 @@ __all__ = [
 
 
 def rope_frequencies(cfg: LlamaConfig, local: bool = False) -> np.ndarray:
-    """The rotary inverse frequencies ``[head_dim / 2]`` (float32), Llama 3's or linear
-    scaling applied; a sliding layer of Gemma 3 (``local``) has its own base and none.
+    """The rotary inverse frequencies ``[rotary_dim / 2]`` (float32: ``head_dim`` times
+    ``partial_rotary_factor``), Llama 3's or linear scaling applied; a sliding layer of
+    Gemma 3 (``local``) has its own base and none.
 
     Computed as Hugging Face does (``_compute_default_rope_parameters``,
     ``_compute_llama3_parameters``, ``_compute_linear_scaling_rope_parameters``), in
     float32, so the angles agree bit for bit.
     """
-    d = cfg.head_size
+    d = cfg.rotary_dim
     theta = cfg.rope_local_theta if local and cfg.rope_local_theta else cfg.rope_theta
     inv_freq = (1.0 / (theta ** (np.arange(0, d, 2).astype(np.float32) / d))).astype(np.float32)
     if cfg.rope_type == "default" or (local and cfg.rope_local_theta):
@@ -61,11 +62,15 @@ def rotate_half(x: jax.Array) -> jax.Array:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotates ``x [B, T, heads, head_dim]`` by the angles of ``positions [B, T]``.
+    """Rotates ``x [B, T, heads, head_dim]`` by the angles of ``positions [B, T]``: its first
+    ``2 * len(inv_freq)`` dimensions, the rest as they are (a partial rotary factor).
 
     The angles are float32 (bf16 positions past 256 would round), cos and sin are cast to
     ``x``'s dtype before the products, as in Hugging Face.
     """
+    rotary = 2 * len(inv_freq)
+    if rotary < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rotary], positions, inv_freq), x[..., rotary:]], axis=-1)
     freqs = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)[None, None, :]  # (B, T, d/2)
     angles = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # (B, T, 1, d)
     cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)

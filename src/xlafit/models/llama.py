@@ -32,26 +32,13 @@ from xlafit.models.activations import gated
 from xlafit.models.attention import apply_rope, attention, causal_mask, default_scale, rope_frequencies
 from xlafit.models.bert import remat_policy
 from xlafit.models.cudnn import packed_flash_attention
+from xlafit.models.dense import dense as _dense
+from xlafit.models.gated_deltanet import GatedDeltaNet
 from xlafit.models.llama_config import DTYPES, LAYER_INPUT, PRESETS, LlamaConfig
 from xlafit.models.lora import LoRA
 from xlafit.parallel.sharding import constrain, logical
 
 __all__ = ["PRESETS", "KVCache", "LlamaConfig", "LlamaForCausalLM", "layer_remat_policy", "rope_frequencies"]
-
-
-def _dense(cfg: LlamaConfig, din: int, dout: int, rngs: nnx.Rngs, axes: tuple[str, str], bias: bool) -> nnx.Linear:
-    """A bias-free (unless ``bias``) dense layer whose kernel has the logical axes ``axes``."""
-    init = nnx.initializers.normal(stddev=cfg.initializer_range)
-    return nnx.Linear(
-        din,
-        dout,
-        use_bias=bias,
-        kernel_init=logical(init, *axes),
-        bias_init=logical(nnx.initializers.zeros_init(), axes[1]),
-        dtype=cfg.compute_dtype,
-        param_dtype=DTYPES[cfg.param_dtype],
-        rngs=rngs,
-    )
 
 
 class RMSNorm(nnx.Module):
@@ -80,7 +67,9 @@ class LlamaAttention(nnx.Module):
         h, q_dim, kv_dim = cfg.hidden_size, cfg.num_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
         # Megatron: q, k, v column-parallel by head, o row-parallel. "kv_heads" is its own
         # name so a run with more tensor devices than key/value heads can replicate k and v.
-        self.q_proj = _dense(cfg, h, q_dim, rngs, ("embed", "heads"), cfg.attention_bias)
+        # Qwen3.5's gated output: q_proj gives each head's queries, then its gate
+        gates = 2 if cfg.attn_output_gate else 1
+        self.q_proj = _dense(cfg, h, gates * q_dim, rngs, ("embed", "heads"), cfg.attention_bias)
         self.k_proj = _dense(cfg, h, kv_dim, rngs, ("embed", "kv_heads"), cfg.attention_bias)
         self.v_proj = _dense(cfg, h, kv_dim, rngs, ("embed", "kv_heads"), cfg.attention_bias)
         self.o_proj = _dense(cfg, q_dim, h, rngs, ("heads", "embed"), False)
@@ -91,10 +80,13 @@ class LlamaAttention(nnx.Module):
         self.window = cfg.sliding_window if kind == "sliding_attention" else None
         self.local_rope = kind == "sliding_attention" and cfg.rope_local_theta is not None
 
-    def _project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+        """Rotated queries and keys, values, and the output gate (``attn_output_gate``) or None."""
         b, t, _ = x.shape
         cfg = self.cfg
-        q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_size)
+        q = self.q_proj(x).reshape(b, t, cfg.num_heads, -1)
+        gate = q[..., cfg.head_size :].reshape(b, t, -1) if cfg.attn_output_gate else None
+        q = q[..., : cfg.head_size]
         k = self.k_proj(x).reshape(b, t, cfg.kv_heads, cfg.head_size)
         v = self.v_proj(x).reshape(b, t, cfg.kv_heads, cfg.head_size)
         if cfg.qk_norm:
@@ -102,7 +94,12 @@ class LlamaAttention(nnx.Module):
         # Computed from the config at trace time: a constant of the compiled program, not
         # state (an array attribute would be a leaf of nnx.state and of checkpoints).
         inv_freq = rope_frequencies(cfg, self.local_rope)
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v, gate
+
+    def _output(self, context: jax.Array, gate: jax.Array | None) -> jax.Array:
+        b, t = context.shape[:2]
+        context = context.reshape(b, t, self.cfg.num_heads * self.cfg.head_size)
+        return self.o_proj(context if gate is None else context * jax.nn.sigmoid(gate))
 
     @property
     def plain(self) -> bool:
@@ -115,7 +112,7 @@ class LlamaAttention(nnx.Module):
     ) -> jax.Array:
         b, t, _ = x.shape
         cfg = self.cfg
-        q, k, v = self._project(x, positions)
+        q, k, v, gate = self._project(x, positions)
         q = constrain(q, "batch", None, "heads", None)
         k = constrain(k, "batch", None, "kv_heads", None)
         v = constrain(v, "batch", None, "kv_heads", None)
@@ -138,7 +135,7 @@ class LlamaAttention(nnx.Module):
             if self.window:  # within a packed segment, by its own positions
                 mask = mask & (positions[:, None, :, None] - positions[:, None, None, :] < self.window)
             context = attention(q, k, v, mask, default_scale(cfg), cfg.attn_logit_softcap)
-        return self.o_proj(context.reshape(b, t, cfg.num_heads * cfg.head_size))
+        return self._output(context, gate)
 
     def cached(
         self, x: jax.Array, positions: jax.Array, cache: KVCache, slot: jax.Array, visible: jax.Array
@@ -148,7 +145,7 @@ class LlamaAttention(nnx.Module):
         ``visible [B, S]`` (a left-padded prompt's padding is not)."""
         b, t, _ = x.shape
         cfg = self.cfg
-        q, k, v = self._project(x, positions)
+        q, k, v, gate = self._project(x, positions)
         keys = jax.lax.dynamic_update_slice(cache.keys, k.astype(cache.keys.dtype), (0, slot, 0, 0))
         values = jax.lax.dynamic_update_slice(cache.values, v.astype(cache.values.dtype), (0, slot, 0, 0))
         s = keys.shape[1]
@@ -158,7 +155,7 @@ class LlamaAttention(nnx.Module):
         context = attention(
             q, keys.astype(q.dtype), values.astype(q.dtype), mask, default_scale(cfg), cfg.attn_logit_softcap
         )
-        return self.o_proj(context.reshape(b, t, cfg.num_heads * cfg.head_size)), KVCache(keys, values)
+        return self._output(context, gate), KVCache(keys, values)
 
 
 @jax.tree_util.register_dataclass
@@ -195,7 +192,11 @@ class LlamaDecoderLayer(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, kind: str = "full_attention") -> None:
         self.input_layernorm = RMSNorm(cfg, rngs)
-        self.self_attn = LlamaAttention(cfg, rngs, kind)
+        self.linear = kind == "linear_attention"  # Qwen3.5: a Gated DeltaNet instead of attention
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(cfg, rngs)
+        else:
+            self.self_attn = LlamaAttention(cfg, rngs, kind)
         self.post_attention_layernorm = RMSNorm(cfg, rngs)
         if cfg.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(cfg, rngs)
@@ -214,13 +215,24 @@ class LlamaDecoderLayer(nnx.Module):
     def __call__(
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, implementation: str
     ) -> jax.Array:
-        x = self._residual(x, self.self_attn(self.input_layernorm(x), positions, segment_ids, implementation))
-        return constrain(self._mlp(x), "batch", None, None)
+        normed = self.input_layernorm(x)
+        if self.linear:
+            attended = self.linear_attn(normed, segment_ids)
+        else:
+            attended = self.self_attn(normed, positions, segment_ids, implementation)
+        return constrain(self._mlp(self._residual(x, attended)), "batch", None, None)
 
     def cached(
-        self, x: jax.Array, positions: jax.Array, cache: KVCache, slot: jax.Array, visible: jax.Array
-    ) -> tuple[jax.Array, KVCache]:
-        attended, cache = self.self_attn.cached(self.input_layernorm(x), positions, cache, slot, visible)
+        self, x: jax.Array, positions: jax.Array, cache: Any, slot: jax.Array, visible: jax.Array
+    ) -> tuple[jax.Array, Any]:
+        """As :meth:`LlamaAttention.cached`; a Gated DeltaNet layer's cache is its :class:`LinearState`."""
+        normed = self.input_layernorm(x)
+        if self.linear:
+            attended, cache = self.linear_attn.cached(
+                normed, cache, jax.lax.dynamic_slice_in_dim(visible, slot, x.shape[1], 1)
+            )
+        else:
+            attended, cache = self.self_attn.cached(normed, positions, cache, slot, visible)
         return self._mlp(self._residual(x, attended)), cache
 
 
@@ -378,16 +390,24 @@ class LlamaForCausalLM(nnx.Module):
             logits = jnp.tanh(logits / cap) * cap
         return logits
 
-    def empty_cache(self, batch: int, length: int, dtype: Any = None) -> KVCache:
-        """A key/value cache of ``length`` slots for ``batch`` sequences (zeros)."""
+    def empty_cache(self, batch: int, length: int, dtype: Any = None) -> Any:
+        """A key/value cache of ``length`` slots for ``batch`` sequences (zeros); a model with
+        Gated DeltaNet layers (Qwen3.5) has one cache per layer in a tuple, a linear layer's
+        its :class:`~xlafit.models.gated_deltanet.LinearState`."""
         cfg = self.cfg
         shape = (cfg.num_layers, batch, length, cfg.kv_heads, cfg.head_size)
+        if "linear_attention" in cfg.kinds:
+            zeros = jnp.zeros(shape[1:], dtype or cfg.compute_dtype)
+            return tuple(
+                layer.linear_attn.empty_state(batch, dtype) if layer.linear else KVCache(zeros, zeros)
+                for layer in self.layers
+            )
         zeros = jnp.zeros(shape, dtype or cfg.compute_dtype)
         return KVCache(zeros, zeros)
 
     def cached(
-        self, input_ids: jax.Array, positions: jax.Array, cache: KVCache, slot: jax.Array, visible: jax.Array
-    ) -> tuple[jax.Array, KVCache]:
+        self, input_ids: jax.Array, positions: jax.Array, cache: Any, slot: jax.Array, visible: jax.Array
+    ) -> tuple[jax.Array, Any]:
         """Next-token logits ``[B, T, vocab]`` of ``input_ids`` placed at cache ``slot``
         onwards (a prompt, then one token at a time), and the cache with their keys and
         values: what :meth:`__call__` computes for the whole sequence, token by token."""
@@ -395,6 +415,12 @@ class LlamaForCausalLM(nnx.Module):
         x = jnp.take(self.embed_tokens.embedding[...], input_ids, axis=0).astype(dtype)
         if self.cfg.embedding_scale:
             x = x * jnp.asarray(math.sqrt(self.cfg.hidden_size), dtype)
+        if isinstance(cache, tuple):  # one cache per layer (Gated DeltaNet layers: LinearState)
+            caches = []
+            for layer, layer_cache in zip(self.layers, cache, strict=True):
+                x, layer_cache = layer.cached(x, positions, layer_cache, slot, visible)
+                caches.append(layer_cache)
+            return self.logits(self.norm(x)), tuple(caches)
         if self.cfg.scan_layers:
 
             @nnx.scan(in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0, 0))

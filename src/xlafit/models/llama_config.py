@@ -1,5 +1,5 @@
 """The sizes and options of :class:`xlafit.models.llama.LlamaForCausalLM` and the families
-it covers (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3), with named presets.
+it covers (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3, Qwen3.5), with named presets.
 
 Example:
     >>> LlamaConfig.preset("llama-3.2-1b").num_kv_heads
@@ -243,8 +243,9 @@ class LlamaConfig:
     initializer_range: float = 0.02
     embedding_scale: bool = False
     norm_offset: bool = False
-    # The families' differences (Hugging Face's model_type: llama, qwen2, qwen3, mistral, gemma2, gemma3_text).
-    family: Literal["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text"] = "llama"
+    # The families' differences (Hugging Face's model_type: llama, qwen2, qwen3, mistral, gemma2, gemma3_text,
+    # qwen3_5_text).
+    family: Literal["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "qwen3_5_text"] = "llama"
     hidden_activation: Literal["silu", "gelu_tanh"] = "silu"  # the gated MLP's (Gemma: GeGLU)
     qk_norm: bool = False  # an RMSNorm over each head of q and k before the rotation (Qwen3, Gemma 3)
     sandwich_norms: bool = False  # Gemma 2/3: norms after attention and around the MLP as well as before
@@ -252,8 +253,19 @@ class LlamaConfig:
     final_logit_softcap: float | None = None  # Gemma 2: the same on the output logits
     query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by its -1/2 power instead of head_dim's
     sliding_window: int | None = None  # a sliding layer's query sees the last this many keys (itself included)
-    # per layer "sliding_attention" or "full_attention"; None: every layer sliding when sliding_window is set
+    # per layer "sliding_attention", "full_attention" or "linear_attention" (a Gated DeltaNet layer,
+    # xlafit.models.gated_deltanet); None: every layer sliding when sliding_window is set
     layer_types: tuple[str, ...] | None = None
+    attn_output_gate: bool = False  # Qwen3.5: attention's output times sigmoid(a gate q_proj also computes)
+    partial_rotary_factor: float = 1.0  # the share of each head's dimensions rotated (Qwen3.5: 0.25)
+    # Gated DeltaNet layers (Qwen3.5): heads and head sizes, the causal convolution's width, and
+    # the chunk of the training form (xlafit.models.delta_rule; a power of two)
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    linear_chunk_size: int = 64
     rope_local_theta: float | None = None  # Gemma 3: sliding layers' own rotary base (no scaling)
     dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -291,16 +303,26 @@ class LlamaConfig:
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads} "
                 "(each key/value head serves a group of query heads)."
             )
-        if self.head_size % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even (rotary embeddings rotate pairs).")
+        if self.head_size % 2 or self.rotary_dim % 2:
+            raise ValueError(
+                f"head_dim={self.head_dim} times partial_rotary_factor={self.partial_rotary_factor} must be even "
+                "(rotary embeddings rotate pairs)."
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads={self.linear_num_value_heads} must be a multiple of linear_num_key_heads="
+                f"{self.linear_num_key_heads} (each key head serves a group of value heads)."
+            )
+        if self.linear_chunk_size < 1 or self.linear_chunk_size & (self.linear_chunk_size - 1):
+            raise ValueError(f"linear_chunk_size={self.linear_chunk_size} must be a power of two (16, 32, 64, ...).")
         if self.layer_types is not None:
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
             if len(self.layer_types) != self.num_layers:
                 raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers.")
         if self.scan_layers and len(set(self.kinds)) > 1:
             raise ValueError(
-                "scan_layers=True needs identical layers; this model mixes sliding-window and global layers "
-                "(Gemma's pattern): use scan_layers=False."
+                f"scan_layers=True needs identical layers; this model mixes {' and '.join(sorted(set(self.kinds)))} "
+                "layers (Gemma's and Qwen3.5's patterns): use scan_layers=False."
             )
 
     @classmethod
@@ -324,13 +346,18 @@ class LlamaConfig:
         return typing.cast(int, self.head_dim)
 
     @property
+    def rotary_dim(self) -> int:
+        """The dimensions of a head the rotary embedding turns (the first ones; the rest pass)."""
+        return int(self.head_size * self.partial_rotary_factor)
+
+    @property
     def compute_dtype(self) -> Any:
         return DTYPES[self.dtype]
 
     @property
     def kinds(self) -> tuple[str, ...]:
-        """Each layer's attention: "sliding_attention" (the last ``sliding_window`` keys) or
-        "full_attention"."""
+        """Each layer's attention: "sliding_attention" (the last ``sliding_window`` keys),
+        "full_attention" or "linear_attention" (Gated DeltaNet)."""
         if self.layer_types is not None:
             return self.layer_types
         kind = "sliding_attention" if self.sliding_window else "full_attention"
@@ -343,19 +370,31 @@ class LlamaConfig:
         matmul parameters ``N`` (the decoder's projections and the output layer, not the
         embedding lookup) plus ``12 * layers * heads * head_dim * seq_len`` for attention
         scores and their weighting, forward and backward, with no discount for the causal
-        mask. Divide tokens/s times this by the peak FLOP/s for MFU.
+        mask. Divide tokens/s times this by the peak FLOP/s for MFU. A Gated DeltaNet layer
+        (Qwen3.5) counts its projections and its delta rule's products per token instead.
 
         Example:
             >>> round(LlamaConfig.preset("llama-3.1-8b").train_flops_per_token(4096) / 1e9, 1)
             51.5
         """
-        h, d, layers = self.hidden_size, self.head_size, self.num_layers
-        attention = h * d * (2 * self.num_heads + 2 * self.kv_heads)  # q, o; k, v
-        per_layer = attention + 3 * h * self.intermediate_size  # gate, up, down
-        matmul_params = layers * per_layer + h * self.vocab_size
+        h, d = self.hidden_size, self.head_size
+        gates = 2 if self.attn_output_gate else 1
+        attention = h * d * ((1 + gates) * self.num_heads + 2 * self.kv_heads)  # q (and its gate), o; k, v
+        mlp = 3 * h * self.intermediate_size  # gate, up, down
+        kinds = self.kinds
+        linear = kinds.count("linear_attention")
+        # A Gated DeltaNet layer: its projections (q, k, v, z, b, a in; out), and per token and
+        # value head the delta rule's state products (read, predict, write: 3 Dk Dv) and the
+        # in-chunk products (C (2 Dk + Dv)), 6 FLOPs each forward and backward as the matmuls.
+        heads, dk, dv = self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim
+        key_dim, value_dim = self.linear_num_key_heads * dk, heads * dv
+        deltanet = h * (2 * key_dim + 2 * value_dim + 2 * heads) + value_dim * h
+        rule = heads * (3 * dk * dv + self.linear_chunk_size * (2 * dk + dv))
+        matmul_params = (len(kinds) - linear) * attention + linear * deltanet + len(kinds) * mlp + h * self.vocab_size
         # A sliding layer's query sees at most sliding_window keys.
         seen = sum(
             min(seq_len, self.sliding_window or seq_len) if kind == "sliding_attention" else seq_len
-            for kind in self.kinds
+            for kind in kinds
+            if kind != "linear_attention"
         )
-        return 6.0 * matmul_params + 12.0 * self.num_heads * d * seen
+        return 6.0 * (matmul_params + linear * rule) + 12.0 * self.num_heads * d * seen
