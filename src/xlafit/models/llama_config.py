@@ -149,7 +149,7 @@ class LlamaConfig:
     embedding_scale: bool = False
     norm_offset: bool = False
     # The families' differences (Hugging Face's model_type: llama, qwen2, qwen3, mistral, gemma2, gemma3_text).
-    family: Literal["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text"] = "llama"
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma2", "gemma3_text"] = "llama"
     hidden_activation: Literal["silu", "gelu_tanh"] = "silu"  # the gated MLP's (Gemma: GeGLU)
     qk_norm: bool = False  # an RMSNorm over each head of q and k before the rotation (Qwen3, Gemma 3)
     sandwich_norms: bool = False  # Gemma 2/3: norms after attention and around the MLP as well as before
@@ -160,6 +160,18 @@ class LlamaConfig:
     # per layer "sliding_attention" or "full_attention"; None: every layer sliding when sliding_window is set
     layer_types: tuple[str, ...] | None = None
     rope_local_theta: float | None = None  # Gemma 3: sliding layers' own rotary base (no scaling)
+    # Mixture of experts (xlafit.models.moe): num_experts > 0 makes the layers that
+    # moe_layers names sparse blocks of num_experts gated MLPs of moe_intermediate_size, each
+    # token sent to num_experts_per_tok of them (their weights renormalised with norm_topk_prob)
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int | None = None  # default intermediate_size
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1  # every this many layers is sparse (Qwen3-MoE's), unless in mlp_only_layers
+    mlp_only_layers: tuple[int, ...] = ()  # layers that keep the dense MLP
+    moe_impl: Literal["ragged", "dense"] = "ragged"  # grouped products, or every expert on every token
+    router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight in the training loss
+    router_z_loss_coef: float = 0.0  # the router z-loss's (ST-MoE)
     dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     attention: Literal["auto", "xla", "cudnn", "splash"] = "auto"
@@ -202,6 +214,16 @@ class LlamaConfig:
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
             if len(self.layer_types) != self.num_layers:
                 raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers.")
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and num_experts={self.num_experts}."
+            )
+        if self.scan_layers and len(set(self.moe_layers)) > 1:
+            raise ValueError(
+                "scan_layers=True needs identical layers; this model mixes dense and mixture-of-experts layers "
+                "(decoder_sparse_step, mlp_only_layers): use scan_layers=False."
+            )
         if self.scan_layers and len(set(self.kinds)) > 1:
             raise ValueError(
                 "scan_layers=True needs identical layers; this model mixes sliding-window and global layers "
@@ -241,6 +263,20 @@ class LlamaConfig:
         kind = "sliding_attention" if self.sliding_window else "full_attention"
         return (kind,) * self.num_layers
 
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Whether each layer is a mixture of experts (Qwen3-MoE's rule: every
+        ``decoder_sparse_step``-th layer not in ``mlp_only_layers``)."""
+        return tuple(
+            self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+            for i in range(self.num_layers)
+        )
+
+    @property
+    def expert_size(self) -> int:
+        """An expert's intermediate size."""
+        return self.moe_intermediate_size or self.intermediate_size
+
     def train_flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs to train on one token of a ``seq_len``-token sequence.
 
@@ -256,8 +292,10 @@ class LlamaConfig:
         """
         h, d, layers = self.hidden_size, self.head_size, self.num_layers
         attention = h * d * (2 * self.num_heads + 2 * self.kv_heads)  # q, o; k, v
-        per_layer = attention + 3 * h * self.intermediate_size  # gate, up, down
-        matmul_params = layers * per_layer + h * self.vocab_size
+        # A sparse layer's token runs its router and k of the experts (gate, up, down each).
+        sparse = h * self.num_experts + 3 * h * self.expert_size * self.num_experts_per_tok
+        mlps = sum(sparse if moe else 3 * h * self.intermediate_size for moe in self.moe_layers)
+        matmul_params = layers * attention + mlps + h * self.vocab_size
         # A sliding layer's query sees at most sliding_window keys.
         seen = sum(
             min(seq_len, self.sliding_window or seq_len) if kind == "sliding_attention" else seq_len
