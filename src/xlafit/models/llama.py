@@ -298,7 +298,9 @@ class LlamaForCausalLM(nnx.Module):
         self.layers: nnx.List[LlamaDecoderLayer] = (
             typing.cast(Any, _stacked_layers(cfg, rngs))
             if cfg.scan_layers
-            else nnx.List([LlamaDecoderLayer(cfg, rngs, kind, moe) for kind, moe in zip(cfg.kinds, cfg.moe_layers)])
+            else nnx.List(
+                [LlamaDecoderLayer(cfg, rngs, kind, moe) for kind, moe in zip(cfg.kinds, cfg.moe_layers, strict=True)]
+            )
         )
         self.norm = RMSNorm(cfg, rngs)
         self.lm_head = (
