@@ -24,7 +24,7 @@ LAYER_INPUT = "decoder_layer_input"
 REMAT = (*REMAT_POLICIES, "offload")
 
 # Released sizes (the config.json of meta-llama/Llama-3.2-1B and Llama-3.1-8B, google/gemma-3-1b-it,
-# Qwen/Qwen3-1.7B), and a tiny one for tests. vocab_size of "tiny" is a placeholder: set it to the tokenizer's.
+# Qwen/Qwen3-1.7B, Qwen/Qwen3-30B-A3B), and tiny ones for tests (dense, and a mixture of experts). vocab_size of "tiny" is a placeholder: set it to the tokenizer's.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "num_layers": 2,
@@ -87,6 +87,42 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-6,
         "max_position_embeddings": 40960,
         "tie_embeddings": True,
+    },
+    "tiny-moe": {  # tiny with Qwen3-MoE's sparse blocks: 8 experts, 2 a token
+        "family": "qwen3_moe",
+        "num_layers": 2,
+        "hidden_size": 64,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "router_aux_loss_coef": 0.001,
+        "qk_norm": True,
+        "vocab_size": 512,
+        "max_position_embeddings": 512,
+    },
+    "qwen3-30b-a3b": {  # Qwen/Qwen3-30B-A3B's config.json
+        "family": "qwen3_moe",
+        "num_layers": 48,
+        "hidden_size": 2048,
+        "num_heads": 32,
+        "num_kv_heads": 4,
+        "head_dim": 128,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "router_aux_loss_coef": 0.001,
+        "qk_norm": True,
+        "vocab_size": 151936,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 40960,
+        "tie_embeddings": False,
     },
     "llama-3.1-8b": {
         "num_layers": 32,
