@@ -24,7 +24,8 @@ LAYER_INPUT = "decoder_layer_input"
 REMAT = (*REMAT_POLICIES, "offload")
 
 # Released sizes (the config.json of meta-llama/Llama-3.2-1B and Llama-3.1-8B, google/gemma-3-1b-it,
-# Qwen/Qwen3-1.7B, Qwen/Qwen3-30B-A3B), and tiny ones for tests (dense, and a mixture of experts). vocab_size of "tiny" is a placeholder: set it to the tokenizer's.
+# Qwen/Qwen3-1.7B, Qwen/Qwen3-30B-A3B), and tiny ones for tests (dense, and a mixture of experts).
+# vocab_size of "tiny" and "tiny-moe" is a placeholder: set it to the tokenizer's.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "num_layers": 2,

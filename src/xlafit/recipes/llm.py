@@ -40,8 +40,8 @@ from xlafit.platform.hardware import table_memory
 from xlafit.recipes import llm_data, llm_preference
 from xlafit.recipes.base import Recipe, Throughput
 from xlafit.recipes.llm_data import LlmDataConfig, data_config, model_dir, save_artifacts
-from xlafit.train.report import EXPERT_TOKENS
 from xlafit.train.losses import blocks_for, blockwise_cross_entropy, masked_accuracy, masked_mean, whole_logits_bytes
+from xlafit.train.report import EXPERT_TOKENS
 
 _SIZES = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size")
 _OPTIONAL = ("max_position_embeddings", "head_dim", "vocab_size")  # sizes that a preset supplies when not given
