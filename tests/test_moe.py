@@ -76,3 +76,46 @@ def test_the_router_is_qwen3_moes(norm):
     weights, experts, _ = route(jnp.asarray(logits.numpy()), 3, norm)
     np.testing.assert_array_equal(np.asarray(experts), indices.numpy())
     np.testing.assert_allclose(np.asarray(weights), scores.numpy(), atol=1e-6)
+
+
+# --------------------------------------------------------------------------- the step model
+
+# jax.lax.ragged_dot(a, b, g) and its weight gradient as a v5e compiles them (libtpu): the
+# forward a Mosaic kernel after one that turns the group sizes into tile offsets; 1024 routed
+# rows of 256 features into 8 experts of 512.
+TPU_RAGGED_DOT = """
+ENTRY %main.1 (a.1: bf16[1024,256], b.1: bf16[8,256,512], g.1: s32[8]) -> bf16[1024,512] {
+  %g.1 = s32[8]{0:T(128)} parameter(2)
+  %b.1 = bf16[8,256,512]{2,1,0:T(8,128)(2,1)} parameter(1)
+  %a.1 = bf16[1024,256]{1,0:T(8,128)(2,1)} parameter(0)
+  %ragged-dot-metadata = (s32[9]{0:T(128)S(1)}, s32[15]{0:T(128)S(1)}, s32[15]{0:T(128)S(1)}, s32[1]{0:T(128)}) custom-call(%g.1), custom_call_target="tpu_custom_call"
+  %get-tuple-element = s32[1]{0:T(128)} get-tuple-element(%ragged-dot-metadata), index=3
+  %get-tuple-element.3 = s32[15]{0:T(128)S(1)} get-tuple-element(%ragged-dot-metadata), index=2
+  %get-tuple-element.2 = s32[15]{0:T(128)S(1)} get-tuple-element(%ragged-dot-metadata), index=1
+  %get-tuple-element.1 = s32[9]{0:T(128)S(1)} get-tuple-element(%ragged-dot-metadata), index=0
+  ROOT %ragged-dot-none = bf16[1024,512]{1,0:T(8,128)(2,1)} custom-call(%get-tuple-element, %get-tuple-element.1, %get-tuple-element.2, %get-tuple-element.3, %get-tuple-element, /*index=5*/%a.1, %b.1), custom_call_target="tpu_custom_call"
+}
+"""  # noqa: E501
+
+
+def test_the_step_model_prices_a_grouped_product_by_its_routed_rows():
+    from xlafit.predict.ops import kernels
+
+    (product,) = [k for k in kernels(TPU_RAGGED_DOT) if k.name == "ragged-dot-none"]
+    assert product.kind == "matmul"
+    assert product.flops == 2 * 1024 * 512 * 256  # each routed row times its own expert, not all 8
+    assert product.shape == (1, 1024, 512, 256)
+
+
+def test_a_ragged_dot_instruction_counts_each_row_once():
+    """The HLO op itself (before a backend rewrites it): forward, and the weight gradient
+    whose contraction runs over the ragged rows."""
+    from xlafit.predict.hlo import product_flops
+
+    shapes = {"a": "f32[1024,256]{1,0}", "b": "f32[8,256,512]{2,1,0}", "g": "s32[8]{0}", "d": "f32[1024,512]{1,0}"}
+    forward = (
+        "(%a, %b, %g), lhs_contracting_dims={1}, rhs_contracting_dims={1}, lhs_ragged_dims={0}, rhs_group_dims={0}"
+    )
+    assert product_flops("ragged-dot", "f32[1024,512]{1,0}", forward, shapes) == 2 * 1024 * 512 * 256
+    weights = "(%a, %d, %g), lhs_contracting_dims={0}, rhs_contracting_dims={0}, lhs_ragged_dims={0}"
+    assert product_flops("ragged-dot", "f32[8,256,512]{2,1,0}", weights, shapes) == 2 * 1024 * 512 * 256
