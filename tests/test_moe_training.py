@@ -40,10 +40,11 @@ def _rows(n: int, seed: int = 0) -> dict[str, np.ndarray]:
 
 def test_the_loss_adds_the_aux_loss_and_counts_the_routed_tokens():
     batch = {k: jnp.asarray(v) for k, v in _rows(4).items()}
+    loss_fn = nnx.jit(recipe.loss_fn)
     model = LlamaForCausalLM(CFG, rngs=nnx.Rngs(0))
-    loss, metrics = recipe.loss_fn(model, batch)
+    loss, metrics = loss_fn(model, batch)
     plain = LlamaForCausalLM(dataclasses.replace(CFG, router_aux_loss_coef=0.0), rngs=nnx.Rngs(0))
-    cross_entropy, _ = recipe.loss_fn(plain, batch)
+    cross_entropy, _ = loss_fn(plain, batch)
     _, stats = model.decode_routed(batch["input_ids"], batch["segment_ids"], batch["positions"])
     aux = float(load_balancing_loss(stats))
     assert aux > 0 and float(metrics["moe_aux_loss"][0]) == pytest.approx(aux)
@@ -53,7 +54,7 @@ def test_the_loss_adds_the_aux_loss_and_counts_the_routed_tokens():
     assert sum(routed) == 2 * real  # k=2 experts for each real token, per layer; padding counts none
     assert "router_z_loss" not in metrics
     z = dataclasses.replace(CFG, router_z_loss_coef=0.01)
-    _, with_z = recipe.loss_fn(LlamaForCausalLM(z, rngs=nnx.Rngs(0)), batch)
+    _, with_z = loss_fn(LlamaForCausalLM(z, rngs=nnx.Rngs(0)), batch)
     assert float(with_z["router_z_loss"][0]) > 0
 
 
