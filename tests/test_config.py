@@ -94,7 +94,10 @@ def test_yaml_values_parse():
         (lambda: TrainerConfig(epochs=0), r"trainer.epochs=0 must be a positive number"),
         (lambda: TrainerConfig(nan_policy="ignore"), r"trainer.nan_policy='ignore' is not allowed; choose one of stop"),
         (lambda: TrainerConfig(watchdog_factor=0.5), r"trainer.watchdog_factor=0.5"),
-        (lambda: MeshConfig(data=-1, fsdp=-1), r"at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1"),
+        (
+            lambda: MeshConfig(data=-1, fsdp=-1),
+            r"at most one of mesh.data, mesh.fsdp, mesh.tensor, mesh.expert may be -1",
+        ),
         (lambda: OptimizerConfig(learning_rate=0), r"optimizer.learning_rate=0 must be positive"),
     ],
 )
@@ -146,7 +149,7 @@ def test_the_presets_setting_gives_way_to_the_users_mesh(caplog):
     # "The devices left" moves to the axis the user gives it; two of the user's own are refused.
     assert load_config("llm", ["mesh.fsdp=-1"]).mesh.sizes == (1, -1, 1)
     assert load_config("llm", []).mesh.sizes == (-1, 1, 1)
-    with pytest.raises(ConfigError, match="at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1"):
+    with pytest.raises(ConfigError, match="at most one of mesh.data, mesh.fsdp, mesh.tensor, mesh.expert may be -1"):
         load_config("llm", ["mesh.fsdp=-1", "mesh.data=-1"])
 
 

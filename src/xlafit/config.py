@@ -288,24 +288,28 @@ class MeshConfig:
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    expert: int = 1  # expert parallelism: a mixture of experts' experts split over it, the batch too
     rules: str | None = None
 
     def __post_init__(self) -> None:
         _check_section(self, "mesh")
-        sizes = {"mesh.data": self.data, "mesh.fsdp": self.fsdp, "mesh.tensor": self.tensor}
+        sizes = {"mesh.data": self.data, "mesh.fsdp": self.fsdp, "mesh.tensor": self.tensor, "mesh.expert": self.expert}
         for key, value in sizes.items():
             if value == 0 or value < -1:
                 raise ConfigError(f"{key}={value} must be a positive number of devices, or -1 (the devices left).")
         if sum(v == -1 for v in sizes.values()) > 1:
-            raise ConfigError("at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1 (the devices left).")
+            raise ConfigError(
+                "at most one of mesh.data, mesh.fsdp, mesh.tensor, mesh.expert may be -1 (the devices left)."
+            )
 
     @property
-    def sizes(self) -> tuple[int, int, int]:
-        return (self.data, self.fsdp, self.tensor)
+    def sizes(self) -> tuple[int, ...]:
+        """``(data, fsdp, tensor)``, and ``expert`` when it is not 1 (:func:`~xlafit.parallel.mesh.make_mesh`'s)."""
+        return (self.data, self.fsdp, self.tensor) + ((self.expert,) if self.expert != 1 else ())
 
     @property
     def data_parallel_only(self) -> bool:
-        return self.fsdp == 1 and self.tensor == 1
+        return self.fsdp == 1 and self.tensor == 1 and self.expert == 1
 
 
 @dataclasses.dataclass

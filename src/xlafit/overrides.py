@@ -237,11 +237,11 @@ def _preset_gives_way(merged: dict[str, Any], overrides: Mapping[str, Any]) -> N
     mine: Mapping[str, Any] = overrides["mesh"] if isinstance(overrides.get("mesh"), Mapping) else {}
     if -1 in mine.values():  # the user's "the devices left" replaces the preset's
         defaults = {f.name: f.default for f in dataclasses.fields(MeshConfig)}
-        for axis in ("data", "fsdp", "tensor"):
+        for axis in ("data", "fsdp", "tensor", "expert"):
             if mesh.get(axis, defaults[axis]) == -1 and axis not in mine:
                 merged["mesh"] = mesh = {**mesh, axis: 1}
     asked = overrides.get("trainer") if isinstance(overrides.get("trainer"), Mapping) else {}
-    split = any(mesh.get(axis, 1) not in (1, None) for axis in ("fsdp", "tensor"))
+    split = any(mesh.get(axis, 1) not in (1, None) for axis in ("fsdp", "tensor", "expert"))
     if split and trainer.get("invariant_chunks") is not None and "invariant_chunks" not in (asked or {}):
         log.warning(
             "note: the preset's trainer.invariant_chunks=%s (bit-identical across device counts) holds for pure "

@@ -76,9 +76,9 @@ class Program:
     # The kind of model, as the step model's error bands name it (a recipe: llm, bert,
     # resnet, mnist); None: a user's own, never held against a measured step.
     family: str | None = None
-    # The run's mesh over the target's cores: (data, fsdp, tensor), one may be -1; and its
+    # The run's mesh over the target's cores: (data, fsdp, tensor[, expert]), one may be -1; and its
     # logical-axis rules (xlafit.parallel.sharding). The default is pure data parallelism.
-    mesh: tuple[int, int, int] = (-1, 1, 1)
+    mesh: tuple[int, ...] = (-1, 1, 1)
     rules: Mapping[str, str | None] | None = None
     # How this program's per-core batch is set ({n}: the number), and levers only its maker
     # knows (a recipe's model.remat): (what they shrink, "state" or "activations", the text).

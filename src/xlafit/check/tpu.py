@@ -85,7 +85,7 @@ class OutOfMemory(Exception):
 
 def _strategy(
     target: tpu.Target | None,
-    mesh: tuple[int, int, int] = (-1, 1, 1),
+    mesh: tuple[int, ...] = (-1, 1, 1),
     rules: Any = None,
     devices: list[Any] | None = None,
 ) -> Strategy:
@@ -201,7 +201,7 @@ def _compile(
     return compiled, time.perf_counter() - t0
 
 
-def trainer_refusal(program: Program, target: tpu.Target, mesh: tuple[int, int, int]) -> str | None:
+def trainer_refusal(program: Program, target: tpu.Target, mesh: tuple[int, ...]) -> str | None:
     """What the trainer would refuse for ``program`` over ``mesh`` on ``target`` (a converted
     model's settings check: a torch module or a Keras model trains data-parallel only), or None."""
     if program.settings_check is None:

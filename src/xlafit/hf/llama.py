@@ -1,13 +1,17 @@
 """Weights between :class:`~xlafit.models.llama.LlamaForCausalLM` and Hugging Face's.
 
 The Hugging Face side is the files ``save_pretrained`` writes and ``from_pretrained`` reads
-for ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``,
-``Gemma2ForCausalLM``, ``Gemma3ForCausalLM`` and ``Qwen3_5ForCausalLM`` (the family is the config's
-``model_type``; Qwen3.5's multimodal checkpoints give their text model): ``config.json``
+for ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``,
+``MistralForCausalLM``, ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM`` and ``Qwen3_5ForCausalLM`` (the family is the
+config's ``model_type``; Qwen3.5's multimodal checkpoints give their text model): ``config.json``
 and ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` listed in
 ``model.safetensors.index.json``. PyTorch's ``Linear`` weights are ``[out, in]``, ours
 ``[in, out]``. Nothing here imports PyTorch or transformers. Scanned models
-(``scan_layers``) convert too: layer ``i`` is row ``i`` of each stacked parameter.
+(``scan_layers``) convert too: layer ``i`` is row ``i`` of each stacked parameter. A
+mixture of experts' stacked expert weights are written one tensor per expert
+(``mlp.experts.{e}.gate_proj.weight``), as transformers' ``save_pretrained`` writes them, and
+read from that layout or from transformers' fused one (``mlp.experts.gate_up_proj``
+``[E, 2f, hidden]``, ``mlp.experts.down_proj`` ``[E, hidden, f]``).
 
 Example:
     >>> save_hf(model, "exported/", max_shard_bytes=2**30)  # doctest: +SKIP
@@ -62,6 +66,7 @@ ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 _GEMMA = ("gemma2", "gemma3_text")
 # Qwen3.5's Gated DeltaNet sizes: the same names in our config and Hugging Face's.
@@ -108,6 +113,20 @@ def hf_config(cfg: LlamaConfig) -> dict:
     )
     if family in ("llama", "qwen3", "mistral"):
         out.update({"attention_bias": cfg.attention_bias, "mlp_bias": False})
+    if family == "qwen3_moe":
+        out.update(
+            {
+                "attention_bias": False,
+                "num_experts": cfg.num_experts,
+                "num_experts_per_tok": cfg.num_experts_per_tok,
+                "moe_intermediate_size": cfg.expert_size,
+                "norm_topk_prob": cfg.norm_topk_prob,
+                "decoder_sparse_step": cfg.decoder_sparse_step,
+                "mlp_only_layers": list(cfg.mlp_only_layers),
+                "router_aux_loss_coef": cfg.router_aux_loss_coef,
+                "use_sliding_window": False,
+            }
+        )
     if family in ("mistral", *_GEMMA):
         out["sliding_window"] = cfg.sliding_window
     if family in _GEMMA:
@@ -165,10 +184,12 @@ def _family_fields(kind: str, hf: dict) -> dict[str, Any]:
         raise HFFormatError("mlp_bias models (a bias on the MLP) are not supported.")
     if kind == "llama" and hf.get("attention_bias"):
         raise HFFormatError("attention_bias Llamas (a bias on o_proj too) are not supported.")
-    if kind in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+    if kind in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
         raise HFFormatError("use_sliding_window=true is not supported for Qwen: xlafit attends to the whole context.")
     fields["attention_bias"] = kind == "qwen2" or (kind == "qwen3" and bool(hf.get("attention_bias")))
-    fields["qk_norm"] = kind in ("qwen3", "gemma3_text")
+    fields["qk_norm"] = kind in ("qwen3", "qwen3_moe", "gemma3_text")
+    if kind == "qwen3_moe":
+        fields.update(_moe_fields(hf))
     if kind == "mistral":
         fields["sliding_window"] = hf.get("sliding_window")
     if kind in _GEMMA:
@@ -220,9 +241,28 @@ def _qwen3_5_fields(hf: dict) -> dict[str, Any]:
     return fields
 
 
+def _moe_fields(hf: dict) -> dict[str, Any]:
+    """Qwen3-MoE's mixture-of-experts fields (transformers 5 writes ``num_experts`` as
+    ``num_local_experts``). Its attention has biases on o_proj too when ``attention_bias``."""
+    if hf.get("attention_bias"):
+        raise HFFormatError("attention_bias=true Qwen3-MoE models (a bias on o_proj too) are not supported.")
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if not experts:
+        raise HFFormatError("config.json of a qwen3_moe model lacks num_experts.")
+    return {
+        "num_experts": int(experts),
+        "num_experts_per_tok": int(hf.get("num_experts_per_tok", 8)),
+        "moe_intermediate_size": hf.get("moe_intermediate_size"),
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+        "decoder_sparse_step": int(hf.get("decoder_sparse_step", 1)),
+        "mlp_only_layers": tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+        "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)),
+    }
+
+
 def config_from_hf(hf: dict, **overrides: Any) -> LlamaConfig:
     """A :class:`LlamaConfig` from a Hugging Face ``config.json`` dict of a Llama, Qwen2,
-    Qwen3, Mistral, Gemma 2 or Gemma 3 (text) model.
+    Qwen3, Qwen3-MoE, Mistral, Gemma 2 or Gemma 3 (text) model.
 
     Example:
         >>> config_from_hf({"model_type": "llama", "vocab_size": 100, "hidden_size": 64,
@@ -254,8 +294,9 @@ _LAYER_TENSORS = [
     ("input_layernorm.weight", ("input_layernorm", "scale"), False),
     *[(f"self_attn.{p}.weight", ("self_attn", p, "kernel"), True) for p in ("q_proj", "k_proj", "v_proj", "o_proj")],
     ("post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), False),
-    *[(f"mlp.{p}.weight", ("mlp", p, "kernel"), True) for p in ("gate_proj", "up_proj", "down_proj")],
 ]
+_MLP_TENSORS = [(f"mlp.{p}.weight", ("mlp", p, "kernel"), True) for p in ("gate_proj", "up_proj", "down_proj")]
+_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 _BIAS_TENSORS = [(f"self_attn.{p}.bias", ("self_attn", p, "bias"), False) for p in ("q_proj", "k_proj", "v_proj")]
 _QK_NORM_TENSORS = [(f"self_attn.{n}.weight", ("self_attn", n, "scale"), False) for n in ("q_norm", "k_norm")]
 _SANDWICH_TENSORS = [
@@ -280,8 +321,9 @@ def _param(module: Any, path: tuple[str, ...]) -> nnx.Variable:
     return module
 
 
-# One tensor: (Hugging Face name, our parameter, layer row of a stacked parameter or None, transposed)
-Entry = tuple[str, nnx.Variable, int | None, bool]
+# One tensor: (Hugging Face name, our parameter, its index in a stacked parameter (the layer's
+# row when scanned, then an expert's) or None, transposed)
+Entry = tuple[str, nnx.Variable, tuple[int, ...] | None, bool]
 
 
 def entries(model: LlamaForCausalLM) -> Iterator[Entry]:
@@ -295,21 +337,31 @@ def entries(model: LlamaForCausalLM) -> Iterator[Entry]:
     yield "model.embed_tokens.weight", model.embed_tokens.embedding, None, False
     tensors: list[tuple[str, tuple[str, ...], bool]] = [*_LAYER_TENSORS, *(_BIAS_TENSORS if cfg.attention_bias else [])]
     tensors += [*(_QK_NORM_TENSORS if cfg.qk_norm else []), *(_SANDWICH_TENSORS if cfg.sandwich_norms else [])]
-    for i, kind in enumerate(cfg.kinds):
+    for i, (kind, moe) in enumerate(zip(cfg.kinds, cfg.moe_layers, strict=True)):
         layer = model.layers if cfg.scan_layers else model.layers[i]
+        row: tuple[int, ...] = (i,) if cfg.scan_layers else ()
         for suffix, path, transposed in _LINEAR_TENSORS if kind == "linear_attention" else tensors:
-            yield f"model.layers.{i}.{suffix}", _param(layer, path), i if cfg.scan_layers else None, transposed
+            yield f"model.layers.{i}.{suffix}", _param(layer, path), row or None, transposed
+        if not moe:
+            for suffix, path, transposed in _MLP_TENSORS:
+                yield f"model.layers.{i}.{suffix}", _param(layer, path), row or None, transposed
+            continue
+        yield f"model.layers.{i}.mlp.gate.weight", _param(layer, ("mlp", "gate", "kernel")), row or None, True
+        for e in range(cfg.num_experts):
+            for p in _EXPERT_NAMES:
+                param = _param(layer, ("mlp", "experts", p))
+                yield f"model.layers.{i}.mlp.experts.{e}.{p}.weight", param, (*row, e), True
     yield "model.norm.weight", model.norm.scale, None, False
     if model.lm_head is not None:
         yield "lm_head.weight", model.lm_head.kernel, None, True
 
 
-def _hf_shape(param: nnx.Variable, row: int | None, transposed: bool) -> tuple[int, ...]:
-    shape = tuple(param.get_value().shape)[0 if row is None else 1 :]
+def _hf_shape(param: nnx.Variable, row: tuple[int, ...] | None, transposed: bool) -> tuple[int, ...]:
+    shape = tuple(param.get_value().shape)[len(row or ()) :]
     return shape[::-1] if transposed else shape
 
 
-def _hf_value(param: nnx.Variable, row: int | None, transposed: bool, dtype: Any) -> np.ndarray:
+def _hf_value(param: nnx.Variable, row: tuple[int, ...] | None, transposed: bool, dtype: Any) -> np.ndarray:
     value = np.asarray(param[...] if row is None else param[...][row]).astype(dtype)
     return np.ascontiguousarray(value.T if transposed else value)
 
@@ -331,8 +383,8 @@ def _np_dtype(dtype: str) -> Any:
     return ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
 
 
-# Where a tensor read (in our layout) goes: (our parameter, its layer row when stacked, the value).
-Put = Callable[[nnx.Variable, int | None, np.ndarray], None]
+# Where a tensor read (in our layout) goes: (our parameter, its index when stacked, the value).
+Put = Callable[[nnx.Variable, tuple[int, ...] | None, np.ndarray], None]
 
 
 def from_hf_state(model: LlamaForCausalLM, state: Mapping[str, Any], put: Put | None = None) -> None:
@@ -347,6 +399,7 @@ def from_hf_state(model: LlamaForCausalLM, state: Mapping[str, Any], put: Put | 
     Raises:
         HFFormatError: a tensor is missing or has another shape than ``model``'s config gives.
     """
+    state = _PerExpert(state)
     prefixed = any(k.startswith("model.") for k in state)
     # Qwen3.5's multimodal checkpoints keep the text model under model.language_model.
     language_model = any(k.startswith("model.language_model.") for k in state)
@@ -375,8 +428,53 @@ def from_hf_state(model: LlamaForCausalLM, state: Mapping[str, Any], put: Put | 
             param[...] = value
         else:
             stacked.setdefault(id(param), (param, []))[1].append(value)
-    for param, rows in stacked.values():
-        param[...] = np.stack(rows)
+    for param, rows in stacked.values():  # in row-major order of (layer, expert)
+        param[...] = np.stack(rows).reshape(param[...].shape)
+
+
+class _PerExpert(Mapping[str, Any]):
+    """A checkpoint's tensors with transformers' fused expert weights (``mlp.experts.gate_up_proj``
+    ``[E, 2f, hidden]``, ``mlp.experts.down_proj`` ``[E, hidden, f]``) also seen as the
+    per-expert tensors of the layout that ``save_pretrained`` writes (``mlp.experts.{e}.gate_proj.weight``
+    ``[f, hidden]``, ...). The last fused tensor read is kept: each is read once for its experts."""
+
+    def __init__(self, state: Mapping[str, Any]) -> None:
+        self.state = state
+        self._kept: tuple[str, np.ndarray] | None = None
+
+    def _fused(self, name: str) -> tuple[str, int, slice | None] | None:
+        """``(fused tensor's name, expert, rows of it)`` for a per-expert name the state lacks."""
+        head, sep, tail = name.partition(".mlp.experts.")
+        parts = tail.split(".")
+        if not sep or len(parts) != 3 or not parts[0].isdigit() or name in self.state:
+            return None
+        e, proj = int(parts[0]), parts[1]
+        if proj == "down_proj":
+            return f"{head}.mlp.experts.down_proj", e, None
+        return f"{head}.mlp.experts.gate_up_proj", e, slice(0, 1) if proj == "gate_proj" else slice(1, 2)
+
+    def __getitem__(self, name: str) -> Any:
+        fused = self._fused(name)
+        if fused is None or fused[0] not in self.state:
+            return self.state[name]
+        key, e, half = fused
+        if self._kept is None or self._kept[0] != key:
+            self._kept = (key, np.asarray(self.state[key]))
+        value = self._kept[1][e]
+        if half is None:
+            return value
+        f = value.shape[0] // 2  # gate_up_proj: the gate's rows, then the up projection's
+        return value[half.start * f : half.stop * f]
+
+    def __contains__(self, name: object) -> bool:
+        fused = self._fused(name) if isinstance(name, str) else None
+        return name in self.state or (fused is not None and fused[0] in self.state)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.state)
+
+    def __len__(self) -> int:
+        return len(self.state)
 
 
 def _shards(names: list[str], sizes: list[int], max_shard_bytes: int | None) -> list[list[str]]:

@@ -73,7 +73,7 @@ def from_hf_quantized(
     rows: dict[int, list[tuple[Any, Any]]] = {}  # a scanned model's layers: quantized rows, stacked at the end
     stacked: dict[int, tuple[nnx.Variable, list[np.ndarray]]] = {}
 
-    def put(param: nnx.Variable, row: int | None, value: np.ndarray) -> None:
+    def put(param: nnx.Variable, row: tuple[int, ...] | None, value: np.ndarray) -> None:
         if id(param) in kernels:
             quantized = quantize_kernel(value, qtype, block)
             if row is None:
@@ -88,8 +88,8 @@ def from_hf_quantized(
             stacked.setdefault(id(param), (param, []))[1].append(value)
 
     llama_hf.from_hf_state(model, llama_hf.lazy_tensors(d), put)
-    for param, values in stacked.values():
-        param.set_value(np.stack(values))
+    for param, values in stacked.values():  # in row-major order of (layer, expert)
+        param.set_value(np.stack(values).reshape(param.get_value().shape))
     for path, layer in layers:
         parts = rows.pop(id(layer.kernel))
         qvalue, scale = (

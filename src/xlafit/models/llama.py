@@ -36,6 +36,7 @@ from xlafit.models.dense import dense as _dense
 from xlafit.models.gated_deltanet import GatedDeltaNet
 from xlafit.models.llama_config import DTYPES, LAYER_INPUT, PRESETS, LlamaConfig
 from xlafit.models.lora import LoRA
+from xlafit.models.moe import MoEBlock, RouterStats
 from xlafit.parallel.sharding import constrain, logical
 
 __all__ = ["PRESETS", "KVCache", "LlamaConfig", "LlamaForCausalLM", "layer_remat_policy", "rope_frequencies"]
@@ -188,9 +189,10 @@ class LlamaMLP(nnx.Module):
 class LlamaDecoderLayer(nnx.Module):
     """Pre-norm attention and MLP with residuals; Gemma's ``sandwich_norms`` also normalise
     each branch's output (``post_attention_layernorm`` is then on the attention's output, and
-    ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` around the MLP)."""
+    ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` around the MLP). With
+    ``moe`` the MLP is a mixture of experts (:class:`~xlafit.models.moe.MoEBlock`)."""
 
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, kind: str = "full_attention") -> None:
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, kind: str = "full_attention", moe: bool = False) -> None:
         self.input_layernorm = RMSNorm(cfg, rngs)
         self.linear = kind == "linear_attention"  # Qwen3.5: a Gated DeltaNet instead of attention
         if self.linear:
@@ -201,13 +203,14 @@ class LlamaDecoderLayer(nnx.Module):
         if cfg.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(cfg, rngs)
             self.post_feedforward_layernorm = RMSNorm(cfg, rngs)
-        self.mlp = LlamaMLP(cfg, rngs)
+        self.mlp: LlamaMLP | MoEBlock = MoEBlock(cfg, rngs) if moe else LlamaMLP(cfg, rngs)
         self.sandwich = cfg.sandwich_norms
 
-    def _mlp(self, x: jax.Array) -> jax.Array:
-        if self.sandwich:
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def _mlp(self, x: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, RouterStats | None]:
+        """The feed-forward branch with its residual, and a sparse block's router statistics."""
+        h = self.pre_feedforward_layernorm(x) if self.sandwich else self.post_attention_layernorm(x)
+        y, stats = self.mlp(h, mask) if isinstance(self.mlp, MoEBlock) else (self.mlp(h), None)
+        return x + (self.post_feedforward_layernorm(y) if self.sandwich else y), stats
 
     def _residual(self, x: jax.Array, attended: jax.Array) -> jax.Array:
         return x + (self.post_attention_layernorm(attended) if self.sandwich else attended)
@@ -215,12 +218,20 @@ class LlamaDecoderLayer(nnx.Module):
     def __call__(
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, implementation: str
     ) -> jax.Array:
+        return self.routed(x, positions, segment_ids, implementation)[0]
+
+    def routed(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, implementation: str
+    ) -> tuple[jax.Array, RouterStats | None]:
+        """The layer's output and, for a mixture of experts, its router's statistics over
+        the real tokens (segment 0, padding, left out)."""
         normed = self.input_layernorm(x)
         if self.linear:
             attended = self.linear_attn(normed, segment_ids)
         else:
             attended = self.self_attn(normed, positions, segment_ids, implementation)
-        return constrain(self._mlp(self._residual(x, attended)), "batch", None, None)
+        x, stats = self._mlp(self._residual(x, attended), None if segment_ids is None else segment_ids > 0)
+        return constrain(x, "batch", None, None), stats
 
     def cached(
         self, x: jax.Array, positions: jax.Array, cache: Any, slot: jax.Array, visible: jax.Array
@@ -233,7 +244,7 @@ class LlamaDecoderLayer(nnx.Module):
             )
         else:
             attended, cache = self.self_attn.cached(normed, positions, cache, slot, visible)
-        return self._mlp(self._residual(x, attended)), cache
+        return self._mlp(self._residual(x, attended))[0], cache
 
 
 def _stacked_layers(cfg: LlamaConfig, rngs: nnx.Rngs) -> LlamaDecoderLayer:
@@ -243,17 +254,17 @@ def _stacked_layers(cfg: LlamaConfig, rngs: nnx.Rngs) -> LlamaDecoderLayer:
     @nnx.split_rngs(splits=cfg.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def build(rngs: nnx.Rngs) -> LlamaDecoderLayer:
-        return LlamaDecoderLayer(cfg, rngs, cfg.kinds[0])  # every layer alike (LlamaConfig checks)
+        return LlamaDecoderLayer(cfg, rngs, cfg.kinds[0], cfg.moe_layers[0])  # every layer alike (LlamaConfig checks)
 
     return build(rngs)
 
 
 def _run_layer(
     layer: LlamaDecoderLayer, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, implementation: str
-) -> jax.Array:
+) -> tuple[jax.Array, RouterStats | None]:
     # Named for remat="offload", whose policy keeps this one array of the layer for the
     # backward pass, in host memory (an identity otherwise).
-    return layer(checkpoint_name(x, LAYER_INPUT), positions, segment_ids, implementation)
+    return layer.routed(checkpoint_name(x, LAYER_INPUT), positions, segment_ids, implementation)
 
 
 def layer_remat_policy(name: str) -> Any:
@@ -299,7 +310,9 @@ class LlamaForCausalLM(nnx.Module):
         self.layers: nnx.List[LlamaDecoderLayer] = (
             typing.cast(Any, _stacked_layers(cfg, rngs))
             if cfg.scan_layers
-            else nnx.List([LlamaDecoderLayer(cfg, rngs, kind) for kind in cfg.kinds])
+            else nnx.List(
+                [LlamaDecoderLayer(cfg, rngs, kind, moe) for kind, moe in zip(cfg.kinds, cfg.moe_layers, strict=True)]
+            )
         )
         self.norm = RMSNorm(cfg, rngs)
         self.lm_head = (
@@ -338,6 +351,14 @@ class LlamaForCausalLM(nnx.Module):
         self, input_ids: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
     ) -> jax.Array:
         """The final hidden states ``[B, T, hidden]`` (after the last RMSNorm)."""
+        return self.decode_routed(input_ids, segment_ids, positions)[0]
+
+    def decode_routed(
+        self, input_ids: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+    ) -> tuple[jax.Array, RouterStats | None]:
+        """:meth:`decode`'s hidden states and, for a mixture of experts, the router
+        statistics summed over its sparse layers (None for a dense model): what the
+        auxiliary losses and the routing metrics are computed from."""
         b, t = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
@@ -359,15 +380,20 @@ class LlamaForCausalLM(nnx.Module):
             # layer: a third of a v5e-1 step for a 1.7B model). These layers mutate nothing.
             graphdef, stacked = nnx.split(self.layers)
 
-            def decoder(x: jax.Array, state: Any) -> tuple[jax.Array, None]:
+            def decoder(carry: Any, state: Any) -> tuple[Any, None]:
                 layer = typing.cast(LlamaDecoderLayer, nnx.merge(graphdef, state))
-                return run(layer, x, positions, segment_ids, implementation), None
+                x, stats = run(layer, carry[0], positions, segment_ids, implementation)
+                return (x, None if stats is None else carry[1] + stats), None
 
-            x, _ = jax.lax.scan(decoder, x, stacked)
+            start = RouterStats.zeros(self.cfg.num_experts) if self.cfg.moe_layers[0] else None
+            (x, total), _ = jax.lax.scan(decoder, (x, start), stacked)
         else:
+            total = None
             for layer in self.layers:
-                x = run(layer, x, positions, segment_ids, implementation)
-        return self.norm(x)
+                x, stats = run(layer, x, positions, segment_ids, implementation)
+                if stats is not None:
+                    total = stats if total is None else total + stats
+        return self.norm(x), total
 
     def output_kernel(self) -> jax.Array:
         """The output layer as one ``[hidden, vocab]`` matrix: :meth:`logits` is ``x @`` it

@@ -24,8 +24,9 @@ LAYER_INPUT = "decoder_layer_input"
 REMAT = (*REMAT_POLICIES, "offload")
 
 # Released sizes (the config.json of meta-llama/Llama-3.2-1B, Llama-3.1-8B and Llama-3.1-70B,
-# google/gemma-3-1b-it, gemma-3-12b-pt and gemma-3-27b-pt's text model, Qwen/Qwen3-1.7B, Qwen3-14B
-# and Qwen3-32B), and a tiny one for tests. vocab_size of "tiny" is a placeholder: set it to the tokenizer's.
+# google/gemma-3-1b-it, gemma-3-12b-pt and gemma-3-27b-pt's text model, Qwen/Qwen3-1.7B, Qwen3-14B,
+# Qwen3-32B and Qwen3-30B-A3B), and tiny ones for tests (dense, and a mixture of experts).
+# vocab_size of "tiny" and "tiny-moe" is a placeholder: set it to the tokenizer's.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "num_layers": 2,
@@ -88,6 +89,42 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-6,
         "max_position_embeddings": 40960,
         "tie_embeddings": True,
+    },
+    "tiny-moe": {  # tiny with Qwen3-MoE's sparse blocks: 8 experts, 2 a token
+        "family": "qwen3_moe",
+        "num_layers": 2,
+        "hidden_size": 64,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "router_aux_loss_coef": 0.001,
+        "qk_norm": True,
+        "vocab_size": 512,
+        "max_position_embeddings": 512,
+    },
+    "qwen3-30b-a3b": {  # Qwen/Qwen3-30B-A3B's config.json
+        "family": "qwen3_moe",
+        "num_layers": 48,
+        "hidden_size": 2048,
+        "num_heads": 32,
+        "num_kv_heads": 4,
+        "head_dim": 128,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "router_aux_loss_coef": 0.001,
+        "qk_norm": True,
+        "vocab_size": 151936,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 40960,
+        "tie_embeddings": False,
     },
     "llama-3.1-8b": {
         "num_layers": 32,
@@ -243,9 +280,11 @@ class LlamaConfig:
     initializer_range: float = 0.02
     embedding_scale: bool = False
     norm_offset: bool = False
-    # The families' differences (Hugging Face's model_type: llama, qwen2, qwen3, mistral, gemma2, gemma3_text,
-    # qwen3_5_text).
-    family: Literal["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "qwen3_5_text"] = "llama"
+    # The families' differences (Hugging Face's model_type: llama, qwen2, qwen3, qwen3_moe, mistral, gemma2,
+    # gemma3_text, qwen3_5_text).
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma2", "gemma3_text", "qwen3_5_text"] = (
+        "llama"
+    )
     hidden_activation: Literal["silu", "gelu_tanh"] = "silu"  # the gated MLP's (Gemma: GeGLU)
     qk_norm: bool = False  # an RMSNorm over each head of q and k before the rotation (Qwen3, Gemma 3)
     sandwich_norms: bool = False  # Gemma 2/3: norms after attention and around the MLP as well as before
@@ -267,6 +306,18 @@ class LlamaConfig:
     linear_conv_kernel_dim: int = 4
     linear_chunk_size: int = 64
     rope_local_theta: float | None = None  # Gemma 3: sliding layers' own rotary base (no scaling)
+    # Mixture of experts (xlafit.models.moe): num_experts > 0 makes the layers that
+    # moe_layers names sparse blocks of num_experts gated MLPs of moe_intermediate_size, each
+    # token sent to num_experts_per_tok of them (their weights renormalised with norm_topk_prob)
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int | None = None  # default intermediate_size
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1  # every this many layers is sparse (Qwen3-MoE's), unless in mlp_only_layers
+    mlp_only_layers: tuple[int, ...] = ()  # layers that keep the dense MLP
+    moe_impl: Literal["ragged", "dense"] = "ragged"  # grouped products, or every expert on every token
+    router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight in the training loss
+    router_z_loss_coef: float = 0.0  # the router z-loss's (ST-MoE)
     dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     attention: Literal["auto", "xla", "cudnn", "splash"] = "auto"
@@ -319,6 +370,16 @@ class LlamaConfig:
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
             if len(self.layer_types) != self.num_layers:
                 raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers.")
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and num_experts={self.num_experts}."
+            )
+        if self.scan_layers and len(set(self.moe_layers)) > 1:
+            raise ValueError(
+                "scan_layers=True needs identical layers; this model mixes dense and mixture-of-experts layers "
+                "(decoder_sparse_step, mlp_only_layers): use scan_layers=False."
+            )
         if self.scan_layers and len(set(self.kinds)) > 1:
             raise ValueError(
                 f"scan_layers=True needs identical layers; this model mixes {' and '.join(sorted(set(self.kinds)))} "
@@ -363,6 +424,20 @@ class LlamaConfig:
         kind = "sliding_attention" if self.sliding_window else "full_attention"
         return (kind,) * self.num_layers
 
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Whether each layer is a mixture of experts (Qwen3-MoE's rule: every
+        ``decoder_sparse_step``-th layer not in ``mlp_only_layers``)."""
+        return tuple(
+            self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+            for i in range(self.num_layers)
+        )
+
+    @property
+    def expert_size(self) -> int:
+        """An expert's intermediate size."""
+        return self.moe_intermediate_size or self.intermediate_size
+
     def train_flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs to train on one token of a ``seq_len``-token sequence.
 
@@ -380,7 +455,6 @@ class LlamaConfig:
         h, d = self.hidden_size, self.head_size
         gates = 2 if self.attn_output_gate else 1
         attention = h * d * ((1 + gates) * self.num_heads + 2 * self.kv_heads)  # q (and its gate), o; k, v
-        mlp = 3 * h * self.intermediate_size  # gate, up, down
         kinds = self.kinds
         linear = kinds.count("linear_attention")
         # A Gated DeltaNet layer: its projections (q, k, v, z, b, a in; out), and per token and
@@ -390,7 +464,10 @@ class LlamaConfig:
         key_dim, value_dim = self.linear_num_key_heads * dk, heads * dv
         deltanet = h * (2 * key_dim + 2 * value_dim + 2 * heads) + value_dim * h
         rule = heads * (3 * dk * dv + self.linear_chunk_size * (2 * dk + dv))
-        matmul_params = (len(kinds) - linear) * attention + linear * deltanet + len(kinds) * mlp + h * self.vocab_size
+        # A sparse layer's token runs its router and k of the experts (gate, up, down each).
+        sparse = h * self.num_experts + 3 * h * self.expert_size * self.num_experts_per_tok
+        mlps = sum(sparse if moe else 3 * h * self.intermediate_size for moe in self.moe_layers)
+        matmul_params = (len(kinds) - linear) * attention + linear * deltanet + mlps + h * self.vocab_size
         # A sliding layer's query sees at most sliding_window keys.
         seen = sum(
             min(seq_len, self.sliding_window or seq_len) if kind == "sliding_attention" else seq_len

@@ -316,7 +316,7 @@ def connect(
     *,
     cpu: CpuConfig | None = None,
     cluster: Cluster | None = None,
-    mesh: tuple[int, int, int] = (-1, 1, 1),
+    mesh: tuple[int, ...] = (-1, 1, 1),
     rules: Mapping[str, str | None] | None = None,
 ) -> Strategy:
     """Finds every device of every process and returns the strategy over them.
@@ -329,7 +329,8 @@ def connect(
             with 8).
         cpu: the XLA:CPU settings, for a run on the CPU (:class:`~xlafit.platform.cpu.CpuConfig`).
         cluster: join this job; default: :meth:`Cluster.from_env`.
-        mesh: sizes of ``(data, fsdp, tensor)``, one of them may be -1 (see :func:`make_mesh`);
+        mesh: sizes of ``(data, fsdp, tensor)`` or ``(data, fsdp, tensor, expert)``, one of
+            them may be -1 (see :func:`make_mesh`);
             the default is pure data parallelism.
         rules: logical axis -> mesh axis (default :data:`xlafit.parallel.sharding.DEFAULT_RULES`).
 

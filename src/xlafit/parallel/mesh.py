@@ -27,8 +27,10 @@ def is_prng_key(x: Any) -> bool:
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def make_mesh(devices: list[jax.Device], data: int = -1, fsdp: int = 1, tensor: int = 1) -> Mesh:
-    """The ``('data', 'fsdp', 'tensor')`` mesh over ``devices`` (ordered by process, then id).
+def make_mesh(devices: list[jax.Device], data: int = -1, fsdp: int = 1, tensor: int = 1, expert: int = 1) -> Mesh:
+    """The ``('data', 'fsdp', 'tensor')`` mesh over ``devices`` (ordered by process, then id),
+    ``('data', 'fsdp', 'expert', 'tensor')`` with ``expert`` above 1 (expert parallelism: a
+    mixture of experts' experts split over it, the batch too).
 
     One size may be -1: the devices left. ``tensor`` is the fastest-varying axis, so a
     tensor-parallel group is made of neighbouring devices of one process, and each process
@@ -51,13 +53,13 @@ def make_mesh(devices: list[jax.Device], data: int = -1, fsdp: int = 1, tensor: 
             that would), or a tensor group would span processes.
     """
     n = len(devices)
-    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor, **({"expert": expert} if expert != 1 else {})}
     free = [k for k, v in sizes.items() if v == -1]
     bad = [k for k, v in sizes.items() if v == 0 or v < -1]
     if bad or len(free) > 1:
         raise DeviceError(
             f"mesh.{(bad or free)[0]}={sizes[(bad or free)[0]]}: mesh sizes are positive, and at most one of "
-            "mesh.data, mesh.fsdp, mesh.tensor is -1 (the devices left)."
+            "mesh.data, mesh.fsdp, mesh.tensor, mesh.expert is -1 (the devices left)."
         )
     fixed = int(np.prod([v for v in sizes.values() if v != -1]))
     if free:
@@ -80,7 +82,8 @@ def make_mesh(devices: list[jax.Device], data: int = -1, fsdp: int = 1, tensor: 
             f"mesh.tensor={sizes['tensor']} would spread a tensor-parallel group over several processes "
             f"({local} devices each); use a mesh.tensor that divides {local}: {divisors(local)}."
         )
-    return Mesh(np.array(devices).reshape(sizes["data"], sizes["fsdp"], sizes["tensor"]), MESH_AXES)
+    axes = tuple(a for a in MESH_AXES if a in sizes)  # tensor innermost: a group of neighbours
+    return Mesh(np.array(devices).reshape(*(sizes[a] for a in axes)), axes)
 
 
 def _shape_text(sizes: Mapping[str, int]) -> str:
@@ -117,9 +120,10 @@ class Strategy:
 
     @property
     def num_replicas(self) -> int:
-        """Batch shards: ``data`` x ``fsdp``, the devices (or tensor-parallel groups) that
-        each take their own rows of every batch; all devices, in pure data parallelism."""
-        return self.axis_size("data") * self.axis_size("fsdp")
+        """Batch shards: ``data`` x ``fsdp`` x ``expert``, the devices (or tensor-parallel
+        groups) that each take their own rows of every batch; all devices, in pure data
+        parallelism."""
+        return self.axis_size("data") * self.axis_size("fsdp") * self.axis_size("expert")
 
     @property
     def num_devices(self) -> int:
@@ -127,8 +131,8 @@ class Strategy:
 
     @property
     def data_parallel_only(self) -> bool:
-        """True when every device holds the whole model (``fsdp`` = ``tensor`` = 1)."""
-        return self.axis_size("fsdp") == 1 and self.axis_size("tensor") == 1
+        """True when every device holds the whole model (``fsdp`` = ``tensor`` = ``expert`` = 1)."""
+        return self.axis_size("fsdp") == 1 and self.axis_size("tensor") == 1 and self.axis_size("expert") == 1
 
     @property
     def _batch_axes(self) -> tuple[str, ...]:
@@ -217,7 +221,10 @@ class Strategy:
             parts.append("parameters and optimizer state split over fsdp")
         if self.axis_size("tensor") > 1:
             parts.append("tensor-parallel over tensor")
-        return f"mesh: {shape} -> {', '.join(parts)}; batches split over data x fsdp ({self.num_replicas} shards)"
+        if self.axis_size("expert") > 1:
+            parts.append("experts split over expert")
+        over = " x ".join(self._batch_axes)
+        return f"mesh: {shape} -> {', '.join(parts)}; batches split over {over} ({self.num_replicas} shards)"
 
 
 def _memory(device: jax.Device) -> str:

@@ -9,8 +9,11 @@ MaxText / t5x scheme: the model says what an axis *is*, the run decides where it
 - ``fsdp``: data parallelism whose parameters and optimizer state are split along it
   (ZeRO-3): XLA gathers each weight where a layer needs it and reduce-scatters its gradient.
 - ``tensor``: Megatron tensor parallelism: ``mlp`` and ``heads`` (and ``vocab``) split.
+- ``expert``: expert parallelism: a mixture of experts' stacked expert weights split by
+  expert (``experts``); the mesh has this axis only when ``mesh.expert`` is above 1, and
+  the batch is split over it too (each of its devices computes its own rows' attention).
 
-Batches are split over ``data`` x ``fsdp``. A parameter with no names (a user's own model),
+Batches are split over ``data`` x ``fsdp`` (x ``expert``). A parameter with no names (a user's own model),
 or whose names send no dimension to ``fsdp`` (a LayerNorm scale, a bias), is split over
 ``fsdp`` along its largest free dimension that ``fsdp`` divides, or replicated when none
 does (:func:`default_spec`): under FSDP every parameter that can be split is. Every other
@@ -42,8 +45,8 @@ from xlafit.errors import ConfigError
 
 log = logging.getLogger("xlafit")
 
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")  # the batch is split over these
+MESH_AXES = ("data", "fsdp", "expert", "tensor")  # "expert" only in a mesh with mesh.expert > 1
+BATCH_AXES = ("data", "fsdp", "expert")  # the batch is split over these
 
 __all__ = ["BATCH_AXES", "DEFAULT_RULES", "MESH_AXES", "logical", "parse_rules", "tree_shardings"]
 
@@ -66,6 +69,7 @@ DEFAULT_RULES: Mapping[str, str | None] = {
     "types": None,
     "norm": None,  # LayerNorm / BatchNorm scales and offsets: small, replicated
     "layers": None,  # the stacked layers of a scanned model (model.scan_layers)
+    "experts": "expert",  # a mixture of experts' stacked expert weights (expert parallelism)
     "classes": None,
 }
 
@@ -319,8 +323,8 @@ def active_layout() -> tuple[Mesh, Mapping[str, str | None]] | None:
 
 
 def batch_axes(mesh: Mesh, size: int) -> tuple[str, ...] | None:
-    """The mesh axes a batch of ``size`` rows splits over (``data`` x ``fsdp``, those of more
-    than one device), or None when it does not divide over them."""
+    """The mesh axes a batch of ``size`` rows splits over (``data`` x ``fsdp`` x ``expert``,
+    those of more than one device), or None when it does not divide over them."""
     sizes = dict(mesh.shape)
     axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
     return axes if axes and size % math.prod(sizes[a] for a in axes) == 0 else None

@@ -208,15 +208,22 @@ def _operand_names(rest: str) -> list[str]:
 
 
 def product_flops(op: str, shape: str, rest: str, shapes: dict[str, str]) -> float:
-    """FLOPs of one matrix product (``dot``) or convolution, as XLA's cost analysis counts
-    them: 2 x the multiply-adds. TPU programs write products, batched ones too, as
+    """FLOPs of one matrix product (``dot``, or ``ragged-dot``: a grouped product, whose rows
+    each meet one group's matrix) or convolution, as XLA's cost analysis counts them: 2 x
+    the multiply-adds. TPU programs write products, batched ones too, as
     convolutions whose window strides and dilations lay batch dimensions out as spatial ones
     (:func:`_convolution_fmas`). 0 for any other operation, or where a shape is not known."""
     names = _operand_names(rest)
-    if op == "dot" and names and names[0] in shapes:
+    if op in ("dot", "ragged-dot") and names and names[0] in shapes:
         lhs = _dims(shapes[names[0]])
         contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
         summed = math.prod(lhs[int(i)] for i in contracting.group(1).split(",") if i) if contracting else 1
+        ragged = re.search(r"lhs_ragged_dims=\{(\d+)\}", rest)
+        if op == "ragged-dot" and ragged and contracting and ragged.group(1) in contracting.group(1).split(","):
+            # Contracting over the ragged rows (a weight gradient, [g, k, n] out): each group
+            # sums its own rows only, so the rows are summed once, not once per group.
+            return 2.0 * math.prod(_dims(shape)) * summed / max(_dims(shape)[0], 1)
+        # A ragged dot's rows meet their own group's matrix only: 2 m n k, as a dot's.
         return 2.0 * math.prod(_dims(shape)) * summed
     if op == "convolution" and len(names) > 1 and names[0] in shapes and names[1] in shapes:
         return 2.0 * _convolution_fmas(_dims(shapes[names[0]]), _dims(shapes[names[1]]), _dims(shape), rest)

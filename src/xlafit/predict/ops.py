@@ -206,11 +206,20 @@ def _kernel(
     written = hbm_bytes(shape)
     if op == "custom-call":
         return _custom_call(name, shape, rest, operands, shapes, read)
-    if op in ("dot", "convolution"):
+    if op in ("dot", "ragged-dot", "convolution"):
         flops = product_flops(op, shape, rest, shapes)
-        dims = _product_shape(op, shape, rest, shapes)
+        dims = _product_shape(op, shape, rest, shapes) if op != "ragged-dot" else ()
         return Kernel(
-            name, "matmul" if op == "dot" else "convolution", 1, flops, 0.0, sum(read), written, dims, _dtype(shape), op
+            name,
+            "convolution" if op == "convolution" else "matmul",
+            1,
+            flops,
+            0.0,
+            sum(read),
+            written,
+            dims,
+            _dtype(shape),
+            op,
         )
     if op in ("copy", "transpose"):
         return Kernel(
@@ -307,9 +316,35 @@ def _custom_call(
             name, "attention", 1, flops, 0.0, sum(read) + extra_read, written + extra_written, dims, _dtype(shape),
             target_name,
         )  # fmt: skip
+    if target_name == "tpu_custom_call" and re.match(r"ragged-dot-(?!metadata)", name):
+        return _ragged_dot(name, shape, operands, shapes, read, written)
     if target_name == "tpu_custom_call" and re.match(r"splash_", name):
         return Kernel(name, "attention", 1, 0.0, 0.0, sum(read), written, (), _dtype(shape), "tpu_custom_call")
     return Kernel(name, "other", 1, 0.0, 0.0, sum(read), written, (), _dtype(shape), target_name)
+
+
+def _ragged_dot(
+    name: str, shape: str, operands: list[str], shapes: dict[str, str], read: list[int], written: int
+) -> Kernel:
+    """A TPU grouped matrix product (``jax.lax.ragged_dot``'s Mosaic kernel, ``ragged-dot-*``):
+    rows ``[m, k]`` sorted by group times each group's ``[k, n]`` matrix (its last two
+    operands; the ones before are the groups' offsets). Each row meets only its own group's
+    matrix: ``2 m n k`` FLOPs, the routed tokens' count, not the ``g`` times more of a dense
+    product over every group.
+
+    Example:
+        >>> shapes = {"a": "bf16[1024,256]{1,0}", "b": "bf16[8,256,512]{2,1,0}"}
+        >>> k = _ragged_dot("ragged-dot-none", "bf16[1024,512]{1,0}", ["a", "b"], shapes, [0, 0], 0)
+        >>> k.kind, k.flops, k.shape
+        ('matmul', 268435456.0, (1, 1024, 512, 256))
+    """
+    lhs = _dims(shapes.get(operands[-2], "")) if len(operands) > 1 else []
+    out = _dims(shape)
+    if len(lhs) != 2 or len(out) != 2:
+        return Kernel(name, "other", 1, 0.0, 0.0, sum(read), written, (), _dtype(shape), "tpu_custom_call")
+    (m, n), k = out, lhs[1]
+    dims = (1, m, n, k)
+    return Kernel(name, "matmul", 1, 2.0 * m * n * k, 0.0, sum(read), written, dims, _dtype(shape), "tpu_custom_call")
 
 
 def _backend(rest: str) -> dict:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -33,6 +34,7 @@ from xlafit.hf.files import read_json
 from xlafit.hf.quantized import from_hf_quantized
 from xlafit.io import hub
 from xlafit.models.llama import PRESETS, LlamaConfig, LlamaForCausalLM
+from xlafit.models.moe import RouterStats, load_balancing_loss, router_z_loss
 from xlafit.models.quantized import check_tiling
 from xlafit.parallel.sharding import active_layout, batch_axes, constrain
 from xlafit.platform.hardware import table_memory
@@ -40,18 +42,34 @@ from xlafit.recipes import llm_data, llm_grpo, llm_preference
 from xlafit.recipes.base import Recipe, Throughput
 from xlafit.recipes.llm_data import LlmDataConfig, data_config, model_dir, save_artifacts
 from xlafit.train.losses import blocks_for, blockwise_cross_entropy, masked_accuracy, masked_mean, whole_logits_bytes
+from xlafit.train.report import EXPERT_TOKENS
 
 _SIZES = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size")
 _OPTIONAL = ("max_position_embeddings", "head_dim", "vocab_size")  # sizes that a preset supplies when not given
 
 
 @dataclasses.dataclass
+class MoeOptions:
+    """A mixture of experts' settings (models whose config has experts: Qwen3-MoE)."""
+
+    # ragged: each expert multiplies only the tokens routed to it (grouped products:
+    # jax.lax.ragged_dot on TPUs and GPUs, tiles of one expert on CPUs); dense: every expert
+    # computes every token (num_experts / k times the FLOPs), the reference
+    impl: Literal["ragged", "dense"] = "ragged"
+    # the load-balancing loss's weight in the loss; null: the checkpoint's router_aux_loss_coef
+    # (Qwen3-MoE's 0.001) or the preset's
+    router_aux_loss_coef: float | None = None
+    router_z_loss_coef: float = 0.0  # ST-MoE's router z-loss weight (0: off)
+
+
+@dataclasses.dataclass
 class LlmModelConfig:
-    # Llama's sizes by name (tiny: 2 layers of 64 for tests and the demo; the others the
-    # released models' shapes, models/llama_config.py: PRESETS), or custom: the sizes below
+    # Llama's sizes by name (tiny: 2 layers of 64 for tests and the demo, tiny-moe: tiny with
+    # 8 experts; the others the released models' shapes, models/llama_config.py: PRESETS), or
+    # custom: the sizes below
     preset: Literal[
-        "tiny", "llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b", "gemma-3-1b", "gemma-3-12b", "gemma-3-27b",
-        "qwen3-1.7b", "qwen3-14b", "qwen3-32b", "custom",
+        "tiny", "tiny-moe", "llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b", "gemma-3-1b", "gemma-3-12b",
+        "gemma-3-27b", "qwen3-1.7b", "qwen3-14b", "qwen3-32b", "qwen3-30b-a3b", "custom",
     ] = "tiny"  # fmt: skip
     num_layers: int | None = None  # null: the preset's
     hidden_size: int | None = None  # null: the preset's
@@ -87,6 +105,7 @@ class LlmModelConfig:
     preference: llm_preference.PreferenceConfig = dataclasses.field(default_factory=llm_preference.PreferenceConfig)
     # GRPO's settings: rewards, num_generations, max_completion_length, beta, epsilon, loss_type, ...
     grpo: llm_grpo.GrpoConfig = dataclasses.field(default_factory=llm_grpo.GrpoConfig)
+    moe: MoeOptions = dataclasses.field(default_factory=MoeOptions)  # a mixture of experts' settings
 
     def __post_init__(self) -> None:
         if isinstance(self.logits_chunk, int) and self.logits_chunk < 0:
@@ -108,7 +127,7 @@ def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
         base: dict[str, Any] = {"vocab_size": vocab_size}
     else:
         base = dict(PRESETS[m.preset])
-        if m.preset == "tiny":
+        if m.preset in ("tiny", "tiny-moe"):
             base["vocab_size"] = vocab_size
     if sizes.get("vocab_size", base["vocab_size"]) < vocab_size:
         raise ConfigError(
@@ -125,9 +144,19 @@ def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
             remat=m.remat,
             scan_layers=m.scan_layers,
             logits_chunk=m.logits_chunk,
+            **moe_options(m),
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def moe_options(m: LlmModelConfig) -> dict[str, Any]:
+    """The :class:`LlamaConfig` fields ``model.moe`` sets (a checkpoint's or preset's
+    ``router_aux_loss_coef`` kept unless given)."""
+    options: dict[str, Any] = {"moe_impl": m.moe.impl, "router_z_loss_coef": m.moe.router_z_loss_coef}
+    if m.moe.router_aux_loss_coef is not None:
+        options["router_aux_loss_coef"] = m.moe.router_aux_loss_coef
+    return options
 
 
 def validate(cfg: Config) -> None:
@@ -235,7 +264,7 @@ def shapes(cfg: Config) -> clm.PackedText | None:
     preset, whose vocabulary is the demo tokenizer's; a checkpoint's) or ships with xlafit
     (the chat demos)."""
     d, m = data_config(cfg), cfg.model
-    if d.data_dir or d.demo != "korean" or m.init_from_hf or m.preset == "tiny":
+    if d.data_dir or d.demo != "korean" or m.init_from_hf or m.preset in ("tiny", "tiny-moe"):
         return None
     vocab = _given_sizes(m).get("vocab_size") or PRESETS.get(m.preset, {}).get("vocab_size")
     if not vocab:  # custom sizes without a vocabulary: the tokenizer's
@@ -259,6 +288,7 @@ def build_llama(cfg: Config, vocab_size: int) -> LlamaForCausalLM:
             "remat": m.remat,
             "scan_layers": m.scan_layers,
             "logits_chunk": m.logits_chunk,
+            **moe_options(m),
         }
         if cfg.lora.rank and cfg.lora.quantized:  # quantized as it is read: one tensor in full precision at a time
             model = from_hf_quantized(source, cfg.lora.base_dtype, cfg.lora.base_block, **options)
@@ -294,12 +324,44 @@ def build_model(cfg: Config, train: clm.PackedText) -> LlamaForCausalLM:
 
 def loss_fn(model: LlamaForCausalLM, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Per-row mean next-token cross-entropy over real tokens of one piece, and its accuracy:
-    the logits in blocks where :func:`logits_blocks` says so, else whole."""
+    the logits in blocks where :func:`logits_blocks` says so, else whole. A mixture of
+    experts adds its router's auxiliary losses (:func:`with_router_losses`)."""
+    hidden, stats = model.decode_routed(batch["input_ids"], batch["segment_ids"], batch["positions"])
+    loss, metrics = _next_token_loss(model, batch, hidden)
+    return (loss, metrics) if stats is None else with_router_losses(model.cfg, loss, metrics, stats)
+
+
+def with_router_losses(
+    cfg: LlamaConfig, loss: jax.Array, metrics: dict[str, jax.Array], stats: RouterStats
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """``loss`` plus ``router_aux_loss_coef`` times the load-balancing loss and
+    ``router_z_loss_coef`` times the z-loss (transformers adds the first to Qwen3-MoE's loss
+    the same way), each logged (``moe_aux_loss``, ``router_z_loss``), with the tokens routed
+    to each expert per MoE layer (``expert_tokens/<e>``; written to metrics.jsonl and
+    TensorBoard, not printed). Each is one value for the whole batch, repeated per row as the
+    metrics' convention wants."""
+    rows = loss.shape[0]
+    aux, z = load_balancing_loss(stats), router_z_loss(stats)
+    loss = loss + cfg.router_aux_loss_coef * aux + cfg.router_z_loss_coef * z
+
+    def per_row(x: jax.Array) -> jax.Array:
+        return jnp.broadcast_to(x, (rows,))
+
+    metrics = {**metrics, "moe_aux_loss": per_row(aux)}
+    if cfg.router_z_loss_coef:
+        metrics["router_z_loss"] = per_row(z)
+    load = stats.expert_load()
+    metrics.update({f"{EXPERT_TOKENS}{e}": per_row(load[e]) for e in range(load.shape[0])})
+    return loss, metrics
+
+
+def _next_token_loss(
+    model: LlamaForCausalLM, batch: dict[str, jax.Array], hidden: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     # (B, T - 1); chat and prompt/completion data count their answers only (loss_mask)
     targets, weights = clm.next_token_targets(batch["input_ids"], batch["segment_ids"], batch.get("loss_mask"))
     blocks = logits_blocks(model.cfg, *targets.shape)
     if blocks is not None:
-        hidden = model.decode(batch["input_ids"], batch["segment_ids"], batch["positions"])
         chunk, tile = blocks
         split = "vocab" if tile == model.cfg.vocab_size else None  # a tile of the vocabulary stays whole
 
@@ -319,7 +381,7 @@ def loss_fn(model: LlamaForCausalLM, batch: dict[str, jax.Array]) -> tuple[jax.A
             layout=layout,
         )
         return loss, {"token_accuracy": accuracy}
-    logits = model(batch["input_ids"], batch["segment_ids"], batch["positions"])  # (B, T, V) float32
+    logits = constrain(model.logits(hidden), "batch", None, "vocab")  # (B, T, V) float32
     losses = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], targets)
     return masked_mean(losses, weights), {"token_accuracy": masked_accuracy(logits[:, :-1], targets, weights)}
 

@@ -105,7 +105,9 @@ class RunReport:
                 self._tb.flush()
             except OSError as e:
                 raise write_failed(self._tb.logdir, e) from None
-        shown = "  ".join(_fmt(k, v) for k, v in record.items() if k not in ("step", "epoch"))
+        shown = "  ".join(
+            _fmt(k, v) for k, v in record.items() if k not in ("step", "epoch") and not k.startswith(EXPERT_TOKENS)
+        )
         if self._bar is not None and prefix == "train":
             brief = "  ".join(_fmt(k, v) for k, v in record.items() if k in _BAR_KEYS)
             self._bar.set_postfix_str(brief, refresh=False)
@@ -200,6 +202,9 @@ def notebook_tqdm() -> type[tqdm]:
     return widget_tqdm
 
 
+# Metrics of one value per expert (expert_tokens/0, ...): written, not printed (a line per
+# 128 experts would drown the rest).
+EXPERT_TOKENS = "expert_tokens/"
 _BAR_KEYS = ("loss", "accuracy", "masked_accuracy", "examples_per_sec", "tokens_per_sec", "mfu")
 
 
