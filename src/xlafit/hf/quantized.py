@@ -31,18 +31,9 @@ from xlafit.models.quantized import (
     check_tiling,
     quantizable,
     quantize_kernel,
+    set_child,
 )
 from xlafit.parallel.sharding import logical_axes
-
-
-def _set(model: nnx.Module, path: tuple, module: nnx.Module) -> None:
-    parent: Any = model
-    for key in path[:-1]:
-        parent = parent[key] if isinstance(key, int) else getattr(parent, key)
-    if isinstance(path[-1], int):
-        parent[path[-1]] = module
-    else:
-        setattr(parent, path[-1], module)
 
 
 def from_hf_quantized(
@@ -105,5 +96,5 @@ def from_hf_quantized(
             axes=logical_axes(layer.kernel),
             bias_axes=None if layer.bias is None else logical_axes(layer.bias),
         )
-        _set(model, path, quantized)
+        set_child(model, path, quantized)
     return model

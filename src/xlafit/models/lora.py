@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from xlafit.errors import ConfigError
-from xlafit.models.quantized import QuantizedLinear, dequantize_linears
+from xlafit.models.quantized import QuantizedLinear, dequantize_linears, set_child
 from xlafit.parallel.sharding import logical_axes
 
 ADAPTER = nnx.LoRAParam  # the adapters: what a LoRA fine-tune trains
@@ -137,17 +137,6 @@ def adapters_off() -> Iterator[None]:
         _OFF.reset(token)
 
 
-def _set_child(model: nnx.Module, path: tuple, module: nnx.Module) -> None:
-    """Puts ``module`` at ``path`` (attribute names and list indices, as nnx.iter_modules)."""
-    parent: Any = model
-    for key in path[:-1]:
-        parent = parent[key] if isinstance(key, int) else getattr(parent, key)
-    if isinstance(path[-1], int):
-        parent[path[-1]] = module
-    else:
-        setattr(parent, path[-1], module)
-
-
 def apply_lora(model: nnx.Module, targets: Sequence[str], *, rank: int, alpha: float, rngs: nnx.Rngs) -> nnx.Module:
     """Wraps every ``nnx.Linear`` named one of ``targets`` in a :class:`LoRA`, in place.
 
@@ -195,7 +184,7 @@ def apply_lora(model: nnx.Module, targets: Sequence[str], *, rank: int, alpha: f
         )
     chosen = [(path, m) for path, m in linears if str(path[-1]) in targets]
     for path, linear in chosen:
-        _set_child(model, path, LoRA(linear, rank=rank, alpha=alpha, rngs=rngs))
+        set_child(model, path, LoRA(linear, rank=rank, alpha=alpha, rngs=rngs))
     return model
 
 
@@ -221,12 +210,12 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
         base = layer.base_module
         delta = jnp.matmul(layer.lora_a[...].astype(jnp.float32), layer.lora_b[...].astype(jnp.float32))
         if isinstance(base, QuantizedLinear):
-            _set_child(model, path, base.dequantized(jnp.bfloat16, layer.scaling * delta))
+            set_child(model, path, base.dequantized(jnp.bfloat16, layer.scaling * delta))
             continue
         assert isinstance(base, nnx.Linear)
         kernel = base.kernel[...]
         base.kernel[...] = (kernel.astype(jnp.float32) + layer.scaling * delta).astype(kernel.dtype)
-        _set_child(model, path, base)
+        set_child(model, path, base)
     return dequantize_linears(model, jnp.bfloat16)
 
 

@@ -291,7 +291,8 @@ class QuantizedLinear(nnx.Module):
         return linear
 
 
-def _set_child(model: nnx.Module, path: tuple, module: nnx.Module) -> None:
+def set_child(model: nnx.Module, path: tuple, module: nnx.Module) -> None:
+    """Puts ``module`` at ``path`` (attribute names and list indices, as nnx.iter_modules)."""
     parent: Any = model
     for key in path[:-1]:
         parent = parent[key] if isinstance(key, int) else getattr(parent, key)
@@ -326,7 +327,7 @@ def quantize_linears(
     """
     check_qtype(qtype)
     for path, layer in quantizable(model, skip):
-        _set_child(model, path, QuantizedLinear.of(layer, qtype, block, name=_path(path)))
+        set_child(model, path, QuantizedLinear.of(layer, qtype, block, name=_path(path)))
     return model
 
 
@@ -353,7 +354,7 @@ def dequantize_linears(model: nnx.Module, dtype: Any = jnp.bfloat16) -> nnx.Modu
     """Every :class:`QuantizedLinear` of ``model`` back to a plain ``nnx.Linear`` of its
     dequantized kernel in ``dtype``, in place (what a merged export of a quantized base writes)."""
     for path, layer in quantized_layers(model):
-        _set_child(model, path, layer.dequantized(dtype))
+        set_child(model, path, layer.dequantized(dtype))
     return model
 
 
