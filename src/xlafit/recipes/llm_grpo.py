@@ -42,7 +42,7 @@ class GrpoConfig:
     num_generations: int = 8  # G: the completions of each prompt (data.global_batch counts completions)
     max_completion_length: int = 256  # the tokens of a completion at most
     temperature: float = 1.0  # the sampler's; the log-probabilities are the model's at it too
-    top_p: float = 1.0
+    top_p: float = 1.0  # nucleus sampling's mass (1: every token)
     top_k: int = 0  # 0: every token
     beta: float = 0.0  # the KL term's weight; > 0 needs a reference: the base with the LoRA adapters off
     epsilon: float = 0.2  # the ratio's clip: [1 - epsilon, 1 + epsilon_high]
