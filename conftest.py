@@ -5,6 +5,11 @@ import os
 
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# gcsfs picks its GCS client class when it is first imported: with this unset, the experimental
+# one, whose gRPC probe of the local GCS server (tests/conftest.py) fails its TLS handshake and
+# retries for minutes on each call. The `gcs` fixture sets it too, but a test that imports gcsfs
+# earlier in the same worker would already have made the choice.
+os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 
 import jax  # noqa: E402
 

@@ -164,6 +164,9 @@ def gcs(gcs_server, monkeypatch, request):
     # fsspec read FSSPEC_GS_TOKEN when it was imported, before this test set it
     monkeypatch.setitem(fsspec.config.conf, "gs", {**fsspec.config.conf.get("gs", {}), "token": "anon"})
     _forget_gcs_clients()
+    import gcsfs.core
+
+    assert gcsfs.GCSFileSystem is gcsfs.core.GCSFileSystem, "gcsfs was imported with its gRPC client (../conftest.py)"
     # unique per fixture use: ids of collected objects repeat once freed, and a bucket name twice is a 409
     name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:50].strip("-") + f"-{uuid.uuid4().hex[:8]}"
     gcs_server.bucket = gcs_server.make_bucket(name)
