@@ -104,14 +104,18 @@ test: $(STAMP)
 PYTHON_NEWEST ?= $(shell for p in python3.12 "$$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do \
 	"$$p" -c "" 2>/dev/null && echo "$$p" && break; done)
 NEWEST := .venv-newest
+# The process-level preemption tests (signals to several processes, elastic restores) and the
+# learning tests run once, in the pinned suite: here, the kill -9 loop and the checkpoint
+# fallback, which exercise the newest Orbax.
 NEWEST_TESTS := tests/test_trainer.py tests/test_step.py tests/test_sharding.py tests/test_checkpoint.py \
 	tests/test_preemption.py tests/test_llama.py tests/test_generation.py tests/test_splash.py tests/test_tpu.py \
-	tests/test_predict.py tests/test_llm_recipe.py tests/test_mnist_recipe.py tests/test_optim.py
+	tests/test_llm_recipe.py tests/test_optim.py
+NEWEST_SKIP := sigterm or elastic or breaking_config or two_process or lora_run_killed_with_sigkill
 test-newest:
 	@if [ -z "$(PYTHON_NEWEST)" ]; then echo "test-newest: no python3.12 here (PYTHON_NEWEST=...): skipped"; \
 	else $(MAKE) --no-print-directory $(NEWEST)/.xlafit-installed && \
 	  $(NEWEST)/bin/python -c "import jax, flax, sys; print('newest:', 'Python', sys.version.split()[0], 'jax', jax.__version__, 'flax', flax.__version__)" && \
-	  $(NEWEST)/bin/python -m pytest -n logical --maxprocesses 4 --dist worksteal -p no:cacheprovider $(NEWEST_TESTS); fi
+	  $(NEWEST)/bin/python -m pytest -n logical --maxprocesses 4 --dist worksteal -p no:cacheprovider -k 'not ($(NEWEST_SKIP))' $(NEWEST_TESTS); fi
 
 $(NEWEST)/.xlafit-installed: pyproject.toml
 	$(PYTHON_NEWEST) -m venv $(NEWEST)

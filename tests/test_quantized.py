@@ -216,6 +216,10 @@ def tiny_hf(tmp_path_factory):
     return d
 
 
+@pytest.mark.skipif(
+    os.environ.get("XLAFIT_STRESS") != "1",
+    reason="about 95 s (three processes quantize the base): XLAFIT_STRESS=1 runs it (the suite's 25-minute budget)",
+)
 def test_a_quantized_base_run_killed_with_sigkill_resumes_exactly(tmp_path, tiny_hf):
     from tests.test_llm_recipe import XLAFIT, _final, _segment, env
 
