@@ -2,7 +2,8 @@
 
 The Hugging Face side is the files ``save_pretrained`` writes and ``from_pretrained`` reads
 for ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``,
-``Gemma2ForCausalLM`` and ``Gemma3ForCausalLM`` (the family is the config's ``model_type``): ``config.json``
+``Gemma2ForCausalLM``, ``Gemma3ForCausalLM`` and ``Gemma4ForCausalLM`` (the family is the config's
+``model_type``): ``config.json``
 and ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` listed in
 ``model.safetensors.index.json``. PyTorch's ``Linear`` weights are ``[out, in]``, ours
 ``[in, out]``. Nothing here imports PyTorch or transformers. Scanned models
@@ -25,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from xlafit.errors import HFFormatError
+from xlafit.hf import gemma4
 from xlafit.hf.files import open_safetensors, read_json, read_tensor
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 
@@ -60,8 +62,9 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
 }
-_GEMMA = ("gemma2", "gemma3_text")
+_GEMMA = ("gemma2", "gemma3_text")  # Gemma 4's config.json has its own keys (_gemma4_config)
 
 
 def _family(cfg: LlamaConfig) -> str:
@@ -82,6 +85,8 @@ def hf_config(cfg: LlamaConfig) -> dict:
         32.0
     """
     family = _family(cfg)
+    if family == "gemma4_text":
+        return gemma4.hf_config(cfg, {hf: getattr(cfg, ours) for ours, hf in _CONFIG_KEYS.items()})
     if family not in _GEMMA and (cfg.embedding_scale or cfg.norm_offset):
         raise HFFormatError(f"embedding_scale and norm_offset (Gemma's conventions) have no {family} config.json.")
     out: dict[str, Any] = {hf: getattr(cfg, ours) for ours, hf in _CONFIG_KEYS.items()}
@@ -198,23 +203,45 @@ def config_from_hf(hf: dict, **overrides: Any) -> LlamaConfig:
     if missing:
         raise HFFormatError(f"config.json lacks {', '.join(missing)}.")
     fields = {ours: hf[key] for ours, key in _CONFIG_KEYS.items() if hf.get(key) is not None}
-    fields.update(_rope_fields(hf))
-    fields.update(_family_fields(kind, hf))
+    if kind == "gemma4_text":
+        fields.update(gemma4.config_fields(hf))
+    else:
+        fields.update(_rope_fields(hf))
+        fields.update(_family_fields(kind, hf))
     return LlamaConfig(**{**fields, **overrides})
 
 
 # (Hugging Face name after "model.layers.{i}.", attribute path in a decoder layer, transposed)
-_LAYER_TENSORS = [
-    ("input_layernorm.weight", ("input_layernorm", "scale"), False),
-    *[(f"self_attn.{p}.weight", ("self_attn", p, "kernel"), True) for p in ("q_proj", "k_proj", "v_proj", "o_proj")],
-    ("post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), False),
-    *[(f"mlp.{p}.weight", ("mlp", p, "kernel"), True) for p in ("gate_proj", "up_proj", "down_proj")],
-]
-_BIAS_TENSORS = [(f"self_attn.{p}.bias", ("self_attn", p, "bias"), False) for p in ("q_proj", "k_proj", "v_proj")]
-_QK_NORM_TENSORS = [(f"self_attn.{n}.weight", ("self_attn", n, "scale"), False) for n in ("q_norm", "k_norm")]
-_SANDWICH_TENSORS = [
-    (f"{n}.weight", (n, "scale"), False) for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-]
+Tensor = tuple[str, tuple[str, ...], bool]
+
+
+def _layer_tensors(cfg: LlamaConfig, i: int) -> list[Tensor]:
+    """Layer ``i``'s tensors: Llama's, and those its family and kind add or leave out
+    (Gemma 4: a layer sharing keys and values has no k or v; a global layer whose values are
+    its keys has no v)."""
+    kind = cfg.kinds[i]
+    projections = ["q_proj"]
+    if not cfg.shares_kv(i):
+        projections += ["k_proj"] if cfg.values_are_keys(kind) else ["k_proj", "v_proj"]
+    out: list[Tensor] = [("input_layernorm.weight", ("input_layernorm", "scale"), False)]
+    out += [(f"self_attn.{p}.weight", ("self_attn", p, "kernel"), True) for p in (*projections, "o_proj")]
+    if cfg.attention_bias:
+        out += [(f"self_attn.{p}.bias", ("self_attn", p, "bias"), False) for p in projections]
+    if cfg.qk_norm:
+        norms = ["q_norm"] if cfg.shares_kv(i) else ["q_norm", "k_norm"]
+        out += [(f"self_attn.{n}.weight", ("self_attn", n, "scale"), False) for n in norms]
+    out.append(("post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), False))
+    if cfg.sandwich_norms:
+        out += [
+            (f"{n}.weight", (n, "scale"), False) for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+        ]
+    out += [(f"mlp.{p}.weight", ("mlp", p, "kernel"), True) for p in ("gate_proj", "up_proj", "down_proj")]
+    if cfg.per_layer_input_size:
+        out += [(f"{p}.weight", (p, "kernel"), True) for p in ("per_layer_input_gate", "per_layer_projection")]
+        out.append(("post_per_layer_input_norm.weight", ("post_per_layer_input_norm", "scale"), False))
+    if cfg.layer_scalar:
+        out.append(("layer_scalar", ("layer_scalar",), False))
+    return out
 
 
 def _param(module: Any, path: tuple[str, ...]) -> nnx.Variable:
@@ -236,11 +263,13 @@ def entries(model: LlamaForCausalLM) -> Iterator[Entry]:
             "alone (xlafit.hf.peft.save_peft_adapter)."
         )
     yield "model.embed_tokens.weight", model.embed_tokens.embedding, None, False
-    tensors: list[tuple[str, tuple[str, ...], bool]] = [*_LAYER_TENSORS, *(_BIAS_TENSORS if cfg.attention_bias else [])]
-    tensors += [*(_QK_NORM_TENSORS if cfg.qk_norm else []), *(_SANDWICH_TENSORS if cfg.sandwich_norms else [])]
+    if cfg.per_layer_input_size:
+        yield "model.embed_tokens_per_layer.weight", model.embed_tokens_per_layer.embedding, None, False
+        yield "model.per_layer_model_projection.weight", model.per_layer_model_projection.kernel, None, True
+        yield "model.per_layer_projection_norm.weight", model.per_layer_projection_norm.scale, None, False
     for i in range(cfg.num_layers):
         layer = model.layers if cfg.scan_layers else model.layers[i]
-        for suffix, path, transposed in tensors:
+        for suffix, path, transposed in _layer_tensors(cfg, i):
             yield f"model.layers.{i}.{suffix}", _param(layer, path), i if cfg.scan_layers else None, transposed
     yield "model.norm.weight", model.norm.scale, None, False
     if model.lm_head is not None:

@@ -29,16 +29,24 @@ __all__ = [
 ]
 
 
-def rope_frequencies(cfg: LlamaConfig, local: bool = False) -> np.ndarray:
+def rope_frequencies(cfg: LlamaConfig, local: bool = False, head_dim: int | None = None) -> np.ndarray:
     """The rotary inverse frequencies ``[head_dim / 2]`` (float32), Llama 3's or linear
-    scaling applied; a sliding layer of Gemma 3 (``local``) has its own base and none.
+    scaling applied; a sliding layer of Gemma 3 or 4 (``local``) has its own base and none.
+    ``head_dim``: the layer's (default the config's). Gemma 4's "proportional" rotation turns
+    the first ``rope_partial_factor`` of the pairs, at frequencies spaced over the whole
+    head, and leaves the others where they are (frequency 0).
 
     Computed as Hugging Face does (``_compute_default_rope_parameters``,
-    ``_compute_llama3_parameters``, ``_compute_linear_scaling_rope_parameters``), in
-    float32, so the angles agree bit for bit.
+    ``_compute_llama3_parameters``, ``_compute_linear_scaling_rope_parameters``,
+    ``_compute_proportional_rope_parameters``), in float32, so the angles agree bit for bit.
     """
-    d = cfg.head_size
+    d = head_dim or cfg.head_size
     theta = cfg.rope_local_theta if local and cfg.rope_local_theta else cfg.rope_theta
+    if cfg.rope_type == "proportional" and not local:
+        turned = int(cfg.rope_partial_factor * d // 2)
+        inv_freq = (1.0 / (theta ** (np.arange(0, 2 * turned, 2).astype(np.float32) / d))).astype(np.float32)
+        inv_freq = np.concatenate([inv_freq, np.zeros(d // 2 - turned, np.float32)])
+        return (inv_freq / np.float32(cfg.rope_factor)).astype(np.float32)
     inv_freq = (1.0 / (theta ** (np.arange(0, d, 2).astype(np.float32) / d))).astype(np.float32)
     if cfg.rope_type == "default" or (local and cfg.rope_local_theta):
         return inv_freq
@@ -101,9 +109,10 @@ def attention(
     return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
 
 
-def default_scale(cfg: LlamaConfig) -> float:
-    """``1 / sqrt(head_dim)``, or Gemma's ``query_pre_attn_scalar ** -0.5``."""
-    return 1.0 / math.sqrt(cfg.query_pre_attn_scalar or cfg.head_size)
+def default_scale(cfg: LlamaConfig, head_dim: int | None = None) -> float:
+    """``1 / sqrt(head_dim)`` (the layer's, default the config's), or Gemma's
+    ``query_pre_attn_scalar ** -0.5`` (Gemma 4's is 1: its queries and keys are normed)."""
+    return 1.0 / math.sqrt(cfg.query_pre_attn_scalar or head_dim or cfg.head_size)
 
 
 def packed_segments_limit(seq_len: int) -> int:

@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import typing
 from typing import Any
@@ -28,200 +27,35 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from xlafit.models import splash
-from xlafit.models.activations import gated
-from xlafit.models.attention import apply_rope, attention, causal_mask, default_scale, rope_frequencies
+from xlafit.models.attention import rope_frequencies
 from xlafit.models.bert import remat_policy
-from xlafit.models.cudnn import packed_flash_attention
+from xlafit.models.decoder import (
+    KV,
+    Buffer,
+    KVCache,
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaMLP,
+    RMSNorm,
+    _dense,
+)
 from xlafit.models.llama_config import DTYPES, LAYER_INPUT, PRESETS, LlamaConfig
 from xlafit.models.lora import LoRA
 from xlafit.parallel.sharding import constrain, logical
 
-__all__ = ["PRESETS", "KVCache", "LlamaConfig", "LlamaForCausalLM", "layer_remat_policy", "rope_frequencies"]
-
-
-def _dense(cfg: LlamaConfig, din: int, dout: int, rngs: nnx.Rngs, axes: tuple[str, str], bias: bool) -> nnx.Linear:
-    """A bias-free (unless ``bias``) dense layer whose kernel has the logical axes ``axes``."""
-    init = nnx.initializers.normal(stddev=cfg.initializer_range)
-    return nnx.Linear(
-        din,
-        dout,
-        use_bias=bias,
-        kernel_init=logical(init, *axes),
-        bias_init=logical(nnx.initializers.zeros_init(), axes[1]),
-        dtype=cfg.compute_dtype,
-        param_dtype=DTYPES[cfg.param_dtype],
-        rngs=rngs,
-    )
-
-
-class RMSNorm(nnx.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019) over the last ``size`` features
-    (default the hidden size; a head's for q/k norms): statistics in float32, as Hugging
-    Face's ``LlamaRMSNorm``; the weight is ``1 + w`` with ``offset`` (Gemma, initialised at 0)."""
-
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, size: int | None = None) -> None:
-        init = nnx.initializers.zeros_init() if cfg.norm_offset else nnx.initializers.ones_init()
-        shape = (size or cfg.hidden_size,)
-        self.scale = nnx.Param(logical(init, "norm")(rngs.params(), shape, DTYPES[cfg.param_dtype]))
-        self.eps, self.offset = cfg.rms_norm_eps, cfg.norm_offset
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        scale = self.scale[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
-        if self.offset:  # Gemma multiplies in float32, then casts
-            return (y * (1.0 + scale)).astype(x.dtype)
-        return y.astype(x.dtype) * scale.astype(x.dtype)
-
-
-class LlamaAttention(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, kind: str = "full_attention") -> None:
-        self.cfg = cfg
-        h, q_dim, kv_dim = cfg.hidden_size, cfg.num_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
-        # Megatron: q, k, v column-parallel by head, o row-parallel. "kv_heads" is its own
-        # name so a run with more tensor devices than key/value heads can replicate k and v.
-        self.q_proj = _dense(cfg, h, q_dim, rngs, ("embed", "heads"), cfg.attention_bias)
-        self.k_proj = _dense(cfg, h, kv_dim, rngs, ("embed", "kv_heads"), cfg.attention_bias)
-        self.v_proj = _dense(cfg, h, kv_dim, rngs, ("embed", "kv_heads"), cfg.attention_bias)
-        self.o_proj = _dense(cfg, q_dim, h, rngs, ("heads", "embed"), False)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg, rngs, cfg.head_size)
-            self.k_norm = RMSNorm(cfg, rngs, cfg.head_size)
-        # A sliding layer sees the last sliding_window keys (a static property of the layer).
-        self.window = cfg.sliding_window if kind == "sliding_attention" else None
-        self.local_rope = kind == "sliding_attention" and cfg.rope_local_theta is not None
-
-    def _project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        b, t, _ = x.shape
-        cfg = self.cfg
-        q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_size)
-        k = self.k_proj(x).reshape(b, t, cfg.kv_heads, cfg.head_size)
-        v = self.v_proj(x).reshape(b, t, cfg.kv_heads, cfg.head_size)
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # Computed from the config at trace time: a constant of the compiled program, not
-        # state (an array attribute would be a leaf of nnx.state and of checkpoints).
-        inv_freq = rope_frequencies(cfg, self.local_rope)
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
-
-    @property
-    def plain(self) -> bool:
-        """Llama's attention: causal, whole context, 1/sqrt(head_dim), no soft-cap."""
-        cfg = self.cfg
-        return self.window is None and not cfg.attn_logit_softcap and not cfg.query_pre_attn_scalar
-
-    def __call__(
-        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, implementation: str
-    ) -> jax.Array:
-        b, t, _ = x.shape
-        cfg = self.cfg
-        q, k, v = self._project(x, positions)
-        q = constrain(q, "batch", None, "heads", None)
-        k = constrain(k, "batch", None, "kv_heads", None)
-        v = constrain(v, "batch", None, "kv_heads", None)
-        # Grouped-query attention: every path takes num_kv_heads dividing num_heads as is (no repeat).
-        if implementation == "splash":
-            context = splash.splash_attention(
-                q, k, v, segment_ids, window=self.window, scale=default_scale(cfg), softcap=cfg.attn_logit_softcap
-            )
-        elif implementation == "cudnn" and segment_ids is not None:  # packed rows: plain, bf16 (checked)
-            context = packed_flash_attention(q, k, v, segment_ids, default_scale(cfg))
-        elif self.plain:  # (B, 1, T, T): a query sees keys of its own segment; is_causal adds "and earlier"
-            mask = None if segment_ids is None else segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-            context = jax.nn.dot_product_attention(
-                q, k, v, mask=mask, is_causal=True, implementation=typing.cast(Any, implementation)
-            )
-        else:
-            mask = jnp.asarray(causal_mask(t))[None, None]
-            if segment_ids is not None:
-                mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-            if self.window:  # within a packed segment, by its own positions
-                mask = mask & (positions[:, None, :, None] - positions[:, None, None, :] < self.window)
-            context = attention(q, k, v, mask, default_scale(cfg), cfg.attn_logit_softcap)
-        return self.o_proj(context.reshape(b, t, cfg.num_heads * cfg.head_size))
-
-    def cached(
-        self, x: jax.Array, positions: jax.Array, cache: KVCache, slot: jax.Array, visible: jax.Array
-    ) -> tuple[jax.Array, KVCache]:
-        """Attention of ``x [B, T, h]`` written into the key/value cache at ``slot`` (the
-        same slot for every row), over the cache's keys up to each query's own slot that are
-        ``visible [B, S]`` (a left-padded prompt's padding is not)."""
-        b, t, _ = x.shape
-        cfg = self.cfg
-        q, k, v = self._project(x, positions)
-        keys = jax.lax.dynamic_update_slice(cache.keys, k.astype(cache.keys.dtype), (0, slot, 0, 0))
-        values = jax.lax.dynamic_update_slice(cache.values, v.astype(cache.values.dtype), (0, slot, 0, 0))
-        s = keys.shape[1]
-        distance = (slot + jnp.arange(t))[:, None] - jnp.arange(s)[None, :]  # (T, S): query slot - key slot
-        seen = (distance >= 0) & ((distance < self.window) if self.window else True)
-        mask = visible[:, None, None, :] & seen[None, None]  # (B, 1, T, S)
-        context = attention(
-            q, keys.astype(q.dtype), values.astype(q.dtype), mask, default_scale(cfg), cfg.attn_logit_softcap
-        )
-        return self.o_proj(context.reshape(b, t, cfg.num_heads * cfg.head_size)), KVCache(keys, values)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVCache:
-    """The keys and values generation has computed: ``[B, S, kv_heads, head_dim]`` per
-    layer, or ``[layers, B, S, kv_heads, head_dim]`` for the whole model."""
-
-    keys: jax.Array
-    values: jax.Array
-
-
-class LlamaMLP(nnx.Module):
-    """A gated MLP: ``down(act(gate(x)) * up(x))`` with SiLU (SwiGLU, Shazeer 2020) or tanh
-    GELU (GeGLU, Gemma); Megatron's column/row split."""
-
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> None:
-        h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = _dense(cfg, h, i, rngs, ("embed", "mlp"), False)
-        self.up_proj = _dense(cfg, h, i, rngs, ("embed", "mlp"), False)
-        self.down_proj = _dense(cfg, i, h, rngs, ("mlp", "embed"), False)
-        self.gelu = cfg.hidden_activation == "gelu_tanh"
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gated_product = gated(self.gate_proj(x), self.up_proj(x), "gelu_tanh" if self.gelu else "silu")
-        y = constrain(gated_product, "batch", None, "mlp")  # (B, T, i)
-        return self.down_proj(y)
-
-
-class LlamaDecoderLayer(nnx.Module):
-    """Pre-norm attention and MLP with residuals; Gemma's ``sandwich_norms`` also normalise
-    each branch's output (``post_attention_layernorm`` is then on the attention's output, and
-    ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` around the MLP)."""
-
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, kind: str = "full_attention") -> None:
-        self.input_layernorm = RMSNorm(cfg, rngs)
-        self.self_attn = LlamaAttention(cfg, rngs, kind)
-        self.post_attention_layernorm = RMSNorm(cfg, rngs)
-        if cfg.sandwich_norms:
-            self.pre_feedforward_layernorm = RMSNorm(cfg, rngs)
-            self.post_feedforward_layernorm = RMSNorm(cfg, rngs)
-        self.mlp = LlamaMLP(cfg, rngs)
-        self.sandwich = cfg.sandwich_norms
-
-    def _mlp(self, x: jax.Array) -> jax.Array:
-        if self.sandwich:
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def _residual(self, x: jax.Array, attended: jax.Array) -> jax.Array:
-        return x + (self.post_attention_layernorm(attended) if self.sandwich else attended)
-
-    def __call__(
-        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, implementation: str
-    ) -> jax.Array:
-        x = self._residual(x, self.self_attn(self.input_layernorm(x), positions, segment_ids, implementation))
-        return constrain(self._mlp(x), "batch", None, None)
-
-    def cached(
-        self, x: jax.Array, positions: jax.Array, cache: KVCache, slot: jax.Array, visible: jax.Array
-    ) -> tuple[jax.Array, KVCache]:
-        attended, cache = self.self_attn.cached(self.input_layernorm(x), positions, cache, slot, visible)
-        return self._mlp(self._residual(x, attended)), cache
+__all__ = [
+    "PRESETS",
+    "Buffer",
+    "KVCache",
+    "LlamaAttention",
+    "LlamaConfig",
+    "LlamaDecoderLayer",
+    "LlamaForCausalLM",
+    "LlamaMLP",
+    "RMSNorm",
+    "layer_remat_policy",
+    "rope_frequencies",
+]
 
 
 def _stacked_layers(cfg: LlamaConfig, rngs: nnx.Rngs) -> LlamaDecoderLayer:
@@ -237,11 +71,17 @@ def _stacked_layers(cfg: LlamaConfig, rngs: nnx.Rngs) -> LlamaDecoderLayer:
 
 
 def _run_layer(
-    layer: LlamaDecoderLayer, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, implementation: str
-) -> jax.Array:
+    layer: LlamaDecoderLayer,
+    x: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array | None,
+    implementation: str,
+    per_layer_input: jax.Array | None = None,
+    shared: KV | None = None,
+) -> tuple[jax.Array, KV]:
     # Named for remat="offload", whose policy keeps this one array of the layer for the
     # backward pass, in host memory (an identity otherwise).
-    return layer(checkpoint_name(x, LAYER_INPUT), positions, segment_ids, implementation)
+    return layer(checkpoint_name(x, LAYER_INPUT), positions, segment_ids, implementation, per_layer_input, shared)
 
 
 def layer_remat_policy(name: str) -> Any:
@@ -264,7 +104,8 @@ def layer_remat_policy(name: str) -> Any:
 
 
 class LlamaForCausalLM(nnx.Module):
-    """Llama decoder with its language-model head; Hugging Face's ``LlamaForCausalLM`` in NNX.
+    """Llama decoder with its language-model head; Hugging Face's ``LlamaForCausalLM`` in NNX
+    (and its families' causal LMs, :class:`LlamaConfig`'s ``family``).
 
     Args:
         cfg: sizes and options.
@@ -275,19 +116,28 @@ class LlamaForCausalLM(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
         init = nnx.initializers.normal(stddev=cfg.initializer_range)
-        self.embed_tokens = nnx.Embed(
-            cfg.vocab_size,
-            cfg.hidden_size,
-            embedding_init=logical(init, "vocab", "embed"),
-            dtype=cfg.compute_dtype,
-            param_dtype=DTYPES[cfg.param_dtype],
-            rngs=rngs,
-        )
+
+        def embedding(rows: int, width: int) -> nnx.Embed:
+            return nnx.Embed(
+                rows,
+                width,
+                embedding_init=logical(init, "vocab", "embed"),
+                dtype=cfg.compute_dtype,
+                param_dtype=DTYPES[cfg.param_dtype],
+                rngs=rngs,
+            )
+
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
+        if cfg.per_layer_input_size:  # Gemma 4: every layer's slice side by side
+            width = cfg.num_layers * cfg.per_layer_input_size
+            self.embed_tokens_per_layer = embedding(cfg.per_layer_vocab_size or cfg.vocab_size, width)
+            self.per_layer_model_projection = _dense(cfg, cfg.hidden_size, width, rngs, ("embed", "mlp"), False)
+            self.per_layer_projection_norm = RMSNorm(cfg, rngs, cfg.per_layer_input_size)
         # With scan_layers, one layer whose variables are stacked (typed as the list it replaces).
         self.layers: nnx.List[LlamaDecoderLayer] = (
             typing.cast(Any, _stacked_layers(cfg, rngs))
             if cfg.scan_layers
-            else nnx.List([LlamaDecoderLayer(cfg, rngs, kind) for kind in cfg.kinds])
+            else nnx.List([LlamaDecoderLayer(cfg, rngs, kind, cfg.shares_kv(i)) for i, kind in enumerate(cfg.kinds)])
         )
         self.norm = RMSNorm(cfg, rngs)
         self.lm_head = (
@@ -312,7 +162,8 @@ class LlamaForCausalLM(nnx.Module):
             raise ValueError(
                 f"attention='cudnn' runs on NVIDIA GPUs (cuDNN); this is {jax.default_backend()}: use 'xla' or 'auto'."
             )
-        splash_refusal = splash.unsupported(seq_len, self.cfg.head_size)
+        head_sizes = sorted({cfg.layer_head_dim(kind) for kind in cfg.kinds})
+        splash_refusal = next(filter(None, (splash.unsupported(seq_len, d) for d in head_sizes)), None)
         if attention == "splash" and (splash_refusal or not splash.on_tpu()):
             why = splash_refusal or "it runs on TPUs only"
             raise ValueError(f"attention='splash': {why}; use 'xla' or 'auto'.")
@@ -322,24 +173,41 @@ class LlamaForCausalLM(nnx.Module):
             return "cudnn" if fits and jax.default_backend() == "gpu" else "xla"
         return attention
 
+    def _embed(self, input_ids: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """The embeddings ``[B, T, h]`` and Gemma 4's per-layer inputs ``[B, T, layers,
+        per_layer_input_size]`` (None without them), as transformers' ``get_per_layer_inputs``
+        and ``project_per_layer_inputs`` compute them."""
+        cfg = self.cfg
+        dtype = cfg.compute_dtype
+        # The gradient of a lookup is a scatter-add: on the parameter-dtype table (see BertEmbeddings).
+        x = jnp.take(self.embed_tokens.embedding[...], input_ids, axis=0).astype(dtype)  # (B, T, h)
+        if cfg.embedding_scale:
+            x = x * jnp.asarray(math.sqrt(cfg.hidden_size), dtype)  # Gemma rounds the factor to dtype
+        if not cfg.per_layer_input_size:
+            return x, None
+        b, t = input_ids.shape
+        p = cfg.per_layer_input_size
+        tokens = jnp.take(self.embed_tokens_per_layer.embedding[...], input_ids, axis=0).astype(dtype)
+        tokens = (tokens * jnp.asarray(math.sqrt(p), dtype)).reshape(b, t, cfg.num_layers, p)
+        projected = self.per_layer_model_projection(x) * jnp.asarray(cfg.hidden_size**-0.5, dtype)
+        projected = self.per_layer_projection_norm(projected.reshape(b, t, cfg.num_layers, p))
+        return x, (projected + tokens) * jnp.asarray(2**-0.5, dtype)
+
     def decode(
         self, input_ids: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
     ) -> jax.Array:
         """The final hidden states ``[B, T, hidden]`` (after the last RMSNorm)."""
+        cfg = self.cfg
         b, t = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
         implementation = self._implementation(segment_ids, t)
-        dtype = self.cfg.compute_dtype
-        # The gradient of a lookup is a scatter-add: on the parameter-dtype table (see BertEmbeddings).
-        x = jnp.take(self.embed_tokens.embedding[...], input_ids, axis=0).astype(dtype)  # (B, T, h)
-        if self.cfg.embedding_scale:
-            x = x * jnp.asarray(math.sqrt(self.cfg.hidden_size), dtype)  # Gemma rounds the factor to dtype
+        x, per_layer = self._embed(input_ids)
         x = constrain(x, "batch", None, None)
         run = _run_layer
-        if self.cfg.remat != "none":
-            run = nnx.remat(_run_layer, policy=layer_remat_policy(self.cfg.remat), static_argnums=(4,))
-        if self.cfg.scan_layers:
+        if cfg.remat != "none":
+            run = nnx.remat(_run_layer, policy=layer_remat_policy(cfg.remat), static_argnums=(4,))
+        if cfg.scan_layers:
             # A plain lax.scan over the layers' stacked state, each layer merged in the body:
             # nnx.scan would also return the state it scans (to carry a layer's mutations out),
             # and a frozen base's stacked weights (LoRA) then come out of the forward loop as a
@@ -347,14 +215,23 @@ class LlamaForCausalLM(nnx.Module):
             # layer: a third of a v5e-1 step for a 1.7B model). These layers mutate nothing.
             graphdef, stacked = nnx.split(self.layers)
 
-            def decoder(x: jax.Array, state: Any) -> tuple[jax.Array, None]:
+            def decoder(x: jax.Array, xs: Any) -> tuple[jax.Array, None]:
+                state, layer_input = xs
                 layer = typing.cast(LlamaDecoderLayer, nnx.merge(graphdef, state))
-                return run(layer, x, positions, segment_ids, implementation), None
+                return run(layer, x, positions, segment_ids, implementation, layer_input)[0], None
 
-            x, _ = jax.lax.scan(decoder, x, stacked)
+            layer_inputs = None if per_layer is None else jnp.moveaxis(per_layer, 2, 0)  # (layers, B, T, p)
+            x, _ = jax.lax.scan(decoder, x, (stacked, layer_inputs))
         else:
-            for layer in self.layers:
-                x = run(layer, x, positions, segment_ids, implementation)
+            sources = cfg.kv_sources
+            read = set(sources[i] for i in range(cfg.num_layers) if cfg.shares_kv(i))
+            kept: dict[int, KV] = {}  # the keys and values of the layers that others share
+            for i, layer in enumerate(self.layers):
+                layer_input = None if per_layer is None else per_layer[:, :, i]
+                shared = kept[sources[i]] if cfg.shares_kv(i) else None
+                x, kv = run(layer, x, positions, segment_ids, implementation, layer_input, shared)
+                if i in read:
+                    kept[i] = kv
         return self.norm(x)
 
     def output_kernel(self) -> jax.Array:
@@ -378,39 +255,57 @@ class LlamaForCausalLM(nnx.Module):
             logits = jnp.tanh(logits / cap) * cap
         return logits
 
+    def _cache_owners(self) -> list[int]:
+        """The layers that compute keys and values (a layer that shares another's has no cache)."""
+        return [i for i in range(self.cfg.num_layers) if not self.cfg.shares_kv(i)]
+
     def empty_cache(self, batch: int, length: int, dtype: Any = None) -> KVCache:
-        """A key/value cache of ``length`` slots for ``batch`` sequences (zeros)."""
+        """A key/value cache of ``length`` slots for ``batch`` sequences (zeros): stacked
+        for scanned layers, else one array per layer that computes keys and values (of its
+        kind's head size and key/value heads)."""
         cfg = self.cfg
-        shape = (cfg.num_layers, batch, length, cfg.kv_heads, cfg.head_size)
-        zeros = jnp.zeros(shape, dtype or cfg.compute_dtype)
-        return KVCache(zeros, zeros)
+        dtype = dtype or cfg.compute_dtype
+        if cfg.scan_layers:
+            zeros = jnp.zeros((cfg.num_layers, batch, length, cfg.kv_heads, cfg.head_size), dtype)
+            return KVCache(zeros, zeros)
+        shapes = [(batch, length, cfg.layer_kv_heads(k), cfg.layer_head_dim(k)) for k in cfg.kinds]
+        arrays = tuple(jnp.zeros(shapes[i], dtype) for i in self._cache_owners())
+        return KVCache(arrays, arrays)
 
     def cached(
         self, input_ids: jax.Array, positions: jax.Array, cache: KVCache, slot: jax.Array, visible: jax.Array
     ) -> tuple[jax.Array, KVCache]:
         """Next-token logits ``[B, T, vocab]`` of ``input_ids`` placed at cache ``slot``
         onwards (a prompt, then one token at a time), and the cache with their keys and
-        values: what :meth:`__call__` computes for the whole sequence, token by token."""
-        dtype = self.cfg.compute_dtype
-        x = jnp.take(self.embed_tokens.embedding[...], input_ids, axis=0).astype(dtype)
-        if self.cfg.embedding_scale:
-            x = x * jnp.asarray(math.sqrt(self.cfg.hidden_size), dtype)
-        if self.cfg.scan_layers:
+        values: what :meth:`__call__` computes for the whole sequence, token by token. A
+        layer that shares keys and values reads its source layer's cache (written by then in
+        this call) and writes none."""
+        cfg = self.cfg
+        x, per_layer = self._embed(input_ids)
+        if cfg.scan_layers:
 
-            @nnx.scan(in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0, 0))
-            def decoder(layer: LlamaDecoderLayer, x: jax.Array, keys: jax.Array, values: jax.Array) -> Any:
-                x, layer_cache = layer.cached(x, positions, KVCache(keys, values), slot, visible)
+            @nnx.scan(in_axes=(0, nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0, 0))
+            def decoder(
+                layer: LlamaDecoderLayer, x: jax.Array, keys: jax.Array, values: jax.Array, layer_input: Any
+            ) -> Any:
+                x, layer_cache = layer.cached(x, positions, KVCache(keys, values), slot, visible, layer_input)
                 return x, layer_cache.keys, layer_cache.values
 
-            x, keys, values = decoder(typing.cast(LlamaDecoderLayer, self.layers), x, cache.keys, cache.values)
+            layer_inputs = None if per_layer is None else jnp.moveaxis(per_layer, 2, 0)
+            layers = typing.cast(LlamaDecoderLayer, self.layers)
+            x, keys, values = decoder(layers, x, cache.keys, cache.values, layer_inputs)
             cache = KVCache(keys, values)
         else:
-            keys, values = [], []
+            owners = self._cache_owners()
+            entry = [owners.index(source) for source in cfg.kv_sources]  # layer -> its (source's) cache entry
+            keys, values = list(cache.keys), list(cache.values)
             for i, layer in enumerate(self.layers):
-                x, layer_cache = layer.cached(x, positions, KVCache(cache.keys[i], cache.values[i]), slot, visible)
-                keys.append(layer_cache.keys)
-                values.append(layer_cache.values)
-            cache = KVCache(jnp.stack(keys), jnp.stack(values))
+                layer_input = None if per_layer is None else per_layer[:, :, i]
+                read = KVCache(keys[entry[i]], values[entry[i]])
+                x, written = layer.cached(x, positions, read, slot, visible, layer_input)
+                if not cfg.shares_kv(i):
+                    keys[entry[i]], values[entry[i]] = written.keys, written.values
+            cache = KVCache(tuple(keys), tuple(values))
         return self.logits(self.norm(x)), cache
 
     def __call__(

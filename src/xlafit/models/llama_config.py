@@ -1,5 +1,5 @@
 """The sizes and options of :class:`xlafit.models.llama.LlamaForCausalLM` and the families
-it covers (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3), with named presets.
+it covers (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3, Gemma 4's text models), with named presets.
 
 Example:
     >>> LlamaConfig.preset("llama-3.2-1b").num_kv_heads
@@ -136,7 +136,7 @@ class LlamaConfig:
     num_kv_heads: int | None = None
     head_dim: int | None = None
     rope_theta: float = 10000.0
-    rope_type: Literal["default", "llama3", "linear"] = "default"
+    rope_type: Literal["default", "llama3", "linear", "proportional"] = "default"
     rope_factor: float = 8.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
@@ -148,8 +148,9 @@ class LlamaConfig:
     initializer_range: float = 0.02
     embedding_scale: bool = False
     norm_offset: bool = False
-    # The families' differences (Hugging Face's model_type: llama, qwen2, qwen3, mistral, gemma2, gemma3_text).
-    family: Literal["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text"] = "llama"
+    # The families' differences (Hugging Face's model_type: llama, qwen2, qwen3, mistral, gemma2, gemma3_text,
+    # gemma4_text).
+    family: Literal["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gemma4_text"] = "llama"
     hidden_activation: Literal["silu", "gelu_tanh"] = "silu"  # the gated MLP's (Gemma: GeGLU)
     qk_norm: bool = False  # an RMSNorm over each head of q and k before the rotation (Qwen3, Gemma 3)
     sandwich_norms: bool = False  # Gemma 2/3: norms after attention and around the MLP as well as before
@@ -160,6 +161,24 @@ class LlamaConfig:
     # per layer "sliding_attention" or "full_attention"; None: every layer sliding when sliding_window is set
     layer_types: tuple[str, ...] | None = None
     rope_local_theta: float | None = None  # Gemma 3: sliding layers' own rotary base (no scaling)
+    # rope_type="proportional" (Gemma 4's global layers): the first this share of each head's
+    # rotary pairs turn, at frequencies spaced over the whole head; the rest keep their position.
+    rope_partial_factor: float = 1.0
+    # Gemma 4: the global ("full_attention") layers' own head size and key/value heads (None: as the others').
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
+    value_norm: bool = False  # Gemma 4: an RMSNorm without weights over each value head
+    attention_k_eq_v: bool = False  # Gemma 4: a global layer's values are its key projection (no v_proj)
+    # Gemma 4: the last this many layers compute no keys and values: each attends over those of
+    # the last earlier layer of its kind (and, generating, reads that layer's cache).
+    num_kv_shared_layers: int = 0
+    double_wide_mlp: bool = False  # Gemma 4: the key/value-sharing layers' MLP twice as wide
+    # Gemma 4's per-layer inputs: a second embedding table [per_layer_vocab_size, num_layers *
+    # per_layer_input_size] and a projection of the embeddings, one slice of each feeding each layer
+    # through a gate after its MLP. 0: none.
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int | None = None
+    layer_scalar: bool = False  # Gemma 4: each layer's output times a stored scalar (not trained)
     dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     attention: Literal["auto", "xla", "cudnn", "splash"] = "auto"
@@ -202,6 +221,13 @@ class LlamaConfig:
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
             if len(self.layer_types) != self.num_layers:
                 raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers.")
+        if self.num_kv_shared_layers:
+            self.kv_sources  # noqa: B018 (raises on a sharing layer with no earlier layer of its kind)
+        if self.scan_layers and self.num_kv_shared_layers:
+            raise ValueError(
+                "scan_layers=True needs identical layers; this model's last layers share earlier layers' keys and "
+                "values (num_kv_shared_layers): use scan_layers=False."
+            )
         if self.scan_layers and len(set(self.kinds)) > 1:
             raise ValueError(
                 "scan_layers=True needs identical layers; this model mixes sliding-window and global layers "
@@ -241,6 +267,44 @@ class LlamaConfig:
         kind = "sliding_attention" if self.sliding_window else "full_attention"
         return (kind,) * self.num_layers
 
+    def layer_head_dim(self, kind: str) -> int:
+        """The head size of a layer of ``kind`` (Gemma 4's global layers have their own)."""
+        return self.global_head_dim if kind == "full_attention" and self.global_head_dim else self.head_size
+
+    def layer_kv_heads(self, kind: str) -> int:
+        """The key/value heads of a layer of ``kind`` (Gemma 4's global layers have their own)."""
+        return self.global_kv_heads if kind == "full_attention" and self.global_kv_heads else self.kv_heads
+
+    def values_are_keys(self, kind: str) -> bool:
+        """Whether a layer of ``kind`` takes its values from its key projection (Gemma 4's
+        ``attention_k_eq_v``, on global layers)."""
+        return self.attention_k_eq_v and kind == "full_attention"
+
+    @property
+    def kv_sources(self) -> tuple[int, ...]:
+        """Per layer, the layer whose keys and values it attends over: itself, or for the last
+        ``num_kv_shared_layers`` layers the last layer of the same kind before them (as
+        transformers' ``Gemma4TextConfig.kv_sharing_modes``)."""
+        first = self.num_layers - self.num_kv_shared_layers
+        sources = list(range(self.num_layers))
+        for i in range(first, self.num_layers):
+            earlier = [j for j in range(first) if self.kinds[j] == self.kinds[i]]
+            if not earlier:
+                raise ValueError(
+                    f"num_kv_shared_layers={self.num_kv_shared_layers}: layer {i} ({self.kinds[i]}) shares the keys "
+                    "and values of an earlier layer of its kind, and there is none; lower num_kv_shared_layers."
+                )
+            sources[i] = earlier[-1]
+        return tuple(sources)
+
+    def shares_kv(self, index: int) -> bool:
+        """Whether layer ``index`` reads another layer's keys and values (computes none)."""
+        return index >= self.num_layers - self.num_kv_shared_layers
+
+    def layer_intermediate_size(self, index: int) -> int:
+        """Layer ``index``'s MLP width (Gemma 4's ``double_wide_mlp`` doubles the sharing layers')."""
+        return self.intermediate_size * (2 if self.double_wide_mlp and self.shares_kv(index) else 1)
+
     def train_flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs to train on one token of a ``seq_len``-token sequence.
 
@@ -254,13 +318,15 @@ class LlamaConfig:
             >>> round(LlamaConfig.preset("llama-3.1-8b").train_flops_per_token(4096) / 1e9, 1)
             51.5
         """
-        h, d, layers = self.hidden_size, self.head_size, self.num_layers
-        attention = h * d * (2 * self.num_heads + 2 * self.kv_heads)  # q, o; k, v
-        per_layer = attention + 3 * h * self.intermediate_size  # gate, up, down
-        matmul_params = layers * per_layer + h * self.vocab_size
-        # A sliding layer's query sees at most sliding_window keys.
-        seen = sum(
-            min(seq_len, self.sliding_window or seq_len) if kind == "sliding_attention" else seq_len
-            for kind in self.kinds
-        )
-        return 6.0 * matmul_params + 12.0 * self.num_heads * d * seen
+        h, p = self.hidden_size, self.per_layer_input_size
+        matmul_params = h * self.vocab_size + h * self.num_layers * p  # output layer; per-layer inputs' projection
+        attended = 0.0
+        for i, kind in enumerate(self.kinds):
+            d = self.layer_head_dim(kind)
+            kv = 0 if self.shares_kv(i) else (1 if self.values_are_keys(kind) else 2) * self.layer_kv_heads(kind)
+            matmul_params += h * d * (2 * self.num_heads + kv)  # q, o; k, v
+            matmul_params += 3 * h * self.layer_intermediate_size(i) + 2 * h * p  # gate, up, down; per-layer gate
+            # A sliding layer's query sees at most sliding_window keys.
+            seen = min(seq_len, self.sliding_window or seq_len) if kind == "sliding_attention" else seq_len
+            attended += self.num_heads * d * seen
+        return 6.0 * matmul_params + 12.0 * attended
