@@ -175,8 +175,58 @@ def test_the_layer_scalars_are_read_and_not_trained(checkpoint):
     assert len(trained) == len(jax.tree.leaves(nnx.state(ours))) - 6
 
 
-def test_a_mixture_of_experts_gemma4_is_named(tmp_path):
+def test_a_mixture_of_experts_or_multimodal_gemma4_is_named(tmp_path):
     config = gemma4_config(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)
     (tmp_path / "config.json").write_text(config.to_json_string())
     with pytest.raises(HFFormatError, match="enable_moe_block=True"):
         llama_hf.read_config(tmp_path)
+    with pytest.raises(HFFormatError, match="Gemma 4 with its vision and audio towers"):
+        llama_hf.config_from_hf({"model_type": "gemma4", "text_config": config.to_dict()})
+
+
+def _scan_configs():
+    """Gemma 3 and Gemma 4 (no key/value sharing: the larger dense models' layout) of eight
+    layers: two blocks of (sliding, sliding, global), then two sliding layers unscanned."""
+    kinds = KINDS + ["sliding_attention"] * 2
+    gemma3 = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=4, layer_types=kinds,
+    )  # fmt: skip
+    gemma4 = gemma4_config(num_hidden_layers=8, layer_types=kinds, num_kv_shared_layers=0)
+    return {"gemma3_text": gemma3.to_dict(), "gemma4_text": gemma4.to_dict()}
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gemma4_text"])
+def test_scanning_the_repeating_block_equals_the_layers_one_by_one(family, tmp_path):
+    """scan_layers=True on a model of sliding and global layers scans its (sliding, sliding,
+    global) block twice and runs the two layers after it unscanned: the same logits, the same
+    gradients (every tensor, by its Hugging Face name), the same generated tokens."""
+    cfg = llama_hf.config_from_hf(_scan_configs()[family])
+    model = llama_hf.LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    for i, (_, value) in enumerate(nnx.state(model, nnx.Param).flat_state()):  # norms off their start too
+        value.set_value(value[...] + 0.1 * jax.random.normal(jax.random.key(i), value.shape))
+    llama_hf.save_hf(model, tmp_path)
+    ids = jnp.array(IDS)
+
+    def gradients(m):
+        grads = nnx.grad(lambda m: jnp.mean(jax.nn.log_softmax(m(ids))[:, :-1, 0]))(m)
+        holder = nnx.clone(m)
+        nnx.update(holder, grads)
+        return llama_hf.to_hf_state(holder)
+
+    reference = gradients(model)
+    for overrides in ({"scan_layers": True, "remat": "full"},):  # remat inside the scanned block
+        scanned = llama_hf.from_hf(tmp_path, **overrides)
+        assert scanned.cfg.scan_period == 3
+        assert nnx.state(scanned, nnx.Param)["layers"]["layers"][2]["mlp"]["up_proj"]["kernel"].shape == (
+            2,
+            64,
+            48 if family == "gemma4_text" else 96,
+        )
+        np.testing.assert_allclose(np.asarray(scanned(ids)), np.asarray(model(ids)), atol=1e-5, rtol=0)
+        grads = gradients(scanned)
+        assert grads.keys() == reference.keys()
+        for name, value in reference.items():
+            np.testing.assert_allclose(grads[name], value, atol=1e-5, rtol=0, err_msg=f"{overrides} {name}")
+    prompts = [IDS[0][:6], IDS[1][:3]]
+    assert generate(llama_hf.from_hf(tmp_path, scan_layers=True), prompts, 7) == generate(model, prompts, 7)

@@ -7,7 +7,8 @@ for ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralF
 and ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` listed in
 ``model.safetensors.index.json``. PyTorch's ``Linear`` weights are ``[out, in]``, ours
 ``[in, out]``. Nothing here imports PyTorch or transformers. Scanned models
-(``scan_layers``) convert too: layer ``i`` is row ``i`` of each stacked parameter.
+(``scan_layers``) convert too: layer ``i`` is row ``i`` of each stacked parameter, or of a
+scanned block's (:meth:`~xlafit.models.llama.LlamaForCausalLM.layer_prefixes`).
 
 Example:
     >>> save_hf(model, "exported/", max_shard_bytes=2**30)  # doctest: +SKIP
@@ -184,7 +185,7 @@ def _family_fields(kind: str, hf: dict) -> dict[str, Any]:
 
 def config_from_hf(hf: dict, **overrides: Any) -> LlamaConfig:
     """A :class:`LlamaConfig` from a Hugging Face ``config.json`` dict of a Llama, Qwen2,
-    Qwen3, Mistral, Gemma 2 or Gemma 3 (text) model.
+    Qwen3, Mistral, Gemma 2, Gemma 3 or Gemma 4 (text) model.
 
     Example:
         >>> config_from_hf({"model_type": "llama", "vocab_size": 100, "hidden_size": 64,
@@ -196,6 +197,11 @@ def config_from_hf(hf: dict, **overrides: Any) -> LlamaConfig:
         raise HFFormatError(
             "config.json describes Gemma 3 with its vision tower (gemma3); xlafit reads the text models (gemma3_text: "
             "Gemma 3 1B, or a text-only checkpoint)."
+        )
+    if kind == "gemma4":
+        raise HFFormatError(
+            "config.json describes Gemma 4 with its vision and audio towers (gemma4); xlafit reads the text models "
+            "(gemma4_text: a text-only checkpoint, as Gemma4ForCausalLM.save_pretrained writes)."
         )
     if kind not in ARCHITECTURES:
         raise HFFormatError(f"config.json describes a {kind!r} model; xlafit reads {', '.join(ARCHITECTURES)}.")
@@ -268,9 +274,9 @@ def entries(model: LlamaForCausalLM) -> Iterator[Entry]:
         yield "model.per_layer_model_projection.weight", model.per_layer_model_projection.kernel, None, True
         yield "model.per_layer_projection_norm.weight", model.per_layer_projection_norm.scale, None, False
     for i in range(cfg.num_layers):
-        layer = model.layers if cfg.scan_layers else model.layers[i]
+        layer, row = model.layer_at(i)
         for suffix, path, transposed in _layer_tensors(cfg, i):
-            yield f"model.layers.{i}.{suffix}", _param(layer, path), i if cfg.scan_layers else None, transposed
+            yield f"model.layers.{i}.{suffix}", _param(layer, path), row, transposed
     yield "model.norm.weight", model.norm.scale, None, False
     if model.lm_head is not None:
         yield "lm_head.weight", model.lm_head.kernel, None, True

@@ -33,7 +33,7 @@ from xlafit.models.cudnn import packed_flash_attention
 from xlafit.models.llama_config import DTYPES, LlamaConfig
 from xlafit.parallel.sharding import constrain, logical
 
-__all__ = ["Buffer", "KVCache", "LlamaAttention", "LlamaDecoderLayer", "LlamaMLP", "RMSNorm"]
+__all__ = ["Buffer", "KVCache", "LlamaAttention", "LlamaBlock", "LlamaDecoderLayer", "LlamaMLP", "RMSNorm"]
 
 # A layer's own keys and values [B, T, kv_heads, head_dim], or those it reads from another layer.
 KV = tuple[jax.Array, jax.Array]
@@ -315,3 +315,11 @@ class LlamaDecoderLayer(nnx.Module):
     ) -> tuple[jax.Array, KVCache]:
         attended, cache = self.self_attn.cached(self.input_layernorm(x), positions, cache, slot, visible)
         return self._after_mlp(self._mlp(self._residual(x, attended)), per_layer_input), cache
+
+
+class LlamaBlock(nnx.Module):
+    """Consecutive decoder layers of ``kinds``: the block a scanned model with a pattern of
+    sliding and global layers stacks (Gemma 3's five sliding layers and a global one)."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, kinds: tuple[str, ...]) -> None:
+        self.layers = nnx.List([LlamaDecoderLayer(cfg, rngs, kind) for kind in kinds])

@@ -34,6 +34,7 @@ from xlafit.models.decoder import (
     Buffer,
     KVCache,
     LlamaAttention,
+    LlamaBlock,
     LlamaDecoderLayer,
     LlamaMLP,
     RMSNorm,
@@ -48,6 +49,7 @@ __all__ = [
     "Buffer",
     "KVCache",
     "LlamaAttention",
+    "LlamaBlock",
     "LlamaConfig",
     "LlamaDecoderLayer",
     "LlamaForCausalLM",
@@ -58,16 +60,26 @@ __all__ = [
 ]
 
 
-def _stacked_layers(cfg: LlamaConfig, rngs: nnx.Rngs) -> LlamaDecoderLayer:
-    """``num_layers`` decoder layers as one module whose variables have a leading ``layers``
-    axis (each layer drawn from its own split of the keys), for :func:`nnx.scan`."""
+def _stacked_layers(cfg: LlamaConfig, rngs: nnx.Rngs) -> LlamaDecoderLayer | LlamaBlock:
+    """The scanned layers as one module whose variables have a leading ``layers`` axis (each
+    drawn from its own split of the keys), for :func:`jax.lax.scan`: ``num_layers`` decoder
+    layers when all are alike, else ``num_layers // scan_period`` blocks of ``scan_period``
+    layers (:class:`LlamaBlock`)."""
+    period = cfg.scan_period
 
-    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.split_rngs(splits=cfg.num_layers // period)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def build(rngs: nnx.Rngs) -> LlamaDecoderLayer:
-        return LlamaDecoderLayer(cfg, rngs, cfg.kinds[0])  # every layer alike (LlamaConfig checks)
+    def build(rngs: nnx.Rngs) -> LlamaDecoderLayer | LlamaBlock:
+        if period == 1:
+            return LlamaDecoderLayer(cfg, rngs, cfg.kinds[0])
+        return LlamaBlock(cfg, rngs, cfg.kinds[:period])
 
     return build(rngs)
+
+
+def _block_layers(module: LlamaDecoderLayer | LlamaBlock) -> list[LlamaDecoderLayer]:
+    """The decoder layers of one step of the scan: a layer, or a block's layers in order."""
+    return list(module.layers) if isinstance(module, LlamaBlock) else [module]
 
 
 def _run_layer(
@@ -133,18 +145,59 @@ class LlamaForCausalLM(nnx.Module):
             self.embed_tokens_per_layer = embedding(cfg.per_layer_vocab_size or cfg.vocab_size, width)
             self.per_layer_model_projection = _dense(cfg, cfg.hidden_size, width, rngs, ("embed", "mlp"), False)
             self.per_layer_projection_norm = RMSNorm(cfg, rngs, cfg.per_layer_input_size)
-        # With scan_layers, one layer whose variables are stacked (typed as the list it replaces).
+        # With scan_layers, one layer (or block) whose variables are stacked (typed as the list
+        # it replaces), and the layers after the last whole block in a list of their own.
         self.layers: nnx.List[LlamaDecoderLayer] = (
             typing.cast(Any, _stacked_layers(cfg, rngs))
             if cfg.scan_layers
             else nnx.List([LlamaDecoderLayer(cfg, rngs, kind, cfg.shares_kv(i)) for i, kind in enumerate(cfg.kinds)])
         )
+        if cfg.scan_layers and cfg.scan_period > 1:
+            self.tail = nnx.List([LlamaDecoderLayer(cfg, rngs, kind) for kind in cfg.kinds[self._scanned() :]])
         self.norm = RMSNorm(cfg, rngs)
         self.lm_head = (
             None
             if cfg.tie_embeddings
             else _dense(cfg, cfg.hidden_size, cfg.vocab_size, rngs, ("embed", "vocab"), False)
         )
+
+    def _scanned(self) -> int:
+        """How many layers the scan runs (whole blocks); the rest are the unscanned tail."""
+        period = self.cfg.scan_period
+        return self.cfg.num_layers // period * period
+
+    def _tail(self) -> list[LlamaDecoderLayer]:
+        return list(self.tail) if self.cfg.scan_layers and self.cfg.scan_period > 1 else []
+
+    def layer_prefixes(self) -> list[tuple[tuple[str | int, ...], int | None]]:
+        """Per decoder layer ``i`` (Hugging Face's ``layers.{i}``), the path of its module in
+        this model and its row in stacked variables (None: not stacked): ``("layers", i)``
+        unscanned; ``("layers",)``, row ``i`` for scanned alike layers; ``("layers", "layers",
+        i % period)``, row ``i // period`` for a scanned block, ``("tail", k)`` after it.
+
+        Example:
+            >>> cfg = LlamaConfig.preset("tiny", layer_types=("sliding_attention", "full_attention") * 2 + (
+            ...     "sliding_attention",), num_layers=5, sliding_window=4, scan_layers=True)
+            >>> LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)).layer_prefixes()[3:]
+            [(('layers', 'layers', 1), 1), (('tail', 0), None)]
+        """
+        cfg = self.cfg
+        if not cfg.scan_layers:
+            return [(("layers", i), None) for i in range(cfg.num_layers)]
+        period, scanned = cfg.scan_period, self._scanned()
+        if period == 1:
+            return [(("layers",), i) for i in range(cfg.num_layers)]
+        return [(("layers", "layers", i % period), i // period) for i in range(scanned)] + [
+            (("tail", k), None) for k in range(cfg.num_layers - scanned)
+        ]
+
+    def layer_at(self, i: int) -> tuple[LlamaDecoderLayer, int | None]:
+        """Decoder layer ``i``'s module and its row in stacked variables (None: not stacked)."""
+        prefix, row = self.layer_prefixes()[i]
+        module: Any = self
+        for key in prefix:
+            module = module[key] if isinstance(key, int) else getattr(module, key)
+        return module, row
 
     def _implementation(self, segment_ids: jax.Array | None, seq_len: int) -> str:
         """The attention kernel (see :class:`LlamaConfig`): splash on TPUs where the shapes
@@ -214,14 +267,29 @@ class LlamaForCausalLM(nnx.Module):
             # second copy, written layer by layer (the TPU compiler copies the whole stack each
             # layer: a third of a v5e-1 step for a 1.7B model). These layers mutate nothing.
             graphdef, stacked = nnx.split(self.layers)
+            period, scanned = cfg.scan_period, self._scanned()
+            layer_inputs = None if per_layer is None else jnp.moveaxis(per_layer, 2, 0)  # (layers, B, T, p)
 
             def decoder(x: jax.Array, xs: Any) -> tuple[jax.Array, None]:
-                state, layer_input = xs
-                layer = typing.cast(LlamaDecoderLayer, nnx.merge(graphdef, state))
-                return run(layer, x, positions, segment_ids, implementation, layer_input)[0], None
+                state, inputs = xs  # inputs: the block's per-layer inputs (period, B, T, p) or None
+                module = typing.cast(LlamaDecoderLayer | LlamaBlock, nnx.merge(graphdef, state))
+                for j, layer in enumerate(_block_layers(module)):
+                    x = run(layer, x, positions, segment_ids, implementation, None if inputs is None else inputs[j])[0]
+                return x, None
 
-            layer_inputs = None if per_layer is None else jnp.moveaxis(per_layer, 2, 0)  # (layers, B, T, p)
-            x, _ = jax.lax.scan(decoder, x, (stacked, layer_inputs))
+            blocks = (
+                None if layer_inputs is None else layer_inputs[:scanned].reshape(-1, period, *layer_inputs.shape[1:])
+            )
+            x, _ = jax.lax.scan(decoder, x, (stacked, blocks))
+            for k, layer in enumerate(self._tail()):
+                x = run(
+                    layer,
+                    x,
+                    positions,
+                    segment_ids,
+                    implementation,
+                    None if layer_inputs is None else layer_inputs[scanned + k],
+                )[0]
         else:
             sources = cfg.kv_sources
             read = set(sources[i] for i in range(cfg.num_layers) if cfg.shares_kv(i))
@@ -265,9 +333,12 @@ class LlamaForCausalLM(nnx.Module):
         kind's head size and key/value heads)."""
         cfg = self.cfg
         dtype = dtype or cfg.compute_dtype
-        if cfg.scan_layers:
-            zeros = jnp.zeros((cfg.num_layers, batch, length, cfg.kv_heads, cfg.head_size), dtype)
-            return KVCache(zeros, zeros)
+        shape = lambda k: (cfg.layer_kv_heads(k), cfg.layer_head_dim(k))  # noqa: E731
+        if cfg.scan_layers:  # per position in the block, stacked over the blocks; then the tail's
+            scanned, period = self._scanned(), cfg.scan_period
+            stacked = tuple(jnp.zeros((scanned // period, batch, length, *shape(k)), dtype) for k in cfg.kinds[:period])
+            tail = tuple(jnp.zeros((batch, length, *shape(k)), dtype) for k in cfg.kinds[scanned:])
+            return KVCache((stacked, tail), (stacked, tail))
         shapes = [(batch, length, cfg.layer_kv_heads(k), cfg.layer_head_dim(k)) for k in cfg.kinds]
         arrays = tuple(jnp.zeros(shapes[i], dtype) for i in self._cache_owners())
         return KVCache(arrays, arrays)
@@ -286,15 +357,29 @@ class LlamaForCausalLM(nnx.Module):
 
             @nnx.scan(in_axes=(0, nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0, 0))
             def decoder(
-                layer: LlamaDecoderLayer, x: jax.Array, keys: jax.Array, values: jax.Array, layer_input: Any
+                module: LlamaDecoderLayer | LlamaBlock, x: jax.Array, keys: Any, values: Any, inputs: Any
             ) -> Any:
-                x, layer_cache = layer.cached(x, positions, KVCache(keys, values), slot, visible, layer_input)
-                return x, layer_cache.keys, layer_cache.values
+                written = []
+                for j, layer in enumerate(_block_layers(module)):
+                    layer_input = None if inputs is None else inputs[j]
+                    x, c = layer.cached(x, positions, KVCache(keys[j], values[j]), slot, visible, layer_input)
+                    written.append(c)
+                return x, tuple(c.keys for c in written), tuple(c.values for c in written)
 
+            period, scanned = cfg.scan_period, self._scanned()
             layer_inputs = None if per_layer is None else jnp.moveaxis(per_layer, 2, 0)
-            layers = typing.cast(LlamaDecoderLayer, self.layers)
-            x, keys, values = decoder(layers, x, cache.keys, cache.values, layer_inputs)
-            cache = KVCache(keys, values)
+            blocks = (
+                None if layer_inputs is None else layer_inputs[:scanned].reshape(-1, period, *layer_inputs.shape[1:])
+            )
+            (keys, tail_keys), (values, tail_values) = cache.keys, cache.values
+            module = typing.cast(LlamaDecoderLayer | LlamaBlock, self.layers)
+            x, keys, values = decoder(module, x, keys, values, blocks)
+            tail_keys, tail_values = list(tail_keys), list(tail_values)
+            for k, layer in enumerate(self._tail()):
+                layer_input = None if layer_inputs is None else layer_inputs[scanned + k]
+                x, c = layer.cached(x, positions, KVCache(tail_keys[k], tail_values[k]), slot, visible, layer_input)
+                tail_keys[k], tail_values[k] = c.keys, c.values
+            cache = KVCache((keys, tuple(tail_keys)), (values, tuple(tail_values)))
         else:
             owners = self._cache_owners()
             entry = [owners.index(source) for source in cfg.kv_sources]  # layer -> its (source's) cache entry

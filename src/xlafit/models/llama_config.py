@@ -186,7 +186,9 @@ class LlamaConfig:
     # layer's input saved in pinned host memory, the rest recomputed (layer_remat_policy).
     remat: str = "none"
     # One decoder layer compiled instead of num_layers (parameters stacked on a "layers"
-    # axis, the decoder an nnx.scan): as BertConfig.scan_layers.
+    # axis, the decoder an nnx.scan): as BertConfig.scan_layers. A model that mixes sliding
+    # and global layers scans its repeating block (scan_period layers: Gemma 3's five sliding
+    # and one global), the layers after the last whole block unscanned.
     scan_layers: bool = False
     # Training's and evaluation's loss in blocks of positions (and of the vocabulary where a
     # block's row is large), never the whole [B, T, vocab] logits: "auto" where the whole
@@ -228,11 +230,6 @@ class LlamaConfig:
                 "scan_layers=True needs identical layers; this model's last layers share earlier layers' keys and "
                 "values (num_kv_shared_layers): use scan_layers=False."
             )
-        if self.scan_layers and len(set(self.kinds)) > 1:
-            raise ValueError(
-                "scan_layers=True needs identical layers; this model mixes sliding-window and global layers "
-                "(Gemma's pattern): use scan_layers=False."
-            )
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> LlamaConfig:
@@ -266,6 +263,18 @@ class LlamaConfig:
             return self.layer_types
         kind = "sliding_attention" if self.sliding_window else "full_attention"
         return (kind,) * self.num_layers
+
+    @property
+    def scan_period(self) -> int:
+        """The layers in the block that repeats (``kinds[i] == kinds[i - period]``): 1 when
+        every layer is alike, 6 for Gemma 3's and Gemma 4's five sliding and one global.
+
+        Example:
+            >>> LlamaConfig.preset("gemma-3-1b").scan_period
+            6
+        """
+        kinds = self.kinds
+        return next(p for p in range(1, len(kinds) + 1) if all(kinds[i] == kinds[i - p] for i in range(p, len(kinds))))
 
     def layer_head_dim(self, kind: str) -> int:
         """The head size of a layer of ``kind`` (Gemma 4's global layers have their own)."""
