@@ -185,22 +185,23 @@ def test_a_mixture_of_experts_or_multimodal_gemma4_is_named(tmp_path):
 
 
 def _scan_configs():
-    """Gemma 3 and Gemma 4 (no key/value sharing: the larger dense models' layout) of eight
-    layers: two blocks of (sliding, sliding, global), then two sliding layers unscanned."""
-    kinds = KINDS + ["sliding_attention"] * 2
+    """Gemma 3 of eight layers: two blocks of (sliding, sliding, global), then two sliding
+    layers unscanned; Gemma 4 (no key/value sharing: the larger dense models' layout; its
+    last layer is global) of three such blocks."""
     gemma3 = transformers.Gemma3TextConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=4, layer_types=kinds,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+        layer_types=KINDS + ["sliding_attention"] * 2,
     )  # fmt: skip
-    gemma4 = gemma4_config(num_hidden_layers=8, layer_types=kinds, num_kv_shared_layers=0)
+    gemma4 = gemma4_config(num_hidden_layers=9, layer_types=KINDS + KINDS[:3], num_kv_shared_layers=0)
     return {"gemma3_text": gemma3.to_dict(), "gemma4_text": gemma4.to_dict()}
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "gemma4_text"])
 def test_scanning_the_repeating_block_equals_the_layers_one_by_one(family, tmp_path):
     """scan_layers=True on a model of sliding and global layers scans its (sliding, sliding,
-    global) block twice and runs the two layers after it unscanned: the same logits, the same
-    gradients (every tensor, by its Hugging Face name), the same generated tokens."""
+    global) block (Gemma 3's twice, then its two last layers unscanned): the same logits, the
+    same gradients (every tensor, by its Hugging Face name), the same generated tokens."""
     cfg = llama_hf.config_from_hf(_scan_configs()[family])
     model = llama_hf.LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
     for i, (_, value) in enumerate(nnx.state(model, nnx.Param).flat_state()):  # norms off their start too
@@ -208,25 +209,33 @@ def test_scanning_the_repeating_block_equals_the_layers_one_by_one(family, tmp_p
     llama_hf.save_hf(model, tmp_path)
     ids = jnp.array(IDS)
 
-    def gradients(m):
-        grads = nnx.grad(lambda m: jnp.mean(jax.nn.log_softmax(m(ids))[:, :-1, 0]))(m)
+    def logits_and_gradients(m, compiled=False):
+        def loss(m):
+            return jnp.mean(jax.nn.log_softmax(m(ids))[:, :-1, 0])
+
+        run = nnx.jit(lambda m: (m(ids), nnx.grad(loss)(m))) if compiled else (lambda m: (m(ids), nnx.grad(loss)(m)))
+        logits, grads = run(m)
         holder = nnx.clone(m)
         nnx.update(holder, grads)
-        return llama_hf.to_hf_state(holder)
+        return np.asarray(logits), llama_hf.to_hf_state(holder)
 
-    reference = gradients(model)
-    for overrides in ({"scan_layers": True, "remat": "full"},):  # remat inside the scanned block
-        scanned = llama_hf.from_hf(tmp_path, **overrides)
-        assert scanned.cfg.scan_period == 3
-        assert nnx.state(scanned, nnx.Param)["layers"]["layers"][2]["mlp"]["up_proj"]["kernel"].shape == (
-            2,
-            64,
-            48 if family == "gemma4_text" else 96,
-        )
-        np.testing.assert_allclose(np.asarray(scanned(ids)), np.asarray(model(ids)), atol=1e-5, rtol=0)
-        grads = gradients(scanned)
-        assert grads.keys() == reference.keys()
-        for name, value in reference.items():
-            np.testing.assert_allclose(grads[name], value, atol=1e-5, rtol=0, err_msg=f"{overrides} {name}")
+    logits, reference = logits_and_gradients(model)
+    noise = {"logits": 0.0, **{name: 0.0 for name in reference}}
+    if family == "gemma4_text":
+        # float32's own noise in this Gemma 4 (nine layers, per-layer inputs, the embedding's
+        # gradient summed over every layer's path): the unscanned model compiled whole differs
+        # from itself run op by op (1.7e-5 in the logits); the scanned one may differ by twice that.
+        whole_logits, whole = logits_and_gradients(model, compiled=True)
+        noise = {"logits": 2 * np.abs(whole_logits - logits).max()}
+        noise.update({name: 2 * np.abs(whole[name] - value).max() for name, value in reference.items()})
+    scanned = llama_hf.from_hf(tmp_path, scan_layers=True, remat="full")  # remat inside the scanned block too
+    assert scanned.cfg.scan_period == 3
+    stacked = nnx.state(scanned, nnx.Param)["layers"]["layers"][2]["mlp"]["up_proj"]["kernel"]
+    assert stacked.shape == ((3, 64, 48) if family == "gemma4_text" else (2, 64, 96))
+    scanned_logits, grads = logits_and_gradients(scanned)
+    np.testing.assert_allclose(scanned_logits, logits, atol=1e-5 + noise["logits"], rtol=0)
+    assert grads.keys() == reference.keys()
+    for name, value in reference.items():
+        np.testing.assert_allclose(grads[name], value, atol=1e-5 + noise[name], rtol=0, err_msg=name)
     prompts = [IDS[0][:6], IDS[1][:3]]
     assert generate(llama_hf.from_hf(tmp_path, scan_layers=True), prompts, 7) == generate(model, prompts, 7)

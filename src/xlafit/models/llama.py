@@ -178,8 +178,9 @@ class LlamaForCausalLM(nnx.Module):
         Example:
             >>> cfg = LlamaConfig.preset("tiny", layer_types=("sliding_attention", "full_attention") * 2 + (
             ...     "sliding_attention",), num_layers=5, sliding_window=4, scan_layers=True)
-            >>> LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)).layer_prefixes()[3:]
-            [(('layers', 'layers', 1), 1), (('tail', 0), None)]
+            >>> prefixes = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)).layer_prefixes()
+            >>> prefixes[3], prefixes[4]
+            ((('layers', 'layers', 1), 1), (('tail', 0), None))
         """
         cfg = self.cfg
         if not cfg.scan_layers:
