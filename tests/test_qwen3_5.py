@@ -5,6 +5,7 @@ recomputing the prefix and ``transformers.generate`` do."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -121,6 +122,42 @@ def test_generation_equals_transformers_generate(checkpoint, ours):
     with torch.no_grad():
         want = theirs.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert generate(ours, PROMPTS, 8) == want[:, length:].tolist()
+
+
+def test_scanning_the_repeating_block_equals_the_layers_one_by_one(tmp_path):
+    """Nine layers: the (DeltaNet, DeltaNet, DeltaNet, attention) block scanned twice, the last
+    DeltaNet layer after it unscanned; the same logits and gradients (every tensor, by its
+    Hugging Face name) of packed rows, the same generated tokens (the DeltaNet states and the
+    attention's keys and values stacked in the cache)."""
+    config = transformers.Qwen3_5TextConfig(**{**TEXT, "num_hidden_layers": 9})
+    _randomize(transformers.Qwen3_5ForCausalLM(config)).save_pretrained(tmp_path)
+    ours = llama_hf.from_hf(tmp_path, linear_chunk_size=16)
+    scanned = llama_hf.from_hf(tmp_path, linear_chunk_size=16, scan_layers=True)
+    assert scanned.cfg.scan_period == 4 and len(scanned.tail) == 1
+    ids, segments = jnp.array(IDS), jnp.array([[1] * 25 + [2] * 15] * 2)
+    positions = jnp.array([[*range(25), *range(15)]] * 2)
+
+    @nnx.jit
+    def logits_and_gradients(m):
+        def loss(m):
+            logits = m(ids, segments, positions)
+            return jnp.mean(jax.nn.log_softmax(logits)[:, :-1, 0]), logits
+
+        (_, logits), grads = nnx.value_and_grad(loss, has_aux=True)(m)
+        return logits, grads
+
+    def by_name(m, grads):
+        holder = nnx.clone(m)
+        nnx.update(holder, grads)
+        return llama_hf.to_hf_state(holder)
+
+    want, got = logits_and_gradients(ours), logits_and_gradients(scanned)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=1e-5, rtol=0)
+    reference, grads = by_name(ours, want[1]), by_name(scanned, got[1])
+    assert grads.keys() == reference.keys()
+    for name, value in reference.items():
+        np.testing.assert_allclose(grads[name], value, atol=1e-5, rtol=0, err_msg=name)
+    assert generate(scanned, PROMPTS, 6) == generate(ours, PROMPTS, 6)
 
 
 # peft 0.21 reads transformers 5's deprecated is_gradient_checkpointing (not our code)

@@ -85,8 +85,25 @@ def test_every_layer_sparse_scans_to_the_same_logits(tmp_path):
     folder = _save(theirs, tmp_path)
     scanned = llama_hf.from_hf(folder, scan_layers=True)
     np.testing.assert_allclose(np.asarray(_ours(scanned, jnp.array(IDS))), _theirs(theirs, IDS), atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="mixes dense and mixture-of-experts layers"):
-        llama_hf.from_hf(tmp_path, scan_layers=True, mlp_only_layers=(1,))
+
+
+def test_sparse_and_dense_layers_scan_as_a_block(checkpoint):
+    """Layers (sparse, dense, sparse): the (sparse, dense) block scanned, the last layer after
+    it unscanned; transformers' logits, the same router statistics as unscanned, the same
+    generated tokens."""
+    theirs, folder = checkpoint
+    ours, scanned = llama_hf.from_hf(folder), llama_hf.from_hf(folder, scan_layers=True)
+    assert scanned.cfg.scan_period == 2 and len(scanned.tail) == 1
+    np.testing.assert_allclose(np.asarray(_ours(scanned, jnp.array(IDS))), _theirs(theirs, IDS), atol=1e-4, rtol=1e-4)
+    segments = jnp.array([[1] * 16, [1] * 11 + [0] * 5])
+    positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
+    routed = nnx.jit(lambda m: m.decode_routed(jnp.array(IDS), segments, positions)[1])
+    want, got = routed(ours), routed(scanned)
+    assert float(got.layers) == 2
+    for name in ("counts", "probs", "rows", "z"):
+        np.testing.assert_allclose(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), rtol=1e-5)
+    prompts = [IDS[0][:5], IDS[1][:3]]
+    assert generate(scanned, prompts, 6) == generate(ours, prompts, 6)
 
 
 def test_packed_sequences_see_only_their_own_segment(checkpoint):

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from xlafit.check import check_recipe
+from xlafit.models.attention import attention as xla_attention
+from xlafit.models.attention import causal_mask
 from xlafit.models.splash import splash_attention, unsupported
 from xlafit.predict.hlo import kernel_flops
 
@@ -30,6 +32,22 @@ def test_splash_matches_xla_attention_with_gqa_and_packed_segments():
     expected = jax.grad(lambda *a: loss(xla, *a), argnums=(0, 1, 2))(q, k, v)
     for got, want in zip(grads, expected, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_splash_takes_a_sliding_window_and_the_layers_own_scale():
+    """A Gemma sliding layer's attention: the last ``window`` keys of the query's own segment,
+    scores scaled by the layer's scale (Gemma 4's 1: its queries and keys are normed), as
+    the XLA path's mask computes it from positions within each segment."""
+    b, t, heads, kv, d, window = 1, 256, 2, 1, 64, 40
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.normal(size=(b, t, heads, d)) / 8, jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(b, t, kv, d)), jnp.float32) for _ in range(2))
+    segments = jnp.asarray([[1] * 100 + [2] * 156], jnp.int32)
+    positions = jnp.asarray([list(range(100)) + list(range(156))])
+    mask = jnp.asarray(causal_mask(t))[None, None] & (segments[:, None, :, None] == segments[:, None, None, :])
+    mask = mask & (positions[:, None, :, None] - positions[:, None, None, :] < window)
+    ours = splash_attention(q, k, v, segments, interpret=True, window=window, scale=1.0)
+    np.testing.assert_allclose(ours, xla_attention(q, k, v, mask, 1.0), atol=1e-5)
 
 
 def test_splash_refuses_shapes_it_cannot_tile():

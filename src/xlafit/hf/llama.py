@@ -2,16 +2,19 @@
 
 The Hugging Face side is the files ``save_pretrained`` writes and ``from_pretrained`` reads
 for ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``,
-``MistralForCausalLM``, ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM`` and ``Qwen3_5ForCausalLM`` (the family is the
-config's ``model_type``; Qwen3.5's multimodal checkpoints give their text model): ``config.json``
-and ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` listed in
-``model.safetensors.index.json``. PyTorch's ``Linear`` weights are ``[out, in]``, ours
-``[in, out]``. Nothing here imports PyTorch or transformers. Scanned models
-(``scan_layers``) convert too: layer ``i`` is row ``i`` of each stacked parameter. A
-mixture of experts' stacked expert weights are written one tensor per expert
-(``mlp.experts.{e}.gate_proj.weight``), as transformers' ``save_pretrained`` writes them, and
-read from that layout or from transformers' fused one (``mlp.experts.gate_up_proj``
-``[E, 2f, hidden]``, ``mlp.experts.down_proj`` ``[E, hidden, f]``).
+``MistralForCausalLM``, ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM``, ``Gemma4ForCausalLM`` and
+``Qwen3_5ForCausalLM`` (the family is the config's ``model_type``; Qwen3.5's multimodal checkpoints
+give their text model): ``config.json`` and ``model.safetensors``, or shards
+``model-0000i-of-0000n.safetensors`` listed in ``model.safetensors.index.json``. PyTorch's
+``Linear`` weights are ``[out, in]``, ours ``[in, out]``. Nothing here imports PyTorch or
+transformers. Scanned models (``scan_layers``) convert too: layer ``i`` is row ``i`` of each
+stacked parameter, or of a scanned block's
+(:meth:`~xlafit.models.llama.LlamaForCausalLM.layer_prefixes`). A mixture of experts' stacked
+expert weights are written one tensor per expert (``mlp.experts.{e}.gate_proj.weight``), as
+transformers' ``save_pretrained`` writes them, and read from that layout or from
+transformers' fused one (``mlp.experts.gate_up_proj`` ``[E, 2f, hidden]``,
+``mlp.experts.down_proj`` ``[E, hidden, f]``); the per-layer tables are
+:mod:`xlafit.hf.llama_tensors`'.
 
 Example:
     >>> save_hf(model, "exported/", max_shard_bytes=2**30)  # doctest: +SKIP
@@ -30,7 +33,9 @@ import numpy as np
 from flax import nnx
 
 from xlafit.errors import HFFormatError
+from xlafit.hf import gemma4
 from xlafit.hf.files import open_safetensors, read_json, read_tensor
+from xlafit.hf.llama_tensors import EXPERT_NAMES, PerExpert, layer_tensors
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 
 # Our config field -> Hugging Face's LlamaConfig / Qwen2Config key.
@@ -65,10 +70,11 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
-_GEMMA = ("gemma2", "gemma3_text")
+_GEMMA = ("gemma2", "gemma3_text")  # Gemma 4's config.json has its own keys (xlafit.hf.gemma4)
 # Qwen3.5's Gated DeltaNet sizes: the same names in our config and Hugging Face's.
 _LINEAR_KEYS = (
     "linear_num_key_heads",
@@ -84,9 +90,8 @@ def _family(cfg: LlamaConfig) -> str:
 
 
 def hf_config(cfg: LlamaConfig) -> dict:
-    """The ``config.json`` of the Hugging Face model of ``cfg``'s family (``LlamaForCausalLM``,
-    ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Gemma2ForCausalLM``,
-    ``Gemma3ForCausalLM``) with its sizes.
+    """The ``config.json`` of the Hugging Face model of ``cfg``'s family (:data:`ARCHITECTURES`)
+    with its sizes.
 
     Rotary settings are written as Meta's own files have them (``rope_theta`` and
     ``rope_scaling``), which transformers 4 and 5 both read.
@@ -97,6 +102,8 @@ def hf_config(cfg: LlamaConfig) -> dict:
         32.0
     """
     family = _family(cfg)
+    if family == "gemma4_text":
+        return gemma4.hf_config(cfg, {hf: getattr(cfg, ours) for ours, hf in _CONFIG_KEYS.items()})
     if family not in _GEMMA and cfg.embedding_scale or family not in (*_GEMMA, "qwen3_5_text") and cfg.norm_offset:
         raise HFFormatError(f"embedding_scale and norm_offset (Gemma's conventions) have no {family} config.json.")
     out: dict[str, Any] = {hf: getattr(cfg, ours) for ours, hf in _CONFIG_KEYS.items()}
@@ -262,7 +269,7 @@ def _moe_fields(hf: dict) -> dict[str, Any]:
 
 def config_from_hf(hf: dict, **overrides: Any) -> LlamaConfig:
     """A :class:`LlamaConfig` from a Hugging Face ``config.json`` dict of a Llama, Qwen2,
-    Qwen3, Qwen3-MoE, Mistral, Gemma 2 or Gemma 3 (text) model.
+    Qwen3, Qwen3-MoE, Mistral, Gemma 2, Gemma 3 or Gemma 4 (text), or Qwen3.5 model.
 
     Example:
         >>> config_from_hf({"model_type": "llama", "vocab_size": 100, "hidden_size": 64,
@@ -278,41 +285,23 @@ def config_from_hf(hf: dict, **overrides: Any) -> LlamaConfig:
             "config.json describes Gemma 3 with its vision tower (gemma3); xlafit reads the text models (gemma3_text: "
             "Gemma 3 1B, or a text-only checkpoint)."
         )
+    if kind == "gemma4":
+        raise HFFormatError(
+            "config.json describes Gemma 4 with its vision and audio towers (gemma4); xlafit reads the text models "
+            "(gemma4_text: a text-only checkpoint, as Gemma4ForCausalLM.save_pretrained writes)."
+        )
     if kind not in ARCHITECTURES:
         raise HFFormatError(f"config.json describes a {kind!r} model; xlafit reads {', '.join(ARCHITECTURES)}.")
     missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in hf]
     if missing:
         raise HFFormatError(f"config.json lacks {', '.join(missing)}.")
     fields = {ours: hf[key] for ours, key in _CONFIG_KEYS.items() if hf.get(key) is not None}
-    fields.update(_rope_fields(hf))
-    fields.update(_family_fields(kind, hf))
+    if kind == "gemma4_text":
+        fields.update(gemma4.config_fields(hf))
+    else:
+        fields.update(_rope_fields(hf))
+        fields.update(_family_fields(kind, hf))
     return LlamaConfig(**{**fields, **overrides})
-
-
-# (Hugging Face name after "model.layers.{i}.", attribute path in a decoder layer, transposed)
-_LAYER_TENSORS = [
-    ("input_layernorm.weight", ("input_layernorm", "scale"), False),
-    *[(f"self_attn.{p}.weight", ("self_attn", p, "kernel"), True) for p in ("q_proj", "k_proj", "v_proj", "o_proj")],
-    ("post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), False),
-]
-_MLP_TENSORS = [(f"mlp.{p}.weight", ("mlp", p, "kernel"), True) for p in ("gate_proj", "up_proj", "down_proj")]
-_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
-_BIAS_TENSORS = [(f"self_attn.{p}.bias", ("self_attn", p, "bias"), False) for p in ("q_proj", "k_proj", "v_proj")]
-_QK_NORM_TENSORS = [(f"self_attn.{n}.weight", ("self_attn", n, "scale"), False) for n in ("q_norm", "k_norm")]
-_SANDWICH_TENSORS = [
-    (f"{n}.weight", (n, "scale"), False) for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-]
-# A Gated DeltaNet layer's (Qwen3.5) in place of self_attn's; conv1d's [C, 1, K] is our [K, 1, C] reversed.
-_LINEAR_TENSORS = [
-    ("input_layernorm.weight", ("input_layernorm", "scale"), False),
-    *[
-        (f"linear_attn.{p}.weight", ("linear_attn", p, "kernel"), True)
-        for p in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "out_proj")
-    ],
-    *[(f"linear_attn.{p}", ("linear_attn", p), False) for p in ("dt_bias", "A_log")],
-    ("linear_attn.norm.weight", ("linear_attn", "norm", "scale"), False),
-    *[entry for entry in _LAYER_TENSORS if entry[1][0] != "self_attn" and entry[0] != "input_layernorm.weight"],
-]
 
 
 def _param(module: Any, path: tuple[str, ...]) -> nnx.Variable:
@@ -335,22 +324,20 @@ def entries(model: LlamaForCausalLM) -> Iterator[Entry]:
             "alone (xlafit.hf.peft.save_peft_adapter)."
         )
     yield "model.embed_tokens.weight", model.embed_tokens.embedding, None, False
-    tensors: list[tuple[str, tuple[str, ...], bool]] = [*_LAYER_TENSORS, *(_BIAS_TENSORS if cfg.attention_bias else [])]
-    tensors += [*(_QK_NORM_TENSORS if cfg.qk_norm else []), *(_SANDWICH_TENSORS if cfg.sandwich_norms else [])]
-    for i, (kind, moe) in enumerate(zip(cfg.kinds, cfg.moe_layers, strict=True)):
-        layer = model.layers if cfg.scan_layers else model.layers[i]
-        row: tuple[int, ...] = (i,) if cfg.scan_layers else ()
-        for suffix, path, transposed in _LINEAR_TENSORS if kind == "linear_attention" else tensors:
+    if cfg.per_layer_input_size:
+        yield "model.embed_tokens_per_layer.weight", model.embed_tokens_per_layer.embedding, None, False
+        yield "model.per_layer_model_projection.weight", model.per_layer_model_projection.kernel, None, True
+        yield "model.per_layer_projection_norm.weight", model.per_layer_projection_norm.scale, None, False
+    for i in range(cfg.num_layers):
+        layer, stacked = model.layer_at(i)
+        row: tuple[int, ...] = () if stacked is None else (stacked,)
+        for suffix, path, transposed in layer_tensors(cfg, i):
             yield f"model.layers.{i}.{suffix}", _param(layer, path), row or None, transposed
-        if not moe:
-            for suffix, path, transposed in _MLP_TENSORS:
-                yield f"model.layers.{i}.{suffix}", _param(layer, path), row or None, transposed
-            continue
-        yield f"model.layers.{i}.mlp.gate.weight", _param(layer, ("mlp", "gate", "kernel")), row or None, True
-        for e in range(cfg.num_experts):
-            for p in _EXPERT_NAMES:
-                param = _param(layer, ("mlp", "experts", p))
-                yield f"model.layers.{i}.mlp.experts.{e}.{p}.weight", param, (*row, e), True
+        if cfg.moe_layers[i]:
+            for e in range(cfg.num_experts):
+                for p in EXPERT_NAMES:
+                    param = _param(layer, ("mlp", "experts", p))
+                    yield f"model.layers.{i}.mlp.experts.{e}.{p}.weight", param, (*row, e), True
     yield "model.norm.weight", model.norm.scale, None, False
     if model.lm_head is not None:
         yield "lm_head.weight", model.lm_head.kernel, None, True
@@ -399,7 +386,7 @@ def from_hf_state(model: LlamaForCausalLM, state: Mapping[str, Any], put: Put | 
     Raises:
         HFFormatError: a tensor is missing or has another shape than ``model``'s config gives.
     """
-    state = _PerExpert(state)
+    state = PerExpert(state)
     prefixed = any(k.startswith("model.") for k in state)
     # Qwen3.5's multimodal checkpoints keep the text model under model.language_model.
     language_model = any(k.startswith("model.language_model.") for k in state)
@@ -430,51 +417,6 @@ def from_hf_state(model: LlamaForCausalLM, state: Mapping[str, Any], put: Put | 
             stacked.setdefault(id(param), (param, []))[1].append(value)
     for param, rows in stacked.values():  # in row-major order of (layer, expert)
         param[...] = np.stack(rows).reshape(param[...].shape)
-
-
-class _PerExpert(Mapping[str, Any]):
-    """A checkpoint's tensors with transformers' fused expert weights (``mlp.experts.gate_up_proj``
-    ``[E, 2f, hidden]``, ``mlp.experts.down_proj`` ``[E, hidden, f]``) also seen as the
-    per-expert tensors of the layout that ``save_pretrained`` writes (``mlp.experts.{e}.gate_proj.weight``
-    ``[f, hidden]``, ...). The last fused tensor read is kept: each is read once for its experts."""
-
-    def __init__(self, state: Mapping[str, Any]) -> None:
-        self.state = state
-        self._kept: tuple[str, np.ndarray] | None = None
-
-    def _fused(self, name: str) -> tuple[str, int, slice | None] | None:
-        """``(fused tensor's name, expert, rows of it)`` for a per-expert name the state lacks."""
-        head, sep, tail = name.partition(".mlp.experts.")
-        parts = tail.split(".")
-        if not sep or len(parts) != 3 or not parts[0].isdigit() or name in self.state:
-            return None
-        e, proj = int(parts[0]), parts[1]
-        if proj == "down_proj":
-            return f"{head}.mlp.experts.down_proj", e, None
-        return f"{head}.mlp.experts.gate_up_proj", e, slice(0, 1) if proj == "gate_proj" else slice(1, 2)
-
-    def __getitem__(self, name: str) -> Any:
-        fused = self._fused(name)
-        if fused is None or fused[0] not in self.state:
-            return self.state[name]
-        key, e, half = fused
-        if self._kept is None or self._kept[0] != key:
-            self._kept = (key, np.asarray(self.state[key]))
-        value = self._kept[1][e]
-        if half is None:
-            return value
-        f = value.shape[0] // 2  # gate_up_proj: the gate's rows, then the up projection's
-        return value[half.start * f : half.stop * f]
-
-    def __contains__(self, name: object) -> bool:
-        fused = self._fused(name) if isinstance(name, str) else None
-        return name in self.state or (fused is not None and fused[0] in self.state)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.state)
-
-    def __len__(self) -> int:
-        return len(self.state)
 
 
 def _shards(names: list[str], sizes: list[int], max_shard_bytes: int | None) -> list[list[str]]:

@@ -38,14 +38,15 @@ QUANTIZED_KEY = "xlafit_base_quantized"
 
 def _hf_modules(model: LlamaForCausalLM) -> Iterator[tuple[str, LoRA, int | None]]:
     """``(PEFT module name, our layer, row of its stacked adapters or None)`` per adapted layer."""
+    prefixes = model.layer_prefixes()  # layer i's module path, and its row when stacked (scan_layers)
     for path, layer in lora_modules(model):
-        parts = [str(p) for p in path]
+        parts = tuple(path)
         prefix = "base_model.model." + ("" if parts[0] == "lm_head" else "model.")
-        if model.cfg.scan_layers and parts[0] == "layers":  # stacked: one PEFT module per layer
-            for i in range(model.cfg.num_layers):
-                yield prefix + ".".join(["layers", str(i), *parts[1:]]), layer, i
-        else:
-            yield prefix + ".".join(parts), layer, None
+        found = [(i, row, len(p)) for i, (p, row) in enumerate(prefixes) if parts[: len(p)] == p]
+        for i, row, n in found:  # a stacked layer: one PEFT module per layer it holds
+            yield prefix + ".".join(["layers", str(i), *map(str, parts[n:])]), layer, row
+        if not found:
+            yield prefix + ".".join(map(str, parts)), layer, None
 
 
 def _rank_and_alpha(model: LlamaForCausalLM) -> tuple[int, float]:

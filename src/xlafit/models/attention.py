@@ -29,17 +29,30 @@ __all__ = [
 ]
 
 
-def rope_frequencies(cfg: LlamaConfig, local: bool = False) -> np.ndarray:
-    """The rotary inverse frequencies ``[rotary_dim / 2]`` (float32: ``head_dim`` times
-    ``partial_rotary_factor``), Llama 3's or linear scaling applied; a sliding layer of
-    Gemma 3 (``local``) has its own base and none.
+def rope_frequencies(cfg: LlamaConfig, local: bool = False, head_dim: int | None = None) -> np.ndarray:
+    """The rotary inverse frequencies (float32) of a head of ``head_dim`` (default the
+    config's), Llama 3's or linear scaling applied; a sliding layer of Gemma 3 or 4 (``local``)
+    has its own base, no scaling and turns the whole head.
+
+    ``partial_rotary_factor`` below 1 turns part of the head: ``[rotary_dim / 2]`` frequencies
+    for the first ``rotary_dim`` (``head_dim`` times the factor) dimensions, spaced over them
+    (Qwen3.5; :func:`apply_rope` passes the rest), or with ``rope_type="proportional"``
+    (Gemma 4's global layers) ``[head_dim / 2]`` frequencies spaced over the whole head, the
+    first that share of the pairs turning and the others at frequency 0 (kept where they are).
 
     Computed as Hugging Face does (``_compute_default_rope_parameters``,
-    ``_compute_llama3_parameters``, ``_compute_linear_scaling_rope_parameters``), in
-    float32, so the angles agree bit for bit.
+    ``_compute_llama3_parameters``, ``_compute_linear_scaling_rope_parameters``,
+    ``_compute_proportional_rope_parameters``), in float32, so the angles agree bit for bit.
     """
-    d = cfg.rotary_dim
+    head = head_dim or cfg.head_size
+    share = 1.0 if local else cfg.partial_rotary_factor
     theta = cfg.rope_local_theta if local and cfg.rope_local_theta else cfg.rope_theta
+    if cfg.rope_type == "proportional" and not local:
+        turned = int(share * head // 2)
+        inv_freq = (1.0 / (theta ** (np.arange(0, 2 * turned, 2).astype(np.float32) / head))).astype(np.float32)
+        inv_freq = np.concatenate([inv_freq, np.zeros(head // 2 - turned, np.float32)])
+        return (inv_freq / np.float32(cfg.rope_factor)).astype(np.float32)
+    d = int(head * share)
     inv_freq = (1.0 / (theta ** (np.arange(0, d, 2).astype(np.float32) / d))).astype(np.float32)
     if cfg.rope_type == "default" or (local and cfg.rope_local_theta):
         return inv_freq
@@ -106,9 +119,10 @@ def attention(
     return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
 
 
-def default_scale(cfg: LlamaConfig) -> float:
-    """``1 / sqrt(head_dim)``, or Gemma's ``query_pre_attn_scalar ** -0.5``."""
-    return 1.0 / math.sqrt(cfg.query_pre_attn_scalar or cfg.head_size)
+def default_scale(cfg: LlamaConfig, head_dim: int | None = None) -> float:
+    """``1 / sqrt(head_dim)`` (the layer's, default the config's), or Gemma's
+    ``query_pre_attn_scalar ** -0.5`` (Gemma 4's is 1: its queries and keys are normed)."""
+    return 1.0 / math.sqrt(cfg.query_pre_attn_scalar or head_dim or cfg.head_size)
 
 
 def packed_segments_limit(seq_len: int) -> int:

@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import typing
 from typing import Any
@@ -28,243 +27,66 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from xlafit.models import splash
-from xlafit.models.activations import gated
-from xlafit.models.attention import apply_rope, attention, causal_mask, default_scale, rope_frequencies
+from xlafit.models.attention import rope_frequencies
 from xlafit.models.bert import remat_policy
-from xlafit.models.cudnn import packed_flash_attention
+from xlafit.models.decoder import KV, Buffer, KVCache, LlamaAttention, LlamaBlock, LlamaDecoderLayer, LlamaMLP, RMSNorm
 from xlafit.models.dense import dense as _dense
-from xlafit.models.gated_deltanet import GatedDeltaNet
+from xlafit.models.gated_deltanet import LinearState
 from xlafit.models.llama_config import DTYPES, LAYER_INPUT, PRESETS, LlamaConfig
 from xlafit.models.lora import LoRA
-from xlafit.models.moe import MoEBlock, RouterStats
+from xlafit.models.moe import RouterStats
 from xlafit.parallel.sharding import constrain, logical
 
-__all__ = ["PRESETS", "KVCache", "LlamaConfig", "LlamaForCausalLM", "layer_remat_policy", "rope_frequencies"]
+__all__ = [
+    "PRESETS",
+    "Buffer",
+    "KVCache",
+    "LlamaAttention",
+    "LlamaBlock",
+    "LlamaConfig",
+    "LlamaDecoderLayer",
+    "LlamaForCausalLM",
+    "LlamaMLP",
+    "RMSNorm",
+    "layer_remat_policy",
+    "rope_frequencies",
+]
 
 
-class RMSNorm(nnx.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019) over the last ``size`` features
-    (default the hidden size; a head's for q/k norms): statistics in float32, as Hugging
-    Face's ``LlamaRMSNorm``; the weight is ``1 + w`` with ``offset`` (Gemma, initialised at 0)."""
+def _stacked_layers(cfg: LlamaConfig, rngs: nnx.Rngs) -> LlamaDecoderLayer | LlamaBlock:
+    """The scanned layers as one module whose variables have a leading ``layers`` axis (each
+    drawn from its own split of the keys), for :func:`jax.lax.scan`: ``num_layers`` decoder
+    layers when all are alike, else ``num_layers // scan_period`` blocks of ``scan_period``
+    layers (:class:`LlamaBlock`)."""
+    period = cfg.scan_period
 
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, size: int | None = None) -> None:
-        init = nnx.initializers.zeros_init() if cfg.norm_offset else nnx.initializers.ones_init()
-        shape = (size or cfg.hidden_size,)
-        self.scale = nnx.Param(logical(init, "norm")(rngs.params(), shape, DTYPES[cfg.param_dtype]))
-        self.eps, self.offset = cfg.rms_norm_eps, cfg.norm_offset
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        scale = self.scale[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
-        if self.offset:  # Gemma multiplies in float32, then casts
-            return (y * (1.0 + scale)).astype(x.dtype)
-        return y.astype(x.dtype) * scale.astype(x.dtype)
-
-
-class LlamaAttention(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, kind: str = "full_attention") -> None:
-        self.cfg = cfg
-        h, q_dim, kv_dim = cfg.hidden_size, cfg.num_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
-        # Megatron: q, k, v column-parallel by head, o row-parallel. "kv_heads" is its own
-        # name so a run with more tensor devices than key/value heads can replicate k and v.
-        # Qwen3.5's gated output: q_proj gives each head's queries, then its gate
-        gates = 2 if cfg.attn_output_gate else 1
-        self.q_proj = _dense(cfg, h, gates * q_dim, rngs, ("embed", "heads"), cfg.attention_bias)
-        self.k_proj = _dense(cfg, h, kv_dim, rngs, ("embed", "kv_heads"), cfg.attention_bias)
-        self.v_proj = _dense(cfg, h, kv_dim, rngs, ("embed", "kv_heads"), cfg.attention_bias)
-        self.o_proj = _dense(cfg, q_dim, h, rngs, ("heads", "embed"), False)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg, rngs, cfg.head_size)
-            self.k_norm = RMSNorm(cfg, rngs, cfg.head_size)
-        # A sliding layer sees the last sliding_window keys (a static property of the layer).
-        self.window = cfg.sliding_window if kind == "sliding_attention" else None
-        self.local_rope = kind == "sliding_attention" and cfg.rope_local_theta is not None
-
-    def _project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-        """Rotated queries and keys, values, and the output gate (``attn_output_gate``) or None."""
-        b, t, _ = x.shape
-        cfg = self.cfg
-        q = self.q_proj(x).reshape(b, t, cfg.num_heads, -1)
-        gate = q[..., cfg.head_size :].reshape(b, t, -1) if cfg.attn_output_gate else None
-        q = q[..., : cfg.head_size]
-        k = self.k_proj(x).reshape(b, t, cfg.kv_heads, cfg.head_size)
-        v = self.v_proj(x).reshape(b, t, cfg.kv_heads, cfg.head_size)
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # Computed from the config at trace time: a constant of the compiled program, not
-        # state (an array attribute would be a leaf of nnx.state and of checkpoints).
-        inv_freq = rope_frequencies(cfg, self.local_rope)
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v, gate
-
-    def _output(self, context: jax.Array, gate: jax.Array | None) -> jax.Array:
-        b, t = context.shape[:2]
-        context = context.reshape(b, t, self.cfg.num_heads * self.cfg.head_size)
-        return self.o_proj(context if gate is None else context * jax.nn.sigmoid(gate))
-
-    @property
-    def plain(self) -> bool:
-        """Llama's attention: causal, whole context, 1/sqrt(head_dim), no soft-cap."""
-        cfg = self.cfg
-        return self.window is None and not cfg.attn_logit_softcap and not cfg.query_pre_attn_scalar
-
-    def __call__(
-        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, implementation: str
-    ) -> jax.Array:
-        b, t, _ = x.shape
-        cfg = self.cfg
-        q, k, v, gate = self._project(x, positions)
-        q = constrain(q, "batch", None, "heads", None)
-        k = constrain(k, "batch", None, "kv_heads", None)
-        v = constrain(v, "batch", None, "kv_heads", None)
-        # Grouped-query attention: every path takes num_kv_heads dividing num_heads as is (no repeat).
-        if implementation == "splash":
-            context = splash.splash_attention(
-                q, k, v, segment_ids, window=self.window, scale=default_scale(cfg), softcap=cfg.attn_logit_softcap
-            )
-        elif implementation == "cudnn" and segment_ids is not None:  # packed rows: plain, bf16 (checked)
-            context = packed_flash_attention(q, k, v, segment_ids, default_scale(cfg))
-        elif self.plain:  # (B, 1, T, T): a query sees keys of its own segment; is_causal adds "and earlier"
-            mask = None if segment_ids is None else segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-            context = jax.nn.dot_product_attention(
-                q, k, v, mask=mask, is_causal=True, implementation=typing.cast(Any, implementation)
-            )
-        else:
-            mask = jnp.asarray(causal_mask(t))[None, None]
-            if segment_ids is not None:
-                mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-            if self.window:  # within a packed segment, by its own positions
-                mask = mask & (positions[:, None, :, None] - positions[:, None, None, :] < self.window)
-            context = attention(q, k, v, mask, default_scale(cfg), cfg.attn_logit_softcap)
-        return self._output(context, gate)
-
-    def cached(
-        self, x: jax.Array, positions: jax.Array, cache: KVCache, slot: jax.Array, visible: jax.Array
-    ) -> tuple[jax.Array, KVCache]:
-        """Attention of ``x [B, T, h]`` written into the key/value cache at ``slot`` (the
-        same slot for every row), over the cache's keys up to each query's own slot that are
-        ``visible [B, S]`` (a left-padded prompt's padding is not)."""
-        b, t, _ = x.shape
-        cfg = self.cfg
-        q, k, v, gate = self._project(x, positions)
-        keys = jax.lax.dynamic_update_slice(cache.keys, k.astype(cache.keys.dtype), (0, slot, 0, 0))
-        values = jax.lax.dynamic_update_slice(cache.values, v.astype(cache.values.dtype), (0, slot, 0, 0))
-        s = keys.shape[1]
-        distance = (slot + jnp.arange(t))[:, None] - jnp.arange(s)[None, :]  # (T, S): query slot - key slot
-        seen = (distance >= 0) & ((distance < self.window) if self.window else True)
-        mask = visible[:, None, None, :] & seen[None, None]  # (B, 1, T, S)
-        context = attention(
-            q, keys.astype(q.dtype), values.astype(q.dtype), mask, default_scale(cfg), cfg.attn_logit_softcap
-        )
-        return self._output(context, gate), KVCache(keys, values)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVCache:
-    """The keys and values generation has computed: ``[B, S, kv_heads, head_dim]`` per
-    layer, or ``[layers, B, S, kv_heads, head_dim]`` for the whole model."""
-
-    keys: jax.Array
-    values: jax.Array
-
-
-class LlamaMLP(nnx.Module):
-    """A gated MLP: ``down(act(gate(x)) * up(x))`` with SiLU (SwiGLU, Shazeer 2020) or tanh
-    GELU (GeGLU, Gemma); Megatron's column/row split."""
-
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> None:
-        h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = _dense(cfg, h, i, rngs, ("embed", "mlp"), False)
-        self.up_proj = _dense(cfg, h, i, rngs, ("embed", "mlp"), False)
-        self.down_proj = _dense(cfg, i, h, rngs, ("mlp", "embed"), False)
-        self.gelu = cfg.hidden_activation == "gelu_tanh"
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gated_product = gated(self.gate_proj(x), self.up_proj(x), "gelu_tanh" if self.gelu else "silu")
-        y = constrain(gated_product, "batch", None, "mlp")  # (B, T, i)
-        return self.down_proj(y)
-
-
-class LlamaDecoderLayer(nnx.Module):
-    """Pre-norm attention and MLP with residuals; Gemma's ``sandwich_norms`` also normalise
-    each branch's output (``post_attention_layernorm`` is then on the attention's output, and
-    ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` around the MLP). With
-    ``moe`` the MLP is a mixture of experts (:class:`~xlafit.models.moe.MoEBlock`)."""
-
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, kind: str = "full_attention", moe: bool = False) -> None:
-        self.input_layernorm = RMSNorm(cfg, rngs)
-        self.linear = kind == "linear_attention"  # Qwen3.5: a Gated DeltaNet instead of attention
-        if self.linear:
-            self.linear_attn = GatedDeltaNet(cfg, rngs)
-        else:
-            self.self_attn = LlamaAttention(cfg, rngs, kind)
-        self.post_attention_layernorm = RMSNorm(cfg, rngs)
-        if cfg.sandwich_norms:
-            self.pre_feedforward_layernorm = RMSNorm(cfg, rngs)
-            self.post_feedforward_layernorm = RMSNorm(cfg, rngs)
-        self.mlp: LlamaMLP | MoEBlock = MoEBlock(cfg, rngs) if moe else LlamaMLP(cfg, rngs)
-        self.sandwich = cfg.sandwich_norms
-
-    def _mlp(self, x: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, RouterStats | None]:
-        """The feed-forward branch with its residual, and a sparse block's router statistics."""
-        h = self.pre_feedforward_layernorm(x) if self.sandwich else self.post_attention_layernorm(x)
-        y, stats = self.mlp(h, mask) if isinstance(self.mlp, MoEBlock) else (self.mlp(h), None)
-        return x + (self.post_feedforward_layernorm(y) if self.sandwich else y), stats
-
-    def _residual(self, x: jax.Array, attended: jax.Array) -> jax.Array:
-        return x + (self.post_attention_layernorm(attended) if self.sandwich else attended)
-
-    def __call__(
-        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, implementation: str
-    ) -> jax.Array:
-        return self.routed(x, positions, segment_ids, implementation)[0]
-
-    def routed(
-        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, implementation: str
-    ) -> tuple[jax.Array, RouterStats | None]:
-        """The layer's output and, for a mixture of experts, its router's statistics over
-        the real tokens (segment 0, padding, left out)."""
-        normed = self.input_layernorm(x)
-        if self.linear:
-            attended = self.linear_attn(normed, segment_ids)
-        else:
-            attended = self.self_attn(normed, positions, segment_ids, implementation)
-        x, stats = self._mlp(self._residual(x, attended), None if segment_ids is None else segment_ids > 0)
-        return constrain(x, "batch", None, None), stats
-
-    def cached(
-        self, x: jax.Array, positions: jax.Array, cache: Any, slot: jax.Array, visible: jax.Array
-    ) -> tuple[jax.Array, Any]:
-        """As :meth:`LlamaAttention.cached`; a Gated DeltaNet layer's cache is its :class:`LinearState`."""
-        normed = self.input_layernorm(x)
-        if self.linear:
-            attended, cache = self.linear_attn.cached(
-                normed, cache, jax.lax.dynamic_slice_in_dim(visible, slot, x.shape[1], 1)
-            )
-        else:
-            attended, cache = self.self_attn.cached(normed, positions, cache, slot, visible)
-        return self._mlp(self._residual(x, attended))[0], cache
-
-
-def _stacked_layers(cfg: LlamaConfig, rngs: nnx.Rngs) -> LlamaDecoderLayer:
-    """``num_layers`` decoder layers as one module whose variables have a leading ``layers``
-    axis (each layer drawn from its own split of the keys), for :func:`nnx.scan`."""
-
-    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.split_rngs(splits=cfg.num_layers // period)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def build(rngs: nnx.Rngs) -> LlamaDecoderLayer:
-        return LlamaDecoderLayer(cfg, rngs, cfg.kinds[0], cfg.moe_layers[0])  # every layer alike (LlamaConfig checks)
+    def build(rngs: nnx.Rngs) -> LlamaDecoderLayer | LlamaBlock:
+        if period == 1:
+            return LlamaDecoderLayer(cfg, rngs, cfg.kinds[0], False, cfg.moe_layers[0])
+        return LlamaBlock(cfg, rngs, cfg.kinds[:period], cfg.moe_layers[:period])
 
     return build(rngs)
 
 
+def _block_layers(module: LlamaDecoderLayer | LlamaBlock) -> list[LlamaDecoderLayer]:
+    """The decoder layers of one step of the scan: a layer, or a block's layers in order."""
+    return list(module.layers) if isinstance(module, LlamaBlock) else [module]
+
+
 def _run_layer(
-    layer: LlamaDecoderLayer, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, implementation: str
-) -> tuple[jax.Array, RouterStats | None]:
+    layer: LlamaDecoderLayer,
+    x: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array | None,
+    implementation: str,
+    per_layer_input: jax.Array | None = None,
+    shared: KV | None = None,
+) -> tuple[jax.Array, KV | None, RouterStats | None]:
     # Named for remat="offload", whose policy keeps this one array of the layer for the
     # backward pass, in host memory (an identity otherwise).
-    return layer.routed(checkpoint_name(x, LAYER_INPUT), positions, segment_ids, implementation)
+    return layer(checkpoint_name(x, LAYER_INPUT), positions, segment_ids, implementation, per_layer_input, shared)
 
 
 def layer_remat_policy(name: str) -> Any:
@@ -287,7 +109,8 @@ def layer_remat_policy(name: str) -> Any:
 
 
 class LlamaForCausalLM(nnx.Module):
-    """Llama decoder with its language-model head; Hugging Face's ``LlamaForCausalLM`` in NNX.
+    """Llama decoder with its language-model head; Hugging Face's ``LlamaForCausalLM`` in NNX
+    (and its families' causal LMs, :class:`LlamaConfig`'s ``family``).
 
     Args:
         cfg: sizes and options.
@@ -298,28 +121,83 @@ class LlamaForCausalLM(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
         init = nnx.initializers.normal(stddev=cfg.initializer_range)
-        self.embed_tokens = nnx.Embed(
-            cfg.vocab_size,
-            cfg.hidden_size,
-            embedding_init=logical(init, "vocab", "embed"),
-            dtype=cfg.compute_dtype,
-            param_dtype=DTYPES[cfg.param_dtype],
-            rngs=rngs,
-        )
-        # With scan_layers, one layer whose variables are stacked (typed as the list it replaces).
+
+        def embedding(rows: int, width: int) -> nnx.Embed:
+            return nnx.Embed(
+                rows,
+                width,
+                embedding_init=logical(init, "vocab", "embed"),
+                dtype=cfg.compute_dtype,
+                param_dtype=DTYPES[cfg.param_dtype],
+                rngs=rngs,
+            )
+
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
+        if cfg.per_layer_input_size:  # Gemma 4: every layer's slice side by side
+            width = cfg.num_layers * cfg.per_layer_input_size
+            self.embed_tokens_per_layer = embedding(cfg.per_layer_vocab_size or cfg.vocab_size, width)
+            self.per_layer_model_projection = _dense(cfg, cfg.hidden_size, width, rngs, ("embed", "mlp"), False)
+            self.per_layer_projection_norm = RMSNorm(cfg, rngs, cfg.per_layer_input_size)
+        # With scan_layers, one layer (or block) whose variables are stacked (typed as the list
+        # it replaces), and the layers after the last whole block in a list of their own.
         self.layers: nnx.List[LlamaDecoderLayer] = (
             typing.cast(Any, _stacked_layers(cfg, rngs))
             if cfg.scan_layers
             else nnx.List(
-                [LlamaDecoderLayer(cfg, rngs, kind, moe) for kind, moe in zip(cfg.kinds, cfg.moe_layers, strict=True)]
+                [
+                    LlamaDecoderLayer(cfg, rngs, kind, cfg.shares_kv(i), moe)
+                    for i, (kind, moe) in enumerate(zip(cfg.kinds, cfg.moe_layers, strict=True))
+                ]
             )
         )
+        if cfg.scan_layers and cfg.scan_period > 1:
+            after = list(zip(cfg.kinds, cfg.moe_layers, strict=True))[self._scanned() :]
+            self.tail = nnx.List([LlamaDecoderLayer(cfg, rngs, kind, False, moe) for kind, moe in after])
         self.norm = RMSNorm(cfg, rngs)
         self.lm_head = (
             None
             if cfg.tie_embeddings
             else _dense(cfg, cfg.hidden_size, cfg.vocab_size, rngs, ("embed", "vocab"), False)
         )
+
+    def _scanned(self) -> int:
+        """How many layers the scan runs (whole blocks); the rest are the unscanned tail."""
+        period = self.cfg.scan_period
+        return self.cfg.num_layers // period * period
+
+    def _tail(self) -> list[LlamaDecoderLayer]:
+        return list(self.tail) if self.cfg.scan_layers and self.cfg.scan_period > 1 else []
+
+    def layer_prefixes(self) -> list[tuple[tuple[str | int, ...], int | None]]:
+        """Per decoder layer ``i`` (Hugging Face's ``layers.{i}``), the path of its module in
+        this model and its row in stacked variables (None: not stacked): ``("layers", i)``
+        unscanned; ``("layers",)``, row ``i`` for scanned alike layers; ``("layers", "layers",
+        i % period)``, row ``i // period`` for a scanned block, ``("tail", k)`` after it.
+
+        Example:
+            >>> cfg = LlamaConfig.preset("tiny", layer_types=("sliding_attention", "full_attention") * 2 + (
+            ...     "sliding_attention",), num_layers=5, sliding_window=4, scan_layers=True)
+            >>> prefixes = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)).layer_prefixes()
+            >>> prefixes[3], prefixes[4]
+            ((('layers', 'layers', 1), 1), (('tail', 0), None))
+        """
+        cfg = self.cfg
+        if not cfg.scan_layers:
+            return [(("layers", i), None) for i in range(cfg.num_layers)]
+        period, scanned = cfg.scan_period, self._scanned()
+        if period == 1:
+            return [(("layers",), i) for i in range(cfg.num_layers)]
+        return [(("layers", "layers", i % period), i // period) for i in range(scanned)] + [
+            (("tail", k), None) for k in range(cfg.num_layers - scanned)
+        ]
+
+    def layer_at(self, i: int) -> tuple[LlamaDecoderLayer, int | None]:
+        """Decoder layer ``i``'s module and its row in stacked variables (None: not stacked)."""
+        prefix, row = self.layer_prefixes()[i]
+        module: Any = self
+        for key in prefix:
+            module = module[key] if isinstance(key, int) else getattr(module, key)
+        return module, row
 
     def _implementation(self, segment_ids: jax.Array | None, seq_len: int) -> str:
         """The attention kernel (see :class:`LlamaConfig`): splash on TPUs where the shapes
@@ -337,7 +215,8 @@ class LlamaForCausalLM(nnx.Module):
             raise ValueError(
                 f"attention='cudnn' runs on NVIDIA GPUs (cuDNN); this is {jax.default_backend()}: use 'xla' or 'auto'."
             )
-        splash_refusal = splash.unsupported(seq_len, self.cfg.head_size)
+        head_sizes = sorted({cfg.layer_head_dim(kind) for kind in cfg.kinds})
+        splash_refusal = next(filter(None, (splash.unsupported(seq_len, d) for d in head_sizes)), None)
         if attention == "splash" and (splash_refusal or not splash.on_tpu()):
             why = splash_refusal or "it runs on TPUs only"
             raise ValueError(f"attention='splash': {why}; use 'xla' or 'auto'.")
@@ -346,6 +225,26 @@ class LlamaForCausalLM(nnx.Module):
                 return "splash"
             return "cudnn" if fits and jax.default_backend() == "gpu" else "xla"
         return attention
+
+    def _embed(self, input_ids: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """The embeddings ``[B, T, h]`` and Gemma 4's per-layer inputs ``[B, T, layers,
+        per_layer_input_size]`` (None without them), as transformers' ``get_per_layer_inputs``
+        and ``project_per_layer_inputs`` compute them."""
+        cfg = self.cfg
+        dtype = cfg.compute_dtype
+        # The gradient of a lookup is a scatter-add: on the parameter-dtype table (see BertEmbeddings).
+        x = jnp.take(self.embed_tokens.embedding[...], input_ids, axis=0).astype(dtype)  # (B, T, h)
+        if cfg.embedding_scale:
+            x = x * jnp.asarray(math.sqrt(cfg.hidden_size), dtype)  # Gemma rounds the factor to dtype
+        if not cfg.per_layer_input_size:
+            return x, None
+        b, t = input_ids.shape
+        p = cfg.per_layer_input_size
+        tokens = jnp.take(self.embed_tokens_per_layer.embedding[...], input_ids, axis=0).astype(dtype)
+        tokens = (tokens * jnp.asarray(math.sqrt(p), dtype)).reshape(b, t, cfg.num_layers, p)
+        projected = self.per_layer_model_projection(x) * jnp.asarray(cfg.hidden_size**-0.5, dtype)
+        projected = self.per_layer_projection_norm(projected.reshape(b, t, cfg.num_layers, p))
+        return x, (projected + tokens) * jnp.asarray(2**-0.5, dtype)
 
     def decode(
         self, input_ids: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
@@ -359,40 +258,60 @@ class LlamaForCausalLM(nnx.Module):
         """:meth:`decode`'s hidden states and, for a mixture of experts, the router
         statistics summed over its sparse layers (None for a dense model): what the
         auxiliary losses and the routing metrics are computed from."""
+        cfg = self.cfg
         b, t = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
         implementation = self._implementation(segment_ids, t)
-        dtype = self.cfg.compute_dtype
-        # The gradient of a lookup is a scatter-add: on the parameter-dtype table (see BertEmbeddings).
-        x = jnp.take(self.embed_tokens.embedding[...], input_ids, axis=0).astype(dtype)  # (B, T, h)
-        if self.cfg.embedding_scale:
-            x = x * jnp.asarray(math.sqrt(self.cfg.hidden_size), dtype)  # Gemma rounds the factor to dtype
+        x, per_layer = self._embed(input_ids)
         x = constrain(x, "batch", None, None)
         run = _run_layer
-        if self.cfg.remat != "none":
-            run = nnx.remat(_run_layer, policy=layer_remat_policy(self.cfg.remat), static_argnums=(4,))
-        if self.cfg.scan_layers:
+        if cfg.remat != "none":
+            run = nnx.remat(_run_layer, policy=layer_remat_policy(cfg.remat), static_argnums=(4,))
+        total: RouterStats | None = RouterStats.zeros(cfg.num_experts) if any(cfg.moe_layers) else None
+
+        def add(total: RouterStats | None, stats: RouterStats | None) -> RouterStats | None:
+            return total if stats is None or total is None else total + stats
+
+        if cfg.scan_layers:
             # A plain lax.scan over the layers' stacked state, each layer merged in the body:
             # nnx.scan would also return the state it scans (to carry a layer's mutations out),
             # and a frozen base's stacked weights (LoRA) then come out of the forward loop as a
             # second copy, written layer by layer (the TPU compiler copies the whole stack each
             # layer: a third of a v5e-1 step for a 1.7B model). These layers mutate nothing.
             graphdef, stacked = nnx.split(self.layers)
+            period, scanned = cfg.scan_period, self._scanned()
+            layer_inputs = None if per_layer is None else jnp.moveaxis(per_layer, 2, 0)  # (layers, B, T, p)
 
-            def decoder(carry: Any, state: Any) -> tuple[Any, None]:
-                layer = typing.cast(LlamaDecoderLayer, nnx.merge(graphdef, state))
-                x, stats = run(layer, carry[0], positions, segment_ids, implementation)
-                return (x, None if stats is None else carry[1] + stats), None
+            def decoder(carry: Any, xs: Any) -> tuple[Any, None]:
+                (x, total), (state, inputs) = carry, xs  # inputs: the block's per-layer inputs (period, B, T, p)
+                module = typing.cast(LlamaDecoderLayer | LlamaBlock, nnx.merge(graphdef, state))
+                for j, layer in enumerate(_block_layers(module)):
+                    x, _, stats = run(
+                        layer, x, positions, segment_ids, implementation, None if inputs is None else inputs[j]
+                    )
+                    total = add(total, stats)
+                return (x, total), None
 
-            start = RouterStats.zeros(self.cfg.num_experts) if self.cfg.moe_layers[0] else None
-            (x, total), _ = jax.lax.scan(decoder, (x, start), stacked)
+            blocks = (
+                None if layer_inputs is None else layer_inputs[:scanned].reshape(-1, period, *layer_inputs.shape[1:])
+            )
+            (x, total), _ = jax.lax.scan(decoder, (x, total), (stacked, blocks))
+            for k, layer in enumerate(self._tail()):
+                layer_input = None if layer_inputs is None else layer_inputs[scanned + k]
+                x, _, stats = run(layer, x, positions, segment_ids, implementation, layer_input)
+                total = add(total, stats)
         else:
-            total = None
-            for layer in self.layers:
-                x, stats = run(layer, x, positions, segment_ids, implementation)
-                if stats is not None:
-                    total = stats if total is None else total + stats
+            sources = cfg.kv_sources
+            read = set(sources[i] for i in range(cfg.num_layers) if cfg.shares_kv(i))
+            kept: dict[int, KV | None] = {}  # the keys and values of the layers that others share
+            for i, layer in enumerate(self.layers):
+                layer_input = None if per_layer is None else per_layer[:, :, i]
+                shared = kept[sources[i]] if cfg.shares_kv(i) else None
+                x, kv, stats = run(layer, x, positions, segment_ids, implementation, layer_input, shared)
+                total = add(total, stats)
+                if i in read:
+                    kept[i] = kv
         return self.norm(x), total
 
     def output_kernel(self) -> jax.Array:
@@ -416,53 +335,78 @@ class LlamaForCausalLM(nnx.Module):
             logits = jnp.tanh(logits / cap) * cap
         return logits
 
+    def _cache_owners(self) -> list[int]:
+        """The layers that keep a cache (a layer that shares another's keys and values has none)."""
+        return [i for i in range(self.cfg.num_layers) if not self.cfg.shares_kv(i)]
+
     def empty_cache(self, batch: int, length: int, dtype: Any = None) -> Any:
-        """A key/value cache of ``length`` slots for ``batch`` sequences (zeros); a model with
-        Gated DeltaNet layers (Qwen3.5) has one cache per layer in a tuple, a linear layer's
-        its :class:`~xlafit.models.gated_deltanet.LinearState`."""
+        """What generation carries from step to step for ``batch`` sequences of at most
+        ``length`` slots (zeros): per layer that keeps one, a :class:`KVCache` of its kind's
+        head size and key/value heads, or a Gated DeltaNet layer's
+        :class:`~xlafit.models.gated_deltanet.LinearState`; a tuple of them, in layer order.
+        Scanned layers: ``(block, tail)``, ``block`` a tuple per position in the scanned block,
+        stacked over the blocks, ``tail`` the unscanned layers' after it."""
         cfg = self.cfg
-        shape = (cfg.num_layers, batch, length, cfg.kv_heads, cfg.head_size)
-        if "linear_attention" in cfg.kinds:
-            zeros = jnp.zeros(shape[1:], dtype or cfg.compute_dtype)
-            return tuple(
-                layer.linear_attn.empty_state(batch, dtype) if layer.linear else KVCache(zeros, zeros)
-                for layer in self.layers
+        dtype = dtype or cfg.compute_dtype
+
+        def empty(layer: LlamaDecoderLayer, kind: str) -> KVCache | LinearState:
+            if layer.linear:
+                return layer.linear_attn.empty_state(batch, dtype)
+            zeros = jnp.zeros((batch, length, cfg.layer_kv_heads(kind), cfg.layer_head_dim(kind)), dtype)
+            return KVCache(zeros, zeros)
+
+        if cfg.scan_layers:
+            blocks, first = self._scanned() // cfg.scan_period, self._scanned()
+            module = typing.cast(LlamaDecoderLayer | LlamaBlock, self.layers)
+            block = tuple(
+                jax.tree.map(lambda a: jnp.zeros((blocks, *a.shape), a.dtype), empty(layer, kind))
+                for layer, kind in zip(_block_layers(module), cfg.kinds, strict=False)
             )
-        zeros = jnp.zeros(shape, dtype or cfg.compute_dtype)
-        return KVCache(zeros, zeros)
+            return block, tuple(empty(layer, kind) for layer, kind in zip(self._tail(), cfg.kinds[first:], strict=True))
+        return tuple(empty(self.layers[i], cfg.kinds[i]) for i in self._cache_owners())
 
     def cached(
         self, input_ids: jax.Array, positions: jax.Array, cache: Any, slot: jax.Array, visible: jax.Array
     ) -> tuple[jax.Array, Any]:
         """Next-token logits ``[B, T, vocab]`` of ``input_ids`` placed at cache ``slot``
-        onwards (a prompt, then one token at a time), and the cache with their keys and
-        values: what :meth:`__call__` computes for the whole sequence, token by token."""
-        dtype = self.cfg.compute_dtype
-        x = jnp.take(self.embed_tokens.embedding[...], input_ids, axis=0).astype(dtype)
-        if self.cfg.embedding_scale:
-            x = x * jnp.asarray(math.sqrt(self.cfg.hidden_size), dtype)
-        if isinstance(cache, tuple):  # one cache per layer (Gated DeltaNet layers: LinearState)
-            caches = []
-            for layer, layer_cache in zip(self.layers, cache, strict=True):
-                x, layer_cache = layer.cached(x, positions, layer_cache, slot, visible)
-                caches.append(layer_cache)
-            return self.logits(self.norm(x)), tuple(caches)
-        if self.cfg.scan_layers:
+        onwards (a prompt, then one token at a time), and the cache (:meth:`empty_cache`'s)
+        with their keys and values: what :meth:`__call__` computes for the whole sequence,
+        token by token. A layer that shares keys and values reads its source layer's cache
+        (written by then in this call) and writes none."""
+        cfg = self.cfg
+        x, per_layer = self._embed(input_ids)
+        if cfg.scan_layers:
 
-            @nnx.scan(in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0, 0))
-            def decoder(layer: LlamaDecoderLayer, x: jax.Array, keys: jax.Array, values: jax.Array) -> Any:
-                x, layer_cache = layer.cached(x, positions, KVCache(keys, values), slot, visible)
-                return x, layer_cache.keys, layer_cache.values
+            @nnx.scan(in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+            def decoder(module: LlamaDecoderLayer | LlamaBlock, x: jax.Array, caches: Any, inputs: Any) -> Any:
+                written = []
+                for j, layer in enumerate(_block_layers(module)):
+                    x, c = layer.cached(x, positions, caches[j], slot, visible, None if inputs is None else inputs[j])
+                    written.append(c)
+                return x, tuple(written)
 
-            x, keys, values = decoder(typing.cast(LlamaDecoderLayer, self.layers), x, cache.keys, cache.values)
-            cache = KVCache(keys, values)
+            period, scanned = cfg.scan_period, self._scanned()
+            layer_inputs = None if per_layer is None else jnp.moveaxis(per_layer, 2, 0)
+            blocks = (
+                None if layer_inputs is None else layer_inputs[:scanned].reshape(-1, period, *layer_inputs.shape[1:])
+            )
+            block, tail = cache
+            x, block = decoder(typing.cast(LlamaDecoderLayer | LlamaBlock, self.layers), x, block, blocks)
+            tail = list(tail)
+            for k, layer in enumerate(self._tail()):
+                layer_input = None if layer_inputs is None else layer_inputs[scanned + k]
+                x, tail[k] = layer.cached(x, positions, tail[k], slot, visible, layer_input)
+            cache = (block, tuple(tail))
         else:
-            keys, values = [], []
+            owners = self._cache_owners()
+            entry = [owners.index(source) for source in cfg.kv_sources]  # layer -> its (source's) cache entry
+            caches = list(cache)
             for i, layer in enumerate(self.layers):
-                x, layer_cache = layer.cached(x, positions, KVCache(cache.keys[i], cache.values[i]), slot, visible)
-                keys.append(layer_cache.keys)
-                values.append(layer_cache.values)
-            cache = KVCache(jnp.stack(keys), jnp.stack(values))
+                layer_input = None if per_layer is None else per_layer[:, :, i]
+                x, written = layer.cached(x, positions, caches[entry[i]], slot, visible, layer_input)
+                if not cfg.shares_kv(i):
+                    caches[entry[i]] = written
+            cache = tuple(caches)
         return self.logits(self.norm(x)), cache
 
     def __call__(

@@ -1,5 +1,6 @@
 """The sizes and options of :class:`xlafit.models.llama.LlamaForCausalLM` and the families
-it covers (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3, Qwen3.5), with named presets.
+it covers (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Gemma 2, Gemma 3, Gemma 4's text models,
+Qwen3.5), with named presets (:mod:`xlafit.models.llama_presets`).
 
 Example:
     >>> LlamaConfig.preset("llama-3.2-1b").num_kv_heads
@@ -14,7 +15,9 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
+from xlafit.errors import ConfigError
 from xlafit.models.bert import REMAT_POLICIES
+from xlafit.models.llama_presets import PRESETS
 
 __all__ = ["DTYPES", "LAYER_INPUT", "PRESETS", "REMAT", "LlamaConfig"]
 
@@ -22,219 +25,6 @@ __all__ = ["DTYPES", "LAYER_INPUT", "PRESETS", "REMAT", "LlamaConfig"]
 LAYER_INPUT = "decoder_layer_input"
 # A decoder layer's remat names: BERT's, and "offload" (the layer's input kept in host memory).
 REMAT = (*REMAT_POLICIES, "offload")
-
-# Released sizes (the config.json of meta-llama/Llama-3.2-1B, Llama-3.1-8B and Llama-3.1-70B,
-# google/gemma-3-1b-it, gemma-3-12b-pt and gemma-3-27b-pt's text model, Qwen/Qwen3-1.7B, Qwen3-14B,
-# Qwen3-32B and Qwen3-30B-A3B), and tiny ones for tests (dense, and a mixture of experts).
-# vocab_size of "tiny" and "tiny-moe" is a placeholder: set it to the tokenizer's.
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {
-        "num_layers": 2,
-        "hidden_size": 64,
-        "num_heads": 4,
-        "num_kv_heads": 2,
-        "intermediate_size": 128,
-        "vocab_size": 512,
-        "max_position_embeddings": 512,
-    },
-    "llama-3.2-1b": {
-        "num_layers": 16,
-        "hidden_size": 2048,
-        "num_heads": 32,
-        "num_kv_heads": 8,
-        "head_dim": 64,
-        "intermediate_size": 8192,
-        "vocab_size": 128256,
-        "rope_theta": 500000.0,
-        "rope_type": "llama3",
-        "rope_factor": 32.0,
-        "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 131072,
-        "tie_embeddings": True,
-    },
-    "gemma-3-1b": {  # google/gemma-3-1b-it's config.json
-        "family": "gemma3_text",
-        "num_layers": 26,
-        "hidden_size": 1152,
-        "num_heads": 4,
-        "num_kv_heads": 1,
-        "head_dim": 256,
-        "intermediate_size": 6912,
-        "vocab_size": 262144,
-        "hidden_activation": "gelu_tanh",
-        "qk_norm": True,
-        "sandwich_norms": True,
-        "embedding_scale": True,
-        "norm_offset": True,
-        "query_pre_attn_scalar": 256,
-        "sliding_window": 512,
-        "layer_types": tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)),
-        "rope_theta": 1000000.0,
-        "rope_local_theta": 10000.0,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 32768,
-        "tie_embeddings": True,
-    },
-    "qwen3-1.7b": {  # Qwen/Qwen3-1.7B's config.json
-        "family": "qwen3",
-        "num_layers": 28,
-        "hidden_size": 2048,
-        "num_heads": 16,
-        "num_kv_heads": 8,
-        "head_dim": 128,
-        "intermediate_size": 6144,
-        "vocab_size": 151936,
-        "qk_norm": True,
-        "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 40960,
-        "tie_embeddings": True,
-    },
-    "tiny-moe": {  # tiny with Qwen3-MoE's sparse blocks: 8 experts, 2 a token
-        "family": "qwen3_moe",
-        "num_layers": 2,
-        "hidden_size": 64,
-        "num_heads": 4,
-        "num_kv_heads": 2,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "norm_topk_prob": True,
-        "router_aux_loss_coef": 0.001,
-        "qk_norm": True,
-        "vocab_size": 512,
-        "max_position_embeddings": 512,
-    },
-    "qwen3-30b-a3b": {  # Qwen/Qwen3-30B-A3B's config.json
-        "family": "qwen3_moe",
-        "num_layers": 48,
-        "hidden_size": 2048,
-        "num_heads": 32,
-        "num_kv_heads": 4,
-        "head_dim": 128,
-        "intermediate_size": 6144,
-        "moe_intermediate_size": 768,
-        "num_experts": 128,
-        "num_experts_per_tok": 8,
-        "norm_topk_prob": True,
-        "router_aux_loss_coef": 0.001,
-        "qk_norm": True,
-        "vocab_size": 151936,
-        "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 40960,
-        "tie_embeddings": False,
-    },
-    "llama-3.1-8b": {
-        "num_layers": 32,
-        "hidden_size": 4096,
-        "num_heads": 32,
-        "num_kv_heads": 8,
-        "intermediate_size": 14336,
-        "vocab_size": 128256,
-        "rope_theta": 500000.0,
-        "rope_type": "llama3",
-        "rope_factor": 8.0,
-        "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 131072,
-        "tie_embeddings": False,
-    },
-    "gemma-3-12b": {
-        "family": "gemma3_text",
-        "num_layers": 48,
-        "hidden_size": 3840,
-        "num_heads": 16,
-        "num_kv_heads": 8,
-        "head_dim": 256,
-        "intermediate_size": 15360,
-        "vocab_size": 262208,
-        "hidden_activation": "gelu_tanh",
-        "qk_norm": True,
-        "sandwich_norms": True,
-        "embedding_scale": True,
-        "norm_offset": True,
-        "query_pre_attn_scalar": 256,
-        "sliding_window": 1024,
-        "layer_types": tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(48)),
-        "rope_theta": 1000000.0,
-        "rope_type": "linear",
-        "rope_factor": 8.0,
-        "rope_local_theta": 10000.0,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 131072,
-        "tie_embeddings": True,
-    },  # google/gemma-3-12b-pt's text_config
-    "gemma-3-27b": {
-        "family": "gemma3_text",
-        "num_layers": 62,
-        "hidden_size": 5376,
-        "num_heads": 32,
-        "num_kv_heads": 16,
-        "head_dim": 128,
-        "intermediate_size": 21504,
-        "vocab_size": 262208,
-        "hidden_activation": "gelu_tanh",
-        "qk_norm": True,
-        "sandwich_norms": True,
-        "embedding_scale": True,
-        "norm_offset": True,
-        "query_pre_attn_scalar": 168,
-        "sliding_window": 1024,
-        "layer_types": tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(62)),
-        "rope_theta": 1000000.0,
-        "rope_type": "linear",
-        "rope_factor": 8.0,
-        "rope_local_theta": 10000.0,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 131072,
-        "tie_embeddings": True,
-    },  # google/gemma-3-27b-pt's text_config
-    "qwen3-14b": {
-        "family": "qwen3",
-        "num_layers": 40,
-        "hidden_size": 5120,
-        "num_heads": 40,
-        "num_kv_heads": 8,
-        "head_dim": 128,
-        "intermediate_size": 17408,
-        "vocab_size": 151936,
-        "qk_norm": True,
-        "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 40960,
-        "tie_embeddings": False,
-    },  # Qwen/Qwen3-14B's config.json
-    "qwen3-32b": {
-        "family": "qwen3",
-        "num_layers": 64,
-        "hidden_size": 5120,
-        "num_heads": 64,
-        "num_kv_heads": 8,
-        "head_dim": 128,
-        "intermediate_size": 25600,
-        "vocab_size": 151936,
-        "qk_norm": True,
-        "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 40960,
-        "tie_embeddings": False,
-    },  # Qwen/Qwen3-32B's config.json
-    "llama-3.1-70b": {  # meta-llama/Llama-3.1-70B's config.json
-        "num_layers": 80,
-        "hidden_size": 8192,
-        "num_heads": 64,
-        "num_kv_heads": 8,
-        "intermediate_size": 28672,
-        "vocab_size": 128256,
-        "rope_theta": 500000.0,
-        "rope_type": "llama3",
-        "rope_factor": 8.0,
-        "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 131072,
-        "tie_embeddings": False,
-    },
-}
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -268,7 +58,7 @@ class LlamaConfig:
     num_kv_heads: int | None = None
     head_dim: int | None = None
     rope_theta: float = 10000.0
-    rope_type: Literal["default", "llama3", "linear"] = "default"
+    rope_type: Literal["default", "llama3", "linear", "proportional"] = "default"
     rope_factor: float = 8.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
@@ -281,10 +71,10 @@ class LlamaConfig:
     embedding_scale: bool = False
     norm_offset: bool = False
     # The families' differences (Hugging Face's model_type: llama, qwen2, qwen3, qwen3_moe, mistral, gemma2,
-    # gemma3_text, qwen3_5_text).
-    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma2", "gemma3_text", "qwen3_5_text"] = (
-        "llama"
-    )
+    # gemma3_text, gemma4_text, qwen3_5_text).
+    family: Literal[
+        "llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma2", "gemma3_text", "gemma4_text", "qwen3_5_text"
+    ] = "llama"
     hidden_activation: Literal["silu", "gelu_tanh"] = "silu"  # the gated MLP's (Gemma: GeGLU)
     qk_norm: bool = False  # an RMSNorm over each head of q and k before the rotation (Qwen3, Gemma 3)
     sandwich_norms: bool = False  # Gemma 2/3: norms after attention and around the MLP as well as before
@@ -296,7 +86,11 @@ class LlamaConfig:
     # xlafit.models.gated_deltanet); None: every layer sliding when sliding_window is set
     layer_types: tuple[str, ...] | None = None
     attn_output_gate: bool = False  # Qwen3.5: attention's output times sigmoid(a gate q_proj also computes)
-    partial_rotary_factor: float = 1.0  # the share of each head's dimensions rotated (Qwen3.5: 0.25)
+    # The share of each head's dimensions the rotary embedding turns (transformers' partial_rotary_factor),
+    # on every layer but the sliding layers with their own base (rope_local_theta): its first dimensions
+    # (Qwen3.5: 0.25), or with rope_type="proportional" (Gemma 4's global layers) the first pairs of the
+    # rotate_half halves, at frequencies spaced over the whole head (the other pairs keep their position).
+    partial_rotary_factor: float = 1.0
     # Gated DeltaNet layers (Qwen3.5): heads and head sizes, the causal convolution's width, and
     # the chunk of the training form (xlafit.models.delta_rule; a power of two)
     linear_num_key_heads: int = 16
@@ -305,7 +99,22 @@ class LlamaConfig:
     linear_value_head_dim: int = 128
     linear_conv_kernel_dim: int = 4
     linear_chunk_size: int = 64
-    rope_local_theta: float | None = None  # Gemma 3: sliding layers' own rotary base (no scaling)
+    rope_local_theta: float | None = None  # Gemma 3/4: sliding layers' own rotary base (no scaling)
+    # Gemma 4: the global ("full_attention") layers' own head size and key/value heads (None: as the others').
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
+    value_norm: bool = False  # Gemma 4: an RMSNorm without weights over each value head
+    attention_k_eq_v: bool = False  # Gemma 4: a global layer's values are its key projection (no v_proj)
+    # Gemma 4: the last this many layers compute no keys and values: each attends over those of
+    # the last earlier layer of its kind (and, generating, reads that layer's cache).
+    num_kv_shared_layers: int = 0
+    double_wide_mlp: bool = False  # Gemma 4: the key/value-sharing layers' MLP twice as wide
+    # Gemma 4's per-layer inputs: a second embedding table [per_layer_vocab_size, num_layers *
+    # per_layer_input_size] and a projection of the embeddings, one slice of each feeding each layer
+    # through a gate after its MLP. 0: none.
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int | None = None
+    layer_scalar: bool = False  # Gemma 4: each layer's output times a stored scalar (not trained)
     # Mixture of experts (xlafit.models.moe): num_experts > 0 makes the layers that
     # moe_layers names sparse blocks of num_experts gated MLPs of moe_intermediate_size, each
     # token sent to num_experts_per_tok of them (their weights renormalised with norm_topk_prob)
@@ -325,7 +134,10 @@ class LlamaConfig:
     # layer's input saved in pinned host memory, the rest recomputed (layer_remat_policy).
     remat: str = "none"
     # One decoder layer compiled instead of num_layers (parameters stacked on a "layers"
-    # axis, the decoder an nnx.scan): as BertConfig.scan_layers.
+    # axis, the decoder an nnx.scan): as BertConfig.scan_layers. A model that mixes kinds of
+    # layer (sliding and global, Gated DeltaNet and attention, dense and mixture of experts)
+    # scans its repeating block (scan_period layers: Gemma 3's five sliding and one global),
+    # the layers after the last whole block unscanned.
     scan_layers: bool = False
     # Training's and evaluation's loss in blocks of positions (and of the vocabulary where a
     # block's row is large), never the whole [B, T, vocab] logits: "auto" where the whole
@@ -354,7 +166,7 @@ class LlamaConfig:
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads} "
                 "(each key/value head serves a group of query heads)."
             )
-        if self.head_size % 2 or self.rotary_dim % 2:
+        if self.head_size % 2 or self.rope_type != "proportional" and self.rotary_dim % 2:
             raise ValueError(
                 f"head_dim={self.head_dim} times partial_rotary_factor={self.partial_rotary_factor} must be even "
                 "(rotary embeddings rotate pairs)."
@@ -375,15 +187,12 @@ class LlamaConfig:
             raise ValueError(
                 f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and num_experts={self.num_experts}."
             )
-        if self.scan_layers and len(set(self.moe_layers)) > 1:
-            raise ValueError(
-                "scan_layers=True needs identical layers; this model mixes dense and mixture-of-experts layers "
-                "(decoder_sparse_step, mlp_only_layers): use scan_layers=False."
-            )
-        if self.scan_layers and len(set(self.kinds)) > 1:
-            raise ValueError(
-                f"scan_layers=True needs identical layers; this model mixes {' and '.join(sorted(set(self.kinds)))} "
-                "layers (Gemma's and Qwen3.5's patterns): use scan_layers=False."
+        if self.num_kv_shared_layers:
+            self.kv_sources  # noqa: B018 (raises on a sharing layer with no earlier layer of its kind)
+        if self.scan_layers and self.num_kv_shared_layers:
+            raise ConfigError(
+                "scan_layers=True needs repeating blocks of layers; this model's last layers share earlier layers' "
+                "keys and values (num_kv_shared_layers): use scan_layers=False."
             )
 
     @classmethod
@@ -408,7 +217,8 @@ class LlamaConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """The dimensions of a head the rotary embedding turns (the first ones; the rest pass)."""
+        """The dimensions of a head the rotary embedding turns (the first ones; the rest pass),
+        ``rope_type="proportional"`` aside (:func:`~xlafit.models.attention.rope_frequencies`)."""
         return int(self.head_size * self.partial_rotary_factor)
 
     @property
@@ -423,6 +233,60 @@ class LlamaConfig:
             return self.layer_types
         kind = "sliding_attention" if self.sliding_window else "full_attention"
         return (kind,) * self.num_layers
+
+    @property
+    def scan_period(self) -> int:
+        """The layers in the block that repeats (layer ``i`` is of the kind of layer ``i -
+        period``, dense or sparse alike): 1 when every layer is alike, 6 for Gemma 3's and
+        Gemma 4's five sliding and one global, 4 for Qwen3.5's three Gated DeltaNet layers and
+        one attention layer.
+
+        Example:
+            >>> LlamaConfig.preset("gemma-3-1b").scan_period
+            6
+        """
+        layers = tuple(zip(self.kinds, self.moe_layers, strict=True))
+        return next(
+            p for p in range(1, len(layers) + 1) if all(layers[i] == layers[i - p] for i in range(p, len(layers)))
+        )
+
+    def layer_head_dim(self, kind: str) -> int:
+        """The head size of a layer of ``kind`` (Gemma 4's global layers have their own)."""
+        return self.global_head_dim if kind == "full_attention" and self.global_head_dim else self.head_size
+
+    def layer_kv_heads(self, kind: str) -> int:
+        """The key/value heads of a layer of ``kind`` (Gemma 4's global layers have their own)."""
+        return self.global_kv_heads if kind == "full_attention" and self.global_kv_heads else self.kv_heads
+
+    def values_are_keys(self, kind: str) -> bool:
+        """Whether a layer of ``kind`` takes its values from its key projection (Gemma 4's
+        ``attention_k_eq_v``, on global layers)."""
+        return self.attention_k_eq_v and kind == "full_attention"
+
+    @property
+    def kv_sources(self) -> tuple[int, ...]:
+        """Per layer, the layer whose keys and values it attends over: itself, or for the last
+        ``num_kv_shared_layers`` layers the last layer of the same kind before them (as
+        transformers' ``Gemma4TextConfig.kv_sharing_modes``)."""
+        first = self.num_layers - self.num_kv_shared_layers
+        sources = list(range(self.num_layers))
+        for i in range(first, self.num_layers):
+            earlier = [j for j in range(first) if self.kinds[j] == self.kinds[i]]
+            if not earlier:
+                raise ValueError(
+                    f"num_kv_shared_layers={self.num_kv_shared_layers}: layer {i} ({self.kinds[i]}) shares the keys "
+                    "and values of an earlier layer of its kind, and there is none; lower num_kv_shared_layers."
+                )
+            sources[i] = earlier[-1]
+        return tuple(sources)
+
+    def shares_kv(self, index: int) -> bool:
+        """Whether layer ``index`` reads another layer's keys and values (computes none)."""
+        return index >= self.num_layers - self.num_kv_shared_layers
+
+    def layer_intermediate_size(self, index: int) -> int:
+        """Layer ``index``'s MLP width (Gemma 4's ``double_wide_mlp`` doubles the sharing layers')."""
+        return self.intermediate_size * (2 if self.double_wide_mlp and self.shares_kv(index) else 1)
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:
@@ -452,11 +316,8 @@ class LlamaConfig:
             >>> round(LlamaConfig.preset("llama-3.1-8b").train_flops_per_token(4096) / 1e9, 1)
             51.5
         """
-        h, d = self.hidden_size, self.head_size
+        h, p = self.hidden_size, self.per_layer_input_size
         gates = 2 if self.attn_output_gate else 1
-        attention = h * d * ((1 + gates) * self.num_heads + 2 * self.kv_heads)  # q (and its gate), o; k, v
-        kinds = self.kinds
-        linear = kinds.count("linear_attention")
         # A Gated DeltaNet layer: its projections (q, k, v, z, b, a in; out), and per token and
         # value head the delta rule's state products (read, predict, write: 3 Dk Dv) and the
         # in-chunk products (C (2 Dk + Dv)), 6 FLOPs each forward and backward as the matmuls.
@@ -466,12 +327,18 @@ class LlamaConfig:
         rule = heads * (3 * dk * dv + self.linear_chunk_size * (2 * dk + dv))
         # A sparse layer's token runs its router and k of the experts (gate, up, down each).
         sparse = h * self.num_experts + 3 * h * self.expert_size * self.num_experts_per_tok
-        mlps = sum(sparse if moe else 3 * h * self.intermediate_size for moe in self.moe_layers)
-        matmul_params = (len(kinds) - linear) * attention + linear * deltanet + mlps + h * self.vocab_size
-        # A sliding layer's query sees at most sliding_window keys.
-        seen = sum(
-            min(seq_len, self.sliding_window or seq_len) if kind == "sliding_attention" else seq_len
-            for kind in kinds
-            if kind != "linear_attention"
-        )
-        return 6.0 * (matmul_params + linear * rule) + 12.0 * self.num_heads * d * seen
+        matmul_params = h * self.vocab_size + h * self.num_layers * p  # output layer; per-layer inputs' projection
+        rules, attended = 0.0, 0.0
+        for i, (kind, moe) in enumerate(zip(self.kinds, self.moe_layers, strict=True)):
+            matmul_params += sparse if moe else 3 * h * self.layer_intermediate_size(i)  # gate, up, down
+            matmul_params += 2 * h * p  # the per-layer input's gate and projection
+            if kind == "linear_attention":
+                matmul_params, rules = matmul_params + deltanet, rules + rule
+                continue
+            d = self.layer_head_dim(kind)
+            kv = 0 if self.shares_kv(i) else (1 if self.values_are_keys(kind) else 2) * self.layer_kv_heads(kind)
+            matmul_params += h * d * (gates * self.num_heads + self.num_heads + kv)  # q (and its gate), o; k, v
+            # A sliding layer's query sees at most sliding_window keys.
+            seen = min(seq_len, self.sliding_window or seq_len) if kind == "sliding_attention" else seq_len
+            attended += self.num_heads * d * seen
+        return 6.0 * (matmul_params + rules) + 12.0 * attended
