@@ -43,8 +43,6 @@ LORA = ["lora.rank=16", "lora.base_dtype=bfloat16"]
 LORA_NF4 = ["lora.rank=16", "lora.base_dtype=nf4"]
 TRAINING = {"full": "full (AdamW, f32 state)", "lora": "LoRA r16 (bf16 base)", "lora_nf4": "LoRA r16 (NF4 base)"}
 MODE_ARGS = {"full": [], "lora": LORA, "lora_nf4": LORA_NF4}
-# Gemma 3 mixes sliding-window and global layers, which one scanned layer cannot hold.
-UNSCANNED = ("gemma-3",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +164,7 @@ def _llm_row(
 
 
 def _largest_row(model: str, params: str, mode: str, seq: int, tpu: str, max_batch: bool = False) -> Row:
-    scan = not model.startswith(UNSCANNED)
-    return _llm_row(model, mode, seq, scan, max_batch, (model, TRAINING[mode], f"{seq:,}", params), tpu)
+    return _llm_row(model, mode, seq, True, max_batch, (model, TRAINING[mode], f"{seq:,}", params), tpu)
 
 
 TABLES = {
