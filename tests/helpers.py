@@ -261,3 +261,19 @@ def user_env():
     """This process's environment without the suite's simulated devices (``XLA_FLAGS``), with
     unbuffered output: what a subprocess a user starts has."""
     return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"PYTHONUNBUFFERED": "1"}
+
+
+def recomputed(model, prompt, n):
+    """Greedy tokens by running the whole sequence through the model at every step: the
+    reference a KV cache must equal. The sequence is padded to its final length, so the
+    forward compiles once (a causal model's logits at a position do not see the padding after
+    it); op by op, each new length made this loop a minute or more of a test."""
+    import jax.numpy as jnp
+
+    width = len(prompt) + n
+    forward = nnx.jit(lambda m, ids: m(ids))
+    seq = list(prompt)
+    for _ in range(n):
+        padded = jnp.array([seq + [0] * (width - len(seq))])
+        seq.append(int(jnp.argmax(forward(model, padded)[0, len(seq) - 1])))
+    return seq[len(prompt) :]

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from helpers import recomputed
 from xlafit.errors import ConfigError, HFFormatError
 from xlafit.hf import llama as llama_hf
 from xlafit.models.generation import generate
@@ -130,10 +131,7 @@ def test_generation_with_the_cache_equals_recomputing_and_transformers(checkpoin
     prompts = [IDS[0][:6], IDS[1][:3]]
     got = generate(ours, prompts, 9)
     for prompt, tokens in zip(prompts, got, strict=True):
-        seq = list(prompt)
-        for _ in range(9):
-            seq.append(int(jnp.argmax(ours(jnp.array([seq]))[0, -1])))
-        assert tokens == seq[len(prompt) :]
+        assert tokens == recomputed(ours, prompt, 9)
         with torch.no_grad():
             out = theirs.generate(torch.tensor([prompt]), max_new_tokens=9, do_sample=False, eos_token_id=None)
         assert tokens == out[0, len(prompt) :].tolist()

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from helpers import recomputed
 from xlafit.hf import llama as llama_hf
 from xlafit.models.generation import Sampling, filter_logits, generate
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
@@ -25,14 +26,6 @@ def tiny(scan: bool = False, **overrides) -> LlamaForCausalLM:
         max_position_embeddings=128, scan_layers=scan, **overrides,
     )  # fmt: skip
     return LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
-
-
-def recomputed(model: LlamaForCausalLM, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens by running the whole sequence through the model at every step."""
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(int(jnp.argmax(model(jnp.array([seq]))[0, -1])))
-    return seq[len(prompt) :]
 
 
 @pytest.mark.parametrize("scan", [False, True])
