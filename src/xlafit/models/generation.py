@@ -262,6 +262,8 @@ def generate(
     stops = np.array(sorted(set(eos_ids)), np.int32)
     seed = np.uint32(sampling.seed or 0)
     static = dataclasses.replace(sampling, seed=None)  # one program for every seed
+    ids_in: jax.Array
+    pads_in: jax.Array
     if layout is not None:  # the rows split as the train step splits a batch (the module docstring)
         ids_in = jax.make_array_from_callback(ids.shape, rows_sharding(layout, 2), lambda i: ids[i])
         pads_in = jax.make_array_from_callback(pads.shape, rows_sharding(layout, 1), lambda i: pads[i])

@@ -35,7 +35,7 @@ import contextvars
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import jax
 from flax import nnx
@@ -374,7 +374,7 @@ def rows_layout(tree: Any) -> tuple[Mesh, tuple[str, ...]] | None:
         if isinstance(sharding, NamedSharding):
             sizes = dict(sharding.mesh.shape)
             axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
-            return (sharding.mesh, axes) if axes else None
+            return (cast(Mesh, sharding.mesh), axes) if axes else None
     return None
 
 
