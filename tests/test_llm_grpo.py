@@ -13,6 +13,7 @@ import pytest
 
 import xlafit
 from helpers import user_env
+from xlafit.check import check_recipe
 from xlafit.data import chat_demo
 from xlafit.errors import ConfigError, DataError
 from xlafit.recipes import get_recipe
@@ -102,6 +103,13 @@ def test_a_prompt_with_no_room_for_a_completion_is_refused_as_it_is_read(files, 
         message,
     ), message
     assert not (tmp_path / "run").exists()  # refused before the run directory, or any compile
+
+
+def test_check_runs_the_step_on_the_rows_the_rollout_makes(files, tmp_path):
+    """`xlafit check llm` (here, no TPU) with GRPO's settings: the rollout answers whole groups
+    with the model (LoRA and its reference included) and the step runs on its rows."""
+    report = check_recipe("llm", overrides(files, tmp_path, "lora.rank=4", "model.grpo.beta=0.04"))
+    assert report.ok, [f.message for f in report.findings]
 
 
 def test_pulse(files, tmp_path):

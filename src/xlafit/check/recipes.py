@@ -143,6 +143,11 @@ def check_recipe(
         elif cfg.data.per_device_batch:
             options = {**options, "per_device_batch": cfg.data.per_device_batch}
     model = recipe.build_model(cfg, train)
+    made = recipe.rollout(cfg, train)
+    if isinstance(made, Rollout):  # GRPO: the rows its rollout makes with the model (whole groups)
+        model = with_lora(model, cfg.lora, cfg.trainer.seed)
+        whole = -(-rows // made.prompts.group) * made.prompts.group
+        batch = made.generation_batch(model, 0, train.take(np.arange(min(whole, len(train))))["prompt_index"])
     # A recipe's rows have one shape (packed or padded) unless its dataset plans buckets.
     return check_step(
         name, model, recipe.loss(cfg), batch, lengths=lengths, one_shape=num_shapes(train) == 1, **options
