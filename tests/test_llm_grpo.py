@@ -3,6 +3,7 @@ pulse with LoRA, the KL to the base and two steps per generation batch, and kill
 GRPO run resumed to the uninterrupted run's metrics bit for bit."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -12,8 +13,9 @@ import pytest
 
 import xlafit
 from helpers import user_env
+from xlafit.check import check_recipe
 from xlafit.data import chat_demo
-from xlafit.errors import ConfigError
+from xlafit.errors import ConfigError, DataError
 from xlafit.recipes import get_recipe
 from xlafit.train.rollout import sampler_seed
 
@@ -78,6 +80,36 @@ def test_a_group_that_does_not_divide_the_batch_is_refused(files, tmp_path):
     with pytest.raises(ConfigError, match=r"8 completions is not a whole number of groups of .*num_generations=3"):
         xlafit.train_and_evaluate(cfg)
     assert not (tmp_path / "checkpoints").exists()  # nothing trained
+
+
+def test_a_prompt_with_no_room_for_a_completion_is_refused_as_it_is_read(files, tmp_path):
+    """A prompt longer than the model's context (64 positions) less max_completion_length (6)
+    is refused when the prompts are read, before anything compiles, in one line naming the
+    record, its length, the limit and the fixes."""
+    long_sum = " plus ".join(str(n) for n in range(40))
+    rows = [{"prompt": [{"role": "user", "content": f"What is {a} plus 1?"}], "answer": str(a + 1)} for a in range(4)]
+    rows.insert(2, {"prompt": [{"role": "user", "content": f"What is {long_sum}?"}], "answer": "780"})
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = xlafit.load_config("llm", [*overrides(files, tmp_path / "run"), f"data.data_dir={data}"])
+    with pytest.raises(DataError) as e:
+        xlafit.train_and_evaluate(cfg)
+    message = str(e.value)
+    assert "\n" not in message
+    assert re.fullmatch(
+        rf"{re.escape(str(data))}, record 3: its prompt has \d+ tokens, more than the 58 a prompt may have \(the "
+        r"model's context of 64 positions less model.grpo.max_completion_length=6\); shorten that prompt \(or leave "
+        r"the record out\), lower model.grpo.max_completion_length, or use a model with a longer context\.",
+        message,
+    ), message
+    assert not (tmp_path / "run").exists()  # refused before the run directory, or any compile
+
+
+def test_check_runs_the_step_on_the_rows_the_rollout_makes(files, tmp_path):
+    """`xlafit check llm` (here, no TPU) with GRPO's settings: the rollout answers whole groups
+    with the model (LoRA and its reference included) and the step runs on its rows."""
+    report = check_recipe("llm", overrides(files, tmp_path, "lora.rank=4", "model.grpo.beta=0.04"))
+    assert report.ok, [f.message for f in report.findings]
 
 
 def test_pulse(files, tmp_path):

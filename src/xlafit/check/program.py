@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -94,6 +94,10 @@ class Program:
     # The trainer settings a converted model refuses (a torch module or a Keras model trains
     # data-parallel only): xlafit.train.adapter.Adapted.check, called with each layout.
     settings_check: Callable[[Strategy, TrainerConfig], None] | None = None
+    # The programs a run compiles beside its steps, on the same state (GRPO's rollout: the
+    # generation, the log-probabilities): ``rollout(model, rows)`` -> [(name, traced)] for the
+    # model as the steps' abstract state lays it out and the global batch's rows.
+    rollout: Callable[[nnx.Module, int], list[tuple[str, Any]]] | None = None
 
 
 @dataclasses.dataclass
@@ -129,27 +133,47 @@ class EvalFit:
     probes: list[Probe] = dataclasses.field(default_factory=list)
 
 
-def not_fitting(train_fits: bool | None, evaluation: EvalFit | None) -> list[str]:
+@dataclasses.dataclass
+class ProgramFit:
+    """A program the run compiles beside its steps (:attr:`Program.rollout`: GRPO's generation
+    and log-probabilities), at the run's batch: whether it fits, the compiler's peak and the sum
+    of its buffers per core (or what a refusal asked for and the compiler's ``message``), its
+    compile time."""
+
+    name: str
+    rows: int  # the rows over all cores
+    fits: bool
+    total: int | None = None
+    peak: int | None = None
+    needed: int | None = None
+    message: str | None = None
+    compile_s: float = 0.0
+
+
+def not_fitting(train_fits: bool | None, evaluation: EvalFit | None, others: Sequence[ProgramFit] = ()) -> list[str]:
     """The programs of a run that do not fit, by name."""
     out = ["train step"] if train_fits is False else []
-    return out + (["eval step"] if evaluation is not None and not evaluation.fits else [])
+    out += ["eval step"] if evaluation is not None and not evaluation.fits else []
+    return out + [p.name for p in others if not p.fits]
 
 
-def decide(train_fits: bool | None, evaluation: EvalFit | None) -> bool | None:
-    """A run's verdict, from every program it compiles: it fits only when the train step
-    and (where the run evaluates) the eval step both fit; a run whose first evaluation
-    does not compile dies there, after the training up to it. None: the train step failed
-    for another reason than memory (an error), and nothing is known.
+def decide(train_fits: bool | None, evaluation: EvalFit | None, others: Sequence[ProgramFit] = ()) -> bool | None:
+    """A run's verdict, from every program it compiles: it fits only when the train step,
+    (where the run evaluates) the eval step and the programs beside them (``others``: a
+    rollout's) all fit; a run whose first evaluation or rollout does not compile dies there.
+    None: the train step failed for another reason than memory (an error), and nothing is known.
 
     Example:
         >>> decide(True, EvalFit(fits=False, per_device_batch=64))
         False
         >>> decide(True, None), decide(None, None)
         (True, None)
+        >>> decide(True, None, [ProgramFit("rollout generation", 64, fits=False)])
+        False
     """
     if train_fits is None:
         return None
-    return not not_fitting(train_fits, evaluation)
+    return not not_fitting(train_fits, evaluation, others)
 
 
 @dataclasses.dataclass
@@ -217,6 +241,7 @@ class TargetReport:
     tokens_per_s: float | None = None
     compile_s: float = 0.0
     eval: EvalFit | None = None  # the eval step's compile, where the run evaluates
+    rollout: list[ProgramFit] = dataclasses.field(default_factory=list)  # the programs beside the steps
     max_batch: int | None = None
     max_batch_limit: int | None = None  # the search's upper end: max_batch == it means "at least"
     probes: list[Probe] = dataclasses.field(default_factory=list)
@@ -228,12 +253,12 @@ class TargetReport:
     @property
     def fits(self) -> bool | None:
         """Whether the run fits: :func:`decide` over every program it compiles."""
-        return decide(self.train_fits, self.eval)
+        return decide(self.train_fits, self.eval, self.rollout)
 
     @property
     def unfit(self) -> list[str]:
-        """The programs that do not fit, by name (``train step``, ``eval step``)."""
-        return not_fitting(self.train_fits, self.eval)
+        """The programs that do not fit, by name (``train step``, ``eval step``, a rollout's)."""
+        return not_fitting(self.train_fits, self.eval, self.rollout)
 
     @property
     def flops_per_call(self) -> float | None:

@@ -24,6 +24,7 @@ from xlafit.recipes import get_recipe, load_config
 from xlafit.recipes.llm import LlmModelConfig
 from xlafit.run import with_lora
 from xlafit.train.optim import make_optimizer
+from xlafit.train.rollout import Rollout
 
 __all__ = [
     "SHAPING",
@@ -51,7 +52,9 @@ def recipe_program(
     only trainable variables (the base frozen, as a run trains it); a given
     ``per_device_batch`` or ``global_batch`` replaces the config's. Where the config alone
     decides the data's shapes (``Recipe.shapes``: an llm preset on the demo corpus), no data
-    is read, and the train examples are None (unknown).
+    is read, and the train examples are None (unknown). A run whose model makes its batches
+    (GRPO) compiles its train step on the rows the rollout makes, and the rollout's own
+    programs beside it (:attr:`Program.rollout`).
     """
     cfg = load_config(name, list(overrides), preset=preset)
     recipe = get_recipe(name)
@@ -64,15 +67,21 @@ def recipe_program(
     reference = global_batch or (per_device or 1) * 8
     optimizer = make_optimizer(cfg.optimizer, reference, total_steps=cfg.optimizer.decay_steps or 1000).tx
     work = recipe.throughput(cfg, train)
+    # A run whose batches its model makes (GRPO's rollout) trains on the rows the rollout makes,
+    # compiles the rollout's programs beside its step, and evaluates nothing.
+    made = recipe.rollout(cfg, train)
+    rollout = made if isinstance(made, Rollout) else None
+    example = rollout.example() if rollout is not None else example_layout(train.take(np.arange(1)))
+    evaluates = rollout is None
     program = Program(
         nnx.eval_shape(lambda: with_lora(recipe.build_model(cfg, train), cfg.lora, cfg.trainer.seed)),
         recipe.loss(cfg),
         optimizer,
         cfg.trainer,
-        example_layout(train.take(np.arange(1))),
+        example,
         per_device_batch=per_device,
         global_batch=None if per_device else global_batch,
-        eval_global_batch=cfg.data.eval_global_batch or global_batch or (per_device or 1) * 8,
+        eval_global_batch=(cfg.data.eval_global_batch or global_batch or (per_device or 1) * 8) if evaluates else None,
         flops_per_example=work.get("flops_per_example"),
         tokens_per_example=work.get("tokens_per_example"),
         family=name,
@@ -84,6 +93,7 @@ def recipe_program(
         with_overrides=lambda more: recipe_program(name, [*overrides, *more], preset, per_device_batch, global_batch)[
             0
         ],
+        rollout=rollout.programs if rollout is not None else None,
     )
     return program, cfg, None if placeholder is not None else len(train)
 
@@ -133,6 +143,11 @@ def check_recipe(
         elif cfg.data.per_device_batch:
             options = {**options, "per_device_batch": cfg.data.per_device_batch}
     model = recipe.build_model(cfg, train)
+    made = recipe.rollout(cfg, train)
+    if isinstance(made, Rollout):  # GRPO: the rows its rollout makes with the model (whole groups)
+        model = with_lora(model, cfg.lora, cfg.trainer.seed)
+        whole = -(-rows // made.prompts.group) * made.prompts.group
+        batch = made.generation_batch(model, 0, train.take(np.arange(min(whole, len(train))))["prompt_index"])
     # A recipe's rows have one shape (packed or padded) unless its dataset plans buckets.
     return check_step(
         name, model, recipe.loss(cfg), batch, lengths=lengths, one_shape=num_shapes(train) == 1, **options

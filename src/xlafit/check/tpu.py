@@ -48,7 +48,7 @@ from flax import nnx
 
 from xlafit.check.batch_search import largest_batch
 from xlafit.check.levers import levers
-from xlafit.check.program import EvalFit, Program, TargetReport, progress
+from xlafit.check.program import EvalFit, Program, ProgramFit, TargetReport, progress
 from xlafit.check.rules import Finding, classify
 from xlafit.check.speed import model_step, roofline
 from xlafit.errors import ConfigError, XlafitError
@@ -367,6 +367,8 @@ def check_target(target: tpu.Target, program: Program, max_batch: bool | int = F
         train_report(report, steps, target)
         if evaluation is not None and report.error is None:
             report.eval = evaluation.result()
+        if program.rollout is not None and report.error is None:
+            report.rollout = rollout_fits(steps, report.per_device_batch * n)
         if max_batch and report.error is None:
             report.max_batch_limit = MAX_BATCH_LIMIT if max_batch is True else int(max_batch)
             report.max_batch, report.probes = largest_batch(
@@ -414,6 +416,25 @@ def train_report(report: TargetReport, steps: Steps, target: tpu.Target) -> None
         hlo = compiled.as_text()  # seconds for a large program: read once
         roofline(report, target.peak_flops, target.hbm_bandwidth, program, compiled, k, hlo)
         model_step(report, program, hlo, k, target.generation.device_kinds[0], target.ici_bandwidth)
+
+
+def rollout_fits(steps: Steps, rows: int) -> list[ProgramFit]:
+    """The programs a run compiles beside its steps (:attr:`Program.rollout`), each compiled at
+    the run's ``rows`` on the steps' state, as the run lays it out."""
+    assert steps.program.rollout is not None
+    name = steps.target.name if steps.target else "this host"
+    model = nnx.merge(steps.eval_graphdef, steps.state.params, steps.state.model_state)
+    out = []
+    for what, traced in steps.program.rollout(model, rows):
+        progress(f"{name}: compiling the {what}, {rows} rows over {steps.strategy.num_replicas} batch shard(s) ...")
+        try:
+            compiled, seconds = _compile(traced.lower)
+        except OutOfMemory as e:
+            out.append(ProgramFit(what, rows, False, needed=needed_bytes(e.message), message=e.message))
+            continue
+        memory = memory_of(compiled, steps.state_bytes, 0)
+        out.append(ProgramFit(what, rows, True, memory["total"], memory.get("peak"), compile_s=seconds))
+    return out
 
 
 def eval_fit(steps: Steps, per_device: int, capacity: float) -> EvalFit | None:

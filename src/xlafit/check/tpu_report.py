@@ -53,7 +53,7 @@ def format_report(r: TargetReport) -> str:
             lines.append(f"      {r.error.line} | {r.error.code}")
         lines.append(f"    {r.message}")
         return "\n".join(lines)
-    lines += _fit_lines(r) + _eval_lines(r) + _verdict_lines(r) + _speed_lines(r)
+    lines += _fit_lines(r) + _eval_lines(r) + _rollout_lines(r) + _verdict_lines(r) + _speed_lines(r)
     if r.train_fits:
         lines.append(f"  compiled in {r.compile_s:.1f} s on this machine")
     if r.probes:
@@ -168,6 +168,24 @@ def _eval_lines(r: TargetReport) -> list[str]:
     return lines
 
 
+def _rollout_lines(r: TargetReport) -> list[str]:
+    """The programs beside the steps (GRPO's rollout): each one's verdict and memory per core."""
+    lines = []
+    for p in r.rollout:
+        head = f"  {'✓' if p.fits else '✗'} {p.name} ({p.rows} rows over all cores)"
+        if p.fits:
+            used = p.peak or p.total or 0
+            what = "the compiler's peak" if p.peak else "its buffers"
+            lines.append(
+                f"{head} fits: {what} {gib(used)} of {gib(r.capacity)} per core, compiled in {p.compile_s:.1f} s"
+            )
+        else:
+            need = f" needs {gib(p.needed)}," if p.needed else ""
+            over = f" over by {gib(p.needed - r.capacity)}" if p.needed and r.capacity else ""
+            lines += [f"{head} does not fit:{need} {gib(r.capacity)} per core{over}", f"    the compiler: {p.message}"]
+    return lines
+
+
 def _verdict_lines(r: TargetReport) -> list[str]:
     """The run's verdict, from every program it compiles (:func:`xlafit.check.program.decide`),
     where it differs from the train step's own: a run whose eval step does not fit dies at its
@@ -175,10 +193,8 @@ def _verdict_lines(r: TargetReport) -> list[str]:
     if r.fits is not False or not r.train_fits:
         return []
     fix = f"; {r.eval.fix}" if r.eval is not None and r.eval.fix else ""
-    return [
-        f"  ✗ the run does not fit: its {' and '.join(r.unfit)} does not (a run dies at its first evaluation, "
-        f"after the training up to it){fix}"
-    ]
+    where = "evaluation, after the training up to it" if "eval step" in r.unfit else "rollout"
+    return [f"  ✗ the run does not fit: its {' and '.join(r.unfit)} does not (a run dies at its first {where}){fix}"]
 
 
 def _speed_lines(r: TargetReport) -> list[str]:

@@ -31,7 +31,7 @@ from xlafit.data.chat import ChatTemplate, read_records
 from xlafit.data.clm import PAD, data_files
 from xlafit.errors import ConfigError, DataError
 
-__all__ = ["PROMPT_FORMAT", "PromptSet", "check_prompt", "encode_prompt", "load_prompts"]
+__all__ = ["PROMPT_FORMAT", "PromptSet", "check_prompt", "check_room", "encode_prompt", "load_prompts"]
 
 PROMPT_FORMAT = "prompt"
 _LAYOUT = '{"prompt": text} or {"prompt": [{"role": "user", "content": ...}]}, with any other fields for the rewards'
@@ -152,6 +152,24 @@ def check_prompt(record: dict[str, Any], where: str) -> str:
     raise DataError(f"{where}: 'prompt' is a {type(prompt).__name__} of the wrong shape; give {_LAYOUT}.")
 
 
+def check_room(ids: Sequence[int], room: tuple[int, int], where: str) -> None:
+    """Refuses a prompt of ``ids`` that leaves no room for a completion of ``room[1]`` tokens
+    in a context of ``room[0]``, naming the record (``where``), its length, the limit and the fixes.
+
+    Raises:
+        DataError: the prompt is too long.
+    """
+    context, completion = room
+    limit = context - completion
+    if len(ids) <= limit:
+        return
+    raise DataError(
+        f"{where}: its prompt has {len(ids)} tokens, more than the {max(limit, 0)} a prompt may have (the model's "
+        f"context of {context} positions less model.grpo.max_completion_length={completion}); shorten that prompt "
+        "(or leave the record out), lower model.grpo.max_completion_length, or use a model with a longer context."
+    )
+
+
 def encode_prompt(
     prompt: Any, kind: str, tok: Tokenizer, template: ChatTemplate | None, bos: int | None = None
 ) -> list[int]:
@@ -178,13 +196,19 @@ def load_prompts(
     iterations: int = 1,
     bos: int | None = None,
     progress: Callable[[str], None] | None = None,
+    room: tuple[int, int] | None = None,
 ) -> PromptSet:
     """The prompt records of ``inputs`` (files, globs, directories or URLs of JSON lines or
     Parquet), encoded.
 
+    ``room``: ``(context, max_completion_length)``, the model's positions and the tokens a
+    completion may take: a prompt longer than their difference is refused as it is read
+    (every batch is padded to the longest prompt plus a completion: the generation's cache
+    and the train step's rows).
+
     Raises:
-        DataError: a record without a prompt (:func:`check_prompt`), records mixing text and
-            conversations, or none at all.
+        DataError: a record without a prompt (:func:`check_prompt`), one longer than ``room``
+            leaves, records mixing text and conversations, or none at all.
     """
     prompts: list[Any] = []
     ids: list[list[int]] = []
@@ -200,6 +224,8 @@ def load_prompts(
                 ids.append(encode_prompt(record["prompt"], kind, tok, template, bos))
             except DataError as e:
                 raise DataError(f"{where}: {e}") from None
+            if room is not None:
+                check_room(ids[-1], room, where)
             prompts.append(record["prompt"])
             rows.append({k: v for k, v in record.items() if k != "prompt"})
         if progress is not None:

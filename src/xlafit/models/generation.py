@@ -19,6 +19,13 @@ rows still generate. The loop keeps its fixed number of steps (a ``lax.cond`` th
 the model once every row has stopped would put the cache through a conditional every
 step); the host cuts each row after its stop.
 
+On a mesh (the model's state sharded or replicated over several devices) the rows are split
+as the train step splits a batch: over ``data`` x ``fsdp`` (x ``expert``), each device
+holding its own rows' cache and computing their tokens (copies of the first prompt fill the
+batch up to a multiple of those devices, and are cut off). Rows handed to a jitted program
+as host values would be laid out as XLA's propagation chooses: replicated beside replicated
+weights, so that every device would generate every row.
+
 Example:
     >>> import jax.numpy as jnp
     >>> logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
@@ -39,11 +46,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xlafit.errors import ConfigError
 from xlafit.models.llama import LlamaForCausalLM
+from xlafit.parallel.sharding import row_shards, rows_layout, rows_sharding
 
-__all__ = ["Generated", "Sampling", "filter_logits", "generate"]
+__all__ = ["Generated", "Sampling", "filter_logits", "generate", "generation_program"]
+
+Layout = tuple[Mesh, tuple[str, ...]] | None  # the mesh and its batch axes (rows_layout), None: one device
 
 
 SEEDS = 2**32  # a seed is a uint32: jax.random.key's own range for one word
@@ -127,7 +138,21 @@ def _choose(logits: jax.Array, sampling: Sampling, key: jax.Array) -> jax.Array:
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling"))
+def _split_rows(tree: Any, layout: Layout, axis: int = 0) -> Any:
+    """``tree``'s arrays with their axis ``axis`` (the rows) split over ``layout``'s batch axes."""
+    if layout is None:
+        return tree
+    mesh, axes = layout
+
+    def one(x: jax.Array) -> jax.Array:
+        spec = [None] * x.ndim
+        spec[axis] = axes  # type: ignore[call-overload]
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
+    return jax.tree.map(one, tree)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling", "layout"))
 def _run(
     graphdef: Any,
     state: Any,
@@ -138,20 +163,24 @@ def _run(
     max_new_tokens: int,
     sampling: Sampling,
     pad_id: int | jax.Array = 0,
+    layout: Layout = None,
 ) -> jax.Array:
     """The prefill and up to ``max_new_tokens`` steps, compiled as one program: new tokens
     ``[B, N]``, ``pad_id`` after a row's first stop token (one of ``stop_ids [K]``). The seed
-    is an argument, not part of ``sampling``: a new seed runs the same program."""
+    is an argument, not part of ``sampling``: a new seed runs the same program. ``layout``:
+    the rows' split (the cache's too, so that no device holds another's rows)."""
     model = nnx.merge(graphdef, state)
     b, p = ids.shape
     slots = p + max_new_tokens
     visible = jnp.arange(slots)[None, :] >= pads[:, None]  # (B, S): a row's padding is never a key
     positions = jnp.maximum(jnp.arange(p)[None, :] - pads[:, None], 0)
     cache = model.empty_cache(b, slots)
+    # (layers, B, S, kv_heads, head_dim), or one cache per layer whose arrays start with B
+    cache = _split_rows(cache, layout, axis=0 if isinstance(cache, tuple) else 1)
     logits, cache = model.cached(ids, positions, cache, jnp.int32(0), visible)
     keys = jax.random.split(jax.random.key(seed), max_new_tokens)
     first = _choose(logits[:, -1], sampling, keys[0])
-    tokens = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
+    tokens = _split_rows(jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first), layout)
     Carry = tuple[jax.Array, jax.Array, jax.Array, Any, Any]
 
     def step(i: jax.Array, carry: Carry) -> Carry:
@@ -222,20 +251,30 @@ def generate(
             "in that range."
         )
     sampling = (sampling or Sampling()).seeded()
-    ids = np.full((len(prompts), length), pad_id, np.int32)
-    pads = np.array([length - len(p) for p in prompts], np.int32)
-    for row, prompt in enumerate(prompts):
-        ids[row, length - len(prompt) :] = prompt
     graphdef, state = nnx.split(model)
+    layout = rows_layout(state)
+    rows = -(-len(prompts) // row_shards(layout)) * row_shards(layout)  # copies of the first fill the split
+    filled = [*prompts, *[prompts[0]] * (rows - len(prompts))]
+    ids = np.full((rows, length), pad_id, np.int32)
+    pads = np.array([length - len(p) for p in filled], np.int32)
+    for row, prompt in enumerate(filled):
+        ids[row, length - len(prompt) :] = prompt
     stops = np.array(sorted(set(eos_ids)), np.int32)
     seed = np.uint32(sampling.seed or 0)
     static = dataclasses.replace(sampling, seed=None)  # one program for every seed
+    ids_in: jax.Array
+    pads_in: jax.Array
+    if layout is not None:  # the rows split as the train step splits a batch (the module docstring)
+        ids_in = jax.make_array_from_callback(ids.shape, rows_sharding(layout, 2), lambda i: ids[i])
+        pads_in = jax.make_array_from_callback(pads.shape, rows_sharding(layout, 1), lambda i: pads[i])
+    else:
+        ids_in, pads_in = jnp.asarray(ids), jnp.asarray(pads)
     tokens = np.asarray(
         _run(
-            graphdef, state, jnp.asarray(ids), jnp.asarray(pads), jnp.asarray(stops), jnp.asarray(seed),
-            max_new_tokens, static, jnp.int32(pad_id),
+            graphdef, state, ids_in, pads_in, jnp.asarray(stops), jnp.asarray(seed), max_new_tokens, static,
+            jnp.int32(pad_id), layout,
         )
-    )  # fmt: skip
+    )[: len(prompts)]  # fmt: skip
     out = Generated()
     stop = set(eos_ids)
     for row in tokens.tolist():
@@ -243,3 +282,39 @@ def generate(
         out.append(row[:end])
     out.seed = sampling.seed if sampling.samples else None
     return out
+
+
+def generation_program(
+    model: LlamaForCausalLM,
+    rows: int,
+    prompt_length: int,
+    max_new_tokens: int,
+    sampling: Sampling,
+    stops: int = 1,
+) -> Any:
+    """The program :func:`generate` runs for ``rows`` prompts of ``prompt_length`` tokens
+    (left-padded), traced on the model's state as it lies (arrays, or ``ShapeDtypeStruct``s
+    with their shardings: ``xlafit check --tpu`` compiles it for a TPU slice without one):
+    ``generation_program(...).lower().compile()``. ``stops``: how many stop ids.
+
+    Example:
+        >>> traced = generation_program(model, 64, 128, 256, Sampling(temperature=1.0))  # doctest: +SKIP
+        >>> traced.lower().compile().memory_analysis()  # doctest: +SKIP
+    """
+    graphdef, state = nnx.split(model)
+    layout = rows_layout(state)
+    rows = -(-rows // row_shards(layout)) * row_shards(layout)
+    shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(state)]
+    mesh = next((s.mesh for s in shardings if isinstance(s, NamedSharding)), None)
+
+    def placed(shape: tuple[int, ...], dtype: Any, split: bool = False) -> jax.ShapeDtypeStruct:
+        if layout is not None and split:
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=rows_sharding(layout, len(shape)))
+        sharding = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    static = dataclasses.replace(sampling, seed=None)
+    return _run.trace(
+        graphdef, state, placed((rows, prompt_length), jnp.int32, True), placed((rows,), jnp.int32, True),
+        placed((stops,), jnp.int32), placed((), jnp.uint32), max_new_tokens, static, placed((), jnp.int32), layout,
+    )  # fmt: skip

@@ -35,7 +35,7 @@ import contextvars
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import jax
 from flax import nnx
@@ -353,3 +353,40 @@ def constrain(x: jax.Array, *names: str | None) -> jax.Array:
         axis = rules.get(name) if name is not None else None
         spec.append(axis if axis is not None and sizes.get(axis, 1) > 1 and size % sizes[axis] == 0 else None)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
+
+# --------------------------------------------------------------------------- rows beside a state
+
+
+def rows_layout(tree: Any) -> tuple[Mesh, tuple[str, ...]] | None:
+    """The mesh the arrays of ``tree`` lie on (a model's state; arrays or ``ShapeDtypeStruct``s
+    with a sharding) and its batch axes of more than one device: where a program on that state
+    splits its rows. None where the arrays lie on no mesh, or on one without such an axis
+    (one device, a tensor-parallel group alone).
+
+    A jitted program given the state committed to a mesh and its rows uncommitted (host
+    values, or an array on one device) lays the rows out as XLA's propagation chooses:
+    replicated beside replicated weights, so that every device computes every row. Rows
+    placed with :func:`rows_sharding` are split as the train step splits a batch.
+    """
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            sizes = dict(sharding.mesh.shape)
+            axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+            return (cast(Mesh, sharding.mesh), axes) if axes else None
+    return None
+
+
+def row_shards(layout: tuple[Mesh, tuple[str, ...]] | None) -> int:
+    """The devices (or tensor-parallel groups) that each take their own rows: 1 without a layout."""
+    if layout is None:
+        return 1
+    mesh, axes = layout
+    return math.prod(dict(mesh.shape)[a] for a in axes)
+
+
+def rows_sharding(layout: tuple[Mesh, tuple[str, ...]], ndim: int) -> NamedSharding:
+    """An array ``[rows, ...]`` of ``ndim`` axes with its rows split over ``layout``'s batch axes."""
+    mesh, axes = layout
+    return NamedSharding(mesh, PartitionSpec(axes, *([None] * (ndim - 1))))

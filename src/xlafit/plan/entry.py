@@ -162,6 +162,12 @@ def recipe_planner(
     """The planner of a recipe's run: ``(planner, config, train examples)``. Its candidates'
     programs are the recipe's with their remat, scanning and numerics as overrides."""
     base, cfg, train_examples = recipe_program(name, overrides, preset)
+    if base.rollout is not None:
+        raise ConfigError(
+            f"xlafit plan searches the train step alone, and a {name} run with a rollout (model.objective=grpo) "
+            f"compiles its generation beside it; check each layout with xlafit check {name} --tpu TARGET and the "
+            "same settings (it compiles the train step and the rollout's programs)."
+        )
     remat, scan = getattr(cfg.model, "remat", None), getattr(cfg.model, "scan_layers", None)
     cache: dict[tuple, Program] = {(remat, (), scan, (), None): base}
     # The preset's trainer.invariant_chunks holds for pure data parallelism only: it gives way

@@ -310,7 +310,9 @@ def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
     if cfg.model.objective == "grpo":  # prompts; no evaluation set (the rewards are the measure)
         e = llm_data.encoding(cfg)
         stops = clm.stop_ids(llm_data.tokenizer_location(cfg))
-        return llm_grpo.load(cfg, e.tok, e.template, e.markers, stops, e.inputs), None  # type: ignore[return-value]
+        context = model_sizes(cfg, e.tok.get_vocab_size()).max_position_embeddings  # a prompt past it: refused now
+        prompts = llm_grpo.load(cfg, e.tok, e.template, e.markers, stops, e.inputs, context)
+        return prompts, None  # type: ignore[return-value]
     if llm_preference.objective_of(cfg) is None:
         return llm_data.load_data(cfg)
     e = llm_data.encoding(cfg)
@@ -438,14 +440,18 @@ def device_memory(device: Any) -> float:
     return float(found or ASSUMED_MEMORY)
 
 
+def model_sizes(cfg: Config, vocab_size: int) -> LlamaConfig:
+    """The model's sizes without building it: ``model.init_from_hf``'s ``config.json``, else
+    the preset's with the config's overrides."""
+    source = model_dir(cfg)
+    if not source:
+        return llama_config(cfg, vocab_size)
+    return llama_hf.config_from_hf(read_json(Path(source).expanduser() / "config.json"))
+
+
 def throughput(cfg: Config, train: clm.PackedText) -> Throughput:
     """Tokens (positions, padding included) and model FLOPs (PaLM's 6N + attention) per row."""
-    source = model_dir(cfg)
-    llama = llama_config(cfg, train.vocab_size) if not source else None
-    if llama is None:
-        assert source is not None
-        hf = read_json(Path(source).expanduser() / "config.json")
-        llama = llama_hf.config_from_hf(hf)
+    llama = model_sizes(cfg, train.vocab_size)
     t = train.seq_len
     if cfg.model.objective == "grpo":  # an example is a completion: the train step's row (the rollout not counted)
         t += cfg.model.grpo.max_completion_length

@@ -147,13 +147,15 @@ def settle(cfg: Config) -> Config:
 
 
 def load(cfg: Config, tok: Any, template: Any, markers: tuple[int | None, int | None], stops: tuple[int, ...],
-         inputs: list[str]) -> PromptSet:  # fmt: skip
-    """The prompts of ``inputs`` (``data.data_dir``), encoded for generation."""
+         inputs: list[str], context: int | None = None) -> PromptSet:  # fmt: skip
+    """The prompts of ``inputs`` (``data.data_dir``), encoded for generation; one longer than
+    ``context`` (the model's positions) less ``max_completion_length`` is refused as it is read."""
     g = cfg.model.grpo
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    room = (context, g.max_completion_length) if context else None
     prompts = load_prompts(
         inputs, tok, template, stops, group=g.num_generations, iterations=g.num_iterations, bos=markers[0],
-        progress=say,
+        progress=say, room=room,
     )  # fmt: skip
     columns = ", ".join(prompts.columns) or "none"
     say(

@@ -5,7 +5,8 @@ For one call of the train step (``n = num_iterations`` steps on one generation b
 takes the call's prompts (:class:`xlafit.data.prompts.PromptSet`: ``G`` rows each),
 samples a completion for each row with the KV-cache generator on the trained weights as
 they are (:func:`xlafit.models.generation.generate`: the same arrays, on the run's mesh, no
-copy), scores the completions with the reward functions (:mod:`xlafit.train.rewards`),
+copy; the rows split over its batch axes as the train step's are, each device generating its
+own), scores the completions with the reward functions (:mod:`xlafit.train.rewards`),
 computes the advantages and each row's loss weight (:mod:`xlafit.train.grpo`), and where
 needed the per-token log-probabilities of the policy as it generated (``n > 1``) and of the
 reference (``β > 0``: the model with its LoRA adapters off). The sampler's seed is a
@@ -31,12 +32,23 @@ from flax import nnx
 
 from xlafit.data.prompts import PromptSet
 from xlafit.errors import ConfigError
-from xlafit.models.generation import Sampling, generate
+from xlafit.models.generation import Sampling, generate, generation_program
 from xlafit.models.lora import adapters_off, lora_modules
+from xlafit.parallel.sharding import row_shards, rows_layout, rows_sharding
 from xlafit.train import grpo
 from xlafit.train.rewards import Reward, score
 
 __all__ = ["Rollout", "sampler_seed"]
+
+
+def place_rows(x: np.ndarray, state: Any) -> jax.Array:
+    """``x [B, ...]`` on the devices, its rows split as the train step splits a batch over the
+    mesh ``state`` lies on (:func:`xlafit.parallel.sharding.rows_layout`); where they do not
+    divide over it, or there is no mesh, on the default device."""
+    layout = rows_layout(state)
+    if layout is None or len(x) % row_shards(layout):
+        return jnp.asarray(x)
+    return jax.make_array_from_callback(x.shape, rows_sharding(layout, x.ndim), lambda i: x[i])
 
 
 def sampler_seed(seed: int, step: int) -> int:
@@ -115,10 +127,65 @@ class Rollout:
         rows |= self._logged(values, stats, lengths, completions, rollout_s)
         return rows
 
+    @property
+    def width(self) -> int:
+        """A train row's tokens: the longest prompt plus a whole completion."""
+        return self.prompts.prompt_length + self.objective.max_completion_length
+
+    def example(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """One row of the train batch that :meth:`generation_batch` makes, as shapes (no batch
+        axis): what ``xlafit check --tpu`` compiles the train step for."""
+        t = self.width
+        out = {
+            "input_ids": jax.ShapeDtypeStruct((t,), np.int32),
+            "segment_ids": jax.ShapeDtypeStruct((t,), np.int32),
+            "positions": jax.ShapeDtypeStruct((t,), np.int32),
+            "loss_mask": jax.ShapeDtypeStruct((t,), np.int8),
+            "advantages": jax.ShapeDtypeStruct((), np.float32),
+            "weights": jax.ShapeDtypeStruct((), np.float32),
+        }
+        if self.iterations > 1:
+            out["old_logps"] = jax.ShapeDtypeStruct((t - 1,), np.float32)
+        if self.objective.beta:
+            out["ref_logps"] = jax.ShapeDtypeStruct((t - 1,), np.float32)
+        names = ["reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
+                 "completions/clipped_ratio", "rollout_tokens_per_sec"]  # fmt: skip
+        for name, _ in self.rewards:
+            names += [f"rewards/{name}/mean", f"rewards/{name}/std"]
+        return out | {f"{grpo.LOGGED}{n}": jax.ShapeDtypeStruct((), np.float32) for n in names}
+
+    def programs(self, model: Any, rows: int) -> list[tuple[str, Any]]:
+        """The rollout's own programs for a generation batch of ``rows`` completions, traced on
+        ``model`` as its state lies (arrays, or ``ShapeDtypeStruct``s with shardings: ``xlafit
+        check --tpu``): ``[(name, traced)]``, the generation (its cache holds every row's prompt
+        and completion), and where the run needs them the log-probabilities of the rows."""
+        o, data = self.objective, self.prompts
+        sampling = Sampling(o.temperature, self.top_k, self.top_p)
+        out = [(
+            "rollout generation",
+            generation_program(model, rows, data.prompt_length, o.max_completion_length, sampling,
+                               len(set(data.stop_ids))),
+        )]  # fmt: skip
+        if self.iterations > 1 or o.beta:
+            graphdef, state = nnx.split(model)
+            layout = rows_layout(state)
+            shape = (rows, self.width)
+
+            def row(dtype: Any) -> jax.ShapeDtypeStruct:
+                sharding = rows_sharding(layout, 2) if layout is not None and rows % row_shards(layout) == 0 else None
+                return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+            device_rows = {k: row(np.int8 if k == "loss_mask" else np.int32) for k in grpo.ROW_KEYS}
+            reference = bool(o.beta) and self.iterations == 1
+            out.append(
+                ("rollout log-probabilities", _logps.trace(graphdef, state, device_rows, o.temperature, reference))
+            )
+        return out
+
     def _rows(self, index: list[int], completions: list[list[int]]) -> dict[str, np.ndarray]:
         """Prompt then completion per row, padded at the end to prompt length + max completion."""
         data = self.prompts
-        width = data.prompt_length + self.objective.max_completion_length
+        width = self.width
         b = len(index)
         ids = np.full((b, width), data.pad_id, np.int32)
         segments = np.zeros((b, width), np.int32)
@@ -156,7 +223,7 @@ class Rollout:
         if not (need_old or need_ref):
             return
         graphdef, state = nnx.split(model)
-        device_rows = {k: jnp.asarray(rows[k]) for k in grpo.ROW_KEYS}
+        device_rows = {k: place_rows(rows[k], state) for k in grpo.ROW_KEYS}
         t = self.objective.temperature
         if need_old:
             rows["old_logps"] = np.asarray(_logps(graphdef, state, device_rows, t, reference=False))

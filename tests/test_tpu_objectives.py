@@ -1,0 +1,91 @@
+"""`xlafit check --tpu` and `xlafit plan` for the llm recipe's post-training objectives, with the
+real TPU compiler (libtpu) on this CPU: DPO compiles the pair step with its reference (the base
+with the LoRA adapters off, no second copy), GRPO its train step on the rollout's rows and the
+rollout's own programs beside it; plan refuses GRPO in one line."""
+
+import pytest
+
+from xlafit.check import check_recipe, recipe_program
+from xlafit.check.tpu import Steps, memory_of, no_persistent_cache
+from xlafit.check.tpu_report import format_report, to_json
+from xlafit.errors import ConfigError
+from xlafit.parallel.cluster import start_backends
+from xlafit.plan import plan_recipe
+from xlafit.platform import hardware as tpu
+from xlafit.recipes import get_recipe, load_config
+
+# One layer of a 2,048-wide model (68M parameters: a train state of 135 MiB with its frozen base in
+# bfloat16) that outweighs everything else the step holds at 16 rows of 32 tokens: a second copy
+# of the base for DPO's reference would add about 130 MiB to the 166 MiB of the SFT step.
+WIDE = [
+    "model.preset=custom", "model.num_layers=1", "model.hidden_size=2048", "model.num_heads=16",
+    "model.intermediate_size=8192", "model.vocab_size=512", "model.max_position_embeddings=128",
+    "lora.rank=16", "lora.base_dtype=bfloat16", "model.compute_dtype=bfloat16", "data.seq_len=32",
+]  # fmt: skip
+
+
+def train_step_memory(overrides):
+    start_backends()
+    program, _, _ = recipe_program("llm", overrides)
+    with no_persistent_cache():
+        steps = Steps(tpu.parse_target("v5e-1"), program)
+        compiled, _ = steps.compile_train(program.global_batch)
+    return memory_of(compiled, steps.state_bytes, 0)
+
+
+def test_a_lora_dpo_step_takes_the_memory_of_the_same_sft_step():
+    """8 pairs (16 rows) of DPO against SFT on 16 rows of the same length, compiled for a v5e
+    core: the same state (the reference is the base with its adapters off) and within 10 % of
+    the SFT step's memory (169.5 against 166.2 MiB): no second copy of the base."""
+    dpo = train_step_memory([*WIDE, "model.objective=dpo", "data.demo=preference", "data.global_batch=8"])
+    sft = train_step_memory([*WIDE, "data.demo=korean", "data.global_batch=16"])
+    assert dpo["state"] == sft["state"] > 100 * 2**20
+    assert dpo["total"] / sft["total"] < 1.10, (dpo, sft)
+
+
+@pytest.fixture(scope="module")
+def rewards(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rewards") / "rewards.py"
+    path.write_text("def exact(prompts, completions, answer, **kwargs):\n    return [0.0 for _ in completions]\n")
+    return path
+
+
+TINY = [
+    "model.preset=custom", "model.num_layers=1", "model.hidden_size=64", "model.num_heads=4",
+    "model.intermediate_size=128", "model.max_position_embeddings=128", "lora.rank=4",
+]  # fmt: skip
+
+
+def grpo(rewards, *extra):
+    return [
+        *TINY, "model.objective=grpo", "data.demo=grpo", f"model.grpo.rewards={rewards}:exact",
+        "model.grpo.num_generations=4", "model.grpo.max_completion_length=32", "data.global_batch=16", *extra,
+    ]  # fmt: skip
+
+
+def test_a_grpo_run_compiles_its_train_step_on_the_rollouts_rows_and_its_rollout(rewards):
+    """The train step on rows of the longest prompt plus a whole completion, and the rollout's
+    generation (its cache: 16 rows of prompt + 32 tokens) and log-probabilities (two steps per
+    generation batch keep the policy's), each with its memory; no eval step (GRPO has none)."""
+    settings = grpo(rewards, "model.grpo.num_iterations=2")
+    program, _, _ = recipe_program("llm", settings)
+    longest = get_recipe("llm").load_data(load_config("llm", settings))[0].prompt_length
+    assert program.example["input_ids"].shape == (longest + 32,)
+    assert {"advantages", "weights", "old_logps", "log/rewards/exact/mean"} <= set(program.example)
+    (r,) = check_recipe("llm", settings, tpu="v5e-1").tpu
+    assert r.error is None, r.message
+    assert r.train_fits and r.eval is None and r.steps_per_call == 2
+    assert [p.name for p in r.rollout] == ["rollout generation", "rollout log-probabilities"]
+    assert all(p.fits and p.rows == 16 and (p.peak or p.total) for p in r.rollout)
+    assert r.fits
+    text = format_report(r)
+    assert "✓ rollout generation (16 rows over all cores) fits" in text
+    assert "✓ rollout log-probabilities (16 rows over all cores) fits" in text
+    assert [p["name"] for p in to_json(r)["rollout"]] == [p.name for p in r.rollout]
+
+
+def test_plan_refuses_a_grpo_run_and_names_check(rewards):
+    with pytest.raises(ConfigError) as e:
+        plan_recipe("llm", grpo(rewards), tpu="v5e-1")
+    assert "\n" not in str(e.value)
+    assert "xlafit check llm --tpu TARGET" in str(e.value)
