@@ -3,14 +3,20 @@ same weights on this machine's CPU (a record, not a goal: the CPU is for rehears
 step model's tokens/s for the same loop compiled for a TPU (a prediction, shown as one).
 
     JAX_PLATFORMS=cpu python benchmarks/speed/generate_speed.py cpu [--runs 5] [--json FILE]
+    JAX_PLATFORMS=cpu python benchmarks/speed/generate_speed.py rollout [--runs 5] [--json FILE]
     JAX_PLATFORMS=cpu python benchmarks/speed/generate_speed.py tpu v5e-1 [--json FILE]
 
 ``cpu``: a 4-layer Llama (hidden 512, vocabulary 32,000, 44M parameters) in float32, a batch
 of 4 prompts of 32 tokens, 64 new tokens each, greedy; the median of ``--runs`` timed calls
 after one untimed call each (xlafit's compile is timed apart); the tokens of both must be
-equal. ``tpu``: the 1B presets (Llama 3.2 1B, Gemma 3 1B) in bfloat16, prompts of 128 tokens,
-256 new tokens, batches 1 and 8, compiled for the target with the TPU compiler; the step
-model prices the whole compiled loop (prefill and every decode step).
+equal. ``rollout``: the same model sampling as a GRPO rollout does, ``G`` completions of each
+prompt in one batch (8 prompts x 8 = 64 rows, 32 new tokens each, temperature 0.7, no stop),
+against ``transformers``' ``generate`` with the same sampling settings, which is what TRL's
+``GRPOTrainer`` calls to sample when it runs without vLLM; the tokens differ (two random
+streams), so the comparison is of tokens/s alone. ``tpu``: the 1B presets (Llama 3.2 1B,
+Gemma 3 1B) in bfloat16, prompts of 128 tokens, 256 new tokens, batches 1 and 8, compiled
+for the target with the TPU compiler; the step model prices the whole compiled loop (prefill
+and every decode step).
 """
 
 from __future__ import annotations
@@ -99,6 +105,73 @@ def cpu(runs: int) -> dict[str, Any]:
     }
 
 
+ROLLOUT_PROMPTS, ROLLOUT_G, ROLLOUT_NEW, ROLLOUT_TEMPERATURE = 8, 8, 32, 0.7
+
+
+def rollout(runs: int) -> dict[str, Any]:
+    """Sampled rollouts: xlafit's ``generate`` against ``transformers.generate``, interleaved."""
+    import tempfile
+
+    import torch
+    import transformers
+
+    from xlafit.hf import llama as llama_hf
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**CPU_MODEL), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(3, CPU_MODEL["vocab_size"], (ROLLOUT_PROMPTS, CPU_PROMPT)).tolist()
+    rows = [p for p in prompts for _ in range(ROLLOUT_G)]  # each prompt's G rows adjacent, as a rollout's
+    with tempfile.TemporaryDirectory() as folder:
+        llama_hf.save_hf(model, folder)
+        theirs = transformers.LlamaForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    ids = torch.tensor(rows)
+
+    def ours(seed: int) -> Any:
+        return generate(model, rows, ROLLOUT_NEW, Sampling(ROLLOUT_TEMPERATURE, seed=seed))
+
+    def hf() -> Any:
+        with torch.no_grad():
+            return theirs.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=ROLLOUT_NEW,
+                min_new_tokens=ROLLOUT_NEW, do_sample=True, temperature=ROLLOUT_TEMPERATURE, top_k=0, top_p=1.0,
+                pad_token_id=0, eos_token_id=None,
+            )  # fmt: skip
+
+    t0 = time.perf_counter()
+    ours(0)
+    first_s = time.perf_counter() - t0
+    hf()  # its first call too, untimed
+    ours_runs, theirs_runs = [], []
+    for r in range(runs):  # interleaved: a shared machine's load drifts
+        t0 = time.perf_counter()
+        got = ours(r + 1)
+        ours_runs.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        out = hf()
+        theirs_runs.append(time.perf_counter() - t0)
+    assert all(len(t) == ROLLOUT_NEW for t in got) and out.shape == (len(rows), CPU_PROMPT + ROLLOUT_NEW)
+    tokens = len(rows) * ROLLOUT_NEW
+    ours_s, theirs_s = statistics.median(ours_runs), statistics.median(theirs_runs)
+    return {
+        "model": CPU_MODEL,
+        "parameters": sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))),
+        "prompts": ROLLOUT_PROMPTS,
+        "generations_per_prompt": ROLLOUT_G,
+        "rows": len(rows),
+        "prompt_tokens": CPU_PROMPT,
+        "new_tokens": ROLLOUT_NEW,
+        "temperature": ROLLOUT_TEMPERATURE,
+        "xlafit": {"first_call_s": first_s, "runs_s": ours_runs, "median_s": ours_s, "tokens_per_s": tokens / ours_s},
+        "transformers": {"runs_s": theirs_runs, "median_s": theirs_s, "tokens_per_s": tokens / theirs_s},
+        "xlafit_over_transformers": theirs_s / ours_s,
+        "versions": {"jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
+
+
 def tpu(name: str) -> list[dict[str, Any]]:
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -152,12 +225,13 @@ def tpu(name: str) -> list[dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["cpu", "tpu"])
+    parser.add_argument("part", choices=["cpu", "rollout", "tpu"])
     parser.add_argument("target", nargs="?", default="v5e-1")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--json")
     args = parser.parse_args()
-    result: Any = cpu(args.runs) if args.part == "cpu" else tpu(args.target)
+    parts = {"cpu": lambda: cpu(args.runs), "rollout": lambda: rollout(args.runs), "tpu": lambda: tpu(args.target)}
+    result: Any = parts[args.part]()
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:
