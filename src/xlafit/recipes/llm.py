@@ -41,7 +41,15 @@ from xlafit.platform.hardware import table_memory
 from xlafit.recipes import llm_data, llm_grpo, llm_preference
 from xlafit.recipes.base import Recipe, Throughput
 from xlafit.recipes.llm_data import LlmDataConfig, data_config, model_dir, save_artifacts
-from xlafit.train.losses import blocks_for, blockwise_cross_entropy, masked_accuracy, masked_mean, whole_logits_bytes
+from xlafit.train.losses import (
+    blocks_for,
+    blockwise_cross_entropy,
+    blockwise_token_logps,
+    masked_accuracy,
+    masked_mean,
+    token_logps_of,
+    whole_logits_bytes,
+)
 from xlafit.train.report import EXPERT_TOKENS
 
 _SIZES = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size")
@@ -316,7 +324,7 @@ def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
     if llm_preference.objective_of(cfg) is None:
         return llm_data.load_data(cfg)
     e = llm_data.encoding(cfg)
-    train, evaluation = llm_preference.load(cfg, e.tok, e.template, e.markers, e.inputs, build_llama)
+    train, evaluation = llm_preference.load(cfg, e.tok, e.template, e.markers, e.inputs, build_llama, token_logps)
     return train, (evaluation if len(evaluation) else None)  # type: ignore[return-value]
 
 
@@ -364,28 +372,48 @@ def _next_token_loss(
     targets, weights = clm.next_token_targets(batch["input_ids"], batch["segment_ids"], batch.get("loss_mask"))
     blocks = logits_blocks(model.cfg, *targets.shape)
     if blocks is not None:
-        chunk, tile = blocks
-        split = "vocab" if tile == model.cfg.vocab_size else None  # a tile of the vocabulary stays whole
-
-        def layout(z: jax.Array) -> jax.Array:
-            return constrain(z, "batch", None, split)
-
-        cfg = model.cfg
         loss, accuracy = blockwise_cross_entropy(
-            hidden[:, :-1],
-            model.output_kernel(),
-            targets,
-            weights,
-            chunk=chunk,
-            tile=tile,
-            softcap=cfg.final_logit_softcap,
-            dtype=cfg.compute_dtype,
-            layout=layout,
+            hidden[:, :-1], model.output_kernel(), targets, weights, **_block_settings(model, *blocks)
         )
         return loss, {"token_accuracy": accuracy}
     logits = constrain(model.logits(hidden), "batch", None, "vocab")  # (B, T, V) float32
     losses = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], targets)
     return masked_mean(losses, weights), {"token_accuracy": masked_accuracy(logits[:, :-1], targets, weights)}
+
+
+def token_logps(model: LlamaForCausalLM, rows: dict[str, jax.Array], temperature: float = 1.0) -> jax.Array:
+    """Each row's next tokens' log-probabilities ``[R, T - 1]`` under the logits divided by
+    ``temperature`` (a :data:`~xlafit.train.losses.TokenLogps`): as the next-token loss, in
+    blocks where :func:`logits_blocks` says so (``model.logits_chunk``), else from the whole
+    logits. The preference objectives' and GRPO's, in training, evaluation, DPO's reference
+    and the rollout's log-probability pass."""
+    hidden = model.decode(rows["input_ids"], rows["segment_ids"], rows["positions"])
+    targets, _ = clm.next_token_targets(rows["input_ids"], rows["segment_ids"])
+    blocks = logits_blocks(model.cfg, *targets.shape)
+    if blocks is not None:
+        settings = _block_settings(model, *blocks)
+        return blockwise_token_logps(
+            hidden[:, :-1], model.output_kernel(), targets, temperature=temperature, **settings
+        )
+    logits = constrain(model.logits(hidden), "batch", None, "vocab")  # (R, T, V) float32
+    return token_logps_of(logits[:, :-1], targets, temperature)
+
+
+def _block_settings(model: LlamaForCausalLM, chunk: int, tile: int) -> dict[str, Any]:
+    """The blockwise loss's settings for :func:`logits_blocks`'s ``(chunk, tile)``."""
+    split = "vocab" if tile == model.cfg.vocab_size else None  # a tile of the vocabulary stays whole
+
+    def layout(z: jax.Array) -> jax.Array:
+        return constrain(z, "batch", None, split)
+
+    cfg = model.cfg
+    return {
+        "chunk": chunk,
+        "tile": tile,
+        "softcap": cfg.final_logit_softcap,
+        "dtype": cfg.compute_dtype,
+        "layout": layout,
+    }
 
 
 # A device whose memory neither the hardware table nor JAX knows (a CPU) is taken to have a v5e chip's.
@@ -470,7 +498,11 @@ RECIPE = Recipe(
     from_data=from_data,
     build_model=build_model,
     loss_fn=loss_fn,
-    loss_for=functools.partial(llm_grpo.loss_for, other=functools.partial(llm_preference.loss_for, next_token=loss_fn)),
+    loss_for=functools.partial(
+        llm_grpo.loss_for,
+        other=functools.partial(llm_preference.loss_for, next_token=loss_fn, token_logps=token_logps),
+        token_logps=token_logps,
+    ),
     throughput=throughput,
     shapes=shapes,
     save_artifacts=save_artifacts,
@@ -479,5 +511,5 @@ RECIPE = Recipe(
         "the run's token ids"
     },
     validate=validate,
-    rollout=llm_grpo.rollout_for,
+    rollout=functools.partial(llm_grpo.rollout_for, token_logps=token_logps),
 )

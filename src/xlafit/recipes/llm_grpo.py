@@ -26,6 +26,7 @@ from xlafit.config import Config
 from xlafit.data.prompts import PromptSet, load_prompts
 from xlafit.errors import ConfigError
 from xlafit.train import grpo
+from xlafit.train.losses import TokenLogps, whole_token_logps
 from xlafit.train.rewards import load_rewards, parse_spec
 from xlafit.train.rollout import Rollout
 from xlafit.train.step import LossFn
@@ -165,14 +166,16 @@ def load(cfg: Config, tok: Any, template: Any, markers: tuple[int | None, int | 
     return prompts
 
 
-def loss_for(cfg: Config, other: Callable[[Config], LossFn]) -> LossFn:
-    """GRPO's loss for a GRPO run, else ``other``'s for the config."""
+def loss_for(cfg: Config, other: Callable[[Config], LossFn], token_logps: TokenLogps = whole_token_logps) -> LossFn:
+    """GRPO's loss for a GRPO run (its tokens' log-probabilities from ``token_logps``), else
+    ``other``'s for the config."""
     objective = objective_of(cfg)
-    return other(cfg) if objective is None else grpo.loss_fn(objective)
+    return other(cfg) if objective is None else grpo.loss_fn(objective, token_logps)
 
 
-def rollout_for(cfg: Config, train: Any) -> Rollout | None:
-    """The run's rollout (its reward functions loaded), None for another objective."""
+def rollout_for(cfg: Config, train: Any, token_logps: TokenLogps = whole_token_logps) -> Rollout | None:
+    """The run's rollout (its reward functions loaded; the log-probabilities of its rows from
+    ``token_logps``, the loss's), None for another objective."""
     objective = objective_of(cfg)
     if objective is None:
         return None
@@ -185,5 +188,5 @@ def rollout_for(cfg: Config, train: Any) -> Rollout | None:
     assert g.rewards is not None  # validate
     rewards = load_rewards(g.rewards)
     return Rollout(
-        train, objective, rewards, weights_of(g), g.num_iterations, g.top_p, g.top_k, cfg.data.seed,
+        train, objective, rewards, weights_of(g), g.num_iterations, g.top_p, g.top_k, cfg.data.seed, token_logps,
     )  # fmt: skip

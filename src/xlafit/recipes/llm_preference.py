@@ -25,6 +25,7 @@ from xlafit.config import Config
 from xlafit.data.preference import PreferencePairs, load_pairs, summary
 from xlafit.errors import ConfigError
 from xlafit.train import preference
+from xlafit.train.losses import TokenLogps, whole_token_logps
 from xlafit.train.step import LossFn
 
 __all__ = ["OBJECTIVES", "PreferenceConfig", "load", "loss_for", "objective_of", "validate"]
@@ -97,11 +98,12 @@ def load(
     markers: tuple[int | None, int | None],
     inputs: list[str],
     build_base: Callable[[Config, int], nnx.Module],
+    token_logps: TokenLogps = whole_token_logps,
 ) -> tuple[PreferencePairs, PreferencePairs]:
     """(train, eval) pairs of ``inputs`` (``data.data_dir``, or the demo's), with the
     reference's log-probabilities where ``model.preference.reference=precomputed``
-    (``build_base`` builds the model as the run starts, adapters aside); ``markers``: the
-    tokenizer's ``(bos, eos)``."""
+    (``build_base`` builds the model as the run starts, adapters aside; ``token_logps``
+    computes its tokens'); ``markers``: the tokenizer's ``(bos, eos)``."""
     d: Any = cfg.data  # the llm recipe's LlmDataConfig
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     train, evaluation = load_pairs(
@@ -122,14 +124,15 @@ def load(
         say(f"the reference's log-probabilities: one pass of the starting model over {pairs} pairs")
         for data in (train, evaluation):
             if len(data):
-                data.arrays["ref_logps"] = preference.reference_logps(base, data.arrays)
+                data.arrays["ref_logps"] = preference.reference_logps(base, data.arrays, token_logps=token_logps)
     return train, evaluation
 
 
-def loss_for(cfg: Config, next_token: LossFn) -> LossFn:
-    """The loss a run of ``cfg`` trains with: the preference objective's, else ``next_token``."""
+def loss_for(cfg: Config, next_token: LossFn, token_logps: TokenLogps = whole_token_logps) -> LossFn:
+    """The loss a run of ``cfg`` trains with: the preference objective's (its tokens'
+    log-probabilities from ``token_logps``), else ``next_token``."""
     objective = objective_of(cfg)
-    return next_token if objective is None else preference.loss_fn(objective)
+    return next_token if objective is None else preference.loss_fn(objective, token_logps)
 
 
 def reference_passes(cfg: Config) -> float:

@@ -42,10 +42,10 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from xlafit.data.clm import next_token_targets
 from xlafit.errors import ConfigError
+from xlafit.train.losses import TokenLogps, token_logps_of, whole_token_logps
 
 __all__ = ["LOSS_TYPES", "GrpoObjective", "advantages", "loss_fn", "row_weights", "token_logps"]
 
@@ -149,8 +149,7 @@ def token_logps(logits: jax.Array, rows: dict[str, jax.Array], temperature: floa
     ``logits [R, T, V] / temperature`` (predicted from the tokens before it, as TRL scales
     them), and the mask of completion tokens."""
     targets, mask = next_token_targets(rows["input_ids"], rows["segment_ids"], rows["loss_mask"])
-    scaled = logits[:, :-1] / temperature
-    return -optax.softmax_cross_entropy_with_integer_labels(scaled, targets), mask
+    return token_logps_of(logits[:, :-1], targets, temperature), mask
 
 
 def policy_loss(
@@ -193,10 +192,14 @@ def policy_loss(
     return (per_token * mask).sum(-1) * weights, metrics
 
 
-def loss_fn(objective: GrpoObjective) -> Callable[[Any, dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]:
+def loss_fn(
+    objective: GrpoObjective, token_logps: TokenLogps = whole_token_logps
+) -> Callable[[Any, dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]:
     """The ``loss_fn(model, batch) -> (losses [B], metrics)`` of GRPO for
     :class:`xlafit.Trainer`: ``model(input_ids, segment_ids, positions)`` gives float32
-    logits; ``batch`` as the module docstring says. The metrics of :func:`policy_loss`,
+    logits, of which ``token_logps`` takes each token's log-probability (by default from the
+    whole logits; the llm recipe's computes them in blocks); ``batch`` as the module
+    docstring says. The metrics of :func:`policy_loss`,
     and each ``log/NAME`` column as ``NAME``.
 
     Example:
@@ -206,8 +209,8 @@ def loss_fn(objective: GrpoObjective) -> Callable[[Any, dict[str, jax.Array]], t
 
     def completions_loss(model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         rows = {k: batch[k] for k in ROW_KEYS}
-        logits = model(rows["input_ids"], rows["segment_ids"], rows["positions"])  # (B, T, V) float32
-        logps, mask = token_logps(logits, rows, objective.temperature)
+        logps = token_logps(model, rows, objective.temperature)  # (B, T - 1)
+        _, mask = next_token_targets(rows["input_ids"], rows["segment_ids"], rows["loss_mask"])
         # One optimisation step per generation batch: the policy at generation is this one (ratio 1).
         old = batch["old_logps"] if "old_logps" in batch else jax.lax.stop_gradient(logps)
         ref = batch.get("ref_logps") if objective.beta else None

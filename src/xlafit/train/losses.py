@@ -15,6 +15,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
+
+from xlafit.data.clm import next_token_targets
+
+# ``(model, rows, temperature) -> [R, T - 1]``: each row's next tokens' log-probabilities
+# (:func:`next_token_targets` of ``rows``' ``input_ids`` and ``segment_ids``) under the model's
+# logits divided by ``temperature``: how the preference and GRPO objectives get theirs
+# (:func:`whole_token_logps`, or a recipe's that computes the logits in blocks).
+TokenLogps = Callable[[Any, dict[str, jax.Array], float], jax.Array]
 
 
 def masked_mean(values: jax.Array, weights: jax.Array, axis: int | tuple[int, ...] = -1) -> jax.Array:
@@ -33,6 +42,20 @@ def masked_mean(values: jax.Array, weights: jax.Array, axis: int | tuple[int, ..
 def masked_accuracy(logits: jax.Array, labels: jax.Array, weights: jax.Array) -> jax.Array:
     """Share of the weighted positions whose arg-max is the label; ``[..., V] -> [...]``."""
     return masked_mean((logits.argmax(-1) == labels).astype(jnp.float32), weights)
+
+
+def token_logps_of(logits: jax.Array, labels: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """Each position's log-probability ``[...]`` of its label under ``logits [..., V] / temperature``."""
+    scaled = logits if temperature == 1.0 else logits / temperature
+    return -optax.softmax_cross_entropy_with_integer_labels(scaled, labels)
+
+
+def whole_token_logps(model: Any, rows: dict[str, jax.Array], temperature: float = 1.0) -> jax.Array:
+    """A :data:`TokenLogps` from the whole float32 logits ``[R, T, V]`` of
+    ``model(input_ids, segment_ids, positions)``."""
+    targets, _ = next_token_targets(rows["input_ids"], rows["segment_ids"])
+    logits = model(rows["input_ids"], rows["segment_ids"], rows["positions"])
+    return token_logps_of(logits[:, :-1], targets, temperature)
 
 
 # --------------------------------------------------------------------------- the loss in blocks
@@ -127,24 +150,73 @@ def blockwise_cross_entropy(
         >>> [round(float(x), 4) for x in loss]  # seven equal logits: log 7
         [1.9459, 1.9459]
     """
+    w = weights.astype(jnp.float32)
+    nll, correct = _per_position(hidden, kernel, labels, chunk, tile, softcap, dtype, layout)
+    count = jnp.maximum(jnp.sum(w, axis=-1), 1e-9)
+    return jnp.sum(nll * w, axis=-1) / count, jnp.sum(correct * w, axis=-1) / count
+
+
+def blockwise_token_logps(
+    hidden: jax.Array,
+    kernel: jax.Array,
+    labels: jax.Array,
+    *,
+    chunk: int,
+    tile: int | None = None,
+    softcap: float | None = None,
+    dtype: Any = None,
+    layout: Callable[[jax.Array], jax.Array] | None = None,
+    temperature: float = 1.0,
+) -> jax.Array:
+    """Each position's log-probability ``[B, T]`` of its label under the logits
+    ``hidden @ kernel`` (soft-capped, then divided by ``temperature``), in the blocks of
+    :func:`blockwise_cross_entropy` (the same computation: minus its per-position loss), never
+    holding the ``[B, T, V]`` logits; what the preference and GRPO objectives sum or weigh per
+    token. Equal to ``-optax.softmax_cross_entropy_with_integer_labels(logits / temperature,
+    labels)`` up to float summation order, its gradients too (tested). Arguments as
+    :func:`blockwise_cross_entropy`'s.
+
+    Example:
+        >>> h, k = jnp.ones((1, 3, 4)), jnp.ones((4, 7))
+        >>> logps = blockwise_token_logps(h, k, jnp.zeros((1, 3), jnp.int32), chunk=2)
+        >>> [round(float(x), 4) for x in logps[0]]  # seven equal logits: -log 7
+        [-1.9459, -1.9459, -1.9459]
+    """
+    nll, _ = _per_position(hidden, kernel, labels, chunk, tile, softcap, dtype, layout, temperature)
+    return -nll
+
+
+def _per_position(
+    hidden: jax.Array,
+    kernel: jax.Array,
+    labels: jax.Array,
+    chunk: int,
+    tile: int | None,
+    softcap: float | None,
+    dtype: Any,
+    layout: Callable[[jax.Array], jax.Array] | None,
+    temperature: float = 1.0,
+) -> tuple[jax.Array, jax.Array]:
+    """Each position's cross-entropy and whether its arg-max is the label (float32), ``[B, T]``,
+    a block at a time (:func:`blockwise_cross_entropy`)."""
     b, t, _ = hidden.shape
     vocab = kernel.shape[1]
     chunk, tile = min(chunk, t), min(tile or vocab, vocab)
     pieces = -(-t // chunk)
-    if pieces * chunk > t:  # padded positions weigh nothing
+    if pieces * chunk > t:  # padded positions are cut off again below
         pad = pieces * chunk - t
         hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
         labels = jnp.pad(labels, ((0, 0), (0, pad)))
-        weights = jnp.pad(weights, ((0, 0), (0, pad)))
 
     def split(x: jax.Array) -> jax.Array:  # (B, T, ...) -> (pieces, B, chunk, ...)
         return jnp.moveaxis(x.reshape(b, pieces, chunk, *x.shape[2:]), 1, 0)
 
-    blocks = _Blocks(tile, -(-vocab // tile), softcap, dtype or hidden.dtype, layout or (lambda z: z))
-    w = weights.astype(jnp.float32)
-    loss, correct = _blockwise(blocks, split(hidden), kernel, split(labels), split(w))
-    count = jnp.maximum(jnp.sum(w, axis=-1), 1e-9)
-    return loss / count, correct / count
+    def join(x: jax.Array) -> jax.Array:  # (pieces, B, chunk) -> (B, T)
+        return jnp.moveaxis(x, 0, 1).reshape(b, pieces * chunk)[:, :t]
+
+    blocks = _Blocks(tile, -(-vocab // tile), softcap, dtype or hidden.dtype, layout or (lambda z: z), temperature)
+    nll, correct = _blockwise(blocks, split(hidden), kernel, split(labels))
+    return join(nll), join(correct)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +228,7 @@ class _Blocks:
     softcap: float | None
     dtype: Any
     layout: Callable[[jax.Array], jax.Array]
+    temperature: float = 1.0
 
     def columns(self, kernel: jax.Array, j: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """Tile ``j`` of ``kernel [H, V]``: ``(kernel [H, tile], its first column, column ids
@@ -167,28 +240,39 @@ class _Blocks:
         return k, start, cols, cols >= j * self.tile
 
     def logits(self, h: jax.Array, k: jax.Array) -> jax.Array:
-        """Float32 logits ``[B, chunk, tile]`` of ``h [B, chunk, H]``, capped where the model caps them."""
+        """Float32 logits ``[B, chunk, tile]`` of ``h [B, chunk, H]``, capped where the model caps
+        them, divided by the temperature."""
         z = jnp.einsum("bch,hv->bcv", h.astype(self.dtype), k.astype(self.dtype)).astype(jnp.float32)
         if self.softcap:
             z = jnp.tanh(z / self.softcap) * self.softcap
+        if self.temperature != 1.0:
+            z = z / self.temperature
         return self.layout(z)
+
+    def product_gradient(self, z: jax.Array, dz: jax.Array) -> jax.Array:
+        """The gradient with respect to the product ``h @ k`` from that with respect to
+        :meth:`logits`'s ``z``: through the temperature, then the soft-cap's ``1 - (z / cap)^2``."""
+        if self.temperature != 1.0:
+            dz = dz / self.temperature
+            z = z * self.temperature
+        if self.softcap:
+            dz = dz * (1.0 - jnp.square(z / self.softcap))
+        return dz
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _blockwise(
-    blocks: _Blocks, hs: jax.Array, kernel: jax.Array, ys: jax.Array, ws: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Per-row weighted sums of the loss and of correct arg-maxes, from ``hs [n, B, c, H]``."""
-    (loss, correct), _ = _forward(blocks, hs, kernel, ys, ws)
-    return loss, correct
+def _blockwise(blocks: _Blocks, hs: jax.Array, kernel: jax.Array, ys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each position's loss and whether its arg-max is the label ``[n, B, c]``, from ``hs [n, B, c, H]``."""
+    (nll, correct), _ = _forward(blocks, hs, kernel, ys)
+    return nll, correct
 
 
 def _forward(
-    blocks: _Blocks, hs: jax.Array, kernel: jax.Array, ys: jax.Array, ws: jax.Array
+    blocks: _Blocks, hs: jax.Array, kernel: jax.Array, ys: jax.Array
 ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
     """Over the vocabulary's tiles (the kernel read once), each tile over the chunks of
     positions: per position the running max ``m``, sum ``s`` of ``exp(z - m)``, label logit
-    and arg-max. Returns the per-row sums and the logsumexp ``[n, B, c]``."""
+    and arg-max. Returns the per-position loss and hits and the logsumexp ``[n, B, c]``."""
     Stats = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
 
     def tile_step(stats: Stats, j: jax.Array) -> tuple[Stats, None]:
@@ -215,28 +299,26 @@ def _forward(
     init = (minus, zeros, zeros, minus, jnp.zeros(shape, jnp.int32))
     (m, s, zy, _, arg), _ = jax.lax.scan(tile_step, init, jnp.arange(blocks.tiles))
     lse = m + jnp.log(s)
-    # (n, B, c) -> per row (B,)
-    loss = jnp.sum((lse - zy) * ws, axis=(0, 2))
-    correct = jnp.sum((arg == ys) * ws, axis=(0, 2))
-    return (loss, correct), lse
+    return (lse - zy, (arg == ys).astype(jnp.float32)), lse
 
 
 def _blockwise_fwd(
-    blocks: _Blocks, hs: jax.Array, kernel: jax.Array, ys: jax.Array, ws: jax.Array
+    blocks: _Blocks, hs: jax.Array, kernel: jax.Array, ys: jax.Array
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
-    out, lse = _forward(blocks, hs, kernel, ys, ws)
-    return out, (hs, kernel, ys, ws, lse)
+    out, lse = _forward(blocks, hs, kernel, ys)
+    return out, (hs, kernel, ys, lse)
 
 
 def _blockwise_bwd(
     blocks: _Blocks, residuals: tuple[jax.Array, ...], cotangents: tuple[jax.Array, jax.Array]
-) -> tuple[jax.Array, jax.Array, None, None]:
-    """Each block recomputed: ``d loss / d z = (softmax(z) - onehot(label)) x weight x the
-    row's cotangent`` (the accuracy has none), through the soft-cap's ``1 - (z / cap)^2``, then
+) -> tuple[jax.Array, jax.Array, None]:
+    """Each block recomputed: ``d loss / d z = (softmax(z) - onehot(label)) x the position's
+    cotangent`` (the hits have none), through the temperature and the soft-cap's
+    ``1 - (z / cap)^2`` (:meth:`_Blocks.product_gradient`), then
     into ``hidden`` and ``kernel`` in the compute dtype with float32 sums, as autodiff of the
     whole computation does."""
-    hs, kernel, ys, ws, lse = residuals
-    coef = ws * cotangents[0][None, :, None]  # (n, B, c)
+    hs, kernel, ys, lse = residuals
+    coef = cotangents[0]  # (n, B, c)
 
     def tile_step(carry: tuple[jax.Array, jax.Array], j: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
         dhs, dkernel = carry
@@ -248,9 +330,7 @@ def _blockwise_bwd(
             z = blocks.logits(h, k)
             p = jnp.where(fresh, jnp.exp(z - lse_c[..., None]), 0.0)
             dz = (p - ((cols == y[..., None]) & fresh)) * coef_c[..., None]
-            if blocks.softcap:
-                dz = dz * (1.0 - jnp.square(z / blocks.softcap))
-            du = dz.astype(blocks.dtype)
+            du = blocks.product_gradient(z, dz).astype(blocks.dtype)
             dh = jnp.einsum("bcv,hv->bch", du, k_dt, preferred_element_type=jnp.float32)
             dk = dk + jnp.einsum("bch,bcv->hv", h.astype(blocks.dtype), du, preferred_element_type=jnp.float32)
             return dk, dh
@@ -263,7 +343,7 @@ def _blockwise_bwd(
 
     init = (jnp.zeros(hs.shape, jnp.float32), jnp.zeros(kernel.shape, jnp.float32))
     (dhs, dkernel), _ = jax.lax.scan(tile_step, init, jnp.arange(blocks.tiles))
-    return dhs.astype(hs.dtype), dkernel.astype(kernel.dtype), None, None
+    return dhs.astype(hs.dtype), dkernel.astype(kernel.dtype), None
 
 
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)

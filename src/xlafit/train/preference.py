@@ -44,12 +44,12 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from xlafit.data.clm import next_token_targets
 from xlafit.errors import ConfigError
 from xlafit.models.lora import adapters_off, lora_modules
+from xlafit.train.losses import TokenLogps, token_logps_of, whole_token_logps
 
 __all__ = [
     "LOSSES",
@@ -117,8 +117,13 @@ def completion_logps(logits: jax.Array, rows: dict[str, jax.Array]) -> tuple[jax
         logits: ``[R, T, V]`` float32.
         rows: ``input_ids``, ``segment_ids``, ``loss_mask`` ``[R, T]``.
     """
-    targets, weights = next_token_targets(rows["input_ids"], rows["segment_ids"], rows["loss_mask"])
-    token_logps = -optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], targets)  # (R, T - 1)
+    targets, _ = next_token_targets(rows["input_ids"], rows["segment_ids"])
+    return _completion_sums(token_logps_of(logits[:, :-1], targets), rows)
+
+
+def _completion_sums(token_logps: jax.Array, rows: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """:func:`completion_logps` from the tokens' log-probabilities ``[R, T - 1]``."""
+    _, weights = next_token_targets(rows["input_ids"], rows["segment_ids"], rows["loss_mask"])
     return (token_logps * weights).sum(-1), weights.sum(-1)
 
 
@@ -178,14 +183,16 @@ def _rows(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return {k: batch[k].reshape(-1, batch[k].shape[-1]) for k in PAIR_KEYS}
 
 
-def _pair_logps(model: Any, rows: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """``(sums, counts)`` ``[B, 2]`` of the model's completion log-probabilities."""
-    logits = model(rows["input_ids"], rows["segment_ids"], rows["positions"])  # (2B, T, V) float32
-    sums, counts = completion_logps(logits, rows)
+def _pair_logps(
+    model: Any, rows: dict[str, jax.Array], token_logps: TokenLogps = whole_token_logps
+) -> tuple[jax.Array, jax.Array]:
+    """``(sums, counts)`` ``[B, 2]`` of the model's completion log-probabilities, its tokens'
+    from ``token_logps``."""
+    sums, counts = _completion_sums(token_logps(model, rows, 1.0), rows)
     return sums.reshape(-1, 2), counts.reshape(-1, 2)
 
 
-def _base_logps(model: Any, rows: dict[str, jax.Array]) -> jax.Array:
+def _base_logps(model: Any, rows: dict[str, jax.Array], token_logps: TokenLogps = whole_token_logps) -> jax.Array:
     """The reference's summed completion log-probabilities ``[B, 2]``: the model with its LoRA
     adapters off, no gradient through it."""
     if not lora_modules(model):
@@ -195,17 +202,21 @@ def _base_logps(model: Any, rows: dict[str, jax.Array]) -> jax.Array:
             "model.preference.reference=precomputed (the reference's log-probabilities computed once before training)."
         )
     with adapters_off():
-        sums, _ = _pair_logps(model, rows)
+        sums, _ = _pair_logps(model, rows, token_logps)
     return jax.lax.stop_gradient(sums)
 
 
-def loss_fn(objective: Objective) -> Callable[[Any, dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]:
+def loss_fn(
+    objective: Objective, token_logps: TokenLogps = whole_token_logps
+) -> Callable[[Any, dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]:
     """The ``loss_fn(model, batch) -> (losses [B], metrics)`` of ``objective`` for
     :class:`xlafit.Trainer`: ``model(input_ids, segment_ids, positions)`` gives float32
-    logits (a :class:`~xlafit.models.llama.LlamaForCausalLM`); ``batch`` holds pairs (see the
-    module docstring). Metrics, per pair, by TRL's names: ``rewards/chosen``,
-    ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``,
-    ``logps/rejected`` (ORPO also ``nll_loss``, ``log_odds_ratio``, ``log_odds_chosen``).
+    logits (a :class:`~xlafit.models.llama.LlamaForCausalLM`), of which ``token_logps`` takes
+    each token's log-probability (by default from the whole logits; the llm recipe's computes
+    them in blocks); ``batch`` holds pairs (see the module docstring). Metrics, per pair, by
+    TRL's names: ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``,
+    ``rewards/margins``, ``logps/chosen``, ``logps/rejected`` (ORPO also ``nll_loss``,
+    ``log_odds_ratio``, ``log_odds_chosen``).
 
     Example:
         >>> train_step_loss = loss_fn(Objective("simpo", beta=2.0, gamma=0.5))
@@ -216,8 +227,8 @@ def loss_fn(objective: Objective) -> Callable[[Any, dict[str, jax.Array]], tuple
         rows = _rows(batch)
         ref = None
         if objective.needs_reference:  # before the policy's pass: its logits need not live alongside
-            ref = batch["ref_logps"] if objective.reference == "precomputed" else _base_logps(model, rows)
-        sums, counts = _pair_logps(model, rows)
+            ref = batch["ref_logps"] if objective.reference == "precomputed" else _base_logps(model, rows, token_logps)
+        sums, counts = _pair_logps(model, rows, token_logps)
         extras: dict[str, jax.Array] = {}
         if objective.loss == "dpo":
             assert ref is not None
@@ -262,15 +273,18 @@ def loss_fn(objective: Objective) -> Callable[[Any, dict[str, jax.Array]], tuple
     return pairs_loss
 
 
-def reference_logps(model: Any, arrays: dict[str, np.ndarray], batch_pairs: int = 16) -> np.ndarray:
+def reference_logps(
+    model: Any, arrays: dict[str, np.ndarray], batch_pairs: int = 16, token_logps: TokenLogps = whole_token_logps
+) -> np.ndarray:
     """The summed completion log-probabilities ``[N, 2]`` of ``model`` (the reference: the
     model before tuning) for every pair of ``arrays`` (``[N, 2, T]`` each), a batch of
     ``batch_pairs`` pairs at a time: one forward pass over the data, before training, so that
-    full fine-tuning needs no second copy of the weights while it trains."""
+    full fine-tuning needs no second copy of the weights while it trains; the tokens'
+    log-probabilities from ``token_logps`` (:func:`loss_fn`'s)."""
 
     @nnx.jit
     def logps(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
-        return _pair_logps(model, _rows(batch))[0]
+        return _pair_logps(model, _rows(batch), token_logps)[0]
 
     n = len(arrays["input_ids"])
     out = np.zeros((n, 2), np.float32)

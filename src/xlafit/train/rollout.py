@@ -36,6 +36,7 @@ from xlafit.models.generation import Sampling, generate, generation_program
 from xlafit.models.lora import adapters_off, lora_modules
 from xlafit.parallel.sharding import row_shards, rows_layout, rows_sharding
 from xlafit.train import grpo
+from xlafit.train.losses import TokenLogps, whole_token_logps
 from xlafit.train.rewards import Reward, score
 
 __all__ = ["Rollout", "sampler_seed"]
@@ -56,14 +57,21 @@ def sampler_seed(seed: int, step: int) -> int:
     return int(np.random.SeedSequence([seed, step, 0x6770]).generate_state(1)[0])
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "reference"))
-def _logps(graphdef: Any, state: Any, rows: dict[str, jax.Array], temperature: float, reference: bool) -> jax.Array:
-    """Per-token log-probabilities ``[R, T - 1]`` of the completions in ``rows``: the model's,
-    or with ``reference`` its base's (LoRA adapters off; read while tracing)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "reference", "token_logps"))
+def _logps(
+    graphdef: Any,
+    state: Any,
+    rows: dict[str, jax.Array],
+    temperature: float,
+    reference: bool,
+    token_logps: TokenLogps = whole_token_logps,
+) -> jax.Array:
+    """Per-token log-probabilities ``[R, T - 1]`` of the completions in ``rows`` (from
+    ``token_logps``): the model's, or with ``reference`` its base's (LoRA adapters off; read
+    while tracing)."""
     model = nnx.merge(graphdef, state)
     with adapters_off() if reference else contextlib.nullcontext():
-        logits = model(rows["input_ids"], rows["segment_ids"], rows["positions"])
-    return grpo.token_logps(logits, rows, temperature)[0]
+        return token_logps(model, rows, temperature)
 
 
 @dataclasses.dataclass
@@ -78,6 +86,8 @@ class Rollout:
         iterations: the steps each generation batch trains (``num_iterations``).
         top_p, top_k: the sampler's nucleus and top-k (1.0 and 0: the whole distribution).
         seed: the run's data seed, from which each step's sampler seed derives.
+        token_logps: how the log-probabilities of the rows' tokens are computed (the loss's:
+            :func:`xlafit.train.grpo.loss_fn`).
     """
 
     prompts: PromptSet
@@ -88,6 +98,7 @@ class Rollout:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    token_logps: TokenLogps = whole_token_logps
 
     def __post_init__(self) -> None:
         weights = np.ones(len(self.rewards), np.float32) if self.reward_weights is None else self.reward_weights
@@ -178,7 +189,10 @@ class Rollout:
             device_rows = {k: row(np.int8 if k == "loss_mask" else np.int32) for k in grpo.ROW_KEYS}
             reference = bool(o.beta) and self.iterations == 1
             out.append(
-                ("rollout log-probabilities", _logps.trace(graphdef, state, device_rows, o.temperature, reference))
+                (
+                    "rollout log-probabilities",
+                    _logps.trace(graphdef, state, device_rows, o.temperature, reference, self.token_logps),
+                )
             )
         return out
 
@@ -226,7 +240,7 @@ class Rollout:
         device_rows = {k: place_rows(rows[k], state) for k in grpo.ROW_KEYS}
         t = self.objective.temperature
         if need_old:
-            rows["old_logps"] = np.asarray(_logps(graphdef, state, device_rows, t, reference=False))
+            rows["old_logps"] = np.asarray(_logps(graphdef, state, device_rows, t, False, self.token_logps))
         if need_ref:
             if not lora_modules(model):
                 raise ConfigError(
@@ -234,7 +248,7 @@ class Rollout:
                     "model has no LoRA adapters to turn off for one; set lora.rank=16 (or another rank), or "
                     "model.grpo.beta=0."
                 )
-            rows["ref_logps"] = np.asarray(_logps(graphdef, state, device_rows, t, reference=True))
+            rows["ref_logps"] = np.asarray(_logps(graphdef, state, device_rows, t, True, self.token_logps))
 
     def _logged(
         self,
