@@ -56,7 +56,8 @@ def _median(fn: Any, runs: int) -> tuple[float, list[float]]:
     return statistics.median(times), times
 
 
-def cpu(runs: int) -> dict[str, Any]:
+def _model_pair() -> tuple[LlamaForCausalLM, Any]:
+    """The CPU model in xlafit, and the same weights in ``transformers`` (float32)."""
     import tempfile
 
     import torch
@@ -66,11 +67,29 @@ def cpu(runs: int) -> dict[str, Any]:
 
     torch.set_num_threads(os.cpu_count() or 1)
     model = LlamaForCausalLM(LlamaConfig(**CPU_MODEL), rngs=nnx.Rngs(0))
-    rng = np.random.default_rng(0)
-    prompts = rng.integers(3, CPU_MODEL["vocab_size"], (CPU_BATCH, CPU_PROMPT)).tolist()
     with tempfile.TemporaryDirectory() as folder:
         llama_hf.save_hf(model, folder)
         theirs = transformers.LlamaForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    return model, theirs
+
+
+def _machine() -> dict[str, Any]:
+    import torch
+    import transformers
+
+    return {
+        "versions": {"jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def cpu(runs: int) -> dict[str, Any]:
+    import torch
+
+    model, theirs = _model_pair()
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(3, CPU_MODEL["vocab_size"], (CPU_BATCH, CPU_PROMPT)).tolist()
 
     t0 = time.perf_counter()
     ours = generate(model, prompts, CPU_NEW)
@@ -99,9 +118,7 @@ def cpu(runs: int) -> dict[str, Any]:
         "xlafit": {"first_call_s": first_s, "runs_s": ours_runs, "median_s": ours_s, "tokens_per_s": tokens / ours_s},
         "transformers": {"runs_s": theirs_runs, "median_s": theirs_s, "tokens_per_s": tokens / theirs_s},
         "xlafit_over_transformers": theirs_s / ours_s,
-        "versions": {"jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
+        **_machine(),
     }
 
 
@@ -110,22 +127,13 @@ ROLLOUT_PROMPTS, ROLLOUT_G, ROLLOUT_NEW, ROLLOUT_TEMPERATURE = 8, 8, 32, 0.7
 
 def rollout(runs: int) -> dict[str, Any]:
     """Sampled rollouts: xlafit's ``generate`` against ``transformers.generate``, interleaved."""
-    import tempfile
-
     import torch
-    import transformers
 
-    from xlafit.hf import llama as llama_hf
-
-    torch.set_num_threads(os.cpu_count() or 1)
+    model, theirs = _model_pair()
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**CPU_MODEL), rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, CPU_MODEL["vocab_size"], (ROLLOUT_PROMPTS, CPU_PROMPT)).tolist()
     rows = [p for p in prompts for _ in range(ROLLOUT_G)]  # each prompt's G rows adjacent, as a rollout's
-    with tempfile.TemporaryDirectory() as folder:
-        llama_hf.save_hf(model, folder)
-        theirs = transformers.LlamaForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
     ids = torch.tensor(rows)
 
     def ours(seed: int) -> Any:
@@ -166,9 +174,7 @@ def rollout(runs: int) -> dict[str, Any]:
         "xlafit": {"first_call_s": first_s, "runs_s": ours_runs, "median_s": ours_s, "tokens_per_s": tokens / ours_s},
         "transformers": {"runs_s": theirs_runs, "median_s": theirs_s, "tokens_per_s": tokens / theirs_s},
         "xlafit_over_transformers": theirs_s / ours_s,
-        "versions": {"jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
+        **_machine(),
     }
 
 
