@@ -2,17 +2,17 @@
 
 The Hugging Face side is the files ``save_pretrained`` writes and ``from_pretrained`` reads
 for ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``,
-``MistralForCausalLM``, ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM``, ``Gemma4ForCausalLM`` and
-``Qwen3_5ForCausalLM`` (the family is the config's ``model_type``; Qwen3.5's multimodal checkpoints
-give their text model): ``config.json`` and ``model.safetensors``, or shards
-``model-0000i-of-0000n.safetensors`` listed in ``model.safetensors.index.json``. PyTorch's
-``Linear`` weights are ``[out, in]``, ours ``[in, out]``. Nothing here imports PyTorch or
-transformers. Scanned models (``scan_layers``) convert too: layer ``i`` is row ``i`` of each
-stacked parameter, or of a scanned block's
-(:meth:`~xlafit.models.llama.LlamaForCausalLM.layer_prefixes`). A mixture of experts' stacked
-expert weights are written one tensor per expert (``mlp.experts.{e}.gate_proj.weight``), as
-transformers' ``save_pretrained`` writes them, and read from that layout or from
-transformers' fused one (``mlp.experts.gate_up_proj`` ``[E, 2f, hidden]``,
+``MistralForCausalLM``, ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM``, ``Gemma4ForCausalLM``,
+``Qwen3_5ForCausalLM`` and ``Qwen3_5MoeForCausalLM`` (the family is the config's ``model_type``;
+Qwen3.5's multimodal checkpoints give their text model, :mod:`xlafit.hf.qwen3_5`):
+``config.json`` and ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors``
+listed in ``model.safetensors.index.json``. PyTorch's ``Linear`` weights are ``[out, in]``,
+ours ``[in, out]``. Nothing here imports PyTorch or transformers. Scanned models
+(``scan_layers``) convert too: layer ``i`` is row ``i`` of each stacked parameter, or of a
+scanned block's (:meth:`~xlafit.models.llama.LlamaForCausalLM.layer_prefixes`). A mixture
+of experts' stacked expert weights are written one tensor per expert
+(``mlp.experts.{e}.gate_proj.weight``), as transformers' ``save_pretrained`` writes them, and
+read from that layout or from transformers' fused one (``mlp.experts.gate_up_proj`` ``[E, 2f, hidden]``,
 ``mlp.experts.down_proj`` ``[E, hidden, f]``); the per-layer tables are
 :mod:`xlafit.hf.llama_tensors`'.
 
@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from xlafit.errors import HFFormatError
-from xlafit.hf import gemma4
+from xlafit.hf import gemma4, qwen3_5
 from xlafit.hf.files import open_safetensors, read_json, read_tensor
 from xlafit.hf.llama_tensors import EXPERT_NAMES, PerExpert, layer_tensors
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
@@ -73,16 +73,9 @@ ARCHITECTURES = {
     "gemma4_text": "Gemma4ForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 _GEMMA = ("gemma2", "gemma3_text")  # Gemma 4's config.json has its own keys (xlafit.hf.gemma4)
-# Qwen3.5's Gated DeltaNet sizes: the same names in our config and Hugging Face's.
-_LINEAR_KEYS = (
-    "linear_num_key_heads",
-    "linear_num_value_heads",
-    "linear_key_head_dim",
-    "linear_value_head_dim",
-    "linear_conv_kernel_dim",
-)
 
 
 def _family(cfg: LlamaConfig) -> str:
@@ -104,9 +97,11 @@ def hf_config(cfg: LlamaConfig) -> dict:
     family = _family(cfg)
     if family == "gemma4_text":
         return gemma4.hf_config(cfg, {hf: getattr(cfg, ours) for ours, hf in _CONFIG_KEYS.items()})
-    if family not in _GEMMA and cfg.embedding_scale or family not in (*_GEMMA, "qwen3_5_text") and cfg.norm_offset:
+    if family not in _GEMMA and cfg.embedding_scale or family not in (*_GEMMA, *qwen3_5.FAMILIES) and cfg.norm_offset:
         raise HFFormatError(f"embedding_scale and norm_offset (Gemma's conventions) have no {family} config.json.")
     out: dict[str, Any] = {hf: getattr(cfg, ours) for ours, hf in _CONFIG_KEYS.items()}
+    if family == "qwen3_5_moe_text":  # every layer sparse: transformers' config class has no intermediate_size
+        del out["intermediate_size"]
     act = "gelu_pytorch_tanh" if cfg.hidden_activation == "gelu_tanh" else "silu"
     out.update(
         {
@@ -148,12 +143,8 @@ def hf_config(cfg: LlamaConfig) -> dict:
         )
     if family == "gemma3_text":
         out["rope_local_base_freq"] = cfg.rope_local_theta or cfg.rope_theta
-    if family == "qwen3_5_text":
-        out.update({key: getattr(cfg, key) for key in _LINEAR_KEYS})
-        out.update(attention_bias=cfg.attention_bias, layer_types=list(cfg.kinds))
-        out["rope_parameters"] = {
-            "rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": cfg.partial_rotary_factor
-        }  # fmt: skip
+    if family in qwen3_5.FAMILIES:
+        out.update(qwen3_5.hf_config(cfg))
     if cfg.rope_type == "llama3":
         out["rope_scaling"] = {"rope_type": "llama3", **{hf: getattr(cfg, ours) for ours, hf in _LLAMA3_KEYS.items()}}
     elif cfg.rope_type == "linear":
@@ -218,33 +209,8 @@ def _family_fields(kind: str, hf: dict) -> dict[str, Any]:
         )
         if kind == "gemma3_text" and "rope_local_base_freq" in hf:
             fields["rope_local_theta"] = float(hf["rope_local_base_freq"])
-    if kind == "qwen3_5_text":
-        fields.update(_qwen3_5_fields(hf))
-    return fields
-
-
-def _qwen3_5_fields(hf: dict) -> dict[str, Any]:
-    """Qwen3.5 (text): Gated DeltaNet layers with every ``full_attention_interval``-th (4) a
-    full-attention layer whose output is gated; q/k norms; RMSNorm weights used as ``1 + w``."""
-    layers = int(hf["num_hidden_layers"])
-    interval = int(hf.get("full_attention_interval", 4))
-    types = hf.get("layer_types") or [
-        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)
-    ]
-    unknown = sorted(set(types) - {"full_attention", "linear_attention"})
-    if unknown:
-        raise HFFormatError(f"layer_types has {', '.join(unknown)}; Qwen3.5 has full_attention and linear_attention.")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
-    fields: dict[str, Any] = {key: int(hf[key]) for key in _LINEAR_KEYS if key in hf}
-    fields.update(
-        layer_types=tuple(types),
-        attn_output_gate=True,
-        qk_norm=True,
-        norm_offset=True,
-        attention_bias=bool(hf.get("attention_bias")),
-        partial_rotary_factor=float(partial),
-    )
+    if kind in qwen3_5.FAMILIES:
+        fields.update(qwen3_5.config_fields(kind, hf))
     return fields
 
 
@@ -269,17 +235,15 @@ def _moe_fields(hf: dict) -> dict[str, Any]:
 
 def config_from_hf(hf: dict, **overrides: Any) -> LlamaConfig:
     """A :class:`LlamaConfig` from a Hugging Face ``config.json`` dict of a Llama, Qwen2,
-    Qwen3, Qwen3-MoE, Mistral, Gemma 2, Gemma 3 or Gemma 4 (text), or Qwen3.5 model.
+    Qwen3, Qwen3-MoE, Mistral, Gemma 2, Gemma 3 or Gemma 4 (text), Qwen3.5 or Qwen3.5-MoE model.
 
     Example:
         >>> config_from_hf({"model_type": "llama", "vocab_size": 100, "hidden_size": 64,
         ...                 "num_hidden_layers": 2, "num_attention_heads": 4}).head_dim
         16
     """
+    hf = qwen3_5.text_config(hf)  # a multimodal Qwen3.5 checkpoint: its text model
     kind = hf.get("model_type", "llama")
-    if kind == "qwen3_5" and isinstance(hf.get("text_config"), dict):  # the multimodal checkpoint: its text model
-        hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"]}
-        kind = hf["model_type"] = "qwen3_5_text"
     if kind == "gemma3":
         raise HFFormatError(
             "config.json describes Gemma 3 with its vision tower (gemma3); xlafit reads the text models (gemma3_text: "

@@ -55,8 +55,8 @@ def _attention_tensors(cfg: LlamaConfig, i: int) -> list[Tensor]:
 def layer_tensors(cfg: LlamaConfig, i: int) -> list[Tensor]:
     """Layer ``i``'s tensors but a sparse layer's experts (:data:`EXPERT_NAMES`): Llama's,
     and those its family and kind add, replace or leave out (a Gated DeltaNet in place of
-    attention; a mixture of experts' router in place of the MLP; Gemma's sandwich norms,
-    Gemma 4's per-layer input gate and layer scalar)."""
+    attention; a mixture of experts' router, and its shared expert, in place of the MLP;
+    Gemma's sandwich norms, Gemma 4's per-layer input gate and layer scalar)."""
     linear = cfg.kinds[i] == "linear_attention"
     out: list[Tensor] = [("input_layernorm.weight", ("input_layernorm", "scale"), False)]
     out += _LINEAR_TENSORS if linear else _attention_tensors(cfg, i)
@@ -67,6 +67,12 @@ def layer_tensors(cfg: LlamaConfig, i: int) -> list[Tensor]:
         ]
     if cfg.moe_layers[i]:
         out.append(("mlp.gate.weight", ("mlp", "gate", "kernel"), True))
+        if cfg.shared_expert_intermediate_size:  # Qwen3.5-MoE: the shared expert and its gate [1, hidden]
+            out += [
+                (f"mlp.shared_expert.{p}.weight", ("mlp", "shared_expert", p, "kernel"), True)
+                for p in ("gate_proj", "up_proj", "down_proj")
+            ]
+            out.append(("mlp.shared_expert_gate.weight", ("mlp", "shared_expert_gate", "kernel"), True))
     else:
         out += [(f"mlp.{p}.weight", ("mlp", p, "kernel"), True) for p in ("gate_proj", "up_proj", "down_proj")]
     if cfg.per_layer_input_size:

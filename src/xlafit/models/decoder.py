@@ -1,7 +1,8 @@
 """The parts of a decoder layer the families compose: RMSNorm, attention (grouped-query,
 sliding windows, soft-caps, q/k norms, Qwen3.5's gated output, Gemma 4's shared keys and
-values), the gated MLP or a mixture of experts (:mod:`xlafit.models.moe`), Gemma 4's
-per-layer input gate, and the key/value cache generation fills.
+values), the gated MLP (:mod:`xlafit.models.dense`) or a mixture of experts
+(:mod:`xlafit.models.moe`), Gemma 4's per-layer input gate, and the key/value cache
+generation fills.
 
 :class:`LlamaDecoderLayer` is one layer of :class:`xlafit.models.llama.LlamaForCausalLM`;
 what differs between families is in :class:`~xlafit.models.llama_config.LlamaConfig` and the
@@ -32,6 +33,7 @@ from xlafit.models import splash
 from xlafit.models.activations import gated
 from xlafit.models.attention import apply_rope, attention, causal_mask, default_scale, rope_frequencies
 from xlafit.models.cudnn import packed_flash_attention
+from xlafit.models.dense import LlamaMLP
 from xlafit.models.dense import dense as _dense
 from xlafit.models.gated_deltanet import GatedDeltaNet, LinearState
 from xlafit.models.llama_config import DTYPES, LlamaConfig
@@ -225,24 +227,6 @@ class LlamaAttention(nnx.Module):
             cfg.attn_logit_softcap,
         )
         return self._output(context, gate), KVCache(keys, values)
-
-
-class LlamaMLP(nnx.Module):
-    """A gated MLP: ``down(act(gate(x)) * up(x))`` with SiLU (SwiGLU, Shazeer 2020) or tanh
-    GELU (GeGLU, Gemma); Megatron's column/row split. ``width``: the inner size (default the
-    config's ``intermediate_size``)."""
-
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, width: int | None = None) -> None:
-        h, i = cfg.hidden_size, width or cfg.intermediate_size
-        self.gate_proj = _dense(cfg, h, i, rngs, ("embed", "mlp"), False)
-        self.up_proj = _dense(cfg, h, i, rngs, ("embed", "mlp"), False)
-        self.down_proj = _dense(cfg, i, h, rngs, ("mlp", "embed"), False)
-        self.gelu = cfg.hidden_activation == "gelu_tanh"
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gated_product = gated(self.gate_proj(x), self.up_proj(x), "gelu_tanh" if self.gelu else "silu")
-        y = constrain(gated_product, "batch", None, "mlp")  # (B, T, i)
-        return self.down_proj(y)
 
 
 class LlamaDecoderLayer(nnx.Module):

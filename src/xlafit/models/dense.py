@@ -1,4 +1,6 @@
-"""The decoder families' dense layer: bias-free unless asked, its kernel named by logical axes.
+"""The decoder families' dense layer (bias-free unless asked, its kernel named by logical
+axes) and their gated MLP, which a decoder layer and a mixture of experts' shared expert
+(:mod:`xlafit.models.moe`) both use.
 
 Example:
     >>> from flax import nnx
@@ -10,12 +12,14 @@ Example:
 
 from __future__ import annotations
 
+import jax
 from flax import nnx
 
+from xlafit.models.activations import gated
 from xlafit.models.llama_config import DTYPES, LlamaConfig
-from xlafit.parallel.sharding import logical
+from xlafit.parallel.sharding import constrain, logical
 
-__all__ = ["dense"]
+__all__ = ["LlamaMLP", "dense"]
 
 
 def dense(
@@ -34,3 +38,21 @@ def dense(
         param_dtype=DTYPES[cfg.param_dtype],
         rngs=rngs,
     )
+
+
+class LlamaMLP(nnx.Module):
+    """A gated MLP: ``down(act(gate(x)) * up(x))`` with SiLU (SwiGLU, Shazeer 2020) or tanh
+    GELU (GeGLU, Gemma); Megatron's column/row split. ``width``: the inner size (default the
+    config's ``intermediate_size``)."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, width: int | None = None) -> None:
+        h, i = cfg.hidden_size, width or cfg.intermediate_size
+        self.gate_proj = dense(cfg, h, i, rngs, ("embed", "mlp"), False)
+        self.up_proj = dense(cfg, h, i, rngs, ("embed", "mlp"), False)
+        self.down_proj = dense(cfg, i, h, rngs, ("mlp", "embed"), False)
+        self.gelu = cfg.hidden_activation == "gelu_tanh"
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gated_product = gated(self.gate_proj(x), self.up_proj(x), "gelu_tanh" if self.gelu else "silu")
+        y = constrain(gated_product, "batch", None, "mlp")  # (B, T, i)
+        return self.down_proj(y)

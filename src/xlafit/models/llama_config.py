@@ -1,6 +1,6 @@
 """The sizes and options of :class:`xlafit.models.llama.LlamaForCausalLM` and the families
 it covers (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Gemma 2, Gemma 3, Gemma 4's text models,
-Qwen3.5), with named presets (:mod:`xlafit.models.llama_presets`).
+Qwen3.5 and its mixture of experts), with named presets (:mod:`xlafit.models.llama_presets`).
 
 Example:
     >>> LlamaConfig.preset("llama-3.2-1b").num_kv_heads
@@ -71,10 +71,11 @@ class LlamaConfig:
     embedding_scale: bool = False
     norm_offset: bool = False
     # The families' differences (Hugging Face's model_type: llama, qwen2, qwen3, qwen3_moe, mistral, gemma2,
-    # gemma3_text, gemma4_text, qwen3_5_text).
+    # gemma3_text, gemma4_text, qwen3_5_text, qwen3_5_moe_text).
     family: Literal[
-        "llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma2", "gemma3_text", "gemma4_text", "qwen3_5_text"
-    ] = "llama"
+        "llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma2", "gemma3_text", "gemma4_text", "qwen3_5_text",
+        "qwen3_5_moe_text",
+    ] = "llama"  # fmt: skip
     hidden_activation: Literal["silu", "gelu_tanh"] = "silu"  # the gated MLP's (Gemma: GeGLU)
     qk_norm: bool = False  # an RMSNorm over each head of q and k before the rotation (Qwen3, Gemma 3)
     sandwich_norms: bool = False  # Gemma 2/3: norms after attention and around the MLP as well as before
@@ -124,6 +125,9 @@ class LlamaConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1  # every this many layers is sparse (Qwen3-MoE's), unless in mlp_only_layers
     mlp_only_layers: tuple[int, ...] = ()  # layers that keep the dense MLP
+    # A shared expert of this width in each sparse block (0: none): a gated MLP every token goes
+    # through, its output times sigmoid(shared_expert_gate(x)) added to the routed experts' (Qwen3.5-MoE)
+    shared_expert_intermediate_size: int = 0
     moe_impl: Literal["ragged", "dense"] = "ragged"  # grouped products, or every expert on every token
     router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight in the training loss
     router_z_loss_coef: float = 0.0  # the router z-loss's (ST-MoE)
@@ -325,8 +329,11 @@ class LlamaConfig:
         key_dim, value_dim = self.linear_num_key_heads * dk, heads * dv
         deltanet = h * (2 * key_dim + 2 * value_dim + 2 * heads) + value_dim * h
         rule = heads * (3 * dk * dv + self.linear_chunk_size * (2 * dk + dv))
-        # A sparse layer's token runs its router and k of the experts (gate, up, down each).
+        # A sparse layer's token runs its router and k of the experts (gate, up, down each), and
+        # the shared expert and its gate where there is one.
         sparse = h * self.num_experts + 3 * h * self.expert_size * self.num_experts_per_tok
+        if self.shared_expert_intermediate_size:
+            sparse += 3 * h * self.shared_expert_intermediate_size + h
         matmul_params = h * self.vocab_size + h * self.num_layers * p  # output layer; per-layer inputs' projection
         rules, attended = 0.0, 0.0
         for i, (kind, moe) in enumerate(zip(self.kinds, self.moe_layers, strict=True)):

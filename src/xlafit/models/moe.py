@@ -17,8 +17,12 @@ The experts' weights are stacked, ``gate_proj``/``up_proj`` ``[E, hidden, f]`` a
 - ``"dense"``: every expert computes every token and the router's weights (zero for the
   experts not chosen) combine them: ``E / k`` times the FLOPs, the reference.
 
-The router of Qwen3-MoE (``qwen3_moe``): float32 softmax over the experts, the top ``k``
-probabilities, renormalised to sum to 1 with ``norm_topk_prob``. What training adds to the
+The router of Qwen3-MoE (``qwen3_moe``) and Qwen3.5-MoE (``qwen3_5_moe_text``): float32
+softmax over the experts, the top ``k`` probabilities, renormalised to sum to 1 with
+``norm_topk_prob`` (always, in Qwen3.5-MoE). Qwen3.5-MoE's blocks also have a shared expert
+(Qwen2-MoE's, DeepSeekMoE's "shared expert isolation", Dai et al. 2024): a gated MLP that
+every token goes through, its output times ``sigmoid(shared_expert_gate(x))`` added to the
+routed experts'. What training adds to the
 loss: the load-balancing loss of Switch Transformer (:func:`load_balancing_loss`, equal to
 transformers' ``load_balancing_loss_func``) and the router z-loss of ST-MoE (Zoph et al.
 2022, :func:`router_z_loss`); the statistics both need are summed over the layers
@@ -40,6 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xlafit.models.activations import gated
+from xlafit.models.dense import LlamaMLP, dense
 from xlafit.models.llama_config import DTYPES, LlamaConfig
 from xlafit.parallel.sharding import constrain, logical
 
@@ -234,11 +239,13 @@ def dense_experts(
 class MoEBlock(nnx.Module):
     """A sparse MoE feed-forward block in Hugging Face's naming: ``gate`` the router (an
     ``nnx.Linear`` ``[hidden, E]``, no bias) and ``experts`` the stacked expert weights
-    (``mlp.experts.gate_proj`` ``[E, hidden, f]``, ...). Computed as ``cfg.moe_impl`` says.
+    (``mlp.experts.gate_proj`` ``[E, hidden, f]``, ...), computed as ``cfg.moe_impl`` says;
+    with ``shared_expert_intermediate_size`` also ``shared_expert`` (a
+    :class:`~xlafit.models.dense.LlamaMLP`) and ``shared_expert_gate`` (``[hidden, 1]``).
 
     Args:
         cfg: ``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``,
-            ``norm_topk_prob``, ``moe_impl``.
+            ``norm_topk_prob``, ``moe_impl``, ``shared_expert_intermediate_size``.
         rngs: ``params`` for initialisation (normal, std ``initializer_range``).
     """
 
@@ -255,6 +262,10 @@ class MoEBlock(nnx.Module):
             nnx.Param(logical(init, "experts", "embed", "mlp")(rngs.params(), (e, h, f), dtype)),
             nnx.Param(logical(init, "experts", "mlp", "embed")(rngs.params(), (e, f, h), dtype)),
         )
+        self.shared = cfg.shared_expert_intermediate_size > 0
+        if self.shared:
+            self.shared_expert = LlamaMLP(cfg, rngs, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = dense(cfg, h, 1, rngs, ("embed", None), False)
         self.k, self.norm_topk_prob, self.impl = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.moe_impl
         self.activation, self.dtype = cfg.hidden_activation, cfg.compute_dtype
 
@@ -269,7 +280,9 @@ class MoEBlock(nnx.Module):
         weights_of = (ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...])
         gate, up, down = (w.astype(self.dtype) for w in weights_of)
         run = ragged_experts if self.impl == "ragged" else dense_experts
-        y = run(tokens, weights, experts, gate, up, down, self.activation).astype(x.dtype)
+        y = run(tokens, weights, experts, gate, up, down, self.activation).astype(x.dtype).reshape(b, t, h)
+        if self.shared:  # every token's, weighed by its own gate (B, T, 1)
+            y = y + (jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)).astype(y.dtype)
         real = jnp.ones((b * t,), jnp.float32) if mask is None else mask.reshape(-1).astype(jnp.float32)
         assigned = jnp.zeros((probs.shape[-1],), jnp.float32).at[experts.reshape(-1)].add(jnp.repeat(real, self.k))
         lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
@@ -280,7 +293,7 @@ class MoEBlock(nnx.Module):
             z=jnp.sum(lse * lse * real),
             layers=jnp.ones((), jnp.float32),
         )
-        return constrain(y.reshape(b, t, h), "batch", None, None), stats
+        return constrain(y, "batch", None, None), stats
 
 
 class Experts(nnx.Module):

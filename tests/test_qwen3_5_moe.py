@@ -1,0 +1,237 @@
+"""Qwen3.5-MoE (Qwen3.5 35B-A3B's text model, ``qwen3_5_moe_text``): a tiny random
+``Qwen3_5MoeForCausalLM`` saved by transformers loads with its logits (float32, 1e-4), from the
+multimodal checkpoint's text weights and from transformers' fused expert tensors too; the
+export loads back in transformers; the cached generation equals recomputing the prefix and
+``transformers.generate``; the load-balancing loss equals transformers' on the same router
+logits; and the llm recipe trains it from the local checkpoint, the shared expert and its
+gate included."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from helpers import recomputed
+from xlafit.errors import HFFormatError
+from xlafit.hf import llama as llama_hf
+from xlafit.models.generation import generate
+from xlafit.models.moe import load_balancing_loss
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+# A Gated DeltaNet layer then a full-attention one, every layer a sparse block: 8 experts of
+# 16, 2 a token, and a shared expert of 24 behind its gate. A vocabulary of 320 holds the
+# training test's tokenizer (300).
+TEXT = dict(vocab_size=320, hidden_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12, num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+            max_position_embeddings=128)  # fmt: skip
+IDS = np.random.default_rng(0).integers(0, 320, (2, 24)).tolist()
+
+
+def _randomize(model):
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():  # norms, decays, the router and the shared expert's gate too
+            p.add_(torch.randn_like(p) * 0.1)
+    return model.float().eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.manual_seed(0)
+    model = _randomize(transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**TEXT)))
+    folder = tmp_path_factory.mktemp("qwen3_5_moe")
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def _theirs(model, ids, **kwargs):
+    with torch.no_grad():
+        return model(torch.tensor(ids), **kwargs).logits.numpy()
+
+
+@nnx.jit
+def run(model, ids):  # compiled: op-by-op dispatch of the scans and the grouped products is slow
+    return model(ids)
+
+
+@pytest.fixture(scope="module")
+def ours(checkpoint):
+    return llama_hf.from_hf(checkpoint[1], linear_chunk_size=16)
+
+
+def test_a_checkpoint_loads_with_transformers_logits(checkpoint, ours):
+    theirs, _ = checkpoint
+    cfg = ours.cfg
+    assert cfg.family == "qwen3_5_moe_text" and cfg.kinds == ("linear_attention", "full_attention")
+    assert cfg.moe_layers == (True, True) and cfg.norm_topk_prob and cfg.shared_expert_intermediate_size == 24
+    np.testing.assert_allclose(np.asarray(run(ours, jnp.array(IDS))), _theirs(theirs, IDS), atol=1e-4, rtol=1e-4)
+
+
+def test_the_scanned_block_loads_with_transformers_logits(checkpoint):
+    """scan_layers: the (DeltaNet, attention) block stacked, the shared experts' weights too."""
+    theirs, folder = checkpoint
+    scanned = llama_hf.from_hf(folder, linear_chunk_size=16, scan_layers=True)
+    assert scanned.cfg.scan_period == 2
+    np.testing.assert_allclose(np.asarray(run(scanned, jnp.array(IDS))), _theirs(theirs, IDS), atol=1e-4, rtol=1e-4)
+
+
+def test_the_parity_needs_the_shared_expert(checkpoint, ours):
+    """With the shared experts' outputs zeroed the logits are far from transformers'."""
+    theirs, _ = checkpoint
+    silenced = nnx.clone(ours)
+    for i in range(2):
+        down = silenced.layer_at(i)[0].mlp.shared_expert.down_proj.kernel
+        down[...] = jnp.zeros_like(down[...])
+    assert np.abs(np.asarray(run(silenced, jnp.array(IDS))) - _theirs(theirs, IDS)).max() > 1e-2
+
+
+def test_the_multimodal_checkpoint_gives_its_text_model(tmp_path):
+    """Qwen3.5 35B-A3B ships as Qwen3_5MoeForConditionalGeneration: config.json's text_config,
+    the text weights under model.language_model (the vision tower's are left alone)."""
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
+                  temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16)  # fmt: skip
+    config = transformers.Qwen3_5MoeConfig(text_config=TEXT, vision_config=vision)
+    torch.manual_seed(1)
+    theirs = _randomize(transformers.Qwen3_5MoeForConditionalGeneration(config))
+    theirs.save_pretrained(tmp_path)
+    mine = llama_hf.from_hf(tmp_path, linear_chunk_size=16)
+    assert mine.cfg.family == "qwen3_5_moe_text"
+    np.testing.assert_allclose(np.asarray(run(mine, jnp.array(IDS))), _theirs(theirs, IDS), atol=1e-4, rtol=1e-4)
+
+
+def test_fused_expert_tensors_load_too(checkpoint, tmp_path):
+    """transformers' in-memory layout (gate_up_proj [E, 2f, h], down_proj [E, h, f]) in the file."""
+    from safetensors.numpy import save_file
+
+    theirs, folder = checkpoint
+    state = {k: v.numpy() for k, v in theirs.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    mine = llama_hf.from_hf(tmp_path, linear_chunk_size=16)
+    np.testing.assert_allclose(np.asarray(run(mine, jnp.array(IDS))), _theirs(theirs, IDS), atol=1e-4, rtol=1e-4)
+
+
+def test_an_export_loads_back_in_transformers(checkpoint, ours, tmp_path):
+    theirs, _ = checkpoint
+    llama_hf.save_hf(ours, tmp_path)
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert type(back).__name__ == "Qwen3_5MoeForCausalLM"
+    np.testing.assert_allclose(_theirs(back, IDS), _theirs(theirs, IDS), atol=1e-6, rtol=1e-6)
+
+
+def test_an_export_transformers_cannot_describe_is_refused(ours, tmp_path):
+    """Qwen3.5-MoE's config.json has every layer sparse and a shared expert."""
+    for change in ({"mlp_only_layers": (0,)}, {"shared_expert_intermediate_size": 0}):
+        cfg = dataclasses.replace(ours.cfg, **change)
+        with pytest.raises(HFFormatError, match="every layer sparse"):
+            llama_hf.hf_config(cfg)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_attention_biases_are_refused(family):
+    """Qwen3.5's attention_bias puts a bias on o_proj too, which xlafit's attention has not:
+    read, it would be dropped and the logits wrong."""
+    hf = {"model_type": family, "vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 4,
+          "num_attention_heads": 4, "head_dim": 16, "attention_bias": True}  # fmt: skip
+    with pytest.raises(HFFormatError, match="attention_bias=true Qwen3.5 models"):
+        llama_hf.config_from_hf(hf)
+
+
+PROMPTS = [IDS[0][:7], IDS[1][:3]]  # left-padded to 7: the padding writes no state
+
+
+def test_generation_with_the_cache_equals_recomputing_and_transformers(checkpoint, ours):
+    theirs, _ = checkpoint
+    got = generate(ours, PROMPTS, 6)
+    assert got == [recomputed(ours, prompt, 6) for prompt in PROMPTS]
+    length = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (length - len(p)) + p for p in PROMPTS])
+    mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in PROMPTS])
+    with torch.no_grad():
+        want = theirs.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+    assert got == want[:, length:].tolist()
+
+
+def test_the_aux_loss_equals_transformers_on_the_same_router_logits(checkpoint, ours):
+    """Padding (segment 0 here, attention_mask 0 there) is left out of both."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import load_balancing_loss_func
+
+    theirs, _ = checkpoint
+    segments = np.ones((2, 24), np.int32)
+    segments[1, 17:] = 0  # right padding
+    with torch.no_grad():
+        out = theirs(torch.tensor(IDS), attention_mask=torch.tensor(segments), output_router_logits=True)
+    expected = load_balancing_loss_func(out.router_logits, 8, 2, torch.tensor(segments)).item()
+    positions = jnp.broadcast_to(jnp.arange(24), (2, 24))
+    _, stats = nnx.jit(lambda m: m.decode_routed(jnp.array(IDS), jnp.array(segments), positions))(ours)
+    assert stats is not None and float(stats.layers) == 2
+    np.testing.assert_allclose(float(load_balancing_loss(stats)), expected, rtol=1e-5)
+
+
+def test_the_llm_recipe_trains_it_from_the_local_checkpoint(checkpoint, tmp_path, monkeypatch):
+    """Two steps of ``xlafit train llm model.init_from_hf=...``: the loss adds the router's
+    load-balancing loss, and the weights move, the shared expert and its gate among them."""
+    import xlafit
+    from xlafit.data import clm
+    from xlafit.recipes import load_config
+
+    _, folder = checkpoint
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "text").mkdir()
+    documents = (f"document {i}: " + "one two three four five " * (3 + i % 5) for i in range(40))
+    (tmp_path / "text" / "a.txt").write_text("\n\n".join(documents))
+    clm.train_bpe([str(tmp_path / "text" / "a.txt")], 300, tmp_path / "tok")
+    overrides = [
+        f"run.run_dir={tmp_path / 'run'}",
+        f"model.init_from_hf={folder}",
+        f"data.data_dir={tmp_path / 'text'}",
+        f"data.tokenizer={tmp_path / 'tok'}",
+        "data.seq_len=32",
+        "data.eval_fraction=0",
+        "trainer.stop_at_step=2",
+        "trainer.log_every_steps=1",
+    ]
+    result = xlafit.train_and_evaluate(load_config("llm", overrides))
+    assert [r["step"] for r in result.history] == [1, 2]
+    assert all(np.isfinite(r["loss"]) and r["moe_aux_loss"] > 0 for r in result.history)
+    model = llama_hf.from_hf(folder)
+    before = llama_hf.to_hf_state(model)
+    nnx.update(model, result.state.params)
+    after = llama_hf.to_hf_state(model)
+    for name in ("model.layers.0.mlp.shared_expert_gate.weight", "model.layers.1.mlp.shared_expert.up_proj.weight",
+                 "model.layers.0.mlp.gate.weight", "model.layers.1.mlp.experts.3.down_proj.weight"):  # fmt: skip
+        assert np.abs(after[name] - before[name]).max() > 0, name
+
+
+# peft 0.21 reads transformers 5's deprecated is_gradient_checkpointing (not our code)
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_lora_on_the_shared_expert_exports_a_peft_adapter_transformers_applies(checkpoint, tmp_path):
+    """gate_proj, up_proj and down_proj are the shared expert's (the routed experts' stacked
+    weights take no adapters), as PEFT finds them in transformers' model."""
+    peft = pytest.importorskip("peft")
+    from xlafit.hf.peft import save_peft_adapter
+    from xlafit.models.lora import apply_lora, merge_lora
+
+    plain, folder = checkpoint
+    targets = ["q_proj", "in_proj_qkv", "gate_proj", "up_proj", "down_proj"]
+    mine = apply_lora(llama_hf.from_hf(folder, linear_chunk_size=16), targets, rank=4, alpha=8, rngs=nnx.Rngs(1))
+    for path, value in nnx.state(mine, nnx.LoRAParam).flat_state():  # non-zero B: the adapter changes the logits
+        if path[-1] == "lora_b":
+            value.set_value(jnp.full(value.shape, 0.05, value.dtype))
+    save_peft_adapter(mine, tmp_path / "adapter", base_model_name_or_path=str(folder))
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(folder))
+    tuned = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    want = _theirs(tuned, IDS)
+    assert np.abs(want - _theirs(plain, IDS)).max() > 1e-2  # the adapters do change transformers' logits
+    np.testing.assert_allclose(np.asarray(run(merge_lora(mine), jnp.array(IDS))), want, atol=1e-4, rtol=1e-4)
