@@ -223,3 +223,27 @@ def test_lora_on_the_shared_expert_exports_a_peft_adapter_transformers_applies(c
     want = _theirs(tuned, IDS)
     assert np.abs(want - _theirs(plain, IDS)).max() > 1e-2  # the adapters do change transformers' logits
     np.testing.assert_allclose(np.asarray(run(merge_lora(mine), jnp.array(IDS))), want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_preset_is_what_the_released_config_reads_as_with_transformers_parameters():
+    """``model.preset=qwen3.5-35b-a3b``: the fields xlafit reads from the released text
+    config (transformers' defaults are its shape; the release's rotary base and context). Its
+    first block of four layers has as many parameters as transformers' model of it (built on
+    the meta device), and the ten blocks with the embeddings and the output layer 34.66B."""
+    from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
+
+    rope = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
+    released = transformers.Qwen3_5MoeTextConfig(rope_parameters=rope, max_position_embeddings=262144)
+    preset = LlamaConfig.preset("qwen3.5-35b-a3b")
+    read = llama_hf.config_from_hf(released.to_dict())
+    differ = {f.name for f in dataclasses.fields(preset) if getattr(preset, f.name) != getattr(read, f.name)}
+    assert differ <= {"intermediate_size"}, differ  # the dense MLP's width, which no layer has
+    block = dataclasses.replace(preset, num_layers=4, layer_types=preset.layer_types[:4])
+    with torch.device("meta"):
+        small = transformers.Qwen3_5MoeTextConfig(**{**released.to_dict(), "num_hidden_layers": 4, "layer_types": None})
+        theirs = sum(p.numel() for p in transformers.Qwen3_5MoeForCausalLM(small).parameters())
+    ours = nnx.eval_shape(lambda: LlamaForCausalLM(block, rngs=nnx.Rngs(0)))
+    count = sum(v.size for _, v in nnx.to_flat_state(nnx.state(ours, nnx.Param)))
+    assert count == theirs
+    outside = 2 * preset.vocab_size * preset.hidden_size + preset.hidden_size  # embeddings, output layer, final norm
+    assert outside + 10 * (count - outside) == 34_660_610_688
