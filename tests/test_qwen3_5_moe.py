@@ -229,7 +229,8 @@ def test_the_preset_is_what_the_released_config_reads_as_with_transformers_param
     """``model.preset=qwen3.5-35b-a3b``: the fields xlafit reads from the released text
     config (transformers' defaults are its shape; the release's rotary base and context). Its
     first block of four layers has as many parameters as transformers' model of it (built on
-    the meta device), and the ten blocks with the embeddings and the output layer 34.66B."""
+    the meta device), and the ten blocks with the embeddings and the output layer 34.66B; its
+    model FLOPs count the shared expert."""
     from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 
     rope = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
@@ -247,3 +248,6 @@ def test_the_preset_is_what_the_released_config_reads_as_with_transformers_param
     assert count == theirs
     outside = 2 * preset.vocab_size * preset.hidden_size + preset.hidden_size  # embeddings, output layer, final norm
     assert outside + 10 * (count - outside) == 34_660_610_688
+    # The model FLOPs count each token's shared expert (gate, up, down) and its gate, 6 FLOPs a weight.
+    alone = dataclasses.replace(preset, shared_expert_intermediate_size=0).train_flops_per_token(4096)
+    assert preset.train_flops_per_token(4096) - alone == 6 * 40 * (3 * 2048 * 512 + 2048)
