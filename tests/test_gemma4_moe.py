@@ -184,20 +184,22 @@ def test_lora_on_the_experts_is_refused_naming_the_fix(checkpoint, target):
 
 
 def test_the_llm_recipe_trains_from_an_export(tmp_path, monkeypatch):
-    """Two full fine-tuning steps of the llm recipe with model.init_from_hf=<an xlafit export>:
-    the experts and the router's scales train, the load-balancing loss is logged (and not
-    added: Gemma 4 has none)."""
+    """Two full fine-tuning steps of the llm recipe with model.init_from_hf=<an xlafit export>
+    of two layers (a sliding and a global one): the experts and the router's scales train, the
+    load-balancing loss is logged (and not added: Gemma 4 has none)."""
     monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "a.txt").write_text("\n\n".join(f"document {i}: the quick brown fox. " * 3 for i in range(40)))
     clm.train_bpe([str(tmp_path / "text" / "a.txt")], 300, tmp_path / "tok")
-    config = gemma4_config(**MOE, vocab_size=300, vocab_size_per_layer_input=300).to_dict()
+    two = dict(num_hidden_layers=2, layer_types=KINDS[1:3], num_kv_shared_layers=0, use_double_wide_mlp=False)
+    config = gemma4_config(**MOE, **two, vocab_size=300, vocab_size_per_layer_input=300).to_dict()
     model = llama_hf.LlamaForCausalLM(llama_hf.config_from_hf(config), rngs=nnx.Rngs(0))
     llama_hf.save_hf(model, tmp_path / "hf")
     cfg = load_config("llm", [
         f"model.init_from_hf={tmp_path / 'hf'}", f"data.data_dir={tmp_path / 'text'}",
         f"data.tokenizer={tmp_path / 'tok'}", f"run.run_dir={tmp_path / 'run'}", "data.seq_len=32",
         "data.global_batch=8", "trainer.stop_at_step=2", "trainer.log_every_steps=1", "optimizer.warmup_steps=0",
+        "data.eval_fraction=0",
     ])  # fmt: skip
     result = xlafit.train_and_evaluate(cfg)
     assert int(result.state.step) == 2 and np.isfinite(result.history[-1]["loss"])

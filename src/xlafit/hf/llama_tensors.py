@@ -2,11 +2,11 @@
 layer, for :mod:`xlafit.hf.llama`: each as its name after ``model.layers.{i}.``, the path of
 our parameter in a :class:`~xlafit.models.decoder.LlamaDecoderLayer`, and whether PyTorch's
 ``[out, in]`` is our ``[in, out]`` transposed; and transformers' fused expert weights seen as
-the per-expert tensors that ``save_pretrained`` writes.
+the per-expert tensors that ``save_pretrained`` writes (Gemma 4's as the two halves of its
+fused ``experts.gate_up_proj``, fused again to be written).
 
 Example:
     >>> from xlafit.models.llama_config import LlamaConfig
-from xlafit.models.moe import EXPERT_WEIGHTS
     >>> [name for name, _, _ in layer_tensors(LlamaConfig.preset("tiny"), 0)][:3]
     ['input_layernorm.weight', 'self_attn.q_proj.weight', 'self_attn.k_proj.weight']
 """

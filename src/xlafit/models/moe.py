@@ -342,7 +342,7 @@ class ScaledRouter(nnx.Module):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """``(logits [N, E], weights [N, k], experts [N, k], probs [N, E])`` of ``x [N, hidden]``."""
         h = x.shape[-1]
-        normed = rms(x, self.eps).astype(self.dtype) * self.scale[...].astype(self.dtype)
+        normed = rms(x, self.eps).astype(self.dtype) * self.scale[...].astype(self.dtype)[None, :]
         logits = self.proj(normed * jnp.asarray(h**-0.5, self.dtype))
         weights, experts, probs = route(logits, self.k, True, self.per_expert_scale[...])
         return logits, weights, experts, probs
