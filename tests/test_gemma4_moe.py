@@ -8,6 +8,7 @@ is refused in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -76,6 +77,9 @@ def test_the_config_reads_the_experts_and_writes_them_back(checkpoint):
     assert cfg.moe_beside_mlp and cfg.moe_layers == (True,) * 6 and cfg.router_aux_loss_coef == 0.0
     written = llama_hf.hf_config(cfg)
     assert {key: written[key] for key in MOE} == MOE
+    # FLOPs: each layer's dense MLP beside its router and k experts (6 per weight, forward and backward).
+    dense = dataclasses.replace(cfg, num_experts=0).train_flops_per_token(16)
+    assert cfg.train_flops_per_token(16) - dense == 6 * 6 * (64 * 4 + 3 * 64 * 16 * 2)
 
 
 def test_a_mixture_of_experts_without_its_sizes_is_refused():
@@ -132,17 +136,13 @@ def test_generation_with_the_cache_equals_transformers(checkpoint):
 
 def test_the_repeating_block_scans_to_transformers_logits(tmp_path):
     """No key/value sharing (the 26B-A4B's layout): two blocks of (sliding, sliding, global),
-    each layer with its experts; transformers' logits, the unscanned model's router
-    statistics, and an export of the stacked experts that transformers reads back."""
+    each layer with its experts; transformers' logits, and an export of the stacked experts
+    that transformers reads back."""
     theirs = _random(gemma4_config(**MOE, num_kv_shared_layers=0, use_double_wide_mlp=False))
     theirs.save_pretrained(tmp_path / "hf", safe_serialization=True)
     scanned = llama_hf.from_hf(tmp_path / "hf", scan_layers=True)
     assert scanned.cfg.scan_period == 3
     np.testing.assert_allclose(np.asarray(_ours(scanned, jnp.array(IDS))), _theirs(theirs, IDS), atol=1e-4, rtol=1e-4)
-    routed = nnx.jit(lambda m: m.decode_routed(jnp.array(IDS))[1])
-    want, got = routed(llama_hf.from_hf(tmp_path / "hf")), routed(scanned)
-    for name in ("counts", "probs", "rows", "z", "layers"):
-        np.testing.assert_allclose(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), rtol=1e-5)
     llama_hf.save_hf(scanned, tmp_path / "back")
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), attn_implementation="eager")
     np.testing.assert_allclose(_theirs(back.eval(), IDS), _theirs(theirs, IDS), atol=1e-5, rtol=1e-5)
