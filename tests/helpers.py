@@ -7,12 +7,23 @@ import sys
 
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import xlafit
 from xlafit.config import TrainerConfig
 from xlafit.data import mlm, mnist
 from xlafit.recipes import mnist as mnist_recipe
+
+STRESS = os.environ.get("XLAFIT_STRESS") == "1"  # the long forms too (`make test-stress`)
+
+
+def long_form(seconds: int, covered_by: str):
+    """Runs the marked test under ``XLAFIT_STRESS=1`` only: ``make test`` stays within its
+    25-minute budget on two cores, and ``covered_by`` (another test, in the suite) keeps what
+    it proves covered there in a cheaper form."""
+    reason = f"about {seconds} s: XLAFIT_STRESS=1 runs it ({covered_by} covers it in the suite's 25-minute budget)"
+    return pytest.mark.skipif(not STRESS, reason=reason)
 
 
 def cnn_trainer(strategy, run_dir=None, *, tx=None, epochs=2, stop_at_step=None, log_every_steps=1, **config):

@@ -59,7 +59,7 @@ def test_cli_tokenizer_data_train_export(tmp_path):
         str(run_dir),
         "data.seq_len=64",
         "trainer.epochs=1",
-        "data.global_batch=16",
+        "data.global_batch=64",  # an epoch of few steps: the pipeline, not the learning
     )
     assert out.returncode == 0, out.stderr
     assert "masked-token accuracy:" in out.stdout and "tokens_per_sec=" in out.stdout and "mfu=" in out.stdout

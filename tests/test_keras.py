@@ -16,6 +16,7 @@ import optax  # noqa: E402
 import pytest  # noqa: E402
 
 import xlafit  # noqa: E402
+from helpers import long_form  # noqa: E402
 from xlafit.config import TrainerConfig  # noqa: E402
 from xlafit.errors import ConfigError
 from xlafit.integrations.keras import KerasLoss, KerasModule, fit, optax_from_keras  # noqa: E402
@@ -270,6 +271,7 @@ print("FINGERPRINT", int(state.step), fingerprint((state.params, state.model_sta
 """
 
 
+@long_form(30, "test_8_devices_equal_1_and_resume_is_bit_exact_and_writes_back")
 def test_killed_with_sigkill_then_resumed_ends_bit_identical(strategy8, tmp_path):
     """kill -9 in the middle of a run (checkpoints every 4 steps), then the same program again
     with a model built from another seed: the end state (parameters, BatchNorm statistics,

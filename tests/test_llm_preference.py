@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import xlafit
+from helpers import long_form
 from xlafit.data import chat_demo
 from xlafit.errors import ConfigError
 from xlafit.recipes import get_recipe
@@ -99,6 +100,7 @@ def records(run_dir):
     return [{k: v for k, v in json.loads(line).items() if k not in timing} for line in lines]
 
 
+@long_form(40, "test_llm_grpo.py's kill -9 of a GRPO run")
 def test_kill_9_during_a_dpo_run_resumes_to_the_uninterrupted_metrics(tmp_path, pairs_file):
     """A LoRA DPO run killed while training, then run again, logs the same numbers, bit for
     bit, as the run that was never interrupted (its last evaluation included)."""

@@ -74,19 +74,12 @@ def plan_configs(
     cpu = probe["platform"] == "cpu"
     available = (simulate or 1) if cpu else probe["device_count"]
     counts: list[int] = []
+    _check_rows(devices, compare, base.batch)
     for d in devices:
-        try:
-            n = available if d == "all" else int(d)
-        except ValueError:
-            raise ConfigError(f"--devices {d}: expected device counts or 'all', e.g. --devices 1,all.") from None
-        if n < 1 or (not cpu and n > available):
+        n = available if d == "all" else int(d)
+        if not cpu and n > available:
             raise ConfigError(f"--devices {d}: this machine has {available} {probe['platform']} device(s).")
-        if base.batch % n:
-            # Each device takes an equal share of the global batch (the Trainer refuses otherwise).
-            raise ConfigError(
-                f"--batch {base.batch} does not divide over {n} devices (--devices {d}): "
-                f"use a batch that is a multiple of {n}, or other --devices."
-            )
+        _check_split(base.batch, n, d)  # "all" is a count only now
         if n not in counts:
             counts.append(n)
     configs = []
@@ -97,8 +90,6 @@ def plan_configs(
             spec = dataclasses.replace(base, framework="xlafit", devices=n, steps_per_call=k)
             configs.append(Row(name, spec, simulate=n if cpu else None))
     for peer in compare:
-        if peer not in PEERS:
-            raise ConfigError(f"--compare {peer}: known peers are {', '.join(PEERS)}.")
         if peer == "xlafit-torch":  # PyTorch's own module, trained by xlafit on the most devices asked for
             if base.recipe != "mnist":
                 raise ConfigError("--compare xlafit-torch: the PyTorch module through xlafit is benchmarked for mnist.")
@@ -165,6 +156,7 @@ def run_bench(
     steps_per_epoch = n_train // batch
     if steps_per_epoch < 1:
         raise ConfigError(f"--batch {batch} is larger than the {n_train} training examples.")
+    _check_rows(devices, compare, batch)
     probe = run_worker(Spec("probe"))
     base = Spec("xlafit", recipe, 1, data, examples, batch, warmup, steps, 1, dtype, profile)
     base.depth, base.width, base.image_size = depth, width, image_size
@@ -233,6 +225,33 @@ def _check_options(
         raise ConfigError(f"--profile must be 0 (no trace) or more steps, got {profile}.")
     if epochs is not None and epochs <= 0:
         raise ConfigError(f"--epochs must be more than 0, got {epochs}.")
+
+
+def _check_rows(devices: Sequence[str], compare: Sequence[str], batch: int) -> None:
+    """Refuses device counts and peers that no machine could run, before the probe's worker
+    starts (seconds): what depends on the machine is checked in :func:`plan_configs`."""
+    for d in devices:
+        if d == "all":
+            continue
+        try:
+            n = int(d)
+        except ValueError:
+            raise ConfigError(f"--devices {d}: expected device counts or 'all', e.g. --devices 1,all.") from None
+        if n < 1:
+            raise ConfigError(f"--devices {d}: a device count is at least 1.")
+        _check_split(batch, n, d)
+    for peer in compare:
+        if peer not in PEERS:
+            raise ConfigError(f"--compare {peer}: known peers are {', '.join(PEERS)}.")
+
+
+def _check_split(batch: int, n: int, asked: str) -> None:
+    # Each device takes an equal share of the global batch (the Trainer refuses otherwise).
+    if batch % n:
+        raise ConfigError(
+            f"--batch {batch} does not divide over {n} devices (--devices {asked}): "
+            f"use a batch that is a multiple of {n}, or other --devices."
+        )
 
 
 def _check_resnet(depth: int, width: int, image_size: int) -> None:

@@ -104,7 +104,7 @@ def run_resnet(
         **{k: v for k, v in hf_config.items() if k not in ("architectures", "torch_dtype")}
     )
     model = transformers.ResNetForImageClassification(config)
-    model = model.to(device=device, memory_format=torch.channels_last)  # type: ignore[call-arg]
+    model = model.to(device=device, memory_format=torch.channels_last)
     matrices = [p for p in model.parameters() if p.ndim >= 2]
     others = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.SGD(

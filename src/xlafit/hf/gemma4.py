@@ -6,8 +6,9 @@ one on part of each global head), the global layers' head size and key/value hea
 (``per_layer_config`` by layer index as transformers writes it, or ``global_head_dim`` and
 ``num_global_key_value_heads``), per-layer inputs (``hidden_size_per_layer_input``,
 ``vocab_size_per_layer_input``), ``attention_k_eq_v``, ``num_kv_shared_layers`` and
-``use_double_wide_mlp``. The mixture-of-experts variant (``enable_moe_block``) is refused
-here. Missing keys take ``transformers.Gemma4TextConfig``'s defaults.
+``use_double_wide_mlp``; the mixture of experts (``enable_moe_block``: ``num_experts``
+experts of ``moe_intermediate_size``, ``top_k_experts`` a token, beside every layer's dense
+MLP). Missing keys take ``transformers.Gemma4TextConfig``'s defaults.
 
 Example:
     >>> fields = config_fields({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4})
@@ -89,19 +90,18 @@ def config_fields(hf: dict) -> dict[str, Any]:
     every family shares).
 
     Raises:
-        HFFormatError: a mixture-of-experts model, bidirectional attention, biases, or rotary
-            or per-layer settings that xlafit does not compute.
+        HFFormatError: bidirectional attention, biases, a mixture of experts without its sizes,
+            or rotary or per-layer settings that xlafit does not compute.
     """
     refused = {
-        "enable_moe_block": bool(hf.get("enable_moe_block")),
         "use_bidirectional_attention": hf.get("use_bidirectional_attention") is not None,
         "attention_bias": bool(hf.get("attention_bias")),
     }
     bad = [f"{key}={hf.get(key)!r}" for key, value in refused.items() if value]
     if bad:
         raise HFFormatError(
-            f"config.json has {', '.join(bad)}: xlafit reads Gemma 4's dense causal text models (no mixture of "
-            "experts, causal attention, no biases)."
+            f"config.json has {', '.join(bad)}: xlafit reads Gemma 4's causal text models (causal attention, no "
+            "biases)."
         )
     act = hf.get("hidden_activation", "gelu_pytorch_tanh")
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
@@ -129,6 +129,27 @@ def config_fields(hf: dict) -> dict[str, Any]:
         "per_layer_vocab_size": int(hf.get("vocab_size_per_layer_input", 262_144)) if per_layer else None,
         **_rope(hf),
         **_global_attention(hf, types),
+        **_experts(hf),
+    }
+
+
+def _experts(hf: dict) -> dict[str, Any]:
+    """The mixture of experts' fields (``enable_moe_block``): every layer sparse, the top-k
+    weights renormalised (transformers' ``Gemma4TextRouter`` always does), no auxiliary loss
+    (transformers adds none to Gemma 4's)."""
+    if not hf.get("enable_moe_block"):
+        return {}
+    missing = [key for key in ("num_experts", "top_k_experts", "moe_intermediate_size") if not hf.get(key)]
+    if missing:
+        raise HFFormatError(
+            f"config.json has enable_moe_block=true and lacks {', '.join(missing)}: a Gemma 4 mixture of experts needs "
+            "its number of experts, experts per token and expert size."
+        )
+    return {
+        "num_experts": int(hf["num_experts"]),
+        "num_experts_per_tok": int(hf["top_k_experts"]),
+        "moe_intermediate_size": int(hf["moe_intermediate_size"]),
+        "norm_topk_prob": True,
     }
 
 
@@ -163,6 +184,29 @@ def hf_config(cfg: LlamaConfig, sizes: dict[str, Any]) -> dict[str, Any]:
         "use_double_wide_mlp": cfg.double_wide_mlp,
         "hidden_size_per_layer_input": cfg.per_layer_input_size,
         "vocab_size_per_layer_input": cfg.per_layer_vocab_size or cfg.vocab_size,
-        "enable_moe_block": False,
         "torch_dtype": "float32",
+        **_hf_experts(cfg),
+    }
+
+
+def _hf_experts(cfg: LlamaConfig) -> dict[str, Any]:
+    """``config.json``'s mixture-of-experts keys (``enable_moe_block`` false for a dense model).
+
+    Raises:
+        HFFormatError: experts that Gemma 4's layer cannot hold (some layers dense, or top-k
+            weights not renormalised).
+    """
+    if not cfg.num_experts:
+        return {"enable_moe_block": False}
+    if not all(cfg.moe_layers) or not cfg.norm_topk_prob:
+        raise HFFormatError(
+            f"the model's experts (mlp_only_layers={list(cfg.mlp_only_layers)}, decoder_sparse_step="
+            f"{cfg.decoder_sparse_step}, norm_topk_prob={cfg.norm_topk_prob}) have no Gemma 4 config.json: it has "
+            "experts in every layer, their top-k weights renormalised."
+        )
+    return {
+        "enable_moe_block": True,
+        "num_experts": cfg.num_experts,
+        "top_k_experts": cfg.num_experts_per_tok,
+        "moe_intermediate_size": cfg.expert_size,
     }

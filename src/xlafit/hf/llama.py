@@ -12,9 +12,10 @@ ours ``[in, out]``. Nothing here imports PyTorch or transformers. Scanned models
 scanned block's (:meth:`~xlafit.models.llama.LlamaForCausalLM.layer_prefixes`). A mixture
 of experts' stacked expert weights are written one tensor per expert
 (``mlp.experts.{e}.gate_proj.weight``), as transformers' ``save_pretrained`` writes them, and
-read from that layout or from transformers' fused one (``mlp.experts.gate_up_proj`` ``[E, 2f, hidden]``,
-``mlp.experts.down_proj`` ``[E, hidden, f]``); the per-layer tables are
-:mod:`xlafit.hf.llama_tensors`'.
+read from that layout or from transformers' fused one (``mlp.experts.gate_up_proj``
+``[E, 2f, hidden]``, ``mlp.experts.down_proj`` ``[E, hidden, f]``). Gemma 4's experts
+(``experts.gate_up_proj``, ``experts.down_proj``) are read and written fused, as its
+checkpoints hold them. The per-layer tables are :mod:`xlafit.hf.llama_tensors`'.
 
 Example:
     >>> save_hf(model, "exported/", max_shard_bytes=2**30)  # doctest: +SKIP
@@ -23,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -35,7 +37,7 @@ from flax import nnx
 from xlafit.errors import HFFormatError
 from xlafit.hf import gemma4, qwen3_5
 from xlafit.hf.files import open_safetensors, read_json, read_tensor
-from xlafit.hf.llama_tensors import EXPERT_NAMES, PerExpert, layer_tensors
+from xlafit.hf.llama_tensors import EXPERT_NAMES, PerExpert, fuse_experts, layer_tensors
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 
 # Our config field -> Hugging Face's LlamaConfig / Qwen2Config key.
@@ -297,7 +299,7 @@ def entries(model: LlamaForCausalLM) -> Iterator[Entry]:
         row: tuple[int, ...] = () if stacked is None else (stacked,)
         for suffix, path, transposed in layer_tensors(cfg, i):
             yield f"model.layers.{i}.{suffix}", _param(layer, path), row or None, transposed
-        if cfg.moe_layers[i]:
+        if cfg.moe_layers[i] and not cfg.moe_beside_mlp:  # Gemma 4's whole stacks are in layer_tensors
             for e in range(cfg.num_experts):
                 for p in EXPERT_NAMES:
                     param = _param(layer, ("mlp", "experts", p))
@@ -309,12 +311,31 @@ def entries(model: LlamaForCausalLM) -> Iterator[Entry]:
 
 def _hf_shape(param: nnx.Variable, row: tuple[int, ...] | None, transposed: bool) -> tuple[int, ...]:
     shape = tuple(param.get_value().shape)[len(row or ()) :]
-    return shape[::-1] if transposed else shape
+    return (*shape[:-2], shape[-1], shape[-2]) if transposed else shape
+
+
+def _swap(value: np.ndarray) -> np.ndarray:
+    """PyTorch's ``[..., out, in]`` from our ``[..., in, out]`` and back (a stack of experts too)."""
+    return np.swapaxes(value, -1, -2)
 
 
 def _hf_value(param: nnx.Variable, row: tuple[int, ...] | None, transposed: bool, dtype: Any) -> np.ndarray:
     value = np.asarray(param[...] if row is None else param[...][row]).astype(dtype)
-    return np.ascontiguousarray(value.T if transposed else value)
+    return np.ascontiguousarray(_swap(value) if transposed else value)
+
+
+# A tensor to write: its Hugging Face shape, and a function giving its value (read when written).
+Written = tuple[tuple[int, ...], Callable[[], np.ndarray]]
+
+
+def _hf_tensors(model: LlamaForCausalLM, dtype: Any) -> dict[str, Written]:
+    """Every Hugging Face tensor of ``model`` by name, as its checkpoints hold them (Gemma 4's
+    expert projections fused: :func:`~xlafit.hf.llama_tensors.fuse_experts`)."""
+    tensors = {
+        name: (_hf_shape(param, row, t), functools.partial(_hf_value, param, row, t, dtype))
+        for name, param, row, t in entries(model)
+    }
+    return fuse_experts(tensors)
 
 
 def to_hf_state(model: LlamaForCausalLM, dtype: Literal["float32", "bfloat16"] = "float32") -> dict[str, np.ndarray]:
@@ -326,8 +347,7 @@ def to_hf_state(model: LlamaForCausalLM, dtype: Literal["float32", "bfloat16"] =
         >>> to_hf_state(model)["model.layers.0.self_attn.k_proj.weight"].shape
         (32, 64)
     """
-    np_dtype = _np_dtype(dtype)
-    return {name: _hf_value(p, row, t, np_dtype) for name, p, row, t in entries(model)}
+    return {name: value() for name, (_, value) in _hf_tensors(model, _np_dtype(dtype)).items()}
 
 
 def _np_dtype(dtype: str) -> Any:
@@ -372,9 +392,9 @@ def from_hf_state(model: LlamaForCausalLM, state: Mapping[str, Any], put: Put | 
     for name, param, row, transposed in entries(model):
         value = take(name, _hf_shape(param, row, transposed))
         if put is not None:
-            put(param, row, value.T if transposed else value)
+            put(param, row, _swap(value) if transposed else value)
             continue
-        value = (value.T if transposed else value).astype(param[...].dtype)
+        value = (_swap(value) if transposed else value).astype(param[...].dtype)
         if row is None:
             param[...] = value
         else:
@@ -425,10 +445,10 @@ def save_hf(
     ids = {key: value for key, value in (token_ids or {}).items() if value is not None}
     config = {**hf_config(model.cfg), **ids, "torch_dtype": dtype}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tensors = {name: (param, row, t) for name, param, row, t in entries(model)}
     np_dtype = _np_dtype(dtype)
+    tensors = _hf_tensors(model, np_dtype)
     itemsize = np.dtype(np_dtype).itemsize
-    sizes = [int(np.prod(_hf_shape(*entry))) * itemsize for entry in tensors.values()]
+    sizes = [int(np.prod(shape)) * itemsize for shape, _ in tensors.values()]
     shards = _shards(list(tensors), sizes, max_shard_bytes)
     files = (
         ["model.safetensors"]
@@ -436,7 +456,7 @@ def save_hf(
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
     for file, names in zip(files, shards, strict=True):
-        values = {name: _hf_value(*tensors[name], np_dtype) for name in names}
+        values = {name: tensors[name][1]() for name in names}
         save_file(values, str(out / file), metadata={"format": "pt"})
     if len(shards) > 1:
         index = {

@@ -2,7 +2,8 @@
 layer, for :mod:`xlafit.hf.llama`: each as its name after ``model.layers.{i}.``, the path of
 our parameter in a :class:`~xlafit.models.decoder.LlamaDecoderLayer`, and whether PyTorch's
 ``[out, in]`` is our ``[in, out]`` transposed; and transformers' fused expert weights seen as
-the per-expert tensors that ``save_pretrained`` writes.
+the per-expert tensors that ``save_pretrained`` writes (Gemma 4's as the two halves of its
+fused ``experts.gate_up_proj``, fused again to be written).
 
 Example:
     >>> from xlafit.models.llama_config import LlamaConfig
@@ -18,13 +19,14 @@ from typing import Any
 import numpy as np
 
 from xlafit.models.llama_config import LlamaConfig
+from xlafit.models.moe import EXPERT_WEIGHTS
 
-__all__ = ["EXPERT_NAMES", "PerExpert", "Tensor", "layer_tensors"]
+__all__ = ["EXPERT_NAMES", "PerExpert", "Tensor", "fuse_experts", "layer_tensors"]
 
 # (Hugging Face name after "model.layers.{i}.", attribute path in a decoder layer, transposed)
 Tensor = tuple[str, tuple[str, ...], bool]
 # A sparse layer's experts, each written as mlp.experts.{e}.{name}.weight (our stacked [E, in, out]).
-EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+EXPERT_NAMES = EXPERT_WEIGHTS
 # A Gated DeltaNet layer's (Qwen3.5) in place of self_attn's; conv1d's [C, 1, K] is our [K, 1, C] reversed.
 _LINEAR_TENSORS: list[Tensor] = [
     *[
@@ -33,6 +35,22 @@ _LINEAR_TENSORS: list[Tensor] = [
     ],
     *[(f"linear_attn.{p}", ("linear_attn", p), False) for p in ("dt_bias", "A_log")],
     ("linear_attn.norm.weight", ("linear_attn", "norm", "scale"), False),
+]
+
+
+# Gemma 4's router and experts beside the MLP, and their norms. The experts are whole stacks
+# ([E, out, in] in the checkpoint: our [E, in, out] with its last two axes swapped); the file's
+# experts.gate_up_proj is seen as its two halves, experts.gate_proj and experts.up_proj
+# (PerExpert reads them, fuse_experts writes them back as one).
+_EXPERTS_BESIDE: list[Tensor] = [
+    ("router.proj.weight", ("router", "proj", "kernel"), True),
+    ("router.scale", ("router", "scale"), False),
+    ("router.per_expert_scale", ("router", "per_expert_scale"), False),
+    *[(f"experts.{p}", ("experts", p), True) for p in EXPERT_NAMES],
+    *[
+        (f"{n}.weight", (n, "scale"), False)
+        for n in ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2")
+    ],
 ]
 
 
@@ -65,7 +83,8 @@ def layer_tensors(cfg: LlamaConfig, i: int) -> list[Tensor]:
         out += [
             (f"{n}.weight", (n, "scale"), False) for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")
         ]
-    if cfg.moe_layers[i]:
+    beside = cfg.moe_layers[i] and cfg.moe_beside_mlp
+    if cfg.moe_layers[i] and not beside:
         out.append(("mlp.gate.weight", ("mlp", "gate", "kernel"), True))
         if cfg.shared_expert_intermediate_size:  # Qwen3.5-MoE: the shared expert and its gate [1, hidden]
             out += [
@@ -75,11 +94,43 @@ def layer_tensors(cfg: LlamaConfig, i: int) -> list[Tensor]:
             out.append(("mlp.shared_expert_gate.weight", ("mlp", "shared_expert_gate", "kernel"), True))
     else:
         out += [(f"mlp.{p}.weight", ("mlp", p, "kernel"), True) for p in ("gate_proj", "up_proj", "down_proj")]
+    if beside:
+        out += _EXPERTS_BESIDE
     if cfg.per_layer_input_size:
         out += [(f"{p}.weight", (p, "kernel"), True) for p in ("per_layer_input_gate", "per_layer_projection")]
         out.append(("post_per_layer_input_norm.weight", ("post_per_layer_input_norm", "scale"), False))
     if cfg.layer_scalar:
         out.append(("layer_scalar", ("layer_scalar",), False))
+    return out
+
+
+_HALVES = {"gate_proj": slice(0, 1), "up_proj": slice(1, 2)}
+
+
+def fuse_experts(tensors: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 4's experts as its checkpoints hold them: each layer's ``experts.gate_proj`` and
+    ``experts.up_proj`` (``(shape [E, f, hidden], a function giving the value)``) as one
+    ``experts.gate_up_proj`` ``[E, 2f, hidden]``; every other tensor as it is, in order.
+
+    Example:
+        >>> halves = {f"experts.{p}": ((1, 2, 3), lambda: np.zeros((1, 2, 3))) for p in ("gate_proj", "up_proj")}
+        >>> [(name, shape) for name, (shape, _) in fuse_experts(halves).items()]
+        [('experts.gate_up_proj', (1, 4, 3))]
+    """
+    out: dict[str, Any] = {}
+    for name, (shape, value) in tensors.items():
+        head = name.removesuffix("gate_proj").removesuffix("up_proj")
+        if not head.endswith("experts."):
+            out[name] = (shape, value)
+            continue
+        if head + "gate_up_proj" in out:  # the up projection, fused with its gate already
+            continue
+        (gate_shape, gate), (up_shape, up) = tensors[head + "gate_proj"], tensors[head + "up_proj"]
+
+        def fused(gate: Any = gate, up: Any = up) -> np.ndarray:
+            return np.concatenate([gate(), up()], axis=-2)
+
+        out[head + "gate_up_proj"] = ((*gate_shape[:-2], gate_shape[-2] + up_shape[-2], gate_shape[-1]), fused)
     return out
 
 
@@ -93,16 +144,22 @@ class PerExpert(Mapping[str, Any]):
         self.state = state
         self._kept: tuple[str, np.ndarray] | None = None
 
-    def _fused(self, name: str) -> tuple[str, int, slice | None] | None:
-        """``(fused tensor's name, expert, rows of it)`` for a per-expert name the state lacks."""
+    def _fused(self, name: str) -> tuple[str, int | None, slice | None] | None:
+        """``(fused tensor's name, expert (None: all), half of its rows)`` for a per-expert
+        name the state lacks, or a half of Gemma 4's ``experts.gate_up_proj``."""
+        if name in self.state:
+            return None
+        for proj in ("gate_proj", "up_proj"):  # Gemma 4: the whole stack's half
+            if name.endswith(f".experts.{proj}"):
+                return name.removesuffix(proj) + "gate_up_proj", None, _HALVES[proj]
         head, sep, tail = name.partition(".mlp.experts.")
         parts = tail.split(".")
-        if not sep or len(parts) != 3 or not parts[0].isdigit() or name in self.state:
+        if not sep or len(parts) != 3 or not parts[0].isdigit():
             return None
         e, proj = int(parts[0]), parts[1]
         if proj == "down_proj":
             return f"{head}.mlp.experts.down_proj", e, None
-        return f"{head}.mlp.experts.gate_up_proj", e, slice(0, 1) if proj == "gate_proj" else slice(1, 2)
+        return f"{head}.mlp.experts.gate_up_proj", e, _HALVES[proj]
 
     def __getitem__(self, name: str) -> Any:
         fused = self._fused(name)
@@ -111,11 +168,11 @@ class PerExpert(Mapping[str, Any]):
         key, e, half = fused
         if self._kept is None or self._kept[0] != key:
             self._kept = (key, np.asarray(self.state[key]))
-        value = self._kept[1][e]
+        value = self._kept[1] if e is None else self._kept[1][e]
         if half is None:
             return value
-        f = value.shape[0] // 2  # gate_up_proj: the gate's rows, then the up projection's
-        return value[half.start * f : half.stop * f]
+        f = value.shape[-2] // 2  # gate_up_proj: the gate's rows, then the up projection's
+        return value[..., half.start * f : half.stop * f, :]
 
     def __contains__(self, name: object) -> bool:
         fused = self._fused(name) if isinstance(name, str) else None

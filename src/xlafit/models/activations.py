@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["GATED", "gated", "gelu"]
+__all__ = ["GATED", "gated", "gelu", "rms"]
 
 GATED = ("silu", "gelu_tanh")  # the activations of gated MLPs: SwiGLU (Llama), GeGLU (Gemma)
 
@@ -54,6 +54,18 @@ def _gelu_jvp(primals: tuple[jax.Array], tangents: tuple[jax.Array]) -> tuple[ja
     (x,), (dx,) = (jnp.asarray(primals[0]),), tangents
     y, slope = _gelu_and_slope(x.astype(jnp.float32))
     return y.astype(x.dtype), dx * slope.astype(x.dtype)
+
+
+def rms(x: jax.Array, eps: float) -> jax.Array:
+    """``x`` over its root mean square along the last axis, in float32: an RMSNorm without
+    weights (Zhang & Sennrich 2019), the part every decoder norm shares.
+
+    Example:
+        >>> [round(float(v), 4) for v in rms(jnp.array([3.0, 4.0]), 0.0)]
+        [0.8485, 1.1314]
+    """
+    x32 = jnp.asarray(x).astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
 def _activation_and_slope(g: jax.Array, activation: str) -> tuple[jax.Array, jax.Array]:

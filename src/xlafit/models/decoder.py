@@ -30,14 +30,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xlafit.models import splash
-from xlafit.models.activations import gated
+from xlafit.models.activations import gated, rms
 from xlafit.models.attention import apply_rope, attention, causal_mask, default_scale, rope_frequencies
 from xlafit.models.cudnn import packed_flash_attention
 from xlafit.models.dense import LlamaMLP
 from xlafit.models.dense import dense as _dense
 from xlafit.models.gated_deltanet import GatedDeltaNet, LinearState
 from xlafit.models.llama_config import DTYPES, LlamaConfig
-from xlafit.models.moe import MoEBlock, RouterStats
+from xlafit.models.moe import Experts, MoEBlock, RouterStats, ScaledRouter, router_stats
 from xlafit.parallel.sharding import constrain, logical
 
 __all__ = ["Buffer", "KVCache", "LlamaAttention", "LlamaBlock", "LlamaDecoderLayer", "LlamaMLP", "RMSNorm"]
@@ -49,12 +49,6 @@ KV = tuple[jax.Array, jax.Array]
 class Buffer(nnx.Variable):
     """A value read with the weights that training leaves as it is (PyTorch's buffer, such as
     Gemma 4's ``layer_scalar``): in the model's state and checkpoints, never in the optimizer's."""
-
-
-def _rms(x: jax.Array, eps: float) -> jax.Array:
-    """``x`` over its root mean square along the last axis, in float32."""
-    x32 = x.astype(jnp.float32)
-    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
 class RMSNorm(nnx.Module):
@@ -71,7 +65,7 @@ class RMSNorm(nnx.Module):
         self.float32_product = cfg.norm_offset or cfg.family.startswith("gemma")
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = _rms(x, self.eps)
+        y = rms(x, self.eps)
         scale = self.scale[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
         if self.offset:
             scale = 1.0 + scale
@@ -147,7 +141,7 @@ class LlamaAttention(nnx.Module):
         if self.cfg.qk_norm:
             k = self.k_norm(k)
         if self.cfg.value_norm:  # Gemma 4: no weights
-            v = _rms(v, self.cfg.rms_norm_eps).astype(v.dtype)
+            v = rms(v, self.cfg.rms_norm_eps).astype(v.dtype)
         return apply_rope(k, positions, self._frequencies()), v
 
     @property
@@ -235,9 +229,10 @@ class LlamaDecoderLayer(nnx.Module):
     ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` around the MLP). A
     ``"linear_attention"`` layer (Qwen3.5) has a Gated DeltaNet (``linear_attn``) instead of
     attention; with ``moe`` the MLP is a mixture of experts
-    (:class:`~xlafit.models.moe.MoEBlock`). Gemma 4 then adds its per-layer input through a
-    gate (``per_layer_input_gate``, ``per_layer_projection``, ``post_per_layer_input_norm``)
-    and scales the output by its ``layer_scalar``."""
+    (:class:`~xlafit.models.moe.MoEBlock`), or for Gemma 4 (``moe_beside_mlp``) the MLP stays
+    and experts (``router``, ``experts``) run beside it. Gemma 4 then adds its per-layer
+    input through a gate (``per_layer_input_gate``, ``per_layer_projection``,
+    ``post_per_layer_input_norm``) and scales the output by its ``layer_scalar``."""
 
     def __init__(
         self,
@@ -258,7 +253,14 @@ class LlamaDecoderLayer(nnx.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg, rngs)
             self.post_feedforward_layernorm = RMSNorm(cfg, rngs)
         width = cfg.intermediate_size * (2 if cfg.double_wide_mlp and shares_kv else 1)
-        self.mlp: LlamaMLP | MoEBlock = MoEBlock(cfg, rngs) if moe else LlamaMLP(cfg, rngs, width)
+        self.beside = moe and cfg.moe_beside_mlp
+        self.mlp: LlamaMLP | MoEBlock = MoEBlock(cfg, rngs) if moe and not self.beside else LlamaMLP(cfg, rngs, width)
+        if self.beside:  # Gemma 4: the experts beside the MLP, each branch normed
+            self.router = ScaledRouter(cfg, rngs)
+            self.experts = Experts(cfg, rngs)
+            self.post_feedforward_layernorm_1 = RMSNorm(cfg, rngs)
+            self.post_feedforward_layernorm_2 = RMSNorm(cfg, rngs)
+            self.pre_feedforward_layernorm_2 = RMSNorm(cfg, rngs)
         self.sandwich = cfg.sandwich_norms
         self.per_layer_inputs = cfg.per_layer_input_size > 0
         if self.per_layer_inputs:
@@ -275,7 +277,21 @@ class LlamaDecoderLayer(nnx.Module):
         (over the tokens of ``mask [B, T]``, default all)."""
         h = self.pre_feedforward_layernorm(x) if self.sandwich else self.post_attention_layernorm(x)
         y, stats = self.mlp(h, mask) if isinstance(self.mlp, MoEBlock) else (self.mlp(h), None)
+        if self.beside:
+            y, stats = self._beside(x, y, mask)
         return x + (self.post_feedforward_layernorm(y) if self.sandwich else y), stats
+
+    def _beside(self, x: jax.Array, y: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, RouterStats]:
+        """Gemma 4's sparse layer: the dense MLP's output ``y`` normed, plus the experts' of
+        ``x [B, T, h]`` (the attention's residual, routed as it is and normed again for the
+        experts) normed, as transformers' ``Gemma4TextDecoderLayer`` adds them."""
+        b, t, h = x.shape
+        tokens = x.reshape(b * t, h)
+        logits, weights, experts, probs = self.router(tokens)
+        routed = self.experts(self.pre_feedforward_layernorm_2(tokens), weights, experts).astype(x.dtype)
+        routed = constrain(routed.reshape(b, t, h), "batch", None, None)
+        y = self.post_feedforward_layernorm_1(y) + self.post_feedforward_layernorm_2(routed)
+        return y, router_stats(logits, probs, experts, mask)
 
     def _residual(self, x: jax.Array, attended: jax.Array) -> jax.Array:
         return x + (self.post_attention_layernorm(attended) if self.sandwich else attended)

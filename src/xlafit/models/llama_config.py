@@ -118,7 +118,8 @@ class LlamaConfig:
     layer_scalar: bool = False  # Gemma 4: each layer's output times a stored scalar (not trained)
     # Mixture of experts (xlafit.models.moe): num_experts > 0 makes the layers that
     # moe_layers names sparse blocks of num_experts gated MLPs of moe_intermediate_size, each
-    # token sent to num_experts_per_tok of them (their weights renormalised with norm_topk_prob)
+    # token sent to num_experts_per_tok of them (their weights renormalised with norm_topk_prob);
+    # Gemma 4's run beside the layer's dense MLP (moe_beside_mlp)
     num_experts: int = 0
     num_experts_per_tok: int = 2
     moe_intermediate_size: int | None = None  # default intermediate_size
@@ -302,6 +303,13 @@ class LlamaConfig:
         )
 
     @property
+    def moe_beside_mlp(self) -> bool:
+        """Whether a sparse layer keeps its dense MLP and runs the experts beside it, routed by
+        :class:`~xlafit.models.moe.ScaledRouter` (Gemma 4's ``enable_moe_block``), rather
+        than replacing the MLP by a :class:`~xlafit.models.moe.MoEBlock` (Qwen3-MoE)."""
+        return self.family == "gemma4_text" and self.num_experts > 0
+
+    @property
     def expert_size(self) -> int:
         """An expert's intermediate size."""
         return self.moe_intermediate_size or self.intermediate_size
@@ -330,14 +338,15 @@ class LlamaConfig:
         deltanet = h * (2 * key_dim + 2 * value_dim + 2 * heads) + value_dim * h
         rule = heads * (3 * dk * dv + self.linear_chunk_size * (2 * dk + dv))
         # A sparse layer's token runs its router and k of the experts (gate, up, down each), and
-        # the shared expert and its gate where there is one.
+        # the shared expert and its gate where there is one. Gemma 4's sparse layer runs its dense MLP too.
         sparse = h * self.num_experts + 3 * h * self.expert_size * self.num_experts_per_tok
         if self.shared_expert_intermediate_size:
             sparse += 3 * h * self.shared_expert_intermediate_size + h
         matmul_params = h * self.vocab_size + h * self.num_layers * p  # output layer; per-layer inputs' projection
         rules, attended = 0.0, 0.0
         for i, (kind, moe) in enumerate(zip(self.kinds, self.moe_layers, strict=True)):
-            matmul_params += sparse if moe else 3 * h * self.layer_intermediate_size(i)  # gate, up, down
+            dense = 3 * h * self.layer_intermediate_size(i)  # gate, up, down
+            matmul_params += (sparse + dense * self.moe_beside_mlp) if moe else dense
             matmul_params += 2 * h * p  # the per-layer input's gate and projection
             if kind == "linear_attention":
                 matmul_params, rules = matmul_params + deltanet, rules + rule

@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from xlafit.errors import ConfigError
+from xlafit.models.moe import EXPERT_WEIGHTS, Experts
 from xlafit.models.quantized import QuantizedLinear, dequantize_linears, set_child
 from xlafit.parallel.sharding import logical_axes
 
@@ -152,7 +153,8 @@ def apply_lora(model: nnx.Module, targets: Sequence[str], *, rank: int, alpha: f
 
     Raises:
         ConfigError: a target names no ``nnx.Linear`` (the message lists the names there
-            are), or ``rank`` or ``alpha`` is not positive.
+            are) or a mixture of experts' stacked weights, or ``rank`` or ``alpha`` is not
+            positive.
 
     Example:
         >>> mlp = nnx.Sequential(nnx.Linear(8, 32, rngs=nnx.Rngs(0)), jax.nn.relu, nnx.Linear(32, 8, rngs=nnx.Rngs(1)))
@@ -169,6 +171,14 @@ def apply_lora(model: nnx.Module, targets: Sequence[str], *, rank: int, alpha: f
     linears = [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, nnx.Linear | QuantizedLinear) and path]
     names = sorted({str(path[-1]) for path, _ in linears})
     unknown = [t for t in targets if t not in names]
+    stacked = _expert_names(model)
+    for target in unknown:
+        if target in stacked:
+            raise ConfigError(
+                f"lora.targets names {target}, the experts' stacked weights, which LoRA does not adapt (it adapts "
+                "nnx.Linear layers): target the attention (q_proj, k_proj, v_proj, o_proj) or a dense MLP (gate_proj, "
+                "up_proj, down_proj, where the model has one), or train every weight (lora.rank=0)."
+            )
     if unknown:
         # An attribute that is None where a layer could be: Llama's lm_head with tied embeddings.
         tied = [t for t in unknown if any(getattr(m, t, False) is None for _, m in nnx.iter_modules(model))]
@@ -186,6 +196,15 @@ def apply_lora(model: nnx.Module, targets: Sequence[str], *, rank: int, alpha: f
     for path, linear in chosen:
         set_child(model, path, LoRA(linear, rank=rank, alpha=alpha, rngs=rngs))
     return model
+
+
+def _expert_names(model: nnx.Module) -> set[str]:
+    """The names a mixture of experts' stacked weights go by (ours and transformers' fused
+    ``gate_up_proj``), where ``model`` has experts; else none."""
+    experts = [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, Experts) and path]
+    if not experts:
+        return set()
+    return {"gate_up_proj", *(str(path[-1]) for path, _ in experts), *EXPERT_WEIGHTS}
 
 
 def lora_modules(model: nnx.Module) -> list[tuple[tuple, LoRA]]:

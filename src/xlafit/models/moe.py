@@ -19,10 +19,13 @@ The experts' weights are stacked, ``gate_proj``/``up_proj`` ``[E, hidden, f]`` a
 
 The router of Qwen3-MoE (``qwen3_moe``) and Qwen3.5-MoE (``qwen3_5_moe_text``): float32
 softmax over the experts, the top ``k`` probabilities, renormalised to sum to 1 with
-``norm_topk_prob`` (always, in Qwen3.5-MoE). Qwen3.5-MoE's blocks also have a shared expert
-(Qwen2-MoE's, DeepSeekMoE's "shared expert isolation", Dai et al. 2024): a gated MLP that
-every token goes through, its output times ``sigmoid(shared_expert_gate(x))`` added to the
-routed experts'. What training adds to the
+``norm_topk_prob`` (always, in Qwen3.5-MoE) (:class:`MoEBlock`, the whole feed-forward
+block). Qwen3.5-MoE's blocks also have a shared expert (Qwen2-MoE's, DeepSeekMoE's "shared
+expert isolation", Dai et al. 2024): a gated MLP that every token goes through, its output
+times ``sigmoid(shared_expert_gate(x))`` added to the routed experts'. Gemma 4's
+(:class:`ScaledRouter`) routes a normalised and scaled input and scales each chosen expert's
+weight; its decoder layer runs the experts beside a dense MLP
+(:class:`~xlafit.models.decoder.LlamaDecoderLayer`). What training adds to the
 loss: the load-balancing loss of Switch Transformer (:func:`load_balancing_loss`, equal to
 transformers' ``load_balancing_loss_func``) and the router z-loss of ST-MoE (Zoph et al.
 2022, :func:`router_z_loss`); the statistics both need are summed over the layers
@@ -43,18 +46,22 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from xlafit.models.activations import gated
+from xlafit.models.activations import gated, rms
 from xlafit.models.dense import LlamaMLP, dense
 from xlafit.models.llama_config import DTYPES, LlamaConfig
 from xlafit.parallel.sharding import constrain, logical
 
 __all__ = [
+    "EXPERT_WEIGHTS",
+    "Experts",
     "MoEBlock",
     "RouterStats",
+    "ScaledRouter",
     "dense_experts",
     "load_balancing_loss",
     "ragged_experts",
     "route",
+    "router_stats",
     "router_z_loss",
     "tiled_ragged_dot",
 ]
@@ -115,12 +122,16 @@ def router_z_loss(stats: RouterStats) -> jax.Array:
     return stats.z / jnp.maximum(stats.rows, 1.0)
 
 
-def route(logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+def route(
+    logits: jax.Array, k: int, norm_topk_prob: bool, expert_scale: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Top-k routing of ``logits [N, E]``: ``(weights [N, k], experts [N, k] int32, probs [N, E])``.
 
     Softmax in float32 over the experts, the ``k`` largest probabilities (ties to the lower
-    index, as ``torch.topk``), renormalised to sum to 1 with ``norm_topk_prob``; the weights
-    in the logits' dtype (Qwen3-MoE's ``Qwen3MoeTopKRouter``).
+    index, as ``torch.topk``), renormalised to sum to 1 with ``norm_topk_prob``, then each
+    times its expert's ``expert_scale [E]`` where given (Gemma 4's ``per_expert_scale``); the
+    weights in the logits' dtype (Qwen3-MoE's ``Qwen3MoeTopKRouter``, Gemma 4's
+    ``Gemma4TextRouter``).
 
     Example:
         >>> w, e, _ = route(jnp.log(jnp.array([[0.1, 0.6, 0.3]])), 2, norm_topk_prob=True)
@@ -131,7 +142,25 @@ def route(logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, j
     weights, experts = jax.lax.top_k(probs, k)
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if expert_scale is not None:
+        weights = weights * expert_scale.astype(jnp.float32)[experts]
     return weights.astype(logits.dtype), experts.astype(jnp.int32), probs
+
+
+def router_stats(logits: jax.Array, probs: jax.Array, experts: jax.Array, mask: jax.Array | None) -> RouterStats:
+    """One layer's :class:`RouterStats` of its router's ``logits [N, E]``, ``probs [N, E]``
+    and chosen ``experts [N, k]``, over the tokens ``mask [N]`` keeps (default all)."""
+    n, k = experts.shape
+    real = jnp.ones((n,), jnp.float32) if mask is None else mask.reshape(-1).astype(jnp.float32)
+    assigned = jnp.zeros((probs.shape[-1],), jnp.float32).at[experts.reshape(-1)].add(jnp.repeat(real, k))
+    lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+    return RouterStats(
+        counts=assigned,
+        probs=jnp.sum(probs * real[:, None], axis=0),
+        rows=jnp.sum(real),
+        z=jnp.sum(lse * lse * real),
+        layers=jnp.ones((), jnp.float32),
+    )
 
 
 def _tile_rows(rows: int, experts: int) -> int:
@@ -250,24 +279,13 @@ class MoEBlock(nnx.Module):
     """
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> None:
-        init = nnx.initializers.normal(stddev=cfg.initializer_range)
-        h, e, f = cfg.hidden_size, cfg.num_experts, cfg.expert_size
-        dtype = DTYPES[cfg.param_dtype]
-        self.gate = nnx.Linear(
-            h, e, use_bias=False, kernel_init=logical(init, "embed", None), dtype=cfg.compute_dtype,
-            param_dtype=dtype, rngs=rngs,
-        )  # fmt: skip
-        self.experts = Experts(
-            nnx.Param(logical(init, "experts", "embed", "mlp")(rngs.params(), (e, h, f), dtype)),
-            nnx.Param(logical(init, "experts", "embed", "mlp")(rngs.params(), (e, h, f), dtype)),
-            nnx.Param(logical(init, "experts", "mlp", "embed")(rngs.params(), (e, f, h), dtype)),
-        )
+        self.gate = _router_projection(cfg, rngs)
+        self.experts = Experts(cfg, rngs)
         self.shared = cfg.shared_expert_intermediate_size > 0
         if self.shared:
             self.shared_expert = LlamaMLP(cfg, rngs, cfg.shared_expert_intermediate_size)
-            self.shared_expert_gate = dense(cfg, h, 1, rngs, ("embed", None), False)
-        self.k, self.norm_topk_prob, self.impl = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.moe_impl
-        self.activation, self.dtype = cfg.hidden_activation, cfg.compute_dtype
+            self.shared_expert_gate = dense(cfg, cfg.hidden_size, 1, rngs, ("embed", None), False)
+        self.k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, RouterStats]:
         """``(y [B, T, hidden], the router's statistics)`` of ``x [B, T, hidden]``; ``mask``
@@ -276,29 +294,68 @@ class MoEBlock(nnx.Module):
         tokens = x.reshape(b * t, h)
         logits = self.gate(tokens)  # (N, E), in the compute dtype as transformers' F.linear
         weights, experts, probs = route(logits, self.k, self.norm_topk_prob)
-        ex = self.experts
-        weights_of = (ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...])
-        gate, up, down = (w.astype(self.dtype) for w in weights_of)
-        run = ragged_experts if self.impl == "ragged" else dense_experts
-        y = run(tokens, weights, experts, gate, up, down, self.activation).astype(x.dtype).reshape(b, t, h)
+        y = self.experts(tokens, weights, experts).astype(x.dtype).reshape(b, t, h)
         if self.shared:  # every token's, weighed by its own gate (B, T, 1)
             y = y + (jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)).astype(y.dtype)
-        real = jnp.ones((b * t,), jnp.float32) if mask is None else mask.reshape(-1).astype(jnp.float32)
-        assigned = jnp.zeros((probs.shape[-1],), jnp.float32).at[experts.reshape(-1)].add(jnp.repeat(real, self.k))
-        lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
-        stats = RouterStats(
-            counts=assigned,
-            probs=jnp.sum(probs * real[:, None], axis=0),
-            rows=jnp.sum(real),
-            z=jnp.sum(lse * lse * real),
-            layers=jnp.ones((), jnp.float32),
-        )
-        return constrain(y, "batch", None, None), stats
+        return constrain(y, "batch", None, None), router_stats(logits, probs, experts, mask)
+
+
+def _router_projection(cfg: LlamaConfig, rngs: nnx.Rngs) -> nnx.Linear:
+    """The router's ``[hidden, E]`` projection (no bias), its expert axis replicated."""
+    return nnx.Linear(
+        cfg.hidden_size, cfg.num_experts, use_bias=False,
+        kernel_init=logical(nnx.initializers.normal(stddev=cfg.initializer_range), "embed", None),
+        dtype=cfg.compute_dtype, param_dtype=DTYPES[cfg.param_dtype], rngs=rngs,
+    )  # fmt: skip
+
+
+EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")  # an Experts module's stacked weights
 
 
 class Experts(nnx.Module):
     """The stacked expert weights: ``gate_proj``, ``up_proj`` ``[E, hidden, f]`` and
-    ``down_proj`` ``[E, f, hidden]`` (each expert's ``[in, out]``, PyTorch's transposed)."""
+    ``down_proj`` ``[E, f, hidden]`` (each expert's ``[in, out]``, PyTorch's transposed),
+    computed as ``cfg.moe_impl`` says (:func:`ragged_experts` or :func:`dense_experts`)."""
 
-    def __init__(self, gate_proj: nnx.Param, up_proj: nnx.Param, down_proj: nnx.Param) -> None:
-        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> None:
+        init = nnx.initializers.normal(stddev=cfg.initializer_range)
+        h, e, f = cfg.hidden_size, cfg.num_experts, cfg.expert_size
+        dtype = DTYPES[cfg.param_dtype]
+        self.gate_proj = nnx.Param(logical(init, "experts", "embed", "mlp")(rngs.params(), (e, h, f), dtype))
+        self.up_proj = nnx.Param(logical(init, "experts", "embed", "mlp")(rngs.params(), (e, h, f), dtype))
+        self.down_proj = nnx.Param(logical(init, "experts", "mlp", "embed")(rngs.params(), (e, f, h), dtype))
+        self.impl, self.activation, self.dtype = cfg.moe_impl, cfg.hidden_activation, cfg.compute_dtype
+
+    def __call__(self, tokens: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+        """``sum_j weights[:, j] * expert_{experts[:, j]}(tokens)`` of ``tokens [N, hidden]``."""
+        gate, up, down = (w[...].astype(self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        run = ragged_experts if self.impl == "ragged" else dense_experts
+        return run(tokens, weights, experts, gate, up, down, self.activation)
+
+
+class ScaledRouter(nnx.Module):
+    """Gemma 4's router (transformers' ``Gemma4TextRouter``): its input RMS-normalised
+    (no weights), times a learned ``scale [hidden]`` and ``hidden ** -0.5``, projected by
+    ``proj`` to the experts' logits; the top ``k`` probabilities renormalised, each times
+    its expert's learned ``per_expert_scale [E]`` (:func:`route`).
+
+    Args:
+        cfg: ``hidden_size``, ``num_experts``, ``num_experts_per_tok``, ``rms_norm_eps``.
+        rngs: ``params`` for ``proj`` (the scales start at 1, as transformers').
+    """
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> None:
+        dtype = DTYPES[cfg.param_dtype]
+        ones = nnx.initializers.ones_init()
+        self.proj = _router_projection(cfg, rngs)
+        self.scale = nnx.Param(logical(ones, "norm")(rngs.params(), (cfg.hidden_size,), dtype))
+        self.per_expert_scale = nnx.Param(logical(ones, None)(rngs.params(), (cfg.num_experts,), dtype))
+        self.k, self.eps, self.dtype = cfg.num_experts_per_tok, cfg.rms_norm_eps, cfg.compute_dtype
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """``(logits [N, E], weights [N, k], experts [N, k], probs [N, E])`` of ``x [N, hidden]``."""
+        h = x.shape[-1]
+        normed = rms(x, self.eps).astype(self.dtype) * self.scale[...].astype(self.dtype)[None, :]
+        logits = self.proj(normed * jnp.asarray(h**-0.5, self.dtype))
+        weights, experts, probs = route(logits, self.k, True, self.per_expert_scale[...])
+        return logits, weights, experts, probs

@@ -58,14 +58,14 @@ _OPTIONAL = ("max_position_embeddings", "head_dim", "vocab_size")  # sizes that 
 
 @dataclasses.dataclass
 class MoeOptions:
-    """A mixture of experts' settings (models whose config has experts: Qwen3-MoE)."""
+    """A mixture of experts' settings (models whose config has experts: Qwen3-MoE, Gemma 4 26B-A4B)."""
 
     # ragged: each expert multiplies only the tokens routed to it (grouped products:
     # jax.lax.ragged_dot on TPUs and GPUs, tiles of one expert on CPUs); dense: every expert
     # computes every token (num_experts / k times the FLOPs), the reference
     impl: Literal["ragged", "dense"] = "ragged"
     # the load-balancing loss's weight in the loss; null: the checkpoint's router_aux_loss_coef
-    # (Qwen3-MoE's 0.001) or the preset's
+    # (Qwen3-MoE's 0.001; Gemma 4's has none: 0) or the preset's
     router_aux_loss_coef: float | None = None
     router_z_loss_coef: float = 0.0  # ST-MoE's router z-loss weight (0: off)
 
