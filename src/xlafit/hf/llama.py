@@ -39,6 +39,7 @@ from xlafit.hf import gemma4
 from xlafit.hf.files import open_safetensors, read_json, read_tensor
 from xlafit.hf.llama_tensors import EXPERT_NAMES, PerExpert, fuse_experts, layer_tensors
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
+from xlafit.parallel.sharding import logical_axes
 
 # Our config field -> Hugging Face's LlamaConfig / Qwen2Config key.
 _CONFIG_KEYS = {
@@ -345,19 +346,24 @@ def entries(model: LlamaForCausalLM) -> Iterator[Entry]:
         yield "lm_head.weight", model.lm_head.kernel, None, True
 
 
+def _torch_axes(param: nnx.Variable, row: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The permutation between our layout of a transposed tensor (``param``'s, at ``row``) and
+    PyTorch's, each way: its axes reversed (a Linear's ``[in, out]`` and ``[out, in]``; a Gated
+    DeltaNet's conv1d, our ``[K, 1, C]`` and ``[C, 1, K]``), past a stack of experts' leading
+    axis (Gemma 4's ``[E, in, out]`` and ``[E, out, in]``)."""
+    n = len(param.get_value().shape) - len(row or ())
+    keep = 1 if n == 3 and (logical_axes(param) or ())[-3:][:1] == ("experts",) else 0
+    return (*range(keep), *reversed(range(keep, n)))
+
+
 def _hf_shape(param: nnx.Variable, row: tuple[int, ...] | None, transposed: bool) -> tuple[int, ...]:
     shape = tuple(param.get_value().shape)[len(row or ()) :]
-    return (*shape[:-2], shape[-1], shape[-2]) if transposed else shape
-
-
-def _swap(value: np.ndarray) -> np.ndarray:
-    """PyTorch's ``[..., out, in]`` from our ``[..., in, out]`` and back (a stack of experts too)."""
-    return np.swapaxes(value, -1, -2)
+    return tuple(shape[a] for a in _torch_axes(param, row)) if transposed else shape
 
 
 def _hf_value(param: nnx.Variable, row: tuple[int, ...] | None, transposed: bool, dtype: Any) -> np.ndarray:
     value = np.asarray(param[...] if row is None else param[...][row]).astype(dtype)
-    return np.ascontiguousarray(_swap(value) if transposed else value)
+    return np.ascontiguousarray(value.transpose(_torch_axes(param, row)) if transposed else value)
 
 
 # A tensor to write: its Hugging Face shape, and a function giving its value (read when written).
@@ -428,9 +434,9 @@ def from_hf_state(model: LlamaForCausalLM, state: Mapping[str, Any], put: Put | 
     for name, param, row, transposed in entries(model):
         value = take(name, _hf_shape(param, row, transposed))
         if put is not None:
-            put(param, row, _swap(value) if transposed else value)
+            put(param, row, value.transpose(_torch_axes(param, row)) if transposed else value)
             continue
-        value = (_swap(value) if transposed else value).astype(param[...].dtype)
+        value = (value.transpose(_torch_axes(param, row)) if transposed else value).astype(param[...].dtype)
         if row is None:
             param[...] = value
         else:
