@@ -72,12 +72,14 @@ def test_under_max_batch_the_levers_are_compiled_at_the_smallest_batch_refused()
     program = dataclasses.replace(_program([*LOGITS_OVER[:-2], "data.per_device_batch=8"]), fit_levers=(chunk,))
     report = check_target(V5E, program)
     assert report.train_fits
-    report.probes = [Probe(256, True, 0.0), Probe(1024, False, 0.0), Probe(4096, False, 0.0)]
+    # The search's probes, given: the lever is compiled at the smallest refused batch (16, not
+    # 64), small enough to compile in seconds (a whole-logits-sized batch takes a minute).
+    report.probes = [Probe(8, True, 0.0), Probe(16, False, 0.0), Probe(64, False, 0.0)]
     fit_levers(report, V5E, program, max_batch=True)
     (found,) = report.lever_fits
-    assert found.per_device_batch == 1024 and found.fits
-    assert "1024 per core: the smallest batch that does not fit" in format_report(report)
-    report.lever_fits, report.probes = [], [Probe(256, True, 0.0)]  # nothing refused: nothing to try
+    assert found.per_device_batch == 16 and found.fits
+    assert "16 per core: the smallest batch that does not fit" in format_report(report)
+    report.lever_fits, report.probes = [], [Probe(8, True, 0.0)]  # nothing refused: nothing to try
     fit_levers(report, V5E, program, max_batch=True)
     assert report.lever_fits == []
 
