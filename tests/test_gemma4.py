@@ -168,8 +168,8 @@ def test_lora_exports_a_peft_adapter_transformers_applies(checkpoint, tmp_path):
     base = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager")
     tuned = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
     merged = merge_lora(ours)
-    before = np.asarray(llama_hf.from_hf(folder)(jnp.array(IDS)))
-    after = np.asarray(merged(jnp.array(IDS)))
+    before = np.asarray(run(llama_hf.from_hf(folder), jnp.array(IDS)))
+    after = np.asarray(run(merged, jnp.array(IDS)))
     assert not np.allclose(before, after, atol=1e-3)
     np.testing.assert_allclose(after, _theirs(tuned, IDS), atol=1e-4, rtol=1e-4)
 
