@@ -125,15 +125,17 @@ def test_generation_equals_transformers_generate(checkpoint, ours):
 
 
 def test_scanning_the_repeating_block_equals_the_layers_one_by_one(tmp_path):
-    """Nine layers: the (DeltaNet, DeltaNet, DeltaNet, attention) block scanned twice, the last
-    DeltaNet layer after it unscanned; the same logits and gradients (every tensor, by its
-    Hugging Face name) of packed rows, the same generated tokens (the DeltaNet states and the
-    attention's keys and values stacked in the cache)."""
-    config = transformers.Qwen3_5TextConfig(**{**TEXT, "num_hidden_layers": 9})
+    """Five layers: a (DeltaNet, attention) block (the models' three DeltaNet layers and one
+    attention layer, shortened) scanned twice, the last DeltaNet layer after it unscanned; the
+    same logits and gradients (every tensor, by its Hugging Face name) of packed rows, the same
+    generated tokens (the DeltaNet states and the attention's keys and values stacked in the
+    cache)."""
+    kinds = ["linear_attention", "full_attention"] * 2 + ["linear_attention"]
+    config = transformers.Qwen3_5TextConfig(**{**TEXT, "num_hidden_layers": 5, "layer_types": kinds})
     _randomize(transformers.Qwen3_5ForCausalLM(config)).save_pretrained(tmp_path)
     ours = llama_hf.from_hf(tmp_path, linear_chunk_size=16)
     scanned = llama_hf.from_hf(tmp_path, linear_chunk_size=16, scan_layers=True)
-    assert scanned.cfg.scan_period == 4 and len(scanned.tail) == 1
+    assert scanned.cfg.scan_period == 2 and len(scanned.tail) == 1
     ids, segments = jnp.array(IDS), jnp.array([[1] * 25 + [2] * 15] * 2)
     positions = jnp.array([[*range(25), *range(15)]] * 2)
 

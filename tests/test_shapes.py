@@ -77,14 +77,16 @@ def test_packed_rows_compute_what_each_sequence_computes_alone():
     seqs = [rng.integers(5, 100, n).tolist() for n in (5, 9, 3, 12, 7, 2)]
     packed = pack(seqs, 16)
     assert len(packed["input_ids"]) < len(seqs)
-    logits = model(
+    forward = nnx.jit(lambda m, *args, **kwargs: m(*args, **kwargs))  # op by op, each length takes seconds
+    logits = forward(
+        model,
         jnp.asarray(packed["input_ids"]),
         jnp.asarray((packed["segment_ids"] > 0).astype(np.int32)),
         position_ids=jnp.asarray(packed["positions"]),
         segment_ids=jnp.asarray(packed["segment_ids"]),
     )
     for s, (row, start) in zip(seqs, packed["placement"], strict=True):
-        alone = model(jnp.asarray([s]))[0]
+        alone = forward(model, jnp.asarray([s]))[0]
         np.testing.assert_allclose(logits[row, start : start + len(s)], alone, atol=2e-5)
     with pytest.raises(DataError, match="more than seq_len=4"):
         pack([[1] * 5], 4)
