@@ -104,18 +104,20 @@ test: $(STAMP)
 PYTHON_NEWEST ?= $(shell for p in python3.12 "$$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do \
 	"$$p" -c "" 2>/dev/null && echo "$$p" && break; done)
 NEWEST := .venv-newest
-# The process-level preemption tests (signals to several processes, elastic restores) and the
-# learning tests run once, in the pinned suite: here, the kill -9 loop and the checkpoint
-# fallback, which exercise the newest Orbax.
+# The process-level preemption tests (signals to several processes, elastic restores), the
+# recipes' end-to-end runs and the learning tests run once, in the pinned suite: here, the tests
+# of JAX's and Orbax's API underneath them (test_checkpoint.py holds the newest Orbax's
+# save, seal and fallback; test_trainer.py its stop and resume).
 NEWEST_TESTS := tests/test_trainer.py tests/test_step.py tests/test_sharding.py tests/test_checkpoint.py \
-	tests/test_preemption.py tests/test_llama.py tests/test_generation.py tests/test_splash.py tests/test_tpu.py \
-	tests/test_llm_recipe.py tests/test_optim.py
+	tests/test_llama.py tests/test_generation.py tests/test_splash.py tests/test_tpu.py tests/test_optim.py
 # The longest of these run in the pinned suite only: the same code on the newest JAX is covered
-# by their shorter neighbours (host offload by the other TPU compiles, kill -9 by the corrupt
-# checkpoint's fallback and test_checkpoint.py, generation by its cache and sampling tests).
-NEWEST_SKIP := sigterm or elastic or breaking_config or two_process or lora_run_killed_with_sigkill \
-	or offloading_the_layer_inputs or generation_with_rates or kill_9_at_random or generate_during_training \
-	or sampling_is_reproducible or resnet_recipe_compiles
+# by their shorter neighbours (host offload by the other TPU compiles, generation by its cache
+# and greedy tests, 8 devices against 1 by the Adam case, FSDP and tensor parallelism by the
+# layouts' parameter test).
+NEWEST_SKIP := generation_with_rates or offloading_the_layer_inputs or generate_during_training \
+	or sampling_is_reproducible or resnet_recipe_compiles or invariant_chunks or steps_per_call \
+	or fsdp_with_adamw or tensor_parallel_report or default_step_takes_the_memory \
+	or (eight_devices_equal_one_device and sgd)
 # The whole suite with its long forms (more kills, more steps, whole datasets): before a release.
 test-stress: $(STAMP)
 	XLAFIT_STRESS=1 $(PY) -m pytest -n logical --maxprocesses 4 --dist worksteal

@@ -288,3 +288,51 @@ def recomputed(model, prompt, n):
         padded = jnp.array([seq + [0] * (width - len(seq))])
         seq.append(int(jnp.argmax(forward(model, padded)[0, len(seq) - 1])))
     return seq[len(prompt) :]
+
+
+def peft_tuned(ours, folder, out, **from_pretrained):
+    """``ours`` (LoRA applied) with every ``lora_b`` set to 0.05, so that its adapter changes
+    the logits, saved as a PEFT adapter in ``out`` and applied by PEFT to transformers' model
+    of ``folder``: returns that PEFT model (eval mode) and the adapter's written targets."""
+    import jax.numpy as jnp
+    import peft
+    import transformers
+
+    from xlafit.hf.peft import save_peft_adapter
+
+    for path, value in nnx.state(ours, nnx.LoRAParam).flat_state():
+        if path[-1] == "lora_b":
+            value.set_value(jnp.full(value.shape, 0.05, value.dtype))
+    save_peft_adapter(ours, out, base_model_name_or_path=str(folder))
+    written = json.loads((out / "adapter_config.json").read_text())["target_modules"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(folder), **from_pretrained)
+    return peft.PeftModel.from_pretrained(base, str(out)).eval(), written
+
+
+def packed_rows(n: int, t: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """``n`` packed rows of ``t`` tokens below ``vocab``: two documents a row, then padding
+    (segment 0, token 0)."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, vocab, (n, t)).astype(np.int32)
+    segments, positions = np.zeros((n, t), np.int32), np.zeros((n, t), np.int32)
+    for r in range(n):
+        a, b = rng.integers(3, 8), rng.integers(3, 7)
+        segments[r, :a], segments[r, a : a + b] = 1, 2
+        positions[r, :a], positions[r, a : a + b] = np.arange(a), np.arange(b)
+    ids[segments == 0] = 0
+    return {"input_ids": ids, "segment_ids": segments, "positions": positions}
+
+
+def hf_greedy(theirs, prompts, new_tokens, **generate):
+    """transformers' greedy ``generate`` of ``new_tokens`` after each prompt (left-padded with
+    token 0 under an attention mask): the new tokens, a list per prompt."""
+    import torch
+
+    length = max(map(len, prompts))
+    ids = torch.tensor([[0] * (length - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = theirs.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **generate
+        )
+    return out[:, length:].tolist()

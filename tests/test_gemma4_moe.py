@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 import xlafit
+from helpers import peft_tuned
 from test_gemma4 import IDS, gemma4_config
 from xlafit.data import clm
 from xlafit.errors import ConfigError, HFFormatError
@@ -151,21 +152,14 @@ def test_the_repeating_block_scans_to_transformers_logits(tmp_path):
 # peft 0.21 reads transformers 5's deprecated is_gradient_checkpointing (not our code)
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 def test_lora_on_attention_and_the_dense_mlp_exports_a_peft_adapter(checkpoint, tmp_path):
-    peft = pytest.importorskip("peft")
-    from xlafit.hf.peft import save_peft_adapter
+    pytest.importorskip("peft")
     from xlafit.models.lora import merge_lora
 
     _, folder = checkpoint
     targets = ["q_proj", "v_proj", "o_proj", "down_proj"]
     ours = apply_lora(llama_hf.from_hf(folder), targets, rank=4, alpha=8, rngs=nnx.Rngs(1))
-    for path, value in nnx.state(ours, nnx.LoRAParam).flat_state():  # non-zero B: the adapter changes the logits
-        if path[-1] == "lora_b":
-            value.set_value(jnp.full(value.shape, 0.05, value.dtype))
-    save_peft_adapter(ours, tmp_path / "adapter", base_model_name_or_path=str(folder))
-    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"]
+    tuned, written = peft_tuned(ours, folder, tmp_path / "adapter", attn_implementation="eager")
     assert sorted(written) == sorted(targets)
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager")
-    tuned = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
     after = np.asarray(_ours(merge_lora(ours), jnp.array(IDS)))
     assert not np.allclose(after, np.asarray(_ours(llama_hf.from_hf(folder), jnp.array(IDS))), atol=1e-3)
     np.testing.assert_allclose(after, _theirs(tuned, IDS), atol=1e-4, rtol=1e-4)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import recomputed
+from helpers import hf_greedy, recomputed
 from xlafit.hf import llama as llama_hf
 from xlafit.models.generation import Sampling, filter_logits, generate
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
@@ -42,15 +42,7 @@ def transformers_greedy(model, folder, new_tokens, eos_token_id=None):
     transformers = pytest.importorskip("transformers")
     llama_hf.save_hf(model, folder)
     theirs = transformers.LlamaForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32).eval()
-    length = max(map(len, PROMPTS))
-    ids = torch.tensor([[0] * (length - len(p)) + p for p in PROMPTS])
-    mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in PROMPTS])
-    with torch.no_grad():
-        out = theirs.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-            eos_token_id=eos_token_id,
-        )  # fmt: skip
-    return out[:, length:].tolist()
+    return hf_greedy(theirs, PROMPTS, new_tokens, eos_token_id=eos_token_id)
 
 
 def test_greedy_tokens_equal_transformers_generate(tmp_path):

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 import xlafit
+from helpers import packed_rows
 from xlafit.config import TrainerConfig
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 from xlafit.models.moe import load_balancing_loss
@@ -24,22 +25,8 @@ CFG = LlamaConfig.preset("tiny-moe", vocab_size=64, num_layers=2, hidden_size=32
 STEPS, BATCH, T = 20, 16, 16
 
 
-def _rows(n: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """Packed rows: two documents a row, then padding (segment 0)."""
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(1, 64, (n, T)).astype(np.int32)
-    segments = np.zeros((n, T), np.int32)
-    positions = np.zeros((n, T), np.int32)
-    for r in range(n):
-        a, b = rng.integers(3, 8), rng.integers(3, 7)
-        segments[r, :a], segments[r, a : a + b] = 1, 2
-        positions[r, :a], positions[r, a : a + b] = np.arange(a), np.arange(b)
-    ids[segments == 0] = 0
-    return {"input_ids": ids, "segment_ids": segments, "positions": positions}
-
-
 def test_the_loss_adds_the_aux_loss_and_counts_the_routed_tokens():
-    batch = {k: jnp.asarray(v) for k, v in _rows(4).items()}
+    batch = {k: jnp.asarray(v) for k, v in packed_rows(4, T, 64).items()}
     loss_fn = nnx.jit(recipe.loss_fn)
     model = LlamaForCausalLM(CFG, rngs=nnx.Rngs(0))
     loss, metrics = loss_fn(model, batch)
@@ -77,7 +64,7 @@ def test_expert_parallelism_trains_what_one_device_trains(strategy1, capsys):
     moves a token to another expert), so it is kept small."""
     from xlafit.data.dataset import ArrayDataset
 
-    data = ArrayDataset(_rows(BATCH * STEPS))
+    data = ArrayDataset(packed_rows(BATCH * STEPS, T, 64))
     one = _trainer(None, strategy1).fit(data)
     trainer = _trainer((1, 2, 1, 4))
     split = trainer.fit(data)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from helpers import hf_greedy, peft_tuned
 from xlafit.hf import llama as llama_hf
-from xlafit.hf.peft import save_peft_adapter
 from xlafit.models.generation import generate
 from xlafit.models.lora import apply_lora, merge_lora
 
@@ -116,12 +116,7 @@ def test_generation_with_the_cache_equals_recomputing(ours):
 
 def test_generation_equals_transformers_generate(checkpoint, ours):
     theirs, _ = checkpoint
-    length = max(map(len, PROMPTS))
-    ids = torch.tensor([[0] * (length - len(p)) + p for p in PROMPTS])
-    mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in PROMPTS])
-    with torch.no_grad():
-        want = theirs.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    assert generate(ours, PROMPTS, 8) == want[:, length:].tolist()
+    assert generate(ours, PROMPTS, 8) == hf_greedy(theirs, PROMPTS, 8)
 
 
 def test_scanning_the_repeating_block_equals_the_layers_one_by_one(tmp_path):
@@ -166,16 +161,11 @@ def test_scanning_the_repeating_block_equals_the_layers_one_by_one(tmp_path):
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 def test_lora_on_the_deltanet_projections_exports_a_peft_adapter(checkpoint, tmp_path):
     """Adapters on the Gated DeltaNet layers' projections (and the gated q_proj) keep transformers' names."""
-    peft = pytest.importorskip("peft")
+    pytest.importorskip("peft")
     plain, folder = checkpoint
     targets = ["q_proj", "in_proj_qkv", "in_proj_z", "out_proj", "down_proj"]
     ours = apply_lora(llama_hf.from_hf(folder, linear_chunk_size=16), targets, rank=4, alpha=8, rngs=nnx.Rngs(1))
-    for path, value in nnx.state(ours, nnx.LoRAParam).flat_state():  # non-zero B: the adapter changes the logits
-        if path[-1] == "lora_b":
-            value.set_value(jnp.full(value.shape, 0.05, value.dtype))
-    save_peft_adapter(ours, tmp_path / "adapter", base_model_name_or_path=str(folder))
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(folder))
-    tuned = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    tuned, _ = peft_tuned(ours, folder, tmp_path / "adapter")
     want = _theirs(tuned, IDS)
     assert np.abs(want - _theirs(plain, IDS)).max() > 1e-2  # the adapters do change transformers' logits
     np.testing.assert_allclose(np.asarray(run(merge_lora(ours), jnp.array(IDS))), want, atol=1e-4, rtol=1e-4)

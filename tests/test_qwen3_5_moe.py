@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from helpers import hf_greedy, packed_rows, peft_tuned
 from xlafit.errors import HFFormatError
 from xlafit.hf import llama as llama_hf
 from xlafit.models.generation import generate
@@ -148,27 +149,7 @@ def test_generation_with_the_cache_equals_recomputing_and_transformers(checkpoin
         for i, row in enumerate(rows):
             row.append(int(jnp.argmax(logits[i, len(row) - 1])))
     assert got == [row[len(p) :] for row, p in zip(rows, PROMPTS, strict=True)]
-    length = max(map(len, PROMPTS))
-    ids = torch.tensor([[0] * (length - len(p)) + p for p in PROMPTS])
-    mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in PROMPTS])
-    with torch.no_grad():
-        want = theirs.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None
-        )
-    assert got == want[:, length:].tolist()
-
-
-def _rows(n: int, t: int = 16) -> dict[str, np.ndarray]:
-    """Packed rows: two documents a row, then padding (segment 0)."""
-    rng = np.random.default_rng(0)
-    ids = rng.integers(1, 320, (n, t)).astype(np.int32)
-    segments, positions = np.zeros((n, t), np.int32), np.zeros((n, t), np.int32)
-    for r in range(n):
-        a, b = rng.integers(3, 8), rng.integers(3, 7)
-        segments[r, :a], segments[r, a : a + b] = 1, 2
-        positions[r, :a], positions[r, a : a + b] = np.arange(a), np.arange(b)
-    ids[segments == 0] = 0
-    return {"input_ids": ids, "segment_ids": segments, "positions": positions}
+    assert got == hf_greedy(theirs, PROMPTS, 6, eos_token_id=None)
 
 
 def test_the_llm_recipe_trains_it_from_the_local_checkpoint(checkpoint, strategy1):
@@ -191,7 +172,7 @@ def test_the_llm_recipe_trains_it_from_the_local_checkpoint(checkpoint, strategy
         model, llm.loss_fn, optax.sgd(0.05), strategy=strategy1, global_batch=4,
         config=TrainerConfig(epochs=1, log_every_steps=1),
     )  # fmt: skip
-    result = trainer.fit(ArrayDataset(_rows(8)))
+    result = trainer.fit(ArrayDataset(packed_rows(8, 16, 320)))
     assert [r["step"] for r in result.history] == [1, 2]
     assert all(np.isfinite(r["loss"]) and r["moe_aux_loss"] > 0 for r in result.history)
     nnx.update(model, result.state.params)
@@ -207,19 +188,13 @@ def test_the_llm_recipe_trains_it_from_the_local_checkpoint(checkpoint, strategy
 def test_lora_on_the_shared_expert_exports_a_peft_adapter_transformers_applies(checkpoint, tmp_path):
     """gate_proj, up_proj and down_proj are the shared expert's (the routed experts' stacked
     weights take no adapters), as PEFT finds them in transformers' model."""
-    peft = pytest.importorskip("peft")
-    from xlafit.hf.peft import save_peft_adapter
+    pytest.importorskip("peft")
     from xlafit.models.lora import apply_lora, merge_lora
 
     plain, folder = checkpoint
     targets = ["q_proj", "in_proj_qkv", "gate_proj", "up_proj", "down_proj"]
     mine = apply_lora(llama_hf.from_hf(folder, linear_chunk_size=16), targets, rank=4, alpha=8, rngs=nnx.Rngs(1))
-    for path, value in nnx.state(mine, nnx.LoRAParam).flat_state():  # non-zero B: the adapter changes the logits
-        if path[-1] == "lora_b":
-            value.set_value(jnp.full(value.shape, 0.05, value.dtype))
-    save_peft_adapter(mine, tmp_path / "adapter", base_model_name_or_path=str(folder))
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(folder))
-    tuned = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    tuned, _ = peft_tuned(mine, folder, tmp_path / "adapter")
     want = _theirs(tuned, IDS)
     assert np.abs(want - _theirs(plain, IDS)).max() > 1e-2  # the adapters do change transformers' logits
     np.testing.assert_allclose(np.asarray(run(merge_lora(mine), jnp.array(IDS))), want, atol=1e-4, rtol=1e-4)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from helpers import hf_greedy
 from xlafit.hf import llama as llama_hf
 from xlafit.models.generation import generate
 from xlafit.models.moe import load_balancing_loss
@@ -122,14 +123,7 @@ def test_cached_greedy_generation_equals_transformers_generate(checkpoint):
     ours = llama_hf.from_hf(folder)
     prompts = [IDS[0][:5], IDS[1][:3]]
     got = generate(ours, prompts, 8)
-    length = max(map(len, prompts))
-    ids = torch.tensor([[0] * (length - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts])
-    with torch.no_grad():
-        out = theirs.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None
-        )
-    assert got == out[:, length:].tolist()
+    assert got == hf_greedy(theirs, prompts, 8, eos_token_id=None)
 
 
 def test_the_aux_loss_equals_transformers_on_the_same_router_logits(checkpoint):
