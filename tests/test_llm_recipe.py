@@ -1,6 +1,6 @@
 """The llm recipe: packed causal-LM data, a 2-step pulse, LoRA in the trainer (frozen base out of
-the optimizer and checkpoints, refused on another base, exact resume after kill -9), and the
-Hugging Face / PEFT export loaded back by transformers with the same logits."""
+the optimizer and checkpoints, refused on another base, exact resume, after kill -9 too in the
+long form), and the Hugging Face / PEFT export loaded back by transformers with the same logits."""
 
 import dataclasses
 import json
