@@ -1,6 +1,6 @@
 """The llm recipe's GRPO (model.objective=grpo): settings refused before any data is read, a
-pulse with LoRA, the KL to the base and two steps per generation batch, and kill -9 during a
-GRPO run resumed to the uninterrupted run's metrics bit for bit."""
+pulse with LoRA, the KL to the base and two steps per generation batch, and a GRPO run stopped
+(kill -9 in the long form) and resumed to the uninterrupted run's metrics bit for bit."""
 
 import json
 import re
@@ -12,7 +12,7 @@ import time
 import pytest
 
 import xlafit
-from helpers import user_env
+from helpers import long_form, user_env
 from xlafit.check import check_recipe
 from xlafit.data import chat_demo
 from xlafit.errors import ConfigError, DataError
@@ -144,6 +144,36 @@ def records(run_dir):
     return [{k: v for k, v in json.loads(line).items() if k not in timing} for line in lines]
 
 
+def by_step(run_dir):
+    """The last record of each (split, step): a step logged again after a resume counts once."""
+    return {(r["split"], r["step"]): r for r in records(run_dir)}
+
+
+def test_a_grpo_run_stopped_and_resumed_logs_the_uninterrupted_metrics(files, tmp_path, capsys):
+    """A GRPO run stopped after its second generation batch (a checkpoint at every one), then
+    run again to its fourth, logs the same numbers, bit for bit, as the run that was never
+    stopped (trainer.stop_at_step keeps the schedule): the sampler's seed is a function of
+    (seed, step), and the old log-probabilities of a generation batch never outlive its call."""
+    settings = ["lora.rank=4", "model.grpo.num_iterations=2", "trainer.checkpoint_every_steps=2"]
+    run = lambda run_dir, stop: xlafit.train_and_evaluate(  # noqa: E731
+        xlafit.load_config("llm", overrides(files, run_dir, *settings, f"trainer.stop_at_step={stop}"))
+    )
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    run(whole, 8)
+    run(cut, 4)
+    assert max(r["step"] for r in records(cut) if r["split"] == "train") == 4
+    capsys.readouterr()
+    run(cut, 8)
+    assert "resumed from checkpoint 4 " in capsys.readouterr().out
+    assert max(r["step"] for r in records(whole) if r["split"] == "train") == 8
+    assert by_step(cut) == by_step(whole)
+
+
+@long_form(
+    51,
+    "test_a_grpo_run_stopped_and_resumed_logs_the_uninterrupted_metrics (GRPO's exact resume) and "
+    "test_preemption's kill -9 loop",
+)
 def test_kill_9_during_a_grpo_run_resumes_to_the_uninterrupted_metrics(files, tmp_path):
     """A GRPO run killed while training (a checkpoint at every generation batch), then run
     again, logs the same numbers, bit for bit, as the run that was never interrupted: the
@@ -169,8 +199,4 @@ def test_kill_9_during_a_grpo_run_resumes_to_the_uninterrupted_metrics(files, tm
     again = subprocess.run(cmd(cut), capture_output=True, text=True, env=user_env())
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from checkpoint" in again.stdout
-
-    def by_step(run_dir):  # the last record of each (split, step): a resumed step is logged again
-        return {(r["split"], r["step"]): r for r in records(run_dir)}
-
     assert by_step(cut) == by_step(whole)

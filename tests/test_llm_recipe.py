@@ -1,6 +1,6 @@
 """The llm recipe: packed causal-LM data, a 2-step pulse, LoRA in the trainer (frozen base out of
-the optimizer and checkpoints, refused on another base, exact resume after kill -9), and the
-Hugging Face / PEFT export loaded back by transformers with the same logits."""
+the optimizer and checkpoints, refused on another base, exact resume, after kill -9 too in the
+long form), and the Hugging Face / PEFT export loaded back by transformers with the same logits."""
 
 import dataclasses
 import json
@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 
 import xlafit
+from helpers import long_form
 from xlafit.check import check_recipe
 from xlafit.check.recipes import memory_levers
 from xlafit.checkpoint import Checkpointer, fingerprint
@@ -401,10 +402,19 @@ def test_lora_trains_the_adapters_alone_and_checkpoints_no_base(tmp_path, strate
         "data_seed": "0",
     }
     ckpt.close()
-    # the same base resumes; another base is refused, naming both fingerprints
-    again = trainer(_tiny, 2, tmp_path / "run")
-    assert int(again.fit(data).state.step) == 4
+    # the same base resumes, exactly: the adapters and their Adam moments of a run that never
+    # stopped, bit for bit (the base is rebuilt, not restored; adapters drawn from another seed
+    # are replaced by the checkpoint's); another base is refused, naming both fingerprints
+    other_adapters = lambda: apply_lora(_tiny(lora=False), ("q_proj", "v_proj"), rank=4, alpha=8, rngs=nnx.Rngs(2))  # noqa: E731
+    again = trainer(other_adapters, 2, tmp_path / "run")
+    resumed = again.fit(data).state
     again.close()
+    whole = trainer(_tiny, 2, tmp_path / "whole")
+    uninterrupted = whole.fit(data).state
+    whole.close()
+    assert int(resumed.step) == int(uninterrupted.step) == 4
+    end = lambda state: fingerprint((state.params, state.opt_state))  # noqa: E731
+    assert end(resumed) == end(uninterrupted)
     other = trainer(lambda: _tiny(seed=5), 3, tmp_path / "run")
     with pytest.raises(
         CheckpointError, match=f"fingerprint {again.base_fingerprint}, this run's base {other.base_fingerprint}"
@@ -477,6 +487,11 @@ def _final(run_dir):
     return step, fingerprint({"params": saved["params"], "opt_state": saved["opt_state"]})
 
 
+@long_form(
+    56,
+    "test_lora_trains_the_adapters_alone_and_checkpoints_no_base (a LoRA run stopped and resumed: the "
+    "uninterrupted adapters and moments) and test_preemption's kill -9 loop",
+)
 def test_lora_run_killed_with_sigkill_resumes_exactly(tmp_path):
     cache = tmp_path / "cache"
     cmd = lambda run: [  # noqa: E731

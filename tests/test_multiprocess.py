@@ -70,37 +70,52 @@ def losses(run_dir):
 COMMON = ["trainer.log_every_steps=1"]
 
 
-@pytest.fixture(scope="module")
-def single_run(tmp_path_factory):
-    """1 process x 8 devices, 10 steps: the reference."""
-    run_dir = tmp_path_factory.mktemp("single")
-    out = single(8, "--run-dir", str(run_dir), "trainer.stop_at_step=10", *COMMON)
-    assert out.returncode == 0, out.stderr
-    return run_dir
+def evals(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if r["split"] == "eval"}
 
 
-def test_two_processes_equal_one(tmp_path, single_run, strategy8):
-    out = launch(tmp_path, 2, 4, "--run-dir", str(tmp_path / "run"), "trainer.stop_at_step=10", *COMMON)
+def test_two_processes_train_evaluate_and_checkpoint_as_one_does(tmp_path, strategy8):
+    """1 process x 8 devices is the reference: 2 processes x 4 devices train the first epoch
+    (5 steps) to the same losses and parameters, bit for bit (the preset's
+    trainer.invariant_chunks: gathers are exact; the sums happen in one fixed order); the
+    epoch's evaluation of the 1,000 test digits in batches of 256 counts every digit once
+    (each process evaluates its half of every batch, the last one, 232 digits, padded and
+    masked); and 1 process resumes the 2-process checkpoint to the reference's end. One
+    2-process job serves all three: each job of this file starts, imports and compiles anew.
+    (The way back, 1 process to 2, restores through the same Orbax path onto the other layout;
+    test_preemption's elastic restore covers 8 -> 4 -> 2 -> 1 and back in-process.)"""
+    raw = mnist.load_embedded()
+    data = tmp_path / "idx"
+    data.mkdir()
+    for split, prefix, n in (("train", "train", 640), ("test", "t10k", 1000)):  # 5 steps an epoch
+        images = np.round((raw[split]["image"][:n, :, :, 0] * mnist.STD + mnist.MEAN) * 255).astype(np.uint8)
+        mnist.write_idx(data / f"{prefix}-images-idx3-ubyte", images)
+        mnist.write_idx(data / f"{prefix}-labels-idx1-ubyte", raw[split]["label"][:n].astype(np.uint8))
+    args = ["--data-dir", str(data), "trainer.epochs=2", *COMMON]  # a checkpoint at each epoch's end
+    reference, run = tmp_path / "ref", tmp_path / "run"
+    ref = single(8, "--run-dir", str(reference), *args)
+    assert ref.returncode == 0, ref.stderr
+    assert [s for s, _ in losses(reference)] == list(range(1, 11)) and sorted(evals(reference)) == [5, 10]
+
+    out = launch(tmp_path, 2, 4, "--run-dir", str(run), *args, "trainer.stop_at_step=5")
     assert out.returncode == 0, out.stderr
     assert "devices: 8 x cpu (2 process(es))" in out.stdout
-    # Same losses at every step, and the same parameters: bit for bit, thanks to the preset's
-    # trainer.invariant_chunks (gathers are exact; the sums happen in one fixed order).
-    got, ref = losses(tmp_path / "run"), losses(single_run)
-    assert [s for s, _ in got] == [s for s, _ in ref] == list(range(1, 11))
-    assert [v for _, v in got] == [v for _, v in ref]
-    assert_same(params_at(tmp_path / "run", 10, strategy8), params_at(single_run, 10, strategy8), 0)
     assert (tmp_path / "logs" / "process-1.log").exists()
+    assert losses(run) == losses(reference)[:5]
+    assert_same(params_at(run, 5, strategy8), params_at(reference, 5, strategy8), 0)
+    (got,) = evals(run).values()
+    want = evals(reference)[5]
+    assert got["step"] == 5 and got["count"] == want["count"] == 1000
+    assert got["accuracy"] == want["accuracy"]
+    acc = re.search(r"^test accuracy: ([0-9.]+)$", out.stdout, re.M).group(1)
+    assert acc == f"{want['accuracy']:.4f}"
 
-
-def test_checkpoint_moves_between_two_processes_and_one(tmp_path, single_run, strategy8):
-    # 2 processes to step 5, then 1 process on to 10: equals the uninterrupted 1-process run.
-    # (The way back, 1 process to 2, restores through the same Orbax path onto the other
-    # layout; test_preemption's elastic restore covers 8 -> 4 -> 2 -> 1 and back in-process.)
-    a = tmp_path / "a"
-    assert launch(tmp_path, 2, 4, "--run-dir", str(a), "trainer.stop_at_step=5", *COMMON).returncode == 0
-    out = single(8, "--run-dir", str(a), "trainer.stop_at_step=10", *COMMON)
-    assert out.returncode == 0 and "resumed from checkpoint 5 " in out.stdout
-    assert_same(params_at(a, 10, strategy8), params_at(single_run, 10, strategy8), 0)
+    # 2 processes to step 5, then 1 process on to 10: equals the uninterrupted 1-process run
+    out = single(8, "--run-dir", str(run), *args)
+    assert out.returncode == 0 and "resumed from checkpoint 5 " in out.stdout, out.stderr
+    assert losses(run) == losses(reference)
+    assert_same(params_at(run, 10, strategy8), params_at(reference, 10, strategy8), 0)
 
 
 def test_fsdp_and_tensor_parallel_over_two_processes_train_as_data_parallelism(tmp_path, strategy8):
@@ -125,29 +140,6 @@ def test_fsdp_and_tensor_parallel_over_two_processes_train_as_data_parallelism(t
     # restored from the 2-process FSDP x TP checkpoint onto 1 process's pure DP
     # (measured: 2.1e-7 relative L2 after 10 AdamW steps)
     assert_same(params_at(tmp_path / "run", 10, strategy8), params_at(reference, 10, strategy8), 1e-5)
-
-
-def test_eval_counts_every_example_once_across_processes(tmp_path):
-    # One short epoch (256 training digits: 2 steps) ends with an evaluation of the 1,000
-    # test digits in batches of 256: each process evaluates its half of every batch, the last
-    # one (232 digits) padded and masked.
-    raw = mnist.load_embedded()
-    data = tmp_path / "idx"
-    data.mkdir()
-    for split, prefix, n in (("train", "train", 256), ("test", "t10k", 1000)):
-        images = np.round((raw[split]["image"][:n, :, :, 0] * mnist.STD + mnist.MEAN) * 255).astype(np.uint8)
-        mnist.write_idx(data / f"{prefix}-images-idx3-ubyte", images)
-        mnist.write_idx(data / f"{prefix}-labels-idx1-ubyte", raw[split]["label"][:n].astype(np.uint8))
-    run_dir, args = tmp_path / "run", ["--data-dir", str(data), "trainer.epochs=1"]
-    out = launch(tmp_path, 2, 4, "--run-dir", str(run_dir), *args)
-    assert out.returncode == 0, out.stderr
-    ref = single(8, "--run-dir", str(tmp_path / "ref"), *args)
-    assert ref.returncode == 0, ref.stderr
-    evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    final = [r for r in evals if r["split"] == "eval"][-1]
-    assert final["count"] == 1000
-    acc = re.search(r"^test accuracy: ([0-9.]+)$", out.stdout, re.M).group(1)
-    assert acc == re.search(r"^test accuracy: ([0-9.]+)$", ref.stdout, re.M).group(1)
 
 
 def test_killed_process_ends_the_job_with_a_clear_message(tmp_path):

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import xlafit
+from helpers import long_form
+from xlafit.checkpoint import fingerprint
 from xlafit.config import TrainerConfig
 from xlafit.data import mnist
 from xlafit.errors import ConfigError
@@ -169,6 +171,33 @@ print("FINGERPRINT", int(state.step), fingerprint((state.params, state.model_sta
 """
 
 
+def test_stopped_then_resumed_with_another_seed_ends_bit_identical(tmp_path, strategy8):
+    """A torch module's run (dropout on, checkpoints every 2 steps) stopped at step 6 of 8, then the
+    same program with a module from another seed: the end state (parameters, dropout key,
+    Adam's moments) has the fingerprint of an uninterrupted run."""
+
+    def run(run_dir, seed, stop_at_step=None):
+        torch.manual_seed(seed)
+        config = TrainerConfig(epochs=2, log_every_steps=0, checkpoint_every_steps=2, stop_at_step=stop_at_step)
+        loss = torch_loss(nll)
+        trainer = xlafit.Trainer(
+            Net(), loss, optax.adam(1e-3), strategy=strategy8, global_batch=32, config=config, run_dir=run_dir
+        )
+        state = trainer.fit(digits(128)).state
+        trainer.close()
+        return int(state.step), fingerprint((state.params, state.model_state, state.opt_state))
+
+    full = run(tmp_path / "full", 0)
+    assert full[0] == 8
+    assert run(tmp_path / "run", 0, stop_at_step=6)[0] == 6  # in the second epoch
+    assert run(tmp_path / "run", 7) == full
+
+
+@long_form(
+    50,
+    "test_stopped_then_resumed_with_another_seed_ends_bit_identical (a torch module's exact resume) and "
+    "test_preemption's kill -9 loop",
+)
 def test_killed_with_sigkill_then_resumed_ends_bit_identical(tmp_path):
     """kill -9 in the middle of a torch module's run (dropout on, checkpoints every 2 steps), then
     the same program with a module from another seed: the end state (parameters, dropout key,
