@@ -99,7 +99,7 @@ def test_whiskers_are_never_negative():
 def test_bench_table_json_plot_and_profile(tmp_path):
     out = bench(
         *("--simulate", "2", "--devices", "all", "--steps", "6", "--warmup", "2", "--repeats", "2"),
-        *("--steps-per-call", "1,3", "--data", "synthetic", "--examples", "1024"),
+        *("--steps-per-call", "1,3", "--data", "synthetic", "--examples", "256", "--batch", "32"),
         *("--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")),
         *("--profile", "2", "--profile-dir", str(tmp_path / "prof")),
     )
@@ -110,7 +110,7 @@ def test_bench_table_json_plot_and_profile(tmp_path):
     names = [row["configuration"] for row in result["rows"]]
     assert names == ["xlafit 2 cpu (simulated)", "xlafit 2 cpu (simulated) k=3"]
     s = result["settings"]
-    assert s["steps_per_epoch"] == 1024 // 128
+    assert s["steps_per_epoch"] == 256 // 32 and s["batch"] == 32
     for row in result["rows"]:
         runs = result["runs"][row["configuration"]]
         assert len(runs) == 2
@@ -140,7 +140,7 @@ def test_bench_table_json_plot_and_profile(tmp_path):
 def test_bench_compares_with_pytorch_eager(tmp_path):
     out = bench(
         *("--devices", "1", "--compare", "torch,xlafit-torch", "--steps", "4", "--warmup", "2", "--repeats", "1"),
-        *("--data", "synthetic", "--examples", "512", "--json", str(tmp_path / "b.json")),
+        *("--data", "synthetic", "--examples", "128", "--batch", "32", "--json", str(tmp_path / "b.json")),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]

@@ -301,9 +301,10 @@ def test_the_chat_demo_tunes_a_model_whose_answers_follow(tmp_path):
         "trainer.epochs=3", "optimizer.learning_rate=0.006")  # fmt: skip
     run("export", "hf", str(base), "--out", str(tmp_path / "base-hf"))
     lora = ["lora.rank=8", "lora.alpha=16", "lora.targets=q_proj,v_proj,gate_proj,up_proj,down_proj"]
+    # One epoch (49 steps): the logged loss 2.18 -> 1.47 (a second epoch only takes it on to 1.40).
     trained = run(
         "train", "llm", "--simulate", "8", "--run-dir", str(tuned), f"model.init_from_hf={tmp_path / 'base-hf'}",
-        "data.demo=chat", "data.seq_len=96", *lora, "trainer.epochs=2", "optimizer.learning_rate=0.01",
+        "data.demo=chat", "data.seq_len=96", *lora, "trainer.epochs=1", "optimizer.learning_rate=0.01",
     )  # fmt: skip
     assert "loss on the answers:" in trained.stderr
     logged = [json.loads(line) for line in (tuned / "metrics.jsonl").read_text().splitlines()]

@@ -18,7 +18,10 @@ import sysconfig
 import venv
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from xlafit.data import mnist
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "examples" / "finetune_on_colab_tpu.ipynb"
@@ -100,6 +103,18 @@ def test_the_notebook_cell_installs_the_wheel_into_a_fresh_venv_that_then_trains
         fresh, "-c", "from xlafit.predict.rates import rates_for; print(rates_for('TPU v5 lite') is not None)", cwd=work
     )
     assert rates.stdout.strip() == "True", rates.stderr[-2000:]
-    trained = run(xlafit, "train", "mnist", "--simulate", "2", "--run-dir", "runs/a", "trainer.epochs=1", cwd=work)
+    # An epoch of 2 steps and an evaluation: 256 of the embedded digits of each split, as IDX
+    # files (the quickstart notebook's test trains on the embedded digits themselves).
+    (work / "digits").mkdir()
+    raw = mnist.load_embedded()
+    for split, prefix in (("train", "train"), ("test", "t10k")):
+        images = np.round((raw[split]["image"][:256, :, :, 0] * mnist.STD + mnist.MEAN) * 255).astype(np.uint8)
+        mnist.write_idx(work / "digits" / f"{prefix}-images-idx3-ubyte", images)
+        mnist.write_idx(work / "digits" / f"{prefix}-labels-idx1-ubyte", raw[split]["label"][:256].astype(np.uint8))
+    trained = run(
+        xlafit, "train", "mnist", "--simulate", "2", "--data-dir", "digits", "--run-dir", "runs/a", "trainer.epochs=1",
+        cwd=work,
+    )  # fmt: skip
     assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "steps: 2/epoch" in trained.stdout and "(256 examples)" in trained.stdout
     assert "test accuracy" in trained.stdout

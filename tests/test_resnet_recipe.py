@@ -285,20 +285,32 @@ def test_an_exported_run_names_its_classes_and_prepares_images_as_its_evaluation
     assert {r["label"] for r in classify(str(photo), top_k=3)} == {"a", "b", "c"}
 
 
-def test_data_with_no_evaluation_images_trains_without_evaluation(tmp_path, env):
+def test_data_with_no_evaluation_images_trains_without_evaluation(tmp_path, caplog, capsys):
     """One folder prepared with the default ``--eval-fraction 0``: the run trains and says why it
-    does not evaluate (it raised a bare StopIteration compiling the eval step)."""
+    does not evaluate (it raised a bare StopIteration compiling the eval step). In this process:
+    the train command's subprocesses are tested above."""
+    from xlafit.recipes import load_config
+    from xlafit.run import train_and_evaluate
+
     rng = np.random.default_rng(1)
     for name in ("a", "b"):
         (tmp_path / "in" / name).mkdir(parents=True)
         for i in range(8):
             Image.fromarray(rng.integers(0, 256, (10, 10, 3), dtype=np.uint8)).save(tmp_path / "in" / name / f"{i}.png")
     prepare(tmp_path / "in", str(tmp_path / "out"), workers=1)
-    cmd = train_cmd(tmp_path / "run", tmp_path / "out", "data.workers=0", "trainer.checkpoint_every_steps=0")
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "holds no evaluation images, so this run trains without evaluation" in out.stderr
-    assert "--eval-fraction 0.05" in out.stderr and "[train] step 2 " in out.stdout and "[eval]" not in out.stdout
+    overrides = [
+        *(f"data.data_dir={tmp_path / 'out'}", f"run.run_dir={tmp_path / 'run'}", "model.width=4"),
+        *("data.image_size=12", "data.global_batch=8", "data.workers=0", "trainer.epochs=1"),
+        "trainer.log_every_steps=1",
+    ]
+    train_and_evaluate(load_config("resnet", overrides))
+    assert "holds no evaluation images, so this run trains without evaluation" in caplog.text
+    assert "--eval-fraction 0.05" in caplog.text
+    out = capsys.readouterr().out
+    assert "[train] step 2 " in out and "[eval]" not in out
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "train"] == [1, 2]
+    assert not [r for r in records if r["split"] == "eval"]
 
 
 @pytest.mark.parametrize("size", ["0", "-5"])

@@ -74,17 +74,23 @@ def test_eight_devices_equal_one_device(strategy8, strategy1, digits, tx, tol=1e
 
 
 def test_invariant_chunks_make_8_devices_and_1_bit_identical(strategy8, strategy1, digits):
-    train, _ = digits
+    train, test = digits
     config = TrainerConfig(epochs=2, stop_at_step=20, invariant_chunks=8, steps_per_call=2)
-    results = []
+    results, evals = [], []
     for strategy in (strategy8, strategy1):
         model = xlafit.models.MnistCNN(rngs=nnx.Rngs(params=0, dropout=1))
         trainer = xlafit.Trainer(
             model, mnist_recipe.loss_fn, optax.adam(1e-3), strategy=strategy, global_batch=64, config=config
         )
         results.append(trainer.fit(train))
+        evals.append(trainer.evaluate(test))
     _assert_trees_close(_params(results[0]), _params(results[1]), 0, 0)
     assert [r["loss"] for r in results[0].history] == [r["loss"] for r in results[1].history]
+    # The evaluation of the same model: XLA's reduction order differs over 8 devices and 1, so
+    # the count of correct digits is equal and the mean loss equal to float rounding.
+    assert evals[0]["count"] == evals[1]["count"] == 200
+    assert evals[0]["accuracy"] == evals[1]["accuracy"]
+    assert evals[0]["loss"] == pytest.approx(evals[1]["loss"], rel=1e-6)
 
 
 def test_invariant_chunks_must_fit_the_devices(strategy8):

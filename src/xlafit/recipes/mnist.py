@@ -53,5 +53,5 @@ RECIPE = Recipe(
     load_data=load_data,
     build_model=build_model,
     loss_fn=loss_fn,
-    bit_identical_chunks=True,  # tests/test_mnist_recipe.py, test_multiprocess.py
+    bit_identical_chunks=True,  # tests/test_trainer.py, test_multiprocess.py
 )
