@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from helpers import long_form
 from xlafit.check import check_file, check_recipe
 from xlafit.check.batch_search import largest_batch
 from xlafit.check.levers import levers
@@ -484,6 +485,10 @@ def test_a_recipe_is_compiled_with_the_runs_own_settings():
     assert report.ok and "fits 1 of 1 TPU target(s)" in report.format()
 
 
+# The band's rule on programs unlike its validation set is test_predict.py's
+# test_a_band_is_quoted_only_for_programs_like_those_it_was_measured_on; a compiled TPU step's
+# report saying "not validated" is test_lever_fits.py's; a device without rates, this file's roofline test.
+@long_form(40, covered_by="test_predict.py::test_a_band_is_quoted_only_for_programs_like_those_it_was_measured_on")
 def test_a_generation_with_rates_gets_the_step_models_prediction_and_its_error(tmp_path, monkeypatch):
     """v5e has a row of rates: the step is the step model's, beside the roofline. Its error
     band was measured on published steps of 33B-69B Llama-shaped models on 256 chips: an
