@@ -100,7 +100,35 @@ def records(run_dir):
     return [{k: v for k, v in json.loads(line).items() if k not in timing} for line in lines]
 
 
-@long_form(40, "test_llm_grpo.py's kill -9 of a GRPO run")
+def test_a_dpo_run_stopped_and_resumed_logs_the_uninterrupted_metrics(tmp_path, pairs_file, capsys):
+    """A DPO run stopped mid-way (a checkpoint at every step), then run again, logs the same
+    numbers, bit for bit, as the run that was never stopped (trainer.stop_at_step keeps the
+    schedule), its last evaluation included. Its reference log-probabilities are computed
+    before training: a resume must not take them from the policy it has trained since. (LoRA's
+    reference, the base with the adapters off, resumes with the adapters: test_llm_recipe.py.)"""
+    settings = [
+        "model.objective=dpo", "model.preference.reference=precomputed",
+        "trainer.checkpoint_every_steps=1", "trainer.epochs=2",
+    ]  # fmt: skip
+    run = lambda run_dir, *stop: xlafit.train_and_evaluate(  # noqa: E731
+        xlafit.load_config("llm", overrides(pairs_file, run_dir, *settings, *stop))
+    )
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    run(whole)
+    last = max(r["step"] for r in records(whole) if r["split"] == "train")
+    run(cut, "trainer.stop_at_step=3")
+    assert max(r["step"] for r in records(cut) if r["split"] == "train") == 3 < last
+    capsys.readouterr()
+    run(cut)
+    assert "resumed from checkpoint 3 " in capsys.readouterr().out
+
+    def by_step(run_dir):  # the last record of each (split, step): a resumed step is logged again
+        return {(r["split"], r["step"]): r for r in records(run_dir)}
+
+    assert by_step(cut) == by_step(whole)
+
+
+@long_form(40, "test_a_dpo_run_stopped_and_resumed_logs_the_uninterrupted_metrics and test_preemption's kill -9 loop")
 def test_kill_9_during_a_dpo_run_resumes_to_the_uninterrupted_metrics(tmp_path, pairs_file):
     """A LoRA DPO run killed while training, then run again, logs the same numbers, bit for
     bit, as the run that was never interrupted (its last evaluation included)."""
