@@ -92,7 +92,7 @@ demo-grpo: $(BASE)
 	$(PY) benchmarks/preference/grpo_arithmetic.py --start runs/demo-grpo-sft-hf --tuned runs/demo-grpo
 
 # One pytest worker per core, at most 4 (memory: each imports JAX, torch and transformers);
-# worksteal evens out the minute-long tests. On 2 cores: 16.5 instead of 23 minutes.
+# worksteal evens out the minute-long tests.
 test: $(STAMP)
 	$(PY) -m pytest -n logical --maxprocesses 4 --dist worksteal
 	@$(MAKE) --no-print-directory test-newest
