@@ -18,10 +18,9 @@ import sysconfig
 import venv
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from xlafit.data import mnist
+from helpers import write_mnist_idx
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "examples" / "finetune_on_colab_tpu.ipynb"
@@ -106,11 +105,7 @@ def test_the_notebook_cell_installs_the_wheel_into_a_fresh_venv_that_then_trains
     # An epoch of 2 steps and an evaluation: 256 of the embedded digits of each split, as IDX
     # files (the quickstart notebook's test trains on the embedded digits themselves).
     (work / "digits").mkdir()
-    raw = mnist.load_embedded()
-    for split, prefix in (("train", "train"), ("test", "t10k")):
-        images = np.round((raw[split]["image"][:256, :, :, 0] * mnist.STD + mnist.MEAN) * 255).astype(np.uint8)
-        mnist.write_idx(work / "digits" / f"{prefix}-images-idx3-ubyte", images)
-        mnist.write_idx(work / "digits" / f"{prefix}-labels-idx1-ubyte", raw[split]["label"][:256].astype(np.uint8))
+    write_mnist_idx(work / "digits", train=256, test=256)
     trained = run(
         xlafit, "train", "mnist", "--simulate", "2", "--data-dir", "digits", "--run-dir", "runs/a", "trainer.epochs=1",
         cwd=work,

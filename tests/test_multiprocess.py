@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from helpers import write_mnist_idx
 from xlafit.checkpoint import Checkpointer
-from xlafit.data import mnist
 from xlafit.parallel.launch import free_port
 from xlafit.recipes import get_recipe, load_config
 from xlafit.train.optim import make_optimizer
@@ -85,13 +85,9 @@ def test_two_processes_train_evaluate_and_checkpoint_as_one_does(tmp_path, strat
     2-process job serves all three: each job of this file starts, imports and compiles anew.
     (The way back, 1 process to 2, restores through the same Orbax path onto the other layout;
     test_preemption's elastic restore covers 8 -> 4 -> 2 -> 1 and back in-process.)"""
-    raw = mnist.load_embedded()
     data = tmp_path / "idx"
     data.mkdir()
-    for split, prefix, n in (("train", "train", 640), ("test", "t10k", 1000)):  # 5 steps an epoch
-        images = np.round((raw[split]["image"][:n, :, :, 0] * mnist.STD + mnist.MEAN) * 255).astype(np.uint8)
-        mnist.write_idx(data / f"{prefix}-images-idx3-ubyte", images)
-        mnist.write_idx(data / f"{prefix}-labels-idx1-ubyte", raw[split]["label"][:n].astype(np.uint8))
+    write_mnist_idx(data, train=640, test=1000)  # 5 steps an epoch
     args = ["--data-dir", str(data), "trainer.epochs=2", *COMMON]  # a checkpoint at each epoch's end
     reference, run = tmp_path / "ref", tmp_path / "run"
     ref = single(8, "--run-dir", str(reference), *args)
