@@ -321,7 +321,8 @@ class LoraConfig:
     rank: int = 0  # 0: full fine-tuning (every parameter trains); e.g. 16: adapters of rank 16, the base frozen
     alpha: float = 16.0  # PEFT's lora_alpha: the adapters' update is scaled by alpha / rank
     # the adapted layers: attribute names of nnx.Linear layers, comma-separated (PEFT's
-    # target_modules; Llama's attention projections by default)
+    # target_modules; Llama's attention projections by default); `experts` adapts a mixture of
+    # experts' stacked weights, each expert's own (PEFT's target_parameters)
     targets: str = "q_proj,k_proj,v_proj,o_proj"
     # the frozen base weights' dtype: bfloat16 halves their memory (the adapters stay float32);
     # nf4, int4 or int8 quantize its dense layers with Qwix (QLoRA; the embeddings, the output

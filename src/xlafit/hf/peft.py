@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from flax import nnx
@@ -27,7 +28,16 @@ from flax import nnx
 from xlafit.errors import HFFormatError
 from xlafit.hf.files import open_safetensors, read_json
 from xlafit.models.llama import LlamaForCausalLM
-from xlafit.models.lora import LoRA, apply_lora, base_fingerprint, lora_modules
+from xlafit.models.lora import (
+    EXPERTS_TARGET,
+    ExpertLoRA,
+    LoRA,
+    apply_lora,
+    base_fingerprint,
+    expert_lora_modules,
+    has_adapters,
+    lora_modules,
+)
 from xlafit.models.quantized import is_quantized, quantize_base, quantized_layers
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -36,10 +46,26 @@ FINGERPRINT_KEY = "xlafit_base_fingerprint"
 QUANTIZED_KEY = "xlafit_base_quantized"
 
 
+# PEFT's target_parameters of transformers' fused experts. PEFT wraps the experts module once
+# per parameter, in the module's order of its parameters (gate_up_proj, then down_proj), so the
+# gate-and-up adapter is inside the down one: ``...experts.base_layer.lora_A.weight`` and
+# ``...experts.lora_A.weight``, whatever order the config lists them in.
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+
+
 def _hf_modules(model: LlamaForCausalLM) -> Iterator[tuple[str, LoRA, int | None]]:
     """``(PEFT module name, our layer, row of its stacked adapters or None)`` per adapted layer."""
+    yield from _hf_names(model, lora_modules(model))
+
+
+def _hf_experts(model: LlamaForCausalLM) -> Iterator[tuple[str, ExpertLoRA, int | None]]:
+    """``(PEFT module name of the experts, our adapters, row or None)`` per adapted experts."""
+    yield from _hf_names(model, expert_lora_modules(model))
+
+
+def _hf_names(model: LlamaForCausalLM, modules: list) -> Iterator[tuple[str, Any, int | None]]:
     prefixes = model.layer_prefixes()  # layer i's module path, and its row when stacked (scan_layers)
-    for path, layer in lora_modules(model):
+    for path, layer in modules:
         parts = tuple(path)
         prefix = "base_model.model." + ("" if parts[0] == "lm_head" else "model.")
         found = [(i, row, len(p)) for i, (p, row) in enumerate(prefixes) if parts[: len(p)] == p]
@@ -50,10 +76,10 @@ def _hf_modules(model: LlamaForCausalLM) -> Iterator[tuple[str, LoRA, int | None
 
 
 def _rank_and_alpha(model: LlamaForCausalLM) -> tuple[int, float]:
-    layers = [layer for _, layer in lora_modules(model)]
-    if not layers:
+    kinds = {(layer.rank, layer.alpha) for _, layer in lora_modules(model)}
+    kinds |= {(experts.rank, experts.alpha) for _, experts in expert_lora_modules(model)}
+    if not kinds:
         raise HFFormatError("the model has no LoRA adapters; add them with xlafit.models.lora.apply_lora.")
-    kinds = {(layer.rank, layer.alpha) for layer in layers}
     if len(kinds) > 1:
         raise HFFormatError(f"the adapters have several (rank, alpha) pairs {sorted(kinds)}; export needs one.")
     return kinds.pop()
@@ -87,6 +113,14 @@ def save_peft_adapter(
         tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(a.T)  # [r, in]
         tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b.T)  # [out, r]
         targets.add(name.rsplit(".", 1)[-1])
+    parameters: list[str] = []
+    for name, experts, row in _hf_experts(model):
+        for param, tensors_ab in zip(EXPERT_PARAMETERS, _expert_tensors(experts, row), strict=True):
+            tensors.update(
+                {f"{_expert_module(name, param)}.lora_{ab}.weight": t for ab, t in zip("AB", tensors_ab, strict=True)}
+            )
+        tail = name.split(".layers.", 1)[-1].split(".", 1)[-1]  # "mlp.experts" after "layers.<i>."
+        parameters = [f"{tail}.{param}" for param in EXPERT_PARAMETERS]
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -95,6 +129,7 @@ def save_peft_adapter(
         "lora_alpha": alpha,
         "lora_dropout": 0.0,
         "target_modules": sorted(targets),
+        **({"target_parameters": parameters} if parameters else {}),
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -110,6 +145,29 @@ def save_peft_adapter(
     if quantized:  # PEFT applies it to the unquantized base; xlafit checks that base quantized alike
         metadata[QUANTIZED_KEY] = f"{quantized[0].qtype}:{quantized[0].block}"
     save_file(tensors, str(out / WEIGHTS), metadata=metadata)
+    return out
+
+
+def _expert_module(name: str, param: str) -> str:
+    """The PEFT module whose ``lora_A``/``lora_B`` adapt the experts' ``param``: the experts'
+    module under one ``base_layer`` for each of their parameters wrapped after it."""
+    return ".".join([name, *["base_layer"] * (len(EXPERT_PARAMETERS) - 1 - EXPERT_PARAMETERS.index(param))])
+
+
+def _expert_tensors(experts: ExpertLoRA, row: int | None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """PEFT's ``(lora_A [r * E, in], lora_B [out, r * E])`` of the fused gate-and-up and the
+    down projection: PEFT reads ``lora_A`` as ``[E, r, in]`` and ``lora_B`` as ``[out, r, E]``."""
+    out = []
+    for a_var, b_var in ((experts.gate_up_a, experts.gate_up_b), (experts.down_a, experts.down_b)):
+        a, b = np.asarray(a_var[...], np.float32), np.asarray(b_var[...], np.float32)
+        a, b = (a, b) if row is None else (a[row], b[row])  # a [E, in, r], b [E, r, out]
+        e, n_in, r = a.shape
+        out.append(
+            (
+                np.ascontiguousarray(a.transpose(0, 2, 1).reshape(e * r, n_in)),
+                np.ascontiguousarray(b.transpose(2, 1, 0).reshape(b.shape[-1], r * e)),
+            )
+        )
     return out
 
 
@@ -135,12 +193,15 @@ def _read_config(d: Path) -> dict:
         "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
         "modules_to_save": bool(config.get("modules_to_save")),
         "target_modules": not isinstance(config.get("target_modules"), list),
+        "target_parameters": sorted(p.rsplit(".", 1)[-1] for p in config.get("target_parameters") or [])
+        not in ([], sorted(EXPERT_PARAMETERS)),
     }
     bad = [f"{k}={config.get(k)!r}" for k, v in unsupported.items() if v]
     if bad:
         raise HFFormatError(
             f"{d / CONFIG}: {', '.join(bad)} is not supported; xlafit reads plain LoRA adapters "
-            "(one r and lora_alpha, a list of target_modules, no biases or extra modules)."
+            "(one r and lora_alpha, a list of target_modules, no biases or extra modules; on a mixture of experts, "
+            "target_parameters naming both experts.gate_up_proj and experts.down_proj)."
         )
     return config
 
@@ -179,13 +240,17 @@ def load_peft_adapter(
                 f"{d} was trained on another base model (fingerprint {recorded[:12]}..., this model's "
                 f"{ours[:12]}...); load the base it was made for, or pass check_base=False."
             )
-    if not lora_modules(model):
-        apply_lora(
-            model, config["target_modules"], rank=config["r"], alpha=config["lora_alpha"], rngs=rngs or nnx.Rngs(0)
-        )
+    if not has_adapters(model):
+        targets = [*config["target_modules"], *([EXPERTS_TARGET] if config.get("target_parameters") else [])]
+        apply_lora(model, targets, rank=config["r"], alpha=config["lora_alpha"], rngs=rngs or nnx.Rngs(0))
     rows: dict[int, tuple[LoRA, list[np.ndarray], list[np.ndarray]]] = {}
     modules = list(_hf_modules(model))
-    unused = sorted(set(tensors) - {f"{name}.lora_{ab}.weight" for name, _, _ in modules for ab in "AB"})
+    experts = list(_hf_experts(model))
+    expected = {f"{name}.lora_{ab}.weight" for name, _, _ in modules for ab in "AB"}
+    expected |= {
+        f"{_expert_module(n, p)}.lora_{ab}.weight" for n, _, _ in experts for p in EXPERT_PARAMETERS for ab in "AB"
+    }
+    unused = sorted(set(tensors) - expected)
     if unused:
         raise HFFormatError(f"the adapter has tensors for layers this model does not adapt: {', '.join(unused[:3])}.")
     for name, layer, row in modules:
@@ -199,7 +264,34 @@ def load_peft_adapter(
             entry[2].append(b)
     for layer, a_rows, b_rows in rows.values():  # scanned: the layers' adapters stacked
         layer.lora_a[...], layer.lora_b[...] = np.stack(a_rows), np.stack(b_rows)
+    _load_experts(tensors, experts)
     return model
+
+
+def _load_experts(tensors: dict[str, np.ndarray], experts: list[tuple[str, ExpertLoRA, int | None]]) -> None:
+    """The experts' adapters from PEFT's ``lora_A [r * E, in]`` / ``lora_B [out, r * E]``."""
+    stacked: dict[int, tuple[ExpertLoRA, list[list[np.ndarray]]]] = {}
+    for name, layer, row in experts:
+        values = []
+        for param, (a_var, b_var) in zip(
+            EXPERT_PARAMETERS, ((layer.gate_up_a, layer.gate_up_b), (layer.down_a, layer.down_b)), strict=True
+        ):
+            e, n_in, r = a_var.get_value().shape[-3:]
+            n_out = b_var.get_value().shape[-1]
+            module = _expert_module(name, param)
+            a = _take(tensors, f"{module}.lora_A.weight", (r * e, n_in)).reshape(e, r, n_in).transpose(0, 2, 1)
+            b = _take(tensors, f"{module}.lora_B.weight", (n_out, r * e)).reshape(n_out, r, e).transpose(2, 1, 0)
+            values += [a, b]
+        if row is None:
+            for var, value in zip((layer.gate_up_a, layer.gate_up_b, layer.down_a, layer.down_b), values, strict=True):
+                var[...] = value
+        else:
+            lists = stacked.setdefault(id(layer), (layer, [[], [], [], []]))[1]
+            for layer_rows, value in zip(lists, values, strict=True):
+                layer_rows.append(value)
+    for layer, lists in stacked.values():  # scanned: the layers' adapters stacked
+        for var, layer_rows in zip((layer.gate_up_a, layer.gate_up_b, layer.down_a, layer.down_b), lists, strict=True):
+            var[...] = np.stack(layer_rows)
 
 
 def _take(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, int]) -> np.ndarray:

@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from xlafit.errors import ConfigError
-from xlafit.models.moe import EXPERT_WEIGHTS, Experts
+from xlafit.models.moe import EXPERT_WEIGHTS, ExpertAdapters, Experts
 from xlafit.models.quantized import QuantizedLinear, dequantize_linears, set_child
 from xlafit.parallel.sharding import logical_axes
 
@@ -113,6 +113,79 @@ class LoRA(nnx.LoRA):
         return base(x, **kwargs) + (xl @ a @ b) * self.scaling
 
 
+EXPERTS_TARGET = "experts"  # the lora.targets name of a mixture of experts' stacked weights
+
+
+class ExpertLoRA(nnx.Module):
+    """LoRA on a mixture of experts' stacked weights (:class:`~xlafit.models.moe.Experts`),
+    as PEFT adapts transformers' fused experts (``target_parameters``
+    ``mlp.experts.gate_up_proj`` and ``mlp.experts.down_proj``): each expert its own rank-``r``
+    adapter on its fused gate-and-up projection and on its down projection
+    (:class:`~xlafit.models.moe.ExpertAdapters`). The updates are computed as grouped products
+    of rank ``r`` beside the experts' own, never as ``[E, hidden, f]`` weights.
+
+    ``gate_up_a`` ``[E, hidden, r]``, ``gate_up_b`` ``[E, r, 2f]``, ``down_a`` ``[E, f, r]``,
+    ``down_b`` ``[E, r, hidden]`` (with the stacked layers' leading axis when scanned): float32
+    ``nnx.LoRAParam``, laid out along the experts' axes. ``A`` is drawn as PEFT draws it
+    (uniform in +-1/sqrt(in_features)), ``B`` starts at zero.
+
+    Args:
+        base: the experts adapted; it stays ``base_module``, its weights untouched.
+        rank: the adapters' rank ``r``.
+        alpha: PEFT's ``lora_alpha``; the updates are scaled by ``alpha / rank``.
+        rngs: ``params`` draws the ``A`` matrices.
+    """
+
+    def __init__(self, base: Experts, *, rank: int, alpha: float, rngs: nnx.Rngs) -> None:
+        shape = base.gate_proj.get_value().shape  # (*lead, E, hidden, f)
+        lead, (e, h, f) = tuple(shape[:-3]), shape[-3:]
+        names = logical_axes(base.gate_proj)  # (*lead, experts, embed, mlp)
+        outer = None if names is None else names[:-2]
+
+        def param(init: Callable, dims: tuple[int, int], axes: tuple[str | None, str | None]) -> nnx.LoRAParam:
+            value = _stacked(init, (*lead, e))(rngs.params(), dims, jnp.float32)
+            if outer is None:
+                return nnx.LoRAParam(value)
+            return nnx.LoRAParam(value, out_sharding=(*outer, *axes), eager_sharding=False)
+
+        zeros = nnx.initializers.zeros_init()
+        self.base_module = base
+        self.gate_up_a = param(_A_INIT, (h, rank), ("embed", None))
+        self.gate_up_b = param(zeros, (rank, 2 * f), (None, "mlp"))
+        self.down_a = param(_A_INIT, (f, rank), ("mlp", None))
+        self.down_b = param(zeros, (rank, h), (None, "embed"))
+        self.rank, self.alpha = rank, alpha
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def adapters(self) -> ExpertAdapters:
+        dtype = self.base_module.dtype
+        a_gu, b_gu, a_d, b_d = (
+            v[...].astype(dtype) for v in (self.gate_up_a, self.gate_up_b, self.down_a, self.down_b)
+        )
+        return ExpertAdapters(a_gu, b_gu, a_d, b_d, self.scaling)
+
+    def __call__(self, tokens: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+        """The experts' output with each expert's LoRA update (``tokens [N, hidden]``)."""
+        if _OFF.get():
+            return self.base_module(tokens, weights, experts)
+        return self.base_module(tokens, weights, experts, self.adapters())
+
+    def merged_weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(gate, up, down)``: the experts' stacked weights plus their updates, float32."""
+        base = self.base_module
+        f = base.gate_proj.get_value().shape[-1]
+        gate_up = jnp.matmul(self.gate_up_a[...], self.gate_up_b[...]) * self.scaling
+        down = jnp.matmul(self.down_a[...], self.down_b[...]) * self.scaling
+        return (
+            base.gate_proj[...].astype(jnp.float32) + gate_up[..., :f],
+            base.up_proj[...].astype(jnp.float32) + gate_up[..., f:],
+            base.down_proj[...].astype(jnp.float32) + down,
+        )
+
+
 @contextlib.contextmanager
 def adapters_off() -> Iterator[None]:
     """Within it, every :class:`LoRA` layer computes its base layer alone, as PEFT's
@@ -143,7 +216,8 @@ def apply_lora(model: nnx.Module, targets: Sequence[str], *, rank: int, alpha: f
 
     Args:
         model: any NNX model; its layers are found by attribute name at any depth.
-        targets: attribute names (PEFT's ``target_modules``), e.g. ``("q_proj", "v_proj")``.
+        targets: attribute names (PEFT's ``target_modules``), e.g. ``("q_proj", "v_proj")``;
+            ``"experts"`` adapts a mixture of experts' stacked weights (:class:`ExpertLoRA`).
         rank: the adapters' rank.
         alpha: PEFT's ``lora_alpha`` (the adapters' output is scaled by ``alpha / rank``).
         rngs: ``params`` for ``lora_a``.
@@ -153,8 +227,8 @@ def apply_lora(model: nnx.Module, targets: Sequence[str], *, rank: int, alpha: f
 
     Raises:
         ConfigError: a target names no ``nnx.Linear`` (the message lists the names there
-            are) or a mixture of experts' stacked weights, or ``rank`` or ``alpha`` is not
-            positive.
+            are) or one of a mixture of experts' stacked weights (``experts`` names them all:
+            :class:`ExpertLoRA`), or ``rank`` or ``alpha`` is not positive.
 
     Example:
         >>> mlp = nnx.Sequential(nnx.Linear(8, 32, rngs=nnx.Rngs(0)), jax.nn.relu, nnx.Linear(32, 8, rngs=nnx.Rngs(1)))
@@ -170,14 +244,15 @@ def apply_lora(model: nnx.Module, targets: Sequence[str], *, rank: int, alpha: f
         raise ConfigError(f"LoRA alpha={alpha} must be positive: the adapters' update is scaled by alpha / rank.")
     linears = [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, nnx.Linear | QuantizedLinear) and path]
     names = sorted({str(path[-1]) for path, _ in linears})
-    unknown = [t for t in targets if t not in names]
+    experts = [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, Experts) and path]
+    unknown = [t for t in targets if t not in names and not (t == EXPERTS_TARGET and experts)]
     stacked = _expert_names(model)
     for target in unknown:
         if target in stacked:
             raise ConfigError(
-                f"lora.targets names {target}, the experts' stacked weights, which LoRA does not adapt (it adapts "
-                "nnx.Linear layers): target the attention (q_proj, k_proj, v_proj, o_proj) or a dense MLP (gate_proj, "
-                "up_proj, down_proj, where the model has one), or train every weight (lora.rank=0)."
+                f"lora.targets names {target}, one of the experts' stacked weights: name them all as `experts` "
+                "(LoRA on each expert's gate_up_proj and down_proj, PEFT's target_parameters), beside the attention "
+                "(q_proj, k_proj, v_proj, o_proj) or a dense MLP's layers where the model has one."
             )
     if unknown:
         # An attribute that is None where a layer could be: Llama's lm_head with tied embeddings.
@@ -190,8 +265,12 @@ def apply_lora(model: nnx.Module, targets: Sequence[str], *, rank: int, alpha: f
         )
         raise ConfigError(
             f"no nnx.Linear named {', '.join(unknown)} in the model (LoRA targets are attribute names); "
-            f"its Linear layers are named: {', '.join(names) or 'none'}.{why}"
+            f"its Linear layers are named: {', '.join(names) or 'none'}"
+            f"{' (and `experts`, its mixture of experts)' if experts else ''}.{why}"
         )
+    if EXPERTS_TARGET in targets:
+        for path, module in experts:
+            set_child(model, path, ExpertLoRA(module, rank=rank, alpha=alpha, rngs=rngs))
     chosen = [(path, m) for path, m in linears if str(path[-1]) in targets]
     for path, linear in chosen:
         set_child(model, path, LoRA(linear, rank=rank, alpha=alpha, rngs=rngs))
@@ -210,6 +289,16 @@ def _expert_names(model: nnx.Module) -> set[str]:
 def lora_modules(model: nnx.Module) -> list[tuple[tuple, LoRA]]:
     """``(path, layer)`` of every :class:`LoRA` in ``model``, in module order."""
     return [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, LoRA)]
+
+
+def expert_lora_modules(model: nnx.Module) -> list[tuple[tuple, ExpertLoRA]]:
+    """``(path, experts)`` of every :class:`ExpertLoRA` in ``model``, in module order."""
+    return [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, ExpertLoRA)]
+
+
+def has_adapters(model: nnx.Module) -> bool:
+    """Whether ``model`` has LoRA adapters (on dense layers or on experts)."""
+    return bool(lora_modules(model) or expert_lora_modules(model))
 
 
 def merge_lora(model: nnx.Module) -> nnx.Module:
@@ -235,6 +324,13 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
         kernel = base.kernel[...]
         base.kernel[...] = (kernel.astype(jnp.float32) + layer.scaling * delta).astype(kernel.dtype)
         set_child(model, path, base)
+    for path, wrapped in expert_lora_modules(model):
+        experts = wrapped.base_module
+        for variable, merged in zip(
+            (experts.gate_proj, experts.up_proj, experts.down_proj), wrapped.merged_weights(), strict=True
+        ):
+            variable[...] = merged.astype(variable[...].dtype)
+        set_child(model, path, experts)
     return dequantize_linears(model, jnp.bfloat16)
 
 

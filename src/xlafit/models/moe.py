@@ -53,6 +53,7 @@ from xlafit.parallel.sharding import constrain, logical
 
 __all__ = [
     "EXPERT_WEIGHTS",
+    "ExpertAdapters",
     "Experts",
     "MoEBlock",
     "RouterStats",
@@ -207,6 +208,27 @@ def tiled_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> 
     return jnp.where(inside[:, None], picked, jnp.zeros((), out.dtype))
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertAdapters:
+    """LoRA adapters of stacked experts, in PEFT's form for transformers' fused experts
+    (``target_parameters`` ``mlp.experts.gate_up_proj`` and ``mlp.experts.down_proj``): one
+    adapter on the fused gate and up projection, one on the down projection, each expert its
+    own ``A`` and ``B``. The gate and up halves of the fused update share ``A``.
+
+    Attributes:
+        gate_up_a: ``[E, hidden, r]``; ``gate_up_b`` ``[E, r, 2f]`` (the gate's ``f``
+            columns first, as transformers' ``chunk(2)`` splits them).
+        down_a: ``[E, f, r]``; ``down_b`` ``[E, r, hidden]``.
+        scaling: ``alpha / r``.
+    """
+
+    gate_up_a: jax.Array
+    gate_up_b: jax.Array
+    down_a: jax.Array
+    down_b: jax.Array
+    scaling: float
+
+
 def grouped_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """The grouped product of rows sorted by group: ``jax.lax.ragged_dot`` on TPUs and GPUs
     (a grouped kernel), :func:`tiled_ragged_dot` on CPUs (see the module's docstring)."""
@@ -223,6 +245,7 @@ def ragged_experts(
     up: jax.Array,
     down: jax.Array,
     activation: str,
+    adapters: ExpertAdapters | None = None,
 ) -> jax.Array:
     """``sum_j weights[:, j] * expert_{experts[:, j]}(x)`` for ``x [N, d]`` with grouped
     products: the ``N x k`` assignments sorted by expert, each projection one
@@ -234,15 +257,23 @@ def ragged_experts(
         experts: ``[N, k]`` the chosen experts.
         gate: ``[E, d, f]`` stacked gate projections; ``up`` the same, ``down`` ``[E, f, d]``.
         activation: the gated MLP's (``silu``: SwiGLU).
+        adapters: LoRA on the experts, computed as grouped products of rank ``r`` (never
+            the ``[E, d, f]`` update).
     """
     n, k = experts.shape
-    e = gate.shape[0]
+    e, f = gate.shape[0], gate.shape[-1]
     flat = experts.reshape(-1)  # (N * k,)
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert, tokens in order within
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     rows = x[order // k]  # (N * k, d): a gather, no copy of x per expert
-    hidden = gated(grouped_dot(rows, gate, sizes), grouped_dot(rows, up, sizes), activation)
-    out = grouped_dot(hidden.astype(x.dtype), down, sizes)  # (N * k, d) in expert order
+    g, u = grouped_dot(rows, gate, sizes), grouped_dot(rows, up, sizes)
+    if adapters is not None:
+        gate_up = grouped_dot(grouped_dot(rows, adapters.gate_up_a, sizes), adapters.gate_up_b, sizes)
+        g, u = g + adapters.scaling * gate_up[:, :f], u + adapters.scaling * gate_up[:, f:]
+    hidden = gated(g, u, activation).astype(x.dtype)
+    out = grouped_dot(hidden, down, sizes)  # (N * k, d) in expert order
+    if adapters is not None:
+        out = out + adapters.scaling * grouped_dot(grouped_dot(hidden, adapters.down_a, sizes), adapters.down_b, sizes)
     unsorted = out[jnp.argsort(order)].reshape(n, k, -1)  # back to (token, slot)
     return jnp.einsum("nkd,nk->nd", unsorted, weights.astype(unsorted.dtype))
 
@@ -255,13 +286,22 @@ def dense_experts(
     up: jax.Array,
     down: jax.Array,
     activation: str,
+    adapters: ExpertAdapters | None = None,
 ) -> jax.Array:
     """:func:`ragged_experts`'s result with every expert computing every token (the
     weights of the experts not chosen are 0): ``E / k`` times the FLOPs, no sort."""
-    e = gate.shape[0]
+    e, f = gate.shape[0], gate.shape[-1]
     combine = jnp.einsum("nk,nke->ne", weights, jax.nn.one_hot(experts, e, dtype=weights.dtype))  # (N, E)
-    hidden = gated(jnp.einsum("nd,edf->enf", x, gate), jnp.einsum("nd,edf->enf", x, up), activation)
-    out = jnp.einsum("enf,efd->end", hidden.astype(x.dtype), down)
+    g, u = jnp.einsum("nd,edf->enf", x, gate), jnp.einsum("nd,edf->enf", x, up)
+    if adapters is not None:
+        low = jnp.einsum("nd,edr->enr", x, adapters.gate_up_a)
+        gate_up = jnp.einsum("enr,erf->enf", low, adapters.gate_up_b)
+        g, u = g + adapters.scaling * gate_up[..., :f], u + adapters.scaling * gate_up[..., f:]
+    hidden = gated(g, u, activation).astype(x.dtype)
+    out = jnp.einsum("enf,efd->end", hidden, down)
+    if adapters is not None:
+        low = jnp.einsum("enf,efr->enr", hidden, adapters.down_a)
+        out = out + adapters.scaling * jnp.einsum("enr,erd->end", low, adapters.down_b)
     return jnp.einsum("end,ne->nd", out, combine.astype(out.dtype))
 
 
@@ -326,11 +366,14 @@ class Experts(nnx.Module):
         self.down_proj = nnx.Param(logical(init, "experts", "mlp", "embed")(rngs.params(), (e, f, h), dtype))
         self.impl, self.activation, self.dtype = cfg.moe_impl, cfg.hidden_activation, cfg.compute_dtype
 
-    def __call__(self, tokens: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
-        """``sum_j weights[:, j] * expert_{experts[:, j]}(tokens)`` of ``tokens [N, hidden]``."""
+    def __call__(
+        self, tokens: jax.Array, weights: jax.Array, experts: jax.Array, adapters: ExpertAdapters | None = None
+    ) -> jax.Array:
+        """``sum_j weights[:, j] * expert_{experts[:, j]}(tokens)`` of ``tokens [N, hidden]``
+        (with ``adapters``: each expert's weights plus its LoRA update)."""
         gate, up, down = (w[...].astype(self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
         run = ragged_experts if self.impl == "ragged" else dense_experts
-        return run(tokens, weights, experts, gate, up, down, self.activation)
+        return run(tokens, weights, experts, gate, up, down, self.activation, adapters)
 
 
 class ScaledRouter(nnx.Module):

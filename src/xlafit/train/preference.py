@@ -48,7 +48,7 @@ from flax import nnx
 
 from xlafit.data.clm import next_token_targets
 from xlafit.errors import ConfigError
-from xlafit.models.lora import adapters_off, lora_modules
+from xlafit.models.lora import adapters_off, has_adapters
 from xlafit.train.losses import TokenLogps, token_logps_of, whole_token_logps
 
 __all__ = [
@@ -195,7 +195,7 @@ def _pair_logps(
 def _base_logps(model: Any, rows: dict[str, jax.Array], token_logps: TokenLogps = whole_token_logps) -> jax.Array:
     """The reference's summed completion log-probabilities ``[B, 2]``: the model with its LoRA
     adapters off, no gradient through it."""
-    if not lora_modules(model):
+    if not has_adapters(model):
         raise ConfigError(
             "DPO's reference is the model before tuning: with LoRA the base with its adapters off (no copy), but this "
             "model has no adapters, so it would compare the model with itself. Set lora.rank=16 (or another rank), or "

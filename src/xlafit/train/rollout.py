@@ -33,7 +33,7 @@ from flax import nnx
 from xlafit.data.prompts import PromptSet
 from xlafit.errors import ConfigError
 from xlafit.models.generation import Sampling, generate, generation_program
-from xlafit.models.lora import adapters_off, lora_modules
+from xlafit.models.lora import adapters_off, has_adapters
 from xlafit.parallel.sharding import row_shards, rows_layout, rows_sharding
 from xlafit.train import grpo
 from xlafit.train.losses import TokenLogps, whole_token_logps
@@ -242,7 +242,7 @@ class Rollout:
         if need_old:
             rows["old_logps"] = np.asarray(_logps(graphdef, state, device_rows, t, False, self.token_logps))
         if need_ref:
-            if not lora_modules(model):
+            if not has_adapters(model):
                 raise ConfigError(
                     "model.grpo.beta > 0 compares the policy with a reference (the model before tuning), and this "
                     "model has no LoRA adapters to turn off for one; set lora.rank=16 (or another rank), or "
