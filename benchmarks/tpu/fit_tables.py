@@ -93,16 +93,23 @@ def step_cell(t: dict) -> str:
 
 
 def largest_cell(t: dict) -> str:
-    """HBM per core at one sequence per core; the largest batch (--max-batch) or the step model's
-    prediction with its band; where it does not fit, the lever that makes it fit."""
+    """HBM per core at the row's sequences per core; the largest batch (--max-batch) or the step
+    model's prediction with its band; where it does not fit, the lever that makes it fit."""
     fixes = [lv for lv in t.get("lever_fits", []) if lv["fits"]]
     fix = f"; with `{' '.join(fixes[0]['overrides'])}` {lever_speed(fixes[0])}" if fixes else ""
+    batch = t["per_device_batch"]
     if not t["fits"]:
         state = gib(t["memory"].get("state")).removesuffix(" GiB")
-        return f"no: {gib(t['memory'].get('total'))} at 1 (state {state}){fix}"
+        return f"no: {gib(t['memory'].get('total'))} at {batch} (state {state}){fix}"
     if t.get("max_batch") is not None:
         return max_batch_cell(t) + (f"; {fixes[0]['per_device_batch']}{fix}" if fixes else "")
-    return f"fits: {gib(t['memory'].get('total'))} at 1; {tokens(t)}"
+    memory = t["memory"]
+    if memory.get("peak") and memory.get("total", 0) > t["capacity"]:  # buffers never live at once, each counted
+        return (
+            f"fits: {gib(memory['peak'])} at {batch} (the compiler's peak; its buffers add up to "
+            f"{gib(memory['total'])}); {tokens(t)}"
+        )
+    return f"fits: {gib(memory.get('total'))} at {batch}; {tokens(t)}"
 
 
 def tokens(t: dict) -> str:
@@ -147,7 +154,9 @@ def _llm_row(
     max_batch: bool,
     label: tuple[str, ...],
     tpu: str = "colab,kaggle",
+    batch: int = 1,
 ) -> Row:
+    settings = [f"data.per_device_batch={batch}" if a == "data.per_device_batch=1" else a for a in LLM]
     args = [
         "llm",
         "--tpu",
@@ -156,15 +165,17 @@ def _llm_row(
         "--json",
         f"model.preset={model}",
         f"data.seq_len={seq}",
-        *LLM,
+        *settings,
         f"model.scan_layers={str(scan).lower()}",
         *MODE_ARGS[mode],
     ]
     return Row(f"{model}-{mode}-{seq}", label, tuple(args))
 
 
-def _largest_row(model: str, params: str, mode: str, seq: int, tpu: str, max_batch: bool = False) -> Row:
-    return _llm_row(model, mode, seq, True, max_batch, (model, TRAINING[mode], f"{seq:,}", params), tpu)
+def _largest_row(
+    model: str, params: str, mode: str, seq: int, tpu: str, max_batch: bool = False, batch: int = 1
+) -> Row:
+    return _llm_row(model, mode, seq, True, max_batch, (model, TRAINING[mode], f"{seq:,}", params), tpu, batch)
 
 
 TABLES = {
@@ -209,7 +220,7 @@ TABLES = {
             _largest_row("llama-3.1-70b", "70.6B", "lora_nf4", 2048, "kaggle,v6e-8"),
             _largest_row("gemma-3-27b", "27.0B", "lora", 4096, "kaggle,v6e-8"),
             _largest_row("qwen3-32b", "32.8B", "lora", 4096, "kaggle,v6e-8"),
-            _largest_row("llama-3.1-8b", "8.0B", "lora", 8192, "kaggle", max_batch=True),
+            _largest_row("llama-3.1-8b", "8.0B", "lora", 8192, "kaggle", batch=4),  # 4 a core: the bar asked
             _largest_row("llama-3.1-8b", "8.0B", "full", 2048, "v6e-8"),
             _largest_row("qwen3-14b", "14.8B", "full", 2048, "v6e-8"),
         ),
