@@ -41,6 +41,7 @@ import qwix
 from flax import nnx
 
 from xlafit.errors import ConfigError
+from xlafit.models.moe import Experts
 from xlafit.parallel.sharding import logical_axes
 
 QType = Literal["nf4", "int4", "int8"]
@@ -356,6 +357,17 @@ def dequantize_linears(model: nnx.Module, dtype: Any = jnp.bfloat16) -> nnx.Modu
     for path, layer in quantized_layers(model):
         set_child(model, path, layer.dequantized(dtype))
     return model
+
+
+def expert_weights(model: nnx.Module) -> tuple[int, int]:
+    """``(weights in a mixture of experts' stacked experts, weights of the whole base)``: the
+    experts stay unquantized in a quantized base (:func:`quantize_base` quantizes dense layers)."""
+
+    def count(state: nnx.State) -> int:
+        return sum(int(np.prod(v.shape)) for v in jax.tree.leaves(state))
+
+    experts = sum(count(nnx.state(m, nnx.Param)) for _, m in nnx.iter_modules(model) if isinstance(m, Experts))
+    return experts, count(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))
 
 
 def is_quantized(model: nnx.Module) -> bool:
