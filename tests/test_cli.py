@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import write_mnist_idx
 from xlafit.errors import ConfigError
 
 
@@ -165,7 +166,9 @@ def test_train_pulse_and_resume(tmp_path):
     """Two steps, then two more from the checkpoint: the whole CLI path, twice. The second
     process loads the train step from JAX's persistent compilation cache."""
     run_dir = tmp_path / "run"  # beside the cache: a run directory holds a run's files only
-    common = ["train", "mnist", "--simulate", "8", "--run-dir", str(run_dir), "trainer.log_every_steps=1"]
+    data = write_mnist_idx(tmp_path, train=640)  # 5 steps an epoch: no evaluation; quicker to load
+    common = ["train", "mnist", "--simulate", "8", "--data-dir", str(data), "--run-dir", str(run_dir)]
+    common += ["trainer.log_every_steps=1"]
     cache = {"XLAFIT_CACHE": str(tmp_path / "cache")}
     first = run(*common, "trainer.stop_at_step=2", env=cache)
     assert first.returncode == 0, first.stderr
@@ -502,7 +505,8 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_command_with_one_line(tmp_
         "        raise PermissionError(13, 'Permission denied', str(path))\n"
         "    return makedirs(path, *args, **kwargs)\n"
         "os.makedirs = refuse\n"
-        f"sys.argv = ['xlafit', 'train', 'mnist', '--run-dir', {str(tmp_path / 'run')!r}, 'trainer.stop_at_step=1']\n"
+        f"sys.argv = ['xlafit', 'train', 'mnist', '--run-dir', {str(tmp_path / 'run')!r}, 'trainer.stop_at_step=1',\n"
+        f"            '--data-dir', {str(write_mnist_idx(tmp_path))!r}]\n"
         "from xlafit.cli import main\n"
         "sys.exit(main())\n"
     )
