@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import write_mnist_idx
 from xlafit.errors import ConfigError
 
 
@@ -165,7 +166,9 @@ def test_train_pulse_and_resume(tmp_path):
     """Two steps, then two more from the checkpoint: the whole CLI path, twice. The second
     process loads the train step from JAX's persistent compilation cache."""
     run_dir = tmp_path / "run"  # beside the cache: a run directory holds a run's files only
-    common = ["train", "mnist", "--simulate", "8", "--run-dir", str(run_dir), "trainer.log_every_steps=1"]
+    data = write_mnist_idx(tmp_path, train=640)  # 5 steps an epoch: no evaluation; quicker to load
+    common = ["train", "mnist", "--simulate", "8", "--data-dir", str(data), "--run-dir", str(run_dir)]
+    common += ["trainer.log_every_steps=1"]
     cache = {"XLAFIT_CACHE": str(tmp_path / "cache")}
     first = run(*common, "trainer.stop_at_step=2", env=cache)
     assert first.returncode == 0, first.stderr
@@ -356,6 +359,25 @@ def test_help_loads_no_jax():
     assert out.stdout.strip() == "[]"
 
 
+def test_a_runs_tensorboard_events_are_written_without_torch(tmp_path):
+    """tensorboardX imports torch, where installed, for the tensors it accepts: about 1.5
+    CPU-seconds, most of what a training command imports. A run logs Python numbers and
+    writes its events without it; torch stays importable afterwards."""
+    code = (
+        "import importlib.util, sys\n"
+        "from xlafit.train.report import RunReport\n"
+        f"report = RunReport({str(tmp_path)!r}, total_steps=1)\n"
+        "report.record({'step': 1, 'loss': 0.5})\n"
+        "report.close()\n"
+        "print(sorted(m for m in ('torch', 'google.cloud.storage') if m in sys.modules))\n"
+        "print(importlib.util.find_spec('torch') is not None)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines()[-2:] == ["[]", "True"], out.stdout
+    (events,) = (tmp_path / "tensorboard").iterdir()
+    assert events.name.startswith("events.out.tfevents.") and events.stat().st_size > 0
+
+
 @pytest.mark.parametrize("command", ["train", "check", "plan", "config"])
 def test_help_names_every_recipe(command):
     import contextlib
@@ -483,7 +505,8 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_command_with_one_line(tmp_
         "        raise PermissionError(13, 'Permission denied', str(path))\n"
         "    return makedirs(path, *args, **kwargs)\n"
         "os.makedirs = refuse\n"
-        f"sys.argv = ['xlafit', 'train', 'mnist', '--run-dir', {str(tmp_path / 'run')!r}, 'trainer.stop_at_step=1']\n"
+        f"sys.argv = ['xlafit', 'train', 'mnist', '--run-dir', {str(tmp_path / 'run')!r}, 'trainer.stop_at_step=1',\n"
+        f"            '--data-dir', {str(write_mnist_idx(tmp_path))!r}]\n"
         "from xlafit.cli import main\n"
         "sys.exit(main())\n"
     )

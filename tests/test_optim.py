@@ -1,3 +1,5 @@
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,13 +8,26 @@ import pytest
 
 from xlafit.config import OptimizerConfig
 from xlafit.errors import ConfigError
-from xlafit.train.optim import make_optimizer, matrices, scaled_lr, warmup_steps
+from xlafit.train.loop import lr_at
+from xlafit.train.optim import highest_rate, make_optimizer, make_schedule, matrices, scaled_lr, warmup_steps
 
 
 @pytest.mark.parametrize(("rule", "expected"), [("linear", 0.8), ("sqrt", 0.2 * 2), ("none", 0.2)])
 def test_lr_scaling_rules(rule, expected):
     # 1024 = 4 x the reference batch of 256: linear x4, sqrt x2.
     assert scaled_lr(0.2, 1024, 256, rule) == pytest.approx(expected)
+
+
+def test_a_schedule_is_read_as_one_compiled_program(caplog):
+    """The start-up's learning-rate lines and every logged step read the schedule: op by op,
+    each of its dozen or so jnp operations compiled alone for every new shape (about two
+    CPU-seconds of a training command's start)."""
+    schedule = make_schedule(OptimizerConfig(warmup_steps=5, decay="cosine"), 1e-3, 37)
+    with jax.log_compiles(), caplog.at_level(logging.WARNING, logger="jax._src.dispatch"):
+        highest, at_3 = highest_rate(schedule, 37), lr_at(schedule, 3)
+    compiles = [r for r in caplog.records if r.getMessage().startswith("Finished XLA compilation")]
+    assert len(compiles) <= 2, [r.getMessage() for r in compiles]  # steps [37] and one step
+    assert highest == pytest.approx(1e-3, rel=1e-6) and at_3 == pytest.approx(3 / 5 * 1e-3, rel=1e-6)
 
 
 def test_warmup_then_cosine_to_final_fraction():

@@ -47,12 +47,12 @@ def digits():
 
 @pytest.fixture(scope="module")
 def idx_dir(tmp_path_factory):
-    """512 training and 128 test digits as IDX files: quick to load in every segment."""
-    return write_mnist_idx(tmp_path_factory.mktemp("idx"))
+    """256 training and 128 test digits as IDX files: quick to load in every segment."""
+    return write_mnist_idx(tmp_path_factory.mktemp("idx"), train=256)
 
 
 def train_cmd(run_dir, idx_dir, *extra):
-    return mnist_train_cmd(run_dir, idx_dir, *extra, epochs=2, checkpoint_every=1)  # 16 steps, 16 checkpoints
+    return mnist_train_cmd(run_dir, idx_dir, *extra, epochs=2, checkpoint_every=1)  # 8 steps, 8 checkpoints
 
 
 env = user_env
@@ -81,7 +81,7 @@ def uninterrupted(tmp_path_factory, idx_dir):
     out = subprocess.run(train_cmd(run_dir, idx_dir), capture_output=True, text=True, env=env())
     assert out.returncode == 0, out.stderr[-3000:]
     fp = final_fingerprint(run_dir)
-    assert fp["step"] == 2 * 8
+    assert fp["step"] == 2 * 4
     return fp
 
 
@@ -163,7 +163,8 @@ def test_sigterm_at_random_moments_then_resume_equals_uninterrupted(tmp_path, id
 
 
 def test_sigterm_saves_the_current_step_and_exits_75(tmp_path, idx_dir):
-    seg = Segment(train_cmd(tmp_path, idx_dir, "trainer.checkpoint_every_steps=1000"))
+    # more epochs than it reaches: the signal, not the end, stops it
+    seg = Segment(train_cmd(tmp_path, idx_dir, "trainer.checkpoint_every_steps=1000", "trainer.epochs=20"))
     assert seg.training.wait(timeout=120)
     seg.proc.send_signal(signal.SIGTERM)
     assert seg.finish() == 75
@@ -331,11 +332,13 @@ def test_elastic_restore_with_xla_all_reduce_stays_on_the_curve(strategy8, digit
 def test_breaking_config_change_is_refused_and_safe_one_allowed(tmp_path, idx_dir):
     base = train_cmd(tmp_path, idx_dir, "trainer.stop_at_step=2")
     assert subprocess.run(base, capture_output=True, env=env()).returncode == 0
-    out = subprocess.run([*base, "model.dropout1=0.3"], capture_output=True, text=True, env=env())
+    # two breaking changes, each named (one process: each start imports JAX and the library)
+    out = subprocess.run(
+        [*base, "model.dropout1=0.3", "data.global_batch=32"], capture_output=True, text=True, env=env()
+    )
     assert out.returncode == 2
     assert "model.dropout1: 0.25 in the run, 0.3 now" in out.stderr and "--restart" in out.stderr
-    out = subprocess.run([*base, "data.global_batch=32"], capture_output=True, text=True, env=env())
-    assert out.returncode == 2 and "data.global_batch: 64 in the run, 32 now" in out.stderr
+    assert "data.global_batch: 64 in the run, 32 now" in out.stderr
     # A safe change is announced, and so is a key that a run begun by an older xlafit lacks
     # (added since): one resume shows both.
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
@@ -488,12 +491,12 @@ def test_unwritable_run_directory_fails_before_training(tmp_path, idx_dir):
     assert "[train]" not in out.stdout
 
 
-def test_sigterm_to_a_two_process_job_saves_one_step_in_both(tmp_path):
+def test_sigterm_to_a_two_process_job_saves_one_step_in_both(tmp_path, idx_dir):
     """xlafit launch forwards SIGTERM; the processes agree on the step, save it together and
     both exit 75."""
     cmd = [*XLAFIT, "launch", "--processes", "2", "--devices-per-process", "2", "--log-dir", str(tmp_path / "logs")]
-    cmd += ["--", *XLAFIT, "train", "mnist", "--run-dir", str(tmp_path / "run"), "trainer.invariant_chunks=null"]
-    cmd += ["trainer.epochs=3", "trainer.log_every_steps=1", "data.global_batch=64"]
+    cmd += ["--", *XLAFIT, "train", "mnist", "--data-dir", str(idx_dir), "--run-dir", str(tmp_path / "run")]
+    cmd += ["trainer.invariant_chunks=null", "trainer.epochs=20", "trainer.log_every_steps=1", "data.global_batch=64"]
     seg = Segment(cmd)
     assert seg.training.wait(timeout=180)
     time.sleep(1.0)

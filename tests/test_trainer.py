@@ -2,6 +2,9 @@
 exact evaluation, exact resume, one compile."""
 
 import ast
+import contextlib
+import io
+import json
 from pathlib import Path
 
 import jax
@@ -38,6 +41,21 @@ def _cnn_trainer(strategy, *, steps_per_call=1, stop_at_step=20, run_dir=None, e
     )
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(strategy8, digits, tmp_path_factory):
+    """The 20 steps of ``_cnn_trainer`` on 8 devices, evaluated at each epoch's end, with a run
+    directory: its result, the directory and what it printed. The reference of three tests
+    (each trainer compiles its programs anew)."""
+    train, test = digits
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        trainer = _cnn_trainer(strategy8, stop_at_step=None, run_dir=run_dir)
+        result = trainer.fit(train, eval=test)
+        trainer.close()
+    return result, run_dir, printed.getvalue()
+
+
 def _params(result):
     return jax.device_get(nnx.to_pure_dict(result.state.params))
 
@@ -59,10 +77,11 @@ def _assert_relative_norm(a, b, tol):
 # ||p8 - p1|| / ||p1|| <= 1e-5. The runs differ only in the order of floating-point sums
 # (the cross-device all-reduce vs one device's reduction); dropout masks are identical
 # because random bits do not depend on the sharding. Measured here: about 1e-7.
-@pytest.mark.parametrize("tx", [optax.sgd(0.05, momentum=0.9), optax.adam(1e-3)], ids=["sgd", "adam"])
-def test_eight_devices_equal_one_device(strategy8, strategy1, digits, tx, tol=1e-5):
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_eight_devices_equal_one_device(strategy8, strategy1, digits, uninterrupted, optimizer, tol=1e-5):
     train, _ = digits
-    r8 = _cnn_trainer(strategy8, tx=tx).fit(train)
+    tx = optax.sgd(0.05, momentum=0.9) if optimizer == "sgd" else None  # None: _cnn_trainer's Adam
+    r8 = _cnn_trainer(strategy8, tx=tx).fit(train) if tx else uninterrupted[0]
     r1 = _cnn_trainer(strategy1, tx=tx).fit(train)
     assert int(r8.state.step) == int(r1.state.step) == 20
     _assert_relative_norm(_params(r8), _params(r1), tol)
@@ -106,9 +125,9 @@ def test_invariant_chunks_must_fit_the_devices(strategy8):
         )
 
 
-def test_steps_per_call(strategy8, digits):
+def test_steps_per_call(strategy8, digits, uninterrupted):
     train, _ = digits
-    r1 = _cnn_trainer(strategy8, steps_per_call=1).fit(train)
+    r1, _, _ = uninterrupted
     r4 = _cnn_trainer(strategy8, steps_per_call=4).fit(train)
     _assert_trees_close(_params(r4), _params(r1), 1e-5, 1e-7)
     # 20 steps in calls of 4 within 10-step epochs: 4,4,2 | 4,4 -> two shapes, two compiles.
@@ -140,10 +159,10 @@ def test_evaluation_counts_every_example_once(strategy8):
     assert trainer.eval_step.compiles == 1  # the padded last batch reuses the program
 
 
-def test_stop_and_resume_equals_uninterrupted(strategy8, digits, tmp_path, capsys):
+def test_stop_and_resume_equals_uninterrupted(strategy8, digits, uninterrupted, tmp_path, capsys):
     train, test = digits
-    full = _cnn_trainer(strategy8, stop_at_step=None, epochs=2).fit(train, eval=test)
-    assert "stopped at step" not in capsys.readouterr().out
+    full, _, printed = uninterrupted
+    assert "stopped at step" not in printed
     first = _cnn_trainer(strategy8, stop_at_step=7, epochs=2, run_dir=tmp_path)
     part = first.fit(train)
     first.close()
@@ -176,20 +195,17 @@ def test_stop_and_resume_equals_uninterrupted(strategy8, digits, tmp_path, capsy
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "20", "7"]
 
 
-def test_train_step_compiles_once_and_logs(strategy8, digits, tmp_path):
-    train, test = digits
-    result = _cnn_trainer(strategy8, stop_at_step=None, run_dir=tmp_path).fit(train, eval=test)
+def test_train_step_compiles_once_and_logs(uninterrupted):
+    result, run_dir, _ = uninterrupted
     assert result.train_compiles == 1 and result.eval_compiles == 1
-    import json
-
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_records = [r for r in records if r["split"] == "train"]
     assert [r["step"] for r in train_records] == [5, 10, 15, 20]
     for key in ("step", "epoch", "loss", "accuracy", "learning_rate", "examples_per_sec", "step_time_s", "compiles"):
         assert key in train_records[0] or key == "learning_rate", key
     assert train_records[-1]["compiles"] == 1
     assert [r["step"] for r in records if r["split"] == "eval"] == [10, 20]
-    assert any((tmp_path / "tensorboard").iterdir())
+    assert any((run_dir / "tensorboard").iterdir())
 
 
 def test_global_batch_must_divide(strategy8):

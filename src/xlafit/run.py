@@ -56,7 +56,7 @@ from xlafit.recipes.base import Recipe
 from xlafit.rundir import checkpoint_dir, log_to_file, make_run_dir, refuse_foreign_dir, start_run_dir
 from xlafit.runlock import hold_run_dir
 from xlafit.train.loop import FitResult
-from xlafit.train.optim import OptimizerPlan, highest_rate, make_optimizer, warmup_steps
+from xlafit.train.optim import OptimizerPlan, highest_rate, make_optimizer, schedule_at, warmup_steps
 from xlafit.train.signals import handle_signals
 from xlafit.train.trainer import Trainer
 
@@ -275,7 +275,7 @@ def describe_schedule(cfg: Config, plan: OptimizerPlan, run_steps: int | None = 
         f"batch {cfg.data.global_batch} ({o.scaling} scaling), "
     )
     after = run_steps - plan.decay_steps
-    last = float(plan.schedule(plan.decay_steps))
+    last = float(schedule_at(plan.schedule, plan.decay_steps))
     beyond = f", then {last:.4g} for the run's last {after} steps" if after > 0 else ""
     if after > 0 and last == 0:
         beyond += " (warning: at a rate of 0 they do not change the model; optimizer.final_lr_fraction sets the end)"

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import optax
 
-from xlafit.train.optim import highest_rate
+from xlafit.train.optim import highest_rate, schedule_at
 from xlafit.train.report import RunReport
 from xlafit.train.step import TrainState
 
@@ -165,7 +165,7 @@ def lr_at(schedule: optax.Schedule | float | None, step: int) -> float | None:
     """The learning rate at ``step``: the schedule's value, the constant, or None (not given)."""
     if schedule is None:
         return None
-    return float(schedule(step)) if callable(schedule) else float(schedule)
+    return float(schedule_at(schedule, step)) if callable(schedule) else float(schedule)
 
 
 def peak_lr(schedule: optax.Schedule | float | None, total: int) -> float | None:

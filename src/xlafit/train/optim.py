@@ -9,10 +9,14 @@ He et al. 2018, "Bag of Tricks"). The rate in the config is the one tuned at
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from xlafit.config import OptimizerConfig
@@ -63,10 +67,27 @@ def make_schedule(cfg: OptimizerConfig, peak_lr: float, total_steps: int) -> opt
     return optax.join_schedules([optax.linear_schedule(0.0, peak_lr, warmup), decay], [warmup])
 
 
+@functools.lru_cache(maxsize=16)
+def _compiled(schedule: optax.Schedule) -> Callable[[Any], jax.Array]:
+    return jax.jit(schedule)
+
+
+def schedule_at(schedule: optax.Schedule, steps: int | np.ndarray) -> jax.Array:
+    """``schedule(steps)`` as one compiled program (optax schedules are traceable: the
+    optimizer calls them inside the train step). Called op by op, a schedule's dozen or so
+    ``jnp`` operations compile one by one for each new shape of ``steps``: about two
+    CPU-seconds of a training command's start-up and first log line."""
+    try:
+        compiled = _compiled(schedule)
+    except TypeError:  # an unhashable callable: op by op
+        return jnp.asarray(schedule(steps))
+    return compiled(steps)
+
+
 def highest_rate(schedule: optax.Schedule, steps: int) -> float:
     """The highest learning rate ``schedule`` gives in its first ``steps`` steps: the peak,
     or less when the run ends during the warmup."""
-    return float(jnp.max(schedule(jnp.arange(max(steps, 1)))))
+    return float(np.asarray(schedule_at(schedule, np.arange(max(steps, 1), dtype=np.int32))).max())
 
 
 def warmup_steps(cfg: OptimizerConfig, steps_per_epoch: int) -> int:

@@ -25,6 +25,27 @@ from tqdm import tqdm
 from xlafit.errors import WriteError, write_failed
 from xlafit.io.paths import AnyPath, LocalCopy
 
+# What tensorboardX imports only for the types of tensors it accepts (torch's) and for logdirs
+# of its own in a bucket (google.cloud.storage): most of a training command's start-up,
+# about 1.6 CPU-seconds, though xlafit logs Python numbers to a local folder.
+_TENSORBOARDX_OPTIONAL = ("torch", "google.cloud.storage")
+
+
+def _summary_writer(logdir: Path) -> Any:
+    """tensorboardX's ``SummaryWriter`` for ``logdir``, imported without the modules of
+    ``_TENSORBOARDX_OPTIONAL`` (each guarded there by ``except ImportError``) where nothing
+    imported them yet; they stay importable afterwards."""
+    blocked = [name for name in _TENSORBOARDX_OPTIONAL if name not in sys.modules]
+    for name in blocked:
+        sys.modules[name] = None  # type: ignore[assignment]  # `import name` raises ImportError
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        for name in blocked:
+            if sys.modules.get(name, "") is None:
+                del sys.modules[name]
+    return SummaryWriter(str(logdir))
+
 
 class RunReport:
     """Writes metrics records and shows progress.
@@ -67,10 +88,8 @@ class RunReport:
                 self._jsonl = open(metrics, "a", encoding="utf-8")
             except OSError as e:
                 raise write_failed(self._metrics, e) from None
-            from tensorboardX import SummaryWriter
-
             try:
-                self._tb = SummaryWriter(str(self._copy.local / "tensorboard"))
+                self._tb = _summary_writer(self._copy.local / "tensorboard")
             except OSError as e:
                 self.close()
                 raise write_failed(self._copy.target / "tensorboard", e) from None
