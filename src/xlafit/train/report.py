@@ -26,6 +26,26 @@ from xlafit.errors import WriteError, write_failed
 from xlafit.io.paths import AnyPath, LocalCopy
 
 
+def summary_writer() -> type:
+    """tensorboardX's ``SummaryWriter``, imported without importing PyTorch.
+
+    tensorboardX imports torch whenever it is installed, only to accept torch tensors as
+    values; a run logs floats. Importing torch costs about a second of CPU in every process
+    that writes a run's TensorBoard files (every `xlafit train`), so where torch is not
+    imported yet it is hidden while tensorboardX loads: ``import torch`` fails inside
+    tensorboardX's ``try``, and works as before once it returns.
+    """
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+    else:
+        sys.modules["torch"] = None  # type: ignore[assignment]  # None: `import torch` raises ImportError
+        try:
+            from tensorboardX import SummaryWriter
+        finally:
+            del sys.modules["torch"]
+    return SummaryWriter
+
+
 class RunReport:
     """Writes metrics records and shows progress.
 
@@ -67,10 +87,8 @@ class RunReport:
                 self._jsonl = open(metrics, "a", encoding="utf-8")
             except OSError as e:
                 raise write_failed(self._metrics, e) from None
-            from tensorboardX import SummaryWriter
-
             try:
-                self._tb = SummaryWriter(str(self._copy.local / "tensorboard"))
+                self._tb = summary_writer()(str(self._copy.local / "tensorboard"))
             except OSError as e:
                 self.close()
                 raise write_failed(self._copy.target / "tensorboard", e) from None
