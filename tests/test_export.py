@@ -53,7 +53,7 @@ def test_cli_tokenizer_data_train_export(tmp_path, capsys):
         "train",
         "bert",
         "--simulate",
-        "8",
+        "1",  # the pipeline, not the split over devices (test_bert_recipe.py trains a prepared directory on 8)
         "--data-dir",
         str(tmp_path / "mlm"),
         "--run-dir",

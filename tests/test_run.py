@@ -350,6 +350,31 @@ def test_the_progress_bar_closes_at_100_percent_and_what_follows_prints_below_it
     assert err.count("4/4") == 1, err
 
 
+def test_a_runs_tensorboard_files_are_written_without_importing_torch(tmp_path):
+    """tensorboardX imports torch where it is installed (about a second of CPU in every
+    `xlafit train` process, for torch tensors a run never logs) and Google Cloud Storage's
+    client (for logdirs in a bucket, which xlafit never gives it); the run's writer loads it
+    with both hidden, and torch imports as usual afterwards."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from xlafit.train.report import RunReport\n"
+        f"report = RunReport({str(tmp_path)!r}, total_steps=2)\n"
+        "report.record({'step': 2, 'loss': 0.5})\n"
+        "report.close()\n"
+        "print('torch before:', 'torch' in sys.modules, 'google.cloud.storage' in sys.modules)\n"
+        "import torch\n"
+        "print('torch after:', torch.ones(2).sum().item())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = [line for line in done.stdout.splitlines() if line.startswith("torch")]
+    assert said == ["torch before: False False", "torch after: 2.0"], done.stdout
+    assert [p.name.startswith("events.out.tfevents") for p in (tmp_path / "tensorboard").iterdir()] == [True]
+
+
 def test_cpu_settings_that_cannot_apply_any_more_are_named(strategy8, monkeypatch, caplog):
     """`xlafit.connect()` first (the notebooks' order) starts JAX with the default XLA:CPU
     settings; a recipe run then asked for its own (mnist: cpu.fast_paths=false) and went on

@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 
@@ -305,11 +306,14 @@ def table_memory(device_kind: str) -> float | None:
     return None
 
 
+@functools.cache
 def measured_cpu_peak(n: int = 2048, repeats: int = 5) -> float:
     """FLOP/s of an ``n x n`` float32 matrix product on this machine's CPU, all cores.
 
     The median of ``repeats`` timed products after one warm-up. Simulated CPU devices share
     these cores, so this is the peak of the whole machine, not of one simulated device.
+    Measured once per process (its six products take about a second of CPU): every later
+    run in the process, a notebook's or a script's, reports MFU against the same peak.
     """
     cpu = jax.devices("cpu")[0]
     a = jax.device_put(jax.random.normal(jax.random.key(0), (n, n), jnp.float32), cpu)
