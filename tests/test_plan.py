@@ -461,7 +461,7 @@ def test_a_scanned_candidate_costs_what_its_unscanned_twin_does():
     planner, _, _ = recipe_planner("bert", BERT_6, None, Settings())
     assert (planner.scan, planner.layers) == (False, 6)
     target = parse_target("v4-8")
-    flat = Candidate(target.name, (2, 2, 1), 2, remat="none", scan=False)
+    flat = Candidate(target.name, (2, 2, 1), 1, remat="none", scan=False)
     scanned = dataclasses.replace(flat, scan=True)
     # The scanned program as the planner compiled it, kept from its own compile (not compiled twice).
     steps, kept = planner.steps(target, scanned), []
