@@ -1,6 +1,6 @@
 """`xlafit check --tpu` compiles the levers that would make a run fit (xlafit.check.lever_fits),
 with the real TPU compiler (libtpu) on this CPU: tiny programs made not to fit by their
-logits (a 1,026,048-token vocabulary at 64 sequences a core) or by their frozen base."""
+logits (an 8,208,384-token vocabulary at 8 sequences a core) or by their frozen base."""
 
 import dataclasses
 import json
@@ -18,13 +18,16 @@ from xlafit.platform import hardware as tpu
 from xlafit.recipes import load_config
 
 V5E = tpu.parse_target("v5e-1")
-# 64 rows of 64 tokens a core over 8 x Llama 3's vocabulary: the whole float32 logits and their
-# gradient are 34 GB, twice a v5e core. (Llama 3's own vocabulary needs 1,024 rows for as much,
-# and the TPU compiler takes half again as long over a program of that many rows.)
+# 8 rows of 64 tokens a core over 64 x Llama 3's vocabulary: the whole float32 logits and their
+# gradient are 34 GB, twice a v5e core. The TPU compiler's time grows with the tokens a core
+# (8 rows compile in a tenth of the time of 64 rows over an eighth of this vocabulary); a
+# 64-wide embedding keeps the state of so many rows of it at 6.3 GB.
 LOGITS_OVER = [
     *(o for o in SMALL_LLM if not o.startswith("data.per_device_batch")),
-    "model.vocab_size=1026048",
-    "data.per_device_batch=64",
+    "model.hidden_size=64",
+    "model.num_heads=1",
+    "model.vocab_size=8208384",
+    "data.per_device_batch=8",
     "model.remat=full",
 ]
 
@@ -56,12 +59,12 @@ def test_a_run_whose_logits_do_not_fit_is_told_which_lever_fits_and_how_fast():
     by_setting = {" ".join(f.overrides): f for f in report.lever_fits}
     assert list(by_setting) == ["model.logits_chunk=1024", "model.remat=offload"]  # no quantized base: no LoRA
     chunks, offload = by_setting.values()
-    assert chunks.fits and chunks.per_device_batch == 64 and chunks.memory < report.capacity
-    assert chunks.step_s > 0 and chunks.tokens_per_s == pytest.approx(64 * 64 / chunks.step_s, rel=0.02)
+    assert chunks.fits and chunks.per_device_batch == 8 and chunks.memory < report.capacity
+    assert chunks.step_s > 0 and chunks.tokens_per_s == pytest.approx(8 * 64 / chunks.step_s, rel=0.02)
     assert chunks.predicted and chunks.band_median is None  # a 1-layer LoRA step: outside the measured band
     assert offload.fits is False and offload.memory > report.capacity  # the logits, not the layer inputs
     text = format_report(report)
-    assert "with each lever, compiled (train step, 64 per core: the run's batch; 2 compile(s)):" in text
+    assert "with each lever, compiled (train step, 8 per core: the run's batch; 2 compile(s)):" in text
     line = next(x for x in text.splitlines() if "model.logits_chunk=1024" in x and "✓" in x)
     assert "(the logits in chunks): fits" in line and "(not validated)" in line and "tokens/s" in line
     assert "✗ model.remat=offload (layer inputs in host memory): does not fit, needs" in text
@@ -72,18 +75,19 @@ def test_a_run_whose_logits_do_not_fit_is_told_which_lever_fits_and_how_fast():
 def test_under_max_batch_the_levers_are_compiled_at_the_smallest_batch_refused():
     """--max-batch asked for more than fits: the levers say which makes the next batch fit."""
     chunk = FitLever("the logits in chunks", ("model.logits_chunk=1024",))
-    # The probes are given: a 512-token vocabulary keeps both compiles small (the batch is the point).
-    small = [*LOGITS_OVER[:-3], "model.vocab_size=512", "data.per_device_batch=8"]
+    # The probes are given: a 512-token vocabulary and 2 rows keep both compiles small (the
+    # batch is the point; the TPU compiler's time grows with the rows).
+    small = [*LOGITS_OVER[:-3], "model.vocab_size=512", "data.per_device_batch=2"]
     program = dataclasses.replace(_program(small), fit_levers=(chunk,))
     report = check_target(V5E, program)
     assert report.train_fits
-    # The search's probes, given: the lever is compiled at the smallest refused batch (16, not 64).
-    report.probes = [Probe(8, True, 0.0), Probe(16, False, 0.0), Probe(64, False, 0.0)]
+    # The search's probes, given: the lever is compiled at the smallest refused batch (4, not 16).
+    report.probes = [Probe(2, True, 0.0), Probe(4, False, 0.0), Probe(16, False, 0.0)]
     fit_levers(report, V5E, program, max_batch=True)
     (found,) = report.lever_fits
-    assert found.per_device_batch == 16 and found.fits
-    assert "16 per core: the smallest batch that does not fit" in format_report(report)
-    report.lever_fits, report.probes = [], [Probe(8, True, 0.0)]  # nothing refused: nothing to try
+    assert found.per_device_batch == 4 and found.fits
+    assert "4 per core: the smallest batch that does not fit" in format_report(report)
+    report.lever_fits, report.probes = [], [Probe(2, True, 0.0)]  # nothing refused: nothing to try
     fit_levers(report, V5E, program, max_batch=True)
     assert report.lever_fits == []
 

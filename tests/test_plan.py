@@ -375,12 +375,15 @@ def test_activations_over_hbm_are_named_and_accumulation_fits(tmp_path):
 
 
 def test_plan_of_a_recipe_is_read_back_by_train_and_check(tmp_path):
-    """The run's own global batch (the recipe's 128) unless --search-batch: each layout gets
-    the per-core batch that keeps it; the plan written is a preset that `train` loads with
-    the winner's mesh and batch."""
-    # v4's compiler is about 3x faster than v5e's; two chips have three layouts (four have six)
-    plan = plan_recipe("mnist", ["trainer.steps_per_call=1"], "v4-4")
-    assert {o.candidate.global_batch for o in plan.outcomes} == {128}
+    """The run's own global batch (32 here) unless --search-batch: each layout gets the
+    per-core batch that keeps it; the plan written is a preset that `train` loads with the
+    winner's mesh and batch."""
+    # v4's compiler is about 3x faster than v5e's; two chips have three layouts (four have six).
+    # The TPU compiler's time grows with the rows a core: 32 and 64 rows, not the recipe's 128 and 256.
+    plan = plan_recipe(
+        "mnist", ["trainer.steps_per_call=1", "data.global_batch=32", "data.eval_global_batch=64"], "v4-4"
+    )
+    assert {o.candidate.global_batch for o in plan.outcomes} == {32}
     # The preset's trainer.invariant_chunks (pure data parallelism only) gives way to layouts
     # that split the model: they were error rows.
     assert [o.error for o in plan.outcomes if o.error] == []
@@ -388,7 +391,7 @@ def test_plan_of_a_recipe_is_read_back_by_train_and_check(tmp_path):
     assert all(o.stage == "layout" for o in plan.outcomes)  # everything fits: no levers, no batch search
     winner = plan.winner
     # The run's eval step too, the winner's only, at the preset's eval batch over its cores.
-    assert winner.eval_batch == 256 and winner.eval.fits and winner.eval_fix is None
+    assert winner.eval_batch == 64 and winner.eval.fits and winner.eval_fix is None
     assert [o for o in plan.outcomes if o.eval_batch is not None] == [winner]
     fastest = max(o.prediction.examples_per_s for o in plan.fitting())
     assert winner.prediction.examples_per_s == fastest
@@ -458,7 +461,7 @@ def test_a_scanned_candidate_costs_what_its_unscanned_twin_does():
     planner, _, _ = recipe_planner("bert", BERT_6, None, Settings())
     assert (planner.scan, planner.layers) == (False, 6)
     target = parse_target("v4-8")
-    flat = Candidate(target.name, (2, 2, 1), 8, remat="none", scan=False)
+    flat = Candidate(target.name, (2, 2, 1), 1, remat="none", scan=False)
     scanned = dataclasses.replace(flat, scan=True)
     # The scanned program as the planner compiled it, kept from its own compile (not compiled twice).
     steps, kept = planner.steps(target, scanned), []

@@ -511,15 +511,17 @@ def test_a_generation_with_rates_gets_the_step_models_prediction_and_its_error(t
 
 def test_the_resnet_recipe_compiles_for_a_tpu_with_its_batch_statistics():
     """`xlafit check resnet --tpu`: the recipe's ResNet (batch norm state in the train state,
-    uint8 images normalised on the device) on synthetic ImageNet-shaped data at 32 px."""
-    report = check_recipe("resnet", ["data.source=synthetic", "data.image_size=32"], tpu="v3-8")
+    uint8 images normalised on the device) on synthetic ImageNet-shaped data at 32 px, 8 a core
+    (the TPU compiler's time grows with the rows a core)."""
+    settings = ["data.source=synthetic", "data.image_size=32", "data.global_batch=64", "data.eval_global_batch=64"]
+    report = check_recipe("resnet", settings, tpu="v3-8")
     (r,) = report.tpu
-    assert r.fits and r.devices == 8 and r.per_device_batch == 16 and r.eval.fits
-    assert r.memory["batch"] == 16 * (32 * 32 * 3 + 4)  # uint8 pixels and an int32 label per image
+    assert r.fits and r.devices == 8 and r.per_device_batch == 8 and r.eval.fits
+    assert r.memory["batch"] == 8 * (32 * 32 * 3 + 4)  # uint8 pixels and an int32 label per image
     assert r.memory["state"] > 0 and r.memory["total"] > r.memory["state"]
     # XLA's count against the recipe's analytic one (convolutions and classifier, forward and
     # backward): 0.89 measured for this small-stem net at 32 px (0.975 for ResNet-50 at 224 px)
-    assert 0.8 < r.flops_per_step / r.analytic_flops_per_step < 1.1
+    assert 0.8 < r.flops_per_step / r.analytic_flops_per_step < 1.1, r.flops_per_step / r.analytic_flops_per_step
     assert report.ok
 
 
