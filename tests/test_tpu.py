@@ -870,6 +870,11 @@ def test_max_batch_search_compiles_at_most_five_probes_and_says_what_it_left():
     assert f"{refused} does not; the batches between were not compiled: 5 probes at most" in _probe_line(report)
 
 
+# The planner's compile of model.remat=offload (test_lever_fits) and the step model's pricing of
+# the host copies the TPU compiler emits for it (test_predict's OFFLOAD program) stay in the suite.
+@long_form(
+    60, covered_by="test_lever_fits.py::test_a_run_whose_logits_do_not_fit_is_told_which_lever_fits_and_how_fast"
+)
 def test_offloading_the_layer_inputs_to_host_memory_frees_device_memory_on_a_tpu():
     """model.remat=offload with scanned layers: the TPU compiler keeps the stacked layer
     inputs in host memory (S(5)), moves each layer's there in the forward pass and back in the
