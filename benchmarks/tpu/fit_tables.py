@@ -266,6 +266,14 @@ def report_of(path: Path) -> dict:
     return json.loads(text[text.index("{") :])
 
 
+def stored_report(path: Path) -> dict | None:
+    """:func:`report_of` ``path``, or None where the row has no JSON yet (or is being written)."""
+    try:
+        return report_of(path)
+    except (OSError, ValueError):
+        return None
+
+
 def row_file(folder: Path, table: str, row: Row) -> Path:
     """``FOLDER/TABLE/ROW.json``; a folder written before this script holds ``FOLDER/ROW.json``."""
     nested = folder / table / f"{row.name}.json"
@@ -279,13 +287,12 @@ def render(name: str, folder: Path) -> str:
     reports = []
     for row in table.rows:
         path = row_file(ROOT / folder, name, row)
-        # a row still to compile (or compiling: its JSON not written yet): its command says how
-        if table.targets is not None and not (path.exists() and "{" in path.read_text()):
+        report = stored_report(path) if table.targets is not None else report_of(path)
+        if report is None:  # a row still to compile (or compiling): its command says how
             asked = row.args[row.args.index("--tpu") + 1].split(",")
-            cells = ["not compiled yet" if t in asked else "not compiled" for t in table.targets]
+            cells = ["not compiled yet" if t in asked else "not compiled" for t in table.targets or ()]
             lines.append(f"| {' | '.join([*row.label, *cells])} |")
             continue
-        report = report_of(path)
         reports.append((row, report))
         targets = report["tpu"]
         if table.targets is not None:  # a column per target, whether the row compiled it or not
@@ -346,14 +353,7 @@ def run(name: str, out: Path, only: set[str] | None) -> list[str]:
             )
         # exit 1: a target does not fit, which is a row's answer; 2 and above: no report
         print(f"{row.name}: exit {code} in {time.perf_counter() - start:.0f} s", flush=True)
-    missing = []
-    for row in table.rows:
-        path = folder / f"{row.name}.json"
-        try:
-            report_of(path)
-        except (OSError, ValueError):
-            missing.append(row.name)
-    return missing
+    return [row.name for row in table.rows if stored_report(folder / f"{row.name}.json") is None]
 
 
 def main() -> None:

@@ -113,14 +113,16 @@ def save_peft_adapter(
         tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(a.T)  # [r, in]
         tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b.T)  # [out, r]
         targets.add(name.rsplit(".", 1)[-1])
-    parameters: list[str] = []
+    tails: set[str] = set()
+    on_host: dict[int, list[np.ndarray]] = {}  # each module's adapters copied once, not once per stacked layer
     for name, experts, row in _hf_experts(model):
-        for param, tensors_ab in zip(EXPERT_PARAMETERS, _expert_tensors(experts, row), strict=True):
+        arrays = on_host.setdefault(id(experts), _expert_arrays(experts))
+        for param, tensors_ab in zip(EXPERT_PARAMETERS, _expert_tensors(arrays, row), strict=True):
             tensors.update(
                 {f"{_expert_module(name, param)}.lora_{ab}.weight": t for ab, t in zip("AB", tensors_ab, strict=True)}
             )
-        tail = name.split(".layers.", 1)[-1].split(".", 1)[-1]  # "mlp.experts" after "layers.<i>."
-        parameters = [f"{tail}.{param}" for param in EXPERT_PARAMETERS]
+        tails.add(name.split(".layers.", 1)[-1].split(".", 1)[-1])  # "mlp.experts" after "layers.<i>."
+    parameters = [f"{tail}.{param}" for tail in sorted(tails) for param in EXPERT_PARAMETERS]
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -154,12 +156,19 @@ def _expert_module(name: str, param: str) -> str:
     return ".".join([name, *["base_layer"] * (len(EXPERT_PARAMETERS) - 1 - EXPERT_PARAMETERS.index(param))])
 
 
-def _expert_tensors(experts: ExpertLoRA, row: int | None) -> list[tuple[np.ndarray, np.ndarray]]:
+def _expert_arrays(experts: ExpertLoRA) -> list[np.ndarray]:
+    """The experts' adapters on the host, float32: gate-and-up's A and B, then down's."""
+    return [
+        np.asarray(v[...], np.float32) for v in (experts.gate_up_a, experts.gate_up_b, experts.down_a, experts.down_b)
+    ]
+
+
+def _expert_tensors(arrays: list[np.ndarray], row: int | None) -> list[tuple[np.ndarray, np.ndarray]]:
     """PEFT's ``(lora_A [r * E, in], lora_B [out, r * E])`` of the fused gate-and-up and the
-    down projection: PEFT reads ``lora_A`` as ``[E, r, in]`` and ``lora_B`` as ``[out, r, E]``."""
+    down projection (of stacked layer ``row``): PEFT reads ``lora_A`` as ``[E, r, in]`` and
+    ``lora_B`` as ``[out, r, E]``."""
     out = []
-    for a_var, b_var in ((experts.gate_up_a, experts.gate_up_b), (experts.down_a, experts.down_b)):
-        a, b = np.asarray(a_var[...], np.float32), np.asarray(b_var[...], np.float32)
+    for a, b in (arrays[0:2], arrays[2:4]):
         a, b = (a, b) if row is None else (a[row], b[row])  # a [E, in, r], b [E, r, out]
         e, n_in, r = a.shape
         out.append(
