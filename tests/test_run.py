@@ -416,6 +416,11 @@ def test_a_run_directory_of_other_files_is_refused(tmp_path):
     )
     (project / "config.yaml").write_text("recipe: mnist\n")  # a run's: resumed or restarted as before
     check(project)
+    # process 1 of a job opens its log there before process 0 writes config.yaml (a race
+    # that refused the job's own directory)
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "process-1.log").write_text("")
+    check(tmp_path / "job")
     (tmp_path / "notebook" / ".ipynb_checkpoints").mkdir(parents=True)
     check(tmp_path / "notebook")
     check(tmp_path / "new")

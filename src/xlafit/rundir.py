@@ -11,6 +11,7 @@ import atexit
 import datetime
 import logging
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -33,6 +34,9 @@ from xlafit.io.paths import (
 )
 from xlafit.runlock import LOCK
 
+# The log of a process other than 0 (log_to_file), in the run directory from its start.
+PROCESS_LOG = re.compile(r"process-\d+\.log")
+
 
 def checkpoint_dir(cfg: Config) -> epath.Path:
     """``run.checkpoint_dir`` (a path or URL), or the run directory's ``checkpoints/``."""
@@ -46,8 +50,10 @@ def checkpoint_dir(cfg: Config) -> epath.Path:
 def refuse_foreign_dir(cfg: Config) -> None:
     """Refuses a local ``run.run_dir`` that holds files but no run's (``config.yaml``, metrics,
     checkpoints): the run would write among them, and ``--restart`` would move them all aside
-    with it. Hidden entries (``.ipynb_checkpoints``) do not count; a URL is not listed (a
-    bucket's prefix may hold millions of objects).
+    with it. Hidden entries (``.ipynb_checkpoints``) do not count, nor the job's own
+    ``process-<n>.log`` (each process other than 0 opens its log there as soon as it starts,
+    before process 0 writes ``config.yaml``); a URL is not listed (a bucket's prefix may hold
+    millions of objects).
 
     Raises:
         ConfigError: naming a few of the files and the fix.
@@ -58,7 +64,11 @@ def refuse_foreign_dir(cfg: Config) -> None:
     path = Path(run_dir).expanduser()
     if not path.is_dir() or any((path / marker).exists() for marker in RUN_MARKERS):
         return
-    names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir() if not p.name.startswith("."))
+    names = sorted(
+        p.name + ("/" if p.is_dir() else "")
+        for p in path.iterdir()
+        if not p.name.startswith(".") and not PROCESS_LOG.fullmatch(p.name)
+    )
     if names:
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         raise ConfigError(
