@@ -246,7 +246,7 @@ TABLES = {
                 (m, "LoRA r16 on attention and experts (bf16 base)", "2,048", params),
                 "kaggle",
             )
-            for m, params in (("qwen3-30b-a3b", "30.5B"), ("qwen3.5-35b-a3b", "34.7B"))
+            for m, params in (("qwen3-30b-a3b", "30.5B"), ("qwen3.5-35b-a3b", "34.7B"), ("gemma-4-26b-a4b", "25.2B"))
         ),
         largest_cell,
         "each row one `xlafit check llm --tpu kaggle --json ...`, in the row's `.cmd`",

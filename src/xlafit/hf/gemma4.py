@@ -90,11 +90,13 @@ def config_fields(hf: dict) -> dict[str, Any]:
     every family shares).
 
     Raises:
-        HFFormatError: bidirectional attention, biases, a mixture of experts without its sizes,
+        HFFormatError: bidirectional attention over text (``"all"``), biases, a mixture of experts without its sizes,
             or rotary or per-layer settings that xlafit does not compute.
     """
     refused = {
-        "use_bidirectional_attention": hf.get("use_bidirectional_attention") is not None,
+        # "vision" makes only an image's tokens see each other (the multimodal model's); text
+        # stays causal, as transformers' Gemma4TextModel computes it. "all" is an encoder's.
+        "use_bidirectional_attention": hf.get("use_bidirectional_attention") not in (None, "vision"),
         "attention_bias": bool(hf.get("attention_bias")),
     }
     bad = [f"{key}={hf.get(key)!r}" for key, value in refused.items() if value]

@@ -12,9 +12,39 @@ from typing import Any
 
 __all__ = ["PRESETS"]
 
+
+def _kinds(layers: int, period: int) -> tuple[str, ...]:
+    """Sliding layers with a global one every ``period`` (Gemma's pattern)."""
+    return tuple("full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers))
+
+
+# What every Gemma 4 text model shares (transformers' gemma4_text as xlafit.hf.gemma4 reads it).
+_GEMMA4: dict[str, Any] = {
+    "family": "gemma4_text",
+    "head_dim": 256,
+    "global_head_dim": 512,
+    "vocab_size": 262144,
+    "hidden_activation": "gelu_tanh",
+    "qk_norm": True,
+    "value_norm": True,
+    "sandwich_norms": True,
+    "layer_scalar": True,
+    "embedding_scale": True,
+    "query_pre_attn_scalar": 1.0,
+    "final_logit_softcap": 30.0,
+    "rope_theta": 1000000.0,
+    "rope_type": "proportional",
+    "rope_factor": 1.0,
+    "partial_rotary_factor": 0.25,
+    "rope_local_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_embeddings": True,
+}
+
 # Released sizes (the config.json of meta-llama/Llama-3.2-1B, Llama-3.1-8B and Llama-3.1-70B,
-# google/gemma-3-1b-it, gemma-3-12b-pt and gemma-3-27b-pt's text model, Qwen/Qwen3-1.7B, Qwen3-14B,
-# Qwen3-32B and Qwen3-30B-A3B), and tiny ones for tests (dense, and a mixture of experts).
+# google/gemma-3-1b-it, gemma-3-12b-pt and gemma-3-27b-pt's text model, the text_config of
+# google/gemma-4-E2B, E4B, 26B-A4B and 31B, Qwen/Qwen3-1.7B, Qwen3-14B, Qwen3-32B and
+# Qwen3-30B-A3B), and tiny ones for tests (dense, and a mixture of experts).
 # vocab_size of "tiny" and "tiny-moe" is a placeholder: set it to the tokenizer's.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
@@ -253,5 +283,68 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-5,
         "max_position_embeddings": 131072,
         "tie_embeddings": False,
+    },
+    # google/gemma-4-*'s text_config (tests/test_gemma4.py reads each released config.json
+    # into these fields): E2B and E4B with per-layer inputs and key/value sharing across
+    # their last layers; 26B-A4B a mixture of 128 experts beside each layer's dense MLP;
+    # 26B-A4B and 31B with values equal to keys on their global layers
+    "gemma-4-e2b": {
+        **_GEMMA4,
+        "num_layers": 35,
+        "hidden_size": 1536,
+        "num_heads": 8,
+        "num_kv_heads": 1,
+        "intermediate_size": 6144,
+        "sliding_window": 512,
+        "layer_types": _kinds(35, 5),
+        "num_kv_shared_layers": 20,
+        "double_wide_mlp": True,
+        "per_layer_input_size": 256,
+        "per_layer_vocab_size": 262144,
+        "max_position_embeddings": 131072,
+    },
+    "gemma-4-e4b": {
+        **_GEMMA4,
+        "num_layers": 42,
+        "hidden_size": 2560,
+        "num_heads": 8,
+        "num_kv_heads": 2,
+        "intermediate_size": 10240,
+        "sliding_window": 512,
+        "layer_types": _kinds(42, 6),
+        "num_kv_shared_layers": 18,
+        "per_layer_input_size": 256,
+        "per_layer_vocab_size": 262144,
+        "max_position_embeddings": 131072,
+    },
+    "gemma-4-26b-a4b": {
+        **_GEMMA4,
+        "num_layers": 30,
+        "hidden_size": 2816,
+        "num_heads": 16,
+        "num_kv_heads": 8,
+        "intermediate_size": 2112,
+        "sliding_window": 1024,
+        "layer_types": _kinds(30, 6),
+        "attention_k_eq_v": True,
+        "global_kv_heads": 2,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 704,
+        "norm_topk_prob": True,
+        "max_position_embeddings": 262144,
+    },
+    "gemma-4-31b": {
+        **_GEMMA4,
+        "num_layers": 60,
+        "hidden_size": 5376,
+        "num_heads": 32,
+        "num_kv_heads": 16,
+        "intermediate_size": 21504,
+        "sliding_window": 1024,
+        "layer_types": _kinds(60, 6),
+        "attention_k_eq_v": True,
+        "global_kv_heads": 4,
+        "max_position_embeddings": 262144,
     },
 }
