@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from helpers import peft_tuned, recomputed
-from xlafit.errors import ConfigError, HFFormatError
+from xlafit.errors import ConfigError
 from xlafit.hf import llama as llama_hf
 from xlafit.models.generation import generate
 
@@ -175,10 +175,24 @@ def test_the_layer_scalars_are_read_and_not_trained(checkpoint):
     assert len(trained) == len(jax.tree.leaves(nnx.state(ours))) - 6
 
 
-def test_a_multimodal_gemma4_is_named():
-    config = gemma4_config(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)
-    with pytest.raises(HFFormatError, match="Gemma 4 with its vision and audio towers"):
-        llama_hf.config_from_hf({"model_type": "gemma4", "text_config": config.to_dict()})
+def test_a_multimodal_checkpoint_gives_its_text_model(checkpoint, tmp_path):
+    """Gemma 4 ships as Gemma4ForConditionalGeneration (``gemma4``: vision and audio towers
+    beside the text model, whose weights are under ``model.language_model.``): xlafit reads
+    its text model, with the multimodal model's logits for text."""
+    theirs, _ = checkpoint
+    vision = transformers.Gemma4VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+        head_dim=16, global_head_dim=16,
+    )  # fmt: skip
+    config = transformers.Gemma4Config(text_config=gemma4_config().to_dict(), vision_config=vision.to_dict())
+    both = transformers.Gemma4ForConditionalGeneration(config).float().eval()
+    both.model.language_model.load_state_dict(theirs.model.state_dict())
+    both.save_pretrained(tmp_path, safe_serialization=True)
+    with torch.no_grad():
+        want = both(input_ids=torch.tensor(IDS)).logits.numpy()
+    ours = llama_hf.from_hf(tmp_path)
+    assert ours.cfg.family == "gemma4_text" and ours.cfg.num_kv_shared_layers == 3
+    np.testing.assert_allclose(np.asarray(run(ours, jnp.array(IDS))), want, atol=1e-4, rtol=1e-4)
 
 
 def test_key_value_sharing_layers_are_refused_scanned(checkpoint):

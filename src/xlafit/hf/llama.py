@@ -236,6 +236,21 @@ def _moe_fields(hf: dict) -> dict[str, Any]:
     }
 
 
+# The multimodal checkpoints whose text model xlafit reads: model_type -> the text model's.
+MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma4": "gemma4_text"}
+
+
+def text_config(hf: dict) -> dict:
+    """The text model's ``config.json`` keys of a multimodal checkpoint (Qwen3.5's and Gemma
+    4's: ``text_config``, over the checkpoint's ``tie_word_embeddings``), else ``hf`` as it is.
+    Their weights keep the text model under ``model.language_model.`` (:func:`from_hf_state`)."""
+    kind = hf.get("model_type")
+    if kind not in MULTIMODAL or not isinstance(hf.get("text_config"), dict):
+        return hf
+    text = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"]}
+    return {**text, "model_type": MULTIMODAL[kind]}
+
+
 def config_from_hf(hf: dict, **overrides: Any) -> LlamaConfig:
     """A :class:`LlamaConfig` from a Hugging Face ``config.json`` dict of a Llama, Qwen2,
     Qwen3, Qwen3-MoE, Mistral, Gemma 2, Gemma 3 or Gemma 4 (text), Qwen3.5 or Qwen3.5-MoE model.
@@ -245,17 +260,12 @@ def config_from_hf(hf: dict, **overrides: Any) -> LlamaConfig:
         ...                 "num_hidden_layers": 2, "num_attention_heads": 4}).head_dim
         16
     """
-    hf = qwen3_5.text_config(hf)  # a multimodal Qwen3.5 checkpoint: its text model
+    hf = text_config(hf)  # a multimodal Qwen3.5 or Gemma 4 checkpoint: its text model
     kind = hf.get("model_type", "llama")
     if kind == "gemma3":
         raise HFFormatError(
             "config.json describes Gemma 3 with its vision tower (gemma3); xlafit reads the text models (gemma3_text: "
             "Gemma 3 1B, or a text-only checkpoint)."
-        )
-    if kind == "gemma4":
-        raise HFFormatError(
-            "config.json describes Gemma 4 with its vision and audio towers (gemma4); xlafit reads the text models "
-            "(gemma4_text: a text-only checkpoint, as Gemma4ForCausalLM.save_pretrained writes)."
         )
     if kind not in ARCHITECTURES:
         raise HFFormatError(f"config.json describes a {kind!r} model; xlafit reads {', '.join(ARCHITECTURES)}.")
@@ -378,7 +388,7 @@ def from_hf_state(model: LlamaForCausalLM, state: Mapping[str, Any], put: Put | 
     """
     state = PerExpert(state)
     prefixed = any(k.startswith("model.") for k in state)
-    # Qwen3.5's multimodal checkpoints keep the text model under model.language_model.
+    # Qwen3.5's and Gemma 4's multimodal checkpoints keep the text model under model.language_model.
     language_model = any(k.startswith("model.language_model.") for k in state)
 
     def take(name: str, shape: tuple[int, ...]) -> np.ndarray:

@@ -10,7 +10,7 @@ renormalised, ``num_experts`` experts of ``moe_intermediate_size``, and a shared
 ``shared_expert_intermediate_size`` behind a sigmoid gate (its config has no
 ``intermediate_size``, ``norm_topk_prob``, ``decoder_sparse_step`` nor ``mlp_only_layers``).
 Missing keys take transformers' ``Qwen3_5MoeTextConfig`` defaults. The multimodal checkpoints
-(``qwen3_5``, ``qwen3_5_moe``) give their ``text_config`` (:func:`text_config`).
+(``qwen3_5``, ``qwen3_5_moe``) give their ``text_config`` (:func:`xlafit.hf.llama.text_config`).
 
 Example:
     >>> fields = config_fields("qwen3_5_moe_text", {"num_hidden_layers": 4, "num_experts": 8})
@@ -25,11 +25,9 @@ from typing import Any
 from xlafit.errors import HFFormatError
 from xlafit.models.llama_config import LlamaConfig
 
-__all__ = ["FAMILIES", "config_fields", "hf_config", "text_config"]
+__all__ = ["FAMILIES", "config_fields", "hf_config"]
 
 FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text")
-# The multimodal checkpoints' model_type -> their text model's.
-_MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 # The Gated DeltaNet sizes: the same names in our config and Hugging Face's.
 LINEAR_KEYS = (
     "linear_num_key_heads",
@@ -46,17 +44,6 @@ _MOE_KEYS = {
     "shared_expert_intermediate_size": ("shared_expert_intermediate_size", 512),
     "router_aux_loss_coef": ("router_aux_loss_coef", 0.001),
 }
-
-
-def text_config(hf: dict) -> dict:
-    """The text model's ``config.json`` keys of a multimodal checkpoint's (``qwen3_5``,
-    ``qwen3_5_moe``: ``text_config``, with the checkpoint's ``tie_word_embeddings``), else
-    ``hf`` as it is."""
-    kind = hf.get("model_type")
-    if kind not in _MULTIMODAL or not isinstance(hf.get("text_config"), dict):
-        return hf
-    text = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"]}
-    return {**text, "model_type": _MULTIMODAL[kind]}
 
 
 def config_fields(kind: str, hf: dict) -> dict[str, Any]:
