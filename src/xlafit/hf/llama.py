@@ -237,17 +237,45 @@ def _moe_fields(hf: dict) -> dict[str, Any]:
 
 
 # The multimodal checkpoints whose text model xlafit reads: model_type -> the text model's.
-MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma4": "gemma4_text"}
+MULTIMODAL = {
+    "qwen3_5": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
+    "gemma3": "gemma3_text",
+    "gemma4": "gemma4_text",
+}
+# transformers' Gemma3TextConfig defaults: Gemma 3 4B, 12B and 27B's config.json give their
+# text_config's differences from them only (the 4B's: its sizes, rotary scaling and window).
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "tie_word_embeddings": True,
+}
 
 
 def text_config(hf: dict) -> dict:
     """The text model's ``config.json`` keys of a multimodal checkpoint (Qwen3.5's and Gemma
-    4's: ``text_config``, over the checkpoint's ``tie_word_embeddings``), else ``hf`` as it is.
-    Their weights keep the text model under ``model.language_model.`` (:func:`from_hf_state`)."""
+    3's and 4's: ``text_config``, over the checkpoint's ``tie_word_embeddings``; Gemma 3's
+    missing keys are transformers' defaults), else ``hf`` as it is. Their weights keep the
+    text model under ``model.language_model.`` or, as Gemma 3's files have it,
+    ``language_model.model.`` (:func:`from_hf_state`)."""
     kind = hf.get("model_type")
     if kind not in MULTIMODAL or not isinstance(hf.get("text_config"), dict):
         return hf
-    text = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"]}
+    defaults = GEMMA3_TEXT_DEFAULTS if kind == "gemma3" else {}
+    text = {**defaults, "tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"]}
     return {**text, "model_type": MULTIMODAL[kind]}
 
 
@@ -260,13 +288,8 @@ def config_from_hf(hf: dict, **overrides: Any) -> LlamaConfig:
         ...                 "num_hidden_layers": 2, "num_attention_heads": 4}).head_dim
         16
     """
-    hf = text_config(hf)  # a multimodal Qwen3.5 or Gemma 4 checkpoint: its text model
+    hf = text_config(hf)  # a multimodal Qwen3.5, Gemma 3 or Gemma 4 checkpoint: its text model
     kind = hf.get("model_type", "llama")
-    if kind == "gemma3":
-        raise HFFormatError(
-            "config.json describes Gemma 3 with its vision tower (gemma3); xlafit reads the text models (gemma3_text: "
-            "Gemma 3 1B, or a text-only checkpoint)."
-        )
     if kind not in ARCHITECTURES:
         raise HFFormatError(f"config.json describes a {kind!r} model; xlafit reads {', '.join(ARCHITECTURES)}.")
     missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in hf]
@@ -388,13 +411,17 @@ def from_hf_state(model: LlamaForCausalLM, state: Mapping[str, Any], put: Put | 
     """
     state = PerExpert(state)
     prefixed = any(k.startswith("model.") for k in state)
-    # Qwen3.5's and Gemma 4's multimodal checkpoints keep the text model under model.language_model.
+    # Qwen3.5's and Gemma 4's multimodal checkpoints keep the text model under
+    # model.language_model., Gemma 3's under language_model.model. (and its tied output layer).
     language_model = any(k.startswith("model.language_model.") for k in state)
+    legacy = any(k.startswith("language_model.model.") for k in state)
 
     def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
         key = name if prefixed or name == "lm_head.weight" else name.removeprefix("model.")
         if language_model and key.startswith("model."):
             key = "model.language_model." + key.removeprefix("model.")
+        elif legacy:
+            key = "language_model." + name
         if key not in state:
             raise HFFormatError(
                 f"the checkpoint has no tensor {key!r} (expected shape {shape}); is it the model config.json names?"
