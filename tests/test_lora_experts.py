@@ -157,19 +157,3 @@ def test_a_model_without_experts_names_what_it_has():
     dense = nnx.eval_shape(lambda: LlamaForCausalLM(LlamaConfig.preset("tiny", vocab_size=61), rngs=nnx.Rngs(0)))
     with pytest.raises(ConfigError, match=r"no nnx.Linear named experts in the model .*: down_proj, gate_proj"):
         apply_lora(dense, ["experts"], rank=2, alpha=4, rngs=nnx.Rngs(1))
-
-
-def test_a_quantized_base_says_its_experts_stay_in_bfloat16(caplog):
-    from xlafit.config import LoraConfig
-    from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
-    from xlafit.models.quantized import is_quantized
-    from xlafit.run import with_lora
-
-    model = LlamaForCausalLM(LlamaConfig.preset("tiny-moe", vocab_size=64), rngs=nnx.Rngs(0))
-    lora = LoraConfig(rank=2, alpha=4, targets="q_proj,experts", base_dtype="nf4", base_block=32)
-    with caplog.at_level("WARNING", logger="xlafit"):
-        quantized = with_lora(model, lora, seed=0)
-    assert is_quantized(quantized)
-    (line,) = [r.getMessage() for r in caplog.records if "experts" in r.getMessage()]
-    assert line.startswith("warning: lora.base_dtype=nf4 quantizes the dense layers only: this model's experts, ")
-    assert "% of its weights (" in line and "GB), stay in bfloat16" in line

@@ -46,7 +46,7 @@ from xlafit.io.paths import (
     reading,
 )
 from xlafit.models.lora import ADAPTER, BASE, apply_lora
-from xlafit.models.quantized import expert_weights, quantize_base
+from xlafit.models.quantized import quantize_base
 from xlafit.overrides import migrate
 from xlafit.parallel.cluster import connect
 from xlafit.parallel.mesh import Strategy
@@ -201,24 +201,14 @@ def model_builder(recipe: Recipe, cfg: Config, train: Any) -> Callable[[], nnx.M
 
 def with_lora(model: nnx.Module, lora: LoraConfig, seed: int) -> nnx.Module:
     """``model`` with the adapters ``lora`` asks for (none at rank 0), its base weights cast
-    to ``lora.base_dtype`` (``nf4``, ``int4``, ``int8``: its dense layers quantized, where a
+    to ``lora.base_dtype`` (``nf4``, ``int4``, ``int8``: its dense layers and experts quantized, where a
     reader of Hugging Face files has not done it already, the rest in bfloat16); the
     adapters' ``A`` drawn from ``seed``."""
     if not lora.rank:
         return model
     model = apply_lora(model, lora.target_names, rank=lora.rank, alpha=lora.alpha, rngs=nnx.Rngs(seed + 2))
     if lora.quantized:
-        model = quantize_base(model, lora.base_dtype, lora.base_block)
-        experts, total = expert_weights(model)
-        if experts:
-            log.warning(
-                "warning: lora.base_dtype=%s quantizes the dense layers only: this model's experts, %.0f%% of its "
-                "weights (%.1f GB), stay in bfloat16; `xlafit check --tpu` says what fits.",
-                lora.base_dtype,
-                100 * experts / total,
-                2 * experts / 1e9,
-            )
-        return model
+        return quantize_base(model, lora.base_dtype, lora.base_block)
     if lora.base_dtype != "float32":
         dtype = jnp.dtype(lora.base_dtype)
         nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), nnx.state(model, BASE)))

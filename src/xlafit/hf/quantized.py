@@ -3,7 +3,8 @@
 :func:`from_hf_quantized` builds the model as shapes only (``nnx.eval_shape``: no weight in
 memory), then reads the safetensors files tensor by tensor: each dense layer's kernel is
 quantized as it arrives (:func:`xlafit.models.quantized.quantize_kernel`, on the CPU, a
-slice of rows at a time) and only its codes and scales are kept; the embeddings, norms and
+slice of rows at a time), as is each expert's of a mixture of experts, and only their codes
+and scales are kept; the embeddings, norms and
 output layer are kept in bfloat16. The host holds about one tensor of the file plus the
 quantized model at any time, never the whole model in full precision (a notebook VM's memory
 is shared with everything else it holds).
@@ -23,9 +24,11 @@ from flax import nnx
 
 from xlafit.hf import llama as llama_hf
 from xlafit.models.llama import LlamaForCausalLM
+from xlafit.models.moe import EXPERT_WEIGHTS, Experts
 from xlafit.models.quantized import (
     BLOCK,
     UNQUANTIZED,
+    QuantizedExperts,
     QuantizedLinear,
     check_qtype,
     check_tiling,
@@ -44,7 +47,7 @@ def from_hf_quantized(
     skip: tuple[str, ...] = UNQUANTIZED,
     **overrides: Any,
 ) -> LlamaForCausalLM:
-    """A :class:`LlamaForCausalLM` of a Hugging Face checkpoint with its dense layers
+    """A :class:`LlamaForCausalLM` of a Hugging Face checkpoint with its dense layers and experts
     quantized (``nf4``, ``int4``, ``int8`` in blocks of ``block``: :class:`QuantizedLinear`)
     and every other parameter in bfloat16; ``skip`` names layers left in bfloat16 (the
     output layer). ``overrides`` as :func:`xlafit.hf.llama.from_hf`'s.
@@ -60,7 +63,13 @@ def from_hf_quantized(
     layers = quantizable(model, skip)
     for path, layer in layers:  # every shape refused before a tensor is read
         check_tiling(".".join(map(str, path)), layer.kernel.get_value().shape, block, qtype)
+    experts = [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, Experts) and path]
+    for path, module in experts:
+        for weight in EXPERT_WEIGHTS:
+            name = ".".join(map(str, (*path, weight)))
+            check_tiling(name, getattr(module, weight).get_value().shape, block, qtype)
     kernels = {id(layer.kernel) for _, layer in layers}
+    kernels |= {id(getattr(m, weight)) for _, m in experts for weight in EXPERT_WEIGHTS}
     rows: dict[int, list[tuple[Any, Any]]] = {}  # a scanned model's layers: quantized rows, stacked at the end
     stacked: dict[int, tuple[nnx.Variable, list[np.ndarray]]] = {}
 
@@ -97,4 +106,19 @@ def from_hf_quantized(
             bias_axes=None if layer.bias is None else logical_axes(layer.bias),
         )
         set_child(model, path, quantized)
+    for path, module in experts:  # each expert's kernel quantized as read, in (layer, expert) order
+        stored: list[QuantizedLinear] = []
+        for weight in EXPERT_WEIGHTS:
+            param = getattr(module, weight)
+            pieces = rows.pop(id(param))
+            lead = param.get_value().shape[:-2]
+            qvalue = jnp.stack([q for q, _ in pieces]).reshape(*lead, *pieces[0][0].shape)
+            scale = jnp.stack([s for _, s in pieces]).reshape(*lead, *pieces[0][1].shape)
+            stored.append(
+                QuantizedLinear(qvalue, scale, None, qtype=qtype, dtype=module.dtype, axes=logical_axes(param))
+            )
+        quantized_experts = QuantizedExperts(
+            *stored, impl=module.impl, activation=module.activation, dtype=module.dtype
+        )
+        set_child(model, path, quantized_experts)
     return model

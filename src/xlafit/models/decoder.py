@@ -257,7 +257,7 @@ class LlamaDecoderLayer(nnx.Module):
         self.mlp: LlamaMLP | MoEBlock = MoEBlock(cfg, rngs) if moe and not self.beside else LlamaMLP(cfg, rngs, width)
         if self.beside:  # Gemma 4: the experts beside the MLP, each branch normed
             self.router = ScaledRouter(cfg, rngs)
-            self.experts = Experts(cfg, rngs)
+            self.experts = Experts.init(cfg, rngs)
             self.post_feedforward_layernorm_1 = RMSNorm(cfg, rngs)
             self.post_feedforward_layernorm_2 = RMSNorm(cfg, rngs)
             self.pre_feedforward_layernorm_2 = RMSNorm(cfg, rngs)

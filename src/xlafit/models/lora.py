@@ -35,7 +35,7 @@ from flax import nnx
 
 from xlafit.errors import ConfigError
 from xlafit.models.moe import EXPERT_WEIGHTS, ExpertAdapters, Experts
-from xlafit.models.quantized import QuantizedLinear, dequantize_linears, set_child
+from xlafit.models.quantized import QuantizedExperts, QuantizedLinear, dequantize_linears, set_child
 from xlafit.parallel.sharding import logical_axes
 
 ADAPTER = nnx.LoRAParam  # the adapters: what a LoRA fine-tune trains
@@ -136,10 +136,11 @@ class ExpertLoRA(nnx.Module):
         rngs: ``params`` draws the ``A`` matrices.
     """
 
-    def __init__(self, base: Experts, *, rank: int, alpha: float, rngs: nnx.Rngs) -> None:
-        shape = base.gate_proj.get_value().shape  # (*lead, E, hidden, f)
+    def __init__(self, base: Experts | QuantizedExperts, *, rank: int, alpha: float, rngs: nnx.Rngs) -> None:
+        shape = base.shape  # (*lead, E, hidden, f)
         lead, (e, h, f) = tuple(shape[:-3]), shape[-3:]
-        names = logical_axes(base.gate_proj)  # (*lead, experts, embed, mlp)
+        stored = base.gate_proj.qvalue if isinstance(base, QuantizedExperts) else base.gate_proj
+        names = logical_axes(stored)  # (*lead, experts, embed, mlp)
         outer = None if names is None else names[:-2]
 
         def param(init: Callable, dims: tuple[int, int], axes: tuple[str | None, str | None]) -> nnx.LoRAParam:
@@ -175,15 +176,11 @@ class ExpertLoRA(nnx.Module):
 
     def merged_weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``(gate, up, down)``: the experts' stacked weights plus their updates, float32."""
-        base = self.base_module
-        f = base.gate_proj.get_value().shape[-1]
+        gate, up, down = self.base_module.weights(jnp.float32)  # a quantized base's dequantized
+        f = gate.shape[-1]
         gate_up = jnp.matmul(self.gate_up_a[...], self.gate_up_b[...]) * self.scaling
-        down = jnp.matmul(self.down_a[...], self.down_b[...]) * self.scaling
-        return (
-            base.gate_proj[...].astype(jnp.float32) + gate_up[..., :f],
-            base.up_proj[...].astype(jnp.float32) + gate_up[..., f:],
-            base.down_proj[...].astype(jnp.float32) + down,
-        )
+        delta = jnp.matmul(self.down_a[...], self.down_b[...]) * self.scaling
+        return gate + gate_up[..., :f], up + gate_up[..., f:], down + delta
 
 
 @contextlib.contextmanager
@@ -244,7 +241,7 @@ def apply_lora(model: nnx.Module, targets: Sequence[str], *, rank: int, alpha: f
         raise ConfigError(f"LoRA alpha={alpha} must be positive: the adapters' update is scaled by alpha / rank.")
     linears = [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, nnx.Linear | QuantizedLinear) and path]
     names = sorted({str(path[-1]) for path, _ in linears})
-    experts = [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, Experts) and path]
+    experts = [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, Experts | QuantizedExperts) and path]
     unknown = [t for t in targets if t not in names and not (t == EXPERTS_TARGET and experts)]
     stacked = _expert_names(model)
     for target in unknown:
@@ -280,7 +277,7 @@ def apply_lora(model: nnx.Module, targets: Sequence[str], *, rank: int, alpha: f
 def _expert_names(model: nnx.Module) -> set[str]:
     """The names a mixture of experts' stacked weights go by (ours and transformers' fused
     ``gate_up_proj``), where ``model`` has experts; else none."""
-    experts = [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, Experts) and path]
+    experts = [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, Experts | QuantizedExperts) and path]
     if not experts:
         return set()
     return {"gate_up_proj", *(str(path[-1]) for path, _ in experts), *EXPERT_WEIGHTS}
@@ -325,11 +322,12 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
         base.kernel[...] = (kernel.astype(jnp.float32) + layer.scaling * delta).astype(kernel.dtype)
         set_child(model, path, base)
     for path, wrapped in expert_lora_modules(model):
+        merged = wrapped.merged_weights()
         experts = wrapped.base_module
-        for variable, merged in zip(
-            (experts.gate_proj, experts.up_proj, experts.down_proj), wrapped.merged_weights(), strict=True
-        ):
-            variable[...] = merged.astype(variable[...].dtype)
+        if isinstance(experts, QuantizedExperts):  # merged into bfloat16 weights, as a quantized base's layers
+            experts = experts.dequantized(jnp.bfloat16)
+        for variable, value in zip((experts.gate_proj, experts.up_proj, experts.down_proj), merged, strict=True):
+            variable[...] = value.astype(variable[...].dtype)
         set_child(model, path, experts)
     return dequantize_linears(model, jnp.bfloat16)
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -320,7 +321,7 @@ class MoEBlock(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> None:
         self.gate = _router_projection(cfg, rngs)
-        self.experts = Experts(cfg, rngs)
+        self.experts = Experts.init(cfg, rngs)
         self.shared = cfg.shared_expert_intermediate_size > 0
         if self.shared:
             self.shared_expert = LlamaMLP(cfg, rngs, cfg.shared_expert_intermediate_size)
@@ -354,24 +355,54 @@ EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")  # an Experts module's st
 
 class Experts(nnx.Module):
     """The stacked expert weights: ``gate_proj``, ``up_proj`` ``[E, hidden, f]`` and
-    ``down_proj`` ``[E, f, hidden]`` (each expert's ``[in, out]``, PyTorch's transposed),
-    computed as ``cfg.moe_impl`` says (:func:`ragged_experts` or :func:`dense_experts`)."""
+    ``down_proj`` ``[E, f, hidden]`` (each expert's ``[in, out]``, PyTorch's transposed; a
+    leading layers axis when scanned), computed as ``impl`` says (:func:`ragged_experts` or
+    :func:`dense_experts`). :meth:`init` draws a config's; the constructor takes the weights.
 
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> None:
+    Args:
+        gate_proj: ``nnx.Param`` ``[..., E, hidden, f]``; ``up_proj`` the same; ``down_proj``
+            ``[..., E, f, hidden]``.
+        impl: ``ragged`` or ``dense`` (``LlamaConfig.moe_impl``).
+        activation: the gated MLP's (``silu``: SwiGLU).
+        dtype: the compute dtype.
+    """
+
+    def __init__(
+        self, gate_proj: nnx.Param, up_proj: nnx.Param, down_proj: nnx.Param, *, impl: str, activation: str, dtype: Any
+    ) -> None:
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self.impl, self.activation, self.dtype = impl, activation, dtype
+
+    @classmethod
+    def init(cls, cfg: LlamaConfig, rngs: nnx.Rngs) -> Experts:
+        """``cfg``'s experts, drawn (normal, std ``initializer_range``), laid out along ``experts``."""
         init = nnx.initializers.normal(stddev=cfg.initializer_range)
         h, e, f = cfg.hidden_size, cfg.num_experts, cfg.expert_size
         dtype = DTYPES[cfg.param_dtype]
-        self.gate_proj = nnx.Param(logical(init, "experts", "embed", "mlp")(rngs.params(), (e, h, f), dtype))
-        self.up_proj = nnx.Param(logical(init, "experts", "embed", "mlp")(rngs.params(), (e, h, f), dtype))
-        self.down_proj = nnx.Param(logical(init, "experts", "mlp", "embed")(rngs.params(), (e, f, h), dtype))
-        self.impl, self.activation, self.dtype = cfg.moe_impl, cfg.hidden_activation, cfg.compute_dtype
+        return cls(
+            nnx.Param(logical(init, "experts", "embed", "mlp")(rngs.params(), (e, h, f), dtype)),
+            nnx.Param(logical(init, "experts", "embed", "mlp")(rngs.params(), (e, h, f), dtype)),
+            nnx.Param(logical(init, "experts", "mlp", "embed")(rngs.params(), (e, f, h), dtype)),
+            impl=cfg.moe_impl,
+            activation=cfg.hidden_activation,
+            dtype=cfg.compute_dtype,
+        )
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """``gate_proj``'s: ``(..., E, hidden, f)``."""
+        return tuple(self.gate_proj.get_value().shape)
+
+    def weights(self, dtype: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(gate, up, down)`` as ``dtype``."""
+        return tuple(w[...].astype(dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))  # type: ignore[return-value]
 
     def __call__(
         self, tokens: jax.Array, weights: jax.Array, experts: jax.Array, adapters: ExpertAdapters | None = None
     ) -> jax.Array:
         """``sum_j weights[:, j] * expert_{experts[:, j]}(tokens)`` of ``tokens [N, hidden]``
         (with ``adapters``: each expert's weights plus its LoRA update)."""
-        gate, up, down = (w[...].astype(self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        gate, up, down = self.weights(self.dtype)
         run = ragged_experts if self.impl == "ragged" else dense_experts
         return run(tokens, weights, experts, gate, up, down, self.activation, adapters)
 

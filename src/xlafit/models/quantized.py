@@ -41,7 +41,7 @@ import qwix
 from flax import nnx
 
 from xlafit.errors import ConfigError
-from xlafit.models.moe import Experts
+from xlafit.models.moe import EXPERT_WEIGHTS, ExpertAdapters, Experts, dense_experts, ragged_experts
 from xlafit.parallel.sharding import logical_axes
 
 QType = Literal["nf4", "int4", "int8"]
@@ -292,6 +292,119 @@ class QuantizedLinear(nnx.Module):
         return linear
 
 
+def _experts_of_codes(
+    tokens: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    stored: tuple[tuple[jax.Array, jax.Array], ...],
+    lora: tuple[jax.Array, ...] | None,
+    scaling: float,
+    qtype: str,
+    impl: str,
+    activation: str,
+    dtype: Any,
+) -> jax.Array:
+    gate, up, down = (dequantize(q, s, qtype, dtype) for q, s in stored)
+    adapters = None
+    if lora is not None:
+        gate_up_a, gate_up_b, down_a, down_b = lora
+        adapters = ExpertAdapters(gate_up_a, gate_up_b, down_a, down_b, scaling)
+    run = ragged_experts if impl == "ragged" else dense_experts
+    return run(tokens, weights, experts, gate, up, down, activation, adapters)
+
+
+# As _dequantized_matmul: the backward pass dequantizes the experts again (and runs their
+# forward again) instead of keeping every layer's bfloat16 experts between the passes.
+_quantized_experts = jax.checkpoint(
+    _experts_of_codes, static_argnums=(5, 6, 7, 8, 9), policy=jax.checkpoint_policies.nothing_saveable
+)
+
+
+class QuantizedExperts(nnx.Module):
+    """Frozen :class:`~xlafit.models.moe.Experts` whose stacked weights are Qwix's quantized
+    blocks: ``gate_proj``, ``up_proj`` and ``down_proj`` are :class:`QuantizedLinear` of the
+    stacked ``[..., E, in, out]`` kernels (each expert's blocks along its own input features),
+    dequantized where the experts run. Build one with :meth:`of`.
+
+    Args:
+        gate_proj: the quantized ``[..., E, hidden, f]``; ``up_proj`` the same; ``down_proj``
+            ``[..., E, f, hidden]``.
+        impl, activation, dtype: the experts' (:class:`~xlafit.models.moe.Experts`).
+    """
+
+    def __init__(
+        self,
+        gate_proj: QuantizedLinear,
+        up_proj: QuantizedLinear,
+        down_proj: QuantizedLinear,
+        *,
+        impl: str,
+        activation: str,
+        dtype: Any,
+    ) -> None:
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self.impl, self.activation, self.dtype = impl, activation, dtype
+
+    @classmethod
+    def of(cls, experts: Experts, qtype: str, block: int = BLOCK, name: str = "experts") -> QuantizedExperts:
+        """``experts`` quantized (traceable).
+
+        Raises:
+            ConfigError: an expert's input dimension (hidden or f) is no multiple of ``block``.
+        """
+        parts = []
+        for weight in EXPERT_WEIGHTS:
+            param = getattr(experts, weight)
+            check_tiling(f"{name}.{weight}", param.get_value().shape, block, qtype)
+            qvalue, scale = _quantize(jnp.asarray(param.get_value()), qtype, block)
+            parts.append(
+                QuantizedLinear(qvalue, scale, None, qtype=qtype, dtype=experts.dtype, axes=logical_axes(param))
+            )
+        return cls(*parts, impl=experts.impl, activation=experts.activation, dtype=experts.dtype)
+
+    @property
+    def qtype(self) -> str:
+        return self.gate_proj.qtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The gate projection's unquantized shape: ``(..., E, hidden, f)``."""
+        gate = self.gate_proj
+        return (*gate.qvalue.get_value().shape[:-2], gate.in_features, gate.out_features)
+
+    def weights(self, dtype: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(gate, up, down)`` dequantized, as ``dtype``."""
+        gate, up, down = (getattr(self, w).kernel(dtype) for w in EXPERT_WEIGHTS)
+        return gate, up, down
+
+    def __call__(
+        self, tokens: jax.Array, weights: jax.Array, experts: jax.Array, adapters: ExpertAdapters | None = None
+    ) -> jax.Array:
+        """As :meth:`Experts.__call__ <xlafit.models.moe.Experts.__call__>`, the weights dequantized."""
+        stored = tuple(
+            (getattr(self, w).qvalue.get_value(), getattr(self, w).scale.get_value()) for w in EXPERT_WEIGHTS
+        )
+        lora, scaling = None, 0.0
+        if adapters is not None:
+            lora = (adapters.gate_up_a, adapters.gate_up_b, adapters.down_a, adapters.down_b)
+            scaling = adapters.scaling
+        return _quantized_experts(
+            tokens, weights, experts, stored, lora, scaling, self.qtype, self.impl, self.activation, self.dtype
+        )
+
+    def dequantized(self, dtype: Any = jnp.bfloat16) -> Experts:
+        """Plain :class:`~xlafit.models.moe.Experts` of the dequantized weights in ``dtype``,
+        with their logical axes: what a merged export writes."""
+
+        def param(weight: str) -> nnx.Param:
+            layer = getattr(self, weight)
+            axes, value = logical_axes(layer.qvalue), layer.kernel(jnp.float32).astype(dtype)
+            return nnx.Param(value) if axes is None else nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+        gate, up, down = (param(w) for w in EXPERT_WEIGHTS)
+        return Experts(gate, up, down, impl=self.impl, activation=self.activation, dtype=self.dtype)
+
+
 def set_child(model: nnx.Module, path: tuple, module: nnx.Module) -> None:
     """Puts ``module`` at ``path`` (attribute names and list indices, as nnx.iter_modules)."""
     parent: Any = model
@@ -332,9 +445,24 @@ def quantize_linears(
     return model
 
 
+def quantize_experts(model: nnx.Module, qtype: str, block: int = BLOCK) -> nnx.Module:
+    """Replaces every :class:`~xlafit.models.moe.Experts` of ``model`` (those under LoRA
+    adapters too) with its :class:`QuantizedExperts`, in place; traceable.
+
+    Raises:
+        ConfigError: an expert's input dimension is no multiple of ``block``.
+    """
+    check_qtype(qtype)
+    for path, experts in [(p, m) for p, m in nnx.iter_modules(model) if isinstance(m, Experts) and p]:
+        set_child(model, path, QuantizedExperts.of(experts, qtype, block, name=_path(path)))
+    return model
+
+
 def quantize_base(model: nnx.Module, qtype: str, block: int = BLOCK, skip: Sequence[str] = UNQUANTIZED) -> nnx.Module:
-    """``model``'s quantized base, in place: its dense layers quantized (:func:`quantize_linears`;
-    those already quantized kept) and every other float parameter but the adapters in bfloat16."""
+    """``model``'s quantized base, in place: its dense layers and a mixture of experts' experts
+    quantized (:func:`quantize_linears`, :func:`quantize_experts`; those already quantized
+    kept) and every other float parameter but the adapters in bfloat16."""
+    model = quantize_experts(model, qtype, block)
     model = quantize_linears(model, qtype, block, skip)
     rest = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam), nnx.Not(QuantizedParam))
     nnx.update(model, jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(model, rest)))
@@ -347,27 +475,20 @@ def check_qtype(qtype: str) -> None:
 
 
 def quantized_layers(model: nnx.Module) -> list[tuple[tuple, QuantizedLinear]]:
-    """``(path, layer)`` of every :class:`QuantizedLinear` in ``model``."""
+    """``(path, layer)`` of every :class:`QuantizedLinear` in ``model`` (those of quantized
+    experts too)."""
     return [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, QuantizedLinear)]
 
 
 def dequantize_linears(model: nnx.Module, dtype: Any = jnp.bfloat16) -> nnx.Module:
-    """Every :class:`QuantizedLinear` of ``model`` back to a plain ``nnx.Linear`` of its
-    dequantized kernel in ``dtype``, in place (what a merged export of a quantized base writes)."""
+    """Every :class:`QuantizedExperts` and :class:`QuantizedLinear` of ``model`` back to plain
+    :class:`~xlafit.models.moe.Experts` and ``nnx.Linear`` of the dequantized weights in
+    ``dtype``, in place (what a merged export of a quantized base writes)."""
+    for path, experts in [(p, m) for p, m in nnx.iter_modules(model) if isinstance(m, QuantizedExperts)]:
+        set_child(model, path, experts.dequantized(dtype))
     for path, layer in quantized_layers(model):
         set_child(model, path, layer.dequantized(dtype))
     return model
-
-
-def expert_weights(model: nnx.Module) -> tuple[int, int]:
-    """``(weights in a mixture of experts' stacked experts, weights of the whole base)``: the
-    experts stay unquantized in a quantized base (:func:`quantize_base` quantizes dense layers)."""
-
-    def count(state: nnx.State) -> int:
-        return sum(int(np.prod(v.shape)) for v in jax.tree.leaves(state))
-
-    experts = sum(count(nnx.state(m, nnx.Param)) for _, m in nnx.iter_modules(model) if isinstance(m, Experts))
-    return experts, count(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))
 
 
 def is_quantized(model: nnx.Module) -> bool:
