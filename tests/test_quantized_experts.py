@@ -26,7 +26,7 @@ IDS = jnp.array(np.random.default_rng(0).integers(0, 64, (2, 10)))
 
 
 def _tiny_moe() -> LlamaForCausalLM:
-    return LlamaForCausalLM(LlamaConfig.preset("tiny-moe", vocab_size=64), rngs=nnx.Rngs(0))
+    return LlamaForCausalLM(LlamaConfig.preset("tiny-moe", vocab_size=64, num_layers=1), rngs=nnx.Rngs(0))
 
 
 def _experts(model) -> list:
