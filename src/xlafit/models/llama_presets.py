@@ -146,7 +146,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tie_embeddings": False,
     },
     # Qwen/Qwen3.5-35B-A3B's text_config: transformers' Qwen3_5MoeTextConfig defaults (its "35B-A3B
-    # style"), the release's rotary base and context, as slime's model arguments for it have them
+    # style") with the release's rotary base and context; every field equal to what xlafit reads
+    # from the release's config.json (as MaxText's checkpoint conversion copies it)
     "qwen3.5-35b-a3b": {
         "family": "qwen3_5_moe_text",
         "num_layers": 40,
