@@ -5,7 +5,8 @@ message each), and the prompt records' other columns (here ``answer``, the full 
 answer ``3 plus 4 is 7.``), one item per completion, and returns one float per completion.
 
     xlafit train llm model.objective=grpo data.demo=grpo \\
-        model.grpo.rewards=examples/arithmetic_rewards.py:exact_answer ...
+        model.grpo.rewards=examples/arithmetic_rewards.py:exact_answer,right_number \\
+        model.grpo.reward_weights=1,0.5 ...
 """
 
 

@@ -139,6 +139,17 @@ def test_numpy_numbers_fill_config_fields():
     assert TrainerConfig(epochs=np.int64(2), checkpoint_every_minutes=np.float32(0.5), watchdog_factor=3).epochs == 2
 
 
+def test_a_field_of_several_types_or_null_takes_each_of_them():
+    """``model.grpo.reward_weights`` (``float | str | None``) takes a list of weights, as the
+    GRPO guide writes it, a single number and null; another type is named with all three."""
+    weights = lambda value: load_config("llm", [f"model.grpo.reward_weights={value}"]).model.grpo.reward_weights  # noqa: E731
+    assert weights("1,0.5") == "1,0.5"
+    assert weights("2") == 2
+    assert weights("null") is None
+    with pytest.raises(ConfigError, match=r"reward_weights=True is not allowed: expected float or str or null\.$"):
+        weights("true")
+
+
 def test_the_presets_setting_gives_way_to_the_users_mesh(caplog):
     with caplog.at_level("WARNING", logger="xlafit"):
         cfg = load_config("mnist", ["mesh.fsdp=8"])

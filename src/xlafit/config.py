@@ -45,9 +45,9 @@ def is_choice(tp: Any) -> bool:
 
 
 def strip_optional(tp: Any) -> Any:
-    """``int | None`` -> ``int``."""
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    return args[0]
+    """``int | None`` -> ``int``; ``float | str | None`` -> ``float | str``."""
+    args = tuple(a for a in typing.get_args(tp) if a is not type(None))
+    return args[0] if len(args) == 1 else typing.Union[args]  # noqa: UP007 (arms known only at run time)
 
 
 # The value types a config field may have, and what passes for each: an int is a float too,
