@@ -8,8 +8,8 @@ from typing import Any
 from xlafit.check.speed import above_prediction
 from xlafit.check.tpu_report import gib, rate
 from xlafit.plan.candidates import MEMORY_LAYOUTS
+from xlafit.plan.outcome import Outcome, Prediction
 from xlafit.plan.result import Plan
-from xlafit.plan.search import Outcome, Prediction
 
 
 def _gib(n: float | None) -> str:

@@ -13,7 +13,7 @@ import yaml
 from xlafit.errors import ConfigError
 from xlafit.overrides import deep_merge, merge_overrides, parse_overrides
 from xlafit.plan.candidates import Candidate
-from xlafit.plan.search import Outcome
+from xlafit.plan.outcome import Outcome
 from xlafit.platform.hardware import PRICES, Price, Target, command_name
 
 
