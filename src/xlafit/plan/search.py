@@ -3,8 +3,10 @@
 For each target, in order of cost:
 
 1. **Layouts** (:func:`xlafit.plan.candidates.meshes`): every mesh the model's named axes
-   allow, at the run's per-core batch (``global_batch`` over the mesh's batch shards when
-   the user fixed one), compiled side by side (as many compiles at once as there are cores).
+   allow (for a mixture of experts, the expert-parallel ones too:
+   :func:`~xlafit.plan.candidates.expert_meshes`), at the run's per-core batch
+   (``global_batch`` over the mesh's batch shards when the user fixed one), compiled side
+   by side (as many compiles at once as there are cores).
 2. **Levers** for a layout that does not fit: gradient accumulation (as many micro-batches
    as the compiler's shortfall suggests; the global batch stays), the model's
    rematerialisation policies (cheapest first) and, where the model can scan its layers,
@@ -62,7 +64,16 @@ from xlafit.check.tpu import (
 )
 from xlafit.errors import XlafitError
 from xlafit.plan.buffers import largest_buffers
-from xlafit.plan.candidates import REMAT_LADDER, Candidate, memory_candidates, mesh_refusal, meshes, params_of
+from xlafit.plan.candidates import (
+    REMAT_LADDER,
+    Candidate,
+    expert_meshes,
+    experts_of,
+    memory_candidates,
+    mesh_refusal,
+    meshes,
+    params_of,
+)
 from xlafit.plan.cost import program_cost, reachable_gain
 from xlafit.plan.outcome import Outcome, Prediction
 from xlafit.platform.hardware import Target
@@ -126,7 +137,7 @@ class Planner:
         self._programs: dict[tuple, Program] = {}
         self._steps: dict[tuple, Steps] = {}
         self.outcomes: dict[Candidate, Outcome] = {}
-        self.skipped: list[tuple[str, tuple[int, int, int], str]] = []  # target, mesh, why
+        self.skipped: list[tuple[str, tuple[int, ...], str]] = []  # target, mesh, why
 
     # ------------------------------------------------------------------ compiling
 
@@ -342,11 +353,24 @@ class Planner:
         return max(fitting, key=lambda o: o.prediction.examples_per_s, default=None)  # type: ignore[union-attr]
 
     def _layouts(self, target: Target) -> list[Candidate]:
+        """Every mesh of :func:`meshes` and, for a mixture of experts, of :func:`expert_meshes`
+        (its other meshes then say ``mesh.expert=1``), less those the model or trainer refuse.
+        The expert meshes come before the tensor-parallel ones: compiled first where a budget
+        leaves room for only some."""
         params = params_of(self.base.model)
+        experts = experts_of(params, self.base.rules)
+        layouts: list[tuple[int, ...]] = list(meshes(target.num_devices))
+        if experts:
+            plain = [(*m, 1) for m in layouts]
+            layouts = [
+                *(m for m in plain if m[2] == 1),
+                *expert_meshes(target.num_devices, experts),
+                *(m for m in plain if m[2] > 1),
+            ]
         found = []
-        for mesh in meshes(target.num_devices):
+        for mesh in layouts:
             why = trainer_refusal(self.base, target, mesh) or mesh_refusal(params, mesh, self.base.rules)
-            shards = mesh[0] * mesh[1]
+            shards = math.prod(mesh) // mesh[2]  # data x fsdp (x expert): a tensor group shares its rows
             g = self.settings.global_batch
             if why is None and g is not None and g % shards:
                 why = f"the global batch {g} does not divide over its {shards} batch shards"
