@@ -27,8 +27,10 @@ from xlafit.overrides import parse_overrides
 from xlafit.parallel.sharding import logical
 from xlafit.plan import format_plan, plan_file, plan_json, plan_recipe, recipe_planner
 from xlafit.plan.candidates import Candidate, mesh_refusal, meshes, params_of
+from xlafit.plan.cost import program_cost, reachable_gain
+from xlafit.plan.outcome import Outcome, Prediction
 from xlafit.plan.result import Plan
-from xlafit.plan.search import Outcome, Planner, Prediction, Settings, _cost, reachable_gain
+from xlafit.plan.search import Planner, Settings
 from xlafit.platform.hardware import PRICES, parse_target
 from xlafit.predict.collectives import collectives, loop_trips, summarize
 from xlafit.recipes import load_config
@@ -478,7 +480,7 @@ def test_a_scanned_candidate_costs_what_its_unscanned_twin_does():
     assert moved[1] == pytest.approx(moved[0], rel=0.1) and "all-gather" in b.comms.by_kind  # FSDP's, per layer
     # The scanned program alone, its loops' products counted per trip (XLA counts the body
     # once: 44 %): within 5 %, its element-wise work counted once; the extrapolation is exact.
-    assert _cost(raw, scanned, 1, raw.as_text())[0] == pytest.approx(a.flops, rel=0.05)
+    assert program_cost(raw, scanned, 1, raw.as_text())[0] == pytest.approx(a.flops, rel=0.05)
     assert (raw.cost_analysis() or {})["flops"] < 0.6 * a.flops
     assert "scan layers" in b.candidate.levers and b.candidate.overrides()["model.scan_layers"] is True
 

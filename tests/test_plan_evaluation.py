@@ -19,8 +19,8 @@ from xlafit.check.program import EvalFit, Probe
 from xlafit.plan import format_plan, plan_json, plan_recipe
 from xlafit.plan.candidates import Candidate
 from xlafit.plan.evaluation import EVAL_CHECKS, check_answer_eval
+from xlafit.plan.outcome import Outcome, Prediction
 from xlafit.plan.result import Plan
-from xlafit.plan.search import Outcome, Prediction
 from xlafit.platform.hardware import Target, parse_target
 from xlafit.recipes import load_config
 

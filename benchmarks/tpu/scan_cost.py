@@ -13,7 +13,8 @@ from pathlib import Path
 from xlafit.check.tpu import no_persistent_cache
 from xlafit.plan import recipe_planner
 from xlafit.plan.candidates import Candidate
-from xlafit.plan.search import Settings, _cost
+from xlafit.plan.cost import program_cost
+from xlafit.plan.search import Settings
 from xlafit.platform.hardware import parse_target
 
 overrides = [
@@ -43,7 +44,7 @@ for name, o in (("unscanned", a), ("scanned", b)):
         "compile_s": o.compile_s,
         "cost_compile_s": o.cost_compile_s,
     }
-rows["scanned_raw_xla"] = dict(zip(("flops", "bytes"), _cost(raw, scanned, 1), strict=True))
+rows["scanned_raw_xla"] = dict(zip(("flops", "bytes"), program_cost(raw, scanned, 1, raw.as_text()), strict=True))
 rows["command"] = f"JAX_PLATFORMS=cpu python benchmarks/tpu/scan_cost.py {out_dir} {target.name}"
 out = out_dir / f"scan-cost-{target.name}.json"
 out.write_text(json.dumps(rows, indent=1) + "\n")

@@ -4,6 +4,8 @@ levers): settings that apply to it, with their syntax, ordered by what its memor
 
 from __future__ import annotations
 
+import math
+
 from xlafit.check.program import Program, TargetReport
 from xlafit.check.tpu_report import gib
 from xlafit.platform import hardware as tpu
@@ -22,13 +24,16 @@ def levers(report: TargetReport, target: tpu.Target, program: Program) -> list[s
     are given.
     """
     state, capacity = report.memory.get("state", 0), report.capacity or target.hbm_bytes
-    n, (_, fsdp, tensor) = target.num_devices, program.mesh
+    n = target.num_devices
+    _, fsdp, tensor, expert = _sizes(program.mesh, n)
     per_core, k = report.per_device_batch, report.steps_per_call
     state_levers, activation_levers = [], []
-    whole = state * fsdp * tensor  # about: the state of one copy, as the mesh splits it now
-    if n > 1 and fsdp * tensor < n:  # a data axis holds copies of the state: FSDP splits them
+    # About: the state of one copy, as the mesh splits it now (a mixture of experts' experts,
+    # most of its parameters, over expert too).
+    whole = state * fsdp * tensor * expert
+    if n > 1 and fsdp * tensor * expert < n:  # a data axis holds copies of the state: FSDP splits them
         state_levers.append(
-            f"FSDP: mesh.fsdp={n // tensor} (parameters and optimizer state split over the {n} cores: "
+            f"FSDP: mesh.fsdp={n // (tensor * expert)} (parameters and optimizer state split over the {n} cores: "
             f"{gib(state)} -> about {gib(whole / n)} per core)"
         )
     # Another generation with the same cores: the same state per core, in more HBM.
@@ -66,3 +71,12 @@ def levers(report: TargetReport, target: tpu.Target, program: Program) -> list[s
     if state >= 0.5 * capacity:
         return [*state_levers, *activation_levers]
     return [*activation_levers, *state_levers]
+
+
+def _sizes(mesh: tuple[int, ...], devices: int) -> tuple[int, int, int, int]:
+    """``(data, fsdp, tensor, expert)`` of a program's mesh (``MeshConfig.sizes``: expert only
+    above 1), its -1 (the devices left) resolved over ``devices``."""
+    sizes = [*mesh[:4], *(1,) * (4 - len(mesh))]
+    fixed = math.prod(x for x in sizes if x != -1)
+    data, fsdp, tensor, expert = (devices // max(fixed, 1) if x == -1 else x for x in sizes)
+    return data, fsdp, tensor, expert

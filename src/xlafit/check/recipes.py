@@ -157,7 +157,7 @@ def check_recipe(
 # The settings that shape a recipe's compiled step, printed with every answer (when present).
 SHAPING = (
     "model.preset", "data.seq_len", "data.image_size", "lora.rank", "lora.base_dtype", "model.compute_dtype",
-    "model.remat", "model.scan_layers", "model.attention", "mesh.data", "mesh.fsdp", "mesh.tensor",
+    "model.remat", "model.scan_layers", "model.attention", "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.expert",
     "trainer.steps_per_call", "trainer.accumulate_steps",
 )  # fmt: skip
 

@@ -13,7 +13,8 @@ from xlafit.errors import ConfigError
 
 DESCRIPTION = (
     "Search the ways to run a model on TPU slices with the TPU compiler (libtpu, no TPU needed): every "
-    "mesh (data x fsdp x tensor) the model's named axes allow at the run's own batch, gradient accumulation and "
+    "mesh (data x fsdp x tensor; x expert for a mixture of experts) the model's named axes allow at the run's own "
+    "batch, gradient accumulation and "
     "the model's remat policies where a layout does not fit (and with --search-batch the fastest per-core batch "
     "of the best layouts). Each "
     "candidate is compiled for the slice and predicted from its compiled program (compute, HBM traffic "

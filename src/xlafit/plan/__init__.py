@@ -1,10 +1,11 @@
 """``xlafit plan``: the layout, batch and TPU to run a model on, chosen by the TPU compiler.
 
 ``xlafit check --tpu`` answers whether one configuration fits. ``plan`` searches: every
-mesh (``data x fsdp x tensor``) the model's named axes allow on each target, the levers
-that make a refused one fit (gradient accumulation, the model's remat policies), and the
-largest per-core batch of the best (:mod:`xlafit.plan.search`). Each candidate is compiled
-by libtpu for the target, on this machine, and predicted from its compiled program:
+mesh (``data x fsdp x tensor``, and ``expert`` for a mixture of experts) the model's named
+axes allow on each target, the levers that make a refused one fit (gradient accumulation,
+the model's remat policies), and the largest per-core batch of the best
+(:mod:`xlafit.plan.search`). Each candidate is compiled by libtpu for the target, on this
+machine, and predicted from its compiled program:
 
 - **step time**: the step model's prediction (:mod:`xlafit.predict`): every kernel of the
   compiled program at the generation's achievable rates (fitted to published measured runs,

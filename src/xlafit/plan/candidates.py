@@ -1,19 +1,23 @@
 """What ``xlafit plan`` may try on a slice: meshes the model's axes allow, and the levers.
 
-A candidate is one way to run: the mesh (``data x fsdp x tensor`` = the slice's devices),
-the model's rematerialisation policy (where the model has ``model.remat``), whether its
-layers are scanned (``model.scan_layers``, where it has that), the per-core batch and the
-gradient accumulation. Each is written as the dotted overrides that
-``xlafit train`` takes, so the plan's answer is a command.
+A candidate is one way to run: the mesh (``data x fsdp x tensor`` = the slice's devices; for
+a mixture of experts ``data x fsdp x tensor x expert``, with the expert-parallel layouts of
+:func:`expert_meshes` beside them), the model's rematerialisation policy (where the model has
+``model.remat``), whether its layers are scanned (``model.scan_layers``, where it has that),
+the per-core batch and the gradient accumulation. Each is written as the dotted overrides
+that ``xlafit train`` takes, so the plan's answer is a command.
 
 Example:
     >>> meshes(8)
     [(8, 1, 1), (4, 2, 1), (2, 4, 1), (1, 8, 1), (4, 1, 2), (2, 2, 2), (1, 4, 2), (2, 1, 4), (1, 2, 4), (1, 1, 8)]
+    >>> expert_meshes(8, 128)
+    [(1, 1, 1, 8), (1, 2, 1, 4), (1, 4, 1, 2)]
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,7 +26,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from xlafit.errors import ConfigError
-from xlafit.parallel.sharding import DEFAULT_RULES, divisors, tree_specs
+from xlafit.parallel.sharding import DEFAULT_RULES, divisors, logical_axes, tree_specs
 
 # The remat policies a plan tries where the model has model.remat, cheapest first: none keeps
 # every activation, dots_saveable recomputes the elementwise work only, full keeps one per layer;
@@ -39,7 +43,7 @@ class Candidate:
     """One way to run on one target; ``overrides()`` says it as ``xlafit train`` keys."""
 
     target: str
-    mesh: tuple[int, int, int]  # data, fsdp, tensor
+    mesh: tuple[int, ...]  # data, fsdp, tensor; and expert for a mixture of experts (MeshConfig.sizes's order)
     per_device_batch: int  # examples per batch shard per optimizer step
     accumulate: int = 1  # micro-batches per step (trainer.accumulate_steps)
     remat: str | None = None  # None: the model has no model.remat
@@ -51,9 +55,14 @@ class Candidate:
     memory: tuple[tuple[str, str], ...] = ()
 
     @property
+    def expert(self) -> int:
+        """The expert axis (1: none, or a mixture of experts laid without it)."""
+        return self.mesh[3] if len(self.mesh) > 3 else 1
+
+    @property
     def shards(self) -> int:
-        """Batch shards: data x fsdp (a tensor group shares its shard)."""
-        return self.mesh[0] * self.mesh[1]
+        """Batch shards: data x fsdp x expert (a tensor group shares its shard)."""
+        return self.mesh[0] * self.mesh[1] * self.expert
 
     @property
     def global_batch(self) -> int:
@@ -61,9 +70,8 @@ class Candidate:
 
     @property
     def layout(self) -> str:
-        """``DP 8``, ``FSDP 8``, ``DP 2 x FSDP 2 x TP 2``: the mesh in a few characters."""
-        parts = [f"{name} {n}" for name, n in zip(("DP", "FSDP", "TP"), self.mesh, strict=True) if n > 1]
-        return " x ".join(parts) or "1 device"
+        """The mesh in a few characters (:func:`layout_of`)."""
+        return layout_of(self.mesh)
 
     @property
     def levers(self) -> str:
@@ -81,8 +89,10 @@ class Candidate:
 
     def overrides(self, batch_key: str = "data.per_device_batch") -> dict[str, Any]:
         """The dotted keys that run this candidate (``xlafit train RECIPE key=value ...``)."""
-        data, fsdp, tensor = self.mesh
+        data, fsdp, tensor = self.mesh[:3]
         out: dict[str, Any] = {"mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor}
+        if len(self.mesh) > 3:  # a mixture of experts: the plan's expert axis, 1 included
+            out["mesh.expert"] = self.expert
         if batch_key:
             out[batch_key] = self.per_device_batch
         out["trainer.accumulate_steps"] = self.accumulate
@@ -93,6 +103,19 @@ class Candidate:
         out.update(self.memory)
         out.update(self.numerics)
         return out
+
+
+def layout_of(mesh: tuple[int, ...]) -> str:
+    """``DP 8``, ``FSDP 8``, ``DP 2 x FSDP 2 x TP 2``, ``FSDP 2 x EP 4`` (expert parallelism):
+    a ``(data, fsdp, tensor[, expert])`` mesh in a few characters.
+
+    Example:
+        >>> layout_of((1, 2, 1, 4)), layout_of((4, 1, 2, 1)), layout_of((1, 1, 1))
+        ('FSDP 2 x EP 4', 'DP 4 x TP 2', '1 device')
+    """
+    sizes = (mesh[0], mesh[1], mesh[3] if len(mesh) > 3 else 1, mesh[2])
+    parts = [f"{name} {n}" for name, n in zip(("DP", "FSDP", "EP", "TP"), sizes, strict=True) if n > 1]
+    return " x ".join(parts) or "1 device"
 
 
 def memory_candidates(
@@ -136,15 +159,46 @@ def meshes(devices: int) -> list[tuple[int, int, int]]:
     return found
 
 
-def mesh_refusal(params: Any, mesh: tuple[int, int, int], rules: Mapping[str, str | None] | None = None) -> str | None:
+def expert_meshes(devices: int, experts: int) -> list[tuple[int, int, int, int]]:
+    """The expert-parallel layouts of a mixture of ``experts`` experts on ``devices``:
+    ``(data, fsdp, tensor, expert)`` with every expert axis above 1 that divides both, FSDP
+    over the devices left (the other weights and the optimizer state split there), the
+    largest expert axis first; none for a dense model (``experts`` 0)."""
+    return [(1, devices // e, 1, e) for e in reversed(divisors(devices)) if e > 1 and experts and experts % e == 0]
+
+
+def experts_of(params: Any, rules: Mapping[str, str | None] | None = None) -> int:
+    """The number of experts of a mixture of experts: the size of the parameters' dimensions
+    that the rules send to the ``expert`` mesh axis (logical ``experts``), their greatest
+    common divisor where several sizes appear; 0 for a model with none.
+
+    Example:
+        >>> from xlafit.parallel.sharding import logical
+        >>> stack = nnx.Param(logical(nnx.initializers.zeros, "experts", "embed", "mlp")(jax.random.key(0), (8, 4, 16)))
+        >>> experts_of({"w": stack}), experts_of({"w": nnx.Param(jax.numpy.zeros((4, 16)))})
+        (8, 0)
+    """
+    rules = rules or DEFAULT_RULES
+    found = 0
+    for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        names = logical_axes(x) if isinstance(x, nnx.Variable) else None
+        shape = tuple(getattr(x.get_value() if isinstance(x, nnx.Variable) else x, "shape", ()))
+        for size, name in zip(shape, names or (), strict=False):
+            if name is not None and rules.get(name) == "expert":
+                found = math.gcd(found, size)
+    return found
+
+
+def mesh_refusal(params: Any, mesh: tuple[int, ...], rules: Mapping[str, str | None] | None = None) -> str | None:
     """Why the model's parameters cannot, or need not, be laid over ``mesh``; None: they can.
 
     A named dimension that does not divide over its mesh axis cannot (the sharding rules'
     own error); a ``tensor`` (or ``fsdp``) axis that splits no parameter need not: it would
     only repeat the same work on more devices.
     """
-    data, fsdp, tensor = mesh
-    shape = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    data, fsdp, tensor = mesh[:3]
+    expert = mesh[3] if len(mesh) > 3 else 1
+    shape = {"data": data, "fsdp": fsdp, "tensor": tensor, "expert": expert}
     try:
         specs = tree_specs(params, shape, rules or DEFAULT_RULES)
     except ConfigError as e:
@@ -164,6 +218,8 @@ def mesh_refusal(params: Any, mesh: tuple[int, int, int], rules: Mapping[str, st
         )
     if fsdp > 1 and "fsdp" not in used:
         return "no parameter of the model is split over fsdp (its named axes send nothing there)"
+    if expert > 1 and "expert" not in used:
+        return "no parameter of the model is split over expert (it has no stacked experts named experts)"
     return None
 
 

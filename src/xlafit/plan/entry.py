@@ -184,7 +184,7 @@ def recipe_planner(
             keys += [f"{k}={v}" for k, v in (*c.memory, *c.numerics)]
             cache[key] = recipe_program(name, [*overrides, *keys], preset)[0]
         config = dataclasses.replace(cache[key].config, accumulate_steps=c.accumulate)
-        if not asked and (c.mesh[1] > 1 or c.mesh[2] > 1):
+        if not asked and any(n > 1 for n in c.mesh[1:]):  # fsdp, tensor or expert
             config = dataclasses.replace(config, invariant_chunks=None)
         return dataclasses.replace(cache[key], mesh=c.mesh, config=config)
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from xlafit.plan.outcome import Outcome
 from xlafit.plan.result import Plan
-from xlafit.plan.search import Outcome
 from xlafit.platform.hardware import Target
 
 # The candidates whose eval step a plan compiles at most: the answer, and the runner-up where

@@ -7,9 +7,9 @@ from typing import Any
 
 from xlafit.check.speed import above_prediction
 from xlafit.check.tpu_report import gib, rate
-from xlafit.plan.candidates import MEMORY_LAYOUTS
+from xlafit.plan.candidates import MEMORY_LAYOUTS, layout_of
+from xlafit.plan.outcome import Outcome, Prediction
 from xlafit.plan.result import Plan
-from xlafit.plan.search import Outcome, Prediction
 
 
 def _gib(n: float | None) -> str:
@@ -107,7 +107,8 @@ def format_plan(plan: Plan) -> str:
     lines += _why_not_lines(plan, refused)
     grouped: dict[tuple[str, str], list[str]] = {}  # one line per reason: it is often the same for many
     for target, mesh, why in plan.skipped:
-        grouped.setdefault((target, why), []).append("x".join(map(str, mesh)))
+        # A mixture of experts' meshes by name (data x fsdp x tensor x expert reads as a riddle).
+        grouped.setdefault((target, why), []).append(layout_of(mesh) if len(mesh) > 3 else "x".join(map(str, mesh)))
     for (target, why), meshes in grouped.items():
         lines.append(f"  not tried on {target}: mesh{'es' if len(meshes) > 1 else ''} {', '.join(meshes)}: {why}")
     lines += _prediction_lines(plan)

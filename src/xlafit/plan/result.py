@@ -13,7 +13,7 @@ import yaml
 from xlafit.errors import ConfigError
 from xlafit.overrides import deep_merge, merge_overrides, parse_overrides
 from xlafit.plan.candidates import Candidate
-from xlafit.plan.search import Outcome
+from xlafit.plan.outcome import Outcome
 from xlafit.platform.hardware import PRICES, Price, Target, command_name
 
 
@@ -25,7 +25,7 @@ class Plan:
     command: str  # how the plan was asked for
     targets: list[Target]
     outcomes: list[Outcome]
-    skipped: list[tuple[str, tuple[int, int, int], str]]
+    skipped: list[tuple[str, tuple[int, ...], str]]
     run_examples: float | None  # examples the run trains on (all epochs); None: unknown
     base_overrides: list[str]
     preset: dict[str, Any] | None  # a recipe's preset (the file written is it, with the winner's keys)

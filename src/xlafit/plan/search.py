@@ -3,8 +3,10 @@
 For each target, in order of cost:
 
 1. **Layouts** (:func:`xlafit.plan.candidates.meshes`): every mesh the model's named axes
-   allow, at the run's per-core batch (``global_batch`` over the mesh's batch shards when
-   the user fixed one), compiled side by side (as many compiles at once as there are cores).
+   allow (for a mixture of experts, the expert-parallel ones too:
+   :func:`~xlafit.plan.candidates.expert_meshes`), at the run's per-core batch
+   (``global_batch`` over the mesh's batch shards when the user fixed one), compiled side
+   by side (as many compiles at once as there are cores).
 2. **Levers** for a layout that does not fit: gradient accumulation (as many micro-batches
    as the compiler's shortfall suggests; the global batch stays), the model's
    rematerialisation policies (cheapest first) and, where the model can scan its layers,
@@ -20,7 +22,7 @@ For each target, in order of cost:
    throughput, side by side, the largest per-core batch that fits (the ``--max-batch``
    search of :func:`xlafit.check.batch_search.largest_batch`, at 10 % tolerance), predicted again
    there; a layout's search ends early once the largest batch below its smallest refusal
-   is predicted to run less than 5 % faster (:func:`reachable_gain`).
+   is predicted to run less than 5 % faster (:func:`xlafit.plan.cost.reachable_gain`).
 
 Every compile is remembered (a layout and batch compile once), and a deadline stops new
 compiles: none starts that the longest compile so far says would end more than 5 % of the
@@ -44,11 +46,10 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
 from xlafit.check.batch_search import largest_batch
-from xlafit.check.program import EvalFit, Program, decide
-from xlafit.check.speed import OUTSIDE_BAND, outside_band, program_kind, steps_in_cost
+from xlafit.check.program import Program
+from xlafit.check.speed import OUTSIDE_BAND, outside_band, program_kind
 from xlafit.check.tpu import (
     OutOfMemory,
     Steps,
@@ -62,11 +63,21 @@ from xlafit.check.tpu import (
     usable_hbm,
 )
 from xlafit.errors import XlafitError
-from xlafit.plan.buffers import Buffer, largest_buffers
-from xlafit.plan.candidates import REMAT_LADDER, Candidate, memory_candidates, mesh_refusal, meshes, params_of
+from xlafit.plan.buffers import largest_buffers
+from xlafit.plan.candidates import (
+    REMAT_LADDER,
+    Candidate,
+    expert_meshes,
+    experts_of,
+    memory_candidates,
+    mesh_refusal,
+    meshes,
+    params_of,
+)
+from xlafit.plan.cost import program_cost, reachable_gain
+from xlafit.plan.outcome import Outcome, Prediction
 from xlafit.platform.hardware import Target
-from xlafit.predict.collectives import CommReport, collectives, loop_trips, summarize
-from xlafit.predict.hlo import kernel_flops, loop_flops
+from xlafit.predict.collectives import collectives, summarize
 from xlafit.predict.model import predict
 from xlafit.predict.rates import rates_for
 
@@ -78,78 +89,6 @@ MIN_GAIN = 0.05
 # batch is set per compile); with a number of layers, the same model that deep (a scanned
 # candidate's costs, see the module's docstring).
 Maker = Callable[[Candidate, int | None], Program]
-
-
-@dataclasses.dataclass
-class Prediction:
-    """A candidate's step time and what follows from it (see :mod:`xlafit.plan`)."""
-
-    compute_s: float  # FLOPs / peak FLOP/s
-    memory_s: float  # XLA's bytes accessed / HBM bandwidth
-    comm_s: float | None  # the collectives over ICI; None: no ICI figure for the target
-    step_s: float  # the step model's prediction (xlafit.predict); the bound where it has no rates
-    serial_s: float  # max(compute, memory) + communication: none overlapped
-    examples_per_s: float
-    tokens_per_s: float | None
-    mfu: float  # model FLOPs (analytic where the model has a count, else XLA's) / time / peak
-    bound_s: float = 0.0  # the roofline estimate: max(compute, memory, communication)
-    predicted: bool = False  # step_s is the step model's, not the roofline estimate
-    band: str = ""  # the step model's measured error on this generation, or why there is none
-    band_median: float | None = None
-    outside_band: bool = False  # a predicted step too short for the band to hold (band_median None)
-
-
-@dataclasses.dataclass
-class Outcome:
-    """One compile of one candidate: the verdict, memory, collectives and prediction."""
-
-    candidate: Candidate
-    fits: bool | None  # None: an error, or not compiled (``error`` says which)
-    capacity: float = 0.0
-    memory: dict[str, int] = dataclasses.field(default_factory=dict)
-    needed: int | None = None  # bytes per core the compiler asked for, when it refused
-    compile_s: float = 0.0
-    flops: float | None = None  # XLA's, per core per step
-    comms: CommReport | None = None
-    prediction: Prediction | None = None
-    buffers: list[Buffer] = dataclasses.field(default_factory=list)
-    error: str | None = None
-    stage: str = "layout"  # layout, lever, batch
-    cost_compile_s: float = 0.0  # a scanned candidate: compiling the few-layer programs of its cost
-    # The eval step, compiled for the plan's answer only (xlafit.plan.evaluation): at the run's
-    # eval batch over all cores (eval_batch), its verdict there (None: an error, or not compiled).
-    eval_batch: int | None = None
-    eval: EvalFit | None = None
-
-    @property
-    def eval_fix(self) -> int | None:
-        """The eval batch over all cores that the plan sets in place of the run's own, which
-        does not fit: the largest that compiles on this layout; None: the run's own stands."""
-        e = self.eval
-        return e.largest * self.candidate.shards if e is not None and not e.fits and e.largest else None
-
-    @property
-    def run_fits(self) -> bool | None:
-        """Whether the run the plan writes fits: :func:`xlafit.check.program.decide` over the
-        train step and, where it was compiled, the eval step at the eval batch the plan sets
-        (the run's own, or the largest that compiles: a probe that fit)."""
-        e = self.eval
-        if e is not None and self.eval_fix:
-            e = EvalFit(True, e.largest or 0)
-        return decide(self.fits, e)
-
-    @property
-    def hbm_used(self) -> int | None:
-        """Per-core bytes: the compiler's peak where it reports one (the sum of the parts counts
-        buffers that are never live at once), else the parts' sum; the need, if refused."""
-        if not self.fits:
-            return self.needed
-        return self.memory.get("peak") or self.memory.get("total")
-
-    @property
-    def hbm_free(self) -> float | None:
-        used = self.hbm_used
-        return None if used is None or not self.capacity else self.capacity - used
 
 
 class OverBudget(Exception):
@@ -198,7 +137,7 @@ class Planner:
         self._programs: dict[tuple, Program] = {}
         self._steps: dict[tuple, Steps] = {}
         self.outcomes: dict[Candidate, Outcome] = {}
-        self.skipped: list[tuple[str, tuple[int, int, int], str]] = []  # target, mesh, why
+        self.skipped: list[tuple[str, tuple[int, ...], str]] = []  # target, mesh, why
 
     # ------------------------------------------------------------------ compiling
 
@@ -261,7 +200,7 @@ class Planner:
             )
             hlo = compiled.as_text()
             try:
-                flops, accessed = self._scanned_cost(target, out) if c.scan else _cost(compiled, c, k, hlo)
+                flops, accessed = self._scanned_cost(target, out) if c.scan else program_cost(compiled, c, k, hlo)
             except Exception as e:  # a few-layer program that fails: the verdict stands, no prediction
                 first = str(e).splitlines()[0] if str(e) else type(e).__name__
                 n1, n2 = self._cost_depths()
@@ -320,7 +259,7 @@ class Planner:
             steps = self.steps(target, flat, n)
             compiled, seconds = steps.compile_train(c.per_device_batch)
             out.cost_compile_s += seconds
-            costs.append(_cost(compiled, flat, steps.program.config.steps_per_call, compiled.as_text()))
+            costs.append(program_cost(compiled, flat, steps.program.config.steps_per_call, compiled.as_text()))
         (f1, b1), (f2, b2) = costs
         more = (self.layers - n1) / (n2 - n1)
         return f1 + more * (f2 - f1), b1 + more * (b2 - b1)
@@ -414,11 +353,24 @@ class Planner:
         return max(fitting, key=lambda o: o.prediction.examples_per_s, default=None)  # type: ignore[union-attr]
 
     def _layouts(self, target: Target) -> list[Candidate]:
+        """Every mesh of :func:`meshes` and, for a mixture of experts, of :func:`expert_meshes`
+        (its other meshes then say ``mesh.expert=1``), less those the model or trainer refuse.
+        The expert meshes come before the tensor-parallel ones: compiled first where a budget
+        leaves room for only some."""
         params = params_of(self.base.model)
+        experts = experts_of(params, self.base.rules)
+        layouts: list[tuple[int, ...]] = list(meshes(target.num_devices))
+        if experts:
+            plain = [(*m, 1) for m in layouts]
+            layouts = [
+                *(m for m in plain if m[2] == 1),
+                *expert_meshes(target.num_devices, experts),
+                *(m for m in plain if m[2] > 1),
+            ]
         found = []
-        for mesh in meshes(target.num_devices):
+        for mesh in layouts:
             why = trainer_refusal(self.base, target, mesh) or mesh_refusal(params, mesh, self.base.rules)
-            shards = mesh[0] * mesh[1]
+            shards = math.prod(mesh) // mesh[2]  # data x fsdp (x expert): a tensor group shares its rows
             g = self.settings.global_batch
             if why is None and g is not None and g % shards:
                 why = f"the global batch {g} does not divide over its {shards} batch shards"
@@ -532,44 +484,9 @@ class Planner:
         return c.global_batch * scale / step
 
 
-def _cost(compiled: Any, c: Candidate, k: int, hlo: str) -> tuple[float, float]:
-    """FLOPs and HBM bytes per step of one compiled call of ``k`` steps of ``c`` (``hlo``: its text)."""
-    cost = compiled.cost_analysis() or {}
-    counted = steps_in_cost(hlo, k)
-    # XLA's cost analysis counts a loop's body once: a scanned accumulation's micro-batches too.
-    micro = c.accumulate if c.accumulate > 1 and c.accumulate in loop_trips(hlo) else 1
-    # The products of other loops (a model's own scan over its layers), counted once there too.
-    inner = loop_flops(hlo, {n for n in (k, micro) if n > 1})
-    # The Pallas kernels' FLOPs (splash attention), which the cost analysis cannot see, per step.
-    flops = (float(cost.get("flops", 0.0)) + inner) * micro / counted + kernel_flops(hlo) / k
-    return flops, float(cost.get("bytes accessed", 0.0)) * micro / counted
-
-
 def _sibling(x: Outcome, c: Candidate) -> bool:
     """``x`` is ``c`` at another per-core batch."""
     return dataclasses.replace(x.candidate, per_device_batch=c.per_device_batch) == c
-
-
-def reachable_gain(points: list[tuple[int, float]], refused: int | None) -> float | None:
-    """How much faster than the newest of two fits ``points`` (per-core batch, examples/s)
-    the largest batch below the smallest ``refused`` one could run; None: none refused yet.
-
-    The step time is taken to grow linearly in the batch through the two fits (a fixed part,
-    the parameters' traffic, and a part per example), so throughput climbs toward a ceiling.
-    Only a refusal bounds the batch: near the HBM's capacity the compiler rematerialises on
-    its own and the memory stops growing as a line (the 1.28B BERT on a v5e-8: 13.7 GiB at
-    32 per core, 15.3 at 64, where the line through 8 and 32 meets the capacity at 39).
-    """
-    (b0, s0), (b1, s1) = points
-    if refused is None:
-        return None
-    cap = refused - 1
-    if cap <= b1:
-        return 0.0
-    t0, t1 = b0 / s0, b1 / s1  # seconds per step, up to the number of batch shards
-    per_example = (t1 - t0) / (b1 - b0)
-    step = t1 + per_example * (cap - b1)
-    return math.inf if step <= 0 else (cap / step) / s1 - 1
 
 
 class _Recorder:
