@@ -74,6 +74,22 @@ def test_the_cpu_peak_is_measured_once_a_process():
     assert peak_flops(jax.devices("cpu")[:1])[0] == peak == measured_cpu_peak()  # not measured again
 
 
+def test_the_cpu_peak_is_measured_once_a_machine(tmp_path, monkeypatch):
+    """Each training process on a CPU measured the peak again (a CPU-second of matrix
+    products at every start): it is kept in the user cache, and a new process reads it."""
+    from xlafit.platform.hardware import measured_cpu_peak
+
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path))
+    measured_cpu_peak.cache_clear()  # as in a new process
+    try:
+        first = measured_cpu_peak(256, 2)
+        (stored,) = json.loads((tmp_path / "cpu-peak.json").read_text()).values()
+        measured_cpu_peak.cache_clear()
+        assert measured_cpu_peak(256, 2) == first == stored  # read, not measured again (no two timings agree)
+    finally:
+        measured_cpu_peak.cache_clear()
+
+
 def test_mfu_flops_prefer_xla_unless_it_disagrees():
     assert model_flops(9.3e9, 9.16e9) == (9.3e9, "XLA cost analysis")
     assert model_flops(1.14e9, 9.16e9)[0] == 9.16e9  # cuDNN convolutions counted as 0 on GPUs

@@ -219,3 +219,30 @@ def test_a_renamed_key_in_orbaxs_step_metadata_falls_back_to_the_previous_checkp
     assert step == 1 and state["params"]["w"].tolist() == [1.0] * 3
     assert out.startswith("warning: checkpoint 2 (") and out.count("\n") == 1 and " is corrupt: " in out, out
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("corrupt-")) == ["1", "3"]
+
+
+def test_a_save_on_cpu_devices_compiles_no_program_for_each_replica(tmp_path, strategy8):
+    """Orbax saved a replicated array in parts, one per replica, each part sliced on its
+    device by a program of its own: eight compiles an array on 8 simulated CPU devices,
+    about 2 CPU-seconds of each MNIST run's saves. CPU devices share one memory, so one
+    replica writes it whole; the only program is the checksums' (one for the whole state)."""
+    replicated = jax.sharding.NamedSharding(strategy8.mesh, jax.sharding.PartitionSpec())
+    # shapes of their own (a program compiled earlier in this process would hide a new one)
+    state = {f"w{i}": jax.device_put(np.full((8 * (11 + i), 3), i, np.float32), replicated) for i in range(4)}
+    compiles = []
+
+    def count(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        ckpt = Checkpointer(tmp_path, async_save=False)
+        ckpt.save(1, state)
+        ckpt.wait()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert len(compiles) <= 1, f"{len(compiles)} programs compiled to save 4 replicated arrays"
+    restored, _ = ckpt.restore(state, step=1)
+    ckpt.close()
+    assert all(np.array_equal(restored[k], state[k]) for k in state)

@@ -156,7 +156,7 @@ def _encode(pixels: np.ndarray, fmt: str) -> bytes:
     return buf.getvalue()
 
 
-def test_one_two_and_four_worker_processes_give_the_same_batches_and_resume_continues(tmp_path, cache):
+def test_one_and_three_worker_processes_give_the_same_batches_and_resume_continues(tmp_path, cache):
     prepare(write_folder(tmp_path / "in", per_class=10), str(tmp_path / "out"), workers=1)
     train = ImageDataset.from_prepared(str(tmp_path / "out"), "train", Augment(image_size=12, seed=1))
     assert isinstance(train, StreamedDataset) and train.classes == ["cat", "dog", "eel"]
@@ -164,7 +164,7 @@ def test_one_two_and_four_worker_processes_give_the_same_batches_and_resume_cont
     requests = TakeRequests.between(order, 0, 7, steps_per_call=2)  # calls cross into epoch 2
     reference = [train.take(idx, epoch) for idx, epoch in requests]  # decoded in this process
     assert [len(b["label"]) for b in reference] == [16, 8, 16, 8, 8]
-    for workers in (1, 2, 4):
+    for workers in (1, 3):  # in call order; and interleaved unevenly (calls 0 and 3, 1 and 4, 2)
         train.workers = workers
         batches = list(train.stream(requests))
         assert len(batches) == len(reference)

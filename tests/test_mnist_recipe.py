@@ -4,7 +4,9 @@ after 3 of its 8 epochs, 0.963 measured; the whole demo prints 0.969, README).
 The preset's trainer.invariant_chunks=8 makes 1 device train the very same model as 8:
 tests/test_trainer.py checks it bit for bit (the losses, the parameters and the evaluation
 of the CNN on 8 devices and 1), tests/test_multiprocess.py through this command (2
-processes x 4 devices and 1 x 8).
+processes x 4 devices and 1 x 8). So the demo's run on 8 simulated devices is trained here
+on 1, its eight chunks one after another: the same 93 steps to the bit, for about a
+quarter less CPU (no per-device dispatch and gathers of 8 simulated devices on 2 cores).
 """
 
 import json
@@ -21,11 +23,11 @@ def _final_eval(run_dir):
 
 
 @pytest.mark.slow
-def test_mnist_recipe_reaches_95_percent_on_8_devices(tmp_path):
+def test_mnist_recipe_reaches_95_percent(tmp_path):
     # The first 3 of the demo's 8 epochs (the same schedule: stop_at_step keeps it), to keep
     # the suite short.
-    run_dir = tmp_path / "d8"
-    out = run("train", "mnist", "--simulate", "8", "--run-dir", str(run_dir), "trainer.stop_at_step=93")
+    run_dir = tmp_path / "d1"
+    out = run("train", "mnist", "--simulate", "1", "--run-dir", str(run_dir), "trainer.stop_at_step=93")
     assert out.returncode == 0, out.stderr
     assert "train step compiled 1 time(s), eval step 1 time(s)" in out.stdout
     final = _final_eval(run_dir)

@@ -99,7 +99,7 @@ def fingerprint(run_dir):
         ckpt.close()
 
 
-@long_form(65, "test_images.py's resume with 1, 2 and 4 grain workers and test_preemption.py's kill -9 loop")
+@long_form(65, "test_images.py's resume with 1 and 3 grain workers and test_preemption.py's kill -9 loop")
 def test_resnet_pulse_then_kill_9_with_grain_workers_and_resume_equals_uninterrupted(tmp_path, shards, env):
     reference = tmp_path / "uninterrupted"
     out = subprocess.run(train_cmd(reference, shards), capture_output=True, text=True, env=env, timeout=300)

@@ -9,6 +9,8 @@
 - ``images/``: prepared image splits, their encoded bytes checked and memory-mapped
   (:func:`xlafit.data.images.load_split`); ``mnist-images-*/``: the resnet demo's PNG folder
   and shards.
+- ``cpu-peak.json``: the measured FLOP/s of this machine's CPU, which MFU on a CPU is
+  reported against (:func:`xlafit.platform.hardware.measured_cpu_peak`); safe to delete.
 - ``launch/<time>-<pid>/``: the output of processes 1..P-1 of each ``xlafit launch``
   (:func:`xlafit.parallel.launch.default_log_dir`); safe to delete.
 """

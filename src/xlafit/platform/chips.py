@@ -12,13 +12,20 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import json
+import os
+import platform
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+
+from xlafit.io.cache import cache_dir
 
 # No Cloud TPU page (a generation's "system architecture") gives the rate of the link between
 # a chip and its host. Every generation is given PCIe Gen4 x16's peak (PCI-SIG's PCIe 4.0 base
@@ -306,15 +313,19 @@ def table_memory(device_kind: str) -> float | None:
     return None
 
 
-@functools.cache
-def measured_cpu_peak(n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of an ``n x n`` float32 matrix product on this machine's CPU, all cores.
+PEAK_FILE = "cpu-peak.json"  # in the user cache: the measured peak of each CPU and jaxlib
 
-    The median of ``repeats`` timed products after one warm-up. Simulated CPU devices share
-    these cores, so this is the peak of the whole machine, not of one simulated device.
-    Measured once per process (its six products take about a second of CPU): every later
-    run in the process, a notebook's or a script's, reports MFU against the same peak.
-    """
+
+def _cpu_name() -> str:
+    """The processor's model name (Linux's /proc/cpuinfo), else what ``platform`` knows."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _measure_cpu_peak(n: int, repeats: int) -> float:
     cpu = jax.devices("cpu")[0]
     a = jax.device_put(jax.random.normal(jax.random.key(0), (n, n), jnp.float32), cpu)
     matmul = jax.jit(jnp.matmul)
@@ -325,6 +336,37 @@ def measured_cpu_peak(n: int = 2048, repeats: int = 5) -> float:
         matmul(a, a).block_until_ready()
         times.append(time.perf_counter() - t0)
     return 2 * n**3 / statistics.median(times)
+
+
+@functools.cache
+def measured_cpu_peak(n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of an ``n x n`` float32 matrix product on this machine's CPU, all cores.
+
+    The median of ``repeats`` timed products after one warm-up. Simulated CPU devices share
+    these cores, so this is the peak of the whole machine, not of one simulated device.
+    Measured once a machine (its six products take about a second of CPU): the peak is kept
+    in the user cache (``cpu-peak.json``, by processor, the cores this process may use and
+    jaxlib's version), so every later run, in this process or another, reports MFU against
+    the same peak. Delete the file to measure again.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    key = f"{_cpu_name()}, {cores} cores, jaxlib {jax.lib.__version__}, {n}^3 x {repeats}"
+    path = cache_dir() / PEAK_FILE
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict):
+        known = {}
+    if isinstance(known.get(key), float) and known[key] > 0:
+        return known[key]
+    known[key] = peak = _measure_cpu_peak(n, repeats)
+    with contextlib.suppress(OSError):  # a read-only cache: measured again by the next process
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{PEAK_FILE}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=1))
+        os.replace(tmp, path)  # whole, for a process that reads it meanwhile
+    return peak
 
 
 def peak_flops(devices: list[jax.Device]) -> tuple[float, str]:
