@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import peft_tuned, recomputed
+from helpers import long_form, peft_tuned, recomputed
 from xlafit.errors import ConfigError
 from xlafit.hf import llama as llama_hf
 from xlafit.models.generation import generate
@@ -217,7 +217,20 @@ def _scan_configs():
     return {"gemma3_text": gemma3.to_dict(), "gemma4_text": gemma4.to_dict()}
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "gemma4_text"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        "gemma3_text",
+        pytest.param(
+            "gemma4_text",
+            marks=long_form(
+                23,
+                covered_by="test_gemma4_moe.py::test_the_repeating_block_scans_to_transformers_logits (Gemma 4's "
+                "block scanned) and this test's gemma3_text case (the scanned gradients)",
+            ),
+        ),
+    ],
+)
 def test_scanning_the_repeating_block_equals_the_layers_one_by_one(family, tmp_path):
     """scan_layers=True on a model of sliding and global layers scans its (sliding, global)
     block (twice; Gemma 3's last layer after it unscanned): the same logits, the same

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from helpers import long_form
 from xlafit.data.clm import PackedText
 from xlafit.data.shapes import pack
 from xlafit.errors import ConfigError, HFFormatError
@@ -190,6 +191,11 @@ def test_cudnn_attention_takes_packed_rows_in_bf16_up_to_its_limit_of_segments(m
     )
 
 
+@long_form(
+    23,
+    covered_by="test_gemma4.py's scanning test, gemma3_text (a scanned model's logits and gradients) and "
+    "test_sharding.py::test_remat_trains_the_same_parameters",
+)
 def test_scan_layers_and_remat_give_the_same_logits_and_gradients(tmp_path):
     cfg = tiny()
     model = random_model(cfg)

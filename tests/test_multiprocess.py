@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import write_mnist_idx
+from helpers import long_form, write_mnist_idx
 from xlafit.checkpoint import Checkpointer
 from xlafit.parallel.launch import free_port
 from xlafit.recipes import get_recipe, load_config
@@ -115,6 +115,11 @@ def test_two_processes_train_evaluate_and_checkpoint_as_one_does(tmp_path, strat
     assert_same(params_at(run, 4, strategy8), params_at(reference, 4, strategy8), 0)
 
 
+@long_form(
+    34,
+    covered_by="test_sharding.py's layout and checkpoint-layout tests (the layouts, in one process) and "
+    "test_two_processes_train_evaluate_and_checkpoint_as_one_does (two processes)",
+)
 def test_fsdp_and_tensor_parallel_over_two_processes_train_as_data_parallelism(tmp_path, strategy8):
     """2 processes x 4 devices as FSDP 4 x TP 2 (each process holds half the FSDP shards of
     every parameter, a tensor group never leaves a process): the same parameters as 1
