@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import typing
 from pathlib import Path
 from typing import Any
@@ -198,19 +199,41 @@ def _write(recipe: str, cfg: Config, run: Any, arrays: Any, metadata: dict[str, 
         save_resnet_hf(_resnet(cfg, arrays), local, labels=_classes(run), processor=_image_processor(cfg))
 
 
+# How long export and generate wait for a run's first checkpoint that is being committed.
+COMMIT_WAIT_S = 60.0
+
+
+def _first_save_underway(directory: Any) -> bool:
+    """Whether a local checkpoint directory holds a save being written or committed (a step's
+    folder, or Orbax's temporary one) that is not yet listed as a checkpoint."""
+    if is_url(directory) or not Path(local_path(directory)).is_dir():
+        return False
+    return any(p.name.split(".", 1)[0].isdigit() for p in Path(local_path(directory)).iterdir())
+
+
 def checkpoint_arrays(cfg: Config, run: Any, step: int | None, use: str = "export") -> tuple[Any, int, dict[str, str]]:
     """The saved state of checkpoint ``step`` (default: the newest intact one) as host arrays,
     with the metadata it was saved with; ``use`` (export or generate) words the error of a run
-    with no checkpoint. A newer checkpoint passed over (corrupt, unreadable) is said once, on
-    stderr, with the one used.
+    with no checkpoint. A run whose first save is being committed is waited for (up to
+    :data:`COMMIT_WAIT_S`), as when a notebook asks a model that has just started training. A
+    newer checkpoint passed over (corrupt, unreadable) is said once, on stderr, with the one
+    used.
 
     Raises:
         CheckpointError: no checkpoint; ``step`` absent, corrupt or unreadable; or none that
             reads (:func:`~xlafit.checkpoint_read.read_checkpoint`).
     """
-    ckpt = Checkpointer(checkpoint_dir(cfg))  # the run may be training meanwhile
+    directory = checkpoint_dir(cfg)
+    ckpt = Checkpointer(directory)  # the run may be training meanwhile
     try:
         infos = ckpt.list()
+        waited = 0.0
+        while step is None and not infos and waited < COMMIT_WAIT_S and _first_save_underway(directory):
+            time.sleep(0.5)  # the run's first checkpoint is being committed: read it once it is
+            waited += 0.5
+            ckpt.close()
+            ckpt = Checkpointer(directory)
+            infos = ckpt.list()
         if step is None and not infos:
             generating = use == "generate"
             purpose = "generate with" if generating else "export"
