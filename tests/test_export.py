@@ -126,3 +126,16 @@ def test_a_corrupt_newest_checkpoint_is_named_once_with_the_one_used(tmp_path, c
     assert str(e.value) == (
         f"checkpoint 3 in {tmp_path / 'checkpoints'} is corrupt: {name} does not match its checksum; intact: [1, 2]."
     )
+
+
+def test_a_first_save_underway_is_seen_so_generate_waits_for_it(tmp_path):
+    """A step's folder, or Orbax's temporary one, before the checkpoint is listed: export and
+    generate wait for it (a notebook asks a model that has just started training)."""
+    from xlafit.export import _first_save_underway
+
+    assert not _first_save_underway(tmp_path / "none") and not _first_save_underway(tmp_path)
+    (tmp_path / "notes").mkdir()
+    assert not _first_save_underway(tmp_path)
+    (tmp_path / "1.orbax-checkpoint-tmp-1765000000").mkdir()
+    assert _first_save_underway(tmp_path)
+    assert not _first_save_underway("gs://bucket/run/checkpoints")  # a bucket is not listed
