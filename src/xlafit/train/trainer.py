@@ -196,7 +196,10 @@ class Trainer:
         self.rollout = rollout
         # Where every array lies (xlafit.parallel.sharding): replicated in pure data parallelism, split
         # over fsdp / tensor otherwise; the same tree of shardings in, out and donated.
-        shardings = state_shardings(abstract_state(params, model_state, optimizer, self.strategy))
+        # (trainer.optimizer_offload: the optimizer state's in the host's pinned memory.)
+        shardings = state_shardings(
+            abstract_state(params, model_state, optimizer, self.strategy, self.config.optimizer_offload)
+        )
         self._state = self._initial_state(builder, params, model_state, shardings)
         self.train_step, self.eval_step = make_steps(
             train_graphdef, eval_graphdef, loss_fn, optimizer, self.strategy, self.config, self.global_batch, shardings,
