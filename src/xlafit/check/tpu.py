@@ -324,8 +324,11 @@ class Steps:
 
 def needed_bytes(message: str) -> int | None:
     """The bytes per core that a refused program needs, from the compiler's message
-    ("... HLO temporaries (23.88G) exceeds available HBM (15.75G)")."""
-    needed = re.search(r"\((\d+(?:\.\d+)?)([KMGT])\) exceeds", message)
+    ("... HLO temporaries (23.88G) exceeds available HBM (15.75G)", or, from its memory
+    space assignment, "Used 15.79G of 15.75G hbm")."""
+    needed = re.search(r"\((\d+(?:\.\d+)?)([KMGT])\) exceeds", message) or re.search(
+        r"Used (\d+(?:\.\d+)?)([KMGT]) of \d+(?:\.\d+)?[KMGT] hbm", message
+    )
     return int(float(needed.group(1)) * _UNITS[needed.group(2)]) if needed else None
 
 
