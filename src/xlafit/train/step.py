@@ -518,17 +518,9 @@ def make_steps(
         )
     replicated = strategy.replicated
     state_in: Any = replicated if state_sharding is None else state_sharding
-    opt_on_host = None
-    if config.optimizer_offload:
-        if HOST_MEMORY not in strategy.memory_kinds:
-            raise ConfigError(
-                f"trainer.optimizer_offload=true keeps the optimizer state in the host's pinned memory, which these "
-                f"{strategy.platform} devices do not address: set trainer.optimizer_offload=false."
-            )
-        if state_sharding is None:
-            raise ValueError("trainer.optimizer_offload needs the state's shardings (state_sharding).")
-        opt_on_host = in_memory(state_sharding.opt_state, HOST_MEMORY)
-        state_in = dataclasses.replace(state_sharding, opt_state=opt_on_host)
+    opt_on_host = _opt_state_on_host(strategy, state_sharding) if config.optimizer_offload else None
+    if opt_on_host is not None:
+        state_in = dataclasses.replace(state_in, opt_state=opt_on_host)
     cpu = strategy.platform == "cpu"
     guard, select = guard_for(config.nan_policy), not cpu
     if chunks is not None:
@@ -571,6 +563,22 @@ def make_steps(
         out_shardings=replicated,
     )
     return train_step, eval_step
+
+
+def _opt_state_on_host(strategy: Strategy, state_sharding: TrainState | None) -> Any:
+    """The optimizer state's shardings in the host's pinned memory (``trainer.optimizer_offload``).
+
+    Raises:
+        ConfigError: the strategy's devices address no pinned host memory.
+    """
+    if HOST_MEMORY not in strategy.memory_kinds:
+        raise ConfigError(
+            f"trainer.optimizer_offload=true keeps the optimizer state in the host's pinned memory, which these "
+            f"{strategy.platform} devices do not address: set trainer.optimizer_offload=false."
+        )
+    if state_sharding is None:
+        raise ValueError("trainer.optimizer_offload needs the state's shardings (state_sharding).")
+    return in_memory(state_sharding.opt_state, HOST_MEMORY)
 
 
 def _with_activation_layout(fn: Callable, strategy: Strategy) -> Callable:
