@@ -95,6 +95,7 @@ def format_plan(plan: Plan) -> str:
     searched = f"; {probes} larger batches that did not fit are in --json" if probes else ""
     lines = [
         plan.command,
+        *([plan.stopped] if plan.stopped else []),
         *_table(rows),
         f"  (* the Pareto front: throughput, cost of the run, HBM to spare{searched})",
     ]
@@ -147,6 +148,9 @@ def _eval_lines(plan: Plan, o: Outcome) -> list[str]:
     if o.eval_batch is None:
         if not plan.evaluates:
             return []
+        if plan.stopped:
+            why = "the plan was stopped"
+            return [f"  eval step: not compiled ({why}): `xlafit check --tpu` with these settings compiles it"]
         return [
             "  eval step: not compiled (the faster candidates' eval steps fit at none of the batches compiled, and a "
             "plan compiles no more): `xlafit check --tpu` with these settings compiles it"
@@ -334,6 +338,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "prices": {k: dataclasses.asdict(v) for k, v in plan.prices.items()},
         "spot": plan.spot,
         "seconds": plan.seconds,
+        "stopped": plan.stopped,
         "outcomes": [outcome(o) for o in fitting] + [outcome(o) for o in plan.outcomes if o not in fitting],
         "skipped": [{"target": t, "mesh": m, "why": w} for t, m, w in plan.skipped],
         "winner": outcome(winner) if winner else None,
