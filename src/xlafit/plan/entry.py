@@ -16,7 +16,7 @@ from xlafit.errors import ConfigError
 from xlafit.overrides import load_yaml
 from xlafit.parallel.cluster import start_backends
 from xlafit.plan.candidates import OFFLOAD_LADDER, REMAT_LADDER, Candidate
-from xlafit.plan.evaluation import check_answer_eval
+from xlafit.plan.evaluation import check_answer_eval, check_answer_rollout
 from xlafit.plan.result import Plan
 from xlafit.plan.search import Planner, Settings
 from xlafit.platform.hardware import PRICES, Price, Target, parse_targets
@@ -154,19 +154,25 @@ def plan_recipe(
         prices=_prices(prices),
         seconds=seconds,
         evaluates=bool(base.eval_global_batch),
+        rollout=base.rollout is not None,
         stopped=stopped,
         **_own_batch(base, global_batch, search_batch),
     )
-    # The answer's eval step, at the run's own eval batch (None: its global batch).
-    if plan.evaluates and stopped is None:
+    # The answer's eval step, at the run's own eval batch (None: its global batch), or its
+    # rollout's programs (GRPO: a run that evaluates nothing).
+    if (plan.evaluates or plan.rollout) and stopped is None:
         t0 = time.perf_counter()
+        what = "eval step" if plan.evaluates else "rollout"
         try:
-            check_answer_eval(plan, planner.evaluate_eval, cfg.data.eval_global_batch)
+            if plan.evaluates:
+                check_answer_eval(plan, planner.evaluate_eval, cfg.data.eval_global_batch)
+            else:
+                check_answer_rollout(plan, planner.evaluate_rollout)
         except KeyboardInterrupt:
             planner.stop()
             plan.stopped = (
-                f"stopped by Ctrl-C while compiling the answer's eval step: the train steps were all searched "
-                f"({plan.seconds:.0f} s); whether the answer's eval batch fits is not known. Run it again to know."
+                f"stopped by Ctrl-C while compiling the answer's {what}: the train steps were all searched "
+                f"({plan.seconds:.0f} s); whether the answer's {what} fits is not known. Run it again to know."
             )
         plan.seconds += time.perf_counter() - t0
     return plan
@@ -186,12 +192,6 @@ def recipe_planner(
     """The planner of a recipe's run: ``(planner, config, train examples)``. Its candidates'
     programs are the recipe's with their remat, scanning and numerics as overrides."""
     base, cfg, train_examples = recipe_program(name, overrides, preset)
-    if base.rollout is not None:
-        raise ConfigError(
-            f"xlafit plan searches the train step alone, and a {name} run with a rollout (model.objective=grpo) "
-            f"compiles its generation beside it; check each layout with xlafit check {name} --tpu TARGET and the "
-            "same settings (it compiles the train step and the rollout's programs)."
-        )
     remat, scan = getattr(cfg.model, "remat", None), getattr(cfg.model, "scan_layers", None)
     cache: dict[tuple, Program] = {(remat, (), scan, (), None): base}
     # The preset's trainer.invariant_chunks holds for pure data parallelism only: it gives way

@@ -135,6 +135,11 @@ def _compiles_line(plan: Plan) -> str:
         count = sum(1 + (len(o.eval.probes) if o.eval else 0) for o in evals)
         whose = " and ".join("the answer" if o is plan.winner else _name(o) for o in evals)
         text += f"; {count} of {'the eval step' if len(evals) == 1 else 'eval steps'}, for {whose}"
+    rollouts = [o for o in plan.outcomes if o.rollout is not None]
+    if rollouts:
+        count = sum(len(o.rollout or ()) for o in rollouts)
+        whose = " and ".join("the answer" if o is plan.winner else _name(o) for o in rollouts)
+        text += f"; {count} of rollout programs, for {whose}"
     return f"Planned in {plan.seconds:.0f} s on this machine ({text})."
 
 
@@ -170,6 +175,20 @@ def _eval_lines(plan: Plan, o: Outcome) -> list[str]:
     ]
 
 
+def _rollout_lines(o: Outcome) -> list[str]:
+    """The answer's rollout programs (GRPO's), each one's verdict and memory on its layout."""
+    lines = []
+    for r in o.rollout or ():
+        head = f"  {r.name} ({r.rows} rows over all cores)"
+        if r.fits:
+            used = f": the compiler's peak {gib(r.peak or r.total)} of {gib(o.capacity)} per core" if r.total else ""
+            lines.append(f"{head}: fits{used}")
+        else:
+            needs = f", needs {gib(r.needed)} of {gib(o.capacity)} per core" if r.needed else ""
+            lines.append(f"{head}: does not fit{needs}")
+    return lines
+
+
 def _prediction_lines(plan: Plan) -> list[str]:
     """What the step times, throughputs, MFUs, run times and costs are, and how far off they were."""
     bands: dict[str, str] = {}
@@ -185,6 +204,11 @@ def _prediction_lines(plan: Plan) -> list[str]:
         "input, host and dispatch time are not in it. Step, throughput, MFU, run time and cost are as good as it is:"
     ]
     lines += [f"  {generation}: {band}" for generation, band in bands.items()]
+    if plan.rollout:
+        lines.append(
+            "  The step is the train step's alone: the rollout that makes its rows (generating the completions, "
+            "their log-probabilities) runs before it and is in none of these times, throughputs or costs."
+        )
     return lines
 
 
@@ -223,7 +247,7 @@ def _winner_lines(plan: Plan) -> list[str]:
         )
         if p.predicted and (why := above_prediction(p.step_s, p.compute_s, p.memory_s)):
             lines.append(f"    {why}")
-    lines += _eval_lines(plan, o)
+    lines += _eval_lines(plan, o) + _rollout_lines(o)
     own = plan.own_batch(o)
     if not plan.batch_fixed and own and own != c.global_batch:
         lines.append(
@@ -265,6 +289,14 @@ def _why_not_lines(plan: Plan, refused: list[Outcome]) -> list[str]:
             lines.append(
                 f"Why not {_name(o)}: its eval step fits at none of the eval batches compiled "
                 f"({tried[-1]} down to {tried[0]} per core; the run's is {o.eval_batch} over all cores)"
+            )
+            continue
+        unfit = [r for r in o.rollout or () if not r.fits]
+        if o.fits and unfit:
+            needs = "; ".join(f"{r.name} needs {_gib(r.needed)} GiB" for r in unfit if r.needed)
+            lines.append(
+                f"Why not {_name(o)}: its {' and '.join(r.name for r in unfit)} does not fit at the run's "
+                f"{unfit[0].rows} rows ({needs or 'refused'} of {_gib(o.capacity)} GiB per core)"
             )
             continue
         if o.fits is not False:  # an error, or a fit without a prediction
@@ -326,6 +358,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "eval_global_batch": o.eval_batch,
             "eval": dataclasses.asdict(o.eval) if o.eval else None,
             "eval_fix": o.eval_fix,
+            "rollout": [dataclasses.asdict(r) for r in o.rollout] if o.rollout is not None else None,
             "run_fits": o.run_fits,
         }
 

@@ -63,6 +63,7 @@ from xlafit.check.tpu import (
     memory_of,
     needed_bytes,
     no_persistent_cache,
+    rollout_fits,
     trainer_refusal,
     tree_bytes,
     usable_hbm,
@@ -245,6 +246,13 @@ class Planner:
         per_core = -(-eval_batch // steps.strategy.num_replicas)
         with no_persistent_cache():
             o.eval_batch, o.eval = eval_batch, eval_fit(steps, per_core, o.capacity)
+
+    def evaluate_rollout(self, target: Target, o: Outcome) -> None:
+        """Compiles ``o``'s rollout programs (GRPO's generation and log-probabilities) with
+        ``o``'s layout, at the rows of its train step over all cores."""
+        steps = self.steps(target, o.candidate)
+        with no_persistent_cache():
+            o.rollout = rollout_fits(steps, o.candidate.per_device_batch * steps.strategy.num_replicas)
 
     def over_budget(self, target: Target) -> bool:
         """Whether a compile for ``target`` started now would end past the deadline (by more
