@@ -4,11 +4,11 @@
 memory), then reads the safetensors files tensor by tensor: each dense layer's kernel is
 quantized as it arrives (:func:`xlafit.models.quantized.quantize_kernel`, on the CPU, a
 slice of rows at a time), as is each expert's of a mixture of experts, and only their codes
-and scales are kept; the embeddings, norms and
-output layer are kept in bfloat16, or with ``embeddings`` the embedding tables and an untied
-output layer quantized as they arrive too (:func:`xlafit.models.quantized_embed.quantize_table`). The host holds about one tensor of the file plus the
-quantized model at any time, never the whole model in full precision (a notebook VM's memory
-is shared with everything else it holds).
+and scales are kept; the embeddings, norms and output layer are kept in bfloat16 (with
+``embeddings``, the embedding tables and an untied output layer quantized as they arrive too:
+:func:`xlafit.models.quantized_embed.quantize_table`). The host holds about one tensor of the
+file plus the quantized model at any time, never the whole model in full precision (a
+notebook VM's memory is shared with everything else it holds).
 
 Example:
     >>> model = from_hf_quantized("meta-llama/Llama-3.2-1B", "nf4")  # doctest: +SKIP
