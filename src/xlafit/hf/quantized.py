@@ -37,7 +37,7 @@ from xlafit.models.quantized import (
     quantize_kernel,
     set_child,
 )
-from xlafit.models.quantized_embed import QuantizedEmbed, check_tables, quantize_table, tables
+from xlafit.models.quantized_embed import QuantizedEmbed, check_tables, quantize_table, table_param, tables
 from xlafit.parallel.sharding import logical_axes
 
 
@@ -77,8 +77,7 @@ def from_hf_quantized(
     if embeddings:
         check_tables(model, qtype, block)
     # each table's parameter and whether it arrives as a kernel [H, V] (the output layer)
-    table_params = {id(m.kernel if isinstance(m, nnx.Linear) else m.embedding): isinstance(m, nnx.Linear)
-                    for _, m in embedded}  # fmt: skip
+    table_params = {id(param): linear for param, linear in (table_param(m) for _, m in embedded)}
     kernels = {id(layer.kernel) for _, layer in layers}
     kernels |= {id(getattr(m, weight)) for _, m in experts for weight in EXPERT_WEIGHTS}
     rows: dict[int, list[tuple[Any, Any]]] = {}  # a scanned model's layers: quantized rows, stacked at the end
@@ -121,25 +120,22 @@ def from_hf_quantized(
         )
         set_child(model, path, quantized)
     for path, module in experts:  # each expert's kernel quantized as read, in (layer, expert) order
-        stored: list[QuantizedLinear] = []
-        for weight in EXPERT_WEIGHTS:
-            param = getattr(module, weight)
-            pieces = rows.pop(id(param))
-            lead = param.get_value().shape[:-2]
-            qvalue = jnp.stack([q for q, _ in pieces]).reshape(*lead, *pieces[0][0].shape)
-            scale = jnp.stack([s for _, s in pieces]).reshape(*lead, *pieces[0][1].shape)
-            stored.append(
-                QuantizedLinear(qvalue, scale, None, qtype=qtype, dtype=module.dtype, axes=logical_axes(param))
-            )
-        quantized_experts = QuantizedExperts(
-            *stored, impl=module.impl, activation=module.activation, dtype=module.dtype
-        )
-        set_child(model, path, quantized_experts)
+        set_child(model, path, _experts_of(module, rows, qtype))
     for path, m in embedded:
-        linear = isinstance(m, nnx.Linear)
-        param = m.kernel if isinstance(m, nnx.Linear) else m.embedding
-        [(qvalue, scale)] = rows.pop(id(param))
-        axes = logical_axes(param)
-        axes = None if axes is None else (tuple(reversed(axes)) if linear else axes)
-        set_child(model, path, QuantizedEmbed(qvalue, scale, qtype=qtype, dtype=m.dtype, axes=axes, linear=linear))
+        [(qvalue, scale)] = rows.pop(id(table_param(m)[0]))
+        set_child(model, path, QuantizedEmbed.from_values(m, qvalue, scale, qtype=qtype))
     return model
+
+
+def _experts_of(module: Experts, rows: dict[int, list[tuple[Any, Any]]], qtype: str) -> QuantizedExperts:
+    """``module``'s :class:`QuantizedExperts` of each expert's codes and scales in ``rows``
+    (keyed by the parameter's id, in (layer, expert) order), taken out of ``rows``."""
+    stored: list[QuantizedLinear] = []
+    for weight in EXPERT_WEIGHTS:
+        param = getattr(module, weight)
+        pieces = rows.pop(id(param))
+        lead = param.get_value().shape[:-2]
+        qvalue = jnp.stack([q for q, _ in pieces]).reshape(*lead, *pieces[0][0].shape)
+        scale = jnp.stack([s for _, s in pieces]).reshape(*lead, *pieces[0][1].shape)
+        stored.append(QuantizedLinear(qvalue, scale, None, qtype=qtype, dtype=module.dtype, axes=logical_axes(param)))
+    return QuantizedExperts(*stored, impl=module.impl, activation=module.activation, dtype=module.dtype)

@@ -170,12 +170,19 @@ class QuantizedEmbed(nnx.Module):
         Raises:
             ConfigError: the table's width is no multiple of ``block``.
         """
-        linear = isinstance(module, nnx.Linear)
-        param = module.kernel if isinstance(module, nnx.Linear) else module.embedding
+        param, linear = table_param(module)
         table = jnp.asarray(param.get_value())
         table = table.T if linear else table
         check_tiling(name, table.T.shape, block, qtype)
-        qvalue, scale = _quantize_rows(table, qtype, block)
+        return cls.from_values(module, *_quantize_rows(table, qtype, block), qtype=qtype)
+
+    @classmethod
+    def from_values(
+        cls, module: nnx.Embed | nnx.Linear, qvalue: jax.Array, scale: jax.Array, *, qtype: str
+    ) -> QuantizedEmbed:
+        """``module``'s stand-in of its table's codes and scales (:func:`quantize_table`'s), with
+        its compute dtype and logical axes."""
+        param, linear = table_param(module)
         axes = logical_axes(param)
         axes = None if axes is None else (tuple(reversed(axes)) if linear else axes)
         return cls(qvalue, scale, qtype=qtype, dtype=module.dtype, axes=axes, linear=linear)
@@ -223,6 +230,13 @@ class QuantizedEmbed(nnx.Module):
         return embed
 
 
+def table_param(module: nnx.Embed | nnx.Linear) -> tuple[nnx.Param, bool]:
+    """A table's parameter and whether it is an output layer's kernel ``[H, V]`` (the table transposed)."""
+    if isinstance(module, nnx.Linear):
+        return module.kernel, True
+    return module.embedding, False
+
+
 def _name(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
@@ -245,9 +259,9 @@ def check_tables(model: nnx.Module, qtype: str, block: int) -> None:
         ConfigError: naming the table and a block that divides it.
     """
     for path, m in tables(model):
-        table = m.kernel if isinstance(m, nnx.Linear) else m.embedding
-        shape = table.get_value().shape
-        check_tiling(_name(path), shape if isinstance(m, nnx.Linear) else shape[::-1], block, qtype)
+        param, linear = table_param(m)
+        shape = param.get_value().shape
+        check_tiling(_name(path), shape if linear else shape[::-1], block, qtype)
 
 
 def quantize_embeddings(model: nnx.Module, qtype: str, block: int) -> nnx.Module:
