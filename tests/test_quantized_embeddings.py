@@ -12,7 +12,7 @@ import qwix
 from flax import nnx
 
 from xlafit.config import LoraConfig
-from xlafit.errors import ConfigError
+from xlafit.errors import ConfigError, HFFormatError
 from xlafit.hf import llama as llama_hf
 from xlafit.hf.llama import config_from_hf
 from xlafit.hf.quantized import from_hf_quantized
@@ -182,6 +182,23 @@ def test_the_merged_export_dequantizes_the_tables_and_generation_runs(tmp_path):
     np.testing.assert_array_equal(np.asarray(back.embed_tokens.embedding[...], np.float32),
                                   np.asarray(table.astype(jnp.bfloat16), np.float32))  # fmt: skip
     assert [len(t) for t in tokens] == [4, 4]
+
+
+def test_an_adapter_records_its_quantized_tables_and_loads_on_the_unquantized_base(tmp_path):
+    """The adapter's base fingerprint is of the base it trained on, tables quantized: it loads
+    on the unquantized model (quantized alike to check it), and not on another."""
+    from safetensors import safe_open
+
+    from xlafit.hf.peft import QUANTIZED_KEY, WEIGHTS, load_peft_adapter, save_peft_adapter
+
+    cfg = config_from_hf({**SIZES, **FAMILIES["gemma3_text"]})
+    model = model_of("gemma3_text", "nf4")
+    save_peft_adapter(model, tmp_path)
+    with safe_open(str(tmp_path / WEIGHTS), "np") as f:
+        assert f.metadata()[QUANTIZED_KEY] == "nf4:64:embeddings"
+    load_peft_adapter(LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)), tmp_path)  # the same base: its fingerprint
+    with pytest.raises(HFFormatError, match="trained on another base model"):
+        load_peft_adapter(LlamaForCausalLM(cfg, rngs=nnx.Rngs(1)), tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -189,7 +189,7 @@ def _fingerprint_as_trained(model: LlamaForCausalLM, quantized: str | None) -> s
     if quantized is None or is_quantized(model):
         return base_fingerprint(model)
     qtype, block, *tables = quantized.split(":")
-    base = nnx.clone(model)
+    base: nnx.Module = nnx.clone(model)
     if tables == ["embeddings"]:
         base = quantize_embeddings(base, qtype, int(block))
     return base_fingerprint(quantize_base(base, qtype, int(block)))

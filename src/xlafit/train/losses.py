@@ -353,6 +353,7 @@ def _blockwise_bwd(
                 dk = dk + jnp.einsum("bch,bcv->hv", h.astype(blocks.dtype), du, preferred_element_type=jnp.float32)
             return dk, dh
 
+        dk: Any
         dk, dh = jax.lax.scan(chunk_step, None if frozen else jnp.zeros(k.shape, jnp.float32), (hs, ys, lse, coef))
         if not frozen:  # the shared columns of the last tile hold 0 here: added, not written over
             seen = jax.lax.dynamic_slice_in_dim(dkernel, start, blocks.tile, axis=1)
@@ -360,6 +361,7 @@ def _blockwise_bwd(
         return (dhs + dh, dkernel), None
 
     init = (jnp.zeros(hs.shape, jnp.float32), None if frozen else jnp.zeros(kernel.shape, jnp.float32))
+    dkernel: Any
     (dhs, dkernel), _ = jax.lax.scan(tile_step, init, jnp.arange(blocks.tiles))
     if frozen:
         return dhs.astype(hs.dtype), jax.tree.map(_zero_cotangent, kernel), None
