@@ -201,6 +201,40 @@ def test_an_adapter_records_its_quantized_tables_and_loads_on_the_unquantized_ba
         load_peft_adapter(LlamaForCausalLM(cfg, rngs=nnx.Rngs(1)), tmp_path)
 
 
+def test_a_run_with_quantized_tables_trains_split_over_fsdp_and_tensor(tmp_path, monkeypatch, strategy8):
+    """The pulse of a run whose tables are quantized inside jit, laid out by their logical
+    axes, the loss in blocks over the quantized output layer: the adapters train."""
+    import xlafit
+
+    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
+    overrides = [
+        f"run.run_dir={tmp_path / 'run'}",
+        "lora.rank=4",
+        "lora.base_dtype=nf4",
+        "lora.quantize_embeddings=true",
+        "lora.targets=q_proj",
+        "mesh.data=2",
+        "mesh.fsdp=2",
+        "mesh.tensor=2",
+        "model.logits_chunk=16",
+        "data.vocab_size=400",
+        "data.seq_len=64",
+        "data.global_batch=8",
+        "trainer.stop_at_step=2",
+        "trainer.eval_every_epochs=100",
+    ]
+    result = xlafit.train_and_evaluate(load_config("llm", overrides))
+    table = result.state.model_state["embed_tokens"]
+    codes = table["qvalue"].get_value()
+    assert codes.dtype == jnp.uint8 and codes.shape[1] == 32  # 64 features, two a byte
+    # vocabulary rows over tensor, features over fsdp, as the bfloat16 table; the scales' blocks replicated
+    assert tuple(codes.sharding.spec) == ("tensor", "fsdp")
+    assert tuple(table["scale"].get_value().sharding.spec) in (("tensor",), ("tensor", None))
+    trained = result.state.params["layers"][0]["self_attn"]["q_proj"]["lora_b"][...]
+    assert float(jnp.abs(trained).max()) > 0
+    assert all(np.isfinite(row["loss"]) for row in result.history)
+
+
 @pytest.mark.parametrize(
     "overrides, error",
     [
