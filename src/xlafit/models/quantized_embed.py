@@ -47,9 +47,12 @@ from xlafit.models.quantized import (
 )
 from xlafit.parallel.sharding import logical_axes
 
-# Rows of one slice that quantize_table hands Qwix at a time: about 2**20 weights (a
-# temporary of 64 MB for NF4's comparison with its 16 levels), whatever the vocabulary.
-_SLICE_WEIGHTS = 2**20
+# Rows of one slice that quantize_table hands Qwix at a time: about 2**18 weights (a
+# temporary of 16 MB for NF4's comparison with its 16 levels), whatever the vocabulary. A
+# quarter of quantize_kernel's slice: with the table quantized too, the quantized model is
+# small beside the slices' temporaries (a 32,000 x 512 table's load peaked 72-88 MB over
+# its level with these slices, 98-160 MB with 2**20-weight ones, for a 27 MB quantized model).
+_SLICE_WEIGHTS = 2**18
 
 
 def _quantize_rows(table: jax.Array, qtype: str, block: int) -> tuple[jax.Array, jax.Array]:
