@@ -19,7 +19,7 @@ from xlafit.hf.quantized import from_hf_quantized
 from xlafit.models.generation import generate
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 from xlafit.models.lora import ADAPTER, BASE, base_fingerprint, merge_lora
-from xlafit.models.quantized_embed import QuantizedEmbed, quantized_tables
+from xlafit.models.quantized_embed import QuantizedEmbed, dequantize_embeddings, quantized_tables
 from xlafit.recipes.registry import load_config
 from xlafit.run import with_lora
 from xlafit.train.losses import blockwise_cross_entropy
@@ -135,6 +135,25 @@ def test_the_loss_in_blocks_over_a_quantized_table_is_the_whole_logits_its_gradi
     np.testing.assert_allclose(float(b), float(a), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(gb), np.asarray(ga), rtol=1e-4, atol=1e-7)
     assert float(jnp.abs(gb).max()) > 0 and not np.any(np.asarray(gk.scale))
+
+
+def test_gemma4s_per_layer_table_is_quantized_too():
+    """Gemma 4's per-layer embeddings (a row of every layer's inputs per token, a second
+    vocabulary-sized table) are a table like the tokens': quantized, looked up by rows; the
+    embeddings and per-layer inputs are those of the same model with its tables dequantized whole."""
+    settings = {**SIZES, "model_type": "gemma4_text", "hidden_size": 64, "head_dim": 16, "global_head_dim": 32,
+                "num_global_key_value_heads": 1, "sliding_window": 4, "intermediate_size": 64,
+                "layer_types": ["sliding_attention", "full_attention"], "vocab_size_per_layer_input": 256,
+                "hidden_size_per_layer_input": 16}  # fmt: skip
+    lora = LoraConfig(rank=4, base_dtype="nf4", base_block=16, quantize_embeddings=True)
+    model = with_lora(LlamaForCausalLM(config_from_hf(settings), rngs=nnx.Rngs(0)), lora, seed=0)
+    assert [p for p, _ in quantized_tables(model)] == [("embed_tokens",), ("embed_tokens_per_layer",)]
+    assert model.embed_tokens_per_layer.qvalue.shape == (256, 16)  # 2 layers x 16 features, two codes a byte
+    ids = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
+    ours = model._embed(ids)
+    whole = dequantize_embeddings(nnx.clone(model), jnp.float32)._embed(ids)
+    for x, y in zip(ours, whole, strict=True):  # (B, T, h) and (B, T, layers, 16)
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-6)
 
 
 def base_bytes(model: nnx.Module) -> int:
