@@ -39,10 +39,12 @@ from xlafit.models.lora import (
     lora_modules,
 )
 from xlafit.models.quantized import is_quantized, quantize_base, quantized_layers
+from xlafit.models.quantized_embed import quantize_embeddings, quantized_tables
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 FINGERPRINT_KEY = "xlafit_base_fingerprint"
-# An adapter trained on a quantized base: "nf4:64" (its type and block); the fingerprint is that base's.
+# An adapter trained on a quantized base: "nf4:64" (its type and block), "nf4:64:embeddings" with
+# its embedding tables quantized too; the fingerprint is that base's.
 QUANTIZED_KEY = "xlafit_base_quantized"
 
 
@@ -161,7 +163,8 @@ def save_peft_adapter(
     metadata = {"format": "pt", FINGERPRINT_KEY: base_fingerprint(model)}
     quantized = [layer for _, layer in quantized_layers(model)]
     if quantized:  # PEFT applies it to the unquantized base; xlafit checks that base quantized alike
-        metadata[QUANTIZED_KEY] = f"{quantized[0].qtype}:{quantized[0].block}"
+        tables = ":embeddings" if quantized_tables(model) else ""
+        metadata[QUANTIZED_KEY] = f"{quantized[0].qtype}:{quantized[0].block}{tables}"
     save_file(tensors, str(out / WEIGHTS), metadata=metadata)
     return out
 
@@ -209,8 +212,11 @@ def _fingerprint_as_trained(model: LlamaForCausalLM, quantized: str | None) -> s
     the model stays as it is) when the adapter trained on a quantized base and ``model`` is not."""
     if quantized is None or is_quantized(model):
         return base_fingerprint(model)
-    qtype, block = quantized.split(":")
-    return base_fingerprint(quantize_base(nnx.clone(model), qtype, int(block)))
+    qtype, block, *tables = quantized.split(":")
+    base: nnx.Module = nnx.clone(model)
+    if tables == ["embeddings"]:
+        base = quantize_embeddings(base, qtype, int(block))
+    return base_fingerprint(quantize_base(base, qtype, int(block)))
 
 
 def _read_config(d: Path) -> dict:
