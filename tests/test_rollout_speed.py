@@ -15,6 +15,7 @@ from xlafit.check.program import ProgramFit, TargetReport
 from xlafit.check.tpu import Steps, no_persistent_cache, rollout_fits
 from xlafit.check.tpu_report import format_report, to_json
 from xlafit.parallel.cluster import start_backends
+from xlafit.parallel.sharding import bytes_per_device
 from xlafit.platform import hardware as tpu
 from xlafit.predict.rates import Kind, rates_for
 
@@ -30,48 +31,57 @@ def rewards(tmp_path_factory):
 
 def generation(rewards, completion):
     """The rollout generation of a one-layer model for ``completion`` tokens, its weights laid
-    out over the 4 cores of a v5e-4 (FSDP), and the program's policy."""
+    out over the 4 cores of a v5e-4 (FSDP): its fit, the program and its steps. Its MLP of 1M
+    features (768 MiB in float32, 192 MiB a core) is more than a core's on-chip memory holds, so
+    that every decode step reads most of it from HBM (a tiny model's weights all stay on chip)."""
     settings = [
         "model.preset=custom", "model.num_layers=1", "model.hidden_size=64", "model.num_heads=4",
-        "model.intermediate_size=128", "model.max_position_embeddings=128", "lora.rank=4", "mesh.data=1",
+        "model.intermediate_size=1048576", "model.max_position_embeddings=128", "lora.rank=4", "mesh.data=1",
         "mesh.fsdp=-1", "model.objective=grpo", "data.demo=grpo", f"model.grpo.rewards={rewards}:exact",
         "model.grpo.num_generations=4", f"model.grpo.max_completion_length={completion}",
         f"data.global_batch={ROWS}",
     ]  # fmt: skip
     start_backends()
-    program, cfg, _ = recipe_program("llm", settings)
+    program, _, _ = recipe_program("llm", settings)
     with no_persistent_cache():
-        (fit,) = rollout_fits(Steps(tpu.parse_target("v5e-4"), program), ROWS)
-    return fit, program, cfg
+        steps = Steps(tpu.parse_target("v5e-4"), program)
+        (fit,) = rollout_fits(steps, ROWS)
+    return fit, program, steps
 
 
 def test_the_decode_loop_is_priced_per_step_beside_the_floor_of_reading_the_weights(rewards):
     """8 and 16 new tokens: the decode loop's 7 and 15 steps (after the prefill's first token)
     each priced, so its FLOPs and bytes grow by 15/7 (and up to the longer cache's share more);
     each step does at least the products of every weight for its core's rows; the floor is the
-    policy's bytes (all of them on every core: FSDP gathers them) over the v5e's HBM bandwidth,
-    once per step."""
-    short, program, cfg = generation(rewards, 8)
+    policy's bytes (each core's shard) over the v5e's HBM bandwidth, once per step."""
+    short, program, steps = generation(rewards, 8)
     long, _, _ = generation(rewards, 16)
     assert (short.decode_steps, long.decode_steps) == (7, 15)
     # The prompts are left-padded to the longest: the cache holds it plus the completion.
     prompt = recipe_program_prompt(program)
-    steps, cache = 15 / 7, (prompt + 16) / (prompt + 8)
+    trips, cache = 15 / 7, (prompt + 16) / (prompt + 8)
     for what in ("decode_flops", "decode_bytes"):
         ratio = getattr(long, what) / getattr(short, what)
-        assert steps * 0.999 <= ratio <= steps * cache * 1.001, (what, ratio)
+        assert trips * 0.999 <= ratio <= trips * cache * 1.001, (what, ratio)
     # Every linear weight (the tied output head included, with the adapters) meets each of the
     # core's rows in each step: 2 FLOPs per weight and row at least.
     params = {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(program.model, nnx.Param))}
     looked_up = [] if program.model.cfg.tie_embeddings else [k for k in params if "embed_tokens" in k]
     linear = sum(math.prod(v.shape) for k, v in params.items() if len(v.shape) == 2 and k not in looked_up)
     assert short.decode_flops >= 7 * 2 * (ROWS // 4) * linear
-    # The floor: every weight's bytes (the model computes in float32: no narrower read), per step.
-    weights = sum(math.prod(v.shape) * np.dtype(v.dtype).itemsize for k, v in params.items() if k not in looked_up)
+    # The floor: every weight's bytes (the model computes in float32: no narrower read), each core
+    # its FSDP shard (the compiler keeps it and reduces the products, or gathers the rest first), per step.
+    placed = nnx.state(nnx.merge(steps.eval_graphdef, steps.state.params, steps.state.model_state), nnx.Param)
+    shards = {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(placed)}
+    weights = bytes_per_device([v for k, v in shards.items() if k not in looked_up])
+    whole = sum(math.prod(v.shape) * np.dtype(v.dtype).itemsize for k, v in params.items() if k not in looked_up)
+    assert whole / 4 <= weights < whole / 2  # the matrices split over the 4 cores, the vectors whole
     hbm = tpu.parse_target("v5e-4").hbm_bandwidth
     assert short.weights == long.weights == weights
-    assert short.floor_s == pytest.approx(7 * weights / hbm, rel=1e-12)
-    assert long.floor_s == pytest.approx(15 * weights / hbm, rel=1e-12)
+    # What the loop keeps in on-chip memory from step to step is not read from HBM each step.
+    for fit, n in ((short, 7), (long, 15)):
+        assert 0 <= fit.on_chip < weights / 2  # most of the MLP stays in HBM: the floor is most of it
+        assert fit.floor_s == pytest.approx(n * max(0, weights - fit.on_chip) / hbm, rel=1e-12)
     for fit in (short, long):
         assert fit.predicted and fit.floor_s < fit.decode_s < fit.run_s
         assert fit.decode_flops <= fit.flops

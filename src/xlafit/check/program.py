@@ -160,13 +160,15 @@ class ProgramFit:
     bytes: float | None = None  # per core, XLA's bytes accessed (a loop's body counted once)
     # A generation's decode loop: its trips (the steps after the prefill's first token; each runs
     # whether or not its rows have stopped), their time, FLOPs and HBM bytes per core as the step
-    # model counts them, and the floor: every step reads the policy's weights (``weights``: bytes
-    # per core with the FSDP shards gathered) from HBM at the target's bandwidth.
+    # model counts them, and the floor: every step reads the policy's weights (``weights``: the
+    # bytes of each core's shard) from HBM at the target's bandwidth, but for what the compiler
+    # keeps in on-chip memory from trip to trip (``on_chip``: bytes of the loop's state).
     decode_steps: int | None = None
     decode_s: float | None = None
     decode_flops: float | None = None
     decode_bytes: float | None = None
     weights: int | None = None
+    on_chip: int | None = None
     floor_s: float | None = None
 
 

@@ -9,8 +9,10 @@ token, ``max_completion_length - 1`` steps of one token per row) is a ``while`` 
 compiled program; the step model counts its body once per trip (the trip count read from the
 loop's condition). Every trip runs, whether or not its rows have stopped: the loop keeps its
 fixed number of steps. Beside its prediction stands its floor: each step reads every weight
-of the policy from HBM (:func:`weights_per_core`), ``steps x weights / HBM bandwidth``; no
-decode loop on that chip runs faster.
+of the policy, each core its own shard (:func:`weights_per_core`), from HBM, but for what the
+compiler keeps in on-chip memory from one step to the next (the loop's state laid out there:
+all of a tiny model's weights may be): ``steps x weights / HBM bandwidth``. No decode loop on
+that chip runs faster.
 """
 
 from __future__ import annotations
@@ -25,25 +27,25 @@ from flax import nnx
 from xlafit.check.program import Program, ProgramFit
 from xlafit.check.speed import OUTSIDE_BAND, outside_band, program_kind
 from xlafit.platform import hardware as tpu
-from xlafit.predict.hlo import kernel_flops, loop_flops
+from xlafit.predict.hlo import array_bytes, kernel_flops, loop_flops
 from xlafit.predict.model import predict
-from xlafit.predict.ops import loop_kernels
+from xlafit.predict.ops import hbm_bytes, loop_kernels, loop_state
 from xlafit.predict.rates import rates_for
 
 # Lookup tables that a decode step reads one row of (an input embedding not tied to the output
 # head; Gemma 4's per-layer embeddings), by their attribute in the llm recipe's models.
 _LOOKUPS = ("embed_tokens_per_layer", "embed_tokens")
-_GATHERED = ("data", "fsdp")  # the mesh axes whose shards a step gathers before it computes
 
 
 def weights_per_core(model: nnx.Module) -> int:
-    """The bytes of the policy's weights that one core reads from HBM for one step of the model
-    over one token per row: each ``nnx.Param`` (a LoRA run's frozen base and adapters, a
-    quantized base as stored) with its FSDP (and data) shards gathered, its tensor and expert
-    shards not (each core computes its own); a float wider than the model's compute dtype
-    counted at the compute dtype's size (a cast the compiler may hoist out of the loop), so the
-    count stays a floor. An input embedding is looked up a row at a time and left out, unless it
-    is also the output head (tied)."""
+    """The bytes of the policy's weights that each core holds and must read for one step of the
+    model over one token per row: each ``nnx.Param`` (a LoRA run's frozen base and adapters, a
+    quantized base as stored), its shard on the core (FSDP, tensor and expert shards alike). A
+    core may read more: the compiler may gather a weight's other shards first; for a decode step
+    it often keeps each core's shard and reduces the products instead. A float wider than the
+    model's compute dtype counts at the compute dtype's size (a cast the compiler may hoist out
+    of the loop), so the count stays a floor. An input embedding is looked up a row at a time
+    and left out, unless it is also the output head (tied)."""
     cfg = getattr(model, "cfg", None)
     compute = np.dtype(cfg.compute_dtype).itemsize if cfg is not None else None
     tied = bool(getattr(cfg, "tie_embeddings", False))
@@ -57,15 +59,7 @@ def weights_per_core(model: nnx.Module) -> int:
         if compute and jax.dtypes.issubdtype(x.dtype, np.floating):
             itemsize = min(itemsize, compute)
         sharding = getattr(x, "sharding", None)
-        shard = sharding.shard_shape(x.shape) if sharding is not None else x.shape
-        gathered = 1
-        spec = getattr(sharding, "spec", None)
-        if spec is not None:
-            sizes = dict(sharding.mesh.shape)
-            for entry in spec:
-                for axis in (entry,) if isinstance(entry, str) else entry or ():
-                    gathered *= sizes[axis] if axis in _GATHERED else 1
-        total += int(np.prod(shard)) * gathered * itemsize
+        total += int(np.prod(sharding.shard_shape(x.shape) if sharding is not None else x.shape)) * itemsize
     return total
 
 
@@ -114,5 +108,8 @@ def price(
         fit.decode_s = predict(loop, rates, target.ici_bandwidth, devices).seconds
     else:
         fit.decode_s = max(fit.decode_flops / target.peak_flops, fit.decode_bytes / target.hbm_bandwidth)
-    fit.weights = weights
-    fit.floor_s = weights / target.hbm_bandwidth * decode_steps
+    # What the loop carries in on-chip memory (a small model's weights may all stay there) is
+    # not read from HBM each step: the floor counts the rest of the weights.
+    carried = loop_state(hlo, decode_steps) or ""
+    fit.weights, fit.on_chip = weights, array_bytes(carried) - hbm_bytes(carried)
+    fit.floor_s = max(0, weights - fit.on_chip) / target.hbm_bandwidth * decode_steps

@@ -252,9 +252,11 @@ def _rollout_speed_lines(r: TargetReport) -> list[str]:
                 f"      its decode loop: {p.decode_steps} steps (each runs, its rows stopped or not), "
                 f"{seconds(p.decode_s)}: {p.decode_flops or 0:.3g} FLOPs, {p.decode_bytes or 0:.3g} HBM bytes per core"
             )
+            kept = f", less the {gib(p.on_chip)} the loop keeps in on-chip memory," if p.on_chip else ""
             lines.append(
                 f"      the loop's floor: {seconds(p.floor_s)}, {p.decode_steps} steps each reading the policy's "
-                f"{gib(p.weights or 0)} of weights per core (FSDP shards gathered) at {t.hbm_bandwidth / 1e9:.0f} GB/s"
+                f"{gib(p.weights or 0)} of weights per core (each core's shard){kept} from HBM at "
+                f"{t.hbm_bandwidth / 1e9:.0f} GB/s"
             )
             if p.decode_s < p.floor_s:
                 lines.append("      below the floor: the prediction is too fast for this loop; the floor bounds it")

@@ -79,7 +79,7 @@ from xlafit.predict.kernel import (
     hbm_bytes,
 )
 
-__all__ = ["KINDS", "VECTOR_COST", "Kernel", "hbm_bytes", "kernels", "loop_kernels"]
+__all__ = ["KINDS", "VECTOR_COST", "Kernel", "hbm_bytes", "kernels", "loop_kernels", "loop_state"]
 
 
 def _parse(hlo: str) -> tuple[dict[str, _Computation], str]:
@@ -149,7 +149,22 @@ def loop_kernels(hlo: str, trips: int) -> list[Kernel] | None:
         True
     """
     computations, _ = _parse(hlo)
-    bodies = []
+    found = _loop(computations, hlo, trips)
+    return None if found is None else list(_merged(_visit(computations, found[0], trips, False)).values())
+
+
+def loop_state(hlo: str, trips: int) -> str | None:
+    """The shape of what the loop of :func:`loop_kernels` carries from one trip to the next
+    (every array live across its trips, with its layout: ``S(1)`` where the compiler keeps it
+    in on-chip memory), or None where no loop matches."""
+    found = _loop(_parse(hlo)[0], hlo, trips)
+    return None if found is None else found[1]
+
+
+def _loop(computations: dict[str, _Computation], hlo: str, trips: int) -> tuple[str, str] | None:
+    """The body and the shape of the loop that one run enters once and that runs ``trips`` times
+    (of several, the one with the longest body)."""
+    loops = []
     for found, times, _, _ in walk(hlo):
         if found.group("op") != "while" or times != 1:
             continue
@@ -159,11 +174,8 @@ def loop_kernels(hlo: str, trips: int) -> list[Kernel] | None:
             continue
         lines = computations[body.group(1)].lines
         if condition.group(1) in computations and _trip_count(computations[condition.group(1)].lines, lines) == trips:
-            bodies.append(body.group(1))
-    if not bodies:
-        return None
-    longest = max(bodies, key=lambda name: len(computations[name].lines))
-    return list(_merged(_visit(computations, longest, trips, False)).values())
+            loops.append((body.group(1), found.group("shape")))
+    return max(loops, key=lambda loop: len(computations[loop[0]].lines)) if loops else None
 
 
 def _merged(visited: Iterator[Kernel]) -> dict[str, Kernel]:
