@@ -422,8 +422,8 @@ def train_report(report: TargetReport, steps: Steps, target: tpu.Target) -> None
 def rollout_fits(steps: Steps, rows: int) -> list[ProgramFit]:
     """The programs a run compiles beside its steps (:attr:`Program.rollout`), each compiled at
     the run's ``rows`` on the steps' state, as the run lays it out."""
-    assert steps.program.rollout is not None
     program, target = steps.program, steps.target
+    assert program.rollout is not None
     name = target.name if target else "this host"
     model = nnx.merge(steps.eval_graphdef, steps.state.params, steps.state.model_state)
     weights = weights_per_core(model)
