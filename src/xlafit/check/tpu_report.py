@@ -241,7 +241,8 @@ def _rollout_speed_lines(r: TargetReport) -> list[str]:
     if not priced:
         return []
     t = tpu.parse_target(r.target)
-    lines = [f"  rollout (predicted, not measured), one generation batch of {priced[0].rows} rows:"]
+    how = "predicted, not measured" if any(p.predicted for p in priced) else "roofline estimate"
+    lines = [f"  rollout ({how}), one generation batch of {priced[0].rows} rows:"]
     for p in priced:
         band = f" ±{p.band_median:.0%}" if p.band_median is not None else " (not validated)" if p.predicted else ""
         lines.append(f"    {p.name}: {seconds(p.run_s or 0)}{band if p.predicted else ' (roofline estimate)'}")
