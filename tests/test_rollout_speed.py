@@ -84,6 +84,7 @@ def test_the_decode_loop_is_priced_per_step_beside_the_floor_of_reading_the_weig
         assert fit.floor_s == pytest.approx(n * max(0, weights - fit.on_chip) / hbm, rel=1e-12)
     for fit in (short, long):
         assert fit.predicted and fit.floor_s < fit.decode_s < fit.run_s
+        assert 0 <= fit.decode_collective_s < fit.decode_s
         assert fit.decode_flops <= fit.flops
         assert fit.band_median is None and fit.band  # a run this short has no band, and says why
     assert jax.devices()[0].platform == "cpu"  # compiled for the TPU here, run nowhere

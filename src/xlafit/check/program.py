@@ -165,6 +165,7 @@ class ProgramFit:
     # keeps in on-chip memory from trip to trip (``on_chip``: bytes of the loop's state).
     decode_steps: int | None = None
     decode_s: float | None = None
+    decode_collective_s: float | None = None  # of decode_s, the collectives no kernel hides
     decode_flops: float | None = None
     decode_bytes: float | None = None
     weights: int | None = None

@@ -105,7 +105,8 @@ def price(
     fit.decode_flops = sum(k.flops * k.count for k in loop)
     fit.decode_bytes = sum(k.bytes * k.count for k in loop)
     if rates is not None:
-        fit.decode_s = predict(loop, rates, target.ici_bandwidth, devices).seconds
+        loop_time = predict(loop, rates, target.ici_bandwidth, devices)
+        fit.decode_s, fit.decode_collective_s = loop_time.seconds, loop_time.exposed_collective_s
     else:
         fit.decode_s = max(fit.decode_flops / target.peak_flops, fit.decode_bytes / target.hbm_bandwidth)
     # What the loop carries in on-chip memory (a small model's weights may all stay there) is

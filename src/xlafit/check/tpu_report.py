@@ -249,9 +249,11 @@ def _rollout_speed_lines(r: TargetReport) -> list[str]:
         if p.band:
             lines.append(f"      {p.band}" if p.band_median is None else f"      the step model's error: {p.band}")
         if p.decode_steps and p.decode_s is not None and p.floor_s is not None:
+            links = f"; {seconds(p.decode_collective_s)} of it collectives" if p.decode_collective_s else ""
             lines.append(
                 f"      its decode loop: {p.decode_steps} steps (each runs, its rows stopped or not), "
-                f"{seconds(p.decode_s)}: {p.decode_flops or 0:.3g} FLOPs, {p.decode_bytes or 0:.3g} HBM bytes per core"
+                f"{seconds(p.decode_s)}: {p.decode_flops or 0:.3g} FLOPs, {p.decode_bytes or 0:.3g} HBM bytes per "
+                f"core{links}"
             )
             kept = f", less the {gib(p.on_chip)} the loop keeps in on-chip memory," if p.on_chip else ""
             lines.append(
