@@ -56,6 +56,7 @@ from xlafit.errors import ConfigError, XlafitError
 from xlafit.parallel.mesh import Strategy, make_mesh
 from xlafit.parallel.sharding import bytes_per_device
 from xlafit.platform import hardware as tpu
+from xlafit.platform.cpu import release_freed_memory
 from xlafit.train.step import abstract_state, make_steps, state_shardings
 
 # How far --max-batch searches unless told: a per-core batch beyond it is rarely the question.
@@ -199,6 +200,8 @@ def _compile(
             first = next((line for line in text.splitlines() if "memory" in line.lower()), text.splitlines()[0])
             raise OutOfMemory(first.strip()) from None
         raise
+    finally:  # the compiler's freed buffers back to the system: the next compile starts lean
+        release_freed_memory()
     return compiled, time.perf_counter() - t0
 
 
