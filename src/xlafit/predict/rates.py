@@ -74,7 +74,9 @@ class Validated:
         devices: the JAX devices the step ran on.
         step_s: the measured step.
         training: ``full`` or ``lora``.
-        program: what was timed: a ``train step`` (a rollout's generation is another program).
+
+    Every step a band records is a train step: a program a run compiles beside it (a rollout's
+    generation) is never like them.
     """
 
     id: str
@@ -83,7 +85,6 @@ class Validated:
     devices: int
     step_s: float
     training: str = "full"
-    program: str = "train step"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,8 +168,8 @@ class Band:
         if not p:
             return []
         out = []
-        if kind.program not in {v.program for v in p}:
-            out.append(f"the {kind.program}, not a train step" if kind.program != "train step" else "a train step")
+        if kind.program != "train step":  # the population's are all train steps (Validated)
+            out.append(f"the {kind.program}, not a train step")
         if kind.family not in {v.family for v in p}:
             out.append(f"a {kind.family} model" if kind.family else "a model of your own")
         if kind.training not in {v.training for v in p}:
