@@ -182,7 +182,9 @@ def _rollout_lines(o: Outcome) -> list[str]:
         head = f"  {r.name} ({r.rows} rows over all cores)"
         if r.fits:
             used = f": the compiler's peak {gib(r.peak or r.total)} of {gib(o.capacity)} per core" if r.total else ""
-            lines.append(f"{head}: fits{used}")
+            kind = "roofline estimate" if not r.predicted else "predicted" + (", not validated" * (r.band_median is None))
+            took = f"; {r.run_s * 1e3:.3g} ms a run ({kind})"
+            lines.append(f"{head}: fits{used}{took if r.run_s else ''}")
         else:
             needs = f", needs {gib(r.needed)} of {gib(o.capacity)} per core" if r.needed else ""
             lines.append(f"{head}: does not fit{needs}")
@@ -207,7 +209,8 @@ def _prediction_lines(plan: Plan) -> list[str]:
     if plan.rollout:
         lines.append(
             "  The step is the train step's alone: the rollout that makes its rows (generating the completions, "
-            "their log-probabilities) runs before it and is in none of these times, throughputs or costs."
+            "their log-probabilities) runs before it and is in none of these times, throughputs or costs (the "
+            "answer's rollout programs say theirs)."
         )
     return lines
 
