@@ -182,9 +182,10 @@ def _rollout_lines(o: Outcome) -> list[str]:
         head = f"  {r.name} ({r.rows} rows over all cores)"
         if r.fits:
             used = f": the compiler's peak {gib(r.peak or r.total)} of {gib(o.capacity)} per core" if r.total else ""
-            kind = "roofline estimate" if not r.predicted else "predicted" + (", not validated" * (r.band_median is None))
-            took = f"; {r.run_s * 1e3:.3g} ms a run ({kind})"
-            lines.append(f"{head}: fits{used}{took if r.run_s else ''}")
+            unvalidated = ", not validated" if r.band_median is None else ""
+            kind = f"predicted{unvalidated}" if r.predicted else "roofline estimate"
+            took = f"; {r.run_s * 1e3:.3g} ms a run ({kind})" if r.run_s else ""
+            lines.append(f"{head}: fits{used}{took}")
         else:
             needs = f", needs {gib(r.needed)} of {gib(o.capacity)} per core" if r.needed else ""
             lines.append(f"{head}: does not fit{needs}")
