@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 IDS = np.random.default_rng(0).integers(0, 97, (2, 12)).tolist()
 
 
-def test_a_multimodal_checkpoint_gives_its_text_model_with_transformers_logits(tmp_path):
+def multimodal_gemma3(folder):
+    """A tiny Gemma3ForConditionalGeneration with random weights, saved in ``folder``."""
     text = transformers.Gemma3TextConfig(
         vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
@@ -37,7 +38,12 @@ def test_a_multimodal_checkpoint_gives_its_text_model_with_transformers_logits(t
         for name, p in theirs.state_dict().items():
             if "inv_freq" not in name:
                 p.add_(torch.randn_like(p) * 0.1)
-    theirs.save_pretrained(tmp_path, safe_serialization=True)
+    theirs.save_pretrained(folder, safe_serialization=True)
+    return theirs
+
+
+def test_a_multimodal_checkpoint_gives_its_text_model_with_transformers_logits(tmp_path):
+    theirs = multimodal_gemma3(tmp_path)
     with torch.no_grad():
         want = theirs(input_ids=torch.tensor(IDS)).logits.numpy()
     ours = llama_hf.from_hf(tmp_path)
@@ -59,3 +65,38 @@ def test_a_released_text_config_reads_as_transformers_completes_it():
     assert (mine.vocab_size, mine.rope_theta, mine.rope_local_theta, mine.kinds[5]) == (
         262208, 1_000_000.0, 10_000.0, "full_attention"
     )  # fmt: skip
+
+
+# peft reads transformers 5's deprecated is_gradient_checkpointing (not our code)
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_an_adapter_of_a_multimodal_base_applies_to_it_in_peft_and_loads_back(tmp_path):
+    """The adapter of a model read from a multimodal checkpoint names the modules transformers
+    gives its text model there (``model.language_model.``), and targets those alone: with the
+    text model's names, PEFT adapted the vision tower's layers of the same names and loaded
+    none of the tensors, with a warning and the base model's logits."""
+    peft = pytest.importorskip("peft")
+    from xlafit.hf.peft import load_peft_adapter, save_peft_adapter
+    from xlafit.models.lora import apply_lora, lora_modules, merge_lora
+
+    multimodal_gemma3(tmp_path / "base")
+    assert llama_hf.is_multimodal(tmp_path / "base")
+    ours = apply_lora(
+        llama_hf.from_hf(tmp_path / "base"), ["q_proj", "v_proj", "down_proj"], rank=4, alpha=8, rngs=nnx.Rngs(0)
+    )
+    rng = np.random.default_rng(1)
+    for _, layer in lora_modules(ours):  # trained adapters: B is zero at initialisation
+        layer.lora_b[...] = rng.normal(size=layer.lora_b[...].shape).astype(np.float32) * 0.1
+    save_peft_adapter(ours, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "base"), multimodal=True)
+    want = np.asarray(nnx.jit(lambda m, ids: m(ids))(merge_lora(ours), jnp.array(IDS)))
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="eager")
+    assert type(base).__name__ == "Gemma3ForConditionalGeneration"
+    tuned = peft.PeftModel.from_pretrained(base.float().eval(), tmp_path / "adapter")
+    adapted = {name for name, _ in tuned.named_modules() if name.endswith("lora_A")}
+    assert adapted and all(".language_model." in name for name in adapted)  # not the vision tower's
+    with torch.no_grad():
+        got = tuned(input_ids=torch.tensor(IDS)).logits.numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+    back = load_peft_adapter(llama_hf.from_hf(tmp_path / "base"), tmp_path / "adapter")
+    np.testing.assert_allclose(np.asarray(nnx.jit(lambda m, ids: m(ids))(merge_lora(back), jnp.array(IDS))), want)

@@ -103,3 +103,40 @@ def test_inline_dispatch_returns_each_call_done():
 
     assert load_config("resnet").cpu.async_dispatch is False
     assert load_config("mnist").cpu.async_dispatch is True
+
+
+# 200 MB of 4 KiB blocks in glibc's heap (each under its mmap threshold), freed below a block
+# still in use, so that free() alone cannot shrink the heap; prints whether the release ran and
+# the resident memory before and after it.
+TRIM = textwrap.dedent(
+    """
+    import sys
+    from xlafit.platform.cpu import keep_freed_memory, release_freed_memory
+    def rss():
+        return int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS")).split()[1]) * 1024
+    if sys.argv[1] == "keep":
+        keep_freed_memory()
+    blocks = [bytes(4096) for _ in range(50_000)]
+    fence = bytes(4096)
+    del blocks
+    held = rss()
+    print(release_freed_memory(), held, rss())
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_freed_memory_goes_back_to_the_system_unless_the_process_keeps_it():
+    """What a TPU compile frees is handed back before the next one (``check --tpu``), unless
+    the process keeps freed memory for reuse (``cpu.keep_memory``)."""
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+
+    def run(mode):
+        out = subprocess.run([sys.executable, "-c", TRIM, mode], capture_output=True, text=True, env=env, check=True)
+        ran, held, after = out.stdout.split()
+        return ran == "True", int(held), int(after)
+
+    ran, held, after = run("trim")
+    assert ran and held - after > 150 * 2**20, (held, after)
+    ran, held, after = run("keep")
+    assert not ran and held - after < 10 * 2**20, (held, after)

@@ -553,3 +553,36 @@ def test_plan_of_a_keras_model_file():
     assert plan.winner.prediction.examples_per_s > 0
     assert plan.skipped and all("split over" in why or "data-parallel only" in why for _, _, why in plan.skipped)
     assert "Fastest: v5e-4, DP 4" in format_plan(plan)
+
+
+def test_ctrl_c_stops_the_plan_and_reports_what_had_compiled(tmp_path):
+    """Ctrl-C during a plan: no compile starts after it, the ones in flight are abandoned, and
+    the report of what had finished is printed (exit 130), not lost with a traceback."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import user_env
+
+    cmd = [sys.executable, "-m", "xlafit", "plan", "mnist", "--tpu", "v4-8", "--write", str(tmp_path / "p.yaml")]
+    cmd += ["trainer.steps_per_call=1", "data.global_batch=32", "data.eval_global_batch=64"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=user_env())
+    assert proc.stderr is not None
+    verdicts = 0
+    for line in proc.stderr:  # a verdict, then the next compile under way: stop there
+        verdicts += "per core: fits" in line or "per core: does not fit" in line
+        if verdicts == 1:
+            break
+    proc.send_signal(signal.SIGINT)
+    stopped = time.monotonic()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert time.monotonic() - stopped < 30  # not the rest of the search's six layouts
+    assert "Traceback" not in err
+    lines = out.splitlines()
+    assert lines[1].startswith("stopped by Ctrl-C after ") and "the search of v4-8 was cut short" in lines[1]
+    rows = [line for line in lines if line.startswith(("1 ", "1* "))]
+    assert rows, out  # the compile that had finished, ranked
+    assert "eval step: not compiled (the plan was stopped)" in out
+    assert "(the best of a search stopped before it ended)" in err and (tmp_path / "p.yaml").exists()

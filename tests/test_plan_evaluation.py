@@ -15,10 +15,10 @@ import pytest
 import yaml
 
 from helpers import SMALL_LLM
-from xlafit.check.program import EvalFit, Probe
+from xlafit.check.program import EvalFit, Probe, ProgramFit
 from xlafit.plan import format_plan, plan_json, plan_recipe
 from xlafit.plan.candidates import Candidate
-from xlafit.plan.evaluation import EVAL_CHECKS, check_answer_eval
+from xlafit.plan.evaluation import EVAL_CHECKS, check_answer_eval, check_answer_rollout
 from xlafit.plan.outcome import Outcome, Prediction
 from xlafit.plan.result import Plan
 from xlafit.platform.hardware import Target, parse_target
@@ -125,3 +125,30 @@ def test_an_answer_whose_eval_step_fits_at_no_batch_gives_way_and_the_plan_compi
     )
     assert "(2 compiles of train steps; 5 of eval steps, for v5e-8 DP 8 (-) and the answer)." in text
     assert "data.eval_global_batch" not in plan2.command_line(second2)  # the run's own stands
+
+
+def test_an_answer_whose_rollout_does_not_fit_gives_way_to_the_runner_up():
+    """GRPO: the answer's rollout programs are compiled after the search; one that does not
+    fit rules the answer out, and the runner-up's are compiled (two candidates at most). The
+    compiles are stood in for, as above."""
+    v5e = parse_target("v5e-8")
+    fast, second, third = (
+        _outcome(v5e, m, s) for m, s in (((8, 1, 1), 3000.0), ((4, 2, 1), 2000.0), ((2, 4, 1), 1000.0))
+    )
+    plan = Plan("llm", "xlafit plan llm", [v5e], [third, second, fast], [], None, [], {}, rollout=True)
+    compiled: list[Candidate] = []
+
+    def generation_over(target: Target, o: Outcome) -> None:  # data parallelism's cache does not fit
+        compiled.append(o.candidate)
+        fits = o.candidate.mesh[0] < 8
+        o.rollout = [ProgramFit("rollout generation", 64, fits, total=2**30, needed=None if fits else 20 * 2**30)]
+
+    check_answer_rollout(plan, generation_over)
+    assert compiled == [fast.candidate, second.candidate] and fast.run_fits is False
+    assert plan.winner is second and third.rollout is None
+    text = format_plan(plan)
+    assert (
+        "Why not v5e-8 DP 8 (-): its rollout generation does not fit at the run's 64 rows (rollout generation "
+        "needs 20.00 GiB of 16.00 GiB per core)" in text
+    )
+    assert "  rollout generation (64 rows over all cores): fits: the compiler's peak 1.00 GiB of 16.00 GiB" in text

@@ -1,16 +1,15 @@
 """`xlafit check --tpu` and `xlafit plan` for the llm recipe's post-training objectives, with the
 real TPU compiler (libtpu) on this CPU: DPO compiles the pair step with its reference (the base
 with the LoRA adapters off, no second copy), GRPO its train step on the rollout's rows and the
-rollout's own programs beside it; plan refuses GRPO in one line."""
+rollout's own programs beside it; plan compiles the answer's rollout programs too."""
 
 import pytest
 
 from xlafit.check import check_recipe, recipe_program
 from xlafit.check.tpu import Steps, memory_of, no_persistent_cache
 from xlafit.check.tpu_report import format_report, to_json
-from xlafit.errors import ConfigError
 from xlafit.parallel.cluster import start_backends
-from xlafit.plan import plan_recipe
+from xlafit.plan import format_plan, plan_json, plan_recipe
 from xlafit.platform import hardware as tpu
 from xlafit.recipes import get_recipe, load_config
 
@@ -85,8 +84,17 @@ def test_a_grpo_run_compiles_its_train_step_on_the_rollouts_rows_and_its_rollout
     assert [p["name"] for p in to_json(r)["rollout"]] == [p.name for p in r.rollout]
 
 
-def test_plan_refuses_a_grpo_run_and_names_check(rewards):
-    with pytest.raises(ConfigError) as e:
-        plan_recipe("llm", grpo(rewards), tpu="v5e-1")
-    assert "\n" not in str(e.value)
-    assert "xlafit check llm --tpu TARGET" in str(e.value)
+def test_plan_compiles_the_answers_rollout_programs_and_says_its_steps_leave_them_out(rewards):
+    """A GRPO plan on one v4 chip: the layout's train step ranked, then the answer's rollout
+    programs compiled on its layout (the run fits only if they do); the report names them and
+    says the predicted times are the train step's alone."""
+    plan = plan_recipe("llm", grpo(rewards, "model.grpo.num_iterations=2"), tpu="v4-2")
+    winner = plan.winner
+    assert winner is not None and winner.rollout is not None
+    assert [r.name for r in winner.rollout] == ["rollout generation", "rollout log-probabilities"]
+    assert all(r.fits and r.rows == 16 for r in winner.rollout) and winner.run_fits
+    text = format_plan(plan)
+    assert "  rollout generation (16 rows over all cores): fits: the compiler's peak " in text
+    assert "The step is the train step's alone: the rollout that makes its rows" in text
+    assert "2 of rollout programs, for the answer" in text
+    assert [r["name"] for r in plan_json(plan)["winner"]["rollout"]] == [r.name for r in winner.rollout]

@@ -334,6 +334,9 @@ class LoraConfig:
     # layer and the norms in bfloat16), nf4 and int4 a quarter of bfloat16's memory
     base_dtype: Literal["float32", "bfloat16", "nf4", "int4", "int8"] = "float32"
     base_block: int = 64  # nf4/int4/int8: weights per quantization scale, along each layer's input features
+    # with a quantized base_dtype: the token embeddings (and an untied output layer) quantized
+    # too, in the same type and blocks (along each token's features); false keeps them bfloat16
+    quantize_embeddings: bool = False
 
     def __post_init__(self) -> None:
         _check_section(self, "lora", (), ("rank",))
@@ -352,6 +355,16 @@ class LoraConfig:
             )
         if self.base_block < 1:
             raise ConfigError(f"lora.base_block={self.base_block} must be positive (64: bitsandbytes' NF4 blocks).")
+        if self.quantize_embeddings and not self.quantized:
+            raise ConfigError(
+                f"lora.quantize_embeddings=true quantizes the embeddings of a quantized base, and lora.base_dtype is "
+                f"{self.base_dtype}: add lora.base_dtype=nf4 (or int4, int8), or drop lora.quantize_embeddings."
+            )
+        if self.quantize_embeddings and "lm_head" in self.target_names:
+            raise ConfigError(
+                "lora.quantize_embeddings=true quantizes the output layer, and lora.targets adapts lm_head: drop "
+                "lm_head from lora.targets, or drop lora.quantize_embeddings to keep it in bfloat16."
+            )
 
     @property
     def quantized(self) -> bool:

@@ -322,7 +322,9 @@ def export_llm(
         base_path = cfg.model.init_from_hf or str((out / "base").absolute())
         if not hub.is_hub_id(base_path):  # a hub id stays one: PEFT reads it from the hub's cache
             base_path = str(Path(base_path).expanduser().absolute())
-        save_peft_adapter(model, out / "adapter", base_model_name_or_path=base_path)
+        folder = model_dir(cfg)  # the base as the run read it (a hub id: its snapshot in the cache)
+        multimodal = folder is not None and llama_hf.is_multimodal(folder)
+        save_peft_adapter(model, out / "adapter", base_model_name_or_path=base_path, multimodal=multimodal)
         model = typing.cast(LlamaForCausalLM, merge_lora(model))
         if cfg.lora.quantized:
             print(

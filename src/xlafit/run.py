@@ -47,6 +47,7 @@ from xlafit.io.paths import (
 )
 from xlafit.models.lora import ADAPTER, BASE, apply_lora
 from xlafit.models.quantized import quantize_base
+from xlafit.models.quantized_embed import quantize_embeddings
 from xlafit.overrides import migrate
 from xlafit.parallel.cluster import connect
 from xlafit.parallel.mesh import Strategy
@@ -202,12 +203,15 @@ def model_builder(recipe: Recipe, cfg: Config, train: Any) -> Callable[[], nnx.M
 def with_lora(model: nnx.Module, lora: LoraConfig, seed: int) -> nnx.Module:
     """``model`` with the adapters ``lora`` asks for (none at rank 0), its base weights cast
     to ``lora.base_dtype`` (``nf4``, ``int4``, ``int8``: its dense layers and experts quantized, where a
-    reader of Hugging Face files has not done it already, the rest in bfloat16); the
+    reader of Hugging Face files has not done it already, its embedding tables too with
+    ``lora.quantize_embeddings``, the rest in bfloat16); the
     adapters' ``A`` drawn from ``seed``."""
     if not lora.rank:
         return model
     model = apply_lora(model, lora.target_names, rank=lora.rank, alpha=lora.alpha, rngs=nnx.Rngs(seed + 2))
     if lora.quantized:
+        if lora.quantize_embeddings:  # before quantize_base casts the tables to bfloat16
+            model = quantize_embeddings(model, lora.base_dtype, lora.base_block)
         return quantize_base(model, lora.base_dtype, lora.base_block)
     if lora.base_dtype != "float32":
         dtype = jnp.dtype(lora.base_dtype)

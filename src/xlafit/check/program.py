@@ -98,6 +98,8 @@ class Program:
     # generation, the log-probabilities): ``rollout(model, rows)`` -> [(name, traced)] for the
     # model as the steps' abstract state lays it out and the global batch's rows.
     rollout: Callable[[nnx.Module, int], list[tuple[str, Any]]] | None = None
+    # Which of them generates, and its decode loop's trips (the tokens after the prefill's first).
+    decode_loop: tuple[str, int] | None = None
 
 
 @dataclasses.dataclass
@@ -148,6 +150,27 @@ class ProgramFit:
     needed: int | None = None
     message: str | None = None
     compile_s: float = 0.0
+    # Its time (xlafit.check.rollout_speed): one run, the step model's where the target has rates
+    # (``predicted``; else the roofline estimate), with its band or why there is none.
+    run_s: float | None = None
+    predicted: bool = False
+    band: str | None = None
+    band_median: float | None = None
+    flops: float | None = None  # per core, one run: XLA's count with the products of its loops
+    bytes: float | None = None  # per core, XLA's bytes accessed (a loop's body counted once)
+    # A generation's decode loop: its trips (the steps after the prefill's first token; each runs
+    # whether or not its rows have stopped), their time, FLOPs and HBM bytes per core as the step
+    # model counts them, and the floor: every step reads the policy's weights (``weights``: the
+    # bytes of each core's shard) from HBM at the target's bandwidth, but for what the compiler
+    # keeps in on-chip memory from trip to trip (``on_chip``: bytes of the loop's state).
+    decode_steps: int | None = None
+    decode_s: float | None = None
+    decode_collective_s: float | None = None  # of decode_s, the collectives no kernel hides
+    decode_flops: float | None = None
+    decode_bytes: float | None = None
+    weights: int | None = None
+    on_chip: int | None = None
+    floor_s: float | None = None
 
 
 def not_fitting(train_fits: bool | None, evaluation: EvalFit | None, others: Sequence[ProgramFit] = ()) -> list[str]:
@@ -259,6 +282,25 @@ class TargetReport:
     def unfit(self) -> list[str]:
         """The programs that do not fit, by name (``train step``, ``eval step``, a rollout's)."""
         return not_fitting(self.train_fits, self.eval, self.rollout)
+
+    @property
+    def rollout_s(self) -> float | None:
+        """One generation batch's rollout (its programs' times added); None where one is not priced."""
+        times = [p.run_s for p in self.rollout]
+        return sum(t for t in times if t is not None) if times and None not in times else None
+
+    @property
+    def grpo_step_s(self) -> float | None:
+        """One generation batch of a run with a rollout: the rollout, then its train steps
+        (``steps_per_call``: GRPO's ``num_iterations``)."""
+        rollout = self.rollout_s
+        return rollout + self.steps_per_call * self.step_s if rollout is not None and self.step_s else None
+
+    @property
+    def rollout_share(self) -> float | None:
+        """The rollout's share of :attr:`grpo_step_s`."""
+        whole, rollout = self.grpo_step_s, self.rollout_s
+        return rollout / whole if whole and rollout is not None else None
 
     @property
     def flops_per_call(self) -> float | None:

@@ -94,6 +94,7 @@ def recipe_program(
             0
         ],
         rollout=rollout.programs if rollout is not None else None,
+        decode_loop=rollout.decode_loop if rollout is not None else None,
     )
     return program, cfg, None if placeholder is not None else len(train)
 

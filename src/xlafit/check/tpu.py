@@ -49,12 +49,14 @@ from flax import nnx
 from xlafit.check.batch_search import largest_batch
 from xlafit.check.levers import levers
 from xlafit.check.program import EvalFit, Program, ProgramFit, TargetReport, progress
+from xlafit.check.rollout_speed import price, weights_per_core
 from xlafit.check.rules import Finding, classify
 from xlafit.check.speed import model_step, roofline
 from xlafit.errors import ConfigError, XlafitError
 from xlafit.parallel.mesh import Strategy, make_mesh
 from xlafit.parallel.sharding import bytes_per_device
 from xlafit.platform import hardware as tpu
+from xlafit.platform.cpu import release_freed_memory
 from xlafit.train.step import abstract_state, make_steps, state_shardings
 
 # How far --max-batch searches unless told: a per-core batch beyond it is rarely the question.
@@ -209,6 +211,8 @@ def _compile(
             first = next((line for line in text.splitlines() if "memory" in line.lower()), text.splitlines()[0])
             raise OutOfMemory(first.strip()) from None
         raise
+    finally:  # the compiler's freed buffers back to the system: the next compile starts lean
+        release_freed_memory()
     return compiled, time.perf_counter() - t0
 
 
@@ -435,11 +439,14 @@ def train_report(report: TargetReport, steps: Steps, target: tpu.Target) -> None
 def rollout_fits(steps: Steps, rows: int) -> list[ProgramFit]:
     """The programs a run compiles beside its steps (:attr:`Program.rollout`), each compiled at
     the run's ``rows`` on the steps' state, as the run lays it out."""
-    assert steps.program.rollout is not None
-    name = steps.target.name if steps.target else "this host"
+    program, target = steps.program, steps.target
+    assert program.rollout is not None
+    name = target.name if target else "this host"
     model = nnx.merge(steps.eval_graphdef, steps.state.params, steps.state.model_state)
+    weights = weights_per_core(model)
+    decode, trips = program.decode_loop or ("", 0)
     out = []
-    for what, traced in steps.program.rollout(model, rows):
+    for what, traced in program.rollout(model, rows):
         progress(f"{name}: compiling the {what}, {rows} rows over {steps.strategy.num_replicas} batch shard(s) ...")
         try:
             compiled, seconds = _compile(traced.lower)
@@ -447,7 +454,11 @@ def rollout_fits(steps: Steps, rows: int) -> list[ProgramFit]:
             out.append(ProgramFit(what, rows, False, needed=needed_bytes(e.message), message=e.message))
             continue
         memory = memory_of(compiled, steps.state_bytes, 0)
-        out.append(ProgramFit(what, rows, True, memory["total"], memory.get("peak"), compile_s=seconds))
+        fit = ProgramFit(what, rows, True, memory["total"], memory.get("peak"), compile_s=seconds)
+        if target is not None:
+            devices = steps.strategy.mesh.devices.size
+            price(fit, compiled, target, program, devices, weights, trips if what == decode else None)
+        out.append(fit)
     return out
 
 

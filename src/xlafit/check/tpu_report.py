@@ -54,6 +54,7 @@ def format_report(r: TargetReport) -> str:
         lines.append(f"    {r.message}")
         return "\n".join(lines)
     lines += _fit_lines(r) + _eval_lines(r) + _rollout_lines(r) + _verdict_lines(r) + _speed_lines(r)
+    lines += _rollout_speed_lines(r)
     if r.train_fits:
         lines.append(f"  compiled in {r.compile_s:.1f} s on this machine")
     if r.probes:
@@ -234,6 +235,44 @@ def _speed_lines(r: TargetReport) -> list[str]:
     return lines
 
 
+def _rollout_speed_lines(r: TargetReport) -> list[str]:
+    """The rollout's programs (:mod:`xlafit.check.rollout_speed`): each one's predicted run with
+    its band (or "not validated"), a decode loop's part beside its weights-read floor, and the
+    rollout's share of a generation batch's whole step (the rollout, then its train steps)."""
+    priced = [p for p in r.rollout if p.run_s]
+    if not priced:
+        return []
+    t = tpu.parse_target(r.target)
+    how = "predicted, not measured" if any(p.predicted for p in priced) else "roofline estimate"
+    lines = [f"  rollout ({how}), one generation batch of {priced[0].rows} rows:"]
+    for p in priced:
+        band = f" ±{p.band_median:.0%}" if p.band_median is not None else " (not validated)" if p.predicted else ""
+        lines.append(f"    {p.name}: {seconds(p.run_s or 0)}{band if p.predicted else ' (roofline estimate)'}")
+        if p.band:
+            lines.append(f"      {p.band}" if p.band_median is None else f"      the step model's error: {p.band}")
+        if p.decode_steps and p.decode_s is not None and p.floor_s is not None:
+            links = f"; {seconds(p.decode_collective_s)} of it collectives" if p.decode_collective_s else ""
+            lines.append(
+                f"      its decode loop: {p.decode_steps} steps (each runs, its rows stopped or not), "
+                f"{seconds(p.decode_s)}: {p.decode_flops or 0:.3g} FLOPs, {p.decode_bytes or 0:.3g} HBM bytes per "
+                f"core{links}"
+            )
+            kept = f", less the {gib(p.on_chip)} the loop keeps in on-chip memory," if p.on_chip else ""
+            lines.append(
+                f"      the loop's floor: {seconds(p.floor_s)}, {p.decode_steps} steps each reading the policy's "
+                f"{gib(p.weights or 0)} of weights per core (each core's shard){kept} from HBM at "
+                f"{t.hbm_bandwidth / 1e9:.0f} GB/s"
+            )
+            if p.decode_s < p.floor_s:
+                lines.append("      below the floor: the prediction is too fast for this loop; the floor bounds it")
+    if r.grpo_step_s and r.step_s and r.rollout_s is not None and r.rollout_share is not None:
+        lines.append(
+            f"    a whole GRPO step: the rollout {seconds(r.rollout_s)} + {r.steps_per_call} train step(s) x "
+            f"{seconds(r.step_s)} = {seconds(r.grpo_step_s)}; the rollout's share {r.rollout_share:.0%}"
+        )
+    return lines
+
+
 def predicted_step(r: TargetReport) -> str:
     """``452 ms ±9 %``: the predicted step with its median measured error."""
     band = f" ±{r.band_median:.0%}" if r.band_median is not None else ""
@@ -285,4 +324,5 @@ def to_json(r: TargetReport) -> dict[str, Any]:
     out["fits"], out["unfit"] = r.fits, r.unfit
     out["flops_per_call"] = r.flops_per_call
     out["margin"] = r.margin
+    out["rollout_s"], out["grpo_step_s"], out["rollout_share"] = r.rollout_s, r.grpo_step_s, r.rollout_share
     return out

@@ -9,7 +9,7 @@ import shlex
 import sys
 
 from xlafit.cli.common import add_calibration, apply_calibration
-from xlafit.errors import ConfigError
+from xlafit.errors import INTERRUPTED, ConfigError
 
 DESCRIPTION = (
     "Search the ways to run a model on TPU slices with the TPU compiler (libtpu, no TPU needed): every "
@@ -21,7 +21,8 @@ DESCRIPTION = (
     "and the collectives it contains, over the slice's ICI): throughput, MFU, HBM, and the time and cost "
     "of the run. Prints a ranked table, the winner's `xlafit train` overrides and why the others lose; "
     "--write saves the winner as a preset for `xlafit train RECIPE --config` and `xlafit check --config`. "
-    "TARGET is a recipe name or a Python file in `xlafit check`'s format."
+    "TARGET is a recipe name or a Python file in `xlafit check`'s format. Ctrl-C stops the search and reports "
+    "what had been compiled (exit 130)."
 )
 
 
@@ -165,7 +166,18 @@ def run(args: argparse.Namespace) -> int:
             **options,
         )
     print(json.dumps(plan_json(plan), indent=2, default=str) if args.json else format_plan(plan))
-    if args.write:
+    if args.write and plan.winner is not None:
         written = plan.write(args.write)
-        print(f"wrote {written}", file=sys.stderr)
+        partial = " (the best of a search stopped before it ended)" if plan.stopped else ""
+        print(f"wrote {written}{partial}", file=sys.stderr)
+    elif args.write and plan.stopped:
+        print(f"nothing written to {args.write}: no candidate had fit when the search stopped", file=sys.stderr)
+    elif args.write:
+        plan.write(args.write)  # says why nothing is written
+    if plan.stopped:
+        # The compiles the stop abandoned cannot be interrupted, and the interpreter's exit
+        # would wait for them: the report is out, so the process ends here.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(INTERRUPTED)
     return 0 if plan.winner is not None else 1

@@ -279,6 +279,12 @@ def text_config(hf: dict) -> dict:
     return {**text, "model_type": MULTIMODAL[kind]}
 
 
+def is_multimodal(directory: str | Path) -> bool:
+    """Whether ``directory`` holds a multimodal checkpoint whose text model xlafit reads
+    (:data:`MULTIMODAL`): transformers names that text model's modules ``model.language_model.``."""
+    return read_json(Path(directory) / "config.json").get("model_type") in MULTIMODAL
+
+
 def config_from_hf(hf: dict, **overrides: Any) -> LlamaConfig:
     """A :class:`LlamaConfig` from a Hugging Face ``config.json`` dict of a Llama, Qwen2,
     Qwen3, Qwen3-MoE, Mistral, Gemma 2, Gemma 3 or Gemma 4 (text), Qwen3.5 or Qwen3.5-MoE model.

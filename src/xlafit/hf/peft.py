@@ -39,10 +39,12 @@ from xlafit.models.lora import (
     lora_modules,
 )
 from xlafit.models.quantized import is_quantized, quantize_base, quantized_layers
+from xlafit.models.quantized_embed import quantize_embeddings, quantized_tables
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 FINGERPRINT_KEY = "xlafit_base_fingerprint"
-# An adapter trained on a quantized base: "nf4:64" (its type and block); the fingerprint is that base's.
+# An adapter trained on a quantized base: "nf4:64" (its type and block), "nf4:64:embeddings" with
+# its embedding tables quantized too; the fingerprint is that base's.
 QUANTIZED_KEY = "xlafit_base_quantized"
 
 
@@ -53,21 +55,27 @@ QUANTIZED_KEY = "xlafit_base_quantized"
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 
 
-def _hf_modules(model: LlamaForCausalLM) -> Iterator[tuple[str, LoRA, int | None]]:
+# Where a multimodal model's text model is in transformers (Gemma 3's and 4's, Qwen3.5's
+# ...ForConditionalGeneration): its modules' names, and so a PEFT adapter's for it.
+TEXT_MODEL = "model.language_model."
+
+
+def _hf_modules(model: LlamaForCausalLM, multimodal: bool = False) -> Iterator[tuple[str, LoRA, int | None]]:
     """``(PEFT module name, our layer, row of its stacked adapters or None)`` per adapted layer."""
-    yield from _hf_names(model, lora_modules(model))
+    yield from _hf_names(model, lora_modules(model), multimodal)
 
 
-def _hf_experts(model: LlamaForCausalLM) -> Iterator[tuple[str, ExpertLoRA, int | None]]:
+def _hf_experts(model: LlamaForCausalLM, multimodal: bool = False) -> Iterator[tuple[str, ExpertLoRA, int | None]]:
     """``(PEFT module name of the experts, our adapters, row or None)`` per adapted experts."""
-    yield from _hf_names(model, expert_lora_modules(model))
+    yield from _hf_names(model, expert_lora_modules(model), multimodal)
 
 
-def _hf_names(model: LlamaForCausalLM, modules: list) -> Iterator[tuple[str, Any, int | None]]:
+def _hf_names(model: LlamaForCausalLM, modules: list, multimodal: bool) -> Iterator[tuple[str, Any, int | None]]:
     prefixes = model.layer_prefixes()  # layer i's module path, and its row when stacked (scan_layers)
+    text = TEXT_MODEL if multimodal else "model."
     for path, layer in modules:
         parts = tuple(path)
-        prefix = "base_model.model." + ("" if parts[0] == "lm_head" else "model.")
+        prefix = "base_model.model." + ("" if parts[0] == "lm_head" else text)
         found = [(i, row, len(p)) for i, (p, row) in enumerate(prefixes) if parts[: len(p)] == p]
         for i, row, n in found:  # a stacked layer: one PEFT module per layer it holds
             yield prefix + ".".join(["layers", str(i), *map(str, parts[n:])]), layer, row
@@ -86,7 +94,11 @@ def _rank_and_alpha(model: LlamaForCausalLM) -> tuple[int, float]:
 
 
 def save_peft_adapter(
-    model: LlamaForCausalLM, directory: str | Path, *, base_model_name_or_path: str | None = None
+    model: LlamaForCausalLM,
+    directory: str | Path,
+    *,
+    base_model_name_or_path: str | None = None,
+    multimodal: bool = False,
 ) -> Path:
     """Writes ``model``'s LoRA adapters as a PEFT adapter directory (float32).
 
@@ -95,6 +107,12 @@ def save_peft_adapter(
             and alpha for all).
         directory: created if missing.
         base_model_name_or_path: what PEFT records as the base (a hub id or a path).
+        multimodal: the base is a multimodal checkpoint's text model (Gemma 3 4B-27B, Gemma
+            4, Qwen3.5: :func:`xlafit.hf.llama.is_multimodal`): the adapter names its modules
+            as transformers does there (``model.language_model.layers...``), and its
+            ``target_modules`` is a pattern that matches the text model's alone (a list of
+            names would adapt the vision tower's layers of the same names too, and PEFT
+            would load none of these tensors into the text model).
 
     Returns:
         ``directory``, loadable with ``peft.PeftModel.from_pretrained(base, directory)``.
@@ -107,7 +125,7 @@ def save_peft_adapter(
     rank, alpha = _rank_and_alpha(model)
     tensors: dict[str, np.ndarray] = {}
     targets: set[str] = set()
-    for name, layer, row in _hf_modules(model):
+    for name, layer, row in _hf_modules(model, multimodal):
         a, b = np.asarray(layer.lora_a[...], np.float32), np.asarray(layer.lora_b[...], np.float32)
         a, b = (a, b) if row is None else (a[row], b[row])
         tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(a.T)  # [r, in]
@@ -115,7 +133,7 @@ def save_peft_adapter(
         targets.add(name.rsplit(".", 1)[-1])
     tails: set[str] = set()
     on_host: dict[int, list[np.ndarray]] = {}  # each module's adapters copied once, not once per stacked layer
-    for name, experts, row in _hf_experts(model):
+    for name, experts, row in _hf_experts(model, multimodal):
         arrays = on_host.setdefault(id(experts), _expert_arrays(experts))
         for param, tensors_ab in zip(EXPERT_PARAMETERS, _expert_tensors(arrays, row), strict=True):
             tensors.update(
@@ -130,7 +148,7 @@ def save_peft_adapter(
         "r": rank,
         "lora_alpha": alpha,
         "lora_dropout": 0.0,
-        "target_modules": sorted(targets),
+        "target_modules": _text_model_pattern(targets) if multimodal else sorted(targets),
         **({"target_parameters": parameters} if parameters else {}),
         "bias": "none",
         "fan_in_fan_out": False,
@@ -145,9 +163,18 @@ def save_peft_adapter(
     metadata = {"format": "pt", FINGERPRINT_KEY: base_fingerprint(model)}
     quantized = [layer for _, layer in quantized_layers(model)]
     if quantized:  # PEFT applies it to the unquantized base; xlafit checks that base quantized alike
-        metadata[QUANTIZED_KEY] = f"{quantized[0].qtype}:{quantized[0].block}"
+        tables = ":embeddings" if quantized_tables(model) else ""
+        metadata[QUANTIZED_KEY] = f"{quantized[0].qtype}:{quantized[0].block}{tables}"
     save_file(tensors, str(out / WEIGHTS), metadata=metadata)
     return out
+
+
+def _text_model_pattern(targets: set[str]) -> str:
+    """PEFT's ``target_modules`` as a regular expression (PEFT matches it whole) for the
+    text model of a multimodal one: its layers' ``targets``, and its output layer."""
+    inner = sorted(targets - {"lm_head"})
+    pattern = rf".*\.language_model\..*\.({'|'.join(inner)})" if inner else ""
+    return "|".join(p for p in (pattern, "lm_head" if "lm_head" in targets else "") if p)
 
 
 def _expert_module(name: str, param: str) -> str:
@@ -185,8 +212,11 @@ def _fingerprint_as_trained(model: LlamaForCausalLM, quantized: str | None) -> s
     the model stays as it is) when the adapter trained on a quantized base and ``model`` is not."""
     if quantized is None or is_quantized(model):
         return base_fingerprint(model)
-    qtype, block = quantized.split(":")
-    return base_fingerprint(quantize_base(nnx.clone(model), qtype, int(block)))
+    qtype, block, *tables = quantized.split(":")
+    base: nnx.Module = nnx.clone(model)
+    if tables == ["embeddings"]:
+        base = quantize_embeddings(base, qtype, int(block))
+    return base_fingerprint(quantize_base(base, qtype, int(block)))
 
 
 def _read_config(d: Path) -> dict:
@@ -201,7 +231,7 @@ def _read_config(d: Path) -> dict:
         "bias": config.get("bias", "none") != "none",
         "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
         "modules_to_save": bool(config.get("modules_to_save")),
-        "target_modules": not isinstance(config.get("target_modules"), list),
+        "target_modules": not isinstance(config.get("target_modules"), list | str),
         "target_parameters": sorted(p.rsplit(".", 1)[-1] for p in config.get("target_parameters") or [])
         not in ([], sorted(EXPERT_PARAMETERS)),
     }
@@ -209,7 +239,7 @@ def _read_config(d: Path) -> dict:
     if bad:
         raise HFFormatError(
             f"{d / CONFIG}: {', '.join(bad)} is not supported; xlafit reads plain LoRA adapters "
-            "(one r and lora_alpha, a list of target_modules, no biases or extra modules; on a mixture of experts, "
+            "(one r and lora_alpha, target_modules, no biases or extra modules; on a mixture of experts, "
             "target_parameters naming both experts.gate_up_proj and experts.down_proj)."
         )
     return config
@@ -241,7 +271,11 @@ def load_peft_adapter(
     with open_safetensors(d / WEIGHTS) as f:
         metadata = f.metadata() or {}
         recorded = metadata.get(FINGERPRINT_KEY)
-        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+        # A multimodal model's adapter names its text model's modules under model.language_model.
+        tensors = {
+            name.replace("base_model.model." + TEXT_MODEL, "base_model.model.model.", 1): f.get_tensor(name)
+            for name in f.keys()  # noqa: SIM118 (safe_open is no dict)
+        }
     if check_base and recorded is not None:
         ours = _fingerprint_as_trained(model, metadata.get(QUANTIZED_KEY))
         if recorded != ours:
@@ -250,7 +284,7 @@ def load_peft_adapter(
                 f"{ours[:12]}...); load the base it was made for, or pass check_base=False."
             )
     if not has_adapters(model):
-        targets = [*config["target_modules"], *([EXPERTS_TARGET] if config.get("target_parameters") else [])]
+        targets = [*_targets(config, tensors), *([EXPERTS_TARGET] if config.get("target_parameters") else [])]
         apply_lora(model, targets, rank=config["r"], alpha=config["lora_alpha"], rngs=rngs or nnx.Rngs(0))
     rows: dict[int, tuple[LoRA, list[np.ndarray], list[np.ndarray]]] = {}
     modules = list(_hf_modules(model))
@@ -275,6 +309,15 @@ def load_peft_adapter(
         layer.lora_a[...], layer.lora_b[...] = np.stack(a_rows), np.stack(b_rows)
     _load_experts(tensors, experts)
     return model
+
+
+def _targets(config: dict, tensors: dict[str, np.ndarray]) -> list[str]:
+    """The adapted layers' names: ``target_modules``, or where it is a pattern (PEFT's
+    regular expression), the layers the tensors name."""
+    if isinstance(config["target_modules"], list):
+        return config["target_modules"]
+    found = {name.split(".lora_", 1)[0].rsplit(".", 1)[-1] for name in tensors}
+    return sorted(found - {"experts", "base_layer"})
 
 
 def _load_experts(tensors: dict[str, np.ndarray], experts: list[tuple[str, ExpertLoRA, int | None]]) -> None:

@@ -4,10 +4,11 @@
 memory), then reads the safetensors files tensor by tensor: each dense layer's kernel is
 quantized as it arrives (:func:`xlafit.models.quantized.quantize_kernel`, on the CPU, a
 slice of rows at a time), as is each expert's of a mixture of experts, and only their codes
-and scales are kept; the embeddings, norms and
-output layer are kept in bfloat16. The host holds about one tensor of the file plus the
-quantized model at any time, never the whole model in full precision (a notebook VM's memory
-is shared with everything else it holds).
+and scales are kept; the embeddings, norms and output layer are kept in bfloat16 (with
+``embeddings``, the embedding tables and an untied output layer quantized as they arrive too:
+:func:`xlafit.models.quantized_embed.quantize_table`). The host holds about one tensor of the
+file plus the quantized model at any time, never the whole model in full precision (a
+notebook VM's memory is shared with everything else it holds).
 
 Example:
     >>> model = from_hf_quantized("meta-llama/Llama-3.2-1B", "nf4")  # doctest: +SKIP
@@ -36,6 +37,7 @@ from xlafit.models.quantized import (
     quantize_kernel,
     set_child,
 )
+from xlafit.models.quantized_embed import QuantizedEmbed, check_tables, quantize_table, table_param, tables
 from xlafit.parallel.sharding import logical_axes
 
 
@@ -45,12 +47,15 @@ def from_hf_quantized(
     block: int = BLOCK,
     *,
     skip: tuple[str, ...] = UNQUANTIZED,
+    embeddings: bool = False,
     **overrides: Any,
 ) -> LlamaForCausalLM:
     """A :class:`LlamaForCausalLM` of a Hugging Face checkpoint with its dense layers and experts
     quantized (``nf4``, ``int4``, ``int8`` in blocks of ``block``: :class:`QuantizedLinear`)
     and every other parameter in bfloat16; ``skip`` names layers left in bfloat16 (the
-    output layer). ``overrides`` as :func:`xlafit.hf.llama.from_hf`'s.
+    output layer); ``embeddings`` quantizes the embedding tables and an untied output layer
+    too (:class:`~xlafit.models.quantized_embed.QuantizedEmbed`, ``lora.quantize_embeddings``).
+    ``overrides`` as :func:`xlafit.hf.llama.from_hf`'s.
 
     Raises:
         ConfigError: an unknown ``qtype``, or a layer whose input features ``block`` does not divide.
@@ -68,12 +73,20 @@ def from_hf_quantized(
         for weight in EXPERT_WEIGHTS:
             name = ".".join(map(str, (*path, weight)))
             check_tiling(name, getattr(module, weight).get_value().shape, block, qtype)
+    embedded = tables(model) if embeddings else []
+    if embeddings:
+        check_tables(model, qtype, block)
+    # each table's parameter and whether it arrives as a kernel [H, V] (the output layer)
+    table_params = {id(param): linear for param, linear in (table_param(m) for _, m in embedded)}
     kernels = {id(layer.kernel) for _, layer in layers}
     kernels |= {id(getattr(m, weight)) for _, m in experts for weight in EXPERT_WEIGHTS}
     rows: dict[int, list[tuple[Any, Any]]] = {}  # a scanned model's layers: quantized rows, stacked at the end
     stacked: dict[int, tuple[nnx.Variable, list[np.ndarray]]] = {}
 
     def put(param: nnx.Variable, row: tuple[int, ...] | None, value: np.ndarray) -> None:
+        if id(param) in table_params:  # [V, H] (the output layer's kernel transposed back: a view)
+            rows[id(param)] = [quantize_table(value.T if table_params[id(param)] else value, qtype, block)]
+            return
         if id(param) in kernels:
             quantized = quantize_kernel(value, qtype, block)
             if row is None:
@@ -107,18 +120,22 @@ def from_hf_quantized(
         )
         set_child(model, path, quantized)
     for path, module in experts:  # each expert's kernel quantized as read, in (layer, expert) order
-        stored: list[QuantizedLinear] = []
-        for weight in EXPERT_WEIGHTS:
-            param = getattr(module, weight)
-            pieces = rows.pop(id(param))
-            lead = param.get_value().shape[:-2]
-            qvalue = jnp.stack([q for q, _ in pieces]).reshape(*lead, *pieces[0][0].shape)
-            scale = jnp.stack([s for _, s in pieces]).reshape(*lead, *pieces[0][1].shape)
-            stored.append(
-                QuantizedLinear(qvalue, scale, None, qtype=qtype, dtype=module.dtype, axes=logical_axes(param))
-            )
-        quantized_experts = QuantizedExperts(
-            *stored, impl=module.impl, activation=module.activation, dtype=module.dtype
-        )
-        set_child(model, path, quantized_experts)
+        set_child(model, path, _experts_of(module, rows, qtype))
+    for path, m in embedded:
+        [(qvalue, scale)] = rows.pop(id(table_param(m)[0]))
+        set_child(model, path, QuantizedEmbed.from_values(m, qvalue, scale, qtype=qtype))
     return model
+
+
+def _experts_of(module: Experts, rows: dict[int, list[tuple[Any, Any]]], qtype: str) -> QuantizedExperts:
+    """``module``'s :class:`QuantizedExperts` of each expert's codes and scales in ``rows``
+    (keyed by the parameter's id, in (layer, expert) order), taken out of ``rows``."""
+    stored: list[QuantizedLinear] = []
+    for weight in EXPERT_WEIGHTS:
+        param = getattr(module, weight)
+        pieces = rows.pop(id(param))
+        lead = param.get_value().shape[:-2]
+        qvalue = jnp.stack([q for q, _ in pieces]).reshape(*lead, *pieces[0][0].shape)
+        scale = jnp.stack([s for _, s in pieces]).reshape(*lead, *pieces[0][1].shape)
+        stored.append(QuantizedLinear(qvalue, scale, None, qtype=qtype, dtype=module.dtype, axes=logical_axes(param)))
+    return QuantizedExperts(*stored, impl=module.impl, activation=module.activation, dtype=module.dtype)

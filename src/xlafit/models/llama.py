@@ -35,6 +35,7 @@ from xlafit.models.gated_deltanet import LinearState
 from xlafit.models.llama_config import DTYPES, LAYER_INPUT, PRESETS, LlamaConfig
 from xlafit.models.lora import LoRA
 from xlafit.models.moe import RouterStats
+from xlafit.models.quantized_embed import QuantizedEmbed, QuantizedKernel
 from xlafit.parallel.sharding import constrain, logical
 
 __all__ = [
@@ -87,6 +88,14 @@ def _run_layer(
     # Named for remat="offload", whose policy keeps this one array of the layer for the
     # backward pass, in host memory (an identity otherwise).
     return layer(checkpoint_name(x, LAYER_INPUT), positions, segment_ids, implementation, per_layer_input, shared)
+
+
+def _lookup(table: nnx.Embed | QuantizedEmbed, ids: jax.Array) -> jax.Array:
+    """The rows of ``ids``: a quantized table dequantizes its tokens' rows alone."""
+    if isinstance(table, QuantizedEmbed):
+        return table.lookup(ids)
+    # The gradient of a lookup is a scatter-add: on the parameter-dtype table (see BertEmbeddings).
+    return jnp.take(table.embedding[...], ids, axis=0)
 
 
 def layer_remat_policy(name: str) -> Any:
@@ -232,15 +241,14 @@ class LlamaForCausalLM(nnx.Module):
         and ``project_per_layer_inputs`` compute them."""
         cfg = self.cfg
         dtype = cfg.compute_dtype
-        # The gradient of a lookup is a scatter-add: on the parameter-dtype table (see BertEmbeddings).
-        x = jnp.take(self.embed_tokens.embedding[...], input_ids, axis=0).astype(dtype)  # (B, T, h)
+        x = _lookup(self.embed_tokens, input_ids).astype(dtype)  # (B, T, h)
         if cfg.embedding_scale:
             x = x * jnp.asarray(math.sqrt(cfg.hidden_size), dtype)  # Gemma rounds the factor to dtype
         if not cfg.per_layer_input_size:
             return x, None
         b, t = input_ids.shape
         p = cfg.per_layer_input_size
-        tokens = jnp.take(self.embed_tokens_per_layer.embedding[...], input_ids, axis=0).astype(dtype)
+        tokens = _lookup(self.embed_tokens_per_layer, input_ids).astype(dtype)
         tokens = (tokens * jnp.asarray(math.sqrt(p), dtype)).reshape(b, t, cfg.num_layers, p)
         projected = self.per_layer_model_projection(x) * jnp.asarray(cfg.hidden_size**-0.5, dtype)
         projected = self.per_layer_projection_norm(projected.reshape(b, t, cfg.num_layers, p))
@@ -314,11 +322,16 @@ class LlamaForCausalLM(nnx.Module):
                     kept[i] = kv
         return self.norm(x), total
 
-    def output_kernel(self) -> jax.Array:
+    def output_kernel(self) -> jax.Array | QuantizedKernel:
         """The output layer as one ``[hidden, vocab]`` matrix: :meth:`logits` is ``x @`` it
         (then cast to float32 and soft-capped), for a loss that computes the logits a block
         at a time (:func:`xlafit.train.losses.blockwise_cross_entropy`). A tied model's is the
-        embedding's transpose; a LoRA-adapted ``lm_head``'s, its kernel plus the scaled update."""
+        embedding's transpose; a LoRA-adapted ``lm_head``'s, its kernel plus the scaled update;
+        a quantized table's (``lora.quantize_embeddings``), its codes, which the loss
+        dequantizes a tile of the vocabulary at a time."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if isinstance(head, QuantizedEmbed):
+            return head.kernel()
         if self.lm_head is None:
             return self.embed_tokens.embedding[...].T
         if isinstance(self.lm_head, LoRA):
@@ -329,7 +342,8 @@ class LlamaForCausalLM(nnx.Module):
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Float32 logits ``[..., vocab]`` of final hidden states (:meth:`decode`'s)."""
-        logits = (self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)).astype(jnp.float32)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        logits = (head.attend(x) if isinstance(head, nnx.Embed | QuantizedEmbed) else head(x)).astype(jnp.float32)
         if self.cfg.final_logit_softcap:  # Gemma 2
             cap = self.cfg.final_logit_softcap
             logits = jnp.tanh(logits / cap) * cap

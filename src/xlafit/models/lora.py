@@ -36,6 +36,7 @@ from flax import nnx
 from xlafit.errors import ConfigError
 from xlafit.models.moe import EXPERT_WEIGHTS, ExpertAdapters, Experts
 from xlafit.models.quantized import QuantizedExperts, QuantizedLinear, dequantize_linears, set_child
+from xlafit.models.quantized_embed import dequantize_embeddings
 from xlafit.parallel.sharding import logical_axes
 
 ADAPTER = nnx.LoRAParam  # the adapters: what a LoRA fine-tune trains
@@ -305,7 +306,8 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
 
     A quantized base (:mod:`xlafit.models.quantized`) is merged as PEFT merges into a
     bitsandbytes base: ``W`` is the dequantized kernel, and every layer of the result is a
-    plain bfloat16 ``nnx.Linear`` (the quantized layers without adapters dequantized too).
+    plain bfloat16 ``nnx.Linear`` (the quantized layers without adapters dequantized too; a
+    quantized embedding table and output layer, a bfloat16 ``nnx.Embed`` and ``nnx.Linear``).
 
     Example:
         >>> merge_lora(nnx.Linear(2, 2, rngs=nnx.Rngs(0))).kernel.shape  # nothing to merge
@@ -329,7 +331,7 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
         for variable, value in zip((experts.gate_proj, experts.up_proj, experts.down_proj), merged, strict=True):
             variable[...] = value.astype(variable[...].dtype)
         set_child(model, path, experts)
-    return dequantize_linears(model, jnp.bfloat16)
+    return dequantize_embeddings(dequantize_linears(model, jnp.bfloat16), jnp.bfloat16)
 
 
 def lora_state(model: nnx.Module) -> nnx.State:

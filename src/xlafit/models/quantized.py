@@ -47,8 +47,9 @@ from xlafit.parallel.sharding import logical_axes
 QType = Literal["nf4", "int4", "int8"]
 QTYPES: tuple[str, ...] = ("nf4", "int4", "int8")
 BLOCK = 64  # bitsandbytes' NF4 block (QLoRA's): one absmax scale per 64 weights
-# The output layer and embeddings stay in bfloat16: a few percent of a 1B+ model's weights,
-# and the ones whose error reaches every logit directly.
+# The output layer and embeddings stay in bfloat16 unless asked (lora.quantize_embeddings:
+# xlafit.models.quantized_embed): a few percent of most 1B+ models' weights, and the ones whose
+# error reaches every logit directly.
 UNQUANTIZED = ("lm_head",)
 # Rows of one slice that quantize_kernel hands Qwix at a time: about 2**20 weights, a
 # temporary of 64 MB for NF4's comparison with its 16 levels.
@@ -186,7 +187,7 @@ def _matmul(x: jax.Array, qvalue: jax.Array, scale: jax.Array, qtype: str, dtype
 
 # The backward pass dequantizes again instead of keeping every layer's dequantized kernel
 # between the passes (a whole bfloat16 model, the memory the quantization saves).
-_dequantized_matmul = jax.checkpoint(_matmul, static_argnums=(3, 4), policy=jax.checkpoint_policies.nothing_saveable)
+dequantized_matmul = jax.checkpoint(_matmul, static_argnums=(3, 4), policy=jax.checkpoint_policies.nothing_saveable)
 
 
 class QuantizedLinear(nnx.Module):
@@ -260,7 +261,7 @@ class QuantizedLinear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = self.dtype or x.dtype
-        y = _dequantized_matmul(x.astype(dtype), self.qvalue.get_value(), self.scale.get_value(), self.qtype, dtype)
+        y = dequantized_matmul(x.astype(dtype), self.qvalue.get_value(), self.scale.get_value(), self.qtype, dtype)
         if self.bias is not None:
             y = y + self.bias.get_value().astype(dtype).reshape((1,) * (y.ndim - 1) + (-1,))
         return y
@@ -313,7 +314,7 @@ def _experts_of_codes(
     return run(tokens, weights, experts, gate, up, down, activation, adapters)
 
 
-# As _dequantized_matmul: the backward pass dequantizes the experts again (and runs their
+# As dequantized_matmul: the backward pass dequantizes the experts again (and runs their
 # forward again) instead of keeping every layer's bfloat16 experts between the passes.
 _quantized_experts = jax.checkpoint(
     _experts_of_codes, static_argnums=(5, 6, 7, 8, 9), policy=jax.checkpoint_policies.nothing_saveable

@@ -16,7 +16,7 @@ from xlafit.errors import ConfigError
 from xlafit.overrides import load_yaml
 from xlafit.parallel.cluster import start_backends
 from xlafit.plan.candidates import OFFLOAD_LADDER, REMAT_LADDER, Candidate
-from xlafit.plan.evaluation import check_answer_eval
+from xlafit.plan.evaluation import check_answer_eval, check_answer_rollout
 from xlafit.plan.result import Plan
 from xlafit.plan.search import Planner, Settings
 from xlafit.platform.hardware import PRICES, Price, Target, parse_targets
@@ -80,11 +80,26 @@ def _prices(given: dict[str, float] | None) -> dict[str, Price]:
     return prices
 
 
-def _run(planner: Planner, targets: list[Target]) -> float:
+def _run(planner: Planner, targets: list[Target]) -> tuple[float, str | None]:
+    """Searches each target: the seconds it took, and what stopped it early (Ctrl-C; None: nothing)."""
     t0 = time.perf_counter()
-    for target in targets:
-        planner.plan_target(target)
-    return time.perf_counter() - t0
+    for i, target in enumerate(targets):
+        try:
+            planner.plan_target(target)
+        except KeyboardInterrupt:
+            planner.stop()
+            return time.perf_counter() - t0, stopped_line(time.perf_counter() - t0, [t.name for t in targets[i:]])
+    return time.perf_counter() - t0, None
+
+
+def stopped_line(seconds: float, unfinished: list[str]) -> str:
+    """What a plan stopped by Ctrl-C after ``seconds`` reports, ``unfinished`` the targets
+    whose search it cut short."""
+    return (
+        f"stopped by Ctrl-C after {seconds:.0f} s: the plan reports the compiles that had finished; "
+        f"the search of {', '.join(unfinished)} was cut short (compiles in flight abandoned, those after "
+        "not started). Run it again with --budget-minutes to bound its time."
+    )
 
 
 def plan_recipe(
@@ -122,7 +137,7 @@ def plan_recipe(
     settings = _settings(global_batch, budget_minutes, top, allow_numerics, min_gain, bound, search_batch)
     planner, cfg, train_examples = recipe_planner(name, overrides, preset, settings)
     base = planner.base
-    seconds = _run(planner, targets)
+    seconds, stopped = _run(planner, targets)
     size = _run_examples(examples if examples or tokens else train_examples, tokens, base, epochs or cfg.trainer.epochs)
     # The plan sets the per-core batch (and so the global one): the recipe's global batch gives way.
     batch_overrides = ["data.global_batch=null"]
@@ -139,11 +154,26 @@ def plan_recipe(
         prices=_prices(prices),
         seconds=seconds,
         evaluates=bool(base.eval_global_batch),
+        rollout=base.rollout is not None,
+        stopped=stopped,
         **_own_batch(base, global_batch, search_batch),
     )
-    if plan.evaluates:  # the answer's eval step, at the run's own eval batch (None: its global batch)
+    # The answer's eval step, at the run's own eval batch (None: its global batch), or its
+    # rollout's programs (GRPO: a run that evaluates nothing).
+    if (plan.evaluates or plan.rollout) and stopped is None:
         t0 = time.perf_counter()
-        check_answer_eval(plan, planner.evaluate_eval, cfg.data.eval_global_batch)
+        what = "eval step" if plan.evaluates else "rollout"
+        try:
+            if plan.evaluates:
+                check_answer_eval(plan, planner.evaluate_eval, cfg.data.eval_global_batch)
+            else:
+                check_answer_rollout(plan, planner.evaluate_rollout)
+        except KeyboardInterrupt:
+            planner.stop()
+            plan.stopped = (
+                f"stopped by Ctrl-C while compiling the answer's {what}: the train steps were all searched "
+                f"({plan.seconds:.0f} s); whether the answer's {what} fits is not known. Run it again to know."
+            )
         plan.seconds += time.perf_counter() - t0
     return plan
 
@@ -162,12 +192,6 @@ def recipe_planner(
     """The planner of a recipe's run: ``(planner, config, train examples)``. Its candidates'
     programs are the recipe's with their remat, scanning and numerics as overrides."""
     base, cfg, train_examples = recipe_program(name, overrides, preset)
-    if base.rollout is not None:
-        raise ConfigError(
-            f"xlafit plan searches the train step alone, and a {name} run with a rollout (model.objective=grpo) "
-            f"compiles its generation beside it; check each layout with xlafit check {name} --tpu TARGET and the "
-            "same settings (it compiles the train step and the rollout's programs)."
-        )
     remat, scan = getattr(cfg.model, "remat", None), getattr(cfg.model, "scan_layers", None)
     cache: dict[tuple, Program] = {(remat, (), scan, (), None): base}
     # The preset's trainer.invariant_chunks holds for pure data parallelism only: it gives way
@@ -236,7 +260,7 @@ def plan_file(
         planner = Planner(
             maker, base, _settings(global_batch, budget_minutes, top, False, min_gain, bound, search_batch)
         )
-        seconds = _run(planner, targets)
+        seconds, stopped = _run(planner, targets)
     return Plan(
         str(path),
         command or f"xlafit plan {path} --tpu {tpu}",
@@ -250,5 +274,6 @@ def plan_file(
         spot=spot,
         prices=_prices(prices),
         seconds=seconds,
+        stopped=stopped,
         **_own_batch(base, global_batch, search_batch),
     )

@@ -7,6 +7,11 @@ with the answer's layout at the run's eval batch; where it does not fit, the lar
 batch that does (``check --tpu``'s search) goes into the plan's settings. Only an eval step
 that fits at no batch rules the answer out: then the runner-up's is compiled, and no more
 (the eval steps of :data:`EVAL_CHECKS` candidates at most: each can cost a search).
+
+A run that makes its batches with its model (GRPO's rollout) evaluates nothing, and compiles
+the rollout's programs (the generation with its cache, the log-probabilities) beside its train
+step, on the same layout and rows: the answer's are compiled, and where one does not fit, the
+runner-up's (:func:`check_answer_rollout`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ EVAL_CHECKS = 2
 
 # Compiles an outcome's eval step at a batch over all cores, into the outcome (Planner.evaluate_eval).
 CompileEval = Callable[[Target, Outcome, int], None]
+# Compiles an outcome's rollout programs at its rows, into the outcome (Planner.evaluate_rollout).
+CompileRollout = Callable[[Target, Outcome], None]
 
 
 def check_answer_eval(plan: Plan, compile_eval: CompileEval, eval_batch: int | None) -> None:
@@ -36,5 +43,18 @@ def check_answer_eval(plan: Plan, compile_eval: CompileEval, eval_batch: int | N
         if o is None or o.eval_batch is not None:
             return
         compile_eval(plan.target(o), o, eval_batch or o.candidate.global_batch)
+        if o.run_fits is not False:
+            return
+
+
+def check_answer_rollout(plan: Plan, compile_rollout: CompileRollout) -> None:
+    """Compiles the rollout programs of ``plan``'s answer, and of the runner-up where one of
+    the answer's does not fit (:data:`EVAL_CHECKS` candidates at most). ``plan.winner`` is then
+    the fastest candidate whose run fits."""
+    for _ in range(EVAL_CHECKS):
+        o = plan.winner
+        if o is None or o.rollout is not None:
+            return
+        compile_rollout(plan.target(o), o)
         if o.run_fits is not False:
             return

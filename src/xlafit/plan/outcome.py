@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from xlafit.check.program import EvalFit, decide
+from xlafit.check.program import EvalFit, ProgramFit, decide
 from xlafit.plan.buffers import Buffer
 from xlafit.plan.candidates import Candidate
 from xlafit.predict.collectives import CommReport
@@ -51,6 +51,9 @@ class Outcome:
     # eval batch over all cores (eval_batch), its verdict there (None: an error, or not compiled).
     eval_batch: int | None = None
     eval: EvalFit | None = None
+    # The programs the run compiles beside its steps (GRPO's rollout: generation and
+    # log-probabilities), compiled for the plan's answer only at the run's rows (None: not compiled).
+    rollout: list[ProgramFit] | None = None
 
     @property
     def eval_fix(self) -> int | None:
@@ -62,12 +65,12 @@ class Outcome:
     @property
     def run_fits(self) -> bool | None:
         """Whether the run the plan writes fits: :func:`xlafit.check.program.decide` over the
-        train step and, where it was compiled, the eval step at the eval batch the plan sets
-        (the run's own, or the largest that compiles: a probe that fit)."""
+        train step and, where they were compiled, the eval step at the eval batch the plan sets
+        (the run's own, or the largest that compiles: a probe that fit) and the rollout's programs."""
         e = self.eval
         if e is not None and self.eval_fix:
             e = EvalFit(True, e.largest or 0)
-        return decide(self.fits, e)
+        return decide(self.fits, e, self.rollout or ())
 
     @property
     def hbm_used(self) -> int | None:

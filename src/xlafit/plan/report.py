@@ -95,6 +95,7 @@ def format_plan(plan: Plan) -> str:
     searched = f"; {probes} larger batches that did not fit are in --json" if probes else ""
     lines = [
         plan.command,
+        *([plan.stopped] if plan.stopped else []),
         *_table(rows),
         f"  (* the Pareto front: throughput, cost of the run, HBM to spare{searched})",
     ]
@@ -134,6 +135,11 @@ def _compiles_line(plan: Plan) -> str:
         count = sum(1 + (len(o.eval.probes) if o.eval else 0) for o in evals)
         whose = " and ".join("the answer" if o is plan.winner else _name(o) for o in evals)
         text += f"; {count} of {'the eval step' if len(evals) == 1 else 'eval steps'}, for {whose}"
+    rollouts = [o for o in plan.outcomes if o.rollout is not None]
+    if rollouts:
+        count = sum(len(o.rollout or ()) for o in rollouts)
+        whose = " and ".join("the answer" if o is plan.winner else _name(o) for o in rollouts)
+        text += f"; {count} of rollout programs, for {whose}"
     return f"Planned in {plan.seconds:.0f} s on this machine ({text})."
 
 
@@ -147,6 +153,9 @@ def _eval_lines(plan: Plan, o: Outcome) -> list[str]:
     if o.eval_batch is None:
         if not plan.evaluates:
             return []
+        if plan.stopped:
+            why = "the plan was stopped"
+            return [f"  eval step: not compiled ({why}): `xlafit check --tpu` with these settings compiles it"]
         return [
             "  eval step: not compiled (the faster candidates' eval steps fit at none of the batches compiled, and a "
             "plan compiles no more): `xlafit check --tpu` with these settings compiles it"
@@ -166,6 +175,23 @@ def _eval_lines(plan: Plan, o: Outcome) -> list[str]:
     ]
 
 
+def _rollout_lines(o: Outcome) -> list[str]:
+    """The answer's rollout programs (GRPO's), each one's verdict and memory on its layout."""
+    lines = []
+    for r in o.rollout or ():
+        head = f"  {r.name} ({r.rows} rows over all cores)"
+        if r.fits:
+            used = f": the compiler's peak {gib(r.peak or r.total)} of {gib(o.capacity)} per core" if r.total else ""
+            unvalidated = ", not validated" if r.band_median is None else ""
+            kind = f"predicted{unvalidated}" if r.predicted else "roofline estimate"
+            took = f"; {r.run_s * 1e3:.3g} ms a run ({kind})" if r.run_s else ""
+            lines.append(f"{head}: fits{used}{took}")
+        else:
+            needs = f", needs {gib(r.needed)} of {gib(o.capacity)} per core" if r.needed else ""
+            lines.append(f"{head}: does not fit{needs}")
+    return lines
+
+
 def _prediction_lines(plan: Plan) -> list[str]:
     """What the step times, throughputs, MFUs, run times and costs are, and how far off they were."""
     bands: dict[str, str] = {}
@@ -181,6 +207,12 @@ def _prediction_lines(plan: Plan) -> list[str]:
         "input, host and dispatch time are not in it. Step, throughput, MFU, run time and cost are as good as it is:"
     ]
     lines += [f"  {generation}: {band}" for generation, band in bands.items()]
+    if plan.rollout:
+        lines.append(
+            "  The step is the train step's alone: the rollout that makes its rows (generating the completions, "
+            "their log-probabilities) runs before it and is in none of these times, throughputs or costs (the "
+            "answer's rollout programs say theirs)."
+        )
     return lines
 
 
@@ -219,7 +251,7 @@ def _winner_lines(plan: Plan) -> list[str]:
         )
         if p.predicted and (why := above_prediction(p.step_s, p.compute_s, p.memory_s)):
             lines.append(f"    {why}")
-    lines += _eval_lines(plan, o)
+    lines += _eval_lines(plan, o) + _rollout_lines(o)
     own = plan.own_batch(o)
     if not plan.batch_fixed and own and own != c.global_batch:
         lines.append(
@@ -261,6 +293,14 @@ def _why_not_lines(plan: Plan, refused: list[Outcome]) -> list[str]:
             lines.append(
                 f"Why not {_name(o)}: its eval step fits at none of the eval batches compiled "
                 f"({tried[-1]} down to {tried[0]} per core; the run's is {o.eval_batch} over all cores)"
+            )
+            continue
+        unfit = [r for r in o.rollout or () if not r.fits]
+        if o.fits and unfit:
+            needs = "; ".join(f"{r.name} needs {_gib(r.needed)} GiB" for r in unfit if r.needed)
+            lines.append(
+                f"Why not {_name(o)}: its {' and '.join(r.name for r in unfit)} does not fit at the run's "
+                f"{unfit[0].rows} rows ({needs or 'refused'} of {_gib(o.capacity)} GiB per core)"
             )
             continue
         if o.fits is not False:  # an error, or a fit without a prediction
@@ -322,6 +362,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "eval_global_batch": o.eval_batch,
             "eval": dataclasses.asdict(o.eval) if o.eval else None,
             "eval_fix": o.eval_fix,
+            "rollout": [dataclasses.asdict(r) for r in o.rollout] if o.rollout is not None else None,
             "run_fits": o.run_fits,
         }
 
@@ -334,6 +375,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "prices": {k: dataclasses.asdict(v) for k, v in plan.prices.items()},
         "spot": plan.spot,
         "seconds": plan.seconds,
+        "stopped": plan.stopped,
         "outcomes": [outcome(o) for o in fitting] + [outcome(o) for o in plan.outcomes if o not in fitting],
         "skipped": [{"target": t, "mesh": m, "why": w} for t, m, w in plan.skipped],
         "winner": outcome(winner) if winner else None,

@@ -40,6 +40,11 @@ class Plan:
     batch_fixed: bool = False
     # Whether the run evaluates (a recipe's does: plan compiles its answer's eval step).
     evaluates: bool = False
+    # Whether the run makes its batches with its model (GRPO's rollout): its programs are
+    # compiled for the answer, and the step times are the train step's alone.
+    rollout: bool = False
+    # What stopped the search before it ended (Ctrl-C), said first in the report; None: it ended.
+    stopped: str | None = None
 
     def own_batch(self, o: Outcome) -> int | None:
         """The run's own global batch on ``o``'s layout (None: unknown)."""

@@ -33,6 +33,10 @@ analysis counts a loop's body once, so one layer of it: its FLOPs and HBM bytes 
 unscanned programs of a few layers at the same shapes (the difference is a layer's cost;
 every layer costs the same), extrapolated to the model's layers. Its collectives are read
 from its own program, whose loop bodies count as many times as they run.
+
+Ctrl-C (:meth:`Planner.stop`) ends the search as a spent budget does: no compile starts after
+it, the compiles in flight are abandoned (a compile cannot be interrupted; their threads are
+left to the process's exit), and the plan reports what had finished.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import math
 import os
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -58,6 +63,7 @@ from xlafit.check.tpu import (
     memory_of,
     needed_bytes,
     no_persistent_cache,
+    rollout_fits,
     trainer_refusal,
     tree_bytes,
     usable_hbm,
@@ -138,6 +144,22 @@ class Planner:
         self._steps: dict[tuple, Steps] = {}
         self.outcomes: dict[Candidate, Outcome] = {}
         self.skipped: list[tuple[str, tuple[int, ...], str]] = []  # target, mesh, why
+        # Set by stop() (Ctrl-C): no compile starts after it, and none finishing later is kept.
+        self.stopped = False
+        self._lock = threading.Lock()
+
+    def stop(self) -> None:
+        """Ends the search: no compile starts after this, and a compile in flight, when it
+        ends, is not added to :attr:`outcomes` (the report is being made from them)."""
+        with self._lock:
+            self.stopped = True
+
+    def _keep(self, c: Candidate, out: Outcome) -> Outcome:
+        """Records ``c``'s outcome, unless the search was stopped while it compiled."""
+        with self._lock:
+            if not self.stopped:
+                self.outcomes.setdefault(c, out)
+        return out
 
     # ------------------------------------------------------------------ compiling
 
@@ -182,8 +204,7 @@ class Planner:
             out.fits, out.needed = False, steps.state_bytes
             gib = steps.state_bytes / 2**30
             out.error = f"the train state alone (parameters, optimizer state) takes {gib:.2f} GiB per core"
-            self.outcomes[c] = out
-            return out
+            return self._keep(c, out)
         try:
             compiled, out.compile_s = steps.compile_train(c.per_device_batch)
         except OutOfMemory as e:
@@ -215,8 +236,7 @@ class Planner:
         verdict = "fits" if out.fits else "does not fit" if out.fits is False else "error"
         if not quiet:
             _progress(f"{target.name}: {c.layout}, {c.levers}, {c.per_device_batch} per core: {verdict}")
-        self.outcomes[c] = out
-        return out
+        return self._keep(c, out)
 
     def evaluate_eval(self, target: Target, o: Outcome, eval_batch: int) -> None:
         """Compiles ``o``'s eval step at ``eval_batch`` examples over all cores (each core's
@@ -227,11 +247,18 @@ class Planner:
         with no_persistent_cache():
             o.eval_batch, o.eval = eval_batch, eval_fit(steps, per_core, o.capacity)
 
+    def evaluate_rollout(self, target: Target, o: Outcome) -> None:
+        """Compiles ``o``'s rollout programs (GRPO's generation and log-probabilities) with
+        ``o``'s layout, at the rows of its train step over all cores."""
+        steps = self.steps(target, o.candidate)
+        with no_persistent_cache():
+            o.rollout = rollout_fits(steps, o.candidate.per_device_batch * steps.strategy.num_replicas)
+
     def over_budget(self, target: Target) -> bool:
         """Whether a compile for ``target`` started now would end past the deadline (by more
         than 5 % of the budget), judged by the longest compile for it so far."""
         now = time.monotonic()
-        if now > self.settings.deadline:
+        if self.stopped or now > self.settings.deadline:
             return True
         seen = [o.compile_s for o in list(self.outcomes.values()) if o.candidate.target == target.name]
         expected = max((s for s in seen if s), default=0.0)
@@ -315,14 +342,25 @@ class Planner:
                 return self.evaluate(target, c, stage)
             except OverBudget:
                 out = Outcome(c, None, error="not compiled: the plan's time budget ran out", stage=stage)
-                self.outcomes.setdefault(c, out)
-                return out
+                return self._keep(c, out)
 
         jobs = list(jobs)
         for target, c, _ in jobs:  # built here, one at a time
             self._prepare(target, c)
-        with concurrent.futures.ThreadPoolExecutor(self.settings.workers) as pool:
-            return list(pool.map(run, jobs))
+        return self._pooled(run, jobs)
+
+    def _pooled(self, fn: Callable, items: list) -> list:
+        """``fn`` of each item, ``workers`` at a time. Ctrl-C stops the search and leaves the
+        compiles in flight to finish unheard, rather than waiting for them."""
+        pool = concurrent.futures.ThreadPoolExecutor(self.settings.workers)
+        try:
+            return list(pool.map(fn, items))
+        except KeyboardInterrupt:
+            self.stop()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        finally:
+            pool.shutdown(wait=not self.stopped)
 
     # ------------------------------------------------------------------ the search
 
@@ -422,8 +460,7 @@ class Planner:
         the largest that fits, or the first whose larger neighbour no longer runs faster."""
         fitting = [o for o in self.outcomes.values() if o.candidate.target == target.name and o.fits and o.prediction]
         fitting.sort(key=lambda o: -self._potential(target, o))
-        with concurrent.futures.ThreadPoolExecutor(self.settings.workers) as pool:
-            list(pool.map(lambda o: self._search_batch(target, o), fitting[: self.settings.top]))
+        self._pooled(lambda o: self._search_batch(target, o), fitting[: self.settings.top])
 
     def _search_batch(self, target: Target, o: Outcome) -> None:
         c = o.candidate

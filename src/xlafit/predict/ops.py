@@ -60,6 +60,7 @@ from xlafit.predict.hlo import (
     array_bytes,
     kernel_flops,
     product_flops,
+    walk,
 )
 from xlafit.predict.kernel import (
     _BLAS,
@@ -78,7 +79,7 @@ from xlafit.predict.kernel import (
     hbm_bytes,
 )
 
-__all__ = ["KINDS", "VECTOR_COST", "Kernel", "hbm_bytes", "kernels"]
+__all__ = ["KINDS", "VECTOR_COST", "Kernel", "hbm_bytes", "kernels", "loop_kernels", "loop_state"]
 
 
 def _parse(hlo: str) -> tuple[dict[str, _Computation], str]:
@@ -103,15 +104,7 @@ def kernels(hlo: str, signatures: bool = False) -> list[Kernel]:
     and its count (see the module docstring); with ``signatures``, each fusion's
     :attr:`Kernel.signature` (to match a GPU profile's kernel names)."""
     computations, entry = _parse(hlo)
-    found: dict[str, Kernel] = {}
-    for kernel in _visit(computations, entry, 1, signatures):
-        before = found.get(kernel.name)
-        if before is None:
-            found[kernel.name] = kernel
-        elif kernel.name.startswith(_CHANNEL):  # one collective carried through many fusions: once
-            found[kernel.name] = dataclasses.replace(before, count=max(before.count, kernel.count))
-        else:
-            found[kernel.name] = dataclasses.replace(before, count=before.count + kernel.count)
+    found = _merged(_visit(computations, entry, 1, signatures))
     splash = kernel_flops(hlo) if "splash_m" in hlo else 0.0
     if splash:  # Pallas splash attention: the FLOPs its kernels' blocks do, shared by its calls
         calls = [k for k in found.values() if k.kind == "attention" and k.target.startswith("tpu_custom_call")]
@@ -119,6 +112,85 @@ def kernels(hlo: str, signatures: bool = False) -> list[Kernel]:
         for k in calls:
             found[k.name] = dataclasses.replace(k, flops=splash / runs)
     return list(found.values())
+
+
+def loop_kernels(hlo: str, trips: int) -> list[Kernel] | None:
+    """The kernels of one loop of a program: a ``while`` that one run enters once and that
+    runs ``trips`` times (a generation's decode loop), each counted per run of the program
+    (its count in one trip x ``trips``); of several such loops, the one with the longest body.
+    None where no loop matches (the compiler unrolled it, or ``trips`` is not its count).
+
+    Example:
+        >>> hlo = '''
+        ... %cond (c: (s32[], f32[8])) -> pred[] {
+        ...   %c = (s32[], f32[8]{0}) parameter(0)
+        ...   %i = s32[] get-tuple-element(%c), index=0
+        ...   %n = s32[] constant(5)
+        ...   ROOT %lt = pred[] compare(%i, %n), direction=LT
+        ... }
+        ...
+        ... %body (b: (s32[], f32[8])) -> (s32[], f32[8]) {
+        ...   %b = (s32[], f32[8]{0}) parameter(0)
+        ...   %i = s32[] get-tuple-element(%b), index=0
+        ...   %x = f32[8]{0} get-tuple-element(%b), index=1
+        ...   %e = f32[8]{0} exponential(%x)
+        ...   ROOT %t = (s32[], f32[8]{0}) tuple(%i, %e)
+        ... }
+        ...
+        ... ENTRY %main (a: f32[8]) -> (s32[], f32[8]) {
+        ...   %a = f32[8]{0} parameter(0)
+        ...   %z = s32[] constant(0)
+        ...   %t = (s32[], f32[8]{0}) tuple(%z, %a)
+        ...   ROOT %w = (s32[], f32[8]{0}) while(%t), condition=%cond, body=%body
+        ... }'''
+        >>> [(k.name, k.count) for k in loop_kernels(hlo, 5)]
+        [('e', 5)]
+        >>> loop_kernels(hlo, 4) is None
+        True
+    """
+    computations, _ = _parse(hlo)
+    found = _loop(computations, hlo, trips)
+    return None if found is None else list(_merged(_visit(computations, found[0], trips, False)).values())
+
+
+def loop_state(hlo: str, trips: int) -> str | None:
+    """The shape of what the loop of :func:`loop_kernels` carries from one trip to the next
+    (every array live across its trips, with its layout: ``S(1)`` where the compiler keeps it
+    in on-chip memory), or None where no loop matches."""
+    found = _loop(_parse(hlo)[0], hlo, trips)
+    return None if found is None else found[1]
+
+
+def _loop(computations: dict[str, _Computation], hlo: str, trips: int) -> tuple[str, str] | None:
+    """The body and the shape of the loop that one run enters once and that runs ``trips`` times
+    (of several, the one with the longest body)."""
+    loops = []
+    for found, times, _, _ in walk(hlo):
+        if found.group("op") != "while" or times != 1:
+            continue
+        body = re.search(r"body=%([\w.\-]+)", found.group("rest"))
+        condition = re.search(r"condition=%([\w.\-]+)", found.group("rest"))
+        if body is None or condition is None or body.group(1) not in computations:
+            continue
+        lines = computations[body.group(1)].lines
+        if condition.group(1) in computations and _trip_count(computations[condition.group(1)].lines, lines) == trips:
+            loops.append((body.group(1), found.group("shape")))
+    return max(loops, key=lambda loop: len(computations[loop[0]].lines)) if loops else None
+
+
+def _merged(visited: Iterator[Kernel]) -> dict[str, Kernel]:
+    """The kernels visited, one per name, their counts added (a collective carried through
+    several fusions once)."""
+    found: dict[str, Kernel] = {}
+    for kernel in visited:
+        before = found.get(kernel.name)
+        if before is None:
+            found[kernel.name] = kernel
+        elif kernel.name.startswith(_CHANNEL):  # one collective carried through many fusions: once
+            found[kernel.name] = dataclasses.replace(before, count=max(before.count, kernel.count))
+        else:
+            found[kernel.name] = dataclasses.replace(before, count=before.count + kernel.count)
+    return found
 
 
 def _visit(computations: dict[str, _Computation], name: str, times: int, signatures: bool) -> Iterator[Kernel]:

@@ -74,6 +74,9 @@ class Validated:
         devices: the JAX devices the step ran on.
         step_s: the measured step.
         training: ``full`` or ``lora``.
+
+    Every step a band records is a train step: a program a run compiles beside it (a rollout's
+    generation) is never like them.
     """
 
     id: str
@@ -88,13 +91,15 @@ class Validated:
 class Kind:
     """What a prediction is for, to hold against a band's population (:meth:`Band.unlike`):
     the model family (None: a user's own model), its parameter count, the devices, the
-    predicted step and the kind of training."""
+    predicted step, the kind of training and the program (a train step, or a program a run
+    compiles beside it: a rollout's generation)."""
 
     family: str | None
     params: int | None
     devices: int
     step_s: float
     training: str = "full"
+    program: str = "train step"
 
 
 def parameter_count(model: Any) -> int:
@@ -163,6 +168,8 @@ class Band:
         if not p:
             return []
         out = []
+        if kind.program != "train step":  # the population's are all train steps (Validated)
+            out.append(f"the {kind.program}, not a train step")
         if kind.family not in {v.family for v in p}:
             out.append(f"a {kind.family} model" if kind.family else "a model of your own")
         if kind.training not in {v.training for v in p}:

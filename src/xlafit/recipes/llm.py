@@ -252,8 +252,13 @@ def check_base_blocks(cfg: Config, llama: LlamaConfig) -> None:
         return
     inputs = {"q_proj": llama.hidden_size, "o_proj": llama.num_heads * llama.head_size,
               "down_proj": llama.intermediate_size}  # fmt: skip
+    if cfg.lora.quantize_embeddings:  # the tables' blocks run along each token's features
+        inputs["embed_tokens"] = llama.hidden_size
+        if llama.per_layer_input_size:
+            inputs["embed_tokens_per_layer"] = llama.num_layers * llama.per_layer_input_size
     for name, features in inputs.items():
-        check_tiling(f"layers.*.{name}", (features, 1), cfg.lora.base_block, cfg.lora.base_dtype)
+        where = name if name.startswith("embed_tokens") else f"layers.*.{name}"
+        check_tiling(where, (features, 1), cfg.lora.base_block, cfg.lora.base_dtype)
 
 
 def from_data(cfg: Config, train: clm.PackedText) -> Config:
@@ -300,7 +305,10 @@ def build_llama(cfg: Config, vocab_size: int) -> LlamaForCausalLM:
             **moe_options(m),
         }
         if cfg.lora.rank and cfg.lora.quantized:  # quantized as it is read: one tensor in full precision at a time
-            model = from_hf_quantized(source, cfg.lora.base_dtype, cfg.lora.base_block, **options)
+            lora = cfg.lora
+            model = from_hf_quantized(
+                source, lora.base_dtype, lora.base_block, embeddings=lora.quantize_embeddings, **options
+            )
         else:
             model = llama_hf.from_hf(source, rngs=nnx.Rngs(cfg.trainer.seed), **options)
         if model.cfg.vocab_size < vocab_size:

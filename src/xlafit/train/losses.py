@@ -15,9 +15,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from xlafit.data.clm import next_token_targets
+from xlafit.models.quantized_embed import QuantizedKernel
 
 # ``(model, rows, temperature) -> [R, T - 1]``: each row's next tokens' log-probabilities
 # (:func:`next_token_targets` of ``rows``' ``input_ids`` and ``segment_ids``) under the model's
@@ -104,7 +106,7 @@ def blocks_for(rows: int, seq_len: int, vocab: int, chunk: int | None = None) ->
 
 def blockwise_cross_entropy(
     hidden: jax.Array,
-    kernel: jax.Array,
+    kernel: jax.Array | QuantizedKernel,
     labels: jax.Array,
     weights: jax.Array,
     *,
@@ -130,7 +132,10 @@ def blockwise_cross_entropy(
 
     Args:
         hidden: final hidden states ``[B, T, H]``.
-        kernel: the output layer ``[H, V]`` (a tied embedding's transpose).
+        kernel: the output layer ``[H, V]`` (a tied embedding's transpose), or a quantized
+            table's (:class:`~xlafit.models.quantized_embed.QuantizedKernel`: each tile's
+            columns dequantized as the tile is computed, again in the backward pass; frozen,
+            its gradient zero).
         labels: ``[B, T]`` integer targets.
         weights: ``[B, T]`` (0 for padding and positions the loss skips).
         chunk: positions per block (any; the last block is padded).
@@ -158,7 +163,7 @@ def blockwise_cross_entropy(
 
 def blockwise_token_logps(
     hidden: jax.Array,
-    kernel: jax.Array,
+    kernel: jax.Array | QuantizedKernel,
     labels: jax.Array,
     *,
     chunk: int,
@@ -188,7 +193,7 @@ def blockwise_token_logps(
 
 def _per_position(
     hidden: jax.Array,
-    kernel: jax.Array,
+    kernel: jax.Array | QuantizedKernel,
     labels: jax.Array,
     chunk: int,
     tile: int | None,
@@ -230,13 +235,22 @@ class _Blocks:
     layout: Callable[[jax.Array], jax.Array]
     temperature: float = 1.0
 
-    def columns(self, kernel: jax.Array, j: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    def columns(
+        self, kernel: jax.Array | QuantizedKernel, j: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """Tile ``j`` of ``kernel [H, V]``: ``(kernel [H, tile], its first column, column ids
         [1, 1, tile], fresh [1, 1, tile])``. The last tile starts early enough to end at
-        ``V``; the columns it shares with the tile before are not ``fresh`` (counted there)."""
+        ``V``; the columns it shares with the tile before are not ``fresh`` (counted there).
+        A quantized kernel's tile is dequantized here, once per tile and pass (the chunks of
+        positions reuse it): ``[H, tile]`` in the compute dtype at a time, the whole table only
+        where one tile is the whole vocabulary (a vocabulary small enough, or split over a
+        tensor-parallel mesh axis)."""
         start = jnp.minimum(j * self.tile, kernel.shape[1] - self.tile)
         cols = (start + jnp.arange(self.tile))[None, None, :]
-        k = jax.lax.dynamic_slice_in_dim(kernel, start, self.tile, axis=1)
+        if isinstance(kernel, QuantizedKernel):
+            k = kernel.columns(start, self.tile, self.dtype)
+        else:
+            k = jax.lax.dynamic_slice_in_dim(kernel, start, self.tile, axis=1)
         return k, start, cols, cols >= j * self.tile
 
     def logits(self, h: jax.Array, k: jax.Array) -> jax.Array:
@@ -261,14 +275,16 @@ class _Blocks:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _blockwise(blocks: _Blocks, hs: jax.Array, kernel: jax.Array, ys: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _blockwise(
+    blocks: _Blocks, hs: jax.Array, kernel: jax.Array | QuantizedKernel, ys: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """Each position's loss and whether its arg-max is the label ``[n, B, c]``, from ``hs [n, B, c, H]``."""
     (nll, correct), _ = _forward(blocks, hs, kernel, ys)
     return nll, correct
 
 
 def _forward(
-    blocks: _Blocks, hs: jax.Array, kernel: jax.Array, ys: jax.Array
+    blocks: _Blocks, hs: jax.Array, kernel: jax.Array | QuantizedKernel, ys: jax.Array
 ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
     """Over the vocabulary's tiles (the kernel read once), each tile over the chunks of
     positions: per position the running max ``m``, sum ``s`` of ``exp(z - m)``, label logit
@@ -303,47 +319,60 @@ def _forward(
 
 
 def _blockwise_fwd(
-    blocks: _Blocks, hs: jax.Array, kernel: jax.Array, ys: jax.Array
-) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
+    blocks: _Blocks, hs: jax.Array, kernel: jax.Array | QuantizedKernel, ys: jax.Array
+) -> tuple[tuple[jax.Array, jax.Array], tuple[Any, ...]]:
     out, lse = _forward(blocks, hs, kernel, ys)
     return out, (hs, kernel, ys, lse)
 
 
 def _blockwise_bwd(
-    blocks: _Blocks, residuals: tuple[jax.Array, ...], cotangents: tuple[jax.Array, jax.Array]
-) -> tuple[jax.Array, jax.Array, None]:
+    blocks: _Blocks, residuals: tuple[Any, ...], cotangents: tuple[jax.Array, jax.Array]
+) -> tuple[jax.Array, Any, None]:
     """Each block recomputed: ``d loss / d z = (softmax(z) - onehot(label)) x the position's
     cotangent`` (the hits have none), through the temperature and the soft-cap's
     ``1 - (z / cap)^2`` (:meth:`_Blocks.product_gradient`), then
     into ``hidden`` and ``kernel`` in the compute dtype with float32 sums, as autodiff of the
-    whole computation does."""
+    whole computation does. A quantized kernel is frozen: its gradient is zero, not computed."""
     hs, kernel, ys, lse = residuals
     coef = cotangents[0]  # (n, B, c)
+    frozen = isinstance(kernel, QuantizedKernel)
 
-    def tile_step(carry: tuple[jax.Array, jax.Array], j: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
+    def tile_step(carry: tuple[jax.Array, Any], j: jax.Array) -> tuple[tuple[jax.Array, Any], None]:
         dhs, dkernel = carry
         k, start, cols, fresh = blocks.columns(kernel, j)
         k_dt = k.astype(blocks.dtype)
 
-        def chunk_step(dk: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        def chunk_step(dk: Any, xs: tuple[jax.Array, ...]) -> tuple[Any, jax.Array]:
             h, y, lse_c, coef_c = xs
             z = blocks.logits(h, k)
             p = jnp.where(fresh, jnp.exp(z - lse_c[..., None]), 0.0)
             dz = (p - ((cols == y[..., None]) & fresh)) * coef_c[..., None]
             du = blocks.product_gradient(z, dz).astype(blocks.dtype)
             dh = jnp.einsum("bcv,hv->bch", du, k_dt, preferred_element_type=jnp.float32)
-            dk = dk + jnp.einsum("bch,bcv->hv", h.astype(blocks.dtype), du, preferred_element_type=jnp.float32)
+            if not frozen:
+                dk = dk + jnp.einsum("bch,bcv->hv", h.astype(blocks.dtype), du, preferred_element_type=jnp.float32)
             return dk, dh
 
-        dk, dh = jax.lax.scan(chunk_step, jnp.zeros(k.shape, jnp.float32), (hs, ys, lse, coef))
-        # the shared columns of the last tile hold 0 here: added, not written over
-        seen = jax.lax.dynamic_slice_in_dim(dkernel, start, blocks.tile, axis=1)
-        dkernel = jax.lax.dynamic_update_slice_in_dim(dkernel, seen + dk, start, axis=1)
+        dk: Any
+        dk, dh = jax.lax.scan(chunk_step, None if frozen else jnp.zeros(k.shape, jnp.float32), (hs, ys, lse, coef))
+        if not frozen:  # the shared columns of the last tile hold 0 here: added, not written over
+            seen = jax.lax.dynamic_slice_in_dim(dkernel, start, blocks.tile, axis=1)
+            dkernel = jax.lax.dynamic_update_slice_in_dim(dkernel, seen + dk, start, axis=1)
         return (dhs + dh, dkernel), None
 
-    init = (jnp.zeros(hs.shape, jnp.float32), jnp.zeros(kernel.shape, jnp.float32))
+    init = (jnp.zeros(hs.shape, jnp.float32), None if frozen else jnp.zeros(kernel.shape, jnp.float32))
+    dkernel: Any
     (dhs, dkernel), _ = jax.lax.scan(tile_step, init, jnp.arange(blocks.tiles))
+    if frozen:
+        return dhs.astype(hs.dtype), jax.tree.map(_zero_cotangent, kernel), None
     return dhs.astype(hs.dtype), dkernel.astype(kernel.dtype), None
+
+
+def _zero_cotangent(x: jax.Array) -> Any:
+    """A zero cotangent of ``x``: float0 for integer codes, as JAX requires."""
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
 
 
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)

@@ -39,7 +39,9 @@ from xlafit.train import grpo
 from xlafit.train.losses import TokenLogps, whole_token_logps
 from xlafit.train.rewards import Reward, score
 
-__all__ = ["Rollout", "sampler_seed"]
+__all__ = ["GENERATION", "Rollout", "sampler_seed"]
+
+GENERATION = "rollout generation"  # the name of the program that generates (Rollout.programs)
 
 
 def place_rows(x: np.ndarray, state: Any) -> jax.Array:
@@ -165,6 +167,12 @@ class Rollout:
             names += [f"rewards/{name}/mean", f"rewards/{name}/std"]
         return out | {f"{grpo.LOGGED}{n}": jax.ShapeDtypeStruct((), np.float32) for n in names}
 
+    @property
+    def decode_loop(self) -> tuple[str, int]:
+        """The program that generates, by name, and its decode loop's trips: the tokens after
+        the one the prefill gives, each a step of the loop whether or not its row has stopped."""
+        return GENERATION, self.objective.max_completion_length - 1
+
     def programs(self, model: Any, rows: int) -> list[tuple[str, Any]]:
         """The rollout's own programs for a generation batch of ``rows`` completions, traced on
         ``model`` as its state lies (arrays, or ``ShapeDtypeStruct``s with shardings: ``xlafit
@@ -173,7 +181,7 @@ class Rollout:
         o, data = self.objective, self.prompts
         sampling = Sampling(o.temperature, self.top_k, self.top_p)
         out = [(
-            "rollout generation",
+            GENERATION,
             generation_program(model, rows, data.prompt_length, o.max_completion_length, sampling,
                                len(set(data.stop_ids))),
         )]  # fmt: skip
