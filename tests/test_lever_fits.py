@@ -42,6 +42,7 @@ def test_the_levers_a_run_is_offered_follow_its_settings():
         ("model.logits_chunk=1024",),
         ("model.remat=offload",),
         ("model.remat=full",),
+        ("trainer.optimizer_offload=true",),  # a full fine-tune's
     ]
     lora = fit_levers_of(load_config("llm", ["lora.rank=8", "lora.base_dtype=bfloat16", "model.remat=full"]))
     assert lora[0] == FitLever("a 4-bit (NF4) frozen base", ("lora.base_dtype=nf4",), "state")
@@ -49,6 +50,8 @@ def test_the_levers_a_run_is_offered_follow_its_settings():
     # nothing a run already has.
     done = load_config("llm", ["lora.rank=8", "lora.base_dtype=nf4", "model.remat=offload", "model.logits_chunk=512"])
     assert fit_levers_of(done) == ()
+    offloaded = load_config("llm", ["trainer.optimizer_offload=true", "model.remat=offload", "model.logits_chunk=512"])
+    assert fit_levers_of(offloaded) == ()
 
 
 def test_a_run_whose_logits_do_not_fit_is_told_which_lever_fits_and_how_fast():
@@ -57,19 +60,21 @@ def test_a_run_whose_logits_do_not_fit_is_told_which_lever_fits_and_how_fast():
     assert report.train_fits is False
     fit_levers(report, V5E, program)
     by_setting = {" ".join(f.overrides): f for f in report.lever_fits}
-    assert list(by_setting) == ["model.logits_chunk=1024", "model.remat=offload"]  # no quantized base: no LoRA
-    chunks, offload = by_setting.values()
+    # No quantized base (no LoRA); the optimizer state in host memory (a full fine-tune's).
+    assert list(by_setting) == ["model.logits_chunk=1024", "model.remat=offload", "trainer.optimizer_offload=true"]
+    chunks, offload, optimizer = by_setting.values()
     assert chunks.fits and chunks.per_device_batch == 8 and chunks.memory < report.capacity
     assert chunks.step_s > 0 and chunks.tokens_per_s == pytest.approx(8 * 64 / chunks.step_s, rel=0.02)
     assert chunks.predicted and chunks.band_median is None  # a 1-layer LoRA step: outside the measured band
     assert offload.fits is False and offload.memory > report.capacity  # the logits, not the layer inputs
+    assert optimizer.fits is False and optimizer.memory > report.capacity  # nor the optimizer state
     text = format_report(report)
-    assert "with each lever, compiled (train step, 8 per core: the run's batch; 2 compile(s)):" in text
+    assert "with each lever, compiled (train step, 8 per core: the run's batch; 3 compile(s)):" in text
     line = next(x for x in text.splitlines() if "model.logits_chunk=1024" in x and "✓" in x)
     assert "(the logits in chunks): fits" in line and "(not validated)" in line and "tokens/s" in line
     assert "✗ model.remat=offload (layer inputs in host memory): does not fit, needs" in text
     out = json.loads(json.dumps(to_json(report), default=str))
-    assert [f["fits"] for f in out["lever_fits"]] == [True, False]
+    assert [f["fits"] for f in out["lever_fits"]] == [True, False, False]
 
 
 def test_under_max_batch_the_levers_are_compiled_at_the_smallest_batch_refused():
@@ -120,10 +125,13 @@ def test_a_plan_ranks_the_memory_levers_with_the_layouts():
     assert by_levers["remat full"].fits is False and by_levers["remat offload"].fits is False
     chunked = by_levers["remat full, logits_chunk=1024"]
     assert chunked.fits and chunked.prediction is not None and chunked in plan.fitting()
-    assert [o.candidate.memory for o in plan.outcomes if o.candidate.memory] == [(("model.logits_chunk", "1024"),)]
+    assert {o.candidate.memory: o.fits for o in plan.outcomes if o.candidate.memory} == {
+        (("model.logits_chunk", "1024"),): True,
+        (("trainer.optimizer_offload", "true"),): False,  # the logits are what is over
+    }
     assert "model.logits_chunk=1024" in plan.command_line(chunked)
     text = format_plan(plan)
     n = len(plan.outcomes)
-    assert f"{n} compiles of train steps, 1 of them with memory levers (each alone on the 2 refused layouts" in text
+    assert f"{n} compiles of train steps, 2 of them with memory levers (each alone on the 2 refused layouts" in text
     outcomes = json.loads(json.dumps(plan_json(plan), default=str))["outcomes"]
     assert [["model.logits_chunk", "1024"]] in [x["candidate"]["memory"] for x in outcomes if x["fits"]]

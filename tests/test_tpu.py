@@ -588,6 +588,11 @@ def test_the_refusals_byte_count_is_read_in_any_unit():
     assert needed_bytes(line.format("23.88G")) == int(23.88 * 2**30)
     assert needed_bytes(line.format("1.50T")) == int(1.5 * 2**40)
     assert needed_bytes("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm.") is None  # unknown, not 0
+    # The memory space assignment's refusal (a program with host offloading), just over.
+    assert needed_bytes(
+        "RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: XLA:TPU compile permanent error. Ran out of memory in memory "
+        "space hbm. Used 15.79G of 15.75G hbm. Exceeded hbm capacity by 46.00M."
+    ) == int(15.79 * 2**30)
 
 
 def _user_file(tmp_path, batch: str, loss: str = 'model(batch["x"]).sum(-1)') -> Path:

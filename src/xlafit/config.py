@@ -250,6 +250,11 @@ class TrainerConfig:
     # that changed. null: the programs the run plans (steps-per-call values x data shapes).
     max_compiles: int | None = None
     seed: int = 0  # parameter init and dropout
+    # Keep the optimizer state (Adam's two moments) in the host's pinned memory between steps:
+    # each step brings it to the devices for the update and writes it back (MaxText's
+    # optimizer_memory_host_offload). The devices' memory holds it only around the update; the
+    # price is its bytes over the host link twice a step. Full fine-tuning only (LoRA's state is small).
+    optimizer_offload: bool = False
     # Hang watchdog of multi-process jobs (xlafit.train.watchdog): when no call of the train
     # step finishes for max(watchdog_floor_s, watchdog_factor x the median call time), each
     # process writes its Python stacks to its log and exits with 75, to be run again from the
@@ -410,6 +415,12 @@ def validate(cfg: Config) -> None:
     """Rejects settings of one section that another makes impossible (each section refuses
     its own impossible values when it is built)."""
     validate_mesh(cfg.mesh, cfg.trainer)
+    if cfg.trainer.optimizer_offload and cfg.lora.rank:
+        raise ConfigError(
+            f"trainer.optimizer_offload=true moves a full fine-tune's optimizer state to host memory; with "
+            f"lora.rank={cfg.lora.rank} it is the adapters' own, a small fraction of the model, and the copies would "
+            "cost more than they save: set trainer.optimizer_offload=false (or lora.rank=0 to train every weight)."
+        )
 
 
 def validate_mesh(mesh: MeshConfig, trainer: TrainerConfig) -> None:

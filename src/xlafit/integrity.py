@@ -118,7 +118,11 @@ def _sums(x: jax.Array) -> jax.Array:
     return jnp.stack([jnp.sum(w, dtype=jnp.uint32), jnp.sum(w * odd, dtype=jnp.uint32)])
 
 
-_device_sums = jax.jit(lambda arrays: {name: _sums(x) for name, x in arrays.items()})
+# An array kept in host memory (trainer.optimizer_offload's optimizer state) is summed on its
+# device: XLA computes on device memory only.
+_device_sums = jax.jit(
+    lambda arrays: {name: _sums(jax.device_put(x, jax.memory.Space.Device)) for name, x in arrays.items()}
+)
 
 
 def _host_sums(x: np.ndarray) -> tuple[int, int]:

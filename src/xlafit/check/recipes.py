@@ -215,7 +215,8 @@ def fit_levers_of(cfg: Any) -> tuple[FitLever, ...]:
     """The levers ``check --tpu`` compiles for a recipe's run that does not fit, the ones its
     settings leave room for, most likely to help first: a 4-bit (NF4) frozen base (LoRA runs
     only: a quantized base cannot be trained), the loss's logits in chunks, each decoder
-    layer's input in host memory (the llm recipe's ``model.remat=offload``), full remat.
+    layer's input in host memory (the llm recipe's ``model.remat=offload``), full remat, and
+    for an llm full fine-tune the optimizer state in host memory (``trainer.optimizer_offload``).
 
     Example:
         >>> [lv.overrides for lv in fit_levers_of(load_config("llm", ["lora.rank=8"]))]
@@ -233,4 +234,8 @@ def fit_levers_of(cfg: Any) -> tuple[FitLever, ...]:
         found.append(FitLever("layer inputs in host memory", ("model.remat=offload",)))
     if remat is not None and remat not in ("full", "offload"):
         found.append(FitLever("full remat", ("model.remat=full",)))
+    trainer = getattr(cfg, "trainer", None)
+    full = lora is None or not lora.rank  # LoRA's optimizer state is the adapters' own: small
+    if isinstance(model, LlmModelConfig) and full and trainer is not None and not trainer.optimizer_offload:
+        found.append(FitLever("optimizer state in host memory", ("trainer.optimizer_offload=true",), "state"))
     return tuple(found)

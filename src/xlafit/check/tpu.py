@@ -134,8 +134,17 @@ def _batch(example: dict[str, jax.ShapeDtypeStruct], rows: int, leading: tuple[i
 
 def memory_of(compiled: Any, state_bytes: int, batch_bytes: int) -> dict[str, int]:
     """Per-core bytes: the compiler's memory analysis, and the state's and the batch's own
-    sizes (the compiler's ``arguments`` add the TPU's tile padding to them)."""
+    sizes (the compiler's ``arguments`` add the TPU's tile padding to them).
+
+    Arrays in the host's memory (``trainer.optimizer_offload``'s optimizer state) are the
+    compiler's ``host_*`` sizes, apart from the HBM's, as ``host memory``; its peak counts
+    them too, and they are taken out of it: what must fit is the HBM's.
+    """
     m = compiled.memory_analysis()
+    host = sum(
+        int(getattr(m, f"host_{name}_size_in_bytes", 0) or 0) * sign
+        for name, sign in (("argument", 1), ("output", 1), ("alias", -1), ("temp", 1))
+    )
     out = {
         "state": state_bytes,
         "batch": batch_bytes,
@@ -147,7 +156,9 @@ def memory_of(compiled: Any, state_bytes: int, batch_bytes: int) -> dict[str, in
     out["total"] = out["arguments"] + out["outputs"] + out["temporaries"] + out["generated code"]
     peak = int(getattr(m, "peak_memory_in_bytes", 0) or 0)
     if peak:
-        out["peak"] = peak
+        out["peak"] = peak - host
+    if host:
+        out["host memory"] = host
     return out
 
 
@@ -238,9 +249,9 @@ class Steps:
         model.eval()
         self.eval_graphdef = nnx.graphdef(model)
         model.train()
-        self.state = abstract_state(params, model_state, program.tx, self.strategy)
+        self.state = abstract_state(params, model_state, program.tx, self.strategy, program.config.optimizer_offload)
         self.shardings = state_shardings(self.state)
-        self.state_bytes = bytes_per_device(self.state)  # each core's shards
+        self.state_bytes = bytes_per_device(self.state)  # each core's shards in its own memory
 
     def _make_steps(self, rows: int) -> tuple[Any, Any]:
         """The run's train and eval steps for ``rows`` examples per step over all cores."""
@@ -317,8 +328,11 @@ class Steps:
 
 def needed_bytes(message: str) -> int | None:
     """The bytes per core that a refused program needs, from the compiler's message
-    ("... HLO temporaries (23.88G) exceeds available HBM (15.75G)")."""
-    needed = re.search(r"\((\d+(?:\.\d+)?)([KMGT])\) exceeds", message)
+    ("... HLO temporaries (23.88G) exceeds available HBM (15.75G)", or, from its memory
+    space assignment, "Used 15.79G of 15.75G hbm")."""
+    needed = re.search(r"\((\d+(?:\.\d+)?)([KMGT])\) exceeds", message) or re.search(
+        r"Used (\d+(?:\.\d+)?)([KMGT]) of \d+(?:\.\d+)?[KMGT] hbm", message
+    )
     return int(float(needed.group(1)) * _UNITS[needed.group(2)]) if needed else None
 
 

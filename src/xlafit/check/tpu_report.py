@@ -89,6 +89,8 @@ def _fit_lines(r: TargetReport) -> list[str]:
     parts = ", ".join(
         f"{k} {gib(m[k])}" for k in ("state", "batch", "outputs", "temporaries", "generated code") if k in m
     )
+    if "host memory" in m:  # trainer.optimizer_offload's state: beside the HBM, not in it
+        parts += f"; in the host's memory, beside the HBM: {gib(m['host memory'])}"
     peak = f", compiler's peak {gib(m['peak'])}" if "peak" in m else ""
     lines = [f"  HBM per core: {gib(m['total'])} of {cap}{peak}", f"    {parts}"]
     if (r.margin or 0) >= 0:

@@ -160,6 +160,15 @@ class Strategy:
         return self.mesh.devices.flat[0].platform
 
     @property
+    def memory_kinds(self) -> frozenset[str]:
+        """The memories the mesh's devices address: ``device``, and on TPUs, GPUs and CPUs
+        ``pinned_host`` and ``unpinned_host`` too (none known: an empty set)."""
+        try:
+            return frozenset(m.kind for m in self.mesh.devices.flat[0].addressable_memories())
+        except (AttributeError, NotImplementedError, RuntimeError):  # a backend without memory spaces
+            return frozenset()
+
+    @property
     def process_index(self) -> int:
         return jax.process_index()
 

@@ -278,11 +278,16 @@ def tree_shardings(tree: Any, mesh: Mesh, rules: Mapping[str, str | None]) -> An
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def bytes_per_device(tree: Any) -> int:
+def bytes_per_device(tree: Any, memory: str = "device") -> int:
     """Bytes each device holds of a tree of sharded arrays (or ``ShapeDtypeStruct``s with a
-    sharding): the largest shard of each leaf, summed. A PRNG key counts as its key data."""
+    sharding) in its ``memory`` (``device``: its own; ``host``: its host's, pinned or not,
+    where host offloading keeps arrays): the largest shard of each leaf, summed. A PRNG key
+    counts as its key data."""
     total = 0
     for x in jax.tree.leaves(tree):
+        kind = getattr(getattr(x, "sharding", None), "memory_kind", None) or "device"
+        if kind.endswith("host") != (memory == "host"):
+            continue
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             x = jax.eval_shape(jax.random.key_data, x)
             shard = x.shape

@@ -54,16 +54,24 @@ class TrainState:
     model_state: nnx.State
 
 
+# Where ``trainer.optimizer_offload`` keeps the optimizer state between steps: the host's
+# page-locked memory, which the devices read and write by DMA (a pageable buffer would be
+# staged through a pinned one on every copy).
+HOST_MEMORY = "pinned_host"
+
+
 def abstract_state(
     params: nnx.State,
     model_state: nnx.State,
     tx: optax.GradientTransformation,
     layout: Strategy | jax.sharding.Sharding,
+    optimizer_offload: bool = False,
 ) -> TrainState:
     """The :class:`TrainState` of these variables as ``ShapeDtypeStruct`` leaves laid out as
     the strategy lays them (:meth:`~xlafit.parallel.mesh.Strategy.shardings`), or all with one
     sharding: what compiling a step needs, with nothing allocated (``params`` may come from
-    ``nnx.eval_shape``)."""
+    ``nnx.eval_shape``). ``optimizer_offload``: the optimizer state in the host's pinned
+    memory (:func:`opt_state_on_host`)."""
 
     def init(params: nnx.State, model_state: nnx.State) -> TrainState:
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), model_state)
@@ -75,7 +83,32 @@ def abstract_state(
         shardings = layout.shardings(shapes)
     else:
         shardings = jax.tree.map(lambda _: layout, shapes)
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+    return opt_state_on_host(state) if optimizer_offload else state
+
+
+def in_memory(shardings: Any, kind: str) -> Any:
+    """A tree of shardings, each the same layout in memory ``kind`` (``device``, ``pinned_host``)."""
+    return jax.tree.map(lambda s: s.with_memory_kind(kind), shardings)
+
+
+def opt_state_on_host(state: TrainState) -> TrainState:
+    """An abstract state whose optimizer state lies in the host's pinned memory, each leaf
+    split over the devices' hosts as it would be over the devices (``trainer.optimizer_offload``).
+
+    Example:
+        >>> import optax
+        >>> from xlafit.parallel.cluster import connect
+        >>> params = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}
+        >>> state = abstract_state(params, {}, optax.adam(1e-3), connect(), optimizer_offload=True)
+        >>> sorted({x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)})
+        ['pinned_host']
+    """
+
+    def on_host(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding.with_memory_kind(HOST_MEMORY))
+
+    return dataclasses.replace(state, opt_state=jax.tree.map(on_host, state.opt_state))
 
 
 def state_shardings(state: TrainState) -> TrainState:
@@ -158,6 +191,7 @@ def apply_if_finite(
     metrics: dict[str, jax.Array],
     guard: Guard,
     select: bool,
+    opt_on_host: Any = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update, dropped when the loss (``guard="loss"``), or the loss or the
     gradient (``guard="gradient"``), is not finite.
@@ -177,7 +211,15 @@ def apply_if_finite(
     (``select=False``) the update runs inside a ``lax.cond`` instead: memory matters less there,
     and XLA:CPU ran those selects as passes of their own (4% of a Keras CNN's step on 8
     simulated devices). Both give the same values.
+
+    ``opt_on_host``: the optimizer state's shardings in host memory, where it lies between
+    steps (``trainer.optimizer_offload``; MaxText's ``optimizer_memory_host_offload``): it is
+    copied to the devices for the update and the updated state back. When to copy is the
+    compiler's choice: with HBM to spare the TPU compiler starts the copies with the step;
+    near its limit it spreads them so that less of the state is on the devices at once.
     """
+    if opt_on_host is not None:
+        state = dataclasses.replace(state, opt_state=jax.device_put(state.opt_state, in_memory(opt_on_host, "device")))
     grad_norm = optax.global_norm(grads)
     loss_ok = jnp.isfinite(metrics["loss"])
     finite = loss_ok & jnp.isfinite(grad_norm)
@@ -199,6 +241,8 @@ def apply_if_finite(
         keep = lambda params, opt_state: (params, opt_state)  # noqa: E731
         params, opt_state = jax.lax.cond(applied, update, keep, state.params, state.opt_state)
 
+    if opt_on_host is not None:
+        opt_state = jax.device_put(opt_state, opt_on_host)
     new_state = dataclasses.replace(
         state,
         step=state.step + 1,
@@ -231,6 +275,7 @@ def build_train_step(
     guard: Guard = "loss",
     select: bool = False,
     trainable: nnx.filterlib.Filter = nnx.Param,
+    opt_on_host: Any = None,
 ) -> Callable:
     """Returns the pure ``(state, batches[k, B, ...]) -> (state, metrics[k])`` function.
 
@@ -252,6 +297,8 @@ def build_train_step(
             (:func:`apply_if_finite`; the default is ``trainer.nan_policy=stop``'s).
         trainable: the variables ``state.params`` holds (the split the state was made
             with); everything else is ``model_state``, frozen parameters included.
+        opt_on_host: the optimizer state's shardings in host memory, where it lies between
+            steps (``trainer.optimizer_offload``; None: on the devices).
     """
 
     def loss_of(params: nnx.State, model_state: nnx.State, batch: Mapping[str, jax.Array]):
@@ -294,7 +341,8 @@ def build_train_step(
             (loss, (metrics, model_state)), grads = grad_fn(state.params, state.model_state, batch)
         if grad_sharding is not None:
             grads = jax.lax.with_sharding_constraint(grads, grad_sharding)
-        return apply_if_finite(state, grads, tx, model_state, {"loss": loss, **metrics}, guard, select)
+        metrics = {"loss": loss, **metrics}
+        return apply_if_finite(state, grads, tx, model_state, metrics, guard, select, opt_on_host)
 
     return _k_steps(one_step, unroll)
 
@@ -334,6 +382,7 @@ def build_invariant_train_step(
     guard: Guard = "loss",
     select: bool = False,
     trainable: nnx.filterlib.Filter = nnx.Param,
+    opt_on_host: Any = None,
 ) -> Callable:
     """Like :func:`build_train_step`, but the result does not depend on the device count.
 
@@ -399,7 +448,7 @@ def build_invariant_train_step(
         model_state = jax.tree.map(chunk_mean, chunk_states, state.model_state)
         grads = jax.tree.map(lambda g: ordered_sum(g) / n, grads)
         metrics = {k: ordered_sum(v) / n for k, v in sums.items()}
-        return apply_if_finite(state, grads, tx, model_state, metrics, guard, select)
+        return apply_if_finite(state, grads, tx, model_state, metrics, guard, select, opt_on_host)
 
     return _k_steps(one_step, unroll=True)
 
@@ -440,11 +489,14 @@ def make_steps(
     :func:`state_shardings`; default: replicated), stays so after every step, and is donated;
     batches are split along ``data`` x ``fsdp``; on CPUs the ``k`` steps of a call are
     unrolled, elsewhere a ``lax.scan``. ``trainable`` is the filter the state's ``params``
-    were split with (default ``nnx.Param``; LoRA: the adapters).
+    were split with (default ``nnx.Param``; LoRA: the adapters). With
+    ``config.optimizer_offload`` the optimizer state lies in the host's pinned memory between
+    steps (:func:`opt_state_on_host`), and each step brings it to the devices for the update.
 
     Raises:
         ConfigError: ``accumulate_steps`` or ``invariant_chunks`` does not divide the batch,
-            or ``invariant_chunks`` with a sharded state.
+            or ``invariant_chunks`` with a sharded state; ``optimizer_offload`` on devices
+            that address no pinned host memory.
     """
     chunks, accumulate = config.invariant_chunks, config.accumulate_steps
     devices = strategy.num_replicas
@@ -466,6 +518,9 @@ def make_steps(
         )
     replicated = strategy.replicated
     state_in: Any = replicated if state_sharding is None else state_sharding
+    opt_on_host = _opt_state_on_host(strategy, state_sharding) if config.optimizer_offload else None
+    if opt_on_host is not None:
+        state_in = dataclasses.replace(state_in, opt_state=opt_on_host)
     cpu = strategy.platform == "cpu"
     guard, select = guard_for(config.nan_policy), not cpu
     if chunks is not None:
@@ -475,7 +530,7 @@ def make_steps(
                 f"the global batch {global_batch}; try {devices * max(1, chunks // devices)} or null."
             )
         step_fn = build_invariant_train_step(
-            train_graphdef, loss_fn, tx, strategy.mesh, chunks, guard, select, trainable
+            train_graphdef, loss_fn, tx, strategy.mesh, chunks, guard, select, trainable, opt_on_host
         )
     else:
         grads = None if state_sharding is None or strategy.data_parallel_only else state_sharding.params
@@ -490,6 +545,7 @@ def make_steps(
             guard=guard,
             select=select,
             trainable=trainable,
+            opt_on_host=opt_on_host,
         )
     step_fn = _with_activation_layout(step_fn, strategy)
     eval_fn = _with_activation_layout(build_eval_step(eval_graphdef, loss_fn), strategy)
@@ -507,6 +563,22 @@ def make_steps(
         out_shardings=replicated,
     )
     return train_step, eval_step
+
+
+def _opt_state_on_host(strategy: Strategy, state_sharding: TrainState | None) -> Any:
+    """The optimizer state's shardings in the host's pinned memory (``trainer.optimizer_offload``).
+
+    Raises:
+        ConfigError: the strategy's devices address no pinned host memory.
+    """
+    if HOST_MEMORY not in strategy.memory_kinds:
+        raise ConfigError(
+            f"trainer.optimizer_offload=true keeps the optimizer state in the host's pinned memory, which these "
+            f"{strategy.platform} devices do not address: set trainer.optimizer_offload=false."
+        )
+    if state_sharding is None:
+        raise ValueError("trainer.optimizer_offload needs the state's shardings (state_sharding).")
+    return in_memory(state_sharding.opt_state, HOST_MEMORY)
 
 
 def _with_activation_layout(fn: Callable, strategy: Strategy) -> Callable:

@@ -194,9 +194,9 @@ class Trainer:
         eval_graphdef = self._eval_graphdef = nnx.graphdef(model)
         model.train()
         self.rollout = rollout
-        # Where every array lies (xlafit.parallel.sharding): replicated in pure data parallelism, split
-        # over fsdp / tensor otherwise; the same tree of shardings in, out and donated.
-        shardings = state_shardings(abstract_state(params, model_state, optimizer, self.strategy))
+        # Where every array lies, in, out and donated (xlafit.parallel.sharding; trainer.optimizer_offload)
+        abstract = abstract_state(params, model_state, optimizer, self.strategy, self.config.optimizer_offload)
+        shardings = state_shardings(abstract)
         self._state = self._initial_state(builder, params, model_state, shardings)
         self.train_step, self.eval_step = make_steps(
             train_graphdef, eval_graphdef, loss_fn, optimizer, self.strategy, self.config, self.global_batch, shardings,
