@@ -336,3 +336,14 @@ def hf_greedy(theirs, prompts, new_tokens, **generate):
             input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **generate
         )
     return out[:, length:].tolist()
+
+
+# NF4's 16 levels (Dettmers et al. 2023, appendix E), written out here rather than read from Qwix.
+NF4 = np.array(
+    [
+        -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+        -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+        0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+        0.7229568362236023, 1.0,
+    ]
+)  # fmt: skip

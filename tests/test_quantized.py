@@ -17,6 +17,7 @@ import pytest
 import qwix
 from flax import nnx
 
+from helpers import NF4
 from xlafit.checkpoint import Checkpointer
 from xlafit.config import LoraConfig
 from xlafit.errors import ConfigError
@@ -29,16 +30,6 @@ from xlafit.models.quantized import QuantizedLinear, quantized_layers
 from xlafit.parallel.sharding import path_name
 from xlafit.recipes.registry import load_config
 from xlafit.run import with_lora
-
-# NF4's 16 levels (Dettmers et al. 2023, appendix E), written out here rather than read from Qwix.
-NF4 = np.array(
-    [
-        -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-        -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-        0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-        0.7229568362236023, 1.0,
-    ]
-)  # fmt: skip
 
 
 def numpy_codes(stored: np.ndarray, qtype: str) -> np.ndarray:

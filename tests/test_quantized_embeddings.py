@@ -11,6 +11,7 @@ import pytest
 import qwix
 from flax import nnx
 
+from helpers import NF4
 from xlafit.config import LoraConfig
 from xlafit.errors import ConfigError, HFFormatError
 from xlafit.hf import llama as llama_hf
@@ -23,16 +24,6 @@ from xlafit.models.quantized_embed import QuantizedEmbed, dequantize_embeddings,
 from xlafit.recipes.registry import load_config
 from xlafit.run import with_lora
 from xlafit.train.losses import blockwise_cross_entropy
-
-# NF4's 16 levels (Dettmers et al. 2023, appendix E), written out here rather than read from Qwix.
-NF4 = np.array(
-    [
-        -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-        -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-        0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-        0.7229568362236023, 1.0,
-    ]
-)  # fmt: skip
 
 SIZES = {"vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256, "initializer_range": 0.02}  # fmt: skip

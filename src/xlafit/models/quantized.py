@@ -137,13 +137,18 @@ def quantize_kernel(kernel: Any, qtype: str, block: int) -> tuple[jax.Array, jax
         >>> codes.shape, scales.shape
         ((128, 4), (2, 4))
     """
-    rows, cols = kernel.shape
-    step = max(block, (_SLICE_WEIGHTS // max(cols, 1)) // block * block)
+    step = max(block, (_SLICE_WEIGHTS // max(kernel.shape[1], 1)) // block * block)
+    return in_slices(kernel, step, lambda piece: _quantize_jit(piece, qtype, block))
+
+
+def in_slices(array: Any, step: int, quantize: Any) -> tuple[jax.Array, jax.Array]:
+    """``quantize`` (a slice -> its codes and scales) of ``array``, ``step`` rows at a time on
+    the CPU, joined: one slice's float32 copy at most beside the codes."""
     cpu = jax.devices("cpu")[0]
     codes, scales = [], []
-    for start in range(0, rows, step):
-        piece = jax.device_put(np.asarray(kernel[start : start + step], np.float32), cpu)
-        q, s = _quantize_jit(piece, qtype, block)
+    for start in range(0, array.shape[0], step):
+        piece = jax.device_put(np.asarray(array[start : start + step], np.float32), cpu)
+        q, s = quantize(piece)
         codes.append(q)
         scales.append(s)
         del piece

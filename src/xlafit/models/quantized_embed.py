@@ -31,7 +31,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from xlafit.models.quantized import (
@@ -41,6 +40,7 @@ from xlafit.models.quantized import (
     check_tiling,
     dequantize,
     dequantized_matmul,
+    in_slices,
     pack,
     qwix_quantize,
     set_child,
@@ -77,19 +77,8 @@ def quantize_table(table: Any, qtype: str, block: int) -> tuple[jax.Array, jax.A
         >>> codes.shape, scales.shape
         ((10, 64), (10, 2))
     """
-    rows, cols = table.shape
-    step = max(1, _SLICE_WEIGHTS // max(cols, 1))
-    cpu = jax.devices("cpu")[0]
-    codes, scales = [], []
-    for start in range(0, rows, step):
-        piece = jax.device_put(np.asarray(table[start : start + step], np.float32), cpu)
-        q, s = _quantize_rows_jit(piece, qtype, block)
-        codes.append(q)
-        scales.append(s)
-        del piece
-    if len(codes) == 1:
-        return codes[0], scales[0]
-    return jnp.concatenate(codes), jnp.concatenate(scales)
+    step = max(1, _SLICE_WEIGHTS // max(table.shape[1], 1))
+    return in_slices(table, step, lambda piece: _quantize_rows_jit(piece, qtype, block))
 
 
 def dequantize_rows(qvalue: jax.Array, scale: jax.Array, qtype: str, dtype: Any = jnp.float32) -> jax.Array:
