@@ -233,10 +233,11 @@ class Planner:
                 out.flops = flops or None
                 out.comms = summarize(collectives(hlo, target.num_devices), target, per=k)
                 self._predict(out, target, steps, flops, accessed, hlo)
+        self._keep(c, out)  # before the verdict is said: a Ctrl-C after it reports this outcome
         verdict = "fits" if out.fits else "does not fit" if out.fits is False else "error"
         if not quiet:
             _progress(f"{target.name}: {c.layout}, {c.levers}, {c.per_device_batch} per core: {verdict}")
-        return self._keep(c, out)
+        return out
 
     def evaluate_eval(self, target: Target, o: Outcome, eval_batch: int) -> None:
         """Compiles ``o``'s eval step at ``eval_batch`` examples over all cores (each core's
@@ -349,10 +350,11 @@ class Planner:
             self._prepare(target, c)
         return self._pooled(run, jobs)
 
-    def _pooled(self, fn: Callable, items: list) -> list:
-        """``fn`` of each item, ``workers`` at a time. Ctrl-C stops the search and leaves the
-        compiles in flight to finish unheard, rather than waiting for them."""
-        pool = concurrent.futures.ThreadPoolExecutor(self.settings.workers)
+    def _pooled(self, fn: Callable, items: list, workers: int | None = None) -> list:
+        """``fn`` of each item, ``workers`` (default: the settings') at a time, in threads: the
+        calling thread only waits, so Ctrl-C reaches it at once. It stops the search and leaves
+        the compiles in flight to finish unheard, rather than waiting for them."""
+        pool = concurrent.futures.ThreadPoolExecutor(workers or self.settings.workers)
         try:
             return list(pool.map(fn, items))
         except KeyboardInterrupt:
@@ -374,8 +376,7 @@ class Planner:
             self._map(job for o in refused for job in self._lever_jobs(target, o))
             self._map(self._memory_jobs(target, refused))
             self._map(self._memory_jobs(target, refused, together=True))  # where no lever alone fits
-            for o in refused:
-                self.explain(target, o)
+            self._pooled(lambda o: self.explain(target, o), refused, workers=1)  # one dump at a time
             if self.numerics:  # the fastest layout with each setting that changes the numerics
                 best = self._best(target)
                 if best is not None:
