@@ -565,8 +565,14 @@ def test_ctrl_c_stops_the_plan_and_reports_what_had_compiled(tmp_path):
 
     from tests.helpers import user_env
 
-    cmd = [sys.executable, "-m", "xlafit", "plan", "mnist", "--tpu", "v4-8", "--write", str(tmp_path / "p.yaml")]
-    cmd += ["trainer.steps_per_call=1", "data.global_batch=32", "data.eval_global_batch=64"]
+    # As from a terminal: a suite started in the background passes SIGINT down ignored, and a
+    # Python started so never sees it.
+    as_from_a_terminal = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+    )
+    cmd = [sys.executable, "-c", as_from_a_terminal, sys.executable, "-m", "xlafit", "plan", "mnist", "--tpu", "v4-8"]
+    cmd += ["--write", str(tmp_path / "p.yaml"), "trainer.steps_per_call=1", "data.global_batch=32"]
+    cmd += ["data.eval_global_batch=64"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=user_env())
     assert proc.stderr is not None
     verdicts = 0

@@ -73,6 +73,7 @@ def quantize_table(table: Any, qtype: str, block: int) -> tuple[jax.Array, jax.A
     :func:`~xlafit.models.quantized.quantize_kernel` does a kernel's.
 
     Example:
+        >>> import numpy as np
         >>> codes, scales = quantize_table(np.ones((10, 128), np.float32), "nf4", 64)
         >>> codes.shape, scales.shape
         ((10, 64), (10, 2))
