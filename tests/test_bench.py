@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from helpers import long_form
 from xlafit.bench import model_flops, summarize, whiskers
 from xlafit.cli import main
 from xlafit.models.cnn import train_flops_per_example
@@ -167,6 +168,11 @@ def test_bench_table_json_plot_and_profile(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed (make bench installs it)")
+@long_form(
+    42,
+    "test_bench_table_json_plot_and_profile (the bench's rows, JSON and plot) and tests/test_torch.py (a PyTorch "
+    "module trained through xlafit)",
+)
 def test_bench_compares_with_pytorch_eager(tmp_path):
     out = bench(
         *("--devices", "1", "--compare", "torch,xlafit-torch", "--steps", "4", "--warmup", "2", "--repeats", "1"),
