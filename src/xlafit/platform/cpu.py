@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
+import functools
 import os
 import sys
 from types import ModuleType
@@ -81,6 +82,14 @@ def keeping_freed_memory() -> bool:
     return _kept
 
 
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """The process's C library where it is glibc (None elsewhere), looked up once
+    (``find_library`` runs ``ldconfig``): every TPU compile here trims through it."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    return libc if hasattr(libc, "gnu_get_libc_version") else None
+
+
 def keep_freed_memory() -> bool:
     """Makes glibc keep freed memory for reuse (see the module text).
 
@@ -90,9 +99,9 @@ def keep_freed_memory() -> bool:
     """
     if not sys.platform.startswith("linux") or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc = _glibc()
     mallopt = getattr(libc, "mallopt", None)
-    if mallopt is None or not hasattr(libc, "gnu_get_libc_version"):
+    if mallopt is None:
         return False
     global _kept
     _kept = all(mallopt(param, value) == 1 for param, value in KEEP.items())
@@ -110,9 +119,8 @@ def release_freed_memory() -> bool:
     """
     if _kept or not sys.platform.startswith("linux"):
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    trim = getattr(libc, "malloc_trim", None)
-    if trim is None or not hasattr(libc, "gnu_get_libc_version"):
+    trim = getattr(_glibc(), "malloc_trim", None)
+    if trim is None:
         return False
     trim(0)
     return True
