@@ -444,3 +444,27 @@ def test_the_error_after_reading_parquet_never_aborts_under_load(model_dir, tmp_
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         codes = list(pool.map(run, range(100)))
     assert codes == [2] * 100, {code: codes.count(code) for code in set(codes)}
+
+
+@pytest.mark.parametrize(
+    "record, advice",
+    [
+        ({"prompt": "2+2?", "chosen": "4", "rejected": "5"}, "model.objective=dpo"),
+        ({"prompt": "2+2?", "answer": "4"}, "model.objective=grpo"),
+    ],
+)
+def test_preference_pairs_and_prompts_alone_are_told_which_objective_trains_them(record, advice):
+    """Issue 63's second walk: such files given without model.objective were told to set
+    data.text_column or data.format, which cannot help."""
+    with pytest.raises(DataError, match=advice):
+        chat.detect_format([record], "pairs.jsonl")
+
+
+def test_a_json_lines_file_that_starts_with_a_byte_order_mark_is_read(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    records = b'{"prompt": "2+2?", "completion": "4"}\n{"prompt": "3+3?", "completion": "6"}\n'
+    path.write_bytes(b"\xef\xbb\xbf" + records)
+    assert chat.read_records([str(path)]) == [
+        {"prompt": "2+2?", "completion": "4"},
+        {"prompt": "3+3?", "completion": "6"},
+    ]

@@ -285,3 +285,15 @@ def test_a_recipes_plain_check_reports_the_runs_own_batch():
     report = check_recipe("mnist", devices=1)
     assert report.ok and report.batch == {"per_device": 128, "devices": 1, "global": 128}
     assert "per device at batch 128 (1 device(s), global 128)" in report.format()
+
+
+def test_the_cpu_check_of_a_lora_preference_run_traces_with_its_adapters():
+    """Issue 63's second walk: `xlafit check llm model.objective=dpo lora.rank=16 ...` without
+    --tpu said the model had no adapters and told the user to set the lora.rank they had set:
+    the CPU check built the model without them."""
+    from xlafit.check.recipes import check_recipe
+
+    report = check_recipe(
+        "llm", ["model.objective=dpo", "lora.rank=4", "data.demo=preference", "data.seq_len=48", "data.global_batch=8"]
+    )
+    assert report.traced and report.ran and not report.findings, report.findings

@@ -14,7 +14,7 @@ import pytest
 
 from helpers import TOKENIZER_FAMILIES, family_tokenizer
 from xlafit.data import clm
-from xlafit.errors import DataError
+from xlafit.errors import ConfigError, DataError
 from xlafit.recipes import llm_data, load_config
 
 transformers = pytest.importorskip("transformers")
@@ -60,9 +60,14 @@ def test_documents_and_completions_get_the_markers_transformers_and_trl_give(fam
     pc = tmp_path / "pc.jsonl"
     pc.write_text("\n".join(json.dumps({"prompt": PROMPT, "completion": COMPLETION}) for _ in range(3)))
     _, train = _train(folder, pc, tmp_path)
-    prompt = hf(PROMPT)["input_ids"]
-    answer = hf(COMPLETION, add_special_tokens=False)["input_ids"] + [hf.eos_token_id]
-    assert _segments(train) == [(prompt + answer, [0] * len(prompt) + [1] * len(answer))] * 3
+    # TRL's SFTTrainer: the prompt and completion encoded as one text, the answer from where the
+    # prompt's own ids end (Mistral's tokenizer once got a second "▁" before a completion encoded alone)
+    # (from where the two diverge: a token can span the boundary, as in this tiny Gemma tokenizer).
+    prompt, whole = hf(PROMPT)["input_ids"], hf(PROMPT + COMPLETION)["input_ids"]
+    # TRL's common_prefix_length:
+    shared = next((i for i, (a, b) in enumerate(zip(prompt, whole, strict=False)) if a != b), len(prompt))
+    answer = whole[shared:] + [hf.eos_token_id]
+    assert _segments(train) == [(whole[:shared] + answer, [0] * shared + [1] * len(answer))] * 3
     full, bare = hf(TEXT)["input_ids"], hf(TEXT, add_special_tokens=False)["input_ids"]
     head = full[: len(full) - len(bare)]
     assert clm.special_ids(folder) == (head[0] if head else None, hf.eos_token_id)
@@ -146,3 +151,11 @@ def test_conversations_without_an_assistant_turn_are_named_as_such(tmp_path):
         folder = family_tokenizer(family, tmp_path / family)
         with pytest.raises(DataError, match=rf"4 of its 4 conversations have no assistant turn.*{fix}"):
             _train(folder, data, tmp_path)
+
+
+def test_a_loaded_tokenizer_given_to_special_ids_is_told_to_give_its_folder(family):
+    """Issue 63's second walk: the issue's own command, special_ids(load_tokenizer(folder)), was a
+    TypeError from deep in the path code."""
+    _, folder, _ = family
+    with pytest.raises(ConfigError, match=r"special_ids\('path/to/model'\)"):
+        clm.special_ids(clm.load_tokenizer(folder))

@@ -143,15 +143,25 @@ def check_recipe(
             options = {**options, "global_batch": cfg.data.global_batch}
         elif cfg.data.per_device_batch:
             options = {**options, "per_device_batch": cfg.data.per_device_batch}
+    lora = getattr(cfg, "lora", None)
     model = recipe.build_model(cfg, train)
+    if lora is not None:  # the adapters the run trains (a preference objective's reference is the base without them)
+        model = with_lora(model, lora, cfg.trainer.seed)
     made = recipe.rollout(cfg, train)
     if isinstance(made, Rollout):  # GRPO: the rows its rollout makes with the model (whole groups)
-        model = with_lora(model, cfg.lora, cfg.trainer.seed)
         whole = -(-rows // made.prompts.group) * made.prompts.group
         batch = made.generation_batch(model, 0, train.take(np.arange(min(whole, len(train))))["prompt_index"])
     # A recipe's rows have one shape (packed or padded) unless its dataset plans buckets.
+    trainable = ADAPTER if lora is not None and lora.rank else nnx.Param
     return check_step(
-        name, model, recipe.loss(cfg), batch, lengths=lengths, one_shape=num_shapes(train) == 1, **options
+        name,
+        model,
+        recipe.loss(cfg),
+        batch,
+        lengths=lengths,
+        one_shape=num_shapes(train) == 1,
+        trainable=trainable,
+        **options,
     )
 
 

@@ -33,12 +33,15 @@ SCALAR_LOSS_NOTE = (
 )
 
 
-def _train_step(model: nnx.Module, loss_fn: Any, seen: dict[str, Any] | None = None) -> tuple[Any, TrainState]:
-    """The check's train step and state; ``seen`` gets the names of the loss's outputs that are
-    scalars (``loss``, a metric's name) when it is traced."""
+def _train_step(
+    model: nnx.Module, loss_fn: Any, seen: dict[str, Any] | None = None, trainable: Any = nnx.Param
+) -> tuple[Any, TrainState]:
+    """The check's train step and state, training the ``trainable`` variables (LoRA: the
+    adapters); ``seen`` gets the names of the loss's outputs that are scalars (``loss``, a
+    metric's name) when it is traced."""
     tx = optax.adamw(1e-3)
     model.train()
-    graphdef, params, model_state = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]  # flax's overloads
+    graphdef, params, model_state = nnx.split(model, trainable, ...)  # type: ignore[misc]  # flax's overloads
     state = TrainState(jax.numpy.zeros((), jax.numpy.int32), params, tx.init(params), model_state)
 
     def recorded(module: Any, batch: Any) -> Any:
@@ -49,7 +52,7 @@ def _train_step(model: nnx.Module, loss_fn: Any, seen: dict[str, Any] | None = N
             seen["scalars"] = [name for name, value in values.items() if getattr(value, "ndim", None) == 0]
         return out
 
-    return build_train_step(graphdef, recorded, tx, unroll=True), state
+    return build_train_step(graphdef, recorded, tx, unroll=True, trainable=trainable), state
 
 
 def _stacked(batch: dict[str, Any], rows: int | None = None) -> dict[str, Any]:
@@ -86,15 +89,17 @@ def check_step(
     devices: int | None = None,
     max_shapes: int = 8,
     one_shape: bool = False,
+    trainable: Any = nnx.Param,
 ) -> Report:
     """Checks one model + loss + batch; see the module docstring. ``one_shape``: the data
     reaches the step in one shape whatever ``lengths`` are (a recipe packs or pads its
-    examples to rows of one length), so the lengths' plans are information, not rule 3."""
+    examples to rows of one length), so the lengths' plans are information, not rule 3.
+    ``trainable``: the variables the step trains (a LoRA run's adapters)."""
     report = Report(target)
     if not isinstance(batch, dict) or not batch:
         raise ConfigError("`batch` must be a dict of arrays (one small real batch), e.g. {'x': ..., 'y': ...}.")
     seen: dict[str, Any] = {}
-    step, state = _train_step(model, loss_fn, seen)
+    step, state = _train_step(model, loss_fn, seen, trainable)
     rows = len(np.asarray(next(iter(batch.values()))))
     try:
         jax.eval_shape(step, state, _stacked(batch))
@@ -108,7 +113,7 @@ def check_step(
 
     _check_lengths(report, lengths, max_shapes, one_shape)
     devices = devices or jax.device_count()
-    per_device = per_device_batch or (global_batch // devices if global_batch else rows)
+    per_device = per_device_batch or (max(1, global_batch // devices) if global_batch else rows)
     report.batch = {"per_device": per_device, "devices": devices, "global": global_batch or per_device * devices}
     if global_batch is not None and global_batch % devices:
         report.findings.append(

@@ -332,7 +332,7 @@ def read_records(files: Sequence[str]) -> list[dict[str, Any]]:
         with fs.open(path, "rb") as f:
             lines = f.read()
         try:
-            text = lines.decode("utf-8")
+            text = lines.decode("utf-8-sig")  # a byte-order mark (an editor on Windows writes one) is no text
         except UnicodeDecodeError as e:
             raise DataError(f"{name} is not UTF-8 text (byte {e.start}); convert it with iconv first.") from None
         for number, line in enumerate(text.splitlines(), 1):
@@ -364,6 +364,17 @@ def detect_format(records: Sequence[dict[str, Any]], where: str, text_column: st
         return "prompt_completion"
     if text_column in keys:
         return "text"
+    if {"chosen", "rejected"} <= keys:
+        raise DataError(
+            f"{where} holds preference pairs (chosen, rejected), which train with a preference objective: add "
+            "model.objective=dpo (or simpo, orpo); see docs/guides/preference.md."
+        )
+    if "prompt" in keys and "completion" not in keys:
+        raise DataError(
+            f"{where} holds prompts without completions ({', '.join(sorted(keys))}): prompts train with rewards, "
+            "model.objective=grpo model.grpo.rewards=FILE.py:FUNCTION (docs/guides/grpo.md); for supervised "
+            'tuning give each record a "completion".'
+        )
     raise DataError(
         f"{where} has no column {text_column!r} (it has {', '.join(sorted(keys))}) and its records are neither chat "
         '({"messages": [{"role", "content"}, ...]}) nor prompt_completion ({"prompt", "completion"}); set '
@@ -405,10 +416,15 @@ def encode(
     head = [bos] if bos is not None else []
     tail = [eos] if eos is not None else []
     if fmt == "prompt_completion":
-        prompt = tok.encode(_text(record, "prompt"), add_special_tokens=False).ids
-        completion = tok.encode(_text(record, "completion"), add_special_tokens=False).ids + tail
-        ids = head + prompt + completion
-        answer = [0] * (len(head) + len(prompt)) + [1] * len(completion)
+        # The two texts encoded as one, as TRL does: a tokenizer that marks a word's start
+        # ("▁It") would put one more before a completion encoded alone. The answer starts where
+        # the prompt's own ids and the whole's part (a token can span the boundary).
+        prompt_text = _text(record, "prompt")
+        prompt = tok.encode(prompt_text, add_special_tokens=False).ids
+        whole = tok.encode(prompt_text + _text(record, "completion"), add_special_tokens=False).ids
+        shared = next((i for i, (a, b) in enumerate(zip(prompt, whole, strict=False)) if a != b), len(prompt))
+        ids = head + whole + tail
+        answer = [0] * (len(head) + shared) + [1] * (len(whole) - shared + len(tail))
         return Encoded(ids, [1] * len(ids) if loss_on == "all" else answer)
     ids = head + tok.encode(_text(record, text_key), add_special_tokens=False).ids + tail
     return Encoded(ids, [1] * len(ids))

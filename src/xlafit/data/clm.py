@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -49,7 +50,7 @@ from xlafit.data.shapes import pack
 from xlafit.data.special_tokens import markers, settings
 from xlafit.data.text import documents
 from xlafit.data.tokenizer import read_tokenizer_json
-from xlafit.errors import DataError
+from xlafit.errors import ConfigError, DataError
 from xlafit.io import hub
 from xlafit.io.paths import as_path, describe_error, filesystem, is_url
 
@@ -136,7 +137,17 @@ def special_ids(where: str | Path) -> tuple[int | None, int | None]:
     Example:
         >>> special_ids("tok/")  # a tokenizer of train_bpe                  # doctest: +SKIP
         (0, 1)
+
+    Raises:
+        ConfigError: ``where`` is a loaded tokenizer, not where it lies (its configuration
+            files, which name the markers, are not part of it).
     """
+    if not isinstance(where, (str, os.PathLike)):  # a tokenizers.Tokenizer, or transformers' tokenizer
+        raise ConfigError(
+            f"special_ids takes the tokenizer's folder or hub id, not a {type(where).__name__}: its "
+            "tokenizer_config.json names the markers. Call special_ids('path/to/model') with what you gave "
+            "load_tokenizer."
+        )
     return markers(load_tokenizer(where), settings(where))
 
 
