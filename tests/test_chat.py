@@ -468,3 +468,30 @@ def test_a_json_lines_file_that_starts_with_a_byte_order_mark_is_read(tmp_path):
         {"prompt": "2+2?", "completion": "4"},
         {"prompt": "3+3?", "completion": "6"},
     ]
+
+
+def test_records_whose_answer_the_cut_removes_are_left_out_not_counted_as_zero_rows(model_dir, tmp_path):
+    """Issue 63's second walk: a record cut at data.seq_len before its answer kept a row whose
+    loss is 0 of 0 tokens, and the mean over rows took it as a zero: the train and eval loss
+    and the gradient shrank (2.84 at seq_len 40 against 5.68 at 64 for one model)."""
+    tok = clm.load_tokenizer(model_dir)
+    template = chat.template_for(str(model_dir))
+    long_question = [CONVERSATION[0], {"role": "user", "content": "Tell me. " * 40}, CONVERSATION[2]]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": c}) for c in [CONVERSATION] * 6 + [long_question] * 4))
+    train, evaluation = clm.load_packed([str(path)], tok, seq_len=64, eval_fraction=0.3, template=template)
+    assert train.source.without_loss == 4
+    assert train.documents + evaluation.documents == 6
+    for packed in (train, evaluation):  # every row has a token the loss counts
+        assert (packed.arrays["loss_mask"].sum(axis=1) > 0).all()
+
+
+def test_a_template_that_prints_content_as_it_is_refuses_a_list_of_parts(model_dir, tmp_path):
+    """Issue 63's second walk: with a template that prints `{{ message['content'] }}` (Llama 3.0's,
+    Mistral v0.1's style), a list of parts trained as its Python text, exit 0."""
+    tok = clm.load_tokenizer(model_dir)
+    prints = chat.ChatTemplate("{% for m in messages %}{{ m['role'] }}: {{ m['content'] | trim }}\n{% endfor %}")
+    assert "user: What" in prints.render(CONVERSATION)  # text content renders as ever
+    conversation = [PARTS, CONVERSATION[2]]
+    with pytest.raises(DataError, match="prints a message's content as it is.*give each message's content as a string"):
+        chat.encode({"messages": conversation}, "chat", tok, prints)

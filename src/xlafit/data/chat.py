@@ -142,22 +142,31 @@ class ChatTemplate:
 
     def _render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool) -> str:
         try:
-            return self._template.render(
+            text = self._template.render(
                 messages=list(messages), add_generation_prompt=add_generation_prompt, **self.tokens
             )
         except TemplateError as e:
             raise DataError(f"{self.name} refuses a conversation: {e}") from None
         except Exception as e:  # the template's own Python: `message['content'] + ...` on a null or a list
-            text = all(isinstance(m.get("content"), str) for m in messages if isinstance(m, dict))
+            strings = all(isinstance(m.get("content"), str) for m in messages if isinstance(m, dict))
             raise DataError(
                 f"{self.name} cannot render a conversation ({type(e).__name__}: {str(e)[:200]}); "
                 + (
                     "fix the template, or give another as data.chat_template."
-                    if text
+                    if strings
                     else "a template that joins text expects every message's content to be a string: give it as "
                     "text, or use a template that handles null content or lists of parts (data.chat_template)."
                 )
             ) from None
+        lists = [m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)]
+        parts = [p for content in lists for p in content]
+        if any(repr(p) in text for p in parts):  # `{{ content }}` prints a list as Python's repr
+            raise DataError(
+                f"{self.name} prints a message's content as it is, so a list of parts would train as Python text "
+                f"({repr(parts[0])[:60]}...): give each message's content as a string, or use a template that handles "
+                "lists of parts (data.chat_template)."
+            )
+        return text
 
     def answer_spans(self, messages: Sequence[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
         """``(text, spans)``: the rendered conversation and the character spans of its

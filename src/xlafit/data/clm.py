@@ -280,6 +280,9 @@ class Source:
     records: dict[str, int]
     truncated: int = 0
     answer_share: float = 1.0  # of the real tokens, the share the loss counts
+    # records left out: no token of theirs within seq_len counts for the loss (an answer cut
+    # off, or none), where they would only add a row's zero to the mean over rows
+    without_loss: int = 0
 
 
 def load_packed(
@@ -319,9 +322,17 @@ def load_packed(
     draws = hash_uniform(np.array([seed]), np.arange(len(encoded)), 11) if encoded else np.zeros(0)
     split: dict[str, list[Encoded]] = {"train": [], "eval": []}
     counts = {"train": 0, "eval": 0}
-    truncated = answers_cut = longest = 0
-    for e, draw in zip(encoded, draws, strict=True):
+    truncated = answers_cut = longest = without_loss = 0
+    # A record none of whose tokens within seq_len counts for the loss is left out (told in the
+    # summary), unless no training record would be left: the errors below say why.
+    counting = [fmt_found == "text" or loss_on == "all" or any(e.mask[:seq_len]) for e in encoded]
+    leave_out = any(c and d >= eval_fraction for c, d in zip(counting, draws, strict=True))
+    for e, draw, counts_for_loss in zip(encoded, draws, counting, strict=True):
         name = "eval" if draw < eval_fraction else "train"
+        if leave_out and not counts_for_loss:
+            without_loss += 1
+            truncated += len(e.ids) > seq_len
+            continue
         counts[name] += 1
         if fmt_found != "text" and len(e.ids) > 1:
             truncated += len(e.ids) > seq_len
@@ -365,7 +376,7 @@ def load_packed(
             "is on the answers (assistant turns, completions), and no training record has one; check the records' "
             "roles, or set data.loss_on=all."
         )
-    out[0].source = Source(fmt_found, counts, truncated, share)
+    out[0].source = Source(fmt_found, counts, truncated, share, without_loss)
     return out[0], out[1]
 
 

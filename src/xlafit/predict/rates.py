@@ -109,7 +109,13 @@ def parameter_count(model: Any) -> int:
 
 
 def _params(n: float) -> str:
-    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+    """``n`` parameters in three digits, in billions from what rounds to 1,000 millions.
+
+    Example:
+        >>> _params(999.9e6), _params(999.4e6), _params(32.9e9)
+        ('1B', '999M', '32.9B')
+    """
+    return f"{n / 1e9:.3g}B" if n >= 999.5e6 else f"{n / 1e6:.3g}M"
 
 
 def _seconds(x: float) -> str:

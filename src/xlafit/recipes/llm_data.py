@@ -214,6 +214,12 @@ def data_summary(train: clm.PackedText, evaluation: clm.PackedText, d: LlmDataCo
                 f"  {source.truncated} records longer than data.seq_len={d.seq_len} are cut at it; raise data.seq_len "
                 "to keep their ends"
             )
+        if source.without_loss:
+            lines.append(
+                f"  {source.without_loss} records have no answer token within data.seq_len={d.seq_len} (cut before "
+                "their answer, or without one): left out, as they would add nothing but a zero to the loss's mean; "
+                "raise data.seq_len to keep those cut"
+            )
     if not len(evaluation) and d.eval_fraction > 0:
         total = train.documents + evaluation.documents
         lines.append(
