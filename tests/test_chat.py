@@ -10,6 +10,7 @@ import re
 import numpy as np
 import pytest
 
+from helpers import long_form
 from xlafit.data import chat, clm
 from xlafit.errors import ConfigError, DataError
 
@@ -278,6 +279,11 @@ def test_masks_land_where_packing_put_their_sequences():
     assert out.tolist() == [[1, 0, 1, 0, 1, 0], [1, 1, 0, 0, 0, 0]]
 
 
+@long_form(
+    60,
+    "the notebooks' tests (tests/test_notebooks.py: LoRA on the chat demo with the loss on the answers, a run "
+    "exported and asked) and test_generation's runs asked as they trained",
+)
 def test_the_chat_demo_tunes_a_model_whose_answers_follow(tmp_path):
     """`make demo-chat` in small: pretrain on plain text, LoRA on conversations (the loss on
     the answers falling), then ask the tuned run in ChatML."""

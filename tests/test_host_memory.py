@@ -23,7 +23,7 @@ PROBE = textwrap.dedent(
     from xlafit.platform.cpu import CpuConfig
     from xlafit.platform.cpu import page_faults, page_faults_since
     xlafit.connect(1, cpu=CpuConfig(keep_memory=sys.argv[1] == "keep"))
-    x, w = jnp.ones((2048, 1024)), jnp.ones((1024, 8192))
+    x, w = jnp.ones((2048, 64)), jnp.ones((64, 8192))  # a 64 MB product of few FLOPs
     f = jax.jit(lambda x, w: (lambda y: (y.sum(), y.max()))(x @ w))
     assert f.lower(x, w).compile().memory_analysis().temp_size_in_bytes >= 64 * 2**20
     jax.block_until_ready(f(x, w))
@@ -85,7 +85,7 @@ def test_inline_dispatch_returns_each_call_done():
         import xlafit
         from xlafit.platform.cpu import CpuConfig
         xlafit.connect(1, cpu=CpuConfig(async_dispatch=sys.argv[1] == "async"))
-        x, w = jnp.ones((2048, 1024)), jnp.ones((1024, 8192))
+        x, w = jnp.ones((2048, 64)), jnp.ones((64, 8192))  # a 64 MB product of few FLOPs
         f = jax.jit(lambda x, w: (x @ w).sum())
         jax.block_until_ready(f(x, w))
         outs = [f(x, w) for _ in range(8)]

@@ -15,6 +15,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from helpers import long_form
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "examples").glob("*.ipynb"))
 
@@ -83,6 +85,12 @@ def test_tpu_quickstart_runs_checks_trains_resumes_and_plots(tmp_path):
     assert "intact" in everything.lower(), everything[-2000:]  # xlafit inspect
 
 
+@long_form(
+    45,
+    "the post-training notebook's test (its install cell, a tiny model with the chat demo's tokenizer, check "
+    "--tpu, LoRA SFT on the chat demo, export and Generator.load) and the quickstart's (a stopped training cell "
+    "run again resumes)",
+)
 def test_the_fine_tuning_notebook_checks_tunes_resumes_asks_and_exports(tmp_path):
     nb = run(ROOT / "examples" / "finetune_on_colab_tpu.ipynb", tmp_path)
     code = [c for c in nb.cells if c.cell_type == "code"]

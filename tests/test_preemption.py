@@ -299,6 +299,11 @@ def _subset(strategy8, n):
     return Strategy(Mesh(np.array(strategy8.mesh.devices.flat[:n]), ("data",)))
 
 
+@long_form(
+    35,
+    "test_trainer.py::test_invariant_chunks_make_8_devices_and_1_bit_identical (the chunks' programs on 8 and 1 "
+    "devices) and test_sharding.py::test_a_checkpoint_restores_under_any_layout (a checkpoint onto other devices)",
+)
 def test_elastic_restore_8_to_4_2_1_and_back_is_bit_identical(strategy8, digits, tmp_path):
     """With invariant_chunks the per-chunk programs do not depend on the device count, so a
     run that moves 8 -> 4 -> 2 -> 1 -> 8 devices ends bit-identical to one that never moved.
