@@ -297,3 +297,33 @@ def test_the_cpu_check_of_a_lora_preference_run_traces_with_its_adapters():
         "llm", ["model.objective=dpo", "lora.rank=4", "data.demo=preference", "data.seq_len=48", "data.global_batch=8"]
     )
     assert report.traced and report.ran and not report.findings, report.findings
+
+
+def test_progress_lines_of_compiles_in_two_threads_stay_whole(monkeypatch):
+    """Issue 63's second walk: `check --tpu kaggle` printed "compiling the eval step ...kaggle =
+    v5e-8: compiling the train step ..." on one line (the eval step compiles in another thread,
+    and print writes a line's text and its end apart)."""
+    import threading
+    import time
+
+    from xlafit.check.program import progress
+
+    class SlowStderr:  # a write that yields to the other thread, as a busy terminal or pipe can
+        def __init__(self):
+            self.parts = []
+
+        def write(self, text):
+            self.parts.append(text)
+            time.sleep(0.001)
+
+        def flush(self):
+            pass
+
+    stderr = SlowStderr()
+    monkeypatch.setattr("sys.stderr", stderr)
+    threads = [threading.Thread(target=lambda n=n: [progress(f"step {n} ...") for _ in range(20)]) for n in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(set("".join(stderr.parts).splitlines())) == ["step 0 ...", "step 1 ..."]

@@ -23,8 +23,11 @@ MAX_PROBES = 5
 
 
 def progress(text: str, end: str = "\n") -> None:
-    """Progress on stderr (the report itself goes to stdout, or is returned)."""
-    print(text, end=end, file=sys.stderr, flush=True)
+    """Progress on stderr (the report itself goes to stdout, or is returned); one write per line,
+    so that the lines of compiles in other threads (the eval step's beside the train step's) do
+    not run together (``print`` writes the text and its end apart)."""
+    sys.stderr.write(text + end)
+    sys.stderr.flush()
 
 
 @dataclasses.dataclass(frozen=True)
