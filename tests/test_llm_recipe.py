@@ -294,6 +294,11 @@ def test_auto_takes_blocks_where_the_whole_logits_would_be_a_large_share_of_memo
     assert load_config("llm", []).model.logits_chunk == "auto"
 
 
+@long_form(
+    26,
+    "test_logps_in_blocks.py::test_a_dpo_step_and_its_eval_hold_far_less_than_the_whole_logits_by_default (auto's "
+    "blocks on the TPU compiler, train and eval steps, the same 2.1 GB of whole logits)",
+)
 def test_the_tpu_compiler_holds_less_than_the_whole_logits_by_default():
     """A tiny model with Gemma's 262,144-token vocabulary at 8 x 256 tokens a core: the whole
     logits alone are 2.1 GB (4.3 with their gradient, over 1/8 of a v5e's 16 GiB), so auto takes
