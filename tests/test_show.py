@@ -107,3 +107,41 @@ def test_show_names_the_chat_template_and_refuses_an_empty_file(tmp_path, capsys
     assert main(["data", "show", str(tmp_path / "empty.jsonl"), "--tokenizer", str(folder)]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith(f"xlafit: error: {tmp_path / 'empty.jsonl'} holds no documents or records")
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3"])
+def test_preference_pairs_show_each_completion_after_its_prompt_as_the_objective_compares_it(family, tmp_path, capsys):
+    """Issue 63's second walk: `data show` could not show preference pairs. Text pairs
+    (Mistral's tokenizer) and conversation pairs (Qwen3's template): each completion is marked,
+    with as many tokens as the preference loss sums for it."""
+    from xlafit.cli import main
+    from xlafit.data import clm, preference
+    from xlafit.data.chat import template_for
+    from xlafit.data.clm import next_token_targets
+
+    folder = family_tokenizer(family, tmp_path / family)
+    if family == "mistral":
+        record = {"prompt": "What is 3 plus 4?", "chosen": " It is 7.", "rejected": " It is 8."}
+    else:
+        record = {
+            "prompt": [{"role": "user", "content": "What is 3 plus 4?"}],
+            "chosen": [{"role": "assistant", "content": "It is 7."}],
+            "rejected": [{"role": "assistant", "content": "It is 8."}],
+        }
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(json.dumps(record) + "\n")
+    capsys.readouterr()
+    assert main(["data", "show", str(data), "--tokenizer", str(folder), "-n", "1", "--color", "never"]) == 0
+    out = capsys.readouterr().out
+    assert "preference pairs (train them with model.objective=dpo" in out
+    records = out.split("\n--- ")[1:]  # the header line names the marks too
+    marked = [re.findall(f"{re.escape(OPEN)}(.*?){re.escape(CLOSE)}", r, re.S) for r in records]
+    assert [len(m) for m in marked] == [1, 1] and "7." in marked[0][0] and "8." in marked[1][0], out
+    counts = [int(n) for n in re.findall(r"tokens, (\d+) compared", out)]
+    train, _ = preference.load_pairs(
+        [str(data)], clm.load_tokenizer(folder), template_for(str(folder), training=True), seq_len=256,
+        eval_fraction=0.0, markers=clm.special_ids(folder),
+    )  # fmt: skip
+    rows = {k: v.reshape(-1, v.shape[-1]) for k, v in train.arrays.items()}
+    _, weights = next_token_targets(rows["input_ids"], rows["segment_ids"], rows["loss_mask"])
+    assert counts == [int(w) for w in weights.sum(axis=1)]

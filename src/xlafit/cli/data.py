@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from xlafit.errors import DataError
 
@@ -80,7 +81,11 @@ def _register_show(data_sub: argparse._SubParsersAction) -> None:
         "text as the model reads it (special tokens shown) with the text the loss trains on between "
         "\u27e6 and \u27e7 (in colour on a terminal), and its counts of tokens and trained tokens.",
     )
-    p.add_argument("file", metavar="FILE", help="text, Parquet or JSON-lines records (chat, prompt/completion, text)")
+    p.add_argument(
+        "file",
+        metavar="FILE",
+        help="text, Parquet or JSON-lines records (chat, prompt/completion, text, preference pairs)",
+    )
     p.add_argument(
         "--tokenizer", required=True, metavar="T", help="a tokenizer.json, the folder holding one, or a model folder"
     )
@@ -114,6 +119,8 @@ def run_show(args: argparse.Namespace) -> int:
     e = llm_data.encoding(cfg)
     files = clm.data_files(e.inputs)
     d = llm_data.data_config(cfg)
+    if files and _are_pairs(files[0]):
+        return _show_pairs(files[0], e, d.seq_len, args)
     encoded, fmt = clm.encode_files(
         files, e.tok, d.format, d.text_column, e.template, d.loss_on, e.markers, limit=max(args.records, 0)
     )
@@ -139,6 +146,37 @@ def run_show(args: argparse.Namespace) -> int:
         cut = f", cut at --seq-len {d.seq_len}" if fmt != "text" and len(s.ids) > d.seq_len else ""
         print(f"\n--- record {number}: {len(s.ids)} tokens, {sum(s.trained)} trained{cut}")
         print(show.render(s.runs, color))
+    return 0
+
+
+def _are_pairs(file: str) -> bool:
+    """Whether ``file``'s first record is a preference pair (chosen and rejected completions)."""
+    from xlafit.data import chat
+
+    records = chat.read_records([file])
+    return bool(records) and {"chosen", "rejected"} <= set(records[0])
+
+
+def _show_pairs(file: str, e: Any, seq_len: int, args: argparse.Namespace) -> int:
+    """The first preference pairs of ``file`` as a preference objective trains on them: each
+    completion after its prompt, the completion's tokens (what DPO, SimPO and ORPO compare) marked."""
+    from xlafit.data import chat, preference, show
+
+    records = chat.read_records([file])[: max(args.records, 0)]
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+    print(
+        f"{file}: preference pairs (train them with model.objective=dpo, simpo or orpo); tokenizer {args.tokenizer}; "
+        "each completion after its prompt"
+        + ("" if color else f"; the compared completion between {show.OPEN} and {show.CLOSE}")
+    )
+    for number, record in enumerate(records, 1):
+        kind = preference.check_pair(record, f"{file}, record {number}")
+        pair = preference.encode_pair(record, kind, e.tok, e.template, bos=e.markers[0], eos=e.markers[1])
+        for side, encoded in zip(("chosen", "rejected"), pair, strict=True):
+            s = show.shown(e.tok, encoded, "prompt_completion", seq_len)
+            cut = f", cut at --seq-len {seq_len}" if len(s.ids) > seq_len else ""
+            print(f"\n--- record {number}, {side}: {len(s.ids)} tokens, {sum(s.trained)} compared{cut}")
+            print(show.render(s.runs, color))
     return 0
 
 
