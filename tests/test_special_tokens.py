@@ -68,6 +68,7 @@ def test_documents_and_completions_get_the_markers_transformers_and_trl_give(fam
     shared = next((i for i, (a, b) in enumerate(zip(prompt, whole, strict=False)) if a != b), len(prompt))
     answer = whole[shared:] + [hf.eos_token_id]
     assert _segments(train) == [(whole[:shared] + answer, [0] * shared + [1] * len(answer))] * 3
+    assert train.source.spans_boundary == (3 if shared < len(prompt) else 0)  # the summary says so
     full, bare = hf(TEXT)["input_ids"], hf(TEXT, add_special_tokens=False)["input_ids"]
     head = full[: len(full) - len(bare)]
     assert clm.special_ids(folder) == (head[0] if head else None, hf.eos_token_id)

@@ -397,6 +397,9 @@ class Encoded:
 
     ids: list[int]
     mask: list[int]
+    # a prompt/completion record whose prompt's own ids are not where the whole's start (a token
+    # spans the prompt's end): its answer starts where they part, with the end of the prompt
+    spans_boundary: bool = False
 
 
 def encode(
@@ -434,7 +437,7 @@ def encode(
         shared = next((i for i, (a, b) in enumerate(zip(prompt, whole, strict=False)) if a != b), len(prompt))
         ids = head + whole + tail
         answer = [0] * (len(head) + shared) + [1] * (len(whole) - shared + len(tail))
-        return Encoded(ids, [1] * len(ids) if loss_on == "all" else answer)
+        return Encoded(ids, [1] * len(ids) if loss_on == "all" else answer, shared < len(prompt))
     ids = head + tok.encode(_text(record, text_key), add_special_tokens=False).ids + tail
     return Encoded(ids, [1] * len(ids))
 

@@ -283,6 +283,7 @@ class Source:
     # records left out: no token of theirs within seq_len counts for the loss (an answer cut
     # off, or none), where they would only add a row's zero to the mean over rows
     without_loss: int = 0
+    spans_boundary: int = 0  # prompt/completion records with a token across the prompt's end
 
 
 def load_packed(
@@ -322,7 +323,7 @@ def load_packed(
     draws = hash_uniform(np.array([seed]), np.arange(len(encoded)), 11) if encoded else np.zeros(0)
     split: dict[str, list[Encoded]] = {"train": [], "eval": []}
     counts = {"train": 0, "eval": 0}
-    truncated = answers_cut = longest = without_loss = 0
+    truncated = answers_cut = longest = without_loss = spans_boundary = 0
     # A record none of whose tokens within seq_len counts for the loss is left out (told in the
     # summary), unless no training record would be left: the errors below say why.
     counting = [fmt_found == "text" or loss_on == "all" or any(e.mask[:seq_len]) for e in encoded]
@@ -334,6 +335,7 @@ def load_packed(
             truncated += len(e.ids) > seq_len
             continue
         counts[name] += 1
+        spans_boundary += e.spans_boundary
         if fmt_found != "text" and len(e.ids) > 1:
             truncated += len(e.ids) > seq_len
             answers_cut += name == "train" and any(e.mask) and not any(e.mask[:seq_len])
@@ -376,7 +378,7 @@ def load_packed(
             "is on the answers (assistant turns, completions), and no training record has one; check the records' "
             "roles, or set data.loss_on=all."
         )
-    out[0].source = Source(fmt_found, counts, truncated, share, without_loss)
+    out[0].source = Source(fmt_found, counts, truncated, share, without_loss, spans_boundary)
     return out[0], out[1]
 
 

@@ -220,6 +220,12 @@ def data_summary(train: clm.PackedText, evaluation: clm.PackedText, d: LlmDataCo
                 "their answer, or without one): left out, as they would add nothing but a zero to the loss's mean; "
                 "raise data.seq_len to keep those cut"
             )
+        if source.spans_boundary:
+            lines.append(
+                f"  {source.spans_boundary} prompt/completion records have a token across the prompt's end: their "
+                "answer starts where the prompt alone and the whole encode apart (as TRL's SFTTrainer does), so the "
+                "end of the prompt trains too; a prompt that ends with a newline keeps the two apart in most tokenizers"
+            )
     if not len(evaluation) and d.eval_fraction > 0:
         total = train.documents + evaluation.documents
         lines.append(
