@@ -80,9 +80,13 @@ def max_batch_cell(t: dict) -> str:
     """HBM per core at one sequence per core, and the largest batch that compiles (--max-batch)."""
     if not t["fits"]:
         return f"no: {gib(t['memory'].get('total'))} at 1 (state {gib(t['memory'].get('state')).removesuffix(' GiB')})"
+    return f"fits: {gib(t['memory'].get('total'))} at 1; {largest(t)}"
+
+
+def largest(t: dict) -> str:
+    """--max-batch's answer, with the first batch refused above it."""
     refused = min((p["per_device_batch"] for p in t["probes"] if not p["fits"]), default=None)
-    above = f" ({refused} does not)" if refused is not None else ""
-    return f"fits: {gib(t['memory'].get('total'))} at 1; largest **{t['max_batch']}**{above}"
+    return f"largest **{t['max_batch']:,}**" + (f" ({refused:,} does not)" if refused is not None else "")
 
 
 def step_cell(t: dict) -> str:
@@ -145,6 +149,36 @@ def largest_summary(reports: list[tuple[Row, dict]]) -> list[str]:
         cells = [best.get((mode, t), (0.0, "none of the rows compiled"))[1] for t in targets]
         lines.append(f"| {mode} | {' | '.join(cells)} |")
     return lines
+
+
+def bert_cell(t: dict) -> str:
+    """HBM per core at the row's batch; with --max-batch, the largest batch that compiles."""
+    batch = t["per_device_batch"]
+    if not t["fits"]:
+        return f"no: {gib(t['memory'].get('total'))} at {batch}"
+    return f"fits: {gib(t['memory'].get('total'))} at {batch}" + (
+        f"; {largest(t)}" if t.get("max_batch") is not None else ""
+    )
+
+
+def bert_layout_cell(t: dict) -> str:
+    """:func:`bert_cell` after each core's state (parameters and AdamW moments)."""
+    return f"state {gib(t['memory'].get('state'))}; {bert_cell(t)}"
+
+
+# The BERT recipe as the guides show it: BERT's vocabulary on synthetic tokens, float32, AdamW.
+BERT = ["data.source=synthetic", "data.global_batch=null"]
+BERT_1B3 = (
+    "model.preset=custom model.num_layers=24 model.hidden_size=2048 model.num_heads=16 model.intermediate_size=8192"
+)
+BERT_TARGETS = "v4-8,v5e-8,v6e-8"
+BERT_LAYOUTS = {"dp": ("DP 8", []), "fsdp": ("FSDP 8", ["mesh.fsdp=8"])}
+BERT_LAYOUTS["fsdp-remat"] = ("FSDP 8 + remat full", ["mesh.fsdp=8", "model.remat=full"])
+
+
+def _bert_row(name: str, label: tuple[str, ...], tpu: str, model: str, seq: int, batch: int, *more: str) -> Row:
+    args = ["bert", "--tpu", tpu, "--json", *BERT, *model.split(), f"data.seq_len={seq}"]
+    return Row(name, label, (*args, f"data.per_device_batch={batch}", *more))
 
 
 def _llm_row(
@@ -251,6 +285,45 @@ TABLES = {
         largest_cell,
         "each row one `xlafit check llm --tpu kaggle --json ...`, in the row's `.cmd`",
         targets=("kaggle",),
+    ),
+    # BERT on the TPUs users rent, data parallel, at seq 128 and 512.
+    "bert-targets": Table(
+        "docs/guides/will-it-fit.md",
+        ("model, seq", "per-core batch", "v4-8", "v5e-8 (Kaggle)", "v6e-8"),
+        ("---", "---:", "---", "---", "---"),
+        tuple(
+            _bert_row(f"bert-{m}-{seq}", (f"{m}, {seq}", str(batch)), BERT_TARGETS, f"model.preset={m}", seq, batch)
+            for m, seq, batch in (("base", 128, 32), ("base", 512, 32), ("large", 128, 32), ("large", 512, 8))
+        ),
+        bert_cell,
+        "each row one `xlafit check bert --tpu v4-8,v5e-8,v6e-8 --json ...`, in the row's `.cmd`",
+        targets=("v4-8", "v5e-8", "v6e-8"),
+    ),
+    # Three BERT sizes on a v5e-8 replicated, split (FSDP) and split with every layer recomputed.
+    "bert-layouts": Table(
+        "docs/guides/parallelism.md",
+        ("model", "layout", "v5e-8 (Kaggle): state per core; HBM at a per-core batch"),
+        ("---", "---", "---"),
+        tuple(
+            _bert_row(
+                f"bert-{size}-{layout}",
+                (title, BERT_LAYOUTS[layout][0]),
+                "v5e-8",
+                model,
+                128,
+                batch,
+                *BERT_LAYOUTS[layout][1],
+            )
+            for size, title, model, batch in (
+                ("base", "BERT-base (110M)", "model.preset=base", 32),
+                ("large", "BERT-large (335M)", "model.preset=large", 32),
+                ("1b3", "BERT 24 x 2048 (1.28B)", BERT_1B3, 8),
+            )
+            for layout in BERT_LAYOUTS
+        ),
+        bert_layout_cell,
+        "each row one `xlafit check bert --tpu v5e-8 --json ...`, in the row's `.cmd`",
+        targets=("v5e-8",),
     ),
 }
 

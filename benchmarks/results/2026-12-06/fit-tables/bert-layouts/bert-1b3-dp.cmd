@@ -1,0 +1,1 @@
+xlafit check bert --tpu v5e-8 --json data.source=synthetic data.global_batch=null model.preset=custom model.num_layers=24 model.hidden_size=2048 model.num_heads=16 model.intermediate_size=8192 data.seq_len=128 data.per_device_batch=8

@@ -1,0 +1,1 @@
+xlafit check bert --tpu v4-8,v5e-8,v6e-8 --json data.source=synthetic data.global_batch=null model.preset=large data.seq_len=512 data.per_device_batch=8
