@@ -251,8 +251,15 @@ TABLES = {
         (
             _largest_row("llama-3.1-8b", "8.0B", "lora_nf4", 2048, "colab", max_batch=True),
             # unscanned: its last layers reuse earlier layers' keys and values (no repeating block)
-            _llm_row("gemma-4-e4b", "lora", 2048, False, False, ("gemma-4-e4b", TRAINING["lora"], "2,048", "7.5B"),
-                     "colab,kaggle"),  # fmt: skip
+            _llm_row(
+                "gemma-4-e4b",
+                "lora",
+                2048,
+                False,
+                False,
+                ("gemma-4-e4b", TRAINING["lora"], "2,048", "7.5B"),
+                "colab,kaggle",
+            ),  # fmt: skip
             _largest_row("gemma-3-12b", "11.8B", "lora_nf4", 2048, "colab"),
             _largest_row("qwen3-14b", "14.8B", "lora_nf4", 2048, "colab"),
             _largest_row("llama-3.1-70b", "70.6B", "lora_nf4", 2048, "kaggle,v6e-8"),
