@@ -145,3 +145,15 @@ def test_preference_pairs_show_each_completion_after_its_prompt_as_the_objective
     rows = {k: v.reshape(-1, v.shape[-1]) for k, v in train.arrays.items()}
     _, weights = next_token_targets(rows["input_ids"], rows["segment_ids"], rows["loss_mask"])
     assert counts == [int(w) for w in weights.sum(axis=1)]
+
+
+def test_a_text_file_is_shown_not_read_as_records(tmp_path, capsys):
+    """The check for preference pairs reads record files only: a text file is documents."""
+    from xlafit.cli import main
+
+    folder = family_tokenizer("xlafit", tmp_path / "tok")
+    data = tmp_path / "doc.txt"
+    data.write_text("The capital of France is Paris.\n\nWhat is 3 plus 4? It is 7.\n")
+    capsys.readouterr()
+    assert main(["data", "show", str(data), "--tokenizer", str(folder), "-n", "1", "--color", "never"]) == 0
+    assert "text documents" in capsys.readouterr().out

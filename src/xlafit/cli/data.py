@@ -119,8 +119,10 @@ def run_show(args: argparse.Namespace) -> int:
     e = llm_data.encoding(cfg)
     files = clm.data_files(e.inputs)
     d = llm_data.data_config(cfg)
-    if files and _are_pairs(files[0]):
-        return _show_pairs(files[0], e, d.seq_len, args)
+    # Preference pairs are shown as a pair each (a text file is no record file: not read here).
+    first = chat.read_records(files[:1]) if files and files[0].endswith((*clm.RECORD_FILES, ".parquet")) else []
+    if first and {"chosen", "rejected"} <= set(first[0]):
+        return _show_pairs(files[0], first, e, d.seq_len, args)
     encoded, fmt = clm.encode_files(
         files, e.tok, d.format, d.text_column, e.template, d.loss_on, e.markers, limit=max(args.records, 0)
     )
@@ -149,20 +151,13 @@ def run_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _are_pairs(file: str) -> bool:
-    """Whether ``file``'s first record is a preference pair (chosen and rejected completions)."""
-    from xlafit.data import chat
+def _show_pairs(file: str, records: list[dict[str, Any]], e: Any, seq_len: int, args: argparse.Namespace) -> int:
+    """The first preference pairs of ``file`` (its ``records``) as a preference objective trains
+    on them: each completion after its prompt, the completion's tokens (what DPO, SimPO and ORPO
+    compare) marked."""
+    from xlafit.data import preference, show
 
-    records = chat.read_records([file])
-    return bool(records) and {"chosen", "rejected"} <= set(records[0])
-
-
-def _show_pairs(file: str, e: Any, seq_len: int, args: argparse.Namespace) -> int:
-    """The first preference pairs of ``file`` as a preference objective trains on them: each
-    completion after its prompt, the completion's tokens (what DPO, SimPO and ORPO compare) marked."""
-    from xlafit.data import chat, preference, show
-
-    records = chat.read_records([file])[: max(args.records, 0)]
+    records = records[: max(args.records, 0)]
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     print(
         f"{file}: preference pairs (train them with model.objective=dpo, simpo or orpo); tokenizer {args.tokenizer}; "

@@ -330,16 +330,15 @@ def load_packed(
     leave_out = any(c and d >= eval_fraction for c, d in zip(counting, draws, strict=True))
     for e, draw, counts_for_loss in zip(encoded, draws, counting, strict=True):
         name = "eval" if draw < eval_fraction else "train"
-        if leave_out and not counts_for_loss:
-            without_loss += 1
-            truncated += len(e.ids) > seq_len
-            continue
-        counts[name] += 1
-        spans_boundary += e.spans_boundary
         if fmt_found != "text" and len(e.ids) > 1:
             truncated += len(e.ids) > seq_len
             answers_cut += name == "train" and any(e.mask) and not any(e.mask[:seq_len])
             longest = max(longest, len(e.ids))
+        if leave_out and not counts_for_loss:
+            without_loss += 1
+            continue
+        counts[name] += 1
+        spans_boundary += e.spans_boundary
         split[name] += sequences(e, fmt_found, seq_len)
     if not split["train"] and fmt_found == "chat" and (unanswered := _without_answers(files)):
         raise DataError(
