@@ -203,7 +203,8 @@ def test_a_resume_with_another_tokenizer_is_refused_and_the_run_is_left_as_it_wa
               "model.num_heads=2", "model.intermediate_size=64", "optimizer.decay_steps=100"]  # fmt: skip
     xlafit.train_and_evaluate(load_config("llm", [*common, f"data.tokenizer={corpus / 'tok'}"]))
     before = run_files(run)
-    capsys.readouterr()
+    final = [line for line in capsys.readouterr().out.splitlines() if line.startswith("test:")]
+    assert len(final) == 1 and final[0].endswith(" rows)"), final  # rows of seq_len tokens, not records
     with pytest.raises(ConfigError) as refused:
         xlafit.train_and_evaluate(load_config("llm", [*common, f"data.tokenizer={tmp_path / 'tok2'}"]))
     assert str(refused.value).startswith(

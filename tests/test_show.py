@@ -157,3 +157,27 @@ def test_a_text_file_is_shown_not_read_as_records(tmp_path, capsys):
     capsys.readouterr()
     assert main(["data", "show", str(data), "--tokenizer", str(folder), "-n", "1", "--color", "never"]) == 0
     assert "text documents" in capsys.readouterr().out
+
+
+def test_the_place_where_seq_len_cuts_a_record_is_marked(tmp_path, capsys):
+    """Issue 63's walk: a record longer than --seq-len was shown whole, its cut named in the
+    header only. The mark stands after the record's first --seq-len tokens, and nothing after it
+    is trained."""
+    from xlafit.cli import main
+    from xlafit.data.show import CUT
+
+    folder = family_tokenizer("qwen3", tmp_path / "qwen3")
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
+    tok = clm.load_tokenizer(folder)
+    capsys.readouterr()
+    assert main(["data", "show", str(data), "--tokenizer", str(folder), "-n", "1", "--seq-len", "48"]) == 0
+    head, body = capsys.readouterr().out.split("\n--- record 1: ")[1].split("\n", 1)
+    assert head.endswith(f", cut at --seq-len 48 (at {CUT})") and body.count(CUT) == 1
+    kept, dropped = body.replace(OPEN, "").replace(CLOSE, "").split(CUT)
+    assert len(tok.encode(kept, add_special_tokens=False).ids) == 48  # the row's tokens, and no more
+    assert OPEN in body.split(CUT)[0] and OPEN not in body.split(CUT)[1]  # what the cut removes trains nothing
+    assert main(["data", "show", str(data), "--tokenizer", str(folder), "-n", "1", "--seq-len", "256"]) == 0
+    assert CUT not in capsys.readouterr().out  # a whole record carries no mark
+    assert main(["data", "show", str(data), "--tokenizer", str(folder), "-n", "1", "--seq-len", "12"]) == 0
+    assert "no answer token is left, and training leaves the record out" in capsys.readouterr().out

@@ -142,6 +142,8 @@ def test_a_read_only_run_directory_at_resume_says_to_make_it_writable(disk):
         make_run_dir(run_dir, cfg)
     assert "is not writable" in str(refused.value) and "make it writable" in str(refused.value)
     assert "another --run-dir" not in str(refused.value) and refused.value.exit_code == STORAGE
+    # A finished run needs no writes: the message says what reads it as it is, not only "resume".
+    assert "`xlafit generate`, `inspect` and `export` read it" in str(refused.value)
 
 
 def test_a_failure_writing_metrics_is_named_as_such_and_tensorboard_is_closed(disk, strategy1, tmp_path):

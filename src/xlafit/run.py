@@ -133,7 +133,7 @@ def train_and_evaluate(cfg: Config) -> FitResult:
         finally:
             trainer.close()
     if strategy.process_index == 0 and result.eval is not None:
-        print(final_report(result.eval, result.eval_step, int(result.state.step)), flush=True)
+        print(final_report(result.eval, result.eval_step, int(result.state.step), recipe.eval_unit), flush=True)
     return result
 
 
@@ -288,10 +288,13 @@ def describe_schedule(cfg: Config, plan: OptimizerPlan, run_steps: int | None = 
     )
 
 
-def final_report(metrics: dict[str, float], at: int | None = None, last: int | None = None) -> str:
+def final_report(
+    metrics: dict[str, float], at: int | None = None, last: int | None = None, unit: str = "examples"
+) -> str:
     """The last lines of a run: the final evaluation, and its headline metric alone; ``at``,
     the step it evaluated, named where it is not the run's ``last`` (a run stopped by
-    ``trainer.stop_at_step`` between evaluations reports the model of an earlier step).
+    ``trainer.stop_at_step`` between evaluations reports the model of an earlier step);
+    ``unit``, what its count counts (the recipe's :attr:`~xlafit.recipes.base.Recipe.eval_unit`).
 
     Example:
         >>> print(final_report({"loss": 4.5, "count": 8}, at=16, last=20))
@@ -299,7 +302,7 @@ def final_report(metrics: dict[str, float], at: int | None = None, last: int | N
     """
     shown = "  ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k != "count")
     when = "" if at is None or at == last else f" (the last evaluation, at step {at}; the run stopped at step {last})"
-    lines = [f"test{when}: {shown}  ({metrics['count']} examples)"]
+    lines = [f"test{when}: {shown}  ({metrics['count']} {unit})"]
     if "accuracy" in metrics:
         lines.append(f"test accuracy: {metrics['accuracy']:.4f}")
     if "masked_accuracy" in metrics:

@@ -105,8 +105,9 @@ def make_run_dir(run_dir: epath.Path, cfg: Config) -> None:
     if not os.access(run_dir, os.W_OK):
         if any((run_dir / marker).exists() for marker in RUN_MARKERS):
             raise WriteError(
-                f"the run directory {run_dir} is not writable, and its run cannot go on without writing there: make "
-                "it writable (its permissions, or remount it read-write), then run the same command again to resume."
+                f"the run directory {run_dir} is not writable, and training writes there: to train on (or resume) "
+                "its run, make it writable (its permissions, or remount it read-write) and run the same command "
+                "again; a finished run needs no writes: `xlafit generate`, `inspect` and `export` read it as it is."
             )
         raise ConfigError(f"the run directory {run_dir} is not writable. Choose another --run-dir.")
 

@@ -145,9 +145,11 @@ def run_show(args: argparse.Namespace) -> int:
         print(f"  {chat.describe(e.template)}")
     for number, record in enumerate(encoded, 1):
         s = show.shown(e.tok, record, fmt, d.seq_len)
-        cut = f", cut at --seq-len {d.seq_len}" if fmt != "text" and len(s.ids) > d.seq_len else ""
+        cut = f", cut at --seq-len {d.seq_len} (at {show.CUT})" if s.cut is not None else ""
+        if cut and not any(s.trained):  # as load_packed leaves it out (Source.without_loss)
+            cut += ": no answer token is left, and training leaves the record out"
         print(f"\n--- record {number}: {len(s.ids)} tokens, {sum(s.trained)} trained{cut}")
-        print(show.render(s.runs, color))
+        print(show.render(s.runs, color, s.cut))
     return 0
 
 
@@ -169,9 +171,9 @@ def _show_pairs(file: str, records: list[dict[str, Any]], e: Any, seq_len: int, 
         pair = preference.encode_pair(record, kind, e.tok, e.template, bos=e.markers[0], eos=e.markers[1])
         for side, encoded in zip(("chosen", "rejected"), pair, strict=True):
             s = show.shown(e.tok, encoded, "prompt_completion", seq_len)
-            cut = f", cut at --seq-len {seq_len}" if len(s.ids) > seq_len else ""
+            cut = f", cut at --seq-len {seq_len} (at {show.CUT})" if s.cut is not None else ""
             print(f"\n--- record {number}, {side}: {len(s.ids)} tokens, {sum(s.trained)} compared{cut}")
-            print(show.render(s.runs, color))
+            print(show.render(s.runs, color, s.cut))
     return 0
 
 

@@ -98,6 +98,8 @@ class Recipe:
         rollout: ``(cfg, train) -> rollout or None``: what makes each train-step call's
             batch from the data's with the model being trained (the llm recipe's GRPO:
             :class:`xlafit.train.rollout.Rollout`); None: the data's batches are the step's.
+        eval_unit: what an evaluation counts, in its report's last line ("examples"; the
+            llm recipe's "rows": packed sequences, pairs or prompts, not records).
     """
 
     name: str
@@ -117,6 +119,7 @@ class Recipe:
     shapes: Callable[[Config], Any] = _shapes_from_data
     loss_for: Callable[[Config], LossFn] | None = None
     rollout: Callable[[Config, Any], Rollout | None] = _no_rollout
+    eval_unit: str = "examples"
 
     def loss(self, cfg: Config) -> LossFn:
         """The loss a run of ``cfg`` trains and evaluates with."""

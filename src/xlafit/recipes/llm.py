@@ -521,4 +521,5 @@ RECIPE = Recipe(
     },
     validate=validate,
     rollout=functools.partial(llm_grpo.rollout_for, token_logps=token_logps),
+    eval_unit="rows",
 )
