@@ -668,3 +668,20 @@ def test_missing_or_damaged_checkpoint_files_are_named_before_the_run_directory(
     truncate(good / "model.safetensors")
     with pytest.raises(HFFormatError, match="model.safetensors is damaged"):
         llama_hf.from_hf(good)  # what generate reads
+
+
+def test_a_preset_with_fewer_or_more_layers_keeps_its_layer_pattern():
+    """`model.preset=gemma-3-1b model.num_layers=2` (a smaller model of the family, to try a
+    setting fast) was refused: "layer_types has 26 entries for 2 layers". The preset's repeating
+    block is laid out again for the layers asked for."""
+    from xlafit.models.llama_config import PRESETS
+    from xlafit.recipes.llm import llama_config
+
+    block = PRESETS["gemma-3-1b"]["layer_types"][:6]
+    assert block.count("full_attention") == 1 and block[-1] == "full_attention"  # five sliding, one global
+    for layers in (2, 6, 8, 30):
+        cfg = llama_config(load_config("llm", ["model.preset=gemma-3-1b", f"model.num_layers={layers}"]), 262_144)
+        assert cfg.layer_types == tuple(block[i % 6] for i in range(layers))
+    assert llama_config(load_config("llm", ["model.preset=gemma-3-1b"]), 262_144).layer_types == tuple(
+        PRESETS["gemma-3-1b"]["layer_types"]
+    )

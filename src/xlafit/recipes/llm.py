@@ -138,6 +138,8 @@ def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
         base = dict(PRESETS[m.preset])
         if m.preset in ("tiny", "tiny-moe"):
             base["vocab_size"] = vocab_size
+        if base.get("layer_types") and sizes.get("num_layers", base["num_layers"]) != len(base["layer_types"]):
+            base["layer_types"] = repeat_pattern(base["layer_types"], sizes["num_layers"])
     if sizes.get("vocab_size", base["vocab_size"]) < vocab_size:
         raise ConfigError(
             f"the tokenizer has {vocab_size} tokens, more than the model's vocabulary of "
@@ -157,6 +159,21 @@ def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def repeat_pattern(layer_types: tuple[str, ...], num_layers: int) -> tuple[str, ...]:
+    """A preset's per-layer kinds for ``num_layers`` layers: its repeating block (the shortest
+    one that makes the whole list) laid out again, so that a smaller or larger model of a
+    family keeps its pattern (Gemma 3's five sliding-window layers and a global one).
+
+    Example:
+        >>> repeat_pattern(("sliding", "sliding", "full", "sliding", "sliding", "full", "sliding"), 4)
+        ('sliding', 'sliding', 'full', 'sliding')
+    """
+    period = next(p for p in range(1, len(layer_types) + 1) if all(
+        t == layer_types[i % p] for i, t in enumerate(layer_types)
+    ))  # fmt: skip
+    return tuple(layer_types[i % period] for i in range(num_layers))
 
 
 def moe_options(m: LlmModelConfig) -> dict[str, Any]:
