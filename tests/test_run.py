@@ -1,5 +1,7 @@
 """xlafit.run: resolving a config for the devices, the run directory and the resume check."""
 
+import json
+
 import numpy as np
 import optax
 import pytest
@@ -466,3 +468,20 @@ def test_the_final_report_names_the_step_of_an_evaluation_made_before_the_stop(
     xlafit.train_and_evaluate(load_config("mnist", [*common, "trainer.stop_at_step=6"]))
     report = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("test"))
     assert report.startswith("test: accuracy="), report
+
+
+def test_the_last_epoch_is_evaluated_when_the_epochs_are_no_multiple_of_the_evaluation_period(
+    strategy8, tmp_path, monkeypatch, capsys
+):
+    """The third walk: with trainer.epochs=3 and trainer.eval_every_epochs=2 the run evaluated at
+    epoch 2 only, and its "test:" line and perplexity reported that epoch's model, not the one it
+    ended with (and exported). The last epoch is evaluated too, as the setting's comment says."""
+    use_few_digits(monkeypatch)  # 400 digits: 3 steps an epoch at global batch 128
+    xlafit.train_and_evaluate(
+        load_config("mnist", [f"run.run_dir={tmp_path}", "data.global_batch=128", "trainer.epochs=3",
+                              "trainer.eval_every_epochs=2"])
+    )  # fmt: skip
+    report = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("test"))
+    assert report.startswith("test: accuracy="), report
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "eval"] == [6, 9]

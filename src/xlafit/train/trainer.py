@@ -434,7 +434,8 @@ class Trainer:
         )
         # Metrics are flushed at every checkpoint, so no accumulator outlives one.
         log = save or stop or epoch_end or itstime(step, cfg.log_every_steps, loop.stop, previous=previous)
-        evaluate = has_eval and epoch_end and itstime(step // loop.spe, cfg.eval_every_epochs)
+        # every eval_every_epochs-th epoch's end, and the last epoch's (the model the run ends with)
+        evaluate = has_eval and epoch_end and itstime(step // loop.spe, cfg.eval_every_epochs, loop.total // loop.spe)
         return Due(log=log, stop=stop, eval=evaluate, save=save)
 
     def _stop(self, loop: Loop) -> None:
