@@ -417,6 +417,11 @@ def test_an_export_keeps_the_generation_settings_of_the_checkpoint_it_started_fr
     export_hf(tmp_path / "tuned", tmp_path / "tuned-hf")
     exported = json.loads((tmp_path / "tuned-hf" / "generation_config.json").read_text())
     assert exported == {**settings, **sampling, "eos_token_id": sorted(extra)}
+    # The run stops where its export (and the checkpoint it started from) stops: the third walk found
+    # `xlafit generate RUN` going on past the checkpoint's other end tokens (Qwen3's <|endoftext|>).
+    from xlafit.data import clm
+
+    assert clm.stop_ids(tmp_path / "tuned" / "tokenizer") == clm.stop_ids(tmp_path / "tuned-hf") == tuple(sorted(extra))
 
 
 def test_a_prompt_completion_run_is_asked_as_it_trained_not_in_the_chat_template(chatml_run, tmp_path, capsys):

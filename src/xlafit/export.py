@@ -59,7 +59,7 @@ from xlafit.parallel.sharding import path_name
 from xlafit.recipes import config_from_dict
 from xlafit.recipes.bert import bert_config
 from xlafit.recipes.llm import build_llama
-from xlafit.recipes.llm_data import DATA_FORMAT_FILE, model_dir
+from xlafit.recipes.llm_data import DATA_FORMAT_FILE, GENERATION_CONFIG, base_generation, model_dir
 from xlafit.recipes.resnet import CLASSES_FILE, NORMALISATION, augmentation, image_size, normalisation, resnet_config
 from xlafit.run import with_lora
 from xlafit.rundir import checkpoint_dir
@@ -337,9 +337,6 @@ def export_llm(
     (out / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
 
 
-GENERATION_CONFIG = "generation_config.json"
-
-
 def _write_tokenizer(
     cfg: Config, tokenizer_json: str, out: Path, chat_template: str | None, tokens: dict[str, str] | None
 ) -> tuple[dict[str, int | None], dict[str, Any]]:
@@ -369,7 +366,7 @@ def _write_tokenizer(
         f"{key}_id": tok.token_to_id(config[key]) if key in config else None
         for key in ("bos_token", "eos_token", "pad_token")
     }
-    generation = _base_generation(cfg, tokenizer_json)
+    generation = base_generation(cfg, tokenizer_json)
     ends = set(clm.stop_ids(out))
     theirs = generation.get("eos_token_id")
     ends.update(theirs if isinstance(theirs, list) else [] if theirs is None else [theirs])
@@ -377,19 +374,6 @@ def _write_tokenizer(
     if ends:
         generation["eos_token_id"] = sorted(ends) if len(ends) > 1 else next(iter(ends))
     return ids, generation
-
-
-def _base_generation(cfg: Config, tokenizer_json: str) -> dict[str, Any]:
-    """``model.init_from_hf``'s ``generation_config.json`` ({} where it has none), without its
-    token ids where the run has another tokenizer (they would name other tokens)."""
-    source = model_dir(cfg)
-    base = as_path(os.path.expanduser(source)) if source else None
-    if base is None or not (base / GENERATION_CONFIG).exists():
-        return {}
-    settings = json.loads((base / GENERATION_CONFIG).read_text())
-    if not (base / "tokenizer.json").exists() or (base / "tokenizer.json").read_text() != tokenizer_json:
-        settings = {k: v for k, v in settings.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    return settings
 
 
 def _without_adapters(model: LlamaForCausalLM) -> LlamaForCausalLM:

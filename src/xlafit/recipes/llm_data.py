@@ -75,6 +75,22 @@ def model_dir(cfg: Config) -> str | None:
     return _resolved(name, cfg.model.revision, "model.init_from_hf") if name else None
 
 
+GENERATION_CONFIG = "generation_config.json"
+
+
+def base_generation(cfg: Config, tokenizer_json: str) -> dict[str, Any]:
+    """``model.init_from_hf``'s ``generation_config.json`` ({} where it has none), without its
+    token ids where the run has another tokenizer (they would name other tokens)."""
+    source = model_dir(cfg)
+    base = Path(source).expanduser() if source else None
+    if base is None or not (base / GENERATION_CONFIG).exists():
+        return {}
+    settings = json.loads((base / GENERATION_CONFIG).read_text())
+    if not (base / "tokenizer.json").exists() or (base / "tokenizer.json").read_text() != tokenizer_json:
+        settings = {k: v for k, v in settings.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return settings
+
+
 @functools.cache
 def _resolved(name: str, revision: str | None, what: str) -> str:
     return hub.resolve(name, revision, what)
@@ -257,7 +273,8 @@ def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
     dest = run_dir / "tokenizer"
     dest.mkdir(parents=True, exist_ok=True)
     where = tokenizer_location(cfg)
-    (dest / "tokenizer.json").write_text(clm.tokenizer_json(where))
+    tokenizer_json = clm.tokenizer_json(where)
+    (dest / "tokenizer.json").write_text(tokenizer_json)
     fmt = train.source.format if train.source is not None else "text"
     trained = chat.template_for(where, data_config(cfg).chat_template, training=True)
     recorded: dict[str, Any] = {"format": fmt}
@@ -275,6 +292,10 @@ def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
         tokens = {k: tok.id_to_token(i) for k, i in (("bos_token", bos), ("eos_token", eos)) if i is not None}
     else:
         tokens = {k: special_tokens.token_name(v) for k, v in source.items() if k.endswith("_token")}
+    # The tokens that end an answer beside the eos_token: the base's (Qwen3's <|endoftext|> beside
+    # <|im_end|>, Llama 3's <|eom_id|>), read by `xlafit generate` on the run as on its export.
+    theirs = base_generation(cfg, tokenizer_json).get("eos_token_id")
+    ends = set(theirs if isinstance(theirs, list) else [] if theirs is None else [theirs])
     template = trained.official if trained is not None and trained.official is not None else trained
     if template is not None:  # what the run's chat data was rendered with, for generation and export
         (dest / chat.TEMPLATE_FILE).write_text(template.source)
@@ -283,5 +304,7 @@ def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
             own = clm.special_ids(where)[1]
             tokens["eos_token"] = end
             if own is not None and own != tok.token_to_id(end):  # it still ends a document: generation stops there too
-                (dest / "generation_config.json").write_text(json.dumps({"eos_token_id": [own]}) + "\n")
+                ends.add(own)
+    if ends:
+        (dest / GENERATION_CONFIG).write_text(json.dumps({"eos_token_id": sorted(ends)}) + "\n")
     (dest / "tokenizer_config.json").write_text(json.dumps(tokens, indent=2) + "\n")
