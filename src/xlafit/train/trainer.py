@@ -342,7 +342,8 @@ class Trainer:
                 self._end(loop)
             raise
         self._end(loop)
-        if eval is not None and loop.last_eval is None and int(self._state.step) == loop.total:
+        # The model the run ends with is evaluated, where no periodic evaluation took its last step.
+        if eval is not None and loop.last_eval_step != loop.total and int(self._state.step) == loop.total:
             alone = self.strategy.process_count == 1
             loop.last_eval = final_evaluation(self.evaluate, eval, loop.step, alone, self._ckpt)
             loop.last_eval_step = loop.step
@@ -434,8 +435,7 @@ class Trainer:
         )
         # Metrics are flushed at every checkpoint, so no accumulator outlives one.
         log = save or stop or epoch_end or itstime(step, cfg.log_every_steps, loop.stop, previous=previous)
-        # every eval_every_epochs-th epoch's end, and the last epoch's (the model the run ends with)
-        evaluate = has_eval and epoch_end and itstime(step // loop.spe, cfg.eval_every_epochs, loop.total // loop.spe)
+        evaluate = has_eval and epoch_end and itstime(step // loop.spe, cfg.eval_every_epochs)
         return Due(log=log, stop=stop, eval=evaluate, save=save)
 
     def _stop(self, loop: Loop) -> None:
