@@ -589,3 +589,40 @@ def test_generate_during_training_reads_the_newest_checkpoint_that_stays_and_nam
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
+
+
+def test_a_run_from_a_relative_model_path_generates_and_exports_from_any_directory(chatml_run, tmp_path, monkeypatch):
+    """The third walk: a LoRA run started with model.init_from_hf=exports/base (relative, as the
+    guides write it) recorded the path as typed, and `xlafit generate` / `export` from any other
+    directory took it for a hub id ("hf download exports/base"). The run records it absolute; a
+    run directory that holds it relative says to run from where the run started, and resumes there."""
+    import yaml
+
+    import xlafit
+    from xlafit.errors import ConfigError
+    from xlafit.export import export_hf
+    from xlafit.generator import Generator
+    from xlafit.recipes import llm_data, load_config
+
+    export_hf(chatml_run, tmp_path / "exports" / "base")
+    monkeypatch.chdir(tmp_path)
+    overrides = [
+        "run.run_dir=runs/tuned", "model.init_from_hf=exports/base", "lora.rank=4",
+        f"data.data_dir={chatml_run.parent / 'chat.jsonl'}", "data.seq_len=64", "trainer.eval_every_epochs=100",
+    ]  # fmt: skip
+    xlafit.train_and_evaluate(load_config("llm", [*overrides, "trainer.stop_at_step=1"]))
+    config = tmp_path / "runs" / "tuned" / "config.yaml"
+    assert yaml.safe_load(config.read_text())["model"]["init_from_hf"] == str(tmp_path / "exports" / "base")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    llm_data._resolved.cache_clear()  # each command is a process of its own: nothing resolved before it
+    assert Generator.load(str(tmp_path / "runs" / "tuned")).step == 1
+    saved = yaml.safe_load(config.read_text())
+    saved["model"]["init_from_hf"] = "exports/base"  # relative, as a run directory may hold it
+    config.write_text(yaml.safe_dump(saved, sort_keys=False))
+    with pytest.raises(ConfigError, match=r"records model.init_from_hf=exports/base as it was given: if that is a"):
+        export_hf(tmp_path / "runs" / "tuned", tmp_path / "tuned-hf")
+    monkeypatch.chdir(tmp_path)  # where the run started: its relative path resumes as the same setting
+    llm_data._resolved.cache_clear()
+    xlafit.train_and_evaluate(load_config("llm", [*overrides, "trainer.stop_at_step=2"]))
+    assert Generator.load("runs/tuned").step == 2

@@ -59,7 +59,7 @@ from xlafit.parallel.sharding import path_name
 from xlafit.recipes import config_from_dict
 from xlafit.recipes.bert import bert_config
 from xlafit.recipes.llm import build_llama
-from xlafit.recipes.llm_data import DATA_FORMAT_FILE, GENERATION_CONFIG, base_generation, model_dir
+from xlafit.recipes.llm_data import DATA_FORMAT_FILE, GENERATION_CONFIG, base_generation, model_dir, recorded_model_dir
 from xlafit.recipes.resnet import CLASSES_FILE, NORMALISATION, augmentation, image_size, normalisation, resnet_config
 from xlafit.run import with_lora
 from xlafit.rundir import checkpoint_dir
@@ -109,6 +109,8 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
         raise ConfigError(f"{run} has no tokenizer/ (written when training starts); cannot export.")
     cfg = config_from_dict(recipe, {k: v for k, v in saved.items() if k != "recipe"})
     cfg.run.run_dir = str(run)  # where the run is now: it may have moved since it trained
+    if recipe == "llm":
+        recorded_model_dir(cfg, run)  # the base it started from, found before anything starts
     # The run's XLA:CPU settings before JAX starts: a new model's LoRA base is re-initialised
     # here, and its rounding (so its fingerprint) depends on them.
     configure(cpu=cfg.cpu)

@@ -44,7 +44,7 @@ from xlafit.models.lora import merge_lora
 from xlafit.parallel.cluster import connect
 from xlafit.parallel.sharding import parse_rules, tree_shardings
 from xlafit.recipes import config_from_dict
-from xlafit.recipes.llm_data import DATA_FORMAT_FILE, data_config
+from xlafit.recipes.llm_data import DATA_FORMAT_FILE, data_config, recorded_model_dir
 from xlafit.train.frozen import BASE_FINGERPRINT
 
 __all__ = ["Answers", "Generator"]
@@ -212,6 +212,7 @@ def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
         raise ConfigError(f"{source} has no tokenizer/ (a run writes it when training starts); cannot generate.")
     cfg = config_from_dict("llm", {k: v for k, v in saved.items() if k != "recipe"})
     cfg.run.run_dir = str(run)
+    recorded_model_dir(cfg, source)  # the base a LoRA run's adapters apply to, found before anything starts
     rules = parse_rules(cfg.mesh.rules)
     try:  # first: the devices (simulated ones too) before anything else starts JAX
         strategy = connect(simulate, cpu=cfg.cpu, mesh=cfg.mesh.sizes, rules=rules)

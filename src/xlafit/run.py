@@ -40,6 +40,7 @@ from xlafit.checkpoint import check_directory, check_not_all_set_aside
 from xlafit.config import Config, LoraConfig, check_device_split, resolve_batch
 from xlafit.data.dataset import as_dataset
 from xlafit.errors import ConfigError
+from xlafit.io import hub
 from xlafit.io.paths import (
     as_path,
     reach,
@@ -54,7 +55,14 @@ from xlafit.parallel.mesh import Strategy
 from xlafit.parallel.sharding import parse_rules
 from xlafit.recipes import get_recipe
 from xlafit.recipes.base import Recipe
-from xlafit.rundir import checkpoint_dir, log_to_file, make_run_dir, refuse_foreign_dir, start_run_dir
+from xlafit.rundir import (
+    RECORDED_PATHS,
+    checkpoint_dir,
+    log_to_file,
+    make_run_dir,
+    refuse_foreign_dir,
+    start_run_dir,
+)
 from xlafit.runlock import hold_run_dir
 from xlafit.train.loop import FitResult
 from xlafit.train.optim import OptimizerPlan, highest_rate, make_optimizer, schedule_at, warmup_steps
@@ -410,6 +418,10 @@ def check_continuation(
             return
     saved = _flatten(migrate(_saved_config(as_path(run_dir)), f"{run_dir}/config.yaml"))
     now = _flatten(cfg.to_dict())
+    for key in RECORDED_PATHS:  # absolute in config.yaml, relative as typed, or relative in an older run's
+        for side in (saved, now):
+            if isinstance(side.get(key), str):
+                side[key] = hub.absolute(side[key])
     restart = "or start over with --restart (run.resume=false) or another --run-dir"
     if saved["recipe"] != now["recipe"]:
         raise ConfigError(

@@ -14,6 +14,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import yaml
 from etils import epath
@@ -21,6 +22,7 @@ from etils import epath
 from xlafit.checkpoint import COMMIT, ORBAX_METADATA
 from xlafit.config import Config
 from xlafit.errors import ConfigError, StorageError, WriteError, write_failed
+from xlafit.io import hub
 from xlafit.io.paths import (
     RUN_MARKERS,
     as_path,
@@ -112,6 +114,23 @@ def make_run_dir(run_dir: epath.Path, cfg: Config) -> None:
         raise ConfigError(f"the run directory {run_dir} is not writable. Choose another --run-dir.")
 
 
+# Settings naming a local model or tokenizer that config.yaml records absolute, so that
+# `xlafit generate`, `export` and a resume find them from any directory (a run directory may
+# hold them relative, as they were given).
+RECORDED_PATHS = ("model.init_from_hf", "data.tokenizer")
+
+
+def recorded(tree: dict[str, Any]) -> dict[str, Any]:
+    """A config's ``to_dict()`` as ``config.yaml`` records it: the :data:`RECORDED_PATHS` that
+    are relative paths existing here made absolute (:func:`xlafit.io.hub.absolute`)."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in tree.items()}
+    for key in RECORDED_PATHS:
+        section, name = key.split(".")
+        if isinstance(out.get(section), dict) and isinstance(out[section].get(name), str):
+            out[section][name] = hub.absolute(out[section][name])
+    return out
+
+
 def start_run_dir(run_dir: epath.Path, cfg: Config) -> None:
     """Creates ``run_dir`` (:func:`make_run_dir`), moves an earlier run aside for
     ``--restart`` (:func:`move_aside`) and writes ``config.yaml`` (locally: a temporary file
@@ -127,7 +146,7 @@ def start_run_dir(run_dir: epath.Path, cfg: Config) -> None:
         for line in move_aside(run_dir, checkpoint_dir(cfg)):
             print(line, flush=True)
     path = run_dir / "config.yaml"
-    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    text = yaml.safe_dump(recorded(cfg.to_dict()), sort_keys=False)
     if is_url(run_dir):  # an object is written whole or not at all
         try:
             path.write_text(text)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from xlafit.errors import ConfigError
 
-__all__ = ["FILES", "check_local", "dataset_path", "is_hub_id", "is_local", "resolve"]
+__all__ = ["FILES", "absolute", "check_local", "dataset_path", "is_hub_id", "is_local", "resolve"]
 
 # What a run reads of a model repository.
 FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
@@ -41,6 +41,20 @@ def is_local(name: str) -> bool:
     path = Path(name).expanduser()
     first = Path(path.parts[0]) if len(path.parts) > 1 else None
     return path.is_absolute() or name.startswith((".", "~")) or path.exists() or bool(first and first.is_dir())
+
+
+def absolute(name: str | None) -> str | None:
+    """``name`` as an absolute path where it is a relative path that exists here, else as it
+    is: a run records where its model and tokenizer were, so that ``xlafit generate``,
+    ``export`` and a resume find them from any directory.
+
+    Example:
+        >>> absolute("meta-llama/Llama-3.2-1B"), absolute(None), absolute("~/models/llama")
+        ('meta-llama/Llama-3.2-1B', None, '~/models/llama')
+    """
+    if name is None or "://" in name or name.startswith("~") or Path(name).is_absolute() or not Path(name).exists():
+        return name
+    return str(Path(name).absolute())
 
 
 def is_hub_id(name: str) -> bool:

@@ -75,6 +75,22 @@ def model_dir(cfg: Config) -> str | None:
     return _resolved(name, cfg.model.revision, "model.init_from_hf") if name else None
 
 
+def recorded_model_dir(cfg: Config, run: Any) -> str | None:
+    """:func:`model_dir` of a run's recorded config (``xlafit generate`` and ``export`` on
+    ``run``), its error naming what a path recorded relative needs: the directory the run
+    started in."""
+    try:
+        return model_dir(cfg)
+    except ConfigError as e:
+        name = cfg.model.init_from_hf or ""
+        if "://" in name or name.startswith("~") or Path(name).is_absolute():
+            raise
+        raise ConfigError(
+            f"{e} {run}/config.yaml records model.init_from_hf={name} as it was given: if that is a directory "
+            "relative to where the run started, run this command from that directory."
+        ) from None
+
+
 GENERATION_CONFIG = "generation_config.json"
 
 
