@@ -501,3 +501,44 @@ def test_a_template_that_prints_content_as_it_is_refuses_a_list_of_parts(model_d
     conversation = [PARTS, CONVERSATION[2]]
     with pytest.raises(DataError, match="prints a message's content as it is.*give each message's content as a string"):
         chat.encode({"messages": conversation}, "chat", tok, prints)
+
+
+def test_the_loss_is_the_mean_over_answer_tokens_whatever_the_packing(model_dir, tmp_path):
+    """The third walk: the llm loss (trained, logged and evaluated) was the mean over packed rows
+    of each row's mean, so a row with 4 answer tokens weighed as much as one with 26, and the
+    number depended on how records happened to pack. It is the mean over the batch's answer
+    tokens, as transformers and TRL compute it; gradient accumulation gives the same."""
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from xlafit.recipes import llm, load_config
+    from xlafit.train.step import TrainState, build_eval_step, build_train_step
+
+    short = [CONVERSATION[1], {"role": "assistant", "content": "Hi."}]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": c}) for c in [CONVERSATION, short] * 4))
+    cfg = load_config("llm", [f"data.data_dir={path}", f"data.tokenizer={model_dir}", "data.seq_len=48",
+                              "data.eval_fraction=0", "model.preset=custom", "model.num_layers=1",
+                              "model.hidden_size=32", "model.num_heads=2", "model.intermediate_size=64"])  # fmt: skip
+    train, _ = llm.load_data(cfg)
+    rows = {k: jnp.asarray(v[:4]) for k, v in train.arrays.items()}
+    model = llm.build_model(cfg, train)
+    targets, weights = clm.next_token_targets(rows["input_ids"], rows["segment_ids"], rows.get("loss_mask"))
+    tokens = np.asarray(weights.sum(-1))
+    assert len(set(tokens.tolist())) > 1  # rows of different answer lengths: the two means differ
+    logits = model(rows["input_ids"], rows["segment_ids"], rows["positions"])[:, :-1]
+    nll = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, targets)) * np.asarray(weights)
+    token_mean, row_mean = nll.sum() / tokens.sum(), float(np.mean(nll.sum(-1) / tokens))
+    assert abs(token_mean - row_mean) > 1e-3
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    sums = build_eval_step(graphdef, llm.loss_fn)(TrainState(jnp.int32(0), params, None, rest), rows, jnp.ones(4))
+    assert float(sums["loss"] / sums["weight"]) == pytest.approx(token_mean, abs=1e-5)
+    tx = optax.sgd(0.0)
+    state = TrainState(jnp.int32(0), params, tx.init(params), rest)
+    batches = {k: v[None] for k, v in rows.items()}
+    for accumulate in (1, 2):
+        step = build_train_step(graphdef, llm.loss_fn, tx, unroll=True, accumulate=accumulate)
+        _, metrics = step(state, batches)
+        assert float(metrics["loss"][0]) == pytest.approx(token_mean, abs=1e-5), accumulate

@@ -51,6 +51,7 @@ from xlafit.train.losses import (
     whole_logits_bytes,
 )
 from xlafit.train.report import EXPERT_TOKENS
+from xlafit.train.step import WEIGHT
 
 _SIZES = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size")
 _OPTIONAL = ("max_position_embeddings", "head_dim", "vocab_size")  # sizes that a preset supplies when not given
@@ -359,9 +360,12 @@ def build_model(cfg: Config, train: clm.PackedText) -> LlamaForCausalLM:
 
 
 def loss_fn(model: LlamaForCausalLM, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Per-row mean next-token cross-entropy over real tokens of one piece, and its accuracy:
-    the logits in blocks where :func:`logits_blocks` says so, else whole. A mixture of
-    experts adds its router's auxiliary losses (:func:`with_router_losses`)."""
+    """Per-row mean next-token cross-entropy over real tokens of one piece, and its accuracy,
+    each row weighted by its tokens (:data:`xlafit.train.step.WEIGHT`): the loss the run trains
+    and reports is the mean over the batch's tokens, as ``transformers`` and TRL compute it,
+    whatever the packing put in each row. The logits in blocks where :func:`logits_blocks` says
+    so, else whole. A mixture of experts adds its router's auxiliary losses
+    (:func:`with_router_losses`)."""
     hidden, stats = model.decode_routed(batch["input_ids"], batch["segment_ids"], batch["positions"])
     loss, metrics = _next_token_loss(model, batch, hidden)
     return (loss, metrics) if stats is None else with_router_losses(model.cfg, loss, metrics, stats)
@@ -397,14 +401,17 @@ def _next_token_loss(
     # (B, T - 1); chat and prompt/completion data count their answers only (loss_mask)
     targets, weights = clm.next_token_targets(batch["input_ids"], batch["segment_ids"], batch.get("loss_mask"))
     blocks = logits_blocks(model.cfg, *targets.shape)
+    # Each row's tokens weigh its mean (WEIGHT): the loss is the mean over the batch's tokens.
+    tokens = jnp.sum(weights, axis=-1).astype(jnp.float32)
     if blocks is not None:
         loss, accuracy = blockwise_cross_entropy(
             hidden[:, :-1], model.output_kernel(), targets, weights, **_block_settings(model, *blocks)
         )
-        return loss, {"token_accuracy": accuracy}
+        return loss, {"token_accuracy": accuracy, WEIGHT: tokens}
     logits = constrain(model.logits(hidden), "batch", None, "vocab")  # (B, T, V) float32
     losses = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], targets)
-    return masked_mean(losses, weights), {"token_accuracy": masked_accuracy(logits[:, :-1], targets, weights)}
+    accuracy = masked_accuracy(logits[:, :-1], targets, weights)
+    return masked_mean(losses, weights), {"token_accuracy": accuracy, WEIGHT: tokens}
 
 
 def token_logps(model: LlamaForCausalLM, rows: dict[str, jax.Array], temperature: float = 1.0) -> jax.Array:

@@ -14,7 +14,7 @@ from xlafit.errors import Preempted
 from xlafit.parallel.mesh import Strategy
 from xlafit.train.compiled import CompiledStep
 from xlafit.train.signals import handle_signals
-from xlafit.train.step import TrainState
+from xlafit.train.step import WEIGHT, TrainState
 
 __all__ = ["compile_eval_step", "evaluate", "final_evaluation"]
 
@@ -38,7 +38,8 @@ def evaluate(
         for key, value in jax.device_get(sums).items():
             totals[key] = totals.get(key, 0.0) + float(value)
     count = totals.pop("count", 0.0)
-    return {**{k: v / count for k, v in totals.items()}, "count": int(round(count))}
+    total = max(totals.pop(WEIGHT), 1e-9) if WEIGHT in totals else count  # weighted means (step.WEIGHT)
+    return {**{k: v / total for k, v in totals.items()}, "count": int(round(count))}
 
 
 def compile_eval_step(

@@ -34,6 +34,12 @@ log = logging.getLogger("xlafit")
 # Typed loosely on purpose: a user's loss_fn names its own model class and batch type.
 LossFn = Callable[[Any, Any], Any]
 
+# A metric of this name is each example's weight, not a metric: the loss and the metrics are
+# then means weighted by it over the whole batch (accumulated micro-batches and evaluation's
+# batches included), not means over examples. A language model's per-row mean loss weighted
+# by the row's tokens is the mean over tokens, whatever the packing put in each row.
+WEIGHT = "weight"
+
 
 @struct.dataclass
 class TrainState:
@@ -147,6 +153,19 @@ def split_outputs(out: Any, per_example: bool = False) -> tuple[jax.Array, dict[
 def batch_mean(x: jax.Array) -> jax.Array:
     """The mean over the batch of a per-example value; a scalar is one already."""
     return x if x.ndim == 0 else x.mean()
+
+
+def weighted_sums(
+    losses: jax.Array, metrics: dict[str, jax.Array], rows: int
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The sums of ``losses`` and ``metrics`` weighted by ``metrics[WEIGHT]`` (per example),
+    and that weight's sum under :data:`WEIGHT`: what a step divides by the whole weight. A
+    scalar (a mean already) counts as that value for every example."""
+    metrics = dict(metrics)
+    weight = metrics.pop(WEIGHT)
+    weight = jnp.broadcast_to(weight, (rows,)) if weight.ndim == 0 else weight
+    total = lambda x: jnp.sum(x * weight) if x.ndim else x * jnp.sum(weight)  # noqa: E731
+    return total(losses), {**{k: total(v) for k, v in metrics.items()}, WEIGHT: jnp.sum(weight)}
 
 
 def batch_sum(x: jax.Array, rows: int) -> jax.Array:
@@ -307,6 +326,10 @@ def build_train_step(
         model = nnx.merge(graphdef, params, model_state, copy=True)
         losses, metrics = split_outputs(loss_fn(model, batch))
         new_model_state = nnx.state(model, nnx.Not(trainable))
+        if WEIGHT in metrics:  # weighted sums, divided by the step's whole weight in one_step
+            rows = losses.shape[0] if losses.ndim else 1
+            loss, sums = weighted_sums(losses, metrics, rows)
+            return loss, (sums, new_model_state)
         # The mean over the global batch: under jit on sharded arrays this reduction is
         # the cross-replica all-reduce.
         return batch_mean(losses), ({k: batch_mean(v) for k, v in metrics.items()}, new_model_state)
@@ -331,6 +354,8 @@ def build_train_step(
         else:
             carry, _ = jax.lax.scan(add, carry, rest)
         (loss, metrics, grads), model_state = carry
+        if WEIGHT in metrics:  # weighted sums: one_step divides them by the whole step's weight
+            return (loss, (metrics, model_state)), grads
         mean = lambda x: x / accumulate  # noqa: E731  (equal micro-batches: mean of means)
         return (mean(loss), (jax.tree.map(mean, metrics), model_state)), jax.tree.map(mean, grads)
 
@@ -339,6 +364,10 @@ def build_train_step(
             (loss, (metrics, model_state)), grads = accumulated(state.params, state.model_state, batch)
         else:
             (loss, (metrics, model_state)), grads = grad_fn(state.params, state.model_state, batch)
+        if WEIGHT in metrics:
+            total = jnp.maximum(metrics.pop(WEIGHT), 1e-9)
+            loss, metrics = loss / total, {k: v / total for k, v in metrics.items()}
+            grads = jax.tree.map(lambda g: g / total, grads)
         if grad_sharding is not None:
             grads = jax.lax.with_sharding_constraint(grads, grad_sharding)
         metrics = {"loss": loss, **metrics}
@@ -409,6 +438,9 @@ def build_invariant_train_step(
             losses, metrics = split_outputs(loss_fn(model, batch))
             counts = nnx.state(model, nnx.Not(trainable))
             rows = jax.tree.leaves(batch)[0].shape[0]
+            if WEIGHT in metrics:
+                loss, sums = weighted_sums(losses, metrics, rows)
+                return loss, (sums, counts)
             return batch_sum(losses, rows), ({k: batch_sum(v, rows) for k, v in metrics.items()}, counts)
 
         (loss_sum, (metric_sums, new_state)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
@@ -446,8 +478,9 @@ def build_invariant_train_step(
         n = jax.tree.leaves(batch)[0].shape[0]
         sums, grads, chunk_states = per_chunk(state.params, state.model_state, batch)
         model_state = jax.tree.map(chunk_mean, chunk_states, state.model_state)
-        grads = jax.tree.map(lambda g: ordered_sum(g) / n, grads)
-        metrics = {k: ordered_sum(v) / n for k, v in sums.items()}
+        total = jnp.maximum(ordered_sum(sums.pop(WEIGHT)), 1e-9) if WEIGHT in sums else n
+        grads = jax.tree.map(lambda g: ordered_sum(g) / total, grads)
+        metrics = {k: ordered_sum(v) / total for k, v in sums.items()}
         return apply_if_finite(state, grads, tx, model_state, metrics, guard, select, opt_on_host)
 
     return _k_steps(one_step, unroll=True)
@@ -462,8 +495,12 @@ def build_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn) -> Callable:
     def eval_step(state: TrainState, batch: Mapping[str, jax.Array], mask: jax.Array) -> dict[str, jax.Array]:
         model = nnx.merge(graphdef, state.params, state.model_state, copy=True)
         losses, metrics = split_outputs(loss_fn(model, batch), per_example=True)
-        sums = {"loss": jnp.sum(losses * mask)}
-        sums.update({k: jnp.sum(v * mask) for k, v in metrics.items()})
+        weighted = WEIGHT in metrics
+        weights = mask * metrics.pop(WEIGHT) if weighted else mask  # padding rows weigh 0 either way
+        sums = {"loss": jnp.sum(losses * weights)}
+        sums.update({k: jnp.sum(v * weights) for k, v in metrics.items()})
+        if weighted:  # evaluate() divides by it instead of the count
+            sums[WEIGHT] = jnp.sum(weights)
         sums["count"] = jnp.sum(mask)
         return sums
 

@@ -86,7 +86,9 @@ class Trainer:
             :meth:`fit`; a ``torch.nn.Module`` too (:mod:`xlafit.integrations.torch`).
         loss_fn: ``loss_fn(model, batch)`` -> per-example losses ``[B]``, or
             ``(losses [B], {metric: [B]})``. Per-example values let evaluation weight
-            padding rows by zero and count every example exactly once. With a Keras model:
+            padding rows by zero and count every example exactly once. A metric named
+            ``weight`` (:data:`xlafit.train.step.WEIGHT`) is each example's weight: the loss and
+            metrics are then means weighted by it (a language model's tokens per row). With a Keras model:
             a Keras loss, its name, ``loss(y_true, y_pred)``, a
             :class:`~xlafit.integrations.keras.KerasLoss` (with metrics), or None for the loss of
             ``model.compile``; batches are ``{"x": inputs, "y": targets}``.
