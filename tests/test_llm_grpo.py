@@ -103,6 +103,12 @@ def test_a_prompt_with_no_room_for_a_completion_is_refused_as_it_is_read(files, 
         message,
     ), message
     assert not (tmp_path / "run").exists()  # refused before the run directory, or any compile
+    # A completion as long as the context leaves room for no prompt: the setting is named, not a record.
+    cfg = xlafit.load_config(
+        "llm", [*overrides(files, tmp_path / "run"), f"data.data_dir={data}", "model.grpo.max_completion_length=100"]
+    )
+    with pytest.raises(DataError, match=r"^model.grpo.max_completion_length=100 leaves no room for a prompt in the "):
+        xlafit.train_and_evaluate(cfg)
 
 
 def test_check_runs_the_step_on_the_rows_the_rollout_makes(files, tmp_path):

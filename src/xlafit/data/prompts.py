@@ -163,6 +163,11 @@ def check_room(ids: Sequence[int], room: tuple[int, int], where: str) -> None:
     limit = context - completion
     if len(ids) <= limit:
         return
+    if limit < 1:  # no prompt fits: the setting is the problem, not this record
+        raise DataError(
+            f"model.grpo.max_completion_length={completion} leaves no room for a prompt in the model's context of "
+            f"{context} positions; give model.grpo.max_completion_length={max(context - len(ids), 1)} or less."
+        )
     raise DataError(
         f"{where}: its prompt has {len(ids)} tokens, more than the {max(limit, 0)} a prompt may have (the model's "
         f"context of {context} positions less model.grpo.max_completion_length={completion}); shorten that prompt "
