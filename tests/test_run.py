@@ -56,13 +56,23 @@ def test_a_device_count_that_splits_no_batch_setting_names_them_all_at_once():
     check_device_split(fixed, 3)
     # chunks that do not divide the batch: the largest multiple of the devices that does (it
     # offered null, which turns off the invariance the preset is there for)
-    only_chunks = r"(?s)^trainer.invariant_chunks=8 .* over 4 devices.*add: trainer.invariant_chunks=4 "
+    only_chunks = r"(?s)^trainer.invariant_chunks=8 .* over 4 devices.*add: trainer.invariant_chunks=4\.$"
     with pytest.raises(ConfigError, match=only_chunks):
         check_device_split(load_config("mnist", ["data.global_batch=12"]), 4)
     # with only a per-device batch (16 by default) the chunks are checked against its global batch
-    with pytest.raises(ConfigError, match=r"add: trainer.invariant_chunks=16 "):
+    with pytest.raises(ConfigError, match=r"add: trainer.invariant_chunks=16\.$"):
         check_device_split(load_config("mnist", ["data.global_batch=null", "trainer.invariant_chunks=24"]), 4)
     check_device_split(load_config("mnist"), 8)
+    # The third walk: an eval batch that 3 devices do not split was told to "set data.per_device_batch",
+    # which was set, and a per-device batch disagreeing with the global batch went unnamed.
+    with pytest.raises(ConfigError) as caught:
+        check_device_split(load_config("llm", ["data.per_device_batch=2", "data.global_batch=4"]), 3)
+    message = str(caught.value)
+    assert "\n  data.global_batch=4 (data.per_device_batch=2 x 3 devices is 6: set one of them)" in message
+    assert message.endswith("add: data.global_batch=null data.eval_global_batch=63.")
+    eval_only = r"(?s)^data.eval_global_batch=64 does not .*add: data.eval_global_batch=63\.$"
+    with pytest.raises(ConfigError, match=eval_only):
+        check_device_split(load_config("llm", ["data.per_device_batch=2", "data.global_batch=null"]), 3)
 
 
 def test_more_epochs_on_a_schedule_that_ends_at_zero_are_not_offered_its_end(strategy8, tmp_path):

@@ -488,9 +488,17 @@ def check_device_split(cfg: Config, devices: int, data_parallel_only: bool = Tru
     """
     data, chunks = cfg.data, cfg.trainer.invariant_chunks
     problems: list[str] = []
-    fixes: dict[str, int] = {}
-    global_batch = data.global_batch or (data.per_device_batch or DEFAULT_PER_DEVICE_BATCH) * devices
-    if data.global_batch is not None and data.global_batch % devices:
+    fixes: dict[str, int | str] = {}
+    per_device = data.per_device_batch
+    global_batch = data.global_batch or (per_device or DEFAULT_PER_DEVICE_BATCH) * devices
+    if data.global_batch is not None and per_device is not None and per_device * devices != data.global_batch:
+        problems.append(
+            f"data.global_batch={data.global_batch} (data.per_device_batch={per_device} x {devices} devices is "
+            f"{per_device * devices}: set one of them)"
+        )
+        fixes["data.global_batch"] = "null"
+        global_batch = per_device * devices
+    elif data.global_batch is not None and data.global_batch % devices:
         problems.append(f"data.global_batch={data.global_batch}")
         global_batch = fixes["data.global_batch"] = max(data.global_batch // devices * devices, devices)
     eval_batch = data.eval_global_batch
@@ -512,4 +520,5 @@ def check_device_split(cfg: Config, devices: int, data_parallel_only: bool = Tru
         head = f"these batch settings do not divide evenly over {devices} devices:" + "".join(
             f"\n  {problem}" for problem in problems
         )
-    raise ConfigError(f"{head}\nTo run on {devices} devices, add: {add} (or set data.per_device_batch instead).")
+    instead = " (or set data.per_device_batch instead)" if fixes.get("data.global_batch", "null") != "null" else ""
+    raise ConfigError(f"{head}\nTo run on {devices} devices, add: {add}{instead}.")
