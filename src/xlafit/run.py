@@ -420,8 +420,9 @@ def check_continuation(
     now = _flatten(cfg.to_dict())
     for key in RECORDED_PATHS:  # absolute in config.yaml, relative as typed, or relative in an older run's
         for side in (saved, now):
-            if isinstance(side.get(key), str):
-                side[key] = hub.absolute(side[key])
+            value = side.get(key)
+            if isinstance(value, str):
+                side[key] = hub.absolute(value)
     restart = "or start over with --restart (run.resume=false) or another --run-dir"
     if saved["recipe"] != now["recipe"]:
         raise ConfigError(
