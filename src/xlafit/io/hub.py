@@ -57,6 +57,17 @@ def absolute(name: str | None) -> str | None:
     return str(Path(name).absolute())
 
 
+def _named(what: str, name: str) -> str:
+    """A setting and its value as a message names them: ``model.init_from_hf=org/name``, or
+    for a description (``the model``) ``the model org/name``.
+
+    Example:
+        >>> _named("model.init_from_hf", "org/name"), _named("the model", "org/name")
+        ('model.init_from_hf=org/name', 'the model org/name')
+    """
+    return f"{what} {name}" if " " in what else f"{what}={name}"
+
+
 def is_hub_id(name: str) -> bool:
     """Whether ``name`` reads as ``org/name`` and names no local path or URL."""
     return "://" not in name and bool(_ID.match(name)) and not is_local(name)
@@ -75,13 +86,13 @@ def check_local(name: str, what: str = "model.init_from_hf") -> None:
     path = Path(name).expanduser()
     if not path.exists():
         raise ConfigError(
-            f"{what}={name}: no such file or directory; give the path of a Hugging Face model directory, or a hub "
-            "id org/name."
+            f"{_named(what, name)}: no such file or directory; give the path of a Hugging Face model directory, or "
+            "a hub id org/name."
         )
     run = (path / "config.yaml").exists() or (path / "checkpoints").is_dir()
     if path.is_dir() and run and not (path / "config.json").exists():
         raise ConfigError(
-            f"{what}={name} is an xlafit run directory, not a Hugging Face one; export it first "
+            f"{_named(what, name)} is an xlafit run directory, not a Hugging Face one; export it first "
             f"(xlafit export hf {name} --out DIR) and give DIR."
         )
 
@@ -116,7 +127,7 @@ def dataset_path(url: str, what: str = "data.train_files") -> str:
     found = _DATASET.match(url)
     if found is None:
         raise ConfigError(
-            f"{what}={url}: a Hugging Face path reads hf://datasets/org/name/path (a dataset repository, then a "
+            f"{_named(what, url)}: a Hugging Face path reads hf://datasets/org/name/path (a dataset repository, then a "
             "file, folder or glob in it)."
         )
     path = (found.group("path") or "").strip("/")
@@ -135,21 +146,23 @@ def _snapshot(repo: str, revision: str | None, patterns: list[str], kind: str, w
         return huggingface_hub.snapshot_download(repo, repo_type=kind, revision=revision, allow_patterns=patterns)
     except errors.GatedRepoError:
         raise ConfigError(
-            f"{what}={name} is gated: accept its license at {page} and set HF_TOKEN to a token of that account."
+            f"{_named(what, name)} is gated: accept its license at {page} and set HF_TOKEN to a token of that account."
         ) from None
     except errors.RevisionNotFoundError:
-        raise ConfigError(f"{what}={name}: the hub has no revision {revision!r} of it.") from None
+        raise ConfigError(f"{_named(what, name)}: the hub has no revision {revision!r} of it.") from None
     except errors.RepositoryNotFoundError:
         raise ConfigError(
-            f"{what}={name}: the Hugging Face hub has no such {kind} (or it is private: set HF_TOKEN); for a local "
-            "directory give its path (./name)."
+            f"{_named(what, name)}: the Hugging Face hub has no such {kind} (or it is private: set HF_TOKEN); for a "
+            "local directory give its path (./name)."
         ) from None
     except errors.LocalEntryNotFoundError:
         download = f"hf download {repo}" + (" --repo-type dataset" if kind == "dataset" else "")
         raise ConfigError(
-            f"{what}={name} is not in the Hugging Face cache and the hub cannot be reached (offline or "
+            f"{_named(what, name)} is not in the Hugging Face cache and the hub cannot be reached (offline or "
             f"HF_HUB_OFFLINE=1): download it where the hub is reachable ({download}) into the same "
             "HF_HOME, or for a local directory give its path as ./name."
         ) from None
     except (OSError, errors.HfHubHTTPError) as e:
-        raise ConfigError(f"{what}={name}: the hub could not be read ({e}); retry, or give a local path.") from None
+        raise ConfigError(
+            f"{_named(what, name)}: the hub could not be read ({e}); retry, or give a local path."
+        ) from None
