@@ -206,3 +206,19 @@ def test_kill_9_during_a_grpo_run_resumes_to_the_uninterrupted_metrics(files, tm
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from checkpoint" in again.stdout
     assert by_step(cut) == by_step(whole)
+
+
+def test_settings_of_an_objective_the_run_does_not_train_are_named_as_ignored(caplog):
+    """The third walk: model.grpo.num_generations=4 on a next-token run trained without a word."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="xlafit"):
+        get_recipe("llm").validate(xlafit.load_config("llm", ["model.grpo.num_generations=4"]))
+    assert [r.getMessage() for r in caplog.records] == [
+        "warning: model.grpo.num_generations=4 set, but model.objective=next_token does not use model.grpo: ignored"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="xlafit"):
+        dpo = ["lora.rank=4", "model.objective=dpo", "data.demo=preference", "model.preference.beta=0.5"]
+        get_recipe("llm").validate(xlafit.load_config("llm", dpo))
+    assert caplog.records == []  # a setting of the objective it trains

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 from pathlib import Path
 from typing import Any, Literal
@@ -52,6 +53,8 @@ from xlafit.train.losses import (
 )
 from xlafit.train.report import EXPERT_TOKENS
 from xlafit.train.step import WEIGHT
+
+log = logging.getLogger("xlafit")
 
 _SIZES = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size")
 _OPTIONAL = ("max_position_embeddings", "head_dim", "vocab_size")  # sizes that a preset supplies when not given
@@ -186,11 +189,34 @@ def moe_options(m: LlmModelConfig) -> dict[str, Any]:
     return options
 
 
+def _warn_unused_settings(m: LlmModelConfig) -> None:
+    """Warns of settings of an objective the run does not train (``model.grpo.*`` on a
+    next-token run): given, and ignored."""
+    sections = (
+        ("grpo", m.grpo, llm_grpo.GrpoConfig(), m.objective == "grpo"),
+        ("preference", m.preference, llm_preference.PreferenceConfig(), m.objective in ("dpo", "simpo", "orpo")),
+    )
+    for name, given, default, used in sections:
+        changed = [
+            f"model.{name}.{f.name}={getattr(given, f.name)}"
+            for f in dataclasses.fields(given)
+            if getattr(given, f.name) != getattr(default, f.name)
+        ]
+        if changed and not used:
+            log.warning(
+                "warning: %s set, but model.objective=%s does not use model.%s: ignored",
+                ", ".join(changed),
+                m.objective,
+                name,
+            )
+
+
 def validate(cfg: Config) -> None:
     """Refuses sizes that cannot work and local model or tokenizer paths that are missing (or
     an xlafit run's, not a Hugging Face directory), before any text is read."""
     llm_preference.validate(cfg)
     llm_grpo.validate(cfg)
+    _warn_unused_settings(cfg.model)
     if cfg.model.init_from_hf:
         hub.check_local(cfg.model.init_from_hf, "model.init_from_hf")
         _refuse_size_overrides(cfg)
