@@ -277,6 +277,13 @@ def test_a_recipes_check_command_carries_every_override_and_names_the_checkpoint
     assert set(given) | set(assumed) == set(args.overrides)
     assert len({o.partition("=")[0] for o in args.overrides}) == len(args.overrides)
     assert "--config plan.yaml" in check_command("llm", "colab", given, assumed, "plan.yaml")
+    # The third walk: the objective and quantized embeddings shape the program and were left out;
+    # a GRPO row is a prompt and its completion, so data.seq_len is none of its shape.
+    assert not any(a.startswith(("model.objective=", "lora.quantize_embeddings=")) for a in assumed)
+    grpo = [*given, "model.objective=grpo", "lora.base_dtype=nf4", "lora.quantize_embeddings=true"]
+    assumed = assumed_settings(load_config("llm", grpo), SimpleNamespace(per_device_batch=None, global_batch=32), grpo)
+    assert {"model.objective=grpo", "lora.quantize_embeddings=true"} <= set(assumed)
+    assert not any(a.startswith("data.seq_len=") for a in assumed)
 
 
 def test_a_recipes_plain_check_reports_the_runs_own_batch():

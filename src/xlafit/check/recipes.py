@@ -167,10 +167,12 @@ def check_recipe(
 
 # The settings that shape a recipe's compiled step, printed with every answer (when present).
 SHAPING = (
-    "model.preset", "data.seq_len", "data.image_size", "lora.rank", "lora.base_dtype", "model.compute_dtype",
-    "model.remat", "model.scan_layers", "model.attention", "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.expert",
-    "trainer.steps_per_call", "trainer.accumulate_steps",
+    "model.preset", "model.objective", "data.seq_len", "data.image_size", "lora.rank", "lora.base_dtype",
+    "lora.quantize_embeddings", "model.compute_dtype", "model.remat", "model.scan_layers", "model.attention",
+    "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.expert", "trainer.steps_per_call", "trainer.accumulate_steps",
 )  # fmt: skip
+# Settings whose default shapes nothing worth naming: left out unless given or changed.
+_QUIET_DEFAULTS = {"model.objective": "next_token", "lora.quantize_embeddings": False}
 
 
 def assumed_settings(cfg: Any, program: Program, overrides: Sequence[str]) -> list[str]:
@@ -194,6 +196,10 @@ def assumed_settings(cfg: Any, program: Program, overrides: Sequence[str]) -> li
             continue  # an unset preset, a mesh axis or loop setting at its default: nothing assumed
         if key.startswith("lora.") and not getattr(cfg.lora, "rank", 0):
             continue  # no adapters
+        if key in _QUIET_DEFAULTS and key not in given and value == _QUIET_DEFAULTS[key]:
+            continue
+        if key == "data.seq_len" and getattr(cfg.model, "objective", None) == "grpo":
+            continue  # a GRPO row is a prompt and its completion (model.grpo.max_completion_length)
         if key == "model.preset" and getattr(cfg.model, "init_from_hf", None):
             key, value = "model.init_from_hf", cfg.model.init_from_hf  # the checkpoint's sizes, not the preset's
         out.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
