@@ -41,7 +41,7 @@ from xlafit.io.paths import as_path, reach, reading
 from xlafit.models.generation import Sampling, generate
 from xlafit.models.llama import LlamaForCausalLM
 from xlafit.models.lora import merge_lora
-from xlafit.parallel.cluster import connect
+from xlafit.parallel.cluster import connect, start_backends
 from xlafit.parallel.sharding import parse_rules, tree_shardings
 from xlafit.recipes import config_from_dict
 from xlafit.recipes.llm_data import DATA_FORMAT_FILE, data_config, recorded_model_dir
@@ -115,6 +115,7 @@ class Generator:
             "tokenizer, and xlafit export hf, write it)."
         )
         tokenizer = clm.load_tokenizer(folder, fix)  # before the weights are read: it may be what is missing
+        start_backends()  # as the CLI does: without libtpu's start-up errors on a host with no TPU
         model = llama_hf.from_hf(folder)
         template, stops = chat.template_for(folder), clm.stop_ids(folder)
         bos = clm.special_ids(folder)[0]
