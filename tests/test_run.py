@@ -495,4 +495,4 @@ def test_the_last_epoch_is_evaluated_when_the_epochs_are_no_multiple_of_the_eval
     report = next(line for line in out.splitlines() if line.startswith("test"))
     assert report.startswith("test: accuracy="), report  # step 9's model: no "(the last evaluation, at step 6 ...)"
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if r["split"] == "eval"] == [6]  # the periodic one; the final one after
+    assert [r["step"] for r in records if r["split"] == "eval"] == [6, 9]  # the periodic one, the final one

@@ -23,6 +23,7 @@ Example (a linear model on 8 simulated devices; any ``nnx.Module`` trains the sa
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import signal
 import time
@@ -343,12 +344,11 @@ class Trainer:
             with contextlib.suppress(Exception):
                 self._end(loop)
             raise
-        self._end(loop)
         # The model the run ends with is evaluated, where no periodic evaluation took its last step.
+        final = None
         if eval is not None and loop.last_eval_step != loop.total and int(self._state.step) == loop.total:
-            alone = self.strategy.process_count == 1
-            loop.last_eval = final_evaluation(self.evaluate, eval, loop.step, alone, self._ckpt)
-            loop.last_eval_step = loop.step
+            final = functools.partial(self._final_evaluation, loop, eval)
+        self._end(loop, final)
         self._write_back()
         return FitResult(
             state=self._state,
@@ -484,9 +484,10 @@ class Trainer:
         loop.open_window(call.wait_s)
         return self._nan_policy(bad, loop.rolled_back, loop.report) if bad else None
 
-    def _end(self, loop: Loop) -> None:
-        """Waits for the last checkpoint, prints the compile summary, closes the report (also
-        when the checkpoint failed: TensorBoard's writer left open prints tracebacks at exit)."""
+    def _end(self, loop: Loop, final: Callable[[], None] | None = None) -> None:
+        """Waits for the last checkpoint, prints the compile summary, runs ``final`` (the final
+        evaluation: recorded in the report like the others), closes the report (also when the
+        checkpoint failed: TensorBoard's writer left open prints tracebacks at exit)."""
         try:
             if self._ckpt is not None:
                 self._ckpt.wait()
@@ -498,8 +499,21 @@ class Trainer:
             note = loop.stop_note(self.config.stop_at_step, saved=self._ckpt is not None)
             if note is not None:
                 loop.report.print(note)
+            if final is not None:
+                final()
         finally:
             loop.report.close()
+
+    def _final_evaluation(self, loop: Loop, eval: Dataset) -> None:
+        """The evaluation of the run's last step once its checkpoint is written (a signal during
+        it stops the run with that checkpoint kept: :func:`final_evaluation`), recorded as the
+        loop's evaluations are."""
+        alone = self.strategy.process_count == 1
+        loop.last_eval = final_evaluation(self.evaluate, eval, loop.step, alone, self._ckpt)
+        loop.last_eval_step = loop.step
+        record = {"step": loop.step, "epoch": loop.step // loop.spe, **loop.last_eval}
+        loop.evaluations.append(record)
+        loop.report.record(record, prefix="eval")
 
     # ------------------------------------------------------------------ the loop's helpers
 
