@@ -125,3 +125,23 @@ def test_bad_records_are_refused_in_one_line_with_the_fix(tmp_path, demo, record
 def test_a_completion_cut_off_entirely_names_seq_len(tmp_path, demo):
     with pytest.raises(DataError, match=r"data.seq_len=8 cuts off entirely .* raise data.seq_len"):
         loaded(tmp_path, demo, [CONVERSATION], seq_len=8)
+
+
+def test_pairs_that_the_cut_makes_alike_are_left_out_and_counted(tmp_path, demo):
+    """The fourth walk: a pair whose chosen and rejected rows differ only past data.seq_len
+    (`⟦It is ⟧✂7.` against `⟦It is ⟧✂8.`) trained as a pair that prefers nothing: its loss log 2
+    whatever the model, and the preference accuracy capped. It is left out, and the summary says so."""
+    from xlafit.data.preference import summary
+
+    tok, template, markers = demo
+    long_prompt = {**CONVERSATION, "prompt": [{"role": "user", "content": "What is 2 plus 3? " * 6}]}
+    rows = loaded(tmp_path, demo, [long_prompt], seq_len=256)[0].arrays["input_ids"][0]
+    cut = int(np.argmax(rows[0] != rows[1]))  # the first token that differs ("5" / "6") is past the cut
+    path = write_jsonl(tmp_path / "mixed.jsonl", [CONVERSATION, long_prompt, CONVERSATION])
+    train, evaluation = load_pairs([path], tok, template, seq_len=cut, eval_fraction=0, markers=markers)
+    assert len(train) + len(evaluation) == 2 and train.source.alike == 1
+    assert f"1 pairs are left out: within data.seq_len={cut} their chosen and rejected rows are the same" in summary(
+        train, evaluation
+    )
+    with pytest.raises(DataError, match=r"every preference pair is the same .* raise data.seq_len"):
+        loaded(tmp_path, demo, [long_prompt], seq_len=cut)

@@ -54,6 +54,7 @@ class PreferenceSource:
     format: str  # "chat" (conversations) or "prompt_completion" (text): how a prompt is asked
     records: dict[str, int]
     truncated: int = 0  # rows longer than seq_len, cut at it (their completions keep their starts)
+    alike: int = 0  # pairs left out: the cut at seq_len removed all that told chosen from rejected
 
 
 @dataclasses.dataclass
@@ -220,7 +221,7 @@ def load_pairs(
         raise DataError(f"no preference records in {', '.join(map(str, inputs))}; give records in one of {_LAYOUTS}.")
     draws = hash_uniform(np.array([seed]), np.arange(len(encoded)), 13)
     split: dict[str, list[tuple[Encoded, Encoded]]] = {"train": [], "eval": []}
-    truncated = 0
+    truncated = alike = 0
     for number, (pair, draw) in enumerate(zip(encoded, draws, strict=True), 1):
         for row in pair:
             truncated += len(row.ids) > seq_len
@@ -230,17 +231,25 @@ def load_pairs(
                     f"rows have {len(pair[0].ids)} and {len(pair[1].ids)} tokens): the pair would compare nothing; "
                     "raise data.seq_len or shorten its prompt."
                 )
+        if pair[0].ids[:seq_len] == pair[1].ids[:seq_len]:  # prefers nothing within seq_len: no signal
+            alike += 1
+            continue
         split["eval" if draw < eval_fraction else "train"].append(pair)
+    if alike == len(encoded):
+        raise DataError(
+            f"every preference pair is the same in its chosen and rejected rows within data.seq_len={seq_len}: the "
+            "cut removes what tells them apart; raise data.seq_len."
+        )
     if not split["train"]:
         raise DataError(
-            f"all {len(encoded)} preference records were drawn for evaluation (data.eval_fraction={eval_fraction}); "
-            "give more records or a smaller data.eval_fraction."
+            f"all {len(encoded) - alike} preference records were drawn for evaluation "
+            f"(data.eval_fraction={eval_fraction}); give more records or a smaller data.eval_fraction."
         )
     pad = tok.token_to_id(PAD) or 0
     fmt = "chat" if kinds == {"chat"} else "prompt_completion"
     counts = {k: len(v) for k, v in split.items()}
     out = [PreferencePairs(_rows(split[k], seq_len, pad), tok.get_vocab_size(), counts[k]) for k in ("train", "eval")]
-    out[0].source = PreferenceSource(fmt, counts, truncated)
+    out[0].source = PreferenceSource(fmt, counts, truncated, alike)
     return out[0], out[1]
 
 
@@ -275,5 +284,11 @@ def summary(train: PreferencePairs, evaluation: PreferencePairs) -> str:
         lines.append(
             f"  {source.truncated} rows longer than data.seq_len={train.seq_len} are cut at it; raise data.seq_len to "
             "keep their ends"
+        )
+    if source is not None and source.alike:
+        lines.append(
+            f"  {source.alike} pairs are left out: within data.seq_len={train.seq_len} their chosen and rejected rows "
+            "are the same (the cut removes their difference, and they would prefer nothing); raise data.seq_len to "
+            "keep them"
         )
     return "\n".join(lines)
