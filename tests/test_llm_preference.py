@@ -73,10 +73,13 @@ def test_preference_settings_that_cannot_work_are_refused(settings, message):
     ],
     ids=["dpo-lora", "dpo-precomputed", "simpo", "orpo"],
 )
-def test_pulse(tmp_path, pairs_file, settings):
+def test_pulse(tmp_path, pairs_file, settings, capsys):
     """Each objective trains and evaluates; DPO starts where the policy is its reference
-    (loss log 2, rewards 0), either reference."""
+    (loss log 2, rewards 0), either reference. The final line counts pairs (the fourth walk:
+    it said rows, for 9 pairs of 18 rows)."""
     result = xlafit.train_and_evaluate(xlafit.load_config("llm", overrides(pairs_file, tmp_path, *settings)))
+    final = [line for line in capsys.readouterr().out.splitlines() if line.startswith("test")]
+    assert final and final[-1].endswith(f"({result.eval['count']} pairs)"), final
     first = result.history[0]
     for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen"):
         assert name in first and name in result.eval

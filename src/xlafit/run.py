@@ -141,7 +141,7 @@ def train_and_evaluate(cfg: Config) -> FitResult:
         finally:
             trainer.close()
     if strategy.process_index == 0 and result.eval is not None:
-        print(final_report(result.eval, result.eval_step, int(result.state.step), recipe.eval_unit), flush=True)
+        print(final_report(result.eval, result.eval_step, int(result.state.step), recipe.eval_unit(cfg)), flush=True)
     return result
 
 

@@ -57,6 +57,10 @@ def _shapes_from_data(cfg: Config) -> None:
     return None
 
 
+def _examples(cfg: Config) -> str:
+    return "examples"
+
+
 def _no_rollout(cfg: Config, train: Any) -> None:
     return None
 
@@ -98,8 +102,9 @@ class Recipe:
         rollout: ``(cfg, train) -> rollout or None``: what makes each train-step call's
             batch from the data's with the model being trained (the llm recipe's GRPO:
             :class:`xlafit.train.rollout.Rollout`); None: the data's batches are the step's.
-        eval_unit: what an evaluation counts, in its report's last line ("examples"; the
-            llm recipe's "rows": packed sequences, pairs or prompts, not records).
+        eval_unit: ``cfg -> `` what an evaluation counts, in its report's last line
+            ("examples"; the llm recipe's "rows" of packed sequences, "pairs" for a preference
+            objective).
     """
 
     name: str
@@ -119,7 +124,7 @@ class Recipe:
     shapes: Callable[[Config], Any] = _shapes_from_data
     loss_for: Callable[[Config], LossFn] | None = None
     rollout: Callable[[Config, Any], Rollout | None] = _no_rollout
-    eval_unit: str = "examples"
+    eval_unit: Callable[[Config], str] = _examples
 
     def loss(self, cfg: Config) -> LossFn:
         """The loss a run of ``cfg`` trains and evaluates with."""

@@ -571,5 +571,5 @@ RECIPE = Recipe(
     },
     validate=validate,
     rollout=functools.partial(llm_grpo.rollout_for, token_logps=token_logps),
-    eval_unit="rows",
+    eval_unit=lambda cfg: "pairs" if cfg.model.objective in ("dpo", "simpo", "orpo") else "rows",
 )
