@@ -626,3 +626,23 @@ def test_a_run_from_a_relative_model_path_generates_and_exports_from_any_directo
     llm_data._resolved.cache_clear()
     xlafit.train_and_evaluate(load_config("llm", [*overrides, "trainer.stop_at_step=2"]))
     assert Generator.load("runs/tuned").step == 2
+
+
+def test_a_conversation_ending_with_the_assistants_turn_is_continued_as_transformers_continues_it(chatml_run, tmp_path):
+    """The fourth walk: a --prompts-file conversation ending with the assistant's turn (the run's
+    own chat data) got a new assistant turn after the answer. It is continued from that turn's
+    text, with the ids transformers' apply_chat_template(continue_final_message=True) gives."""
+    import transformers
+
+    from xlafit.cli.generate import _shown
+    from xlafit.export import export_hf
+    from xlafit.generator import Generator
+
+    export_hf(chatml_run, tmp_path / "hf")
+    ask = Generator.load(str(tmp_path / "hf"))
+    conversation = [{"role": "user", "content": "What is 3 plus 4?"}, {"role": "assistant", "content": "3 plus"}]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    theirs = hf_tok.apply_chat_template(conversation, continue_final_message=True)
+    assert ask.encode(conversation) == list(theirs if isinstance(theirs, list) else theirs["input_ids"])
+    assert ask.encode(conversation) != ask.encode(conversation[:1])
+    assert _shown(conversation) == "What is 3 plus 4? [continuing: 3 plus]"

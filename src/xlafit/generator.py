@@ -125,13 +125,18 @@ class Generator:
         """A prompt's token ids: rendered as a user turn (or the conversation given) with the
         generation prompt where ``use_chat`` (default :attr:`chat_by_default`; a conversation
         always); otherwise the text after :attr:`bos_id` (the ids ``transformers``' tokenizer
-        gives it, but an ``<eos>`` its tokenizer may put after a text: an answer follows)."""
+        gives it, but an ``<eos>`` its tokenizer may put after a text: an answer follows). A
+        conversation that ends with the assistant's turn is continued from that turn's text,
+        as ``transformers``' text-generation pipeline continues it (``continue_final_message``)."""
         as_chat = (self.chat_by_default or not isinstance(prompt, str)) if use_chat is None else use_chat
         if as_chat:
             if self.template is None:
                 raise ConfigError(f"{self.source} has no chat template; ask without --chat.")
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-            text = self.template.render(messages, add_generation_prompt=True)
+            if messages and messages[-1].get("role") == "assistant":
+                text = _continued(self.template.render(messages, add_generation_prompt=False), messages[-1])
+            else:
+                text = self.template.render(messages, add_generation_prompt=True)
             return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
         if not isinstance(prompt, str):
             raise ConfigError("a conversation needs a chat model; give the prompt as text.")
@@ -200,6 +205,21 @@ def is_run_directory(source: str) -> bool:
     reach(path)
     with reading(path, name=source):
         return bool((path / "config.yaml").exists())
+
+
+def _continued(rendered: str, final: dict[str, Any]) -> str:
+    """``rendered`` (a conversation, no generation prompt) cut after its final message's text,
+    so that the model continues that message (``transformers``' ``continue_final_message``)."""
+    content = final.get("content", "")
+    if isinstance(content, list):  # content parts: the last one's text
+        content = content[-1].get("text", "") if content and isinstance(content[-1], dict) else ""
+    for text in (content, str(content).strip()):
+        if text and text in rendered:
+            return rendered[: rendered.rindex(text) + len(text)]
+    raise ConfigError(
+        "the conversation ends with the assistant's turn, whose text the chat template does not render as it is; "
+        "drop that turn to have the model answer the user's, or give the text to continue."
+    )
 
 
 def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:

@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
             step = {} if ask.step is None else {"step": ask.step}  # a run's: the checkpoint answering
             print(json.dumps({"prompt": prompt, "answer": answer, **step}, ensure_ascii=False))
         else:
-            shown = prompt if isinstance(prompt, str) else prompt[-1].get("content", "")
+            shown = prompt if isinstance(prompt, str) else _shown(prompt)
             print(f"> {shown}\n{answer}\n")
     return 0
 
@@ -187,3 +187,13 @@ def _in_flags(message: str) -> str:
             f" {name} ", f" --{name.replace('_', '-')} "
         )
     return message
+
+
+def _shown(conversation: list[dict]) -> str:
+    """What a conversation asks, in a line: its last user turn, and the assistant's text it
+    continues where it ends with one."""
+    users = [m for m in conversation if m.get("role") == "user"]
+    asked = str(users[-1].get("content", "")) if users else ""
+    if conversation and conversation[-1].get("role") == "assistant":
+        return f"{asked} [continuing: {conversation[-1].get('content', '')}]"
+    return asked or str(conversation[-1].get("content", ""))
