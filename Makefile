@@ -74,8 +74,8 @@ demo-dpo: $(BASE)
 	$(VENV)/bin/xlafit generate runs/demo-dpo --simulate 8 --max-new-tokens 16 \
 		--prompt "What is 4 plus 8?" --prompt "What is 2 plus 9?" --prompt "What is 8 plus 6?"
 
-# Reinforcement learning with rewards on the CPU: the chat model of demo-chat stopped at a third
-# of its schedule (step 63 of 196), tuned with GRPO and LoRA on the chat demo's questions with an
+# Reinforcement learning with rewards on the CPU: the chat model of demo-chat stopped at a fifth
+# of its schedule (step 40 of 196), tuned with GRPO and LoRA on the chat demo's questions with an
 # exact-answer reward and half a point for the right number, the KL to the start at beta 0.1
 # (docs/guides/grpo.md), then asked 60 questions its prompts never held, before and after.
 # One device: the rollout's batch is not split over simulated devices.
@@ -87,7 +87,7 @@ demo-grpo: $(BASE)
 	@test -d runs/demo-chat-base-hf || $(MAKE) --no-print-directory demo-chat
 	$(VENV)/bin/xlafit train llm --simulate 8 --run-dir runs/demo-grpo-sft --restart \
 		model.init_from_hf=runs/demo-chat-base-hf data.demo=chat data.seq_len=96 $(CHAT_LORA) \
-		trainer.epochs=4 optimizer.learning_rate=0.01 trainer.stop_at_step=63
+		trainer.epochs=4 optimizer.learning_rate=0.01 trainer.stop_at_step=40
 	$(VENV)/bin/xlafit export hf runs/demo-grpo-sft --out runs/demo-grpo-sft-hf
 	$(VENV)/bin/xlafit train llm --simulate 1 --run-dir runs/demo-grpo --restart \
 		model.init_from_hf=runs/demo-grpo-sft-hf $(GRPO_SETTINGS)
