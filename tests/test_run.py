@@ -496,3 +496,21 @@ def test_the_last_epoch_is_evaluated_when_the_epochs_are_no_multiple_of_the_eval
     assert report.startswith("test: accuracy="), report  # step 9's model: no "(the last evaluation, at step 6 ...)"
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["split"] == "eval"] == [6, 9]  # the periodic one, the final one
+
+
+def test_local_paths_are_recorded_absolute_and_compare_equal_however_given(strategy8, tmp_path, monkeypatch):
+    """The fourth walk: a resume with `--data-dir` given absolute where the run was started with it
+    relative was announced as a changed setting (so was --run-dir), and from another directory
+    the recorded relative path named nothing. config.yaml records them absolute."""
+    from xlafit.rundir import recorded
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "runs" / "r").mkdir(parents=True)
+    tree = {"data": {"data_dir": "data", "tokenizer": "org/name"}, "run": {"run_dir": "runs/r"}, "model": {}}
+    assert recorded(tree) == {
+        "data": {"data_dir": str(tmp_path / "data"), "tokenizer": "org/name"},  # a hub id stays one
+        "run": {"run_dir": str(tmp_path / "runs" / "r")},
+        "model": {},
+    }
+    assert tree["data"]["data_dir"] == "data"  # the config itself is left as given
