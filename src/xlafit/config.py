@@ -487,13 +487,14 @@ def check_device_split(cfg: Config, devices: int, data_parallel_only: bool = Tru
         ConfigError: one line per setting, then the overrides to add.
     """
     data, chunks = cfg.data, cfg.trainer.invariant_chunks
+    n_devices = f"{devices} device" + ("s" if devices != 1 else "")
     problems: list[str] = []
     fixes: dict[str, int | str] = {}
     per_device = data.per_device_batch
     global_batch = data.global_batch or (per_device or DEFAULT_PER_DEVICE_BATCH) * devices
     if data.global_batch is not None and per_device is not None and per_device * devices != data.global_batch:
         problems.append(
-            f"data.global_batch={data.global_batch} (data.per_device_batch={per_device} x {devices} devices is "
+            f"data.global_batch={data.global_batch} (data.per_device_batch={per_device} x {n_devices} is "
             f"{per_device * devices}: set one of them)"
         )
         fixes["data.global_batch"] = "null"
@@ -514,11 +515,13 @@ def check_device_split(cfg: Config, devices: int, data_parallel_only: bool = Tru
     if not problems:
         return
     add = " ".join(f"{key}={value}" for key, value in fixes.items())
-    if len(problems) == 1:
-        head = f"{problems[0]} does not divide evenly over {devices} devices."
+    if len(problems) == 1 and fixes.get("data.global_batch") == "null":  # the two batch settings disagree
+        head = f"{problems[0]}."
+    elif len(problems) == 1:
+        head = f"{problems[0]} does not divide evenly over {n_devices}."
     else:
-        head = f"these batch settings do not divide evenly over {devices} devices:" + "".join(
+        head = f"these batch settings do not divide evenly over {n_devices}:" + "".join(
             f"\n  {problem}" for problem in problems
         )
     instead = " (or set data.per_device_batch instead)" if fixes.get("data.global_batch", "null") != "null" else ""
-    raise ConfigError(f"{head}\nTo run on {devices} devices, add: {add}{instead}.")
+    raise ConfigError(f"{head}\nTo run on {n_devices}, add: {add}{instead}.")
