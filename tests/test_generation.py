@@ -252,8 +252,11 @@ def test_a_prompts_file_line_is_a_prompt_unless_it_is_a_json_string_or_a_convers
     path.write_text("\n".join(lines) + "\n\n")
     args = argparse.Namespace(prompt=["given"], prompts_file=str(path))
     assert _prompts(args) == ["given", "42", "null", "true", "[1, 2]", "plain text", "a string", [turn]]
+    # A prompt-only record (GRPO's data, the fourth walk: refused) asks its prompt, text or conversation.
+    path.write_text(json.dumps({"prompt": "hi", "answer": "7"}) + "\n" + json.dumps({"prompt": [turn], "answer": 7}))
+    assert _prompts(args) == ["given", "hi", [turn]]
     for bad, error in [
-        ({"prompt": "hi"}, r'prompts.jsonl:2 is a JSON object without "messages" \(its keys are prompt\); give'),
+        ({"answer": "hi"}, r'prompts.jsonl:2 is a JSON object without "messages" or "prompt" \(its keys are answer\)'),
         ({"messages": ["hi"]}, r"prompts.jsonl:2: a chat record's messages must be a list of"),
     ]:
         path.write_text("hello\n" + json.dumps(bad))

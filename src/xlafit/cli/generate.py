@@ -27,7 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--prompts-file",
         metavar="FILE",
-        help='prompts, one per line (or JSON lines: a string, or {"messages": [...]} for a chat model)',
+        help='prompts, one per line (or JSON lines: a string, {"messages": [...]} for a chat model, or '
+        '{"prompt": ...} as GRPO\'s prompt records)',
     )
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument(
@@ -86,7 +87,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _prompts(args: argparse.Namespace) -> list:
     """The prompts: each ``--prompt``, then each line of ``--prompts-file``: a JSON string, a
-    JSON object's ``messages`` (a conversation), or else the line as it is."""
+    JSON object's ``messages`` (a conversation) or ``prompt`` (a prompt-only record: a text
+    or a conversation), or else the line as it is."""
     from xlafit.data.chat import messages_of
 
     prompts: list = list(args.prompt)
@@ -107,11 +109,16 @@ def _prompts(args: argparse.Namespace) -> list:
                 item = json.loads(line)
             except json.JSONDecodeError:
                 item = line
+            if isinstance(item, dict) and "messages" not in item and isinstance(item.get("prompt"), (str, list)):
+                # a prompt-only record (TRL's layout, GRPO's data): its prompt, text or conversation
+                prompts.append(item["prompt"])
+                continue
             if isinstance(item, dict):
                 if "messages" not in item:
                     raise ConfigError(
-                        f'--prompts-file {args.prompts_file}:{number} is a JSON object without "messages" (its keys '
-                        f'are {", ".join(item) or "none"}); give {{"messages": [...]}}, or the prompt as plain text.'
+                        f'--prompts-file {args.prompts_file}:{number} is a JSON object without "messages" or "prompt" '
+                        f'(its keys are {", ".join(item) or "none"}); give {{"messages": [...]}}, {{"prompt": ...}}, '
+                        "or the prompt as plain text."
                     )
                 try:
                     prompts.append(messages_of(item))
