@@ -145,3 +145,20 @@ def test_pairs_that_the_cut_makes_alike_are_left_out_and_counted(tmp_path, demo)
     )
     with pytest.raises(DataError, match=r"every preference pair is the same .* raise data.seq_len"):
         loaded(tmp_path, demo, [long_prompt], seq_len=cut)
+
+
+def test_text_pairs_with_a_token_across_the_prompts_end_are_counted_in_the_summary(tmp_path):
+    """The fourth walk: with a Mistral tokenizer every text pair's first completion token spans the
+    prompt's end (so part of the prompt is compared, as TRL's DPOTrainer does it), and where SFT
+    says so in its summary, a preference run said nothing."""
+    from helpers import family_tokenizer
+    from xlafit.data.preference import summary
+
+    folder = family_tokenizer("mistral", tmp_path / "mistral")
+    pairs = [{"prompt": "What is 3 plus 4?", "chosen": " It is 7.", "rejected": " It is 8."}] * 3
+    path = write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    train, evaluation = load_pairs(
+        [path], clm.load_tokenizer(folder), None, seq_len=64, eval_fraction=0, markers=clm.special_ids(folder)
+    )
+    assert train.source.spans_boundary == 3
+    assert "  3 pairs have a token across the prompt's end: each completion starts where" in summary(train, evaluation)

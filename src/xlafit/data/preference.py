@@ -55,6 +55,7 @@ class PreferenceSource:
     records: dict[str, int]
     truncated: int = 0  # rows longer than seq_len, cut at it (their completions keep their starts)
     alike: int = 0  # pairs left out: the cut at seq_len removed all that told chosen from rejected
+    spans_boundary: int = 0  # pairs with a token across the prompt's end in a row (text pairs)
 
 
 @dataclasses.dataclass
@@ -222,6 +223,7 @@ def load_pairs(
     draws = hash_uniform(np.array([seed]), np.arange(len(encoded)), 13)
     split: dict[str, list[tuple[Encoded, Encoded]]] = {"train": [], "eval": []}
     truncated = alike = 0
+    spans = sum(any(row.spans_boundary for row in pair) for pair in encoded)
     for number, (pair, draw) in enumerate(zip(encoded, draws, strict=True), 1):
         for row in pair:
             truncated += len(row.ids) > seq_len
@@ -249,7 +251,7 @@ def load_pairs(
     fmt = "chat" if kinds == {"chat"} else "prompt_completion"
     counts = {k: len(v) for k, v in split.items()}
     out = [PreferencePairs(_rows(split[k], seq_len, pad), tok.get_vocab_size(), counts[k]) for k in ("train", "eval")]
-    out[0].source = PreferenceSource(fmt, counts, truncated, alike)
+    out[0].source = PreferenceSource(fmt, counts, truncated, alike, spans)
     return out[0], out[1]
 
 
@@ -284,6 +286,12 @@ def summary(train: PreferencePairs, evaluation: PreferencePairs) -> str:
         lines.append(
             f"  {source.truncated} rows longer than data.seq_len={train.seq_len} are cut at it; raise data.seq_len to "
             "keep their ends"
+        )
+    if source is not None and source.spans_boundary:
+        lines.append(
+            f"  {source.spans_boundary} pairs have a token across the prompt's end: each completion starts where the "
+            "prompt alone and the whole encode apart (as TRL's DPOTrainer does), so the end of the prompt is compared "
+            "too; a prompt that ends with a space or newline keeps the two apart in most tokenizers"
         )
     if source is not None and source.alike:
         lines.append(
