@@ -73,6 +73,8 @@ def test_a_device_count_that_splits_no_batch_setting_names_them_all_at_once():
     eval_only = r"(?s)^data.eval_global_batch=64 does not .*add: data.eval_global_batch=63\.$"
     with pytest.raises(ConfigError, match=eval_only):
         check_device_split(load_config("llm", ["data.per_device_batch=2", "data.global_batch=null"]), 3)
+    # The fourth walk: a run with no evaluation data was still asked to size its eval batch.
+    check_device_split(load_config("llm", ["data.per_device_batch=2", "data.global_batch=null"]), 3, evaluates=False)
 
 
 def test_more_epochs_on_a_schedule_that_ends_at_zero_are_not_offered_its_end(strategy8, tmp_path):
@@ -514,3 +516,13 @@ def test_local_paths_are_recorded_absolute_and_compare_equal_however_given(strat
         "model": {},
     }
     assert tree["data"]["data_dir"] == "data"  # the config itself is left as given
+
+
+def test_a_run_without_evaluation_data_is_not_asked_for_an_eval_batch_that_splits(strategy8):
+    """The fourth walk: data.eval_fraction=0 with --simulate 3 was refused until the eval batch
+    (64) was a multiple of 3, for an evaluation that would not run; the run takes its global batch."""
+    cfg = load_config("llm", ["data.eval_global_batch=12"])  # 12 does not split over 8 devices
+    with pytest.raises(ConfigError, match=r"data.eval_global_batch=12 does not divide evenly over 8 devices"):
+        resolve(cfg, strategy8, 1000)
+    resolved, run = resolve(cfg, strategy8, 1000, evaluates=False)
+    assert resolved.data.eval_global_batch == run.eval_batch == resolved.data.global_batch == 32

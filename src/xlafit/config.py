@@ -478,7 +478,7 @@ def resolve_batch(cfg: DataConfig, num_devices: int) -> tuple[int, int]:
     return cfg.global_batch // num_devices, cfg.global_batch
 
 
-def check_device_split(cfg: Config, devices: int, data_parallel_only: bool = True) -> None:
+def check_device_split(cfg: Config, devices: int, data_parallel_only: bool = True, evaluates: bool = True) -> None:
     """Refuses, in one message, every batch setting that ``devices`` devices cannot split,
     with the overrides that run on them (a device count such as ``--simulate 3`` often
     meets the global batch, the eval batch and the invariant chunks at once).
@@ -503,7 +503,7 @@ def check_device_split(cfg: Config, devices: int, data_parallel_only: bool = Tru
         problems.append(f"data.global_batch={data.global_batch}")
         global_batch = fixes["data.global_batch"] = max(data.global_batch // devices * devices, devices)
     eval_batch = data.eval_global_batch
-    if eval_batch is not None and eval_batch % devices:
+    if evaluates and eval_batch is not None and eval_batch % devices:  # no evaluation data: no eval batch
         problems.append(f"data.eval_global_batch={eval_batch}")
         fixes["data.eval_global_batch"] = max(eval_batch // devices * devices, devices)
     if chunks is not None and data_parallel_only and (chunks % devices or global_batch % chunks):

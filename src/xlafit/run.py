@@ -112,7 +112,8 @@ def train_and_evaluate(cfg: Config) -> FitResult:
         refuse_foreign_dir(cfg)
         train_data, eval_data = recipe.load_data(cfg)
         train_data = as_dataset(train_data)
-        cfg, run = resolve(recipe.from_data(cfg, train_data), strategy, len(train_data))
+        evaluates = eval_data is not None and len(as_dataset(eval_data)) > 0
+        cfg, run = resolve(recipe.from_data(cfg, train_data), strategy, len(train_data), evaluates)
         plan = make_optimizer(cfg.optimizer, run.global_batch)
         run_dir = run.run_dir
         if cfg.run.checkpoint_dir:  # before the resume check or --restart lists it
@@ -235,13 +236,14 @@ class Resolved(NamedTuple):
     eval_batch: int
 
 
-def resolve(cfg: Config, strategy: Strategy, num_examples: int) -> tuple[Config, Resolved]:
+def resolve(cfg: Config, strategy: Strategy, num_examples: int, evaluates: bool = True) -> tuple[Config, Resolved]:
     """``cfg`` with what this run decides filled in: batch sizes for these devices, the
     schedule's length and the run directory, so that ``config.yaml`` records what was used
-    and a resume on another device count keeps the global batch."""
-    check_device_split(cfg, strategy.num_replicas, strategy.data_parallel_only)
+    and a resume on another device count keeps the global batch. ``evaluates``: the run has
+    evaluation data (without it, the eval batch need not split over the devices)."""
+    check_device_split(cfg, strategy.num_replicas, strategy.data_parallel_only, evaluates)
     per_device, global_batch = resolve_batch(cfg.data, strategy.num_replicas)
-    eval_batch = cfg.data.eval_global_batch or global_batch
+    eval_batch = (cfg.data.eval_global_batch or global_batch) if evaluates else global_batch  # unused without
     steps_per_epoch = num_examples // global_batch
     if steps_per_epoch == 0:
         raise ConfigError(
