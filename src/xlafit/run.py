@@ -40,7 +40,6 @@ from xlafit.checkpoint import check_directory, check_not_all_set_aside
 from xlafit.config import Config, LoraConfig, check_device_split, resolve_batch
 from xlafit.data.dataset import as_dataset
 from xlafit.errors import ConfigError
-from xlafit.io import hub
 from xlafit.io.paths import (
     as_path,
     reach,
@@ -56,10 +55,10 @@ from xlafit.parallel.sharding import parse_rules
 from xlafit.recipes import get_recipe
 from xlafit.recipes.base import Recipe
 from xlafit.rundir import (
-    RECORDED_PATHS,
     checkpoint_dir,
     log_to_file,
     make_run_dir,
+    recorded,
     refuse_foreign_dir,
     start_run_dir,
 )
@@ -418,13 +417,9 @@ def check_continuation(
         check_not_all_set_aside(checkpoints)
         if not (checkpoints.exists() and any(p.name.isdigit() for p in checkpoints.iterdir())):
             return
-    saved = _flatten(migrate(_saved_config(as_path(run_dir)), f"{run_dir}/config.yaml"))
-    now = _flatten(cfg.to_dict())
-    for key in RECORDED_PATHS:  # absolute in config.yaml, relative as typed, or relative in an older run's
-        for side in (saved, now):
-            value = side.get(key)
-            if isinstance(value, str):
-                side[key] = hub.absolute(value)
+    # Local paths compared absolute: as config.yaml records them, as typed, or as an older run holds them.
+    saved = _flatten(recorded(migrate(_saved_config(as_path(run_dir)), f"{run_dir}/config.yaml")))
+    now = _flatten(recorded(cfg.to_dict()))
     restart = "or start over with --restart (run.resume=false) or another --run-dir"
     if saved["recipe"] != now["recipe"]:
         raise ConfigError(
