@@ -50,7 +50,7 @@ def overrides(files, run_dir, *extra):
         f"data.tokenizer={chat_demo.demo_files()[2]}",
         f"run.run_dir={run_dir}",
         *("data.global_batch=8", "model.grpo.num_generations=4", "model.grpo.max_completion_length=6"),
-        *("trainer.epochs=1", "trainer.log_every_steps=1", "model.max_position_embeddings=64", "data.seq_len=32"),
+        *("trainer.epochs=1", "trainer.log_every_steps=1", "model.max_position_embeddings=64"),
         *extra,
     ]
 
@@ -222,3 +222,24 @@ def test_settings_of_an_objective_the_run_does_not_train_are_named_as_ignored(ca
         dpo = ["lora.rank=4", "model.objective=dpo", "data.demo=preference", "model.preference.beta=0.5"]
         get_recipe("llm").validate(xlafit.load_config("llm", dpo))
     assert caplog.records == []  # a setting of the objective it trains
+
+
+def test_data_settings_a_grpo_run_does_not_read_are_named_as_ignored(files, tmp_path, caplog):
+    """The fourth walk: data.seq_len and data.eval_fraction on a GRPO run were taken without a
+    word (a completion's length is model.grpo.max_completion_length; there is no held-out set);
+    and the default data.seq_len (256) refused a model of 64 positions that GRPO fits."""
+    import logging
+
+    recipe = get_recipe("llm")
+    with caplog.at_level(logging.WARNING, logger="xlafit"):
+        recipe.validate(xlafit.load_config("llm", overrides(files, tmp_path)))  # 64 positions, seq_len 256
+    assert caplog.records == []
+    with caplog.at_level(logging.WARNING, logger="xlafit"):
+        recipe.validate(
+            xlafit.load_config("llm", overrides(files, tmp_path, "data.seq_len=16", "data.eval_fraction=0.3"))
+        )
+    assert [r.getMessage() for r in caplog.records] == [
+        "warning: data.seq_len=16, data.eval_fraction=0.3 set, but model.objective=grpo does not read them (a "
+        "completion's length is model.grpo.max_completion_length; the rewards measure the run, no evaluation is "
+        "held out): ignored"
+    ]

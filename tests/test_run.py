@@ -482,6 +482,17 @@ def test_the_final_report_names_the_step_of_an_evaluation_made_before_the_stop(
     assert report.startswith("test: accuracy="), report
 
 
+def test_the_perplexity_line_names_the_step_of_its_model_too():
+    """The fourth walk: under a `test (the last evaluation, at step 4; the run stopped at step 5)`
+    line, `perplexity:` stood unqualified, as if of the model the run stopped with."""
+    from xlafit.run import final_report
+
+    metrics = {"loss": 1.0, "token_accuracy": 0.5, "count": 2}
+    early = final_report(metrics, at=4, last=5, unit="rows").splitlines()
+    assert early[-1] == "perplexity (of the model at step 4): 2.72", early
+    assert final_report(metrics, at=5, last=5, unit="rows").splitlines()[-1] == "perplexity: 2.72"
+
+
 def test_the_last_epoch_is_evaluated_when_the_epochs_are_no_multiple_of_the_evaluation_period(
     strategy8, tmp_path, monkeypatch, capsys
 ):

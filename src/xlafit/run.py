@@ -317,7 +317,8 @@ def final_report(
     if "masked_accuracy" in metrics:
         lines.append(f"masked-token accuracy: {metrics['masked_accuracy']:.4f}")
     if "token_accuracy" in metrics:  # a language model: exp of the mean next-token loss
-        lines.append(f"perplexity: {math.exp(metrics['loss']):.2f}")
+        of = "" if not when else f" (of the model at step {at})"
+        lines.append(f"perplexity{of}: {math.exp(metrics['loss']):.2f}")
     return "\n".join(lines)
 
 

@@ -37,6 +37,7 @@ from xlafit.io import hub
 from xlafit.models.llama import PRESETS, LlamaConfig, LlamaForCausalLM
 from xlafit.models.moe import RouterStats, load_balancing_loss, router_z_loss
 from xlafit.models.quantized import check_tiling
+from xlafit.overrides import load_yaml
 from xlafit.parallel.sharding import active_layout, batch_axes, constrain
 from xlafit.platform.hardware import table_memory
 from xlafit.recipes import llm_data, llm_grpo, llm_preference
@@ -189,9 +190,25 @@ def moe_options(m: LlmModelConfig) -> dict[str, Any]:
     return options
 
 
-def _warn_unused_settings(m: LlmModelConfig) -> None:
+# the data settings GRPO does not read: a completion's length is model.grpo.max_completion_length,
+# and the rewards, not a held-out loss, measure the run
+_GRPO_UNREAD_DATA = ("seq_len", "eval_fraction", "eval_global_batch", "loss_on", "text_column")
+
+
+def _warn_unused_settings(cfg: Config) -> None:
     """Warns of settings of an objective the run does not train (``model.grpo.*`` on a
-    next-token run): given, and ignored."""
+    next-token run), and of data settings a GRPO run does not read: given, and ignored."""
+    m = cfg.model
+    if m.objective == "grpo":
+        d, default_data = data_config(cfg), LlmDataConfig(**load_yaml(Path(__file__).with_name("llm.yaml"))["data"])
+        unread = [f"data.{k}={getattr(d, k)}" for k in _GRPO_UNREAD_DATA if getattr(d, k) != getattr(default_data, k)]
+        if unread:
+            log.warning(
+                "warning: %s set, but model.objective=grpo does not read %s (a completion's length is "
+                "model.grpo.max_completion_length; the rewards measure the run, no evaluation is held out): ignored",
+                ", ".join(unread),
+                "it" if len(unread) == 1 else "them",
+            )
     sections = (
         ("grpo", m.grpo, llm_grpo.GrpoConfig(), m.objective == "grpo"),
         ("preference", m.preference, llm_preference.PreferenceConfig(), m.objective in ("dpo", "simpo", "orpo")),
@@ -216,7 +233,7 @@ def validate(cfg: Config) -> None:
     an xlafit run's, not a Hugging Face directory), before any text is read."""
     llm_preference.validate(cfg)
     llm_grpo.validate(cfg)
-    _warn_unused_settings(cfg.model)
+    _warn_unused_settings(cfg)
     if cfg.model.init_from_hf:
         hub.check_local(cfg.model.init_from_hf, "model.init_from_hf")
         _refuse_size_overrides(cfg)
@@ -228,7 +245,7 @@ def validate(cfg: Config) -> None:
     if cfg.model.init_from_hf is None:
         config = llama_config(cfg, 1)
         check_base_blocks(cfg, config)
-        if data_config(cfg).seq_len > config.max_position_embeddings:
+        if cfg.model.objective != "grpo" and data_config(cfg).seq_len > config.max_position_embeddings:
             raise ConfigError(
                 f"data.seq_len={data_config(cfg).seq_len} is longer than the model's max_position_embeddings="
                 f"{config.max_position_embeddings}; lower data.seq_len or raise model.max_position_embeddings."
@@ -280,7 +297,7 @@ def check_checkpoint(cfg: Config, folder: str | Path) -> None:
         raise ConfigError(f"model.init_from_hf={m.init_from_hf}: {e}") from None
     check_base_blocks(cfg, checkpoint)
     seq_len = data_config(cfg).seq_len
-    if seq_len > checkpoint.max_position_embeddings:
+    if m.objective != "grpo" and seq_len > checkpoint.max_position_embeddings:  # GRPO: checked per prompt
         raise ConfigError(
             f"data.seq_len={seq_len} is longer than model.init_from_hf={m.init_from_hf}'s max_position_embeddings="
             f"{checkpoint.max_position_embeddings} (its config.json): the model never saw positions that far; lower "
