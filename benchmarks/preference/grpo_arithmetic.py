@@ -2,7 +2,7 @@
 accuracy on the questions its prompts never asked (``chat_demo.held_out_questions``: 20
 pairs of numbers x plus, minus, times) and on those they asked, before and after.
 
-    python benchmarks/preference/grpo_arithmetic.py --start runs/demo-grpo-sft-hf --tuned runs/demo-grpo \\
+    python benchmarks/preference/grpo_arithmetic.py --start runs/demo-chat-start-hf --tuned runs/demo-grpo \\
         --out benchmarks/results/DATE/grpo/arithmetic.json
 
 ``--start``: the model GRPO started from (a Hugging Face directory or a run); ``--tuned``:
