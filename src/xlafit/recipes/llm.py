@@ -40,6 +40,7 @@ from xlafit.models.quantized import check_tiling
 from xlafit.overrides import load_yaml
 from xlafit.parallel.sharding import active_layout, batch_axes, constrain
 from xlafit.platform.hardware import table_memory
+from xlafit.platform.host_memory import materialized_on_cpu, refuse_beyond, state_bytes
 from xlafit.recipes import llm_data, llm_grpo, llm_preference
 from xlafit.recipes.base import Recipe, Throughput
 from xlafit.recipes.llm_data import LlmDataConfig, data_config, model_dir, save_artifacts
@@ -83,7 +84,7 @@ class LlmModelConfig:
     preset: Literal[
         "tiny", "tiny-moe", "llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b", "gemma-3-1b", "gemma-3-12b",
         "gemma-3-27b", "gemma-4-e2b", "gemma-4-e4b", "gemma-4-26b-a4b", "gemma-4-31b", "qwen3-1.7b", "qwen3-14b",
-        "qwen3-32b", "qwen3-30b-a3b", "qwen3.5-35b-a3b", "custom",
+        "qwen3-32b", "qwen3-30b-a3b", "qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b", "custom",
     ] = "tiny"  # fmt: skip
     num_layers: int | None = None  # null: the preset's
     hidden_size: int | None = None  # null: the preset's
@@ -353,9 +354,12 @@ def shapes(cfg: Config) -> clm.PackedText | None:
 
 
 def build_llama(cfg: Config, vocab_size: int) -> LlamaForCausalLM:
-    """The model: read from ``model.init_from_hf``, or new with the preset's sizes."""
+    """The model: read from ``model.init_from_hf``, or new with the preset's sizes; on a
+    CPU, one larger than the memory free is refused before it is read or made."""
     m = cfg.model
     source = model_dir(cfg)
+    if materialized_on_cpu() and not (cfg.lora.rank and cfg.lora.quantized):
+        _refuse_beyond_host_memory(cfg, model_sizes(cfg, vocab_size))
     if source:
         options = {
             "dtype": m.compute_dtype,
@@ -379,6 +383,22 @@ def build_llama(cfg: Config, vocab_size: int) -> LlamaForCausalLM:
             )
         return model
     return LlamaForCausalLM(llama_config(cfg, vocab_size), rngs=nnx.Rngs(params=cfg.trainer.seed))
+
+
+def _refuse_beyond_host_memory(cfg: Config, sizes: LlamaConfig) -> None:
+    """Refuses a model whose float32 parameters are more than this machine has free (a 9B
+    preset on a notebook's CPU), naming the TPU check and the 4-bit base."""
+    shapes = nnx.eval_shape(lambda: LlamaForCausalLM(sizes, rngs=nnx.Rngs(0)))
+    params = nnx.state(shapes, nnx.Param)
+    count = sum(math.prod(v.shape) for v in jax.tree.leaves(params))
+    name = cfg.model.init_from_hf or f"model.preset={cfg.model.preset}"
+    refuse_beyond(
+        state_bytes(params),
+        f"{name} ({count / 1e9:.2f}B parameters in float32)",
+        "Ask whether a TPU holds it with `xlafit check llm --tpu colab,kaggle ...` (the TPU compiler runs here, no TPU "
+        "needed); to tune it on this machine, load its base in 4 bits (lora.rank=16 lora.base_dtype=nf4), or take a "
+        "smaller model.",
+    )
 
 
 def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:

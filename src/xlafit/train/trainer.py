@@ -46,6 +46,7 @@ from xlafit.errors import ConfigError, Preempted
 from xlafit.io.paths import as_path
 from xlafit.parallel.cluster import connect
 from xlafit.parallel.mesh import Strategy
+from xlafit.platform.host_memory import check_train_state
 from xlafit.train.adapter import Adapted, adapt, framework_of
 from xlafit.train.arguments import built, check_arguments, check_batches
 from xlafit.train.evaluation import compile_eval_step, final_evaluation
@@ -176,9 +177,8 @@ class Trainer:
         self.peak_flops: float | None = None  # looked up when fit starts
         self._planned_k: set[int] = set()  # steps-per-call values of the calls planned so far
 
-        builder: Callable[[], nnx.Module] | None = None
-        if callable(model) and not isinstance(model, nnx.Module | Adapted) and framework_of(model) is None:
-            builder = model
+        is_builder = callable(model) and not isinstance(model, nnx.Module | Adapted) and framework_of(model) is None
+        builder: Callable[[], nnx.Module] | None = model if is_builder else None  # type: ignore[assignment]
         # A builder's model as shapes only (nnx.eval_shape): built below, sharded, inside jit,
         # with Flax's eager sharding off (built), so that parameters annotated as Flax's guides
         # show (nnx.with_partitioning) keep their names for the sharding rules.
@@ -199,6 +199,7 @@ class Trainer:
         self.rollout = rollout
         # Where every array lies, in, out and donated (xlafit.parallel.sharding; trainer.optimizer_offload)
         abstract = abstract_state(params, model_state, optimizer, self.strategy, self.config.optimizer_offload)
+        check_train_state(abstract, self.strategy.platform)  # on a CPU: not beyond the memory free
         shardings = state_shardings(abstract)
         self._state = self._initial_state(builder, params, model_state, shardings)
         self.train_step, self.eval_step = make_steps(
