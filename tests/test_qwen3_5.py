@@ -169,3 +169,48 @@ def test_lora_on_the_deltanet_projections_exports_a_peft_adapter(checkpoint, tmp
     want = _theirs(tuned, IDS)
     assert np.abs(want - _theirs(plain, IDS)).max() > 1e-2  # the adapters do change transformers' logits
     np.testing.assert_allclose(np.asarray(run(merge_lora(ours), jnp.array(IDS))), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("preset", "released", "billions"),
+    [
+        # Qwen/Qwen3.5-9B's text_config: transformers' defaults with the release's rotary base
+        ("qwen3.5-9b", {}, 8.954),
+        (
+            "qwen3.5-27b",
+            dict(
+                hidden_size=5120,
+                num_hidden_layers=64,
+                num_attention_heads=24,
+                intermediate_size=17408,
+                linear_num_value_heads=48,
+            ),
+            26.896,
+        ),  # fmt: skip
+    ],
+)
+def test_the_dense_presets_are_what_the_released_configs_read_as_with_transformers_parameters(
+    preset, released, billions
+):
+    """``model.preset=qwen3.5-9b`` / ``qwen3.5-27b``: every field equal to what xlafit reads from
+    the released text config, and a block of four layers with as many parameters as
+    transformers' model of it (built on the meta device); the whole text model's count."""
+    import dataclasses
+
+    from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
+
+    rope = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
+    config = transformers.Qwen3_5TextConfig(rope_parameters=rope, max_position_embeddings=262144, **released)
+    ours = LlamaConfig.preset(preset)
+    read = llama_hf.config_from_hf(config.to_dict())
+    assert {f.name for f in dataclasses.fields(ours) if getattr(ours, f.name) != getattr(read, f.name)} == set()
+    block = dataclasses.replace(ours, num_layers=4, layer_types=ours.layer_types[:4])
+    with torch.device("meta"):
+        small = transformers.Qwen3_5TextConfig(**{**config.to_dict(), "num_hidden_layers": 4, "layer_types": None})
+        theirs = sum(p.numel() for p in transformers.Qwen3_5ForCausalLM(small).parameters())
+    shapes = nnx.eval_shape(lambda: LlamaForCausalLM(block, rngs=nnx.Rngs(0)))
+    count = sum(v.size for _, v in nnx.to_flat_state(nnx.state(shapes, nnx.Param)))
+    assert count == theirs
+    outside = 2 * ours.vocab_size * ours.hidden_size + ours.hidden_size  # embeddings, output layer, final norm
+    total = outside + ours.num_layers // 4 * (count - outside)
+    assert round(total / 1e9, 3) == billions
