@@ -347,3 +347,21 @@ NF4 = np.array(
         0.7229568362236023, 1.0,
     ]
 )  # fmt: skip
+
+
+def block_parameters(ours, theirs_class, theirs_config, layers=4):
+    """(xlafit's, transformers') parameter counts of the first ``layers`` layers of a preset
+    ``ours`` with its embeddings and output layer, transformers' built from ``theirs_config``
+    (a config object) on the meta device: nothing is allocated."""
+    import dataclasses
+
+    import torch
+
+    from xlafit.models.llama import LlamaForCausalLM
+
+    block = dataclasses.replace(ours, num_layers=layers, layer_types=ours.layer_types[:layers])
+    with torch.device("meta"):
+        small = type(theirs_config)(**{**theirs_config.to_dict(), "num_hidden_layers": layers, "layer_types": None})
+        theirs = sum(p.numel() for p in theirs_class(small).parameters())
+    shapes = nnx.eval_shape(lambda: LlamaForCausalLM(block, rngs=nnx.Rngs(0)))
+    return sum(v.size for _, v in nnx.to_flat_state(nnx.state(shapes, nnx.Param))), theirs

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import hf_greedy, peft_tuned
+from helpers import block_parameters, hf_greedy, peft_tuned
 from xlafit.hf import llama as llama_hf
 from xlafit.models.generation import generate
 from xlafit.models.lora import apply_lora, merge_lora
@@ -197,19 +197,14 @@ def test_the_dense_presets_are_what_the_released_configs_read_as_with_transforme
     transformers' model of it (built on the meta device); the whole text model's count."""
     import dataclasses
 
-    from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
+    from xlafit.models.llama import LlamaConfig
 
     rope = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
     config = transformers.Qwen3_5TextConfig(rope_parameters=rope, max_position_embeddings=262144, **released)
     ours = LlamaConfig.preset(preset)
     read = llama_hf.config_from_hf(config.to_dict())
     assert {f.name for f in dataclasses.fields(ours) if getattr(ours, f.name) != getattr(read, f.name)} == set()
-    block = dataclasses.replace(ours, num_layers=4, layer_types=ours.layer_types[:4])
-    with torch.device("meta"):
-        small = transformers.Qwen3_5TextConfig(**{**config.to_dict(), "num_hidden_layers": 4, "layer_types": None})
-        theirs = sum(p.numel() for p in transformers.Qwen3_5ForCausalLM(small).parameters())
-    shapes = nnx.eval_shape(lambda: LlamaForCausalLM(block, rngs=nnx.Rngs(0)))
-    count = sum(v.size for _, v in nnx.to_flat_state(nnx.state(shapes, nnx.Param)))
+    count, theirs = block_parameters(ours, transformers.Qwen3_5ForCausalLM, config)
     assert count == theirs
     outside = 2 * ours.vocab_size * ours.hidden_size + ours.hidden_size  # embeddings, output layer, final norm
     total = outside + ours.num_layers // 4 * (count - outside)

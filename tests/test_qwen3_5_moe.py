@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import hf_greedy, packed_rows, peft_tuned
+from helpers import block_parameters, hf_greedy, packed_rows, peft_tuned
 from xlafit.errors import HFFormatError
 from xlafit.hf import llama as llama_hf
 from xlafit.models.generation import generate
@@ -206,7 +206,7 @@ def test_the_preset_is_what_the_released_config_reads_as_with_transformers_param
     first block of four layers has as many parameters as transformers' model of it (built on
     the meta device), and the ten blocks with the embeddings and the output layer 34.66B; its
     model FLOPs count the shared expert."""
-    from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
+    from xlafit.models.llama import LlamaConfig
 
     rope = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
     released = transformers.Qwen3_5MoeTextConfig(rope_parameters=rope, max_position_embeddings=262144)
@@ -214,12 +214,7 @@ def test_the_preset_is_what_the_released_config_reads_as_with_transformers_param
     read = llama_hf.config_from_hf(released.to_dict())
     differ = {f.name for f in dataclasses.fields(preset) if getattr(preset, f.name) != getattr(read, f.name)}
     assert differ <= {"intermediate_size"}, differ  # the dense MLP's width, which no layer has
-    block = dataclasses.replace(preset, num_layers=4, layer_types=preset.layer_types[:4])
-    with torch.device("meta"):
-        small = transformers.Qwen3_5MoeTextConfig(**{**released.to_dict(), "num_hidden_layers": 4, "layer_types": None})
-        theirs = sum(p.numel() for p in transformers.Qwen3_5MoeForCausalLM(small).parameters())
-    ours = nnx.eval_shape(lambda: LlamaForCausalLM(block, rngs=nnx.Rngs(0)))
-    count = sum(v.size for _, v in nnx.to_flat_state(nnx.state(ours, nnx.Param)))
+    count, theirs = block_parameters(preset, transformers.Qwen3_5MoeForCausalLM, released)
     assert count == theirs
     outside = 2 * preset.vocab_size * preset.hidden_size + preset.hidden_size  # embeddings, output layer, final norm
     assert outside + 10 * (count - outside) == 34_660_610_688

@@ -41,11 +41,41 @@ _GEMMA4: dict[str, Any] = {
     "tie_embeddings": True,
 }
 
+
 # Released sizes (the config.json of meta-llama/Llama-3.2-1B, Llama-3.1-8B and Llama-3.1-70B,
 # google/gemma-3-1b-it, gemma-3-12b-pt and gemma-3-27b-pt's text model, the text_config of
 # google/gemma-4-E2B, E4B, 26B-A4B and 31B, Qwen/Qwen3-1.7B, Qwen3-14B, Qwen3-32B and
 # Qwen3-30B-A3B), and tiny ones for tests (dense, and a mixture of experts).
 # vocab_size of "tiny" and "tiny-moe" is a placeholder: set it to the tokenizer's.
+def _qwen3_5(layers: int, hidden: int, heads: int, kv_heads: int, value_heads: int) -> dict[str, Any]:
+    """What Qwen3.5's text models share: three Gated DeltaNet layers to each attention layer
+    (its output gated, rotation on a quarter of a head of 256), 16 key heads of 128 in the
+    DeltaNet layers, the 248,320-token vocabulary, an untied output layer."""
+    return {
+        "family": "qwen3_5_text",
+        "num_layers": layers,
+        "hidden_size": hidden,
+        "num_heads": heads,
+        "num_kv_heads": kv_heads,
+        "head_dim": 256,
+        "layer_types": tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)),
+        "attn_output_gate": True,
+        "qk_norm": True,
+        "norm_offset": True,
+        "partial_rotary_factor": 0.25,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": value_heads,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "vocab_size": 248320,
+        "rope_theta": 10000000.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 262144,
+        "tie_embeddings": False,
+    }
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "num_layers": 2,
@@ -149,84 +179,25 @@ PRESETS: dict[str, dict[str, Any]] = {
     # style") with the release's rotary base and context; every field equal to what xlafit reads
     # from the release's config.json (as MaxText's checkpoint conversion copies it)
     "qwen3.5-35b-a3b": {
+        **_qwen3_5(layers=40, hidden=2048, heads=16, kv_heads=2, value_heads=32),
         "family": "qwen3_5_moe_text",
-        "num_layers": 40,
-        "hidden_size": 2048,
-        "num_heads": 16,
-        "num_kv_heads": 2,
-        "head_dim": 256,
-        "layer_types": tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(40)),
-        "attn_output_gate": True,
-        "qk_norm": True,
-        "norm_offset": True,
-        "partial_rotary_factor": 0.25,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 32,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4,
         "moe_intermediate_size": 512,
         "shared_expert_intermediate_size": 512,
         "num_experts": 256,
         "num_experts_per_tok": 8,
         "norm_topk_prob": True,
         "router_aux_loss_coef": 0.001,
-        "vocab_size": 248320,
-        "rope_theta": 10000000.0,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 262144,
-        "tie_embeddings": False,
     },
     # Qwen/Qwen3.5-9B's and Qwen/Qwen3.5-27B's text_config (the released config.json, as public
     # repositories that load the checkpoints copy it; the 9B's is transformers' Qwen3_5TextConfig
-    # defaults): three Gated DeltaNet layers to each attention layer, untied output layer
+    # defaults)
     "qwen3.5-9b": {
-        "family": "qwen3_5_text",
-        "num_layers": 32,
-        "hidden_size": 4096,
-        "num_heads": 16,
-        "num_kv_heads": 4,
-        "head_dim": 256,
+        **_qwen3_5(layers=32, hidden=4096, heads=16, kv_heads=4, value_heads=32),
         "intermediate_size": 12288,
-        "layer_types": tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(32)),
-        "attn_output_gate": True,
-        "qk_norm": True,
-        "norm_offset": True,
-        "partial_rotary_factor": 0.25,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 32,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4,
-        "vocab_size": 248320,
-        "rope_theta": 10000000.0,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 262144,
-        "tie_embeddings": False,
     },
     "qwen3.5-27b": {
-        "family": "qwen3_5_text",
-        "num_layers": 64,
-        "hidden_size": 5120,
-        "num_heads": 24,
-        "num_kv_heads": 4,
-        "head_dim": 256,
+        **_qwen3_5(layers=64, hidden=5120, heads=24, kv_heads=4, value_heads=48),
         "intermediate_size": 17408,
-        "layer_types": tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)),
-        "attn_output_gate": True,
-        "qk_norm": True,
-        "norm_offset": True,
-        "partial_rotary_factor": 0.25,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 48,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4,
-        "vocab_size": 248320,
-        "rope_theta": 10000000.0,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 262144,
-        "tie_embeddings": False,
     },
     "llama-3.1-8b": {
         "num_layers": 32,
