@@ -36,6 +36,8 @@ def test_the_loss_adds_the_aux_loss_and_counts_the_routed_tokens():
     aux = float(load_balancing_loss(stats))
     assert aux > 0 and float(metrics["moe_aux_loss"][0]) == pytest.approx(aux)
     np.testing.assert_allclose(np.asarray(loss), np.asarray(cross_entropy) + 0.001 * aux, rtol=1e-6)
+    # The fifth walk: the perplexity was the exponential of the loss with the router's term in it.
+    np.testing.assert_allclose(np.asarray(metrics["nll_loss"]), np.asarray(cross_entropy), rtol=1e-6)
     routed = [float(metrics[f"expert_tokens/{e}"][0]) for e in range(8)]
     real = int((np.asarray(batch["segment_ids"]) > 0).sum())
     assert sum(routed) == 2 * real  # k=2 experts for each real token, per layer; padding counts none
@@ -78,3 +80,31 @@ def test_expert_parallelism_trains_what_one_device_trains(strategy1, capsys):
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-5, path
     np.testing.assert_allclose(split.history[-1]["loss"], one.history[-1]["loss"], rtol=1e-5)
     assert jax.device_count() == 8
+
+
+def test_the_final_report_gives_the_perplexity_of_the_next_token_loss_and_no_expert_counts():
+    """The fifth walk: a MoE run's `perplexity:` was exp(loss + coef x aux), and its `test:` line
+    printed the experts' token counts the logs leave out."""
+    from xlafit.run import final_report
+
+    metrics = {"expert_tokens/0": 33.0, "loss": 6.9381, "moe_aux_loss": 2.3799, "nll_loss": 5.7481,
+               "token_accuracy": 0.1, "count": 2}  # fmt: skip
+    test, perplexity = final_report(metrics, unit="rows").splitlines()
+    assert "expert_tokens" not in test and "nll_loss=5.7481" in test
+    assert perplexity == "perplexity: 313.59"  # exp(5.7481), not exp(6.9381) = 1,030.8
+
+
+def test_router_loss_weights_given_to_an_objective_that_trains_without_them_are_named(caplog):
+    """The fifth walk: model.moe.router_aux_loss_coef=0.5 on a DPO run changed nothing, without a word."""
+    import logging
+
+    from xlafit.recipes import get_recipe
+
+    dpo = ["lora.rank=4", "model.objective=dpo", "data.demo=preference", "model.moe.router_aux_loss_coef=0.5"]
+    with caplog.at_level(logging.WARNING, logger="xlafit"):
+        get_recipe("llm").validate(xlafit.load_config("llm", dpo))
+    assert [r.getMessage() for r in caplog.records] == [
+        "warning: model.moe.router_aux_loss_coef=0.5 set, but model.objective=dpo trains without the router's "
+        "losses (only next-token runs add them; TRL's trainers add the load-balancing one to every objective): "
+        "ignored"
+    ]

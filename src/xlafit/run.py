@@ -65,6 +65,7 @@ from xlafit.rundir import (
 from xlafit.runlock import hold_run_dir
 from xlafit.train.loop import FitResult
 from xlafit.train.optim import OptimizerPlan, highest_rate, make_optimizer, schedule_at, warmup_steps
+from xlafit.train.report import EXPERT_TOKENS
 from xlafit.train.signals import handle_signals
 from xlafit.train.trainer import Trainer
 
@@ -309,16 +310,16 @@ def final_report(
         >>> print(final_report({"loss": 4.5, "count": 8}, at=16, last=20))
         test (the last evaluation, at step 16; the run stopped at step 20): loss=4.5000  (8 examples)
     """
-    shown = "  ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k != "count")
+    shown = "  ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k != "count" and not k.startswith(EXPERT_TOKENS))
     when = "" if at is None or at == last else f" (the last evaluation, at step {at}; the run stopped at step {last})"
     lines = [f"test{when}: {shown}  ({metrics['count']} {unit})"]
     if "accuracy" in metrics:
         lines.append(f"test accuracy: {metrics['accuracy']:.4f}")
     if "masked_accuracy" in metrics:
         lines.append(f"masked-token accuracy: {metrics['masked_accuracy']:.4f}")
-    if "token_accuracy" in metrics:  # a language model: exp of the mean next-token loss
+    if "token_accuracy" in metrics:  # a language model: exp of the mean next-token loss (a MoE's without its router's)
         of = "" if not when else f" (of the model at step {at})"
-        lines.append(f"perplexity{of}: {math.exp(metrics['loss']):.2f}")
+        lines.append(f"perplexity{of}: {math.exp(metrics.get('nll_loss', metrics['loss'])):.2f}")
     return "\n".join(lines)
 
 

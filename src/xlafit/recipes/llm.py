@@ -210,6 +210,7 @@ def _warn_unused_settings(cfg: Config) -> None:
                 ", ".join(unread),
                 "it" if len(unread) == 1 else "them",
             )
+    _warn_router_losses_unused(m)
     sections = (
         ("grpo", m.grpo, llm_grpo.GrpoConfig(), m.objective == "grpo"),
         ("preference", m.preference, llm_preference.PreferenceConfig(), m.objective in ("dpo", "simpo", "orpo")),
@@ -227,6 +228,21 @@ def _warn_unused_settings(cfg: Config) -> None:
                 m.objective,
                 name,
             )
+
+
+def _warn_router_losses_unused(m: LlmModelConfig) -> None:
+    """Warns of a mixture of experts' router loss weights given to an objective that trains
+    without them (the preference objectives, GRPO: their losses are of the completions' log-
+    probabilities alone, where TRL's trainers add the load-balancing term)."""
+    given = [f"model.moe.{k}={v}" for k, v in (("router_aux_loss_coef", m.moe.router_aux_loss_coef),
+             ("router_z_loss_coef", m.moe.router_z_loss_coef or None)) if v is not None]  # fmt: skip
+    if given and m.objective != "next_token":
+        log.warning(
+            "warning: %s set, but model.objective=%s trains without the router's losses (only next-token runs "
+            "add them; TRL's trainers add the load-balancing one to every objective): ignored",
+            ", ".join(given),
+            m.objective,
+        )
 
 
 def validate(cfg: Config) -> None:
@@ -439,18 +455,20 @@ def with_router_losses(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``loss`` plus ``router_aux_loss_coef`` times the load-balancing loss and
     ``router_z_loss_coef`` times the z-loss (transformers adds the first to Qwen3-MoE's loss
-    the same way), each logged (``moe_aux_loss``, ``router_z_loss``), with the tokens routed
-    to each expert per MoE layer (``expert_tokens/<e>``; written to metrics.jsonl and
-    TensorBoard, not printed). Each is one value for the whole batch, repeated per row as the
+    the same way), each logged (``moe_aux_loss``, ``router_z_loss``), with the next-token loss
+    alone (``nll_loss``: the perplexity's), and the tokens routed to each expert, averaged over
+    the MoE layers (``expert_tokens/<e>``; written to metrics.jsonl and TensorBoard, not
+    printed). Each router term is one value for the whole batch, repeated per row as the
     metrics' convention wants."""
     rows = loss.shape[0]
     aux, z = load_balancing_loss(stats), router_z_loss(stats)
+    metrics = {**metrics, "nll_loss": loss}
     loss = loss + cfg.router_aux_loss_coef * aux + cfg.router_z_loss_coef * z
 
     def per_row(x: jax.Array) -> jax.Array:
         return jnp.broadcast_to(x, (rows,))
 
-    metrics = {**metrics, "moe_aux_loss": per_row(aux)}
+    metrics["moe_aux_loss"] = per_row(aux)
     if cfg.router_z_loss_coef:
         metrics["router_z_loss"] = per_row(z)
     load = stats.expert_load()
