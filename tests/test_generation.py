@@ -262,6 +262,9 @@ def test_a_prompts_file_line_is_a_prompt_unless_it_is_a_json_string_or_a_convers
         path.write_text("hello\n" + json.dumps(bad))
         with pytest.raises(ConfigError, match=error):
             _prompts(args)
+    path.write_text('hello\n{"messages": [{"role": "user", "content": "hi"}\n')  # the fifth walk: asked as text
+    with pytest.raises(ConfigError, match=r"prompts.jsonl:2 starts as a JSON object but is not JSON \(Expecting"):
+        _prompts(args)
     path.write_text("\n \n")  # it was told to give --prompts-file, which it had given
     with pytest.raises(ConfigError, match=r"prompts.jsonl holds no prompt \(only blank lines, or none\)"):
         _prompts(argparse.Namespace(prompt=[], prompts_file=str(path)))
@@ -425,6 +428,10 @@ def test_an_export_keeps_the_generation_settings_of_the_checkpoint_it_started_fr
     from xlafit.data import clm
 
     assert clm.stop_ids(tmp_path / "tuned" / "tokenizer") == clm.stop_ids(tmp_path / "tuned-hf") == tuple(sorted(extra))
+    # and samples with its settings where the flags leave them out, as its export does (the fifth walk)
+    from xlafit.generator import sampling_defaults
+
+    assert sampling_defaults(tmp_path / "tuned" / "tokenizer") == sampling_defaults(tmp_path / "tuned-hf") == sampling
 
 
 def test_a_prompt_completion_run_is_asked_as_it_trained_not_in_the_chat_template(chatml_run, tmp_path, capsys):
@@ -536,6 +543,36 @@ def test_the_command_says_its_drawn_seed_and_stops_at_texts_and_ids(chat_model, 
     assert "--temperature 0 is greedy, and --top-k 5, --top-p 1.0 choose among" in capsys.readouterr().err
     assert main([*asked, "--stop-id", "100000"]) == 2
     assert "stop id 100000 is not a token of this model" in capsys.readouterr().err
+
+
+def test_sampling_takes_what_the_flags_leave_out_from_the_models_generation_config(chat_model, tmp_path, capsys):
+    """The fifth walk: with `top_k: 1` in the model's generation_config.json, transformers'
+    generate(temperature=1.5) answers greedily, and `xlafit generate --temperature 1.5` sampled
+    from the whole vocabulary. The flags' gaps are the model's (and said); a flag wins."""
+    import json
+    import shutil
+
+    from xlafit.cli import main
+
+    folder = tmp_path / "topk1"
+    shutil.copytree(chat_model, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.6, "top_k": 1}))
+    asked = ["generate", str(folder), "--prompt", QUESTION, "--max-new-tokens", "8", "--json", "--no-chat"]
+
+    def answer(*flags: str) -> tuple[str, str]:
+        assert main([*asked, *flags]) == 0
+        out, err = capsys.readouterr()
+        return json.loads(out)["answer"], err
+
+    greedy, err = answer()
+    assert "greedy: the model's generation_config.json samples (temperature 0.6, top_k 1)" in err
+    for seed in ("1", "2"):
+        sampled, err = answer("--temperature", "1.5", "--seed", seed)
+        assert sampled == greedy  # top_k 1: the likeliest token whatever the temperature
+        assert "sampling with the model's generation_config.json for --top-k 1" in err
+    assert "--temperature 0.6" in answer("--top-p", "0.9", "--seed", "1")[1]  # the model's temperature
+    widened = {answer("--temperature", "1.5", "--top-k", "0", "--seed", str(s))[0] for s in range(3)}
+    assert widened != {greedy}  # --top-k 0 samples from every token
 
 
 # --------------------------------------------------------------------------- asking a run that is training

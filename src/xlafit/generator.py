@@ -44,7 +44,13 @@ from xlafit.models.lora import merge_lora
 from xlafit.parallel.cluster import connect, start_backends
 from xlafit.parallel.sharding import parse_rules, tree_shardings
 from xlafit.recipes import config_from_dict
-from xlafit.recipes.llm_data import DATA_FORMAT_FILE, data_config, recorded_model_dir
+from xlafit.recipes.llm_data import (
+    DATA_FORMAT_FILE,
+    GENERATION_CONFIG,
+    SAMPLING_KEYS,
+    data_config,
+    recorded_model_dir,
+)
 from xlafit.train.frozen import BASE_FINGERPRINT
 
 __all__ = ["Answers", "Generator"]
@@ -68,6 +74,9 @@ class Generator:
             ``text``); None for a Hugging Face model, or a run that did not record it.
         step: the step of the run's checkpoint the model comes from (said on stderr when
             loaded); None for a Hugging Face model.
+        sampling_defaults: the sampling settings of the model's ``generation_config.json``
+            (``do_sample``, ``temperature``, ``top_k``, ``top_p``; a run's are its base's), which
+            ``transformers``' ``generate`` takes for those not given; ``xlafit generate`` too.
     """
 
     model: LlamaForCausalLM
@@ -78,6 +87,7 @@ class Generator:
     trained_on: str | None = None
     bos_id: int | None = None
     step: int | None = None
+    sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def chat_by_default(self) -> bool:
@@ -119,7 +129,8 @@ class Generator:
         model = llama_hf.from_hf(folder)
         template, stops = chat.template_for(folder), clm.stop_ids(folder)
         bos = clm.special_ids(folder)[0]
-        return cls(model, tokenizer, template, stops, source, _recorded_format(as_path(folder)), bos)
+        defaults = sampling_defaults(Path(folder))
+        return cls(model, tokenizer, template, stops, source, _recorded_format(as_path(folder)), bos, None, defaults)
 
     def encode(self, prompt: Prompt, use_chat: bool | None = None) -> list[int]:
         """A prompt's token ids: rendered as a user turn (or the conversation given) with the
@@ -253,7 +264,17 @@ def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
     template = chat.template_for(str(run / "tokenizer"))
     model = typing.cast(LlamaForCausalLM, nnx.merge(graphdef, state))
     stops, bos = clm.stop_ids(run / "tokenizer"), clm.special_ids(run / "tokenizer")[0]
-    return Generator(model, tokenizer, template, stops, source, _trained_on(run, cfg), bos, step)
+    defaults = sampling_defaults(run / "tokenizer")
+    return Generator(model, tokenizer, template, stops, source, _trained_on(run, cfg), bos, step, defaults)
+
+
+def sampling_defaults(folder: Any) -> dict[str, Any]:
+    """The sampling settings of ``folder``'s ``generation_config.json`` ({} where it has none)."""
+    path = folder / GENERATION_CONFIG
+    if not path.exists():
+        return {}
+    settings = json.loads(path.read_text())
+    return {k: settings[k] for k in SAMPLING_KEYS if settings.get(k) is not None}
 
 
 def _trained_on(run: Any, cfg: Config) -> str | None:

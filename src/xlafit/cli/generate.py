@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from xlafit.cli.common import add_simulate
 from xlafit.errors import ConfigError, DataError
@@ -39,15 +40,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--top-k",
         type=int,
-        default=0,
-        help="sample among the K likeliest tokens (0: all); without --temperature it samples at 1.0, as transformers "
-        "does when asked to sample",
+        help="sample among the K likeliest tokens (0: all); without --temperature it samples at the model's "
+        "temperature (its generation_config.json's, else 1.0), as transformers does when asked to sample",
     )
     p.add_argument(
         "--top-p",
         type=float,
-        default=1.0,
-        help="sample among the likeliest tokens summing to P; without --temperature it samples at 1.0",
+        help="sample among the likeliest tokens summing to P (1: all). Sampling, what is not given is the model's "
+        "generation_config.json's, as in transformers",
     )
     p.add_argument(
         "--seed",
@@ -107,7 +107,12 @@ def _prompts(args: argparse.Namespace) -> list:
                 continue
             try:
                 item = json.loads(line)
-            except json.JSONDecodeError:
+            except json.JSONDecodeError as e:
+                if line.lstrip().startswith("{"):  # a record with a typo, not a prompt (training refuses it too)
+                    raise ConfigError(
+                        f"--prompts-file {args.prompts_file}:{number} starts as a JSON object but is not JSON "
+                        f"({e.msg}, column {e.colno}); mend it, or give that prompt as a JSON string."
+                    ) from None
                 item = line
             if isinstance(item, dict) and "messages" not in item and isinstance(item.get("prompt"), (str, list)):
                 # a prompt-only record (TRL's layout, GRPO's data): its prompt, text or conversation
@@ -143,8 +148,8 @@ def run(args: argparse.Namespace) -> int:
     prompts = _prompts(args)
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: generate at least one token.")
-    try:
-        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    try:  # the flags as given, refused before the model loads; the model's defaults join them below
+        sampling = Sampling(args.temperature, args.top_k or 0, 1.0 if args.top_p is None else args.top_p, args.seed)
     except ValueError as e:
         raise ConfigError(_in_flags(str(e))) from None
     if any(not text for text in args.stop):
@@ -173,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
             "as text, as it trained, not in its tokenizer's chat template (--chat gives them in it)",
             file=sys.stderr,
         )
+    sampling = _with_model_defaults(args, ask.sampling_defaults, sampling)
     if sampling.samples and sampling.seed is None:  # drawn here, said before the answers: a crash still tells it
         sampling = sampling.seeded()
         print(f"seed {sampling.seed} (pass --seed {sampling.seed} to repeat)", file=sys.stderr, flush=True)
@@ -185,6 +191,42 @@ def run(args: argparse.Namespace) -> int:
             shown = prompt if isinstance(prompt, str) else _shown(prompt)
             print(f"> {shown}\n{answer}\n")
     return 0
+
+
+def _with_model_defaults(args: argparse.Namespace, defaults: dict[str, Any], given: Any) -> Any:
+    """The sampling of the flags, with what they leave out taken from the model's
+    ``generation_config.json`` where they ask to sample (``transformers``' ``generate``
+    takes them the same way), each taken one said; greedy where they do not ask, said when
+    the model's config samples."""
+    from xlafit.models.generation import Sampling
+
+    sampling_asked = bool(args.temperature) or args.top_k is not None or args.top_p is not None
+    if not sampling_asked:
+        if defaults.get("do_sample") and args.temperature is None:
+            settings = ", ".join(f"{k} {v}" for k, v in defaults.items() if k != "do_sample")
+            print(
+                f"greedy: the model's generation_config.json samples ({settings or 'at temperature 1.0'}), as "
+                f"transformers' generate does by default; --temperature {defaults.get('temperature', 1.0)} samples "
+                "with those settings",
+                file=sys.stderr,
+            )
+        return given
+    flags = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    taken = {k: defaults[k] for k, v in flags.items() if v is None and k in defaults}
+    if taken:
+        print(
+            "sampling with the model's generation_config.json for "
+            + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in taken.items())
+            + " (give the flag to change one)",
+            file=sys.stderr,
+        )
+    chosen = {k: v if v is not None else taken.get(k) for k, v in flags.items()}
+    try:
+        return Sampling(
+            chosen["temperature"], chosen["top_k"] or 0, 1.0 if chosen["top_p"] is None else chosen["top_p"], args.seed
+        )
+    except ValueError as e:
+        raise ConfigError(f"{_in_flags(str(e))} (with the model's generation_config.json: {taken})") from None
 
 
 def _in_flags(message: str) -> str:

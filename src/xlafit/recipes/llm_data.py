@@ -92,6 +92,7 @@ def recorded_model_dir(cfg: Config, run: Any) -> str | None:
 
 
 GENERATION_CONFIG = "generation_config.json"
+SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p")  # generation_config.json's sampling settings
 
 
 def base_generation(cfg: Config, tokenizer_json: str) -> dict[str, Any]:
@@ -310,8 +311,11 @@ def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
         tokens = {k: special_tokens.token_name(v) for k, v in source.items() if k.endswith("_token")}
     # The tokens that end an answer beside the eos_token: the base's (Qwen3's <|endoftext|> beside
     # <|im_end|>, Llama 3's <|eom_id|>), read by `xlafit generate` on the run as on its export.
-    theirs = base_generation(cfg, tokenizer_json).get("eos_token_id")
+    generation = base_generation(cfg, tokenizer_json)
+    theirs = generation.get("eos_token_id")
     ends = set(theirs if isinstance(theirs, list) else [] if theirs is None else [theirs])
+    # and the base's sampling settings, which `xlafit generate` takes where not given, as transformers does
+    recorded = {k: generation[k] for k in SAMPLING_KEYS if generation.get(k) is not None}
     template = trained.official if trained is not None and trained.official is not None else trained
     if template is not None:  # what the run's chat data was rendered with, for generation and export
         (dest / chat.TEMPLATE_FILE).write_text(template.source)
@@ -322,5 +326,7 @@ def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
             if own is not None and own != tok.token_to_id(end):  # it still ends a document: generation stops there too
                 ends.add(own)
     if ends:
-        (dest / GENERATION_CONFIG).write_text(json.dumps({"eos_token_id": sorted(ends)}) + "\n")
+        recorded["eos_token_id"] = sorted(ends)
+    if recorded:
+        (dest / GENERATION_CONFIG).write_text(json.dumps(recorded) + "\n")
     (dest / "tokenizer_config.json").write_text(json.dumps(tokens, indent=2) + "\n")
