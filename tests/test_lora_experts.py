@@ -7,6 +7,7 @@ experts, and off (the base) inside ``adapters_off``."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -157,3 +158,22 @@ def test_a_model_without_experts_names_what_it_has():
     dense = nnx.eval_shape(lambda: LlamaForCausalLM(LlamaConfig.preset("tiny", vocab_size=61), rngs=nnx.Rngs(0)))
     with pytest.raises(ConfigError, match=r"no nnx.Linear named experts in the model .*: down_proj, gate_proj"):
         apply_lora(dense, ["experts"], rank=2, alpha=4, rngs=nnx.Rngs(1))
+
+
+def test_a_dense_layers_mlp_adapters_are_named_as_what_peft_misreads(checkpoint, tmp_path):
+    """The fifth walk: adapters on the dense layer's gate_proj/up_proj/down_proj (mlp_only_layers)
+    exported silently, and PEFT 0.21 reads those names on a qwen3_moe model as its experts': it
+    dropped them (the logits 0.18 off) or refused the adapter. xlafit names them at export; this
+    test fails once PEFT loads them as they trained (then the warning can go)."""
+    from xlafit.hf.peft import peft_misreads, save_peft_adapter
+
+    _, before, folder = checkpoint
+    dense = ["q_proj", "gate_proj", "up_proj", "down_proj"]
+    ours = _randomize(apply_lora(llama_hf.from_hf(folder), dense, rank=2, alpha=4, rngs=nnx.Rngs(1)))
+    assert peft_misreads(ours) == [f"model.layers.1.mlp.{p}" for p in ("down_proj", "gate_proj", "up_proj")]
+    save_peft_adapter(ours, tmp_path / "adapter", base_model_name_or_path=str(folder))
+    with warnings.catch_warnings():  # PEFT's own: its rank pattern and the adapter's keys do not match
+        warnings.simplefilter("ignore")
+        tuned = _theirs(_peft_model(folder, tmp_path / "adapter"), IDS)
+    assert not np.allclose(np.asarray(_ours(ours, jnp.array(IDS))), tuned, atol=1e-3)  # PEFT drops them
+    assert peft_misreads(apply_lora(llama_hf.from_hf(folder), TARGETS, rank=2, alpha=4, rngs=nnx.Rngs(1))) == []

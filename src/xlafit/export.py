@@ -33,7 +33,7 @@ from xlafit.data import chat, clm, special_tokens
 from xlafit.errors import CheckpointError, ConfigError, StorageError
 from xlafit.hf import llama as llama_hf
 from xlafit.hf.bert import save_hf
-from xlafit.hf.peft import save_peft_adapter
+from xlafit.hf.peft import peft_misreads, save_peft_adapter
 from xlafit.hf.resnet import image_processor_config
 from xlafit.hf.resnet import save_hf as save_resnet_hf
 from xlafit.io import hub
@@ -327,6 +327,16 @@ def export_llm(
         folder = model_dir(cfg)  # the base as the run read it (a hub id: its snapshot in the cache)
         multimodal = folder is not None and llama_hf.is_multimodal(folder)
         save_peft_adapter(model, out / "adapter", base_model_name_or_path=base_path, multimodal=multimodal)
+        misread = peft_misreads(model)
+        if misread:
+            print(
+                f"warning: adapter/ adapts a dense layer's MLP ({', '.join(misread[:3])}"
+                f"{', ...' if len(misread) > 3 else ''}), which PEFT reads on a {model.cfg.family} model as its "
+                "experts' (its conversion of transformers 4's MoE layout): transformers + peft load it without those "
+                "adapters, or not at all where the experts are adapted too. The merged model here holds them all; "
+                "for an adapter that PEFT applies whole, leave gate_proj, up_proj and down_proj out of lora.targets.",
+                flush=True,
+            )
         model = typing.cast(LlamaForCausalLM, merge_lora(model))
         if cfg.lora.quantized:
             print(

@@ -169,6 +169,21 @@ def save_peft_adapter(
     return out
 
 
+# The module names PEFT takes for a model type's experts whatever layer holds them (its
+# conversion of transformers 4's MoE layouts, peft.utils.transformers_weight_conversion): a
+# dense layer's MLP adapted under those names does not load as it trained.
+PEFT_EXPERT_NAMES = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
+
+
+def peft_misreads(model: LlamaForCausalLM) -> list[str]:
+    """The adapted modules of ``model`` that PEFT (through at least 0.21) reads as its experts'
+    (:data:`PEFT_EXPERT_NAMES`): a Qwen3-MoE checkpoint's dense layers' MLP (``mlp_only_layers``).
+    Empty where PEFT loads the adapter as it trained."""
+    names = PEFT_EXPERT_NAMES.get(model.cfg.family, ())
+    adapted = {name.removeprefix("base_model.model.") for name, _, _ in _hf_modules(model)}
+    return sorted(name for name in adapted if name.rsplit(".", 1)[-1] in names)
+
+
 def _text_model_pattern(targets: set[str]) -> str:
     """PEFT's ``target_modules`` as a regular expression (PEFT matches it whole) for the
     text model of a multimodal one: its layers' ``targets``, and its output layer."""
