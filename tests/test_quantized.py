@@ -166,19 +166,36 @@ def test_quantized_base_settings_that_cannot_work_are_refused(overrides, error):
 
 def test_a_dimension_the_blocks_do_not_divide_is_refused_with_a_block_that_does(tmp_path):
     cfg = LlamaConfig.preset("tiny", vocab_size=100, intermediate_size=96)
-    with pytest.raises(ConfigError, match=r"layers.0.mlp.down_proj has 96 input features, not a multiple of "
-                                          r"lora.base_block=64 .*use lora.base_block=32 \(divides 96\)"):  # fmt: skip
+    refused = (
+        r"lora.base_block=64 does not divide .*: 96 \(layers.\*.mlp.down_proj\); use lora.base_block=32 \(divides 96\)"
+    )
+    with pytest.raises(ConfigError, match=refused):
         with_lora(LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)), LoraConfig(rank=4, base_dtype="nf4"), seed=0)
     llama_hf.save_hf(LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)), tmp_path)
-    with pytest.raises(ConfigError, match=r"down_proj has 96 input features"):  # before a tensor is read
+    with pytest.raises(ConfigError, match=r"96 \(layers.\*.mlp.down_proj\)"):  # before a tensor is read
         from_hf_quantized(tmp_path, "nf4", 64)
     # a run: refused with the config, before the run directory is written
     from xlafit.recipes import llm
 
     for source in ([f"model.init_from_hf={tmp_path}"], ["model.preset=custom", "model.num_layers=1",
                    "model.hidden_size=64", "model.num_heads=4", "model.intermediate_size=96"]):  # fmt: skip
-        with pytest.raises(ConfigError, match=r"layers.\*.down_proj has 96 input features.*lora.base_block=32"):
+        with pytest.raises(ConfigError, match=r"96 \(layers.\*.mlp.down_proj\); use lora.base_block=32"):
             llm.validate(load_config("llm", [*source, "lora.rank=4", "lora.base_dtype=nf4"]))
+
+
+def test_every_layer_the_blocks_do_not_divide_is_named_at_once_with_a_block_that_divides_them_all():
+    """The fifth walk: each refusal named one layer and a block the next layer refused (64 -> 32
+    -> 16, three tries). One message names them all and the block that divides every one."""
+    from xlafit.recipes import llm
+
+    sizes = ["model.preset=custom", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
+             "model.intermediate_size=48", "lora.rank=4", "lora.base_dtype=nf4"]  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        llm.validate(load_config("llm", sizes))
+    message = str(e.value)
+    assert ": 48 (layers.*.mlp.down_proj); 32 (layers.*.mlp.gate_proj, layers.*.mlp.up_proj and 4 more);" in message
+    assert "use lora.base_block=16 (divides every quantized layer's: 32, 48)" in message, message
+    llm.validate(load_config("llm", [*sizes, "lora.base_block=16"]))  # the one retry works
 
 
 def test_the_trainer_refuses_to_train_a_quantized_bases_weights(strategy1):

@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +33,28 @@ from xlafit.models.quantized import (
     QuantizedExperts,
     QuantizedLinear,
     check_qtype,
-    check_tiling,
+    check_tilings,
     quantizable,
     quantize_kernel,
     set_child,
 )
 from xlafit.models.quantized_embed import QuantizedEmbed, check_tables, quantize_table, table_param, tables
 from xlafit.parallel.sharding import logical_axes
+
+
+def tiled_shapes(model: nnx.Module, skip: Sequence[str] = UNQUANTIZED) -> list[tuple[str, tuple[int, ...]]]:
+    """``(name, shape)`` of every kernel a quantized base quantizes in blocks along its input
+    features (``shape[-2]``): the dense layers (all but ``skip``) and the experts' weights;
+    ``model`` may be shapes only (``nnx.eval_shape``)."""
+    shapes = [
+        (".".join(map(str, path)), tuple(layer.kernel.get_value().shape)) for path, layer in quantizable(model, skip)
+    ]
+    for path, module in nnx.iter_modules(model):
+        if isinstance(module, Experts) and path:
+            shapes += [
+                (".".join(map(str, (*path, w))), tuple(getattr(module, w).get_value().shape)) for w in EXPERT_WEIGHTS
+            ]
+    return shapes
 
 
 def from_hf_quantized(
@@ -66,13 +82,8 @@ def from_hf_quantized(
     # Shapes only: every value is read from the files (no draw is used).
     model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)))
     layers = quantizable(model, skip)
-    for path, layer in layers:  # every shape refused before a tensor is read
-        check_tiling(".".join(map(str, path)), layer.kernel.get_value().shape, block, qtype)
+    check_tilings(tiled_shapes(model, skip), block, qtype)  # every shape refused before a tensor is read
     experts = [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, Experts) and path]
-    for path, module in experts:
-        for weight in EXPERT_WEIGHTS:
-            name = ".".join(map(str, (*path, weight)))
-            check_tiling(name, getattr(module, weight).get_value().shape, block, qtype)
     embedded = tables(model) if embeddings else []
     if embeddings:
         check_tables(model, qtype, block)

@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -66,21 +67,44 @@ def _storage(qtype: str) -> Any:
 
 
 def check_tiling(name: str, shape: Sequence[int], block: int, qtype: str) -> None:
-    """Refuses a kernel whose input dimension (``shape[-2]``) is not a multiple of ``block``.
+    """Refuses a kernel whose input dimension (``shape[-2]``) is not a multiple of ``block``
+    (:func:`check_tilings` of one).
 
     Raises:
-        ConfigError: naming the layer, its dimension, the block sizes that divide it and the
-            alternatives.
+        ConfigError: naming the layer, its dimension, a block that divides it and the alternative.
     """
-    rows = int(shape[-2])
-    if rows % block:
-        fits = [b for b in (256, 128, 64, 32, 16, 8) if rows % b == 0]
-        use = f"lora.base_block={fits[0]} (divides {rows})" if fits else "lora.base_dtype=bfloat16"
-        raise ConfigError(
-            f"lora.base_dtype={qtype}: {name} has {rows} input features, not a multiple of lora.base_block={block} "
-            f"(Qwix quantizes blocks of lora.base_block weights along them); use {use}, or leave the layer "
-            "unquantized with lora.base_dtype=bfloat16."
-        )
+    check_tilings([(name, shape)], block, qtype)
+
+
+def check_tilings(shapes: Sequence[tuple[str, Sequence[int]]], block: int, qtype: str) -> None:
+    """Refuses kernels (``(name, shape)``, input dimension ``shape[-2]``) that ``block`` does
+    not divide, all in one message: each layer that fails (a layer index as ``*``) and the
+    largest block that divides every one of ``shapes``, so that one retry works.
+
+    Raises:
+        ConfigError: naming the layers, their dimensions and the block or the alternative.
+    """
+    failing: dict[int, list[str]] = {}
+    for name, shape in shapes:
+        name = re.sub(r"(^|\.)layers\.\d+\.", r"\1layers.*.", name)
+        if int(shape[-2]) % block and name not in failing.get(int(shape[-2]), []):
+            failing.setdefault(int(shape[-2]), []).append(name)
+    if not failing:
+        return
+    rows = {int(shape[-2]) for _, shape in shapes}
+    fits = [b for b in (256, 128, 64, 32, 16, 8) if all(r % b == 0 for r in rows)]
+    widths = ", ".join(map(str, sorted(rows)))
+    which = f"divides {widths}" if len(rows) == 1 else f"divides every quantized layer's: {widths}"
+    use = f"lora.base_block={fits[0]} ({which})" if fits else "lora.base_dtype=bfloat16"
+    named = [
+        f"{width} ({', '.join(names[:2])}{f' and {len(names) - 2} more' if len(names) > 2 else ''})"
+        for width, names in sorted(failing.items(), reverse=True)
+    ]
+    raise ConfigError(
+        f"lora.base_dtype={qtype}: lora.base_block={block} does not divide these layers' input features (Qwix "
+        f"quantizes blocks of lora.base_block weights along them): {'; '.join(named)}; use {use}, or leave the base "
+        "unquantized with lora.base_dtype=bfloat16."
+    )
 
 
 def qwix_quantize(kernel: jax.Array, qtype: str, block: int) -> qwix.QArray:

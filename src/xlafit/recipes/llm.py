@@ -32,11 +32,11 @@ from xlafit.data import clm
 from xlafit.errors import ConfigError, HFFormatError
 from xlafit.hf import llama as llama_hf
 from xlafit.hf.files import read_json
-from xlafit.hf.quantized import from_hf_quantized
+from xlafit.hf.quantized import from_hf_quantized, tiled_shapes
 from xlafit.io import hub
 from xlafit.models.llama import PRESETS, LlamaConfig, LlamaForCausalLM
 from xlafit.models.moe import RouterStats, load_balancing_loss, router_z_loss
-from xlafit.models.quantized import check_tiling
+from xlafit.models.quantized import check_tilings
 from xlafit.overrides import load_yaml
 from xlafit.parallel.sharding import active_layout, batch_axes, constrain
 from xlafit.platform.hardware import table_memory
@@ -328,15 +328,12 @@ def check_base_blocks(cfg: Config, llama: LlamaConfig) -> None:
     is written, naming the layer and a block that divides it."""
     if not (cfg.lora.rank and cfg.lora.quantized):
         return
-    inputs = {"q_proj": llama.hidden_size, "o_proj": llama.num_heads * llama.head_size,
-              "down_proj": llama.intermediate_size}  # fmt: skip
+    shapes = tiled_shapes(nnx.eval_shape(lambda: LlamaForCausalLM(llama, rngs=nnx.Rngs(0))))  # no weight made
     if cfg.lora.quantize_embeddings:  # the tables' blocks run along each token's features
-        inputs["embed_tokens"] = llama.hidden_size
+        shapes.append(("embed_tokens", (llama.hidden_size, 1)))
         if llama.per_layer_input_size:
-            inputs["embed_tokens_per_layer"] = llama.num_layers * llama.per_layer_input_size
-    for name, features in inputs.items():
-        where = name if name.startswith("embed_tokens") else f"layers.*.{name}"
-        check_tiling(where, (features, 1), cfg.lora.base_block, cfg.lora.base_dtype)
+            shapes.append(("embed_tokens_per_layer", (llama.num_layers * llama.per_layer_input_size, 1)))
+    check_tilings(shapes, cfg.lora.base_block, cfg.lora.base_dtype)
 
 
 def from_data(cfg: Config, train: clm.PackedText) -> Config:
