@@ -262,9 +262,11 @@ TABLES = {
             ),  # fmt: skip
             _largest_row("gemma-3-12b", "11.8B", "lora_nf4", 2048, "colab"),
             _largest_row("qwen3-14b", "14.8B", "lora_nf4", 2048, "colab"),
+            _largest_row("qwen3.5-9b", "9.0B", "lora_nf4", 2048, "colab"),
             _largest_row("llama-3.1-70b", "70.6B", "lora_nf4", 2048, "kaggle,v6e-8"),
             _largest_row("gemma-3-27b", "27.0B", "lora", 4096, "kaggle,v6e-8"),
             _largest_row("qwen3-32b", "32.8B", "lora", 4096, "kaggle,v6e-8"),
+            _largest_row("qwen3.5-27b", "26.9B", "lora", 4096, "kaggle"),
             _largest_row("llama-3.1-8b", "8.0B", "lora", 8192, "kaggle", batch=4),  # 4 a core: the bar asked
             _largest_row("llama-3.1-8b", "8.0B", "full", 2048, "v6e-8"),
             _largest_row("qwen3-14b", "14.8B", "full", 2048, "v6e-8"),
