@@ -147,6 +147,32 @@ def test_preference_pairs_show_each_completion_after_its_prompt_as_the_objective
     assert counts == [int(w) for w in weights.sum(axis=1)]
 
 
+def test_grpo_prompts_are_shown_as_the_rollout_gives_them_to_the_model(tmp_path, capsys):
+    """The fifth walk: `data show` refused a GRPO prompt file ("prompts train with rewards"), the
+    one tool that shows how a record is rendered. Each prompt is shown with as many tokens as
+    GRPO's loader encodes for it, and the columns the rewards get."""
+    from xlafit.cli import main
+    from xlafit.data.chat import template_for
+    from xlafit.data.prompts import load_prompts
+
+    folder = family_tokenizer("qwen3", tmp_path / "qwen3")
+    records = [{"prompt": [{"role": "user", "content": q}], "answer": a} for q, a in (("What is 3 plus 4?", "7"),
+               ("What is 12 plus 30, and why?", "42"))]  # fmt: skip
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    capsys.readouterr()
+    assert main(["data", "show", str(data), "--tokenizer", str(folder), "--color", "never"]) == 0
+    out = capsys.readouterr().out
+    assert "prompts (train them with model.objective=grpo and reward functions)" in out
+    assert "<|im_start|>user\nWhat is 3 plus 4?<|im_end|>\n<|im_start|>assistant\n" in out
+    counts = [
+        int(n) for n in re.findall(r"--- record \d+: (\d+) prompt tokens \(\w+\); columns for the rewards: answer", out)
+    ]
+    loaded = load_prompts([str(data)], clm.load_tokenizer(folder), template_for(str(folder)), (), group=1,
+                          bos=clm.special_ids(folder)[0])  # fmt: skip
+    assert counts == [len(ids) for ids in loaded.ids]
+
+
 def test_a_text_file_is_shown_not_read_as_records(tmp_path, capsys):
     """The check for preference pairs reads record files only: a text file is documents."""
     from xlafit.cli import main

@@ -84,7 +84,7 @@ def _register_show(data_sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "file",
         metavar="FILE",
-        help="text, Parquet or JSON-lines records (chat, prompt/completion, text, preference pairs)",
+        help="text, Parquet or JSON-lines records (chat, prompt/completion, text, preference pairs, GRPO's prompts)",
     )
     p.add_argument(
         "--tokenizer", required=True, metavar="T", help="a tokenizer.json, the folder holding one, or a model folder"
@@ -123,6 +123,8 @@ def run_show(args: argparse.Namespace) -> int:
     first = chat.read_records(files[:1]) if files and files[0].endswith((*clm.RECORD_FILES, ".parquet")) else []
     if first and {"chosen", "rejected"} <= set(first[0]):
         return _show_pairs(files[0], first, e, d.seq_len, args)
+    if first and "prompt" in first[0] and not {"completion", "messages"} & set(first[0]):
+        return _show_prompts(files[0], first, e, args)
     encoded, fmt = clm.encode_files(
         files, e.tok, d.format, d.text_column, e.template, d.loss_on, e.markers, limit=max(args.records, 0)
     )
@@ -174,6 +176,26 @@ def _show_pairs(file: str, records: list[dict[str, Any]], e: Any, seq_len: int, 
             cut = f", cut at --seq-len {seq_len} (at {show.CUT})" if s.cut is not None else ""
             print(f"\n--- record {number}, {side}: {len(s.ids)} tokens, {sum(s.trained)} compared{cut}")
             print(show.render(s.runs, color, s.cut))
+    return 0
+
+
+def _show_prompts(file: str, records: list[dict[str, Any]], e: Any, args: argparse.Namespace) -> int:
+    """The first prompt records of ``file`` as GRPO's rollout gives them to the model (a
+    conversation in the chat template with its generation prompt, a text after ``<bos>``),
+    with their token counts and the columns the reward functions get."""
+    from xlafit.data import prompts, show
+
+    print(
+        f"{file}: prompts (train them with model.objective=grpo and reward functions); tokenizer {args.tokenizer}; "
+        "each prompt as the rollout gives it to the model, its completions following it (up to "
+        "model.grpo.max_completion_length tokens each)"
+    )
+    for number, record in enumerate(records[: max(args.records, 0)], 1):
+        kind = prompts.check_prompt(record, f"{file}, record {number}")
+        ids = prompts.encode_prompt(record["prompt"], kind, e.tok, e.template, bos=e.markers[0])
+        columns = ", ".join(k for k in record if k != "prompt") or "none"
+        print(f"\n--- record {number}: {len(ids)} prompt tokens ({kind}); columns for the rewards: {columns}")
+        print(show.render(show.runs(e.tok, ids, [False] * len(ids)), color=False))
     return 0
 
 
