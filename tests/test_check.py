@@ -334,3 +334,21 @@ def test_progress_lines_of_compiles_in_two_threads_stay_whole(monkeypatch):
     for t in threads:
         t.join()
     assert sorted(set("".join(stderr.parts).splitlines())) == ["step 0 ...", "step 1 ..."]
+
+
+def test_check_tpu_compiles_no_eval_step_for_data_that_holds_no_evaluation(tmp_path):
+    """The fifth walk: `check --tpu colab` on 24 chat records that held none out (the start-up
+    line says so) compiled and reported an eval step the run would never run."""
+    import json
+
+    from xlafit.check.recipes import recipe_program
+    from xlafit.data import chat_demo
+
+    data = tmp_path / "chat.jsonl"
+    turns = [{"role": "user", "content": "What is 3 plus 4?"}, {"role": "assistant", "content": "It is 7."}]
+    data.write_text("".join(json.dumps({"messages": turns}) + "\n" for _ in range(24)))
+    common = [f"data.data_dir={data}", f"data.tokenizer={chat_demo.demo_files()[2]}", "data.seq_len=32"]
+    without, _, _ = recipe_program("llm", [*common, "data.eval_fraction=0"])
+    assert without.eval_global_batch is None
+    held_out, _, _ = recipe_program("llm", [*common, "data.eval_fraction=0.5"])
+    assert held_out.eval_global_batch is not None

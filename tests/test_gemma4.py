@@ -197,7 +197,7 @@ def test_a_multimodal_checkpoint_gives_its_text_model(checkpoint, tmp_path):
 
 def test_key_value_sharing_layers_are_refused_scanned(checkpoint):
     _, folder = checkpoint
-    with pytest.raises(ConfigError, match=r"share earlier layers' keys and values .* use scan_layers=False"):
+    with pytest.raises(ConfigError, match=r"share earlier layers. keys and values .* use model.scan_layers=false"):
         llama_hf.from_hf(folder, scan_layers=True)
 
 

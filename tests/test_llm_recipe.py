@@ -79,7 +79,7 @@ def test_an_evaluation_split_of_nothing_is_said_aloud(corpus, tmp_path):
     train, evaluation = clm.load_packed([str(one)], tok, seq_len=32, eval_fraction=0.1, seed=0)
     assert evaluation.documents == 0
     summary = data_summary(train, evaluation, LlmDataConfig(seq_len=32, eval_fraction=0.1))
-    assert "no evaluation: none of the 1 documents was drawn for it at data.eval_fraction=0.1" in summary
+    assert "no evaluation: none of the 1 document was drawn for it at data.eval_fraction=0.1" in summary
     assert "data.eval_fraction=0 to train without one" in summary
     assert "no evaluation" not in data_summary(train, evaluation, LlmDataConfig(seq_len=32, eval_fraction=0.0))
 

@@ -340,7 +340,7 @@ def export_llm(
         model = typing.cast(LlamaForCausalLM, merge_lora(model))
         if cfg.lora.quantized:
             print(
-                f"the adapters trained on a {cfg.lora.base_dtype} base (lora.base_dtype): the merged model is its "
+                f"the adapters trained on an {cfg.lora.base_dtype} base (lora.base_dtype): the merged model is its "
                 "dequantized weights plus the adapters' update, in bfloat16, as PEFT merges into a bitsandbytes "
                 "base; adapter/ applies to the unquantized base model",
                 flush=True,

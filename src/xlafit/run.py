@@ -312,7 +312,8 @@ def final_report(
     """
     shown = "  ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k != "count" and not k.startswith(EXPERT_TOKENS))
     when = "" if at is None or at == last else f" (the last evaluation, at step {at}; the run stopped at step {last})"
-    lines = [f"test{when}: {shown}  ({metrics['count']} {unit})"]
+    count = metrics["count"]
+    lines = [f"test{when}: {shown}  ({count} {unit if count != 1 else unit.removesuffix('s')})"]
     if "accuracy" in metrics:
         lines.append(f"test accuracy: {metrics['accuracy']:.4f}")
     if "masked_accuracy" in metrics:

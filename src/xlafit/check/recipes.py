@@ -60,7 +60,8 @@ def recipe_program(
     recipe = get_recipe(name)
     recipe.validate(cfg)
     placeholder = recipe.shapes(cfg)
-    train = as_dataset(placeholder if placeholder is not None else recipe.load_data(cfg)[0])
+    train_data, eval_data = (placeholder, None) if placeholder is not None else recipe.load_data(cfg)
+    train = as_dataset(train_data)
     cfg = recipe.from_data(cfg, train)
     per_device = per_device_batch or (None if cfg.data.global_batch else cfg.data.per_device_batch)
     global_batch = global_batch or cfg.data.global_batch
@@ -72,7 +73,8 @@ def recipe_program(
     made = recipe.rollout(cfg, train)
     rollout = made if isinstance(made, Rollout) else None
     example = rollout.example() if rollout is not None else example_layout(train.take(np.arange(1)))
-    evaluates = rollout is None
+    # No eval step where the data holds no evaluation split (shapes alone: the run's data may)
+    evaluates = rollout is None and (placeholder is not None or _holds_examples(eval_data))
     program = Program(
         nnx.eval_shape(lambda: with_lora(recipe.build_model(cfg, train), cfg.lora, cfg.trainer.seed)),
         recipe.loss(cfg),
@@ -97,6 +99,16 @@ def recipe_program(
         decode_loop=rollout.decode_loop if rollout is not None else None,
     )
     return program, cfg, None if placeholder is not None else len(train)
+
+
+def _holds_examples(data: Any) -> bool:
+    """Whether a recipe's evaluation data holds an example (a stream of unknown length: yes)."""
+    if data is None:
+        return False
+    try:
+        return len(as_dataset(data)) > 0
+    except TypeError:
+        return True
 
 
 def check_recipe(

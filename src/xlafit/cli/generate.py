@@ -182,7 +182,10 @@ def run(args: argparse.Namespace) -> int:
     if sampling.samples and sampling.seed is None:  # drawn here, said before the answers: a crash still tells it
         sampling = sampling.seeded()
         print(f"seed {sampling.seed} (pass --seed {sampling.seed} to repeat)", file=sys.stderr, flush=True)
-    answers = ask(prompts, args.max_new_tokens, sampling, use_chat=use_chat, stop=args.stop, stop_ids=args.stop_id)
+    try:
+        answers = ask(prompts, args.max_new_tokens, sampling, use_chat=use_chat, stop=args.stop, stop_ids=args.stop_id)
+    except ConfigError as e:  # in the command's words (max_new_tokens= -> --max-new-tokens)
+        raise ConfigError(_in_flags(str(e))) from None
     for prompt, answer in zip(prompts, answers, strict=True):
         if args.json:
             step = {} if ask.step is None else {"step": ask.step}  # a run's: the checkpoint answering
@@ -231,7 +234,7 @@ def _with_model_defaults(args: argparse.Namespace, defaults: dict[str, Any], giv
 
 def _in_flags(message: str) -> str:
     """A :class:`Sampling` refusal in the command's words (``top_k=`` -> ``--top-k``)."""
-    for name in ("temperature", "top_k", "top_p", "seed"):
+    for name in ("temperature", "top_k", "top_p", "seed", "max_new_tokens"):
         message = message.replace(f"{name}=", f"--{name.replace('_', '-')} ").replace(
             f" {name} ", f" --{name.replace('_', '-')} "
         )

@@ -279,7 +279,7 @@ def summary(train: PreferencePairs, evaluation: PreferencePairs) -> str:
     share = float(rows.sum()) / max(train.tokens, 1)
     lines = [
         f"data: {train.documents} preference pairs ({kind}) -> {len(train)} pairs of rows of {train.seq_len} tokens; "
-        f"eval: {evaluation.documents} pairs",
+        f"eval: {evaluation.documents} pair{'' if evaluation.documents == 1 else 's'}",
         f"  the objective compares the completions: {share:.0%} of the tokens",
     ]
     if source is not None and source.truncated:

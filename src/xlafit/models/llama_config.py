@@ -196,8 +196,8 @@ class LlamaConfig:
             self.kv_sources  # noqa: B018 (raises on a sharing layer with no earlier layer of its kind)
         if self.scan_layers and self.num_kv_shared_layers:
             raise ConfigError(
-                "scan_layers=True needs repeating blocks of layers; this model's last layers share earlier layers' "
-                "keys and values (num_kv_shared_layers): use scan_layers=False."
+                "model.scan_layers=true needs repeating blocks of layers; this model's last layers share earlier "
+                "layers' keys and values (num_kv_shared_layers): use model.scan_layers=false."
             )
 
     @classmethod

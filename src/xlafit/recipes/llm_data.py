@@ -230,14 +230,19 @@ def _demo_inputs(demo: str) -> list[str]:
     return {"chat": [records], "arithmetic": [text]}.get(demo) or korean_demo_files()
 
 
+def _many(n: int, word: str) -> str:
+    """``n`` and ``word``, plural unless ``n`` is 1 ("1 row", "2 chat records")."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def data_summary(train: clm.PackedText, evaluation: clm.PackedText, d: LlmDataConfig) -> str:
     """What the run will train on, what the loss counts, and an empty evaluation said aloud."""
     source = train.source
-    kind = "documents" if source is None or source.format == "text" else f"{source.format} records"
+    kind = "document" if source is None or source.format == "text" else f"{source.format} record"
     lines = [
-        f"data: {train.documents} {kind} -> {len(train)} rows of {d.seq_len} tokens "
-        f"({train.tokens / max(train.arrays['input_ids'].size, 1):.1%} not padding); eval: {evaluation.documents} "
-        f"{kind}, {len(evaluation)} rows"
+        f"data: {_many(train.documents, kind)} -> {_many(len(train), 'row')} of {d.seq_len} tokens "
+        f"({train.tokens / max(train.arrays['input_ids'].size, 1):.1%} not padding); eval: "
+        f"{_many(evaluation.documents, kind)}, {_many(len(evaluation), 'row')}"
     ]
     if source is not None and source.format != "text":
         counted = "every token" if d.loss_on == "all" else f"the answers: {source.answer_share:.0%} of the tokens"
@@ -262,8 +267,9 @@ def data_summary(train: clm.PackedText, evaluation: clm.PackedText, d: LlmDataCo
     if not len(evaluation) and d.eval_fraction > 0:
         total = train.documents + evaluation.documents
         lines.append(
-            f"  no evaluation: none of the {total} {kind} was drawn for it at data.eval_fraction={d.eval_fraction} "
-            "(no eval loss or perplexity will be reported); give more data or a larger data.eval_fraction, or "
+            f"  no evaluation: none of the {_many(total, kind)} was drawn for it at "
+            f"data.eval_fraction={d.eval_fraction} (no eval loss or perplexity will be reported); give more data or a "
+            "larger data.eval_fraction, or "
             "data.eval_fraction=0 to train without one"
         )
     return "\n".join(lines)
