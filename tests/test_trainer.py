@@ -239,3 +239,20 @@ def test_the_trainer_imports_no_integration():
     imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert "xlafit.train.adapter" in imported  # the test reads the right file
     assert [m for m in imported if m.startswith("xlafit.integrations")] == []
+
+
+def test_a_first_save_that_never_finished_is_said_before_training_starts_over(strategy1, digits, tmp_path):
+    """The fifth walk: killed while writing its first checkpoint, a run started again from step
+    1 without a word that the steps before were kept nowhere (Orbax then removed the unfinished
+    save, in a warning of its own)."""
+    train, _ = digits
+    (tmp_path / "checkpoints" / "12.orbax-checkpoint-tmp").mkdir(parents=True)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        trainer = _cnn_trainer(strategy1, stop_at_step=1, run_dir=tmp_path)
+        trainer.fit(train)
+        trainer.close()
+    assert "no complete checkpoint in" in printed.getvalue()
+    assert (
+        "the save of step 12 did not finish" in printed.getvalue() and "starts again from step 0" in printed.getvalue()
+    )

@@ -125,6 +125,15 @@ def check_not_all_set_aside(directory: epath.Path) -> None:
         )
 
 
+def unfinished_saves(directory: epath.Path) -> list[int]:
+    """The steps of saves that began in ``directory`` but never finished (Orbax's
+    ``<step>.orbax-checkpoint-tmp`` folders: the process was killed while writing them)."""
+    names = [p.name for p in directory.iterdir()] if directory.exists() else []
+    return sorted(
+        int(n.split(".", 1)[0]) for n in names if ".orbax-checkpoint-tmp" in n and n.split(".", 1)[0].isdigit()
+    )
+
+
 @dataclasses.dataclass
 class CheckpointInfo:
     """One checkpoint on disk, as :meth:`Checkpointer.list` reports it."""

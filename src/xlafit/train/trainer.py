@@ -38,7 +38,7 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from xlafit.checkpoint import Checkpointer, check_not_all_set_aside
+from xlafit.checkpoint import Checkpointer, check_not_all_set_aside, unfinished_saves
 from xlafit.config import TrainerConfig, validate_watchdog
 from xlafit.data.dataset import Batch, Dataset, StreamedDataset, as_dataset, checked_batch, num_shapes
 from xlafit.data.loader import Prefetcher, TakeRequests, TrainOrder, to_global
@@ -375,13 +375,20 @@ class Trainer:
                 "resume=False cannot start over there without writing over them. Give another run_dir (or "
                 "checkpoint_dir; the command's --restart moves the earlier run aside), or resume=True to go on from it."
             )
+        unfinished: list[int] = []
         if latest is not None:
             restored = self._restore()
         elif ckpt is not None and self.resume:
             check_not_all_set_aside(ckpt.directory)
+            unfinished = unfinished_saves(ckpt.directory)
         start = int(self._state.step)
         self._limit_compiles(order, train, eval, start, stop)
         report = RunReport(self.run_dir, total, start, enabled=self.strategy.process_index == 0)
+        if unfinished and ckpt is not None:  # a kill during the first save: the steps before it are kept nowhere
+            report.print(
+                f"no complete checkpoint in {ckpt.directory}: the save of step {unfinished[-1]} did not finish (the "
+                "process stopped while writing it; it is discarded), so training starts again from step 0"
+            )
         self.peak_flops = announce(
             report, self.strategy, self.config, self._state, restored=restored, order=order, train=train, total=total,
             global_batch=self.global_batch, learning_rate=self.learning_rate,
