@@ -89,8 +89,10 @@ def test_an_edited_file_is_read_again(tmp_path):
         ),
         ("return [0.0, None, 0.0, 0.0]", r"returned None for completion 1 of prompt 40 of the data"),
         ("return 1.0", r"reward function bad returned a float, not a list"),
+        # the fifth walk: a text that spells a number was taken as one (TRL's tensor refuses it)
+        ("return ['1', '0', '1', '0']", r"returned '1' for completion 0 of prompt 7 of the data; return a finite"),
     ],
-    ids=["raises", "wrong-count", "nan", "none", "not-a-list"],
+    ids=["raises", "wrong-count", "nan", "none", "not-a-list", "text"],
 )
 def test_a_reward_function_that_misbehaves_is_named_with_its_prompt(tmp_path, body, message):
     path = write(tmp_path, f"def ok(**k):\n    return [0.0] * 4\ndef bad(prompts, completions, **k):\n    {body}\n")

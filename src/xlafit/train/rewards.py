@@ -176,8 +176,8 @@ def score(
                 f"{prompt_index[which * group]} of the data; fix the function (or that record) and run again."
             ) from e
         for i, value in enumerate(values):
-            try:
-                number = float(value)
+            try:  # a number (or a value that is one: numpy's, a 0-d tensor); not a text that spells one
+                number = math.nan if isinstance(value, str | bytes) else float(value)
             except (TypeError, ValueError):
                 number = math.nan
             if not math.isfinite(number):
