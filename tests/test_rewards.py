@@ -90,7 +90,7 @@ def test_an_edited_file_is_read_again(tmp_path):
         ("return [0.0, None, 0.0, 0.0]", r"returned None for completion 1 of prompt 40 of the data"),
         ("return 1.0", r"reward function bad returned a float, not a list"),
         # the fifth walk: a text that spells a number was taken as one (TRL's tensor refuses it)
-        ("return ['1', '0', '1', '0']", r"returned '1' for completion 0 of prompt 7 of the data; return a finite"),
+        ("return ['1', '0', '1', '0']", r"returned '1' for completion 0 of prompt 40 of the data; return a finite"),
     ],
     ids=["raises", "wrong-count", "nan", "none", "not-a-list", "text"],
 )
