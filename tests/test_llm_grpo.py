@@ -243,3 +243,17 @@ def test_data_settings_a_grpo_run_does_not_read_are_named_as_ignored(files, tmp_
         "completion's length is model.grpo.max_completion_length; the rewards measure the run, no evaluation is "
         "held out): ignored"
     ]
+
+
+def test_a_reward_function_that_raises_stops_the_run_without_a_compile_summary(files, tmp_path, capsys):
+    """The fifth walk: every reward function's error came after "train step compiled 0 time(s),
+    eval step 0 time(s); 0.0s compiling", a summary of steps that never ran."""
+    from xlafit.errors import RewardError
+
+    (tmp_path / "bad.py").write_text("def boom(prompts, completions, **kwargs):\n    raise ValueError('no')\n")
+    cfg = xlafit.load_config(
+        "llm", overrides(files, tmp_path / "run", f"model.grpo.rewards={tmp_path / 'bad.py'}:boom")
+    )
+    with pytest.raises(RewardError, match=r"reward function boom raised ValueError: no on the completions of prompt"):
+        xlafit.train_and_evaluate(cfg)
+    assert "compiled 0 time(s)" not in capsys.readouterr().out

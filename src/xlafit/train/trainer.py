@@ -499,11 +499,12 @@ class Trainer:
         try:
             if self._ckpt is not None:
                 self._ckpt.wait()
-            loop.report.print(
-                f"train step compiled {self.train_step.compiles} time(s), eval step "
-                f"{self.eval_step.compiles} time(s); {self.train_step.compile_s + self.eval_step.compile_s:.1f}s "
-                "compiling, excluded from step times"
-            )
+            if self.train_step.compiles or self.eval_step.compiles:  # none: nothing ran (an error before the first)
+                loop.report.print(
+                    f"train step compiled {self.train_step.compiles} time(s), eval step "
+                    f"{self.eval_step.compiles} time(s); {self.train_step.compile_s + self.eval_step.compile_s:.1f}s "
+                    "compiling, excluded from step times"
+                )
             note = loop.stop_note(self.config.stop_at_step, saved=self._ckpt is not None)
             if note is not None:
                 loop.report.print(note)
