@@ -496,3 +496,13 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_command_with_one_line(tmp_
     assert out.returncode == 74, out.stderr  # STORAGE: the same command resumes once it can write
     assert "Traceback" not in out.stderr
     assert "xlafit: error: writing checkpoint 1 in" in out.stderr and "Permission denied" in out.stderr
+
+
+def test_a_key_given_twice_on_the_command_line_is_named_with_the_value_used(capsys):
+    """The fifth walk: `xlafit config llm lora.rank=8 lora.rank=4` took the last without a word."""
+    from xlafit.cli import main
+
+    assert main(["config", "llm", "lora.rank=8", "lora.rank=4", "trainer.epochs=2"]) == 0
+    out, err = capsys.readouterr()
+    assert "warning: lora.rank given 2 times (8, 4): the last, lora.rank=4, is used" in err
+    assert "epochs" not in err and "rank: 4" in out

@@ -158,6 +158,7 @@ def test_the_post_training_notebook_runs_sft_then_dpo_then_grpo_each_from_the_la
     # The fit check compiles the preference stage for the v5e-8, before the notebook starts JAX.
     check = of("!xlafit check llm --tpu kaggle")
     assert "kaggle = v5e-8" in check and "model.objective=dpo" in check and "fits 1 of 1" in check, check[-3000:]
+    assert "model.init_from_hf given" not in check  # one: the base SFT starts from (test mode repeats others)
     assert "devices: 8 x cpu" in everything, everything[-3000:]
     # Each stage trains, then exports; the next starts from that export (its run's config says so).
     (work,) = [p for p in tmp_path.iterdir() if p.is_dir()]

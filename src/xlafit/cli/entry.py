@@ -61,7 +61,24 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
         own.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    _warn_repeated(getattr(args, "overrides", None) or [])
     return args
+
+
+def _warn_repeated(overrides: list[str]) -> None:
+    """Names a key given more than once on the command line (the last value wins)."""
+    given: dict[str, list[str]] = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if sep:
+            given.setdefault(key, []).append(value)
+    for key, values in given.items():
+        if len(values) > 1:
+            print(
+                f"warning: {key} given {len(values)} times ({', '.join(values)}): the last, {key}={values[-1]}, "
+                "is used",
+                file=sys.stderr,
+            )
 
 
 def _hint(
