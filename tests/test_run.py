@@ -397,6 +397,7 @@ def test_cpu_settings_that_cannot_apply_any_more_are_named(strategy8, monkeypatc
     from xlafit.platform.cpu import CpuConfig
 
     monkeypatch.setitem(cluster._APPLIED, "settings", CpuConfig())
+    monkeypatch.setattr(cluster, "_WARNED", set())  # what this process said before: said again here
     xlafit.connect(cpu=CpuConfig())  # the same settings: nothing to say
     # nor for settings that change no result (resnet's async_dispatch, the suite's keep_memory)
     xlafit.connect(cpu=CpuConfig(keep_memory=False, async_dispatch=False))
@@ -407,6 +408,9 @@ def test_cpu_settings_that_cannot_apply_any_more_are_named(strategy8, monkeypatc
         "cpu.fast_paths=true, cpu.ynn_fusion=" in caplog.text
     )
     assert "xlafit.connect(cpu=config.cpu)" in caplog.text
+    caplog.clear()  # the fifth walk: a notebook's every stage said it again
+    xlafit.connect(cpu=load_config("mnist").cpu)
+    assert "cannot apply" not in caplog.text
 
 
 def test_a_run_directory_of_other_files_is_refused(tmp_path):

@@ -40,6 +40,7 @@ log = logging.getLogger("xlafit")
 # The XLA:CPU settings this process started with ("settings"), once configure applied them:
 # they hold until the process ends, whatever a later run asks for.
 _APPLIED: dict[str, CpuConfig] = {}
+_WARNED: set[str] = set()  # the kernels a warning of _warn_if_not_applied named already
 
 
 def _backend_started() -> bool:
@@ -120,6 +121,9 @@ def _warn_if_not_applied(asked: CpuConfig) -> None:
 
     if applied is not None and kernels(applied) == kernels(asked):
         return
+    if kernels(asked) in _WARNED:  # once a process: a notebook's every stage would say it again
+        return
+    _WARNED.add(kernels(asked))
     before = f"JAX started earlier in this process with {kernels(applied)}" if applied else "JAX started first"
     log.warning(
         "warning: this run's XLA:CPU kernels (%s) cannot apply: %s, and they hold until the process ends. The run "
