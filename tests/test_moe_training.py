@@ -108,3 +108,43 @@ def test_router_loss_weights_given_to_an_objective_that_trains_without_them_are_
         "losses (only next-token runs add them; TRL's trainers add the load-balancing one to every objective): "
         "ignored"
     ]
+
+
+def test_expert_settings_for_a_model_without_experts_are_named_and_a_moe_presets_weight_is_overridden(caplog):
+    """The sixth walk: model.moe.router_aux_loss_coef and mesh.expert on a dense model were taken
+    without a word; and model.moe.router_aux_loss_coef on a MoE preset (tiny-moe, qwen3-30b-a3b)
+    ended in a TypeError (the preset's own weight given twice)."""
+    import logging
+
+    from xlafit.recipes import get_recipe
+
+    with caplog.at_level(logging.WARNING, logger="xlafit"):
+        get_recipe("llm").validate(xlafit.load_config("llm", ["model.moe.router_aux_loss_coef=0.5", "mesh.expert=2"]))
+    assert [r.getMessage() for r in caplog.records] == [
+        "warning: model.moe.router_aux_loss_coef=0.5 set, but model.preset=tiny has no experts: ignored",
+        "warning: mesh.expert=2 set, but model.preset=tiny has no experts to split: that axis only splits the batch, "
+        "as mesh.data does",
+    ]
+    caplog.clear()
+    moe = xlafit.load_config("llm", ["model.preset=tiny-moe", "model.moe.router_aux_loss_coef=0.5", "mesh.expert=2"])
+    with caplog.at_level(logging.WARNING, logger="xlafit"):
+        get_recipe("llm").validate(moe)
+    assert caplog.records == []
+    assert recipe.llama_config(moe, 64).router_aux_loss_coef == 0.5
+
+
+def test_preference_settings_the_objective_does_not_read_are_named(caplog):
+    """The sixth walk: model.preference.gamma / sft_weight / label_smoothing on ORPO (and gamma on
+    DPO, sft_weight on SimPO) changed nothing, without a word."""
+    import logging
+
+    from xlafit.recipes import get_recipe
+
+    orpo = ["lora.rank=4", "model.objective=orpo", "data.demo=preference", "model.preference.gamma=3",
+            "model.preference.sft_weight=2", "model.preference.beta=0.2"]  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="xlafit"):
+        get_recipe("llm").validate(xlafit.load_config("llm", orpo))
+    assert [r.getMessage() for r in caplog.records] == [
+        "warning: model.preference.gamma=3.0, model.preference.sft_weight=2.0 set, but model.objective=orpo does not "
+        "read them (it reads model.preference.beta): ignored"
+    ]

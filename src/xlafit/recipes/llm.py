@@ -155,13 +155,12 @@ def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
         )
     try:
         return LlamaConfig(
-            **{**base, **sizes},
+            **{**base, **sizes, **moe_options(m)},  # model.moe.* over a MoE preset's own (its aux loss weight)
             dtype=m.compute_dtype,
             attention=m.attention,
             remat=m.remat,
             scan_layers=m.scan_layers,
             logits_chunk=m.logits_chunk,
-            **moe_options(m),
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -211,6 +210,7 @@ def _warn_unused_settings(cfg: Config) -> None:
                 "it" if len(unread) == 1 else "them",
             )
     _warn_router_losses_unused(m)
+    _warn_preference_settings_unread(m)
     sections = (
         ("grpo", m.grpo, llm_grpo.GrpoConfig(), m.objective == "grpo"),
         ("preference", m.preference, llm_preference.PreferenceConfig(), m.objective in ("dpo", "simpo", "orpo")),
@@ -228,6 +228,36 @@ def _warn_unused_settings(cfg: Config) -> None:
                 m.objective,
                 name,
             )
+
+
+# The preference settings each objective reads (the others are given, and ignored)
+_PREFERENCE_READS = {
+    "dpo": ("beta", "label_smoothing", "reference", "sft_weight"),
+    "simpo": ("beta", "label_smoothing", "gamma"),
+    "orpo": ("beta",),
+}
+
+
+def _warn_preference_settings_unread(m: LlmModelConfig) -> None:
+    """Warns of ``model.preference.*`` settings the run's preference objective does not read
+    (``gamma`` on DPO, ``sft_weight`` on SimPO, ``label_smoothing`` on ORPO)."""
+    reads = _PREFERENCE_READS.get(m.objective)
+    if reads is None:
+        return
+    default = llm_preference.PreferenceConfig()
+    unread = [
+        f"model.preference.{f.name}={getattr(m.preference, f.name)}"
+        for f in dataclasses.fields(m.preference)
+        if f.name not in reads and getattr(m.preference, f.name) != getattr(default, f.name)
+    ]
+    if unread:
+        log.warning(
+            "warning: %s set, but model.objective=%s does not read %s (it reads model.preference.%s): ignored",
+            ", ".join(unread),
+            m.objective,
+            "it" if len(unread) == 1 else "them",
+            ", ".join(reads),
+        )
 
 
 def _warn_router_losses_unused(m: LlmModelConfig) -> None:
@@ -262,6 +292,7 @@ def validate(cfg: Config) -> None:
     if cfg.model.init_from_hf is None:
         config = llama_config(cfg, 1)
         check_base_blocks(cfg, config)
+        _warn_expert_settings_on_dense(cfg, config, f"model.preset={cfg.model.preset}")
         if cfg.model.objective != "grpo" and data_config(cfg).seq_len > config.max_position_embeddings:
             raise ConfigError(
                 f"data.seq_len={data_config(cfg).seq_len} is longer than the model's max_position_embeddings="
@@ -313,12 +344,32 @@ def check_checkpoint(cfg: Config, folder: str | Path) -> None:
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"model.init_from_hf={m.init_from_hf}: {e}") from None
     check_base_blocks(cfg, checkpoint)
+    _warn_expert_settings_on_dense(cfg, checkpoint, f"model.init_from_hf={m.init_from_hf}")
     seq_len = data_config(cfg).seq_len
     if m.objective != "grpo" and seq_len > checkpoint.max_position_embeddings:  # GRPO: checked per prompt
         raise ConfigError(
             f"data.seq_len={seq_len} is longer than model.init_from_hf={m.init_from_hf}'s max_position_embeddings="
             f"{checkpoint.max_position_embeddings} (its config.json): the model never saw positions that far; lower "
             "data.seq_len."
+        )
+
+
+def _warn_expert_settings_on_dense(cfg: Config, llama: LlamaConfig, name: str) -> None:
+    """Warns of a mixture of experts' settings given for a model without experts (``name``)."""
+    if llama.num_experts:
+        return
+    moe = cfg.model.moe
+    settings = {"router_aux_loss_coef": moe.router_aux_loss_coef, "router_z_loss_coef": moe.router_z_loss_coef or None,
+                "impl": None if moe.impl == "ragged" else moe.impl}  # fmt: skip
+    given = [f"model.moe.{k}={v}" for k, v in settings.items() if v is not None]
+    if given:
+        log.warning("warning: %s set, but %s has no experts: ignored", ", ".join(given), name)
+    if cfg.mesh.expert != 1:
+        log.warning(
+            "warning: mesh.expert=%s set, but %s has no experts to split: that axis only splits the batch, as "
+            "mesh.data does",
+            cfg.mesh.expert,
+            name,
         )
 
 
