@@ -150,7 +150,8 @@ def test_a_resume_that_cuts_the_text_into_other_rows_is_refused(tmp_path):
     mean other examples; it was announced and went on (after an optimizer.decay_steps hint)."""
     cfg = load_config("llm", [f"run.run_dir={tmp_path}", "data.seq_len=64", "data.demo=arithmetic"])
     _with_checkpoint(tmp_path, cfg)
-    for change in ("data.seq_len=96", "data.demo=chat"):
+    # the sixth walk: a changed held-out share (as a refusal once suggested) evaluated on trained records
+    for change in ("data.seq_len=96", "data.demo=chat", "data.eval_fraction=0.5", "data.loss_on=all"):
         other = load_config("llm", [f"run.run_dir={tmp_path}", "data.seq_len=64", "data.demo=arithmetic", change])
         key = change.partition("=")[0]
         with pytest.raises(ConfigError, match=rf"cannot resume .*: {key}: .* in the run, .* now\. This change breaks"):

@@ -73,9 +73,12 @@ log = logging.getLogger("xlafit")
 
 # Config keys whose change makes a checkpoint's state or trajectory another run's, refused on
 # resume: the model and its training, the batch and the data order, and the rows themselves
-# (data.seq_len cuts the text into other rows, data.demo is another dataset), where a step would
-# mean other examples. Everything else (logging, evaluation, checkpoint policy, devices with the
-# same global batch, epochs with the same schedule) may change between segments of one run.
+# (data.seq_len cuts the text into other rows, data.demo is another dataset; the held-out share
+# moves records between training and evaluation, so that a new held-out set holds trained ones;
+# the tokenizer, template, format, text column and loss mask make other rows or another loss),
+# where a step would mean other examples. Everything else (logging, evaluation's own settings,
+# checkpoint policy, devices with the same global batch, epochs with the same schedule, where
+# the data lies) may change between segments of one run.
 BREAKING = (
     "recipe",
     "model",
@@ -85,6 +88,12 @@ BREAKING = (
     "data.seed",
     "data.seq_len",
     "data.demo",
+    "data.eval_fraction",
+    "data.tokenizer",
+    "data.chat_template",
+    "data.format",
+    "data.text_column",
+    "data.loss_on",
     "trainer.invariant_chunks",
 )
 
