@@ -256,3 +256,16 @@ def test_a_first_save_that_never_finished_is_said_before_training_starts_over(st
     assert (
         "the save of step 12 did not finish" in printed.getvalue() and "starts again from step 0" in printed.getvalue()
     )
+
+
+def test_a_finished_run_evaluated_again_keeps_one_evaluation_of_its_last_step(strategy1, digits, tmp_path):
+    """The sixth walk: each run of a finished run's command appended another evaluation of its
+    last step to metrics.jsonl (a script averaging by step counted it 2, 3, ... times)."""
+    train, test = digits
+    for _ in range(3):  # the first trains and evaluates; the others find the run finished and evaluate
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainer = _cnn_trainer(strategy1, stop_at_step=None, run_dir=tmp_path, epochs=1)
+            trainer.fit(train, eval=test)
+            trainer.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "eval"] == [10]

@@ -60,6 +60,8 @@ class RunReport:
         start_step: where the bar starts (non-zero on resume); earlier records after it
             are dropped from ``metrics.jsonl``.
         enabled: False on processes other than 0.
+        evaluates_again: a finished run evaluated again (its command run once more): its
+            earlier evaluation of ``start_step`` is dropped, so that the step keeps one.
 
     Raises:
         StorageError: ``run_dir`` is a URL that cannot be read (the message names it).
@@ -67,7 +69,14 @@ class RunReport:
             read-only directory); the message names it and the fix.
     """
 
-    def __init__(self, run_dir: AnyPath | None, total_steps: int, start_step: int = 0, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        run_dir: AnyPath | None,
+        total_steps: int,
+        start_step: int = 0,
+        enabled: bool = True,
+        evaluates_again: bool = False,
+    ) -> None:
         self.enabled = enabled
         self._jsonl = None
         self._tb = None
@@ -84,7 +93,7 @@ class RunReport:
             metrics = self._copy.fetch("metrics.jsonl")
             self._metrics = self._copy.target / "metrics.jsonl"  # the name the user knows (a URL stays one)
             try:
-                self.earlier = _keep_until(metrics, start_step)
+                self.earlier = _keep_until(metrics, start_step, evaluated=evaluates_again)
                 self._jsonl = open(metrics, "a", encoding="utf-8")
             except OSError as e:
                 raise write_failed(self._metrics, e) from None
@@ -235,10 +244,11 @@ def _fmt(key: str, value: Any) -> str:
     return f"{key}={value}"
 
 
-def _keep_until(path: Path, step: int) -> list[dict[str, Any]]:
+def _keep_until(path: Path, step: int, evaluated: bool = False) -> list[dict[str, Any]]:
     """Drops the records of ``metrics.jsonl`` after ``step`` (and a line cut short by a
-    crash), rewriting the file atomically (untouched when there is nothing to drop); returns
-    the records kept."""
+    crash; with ``evaluated``, the evaluation of ``step`` itself, about to be made again),
+    rewriting the file atomically (untouched when there is nothing to drop); returns the
+    records kept."""
     if not path.exists():
         return []
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
@@ -248,7 +258,8 @@ def _keep_until(path: Path, step: int) -> list[dict[str, Any]]:
             record = json.loads(line)
         except ValueError:
             continue  # half a line: the process died while writing it
-        if line.endswith("\n") and record.get("step", 0) <= step:
+        again = evaluated and record.get("split") == "eval" and record.get("step") == step
+        if line.endswith("\n") and record.get("step", 0) <= step and not again:
             kept.append(line)
             records.append(record)
     if len(kept) != len(lines):

@@ -383,7 +383,13 @@ class Trainer:
             unfinished = unfinished_saves(ckpt.directory)
         start = int(self._state.step)
         self._limit_compiles(order, train, eval, start, stop)
-        report = RunReport(self.run_dir, total, start, enabled=self.strategy.process_index == 0)
+        report = RunReport(
+            self.run_dir,
+            total,
+            start,
+            self.strategy.process_index == 0,
+            evaluates_again=start >= total and eval is not None,
+        )
         if unfinished and ckpt is not None:  # a kill during the first save: the steps before it are kept nowhere
             report.print(
                 f"no complete checkpoint in {ckpt.directory}: the save of step {unfinished[-1]} did not finish (the "
