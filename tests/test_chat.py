@@ -154,6 +154,36 @@ def test_bad_records_are_one_clear_error(model_dir, tmp_path):
         clm.load_packed([str(odd)], tok, seq_len=64, fmt="dialog")
 
 
+def test_text_records_without_text_are_named_and_left_out_and_text_that_is_no_text_is_refused(
+    model_dir, tmp_path, caplog
+):
+    """The sixth walk: text records whose text was null or empty were dropped without a word, and
+    one whose text was a number ended in a tokenizers TypeError naming no file or record."""
+    import logging
+
+    tok = clm.load_tokenizer(model_dir)
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["The answer is short.", None, "", "Paris."]))
+    with caplog.at_level(logging.WARNING, logger="xlafit"):
+        encoded, fmt = clm.encode_files([str(texts)], tok, "auto", "text", None, "assistant", (None, None))
+    assert fmt == "text" and len(encoded) == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        f"warning: {texts}: 2 records have no text in 'text' (null or empty): left out"
+    ]
+    texts.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["Fine.", 12345]))
+    with pytest.raises(DataError, match=r"texts.jsonl, record 2: its 'text' is 12345 \(a int\), not text; give text"):
+        clm.encode_files([str(texts)], tok, "auto", "text", None, "assistant", (None, None))
+
+
+def test_mixed_formats_name_a_file_of_each(model_dir, tmp_path):
+    """The sixth walk: "the inputs mix formats (chat, text)" named data.format, which fixes nothing."""
+    tok = clm.load_tokenizer(model_dir)
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": CONVERSATION[1:3]}) + "\n")
+    (tmp_path / "notes.txt").write_text("The answer is short.\n")
+    with pytest.raises(DataError, match=r"mix formats \(.*chat.jsonl is chat, .*notes.txt is text\); give one kind"):
+        clm.load_packed([str(tmp_path)], tok, seq_len=64, template=chat.template_for(str(model_dir)))
+
+
 TOOL_CALL = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]}
 PARTS = {"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}
 

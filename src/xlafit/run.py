@@ -75,7 +75,8 @@ log = logging.getLogger("xlafit")
 # resume: the model and its training, the batch and the data order, and the rows themselves
 # (data.seq_len cuts the text into other rows, data.demo is another dataset; the held-out share
 # moves records between training and evaluation, so that a new held-out set holds trained ones;
-# the tokenizer, template, format, text column and loss mask make other rows or another loss),
+# the template, format, text column and loss mask make other rows or another loss; the tokenizer
+# is compared by its contents, check_kept_files),
 # where a step would mean other examples. Everything else (logging, evaluation's own settings,
 # checkpoint policy, devices with the same global batch, epochs with the same schedule, where
 # the data lies) may change between segments of one run.
@@ -89,7 +90,6 @@ BREAKING = (
     "data.seq_len",
     "data.demo",
     "data.eval_fraction",
-    "data.tokenizer",
     "data.chat_template",
     "data.format",
     "data.text_column",

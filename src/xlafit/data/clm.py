@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -58,6 +59,8 @@ ArrayT = TypeVar("ArrayT", np.ndarray, jax.Array)
 PROGRESS_EVERY_S = 5.0  # the least time between two lines of load_packed's progress
 _BATCH = 10_000  # documents tokenized in one call (tokenizers spreads a call over its threads)
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"  # the special tokens of a tokenizer trained here (ids 0, 1, 2)
+
+log = logging.getLogger("xlafit")
 
 
 def train_bpe(files: Sequence[str], vocab_size: int, out: str | Path) -> Tokenizer:
@@ -190,7 +193,26 @@ def _documents(text_files: list[str], records: list[dict], text_column: str, whe
             f"{where} has no column {text_column!r} (it has {', '.join(records[0])}); set data.text_column to the "
             "one holding the text, or data.format if its records are chat or prompt/completion."
         )
-    yield from (r[text_column] for r in records if r.get(text_column))
+    empty = 0
+    for number, record in enumerate(records, 1):
+        text = record.get(text_column)
+        if text is None or text == "":
+            empty += 1
+            continue
+        if not isinstance(text, str):
+            raise DataError(
+                f"{where}, record {number}: its {text_column!r} is {text!r:.60} (a {type(text).__name__}), not text; "
+                "give text there, or name the column that holds it with data.text_column."
+            )
+        yield text
+    if empty:  # a column with missing values: trained without them, and said
+        log.warning(
+            "warning: %s: %d record%s no text in %r (null or empty): left out",
+            where,
+            empty,
+            " has" if empty == 1 else "s have",
+            text_column,
+        )
 
 
 def data_files(inputs: Sequence[str]) -> list[str]:
@@ -435,7 +457,7 @@ def encode_files(
     _check_options(fmt, loss_on)
     bos, eos = markers
     texts = [f for f in files if not f.endswith((".parquet", *RECORD_FILES))]
-    found: set[str] = {"text"} if texts else set()
+    found: dict[str, str] = {"text": texts[0]} if texts else {}  # each format found, and a file of it
     out = []
     tick = _Progress(progress)
 
@@ -457,7 +479,7 @@ def encode_files(
         if not records:
             continue
         this = fmt if fmt != "auto" else detect_format(records, name, text_column)
-        found.add(this)
+        found.setdefault(this, name)
         what = f"{name} (file {index} of {len(files)})"
         left = None if limit is None else limit - len(out)
         if this == "text":
@@ -470,8 +492,10 @@ def encode_files(
                 raise DataError(f"{name}, record {number} (read as {this}): {e}") from None
             tick(what, number, len(records), "records")
     if len(found) > 1:
+        which = ", ".join(f"{name} is {kind}" for kind, name in sorted(found.items()))
         raise DataError(
-            f"the inputs mix formats ({', '.join(sorted(found))}); give one kind of data per run (data.format)."
+            f"the inputs mix formats ({which}); give one kind of data per run: the files of one format, or records "
+            "converted to it."
         )
     return out, next(iter(found), "text")
 
