@@ -148,6 +148,10 @@ def test_bad_records_are_one_clear_error(model_dir, tmp_path):
         DataError, match=r"has no column 'text' \(it has answer, question\) .* neither chat .* prompt_comp"
     ):
         clm.load_packed([str(odd)], tok, seq_len=64)
+    conversational = tmp_path / "pc.jsonl"  # the sixth walk: TRL's conversational prompt/completion
+    conversational.write_text(json.dumps({"prompt": CONVERSATION[1:2], "completion": CONVERSATION[2:3]}) + "\n")
+    with pytest.raises(DataError, match=r"'prompt' must be text; .* give such records as \{\"messages\": prompt \+"):
+        clm.load_packed([str(conversational)], tok, seq_len=64)
     with pytest.raises(DataError, match="chat records need a chat template"):
         chat.encode({"messages": CONVERSATION}, "chat", tok, None)
     with pytest.raises(DataError, match="data.format='dialog'"):

@@ -265,6 +265,12 @@ def test_a_prompts_file_line_is_a_prompt_unless_it_is_a_json_string_or_a_convers
     path.write_text('hello\n{"messages": [{"role": "user", "content": "hi"}\n')  # the fifth walk: asked as text
     with pytest.raises(ConfigError, match=r"prompts.jsonl:2 starts as a JSON object but is not JSON \(Expecting"):
         _prompts(args)
+    # the sixth walk: a Parquet file of such records was read as text ("convert it with iconv")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"prompt": "hi", "answer": "7"}]), tmp_path / "prompts.parquet")
+    assert _prompts(argparse.Namespace(prompt=[], prompts_file=str(tmp_path / "prompts.parquet"))) == ["hi"]
     path.write_text("\n \n")  # it was told to give --prompts-file, which it had given
     with pytest.raises(ConfigError, match=r"prompts.jsonl holds no prompt \(only blank lines, or none\)"):
         _prompts(argparse.Namespace(prompt=[], prompts_file=str(path)))

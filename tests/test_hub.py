@@ -113,11 +113,11 @@ def test_hub_data_paths_read_the_cache_and_say_what_is_missing(hub_home, tmp_pat
     script = (
         "import sys\n"
         "from xlafit.data import clm\n"
-        "from xlafit.errors import ConfigError\n"
+        "from xlafit.errors import XlafitError\n"
         "for url in sys.argv[1:]:\n"
         "    try:\n"
         "        print([f.split('/snapshots/')[-1] for f in clm.data_files([url])])\n"
-        "    except ConfigError as e:\n"
+        "    except XlafitError as e:\n"
         "        print('error:', e)\n"
     )
     urls = [
@@ -126,6 +126,8 @@ def test_hub_data_paths_read_the_cache_and_say_what_is_missing(hub_home, tmp_pat
         "hf://datasets/tiny-org/fox-text@main/data",
         "hf://datasets/other-org/chats/train.jsonl",
         "hf://tiny-org/fox-text",
+        "hf://datasets/other-org/chats@v2/train.jsonl",  # the sixth walk: the download named no revision
+        "hf://datasets/tiny-org/fox-text",  # the sixth walk: its files are under data/, and it named the cache path
     ]
     run = subprocess.run([sys.executable, "-c", script, *urls], capture_output=True, text=True,
                          env=_env(home, tmp_path / "cache"), timeout=120)  # fmt: skip
@@ -134,6 +136,11 @@ def test_hub_data_paths_read_the_cache_and_say_what_is_missing(hub_home, tmp_pat
     assert lines[:3] == [f"['{COMMIT}/data/train.txt']"] * 3  # a file, a glob, a folder at a revision
     assert "hf download other-org/chats --repo-type dataset" in lines[3] and "not in the Hugging Face cache" in lines[3]
     assert "hf://datasets/org/name/path" in lines[4]
+    assert "hf download other-org/chats --repo-type dataset --revision v2" in lines[5]
+    assert lines[6].startswith(
+        "error: no input file matches hf://datasets/tiny-org/fox-text (hf://datasets/tiny-org/fox-text holds none "
+        "itself, but hf://datasets/tiny-org/fox-text/data does: give that folder"
+    ), lines[6]
 
 
 def test_the_hubs_refusals_name_the_fix(monkeypatch):

@@ -226,6 +226,9 @@ def test_schedule_line_says_what_a_short_run_does():
     line = describe_schedule(dataclasses_replace(cfg, o), plan)
     assert "40 warmup steps, more than the schedule's 24" in line and "before the peak" in line
     assert f"rises to {max(float(plan.schedule(s)) for s in range(24)):.4g}" in line
+    # The sixth walk: a one-step run inside the warm-up "rises to 0": it trains nothing, and says so.
+    one = describe_schedule(dataclasses_replace(cfg, o), make_optimizer(o, 32, total_steps=1))
+    assert "every step of this run has learning rate 0" in one and "does not change the model" in one, one
     # A schedule shorter than the run (optimizer.decay_steps given): the warm-up ends at its
     # end, the peak is reached, and the rest of the run is at the schedule's last rate.
     line = describe_schedule(dataclasses_replace(cfg, o), plan, run_steps=30)

@@ -296,6 +296,12 @@ def describe_schedule(cfg: Config, plan: OptimizerPlan, run_steps: int | None = 
         if after > 0:
             return line + f"warmup over the schedule's {plan.decay_steps} steps (of {o.warmup_steps} asked){beyond}"
         reached = highest_rate(plan.schedule, plan.decay_steps)
+        if reached == 0:  # a warmup's first step has rate 0 (transformers' too): nothing would change
+            return line + (
+                f"{o.warmup_steps} warmup steps, more than the schedule's {plan.decay_steps}: (warning: every step of "
+                "this run has learning rate 0, the warmup's start, so it does not change the model; lower "
+                "optimizer.warmup_steps, or train more steps)"
+            )
         return line + (
             f"{o.warmup_steps} warmup steps, more than the schedule's {plan.decay_steps}: the rate rises to "
             f"{reached:.4g} and the run ends before the peak and before any decay"

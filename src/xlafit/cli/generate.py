@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--prompts-file",
         metavar="FILE",
         help='prompts, one per line (or JSON lines: a string, {"messages": [...]} for a chat model, or '
-        '{"prompt": ...} as GRPO\'s prompt records)',
+        '{"prompt": ...} as GRPO\'s prompt records; or a Parquet file of such records)',
     )
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument(
@@ -95,7 +95,12 @@ def _prompts(args: argparse.Namespace) -> list:
     if args.prompts_file:
         name = str(Path(args.prompts_file).expanduser())
         try:
-            lines = open(name, encoding="utf-8").read().splitlines()
+            if name.endswith(".parquet"):  # records, as training reads them: one line of JSON each
+                from xlafit.data.chat import read_records
+
+                lines = [json.dumps(record) for record in read_records([name])]
+            else:
+                lines = open(name, encoding="utf-8").read().splitlines()
         except OSError as e:
             raise ConfigError(f"--prompts-file {args.prompts_file}: {e.strerror or e}.") from None
         except UnicodeDecodeError as e:

@@ -490,6 +490,11 @@ def _text(record: dict[str, Any], key: str) -> str:
     if not isinstance(value, str):
         keys = ", ".join(record)
         got = f"it has none (its keys are {keys})" if key not in record else f"got {json.dumps(value)[:120]}"
+        if isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value):
+            got += (
+                ' (a conversation: TRL\'s conversational prompt/completion; give such records as {"messages": prompt + '
+                "completion}, a chat record, whose assistant turns the loss counts)"
+            )
         raise DataError(f"a record's {key!r} must be text; {got}")
     return value
 

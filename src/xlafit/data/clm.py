@@ -225,9 +225,8 @@ def data_files(inputs: Sequence[str]) -> list[str]:
         ConfigError: a Hugging Face path that cannot be read (gated, unknown, offline).
     """
     files: list[str] = []
-    for pattern in inputs:
-        if pattern.startswith("hf://"):
-            pattern = hub.dataset_path(pattern, "data.data_dir")
+    for given in inputs:
+        pattern = hub.dataset_path(given, "data.data_dir") if given.startswith("hf://") else given
         try:
             found = _matching(pattern)
         except Exception as e:  # a bucket that cannot be reached or read: gcsfs's own error is a long traceback
@@ -235,12 +234,39 @@ def data_files(inputs: Sequence[str]) -> list[str]:
                 raise
             raise DataError(f"cannot read {pattern}: {describe_error(pattern, e)}") from None
         if not found:
+            deeper = _deeper_data(pattern)
+            where = ""
+            if deeper is not None:
+                folder, ext = deeper
+                inner = f"{given.rstrip('/')}/{folder}"
+                where = (
+                    f" ({given} holds none itself, but {inner} does: give that folder, or a glob as "
+                    f"'{given.rstrip('/')}/**/*.{ext}'; a folder is read one level deep)"
+                )
             raise DataError(
-                f"no input file matches {pattern}; give text, Parquet or JSON-lines files, globs, or directories of "
-                "*.txt, *.parquet and *.jsonl files."
+                f"no input file matches {given}{where}; give text, Parquet or JSON-lines files, globs, or "
+                "directories of *.txt, *.parquet and *.jsonl files."
             )
         files += found
     return files
+
+
+def _deeper_data(pattern: str) -> tuple[str, str] | None:
+    """``(folder, extension)``: a folder under ``pattern`` (a directory with no data file of
+    its own; the folder relative to it) that holds data files, for the message that names it;
+    None where there is none, or it is no directory."""
+    try:
+        fs, path = filesystem(pattern)
+        if not fs.isdir(path):
+            return None
+        root = path.rstrip("/")
+        for ext in ("parquet", "jsonl", "txt"):
+            found = sorted(fs.glob(f"{root}/**/*.{ext}"))
+            if found:
+                return found[0].rsplit("/", 1)[0][len(root) :].lstrip("/"), ext
+    except Exception:  # only a hint: the error itself stands
+        return None
+    return None
 
 
 def _matching(pattern: str) -> list[str]:

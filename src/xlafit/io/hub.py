@@ -156,7 +156,11 @@ def _snapshot(repo: str, revision: str | None, patterns: list[str], kind: str, w
             "local directory give its path (./name)."
         ) from None
     except errors.LocalEntryNotFoundError:
-        download = f"hf download {repo}" + (" --repo-type dataset" if kind == "dataset" else "")
+        download = (
+            f"hf download {repo}"
+            + (" --repo-type dataset" if kind == "dataset" else "")
+            + (f" --revision {revision}" if revision else "")
+        )
         raise ConfigError(
             f"{_named(what, name)} is not in the Hugging Face cache and the hub cannot be reached (offline or "
             f"HF_HUB_OFFLINE=1): download it where the hub is reachable ({download}) into the same "
