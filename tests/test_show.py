@@ -207,3 +207,16 @@ def test_the_place_where_seq_len_cuts_a_record_is_marked(tmp_path, capsys):
     assert CUT not in capsys.readouterr().out  # a whole record carries no mark
     assert main(["data", "show", str(data), "--tokenizer", str(folder), "-n", "1", "--seq-len", "12"]) == 0
     assert "no answer token is left, and training leaves the record out" in capsys.readouterr().out
+
+
+def test_show_names_its_own_flags_in_its_errors(tmp_path, capsys):
+    """The sixth walk: `data show` of a Parquet file without a text column said "set
+    data.text_column", a key; its flag is --text-column."""
+    from xlafit.cli import main
+
+    folder = family_tokenizer("qwen3", tmp_path / "qwen3")
+    data = tmp_path / "body.jsonl"
+    data.write_text(json.dumps({"body": "What is 3 plus 4?", "id": 1}) + "\n")
+    assert main(["data", "show", str(data), "--tokenizer", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert "set --text-column to the one holding the text, or --format" in err and "data.text_column" not in err

@@ -353,7 +353,15 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, object]:
 
 
 def _shown(flat: dict[str, object], key: str) -> str:
-    return repr(flat[key]) if key in flat else "(not set)"
+    """A setting's value as the config writes it (``null``, ``true``; a text quoted)."""
+    if key not in flat:
+        return "(not set)"
+    value = flat[key]
+    return (
+        repr(value)
+        if isinstance(value, str)
+        else yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+    )
 
 
 def _saved_config(run_dir: epath.Path) -> dict[str, Any]:
@@ -451,7 +459,7 @@ def check_continuation(
         k for k in changed if k in saved and k in now and any(k == b or k.startswith(b + ".") for b in BREAKING)
     ]
     if breaking:
-        diffs = "; ".join(f"{k}: {saved[k]!r} in the run, {now[k]!r} now" for k in breaking)
+        diffs = "; ".join(f"{k}: {_shown(saved, k)} in the run, {_shown(now, k)} now" for k in breaking)
         hint = ""
         if "optimizer.decay_steps" in breaking and "trainer.epochs" in changed:
             hint = (

@@ -125,9 +125,12 @@ def run_show(args: argparse.Namespace) -> int:
         return _show_pairs(files[0], first, e, d.seq_len, args)
     if first and "prompt" in first[0] and not {"completion", "messages"} & set(first[0]):
         return _show_prompts(files[0], first, e, args)
-    encoded, fmt = clm.encode_files(
-        files, e.tok, d.format, d.text_column, e.template, d.loss_on, e.markers, limit=max(args.records, 0)
-    )
+    try:
+        encoded, fmt = clm.encode_files(
+            files, e.tok, d.format, d.text_column, e.template, d.loss_on, e.markers, limit=max(args.records, 0)
+        )
+    except DataError as error:  # in this command's words: its flags, not the config's keys
+        raise DataError(_in_flags(str(error))) from None
     if not encoded:  # as training refuses it: an empty file shows nothing, and says so
         raise DataError(
             f"{args.file} holds no documents or records to show; give text files (documents separated by blank "
@@ -153,6 +156,13 @@ def run_show(args: argparse.Namespace) -> int:
         print(f"\n--- record {number}: {len(s.ids)} tokens, {sum(s.trained)} trained{cut}")
         print(show.render(s.runs, color, s.cut))
     return 0
+
+
+def _in_flags(message: str) -> str:
+    """A message naming the llm config's data keys, in ``data show``'s flags."""
+    for key in ("text_column", "format", "seq_len", "loss_on", "chat_template"):
+        message = message.replace(f"data.{key}", f"--{key.replace('_', '-')}")
+    return message
 
 
 def _show_pairs(file: str, records: list[dict[str, Any]], e: Any, seq_len: int, args: argparse.Namespace) -> int:

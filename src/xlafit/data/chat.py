@@ -451,7 +451,10 @@ def messages_of(record: dict[str, Any]) -> list[dict[str, Any]]:
     """
     messages = record.get("messages")
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-        got = f"its keys are {', '.join(record)}" if messages is None else f"got {json.dumps(messages)[:120]}"
+        if "messages" not in record:
+            got = f"it has none (its keys are {', '.join(record)})"
+        else:
+            got = f"got {json.dumps(messages)[:120]}"
         raise DataError(f'a chat record\'s messages must be a list of {{"role": ..., "content": ...}}; {got}')
     if not messages:
         raise DataError("a chat record's messages are an empty list: it holds no conversation; remove the record.")

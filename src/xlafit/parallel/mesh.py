@@ -233,7 +233,8 @@ class Strategy:
         if self.axis_size("expert") > 1:
             parts.append("experts split over expert")
         over = " x ".join(self._batch_axes)
-        return f"mesh: {shape} -> {', '.join(parts)}; batches split over {over} ({self.num_replicas} shards)"
+        shards = f"{self.num_replicas} shard{'' if self.num_replicas == 1 else 's'}"
+        return f"mesh: {shape} -> {', '.join(parts)}; batches split over {over} ({shards})"
 
 
 def _memory(device: jax.Device) -> str:
