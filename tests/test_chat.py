@@ -71,6 +71,21 @@ def test_token_ids_and_answer_mask_equal_transformers_apply_chat_template(model_
     assert sum(got.mask) > 0
 
 
+def test_a_conversational_prompt_completion_record_is_encoded_as_trl_encodes_it(model_dir):
+    """The sixth walk: TRL's conversational prompt/completion ({"prompt": [messages],
+    "completion": [messages]}) was refused ("'prompt' must be text"). Its ids are the whole
+    conversation in the chat template, its loss on what the completion adds to the prompt
+    rendered with its generation prompt (TRL's SFTTrainer's completion mask)."""
+    hf = _hf(model_dir, CHATML)
+    prompt, completion = CONVERSATION[:-1], CONVERSATION[-1:]  # a system turn, then a question and an answer
+    whole = list(hf.apply_chat_template([*prompt, *completion], tokenize=True, return_dict=True)["input_ids"])
+    asked = hf.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+    tok, template = clm.load_tokenizer(model_dir), chat.template_for(str(model_dir))
+    got = chat.encode({"prompt": prompt, "completion": completion}, "prompt_completion", tok, template)
+    assert got.ids == whole
+    assert got.mask == [0] * len(asked) + [1] * (len(whole) - len(asked)) and not got.spans_boundary
+
+
 def test_without_generation_marks_the_answers_are_what_each_turn_adds(model_dir):
     """Llama 3's template marks nothing: each assistant turn is what rendering up to it adds to
     rendering before it with the generation prompt; the prompt's header stays out of the loss,
@@ -148,10 +163,10 @@ def test_bad_records_are_one_clear_error(model_dir, tmp_path):
         DataError, match=r"has no column 'text' \(it has answer, question\) .* neither chat .* prompt_comp"
     ):
         clm.load_packed([str(odd)], tok, seq_len=64)
-    conversational = tmp_path / "pc.jsonl"  # the sixth walk: TRL's conversational prompt/completion
-    conversational.write_text(json.dumps({"prompt": CONVERSATION[1:2], "completion": CONVERSATION[2:3]}) + "\n")
-    with pytest.raises(DataError, match=r"'prompt' must be text; .* give such records as \{\"messages\": prompt \+"):
-        clm.load_packed([str(conversational)], tok, seq_len=64)
+    half = tmp_path / "pc.jsonl"  # a conversation for a prompt, a text for a completion: one kind or the other
+    half.write_text(json.dumps({"prompt": CONVERSATION[1:2], "completion": "It is Paris."}) + "\n")
+    with pytest.raises(DataError, match=r"'prompt' must be text; .* gives its prompt and its completion both as"):
+        clm.load_packed([str(half)], tok, seq_len=64)
     with pytest.raises(DataError, match="chat records need a chat template"):
         chat.encode({"messages": CONVERSATION}, "chat", tok, None)
     with pytest.raises(DataError, match="data.format='dialog'"):

@@ -427,6 +427,8 @@ def encode(
         return Encoded(list(encoding.ids), mask)
     head = [bos] if bos is not None else []
     tail = [eos] if eos is not None else []
+    if fmt == "prompt_completion" and _conversational(record):
+        return _conversation_completion(record, tok, template, loss_on)
     if fmt == "prompt_completion":
         # The two texts encoded as one, as TRL does: a tokenizer that marks a word's start
         # ("▁It") would put one more before a completion encoded alone. The answer starts where
@@ -440,6 +442,35 @@ def encode(
         return Encoded(ids, [1] * len(ids) if loss_on == "all" else answer, shared < len(prompt))
     ids = head + tok.encode(_text(record, text_key), add_special_tokens=False).ids + tail
     return Encoded(ids, [1] * len(ids))
+
+
+def _conversational(record: dict[str, Any]) -> bool:
+    """A prompt/completion record whose prompt and completion are messages (TRL's
+    conversational prompt-completion)."""
+    return all(
+        isinstance(record.get(k), list) and all(isinstance(m, dict) and "role" in m for m in record[k])
+        for k in ("prompt", "completion")
+    )
+
+
+def _conversation_completion(
+    record: dict[str, Any], tok: Tokenizer, template: ChatTemplate | None, loss_on: str
+) -> Encoded:
+    """A conversational prompt/completion record as TRL's SFTTrainer encodes it: the prompt in
+    the chat template with its generation prompt, then the whole conversation; the loss on
+    what the completion adds (from where the two part)."""
+    if template is None:
+        raise DataError(
+            "conversational prompt/completion records need a chat template: the tokenizer's directory has none; give "
+            "one as data.chat_template."
+        )
+    prompt = messages_of({"messages": record["prompt"]})
+    whole = messages_of({"messages": [*prompt, *record["completion"]]})
+    prompt_ids = tok.encode(template.render(prompt, add_generation_prompt=True), add_special_tokens=False).ids
+    ids = list(tok.encode(template.render(whole, add_generation_prompt=False), add_special_tokens=False).ids)
+    shared = next((i for i, (a, b) in enumerate(zip(prompt_ids, ids, strict=False)) if a != b), len(prompt_ids))
+    mask = [1] * len(ids) if loss_on == "all" else [0] * shared + [1] * (len(ids) - shared)
+    return Encoded(ids, mask, shared < len(prompt_ids))
 
 
 def messages_of(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -494,10 +525,7 @@ def _text(record: dict[str, Any], key: str) -> str:
         keys = ", ".join(record)
         got = f"it has none (its keys are {keys})" if key not in record else f"got {json.dumps(value)[:120]}"
         if isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value):
-            got += (
-                ' (a conversation: TRL\'s conversational prompt/completion; give such records as {"messages": prompt + '
-                "completion}, a chat record, whose assistant turns the loss counts)"
-            )
+            got += " (messages: a conversational record gives its prompt and its completion both as messages)"
         raise DataError(f"a record's {key!r} must be text; {got}")
     return value
 
