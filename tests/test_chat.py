@@ -190,7 +190,7 @@ def test_text_records_without_text_are_named_and_left_out_and_text_that_is_no_te
         f"warning: {texts}: 2 records have no text in 'text' (null or empty): left out"
     ]
     texts.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["Fine.", 12345]))
-    with pytest.raises(DataError, match=r"texts.jsonl, record 2: its 'text' is 12345 \(a int\), not text; give text"):
+    with pytest.raises(DataError, match=r"texts.jsonl, record 2: its .text. is 12345 \(of type int\), not text; give"):
         clm.encode_files([str(texts)], tok, "auto", "text", None, "assistant", (None, None))
 
 

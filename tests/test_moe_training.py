@@ -148,3 +148,10 @@ def test_preference_settings_the_objective_does_not_read_are_named(caplog):
         "warning: model.preference.gamma=3.0, model.preference.sft_weight=2.0 set, but model.objective=orpo does not "
         "read them (it reads model.preference.beta): ignored"
     ]
+    caplog.clear()  # the seventh walk: data.loss_on=all on DPO/ORPO changed nothing, without a word
+    with caplog.at_level(logging.WARNING, logger="xlafit"):
+        get_recipe("llm").validate(xlafit.load_config("llm", [*orpo[:3], "data.loss_on=all"]))
+    assert [r.getMessage() for r in caplog.records] == [
+        "warning: data.loss_on=all set, but model.objective=orpo compares the completions' tokens alone (ORPO's SFT "
+        "term too): ignored"
+    ]

@@ -535,6 +535,9 @@ def test_local_paths_are_recorded_absolute_and_compare_equal_however_given(strat
         "model": {},
     }
     assert tree["data"]["data_dir"] == "data"  # the config itself is left as given
+    # the seventh walk: a --restart run recorded run.resume: false, and its config.yaml given back
+    # with --config started it over (moving its checkpoints aside) instead of going on
+    assert recorded({"run": {"resume": False, "run_dir": "runs/r"}})["run"]["resume"] is True
 
 
 def test_a_run_without_evaluation_data_is_not_asked_for_an_eval_batch_that_splits(strategy8):

@@ -122,8 +122,12 @@ RECORDED_PATHS = ("model.init_from_hf", "data.tokenizer", "data.data_dir", "run.
 
 def recorded(tree: dict[str, Any]) -> dict[str, Any]:
     """A config's ``to_dict()`` as ``config.yaml`` records it: the :data:`RECORDED_PATHS` that
-    are relative paths existing here made absolute (:func:`xlafit.io.hub.absolute`)."""
+    are relative paths existing here made absolute (:func:`xlafit.io.hub.absolute`), and
+    ``run.resume`` true: ``--restart`` (``run.resume=false``) is what one command did, not a
+    setting of the run, so that the file given back with ``--config`` goes on with the run."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in tree.items()}
+    if isinstance(out.get("run"), dict) and "resume" in out["run"]:
+        out["run"]["resume"] = True
     for key in RECORDED_PATHS:
         section, name = key.split(".")
         if isinstance(out.get(section), dict) and isinstance(out[section].get(name), str):

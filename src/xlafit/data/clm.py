@@ -201,7 +201,8 @@ def _documents(text_files: list[str], records: list[dict], text_column: str, whe
             continue
         if not isinstance(text, str):
             raise DataError(
-                f"{where}, record {number}: its {text_column!r} is {text!r:.60} (a {type(text).__name__}), not text; "
+                f"{where}, record {number}: its {text_column!r} is {text!r:.60} (of type {type(text).__name__}), not "
+                "text; "
                 "give text there, or name the column that holds it with data.text_column."
             )
         yield text

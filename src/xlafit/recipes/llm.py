@@ -210,7 +210,7 @@ def _warn_unused_settings(cfg: Config) -> None:
                 "it" if len(unread) == 1 else "them",
             )
     _warn_router_losses_unused(m)
-    _warn_preference_settings_unread(m)
+    _warn_preference_settings_unread(cfg)
     sections = (
         ("grpo", m.grpo, llm_grpo.GrpoConfig(), m.objective == "grpo"),
         ("preference", m.preference, llm_preference.PreferenceConfig(), m.objective in ("dpo", "simpo", "orpo")),
@@ -238,12 +238,21 @@ _PREFERENCE_READS = {
 }
 
 
-def _warn_preference_settings_unread(m: LlmModelConfig) -> None:
+def _warn_preference_settings_unread(cfg: Config) -> None:
     """Warns of ``model.preference.*`` settings the run's preference objective does not read
-    (``gamma`` on DPO, ``sft_weight`` on SimPO, ``label_smoothing`` on ORPO)."""
+    (``gamma`` on DPO, ``sft_weight`` on SimPO, ``label_smoothing`` on ORPO), and of
+    ``data.loss_on=all`` (the objectives compare the completions' tokens alone)."""
+    m = cfg.model
     reads = _PREFERENCE_READS.get(m.objective)
     if reads is None:
         return
+    if data_config(cfg).loss_on != "assistant":
+        log.warning(
+            "warning: data.loss_on=%s set, but model.objective=%s compares the completions' tokens alone (ORPO's "
+            "SFT term too): ignored",
+            data_config(cfg).loss_on,
+            m.objective,
+        )
     default = llm_preference.PreferenceConfig()
     unread = [
         f"model.preference.{f.name}={getattr(m.preference, f.name)}"
