@@ -100,7 +100,8 @@ def test_router_loss_weights_given_to_an_objective_that_trains_without_them_are_
 
     from xlafit.recipes import get_recipe
 
-    dpo = ["lora.rank=4", "model.objective=dpo", "data.demo=preference", "model.moe.router_aux_loss_coef=0.5"]
+    dpo = ["model.preset=tiny-moe", "lora.rank=4", "model.objective=dpo", "data.demo=preference",
+           "model.moe.router_aux_loss_coef=0.5"]  # fmt: skip
     with caplog.at_level(logging.WARNING, logger="xlafit"):
         get_recipe("llm").validate(xlafit.load_config("llm", dpo))
     assert [r.getMessage() for r in caplog.records] == [
