@@ -269,12 +269,21 @@ def _warn_preference_settings_unread(cfg: Config) -> None:
         )
 
 
+def _router_weights_given(moe: MoeOptions) -> list[str]:
+    """The router loss weights a config gives (``model.moe.router_aux_loss_coef=0.5``)."""
+    # null: the checkpoint's aux weight, not given; the z-loss's default 0: off, not given
+    weights = (
+        ("router_aux_loss_coef", moe.router_aux_loss_coef),
+        ("router_z_loss_coef", moe.router_z_loss_coef or None),
+    )
+    return [f"model.moe.{k}={v}" for k, v in weights if v is not None]
+
+
 def _warn_router_losses_unused(m: LlmModelConfig) -> None:
     """Warns of a mixture of experts' router loss weights given to an objective that trains
     without them (the preference objectives, GRPO: their losses are of the completions' log-
     probabilities alone, where TRL's trainers add the load-balancing term)."""
-    given = [f"model.moe.{k}={v}" for k, v in (("router_aux_loss_coef", m.moe.router_aux_loss_coef),
-             ("router_z_loss_coef", m.moe.router_z_loss_coef or None)) if v is not None]  # fmt: skip
+    given = _router_weights_given(m.moe)
     if given and m.objective != "next_token":
         log.warning(
             "warning: %s set, but model.objective=%s trains without the router's losses (only next-token runs "
@@ -368,9 +377,7 @@ def _warn_expert_settings_on_dense(cfg: Config, llama: LlamaConfig, name: str) -
     if llama.num_experts:
         return
     moe = cfg.model.moe
-    settings = {"router_aux_loss_coef": moe.router_aux_loss_coef, "router_z_loss_coef": moe.router_z_loss_coef or None,
-                "impl": None if moe.impl == "ragged" else moe.impl}  # fmt: skip
-    given = [f"model.moe.{k}={v}" for k, v in settings.items() if v is not None]
+    given = _router_weights_given(moe) + ([] if moe.impl == "ragged" else [f"model.moe.impl={moe.impl}"])
     if given:
         log.warning("warning: %s set, but %s has no experts: ignored", ", ".join(given), name)
     if cfg.mesh.expert != 1:
