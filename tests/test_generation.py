@@ -691,3 +691,25 @@ def test_a_conversation_ending_with_the_assistants_turn_is_continued_as_transfor
     assert ask.encode(conversation) == list(theirs if isinstance(theirs, list) else theirs["input_ids"])
     assert ask.encode(conversation) != ask.encode(conversation[:1])
     assert _shown(conversation) == "What is 3 plus 4? [continuing: 3 plus]"
+
+
+def test_a_run_whose_mesh_does_not_fit_here_is_answered_replicated_naming_its_mesh(chatml_run, tmp_path, capsys):
+    """The seventh walk: a run trained on a mesh this host cannot make was answered replicated,
+    and the note repeated the mesh error's advice (mesh.data=-1 mesh.fsdp=1 ...), keys that
+    `generate` does not take. It names the run's mesh and what replication changes."""
+    import shutil
+
+    import yaml
+
+    from xlafit.generator import Generator
+
+    run = tmp_path / "run"
+    shutil.copytree(chatml_run, run)
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    saved["mesh"] |= {"data": 1, "fsdp": 16}  # more devices than the suite's eight
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    ask = Generator.load(str(run))
+    err = capsys.readouterr().err
+    assert "the run's mesh (mesh.fsdp=16) does not fit this host's 8 device(s): the model is replicated" in err, err
+    assert "For example" not in err and "mesh.tensor=" not in err, err
+    assert len(ask(["What is 1 plus 2?"], max_new_tokens=2)) == 1

@@ -548,3 +548,15 @@ def test_a_run_without_evaluation_data_is_not_asked_for_an_eval_batch_that_split
         resolve(cfg, strategy8, 1000)
     resolved, run = resolve(cfg, strategy8, 1000, evaluates=False)
     assert resolved.data.eval_global_batch == run.eval_batch == resolved.data.global_batch == 32
+
+
+def test_a_finished_run_run_again_prints_no_schedule_it_will_not_follow(strategy8, tmp_path, monkeypatch, capsys):
+    """The sixth and seventh walks: a finished run's command run again printed its warm-up
+    warning ("the run ends before the peak") above "the run is finished": it trains nothing."""
+    use_few_digits(monkeypatch)  # 400 digits: 3 steps an epoch at global batch 128
+    common = [f"run.run_dir={tmp_path}", "data.global_batch=128", "trainer.epochs=1", "optimizer.warmup_steps=20"]
+    xlafit.train_and_evaluate(load_config("mnist", common))
+    assert "20 warmup steps, more than the schedule's 3" in capsys.readouterr().out
+    xlafit.train_and_evaluate(load_config("mnist", common))
+    out = capsys.readouterr().out
+    assert "the run is finished: checkpoint 3 is its last step" in out and "warmup steps" not in out, out

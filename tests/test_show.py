@@ -220,3 +220,25 @@ def test_show_names_its_own_flags_in_its_errors(tmp_path, capsys):
     assert main(["data", "show", str(data), "--tokenizer", str(folder)]) == 2
     err = capsys.readouterr().err
     assert "set --text-column to the one holding the text, or --format" in err and "data.text_column" not in err
+
+
+def test_a_template_given_by_flag_is_named_by_that_flag(tmp_path, capsys):
+    """The seventh walk: `data show --chat-template FILE` said `(data.chat_template)`, the
+    config's key, in a command whose flag is --chat-template."""
+    from xlafit.cli import main
+
+    folder = family_tokenizer("qwen3", tmp_path / "qwen3")
+    template = tmp_path / "my_template.jinja"
+    template.write_text(
+        "{% for m in messages %}### {{ m.role }}:\n{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+        "{% endgeneration %}{% else %}{{ m.content }}{% endif %}\n{% endfor %}"
+        "{% if add_generation_prompt %}### assistant:\n{% endif %}"
+    )
+    data = tmp_path / "chat.jsonl"
+    turn = [{"role": "user", "content": "What is 3 plus 4?"}, {"role": "assistant", "content": "7."}]
+    data.write_text(json.dumps({"messages": turn}) + "\n")
+    capsys.readouterr()
+    assert main(["data", "show", str(data), "--tokenizer", str(folder), "--chat-template", str(template)]) == 0
+    out = capsys.readouterr().out
+    assert f"chat template: the chat template {template} (--chat-template)" in out, out
+    assert "data.chat_template" not in out, out

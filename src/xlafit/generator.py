@@ -31,7 +31,7 @@ import yaml
 from flax import nnx
 from tokenizers import Tokenizer
 
-from xlafit.config import Config
+from xlafit.config import Config, MeshConfig
 from xlafit.data import chat, clm
 from xlafit.errors import ConfigError, XlafitError
 from xlafit.export import checkpoint_arrays, run_model
@@ -233,6 +233,12 @@ def _continued(rendered: str, final: dict[str, Any]) -> str:
     )
 
 
+def _mesh_text(mesh: MeshConfig) -> str:
+    """A run's mesh as its config gives it (``mesh.fsdp=2 mesh.tensor=2``)."""
+    sizes = dataclasses.asdict(mesh)
+    return " ".join(f"mesh.{axis}={sizes[axis]}" for axis in ("data", "fsdp", "tensor", "expert") if sizes[axis] != 1)
+
+
 def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
     """An llm run's model at checkpoint ``step``, placed on the run's mesh over this host's
     devices (where they do not make that mesh, replicated over them, and said)."""
@@ -248,9 +254,14 @@ def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
     rules = parse_rules(cfg.mesh.rules)
     try:  # first: the devices (simulated ones too) before anything else starts JAX
         strategy = connect(simulate, cpu=cfg.cpu, mesh=cfg.mesh.sizes, rules=rules)
-    except XlafitError as e:
+    except XlafitError:
         strategy = connect(simulate, cpu=cfg.cpu)
-        print(f"the run's mesh does not fit this host's devices ({e}); the model is replicated", file=sys.stderr)
+        print(
+            f"the run's mesh ({_mesh_text(cfg.mesh)}) does not fit this host's {strategy.mesh.size} "
+            "device(s): the model is replicated over them (the answers are the same; only the memory a device "
+            "holds differs)",
+            file=sys.stderr,
+        )
     tokenizer = clm.load_tokenizer(
         run / "tokenizer", f"{source}/tokenizer/ holds the tokenizer the run's checkpoints learned; restore it."
     )

@@ -142,7 +142,9 @@ def train_and_evaluate(cfg: Config) -> FitResult:
             start_run_dir(run_dir, cfg)
             recipe.save_artifacts(cfg, run_dir, train_data)
             print(f"run directory: {run_dir}", flush=True)
-            print(describe_schedule(cfg, plan, cfg.trainer.epochs * (len(train_data) // run.global_batch)), flush=True)
+            run_steps = cfg.trainer.epochs * (len(train_data) // run.global_batch)
+            if not (cfg.run.resume and _saved_step(cfg) >= run_steps):  # a finished run trains nothing
+                print(describe_schedule(cfg, plan, run_steps), flush=True)
         else:
             log_to_file(run_dir / f"process-{strategy.process_index}.log")
         trainer = recipe_trainer(recipe, cfg, run, strategy, train_data, plan, keep=True)
@@ -276,6 +278,15 @@ def resolve(cfg: Config, strategy: Strategy, num_examples: int, evaluates: bool 
         run=dataclasses.replace(cfg.run, run_dir=run_dir),
     )
     return resolved, Resolved(as_path(run_dir), global_batch, eval_batch)
+
+
+def _saved_step(cfg: Config) -> int:
+    """The newest step the run's checkpoint directory holds (0 where it holds none)."""
+    checkpoints = checkpoint_dir(cfg)
+    with reading(checkpoints):
+        if not checkpoints.exists():
+            return 0
+        return max((int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()), default=0)
 
 
 def describe_schedule(cfg: Config, plan: OptimizerPlan, run_steps: int | None = None) -> str:
