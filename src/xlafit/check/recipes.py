@@ -21,7 +21,7 @@ from xlafit.parallel.cluster import start_backends
 from xlafit.parallel.sharding import parse_rules
 from xlafit.platform.hardware import parse_targets
 from xlafit.recipes import get_recipe, load_config
-from xlafit.recipes.llm import LlmModelConfig
+from xlafit.recipes.llm_settings import LlmModelConfig
 from xlafit.run import with_lora
 from xlafit.train.optim import make_optimizer
 from xlafit.train.rollout import Rollout
