@@ -31,12 +31,13 @@ def rewards(tmp_path_factory):
 
 def generation(rewards, completion):
     """The rollout generation of a one-layer model for ``completion`` tokens, its weights laid
-    out over the 4 cores of a v5e-4 (FSDP): its fit, the program and its steps. Its MLP of 1M
-    features (768 MiB in float32, 192 MiB a core) is more than a core's on-chip memory holds, so
-    that every decode step reads most of it from HBM (a tiny model's weights all stay on chip)."""
+    out over the 4 cores of a v5e-4 (FSDP): its fit, the program and its steps. Its MLP of 2M
+    features (768 MiB read as bfloat16, 192 MiB a core) is more than a core's on-chip memory
+    holds, so that every decode step reads most of it from HBM (a tiny model's weights all stay
+    on chip)."""
     settings = [
         "model.preset=custom", "model.num_layers=1", "model.hidden_size=64", "model.num_heads=4",
-        "model.intermediate_size=1048576", "model.max_position_embeddings=128", "lora.rank=4", "mesh.data=1",
+        "model.intermediate_size=2097152", "model.max_position_embeddings=128", "lora.rank=4", "mesh.data=1",
         "mesh.fsdp=-1", "model.objective=grpo", "data.demo=grpo", f"model.grpo.rewards={rewards}:exact",
         "model.grpo.num_generations=4", f"model.grpo.max_completion_length={completion}",
         f"data.global_batch={ROWS}",
@@ -69,12 +70,17 @@ def test_the_decode_loop_is_priced_per_step_beside_the_floor_of_reading_the_weig
     looked_up = [] if program.model.cfg.tie_embeddings else [k for k in params if "embed_tokens" in k]
     linear = sum(math.prod(v.shape) for k, v in params.items() if len(v.shape) == 2 and k not in looked_up)
     assert short.decode_flops >= 7 * 2 * (ROWS // 4) * linear
-    # The floor: every weight's bytes (the model computes in float32: no narrower read), each core
-    # its FSDP shard (the compiler keeps it and reduces the products, or gathers the rest first), per step.
+    # The floor: every weight's bytes, each core its FSDP shard (the compiler keeps it and
+    # reduces the products, or gathers the rest first), per step; the model computes in float32,
+    # but at JAX's default precision a TPU's product reads bfloat16 (the compiler converts the
+    # float32 weights once, before the loop): two bytes a weight.
     placed = nnx.state(nnx.merge(steps.eval_graphdef, steps.state.params, steps.state.model_state), nnx.Param)
     shards = {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(placed)}
-    weights = bytes_per_device([v for k, v in shards.items() if k not in looked_up])
-    whole = sum(math.prod(v.shape) * np.dtype(v.dtype).itemsize for k, v in params.items() if k not in looked_up)
+    held = [v for k, v in shards.items() if k not in looked_up]
+    weights = sum(bytes_per_device([v]) * min(2, v.dtype.itemsize) // v.dtype.itemsize for v in held)
+    whole = sum(
+        math.prod(v.shape) * min(2, np.dtype(v.dtype).itemsize) for k, v in params.items() if k not in looked_up
+    )
     assert whole / 4 <= weights < whole / 2  # the matrices split over the 4 cores, the vectors whole
     hbm = tpu.parse_target("v5e-4").hbm_bandwidth
     assert short.weights == long.weights == weights
@@ -122,3 +128,43 @@ def test_a_rollout_program_is_not_validated_by_a_band_of_train_steps():
     assert rates.band_for(step)[1] is not None
     band, median = rates.band_for(dataclasses.replace(step, program="rollout generation"))
     assert median is None and band.startswith("not validated for this kind of program (the rollout generation, not a")
+
+
+def test_the_decode_loop_exchanges_no_logits_between_the_cores(rewards, monkeypatch):
+    """Under FSDP every weight is split along its width, so each decode step's logits were
+    partial sums over the cores: an all-reduce of the whole [rows, vocab] logits every step
+    (for Gemma 3 1B on a v5e-8, 33.6 MB a step and most of the loop's time). The loop splits the
+    output layer along the vocabulary (and the MLP along its hidden units) instead, and picks
+    each row's token from every core's best: no collective of the loop carries logits."""
+    import re
+
+    import xlafit.check.tpu as check_tpu
+    from xlafit.train.rollout import GENERATION
+
+    compiled_text = {}
+
+    def keep(fit, compiled, *args):
+        compiled_text[fit.name] = compiled.as_text()
+        return price(fit, compiled, *args)
+
+    price = check_tpu.price
+    monkeypatch.setattr(check_tpu, "price", keep)
+    vocab = 32768
+    settings = [
+        "model.preset=custom", "model.num_layers=1", "model.hidden_size=256", "model.num_heads=4",
+        "model.intermediate_size=1024", f"model.vocab_size={vocab}", "model.max_position_embeddings=128",
+        "lora.rank=4", "mesh.data=1", "mesh.fsdp=-1", "model.objective=grpo", "data.demo=grpo",
+        f"model.grpo.rewards={rewards}:exact", "model.grpo.num_generations=4",
+        "model.grpo.max_completion_length=8", f"data.global_batch={ROWS}",
+    ]  # fmt: skip
+    start_backends()
+    program, _, _ = recipe_program("llm", settings)
+    with no_persistent_cache():
+        (fit,) = rollout_fits(Steps(tpu.parse_target("v5e-4"), program), ROWS)
+    collective = r"= \w+\[([\d,]*)\][^ ]* (?:all-reduce|all-to-all|all-gather|reduce-scatter)(?:-start)?\(.*"
+    text = compiled_text[GENERATION]
+    in_loop = [m.group(1) for m in re.finditer(collective, text) if 'op_name="jit(_run)/while/body' in m.group(0)]
+    assert in_loop, "the loop exchanges nothing: the test no longer looks at a sharded loop"
+    carrying_logits = [s for s in in_loop if any(int(n) >= vocab // 4 for n in s.split(",") if n)]
+    assert not carrying_logits, carrying_logits
+    assert fit.decode_collective_s < fit.decode_s / 4

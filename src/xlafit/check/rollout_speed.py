@@ -37,17 +37,23 @@ from xlafit.predict.rates import rates_for
 _LOOKUPS = ("embed_tokens_per_layer", "embed_tokens")
 
 
+# The bytes of a float a TPU's matrix unit reads at JAX's default precision (bfloat16 passes)
+_DEFAULT_PRECISION_BYTES = 2
+
+
 def weights_per_core(model: nnx.Module) -> int:
     """The bytes of the policy's weights that each core holds and must read for one step of the
     model over one token per row: each ``nnx.Param`` (a LoRA run's frozen base and adapters, a
     quantized base as stored), its shard on the core (FSDP, tensor and expert shards alike). A
     core may read more: the compiler may gather a weight's other shards first; for a decode step
-    it often keeps each core's shard and reduces the products instead. A float wider than the
-    model's compute dtype counts at the compute dtype's size (a cast the compiler may hoist out
-    of the loop), so the count stays a floor. An input embedding is looked up a row at a time
-    and left out, unless it is also the output head (tied)."""
+    it often keeps each core's shard and reduces the products instead. A float counts at the
+    narrowest size a product reads it in: the model's compute dtype, and on a TPU at most
+    bfloat16's two bytes (at JAX's default matmul precision a float32 product runs on bfloat16
+    inputs, and the compiler may convert a weight once, outside the loop), so the count stays
+    a floor. An input embedding is looked up a row at a time and left out, unless it is also
+    the output head (tied)."""
     cfg = getattr(model, "cfg", None)
-    compute = np.dtype(cfg.compute_dtype).itemsize if cfg is not None else None
+    compute = min(np.dtype(cfg.compute_dtype).itemsize if cfg is not None else 2, _DEFAULT_PRECISION_BYTES)
     tied = bool(getattr(cfg, "tie_embeddings", False))
     total = 0
     for path, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -56,7 +62,7 @@ def weights_per_core(model: nnx.Module) -> int:
             continue
         x = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
         itemsize = np.dtype(x.dtype).itemsize
-        if compute and jax.dtypes.issubdtype(x.dtype, np.floating):
+        if jax.dtypes.issubdtype(x.dtype, np.floating):
             itemsize = min(itemsize, compute)
         sharding = getattr(x, "sharding", None)
         total += int(np.prod(sharding.shard_shape(x.shape) if sharding is not None else x.shape)) * itemsize

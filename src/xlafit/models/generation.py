@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import secrets
 from collections.abc import Sequence
 from typing import Any
@@ -50,11 +51,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xlafit.errors import ConfigError
 from xlafit.models.llama import LlamaForCausalLM
-from xlafit.parallel.sharding import row_shards, rows_layout, rows_sharding
+from xlafit.parallel.sharding import decode_axes, decode_layout, row_shards, rows_layout, rows_sharding
 
 __all__ = ["Generated", "Sampling", "filter_logits", "generate", "generation_program"]
 
 Layout = tuple[Mesh, tuple[str, ...]] | None  # the mesh and its batch axes (rows_layout), None: one device
+Split = tuple[Mesh, tuple[str, ...]] | None  # the mesh and the axes a decode step's vocabulary is split over
 
 
 SEEDS = 2**32  # a seed is a uint32: jax.random.key's own range for one word
@@ -113,13 +115,15 @@ class Generated(list[list[int]]):
     seed: int | None = None
 
 
-def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
+def filter_logits(logits: jax.Array, top_k: int, top_p: float, split: Split = None) -> jax.Array:
     """``logits [B, V]`` with everything outside the ``top_k`` largest and outside the
     smallest set reaching probability ``top_p`` set to -inf (the most likely token stays).
-    A ``top_k`` above the vocabulary keeps every token, as in ``transformers``."""
+    A ``top_k`` above the vocabulary keeps every token, as in ``transformers``. ``split``: the
+    vocabulary's split over devices (each finds its slice's ``top_k`` first; ``top_p`` sorts
+    the whole rows)."""
     top_k = min(top_k, logits.shape[-1])
     if top_k:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        kth = jax.lax.top_k(_each_slice_top_k(logits, top_k, split), top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if top_p < 1.0:
         ordered = jnp.sort(logits, axis=-1)[:, ::-1]
@@ -131,11 +135,67 @@ def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
     return logits
 
 
-def _choose(logits: jax.Array, sampling: Sampling, key: jax.Array) -> jax.Array:
+def _each_slice_top_k(logits: jax.Array, k: int, split: Split) -> jax.Array:
+    """``logits [B, V]``, or where the vocabulary is split, each device's ``k`` largest of
+    its slice ``[B, devices x k]``: they hold the whole rows' ``k`` largest, and only they
+    move between devices."""
+    if split is None:
+        return logits
+    b, v = logits.shape
+    blocks = _slices(logits, split)
+    return jax.lax.top_k(blocks, min(k, v // blocks.shape[1]))[0].reshape(b, -1)
+
+
+def _slices(logits: jax.Array, split: tuple[Mesh, tuple[str, ...]]) -> jax.Array:
+    """``logits [B, V]`` as ``[B, devices, V / devices]``, each device's slice its own."""
+    mesh, axes = split
+    b, v = logits.shape
+    shards = math.prod(dict(mesh.shape)[a] for a in axes)
+    blocks = logits.reshape(b, shards, v // shards)
+    return jax.lax.with_sharding_constraint(blocks, NamedSharding(mesh, PartitionSpec(None, axes, None)))
+
+
+def _choose(logits: jax.Array, sampling: Sampling, key: jax.Array, split: Split = None) -> jax.Array:
+    """The next token of each row of ``logits [B, V]``: the most likely (greedy) or one drawn.
+    ``split``: the mesh and axes the vocabulary lies split over (:func:`_vocab_split`)."""
     if not sampling.samples:
+        return _argmax(logits, split)
+    logits = filter_logits(logits / float(sampling.temperature or 1.0), sampling.top_k, sampling.top_p, split)
+    if split is None:
+        return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    # jax.random.categorical's own draw (the Gumbel-max trick), its argmax over the split vocabulary
+    return _argmax(logits + jax.random.gumbel(key, logits.shape, logits.dtype), split)
+
+
+def _vocab_split(mesh: Mesh | None, vocab: int) -> Split:
+    """Where :func:`~xlafit.parallel.sharding.decode_layout` splits a vocabulary of ``vocab``
+    tokens: its mesh and axes, or None (not split)."""
+    axes = decode_axes(mesh)
+    if mesh is None or axes is None or vocab % math.prod(dict(mesh.shape)[a] for a in axes):
+        return None
+    return mesh, axes
+
+
+def _whole_rows(hidden: jax.Array, split: Split) -> jax.Array:
+    """``hidden [B, ...]`` on every device of ``split`` (one gather of the rows' final hidden
+    states) ahead of the output layer whose vocabulary is split: each device computes every
+    row's logits over its slice of the vocabulary."""
+    if split is None:
+        return hidden
+    return jax.lax.with_sharding_constraint(hidden, NamedSharding(split[0], PartitionSpec()))
+
+
+def _argmax(logits: jax.Array, split: Split) -> jax.Array:
+    """``argmax(logits, axis=-1)`` (the first of equal maxima); with the vocabulary split over
+    ``split``'s devices, each finds its slice's best and one small exchange picks among them,
+    where XLA's own partitioning of an argmax moves whole slices of the logits between devices."""
+    if split is None:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = filter_logits(logits / float(sampling.temperature or 1.0), sampling.top_k, sampling.top_p)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    blocks = _slices(logits, split)
+    best, where = blocks.max(axis=-1), jnp.argmax(blocks, axis=-1)  # [B, shards]: each slice's best
+    shard = jnp.argmax(best, axis=-1)  # the first slice holding the largest
+    width = blocks.shape[-1]
+    return (shard * width + jnp.take_along_axis(where, shard[:, None], axis=-1)[:, 0]).astype(jnp.int32)
 
 
 def _split_rows(tree: Any, layout: Layout, axis: int = 0) -> Any:
@@ -189,12 +249,18 @@ def _run(
         position = (slot - pads)[:, None]
         # The weights ride in the carry, merged inside the loop: a module made outside a
         # loop cannot enter the nnx.scan over scanned layers inside it.
-        logits, cache = nnx.merge(graphdef, weights).cached(token[:, None], position, cache, slot, visible)
-        following = jnp.where(stopped, pad_id, _choose(logits[:, -1], sampling, keys[i + 1]))
+        model = nnx.merge(graphdef, weights)
+        hidden, cache = model.cached_hidden(token[:, None], position, cache, slot, visible)
+        logits = model.logits(_whole_rows(hidden, split))
+        following = jnp.where(stopped, pad_id, _choose(logits[:, -1], sampling, keys[i + 1], split))
         tokens = jax.lax.dynamic_update_slice(tokens, following[:, None], (0, i + 1))
         return following, stopped | jnp.isin(following, stop_ids), tokens, cache, weights
 
-    start = (first, jnp.isin(first, stop_ids), tokens, cache, state)
+    # The loop's weights split along their hidden units and vocabulary where FSDP splits them
+    # along their width: no all-reduce of every step's logits (decode_layout)
+    mesh = layout[0] if layout is not None else None
+    weights, split = decode_layout(state, mesh), _vocab_split(mesh, logits.shape[-1])
+    start = (first, jnp.isin(first, stop_ids), tokens, cache, weights)
     return jax.lax.fori_loop(0, max_new_tokens - 1, step, start)[2]
 
 

@@ -387,6 +387,14 @@ class LlamaForCausalLM(nnx.Module):
         with their keys and values: what :meth:`__call__` computes for the whole sequence,
         token by token. A layer that shares keys and values reads its source layer's cache
         (written by then in this call) and writes none."""
+        hidden, cache = self.cached_hidden(input_ids, positions, cache, slot, visible)
+        return self.logits(hidden), cache
+
+    def cached_hidden(
+        self, input_ids: jax.Array, positions: jax.Array, cache: Any, slot: jax.Array, visible: jax.Array
+    ) -> tuple[jax.Array, Any]:
+        """:meth:`cached` up to the output layer: the final hidden states ``[B, T, hidden]``
+        (normed) whose :meth:`logits` it returns, and the cache."""
         cfg = self.cfg
         x, per_layer = self._embed(input_ids)
         if cfg.scan_layers:
@@ -421,7 +429,7 @@ class LlamaForCausalLM(nnx.Module):
                 if not cfg.shares_kv(i):
                     caches[entry[i]] = written
             cache = tuple(caches)
-        return self.logits(self.norm(x)), cache
+        return self.norm(x), cache
 
     def __call__(
         self, input_ids: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None

@@ -14,6 +14,7 @@ import hashlib
 import math
 import re
 from collections.abc import Iterator
+from typing import cast
 
 from xlafit.predict.hlo import _INSTRUCTION, _dims, _operand_names, _product_shape, product_flops
 from xlafit.predict.kernel import (
@@ -66,6 +67,9 @@ def fusion_kernel(
         if op in ("dot", "convolution"):
             flops += product_flops(op, inner.group("shape"), inner.group("rest"), local)
             dims = dims or _product_shape(op, inner.group("shape"), inner.group("rest"), local)
+        elif op == "fusion":  # a TPU output fusion may hold another product's fusion (an MLP's gate, fused)
+            nested, nested_dims = _nested_products(inner.group("rest"), computations)
+            flops, dims = flops + nested, dims or nested_dims
         elif op == "reduce":
             source = _operand_names(inner.group("rest"))
             vector += math.prod(_dims(local.get(source[0], ""))) if source else 0
@@ -77,6 +81,27 @@ def fusion_kernel(
     return Kernel(
         name, kind, 1, flops, vector, read, written, dims, _dtype(shape), target, signature, elements=elements
     )
+
+
+def _nested_products(rest: str, computations: dict[str, _Computation]) -> tuple[float, tuple[int, ...]]:
+    """The FLOPs of the matrix products in a fusion nested in another (its ``calls=``), and
+    the first one's shape: XLA's TPU backend fuses a product's producer fusion into the next
+    product (``convolution_multiply_fusion`` inside an MLP's down projection)."""
+    callee = re.search(r"calls=%([\w.\-]+)", rest)
+    fused = computations.get(callee.group(1)) if callee else None
+    if fused is None:
+        return 0.0, ()
+    flops, dims = 0.0, cast(tuple[int, ...], ())
+    local = {n: m.group("shape") for n, m in fused.by_name.items()}
+    for inner in fused.by_name.values():
+        op = inner.group("op")
+        if op in ("dot", "convolution"):
+            flops += product_flops(op, inner.group("shape"), inner.group("rest"), local)
+            dims = dims or _product_shape(op, inner.group("shape"), inner.group("rest"), local)
+        elif op == "fusion":
+            more, more_dims = _nested_products(inner.group("rest"), computations)
+            flops, dims = flops + more, dims or more_dims
+    return flops, dims
 
 
 def _signature(fused: _Computation) -> str:
