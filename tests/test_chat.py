@@ -106,6 +106,27 @@ def test_without_generation_marks_the_answers_are_what_each_turn_adds(model_dir)
     assert all_tokens.mask == [1] * len(got.ids)
 
 
+def test_a_template_whose_answers_cannot_be_found_trains_every_token_with_loss_on_all(model_dir):
+    """The eighth walk: a template that renders the last answer differently (as official ones
+    that drop earlier turns' reasoning do) is refused with "... or data.loss_on=all", and
+    data.loss_on=all was refused the same way: the answers were looked for whatever loss_on
+    said. With every token counted, the conversation is rendered whole, as transformers
+    renders it (TRL's SFTTrainer without assistant_only_loss)."""
+    last_differs = (
+        "{% for m in messages %}{% if m.role == 'user' %}### User: {{ m.content }}\n{% else %}### Assistant: "
+        "{% if loop.last %}[final] {% endif %}{{ m.content }}\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}### Assistant: {% endif %}"
+    )
+    tok = clm.load_tokenizer(model_dir)
+    template = chat.ChatTemplate(last_differs)
+    with pytest.raises(DataError, match="renders a conversation differently from its beginning"):
+        chat.encode({"messages": CONVERSATION}, "chat", tok, template)
+    got = chat.encode({"messages": CONVERSATION}, "chat", tok, template, loss_on="all")
+    hf = _hf(model_dir, last_differs)
+    assert got.ids == list(hf.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True)["input_ids"])
+    assert got.mask == [1] * len(got.ids)
+
+
 def test_the_end_of_an_assistant_turn_is_the_special_token_after_the_answer(model_dir):
     tok = clm.load_tokenizer(model_dir)
     assert chat.end_of_turn(chat.ChatTemplate(CHATML), tok) == "<|im_end|>"

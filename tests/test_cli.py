@@ -506,3 +506,25 @@ def test_a_key_given_twice_on_the_command_line_is_named_with_the_value_used(caps
     out, err = capsys.readouterr()
     assert "warning: lora.rank given 2 times (8, 4): the last, lora.rank=4, is used" in err
     assert "epochs" not in err and "rank: 4" in out
+
+
+def test_xlafits_warnings_print_as_written_and_others_name_their_logger():
+    """The eighth walk: `WARNING xlafit: warning: data.loss_on=all set, ...`: the logger's
+    prefix before xlafit's own "warning:". xlafit's messages that say what they are print as
+    written; another library's keep its level and name."""
+    code = (
+        "import logging\n"
+        "from xlafit.cli.entry import configure_logging\n"
+        "configure_logging(verbose=False)\n"
+        "logging.getLogger('xlafit').warning('warning: %s set, but ignored', 'data.loss_on=all')\n"
+        "logging.getLogger('xlafit.data').warning('note: a note')\n"
+        "logging.getLogger('xlafit').warning('cannot cache it')\n"
+        "logging.getLogger('orbax').warning('its own words')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stderr.splitlines() == [
+        "warning: data.loss_on=all set, but ignored",
+        "note: a note",
+        "WARNING xlafit: cannot cache it",
+        "WARNING orbax: its own words",
+    ]

@@ -116,6 +116,9 @@ def test_check_runs_the_step_on_the_rows_the_rollout_makes(files, tmp_path):
     with the model (LoRA and its reference included) and the step runs on its rows."""
     report = check_recipe("llm", overrides(files, tmp_path, "lora.rank=4", "model.grpo.beta=0.04"))
     assert report.ok, [f.message for f in report.findings]
+    # The eighth walk: a note told the user to return unreduced values from loss_fn "to evaluate
+    # too": the loss is the recipe's own, and GRPO has no evaluation.
+    assert not report.notes, report.notes
 
 
 def test_pulse(files, tmp_path):

@@ -162,3 +162,23 @@ def test_text_pairs_with_a_token_across_the_prompts_end_are_counted_in_the_summa
     )
     assert train.source.spans_boundary == 3
     assert "  3 pairs have a token across the prompt's end: each completion starts where" in summary(train, evaluation)
+
+
+def test_a_held_out_share_that_draws_no_pair_says_there_is_no_evaluation(tmp_path):
+    """The eighth walk: `data.eval_fraction=0.02` of 16 pairs drew none, and the start-up said
+    only `eval: 0 pairs` (a chat run says why there is no evaluation and what to change)."""
+    from helpers import family_tokenizer
+    from xlafit.data.preference import summary
+
+    folder = family_tokenizer("mistral", tmp_path / "mistral")
+    pairs = [
+        {"prompt": f"What is {i} plus 4?", "chosen": f" It is {i + 4}.", "rejected": " It is 0."} for i in range(16)
+    ]
+    path = write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    train, evaluation = load_pairs(
+        [path], clm.load_tokenizer(folder), None, seq_len=64, eval_fraction=0.02, markers=clm.special_ids(folder)
+    )
+    assert evaluation.documents == 0
+    said = summary(train, evaluation, 0.02)
+    assert f"  no evaluation: none of the {train.documents} pairs was drawn for it at data.eval_fraction=0.02" in said
+    assert "no evaluation" not in summary(train, evaluation, 0.0)

@@ -560,3 +560,25 @@ def test_a_finished_run_run_again_prints_no_schedule_it_will_not_follow(strategy
     xlafit.train_and_evaluate(load_config("mnist", common))
     out = capsys.readouterr().out
     assert "the run is finished: checkpoint 3 is its last step" in out and "warmup steps" not in out, out
+
+
+def test_a_run_in_a_directory_made_for_it_says_how_to_go_on_after_its_stop(strategy8, tmp_path, monkeypatch, capsys):
+    """The eighth walk: without --run-dir, a run stopped at trainer.stop_at_step said "to go on,
+    run again with a later trainer.stop_at_step", and doing so started over from step 0 in
+    another new directory (a notebook's cell run again the same). It names the directory."""
+    use_few_digits(monkeypatch)  # 400 digits: 3 steps an epoch at global batch 128
+    monkeypatch.chdir(tmp_path)
+    common = ["data.global_batch=128", "trainer.epochs=2"]
+    xlafit.train_and_evaluate(load_config("mnist", [*common, "trainer.stop_at_step=2"]))
+    (made,) = (tmp_path / "runs").iterdir()
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line == (
+        f"this run's directory was made for it: to go on from step 2, run again with --run-dir runs/{made.name} "
+        f"(run.run_dir=runs/{made.name})"
+    )
+    result = xlafit.train_and_evaluate(load_config("mnist", [*common, f"run.run_dir=runs/{made.name}"]))
+    assert "resumed from checkpoint 2" in capsys.readouterr().out and int(result.state.step) == 6
+    xlafit.train_and_evaluate(
+        load_config("mnist", [*common, f"run.run_dir={tmp_path / 'named'}", "trainer.stop_at_step=1"])
+    )
+    assert "made for it" not in capsys.readouterr().out

@@ -98,3 +98,44 @@ def test_plan_compiles_the_answers_rollout_programs_and_says_its_steps_leave_the
     assert "The step is the train step's alone: the rollout that makes its rows" in text
     assert "2 of rollout programs, for the answer" in text
     assert [r["name"] for r in plan_json(plan)["winner"]["rollout"]] == [r.name for r in winner.rollout]
+
+
+def test_a_rollout_the_tpu_compiler_fails_on_is_a_line_not_a_traceback(rewards, monkeypatch):
+    """The eighth walk: libtpu (of jax 0.12) fails to compile the rollout generation of an FSDP
+    layout with one row a batch shard ("INTERNAL: Value <... async-collective-start.3> ...
+    overlaps with another chunk"), and `check --tpu` ended in that traceback. The suite's
+    libtpu compiles that program, so its failure is raised here in the compiler's place: the
+    report says the program does not compile for this layout, names the compiler's line, and
+    the run's verdict is that it does not compile."""
+    import xlafit.check.tpu as check_tpu
+
+    compile_program, rollout_fits = check_tpu._compile, check_tpu.rollout_fits
+    internal = "INTERNAL: Value <4285 async-collective-start.3{0}> (575, 586) off: 491520 size: 8192 overlaps"
+    compiles: list[str] = []  # the rollout's compiles so far: the first is its generation
+
+    def failing_generation(lower, *args, **kwargs):
+        if compiles:
+            compiles.append("compiled")
+            if len(compiles) == 2:
+                raise RuntimeError(f"{internal}\nwith another chunk")
+        return compile_program(lower, *args, **kwargs)
+
+    def rollout(*args, **kwargs):
+        compiles.append("rollout")
+        try:
+            return rollout_fits(*args, **kwargs)
+        finally:
+            compiles.clear()
+
+    monkeypatch.setattr(check_tpu, "_compile", failing_generation)
+    monkeypatch.setattr(check_tpu, "rollout_fits", rollout)
+    (r,) = check_recipe("llm", grpo(rewards), tpu="v5e-1").tpu
+    assert r.error is None and r.train_fits
+    generation = next(p for p in r.rollout if p.name == "rollout generation")
+    assert generation.failed and not generation.fits and generation.message == internal
+    assert r.fits is False
+    text = format_report(r)
+    assert "✗ rollout generation (16 rows over all cores) does not compile for this layout: the TPU compiler" in text
+    assert f"    the compiler: {internal}" in text
+    assert "✗ the run does not compile: its rollout generation does not" in text
+    assert to_json(r)["rollout"][0]["failed"] is True

@@ -116,6 +116,7 @@ def train_and_evaluate(cfg: Config) -> FitResult:
             rules=parse_rules(cfg.mesh.rules),
         )
         recipe.validate(cfg)
+        named_dir = bool(cfg.run.run_dir)  # else a new directory, made for this run (resolve)
         if strategy.process_index == 0:
             warn_where_chunks_are_not_bit_identical(recipe, cfg)
         refuse_foreign_dir(cfg)
@@ -124,7 +125,7 @@ def train_and_evaluate(cfg: Config) -> FitResult:
         evaluates = eval_data is not None and len(as_dataset(eval_data)) > 0
         cfg, run = resolve(recipe.from_data(cfg, train_data), strategy, len(train_data), evaluates)
         plan = make_optimizer(cfg.optimizer, run.global_batch)
-        run_dir = run.run_dir
+        run_dir, run_steps = run.run_dir, cfg.trainer.epochs * (len(train_data) // run.global_batch)
         if cfg.run.checkpoint_dir:  # before the resume check or --restart lists it
             check_directory(cfg.run.checkpoint_dir)
         if strategy.process_index == 0:  # one training per run directory: the job's process 0 holds it
@@ -142,7 +143,6 @@ def train_and_evaluate(cfg: Config) -> FitResult:
             start_run_dir(run_dir, cfg)
             recipe.save_artifacts(cfg, run_dir, train_data)
             print(f"run directory: {run_dir}", flush=True)
-            run_steps = cfg.trainer.epochs * (len(train_data) // run.global_batch)
             if not (cfg.run.resume and _saved_step(cfg) >= run_steps):  # a finished run trains nothing
                 print(describe_schedule(cfg, plan, run_steps), flush=True)
         else:
@@ -154,6 +154,13 @@ def train_and_evaluate(cfg: Config) -> FitResult:
             trainer.close()
     if strategy.process_index == 0 and result.eval is not None:
         print(final_report(result.eval, result.eval_step, int(result.state.step), recipe.eval_unit(cfg)), flush=True)
+    stopped = int(result.state.step) == cfg.trainer.stop_at_step and int(result.state.step) < run_steps
+    if strategy.process_index == 0 and not named_dir and stopped:
+        print(  # a run again without it would start over in another new directory
+            f"this run's directory was made for it: to go on from step {int(result.state.step)}, run again with "
+            f"--run-dir {run_dir} (run.run_dir={run_dir})",
+            flush=True,
+        )
     return result
 
 

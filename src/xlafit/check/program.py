@@ -153,6 +153,9 @@ class ProgramFit:
     needed: int | None = None
     message: str | None = None
     compile_s: float = 0.0
+    # The compiler failed for another reason than memory (an internal error of the TPU compiler
+    # for this layout): it does not compile, and ``message`` is the compiler's first line
+    failed: bool = False
     # Its time (xlafit.check.rollout_speed): one run, the step model's where the target has rates
     # (``predicted``; else the roofline estimate), with its band or why there is none.
     run_s: float | None = None

@@ -173,6 +173,7 @@ def check_recipe(
         lengths=lengths,
         one_shape=num_shapes(train) == 1,
         trainable=trainable,
+        users_loss=False,  # the recipe's own loss: the user cannot return other values from it
         **options,
     )
 

@@ -90,11 +90,13 @@ def check_step(
     max_shapes: int = 8,
     one_shape: bool = False,
     trainable: Any = nnx.Param,
+    users_loss: bool = True,
 ) -> Report:
     """Checks one model + loss + batch; see the module docstring. ``one_shape``: the data
     reaches the step in one shape whatever ``lengths`` are (a recipe packs or pads its
     examples to rows of one length), so the lengths' plans are information, not rule 3.
-    ``trainable``: the variables the step trains (a LoRA run's adapters)."""
+    ``trainable``: the variables the step trains (a LoRA run's adapters). ``users_loss``:
+    ``loss_fn`` is the user's to change (False: a recipe's own; no advice on its outputs)."""
     report = Report(target)
     if not isinstance(batch, dict) or not batch:
         raise ConfigError("`batch` must be a dict of arrays (one small real batch), e.g. {'x': ..., 'y': ...}.")
@@ -104,7 +106,7 @@ def check_step(
     try:
         jax.eval_shape(step, state, _stacked(batch))
         report.traced = True
-        if seen.get("scalars"):
+        if seen.get("scalars") and users_loss:
             report.notes.append(SCALAR_LOSS_NOTE.format(names=", ".join(seen["scalars"])))
         jax.block_until_ready(jax.jit(step)(state, _stacked(batch)))
         report.ran = True

@@ -453,6 +453,10 @@ def rollout_fits(steps: Steps, rows: int) -> list[ProgramFit]:
         except OutOfMemory as e:
             out.append(ProgramFit(what, rows, False, needed=needed_bytes(e.message), message=e.message))
             continue
+        except Exception as e:  # the TPU compiler's own fault on this layout (XlaRuntimeError: INTERNAL)
+            first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+            out.append(ProgramFit(what, rows, False, message=first, failed=True))
+            continue
         memory = memory_of(compiled, steps.state_bytes, 0)
         fit = ProgramFit(what, rows, True, memory["total"], memory.get("peak"), compile_s=seconds)
         if target is not None:

@@ -182,6 +182,12 @@ def _rollout_lines(r: TargetReport) -> list[str]:
             lines.append(
                 f"{head} fits: {what} {gib(used)} of {gib(r.capacity)} per core, compiled in {p.compile_s:.1f} s"
             )
+        elif p.failed:
+            lines += [
+                f"{head} does not compile for this layout: the TPU compiler failed, not for memory (another layout "
+                f"may compile: more rows a batch shard, or mesh.data)",
+                f"    the compiler: {p.message}",
+            ]
         else:
             need = f" needs {gib(p.needed)}," if p.needed else ""
             over = f" over by {gib(p.needed - r.capacity)}" if p.needed and r.capacity else ""
@@ -197,7 +203,9 @@ def _verdict_lines(r: TargetReport) -> list[str]:
         return []
     fix = f"; {r.eval.fix}" if r.eval is not None and r.eval.fix else ""
     where = "evaluation, after the training up to it" if "eval step" in r.unfit else "rollout"
-    return [f"  ✗ the run does not fit: its {' and '.join(r.unfit)} does not (a run dies at its first {where}){fix}"]
+    failed = [p.name for p in r.rollout if p.failed]
+    verdict = "does not compile" if failed and len(failed) == len(r.unfit) else "does not fit"
+    return [f"  ✗ the run {verdict}: its {' and '.join(r.unfit)} does not (a run dies at its first {where}){fix}"]
 
 
 def _speed_lines(r: TargetReport) -> list[str]:

@@ -157,6 +157,16 @@ def _exit_past_stuck_threads(code: int) -> None:
         os._exit(code)
 
 
+class _OwnWordsFormatter(logging.Formatter):
+    """``LEVEL logger: message``, but xlafit's own messages that say what they are
+    (``warning: ...``, ``note: ...``) as they are written: not ``WARNING xlafit: warning: ...``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.name.split(".")[0] == "xlafit" and record.getMessage().startswith(("warning: ", "note: ")):
+            return record.getMessage()
+        return super().format(record)
+
+
 def configure_logging(verbose: bool) -> None:
     """xlafit's messages at WARNING (INFO with ``--verbose``), libraries' at WARNING.
 
@@ -167,9 +177,9 @@ def configure_logging(verbose: bool) -> None:
     back to the plain client: the fallback works, and a bucket that cannot be read is named by
     xlafit with its reason.
     """
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
-    )
+    handler = logging.StreamHandler()
+    handler.setFormatter(_OwnWordsFormatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, handlers=[handler])
     # Orbax and absl are chatty at INFO; keep xlafit's own messages only.
     for name in ("absl", "orbax", "jax"):
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -420,11 +420,13 @@ def encode(
                 "chat records need a chat template: the tokenizer's directory has none (tokenizer_config.json's "
                 "chat_template or chat_template.jinja); give one as data.chat_template."
             )
+        if loss_on == "all":  # every token counts: the answers need not be found
+            encoding = tok.encode(template.render(messages_of(record)), add_special_tokens=False)
+            return Encoded(list(encoding.ids), [1] * len(encoding.ids))
         text, spans = template.answer_spans(messages_of(record))
         encoding = tok.encode(text, add_special_tokens=False)
         inside = [any(s <= start < e for s, e in spans) for start, _ in encoding.offsets]
-        mask = [1] * len(encoding.ids) if loss_on == "all" else [int(x) for x in inside]
-        return Encoded(list(encoding.ids), mask)
+        return Encoded(list(encoding.ids), [int(x) for x in inside])
     head = [bos] if bos is not None else []
     tail = [eos] if eos is not None else []
     if fmt == "prompt_completion" and _conversational(record):

@@ -271,8 +271,9 @@ def _rows(pairs: list[tuple[Encoded, Encoded]], seq_len: int, pad: int) -> dict[
     return {"input_ids": ids, "segment_ids": segments, "positions": positions, "loss_mask": mask}
 
 
-def summary(train: PreferencePairs, evaluation: PreferencePairs) -> str:
-    """What a preference run trains on, in a line or two."""
+def summary(train: PreferencePairs, evaluation: PreferencePairs, eval_fraction: float = 0.0) -> str:
+    """What a preference run trains on, in a line or two; where ``eval_fraction`` (the run's
+    ``data.eval_fraction``) drew no pair, that it evaluates nothing."""
     source = train.source
     kind = "conversations" if source is not None and source.format == "chat" else "text"
     rows = train.arrays["loss_mask"]
@@ -286,6 +287,12 @@ def summary(train: PreferencePairs, evaluation: PreferencePairs) -> str:
         lines.append(
             f"  {source.truncated} rows longer than data.seq_len={train.seq_len} are cut at it; raise data.seq_len to "
             "keep their ends"
+        )
+    if not evaluation.documents and eval_fraction > 0:
+        lines.append(
+            f"  no evaluation: none of the {train.documents} pair{'' if train.documents == 1 else 's'} was drawn for "
+            f"it at data.eval_fraction={eval_fraction} (no eval metrics will be reported); give more pairs or a larger "
+            "data.eval_fraction, or data.eval_fraction=0 to train without one"
         )
     if source is not None and source.spans_boundary:
         lines.append(

@@ -186,6 +186,8 @@ def _rollout_lines(o: Outcome) -> list[str]:
             kind = f"predicted{unvalidated}" if r.predicted else "roofline estimate"
             took = f"; {r.run_s * 1e3:.3g} ms a run ({kind})" if r.run_s else ""
             lines.append(f"{head}: fits{used}{took}")
+        elif r.failed:
+            lines.append(f"{head}: does not compile for this layout (the TPU compiler: {r.message})")
         else:
             needs = f", needs {gib(r.needed)} of {gib(o.capacity)} per core" if r.needed else ""
             lines.append(f"{head}: does not fit{needs}")
@@ -296,6 +298,12 @@ def _why_not_lines(plan: Plan, refused: list[Outcome]) -> list[str]:
             )
             continue
         unfit = [r for r in o.rollout or () if not r.fits]
+        if o.fits and unfit and all(r.failed for r in unfit):
+            lines.append(
+                f"Why not {_name(o)}: its {' and '.join(r.name for r in unfit)} does not compile for its layout at "
+                f"the run's {unfit[0].rows} rows (the TPU compiler: {unfit[0].message})"
+            )
+            continue
         if o.fits and unfit:
             needs = "; ".join(f"{r.name} needs {_gib(r.needed)} GiB" for r in unfit if r.needed)
             lines.append(

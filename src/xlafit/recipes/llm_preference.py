@@ -116,7 +116,7 @@ def load(
         markers=markers,
         progress=say,
     )
-    say(summary(train, evaluation))
+    say(summary(train, evaluation, d.eval_fraction))
     objective = objective_of(cfg)
     if objective is not None and objective.needs_reference and objective.reference == "precomputed":
         base = build_base(cfg, train.vocab_size)
