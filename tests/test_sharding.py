@@ -292,6 +292,58 @@ def test_a_rule_for_an_axis_only_activations_carry_lays_them_out(monkeypatch):
     t.close()
 
 
+def test_activation_embed_splits_the_llms_residual_stream_over_the_tensor_group(caplog, monkeypatch):
+    """`mesh.rules=activation_embed=tensor`: the residual stream between decoder layers split
+    over the tensor group (MaxText's activation_embed; with remat, a quarter of what it keeps
+    at tensor 4): the same losses as without it, a reduce-scatter where the layers' outputs
+    were all-reduced, and no warning (the name is an activation's, not a misspelt parameter's)."""
+    from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
+    from xlafit.parallel import sharding
+    from xlafit.recipes.llm import loss_fn
+
+    monkeypatch.setattr(sharding, "_WARNED", set())
+    cfg = LlamaConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                      vocab_size=64, max_position_embeddings=16, remat="full")  # fmt: skip
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 64, (8, 16)).astype(np.int32)
+    positions = np.broadcast_to(np.arange(16, dtype=np.int32), ids.shape).copy()
+    batch = {"input_ids": ids, "segment_ids": np.ones_like(ids), "positions": positions, "loss_mask": np.ones_like(ids)}
+    losses = {}
+    for rules in ("", "activation_embed=tensor"):
+        caplog.clear()
+        t = xlafit.Trainer(
+            lambda: LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)), loss_fn, optax.sgd(0.1),
+            strategy=xlafit.Strategy(make_mesh(jax.devices(), 1, 4, 2), rules=parse_rules(rules)), global_batch=8,
+        )  # fmt: skip
+        assert "mesh.rules" not in caplog.text
+        losses[rules] = float(t.fit(batch).history[-1]["loss"])
+        t.close()
+    assert losses[""] == pytest.approx(losses["activation_embed=tensor"], rel=1e-5)
+    # The TPU compiler (libtpu, on this CPU), MaxText's remat policy (its "minimal") over scanned
+    # layers: what remat keeps between layers, a quarter at tensor 4.
+    from xlafit.check import recipe_program
+    from xlafit.check.tpu import Steps, memory_of, no_persistent_cache
+    from xlafit.parallel.cluster import start_backends
+    from xlafit.platform import hardware as tpu
+
+    start_backends()
+    wide = [
+        "model.preset=custom", "model.num_layers=4", "model.hidden_size=1024", "model.num_heads=8",
+        "model.intermediate_size=2048", "model.vocab_size=512", "model.max_position_embeddings=512",
+        "data.seq_len=512", "model.remat=dots_with_no_batch_dims_saveable", "model.scan_layers=true",
+        "model.compute_dtype=bfloat16", "data.global_batch=16", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=4",
+    ]  # fmt: skip
+    temporaries = {}
+    for rules in ("", "activation_embed=tensor"):
+        program, _, _ = recipe_program("llm", [*wide, *([f"mesh.rules={rules}"] if rules else [])])
+        with no_persistent_cache():
+            steps = Steps(tpu.parse_target("v4-8"), program)
+            compiled, _ = steps.compile_train(16)
+        temporaries[rules] = memory_of(compiled, steps.state_bytes, 0)["temporaries"]
+    kept = 4 * 16 * 512 * 1024 * 2  # each layer's input, bfloat16, whole on every device of the group
+    assert temporaries[""] - temporaries["activation_embed=tensor"] > kept / 2, temporaries
+
+
 def test_tensor_parallelism_splits_the_work_of_a_device(data):
     """Megatron over `tensor`: on 4 x 2, each device takes 1/4 of the batch and half the heads
     and MLP units, about the FLOPs of FSDP over 8 (1/8 of the batch, whole layers); without

@@ -13,10 +13,12 @@ validation extrapolates the step along the line through them.
     JAX_PLATFORMS=cpu python benchmarks/predict/tpu_published.py --levers OUT_DIR [ID ...]
 
 compiles each run at its published batch with the recipe's memory levers instead (the logits
-in blocks, ``model.logits_chunk=auto``; then layer inputs in host memory,
-``model.remat=offload``, where that does not fit), and writes ``OUT_DIR/<id>.json``: whether
-it fits, its memory, the step model's predicted step and tokens/s per chip beside MaxText's
-published figure (a prediction against a measurement). The validation set is left as it is.
+in blocks, ``model.logits_chunk=auto``; with tensor parallelism, the residual stream split over
+the tensor group, ``mesh.rules=activation_embed=tensor``, then full remat; last, layer inputs in
+host memory, ``model.remat=offload``: the first that fits, :func:`levers_for`), and writes
+``OUT_DIR/<id>.json``: whether it fits, its memory, the step model's predicted step and
+tokens/s per chip beside MaxText's published figure (a prediction against a measurement). The
+validation set is left as it is.
 """
 
 from __future__ import annotations
@@ -102,17 +104,26 @@ def compile_run(run: dict) -> dict:
     return out
 
 
-# The levers tried at a published batch, in order: the logits in blocks with the run's own
-# remat, then with each layer's input in host memory as well.
-LEVERS = (["model.logits_chunk=auto"], ["model.logits_chunk=auto", "model.remat=offload"])
+def levers_for(run: dict) -> list[list[str]]:
+    """The levers tried at a published batch, in order: the logits in blocks with the run's own
+    remat; with tensor parallelism, the residual stream split over the tensor group as well
+    (MaxText's activation_embed), then with full remat; last, each layer's input in host memory."""
+    blocks = ["model.logits_chunk=auto"]
+    out = [blocks]
+    if run.get("mesh", {}).get("tensor", 1) > 1:
+        split = [*blocks, "mesh.rules=activation_embed=tensor"]
+        out.append(split)
+        if run.get("remat", "full") != "full":
+            out.append([*split, "model.remat=full"])
+    return [*out, [*blocks, "model.remat=offload"]]
 
 
 def with_levers(run: dict, out: Path) -> dict:
-    """The run at its published batch with :data:`LEVERS` (the first that fits): its
+    """The run at its published batch with :func:`levers_for`'s levers (the first that fits): its
     memory, and the step model's step and tokens/s per chip against MaxText's."""
     target = parse_targets(run["target"])[0]
     result: dict = {"id": run["id"], "target": run["target"], "batch": run["batch"], "tried": []}
-    for levers in LEVERS:
+    for levers in levers_for(run):
         print(f"  {run['batch']} per chip with {' '.join(levers)} ...", file=sys.stderr, flush=True)
         record, hlo = compile_at(run, run["batch"], levers)
         result["tried"].append(record)

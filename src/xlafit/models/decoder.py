@@ -326,7 +326,7 @@ class LlamaDecoderLayer(nnx.Module):
             attended, kv = self.self_attn(normed, positions, segment_ids, implementation, shared)
         x, stats = self._mlp(self._residual(x, attended), None if segment_ids is None else segment_ids > 0)
         x = self._after_mlp(x, per_layer_input)
-        return constrain(x, "batch", None, None), kv, stats
+        return constrain(x, "batch", None, "activation_embed"), kv, stats
 
     def cached(
         self,

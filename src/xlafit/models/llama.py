@@ -272,7 +272,7 @@ class LlamaForCausalLM(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
         implementation = self._implementation(segment_ids, t)
         x, per_layer = self._embed(input_ids)
-        x = constrain(x, "batch", None, None)
+        x = constrain(x, "batch", None, "activation_embed")
         run = _run_layer
         if cfg.remat != "none":
             run = nnx.remat(_run_layer, policy=layer_remat_policy(cfg.remat), static_argnums=(4,))

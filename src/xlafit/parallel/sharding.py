@@ -71,7 +71,16 @@ DEFAULT_RULES: Mapping[str, str | None] = {
     "layers": None,  # the stacked layers of a scanned model (model.scan_layers)
     "experts": "expert",  # a mixture of experts' stacked expert weights (expert parallelism)
     "classes": None,
+    # the residual stream's width between decoder layers (activations, not parameters):
+    # whole on each device of a tensor-parallel group by default; activation_embed=tensor
+    # splits it, as MaxText's activation_embed: a layer's output is reduce-scattered instead of
+    # all-reduced, and the activations remat keeps take a quarter of the memory at tensor 4
+    "activation_embed": None,
 }
+
+# The logical names only activations carry (constrain in xlafit's models), never a parameter:
+# a mesh.rules entry for one is not a misspelt parameter axis (check_rules)
+ACTIVATION_AXES = ("activation_embed",)
 
 
 def logical(init: Callable, *names: str | None) -> Callable:
@@ -148,7 +157,9 @@ def check_rules(tree: Any, rules: Mapping[str, str | None]) -> list[str]:
     stray = [
         f"{name}={axis or 'null'}"
         for name, axis in rules.items()
-        if name not in carried and (name not in DEFAULT_RULES or DEFAULT_RULES[name] != axis)
+        if name not in carried
+        and name not in ACTIVATION_AXES
+        and (name not in DEFAULT_RULES or DEFAULT_RULES[name] != axis)
     ]
     has = f"its axes are {', '.join(sorted(carried))}" if carried else "its parameters name no axes"
     message = (
