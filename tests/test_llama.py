@@ -220,6 +220,7 @@ def test_scan_layers_and_remat_give_the_same_logits_and_gradients(tmp_path):
         {"scan_layers": True, "remat": "dots_saveable"},
         {"remat": "offload"},  # the layer input in pinned host memory: on a CPU, the same memory
         {"scan_layers": True, "remat": "offload"},
+        {"remat": "offload_attention"},  # and the attention's projections
     ):
         other = from_hf(tmp_path, **overrides)
         np.testing.assert_allclose(

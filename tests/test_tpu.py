@@ -910,3 +910,28 @@ def test_offloading_the_layer_inputs_to_host_memory_frees_device_memory_on_a_tpu
     moved = [k for k in kernels(compiled["offload"].as_text()) if k.kind == "host"]
     assert {k.target for k in moved} == {"dynamic-update-slice-start to host", "dynamic-slice-start from host"}
     assert sum(k.bytes * k.count for k in moved) == 2 * inputs  # out in the forward, back in the backward
+
+
+def test_offloading_the_attentions_projections_keeps_them_in_host_memory_too_on_a_tpu():
+    """model.remat=offload_attention (MaxText's remat of its v6e Llama 3.1 8B runs): beside each
+    layer's input, its attention's q, k, v and output projections are kept in host memory (the
+    backward pass does not compute them again), all of them and nothing more."""
+    layers, rows, seq, hidden = 1, 8, 128, 1024
+    (device,) = tpu.devices(tpu.parse_target("v5e-1"))
+    replicated = NamedSharding(Mesh(np.array([device]), ("data",)), PartitionSpec())
+    cfg = LlamaConfig.preset(
+        "tiny", num_layers=layers, hidden_size=hidden, num_heads=8, num_kv_heads=4, intermediate_size=1024,
+        vocab_size=512, dtype="bfloat16", attention="xla", scan_layers=True, remat="offload_attention",
+    )  # fmt: skip
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))))
+
+    def loss(params, ids):
+        return jnp.mean(nnx.merge(graphdef, params)(ids) ** 2)
+
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), params)
+    ids = jax.ShapeDtypeStruct((rows, seq), jnp.int32, sharding=replicated)
+    with no_persistent_cache():
+        compiled = jax.jit(jax.grad(loss)).lower(shapes, ids).compile()
+    q_dim, kv_dim = 8 * cfg.head_dim, 4 * cfg.head_dim
+    per_layer = rows * seq * (hidden + q_dim + 2 * kv_dim + hidden) * 2  # input, q, k, v, out: bf16
+    assert compiled.memory_analysis().host_temp_size_in_bytes == layers * per_layer

@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from xlafit.models import splash
 from xlafit.models.activations import gated, rms
@@ -36,7 +37,7 @@ from xlafit.models.cudnn import packed_flash_attention
 from xlafit.models.dense import LlamaMLP
 from xlafit.models.dense import dense as _dense
 from xlafit.models.gated_deltanet import GatedDeltaNet, LinearState
-from xlafit.models.llama_config import DTYPES, LlamaConfig
+from xlafit.models.llama_config import DTYPES, KEY_PROJ, OUT_PROJ, QUERY_PROJ, VALUE_PROJ, LlamaConfig
 from xlafit.models.moe import Experts, MoEBlock, RouterStats, ScaledRouter, router_stats
 from xlafit.parallel.sharding import constrain, logical
 
@@ -121,7 +122,7 @@ class LlamaAttention(nnx.Module):
     def _query(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         """Rotated queries ``[B, T, heads, head_dim]``, and the output gate (``attn_output_gate``) or None."""
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.cfg.num_heads, -1)
+        q = checkpoint_name(self.q_proj(x), QUERY_PROJ).reshape(b, t, self.cfg.num_heads, -1)
         gate = q[..., self.head_dim :].reshape(b, t, -1) if self.cfg.attn_output_gate else None
         q = q[..., : self.head_dim]
         if self.cfg.qk_norm:
@@ -131,13 +132,16 @@ class LlamaAttention(nnx.Module):
     def _output(self, context: jax.Array, gate: jax.Array | None) -> jax.Array:
         b, t = context.shape[:2]
         context = context.reshape(b, t, self.cfg.num_heads * self.head_dim)
-        return self.o_proj(context if gate is None else context * jax.nn.sigmoid(gate))
+        return checkpoint_name(self.o_proj(context if gate is None else context * jax.nn.sigmoid(gate)), OUT_PROJ)
 
     def keys_values(self, x: jax.Array, positions: jax.Array) -> KV:
         """This layer's keys (rotated) and values ``[B, T, kv_heads, head_dim]`` of ``x``."""
         b, t, _ = x.shape
-        k = self.k_proj(x).reshape(b, t, self.kv_heads, self.head_dim)
-        v = k if self.values_are_keys else self.v_proj(x).reshape(b, t, self.kv_heads, self.head_dim)
+        k = checkpoint_name(self.k_proj(x), KEY_PROJ).reshape(b, t, self.kv_heads, self.head_dim)
+        if self.values_are_keys:
+            v = k
+        else:
+            v = checkpoint_name(self.v_proj(x), VALUE_PROJ).reshape(b, t, self.kv_heads, self.head_dim)
         if self.cfg.qk_norm:
             k = self.k_norm(k)
         if self.cfg.value_norm:  # Gemma 4: no weights

@@ -32,7 +32,16 @@ from xlafit.models.bert import remat_policy
 from xlafit.models.decoder import KV, Buffer, KVCache, LlamaAttention, LlamaBlock, LlamaDecoderLayer, LlamaMLP, RMSNorm
 from xlafit.models.dense import dense as _dense
 from xlafit.models.gated_deltanet import LinearState
-from xlafit.models.llama_config import DTYPES, LAYER_INPUT, PRESETS, LlamaConfig
+from xlafit.models.llama_config import (
+    DTYPES,
+    KEY_PROJ,
+    LAYER_INPUT,
+    OUT_PROJ,
+    PRESETS,
+    QUERY_PROJ,
+    VALUE_PROJ,
+    LlamaConfig,
+)
 from xlafit.models.lora import LoRA
 from xlafit.models.moe import RouterStats
 from xlafit.models.quantized_embed import QuantizedEmbed, QuantizedKernel
@@ -101,20 +110,27 @@ def _lookup(table: nnx.Embed | QuantizedEmbed, ids: jax.Array) -> jax.Array:
 def layer_remat_policy(name: str) -> Any:
     """The ``jax.checkpoint`` policy of a decoder layer's ``remat`` name: ``"offload"``
     saves the layer's input in pinned host memory and recomputes the rest (MaxText's
-    ``decoder_layer_input: offload``); the others as :func:`~xlafit.models.bert.remat_policy`.
+    ``decoder_layer_input: offload``), ``"offload_attention"`` its attention's q/k/v and output
+    projections there too (the products the backward pass then does not redo); the others as
+    :func:`~xlafit.models.bert.remat_policy`.
 
     Example:
         >>> layer_remat_policy("full") is None
         True
     """
-    if name == "offload":
+    offloaded = {"offload": [LAYER_INPUT], "offload_attention": [LAYER_INPUT, *ATTENTION_PROJECTIONS]}
+    if name in offloaded:
         return jax.checkpoint_policies.save_and_offload_only_these_names(
             names_which_can_be_saved=[],
-            names_which_can_be_offloaded=[LAYER_INPUT],
+            names_which_can_be_offloaded=offloaded[name],
             offload_src="device",
             offload_dst="pinned_host",
         )
     return remat_policy(name)
+
+
+# The attention's projections that "offload_attention" keeps in host memory
+ATTENTION_PROJECTIONS = (QUERY_PROJ, KEY_PROJ, VALUE_PROJ, OUT_PROJ)
 
 
 class LlamaForCausalLM(nnx.Module):

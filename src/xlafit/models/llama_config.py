@@ -19,12 +19,26 @@ from xlafit.errors import ConfigError
 from xlafit.models.bert import REMAT_POLICIES
 from xlafit.models.llama_presets import PRESETS
 
-__all__ = ["DTYPES", "LAYER_INPUT", "PRESETS", "REMAT", "LlamaConfig"]
+__all__ = [
+    "DTYPES",
+    "KEY_PROJ",
+    "LAYER_INPUT",
+    "OUT_PROJ",
+    "PRESETS",
+    "QUERY_PROJ",
+    "REMAT",
+    "VALUE_PROJ",
+    "LlamaConfig",
+]
 
-# The name (jax.ad_checkpoint.checkpoint_name) of each decoder layer's input: MaxText's.
+# The names (jax.ad_checkpoint.checkpoint_name) of each decoder layer's input and of its
+# attention's projections: MaxText's.
 LAYER_INPUT = "decoder_layer_input"
-# A decoder layer's remat names: BERT's, and "offload" (the layer's input kept in host memory).
-REMAT = (*REMAT_POLICIES, "offload")
+QUERY_PROJ, KEY_PROJ, VALUE_PROJ, OUT_PROJ = "query_proj", "key_proj", "value_proj", "out_proj"
+# A decoder layer's remat names: BERT's; "offload" (the layer's input kept in host memory);
+# "offload_attention" (the input and the attention's q/k/v and output projections in host memory,
+# MaxText's remat of its published v6e Llama 3.1 8B runs)
+REMAT = (*REMAT_POLICIES, "offload", "offload_attention")
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

@@ -62,8 +62,9 @@ class LlmModelConfig:
     init_from_hf: str | None = None
     revision: str | None = None  # a hub id's branch, tag or commit (model.init_from_hf, data.tokenizer)
     # Recompute activations in the backward pass, per decoder layer: none, full, a
-    # jax.checkpoint_policies name (dots_saveable, ...), or offload: each layer's input kept in
-    # the host's memory, the rest recomputed (models/llama_config.py: REMAT)
+    # jax.checkpoint_policies name (dots_saveable, ...), offload: each layer's input kept in
+    # the host's memory, the rest recomputed, or offload_attention: its attention's q/k/v and
+    # output projections there too (models/llama_config.py: REMAT)
     remat: str = "none"
     scan_layers: bool = False  # nnx.scan over the decoder layers: one layer compiled instead of num_layers
     # the loss (training's and evaluation's) in blocks of this many positions, and of the
