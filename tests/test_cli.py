@@ -31,6 +31,11 @@ def test_devices_simulate():
     assert "mesh: data=8 fsdp=1 tensor=1 -> parameters replicated on 8 devices" in out.stdout
     out = run("devices", "--simulate", "8", "--mesh", "2,-1,2")
     assert "mesh: data=2 fsdp=2 tensor=2 -> parameters and optimizer state split over fsdp" in out.stdout
+    # The ninth walk: a mesh that does not cover the devices was told in a run's keys (mesh.data=-1
+    # mesh.fsdp=2 ...), which `devices` refuses as arguments: in its own --mesh.
+    out = run("devices", "--simulate", "8", "--mesh", "1,3,2")
+    assert out.returncode == 2 and "For example --mesh -1,2,2 (sizes that divide 8" in out.stderr, out.stderr
+    assert "mesh.fsdp" not in out.stderr
 
 
 def test_devices_simulate_from_environment():

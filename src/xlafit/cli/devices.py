@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 from xlafit.cli.common import add_simulate
-from xlafit.errors import ConfigError
+from xlafit.errors import ConfigError, DeviceError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,5 +30,21 @@ def run(args: argparse.Namespace) -> int:
         sizes = ()
     if len(sizes) != 3:
         raise ConfigError(f"--mesh {args.mesh}: give three whole numbers DATA,FSDP,TENSOR, e.g. --mesh -1,4,2.")
-    print(connect(args.simulate, mesh=sizes).describe())
+    try:
+        strategy = connect(args.simulate, mesh=sizes)
+    except DeviceError as e:
+        raise DeviceError(_in_flags(str(e))) from None
+    print(strategy.describe())
     return 0
+
+
+def _in_flags(message: str) -> str:
+    """A mesh refusal in this command's words: ``--mesh -1,2,2``, not ``mesh.data=-1 ...``.
+
+    Example:
+        >>> _in_flags("mesh.data x mesh.fsdp x mesh.tensor must equal 8. For example mesh.data=-1 mesh.fsdp=2 "
+        ...           "mesh.tensor=2 (sizes ...)")
+        'DATA x FSDP x TENSOR of --mesh must equal 8. For example --mesh -1,2,2 (sizes ...)'
+    """
+    message = re.sub(r"mesh\.data=(-?\d+) mesh\.fsdp=(-?\d+) mesh\.tensor=(-?\d+)", r"--mesh \1,\2,\3", message)
+    return message.replace("mesh.data x mesh.fsdp x mesh.tensor", "DATA x FSDP x TENSOR of --mesh")
