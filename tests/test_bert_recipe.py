@@ -41,6 +41,11 @@ def test_eval_fraction_with_prepared_data_is_refused(tmp_path, monkeypatch, kore
     assert "`xlafit data mlm --eval-fraction 0.5`" in err and not (run / "config.yaml").exists()
     train, evaluation = recipe.load_data(load_config("bert", [f"data.data_dir={prepared}"]))  # the default is fine
     assert len(train) > 100 and len(evaluation) > 0
+    # The ninth walk: a BERT run said nothing of the data it read (the llm recipe's first line does).
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"data: {prepared}: {len(train)} sequences of 64 tokens, sentences packing (as prepared), vocabulary "
+        f"{train.vocab_size}; eval: {len(evaluation)} sequences"
+    )
 
 
 def test_data_with_no_held_out_document_trains_without_evaluation(

@@ -9,6 +9,7 @@ by :class:`~xlafit.data.mlm.MLMDataset`, the loop is :class:`xlafit.Trainer`.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import tempfile
 from pathlib import Path
 from typing import Literal
@@ -180,6 +181,13 @@ def load_data(cfg: Config) -> tuple[mlm.MLMDataset, mlm.MLMDataset]:
     where = data_location(cfg)
     train = mlm.MLMDataset.from_prepared(where, "train", masking)
     evaluation = mlm.MLMDataset.from_prepared(where, "eval", masking)
+    packed = f", {train.packing} packing" if train.packing else ""
+    print(  # what the run reads, as the llm recipe's data line says it
+        f"data: {where}: {len(train)} sequences of {train.seq_len} tokens{packed} (as prepared), vocabulary "
+        f"{train.vocab_size}; eval: {len(evaluation)} sequences",
+        file=sys.stderr,
+        flush=True,
+    )
     return train, evaluation
 
 

@@ -38,6 +38,7 @@ class MLMDataset:
         self.continuation = continuation
         self.seq_len = arrays["input_ids"].shape[1]
         self.location: str | None = None  # the prepared directory or URL, when loaded from one
+        self.packing: str | None = None  # how `xlafit data mlm` packed it (sentences, pairs), when prepared
         if masking.whole_word and continuation is None:
             raise ValueError("whole-word masking needs the tokenizer's continuation table.")
 
@@ -52,6 +53,7 @@ class MLMDataset:
         continuation = np.array([token.startswith("##") for token in vocab])
         dataset = cls(arrays, manifest["tokenizer"]["vocab_size"], masking, continuation)
         dataset.location = url
+        dataset.packing = manifest.get("packing")
         return dataset
 
     def __len__(self) -> int:
