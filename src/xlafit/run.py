@@ -291,9 +291,12 @@ def _saved_step(cfg: Config) -> int:
     """The newest step the run's checkpoint directory holds (0 where it holds none)."""
     checkpoints = checkpoint_dir(cfg)
     with reading(checkpoints):
-        if not checkpoints.exists():
-            return 0
-        return max((int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()), default=0)
+        return max(_saved_steps(checkpoints), default=0)
+
+
+def _saved_steps(checkpoints: epath.Path) -> list[int]:
+    """The steps of the checkpoints in ``checkpoints`` (none where it does not exist)."""
+    return [int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()] if checkpoints.exists() else []
 
 
 def describe_schedule(cfg: Config, plan: OptimizerPlan, run_steps: int | None = None) -> str:
@@ -459,7 +462,7 @@ def check_continuation(
     reach(checkpoints)
     with reading(checkpoints):
         check_not_all_set_aside(checkpoints)
-        if not (checkpoints.exists() and any(p.name.isdigit() for p in checkpoints.iterdir())):
+        if not _saved_steps(checkpoints):
             return
     # Local paths compared absolute: as config.yaml records them, as typed, or as an older run holds them.
     saved = _flatten(recorded(migrate(_saved_config(as_path(run_dir)), f"{run_dir}/config.yaml")))

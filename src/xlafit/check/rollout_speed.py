@@ -53,7 +53,9 @@ def weights_per_core(model: nnx.Module) -> int:
     a floor. An input embedding is looked up a row at a time and left out, unless it is also
     the output head (tied)."""
     cfg = getattr(model, "cfg", None)
-    compute = min(np.dtype(cfg.compute_dtype).itemsize if cfg is not None else 2, _DEFAULT_PRECISION_BYTES)
+    compute = (
+        _DEFAULT_PRECISION_BYTES if cfg is None else min(np.dtype(cfg.compute_dtype).itemsize, _DEFAULT_PRECISION_BYTES)
+    )
     tied = bool(getattr(cfg, "tie_embeddings", False))
     total = 0
     for path, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param)):

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import secrets
 from collections.abc import Sequence
 from typing import Any
@@ -150,8 +149,7 @@ def _slices(logits: jax.Array, split: tuple[Mesh, tuple[str, ...]]) -> jax.Array
     """``logits [B, V]`` as ``[B, devices, V / devices]``, each device's slice its own."""
     mesh, axes = split
     b, v = logits.shape
-    shards = math.prod(dict(mesh.shape)[a] for a in axes)
-    blocks = logits.reshape(b, shards, v // shards)
+    blocks = logits.reshape(b, row_shards(split), v // row_shards(split))
     return jax.lax.with_sharding_constraint(blocks, NamedSharding(mesh, PartitionSpec(None, axes, None)))
 
 
@@ -171,7 +169,7 @@ def _vocab_split(mesh: Mesh | None, vocab: int) -> Split:
     """Where :func:`~xlafit.parallel.sharding.decode_layout` splits a vocabulary of ``vocab``
     tokens: its mesh and axes, or None (not split)."""
     axes = decode_axes(mesh)
-    if mesh is None or axes is None or vocab % math.prod(dict(mesh.shape)[a] for a in axes):
+    if mesh is None or axes is None or vocab % row_shards((mesh, axes)):
         return None
     return mesh, axes
 

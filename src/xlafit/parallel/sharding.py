@@ -350,7 +350,7 @@ def decode_layout(tree: Any, mesh: Mesh | None) -> Any:
     if axes is None:
         return tree
     assert mesh is not None
-    shards = math.prod(dict(mesh.shape)[a] for a in axes)
+    shards = row_shards((mesh, axes))
 
     def leaf(x: Any) -> Any:
         names = logical_axes(x) if isinstance(x, nnx.Variable) else None

@@ -57,20 +57,14 @@ def fusion_kernel(
         )
     read, in_place = _fusion_reads(fused, [shapes.get(o, "") for o in operands], computations)
     written = _fusion_writes(fused, in_place)
-    flops, vector = 0.0, 0.0
-    dims: tuple[int, ...] = ()
+    flops, dims = _products(fused, computations)
+    vector = 0.0
     ops: set[str] = set()
     local = {n: m.group("shape") for n, m in fused.by_name.items()}
     for inner in fused.by_name.values():
         op = inner.group("op")
         ops.add(op)
-        if op in ("dot", "convolution"):
-            flops += product_flops(op, inner.group("shape"), inner.group("rest"), local)
-            dims = dims or _product_shape(op, inner.group("shape"), inner.group("rest"), local)
-        elif op == "fusion":  # a TPU output fusion may hold another product's fusion (an MLP's gate, fused)
-            nested, nested_dims = _nested_products(inner.group("rest"), computations)
-            flops, dims = flops + nested, dims or nested_dims
-        elif op == "reduce":
+        if op == "reduce":
             source = _operand_names(inner.group("rest"))
             vector += math.prod(_dims(local.get(source[0], ""))) if source else 0
         elif op not in _FREE:
@@ -83,14 +77,10 @@ def fusion_kernel(
     )
 
 
-def _nested_products(rest: str, computations: dict[str, _Computation]) -> tuple[float, tuple[int, ...]]:
-    """The FLOPs of the matrix products in a fusion nested in another (its ``calls=``), and
-    the first one's shape: XLA's TPU backend fuses a product's producer fusion into the next
-    product (``convolution_multiply_fusion`` inside an MLP's down projection)."""
-    callee = re.search(r"calls=%([\w.\-]+)", rest)
-    fused = computations.get(callee.group(1)) if callee else None
-    if fused is None:
-        return 0.0, ()
+def _products(fused: _Computation, computations: dict[str, _Computation]) -> tuple[float, tuple[int, ...]]:
+    """The FLOPs of the matrix products in ``fused`` and in the fusions nested in it (XLA's TPU
+    backend fuses a product's producer fusion into the next product: an MLP's gate inside its
+    down projection's fusion), and the first one's shape."""
     flops, dims = 0.0, cast(tuple[int, ...], ())
     local = {n: m.group("shape") for n, m in fused.by_name.items()}
     for inner in fused.by_name.values():
@@ -98,9 +88,11 @@ def _nested_products(rest: str, computations: dict[str, _Computation]) -> tuple[
         if op in ("dot", "convolution"):
             flops += product_flops(op, inner.group("shape"), inner.group("rest"), local)
             dims = dims or _product_shape(op, inner.group("shape"), inner.group("rest"), local)
-        elif op == "fusion":
-            more, more_dims = _nested_products(inner.group("rest"), computations)
-            flops, dims = flops + more, dims or more_dims
+        elif op == "fusion" and (callee := re.search(r"calls=%([\w.\-]+)", inner.group("rest"))):
+            nested = computations.get(callee.group(1))
+            if nested is not None:
+                more, more_dims = _products(nested, computations)
+                flops, dims = flops + more, dims or more_dims
     return flops, dims
 
 
