@@ -52,6 +52,37 @@ def test_the_levers_a_run_is_offered_follow_its_settings():
     assert fit_levers_of(done) == ()
     offloaded = load_config("llm", ["trainer.optimizer_offload=true", "model.remat=offload", "model.logits_chunk=512"])
     assert fit_levers_of(offloaded) == ()
+    # Under tensor parallelism the residual stream split over the group, the run's own rules kept.
+    tensor = fit_levers_of(load_config("llm", ["mesh.tensor=2", "mesh.rules=vocab=null", "model.remat=full"]))
+    assert tensor[1] == FitLever(
+        "the residual stream split over the tensor group", ("mesh.rules=vocab=null,activation_embed=tensor",)
+    )
+    split = load_config("llm", ["mesh.tensor=2", "mesh.rules=activation_embed=tensor"])
+    assert not any("activation_embed" in " ".join(lv.overrides) for lv in fit_levers_of(split))
+
+
+def test_a_tensor_parallel_run_is_told_that_splitting_its_residual_stream_fits():
+    """160 scanned layers 16,384 wide at tensor 4 on a v4-8: full remat keeps each layer's
+    input, 256 MiB whole on every core of the group (40 GiB in all, over a v4 core); split
+    over the group (mesh.rules=activation_embed=tensor), a quarter of it, and the run fits."""
+    wide = [
+        "model.preset=custom", "model.num_layers=160", "model.hidden_size=16384", "model.num_heads=4",
+        "model.num_kv_heads=4", "model.head_dim=16", "model.intermediate_size=64", "model.vocab_size=512",
+        "model.max_position_embeddings=512", "data.seq_len=512", "model.remat=full", "model.scan_layers=true",
+        "model.compute_dtype=bfloat16", "data.global_batch=16", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=4",
+    ]  # fmt: skip
+    program = _program(wide)
+    (lever,) = [lv for lv in program.fit_levers if "activation_embed" in lv.overrides[0]]
+    program = dataclasses.replace(program, fit_levers=(lever,))  # the one lever: one compile
+    v4 = tpu.parse_target("v4-8")
+    report = check_target(v4, program)
+    assert report.train_fits is False
+    fit_levers(report, v4, program)
+    (split,) = report.lever_fits
+    assert split.overrides == ["mesh.rules=activation_embed=tensor"] and split.fits
+    inputs = 160 * 16 * 512 * 16384 * 2  # each layer's input, bfloat16
+    assert report.memory["total"] - split.memory > inputs / 2, (report.memory, split.memory)
+    assert "(the residual stream split over the tensor group): fits" in format_report(report)
 
 
 def test_a_run_whose_logits_do_not_fit_is_told_which_lever_fits_and_how_fast():

@@ -3,8 +3,9 @@ setting makes it fit, and how fast would it run then?".
 
 A run that does not fit a target (or, under ``--max-batch``, the smallest per-core batch that
 did not) is compiled again with each of its program's :class:`~xlafit.check.program.FitLever`
-(a recipe's: a 4-bit frozen base for a LoRA run, the loss's logits in chunks, the decoder
-layers' inputs in host memory, full rematerialisation), one train-step compile each, and,
+(a recipe's: a 4-bit frozen base for a LoRA run, the loss's logits in chunks, the residual
+stream split over a tensor group, the decoder layers' inputs in host memory, full
+rematerialisation), one train-step compile each, and,
 where none fits alone, once with all of them: :data:`MAX_LEVER_COMPILES` at most a target.
 A lever of the activations is not compiled where the train state alone is over the core's
 memory, nor one whose own state is: no batch fits then. Each lever that fits is reported with
@@ -20,8 +21,8 @@ from xlafit.platform.hardware import Target
 
 __all__ = ["MAX_LEVER_COMPILES", "fit_levers"]
 
-# Each lever alone, then all together where none fits alone: a recipe offers at most four.
-MAX_LEVER_COMPILES = 5
+# Each lever alone, then all together where none fits alone: a recipe offers at most five.
+MAX_LEVER_COMPILES = 6
 
 
 def fit_levers(report: TargetReport, target: Target, program: Program, max_batch: bool | int = False) -> None:

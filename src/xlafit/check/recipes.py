@@ -34,6 +34,7 @@ __all__ = [
     "fit_levers_of",
     "memory_levers",
     "recipe_program",
+    "residual_split",
 ]
 
 
@@ -243,8 +244,9 @@ def memory_levers(model: Any) -> tuple[tuple[str, str], ...]:
 def fit_levers_of(cfg: Any) -> tuple[FitLever, ...]:
     """The levers ``check --tpu`` compiles for a recipe's run that does not fit, the ones its
     settings leave room for, most likely to help first: a 4-bit (NF4) frozen base (LoRA runs
-    only: a quantized base cannot be trained), the loss's logits in chunks, each decoder
-    layer's input in host memory (the llm recipe's ``model.remat=offload``), full remat, and
+    only: a quantized base cannot be trained), the loss's logits in chunks, under tensor
+    parallelism the residual stream split over the tensor group (:func:`residual_split`), each
+    decoder layer's input in host memory (the llm recipe's ``model.remat=offload``), full remat, and
     for an llm full fine-tune the optimizer state in host memory (``trainer.optimizer_offload``).
 
     Example:
@@ -258,6 +260,9 @@ def fit_levers_of(cfg: Any) -> tuple[FitLever, ...]:
     model = cfg.model
     if getattr(model, "logits_chunk", None) in (0, "auto"):  # auto keeps logits under 1/8 of memory whole
         found.append(FitLever("the logits in chunks", ("model.logits_chunk=1024",)))
+    split = residual_split(cfg)
+    if split is not None:
+        found.append(FitLever("the residual stream split over the tensor group", (split,)))
     remat = getattr(model, "remat", None)
     if isinstance(model, LlmModelConfig) and remat != "offload":
         found.append(FitLever("layer inputs in host memory", ("model.remat=offload",)))
@@ -268,3 +273,26 @@ def fit_levers_of(cfg: Any) -> tuple[FitLever, ...]:
     if isinstance(model, LlmModelConfig) and full and trainer is not None and not trainer.optimizer_offload:
         found.append(FitLever("optimizer state in host memory", ("trainer.optimizer_offload=true",), "state"))
     return tuple(found)
+
+
+def residual_split(cfg: Any) -> str | None:
+    """The ``mesh.rules`` setting that splits an llm run's residual stream over its tensor
+    group (MaxText's ``activation_embed``), keeping the run's own rules; None where it has no
+    tensor group, already splits it, or its model has no such stream.
+
+    Between decoder layers the stream is whole on every device of a tensor group by default:
+    what remat keeps of it (each layer's input) is ``mesh.tensor`` times a split one, for a
+    reduce-scatter and an all-gather a layer in place of an all-reduce.
+
+    Example:
+        >>> residual_split(load_config("llm", ["mesh.tensor=4", "mesh.rules=vocab=null"]))
+        'mesh.rules=vocab=null,activation_embed=tensor'
+        >>> residual_split(load_config("llm", [])) is None  # no tensor group
+        True
+    """
+    mesh = getattr(cfg, "mesh", None)
+    if not isinstance(getattr(cfg, "model", None), LlmModelConfig) or mesh is None or mesh.tensor == 1:
+        return None
+    if parse_rules(mesh.rules)["activation_embed"] is not None:
+        return None
+    return f"mesh.rules={','.join(r for r in (mesh.rules, 'activation_embed=tensor') if r)}"
