@@ -195,6 +195,23 @@ def test_stop_and_resume_equals_uninterrupted(strategy8, digits, uninterrupted, 
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "20", "7"]
 
 
+def test_a_run_stopped_before_its_evaluation_and_run_again_compiles_nothing(strategy8, digits, tmp_path, capsys):
+    """The ninth walk: a run stopped at step 3 (its evaluation at the epoch's end, step 10) and
+    run again with the same stop trains nothing and evaluates nothing, yet compiled the eval
+    step and said so ("train step compiled 0 time(s), eval step 1 time(s)")."""
+    train, test = digits
+    first = _cnn_trainer(strategy8, stop_at_step=3, run_dir=tmp_path)
+    done = first.fit(train, eval=test)
+    first.close()
+    assert (done.train_compiles, done.eval_compiles) == (1, 1)  # compiled ahead: a broken loss fails early
+    capsys.readouterr()
+    again = _cnn_trainer(strategy8, stop_at_step=3, run_dir=tmp_path)
+    result = again.fit(train, eval=test)
+    again.close()
+    assert int(result.state.step) == 3 and (result.train_compiles, result.eval_compiles) == (0, 0)
+    assert "compiled" not in capsys.readouterr().out
+
+
 def test_train_step_compiles_once_and_logs(uninterrupted):
     result, run_dir, _ = uninterrupted
     assert result.train_compiles == 1 and result.eval_compiles == 1

@@ -400,7 +400,7 @@ class Trainer:
             global_batch=self.global_batch, learning_rate=self.learning_rate,
             flops_per_example=self.flops_per_example, peak=self.peak_flops,
         )  # fmt: skip
-        if eval is not None:
+        if eval is not None and (start < stop or start >= total):  # steps to train, or the final evaluation
             compile_eval_step(self.eval_step, self._state, self.strategy, eval, self.eval_global_batch)
         loop = Loop(order.steps_per_epoch, total, stop, report, step=start)
         for record in report.earlier:  # the run's history before this resume
