@@ -82,7 +82,12 @@ def test_a_tensor_parallel_run_is_told_that_splitting_its_residual_stream_fits()
     assert split.overrides == ["mesh.rules=activation_embed=tensor"] and split.fits
     inputs = 160 * 16 * 512 * 16384 * 2  # each layer's input, bfloat16
     assert report.memory["total"] - split.memory > inputs / 2, (report.memory, split.memory)
-    assert "(the residual stream split over the tensor group): fits" in format_report(report)
+    text = format_report(report)
+    assert "(the residual stream split over the tensor group): fits" in text
+    # and named among the levers before any is compiled
+    assert (
+        "- the residual stream between layers split over the tensor group: mesh.rules=activation_embed=tensor" in text
+    )
 
 
 def test_a_run_whose_logits_do_not_fit_is_told_which_lever_fits_and_how_fast():

@@ -90,7 +90,7 @@ def recipe_program(
         family=name,
         mesh=cfg.mesh.sizes,
         rules=parse_rules(cfg.mesh.rules),
-        model_levers=memory_levers(cfg.model),
+        model_levers=memory_levers(cfg.model, residual_split(cfg)),
         trainable=ADAPTER if cfg.lora.rank else nnx.Param,
         fit_levers=fit_levers_of(cfg),
         with_overrides=lambda more: recipe_program(name, [*overrides, *more], preset, per_device_batch, global_batch)[
@@ -229,8 +229,10 @@ def check_command(
     return shlex.join(["xlafit", "check", name, "--tpu", tpu, *config, *merge_overrides(overrides, assumed)])
 
 
-def memory_levers(model: Any) -> tuple[tuple[str, str], ...]:
-    """The memory levers a recipe's model settings offer, for a run that does not fit."""
+def memory_levers(model: Any, split: str | None = None) -> tuple[tuple[str, str], ...]:
+    """The memory levers a recipe's model settings offer, for a run that does not fit;
+    ``split``: the setting that splits its residual stream over a tensor group
+    (:func:`residual_split`), where it has one."""
     found = []
     if getattr(model, "remat", None) == "none":
         found.append(("activations", "rematerialisation: model.remat=full or dots_saveable (activations recomputed)"))
@@ -238,6 +240,13 @@ def memory_levers(model: Any) -> tuple[tuple[str, str], ...]:
         found.append(("activations", "bf16 compute: model.compute_dtype=bfloat16 (parameters stay float32)"))
     if getattr(model, "logits_chunk", None) in (0, "auto"):  # auto keeps logits under 1/8 of memory whole
         found.append(("activations", "the loss's logits a chunk at a time: model.logits_chunk=1024 (recomputed)"))
+    if split is not None:
+        found.append(
+            (
+                "activations",
+                f"the residual stream between layers split over the tensor group: {split} (what remat keeps of it)",
+            )
+        )
     return tuple(found)
 
 
