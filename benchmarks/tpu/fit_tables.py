@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from xlafit.check.tpu_report import rate  # the report's own figures: three digits, as the command prints
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "benchmarks/tpu/fit_tables.py"
 MARKER = re.compile(r"<!-- fit-table (?P<name>[\w-]+) (?P<folder>\S+) -->\n(?P<body>.*?)<!-- fit-table end -->\n", re.S)
@@ -94,7 +96,7 @@ def step_cell(t: dict) -> str:
     if not t["fits"]:
         return f"no: {gib(t['memory'].get('total'))} (state {gib(t['memory'].get('state')).removesuffix(' GiB')})"
     band = f" ±{t['band_median']:.0%}" if t.get("band_median") is not None else ""
-    return f"fits: {gib(t['memory'].get('total'))}; {t['step_s'] * 1e3:.0f} ms{band}, {t['tokens_per_s']:,.0f} tokens/s"
+    return f"fits: {gib(t['memory'].get('total'))}; {t['step_s'] * 1e3:.0f} ms{band}, {rate(t['tokens_per_s'], 'tokens/s')}"
 
 
 def largest_cell(t: dict) -> str:
@@ -120,7 +122,7 @@ def largest_cell(t: dict) -> str:
 def tokens(t: dict) -> str:
     """The step model's tokens/s, with its median error or "not validated" (a prediction)."""
     band = f" ±{t['band_median']:.0%}" if t.get("band_median") is not None else ", not validated"
-    return f"{t['tokens_per_s']:,.0f} tokens/s predicted{band}"
+    return f"{rate(t['tokens_per_s'], 'tokens/s')} predicted{band}"
 
 
 def lever_speed(lv: dict) -> str:
