@@ -96,7 +96,8 @@ def step_cell(t: dict) -> str:
     if not t["fits"]:
         return f"no: {gib(t['memory'].get('total'))} (state {gib(t['memory'].get('state')).removesuffix(' GiB')})"
     band = f" ±{t['band_median']:.0%}" if t.get("band_median") is not None else ""
-    return f"fits: {gib(t['memory'].get('total'))}; {t['step_s'] * 1e3:.0f} ms{band}, {rate(t['tokens_per_s'], 'tokens/s')}"
+    speed = rate(t["tokens_per_s"], "tokens/s")
+    return f"fits: {gib(t['memory'].get('total'))}; {t['step_s'] * 1e3:.0f} ms{band}, {speed}"
 
 
 def largest_cell(t: dict) -> str:
