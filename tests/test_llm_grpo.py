@@ -141,6 +141,23 @@ def test_pulse(files, tmp_path):
     assert "steps_per_call: 2" in saved
 
 
+def test_a_policy_equal_to_its_reference_takes_no_step_on_any_mesh(files, tmp_path):
+    """The ninth walk: with the KL term on (beta > 0) and rewards with no spread (every
+    advantage 0), a run on 8 devices stepped on rounding: the reference's pass (adapters off, a
+    program of its own) rounded apart from the train step's, the KL's gradient was ~5e-9
+    instead of 0, and Adam divided it by its own size. While the adapters add nothing, the
+    policy is its reference: no gradient, no step, as on one device and in TRL."""
+    (tmp_path / "flat.py").write_text(
+        "def flat(prompts, completions, **kwargs):\n    return [1.0] * len(completions)\n"
+    )
+    settings = [f"model.grpo.rewards={tmp_path / 'flat.py'}:flat", "lora.rank=4", "model.grpo.beta=0.1",
+                "trainer.stop_at_step=2", "optimizer.warmup_steps=0", "optimizer.learning_rate=0.05",
+                "mesh.data=1", "mesh.fsdp=8"]  # fmt: skip
+    result = xlafit.train_and_evaluate(xlafit.load_config("llm", overrides(files, tmp_path / "run", *settings)))
+    assert [(r["step"], r["frac_reward_zero_std"]) for r in result.history] == [(1, 1.0), (2, 1.0)]
+    assert [(r["grad_norm"], r["kl"]) for r in result.history] == [(0.0, 0.0), (0.0, 0.0)]
+
+
 def test_the_sampler_seed_is_a_function_of_seed_and_step():
     assert sampler_seed(0, 5) == sampler_seed(0, 5)
     assert len({sampler_seed(s, t) for s in range(3) for t in range(50)}) == 150

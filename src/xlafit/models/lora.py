@@ -299,6 +299,25 @@ def has_adapters(model: nnx.Module) -> bool:
     return bool(lora_modules(model) or expert_lora_modules(model))
 
 
+def adapters_add_nothing(model: nnx.Module) -> jax.Array:
+    """A boolean array: whether every adapter of ``model`` is still zero (each ``lora_b``, an
+    expert adapter's ``gate_up_b`` and ``down_b``), so that the model computes its base
+    exactly, as before training; False where it has no adapters. Traceable: a train step
+    reads it from the state it trains.
+
+    Example:
+        >>> model = apply_lora(nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0))), ("0",), rank=1, alpha=1,
+        ...                    rngs=nnx.Rngs(1))
+        >>> bool(adapters_add_nothing(model))  # lora_b starts at 0
+        True
+    """
+    factors = [layer.lora_b[...] for _, layer in lora_modules(model)]
+    factors += [f[...] for _, e in expert_lora_modules(model) for f in (e.gate_up_b, e.down_b)]
+    if not factors:
+        return jnp.asarray(False)
+    return jnp.all(jnp.stack([jnp.all(f == 0) for f in factors]))
+
+
 def merge_lora(model: nnx.Module) -> nnx.Module:
     """Folds each adapter into its base layer (``W + (alpha / rank) * A @ B``) and puts the
     plain ``nnx.Linear`` back, in place: the result has the original parameter structure

@@ -45,6 +45,7 @@ import numpy as np
 
 from xlafit.data.clm import next_token_targets
 from xlafit.errors import ConfigError
+from xlafit.models.lora import adapters_add_nothing
 from xlafit.train.losses import TokenLogps, token_logps_of, whole_token_logps
 
 __all__ = ["LOSS_TYPES", "GrpoObjective", "advantages", "loss_fn", "row_weights", "token_logps"]
@@ -214,6 +215,11 @@ def loss_fn(
         # One optimisation step per generation batch: the policy at generation is this one (ratio 1).
         old = batch["old_logps"] if "old_logps" in batch else jax.lax.stop_gradient(logps)
         ref = batch.get("ref_logps") if objective.beta else None
+        if ref is not None:
+            # While the adapters add nothing the policy is its reference: its own log-probabilities,
+            # the KL exactly 0 with a gradient of 0 (the reference's pass, another program, rounds
+            # apart from this one on a multi-device mesh, and Adam would step on that rounding).
+            ref = jnp.where(adapters_add_nothing(model), jax.lax.stop_gradient(logps), ref)
         losses, metrics = policy_loss(logps, old, ref, mask, batch["advantages"], batch["weights"], objective)
         metrics |= {k[len(LOGGED) :]: v for k, v in batch.items() if k.startswith(LOGGED)}
         return losses, metrics
