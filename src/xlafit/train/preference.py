@@ -48,7 +48,7 @@ from flax import nnx
 
 from xlafit.data.clm import next_token_targets
 from xlafit.errors import ConfigError
-from xlafit.models.lora import adapters_off, has_adapters
+from xlafit.models.lora import adapters_add_nothing, adapters_off, has_adapters
 from xlafit.train.losses import TokenLogps, token_logps_of, whole_token_logps
 
 __all__ = [
@@ -229,6 +229,10 @@ def loss_fn(
         if objective.needs_reference:  # before the policy's pass: its logits need not live alongside
             ref = batch["ref_logps"] if objective.reference == "precomputed" else _base_logps(model, rows, token_logps)
         sums, counts = _pair_logps(model, rows, token_logps)
+        if ref is not None and objective.reference == "precomputed" and has_adapters(model):
+            # While the adapters add nothing the policy is its reference: its own sums, the rewards
+            # exactly 0 (the pass before training, other batches in another program, rounds apart).
+            ref = jnp.where(adapters_add_nothing(model), jax.lax.stop_gradient(sums), ref)
         extras: dict[str, jax.Array] = {}
         if objective.loss == "dpo":
             assert ref is not None
