@@ -274,6 +274,6 @@ def test_a_reward_function_that_raises_stops_the_run_without_a_compile_summary(f
     cfg = xlafit.load_config(
         "llm", overrides(files, tmp_path / "run", f"model.grpo.rewards={tmp_path / 'bad.py'}:boom")
     )
-    with pytest.raises(RewardError, match=r"reward function boom raised ValueError: no on the completions of prompt"):
+    with pytest.raises(RewardError, match=r"function boom raised ValueError: no on the completions of the prompt"):
         xlafit.train_and_evaluate(cfg)
     assert "compiled 0 time(s)" not in capsys.readouterr().out

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from xlafit.errors import ConfigError, RewardError
-from xlafit.train.rewards import load_rewards, score
+from xlafit.train.rewards import check_arguments, load_rewards, score
 
 G = 2
 PROMPT_INDEX = [40, 40, 7, 7]  # two prompts of the data, two completions each
@@ -79,18 +79,19 @@ def test_an_edited_file_is_read_again(tmp_path):
     [
         (
             "return [1 / (c != 'boom') for c in completions]",
-            r"reward function bad raised ZeroDivisionError: division by zero on the completions of prompt 7 of the "
-            r"data; fix the function",
+            r"reward function bad raised ZeroDivisionError: division by zero on the completions of the prompt of "
+            r"record 8 of the data \(counted from 1\); fix the function",
         ),
         ("return [1.0, 2.0]", r"reward function bad returned 2 values for 4 completions; return one float per"),
         (
             "return [0.0, 0.0, float('nan'), 0.0]",
-            r"reward function bad returned nan for completion 0 of prompt 7 of the data; return a finite number",
+            r"reward function bad returned nan for completion 1 of 2 of the prompt of record 8 of the data \(counted "
+            r"from 1\); return a finite number",
         ),
-        ("return [0.0, None, 0.0, 0.0]", r"returned None for completion 1 of prompt 40 of the data"),
+        ("return [0.0, None, 0.0, 0.0]", r"returned None for completion 2 of 2 of the prompt of record 41 of the data"),
         ("return 1.0", r"reward function bad returned a float, not a list"),
         # the fifth walk: a text that spells a number was taken as one (TRL's tensor refuses it)
-        ("return ['1', '0', '1', '0']", r"returned '1' for completion 0 of prompt 40 of the data; return a finite"),
+        ("return ['1', '0', '1', '0']", r"returned '1' for completion 1 of 2 of the prompt of record 41 of the data"),
     ],
     ids=["raises", "wrong-count", "nan", "none", "not-a-list", "text"],
 )
@@ -99,3 +100,23 @@ def test_a_reward_function_that_misbehaves_is_named_with_its_prompt(tmp_path, bo
     with pytest.raises(RewardError, match=message) as e:
         score(load_rewards(f"{path}:ok,bad"), kwargs(), PROMPT_INDEX, G)
     assert "\n" not in str(e.value)
+
+
+def test_a_function_that_takes_a_column_the_prompts_lack_is_refused_before_training(tmp_path):
+    """The tenth walk: `def f(prompts, completions, solution, **kw)` on prompts with an `answer`
+    column failed on the first batch with "fix the function (or that record)", advice no
+    record can follow."""
+    body = "    return [0.0] * len(prompts)\n"
+    path = write(
+        tmp_path,
+        f"def f(prompts, completions, solution, **kw):\n{body}"
+        f"def g(prompts, completions, answer, style='a', **kw):\n{body}",
+    )
+    check_arguments(load_rewards(f"{path}:g"), ["answer"])  # a default, or a column: taken
+    with pytest.raises(ConfigError) as e:
+        check_arguments(load_rewards(f"{path}:g,f"), ["answer"])
+    assert str(e.value) == (
+        "reward function f takes solution, which the prompts' records do not have (their columns: answer; every "
+        "function also gets prompts, completions, completion_ids); add that field to every record, or give the "
+        "argument a default."
+    )

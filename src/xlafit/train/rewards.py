@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import os
 import runpy
@@ -33,7 +34,7 @@ import numpy as np
 
 from xlafit.errors import ConfigError, RewardError
 
-__all__ = ["Reward", "importable", "load_rewards", "parse_spec", "score"]
+__all__ = ["KEYWORDS", "Reward", "check_arguments", "importable", "load_rewards", "parse_spec", "score"]
 
 Reward = tuple[str, Callable[..., Sequence[float]]]  # (name, function)
 
@@ -116,6 +117,36 @@ def _load(path_str: str, names: tuple[str, ...], mtime: int, size: int, file: st
     return tuple(out)
 
 
+# What every reward function is called with, beside the data's columns (TRL's keywords).
+KEYWORDS = ("prompts", "completions", "completion_ids")
+
+
+def check_arguments(rewards: Sequence[Reward], columns: Sequence[str]) -> None:
+    """Refuses a reward function that takes, with no default, an argument neither among
+    :data:`KEYWORDS` nor a column of the data (``columns``): it would fail on every batch,
+    and no record can fix that.
+
+    Raises:
+        ConfigError: naming the function, the argument and the columns the data has.
+    """
+    given = {*KEYWORDS, *columns}
+    for name, fn in rewards:
+        try:
+            parameters = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):  # a builtin or an object whose signature Python cannot read
+            continue
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        missing = [p.name for p in parameters if p.kind in kinds and p.default is p.empty and p.name not in given]
+        if missing:
+            have = ", ".join(columns) or "none"
+            raise ConfigError(
+                f"reward function {name} takes {', '.join(missing)}, which the prompts' records do not have (their "
+                f"columns: {have}; every function also gets {', '.join(KEYWORDS)}); add "
+                f"{'that field' if len(missing) == 1 else 'those fields'} to every record, or give the argument a "
+                "default."
+            )
+
+
 def _called(name: str, fn: Callable[..., Sequence[float]], n: int, kwargs: dict[str, Any]) -> list[Any]:
     """``fn(**kwargs)`` as a list of ``n`` values; raises what it raises."""
     values = fn(**kwargs)
@@ -154,7 +185,8 @@ def score(
         rewards: the functions, with their names.
         kwargs: ``prompts``, ``completions``, ``completion_ids`` and the data's columns, one
             item per completion.
-        prompt_index: the index in the data of each completion's prompt (for the errors).
+        prompt_index: the index in the data of each completion's prompt, from 0 (the errors
+            count records from 1, as the data's other messages do).
         group: the completions of a prompt (adjacent).
 
     Raises:
@@ -172,8 +204,9 @@ def score(
             found = _first_failing(name, fn, group, kwargs)
             which, error = (found[0], found[1]) if found is not None else (0, e)
             raise RewardError(
-                f"reward function {name} raised {type(error).__name__}: {error} on the completions of prompt "
-                f"{prompt_index[which * group]} of the data; fix the function (or that record) and run again."
+                f"reward function {name} raised {type(error).__name__}: {error} on the completions of the prompt "
+                f"of record {prompt_index[which * group] + 1} of the data (counted from 1); fix the function (or "
+                "that record) and run again."
             ) from e
         for i, value in enumerate(values):
             try:  # a number (or a value that is one: numpy's, a 0-d tensor); not a text that spells one
@@ -182,9 +215,9 @@ def score(
                 number = math.nan
             if not math.isfinite(number):
                 raise RewardError(
-                    f"reward function {name} returned {value!r} for completion {i % group} of prompt "
-                    f"{prompt_index[i]} of the data; return a finite number for every completion (0.0 where the "
-                    "reward does not apply)."
+                    f"reward function {name} returned {value!r} for completion {i % group + 1} of {group} of the "
+                    f"prompt of record {prompt_index[i] + 1} of the data (counted from 1); return a finite number "
+                    "for every completion (0.0 where the reward does not apply)."
                 )
             out[i, column] = number
     return out

@@ -37,7 +37,7 @@ from xlafit.models.lora import adapters_off, has_adapters
 from xlafit.parallel.sharding import row_shards, rows_layout, rows_sharding
 from xlafit.train import grpo
 from xlafit.train.losses import TokenLogps, whole_token_logps
-from xlafit.train.rewards import Reward, score
+from xlafit.train.rewards import Reward, check_arguments, score
 
 __all__ = ["GENERATION", "Rollout", "sampler_seed"]
 
@@ -110,6 +110,7 @@ class Rollout:
                 f"model.grpo.reward_weights has {len(self.reward_weights)} weights for {len(self.rewards)} reward "
                 "functions; give one weight per function (or none: 1 each)."
             )
+        check_arguments(self.rewards, list(self.prompts.columns))
 
     def __call__(self, model: Any, step: int, k: int, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The train batch ``[k, B, ...]`` of a call of ``k`` steps from ``step`` whose data
