@@ -63,7 +63,7 @@ def _stacked(batch: dict[str, Any], rows: int | None = None) -> dict[str, Any]:
         if rows is None:
             out[k] = v[None]
         else:
-            out[k] = jax.ShapeDtypeStruct((1, rows, *v.shape[1:]), v.dtype)
+            out[k] = jax.ShapeDtypeStruct((1, rows, *v.shape[1:]), jax.dtypes.canonicalize_dtype(v.dtype))
     return out
 
 

@@ -1,0 +1,1 @@
+xlafit check llm --tpu colab,kaggle --json model.preset=qwen3-1.7b data.seq_len=2048 model.compute_dtype=bfloat16 model.remat=full mesh.data=1 mesh.fsdp=-1 data.per_device_batch=1 data.global_batch=null data.eval_global_batch=8 model.scan_layers=true lora.rank=16 lora.base_dtype=bfloat16
