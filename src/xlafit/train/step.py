@@ -282,6 +282,25 @@ def microbatches(x: jax.Array, accumulate: int, devices: int) -> jax.Array:
     return x.reshape(accumulate, devices * per, *x.shape[3:])
 
 
+def seeded_by_weight(loss_of: Callable) -> Callable:
+    """``value_and_grad(loss_of, has_aux=True)``, a weighted loss's (:data:`WEIGHT` among its
+    sums) divided by the batch's whole weight through the backward's seed (1 / weight):
+    gradients divided after the backward, by a value the forward computes, moved the TPU
+    compiler's schedule to keep a model's unscanned layers' recomputed activations alive at once
+    (a Gemma 3 1B step on a v5e-8: 2.2 -> 4.5 GiB of temporaries)."""
+
+    def normalized(params, model_state, batch):
+        loss, vjp, (metrics, model_state) = jax.vjp(lambda p: loss_of(p, model_state, batch), params, has_aux=True)
+        if WEIGHT not in metrics:  # a mean already: value_and_grad's seed of 1
+            (grads,) = vjp(jnp.ones_like(loss))
+            return (loss, (metrics, model_state)), grads
+        total = jnp.maximum(metrics.pop(WEIGHT), 1e-9)
+        (grads,) = vjp(jnp.ones_like(loss) / total)
+        return (loss / total, ({k: v / total for k, v in metrics.items()}, model_state)), grads
+
+    return normalized
+
+
 def build_train_step(
     graphdef: nnx.GraphDef,
     loss_fn: LossFn,
@@ -336,19 +355,7 @@ def build_train_step(
 
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
 
-    def normalized(params, model_state, batch):
-        """``grad_fn``'s answer, a weighted loss's (:data:`WEIGHT`) divided by the batch's whole
-        weight through the backward's seed (1 / weight): gradients divided after the backward,
-        by a value the forward computes, moved the TPU compiler's schedule to keep a model's
-        unscanned layers' recomputed activations alive at once (a Gemma 3 1B step on a v5e-8:
-        2.2 -> 4.5 GiB of temporaries)."""
-        loss, vjp, (metrics, model_state) = jax.vjp(lambda p: loss_of(p, model_state, batch), params, has_aux=True)
-        if WEIGHT not in metrics:  # a mean already: value_and_grad's seed of 1
-            (grads,) = vjp(jnp.ones_like(loss))
-            return (loss, (metrics, model_state)), grads
-        total = jnp.maximum(metrics.pop(WEIGHT), 1e-9)
-        (grads,) = vjp(jnp.ones_like(loss) / total)
-        return (loss / total, ({k: v / total for k, v in metrics.items()}, model_state)), grads
+    normalized = seeded_by_weight(loss_of)
 
     def accumulated(params, model_state, batch):
         micro = jax.tree.map(lambda x: microbatches(x, accumulate, devices), batch)
