@@ -240,5 +240,5 @@ def test_a_template_given_by_flag_is_named_by_that_flag(tmp_path, capsys):
     capsys.readouterr()
     assert main(["data", "show", str(data), "--tokenizer", str(folder), "--chat-template", str(template)]) == 0
     out = capsys.readouterr().out
-    assert f"chat template: the chat template {template} (--chat-template)" in out, out
+    assert f"chat template: the chat template in {template} (--chat-template)" in out, out
     assert "data.chat_template" not in out, out

@@ -172,7 +172,7 @@ def test_a_given_template_wins_and_a_shipped_one_is_chosen_by_name(dirs, tmp_pat
     given = chat.template_for(str(folder), str(mine), training=True)
     assert given is not None and given.shipped is None and given.source == mine.read_text()
     _, train = _train(folder, tmp_path, f"data.chat_template={mine}")
-    assert f"chat template: the chat template {mine} (data.chat_template)" in capsys.readouterr().err
+    assert f"chat template: the chat template in {mine} (data.chat_template)" in capsys.readouterr().err
     named = chat.template_for(str(dirs["mistral-v0.3"]), "qwen3")
     assert named is not None and named.shipped == templates.by_name("qwen3") and named.official is None
     assert named.source == templates.source(templates.by_name("qwen3"))

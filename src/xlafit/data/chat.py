@@ -229,10 +229,10 @@ def template_for(tokenizer_dir: str | None, given: str | None = None, *, trainin
         path = as_path(given)
         if not path.exists():
             raise DataError(f"data.chat_template={given}: no such file; give a Jinja template file.")
-        return ChatTemplate(path.read_text(), tokens, f"the chat template {given} (data.chat_template)")
+        return ChatTemplate(path.read_text(), tokens, f"the chat template in {given} (data.chat_template)")
     own: ChatTemplate | None = None
     if folder is not None and (folder / TEMPLATE_FILE).exists():
-        own = ChatTemplate((folder / TEMPLATE_FILE).read_text(), tokens, f"the chat template {folder / TEMPLATE_FILE}")
+        own = ChatTemplate((folder / TEMPLATE_FILE).read_text(), tokens, f"the chat template in {folder / TEMPLATE_FILE}")
     else:
         source = config.get("chat_template")
         if isinstance(source, list):

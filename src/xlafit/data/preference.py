@@ -203,6 +203,7 @@ def load_pairs(
     """
     bos, eos = markers
     encoded: list[tuple[Encoded, Encoded]] = []
+    wheres: list[str] = []  # each pair's file and record, for the messages below
     kinds: set[str] = set()
     for name in data_files(inputs):
         records = read_records([name])
@@ -212,6 +213,7 @@ def load_pairs(
             kinds.add(kind)
             try:
                 encoded.append(encode_pair(record, kind, tok, template, bos=bos, eos=eos))
+                wheres.append(where)
             except DataError as e:
                 raise DataError(f"{where}: {e}") from None
         if progress is not None:
@@ -224,12 +226,12 @@ def load_pairs(
     split: dict[str, list[tuple[Encoded, Encoded]]] = {"train": [], "eval": []}
     truncated = alike = 0
     spans = sum(any(row.spans_boundary for row in pair) for pair in encoded)
-    for number, (pair, draw) in enumerate(zip(encoded, draws, strict=True), 1):
+    for where, pair, draw in zip(wheres, encoded, draws, strict=True):
         for row in pair:
             truncated += len(row.ids) > seq_len
             if not any(row.mask[:seq_len]):
                 raise DataError(
-                    f"preference record {number} has a completion that data.seq_len={seq_len} cuts off entirely (its "
+                    f"{where}: the pair has a completion that data.seq_len={seq_len} cuts off entirely (its "
                     f"rows have {len(pair[0].ids)} and {len(pair[1].ids)} tokens): the pair would compare nothing; "
                     "raise data.seq_len or shorten its prompt."
                 )
