@@ -207,6 +207,12 @@ def test_the_place_where_seq_len_cuts_a_record_is_marked(tmp_path, capsys):
     assert CUT not in capsys.readouterr().out  # a whole record carries no mark
     assert main(["data", "show", str(data), "--tokenizer", str(folder), "-n", "1", "--seq-len", "12"]) == 0
     assert "no answer token is left, and training leaves the record out" in capsys.readouterr().out
+    # A conversation with no assistant turn trains nothing either (training refuses a file of them).
+    data.write_text(json.dumps({"messages": CONVERSATION[:1]}) + "\n")
+    assert main(["data", "show", str(data), "--tokenizer", str(folder), "-n", "1"]) == 0
+    assert "0 trained; no token of it counts for the loss (no answer), and training leaves the record out" in (
+        capsys.readouterr().out
+    )
 
 
 def test_show_names_its_own_flags_in_its_errors(tmp_path, capsys):

@@ -151,8 +151,12 @@ def run_show(args: argparse.Namespace) -> int:
     for number, record in enumerate(encoded, 1):
         s = show.shown(e.tok, record, fmt, d.seq_len)
         cut = f", cut at --seq-len {d.seq_len} (at {show.CUT})" if s.cut is not None else ""
-        if cut and not any(s.trained):  # as load_packed leaves it out (Source.without_loss)
-            cut += ": no answer token is left, and training leaves the record out"
+        if not any(s.trained):  # as load_packed leaves it out (Source.without_loss)
+            cut += (
+                ": no answer token is left, and training leaves the record out"
+                if cut
+                else "; no token of it counts for the loss (no answer), and training leaves the record out"
+            )
         print(f"\n--- record {number}: {len(s.ids)} tokens, {sum(s.trained)} trained{cut}")
         print(show.render(s.runs, color, s.cut))
     return 0
