@@ -96,6 +96,13 @@ def test_pulse(tmp_path, pairs_file, settings, capsys):
     if "model.objective=orpo" in settings:
         assert "nll_loss" in first and "log_odds_ratio" in first
     assert np.isfinite(result.eval["loss"])
+    # What the run trained on, for `xlafit generate` (the tenth walk: a SimPO run on text pairs was
+    # said to have trained on prompt/completion records).
+    assert json.loads((tmp_path / "data_format.json").read_text())["records"] == "preference pairs"
+    if "model.objective=simpo" in settings:
+        from xlafit.generator import Generator
+
+        assert Generator.load(str(tmp_path)).trained_records == "preference pairs"
 
 
 def env():

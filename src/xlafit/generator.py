@@ -77,6 +77,8 @@ class Generator:
         sampling_defaults: the sampling settings of the model's ``generation_config.json``
             (``do_sample``, ``temperature``, ``top_k``, ``top_p``; a run's are its base's), which
             ``transformers``' ``generate`` takes for those not given; ``xlafit generate`` too.
+        trained_records: what a run's records were where its objective did not train on them as
+            they are (``preference pairs``, ``prompts``); None otherwise.
     """
 
     model: LlamaForCausalLM
@@ -88,6 +90,7 @@ class Generator:
     bos_id: int | None = None
     step: int | None = None
     sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    trained_records: str | None = None
 
     @property
     def chat_by_default(self) -> bool:
@@ -130,7 +133,11 @@ class Generator:
         template, stops = chat.template_for(folder), clm.stop_ids(folder)
         bos = clm.special_ids(folder)[0]
         defaults = sampling_defaults(Path(folder))
-        return cls(model, tokenizer, template, stops, source, _recorded_format(as_path(folder)), bos, None, defaults)
+        recorded = _recorded(as_path(folder))
+        return cls(
+            model, tokenizer, template, stops, source, recorded.get("format"), bos, None, defaults,
+            recorded.get("records"),
+        )  # fmt: skip
 
     def encode(self, prompt: Prompt, use_chat: bool | None = None) -> list[int]:
         """A prompt's token ids: rendered as a user turn (or the conversation given) with the
@@ -276,7 +283,8 @@ def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
     model = typing.cast(LlamaForCausalLM, nnx.merge(graphdef, state))
     stops, bos = clm.stop_ids(run / "tokenizer"), clm.special_ids(run / "tokenizer")[0]
     defaults = sampling_defaults(run / "tokenizer")
-    return Generator(model, tokenizer, template, stops, source, _trained_on(run, cfg), bos, step, defaults)
+    records = _recorded(run).get("records")
+    return Generator(model, tokenizer, template, stops, source, _trained_on(run, cfg), bos, step, defaults, records)
 
 
 def sampling_defaults(folder: Any) -> dict[str, Any]:
@@ -291,14 +299,15 @@ def sampling_defaults(folder: Any) -> dict[str, Any]:
 def _trained_on(run: Any, cfg: Config) -> str | None:
     """The format of the data a run trained on: recorded when it started, else its
     ``data.format`` where that names one (None: not known)."""
-    recorded = _recorded_format(run)
+    recorded = _recorded(run).get("format")
     if recorded is not None:
-        return recorded
+        return str(recorded)
     fmt = data_config(cfg).format
     return None if fmt == "auto" else fmt
 
 
-def _recorded_format(folder: Any) -> str | None:
-    """The data format recorded in ``folder`` (a run directory, or an export of one), or None."""
+def _recorded(folder: Any) -> dict[str, Any]:
+    """What ``folder`` (a run directory, or an export of one) recorded of its data
+    (:data:`~xlafit.recipes.llm_data.DATA_FORMAT_FILE`), or nothing."""
     recorded = folder / DATA_FORMAT_FILE
-    return str(json.loads(recorded.read_text())["format"]) if recorded.exists() else None
+    return dict(json.loads(recorded.read_text())) if recorded.exists() else {}

@@ -179,8 +179,9 @@ def run(args: argparse.Namespace) -> int:
     use_chat = True if args.chat else False if args.no_chat else None
     if use_chat is None and ask.template is not None and not ask.chat_by_default:
         print(
-            f"{args.source} trained on {_FORMATS.get(ask.trained_on or '', ask.trained_on)}: its prompts are given "
-            "as text, as it trained, not in its tokenizer's chat template (--chat gives them in it)",
+            f"{args.source} trained on {ask.trained_records or _FORMATS.get(ask.trained_on or '', ask.trained_on)}: "
+            "its prompts are given as text, as it trained, not in its tokenizer's chat template (--chat gives them "
+            "in it)",
             file=sys.stderr,
         )
     sampling = _with_model_defaults(args, ask.sampling_defaults, sampling)

@@ -25,6 +25,7 @@ from xlafit.errors import ConfigError
 from xlafit.io import hub
 from xlafit.io.cache import cache_dir
 from xlafit.models.attention import packed_segments_limit
+from xlafit.train import preference
 
 DEMO_VOCAB_SIZE = 2000  # the demo's BPE tokenizer
 DATA_FORMAT_FILE = "data_format.json"  # the format of the data a run trained on (chat, prompt_completion, text)
@@ -301,6 +302,10 @@ def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
     fmt = train.source.format if train.source is not None else "text"
     trained = chat.template_for(where, data_config(cfg).chat_template, training=True)
     recorded: dict[str, Any] = {"format": fmt}
+    if cfg.model.objective in preference.LOSSES:  # text pairs are prompt/completion records, two completions each
+        recorded["records"] = "preference pairs"
+    elif cfg.model.objective == "grpo":
+        recorded["records"] = "prompts"
     if fmt == "chat" and trained is not None:
         recorded["chat_template"] = {
             "rendered_with": trained.name,
