@@ -263,7 +263,8 @@ def test_a_template_that_breaks_is_named_with_its_file_and_not_blamed_on_the_con
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
     with pytest.raises(DataError) as e:
         chat.template_for(str(model_dir), str(tmp_path / "broken.jinja"))
-    assert str(e.value).startswith(f"the chat template in {tmp_path / 'broken.jinja'} (data.chat_template) does not parse")
+    broken = tmp_path / "broken.jinja"
+    assert str(e.value).startswith(f"the chat template in {broken} (data.chat_template) does not parse")
     assert "(line 2: unexpected '}')" in str(e.value)
     for source in ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "{% for i in range(10**9) %}{% endfor %}"):
         (tmp_path / "bad.jinja").write_text(source)

@@ -123,7 +123,8 @@ def test_bad_records_are_refused_in_one_line_with_the_fix(tmp_path, demo, record
 
 
 def test_a_completion_cut_off_entirely_names_seq_len_and_the_record(tmp_path, demo):
-    with pytest.raises(DataError, match=r"prefs.jsonl, record 1: .*data.seq_len=8 cuts off entirely .* raise data.seq_len"):
+    message = r"prefs.jsonl, record 1: .*data.seq_len=8 cuts off entirely .* raise data.seq_len"
+    with pytest.raises(DataError, match=message):
         loaded(tmp_path, demo, [CONVERSATION], seq_len=8)
 
 

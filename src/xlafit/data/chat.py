@@ -232,7 +232,8 @@ def template_for(tokenizer_dir: str | None, given: str | None = None, *, trainin
         return ChatTemplate(path.read_text(), tokens, f"the chat template in {given} (data.chat_template)")
     own: ChatTemplate | None = None
     if folder is not None and (folder / TEMPLATE_FILE).exists():
-        own = ChatTemplate((folder / TEMPLATE_FILE).read_text(), tokens, f"the chat template in {folder / TEMPLATE_FILE}")
+        name = f"the chat template in {folder / TEMPLATE_FILE}"
+        own = ChatTemplate((folder / TEMPLATE_FILE).read_text(), tokens, name)
     else:
         source = config.get("chat_template")
         if isinstance(source, list):
