@@ -172,3 +172,20 @@ def test_a_plan_ranks_the_memory_levers_with_the_layouts():
     assert f"{n} compiles of train steps, 2 of them with memory levers (each alone on the 2 refused layouts" in text
     outcomes = json.loads(json.dumps(plan_json(plan), default=str))["outcomes"]
     assert [["model.logits_chunk", "1024"]] in [x["candidate"]["memory"] for x in outcomes if x["fits"]]
+
+
+def test_a_levers_program_reuses_the_data_read_for_the_run(capsys):
+    """Each lever's program is the run's with the lever's settings: the data read once (the
+    tenth walk: the data line was printed again before every lever's compile), read again
+    only for a setting of the data."""
+    from xlafit.data import chat_demo
+
+    records, _, tokenizer = chat_demo.demo_files()
+    run = [*SMALL_LLM, "model.vocab_size=2000", f"data.data_dir={records}", f"data.tokenizer={tokenizer}"]
+    program, _, examples = recipe_program("llm", run)
+    assert examples and capsys.readouterr().err.count("data: ") == 1
+    lever = program.with_overrides(("model.remat=full",))
+    assert capsys.readouterr().err.count("data: ") == 0
+    assert (program.model.cfg.remat, lever.model.cfg.remat) == ("none", "full")  # the lever's setting taken
+    program.with_overrides(("data.seq_len=32",))
+    assert capsys.readouterr().err.count("data: ") == 1

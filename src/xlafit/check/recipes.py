@@ -44,6 +44,7 @@ def recipe_program(
     preset: str | Path | None = None,
     per_device_batch: int | None = None,
     global_batch: int | None = None,
+    data: tuple[Any, Any] | None = None,
 ) -> tuple[Program, Any, int | None]:
     """What ``check --tpu`` compiles for a recipe: ``(program, config, train examples)``.
 
@@ -55,13 +56,18 @@ def recipe_program(
     decides the data's shapes (``Recipe.shapes``: an llm preset on the demo corpus), no data
     is read, and the train examples are None (unknown). A run whose model makes its batches
     (GRPO) compiles its train step on the rows the rollout makes, and the rollout's own
-    programs beside it (:attr:`Program.rollout`).
+    programs beside it (:attr:`Program.rollout`). ``data``: the recipe's ``(train, eval)``
+    data as read already (:attr:`Program.with_overrides` reads it once, for settings that leave
+    the data alone).
     """
     cfg = load_config(name, list(overrides), preset=preset)
     recipe = get_recipe(name)
     recipe.validate(cfg)
     placeholder = recipe.shapes(cfg)
-    train_data, eval_data = (placeholder, None) if placeholder is not None else recipe.load_data(cfg)
+    if placeholder is not None:
+        train_data, eval_data = placeholder, None
+    else:
+        train_data, eval_data = data if data is not None else recipe.load_data(cfg)
     train = as_dataset(train_data)
     cfg = recipe.from_data(cfg, train)
     per_device = per_device_batch or (None if cfg.data.global_batch else cfg.data.per_device_batch)
@@ -76,6 +82,12 @@ def recipe_program(
     example = rollout.example() if rollout is not None else example_layout(train.take(np.arange(1)))
     # No eval step where the data holds no evaluation split (shapes alone: the run's data may)
     evaluates = rollout is None and (placeholder is not None or _holds_examples(eval_data))
+
+    def again(more: tuple[str, ...]) -> Program:
+        """This run with ``more`` settings, on the data read above where they leave it alone."""
+        read = None if placeholder is not None or any(m.startswith("data.") for m in more) else (train_data, eval_data)
+        return recipe_program(name, [*overrides, *more], preset, per_device_batch, global_batch, read)[0]
+
     program = Program(
         nnx.eval_shape(lambda: with_lora(recipe.build_model(cfg, train), cfg.lora, cfg.trainer.seed)),
         recipe.loss(cfg),
@@ -93,9 +105,7 @@ def recipe_program(
         model_levers=memory_levers(cfg.model, residual_split(cfg)),
         trainable=ADAPTER if cfg.lora.rank else nnx.Param,
         fit_levers=fit_levers_of(cfg),
-        with_overrides=lambda more: recipe_program(name, [*overrides, *more], preset, per_device_batch, global_batch)[
-            0
-        ],
+        with_overrides=again,
         rollout=rollout.programs if rollout is not None else None,
         decode_loop=rollout.decode_loop if rollout is not None else None,
     )
