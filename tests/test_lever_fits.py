@@ -90,12 +90,17 @@ def test_a_tensor_parallel_run_is_told_that_splitting_its_residual_stream_fits()
     )
 
 
-def test_a_run_whose_logits_do_not_fit_is_told_which_lever_fits_and_how_fast():
+def test_a_run_whose_logits_do_not_fit_is_told_which_lever_fits_and_how_fast(capsys):
     program = _program(LOGITS_OVER)
     report = check_target(V5E, program)
     assert report.train_fits is False
+    capsys.readouterr()
     fit_levers(report, V5E, program)
     by_setting = {" ".join(f.overrides): f for f in report.lever_fits}
+    # One progress line a lever's compile, naming its settings (the tenth walk: two, the second
+    # reading as another compile).
+    said = [line for line in capsys.readouterr().err.splitlines() if "compiling" in line]
+    assert said == [f"v5e-1: compiling the train step with {s}, 8 per core, 1 step(s) per call ..." for s in by_setting]
     # No quantized base (no LoRA); the optimizer state in host memory (a full fine-tune's).
     assert list(by_setting) == ["model.logits_chunk=1024", "model.remat=offload", "trainer.optimizer_offload=true"]
     chunks, offload, optimizer = by_setting.values()

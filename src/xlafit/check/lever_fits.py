@@ -14,7 +14,7 @@ its memory and the step model's prediction (and its measured error, or "not vali
 
 from __future__ import annotations
 
-from xlafit.check.program import FitLever, LeverFit, Program, TargetReport, progress
+from xlafit.check.program import FitLever, LeverFit, Program, TargetReport
 from xlafit.check.tpu import Steps, no_persistent_cache, train_report
 from xlafit.errors import XlafitError
 from xlafit.platform.hardware import Target
@@ -73,7 +73,6 @@ def _compile(report: TargetReport, target: Target, program: Program, lever: FitL
         out.fits, out.memory = False, steps.state_bytes
         out.message = f"the train state alone takes {steps.state_bytes / 2**30:.2f} GiB per core"
         return out
-    progress(f"{target.name}: compiling the train step with {' '.join(lever.overrides)}, {batch} per core ...")
     trial = TargetReport(
         target.name,
         device_kind=report.device_kind,
@@ -84,7 +83,7 @@ def _compile(report: TargetReport, target: Target, program: Program, lever: FitL
         capacity=report.capacity,
         capacity_source=report.capacity_source,
     )
-    train_report(trial, steps, target)
+    train_report(trial, steps, target, " ".join(lever.overrides))
     out.fits, out.compile_s, out.message = trial.train_fits, trial.compile_s, trial.message
     if trial.error is not None:
         out.fits = None

@@ -401,10 +401,12 @@ def check_target(target: tpu.Target, program: Program, max_batch: bool | int = F
     return report
 
 
-def train_report(report: TargetReport, steps: Steps, target: tpu.Target) -> None:
-    """The train step's verdict, memory, FLOPs and roofline into ``report``."""
+def train_report(report: TargetReport, steps: Steps, target: tpu.Target, settings: str = "") -> None:
+    """The train step's verdict, memory, FLOPs and roofline into ``report`` (``settings``: a
+    lever's, said in the progress line)."""
     program, per_device, k = steps.program, report.per_device_batch, report.steps_per_call
-    progress(f"{target.name}: compiling the train step, {per_device} per core, {k} step(s) per call ...")
+    what = f"the train step with {settings}" if settings else "the train step"
+    progress(f"{target.name}: compiling {what}, {per_device} per core, {k} step(s) per call ...")
     try:
         compiled, report.compile_s = steps.compile_train(per_device)
     except OutOfMemory as e:
