@@ -5,6 +5,7 @@ import ast
 import contextlib
 import io
 import json
+import logging
 from pathlib import Path
 
 import jax
@@ -273,6 +274,26 @@ def test_a_first_save_that_never_finished_is_said_before_training_starts_over(st
     assert (
         "the save of step 12 did not finish" in printed.getvalue() and "starts again from step 0" in printed.getvalue()
     )
+
+
+def test_a_save_that_never_finished_after_a_checkpoint_is_said_in_the_runs_words(strategy1, digits, tmp_path, caplog):
+    """The tenth walk: killed while saving after an earlier checkpoint, a run went on from that
+    checkpoint saying nothing of the lost save, and Orbax's warning (`Removing existing directory
+    since it is not finalized`) said it when the step was saved again."""
+    train, _ = digits
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer = _cnn_trainer(strategy1, stop_at_step=2, run_dir=tmp_path)
+        trainer.fit(train)
+        trainer.close()
+    (tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp").mkdir()  # what a kill during the save of step 3 leaves
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), caplog.at_level(logging.INFO):
+        trainer = _cnn_trainer(strategy1, stop_at_step=3, run_dir=tmp_path)
+        assert int(trainer.fit(train).state.step) == 3
+        trainer.close()
+    said = "the save of step 3 did not finish (the process stopped while writing it; it is discarded): going on from"
+    assert f"{said} checkpoint 2" in printed.getvalue()
+    assert "not finalized" not in caplog.text and (tmp_path / "checkpoints" / "3").is_dir()
 
 
 def test_a_finished_run_evaluated_again_keeps_one_evaluation_of_its_last_step(strategy1, digits, tmp_path):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,6 +52,18 @@ from xlafit.saveable import fingerprint as fingerprint
 COMMIT = "commit_success.txt"
 ORBAX_METADATA = "_CHECKPOINT_METADATA"  # in every step's folder Orbax writes
 SET_ASIDE = "corrupt-"  # the prefix of a checkpoint moved aside by the resume that found it corrupt
+
+
+class _SaidByTheRun(logging.Filter):
+    """Drops Orbax's warning that it removes a save a stopped process left unfinished
+    (``<step>.orbax-checkpoint-tmp``) when the same step is saved again: the run has said so in
+    its own words when it started (:func:`unfinished_saves`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Removing existing directory since it is not finalized" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_SaidByTheRun())
 
 
 def _handler() -> ocp.StandardCheckpointHandler:

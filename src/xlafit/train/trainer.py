@@ -73,6 +73,15 @@ Data = Dataset | Mapping[str, np.ndarray]  # a Dataset, or a dict of arrays with
 Rollout = Callable[[nnx.Module, int, int, Batch], Batch]
 
 
+def _unfinished_save(directory: Any, step: int, restored: int | None) -> str:
+    """What a run says of the save of ``step`` that a stopped process left unfinished in
+    ``directory`` (Orbax discards it), resuming from ``restored`` (None: no checkpoint)."""
+    unfinished = f"the save of step {step} did not finish (the process stopped while writing it; it is discarded)"
+    if restored is None:
+        return f"no complete checkpoint in {directory}: {unfinished}, so training starts again from step 0"
+    return f"{unfinished}: going on from checkpoint {restored}"
+
+
 class Trainer:
     """Trains an ``nnx.Module`` data-parallel over every device of the strategy.
 
@@ -378,6 +387,7 @@ class Trainer:
         unfinished: list[int] = []
         if latest is not None:
             restored = self._restore()
+            unfinished = [s for s in unfinished_saves(ckpt.directory) if s > restored] if ckpt is not None else []
         elif ckpt is not None and self.resume:
             check_not_all_set_aside(ckpt.directory)
             unfinished = unfinished_saves(ckpt.directory)
@@ -390,11 +400,8 @@ class Trainer:
             self.strategy.process_index == 0,
             evaluates_again=start >= total and eval is not None,
         )
-        if unfinished and ckpt is not None:  # a kill during the first save: the steps before it are kept nowhere
-            report.print(
-                f"no complete checkpoint in {ckpt.directory}: the save of step {unfinished[-1]} did not finish (the "
-                "process stopped while writing it; it is discarded), so training starts again from step 0"
-            )
+        if unfinished and ckpt is not None:  # a kill during a save (the first: the steps before it are kept nowhere)
+            report.print(_unfinished_save(ckpt.directory, unfinished[-1], restored))
         self.peak_flops = announce(
             report, self.strategy, self.config, self._state, restored=restored, order=order, train=train, total=total,
             global_batch=self.global_batch, learning_rate=self.learning_rate,
