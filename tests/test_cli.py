@@ -210,7 +210,15 @@ def test_inspect_fails_when_the_newest_checkpoint_is_corrupt(tmp_path, capsys):
     ckpt.close()
     written = datetime.datetime.now(datetime.UTC)
     assert main(["inspect", str(tmp_path)]) == 0
-    capsys.readouterr()
+    assert "has not finished" not in capsys.readouterr().out
+    # A save a kill left half written is listed too (the tenth walk: it was not, under a help that
+    # says the checkpoints are listed intact or not).
+    (tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp").mkdir()
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert "step 3: a save that has not finished (being written, or its process stopped" in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["unfinished"] == [3]
+    (tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp").rmdir()
     later = datetime.datetime(2031, 5, 6, tzinfo=datetime.UTC).timestamp()
     files = [p for p in (tmp_path / "checkpoints" / "2").rglob("*") if p.is_file()]
     biggest = max(files, key=lambda p: p.stat().st_size)

@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     # The library when the command runs (a fast --help); the backends start as connect() starts
     # them, without libtpu's start-up errors on a host that has libtpu but no TPU.
-    from xlafit.checkpoint import Checkpointer, fingerprint, set_aside
+    from xlafit.checkpoint import Checkpointer, fingerprint, set_aside, unfinished_saves
     from xlafit.checkpoint_read import read_checkpoint
     from xlafit.parallel.cluster import start_backends
     from xlafit.rundir import checkpoints_of
@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     ckpt = Checkpointer(directory)  # the run may be training meanwhile
     try:
         infos = ckpt.list()
+        unfinished = unfinished_saves(where)
         if not infos:
             aside = set_aside(sorted(p.name for p in where.iterdir())) if where.is_dir() else []
             if aside:  # none is intact: the exit code of a damaged run, not of a wrong path
@@ -78,9 +79,15 @@ def run(args: argparse.Namespace) -> int:
     code = errors.DAMAGED if step is None or newest_bad else 0
     if args.json:
         rows = [_row(i) for i in infos]
-        print(json.dumps({"checkpoints": rows, "fingerprint": {"step": step, "sha256": digest}}, indent=2))
+        fingerprinted = {"step": step, "sha256": digest}
+        print(json.dumps({"checkpoints": rows, "unfinished": unfinished, "fingerprint": fingerprinted}, indent=2))
         return code
     _print_table(infos, step, digest)
+    for s in unfinished:
+        print(
+            f"step {s}: a save that has not finished (being written, or its process stopped while writing it: the "
+            "next run discards it)"
+        )
     if unreadable is not None:
         print(unreadable)
     if read is not None and newest_bad:
