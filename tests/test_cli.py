@@ -541,3 +541,19 @@ def test_xlafits_warnings_print_as_written_and_others_name_their_logger():
         "WARNING xlafit: cannot cache it",
         "WARNING orbax: its own words",
     ]
+
+
+def test_a_commands_option_before_the_command_is_named_with_where_it_goes(capsys):
+    """The eleventh walk: `xlafit --simulate 8 train mnist` said `invalid choice: '8'`, naming
+    neither the option nor where it goes; and `xlafit --version` said a command is required."""
+    from xlafit.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--simulate", "8", "train", "mnist"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("xlafit: error: --simulate is an option of a command (") and "train" in err
+    assert err.endswith("give it after the command, as in `xlafit train mnist --simulate 8`.")
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("xlafit ")

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from xlafit import __version__
 from xlafit.cli import (
     bench,
     check,
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="xlafit",
         description="Data-parallel training on every XLA device: TPU cores, GPUs, CPUs.",
     )
+    parser.add_argument("--version", action="version", version=f"xlafit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.register(sub)
@@ -50,12 +52,13 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
         if "--" in argv:
             args.command = argv[argv.index("--") + 1 :]
         return args
+    commands = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    _refuse_a_commands_option_first(parser, argv, commands)
     # Overrides may come before or after options (`train mnist --simulate 8 trainer.epochs=3`);
     # argparse's subparsers stop collecting positionals at the first option, so gather the rest.
     args, extra = parser.parse_known_args(argv)
     unknown = [e for e in extra if e.startswith("-") or not hasattr(args, "overrides")]
     if unknown:
-        commands = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         own = commands.get(getattr(args, "command", ""), parser)
         hint = _hint(unknown, args.command, commands, extra if hasattr(args, "overrides") else None)
         own.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
@@ -63,6 +66,26 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
         args.overrides = [*args.overrides, *extra]
     _warn_repeated(getattr(args, "overrides", None) or [])
     return args
+
+
+def _refuse_a_commands_option_first(
+    parser: argparse.ArgumentParser, argv: list[str], commands: dict[str, argparse.ArgumentParser]
+) -> None:
+    """A command's option given before the command (``xlafit --simulate 8 train mnist``), which
+    argparse would answer with its value as an invalid command ("invalid choice: '8'"): named,
+    with the commands that take it and where it goes."""
+    first = argv[0].partition("=")[0] if argv else ""
+    if not first.startswith("-") or first in ("-h", "--help", "--version"):
+        return
+    takers = [name for name, p in commands.items() if first in p._option_string_actions]
+    if takers:
+        example = "train mnist" if "train" in takers else takers[0]
+        takes_value = commands[takers[0]]._option_string_actions[first].nargs != 0 and "=" not in argv[0]
+        given = " ".join(argv[:2] if takes_value and len(argv) > 1 else argv[:1])
+        parser.error(
+            f"{first} is an option of a command ({', '.join(takers)}): give it after the command, as in "
+            f"`xlafit {example} {given}`."
+        )
 
 
 def _warn_repeated(overrides: list[str]) -> None:
