@@ -181,8 +181,10 @@ def test_resume_names_the_recipe_the_directory_holds(strategy8, tmp_path):
     saved["recipe"] = "bert"
     (tmp_path / "checkpoints" / "3").mkdir(parents=True)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
-    with pytest.raises(ConfigError, match="it holds a bert run, and this is mnist"):
+    with pytest.raises(ConfigError, match="it holds a bert run, and this is mnist") as e:
         check_continuation(tmp_path, cfg)
+    # each way out once (the eleventh walk: "another --run-dir" twice)
+    assert str(e.value).count("another --run-dir") == 1 and "--restart (run.resume=false)" in str(e.value)
 
 
 def test_resume_refuses_a_run_whose_checkpoints_were_all_set_aside(strategy8, tmp_path):

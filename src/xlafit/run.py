@@ -491,7 +491,7 @@ def check_continuation(
     if saved["recipe"] != now["recipe"]:
         raise ConfigError(
             f"cannot resume {run_dir}: it holds a {saved['recipe']} run, and this is {now['recipe']}. "
-            f"Choose another --run-dir, {restart.removeprefix('or ')}."
+            "Choose another --run-dir, or start over there with --restart (run.resume=false)."
         )
     changed = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
     # A key that only one side has comes from another xlafit version (a setting added or
