@@ -219,6 +219,12 @@ def test_load_errors_name_the_line_and_leave_sys_path_as_it_was(tmp_path):
     with pytest.raises(ConfigError, match=r"broken.py failed while being loaded, at line 3: ValueError: no data"):
         check_file(path)
     assert sys.path == before
+    # A data file is no model file (the eleventh walk: JSON lines ran as Python, then "must define
+    # model"); nothing in it runs.
+    data = tmp_path / "chat.jsonl"
+    data.write_text('{"messages": []}\n')
+    with pytest.raises(ConfigError, match=r"chat.jsonl is not a Python file \(.py\): .* xlafit data show "):
+        check_file(data)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu not installed (xlafit[tpu])")

@@ -150,7 +150,16 @@ def load_file(path: Path) -> dict[str, Any]:
     (``nnx.with_partitioning(init, ("embed", "mlp"))``) keeps its names as metadata, which
     the sharding rules lay over each layout's mesh, instead of asking for a mesh at import.
     What it prints goes to stderr: stdout is the report's (``--json``: JSON alone).
+
+    Raises:
+        ConfigError: a file that is not Python by its name (a data file would run as Python:
+            JSON lines are Python dicts), or one that does not define the three names.
     """
+    if path.suffix != ".py":
+        raise ConfigError(
+            f"{path} is not a Python file (.py): xlafit check runs a .py file that defines model, loss_fn and batch, "
+            f"or checks a recipe by its name (xlafit check mnist); a data file is shown by xlafit data show {path}."
+        )
     try:
         with nnx.use_eager_sharding(False), contextlib.redirect_stdout(sys.stderr):
             namespace = runpy.run_path(str(path), run_name="__xlafit_check__")
