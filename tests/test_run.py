@@ -187,6 +187,20 @@ def test_resume_names_the_recipe_the_directory_holds(strategy8, tmp_path):
     assert str(e.value).count("another --run-dir") == 1 and "--restart (run.resume=false)" in str(e.value)
 
 
+def test_a_run_refused_at_its_start_warns_of_nothing_it_would_have_done(tmp_path, monkeypatch, caplog):
+    """The twelfth walk: a run refused for another recipe's run directory first warned about
+    its invariant chunks' bit-identity, of a run that never starts."""
+    use_few_digits(monkeypatch)
+    cfg = load_config("mnist", [f"run.run_dir={tmp_path}", "cpu.fast_paths=true"])  # a chunks warning
+    saved = cfg.to_dict()
+    saved["recipe"] = "bert"
+    (tmp_path / "checkpoints" / "3").mkdir(parents=True)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    with caplog.at_level("WARNING", logger="xlafit"), pytest.raises(ConfigError, match="it holds a bert run"):
+        xlafit.train_and_evaluate(cfg)
+    assert "invariant_chunks" not in caplog.text
+
+
 def test_resume_refuses_a_run_whose_checkpoints_were_all_set_aside(strategy8, tmp_path):
     """A run directory whose every checkpoint a resume moved aside as corrupt (as xlafit did
     before it kept them in place while none is intact) was started again from step 0 without

@@ -117,8 +117,6 @@ def train_and_evaluate(cfg: Config) -> FitResult:
         )
         recipe.validate(cfg)
         named_dir = bool(cfg.run.run_dir)  # else a new directory, made for this run (resolve)
-        if strategy.process_index == 0:
-            warn_where_chunks_are_not_bit_identical(recipe, cfg)
         refuse_foreign_dir(cfg)
         train_data, eval_data = recipe.load_data(cfg)
         train_data = as_dataset(train_data)
@@ -139,7 +137,8 @@ def train_and_evaluate(cfg: Config) -> FitResult:
                 announce=strategy.process_index == 0,
                 kept=lambda: check_kept_files(recipe, cfg, run_dir, train_data),
             )
-        if strategy.process_index == 0:
+        if strategy.process_index == 0:  # said once the run is sure to start (not before a refusal)
+            warn_where_chunks_are_not_bit_identical(recipe, cfg)
             start_run_dir(run_dir, cfg)
             recipe.save_artifacts(cfg, run_dir, train_data)
             print(f"run directory: {run_dir}", flush=True)
