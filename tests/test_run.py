@@ -183,6 +183,10 @@ def test_resume_names_the_recipe_the_directory_holds(strategy8, tmp_path):
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
     with pytest.raises(ConfigError, match="it holds a bert run, and this is mnist") as e:
         check_continuation(tmp_path, cfg)
+    saved["recipe"] = "llm"  # the thirteenth walk: "a llm run"
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(ConfigError, match="it holds an llm run, and this is mnist"):
+        check_continuation(tmp_path, cfg)
     # each way out once (the eleventh walk: "another --run-dir" twice)
     assert str(e.value).count("another --run-dir") == 1 and "--restart (run.resume=false)" in str(e.value)
 

@@ -461,6 +461,11 @@ def _same_file(before: str, now: str, name: str) -> bool:
     return before == now
 
 
+def _a(recipe: str) -> str:
+    """A recipe's name after its article, as it is said: "an llm", "an mnist", "a bert"."""
+    return f"{'an' if recipe in ('llm', 'mnist') or recipe[:1] in 'aeiou' else 'a'} {recipe}"
+
+
 def check_continuation(
     run_dir: epath.Path | Path, cfg: Config, announce: bool = True, kept: Callable[[], None] | None = None
 ) -> None:
@@ -489,7 +494,7 @@ def check_continuation(
     restart = "or start over with --restart (run.resume=false) or another --run-dir"
     if saved["recipe"] != now["recipe"]:
         raise ConfigError(
-            f"cannot resume {run_dir}: it holds a {saved['recipe']} run, and this is {now['recipe']}. "
+            f"cannot resume {run_dir}: it holds {_a(saved['recipe'])} run, and this is {now['recipe']}. "
             "Choose another --run-dir, or start over there with --restart (run.resume=false)."
         )
     changed = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
