@@ -494,7 +494,7 @@ def check_continuation(
     restart = "or start over with --restart (run.resume=false) or another --run-dir"
     if saved["recipe"] != now["recipe"]:
         raise ConfigError(
-            f"cannot resume {run_dir}: it holds {_a(saved['recipe'])} run, and this is {now['recipe']}. "
+            f"cannot resume {run_dir}: it holds {_a(str(saved['recipe']))} run, and this is {now['recipe']}. "
             "Choose another --run-dir, or start over there with --restart (run.resume=false)."
         )
     changed = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
