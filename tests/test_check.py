@@ -209,6 +209,17 @@ def test_console_script_imports_the_files_neighbours_and_the_working_directory(t
     assert "no rule violated" in out.stdout
 
 
+def test_a_data_file_named_bare_in_the_working_directory_is_refused_as_a_file(tmp_path, monkeypatch, capsys):
+    """`xlafit check d.jsonl` in the file's folder was taken for a recipe's name ("unknown
+    recipe"); a file there is a file, unless it has a recipe's name."""
+    from xlafit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d.jsonl").write_text('{"messages": []}\n')
+    assert main(["check", "d.jsonl"]) == 2
+    assert "d.jsonl is not a Python file (.py)" in capsys.readouterr().err
+
+
 def test_load_errors_name_the_line_and_leave_sys_path_as_it_was(tmp_path):
     path = tmp_path / "broken.py"
     path.write_text("import numpy as np\nmodel = (\nbatch = {}\n")

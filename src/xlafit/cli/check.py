@@ -86,7 +86,11 @@ def run(args: argparse.Namespace) -> int:
         "max_batch": args.max_batch_limit or args.max_batch,
         "preset": args.config,
     }
-    if args.target.endswith(".py") or os.path.sep in args.target:
+    from xlafit.recipes.registry import RECIPES
+
+    # A file by its name, its folder, or its being there and no recipe's name (a data file is refused as such)
+    there = os.path.isfile(args.target) and args.target not in RECIPES
+    if args.target.endswith(".py") or os.path.sep in args.target or there:
         report = check_file(args.target, args.overrides, **options)
     else:
         report = check_recipe(args.target, args.overrides, **options)
