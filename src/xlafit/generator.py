@@ -283,8 +283,9 @@ def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
     model = typing.cast(LlamaForCausalLM, nnx.merge(graphdef, state))
     stops, bos = clm.stop_ids(run / "tokenizer"), clm.special_ids(run / "tokenizer")[0]
     defaults = sampling_defaults(run / "tokenizer")
-    records = _recorded(run).get("records")
-    return Generator(model, tokenizer, template, stops, source, _trained_on(run, cfg), bos, step, defaults, records)
+    recorded = _recorded(run)
+    trained_on, records = _trained_on(recorded, cfg), recorded.get("records")
+    return Generator(model, tokenizer, template, stops, source, trained_on, bos, step, defaults, records)
 
 
 def sampling_defaults(folder: Any) -> dict[str, Any]:
@@ -296,12 +297,11 @@ def sampling_defaults(folder: Any) -> dict[str, Any]:
     return {k: settings[k] for k in SAMPLING_KEYS if settings.get(k) is not None}
 
 
-def _trained_on(run: Any, cfg: Config) -> str | None:
-    """The format of the data a run trained on: recorded when it started, else its
-    ``data.format`` where that names one (None: not known)."""
-    recorded = _recorded(run).get("format")
-    if recorded is not None:
-        return str(recorded)
+def _trained_on(recorded: dict[str, Any], cfg: Config) -> str | None:
+    """The format of the data a run trained on: ``recorded`` when it started (:func:`_recorded`),
+    else its ``data.format`` where that names one (None: not known)."""
+    if recorded.get("format") is not None:
+        return str(recorded["format"])
     fmt = data_config(cfg).format
     return None if fmt == "auto" else fmt
 
