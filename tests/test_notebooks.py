@@ -107,7 +107,10 @@ def test_the_fine_tuning_notebook_checks_tunes_resumes_asks_and_exports(tmp_path
 
 def test_in_a_notebook_training_shows_a_progress_bar_and_a_short_result(tmp_path):
     """In a Jupyter kernel the trainer draws a bar (stderr is no terminal there), and a cell
-    ending in a FitResult shows one line, not the parameters."""
+    ending in a FitResult shows one line, not the parameters. xlafit's warnings print in their
+    own words: Orbax, imported by the trainer, logs through absl, which installs
+    ``basicConfig()``'s handler; its format printed ``WARNING:xlafit:warning: ...`` (the tenth
+    walk). Another logger's records keep that format."""
     nb = nbformat.v4.new_notebook()
     nb.cells = [
         nbformat.v4.new_code_cell(
@@ -121,6 +124,12 @@ def test_in_a_notebook_training_shows_a_progress_bar_and_a_short_result(tmp_path
             "print('in a notebook:', in_notebook())"
         ),
         nbformat.v4.new_code_cell("trainer.fit(data)"),
+        nbformat.v4.new_code_cell(
+            "import logging\n"
+            "xlafit.Trainer(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), loss, optax.sgd(1.0), global_batch=32).fit(\n"
+            "    data, {'x': data['x'][:0], 'y': data['y'][:0]})\n"
+            "logging.getLogger('another').warning('warning: theirs')"
+        ),
     ]
     path = tmp_path / "bar.ipynb"
     nbformat.write(nb, path)
@@ -131,6 +140,11 @@ def test_in_a_notebook_training_shows_a_progress_bar_and_a_short_result(tmp_path
     bar = "".join(out.get("text", "") for out in ran.cells[1].outputs if out.get("name") == "stderr")
     widgets = [out for out in ran.cells[1].outputs if "application/vnd.jupyter.widget-view+json" in out.get("data", {})]
     assert "6/6" in bar or widgets, ran.cells[1].outputs
+    logged = [line for line in text_of(ran.cells[2]).splitlines() if "warning: " in line]
+    assert logged == [
+        "warning: the evaluation set holds no examples: this run trains without evaluation",
+        "WARNING:another:warning: theirs",
+    ], text_of(ran.cells[2])
 
 
 def test_in_a_notebook_xlafits_errors_show_their_message_not_its_frames(tmp_path):

@@ -44,6 +44,7 @@ from xlafit.integrity import (
 )
 from xlafit.integrity import SEAL as SEAL
 from xlafit.io.paths import as_path, check_bucket, describe_error, files_under, is_url, move, refresh
+from xlafit.logs import own_words_in_the_default_handler
 from xlafit.orbax_loop import first_line, settle_orbax_reads
 from xlafit.parallel.sharding import path_name
 from xlafit.saveable import abstract, from_saveable, older_layout, to_saveable
@@ -64,6 +65,9 @@ class _SaidByTheRun(logging.Filter):
 
 
 logging.getLogger("absl").addFilter(_SaidByTheRun())
+# Importing Orbax logs through absl, which installs basicConfig()'s handler where a program set
+# none: xlafit's warnings print in their own words there too (xlafit.logs).
+own_words_in_the_default_handler()
 
 
 def _handler() -> ocp.StandardCheckpointHandler:

@@ -26,6 +26,7 @@ from xlafit.cli import (
     train,
 )
 from xlafit.errors import INTERRUPTED, Preempted, XlafitError
+from xlafit.logs import OwnWordsFormatter
 from xlafit.parallel.env import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
 
 # The commands, in the order `xlafit --help` lists them.
@@ -180,16 +181,6 @@ def _exit_past_stuck_threads(code: int) -> None:
         os._exit(code)
 
 
-class _OwnWordsFormatter(logging.Formatter):
-    """``LEVEL logger: message``, but xlafit's own messages that say what they are
-    (``warning: ...``, ``note: ...``) as they are written: not ``WARNING xlafit: warning: ...``."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        if record.name.split(".")[0] == "xlafit" and record.getMessage().startswith(("warning: ", "note: ")):
-            return record.getMessage()
-        return super().format(record)
-
-
 def configure_logging(verbose: bool) -> None:
     """xlafit's messages at WARNING (INFO with ``--verbose``), libraries' at WARNING.
 
@@ -201,7 +192,7 @@ def configure_logging(verbose: bool) -> None:
     xlafit with its reason.
     """
     handler = logging.StreamHandler()
-    handler.setFormatter(_OwnWordsFormatter("%(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(OwnWordsFormatter("%(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, handlers=[handler])
     # Orbax and absl are chatty at INFO; keep xlafit's own messages only.
     for name in ("absl", "orbax", "jax"):
