@@ -181,9 +181,23 @@ def test_a_grpo_run_stopped_and_resumed_logs_the_uninterrupted_metrics(files, tm
     stopped (trainer.stop_at_step keeps the schedule): the sampler's seed is a function of
     (seed, step), and the old log-probabilities of a generation batch never outlive its call."""
     settings = ["lora.rank=4", "model.grpo.num_iterations=2", "trainer.checkpoint_every_steps=2"]
-    run = lambda run_dir, stop: xlafit.train_and_evaluate(  # noqa: E731
-        xlafit.load_config("llm", overrides(files, run_dir, *settings, f"trainer.stop_at_step={stop}"))
-    )
+    # A third reward, as TRL's take it: trainer_state (the run's step, length and epoch) where
+    # its generation batch was scored, written down; async, as TRL allows.
+    for name in ("whole", "cut"):
+        (tmp_path / f"{name}.py").write_text(
+            REWARDS + "import json\n"
+            "async def seen(prompts, completions, trainer_state, **kwargs):\n"
+            f"    with open({str(tmp_path / (name + '.seen'))!r}, 'a') as f:\n"
+            "        s = trainer_state\n"
+            "        f.write(json.dumps([s.global_step, s.max_steps, s.epoch]) + '\\n')\n"
+            "    return [0.0] * len(prompts)\n"
+        )
+
+    def run(run_dir, stop):
+        rewards = f"model.grpo.rewards={tmp_path / run_dir.name}.py:exact,short,seen"
+        cfg = xlafit.load_config("llm", [*overrides(files, run_dir, *settings, f"trainer.stop_at_step={stop}"), rewards])
+        return xlafit.train_and_evaluate(cfg)
+
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     run(whole, 8)
     run(cut, 4)
@@ -193,6 +207,11 @@ def test_a_grpo_run_stopped_and_resumed_logs_the_uninterrupted_metrics(files, tm
     assert "resumed from checkpoint 4 " in capsys.readouterr().out
     assert max(r["step"] for r in records(whole) if r["split"] == "train") == 8
     assert by_step(cut) == by_step(whole)
+    seen = [json.loads(line) for line in (tmp_path / "whole.seen").read_text().splitlines()]
+    assert [s[0] for s in seen] == [0, 2, 4, 6]  # one generation batch per two steps (num_iterations=2)
+    # 12 prompts of 4 completions in batches of 8, each trained twice: 12 steps, the whole (1-epoch) run
+    assert [s[1:] for s in seen] == [[12, 0.0], [12, 2 / 12], [12, 4 / 12], [12, 6 / 12]]
+    assert (tmp_path / "cut.seen").read_text() == (tmp_path / "whole.seen").read_text()
 
 
 @long_form(

@@ -117,6 +117,70 @@ def test_a_function_that_takes_a_column_the_prompts_lack_is_refused_before_train
         check_arguments(load_rewards(f"{path}:g,f"), ["answer"])
     assert str(e.value) == (
         "reward function f takes solution, which the prompts' records do not have (their columns: answer; every "
-        "function also gets prompts, completions, completion_ids); add that field to every record, or give the "
-        "argument a default."
+        "function also gets prompts, completions, completion_ids, and trainer_state if it takes it); add that field "
+        "to every record, or give the argument a default."
     )
+
+
+def test_trainer_state_is_given_to_the_functions_that_take_it_and_async_ones_are_awaited(tmp_path):
+    """The fourteenth walk: TRL gives its reward functions ``trainer_state`` (a curriculum reads
+    its step) and awaits ``async def`` ones; xlafit refused the first ("add that field to every
+    record") and failed the second at the first batch ("returned a coroutine")."""
+    import asyncio
+
+    from xlafit.train.rewards import TrainerState
+
+    path = write(
+        tmp_path,
+        "import asyncio\n"
+        "def curriculum(prompts, completions, trainer_state, **kwargs):\n"
+        "    return [trainer_state.global_step / trainer_state.max_steps] * len(prompts)\n"
+        "def strict(prompts, completions, completion_ids, answer):\n"  # no **kwargs: given no state
+        "    return [float(len(i)) for i in completion_ids]\n"
+        "async def judged(prompts, completions, **kwargs):\n"
+        "    await asyncio.sleep(0)\n"
+        "    return [kwargs['trainer_state'].epoch] * len(prompts)\n",
+    )
+    rewards = load_rewards(f"{path}:curriculum,strict,judged")
+    check_arguments(rewards, ["answer"])
+    state = TrainerState(global_step=3, max_steps=12, epoch=0.5)
+    expected = [[0.25, 1, 0.5], [0.25, 2, 0.5], [0.25, 3, 0.5], [0.25, 1, 0.5]]
+    np.testing.assert_array_equal(score(rewards, kwargs(), PROMPT_INDEX, G, state), expected)
+
+    async def in_a_running_loop():  # a notebook's kernel runs its cells inside an event loop
+        return score(rewards, kwargs(), PROMPT_INDEX, G, state)
+
+    np.testing.assert_array_equal(asyncio.run(in_a_running_loop()), expected)
+
+
+@pytest.mark.parametrize(
+    ("signature", "message"),
+    [
+        (
+            "prompts, completion, answer, **kw",
+            "reward function f takes completion, which the prompts' records do not have (their columns: answer; "
+            "every function also gets prompts, completions, completion_ids, and trainer_state if it takes it); "
+            "rename it (completion -> completions), or give the argument a default.",
+        ),
+        (
+            "prompts, completions, log_metric, **kw",
+            "reward function f takes log_metric (TRL's logging hook), which xlafit does not give: the run logs each "
+            "function's mean and standard deviation itself (rewards/f/mean, rewards/f/std); take it out of the "
+            "signature, or give it a default (None).",
+        ),
+    ],
+    ids=["typo", "trl-hook"],
+)
+def test_a_misspelt_argument_or_a_trl_logging_hook_is_named_as_what_it_is(tmp_path, signature, message):
+    """The fourteenth walk: `completion` for `completions` was told "add that field to every
+    record, or give the argument a default", neither a fix for a typo."""
+    path = write(tmp_path, f"def f({signature}):\n    return [0.0] * len(prompts)\n")
+    with pytest.raises(ConfigError) as e:
+        check_arguments(load_rewards(f"{path}:f"), ["answer"])
+    assert str(e.value) == message
+
+
+def test_a_function_reading_a_trl_hook_from_kwargs_is_told_xlafit_does_not_give_it(tmp_path):
+    path = write(tmp_path, "def f(prompts, completions, **kw):\n    kw['log_extra']('x', [])\n")
+    with pytest.raises(RewardError, match=r"raised KeyError: 'log_extra' .*; xlafit gives trainer_state to a function"):
+        score(load_rewards(f"{path}:f"), kwargs(), PROMPT_INDEX, G)

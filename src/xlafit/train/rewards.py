@@ -10,7 +10,11 @@ keyword (one value per completion), and returns one number per completion::
         return [1.0 if c[0]["content"].strip() == a else 0.0 for c, a in zip(completions, answer)]
 
 ``model.grpo.rewards=rewards.py:exact_answer,format_ok`` names them: the file runs as a
-script (its directory importable, as ``python rewards.py`` would have it), once.
+script (its directory importable, as ``python rewards.py`` would have it), once. A function
+that takes ``trainer_state`` (by name, or through ``**kwargs``) gets the run's
+:class:`TrainerState` as TRL gives its own; an ``async def`` function is awaited, as TRL
+awaits it. TRL's logging hooks (``log_extra``, ``log_metric``) are not given: the run logs
+each function's mean and standard deviation itself.
 
 Example:
     >>> parse_spec("rewards.py:exact,format")
@@ -19,13 +23,17 @@ Example:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
+import difflib
 import functools
 import inspect
 import math
 import os
 import runpy
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,7 +42,16 @@ import numpy as np
 
 from xlafit.errors import ConfigError, RewardError
 
-__all__ = ["KEYWORDS", "Reward", "check_arguments", "importable", "load_rewards", "parse_spec", "score"]
+__all__ = [
+    "KEYWORDS",
+    "Reward",
+    "TrainerState",
+    "check_arguments",
+    "importable",
+    "load_rewards",
+    "parse_spec",
+    "score",
+]
 
 Reward = tuple[str, Callable[..., Sequence[float]]]  # (name, function)
 
@@ -119,37 +136,102 @@ def _load(path_str: str, names: tuple[str, ...], mtime: int, size: int, file: st
 
 # What every reward function is called with, beside the data's columns (TRL's keywords).
 KEYWORDS = ("prompts", "completions", "completion_ids")
+# TRL's trainer state: given to the functions that take it (TrainerState).
+STATE = "trainer_state"
+# TRL's logging hooks, which xlafit does not give (it logs each function's mean and std).
+TRL_HOOKS = ("log_extra", "log_metric")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerState:
+    """The run as a reward function's ``trainer_state`` sees it (the fields of TRL's that a
+    reward reads, for a curriculum or a schedule), at the generation batch being scored.
+
+    Attributes:
+        global_step: the steps trained before this batch (0 at the first).
+        max_steps: the steps of the whole run (``trainer.epochs`` x the steps of an epoch).
+        epoch: the epochs trained before this batch, fractional.
+    """
+
+    global_step: int
+    max_steps: int
+    epoch: float
+
+
+def _parameters(fn: Callable) -> list[inspect.Parameter] | None:
+    """``fn``'s parameters; None where Python cannot read its signature (a builtin)."""
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+
+
+def _takes(fn: Callable, keyword: str) -> bool:
+    """Whether ``fn`` takes ``keyword``: by name, or through ``**kwargs``."""
+    parameters = _parameters(fn) or []
+    return any(p.name == keyword or p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def check_arguments(rewards: Sequence[Reward], columns: Sequence[str]) -> None:
     """Refuses a reward function that takes, with no default, an argument neither among
-    :data:`KEYWORDS` nor a column of the data (``columns``): it would fail on every batch,
-    and no record can fix that.
+    :data:`KEYWORDS` (nor ``trainer_state``) nor a column of the data (``columns``): it would
+    fail on every batch, and no record can fix that. A name one letter or so from one it would
+    get is named as the likely fix; TRL's logging hooks are named as what they are.
 
     Raises:
         ConfigError: naming the function, the argument and the columns the data has.
     """
-    given = {*KEYWORDS, *columns}
+    given = [*KEYWORDS, STATE, *columns]
     for name, fn in rewards:
-        try:
-            parameters = inspect.signature(fn).parameters.values()
-        except (TypeError, ValueError):  # a builtin or an object whose signature Python cannot read
-            continue
         kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        missing = [p.name for p in parameters if p.kind in kinds and p.default is p.empty and p.name not in given]
+        missing = [
+            p.name for p in _parameters(fn) or [] if p.kind in kinds and p.default is p.empty and p.name not in given
+        ]
+        hooks = [m for m in missing if m in TRL_HOOKS]
+        if hooks:
+            raise ConfigError(
+                f"reward function {name} takes {', '.join(hooks)} (TRL's logging hook{'s' if len(hooks) > 1 else ''}), "
+                "which xlafit does not give: the run logs each function's mean and standard deviation itself "
+                f"(rewards/{name}/mean, rewards/{name}/std); take it out of the signature, or give it a default (None)."
+            )
         if missing:
             have = ", ".join(columns) or "none"
+            close = {m: difflib.get_close_matches(m, given, n=1, cutoff=0.8) for m in missing}
+            meant = [f"{m} -> {close[m][0]}" for m in missing if close[m]]
+            fix = (
+                f"rename {'it' if len(missing) == 1 else 'them'} ({', '.join(meant)}), "
+                if meant
+                else f"add {'that field' if len(missing) == 1 else 'those fields'} to every record, "
+            )
             raise ConfigError(
                 f"reward function {name} takes {', '.join(missing)}, which the prompts' records do not have (their "
-                f"columns: {have}; every function also gets {', '.join(KEYWORDS)}); add "
-                f"{'that field' if len(missing) == 1 else 'those fields'} to every record, or give the argument a "
-                "default."
+                f"columns: {have}; every function also gets {', '.join(KEYWORDS)}, and {STATE} if it takes it); "
+                f"{fix}or give the argument a default."
             )
+
+
+_LOOP: dict[str, asyncio.AbstractEventLoop] = {}  # the event loop that awaits async rewards, once started
+
+
+def _awaited(awaitable: Any) -> Any:
+    """What ``awaitable`` gives, awaited on an event loop of its own thread: the caller's
+    thread may run a loop already (a notebook's kernel does), where ``asyncio.run`` cannot."""
+    if "loop" not in _LOOP:
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, name="xlafit-async-rewards", daemon=True).start()
+        _LOOP["loop"] = loop
+    return asyncio.run_coroutine_threadsafe(awaitable, _LOOP["loop"]).result()
+
+
+def _call(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+    """``fn(**kwargs)``, awaited where ``fn`` is ``async def``."""
+    values = fn(**kwargs)
+    return _awaited(values) if inspect.isawaitable(values) else values
 
 
 def _called(name: str, fn: Callable[..., Sequence[float]], n: int, kwargs: dict[str, Any]) -> list[Any]:
     """``fn(**kwargs)`` as a list of ``n`` values; raises what it raises."""
-    values = fn(**kwargs)
+    values = _call(fn, kwargs)
     try:
         values = list(values)
     except TypeError:
@@ -168,16 +250,20 @@ def _first_failing(name: str, fn: Callable, group: int, kwargs: dict[str, Any]) 
     """The first group of completions ``fn`` raises on alone, and what it raised."""
     n = len(kwargs["prompts"])
     for start in range(0, n, group):
-        part = {k: v[start : start + group] for k, v in kwargs.items()}
+        part = {k: v if k == STATE else v[start : start + group] for k, v in kwargs.items()}
         try:
-            fn(**part)
+            _call(fn, part)
         except Exception as e:
             return start // group, e
     return None
 
 
 def score(
-    rewards: Sequence[Reward], kwargs: dict[str, list[Any]], prompt_index: Sequence[int], group: int
+    rewards: Sequence[Reward],
+    kwargs: dict[str, list[Any]],
+    prompt_index: Sequence[int],
+    group: int,
+    state: TrainerState | None = None,
 ) -> np.ndarray:
     """``[N, F]`` float32: each reward function's value for each completion.
 
@@ -188,6 +274,7 @@ def score(
         prompt_index: the index in the data of each completion's prompt, from 0 (the errors
             count records from 1, as the data's other messages do).
         group: the completions of a prompt (adjacent).
+        state: the run's ``trainer_state``, given to the functions that take it.
 
     Raises:
         RewardError: a function raised (its name, the prompt's index in the data and what it
@@ -196,17 +283,24 @@ def score(
     n = len(kwargs["prompts"])
     out = np.zeros((n, len(rewards)), np.float32)
     for column, (name, fn) in enumerate(rewards):
+        given = kwargs | {STATE: state} if state is not None and _takes(fn, STATE) else kwargs
         try:
-            values = _called(name, fn, n, kwargs)
+            values = _called(name, fn, n, given)
         except RewardError:
             raise
         except Exception as e:
-            found = _first_failing(name, fn, group, kwargs)
+            found = _first_failing(name, fn, group, given)
             which, error = (found[0], found[1]) if found is not None else (0, e)
+            hook = isinstance(error, KeyError) and error.args and error.args[0] in (*TRL_HOOKS, STATE)
+            fix = (
+                f"xlafit gives {STATE} to a function that takes it and never gives TRL's logging hooks "
+                f"({', '.join(TRL_HOOKS)}): fix the function"
+                if hook
+                else "fix the function (or that record)"
+            )
             raise RewardError(
                 f"reward function {name} raised {type(error).__name__}: {error} on the completions of the prompt "
-                f"of record {prompt_index[which * group] + 1} of the data (counted from 1); fix the function (or "
-                "that record) and run again."
+                f"of record {prompt_index[which * group] + 1} of the data (counted from 1); {fix} and run again."
             ) from e
         for i, value in enumerate(values):
             try:  # a number (or a value that is one: numpy's, a 0-d tensor); not a text that spells one

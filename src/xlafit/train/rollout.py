@@ -37,7 +37,7 @@ from xlafit.models.lora import adapters_off, has_adapters
 from xlafit.parallel.sharding import row_shards, rows_layout, rows_sharding
 from xlafit.train import grpo
 from xlafit.train.losses import TokenLogps, whole_token_logps
-from xlafit.train.rewards import Reward, check_arguments, score
+from xlafit.train.rewards import Reward, TrainerState, check_arguments, score
 
 __all__ = ["GENERATION", "Rollout", "sampler_seed"]
 
@@ -90,6 +90,8 @@ class Rollout:
         seed: the run's data seed, from which each step's sampler seed derives.
         token_logps: how the log-probabilities of the rows' tokens are computed (the loss's:
             :func:`xlafit.train.grpo.loss_fn`).
+        steps_per_epoch, max_steps: the run's, for the rewards' ``trainer_state``; the
+            trainer sets them as it starts.
     """
 
     prompts: PromptSet
@@ -101,6 +103,8 @@ class Rollout:
     top_k: int = 0
     seed: int = 0
     token_logps: TokenLogps = whole_token_logps
+    steps_per_epoch: int = 0
+    max_steps: int = 0
 
     def __post_init__(self) -> None:
         weights = np.ones(len(self.rewards), np.float32) if self.reward_weights is None else self.reward_weights
@@ -132,7 +136,7 @@ class Rollout:
         rollout_s = time.perf_counter() - start  # generate fetches the tokens: the loop has ended
         rows = self._rows(index, completions)
         lengths = np.array([len(c) for c in completions], np.float32)
-        values = score(self.rewards, self._reward_inputs(index, completions), index, data.group)
+        values = score(self.rewards, self._reward_inputs(index, completions), index, data.group, self.state_at(step))
         assert self.reward_weights is not None
         adv, stats = grpo.advantages(values, self.reward_weights, data.group, o.scale_rewards)
         rows["advantages"] = adv
@@ -140,6 +144,11 @@ class Rollout:
         self._add_logps(model, rows)
         rows |= self._logged(values, stats, lengths, completions, rollout_s)
         return rows
+
+    def state_at(self, step: int) -> TrainerState:
+        """The rewards' ``trainer_state`` for the generation batch of ``step`` (counted from 0)."""
+        epoch = step / self.steps_per_epoch if self.steps_per_epoch else 0.0
+        return TrainerState(global_step=step, max_steps=self.max_steps, epoch=epoch)
 
     @property
     def width(self) -> int:
