@@ -214,6 +214,23 @@ def test_a_grpo_run_stopped_and_resumed_logs_the_uninterrupted_metrics(files, tm
     assert (tmp_path / "cut.seen").read_text() == (tmp_path / "whole.seen").read_text()
 
 
+def test_a_resume_may_change_the_rewards_weights_and_says_so(files, tmp_path, capsys):
+    """The fourteenth walk: a reward weight changed between two sessions was refused ("This
+    change breaks continuation from its checkpoints") and the run could only start over; a
+    weight changes what the rewards say, not the checkpoints. Other GRPO settings still refuse."""
+    run = lambda *extra: xlafit.train_and_evaluate(  # noqa: E731
+        xlafit.load_config("llm", overrides(files, tmp_path, "lora.rank=4", *extra))
+    )
+    run("trainer.stop_at_step=2")
+    capsys.readouterr()
+    result = run("trainer.stop_at_step=4", "model.grpo.reward_weights=1,0.5")
+    out = capsys.readouterr().out
+    assert "resuming with changed settings: model.grpo.reward_weights null -> '1,0.5'" in out, out
+    assert "resumed from checkpoint 2 " in out and result.history[-1]["step"] == 4
+    with pytest.raises(ConfigError, match=r"model.grpo.temperature: 1.0 in the run, 0.5 now. This change breaks"):
+        run("trainer.stop_at_step=6", "model.grpo.reward_weights=1,0.5", "model.grpo.temperature=0.5")
+
+
 @long_form(
     51,
     "test_a_grpo_run_stopped_and_resumed_logs_the_uninterrupted_metrics (GRPO's exact resume) and "

@@ -96,6 +96,9 @@ BREAKING = (
     "data.loss_on",
     "trainer.invariant_chunks",
 )
+# Keys under BREAKING that a run may change on resume: what its rewards say (a hackathon's
+# reward shaping between sessions), not its checkpoints, data order or programs' parameters.
+CONTINUABLE = ("model.grpo.rewards", "model.grpo.reward_weights")
 
 
 def train_and_evaluate(cfg: Config) -> FitResult:
@@ -501,7 +504,9 @@ def check_continuation(
     # A key that only one side has comes from another xlafit version (a setting added or
     # removed since the run began): announced below, never a reason to refuse.
     breaking = [
-        k for k in changed if k in saved and k in now and any(k == b or k.startswith(b + ".") for b in BREAKING)
+        k
+        for k in changed
+        if k in saved and k in now and any(k == b or k.startswith(b + ".") for b in BREAKING) and k not in CONTINUABLE
     ]
     if breaking:
         diffs = "; ".join(f"{k}: {_shown(saved, k)} in the run, {_shown(now, k)} now" for k in breaking)
