@@ -61,7 +61,9 @@ def overrides(files, run_dir, *extra):
         (["model.objective=grpo"], r"learns from rewards: name the reward functions, as model.grpo.rewards="),
         (["model.grpo.beta=0.04"], r"full fine-tuning \(lora.rank=0\) has no frozen base .* Set lora.rank=16"),
         (["trainer.steps_per_call=3", "model.grpo.num_iterations=2"], r"drop trainer.steps_per_call"),
-        (["model.grpo.reward_weights=1"], r"1 weights for the 2 functions"),
+        (["model.grpo.reward_weights=1"], r"1 weight for the 2 functions"),
+        (["model.grpo.temperature=0"], r"^model.grpo.temperature=0: give a temperature above 0"),  # that key alone
+        (["model.grpo.max_completion_length=0"], r"^model.grpo.max_completion_length=0: give 1 token or more \("),
         (["model.grpo.loss_type=ppo"], r"model.grpo.loss_type"),
         (["trainer.stop_at_step=3", "model.grpo.num_iterations=2"], r"stops inside a generation batch"),
     ],
@@ -195,8 +197,8 @@ def test_a_grpo_run_stopped_and_resumed_logs_the_uninterrupted_metrics(files, tm
 
     def run(run_dir, stop):
         rewards = f"model.grpo.rewards={tmp_path / run_dir.name}.py:exact,short,seen"
-        cfg = xlafit.load_config("llm", [*overrides(files, run_dir, *settings, f"trainer.stop_at_step={stop}"), rewards])
-        return xlafit.train_and_evaluate(cfg)
+        args = [*overrides(files, run_dir, *settings, f"trainer.stop_at_step={stop}"), rewards]
+        return xlafit.train_and_evaluate(xlafit.load_config("llm", args))
 
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     run(whole, 8)

@@ -120,6 +120,24 @@ def test_the_rollouts_share_of_a_grpo_step_is_its_time_over_the_rollout_and_the_
     assert r.rollout_share is None and "GRPO step" not in format_report(r)
 
 
+def test_a_floor_with_every_weight_in_on_chip_memory_says_so():
+    """The fourteenth walk: a tiny policy's floor read "reading the policy's 0.2 MiB of weights
+    ..., less the 0.4 MiB the loop keeps in on-chip memory": more kept than read."""
+    fits = [
+        ProgramFit("rollout generation", 64, True, run_s=1e-3, predicted=True, decode_steps=15, decode_s=5e-4,
+                   floor_s=0.0, weights=200 * 2**10, on_chip=400 * 2**10),
+        ProgramFit("rollout generation", 64, True, run_s=1e-3, predicted=True, decode_steps=15, decode_s=5e-4,
+                   floor_s=1e-4, weights=400 * 2**10, on_chip=100 * 2**10),
+    ]  # fmt: skip
+    texts = []
+    for fit in fits:
+        r = TargetReport("v5e-8", steps_per_call=1, step_s=0.2, predicted=True, train_fits=True, rollout=[fit])
+        r.capacity, r.memory = 15.75 * 2**30, {"state": 2**30, "total": 4 * 2**30}
+        texts.append(next(line for line in format_report(r).splitlines() if "the loop's floor" in line))
+    assert "(the loop keeps 0.4 MiB in on-chip memory: no weight read from HBM is left)" in texts[0], texts[0]
+    assert "less the 0.1 MiB the loop keeps in on-chip memory" in texts[1], texts[1]
+
+
 def test_a_rollout_program_is_not_validated_by_a_band_of_train_steps():
     """The v5e's band comes from train steps: a generation of a like model is not validated by it."""
     rates = rates_for("TPU v5 lite")

@@ -265,7 +265,13 @@ def _rollout_speed_lines(r: TargetReport) -> list[str]:
                 f"{seconds(p.decode_s)}: {p.decode_flops or 0:.3g} FLOPs, {p.decode_bytes or 0:.3g} HBM bytes per "
                 f"core{links}"
             )
-            kept = f", less the {gib(p.on_chip)} the loop keeps in on-chip memory," if p.on_chip else ""
+            kept = ""
+            if p.on_chip:  # the loop's state in on-chip memory: weights, or the cache, which may be more
+                kept = (
+                    f", less the {gib(p.on_chip)} the loop keeps in on-chip memory,"
+                    if p.on_chip < (p.weights or 0)
+                    else f" (the loop keeps {gib(p.on_chip)} in on-chip memory: no weight read from HBM is left),"
+                )
             lines.append(
                 f"      the loop's floor: {seconds(p.floor_s)}, {p.decode_steps} steps each reading the policy's "
                 f"{gib(p.weights or 0)} of weights per core (each core's shard){kept} from HBM at "

@@ -96,9 +96,11 @@ def validate(cfg: Config) -> None:
     load_rewards(g.rewards)  # a missing file, one that is not Python, a function it lacks: refused now
     weights = weights_of(g)
     if weights is not None and len(weights) != len(parse_spec(g.rewards)[1]):
+        functions = len(parse_spec(g.rewards)[1])
         raise ConfigError(
-            f"model.grpo.reward_weights has {len(weights)} weights for the {len(parse_spec(g.rewards)[1])} functions "
-            "of model.grpo.rewards; give one weight per function (or none: 1 each)."
+            f"model.grpo.reward_weights has {len(weights)} weight{'s' if len(weights) != 1 else ''} for the "
+            f"{functions} function{'s' if functions != 1 else ''} of model.grpo.rewards; give one weight per function "
+            "(or none: 1 each)."
         )
     if g.num_iterations < 1 or not 0 < g.top_p <= 1 or g.top_k < 0:
         raise ConfigError(

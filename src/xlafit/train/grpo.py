@@ -97,10 +97,15 @@ class GrpoObjective:
                 f"model.grpo.num_generations={self.num_generations}: a group needs 2 completions or more (its "
                 "advantages are relative to its mean)."
             )
-        if self.max_completion_length < 1 or self.temperature <= 0:
+        if self.max_completion_length < 1:
             raise ConfigError(
-                f"model.grpo.max_completion_length={self.max_completion_length}, temperature={self.temperature:g}: "
-                "give 1 token or more and a temperature above 0 (GRPO samples)."
+                f"model.grpo.max_completion_length={self.max_completion_length}: give 1 token or more (a "
+                "completion's length at most)."
+            )
+        if self.temperature <= 0:
+            raise ConfigError(
+                f"model.grpo.temperature={self.temperature:g}: give a temperature above 0 (GRPO samples its "
+                "completions; TRL's default is 1.0)."
             )
 
     @property
