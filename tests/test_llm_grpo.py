@@ -315,3 +315,33 @@ def test_a_reward_function_that_raises_stops_the_run_without_a_compile_summary(f
     with pytest.raises(RewardError, match=r"function boom raised ValueError: no on the completions of the prompt"):
         xlafit.train_and_evaluate(cfg)
     assert "compiled 0 time(s)" not in capsys.readouterr().out
+
+
+def test_a_reward_error_mid_run_keeps_the_steps_before_it_and_a_rerun_goes_on_from_them(files, tmp_path):
+    """The fourteenth walk: a reward that raised at step 6 ended the run without saving steps 5
+    and 6's predecessors since checkpoint 4, and its message did not say where a rerun goes on.
+    The steps trained before the failing batch are logged and saved; the rerun, the function
+    fixed, goes on from them and logs every step once."""
+    from xlafit.errors import RewardError
+
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(
+        REWARDS + "def picky(prompts, completions, trainer_state, **kwargs):\n"
+        "    if trainer_state.global_step == 3:\n"
+        "        raise ValueError('an edge case')\n"
+        "    return [0.0] * len(prompts)\n"
+    )
+    run_dir = tmp_path / "run"
+    args = [*overrides(files, run_dir, "lora.rank=4", "trainer.checkpoint_every_steps=2", "trainer.stop_at_step=5"),
+            f"model.grpo.rewards={rewards}:exact,short,picky"]  # fmt: skip
+    with pytest.raises(RewardError) as e:
+        xlafit.train_and_evaluate(xlafit.load_config("llm", args))
+    assert str(e.value).endswith(
+        f"fix the function (or that record) and run again. The steps before it are kept: checkpoint 3 saved in "
+        f"{run_dir / 'checkpoints'}; a rerun goes on from there."
+    ), str(e.value)
+    rewards.write_text(rewards.read_text().replace("== 3", "== -1"))
+    result = xlafit.train_and_evaluate(xlafit.load_config("llm", args))
+    assert result.history[-1]["step"] == 5
+    assert [r["step"] for r in records(run_dir) if r["split"] == "train"] == [1, 2, 3, 4, 5]
+

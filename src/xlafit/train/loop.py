@@ -117,11 +117,13 @@ class Loop:
     window_t0: float = 0.0
     window_wait: float = 0.0
     window_compile: float = 0.0
+    last_call: Call | None = None
 
     def open_window(self, wait_s: float = 0.0) -> None:
         self.pending, self.window_t0, self.window_wait, self.window_compile = [], time.perf_counter(), wait_s, 0.0
 
     def add(self, call: Call) -> None:
+        self.last_call = call
         self.pending.append((call.first, call.metrics))
         self.window_compile += call.compile_s
 

@@ -42,7 +42,7 @@ from xlafit.checkpoint import Checkpointer, check_not_all_set_aside, unfinished_
 from xlafit.config import TrainerConfig, validate_watchdog
 from xlafit.data.dataset import Batch, Dataset, StreamedDataset, as_dataset, checked_batch, num_shapes
 from xlafit.data.loader import Prefetcher, TakeRequests, TrainOrder, to_global
-from xlafit.errors import ConfigError, Preempted
+from xlafit.errors import ConfigError, Preempted, RewardError
 from xlafit.io.paths import as_path
 from xlafit.parallel.cluster import connect
 from xlafit.parallel.mesh import Strategy
@@ -426,8 +426,23 @@ class Trainer:
         while loop.step < loop.stop:  # more than once only after a rollback
             loop.open_window()
             with contextlib.closing(self.steps(train, loop.step, loop.stop)) as calls:
-                # stops at the first call after which the NaN policy rolled back, if any
-                any(self._after_call(loop, call, eval) for call in calls)
+                try:  # stops at the first call after which the NaN policy rolled back, if any
+                    any(self._after_call(loop, call, eval) for call in calls)
+                except RewardError as e:  # its batch trained nothing; the steps before it did
+                    raise RewardError(f"{e}{self._keep_before_error(loop)}") from e
+
+    def _keep_before_error(self, loop: Loop) -> str:
+        """Before a reward error ends the run: the steps trained since the last checkpoint
+        logged and saved (one process: a job's save needs every process); says where a rerun
+        goes on. Nothing where the run has no run directory."""
+        if self._ckpt is None:
+            return ""
+        latest = self._ckpt.latest_step()
+        if jax.process_count() > 1 or loop.step == (latest or 0):
+            return f" A rerun goes on from checkpoint {latest}." if latest else " A rerun starts at step 0."
+        if loop.pending and loop.last_call is not None:
+            self._log(loop, loop.last_call)
+        return f" The steps before it are kept: {self._save_now(loop.step)}; a rerun goes on from there."
 
     def _after_call(self, loop: Loop, call: Call, eval: Dataset | None) -> bool:
         """Everything that may be due after one call: log (and the NaN policy), a stop on a
