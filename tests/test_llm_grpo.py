@@ -345,3 +345,22 @@ def test_a_reward_error_mid_run_keeps_the_steps_before_it_and_a_rerun_goes_on_fr
     assert result.history[-1]["step"] == 5
     assert [r["step"] for r in records(run_dir) if r["split"] == "train"] == [1, 2, 3, 4, 5]
 
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "",
+        [{"role": "system", "content": "Answer in tags."}, {"role": "user", "content": ""}],
+        [{"role": "system", "content": "Answer in tags."}],
+    ],  # fmt: skip
+    ids=["empty-text", "empty-user-turn", "system-only"],
+)
+def test_a_prompt_with_nothing_to_answer_is_refused(prompt):
+    """The fourteenth walk: an empty text prompt was refused, a conversation whose user turn
+    was empty (after a system prompt) trained without a word."""
+    from xlafit.data.prompts import check_prompt
+
+    with pytest.raises(DataError, match=r"^prompts.jsonl, record 3 has (an empty prompt|no message to answer)"):
+        check_prompt({"prompt": prompt}, "prompts.jsonl, record 3")
+    asked = [{"role": "system", "content": "Answer in tags."}, {"role": "user", "content": "1 plus 1?"}]
+    assert check_prompt({"prompt": asked}, "prompts.jsonl, record 3") == "chat"

@@ -138,7 +138,8 @@ def check_prompt(record: dict[str, Any], where: str) -> str:
     """``text`` or ``chat``: the kind of a prompt record.
 
     Raises:
-        DataError: no ``prompt``, or one that is neither a text nor a list of messages.
+        DataError: no ``prompt``, or one that is neither a text nor a list of messages, or
+            that is empty (a conversation: empty but for its system prompt).
     """
     prompt = record.get("prompt")
     if prompt is None:
@@ -148,6 +149,8 @@ def check_prompt(record: dict[str, Any], where: str) -> str:
             raise DataError(f"{where} has an empty prompt; give it a text to answer.")
         return "text"
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m for m in prompt):
+        if not any(m.get("content") for m in prompt if m["role"] != "system"):
+            raise DataError(f"{where} has no message to answer (only a system prompt, or empty messages); give it one.")
         return "chat"
     raise DataError(f"{where}: 'prompt' is a {type(prompt).__name__} of the wrong shape; give {_LAYOUT}.")
 
