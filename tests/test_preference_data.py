@@ -42,6 +42,7 @@ def prompt_ids(arrays, i, j):
     return arrays["input_ids"][i, j, :first].tolist()
 
 
+CHOSEN_REJECTED = ("chosen", "rejected")
 CONVERSATION = {
     "prompt": [{"role": "user", "content": "What is 2 plus 3?"}],
     "chosen": [{"role": "assistant", "content": "2 plus 3 is 5."}],
@@ -102,6 +103,10 @@ def test_parquet_pairs_read_as_json_lines(tmp_path, demo):
         np.testing.assert_array_equal(from_parquet.arrays[k], from_jsonl.arrays[k])
 
 
+# chosen and rejected as whole conversations, the question first
+ASKED_IN_BOTH = {k: [*CONVERSATION["prompt"], *CONVERSATION[k]] for k in CHOSEN_REJECTED}
+
+
 @pytest.mark.parametrize(
     ("record", "message"),
     [
@@ -112,6 +117,27 @@ def test_parquet_pairs_read_as_json_lines(tmp_path, demo):
         (
             {"prompt": "2+2=", "chosen": [{"role": "assistant", "content": "4"}], "rejected": "5"},
             r"mixes kinds of field .* all of them as text, or all as conversations",
+        ),
+        # The fifteenth walk's: each was refused with another cause and fix, or trained as it should not.
+        (
+            {**CONVERSATION, "rejected": []},  # was "data.seq_len cuts off entirely ... raise data.seq_len"
+            r"record 2: its rejected completion has no assistant turn after the prompt .* an answer each",
+        ),
+        (
+            {"chosen": [*CONVERSATION["prompt"], *CONVERSATION["chosen"]], "rejected": CONVERSATION["prompt"]},
+            r"record 2: its rejected completion has no assistant turn after the prompt",
+        ),
+        (  # UltraFeedback's layout: told to give all as conversations, which asked the question twice
+            {"prompt": "What is 2 plus 3?", **ASKED_IN_BOTH},
+            r"record 2 has a text prompt and conversations that begin with it .*: leave 'prompt' out \(TRL's implicit",
+        ),
+        (
+            {**CONVERSATION, **ASKED_IN_BOTH},
+            r"record 2: chosen and rejected begin with the prompt's last message again, so the model would be asked",
+        ),
+        (  # no record number before
+            {"prompt": "2+2=", "chosen": "4", "rejected": "5"},
+            r"prefs.jsonl, record 2 is text, and .*prefs.jsonl, record 1 was a conversation: the preference records",
         ),
     ],
 )
@@ -183,3 +209,22 @@ def test_a_held_out_share_that_draws_no_pair_says_there_is_no_evaluation(tmp_pat
     said = summary(train, evaluation, 0.02)
     assert f"  no evaluation: none of the {train.documents} pairs was drawn for it at data.eval_fraction=0.02" in said
     assert "no evaluation" not in summary(train, evaluation, 0.0)
+
+
+def test_pairs_with_other_turns_inside_their_completions_say_only_the_answers_are_compared(tmp_path, demo):
+    """The fifteenth walk: a pair whose chosen and rejected hold a user's reply between two
+    answers compares their assistant turns alone, where TRL's DPOTrainer compares every token
+    after the prompt; nothing said so."""
+    from xlafit.data.preference import summary
+
+    thanks = [{"role": "user", "content": "Thanks!"}, {"role": "assistant", "content": "You are welcome."}]
+    record = {**CONVERSATION, **{k: [*CONVERSATION[k], *thanks] for k in CHOSEN_REJECTED}}
+    train, tok = loaded(tmp_path, demo, [CONVERSATION, record, record], seq_len=96)
+    assert "Thanks!" not in completion_text(tok, train.arrays, 1, 0) and "welcome" in completion_text(
+        tok, train.arrays, 1, 0
+    )
+    assert (train.source.other_turns, train.source.first_other_turns) == (2, f"{tmp_path / 'prefs.jsonl'}, record 2")
+    assert (
+        f"  2 pairs hold another role's turns inside chosen or rejected (the first: {tmp_path / 'prefs.jsonl'}, "
+        "record 2): only their assistant turns are compared (TRL's DPOTrainer" in summary(train, train)
+    )

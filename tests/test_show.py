@@ -248,3 +248,26 @@ def test_a_template_given_by_flag_is_named_by_that_flag(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"chat template: the chat template in {template} (--chat-template)" in out, out
     assert "data.chat_template" not in out, out
+
+
+def test_a_pair_or_prompt_file_that_training_refuses_is_refused_by_data_show_too(tmp_path, capsys):
+    """The fifteenth walk: `data show` exited 0 on a preference file mixing text and
+    conversation records and on a pair whose rejected conversation was empty (`0 compared`),
+    which training refuses."""
+    from xlafit.cli import main
+
+    folder = family_tokenizer("qwen3", tmp_path / "qwen3")
+    asked = [{"role": "user", "content": "What is 3 plus 4?"}]
+    pair = {"prompt": asked, "chosen": [{"role": "assistant", "content": "It is 7."}],
+            "rejected": [{"role": "assistant", "content": "It is 8."}]}  # fmt: skip
+    cases = {
+        "mixed.jsonl": ([pair, {"prompt": "3+4=", "chosen": "7", "rejected": "8"}], "record 2 is text, and"),
+        "empty.jsonl": ([pair, {**pair, "rejected": []}], "record 2: its rejected completion has no assistant turn"),
+        "prompts.jsonl": ([{"prompt": asked}, {"prompt": "3+4="}], "record 2 is text, and"),
+    }
+    for name, (records, message) in cases.items():
+        data = tmp_path / name
+        data.write_text("".join(json.dumps(r) + "\n" for r in records))
+        capsys.readouterr()
+        assert main(["data", "show", str(data), "--tokenizer", str(folder), "--color", "never"]) == 2, name
+        assert f"{data}, {message}" in capsys.readouterr().err, name

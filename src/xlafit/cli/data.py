@@ -174,6 +174,7 @@ def _show_pairs(file: str, records: list[dict[str, Any]], e: Any, seq_len: int, 
     on them: each completion after its prompt, the completion's tokens (what DPO, SimPO and ORPO
     compare) marked."""
     from xlafit.data import preference, show
+    from xlafit.data.chat import check_one_kind
 
     records = records[: max(args.records, 0)]
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
@@ -182,9 +183,18 @@ def _show_pairs(file: str, records: list[dict[str, Any]], e: Any, seq_len: int, 
         "each completion after its prompt"
         + ("" if color else f"; the compared completion between {show.OPEN} and {show.CLOSE}")
     )
+    first: dict[str, str] = {}
     for number, record in enumerate(records, 1):
-        kind = preference.check_pair(record, f"{file}, record {number}")
-        pair = preference.encode_pair(record, kind, e.tok, e.template, bos=e.markers[0], eos=e.markers[1])
+        where = f"{file}, record {number}"
+        kind = preference.check_pair(record, where)
+        check_one_kind(first, kind, where, "preference records")
+        try:
+            pair = preference.encode_pair(record, kind, e.tok, e.template, bos=e.markers[0], eos=e.markers[1])
+        except DataError as error:
+            raise DataError(f"{where}: {error}") from None
+        if preference.other_turns(record, kind):
+            print(f"\n(record {number} holds another role's turns inside chosen or rejected: only the assistant's "
+                  "are compared)")  # fmt: skip
         for side, encoded in zip(("chosen", "rejected"), pair, strict=True):
             s = show.shown(e.tok, encoded, "prompt_completion", seq_len)
             cut = f", cut at --seq-len {seq_len} (at {show.CUT})" if s.cut is not None else ""
@@ -198,14 +208,17 @@ def _show_prompts(file: str, records: list[dict[str, Any]], e: Any, args: argpar
     conversation in the chat template with its generation prompt, a text after ``<bos>``),
     with their token counts and the columns the reward functions get."""
     from xlafit.data import prompts, show
+    from xlafit.data.chat import check_one_kind
 
     print(
         f"{file}: prompts (train them with model.objective=grpo and reward functions); tokenizer {args.tokenizer}; "
         "each prompt as the rollout gives it to the model, its completions following it (up to "
         "model.grpo.max_completion_length tokens each)"
     )
+    first: dict[str, str] = {}
     for number, record in enumerate(records[: max(args.records, 0)], 1):
         kind = prompts.check_prompt(record, f"{file}, record {number}")
+        check_one_kind(first, kind, f"{file}, record {number}", "prompt records")
         ids = prompts.encode_prompt(record["prompt"], kind, e.tok, e.template, bos=e.markers[0])
         columns = ", ".join(k for k in record if k != "prompt") or "none"
         print(f"\n--- record {number}: {len(ids)} prompt tokens ({kind}); columns for the rewards: {columns}")

@@ -45,6 +45,7 @@ from xlafit.errors import DataError
 from xlafit.io.paths import as_path, filesystem
 
 __all__ = [
+    "check_one_kind",
     "FORMATS",
     "ROLES",
     "TEMPLATE_FILE",
@@ -356,6 +357,23 @@ def read_records(files: Sequence[str]) -> list[dict[str, Any]]:
                 raise DataError(f"{name}:{number} is a JSON {type(record).__name__}, not an object.")
             out.append(record)
     return out
+
+
+def check_one_kind(first: dict[str, str], kind: str, where: str, what: str) -> None:
+    """Refuses a record of another kind (``text`` or ``chat``) than the records before it,
+    naming both records; ``first`` holds where each kind was first seen (updated here).
+
+    Raises:
+        DataError: ``what`` (the records, as the message names them) mix text and conversations.
+    """
+    first.setdefault(kind, where)
+    other = next((k for k in ("text", "chat") if k != kind and k in first), None)
+    if other is not None:
+        said = {"text": "text", "chat": "a conversation"}
+        raise DataError(
+            f"{where} is {said[kind]}, and {first[other]} was {said[other]}: the {what} mix text and conversations; "
+            "give one kind per run."
+        )
 
 
 def detect_format(records: Sequence[dict[str, Any]], where: str, text_column: str = "text") -> str:

@@ -32,12 +32,21 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from xlafit.data.chat import ChatTemplate, Encoded, encode, messages_of, read_records
+from xlafit.data.chat import ChatTemplate, Encoded, check_one_kind, encode, messages_of, read_records
 from xlafit.data.clm import PAD, data_files
 from xlafit.data.hashing import hash_uniform
 from xlafit.errors import DataError
 
-__all__ = ["PAIR_FORMAT", "PreferencePairs", "PreferenceSource", "check_pair", "encode_pair", "load_pairs", "summary"]
+__all__ = [
+    "PAIR_FORMAT",
+    "PreferencePairs",
+    "PreferenceSource",
+    "check_pair",
+    "encode_pair",
+    "load_pairs",
+    "other_turns",
+    "summary",
+]
 
 PAIR_FORMAT = "preference"
 _LAYOUTS = (
@@ -56,6 +65,8 @@ class PreferenceSource:
     truncated: int = 0  # rows longer than seq_len, cut at it (their completions keep their starts)
     alike: int = 0  # pairs left out: the cut at seq_len removed all that told chosen from rejected
     spans_boundary: int = 0  # pairs with a token across the prompt's end in a row (text pairs)
+    other_turns: int = 0  # conversation pairs whose completions hold another role's turns (not compared)
+    first_other_turns: str = ""  # the file and record of the first
 
 
 @dataclasses.dataclass
@@ -109,11 +120,22 @@ def check_pair(record: dict[str, Any], where: str) -> str:
     kinds = {k: _kind(record[k]) for k in fields}
     if "?" in kinds.values() or len(set(kinds.values())) > 1:
         shown = ", ".join(f"{k}: {type(record[k]).__name__}" for k in fields)
+        if kinds == {"prompt": "text", "chosen": "chat", "rejected": "chat"} and _begins_with(record, record["prompt"]):
+            raise DataError(
+                f"{where} has a text prompt and conversations that begin with it ({shown}): leave 'prompt' out (TRL's "
+                "implicit prompt: the messages chosen and rejected begin with are the prompt)."
+            )
         raise DataError(
             f"{where} mixes kinds of field ({shown}); give all of them as text, or all as conversations (lists of "
-            '{"role", "content"} messages).'
+            '{"role", "content"} messages; a prompt that chosen and rejected begin with already: leave it out).'
         )
     kind = next(iter(kinds.values()))
+    if kind == "chat" and "prompt" in record and record["prompt"] and _begins_with(record, record["prompt"][-1]):
+        raise DataError(
+            f"{where}: chosen and rejected begin with the prompt's last message again, so the model would be asked it "
+            "twice; leave 'prompt' out (they hold the whole conversation: TRL's implicit prompt), or that message out "
+            "of chosen and rejected."
+        )
     if kind == "text" and "prompt" not in record:
         raise DataError(
             f'{where} has text completions but no "prompt"; give the prompt as its own field (TRL\'s explicit '
@@ -126,6 +148,26 @@ def check_pair(record: dict[str, Any], where: str) -> str:
             "completion."
         )
     return kind
+
+
+def _begins_with(record: dict[str, Any], first: Any) -> bool:
+    """Whether both conversations of ``record`` begin with ``first``: a message, or a text
+    as a message's content."""
+
+    def opens(messages: Any) -> bool:
+        head = messages[0] if isinstance(messages, list) and messages else None
+        return isinstance(head, dict) and (head == first or (isinstance(first, str) and head.get("content") == first))
+
+    return opens(record["chosen"]) and opens(record["rejected"])
+
+
+def other_turns(record: dict[str, Any], kind: str) -> bool:
+    """Whether a conversation pair's completions hold turns other than the assistant's (a
+    user's reply between two answers): only the assistant's are compared."""
+    if kind != "chat":
+        return False
+    _, chosen, rejected = _split_prompt(record)
+    return any(m.get("role") != "assistant" for m in chosen + rejected)
 
 
 def _split_prompt(record: dict[str, Any]) -> tuple[list[dict], list[dict], list[dict]]:
@@ -177,7 +219,14 @@ def encode_pair(
             "(tokenizer_config.json's chat_template or chat_template.jinja); give one as data.chat_template."
         )
     prompt, chosen, rejected = _split_prompt(record)
-    return _encode_turns(prompt, chosen, template, tok), _encode_turns(prompt, rejected, template, tok)
+    pair = _encode_turns(prompt, chosen, template, tok), _encode_turns(prompt, rejected, template, tok)
+    for side, row in zip(("chosen", "rejected"), pair, strict=True):
+        if not any(row.mask):
+            raise DataError(
+                f"its {side} completion has no assistant turn after the prompt (it is empty, or holds the prompt "
+                "alone): the pair would compare nothing; give chosen and rejected an answer each."
+            )
+    return pair
 
 
 def load_pairs(
@@ -205,12 +254,18 @@ def load_pairs(
     encoded: list[tuple[Encoded, Encoded]] = []
     wheres: list[str] = []  # each pair's file and record, for the messages below
     kinds: set[str] = set()
+    first: dict[str, str] = {}  # where the first record of each kind was, and of other turns
+    others = 0
     for name in data_files(inputs):
         records = read_records([name])
         for number, record in enumerate(records, 1):
             where = f"{name}, record {number}"
             kind = check_pair(record, where)
+            check_one_kind(first, kind, where, "preference records")
             kinds.add(kind)
+            if other_turns(record, kind):
+                others += 1
+                first.setdefault("other turns", where)
             try:
                 encoded.append(encode_pair(record, kind, tok, template, bos=bos, eos=eos))
                 wheres.append(where)
@@ -218,8 +273,6 @@ def load_pairs(
                 raise DataError(f"{where}: {e}") from None
         if progress is not None:
             progress(f"read {len(records):,} preference records from {name}")
-    if len(kinds) > 1:
-        raise DataError("the preference records mix text and conversations; give one kind per run.")
     if not encoded:
         raise DataError(f"no preference records in {', '.join(map(str, inputs))}; give records in one of {_LAYOUTS}.")
     draws = hash_uniform(np.array([seed]), np.arange(len(encoded)), 13)
@@ -253,7 +306,7 @@ def load_pairs(
     fmt = "chat" if kinds == {"chat"} else "prompt_completion"
     counts = {k: len(v) for k, v in split.items()}
     out = [PreferencePairs(_rows(split[k], seq_len, pad), tok.get_vocab_size(), counts[k]) for k in ("train", "eval")]
-    out[0].source = PreferenceSource(fmt, counts, truncated, alike, spans)
+    out[0].source = PreferenceSource(fmt, counts, truncated, alike, spans, others, first.get("other turns", ""))
     return out[0], out[1]
 
 
@@ -301,6 +354,12 @@ def summary(train: PreferencePairs, evaluation: PreferencePairs, eval_fraction: 
             f"  {source.spans_boundary} pairs have a token across the prompt's end: each completion starts where the "
             "prompt alone and the whole encode apart (as TRL's DPOTrainer does), so the end of the prompt is compared "
             "too; a prompt that ends with a space or newline keeps the two apart in most tokenizers"
+        )
+    if source is not None and source.other_turns:
+        lines.append(
+            f"  {source.other_turns} pairs hold another role's turns inside chosen or rejected (the first: "
+            f"{source.first_other_turns}): only their assistant turns are compared (TRL's DPOTrainer compares every "
+            "token after the prompt); put the turns before the answers in the prompt to have them asked"
         )
     if source is not None and source.alike:
         lines.append(

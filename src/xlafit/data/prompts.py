@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from xlafit.data.chat import ChatTemplate, read_records
+from xlafit.data.chat import ChatTemplate, check_one_kind, read_records
 from xlafit.data.clm import PAD, data_files
 from xlafit.errors import ConfigError, DataError
 
@@ -222,11 +222,13 @@ def load_prompts(
     ids: list[list[int]] = []
     rows: list[dict[str, Any]] = []
     kinds: set[str] = set()
+    first: dict[str, str] = {}  # where the first record of each kind was
     for name in data_files(inputs):
         records = read_records([name])
         for number, record in enumerate(records, 1):
             where = f"{name}, record {number}"
             kind = check_prompt(record, where)
+            check_one_kind(first, kind, where, "prompt records")
             kinds.add(kind)
             try:
                 ids.append(encode_prompt(record["prompt"], kind, tok, template, bos))
@@ -238,8 +240,6 @@ def load_prompts(
             rows.append({k: v for k, v in record.items() if k != "prompt"})
         if progress is not None:
             progress(f"read {len(records):,} prompts from {name}")
-    if len(kinds) > 1:
-        raise DataError("the prompt records mix text and conversations; give one kind per run.")
     if not prompts:
         raise DataError(f"no prompt records in {', '.join(map(str, inputs))}; give {_LAYOUT}.")
     names = sorted({k for r in rows for k in r})

@@ -191,4 +191,5 @@ def rollout_for(cfg: Config, train: Any, token_logps: TokenLogps = whole_token_l
     rewards = load_rewards(g.rewards)
     return Rollout(
         train, objective, rewards, weights_of(g), g.num_iterations, g.top_p, g.top_k, cfg.data.seed, token_logps,
+        epochs=cfg.trainer.epochs,
     )  # fmt: skip

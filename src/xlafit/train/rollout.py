@@ -90,8 +90,7 @@ class Rollout:
         seed: the run's data seed, from which each step's sampler seed derives.
         token_logps: how the log-probabilities of the rows' tokens are computed (the loss's:
             :func:`xlafit.train.grpo.loss_fn`).
-        steps_per_epoch, max_steps: the run's, for the rewards' ``trainer_state``; the
-            trainer sets them as it starts.
+        epochs: the run's (``trainer.epochs``): the rewards' ``trainer_state`` counts its steps.
     """
 
     prompts: PromptSet
@@ -103,8 +102,7 @@ class Rollout:
     top_k: int = 0
     seed: int = 0
     token_logps: TokenLogps = whole_token_logps
-    steps_per_epoch: int = 0
-    max_steps: int = 0
+    epochs: int = 1
 
     def __post_init__(self) -> None:
         weights = np.ones(len(self.rewards), np.float32) if self.reward_weights is None else self.reward_weights
@@ -136,7 +134,8 @@ class Rollout:
         rollout_s = time.perf_counter() - start  # generate fetches the tokens: the loop has ended
         rows = self._rows(index, completions)
         lengths = np.array([len(c) for c in completions], np.float32)
-        values = score(self.rewards, self._reward_inputs(index, completions), index, data.group, self.state_at(step))
+        state = self.state_at(step, len(index))
+        values = score(self.rewards, self._reward_inputs(index, completions), index, data.group, state)
         assert self.reward_weights is not None
         adv, stats = grpo.advantages(values, self.reward_weights, data.group, o.scale_rewards)
         rows["advantages"] = adv
@@ -145,10 +144,11 @@ class Rollout:
         rows |= self._logged(values, stats, lengths, completions, rollout_s)
         return rows
 
-    def state_at(self, step: int) -> TrainerState:
-        """The rewards' ``trainer_state`` for the generation batch of ``step`` (counted from 0)."""
-        epoch = step / self.steps_per_epoch if self.steps_per_epoch else 0.0
-        return TrainerState(global_step=step, max_steps=self.max_steps, epoch=epoch)
+    def state_at(self, step: int, rows: int) -> TrainerState:
+        """The rewards' ``trainer_state`` for the generation batch of ``step`` (counted from 0)
+        of ``rows`` completions: an epoch's steps are the data's (:meth:`PromptSet.epoch_batches`)."""
+        per_epoch = len(self.prompts.prompts) // (rows // self.prompts.group) * self.iterations
+        return TrainerState(global_step=step, max_steps=self.epochs * per_epoch, epoch=step / per_epoch)
 
     @property
     def width(self) -> int:

@@ -376,8 +376,6 @@ class Trainer:
         order = TrainOrder.for_dataset(train, self.global_batch, self.data_seed)
         total = self.config.epochs * order.steps_per_epoch
         stop = min(total, self.config.stop_at_step) if self.config.stop_at_step else total
-        if self.rollout is not None:  # what its rewards' trainer_state says of the run
-            self.rollout.steps_per_epoch, self.rollout.max_steps = order.steps_per_epoch, total
         ckpt, restored = self._ckpt, None
         latest = ckpt.latest_step() if ckpt is not None else None
         if ckpt is not None and latest is not None and not self.resume:  # a save would meet a step already there
