@@ -212,3 +212,20 @@ def test_another_recipes_config_file_says_whose_it_is(tmp_path):
     with pytest.raises(ConfigError, match=re.escape(expected)):
         load_config("mnist", preset=other)
     assert load_config("bert", preset=other).recipe == "bert"
+
+
+@pytest.mark.parametrize(
+    ("key", "said"),
+    [
+        ("model.preference.rpo_alpha=1", "(TRL's rpo_alpha is model.preference.sft_weight here)"),
+        ("model.preference.loss_type=ipo", "(for preferences, TRL's loss_type is model.objective=dpo, simpo or orpo"),
+        ("model.preference.max_length=64", "(TRL's max_length is data.seq_len here"),
+        ("trainer.num_train_epochs=3", "(TRL's num_train_epochs is trainer.epochs here)"),
+    ],
+)
+def test_trls_names_are_refused_with_xlafits_setting_for_them(key, said):
+    """The fifteenth walk: TRL's names (rpo_alpha, loss_type, max_length, ...) got "unknown
+    config key" and the keys of the section, where max_length's counterpart is not even listed."""
+    with pytest.raises(ConfigError) as e:
+        load_config("llm", [key])
+    assert str(e.value).startswith(f"unknown config key {key.split('=')[0]} {said}"), str(e.value)

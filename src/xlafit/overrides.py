@@ -48,6 +48,26 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     return float(value) if inner is float and value is not None else value
 
 
+# TRL's and Hugging Face TrainingArguments' names a user moving a script tries, with xlafit's
+# setting for each (or what xlafit does instead): named where such a key is unknown.
+TRL_NAMES = {
+    "rpo_alpha": "TRL's rpo_alpha is model.preference.sft_weight here",
+    "cpo_alpha": "TRL's cpo_alpha is model.preference.sft_weight here",
+    "simpo_gamma": "TRL's simpo_gamma is model.preference.gamma here",
+    "precompute_ref_log_probs": "TRL's precompute_ref_log_probs=True is model.preference.reference=precomputed here",
+    "loss_type": "for preferences, TRL's loss_type is model.objective=dpo, simpo or orpo here (TRL's other DPO "
+    "losses, IPO's and hinge's among them, are not offered); for GRPO, model.grpo.loss_type",
+    "max_length": "TRL's max_length is data.seq_len here: each row's tokens at most",
+    "max_prompt_length": "TRL's max_prompt_length has no counterpart here: a row is cut at data.seq_len from its end, "
+    "its prompt kept whole (GRPO refuses a prompt with no room for a completion)",
+    "num_train_epochs": "TRL's num_train_epochs is trainer.epochs here",
+    "per_device_train_batch_size": "TRL's per_device_train_batch_size is data.per_device_batch here",
+    "gradient_accumulation_steps": "TRL's gradient_accumulation_steps is trainer.accumulate_steps here",
+    "logging_steps": "TRL's logging_steps is trainer.log_every_steps here",
+    "save_steps": "TRL's save_steps is trainer.checkpoint_every_steps here",
+}
+
+
 def from_dict(
     cls: type, data: Mapping[str, Any], prefix: str = "", model_cls: type | None = None, data_cls: type | None = None
 ) -> Any:
@@ -71,7 +91,8 @@ def from_dict(
     unknown = sorted(set(data) - set(fields))
     if unknown:
         valid = ", ".join(prefix + name for name in fields)
-        raise ConfigError(f"unknown config key {prefix}{unknown[0]}. Valid keys here: {valid}.")
+        trl = f" ({TRL_NAMES[unknown[0]]})" if unknown[0] in TRL_NAMES else ""
+        raise ConfigError(f"unknown config key {prefix}{unknown[0]}{trl}. Valid keys here: {valid}.")
     kwargs = {}
     for name, value in data.items():
         tp = hints[name]
