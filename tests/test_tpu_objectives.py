@@ -139,3 +139,21 @@ def test_a_rollout_the_tpu_compiler_fails_on_is_a_line_not_a_traceback(rewards, 
     assert f"    the compiler: {internal}" in text
     assert "✗ the run does not compile: its rollout generation does not" in text
     assert to_json(r)["rollout"][0]["failed"] is True
+
+
+def test_a_dpo_check_with_a_precomputed_reference_runs_no_reference_pass(capsys, monkeypatch):
+    """The fifteenth walk: `check --tpu` of a DPO run with model.preference.reference=precomputed
+    built the starting model and ran it over every pair on the CPU (for an 8B model: its whole
+    weights in host memory, and hours) before compiling a step that reads their shape alone."""
+    from xlafit.train import preference
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("a check ran the reference's pass")
+
+    monkeypatch.setattr(preference, "reference_logps", no_pass)
+    overrides = [*TINY[:-1], "model.objective=dpo", "model.preference.reference=precomputed", "data.demo=preference",
+                 "data.global_batch=2", "data.seq_len=32"]  # fmt: skip
+    start_backends()
+    program, _, _ = recipe_program("llm", overrides)
+    assert program.example["ref_logps"].shape == (2,)
+    assert "the reference's log-probabilities: not computed for a check" in capsys.readouterr().err

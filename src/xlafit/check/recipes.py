@@ -21,6 +21,7 @@ from xlafit.parallel.cluster import start_backends
 from xlafit.parallel.sharding import parse_rules
 from xlafit.platform.hardware import parse_targets
 from xlafit.recipes import get_recipe, load_config
+from xlafit.recipes.base import shapes_only
 from xlafit.recipes.llm_settings import LlmModelConfig
 from xlafit.run import with_lora
 from xlafit.train.optim import make_optimizer
@@ -67,7 +68,8 @@ def recipe_program(
     if placeholder is not None:
         train_data, eval_data = placeholder, None
     else:
-        train_data, eval_data = data if data is not None else recipe.load_data(cfg)
+        with shapes_only():  # the compiler reads shapes: no value-only work (a DPO run's reference pass)
+            train_data, eval_data = data if data is not None else recipe.load_data(cfg)
     train = as_dataset(train_data)
     cfg = recipe.from_data(cfg, train)
     per_device = per_device_batch or (None if cfg.data.global_batch else cfg.data.per_device_batch)

@@ -12,8 +12,10 @@ NAME.py`` defines its functions, a YAML preset ``NAME.yaml`` beside it, and at t
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -24,6 +26,26 @@ from xlafit.config import Config, DataConfig
 from xlafit.data.dataset import Dataset
 from xlafit.train.step import LossFn
 from xlafit.train.trainer import Rollout
+
+# True while a recipe's data is read for its programs' shapes alone (`xlafit check --tpu`,
+# `plan`): a recipe skips there the work that only fills values no compiler reads (a DPO
+# run's precomputed reference, a forward pass of the whole model over every pair).
+_SHAPES_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("xlafit_shapes_only", default=False)
+
+
+@contextlib.contextmanager
+def shapes_only() -> Iterator[None]:
+    """Data read inside it is read for its shapes alone (:func:`reading_shapes_only`)."""
+    token = _SHAPES_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY.reset(token)
+
+
+def reading_shapes_only() -> bool:
+    """Whether the data being read serves its programs' shapes alone (:func:`shapes_only`)."""
+    return _SHAPES_ONLY.get()
 
 
 class Throughput(TypedDict, total=False):

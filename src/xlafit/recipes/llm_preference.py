@@ -19,11 +19,13 @@ import sys
 from collections.abc import Callable
 from typing import Any, Literal
 
+import numpy as np
 from flax import nnx
 
 from xlafit.config import Config
 from xlafit.data.preference import PreferencePairs, load_pairs, summary
 from xlafit.errors import ConfigError
+from xlafit.recipes.base import reading_shapes_only
 from xlafit.train import preference
 from xlafit.train.losses import TokenLogps, whole_token_logps
 from xlafit.train.step import LossFn
@@ -119,8 +121,13 @@ def load(
     say(summary(train, evaluation, d.eval_fraction))
     objective = objective_of(cfg)
     if objective is not None and objective.needs_reference and objective.reference == "precomputed":
-        base = build_base(cfg, train.vocab_size)
         pairs = len(train) + len(evaluation)
+        if reading_shapes_only():  # a check compiles the step: their shape is all it reads
+            say(f"the reference's log-probabilities: not computed for a check (a run computes them, {pairs} pairs)")
+            for data in (train, evaluation):
+                data.arrays["ref_logps"] = np.zeros((len(data), 2), np.float32)
+            return train, evaluation
+        base = build_base(cfg, train.vocab_size)
         say(f"the reference's log-probabilities: one pass of the starting model over {pairs} pairs")
         for data in (train, evaluation):
             if len(data):
