@@ -16,6 +16,7 @@ from flax import nnx
 import xlafit
 from helpers import packed_rows
 from xlafit.config import TrainerConfig
+from xlafit.errors import ConfigError
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 from xlafit.models.moe import load_balancing_loss
 from xlafit.recipes import llm as recipe
@@ -156,3 +157,12 @@ def test_preference_settings_the_objective_does_not_read_are_named(caplog):
         "warning: data.loss_on=all set, but model.objective=orpo compares the completions' tokens alone (ORPO's SFT "
         "term too): ignored"
     ]
+    caplog.clear()  # the fifteenth walk: data.text_column on DPO, the same
+    with caplog.at_level(logging.WARNING, logger="xlafit"):
+        get_recipe("llm").validate(xlafit.load_config("llm", [*orpo[:3], "data.text_column=chosen"]))
+    assert [r.getMessage() for r in caplog.records] == [
+        "warning: data.text_column=chosen set, but model.objective=orpo reads each record's prompt, chosen and "
+        "rejected fields: ignored"
+    ]
+    with pytest.raises(ConfigError, match=r"^data.format=bogus: give one of auto, text, chat, prompt_completion, pref"):
+        xlafit.load_config("llm", [*orpo[:3], "data.format=bogus"])  # was "is another kind of data"

@@ -271,3 +271,19 @@ def test_a_pair_or_prompt_file_that_training_refuses_is_refused_by_data_show_too
         capsys.readouterr()
         assert main(["data", "show", str(data), "--tokenizer", str(folder), "--color", "never"]) == 2, name
         assert f"{data}, {message}" in capsys.readouterr().err, name
+
+
+def test_what_data_show_printed_comes_before_its_error_in_a_file(tmp_path):
+    """The fifteenth walk: with stdout and stderr into one file, `data show`'s error came before
+    the lines it had printed (stdout buffered, stderr not), which read as if it succeeded."""
+    folder = family_tokenizer("qwen3", tmp_path / "qwen3")
+    pair = {"prompt": "3+4=", "chosen": "7", "rejected": "8"}
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(json.dumps(pair) + "\n" + json.dumps({**pair, "rejected": "7"}) + "\n")
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a user's stdout into a file
+    out = subprocess.run(
+        [sys.executable, "-m", "xlafit", "data", "show", str(data), "--tokenizer", str(folder)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False, env=buffered,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stdout.index("preference pairs (train them") < out.stdout.index("xlafit: error:"), out.stdout

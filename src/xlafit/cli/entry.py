@@ -143,9 +143,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.run(args))
     except Preempted as e:
+        sys.stdout.flush()  # what the command printed comes before its end, also into a file or a pipe
         print(f"xlafit: {e}", file=sys.stderr)
         return e.exit_code
     except XlafitError as e:
+        sys.stdout.flush()
         print(f"xlafit: error: {e}", file=sys.stderr)
         if argv is None:  # the process's own command (the `xlafit` program), not a caller's
             _exit_past_stuck_threads(e.exit_code)

@@ -20,6 +20,8 @@ from tokenizers import Tokenizer
 from xlafit import config as xconfig
 from xlafit.config import Config
 from xlafit.data import chat, chat_demo, clm, special_tokens
+from xlafit.data.preference import PAIR_FORMAT
+from xlafit.data.prompts import PROMPT_FORMAT
 from xlafit.data.text import korean_demo_files
 from xlafit.errors import ConfigError
 from xlafit.io import hub
@@ -60,6 +62,9 @@ class LlmDataConfig(xconfig.DataConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         xconfig.check_fraction(self.eval_fraction, "data.eval_fraction")
+        formats = ("auto", *chat.FORMATS, PAIR_FORMAT, PROMPT_FORMAT)
+        if self.format not in formats:
+            raise ConfigError(f"data.format={self.format}: give one of {', '.join(formats)}.")
 
 
 def data_config(cfg: Config) -> LlmDataConfig:

@@ -153,6 +153,13 @@ def _warn_preference_settings_unread(cfg: Config) -> None:
             data_config(cfg).loss_on,
             m.objective,
         )
+    if data_config(cfg).text_column != "text":
+        log.warning(
+            "warning: data.text_column=%s set, but model.objective=%s reads each record's prompt, chosen and "
+            "rejected fields: ignored",
+            data_config(cfg).text_column,
+            m.objective,
+        )
     default = llm_preference.PreferenceConfig()
     unread = [
         f"model.preference.{f.name}={getattr(m.preference, f.name)}"
