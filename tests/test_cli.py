@@ -460,9 +460,17 @@ def test_a_misplaced_flag_names_the_command_that_takes_it(capsys):
 def test_lora_on_a_new_model_exports_and_generates(tmp_path):
     """A LoRA run on a new model (no model.init_from_hf), each command in its own process as a
     user runs them: export and generate re-initialise the base with the run's CPU settings, so
-    its fingerprint is the one the adapters were trained on. A failed export leaves no --out."""
+    its fingerprint is the one the adapters were trained on. A failed export leaves no --out.
+    Issue 63's walk: such an export wrote its base through a copy that shared the model's
+    variables, so zeroing the copy's adapters zeroed the model's (adapter/ held zeros, the
+    merged model was the base): the export is the base plus the trained adapters."""
+    import jax.numpy as jnp
+    import numpy as np
+
     from xlafit.errors import CheckpointError
     from xlafit.export import export_hf
+    from xlafit.hf import llama as llama_hf
+    from xlafit.hf.peft import load_peft_adapter
 
     run_dir, out = tmp_path / "run", tmp_path / "hf"
     train = run(
@@ -473,6 +481,11 @@ def test_lora_on_a_new_model_exports_and_generates(tmp_path):
     exported = run("export", "hf", str(run_dir), "--out", str(out))
     assert exported.returncode == 0, exported.stderr
     assert {"model.safetensors", "adapter", "base"} <= {p.name for p in out.iterdir()}
+    ids = jnp.asarray([[0, 5, 17, 42, 99, 7, 20, 12]])
+    base = np.asarray(llama_hf.from_hf(out / "base")(ids))
+    adapted = np.asarray(load_peft_adapter(llama_hf.from_hf(out / "base"), out / "adapter")(ids))
+    assert np.abs(adapted - base).max() > 1e-3  # the adapters written are the trained ones, not zeros
+    np.testing.assert_allclose(np.asarray(llama_hf.from_hf(out)(ids)), adapted, atol=1e-5, rtol=1e-5)
     # the base, PEFT's base_model_name_or_path, stops where the merged model does
     generation = (out / "generation_config.json").read_text()
     assert (out / "base" / "generation_config.json").read_text() == generation and "eos_token_id" in generation

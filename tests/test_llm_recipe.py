@@ -578,29 +578,6 @@ def test_export_loads_in_transformers_and_peft_with_the_same_logits(tmp_path, mo
     assert base_fingerprint(merge_lora(ours)) != base_fingerprint(full)  # merged: another model
 
 
-def test_a_lora_run_from_a_new_model_exports_its_trained_adapters(tmp_path, monkeypatch):
-    """Issue 63's walk: a LoRA run on a new model (no model.init_from_hf) exported its base
-    through a "copy" (``nnx.merge(*nnx.split(model))``) that shared the model's variables, so
-    zeroing the copy's adapters zeroed the model's: adapter/ held zeros and the merged model
-    was the base. The export is the base plus the trained adapters, and adapter/ holds them."""
-    from xlafit.export import export_hf
-    from xlafit.hf.peft import load_peft_adapter
-
-    monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
-    common = ["trainer.stop_at_step=2", "data.vocab_size=300", "data.seq_len=32", "trainer.eval_every_epochs=100"]
-    lora = ["lora.rank=4", "lora.alpha=8", "lora.targets=q_proj,v_proj", "optimizer.learning_rate=0.05"]
-    xlafit.train_and_evaluate(load_config("llm", [f"run.run_dir={tmp_path / 'run'}", *common, *lora]))
-    export_hf(tmp_path / "run", tmp_path / "hf")
-
-    ids = np.array([[0, 5, 17, 42, 99, 7, 200, 12]], np.int64)
-    base = llama_hf.from_hf(tmp_path / "hf" / "base")
-    adapted = _logits_ours(
-        load_peft_adapter(llama_hf.from_hf(tmp_path / "hf" / "base"), tmp_path / "hf" / "adapter"), ids
-    )
-    assert np.abs(adapted - _logits_ours(base, ids)).max() > 1e-3  # the adapters written are the trained ones
-    np.testing.assert_allclose(_logits_ours(llama_hf.from_hf(tmp_path / "hf"), ids), adapted, atol=1e-5, rtol=1e-5)
-
-
 def test_an_export_replaces_an_earlier_one_whole_and_refuses_other_folders(tmp_path, monkeypatch, capsys):
     """Exporting a full run over an earlier LoRA export left its adapter/ behind, and the
     summary named it as written; --out inside the run mixed HF files into it; a file as --out
