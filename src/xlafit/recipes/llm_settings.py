@@ -14,6 +14,7 @@ from typing import Literal
 from xlafit.config import Config
 from xlafit.errors import ConfigError
 from xlafit.models.llama import LlamaConfig
+from xlafit.models.llama_config import REMAT
 from xlafit.overrides import load_yaml
 from xlafit.recipes import llm_grpo, llm_preference
 from xlafit.recipes.llm_data import LlmDataConfig, data_config
@@ -83,6 +84,8 @@ class LlmModelConfig:
     moe: MoeOptions = dataclasses.field(default_factory=MoeOptions)  # a mixture of experts' settings
 
     def __post_init__(self) -> None:
+        if self.remat not in REMAT:  # the model's own check comes late for a model.init_from_hf run
+            raise ConfigError(f"model.remat={self.remat}: give one of {', '.join(REMAT)}.")
         if isinstance(self.logits_chunk, int) and self.logits_chunk < 0:
             raise ConfigError(
                 f"model.logits_chunk={self.logits_chunk} must be auto, 0 (the whole logits at once) or a number of "
