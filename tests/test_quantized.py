@@ -398,3 +398,20 @@ def test_a_new_models_int4_base_trains_split_over_fsdp_and_tensor(tmp_path, monk
     trained = result.state.params["layers"][0]["mlp"]["up_proj"]["lora_b"][...]
     assert float(jnp.abs(trained).max()) > 0
     assert all(np.isfinite(row["loss"]) for row in result.history)
+
+
+def test_a_quantized_base_counts_the_parameters_it_stands_for():
+    """The sixteenth walk: `check --tpu` printed Llama 3.1 8B on an NF4 base as "4.66B
+    parameters", its storage (two 4-bit codes a byte, and the scales), where the model and the
+    same output's FLOPs have 8.03B; the count picks the step model's error band."""
+    from xlafit.check import recipe_program
+    from xlafit.predict.rates import parameter_count
+
+    small = ["model.preset=custom", "model.num_layers=2", "model.hidden_size=128", "model.num_heads=2",
+             "model.intermediate_size=256", "lora.rank=4", "data.demo=arithmetic", "data.seq_len=32"]  # fmt: skip
+    counts = {}
+    for base in ("bfloat16", "nf4", "int4", "int8"):
+        tables = ["lora.quantize_embeddings=true"] if base != "bfloat16" else []  # quantized embeddings too
+        program, _, _ = recipe_program("llm", [*small, f"lora.base_dtype={base}", *tables])
+        counts[base] = parameter_count(program.model)
+    assert len(set(counts.values())) == 1, counts

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -104,8 +105,15 @@ class Kind:
 
 def parameter_count(model: Any) -> int:
     """The parameters of an ``nnx.Module``, concrete or abstract (``nnx.Param``: a LoRA
-    run's frozen base and its adapters included), for a :class:`Kind`."""
-    return sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    run's frozen base and its adapters included), for a :class:`Kind`. A quantized layer
+    (``qvalue`` codes, ``scale`` per block, ``qtype``) counts the weights it stands for, not
+    its storage: two 4-bit codes a byte, scales no parameter."""
+    stored = sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module) and hasattr(node, "qtype") and hasattr(node, "qvalue"):
+            codes, scales = (int(math.prod(getattr(node, k).get_value().shape)) for k in ("qvalue", "scale"))
+            stored += codes * (1 if node.qtype == "int8" else 2) - codes - scales
+    return stored
 
 
 def _params(n: float) -> str:
