@@ -339,6 +339,24 @@ def test_a_run_that_does_not_fit_is_offered_the_loss_in_chunks():
     assert not any("logits_chunk" in text for _, text in memory_levers(chunked))
 
 
+def test_a_full_fine_tune_that_no_lever_fits_is_offered_lora_and_not_a_smaller_batch_at_one():
+    """The sixteenth walk: Llama 3.2 1B's full fine-tune on a v5e core, one sequence a core, that
+    no compiled lever fitted, was told "a smaller batch, a larger slice or a smaller model", and
+    not LoRA, which the guide advises there."""
+    from xlafit.check.program import LeverFit, TargetReport
+    from xlafit.check.tpu_report import lever_lines
+
+    offered = dict(memory_levers(load_config("llm", []).model, full=True))
+    assert offered["state"].startswith("LoRA on a frozen base: lora.rank=16")
+    assert not any(k == "state" for k, _ in memory_levers(load_config("llm", []).model))  # LoRA runs: not offered
+    said = {1: "none of these fits: a larger slice, a smaller model, or another lever listed above",
+            4: "none of these fits: a smaller batch, a larger slice, a smaller model, or another lever"}  # fmt: skip
+    for batch in said:
+        r = TargetReport("v5e-1", train_fits=False, per_device_batch=batch)
+        r.lever_fits = [LeverFit("the logits in chunks", ["model.logits_chunk=1024"], batch, fits=False, memory=2**34)]
+        assert said[batch] in "\n".join(lever_lines(r))
+
+
 def test_a_size_given_with_init_from_hf_that_differs_from_its_config_is_refused(tmp_path):
     """model.num_layers=6 with a 2-layer model.init_from_hf would be recorded and not used:
     refused, naming both; the checkpoint's own size, or none, passes."""

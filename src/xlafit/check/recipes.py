@@ -104,7 +104,7 @@ def recipe_program(
         family=name,
         mesh=cfg.mesh.sizes,
         rules=parse_rules(cfg.mesh.rules),
-        model_levers=memory_levers(cfg.model, residual_split(cfg)),
+        model_levers=memory_levers(cfg.model, residual_split(cfg), full=_llm_full_fine_tune(cfg)),
         trainable=ADAPTER if cfg.lora.rank else nnx.Param,
         fit_levers=fit_levers_of(cfg),
         with_overrides=again,
@@ -241,11 +241,25 @@ def check_command(
     return shlex.join(["xlafit", "check", name, "--tpu", tpu, *config, *merge_overrides(overrides, assumed)])
 
 
-def memory_levers(model: Any, split: str | None = None) -> tuple[tuple[str, str], ...]:
+def _llm_full_fine_tune(cfg: Any) -> bool:
+    """Whether ``cfg`` fine-tunes an llm whole (no LoRA)."""
+    return isinstance(cfg.model, LlmModelConfig) and not cfg.lora.rank
+
+
+def memory_levers(model: Any, split: str | None = None, full: bool = False) -> tuple[tuple[str, str], ...]:
     """The memory levers a recipe's model settings offer, for a run that does not fit;
     ``split``: the setting that splits its residual stream over a tensor group
-    (:func:`residual_split`), where it has one."""
+    (:func:`residual_split`), where it has one; ``full``: an llm full fine-tune, which LoRA
+    on a frozen base would make smaller."""
     found = []
+    if full:
+        found.append(
+            (
+                "state",
+                "LoRA on a frozen base: lora.rank=16 (the optimizer state of the adapters alone; with "
+                "lora.base_dtype=nf4, a 4-bit base)",
+            )
+        )
     if getattr(model, "remat", None) == "none":
         found.append(("activations", "rematerialisation: model.remat=full or dots_saveable (activations recomputed)"))
     if getattr(model, "compute_dtype", None) == "float32":

@@ -135,7 +135,8 @@ def lever_lines(r: TargetReport) -> list[str]:
         else:
             lines.append(f"    - {setting} ({f.name}): not compiled: {f.message}")
     if not any(f.fits for f in r.lever_fits):
-        lines.append("    none of these fits: a smaller batch, a larger slice or a smaller model (the levers above)")
+        smaller = "a smaller batch, " if batch > 1 else ""  # one a core is the smallest
+        lines.append(f"    none of these fits: {smaller}a larger slice, a smaller model, or another lever listed above")
     return lines
 
 
