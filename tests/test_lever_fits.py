@@ -194,3 +194,22 @@ def test_a_levers_program_reuses_the_data_read_for_the_run(capsys):
     assert (program.model.cfg.remat, lever.model.cfg.remat) == ("none", "full")  # the lever's setting taken
     program.with_overrides(("data.seq_len=32",))
     assert capsys.readouterr().err.count("data: ") == 1
+
+
+def test_a_plans_candidate_programs_reuse_the_data_read_once(capsys):
+    """The sixteenth walk: `plan` printed the data line once for each candidate program (three
+    times for one v5e core): each read the data again, for settings (remat, scanning, memory
+    levers) that leave it alone."""
+    from xlafit.plan.candidates import Candidate
+    from xlafit.plan.entry import recipe_planner
+    from xlafit.plan.search import Settings
+
+    tiny = ["model.preset=custom", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=1",
+            "model.intermediate_size=128", "data.seq_len=32", "data.demo=arithmetic"]  # fmt: skip
+    capsys.readouterr()
+    planner, _, _ = recipe_planner("llm", tiny, None, Settings())
+    for remat, scan in (("full", False), ("none", True)):
+        program = planner.maker(Candidate("v4-8", (8, 1, 1), 4, remat=remat, scan=scan), None)
+        assert program.model.cfg.remat == remat and program.model.cfg.scan_layers is scan
+    said = capsys.readouterr()
+    assert sum(line.startswith("data: ") for line in said.err.splitlines()) == 1, said.err

@@ -206,7 +206,8 @@ def recipe_planner(
             keys += [f"model.scan_layers={str(c.scan).lower()}"] if c.scan is not None else []
             keys += [f"model.num_layers={layers}"] if layers is not None else []
             keys += [f"{k}={v}" for k, v in (*c.memory, *c.numerics)]
-            cache[key] = recipe_program(name, [*overrides, *keys], preset)[0]
+            assert base.with_overrides is not None  # a recipe's program is rebuilt on the data read once
+            cache[key] = base.with_overrides(tuple(keys))
         config = dataclasses.replace(cache[key].config, accumulate_steps=c.accumulate)
         if not asked and any(n > 1 for n in c.mesh[1:]):  # fsdp, tensor or expert
             config = dataclasses.replace(config, invariant_chunks=None)
