@@ -369,3 +369,18 @@ def test_check_tpu_compiles_no_eval_step_for_data_that_holds_no_evaluation(tmp_p
     assert without.eval_global_batch is None
     held_out, _, _ = recipe_program("llm", [*common, "data.eval_fraction=0.5"])
     assert held_out.eval_global_batch is not None
+
+
+def test_a_large_models_check_on_the_host_says_it_builds_it_first(monkeypatch, capsys):
+    """The sixteenth walk: `xlafit check llm model.preset=qwen3.5-9b lora.rank=16
+    lora.base_dtype=nf4` printed nothing for minutes after its data line while it built and
+    quantized a 9B base in host memory. (The bar lowered here so that a tiny model crosses it.)"""
+    from xlafit.check import recipes
+
+    monkeypatch.setattr(recipes, "LARGE_BUILD", 1000)
+    tiny = ["model.preset=custom", "model.num_layers=1", "model.hidden_size=64", "model.num_heads=1",
+            "model.intermediate_size=128", "data.seq_len=32", "data.demo=arithmetic", "lora.rank=4",
+            "lora.base_dtype=nf4"]  # fmt: skip
+    recipes.check_recipe("llm", tiny)
+    err = capsys.readouterr().err
+    assert "building the 0.0B-parameter model in this host's memory, its base quantized to nf4, to run a step" in err

@@ -4,6 +4,7 @@ compiled for TPU slices with the run's own settings, and the settings each answe
 from __future__ import annotations
 
 import shlex
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from xlafit.overrides import merge_overrides
 from xlafit.parallel.cluster import start_backends
 from xlafit.parallel.sharding import parse_rules
 from xlafit.platform.hardware import parse_targets
+from xlafit.predict.rates import parameter_count
 from xlafit.recipes import get_recipe, load_config
 from xlafit.recipes.base import shapes_only
 from xlafit.recipes.llm_settings import LlmModelConfig
@@ -169,6 +171,7 @@ def check_recipe(
         elif cfg.data.per_device_batch:
             options = {**options, "per_device_batch": cfg.data.per_device_batch}
     lora = getattr(cfg, "lora", None)
+    _say_a_large_build(recipe, cfg, train)
     model = recipe.build_model(cfg, train)
     if lora is not None:  # the adapters the run trains (a preference objective's reference is the base without them)
         model = with_lora(model, lora, cfg.trainer.seed)
@@ -189,6 +192,28 @@ def check_recipe(
         users_loss=False,  # the recipe's own loss: the user cannot return other values from it
         **options,
     )
+
+
+# A model this large takes a while to build on the host (random weights, a quantized base
+# quantized tensor by tensor) before its step runs: the check says so first.
+LARGE_BUILD = 10**9
+
+
+def _say_a_large_build(recipe: Any, cfg: Any, train: Any) -> None:
+    """A line on stderr before a model of :data:`LARGE_BUILD` parameters or more is built from
+    random weights (a checkpoint's reading says its own progress)."""
+    if getattr(cfg.model, "init_from_hf", None):
+        return
+    count = parameter_count(nnx.eval_shape(lambda: recipe.build_model(cfg, train)))
+    if count >= LARGE_BUILD:
+        base = getattr(getattr(cfg, "lora", None), "base_dtype", None)
+        quantized = f", its base quantized to {base}" if base in ("nf4", "int4", "int8") else ""
+        print(
+            f"building the {count / 1e9:.1f}B-parameter model in this host's memory{quantized}, to run a step of it "
+            "here (minutes for a model this size; `check --tpu` compiles without building it) ...",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 # The settings that shape a recipe's compiled step, printed with every answer (when present).
