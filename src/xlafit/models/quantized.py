@@ -172,7 +172,9 @@ def in_slices(array: Any, step: int, quantize: Any) -> tuple[jax.Array, jax.Arra
     codes, scales = [], []
     for start in range(0, array.shape[0], step):
         piece = jax.device_put(np.asarray(array[start : start + step], np.float32), cpu)
-        q, s = quantize(piece)
+        # JAX dispatches asynchronously: without the wait the loop runs ahead of a busy CPU and
+        # holds many slices' float32 copies at once (2x the quantized model, measured under load).
+        q, s = jax.block_until_ready(quantize(piece))
         codes.append(q)
         scales.append(s)
         del piece
