@@ -584,7 +584,8 @@ def test_the_loss_is_the_mean_over_answer_tokens_whatever_the_packing(model_dir,
     from flax import nnx
 
     from xlafit.recipes import llm, load_config
-    from xlafit.train.step import TrainState, build_eval_step, build_train_step
+    from xlafit.train.state import TrainState
+    from xlafit.train.step import build_eval_step, build_train_step
 
     short = [CONVERSATION[1], {"role": "assistant", "content": "Hi."}]
     path = tmp_path / "mixed.jsonl"

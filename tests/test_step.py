@@ -12,7 +12,8 @@ from helpers import mlm_dataset
 from xlafit.config import TrainerConfig
 from xlafit.models.bert import BertConfig, BertForMaskedLM
 from xlafit.recipes import bert as recipe
-from xlafit.train.step import TrainState, build_train_step
+from xlafit.train.state import TrainState
+from xlafit.train.step import build_train_step
 
 
 def test_gradient_accumulation_equals_one_big_batch(strategy8):

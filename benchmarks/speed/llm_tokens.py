@@ -28,7 +28,8 @@ from flax import nnx
 from xlafit.hf.llama import hf_config, to_hf_state
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 from xlafit.recipes.llm import loss_fn
-from xlafit.train.step import TrainState, build_train_step
+from xlafit.train.state import TrainState
+from xlafit.train.step import build_train_step
 
 BATCH, SEQ, VOCAB, WARMUP, STEPS, ROUNDS = 32, 128, 2000, 10, 20, 5
 

@@ -1,4 +1,4 @@
-"""Orbax checkpoints of the whole :class:`~xlafit.train.step.TrainState`, verified on load.
+"""Orbax checkpoints of the whole :class:`~xlafit.train.state.TrainState`, verified on load.
 
 - Saves are asynchronous (training continues while the arrays are written) and atomic:
   Orbax writes into a temporary directory, renames it when complete and leaves a

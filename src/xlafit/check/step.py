@@ -21,7 +21,8 @@ from xlafit.check.tpu import TRACE_FAILURE, check_targets
 from xlafit.data.shapes import compare_plans
 from xlafit.errors import ConfigError
 from xlafit.platform.hardware import parse_targets
-from xlafit.train.step import TrainState, build_train_step
+from xlafit.train.state import TrainState
+from xlafit.train.step import build_train_step
 
 __all__ = ["check_step", "check_tpu", "example_layout", "example_lengths", "positive", "to_json"]
 

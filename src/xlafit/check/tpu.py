@@ -57,7 +57,8 @@ from xlafit.parallel.mesh import Strategy, make_mesh
 from xlafit.parallel.sharding import bytes_per_device
 from xlafit.platform import hardware as tpu
 from xlafit.platform.cpu import release_freed_memory
-from xlafit.train.step import abstract_state, make_steps, state_shardings
+from xlafit.train.state import abstract_state, state_shardings
+from xlafit.train.step import make_steps
 
 # How far --max-batch searches unless told: a per-core batch beyond it is rarely the question.
 MAX_BATCH_LIMIT = 2**16

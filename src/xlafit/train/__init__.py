@@ -6,7 +6,7 @@ from xlafit.train.compiled import CompiledStep
 from xlafit.train.loop import Call, FitResult
 from xlafit.train.optim import OptimizerPlan, make_optimizer, make_schedule, scaled_lr
 from xlafit.train.signals import handle_signals
-from xlafit.train.step import TrainState
+from xlafit.train.state import TrainState
 from xlafit.train.trainer import Trainer
 
 __all__ = [

@@ -14,7 +14,8 @@ from xlafit.errors import Preempted
 from xlafit.parallel.mesh import Strategy
 from xlafit.train.compiled import CompiledStep
 from xlafit.train.signals import handle_signals
-from xlafit.train.step import WEIGHT, TrainState
+from xlafit.train.state import TrainState
+from xlafit.train.step import WEIGHT
 
 __all__ = ["compile_eval_step", "evaluate", "final_evaluation"]
 

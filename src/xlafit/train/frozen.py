@@ -24,7 +24,7 @@ from xlafit.checkpoint import Checkpointer
 from xlafit.errors import CheckpointError, ConfigError
 from xlafit.models.lora import state_fingerprint
 from xlafit.models.quantized import QuantizedParam
-from xlafit.train.step import TrainState
+from xlafit.train.state import TrainState
 
 # The checkpoint metadata key of the frozen parameters' fingerprint.
 BASE_FINGERPRINT = "base_fingerprint"

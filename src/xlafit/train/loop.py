@@ -18,7 +18,7 @@ import optax
 
 from xlafit.train.optim import highest_rate, schedule_at
 from xlafit.train.report import RunReport
-from xlafit.train.step import TrainState
+from xlafit.train.state import TrainState
 
 
 @dataclasses.dataclass(frozen=True)

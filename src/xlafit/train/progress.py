@@ -17,7 +17,7 @@ from xlafit.platform.hardware import peak_flops
 from xlafit.train.loop import lr_at, peak_lr, times
 from xlafit.train.nonfinite import applied_means
 from xlafit.train.report import RunReport
-from xlafit.train.step import TrainState
+from xlafit.train.state import TrainState
 
 __all__ = ["announce", "progress_record"]
 

@@ -19,13 +19,14 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx, struct
+from flax import nnx
 
 from xlafit.config import TrainerConfig
 from xlafit.errors import ConfigError
 from xlafit.parallel.mesh import Strategy, is_prng_key
-from xlafit.parallel.sharding import DEFAULT_RULES, activation_layout, check_rules
+from xlafit.parallel.sharding import DEFAULT_RULES, activation_layout
 from xlafit.train.compiled import CompiledStep
+from xlafit.train.state import HOST_MEMORY, TrainState, in_memory
 
 log = logging.getLogger("xlafit")
 
@@ -39,87 +40,6 @@ LossFn = Callable[[Any, Any], Any]
 # batches included), not means over examples. A language model's per-row mean loss weighted
 # by the row's tokens is the mean over tokens, whatever the packing put in each row.
 WEIGHT = "weight"
-
-
-@struct.dataclass
-class TrainState:
-    """Everything that changes during training, as one pytree.
-
-    Attributes:
-        step: optimizer steps taken (int32 scalar).
-        params: the variables trained: the model's ``nnx.Param`` variables, or those of the
-            trainer's ``trainable`` filter (LoRA: the adapters).
-        opt_state: the optax state.
-        model_state: the model's other variables (dropout RNG counters, batch statistics,
-            parameters left frozen).
-    """
-
-    step: jax.Array
-    params: nnx.State
-    opt_state: optax.OptState
-    model_state: nnx.State
-
-
-# Where ``trainer.optimizer_offload`` keeps the optimizer state between steps: the host's
-# page-locked memory, which the devices read and write by DMA (a pageable buffer would be
-# staged through a pinned one on every copy).
-HOST_MEMORY = "pinned_host"
-
-
-def abstract_state(
-    params: nnx.State,
-    model_state: nnx.State,
-    tx: optax.GradientTransformation,
-    layout: Strategy | jax.sharding.Sharding,
-    optimizer_offload: bool = False,
-) -> TrainState:
-    """The :class:`TrainState` of these variables as ``ShapeDtypeStruct`` leaves laid out as
-    the strategy lays them (:meth:`~xlafit.parallel.mesh.Strategy.shardings`), or all with one
-    sharding: what compiling a step needs, with nothing allocated (``params`` may come from
-    ``nnx.eval_shape``). ``optimizer_offload``: the optimizer state in the host's pinned
-    memory (:func:`opt_state_on_host`)."""
-
-    def init(params: nnx.State, model_state: nnx.State) -> TrainState:
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), model_state)
-
-    shapes = jax.eval_shape(init, params, model_state)
-    if isinstance(layout, Strategy):
-        if layout.rules is not None:  # where the model's axis names meet mesh.rules
-            check_rules(shapes, layout.rules)
-        shardings = layout.shardings(shapes)
-    else:
-        shardings = jax.tree.map(lambda _: layout, shapes)
-    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
-    return opt_state_on_host(state) if optimizer_offload else state
-
-
-def in_memory(shardings: Any, kind: str) -> Any:
-    """A tree of shardings, each the same layout in memory ``kind`` (``device``, ``pinned_host``)."""
-    return jax.tree.map(lambda s: s.with_memory_kind(kind), shardings)
-
-
-def opt_state_on_host(state: TrainState) -> TrainState:
-    """An abstract state whose optimizer state lies in the host's pinned memory, each leaf
-    split over the devices' hosts as it would be over the devices (``trainer.optimizer_offload``).
-
-    Example:
-        >>> import optax
-        >>> from xlafit.parallel.cluster import connect
-        >>> params = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}
-        >>> state = abstract_state(params, {}, optax.adam(1e-3), connect(), optimizer_offload=True)
-        >>> sorted({x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)})
-        ['pinned_host']
-    """
-
-    def on_host(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding.with_memory_kind(HOST_MEMORY))
-
-    return dataclasses.replace(state, opt_state=jax.tree.map(on_host, state.opt_state))
-
-
-def state_shardings(state: TrainState) -> TrainState:
-    """The shardings of a state of arrays or ``ShapeDtypeStruct``s, as a tree of its shape."""
-    return jax.tree.map(lambda x: x.sharding, state)
 
 
 def split_outputs(out: Any, per_example: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -542,12 +462,12 @@ def make_steps(
     The one place that decides what program trains: :class:`~xlafit.Trainer` runs it, and
     ``xlafit check --tpu`` compiles it for a TPU slice (a strategy over the slice's devices).
     The state lies as ``state_sharding`` says (a :class:`TrainState` of shardings, from
-    :func:`state_shardings`; default: replicated), stays so after every step, and is donated;
+    :func:`~xlafit.train.state.state_shardings`; default: replicated), stays so after every step, and is donated;
     batches are split along ``data`` x ``fsdp``; on CPUs the ``k`` steps of a call are
     unrolled, elsewhere a ``lax.scan``. ``trainable`` is the filter the state's ``params``
     were split with (default ``nnx.Param``; LoRA: the adapters). With
     ``config.optimizer_offload`` the optimizer state lies in the host's pinned memory between
-    steps (:func:`opt_state_on_host`), and each step brings it to the devices for the update.
+    steps (:func:`~xlafit.train.state.opt_state_on_host`), and each step brings it to the devices for the update.
 
     Raises:
         ConfigError: ``accumulate_steps`` or ``invariant_chunks`` does not divide the batch,

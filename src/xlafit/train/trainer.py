@@ -57,13 +57,8 @@ from xlafit.train.nonfinite import apply_nan_policy
 from xlafit.train.progress import announce, progress_record
 from xlafit.train.report import RunReport
 from xlafit.train.signals import SignalGuard, handle_signals
-from xlafit.train.step import (
-    LossFn,
-    TrainState,
-    abstract_state,
-    make_steps,
-    state_shardings,
-)
+from xlafit.train.state import TrainState, abstract_state, state_shardings
+from xlafit.train.step import LossFn, make_steps
 from xlafit.train.watchdog import Watchdog
 
 log = logging.getLogger("xlafit")
