@@ -2,6 +2,7 @@
 segments, scan/remat, LoRA and its PEFT export."""
 
 import json
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -145,6 +146,29 @@ def test_from_hf_names_the_problem(tmp_path):
         HFFormatError, match="describes a 'gpt2' model; xlafit reads llama, qwen2, qwen3, mistral, gemma2, gemma3_text"
     ):
         from_hf(tmp_path)
+
+
+def test_from_hf_names_the_tensors_it_does_not_read(tmp_path, caplog):
+    """A tensor the config does not declare (a bias beside attention_bias=false) is named, as
+    transformers' UNEXPECTED keys; a rotary buffer, which no model reads, is not."""
+    from safetensors.numpy import load_file, save_file
+
+    save_hf(LlamaForCausalLM(tiny(), rngs=nnx.Rngs(0)), tmp_path, max_shard_bytes=None)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(8, np.float32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with caplog.at_level(logging.WARNING, logger="xlafit"):
+        from_hf(tmp_path)
+    assert not caplog.records
+    tensors["model.layers.0.self_attn.q_proj.bias"] = np.zeros(64, np.float32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with caplog.at_level(logging.WARNING, logger="xlafit"):
+        from_hf(tmp_path)
+    assert [r.getMessage() for r in caplog.records] == [
+        "warning: the checkpoint has 1 tensor the model does not read (model.layers.0.self_attn.q_proj.bias), left "
+        "out: its config.json may not be the one its weights were saved with (a bias with attention_bias=false, "
+        "another family's names); check that both come from the same model."
+    ]
 
 
 def test_packed_segments_equal_the_sequences_alone():

@@ -138,10 +138,12 @@ class PerExpert(Mapping[str, Any]):
     """A checkpoint's tensors with transformers' fused expert weights (``mlp.experts.gate_up_proj``
     ``[E, 2f, hidden]``, ``mlp.experts.down_proj`` ``[E, hidden, f]``) also seen as the
     per-expert tensors of the layout that ``save_pretrained`` writes (``mlp.experts.{e}.gate_proj.weight``
-    ``[f, hidden]``, ...). The last fused tensor read is kept: each is read once for its experts."""
+    ``[f, hidden]``, ...). The last fused tensor read is kept: each is read once for its experts.
+    ``read``: the names of ``state``'s tensors read so far (a fused one for any of its experts)."""
 
     def __init__(self, state: Mapping[str, Any]) -> None:
         self.state = state
+        self.read: set[str] = set()
         self._kept: tuple[str, np.ndarray] | None = None
 
     def _fused(self, name: str) -> tuple[str, int | None, slice | None] | None:
@@ -164,8 +166,11 @@ class PerExpert(Mapping[str, Any]):
     def __getitem__(self, name: str) -> Any:
         fused = self._fused(name)
         if fused is None or fused[0] not in self.state:
-            return self.state[name]
+            value = self.state[name]
+            self.read.add(name)
+            return value
         key, e, half = fused
+        self.read.add(key)
         if self._kept is None or self._kept[0] != key:
             self._kept = (key, np.asarray(self.state[key]))
         value = self._kept[1] if e is None else self._kept[1][e]
