@@ -15,10 +15,12 @@ import os
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import venv
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 from helpers import write_mnist_idx
 
@@ -113,3 +115,13 @@ def test_the_notebook_cell_installs_the_wheel_into_a_fresh_venv_that_then_trains
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "steps: 2/epoch" in trained.stdout and "(256 examples)" in trained.stdout
     assert "test accuracy" in trained.stdout
+
+
+def test_every_jax_requirement_is_bound_as_the_base_one():
+    """An extra's bare ``jax[tpu]`` let pip backtrack to a 2021 jax whose libtpu is not on PyPI."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = [
+        Requirement(r) for r in [*project["dependencies"], *sum(project["optional-dependencies"].values(), [])]
+    ]
+    bounds = {str(r.specifier) for r in requirements if r.name == "jax"}
+    assert len(bounds) == 1 and "<" in bounds.pop()
