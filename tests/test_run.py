@@ -66,14 +66,15 @@ def test_a_device_count_that_splits_no_batch_setting_names_them_all_at_once():
     check_device_split(load_config("mnist"), 8)
     # The third walk: an eval batch that 3 devices do not split was told to "set data.per_device_batch",
     # which was set, and a per-device batch disagreeing with the global batch went unnamed.
+    eval_64 = ["data.eval_global_batch=64"]
     with pytest.raises(ConfigError) as caught:
-        check_device_split(load_config("llm", ["data.per_device_batch=2", "data.global_batch=4"]), 3)
+        check_device_split(load_config("llm", ["data.per_device_batch=2", "data.global_batch=4", *eval_64]), 3)
     message = str(caught.value)
     assert "\n  data.global_batch=4 (data.per_device_batch=2 x 3 devices is 6: set one of them)" in message
     assert message.endswith("add: data.global_batch=null data.eval_global_batch=63.")
     eval_only = r"(?s)^data.eval_global_batch=64 does not .*add: data.eval_global_batch=63\.$"
     with pytest.raises(ConfigError, match=eval_only):
-        check_device_split(load_config("llm", ["data.per_device_batch=2", "data.global_batch=null"]), 3)
+        check_device_split(load_config("llm", ["data.per_device_batch=2", "data.global_batch=null", *eval_64]), 3)
     # The fourth walk: a run with no evaluation data was still asked to size its eval batch.
     check_device_split(load_config("llm", ["data.per_device_batch=2", "data.global_batch=null"]), 3, evaluates=False)
 

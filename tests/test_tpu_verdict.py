@@ -8,6 +8,8 @@ blocks), so the eval step's logits are what fills the core; each compile takes s
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -26,10 +28,17 @@ SMALL = SMALL_LLM
 
 
 @pytest.fixture(scope="module")
-def eval_over():
+def eval_over_and_its_progress():
     """A run whose train step fits one v5e core and whose eval batch (4,096 rows of 64
-    tokens: float32 logits of 32 MiB a row) does not."""
-    return check_recipe("llm", [*SMALL, "data.eval_global_batch=4096"], tpu="v5e-1")
+    tokens: float32 logits of 32 MiB a row) does not; and the progress lines it printed."""
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        report = check_recipe("llm", [*SMALL, "data.eval_global_batch=4096"], tpu="v5e-1")
+    return report, err.getvalue().splitlines()
+
+
+@pytest.fixture(scope="module")
+def eval_over(eval_over_and_its_progress):
+    return eval_over_and_its_progress[0]
 
 
 def test_a_run_whose_eval_step_does_not_fit_does_not_fit(eval_over):
@@ -54,6 +63,29 @@ def test_the_eval_step_that_does_not_fit_names_the_largest_eval_batch_that_does(
     assert fitted[e.largest] is True  # compiled: the fix is a batch the compiler placed
     assert not any(ok for batch, ok in fitted.items() if batch > e.largest)
     assert f"fix: {e.fix} ({e.largest} per core, the largest that compiles" in format_report(t)
+
+
+def test_the_eval_batch_search_comes_after_the_train_steps_verdict_and_says_why_it_runs(eval_over_and_its_progress):
+    """A 9B check on Colab probed eval batches for 8 minutes before the train step's verdict,
+    in lines that named --max-batch, which was not given."""
+    _, err = eval_over_and_its_progress
+    said = err.index("v5e-1: the train step fits")
+    assert err[said + 1] == (
+        "v5e-1 eval step: the run's eval batch, 4096 per core (data.eval_global_batch=4096), does not fit: searching "
+        "for the largest that compiles, one compile a probe; set data.eval_global_batch=N to skip the search."
+    )
+    probes = err[said + 2 :]
+    assert probes and all(line.startswith("v5e-1 eval step: eval batch probe ") for line in probes)
+    assert not any("--max-batch" in line for line in err)
+
+
+def test_a_run_that_sets_no_eval_batch_evaluates_at_its_train_batch():
+    """data.per_device_batch=1 with data.global_batch=null (the docs' largest-model commands)
+    compiled the eval step at the preset's 64 rows a core, then searched for one that fit; a
+    run's eval batch is its global batch unless data.eval_global_batch says otherwise."""
+    (t,) = check_recipe("llm", SMALL, tpu="v5e-1").tpu
+    assert t.per_device_batch == 1 and t.eval is not None
+    assert t.eval.fits and t.eval.per_device_batch == 1 and not t.eval.probes
 
 
 def test_an_eval_step_the_compiler_placed_is_reported_at_its_peak_not_the_sum_of_its_buffers():

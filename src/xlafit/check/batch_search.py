@@ -38,6 +38,7 @@ def largest_batch(
     enough: Callable[[int], bool] | None = None,
     label: str | None = None,
     max_probes: int = MAX_PROBES,
+    probe_name: str = "--max-batch probe",
 ) -> tuple[int, list[Probe]]:
     """The largest per-core batch that compiles, and the probes that found it.
 
@@ -58,7 +59,8 @@ def largest_batch(
     through the last two fits. ``enough(batch)``, asked after each new fit, ends the search
     there when it says so (a planner stops once a larger batch no longer runs faster).
     ``start`` itself, known to fit, may be below ``multiple``: it is not compiled again.
-    ``label`` names the search in its progress lines (several may run at once). The search
+    ``label`` names the search in its progress lines (several may run at once), ``probe_name``
+    each of its compiles there. The search
     compiles at most ``max_probes`` batches: then the last fit is the answer, and the first
     refusal above it the bound the report prints.
     """
@@ -67,7 +69,8 @@ def largest_batch(
     if config.invariant_chunks:
         base = math.lcm(base, config.invariant_chunks // steps.strategy.num_replicas)
     unit = math.lcm(base, multiple)
-    probing = _Probing(steps, label or (steps.target.name if steps.target else "this host"), enough, max_probes)
+    name = label or (steps.target.name if steps.target else "this host")
+    probing = _Probing(steps, f"{name}: {probe_name}", enough, max_probes)
     first = start if start_fits and start % base == 0 else max(unit, start // unit * unit)
     known = start_fits is not None and first == start
     if known and start_bytes is not None:
@@ -95,11 +98,11 @@ class _Probing:
 
     def fits(self, batch: int) -> bool:
         n = len(self.probes) + 1
-        progress(f"{self.name}: --max-batch probe {n}: {batch} per core ...")
+        progress(f"{self.name} {n}: {batch} per core ...")
         ok, seconds, needed = self.steps.fits(batch)
         self.probes.append(Probe(batch, ok, seconds))
         verdict = "fits" if ok else "does not fit" + (f", needs {gib(needed)}" if needed is not None else "")
-        progress(f"{self.name}: --max-batch probe {n}: {batch} per core {verdict} ({seconds:.0f} s)")
+        progress(f"{self.name} {n}: {batch} per core {verdict} ({seconds:.0f} s)")
         if needed is not None:
             self.needs[batch] = needed
         self.done = bool(ok and self.enough is not None and self.enough(batch))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import optax
@@ -59,7 +59,9 @@ class Program:
         per_device_batch: train examples per core per step; None: ``global_batch`` over the
             target's cores.
         global_batch: examples per step over all cores, when ``per_device_batch`` is None.
-        eval_global_batch: eval examples per call over all cores; None skips the eval step.
+        eval_global_batch: eval examples per call over all cores; ``"train"``: the train step's
+            batch, as a run evaluates where ``data.eval_global_batch`` is unset; None skips the
+            eval step.
         flops_per_example: analytic training FLOPs of one example, when the model has a count.
         tokens_per_example: for a tokens/s estimate.
         user_file: the user's file, to place failures at its lines.
@@ -72,7 +74,7 @@ class Program:
     example: dict[str, jax.ShapeDtypeStruct]
     per_device_batch: int | None
     global_batch: int | None = None
-    eval_global_batch: int | None = None
+    eval_global_batch: int | Literal["train"] | None = None
     flops_per_example: float | None = None
     tokens_per_example: float | None = None
     user_file: str | None = None

@@ -100,7 +100,7 @@ def recipe_program(
         example,
         per_device_batch=per_device,
         global_batch=None if per_device else global_batch,
-        eval_global_batch=(cfg.data.eval_global_batch or global_batch or (per_device or 1) * 8) if evaluates else None,
+        eval_global_batch=(cfg.data.eval_global_batch or "train") if evaluates else None,
         flops_per_example=work.get("flops_per_example"),
         tokens_per_example=work.get("tokens_per_example"),
         family=name,

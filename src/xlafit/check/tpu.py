@@ -378,14 +378,23 @@ def check_target(target: tpu.Target, program: Program, max_batch: bool | int = F
             report.message = report.error.message
             return report
         # The eval step compiles in a thread beside the train step: the TPU compiler holds
-        # no Python lock, and compiling one program keeps one core busy.
+        # no Python lock, and compiling one program keeps one core busy. Where it does not
+        # fit, the search for the eval batch that does waits for the train step's verdict.
         evaluation = None
         if program.eval_global_batch:
-            per_core = -(-program.eval_global_batch // n)  # the last batch padded
-            evaluation = pool.submit(eval_fit, steps, per_core, report.capacity)
+            per_core = (
+                report.per_device_batch
+                if program.eval_global_batch == "train"
+                else -(-program.eval_global_batch // n)  # the last batch padded
+            )
+            evaluation = pool.submit(eval_compile, steps, per_core)
         train_report(report, steps, target)
         if evaluation is not None and report.error is None:
             report.eval = evaluation.result()
+            if report.eval is not None and not report.eval.fits:
+                verdict = "fits" if report.train_fits else "does not fit"
+                progress(f"{target.name}: the train step {verdict}")
+                search_eval_batch(steps, report.eval, report.capacity)
         if program.rollout is not None and report.error is None:
             report.rollout = rollout_fits(steps, report.per_device_batch * n)
         if max_batch and report.error is None:
@@ -470,22 +479,35 @@ def rollout_fits(steps: Steps, rows: int) -> list[ProgramFit]:
 
 
 def eval_fit(steps: Steps, per_device: int, capacity: float) -> EvalFit | None:
-    """The eval step's verdict and memory at ``per_device`` per core (check's and plan's); where it
-    does not fit, the largest eval batch that does (:func:`largest_eval_batch`). None: another failure."""
+    """The eval step's verdict and memory at ``per_device`` per core (plan's); where it does
+    not fit, the largest eval batch that does (:func:`search_eval_batch`). None: another failure."""
+    out = eval_compile(steps, per_device)
+    if out is not None and not out.fits:
+        search_eval_batch(steps, out, capacity)
+    return out
+
+
+def eval_compile(steps: Steps, per_device: int) -> EvalFit | None:
+    """The eval step's verdict and memory at ``per_device`` per core, one compile. None: a
+    failure that is not about memory (the train step reports it)."""
     name = steps.target.name if steps.target else "this host"
     progress(f"{name}: compiling the eval step, {per_device} per core ...")
     try:
         compiled, seconds = steps.compile_eval(per_device)
     except OutOfMemory as e:
-        out = EvalFit(False, per_device, needed=needed_bytes(e.message), message=e.message)
-        out.largest, out.probes = largest_eval_batch(steps, per_device, out.needed, capacity)
-        if out.largest:
-            out.fix = steps.program.eval_batch_syntax.format(n=out.largest * steps.strategy.num_replicas)
-        return out
+        return EvalFit(False, per_device, needed=needed_bytes(e.message), message=e.message)
     except Exception:  # the train step reports the failure
         return None
     memory = memory_of(compiled, steps.state_bytes, 0)
     return EvalFit(True, per_device, total=memory["total"], peak=memory.get("peak"), compile_s=seconds)
+
+
+def search_eval_batch(steps: Steps, refused: EvalFit, capacity: float) -> None:
+    """Into ``refused`` (an eval step that does not fit): the largest eval batch that compiles
+    (:func:`largest_eval_batch`) and the setting that gives it."""
+    refused.largest, refused.probes = largest_eval_batch(steps, refused.per_device_batch, refused.needed, capacity)
+    if refused.largest:
+        refused.fix = steps.program.eval_batch_syntax.format(n=refused.largest * steps.strategy.num_replicas)
 
 
 class EvalSteps:
@@ -517,7 +539,15 @@ def largest_eval_batch(steps: Steps, refused: int, needed: int | None, capacity:
     guess = int(refused * capacity / needed) if needed and capacity else refused // 2
     guess = max(1, min(guess, refused - 1))
     label = f"{steps.target.name if steps.target else 'this host'} eval step"
-    return largest_batch(EvalSteps(steps), guess, None, capacity=capacity, limit=refused - 1, label=label)
+    syntax = steps.program.eval_batch_syntax
+    given = syntax.format(n=refused * steps.strategy.num_replicas)
+    progress(
+        f"{label}: the run's eval batch, {refused} per core ({given}), does not fit: searching for the largest that "
+        f"compiles, one compile a probe; set {syntax.format(n='N')} to skip the search."
+    )
+    return largest_batch(
+        EvalSteps(steps), guess, None, capacity=capacity, limit=refused - 1, label=label, probe_name="eval batch probe"
+    )
 
 
 def check_targets(targets: list[tpu.Target], program: Program, max_batch: bool | int = False) -> list[TargetReport]:
