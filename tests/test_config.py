@@ -221,6 +221,7 @@ def test_another_recipes_config_file_says_whose_it_is(tmp_path):
         ("model.preference.loss_type=ipo", "(for preferences, TRL's loss_type is model.objective=dpo, simpo or orpo"),
         ("model.preference.max_length=64", "(TRL's max_length is data.seq_len here"),
         ("trainer.num_train_epochs=3", "(TRL's num_train_epochs is trainer.epochs here)"),
+        ("trainer.max_steps=20", "(TRL's max_steps is a number of trainer.epochs here, which sets the schedule's"),
     ],
 )
 def test_trls_names_are_refused_with_xlafits_setting_for_them(key, said):

@@ -61,6 +61,8 @@ TRL_NAMES = {
     "max_prompt_length": "TRL's max_prompt_length has no counterpart here: a row is cut at data.seq_len from its end, "
     "its prompt kept whole (GRPO refuses a prompt with no room for a completion)",
     "num_train_epochs": "TRL's num_train_epochs is trainer.epochs here",
+    "max_steps": "TRL's max_steps is a number of trainer.epochs here, which sets the schedule's length; "
+    "trainer.stop_at_step stops at a step and leaves the schedule as it is",
     "per_device_train_batch_size": "TRL's per_device_train_batch_size is data.per_device_batch here",
     "gradient_accumulation_steps": "TRL's gradient_accumulation_steps is trainer.accumulate_steps here",
     "logging_steps": "TRL's logging_steps is trainer.log_every_steps here",
