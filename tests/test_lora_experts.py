@@ -160,6 +160,27 @@ def test_a_model_without_experts_names_what_it_has():
         apply_lora(dense, ["experts"], rank=2, alpha=4, rngs=nnx.Rngs(1))
 
 
+@pytest.mark.parametrize(
+    ("preset", "adapted"),
+    [
+        ("tiny", ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]),
+        ("tiny-moe", ["experts", "k_proj", "o_proj", "q_proj", "v_proj"]),  # not the router, `gate`
+    ],
+)
+def test_all_linear_adapts_the_attention_and_mlp_projections_not_the_router_nor_the_output_layer(preset, adapted):
+    """PEFT's lora.targets=all-linear was refused as no layer's name."""
+    from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
+    from xlafit.models.lora import ExpertLoRA, LoRA
+
+    cfg = LlamaConfig.preset(preset, vocab_size=61, tie_embeddings=False)
+    model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    model = apply_lora(model, ["all-linear"], rank=2, alpha=4, rngs=nnx.Rngs(1))
+    names = {str(path[-1]) for path, m in nnx.iter_modules(model) if isinstance(m, LoRA | ExpertLoRA)}
+    assert sorted(names) == adapted
+    with pytest.raises(ConfigError, match=r"lora.targets=all-linear names a decoder's attention and MLP projections"):
+        apply_lora(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), ["all-linear"], rank=2, alpha=4, rngs=nnx.Rngs(1))
+
+
 def test_a_dense_layers_mlp_adapters_are_named_as_what_peft_misreads(checkpoint, tmp_path):
     """The fifth walk: adapters on the dense layer's gate_proj/up_proj/down_proj (mlp_only_layers)
     exported silently, and PEFT 0.21 reads those names on a qwen3_moe model as its experts': it

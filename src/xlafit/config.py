@@ -327,7 +327,8 @@ class LoraConfig:
     alpha: float = 16.0  # PEFT's lora_alpha: the adapters' update is scaled by alpha / rank
     # the adapted layers: attribute names of nnx.Linear layers, comma-separated (PEFT's
     # target_modules; Llama's attention projections by default); `experts` adapts a mixture of
-    # experts' stacked weights, each expert's own (PEFT's target_parameters)
+    # experts' stacked weights, each expert's own (PEFT's target_parameters); `all-linear` every
+    # attention and MLP projection (experts too), as PEFT's shorthand: no router, no output layer
     targets: str = "q_proj,k_proj,v_proj,o_proj"
     # the frozen base weights' dtype: bfloat16 halves their memory (the adapters stay float32);
     # nf4, int4 or int8 quantize its dense layers with Qwix (QLoRA; the embeddings, the output

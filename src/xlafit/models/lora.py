@@ -115,6 +115,15 @@ class LoRA(nnx.LoRA):
 
 
 EXPERTS_TARGET = "experts"  # the lora.targets name of a mixture of experts' stacked weights
+ALL_LINEAR = "all-linear"  # PEFT's shorthand: every projection of the decoder's layers
+# What all-linear stands for, where the model has it: attention's projections (a Gated
+# DeltaNet's too), an MLP's (a shared expert's too) and a mixture of experts' stacked weights.
+# Never a router (Qwen's `gate`, Gemma 4's `router.proj`), a shared expert's or per-layer
+# input's gate, nor the output layer, which PEFT's all-linear leaves out too.
+ALL_LINEAR_NAMES = (
+    *("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
+    *("gate_proj", "up_proj", "down_proj", EXPERTS_TARGET),
+)
 
 
 class ExpertLoRA(nnx.Module):
@@ -215,7 +224,8 @@ def apply_lora(model: nnx.Module, targets: Sequence[str], *, rank: int, alpha: f
     Args:
         model: any NNX model; its layers are found by attribute name at any depth.
         targets: attribute names (PEFT's ``target_modules``), e.g. ``("q_proj", "v_proj")``;
-            ``"experts"`` adapts a mixture of experts' stacked weights (:class:`ExpertLoRA`).
+            ``"experts"`` adapts a mixture of experts' stacked weights (:class:`ExpertLoRA`);
+            ``"all-linear"`` the names of :data:`ALL_LINEAR_NAMES` that the model has.
         rank: the adapters' rank.
         alpha: PEFT's ``lora_alpha`` (the adapters' output is scaled by ``alpha / rank``).
         rngs: ``params`` for ``lora_a``.
@@ -243,6 +253,14 @@ def apply_lora(model: nnx.Module, targets: Sequence[str], *, rank: int, alpha: f
     linears = [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, nnx.Linear | QuantizedLinear) and path]
     names = sorted({str(path[-1]) for path, _ in linears})
     experts = [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, Experts | QuantizedExperts) and path]
+    if ALL_LINEAR in targets:
+        present = [n for n in ALL_LINEAR_NAMES if n in names or (n == EXPERTS_TARGET and experts)]
+        if not present:
+            raise ConfigError(
+                f"lora.targets={ALL_LINEAR} names a decoder's attention and MLP projections, and the model has none "
+                f"({', '.join(ALL_LINEAR_NAMES)}): name its layers instead, from {', '.join(names) or 'none'}."
+            )
+        targets = list(dict.fromkeys(n for t in targets for n in (present if t == ALL_LINEAR else [t])))
     unknown = [t for t in targets if t not in names and not (t == EXPERTS_TARGET and experts)]
     stacked = _expert_names(model)
     for target in unknown:
@@ -264,7 +282,8 @@ def apply_lora(model: nnx.Module, targets: Sequence[str], *, rank: int, alpha: f
         raise ConfigError(
             f"no nnx.Linear named {', '.join(unknown)} in the model (LoRA targets are attribute names); "
             f"its Linear layers are named: {', '.join(names) or 'none'}"
-            f"{' (and `experts`, its mixture of experts)' if experts else ''}.{why}"
+            f"{' (and `experts`, its mixture of experts)' if experts else ''}; {ALL_LINEAR} names its attention and "
+            f"MLP projections.{why}"
         )
     if EXPERTS_TARGET in targets:
         for path, module in experts:
