@@ -256,6 +256,10 @@ def test_schedule_line_says_what_a_short_run_does():
     line = describe_schedule(dataclasses_replace(cfg, o), plan, run_steps=30)
     assert "warmup over the schedule's 24 steps (of 40 asked)" in line and "before the peak" not in line
     assert f"then {float(plan.schedule(24)):.4g} for the run's last 6 steps" in line
+    # The seventeenth walk: "0.005 at batch 32 -> peak 0.005 at global batch 8 (none scaling)".
+    flat = OptimizerConfig(learning_rate=0.005, reference_batch=32, scaling="none", warmup_steps=4)
+    line = describe_schedule(dataclasses_replace(cfg, flat), make_optimizer(flat, 8, total_steps=24))
+    assert line.startswith("learning rate: peak 0.005, not scaled with the batch (optimizer.scaling=none), 4 warmup")
     short = OptimizerConfig(learning_rate=0.003, reference_batch=32, warmup_steps=4, final_lr_fraction=0.1)
     line = describe_schedule(dataclasses_replace(cfg, short), make_optimizer(short, 32, total_steps=24), 30)
     assert line.endswith(

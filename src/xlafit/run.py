@@ -326,10 +326,13 @@ def describe_schedule(cfg: Config, plan: OptimizerPlan, run_steps: int | None = 
     ``run_steps`` steps (default: the schedule's) will do them."""
     o = cfg.optimizer
     run_steps = run_steps or plan.decay_steps
-    line = (
-        f"learning rate: {o.learning_rate:g} at batch {o.reference_batch} -> peak {plan.peak_lr:.4g} at global "
-        f"batch {cfg.data.global_batch} ({o.scaling} scaling), "
-    )
+    if o.scaling == "none":  # the reference batch means nothing: the rate is the rate
+        line = f"learning rate: peak {plan.peak_lr:.4g}, not scaled with the batch (optimizer.scaling=none), "
+    else:
+        line = (
+            f"learning rate: {o.learning_rate:g} at batch {o.reference_batch} -> peak {plan.peak_lr:.4g} at global "
+            f"batch {cfg.data.global_batch} ({o.scaling} scaling), "
+        )
     after = run_steps - plan.decay_steps
     last = float(schedule_at(plan.schedule, plan.decay_steps))
     beyond = f", then {last:.4g} for the run's last {after} steps" if after > 0 else ""
