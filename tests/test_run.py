@@ -275,6 +275,20 @@ def test_schedule_line_says_what_a_short_run_does():
     )
 
 
+def test_schedule_line_warns_where_the_presets_warmup_takes_most_of_the_run():
+    """The seventeenth walk: a 22-step llm run warmed up for 20 steps and decayed over 2, without a word."""
+    cfg = load_config("llm")
+    line = describe_schedule(cfg, make_optimizer(cfg.optimizer, 32, total_steps=22), 22)
+    assert line.endswith(
+        "20 warmup steps, cosine decay over 2 steps (optimizer.decay_steps=22: warmup and decay) (warning: the "
+        "preset's 20 warmup steps are 91% of this run's 22, which trains mostly below its peak rate; set "
+        "optimizer.warmup_steps, e.g. optimizer.warmup_steps=2)"
+    ), line
+    assert "warning" not in describe_schedule(cfg, make_optimizer(cfg.optimizer, 32, total_steps=40), 40)
+    chosen = load_config("llm", ["optimizer.warmup_steps=19"])  # the user's own: said, not warned about
+    assert "warning" not in describe_schedule(chosen, make_optimizer(chosen.optimizer, 32, total_steps=22), 22)
+
+
 def dataclasses_replace(cfg, optimizer):
     import dataclasses
 

@@ -48,12 +48,13 @@ from xlafit.io.paths import (
 from xlafit.models.lora import ADAPTER, BASE, apply_lora
 from xlafit.models.quantized import quantize_base
 from xlafit.models.quantized_embed import quantize_embeddings
-from xlafit.overrides import migrate
+from xlafit.overrides import load_yaml, migrate
 from xlafit.parallel.cluster import connect
 from xlafit.parallel.mesh import Strategy
 from xlafit.parallel.sharding import parse_rules
 from xlafit.recipes import get_recipe
 from xlafit.recipes.base import Recipe
+from xlafit.recipes.registry import preset_path
 from xlafit.rundir import (
     checkpoint_dir,
     log_to_file,
@@ -355,7 +356,21 @@ def describe_schedule(cfg: Config, plan: OptimizerPlan, run_steps: int | None = 
     decay = plan.decay_steps - o.warmup_steps
     return line + (
         f"{o.warmup_steps} warmup steps, {o.decay} decay over {decay} steps "
-        f"(optimizer.decay_steps={plan.decay_steps}: warmup and decay){beyond}"
+        f"(optimizer.decay_steps={plan.decay_steps}: warmup and decay){beyond}{_long_warmup(cfg, run_steps)}"
+    )
+
+
+def _long_warmup(cfg: Config, run_steps: int) -> str:
+    """A warning where the preset's warmup, which the user did not set, takes more than half
+    of a short run's steps: it trains mostly below its peak rate."""
+    o = cfg.optimizer
+    preset = load_yaml(preset_path(cfg.recipe)).get("optimizer") or {}
+    if o.warmup_epochs is not None or o.warmup_steps != preset.get("warmup_steps") or 2 * o.warmup_steps <= run_steps:
+        return ""
+    return (
+        f" (warning: the preset's {o.warmup_steps} warmup steps are {o.warmup_steps / run_steps:.0%} of this run's "
+        f"{run_steps}, which trains mostly below its peak rate; set optimizer.warmup_steps, e.g. "
+        f"optimizer.warmup_steps={max(1, run_steps // 10)})"
     )
 
 
