@@ -181,6 +181,17 @@ def test_all_linear_adapts_the_attention_and_mlp_projections_not_the_router_nor_
         apply_lora(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), ["all-linear"], rank=2, alpha=4, rngs=nnx.Rngs(1))
 
 
+def test_the_router_is_named_as_gate_where_router_is_refused():
+    """The seventeenth walk: lora.targets=router listed `gate` among the layers without saying
+    it is the router (which LoRA adapts, and PEFT too)."""
+    from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
+
+    moe = nnx.eval_shape(lambda: LlamaForCausalLM(LlamaConfig.preset("tiny-moe", vocab_size=61), rngs=nnx.Rngs(0)))
+    with pytest.raises(ConfigError) as refused:
+        apply_lora(moe, ["q_proj", "router"], rank=2, alpha=4, rngs=nnx.Rngs(1))
+    assert str(refused.value).endswith(" `gate` is the router of its mixture of experts.")
+
+
 def test_a_dense_layers_mlp_adapters_are_named_as_what_peft_misreads(checkpoint, tmp_path):
     """The fifth walk: adapters on the dense layer's gate_proj/up_proj/down_proj (mlp_only_layers)
     exported silently, and PEFT 0.21 reads those names on a qwen3_moe model as its experts': it

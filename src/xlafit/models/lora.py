@@ -279,6 +279,10 @@ def apply_lora(model: nnx.Module, targets: Sequence[str], *, rank: int, alpha: f
             if tied
             else ""
         )
+        modules = {tuple(path): m for path, m in nnx.iter_modules(model)}
+        routers = sorted({str(path[-1]) for path, _ in linears if _is_router(modules, tuple(path))})
+        if routers:
+            why += f" {' and '.join(f'`{r}`' for r in routers)} is the router of its mixture of experts."
         raise ConfigError(
             f"no nnx.Linear named {', '.join(unknown)} in the model (LoRA targets are attribute names); "
             f"its Linear layers are named: {', '.join(names) or 'none'}"
@@ -292,6 +296,15 @@ def apply_lora(model: nnx.Module, targets: Sequence[str], *, rank: int, alpha: f
     for path, linear in chosen:
         set_child(model, path, LoRA(linear, rank=rank, alpha=alpha, rngs=rngs))
     return model
+
+
+def _is_router(modules: dict[tuple, Any], path: tuple) -> bool:
+    """Whether the layer at ``path`` (``modules``: the model's by path) is a mixture of
+    experts' router: Qwen's ``mlp.gate``, beside its ``experts``, or Gemma 4's ``router.proj``."""
+    if len(path) < 2:
+        return False
+    beside_experts = isinstance(getattr(modules.get(path[:-1]), "experts", None), Experts | QuantizedExperts)
+    return str(path[-2]) == "router" or (str(path[-1]) == "gate" and beside_experts)
 
 
 def _expert_names(model: nnx.Module) -> set[str]:
