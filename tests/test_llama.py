@@ -139,8 +139,13 @@ def test_from_hf_names_the_problem(tmp_path):
     ):
         from_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False, "num_hidden_layers": 3}))
-    with pytest.raises(HFFormatError, match="no tensor 'model.layers.2.input_layernorm.weight'"):
+    with pytest.raises(HFFormatError) as missing:
         from_hf(tmp_path)
+    assert str(missing.value) == (
+        "the checkpoint has no tensor 'model.layers.2.input_layernorm.weight' (shape (64,)), which its config.json "
+        "calls for: the weights and config.json disagree (a truncated copy, another family's checkpoint, or another "
+        "model's config.json); check that both come from the same model and that every shard is there."
+    )
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     with pytest.raises(
         HFFormatError, match="describes a 'gpt2' model; xlafit reads llama, qwen2, qwen3, mistral, gemma2, gemma3_text"

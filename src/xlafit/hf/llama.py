@@ -437,7 +437,9 @@ def from_hf_state(model: LlamaForCausalLM, state: Mapping[str, Any], put: Put | 
             key = "language_model." + name
         if key not in state:
             raise HFFormatError(
-                f"the checkpoint has no tensor {key!r} (expected shape {shape}); is it the model config.json names?"
+                f"the checkpoint has no tensor {key!r} (shape {shape}), which its config.json calls for: the weights "
+                "and config.json disagree (a truncated copy, another family's checkpoint, or another model's "
+                "config.json); check that both come from the same model and that every shard is there."
             )
         value = np.asarray(state[key])
         if value.shape != shape:
