@@ -188,8 +188,14 @@ def test_bad_records_are_one_clear_error(model_dir, tmp_path):
     half.write_text(json.dumps({"prompt": CONVERSATION[1:2], "completion": "It is Paris."}) + "\n")
     with pytest.raises(DataError, match=r"'prompt' must be text; .* gives its prompt and its completion both as"):
         clm.load_packed([str(half)], tok, seq_len=64)
-    with pytest.raises(DataError, match="chat records need a chat template"):
+    with pytest.raises(DataError) as no_template:
         chat.encode({"messages": CONVERSATION}, "chat", tok, None)
+    assert str(no_template.value) == (  # the seventeenth walk: it named neither the shipped templates nor text
+        "chat records need a chat template, and the tokenizer's directory has none (tokenizer_config.json's "
+        "chat_template or chat_template.jinja): give one as data.chat_template, a Jinja file or one xlafit ships "
+        "(data.chat_template=qwen3 for Qwen3, data.chat_template=mistral-v0.3 for Mistral v0.3); or, where the "
+        "records hold a text column too, train on that text as it is with data.format=text."
+    )
     with pytest.raises(DataError, match="data.format='dialog'"):
         clm.load_packed([str(odd)], tok, seq_len=64, fmt="dialog")
 

@@ -436,8 +436,8 @@ def encode(
     if fmt == "chat":
         if template is None:
             raise DataError(
-                "chat records need a chat template: the tokenizer's directory has none (tokenizer_config.json's "
-                "chat_template or chat_template.jinja); give one as data.chat_template."
+                f"{missing_template('chat records')}; or, where the records hold a text column too, train on that "
+                "text as it is with data.format=text."
             )
         if loss_on == "all":  # every token counts: the answers need not be found
             encoding = tok.encode(template.render(messages_of(record)), add_special_tokens=False)
@@ -465,6 +465,16 @@ def encode(
     return Encoded(ids, [1] * len(ids))
 
 
+def missing_template(what: str) -> str:
+    """The refusal of ``what`` (``chat records``) where no chat template is at hand, with the
+    templates xlafit ships (:mod:`xlafit.data.templates`)."""
+    return (
+        f"{what} need a chat template, and the tokenizer's directory has none (tokenizer_config.json's chat_template "
+        f"or chat_template.jinja): give one as data.chat_template, a Jinja file or one xlafit ships "
+        f"({templates.choices()})"
+    )
+
+
 def _conversational(record: dict[str, Any]) -> bool:
     """A prompt/completion record whose prompt and completion are messages (TRL's
     conversational prompt-completion)."""
@@ -481,10 +491,7 @@ def _conversation_completion(
     the chat template with its generation prompt, then the whole conversation; the loss on
     what the completion adds (from where the two part)."""
     if template is None:
-        raise DataError(
-            "conversational prompt/completion records need a chat template: the tokenizer's directory has none; give "
-            "one as data.chat_template."
-        )
+        raise DataError(f"{missing_template('conversational prompt/completion records')}.")
     prompt = messages_of({"messages": record["prompt"]})
     whole = messages_of({"messages": [*prompt, *record["completion"]]})
     prompt_ids = tok.encode(template.render(prompt, add_generation_prompt=True), add_special_tokens=False).ids

@@ -32,7 +32,15 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from xlafit.data.chat import ChatTemplate, Encoded, check_one_kind, encode, messages_of, read_records
+from xlafit.data.chat import (
+    ChatTemplate,
+    Encoded,
+    check_one_kind,
+    encode,
+    messages_of,
+    missing_template,
+    read_records,
+)
 from xlafit.data.clm import PAD, data_files
 from xlafit.data.hashing import hash_uniform
 from xlafit.errors import DataError
@@ -214,10 +222,7 @@ def encode_pair(
         )
         return good, bad
     if template is None:
-        raise DataError(
-            "preference conversations need a chat template: the tokenizer's directory has none "
-            "(tokenizer_config.json's chat_template or chat_template.jinja); give one as data.chat_template."
-        )
+        raise DataError(f"{missing_template('preference conversations')}.")
     prompt, chosen, rejected = _split_prompt(record)
     pair = _encode_turns(prompt, chosen, template, tok), _encode_turns(prompt, rejected, template, tok)
     for side, row in zip(("chosen", "rejected"), pair, strict=True):
