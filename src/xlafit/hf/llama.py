@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -64,7 +63,6 @@ _LLAMA3_KEYS = {
     "rope_original_max_position_embeddings": "original_max_position_embeddings",
 }
 INDEX = "model.safetensors.index.json"
-log = logging.getLogger("xlafit")
 
 
 # The families: Hugging Face's model_type -> its model class.
@@ -460,27 +458,7 @@ def from_hf_state(model: LlamaForCausalLM, state: Mapping[str, Any], put: Put | 
     for param, rows in stacked.values():  # in row-major order of (layer, expert)
         param[...] = np.stack(rows).reshape(param[...].shape)
     text_model = "model.language_model." if language_model else "language_model." if legacy else ""
-    unused = [key for key in state.state if key not in state.read and _unexpected(key, text_model, model)]
-    if unused:
-        names = ", ".join(unused[:3]) + (", ..." if len(unused) > 3 else "")
-        log.warning(
-            "warning: the checkpoint has %d tensor%s the model does not read (%s), left out: its config.json may not "
-            "be the one its weights were saved with (a bias with attention_bias=false, another family's names); "
-            "check that both come from the same model.",
-            len(unused),
-            "" if len(unused) == 1 else "s",
-            names,
-        )
-
-
-def _unexpected(key: str, text_model: str, model: LlamaForCausalLM) -> bool:
-    """Whether a checkpoint's tensor ``key`` that ``model`` did not read is one it should
-    have: not a multimodal checkpoint's other towers (outside ``text_model``, the prefix of
-    its text model's tensors), a rotary table kept as a buffer, Qwen3.5's multi-token
-    prediction head, nor a tied model's output layer."""
-    if key.endswith("lm_head.weight"):  # the output layer sits beside a multimodal text model's prefix
-        return model.lm_head is not None
-    return key.startswith(text_model) and not key.endswith(".inv_freq") and not key.startswith("mtp.")
+    state.warn_unread(text_model, tied=model.lm_head is None)
 
 
 def _shards(names: list[str], sizes: list[int], max_shard_bytes: int | None) -> list[list[str]]:

@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -22,6 +23,8 @@ from xlafit.models.llama_config import LlamaConfig
 from xlafit.models.moe import EXPERT_WEIGHTS
 
 __all__ = ["EXPERT_NAMES", "PerExpert", "Tensor", "fuse_experts", "layer_tensors"]
+
+log = logging.getLogger("xlafit")
 
 # (Hugging Face name after "model.layers.{i}.", attribute path in a decoder layer, transposed)
 Tensor = tuple[str, tuple[str, ...], bool]
@@ -188,3 +191,26 @@ class PerExpert(Mapping[str, Any]):
 
     def __len__(self) -> int:
         return len(self.state)
+
+    def warn_unread(self, text_model: str, tied: bool) -> None:
+        """Names in a warning the tensors of the checkpoint not read so far (transformers'
+        UNEXPECTED keys: its config.json may not be the one its weights were saved with), but
+        those no text model reads: a multimodal checkpoint's other towers (outside
+        ``text_model``, the prefix of its text model's tensors), rotary tables kept as buffers,
+        Qwen3.5's multi-token prediction head (``mtp.``) and a ``tied`` model's output layer."""
+
+        def unexpected(key: str) -> bool:
+            if key.endswith("lm_head.weight"):  # beside a multimodal text model's prefix
+                return not tied
+            return key.startswith(text_model) and not key.endswith(".inv_freq") and not key.startswith("mtp.")
+
+        unread = [key for key in self.state if key not in self.read and unexpected(key)]
+        if unread:
+            log.warning(
+                "warning: the checkpoint has %d tensor%s the model does not read (%s), left out: its config.json may "
+                "not be the one its weights were saved with (a bias with attention_bias=false, another family's "
+                "names); check that both come from the same model.",
+                len(unread),
+                "" if len(unread) == 1 else "s",
+                ", ".join(unread[:3]) + (", ..." if len(unread) > 3 else ""),
+            )
