@@ -134,6 +134,71 @@ def test_batch_norm_running_statistics_equal_pytorchs():
     assert int(ours.num_batches_tracked) == 3
 
 
+class _TripleRelu(torch.autograd.Function):
+    """A gradient that is not forward's own: three times ReLU's (the classic style)."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.save_for_backward(x)
+        ctx.scale = scale
+        return x.clamp(min=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * (x > 0) * ctx.scale, None
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Rounding whose gradient passes through (setup_context's style, a tensor kept on ctx)."""
+
+    @staticmethod
+    def forward(x):
+        return torch.round(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.x = inputs[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * torch.ones_like(ctx.x)
+
+
+class _CustomGradients(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(_StraightThrough.apply(_TripleRelu.apply(self.fc1(x), 3.0) * 4))
+
+
+def test_a_modules_own_autograd_function_differentiates_through_its_backward():
+    """torchax differentiates a torch.autograd.Function's forward and never calls its backward:
+    the rounding below gave every layer under it a zero gradient, without a word. The module's
+    gradients equal PyTorch's autograd."""
+    import jax
+    from flax import nnx
+
+    torch.manual_seed(0)
+    net = _CustomGradients()
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    F.cross_entropy(net(x), y).backward()
+    module = TorchModule(net)
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+
+    def loss(params):
+        logits = nnx.merge(graphdef, params, rest)(x.numpy())
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y.numpy()).mean()
+
+    grads = jax.grad(loss)(params)
+    ours = {name: grads["params"][i][...] for i, name in enumerate(module.param_names)}
+    for name, p in net.named_parameters():
+        np.testing.assert_allclose(np.asarray(ours[name]), p.grad.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+    assert np.abs(np.asarray(ours["fc1.weight"])).max() > 0  # through the rounding
+
+
 def _state(module):
     from flax import nnx
 

@@ -7,8 +7,10 @@ module's parameters and whose :class:`TorchBuffer` variables are its buffers (Ba
 running statistics and counters), updated by the step as model state. ``train()`` /
 ``eval()`` map to the module's own. Dropout and any other randomness draw from a key of the
 module's state (``nnx.Rngs``), one per call, as an NNX model's dropout does, never from
-torchax's global key. Trained values are written back into the torch module at every
-checkpoint and at the end of ``fit``, so ``torch.save(module.state_dict())`` holds them.
+torchax's global key. A ``torch.autograd.Function`` of the module's own differentiates
+through its ``backward`` (:mod:`xlafit.integrations.torch_function`). Trained values are
+written back into the torch module at every checkpoint and at the end of ``fit``, so
+``torch.save(module.state_dict())`` holds them.
 
 The loss is ``loss_fn(model, batch)`` on JAX arrays, as for any model; :func:`torch_loss`
 turns a torch function ``fn(outputs, batch) -> per-example losses`` into one.
@@ -32,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from xlafit.errors import ConfigError
+from xlafit.integrations.torch_function import own_backwards
 from xlafit.train.adapter import Adapted, require_data_parallel
 
 TORCHAX_PIN = "torchax==0.0.14.dev20261026"  # the release that imports with torch 2.13 (xlafit[torch])
@@ -143,7 +146,7 @@ class TorchModule(nnx.Module):
             through = _THROUGH_TORCHAX.set(True)
             try:
                 # PyTorch broadcasts by rank promotion, which strict JAX settings forbid: allowed for its ops
-                with env, jax.numpy_rank_promotion("allow"):
+                with env, jax.numpy_rank_promotion("allow"), own_backwards(env):
                     out = self.jittable.functional_call("__call__", t_params, t_buffers, *t_args, **t_kwargs)
             except Exception as e:
                 raise _not_runnable(e) from e
@@ -224,7 +227,7 @@ def torch_loss(fn: Callable[[Any, Mapping[str, Any]], Any], inputs: str = "x") -
         env = torchax_env()
         with _ONE_AT_A_TIME:
             t_outputs, t_batch = env.j2t_iso((outputs, dict(batch)))
-            with env, jax.numpy_rank_promotion("allow"):
+            with env, jax.numpy_rank_promotion("allow"), own_backwards(env):
                 result = fn(t_outputs, t_batch)
             return env.t2j_iso(result)
 
