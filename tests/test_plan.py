@@ -545,6 +545,11 @@ def test_a_file_annotated_with_flax_partitioning_is_planned_over_its_names(tmp_p
     plan = plan_file(path, tpu="v5e-4", global_batch=32)
     assert not plan.skipped  # every mesh of 4 devices splits something
     assert {o.candidate.mesh for o in plan.fitting()} >= {(1, 1, 4), (2, 1, 2), (4, 1, 1)}
+    # Steps of microseconds, where launch and dispatch (not priced) decide: data parallelism,
+    # the fewest collectives, comes first whatever the predicted microseconds say (the walk's
+    # 1.4k-parameter MLP was told to take FSDP 8 for its "1.2G examples/s").
+    assert plan.launch_bound(plan.fitting()) and plan.winner.candidate.mesh == (4, 1, 1)
+    assert "First (every step is predicted under 1 ms, where launch and dispatch decide" in format_plan(plan)
 
 
 def test_plan_of_a_keras_model_file():
@@ -554,7 +559,7 @@ def test_plan_of_a_keras_model_file():
     assert plan.winner is not None and plan.winner.candidate.mesh == (4, 1, 1)
     assert plan.winner.prediction.examples_per_s > 0
     assert plan.skipped and all("split over" in why or "data-parallel only" in why for _, _, why in plan.skipped)
-    assert "Fastest: v5e-4, DP 4" in format_plan(plan)
+    assert ": v5e-4, DP 4, -, 4 per core" in format_plan(plan)
 
 
 def test_ctrl_c_stops_the_plan_and_reports_what_had_compiled(tmp_path):

@@ -226,9 +226,13 @@ def _speed_lines(r: TargetReport) -> list[str]:
     tokens = f", {rate(r.tokens_per_s, 'tokens/s')}" if r.tokens_per_s else ""
     if r.predicted and r.step_s:
         rates = "" if r.rates == "built-in" else f"; rates from {r.rates}"
-        lines.append(
-            f"  step (predicted, not measured): {predicted_step(r)}, {rate(r.examples_per_s, 'examples/s')}{tokens}"
+        # Under 1 ms, launch and dispatch (not in the step model) decide the step: no throughput from it.
+        speed = (
+            "the device's work alone, no throughput predicted"
+            if r.outside_band
+            else (f"{rate(r.examples_per_s, 'examples/s')}{tokens}")
         )
+        lines.append(f"  step (predicted, not measured): {predicted_step(r)}, {speed}")
         lines.append(f"    {r.band}" if r.outside_band else f"    the step model's error: {r.band}{rates}")
     elif r.band:
         lines.append(f"  {r.band}")
@@ -313,7 +317,8 @@ def _probe_line(r: TargetReport) -> str:
 
 def format_table(reports: list[TargetReport]) -> str:
     """Targets side by side: verdict, HBM per core, largest batch, predicted step (or the
-    roofline estimate, marked ``~``, where the device has no step model)."""
+    roofline estimate, marked ``~``, where the device has no step model; ``?`` and no
+    throughput under 1 ms, where launch and dispatch decide the step)."""
     rows = [("target", "fits", "HBM/core", "of", "max batch", "step (predicted)", "examples/s", "compile")]
     for r in reports:
         total = r.memory.get("total")
@@ -324,8 +329,16 @@ def format_table(reports: list[TargetReport]) -> str:
                 gib(total) if total else "-",
                 gib(r.capacity) if r.capacity else "-",
                 str(r.max_batch) if r.max_batch is not None else "-",
-                predicted_step(r) if r.predicted else f"~{seconds(r.bound_s)} (roofline)" if r.bound_s else "-",
-                rate(r.examples_per_s) if r.predicted or not r.examples_per_s else f"~{rate(r.examples_per_s)}",
+                f"{predicted_step(r)}{'?' if r.outside_band else ''}"
+                if r.predicted
+                else f"~{seconds(r.bound_s)} (roofline)"
+                if r.bound_s
+                else "-",
+                "-"
+                if r.outside_band
+                else rate(r.examples_per_s)
+                if r.predicted or not r.examples_per_s
+                else f"~{rate(r.examples_per_s)}",
                 f"{r.compile_s:.0f} s" if r.compile_s else "-",
             )
         )

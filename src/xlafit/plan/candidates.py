@@ -69,6 +69,11 @@ class Candidate:
         return self.per_device_batch * self.shards
 
     @property
+    def data_parallel(self) -> bool:
+        """Pure data parallelism: every axis but ``data`` of size 1."""
+        return all(n == 1 for n in self.mesh[1:])
+
+    @property
     def layout(self) -> str:
         """The mesh in a few characters (:func:`layout_of`)."""
         return layout_of(self.mesh)

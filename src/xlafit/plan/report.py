@@ -239,7 +239,10 @@ def _winner_lines(plan: Plan) -> list[str]:
     if o is None:
         return ["No candidate fits: see why below."]
     c, p = o.candidate, o.prediction
-    lines = [f"Fastest: {c.target}, {c.layout}, {c.levers}, {c.per_device_batch} per core (global {c.global_batch})"]
+    first = "Fastest"
+    if plan.launch_bound(plan.fitting()):
+        first = "First (every step is predicted under 1 ms, where launch and dispatch decide: the fewest collectives)"
+    lines = [f"{first}: {c.target}, {c.layout}, {c.levers}, {c.per_device_batch} per core (global {c.global_batch})"]
     if p is not None:
         comm = f", collectives {p.comm_s * 1e3:.3g} ms" if p.comm_s is not None else ", collectives not priced"
         if p.predicted:

@@ -54,9 +54,22 @@ class Plan:
 
     def fitting(self) -> list[Outcome]:
         """The candidates that fit, fastest first: their train step fits, and their eval step
-        where it was compiled (at the run's eval batch, or the largest that compiles)."""
+        where it was compiled (at the run's eval batch, or the largest that compiles). Where
+        every one is :meth:`launch_bound`, pure data parallelism comes first."""
         found = [o for o in self.outcomes if o.fits and o.prediction is not None and o.run_fits is not False]
-        return sorted(found, key=lambda o: -o.prediction.examples_per_s)  # type: ignore[union-attr]
+        first = self.launch_bound(found)
+        return sorted(
+            found,
+            key=lambda o: (not (first and o.candidate.data_parallel), -o.prediction.examples_per_s),  # type: ignore[union-attr]
+        )
+
+    @staticmethod
+    def launch_bound(fitting: list[Outcome]) -> bool:
+        """Whether every fitting candidate's step is predicted under 1 ms: there launch and
+        dispatch, which the step model does not price, decide the step, and the layout with
+        the fewest collectives (pure data parallelism: one gradient all-reduce a step) is the
+        one to start from, whatever the predicted microseconds say."""
+        return bool(fitting) and all(o.prediction is not None and o.prediction.outside_band for o in fitting)
 
     @property
     def winner(self) -> Outcome | None:
