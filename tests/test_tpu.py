@@ -794,6 +794,26 @@ def test_a_roofline_above_the_predicted_step_is_an_estimate_that_says_why():
     assert "~57.4 ms (roofline)" in format_table([unpredicted]) and "(bound)" not in format_table([unpredicted])
 
 
+def test_a_step_of_microseconds_gets_no_throughput_and_one_not_validated_keeps_its_own():
+    """Under 1 ms launch and dispatch, which the step model leaves out, decide the step: a
+    walk's MLP read "8.23e-05 ms, 194M examples/s". Such a step gets no throughput, in the
+    lines and the table; a longer one outside the validated programs keeps its throughput."""
+    report = TargetReport(
+        "v5e-1", device_kind="TPU v5 lite", devices=1, batch_shards=1, per_device_batch=16, train_fits=True,
+        capacity=16 * 2**30, memory={"total": 2**20}, flops_per_step=5e5, bytes_per_step=1.5e6,
+        compute_s=2.7e-9, memory_s=1.8e-6, bound_s=1.8e-6, step_s=8.23e-8, predicted=True, band="no error band",
+        outside_band=True, examples_per_s=16 / 8.23e-8,
+    )  # fmt: skip
+    assert "step (predicted, not measured): 8.23e-05 ms, the device's work alone, no throughput predicted" in (
+        format_report(report)
+    )
+    row = format_table([report]).splitlines()[1].split()
+    assert "8.23e-05" in row and "ms?" in row and "194M" not in row
+    longer = dataclasses.replace(report, step_s=0.05, examples_per_s=320.0, band="not validated for this kind")
+    assert "step (predicted, not measured): 50 ms, 320 examples/s" in format_report(longer)
+    assert "320" in format_table([longer])
+
+
 def test_checking_a_file_on_a_machine_without_a_tpu_is_quiet(tmp_path):
     """Running a user's file starts JAX's backends; libtpu's start-up errors on a host without
     a TPU (INVALID_ARGUMENT, 'could not determine TPU') are no finding and stay off the screen."""

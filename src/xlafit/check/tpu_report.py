@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from xlafit.check.program import MAX_PROBES, TargetReport
-from xlafit.check.speed import above_prediction
+from xlafit.check.speed import above_prediction, outside_band
 from xlafit.platform import hardware as tpu
 
 
@@ -229,8 +229,8 @@ def _speed_lines(r: TargetReport) -> list[str]:
         # Under 1 ms, launch and dispatch (not in the step model) decide the step: no throughput from it.
         speed = (
             "the device's work alone, no throughput predicted"
-            if r.outside_band
-            else (f"{rate(r.examples_per_s, 'examples/s')}{tokens}")
+            if outside_band(r.step_s)
+            else f"{rate(r.examples_per_s, 'examples/s')}{tokens}"
         )
         lines.append(f"  step (predicted, not measured): {predicted_step(r)}, {speed}")
         lines.append(f"    {r.band}" if r.outside_band else f"    the step model's error: {r.band}{rates}")
@@ -335,7 +335,7 @@ def format_table(reports: list[TargetReport]) -> str:
                 if r.bound_s
                 else "-",
                 "-"
-                if r.outside_band
+                if outside_band(r.step_s)
                 else rate(r.examples_per_s)
                 if r.predicted or not r.examples_per_s
                 else f"~{rate(r.examples_per_s)}",

@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from xlafit.check.speed import outside_band
 from xlafit.errors import ConfigError
 from xlafit.overrides import deep_merge, merge_overrides, parse_overrides
 from xlafit.plan.candidates import Candidate
@@ -69,7 +70,7 @@ class Plan:
         dispatch, which the step model does not price, decide the step, and the layout with
         the fewest collectives (pure data parallelism: one gradient all-reduce a step) is the
         one to start from, whatever the predicted microseconds say."""
-        return bool(fitting) and all(o.prediction is not None and o.prediction.outside_band for o in fitting)
+        return bool(fitting) and all(o.prediction is not None and outside_band(o.prediction.step_s) for o in fitting)
 
     @property
     def winner(self) -> Outcome | None:
