@@ -59,6 +59,41 @@ def test_a_scalar_loss_passes_with_a_note_that_evaluation_needs_one_per_example(
     assert note.startswith("loss_fn returns acc as a scalar")
 
 
+REGRESSION = """
+import numpy as np
+from flax import nnx
+
+model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+rng = np.random.default_rng(0)
+batch = {"x": rng.normal(size=(16, 4)).astype("float32"), "y": rng.normal(size=(16,)).astype("float32")}
+
+
+def loss_fn(model, batch):
+    return ((model(batch["x"]) - batch["y"]) ** 2).mean(-1)
+"""
+
+
+def test_an_output_of_one_column_against_labels_of_one_axis_is_named_at_its_line(tmp_path):
+    """(B, 1) - (B,) broadcasts to (B, B): every prediction against every label, and the
+    mean over the last axis gives the loss its right shape back, so training went on toward
+    the labels' mean without a word. check names the line; a loss on out[:, 0] passes, as
+    does a bias added to every row (a promotion of another kind)."""
+    import jax
+
+    path = tmp_path / "regression.py"
+    path.write_text(REGRESSION)
+    with jax.numpy_rank_promotion("allow"):  # JAX's default, which a user has (the suite raises)
+        report = check_file(path)
+        (finding,) = report.findings
+        assert finding.kind == "rows against every label" and finding.line == 11 and "mean(-1)" in finding.code
+        assert "subtract of shapes (16, 1) and (16,) broadcasts to (16, 16)" in finding.message
+        assert "drop the output's last axis (out[..., 0])" in finding.message and not report.ok
+        path.write_text(REGRESSION.replace('model(batch["x"])', 'model(batch["x"])[:, 0]'))
+        assert check_file(path).ok
+        path.write_text(REGRESSION.replace('model(batch["x"])', '(model(batch["x"]) + np.ones(1, "float32"))[:, 0]'))
+        assert check_file(path).ok
+
+
 def test_violations_written_other_ways(tmp_path):
     header = "import jax, jax.numpy as jnp, numpy as np, optax\nfrom flax import nnx\n"
     header += "model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))\nbatch = {'x': np.ones((8, 4), np.float32)}\n"

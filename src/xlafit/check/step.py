@@ -13,6 +13,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from xlafit.check.broadcast import row_against_every_label
 from xlafit.check.lever_fits import fit_levers
 from xlafit.check.program import Program
 from xlafit.check.report import Report
@@ -105,8 +106,9 @@ def check_step(
     step, state = _train_step(model, loss_fn, seen, trainable)
     rows = len(np.asarray(next(iter(batch.values()))))
     try:
-        jax.eval_shape(step, state, _stacked(batch))
+        broadcasts = row_against_every_label(lambda: jax.eval_shape(step, state, _stacked(batch)), user_file)
         report.traced = True
+        report.findings += broadcasts
         if seen.get("scalars") and users_loss:
             report.notes.append(SCALAR_LOSS_NOTE.format(names=", ".join(seen["scalars"])))
         jax.block_until_ready(jax.jit(step)(state, _stacked(batch)))
