@@ -60,7 +60,8 @@ def check_arguments(
     check_model(model, loss_fn)
     if not isinstance(optimizer, optax.GradientTransformation):
         keras = framework_of(optimizer) == "keras"
-        hint = "; a Keras optimizer converts with xlafit.integrations.keras.optax_from_keras" if keras else ""
+        convert = "xlafit.integrations.keras.optax_from_keras(optimizer, model)"
+        hint = f"; a Keras optimizer converts with {convert}" if keras else ""
         raise ConfigError(
             f"optimizer must be an optax.GradientTransformation (e.g. optax.adamw(1e-3)), got {_kind(optimizer)}{hint}."
         )

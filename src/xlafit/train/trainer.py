@@ -99,7 +99,8 @@ class Trainer:
             :class:`~xlafit.integrations.keras.KerasLoss` (with metrics), or None for the loss of
             ``model.compile``; batches are ``{"x": inputs, "y": targets}``.
         optimizer: an ``optax.GradientTransformation`` (``optax.adamw(1e-3)``; a Keras
-            optimizer converts with :func:`xlafit.integrations.keras.optax_from_keras`).
+            optimizer converts with :func:`xlafit.integrations.keras.optax_from_keras`:
+            ``optax_from_keras(optimizer, model)``).
         strategy: what :func:`xlafit.connect` returns; None: all devices.
         global_batch: a positive int, the examples per optimizer step over all devices; a
             multiple of ``strategy.num_replicas``.

@@ -98,7 +98,7 @@ def _optimizer(model: Any, optimizer: Any, global_batch: int, total_steps: int) 
     if isinstance(optimizer, str):
         optimizer = keras.optimizers.get(optimizer)
     if isinstance(optimizer, keras.optimizers.Optimizer):
-        return optax_from_keras(optimizer), optimizer.get_config()["learning_rate"]
+        return optax_from_keras(optimizer, model), optimizer.get_config()["learning_rate"]
     raise ConfigError(f"optimizer must be optax, an OptimizerConfig or a Keras optimizer; got {type(optimizer)}.")
 
 
