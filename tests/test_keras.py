@@ -404,3 +404,24 @@ def test_adamw_weight_decay_exclusions_train_as_keras_own_fit(strategy8, exclude
         np.testing.assert_allclose(mine, keras_own, rtol=1e-5, atol=1e-6)
     with pytest.raises(ConfigError, match=r"pass the model too: optax_from_keras\(optimizer, model\)"):
         optax_from_keras(compiled().optimizer)
+
+
+def test_a_keras_loss_reduced_by_sum_is_refused_and_none_trains_as_the_default(strategy8):
+    """reduction="sum" trained as a mean (a step the batch size times smaller than Keras'
+    fit takes); None is the per-example values themselves, which xlafit averages."""
+    with pytest.raises(ConfigError, match=r"reduction='sum'.*use the default reduction"):
+        KerasLoss(keras.losses.MeanSquaredError(reduction="sum"))
+    x, y = data(64, 0)
+    histories = [
+        fit(
+            build(dropout=0.0),
+            x,
+            y,
+            batch_size=32,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction),
+            optimizer=optax.sgd(0.1),
+            strategy=strategy8,
+        ).history["loss"]
+        for reduction in ("sum_over_batch_size", None)
+    ]
+    assert histories[0] == histories[1]

@@ -20,6 +20,15 @@ def _resolve_loss(keras: Any, loss: Any) -> Callable:
     if isinstance(loss, str):
         loss = keras.losses.get(loss)
     if isinstance(loss, keras.losses.Loss):
+        # xlafit averages the per-example values over the global batch: Keras' default
+        # reduction, and "mean"-like ones without sample weights. None ("none") is the
+        # per-example values themselves (Keras' own fit refuses a loss that is not one value).
+        if loss.reduction == "sum":
+            raise ConfigError(
+                f"the Keras loss {loss.name!r} has reduction='sum', which xlafit does not translate (it averages over "
+                "the batch); use the default reduction, with the learning rate scaled as wanted (the sum's gradient "
+                "is the mean's times the batch size)."
+            )
         # Loss.call is the unreduced loss of Keras' convention; __call__ would reduce it.
         return loss.call
     if callable(loss):
@@ -92,7 +101,8 @@ class KerasLoss:
 
     Args:
         loss: a Keras loss, its name, or ``loss(y_true, y_pred)`` returning one value per
-            example (more axes are averaged).
+            example (more axes are averaged); averaged over the batch as Keras' default
+            reduction (``reduction="sum"`` is refused).
         metrics: Keras metrics that are means of per-example values (``"accuracy"``,
             ``keras.metrics.SparseCategoricalAccuracy()``, ...) or functions
             ``metric(y_true, y_pred)``.
