@@ -425,3 +425,11 @@ def test_a_keras_loss_reduced_by_sum_is_refused_and_none_trains_as_the_default(s
         for reduction in ("sum_over_batch_size", None)
     ]
     assert histories[0] == histories[1]
+
+
+def test_fit_takes_steps_per_execution_from_model_compile(strategy8, capsys):
+    """model.compile(steps_per_execution=4) was ignored: fit ran one step per call."""
+    model = build(dropout=0.0)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS, steps_per_execution=4)
+    fit(model, *data(64, 0), batch_size=8, strategy=strategy8)
+    assert "steps per call: 4" in capsys.readouterr().out

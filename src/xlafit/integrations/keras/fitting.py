@@ -115,7 +115,7 @@ def fit(
     validation_data: Any = None,
     callbacks: Sequence[Any] | None = None,
     verbose: Any = "auto",
-    steps_per_execution: int = 1,
+    steps_per_execution: int | None = None,
     strategy: Strategy | None = None,
     config: TrainerConfig | None = None,
     run_dir: str | Path | None = None,
@@ -137,7 +137,8 @@ def fit(
             once (the last batch padded and masked).
         callbacks: not supported; the error names the xlafit equivalent of each.
         verbose: accepted for Keras compatibility; progress lines are always printed.
-        steps_per_execution: optimizer steps per compiled call (Keras' own name for it).
+        steps_per_execution: optimizer steps per compiled call (Keras' own name for it);
+            None: the value given to ``model.compile`` (1 if none).
         strategy: from :func:`xlafit.connect`; default: every device.
         config: further loop settings (checkpoints, NaN policy, ...); ``epochs`` and
             ``steps_per_execution`` fill its fields.
@@ -193,6 +194,8 @@ def fit(
         if not isinstance(validation_data, tuple | list) or len(validation_data) != 2:
             raise ConfigError("validation_data must be (x_val, y_val); xlafit does not take sample weights there.")
         val = _as_data(validation_data[0], validation_data[1], "validation_data")
+    if steps_per_execution is None:  # as Keras' fit: model.compile's (1 where it set none)
+        steps_per_execution = int(getattr(model, "steps_per_execution", 1) or 1) if model.compiled else 1
     config = dataclasses.replace(config or TrainerConfig(), epochs=epochs, steps_per_call=steps_per_execution)
     adapted = to_adapted(model, loss, metrics)
     rows = len(as_dataset(train))
