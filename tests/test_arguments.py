@@ -33,6 +33,16 @@ BAD = {
     "zero batch": ({"global_batch": 0}, r"^global_batch=0 must be a positive number\.$"),
     "batch as a string": ({"global_batch": "32"}, r"^global_batch='32' has the wrong type: expected int\.$"),
     "batch as a bool": ({"global_batch": True}, r"^global_batch=True has the wrong type: expected int\.$"),
+    "both batches": (
+        {"per_device_batch": 4},
+        r"^give global_batch=32 or per_device_batch=4, not both \(the global batch is per_device_batch x the "
+        r"strategy's 8 replicas\)\.$",
+    ),
+    "no batch": ({"global_batch": None}, r"^Trainer needs global_batch= .* or per_device_batch= \(.* 8 replicas\)\.$"),
+    "zero per-device batch": (
+        {"global_batch": None, "per_device_batch": 0},
+        r"^per_device_batch=0 must be a positive number\.$",
+    ),
     "zero eval batch": ({"eval_global_batch": 0}, r"^eval_global_batch=0 must be a positive number\.$"),
     "eval batch off the devices": (
         {"eval_global_batch": 12},
@@ -98,6 +108,12 @@ def test_numpy_numbers_and_paths_are_accepted(strategy8, tmp_path):
     )
     assert (trainer.global_batch, trainer.eval_global_batch) == (16, 16)
     assert type(trainer.global_batch) is int
+
+
+def test_per_device_batch_is_times_the_strategys_replicas(strategy8):
+    """Trainer(per_device_batch=16) was a raw TypeError; the recipes' data.per_device_batch."""
+    trainer = xlafit.Trainer(MLP(nnx.Rngs(0)), loss_fn, optax.sgd(0.1), strategy=strategy8, per_device_batch=4)
+    assert (trainer.global_batch, trainer.eval_global_batch) == (32, 32)
 
 
 def test_a_foreign_models_loss_is_its_adapters_to_check():

@@ -54,7 +54,7 @@ class TrainOrder:
             raise ValueError(
                 f"the training set has {self.num_examples} examples, fewer than one global batch of "
                 f"{self.global_batch}; use a smaller global batch (data.global_batch or data.per_device_batch; "
-                "Trainer(global_batch=...) in Python)."
+                "Trainer(global_batch=...) or Trainer(per_device_batch=...) in Python)."
             )
 
     @functools.cached_property

@@ -25,7 +25,7 @@ from typing import Any
 import optax
 from flax import nnx
 
-from xlafit.config import TrainerConfig, check_non_negative, check_positive, check_type
+from xlafit.config import DataConfig, TrainerConfig, check_non_negative, check_positive, check_type, resolve_batch
 from xlafit.errors import ConfigError
 from xlafit.parallel.mesh import Strategy
 from xlafit.train.adapter import Adapted, framework_of
@@ -101,6 +101,34 @@ def check_model(model: Any, loss_fn: Any) -> None:
             "loss_fn must be a callable (model, batch) -> per-example losses [B] (or (losses, {metric: values})); "
             f"got {_kind(loss_fn)}."
         )
+
+
+def global_batch_of(global_batch: Any, per_device_batch: Any, num_replicas: int) -> Any:
+    """The global batch ``Trainer`` was given, or ``per_device_batch`` x ``num_replicas`` (the
+    strategy's batch shards), as a recipe's ``data.per_device_batch`` resolves.
+
+    Example:
+        >>> global_batch_of(None, 16, num_replicas=8)
+        128
+
+    Raises:
+        ConfigError: both given, or neither, or a per-device batch that is no positive int.
+    """
+    if global_batch is not None and per_device_batch is not None:
+        raise ConfigError(
+            f"give global_batch={global_batch} or per_device_batch={per_device_batch}, not both "
+            f"(the global batch is per_device_batch x the strategy's {num_replicas} replicas)."
+        )
+    if per_device_batch is None:
+        if global_batch is None:
+            raise ConfigError(
+                "Trainer needs global_batch= (the examples per optimizer step over all devices) or "
+                f"per_device_batch= (the examples per device, times the strategy's {num_replicas} replicas)."
+            )
+        return global_batch
+    check_type(per_device_batch, int, "per_device_batch")
+    check_positive(per_device_batch, "per_device_batch")
+    return resolve_batch(DataConfig(per_device_batch=per_device_batch), num_replicas)[1]
 
 
 def check_batches(global_batch: Any, eval_global_batch: Any, num_replicas: int) -> None:

@@ -48,7 +48,7 @@ from xlafit.parallel.cluster import connect
 from xlafit.parallel.mesh import Strategy
 from xlafit.platform.host_memory import check_train_state
 from xlafit.train.adapter import Adapted, adapt, framework_of
-from xlafit.train.arguments import built, check_arguments, check_batches
+from xlafit.train.arguments import built, check_arguments, check_batches, global_batch_of
 from xlafit.train.evaluation import compile_eval_step, final_evaluation
 from xlafit.train.evaluation import evaluate as evaluate_data
 from xlafit.train.frozen import check_trainable, checkpointed, frozen_filter, frozen_fingerprint, restore, run_settings
@@ -104,6 +104,10 @@ class Trainer:
         strategy: what :func:`xlafit.connect` returns; None: all devices.
         global_batch: a positive int, the examples per optimizer step over all devices; a
             multiple of ``strategy.num_replicas``.
+        per_device_batch: instead of ``global_batch``, the examples per device: the global
+            batch is ``per_device_batch * strategy.num_replicas`` (the recipes'
+            ``data.per_device_batch``; TPUStrategy's ``16 * num_replicas_in_sync``). Give one
+            of the two, e.g. ``Trainer(model, loss_fn, optax.adam(1e-3), per_device_batch=16)``.
         config: a :class:`~xlafit.config.TrainerConfig`, the loop's settings (epochs, steps per
             call, logging, checkpoints); None: its defaults.
         learning_rate: the schedule inside ``optimizer`` (or a number), only to log the rate.
@@ -147,7 +151,8 @@ class Trainer:
         optimizer: optax.GradientTransformation,
         *,
         strategy: Strategy | None = None,
-        global_batch: int,
+        global_batch: int | None = None,
+        per_device_batch: int | None = None,
         config: TrainerConfig | None = None,
         learning_rate: optax.Schedule | float | None = None,
         run_dir: str | Path | None = None,
@@ -167,6 +172,7 @@ class Trainer:
             tokens_per_example=tokens_per_example, flops_per_example=flops_per_example,
         )  # fmt: skip
         self.strategy = strategy or connect()
+        global_batch = global_batch_of(global_batch, per_device_batch, self.strategy.num_replicas)
         check_batches(global_batch, eval_global_batch, self.strategy.num_replicas)
         self.config = config or TrainerConfig()
         self.global_batch = int(global_batch)
