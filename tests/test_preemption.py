@@ -273,6 +273,7 @@ def test_nan_stop_names_step_metric_and_last_checkpoint(strategy1, digits, tmp_p
         assert "grad_norm=nan" in message and "its update was applied (the loss was finite" in message
     last = done - done % 2  # checkpoints every 2 steps
     assert f"Last good checkpoint: {f'checkpoint {last}' if last else 'none'}" in message
+    assert "check the data (an integer label >= the model's number of classes gives NaN too)" in message
     assert "trainer.nan_policy=skip or rollback" in message
 
 

@@ -68,7 +68,8 @@ def apply_nan_policy(
         raise NonFiniteError(
             f"non-finite values at step {step + 1} ({which}); {applied}. "
             f"Last good checkpoint: {where}. Lower optimizer.learning_rate, set optimizer.grad_clip_norm, "
-            "check the data, or set trainer.nan_policy=skip or rollback."
+            "check the data (an integer label >= the model's number of classes gives NaN too), "
+            "or set trainer.nan_policy=skip or rollback."
         )
     fresh = [s for s, _ in bad if s not in rolled_back]
     if policy == "rollback" and fresh and ckpt is not None and last is not None:
