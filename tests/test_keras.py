@@ -433,3 +433,12 @@ def test_fit_takes_steps_per_execution_from_model_compile(strategy8, capsys):
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS, steps_per_execution=4)
     fit(model, *data(64, 0), batch_size=8, strategy=strategy8)
     assert "steps per call: 4" in capsys.readouterr().out
+
+
+def test_a_scalar_keras_loss_with_validation_data_is_refused_the_keras_way(strategy8):
+    """It was the generic ValueError, which spoke of optax's and torch's losses."""
+    x, y = data(64, 0)
+    model = build(dropout=0.0)
+    with pytest.raises(ConfigError, match=r"one value per example, e\.g\. keras\.losses\.MeanSquaredError\(reduction="):
+        loss = lambda t, p: keras.ops.mean(p)  # noqa: E731
+        fit(model, x, y, batch_size=32, loss=loss, optimizer=optax.sgd(0.1), validation_data=(x, y), strategy=strategy8)

@@ -175,13 +175,18 @@ class KerasLoss:
             pairs = self._outputs(y_true, y_pred)
             for output, loss, _, t, p in pairs:
                 _check_labels(loss, t, p, output)
-            losses = reg + sum(w * _per_example(loss(t, p)) for _, loss, w, t, p in pairs)
+            evaluating = module.deterministic
+            values = [(output, w, _per_example(loss(t, p))) for output, loss, w, t, p in pairs]
+            for output, _, value in values:
+                _check_per_example(value, "loss", output, evaluating)
+            losses = reg + sum(w * value for _, w, value in values)
             metrics = {}
             for output, _, _, t, p in pairs:
                 for name, fn in {**self._metrics.get("", {}), **self._metrics.get(output, {})}.items():
                     if fn == "accuracy":
                         fn = _accuracy_for(keras_backend(), t, p)
-                    metrics[f"{output}_{name}" if len(pairs) > 1 else name] = _per_example(fn(t, p))
+                    key = f"{output}_{name}" if len(pairs) > 1 else name
+                    metrics[key] = _check_per_example(_per_example(fn(t, p)), f"metric {name!r}", output, evaluating)
         return losses, metrics
 
     def _outputs(self, y_true: Any, y_pred: Any) -> list[tuple[str, Callable, float, Any, Any]]:
@@ -222,6 +227,19 @@ class KerasLoss:
         if isinstance(value, list | tuple):
             return value[index]
         return default if value is None else value
+
+
+def _check_per_example(value: jax.Array, what: str, output: str, evaluating: bool) -> jax.Array:
+    """``value``, refused where evaluation meets a scalar (a mean over the batch): the padded
+    last batch's rows could not count zero. Training takes a scalar (xlafit's train step does)."""
+    if evaluating and value.ndim == 0:
+        of = f" of the output {output!r}" if output else ""
+        raise ConfigError(
+            f"evaluation needs the {what}{of} to return one value per example, got a scalar (a mean over the batch), "
+            "which cannot count a padded last batch's rows as zero; use a loss(y_true, y_pred) that returns one "
+            "value per example, e.g. keras.losses.MeanSquaredError(reduction=None) or a function without the mean."
+        )
+    return value
 
 
 def _check_labels(loss: Callable, y_true: Any, y_pred: Any, output: str) -> None:
