@@ -561,3 +561,12 @@ class Checkpointer:
         except CheckpointError:
             return
         self._manager.close()
+
+
+def unfinished_save(directory: Any, step: int, restored: int | None) -> str:
+    """What a run says of the save of ``step`` that a stopped process left unfinished in
+    ``directory`` (Orbax discards it), resuming from ``restored`` (None: no checkpoint)."""
+    unfinished = f"the save of step {step} did not finish (the process stopped while writing it; it is discarded)"
+    if restored is None:
+        return f"no complete checkpoint in {directory}: {unfinished}, so training starts again from step 0"
+    return f"{unfinished}: going on from checkpoint {restored}"

@@ -35,6 +35,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # After this long without JAX's sync point, a process that got SIGTERM shares the request itself.
@@ -92,6 +94,18 @@ class SignalGuard:
         if self.received is None:
             return False
         return not self._handed or time.monotonic() - self._received_at > NOTICE_GRACE_S
+
+    def requests(self, processes: int, checkpoint_every_minutes: float, last_save: float) -> tuple[bool, bool]:
+        """(stop requested, checkpoint time reached): in a multi-process job, by any process,
+        so that all of them stop or save at the same step. A SIGTERM reaches the others
+        through JAX's preemption service (its sync point); the all-gather carries the rest."""
+        minutes = checkpoint_every_minutes
+        flags = np.array([self.must_share(), bool(minutes) and time.monotonic() - last_save >= 60 * minutes], np.int32)
+        if processes > 1:
+            # note: a small collective per call, only in multi-process jobs
+            flags = np.asarray(multihost_utils.process_allgather(flags)).max(axis=0)
+        at_sync_point = self.at_sync_point()  # every call, in every process: JAX's contract
+        return bool(flags[0]) or at_sync_point, bool(flags[1])
 
     def at_sync_point(self) -> bool:
         """JAX's preemption sync point: call it once per call of the train step, in every

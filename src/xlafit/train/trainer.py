@@ -36,9 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.experimental import multihost_utils
 
-from xlafit.checkpoint import Checkpointer, check_not_all_set_aside, unfinished_saves
+from xlafit.checkpoint import Checkpointer, check_not_all_set_aside, unfinished_save, unfinished_saves
 from xlafit.config import TrainerConfig, validate_watchdog
 from xlafit.data.dataset import Batch, Dataset, StreamedDataset, as_dataset, checked_batch, num_shapes
 from xlafit.data.loader import Prefetcher, TakeRequests, TrainOrder, to_global
@@ -56,7 +55,7 @@ from xlafit.train.loop import Call, Due, FitResult, Loop, itstime, nonfinite_ste
 from xlafit.train.nonfinite import apply_nan_policy
 from xlafit.train.progress import announce, progress_record
 from xlafit.train.report import RunReport
-from xlafit.train.signals import SignalGuard, handle_signals
+from xlafit.train.signals import handle_signals
 from xlafit.train.state import TrainState, abstract_state, state_shardings
 from xlafit.train.step import LossFn, make_steps
 from xlafit.train.watchdog import Watchdog
@@ -66,15 +65,6 @@ log = logging.getLogger("xlafit")
 Data = Dataset | Mapping[str, np.ndarray]  # a Dataset, or a dict of arrays with one row per example
 # (model, first step, k, host batch [k, rows, ...]) -> the call's train batch [k, rows', ...] (GRPO's rollout)
 Rollout = Callable[[nnx.Module, int, int, Batch], Batch]
-
-
-def _unfinished_save(directory: Any, step: int, restored: int | None) -> str:
-    """What a run says of the save of ``step`` that a stopped process left unfinished in
-    ``directory`` (Orbax discards it), resuming from ``restored`` (None: no checkpoint)."""
-    unfinished = f"the save of step {step} did not finish (the process stopped while writing it; it is discarded)"
-    if restored is None:
-        return f"no complete checkpoint in {directory}: {unfinished}, so training starts again from step 0"
-    return f"{unfinished}: going on from checkpoint {restored}"
 
 
 class Trainer:
@@ -403,7 +393,7 @@ class Trainer:
             evaluates_again=start >= total and eval is not None,
         )
         if unfinished and ckpt is not None:  # a kill during a save (the first: the steps before it are kept nowhere)
-            report.print(_unfinished_save(ckpt.directory, unfinished[-1], restored))
+            report.print(unfinished_save(ckpt.directory, unfinished[-1], restored))
         self.peak_flops = announce(
             report, self.strategy, self.config, self._state, restored=restored, order=order, train=train, total=total,
             global_batch=self.global_batch, learning_rate=self.learning_rate,
@@ -469,7 +459,8 @@ class Trainer:
         periodic action asks :func:`itstime`; a stop or a timed checkpoint asks every process."""
         cfg, step = self.config, loop.step
         epoch_end = itstime(step, loop.spe, previous=previous)
-        stop, minutes_up = self._requests(loop.signals, loop.last_save)
+        processes = self.strategy.process_count
+        stop, minutes_up = loop.signals.requests(processes, cfg.checkpoint_every_minutes, loop.last_save)
         save = self._ckpt is not None and (
             minutes_up or epoch_end or itstime(step, cfg.checkpoint_every_steps, loop.stop, previous=previous)
         )
@@ -555,20 +546,6 @@ class Trainer:
         loop.report.record(record, prefix="eval")
 
     # ------------------------------------------------------------------ the loop's helpers
-
-    def _requests(self, signals: SignalGuard, last_save: float) -> tuple[bool, bool]:
-        """(stop requested, checkpoint time reached): in a multi-process job, by any process,
-        so that all of them stop or save at the same step. A SIGTERM reaches the others
-        through JAX's preemption service (its sync point); the all-gather carries the rest."""
-        minutes = self.config.checkpoint_every_minutes
-        flags = np.array(
-            [signals.must_share(), bool(minutes) and time.monotonic() - last_save >= 60 * minutes], np.int32
-        )
-        if self.strategy.process_count > 1:
-            # note: a small collective per call, only in multi-process jobs
-            flags = np.asarray(multihost_utils.process_allgather(flags)).max(axis=0)
-        at_sync_point = signals.at_sync_point()  # every call, in every process: JAX's contract
-        return bool(flags[0]) or at_sync_point, bool(flags[1])
 
     def _watchdog(self) -> Watchdog:
         """The hang watchdog of a multi-process job; off in a single process (no peer to wait for)."""
