@@ -211,11 +211,8 @@ class Trainer:
         self._settings = run_settings(self.global_batch, self.data_seed)  # in every checkpoint, checked on resume
         if checkpoint_dir is None and self.run_dir is not None:
             checkpoint_dir = self.run_dir / "checkpoints"
-        self._ckpt = (
-            Checkpointer(checkpoint_dir, keep=self.config.keep_checkpoints, keep_every=self.config.keep_every_steps)
-            if checkpoint_dir is not None
-            else None
-        )
+        keep, every = self.config.keep_checkpoints, self.config.keep_every_steps
+        self._ckpt = Checkpointer(checkpoint_dir, keep=keep, keep_every=every) if checkpoint_dir is not None else None
 
     def _initial_state(
         self, builder: Callable[[], nnx.Module] | None, params: nnx.State, model_state: nnx.State, shardings: Any
