@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextvars
 import importlib.metadata
 import threading
-import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -36,6 +35,7 @@ from flax import nnx
 from xlafit.errors import ConfigError
 from xlafit.integrations.torch_function import own_backwards
 from xlafit.train.adapter import Adapted, require_data_parallel
+from xlafit.train.traced import where as users_line
 
 TORCHAX_PIN = "torchax==0.0.14.dev20261026"  # the release that imports with torch 2.13 (xlafit[torch])
 
@@ -184,8 +184,7 @@ def _not_runnable(e: Exception) -> Exception:
     traced = isinstance(e, jax.errors.ConcretizationTypeError | jax.errors.NonConcreteBooleanIndexError)
     if kind != "OperatorNotFound" and not mixed and not traced:
         return e
-    frame = next((f for f in reversed(traceback.extract_tb(e.__traceback__)) if _users(f.filename)), None)
-    where = f" at {frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)" if frame else ""
+    where = users_line(e)
     if traced:
         return ConfigError(
             f"the torch module's Python control flow or output shape depends on the data{where}, which a compiled "
@@ -198,11 +197,6 @@ def _not_runnable(e: Exception) -> Exception:
             "come from an input or a buffer (x.new_ones(...), torch.ones(..., device=x.device), register_buffer)."
         )
     return ConfigError(f"torchax cannot run the module{where}: {e}; rewrite that line with operations torchax has.")
-
-
-def _users(filename: str) -> bool:
-    """A frame of the user's code: not Python's, a package's, or xlafit's own."""
-    return not any(part in filename for part in ("site-packages", "/lib/python", "xlafit/", "<frozen"))
 
 
 def _to_jax(tensor: Any) -> jax.Array:

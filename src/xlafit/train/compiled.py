@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from xlafit.errors import RecompileError
+from xlafit.train.traced import at_users_line
 
 log = logging.getLogger("xlafit")
 
@@ -84,7 +85,10 @@ class CompiledStep:
                     "trainer.max_compiles if the new shape is planned."
                 )
             t0 = time.perf_counter()
-            compiled = self._jitted.lower(*args).compile()
+            try:
+                compiled = self._jitted.lower(*args).compile()
+            except Exception as e:  # the user's code, traced: a line naming it, where it is that
+                raise at_users_line(e, self.name) from e
             seconds = time.perf_counter() - t0
             self._cache[key] = compiled
             self._last_key = key
