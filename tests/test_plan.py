@@ -397,8 +397,8 @@ def test_plan_of_a_recipe_is_read_back_by_train_and_check(tmp_path):
     # The run's eval step too, the winner's only, at the preset's eval batch over its cores.
     assert winner.eval_batch == 64 and winner.eval.fits and winner.eval_fix is None
     assert [o for o in plan.outcomes if o.eval_batch is not None] == [winner]
-    fastest = max(o.prediction.examples_per_s for o in plan.fitting())
-    assert winner.prediction.examples_per_s == fastest
+    # MNIST's steps on a v4 are estimated under 1 ms: data parallelism first, not the fastest estimate
+    assert plan.launch_bound(plan.fitting()) and winner.candidate.data_parallel
     written = plan.write(tmp_path / "plan.yaml")
     cfg = load_config("mnist", preset=written)
     assert cfg.mesh.sizes == winner.candidate.mesh
@@ -549,7 +549,7 @@ def test_a_file_annotated_with_flax_partitioning_is_planned_over_its_names(tmp_p
     # the fewest collectives, comes first whatever the predicted microseconds say (the walk's
     # 1.4k-parameter MLP was told to take FSDP 8 for its "1.2G examples/s").
     assert plan.launch_bound(plan.fitting()) and plan.winner.candidate.mesh == (4, 1, 1)
-    assert "First (every step is predicted under 1 ms, where launch and dispatch decide" in format_plan(plan)
+    assert "First (every step is estimated under 1 ms, where launch and dispatch decide" in format_plan(plan)
 
 
 def test_plan_of_a_keras_model_file():

@@ -241,7 +241,7 @@ def _winner_lines(plan: Plan) -> list[str]:
     c, p = o.candidate, o.prediction
     first = "Fastest"
     if plan.launch_bound(plan.fitting()):
-        first = "First (every step is predicted under 1 ms, where launch and dispatch decide: the fewest collectives)"
+        first = "First (every step is estimated under 1 ms, where launch and dispatch decide: the fewest collectives)"
     lines = [f"{first}: {c.target}, {c.layout}, {c.levers}, {c.per_device_batch} per core (global {c.global_batch})"]
     if p is not None:
         comm = f", collectives {p.comm_s * 1e3:.3g} ms" if p.comm_s is not None else ", collectives not priced"

@@ -66,10 +66,11 @@ class Plan:
 
     @staticmethod
     def launch_bound(fitting: list[Outcome]) -> bool:
-        """Whether every fitting candidate's step is predicted under 1 ms: there launch and
-        dispatch, which the step model does not price, decide the step, and the layout with
-        the fewest collectives (pure data parallelism: one gradient all-reduce a step) is the
-        one to start from, whatever the predicted microseconds say."""
+        """Whether every fitting candidate's step is estimated under 1 ms (by the step model, or
+        the roofline where a generation has none): there launch and dispatch, which neither
+        prices, decide the step, and the layout with the fewest collectives (pure data
+        parallelism: one gradient all-reduce a step) is the one to start from, whatever the
+        estimated microseconds say."""
         return bool(fitting) and all(o.prediction is not None and outside_band(o.prediction.step_s) for o in fitting)
 
     @property
