@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import xlafit
-from xlafit.config import TrainerConfig
+from xlafit.config import OptimizerConfig, TrainerConfig
 from xlafit.errors import ConfigError
 from xlafit.train.adapter import Adapted
 from xlafit.train.arguments import check_model
@@ -50,9 +50,14 @@ BAD = {
     ),
     "optimizer by name": (
         {"optimizer": "adam"},
-        r"^optimizer must be an optax\.GradientTransformation \(e\.g\. optax\.adamw\(1e-3\)\), got str\.$",
+        r"^optimizer must be an optax\.GradientTransformation \(e\.g\. optax\.adamw\(1e-3\)\) or an "
+        r"xlafit\.config\.OptimizerConfig \(its rate scaled with the global batch\), got str\.$",
     ),
     "optimizer as a rate": ({"optimizer": 1e-3}, r"optax\.GradientTransformation .*, got float\.$"),
+    "a config's rate and a logged one": (
+        {"optimizer": OptimizerConfig(), "learning_rate": 1e-3},
+        r"^learning_rate \(only logged\) is for an optax optimizer: .* Leave learning_rate out\.$",
+    ),
     "config as a dict": (
         {"config": {"epochs": 1}},
         r"^config must be an xlafit\.config\.TrainerConfig, got dict: "
@@ -119,3 +124,33 @@ def test_per_device_batch_is_times_the_strategys_replicas(strategy8):
 def test_a_foreign_models_loss_is_its_adapters_to_check():
     """A Keras model's loss may be a name or None (model.compile's): the adapter decides."""
     check_model(Adapted(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), loss_fn), None)
+
+
+def test_an_optimizer_config_scales_its_rate_to_the_batch_and_spans_the_run(strategy8, capsys):
+    """A Trainer took an optax optimizer only: a PyTorch/XLA user's "fix the LR by hand" was
+    left to them, with no rate printed. An OptimizerConfig (the recipes' optimizer.*) is scaled
+    from its reference batch to the global batch, its schedule spans the run fit sees, it is
+    printed at start and logged, and it trains as the optax chain make_optimizer builds."""
+    from xlafit.train.optim import make_optimizer
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 20)).astype("float32")
+    data = {"x": x, "y": (x[:, 0] > 0).astype("int32")}
+    cfg = OptimizerConfig(name="sgd", learning_rate=0.01, reference_batch=16, warmup_steps=2, decay="linear")
+    config = TrainerConfig(epochs=2, log_every_steps=1)
+    trainer = xlafit.Trainer(lambda: MLP(nnx.Rngs(0)), loss_fn, cfg, strategy=strategy8, global_batch=64, config=config)
+    history = trainer.fit(data).history
+    out = capsys.readouterr().out
+    assert "learning rate: 0.01 at batch 16 -> peak 0.04 at global batch 64 (linear scaling)" in out
+    assert "peak learning rate: 0.04" in out
+    rates = [round(r["learning_rate"], 6) for r in history]  # 8 steps: 2 of warmup from 0, then down to 0 at 8
+    assert rates == [0.0, 0.02, 0.04, 0.033333, 0.026667, 0.02, 0.013333, 0.006667]
+    plan = make_optimizer(cfg, 64, total_steps=8, steps_per_epoch=4)
+    same = xlafit.Trainer(
+        lambda: MLP(nnx.Rngs(0)), loss_fn, plan.tx, strategy=strategy8, global_batch=64, config=config
+    )
+    same.fit(data)
+    capsys.readouterr()
+    np.testing.assert_array_equal(
+        np.asarray(trainer.state.params["out"]["kernel"].value), np.asarray(same.state.params["out"]["kernel"].value)
+    )

@@ -196,6 +196,20 @@ def test_missing_peer_times_out_with_a_clear_error():
     assert "within 5s: process 0 cannot be reached" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_asking_to_join_where_jax_detects_no_job_names_the_variable_and_the_fixes():
+    """XLAFIT_DISTRIBUTED=1 copied from the pod-slice instructions onto one host said "process
+    None of None could not join the job ... within 300s" after 2 s: which setting asked for a
+    job, that none was found, and what to do instead are the message."""
+    env = {k: v for k, v in _env().items() if not k.startswith(("XLAFIT_", "SLURM_", "TPU_"))}
+    env.update({"XLAFIT_DISTRIBUTED": "1", "JAX_PLATFORMS": "cpu"})
+    out = subprocess.run([*XLAFIT, "devices"], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    said = out.stderr.strip().splitlines()[-1]
+    assert said.startswith("xlafit: error: XLAFIT_DISTRIBUTED=1 asks to join a multi-process job, and JAX found none")
+    assert "On one host, run without XLAFIT_DISTRIBUTED" in said and "xlafit launch" in said
+    assert "None of None" not in out.stderr and "Traceback" not in out.stderr
+
+
 def test_process_zero_names_the_processes_that_did_not_arrive():
     # Processes 0 and 2 of 3 start; process 1 never does.
     address = f"127.0.0.1:{free_port()}"

@@ -136,3 +136,23 @@ def test_an_invalid_bucket_name_is_refused_before_anything_runs(capsys):
         Checkpointer("gs://wb/run/checkpoints")
     why = describe_error("gs://YOUR-BUCKET/run", FileNotFoundError("gs://YOUR-BUCKET/run"))
     assert why.startswith('"YOUR-BUCKET" is not a valid Cloud Storage bucket name') and "gcloud" not in why
+
+
+def test_a_url_with_a_slash_missing_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    """`--run-dir gs:/my-bucket/run` (one slash) was a relative local path to pathlib: the run
+    trained into ./gs:/my-bucket/run with no word, then tensorboardX's own URL check ended it in
+    a traceback that asked for google-cloud-storage. It is refused when the config is read,
+    naming the URL it likely means; any other path that reaches the store helpers is too."""
+    from xlafit.cli import main
+    from xlafit.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "mnist", "--simulate", "1", "--run-dir", "gs:/my-bucket/run", "trainer.stop_at_step=1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "xlafit: error: run.run_dir=gs:/my-bucket/run: gs:/ is not a URL: a URL has two slashes after its scheme "
+        "(gs://my-bucket/run)."
+    ]
+    assert list(tmp_path.iterdir()) == []  # nothing written, no ./gs: folder
+    with pytest.raises(ConfigError, match=r"^gs:my-bucket/data: gs: is not a URL: .*\(gs://my-bucket/data\)\.$"):
+        as_path("gs:my-bucket/data")
+    assert local("runs/gs:/x") == "runs/gs:/x" and local("file:/tmp/x") == "file:/tmp/x"  # not a store's typo

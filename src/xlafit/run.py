@@ -65,7 +65,14 @@ from xlafit.rundir import (
 )
 from xlafit.runlock import hold_run_dir
 from xlafit.train.loop import FitResult
-from xlafit.train.optim import OptimizerPlan, highest_rate, make_optimizer, schedule_at, warmup_steps
+from xlafit.train.optim import (
+    OptimizerPlan,
+    highest_rate,
+    make_optimizer,
+    scaling_words,
+    schedule_at,
+    warmup_steps,
+)
 from xlafit.train.report import EXPERT_TOKENS
 from xlafit.train.signals import handle_signals
 from xlafit.train.trainer import Trainer
@@ -327,13 +334,7 @@ def describe_schedule(cfg: Config, plan: OptimizerPlan, run_steps: int | None = 
     ``run_steps`` steps (default: the schedule's) will do them."""
     o = cfg.optimizer
     run_steps = run_steps or plan.decay_steps
-    if o.scaling == "none":  # the reference batch means nothing: the rate is the rate
-        line = f"learning rate: peak {plan.peak_lr:.4g}, not scaled with the batch (optimizer.scaling=none), "
-    else:
-        line = (
-            f"learning rate: {o.learning_rate:g} at batch {o.reference_batch} -> peak {plan.peak_lr:.4g} at global "
-            f"batch {cfg.data.global_batch} ({o.scaling} scaling), "
-        )
+    line = scaling_words(o, cfg.data.global_batch, plan.peak_lr) + ", "
     after = run_steps - plan.decay_steps
     last = float(schedule_at(plan.schedule, plan.decay_steps))
     beyond = f", then {last:.4g} for the run's last {after} steps" if after > 0 else ""

@@ -24,6 +24,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"{s['steps_per_epoch']} steps",
         f"machine: {m['device_kind']} x{m['device_count']} ({m['platform']}), {m['processor']}, {m['cpus']} CPUs; "
         f"MFU peak: {result['peak']['source']}",
+        "step ms: each timed call's time per step, median and p10-p90; epoch s, examples/s and MFU: the whole "
+        "timed span per step (input waits in, compiles out)",
         "",
         f"{'configuration':<30} {'compile s':>9} {'step ms':>8} {'p10-p90 ms':>13} {'epoch s':>8} "
         f"{'examples/s':>10} {'wait %':>6} {'MFU %':>6} {'speedup':>7}",

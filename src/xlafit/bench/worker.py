@@ -245,26 +245,39 @@ def _predicted_step(step_fn: Any, k: int, strategy: Strategy, recipe: str, model
 def _timed_calls(trainer: Trainer, train: dict[str, np.ndarray], warmup: int, timed_stop: int) -> dict[str, Any]:
     """The trainer's own dispatch loop (:meth:`Trainer.steps`, as in ``fit``), timed.
 
-    The host prepares call i+1 while the devices run call i. A call's time is the interval
-    between two yields, less its input wait: in steady state, the devices' time per call. One
-    sync after the warm-up and one at the end, so wall = sum(call_s) + wait_s.
+    The host prepares call i+1 while the devices run call i: the loop yields call i once it is
+    dispatched and call i-1 has finished, so the time between two yields, less the input wait
+    and any compile in it, is the previous call's (in steady state, the devices' time per
+    call). ``call_s[j]`` is timed call j's: the first interval after the warm-up's sync is a
+    dispatch alone (its call's work lands in the next interval) and is not a call's time; the
+    last call's ends at the sync after it. ``wall_s`` is the whole timed span, that first
+    dispatch included: wall_s = dispatch_s + sum(call_s) + wait_s.
     """
-    call_steps, call_s, wait_s, wall_s = [], [], 0.0, 0.0
-    t_mark, waited = time.perf_counter(), 0.0
+    call_steps, call_s, wait_s, wall_s, dispatch_s = [], [], 0.0, 0.0, 0.0
+    t_mark, waited, previous_k = time.perf_counter(), 0.0, 0
     faults = page_faults()
     for call in trainer.steps(train, 0, timed_stop):
-        if call.first + call.k in (warmup, timed_stop):
-            jax.block_until_ready(call.metrics)  # note: host-device sync: the warm-up's, or all, work done
-            if call.first + call.k == warmup:
-                faults = page_faults()
+        if call.first + call.k == warmup:
+            jax.block_until_ready(call.metrics)  # note: host-device sync: the warm-up's work done
+            faults = page_faults()
         t1 = time.perf_counter()
         wait = call.wait_s - waited
         if call.first >= warmup:
-            call_steps.append(call.k)
-            call_s.append(t1 - t_mark - call.compile_s - wait)
+            if call.first > warmup:  # the interval the previous timed call finished in
+                call_steps.append(previous_k)
+                call_s.append(t1 - t_mark - call.compile_s - wait)
+            else:
+                dispatch_s = t1 - t_mark - call.compile_s - wait
             wait_s += wait
             wall_s += t1 - t_mark - call.compile_s
-        t_mark, waited = t1, call.wait_s
+        if call.first + call.k == timed_stop:
+            jax.block_until_ready(call.metrics)  # note: host-device sync: every timed call's work done
+            t2 = time.perf_counter()
+            call_steps.append(call.k)
+            call_s.append(t2 - t1)
+            wall_s += t2 - t1
+            t1 = t2
+        t_mark, waited, previous_k = t1, call.wait_s, call.k
         metrics = call.metrics
     return {
         "steps": sum(call_steps),
@@ -272,6 +285,7 @@ def _timed_calls(trainer: Trainer, train: dict[str, np.ndarray], warmup: int, ti
         "call_s": call_s,
         "wait_s": wait_s,
         "wall_s": wall_s,
+        "dispatch_s": dispatch_s,
         "final_loss": float(np.mean(jax.device_get(metrics["loss"]))),
         "page_faults": page_faults_since(faults),
     }

@@ -48,6 +48,8 @@ AnyPath = str | os.PathLike[str]
 # What a run of `xlafit train` writes first (config.yaml) and what it keeps: one of them marks
 # a run directory (a run refuses other folders; data preparation refuses run directories).
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
+# A store's scheme without the two slashes of a URL (`gs:/bucket`, `gs:bucket`), as a typo writes it.
+MALFORMED_URL = re.compile(r"(gs|gcs|s3|hf|az|abfs|memory):/?(?!/)", re.IGNORECASE)
 # The package that serves a store's URLs, for the message when it is missing.
 INSTALL = {"gs": "pip install 'xlafit[gcs]'", "gcs": "pip install 'xlafit[gcs]'", "s3": "pip install s3fs"}
 
@@ -61,8 +63,27 @@ def local(path: AnyPath) -> str:
         ('/tmp/run', 'gs://bucket/run', True)
     """
     text = os.fspath(path)
+    if problem := malformed_url(text):  # to pathlib, `gs:/bucket/run` is the local folder ./gs:/bucket/run
+        raise ConfigError(f"{text}: {problem}")
     text = text.removeprefix("file://") if text.startswith("file://") else text
     return os.path.expanduser(text) if text.startswith("~") else text
+
+
+def malformed_url(text: str) -> str:
+    """Why ``text`` is a store's URL with a slash missing (``gs:/bucket/run``, ``gs:bucket``),
+    with the URL it likely means; ``""`` for anything else.
+
+    Example:
+        >>> malformed_url("gs:/my-bucket/run")
+        'gs:/ is not a URL: a URL has two slashes after its scheme (gs://my-bucket/run).'
+        >>> malformed_url("gs://my-bucket/run"), malformed_url("runs/a")
+        ('', '')
+    """
+    found = MALFORMED_URL.match(text)
+    if not found:
+        return ""
+    scheme, rest = found.group(1), text[found.end() :]
+    return f"{found.group(0)} is not a URL: a URL has two slashes after its scheme ({scheme}://{rest})."
 
 
 def is_url(path: AnyPath) -> bool:
@@ -300,7 +321,10 @@ def invalid_bucket(url: AnyPath) -> str:
 def check_bucket_name(url: AnyPath, where: str, error: type[XlafitError] = StorageError) -> None:
     """Raises ``error`` ("WHERE: why the name is refused, and the fix") when ``url`` is a
     ``gs://`` URL whose bucket name Cloud Storage refuses (:func:`bucket_name_problem`).
-    ``where`` names the setting and the URL, as the user gave them."""
+    ``where`` names the setting and the URL, as the user gave them. A store's URL with a slash
+    missing (:func:`malformed_url`) is refused here too."""
+    if problem := malformed_url(os.fspath(url)):
+        raise error(f"{where}: {problem}")
     if invalid := invalid_bucket(url):
         raise error(f"{where}: {invalid}")
 

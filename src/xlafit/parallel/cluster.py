@@ -307,12 +307,31 @@ def _join(cluster: Cluster) -> None:
             initialization_timeout=cluster.timeout_s,
         )
     except Exception as e:  # jax raises RuntimeError/XlaRuntimeError/ValueError here
+        said = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if cluster.coordinator is None:  # JAX's own detection: which job, and who set it off, are the question
+            raise DeviceError(_undetected(said)) from None
         raise DeviceError(
             f"process {cluster.process_id} of {cluster.num_processes} could not join the job at {where} "
-            f"within {cluster.timeout_s}s ({str(e).splitlines()[0] if str(e) else type(e).__name__}). Check that "
+            f"within {cluster.timeout_s}s ({said}). Check that "
             "every process was started, with the same coordinator address and process count, and that "
             "process 0 can be reached on that port."
         ) from None
+
+
+def _undetected(said: str) -> str:
+    """Why a process asked to join a job that JAX detects (a Cloud TPU pod slice, a SLURM job
+    step) did not, what asked for it, and the fixes."""
+    asked = [
+        f"{name}={os.environ[name]}"
+        for name in (DISTRIBUTED_ENV, "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES")
+        if os.environ.get(name)
+    ]
+    return (
+        f"{' and '.join(asked) or 'the environment'} asks to join a multi-process job, and JAX found none to join "
+        f"here ({said}): it detects a Cloud TPU pod slice's workers and SLURM job steps. On one host, run without "
+        f"{DISTRIBUTED_ENV}; to start the processes yourself, give each {COORDINATOR_ENV}, {NUM_PROCESSES_ENV} and "
+        f"{PROCESS_ID_ENV}, or use `xlafit launch` (docs/guides/multihost.md)."
+    )
 
 
 def connect(

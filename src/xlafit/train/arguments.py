@@ -25,7 +25,15 @@ from typing import Any
 import optax
 from flax import nnx
 
-from xlafit.config import DataConfig, TrainerConfig, check_non_negative, check_positive, check_type, resolve_batch
+from xlafit.config import (
+    DataConfig,
+    OptimizerConfig,
+    TrainerConfig,
+    check_non_negative,
+    check_positive,
+    check_type,
+    resolve_batch,
+)
 from xlafit.errors import ConfigError
 from xlafit.parallel.mesh import Strategy
 from xlafit.train.adapter import Adapted, framework_of
@@ -58,12 +66,18 @@ def check_arguments(
         ConfigError: names the argument, the type or value it got, and what it takes.
     """
     check_model(model, loss_fn)
-    if not isinstance(optimizer, optax.GradientTransformation):
+    if isinstance(optimizer, OptimizerConfig) and learning_rate is not None:
+        raise ConfigError(
+            "learning_rate (only logged) is for an optax optimizer: an OptimizerConfig's schedule is logged as it is. "
+            "Leave learning_rate out."
+        )
+    if not isinstance(optimizer, optax.GradientTransformation | OptimizerConfig):
         keras = framework_of(optimizer) == "keras"
         convert = "xlafit.integrations.keras.optax_from_keras(optimizer, model)"
         hint = f"; a Keras optimizer converts with {convert}" if keras else ""
         raise ConfigError(
-            f"optimizer must be an optax.GradientTransformation (e.g. optax.adamw(1e-3)), got {_kind(optimizer)}{hint}."
+            "optimizer must be an optax.GradientTransformation (e.g. optax.adamw(1e-3)) or an "
+            f"xlafit.config.OptimizerConfig (its rate scaled with the global batch), got {_kind(optimizer)}{hint}."
         )
     if strategy is not None and not isinstance(strategy, Strategy):
         raise ConfigError(

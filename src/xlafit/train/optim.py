@@ -164,3 +164,35 @@ def make_optimizer(
         opt = optax.adadelta(schedule)
     parts = [optax.clip_by_global_norm(cfg.grad_clip_norm)] if cfg.grad_clip_norm else []
     return OptimizerPlan(optax.chain(*parts, opt), schedule, peak, steps)
+
+
+# The schedule's length where it is not yet known (a Trainer given an OptimizerConfig, before
+# fit sees the data): long enough that no warmup is refused; the chain's state is the same.
+UNKNOWN_STEPS = 2**30
+
+
+def chain_of(
+    optimizer: optax.GradientTransformation | OptimizerConfig, global_batch: int
+) -> optax.GradientTransformation:
+    """``optimizer`` as it is, or an OptimizerConfig's chain before the run's length is known:
+    its state's structure, for the train state and its shardings (``Trainer.fit`` builds the
+    chain again over the run's steps)."""
+    if isinstance(optimizer, OptimizerConfig):
+        return make_optimizer(optimizer, global_batch, UNKNOWN_STEPS, steps_per_epoch=1).tx
+    return optimizer
+
+
+def scaling_words(cfg: OptimizerConfig, global_batch: int | None, peak_lr: float) -> str:
+    """How the peak rate came from ``cfg``'s: ``learning rate: 0.001 at batch 128 -> peak 0.002
+    at global batch 256 (linear scaling)``, or that it is not scaled.
+
+    Example:
+        >>> scaling_words(OptimizerConfig(learning_rate=1e-3, reference_batch=128), 256, 2e-3)
+        'learning rate: 0.001 at batch 128 -> peak 0.002 at global batch 256 (linear scaling)'
+    """
+    if cfg.scaling == "none":  # the reference batch means nothing: the rate is the rate
+        return f"learning rate: peak {peak_lr:.4g}, not scaled with the batch (optimizer.scaling=none)"
+    return (
+        f"learning rate: {cfg.learning_rate:g} at batch {cfg.reference_batch} -> peak {peak_lr:.4g} at global "
+        f"batch {global_batch} ({cfg.scaling} scaling)"
+    )

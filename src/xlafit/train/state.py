@@ -5,6 +5,7 @@ the layout a strategy gives it, and the optimizer state in the host's memory
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -95,3 +96,36 @@ def opt_state_on_host(state: TrainState) -> TrainState:
 def state_shardings(state: TrainState) -> TrainState:
     """The shardings of a state of arrays or ``ShapeDtypeStruct``s, as a tree of its shape."""
     return jax.tree.map(lambda x: x.sharding, state)
+
+
+def initial_state(
+    strategy: Strategy,
+    tx: optax.GradientTransformation,
+    build: Callable[[], nnx.Module] | None,
+    params: nnx.State,
+    model_state: nnx.State,
+    shardings: TrainState,
+    trainable: nnx.filterlib.Filter = nnx.Param,
+) -> TrainState:
+    """The train state on the devices, each holding its own slices of it: the model ``build``
+    makes (inside jit, so that no device and no host ever holds the whole model, as
+    big_vision's ``jit(init, out_shardings)``), or ``params`` and ``model_state`` placed slice
+    by slice; the optimizer's state initialised where it lies."""
+    if build is not None:
+
+        def init() -> tuple[nnx.State, nnx.State]:
+            module = build()
+            module.train()
+            _, p, s = nnx.split(module, trainable, ...)  # type: ignore[misc]  # flax's overloads
+            return p, s
+
+        params, model_state = jax.jit(init, out_shardings=(shardings.params, shardings.model_state))()
+    else:
+        params = strategy.put(params, shardings.params)
+        model_state = strategy.put(model_state, shardings.model_state)
+    return TrainState(
+        step=strategy.replicate(jnp.zeros((), jnp.int32)),
+        params=params,
+        opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(params),
+        model_state=model_state,
+    )

@@ -29,16 +29,14 @@ import signal
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 
 from xlafit.checkpoint import Checkpointer, check_not_all_set_aside, unfinished_save, unfinished_saves
-from xlafit.config import TrainerConfig, validate_watchdog
+from xlafit.config import OptimizerConfig, TrainerConfig, validate_watchdog
 from xlafit.data.dataset import Batch, Dataset, StreamedDataset, as_dataset, checked_batch, num_shapes
 from xlafit.data.loader import Prefetcher, TakeRequests, TrainOrder, to_global
 from xlafit.errors import ConfigError, Preempted, RewardError
@@ -53,10 +51,11 @@ from xlafit.train.evaluation import evaluate as evaluate_data
 from xlafit.train.frozen import check_trainable, checkpointed, frozen_filter, frozen_fingerprint, restore, run_settings
 from xlafit.train.loop import Call, Due, FitResult, Loop, itstime, nonfinite_steps
 from xlafit.train.nonfinite import apply_nan_policy
+from xlafit.train.optim import chain_of, make_optimizer, scaling_words
 from xlafit.train.progress import announce, progress_record
 from xlafit.train.report import RunReport
 from xlafit.train.signals import handle_signals
-from xlafit.train.state import TrainState, abstract_state, state_shardings
+from xlafit.train.state import TrainState, abstract_state, initial_state, state_shardings
 from xlafit.train.step import LossFn, make_steps
 from xlafit.train.watchdog import Watchdog
 
@@ -90,7 +89,10 @@ class Trainer:
             ``model.compile``; batches are ``{"x": inputs, "y": targets}``.
         optimizer: an ``optax.GradientTransformation`` (``optax.adamw(1e-3)``; a Keras
             optimizer converts with :func:`xlafit.integrations.keras.optax_from_keras`:
-            ``optax_from_keras(optimizer, model)``).
+            ``optax_from_keras(optimizer, model)``), or an
+            :class:`~xlafit.config.OptimizerConfig`: its rate, tuned at ``reference_batch``,
+            scaled to the global batch, with its warmup and decay over the run's steps, as
+            the recipes' ``optimizer.*`` (built when :meth:`fit` knows the run's length).
         strategy: what :func:`xlafit.connect` returns; None: all devices.
         global_batch: a positive int, the examples per optimizer step over all devices; a
             multiple of ``strategy.num_replicas``.
@@ -100,7 +102,8 @@ class Trainer:
             of the two, e.g. ``Trainer(model, loss_fn, optax.adam(1e-3), per_device_batch=16)``.
         config: a :class:`~xlafit.config.TrainerConfig`, the loop's settings (epochs, steps per
             call, logging, checkpoints); None: its defaults.
-        learning_rate: the schedule inside ``optimizer`` (or a number), only to log the rate.
+        learning_rate: the schedule inside an optax ``optimizer`` (or a number), only to log
+            the rate.
         run_dir: a str or ``os.PathLike``: where metrics, TensorBoard logs and checkpoints go;
             None keeps nothing.
         checkpoint_dir: a str or ``os.PathLike``: where checkpoints go instead of
@@ -138,7 +141,7 @@ class Trainer:
         self,
         model: nnx.Module | Adapted | Callable[[], nnx.Module],
         loss_fn: LossFn,
-        optimizer: optax.GradientTransformation,
+        optimizer: optax.GradientTransformation | OptimizerConfig,
         *,
         strategy: Strategy | None = None,
         global_batch: int | None = None,
@@ -172,7 +175,8 @@ class Trainer:
         self.data_seed = data_seed
         self.prefetch = prefetch
         self.resume = resume
-        self.tx = optimizer
+        self._optimizer_config = optimizer if isinstance(optimizer, OptimizerConfig) else None
+        optimizer = self.tx = chain_of(optimizer, self.global_batch)  # a config's schedule is set by fit
         self.tokens_per_example = tokens_per_example
         self.flops_per_example = flops_per_example
         self.peak_flops: float | None = None  # looked up when fit starts
@@ -180,11 +184,9 @@ class Trainer:
 
         is_builder = callable(model) and not isinstance(model, nnx.Module | Adapted) and framework_of(model) is None
         builder: Callable[[], nnx.Module] | None = model if is_builder else None  # type: ignore[assignment]
-        # A builder's model as shapes only (nnx.eval_shape): built below, sharded, inside jit,
-        # with Flax's eager sharding off (built), so that parameters annotated as Flax's guides
-        # show (nnx.with_partitioning) keep their names for the sharding rules.
-        # A model of another framework is converted first (xlafit.train.adapter): the trainer
-        # sees an nnx.Module, and writes trained values back through the adapter's hook.
+        # A builder's model as shapes only: built below, sharded, inside jit, with Flax's eager sharding
+        # off (built: nnx.with_partitioning's names kept for the sharding rules). Another framework's model
+        # is converted first (xlafit.train.adapter), its trained values written back through its hook.
         adapted = Adapted(nnx.eval_shape(built(builder)), loss_fn) if builder is not None else adapt(model, loss_fn)
         if adapted.check is not None:
             adapted.check(self.strategy, self.config)
@@ -202,41 +204,19 @@ class Trainer:
         abstract = abstract_state(params, model_state, optimizer, self.strategy, self.config.optimizer_offload)
         check_train_state(abstract, self.strategy.platform)  # on a CPU: not beyond the memory free
         shardings = state_shardings(abstract)
-        self._state = self._initial_state(builder, params, model_state, shardings)
-        self.train_step, self.eval_step = make_steps(
-            train_graphdef, eval_graphdef, loss_fn, optimizer, self.strategy, self.config, self.global_batch, shardings,
-            trainable,
+        build = built(builder) if builder is not None else None
+        self._state = initial_state(self.strategy, optimizer, build, params, model_state, shardings, trainable)
+        self._make_steps = functools.partial(
+            make_steps, train_graphdef, eval_graphdef, loss_fn, strategy=self.strategy, config=self.config,
+            global_batch=self.global_batch, state_sharding=shardings, trainable=trainable,
         )  # fmt: skip
+        self.train_step, self.eval_step = self._make_steps(optimizer)
         self.base_fingerprint = frozen_fingerprint(self._state, self._frozen)  # once: a host gather
         self._settings = run_settings(self.global_batch, self.data_seed)  # in every checkpoint, checked on resume
         if checkpoint_dir is None and self.run_dir is not None:
             checkpoint_dir = self.run_dir / "checkpoints"
         keep, every = self.config.keep_checkpoints, self.config.keep_every_steps
         self._ckpt = Checkpointer(checkpoint_dir, keep=keep, keep_every=every) if checkpoint_dir is not None else None
-
-    def _initial_state(
-        self, builder: Callable[[], nnx.Module] | None, params: nnx.State, model_state: nnx.State, shardings: Any
-    ) -> TrainState:
-        """The train state on the devices, each holding its own slices of it."""
-        if builder is not None:
-            # Each device computes only its own slices: no device and no host ever holds
-            # the whole model (big_vision's jit(init, out_shardings)).
-            def init() -> tuple[nnx.State, nnx.State]:
-                module = built(builder)()
-                module.train()
-                _, p, s = nnx.split(module, self.trainable, ...)  # type: ignore[misc]  # flax's overloads
-                return p, s
-
-            params, model_state = jax.jit(init, out_shardings=(shardings.params, shardings.model_state))()
-        else:
-            params = self.strategy.put(params, shardings.params)
-            model_state = self.strategy.put(model_state, shardings.model_state)
-        return TrainState(
-            step=self.strategy.replicate(jnp.zeros((), jnp.int32)),
-            params=params,
-            opt_state=jax.jit(self.tx.init, out_shardings=shardings.opt_state)(params),
-            model_state=model_state,
-        )
 
     @property
     def state(self) -> TrainState:
@@ -365,6 +345,7 @@ class Trainer:
         order = TrainOrder.for_dataset(train, self.global_batch, self.data_seed)
         total = self.config.epochs * order.steps_per_epoch
         stop = min(total, self.config.stop_at_step) if self.config.stop_at_step else total
+        scaling = self._schedule(total, order.steps_per_epoch) if self._optimizer_config is not None else None
         ckpt, restored = self._ckpt, None
         latest = ckpt.latest_step() if ckpt is not None else None
         if ckpt is not None and latest is not None and not self.resume:  # a save would meet a step already there
@@ -389,6 +370,8 @@ class Trainer:
             self.strategy.process_index == 0,
             evaluates_again=start >= total and eval is not None,
         )
+        if scaling is not None:
+            report.print(scaling)
         if unfinished and ckpt is not None:  # a kill during a save (the first: the steps before it are kept nowhere)
             report.print(unfinished_save(ckpt.directory, unfinished[-1], restored))
         self.peak_flops = announce(
@@ -403,6 +386,15 @@ class Trainer:
             split = record.pop("split", "train")
             (loop.history if split == "train" else loop.evaluations).append(record)
         return loop
+
+    def _schedule(self, total: int, steps_per_epoch: int) -> str:
+        """The OptimizerConfig's chain over the run's ``total`` steps, and the steps on it; its
+        learning-rate line."""
+        assert self._optimizer_config is not None
+        plan = make_optimizer(self._optimizer_config, self.global_batch, total, steps_per_epoch)
+        self.tx, self.learning_rate = plan.tx, plan.schedule
+        self.train_step, self.eval_step = self._make_steps(plan.tx)
+        return scaling_words(self._optimizer_config, self.global_batch, plan.peak_lr)
 
     def _train(self, loop: Loop, train: Dataset, eval: Dataset | None) -> None:
         """The calls from ``loop.step`` to ``loop.stop``; again from a checkpoint after a rollback."""
