@@ -3,45 +3,32 @@ TPU compile, its ``optimizer``, ``config`` and ``mesh``), loaded and checked."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import runpy
-import sys
-import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import optax
-from flax import nnx
 
 from xlafit.check.program import Program
 from xlafit.check.report import Report
-from xlafit.check.rules import classify
 from xlafit.check.step import check_step, check_tpu, example_layout, example_lengths, positive, refuse_text
-from xlafit.config import MeshConfig, TrainerConfig, validate_mesh
+from xlafit.data.dataset import Dataset
 from xlafit.errors import ConfigError
-from xlafit.overrides import deep_merge, from_dict, load_yaml, parse_overrides
 from xlafit.parallel.cluster import start_backends
 from xlafit.parallel.sharding import parse_rules
-from xlafit.train.adapter import adapt, framework_of
 from xlafit.train.rewards import importable
+from xlafit.user_file import (
+    FILE_BATCH_KEYS,
+    FRAMEWORK,
+    SETTINGS_CHECK,
+    file_optimizer,
+    file_overrides,
+    file_sections,
+    load_file,
+)
 
 __all__ = ["SETTINGS_CHECK", "check_file", "file_program", "file_settings", "importable", "load_file"]
-
-
-def _load_error(path: Path, e: BaseException) -> ConfigError:
-    """The one-line error for a user file that fails to load, at its line."""
-    if isinstance(e, SyntaxError):  # raised by the compiler: the file has no frame in the traceback
-        code = f" in `{e.text.strip()}`" if e.text and e.text.strip() else ""
-        return ConfigError(
-            f"{e.filename or path}, line {e.lineno}: {type(e).__name__}: {e.msg}{code}. "
-            "Fix that line and run xlafit check again."
-        )
-    line = classify(e, str(path)).line
-    where = f", at line {line}" if line else ""
-    return ConfigError(f"{path} failed while being loaded{where}: {type(e).__name__}: {e}")
 
 
 def check_file(
@@ -79,10 +66,7 @@ def check_file(
     # The loss may import at trace time too: the file's imports stay possible until the end.
     with importable(path):
         namespace = load_file(path)
-        lengths = namespace.get("lengths")
-        if lengths is None and namespace.get("dataset") is not None:
-            lengths = example_lengths(namespace["dataset"])
-        lengths = None if lengths is None else np.asarray(lengths)
+        lengths = _lengths(namespace)
         if tpu:
             program = file_program(path, namespace, nested, options)
             report = check_tpu(
@@ -105,30 +89,21 @@ def check_file(
     return report
 
 
-# What overrides of a user file may change: the file defines the model, its batch's layout and
-# its optimizer itself; data.* sets how many rows a step takes (what a plan chose).
-FILE_SECTIONS: dict[str, type] = {"mesh": MeshConfig, "trainer": TrainerConfig}
-FILE_BATCH_KEYS = ("per_device_batch", "global_batch")
+def _lengths(namespace: dict[str, Any]) -> np.ndarray | None:
+    """The file's ``lengths``, or its ``dataset``'s where that is a list of examples; a
+    training set (a dict of arrays or a Dataset, as ``xlafit train`` takes it) gives none: its
+    batches take one shape."""
+    lengths, dataset = namespace.get("lengths"), namespace.get("dataset")
+    if lengths is None and dataset is not None and not isinstance(dataset, Mapping | Dataset):
+        lengths = example_lengths(dataset)
+    return None if lengths is None else np.asarray(lengths)
 
 
 def file_settings(overrides: Sequence[str], tpu: str | None, preset: str | Path | None = None) -> dict[str, Any]:
     """``overrides`` (over ``preset``'s sections) as a nested dict of ``mesh`` and ``trainer``
-    keys; anything else, or any setting without ``tpu`` (the plain check runs one unsharded
-    step here), is refused."""
-    nested = deep_merge(load_yaml(preset), parse_overrides(overrides)) if preset else parse_overrides(overrides)
-    data = nested.get("data") or {}
-    unknown = [f"{key}.*" for key in nested if key not in (*FILE_SECTIONS, "data")]
-    unknown += [f"data.{key}" for key in data if key not in FILE_BATCH_KEYS] if isinstance(data, dict) else ["data"]
-    if unknown:
-        valid = ", ".join(f"{name}.{f.name}" for name, cls in FILE_SECTIONS.items() for f in dataclasses.fields(cls))
-        raise ConfigError(
-            f"unknown override {unknown[0]}: a file's check takes "
-            "mesh.*, trainer.* and data.per_device_batch or data.global_batch overrides (the file defines its "
-            f"model, batch layout and optimizer). Valid keys: {valid}, data.per_device_batch, data.global_batch."
-        )
-    for key, value in data.items():
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ConfigError(f"data.{key}={value}: give a positive whole number of examples.")
+    keys (:func:`~xlafit.user_file.file_overrides`); anything else, or any setting without
+    ``tpu`` (the plain check runs one unsharded step here), is refused."""
+    nested = file_overrides(overrides, preset)
     if nested and not tpu:
         given = overrides[0] if overrides else f"--config {preset}"
         raise ConfigError(
@@ -138,85 +113,14 @@ def file_settings(overrides: Sequence[str], tpu: str | None, preset: str | Path 
     return nested
 
 
-# Where load_file keeps a converted model's refusals (Adapted.check) in the file's names.
-SETTINGS_CHECK = "__xlafit_settings_check__"
-FRAMEWORK = "__xlafit_framework__"  # the model's framework when it is not Flax: "torch", "keras"
-
-
-def load_file(path: Path) -> dict[str, Any]:
-    """The names the user's file defines; a Keras model becomes an ``nnx.Module`` and its loss.
-
-    The file runs with Flax's eager sharding off: a parameter annotated as Flax's guides show
-    (``nnx.with_partitioning(init, ("embed", "mlp"))``) keeps its names as metadata, which
-    the sharding rules lay over each layout's mesh, instead of asking for a mesh at import.
-    What it prints goes to stderr: stdout is the report's (``--json``: JSON alone).
-
-    Raises:
-        ConfigError: a file that is not Python by its name (a data file would run as Python:
-            JSON lines are Python dicts), or one that does not define the three names.
-    """
-    if path.suffix != ".py":
-        raise ConfigError(
-            f"{path} is not a Python file (.py): xlafit check runs a .py file that defines model, loss_fn and batch, "
-            f"or checks a recipe by its name (xlafit check mnist); a data file is shown by xlafit data show {path}."
-        )
-    try:
-        with nnx.use_eager_sharding(False), contextlib.redirect_stdout(sys.stderr):
-            namespace = runpy.run_path(str(path), run_name="__xlafit_check__")
-    except Exception as e:
-        raise _load_error(path, e) from None
-    framework = framework_of(namespace.get("model"))
-    if framework is not None:  # a Keras 3 model: its compiled loss unless loss_fn is given
-        namespace[FRAMEWORK] = framework
-        adapted = adapt(namespace["model"], namespace.get("loss_fn"))
-        namespace["model"], namespace["loss_fn"] = adapted.module, adapted.loss_fn
-        namespace[SETTINGS_CHECK] = adapted.check
-    missing = [name for name in ("model", "loss_fn", "batch") if name not in namespace]
-    if missing:
-        raise ConfigError(
-            f"{path} must define model (an nnx.Module, a torch.nn.Module or a compiled Keras 3 model), "
-            "loss_fn(model, batch) "
-            f"(optional for Keras) and batch (a dict of arrays; {{'x': ..., 'y': ...}} for Keras); "
-            f"missing: {', '.join(missing)}."
-        )
-    model = namespace["model"]
-    if not isinstance(model, nnx.Module):
-        built = isinstance(model, type) or callable(model)  # the class, or a function that builds the model
-        raise ConfigError(
-            f"`model` in {path} is a {type(model).__name__}, not an nnx.Module, a torch.nn.Module or a Keras 3 "
-            "model"
-            + (
-                "; build it in the file: model = MyModel(nnx.Rngs(0)) (nnx.eval_shape(lambda: MyModel(nnx.Rngs(0))) "
-                "builds it as shapes only, without memory for its parameters)."
-                if built
-                else "."
-            )
-        )
-    return namespace
-
-
 def file_program(path: Path, namespace: dict[str, Any], nested: dict[str, Any], options: dict[str, Any]) -> Program:
     """What to compile for a user file: its model, loss, optimizer, ``config`` and ``mesh``
     with the overrides applied, and the batch's layout."""
     batch = namespace["batch"]
     if not isinstance(batch, dict) or not batch:
         raise ConfigError(f"`batch` in {path} must be a dict of arrays or jax.ShapeDtypeStructs.")
-    optimizer = namespace.get("optimizer", optax.adamw(1e-3))
-    if not isinstance(optimizer, optax.GradientTransformation):
-        raise ConfigError(f"`optimizer` in {path} must be an optax transformation, e.g. optax.adamw(1e-3).")
-    settings = {}
-    for name, cls in FILE_SECTIONS.items():
-        defined = namespace.get("config" if name == "trainer" else name, cls())
-        if not isinstance(defined, cls):
-            raise ConfigError(
-                f"`{'config' if name == 'trainer' else name}` in {path} must be an xlafit.config.{cls.__name__}, "
-                f"e.g. {cls.__name__}(); it is a {type(defined).__name__}."
-            )
-        settings[name] = from_dict(
-            cls, deep_merge(dataclasses.asdict(typing.cast(Any, defined)), nested.get(name, {})), f"{name}."
-        )
-    mesh, config = settings["mesh"], settings["trainer"]
-    validate_mesh(mesh, config)
+    optimizer = file_optimizer(path, namespace, default=optax.adamw(1e-3))
+    mesh, config = file_sections(path, namespace, nested)
     example = example_layout(batch)  # checks every entry first: a one-line error, not a traceback
     rows = np.shape(next(iter(batch.values())))[0]
     per_device, global_batch = options.get("per_device_batch"), options.get("global_batch")

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import traceback
 from pathlib import Path
 
 import jax
+
+from xlafit.train.traced import frame_in
 
 RULES = {
     1: "data-dependent control flow",
@@ -89,12 +90,9 @@ class Finding:
 
 
 def _user_frame(exc: BaseException, user_file: str | None) -> tuple[str | None, int | None]:
-    """The deepest frame of ``exc`` in ``user_file`` (or, without one, outside JAX/xlafit)."""
-    found: tuple[str | None, int | None] = (None, None)
-    for frame in traceback.extract_tb(exc.__traceback__):
-        if user_file is not None and Path(frame.filename).resolve() == Path(user_file).resolve():
-            found = (frame.filename, frame.lineno)
-    return found
+    """The deepest frame of ``exc`` in ``user_file``: its file name and line."""
+    frame = frame_in(exc, user_file)
+    return (frame.filename, frame.lineno) if frame is not None else (None, None)
 
 
 def _is_control_flow(source: str, line: int) -> bool:

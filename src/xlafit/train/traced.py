@@ -10,6 +10,7 @@ the line and the rewrite, as ``xlafit check FILE`` does for every such line of a
 from __future__ import annotations
 
 import traceback
+from pathlib import Path
 
 import jax
 
@@ -23,6 +24,16 @@ def users_frame(e: BaseException) -> traceback.FrameSummary | None:
     """The deepest frame of ``e``'s traceback in the user's code, if any."""
     frames = traceback.extract_tb(e.__traceback__)
     return next((f for f in reversed(frames) if not any(p in f.filename for p in _NOT_USERS)), None)
+
+
+def frame_in(e: BaseException, file: str | Path | None) -> traceback.FrameSummary | None:
+    """The deepest frame of ``e``'s traceback in ``file`` (a user's file that ``xlafit check``
+    or ``xlafit train`` runs), if any."""
+    if file is None:
+        return None
+    target = Path(file).resolve()
+    frames = traceback.extract_tb(e.__traceback__)
+    return next((f for f in reversed(frames) if Path(f.filename).resolve() == target), None)
 
 
 def where(e: BaseException) -> str:
