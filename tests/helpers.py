@@ -3,6 +3,7 @@
 import functools
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -16,6 +17,16 @@ from xlafit.data import mlm, mnist
 from xlafit.recipes import mnist as mnist_recipe
 
 STRESS = os.environ.get("XLAFIT_STRESS") == "1"  # the long forms too (`make test-stress`)
+
+
+def xlafit_cli(*args, env=None, timeout=600, cwd=None):
+    """The ``xlafit`` command as a user runs it: a fresh process, which makes its own devices
+    (the suite's ``XLA_FLAGS`` dropped); ``env`` adds to the environment."""
+    env = {**os.environ, **(env or {})}
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run(
+        [sys.executable, "-m", "xlafit", *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd
+    )
 
 
 def long_form(seconds: int, covered_by: str):

@@ -12,15 +12,8 @@ import pytest
 import yaml
 
 from helpers import write_mnist_idx
+from helpers import xlafit_cli as run  # the CLI in a fresh process, which makes its own devices
 from xlafit.errors import ConfigError
-
-
-def run(*args, env=None, timeout=600):
-    env = {**os.environ, **(env or {})}
-    env.pop("XLA_FLAGS", None)  # the CLI must make its own devices
-    return subprocess.run(
-        [sys.executable, "-m", "xlafit", *args], capture_output=True, text=True, env=env, timeout=timeout
-    )
 
 
 def test_devices_simulate():

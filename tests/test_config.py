@@ -75,7 +75,9 @@ def test_malformed_override():
 def test_unknown_recipe():
     with pytest.raises(ConfigError, match="unknown recipe 'cifar'; available: mnist"):
         load_config("cifar")
-    with pytest.raises(ConfigError, match=r"my_model.py is a file, not a recipe .* xlafit.Trainer .* xlafit check"):
+    with pytest.raises(
+        ConfigError, match=r"my_model.py is a file, not a recipe .* xlafit train my_model.py .* xlafit check"
+    ):
         load_config("my_model.py")
 
 

@@ -2,28 +2,18 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import hf_logits
+from helpers import hf_logits, xlafit_cli
 from xlafit.cli import main
 from xlafit.data.text import korean_demo_files
 from xlafit.hf import bert as bert_hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-
-
-def xlafit_cli(*args, env=None, timeout=600):
-    env = {**os.environ, **(env or {})}
-    env.pop("XLA_FLAGS", None)
-    return subprocess.run(
-        [sys.executable, "-m", "xlafit", *args], capture_output=True, text=True, env=env, timeout=timeout
-    )
 
 
 def test_cli_tokenizer_data_train_export(tmp_path, capsys):

@@ -20,7 +20,7 @@ import yaml
 from etils import epath
 
 from xlafit.checkpoint import COMMIT, ORBAX_METADATA
-from xlafit.config import Config
+from xlafit.config import Config, RunConfig
 from xlafit.errors import ConfigError, StorageError, WriteError, write_failed
 from xlafit.io import hub
 from xlafit.io.paths import (
@@ -40,16 +40,22 @@ from xlafit.runlock import LOCK
 PROCESS_LOG = re.compile(r"process-\d+\.log")
 
 
-def checkpoint_dir(cfg: Config) -> epath.Path:
+def _run(cfg: Config | RunConfig) -> RunConfig:
+    """The ``run`` section: of a recipe's config, or of a user file's run (``xlafit train FILE.py``)."""
+    return cfg.run if isinstance(cfg, Config) else cfg
+
+
+def checkpoint_dir(cfg: Config | RunConfig) -> epath.Path:
     """``run.checkpoint_dir`` (a path or URL), or the run directory's ``checkpoints/``."""
-    if cfg.run.checkpoint_dir:
-        return as_path(cfg.run.checkpoint_dir)
-    if not cfg.run.run_dir:
+    run = _run(cfg)
+    if run.checkpoint_dir:
+        return as_path(run.checkpoint_dir)
+    if not run.run_dir:
         raise ConfigError("no run directory: set run.run_dir (--run-dir) or run.checkpoint_dir.")
-    return as_path(cfg.run.run_dir) / "checkpoints"
+    return as_path(run.run_dir) / "checkpoints"
 
 
-def refuse_foreign_dir(cfg: Config) -> None:
+def refuse_foreign_dir(cfg: Config | RunConfig) -> None:
     """Refuses a local ``run.run_dir`` that holds files but no run's (``config.yaml``, metrics,
     checkpoints): the run would write among them, and ``--restart`` would move them all aside
     with it. Hidden entries (``.ipynb_checkpoints``) do not count, nor the job's own
@@ -60,7 +66,7 @@ def refuse_foreign_dir(cfg: Config) -> None:
     Raises:
         ConfigError: naming a few of the files and the fix.
     """
-    run_dir = cfg.run.run_dir
+    run_dir = _run(cfg).run_dir
     if not run_dir or is_url(run_dir):
         return
     path = Path(run_dir).expanduser()
@@ -80,7 +86,7 @@ def refuse_foreign_dir(cfg: Config) -> None:
         )
 
 
-def make_run_dir(run_dir: epath.Path, cfg: Config) -> None:
+def make_run_dir(run_dir: epath.Path, cfg: Config | RunConfig) -> None:
     """Creates ``run_dir`` (or finds it writable); for a URL, checks that its buckets exist.
 
     Raises:

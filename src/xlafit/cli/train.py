@@ -1,4 +1,4 @@
-"""``xlafit train RECIPE [key=value ...]``: flags become dotted overrides, then the run."""
+"""``xlafit train RECIPE|FILE.py [key=value ...]``: flags become dotted overrides, then the run."""
 
 from __future__ import annotations
 
@@ -14,11 +14,19 @@ from xlafit.errors import ConfigError
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
-        help="train a recipe",
-        description="Train a recipe. Overrides are dotted key=value pairs, e.g. trainer.epochs=3 "
-        "data.per_device_batch=32. `xlafit config RECIPE` shows every key.",
+        help="train a recipe, or the model of your own Python file",
+        description="Train a recipe, or the model a Python file defines. Overrides are dotted key=value pairs, "
+        "e.g. trainer.epochs=3 data.per_device_batch=32; `xlafit config RECIPE` shows every key of a recipe. "
+        "FILE.py defines model, loss_fn(model, batch), batch, dataset and optimizer (an optax transformation), "
+        "optionally eval_dataset, config (TrainerConfig), mesh (MeshConfig) and global_batch or "
+        "per_device_batch (docs/guides/own-model.md); it takes trainer.*, mesh.*, cpu.*, data.global_batch and "
+        "data.per_device_batch overrides.",
     )
-    p.add_argument("recipe", help="recipe name: mnist, bert, resnet, llm")
+    p.add_argument(
+        "recipe",
+        metavar="RECIPE|FILE.py",
+        help="a recipe's name (mnist, bert, resnet, llm) or the path of a Python file that defines your model",
+    )
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
     add_simulate(p)
     p.add_argument("--run-dir", help="where config, metrics, TensorBoard logs and checkpoints go")
@@ -29,7 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "gs:// or hf://datasets/ URLs)",
     )
     p.add_argument(
-        "--config", help="a whole YAML config used instead of the recipe's preset: start from `xlafit config RECIPE`"
+        "--config",
+        help="a whole YAML config used instead of the recipe's preset: start from `xlafit config RECIPE`; for "
+        "FILE.py, YAML with mesh:, trainer: and data: sections (what `xlafit plan FILE.py --write` writes)",
     )
     p.add_argument(
         "--checkpoint-dir", help="checkpoints here instead of RUN_DIR/checkpoints: a path or gs://bucket/dir"
@@ -104,10 +114,19 @@ def _lookup(nested: dict[str, Any], key: str) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     # The library when the command runs: `xlafit --help` stays fast.
-    from xlafit.recipes import load_config
-    from xlafit.run import train_and_evaluate
+    if args.recipe.endswith(".py"):  # a user's file: its model, loss, data and optimizer
+        from xlafit.run_file import train_file
 
-    train_and_evaluate(load_config(args.recipe, overrides_of(args), preset=args.config))
+        if args.data_dir:
+            raise ConfigError(
+                f"--data-dir {args.data_dir}: the data directory of a recipe; {args.recipe} defines its own dataset."
+            )
+        train_file(args.recipe, overrides_of(args), preset=args.config)
+    else:
+        from xlafit.recipes import load_config
+        from xlafit.run import train_and_evaluate
+
+        train_and_evaluate(load_config(args.recipe, overrides_of(args), preset=args.config))
     # A SIGTERM from here on finds the work done: exit 0 rather than die by the signal.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return 0

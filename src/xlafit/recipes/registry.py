@@ -27,8 +27,9 @@ def get_recipe(name: str) -> Recipe:
     if name not in RECIPES:
         if name.endswith(".py"):
             raise ConfigError(
-                f"{name} is a file, not a recipe ({', '.join(RECIPES)}): a model of your own trains in Python with "
-                "xlafit.Trainer (docs/guides/own-model.md); xlafit check and xlafit plan take the file as it is."
+                f"{name} is a file, not a recipe ({', '.join(RECIPES)}): xlafit train {name} trains the model it "
+                "defines (or xlafit.Trainer in Python: docs/guides/own-model.md); xlafit check and xlafit plan take "
+                "the file as it is."
             )
         raise ConfigError(f"unknown recipe {name!r}; available: {', '.join(RECIPES)}.")
     return importlib.import_module(f"xlafit.recipes.{name}").RECIPE
