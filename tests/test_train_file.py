@@ -25,6 +25,12 @@ def guide_file() -> str:
 
 
 MLP_FILE = guide_file()
+# The same file with the rate tuned at 64 examples a step, scaled to the run's batch by xlafit.
+SCALED_FILE = MLP_FILE.replace(
+    "optimizer = optax.adamw(1e-2)",
+    "from xlafit.config import OptimizerConfig\noptimizer = OptimizerConfig(learning_rate=1e-2, reference_batch=64)",
+)
+assert SCALED_FILE != MLP_FILE
 
 
 def metrics(run_dir, split="train"):
@@ -60,12 +66,14 @@ def test_the_guides_file_trains_on_simulated_devices_and_resumes_from_its_checkp
 def test_a_stopped_run_in_a_new_directory_names_it_to_go_on(tmp_path):
     """Without --run-dir the run gets a directory of its own under ./runs, which the same
     command would not find again: the end says how to go on."""
-    (tmp_path / "my_model.py").write_text(MLP_FILE)
+    (tmp_path / "my_model.py").write_text(SCALED_FILE)
     out = xlafit_cli("train", "my_model.py", "--simulate", "1", "trainer.stop_at_step=1", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     made = out.stdout.split("run directory: ")[1].split()[0]
     assert made.startswith("runs/my_model-")
     assert f"to go on from step 1, run again with --run-dir {made}" in out.stdout
+    # an OptimizerConfig in the optimizer's place: scaled from its reference batch to the run's
+    assert "learning rate: 0.01 at batch 64 -> peak 0.02 at global batch 128 (linear scaling)" in out.stdout
 
 
 def test_sigterm_saves_a_checkpoint_exits_75_and_the_same_command_resumes(tmp_path):
@@ -180,6 +188,8 @@ def test_check_takes_the_guides_file_and_one_whose_dataset_is_a_dataset(tmp_path
 
     (tmp_path / "my_model.py").write_text(MLP_FILE)
     assert check_file(tmp_path / "my_model.py").ok
+    (tmp_path / "scaled.py").write_text(SCALED_FILE)
+    assert check_file(tmp_path / "scaled.py", tpu="v4-8").ok  # an OptimizerConfig compiles as its chain
     source = MLP_FILE + "from xlafit.data.dataset import ArrayDataset\ndataset = ArrayDataset(dataset)\n"
     (tmp_path / "mlp.py").write_text(source)
     report = check_file(tmp_path / "mlp.py")

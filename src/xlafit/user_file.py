@@ -28,7 +28,7 @@ from typing import Any, Literal
 import optax
 from flax import nnx
 
-from xlafit.config import MeshConfig, RunConfig, TrainerConfig, validate_mesh
+from xlafit.config import MeshConfig, OptimizerConfig, RunConfig, TrainerConfig, validate_mesh
 from xlafit.errors import ConfigError
 from xlafit.overrides import deep_merge, from_dict, load_yaml, parse_overrides
 from xlafit.platform.cpu import CpuConfig
@@ -184,11 +184,13 @@ def file_sections(path: Path, namespace: dict[str, Any], nested: dict[str, Any])
 
 def file_optimizer(
     path: Path, namespace: dict[str, Any], default: optax.GradientTransformation | None = None
-) -> optax.GradientTransformation:
-    """The file's ``optimizer``, or ``default``; without either, a one-line error with the line to add.
+) -> optax.GradientTransformation | OptimizerConfig:
+    """The file's ``optimizer`` (an optax transformation, or an
+    :class:`~xlafit.config.OptimizerConfig`: its rate scaled with the global batch), or
+    ``default``; without either, a one-line error with the line to add.
 
     Raises:
-        ConfigError: no optimizer (and no default), or one that is no optax transformation.
+        ConfigError: no optimizer (and no default), or one that is neither.
     """
     optimizer = namespace.get("optimizer", default)
     keras = namespace.get(FRAMEWORK) == "keras"
@@ -198,6 +200,9 @@ def file_optimizer(
             "`optimizer = optax.adamw(1e-3)` (an optax transformation"
             + ("; a Keras optimizer converts with xlafit.integrations.keras.optax_from_keras)." if keras else ").")
         )
-    if not isinstance(optimizer, optax.GradientTransformation):
-        raise ConfigError(f"`optimizer` in {path} must be an optax transformation, e.g. optax.adamw(1e-3).")
+    if not isinstance(optimizer, optax.GradientTransformation | OptimizerConfig):
+        raise ConfigError(
+            f"`optimizer` in {path} must be an optax transformation, e.g. optax.adamw(1e-3), or an "
+            "xlafit.config.OptimizerConfig."
+        )
     return optimizer

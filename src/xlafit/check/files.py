@@ -17,6 +17,7 @@ from xlafit.data.dataset import Dataset
 from xlafit.errors import ConfigError
 from xlafit.parallel.cluster import start_backends
 from xlafit.parallel.sharding import parse_rules
+from xlafit.train.optim import chain_of
 from xlafit.train.rewards import importable
 from xlafit.user_file import (
     FILE_BATCH_KEYS,
@@ -119,7 +120,8 @@ def file_program(path: Path, namespace: dict[str, Any], nested: dict[str, Any], 
     batch = namespace["batch"]
     if not isinstance(batch, dict) or not batch:
         raise ConfigError(f"`batch` in {path} must be a dict of arrays or jax.ShapeDtypeStructs.")
-    optimizer = file_optimizer(path, namespace, default=optax.adamw(1e-3))
+    # An OptimizerConfig's chain: its state is what the compile needs, whatever the run's length.
+    optimizer = chain_of(file_optimizer(path, namespace, default=optax.adamw(1e-3)), 1)
     mesh, config = file_sections(path, namespace, nested)
     example = example_layout(batch)  # checks every entry first: a one-line error, not a traceback
     rows = np.shape(next(iter(batch.values())))[0]
