@@ -1,6 +1,7 @@
 """xlafit.run: resolving a config for the devices, the run directory and the resume check."""
 
 import json
+import time
 
 import jax
 import numpy as np
@@ -628,3 +629,37 @@ def test_a_run_in_a_directory_made_for_it_says_how_to_go_on_after_its_stop(strat
         load_config("mnist", [*common, f"run.run_dir={tmp_path / 'named'}", "trainer.stop_at_step=1"])
     )
     assert "made for it" not in capsys.readouterr().out
+
+
+def test_a_resume_marks_the_steps_after_its_checkpoint_for_tensorboard_to_drop(tmp_path):
+    """metrics.jsonl drops the records a killed run logged after its last checkpoint; its
+    TensorBoard event files kept them beside the resumed run's (steps 21-24 twice after a
+    kill at 25 and a resume from 20). The resumed run's event file starts with TensorBoard's
+    restart marker at the first step it logs again, as torch's SummaryWriter(purge_step=)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    from xlafit.train.report import RunReport
+
+    def events(path):  # TFRecord: length, its CRC, the Event, its CRC
+        data, at, found = path.read_bytes(), 0, []
+        while at < len(data):
+            (n,) = struct.unpack("<Q", data[at : at + 8])
+            found.append(Event.FromString(data[at + 12 : at + 12 + n]))
+            at += 12 + n + 4
+        return found
+
+    first = RunReport(tmp_path, total_steps=40)
+    for step in range(1, 26):
+        first.record({"step": step, "loss": 1.0 / step})
+    first.close()
+    (killed,) = (tmp_path / "tensorboard").iterdir()
+    assert not any(e.HasField("session_log") for e in events(killed))  # a run from step 0 marks nothing
+    time.sleep(1.1)  # an event file's name holds the second it was made in
+    resumed = RunReport(tmp_path, total_steps=40, start_step=20)
+    resumed.record({"step": 21, "loss": 0.5})
+    resumed.close()
+    (new,) = [p for p in (tmp_path / "tensorboard").iterdir() if p != killed]
+    marks = [(e.step, e.session_log.status) for e in events(new) if e.HasField("session_log")]
+    assert marks == [(21, SessionLog.START)]

@@ -31,10 +31,13 @@ from xlafit.io.paths import AnyPath, LocalCopy
 _TENSORBOARDX_OPTIONAL = ("torch", "google.cloud.storage")
 
 
-def _summary_writer(logdir: Path) -> Any:
+def _summary_writer(logdir: Path, purge_step: int | None = None) -> Any:
     """tensorboardX's ``SummaryWriter`` for ``logdir``, imported without the modules of
     ``_TENSORBOARDX_OPTIONAL`` (each guarded there by ``except ImportError``) where nothing
-    imported them yet; they stay importable afterwards."""
+    imported them yet; they stay importable afterwards. ``purge_step`` (a resume): its new
+    event file starts with TensorBoard's restart marker (a ``SessionLog.START`` at that step),
+    after which TensorBoard drops the earlier files' events from that step on: the steps a
+    killed run logged after its last checkpoint, which the resumed run logs again."""
     blocked = [name for name in _TENSORBOARDX_OPTIONAL if name not in sys.modules]
     for name in blocked:
         sys.modules[name] = None  # type: ignore[assignment]  # `import name` raises ImportError
@@ -44,7 +47,7 @@ def _summary_writer(logdir: Path) -> Any:
         for name in blocked:
             if sys.modules.get(name, "") is None:
                 del sys.modules[name]
-    return SummaryWriter(str(logdir))
+    return SummaryWriter(str(logdir), purge_step=purge_step)
 
 
 class RunReport:
@@ -58,7 +61,7 @@ class RunReport:
             writes no files.
         total_steps: the run's last step, for the bar and ETA.
         start_step: where the bar starts (non-zero on resume); earlier records after it
-            are dropped from ``metrics.jsonl``.
+            are dropped from ``metrics.jsonl``, and marked for TensorBoard to drop.
         enabled: False on processes other than 0.
         evaluates_again: a finished run evaluated again (its command run once more): its
             earlier evaluation of ``start_step`` is dropped, so that the step keeps one.
@@ -98,7 +101,7 @@ class RunReport:
             except OSError as e:
                 raise write_failed(self._metrics, e) from None
             try:
-                self._tb = _summary_writer(self._copy.local / "tensorboard")
+                self._tb = _summary_writer(self._copy.local / "tensorboard", start_step + 1 if start_step else None)
             except OSError as e:
                 self.close()
                 raise write_failed(self._copy.target / "tensorboard", e) from None
