@@ -987,3 +987,16 @@ def test_the_llm_loss_weighted_by_tokens_costs_no_memory_over_a_plain_mean():
             compiled, _ = steps.compile_train(1)
         temporaries[name] = memory_of(compiled, steps.state_bytes, 0)["temporaries"]
     assert temporaries["weighted"] <= 1.02 * temporaries["mean"], temporaries
+
+
+def test_what_a_fitting_step_leaves_to_spare_is_counted_from_the_larger_of_its_buffers_and_the_peak():
+    """A small program's compiler peak can exceed the sum of its buffers (MNIST on a v5e-8:
+    0.02 GiB of buffers, a peak of 0.09): "to spare" was the capacity less the smaller one."""
+    from xlafit.check.tpu_report import _fit_lines
+
+    gib = 2**30
+    memory = {"state": gib // 100, "arguments": gib // 50, "outputs": 0, "temporaries": 0, "generated code": 0}
+    memory |= {"total": gib // 50, "peak": 9 * gib // 100}
+    r = TargetReport("v5e-8", per_device_batch=64, train_fits=True, capacity=15.75 * gib, memory=memory)
+    assert r.margin == 15.75 * gib - 9 * gib // 100
+    assert "  ✓ train step fits, 15.66 GiB to spare (1% used)" in _fit_lines(r)

@@ -316,6 +316,10 @@ class TargetReport:
 
     @property
     def margin(self) -> float | None:
-        """Bytes left per core (negative: over), against the compiler's capacity."""
+        """Bytes left per core (negative: over), against the compiler's capacity: of the sum
+        of the buffers, or of the compiler's peak where that is larger (a small program's
+        peak holds more than its buffers)."""
         total = self.memory.get("total")
-        return None if total is None or not self.capacity else self.capacity - total
+        if total is None or not self.capacity:
+            return None
+        return self.capacity - max(total, self.memory.get("peak", 0))

@@ -94,7 +94,7 @@ def _fit_lines(r: TargetReport) -> list[str]:
     peak = f", compiler's peak {gib(m['peak'])}" if "peak" in m else ""
     lines = [f"  HBM per core: {gib(m['total'])} of {cap}{peak}", f"    {parts}"]
     if (r.margin or 0) >= 0:
-        share = m["total"] / r.capacity if r.capacity else 0
+        share = max(m["total"], m.get("peak", 0)) / r.capacity if r.capacity else 0
         lines.append(f"  ✓ train step fits, {gib(r.margin or 0)} to spare ({share:.0%} used)")
     else:  # accepted by the compiler, whose own peak is what must fit
         lines.append(
