@@ -15,6 +15,7 @@ import psutil
 import pytest
 from PIL import Image
 
+from helpers import long_form
 from xlafit.cli import main
 from xlafit.data.dataset import StreamedDataset
 from xlafit.data.images import Augment, ImageDataset, SyntheticImages, find_images, load_split, prepare
@@ -431,6 +432,11 @@ def test_preparation_workers_never_take_ctrl_c_themselves(tmp_path):
     assert int(samples) > 10 and held_off == "True", done.stdout
 
 
+@long_form(
+    28,
+    "test_preparation_workers_never_take_ctrl_c_themselves, test_a_pool_whose_terminate_hangs_still_ends_with_its_"
+    "workers_killed and test_ctrl_c_while_the_workers_start_is_left_to_the_parent_and_prints_nothing",
+)
 def test_ctrl_c_during_preparation_is_one_line_leaves_no_worker_and_the_rerun_finishes(tmp_path):
     """Ctrl-C reaches the whole process group (a terminal, a notebook's "Interrupt kernel"):
     one line, exit 130, the workers gone; the shards left without a manifest are recognised as

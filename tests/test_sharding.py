@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 import xlafit
-from helpers import mlm_dataset
+from helpers import long_form, mlm_dataset
 from xlafit.checkpoint import Checkpointer, fingerprint, path_name
 from xlafit.config import MeshConfig, TrainerConfig, validate_mesh
 from xlafit.errors import ConfigError, DeviceError
@@ -319,8 +319,12 @@ def test_activation_embed_splits_the_llms_residual_stream_over_the_tensor_group(
         losses[rules] = float(t.fit(batch).history[-1]["loss"])
         t.close()
     assert losses[""] == pytest.approx(losses["activation_embed=tensor"], rel=1e-5)
-    # The TPU compiler (libtpu, on this CPU), MaxText's remat policy (its "minimal") over scanned
-    # layers: what remat keeps between layers, a quarter at tensor 4.
+
+
+@long_form(40, "test_lever_fits.py::test_a_tensor_parallel_run_is_told_that_splitting_its_residual_stream_fits")
+def test_activation_embed_keeps_a_quarter_of_the_layer_inputs_at_tensor_4_on_a_tpu():
+    """The TPU compiler (libtpu, on this CPU), MaxText's remat policy (its "minimal") over
+    scanned layers: what remat keeps between layers, a quarter at tensor 4."""
     from xlafit.check import recipe_program
     from xlafit.check.tpu import Steps, memory_of, no_persistent_cache
     from xlafit.parallel.cluster import start_backends

@@ -95,7 +95,7 @@ def test_eight_devices_equal_one_device(strategy8, strategy1, digits, uninterrup
 
 def test_invariant_chunks_make_8_devices_and_1_bit_identical(strategy8, strategy1, digits):
     train, test = digits
-    config = TrainerConfig(epochs=2, stop_at_step=20, invariant_chunks=8, steps_per_call=2)
+    config = TrainerConfig(epochs=2, stop_at_step=6, invariant_chunks=8, steps_per_call=2)
     results, evals = [], []
     for strategy in (strategy8, strategy1):
         model = xlafit.models.MnistCNN(rngs=nnx.Rngs(params=0, dropout=1))
