@@ -80,6 +80,7 @@ def test_an_adapter_of_a_multimodal_base_applies_to_it_in_peft_and_loads_back(tm
 
     multimodal_gemma3(tmp_path / "base")
     assert llama_hf.is_multimodal(tmp_path / "base")
+    assert llama_hf.causal_lm_class(tmp_path / "base") == ("Gemma3ForConditionalGeneration", True)
     ours = apply_lora(
         llama_hf.from_hf(tmp_path / "base"), ["q_proj", "v_proj", "down_proj"], rank=4, alpha=8, rngs=nnx.Rngs(0)
     )

@@ -166,3 +166,14 @@ def test_preference_settings_the_objective_does_not_read_are_named(caplog):
     ]
     with pytest.raises(ConfigError, match=r"^data.format=bogus: give one of auto, text, chat, prompt_completion, pref"):
         xlafit.load_config("llm", [*orpo[:3], "data.format=bogus"])  # was "is another kind of data"
+
+
+def test_an_evaluation_counts_the_routed_tokens_of_its_examples_alone(strategy8):
+    """An evaluation pads its last batch with copies of example 0, each weighing 0: the
+    router's statistics, one value for the whole batch, counted their tokens too (a walk's 3
+    rows at an eval batch of 8 reported the tokens of 8). Those rows are padding throughout."""
+    data = packed_rows(3, T, 64)
+    result = _trainer(None, strategy8).evaluate(data)
+    routed = sum(result[f"expert_tokens/{e}"] for e in range(8))
+    real = int((data["segment_ids"] > 0).sum())
+    assert result["count"] == 3 and routed == pytest.approx(2 * real)  # k=2 experts a real token, per layer

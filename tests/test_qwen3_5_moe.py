@@ -98,6 +98,33 @@ def test_the_multimodal_checkpoint_gives_its_text_model(tmp_path):
     np.testing.assert_allclose(np.asarray(run(mine, jnp.array(IDS))), _theirs(theirs, IDS), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_the_adapter_of_a_multimodal_qwen_base_names_the_text_model_that_causal_lm_loads(tmp_path):
+    """AutoModelForCausalLM loads a Qwen3.5 multimodal checkpoint as its text model alone
+    (Qwen3_5MoeForCausalLM, model.layers...), unlike Gemma 3's and 4's: an adapter named under
+    model.language_model. (the multimodal model's names) matched no module there, and PEFT gave
+    the base's logits with a warning. The export names the text model's modules for it."""
+    from xlafit.models.lora import apply_lora, merge_lora
+
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
+                  temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16)  # fmt: skip
+    config = transformers.Qwen3_5MoeConfig(text_config=TEXT, vision_config=vision)
+    torch.manual_seed(1)
+    _randomize(transformers.Qwen3_5MoeForConditionalGeneration(config)).save_pretrained(tmp_path / "base")
+    assert llama_hf.is_multimodal(tmp_path / "base")
+    assert llama_hf.causal_lm_class(tmp_path / "base") == ("Qwen3_5MoeForCausalLM", False)
+    ours = apply_lora(llama_hf.from_hf(tmp_path / "base", linear_chunk_size=16), ["q_proj", "v_proj"], rank=4,
+                      alpha=8, rngs=nnx.Rngs(0))  # fmt: skip
+    tuned, _ = peft_tuned(ours, tmp_path / "base", tmp_path / "adapter")
+    assert type(tuned.get_base_model()).__name__ == "Qwen3_5MoeForCausalLM"
+    want = np.asarray(run(merge_lora(ours), jnp.array(IDS)))
+    assert (
+        np.abs(want - np.asarray(run(llama_hf.from_hf(tmp_path / "base", linear_chunk_size=16), jnp.array(IDS)))).max()
+        > 1e-3
+    )
+    np.testing.assert_allclose(_theirs(tuned, IDS), want, atol=1e-4, rtol=1e-4)
+
+
 def test_fused_expert_tensors_load_too(checkpoint, tmp_path):
     """transformers' in-memory layout (gate_up_proj [E, 2f, h], down_proj [E, h, f]) in the file."""
     from safetensors.numpy import save_file

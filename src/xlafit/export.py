@@ -326,7 +326,16 @@ def export_llm(
             base_path = str(Path(base_path).expanduser().absolute())
         folder = model_dir(cfg)  # the base as the run read it (a hub id: its snapshot in the cache)
         multimodal = folder is not None and llama_hf.is_multimodal(folder)
-        save_peft_adapter(model, out / "adapter", base_model_name_or_path=base_path, multimodal=multimodal)
+        loads, whole = llama_hf.causal_lm_class(folder) if folder is not None and multimodal else ("", False)
+        save_peft_adapter(model, out / "adapter", base_model_name_or_path=base_path, multimodal=whole)
+        if multimodal:
+            print(
+                f"the base is a multimodal checkpoint: the merged model is its text model alone, without the vision "
+                f"tower; adapter/ names the modules of what AutoModelForCausalLM loads for the base ({loads}), and "
+                "applies to the whole model there"
+                + ("" if whole else " only as that text model (AutoModelForImageTextToText names them otherwise)"),
+                flush=True,
+            )
         misread = peft_misreads(model)
         if misread:
             print(

@@ -285,6 +285,26 @@ def is_multimodal(directory: str | Path) -> bool:
     return read_json(Path(directory) / "config.json").get("model_type") in MULTIMODAL
 
 
+# The multimodal checkpoints that transformers' AutoModelForCausalLM loads whole (their
+# ...ForConditionalGeneration, the text model's modules under model.language_model.); for the
+# others of MULTIMODAL (Qwen3.5's) it loads the text model alone (Qwen3_5ForCausalLM: model.layers).
+WHOLE_FOR_CAUSAL_LM = ("gemma3", "gemma4")
+
+
+def causal_lm_class(directory: str | Path) -> tuple[str, bool]:
+    """The class ``AutoModelForCausalLM`` loads for the checkpoint in ``directory``, and whether
+    it is the whole multimodal model (:data:`WHOLE_FOR_CAUSAL_LM`) rather than a text model.
+
+    Example:
+        >>> causal_lm_class("Qwen3.5-35B-A3B/")  # doctest: +SKIP
+        ('Qwen3_5MoeForCausalLM', False)
+    """
+    kind = read_json(Path(directory) / "config.json").get("model_type")
+    if kind in WHOLE_FOR_CAUSAL_LM:
+        return f"{kind.capitalize()}ForConditionalGeneration", True
+    return ARCHITECTURES.get(MULTIMODAL.get(kind, kind), "LlamaForCausalLM"), False
+
+
 def config_from_hf(hf: dict, **overrides: Any) -> LlamaConfig:
     """A :class:`LlamaConfig` from a Hugging Face ``config.json`` dict of a Llama, Qwen2,
     Qwen3, Qwen3-MoE, Mistral, Gemma 2, Gemma 3 or Gemma 4 (text), Qwen3.5 or Qwen3.5-MoE model.

@@ -51,6 +51,7 @@ from xlafit.train.losses import (
     blocks_for,
     blockwise_cross_entropy,
     blockwise_token_logps,
+    evaluated_rows,
     masked_accuracy,
     masked_mean,
     token_logps_of,
@@ -323,7 +324,12 @@ def loss_fn(model: LlamaForCausalLM, batch: dict[str, jax.Array]) -> tuple[jax.A
     and reports is the mean over the batch's tokens, as ``transformers`` and TRL compute it,
     whatever the packing put in each row. The logits in blocks where :func:`logits_blocks` says
     so, else whole. A mixture of experts adds its router's auxiliary losses
-    (:func:`with_router_losses`)."""
+    (:func:`with_router_losses`). In evaluation the rows that pad the last batch are padding
+    throughout (:func:`~xlafit.train.losses.evaluated_rows`), so that the router counts none of
+    their tokens."""
+    rows = evaluated_rows()
+    if rows is not None:
+        batch = {**batch, "segment_ids": jnp.where(rows[:, None] > 0, batch["segment_ids"], 0)}
     hidden, stats = model.decode_routed(batch["input_ids"], batch["segment_ids"], batch["positions"])
     loss, metrics = _next_token_loss(model, batch, hidden)
     return (loss, metrics) if stats is None else with_router_losses(model.cfg, loss, metrics, stats)

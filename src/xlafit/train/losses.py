@@ -8,9 +8,11 @@ has a data-dependent shape.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -58,6 +60,29 @@ def whole_token_logps(model: Any, rows: dict[str, jax.Array], temperature: float
     targets, _ = next_token_targets(rows["input_ids"], rows["segment_ids"])
     logits = model(rows["input_ids"], rows["segment_ids"], rows["positions"])
     return token_logps_of(logits[:, :-1], targets, temperature)
+
+
+# --------------------------------------------------------------------------- an evaluation's rows
+
+_EVALUATED_ROWS: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("xlafit_eval_rows", default=None)
+
+
+@contextlib.contextmanager
+def evaluating_rows(mask: jax.Array) -> Iterator[None]:
+    """While an eval step's loss is traced: ``mask`` ``[B]`` (1 for an example, 0 for a row
+    that pads the last partial batch, which the step weighs 0) is :func:`evaluated_rows`'s."""
+    token = _EVALUATED_ROWS.set(mask)
+    try:
+        yield
+    finally:
+        _EVALUATED_ROWS.reset(token)
+
+
+def evaluated_rows() -> jax.Array | None:
+    """The rows an evaluation counts (``[B]``, 0 for padding rows), while its loss is traced,
+    else None: for a loss whose batch-wide statistics (a router's tokens per expert) would
+    otherwise count the padding rows, which the per-row weights leave out of everything else."""
+    return _EVALUATED_ROWS.get()
 
 
 # --------------------------------------------------------------------------- the loss in blocks

@@ -26,6 +26,7 @@ from xlafit.errors import ConfigError
 from xlafit.parallel.mesh import Strategy, is_prng_key
 from xlafit.parallel.sharding import DEFAULT_RULES, activation_layout
 from xlafit.train.compiled import CompiledStep
+from xlafit.train.losses import evaluating_rows
 from xlafit.train.state import HOST_MEMORY, TrainState, in_memory
 
 log = logging.getLogger("xlafit")
@@ -433,7 +434,8 @@ def build_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn) -> Callable:
 
     def eval_step(state: TrainState, batch: Mapping[str, jax.Array], mask: jax.Array) -> dict[str, jax.Array]:
         model = nnx.merge(graphdef, state.params, state.model_state, copy=True)
-        losses, metrics = split_outputs(loss_fn(model, batch), per_example=True)
+        with evaluating_rows(mask):  # a loss's batch-wide statistics may leave the padding rows out
+            losses, metrics = split_outputs(loss_fn(model, batch), per_example=True)
         weighted = WEIGHT in metrics
         weights = mask * metrics.pop(WEIGHT) if weighted else mask  # padding rows weigh 0 either way
         sums = {"loss": jnp.sum(losses * weights)}
