@@ -299,7 +299,7 @@ def causal_lm_class(directory: str | Path) -> tuple[str, bool]:
         >>> causal_lm_class("Qwen3.5-35B-A3B/")  # doctest: +SKIP
         ('Qwen3_5MoeForCausalLM', False)
     """
-    kind = read_json(Path(directory) / "config.json").get("model_type")
+    kind = str(read_json(Path(directory) / "config.json").get("model_type") or "")
     if kind in WHOLE_FOR_CAUSAL_LM:
         return f"{kind.capitalize()}ForConditionalGeneration", True
     return ARCHITECTURES.get(MULTIMODAL.get(kind, kind), "LlamaForCausalLM"), False
