@@ -221,3 +221,22 @@ def test_the_llm_recipe_trains_from_an_export(tmp_path, monkeypatch):
         (model.layers[0].router.per_expert_scale, layer["router"]["per_expert_scale"]),
     ]:
         assert not np.allclose(np.asarray(before[...]), np.asarray(after[...]))
+
+
+def test_a_4_bit_base_quantizes_the_fused_experts_each_as_read(checkpoint):
+    """Gemma 4's files hold a layer's experts in one tensor (``experts.gate_up_proj``): the
+    4-bit reader quantized it as one kernel, then failed to stack it as one per expert (a
+    reshape's TypeError, a QLoRA run of the 26B-A4B never started). Each expert is quantized as
+    its own kernel: the same base, by fingerprint, as quantizing the full-precision model."""
+    from xlafit.config import LoraConfig
+    from xlafit.hf.quantized import from_hf_quantized
+    from xlafit.models.lora import base_fingerprint
+    from xlafit.run import with_lora
+
+    _, folder = checkpoint
+    read = from_hf_quantized(folder, "nf4", 8)
+    lora = LoraConfig(rank=4, base_dtype="nf4", base_block=8, targets="q_proj,experts")
+    direct = with_lora(llama_hf.from_hf(folder), lora, seed=0)
+    tuned = with_lora(read, lora, seed=0)
+    assert base_fingerprint(tuned) == base_fingerprint(direct)
+    assert np.isfinite(np.asarray(_ours(tuned, jnp.asarray(IDS)), np.float32)).all()

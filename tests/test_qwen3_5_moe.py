@@ -9,6 +9,7 @@ PEFT adapter."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax.numpy as jnp
 import numpy as np
@@ -212,19 +213,26 @@ def test_the_llm_recipe_trains_it_from_the_local_checkpoint(checkpoint, strategy
 
 # peft 0.21 reads transformers 5's deprecated is_gradient_checkpointing (not our code)
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
-def test_lora_on_the_shared_expert_exports_a_peft_adapter_transformers_applies(checkpoint, tmp_path):
+def test_lora_on_the_shared_expert_and_the_router_exports_a_peft_adapter_transformers_applies(checkpoint, tmp_path):
     """gate_proj, up_proj and down_proj are the shared expert's (the routed experts' stacked
-    weights take no adapters), as PEFT finds them in transformers' model."""
+    weights take no adapters), as PEFT finds them in transformers' model. The router (`gate`)
+    is a module of its own there (Qwen3_5MoeTopKRouter), which PEFT refuses as a target module
+    ("not supported"): its adapter is a target parameter, and xlafit reads it back."""
     pytest.importorskip("peft")
+    from xlafit.hf.peft import load_peft_adapter
     from xlafit.models.lora import apply_lora, merge_lora
 
     plain, folder = checkpoint
-    targets = ["q_proj", "in_proj_qkv", "gate_proj", "up_proj", "down_proj"]
+    targets = ["q_proj", "in_proj_qkv", "gate_proj", "up_proj", "down_proj", "gate"]
     mine = apply_lora(llama_hf.from_hf(folder, linear_chunk_size=16), targets, rank=4, alpha=8, rngs=nnx.Rngs(1))
-    tuned, _ = peft_tuned(mine, folder, tmp_path / "adapter")
+    tuned, written = peft_tuned(mine, folder, tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert "gate" not in written and config["target_parameters"] == ["mlp.gate.weight"]
     want = _theirs(tuned, IDS)
     assert np.abs(want - _theirs(plain, IDS)).max() > 1e-2  # the adapters do change transformers' logits
     np.testing.assert_allclose(np.asarray(run(merge_lora(mine), jnp.array(IDS))), want, atol=1e-4, rtol=1e-4)
+    back = load_peft_adapter(llama_hf.from_hf(folder, linear_chunk_size=16), tmp_path / "adapter")
+    np.testing.assert_allclose(np.asarray(run(merge_lora(back), jnp.array(IDS))), want, atol=1e-4, rtol=1e-4)
 
 
 def test_the_preset_is_what_the_released_config_reads_as_with_transformers_parameters():

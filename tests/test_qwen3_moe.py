@@ -160,7 +160,9 @@ def test_lora_on_attention_exports_a_peft_adapter_transformers_applies(checkpoin
     from xlafit.models.lora import apply_lora, merge_lora
 
     _, folder = checkpoint
-    ours = apply_lora(llama_hf.from_hf(folder), ["q_proj", "v_proj", "o_proj"], rank=4, alpha=8, rngs=nnx.Rngs(1))
+    # and the router (`gate`), a module of its own in transformers: a target parameter for PEFT
+    targets = ["q_proj", "v_proj", "o_proj", "gate"]
+    ours = apply_lora(llama_hf.from_hf(folder), targets, rank=4, alpha=8, rngs=nnx.Rngs(1))
     for path, value in nnx.state(ours, nnx.LoRAParam).flat_state():  # non-zero B: the adapter changes the logits
         if path[-1] == "lora_b":
             value.set_value(jnp.full(value.shape, 0.05, value.dtype))

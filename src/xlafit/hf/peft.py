@@ -126,12 +126,17 @@ def save_peft_adapter(
     rank, alpha = _rank_and_alpha(model)
     tensors: dict[str, np.ndarray] = {}
     targets: set[str] = set()
+    routers: set[str] = set()  # a router transformers makes a module of its own: PEFT adapts its weight
+    router = ROUTER_MODULES.get(model.cfg.family)
     for name, layer, row in _hf_modules(model, multimodal):
         a, b = np.asarray(layer.lora_a[...], np.float32), np.asarray(layer.lora_b[...], np.float32)
         a, b = (a, b) if row is None else (a[row], b[row])
         tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(a.T)  # [r, in]
         tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b.T)  # [out, r]
-        targets.add(name.rsplit(".", 1)[-1])
+        if name.rsplit(".", 1)[-1] == router and ".layers." in name:
+            routers.add(name.split(".layers.", 1)[-1].split(".", 1)[-1] + ".weight")  # "mlp.gate.weight"
+        else:
+            targets.add(name.rsplit(".", 1)[-1])
     tails: set[str] = set()
     on_host: dict[int, list[np.ndarray]] = {}  # each module's adapters copied once, not once per stacked layer
     for name, experts, row in _hf_experts(model, multimodal):
@@ -141,7 +146,7 @@ def save_peft_adapter(
                 {f"{_expert_module(name, param)}.lora_{ab}.weight": t for ab, t in zip("AB", tensors_ab, strict=True)}
             )
         tails.add(name.split(".layers.", 1)[-1].split(".", 1)[-1])  # "mlp.experts" after "layers.<i>."
-    parameters = [f"{tail}.{param}" for tail in sorted(tails) for param in EXPERT_PARAMETERS]
+    parameters = [f"{tail}.{param}" for tail in sorted(tails) for param in EXPERT_PARAMETERS] + sorted(routers)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -170,6 +175,11 @@ def save_peft_adapter(
     return out
 
 
+# The routers that transformers makes a module of their own (Qwen3MoeTopKRouter,
+# Qwen3_5MoeTopKRouter: not an nn.Linear, which PEFT refuses as a target module): their adapter
+# goes in target_parameters (PEFT's ParamWrapper: lora_A [r, in], lora_B [out, r], as a Linear's).
+# Gemma 4's router projection (router.proj) is an nn.Linear.
+ROUTER_MODULES = {"qwen3_moe": "gate", "qwen3_5_moe_text": "gate"}
 # The module names PEFT takes for a model type's experts whatever layer holds them (its
 # conversion of transformers 4's MoE layouts, peft.utils.transformers_weight_conversion): a
 # dense layer's MLP adapted under those names does not load as it trained.
@@ -248,17 +258,34 @@ def _read_config(d: Path) -> dict:
         "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
         "modules_to_save": bool(config.get("modules_to_save")),
         "target_modules": not isinstance(config.get("target_modules"), list | str),
-        "target_parameters": sorted(p.rsplit(".", 1)[-1] for p in config.get("target_parameters") or [])
-        not in ([], sorted(EXPERT_PARAMETERS)),
+        "target_parameters": not _readable_parameters(config.get("target_parameters") or []),
     }
     bad = [f"{k}={config.get(k)!r}" for k, v in unsupported.items() if v]
     if bad:
         raise HFFormatError(
             f"{d / CONFIG}: {', '.join(bad)} is not supported; xlafit reads plain LoRA adapters "
             "(one r and lora_alpha, target_modules, no biases or extra modules; on a mixture of experts, "
-            "target_parameters naming both experts.gate_up_proj and experts.down_proj)."
+            "target_parameters naming both experts.gate_up_proj and experts.down_proj, and a router's weight)."
         )
     return config
+
+
+def _readable_parameters(parameters: list[str]) -> bool:
+    """Whether PEFT's ``target_parameters`` are what :func:`save_peft_adapter` writes: the
+    experts' two stacked weights (both or neither) and any router's ``gate.weight``."""
+    experts = sorted(p.rsplit(".", 1)[-1] for p in parameters if _module_of(p) == EXPERTS_TARGET)
+    others = [p for p in parameters if _module_of(p) != EXPERTS_TARGET]
+    routers = set(ROUTER_MODULES.values())
+    return experts in ([], sorted(EXPERT_PARAMETERS)) and all(
+        p.endswith(".weight") and _module_of(p) in routers for p in others
+    )
+
+
+def _module_of(parameter: str) -> str:
+    """The name of the module that holds one of PEFT's ``target_parameters``: ``gate`` of
+    ``mlp.gate.weight``, ``experts`` of ``experts.down_proj``."""
+    parts = parameter.rsplit(".", 2)
+    return parts[-2] if len(parts) > 1 else ""
 
 
 def load_peft_adapter(
@@ -300,7 +327,10 @@ def load_peft_adapter(
                 f"{ours[:12]}...); load the base it was made for, or pass check_base=False."
             )
     if not has_adapters(model):
-        targets = [*_targets(config, tensors), *([EXPERTS_TARGET] if config.get("target_parameters") else [])]
+        parameters = config.get("target_parameters") or []
+        experts = [EXPERTS_TARGET] if any(_module_of(p) == EXPERTS_TARGET for p in parameters) else []
+        routers = sorted({_module_of(p) for p in parameters} - {EXPERTS_TARGET})  # "mlp.gate.weight": gate
+        targets = [*_targets(config, tensors), *routers, *experts]
         apply_lora(model, targets, rank=config["r"], alpha=config["lora_alpha"], rngs=rngs or nnx.Rngs(0))
     rows: dict[int, tuple[LoRA, list[np.ndarray], list[np.ndarray]]] = {}
     modules = list(_hf_modules(model))

@@ -89,14 +89,18 @@ def from_hf_quantized(
         check_tables(model, qtype, block)
     # each table's parameter and whether it arrives as a kernel [H, V] (the output layer)
     table_params = {id(param): linear for param, linear in (table_param(m) for _, m in embedded)}
-    kernels = {id(layer.kernel) for _, layer in layers}
-    kernels |= {id(getattr(m, weight)) for _, m in experts for weight in EXPERT_WEIGHTS}
+    expert_kernels = {id(getattr(m, weight)) for _, m in experts for weight in EXPERT_WEIGHTS}
+    kernels = {id(layer.kernel) for _, layer in layers} | expert_kernels
     rows: dict[int, list[tuple[Any, Any]]] = {}  # a scanned model's layers: quantized rows, stacked at the end
     stacked: dict[int, tuple[nnx.Variable, list[np.ndarray]]] = {}
 
     def put(param: nnx.Variable, row: tuple[int, ...] | None, value: np.ndarray) -> None:
         if id(param) in table_params:  # [V, H] (the output layer's kernel transposed back: a view)
             rows[id(param)] = [quantize_table(value.T if table_params[id(param)] else value, qtype, block)]
+            return
+        if id(param) in expert_kernels and np.ndim(value) > 2:  # a layer's experts in one tensor (Gemma 4's)
+            for e in range(value.shape[0]):  # each expert's kernel [in, out], as _experts_of stacks them
+                rows.setdefault(id(param), []).append(quantize_kernel(value[e], qtype, block))
             return
         if id(param) in kernels:
             quantized = quantize_kernel(value, qtype, block)
