@@ -328,9 +328,9 @@ def load_peft_adapter(
             )
     if not has_adapters(model):
         parameters = config.get("target_parameters") or []
-        experts = [EXPERTS_TARGET] if any(_module_of(p) == EXPERTS_TARGET for p in parameters) else []
+        stacked = [EXPERTS_TARGET] if any(_module_of(p) == EXPERTS_TARGET for p in parameters) else []
         routers = sorted({_module_of(p) for p in parameters} - {EXPERTS_TARGET})  # "mlp.gate.weight": gate
-        targets = [*_targets(config, tensors), *routers, *experts]
+        targets = [*_targets(config, tensors), *routers, *stacked]
         apply_lora(model, targets, rank=config["r"], alpha=config["lora_alpha"], rngs=rngs or nnx.Rngs(0))
     rows: dict[int, tuple[LoRA, list[np.ndarray], list[np.ndarray]]] = {}
     modules = list(_hf_modules(model))
