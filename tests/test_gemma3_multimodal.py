@@ -65,6 +65,10 @@ def test_a_released_text_config_reads_as_transformers_completes_it():
     assert (mine.vocab_size, mine.rope_theta, mine.rope_local_theta, mine.kinds[5]) == (
         262208, 1_000_000.0, 10_000.0, "full_attention"
     )  # fmt: skip
+    # model.preset=gemma-3-4b: its text model's shape, for check --tpu and plan before any download
+    from xlafit.models.llama import LlamaConfig
+
+    assert LlamaConfig.preset("gemma-3-4b") == mine
 
 
 # peft reads transformers 5's deprecated is_gradient_checkpointing (not our code)

@@ -43,7 +43,7 @@ _GEMMA4: dict[str, Any] = {
 
 
 # Released sizes (the config.json of meta-llama/Llama-3.2-1B, Llama-3.1-8B and Llama-3.1-70B,
-# google/gemma-3-1b-it, gemma-3-12b-pt and gemma-3-27b-pt's text model, the text_config of
+# google/gemma-3-1b-it, gemma-3-4b-it, gemma-3-12b-pt and gemma-3-27b-pt's text model, the text_config of
 # google/gemma-4-E2B, E4B, 26B-A4B and 31B, Qwen/Qwen3-1.7B, Qwen3-14B, Qwen3-32B and
 # Qwen3-30B-A3B), and tiny ones for tests (dense, and a mixture of experts).
 # vocab_size of "tiny" and "tiny-moe" is a placeholder: set it to the tokenizer's.
@@ -213,6 +213,31 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 131072,
         "tie_embeddings": False,
     },
+    "gemma-3-4b": {
+        "family": "gemma3_text",
+        "num_layers": 34,
+        "hidden_size": 2560,
+        "num_heads": 8,
+        "num_kv_heads": 4,
+        "head_dim": 256,
+        "intermediate_size": 10240,
+        "vocab_size": 262208,
+        "hidden_activation": "gelu_tanh",
+        "qk_norm": True,
+        "sandwich_norms": True,
+        "embedding_scale": True,
+        "norm_offset": True,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 1024,
+        "layer_types": tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(34)),
+        "rope_theta": 1000000.0,
+        "rope_type": "linear",
+        "rope_factor": 8.0,
+        "rope_local_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 131072,
+        "tie_embeddings": True,
+    },  # google/gemma-3-4b-it's text_config (the multimodal checkpoint's text model)
     "gemma-3-12b": {
         "family": "gemma3_text",
         "num_layers": 48,

@@ -42,7 +42,7 @@ class LlmModelConfig:
     # 8 experts; the others the released models' shapes, models/llama_config.py: PRESETS), or
     # custom: the sizes below
     preset: Literal[
-        "tiny", "tiny-moe", "llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b", "gemma-3-1b", "gemma-3-12b",
+        "tiny", "tiny-moe", "llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b", "gemma-3-1b", "gemma-3-4b", "gemma-3-12b",
         "gemma-3-27b", "gemma-4-e2b", "gemma-4-e4b", "gemma-4-26b-a4b", "gemma-4-31b", "qwen3-1.7b", "qwen3-14b",
         "qwen3-32b", "qwen3-30b-a3b", "qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b", "custom",
     ] = "tiny"  # fmt: skip
