@@ -336,6 +336,10 @@ def test_a_recipes_check_command_carries_every_override_and_names_the_checkpoint
     assumed = assumed_settings(load_config("llm", grpo), SimpleNamespace(per_device_batch=None, global_batch=32), grpo)
     assert {"model.objective=grpo", "lora.quantize_embeddings=true"} <= set(assumed)
     assert not any(a.startswith("data.seq_len=") for a in assumed)
+    # A walk's Gemma 3 4B, the 12B preset with the 4B's sizes: "for:" named the 12B alone.
+    sized = ["model.preset=gemma-3-12b", "model.num_layers=34", "model.hidden_size=2560", "lora.rank=16"]
+    assumed = assumed_settings(load_config("llm", sized), SimpleNamespace(per_device_batch=1), sized)
+    assert {"model.preset=gemma-3-12b", "model.num_layers=34", "model.hidden_size=2560"} <= set(assumed)
 
 
 def test_a_recipes_plain_check_reports_the_runs_own_batch():

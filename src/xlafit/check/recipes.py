@@ -254,7 +254,20 @@ def assumed_settings(cfg: Any, program: Program, overrides: Sequence[str]) -> li
         if key == "model.preset" and getattr(cfg.model, "init_from_hf", None):
             key, value = "model.init_from_hf", cfg.model.init_from_hf  # the checkpoint's sizes, not the preset's
         out.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
+    # The model's own sizes given over its preset (a released shape the presets lack): the answer is
+    # for them, not for the preset's.
+    named = {a.split("=", 1)[0] for a in out}
+    out += [
+        o.strip() for o in overrides if o.split("=", 1)[0].strip() in MODEL_SIZES and o.split("=", 1)[0] not in named
+    ]
     return out
+
+
+# The model's sizes an override may give over its preset (:func:`assumed_settings` names them).
+MODEL_SIZES = (
+    "model.num_layers", "model.hidden_size", "model.num_heads", "model.num_kv_heads", "model.head_dim",
+    "model.intermediate_size", "model.vocab_size", "model.max_position_embeddings",
+)  # fmt: skip
 
 
 def check_command(
