@@ -349,6 +349,14 @@ def test_a_full_fine_tune_that_no_lever_fits_is_offered_lora_and_not_a_smaller_b
     offered = dict(memory_levers(load_config("llm", []).model, full=True))
     assert offered["state"].startswith("LoRA on a frozen base: lora.rank=16")
     assert not any(k == "state" for k, _ in memory_levers(load_config("llm", []).model))  # LoRA runs: not offered
+    # The twentieth walk: a LoRA run on a bfloat16 base over the core was offered chunked logits
+    # first and no 4-bit base, the one lever its own compiled list then showed fitting.
+    lora = load_config("llm", ["lora.rank=16", "lora.base_dtype=bfloat16"])
+    assert ("state", "a 4-bit frozen base: lora.base_dtype=nf4 (the adapters train as they are)") in memory_levers(
+        lora.model, lora=lora.lora
+    )
+    quantized = load_config("llm", ["lora.rank=16", "lora.base_dtype=nf4"])
+    assert not any(k == "state" for k, _ in memory_levers(quantized.model, lora=quantized.lora))
     said = {1: "none of these fits: a larger slice, a smaller model, or another lever listed above",
             4: "none of these fits: a smaller batch, a larger slice, a smaller model, or another lever"}  # fmt: skip
     for batch in said:

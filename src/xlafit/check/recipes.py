@@ -106,7 +106,9 @@ def recipe_program(
         family=name,
         mesh=cfg.mesh.sizes,
         rules=parse_rules(cfg.mesh.rules),
-        model_levers=memory_levers(cfg.model, residual_split(cfg), full=_llm_full_fine_tune(cfg)),
+        model_levers=memory_levers(
+            cfg.model, residual_split(cfg), full=_llm_full_fine_tune(cfg), lora=getattr(cfg, "lora", None)
+        ),
         trainable=ADAPTER if cfg.lora.rank else nnx.Param,
         fit_levers=fit_levers_of(cfg),
         with_overrides=again,
@@ -284,12 +286,17 @@ def _llm_full_fine_tune(cfg: Any) -> bool:
     return isinstance(cfg.model, LlmModelConfig) and not cfg.lora.rank
 
 
-def memory_levers(model: Any, split: str | None = None, full: bool = False) -> tuple[tuple[str, str], ...]:
+def memory_levers(
+    model: Any, split: str | None = None, full: bool = False, lora: Any = None
+) -> tuple[tuple[str, str], ...]:
     """The memory levers a recipe's model settings offer, for a run that does not fit;
     ``split``: the setting that splits its residual stream over a tensor group
     (:func:`residual_split`), where it has one; ``full``: an llm full fine-tune, which LoRA
-    on a frozen base would make smaller."""
+    on a frozen base would make smaller; ``lora``: a LoRA run's settings, whose unquantized
+    base a 4-bit one would make smaller."""
     found = []
+    if lora is not None and getattr(lora, "rank", 0) and getattr(lora, "base_dtype", None) in ("float32", "bfloat16"):
+        found.append(("state", "a 4-bit frozen base: lora.base_dtype=nf4 (the adapters train as they are)"))
     if full:
         found.append(
             (
