@@ -295,7 +295,8 @@ def memory_levers(
     on a frozen base would make smaller; ``lora``: a LoRA run's settings, whose unquantized
     base a 4-bit one would make smaller."""
     found = []
-    if lora is not None and getattr(lora, "rank", 0) and getattr(lora, "base_dtype", None) in ("float32", "bfloat16"):
+    rank, base = (lora.rank, lora.base_dtype) if lora is not None else (0, None)
+    if rank and base in ("float32", "bfloat16"):
         found.append(("state", "a 4-bit frozen base: lora.base_dtype=nf4 (the adapters train as they are)"))
     if full:
         found.append(
