@@ -37,7 +37,7 @@ from etils import epath
 from flax import nnx
 
 from xlafit.checkpoint import check_directory
-from xlafit.config import MeshConfig, RunConfig, TrainerConfig
+from xlafit.config import MeshConfig, OptimizerConfig, RunConfig, TrainerConfig
 from xlafit.data.dataset import Dataset, as_dataset
 from xlafit.data.loader import TrainOrder
 from xlafit.errors import ConfigError, DataError, Preempted
@@ -66,7 +66,7 @@ class FileRun:
     """What a user's file and the overrides make of a run, checked before anything is written."""
 
     model: Adapted  # the file's model as the trainer takes it (a torch or Keras model: converted, its refusals kept)
-    optimizer: optax.GradientTransformation
+    optimizer: optax.GradientTransformation | OptimizerConfig
     train: Dataset
     eval: Dataset | None
     config: TrainerConfig

@@ -259,9 +259,8 @@ def assumed_settings(cfg: Any, program: Program, overrides: Sequence[str]) -> li
     # The model's own sizes given over its preset (a released shape the presets lack): the answer is
     # for them, not for the preset's.
     named = {a.split("=", 1)[0] for a in out}
-    out += [
-        o.strip() for o in overrides if o.split("=", 1)[0].strip() in MODEL_SIZES and o.split("=", 1)[0] not in named
-    ]
+    sizes = [(o.split("=", 1)[0].strip(), o.strip()) for o in overrides]
+    out += [override for key, override in sizes if key in MODEL_SIZES and key not in named]
     return out
 
 
