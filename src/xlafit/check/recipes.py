@@ -61,8 +61,22 @@ def recipe_program(
     (GRPO) compiles its train step on the rows the rollout makes, and the rollout's own
     programs beside it (:attr:`Program.rollout`). ``data``: the recipe's ``(train, eval)``
     data as read already (:attr:`Program.with_overrides` reads it once, for settings that leave
-    the data alone).
+    the data alone). All of it reads for shapes (:func:`~xlafit.recipes.base.shapes_only`): a
+    checkpoint's ``config.json``, not its weights, and no value-only work (a DPO run's
+    reference pass).
     """
+    with shapes_only():
+        return _recipe_program(name, overrides, preset, per_device_batch, global_batch, data)
+
+
+def _recipe_program(
+    name: str,
+    overrides: Sequence[str],
+    preset: str | Path | None,
+    per_device_batch: int | None,
+    global_batch: int | None,
+    data: tuple[Any, Any] | None,
+) -> tuple[Program, Any, int | None]:
     cfg = load_config(name, list(overrides), preset=preset)
     recipe = get_recipe(name)
     recipe.validate(cfg)
@@ -70,8 +84,7 @@ def recipe_program(
     if placeholder is not None:
         train_data, eval_data = placeholder, None
     else:
-        with shapes_only():  # the compiler reads shapes: no value-only work (a DPO run's reference pass)
-            train_data, eval_data = data if data is not None else recipe.load_data(cfg)
+        train_data, eval_data = data if data is not None else recipe.load_data(cfg)
     train = as_dataset(train_data)
     cfg = recipe.from_data(cfg, train)
     per_device = per_device_batch or (None if cfg.data.global_batch else cfg.data.per_device_batch)

@@ -26,10 +26,11 @@ from pathlib import Path
 
 from xlafit.errors import ConfigError
 
-__all__ = ["FILES", "absolute", "check_local", "dataset_path", "is_hub_id", "is_local", "resolve"]
+__all__ = ["FILES", "SHAPE_FILES", "absolute", "check_local", "dataset_path", "is_hub_id", "is_local", "resolve"]
 
-# What a run reads of a model repository.
+# What a run reads of a model repository; a check that compiles for shapes alone reads no weights.
 FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
+SHAPE_FILES = [f for f in FILES if f != "*.safetensors"]
 _ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _DATASET = re.compile(r"^hf://datasets/(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>[^/]+))?(?:/(?P<path>.*))?$")
 
@@ -97,7 +98,7 @@ def check_local(name: str, what: str = "model.init_from_hf") -> None:
         )
 
 
-def resolve(name: str, revision: str | None = None, what: str = "model.init_from_hf") -> str:
+def resolve(name: str, revision: str | None = None, what: str = "model.init_from_hf", weights: bool = True) -> str:
     """A local directory for ``name``: itself, or a hub id's snapshot in the Hugging Face
     cache (downloaded there first when it is not).
 
@@ -105,6 +106,9 @@ def resolve(name: str, revision: str | None = None, what: str = "model.init_from
         name: a local directory or file, a URL, or a hub id ``org/name``.
         revision: a branch, tag or commit of the hub repository (default: main).
         what: the setting that named it, for the errors.
+        weights: False to download the configuration and tokenizer files alone
+            (:data:`SHAPE_FILES`: ``xlafit check`` compiles a model from its ``config.json``); a
+            later call with True downloads the weights beside them.
 
     Raises:
         ConfigError: gated, not on the hub, offline and not cached, or unreachable; a local
@@ -113,7 +117,7 @@ def resolve(name: str, revision: str | None = None, what: str = "model.init_from
     if not is_hub_id(name):
         check_local(name, what)
         return str(Path(name).expanduser()) if is_local(name) else name
-    return _snapshot(name, revision, FILES, "model", what)
+    return _snapshot(name, revision, FILES if weights else SHAPE_FILES, "model", what)
 
 
 def dataset_path(url: str, what: str = "data.train_files") -> str:

@@ -40,7 +40,7 @@ from xlafit.parallel.sharding import active_layout, batch_axes, constrain
 from xlafit.platform.hardware import table_memory
 from xlafit.platform.host_memory import materialized_on_cpu, refuse_beyond, state_bytes
 from xlafit.recipes import llm_data, llm_grpo, llm_preference
-from xlafit.recipes.base import Recipe, Throughput
+from xlafit.recipes.base import Recipe, Throughput, reading_shapes_only
 from xlafit.recipes.llm_data import LlmDataConfig, data_config, model_dir, save_artifacts
 from xlafit.recipes.llm_settings import (
     LlmModelConfig,
@@ -182,7 +182,8 @@ def check_checkpoint(cfg: Config, folder: str | Path) -> None:
     is written: a model family xlafit does not read, missing or damaged weights (their
     safetensors headers are read), or ``data.seq_len`` beyond the positions the checkpoint was
     trained on, is refused. A local directory is checked with the config (:func:`validate`), a
-    hub id once it is read (:func:`from_data`)."""
+    hub id once it is read (:func:`from_data`). A check that compiles for shapes alone
+    (:func:`~xlafit.recipes.base.shapes_only`) needs ``config.json``, not the weights."""
     m = cfg.model
     folder = Path(folder)
     try:
@@ -191,7 +192,8 @@ def check_checkpoint(cfg: Config, folder: str | Path) -> None:
                 f"{folder} has no config.json; give a directory written by save_pretrained or xlafit export hf."
             )
         checkpoint = llama_hf.config_from_hf(read_json(folder / "config.json"))
-        llama_hf.tensor_files(folder)
+        if not reading_shapes_only():
+            llama_hf.tensor_files(folder)
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"model.init_from_hf={m.init_from_hf}: {e}") from None
     check_base_blocks(cfg, checkpoint)
@@ -251,7 +253,10 @@ def shapes(cfg: Config) -> clm.PackedText | None:
 
 def build_llama(cfg: Config, vocab_size: int) -> LlamaForCausalLM:
     """The model: read from ``model.init_from_hf``, or new with the preset's sizes; on a
-    CPU, one larger than the memory free is refused before it is read or made."""
+    CPU, one larger than the memory free is refused before it is read or made. While a check
+    compiles for shapes alone (:func:`~xlafit.recipes.base.shapes_only`, inside
+    ``nnx.eval_shape``), the checkpoint's model is made from its ``config.json``, its weights
+    not read: ``xlafit check`` answers before they are downloaded."""
     m = cfg.model
     source = model_dir(cfg)
     if materialized_on_cpu() and not (cfg.lora.rank and cfg.lora.quantized):
@@ -265,7 +270,9 @@ def build_llama(cfg: Config, vocab_size: int) -> LlamaForCausalLM:
             "logits_chunk": m.logits_chunk,
             **moe_options(m),
         }
-        if cfg.lora.rank and cfg.lora.quantized:  # quantized as it is read: one tensor in full precision at a time
+        if reading_shapes_only():  # a 4-bit base is quantized by with_lora, as a preset's is
+            model = LlamaForCausalLM(llama_hf.read_config(source, **options)[1], rngs=nnx.Rngs(cfg.trainer.seed))
+        elif cfg.lora.rank and cfg.lora.quantized:  # quantized as it is read: one tensor in full precision at a time
             lora = cfg.lora
             model = from_hf_quantized(
                 source, lora.base_dtype, lora.base_block, embeddings=lora.quantize_embeddings, **options

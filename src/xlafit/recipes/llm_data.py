@@ -27,6 +27,7 @@ from xlafit.errors import ConfigError
 from xlafit.io import hub
 from xlafit.io.cache import cache_dir
 from xlafit.models.attention import packed_segments_limit
+from xlafit.recipes.base import reading_shapes_only
 from xlafit.train import preference
 
 DEMO_VOCAB_SIZE = 2000  # the demo's BPE tokenizer
@@ -76,9 +77,13 @@ def data_config(cfg: Config) -> LlmDataConfig:
 
 def model_dir(cfg: Config) -> str | None:
     """``model.init_from_hf`` as a local directory: a hub id downloaded into the Hugging Face
-    cache first (:func:`xlafit.io.hub.resolve`); None when the model starts from scratch."""
+    cache first (:func:`xlafit.io.hub.resolve`; its configuration and tokenizer alone while a
+    check reads shapes, :func:`~xlafit.recipes.base.shapes_only`); None when the model starts
+    from scratch."""
     name = cfg.model.init_from_hf
-    return _resolved(name, cfg.model.revision, "model.init_from_hf") if name else None
+    if not name:
+        return None
+    return _resolved(name, cfg.model.revision, "model.init_from_hf", not reading_shapes_only())
 
 
 def recorded_model_dir(cfg: Config, run: Any) -> str | None:
@@ -114,9 +119,9 @@ def base_generation(cfg: Config, tokenizer_json: str) -> dict[str, Any]:
     return settings
 
 
-@functools.cache
-def _resolved(name: str, revision: str | None, what: str) -> str:
-    return hub.resolve(name, revision, what)
+@functools.cache  # one look at the hub a process
+def _resolved(name: str, revision: str | None, what: str, weights: bool = True) -> str:
+    return hub.resolve(name, revision, what, weights)
 
 
 def tokenizer_location(cfg: Config) -> str:
