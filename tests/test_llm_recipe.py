@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 import xlafit
-from helpers import long_form
+from helpers import family_tokenizer, long_form
 from xlafit.check import check_recipe
 from xlafit.check.recipes import memory_levers
 from xlafit.checkpoint import Checkpointer, fingerprint
@@ -33,6 +33,7 @@ from xlafit.models.lora import ADAPTER, apply_lora, base_fingerprint, merge_lora
 from xlafit.parallel.sharding import DEFAULT_RULES, activation_layout
 from xlafit.recipes import llm as recipe
 from xlafit.recipes import llm_data, load_config
+from xlafit.recipes.base import shapes_only
 from xlafit.runlock import LOCK
 
 XLAFIT = [sys.executable, "-m", "xlafit"]
@@ -376,8 +377,9 @@ def test_a_size_given_with_init_from_hf_that_differs_from_its_config_is_refused(
         f"model.num_layers=6 conflicts with {source}, whose config.json has 2; its sizes are the checkpoint's: "
         "drop model.num_layers, or drop model.init_from_hf to train a new model of that size."
     )
-    recipe.validate(load_config("llm", [source, "model.num_layers=2"]))
-    recipe.validate(load_config("llm", [source]))
+    demo = "data.vocab_size=64"  # a model made for the demo's tokenizer of that size
+    recipe.validate(load_config("llm", [source, "model.num_layers=2", demo]))
+    recipe.validate(load_config("llm", [source, demo]))
 
 
 def test_a_local_checkpoint_that_cannot_serve_the_run_is_refused_before_the_run_directory(tmp_path):
@@ -395,7 +397,32 @@ def test_a_local_checkpoint_that_cannot_serve_the_run_is_refused_before_the_run_
         ConfigError, match=r"data.seq_len=128 is longer than model.init_from_hf=.*'s max_position_embeddings=64"
     ):
         recipe.validate(load_config("llm", [f"model.init_from_hf={tmp_path / 'llama'}", "data.seq_len=128"]))
-    recipe.validate(load_config("llm", [f"model.init_from_hf={tmp_path / 'llama'}", "data.seq_len=64"]))
+    recipe.validate(
+        load_config("llm", [f"model.init_from_hf={tmp_path / 'llama'}", "data.seq_len=64", "data.vocab_size=64"])
+    )
+
+
+def test_a_checkpoint_without_its_tokenizer_is_not_trained_on_the_demos(tmp_path):
+    """A model saved without its tokenizer (save_pretrained of the model alone) trained on the
+    demo corpus tokenized by xlafit's demo tokenizer, token ids the model never learned, without a
+    word: refused before the run directory, unless the run names a tokenizer or the demo's size."""
+    llama_hf.save_hf(_tiny(lora=False), tmp_path / "hf")
+    source = f"model.init_from_hf={tmp_path / 'hf'}"
+    for demo in ("korean", "chat"):
+        with pytest.raises(ConfigError) as e:
+            recipe.validate(load_config("llm", [source, f"data.demo={demo}"]))
+        assert str(e.value).startswith(f"{source} has no tokenizer.json, so the run would tokenize its data with ")
+        assert "data.tokenizer=org/name" in str(e.value)
+    with shapes_only():  # a check compiles for shapes: any tokenizer of the size serves
+        recipe.validate(load_config("llm", [source]))
+    (tmp_path / "hf" / "tokenizer.model").write_bytes(b"sentencepiece")
+    with pytest.raises(ConfigError, match=r"only a sentencepiece tokenizer.model, which xlafit does not read"):
+        recipe.validate(load_config("llm", [source]))
+    tokenizer = family_tokenizer("llama3", tmp_path / "tokenizer")
+    recipe.validate(load_config("llm", [source, f"data.tokenizer={tokenizer}"]))
+    recipe.validate(load_config("llm", [source, "data.vocab_size=64"]))
+    (tmp_path / "hf" / "tokenizer.json").write_bytes((tokenizer / "tokenizer.json").read_bytes())
+    recipe.validate(load_config("llm", [source]))
 
 
 def _lm_loss(model, batch):

@@ -205,6 +205,27 @@ def check_checkpoint(cfg: Config, folder: str | Path) -> None:
             f"{checkpoint.max_position_embeddings} (its config.json): the model never saw positions that far; lower "
             "data.seq_len."
         )
+    if not reading_shapes_only():  # a check compiles for shapes: any tokenizer of the size serves
+        _refuse_the_demo_tokenizer(cfg, folder)
+
+
+def _refuse_the_demo_tokenizer(cfg: Config, folder: Path) -> None:
+    """Refuses a checkpoint without ``tokenizer.json`` whose run would tokenize its data with
+    xlafit's demo tokenizer (its token ids are not the ones the model learned), unless the run
+    names a tokenizer (``data.tokenizer``) or the demo's own size (``data.vocab_size``: a model
+    made for the demo's tokenizer)."""
+    d = data_config(cfg)
+    if d.tokenizer or d.vocab_size or d.data_dir or (folder / "tokenizer.json").exists():
+        return  # a data directory without a tokenizer is refused where the tokenizer is looked for
+    name = cfg.model.init_from_hf
+    sentencepiece = (folder / "tokenizer.model").exists()
+    raise ConfigError(
+        f"model.init_from_hf={name} has no tokenizer.json"
+        + (" (only a sentencepiece tokenizer.model, which xlafit does not read)" if sentencepiece else "")
+        + ", so the run would tokenize its data with xlafit's demo tokenizer, whose token ids mean nothing to this "
+        f"model: write its tokenizer beside it (transformers: AutoTokenizer.from_pretrained(...).save_pretrained"
+        f"('{folder}')), or name it with data.tokenizer=org/name or a directory holding a tokenizer.json."
+    )
 
 
 def check_base_blocks(cfg: Config, llama: LlamaConfig) -> None:
