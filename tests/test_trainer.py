@@ -107,10 +107,12 @@ def test_invariant_chunks_make_8_devices_and_1_bit_identical(strategy8, strategy
     _assert_trees_close(_params(results[0]), _params(results[1]), 0, 0)
     assert [r["loss"] for r in results[0].history] == [r["loss"] for r in results[1].history]
     # The evaluation of the same model: XLA's reduction order differs over 8 devices and 1, so
-    # the count of correct digits is equal and the mean loss equal to float rounding.
+    # the count of correct digits is equal and the mean loss equal to float rounding: a float32
+    # sum of 200 positive losses in another order is at most 199 x eps apart (Higham's bound; on
+    # one x86 CPU the two differed by 1.3e-6, over the 1e-6 this test asked before).
     assert evals[0]["count"] == evals[1]["count"] == 200
     assert evals[0]["accuracy"] == evals[1]["accuracy"]
-    assert evals[0]["loss"] == pytest.approx(evals[1]["loss"], rel=1e-6)
+    assert evals[0]["loss"] == pytest.approx(evals[1]["loss"], rel=199 * float(np.finfo(np.float32).eps))
 
 
 def test_invariant_chunks_must_fit_the_devices(strategy8):

@@ -148,9 +148,11 @@ class Preempted(XlafitError):
 
     exit_code = PREEMPTED
 
-    def __init__(self, step: int, signum: int, where: str, *, sync_point: bool = False) -> None:
+    def __init__(
+        self, step: int, signum: int, where: str, *, sync_point: bool = False, hint: str | None = None
+    ) -> None:
         self.step, self.signum = step, signum
         how = " (at JAX's preemption sync point: the same step in every process)" if sync_point else ""
         super().__init__(
-            f"{signal.Signals(signum).name} received: stopped at step {step}; {where}{how}. {resume_hint()}"
+            f"{signal.Signals(signum).name} received: stopped at step {step}; {where}{how}. {hint or resume_hint()}"
         )

@@ -65,14 +65,7 @@ from xlafit.rundir import (
 )
 from xlafit.runlock import hold_run_dir
 from xlafit.train.loop import FitResult
-from xlafit.train.optim import (
-    OptimizerPlan,
-    highest_rate,
-    make_optimizer,
-    scaling_words,
-    schedule_at,
-    warmup_steps,
-)
+from xlafit.train.optim import OptimizerPlan, make_optimizer, schedule_words, warmup_steps
 from xlafit.train.report import EXPERT_TOKENS
 from xlafit.train.signals import handle_signals
 from xlafit.train.trainer import Trainer
@@ -331,34 +324,11 @@ def _saved_steps(checkpoints: epath.Path) -> list[int]:
 
 def describe_schedule(cfg: Config, plan: OptimizerPlan, run_steps: int | None = None) -> str:
     """The learning-rate line of the start-up: scaled peak, warmup and decay, as the run of
-    ``run_steps`` steps (default: the schedule's) will do them."""
-    o = cfg.optimizer
+    ``run_steps`` steps (default: the schedule's) will do them (:func:`schedule_words`), with
+    a warning where the preset's warmup takes most of a short run."""
     run_steps = run_steps or plan.decay_steps
-    line = scaling_words(o, cfg.data.global_batch, plan.peak_lr) + ", "
-    after = run_steps - plan.decay_steps
-    last = float(schedule_at(plan.schedule, plan.decay_steps))
-    beyond = f", then {last:.4g} for the run's last {after} steps" if after > 0 else ""
-    if after > 0 and last == 0:
-        beyond += " (warning: at a rate of 0 they do not change the model; optimizer.final_lr_fraction sets the end)"
-    if o.warmup_steps >= plan.decay_steps:  # the warm-up is cut to the schedule's length
-        if after > 0:
-            return line + f"warmup over the schedule's {plan.decay_steps} steps (of {o.warmup_steps} asked){beyond}"
-        reached = highest_rate(plan.schedule, plan.decay_steps)
-        if reached == 0:  # a warmup's first step has rate 0 (transformers' too): nothing would change
-            return line + (
-                f"{o.warmup_steps} warmup steps, more than the schedule's {plan.decay_steps}: (warning: every step of "
-                "this run has learning rate 0, the warmup's start, so it does not change the model; lower "
-                "optimizer.warmup_steps, or train more steps)"
-            )
-        return line + (
-            f"{o.warmup_steps} warmup steps, more than the schedule's {plan.decay_steps}: the rate rises to "
-            f"{reached:.4g} and the run ends before the peak and before any decay"
-        )
-    decay = plan.decay_steps - o.warmup_steps
-    return line + (
-        f"{o.warmup_steps} warmup steps, {o.decay} decay over {decay} steps "
-        f"(optimizer.decay_steps={plan.decay_steps}: warmup and decay){beyond}{_long_warmup(cfg, run_steps)}"
-    )
+    line = schedule_words(cfg.optimizer, cfg.data.global_batch, plan, run_steps)
+    return line + (_long_warmup(cfg, run_steps) if cfg.optimizer.warmup_steps < plan.decay_steps else "")
 
 
 def _long_warmup(cfg: Config, run_steps: int) -> str:

@@ -12,10 +12,14 @@ package to that module, which is imported only when one of its models arrives, s
 framework nor its adapter loads for anyone else. Adding a framework is a module there and a
 row here.
 
+An ``nnx.Module`` is trained as it is, and its trained values are written back into it too
+(:func:`write_into`): the trainer's state is a copy placed on the mesh, and the caller's
+module is what a notebook's next cell uses.
+
 Example:
     >>> from flax import nnx
     >>> adapted = adapt(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), loss_fn=None)
-    >>> type(adapted.module).__name__, adapted.write_back is None
+    >>> type(adapted.module).__name__, adapted.write_back is not None
     ('Linear', True)
 """
 
@@ -26,6 +30,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+import jax
 from flax import nnx
 
 from xlafit.config import TrainerConfig
@@ -55,6 +60,26 @@ class Adapted:
     check: Callable[[Strategy, TrainerConfig], None] | None = None
 
 
+def write_into(module: nnx.Module, params: nnx.State, model_state: nnx.State) -> None:
+    """The trained ``params`` and the model state that training changes (batch statistics,
+    seed counters) into the caller's ``module``, one variable at a time, each a copy on the
+    devices: the next train step donates the state's own arrays, and one at a time the
+    module's earlier array is freed before the next copy is made. Frozen parameters
+    (``model_state``'s ``nnx.Param``), which training never changes, are left as they are."""
+    trained = dict(_by_path(params))
+    trained.update((path, leaf) for path, leaf in _by_path(model_state) if not isinstance(leaf, nnx.Param))
+    for path, variable in _by_path(nnx.state(module)):
+        value = trained.get(path)
+        if value is not None:
+            variable.set_value((value.get_value() if isinstance(value, nnx.Variable) else value).copy())
+
+
+def _by_path(state: nnx.State) -> list[tuple[str, Any]]:
+    """``state``'s variables (or arrays) by their path, e.g. ``['layers'][0]['kernel']``."""
+    leaves = jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return [(jax.tree_util.keystr(path), leaf) for path, leaf in leaves]
+
+
 def require_data_parallel(strategy: Strategy, models: str) -> None:
     """Refuses FSDP and tensor parallelism for ``models`` (e.g. "Keras models"), whose
     parameters name no logical axes to split them by."""
@@ -81,7 +106,7 @@ def adapt(model: Any, loss_fn: Any) -> Adapted:
         return model
     framework = framework_of(model)
     if framework is None:
-        return Adapted(model, loss_fn)
+        return Adapted(model, loss_fn, write_back=lambda params, state: write_into(model, params, state))
     # The framework's adapter, imported by name when one of its models arrives: the framework
     # itself (Keras, ...) is loaded by nobody else.
     adapter = importlib.import_module(ADAPTERS[framework])

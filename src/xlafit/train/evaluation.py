@@ -10,7 +10,7 @@ import jax
 from xlafit.checkpoint import Checkpointer
 from xlafit.data.dataset import Dataset
 from xlafit.data.loader import eval_batches, to_global
-from xlafit.errors import Preempted
+from xlafit.errors import DataError, Preempted
 from xlafit.parallel.mesh import Strategy
 from xlafit.train.compiled import CompiledStep
 from xlafit.train.signals import handle_signals
@@ -47,9 +47,23 @@ def compile_eval_step(
     eval_step: CompiledStep, state: TrainState, s: Strategy, eval: Dataset, global_batch: int
 ) -> None:
     """Compiles the eval step on the first evaluation batch now, so that a ``loss_fn`` that
-    cannot evaluate fails before training, not after the first epoch."""
+    cannot evaluate fails before training, not after the first epoch.
+
+    Raises:
+        DataError: the loss read a key the evaluation data lacks (it was a ``KeyError`` from
+            inside the loss).
+    """
     batch, mask = next(eval_batches(eval, global_batch, s.process_index, s.process_count))
-    eval_step.precompile(state, to_global(s, batch), to_global(s, mask))
+    try:
+        eval_step.precompile(state, to_global(s, batch), to_global(s, mask))
+    except KeyError as e:
+        key = e.args[0] if e.args else None
+        if not isinstance(key, str) or key in batch:
+            raise
+        raise DataError(
+            f"the loss reads batch[{key!r}], which the evaluation data lacks (its keys: {', '.join(sorted(batch))}): "
+            "give the evaluation set every key the loss reads, as the training set has them."
+        ) from None
 
 
 def final_evaluation(

@@ -30,11 +30,17 @@ from xlafit.train.state import TrainState
 BASE_FINGERPRINT = "base_fingerprint"
 # The checkpoint metadata keys of the settings a resume must keep: Trainer argument -> config key.
 RUN_SETTINGS = {"global_batch": "data.global_batch", "data_seed": "data.seed"}
+# The steps of the learning-rate schedule an OptimizerConfig made for the run (its warmup and
+# decay): a resume with more epochs would make another, its rate jumping back up mid-run.
+SCHEDULE_STEPS = "schedule_steps"
 
 
-def run_settings(global_batch: int, data_seed: int) -> dict[str, str]:
-    """The :data:`RUN_SETTINGS` of a run, as checkpoint metadata (strings)."""
-    return {"global_batch": str(global_batch), "data_seed": str(data_seed)}
+def run_settings(global_batch: int, data_seed: int, schedule_steps: int | None = None) -> dict[str, str]:
+    """The :data:`RUN_SETTINGS` of a run, as checkpoint metadata (strings), and with
+    ``schedule_steps`` the length of the learning-rate schedule an OptimizerConfig made
+    (:data:`SCHEDULE_STEPS`)."""
+    settings = {"global_batch": str(global_batch), "data_seed": str(data_seed)}
+    return settings if schedule_steps is None else {**settings, SCHEDULE_STEPS: str(schedule_steps)}
 
 
 def frozen_filter(trainable: nnx.filterlib.Filter, model_state: nnx.State) -> nnx.filterlib.Filter | None:
@@ -91,6 +97,14 @@ def check_settings(ckpt: Checkpointer, step: int, settings: Mapping[str, str]) -
     """
     saved = ckpt.saved_metadata(step)
     for name, value in settings.items():
+        if name == SCHEDULE_STEPS and name in saved and saved[name] != value:
+            raise CheckpointError(
+                f"checkpoint {step} in {ckpt.directory} was trained on a learning-rate schedule of {saved[name]} steps "
+                f"(the OptimizerConfig's warmup and decay over the run) and this run's spans {value}: resuming would "
+                f"move the rate to another schedule mid-run. To train on with the schedule it had, give "
+                f"OptimizerConfig(..., decay_steps={saved[name]}) (the steps past it keep its last rate); or start "
+                "over with another run_dir (the command: another --run-dir or --restart)."
+            )
         if name in saved and saved[name] != value:  # absent: written before xlafit recorded it
             raise CheckpointError(
                 f"checkpoint {step} in {ckpt.directory} was trained with {name}={saved[name]} and this run has "

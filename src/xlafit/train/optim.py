@@ -196,3 +196,43 @@ def scaling_words(cfg: OptimizerConfig, global_batch: int | None, peak_lr: float
         f"learning rate: {cfg.learning_rate:g} at batch {cfg.reference_batch} -> peak {peak_lr:.4g} at global "
         f"batch {global_batch} ({cfg.scaling} scaling)"
     )
+
+
+def schedule_words(
+    o: OptimizerConfig, global_batch: int | None, plan: OptimizerPlan, run_steps: int | None = None
+) -> str:
+    """The learning-rate line of a run's start-up: the scaled peak (:func:`scaling_words`), the
+    warmup and the decay, as the run of ``run_steps`` steps (default: the schedule's) will do
+    them: a warmup longer than the schedule, steps beyond its end, a rate of 0 throughout.
+
+    Example:
+        >>> cfg = OptimizerConfig(learning_rate=1e-3, reference_batch=128, warmup_steps=10)
+        >>> schedule_words(cfg, 256, make_optimizer(cfg, 256, total_steps=100)).split(", ")[1:]
+        ['10 warmup steps', 'cosine decay over 90 steps (optimizer.decay_steps=100: warmup and decay)']
+    """
+    run_steps = run_steps or plan.decay_steps
+    line = scaling_words(o, global_batch, plan.peak_lr) + ", "
+    after = run_steps - plan.decay_steps
+    last = float(schedule_at(plan.schedule, plan.decay_steps))
+    beyond = f", then {last:.4g} for the run's last {after} steps" if after > 0 else ""
+    if after > 0 and last == 0:
+        beyond += " (warning: at a rate of 0 they do not change the model; optimizer.final_lr_fraction sets the end)"
+    if o.warmup_steps >= plan.decay_steps:  # the warm-up is cut to the schedule's length
+        if after > 0:
+            return line + f"warmup over the schedule's {plan.decay_steps} steps (of {o.warmup_steps} asked){beyond}"
+        reached = highest_rate(plan.schedule, plan.decay_steps)
+        if reached == 0:  # a warmup's first step has rate 0 (transformers' too): nothing would change
+            return line + (
+                f"{o.warmup_steps} warmup steps, more than the schedule's {plan.decay_steps}: (warning: every step of "
+                "this run has learning rate 0, the warmup's start, so it does not change the model; lower "
+                "optimizer.warmup_steps, or train more steps)"
+            )
+        return line + (
+            f"{o.warmup_steps} warmup steps, more than the schedule's {plan.decay_steps}: the rate rises to "
+            f"{reached:.4g} and the run ends before the peak and before any decay"
+        )
+    decay = plan.decay_steps - o.warmup_steps
+    return line + (
+        f"{o.warmup_steps} warmup steps, {o.decay} decay over {decay} steps "
+        f"(optimizer.decay_steps={plan.decay_steps}: warmup and decay){beyond}"
+    )

@@ -19,7 +19,7 @@ from xlafit.train.nonfinite import applied_means
 from xlafit.train.report import RunReport
 from xlafit.train.state import TrainState
 
-__all__ = ["announce", "progress_record"]
+__all__ = ["announce", "in_memory_start", "progress_record"]
 
 
 def announce(
@@ -112,3 +112,14 @@ def progress_record(
         }
     )
     return {k: v for k, v in record.items() if v is not None}
+
+
+def in_memory_start(start: int, total: int, steps_per_epoch: int, epochs: int) -> str:
+    """Where a fit of a trainer that an earlier fit (with no checkpoint) took to ``start`` begins."""
+    if start >= total:
+        return (
+            f"this trainer's run is finished: step {start} is its last ({epochs} epochs), so fit trains nothing more; "
+            "to train on, make a new Trainer of the model (it holds the trained values) for the epochs to add"
+        )
+    epoch = start // steps_per_epoch + 1
+    return f"going on from step {start} (epoch {epoch} of {epochs}), held in this trainer's memory"

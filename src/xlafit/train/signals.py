@@ -38,6 +38,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from xlafit.train.report import in_notebook
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # After this long without JAX's sync point, a process that got SIGTERM shares the request itself.
 NOTICE_GRACE_S = 10.0
@@ -47,7 +49,9 @@ _calls = itertools.count()  # this process's calls of the sync point: the same s
 class SignalGuard:
     """While open, the first SIGTERM/SIGINT sets :attr:`received` instead of killing the process.
 
-    A second signal exits at once (exit status 128 + signal). Guards nest: an inner guard
+    A second signal exits at once (exit status 128 + signal); in a Jupyter kernel a second
+    interrupt raises ``KeyboardInterrupt`` instead, which stops the cell and keeps the kernel.
+    Guards nest: an inner guard
     (``Trainer.fit``'s) opened inside an outer one (:func:`xlafit.train_and_evaluate`'s, which
     also covers data loading and compiling) shares the outer one's state. Only the main
     thread can own signal handlers; elsewhere a guard never sees a signal.
@@ -68,16 +72,23 @@ class SignalGuard:
         self._handed = False  # the signal went to JAX's notifier: the sync point will carry it
 
     def _handle(self, signum: int, frame: Any) -> None:
+        kernel = in_notebook()
         if self.received is not None:
+            if kernel and signum == signal.SIGINT:  # the kernel's interrupt: exiting would kill the kernel
+                raise KeyboardInterrupt
             os._exit(128 + signum)
         self.received, self._received_at = signum, time.monotonic()
         then = "then saving a checkpoint"
         if signum == signal.SIGTERM and self._jax_notifier is not None:
             self._hand_to_jax()
             then = "then saving a checkpoint at the step all processes agree on"
+        again = (
+            "interrupt again to stop at once, without it (the kernel and its variables stay)"
+            if kernel and signum == signal.SIGINT
+            else "send it again to exit at once"
+        )
         print(
-            f"xlafit: {signal.Signals(signum).name}: finishing the current step, {then} "
-            "(send it again to exit at once)",
+            f"xlafit: {signal.Signals(signum).name}: finishing the current step, {then} ({again})",
             file=sys.stderr,
             flush=True,
         )

@@ -28,6 +28,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import jax
@@ -51,8 +52,8 @@ from xlafit.train.evaluation import evaluate as evaluate_data
 from xlafit.train.frozen import check_trainable, checkpointed, frozen_filter, frozen_fingerprint, restore, run_settings
 from xlafit.train.loop import Call, Due, FitResult, Loop, itstime, nonfinite_steps
 from xlafit.train.nonfinite import apply_nan_policy
-from xlafit.train.optim import chain_of, make_optimizer, scaling_words
-from xlafit.train.progress import announce, progress_record
+from xlafit.train.optim import chain_of, make_optimizer, schedule_words, warmup_steps
+from xlafit.train.progress import announce, in_memory_start, progress_record
 from xlafit.train.report import RunReport
 from xlafit.train.signals import handle_signals
 from xlafit.train.state import TrainState, abstract_state, initial_state, state_shardings
@@ -70,7 +71,9 @@ class Trainer:
     """Trains an ``nnx.Module`` data-parallel over every device of the strategy.
 
     Args:
-        model: the model; its ``nnx.Param`` variables are trained. Or a function that
+        model: the model; its ``nnx.Param`` variables are trained, and the trained values
+            are written into it (copies: the state the trainer trains is its own) at every
+            checkpoint, at a stop and at the end of :meth:`fit`. Or a function that
             builds it (``lambda: BertForMaskedLM(cfg, rngs=nnx.Rngs(0))``): it then runs
             inside ``jax.jit`` with the state's shardings as outputs, so every device
             creates only its own slices and a model larger than one device (or the host)
@@ -313,16 +316,20 @@ class Trainer:
         if eval is not None and len(eval) == 0:
             log.warning("warning: the evaluation set holds no examples: this run trains without evaluation")
             eval = None
-        loop = self._begin(train, eval)
-        try:
-            with handle_signals() as loop.signals, self._watchdog() as loop.watchdog:
-                self._train(loop, train, eval)
-        except BaseException:
-            # The first failure is the one to report: a checkpoint still being written, or the
-            # report's files, may fail again on the same full disk; they are closed all the same.
-            with contextlib.suppress(Exception):
-                self._end(loop)
-            raise
+        # The guard covers the start-up too (a restore, the eval step's compile): a signal then
+        # stops the run before its first step, with no traceback from wherever it landed.
+        with handle_signals() as signals:
+            loop = self._begin(train, eval)
+            try:
+                with self._watchdog() as loop.watchdog:
+                    loop.signals = signals
+                    self._train(loop, train, eval)
+            except BaseException:
+                # The first failure is the one to report: a checkpoint still being written, or the
+                # report's files, may fail again on the same full disk; they are closed all the same.
+                with contextlib.suppress(Exception):
+                    self._end(loop)
+                raise
         # The model the run ends with is evaluated, where no periodic evaluation took its last step.
         final = None
         if eval is not None and loop.last_eval_step != loop.total and int(self._state.step) == loop.total:
@@ -372,6 +379,8 @@ class Trainer:
         )
         if scaling is not None:
             report.print(scaling)
+        if restored is None and start > 0:  # an earlier fit of this trainer, kept in its memory alone
+            report.print(in_memory_start(start, total, order.steps_per_epoch, self.config.epochs))
         if unfinished and ckpt is not None:  # a kill during a save (the first: the steps before it are kept nowhere)
             report.print(unfinished_save(ckpt.directory, unfinished[-1], restored))
         self.peak_flops = announce(
@@ -394,14 +403,17 @@ class Trainer:
         plan = make_optimizer(self._optimizer_config, self.global_batch, total, steps_per_epoch)
         self.tx, self.learning_rate = plan.tx, plan.schedule
         self.train_step, self.eval_step = self._make_steps(plan.tx)
-        return scaling_words(self._optimizer_config, self.global_batch, plan.peak_lr)
+        self._settings = run_settings(self.global_batch, self.data_seed, plan.decay_steps)  # checked on resume
+        warmup = warmup_steps(self._optimizer_config, steps_per_epoch)  # the words read warmup_epochs as steps
+        return schedule_words(replace(self._optimizer_config, warmup_steps=warmup), self.global_batch, plan, total)
 
     def _train(self, loop: Loop, train: Dataset, eval: Dataset | None) -> None:
         """The calls from ``loop.step`` to ``loop.stop``; again from a checkpoint after a rollback."""
         # A signal during start-up: nothing new to save. In a multi-process job the others
         # must stop too: the loop's first calls carry it (JAX's sync point or the all-gather).
         if loop.signals.received is not None and jax.process_count() == 1:
-            raise Preempted(loop.step, loop.signals.received, "before its first step, nothing new to save")
+            where = "before its first step, nothing new to save"
+            raise Preempted(loop.step, loop.signals.received, where, hint=self._in_memory_hint())
         while loop.step < loop.stop:  # more than once only after a rollback
             loop.open_window()
             with contextlib.closing(self.steps(train, loop.step, loop.stop)) as calls:
@@ -463,7 +475,8 @@ class Trainer:
         another process of the job)."""
         loop.report.sync()  # a URL run dir: metrics reach the bucket before the checkpoint
         received = loop.signals.received or signal.SIGTERM  # another process's signal stops this one too
-        raise Preempted(loop.step, received, self._save_now(loop.step), sync_point=loop.signals.sync_point)
+        where = self._save_now(loop.step)
+        raise Preempted(loop.step, received, where, sync_point=loop.signals.sync_point, hint=self._in_memory_hint())
 
     def _evaluate_in_loop(self, loop: Loop, eval: Dataset) -> None:
         """Evaluates at an epoch's end and records it; its time counts in no step time."""
@@ -543,17 +556,27 @@ class Trainer:
         return Watchdog(factor, self.config.watchdog_floor_s, process_index=self.strategy.process_index)
 
     def _save_now(self, step: int) -> str:
-        """A synchronous checkpoint before the process exits; says where it went."""
+        """A synchronous checkpoint before the process exits; says where it went. The model
+        given gets the trained values either way."""
+        self._write_back()
         if self._ckpt is None:
             return "no run directory, nothing saved"
         self._ckpt.save(step, *checkpointed(self._state, self._frozen, self.base_fingerprint, self._settings))
-        self._write_back()
         self._ckpt.wait()
         return f"checkpoint {step} saved in {self._ckpt.directory}"
 
+    def _in_memory_hint(self) -> str | None:
+        """How to go on after a stop where no checkpoint holds the run: this trainer's memory does."""
+        if self._ckpt is not None:
+            return None
+        return (
+            "Calling fit again on this trainer goes on from there: the run lives in this process's memory alone "
+            "(gone when it ends; give run_dir to keep checkpoints)."
+        )
+
     def _write_back(self) -> None:
-        """Puts the trained values into the model of another framework this trainer adapted
-        (a Keras model); nothing for an ``nnx.Module``, which the state already is."""
+        """Puts the trained values into the model given (an ``nnx.Module``, or a Keras model or
+        torch module this trainer adapted); nothing where a function built the model."""
         if self._write_back_hook is not None:
             self._write_back_hook(self._state.params, self._state.model_state)
 
