@@ -220,3 +220,18 @@ def test_a_second_interrupt_in_a_kernel_stops_the_cell_and_keeps_the_kernel(tmp_
     said = "".join(o.get("text", "") for o in nb.cells[1].outputs)
     assert "interrupt again to stop at once, without it (the kernel and its variables stay)" in said
     assert "the kernel holds 45" in "".join(o.get("text", "") for o in nb.cells[2].outputs)
+
+
+def test_a_model_nobody_else_holds_is_freed_once_the_trainer_has_placed_it(strategy8):
+    """The write-back must not keep the model given alive for the run: a recipe's model read
+    from Hugging Face files would stay in memory beside the trained state."""
+    import gc
+    import weakref
+
+    model = MLP(nnx.Rngs(0))
+    held = weakref.ref(model)
+    trainer = _trainer(model, strategy8, epochs=1)
+    del model
+    gc.collect()
+    assert held() is None
+    trainer.fit(_data())  # nothing to write into: trains all the same

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -74,6 +75,20 @@ def write_into(module: nnx.Module, params: nnx.State, model_state: nnx.State) ->
             variable.set_value((value.get_value() if isinstance(value, nnx.Variable) else value).copy())
 
 
+def _write_into_while_held(module: nnx.Module) -> Callable[[nnx.State, nnx.State], None]:
+    """:func:`write_into` ``module`` while someone holds it: the trainer keeps no reference of
+    its own, so a module nobody else holds (a recipe's model read from Hugging Face files) is
+    freed once its values are placed, not kept beside the trained state for the whole run."""
+    held = weakref.ref(module)
+
+    def write_back(params: nnx.State, model_state: nnx.State) -> None:
+        module = held()
+        if module is not None:
+            write_into(module, params, model_state)
+
+    return write_back
+
+
 def _by_path(state: nnx.State) -> list[tuple[str, Any]]:
     """``state``'s variables (or arrays) by their path, e.g. ``['layers'][0]['kernel']``."""
     leaves = jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -106,7 +121,7 @@ def adapt(model: Any, loss_fn: Any) -> Adapted:
         return model
     framework = framework_of(model)
     if framework is None:
-        return Adapted(model, loss_fn, write_back=lambda params, state: write_into(model, params, state))
+        return Adapted(model, loss_fn, write_back=_write_into_while_held(model))
     # The framework's adapter, imported by name when one of its models arrives: the framework
     # itself (Keras, ...) is loaded by nobody else.
     adapter = importlib.import_module(ADAPTERS[framework])
