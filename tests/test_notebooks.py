@@ -7,6 +7,7 @@ what needs the service it was written for, installing, mounting Drive, and to tr
 steps instead of a few epochs) and ``XLAFIT_SIMULATE_DEVICES=8``.
 """
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -105,9 +106,11 @@ def test_the_fine_tuning_notebook_checks_tunes_resumes_asks_and_exports(tmp_path
     assert "adapter_config.json" in exported and "adapter_model.safetensors" in exported, exported
 
 
-def test_in_a_notebook_training_shows_a_progress_bar_and_a_short_result(tmp_path):
-    """In a Jupyter kernel the trainer draws a bar (stderr is no terminal there), and a cell
-    ending in a FitResult shows one line, not the parameters. xlafit's warnings print in their
+def test_in_a_notebook_training_prints_its_lines_and_a_short_result(tmp_path):
+    """In a Jupyter kernel the trainer prints a line per logged step with all its metrics (the
+    first notebook walk: a bar stood in for them, its postfix with three), draws the widget bar
+    where ipywidgets is installed and no text bar elsewhere (each line left a copy of it), and a
+    cell ending in a FitResult shows one line, not the parameters. xlafit's warnings print in their
     own words: Orbax, imported by the trainer, logs through absl, which installs
     ``basicConfig()``'s handler; its format printed ``WARNING:xlafit:warning: ...`` (the tenth
     walk). Another logger's records keep that format."""
@@ -137,9 +140,15 @@ def test_in_a_notebook_training_shows_a_progress_bar_and_a_short_result(tmp_path
     assert "in a notebook: True" in text_of(ran.cells[0])
     shown = "".join(o.data["text/plain"] for o in ran.cells[1].outputs if o.output_type == "execute_result")
     assert shown.startswith("FitResult(step=6") and len(shown) < 300
+    printed = "".join(out.get("text", "") for out in ran.cells[1].outputs if out.get("name") == "stdout")
+    assert [line.split("  ")[0] for line in printed.splitlines() if line.startswith("[train]")] == [
+        "[train] step 2 epoch 1.0", "[train] step 4 epoch 2.0", "[train] step 6 epoch 3.0"
+    ], printed  # fmt: skip
+    assert "grad_norm=" in printed, printed
     bar = "".join(out.get("text", "") for out in ran.cells[1].outputs if out.get("name") == "stderr")
     widgets = [out for out in ran.cells[1].outputs if "application/vnd.jupyter.widget-view+json" in out.get("data", {})]
-    assert "6/6" in bar or widgets, ran.cells[1].outputs
+    assert "6/6" not in bar, bar  # the text bar: never in a notebook
+    assert bool(widgets) == (importlib.util.find_spec("ipywidgets") is not None), ran.cells[1].outputs
     logged = [line for line in text_of(ran.cells[2]).splitlines() if "warning: " in line]
     assert logged == [
         "warning: the evaluation set holds no examples: this run trains without evaluation",
