@@ -1,4 +1,4 @@
-"""What a run shows while it trains (train/report.py)."""
+"""What a run shows while it trains (train/report.py) and says at start-up (train/progress.py)."""
 
 import sys
 
@@ -65,3 +65,36 @@ def test_in_a_notebook_without_ipywidgets_no_text_bar_is_drawn(monkeypatch, caps
     shown(report)
     out, err = capsys.readouterr()
     assert len(train_lines(out)) == 2 and err == "", err
+
+
+def test_the_host_memory_line_names_the_setting_in_python_too_and_is_said_once(strategy8, monkeypatch):
+    """The line named ``cpu.keep_memory=false``, an override a ``Trainer`` in a notebook has
+    no place for (``xlafit.connect(cpu=...)`` is its way), and came with every ``fit``."""
+    import numpy as np
+
+    from xlafit.config import TrainerConfig
+    from xlafit.data.dataset import as_dataset
+    from xlafit.data.loader import TrainOrder
+    from xlafit.train import progress
+
+    monkeypatch.setattr(progress, "keeping_freed_memory", lambda: True)
+    monkeypatch.setitem(progress._said, "host memory", False)
+    lines: list[str] = []
+
+    class Printed:
+        def print(self, message: str) -> None:
+            lines.append(message)
+
+    train = as_dataset({"x": np.zeros((16, 2), np.float32)})
+    order = TrainOrder(num_examples=16, global_batch=8, seed=0)
+    for _ in range(2):  # two fits in one process
+        progress.announce(
+            Printed(), strategy8, TrainerConfig(epochs=1), None, restored=None, order=order, train=train,
+            total=2, global_batch=8, learning_rate=None, flops_per_example=None, peak=None,
+        )  # fmt: skip
+    said = [line for line in lines if line.startswith("host memory:")]
+    assert said == [
+        "host memory: freed blocks are kept for the next step (no page faults; the process holds more memory); "
+        "cpu.keep_memory=false returns them, in Python "
+        "xlafit.connect(cpu=xlafit.platform.cpu.CpuConfig(keep_memory=False)) before JAX starts"
+    ], lines
