@@ -143,11 +143,10 @@ class RunReport:
         # The line comes first, printed through the bar (above it on a terminal), the bar's
         # advance after: its postfix keeps a few metrics in view, the line has them all
         # (grad_norm, learning_rate, DPO's and GRPO's rewards).
+        self.print(f"[{prefix}] step {step} epoch {record.get('epoch', '')}  {shown}")
         if self._bar is not None and prefix == "train":
             brief = "  ".join(_fmt(k, v) for k, v in record.items() if k in _BAR_KEYS)
             self._bar.set_postfix_str(brief, refresh=False)
-        self.print(f"[{prefix}] step {step} epoch {record.get('epoch', '')}  {shown}")
-        if self._bar is not None and prefix == "train":
             self._bar.update(step - self._bar.n)
             if self._bar.total and self._bar.n >= self._bar.total:
                 # Done: closed at 100 %, so what follows (the evaluation, the checkpoint, the
