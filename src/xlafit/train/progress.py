@@ -21,6 +21,9 @@ from xlafit.train.state import TrainState
 
 __all__ = ["announce", "in_memory_start", "progress_record"]
 
+# The start-up lines said once a process, not at every run in it.
+_said = {"host memory": False}
+
 
 def announce(
     report: RunReport,
@@ -51,11 +54,15 @@ def announce(
         f"devices: {s.num_devices} x {s.platform} ({s.process_count} process(es))   "
         f"per-device batch: {global_batch // s.num_replicas}   global batch: {global_batch}"
     )
-    if keeping_freed_memory():
-        # Users see the process grow by its temporaries and should know why.
+    if keeping_freed_memory() and not _said["host memory"]:
+        # Users see the process grow by its temporaries and should know why; once a process,
+        # as it holds for the process (a notebook's every fit said it again). The setting is
+        # the config's for a recipe or the command, connect's for a Trainer.
+        _said["host memory"] = True
         report.print(
             "host memory: freed blocks are kept for the next step (no page faults; the process holds "
-            "more memory); cpu.keep_memory=false returns them"
+            "more memory); cpu.keep_memory=false returns them, in Python "
+            "xlafit.connect(cpu=xlafit.platform.cpu.CpuConfig(keep_memory=False)) before JAX starts"
         )
     if not s.data_parallel_only:
         held = bytes_per_device((state.params, state.opt_state)) / 2**20

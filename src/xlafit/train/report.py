@@ -53,8 +53,9 @@ def _summary_writer(logdir: Path, purge_step: int | None = None) -> Any:
 class RunReport:
     """Writes metrics records and shows progress.
 
-    On a terminal or in a Jupyter notebook the progress is a bar with ETA; otherwise (CI, log
-    files) it is one plain line per logged step.
+    Every logged step prints one line, ``[train] step ...`` with all its metrics; on a terminal,
+    and in a Jupyter notebook with ipywidgets (Colab, Kaggle), a progress bar with the ETA is
+    drawn beside the lines, which print through it.
 
     Args:
         run_dir: where ``metrics.jsonl`` and ``tensorboard/`` go, a path or URL; None
@@ -105,8 +106,8 @@ class RunReport:
             except OSError as e:
                 self.close()
                 raise write_failed(self._copy.target / "tensorboard", e) from None
-        if sys.stderr.isatty() or in_notebook():
-            bar = notebook_tqdm() if in_notebook() else tqdm
+        bar = notebook_tqdm() if in_notebook() else tqdm if sys.stderr.isatty() else None
+        if bar is not None:
             self._bar = bar(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, leave=True)
 
     def print(self, message: str) -> None:
@@ -139,6 +140,10 @@ class RunReport:
         shown = "  ".join(
             _fmt(k, v) for k, v in record.items() if k not in ("step", "epoch") and not k.startswith(EXPERT_TOKENS)
         )
+        # The line comes first, printed through the bar (above it on a terminal), the bar's
+        # advance after: its postfix keeps a few metrics in view, the line has them all
+        # (grad_norm, learning_rate, DPO's and GRPO's rewards).
+        self.print(f"[{prefix}] step {step} epoch {record.get('epoch', '')}  {shown}")
         if self._bar is not None and prefix == "train":
             brief = "  ".join(_fmt(k, v) for k, v in record.items() if k in _BAR_KEYS)
             self._bar.set_postfix_str(brief, refresh=False)
@@ -148,8 +153,6 @@ class RunReport:
                 # result) prints below it instead of clearing and redrawing it each time.
                 self._bar.close()
                 self._bar = None
-        else:
-            self.print(f"[{prefix}] step {step} epoch {record.get('epoch', '')}  {shown}")
 
     def sync(self) -> None:
         """Uploads what changed to a URL run directory (nothing to do for a local one).
@@ -217,17 +220,18 @@ def _close_tensorboard(tb: Any) -> OSError | None:
 
 def in_notebook() -> bool:
     """True inside a Jupyter kernel (Colab, Kaggle, JupyterLab), whose output is no terminal
-    but shows a progress bar."""
+    but shows a widget progress bar where ipywidgets is installed."""
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
     return shell is not None and hasattr(shell, "kernel")
 
 
-def notebook_tqdm() -> type[tqdm]:
-    """Jupyter's widget bar where ipywidgets is installed (Colab, Kaggle), else the text bar,
-    which a notebook also redraws in place."""
+def notebook_tqdm() -> type[tqdm] | None:
+    """Jupyter's widget bar where ipywidgets is installed (Colab, Kaggle), else None: no bar.
+    The text bar cannot redraw in place in a notebook, which shows stderr (the bar) and stdout
+    (the lines printed through it) as separate outputs: every line left another copy of it."""
     if importlib.util.find_spec("ipywidgets") is None:
-        return tqdm
+        return None
     from tqdm.notebook import tqdm as widget_tqdm
 
     return widget_tqdm
