@@ -442,3 +442,18 @@ def test_a_scalar_keras_loss_with_validation_data_is_refused_the_keras_way(strat
     with pytest.raises(ConfigError, match=r"one value per example, e\.g\. keras\.losses\.MeanSquaredError\(reduction="):
         loss = lambda t, p: keras.ops.mean(p)  # noqa: E731
         fit(model, x, y, batch_size=32, loss=loss, optimizer=optax.sgd(0.1), validation_data=(x, y), strategy=strategy8)
+
+
+def test_fit_with_an_optimizer_config_plans_and_says_its_schedule(strategy8, capsys):
+    """The twenty-first walk: fit(..., optimizer=OptimizerConfig(...)) printed no learning-rate
+    line, and a warmup in epochs was a raw ValueError (its schedule was built without the
+    run's epoch length)."""
+    from xlafit.config import OptimizerConfig
+
+    config = OptimizerConfig(name="adam", learning_rate=1e-2, reference_batch=16, warmup_epochs=1)
+    history = fit(
+        build(dropout=0.0), *data(64, 0), batch_size=8, epochs=2, optimizer=config, loss=LOSS, strategy=strategy8
+    )
+    out = capsys.readouterr().out
+    assert "learning rate: 0.01 at batch 16 -> peak 0.005 at global batch 8 (linear scaling), 8 warmup steps" in out
+    assert len(history.history["loss"]) == 2

@@ -20,7 +20,6 @@ from xlafit.integrations.keras.module import keras_backend
 from xlafit.integrations.keras.optimizers import optax_from_keras
 from xlafit.parallel.mesh import Strategy
 from xlafit.train.loop import FitResult
-from xlafit.train.optim import make_optimizer
 from xlafit.train.trainer import Trainer
 
 # Keras fit arguments and callbacks that do not carry over, and what xlafit has instead.
@@ -80,11 +79,12 @@ def _as_data(x: Any, y: Any, what: str) -> Dataset | Mapping[str, np.ndarray]:
     return batch
 
 
-def _optimizer(model: Any, optimizer: Any, global_batch: int, total_steps: int) -> tuple[Any, Any]:
-    """``(optax transformation, its learning-rate schedule or None)``."""
+def _optimizer(model: Any, optimizer: Any) -> tuple[Any, Any]:
+    """``(optax transformation or OptimizerConfig, its learning-rate schedule or None)``: an
+    OptimizerConfig goes to the trainer as it is, which plans its schedule over the run (its
+    warmup in epochs too), says it, and keeps its length in the checkpoints."""
     if isinstance(optimizer, OptimizerConfig):
-        plan = make_optimizer(optimizer, global_batch, total_steps)
-        return plan.tx, plan.schedule
+        return optimizer, None
     if optimizer is None:
         optimizer = getattr(model, "optimizer", None)
         if optimizer is None:
@@ -199,8 +199,7 @@ def fit(
     config = dataclasses.replace(config or TrainerConfig(), epochs=epochs, steps_per_call=steps_per_execution)
     adapted = to_adapted(model, loss, metrics)
     rows = len(as_dataset(train))
-    total = epochs * max(rows // batch_size, 1)
-    tx, lr = _optimizer(model, optimizer, batch_size, total)
+    tx, lr = _optimizer(model, optimizer)
     trainer = Trainer(
         adapted,
         adapted.loss_fn,
