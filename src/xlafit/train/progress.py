@@ -19,7 +19,13 @@ from xlafit.train.nonfinite import applied_means
 from xlafit.train.report import RunReport
 from xlafit.train.state import TrainState
 
-__all__ = ["announce", "in_memory_start", "progress_record"]
+__all__ = ["IN_MEMORY", "announce", "in_memory_start", "progress_record"]
+
+# How to go on after a stop where no checkpoint holds the run: the trainer's memory does.
+IN_MEMORY = (
+    "Calling fit again on this trainer goes on from there: the run lives in this process's memory alone "
+    "(gone when it ends; give run_dir to keep checkpoints)."
+)
 
 # The start-up lines said once a process, not at every run in it.
 _said = {"host memory": False}

@@ -53,7 +53,7 @@ from xlafit.train.frozen import check_trainable, checkpointed, frozen_filter, fr
 from xlafit.train.loop import Call, Due, FitResult, Loop, itstime, nonfinite_steps
 from xlafit.train.nonfinite import apply_nan_policy
 from xlafit.train.optim import chain_of, make_optimizer, schedule_words, warmup_steps
-from xlafit.train.progress import announce, in_memory_start, progress_record
+from xlafit.train.progress import IN_MEMORY, announce, in_memory_start, progress_record
 from xlafit.train.report import RunReport
 from xlafit.train.signals import handle_signals
 from xlafit.train.state import TrainState, abstract_state, initial_state, state_shardings
@@ -413,7 +413,7 @@ class Trainer:
         # must stop too: the loop's first calls carry it (JAX's sync point or the all-gather).
         if loop.signals.received is not None and jax.process_count() == 1:
             where = "before its first step, nothing new to save"
-            raise Preempted(loop.step, loop.signals.received, where, hint=self._in_memory_hint())
+            raise Preempted(loop.step, loop.signals.received, where, hint=IN_MEMORY if self._ckpt is None else None)
         while loop.step < loop.stop:  # more than once only after a rollback
             loop.open_window()
             with contextlib.closing(self.steps(train, loop.step, loop.stop)) as calls:
@@ -475,8 +475,8 @@ class Trainer:
         another process of the job)."""
         loop.report.sync()  # a URL run dir: metrics reach the bucket before the checkpoint
         received = loop.signals.received or signal.SIGTERM  # another process's signal stops this one too
-        where = self._save_now(loop.step)
-        raise Preempted(loop.step, received, where, sync_point=loop.signals.sync_point, hint=self._in_memory_hint())
+        where, hint = self._save_now(loop.step), IN_MEMORY if self._ckpt is None else None
+        raise Preempted(loop.step, received, where, sync_point=loop.signals.sync_point, hint=hint)
 
     def _evaluate_in_loop(self, loop: Loop, eval: Dataset) -> None:
         """Evaluates at an epoch's end and records it; its time counts in no step time."""
@@ -564,15 +564,6 @@ class Trainer:
         self._ckpt.save(step, *checkpointed(self._state, self._frozen, self.base_fingerprint, self._settings))
         self._ckpt.wait()
         return f"checkpoint {step} saved in {self._ckpt.directory}"
-
-    def _in_memory_hint(self) -> str | None:
-        """How to go on after a stop where no checkpoint holds the run: this trainer's memory does."""
-        if self._ckpt is not None:
-            return None
-        return (
-            "Calling fit again on this trainer goes on from there: the run lives in this process's memory alone "
-            "(gone when it ends; give run_dir to keep checkpoints)."
-        )
 
     def _write_back(self) -> None:
         """Puts the trained values into the model given (an ``nnx.Module``, or a Keras model or
