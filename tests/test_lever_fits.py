@@ -213,3 +213,22 @@ def test_a_plans_candidate_programs_reuse_the_data_read_once(capsys):
         assert program.model.cfg.remat == remat and program.model.cfg.scan_layers is scan
     said = capsys.readouterr()
     assert sum(line.startswith("data: ") for line in said.err.splitlines()) == 1, said.err
+
+
+def test_chunks_of_the_logits_are_offered_only_where_auto_keeps_them_whole():
+    """A run at model.logits_chunk=auto whose logits auto chunks already was offered (and
+    compiled) model.logits_chunk=1024 as a lever: the same program, a compile for nothing. It is
+    a lever where auto keeps them whole (within 1/8 of the core's memory)."""
+    from xlafit.check.levers import levers
+    from xlafit.check.program import TargetReport
+    from xlafit.platform.hardware import parse_target
+
+    target = parse_target("v5e-1")  # 16 GiB: logits within 2 GiB stay whole
+    report = TargetReport("v5e-1", per_device_batch=2, steps_per_call=1, capacity=15.75 * 2**30, memory={"state": 0})
+    for seq_len, offered in ((8192, False), (128, True)):  # [2, 8192, 128256] float32 and gradient: 16.8 GB
+        program, _, _ = recipe_program("llm", ["model.preset=llama-3.1-8b", f"data.seq_len={seq_len}"])
+        listed = any("model.logits_chunk=1024" in text for text in levers(report, target, program))
+        compiled = [lv for lv in program.fit_levers if lv.overrides == ("model.logits_chunk=1024",)]
+        assert listed == offered and compiled[0].helps(2, target.hbm_bytes) == offered, seq_len
+    program, _, _ = recipe_program("llm", ["model.preset=llama-3.1-8b", "data.seq_len=8192", "model.logits_chunk=0"])
+    assert any("model.logits_chunk=1024" in text for text in levers(report, target, program))  # 0: always whole

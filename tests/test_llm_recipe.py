@@ -22,6 +22,7 @@ from flax import nnx
 import xlafit
 from helpers import family_tokenizer, long_form
 from xlafit.check import check_recipe
+from xlafit.check.program import ModelLever
 from xlafit.check.recipes import memory_levers
 from xlafit.checkpoint import Checkpointer, fingerprint
 from xlafit.config import TrainerConfig
@@ -334,10 +335,10 @@ def test_a_wrong_logits_chunk_is_one_line(value, message):
 
 def test_a_run_that_does_not_fit_is_offered_the_loss_in_chunks():
     for setting in ([], ["model.logits_chunk=0"]):
-        offered = [text for _, text in memory_levers(load_config("llm", setting).model)]
+        offered = [lever.text for lever in memory_levers(load_config("llm", setting).model)]
         assert any("model.logits_chunk=1024" in text for text in offered)
     chunked = load_config("llm", ["model.logits_chunk=512"]).model
-    assert not any("logits_chunk" in text for _, text in memory_levers(chunked))
+    assert not any("logits_chunk" in lever.text for lever in memory_levers(chunked))
 
 
 def test_a_full_fine_tune_that_no_lever_fits_is_offered_lora_and_not_a_smaller_batch_at_one():
@@ -347,17 +348,16 @@ def test_a_full_fine_tune_that_no_lever_fits_is_offered_lora_and_not_a_smaller_b
     from xlafit.check.program import LeverFit, TargetReport
     from xlafit.check.tpu_report import lever_lines
 
-    offered = dict(memory_levers(load_config("llm", []).model, full=True))
+    offered = {lever.kind: lever.text for lever in memory_levers(load_config("llm", []).model, full=True)}
     assert offered["state"].startswith("LoRA on a frozen base: lora.rank=16")
-    assert not any(k == "state" for k, _ in memory_levers(load_config("llm", []).model))  # LoRA runs: not offered
+    assert not any(lever.kind == "state" for lever in memory_levers(load_config("llm", []).model))  # LoRA: not offered
     # The twentieth walk: a LoRA run on a bfloat16 base over the core was offered chunked logits
     # first and no 4-bit base, the one lever its own compiled list then showed fitting.
     lora = load_config("llm", ["lora.rank=16", "lora.base_dtype=bfloat16"])
-    assert ("state", "a 4-bit frozen base: lora.base_dtype=nf4 (the adapters train as they are)") in memory_levers(
-        lora.model, lora=lora.lora
-    )
+    nf4 = ModelLever("state", "a 4-bit frozen base: lora.base_dtype=nf4 (the adapters train as they are)")
+    assert nf4 in memory_levers(lora.model, lora=lora.lora)
     quantized = load_config("llm", ["lora.rank=16", "lora.base_dtype=nf4"])
-    assert not any(k == "state" for k, _ in memory_levers(quantized.model, lora=quantized.lora))
+    assert not any(lever.kind == "state" for lever in memory_levers(quantized.model, lora=quantized.lora))
     said = {1: "none of these fits: a larger slice, a smaller model, or another lever listed above",
             4: "none of these fits: a smaller batch, a larger slice, a smaller model, or another lever"}  # fmt: skip
     for batch in said:

@@ -24,7 +24,7 @@ from xlafit.check import check_file, check_recipe
 from xlafit.check.batch_search import largest_batch
 from xlafit.check.levers import levers
 from xlafit.check.local_prediction import predict_here
-from xlafit.check.program import Program, TargetReport
+from xlafit.check.program import ModelLever, Program, TargetReport
 from xlafit.check.tpu import check_target, needed_bytes, no_persistent_cache
 from xlafit.check.tpu_report import _probe_line, format_report, format_table, to_json
 from xlafit.cli import main
@@ -739,7 +739,7 @@ def test_a_state_over_the_core_leaves_out_the_batch_levers_and_names_a_larger_sl
     report = TargetReport(
         "v5e-8", per_device_batch=64, steps_per_call=3, capacity=16 * 2**30, memory={"state": 20 * 2**30}
     )
-    remat = (("activations", "rematerialisation: model.remat=full"),)
+    remat = (ModelLever("activations", "rematerialisation: model.remat=full"),)
     program = Program(
         nnx.Linear(2, 2, rngs=nnx.Rngs(0)), _mlp_loss, optax.sgd(0.1), TrainerConfig(), {}, 64, model_levers=remat
     )

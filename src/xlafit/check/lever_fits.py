@@ -47,8 +47,13 @@ def _fit_levers(report: TargetReport, target: Target, program: Program, max_batc
         return
     state = report.memory.get("state", 0)
     over = bool(report.capacity) and state >= report.capacity and report.train_fits is False
-    # Where the state alone is over the core, only a lever of the state can help.
-    levers = [lv for lv in program.fit_levers if lv.shrinks == "state" or not over]
+    # Where the state alone is over the core, only a lever of the state can help; one that
+    # would leave this run as it is (logits that auto chunks already) is not compiled.
+    levers = [
+        lv
+        for lv in program.fit_levers
+        if (lv.shrinks == "state" or not over) and (lv.helps is None or lv.helps(batch, target.hbm_bytes))
+    ]
     results = [_compile(report, target, program, lever, batch) for lever in levers[: MAX_LEVER_COMPILES - 1]]
     if len(levers) > 1 and not any(r.fits for r in results):
         together = FitLever(

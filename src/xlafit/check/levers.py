@@ -64,8 +64,9 @@ def levers(report: TargetReport, target: tpu.Target, program: Program) -> list[s
         )
     if k > 1:
         activation_levers.append(f"fewer steps per call: trainer.steps_per_call=1 (each call holds its {k} batches)")
-    for kind, text in program.model_levers:
-        (state_levers if kind == "state" else activation_levers).append(text)
+    for lever in program.model_levers:
+        if lever.helps is None or lever.helps(per_core, target.hbm_bytes):  # not a setting the run has in effect
+            (state_levers if lever.kind == "state" else activation_levers).append(lever.text)
     if state >= capacity:  # no batch fits: a smaller batch, accumulation or remat cannot help
         return state_levers
     if state >= 0.5 * capacity:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import optax
@@ -39,11 +39,25 @@ class FitLever:
         overrides: the dotted settings that turn it on (``lora.base_dtype=nf4``).
         shrinks: ``state`` (parameters, optimizer state) or ``activations``: a lever of the
             activations cannot help a run whose state alone is over the core's memory.
+        helps: ``helps(per_core_batch, device_memory)``: whether it changes the run on a
+            device of that memory (the logits in chunks, for a run whose ``auto`` setting
+            chunks them already there: no); None: always.
     """
 
     name: str
     overrides: tuple[str, ...]
     shrinks: str = "activations"
+    helps: Callable[[int, float], bool] | None = dataclasses.field(default=None, compare=False)
+
+
+class ModelLever(NamedTuple):
+    """A lever only a program's maker knows (a recipe's ``model.remat``), as ``check --tpu``
+    lists it: what it shrinks (``state`` or ``activations``), its text with the setting, and
+    :attr:`FitLever.helps` where it helps some runs only."""
+
+    kind: str
+    text: str
+    helps: Callable[[int, float], bool] | None = None
 
 
 @dataclasses.dataclass
@@ -89,7 +103,7 @@ class Program:
     # knows (a recipe's model.remat): (what they shrink, "state" or "activations", the text).
     batch_syntax: str = "data.per_device_batch={n}"
     eval_batch_syntax: str = "data.eval_global_batch={n}"  # {n}: eval examples per call over all cores
-    model_levers: tuple[tuple[str, str], ...] = ()
+    model_levers: tuple[ModelLever, ...] = ()
     # What the optimizer trains (LoRA: the adapters); the rest is frozen state.
     trainable: Any = nnx.Param
     # Levers the check compiles where the run does not fit (a recipe's: its settings), and

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from flax import nnx
 
-from xlafit.check.program import FitLever, Program
+from xlafit.check.program import FitLever, ModelLever, Program
 from xlafit.check.report import Report
 from xlafit.check.step import check_step, check_tpu, example_layout, positive
 from xlafit.data.dataset import as_dataset, num_shapes
@@ -26,12 +26,14 @@ from xlafit.recipes import get_recipe, load_config
 from xlafit.recipes.base import shapes_only
 from xlafit.recipes.llm_settings import LlmModelConfig
 from xlafit.run import with_lora
+from xlafit.train.losses import whole_logits_bytes
 from xlafit.train.optim import make_optimizer
 from xlafit.train.rollout import Rollout
 
 __all__ = [
     "SHAPING",
     "assumed_settings",
+    "auto_logits_whole",
     "check_command",
     "check_recipe",
     "fit_levers_of",
@@ -105,8 +107,11 @@ def _recipe_program(
         read = None if placeholder is not None or any(m.startswith("data.") for m in more) else (train_data, eval_data)
         return recipe_program(name, [*overrides, *more], preset, per_device_batch, global_batch, read)[0]
 
+    model = nnx.eval_shape(lambda: with_lora(recipe.build_model(cfg, train), cfg.lora, cfg.trainer.seed))
+    vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)  # a language model's output layer
+    logits_whole = auto_logits_whole(cfg, vocab) if isinstance(cfg.model, LlmModelConfig) and vocab else None
     program = Program(
-        nnx.eval_shape(lambda: with_lora(recipe.build_model(cfg, train), cfg.lora, cfg.trainer.seed)),
+        model,
         recipe.loss(cfg),
         optimizer,
         cfg.trainer,
@@ -120,10 +125,10 @@ def _recipe_program(
         mesh=cfg.mesh.sizes,
         rules=parse_rules(cfg.mesh.rules),
         model_levers=memory_levers(
-            cfg.model, residual_split(cfg), full=_llm_full_fine_tune(cfg), lora=getattr(cfg, "lora", None)
+            cfg.model, residual_split(cfg), _llm_full_fine_tune(cfg), getattr(cfg, "lora", None), logits_whole
         ),
         trainable=ADAPTER if cfg.lora.rank else nnx.Param,
-        fit_levers=fit_levers_of(cfg),
+        fit_levers=fit_levers_of(cfg, logits_whole),
         with_overrides=again,
         rollout=rollout.programs if rollout is not None else None,
         decode_loop=rollout.decode_loop if rollout is not None else None,
@@ -299,34 +304,43 @@ def _llm_full_fine_tune(cfg: Any) -> bool:
 
 
 def memory_levers(
-    model: Any, split: str | None = None, full: bool = False, lora: Any = None
-) -> tuple[tuple[str, str], ...]:
+    model: Any,
+    split: str | None = None,
+    full: bool = False,
+    lora: Any = None,
+    logits_whole: Callable[[int, float], bool] | None = None,
+) -> tuple[ModelLever, ...]:
     """The memory levers a recipe's model settings offer, for a run that does not fit;
     ``split``: the setting that splits its residual stream over a tensor group
     (:func:`residual_split`), where it has one; ``full``: an llm full fine-tune, which LoRA
     on a frozen base would make smaller; ``lora``: a LoRA run's settings, whose unquantized
-    base a 4-bit one would make smaller."""
-    found = []
+    base a 4-bit one would make smaller; ``logits_whole``: where ``model.logits_chunk=auto``
+    keeps the logits whole (:func:`auto_logits_whole`), the only runs chunks of 1,024 change."""
+    found: list[ModelLever] = []
     rank, base = (lora.rank, lora.base_dtype) if lora is not None else (0, None)
     if rank and base in ("float32", "bfloat16"):
-        found.append(("state", "a 4-bit frozen base: lora.base_dtype=nf4 (the adapters train as they are)"))
+        found.append(ModelLever("state", "a 4-bit frozen base: lora.base_dtype=nf4 (the adapters train as they are)"))
     if full:
         found.append(
-            (
+            ModelLever(
                 "state",
                 "LoRA on a frozen base: lora.rank=16 (the optimizer state of the adapters alone; with "
                 "lora.base_dtype=nf4, a 4-bit base)",
             )
         )
     if getattr(model, "remat", None) == "none":
-        found.append(("activations", "rematerialisation: model.remat=full or dots_saveable (activations recomputed)"))
+        found.append(
+            ModelLever("activations", "rematerialisation: model.remat=full or dots_saveable (activations recomputed)")
+        )
     if getattr(model, "compute_dtype", None) == "float32":
-        found.append(("activations", "bf16 compute: model.compute_dtype=bfloat16 (parameters stay float32)"))
-    if getattr(model, "logits_chunk", None) in (0, "auto"):  # auto keeps logits under 1/8 of memory whole
-        found.append(("activations", "the loss's logits a chunk at a time: model.logits_chunk=1024 (recomputed)"))
+        found.append(ModelLever("activations", "bf16 compute: model.compute_dtype=bfloat16 (parameters stay float32)"))
+    chunks = getattr(model, "logits_chunk", None)
+    if chunks in (0, "auto"):  # auto keeps logits under 1/8 of memory whole
+        text = "the loss's logits a chunk at a time: model.logits_chunk=1024 (recomputed)"
+        found.append(ModelLever("activations", text, logits_whole if chunks == "auto" else None))
     if split is not None:
         found.append(
-            (
+            ModelLever(
                 "activations",
                 f"the residual stream between layers split over the tensor group: {split} (what remat keeps of it)",
             )
@@ -334,13 +348,15 @@ def memory_levers(
     return tuple(found)
 
 
-def fit_levers_of(cfg: Any) -> tuple[FitLever, ...]:
+def fit_levers_of(cfg: Any, logits_whole: Callable[[int, float], bool] | None = None) -> tuple[FitLever, ...]:
     """The levers ``check --tpu`` compiles for a recipe's run that does not fit, the ones its
     settings leave room for, most likely to help first: a 4-bit (NF4) frozen base (LoRA runs
     only: a quantized base cannot be trained), the loss's logits in chunks, under tensor
     parallelism the residual stream split over the tensor group (:func:`residual_split`), each
     decoder layer's input in host memory (the llm recipe's ``model.remat=offload``), full remat, and
     for an llm full fine-tune the optimizer state in host memory (``trainer.optimizer_offload``).
+    ``logits_whole``: as :func:`memory_levers`'s (the logits' chunks are compiled only where
+    ``auto`` keeps them whole).
 
     Example:
         >>> [lv.overrides for lv in fit_levers_of(load_config("llm", ["lora.rank=8"]))]
@@ -351,8 +367,10 @@ def fit_levers_of(cfg: Any) -> tuple[FitLever, ...]:
     if lora is not None and lora.rank and lora.base_dtype in ("float32", "bfloat16"):
         found.append(FitLever("a 4-bit (NF4) frozen base", ("lora.base_dtype=nf4",), "state"))
     model = cfg.model
-    if getattr(model, "logits_chunk", None) in (0, "auto"):  # auto keeps logits under 1/8 of memory whole
-        found.append(FitLever("the logits in chunks", ("model.logits_chunk=1024",)))
+    chunks = getattr(model, "logits_chunk", None)
+    if chunks in (0, "auto"):  # auto keeps logits under 1/8 of memory whole
+        helps = logits_whole if chunks == "auto" else None
+        found.append(FitLever("the logits in chunks", ("model.logits_chunk=1024",), helps=helps))
     split = residual_split(cfg)
     if split is not None:
         found.append(FitLever("the residual stream split over the tensor group", (split,)))
@@ -366,6 +384,22 @@ def fit_levers_of(cfg: Any) -> tuple[FitLever, ...]:
     if isinstance(model, LlmModelConfig) and full and trainer is not None and not trainer.optimizer_offload:
         found.append(FitLever("optimizer state in host memory", ("trainer.optimizer_offload=true",), "state"))
     return tuple(found)
+
+
+def auto_logits_whole(cfg: Any, vocab: int) -> Callable[[int, float], bool]:
+    """Whether ``model.logits_chunk=auto`` keeps an llm run's logits whole at a per-core batch
+    on a device of a memory: :func:`~xlafit.recipes.llm.logits_blocks`'s rule (the float32
+    logits and their gradient of one device's rows within 1/8 of its memory; the vocabulary
+    split over the tensor axis where the rules split it there)."""
+    sizes, rules = dict(zip(("data", "fsdp", "tensor"), cfg.mesh.sizes, strict=False)), parse_rules(cfg.mesh.rules)
+    tensor = sizes.get(rules.get("vocab") or "", 1)
+    per_device = vocab // tensor if tensor > 1 and vocab % tensor == 0 else vocab
+    seq_len = cfg.data.seq_len
+
+    def whole(per_core_batch: int, memory: float) -> bool:
+        return whole_logits_bytes(per_core_batch, seq_len, per_device) <= memory / 8
+
+    return whole
 
 
 def residual_split(cfg: Any) -> str | None:
