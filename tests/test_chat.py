@@ -620,3 +620,36 @@ def test_the_loss_is_the_mean_over_answer_tokens_whatever_the_packing(model_dir,
         step = build_train_step(graphdef, llm.loss_fn, tx, unroll=True, accumulate=accumulate)
         _, metrics = step(state, batches)
         assert float(metrics["loss"][0]) == pytest.approx(token_mean, abs=1e-5), accumulate
+
+
+def test_a_text_or_completion_that_ends_with_the_eos_gets_no_second_one(model_dir):
+    """The twenty-second walk: a completion ending in "<|im_end|>" (the eos_token) and a chat
+    rendered to text ahead (starting with its BOS) got a second EOS (and BOS): the model was
+    taught to end twice. TRL appends the EOS only where the text does not end with it."""
+    tok = clm.load_tokenizer(model_dir)
+    bos, eos = tok.token_to_id("<|begin_of_text|>"), tok.token_to_id("<|im_end|>")
+    ended = chat.encode({"prompt": "The answer", "completion": " is short.<|im_end|>"}, "prompt_completion", tok, None,
+                        bos=bos, eos=eos)  # fmt: skip
+    plain = chat.encode({"prompt": "The answer", "completion": " is short."}, "prompt_completion", tok, None,
+                        bos=bos, eos=eos)  # fmt: skip
+    assert ended.ids == plain.ids and ended.mask == plain.mask and ended.ids.count(eos) == 1
+    rendered = chat.encode(
+        {"text": "<|begin_of_text|>The answer is short.<|im_end|>"}, "text", tok, None, bos=bos, eos=eos
+    )
+    assert rendered.ids.count(bos) == 1 and rendered.ids.count(eos) == 1
+    assert rendered.ids == chat.encode({"text": "The answer is short."}, "text", tok, None, bos=bos, eos=eos).ids
+    (packed,) = clm._with_markers(tok, ["<|begin_of_text|>Paris.<|im_end|>"], bos, eos)
+    assert packed.count(bos) == 1 and packed.count(eos) == 1
+
+
+def test_a_text_file_with_records_of_another_format_is_refused_not_emptied(model_dir, tmp_path):
+    """The twenty-second walk: text records, then prompt/completion ones (two datasets in one
+    file): the second half was left out as "no text in 'text' (null or empty)"."""
+    tok = clm.load_tokenizer(model_dir)
+    mixed = tmp_path / "mixed.jsonl"
+    records = [{"text": "The answer is short."}] * 3 + [{"prompt": "The answer", "completion": " is short."}]
+    mixed.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(
+        DataError, match=r"mixed.jsonl, record 4: it has no 'text' \(its keys: prompt, completion\), wh"
+    ):
+        clm.encode_files([str(mixed)], tok, "auto", "text", None, "assistant", (None, None))

@@ -715,3 +715,24 @@ def test_a_preset_with_fewer_or_more_layers_keeps_its_layer_pattern():
     assert llama_config(load_config("llm", ["model.preset=gemma-3-1b"]), 262_144).layer_types == tuple(
         PRESETS["gemma-3-1b"]["layer_types"]
     )
+
+
+def test_a_tokenizer_without_an_eos_token_is_said_to_leave_the_model_unable_to_stop(tmp_path, caplog):
+    """The twenty-second walk: data.tokenizer a folder with tokenizer.json alone (the docs accept
+    it) trained every completion without an end token, the run saying nothing."""
+    import logging
+
+    tokenizer = family_tokenizer("xlafit", tmp_path / "family")
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "tokenizer.json").write_bytes((tokenizer / "tokenizer.json").read_bytes())
+    records = "".join(json.dumps({"prompt": f"What is {i}?", "completion": f" It is {i}."}) + "\n" for i in range(40))
+    (tmp_path / "pc.jsonl").write_text(records)
+    data = [f"data.data_dir={tmp_path / 'pc.jsonl'}", "data.seq_len=32", "model.preset=tiny"]
+    with caplog.at_level(logging.WARNING, logger="xlafit"):
+        llm_data.load_data(load_config("llm", [*data, f"data.tokenizer={tmp_path / 'bare'}"]))
+    said = [r.getMessage() for r in caplog.records if "names no eos_token" in r.getMessage()]
+    assert len(said) == 1 and "the model does not learn to stop" in said[0], [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="xlafit"):
+        llm_data.load_data(load_config("llm", [*data, f"data.tokenizer={tokenizer}"]))  # its config names </s>
+    assert not [r for r in caplog.records if "names no eos_token" in r.getMessage()]

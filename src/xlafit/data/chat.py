@@ -446,8 +446,6 @@ def encode(
         encoding = tok.encode(text, add_special_tokens=False)
         inside = [any(s <= start < e for s, e in spans) for start, _ in encoding.offsets]
         return Encoded(list(encoding.ids), [int(x) for x in inside])
-    head = [bos] if bos is not None else []
-    tail = [eos] if eos is not None else []
     if fmt == "prompt_completion" and _conversational(record):
         return _conversation_completion(record, tok, template, loss_on)
     if fmt == "prompt_completion":
@@ -458,11 +456,28 @@ def encode(
         prompt = tok.encode(prompt_text, add_special_tokens=False).ids
         whole = tok.encode(prompt_text + _text(record, "completion"), add_special_tokens=False).ids
         shared = next((i for i, (a, b) in enumerate(zip(prompt, whole, strict=False)) if a != b), len(prompt))
+        head, tail = markers_for(whole, bos, eos)
         ids = head + whole + tail
         answer = [0] * (len(head) + shared) + [1] * (len(whole) - shared + len(tail))
         return Encoded(ids, [1] * len(ids) if loss_on == "all" else answer, shared < len(prompt))
-    ids = head + tok.encode(_text(record, text_key), add_special_tokens=False).ids + tail
-    return Encoded(ids, [1] * len(ids))
+    ids = tok.encode(_text(record, text_key), add_special_tokens=False).ids
+    head, tail = markers_for(ids, bos, eos)
+    return Encoded(head + ids + tail, [1] * (len(head) + len(ids) + len(tail)))
+
+
+def markers_for(ids: list[int], bos: int | None, eos: int | None) -> tuple[list[int], list[int]]:
+    """The BOS before and the EOS after a document's ``ids``, each where the text does not
+    hold it already: TRL appends the EOS only to a text that does not end with it, and a chat
+    rendered to text ahead starts with its BOS. A marker twice would be trained as one more
+    target (the model taught to end twice).
+
+    Example:
+        >>> markers_for([5, 6, 2], bos=1, eos=2), markers_for([1, 5, 6], bos=1, eos=2)
+        (([1], []), ([], [2]))
+    """
+    head = [bos] if bos is not None and ids[:1] != [bos] else []
+    tail = [eos] if eos is not None and ids[-1:] != [eos] else []
+    return head, tail
 
 
 def missing_template(what: str) -> str:

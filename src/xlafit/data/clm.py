@@ -42,6 +42,7 @@ from xlafit.data.chat import (
     detect_format,
     encode,
     end_of_turn,
+    markers_for,
     masks_in_rows,
     read_records,
     template_for,
@@ -195,6 +196,12 @@ def _documents(text_files: list[str], records: list[dict], text_column: str, whe
         )
     empty = 0
     for number, record in enumerate(records, 1):
+        if text_column not in record:  # a record of another format (two datasets in one file): not "empty"
+            raise DataError(
+                f"{where}, record {number}: it has no {text_column!r} (its keys: {', '.join(record)}), where the "
+                "file's first record has one: a file holds records of one format (text, prompt/completion or chat); "
+                "put each format in a file of its own, or convert the records to one."
+            )
         text = record.get(text_column)
         if text is None or text == "":
             empty += 1
@@ -535,8 +542,8 @@ def _check_options(fmt: str, loss_on: str) -> None:
 
 
 def _with_markers(tok: Tokenizer, docs: list[str], bos: int | None, eos: int | None) -> list[list[int]]:
-    encoded = tok.encode_batch(docs, add_special_tokens=False)
-    return [([bos] if bos is not None else []) + e.ids + ([eos] if eos is not None else []) for e in encoded]
+    encoded = [e.ids for e in tok.encode_batch(docs, add_special_tokens=False)]
+    return [(marks := markers_for(ids, bos, eos))[0] + ids + marks[1] for ids in encoded]
 
 
 def _pack(sequences: list[Encoded], seq_len: int, pad: int, with_mask: bool) -> dict[str, np.ndarray]:

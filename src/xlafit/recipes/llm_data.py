@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import sys
 import tempfile
 from pathlib import Path
@@ -29,6 +30,8 @@ from xlafit.io.cache import cache_dir
 from xlafit.models.attention import packed_segments_limit
 from xlafit.recipes.base import reading_shapes_only
 from xlafit.train import preference
+
+log = logging.getLogger("xlafit")
 
 DEMO_VOCAB_SIZE = 2000  # the demo's BPE tokenizer
 DATA_FORMAT_FILE = "data_format.json"  # the format of the data a run trained on (chat, prompt_completion, text)
@@ -212,6 +215,13 @@ def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
     if train.source is not None and train.source.format == "chat":
         summary += f"\n  {chat.describe(template)}"
     print(summary, flush=True, file=sys.stderr)
+    if e.markers[1] is None and (train.source is None or train.source.format != "chat"):  # chat: the turn's end
+        log.warning(
+            "warning: the tokenizer (%s) names no eos_token (in tokenizer_config.json or special_tokens_map.json), so "
+            "no document or completion ends with one and the model does not learn to stop; give data.tokenizer a "
+            "folder whose tokenizer_config.json names its eos_token",
+            tokenizer_location(cfg),
+        )
     if cfg.model.attention == "cudnn":
         check_packed_segments(train, evaluation)
     return train, (evaluation if len(evaluation) else None)  # type: ignore[return-value]
