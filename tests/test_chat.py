@@ -653,3 +653,44 @@ def test_a_text_file_with_records_of_another_format_is_refused_not_emptied(model
         DataError, match=r"mixed.jsonl, record 4: it has no 'text' \(its keys: prompt, completion\), wh"
     ):
         clm.encode_files([str(mixed)], tok, "auto", "text", None, "assistant", (None, None))
+
+
+COUNTRY = {"type": "object", "properties": {"country": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "capital", "description": "A capital.", "parameters": COUNTRY}}]
+# ChatML with Qwen's tools block: the functions in a system turn of their own.
+WITH_TOOLS = (
+    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n' }}{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}"
+    "{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}" + CHATML
+)
+
+
+def test_a_records_tools_reach_the_template_as_trl_passes_them(model_dir):
+    """The twenty-second walk: a record's tools column (TRL's tool-calling datasets) was left out,
+    and the model trained on calls of functions it was never shown. TRL's SFTTrainer passes it to
+    apply_chat_template(tools=...); so does xlafit: the same ids and answer mask."""
+    hf = _hf(model_dir, WITH_TOOLS)
+    messages = CONVERSATION[1:3]
+    expected = hf.apply_chat_template(
+        messages, tools=TOOLS, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    tok = clm.load_tokenizer(model_dir)
+    template = chat.ChatTemplate(WITH_TOOLS, name="the tools template")
+    got = chat.encode({"messages": messages, "tools": TOOLS}, "chat", tok, template)
+    assert got.ids == list(expected["input_ids"]) and got.mask == list(expected["assistant_masks"])
+    assert "# Tools" in tok.decode(got.ids, skip_special_tokens=False)
+    kwargs = chat.encode({"messages": messages, "chat_template_kwargs": {"tools": TOOLS}}, "chat", tok, template)
+    assert kwargs.ids == got.ids  # TRL's chat_template_kwargs column, read the same way
+
+
+def test_a_template_without_a_generation_prompt_is_said_to_train_the_turn_header():
+    """The twenty-second walk: with a template that renders no generation prompt, each answer's
+    `<|im_start|>assistant` header was trained with it, where the guide says it never is."""
+    without = (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+        "'<|im_end|>' + '\\n' }}{% endfor %}"
+    )
+    said = chat.describe(chat.ChatTemplate(without, name="my.jinja"))
+    assert said.startswith("chat template: my.jinja (warning: it renders no generation prompt, so each answer's")
+    assert chat.describe(chat.ChatTemplate(CHATML, name="chatml")) == "chat template: chatml"
+    generation_prompt = CHATML.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    assert chat.describe(chat.ChatTemplate(generation_prompt, name="chatml")) == "chat template: chatml"

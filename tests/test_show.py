@@ -287,3 +287,19 @@ def test_what_data_show_printed_comes_before_its_error_in_a_file(tmp_path):
     )  # fmt: skip
     assert out.returncode == 2
     assert out.stdout.index("preference pairs (train them") < out.stdout.index("xlafit: error:"), out.stdout
+
+
+def test_show_cuts_where_a_run_cuts_by_default(tmp_path, capsys):
+    """The twenty-second walk: `data show` cut at 256 tokens by default, the llm recipe at 128,
+    so the preview showed whole the records a run cuts. Its default is the recipe's, named."""
+    from xlafit.cli import main
+
+    folder = family_tokenizer("xlafit", tmp_path / "tok")
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"prompt": "Say hi. " * 20, "completion": " Hi, and how are you today?" * 6}) + "\n")
+    recipe = load_config("llm", []).data.seq_len
+    capsys.readouterr()
+    assert main(["data", "show", str(data), "--tokenizer", str(folder), "-n", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"cut at --seq-len {recipe};" in out.splitlines()[0]
+    assert f", cut at --seq-len {recipe} (at " in out  # the record is longer than a run's rows

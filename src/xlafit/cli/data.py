@@ -95,7 +95,11 @@ def _register_show(data_sub: argparse._SubParsersAction) -> None:
         "--format", default="auto", choices=("auto", "text", "chat", "prompt_completion"), help="the records' format"
     )
     p.add_argument("--text-column", default="text", help="the field of text records and Parquet files")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per row: a record is cut here (data.seq_len)")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        help="tokens per row: a record is cut here (data.seq_len; default: the llm recipe's, what a run cuts at)",
+    )
     p.add_argument("-n", "--records", type=int, default=3, metavar="N", help="how many records to show")
     p.add_argument(
         "--color", choices=("auto", "always", "never"), default="auto", help="trained text in colour (auto: a terminal)"
@@ -113,8 +117,9 @@ def run_show(args: argparse.Namespace) -> int:
         f"data.loss_on={args.loss_on}",
         f"data.format={args.format}",
         f"data.text_column={args.text_column}",
-        f"data.seq_len={args.seq_len}",
-    ] + ([f"data.chat_template={args.chat_template}"] if args.chat_template else [])
+    ]
+    overrides += [f"data.seq_len={args.seq_len}"] if args.seq_len is not None else []  # else the recipe's, as a run
+    overrides += [f"data.chat_template={args.chat_template}"] if args.chat_template else []
     cfg = load_config("llm", overrides)
     e = llm_data.encoding(cfg)
     files = clm.data_files(e.inputs)
@@ -142,7 +147,8 @@ def run_show(args: argparse.Namespace) -> int:
         f"{args.file}: "
         + ("text documents" if fmt == "text" else f"{fmt} records")
         + f"; tokenizer {args.tokenizer}: {name(e.markers[0])} before and "
-        f"{name(e.markers[1])} after each document and prompt/completion record; loss on "
+        f"{name(e.markers[1])} after each document and prompt/completion record; cut at --seq-len {d.seq_len}; "
+        "loss on "
         + ("every token" if d.loss_on == "all" or fmt == "text" else "the answers")
         + ("" if color else f"; trained text between {show.OPEN} and {show.CLOSE}")
     )

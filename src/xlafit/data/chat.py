@@ -137,14 +137,24 @@ class ChatTemplate:
         self.tokens = dict(tokens or {})
         self.marks_generation = "{% generation %}" in source or "{%- generation %}" in source
 
-    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-        """The conversation as text (marks of generation blocks removed)."""
-        return self._render(messages, add_generation_prompt).replace(_OPEN, "").replace(_CLOSE, "")
+    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False, **context: Any) -> str:
+        """The conversation as text (marks of generation blocks removed); ``context``: what
+        else the template reads, as ``apply_chat_template``'s keywords (``tools``, a record's
+        ``chat_template_kwargs``: :func:`template_context`)."""
+        return self._render(messages, add_generation_prompt, context).replace(_OPEN, "").replace(_CLOSE, "")
 
-    def _render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool) -> str:
+    def adds_generation_prompt(self) -> bool:
+        """Whether rendering with ``add_generation_prompt`` adds the assistant's turn header: a
+        template without that branch leaves the header in each answer, trained with it."""
+        asked = [_PROBE[0]]
+        return self.render(asked, add_generation_prompt=True) != self.render(asked)
+
+    def _render(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool, context: dict[str, Any] | None = None
+    ) -> str:
         try:
             text = self._template.render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt, **self.tokens
+                **(context or {}), messages=list(messages), add_generation_prompt=add_generation_prompt, **self.tokens
             )
         except TemplateError as e:
             raise DataError(f"{self.name} refuses a conversation: {e}") from None
@@ -169,11 +179,11 @@ class ChatTemplate:
             )
         return text
 
-    def answer_spans(self, messages: Sequence[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
+    def answer_spans(self, messages: Sequence[dict[str, Any]], **context: Any) -> tuple[str, list[tuple[int, int]]]:
         """``(text, spans)``: the rendered conversation and the character spans of its
-        assistant turns (what the loss counts)."""
+        assistant turns (what the loss counts); ``context`` as :meth:`render`'s."""
         if self.marks_generation:
-            marked = self._render(messages, False)
+            marked = self._render(messages, False, context)
             spans, text, at = [], [], 0
             for piece in re.split(f"([{_OPEN}{_CLOSE}])", marked):
                 if piece == _OPEN:
@@ -184,13 +194,13 @@ class ChatTemplate:
                     text.append(piece)
                     at += len(piece)
             return "".join(text), spans
-        full = self.render(messages)
+        full = self.render(messages, **context)
         spans = []
         for i, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
-            before = self.render(messages[:i], add_generation_prompt=True)
-            upto = self.render(messages[: i + 1])
+            before = self.render(messages[:i], add_generation_prompt=True, **context)
+            upto = self.render(messages[: i + 1], **context)
             if not (upto.startswith(before) and full.startswith(upto)):
                 raise DataError(
                     f"{self.name} renders a conversation differently from its beginning, so its assistant turns "
@@ -273,17 +283,24 @@ def describe(template: ChatTemplate | None) -> str:
     not the tokenizer's own.
 
     Example:
-        >>> describe(ChatTemplate("{{ messages }}", name="the chat template of tok/tokenizer_config.json"))
+        >>> source = "{{ messages }}{% if add_generation_prompt %}assistant:{% endif %}"
+        >>> describe(ChatTemplate(source, name="the chat template of tok/tokenizer_config.json"))
         'chat template: the chat template of tok/tokenizer_config.json'
     """
     if template is None:
         return "chat template: none"
+    header = ""
+    if not template.marks_generation and not template.adds_generation_prompt():
+        header = (
+            " (warning: it renders no generation prompt, so each answer's turn header is trained with the answer; "
+            "give a template with an add_generation_prompt branch or {% generation %} blocks as data.chat_template)"
+        )
     if template.official is not None and template.shipped is not None:
         return (
             f"chat template: {template.name}, in place of {template.official.name} ({template.shipped.why}); "
-            "generation and export keep the official one"
+            f"generation and export keep the official one{header}"
         )
-    return f"chat template: {template.name}"
+    return f"chat template: {template.name}{header}"
 
 
 # A conversation rendered to find where an assistant turn ends (the answer: text no template alters).
@@ -439,10 +456,11 @@ def encode(
                 f"{missing_template('chat records')}; or, where the records hold a text column too, train on that "
                 "text as it is with data.format=text."
             )
+        context = template_context(record)
         if loss_on == "all":  # every token counts: the answers need not be found
-            encoding = tok.encode(template.render(messages_of(record)), add_special_tokens=False)
+            encoding = tok.encode(template.render(messages_of(record), **context), add_special_tokens=False)
             return Encoded(list(encoding.ids), [1] * len(encoding.ids))
-        text, spans = template.answer_spans(messages_of(record))
+        text, spans = template.answer_spans(messages_of(record), **context)
         encoding = tok.encode(text, add_special_tokens=False)
         inside = [any(s <= start < e for s, e in spans) for start, _ in encoding.offsets]
         return Encoded(list(encoding.ids), [int(x) for x in inside])
@@ -480,6 +498,24 @@ def markers_for(ids: list[int], bos: int | None, eos: int | None) -> tuple[list[
     return head, tail
 
 
+def template_context(record: dict[str, Any]) -> dict[str, Any]:
+    """What a chat record gives its template beside the messages, as TRL's ``SFTTrainer``
+    passes it to ``apply_chat_template``: its ``tools`` (the functions the model may call,
+    which templates render into the system turn) and its ``chat_template_kwargs``.
+
+    Example:
+        >>> template_context({"messages": [], "tools": [{"type": "function"}], "chat_template_kwargs": {"x": 1}})
+        {'x': 1, 'tools': [{'type': 'function'}]}
+    """
+    extra = record.get("chat_template_kwargs") or {}
+    if not isinstance(extra, dict):
+        raise DataError(
+            f"a record's chat_template_kwargs is {extra!r:.60}, not a mapping of names to values; give a JSON object."
+        )
+    tools = record.get("tools")
+    return {**extra, "tools": tools} if tools else dict(extra)
+
+
 def missing_template(what: str) -> str:
     """The refusal of ``what`` (``chat records``) where no chat template is at hand, with the
     templates xlafit ships (:mod:`xlafit.data.templates`)."""
@@ -509,8 +545,9 @@ def _conversation_completion(
         raise DataError(f"{missing_template('conversational prompt/completion records')}.")
     prompt = messages_of({"messages": record["prompt"]})
     whole = messages_of({"messages": [*prompt, *record["completion"]]})
-    prompt_ids = tok.encode(template.render(prompt, add_generation_prompt=True), add_special_tokens=False).ids
-    ids = list(tok.encode(template.render(whole, add_generation_prompt=False), add_special_tokens=False).ids)
+    context = template_context(record)
+    prompt_ids = tok.encode(template.render(prompt, True, **context), add_special_tokens=False).ids
+    ids = list(tok.encode(template.render(whole, False, **context), add_special_tokens=False).ids)
     shared = next((i for i, (a, b) in enumerate(zip(prompt_ids, ids, strict=False)) if a != b), len(prompt_ids))
     mask = [1] * len(ids) if loss_on == "all" else [0] * shared + [1] * (len(ids) - shared)
     return Encoded(ids, mask, shared < len(prompt_ids))
