@@ -694,3 +694,14 @@ def test_a_template_without_a_generation_prompt_is_said_to_train_the_turn_header
     assert chat.describe(chat.ChatTemplate(CHATML, name="chatml")) == "chat template: chatml"
     generation_prompt = CHATML.replace("{% generation %}", "").replace("{% endgeneration %}", "")
     assert chat.describe(chat.ChatTemplate(generation_prompt, name="chatml")) == "chat template: chatml"
+
+
+def test_sharegpt_conversations_train_as_the_same_messages(model_dir):
+    """The twenty-second walk: ShareGPT's layout (conversations of {"from", "value"}), which TRL's
+    SFTTrainer converts itself, was refused with a fix that could not work."""
+    tok, template = clm.load_tokenizer(model_dir), chat.template_for(str(model_dir))
+    speakers = {"system": "system", "user": "human", "assistant": "gpt"}
+    sharegpt = {"conversations": [{"from": speakers[m["role"]], "value": m["content"]} for m in CONVERSATION]}
+    assert chat.detect_format([sharegpt], "sharegpt.jsonl") == "chat"
+    got, expected = (chat.encode(r, "chat", tok, template) for r in (sharegpt, {"messages": CONVERSATION}))
+    assert got == expected and sum(got.mask) > 0

@@ -224,6 +224,10 @@ def test_another_recipes_config_file_says_whose_it_is(tmp_path):
         ("model.preference.max_length=64", "(TRL's max_length is data.seq_len here"),
         ("trainer.num_train_epochs=3", "(TRL's num_train_epochs is trainer.epochs here)"),
         ("trainer.max_steps=20", "(TRL's max_steps is a number of trainer.epochs here, which sets the schedule's"),
+        ("data.dataset_text_field=body", "(TRL's dataset_text_field is data.text_column here)"),
+        ("data.packing=false", "(TRL's packing is always on here: rows are packed, their segment ids keeping"),
+        ("data.assistant_only_loss=true", "(TRL's assistant_only_loss=True is data.loss_on=assistant here"),
+        ("data.completion_only_loss=false", "(TRL's completion_only_loss=True is data.loss_on=assistant here"),
     ],
 )
 def test_trls_names_are_refused_with_xlafits_setting_for_them(key, said):

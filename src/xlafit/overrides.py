@@ -67,6 +67,13 @@ TRL_NAMES = {
     "gradient_accumulation_steps": "TRL's gradient_accumulation_steps is trainer.accumulate_steps here",
     "logging_steps": "TRL's logging_steps is trainer.log_every_steps here",
     "save_steps": "TRL's save_steps is trainer.checkpoint_every_steps here",
+    "dataset_text_field": "TRL's dataset_text_field is data.text_column here",
+    "packing": "TRL's packing is always on here: rows are packed, their segment ids keeping each document's "
+    "attention and loss to itself",
+    "assistant_only_loss": "TRL's assistant_only_loss=True is data.loss_on=assistant here (the default), False "
+    "data.loss_on=all",
+    "completion_only_loss": "TRL's completion_only_loss=True is data.loss_on=assistant here (the default), False "
+    "data.loss_on=all",
 }
 
 

@@ -403,7 +403,7 @@ def detect_format(records: Sequence[dict[str, Any]], where: str, text_column: st
     if not records:
         raise DataError(f"{where} holds no records.")
     keys = set(records[0])
-    if "messages" in keys:
+    if "messages" in keys or "conversations" in keys:  # conversations: ShareGPT's layout (messages_of)
         return "chat"
     if {"prompt", "completion"} <= keys:
         return "prompt_completion"
@@ -553,14 +553,22 @@ def _conversation_completion(
     return Encoded(ids, mask, shared < len(prompt_ids))
 
 
+# ShareGPT's speakers, as chat roles (its "system", "tool" and the like are chat roles already).
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}
+
+
 def messages_of(record: dict[str, Any]) -> list[dict[str, Any]]:
     """A chat record's ``messages``, checked: each a dict with a known role and content a
-    chat template takes.
+    chat template takes. ShareGPT's layout (``conversations`` of ``{"from", "value"}``, the
+    roles ``human`` and ``gpt``) is read as TRL's ``maybe_convert_to_chatml`` reads it, its
+    roles as the user's and the assistant's.
 
     Raises:
         DataError: what is wrong with them, and the layout they need.
     """
-    messages = record.get("messages")
+    messages = record.get("messages", record.get("conversations"))
+    if isinstance(messages, list) and all(isinstance(m, dict) and "from" in m and "role" not in m for m in messages):
+        messages = [_from_sharegpt(m) for m in messages]
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         if "messages" not in record:
             got = f"it has none (its keys are {', '.join(record)})"
@@ -577,6 +585,13 @@ def messages_of(record: dict[str, Any]) -> list[dict[str, Any]]:
             )
         _check_content(message)
     return messages
+
+
+def _from_sharegpt(message: dict[str, Any]) -> dict[str, Any]:
+    """A ShareGPT message (``{"from": "human", "value": ...}``) as a chat message."""
+    rest = {k: v for k, v in message.items() if k not in ("from", "value")}
+    role = SHAREGPT_ROLES.get(message["from"], message["from"])
+    return {"role": role, "content": message.get("value"), **rest}
 
 
 def _check_content(message: dict[str, Any]) -> None:
