@@ -238,7 +238,7 @@ PARTS = {"role": "user", "content": [{"type": "text", "text": "What is the capit
     "name, content, error",
     [
         ("latin1.jsonl", json.dumps({"messages": CONVERSATION[1:3]}).replace("France", "Fr\u00e4nce").encode("latin-1"),
-         r"latin1.jsonl is not UTF-8 text \(byte \d+\); convert it with iconv"),
+         r"latin1.jsonl:1 is not UTF-8 text \(byte \d+\); convert the file with iconv"),
         ("bad.parquet", b"not a parquet file at all",
          r"bad.parquet is not a Parquet file \(.*\); give Parquet files, or name the file for what it holds"),
         ("null.jsonl", json.dumps({"messages": [CONVERSATION[1], {"role": "assistant", "content": None}]}).encode(),

@@ -49,7 +49,7 @@ def test_prepare_names_bad_input(tmp_path, korean_tokenizer):
     with pytest.raises(DataError, match="no tokenizer.json"):
         mlm.prepare(tmp_path, korean_demo_files(), str(tmp_path / "out"))
     (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
-    with pytest.raises(DataError, match="latin1.txt is not UTF-8"):
+    with pytest.raises(DataError, match=r"latin1.txt:1 \(byte 3\) is not UTF-8"):
         mlm.prepare(korean_tokenizer, [str(tmp_path / "latin1.txt")], str(tmp_path / "out"), show_progress=False)
     for name, text in (("empty.txt", ""), ("blank.txt", "\n\n\n")):
         (tmp_path / name).write_text(text)

@@ -123,7 +123,7 @@ def make_run_dir(run_dir: epath.Path, cfg: Config | RunConfig) -> None:
 # Settings naming a local path (a model, a tokenizer, the data, the run) that config.yaml
 # records absolute, so that `xlafit generate`, `export` and a resume find them from any
 # directory (a run directory may hold them relative, as they were given).
-RECORDED_PATHS = ("model.init_from_hf", "data.tokenizer", "data.data_dir", "run.run_dir")
+RECORDED_PATHS = ("model.init_from_hf", "data.tokenizer", "data.data_dir", "data.eval_data_dir", "run.run_dir")
 
 
 def recorded(tree: dict[str, Any]) -> dict[str, Any]:

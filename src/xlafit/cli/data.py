@@ -109,6 +109,7 @@ def _register_show(data_sub: argparse._SubParsersAction) -> None:
 
 def run_show(args: argparse.Namespace) -> int:
     from xlafit.data import chat, clm, show  # the library when the command runs: a fast --help
+    from xlafit.data.files import kind
     from xlafit.recipes import llm_data, load_config
 
     overrides = [
@@ -125,7 +126,7 @@ def run_show(args: argparse.Namespace) -> int:
     files = clm.data_files(e.inputs)
     d = llm_data.data_config(cfg)
     # Preference pairs are shown as a pair each (a text file is no record file: not read here).
-    first = chat.read_records(files[:1]) if files and files[0].endswith((*clm.RECORD_FILES, ".parquet")) else []
+    first = chat.read_records(files[:1]) if files and kind(files[0]) != "text" else []
     if first and {"chosen", "rejected"} <= set(first[0]):
         return _show_pairs(files[0], first, e, d.seq_len, args)
     if first and "prompt" in first[0] and not {"completion", "messages"} & set(first[0]):

@@ -40,6 +40,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from xlafit.data import templates
+from xlafit.data.files import records_of_array
 from xlafit.data.shards import parquet_table
 from xlafit.errors import DataError
 from xlafit.io.paths import as_path, filesystem
@@ -335,7 +336,8 @@ def end_of_turn(template: ChatTemplate, tok: Tokenizer) -> str | None:
 
 
 def read_records(files: Sequence[str]) -> list[dict[str, Any]]:
-    """The records of JSON-lines (``.jsonl``, ``.json``) and Parquet files, in order.
+    """The records of JSON-lines (``.jsonl``, ``.ndjson``, ``.json``) and Parquet files, in
+    order; a ``.json`` file may hold one JSON array of records instead.
 
     Raises:
         DataError: a line that is not a JSON object (its file and line named), a file that is
@@ -362,7 +364,13 @@ def read_records(files: Sequence[str]) -> list[dict[str, Any]]:
         try:
             text = lines.decode("utf-8-sig")  # a byte-order mark (an editor on Windows writes one) is no text
         except UnicodeDecodeError as e:
-            raise DataError(f"{name} is not UTF-8 text (byte {e.start}); convert it with iconv first.") from None
+            line = lines[: e.start].count(b"\n") + 1
+            raise DataError(
+                f"{name}:{line} is not UTF-8 text (byte {e.start}); convert the file with iconv first."
+            ) from None
+        if name.endswith(".json") and text.lstrip().startswith("["):  # one array of records (to_json(lines=False))
+            out += records_of_array(name, text)
+            continue
         for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue

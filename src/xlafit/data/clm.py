@@ -47,14 +47,14 @@ from xlafit.data.chat import (
     read_records,
     template_for,
 )
+from xlafit.data.files import data_files, kind, splits
 from xlafit.data.hashing import hash_uniform
 from xlafit.data.shapes import pack
 from xlafit.data.special_tokens import markers, settings
 from xlafit.data.text import documents
 from xlafit.data.tokenizer import read_tokenizer_json
 from xlafit.errors import ConfigError, DataError
-from xlafit.io import hub
-from xlafit.io.paths import as_path, describe_error, filesystem, is_url
+from xlafit.io.paths import as_path
 
 ArrayT = TypeVar("ArrayT", np.ndarray, jax.Array)
 PROGRESS_EVERY_S = 5.0  # the least time between two lines of load_packed's progress
@@ -173,16 +173,13 @@ def stop_ids(folder: str | Path) -> tuple[int, ...]:
     return tuple(sorted(i for i in found if i is not None))
 
 
-RECORD_FILES = (".jsonl", ".json")  # one JSON record per line (chat, prompt/completion or text)
-
-
 def read_documents(inputs: Sequence[str], text_column: str = "text") -> Iterator[str]:
     """The documents of text files (blank-line-separated blocks) and Parquet files (one per
     row of ``text_column``), in order. ``inputs``: files, directories, globs or URLs."""
     files = data_files(inputs)
-    yield from _documents([f for f in files if not f.endswith((".parquet", *RECORD_FILES))], [], text_column)
+    yield from _documents([f for f in files if kind(f) == "text"], [], text_column)
     for name in files:
-        if name.endswith(".parquet"):
+        if kind(name) == "parquet":
             yield from _documents([], read_records([name]), text_column, name)
 
 
@@ -221,71 +218,6 @@ def _documents(text_files: list[str], records: list[dict], text_column: str, whe
             " has" if empty == 1 else "s have",
             text_column,
         )
-
-
-def data_files(inputs: Sequence[str]) -> list[str]:
-    """The files named by ``inputs``: files, globs, or directories (their ``*.txt``,
-    ``*.parquet`` and ``*.jsonl``), local or URLs; ``hf://datasets/org/name/path`` through
-    the Hugging Face cache (:func:`xlafit.io.hub.dataset_path`).
-
-    Raises:
-        DataError: an input matches no file.
-        ConfigError: a Hugging Face path that cannot be read (gated, unknown, offline).
-    """
-    files: list[str] = []
-    for given in inputs:
-        pattern = hub.dataset_path(given, "data.data_dir") if given.startswith("hf://") else given
-        try:
-            found = _matching(pattern)
-        except Exception as e:  # a bucket that cannot be reached or read: gcsfs's own error is a long traceback
-            if not is_url(pattern):
-                raise
-            raise DataError(f"cannot read {pattern}: {describe_error(pattern, e)}") from None
-        if not found:
-            deeper = _deeper_data(pattern)
-            where = ""
-            if deeper is not None:
-                folder, ext = deeper
-                inner = f"{given.rstrip('/')}/{folder}"
-                where = (
-                    f" ({given} holds none itself, but {inner} does: give that folder, or a glob as "
-                    f"'{given.rstrip('/')}/**/*.{ext}'; a folder is read one level deep)"
-                )
-            raise DataError(
-                f"no input file matches {given}{where}; give text, Parquet or JSON-lines files, globs, or "
-                "directories of *.txt, *.parquet and *.jsonl files."
-            )
-        files += found
-    return files
-
-
-def _deeper_data(pattern: str) -> tuple[str, str] | None:
-    """``(folder, extension)``: a folder under ``pattern`` (a directory with no data file of
-    its own; the folder relative to it) that holds data files, for the message that names it;
-    None where there is none, or it is no directory."""
-    try:
-        fs, path = filesystem(pattern)
-        if not fs.isdir(path):
-            return None
-        root = path.rstrip("/")
-        for ext in ("parquet", "jsonl", "txt"):
-            found = sorted(fs.glob(f"{root}/**/*.{ext}"))
-            if found:
-                return found[0].rsplit("/", 1)[0][len(root) :].lstrip("/"), ext
-    except Exception:  # only a hint: the error itself stands
-        return None
-    return None
-
-
-def _matching(pattern: str) -> list[str]:
-    fs, path = filesystem(pattern)
-    if any(c in path for c in "*?["):
-        found = sorted(fs.glob(path))
-    elif fs.isdir(path):
-        found = sorted(f for ext in ("txt", "parquet", "jsonl") for f in fs.glob(f"{path.rstrip('/')}/*.{ext}"))
-    else:
-        found = [path]
-    return [fs.unstrip_protocol(f) if "://" in pattern else f for f in found if fs.exists(f) and fs.isfile(f)]
 
 
 @dataclasses.dataclass
@@ -340,6 +272,7 @@ class Source:
     # off, or none), where they would only add a row's zero to the mean over rows
     without_loss: int = 0
     spans_boundary: int = 0  # prompt/completion records with a token across the prompt's end
+    eval_from: str = ""  # where evaluation files come from, in words (:class:`xlafit.data.files.Splits`)
 
 
 def load_packed(
@@ -355,9 +288,12 @@ def load_packed(
     loss_on: str = "assistant",
     markers: tuple[int | None, int | None] = (None, None),
     progress: Callable[[str], None] | None = None,
+    eval_inputs: Sequence[str] = (),
 ) -> tuple[PackedText, PackedText]:
     """(train, eval) packed rows of the documents or records of ``inputs``; each goes to eval
-    with probability ``eval_fraction`` (a hash of its index and ``seed``).
+    with probability ``eval_fraction`` (a hash of its index and ``seed``), unless the
+    evaluation has files of its own: ``eval_inputs``, or the test or validation split of a
+    folder named for splits (:func:`xlafit.data.files.splits`), which take its place.
 
     Text (``fmt="text"``: text files, a Parquet text column, ``{"text"}`` records) is cut into
     pieces of ``seq_len``; a chat or prompt/completion record (:mod:`xlafit.data.chat`) is one
@@ -374,18 +310,29 @@ def load_packed(
     if seq_len < 2:
         raise DataError(f"data.seq_len={seq_len} leaves nothing to predict; use 256, 1024 or more.")
     _check_options(fmt, loss_on)
-    files = data_files(inputs)
+    found = splits(inputs, eval_inputs)
+    files = found.train
     encoded, fmt_found = encode_files(files, tok, fmt, text_column, template, loss_on, markers, progress)
-    draws = hash_uniform(np.array([seed]), np.arange(len(encoded)), 11) if encoded else np.zeros(0)
+    if found.eval is None:
+        draws = hash_uniform(np.array([seed]), np.arange(len(encoded)), 11) if encoded else np.zeros(0)
+        names = ["eval" if draw < eval_fraction else "train" for draw in draws]
+    else:  # the evaluation's own files: every training record trains
+        held, fmt_held = encode_files(found.eval, tok, fmt, text_column, template, loss_on, markers, progress)
+        if held and fmt_held != fmt_found:
+            raise DataError(
+                f"the evaluation files hold {fmt_held} records and the training files {fmt_found}; give both in "
+                "one format."
+            )
+        names = ["train"] * len(encoded) + ["eval"] * len(held)
+        encoded += held
     split: dict[str, list[Encoded]] = {"train": [], "eval": []}
     counts = {"train": 0, "eval": 0}
     truncated = answers_cut = longest = without_loss = spans_boundary = 0
     # A record none of whose tokens within seq_len counts for the loss is left out (told in the
     # summary), unless no training record would be left: the errors below say why.
     counting = [fmt_found == "text" or loss_on == "all" or any(e.mask[:seq_len]) for e in encoded]
-    leave_out = any(c and d >= eval_fraction for c, d in zip(counting, draws, strict=True))
-    for e, draw, counts_for_loss in zip(encoded, draws, counting, strict=True):
-        name = "eval" if draw < eval_fraction else "train"
+    leave_out = any(c and name == "train" for c, name in zip(counting, names, strict=True))
+    for e, name, counts_for_loss in zip(encoded, names, counting, strict=True):
         if fmt_found != "text" and len(e.ids) > 1:
             truncated += len(e.ids) > seq_len
             answers_cut += name == "train" and any(e.mask) and not any(e.mask[:seq_len])
@@ -433,7 +380,7 @@ def load_packed(
             "is on the answers (assistant turns, completions), and no training record has one; check the records' "
             "roles, or set data.loss_on=all."
         )
-    out[0].source = Source(fmt_found, counts, truncated, share, without_loss, spans_boundary)
+    out[0].source = Source(fmt_found, counts, truncated, share, without_loss, spans_boundary, found.said)
     return out[0], out[1]
 
 
@@ -447,7 +394,7 @@ def sequences(encoded: Encoded, fmt: str, seq_len: int) -> list[Encoded]:
 
 def _without_answers(files: list[str]) -> int:
     """How many chat records of ``files`` have no assistant turn (read again: only an error needs it)."""
-    records = [r for f in files if f.endswith((".parquet", *RECORD_FILES)) for r in read_records([f])]
+    records = [r for f in files if kind(f) != "text" for r in read_records([f])]
     return sum(
         not any(isinstance(m, dict) and m.get("role") == "assistant" for m in r.get("messages") or [])
         for r in records
@@ -490,7 +437,7 @@ def encode_files(
     """
     _check_options(fmt, loss_on)
     bos, eos = markers
-    texts = [f for f in files if not f.endswith((".parquet", *RECORD_FILES))]
+    texts = [f for f in files if kind(f) == "text"]
     found: dict[str, str] = {"text": texts[0]} if texts else {}  # each format found, and a file of it
     out = []
     tick = _Progress(progress)

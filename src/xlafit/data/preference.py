@@ -41,7 +41,8 @@ from xlafit.data.chat import (
     missing_template,
     read_records,
 )
-from xlafit.data.clm import PAD, data_files
+from xlafit.data.clm import PAD
+from xlafit.data.files import splits
 from xlafit.data.hashing import hash_uniform
 from xlafit.errors import DataError
 
@@ -244,11 +245,15 @@ def load_pairs(
     seed: int = 0,
     markers: tuple[int | None, int | None] = (None, None),
     progress: Callable[[str], None] | None = None,
+    eval_inputs: Sequence[str] = (),
 ) -> tuple[PreferencePairs, PreferencePairs]:
     """(train, eval) pairs of the preference records of ``inputs`` (files, globs, directories
     or URLs of JSON lines or Parquet); each record goes to eval with probability
     ``eval_fraction`` (a hash of its index and ``seed``). ``markers``: the tokenizer's
-    ``(bos, eos)`` (:func:`xlafit.data.clm.special_ids`), around text pairs' rows.
+    ``(bos, eos)`` (:func:`xlafit.data.clm.special_ids`), around text pairs' rows. The
+    evaluation's own files (``eval_inputs``, or a split folder's test or validation files:
+    :func:`xlafit.data.files.splits`) take the place of ``eval_fraction``, and ``progress`` is
+    told so.
 
     Raises:
         DataError: a record that is no preference pair (:func:`check_pair`), records mixing
@@ -261,7 +266,9 @@ def load_pairs(
     kinds: set[str] = set()
     first: dict[str, str] = {}  # where the first record of each kind was, and of other turns
     others = 0
-    for name in data_files(inputs):
+    found = splits(inputs, eval_inputs)
+    held = set(found.eval or ())
+    for name in [*found.train, *(found.eval or [])]:
         records = read_records([name])
         for number, record in enumerate(records, 1):
             where = f"{name}, record {number}"
@@ -281,10 +288,15 @@ def load_pairs(
     if not encoded:
         raise DataError(f"no preference records in {', '.join(map(str, inputs))}; give records in one of {_LAYOUTS}.")
     draws = hash_uniform(np.array([seed]), np.arange(len(encoded)), 13)
+    to_eval = [bool(draw < eval_fraction) for draw in draws]
+    if found.eval is not None:  # every training file's pair trains, every evaluation file's evaluates
+        to_eval = [where.rsplit(", record ", 1)[0] in held for where in wheres]
+        if progress is not None:
+            progress(found.said)
     split: dict[str, list[tuple[Encoded, Encoded]]] = {"train": [], "eval": []}
     truncated = alike = 0
     spans = sum(any(row.spans_boundary for row in pair) for pair in encoded)
-    for where, pair, draw in zip(wheres, encoded, draws, strict=True):
+    for where, pair, evaluates in zip(wheres, encoded, to_eval, strict=True):
         for row in pair:
             truncated += len(row.ids) > seq_len
             if not any(row.mask[:seq_len]):
@@ -296,7 +308,7 @@ def load_pairs(
         if pair[0].ids[:seq_len] == pair[1].ids[:seq_len]:  # prefers nothing within seq_len: no signal
             alike += 1
             continue
-        split["eval" if draw < eval_fraction else "train"].append(pair)
+        split["eval" if evaluates else "train"].append(pair)
     if alike == len(encoded):
         raise DataError(
             f"every preference pair is the same in its chosen and rejected rows within data.seq_len={seq_len}: the "

@@ -28,7 +28,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from xlafit.data.chat import ChatTemplate, check_one_kind, read_records
-from xlafit.data.clm import PAD, data_files
+from xlafit.data.clm import PAD
+from xlafit.data.files import splits
 from xlafit.errors import ConfigError, DataError
 
 __all__ = ["PROMPT_FORMAT", "PromptSet", "check_prompt", "check_room", "encode_prompt", "load_prompts"]
@@ -223,7 +224,10 @@ def load_prompts(
     rows: list[dict[str, Any]] = []
     kinds: set[str] = set()
     first: dict[str, str] = {}  # where the first record of each kind was
-    for name in data_files(inputs):
+    found = splits(inputs)
+    if found.eval and progress is not None:  # a split folder: its train files, as a run with evaluation reads them
+        progress(f"reading the train split of {', '.join(inputs)}: its {len(found.eval)} evaluation files are not read")
+    for name in found.train:
         records = read_records([name])
         for number, record in enumerate(records, 1):
             where = f"{name}, record {number}"

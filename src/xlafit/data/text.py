@@ -60,10 +60,25 @@ def read_lines(files: Sequence[str]) -> Iterator[tuple[int, str]]:
             with fsspec.open(name, "r", encoding="utf-8") as f:
                 for line in f:
                     yield i, line.strip()
-        except UnicodeDecodeError as e:
-            raise DataError(f"{name} is not UTF-8 text (byte {e.start}); convert it with iconv first.") from None
+        except UnicodeDecodeError:
+            where = _undecodable(name)
+            raise DataError(f"{name}:{where} is not UTF-8 text; convert the file with iconv first.") from None
         except FileNotFoundError:
             raise DataError(f"input file {name} does not exist.") from None
+
+
+def _undecodable(name: str) -> str:
+    """``line N (byte B)``: where ``name`` is first not UTF-8, read again (only an error needs
+    it: the decoder's offset counts from the chunk it was decoding, not the file's start)."""
+    offset = 0
+    with fsspec.open(name, "rb") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return f"{number} (byte {offset + e.start})"
+            offset += len(line)
+    return "?"
 
 
 def documents(files: Sequence[str], doc_boundary: DocBoundary = "blank") -> Iterator[list[str]]:

@@ -49,6 +49,9 @@ class LlmDataConfig(xconfig.DataConfig):
     vocab_size: int | None = None  # the size of the BPE tokenizer the demo trains (null: 2000)
     text_column: str = "text"  # the column of Parquet files that holds the documents
     eval_fraction: float = 0.1  # documents held out for evaluation (a hash of their index and data.seed)
+    # files to evaluate on, as data.data_dir names them, in place of data.eval_fraction (a folder of
+    # data.data_dir with train-* and test-* or validation-* files evaluates on those without it)
+    eval_data_dir: str | None = None
     # auto (from the records), text, chat ({"messages": [...]}), prompt_completion ({"prompt", "completion"})
     # preference ({"prompt", "chosen", "rejected"}: model.objective=dpo, simpo, orpo) or prompt ({"prompt"}
     # and any columns for the rewards: model.objective=grpo)
@@ -210,6 +213,7 @@ def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
         loss_on=d.loss_on,
         markers=e.markers,
         progress=functools.partial(print, file=sys.stderr, flush=True),
+        eval_inputs=[d.eval_data_dir] if d.eval_data_dir else [],
     )
     summary = data_summary(train, evaluation, d)
     if train.source is not None and train.source.format == "chat":
@@ -285,7 +289,9 @@ def data_summary(train: clm.PackedText, evaluation: clm.PackedText, d: LlmDataCo
                 "answer starts where the prompt alone and the whole encode apart (as TRL's SFTTrainer does), so the "
                 "end of the prompt trains too; a prompt that ends with a newline keeps the two apart in most tokenizers"
             )
-    if not len(evaluation) and d.eval_fraction > 0:
+    if source is not None and source.eval_from:
+        lines.append(f"  {source.eval_from}")
+    elif not len(evaluation) and d.eval_fraction > 0:
         total = train.documents + evaluation.documents
         lines.append(
             f"  no evaluation: none of the {_many(total, kind)} was drawn for it at "

@@ -117,6 +117,7 @@ def load(
         seed=d.seed,
         markers=markers,
         progress=say,
+        eval_inputs=[d.eval_data_dir] if d.eval_data_dir else [],
     )
     say(summary(train, evaluation, d.eval_fraction))
     objective = objective_of(cfg)
