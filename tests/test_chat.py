@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from helpers import long_form
-from xlafit.data import chat, clm
+from xlafit.data import chat, clm, rendering
 from xlafit.errors import ConfigError, DataError
 
 # The command as a user runs it: without the suite's XLA_FLAGS (8 host devices), on the CPU.
@@ -63,7 +63,7 @@ def test_token_ids_and_answer_mask_equal_transformers_apply_chat_template(model_
     hf = _hf(model_dir, CHATML)
     expected = hf.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     tok = clm.load_tokenizer(model_dir)
-    template = chat.template_for(str(model_dir))
+    template = rendering.template_for(str(model_dir))
     assert template is not None and template.marks_generation
     got = chat.encode({"messages": CONVERSATION}, "chat", tok, template)
     assert got.ids == list(expected["input_ids"])
@@ -80,7 +80,7 @@ def test_a_conversational_prompt_completion_record_is_encoded_as_trl_encodes_it(
     prompt, completion = CONVERSATION[:-1], CONVERSATION[-1:]  # a system turn, then a question and an answer
     whole = list(hf.apply_chat_template([*prompt, *completion], tokenize=True, return_dict=True)["input_ids"])
     asked = hf.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
-    tok, template = clm.load_tokenizer(model_dir), chat.template_for(str(model_dir))
+    tok, template = clm.load_tokenizer(model_dir), rendering.template_for(str(model_dir))
     got = chat.encode({"prompt": prompt, "completion": completion}, "prompt_completion", tok, template)
     assert got.ids == whole
     assert got.mask == [0] * len(asked) + [1] * (len(whole) - len(asked)) and not got.spans_boundary
@@ -91,7 +91,7 @@ def test_without_generation_marks_the_answers_are_what_each_turn_adds(model_dir)
     rendering before it with the generation prompt; the prompt's header stays out of the loss,
     the turn's <|eot_id|> in."""
     tok = clm.load_tokenizer(model_dir)
-    template = chat.ChatTemplate(LLAMA3, {"bos_token": "<|begin_of_text|>"})
+    template = rendering.ChatTemplate(LLAMA3, {"bos_token": "<|begin_of_text|>"})
     got = chat.encode({"messages": CONVERSATION}, "chat", tok, template)
     hf = _hf(model_dir, LLAMA3)
     assert got.ids == list(hf.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True)["input_ids"])
@@ -118,7 +118,7 @@ def test_a_template_whose_answers_cannot_be_found_trains_every_token_with_loss_o
         "{% if add_generation_prompt %}### Assistant: {% endif %}"
     )
     tok = clm.load_tokenizer(model_dir)
-    template = chat.ChatTemplate(last_differs)
+    template = rendering.ChatTemplate(last_differs)
     with pytest.raises(DataError, match="renders a conversation differently from its beginning"):
         chat.encode({"messages": CONVERSATION}, "chat", tok, template)
     got = chat.encode({"messages": CONVERSATION}, "chat", tok, template, loss_on="all")
@@ -129,14 +129,15 @@ def test_a_template_whose_answers_cannot_be_found_trains_every_token_with_loss_o
 
 def test_the_end_of_an_assistant_turn_is_the_special_token_after_the_answer(model_dir):
     tok = clm.load_tokenizer(model_dir)
-    assert chat.end_of_turn(chat.ChatTemplate(CHATML), tok) == "<|im_end|>"
-    assert chat.end_of_turn(chat.ChatTemplate(LLAMA3, {"bos_token": "<|begin_of_text|>"}), tok) == "<|eot_id|>"
+    assert rendering.end_of_turn(rendering.ChatTemplate(CHATML), tok) == "<|im_end|>"
+    llama3 = rendering.ChatTemplate(LLAMA3, {"bos_token": "<|begin_of_text|>"})
+    assert rendering.end_of_turn(llama3, tok) == "<|eot_id|>"
     plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n\n{% endfor %}"
-    assert chat.end_of_turn(chat.ChatTemplate(plain), tok) is None  # no special token ends a turn
+    assert rendering.end_of_turn(rendering.ChatTemplate(plain), tok) is None  # no special token ends a turn
     user_only = (
         "{% for m in messages %}{% if m['role'] != 'user' %}{{ raise_exception('users only') }}{% endif %}{% endfor %}"
     )
-    assert chat.end_of_turn(chat.ChatTemplate(user_only), tok) is None
+    assert rendering.end_of_turn(rendering.ChatTemplate(user_only), tok) is None
 
 
 def test_prompt_completion_counts_the_completion_and_its_end(model_dir):
@@ -155,7 +156,7 @@ def test_records_are_detected_packed_and_their_masks_follow_them(model_dir, tmp_
     path = tmp_path / "chat.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in lines))
     tok = clm.load_tokenizer(model_dir)
-    template = chat.template_for(str(model_dir))
+    template = rendering.template_for(str(model_dir))
     train, evaluation = clm.load_packed([str(path)], tok, seq_len=128, eval_fraction=0.2, seed=1, template=template)
     assert train.source.format == "chat" and train.documents + evaluation.documents == 20 and evaluation.documents
     assert set(train.arrays) == {"input_ids", "segment_ids", "positions", "loss_mask"}
@@ -227,7 +228,7 @@ def test_mixed_formats_name_a_file_of_each(model_dir, tmp_path):
     (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": CONVERSATION[1:3]}) + "\n")
     (tmp_path / "notes.txt").write_text("The answer is short.\n")
     with pytest.raises(DataError, match=r"mix formats \(.*chat.jsonl is chat, .*notes.txt is text\); give one kind"):
-        clm.load_packed([str(tmp_path)], tok, seq_len=64, template=chat.template_for(str(model_dir)))
+        clm.load_packed([str(tmp_path)], tok, seq_len=64, template=rendering.template_for(str(model_dir)))
 
 
 TOOL_CALL = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]}
@@ -257,7 +258,7 @@ def test_a_file_or_record_that_cannot_be_read_is_one_error_naming_it(model_dir, 
     (tmp_path / name).write_bytes(content)
     tok = clm.load_tokenizer(model_dir)
     with pytest.raises(DataError, match=error) as e:
-        clm.load_packed([str(tmp_path / name)], tok, seq_len=128, template=chat.template_for(str(model_dir)))
+        clm.load_packed([str(tmp_path / name)], tok, seq_len=128, template=rendering.template_for(str(model_dir)))
     assert "\n" not in str(e.value)
 
 
@@ -268,13 +269,13 @@ def test_a_template_that_breaks_is_named_with_its_file_and_not_blamed_on_the_con
     record = {"messages": CONVERSATION[1:3]}
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
     with pytest.raises(DataError) as e:
-        chat.template_for(str(model_dir), str(tmp_path / "broken.jinja"))
+        rendering.template_for(str(model_dir), str(tmp_path / "broken.jinja"))
     broken = tmp_path / "broken.jinja"
     assert str(e.value).startswith(f"the chat template in {broken} (data.chat_template) does not parse")
     assert "(line 2: unexpected '}')" in str(e.value)
     for source in ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "{% for i in range(10**9) %}{% endfor %}"):
         (tmp_path / "bad.jinja").write_text(source)
-        template = chat.template_for(str(model_dir), str(tmp_path / "bad.jinja"))
+        template = rendering.template_for(str(model_dir), str(tmp_path / "bad.jinja"))
         with pytest.raises(DataError, match=r"bad.jinja \(data.chat_template\) cannot render a conversation") as e:
             chat.encode(record, "chat", tok, template)
         assert str(e.value).endswith("fix the template, or give another as data.chat_template.")
@@ -289,14 +290,14 @@ def test_text_parts_go_to_the_template_as_transformers_gives_them(model_dir):
     )
     conversation = [PARTS, CONVERSATION[2]]
     tok = clm.load_tokenizer(model_dir)
-    got = chat.encode({"messages": conversation}, "chat", tok, chat.ChatTemplate(parts))
+    got = chat.encode({"messages": conversation}, "chat", tok, rendering.ChatTemplate(parts))
     expected = _hf(model_dir, parts).apply_chat_template(conversation, tokenize=True, return_dict=True)["input_ids"]
     assert got.ids == list(expected) and sum(got.mask) > 0
 
 
 def test_records_that_would_train_on_nothing_are_refused_by_name(model_dir, tmp_path):
     tok = clm.load_tokenizer(model_dir)
-    template = chat.template_for(str(model_dir))
+    template = rendering.template_for(str(model_dir))
     typo = [{**m, "role": "assistent"} if m["role"] == "assistant" else m for m in CONVERSATION]
     path = tmp_path / "typo.jsonl"
     path.write_text("\n".join(json.dumps({"messages": c}) for c in [CONVERSATION, typo]))
@@ -334,7 +335,7 @@ def test_tokenizing_says_how_far_it_is(model_dir, tmp_path, monkeypatch, capsys)
     path.write_text("\n".join(json.dumps({"messages": CONVERSATION}) for _ in range(12)))
     (tmp_path / "a.txt").write_text("one document\n\nand another\n")
     lines: list[str] = []
-    template = chat.template_for(str(model_dir))
+    template = rendering.template_for(str(model_dir))
     clm.load_packed([str(path)], clm.load_tokenizer(model_dir), seq_len=128, template=template, progress=lines.append)
     assert lines[0] == f"tokenizing {path} (file 1 of 1): 1 of 12 records" and lines[-1].endswith(": 12 of 12 records")
     llm_data.load_data(load_config("llm", [f"data.data_dir={tmp_path / 'a.txt'}", f"data.tokenizer={model_dir}"]))
@@ -342,10 +343,10 @@ def test_tokenizing_says_how_far_it_is(model_dir, tmp_path, monkeypatch, capsys)
 
 
 def test_a_downloaded_template_cannot_reach_python():
-    template = chat.ChatTemplate("{{ messages.__class__.__mro__ }}")
+    template = rendering.ChatTemplate("{{ messages.__class__.__mro__ }}")
     with pytest.raises(Exception, match="unsafe|access"):
         template.render([{"role": "user", "content": "x"}])
-    raising = chat.ChatTemplate("{{ raise_exception('only user and assistant roles') }}")
+    raising = rendering.ChatTemplate("{{ raise_exception('only user and assistant roles') }}")
     with pytest.raises(DataError, match="only user and assistant roles"):
         raising.render([])
 
@@ -395,7 +396,7 @@ def test_the_chat_demo_tunes_a_model_whose_answers_follow(tmp_path):
     logged = [json.loads(line) for line in (tuned / "metrics.jsonl").read_text().splitlines()]
     losses = [m["loss"] for m in logged if m.get("split") == "train"]
     assert losses[-1] < 0.8 * losses[0]  # the loss on the answers falls
-    assert (tuned / "tokenizer" / chat.TEMPLATE_FILE).exists()
+    assert (tuned / "tokenizer" / rendering.TEMPLATE_FILE).exists()
     answer = run("generate", str(tuned), "--simulate", "1", "--prompt", "What is 3 plus 4?", "--max-new-tokens", "12",
                  "--json")  # fmt: skip
     (line,) = [json.loads(x) for x in answer.stdout.splitlines() if x.startswith("{")]
@@ -558,7 +559,7 @@ def test_records_whose_answer_the_cut_removes_are_left_out_not_counted_as_zero_r
     loss is 0 of 0 tokens, and the mean over rows took it as a zero: the train and eval loss
     and the gradient shrank (2.84 at seq_len 40 against 5.68 at 64 for one model)."""
     tok = clm.load_tokenizer(model_dir)
-    template = chat.template_for(str(model_dir))
+    template = rendering.template_for(str(model_dir))
     long_question = [CONVERSATION[0], {"role": "user", "content": "Tell me. " * 40}, CONVERSATION[2]]
     path = tmp_path / "mixed.jsonl"
     path.write_text("\n".join(json.dumps({"messages": c}) for c in [CONVERSATION] * 6 + [long_question] * 4))
@@ -573,7 +574,7 @@ def test_a_template_that_prints_content_as_it_is_refuses_a_list_of_parts(model_d
     """Issue 63's second walk: with a template that prints `{{ message['content'] }}` (Llama 3.0's,
     Mistral v0.1's style), a list of parts trained as its Python text, exit 0."""
     tok = clm.load_tokenizer(model_dir)
-    prints = chat.ChatTemplate("{% for m in messages %}{{ m['role'] }}: {{ m['content'] | trim }}\n{% endfor %}")
+    prints = rendering.ChatTemplate("{% for m in messages %}{{ m['role'] }}: {{ m['content'] | trim }}\n{% endfor %}")
     assert "user: What" in prints.render(CONVERSATION)  # text content renders as ever
     conversation = [PARTS, CONVERSATION[2]]
     with pytest.raises(DataError, match="prints a message's content as it is.*give each message's content as a string"):
@@ -674,7 +675,7 @@ def test_a_records_tools_reach_the_template_as_trl_passes_them(model_dir):
         messages, tools=TOOLS, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
     )
     tok = clm.load_tokenizer(model_dir)
-    template = chat.ChatTemplate(WITH_TOOLS, name="the tools template")
+    template = rendering.ChatTemplate(WITH_TOOLS, name="the tools template")
     got = chat.encode({"messages": messages, "tools": TOOLS}, "chat", tok, template)
     assert got.ids == list(expected["input_ids"]) and got.mask == list(expected["assistant_masks"])
     assert "# Tools" in tok.decode(got.ids, skip_special_tokens=False)
@@ -689,17 +690,17 @@ def test_a_template_without_a_generation_prompt_is_said_to_train_the_turn_header
         "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
         "'<|im_end|>' + '\\n' }}{% endfor %}"
     )
-    said = chat.describe(chat.ChatTemplate(without, name="my.jinja"))
+    said = rendering.describe(rendering.ChatTemplate(without, name="my.jinja"))
     assert said.startswith("chat template: my.jinja (warning: it renders no generation prompt, so each answer's")
-    assert chat.describe(chat.ChatTemplate(CHATML, name="chatml")) == "chat template: chatml"
+    assert rendering.describe(rendering.ChatTemplate(CHATML, name="chatml")) == "chat template: chatml"
     generation_prompt = CHATML.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-    assert chat.describe(chat.ChatTemplate(generation_prompt, name="chatml")) == "chat template: chatml"
+    assert rendering.describe(rendering.ChatTemplate(generation_prompt, name="chatml")) == "chat template: chatml"
 
 
 def test_sharegpt_conversations_train_as_the_same_messages(model_dir):
     """The twenty-second walk: ShareGPT's layout (conversations of {"from", "value"}), which TRL's
     SFTTrainer converts itself, was refused with a fix that could not work."""
-    tok, template = clm.load_tokenizer(model_dir), chat.template_for(str(model_dir))
+    tok, template = clm.load_tokenizer(model_dir), rendering.template_for(str(model_dir))
     speakers = {"system": "system", "user": "human", "assistant": "gpt"}
     sharegpt = {"conversations": [{"from": speakers[m["role"]], "value": m["content"]} for m in CONVERSATION]}
     assert chat.detect_format([sharegpt], "sharegpt.jsonl") == "chat"

@@ -138,3 +138,16 @@ def test_preference_pairs_of_a_split_folder_evaluate_on_its_test_split(tok, tmp_
     train, evaluation = load_pairs([str(tmp_path)], tok, None, seq_len=32, eval_fraction=0.5, progress=said.append)
     assert (train.documents, evaluation.documents) == (9, 3)
     assert any(line.startswith("eval: the test split of") for line in said)
+
+
+def test_a_file_of_a_type_not_read_beside_the_data_is_said_to_be_left_out(tmp_path, caplog):
+    """A CSV beside JSON-lines files in a folder was left out without a word."""
+    import logging
+
+    _jsonl(tmp_path / "a.jsonl", PAIRS)
+    (tmp_path / "more.csv").write_text("prompt,completion\n")
+    with caplog.at_level(logging.WARNING, logger="xlafit"):
+        assert [f.rsplit("/", 1)[-1] for f in clm.data_files([str(tmp_path)])] == ["a.jsonl"]
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith(f"warning: {tmp_path}: 1 file of a type not read left out, the first")
+    assert "more.csv: not a file type xlafit reads" in said[0] and "convert it to JSON lines or Parquet" in said[0]

@@ -589,7 +589,7 @@ def test_chat_jsonl_and_prompt_completion_parquet_read_from_a_bucket(gcs, tmp_pa
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from xlafit.data import chat, clm
+    from xlafit.data import clm, rendering
 
     conversation = [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "4."}]
     (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps({"messages": conversation}) for _ in range(12)))
@@ -597,7 +597,7 @@ def test_chat_jsonl_and_prompt_completion_parquet_read_from_a_bucket(gcs, tmp_pa
     (tmp_path / "corpus.txt").write_text("What is 2 plus 2? 4. Say hi. Hi.\n" * 20)
     tok = clm.train_bpe([str(tmp_path / "corpus.txt")], 300, tmp_path / "tok")
     tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    template = chat.ChatTemplate(
+    template = rendering.ChatTemplate(
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}{% generation %}"
         "{{ m['content'] }}<|im_end|>{% endgeneration %}{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n"
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",

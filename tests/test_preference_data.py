@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from xlafit.data import chat, chat_demo, clm
+from xlafit.data import chat_demo, clm, rendering
 from xlafit.data.preference import load_pairs
 from xlafit.errors import DataError
 
@@ -17,7 +17,7 @@ from xlafit.errors import DataError
 def demo():
     """The chat demo's tokenizer (ChatML with its answers marked), its template and markers."""
     where = chat_demo.demo_files()[2]
-    return clm.load_tokenizer(where), chat.template_for(where, training=True), clm.special_ids(where)
+    return clm.load_tokenizer(where), rendering.template_for(where, training=True), clm.special_ids(where)
 
 
 def write_jsonl(path, records):

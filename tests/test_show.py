@@ -116,8 +116,8 @@ def test_preference_pairs_show_each_completion_after_its_prompt_as_the_objective
     with as many tokens as the preference loss sums for it."""
     from xlafit.cli import main
     from xlafit.data import clm, preference
-    from xlafit.data.chat import template_for
     from xlafit.data.clm import next_token_targets
+    from xlafit.data.rendering import template_for
 
     folder = family_tokenizer(family, tmp_path / family)
     if family == "mistral":
@@ -152,8 +152,8 @@ def test_grpo_prompts_are_shown_as_the_rollout_gives_them_to_the_model(tmp_path,
     one tool that shows how a record is rendered. Each prompt is shown with as many tokens as
     GRPO's loader encodes for it, and the columns the rewards get."""
     from xlafit.cli import main
-    from xlafit.data.chat import template_for
     from xlafit.data.prompts import load_prompts
+    from xlafit.data.rendering import template_for
 
     folder = family_tokenizer("qwen3", tmp_path / "qwen3")
     records = [{"prompt": [{"role": "user", "content": q}], "answer": a} for q, a in (("What is 3 plus 4?", "7"),

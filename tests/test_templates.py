@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from xlafit.data import chat, clm, templates
+from xlafit.data import clm, rendering, templates
 from xlafit.errors import DataError
 from xlafit.recipes import llm, llm_data, load_config
 
@@ -100,14 +100,14 @@ def test_the_official_templates_are_recognised_and_refused_as_they_are(dirs):
     cannot be found (the refusal names the shipped templates and {% generation %})."""
     tok = clm.load_tokenizer(dirs["qwen3"])
     for family, folder in dirs.items():
-        official = chat.template_for(str(folder))
+        official = rendering.template_for(str(folder))
         assert official is not None and templates.recognise(official.source) == templates.by_name(family)
         with pytest.raises(DataError) as e:
             official.answer_spans(CONVERSATION)
         message = str(e.value)
         assert "data.chat_template=qwen3 for Qwen3, data.chat_template=mistral-v0.3 for Mistral v0.3" in message
         assert "{% generation %}" in message and "\n" not in message
-    assert chat.end_of_turn(chat.template_for(str(dirs["qwen3"]), training=True), tok) == "<|im_end|>"
+    assert rendering.end_of_turn(rendering.template_for(str(dirs["qwen3"]), training=True), tok) == "<|im_end|>"
 
 
 def test_qwen3_trains_on_every_answer_as_the_model_generates_it(dirs, tmp_path, capsys):
@@ -169,15 +169,15 @@ def test_a_given_template_wins_and_a_shipped_one_is_chosen_by_name(dirs, tmp_pat
         "{{ m['content'] }}<|im_end|>{% endgeneration %}{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n"
         "{% endfor %}"
     )
-    given = chat.template_for(str(folder), str(mine), training=True)
+    given = rendering.template_for(str(folder), str(mine), training=True)
     assert given is not None and given.shipped is None and given.source == mine.read_text()
     _, train = _train(folder, tmp_path, f"data.chat_template={mine}")
     assert f"chat template: the chat template in {mine} (data.chat_template)" in capsys.readouterr().err
-    named = chat.template_for(str(dirs["mistral-v0.3"]), "qwen3")
+    named = rendering.template_for(str(dirs["mistral-v0.3"]), "qwen3")
     assert named is not None and named.shipped == templates.by_name("qwen3") and named.official is None
     assert named.source == templates.source(templates.by_name("qwen3"))
     # Asked through the template (generation, a directory's own): the official one, unchanged.
-    own = chat.template_for(str(folder))
+    own = rendering.template_for(str(folder))
     assert own is not None and own.shipped is None and own.source == (OFFICIAL / "qwen3.jinja").read_text()
 
 
@@ -194,7 +194,7 @@ def test_a_recognised_template_that_renders_otherwise_is_kept(dirs, monkeypatch)
     qwen3 = templates.by_name("qwen3")
     looks_alike = templates.Shipped(qwen3.name, qwen3.family, qwen3.why, (templates.digest(other),))
     monkeypatch.setattr(templates, "SHIPPED", (looks_alike,))
-    kept = chat.template_for(str(disguised), training=True)
+    kept = rendering.template_for(str(disguised), training=True)
     assert kept is not None and kept.source == other and kept.official is None
 
 
@@ -207,7 +207,7 @@ def test_the_run_records_the_template_and_keeps_the_official_one(dirs, tmp_path)
     assert recorded["format"] == "chat" and recorded["chat_template"]["shipped"] == "qwen3"
     assert recorded["chat_template"]["in_place_of"].endswith("tokenizer_config.json")
     # The tokenizer the run keeps (for generation and export) carries the official template.
-    assert (run / "tokenizer" / chat.TEMPLATE_FILE).read_text() == (OFFICIAL / "qwen3.jinja").read_text()
+    assert (run / "tokenizer" / rendering.TEMPLATE_FILE).read_text() == (OFFICIAL / "qwen3.jinja").read_text()
     tokens = json.loads((run / "tokenizer" / "tokenizer_config.json").read_text())
     assert tokens["eos_token"] == "<|im_end|>"
 
@@ -215,5 +215,5 @@ def test_the_run_records_the_template_and_keeps_the_official_one(dirs, tmp_path)
 def test_the_shipped_templates_are_package_data():
     for shipped in templates.SHIPPED:
         text = templates.source(shipped)
-        assert "{%- generation %}" in text and chat.ChatTemplate(text).marks_generation
+        assert "{%- generation %}" in text and rendering.ChatTemplate(text).marks_generation
         assert templates.recognise(text) is None  # a training template is not an official one

@@ -29,7 +29,7 @@ from tokenizers import Tokenizer, processors
 from xlafit.checkpoint import Checkpointer
 from xlafit.checkpoint_read import read_checkpoint
 from xlafit.config import Config
-from xlafit.data import chat, clm, special_tokens
+from xlafit.data import clm, rendering, special_tokens
 from xlafit.errors import CheckpointError, ConfigError, StorageError
 from xlafit.hf import llama as llama_hf
 from xlafit.hf.bert import save_hf
@@ -184,7 +184,7 @@ def _write(recipe: str, cfg: Config, run: Any, arrays: Any, metadata: dict[str, 
         save_hf(model, local, tokenizer_dir=tok_dir)
     elif recipe == "llm":
         tokenizer_json = (run / "tokenizer" / "tokenizer.json").read_text()
-        template = run / "tokenizer" / chat.TEMPLATE_FILE
+        template = run / "tokenizer" / rendering.TEMPLATE_FILE
         chat_template = template.read_text() if template.exists() else None
         tokens_file = run / "tokenizer" / "tokenizer_config.json"
         tokens = json.loads(tokens_file.read_text()) if tokens_file.exists() else {}
@@ -381,7 +381,7 @@ def _write_tokenizer(
     (out / "tokenizer.json").write_text(written)
     if chat_template:
         config["chat_template"] = chat_template
-        (out / chat.TEMPLATE_FILE).write_text(chat_template)
+        (out / rendering.TEMPLATE_FILE).write_text(chat_template)
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     ids = {
         f"{key}_id": tok.token_to_id(config[key]) if key in config else None

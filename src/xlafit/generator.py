@@ -32,7 +32,7 @@ from flax import nnx
 from tokenizers import Tokenizer
 
 from xlafit.config import Config, MeshConfig
-from xlafit.data import chat, clm
+from xlafit.data import clm, rendering
 from xlafit.errors import ConfigError, XlafitError
 from xlafit.export import checkpoint_arrays, run_model
 from xlafit.hf import llama as llama_hf
@@ -83,7 +83,7 @@ class Generator:
 
     model: LlamaForCausalLM
     tokenizer: Tokenizer
-    template: chat.ChatTemplate | None
+    template: rendering.ChatTemplate | None
     eos_ids: tuple[int, ...]
     source: str
     trained_on: str | None = None
@@ -130,7 +130,7 @@ class Generator:
         tokenizer = clm.load_tokenizer(folder, fix)  # before the weights are read: it may be what is missing
         start_backends()  # as the CLI does: without libtpu's start-up errors on a host with no TPU
         model = llama_hf.from_hf(folder)
-        template, stops = chat.template_for(folder), clm.stop_ids(folder)
+        template, stops = rendering.template_for(folder), clm.stop_ids(folder)
         bos = clm.special_ids(folder)[0]
         defaults = sampling_defaults(Path(folder))
         recorded = _recorded(as_path(folder))
@@ -279,7 +279,7 @@ def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
         model = typing.cast(LlamaForCausalLM, merge_lora(model))
     graphdef, state = nnx.split(model)
     state = jax.device_put(state, tree_shardings(state, strategy.mesh, rules))
-    template = chat.template_for(str(run / "tokenizer"))
+    template = rendering.template_for(str(run / "tokenizer"))
     model = typing.cast(LlamaForCausalLM, nnx.merge(graphdef, state))
     stops, bos = clm.stop_ids(run / "tokenizer"), clm.special_ids(run / "tokenizer")[0]
     defaults = sampling_defaults(run / "tokenizer")

@@ -108,7 +108,7 @@ def _register_show(data_sub: argparse._SubParsersAction) -> None:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from xlafit.data import chat, clm, show  # the library when the command runs: a fast --help
+    from xlafit.data import chat, clm, rendering, show  # the library when the command runs: a fast --help
     from xlafit.data.files import kind
     from xlafit.recipes import llm_data, load_config
 
@@ -154,7 +154,7 @@ def run_show(args: argparse.Namespace) -> int:
         + ("" if color else f"; trained text between {show.OPEN} and {show.CLOSE}")
     )
     if fmt == "chat":  # a family's training template may stand in for the tokenizer's, as in a run
-        print(f"  {chat.describe(e.template).replace('(data.chat_template)', '(--chat-template)')}")
+        print(f"  {rendering.describe(e.template).replace('(data.chat_template)', '(--chat-template)')}")
     for number, record in enumerate(encoded, 1):
         s = show.shown(e.tok, record, fmt, d.seq_len)
         cut = f", cut at --seq-len {d.seq_len} (at {show.CUT})" if s.cut is not None else ""

@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -35,20 +36,10 @@ import numpy as np
 from etils import epath
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from xlafit.data.chat import (
-    FORMATS,
-    ChatTemplate,
-    Encoded,
-    detect_format,
-    encode,
-    end_of_turn,
-    markers_for,
-    masks_in_rows,
-    read_records,
-    template_for,
-)
+from xlafit.data.chat import FORMATS, Encoded, detect_format, encode, markers_for, masks_in_rows, read_records
 from xlafit.data.files import data_files, kind, splits
 from xlafit.data.hashing import hash_uniform
+from xlafit.data.rendering import ChatTemplate, end_of_turn, template_for
 from xlafit.data.shapes import pack
 from xlafit.data.special_tokens import markers, settings
 from xlafit.data.text import documents
@@ -158,7 +149,7 @@ def special_ids(where: str | Path) -> tuple[int | None, int | None]:
 def stop_ids(folder: str | Path) -> tuple[int, ...]:
     """The tokens that end an answer of a model directory (or a run's ``tokenizer/``): its
     ``eos_token`` (:func:`special_ids`), the end of an assistant turn in its chat template
-    (:func:`~xlafit.data.chat.end_of_turn`, which need not be the ``eos_token``) and
+    (:func:`~xlafit.data.rendering.end_of_turn`, which need not be the ``eos_token``) and
     ``generation_config.json``'s ``eos_token_id``."""
     root = as_path(folder)
     tok = load_tokenizer(root)
@@ -312,19 +303,13 @@ def load_packed(
     _check_options(fmt, loss_on)
     found = splits(inputs, eval_inputs)
     files = found.train
-    encoded, fmt_found = encode_files(files, tok, fmt, text_column, template, loss_on, markers, progress)
-    if found.eval is None:
-        draws = hash_uniform(np.array([seed]), np.arange(len(encoded)), 11) if encoded else np.zeros(0)
-        names = ["eval" if draw < eval_fraction else "train" for draw in draws]
-    else:  # the evaluation's own files: every training record trains
-        held, fmt_held = encode_files(found.eval, tok, fmt, text_column, template, loss_on, markers, progress)
-        if held and fmt_held != fmt_found:
-            raise DataError(
-                f"the evaluation files hold {fmt_held} records and the training files {fmt_found}; give both in "
-                "one format."
-            )
-        names = ["train"] * len(encoded) + ["eval"] * len(held)
-        encoded += held
+    read = functools.partial(
+        encode_files, tok=tok, fmt=fmt, text_column=text_column, template=template, loss_on=loss_on,
+        markers=markers, progress=progress,
+    )  # fmt: skip
+    encoded, fmt_found = read(files)
+    names, held = _split_names(encoded, fmt_found, found.eval, read, eval_fraction, seed)
+    encoded += held
     split: dict[str, list[Encoded]] = {"train": [], "eval": []}
     counts = {"train": 0, "eval": 0}
     truncated = answers_cut = longest = without_loss = spans_boundary = 0
@@ -362,26 +347,60 @@ def load_packed(
         out.append(PackedText(arrays, vocab, counts[name]))
     masked = [x for e in split["train"] for x in e.mask]
     share = sum(masked) / max(len(masked), 1)
-    if not share and answers_cut:
-        raise DataError(
-            f"no token of {', '.join(map(str, inputs))} counts for the loss: every training record with an answer "
-            f"({answers_cut}) is cut at data.seq_len={seq_len} before its answer begins; raise data.seq_len (the "
-            f"longest record has {longest} tokens)."
-        )
-    if not share and fmt_found == "chat" and (unanswered := _without_answers(files)):
-        raise DataError(
-            f"no token of {', '.join(map(str, inputs))} counts for the loss: {unanswered} of its {len(encoded)} "
-            f"conversations have no assistant turn, and with data.loss_on={loss_on} the loss is on the assistant's "
-            "answers; give conversations with an assistant turn, or set data.loss_on=all to train on every token."
-        )
     if not share:
-        raise DataError(
-            f"no token of {', '.join(map(str, inputs))} counts for the loss: with data.loss_on={loss_on} the loss "
-            "is on the answers (assistant turns, completions), and no training record has one; check the records' "
-            "roles, or set data.loss_on=all."
-        )
+        _refuse_no_loss(inputs, files, len(encoded), fmt_found, loss_on, (seq_len, answers_cut, longest))
     out[0].source = Source(fmt_found, counts, truncated, share, without_loss, spans_boundary, found.said)
     return out[0], out[1]
+
+
+def _refuse_no_loss(
+    inputs: Sequence[str], files: list[str], records: int, fmt: str, loss_on: str, cut: tuple[int, int, int]
+) -> None:
+    """Why no token of the training records counts for the loss, and what to do: ``cut`` is
+    ``(seq_len, the training records with an answer cut before it, the longest record)``.
+
+    Raises:
+        DataError: always.
+    """
+    where, (seq_len, answers_cut, longest) = ", ".join(map(str, inputs)), cut
+    if answers_cut:
+        raise DataError(
+            f"no token of {where} counts for the loss: every training record with an answer ({answers_cut}) is cut at "
+            f"data.seq_len={seq_len} before its answer begins; raise data.seq_len (the longest record has {longest} "
+            "tokens)."
+        )
+    if fmt == "chat" and (unanswered := _without_answers(files)):
+        raise DataError(
+            f"no token of {where} counts for the loss: {unanswered} of its {records} conversations have no assistant "
+            f"turn, and with data.loss_on={loss_on} the loss is on the assistant's answers; give conversations with "
+            "an assistant turn, or set data.loss_on=all to train on every token."
+        )
+    raise DataError(
+        f"no token of {where} counts for the loss: with data.loss_on={loss_on} the loss is on the answers (assistant "
+        "turns, completions), and no training record has one; check the records' roles, or set data.loss_on=all."
+    )
+
+
+def _split_names(
+    encoded: list[Encoded],
+    fmt: str,
+    eval_files: list[str] | None,
+    read: Callable[[list[str]], tuple[list[Encoded], str]],
+    eval_fraction: float,
+    seed: int,
+) -> tuple[list[str], list[Encoded]]:
+    """Each record's split (``train`` or ``eval``), and the evaluation files' records: a share
+    ``eval_fraction`` of ``encoded`` (a hash of its index and ``seed``), or where the
+    evaluation has files of its own, every record of ``encoded`` trains and theirs evaluate."""
+    if eval_files is None:
+        draws = hash_uniform(np.array([seed]), np.arange(len(encoded)), 11) if encoded else np.zeros(0)
+        return ["eval" if draw < eval_fraction else "train" for draw in draws], []
+    held, fmt_held = read(eval_files)
+    if held and fmt_held != fmt:
+        raise DataError(
+            f"the evaluation files hold {fmt_held} records and the training files {fmt}; give both in one format."
+        )
+    return ["train"] * len(encoded) + ["eval"] * len(held), held
 
 
 def sequences(encoded: Encoded, fmt: str, seq_len: int) -> list[Encoded]:

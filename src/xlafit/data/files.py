@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +19,8 @@ from typing import Any
 from xlafit.errors import DataError
 from xlafit.io import hub
 from xlafit.io.paths import describe_error, filesystem, is_url
+
+log = logging.getLogger("xlafit")
 
 TEXT_FILES = (".txt",)  # documents separated by blank lines
 RECORD_FILES = (".jsonl", ".ndjson", ".json")  # JSON lines (a .json may hold one array of records instead)
@@ -81,6 +84,14 @@ def _files_of(given: str) -> tuple[list[str], bool]:
         raise DataError(f"cannot read {pattern}: {describe_error(pattern, e)}") from None
     for name in found:
         kind(name)
+    if found and others:  # a CSV beside the JSON lines, say: left out, and said
+        try:
+            kind(others[0])
+        except DataError as e:
+            log.warning(
+                "warning: %s: %d file%s of a type not read left out, the first %s", given, len(others),
+                "" if len(others) == 1 else "s", str(e),
+            )  # fmt: skip
     if found:
         return found, folder
     deeper = _deeper_data(pattern)

@@ -32,18 +32,11 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from xlafit.data.chat import (
-    ChatTemplate,
-    Encoded,
-    check_one_kind,
-    encode,
-    messages_of,
-    missing_template,
-    read_records,
-)
+from xlafit.data.chat import Encoded, check_one_kind, encode, messages_of, read_records
 from xlafit.data.clm import PAD
 from xlafit.data.files import splits
 from xlafit.data.hashing import hash_uniform
+from xlafit.data.rendering import ChatTemplate, missing_template
 from xlafit.errors import DataError
 
 __all__ = [

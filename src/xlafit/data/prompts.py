@@ -27,9 +27,10 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from xlafit.data.chat import ChatTemplate, check_one_kind, read_records
+from xlafit.data.chat import check_one_kind, read_records
 from xlafit.data.clm import PAD
 from xlafit.data.files import splits
+from xlafit.data.rendering import ChatTemplate
 from xlafit.errors import ConfigError, DataError
 
 __all__ = ["PROMPT_FORMAT", "PromptSet", "check_prompt", "check_room", "encode_prompt", "load_prompts"]

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from xlafit import config as xconfig
 from xlafit.config import Config
-from xlafit.data import chat, chat_demo, clm, special_tokens
+from xlafit.data import chat, chat_demo, clm, rendering, special_tokens
 from xlafit.data.preference import PAIR_FORMAT
 from xlafit.data.prompts import PROMPT_FORMAT
 from xlafit.data.text import korean_demo_files
@@ -179,7 +179,7 @@ class Encoding:
     ``(bos, eos)`` markers (:func:`xlafit.data.clm.special_ids`) and the inputs."""
 
     tok: Tokenizer
-    template: chat.ChatTemplate | None
+    template: rendering.ChatTemplate | None
     markers: tuple[int | None, int | None]
     inputs: list[str]
 
@@ -192,7 +192,7 @@ def encoding(cfg: Config) -> Encoding:
     inputs = [d.data_dir] if d.data_dir else _demo_inputs(d.demo)
     # The template the conversations are rendered with: a family's training template in place of
     # its official one where xlafit ships one (data/templates.py); data.chat_template wins.
-    template = chat.template_for(where, d.chat_template, training=True)
+    template = rendering.template_for(where, d.chat_template, training=True)
     return Encoding(clm.load_tokenizer(where), template, clm.special_ids(where), inputs)
 
 
@@ -217,7 +217,7 @@ def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
     )
     summary = data_summary(train, evaluation, d)
     if train.source is not None and train.source.format == "chat":
-        summary += f"\n  {chat.describe(template)}"
+        summary += f"\n  {rendering.describe(template)}"
     print(summary, flush=True, file=sys.stderr)
     if e.markers[1] is None and (train.source is None or train.source.format != "chat"):  # chat: the turn's end
         log.warning(
@@ -326,7 +326,7 @@ def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
     tokenizer_json = clm.tokenizer_json(where)
     (dest / "tokenizer.json").write_text(tokenizer_json)
     fmt = train.source.format if train.source is not None else "text"
-    trained = chat.template_for(where, data_config(cfg).chat_template, training=True)
+    trained = rendering.template_for(where, data_config(cfg).chat_template, training=True)
     recorded: dict[str, Any] = {"format": fmt}
     if cfg.model.objective in preference.LOSSES:  # text pairs are prompt/completion records, two completions each
         recorded["records"] = "preference pairs"
@@ -355,8 +355,8 @@ def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
     recorded = {k: generation[k] for k in SAMPLING_KEYS if generation.get(k) is not None}
     template = trained.official if trained is not None and trained.official is not None else trained
     if template is not None:  # what the run's chat data was rendered with, for generation and export
-        (dest / chat.TEMPLATE_FILE).write_text(template.source)
-        end = chat.end_of_turn(template, tok)
+        (dest / rendering.TEMPLATE_FILE).write_text(template.source)
+        end = rendering.end_of_turn(template, tok)
         if fmt == "chat" and end is not None and "eos_token" not in template.source:
             own = clm.special_ids(where)[1]
             tokens["eos_token"] = end
