@@ -13,6 +13,7 @@ import pytest
 from helpers import long_form
 from xlafit.data import chat, clm, rendering
 from xlafit.errors import ConfigError, DataError
+from xlafit.recipes import llm_data, load_config
 
 # The command as a user runs it: without the suite's XLA_FLAGS (8 host devices), on the CPU.
 USER_ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
@@ -564,8 +565,20 @@ def test_records_whose_answer_the_cut_removes_are_left_out_not_counted_as_zero_r
     path = tmp_path / "mixed.jsonl"
     path.write_text("\n".join(json.dumps({"messages": c}) for c in [CONVERSATION] * 6 + [long_question] * 4))
     train, evaluation = clm.load_packed([str(path)], tok, seq_len=64, eval_fraction=0.3, template=template)
-    assert train.source.without_loss == 4
+    assert train.source.without_loss == 4 and train.source.unanswered == 0
     assert train.documents + evaluation.documents == 6
+    # The twenty-second walk: conversations with no assistant turn were counted with those cut, and
+    # told to raise data.seq_len, which keeps none of them.
+    unanswered = [CONVERSATION[0], CONVERSATION[1]]
+    path.write_text(
+        "\n".join(json.dumps({"messages": c}) for c in [CONVERSATION] * 6 + [long_question] * 4 + [unanswered] * 3)
+    )
+    train, _ = clm.load_packed([str(path)], tok, seq_len=64, eval_fraction=0.3, template=template)
+    assert train.source.without_loss == 7 and train.source.unanswered == 3
+    cfg = load_config("llm", ["data.seq_len=64"])
+    said = llm_data.data_summary(train, _, llm_data.data_config(cfg))
+    assert "3 records have no answer (a conversation with no assistant turn): left out" in said
+    assert "4 records have no answer token within data.seq_len=64 (cut before their answer): left out" in said
     for packed in (train, evaluation):  # every row has a token the loss counts
         assert (packed.arrays["loss_mask"].sum(axis=1) > 0).all()
 

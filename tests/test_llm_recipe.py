@@ -736,3 +736,30 @@ def test_a_tokenizer_without_an_eos_token_is_said_to_leave_the_model_unable_to_s
     with caplog.at_level(logging.WARNING, logger="xlafit"):
         llm_data.load_data(load_config("llm", [*data, f"data.tokenizer={tokenizer}"]))  # its config names </s>
     assert not [r for r in caplog.records if "names no eos_token" in r.getMessage()]
+
+
+def test_a_chat_template_or_text_column_the_data_leaves_unused_is_said_to_be_ignored(tmp_path, caplog):
+    """The twenty-second walk: data.chat_template on text, and data.text_column on records,
+    did nothing without a word (other settings the data leaves unused are named)."""
+    import logging
+
+    tokenizer = family_tokenizer("xlafit", tmp_path / "tok")
+    (tmp_path / "notes.txt").write_text("\n\n".join(f"Note {i}: the answer is short." for i in range(40)))
+    records = "".join(json.dumps({"prompt": f"What is {i}?", "completion": f" It is {i}."}) + "\n" for i in range(40))
+    (tmp_path / "pc.jsonl").write_text(records)
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    common = [f"data.tokenizer={tokenizer}", "data.seq_len=32", "model.preset=tiny"]
+    cases = [
+        (
+            [f"data.data_dir={tmp_path / 'notes.txt'}", f"data.chat_template={tmp_path / 't.jinja'}"],
+            "data.chat_template=",
+        ),
+        ([f"data.data_dir={tmp_path / 'pc.jsonl'}", "data.text_column=body"], "data.text_column=body set, but the"),
+    ]
+    for settings, said in cases:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="xlafit"):
+            llm_data.load_data(load_config("llm", [*common, *settings]))
+        assert [r.getMessage() for r in caplog.records if said in r.getMessage()], [
+            r.getMessage() for r in caplog.records
+        ]

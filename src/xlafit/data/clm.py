@@ -263,6 +263,7 @@ class Source:
     # off, or none), where they would only add a row's zero to the mean over rows
     without_loss: int = 0
     spans_boundary: int = 0  # prompt/completion records with a token across the prompt's end
+    unanswered: int = 0  # of without_loss, those with no answer at all (a conversation with no assistant turn)
     eval_from: str = ""  # where evaluation files come from, in words (:class:`xlafit.data.files.Splits`)
 
 
@@ -312,7 +313,7 @@ def load_packed(
     encoded += held
     split: dict[str, list[Encoded]] = {"train": [], "eval": []}
     counts = {"train": 0, "eval": 0}
-    truncated = answers_cut = longest = without_loss = spans_boundary = 0
+    truncated = answers_cut = longest = without_loss = spans_boundary = unanswered = 0
     # A record none of whose tokens within seq_len counts for the loss is left out (told in the
     # summary), unless no training record would be left: the errors below say why.
     counting = [fmt_found == "text" or loss_on == "all" or any(e.mask[:seq_len]) for e in encoded]
@@ -324,6 +325,7 @@ def load_packed(
             longest = max(longest, len(e.ids))
         if leave_out and not counts_for_loss:
             without_loss += 1
+            unanswered += not any(e.mask)
             continue
         counts[name] += 1
         spans_boundary += e.spans_boundary
@@ -349,7 +351,9 @@ def load_packed(
     share = sum(masked) / max(len(masked), 1)
     if not share:
         _refuse_no_loss(inputs, files, len(encoded), fmt_found, loss_on, (seq_len, answers_cut, longest))
-    out[0].source = Source(fmt_found, counts, truncated, share, without_loss, spans_boundary, found.said)
+    out[0].source = Source(
+        fmt_found, counts, truncated, share, without_loss, spans_boundary, eval_from=found.said, unanswered=unanswered
+    )
     return out[0], out[1]
 
 

@@ -219,7 +219,16 @@ def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
     if train.source is not None and train.source.format == "chat":
         summary += f"\n  {rendering.describe(template)}"
     print(summary, flush=True, file=sys.stderr)
-    if e.markers[1] is None and (train.source is None or train.source.format != "chat"):  # chat: the turn's end
+    fmt = train.source.format if train.source is not None else "text"
+    if d.chat_template and fmt == "text":  # said as other settings the data leaves unused are
+        log.warning(
+            "warning: data.chat_template=%s set, but the data is text, which no template renders: ignored (give "
+            'conversations as chat records, {"messages": [...]}, to train in the template)',
+            d.chat_template,
+        )
+    if d.text_column != "text" and fmt != "text":
+        log.warning("warning: data.text_column=%s set, but the records are %s: ignored", d.text_column, fmt)
+    if e.markers[1] is None and fmt != "chat":  # chat: the turn's end
         log.warning(
             "warning: the tokenizer (%s) names no eos_token (in tokenizer_config.json or special_tokens_map.json), so "
             "no document or completion ends with one and the model does not learn to stop; give data.tokenizer a "
@@ -277,11 +286,16 @@ def data_summary(train: clm.PackedText, evaluation: clm.PackedText, d: LlmDataCo
                 f"  {source.truncated} records longer than data.seq_len={d.seq_len} are cut at it; raise data.seq_len "
                 "to keep their ends"
             )
-        if source.without_loss:
+        if source.unanswered:  # raising data.seq_len would not keep these
             lines.append(
-                f"  {source.without_loss} records have no answer token within data.seq_len={d.seq_len} (cut before "
-                "their answer, or without one): left out, as they would add nothing but a zero to the loss's mean; "
-                "raise data.seq_len to keep those cut"
+                f"  {source.unanswered} records have no answer (a conversation with no assistant turn): left out, as "
+                "they would add nothing but a zero to the loss's mean; give them an answer, or data.loss_on=all to "
+                "train on every token"
+            )
+        if cut := source.without_loss - source.unanswered:
+            lines.append(
+                f"  {cut} records have no answer token within data.seq_len={d.seq_len} (cut before their answer): "
+                "left out, as they would add nothing but a zero to the loss's mean; raise data.seq_len to keep them"
             )
         if source.spans_boundary:
             lines.append(
