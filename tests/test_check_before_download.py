@@ -4,6 +4,8 @@ same shapes and types as the model read from its weights."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import pytest
 from flax import nnx
@@ -94,3 +96,13 @@ def test_check_tpu_downloads_no_weights_and_a_run_then_downloads_them(checkpoint
         assert "model.safetensors" in server.requested
     finally:
         server.close()
+
+
+def test_a_checkpoints_check_on_the_demo_corpus_reads_no_corpus(checkpoints):
+    """A check of a checkpoint on the default data read the Korean demo corpus (the konlpy
+    wheel, which a user checking a hub model need not have) to learn shapes that one
+    placeholder row of the config's vocabulary gives, as for a preset."""
+    program, _, examples = recipe_program("llm", [f"model.init_from_hf={checkpoints / 'config-only'}", "lora.rank=4"])
+    assert examples is None  # no data read: a placeholder row
+    config = json.loads((checkpoints / "config-only" / "config.json").read_text())
+    assert program.model.cfg.vocab_size == config["vocab_size"]

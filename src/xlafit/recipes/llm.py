@@ -253,15 +253,19 @@ def from_data(cfg: Config, train: clm.PackedText) -> Config:
 
 def shapes(cfg: Config) -> clm.PackedText | None:
     """One placeholder row of ``data.seq_len`` tokens in the vocabulary of a named model
-    (Meta's, Gemma's or Qwen's preset, or custom sizes with ``model.vocab_size``), for a
-    compile that needs shapes only: the demo corpus (the konlpy wheel's texts) is not read.
-    None where the data decides (``data.data_dir``: its format may add a loss mask; the tiny
-    preset, whose vocabulary is the demo tokenizer's; a checkpoint's) or ships with xlafit
+    (Meta's, Gemma's or Qwen's preset, custom sizes with ``model.vocab_size``, or a checkpoint's
+    ``config.json``), for a compile that needs shapes only: the demo corpus (the konlpy wheel's
+    texts) is not read. None where the data decides (``data.data_dir``: its format may add a
+    loss mask; the tiny preset, whose vocabulary is the demo tokenizer's) or ships with xlafit
     (the chat demos)."""
     d, m = data_config(cfg), cfg.model
-    if d.data_dir or d.demo != "korean" or m.init_from_hf or m.preset in ("tiny", "tiny-moe"):
+    if d.data_dir or d.demo != "korean" or (m.preset in ("tiny", "tiny-moe") and not m.init_from_hf):
         return None
-    vocab = _given_sizes(m).get("vocab_size") or PRESETS.get(m.preset, {}).get("vocab_size")
+    vocab: int | None = (
+        model_sizes(cfg, 0).vocab_size  # its config.json alone: a check before the weights are downloaded
+        if m.init_from_hf
+        else _given_sizes(m).get("vocab_size") or PRESETS.get(m.preset, {}).get("vocab_size")
+    )
     if not vocab:  # custom sizes without a vocabulary: the tokenizer's
         return None
     row = np.arange(d.seq_len, dtype=np.int32)[None]
