@@ -755,6 +755,11 @@ def test_a_chat_template_or_text_column_the_data_leaves_unused_is_said_to_be_ign
             "data.chat_template=",
         ),
         ([f"data.data_dir={tmp_path / 'pc.jsonl'}", "data.text_column=body"], "data.text_column=body set, but the"),
+        # prompt/completion text: TRL applies no template to it either
+        (
+            [f"data.data_dir={tmp_path / 'pc.jsonl'}", f"data.chat_template={tmp_path / 't.jinja'}"],
+            "but the data is prompt/completion text",
+        ),
     ]
     for settings, said in cases:
         caplog.clear()
@@ -763,3 +768,21 @@ def test_a_chat_template_or_text_column_the_data_leaves_unused_is_said_to_be_ign
         assert [r.getMessage() for r in caplog.records if said in r.getMessage()], [
             r.getMessage() for r in caplog.records
         ]
+    # Conversational prompt/completion records are rendered in the template: nothing said
+    turns = [
+        {
+            "prompt": [{"role": "user", "content": f"What is {i}?"}],
+            "completion": [{"role": "assistant", "content": f"{i}"}],
+        }
+        for i in range(40)
+    ]
+    (tmp_path / "cpc.jsonl").write_text("".join(json.dumps(t) + "\n" for t in turns))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="xlafit"):
+        llm_data.load_data(
+            load_config(
+                "llm",
+                [*common, f"data.data_dir={tmp_path / 'cpc.jsonl'}", f"data.chat_template={tmp_path / 't.jinja'}"],
+            )
+        )
+    assert not [r for r in caplog.records if "data.chat_template=" in r.getMessage()]

@@ -621,7 +621,7 @@ def test_a_run_in_a_directory_made_for_it_says_how_to_go_on_after_its_stop(strat
     line = capsys.readouterr().out.splitlines()[-1]
     assert line == (
         f"this run's directory was made for it: to go on from step 2, run again with --run-dir runs/{made.name} "
-        f"(run.run_dir=runs/{made.name})"
+        f"(run.run_dir=runs/{made.name})."
     )
     result = xlafit.train_and_evaluate(load_config("mnist", [*common, f"run.run_dir=runs/{made.name}"]))
     assert "resumed from checkpoint 2" in capsys.readouterr().out and int(result.state.step) == 6
@@ -629,6 +629,54 @@ def test_a_run_in_a_directory_made_for_it_says_how_to_go_on_after_its_stop(strat
         load_config("mnist", [*common, f"run.run_dir={tmp_path / 'named'}", "trainer.stop_at_step=1"])
     )
     assert "made for it" not in capsys.readouterr().out
+
+
+def test_a_signal_to_a_run_in_a_directory_made_for_it_names_the_directory_to_go_on(strategy8, tmp_path, monkeypatch):
+    """A run without --run-dir stopped by SIGTERM or Ctrl-C said "Run the same command again
+    to resume", and the same command started over from step 0 in another new directory. The
+    stop names the directory, as a stop at trainer.stop_at_step does."""
+    import os
+    import signal
+
+    from xlafit import run as run_module
+    from xlafit.errors import Preempted
+
+    use_few_digits(monkeypatch)  # 400 digits: 3 steps an epoch at global batch 128
+    monkeypatch.chdir(tmp_path)
+
+    class Interrupting:
+        """The training data, with SIGINT to this process at its second batch."""
+
+        def __init__(self, data):
+            self.data, self.takes = data, 0
+
+        def __getattr__(self, name):
+            return getattr(self.data, name)
+
+        def __len__(self):
+            return len(self.data)
+
+        def take(self, indices, epoch=0):
+            self.takes += 1
+            if self.takes == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+            return self.data.take(indices, epoch)
+
+    wrapped = []
+
+    def interrupting(data):
+        data = as_dataset(data)
+        if not wrapped:  # the training data: the first the run reads
+            wrapped.append(Interrupting(data))
+            return wrapped[0]
+        return data
+
+    monkeypatch.setattr(run_module, "as_dataset", interrupting)
+    with pytest.raises(Preempted) as stop:
+        xlafit.train_and_evaluate(load_config("mnist", ["data.global_batch=128", "trainer.epochs=2"]))
+    (made,) = (tmp_path / "runs").iterdir()
+    assert f"to go on from step {stop.value.step}, run again with --run-dir runs/{made.name}" in str(stop.value)
+    assert "Run the same command again" not in str(stop.value)
 
 
 def test_a_resume_marks_the_steps_after_its_checkpoint_for_tensorboard_to_drop(tmp_path):

@@ -303,3 +303,22 @@ def test_show_cuts_where_a_run_cuts_by_default(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"cut at --seq-len {recipe};" in out.splitlines()[0]
     assert f", cut at --seq-len {recipe} (at " in out  # the record is longer than a run's rows
+
+
+def test_a_folder_of_splits_shows_its_train_split(tmp_path, capsys):
+    """A folder of train-, validation- and test- files showed the first file in name order,
+    a test record, as what a run trains on. It shows the train split, and says which split
+    evaluates (the rest is not read)."""
+    from xlafit.cli import main
+
+    folder = family_tokenizer("xlafit", tmp_path / "tok")
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("test", "train", "validation"):
+        record = {"prompt": f"A {split} question?", "completion": f" A {split} answer."}
+        (data / f"{split}-00000.jsonl").write_text(json.dumps(record) + "\n")
+    capsys.readouterr()
+    assert main(["data", "show", str(data), "--tokenizer", str(folder), "-n", "3", "--color", "never"]) == 0
+    out = capsys.readouterr().out
+    assert "A train answer" in out and "test answer" not in out and "validation answer" not in out, out
+    assert "eval: the validation split" in out and "its test split is not read" in out, out

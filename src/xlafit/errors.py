@@ -151,8 +151,12 @@ class Preempted(XlafitError):
     def __init__(
         self, step: int, signum: int, where: str, *, sync_point: bool = False, hint: str | None = None
     ) -> None:
-        self.step, self.signum = step, signum
+        self.step, self.signum, self.where, self.sync_point = step, signum, where, sync_point
         how = " (at JAX's preemption sync point: the same step in every process)" if sync_point else ""
         super().__init__(
             f"{signal.Signals(signum).name} received: stopped at step {step}; {where}{how}. {hint or resume_hint()}"
         )
+
+    def with_hint(self, hint: str) -> Preempted:
+        """The same stop, with ``hint`` as how to go on."""
+        return Preempted(self.step, self.signum, self.where, sync_point=self.sync_point, hint=hint)

@@ -39,9 +39,10 @@ from flax import nnx
 from xlafit.checkpoint import check_directory, check_not_all_set_aside
 from xlafit.config import Config, LoraConfig, check_device_split, resolve_batch
 from xlafit.data.dataset import as_dataset
-from xlafit.errors import ConfigError
+from xlafit.errors import ConfigError, Preempted
 from xlafit.io.paths import (
     as_path,
+    is_url,
     reach,
     reading,
 )
@@ -153,18 +154,30 @@ def train_and_evaluate(cfg: Config) -> FitResult:
         trainer = recipe_trainer(recipe, cfg, run, strategy, train_data, plan, keep=True)
         try:
             result = trainer.fit(train_data, eval=eval_data)
+        except Preempted as e:  # the same command would start over in another new directory
+            raise (e if named_dir else e.with_hint(how_to_go_on(run_dir, e.step, "run.run_dir"))) from None
         finally:
             trainer.close()
     if strategy.process_index == 0 and result.eval is not None:
         print(final_report(result.eval, result.eval_step, int(result.state.step), recipe.eval_unit(cfg)), flush=True)
     stopped = int(result.state.step) == cfg.trainer.stop_at_step and int(result.state.step) < run_steps
     if strategy.process_index == 0 and not named_dir and stopped:
-        print(  # a run again without it would start over in another new directory
-            f"this run's directory was made for it: to go on from step {int(result.state.step)}, run again with "
-            f"--run-dir {run_dir} (run.run_dir={run_dir})",
-            flush=True,
-        )
+        print(how_to_go_on(run_dir, int(result.state.step), "run.run_dir"), flush=True)
     return result
+
+
+def how_to_go_on(run_dir: epath.Path | str, step: int, key: str | None = None) -> str:
+    """How to go on from ``step`` of a run whose directory was made for it: with that
+    directory named (``--run-dir``, and the setting ``key`` from Python), as the same command
+    without it starts over in another new one.
+
+    Example:
+        >>> how_to_go_on("runs/mnist-1", 40)
+        "this run's directory was made for it: to go on from step 40, run again with --run-dir runs/mnist-1."
+    """
+    where = str(run_dir) if is_url(run_dir) else str(Path(run_dir))
+    also = f" ({key}={where})" if key else ""
+    return f"this run's directory was made for it: to go on from step {step}, run again with --run-dir {where}{also}."
 
 
 # The first JAX whose XLA:CPU rounds the MNIST CNN's per-chunk gradient differently in the

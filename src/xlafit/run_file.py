@@ -41,13 +41,13 @@ from xlafit.config import MeshConfig, OptimizerConfig, RunConfig, TrainerConfig
 from xlafit.data.dataset import Dataset, as_dataset
 from xlafit.data.loader import TrainOrder
 from xlafit.errors import ConfigError, DataError, Preempted
-from xlafit.io.paths import as_path, is_url
+from xlafit.io.paths import as_path
 from xlafit.overrides import from_dict
 from xlafit.parallel.cluster import connect
 from xlafit.parallel.mesh import Strategy
 from xlafit.parallel.sharding import parse_rules
 from xlafit.platform.cpu import CpuConfig
-from xlafit.run import final_report
+from xlafit.run import final_report, how_to_go_on
 from xlafit.rundir import checkpoint_dir, log_to_file, make_run_dir, move_aside, refuse_foreign_dir
 from xlafit.runlock import hold_run_dir
 from xlafit.train.adapter import Adapted
@@ -124,17 +124,16 @@ def train_file(path: str | Path, overrides: Sequence[str] = (), preset: str | Pa
         )  # fmt: skip
         try:
             result = trainer.fit(spec.train, eval=spec.eval)
-        except Preempted as e:
-            _say_where_it_goes_on(named_dir, run_dir, strategy, e.step)
-            raise
+        except Preempted as e:  # the same command would start over in another new directory
+            raise (e if named_dir else e.with_hint(how_to_go_on(run_dir, e.step))) from None
         finally:
             trainer.close()
     step = int(result.state.step)
     total = spec.config.epochs * TrainOrder.for_dataset(spec.train, global_batch, 0).steps_per_epoch
     if strategy.process_index == 0 and result.eval is not None:
         print(final_report(result.eval, result.eval_step, step), flush=True)
-    if step < total:  # stopped by trainer.stop_at_step
-        _say_where_it_goes_on(named_dir, run_dir, strategy, step)
+    if step < total and not named_dir and strategy.process_index == 0:  # stopped by trainer.stop_at_step
+        print(how_to_go_on(run_dir, step), flush=True)
     return result
 
 
@@ -237,15 +236,3 @@ def _start_run_dir(run: RunConfig, strategy: Strategy, held: contextlib.ExitStac
         )
     print(f"run directory: {run_dir}", flush=True)
     return run_dir
-
-
-def _say_where_it_goes_on(named_dir: bool, run_dir: epath.Path, strategy: Strategy, step: int) -> None:
-    """A run in a directory made for it goes on only with that directory named: the same
-    command without ``--run-dir`` would start over in another new one."""
-    if named_dir or strategy.process_index != 0:
-        return
-    where = str(run_dir) if is_url(run_dir) else str(Path(run_dir))
-    print(
-        f"this run's directory was made for it: to go on from step {step}, run again with --run-dir {where}",
-        flush=True,
-    )

@@ -109,7 +109,7 @@ def _register_show(data_sub: argparse._SubParsersAction) -> None:
 
 def run_show(args: argparse.Namespace) -> int:
     from xlafit.data import chat, clm, rendering, show  # the library when the command runs: a fast --help
-    from xlafit.data.files import kind
+    from xlafit.data.files import kind, splits
     from xlafit.recipes import llm_data, load_config
 
     overrides = [
@@ -123,7 +123,10 @@ def run_show(args: argparse.Namespace) -> int:
     overrides += [f"data.chat_template={args.chat_template}"] if args.chat_template else []
     cfg = load_config("llm", overrides)
     e = llm_data.encoding(cfg)
-    files = clm.data_files(e.inputs)
+    found = splits(e.inputs)  # a folder of splits: its train files, as a run trains on them
+    files = found.train
+    if found.said:
+        print(found.said.replace("data.eval_fraction", "a share of the training records"))
     d = llm_data.data_config(cfg)
     # Preference pairs are shown as a pair each (a text file is no record file: not read here).
     first = chat.read_records(files[:1]) if files and kind(files[0]) != "text" else []

@@ -173,6 +173,7 @@ class Encoded:
     # a prompt/completion record whose prompt's own ids are not where the whole's start (a token
     # spans the prompt's end): its answer starts where they part, with the end of the prompt
     spans_boundary: bool = False
+    templated: bool = False  # rendered in the chat template (a conversation)
 
 
 def encode(
@@ -196,11 +197,11 @@ def encode(
         context = template_context(record)
         if loss_on == "all":  # every token counts: the answers need not be found
             encoding = tok.encode(template.render(messages_of(record), **context), add_special_tokens=False)
-            return Encoded(list(encoding.ids), [1] * len(encoding.ids))
+            return Encoded(list(encoding.ids), [1] * len(encoding.ids), templated=True)
         text, spans = template.answer_spans(messages_of(record), **context)
         encoding = tok.encode(text, add_special_tokens=False)
         inside = [any(s <= start < e for s, e in spans) for start, _ in encoding.offsets]
-        return Encoded(list(encoding.ids), [int(x) for x in inside])
+        return Encoded(list(encoding.ids), [int(x) for x in inside], templated=True)
     if fmt == "prompt_completion" and _conversational(record):
         return _conversation_completion(record, tok, template, loss_on)
     if fmt == "prompt_completion":
@@ -277,7 +278,7 @@ def _conversation_completion(
     ids = list(tok.encode(template.render(whole, False, **context), add_special_tokens=False).ids)
     shared = next((i for i, (a, b) in enumerate(zip(prompt_ids, ids, strict=False)) if a != b), len(prompt_ids))
     mask = [1] * len(ids) if loss_on == "all" else [0] * shared + [1] * (len(ids) - shared)
-    return Encoded(ids, mask, shared < len(prompt_ids))
+    return Encoded(ids, mask, shared < len(prompt_ids), templated=True)
 
 
 # ShareGPT's speakers, as chat roles (its "system", "tool" and the like are chat roles already).

@@ -265,6 +265,7 @@ class Source:
     spans_boundary: int = 0  # prompt/completion records with a token across the prompt's end
     unanswered: int = 0  # of without_loss, those with no answer at all (a conversation with no assistant turn)
     eval_from: str = ""  # where evaluation files come from, in words (:class:`xlafit.data.files.Splits`)
+    templated: bool = False  # conversations rendered in the chat template (chat or conversational prompt/completion)
 
 
 def load_packed(
@@ -352,8 +353,9 @@ def load_packed(
     if not share:
         _refuse_no_loss(inputs, files, len(encoded), fmt_found, loss_on, (seq_len, answers_cut, longest))
     out[0].source = Source(
-        fmt_found, counts, truncated, share, without_loss, spans_boundary, eval_from=found.said, unanswered=unanswered
-    )
+        fmt_found, counts, truncated, share, without_loss, spans_boundary, eval_from=found.said, unanswered=unanswered,
+        templated=any(e.templated for e in encoded),
+    )  # fmt: skip
     return out[0], out[1]
 
 

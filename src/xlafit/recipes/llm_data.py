@@ -216,15 +216,19 @@ def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
         eval_inputs=[d.eval_data_dir] if d.eval_data_dir else [],
     )
     summary = data_summary(train, evaluation, d)
-    if train.source is not None and train.source.format == "chat":
+    templated = train.source is not None and train.source.templated
+    if templated:
         summary += f"\n  {rendering.describe(template)}"
     print(summary, flush=True, file=sys.stderr)
     fmt = train.source.format if train.source is not None else "text"
-    if d.chat_template and fmt == "text":  # said as other settings the data leaves unused are
+    if d.chat_template and not templated:  # said as other settings the data leaves unused are
+        what = "text" if fmt == "text" else "prompt/completion text, which TRL too trains as it is"
         log.warning(
-            "warning: data.chat_template=%s set, but the data is text, which no template renders: ignored (give "
-            'conversations as chat records, {"messages": [...]}, to train in the template)',
+            "warning: data.chat_template=%s set, but the data is %s: no template renders it, so the setting is "
+            'ignored (give conversations, {"messages": [...]} or prompt and completion as lists of messages, to '
+            "train in the template)",
             d.chat_template,
+            what,
         )
     if d.text_column != "text" and fmt != "text":
         log.warning("warning: data.text_column=%s set, but the records are %s: ignored", d.text_column, fmt)
