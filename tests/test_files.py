@@ -151,3 +151,17 @@ def test_a_file_of_a_type_not_read_beside_the_data_is_said_to_be_left_out(tmp_pa
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and said[0].startswith(f"warning: {tmp_path}: 1 file of a type not read left out, the first")
     assert "more.csv: not a file type xlafit reads" in said[0] and "convert it to JSON lines or Parquet" in said[0]
+
+
+def test_grpo_prompts_of_a_split_folder_are_its_train_split_and_it_says_so(tok, tmp_path):
+    """A GRPO run has no evaluation: its prompts are the folder's train split alone, and it
+    says that the evaluation files are not read."""
+    from xlafit.data.prompts import load_prompts
+
+    prompts = [{"prompt": p["prompt"], "answer": p["completion"]} for p in PAIRS]
+    _jsonl(tmp_path / "train-00000.jsonl", prompts[:8])
+    _jsonl(tmp_path / "test-00000.jsonl", prompts[8:])
+    said = []
+    found = load_prompts([str(tmp_path)], tok, None, (), group=2, progress=said.append)
+    assert found.prompts == [p["prompt"] for p in prompts[:8]]
+    assert said[0] == f"reading the train split of {tmp_path}: its evaluation file is not read", said

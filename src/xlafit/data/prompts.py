@@ -227,7 +227,8 @@ def load_prompts(
     first: dict[str, str] = {}  # where the first record of each kind was
     found = splits(inputs)
     if found.eval and progress is not None:  # a split folder: its train files, as a run with evaluation reads them
-        progress(f"reading the train split of {', '.join(inputs)}: its {len(found.eval)} evaluation files are not read")
+        held = "its evaluation file is" if len(found.eval) == 1 else f"its {len(found.eval)} evaluation files are"
+        progress(f"reading the train split of {', '.join(inputs)}: {held} not read")
     for name in found.train:
         records = read_records([name])
         for number, record in enumerate(records, 1):
