@@ -620,15 +620,31 @@ def test_a_run_in_a_directory_made_for_it_says_how_to_go_on_after_its_stop(strat
     (made,) = (tmp_path / "runs").iterdir()
     line = capsys.readouterr().out.splitlines()[-1]
     assert line == (
-        f"this run's directory was made for it: to go on from step 2, run again with --run-dir runs/{made.name} "
-        f"(run.run_dir=runs/{made.name})."
+        f"Run again with --run-dir runs/{made.name} (run.run_dir=runs/{made.name}) to go on: the same command would "
+        "start a new run."
     )
     result = xlafit.train_and_evaluate(load_config("mnist", [*common, f"run.run_dir=runs/{made.name}"]))
     assert "resumed from checkpoint 2" in capsys.readouterr().out and int(result.state.step) == 6
     xlafit.train_and_evaluate(
         load_config("mnist", [*common, f"run.run_dir={tmp_path / 'named'}", "trainer.stop_at_step=1"])
     )
-    assert "made for it" not in capsys.readouterr().out
+    assert "the same command would start a new run" not in capsys.readouterr().out
+
+
+def test_a_write_error_in_a_directory_made_for_the_run_names_it_to_go_on():
+    """A full disk under a run without --run-dir said "then run the same command again to
+    resume", which starts a new run: within the run, each stop's hint names the directory."""
+    import errno
+
+    from xlafit.errors import going_on_with, write_failed
+    from xlafit.run import how_to_go_on
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    with going_on_with(how_to_go_on("runs/mnist-1")):
+        said = str(write_failed("runs/mnist-1/metrics.jsonl", full))
+    assert said.endswith("Free disk space, then run again with --run-dir runs/mnist-1 to go on: the same command "
+                         "would start a new run."), said  # fmt: skip
+    assert str(write_failed("runs/a/metrics.jsonl", full)).endswith("then run the same command again to resume.")
 
 
 def test_a_signal_to_a_run_in_a_directory_made_for_it_names_the_directory_to_go_on(strategy8, tmp_path, monkeypatch):
@@ -675,7 +691,8 @@ def test_a_signal_to_a_run_in_a_directory_made_for_it_names_the_directory_to_go_
     with pytest.raises(Preempted) as stop:
         xlafit.train_and_evaluate(load_config("mnist", ["data.global_batch=128", "trainer.epochs=2"]))
     (made,) = (tmp_path / "runs").iterdir()
-    assert f"to go on from step {stop.value.step}, run again with --run-dir runs/{made.name}" in str(stop.value)
+    assert f"stopped at step {stop.value.step}" in str(stop.value)
+    assert f"Run again with --run-dir runs/{made.name} (run.run_dir=runs/{made.name}) to go on" in str(stop.value)
     assert "Run the same command again" not in str(stop.value)
 
 

@@ -71,7 +71,7 @@ def test_a_stopped_run_in_a_new_directory_names_it_to_go_on(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     made = out.stdout.split("run directory: ")[1].split()[0]
     assert made.startswith("runs/my_model-")
-    assert f"to go on from step 1, run again with --run-dir {made}" in out.stdout
+    assert f"Run again with --run-dir {made} to go on: the same command would start a new run." in out.stdout
     # an OptimizerConfig in the optimizer's place: scaled from its reference batch to the run's
     assert "learning rate: 0.01 at batch 64 -> peak 0.02 at global batch 128 (linear scaling)" in out.stdout
 

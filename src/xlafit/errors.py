@@ -12,10 +12,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import errno
 import os
 import signal
 import sys
+from collections.abc import Iterator
 
 # Exit codes that schedulers and scripts can act on.
 DAMAGED = 1  # xlafit inspect: the newest checkpoint is corrupt, or none is intact
@@ -132,8 +135,26 @@ def write_failed(path: str | os.PathLike[str], e: OSError) -> WriteError:
     return WriteError(f"cannot write {os.fspath(path)}: {e.strerror or e}. {fix}, then {then[0].lower()}{then[1:]}")
 
 
+# How to go on after a stop where the same command would not: a run whose directory was made
+# for it (the same command makes another). Set by the run around its training.
+_GO_ON: contextvars.ContextVar[str | None] = contextvars.ContextVar("go_on", default=None)
+
+
+@contextlib.contextmanager
+def going_on_with(hint: str | None) -> Iterator[None]:
+    """:func:`resume_hint` says ``hint`` (None: as it would) within the block."""
+    token = _GO_ON.set(hint)
+    try:
+        yield
+    finally:
+        _GO_ON.reset(token)
+
+
 def resume_hint() -> str:
-    """How to go on after a stop: in a notebook (an IPython kernel), the cell; else the command."""
+    """How to go on after a stop: what :func:`going_on_with` set; in a notebook (an IPython
+    kernel), the cell; else the command."""
+    if (hint := _GO_ON.get()) is not None:
+        return hint
     if "ipykernel" in sys.modules:
         return "Run the cell again (with the same run directory) to resume."
     return "Run the same command again to resume."
@@ -151,12 +172,8 @@ class Preempted(XlafitError):
     def __init__(
         self, step: int, signum: int, where: str, *, sync_point: bool = False, hint: str | None = None
     ) -> None:
-        self.step, self.signum, self.where, self.sync_point = step, signum, where, sync_point
+        self.step, self.signum = step, signum
         how = " (at JAX's preemption sync point: the same step in every process)" if sync_point else ""
         super().__init__(
             f"{signal.Signals(signum).name} received: stopped at step {step}; {where}{how}. {hint or resume_hint()}"
         )
-
-    def with_hint(self, hint: str) -> Preempted:
-        """The same stop, with ``hint`` as how to go on."""
-        return Preempted(self.step, self.signum, self.where, sync_point=self.sync_point, hint=hint)

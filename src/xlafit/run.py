@@ -39,7 +39,7 @@ from flax import nnx
 from xlafit.checkpoint import check_directory, check_not_all_set_aside
 from xlafit.config import Config, LoraConfig, check_device_split, resolve_batch
 from xlafit.data.dataset import as_dataset
-from xlafit.errors import ConfigError, Preempted
+from xlafit.errors import ConfigError, going_on_with
 from xlafit.io.paths import (
     as_path,
     is_url,
@@ -152,32 +152,32 @@ def train_and_evaluate(cfg: Config) -> FitResult:
         else:
             log_to_file(run_dir / f"process-{strategy.process_index}.log")
         trainer = recipe_trainer(recipe, cfg, run, strategy, train_data, plan, keep=True)
-        try:
-            result = trainer.fit(train_data, eval=eval_data)
-        except Preempted as e:  # the same command would start over in another new directory
-            raise (e if named_dir else e.with_hint(how_to_go_on(run_dir, e.step, "run.run_dir"))) from None
-        finally:
-            trainer.close()
+        # A stop says how to go on; the same command would start over in another new directory
+        with going_on_with(None if named_dir else how_to_go_on(run_dir, "run.run_dir")):
+            try:
+                result = trainer.fit(train_data, eval=eval_data)
+            finally:
+                trainer.close()
     if strategy.process_index == 0 and result.eval is not None:
         print(final_report(result.eval, result.eval_step, int(result.state.step), recipe.eval_unit(cfg)), flush=True)
     stopped = int(result.state.step) == cfg.trainer.stop_at_step and int(result.state.step) < run_steps
     if strategy.process_index == 0 and not named_dir and stopped:
-        print(how_to_go_on(run_dir, int(result.state.step), "run.run_dir"), flush=True)
+        print(how_to_go_on(run_dir, "run.run_dir"), flush=True)
     return result
 
 
-def how_to_go_on(run_dir: epath.Path | str, step: int, key: str | None = None) -> str:
-    """How to go on from ``step`` of a run whose directory was made for it: with that
-    directory named (``--run-dir``, and the setting ``key`` from Python), as the same command
-    without it starts over in another new one.
+def how_to_go_on(run_dir: epath.Path | str, key: str | None = None) -> str:
+    """How to go on with a run whose directory was made for it: with that directory named
+    (``--run-dir``, and the setting ``key`` from Python), as the same command without it starts
+    over in another new one.
 
     Example:
-        >>> how_to_go_on("runs/mnist-1", 40)
-        "this run's directory was made for it: to go on from step 40, run again with --run-dir runs/mnist-1."
+        >>> how_to_go_on("runs/mnist-1")
+        'Run again with --run-dir runs/mnist-1 to go on: the same command would start a new run.'
     """
     where = str(run_dir) if is_url(run_dir) else str(Path(run_dir))
     also = f" ({key}={where})" if key else ""
-    return f"this run's directory was made for it: to go on from step {step}, run again with --run-dir {where}{also}."
+    return f"Run again with --run-dir {where}{also} to go on: the same command would start a new run."
 
 
 # The first JAX whose XLA:CPU rounds the MNIST CNN's per-chunk gradient differently in the

@@ -40,7 +40,7 @@ from xlafit.checkpoint import check_directory
 from xlafit.config import MeshConfig, OptimizerConfig, RunConfig, TrainerConfig
 from xlafit.data.dataset import Dataset, as_dataset
 from xlafit.data.loader import TrainOrder
-from xlafit.errors import ConfigError, DataError, Preempted
+from xlafit.errors import ConfigError, DataError, going_on_with
 from xlafit.io.paths import as_path
 from xlafit.overrides import from_dict
 from xlafit.parallel.cluster import connect
@@ -122,18 +122,18 @@ def train_file(path: str | Path, overrides: Sequence[str] = (), preset: str | Pa
             config=spec.config, learning_rate=spec.learning_rate, run_dir=run_dir,
             checkpoint_dir=run.checkpoint_dir, resume=run.resume,
         )  # fmt: skip
-        try:
-            result = trainer.fit(spec.train, eval=spec.eval)
-        except Preempted as e:  # the same command would start over in another new directory
-            raise (e if named_dir else e.with_hint(how_to_go_on(run_dir, e.step))) from None
-        finally:
-            trainer.close()
+        # A stop says how to go on; the same command would start over in another new directory
+        with going_on_with(None if named_dir else how_to_go_on(run_dir)):
+            try:
+                result = trainer.fit(spec.train, eval=spec.eval)
+            finally:
+                trainer.close()
     step = int(result.state.step)
     total = spec.config.epochs * TrainOrder.for_dataset(spec.train, global_batch, 0).steps_per_epoch
     if strategy.process_index == 0 and result.eval is not None:
         print(final_report(result.eval, result.eval_step, step), flush=True)
     if step < total and not named_dir and strategy.process_index == 0:  # stopped by trainer.stop_at_step
-        print(how_to_go_on(run_dir, step), flush=True)
+        print(how_to_go_on(run_dir), flush=True)
     return result
 
 
