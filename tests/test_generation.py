@@ -50,6 +50,29 @@ def test_greedy_tokens_equal_transformers_generate(tmp_path):
     assert generate(model, PROMPTS, 8) == transformers_greedy(model, tmp_path, 8)
 
 
+def test_a_repetition_penalty_gives_transformers_greedy_tokens(tmp_path):
+    """The twenty-third walk: a generation_config.json's repetition_penalty (Qwen2.5's 1.05)
+    was dropped, and greedy answers differed from transformers' generate on the export. Each
+    prompt alone (transformers penalises a left-padded row's pad id too), on a model that
+    repeats itself within 12 tokens."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = tiny(rope_theta=500000.0)
+    llama_hf.save_hf(model, tmp_path)
+    theirs = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32).eval()
+    plain = [generate(model, [p], 12)[0] for p in PROMPTS]
+    for penalty in (1.3, 0.7):
+        ours = [generate(model, [p], 12, Sampling(repetition_penalty=penalty))[0] for p in PROMPTS]
+        assert ours == [hf_greedy(theirs, [p], 12, repetition_penalty=penalty)[0] for p in PROMPTS], penalty
+        assert ours != plain  # the penalty changes what this model says
+    # in a batch (left-padded), each row as it would alone: its padding is no token of it
+    assert generate(model, PROMPTS, 12, Sampling(repetition_penalty=1.3)) == [
+        generate(model, [p], 12, Sampling(repetition_penalty=1.3))[0] for p in PROMPTS
+    ]
+    with pytest.raises(ValueError, match="repetition_penalty=0: give a number above 0"):
+        Sampling(repetition_penalty=0)
+
+
 def test_a_sequence_ends_at_its_end_token():
     model = tiny()
     full = generate(model, PROMPTS, 6)
@@ -154,7 +177,10 @@ def test_a_sharded_model_generates_what_one_device_does():
     assert generate(nnx.merge(graphdef, placed), PROMPTS, 5) == expected
 
 
-@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0, seed=5), Sampling(top_k=8, seed=5)])
+@pytest.mark.parametrize(
+    "sampling",
+    [Sampling(), Sampling(temperature=1.0, seed=5), Sampling(top_k=8, seed=5), Sampling(repetition_penalty=1.3)],
+)
 def test_an_fsdp_model_decodes_with_its_mlp_and_vocabulary_split_and_generates_what_one_device_does(sampling):
     """Under FSDP every weight is split along its width, and each decode step summed partial
     products over the devices: an all-reduce of the whole [rows, vocab] logits every step (the
@@ -606,6 +632,53 @@ def test_sampling_takes_what_the_flags_leave_out_from_the_models_generation_conf
     assert "--temperature 0.6" in answer("--top-p", "0.9", "--seed", "1")[1]  # the model's temperature
     widened = {answer("--temperature", "1.5", "--top-k", "0", "--seed", str(s))[0] for s in range(3)}
     assert widened != {greedy}  # --top-k 0 samples from every token
+
+
+def test_the_models_repetition_penalty_and_answer_length_are_taken_and_what_is_not_applied_is_said(
+    chat_model, tmp_path, capsys
+):
+    """The twenty-third walk: a generation_config.json's repetition_penalty and max_new_tokens
+    were dropped without a word (greedy answers then differed from transformers' generate on
+    the export), the Python API sampled without the model's top_k and top_p where the command
+    took them, and an empty prompt ended in a traceback."""
+    import dataclasses
+    import json
+    import shutil
+
+    from xlafit.cli import main
+    from xlafit.errors import ConfigError
+    from xlafit.generator import Generator
+
+    folder = tmp_path / "penalised"
+    shutil.copytree(chat_model, folder)
+    settings = {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 0.05,
+                "max_new_tokens": 6, "no_repeat_ngram_size": 3}  # fmt: skip
+    (folder / "generation_config.json").write_text(json.dumps(settings))
+    asked = ["generate", str(folder), "--prompt", QUESTION, "--json", "--no-chat"]
+
+    def answer(*flags: str) -> tuple[str, str]:
+        assert main([*asked, *flags]) == 0
+        out, err = capsys.readouterr()
+        return json.loads(out)["answer"], err
+
+    greedy, err = answer()
+    assert "greedy with the model's generation_config.json for --repetition-penalty 0.05" in err
+    assert "--max-new-tokens 6: the model's generation_config.json's" in err
+    assert "not applied: the model's generation_config.json sets no_repeat_ngram_size 3" in err
+    assert answer("--repetition-penalty", "1")[0] != greedy  # the penalty changes this model's answer
+    ask = Generator.load(str(folder))
+    assert ask.max_new_tokens == 6 and ask.sampling().repetition_penalty == 0.05
+    assert ask([QUESTION], use_chat=False) == [greedy]  # Python takes what the command takes
+    tokens = len(ask.tokenizer.encode(ask([QUESTION], 40, use_chat=False)[0], add_special_tokens=False).ids)
+    assert tokens > 6 or ask([QUESTION], 40, use_chat=False) == [greedy]  # 40 asked for: the config's 6 no bound
+    sampled, err = answer("--temperature", "0.9", "--seed", "5")
+    assert "sampling with the model's generation_config.json for --top-k 20, --top-p 0.8" in err
+    assert ask([QUESTION], sampling=ask.sampling(temperature=0.9, seed=5), use_chat=False) == [sampled]
+    no_bos = dataclasses.replace(ask, bos_id=None)  # a tokenizer that puts nothing before a text
+    with pytest.raises(ConfigError, match="prompt 2 is empty: no token to continue from"):
+        no_bos([QUESTION, ""], use_chat=False)
+    assert main([*asked, "--repetition-penalty", "0"]) == 2
+    assert "--repetition-penalty 0.0: give a number above 0" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- asking a run that is training

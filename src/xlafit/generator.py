@@ -47,13 +47,16 @@ from xlafit.recipes import config_from_dict
 from xlafit.recipes.llm_data import (
     DATA_FORMAT_FILE,
     GENERATION_CONFIG,
+    NOT_APPLIED,
     SAMPLING_KEYS,
     data_config,
     recorded_model_dir,
 )
 from xlafit.train.frozen import BASE_FINGERPRINT
 
-__all__ = ["Answers", "Generator"]
+__all__ = ["MAX_NEW_TOKENS", "Answers", "Generator"]
+
+MAX_NEW_TOKENS = 128  # an answer's tokens at most where neither the call nor the model's config says
 
 Prompt = str | Sequence[dict[str, Any]]  # a text, or a conversation of {"role", "content"} turns
 
@@ -74,9 +77,10 @@ class Generator:
             ``text``); None for a Hugging Face model, or a run that did not record it.
         step: the step of the run's checkpoint the model comes from (said on stderr when
             loaded); None for a Hugging Face model.
-        sampling_defaults: the sampling settings of the model's ``generation_config.json``
-            (``do_sample``, ``temperature``, ``top_k``, ``top_p``; a run's are its base's), which
-            ``transformers``' ``generate`` takes for those not given; ``xlafit generate`` too.
+        sampling_defaults: the settings of the model's ``generation_config.json`` that
+            :meth:`sampling` and a call take where not given, as ``transformers``' ``generate``
+            takes them (``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+            ``repetition_penalty``, ``max_new_tokens``; a run's are its base's).
         trained_records: what a run's records were where its objective did not train on them as
             they are (``preference pairs``, ``prompts``); None otherwise.
     """
@@ -161,10 +165,43 @@ class Generator:
         head = [self.bos_id] if self.bos_id is not None else []
         return head + list(self.tokenizer.encode(prompt, add_special_tokens=False).ids)
 
+    def sampling(
+        self,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        repetition_penalty: float | None = None,
+        seed: int | None = None,
+    ) -> Sampling:
+        """How to choose the tokens: what is given, the rest from the model's
+        ``generation_config.json`` (:attr:`sampling_defaults`) as ``transformers``' ``generate``
+        takes it, and as ``xlafit generate`` does with its flags. It samples where a
+        temperature above 0, a ``top_k`` or a ``top_p`` asks to, else it is greedy (a config's
+        ``do_sample`` alone is not followed); the config's ``repetition_penalty`` applies to
+        greedy answers too, as in ``transformers``.
+
+        Raises:
+            ValueError: settings :class:`~xlafit.models.generation.Sampling` refuses.
+        """
+        d = self.sampling_defaults
+        penalty = float(d.get("repetition_penalty", 1.0) if repetition_penalty is None else repetition_penalty)
+        if not (temperature or top_k is not None or top_p is not None):
+            return Sampling(temperature, 0, 1.0, seed, penalty)
+        chosen_t = d.get("temperature") if temperature is None else temperature
+        chosen_k = d.get("top_k", 0) if top_k is None else top_k
+        chosen_p = d.get("top_p", 1.0) if top_p is None else top_p
+        return Sampling(chosen_t, chosen_k or 0, 1.0 if chosen_p is None else chosen_p, seed, penalty)
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The tokens an answer has at most unless told: the model's ``generation_config.json``'s
+        ``max_new_tokens``, else :data:`MAX_NEW_TOKENS`."""
+        return int(self.sampling_defaults.get("max_new_tokens") or MAX_NEW_TOKENS)
+
     def __call__(
         self,
         prompts: Sequence[Prompt],
-        max_new_tokens: int = 128,
+        max_new_tokens: int | None = None,
         sampling: Sampling | None = None,
         use_chat: bool | None = None,
         stop: Sequence[str] = (),
@@ -174,9 +211,10 @@ class Generator:
 
         Args:
             prompts: texts, or conversations of ``{"role", "content"}`` turns.
-            max_new_tokens: the tokens each answer has at most.
-            sampling: greedy by default; one that samples without a seed draws one, said
-                in :attr:`Answers.seed`.
+            max_new_tokens: the tokens each answer has at most (default :attr:`max_new_tokens`).
+            sampling: used as it is; None: :meth:`sampling`'s default, greedy with the model's
+                ``repetition_penalty``. One that samples without a seed draws one, said in
+                :attr:`Answers.seed`.
             use_chat: the chat template or not (default :attr:`chat_by_default`).
             stop: texts that end an answer: it is cut before the first one found in its
                 text (the tokens after it were generated, then dropped).
@@ -184,16 +222,23 @@ class Generator:
                 of sequence is); each row stops at its own, inside the compiled loop.
 
         Raises:
-            ConfigError: an empty stop text, or a stop id outside the vocabulary.
+            ConfigError: an empty stop text, a prompt of no token, or a stop id outside the
+                vocabulary.
         """
         if any(not s for s in stop):
             raise ConfigError(
                 "an empty stop text would end every answer before it starts; give stop texts of 1+ characters."
             )
         ids = [self.encode(p, use_chat) for p in prompts]
+        if empty := [i for i, row in enumerate(ids, 1) if not row]:
+            raise ConfigError(
+                f"prompt {empty[0]} is empty: no token to continue from (the tokenizer puts no BOS token before a "
+                "text); give it some text, or ask in the chat template."
+            )
         pad = self.tokenizer.token_to_id(clm.PAD) or 0
         stops = (*self.eos_ids, *stop_ids)
-        tokens = generate(self.model, ids, max_new_tokens, sampling, stops, pad)
+        new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        tokens = generate(self.model, ids, new, sampling or self.sampling(), stops, pad)
         answers = Answers(_cut(self.tokenizer.decode(t, skip_special_tokens=True), stop) for t in tokens)
         answers.seed = tokens.seed
         return answers
@@ -289,11 +334,22 @@ def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
 
 
 def sampling_defaults(folder: Any) -> dict[str, Any]:
-    """The sampling settings of ``folder``'s ``generation_config.json`` ({} where it has none)."""
+    """The settings of ``folder``'s ``generation_config.json`` that generation takes where not
+    given ({} where it has none); those it does not apply are said on stderr, once."""
     path = folder / GENERATION_CONFIG
     if not path.exists():
         return {}
     settings = json.loads(path.read_text())
+    unapplied = {k: v for k, v in settings.items() if k in NOT_APPLIED and v != NOT_APPLIED[k]}
+    if unapplied:
+        print(
+            f"not applied: the model's {GENERATION_CONFIG} sets "
+            + ", ".join(f"{k} {v}" for k, v in unapplied.items())
+            + ", which xlafit's generation does not have (it takes temperature, top_k, top_p, repetition_penalty "
+            "and max_new_tokens); transformers' generate on the same weights applies them",
+            file=sys.stderr,
+            flush=True,
+        )
     return {k: settings[k] for k in SAMPLING_KEYS if settings.get(k) is not None}
 
 

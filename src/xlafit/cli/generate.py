@@ -31,7 +31,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help='prompts, one per line (or JSON lines: a string, {"messages": [...]} for a chat model, or '
         '{"prompt": ...} as GRPO\'s prompt records; or a Parquet file of such records)',
     )
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help="tokens to generate at most (default: the model's generation_config.json's max_new_tokens, else 128)",
+    )
     p.add_argument(
         "--temperature",
         type=float,
@@ -48,6 +52,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=float,
         help="sample among the likeliest tokens summing to P (1: all). Sampling, what is not given is the model's "
         "generation_config.json's, as in transformers",
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        help="divide the logits of the tokens an answer holds already (its prompt too) by this (1: none), greedy or "
+        "sampled, as transformers does; default: the model's generation_config.json's, else 1",
     )
     p.add_argument(
         "--seed",
@@ -151,10 +161,11 @@ def run(args: argparse.Namespace) -> int:
     from xlafit.parallel.cluster import start_backends
 
     prompts = _prompts(args)
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: generate at least one token.")
     try:  # the flags as given, refused before the model loads; the model's defaults join them below
-        sampling = Sampling(args.temperature, args.top_k or 0, 1.0 if args.top_p is None else args.top_p, args.seed)
+        penalty = 1.0 if args.repetition_penalty is None else args.repetition_penalty
+        Sampling(args.temperature, args.top_k or 0, 1.0 if args.top_p is None else args.top_p, args.seed, penalty)
     except ValueError as e:
         raise ConfigError(_in_flags(str(e))) from None
     if any(not text for text in args.stop):
@@ -184,7 +195,12 @@ def run(args: argparse.Namespace) -> int:
             "in it)",
             file=sys.stderr,
         )
-    sampling = _with_model_defaults(args, ask.sampling_defaults, sampling)
+    sampling = _with_model_defaults(args, ask)
+    if args.max_new_tokens is None and "max_new_tokens" in ask.sampling_defaults:
+        print(
+            f"--max-new-tokens {ask.max_new_tokens}: the model's generation_config.json's (give the flag to change it)",
+            file=sys.stderr,
+        )
     if sampling.samples and sampling.seed is None:  # drawn here, said before the answers: a crash still tells it
         sampling = sampling.seeded()
         print(f"seed {sampling.seed} (pass --seed {sampling.seed} to repeat)", file=sys.stderr, flush=True)
@@ -202,45 +218,41 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _with_model_defaults(args: argparse.Namespace, defaults: dict[str, Any], given: Any) -> Any:
+def _with_model_defaults(args: argparse.Namespace, ask: Any) -> Any:
     """The sampling of the flags, with what they leave out taken from the model's
-    ``generation_config.json`` where they ask to sample (``transformers``' ``generate``
-    takes them the same way), each taken one said; greedy where they do not ask, said when
-    the model's config samples."""
-    from xlafit.models.generation import Sampling
-
+    ``generation_config.json`` (:meth:`~xlafit.generator.Generator.sampling`, as ``transformers``'
+    ``generate`` takes them), each taken one said; greedy where they do not ask, said when the
+    model's config samples."""
+    defaults = ask.sampling_defaults
     sampling_asked = bool(args.temperature) or args.top_k is not None or args.top_p is not None
-    if not sampling_asked:
-        if defaults.get("do_sample") and args.temperature is None:
-            settings = ", ".join(f"{k} {v}" for k, v in defaults.items() if k != "do_sample")
-            print(
-                f"greedy: the model's generation_config.json samples ({settings or 'at temperature 1.0'}), as "
-                f"transformers' generate does by default; --temperature {defaults.get('temperature', 1.0)} samples "
-                "with those settings",
-                file=sys.stderr,
-            )
-        return given
-    flags = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    flags = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p} if sampling_asked else {}
+    flags["repetition_penalty"] = args.repetition_penalty
     taken = {k: defaults[k] for k, v in flags.items() if v is None and k in defaults}
+    if not sampling_asked and defaults.get("do_sample") and args.temperature is None:
+        settings = ", ".join(f"{k} {v}" for k, v in defaults.items() if k in ("temperature", "top_k", "top_p"))
+        print(
+            f"greedy: the model's generation_config.json samples ({settings or 'at temperature 1.0'}), as "
+            f"transformers' generate does by default; --temperature {defaults.get('temperature', 1.0)} samples "
+            "with those settings",
+            file=sys.stderr,
+        )
     if taken:
         print(
-            "sampling with the model's generation_config.json for "
+            ("sampling" if sampling_asked else "greedy")
+            + " with the model's generation_config.json for "
             + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in taken.items())
             + " (give the flag to change one)",
             file=sys.stderr,
         )
-    chosen = {k: v if v is not None else taken.get(k) for k, v in flags.items()}
     try:
-        return Sampling(
-            chosen["temperature"], chosen["top_k"] or 0, 1.0 if chosen["top_p"] is None else chosen["top_p"], args.seed
-        )
+        return ask.sampling(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)
     except ValueError as e:
         raise ConfigError(f"{_in_flags(str(e))} (with the model's generation_config.json: {taken})") from None
 
 
 def _in_flags(message: str) -> str:
     """A :class:`Sampling` refusal in the command's words (``top_k=`` -> ``--top-k``)."""
-    for name in ("temperature", "top_k", "top_p", "seed", "max_new_tokens"):
+    for name in ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "repetition_penalty"):
         message = message.replace(f"{name}=", f"--{name.replace('_', '-')} ").replace(
             f" {name} ", f" --{name.replace('_', '-')} "
         )

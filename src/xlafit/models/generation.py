@@ -6,7 +6,10 @@ the model over one position (:meth:`xlafit.models.llama.LlamaForCausalLM.cached`
 loop one compiled program (``lax.scan``). Each row's positions start at 0 at its first real
 token and its padding is never attended to, so a row generates what it would alone.
 
-Sampling follows the usual order: logits over ``temperature``, then the ``top_k`` largest,
+Sampling follows the usual order: a ``repetition_penalty`` on the logits of the tokens the row
+holds already (its prompt and what it generated: a positive logit divided by it, a negative one
+multiplied, as ``transformers``' ``RepetitionPenaltyLogitsProcessor``; greedy too), the logits
+over ``temperature``, then the ``top_k`` largest,
 then the smallest set whose probabilities add up to ``top_p``; ``temperature=0`` is greedy
 (the largest logit, ties to the smallest id, as ``argmax``). A ``top_k`` or ``top_p`` without
 a temperature samples at temperature 1, as ``transformers``' ``generate(do_sample=True,
@@ -68,13 +71,15 @@ class Sampling:
     ``temperature`` 0 is greedy; None (the default) is greedy too, unless ``top_k`` or
     ``top_p`` asks for sampling: then it is 1.0, ``transformers``' default temperature when
     it samples. ``top_k`` 0 and ``top_p`` 1 leave the distribution whole. ``seed`` None:
-    a fresh one for each call that samples (:meth:`seeded`).
+    a fresh one for each call that samples (:meth:`seeded`). ``repetition_penalty`` above 1
+    makes the tokens a row holds already less likely (1: none; the module docstring).
     """
 
     temperature: float | None = None
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         temperature = self.temperature
@@ -90,6 +95,11 @@ class Sampling:
             raise ValueError(
                 f"temperature=0 is greedy, and top_k={self.top_k}, top_p={self.top_p} choose among the tokens to "
                 "sample from: give a temperature above 0 to sample, or drop top_k and top_p for greedy."
+            )
+        if not self.repetition_penalty > 0:
+            raise ValueError(
+                f"repetition_penalty={self.repetition_penalty}: give a number above 0 (1: no penalty; above 1 makes "
+                "repeated tokens less likely)."
             )
         if self.seed is not None and not 0 <= self.seed < SEEDS:
             raise ValueError(f"seed={self.seed}: give a seed from 0 to {SEEDS - 1}.")
@@ -153,9 +163,15 @@ def _slices(logits: jax.Array, split: tuple[Mesh, tuple[str, ...]]) -> jax.Array
     return jax.lax.with_sharding_constraint(blocks, NamedSharding(mesh, PartitionSpec(None, axes, None)))
 
 
-def _choose(logits: jax.Array, sampling: Sampling, key: jax.Array, split: Split = None) -> jax.Array:
+def _choose(
+    logits: jax.Array, sampling: Sampling, key: jax.Array, split: Split = None, seen: jax.Array | None = None
+) -> jax.Array:
     """The next token of each row of ``logits [B, V]``: the most likely (greedy) or one drawn.
-    ``split``: the mesh and axes the vocabulary lies split over (:func:`_vocab_split`)."""
+    ``split``: the mesh and axes the vocabulary lies split over (:func:`_vocab_split`);
+    ``seen [B, V]``: the tokens each row holds, penalised by ``sampling.repetition_penalty``."""
+    if seen is not None:
+        penalty = sampling.repetition_penalty
+        logits = jnp.where(seen, jnp.where(logits < 0, logits * penalty, logits / penalty), logits)
     if not sampling.samples:
         return _argmax(logits, split)
     logits = filter_logits(logits / float(sampling.temperature or 1.0), sampling.top_k, sampling.top_p, split)
@@ -236,13 +252,18 @@ def _run(
     # (layers, B, S, kv_heads, head_dim), or one cache per layer whose arrays start with B
     cache = _split_rows(cache, layout, axis=0 if isinstance(cache, tuple) else 1)
     logits, cache = model.cached(ids, positions, cache, jnp.int32(0), visible)
+    rows = jnp.arange(b)
+    seen = None  # the tokens each row holds (its prompt's, not its padding), where a penalty reads them
+    if sampling.repetition_penalty != 1.0:
+        held = jnp.arange(p)[None, :] >= pads[:, None]
+        seen = _split_rows(jnp.zeros((b, logits.shape[-1]), bool).at[rows[:, None], ids].max(held), layout)
     keys = jax.random.split(jax.random.key(seed), max_new_tokens)
-    first = _choose(logits[:, -1], sampling, keys[0])
+    first = _choose(logits[:, -1], sampling, keys[0], seen=seen)
     tokens = _split_rows(jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first), layout)
-    Carry = tuple[jax.Array, jax.Array, jax.Array, Any, Any]
+    Carry = tuple[jax.Array, jax.Array, jax.Array, Any, Any, Any]
 
     def step(i: jax.Array, carry: Carry) -> Carry:
-        token, stopped, tokens, cache, weights = carry  # token: column i's, (B,)
+        token, stopped, tokens, cache, weights, seen = carry  # token: column i's, (B,)
         slot = p + i
         position = (slot - pads)[:, None]
         # The weights ride in the carry, merged inside the loop: a module made outside a
@@ -250,15 +271,17 @@ def _run(
         model = nnx.merge(graphdef, weights)
         hidden, cache = model.cached_hidden(token[:, None], position, cache, slot, visible)
         logits = model.logits(_whole_rows(hidden, split))
-        following = jnp.where(stopped, pad_id, _choose(logits[:, -1], sampling, keys[i + 1], split))
+        if seen is not None:
+            seen = seen.at[rows, token].set(True)
+        following = jnp.where(stopped, pad_id, _choose(logits[:, -1], sampling, keys[i + 1], split, seen))
         tokens = jax.lax.dynamic_update_slice(tokens, following[:, None], (0, i + 1))
-        return following, stopped | jnp.isin(following, stop_ids), tokens, cache, weights
+        return following, stopped | jnp.isin(following, stop_ids), tokens, cache, weights, seen
 
     # The loop's weights split along their hidden units and vocabulary where FSDP splits them
     # along their width: no all-reduce of every step's logits (decode_layout)
     mesh = layout[0] if layout is not None else None
     weights, split = decode_layout(state, mesh), _vocab_split(mesh, logits.shape[-1])
-    start = (first, jnp.isin(first, stop_ids), tokens, cache, weights)
+    start = (first, jnp.isin(first, stop_ids), tokens, cache, weights, seen)
     return jax.lax.fori_loop(0, max_new_tokens - 1, step, start)[2]
 
 

@@ -109,7 +109,16 @@ def recorded_model_dir(cfg: Config, run: Any) -> str | None:
 
 
 GENERATION_CONFIG = "generation_config.json"
-SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p")  # generation_config.json's sampling settings
+# generation_config.json's settings that xlafit generate takes where not given, as transformers' generate does
+SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "max_new_tokens")
+# Its settings that change transformers' tokens and that xlafit's generation does not apply, each
+# with the value that leaves them off: a model whose config sets one is told so.
+NOT_APPLIED = {
+    "no_repeat_ngram_size": 0, "min_new_tokens": None, "min_length": 0, "min_p": None, "typical_p": 1.0,
+    "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "num_beams": 1, "bad_words_ids": None, "suppress_tokens": None,
+    "begin_suppress_tokens": None, "sequence_bias": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+    "encoder_repetition_penalty": 1.0, "penalty_alpha": None, "guidance_scale": None,
+}  # fmt: skip
 
 
 def base_generation(cfg: Config, tokenizer_json: str) -> dict[str, Any]:
@@ -369,8 +378,9 @@ def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
     generation = base_generation(cfg, tokenizer_json)
     theirs = generation.get("eos_token_id")
     ends = set(theirs if isinstance(theirs, list) else [] if theirs is None else [theirs])
-    # and the base's sampling settings, which `xlafit generate` takes where not given, as transformers does
-    recorded = {k: generation[k] for k in SAMPLING_KEYS if generation.get(k) is not None}
+    # and the base's other settings (sampling, repetition penalty, answer length), which `xlafit generate`
+    # takes where not given, as transformers does
+    recorded = {k: v for k, v in generation.items() if k != "eos_token_id" and v is not None}
     template = trained.official if trained is not None and trained.official is not None else trained
     if template is not None:  # what the run's chat data was rendered with, for generation and export
         (dest / rendering.TEMPLATE_FILE).write_text(template.source)
