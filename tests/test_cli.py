@@ -484,6 +484,22 @@ def test_lora_on_a_new_model_exports_and_generates(tmp_path):
     assert (out / "base" / "generation_config.json").read_text() == generation and "eos_token_id" in generation
     answered = run("generate", str(run_dir), "--prompt", "1 plus 2", "--max-new-tokens", "4")
     assert answered.returncode == 0, answered.stderr
+    # The twenty-third walk: the adapter directory was neither asked nor a clear refusal to train from.
+    # It answers as the merged model does (its base's weights, the adapter merged into them) ...
+    from xlafit.generator import Generator
+
+    # (its base_model_name_or_path named the export's temporary folder, gone once the export was in place)
+    adapter_config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str((out / "base").absolute())
+    merged, on_base = Generator.load(str(out)), Generator.load(str(out / "adapter"))
+    assert on_base(["1 plus 2"], 6, use_chat=False) == merged(["1 plus 2"], 6, use_chat=False)
+    # ... and a run starting from it is told to start from the merged model
+    from xlafit.errors import ConfigError
+    from xlafit.recipes import load_config
+    from xlafit.recipes.llm import check_checkpoint
+
+    with pytest.raises(ConfigError, match=r"adapter is a PEFT adapter on .*base \(adapter_config.json\), not a model"):
+        check_checkpoint(load_config("llm", [f"model.init_from_hf={out / 'adapter'}"]), out / "adapter")
     # another seed re-initialises another base: refused, and the --out it made is gone again
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     config["trainer"]["seed"] = 1

@@ -118,7 +118,9 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     arrays, step, metadata = checkpoint_arrays(cfg, run, step)
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(tmp) / "out"
-        _write(recipe, cfg, run, arrays, metadata, local, Path(tmp))
+        # where the export ends up: a new model's adapter names its base there, not in this temporary folder
+        final = os.fspath(out).rstrip("/") if is_url(out) else os.path.abspath(local_path(out))
+        _write(recipe, cfg, run, arrays, metadata, local, Path(tmp), final)
         (local / EXPORT_MARK).write_text(config_text)
         files = sorted(p.name + ("/" if p.is_dir() else "") for p in local.iterdir())
         if is_url(out) and bucket_of(out):
@@ -174,8 +176,11 @@ def _check_out(run: Any, out: Any) -> None:
         )
 
 
-def _write(recipe: str, cfg: Config, run: Any, arrays: Any, metadata: dict[str, str], local: Path, tmp: Path) -> None:
-    """Writes the model of one recipe's checkpoint (``arrays``) to ``local``."""
+def _write(
+    recipe: str, cfg: Config, run: Any, arrays: Any, metadata: dict[str, str], local: Path, tmp: Path, final: str
+) -> None:
+    """Writes the model of one recipe's checkpoint (``arrays``) to ``local``, which is then moved
+    to ``final``."""
     if recipe == "bert":
         vocab = json.loads((run / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
         model = BertForMaskedLM(bert_config(cfg, len(vocab)), rngs=nnx.Rngs(0))
@@ -194,7 +199,9 @@ def _write(recipe: str, cfg: Config, run: Any, arrays: Any, metadata: dict[str, 
         if ends.exists():
             local.mkdir(parents=True, exist_ok=True)
             (local / GENERATION_CONFIG).write_text(ends.read_text())
-        export_llm(cfg, arrays, metadata.get(BASE_FINGERPRINT), tokenizer_json, local, chat_template, tokens)
+        export_llm(
+            cfg, arrays, metadata.get(BASE_FINGERPRINT), tokenizer_json, local, chat_template, tokens, f"{final}/base"
+        )
         if (run / DATA_FORMAT_FILE).exists():  # `xlafit generate` asks the export as the run trained
             (local / DATA_FORMAT_FILE).write_text((run / DATA_FORMAT_FILE).read_text())
     else:
@@ -286,6 +293,7 @@ def export_llm(
     out: Path,
     chat_template: str | None = None,
     tokens: dict[str, str] | None = None,
+    base_at: str | None = None,
 ) -> None:
     """Writes an llm run's model to ``out`` as a ``LlamaForCausalLM`` with its tokenizer (and
     the chat template it trained with, in ``tokenizer_config.json`` and ``chat_template.jinja``;
@@ -303,7 +311,8 @@ def export_llm(
     (``model.init_from_hf``, or the same initialisation) and must have the fingerprint the
     checkpoint recorded. The adapter goes to ``out/adapter`` (PEFT's format, its base
     ``model.init_from_hf``; with no such directory the base itself goes to ``out/base``)
-    and ``out`` holds the merged weights.
+    and ``out`` holds the merged weights; ``base_at``: where ``out/base`` ends up, for the
+    adapter to name (default: ``out/base`` itself).
 
     Raises:
         CheckpointError: the rebuilt base is not the one the adapters were trained on.
@@ -320,8 +329,9 @@ def export_llm(
             base = nnx.clone(model)  # a copy with its own variables: zeroing its adapters leaves the model's
             without = typing.cast(LlamaForCausalLM, merge_lora(_without_adapters(base)))
             llama_hf.save_hf(without, out / "base", token_ids=token_ids, dtype=dtype)
+            _write_tokenizer(cfg, tokenizer_json, out / "base", chat_template, tokens)  # a model folder of its own
             (out / "base" / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
-        base_path = cfg.model.init_from_hf or str((out / "base").absolute())
+        base_path = cfg.model.init_from_hf or base_at or str((out / "base").absolute())
         if not hub.is_hub_id(base_path):  # a hub id stays one: PEFT reads it from the hub's cache
             base_path = str(Path(base_path).expanduser().absolute())
         folder = model_dir(cfg)  # the base as the run read it (a hub id: its snapshot in the cache)

@@ -36,6 +36,7 @@ from xlafit.data import clm, rendering
 from xlafit.errors import ConfigError, XlafitError
 from xlafit.export import checkpoint_arrays, run_model
 from xlafit.hf import llama as llama_hf
+from xlafit.hf import peft
 from xlafit.io import hub
 from xlafit.io.paths import as_path, reach, reading
 from xlafit.models.generation import Sampling, generate
@@ -107,8 +108,9 @@ class Generator:
     def load(
         cls, source: str, step: int | None = None, revision: str | None = None, simulate: int | None = None
     ) -> Generator:
-        """A run directory, a Hugging Face model directory or a hub id (see the module
-        docstring); ``simulate``: this many simulated CPU devices for a run's mesh.
+        """A run directory, a Hugging Face model directory, a PEFT adapter directory (its
+        base, ``base_model_name_or_path``, with the adapter merged into it) or a hub id (see
+        the module docstring); ``simulate``: this many simulated CPU devices for a run's mesh.
 
         Raises:
             ConfigError: not a model (no ``config.yaml`` nor ``config.json``), or not an llm run.
@@ -122,7 +124,17 @@ class Generator:
                 "id org/name."
             )
         folder = hub.resolve(source, revision, "the model")
-        if not (Path(folder) / "config.json").exists():
+        weights, adapter = folder, None  # a PEFT adapter's: its base's weights, the adapter merged into them
+        if not (Path(folder) / "config.json").exists() and (base := peft.adapter_base(folder)) is not None:
+            if not base:
+                raise ConfigError(
+                    f"{source} is a PEFT adapter whose adapter_config.json names no base_model_name_or_path; give "
+                    "the model it was trained on there, or the merged model."
+                )
+            weights, adapter = hub.resolve(base, None, "the adapter's base model"), folder
+            if not (Path(folder) / "tokenizer.json").exists():  # PEFT saves none: the base's
+                folder = weights
+        if not (Path(weights) / "config.json").exists():
             raise ConfigError(
                 f"{source} is neither an llm run directory (config.yaml) nor a Hugging Face model directory "
                 "(config.json); give one, or a hub id org/name."
@@ -133,7 +145,10 @@ class Generator:
         )
         tokenizer = clm.load_tokenizer(folder, fix)  # before the weights are read: it may be what is missing
         start_backends()  # as the CLI does: without libtpu's start-up errors on a host with no TPU
-        model = llama_hf.from_hf(folder)
+        model = llama_hf.from_hf(weights)
+        if adapter is not None:
+            model = typing.cast(LlamaForCausalLM, merge_lora(peft.load_peft_adapter(model, adapter)))
+            print(f"{source}: a PEFT adapter on {base}, answering merged into it", file=sys.stderr, flush=True)
         template, stops = rendering.template_for(folder), clm.stop_ids(folder)
         bos = clm.special_ids(folder)[0]
         defaults = sampling_defaults(Path(folder))

@@ -245,6 +245,26 @@ def _fingerprint_as_trained(model: LlamaForCausalLM, quantized: str | None) -> s
     return base_fingerprint(quantize_base(base, qtype, int(block)))
 
 
+def adapter_base(d: str | Path) -> str | None:
+    """The base model a PEFT adapter directory ``d`` names (its ``base_model_name_or_path``),
+    or None where ``d`` is no adapter (no ``adapter_config.json``)."""
+    path = Path(d).expanduser()
+    if not (path / CONFIG).is_file():
+        return None
+    return str(read_json(path / CONFIG).get("base_model_name_or_path") or "")
+
+
+def not_a_model_but_an_adapter(d: str | Path, base: str) -> str:
+    """Why a PEFT adapter directory ``d`` on ``base`` is not a model to start training from,
+    and what to give instead."""
+    on = f" on {base}" if base else ""
+    merged = f" (xlafit export hf writes it in {Path(d).parent})" if (Path(d).parent / "config.json").is_file() else ""
+    return (
+        f"{d} is a PEFT adapter{on} ({CONFIG}), not a model: start from the model with the adapter merged into it"
+        f"{merged}, or PEFT's merge_and_unload() then save_pretrained(); a LoRA run then trains a new adapter on it"
+    )
+
+
 def _read_config(d: Path) -> dict:
     if not (d / CONFIG).exists() or not (d / WEIGHTS).exists():
         raise HFFormatError(f"{d} is not a PEFT adapter: it needs {CONFIG} and {WEIGHTS}.")

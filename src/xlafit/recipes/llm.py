@@ -30,6 +30,7 @@ from xlafit.config import Config
 from xlafit.data import clm
 from xlafit.errors import ConfigError, HFFormatError
 from xlafit.hf import llama as llama_hf
+from xlafit.hf import peft
 from xlafit.hf.files import read_json
 from xlafit.hf.quantized import from_hf_quantized, tiled_shapes
 from xlafit.io import hub
@@ -188,6 +189,8 @@ def check_checkpoint(cfg: Config, folder: str | Path) -> None:
     folder = Path(folder)
     try:
         if not (folder / "config.json").is_file():
+            if (base := peft.adapter_base(folder)) is not None:
+                raise HFFormatError(f"{peft.not_a_model_but_an_adapter(folder, base)}.")
             raise HFFormatError(
                 f"{folder} has no config.json; give a directory written by save_pretrained or xlafit export hf."
             )
