@@ -491,6 +491,12 @@ def test_an_export_keeps_the_generation_settings_of_the_checkpoint_it_started_fr
     from xlafit.generator import sampling_defaults
 
     assert sampling_defaults(tmp_path / "tuned" / "tokenizer") == sampling_defaults(tmp_path / "tuned-hf") == sampling
+    # The twenty-third walk: the export read the base's file as it was at export time, so a base edited
+    # after training changed what the export shipped, and the run answered with other settings. The
+    # run's record of its base (all of its settings) is what the export ships.
+    (base / "generation_config.json").write_text(json.dumps({**settings, **sampling, "temperature": 1.3}))
+    export_hf(tmp_path / "tuned", tmp_path / "tuned-hf-again")
+    assert json.loads((tmp_path / "tuned-hf-again" / "generation_config.json").read_text()) == exported
 
 
 def test_a_prompt_completion_run_is_asked_as_it_trained_not_in_the_chat_template(chatml_run, tmp_path, capsys):

@@ -318,7 +318,10 @@ def export_llm(
         CheckpointError: the rebuilt base is not the one the adapters were trained on.
     """
     out.mkdir(parents=True, exist_ok=True)
-    token_ids, generation = _write_tokenizer(cfg, tokenizer_json, out, chat_template, tokens)
+    # the generation settings the run recorded when it started (its base's then), over the base's now
+    snapshot = out / GENERATION_CONFIG
+    recorded = json.loads(snapshot.read_text()) if snapshot.exists() else {}
+    token_ids, generation = _write_tokenizer(cfg, tokenizer_json, out, chat_template, tokens, recorded)
     # The model's vocabulary is the tokenizer's, tokens added after training (a chat model's) included.
     model = run_model(cfg, arrays, fingerprint, Tokenizer.from_str(tokenizer_json).get_vocab_size())
     # A quantized base is merged as PEFT merges into a bitsandbytes base: into its dequantized
@@ -329,7 +332,7 @@ def export_llm(
             base = nnx.clone(model)  # a copy with its own variables: zeroing its adapters leaves the model's
             without = typing.cast(LlamaForCausalLM, merge_lora(_without_adapters(base)))
             llama_hf.save_hf(without, out / "base", token_ids=token_ids, dtype=dtype)
-            _write_tokenizer(cfg, tokenizer_json, out / "base", chat_template, tokens)  # a model folder of its own
+            _write_tokenizer(cfg, tokenizer_json, out / "base", chat_template, tokens, recorded)  # a model folder
             (out / "base" / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
         base_path = cfg.model.init_from_hf or base_at or str((out / "base").absolute())
         if not hub.is_hub_id(base_path):  # a hub id stays one: PEFT reads it from the hub's cache
@@ -369,10 +372,16 @@ def export_llm(
 
 
 def _write_tokenizer(
-    cfg: Config, tokenizer_json: str, out: Path, chat_template: str | None, tokens: dict[str, str] | None
+    cfg: Config,
+    tokenizer_json: str,
+    out: Path,
+    chat_template: str | None,
+    tokens: dict[str, str] | None,
+    recorded: dict[str, Any] | None = None,
 ) -> tuple[dict[str, int | None], dict[str, Any]]:
     """Writes the tokenizer's files to ``out``; returns the ids of its special tokens (for
-    ``config.json``) and ``generation_config.json``'s settings."""
+    ``config.json``) and ``generation_config.json``'s settings: ``recorded`` (the run's, from
+    when it started) over its base's."""
     tok = Tokenizer.from_str(tokenizer_json)
     given = tokens or {}
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
@@ -397,7 +406,7 @@ def _write_tokenizer(
         f"{key}_id": tok.token_to_id(config[key]) if key in config else None
         for key in ("bos_token", "eos_token", "pad_token")
     }
-    generation = base_generation(cfg, tokenizer_json)
+    generation = {**base_generation(cfg, tokenizer_json), **(recorded or {})}
     ends = set(clm.stop_ids(out))
     theirs = generation.get("eos_token_id")
     ends.update(theirs if isinstance(theirs, list) else [] if theirs is None else [theirs])
