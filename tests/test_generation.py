@@ -687,6 +687,46 @@ def test_the_models_repetition_penalty_and_answer_length_are_taken_and_what_is_n
     assert "--repetition-penalty 0.0: give a number above 0" in capsys.readouterr().err
 
 
+def test_a_chat_records_tools_and_template_keywords_reach_the_template_as_in_training(chat_model, tmp_path, capsys):
+    """The twenty-third walk: a --prompts-file record's tools and chat_template_kwargs were
+    dropped (training renders them; a function-calling model was asked without its tools, Qwen3
+    without enable_thinking=false). They reach the template, in the command and in Python."""
+    import json
+    import shutil
+
+    from xlafit.cli import main
+    from xlafit.generator import Generator
+
+    folder = tmp_path / "tools"
+    shutil.copytree(chat_model, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% if tools %}Tools: {{ tools | map(attribute='function.name') | join(',') }}\n{% endif %}"
+        "{% if greet %}Be nice.\n{% endif %}"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    messages = [{"role": "user", "content": QUESTION}]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    ask = Generator.load(str(folder))
+    record = {"messages": messages, "tools": tools, "chat_template_kwargs": {"greet": True}}
+    text = ask.template.render(messages, True, tools=tools, greet=True)
+    assert text.startswith("Tools: add\nBe nice.\n")
+    assert ask.encode(record) == ask.tokenizer.encode(text, add_special_tokens=False).ids != ask.encode(messages)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps(record) + "\n")
+    capsys.readouterr()
+    assert main(["generate", str(folder), "--prompts-file", str(prompts), "--max-new-tokens", "4", "--json"]) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert line["prompt"] == record and [line["answer"]] == ask([record], 4)
+    # a sampled answer's JSON line holds the seed that repeats it (it was on stderr alone)
+    assert main(["generate", str(folder), "--prompts-file", str(prompts), "--max-new-tokens", "4", "--json",
+                 "--temperature", "1.0"]) == 0  # fmt: skip
+    out, err = capsys.readouterr()
+    assert f"seed {json.loads(out)['seed']} (pass --seed" in err
+
+
 # --------------------------------------------------------------------------- asking a run that is training
 
 

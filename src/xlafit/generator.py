@@ -33,6 +33,7 @@ from tokenizers import Tokenizer
 
 from xlafit.config import Config, MeshConfig
 from xlafit.data import clm, rendering
+from xlafit.data.chat import messages_of, template_context
 from xlafit.errors import ConfigError, XlafitError
 from xlafit.export import checkpoint_arrays, run_model
 from xlafit.hf import llama as llama_hf
@@ -59,7 +60,9 @@ __all__ = ["MAX_NEW_TOKENS", "Answers", "Generator"]
 
 MAX_NEW_TOKENS = 128  # an answer's tokens at most where neither the call nor the model's config says
 
-Prompt = str | Sequence[dict[str, Any]]  # a text, or a conversation of {"role", "content"} turns
+# a text, a conversation of {"role", "content"} turns, or a chat record: {"messages": [...]} with
+# what else its template reads ("tools", "chat_template_kwargs"), as training renders it
+Prompt = str | Sequence[dict[str, Any]] | dict[str, Any]
 
 
 @dataclasses.dataclass
@@ -164,16 +167,21 @@ class Generator:
         always); otherwise the text after :attr:`bos_id` (the ids ``transformers``' tokenizer
         gives it, but an ``<eos>`` its tokenizer may put after a text: an answer follows). A
         conversation that ends with the assistant's turn is continued from that turn's text,
-        as ``transformers``' text-generation pipeline continues it (``continue_final_message``)."""
+        as ``transformers``' text-generation pipeline continues it (``continue_final_message``).
+        A chat record (``{"messages": [...], "tools": [...], "chat_template_kwargs": {...}}``)
+        gives its template what else it reads, as training does."""
         as_chat = (self.chat_by_default or not isinstance(prompt, str)) if use_chat is None else use_chat
         if as_chat:
             if self.template is None:
                 raise ConfigError(f"{self.source} has no chat template; ask without --chat.")
+            context: dict[str, Any] = {}
+            if isinstance(prompt, dict):  # a record: its tools and template keywords, as training passes them
+                context, prompt = template_context(prompt), messages_of(prompt)
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
             if messages and messages[-1].get("role") == "assistant":
-                text = _continued(self.template.render(messages, add_generation_prompt=False), messages[-1])
+                text = _continued(self.template.render(messages, False, **context), messages[-1])
             else:
-                text = self.template.render(messages, add_generation_prompt=True)
+                text = self.template.render(messages, True, **context)
             return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
         if not isinstance(prompt, str):
             raise ConfigError("a conversation needs a chat model; give the prompt as text.")

@@ -141,7 +141,9 @@ def _prompts(args: argparse.Namespace) -> list:
                         "or the prompt as plain text."
                     )
                 try:
-                    prompts.append(messages_of(item))
+                    messages = messages_of(item)
+                    context = {k: item[k] for k in ("tools", "chat_template_kwargs") if item.get(k)}
+                    prompts.append({"messages": messages, **context} if context else messages)
                 except DataError as e:
                     raise ConfigError(f"--prompts-file {args.prompts_file}:{number}: {e}") from None
             else:  # a JSON string is its text; any other JSON value (42, null, [1, 2]) is the line as written
@@ -211,9 +213,14 @@ def run(args: argparse.Namespace) -> int:
     for prompt, answer in zip(prompts, answers, strict=True):
         if args.json:
             step = {} if ask.step is None else {"step": ask.step}  # a run's: the checkpoint answering
-            print(json.dumps({"prompt": prompt, "answer": answer, **step}, ensure_ascii=False))
+            seed = {} if answers.seed is None else {"seed": answers.seed}  # what repeats a sampled answer
+            print(json.dumps({"prompt": prompt, "answer": answer, **step, **seed}, ensure_ascii=False))
         else:
-            shown = prompt if isinstance(prompt, str) else _shown(prompt)
+            shown = (
+                prompt
+                if isinstance(prompt, str)
+                else _shown(prompt["messages"] if isinstance(prompt, dict) else prompt)
+            )
             print(f"> {shown}\n{answer}\n")
     return 0
 
@@ -259,9 +266,11 @@ def _in_flags(message: str) -> str:
     return message
 
 
-def _shown(conversation: list[dict]) -> str:
-    """What a conversation asks, in a line: its last user turn, and the assistant's text it
-    continues where it ends with one."""
+def _shown(conversation: list[dict] | dict) -> str:
+    """What a conversation (or a chat record's) asks, in a line: its last user turn, and the
+    assistant's text it continues where it ends with one."""
+    if isinstance(conversation, dict):
+        conversation = conversation["messages"]
     users = [m for m in conversation if m.get("role") == "user"]
     asked = str(users[-1].get("content", "")) if users else ""
     if conversation and conversation[-1].get("role") == "assistant":
