@@ -727,6 +727,24 @@ def test_a_chat_records_tools_and_template_keywords_reach_the_template_as_in_tra
     assert f"seed {json.loads(out)['seed']} (pass --seed" in err
 
 
+def test_questions_of_other_lengths_run_one_compiled_program_and_answer_as_alone(chat_model):
+    """The twenty-third walk: in a notebook every question of a new length compiled the decode
+    loop again (3 s each for a 2-layer model here). Prompts are padded to a power of two of
+    tokens: one program for a range of lengths, the answers those of the prompt alone."""
+    from xlafit.generator import Generator
+    from xlafit.models import generation
+
+    ask = Generator.load(str(chat_model))
+    questions = ["Hi?", "What is 3 plus 4?", "What is 9 minus 2, and why?"]
+    ids = [ask.encode(q, use_chat=False) for q in questions]
+    assert len({len(i) for i in ids}) == 3 and max(map(len, ids)) <= 16
+    before = generation._run._cache_size()
+    answers = [ask([q], 6, use_chat=False) for q in questions]
+    assert generation._run._cache_size() == before + 1
+    alone = [generate(ask.model, [i], 6, eos_ids=ask.eos_ids) for i in ids]
+    assert answers == [[ask.tokenizer.decode(t[0], skip_special_tokens=True)] for t in alone]
+
+
 # --------------------------------------------------------------------------- asking a run that is training
 
 

@@ -59,6 +59,7 @@ from xlafit.train.frozen import BASE_FINGERPRINT
 __all__ = ["MAX_NEW_TOKENS", "Answers", "Generator"]
 
 MAX_NEW_TOKENS = 128  # an answer's tokens at most where neither the call nor the model's config says
+PROMPT_BUCKET = 16  # prompts are padded to a power of two of tokens, this many at least (one program for many)
 
 # a text, a conversation of {"role", "content"} turns, or a chat record: {"messages": [...]} with
 # what else its template reads ("tools", "chat_template_kwargs"), as training renders it
@@ -261,7 +262,12 @@ class Generator:
         pad = self.tokenizer.token_to_id(clm.PAD) or 0
         stops = (*self.eos_ids, *stop_ids)
         new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        tokens = generate(self.model, ids, new, sampling or self.sampling(), stops, pad)
+        # Prompts padded to a power of two of tokens: other questions of about the same length run
+        # the program compiled for the first (padding is never attended to: the same answers)
+        longest, context = max(map(len, ids)), self.model.cfg.max_position_embeddings
+        bucket = max(PROMPT_BUCKET, 1 << (longest - 1).bit_length())
+        length = bucket if bucket + new <= context else None
+        tokens = generate(self.model, ids, new, sampling or self.sampling(), stops, pad, prompt_length=length)
         answers = Answers(_cut(self.tokenizer.decode(t, skip_special_tokens=True), stop) for t in tokens)
         answers.seed = tokens.seed
         return answers
