@@ -837,6 +837,14 @@ def test_a_run_from_a_relative_model_path_generates_and_exports_from_any_directo
     llm_data._resolved.cache_clear()
     xlafit.train_and_evaluate(load_config("llm", [*overrides, "trainer.stop_at_step=2"]))
     assert Generator.load("runs/tuned").step == 2
+    # The twenty-third walk: a base moved away since was "no such file or directory", with no word
+    # that it is the run's recorded base nor how to point to its new place
+    (tmp_path / "exports" / "base").rename(tmp_path / "exports" / "moved")
+    llm_data._resolved.cache_clear()
+    with pytest.raises(
+        ConfigError, match=r"It is the model runs/tuned started from \(model.init_from_hf in runs/tuned/"
+    ):
+        Generator.load("runs/tuned")
 
 
 def test_a_conversation_ending_with_the_assistants_turn_is_continued_as_transformers_continues_it(chatml_run, tmp_path):

@@ -100,8 +100,14 @@ def recorded_model_dir(cfg: Config, run: Any) -> str | None:
         return model_dir(cfg)
     except ConfigError as e:
         name = cfg.model.init_from_hf or ""
-        if "://" in name or name.startswith("~") or Path(name).is_absolute():
+        if "://" in name:
             raise
+        if name.startswith("~") or Path(name).is_absolute():  # moved or deleted since the run started
+            raise ConfigError(
+                f"{e} It is the model {run} started from (model.init_from_hf in {run}/config.yaml), which its "
+                "checkpoints need (its config.json builds the model; a LoRA run's adapters apply to its weights): put "
+                "it back there, or set model.init_from_hf in that file to where it is now."
+            ) from None
         raise ConfigError(
             f"{e} {run}/config.yaml records model.init_from_hf={name} as it was given: if that is a directory "
             "relative to where the run started, run this command from that directory."
