@@ -491,6 +491,7 @@ def test_lora_on_a_new_model_exports_and_generates(tmp_path):
     # (its base_model_name_or_path named the export's temporary folder, gone once the export was in place)
     adapter_config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert adapter_config["base_model_name_or_path"] == str((out / "base").absolute())
+    assert (out / "adapter" / "tokenizer.json").exists()  # as TRL saves an adapter: AutoTokenizer reads it there
     merged, on_base = Generator.load(str(out)), Generator.load(str(out / "adapter"))
     assert on_base(["1 plus 2"], 6, use_chat=False) == merged(["1 plus 2"], 6, use_chat=False)
     # ... and a run starting from it is told to start from the merged model

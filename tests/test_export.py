@@ -129,3 +129,13 @@ def test_a_first_save_underway_is_seen_so_generate_waits_for_it(tmp_path):
     (tmp_path / "1.orbax-checkpoint-tmp-1765000000").mkdir()
     assert _first_save_underway(tmp_path)
     assert not _first_save_underway("gs://bucket/run/checkpoints")  # a bucket is not listed
+
+
+def test_an_export_of_a_directory_that_does_not_exist_says_so(tmp_path):
+    """The twenty-third walk: a mistyped run directory was "not a run directory (no config.yaml)"."""
+    from xlafit.errors import ConfigError
+    from xlafit.export import export_hf
+
+    with pytest.raises(ConfigError, match="nothere: no such run directory"):
+        export_hf(tmp_path / "nothere", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

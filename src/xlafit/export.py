@@ -95,9 +95,11 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     _check_out(run, target)
     reach(run)
     try:
-        found = (run / "config.yaml").exists()
+        found, there = (run / "config.yaml").exists(), run.exists()
     except Exception as e:
         raise ConfigError(f"cannot read {run}: {describe_error(run, e)}") from None
+    if not there:
+        raise ConfigError(f"{run}: no such run directory; give the --run-dir a run trained in.")
     if not found:
         raise ConfigError(f"{run} is not a run directory (no config.yaml).")
     config_text = (run / "config.yaml").read_text()
@@ -341,6 +343,8 @@ def export_llm(
         multimodal = folder is not None and llama_hf.is_multimodal(folder)
         loads, whole = llama_hf.causal_lm_class(folder) if folder is not None and multimodal else ("", False)
         save_peft_adapter(model, out / "adapter", base_model_name_or_path=base_path, multimodal=whole)
+        # its tokenizer beside it, as TRL saves an adapter: AutoTokenizer reads the adapter's folder too
+        _write_tokenizer(cfg, tokenizer_json, out / "adapter", chat_template, tokens, recorded)
         if multimodal:
             print(
                 f"the base is a multimodal checkpoint: the merged model is its text model alone, without the vision "

@@ -155,7 +155,10 @@ class Generator:
             print(f"{source}: a PEFT adapter on {base}, answering merged into it", file=sys.stderr, flush=True)
         template, stops = rendering.template_for(folder), clm.stop_ids(folder)
         bos = clm.special_ids(folder)[0]
-        defaults = sampling_defaults(Path(folder))
+        settings = folder
+        if adapter is not None and not (Path(folder) / GENERATION_CONFIG).exists():  # PEFT writes none: the base's
+            stops, settings = tuple(sorted({*stops, *clm.stop_ids(weights)})), weights
+        defaults = sampling_defaults(Path(settings))
         recorded = _recorded(as_path(folder))
         return cls(
             model, tokenizer, template, stops, source, recorded.get("format"), bos, None, defaults,
