@@ -497,6 +497,13 @@ def test_an_export_keeps_the_generation_settings_of_the_checkpoint_it_started_fr
     (base / "generation_config.json").write_text(json.dumps({**settings, **sampling, "temperature": 1.3}))
     export_hf(tmp_path / "tuned", tmp_path / "tuned-hf-again")
     assert json.loads((tmp_path / "tuned-hf-again" / "generation_config.json").read_text()) == exported
+    # A run recorded before runs kept every setting: the run answers with its base's settings under
+    # its own, as its export ships them
+    from xlafit.generator import Generator
+
+    older = {"do_sample": True, "temperature": 0.6, "eos_token_id": sorted(extra)}
+    (tmp_path / "tuned" / "tokenizer" / "generation_config.json").write_text(json.dumps(older))
+    assert Generator.load(str(tmp_path / "tuned")).sampling_defaults == sampling  # top_p 0.9 the base's
 
 
 def test_a_prompt_completion_run_is_asked_as_it_trained_not_in_the_chat_template(chatml_run, tmp_path, capsys):

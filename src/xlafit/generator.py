@@ -51,6 +51,7 @@ from xlafit.recipes.llm_data import (
     GENERATION_CONFIG,
     NOT_APPLIED,
     SAMPLING_KEYS,
+    base_generation,
     data_config,
     recorded_model_dir,
 )
@@ -359,19 +360,21 @@ def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
     template = rendering.template_for(str(run / "tokenizer"))
     model = typing.cast(LlamaForCausalLM, nnx.merge(graphdef, state))
     stops, bos = clm.stop_ids(run / "tokenizer"), clm.special_ids(run / "tokenizer")[0]
-    defaults = sampling_defaults(run / "tokenizer")
+    # the settings the run recorded, over its base's as an export ships them (a run recorded before
+    # the run kept all of them)
+    tokenizer_json = (run / "tokenizer" / "tokenizer.json").read_text()
+    defaults = sampling_defaults(run / "tokenizer", base_generation(cfg, tokenizer_json))
     recorded = _recorded(run)
     trained_on, records = _trained_on(recorded, cfg), recorded.get("records")
     return Generator(model, tokenizer, template, stops, source, trained_on, bos, step, defaults, records)
 
 
-def sampling_defaults(folder: Any) -> dict[str, Any]:
-    """The settings of ``folder``'s ``generation_config.json`` that generation takes where not
-    given ({} where it has none); those it does not apply are said on stderr, once."""
+def sampling_defaults(folder: Any, under: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The settings of ``folder``'s ``generation_config.json`` (over ``under``: a run's base's,
+    which an export ships under them) that generation takes where not given ({} where there
+    are none); those it does not apply are said on stderr, once."""
     path = folder / GENERATION_CONFIG
-    if not path.exists():
-        return {}
-    settings = json.loads(path.read_text())
+    settings = {**(under or {}), **(json.loads(path.read_text()) if path.exists() else {})}
     unapplied = {k: v for k, v in settings.items() if k in NOT_APPLIED and v != NOT_APPLIED[k]}
     if unapplied:
         print(
