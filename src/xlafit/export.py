@@ -99,7 +99,7 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     except Exception as e:
         raise ConfigError(f"cannot read {run}: {describe_error(run, e)}") from None
     if not there:
-        raise ConfigError(f"{run}: no such run directory; give the --run-dir a run trained in.")
+        raise ConfigError(f"{run}: no such run directory; give the directory a run trained in (its --run-dir).")
     if not found:
         raise ConfigError(f"{run} is not a run directory (no config.yaml).")
     config_text = (run / "config.yaml").read_text()
