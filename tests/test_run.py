@@ -607,6 +607,7 @@ def test_a_finished_run_run_again_prints_no_schedule_it_will_not_follow(strategy
     xlafit.train_and_evaluate(load_config("mnist", common))
     out = capsys.readouterr().out
     assert "the run is finished: checkpoint 3 is its last step" in out and "warmup steps" not in out, out
+    assert "steps: " not in out, out  # the twenty-third walk: "steps: 3/epoch x 1 epochs = 3" though none trains
 
 
 def test_a_run_in_a_directory_made_for_it_says_how_to_go_on_after_its_stop(strategy8, tmp_path, monkeypatch, capsys):

@@ -85,11 +85,12 @@ def announce(
             report.print(f"MFU against {peak / 1e12:.4g} TFLOP/s: {source}")
         except LookupError as e:
             report.print(f"MFU not reported: {e}")
-    highest = peak_lr(learning_rate, total)
-    report.print(
-        f"steps: {spe}/epoch x {cfg.epochs} epochs = {total}   steps per call: {cfg.steps_per_call}"
-        + (f"   peak learning rate: {highest:.4g}" if highest is not None else "")
-    )
+    if restored is None or restored < total:  # a finished run trains nothing: no steps to tell
+        highest = peak_lr(learning_rate, total)
+        report.print(
+            f"steps: {spe}/epoch x {cfg.epochs} epochs = {total}   steps per call: {cfg.steps_per_call}"
+            + (f"   peak learning rate: {highest:.4g}" if highest is not None else "")
+        )
     return peak
 
 
