@@ -309,7 +309,8 @@ def messages_of(record: dict[str, Any]) -> list[dict[str, Any]]:
         if message["role"] not in ROLES:
             raise DataError(
                 f"a chat message's role {message['role']!r} is not one of {', '.join(ROLES)}: a misspelt role would "
-                "leave its turn out of the loss (the loss is on the assistant's turns)."
+                "be rendered as no chat template renders it (and in training leave its turn out of the loss, which is "
+                "on the assistant's turns); correct it."
             )
         _check_content(message)
     return messages
