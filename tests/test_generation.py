@@ -615,6 +615,13 @@ def test_the_command_says_its_drawn_seed_and_stops_at_texts_and_ids(chat_model, 
     assert "--temperature 0 is greedy, and --top-k 5, --top-p 1.0 choose among" in capsys.readouterr().err
     assert main([*asked, "--stop-id", "100000"]) == 2
     assert "stop id 100000 is not a token of this model" in capsys.readouterr().err
+    # a flag out of its range is named alone (it was "--temperature 1.0, --top-k 0, --top-p 0.0: ...",
+    # values the command had completed it with; the twenty-third walk)
+    for flag, value, said in (("--top-p", "0", "--top-p 0.0: give above 0 and at most 1"),
+                              ("--top-k", "-1", "--top-k -1: give 0 or more"),
+                              ("--temperature", "-0.5", "--temperature -0.5: give 0 or more")):  # fmt: skip
+        assert main([*asked, flag, value]) == 2
+        assert said in capsys.readouterr().err
 
 
 def test_sampling_takes_what_the_flags_leave_out_from_the_models_generation_config(chat_model, tmp_path, capsys):

@@ -165,6 +165,14 @@ def run(args: argparse.Namespace) -> int:
     prompts = _prompts(args)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: generate at least one token.")
+    ranges = (  # each flag's own range first: Sampling's refusal names the values it completed them with
+        ("--temperature", args.temperature, lambda v: v >= 0, "0 or more (0: greedy)"),
+        ("--top-k", args.top_k, lambda v: v >= 0, "0 or more (0: every token)"),
+        ("--top-p", args.top_p, lambda v: 0 < v <= 1, "above 0 and at most 1 (1: every token)"),
+    )
+    for flag, value, valid, wanted in ranges:
+        if value is not None and not valid(value):
+            raise ConfigError(f"{flag} {value}: give {wanted}.")
     try:  # the flags as given, refused before the model loads; the model's defaults join them below
         penalty = 1.0 if args.repetition_penalty is None else args.repetition_penalty
         Sampling(args.temperature, args.top_k or 0, 1.0 if args.top_p is None else args.top_p, args.seed, penalty)
