@@ -372,7 +372,7 @@ def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
 def sampling_defaults(folder: Any, under: dict[str, Any] | None = None) -> dict[str, Any]:
     """The settings of ``folder``'s ``generation_config.json`` (over ``under``: a run's base's,
     which an export ships under them) that generation takes where not given ({} where there
-    are none); those it does not apply are said on stderr, once."""
+    are none); those it does not apply are said on stderr."""
     path = folder / GENERATION_CONFIG
     settings = {**(under or {}), **(json.loads(path.read_text()) if path.exists() else {})}
     unapplied = {k: v for k, v in settings.items() if k in NOT_APPLIED and v != NOT_APPLIED[k]}

@@ -224,11 +224,7 @@ def run(args: argparse.Namespace) -> int:
             seed = {} if answers.seed is None else {"seed": answers.seed}  # what repeats a sampled answer
             print(json.dumps({"prompt": prompt, "answer": answer, **step, **seed}, ensure_ascii=False))
         else:
-            shown = (
-                prompt
-                if isinstance(prompt, str)
-                else _shown(prompt["messages"] if isinstance(prompt, dict) else prompt)
-            )
+            shown = prompt if isinstance(prompt, str) else _shown(prompt)
             print(f"> {shown}\n{answer}\n")
     return 0
 

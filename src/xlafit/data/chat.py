@@ -309,8 +309,8 @@ def messages_of(record: dict[str, Any]) -> list[dict[str, Any]]:
         if message["role"] not in ROLES:
             raise DataError(
                 f"a chat message's role {message['role']!r} is not one of {', '.join(ROLES)}: a misspelt role would "
-                "be rendered as no chat template renders it (and in training leave its turn out of the loss, which is "
-                "on the assistant's turns); correct it."
+                "not be rendered as the template renders that turn (and in training its turn would be left out of the "
+                "loss, which is on the assistant's turns); correct it."
             )
         _check_content(message)
     return messages
