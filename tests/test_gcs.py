@@ -673,3 +673,19 @@ def test_a_tokenizer_out_in_a_missing_bucket_is_refused_before_training(gcs, tmp
     (tmp_path / "a.txt").write_text("the cat sat on the mat\n" * 20)
     with pytest.raises(DataError, match=r"--out gs://xlafit-no-such-bucket/tok: the bucket gs://xlafit-no-such"):
         tokenizer.train_tokenizer([str(tmp_path / "a.txt")], 100, "gs://xlafit-no-such-bucket/tok")
+
+
+def test_a_new_models_adapter_exported_to_a_bucket_names_its_base_in_the_bucket(gcs, tmp_path):
+    """A LoRA run on a new model exports its base beside the adapter; exported to a bucket, the
+    adapter's base_model_name_or_path is the base's URL there, not a local path made of it."""
+    import xlafit
+    from xlafit.export import export_hf
+
+    run_dir = tmp_path / "run"
+    settings = ["lora.rank=4", "data.demo=arithmetic", "trainer.epochs=1", "trainer.stop_at_step=1",
+                "data.seq_len=32", f"run.run_dir={run_dir}"]  # fmt: skip
+    xlafit.train_and_evaluate(load_config("llm", settings))
+    export_hf(run_dir, f"{gcs.bucket}/exported")
+    config = json.loads(as_path(f"{gcs.bucket}/exported/adapter/adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == f"{gcs.bucket}/exported/base"
+    assert as_path(f"{gcs.bucket}/exported/base/config.json").exists()

@@ -336,9 +336,12 @@ def export_llm(
             llama_hf.save_hf(without, out / "base", token_ids=token_ids, dtype=dtype)
             _write_tokenizer(cfg, tokenizer_json, out / "base", chat_template, tokens, recorded)  # a model folder
             (out / "base" / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
-        base_path = cfg.model.init_from_hf or base_at or str((out / "base").absolute())
-        if not hub.is_hub_id(base_path):  # a hub id stays one: PEFT reads it from the hub's cache
-            base_path = str(Path(base_path).expanduser().absolute())
+        if cfg.model.init_from_hf:
+            base_path = cfg.model.init_from_hf
+            if not hub.is_hub_id(base_path):  # a hub id stays one: PEFT reads it from the hub's cache
+                base_path = str(Path(base_path).expanduser().absolute())
+        else:  # where the export puts its base (an absolute path, or a bucket's URL as it is)
+            base_path = base_at or str((out / "base").absolute())
         folder = model_dir(cfg)  # the base as the run read it (a hub id: its snapshot in the cache)
         multimodal = folder is not None and llama_hf.is_multimodal(folder)
         loads, whole = llama_hf.causal_lm_class(folder) if folder is not None and multimodal else ("", False)
