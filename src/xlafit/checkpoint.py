@@ -397,9 +397,10 @@ class Checkpointer:
 
         Args:
             like: a state of the structure to restore (its values are not used).
-            step: this checkpoint; default: the newest one that verifies and reads. Each
-                newer one is set aside (``corrupt-<step>-<time>``, a warning naming it) once
-                an older one restores; with none intact, nothing moves.
+            step: this checkpoint (nothing is set aside; one absent or damaged is refused);
+                default: the newest one that verifies and reads. Each newer one is set aside
+                (``corrupt-<step>-<time>``, a warning naming it) once an older one restores;
+                with none intact, nothing moves.
 
         Returns:
             ``(state, step)``.
@@ -409,7 +410,10 @@ class Checkpointer:
                 each), or one whose arrays do not match ``like`` (a model change): the
                 message names the first difference.
         """
-        candidates = [step] if step is not None else sorted(self._manager.all_steps(), reverse=True)
+        steps = sorted(self._manager.all_steps(), reverse=True)
+        if step is not None and step not in steps:
+            raise CheckpointError(f"no checkpoint {step} in {self.directory}; there are: {sorted(steps)}.")
+        candidates = [step] if step is not None else steps
         bad: list[tuple[int, str]] = []
         for s in candidates:
             status = self.verify(s)
@@ -434,6 +438,8 @@ class Checkpointer:
             for b, why in bad:
                 self._set_aside(b, why)
             return from_saveable(raw, like), s
+        if step is not None:  # asked for: nothing older is tried in its place
+            raise CheckpointError(f"{in_words(bad)}; the intact ones: {[i.step for i in self.list() if i.usable]}.")
         found = in_words(bad) or "it holds none"
         raise CheckpointError(
             f"no intact checkpoint in {self.directory} ({found}); nothing was moved. Start over with --restart "

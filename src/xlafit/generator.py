@@ -31,10 +31,10 @@ import yaml
 from flax import nnx
 from tokenizers import Tokenizer
 
-from xlafit.config import Config, MeshConfig
+from xlafit.config import Config
 from xlafit.data import clm, rendering
 from xlafit.data.chat import messages_of, template_context
-from xlafit.errors import ConfigError, XlafitError
+from xlafit.errors import ConfigError
 from xlafit.export import checkpoint_arrays, run_model
 from xlafit.hf import llama as llama_hf
 from xlafit.hf import peft
@@ -43,7 +43,7 @@ from xlafit.io.paths import as_path, reach, reading
 from xlafit.models.generation import Sampling, generate
 from xlafit.models.llama import LlamaForCausalLM
 from xlafit.models.lora import merge_lora
-from xlafit.parallel.cluster import connect, start_backends
+from xlafit.parallel.cluster import connect_as_run, start_backends
 from xlafit.parallel.sharding import parse_rules, tree_shardings
 from xlafit.recipes import config_from_dict
 from xlafit.recipes.llm_data import (
@@ -318,12 +318,6 @@ def _continued(rendered: str, final: dict[str, Any]) -> str:
     )
 
 
-def _mesh_text(mesh: MeshConfig) -> str:
-    """A run's mesh as its config gives it (``mesh.fsdp=2 mesh.tensor=2``)."""
-    sizes = dataclasses.asdict(mesh)
-    return " ".join(f"mesh.{axis}={sizes[axis]}" for axis in ("data", "fsdp", "tensor", "expert") if sizes[axis] != 1)
-
-
 def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
     """An llm run's model at checkpoint ``step``, placed on the run's mesh over this host's
     devices (where they do not make that mesh, replicated over them, and said)."""
@@ -337,16 +331,7 @@ def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
     cfg.run.run_dir = str(run)
     recorded_model_dir(cfg, source)  # the base a LoRA run's adapters apply to, found before anything starts
     rules = parse_rules(cfg.mesh.rules)
-    try:  # first: the devices (simulated ones too) before anything else starts JAX
-        strategy = connect(simulate, cpu=cfg.cpu, mesh=cfg.mesh.sizes, rules=rules)
-    except XlafitError:
-        strategy = connect(simulate, cpu=cfg.cpu)
-        print(
-            f"the run's mesh ({_mesh_text(cfg.mesh)}) does not fit this host's {strategy.mesh.size} "
-            "device(s): the model is replicated over them (the answers are the same; only the memory a device "
-            "holds differs)",
-            file=sys.stderr,
-        )
+    strategy = connect_as_run(simulate, cpu=cfg.cpu, mesh=cfg.mesh.sizes, rules=rules)
     tokenizer = clm.load_tokenizer(
         run / "tokenizer", f"{source}/tokenizer/ holds the tokenizer the run's checkpoints learned; restore it."
     )

@@ -432,11 +432,14 @@ def _saved_config(run_dir: epath.Path) -> dict[str, Any]:
     return saved
 
 
-def check_kept_files(recipe: Recipe, cfg: Config, run_dir: epath.Path | Path, train: Any) -> None:
+def check_kept_files(
+    recipe: Recipe, cfg: Config, run_dir: epath.Path | Path, train: Any, scoring: bool = False
+) -> None:
     """Refuses to resume when a file that gives the checkpoints' numbers their meaning
     (:attr:`Recipe.kept_files`: a tokenizer, the class names) would be another: the recipe's
     files for this config are written to a scratch folder and compared with the run's
-    (JSON by its content), before anything in the run directory is written.
+    (JSON by its content), before anything in the run directory is written. ``scoring``:
+    the run is to be evaluated (``xlafit eval``), not resumed.
 
     Raises:
         ConfigError: naming the file, what it is, and the fix.
@@ -450,6 +453,12 @@ def check_kept_files(recipe: Recipe, cfg: Config, run_dir: epath.Path | Path, tr
             with reading(before):
                 if not (before.exists() and now.exists()) or _same_file(before.read_text(), now.read_text(), name):
                     continue
+            if scoring:
+                raise ConfigError(
+                    f"cannot score {run_dir}: its {name} differs from the {what} that its config.yaml names now, "
+                    "so the data would be encoded otherwise than it trained; put that back as it was when the run "
+                    f"trained (the run's own copy is {run_dir}/{name})."
+                )
             raise ConfigError(
                 f"cannot resume {run_dir}: its {name} differs from this run's {what}. Use the run's settings (see "
                 f"its config.yaml; its own copy is {run_dir}/{name}), or start over with --restart (run.resume=false) "

@@ -17,6 +17,7 @@ from xlafit.cli import (
     config_cmd,
     data,
     devices,
+    evaluate,
     export,
     generate,
     inspect,
@@ -30,7 +31,21 @@ from xlafit.logs import OwnWordsFormatter
 from xlafit.parallel.env import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
 
 # The commands, in the order `xlafit --help` lists them.
-COMMANDS = (devices, train, launch, bench, inspect, tokenizer, data, export, generate, check, plan, config_cmd)
+COMMANDS = (
+    devices,
+    train,
+    evaluate,
+    launch,
+    bench,
+    inspect,
+    tokenizer,
+    data,
+    export,
+    generate,
+    check,
+    plan,
+    config_cmd,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -336,16 +336,20 @@ def _rows(pairs: list[tuple[Encoded, Encoded]], seq_len: int, pad: int) -> dict[
     return {"input_ids": ids, "segment_ids": segments, "positions": positions, "loss_mask": mask}
 
 
-def summary(train: PreferencePairs, evaluation: PreferencePairs, eval_fraction: float = 0.0) -> str:
+def summary(
+    train: PreferencePairs, evaluation: PreferencePairs, eval_fraction: float = 0.0, evaluating: bool = False
+) -> str:
     """What a preference run trains on, in a line or two; where ``eval_fraction`` (the run's
-    ``data.eval_fraction``) drew no pair, that it evaluates nothing."""
+    ``data.eval_fraction``) drew no pair, that it evaluates nothing. ``evaluating``: ``train``
+    is data read to be evaluated alone (``xlafit eval``)."""
     source = train.source
     kind = "conversations" if source is not None and source.format == "chat" else "text"
     rows = train.arrays["loss_mask"]
     share = float(rows.sum()) / max(train.tokens, 1)
     lines = [
-        f"data: {train.documents} preference pairs ({kind}) -> {len(train)} pairs of rows of {train.seq_len} tokens; "
-        f"eval: {evaluation.documents} pair{'' if evaluation.documents == 1 else 's'}",
+        f"{'evaluation data' if evaluating else 'data'}: {train.documents} preference pairs ({kind}) -> {len(train)} "
+        f"pairs of rows of {train.seq_len} tokens"
+        + ("" if evaluating else f"; eval: {evaluation.documents} pair{'' if evaluation.documents == 1 else 's'}"),
         f"  the objective compares the completions: {share:.0%} of the tokens",
     ]
     if source is not None and source.truncated:
@@ -353,7 +357,7 @@ def summary(train: PreferencePairs, evaluation: PreferencePairs, eval_fraction: 
             f"  {source.truncated} rows longer than data.seq_len={train.seq_len} are cut at it; raise data.seq_len to "
             "keep their ends"
         )
-    if not evaluation.documents and eval_fraction > 0:
+    if not evaluation.documents and eval_fraction > 0 and not evaluating:
         lines.append(
             f"  no evaluation: none of the {train.documents} pair{'' if train.documents == 1 else 's'} was drawn for "
             f"it at data.eval_fraction={eval_fraction} (no eval metrics will be reported); give more pairs or a larger "

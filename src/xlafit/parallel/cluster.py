@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import jax
 
-from xlafit.errors import DeviceError
+from xlafit.errors import DeviceError, XlafitError
 from xlafit.io.cache import enable_compilation_cache
 from xlafit.parallel.env import (
     COORDINATOR_ENV,
@@ -380,3 +380,28 @@ def connect(
     # and process p owns rows [p*L, (p+1)*L) of every global batch.
     devices = sorted(devices, key=lambda d: (d.process_index, d.id))
     return Strategy(make_mesh(devices, *mesh), rules)
+
+
+def connect_as_run(
+    simulate: int | None,
+    *,
+    cpu: CpuConfig | None,
+    mesh: tuple[int, ...],
+    rules: Mapping[str, str | None] | None,
+    same: str = "the answers are the same",
+) -> Strategy:
+    """The devices for a run's model read again (``xlafit generate``, ``xlafit eval``): the
+    run's ``mesh`` where this host's devices make it, else every device, the model replicated
+    over them (said on stderr, with ``same``: what does not change)."""
+    try:  # first: the devices (simulated ones too) before anything else starts JAX
+        return connect(simulate, cpu=cpu, mesh=mesh, rules=rules)
+    except XlafitError:
+        strategy = connect(simulate, cpu=cpu)
+        axes = ("data", "fsdp", "tensor", "expert")
+        shown = " ".join(f"mesh.{axis}={size}" for axis, size in zip(axes, mesh, strict=False) if size != 1)
+        print(
+            f"the run's mesh ({shown}) does not fit this host's {strategy.mesh.size} device(s): the model is "
+            f"replicated over them ({same}; only the memory a device holds differs)",
+            file=sys.stderr,
+        )
+        return strategy

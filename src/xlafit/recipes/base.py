@@ -124,6 +124,9 @@ class Recipe:
         rollout: ``(cfg, train) -> rollout or None``: what makes each train-step call's
             batch from the data's with the model being trained (the llm recipe's GRPO:
             :class:`xlafit.train.rollout.Rollout`); None: the data's batches are the step's.
+        eval_data: ``(cfg, path) -> dataset``: every record of ``path`` to be evaluated,
+            encoded as a run of ``cfg`` encodes its data (``xlafit eval RUN --data PATH``);
+            None: the evaluation split of ``load_data`` with ``data.data_dir=path``.
         eval_unit: ``cfg -> `` what an evaluation counts, in its report's last line
             ("examples"; the llm recipe's "rows" of packed sequences, "pairs" for a preference
             objective).
@@ -147,6 +150,7 @@ class Recipe:
     loss_for: Callable[[Config], LossFn] | None = None
     rollout: Callable[[Config, Any], Rollout | None] = _no_rollout
     eval_unit: Callable[[Config], str] = _examples
+    eval_data: Callable[[Config, str], Any] | None = None
 
     def loss(self, cfg: Config) -> LossFn:
         """The loss a run of ``cfg`` trains and evaluates with."""

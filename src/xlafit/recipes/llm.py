@@ -14,6 +14,7 @@ for the completions the model samples (:mod:`xlafit.recipes.llm_grpo`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -349,6 +350,30 @@ def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
     return train, (evaluation if len(evaluation) else None)  # type: ignore[return-value]
 
 
+def eval_data(cfg: Config, path: str) -> clm.PackedText:
+    """Every record of ``path`` as evaluation rows (pairs, for a preference objective), encoded
+    as a run of ``cfg`` encodes its data: its tokenizer, template, ``data.seq_len`` and
+    ``data.loss_on`` (``xlafit eval RUN --data PATH``).
+
+    Raises:
+        ConfigError: a GRPO run, which is measured by its rewards, not by a loss on records.
+    """
+    if cfg.model.objective == "grpo":
+        raise ConfigError(
+            "a GRPO run trains on the rewards of its own answers and has no loss to score held-out records with: "
+            "answer held-out prompts with `xlafit generate RUN --prompts-file FILE --json` and score the answers with "
+            "the run's reward functions."
+        )
+    where = llm_data.tokenizer_location(cfg)  # the run's, wherever it came from (the demo's too)
+    d = dataclasses.replace(data_config(cfg), data_dir=path, eval_data_dir=None, eval_fraction=0.0, tokenizer=where)
+    cfg = dataclasses.replace(cfg, data=d)
+    if llm_preference.objective_of(cfg) is None:
+        return llm_data.load_data(cfg, evaluating=True)[0]
+    e = llm_data.encoding(cfg)
+    pairs, _ = llm_preference.load(cfg, e.tok, e.template, e.markers, e.inputs, build_llama, token_logps, True)
+    return pairs  # type: ignore[return-value]
+
+
 def build_model(cfg: Config, train: clm.PackedText) -> LlamaForCausalLM:
     return build_llama(cfg, train.vocab_size)
 
@@ -529,6 +554,7 @@ RECIPE = Recipe(
     model_config=LlmModelConfig,
     data_config=LlmDataConfig,
     load_data=load_data,
+    eval_data=eval_data,
     from_data=from_data,
     build_model=build_model,
     loss_fn=loss_fn,

@@ -211,8 +211,9 @@ def encoding(cfg: Config) -> Encoding:
     return Encoding(clm.load_tokenizer(where), template, clm.special_ids(where), inputs)
 
 
-def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
-    """(train, eval) packed rows of the documents of ``data.data_dir`` (or the demo corpus)."""
+def load_data(cfg: Config, evaluating: bool = False) -> tuple[clm.PackedText, clm.PackedText]:
+    """(train, eval) packed rows of the documents of ``data.data_dir`` (or the demo corpus);
+    ``evaluating``: the data is read to be evaluated alone (``xlafit eval``), and said so."""
     d = data_config(cfg)
     e = encoding(cfg)
     tok, inputs, template = e.tok, e.inputs, e.template
@@ -230,7 +231,7 @@ def load_data(cfg: Config) -> tuple[clm.PackedText, clm.PackedText]:
         progress=functools.partial(print, file=sys.stderr, flush=True),
         eval_inputs=[d.eval_data_dir] if d.eval_data_dir else [],
     )
-    summary = data_summary(train, evaluation, d)
+    summary = data_summary(train, evaluation, d, evaluating)
     templated = train.source is not None and train.source.templated
     if templated:
         summary += f"\n  {rendering.describe(template)}"
@@ -288,14 +289,15 @@ def _many(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def data_summary(train: clm.PackedText, evaluation: clm.PackedText, d: LlmDataConfig) -> str:
-    """What the run will train on, what the loss counts, and an empty evaluation said aloud."""
+def data_summary(train: clm.PackedText, evaluation: clm.PackedText, d: LlmDataConfig, evaluating: bool = False) -> str:
+    """What the run will train on, what the loss counts, and an empty evaluation said aloud;
+    ``evaluating``: ``train`` is data read to be evaluated alone (``xlafit eval``)."""
     source = train.source
     kind = "document" if source is None or source.format == "text" else f"{source.format} record"
     lines = [
-        f"data: {_many(train.documents, kind)} -> {_many(len(train), 'row')} of {d.seq_len} tokens "
-        f"({train.tokens / max(train.arrays['input_ids'].size, 1):.1%} not padding); eval: "
-        f"{_many(evaluation.documents, kind)}, {_many(len(evaluation), 'row')}"
+        f"{'evaluation data' if evaluating else 'data'}: {_many(train.documents, kind)} -> {_many(len(train), 'row')} "
+        f"of {d.seq_len} tokens ({train.tokens / max(train.arrays['input_ids'].size, 1):.1%} not padding)"
+        + ("" if evaluating else f"; eval: {_many(evaluation.documents, kind)}, {_many(len(evaluation), 'row')}")
     ]
     if source is not None and source.format != "text":
         counted = "every token" if d.loss_on == "all" else f"the answers: {source.answer_share:.0%} of the tokens"
@@ -322,7 +324,9 @@ def data_summary(train: clm.PackedText, evaluation: clm.PackedText, d: LlmDataCo
                 "answer starts where the prompt alone and the whole encode apart (as TRL's SFTTrainer does), so the "
                 "end of the prompt trains too; a prompt that ends with a newline keeps the two apart in most tokenizers"
             )
-    if source is not None and source.eval_from:
+    if evaluating:
+        pass
+    elif source is not None and source.eval_from:
         lines.append(f"  {source.eval_from}")
     elif not len(evaluation) and d.eval_fraction > 0:
         total = train.documents + evaluation.documents

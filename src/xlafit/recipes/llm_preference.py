@@ -101,11 +101,13 @@ def load(
     inputs: list[str],
     build_base: Callable[[Config, int], nnx.Module],
     token_logps: TokenLogps = whole_token_logps,
+    evaluating: bool = False,
 ) -> tuple[PreferencePairs, PreferencePairs]:
     """(train, eval) pairs of ``inputs`` (``data.data_dir``, or the demo's), with the
     reference's log-probabilities where ``model.preference.reference=precomputed``
     (``build_base`` builds the model as the run starts, adapters aside; ``token_logps``
-    computes its tokens'); ``markers``: the tokenizer's ``(bos, eos)``."""
+    computes its tokens'); ``markers``: the tokenizer's ``(bos, eos)``; ``evaluating``: the
+    pairs are read to be evaluated alone (``xlafit eval``), and said so."""
     d: Any = cfg.data  # the llm recipe's LlmDataConfig
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     train, evaluation = load_pairs(
@@ -119,7 +121,7 @@ def load(
         progress=say,
         eval_inputs=[d.eval_data_dir] if d.eval_data_dir else [],
     )
-    say(summary(train, evaluation, d.eval_fraction))
+    say(summary(train, evaluation, d.eval_fraction, evaluating))
     objective = objective_of(cfg)
     if objective is not None and objective.needs_reference and objective.reference == "precomputed":
         pairs = len(train) + len(evaluation)

@@ -15,6 +15,8 @@ from typing import Any
 
 import jax
 
+from xlafit.config import TrainerConfig
+from xlafit.data.dataset import Dataset, num_shapes
 from xlafit.errors import RecompileError
 from xlafit.train.traced import at_users_line
 
@@ -112,3 +114,22 @@ def _flops(compiled: Any) -> float | None:
         return float((compiled.cost_analysis() or {}).get("flops", 0.0)) or None
     except Exception:  # cost analysis is optional on some backends
         return None
+
+
+def limit_compiles(
+    train_step: CompiledStep,
+    eval_step: CompiledStep,
+    cfg: TrainerConfig,
+    calls: int,
+    train: Dataset,
+    eval: Dataset | None,
+) -> None:
+    """Sets each step's ``max_compiles``: ``trainer.max_compiles``, or by default the
+    programs a run plans: the distinct steps-per-call values of its ``calls`` times the
+    dataset's shapes (1 for arrays; the bucket count for bucketed data). Any other compile
+    is a shape nobody planned, and an error naming it."""
+    if cfg.max_compiles is not None:
+        train_step.max_compiles = eval_step.max_compiles = cfg.max_compiles
+    elif cfg.nan_policy != "rollback":  # a rollback may restart calls at any checkpoint
+        train_step.max_compiles = calls * num_shapes(train)
+        eval_step.max_compiles = num_shapes(eval)

@@ -120,8 +120,10 @@ def restore(
     frozen: nnx.filterlib.Filter | None,
     fingerprint: str | None,
     settings: Mapping[str, str],
+    step: int | None = None,
 ) -> tuple[TrainState, int]:
-    """The newest intact checkpoint in the shape of ``state``, its frozen parameters put back beside it.
+    """Checkpoint ``step`` (default: the newest intact one) in the shape of ``state``, its
+    frozen parameters put back beside it.
 
     Raises:
         CheckpointError: it was trained with other ``settings`` (:func:`check_settings`), or
@@ -129,10 +131,10 @@ def restore(
             message names both values.
     """
     if frozen is None:
-        restored, step = ckpt.restore(state)
+        restored, step = ckpt.restore(state, step)
         check_settings(ckpt, step, settings)
         return restored, step
-    restored, step = ckpt.restore(checkpointed(state, frozen, fingerprint, settings)[0])
+    restored, step = ckpt.restore(checkpointed(state, frozen, fingerprint, settings)[0], step)
     check_settings(ckpt, step, settings)
     saved = ckpt.saved_metadata(step).get(BASE_FINGERPRINT)
     if saved != fingerprint:

@@ -37,8 +37,8 @@ import optax
 from flax import nnx
 
 from xlafit.checkpoint import Checkpointer, check_not_all_set_aside, unfinished_save, unfinished_saves
-from xlafit.config import OptimizerConfig, TrainerConfig, validate_watchdog
-from xlafit.data.dataset import Batch, Dataset, StreamedDataset, as_dataset, checked_batch, num_shapes
+from xlafit.config import OptimizerConfig, TrainerConfig
+from xlafit.data.dataset import Batch, Dataset, StreamedDataset, as_dataset, checked_batch
 from xlafit.data.loader import Prefetcher, TakeRequests, TrainOrder, to_global
 from xlafit.errors import ConfigError, Preempted, RewardError
 from xlafit.io.paths import as_path
@@ -47,6 +47,7 @@ from xlafit.parallel.mesh import Strategy
 from xlafit.platform.host_memory import check_train_state
 from xlafit.train.adapter import Adapted, adapt, framework_of
 from xlafit.train.arguments import built, check_arguments, check_batches, global_batch_of
+from xlafit.train.compiled import limit_compiles
 from xlafit.train.evaluation import compile_eval_step, final_evaluation
 from xlafit.train.evaluation import evaluate as evaluate_data
 from xlafit.train.frozen import check_trainable, checkpointed, frozen_filter, frozen_fingerprint, restore, run_settings
@@ -58,7 +59,7 @@ from xlafit.train.report import RunReport
 from xlafit.train.signals import handle_signals
 from xlafit.train.state import TrainState, abstract_state, initial_state, state_shardings
 from xlafit.train.step import LossFn, make_steps
-from xlafit.train.watchdog import Watchdog
+from xlafit.train.watchdog import job_watchdog
 
 log = logging.getLogger("xlafit")
 
@@ -242,6 +243,26 @@ class Trainer:
         """
         return evaluate_data(self.eval_step, self._state, self.strategy, as_dataset(data), self.eval_global_batch, stop)
 
+    def restore(self, step: int | None = None) -> int:
+        """Loads checkpoint ``step`` of the run (default: the newest intact one) into the
+        trainer's state, and its values into the model given; returns its step. To score a
+        checkpoint: ``trainer.restore(40); trainer.evaluate(data)`` (``fit`` resumes by itself).
+
+        Raises:
+            ConfigError: the trainer keeps no checkpoints (no ``run_dir`` or ``checkpoint_dir``).
+            CheckpointError: ``step`` is absent or damaged (the intact ones are named), the run
+                has no intact checkpoint, or it was trained with another global batch or data
+                seed, or on another frozen base.
+        """
+        if self._ckpt is None:
+            raise ConfigError("this Trainer keeps no checkpoints to restore: give it the run's run_dir.")
+        self._ckpt.wait()
+        self._state, restored = restore(
+            self._ckpt, self._state, self._frozen, self.base_fingerprint, self._settings, step
+        )
+        self._write_back()
+        return restored
+
     # ------------------------------------------------------------------ training
 
     def batches(self, train: Data, start: int = 0, stop: int | None = None) -> Prefetcher:
@@ -321,7 +342,7 @@ class Trainer:
         with handle_signals() as signals:
             loop = self._begin(train, eval)
             try:
-                with self._watchdog() as loop.watchdog:
+                with job_watchdog(self.config, self.strategy) as loop.watchdog:
                     loop.signals = signals
                     self._train(loop, train, eval)
             except BaseException:
@@ -363,13 +384,14 @@ class Trainer:
             )
         unfinished: list[int] = []
         if latest is not None:
-            restored = self._restore()
+            restored = self.restore()
             unfinished = [s for s in unfinished_saves(ckpt.directory) if s > restored] if ckpt is not None else []
         elif ckpt is not None and self.resume:
             check_not_all_set_aside(ckpt.directory)
             unfinished = unfinished_saves(ckpt.directory)
         start = int(self._state.step)
-        self._limit_compiles(order, train, eval, start, stop)
+        self._planned_k.update(k for _, k in order.calls(start, stop, self.config.steps_per_call))
+        limit_compiles(self.train_step, self.eval_step, self.config, len(self._planned_k), train, eval)
         report = RunReport(
             self.run_dir,
             total,
@@ -549,12 +571,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop's helpers
 
-    def _watchdog(self) -> Watchdog:
-        """The hang watchdog of a multi-process job; off in a single process (no peer to wait for)."""
-        validate_watchdog(self.config)
-        factor = self.config.watchdog_factor if self.strategy.process_count > 1 else 0.0
-        return Watchdog(factor, self.config.watchdog_floor_s, process_index=self.strategy.process_index)
-
     def _save_now(self, step: int) -> str:
         """A synchronous checkpoint before the process exits; says where it went. The model
         given gets the trained values either way."""
@@ -575,27 +591,7 @@ class Trainer:
         self, bad: list[tuple[int, dict[str, float]]], rolled_back: set[int], report: RunReport
     ) -> int | None:
         """Applies ``trainer.nan_policy`` to dropped updates; returns a step to go on from."""
-        return apply_nan_policy(self.config.nan_policy, bad, rolled_back, report, self._ckpt, self._restore)
-
-    def _restore(self) -> int:
-        """Restores the newest intact checkpoint (after any save under way: a rollback); returns its step."""
-        assert self._ckpt is not None  # called only with a checkpointer
-        self._ckpt.wait()
-        self._state, restored = restore(self._ckpt, self._state, self._frozen, self.base_fingerprint, self._settings)
-        return restored
-
-    def _limit_compiles(self, order: TrainOrder, train: Dataset, eval: Dataset | None, start: int, stop: int) -> None:
-        """Sets each step's ``max_compiles``: ``trainer.max_compiles``, or by default the
-        programs this run plans: the distinct steps-per-call values of its calls times the
-        dataset's shapes (1 for arrays; the bucket count for bucketed data). Any other
-        compile is a shape nobody planned, and an error naming it."""
-        cfg = self.config
-        self._planned_k.update(k for _, k in order.calls(start, stop, cfg.steps_per_call))
-        if cfg.max_compiles is not None:
-            self.train_step.max_compiles = self.eval_step.max_compiles = cfg.max_compiles
-        elif cfg.nan_policy != "rollback":  # a rollback may restart calls at any checkpoint
-            self.train_step.max_compiles = len(self._planned_k) * num_shapes(train)
-            self.eval_step.max_compiles = num_shapes(eval)
+        return apply_nan_policy(self.config.nan_policy, bad, rolled_back, report, self._ckpt, self.restore)
 
     def close(self) -> None:
         """Waits for a checkpoint being written and releases the checkpointer."""

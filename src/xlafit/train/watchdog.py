@@ -41,6 +41,8 @@ from collections.abc import Callable, Iterator
 from typing import IO
 
 from xlafit import errors
+from xlafit.config import TrainerConfig, validate_watchdog
+from xlafit.parallel.mesh import Strategy
 
 # Test hook, read once per watchdog: "P:S" makes process P sleep for good once step S is
 # done, so that the tests can make one process of a real job stall (tests/test_watchdog.py).
@@ -213,3 +215,15 @@ def _log_streams() -> list[IO[str]]:
         if isinstance(handler, logging.FileHandler) and handler.stream is not None:
             streams.append(handler.stream)
     return streams
+
+
+def job_watchdog(config: TrainerConfig, strategy: Strategy) -> Watchdog:
+    """The hang watchdog of a multi-process job's training loop; off in a single process (no
+    peer to wait for).
+
+    Raises:
+        ConfigError: ``trainer.watchdog_*`` settings out of range.
+    """
+    validate_watchdog(config)
+    factor = config.watchdog_factor if strategy.process_count > 1 else 0.0
+    return Watchdog(factor, config.watchdog_floor_s, process_index=strategy.process_index)

@@ -1,0 +1,246 @@
+"""A run's checkpoints scored on data without training: :func:`evaluate_run` (``xlafit eval``).
+
+The run's ``config.yaml`` rebuilds its model, loss and data encoding; each checkpoint asked for
+is restored into that model and evaluated as the run evaluates (every example counted once,
+the loss and metrics the run logs). The data is the run's own evaluation split, or every
+record of another file or folder (``data``) encoded as the run encoded its training data (a
+language model's tokenizer, chat template, sequence length and loss mask). Nothing in the run
+directory is written or moved, so a run may be scored while it trains.
+
+Example:
+    >>> scores = evaluate_run("runs/chat-lora", data="held_out.jsonl", steps="all")  # doctest: +SKIP
+    >>> [(s.step, round(s.metrics["loss"], 3)) for s in scores]                       # doctest: +SKIP
+    [(20, 1.412), (40, 1.187)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from flax import nnx
+
+from xlafit.checkpoint import Checkpointer
+from xlafit.config import Config
+from xlafit.data.dataset import as_dataset
+from xlafit.errors import CheckpointError, ConfigError
+from xlafit.io.paths import as_path, is_url, reach, reading
+from xlafit.models.lora import ADAPTER
+from xlafit.overrides import migrate, parse_overrides
+from xlafit.parallel.cluster import connect_as_run
+from xlafit.parallel.sharding import parse_rules
+from xlafit.recipes import config_from_dict, get_recipe
+from xlafit.recipes.base import Recipe
+from xlafit.recipes.llm_data import recorded_model_dir
+from xlafit.run import BREAKING, check_kept_files, model_builder
+from xlafit.rundir import checkpoint_dir
+from xlafit.train.optim import make_optimizer
+from xlafit.train.report import EXPERT_TOKENS
+from xlafit.train.trainer import Trainer
+
+__all__ = ["Score", "evaluate_run"]
+
+# Settings under BREAKING that change how a step computes, not what it computes: a run may be
+# scored with them changed (less memory, another attention kernel).
+HOW_IT_COMPUTES = ("model.attention", "model.logits_chunk", "model.remat")
+
+
+@dataclasses.dataclass(frozen=True)
+class Score:
+    """One checkpoint's evaluation: its step and the run's metrics over the data (``count``:
+    the examples, or the llm recipe's rows or pairs)."""
+
+    step: int
+    metrics: dict[str, float]
+
+    def line(self, data: str, unit: str = "examples") -> str:
+        """The score in a line: the step, the ``data``, the metrics as a run's final report has
+        them and their count in ``unit``; a language model's perplexity after them.
+
+        Example:
+            >>> Score(40, {"loss": 1.5, "token_accuracy": 0.5, "count": 12}).line("held.jsonl", "rows")
+            'step 40 on held.jsonl: loss=1.5000  token_accuracy=0.5000  (12 rows)  perplexity=4.48'
+        """
+        m = self.metrics
+        shown = "  ".join(f"{k}={v:.4f}" for k, v in m.items() if k != "count" and not k.startswith(EXPERT_TOKENS))
+        count = m["count"]
+        line = f"step {self.step} on {data}: {shown}  ({count} {unit if count != 1 else unit.removesuffix('s')})"
+        if "token_accuracy" in m:  # a language model: exp of the mean next-token loss (a MoE's without its router's)
+            line += f"  perplexity={math.exp(m.get('nll_loss', m['loss'])):.2f}"
+        return line
+
+
+def evaluate_run(
+    run: str,
+    data: str | None = None,
+    steps: Sequence[int] | Literal["all"] | None = None,
+    overrides: Sequence[str] = (),
+    simulate: int | None = None,
+    on_score: Callable[[Score], None] | None = None,
+) -> list[Score]:
+    """Scores checkpoints of ``run`` on ``data``, training nothing.
+
+    Args:
+        run: a run directory (local or a URL) with its ``config.yaml`` and checkpoints.
+        data: a file, folder, glob or URL the run's recipe reads: for the llm recipe, records
+            evaluated whole (no split); for the others, a ``data.data_dir`` whose evaluation
+            split is read. None: the run's own evaluation split.
+        steps: the checkpoints; ``"all"``: every intact one; None: the newest intact one.
+        overrides: ``key=value`` settings for the evaluation (``data.eval_global_batch=8``,
+            ``mesh.fsdp=2``); settings that change what the checkpoints mean are refused.
+        simulate: simulated CPU devices, as ``xlafit train --simulate``.
+        on_score: called with each score as soon as it is known (the command prints it).
+
+    Raises:
+        ConfigError: no run there, a refused override, or data with nothing to evaluate.
+        CheckpointError: no checkpoint, or one asked for that is absent or damaged.
+    """
+    cfg = run_config(run, overrides)
+    recipe = get_recipe(cfg.recipe)
+    strategy = connect_as_run(
+        simulate, cpu=cfg.cpu, mesh=cfg.mesh.sizes, rules=parse_rules(cfg.mesh.rules), same="the scores are the same"
+    )
+    asked = checkpoint_steps(cfg, run, steps)
+    if cfg.recipe == "llm":
+        recorded_model_dir(cfg, run)  # the base the checkpoints need, named where it moved
+    recipe.validate(cfg)
+    evaluation = as_dataset(eval_data(recipe, cfg, run, data))
+    check_kept_files(recipe, cfg, as_path(run), evaluation, scoring=True)  # the tokenizer the checkpoints learned
+    trainer = _trainer(recipe, cfg, strategy, evaluation)
+    scores = []
+    try:
+        for step in asked:
+            restored = trainer.restore(step)
+            if strategy.process_index == 0:
+                print(f"evaluating step {restored} of {run} ...", file=sys.stderr, flush=True)
+            scores.append(Score(restored, trainer.evaluate(evaluation)))
+            if on_score is not None:
+                on_score(scores[-1])
+    finally:
+        trainer.close()
+    return scores
+
+
+def run_config(run: str, overrides: Sequence[str] = ()) -> Config:
+    """The config ``run`` recorded, with ``overrides`` that leave its checkpoints' meaning alone.
+
+    Raises:
+        ConfigError: ``run`` has no readable ``config.yaml``, or an override changes the
+            model, its training or the data's encoding (:data:`~xlafit.run.BREAKING`).
+    """
+    where = as_path(run)
+    path = where / "config.yaml"
+    reach(where)
+    with reading(path):
+        if not path.exists():
+            raise ConfigError(f"{run} is not a run directory: it has no config.yaml (what xlafit train writes there).")
+        try:
+            saved = yaml.safe_load(path.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            problem = f"{run}/config.yaml is not valid YAML ({type(e).__name__})"
+            raise ConfigError(f"{problem}; put the run's own back.") from None
+    if not isinstance(saved, dict) or "recipe" not in saved:
+        raise ConfigError(f"{run}/config.yaml is not an xlafit run config; put the run's own back.")
+    given = parse_overrides(overrides)
+    refused = [key for key in _dotted_keys(given) if _breaking(key)]
+    if refused:
+        raise ConfigError(
+            f"{', '.join(refused)}: xlafit eval scores the run as it trained, and this would change what its "
+            "checkpoints mean (the model, its training or how the data is encoded). Give evaluation settings only "
+            "(data.eval_global_batch, mesh.*, cpu.*); to score another configuration, train it."
+        )
+    tree = {k: v for k, v in migrate(saved, f"{run}/config.yaml").items() if k != "recipe"}
+    cfg = config_from_dict(saved["recipe"], tree, given)
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, run_dir=str(run)))
+
+
+def _dotted_keys(tree: dict[str, Any], prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in tree.items():
+        keys += _dotted_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
+    return keys
+
+
+def _breaking(key: str) -> bool:
+    """Whether a setting changes what a run's checkpoints mean (:data:`~xlafit.run.BREAKING`)."""
+    if any(key == k or key.startswith(k + ".") for k in HOW_IT_COMPUTES):
+        return False
+    return any(key == b or key.startswith(b + ".") for b in BREAKING)
+
+
+def checkpoint_steps(cfg: Config, run: str, steps: Sequence[int] | Literal["all"] | None) -> list[int]:
+    """The steps of the checkpoints to score, read without moving anything: the newest intact
+    one (``steps`` None), every intact one (``"all"``), or those asked for, each checked.
+
+    Raises:
+        CheckpointError: the run has no intact checkpoint, or one asked for is absent or
+            damaged (the intact ones named).
+    """
+    directory = checkpoint_dir(cfg)
+    with reading(directory):
+        exists = directory.exists()
+    if not exists:
+        raise CheckpointError(f"{run} has no checkpoints ({directory} does not exist); train it until it saves one.")
+    ckpt = Checkpointer(directory)
+    try:
+        infos = ckpt.list()
+    finally:
+        ckpt.close()
+    intact = [i.step for i in infos if i.usable]
+    if not intact:
+        found = "; ".join(f"{i.step}: {i.status}" for i in infos) or "none"
+        raise CheckpointError(f"{run} has no intact checkpoint to evaluate (checkpoints: {found}).")
+    if steps is None:
+        return intact[-1:]
+    if steps == "all":
+        return intact
+    for step in steps:
+        if step not in intact:
+            status = next((i.status for i in infos if i.step == step), None)
+            what = f"is {status}" if status else "does not exist"
+            raise CheckpointError(f"checkpoint {step} of {run} {what}; the intact ones: {intact}.")
+    return list(steps)
+
+
+def eval_data(recipe: Recipe, cfg: Config, run: str, data: str | None) -> Any:
+    """What to evaluate: every record of ``data`` (the recipe's :attr:`~Recipe.eval_data`),
+    the evaluation split of a ``data.data_dir=data``, or without ``data`` the run's own.
+
+    Raises:
+        ConfigError: there is nothing to evaluate (naming what to give).
+    """
+    if data is not None and not is_url(data):
+        data = str(Path(data).expanduser().absolute())
+    if data is not None and recipe.eval_data is not None:
+        found = recipe.eval_data(cfg, data)
+    else:
+        read = cfg if data is None else dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, data_dir=data))
+        found = recipe.load_data(read)[1]
+    if found is None or not len(as_dataset(found)):
+        where = f"{data} holds" if data is not None else f"{run} has"
+        raise ConfigError(f"{where} no evaluation data; give the records to score with --data FILE.")
+    return found
+
+
+def _trainer(recipe: Recipe, cfg: Config, strategy: Any, evaluation: Any) -> Trainer:
+    """A trainer of the run's model, loss and optimizer state over its checkpoints, writing
+    nothing (no run directory: no metrics; nothing saved without ``fit``)."""
+    batch = cfg.data.global_batch
+    assert batch is not None  # a run's config.yaml records the batch it resolved
+    return Trainer(
+        model_builder(recipe, cfg, evaluation),  # the data's vocabulary, classes and shapes are the run's
+        recipe.loss(cfg),
+        make_optimizer(cfg.optimizer, batch).tx,
+        strategy=strategy,
+        global_batch=batch,
+        config=cfg.trainer,
+        checkpoint_dir=checkpoint_dir(cfg),
+        eval_global_batch=cfg.data.eval_global_batch or batch,
+        data_seed=cfg.data.seed,
+        trainable=ADAPTER if cfg.lora.rank else nnx.Param,
+    )
