@@ -24,7 +24,8 @@ XLAFIT = [sys.executable, "-m", "xlafit"]
 
 
 def _evaluations(run_dir):
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r.get("split") == "eval"]
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [r for r in records if r.get("split") == "eval"]
 
 
 def _same(score, record):
@@ -114,7 +115,8 @@ def test_a_lora_chat_run_scored_on_a_file_equals_its_own_evaluation_of_that_file
     (tmp_path / "held.jsonl").write_text(_chat([(a, 9) for a in range(10, 22)]))
     run = tmp_path / "run"
     settings = [
-        f"run.run_dir={run}", f"data.data_dir={tmp_path / 'train.jsonl'}", f"data.eval_data_dir={tmp_path / 'held.jsonl'}",
+        f"run.run_dir={run}", f"data.data_dir={tmp_path / 'train.jsonl'}",
+        f"data.eval_data_dir={tmp_path / 'held.jsonl'}",
         f"data.tokenizer={chat_demo.demo_files()[2]}", "data.seq_len=48", "data.global_batch=16", "lora.rank=4",
         "trainer.epochs=2", "trainer.eval_every_epochs=1", "optimizer.learning_rate=0.01",
     ]  # fmt: skip
@@ -135,7 +137,8 @@ def test_a_dpo_run_scored_on_pairs_reports_its_rewards_as_it_evaluated_them(tmp_
     (tmp_path / "held.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs[32:]))
     run = tmp_path / "run"
     settings = [
-        f"run.run_dir={run}", f"data.data_dir={tmp_path / 'train.jsonl'}", f"data.eval_data_dir={tmp_path / 'held.jsonl'}",
+        f"run.run_dir={run}", f"data.data_dir={tmp_path / 'train.jsonl'}",
+        f"data.eval_data_dir={tmp_path / 'held.jsonl'}",
         f"data.tokenizer={chat_demo.demo_files()[2]}", "data.seq_len=40", "data.global_batch=8", "lora.rank=4",
         "model.objective=dpo", "trainer.epochs=1",
     ]  # fmt: skip
