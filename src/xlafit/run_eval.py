@@ -9,8 +9,10 @@ directory is written or moved, so a run may be scored while it trains.
 
 Example:
     >>> scores = evaluate_run("runs/chat-lora", data="held_out.jsonl", steps="all")  # doctest: +SKIP
-    >>> [(s.step, round(s.metrics["loss"], 3)) for s in scores]                       # doctest: +SKIP
-    [(20, 1.412), (40, 1.187)]
+    >>> for score in scores:                                                       # doctest: +SKIP
+    ...     print(score.step, round(score.metrics["loss"], 3))
+    20 1.412
+    40 1.187
 """
 
 from __future__ import annotations
