@@ -139,3 +139,32 @@ def test_an_export_of_a_directory_that_does_not_exist_says_so(tmp_path):
     with pytest.raises(ConfigError, match="nothere: no such run directory"):
         export_hf(tmp_path / "nothere", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_lora_run_on_a_bfloat16_base_exports_its_merged_model_in_bfloat16(tmp_path, capsys):
+    """The twenty-third walk: a LoRA run on a bfloat16 base (lora.base_dtype=bfloat16) was
+    merged and written in float32, twice the files of its base's precision. It is written in
+    bfloat16, as PEFT merges into a base loaded in bfloat16, and the command says so."""
+    from safetensors.numpy import load_file
+
+    import xlafit
+    from xlafit.export import export_hf
+    from xlafit.hf import llama as llama_hf
+    from xlafit.hf.peft import load_peft_adapter
+    from xlafit.recipes import load_config
+
+    run = tmp_path / "run"
+    settings = [
+        f"run.run_dir={run}", "data.demo=arithmetic", "data.seq_len=32", "lora.rank=4", "lora.base_dtype=bfloat16",
+        "trainer.stop_at_step=2", "trainer.eval_every_epochs=100", "optimizer.learning_rate=0.01",
+    ]  # fmt: skip
+    xlafit.train_and_evaluate(load_config("llm", settings))
+    capsys.readouterr()
+    export_hf(run, tmp_path / "hf")
+    assert "the merged model is written in bfloat16" in capsys.readouterr().out
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    assert {str(w.dtype) for w in weights.values()} == {"bfloat16"}
+    ids = jnp.asarray([[0, 5, 17, 42, 99, 7, 20, 12]])
+    adapted = load_peft_adapter(llama_hf.from_hf(tmp_path / "hf" / "base"), tmp_path / "hf" / "adapter")(ids)
+    merged = llama_hf.from_hf(tmp_path / "hf")(ids)
+    np.testing.assert_allclose(np.asarray(merged), np.asarray(adapted), atol=3e-2)

@@ -861,6 +861,45 @@ def test_a_run_from_a_relative_model_path_generates_and_exports_from_any_directo
         Generator.load("runs/tuned")
 
 
+def test_a_full_fine_tune_generates_and_exports_after_its_base_is_gone(chatml_run, tmp_path):
+    """The twenty-third walk: a full fine-tune's checkpoints hold every weight, yet generate and
+    export read its base's config.json (and its weights, to overwrite them), so a base deleted
+    or moved since left the run unusable. The run keeps the base's config.json; the model is
+    made from it alone, the same export and the same answers with the base gone."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file
+
+    import xlafit
+    from xlafit.export import export_hf
+    from xlafit.generator import Generator
+    from xlafit.recipes import llm_data, load_config
+
+    export_hf(chatml_run, tmp_path / "base")
+    run = tmp_path / "run"
+    overrides = [
+        f"run.run_dir={run}", f"model.init_from_hf={tmp_path / 'base'}",
+        f"data.data_dir={chatml_run.parent / 'chat.jsonl'}",
+        "data.seq_len=64", "trainer.eval_every_epochs=100", "trainer.stop_at_step=2",
+    ]  # fmt: skip
+    xlafit.train_and_evaluate(load_config("llm", overrides))
+    assert json.loads((run / llm_data.BASE_CONFIG).read_text()) == json.loads(
+        (tmp_path / "base" / "config.json").read_text()
+    )
+    export_hf(run, tmp_path / "before")
+    before = Generator.load(str(run))([QUESTION], max_new_tokens=6)
+    shutil.rmtree(tmp_path / "base")
+    llm_data._resolved.cache_clear()
+    export_hf(run, tmp_path / "after")
+    weights = [load_file(tmp_path / d / "model.safetensors") for d in ("before", "after")]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(np.array_equal(weights[0][k], weights[1][k]) for k in weights[0])
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        assert (tmp_path / "before" / name).read_text() == (tmp_path / "after" / name).read_text(), name
+    assert Generator.load(str(run))([QUESTION], max_new_tokens=6) == before
+
+
 def test_a_conversation_ending_with_the_assistants_turn_is_continued_as_transformers_continues_it(chatml_run, tmp_path):
     """The fourth walk: a --prompts-file conversation ending with the assistant's turn (the run's
     own chat data) got a new assistant turn after the answer. It is continued from that turn's

@@ -58,8 +58,15 @@ from xlafit.parallel.cluster import configure, start_backends
 from xlafit.parallel.sharding import path_name
 from xlafit.recipes import config_from_dict
 from xlafit.recipes.bert import bert_config
-from xlafit.recipes.llm import build_llama
-from xlafit.recipes.llm_data import DATA_FORMAT_FILE, GENERATION_CONFIG, base_generation, model_dir, recorded_model_dir
+from xlafit.recipes.llm import build_from_config, build_llama
+from xlafit.recipes.llm_data import (
+    DATA_FORMAT_FILE,
+    GENERATION_CONFIG,
+    base_config,
+    base_generation,
+    model_dir,
+    recorded_model_dir,
+)
 from xlafit.recipes.resnet import CLASSES_FILE, NORMALISATION, augmentation, image_size, normalisation, resnet_config
 from xlafit.run import with_lora
 from xlafit.rundir import checkpoint_dir
@@ -201,9 +208,8 @@ def _write(
         if ends.exists():
             local.mkdir(parents=True, exist_ok=True)
             (local / GENERATION_CONFIG).write_text(ends.read_text())
-        export_llm(
-            cfg, arrays, metadata.get(BASE_FINGERPRINT), tokenizer_json, local, chat_template, tokens, f"{final}/base"
-        )
+        fingerprint = metadata.get(BASE_FINGERPRINT)
+        export_llm(cfg, arrays, fingerprint, tokenizer_json, local, chat_template, tokens, f"{final}/base", run)
         if (run / DATA_FORMAT_FILE).exists():  # `xlafit generate` asks the export as the run trained
             (local / DATA_FORMAT_FILE).write_text((run / DATA_FORMAT_FILE).read_text())
     else:
@@ -258,16 +264,21 @@ def checkpoint_arrays(cfg: Config, run: Any, step: int | None, use: str = "expor
         ckpt.close()
 
 
-def run_model(cfg: Config, arrays: Any, fingerprint: str | None, vocab_size: int) -> LlamaForCausalLM:
+def run_model(cfg: Config, arrays: Any, fingerprint: str | None, vocab_size: int, run: Any) -> LlamaForCausalLM:
     """An llm run's model with a checkpoint's weights (``arrays``): a LoRA run's base rebuilt
     as the run built it (``model.init_from_hf``, or the same initialisation, which must have
-    the fingerprint the checkpoint recorded) with the adapters, unmerged.
+    the fingerprint the checkpoint recorded) with the adapters, unmerged; a full fine-tune of
+    ``model.init_from_hf`` made from its ``config.json`` alone (the base's, or the copy the
+    ``run`` keeps), every weight the checkpoint's.
 
     Raises:
         CheckpointError: the rebuilt base is not the one the adapters were trained on.
     """
     build = lambda: with_lora(build_llama(cfg, vocab_size), cfg.lora, cfg.trainer.seed)  # noqa: E731
-    if cfg.model.init_from_hf:
+    if cfg.model.init_from_hf and not cfg.lora.rank:  # no weight of the base is read
+        config = base_config(cfg, run)
+        build = lambda: build_from_config(cfg, config)  # noqa: E731
+    if cfg.model.init_from_hf and cfg.lora.rank:
         model = build()
     else:  # inside jit, as the trainer built it: eager initialisation rounds differently
         abstract = nnx.eval_shape(build)
@@ -296,6 +307,7 @@ def export_llm(
     chat_template: str | None = None,
     tokens: dict[str, str] | None = None,
     base_at: str | None = None,
+    run: Any = None,
 ) -> None:
     """Writes an llm run's model to ``out`` as a ``LlamaForCausalLM`` with its tokenizer (and
     the chat template it trained with, in ``tokenizer_config.json`` and ``chat_template.jinja``;
@@ -325,10 +337,12 @@ def export_llm(
     recorded = json.loads(snapshot.read_text()) if snapshot.exists() else {}
     token_ids, generation = _write_tokenizer(cfg, tokenizer_json, out, chat_template, tokens, recorded)
     # The model's vocabulary is the tokenizer's, tokens added after training (a chat model's) included.
-    model = run_model(cfg, arrays, fingerprint, Tokenizer.from_str(tokenizer_json).get_vocab_size())
+    model = run_model(cfg, arrays, fingerprint, Tokenizer.from_str(tokenizer_json).get_vocab_size(), run)
     # A quantized base is merged as PEFT merges into a bitsandbytes base: into its dequantized
-    # weights, written in bfloat16 (merge_lora).
-    dtype: typing.Literal["float32", "bfloat16"] = "bfloat16" if cfg.lora.rank and cfg.lora.quantized else "float32"
+    # weights, written in bfloat16 (merge_lora); a bfloat16 base as PEFT merges into a model
+    # loaded in bfloat16: written in bfloat16, its own precision.
+    low = bool(cfg.lora.rank) and cfg.lora.base_dtype != "float32"
+    dtype: typing.Literal["float32", "bfloat16"] = "bfloat16" if low else "float32"
     if cfg.lora.rank:
         if not cfg.model.init_from_hf:
             base = nnx.clone(model)  # a copy with its own variables: zeroing its adapters leaves the model's
@@ -367,6 +381,12 @@ def export_llm(
                 flush=True,
             )
         model = typing.cast(LlamaForCausalLM, merge_lora(model))
+        if cfg.lora.base_dtype == "bfloat16":
+            print(
+                "the adapters trained on a bfloat16 base (lora.base_dtype): the merged model is written in bfloat16, "
+                "as PEFT merges into a base loaded in bfloat16",
+                flush=True,
+            )
         if cfg.lora.quantized:
             print(
                 f"the adapters trained on an {cfg.lora.base_dtype} base (lora.base_dtype): the merged model is its "

@@ -336,7 +336,7 @@ def _from_run(source: str, step: int | None, simulate: int | None) -> Generator:
         run / "tokenizer", f"{source}/tokenizer/ holds the tokenizer the run's checkpoints learned; restore it."
     )
     arrays, step, metadata = checkpoint_arrays(cfg, run, step, use="generate")  # a training run's newest, as it is now
-    model = run_model(cfg, arrays, metadata.get(BASE_FINGERPRINT), tokenizer.get_vocab_size())
+    model = run_model(cfg, arrays, metadata.get(BASE_FINGERPRINT), tokenizer.get_vocab_size(), run)
     print(f"answering from step {step} of {source}", file=sys.stderr, flush=True)  # once the base is the run's
     if cfg.lora.rank and not cfg.lora.quantized:  # a quantized base stays quantized: its adapters run beside it
         model = typing.cast(LlamaForCausalLM, merge_lora(model))

@@ -38,7 +38,8 @@ from xlafit.parallel.cluster import connect_as_run
 from xlafit.parallel.sharding import parse_rules
 from xlafit.recipes import config_from_dict, get_recipe
 from xlafit.recipes.base import Recipe
-from xlafit.recipes.llm_data import recorded_model_dir
+from xlafit.recipes.llm import build_from_config
+from xlafit.recipes.llm_data import base_config, recorded_model_dir
 from xlafit.run import BREAKING, check_kept_files, model_builder
 from xlafit.rundir import checkpoint_dir
 from xlafit.train.optim import make_optimizer
@@ -234,8 +235,12 @@ def _trainer(recipe: Recipe, cfg: Config, strategy: Any, evaluation: Any) -> Tra
     nothing (no run directory: no metrics; nothing saved without ``fit``)."""
     batch = cfg.data.global_batch
     assert batch is not None  # a run's config.yaml records the batch it resolved
+    builder = model_builder(recipe, cfg, evaluation)  # the data's vocabulary, classes and shapes are the run's
+    if cfg.recipe == "llm" and cfg.model.init_from_hf and not cfg.lora.rank:  # every weight is the checkpoint's
+        config = base_config(cfg, cfg.run.run_dir)
+        builder = lambda: build_from_config(cfg, config)  # noqa: E731  (no weight of the base read)
     return Trainer(
-        model_builder(recipe, cfg, evaluation),  # the data's vocabulary, classes and shapes are the run's
+        builder,
         recipe.loss(cfg),
         make_optimizer(cfg.optimizer, batch).tx,
         strategy=strategy,

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -29,6 +30,7 @@ from xlafit.errors import HFFormatError
 from xlafit.hf.files import open_safetensors, read_json
 from xlafit.models.llama import LlamaForCausalLM
 from xlafit.models.lora import (
+    BASE,
     EXPERTS_TARGET,
     ExpertLoRA,
     LoRA,
@@ -46,6 +48,8 @@ FINGERPRINT_KEY = "xlafit_base_fingerprint"
 # An adapter trained on a quantized base: "nf4:64" (its type and block), "nf4:64:embeddings" with
 # its embedding tables quantized too; the fingerprint is that base's.
 QUANTIZED_KEY = "xlafit_base_quantized"
+# An adapter trained on a base cast to bfloat16 (lora.base_dtype=bfloat16): the fingerprint is that base's.
+BASE_DTYPE_KEY = "xlafit_base_dtype"
 
 
 # PEFT's target_parameters of transformers' fused experts. PEFT wraps the experts module once
@@ -171,6 +175,8 @@ def save_peft_adapter(
     if quantized:  # PEFT applies it to the unquantized base; xlafit checks that base quantized alike
         tables = ":embeddings" if quantized_tables(model) else ""
         metadata[QUANTIZED_KEY] = f"{quantized[0].qtype}:{quantized[0].block}{tables}"
+    elif _base_dtypes(model) == {"bfloat16"}:
+        metadata[BASE_DTYPE_KEY] = "bfloat16"
     save_file(tensors, str(out / WEIGHTS), metadata=metadata)
     return out
 
@@ -233,13 +239,22 @@ def _expert_tensors(arrays: list[np.ndarray], row: int | None) -> list[tuple[np.
     return out
 
 
-def _fingerprint_as_trained(model: LlamaForCausalLM, quantized: str | None) -> str:
+def _base_dtypes(model: nnx.Module) -> set[str]:
+    return {str(x.dtype) for x in jax.tree.leaves(nnx.state(model, BASE))}
+
+
+def _fingerprint_as_trained(model: LlamaForCausalLM, quantized: str | None, dtype: str | None = None) -> str:
     """``model``'s base fingerprint as the adapter's base was: quantized as recorded (a copy;
-    the model stays as it is) when the adapter trained on a quantized base and ``model`` is not."""
+    the model stays as it is) when the adapter trained on a quantized base and ``model`` is not;
+    cast to ``dtype`` (bfloat16) when it trained on a base in that precision."""
+    if dtype is not None and quantized is None and _base_dtypes(model) != {dtype}:
+        base: nnx.Module = nnx.clone(model)
+        nnx.update(base, jax.tree.map(lambda x: x.astype(dtype), nnx.state(base, BASE)))
+        return base_fingerprint(base)
     if quantized is None or is_quantized(model):
         return base_fingerprint(model)
     qtype, block, *tables = quantized.split(":")
-    base: nnx.Module = nnx.clone(model)
+    base = nnx.clone(model)
     if tables == ["embeddings"]:
         base = quantize_embeddings(base, qtype, int(block))
     return base_fingerprint(quantize_base(base, qtype, int(block)))
@@ -340,7 +355,7 @@ def load_peft_adapter(
             for name in f.keys()  # noqa: SIM118 (safe_open is no dict)
         }
     if check_base and recorded is not None:
-        ours = _fingerprint_as_trained(model, metadata.get(QUANTIZED_KEY))
+        ours = _fingerprint_as_trained(model, metadata.get(QUANTIZED_KEY), metadata.get(BASE_DTYPE_KEY))
         if recorded != ours:
             raise HFFormatError(
                 f"{d} was trained on another base model (fingerprint {recorded[:12]}..., this model's "

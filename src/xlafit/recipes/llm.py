@@ -291,14 +291,7 @@ def build_llama(cfg: Config, vocab_size: int) -> LlamaForCausalLM:
     if materialized_on_cpu() and not (cfg.lora.rank and cfg.lora.quantized):
         _refuse_beyond_host_memory(cfg, model_sizes(cfg, vocab_size))
     if source:
-        options = {
-            "dtype": m.compute_dtype,
-            "attention": m.attention,
-            "remat": m.remat,
-            "scan_layers": m.scan_layers,
-            "logits_chunk": m.logits_chunk,
-            **moe_options(m),
-        }
+        options = llama_options(cfg)
         if reading_shapes_only():  # a 4-bit base is quantized by with_lora, as a preset's is
             model = LlamaForCausalLM(llama_hf.read_config(source, **options)[1], rngs=nnx.Rngs(cfg.trainer.seed))
         elif cfg.lora.rank and cfg.lora.quantized:  # quantized as it is read: one tensor in full precision at a time
@@ -315,6 +308,26 @@ def build_llama(cfg: Config, vocab_size: int) -> LlamaForCausalLM:
             )
         return model
     return LlamaForCausalLM(llama_config(cfg, vocab_size), rngs=nnx.Rngs(params=cfg.trainer.seed))
+
+
+def llama_options(cfg: Config) -> dict[str, Any]:
+    """The run's settings a checkpoint's ``config.json`` leaves to it (precision, attention,
+    remat, scanned layers, logits in blocks, the experts' kernels)."""
+    m = cfg.model
+    return {
+        "dtype": m.compute_dtype,
+        "attention": m.attention,
+        "remat": m.remat,
+        "scan_layers": m.scan_layers,
+        "logits_chunk": m.logits_chunk,
+        **moe_options(m),
+    }
+
+
+def build_from_config(cfg: Config, config: dict[str, Any]) -> LlamaForCausalLM:
+    """``model.init_from_hf``'s model made from its ``config.json`` (``config``) with new
+    weights, none read: for what sets them all afterwards (a full fine-tune's checkpoint)."""
+    return LlamaForCausalLM(llama_hf.config_from_hf(config, **llama_options(cfg)), rngs=nnx.Rngs(cfg.trainer.seed))
 
 
 def _refuse_beyond_host_memory(cfg: Config, sizes: LlamaConfig) -> None:

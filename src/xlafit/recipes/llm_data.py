@@ -27,6 +27,7 @@ from xlafit.data.text import korean_demo_files
 from xlafit.errors import ConfigError
 from xlafit.io import hub
 from xlafit.io.cache import cache_dir
+from xlafit.io.paths import as_path
 from xlafit.models.attention import packed_segments_limit
 from xlafit.recipes.base import reading_shapes_only
 from xlafit.train import preference
@@ -35,6 +36,9 @@ log = logging.getLogger("xlafit")
 
 DEMO_VOCAB_SIZE = 2000  # the demo's BPE tokenizer
 DATA_FORMAT_FILE = "data_format.json"  # the format of the data a run trained on (chat, prompt_completion, text)
+# model.init_from_hf's config.json as the run read it: a full fine-tune's checkpoints hold every
+# weight, and with this they need nothing of the base (generate, export, eval after it moved)
+BASE_CONFIG = "base_config.json"
 
 
 @dataclasses.dataclass
@@ -99,6 +103,8 @@ def recorded_model_dir(cfg: Config, run: Any) -> str | None:
     try:
         return model_dir(cfg)
     except ConfigError as e:
+        if not cfg.lora.rank and (as_path(run) / BASE_CONFIG).exists():  # the weights are all the checkpoint's
+            return None
         name = cfg.model.init_from_hf or ""
         if "://" in name:
             raise
@@ -127,10 +133,31 @@ NOT_APPLIED = {
 }  # fmt: skip
 
 
+def base_config(cfg: Config, run: Any) -> dict[str, Any]:
+    """``model.init_from_hf``'s ``config.json``: the base's own where it is, else the copy its
+    ``run`` keeps (:data:`BASE_CONFIG`).
+
+    Raises:
+        ConfigError: neither can be read (naming both).
+    """
+    snapshot = as_path(run) / BASE_CONFIG
+    try:
+        source = model_dir(cfg)
+    except ConfigError as e:
+        if snapshot.exists():
+            return dict(json.loads(snapshot.read_text()))
+        raise ConfigError(f"{e} ({run} keeps no copy of its config.json, {BASE_CONFIG}: an older run's).") from None
+    return dict(json.loads((Path(str(source)).expanduser() / "config.json").read_text()))
+
+
 def base_generation(cfg: Config, tokenizer_json: str) -> dict[str, Any]:
     """``model.init_from_hf``'s ``generation_config.json`` ({} where it has none), without its
-    token ids where the run has another tokenizer (they would name other tokens)."""
-    source = model_dir(cfg)
+    token ids where the run has another tokenizer (they would name other tokens); {} where the
+    base is gone (a full fine-tune read again: its run recorded these settings)."""
+    try:
+        source = model_dir(cfg)
+    except ConfigError:
+        return {}
     base = Path(source).expanduser() if source else None
     if base is None or not (base / GENERATION_CONFIG).exists():
         return {}
@@ -344,7 +371,9 @@ def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
     tokens (``tokenizer_config.json``, so that :func:`xlafit.data.clm.special_ids` reads
     there what the run trained with) and its chat template where it has one, for ``xlafit
     export hf`` and generation;
-    records the data's format in ``run_dir/data_format.json`` (``xlafit generate`` asks a run
+    keeps ``model.init_from_hf``'s ``config.json`` (:data:`BASE_CONFIG`: a full fine-tune is then
+    read again without its base); records the data's format in ``run_dir/data_format.json``
+    (``xlafit generate`` asks a run
     that trained on chat records through the template, any other with the text as it is), and
     for chat records the template they were rendered with. A training template that stood in
     for the tokenizer's official one (:mod:`xlafit.data.templates`) is recorded by name; the
@@ -359,6 +388,9 @@ def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
     """
     dest = run_dir / "tokenizer"
     dest.mkdir(parents=True, exist_ok=True)
+    base = model_dir(cfg)
+    if base is not None and (Path(base).expanduser() / "config.json").exists():
+        (run_dir / BASE_CONFIG).write_text((Path(base).expanduser() / "config.json").read_text())
     where = tokenizer_location(cfg)
     tokenizer_json = clm.tokenizer_json(where)
     (dest / "tokenizer.json").write_text(tokenizer_json)
