@@ -88,6 +88,10 @@ def test_the_command_scores_every_checkpoint_as_the_run_evaluated_it_and_writes_
         )
     assert "evaluating step 4 of" in done.stderr
     assert _files(run) == before  # nothing written, moved or left behind
+    (tmp_path / "more").mkdir()
+    more = write_mnist_idx(tmp_path / "more", train=64, test=200)  # another data directory: its test split
+    (other,) = evaluate_run(str(run), data=str(more))
+    assert other.step == 8 and other.metrics["count"] == 200
     capsys.readouterr()
     assert main(["eval", str(run), "--step", "4,9"]) == 2
     assert "checkpoint 9 of" in (err := capsys.readouterr().err) and "does not exist; the intact ones: [4, 8]" in err
@@ -123,7 +127,7 @@ def test_a_lora_chat_run_scored_on_a_file_equals_its_own_evaluation_of_that_file
     xlafit.train_and_evaluate(load_config("llm", settings))
     capsys.readouterr()
     (first, last) = _evaluations(run)
-    scores = evaluate_run(str(run), data=str(tmp_path / "held.jsonl"), steps="all")
+    scores = xlafit.evaluate_run(str(run), data=str(tmp_path / "held.jsonl"), steps="all")  # the public name
     _same(scores[0], first)
     _same(scores[1], last)
     said = capsys.readouterr().err

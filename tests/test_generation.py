@@ -895,8 +895,9 @@ def test_a_full_fine_tune_generates_and_exports_after_its_base_is_gone(chatml_ru
     weights = [load_file(tmp_path / d / "model.safetensors") for d in ("before", "after")]
     assert weights[0].keys() == weights[1].keys()
     assert all(np.array_equal(weights[0][k], weights[1][k]) for k in weights[0])
-    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
-        assert (tmp_path / "before" / name).read_text() == (tmp_path / "after" / name).read_text(), name
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json"):
+        before_file, after_file = (json.loads((tmp_path / d / name).read_text()) for d in ("before", "after"))
+        assert before_file == after_file, name
     assert Generator.load(str(run))([QUESTION], max_new_tokens=6) == before
 
 

@@ -1,6 +1,7 @@
 """xlafit: training on XLA devices (TPU cores, GPUs, CPUs) with JAX.
 
-``xlafit.train_and_evaluate(xlafit.load_config("mnist"))`` runs a recipe end to end;
+``xlafit.train_and_evaluate(xlafit.load_config("mnist"))`` runs a recipe end to end, and
+``xlafit.evaluate_run("runs/...", data=...)`` scores its checkpoints;
 :class:`Trainer` trains your own Flax NNX model, or a Keras 3 model (``xlafit.integrations.keras``,
 ``KERAS_BACKEND=jax``). The subpackages are ``xlafit.train`` (steps, optimizer, loop),
 ``xlafit.data``, ``xlafit.models``, ``xlafit.recipes``, ``xlafit.parallel`` (mesh,
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from xlafit.parallel.mesh import Strategy
     from xlafit.recipes import load_config
     from xlafit.run import train_and_evaluate
+    from xlafit.run_eval import evaluate_run
     from xlafit.train import FitResult, Trainer, TrainState
 
 __version__ = "0.1.0"
@@ -55,6 +57,7 @@ __all__ = [
     "XlafitError",
     "connect",
     "errors",
+    "evaluate_run",
     "load_config",
     "train_and_evaluate",
 ]
@@ -67,6 +70,7 @@ _LAZY = {
     "Strategy": "xlafit.parallel.mesh",
     "load_config": "xlafit.recipes",
     "train_and_evaluate": "xlafit.run",
+    "evaluate_run": "xlafit.run_eval",
     "FitResult": "xlafit.train",
     "Trainer": "xlafit.train",
     "TrainState": "xlafit.train",

@@ -97,7 +97,8 @@ def evaluate_run(
         overrides: ``key=value`` settings for the evaluation (``data.eval_global_batch=8``,
             ``mesh.fsdp=2``); settings that change what the checkpoints mean are refused.
         simulate: simulated CPU devices, as ``xlafit train --simulate``.
-        on_score: called with each score as soon as it is known (the command prints it).
+        on_score: called with each score as soon as it is known, in a job's process 0 (the
+            command prints it); every process returns them all.
 
     Raises:
         ConfigError: no run there, a refused override, or data with nothing to evaluate.
@@ -122,7 +123,7 @@ def evaluate_run(
             if strategy.process_index == 0:
                 print(f"evaluating step {restored} of {run} ...", file=sys.stderr, flush=True)
             scores.append(Score(restored, trainer.evaluate(evaluation)))
-            if on_score is not None:
+            if on_score is not None and strategy.process_index == 0:
                 on_score(scores[-1])
     finally:
         trainer.close()
