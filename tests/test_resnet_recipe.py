@@ -322,3 +322,56 @@ def test_an_image_size_below_one_is_refused_by_name(size):
     cfg = load_config("resnet", [f"data.image_size={size}", "data.source=synthetic"])
     with pytest.raises(ConfigError, match=rf"data.image_size={size} must be at least 1"):
         load_data(cfg)
+
+
+def test_a_run_knows_the_data_it_trained_on_and_is_scored_on_a_folder_held_out_whole(tmp_path, shards, caplog):
+    """The twenty-fourth walk. A data directory prepared again in place (the same path, other
+    images or another split) was resumed on and scored as the run's "own evaluation split"
+    without a word (15 of 22 such images had been trained on); and a folder of new images could
+    not be scored (--eval-fraction 1 was refused). The run keeps its data's shards
+    (data_shards.json): a resume or a score on data prepared again is refused, naming it;
+    --eval-fraction 1 holds every image out, for xlafit eval --data; data with other classes
+    is named with both lists."""
+    import shutil
+
+    from xlafit.errors import ConfigError
+    from xlafit.recipes import load_config
+    from xlafit.run import train_and_evaluate
+    from xlafit.run_eval import evaluate_run
+
+    data = tmp_path / "data"
+    shutil.copytree(shards, data)
+    overrides = [
+        *(f"data.data_dir={data}", f"run.run_dir={tmp_path / 'run'}", "model.width=4", "data.image_size=12"),
+        *("data.global_batch=8", "data.workers=0", "trainer.epochs=1", "trainer.stop_at_step=2"),
+    ]
+    train_and_evaluate(load_config("resnet", overrides))
+    assert (tmp_path / "run" / "data_shards.json").exists()
+    prepare(shards.parent / "in", str(data), eval_fraction=0.25, seed=1, workers=1, overwrite=True)  # in place
+    with pytest.raises(ConfigError, match=r"cannot resume .*data_shards.json differs from this run's prepared images"):
+        train_and_evaluate(load_config("resnet", overrides))
+    with pytest.raises(ConfigError, match=r"cannot score .* on its own evaluation data: its data_shards.json differs"):
+        evaluate_run(str(tmp_path / "run"))
+    # every image held out: a folder to score the run on, all of it
+    prepare(shards.parent / "in", str(tmp_path / "all"), eval_fraction=1.0, workers=1)
+    (score,) = evaluate_run(str(tmp_path / "run"), data=str(tmp_path / "all"))
+    assert score.step == 2 and score.metrics["count"] == 72
+    # other classes: both lists named
+    (tmp_path / "two").mkdir()
+    for name in ("a", "b"):
+        shutil.copytree(shards.parent / "in" / name, tmp_path / "two" / name)
+    prepare(tmp_path / "two", str(tmp_path / "two-out"), eval_fraction=1.0, workers=1)
+    with pytest.raises(ConfigError, match=r"does not fit .*the run's: \[\"a\", \"b\", \"c\"\]; now: \[\"a\", \"b\"\]"):
+        evaluate_run(str(tmp_path / "run"), data=str(tmp_path / "two-out"))
+
+
+def test_a_class_with_no_held_out_image_is_said(tmp_path, caplog):
+    rng = np.random.default_rng(2)
+    for name, count in (("big", 30), ("rare", 2)):
+        (tmp_path / "in" / name).mkdir(parents=True)
+        for i in range(count):
+            Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(tmp_path / "in" / name / f"{i}.png")
+    # seed 0 draws one image of "big" and none of "rare" (the draw is a hash of each file's name and the seed)
+    manifest = prepare(tmp_path / "in", str(tmp_path / "out"), eval_fraction=0.1, seed=0, workers=1)
+    assert "held out no image of the class(es) rare" in caplog.text
+    assert manifest["splits"]["eval"]["classes"] == 1 and manifest["splits"]["train"]["classes"] == 2

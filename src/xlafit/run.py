@@ -38,6 +38,7 @@ from flax import nnx
 
 from xlafit.checkpoint import check_directory, check_not_all_set_aside
 from xlafit.config import Config, LoraConfig, check_device_split, resolve_batch
+from xlafit.data import shards
 from xlafit.data.dataset import as_dataset
 from xlafit.errors import ConfigError, going_on_with
 from xlafit.io.paths import (
@@ -433,13 +434,14 @@ def _saved_config(run_dir: epath.Path) -> dict[str, Any]:
 
 
 def check_kept_files(
-    recipe: Recipe, cfg: Config, run_dir: epath.Path | Path, train: Any, scoring: bool = False
+    recipe: Recipe, cfg: Config, run_dir: epath.Path | Path, train: Any, scoring: bool = False, given: str | None = None
 ) -> None:
     """Refuses to resume when a file that gives the checkpoints' numbers their meaning
-    (:attr:`Recipe.kept_files`: a tokenizer, the class names) would be another: the recipe's
-    files for this config are written to a scratch folder and compared with the run's
-    (JSON by its content), before anything in the run directory is written. ``scoring``:
-    the run is to be evaluated (``xlafit eval``), not resumed.
+    (:attr:`Recipe.kept_files`: a tokenizer, the class names, the prepared data's shards) would
+    be another: the recipe's files for this config are written to a scratch folder and compared
+    with the run's (JSON by its content), before anything in the run directory is written.
+    ``scoring``: the run is to be evaluated (``xlafit eval``), not resumed; ``given``: on data
+    given for it, whose shards are not the run's by design (:data:`~xlafit.data.shards.FINGERPRINT_FILE`).
 
     Raises:
         ConfigError: naming the file, what it is, and the fix.
@@ -449,20 +451,30 @@ def check_kept_files(
     with tempfile.TemporaryDirectory() as scratch:
         recipe.save_artifacts(cfg, Path(scratch), train)
         for name, what in recipe.kept_files.items():
+            if given is not None and name == shards.FINGERPRINT_FILE:
+                continue
             before, now = as_path(run_dir) / name, Path(scratch) / name
             with reading(before):
                 if not (before.exists() and now.exists()) or _same_file(before.read_text(), now.read_text(), name):
                     continue
+                theirs, ours = before.read_text().strip(), now.read_text().strip()
+            both = f" (the run's: {theirs}; now: {ours})" if len(theirs) + len(ours) < 300 else ""
+            if given is not None:
+                thing = what.split(";")[0]
+                raise ConfigError(
+                    f"{given} does not fit {run_dir}: its {thing} and the run's differ{both}; give data prepared as "
+                    "the run's was."
+                )
             if scoring:
                 raise ConfigError(
-                    f"cannot score {run_dir}: its {name} differs from the {what} that its config.yaml names now, "
-                    "so the data would be encoded otherwise than it trained; put that back as it was when the run "
-                    f"trained (the run's own copy is {run_dir}/{name})."
+                    f"cannot score {run_dir} on its own evaluation data: its {name} differs from the {what}{both}. Put "
+                    f"that back as it was when the run trained (the run's own copy is {run_dir}/{name}), or give the "
+                    "data to score with --data."
                 )
             raise ConfigError(
-                f"cannot resume {run_dir}: its {name} differs from this run's {what}. Use the run's settings (see "
-                f"its config.yaml; its own copy is {run_dir}/{name}), or start over with --restart (run.resume=false) "
-                "or another --run-dir."
+                f"cannot resume {run_dir}: its {name} differs from this run's {what}{both}. Use the run's settings "
+                f"and data (see its config.yaml; its own copy is {run_dir}/{name}), or start over with --restart "
+                "(run.resume=false) or another --run-dir."
             )
 
 
@@ -486,8 +498,9 @@ def check_continuation(
     """Refuses to resume a run whose checkpoints were made under an incompatible config.
 
     ``cfg`` is the resolved config (:func:`resolve`). Nothing happens when the run has no
-    checkpoints yet. ``kept``: called after the config's checks, before the changed settings
-    are announced (:func:`check_kept_files`).
+    checkpoints yet. ``kept``: called before the config's checks (data prepared again changes
+    the schedule's length too, which is then not what to name), and before the changed
+    settings are announced (:func:`check_kept_files`).
 
     Raises:
         ConfigError: the run's ``config.yaml`` is missing or unreadable, or a
@@ -519,6 +532,8 @@ def check_continuation(
         for k in changed
         if k in saved and k in now and any(k == b or k.startswith(b + ".") for b in BREAKING) and k not in CONTINUABLE
     ]
+    if kept is not None:  # first: data or files not the run's say so, whatever settings they change
+        kept()
     if breaking:
         diffs = "; ".join(f"{k}: {_shown(saved, k)} in the run, {_shown(now, k)} now" for k in breaking)
         hint = ""
@@ -561,8 +576,6 @@ def check_continuation(
             f"cannot resume {run_dir}: {diffs}. This change breaks continuation from its checkpoints.{hint} "
             f"Use the run's values (see its config.yaml), {restart}."
         )
-    if kept is not None:
-        kept()
     safe = [k for k in changed if k != "run.resume"]
     if safe and announce:
         print(

@@ -114,7 +114,9 @@ def evaluate_run(
         recorded_model_dir(cfg, run)  # the base the checkpoints need, named where it moved
     recipe.validate(cfg)
     evaluation = as_dataset(eval_data(recipe, cfg, run, data))
-    check_kept_files(recipe, cfg, as_path(run), evaluation, scoring=True)  # the tokenizer the checkpoints learned
+    # the tokenizer the checkpoints learned, the run's classes; its own data's shards, as it trained on them
+    check_kept_files(recipe, _reading(cfg, data), as_path(run), evaluation, scoring=True, given=data)
+    _check_sequence_length(cfg, evaluation, data)
     trainer = _trainer(recipe, cfg, strategy, evaluation)
     scores = []
     try:
@@ -223,12 +225,38 @@ def eval_data(recipe: Recipe, cfg: Config, run: str, data: str | None) -> Any:
     if data is not None and recipe.eval_data is not None:
         found = recipe.eval_data(cfg, data)
     else:
-        read = cfg if data is None else dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, data_dir=data))
-        found = recipe.load_data(read)[1]
+        found = recipe.load_data(_reading(cfg, data))[1]
     if found is None or not len(as_dataset(found)):
-        where = f"{data} holds" if data is not None else f"{run} has"
-        raise ConfigError(f"{where} no evaluation data; give the records to score with --data FILE.")
+        if data is None:
+            raise ConfigError(f"{run} has no evaluation data; give the data to score with --data.")
+        raise ConfigError(
+            f"{data} holds no evaluation split: --data of a {cfg.recipe} run is a data directory whose evaluation "
+            "split is scored (prepare one with --eval-fraction, or from a folder with train/ and val/)."
+        )
     return found
+
+
+def _reading(cfg: Config, data: str | None) -> Config:
+    """``cfg`` reading ``data`` (a local path made absolute) as its ``data.data_dir``; as it is without."""
+    if data is None:
+        return cfg
+    where = data if is_url(data) else str(Path(data).expanduser().absolute())
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, data_dir=where))
+
+
+def _check_sequence_length(cfg: Config, evaluation: Any, data: str | None) -> None:
+    """Refuses data prepared at another sequence length than the run trained at (positions it
+    never trained, or sequences cut otherwise).
+
+    Raises:
+        ConfigError: naming both lengths.
+    """
+    length, trained = getattr(evaluation, "seq_len", None), getattr(cfg.data, "seq_len", None)
+    if length is not None and trained is not None and length != trained:
+        raise ConfigError(
+            f"{data} holds sequences of {length} tokens and the run trained at data.seq_len={trained}; prepare the "
+            f"data to score at --seq-len {trained}."
+        )
 
 
 def _trainer(recipe: Recipe, cfg: Config, strategy: Any, evaluation: Any) -> Trainer:

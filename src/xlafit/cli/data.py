@@ -284,8 +284,8 @@ def run_images(args: argparse.Namespace) -> int:
         workers=args.workers,
         overwrite=args.overwrite,
     )
-    classes = len(manifest["classes"])
     for split, info in manifest["splits"].items():
+        classes = f"{info['classes']} of the {len(manifest['classes'])}"
         print(f"{split}: {info['examples']:,} images of {classes} classes in {len(info['shards'])} shard(s)")
         if info["skipped"]:
             names = ", ".join(s["file"] for s in info["skipped"][:5])

@@ -29,6 +29,23 @@ if TYPE_CHECKING:
 log = logging.getLogger("xlafit")
 
 
+# A run's record of the prepared data it trained on (:func:`fingerprint`), beside its checkpoints.
+FINGERPRINT_FILE = "data_shards.json"
+
+
+def fingerprint(manifest: dict) -> dict[str, list[str]]:
+    """The sha256 of each shard of each split of a prepared directory's ``manifest``: what a
+    run keeps of its data (:data:`FINGERPRINT_FILE`), so that data prepared again in place (its
+    images or documents, its split) is seen when the run resumes or is scored. The time of the
+    preparation and the input's path are left out: the same preparation gives the same record.
+
+    Example:
+        >>> fingerprint({"splits": {"train": {"shards": [{"path": "train-00000.parquet", "sha256": "ab"}]}}})
+        {'train': ['ab']}
+    """
+    return {split: [shard["sha256"] for shard in record["shards"]] for split, record in manifest["splits"].items()}
+
+
 @contextlib.contextmanager
 def writing(out: str | Path, what: str) -> Iterator[None]:
     """Turns a failed write under ``out`` (a 403, a full disk, an unreachable server) into a

@@ -9,6 +9,7 @@ by :class:`~xlafit.data.mlm.MLMDataset`, the loop is :class:`xlafit.Trainer`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -21,7 +22,7 @@ from flax import nnx
 
 from xlafit import config as xconfig
 from xlafit.config import Config
-from xlafit.data import korean_demo, mlm
+from xlafit.data import korean_demo, mlm, shards
 from xlafit.data.text import read_lines
 from xlafit.data.tokenizer import CLS, SEP, SPECIAL_TOKENS, load_tokenizer
 from xlafit.errors import ConfigError
@@ -222,12 +223,14 @@ def from_data(cfg: Config, train: mlm.MLMDataset) -> Config:
 
 
 def save_artifacts(cfg: Config, run_dir: Path, train: mlm.MLMDataset) -> None:
-    """Copies the tokenizer into ``run_dir/tokenizer``, for ``xlafit export hf``."""
+    """Copies the tokenizer into ``run_dir/tokenizer``, for ``xlafit export hf``, and records the
+    prepared data's shards (:data:`~xlafit.data.shards.FINGERPRINT_FILE`)."""
     if data_config(cfg).source == "synthetic":
         return  # no tokenizer: random ids
     if train.location is None:
         raise ConfigError("the bert recipe's training data must come from a prepared directory (its tokenizer).")
-    fs, root, _ = mlm.read_manifest(train.location)
+    fs, root, manifest = mlm.read_manifest(train.location)
+    (run_dir / shards.FINGERPRINT_FILE).write_text(json.dumps(shards.fingerprint(manifest)) + "\n")
     dest = run_dir / "tokenizer"
     dest.mkdir(parents=True, exist_ok=True)
     for name in fs.ls(f"{root}/tokenizer", detail=False):
@@ -310,7 +313,9 @@ RECIPE = Recipe(
     throughput=throughput,
     save_artifacts=save_artifacts,
     kept_files={
-        "tokenizer/tokenizer.json": "tokenizer (the prepared data's); the checkpoints learned the run's token ids"
+        "tokenizer/tokenizer.json": "tokenizer (the prepared data's); the checkpoints learned the run's token ids",
+        shards.FINGERPRINT_FILE: "prepared sequences (the sha256 of each shard of its splits, from its manifest.json): "
+        "the data in data.data_dir was prepared again since the run started",
     },
     sequence_lengths=sequence_lengths,
 )

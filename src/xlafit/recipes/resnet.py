@@ -37,7 +37,8 @@ from flax import nnx
 
 from xlafit import config as xconfig
 from xlafit.config import Config
-from xlafit.data.images import Augment, ImageDataset, SyntheticImages, load_split, mnist_demo
+from xlafit.data import shards
+from xlafit.data.images import Augment, ImageDataset, SyntheticImages, load_split, mnist_demo, read_manifest
 from xlafit.errors import ConfigError
 from xlafit.models.resnet import ResNet, ResNetConfig, train_flops_per_example
 from xlafit.recipes.base import Recipe, Throughput
@@ -365,9 +366,12 @@ def loss_fn(model: ImageClassifier, batch: dict[str, jax.Array]) -> tuple[jax.Ar
 
 def save_artifacts(cfg: Config, run_dir: Path, train: ImageDataset | SyntheticImages) -> None:
     """Writes the class names, label 0 first, to ``run_dir/classes.json``: ``xlafit export hf``
-    names the exported model's labels with them (synthetic images have none)."""
+    names the exported model's labels with them (synthetic images have none); and the prepared
+    data's shards (:data:`~xlafit.data.shards.FINGERPRINT_FILE`)."""
     if isinstance(train, ImageDataset):
         (run_dir / CLASSES_FILE).write_text(json.dumps(train.classes, ensure_ascii=False) + "\n")
+        _, _, manifest = read_manifest(data_config(cfg).data_dir or mnist_demo.build())
+        (run_dir / shards.FINGERPRINT_FILE).write_text(json.dumps(shards.fingerprint(manifest)) + "\n")
 
 
 def throughput(cfg: Config, train: ImageDataset | SyntheticImages) -> Throughput:
@@ -387,7 +391,9 @@ RECIPE = Recipe(
     throughput=throughput,
     save_artifacts=save_artifacts,
     kept_files={
-        CLASSES_FILE: "class names (the data's folders, in order); the checkpoints' outputs are the run's classes"
+        CLASSES_FILE: "class names (the data's folders, in order); the checkpoints' outputs are the run's classes",
+        shards.FINGERPRINT_FILE: "prepared images (the sha256 of each shard of its splits, from its manifest.json): "
+        "the data in data.data_dir was prepared again since the run started",
     },
     validate=validate,
 )

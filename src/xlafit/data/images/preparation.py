@@ -96,8 +96,13 @@ def find_images(
     files, classes = _image_folder(root)
     _no_empty_classes(root, files, classes)
     _two_classes_or_more(root, classes)
-    if not 0.0 <= eval_fraction < 1.0:
-        raise DataError(f"--eval-fraction {eval_fraction} must lie in [0, 1).")
+    if not 0.0 <= eval_fraction <= 1.0:
+        raise DataError(
+            f"--eval-fraction {eval_fraction} must lie in [0, 1] (1: every image held out, data to score a run on "
+            "with xlafit eval --data)."
+        )
+    if eval_fraction == 1.0:  # data to score with, not to train on
+        return {"train": [], "eval": files}, classes
     # os.fsencode: a name that is not UTF-8 (bytes the file system kept as they were) hashes too
     names = [hashlib.sha256(os.fsencode(os.path.relpath(f, root))).digest() for f, _ in files]
     keys = np.array([int.from_bytes(d[:4], "little") for d in names], np.int64)
@@ -111,6 +116,16 @@ def find_images(
         raise DataError(
             f"--eval-fraction {eval_fraction} holds out every image of the class(es) {', '.join(held[:5])} of {root}, "
             "so they would have no training image; use a smaller --eval-fraction or add images to them."
+        )
+    unseen = _classes_without_images(splits["eval"], classes) if eval_fraction > 0 else []
+    if unseen:  # drawn image by image: a small class may keep every image for training
+        log.warning(
+            "--eval-fraction %s held out no image of the class(es) %s of %s (each image is drawn alone, and they "
+            "have few): the evaluation does not measure them; add images to them, or give a folder with train/ and "
+            "val/ to choose the held-out images",
+            eval_fraction,
+            ", ".join(unseen[:5]),
+            root,
         )
     return splits, classes
 
@@ -269,6 +284,7 @@ def _write_split(
             rows.clear()
 
     paths = [f for f, _ in files]
+    seen: set[int] = set()  # the labels written
     for (path, label), (data, ch, error) in zip(files, decode(_check_image, paths), strict=True):
         name = _printable(os.path.relpath(path, root_dir))
         if error is not None:
@@ -281,10 +297,12 @@ def _write_split(
             continue
         channels = max(channels, ch)
         rows.append((data, label, name))
+        seen.add(label)
         if len(rows) >= shard_size:
             flush()
     flush()
-    return {"examples": sum(s["examples"] for s in shards), "shards": shards, "skipped": skipped}, channels
+    examples = sum(s["examples"] for s in shards)
+    return {"examples": examples, "classes": len(seen), "shards": shards, "skipped": skipped}, channels
 
 
 def prepare(
@@ -351,7 +369,7 @@ def prepare(
                 split, files, decode, fs, (root, tag), out, root_dir, shard_size, on_corrupt
             )
             channels = max(channels, ch)
-        if not manifest_splits["train"]["examples"]:
+        if not manifest_splits["train"]["examples"] and eval_fraction < 1.0:
             raise DataError(f"{input_dir}: no training image could be decoded.")
     manifest = {
         "format": FORMAT,
