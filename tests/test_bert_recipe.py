@@ -86,6 +86,17 @@ def test_sequence_length_and_vocabulary_come_from_the_data():
     # a setting that agrees is fine
     agreed = load_config("bert", ["data.data_dir=prepared/mlm", "data.seq_len=64"])
     assert recipe.from_data(agreed, data).data.seq_len == 64
+    # The twenty-fourth walk: data.packing=pairs on data prepared with sentences was dropped without
+    # a word, and config.yaml recorded pairs
+    data.packing = "pairs"
+    assert recipe.from_data(cfg, data).data.packing == "pairs"  # what the data holds, recorded
+    with pytest.raises(ConfigError, match="data.packing=sentences but prepared/mlm was prepared with --packing pairs"):
+        recipe.from_data(load_config("bert", ["data.data_dir=prepared/mlm", "data.packing=sentences"]), data)
+    # and xlafit eval --data of sequences of another length: refused, naming both
+    from xlafit.run_eval import _check_sequence_length
+
+    with pytest.raises(ConfigError, match=r"holds sequences of 64 tokens and the run trained at data.seq_len=128"):
+        _check_sequence_length(load_config("bert", ["data.seq_len=128"]), data, "mlm128")
 
 
 @pytest.mark.parametrize(

@@ -375,3 +375,45 @@ def test_a_class_with_no_held_out_image_is_said(tmp_path, caplog):
     manifest = prepare(tmp_path / "in", str(tmp_path / "out"), eval_fraction=0.1, seed=0, workers=1)
     assert "held out no image of the class(es) rare" in caplog.text
     assert manifest["splits"]["eval"]["classes"] == 1 and manifest["splits"]["train"]["classes"] == 2
+
+
+def test_an_export_normalises_each_channel_as_the_model_did(tmp_path, shards, capsys):
+    """The twenty-fourth walk: colour images trained with data.normalisation=mnist (one mean,
+    repeated per channel by the model) exported a one-value mean, on which transformers'
+    pipeline failed; greyscale images exported ImageNet's three values for a one-channel model.
+    The processor normalises each channel as the model did; a greyscale model's export says how
+    to give it one channel (transformers' processors give three)."""
+    transformers = pytest.importorskip("transformers")
+
+    from xlafit.export import export_hf
+    from xlafit.recipes import load_config
+    from xlafit.run import train_and_evaluate
+
+    common = ["model.small_stem=false", "model.width=4", "data.image_size=12", "data.global_batch=8", "data.workers=0"]
+    common += ["trainer.stop_at_step=1"]
+    settings = [f"data.data_dir={shards}", f"run.run_dir={tmp_path / 'rgb'}", "data.normalisation=mnist", *common]
+    train_and_evaluate(load_config("resnet", settings))
+    export_hf(tmp_path / "rgb", tmp_path / "rgb-hf")
+    processor = json.loads((tmp_path / "rgb-hf" / "preprocessor_config.json").read_text())
+    assert processor["image_mean"] == pytest.approx([0.1307] * 3)
+    assert processor["image_std"] == pytest.approx([0.3081] * 3)
+    classify = transformers.pipeline("image-classification", model=str(tmp_path / "rgb-hf"))
+    assert len(classify(str(shards.parent / "in" / "a" / "1.png"), top_k=3)) == 3
+
+    rng = np.random.default_rng(4)
+    for name in ("a", "b"):
+        (tmp_path / "grey" / name).mkdir(parents=True)
+        for i in range(8):
+            pixels = rng.integers(0, 256, (10, 10), dtype=np.uint8)
+            Image.fromarray(pixels, "L").save(tmp_path / "grey" / name / f"{i}.png")
+    prepare(tmp_path / "grey", str(tmp_path / "grey-out"), workers=1)
+    settings = [f"data.data_dir={tmp_path / 'grey-out'}", f"run.run_dir={tmp_path / 'g'}", *common]
+    train_and_evaluate(load_config("resnet", settings))
+    capsys.readouterr()
+    export_hf(tmp_path / "g", tmp_path / "g-hf")
+    assert "the model takes single-channel (greyscale) images" in capsys.readouterr().out
+    processor = json.loads((tmp_path / "g-hf" / "preprocessor_config.json").read_text())
+    assert (
+        len(processor["image_mean"]) == 1
+        and json.loads((tmp_path / "g-hf" / "config.json").read_text())["num_channels"] == 1
+    )

@@ -67,7 +67,7 @@ from xlafit.recipes.llm_data import (
     model_dir,
     recorded_model_dir,
 )
-from xlafit.recipes.resnet import CLASSES_FILE, NORMALISATION, augmentation, image_size, normalisation, resnet_config
+from xlafit.recipes.resnet import CLASSES_FILE, augmentation, image_size, normalisation_for, resnet_config
 from xlafit.run import with_lora
 from xlafit.rundir import checkpoint_dir
 from xlafit.saveable import older_layout
@@ -213,7 +213,18 @@ def _write(
         if (run / DATA_FORMAT_FILE).exists():  # `xlafit generate` asks the export as the run trained
             (local / DATA_FORMAT_FILE).write_text((run / DATA_FORMAT_FILE).read_text())
     else:
-        save_resnet_hf(_resnet(cfg, arrays), local, labels=_classes(run), processor=_image_processor(cfg))
+        net = _resnet(cfg, arrays)
+        channels = net.cfg.num_channels
+        save_resnet_hf(net, local, labels=_classes(run), processor=_image_processor(cfg, channels))
+        if channels == 1:  # transformers' image processors give every image three channels
+            mean, std = normalisation_for(cfg, 1)
+            print(
+                "the model takes single-channel (greyscale) images, and transformers' image processors and pipeline "
+                "give it three channels: convert each image to one first (PIL's image.convert('L'); pixels / 255, "
+                f"then (x - {mean[0]:.4f}) / {std[0]:.4f}) and call the model with pixel_values of shape "
+                "[batch, 1, height, width]",
+                flush=True,
+            )
 
 
 # How long export and generate wait for a run's first checkpoint that is being committed.
@@ -483,9 +494,10 @@ def _classes(run: Any) -> list[str] | None:
     return json.loads(names.read_text()) if names.exists() else None
 
 
-def _image_processor(cfg: Config) -> dict[str, Any]:
-    """The evaluation transform of a resnet run, as Hugging Face's image processor config."""
-    mean, std = NORMALISATION[normalisation(cfg)]
+def _image_processor(cfg: Config, channels: int) -> dict[str, Any]:
+    """The evaluation transform of a resnet run, as Hugging Face's image processor config,
+    normalised per channel as the model's input (:func:`~xlafit.recipes.resnet.normalisation_for`)."""
+    mean, std = normalisation_for(cfg, channels)
     return image_processor_config(image_size(cfg), augmentation(cfg)[2], mean, std)
 
 

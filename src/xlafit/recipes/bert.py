@@ -12,6 +12,7 @@ import dataclasses
 import json
 import sys
 import tempfile
+import typing
 from pathlib import Path
 from typing import Literal
 
@@ -67,8 +68,9 @@ class BertDataConfig(xconfig.DataConfig):
     # the values used.
     seq_len: int | None = None
     vocab_size: int | None = None  # with no data_dir: the size of the demo tokenizer to train
-    # how synthetic sequences are packed, as `xlafit data mlm --packing`
-    packing: Literal["sentences", "pairs"] = "sentences"
+    # how sequences are packed, as `xlafit data mlm --packing` (null: what the data holds; the
+    # demo and synthetic data: sentences); set with a data_dir, it must agree with it
+    packing: Literal["sentences", "pairs"] | None = None
     mask_prob: float = 0.15  # the share of tokens masked for prediction (BERT: 15%)
     max_predictions: int = 20  # masked positions per sequence at most (the MLM head runs on these)
     whole_word_mask: bool = False  # mask every piece of a word together
@@ -139,7 +141,7 @@ def data_location(cfg: Config) -> str:
     return korean_demo.build(
         vocab_size=d.vocab_size or DEMO_VOCAB_SIZE,
         seq_len=d.seq_len or DEMO_SEQ_LEN,
-        packing=d.packing,
+        packing=d.packing or "sentences",
         eval_fraction=d.eval_fraction,
         seed=d.seed,
     )
@@ -196,8 +198,8 @@ def from_data(cfg: Config, train: mlm.MLMDataset) -> Config:
     """``cfg`` with the sequence length and vocabulary size of the data, as the run uses them.
 
     Raises:
-        ConfigError: ``data.seq_len`` (or, with a data_dir, ``data.vocab_size``) was set and
-            contradicts the prepared data, or the sequences are longer than
+        ConfigError: ``data.seq_len`` (or, with a data_dir, ``data.vocab_size`` or
+            ``data.packing``) was set and contradicts the prepared data, or the sequences are longer than
             ``model.max_position_embeddings``.
     """
     d = data_config(cfg)
@@ -205,6 +207,11 @@ def from_data(cfg: Config, train: mlm.MLMDataset) -> Config:
         raise ConfigError(
             f"data.seq_len={d.seq_len} but {train.location} holds sequences of {train.seq_len} tokens; "
             f"leave data.seq_len unset (the data decides) or prepare the data again with --seq-len {d.seq_len}."
+        )
+    if d.data_dir and d.packing is not None and train.packing and d.packing != train.packing:
+        raise ConfigError(
+            f"data.packing={d.packing} but {train.location} was prepared with --packing {train.packing}; leave "
+            f"data.packing unset (the data decides) or prepare the data again with --packing {d.packing}."
         )
     if d.data_dir and d.vocab_size is not None and d.vocab_size != train.vocab_size:
         raise ConfigError(
@@ -219,7 +226,9 @@ def from_data(cfg: Config, train: mlm.MLMDataset) -> Config:
             f"model.max_position_embeddings={train.seq_len} (or more), or prepare the data with --seq-len {longest} "
             "or less."
         )
-    return dataclasses.replace(cfg, data=dataclasses.replace(d, seq_len=train.seq_len, vocab_size=train.vocab_size))
+    packing = typing.cast(mlm.Packing, train.packing or d.packing or "sentences")
+    used = dataclasses.replace(d, seq_len=train.seq_len, vocab_size=train.vocab_size, packing=packing)
+    return dataclasses.replace(cfg, data=used)
 
 
 def save_artifacts(cfg: Config, run_dir: Path, train: mlm.MLMDataset) -> None:

@@ -343,12 +343,20 @@ def validate(cfg: Config) -> None:
     check_bn_group(cfg)
 
 
+def normalisation_for(cfg: Config, channels: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The mean and standard deviation of each input channel (``data.normalisation``'s, their
+    means repeated where its statistics have another channel count: MNIST's on colour images,
+    ImageNet's on greyscale ones), as the model normalises its images."""
+    mean, std = NORMALISATION[normalisation(cfg)]
+    if len(mean) != channels:
+        return (float(np.mean(mean)),) * channels, (float(np.mean(std)),) * channels
+    return tuple(mean), tuple(std)
+
+
 def build_model(cfg: Config, train: ImageDataset | SyntheticImages) -> ImageClassifier:
     validate(cfg)
     channels = _channels(train)
-    mean, std = NORMALISATION[normalisation(cfg)]
-    if len(mean) != channels:
-        mean, std = (float(np.mean(mean)),) * channels, (float(np.mean(std)),) * channels
+    mean, std = normalisation_for(cfg, channels)
     net = ResNet(config=resnet_config(cfg, _classes(train), channels), rngs=nnx.Rngs(params=cfg.trainer.seed))
     return ImageClassifier(net, mean, std, cfg.model.label_smoothing)
 
