@@ -306,7 +306,11 @@ def test_data_with_no_evaluation_images_trains_without_evaluation(tmp_path, capl
     train_and_evaluate(load_config("resnet", overrides))
     assert "holds no evaluation images, so this run trains without evaluation" in caplog.text
     assert "--eval-fraction 0.05" in caplog.text
-    out = capsys.readouterr().out
+    # The twenty-fourth walk: the data line, and the demo preset on your images said before training
+    assert "warning: model.preset=demo on your images: the MNIST demo's settings" in caplog.text
+    captured = capsys.readouterr()
+    assert "data: " + str(tmp_path / "out") + ": 16 images of 2 classes, 3 channel(s), trained at 12 px" in captured.err
+    out = captured.out
     assert "[train] step 2 " in out and "[eval]" not in out
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["split"] == "train"] == [1, 2]

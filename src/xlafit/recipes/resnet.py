@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import Literal
 
@@ -207,6 +208,7 @@ def load_data(cfg: Config) -> tuple[ImageDataset | SyntheticImages, ImageDataset
     train = ImageDataset(
         train_split, _augment(cfg, True, channels), workers=d.workers, on_corrupt=d.on_corrupt, classes=classes
     )
+    _say_what_it_reads(cfg, where, len(train_split), len(eval_split), classes, channels)
     if not len(eval_split):
         log.warning(
             "%s holds no evaluation images, so this run trains without evaluation; to evaluate, prepare the data "
@@ -218,6 +220,27 @@ def load_data(cfg: Config) -> tuple[ImageDataset | SyntheticImages, ImageDataset
         eval_split, _augment(cfg, False, channels), workers=d.eval_workers, on_corrupt=d.on_corrupt, classes=classes
     )
     return train, evaluation
+
+
+def _say_what_it_reads(cfg: Config, where: str, train: int, held: int, classes: list[str], channels: int) -> None:
+    """The run's data line (as the bert and llm recipes say theirs): the images, the size and
+    transforms they are trained at; and, for a user's images on the demo preset, what that
+    preset is (28 px, no flips, a small stem that does not export to Hugging Face)."""
+    scale, hflip, fraction = augmentation(cfg)
+    print(
+        f"data: {where}: {train} images of {len(classes)} classes, {channels} channel(s), trained at "
+        f"{image_size(cfg)} px (random crops of {scale:.0%}-100% of the area{', flips' if hflip else ', no flips'}), "
+        f"evaluated on the centre {fraction:.0%}; normalisation {normalisation(cfg)}; eval: {held} images",
+        file=sys.stderr,
+        flush=True,
+    )
+    if _demo(cfg) and data_config(cfg).data_dir:
+        log.warning(
+            "warning: model.preset=demo on your images: the MNIST demo's settings (data.image_size %d, no flips, "
+            "the small stem, which does not export to Hugging Face); for your own images take a resnet* preset "
+            "(model.preset=resnet18 ...) or set model.small_stem=false, data.image_size and data.hflip=true",
+            image_size(cfg),
+        )
 
 
 def _classes(train: ImageDataset | SyntheticImages) -> int:
