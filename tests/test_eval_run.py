@@ -157,3 +157,14 @@ def test_a_grpo_run_has_no_loss_to_score_records_with_and_says_what_does():
     cfg = load_config("llm", ["model.objective=grpo", "data.demo=grpo"])
     with pytest.raises(ConfigError, match=r"GRPO run .* `xlafit generate RUN --prompts-file FILE --json`"):
         llm.eval_data(cfg, "prompts.jsonl")
+
+
+def test_a_run_on_the_demos_tokenizer_is_scored_on_a_file(tmp_path):
+    """A run that named no tokenizer (the chat demo's, found from data.demo) is scored on a
+    file: the file is read with that tokenizer, not refused for want of data.tokenizer."""
+    (tmp_path / "held.jsonl").write_text(_chat([(a, 9) for a in range(10, 16)]))
+    run = tmp_path / "run"
+    settings = [f"run.run_dir={run}", "data.demo=chat", "data.seq_len=48", "trainer.stop_at_step=1"]
+    xlafit.train_and_evaluate(load_config("llm", [*settings, "trainer.eval_every_epochs=100"]))
+    (score,) = evaluate_run(str(run), data=str(tmp_path / "held.jsonl"))
+    assert score.step == 1 and score.metrics["count"] >= 1 and 0 < score.metrics["loss"] < 20

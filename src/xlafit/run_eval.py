@@ -115,7 +115,9 @@ def evaluate_run(
     recipe.validate(cfg)
     evaluation = as_dataset(eval_data(recipe, cfg, run, data))
     # the tokenizer the checkpoints learned, the run's classes; its own data's shards, as it trained on them
-    check_kept_files(recipe, _reading(cfg, data), as_path(run), evaluation, scoring=True, given=data)
+    # (a recipe that reads --data itself keeps the run's settings for its files: the data's are the run's)
+    kept_cfg = cfg if recipe.eval_data is not None else _reading(cfg, data)
+    check_kept_files(recipe, kept_cfg, as_path(run), evaluation, scoring=True, given=data)
     _check_sequence_length(cfg, evaluation, data)
     trainer = _trainer(recipe, cfg, strategy, evaluation)
     scores = []
