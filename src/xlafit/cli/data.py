@@ -257,7 +257,8 @@ def run_mlm(args: argparse.Namespace) -> int:
     for split, info in manifest["splits"].items():
         fill = info["tokens"] / max(info["sequences"] * args.seq_len, 1)
         print(
-            f"{split}: {info['documents']:,} documents -> {info['sequences']:,} sequences of {args.seq_len} "
+            f"{split}: {info['documents']:,} document{'' if info['documents'] == 1 else 's'} -> "
+            f"{info['sequences']:,} sequences of {args.seq_len} "
             f"({info['tokens']:,} tokens, {fill:.1%} not padding) in {len(info['shards'])} shard(s)"
         )
     held_out = manifest["splits"].get("eval", {"sequences": 0})
