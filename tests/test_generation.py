@@ -881,9 +881,15 @@ def test_a_full_fine_tune_generates_and_exports_after_its_base_is_gone(chatml_ru
     overrides = [
         f"run.run_dir={run}", f"model.init_from_hf={tmp_path / 'base'}",
         f"data.data_dir={chatml_run.parent / 'chat.jsonl'}",
-        "data.seq_len=64", "trainer.eval_every_epochs=100", "trainer.stop_at_step=2",
+        "data.seq_len=64", "data.global_batch=16", "trainer.epochs=1", "trainer.eval_every_epochs=1",
     ]  # fmt: skip
     xlafit.train_and_evaluate(load_config("llm", overrides))
+    # scored without reading the base's weights (made from its config.json): the run's own evaluation
+    (tmp_path / "base" / "model.safetensors").rename(tmp_path / "weights.safetensors")
+    (record,) = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["split"] == "eval"]
+    (score,) = xlafit.evaluate_run(str(run))
+    assert score.step == record["step"] and score.metrics["loss"] == pytest.approx(record["loss"], rel=1e-6)
+    (tmp_path / "weights.safetensors").rename(tmp_path / "base" / "model.safetensors")
     assert json.loads((run / llm_data.BASE_CONFIG).read_text()) == json.loads(
         (tmp_path / "base" / "config.json").read_text()
     )

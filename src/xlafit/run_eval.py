@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -37,7 +38,7 @@ from xlafit.overrides import migrate, parse_overrides
 from xlafit.parallel.cluster import connect_as_run
 from xlafit.parallel.sharding import parse_rules
 from xlafit.recipes import config_from_dict, get_recipe
-from xlafit.recipes.base import Recipe
+from xlafit.recipes.base import Recipe, shapes_only
 from xlafit.recipes.llm import build_from_config
 from xlafit.recipes.llm_data import base_config, recorded_model_dir
 from xlafit.run import BREAKING, check_kept_files, model_builder
@@ -112,7 +113,8 @@ def evaluate_run(
     asked = checkpoint_steps(cfg, run, steps)
     if cfg.recipe == "llm":
         recorded_model_dir(cfg, run)  # the base the checkpoints need, named where it moved
-    recipe.validate(cfg)
+    with shapes_only() if _every_weight_saved(cfg) else contextlib.nullcontext():  # the base's weights unread
+        recipe.validate(cfg)
     evaluation = as_dataset(eval_data(recipe, cfg, run, data))
     # the tokenizer the checkpoints learned, the run's classes; its own data's shards, as it trained on them
     # (a recipe that reads --data itself keeps the run's settings for its files: the data's are the run's)
@@ -261,15 +263,22 @@ def _check_sequence_length(cfg: Config, evaluation: Any, data: str | None) -> No
         )
 
 
+def _every_weight_saved(cfg: Config) -> bool:
+    """Whether an llm run started from ``model.init_from_hf`` holds every weight in its
+    checkpoints (a full fine-tune): its base's ``config.json`` is all it needs of it."""
+    return cfg.recipe == "llm" and bool(cfg.model.init_from_hf) and not cfg.lora.rank
+
+
 def _trainer(recipe: Recipe, cfg: Config, strategy: Any, evaluation: Any) -> Trainer:
     """A trainer of the run's model, loss and optimizer state over its checkpoints, writing
     nothing (no run directory: no metrics; nothing saved without ``fit``)."""
     batch = cfg.data.global_batch
     assert batch is not None  # a run's config.yaml records the batch it resolved
-    builder = model_builder(recipe, cfg, evaluation)  # the data's vocabulary, classes and shapes are the run's
-    if cfg.recipe == "llm" and cfg.model.init_from_hf and not cfg.lora.rank:  # every weight is the checkpoint's
+    if _every_weight_saved(cfg):
         config = base_config(cfg, cfg.run.run_dir)
-        builder = lambda: build_from_config(cfg, config)  # noqa: E731  (no weight of the base read)
+        builder: Any = lambda: build_from_config(cfg, config)  # noqa: E731  (no weight of the base read)
+    else:
+        builder = model_builder(recipe, cfg, evaluation)  # the data's vocabulary, classes and shapes are the run's
     return Trainer(
         builder,
         recipe.loss(cfg),
