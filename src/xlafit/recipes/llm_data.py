@@ -100,11 +100,11 @@ def recorded_model_dir(cfg: Config, run: Any) -> str | None:
     """:func:`model_dir` of a run's recorded config (``xlafit generate`` and ``export`` on
     ``run``), its error naming what a path recorded relative needs: the directory the run
     started in."""
+    if not cfg.lora.rank and (as_path(run) / BASE_CONFIG).exists():  # the weights are all the checkpoint's
+        return None
     try:
         return model_dir(cfg)
     except ConfigError as e:
-        if not cfg.lora.rank and (as_path(run) / BASE_CONFIG).exists():  # the weights are all the checkpoint's
-            return None
         name = cfg.model.init_from_hf or ""
         if "://" in name:
             raise
@@ -134,18 +134,18 @@ NOT_APPLIED = {
 
 
 def base_config(cfg: Config, run: Any) -> dict[str, Any]:
-    """``model.init_from_hf``'s ``config.json``: the base's own where it is, else the copy its
-    ``run`` keeps (:data:`BASE_CONFIG`).
+    """``model.init_from_hf``'s ``config.json`` as the run read it: the copy its ``run`` keeps
+    (:data:`BASE_CONFIG`: no look at the base nor the hub), else the base's own (an older run).
 
     Raises:
         ConfigError: neither can be read (naming both).
     """
     snapshot = as_path(run) / BASE_CONFIG
+    if snapshot.exists():
+        return dict(json.loads(snapshot.read_text()))
     try:
         source = model_dir(cfg)
     except ConfigError as e:
-        if snapshot.exists():
-            return dict(json.loads(snapshot.read_text()))
         raise ConfigError(f"{e} ({run} keeps no copy of its config.json, {BASE_CONFIG}: an older run's).") from None
     return dict(json.loads((Path(str(source)).expanduser() / "config.json").read_text()))
 
