@@ -371,18 +371,36 @@ def final_report(
         >>> print(final_report({"loss": 4.5, "count": 8}, at=16, last=20))
         test (the last evaluation, at step 16; the run stopped at step 20): loss=4.5000  (8 examples)
     """
-    shown = "  ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k != "count" and not k.startswith(EXPERT_TOKENS))
     when = "" if at is None or at == last else f" (the last evaluation, at step {at}; the run stopped at step {last})"
-    count = metrics["count"]
-    lines = [f"test{when}: {shown}  ({count} {unit if count != 1 else unit.removesuffix('s')})"]
+    lines = [f"test{when}: {metrics_in_words(metrics, unit)}"]
     if "accuracy" in metrics:
         lines.append(f"test accuracy: {metrics['accuracy']:.4f}")
     if "masked_accuracy" in metrics:
         lines.append(f"masked-token accuracy: {metrics['masked_accuracy']:.4f}")
-    if "token_accuracy" in metrics:  # a language model: exp of the mean next-token loss (a MoE's without its router's)
+    if (ppl := perplexity(metrics)) is not None:
         of = "" if not when else f" (of the model at step {at})"
-        lines.append(f"perplexity{of}: {math.exp(metrics.get('nll_loss', metrics['loss'])):.2f}")
+        lines.append(f"perplexity{of}: {ppl:.2f}")
     return "\n".join(lines)
+
+
+def metrics_in_words(metrics: dict[str, float], unit: str = "examples") -> str:
+    """An evaluation's metrics (a MoE's expert counts left out) and their count in ``unit``.
+
+    Example:
+        >>> metrics_in_words({"loss": 4.5, "count": 1}, "rows")
+        'loss=4.5000  (1 row)'
+    """
+    shown = "  ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k != "count" and not k.startswith(EXPERT_TOKENS))
+    count = metrics["count"]
+    return f"{shown}  ({count} {unit if count != 1 else unit.removesuffix('s')})"
+
+
+def perplexity(metrics: dict[str, float]) -> float | None:
+    """A language model's perplexity: exp of its mean next-token loss (a MoE's without its
+    router's); None for another model's metrics."""
+    if "token_accuracy" not in metrics:
+        return None
+    return math.exp(metrics.get("nll_loss", metrics["loss"]))
 
 
 # --------------------------------------------------------------------------- the resume check

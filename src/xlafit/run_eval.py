@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -41,10 +40,9 @@ from xlafit.recipes import config_from_dict, get_recipe
 from xlafit.recipes.base import Recipe, shapes_only
 from xlafit.recipes.llm import build_from_config
 from xlafit.recipes.llm_data import base_config, recorded_model_dir
-from xlafit.run import BREAKING, check_kept_files, model_builder
+from xlafit.run import BREAKING, check_kept_files, metrics_in_words, model_builder, perplexity
 from xlafit.rundir import checkpoint_dir
 from xlafit.train.optim import make_optimizer
-from xlafit.train.report import EXPERT_TOKENS
 from xlafit.train.trainer import Trainer
 
 __all__ = ["Score", "evaluate_run"]
@@ -70,13 +68,9 @@ class Score:
             >>> Score(40, {"loss": 1.5, "token_accuracy": 0.5, "count": 12}).line("held.jsonl", "rows")
             'step 40 on held.jsonl: loss=1.5000  token_accuracy=0.5000  (12 rows)  perplexity=4.48'
         """
-        m = self.metrics
-        shown = "  ".join(f"{k}={v:.4f}" for k, v in m.items() if k != "count" and not k.startswith(EXPERT_TOKENS))
-        count = m["count"]
-        line = f"step {self.step} on {data}: {shown}  ({count} {unit if count != 1 else unit.removesuffix('s')})"
-        if "token_accuracy" in m:  # a language model: exp of the mean next-token loss (a MoE's without its router's)
-            line += f"  perplexity={math.exp(m.get('nll_loss', m['loss'])):.2f}"
-        return line
+        line = f"step {self.step} on {data}: {metrics_in_words(self.metrics, unit)}"
+        ppl = perplexity(self.metrics)
+        return line if ppl is None else f"{line}  perplexity={ppl:.2f}"
 
 
 def evaluate_run(
@@ -107,6 +101,8 @@ def evaluate_run(
     """
     cfg = run_config(run, overrides)
     recipe = get_recipe(cfg.recipe)
+    if data is not None and not is_url(data):  # as data.data_dir is recorded: absolute
+        data = str(Path(data).expanduser().absolute())
     strategy = connect_as_run(
         simulate, cpu=cfg.cpu, mesh=cfg.mesh.sizes, rules=parse_rules(cfg.mesh.rules), same="the scores are the same"
     )
@@ -224,8 +220,6 @@ def eval_data(recipe: Recipe, cfg: Config, run: str, data: str | None) -> Any:
     Raises:
         ConfigError: there is nothing to evaluate (naming what to give).
     """
-    if data is not None and not is_url(data):
-        data = str(Path(data).expanduser().absolute())
     if data is not None and recipe.eval_data is not None:
         found = recipe.eval_data(cfg, data)
     else:
@@ -241,11 +235,10 @@ def eval_data(recipe: Recipe, cfg: Config, run: str, data: str | None) -> Any:
 
 
 def _reading(cfg: Config, data: str | None) -> Config:
-    """``cfg`` reading ``data`` (a local path made absolute) as its ``data.data_dir``; as it is without."""
+    """``cfg`` reading ``data`` as its ``data.data_dir``; as it is without."""
     if data is None:
         return cfg
-    where = data if is_url(data) else str(Path(data).expanduser().absolute())
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, data_dir=where))
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, data_dir=data))
 
 
 def _check_sequence_length(cfg: Config, evaluation: Any, data: str | None) -> None:
