@@ -413,8 +413,8 @@ def test_the_end_of_turn_is_found_from_the_template_where_no_file_names_it(chatm
 
 
 def test_the_export_stops_in_transformers_where_xlafit_generate_does(chatml_run, tmp_path):
-    """config.json names the tokenizer's bos, eos (the end of turn) and pad ids, and
-    generation_config.json every end token: transformers' generate on the export, with the
+    """config.json names the tokenizer's bos and pad ids, and it and generation_config.json
+    every end token as eos_token_id: transformers' generate on the export, with the
     export's own settings, stops at <|im_end|> with the tokens xlafit's greedy answer has."""
     import json
 
@@ -431,7 +431,8 @@ def test_the_export_stops_in_transformers_where_xlafit_generate_does(chatml_run,
     tok = clm.load_tokenizer(out)
     bos, eos, pad, end = (tok.token_to_id(t) for t in ("<s>", "</s>", "<pad>", "<|im_end|>"))
     config = json.loads((out / "config.json").read_text())
-    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (bos, end, pad)
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (bos, sorted((eos, end)), pad)
+    assert transformers.AutoConfig.from_pretrained(out).eos_token_id == sorted((eos, end))
     generation = json.loads((out / "generation_config.json").read_text())
     assert generation == {"bos_token_id": bos, "eos_token_id": sorted((eos, end)), "pad_token_id": pad}
 

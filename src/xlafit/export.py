@@ -325,9 +325,10 @@ def export_llm(
     ``tokens``: the special tokens the run's tokenizer named, a chat model's end of turn as
     its ``eos_token``).
 
-    ``config.json`` names the tokenizer's ``bos_token_id``, ``eos_token_id`` and
-    ``pad_token_id``, and ``generation_config.json`` every token that ends an answer (the end
-    of document and a chat template's end of turn, :func:`xlafit.data.clm.stop_ids`), so that
+    ``config.json`` names the tokenizer's ``bos_token_id`` and ``pad_token_id``, and
+    ``config.json`` and ``generation_config.json`` every token that ends an answer as
+    ``eos_token_id`` (the end of document and a chat template's end of turn,
+    :func:`xlafit.data.clm.stop_ids`; one id where there is one), so that
     ``transformers``' ``generate`` stops where ``xlafit generate`` does. A run initialised from
     a checkpoint with a ``generation_config.json`` (``model.init_from_hf``) keeps its settings
     (sampling, its end tokens where the run kept its tokenizer).
@@ -416,9 +417,9 @@ def _write_tokenizer(
     chat_template: str | None,
     tokens: dict[str, str] | None,
     recorded: dict[str, Any] | None = None,
-) -> tuple[dict[str, int | None], dict[str, Any]]:
+) -> tuple[dict[str, int | list[int] | None], dict[str, Any]]:
     """Writes the tokenizer's files to ``out``; returns the ids of its special tokens (for
-    ``config.json``) and ``generation_config.json``'s settings: ``recorded`` (the run's, from
+    ``config.json``: every end token's as ``eos_token_id``) and ``generation_config.json``'s settings: ``recorded`` (the run's, from
     when it started) over its base's."""
     tok = Tokenizer.from_str(tokenizer_json)
     given = tokens or {}
@@ -440,7 +441,7 @@ def _write_tokenizer(
         config["chat_template"] = chat_template
         (out / rendering.TEMPLATE_FILE).write_text(chat_template)
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    ids = {
+    ids: dict[str, int | list[int] | None] = {
         f"{key}_id": tok.token_to_id(config[key]) if key in config else None
         for key in ("bos_token", "eos_token", "pad_token")
     }
@@ -451,6 +452,9 @@ def _write_tokenizer(
     generation.update({key: value for key, value in ids.items() if value is not None})
     if ends:
         generation["eos_token_id"] = sorted(ends) if len(ends) > 1 else next(iter(ends))
+        # config.json lists every end token too, as the families' own configs do (Llama 3.1
+        # Instruct's three, Gemma 3's two): tools that read the model's config stop there as well.
+        ids["eos_token_id"] = generation["eos_token_id"]
     return ids, generation
 
 

@@ -500,12 +500,12 @@ def save_hf(
     *,
     max_shard_bytes: int | None = 5 * 2**30,
     dtype: Literal["float32", "bfloat16"] = "float32",
-    token_ids: Mapping[str, int | None] | None = None,
+    token_ids: Mapping[str, int | list[int] | None] | None = None,
 ) -> Path:
     """Writes ``config.json`` and the weights (safetensors) to ``directory``.
 
-    ``token_ids``: the tokenizer's ``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` for
-    ``config.json`` (None values left out); without them ``transformers`` falls back to its
+    ``token_ids``: the tokenizer's ``bos_token_id``, ``eos_token_id`` (a list where several tokens
+    end an answer) and ``pad_token_id`` for ``config.json`` (None values left out); without them ``transformers`` falls back to its
     config class's defaults, which name other tokens.
 
     One ``model.safetensors`` when the tensors fit in ``max_shard_bytes`` (None: no limit),
