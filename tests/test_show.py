@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from helpers import family_tokenizer
@@ -322,3 +323,81 @@ def test_a_folder_of_splits_shows_its_train_split(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "A train answer" in out and "test answer" not in out and "validation answer" not in out, out
     assert "eval: the validation split" in out and "its test split is not read" in out, out
+
+
+def test_prepared_images_are_shown_with_their_classes_counted_from_the_folder(tmp_path, capsys):
+    """`data show DIR` of what `xlafit data images` wrote: each split's images by class (counted
+    here from the user's folder), the classes a split lacks, the file left out and why, and the
+    first training images as the folder holds them (size and mode read here with Pillow)."""
+    from PIL import Image
+
+    from xlafit.cli import main
+    from xlafit.data.images import prepare
+
+    folder = tmp_path / "photos"
+    counts = {"train": {"ant": 5, "bee": 2, "wasp": 3}, "val": {"ant": 1, "bee": 2}}
+    rng = np.random.default_rng(0)
+    for split, classes in counts.items():
+        for name, n in classes.items():
+            (folder / split / name).mkdir(parents=True)
+            for i in range(n):
+                Image.fromarray(rng.integers(0, 256, (12 + i, 9, 3), dtype=np.uint8)).save(
+                    folder / split / name / f"{i}.png"
+                )
+    (folder / "val" / "wasp").mkdir()  # the split folders must name the same classes
+    Image.fromarray(rng.integers(0, 256, (8, 8), dtype=np.uint8)).convert("L").save(
+        folder / "train" / "ant" / "grey.jpg"
+    )
+    (folder / "train" / "bee" / "cut.png").write_bytes(b"\x89PNG not an image")
+    prepare(folder, str(tmp_path / "prepared"), shard_size=4, workers=1)
+    capsys.readouterr()
+
+    assert main(["data", "show", str(tmp_path / "prepared"), "-n", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "3 classes (labels 0-2 in this order), 3 channels" in out
+    assert (
+        "train: 11 images in 3 shards; by class: ant 6, bee 2, wasp 3; 1 left out, not decodable: train/bee/cut.png"
+        in out
+    )
+    assert "eval: 3 images in 1 shard; by class: ant 1, bee 2; none of wasp" in out
+    shown = re.findall(r"  \d\. (\S+): label (\d) \((\w+)\), (\d+)x(\d+) (\w+) (\w+), ([\d,]+) bytes", out)
+    assert len(shown) == 2
+    for file, label, name, width, height, mode, kind, size in shown:
+        with Image.open(folder / file) as image:
+            assert (int(width), int(height), mode, kind) == (image.width, image.height, image.mode, image.format)
+        assert file.split("/")[1] == name == ["ant", "bee", "wasp"][int(label)]
+        assert int(size.replace(",", "")) == (folder / file).stat().st_size
+
+
+def test_prepared_mlm_data_in_a_bucket_is_shown_as_the_run_reads_it(korean_tokenizer, capsys):
+    """`data show URL` of what `xlafit data mlm` wrote (here in fsspec's memory store): the
+    counts of the manifest, the padding share of the sequences a run reads, and the first
+    sequences decoded with the data's own tokenizer; records without --tokenizer say what to give."""
+    from xlafit.cli import main
+    from xlafit.data import mlm
+    from xlafit.data.text import korean_demo_files
+    from xlafit.data.tokenizer import load_tokenizer
+
+    url = "memory://show-mlm"
+    manifest = mlm.prepare(korean_tokenizer, korean_demo_files(), url, seq_len=48, packing="pairs", show_progress=False)
+    arrays, _ = mlm.load_split(url, "train")
+    capsys.readouterr()
+    assert main(["data", "show", url, "-n", "2"]) == 0
+    out = capsys.readouterr().out
+    train = manifest["splits"]["train"]
+    padding = 1 - arrays["length"].sum() / arrays["input_ids"].size
+    assert f"train: {train['documents']:,} documents -> {train['sequences']:,} sequences" in out
+    assert f"({padding:.1%} padding)" in out and "packed as pairs into 48 tokens" in out
+    tok = load_tokenizer(korean_tokenizer)
+    for row in range(2):
+        n = int(arrays["length"][row])
+        second = int(np.flatnonzero(arrays["token_type_ids"][row][:n])[0])
+        assert f"--- sequence {row + 1}: {n} of 48 tokens, the second segment from token {second}\n" in out
+        text = tok.decode(arrays["input_ids"][row][:n].tolist(), skip_special_tokens=False)
+        assert f"\n{text}\n" in out and text.startswith("[CLS]")
+
+    records = korean_tokenizer / "records.jsonl"
+    records.write_text(json.dumps({"text": "안녕하세요"}) + "\n")
+    capsys.readouterr()
+    assert main(["data", "show", str(records)]) == 2
+    assert re.search(r"records\.jsonl: records are shown .* give --tokenizer T", capsys.readouterr().err)

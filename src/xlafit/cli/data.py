@@ -75,19 +75,25 @@ def _register_images(data_sub: argparse._SubParsersAction) -> None:
 def _register_show(data_sub: argparse._SubParsersAction) -> None:
     p = data_sub.add_parser(
         "show",
-        help="a few records as the llm recipe trains on them: the text the model reads, the trained tokens marked",
+        help="a few records as the llm recipe trains on them (the trained tokens marked), or prepared "
+        "image or MLM data in words",
         description="Encode the first records (or documents) of FILE as `xlafit train llm` does: the chat "
         "template, the tokenizer's own <bos> and <eos>, the loss mask, the cut at --seq-len. Print each one's "
         "text as the model reads it (special tokens shown) with the text the loss trains on between "
-        "\u27e6 and \u27e7 (in colour on a terminal), and its counts of tokens and trained tokens.",
+        "\u27e6 and \u27e7 (in colour on a terminal), and its counts of tokens and trained tokens. "
+        "FILE a directory `xlafit data images` or `xlafit data mlm` prepared: its splits, classes or documents, "
+        "and its first training examples as stored (no --tokenizer: the data names its own).",
     )
     p.add_argument(
         "file",
         metavar="FILE",
-        help="text, Parquet or JSON-lines records (chat, prompt/completion, text, preference pairs, GRPO's prompts)",
+        help="text, Parquet or JSON-lines records (chat, prompt/completion, text, preference pairs, GRPO's "
+        "prompts), or a prepared image or MLM directory",
     )
     p.add_argument(
-        "--tokenizer", required=True, metavar="T", help="a tokenizer.json, the folder holding one, or a model folder"
+        "--tokenizer",
+        metavar="T",
+        help="a tokenizer.json, the folder holding one, or a model folder (records: required)",
     )
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template instead of the tokenizer's")
     p.add_argument("--loss-on", choices=("assistant", "all"), default="assistant", help="what the loss counts")
@@ -108,9 +114,20 @@ def _register_show(data_sub: argparse._SubParsersAction) -> None:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from xlafit.data import chat, clm, rendering, show  # the library when the command runs: a fast --help
+    from xlafit.data import chat, clm, prepared, rendering, show  # the library when the command runs: a fast --help
     from xlafit.data.files import kind, splits
     from xlafit.recipes import llm_data, load_config
+
+    if prepared.kind(args.file):
+        for line in prepared.describe(args.file, max(args.records, 0)):
+            print(line)
+        return 0
+    if args.tokenizer is None:
+        raise DataError(
+            f"{args.file}: records are shown as a run encodes them, with its tokenizer: give --tokenizer T "
+            "(a tokenizer.json, the folder holding one, or the model's folder). Data that `xlafit data images` "
+            "or `xlafit data mlm` prepared is shown without one: give its directory."
+        )
 
     overrides = [
         f"data.data_dir={args.file}",
