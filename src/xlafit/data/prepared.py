@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from xlafit.data import shards
+from xlafit.data import images, mlm, shards
 from xlafit.data.shards import reading
 from xlafit.io.paths import filesystem, is_url
 
@@ -64,9 +64,7 @@ def _first(n: int, unit: str) -> str:
 def _images(url: str, examples: int) -> Iterator[str]:
     import pyarrow.parquet as pq
 
-    from xlafit.data.images import read_manifest
-
-    fs, root, manifest = read_manifest(url)
+    fs, root, manifest = images.read_manifest(url)
     classes: list[str] = manifest["classes"]
     channels = "greyscale" if manifest["channels"] == 1 else f"{manifest['channels']} channels"
     yield (
@@ -114,9 +112,7 @@ def _image_words(data: bytes) -> str:
 def _mlm(url: str, examples: int) -> Iterator[str]:
     from tokenizers import Tokenizer
 
-    from xlafit.data.mlm import read_manifest
-
-    fs, root, manifest = read_manifest(url)
+    fs, root, manifest = mlm.read_manifest(url)
     t = manifest["seq_len"]
     inputs = manifest.get("inputs", [])
     boundary = {"blank": "a blank line", "line": "each line", "file": "each file"}.get(
