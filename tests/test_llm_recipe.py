@@ -230,6 +230,57 @@ def test_a_resume_with_another_tokenizer_is_refused_and_the_run_is_left_as_it_wa
         export_hf(run, tmp_path / "hf")
 
 
+def test_a_data_file_edited_in_place_is_named_on_resume_and_when_its_split_is_scored(corpus, tmp_path):
+    """A run read its files again on resume: a record fixed or added in place moved every later
+    row (and the held-out share) and the run trained on, its step N other examples. It keeps the
+    sha256 of each file (data_files.json, names left out: moved data resumes); a resume on an
+    edited file is refused, naming it, and the run is left as it was; scoring the run's own
+    split compares the evaluation files alone."""
+    import hashlib
+    import shutil
+
+    from xlafit.run_eval import evaluate_run
+
+    data, held = tmp_path / "data", tmp_path / "held"
+    data.mkdir(), held.mkdir()
+    (data / "a.txt").write_text(TEXT)
+    (held / "b.txt").write_text(TEXT[: len(TEXT) // 3])
+    run = tmp_path / "run"
+    common = [f"run.run_dir={run}", f"data.tokenizer={corpus / 'tok'}", "data.seq_len=32", "trainer.epochs=1",
+              "data.global_batch=8", "model.preset=custom", "model.num_layers=1", "model.hidden_size=32",
+              "model.num_heads=2", "model.intermediate_size=64", "optimizer.decay_steps=100",
+              f"data.eval_data_dir={held / 'b.txt'}"]  # fmt: skip
+    xlafit.train_and_evaluate(load_config("llm", [*common, f"data.data_dir={data}", "trainer.stop_at_step=2"]))
+    sha = lambda path: hashlib.sha256(path.read_bytes()).hexdigest()  # noqa: E731
+    recorded = json.loads((run / "data_files.json").read_text())
+    assert recorded == {"train": [sha(data / "a.txt")], "eval": [sha(held / "b.txt")]}
+
+    original = (data / "a.txt").read_bytes()
+    (data / "a.txt").write_text(TEXT.replace("문서 7:", "문서 칠:"))  # one record fixed in place
+    before = run_files(run)
+    with pytest.raises(ConfigError) as refused:
+        xlafit.train_and_evaluate(load_config("llm", [*common, f"data.data_dir={data}"]))
+    assert str(refused.value).startswith(
+        f"cannot resume {run}: its data_files.json differs from this run's data files (the sha256 of each file it "
+        "trains and evaluates on): a file of data.data_dir or data.eval_data_dir was changed since the run started"
+    )
+    assert run_files(run) == before
+    (score,) = evaluate_run(str(run))  # its evaluation file is as it was: scored
+    assert score.step == 2
+    (held / "b.txt").write_text(TEXT[: len(TEXT) // 2])
+    with pytest.raises(ConfigError, match=r"cannot score .* on its own evaluation data: its data_files.json differs"):
+        evaluate_run(str(run))
+
+    # The same bytes elsewhere (the data moved): the run resumes and trains on.
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (moved / "a.txt").write_bytes(original)
+    shutil.copy(held / "b.txt", moved / "b.txt")
+    (held / "b.txt").write_text(TEXT[: len(TEXT) // 3])
+    resumed = xlafit.train_and_evaluate(load_config("llm", [*common, f"data.data_dir={moved / 'a.txt'}"]))
+    assert int(resumed.state.step) > 2
+
+
 # --------------------------------------------------------------------------- LoRA in the trainer
 
 

@@ -419,8 +419,8 @@ def _write_tokenizer(
     recorded: dict[str, Any] | None = None,
 ) -> tuple[dict[str, int | list[int] | None], dict[str, Any]]:
     """Writes the tokenizer's files to ``out``; returns the ids of its special tokens (for
-    ``config.json``: every end token's as ``eos_token_id``) and ``generation_config.json``'s settings: ``recorded`` (the run's, from
-    when it started) over its base's."""
+    ``config.json``: every end token's as ``eos_token_id``) and ``generation_config.json``'s
+    settings: ``recorded`` (the run's, from when it started) over its base's."""
     tok = Tokenizer.from_str(tokenizer_json)
     given = tokens or {}
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}

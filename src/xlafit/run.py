@@ -22,10 +22,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import json
 import logging
 import math
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple, cast
@@ -38,7 +36,6 @@ from flax import nnx
 
 from xlafit.checkpoint import check_directory, check_not_all_set_aside
 from xlafit.config import Config, LoraConfig, check_device_split, resolve_batch
-from xlafit.data import shards
 from xlafit.data.dataset import as_dataset
 from xlafit.errors import ConfigError, going_on_with
 from xlafit.io.paths import (
@@ -47,6 +44,7 @@ from xlafit.io.paths import (
     reach,
     reading,
 )
+from xlafit.kept_files import check_kept_files, save_kept_files
 from xlafit.models.lora import ADAPTER, BASE, apply_lora
 from xlafit.models.quantized import quantize_base
 from xlafit.models.quantized_embed import quantize_embeddings
@@ -146,7 +144,7 @@ def train_and_evaluate(cfg: Config) -> FitResult:
         if strategy.process_index == 0:  # said once the run is sure to start (not before a refusal)
             warn_where_chunks_are_not_bit_identical(recipe, cfg)
             start_run_dir(run_dir, cfg)
-            recipe.save_artifacts(cfg, run_dir, train_data)
+            save_kept_files(recipe, cfg, run_dir, train_data)
             print(f"run directory: {run_dir}", flush=True)
             if not (cfg.run.resume and _saved_step(cfg) >= run_steps):  # a finished run trains nothing
                 print(describe_schedule(cfg, plan, run_steps), flush=True)
@@ -449,60 +447,6 @@ def _saved_config(run_dir: epath.Path) -> dict[str, Any]:
     if not isinstance(saved, dict) or "recipe" not in saved:
         raise ConfigError(f"cannot resume {run_dir}: its config.yaml is not an xlafit run config. {fix}")
     return saved
-
-
-def check_kept_files(
-    recipe: Recipe, cfg: Config, run_dir: epath.Path | Path, train: Any, scoring: bool = False, given: str | None = None
-) -> None:
-    """Refuses to resume when a file that gives the checkpoints' numbers their meaning
-    (:attr:`Recipe.kept_files`: a tokenizer, the class names, the prepared data's shards) would
-    be another: the recipe's files for this config are written to a scratch folder and compared
-    with the run's (JSON by its content), before anything in the run directory is written.
-    ``scoring``: the run is to be evaluated (``xlafit eval``), not resumed; ``given``: on data
-    given for it, whose shards are not the run's by design (:data:`~xlafit.data.shards.FINGERPRINT_FILE`).
-
-    Raises:
-        ConfigError: naming the file, what it is, and the fix.
-    """
-    if not recipe.kept_files:
-        return
-    with tempfile.TemporaryDirectory() as scratch:
-        recipe.save_artifacts(cfg, Path(scratch), train)
-        for name, what in recipe.kept_files.items():
-            if given is not None and name == shards.FINGERPRINT_FILE:
-                continue
-            before, now = as_path(run_dir) / name, Path(scratch) / name
-            with reading(before):
-                if not (before.exists() and now.exists()) or _same_file(before.read_text(), now.read_text(), name):
-                    continue
-                theirs, ours = before.read_text().strip(), now.read_text().strip()
-            both = f" (the run's: {theirs}; now: {ours})" if len(theirs) + len(ours) < 300 else ""
-            if given is not None:
-                thing = what.split(";")[0]
-                raise ConfigError(
-                    f"{given} does not fit {run_dir}: its {thing} and the run's differ{both}; give data prepared as "
-                    "the run's was."
-                )
-            if scoring:
-                raise ConfigError(
-                    f"cannot score {run_dir} on its own evaluation data: its {name} differs from the {what}{both}. Put "
-                    f"that back as it was when the run trained (the run's own copy is {run_dir}/{name}), or give the "
-                    "data to score with --data."
-                )
-            raise ConfigError(
-                f"cannot resume {run_dir}: its {name} differs from this run's {what}{both}. Use the run's settings "
-                f"and data (see its config.yaml; its own copy is {run_dir}/{name}), or start over with --restart "
-                "(run.resume=false) or another --run-dir."
-            )
-
-
-def _same_file(before: str, now: str, name: str) -> bool:
-    if name.endswith(".json"):
-        try:
-            return bool(json.loads(before) == json.loads(now))
-        except json.JSONDecodeError:
-            pass
-    return before == now
 
 
 def _a(recipe: str) -> str:

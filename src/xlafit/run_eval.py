@@ -32,6 +32,7 @@ from xlafit.config import Config
 from xlafit.data.dataset import as_dataset
 from xlafit.errors import CheckpointError, ConfigError
 from xlafit.io.paths import as_path, is_url, reach, reading
+from xlafit.kept_files import check_kept_files
 from xlafit.models.lora import ADAPTER
 from xlafit.overrides import migrate, parse_overrides
 from xlafit.parallel.cluster import connect_as_run
@@ -40,7 +41,7 @@ from xlafit.recipes import config_from_dict, get_recipe
 from xlafit.recipes.base import Recipe, shapes_only
 from xlafit.recipes.llm import build_from_config
 from xlafit.recipes.llm_data import base_config, recorded_model_dir
-from xlafit.run import BREAKING, check_kept_files, metrics_in_words, model_builder, perplexity
+from xlafit.run import BREAKING, metrics_in_words, model_builder, perplexity
 from xlafit.rundir import checkpoint_dir
 from xlafit.train.optim import make_optimizer
 from xlafit.train.trainer import Trainer

@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import re
@@ -18,7 +19,7 @@ from typing import Any
 
 from xlafit.errors import DataError
 from xlafit.io import hub
-from xlafit.io.paths import describe_error, filesystem, is_url
+from xlafit.io.paths import describe_error, filesystem, is_url, reading
 
 log = logging.getLogger("xlafit")
 
@@ -232,6 +233,29 @@ def splits(inputs: Sequence[str], eval_inputs: Sequence[str] = ()) -> Splits:
             "name."
         )
     return Splits(train, evaluation, said)
+
+
+# A run's record of the data files it read (:func:`fingerprint`), beside its checkpoints.
+FINGERPRINT_FILE = "data_files.json"
+
+
+def fingerprint(found: Splits) -> dict[str, list[str]]:
+    """The sha256 of each file a run trains on (``train``) and of those it evaluates on
+    (``eval``; the training files' where a share of their records is held out), in the order
+    read: what an llm run keeps of its data (:data:`FINGERPRINT_FILE`), so that a file edited
+    in place (a record fixed or added, which moves every later row and the held-out share) is
+    seen when the run resumes or is scored. Names are left out: moved data is the same data.
+
+    Raises:
+        DataError: a file cannot be read (a URL's: named with the cause).
+    """
+
+    def digest(name: str) -> str:
+        with reading(name, DataError), filesystem(name)[0].open(name, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+
+    train = [digest(name) for name in found.train]
+    return {"train": train, "eval": train if found.eval is None else [digest(name) for name in found.eval]}
 
 
 def _count(files: list[str]) -> str:

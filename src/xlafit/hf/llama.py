@@ -504,9 +504,10 @@ def save_hf(
 ) -> Path:
     """Writes ``config.json`` and the weights (safetensors) to ``directory``.
 
-    ``token_ids``: the tokenizer's ``bos_token_id``, ``eos_token_id`` (a list where several tokens
-    end an answer) and ``pad_token_id`` for ``config.json`` (None values left out); without them ``transformers`` falls back to its
-    config class's defaults, which name other tokens.
+    ``token_ids``: the tokenizer's ``bos_token_id``, ``eos_token_id`` (a list where several
+    tokens end an answer) and ``pad_token_id`` for ``config.json`` (None values left out);
+    without them ``transformers`` falls back to its config class's defaults, which name other
+    tokens.
 
     One ``model.safetensors`` when the tensors fit in ``max_shard_bytes`` (None: no limit),
     else ``model-0000i-of-0000n.safetensors`` files and ``model.safetensors.index.json``, as

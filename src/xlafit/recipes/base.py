@@ -110,6 +110,10 @@ class Recipe:
         kept_files: those of the files ``save_artifacts`` writes that give the checkpoints'
             numbers their meaning (a tokenizer's ids, the class names), each with what it is:
             a resumed run whose files would differ is refused before anything is written.
+        data_fingerprint: ``(cfg) -> dict or None``: the hashes of the data files a run of
+            ``cfg`` reads (None: the package's own demo data), kept as
+            :data:`xlafit.data.files.FINGERPRINT_FILE` (list it in ``kept_files``); None: the
+            recipe keeps none, or writes its own in ``save_artifacts``.
         sequence_lengths: ``(cfg) -> lengths or None``: the data's example lengths, for
             ``xlafit check``'s padding plans.
         validate: ``(cfg) -> None``: raises ``ConfigError`` for model settings that cannot
@@ -143,6 +147,7 @@ class Recipe:
     throughput: Callable[[Config, Any], Throughput] = _no_throughput
     save_artifacts: Callable[[Config, Path, Any], None] = _nothing_to_save
     kept_files: dict[str, str] = dataclasses.field(default_factory=dict)
+    data_fingerprint: Callable[[Config], dict[str, list[str]] | None] | None = None
     sequence_lengths: Callable[[Config], np.ndarray | None] = _no_lengths
     validate: Callable[[Config], None] = _nothing_to_check
     bit_identical_chunks: bool = False

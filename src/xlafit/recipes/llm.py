@@ -28,7 +28,7 @@ import optax
 from flax import nnx
 
 from xlafit.config import Config
-from xlafit.data import clm
+from xlafit.data import clm, files
 from xlafit.errors import ConfigError, HFFormatError
 from xlafit.hf import llama as llama_hf
 from xlafit.hf import peft
@@ -581,8 +581,11 @@ RECIPE = Recipe(
     save_artifacts=save_artifacts,
     kept_files={
         "tokenizer/tokenizer.json": "tokenizer (data.tokenizer, else model.init_from_hf's); the checkpoints learned "
-        "the run's token ids"
+        "the run's token ids",
+        files.FINGERPRINT_FILE: "data files (the sha256 of each file it trains and evaluates on): a file of "
+        "data.data_dir or data.eval_data_dir was changed since the run started, and its rows are other rows",
     },
+    data_fingerprint=llm_data.data_fingerprint,
     validate=validate,
     rollout=functools.partial(llm_grpo.rollout_for, token_logps=token_logps),
     eval_unit=lambda cfg: "pairs" if cfg.model.objective in ("dpo", "simpo", "orpo") else "rows",

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from xlafit import config as xconfig
 from xlafit.config import Config
-from xlafit.data import chat, chat_demo, clm, rendering, special_tokens
+from xlafit.data import chat, chat_demo, clm, files, rendering, special_tokens
 from xlafit.data.preference import PAIR_FORMAT
 from xlafit.data.prompts import PROMPT_FORMAT
 from xlafit.data.text import korean_demo_files
@@ -194,14 +194,14 @@ def tokenizer_location(cfg: Config) -> str:
 
 def demo_tokenizer(vocab_size: int) -> str:
     """The demo's byte-level BPE on the Korean corpus, trained once into the user cache."""
-    files = korean_demo_files()
-    key = json.dumps(["bpe-2", files, vocab_size])  # 2: its files declare its special tokens
+    texts = korean_demo_files()
+    key = json.dumps(["bpe-2", texts, vocab_size])  # 2: its files declare its special tokens
     target = cache_dir() / f"llm-demo-tokenizer-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (target / "tokenizer.json").exists():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        tok = clm.train_bpe(files, vocab_size, tmp)
+        tok = clm.train_bpe(texts, vocab_size, tmp)
         print(
             f"trained the demo's BPE tokenizer ({tok.get_vocab_size()} tokens) into {target} (once)",
             file=sys.stderr,
@@ -364,6 +364,15 @@ def data_summary(train: clm.PackedText, evaluation: clm.PackedText, d: LlmDataCo
             "data.eval_fraction=0 to train without one"
         )
     return "\n".join(lines)
+
+
+def data_fingerprint(cfg: Config) -> dict[str, list[str]] | None:
+    """The sha256 of each file of ``data.data_dir`` and ``data.eval_data_dir`` a run reads
+    (:func:`xlafit.data.files.fingerprint`); None for the package's demo data."""
+    d = data_config(cfg)
+    if not d.data_dir:
+        return None
+    return files.fingerprint(files.splits([d.data_dir], [d.eval_data_dir] if d.eval_data_dir else []))
 
 
 def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
