@@ -4,6 +4,7 @@ a file given as its evaluation data; nothing in the run is written; wrong asks a
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ from flax import nnx
 
 import xlafit
 from helpers import cnn_trainer, write_mnist_idx
+from xlafit.checkpoint import Checkpointer
 from xlafit.cli.entry import main
 from xlafit.data import chat_demo, mnist
 from xlafit.errors import CheckpointError, ConfigError
@@ -64,7 +66,7 @@ def _files(root):
     return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
 
 
-def test_the_command_scores_every_checkpoint_as_the_run_evaluated_it_and_writes_nothing(tmp_path, capsys):
+def test_the_command_scores_every_checkpoint_as_the_run_evaluated_it_and_writes_nothing(tmp_path, capsys, monkeypatch):
     """An mnist run, then ``xlafit eval RUN --step all`` as a user runs it (a process of its
     own, the suite's XLA_FLAGS removed): each checkpoint's score is the run's own evaluation
     at its step; the run directory is left as it was; a wrong step or setting is named."""
@@ -94,7 +96,22 @@ def test_the_command_scores_every_checkpoint_as_the_run_evaluated_it_and_writes_
     assert other.step == 8 and other.metrics["count"] == 200
     capsys.readouterr()
     assert main(["eval", str(run), "--step", "4,9"]) == 2
-    assert "checkpoint 9 of" in (err := capsys.readouterr().err) and "does not exist; the intact ones: [4, 8]" in err
+    assert "checkpoint 9 of" in (err := capsys.readouterr().err) and "does not exist; the checkpoints: [4, 8]" in err
+    # Only the checkpoints that may be scored are verified (their files hashed): the newest one here.
+    verified = []
+    verify = Checkpointer.verify
+    monkeypatch.setattr(Checkpointer, "verify", lambda self, step: verified.append(step) or verify(self, step))
+    assert evaluate_run(str(run))[0].step == 8 and set(verified) == {8}
+    # The newest damaged: the newest intact one is scored, and nothing is moved aside.
+    largest = max((p for p in (run / "checkpoints" / "8").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    damaged = bytearray(largest.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    largest.write_bytes(bytes(damaged))
+    before = _files(run)
+    assert evaluate_run(str(run))[0].step == 4 and _files(run) == before
+    capsys.readouterr()
+    assert main(["eval", str(run), "--step", "8"]) == 2
+    assert re.search(r"checkpoint 8 of .* is corrupt: .*; the checkpoints: \[4, 8\]", capsys.readouterr().err)
     assert main(["eval", str(run), "model.dropout1=0.1"]) == 2
     assert "model.dropout1: xlafit eval scores the run as it trained" in capsys.readouterr().err
     assert main(["eval", str(tmp_path / "cache")]) == 2

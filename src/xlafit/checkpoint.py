@@ -367,6 +367,11 @@ class Checkpointer:
         check_shapes(record, saved)
         return saved
 
+    def steps(self) -> list[int]:
+        """The steps of the checkpoints on disk, oldest first, from their names (none verified:
+        :meth:`verify` checks one)."""
+        return sorted(self._manager.all_steps())
+
     def list(self) -> list[CheckpointInfo]:
         """Every checkpoint on disk, oldest first, verified."""
         infos = []

@@ -182,11 +182,12 @@ def _breaking(key: str) -> bool:
 
 def checkpoint_steps(cfg: Config, run: str, steps: Sequence[int] | Literal["all"] | None) -> list[int]:
     """The steps of the checkpoints to score, read without moving anything: the newest intact
-    one (``steps`` None), every intact one (``"all"``), or those asked for, each checked.
+    one (``steps`` None; older ones are not read), every intact one (``"all"``), or those asked
+    for, each verified (its files hashed).
 
     Raises:
         CheckpointError: the run has no intact checkpoint, or one asked for is absent or
-            damaged (the intact ones named).
+            damaged (the run's checkpoints named).
     """
     directory = checkpoint_dir(cfg)
     with reading(directory):
@@ -194,23 +195,28 @@ def checkpoint_steps(cfg: Config, run: str, steps: Sequence[int] | Literal["all"
     if not exists:
         raise CheckpointError(f"{run} has no checkpoints ({directory} does not exist); train it until it saves one.")
     ckpt = Checkpointer(directory)
-    try:
-        infos = ckpt.list()
+    try:  # each checkpoint's files are hashed to verify it: only those that may be scored
+        saved = ckpt.steps()
+        if steps is None:  # the newest intact one: the older ones are not read
+            status = {}
+            for step in reversed(saved):
+                status[step] = ckpt.verify(step)
+                if not status[step].startswith("corrupt"):
+                    return [step]
+        else:
+            status = {step: ckpt.verify(step) for step in (saved if steps == "all" else steps) if step in saved}
     finally:
         ckpt.close()
-    intact = [i.step for i in infos if i.usable]
-    if not intact:
-        found = "; ".join(f"{i.step}: {i.status}" for i in infos) or "none"
+    intact = [step for step in saved if step in status and not status[step].startswith("corrupt")]
+    if steps is None or (steps == "all" and not intact):
+        found = "; ".join(f"{step}: {status[step]}" for step in sorted(status)) or "none"
         raise CheckpointError(f"{run} has no intact checkpoint to evaluate (checkpoints: {found}).")
-    if steps is None:
-        return intact[-1:]
     if steps == "all":
         return intact
     for step in steps:
         if step not in intact:
-            status = next((i.status for i in infos if i.step == step), None)
-            what = f"is {status}" if status else "does not exist"
-            raise CheckpointError(f"checkpoint {step} of {run} {what}; the intact ones: {intact}.")
+            what = f"is {status[step]}" if step in status else "does not exist"
+            raise CheckpointError(f"checkpoint {step} of {run} {what}; the checkpoints: {saved}.")
     return list(steps)
 
 
