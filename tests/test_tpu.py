@@ -545,6 +545,21 @@ def test_an_eight_chip_v5e_or_v6e_is_one_host():
     hosts = {name: len({d.process_index for d in devices(tpu.parse_target(name))}) for name in
              ("v5e-1", "v5e-4", "v5e-8", "v6e-8", "v5e-16", "v4-8", "v4-16")}  # fmt: skip
     assert hosts == {"v5e-1": 1, "v5e-4": 1, "v5e-8": 1, "v6e-8": 1, "v5e-16": 4, "v4-8": 1, "v4-16": 2}
+    assert hosts == {name: tpu.parse_target(name).hosts for name in hosts}  # what check --tpu says
+
+
+def test_a_multi_host_slice_is_said_and_settings_that_do_not_suit_it_are_not_called_a_compiler_failure():
+    """Walk 25: `check mnist --tpu v5e-16` said "compiles for the CPU, not for v5e-16" of the
+    preset's trainer.invariant_chunks=8 on 16 cores (a setting, not the compiler), and nothing
+    said that the slice is 4 VMs that each run the command."""
+    from xlafit.check import check_recipe
+
+    (r,) = check_recipe("mnist", [], tpu="v5e-16").tpu
+    text = format_report(r)
+    assert r.hosts == 4 and r.error is not None and r.error.title == "the run's settings do not suit v5e-16"
+    assert "compiles for the CPU" not in text and "trainer.invariant_chunks=8 must be a multiple of the 16" in text
+    assert "a multi-host slice: 4 TPU VMs of 4 devices, one process each; run the same command on every VM" in text
+    assert "multi-host" not in format_report(dataclasses.replace(r, hosts=1))  # one VM: nothing to say
 
 
 @pytest.mark.parametrize("name", ["v5e-16", "v4-32"])

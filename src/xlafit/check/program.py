@@ -259,6 +259,7 @@ class TargetReport:
     target: str
     device_kind: str = ""
     devices: int = 0  # the slice's cores
+    hosts: int = 1  # the slice's TPU VMs (processes): more than one is a multi-host job
     batch_shards: int = 0  # data x fsdp: the cores unless a tensor-parallel group shares its rows
     per_device_batch: int = 0  # per batch shard
     steps_per_call: int = 1

@@ -359,6 +359,7 @@ def check_target(target: tpu.Target, program: Program, max_batch: bool | int = F
             target.name,
             device_kind=steps.strategy.mesh.devices.flat[0].device_kind,
             devices=steps.strategy.mesh.devices.size,
+            hosts=target.hosts,
             batch_shards=n,
             per_device_batch=program.per_device_batch or max(1, (program.global_batch or n) // n),
             steps_per_call=program.config.steps_per_call,
@@ -429,6 +430,9 @@ def train_report(report: TargetReport, steps: Steps, target: tpu.Target, setting
         finding = classify(e.original, program.user_file)
         report.error = finding if finding.rule else dataclasses.replace(finding, kind=TRACE_FAILURE)
         report.message = finding.message
+    except ConfigError as e:  # the run's settings and this slice (a preset's invariant_chunks and its cores)
+        report.error = Finding(0, str(e), kind=f"the run's settings do not suit {target.name}")
+        report.message = str(e)
     except Exception as e:  # a failure that is not about memory: placed at the user's line
         finding = classify(e, program.user_file)
         if finding.rule == 0:

@@ -46,6 +46,11 @@ def format_report(r: TargetReport) -> str:
         batch = ""
     head = f"{r.target} ({r.devices} x {r.device_kind}), {batch}{r.steps_per_call} step(s) per call"
     lines = [head, f"  {r.layout}"] if r.layout and "replicated" not in r.layout else [head]
+    if r.hosts > 1:  # the program is one; running it takes a process on each VM
+        lines.append(
+            f"  a multi-host slice: {r.hosts} TPU VMs of {r.devices // r.hosts} devices, one process each; run the "
+            "same command on every VM with XLAFIT_DISTRIBUTED=1 (the multi-host guide)"
+        )
     if r.error is not None:
         where = f" at {r.error.file}:{r.error.line}" if r.error.file and r.error.line else ""
         lines.append(f"  ✗ {r.error.title}{where}")

@@ -110,6 +110,12 @@ class Target:
         return self.generation.source
 
     @property
+    def hosts(self) -> int:
+        """The slice's TPU VMs, one JAX process each: one up to the generation's one-VM slice
+        (``host_chips``), else 4 chips a host (a v5e-16 is 4 hosts)."""
+        return 1 if self.chips <= self.generation.host_chips else self.chips // 4
+
+    @property
     def shape(self) -> tuple[int, ...]:
         """The slice's chips as a grid (``2x4`` for v5e-8)."""
         return _shape(self.chips, self.generation.dims)
