@@ -450,6 +450,13 @@ def test_max_batch_is_the_largest_that_fits(capsys):
     outcomes = (" per core fits (", " per core does not fit, needs ")
     assert all(line.endswith(" s)") and any(o in line for o in outcomes) for line in ends)
     assert any(f": {b + 8} per core does not fit, needs " in line for line in ends)
+    # Walk 25: the speed at the answer (the reason to ask), from the probe's program, is the one a
+    # check of that batch predicts; no compile more.
+    at = r.max_batch_speed
+    assert at is not None and at["step_s"] > r.step_s and at["examples_per_s"] == pytest.approx(b * 8 / at["step_s"])
+    assert f"at {b} per core: roofline estimate ~" in format_report(r)  # a v2 has no step model
+    (again,) = check_file(CASES / "tpu_wide_inputs.py", [f"data.per_device_batch={b}"], tpu="v2-8").tpu
+    assert again.per_device_batch == b and again.step_s == pytest.approx(at["step_s"], rel=1e-9)
 
 
 def test_a_cpu_only_operation_is_reported_at_the_users_line():

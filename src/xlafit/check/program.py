@@ -290,6 +290,8 @@ class TargetReport:
     rollout: list[ProgramFit] = dataclasses.field(default_factory=list)  # the programs beside the steps
     max_batch: int | None = None
     max_batch_limit: int | None = None  # the search's upper end: max_batch == it means "at least"
+    # the step model at max_batch, from its probe's compile: step_s, examples_per_s, tokens_per_s, band
+    max_batch_speed: dict[str, Any] | None = None
     probes: list[Probe] = dataclasses.field(default_factory=list)
     levers: list[str] = dataclasses.field(default_factory=list)  # when it does not fit: what would help
     # The levers compiled (xlafit.check.lever_fits): where the run does not fit, at its batch;

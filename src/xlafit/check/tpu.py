@@ -253,6 +253,7 @@ class Steps:
         self.state = abstract_state(params, model_state, program.tx, self.strategy, program.config.optimizer_offload)
         self.shardings = state_shardings(self.state)
         self.state_bytes = bytes_per_device(self.state)  # each core's shards in its own memory
+        self.largest_fit: tuple[int, Any] | None = None  # the largest batch :meth:`fits` compiled, and its program
 
     def _make_steps(self, rows: int) -> tuple[Any, Any]:
         """The run's train and eval steps for ``rows`` examples per step over all cores."""
@@ -322,6 +323,8 @@ class Steps:
         t0 = time.perf_counter()
         try:
             compiled, _ = self.compile_train(per_device)
+            if self.largest_fit is None or per_device > self.largest_fit[0]:
+                self.largest_fit = (per_device, compiled)
             return True, time.perf_counter() - t0, memory_of(compiled, 0, 0)["total"]
         except OutOfMemory as e:
             return False, time.perf_counter() - t0, needed_bytes(e.message)
@@ -409,7 +412,27 @@ def check_target(target: tpu.Target, program: Program, max_batch: bool | int = F
                 limit=report.max_batch_limit,
                 fixed_bytes=steps.state_bytes,
             )
+            report.max_batch_speed = speed_at_largest(report, steps, target)
     return report
+
+
+def speed_at_largest(report: TargetReport, steps: Steps, target: tpu.Target) -> dict[str, Any] | None:
+    """The step model's step and throughput at ``--max-batch``'s answer (the roofline estimate
+    where the device has no step model: ``predicted`` False), from the program its search
+    compiled there (no compile more); None where it is the run's own batch or none fit."""
+    fit = steps.largest_fit
+    if not report.max_batch or fit is None or fit[0] != report.max_batch or fit[0] == report.per_device_batch:
+        return None
+    at = dataclasses.replace(
+        report, per_device_batch=fit[0], step_s=None, examples_per_s=None, tokens_per_s=None, predicted=False
+    )
+    hlo = fit[1].as_text()
+    roofline(at, target.peak_flops, target.hbm_bandwidth, steps.program, fit[1], report.steps_per_call, hlo)
+    model_step(at, steps.program, hlo, report.steps_per_call, target.generation.device_kinds[0], target.ici_bandwidth)
+    if at.step_s is None:
+        return None
+    speed = ("step_s", "predicted", "examples_per_s", "tokens_per_s", "band", "outside_band")
+    return {key: getattr(at, key) for key in speed}
 
 
 def train_report(report: TargetReport, steps: Steps, target: tpu.Target, settings: str = "") -> None:

@@ -315,6 +315,21 @@ def _probe_line(r: TargetReport) -> str:
             bound = f" ({refused} does not; the batches between were not compiled: {MAX_PROBES} probes at most)"
         answer = f"{r.max_batch}{bound}"
     line = f"  largest per-core batch that fits: {answer}   probes: {probes}"
+    at = r.max_batch_speed
+    if at is not None:  # its probe's program, priced as the run's batch is above
+        tokens = f", {rate(at['tokens_per_s'], 'tokens/s')}" if at["tokens_per_s"] else ""
+        speed = (
+            "the device's work alone, no throughput predicted"
+            if outside_band(at["step_s"])
+            else f"{rate(at['examples_per_s'], 'examples/s')}{tokens}"
+        )
+        if at["predicted"]:
+            band = at["band"] if at["outside_band"] else f"the step model's error: {at['band']}"
+            line += f"\n    at {r.max_batch} per core (predicted, not measured): step {seconds(at['step_s'])}, {speed}"
+            line += f"; {band}"
+        else:  # no step model for the device: the roofline estimate, as above
+            speed = f"~{rate(at['examples_per_s'], 'examples/s')}"
+            line += f"\n    at {r.max_batch} per core: roofline estimate ~{seconds(at['step_s'])}, {speed}"
     if r.eval is not None:  # the search compiles the train step; the eval step has a batch of its own
         line += "\n    (the train step's; the eval step is checked at its own batch, data.eval_global_batch, above)"
     return line
