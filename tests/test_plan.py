@@ -399,6 +399,17 @@ def test_plan_of_a_recipe_is_read_back_by_train_and_check(tmp_path):
     assert [o for o in plan.outcomes if o.eval_batch is not None] == [winner]
     # MNIST's steps on a v4 are estimated under 1 ms: data parallelism first, not the fastest estimate
     assert plan.launch_bound(plan.fitting()) and winner.candidate.data_parallel
+    # Walk 25: MFU is the model's FLOPs over time (MNIST has no analytic count: the fewest per
+    # example XLA counted in any layout), so on one slice it follows the throughput; XLA's own
+    # count of a layout that splits the model repeats work on every core, and the table showed
+    # the slowest layout with the highest MFU.
+    devices = parse_target("v4-4").num_devices
+    counted = [o for o in plan.outcomes if o.prediction and o.flops]
+    per_example = [o.flops * devices / o.candidate.global_batch for o in counted]
+    assert max(per_example) > 1.05 * min(per_example)  # the layouts' counts differ: the test can tell
+    ratio = counted[0].prediction.mfu / counted[0].prediction.examples_per_s
+    assert all(o.prediction.mfu / o.prediction.examples_per_s == pytest.approx(ratio, rel=1e-9) for o in counted)
+    assert ratio == pytest.approx(min(per_example) / (devices * parse_target("v4-4").peak_flops), rel=1e-9)
     written = plan.write(tmp_path / "plan.yaml")
     cfg = load_config("mnist", preset=written)
     assert cfg.mesh.sizes == winner.candidate.mesh

@@ -22,7 +22,8 @@ class Prediction:
     serial_s: float  # max(compute, memory) + communication: none overlapped
     examples_per_s: float
     tokens_per_s: float | None
-    mfu: float  # model FLOPs (analytic where the model has a count, else XLA's) / time / peak
+    # model FLOPs (analytic, else the fewest XLA counted per example in the plan: Planner.results) / time / peak
+    mfu: float
     bound_s: float = 0.0  # the roofline estimate: max(compute, memory, communication)
     predicted: bool = False  # step_s is the step model's, not the roofline estimate
     band: str = ""  # the step model's measured error on this generation, or why there is none

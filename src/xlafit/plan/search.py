@@ -82,7 +82,7 @@ from xlafit.plan.candidates import (
 )
 from xlafit.plan.cost import program_cost, reachable_gain
 from xlafit.plan.outcome import Outcome, Prediction
-from xlafit.platform.hardware import Target
+from xlafit.platform.hardware import Target, parse_target
 from xlafit.predict.collectives import collectives, summarize
 from xlafit.predict.model import predict
 from xlafit.predict.rates import rates_for
@@ -332,6 +332,24 @@ class Planner:
             band_median=median,
             outside_band=rates is not None and rates.band is not None and median is None,
         )
+
+    def results(self) -> list[Outcome]:
+        """The outcomes, each prediction's MFU on the model's FLOPs: the program's analytic count
+        where it has one, else the fewest FLOPs per example XLA counted in any compiled layout (a
+        layout that splits a product less repeats it on every core: hardware FLOPs, not the
+        model's; a tensor-parallel MNIST counted 7x its data-parallel FLOPs)."""
+        outcomes = list(self.outcomes.values())
+        if self.base.flops_per_example:
+            return outcomes
+        counted = [(o, parse_target(o.candidate.target)) for o in outcomes if o.flops and o.prediction]
+        if not counted:
+            return outcomes
+        per_example = min(o.flops * t.num_devices / o.candidate.global_batch for o, t in counted)  # type: ignore[operator]
+        for o, t in counted:
+            p = o.prediction
+            assert p is not None
+            p.mfu = per_example * p.examples_per_s / (t.num_devices * t.peak_flops)
+        return outcomes
 
     def _map(self, jobs: Iterable[tuple[Target, Candidate, str]]) -> list[Outcome]:
         """Outcomes of several compiles, ``workers`` at a time; a job past the deadline is
