@@ -420,6 +420,14 @@ def test_plan_of_a_recipe_is_read_back_by_train_and_check(tmp_path):
     assert report.tpu[0].fits and report.tpu[0].per_device_batch == winner.candidate.per_device_batch
 
 
+def test_a_price_is_a_generations_in_any_case_and_one_no_target_uses_is_warned(caplog):
+    from xlafit.plan.entry import _prices
+
+    prices = _prices({"V5E": 0.9, "v6e": 2.0}, [parse_target("kaggle")])
+    assert (prices["v5e"].on_demand, prices["v5e"].source) == (0.9, "given on the command line (--price)")
+    assert "--price v6e=2 prices no target of this plan (kaggle = v5e-8): not used" in caplog.text
+
+
 def test_plan_budget_stops_new_compiles():
     plan = plan_recipe("mnist", [], "v5e-8", global_batch=64, budget_minutes=1e-9)
     assert plan.winner is None
@@ -437,6 +445,11 @@ def test_plan_cli_errors(capsys, tmp_path):
     assert "is a directory; give a file name" in capsys.readouterr().err
     assert main(["plan", "mnist", "--price", "v5e=cheap"]) == 2
     assert "--price v5e=cheap" in capsys.readouterr().err
+    # Walk 25: a name that is no generation was taken and priced nothing, without a word.
+    assert main(["plan", "mnist", "--tpu", "v5e-8", "--price", "v5x=1"]) == 2
+    assert "--price v5x=1: no TPU generation of that name; give one of v2, v3, v4, v5e" in capsys.readouterr().err
+    assert main(["plan", "mnist", "--tpu", "v5e-8", "--price", "v5e-8=9.6"]) == 2
+    assert "prices are per chip-hour of a generation: --price v5e=USD" in capsys.readouterr().err
     assert main(["plan", "mnist", "--global-batch", "0"]) == 2
     assert "--global-batch 0" in capsys.readouterr().err
     assert main(["plan", "mnist", "--tpu", "v9-8"]) == 2

@@ -4,6 +4,7 @@ their settings read, the planner built, every target searched."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -19,8 +20,10 @@ from xlafit.plan.candidates import OFFLOAD_LADDER, REMAT_LADDER, Candidate
 from xlafit.plan.evaluation import check_answer_eval, check_answer_rollout
 from xlafit.plan.result import Plan
 from xlafit.plan.search import Planner, Settings
-from xlafit.platform.hardware import PRICES, Price, Target, parse_targets
+from xlafit.platform.hardware import GENERATIONS, PRICES, Price, Target, parse_targets
 from xlafit.recipes import preset_path
+
+log = logging.getLogger("xlafit")
 
 
 def _run_examples(examples: float | None, tokens: float | None, program: Program, epochs: float) -> float | None:
@@ -73,9 +76,34 @@ def _numerics(cfg: Any) -> tuple[tuple[str, str], ...]:
     return tuple(found)
 
 
-def _prices(given: dict[str, float] | None) -> dict[str, Price]:
+def _prices(given: dict[str, float] | None, targets: Sequence[Target] = ()) -> dict[str, Price]:
+    """The price list with ``given`` prices per chip-hour (``--price v5e=0.9``) in place of the
+    catalog's.
+
+    A generation none of ``targets`` is of prices nothing, and is warned.
+
+    Raises:
+        ConfigError: a name that is no TPU generation (a slice's name, ``v5e-8``, said so).
+    """
     prices = dict(PRICES)
-    for generation, usd in (given or {}).items():
+    planned = {t.generation.name for t in targets}
+    for name, usd in (given or {}).items():
+        generation = name.strip().lower()
+        if generation not in GENERATIONS:
+            base = generation.rsplit("-", 1)[0]
+            why = (
+                f"prices are per chip-hour of a generation: --price {base}=USD (a slice costs its chips x that)"
+                if base in GENERATIONS
+                else f"no TPU generation of that name; give one of {', '.join(GENERATIONS)} (per chip-hour)"
+            )
+            raise ConfigError(f"--price {name}={usd:g}: {why}.")
+        if planned and generation not in planned:
+            log.warning(
+                "--price %s=%g prices no target of this plan (%s): not used",
+                name,
+                usd,
+                ", ".join(t.name for t in targets),
+            )
         prices[generation] = Price(usd, usd, "given on the command line (--price)", time.strftime("%Y-%m-%d"))
     return prices
 
@@ -133,6 +161,7 @@ def plan_recipe(
     (:mod:`xlafit.plan.evaluation`): where it does not fit, the plan sets the largest that does.
     """
     targets = parse_targets(tpu)
+    priced = _prices(prices, targets)  # before any compile: a wrong name is said at once
     start_backends()
     settings = _settings(global_batch, budget_minutes, top, allow_numerics, min_gain, bound, search_batch)
     planner, cfg, train_examples = recipe_planner(name, overrides, preset, settings)
@@ -151,7 +180,7 @@ def plan_recipe(
         [*overrides, *batch_overrides],
         load_yaml(preset_path(name, preset)),
         spot=spot,
-        prices=_prices(prices),
+        prices=priced,
         seconds=seconds,
         evaluates=bool(base.eval_global_batch),
         rollout=base.rollout is not None,
@@ -248,6 +277,7 @@ def plan_file(
     if not path.exists():
         raise ConfigError(f"{path} does not exist.")
     targets = parse_targets(tpu)
+    priced = _prices(prices, targets)  # before any compile: a wrong name is said at once
     nested = file_settings(overrides, tpu)
     start_backends()
     with importable(path):
@@ -273,7 +303,7 @@ def plan_file(
         None,
         batch_key="",
         spot=spot,
-        prices=_prices(prices),
+        prices=priced,
         seconds=seconds,
         stopped=stopped,
         **_own_batch(base, global_batch, search_batch),
