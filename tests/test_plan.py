@@ -204,8 +204,8 @@ def test_run_time_and_cost():
     text = format_plan(plan)
     assert "Slices by time: v6e-8 < v5e-8" in text and "Slices by cost: v5e-8 < v6e-8" in text
     assert "Price v5e: $1.2 per chip-hour on-demand (Cloud Billing Catalog SKUs" in text
-    # the sixteenth walk: plan's HBM column is the compiler's peak, check's headline the buffers' sum
-    assert "(HBM GiB: the compiler's peak per core, which `check --tpu` shows beside the sum of" in text
+    # walks 16 and 25: plan's HBM column is the compiler's peak, as check's headline and verdict count it
+    assert "(HBM GiB: the compiler's peak per core, as `check --tpu` counts it, which shows the step's buffers" in text
     spot = dataclasses.replace(plan, spot=True)  # v6e-8: half an hour at 8 x 0.7803; v5e-8: an hour at 8 x 0.3468
     assert spot.run_cost(fast) == pytest.approx(0.5 * 8 * 0.7803) and spot.run_cost(slow) == pytest.approx(8 * 0.3468)
     assert "Price v6e: $0.7803 per chip-hour Spot" in format_plan(spot)

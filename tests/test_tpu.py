@@ -1011,14 +1011,30 @@ def test_the_llm_loss_weighted_by_tokens_costs_no_memory_over_a_plain_mean():
     assert temporaries["weighted"] <= 1.02 * temporaries["mean"], temporaries
 
 
-def test_what_a_fitting_step_leaves_to_spare_is_counted_from_the_larger_of_its_buffers_and_the_peak():
+def test_the_hbm_a_fitting_step_takes_is_the_compilers_peak_in_the_headline_the_verdict_and_the_plan():
     """A small program's compiler peak can exceed the sum of its buffers (MNIST on a v5e-8:
-    0.02 GiB of buffers, a peak of 0.09): "to spare" was the capacity less the smaller one."""
-    from xlafit.check.tpu_report import _fit_lines
+    0.02 GiB of buffers, a peak of 0.09): "to spare" was the capacity less the smaller one.
+    A large one's is below it (a 1B LoRA step: buffers 5.02 GiB, peak 3.76): the headline said
+    the sum, the verdict the larger, plan's column the peak (walk 25). One figure now: the peak."""
+    from xlafit.check.tpu_report import _fit_lines, format_table
+    from xlafit.plan.candidates import Candidate
+    from xlafit.plan.outcome import Outcome
 
     gib = 2**30
     memory = {"state": gib // 100, "arguments": gib // 50, "outputs": 0, "temporaries": 0, "generated code": 0}
     memory |= {"total": gib // 50, "peak": 9 * gib // 100}
     r = TargetReport("v5e-8", per_device_batch=64, train_fits=True, capacity=15.75 * gib, memory=memory)
     assert r.margin == 15.75 * gib - 9 * gib // 100
+    assert "  HBM per core: 0.09 GiB of 15.75 GiB per core" in _fit_lines(r)[0]
     assert "  ✓ train step fits, 15.66 GiB to spare (1% used)" in _fit_lines(r)
+    large = dataclasses.replace(r, memory={"state": 3 * gib, "temporaries": 2 * gib, "total": 5 * gib, "peak": 4 * gib})
+    lines = _fit_lines(large)
+    assert lines[0].startswith("  HBM per core: 4.00 GiB of 15.75 GiB per core") and "(the compiler's peak)" in lines[0]
+    assert lines[1] == (
+        "    its buffers: state 3.00 GiB, temporaries 2.00 GiB: 5.00 GiB in all, each counted whether or not live at "
+        "once"
+    )
+    assert "  ✓ train step fits, 11.75 GiB to spare (25% used)" in lines
+    assert format_table([large]).splitlines()[1].split()[2:4] == ["4.00", "GiB"]
+    candidate = Candidate("v5e-8", (8, 1, 1), 64)
+    assert Outcome(candidate, True, 15.75 * gib, memory=large.memory).hbm_used == 4 * gib

@@ -333,10 +333,17 @@ class TargetReport:
 
     @property
     def margin(self) -> float | None:
-        """Bytes left per core (negative: over), against the compiler's capacity: of the sum
-        of the buffers, or of the compiler's peak where that is larger (a small program's
-        peak holds more than its buffers)."""
-        total = self.memory.get("total")
-        if total is None or not self.capacity:
+        """Bytes left per core (negative: over) against the compiler's capacity, of
+        :func:`used_bytes`."""
+        used = used_bytes(self.memory)
+        if used is None or not self.capacity:
             return None
-        return self.capacity - max(total, self.memory.get("peak", 0))
+        return self.capacity - used
+
+
+def used_bytes(memory: Mapping[str, int]) -> int | None:
+    """The HBM per core a compiled program takes, as ``check --tpu`` and ``plan`` both count it:
+    the compiler's peak where it reports one (the buffers' sum counts buffers that are never
+    live at once, and misses what the compiler holds beside them: a small program's peak is
+    above it), else the sum (``total``)."""
+    return memory.get("peak") or memory.get("total")

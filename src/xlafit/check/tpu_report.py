@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from xlafit.check.program import MAX_PROBES, TargetReport
+from xlafit.check.program import MAX_PROBES, TargetReport, used_bytes
 from xlafit.check.speed import above_prediction, outside_band
 from xlafit.platform import hardware as tpu
 
@@ -96,10 +96,16 @@ def _fit_lines(r: TargetReport) -> list[str]:
     )
     if "host memory" in m:  # trainer.optimizer_offload's state: beside the HBM, not in it
         parts += f"; in the host's memory, beside the HBM: {gib(m['host memory'])}"
-    peak = f", compiler's peak {gib(m['peak'])}" if "peak" in m else ""
-    lines = [f"  HBM per core: {gib(m['total'])} of {cap}{peak}", f"    {parts}"]
+    used = used_bytes(m) or 0
+    if "peak" in m:  # the compiler's own count is what must fit; the parts are said beside it
+        lines = [
+            f"  HBM per core: {gib(used)} of {cap} (the compiler's peak)",
+            f"    its buffers: {parts}: {gib(m['total'])} in all, each counted whether or not live at once",
+        ]
+    else:
+        lines = [f"  HBM per core: {gib(used)} of {cap}", f"    {parts}"]
     if (r.margin or 0) >= 0:
-        share = max(m["total"], m.get("peak", 0)) / r.capacity if r.capacity else 0
+        share = used / r.capacity if r.capacity else 0
         lines.append(f"  ✓ train step fits, {gib(r.margin or 0)} to spare ({share:.0%} used)")
     else:  # accepted by the compiler, whose own peak is what must fit
         lines.append(
@@ -341,7 +347,7 @@ def format_table(reports: list[TargetReport]) -> str:
     throughput under 1 ms, where launch and dispatch decide the step)."""
     rows = [("target", "fits", "HBM/core", "of", "max batch", "step (predicted)", "examples/s", "compile")]
     for r in reports:
-        total = r.memory.get("total")
+        total = used_bytes(r.memory)
         rows.append(
             (
                 r.target,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from xlafit.check.program import EvalFit, ProgramFit, decide
+from xlafit.check.program import EvalFit, ProgramFit, decide, used_bytes
 from xlafit.plan.buffers import Buffer
 from xlafit.plan.candidates import Candidate
 from xlafit.predict.collectives import CommReport
@@ -75,11 +75,11 @@ class Outcome:
 
     @property
     def hbm_used(self) -> int | None:
-        """Per-core bytes: the compiler's peak where it reports one (the sum of the parts counts
-        buffers that are never live at once), else the parts' sum; the need, if refused."""
+        """Per-core bytes as ``check --tpu`` counts them (:func:`~xlafit.check.program.used_bytes`:
+        the compiler's peak where it reports one); the need, if refused."""
         if not self.fits:
             return self.needed
-        return self.memory.get("peak") or self.memory.get("total")
+        return used_bytes(self.memory)
 
     @property
     def hbm_free(self) -> float | None:

@@ -98,8 +98,8 @@ def format_plan(plan: Plan) -> str:
         *([plan.stopped] if plan.stopped else []),
         *_table(rows),
         f"  (* the Pareto front: throughput, cost of the run, HBM to spare{searched})",
-        "  (HBM GiB: the compiler's peak per core, which `check --tpu` shows beside the sum of the step's buffers; "
-        "a layout that does not fit: what it asked for)",
+        "  (HBM GiB: the compiler's peak per core, as `check --tpu` counts it, which shows the step's buffers beside "
+        "it; a layout that does not fit: what it asked for)",
     ]
     if any(o.prediction and o.prediction.outside_band for o in plan.outcomes):
         lines.append(
