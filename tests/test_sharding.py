@@ -204,8 +204,13 @@ def test_a_model_built_on_the_host_is_placed_slice_by_slice(data, dp_sgd):
 
 
 def test_a_mesh_that_does_not_cover_the_devices_is_one_clear_line():
-    with pytest.raises(DeviceError, match=r"data=3 x fsdp=2 x tensor=1 has 6 places for 8 devices.*mesh.fsdp=2"):
+    with pytest.raises(DeviceError, match=r"data=3 x fsdp=2 x tensor=1 has 6 places for 8 devices.*mesh.fsdp=2") as e:
         make_mesh(jax.devices(), 3, 2, 1)
+    assert "--simulate" not in str(e.value)  # fewer places than devices: no rehearsal to offer
+    # A plan's layout for a TPU slice, on fewer CPU devices (walk 25): mesh.data=-1 alone would
+    # shrink a per-core batch's global batch; the rehearsal keeps it.
+    with pytest.raises(DeviceError, match=r"has 16 places for 8 devices.* add --simulate 16 \(run.simulate_devices=16"):
+        make_mesh(jax.devices(), 8, 2, 1)
     with pytest.raises(DeviceError, match="3 does not divide 8"):
         make_mesh(jax.devices(), -1, 3, 1)
     with pytest.raises(ConfigError, match="at most one of"):

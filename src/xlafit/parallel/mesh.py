@@ -71,10 +71,17 @@ def make_mesh(devices: list[jax.Device], data: int = -1, fsdp: int = 1, tensor: 
         sizes[free[0]] = n // fixed
     if int(np.prod(list(sizes.values()))) != n:
         product = int(np.prod(list(sizes.values())))
+        # A layout for a TPU slice (a plan's) rehearses here on as many simulated CPU devices.
+        rehearse = (
+            f" To run this layout on this machine, add --simulate {product} (run.simulate_devices={product}: "
+            f"{product} simulated CPU devices, the same global batch)."
+            if product > n and devices[0].platform == "cpu"
+            else ""
+        )
         raise DeviceError(
             f"the mesh {_shape_text(sizes)} has {product} places for {n} devices: mesh.data x mesh.fsdp x "
             f"mesh.tensor must equal {n}. For example mesh.data=-1 mesh.fsdp={_largest_divisor(n, sizes['fsdp'])} "
-            f"mesh.tensor={_largest_divisor(n, sizes['tensor'])} (sizes that divide {n}: {divisors(n)})."
+            f"mesh.tensor={_largest_divisor(n, sizes['tensor'])} (sizes that divide {n}: {divisors(n)}).{rehearse}"
         )
     local = len([d for d in devices if d.process_index == devices[0].process_index])
     if local % sizes["tensor"]:
