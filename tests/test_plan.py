@@ -206,6 +206,7 @@ def test_run_time_and_cost():
     assert "Price v5e: $1.2 per chip-hour on-demand (Cloud Billing Catalog SKUs" in text
     # walks 16 and 25: plan's HBM column is the compiler's peak, as check's headline and verdict count it
     assert "(HBM GiB: the compiler's peak per core, as `check --tpu` counts it, which shows the step's buffers" in text
+    assert "(run: the run's steps at the predicted step, the device's time alone: compiling, input" in text
     spot = dataclasses.replace(plan, spot=True)  # v6e-8: half an hour at 8 x 0.7803; v5e-8: an hour at 8 x 0.3468
     assert spot.run_cost(fast) == pytest.approx(0.5 * 8 * 0.7803) and spot.run_cost(slow) == pytest.approx(8 * 0.3468)
     assert "Price v6e: $0.7803 per chip-hour Spot" in format_plan(spot)

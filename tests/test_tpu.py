@@ -561,8 +561,10 @@ def test_a_multi_host_slice_is_said_and_settings_that_do_not_suit_it_are_not_cal
     said that the slice is 4 VMs that each run the command."""
     from xlafit.check import check_recipe
 
-    (r,) = check_recipe("mnist", [], tpu="v5e-16").tpu
+    report = check_recipe("mnist", [], tpu="v5e-16")
+    (r,) = report.tpu
     text = format_report(r)
+    assert report.format().endswith("fits 0 of 1 TPU target(s) (v5e-16: not compiled, see above)")
     assert r.hosts == 4 and r.error is not None and r.error.title == "the run's settings do not suit v5e-16"
     assert "compiles for the CPU" not in text and "trainer.invariant_chunks=8 must be a multiple of the 16" in text
     assert "a multi-host slice: 4 TPU VMs of 4 devices, one process each; run the same command on every VM" in text

@@ -100,6 +100,9 @@ class Report:
         if self.tpu:
             fit = sum(1 for t in self.tpu if t.fits)
             lines[-1] += f"; fits {fit} of {len(self.tpu)} TPU target(s)" if problems or fit else ""
+            erred = [t.target for t in self.tpu if t.error is not None]
+            if erred:  # not a memory verdict: the run could not be compiled there as set
+                lines[-1] += f" ({', '.join(erred)}: not compiled, see above)"
         return "\n".join(lines)
 
 

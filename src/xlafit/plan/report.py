@@ -100,6 +100,8 @@ def format_plan(plan: Plan) -> str:
         f"  (* the Pareto front: throughput, cost of the run, HBM to spare{searched})",
         "  (HBM GiB: the compiler's peak per core, as `check --tpu` counts it, which shows the step's buffers beside "
         "it; a layout that does not fit: what it asked for)",
+        "  (run: the run's steps at the predicted step, the device's time alone: compiling, input and checkpoints "
+        "are not in it; run cost: that time at the slice's price)",
     ]
     if any(o.prediction and o.prediction.outside_band for o in plan.outcomes):
         lines.append(

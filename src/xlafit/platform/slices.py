@@ -197,7 +197,7 @@ def parse_target(name: str) -> Target:
     if chips < 1 or chips & (chips - 1) or (gen.name_counts == "cores" and count % gen.cores_per_chip):
         unit = "TensorCores (2 per chip)" if gen.name_counts == "cores" else "chips"
         raise ConfigError(
-            f"TPU target {name!r}: the number counts {unit} and must be a power of two"
+            f"TPU target {name!r}: the number in a {gen.name} name counts {unit} and must be a power of two"
             f"{' and at least 2' if gen.name_counts == 'cores' else ''}; {known}"
         )
     if chips > gen.pod_chips:
