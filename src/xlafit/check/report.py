@@ -95,15 +95,20 @@ class Report:
             lines += ["", format_tpu_report(t)]
         if self.tpu and len(self.tpu) > 1:
             lines += ["", format_table(self.tpu)]
+        lines += ["", self._summary()]
+        return "\n".join(lines)
+
+    def _summary(self) -> str:
+        """The last line: the findings, and how many TPU targets the run fits."""
         problems = len(self.findings) + sum(1 for t in self.tpu or [] if not t.fits or t.error is not None)
-        lines += ["", "no rule violated" if not self.findings else f"{len(self.findings)} problem(s) found"]
+        line = "no rule violated" if not self.findings else f"{len(self.findings)} problem(s) found"
         if self.tpu:
             fit = sum(1 for t in self.tpu if t.fits)
-            lines[-1] += f"; fits {fit} of {len(self.tpu)} TPU target(s)" if problems or fit else ""
+            line += f"; fits {fit} of {len(self.tpu)} TPU target(s)" if problems or fit else ""
             erred = [t.target for t in self.tpu if t.error is not None]
             if erred:  # not a memory verdict: the run could not be compiled there as set
-                lines[-1] += f" ({', '.join(erred)}: not compiled, see above)"
-        return "\n".join(lines)
+                line += f" ({', '.join(erred)}: not compiled, see above)"
+        return line
 
 
 def _size(n: int) -> str:
