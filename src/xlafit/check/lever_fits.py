@@ -14,7 +14,7 @@ its memory and the step model's prediction (and its measured error, or "not vali
 
 from __future__ import annotations
 
-from xlafit.check.program import FitLever, LeverFit, Program, TargetReport
+from xlafit.check.program import FitLever, LeverFit, Program, TargetReport, used_bytes
 from xlafit.check.tpu import Steps, no_persistent_cache, train_report
 from xlafit.errors import XlafitError
 from xlafit.platform.hardware import Target
@@ -93,8 +93,7 @@ def _compile(report: TargetReport, target: Target, program: Program, lever: FitL
     if trial.error is not None:
         out.fits = None
         return out
-    fitted = trial.memory.get("peak") or trial.memory.get("total")
-    out.memory = fitted if trial.train_fits else trial.memory.get("total")
+    out.memory = used_bytes(trial.memory) if trial.train_fits else trial.memory.get("total")
     if trial.train_fits:
         out.step_s, out.predicted = trial.step_s, trial.predicted
         out.band, out.band_median = trial.band, trial.band_median

@@ -123,7 +123,9 @@ def lever_lines(r: TargetReport) -> list[str]:
     batch = r.lever_fits[0].per_device_batch
     where = "the run's batch" if not r.train_fits else "the smallest batch that does not fit"
     n = sum(1 for f in r.lever_fits if f.fits is not None)
-    lines = [f"  with each lever, compiled (train step, {batch} per core: {where}; {n} compile(s)):"]
+    took = sum(f.compile_s for f in r.lever_fits)
+    spent = f", {took:.0f} s on this machine" if took else ""
+    lines = [f"  with each lever, compiled (train step, {batch} per core: {where}; {n} compile(s){spent}):"]
     for f in r.lever_fits:
         setting = " ".join(f.overrides)
         if f.fits:
