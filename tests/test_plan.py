@@ -222,6 +222,28 @@ def test_run_time_and_cost():
     assert dominated.candidate not in plan.pareto()
 
 
+def test_where_every_step_is_under_a_millisecond_the_cheapest_run_follows_the_answers_rule():
+    """Walk 25: the answer of a launch-bound plan is data parallelism (the fewest collectives),
+    yet "Cheapest run" named a tensor-parallel layout by the same sub-ms estimates the answer sets
+    aside, and the Pareto front left the answer out without a word."""
+    targets = [parse_target("v5e-8"), parse_target("v6e-8")]
+
+    def sub_ms(target: str, mesh: tuple[int, ...], examples_per_s: float) -> Outcome:
+        step = 32 / examples_per_s
+        prediction = Prediction(step, step, None, step, step, examples_per_s, None, 0.01, predicted=True)
+        return Outcome(
+            Candidate(target, mesh, 32 // mesh[0]), True, 16 * 2**30, {"total": 2**28}, prediction=prediction
+        )
+
+    dp = sub_ms("v6e-8", (8, 1, 1), 1.0e6)
+    tp = sub_ms("v5e-8", (1, 1, 8), 3.0e6)  # the estimates' cheapest and fastest
+    plan = Plan("mnist", "xlafit plan mnist", targets, [tp, dp], [], 3.2e4, [], {})
+    assert plan.launch_bound(plan.fitting()) and plan.winner is dp
+    text = format_plan(plan)
+    assert "Cheapest run: v6e-8, DP 8:" in text
+    assert "of estimates under 1 ms, which launch and dispatch decide: the answer is data parallelism's)" in text
+
+
 def test_a_roofline_above_the_predicted_step_is_an_estimate_that_says_why():
     """The plan's roofline beside its prediction: an estimate, and when its memory term is
     above the predicted step, why (XLA's bytes accessed include on-chip buffers)."""

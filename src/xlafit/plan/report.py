@@ -97,7 +97,12 @@ def format_plan(plan: Plan) -> str:
         plan.command,
         *([plan.stopped] if plan.stopped else []),
         *_table(rows),
-        f"  (* the Pareto front: throughput, cost of the run, HBM to spare{searched})",
+        f"  (* the Pareto front: throughput, cost of the run, HBM to spare{searched}"
+        + (
+            "; of estimates under 1 ms, which launch and dispatch decide: the answer is data parallelism's)"
+            if plan.launch_bound(fitting)
+            else ")"
+        ),
         "  (HBM GiB: the compiler's peak per core, as `check --tpu` counts it, which shows the step's buffers beside "
         "it; a layout that does not fit: what it asked for)",
         "  (run: the run's steps at the predicted step, the device's time alone: compiling, input and checkpoints "
@@ -269,7 +274,10 @@ def _winner_lines(plan: Plan) -> list[str]:
             f"stop paying back); without --search-batch the plan keeps the run's own batch"
         )
     lines.append(f"  {'run' if plan.preset is not None else 'check'} it: {plan.command_line(o)}")
-    by_cost = [x for x in plan.fitting() if plan.run_cost(x) is not None]
+    fitting = plan.fitting()
+    if plan.launch_bound(fitting):  # the estimates rank no layouts there: data parallelism's, as the answer is
+        fitting = [x for x in fitting if x.candidate.data_parallel] or fitting
+    by_cost = [x for x in fitting if plan.run_cost(x) is not None]
     if len(plan.targets) > 1 and by_cost:
         cheapest = min(by_cost, key=lambda x: plan.run_cost(x) or 0.0)
         lines.append(
