@@ -166,7 +166,13 @@ class CheckpointInfo:
 
     @property
     def usable(self) -> bool:
-        return not self.status.startswith("corrupt")
+        return usable(self.status)
+
+
+def usable(status: str) -> bool:
+    """Whether a checkpoint of :meth:`Checkpointer.verify`'s ``status`` may be restored: intact,
+    or committed and not yet sealed (its arrays are checked as they are read)."""
+    return not status.startswith("corrupt")
 
 
 class Read(NamedTuple):

@@ -27,7 +27,7 @@ from typing import Any, Literal
 import yaml
 from flax import nnx
 
-from xlafit.checkpoint import Checkpointer
+from xlafit.checkpoint import Checkpointer, usable
 from xlafit.config import Config
 from xlafit.data.dataset import as_dataset
 from xlafit.errors import CheckpointError, ConfigError
@@ -201,13 +201,13 @@ def checkpoint_steps(cfg: Config, run: str, steps: Sequence[int] | Literal["all"
             status = {}
             for step in reversed(saved):
                 status[step] = ckpt.verify(step)
-                if not status[step].startswith("corrupt"):
+                if usable(status[step]):
                     return [step]
         else:
             status = {step: ckpt.verify(step) for step in (saved if steps == "all" else steps) if step in saved}
     finally:
         ckpt.close()
-    intact = [step for step in saved if step in status and not status[step].startswith("corrupt")]
+    intact = [step for step in saved if step in status and usable(status[step])]
     if steps is None or (steps == "all" and not intact):
         found = "; ".join(f"{step}: {status[step]}" for step in sorted(status)) or "none"
         raise CheckpointError(f"{run} has no intact checkpoint to evaluate (checkpoints: {found}).")

@@ -325,13 +325,13 @@ def _probe_line(r: TargetReport) -> str:
     line = f"  largest per-core batch that fits: {answer}   probes: {probes}"
     at = r.max_batch_speed
     if at is not None:  # its probe's program, priced as the run's batch is above
-        tokens = f", {rate(at['tokens_per_s'], 'tokens/s')}" if at["tokens_per_s"] else ""
-        speed = (
-            "the device's work alone, no throughput predicted"
-            if outside_band(at["step_s"])
-            else f"{rate(at['examples_per_s'], 'examples/s')}{tokens}"
-        )
         if at["predicted"]:
+            tokens = f", {rate(at['tokens_per_s'], 'tokens/s')}" if at["tokens_per_s"] else ""
+            speed = (
+                "the device's work alone, no throughput predicted"
+                if outside_band(at["step_s"])
+                else f"{rate(at['examples_per_s'], 'examples/s')}{tokens}"
+            )
             band = at["band"] if at["outside_band"] else f"the step model's error: {at['band']}"
             line += f"\n    at {r.max_batch} per core (predicted, not measured): step {seconds(at['step_s'])}, {speed}"
             line += f"; {band}"

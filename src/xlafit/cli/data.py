@@ -118,8 +118,8 @@ def run_show(args: argparse.Namespace) -> int:
     from xlafit.data.files import kind, splits
     from xlafit.recipes import llm_data, load_config
 
-    if prepared.kind(args.file):
-        for line in prepared.describe(args.file, max(args.records, 0)):
+    if made_by := prepared.kind(args.file):
+        for line in prepared.describe(args.file, max(args.records, 0), made_by):
             print(line)
         return 0
     if args.tokenizer is None:

@@ -10,9 +10,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -246,16 +248,32 @@ def fingerprint(found: Splits) -> dict[str, list[str]]:
     in place (a record fixed or added, which moves every later row and the held-out share) is
     seen when the run resumes or is scored. Names are left out: moved data is the same data.
 
+    A local file is read once a process while its size and modification time stay as they
+    were (a resume compares the hashes, then keeps them).
+
     Raises:
         DataError: a file cannot be read (a URL's: named with the cause).
     """
+    train = [_digest(name) for name in found.train]
+    return {"train": train, "eval": train if found.eval is None else [_digest(name) for name in found.eval]}
 
-    def digest(name: str) -> str:
-        with reading(name, DataError), filesystem(name)[0].open(name, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
 
-    train = [digest(name) for name in found.train]
-    return {"train": train, "eval": train if found.eval is None else [digest(name) for name in found.eval]}
+def _digest(name: str) -> str:
+    if is_url(name):
+        return _sha256(name)
+    stat = os.stat(name)
+    return _local_sha256(name, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1024)
+def _local_sha256(name: str, size: int, mtime_ns: int) -> str:
+    """A local file's sha256, for as long as its size and modification time say it is unchanged."""
+    return _sha256(name)
+
+
+def _sha256(name: str) -> str:
+    with reading(name, DataError), filesystem(name)[0].open(name, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _count(files: list[str]) -> str:

@@ -17,7 +17,7 @@ from xlafit.data import images, mlm, shards
 from xlafit.data.shards import reading
 from xlafit.io.paths import filesystem, is_url
 
-MANIFEST = "manifest.json"  # the name both preparations write (images.MANIFEST, mlm.MANIFEST)
+MANIFEST = images.MANIFEST  # mlm.MANIFEST is the same name
 
 
 def kind(url: str) -> str | None:
@@ -38,14 +38,14 @@ def kind(url: str) -> str | None:
     return "images" if name.startswith("xlafit-images") else "mlm" if name.startswith("xlafit-mlm") else None
 
 
-def describe(url: str, examples: int) -> Iterator[str]:
-    """The lines ``xlafit data show`` prints for prepared data at ``url`` (:func:`kind` not None):
-    the manifest in words, then the first ``examples`` of the training split as stored.
+def describe(url: str, examples: int, found: str) -> Iterator[str]:
+    """The lines ``xlafit data show`` prints for prepared data at ``url`` of :func:`kind`
+    ``found``: the manifest in words, then the first ``examples`` of the training split as stored.
 
     Raises:
         DataError: the manifest or a shard read is damaged or missing (named, with the fix).
     """
-    if kind(url) == "images":
+    if found == "images":
         yield from _images(url, examples)
     else:
         yield from _mlm(url, examples)

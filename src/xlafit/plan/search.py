@@ -337,7 +337,7 @@ class Planner:
         """The outcomes, each prediction's MFU on the model's FLOPs: the program's analytic count
         where it has one, else the fewest FLOPs per example XLA counted in any compiled layout (a
         layout that splits a product less repeats it on every core: hardware FLOPs, not the
-        model's: a tensor-parallel MNIST on a v6e-8 counted about 7x its data-parallel FLOPs)."""
+        model's)."""
         outcomes = list(self.outcomes.values())
         if self.base.flops_per_example:
             return outcomes
