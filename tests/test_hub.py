@@ -20,15 +20,15 @@ from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
-def lay_out_cache(home, repo, files, kind="models"):
+def lay_out_cache(home, repo, files, kind="models", commit=COMMIT):
     """``$HF_HOME/hub/models--org--name`` (or ``datasets--org--name``) with ``refs/main`` and
     ``snapshots/<commit>/``: what ``hf download`` leaves (the blobs are links to files in
-    ``blobs/``; copies read the same)."""
+    ``blobs/``; copies read the same). Another commit of the same repository is main's next."""
     root = home / "hub" / f"{kind}--{repo.replace('/', '--')}"
-    snapshot = root / "snapshots" / COMMIT
+    snapshot = root / "snapshots" / commit
     snapshot.mkdir(parents=True)
-    (root / "refs").mkdir()
-    (root / "refs" / "main").write_text(COMMIT)
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / "main").write_text(commit)
     for name, source in files.items():
         (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
         (snapshot / name).write_bytes(source.read_bytes())
@@ -76,6 +76,44 @@ def test_a_hub_id_trains_on_hub_data_from_the_cache_with_no_network(hub_home, tm
     assert (tmp_path / "run" / "tokenizer" / "tokenizer.json").exists()  # the hub model's own tokenizer
     saved = (tmp_path / "run" / "tokenizer" / "tokenizer.json").read_text()
     assert json.loads(saved) == json.loads((work / "model" / "tokenizer.json").read_text())
+
+
+def test_a_hub_dataset_that_moved_on_is_named_on_resume_with_the_revision_the_run_read(hub_home, tmp_path):
+    """A run on hf://datasets/org/name (its main branch) keeps the commit it read; once main
+    moves to a commit with other text, the resume is refused naming the setting that reads the
+    run's commit, and that setting resumes it."""
+    home, work = hub_home
+    moved = work / "moved.txt"
+    moved.write_text((work / "text.txt").read_text().replace("document 7:", "document seven:"))
+    lay_out_cache(home, "tiny-org/moving-text", {"data/train.txt": work / "text.txt"}, kind="datasets")
+    run_dir = tmp_path / "run"
+
+    def train(data, *more):
+        return subprocess.run(
+            [sys.executable, "-m", "xlafit", "train", "llm", "--run-dir", str(run_dir), f"--data-dir={data}",
+             f"data.tokenizer={work / 'model'}", "data.seq_len=32", "data.global_batch=8", "model.preset=custom",
+             "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.intermediate_size=64",
+             "optimizer.decay_steps=100", *more],
+            capture_output=True, text=True, env=_env(home, tmp_path / "cache"), timeout=600,
+        )  # fmt: skip
+
+    first = train("hf://datasets/tiny-org/moving-text/data", "trainer.stop_at_step=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    pinned = f"hf://datasets/tiny-org/moving-text@{COMMIT}/data"
+    assert json.loads((run_dir / "data_files.json").read_text())["hub_revisions"] == {"data.data_dir": pinned}
+
+    later = "fedcba9876543210fedcba9876543210fedcba98"
+    lay_out_cache(home, "tiny-org/moving-text", {"data/train.txt": moved}, kind="datasets", commit=later)
+    refused = train("hf://datasets/tiny-org/moving-text/data", "trainer.stop_at_step=3")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    (error,) = [line for line in refused.stderr.splitlines() if line.startswith("xlafit: error")]
+    assert "its data_files.json differs from this run's data files" in error
+    assert f"the hub dataset moved on since the run read it: data.data_dir={pinned} reads what it read." in error
+
+    resumed = train(pinned, "trainer.stop_at_step=3")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(steps) == 3 and steps.count(3) >= 1
 
 
 def test_a_hub_id_missing_from_the_cache_offline_says_so_in_one_line(hub_home, tmp_path):

@@ -62,6 +62,7 @@ def check_kept_files(
                     continue
                 theirs, ours = before.read_text().strip(), now.read_text().strip()
             both = f" (the run's: {theirs}; now: {ours})" if len(theirs) + len(ours) < 300 else ""
+            both += _moved_on(theirs, ours) if name == files.FINGERPRINT_FILE else ""
             if given is not None:
                 thing = what.split(";")[0]
                 raise ConfigError(
@@ -89,7 +90,17 @@ def _same_file(before: str, now: str, name: str, scoring: bool) -> bool:
             theirs, ours = json.loads(before), json.loads(now)
         except json.JSONDecodeError:
             return before == now
-        if scoring and name in DATA_FINGERPRINTS:
-            return bool(theirs.get("eval") == ours.get("eval"))
+        if name in DATA_FINGERPRINTS:  # the files' hashes; not where a hub dataset's branch pointed
+            theirs, ours = ({k: v for k, v in d.items() if k != files.PINNED} for d in (theirs, ours))
+            if scoring:
+                return bool(theirs.get("eval") == ours.get("eval"))
         return bool(theirs == ours)
     return before == now
+
+
+def _moved_on(before: str, now: str) -> str:
+    """:func:`xlafit.data.files.moved_on` of two data fingerprints as kept (JSON)."""
+    try:
+        return files.moved_on(json.loads(before), json.loads(now))
+    except (json.JSONDecodeError, AttributeError):
+        return ""

@@ -239,6 +239,9 @@ def splits(inputs: Sequence[str], eval_inputs: Sequence[str] = ()) -> Splits:
 
 # A run's record of the data files it read (:func:`fingerprint`), beside its checkpoints.
 FINGERPRINT_FILE = "data_files.json"
+# Its key for the settings that named a hub dataset, each at the commit the run read
+# (:func:`xlafit.io.hub.pinned`): said when the hub moves on, never compared (the hashes are).
+PINNED = "hub_revisions"
 
 
 def fingerprint(found: Splits) -> dict[str, list[str]]:
@@ -256,6 +259,22 @@ def fingerprint(found: Splits) -> dict[str, list[str]]:
     """
     train = [_digest(name) for name in found.train]
     return {"train": train, "eval": train if found.eval is None else [_digest(name) for name in found.eval]}
+
+
+def moved_on(before: dict[str, Any], now: dict[str, Any]) -> str:
+    """Where a run's data came from a hub dataset that has moved on since (another commit on
+    its branch), a sentence naming the settings that read what the run read; else "".
+
+    Example:
+        >>> moved_on({PINNED: {"data.data_dir": "hf://datasets/o/n@c1/d"}}, {PINNED: {"data.data_dir": "hf://datasets/o/n@c2/d"}})
+        '; the hub dataset moved on since the run read it: data.data_dir=hf://datasets/o/n@c1/d reads what it read'
+    """
+    was, is_now = before.get(PINNED, {}), now.get(PINNED, {})
+    moved = [f"{setting}={url}" for setting, url in was.items() if setting in is_now and is_now[setting] != url]
+    if not moved:
+        return ""
+    verb = "reads" if len(moved) == 1 else "read"
+    return f"; the hub dataset moved on since the run read it: {' and '.join(moved)} {verb} what it read"
 
 
 def _digest(name: str) -> str:

@@ -26,7 +26,17 @@ from pathlib import Path
 
 from xlafit.errors import ConfigError
 
-__all__ = ["FILES", "SHAPE_FILES", "absolute", "check_local", "dataset_path", "is_hub_id", "is_local", "resolve"]
+__all__ = [
+    "FILES",
+    "SHAPE_FILES",
+    "absolute",
+    "check_local",
+    "dataset_path",
+    "is_hub_id",
+    "is_local",
+    "pinned",
+    "resolve",
+]
 
 # What a run reads of a model repository; a check that compiles for shapes alone reads no weights.
 FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
@@ -138,6 +148,23 @@ def dataset_path(url: str, what: str = "data.train_files") -> str:
     patterns = [path] if any(c in path for c in "*?[") else [path, f"{path}/*"] if path else ["*"]
     folder = _snapshot(found.group("repo"), found.group("revision"), patterns, "dataset", what, url)
     return str(Path(folder) / path) if path else folder
+
+
+def pinned(url: str, read: str) -> str | None:
+    """``url`` (``hf://datasets/org/name[@revision]/path``) at the commit whose snapshot in the
+    Hugging Face cache ``read`` (a file it named, :func:`dataset_path`) lies in: the data a run
+    read, whatever the branch names now; None where ``read`` is not in a snapshot.
+
+    Example:
+        >>> pinned("hf://datasets/org/chats/train", "/hf/hub/datasets--org--chats/snapshots/abc1/train/a.jsonl")
+        'hf://datasets/org/chats@abc1/train'
+    """
+    found, parts = _DATASET.match(url), Path(read).parts
+    at = [i for i in range(1, len(parts) - 1) if parts[i] == "snapshots" and parts[i - 1].startswith("datasets--")]
+    if found is None or not at:
+        return None
+    path = found.group("path")
+    return f"hf://datasets/{found.group('repo')}@{parts[at[-1] + 1]}" + (f"/{path}" if path else "")
 
 
 def _snapshot(repo: str, revision: str | None, patterns: list[str], kind: str, what: str, name: str = "") -> str:

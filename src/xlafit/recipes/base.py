@@ -147,7 +147,7 @@ class Recipe:
     throughput: Callable[[Config, Any], Throughput] = _no_throughput
     save_artifacts: Callable[[Config, Path, Any], None] = _nothing_to_save
     kept_files: dict[str, str] = dataclasses.field(default_factory=dict)
-    data_fingerprint: Callable[[Config], dict[str, list[str]] | None] | None = None
+    data_fingerprint: Callable[[Config], dict[str, Any] | None] | None = None
     sequence_lengths: Callable[[Config], np.ndarray | None] = _no_lengths
     validate: Callable[[Config], None] = _nothing_to_check
     bit_identical_chunks: bool = False

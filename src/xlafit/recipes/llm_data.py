@@ -366,13 +366,21 @@ def data_summary(train: clm.PackedText, evaluation: clm.PackedText, d: LlmDataCo
     return "\n".join(lines)
 
 
-def data_fingerprint(cfg: Config) -> dict[str, list[str]] | None:
+def data_fingerprint(cfg: Config) -> dict[str, Any] | None:
     """The sha256 of each file of ``data.data_dir`` and ``data.eval_data_dir`` a run reads
-    (:func:`xlafit.data.files.fingerprint`); None for the package's demo data."""
+    (:func:`xlafit.data.files.fingerprint`), and each of those settings that names a hub
+    dataset at the commit read (:data:`~xlafit.data.files.PINNED`: what to give when the
+    dataset's branch has moved on); None for the package's demo data."""
     d = data_config(cfg)
     if not d.data_dir:
         return None
-    return files.fingerprint(files.splits([d.data_dir], [d.eval_data_dir] if d.eval_data_dir else []))
+    found = files.splits([d.data_dir], [d.eval_data_dir] if d.eval_data_dir else [])
+    record: dict[str, Any] = files.fingerprint(found)
+    named = [("data.data_dir", d.data_dir, found.train), ("data.eval_data_dir", d.eval_data_dir, found.eval)]
+    pins = {key: hub.pinned(url, read[0]) for key, url, read in named if url and url.startswith("hf://") and read}
+    if any(pins.values()):
+        record[files.PINNED] = {key: url for key, url in pins.items() if url}
+    return record
 
 
 def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
