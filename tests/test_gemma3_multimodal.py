@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from xlafit.hf import config_json
 from xlafit.hf import llama as llama_hf
 
 torch = pytest.importorskip("torch")
@@ -59,9 +60,9 @@ def test_a_released_text_config_reads_as_transformers_completes_it():
         "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
         "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024,
     }  # fmt: skip
-    mine = llama_hf.config_from_hf({"model_type": "gemma3", "text_config": given, "tie_word_embeddings": True})
+    mine = config_json.config_from_hf({"model_type": "gemma3", "text_config": given, "tie_word_embeddings": True})
     full = transformers.Gemma3TextConfig(**given).to_dict()
-    assert mine == llama_hf.config_from_hf(full)
+    assert mine == config_json.config_from_hf(full)
     assert (mine.vocab_size, mine.rope_theta, mine.rope_local_theta, mine.kinds[5]) == (
         262208, 1_000_000.0, 10_000.0, "full_attention"
     )  # fmt: skip
@@ -83,8 +84,8 @@ def test_an_adapter_of_a_multimodal_base_applies_to_it_in_peft_and_loads_back(tm
     from xlafit.models.lora import apply_lora, lora_modules, merge_lora
 
     multimodal_gemma3(tmp_path / "base")
-    assert llama_hf.is_multimodal(tmp_path / "base")
-    assert llama_hf.causal_lm_class(tmp_path / "base") == ("Gemma3ForConditionalGeneration", True)
+    assert config_json.is_multimodal(tmp_path / "base")
+    assert config_json.causal_lm_class(tmp_path / "base") == ("Gemma3ForConditionalGeneration", True)
     ours = apply_lora(
         llama_hf.from_hf(tmp_path / "base"), ["q_proj", "v_proj", "down_proj"], rank=4, alpha=8, rngs=nnx.Rngs(0)
     )

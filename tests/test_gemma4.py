@@ -16,6 +16,7 @@ from flax import nnx
 
 from helpers import long_form, peft_tuned, recomputed
 from xlafit.errors import ConfigError
+from xlafit.hf import config_json
 from xlafit.hf import llama as llama_hf
 from xlafit.models.generation import generate
 
@@ -235,7 +236,7 @@ def test_scanning_the_repeating_block_equals_the_layers_one_by_one(family, tmp_p
     """scan_layers=True on a model of sliding and global layers scans its (sliding, global)
     block (twice; Gemma 3's last layer after it unscanned): the same logits, the same
     gradients (every tensor, by its Hugging Face name), the same generated tokens."""
-    cfg = llama_hf.config_from_hf(_scan_configs()[family])
+    cfg = config_json.config_from_hf(_scan_configs()[family])
     model = llama_hf.LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
     for i, (_, value) in enumerate(nnx.state(model, nnx.Param).flat_state()):  # norms off their start too
         value.set_value(value[...] + 0.1 * jax.random.normal(jax.random.key(i), value.shape))

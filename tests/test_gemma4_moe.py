@@ -20,6 +20,7 @@ from helpers import peft_tuned
 from test_gemma4 import IDS, gemma4_config
 from xlafit.data import clm
 from xlafit.errors import ConfigError, HFFormatError
+from xlafit.hf import config_json
 from xlafit.hf import llama as llama_hf
 from xlafit.hf.files import open_safetensors
 from xlafit.models.generation import generate
@@ -75,7 +76,7 @@ def test_the_config_reads_the_experts_and_writes_them_back(checkpoint):
     cfg = llama_hf.read_config(folder)[1]
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.expert_size, cfg.norm_topk_prob) == (4, 2, 16, True)
     assert cfg.moe_beside_mlp and cfg.moe_layers == (True,) * 6 and cfg.router_aux_loss_coef == 0.0
-    written = llama_hf.hf_config(cfg)
+    written = config_json.hf_config(cfg)
     assert {key: written[key] for key in MOE} == MOE
     # FLOPs: each layer's dense MLP beside its router and k experts (6 per weight, forward and backward).
     dense = dataclasses.replace(cfg, num_experts=0).train_flops_per_token(16)
@@ -86,7 +87,7 @@ def test_a_mixture_of_experts_without_its_sizes_is_refused():
     config = gemma4_config(**MOE).to_dict()
     del config["top_k_experts"]
     with pytest.raises(HFFormatError, match="enable_moe_block=true and lacks top_k_experts"):
-        llama_hf.config_from_hf(config)
+        config_json.config_from_hf(config)
 
 
 @pytest.mark.parametrize("impl", ["ragged", "dense"])
@@ -203,7 +204,7 @@ def test_the_llm_recipe_trains_from_an_export(tmp_path, monkeypatch):
     clm.train_bpe([str(tmp_path / "text" / "a.txt")], 300, tmp_path / "tok")
     two = dict(num_hidden_layers=2, layer_types=KINDS[1:3], num_kv_shared_layers=0, use_double_wide_mlp=False)
     config = gemma4_config(**MOE, **two, vocab_size=300, vocab_size_per_layer_input=300).to_dict()
-    model = llama_hf.LlamaForCausalLM(llama_hf.config_from_hf(config), rngs=nnx.Rngs(0))
+    model = llama_hf.LlamaForCausalLM(config_json.config_from_hf(config), rngs=nnx.Rngs(0))
     llama_hf.save_hf(model, tmp_path / "hf")
     cfg = load_config("llm", [
         f"model.init_from_hf={tmp_path / 'hf'}", f"data.data_dir={tmp_path / 'text'}",

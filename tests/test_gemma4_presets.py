@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from xlafit.errors import HFFormatError
-from xlafit.hf import llama as llama_hf
+from xlafit.hf import config_json
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 
 torch = pytest.importorskip("torch")
@@ -66,7 +66,7 @@ RELEASED = {
 def test_the_preset_is_the_released_config_with_transformers_parameter_count(name):
     released = {**SHARED, **RELEASED[name]}
     preset = LlamaConfig.preset(name)
-    read = llama_hf.config_from_hf(released)
+    read = config_json.config_from_hf(released)
     differ = {f.name: (getattr(preset, f.name), getattr(read, f.name)) for f in dataclasses.fields(preset)}
     assert {k: v for k, v in differ.items() if v[0] != v[1]} == {}
     period = released["layer_types"].index("full_attention") + 1
@@ -90,6 +90,6 @@ def test_vision_bidirectional_attention_reads_as_causal_text_and_all_is_refused(
     tokens see each other; text stays causal): their text model reads. ``"all"`` (an
     encoder's attention) is refused, naming it."""
     released = {**SHARED, **RELEASED["gemma-4-31b"]}
-    assert llama_hf.config_from_hf(released).family == "gemma4_text"
+    assert config_json.config_from_hf(released).family == "gemma4_text"
     with pytest.raises(HFFormatError, match="use_bidirectional_attention='all'.*causal attention"):
-        llama_hf.config_from_hf({**released, "use_bidirectional_attention": "all"})
+        config_json.config_from_hf({**released, "use_bidirectional_attention": "all"})

@@ -21,8 +21,9 @@ from helpers import NF4
 from xlafit.checkpoint import Checkpointer
 from xlafit.config import LoraConfig
 from xlafit.errors import ConfigError
+from xlafit.hf import config_json
 from xlafit.hf import llama as llama_hf
-from xlafit.hf.llama import config_from_hf
+from xlafit.hf.config_json import config_from_hf
 from xlafit.hf.quantized import from_hf_quantized
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 from xlafit.models.lora import ADAPTER, base_fingerprint, merge_lora
@@ -351,7 +352,7 @@ def test_loading_a_4bit_base_holds_one_tensor_beside_the_quantized_model(tmp_pat
     }
     largest = max(v.nbytes for v in tensors.values())
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    (tmp_path / "config.json").write_text(json.dumps({**llama_hf.hf_config(cfg), "torch_dtype": "bfloat16"}))
+    (tmp_path / "config.json").write_text(json.dumps({**config_json.hf_config(cfg), "torch_dtype": "bfloat16"}))
     del tensors
     h, q, kv, m = 512, 512, 128, 2048
     shapes = json.dumps([[h, q], [h, kv], [q, h], [h, m], [m, h]])

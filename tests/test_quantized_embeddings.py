@@ -15,7 +15,7 @@ from helpers import NF4
 from xlafit.config import LoraConfig
 from xlafit.errors import ConfigError, HFFormatError
 from xlafit.hf import llama as llama_hf
-from xlafit.hf.llama import config_from_hf
+from xlafit.hf.config_json import config_from_hf
 from xlafit.hf.quantized import from_hf_quantized
 from xlafit.models.generation import generate
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM

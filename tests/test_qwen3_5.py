@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from helpers import block_parameters, hf_greedy, peft_tuned
+from xlafit.hf import config_json
 from xlafit.hf import llama as llama_hf
 from xlafit.models.generation import generate
 from xlafit.models.lora import apply_lora, merge_lora
@@ -202,7 +203,7 @@ def test_the_dense_presets_are_what_the_released_configs_read_as_with_transforme
     rope = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
     config = transformers.Qwen3_5TextConfig(rope_parameters=rope, max_position_embeddings=262144, **released)
     ours = LlamaConfig.preset(preset)
-    read = llama_hf.config_from_hf(config.to_dict())
+    read = config_json.config_from_hf(config.to_dict())
     assert {f.name for f in dataclasses.fields(ours) if getattr(ours, f.name) != getattr(read, f.name)} == set()
     count, theirs = block_parameters(ours, transformers.Qwen3_5ForCausalLM, config)
     assert count == theirs

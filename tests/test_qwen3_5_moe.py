@@ -18,6 +18,7 @@ from flax import nnx
 
 from helpers import block_parameters, hf_greedy, packed_rows, peft_tuned
 from xlafit.errors import HFFormatError
+from xlafit.hf import config_json
 from xlafit.hf import llama as llama_hf
 from xlafit.models.generation import generate
 
@@ -112,8 +113,8 @@ def test_the_adapter_of_a_multimodal_qwen_base_names_the_text_model_that_causal_
     config = transformers.Qwen3_5MoeConfig(text_config=TEXT, vision_config=vision)
     torch.manual_seed(1)
     _randomize(transformers.Qwen3_5MoeForConditionalGeneration(config)).save_pretrained(tmp_path / "base")
-    assert llama_hf.is_multimodal(tmp_path / "base")
-    assert llama_hf.causal_lm_class(tmp_path / "base") == ("Qwen3_5MoeForCausalLM", False)
+    assert config_json.is_multimodal(tmp_path / "base")
+    assert config_json.causal_lm_class(tmp_path / "base") == ("Qwen3_5MoeForCausalLM", False)
     ours = apply_lora(llama_hf.from_hf(tmp_path / "base", linear_chunk_size=16), ["q_proj", "v_proj"], rank=4,
                       alpha=8, rngs=nnx.Rngs(0))  # fmt: skip
     tuned, _ = peft_tuned(ours, tmp_path / "base", tmp_path / "adapter")
@@ -152,7 +153,7 @@ def test_an_export_transformers_cannot_describe_is_refused(ours, tmp_path):
     for change in ({"mlp_only_layers": (0,)}, {"shared_expert_intermediate_size": 0}):
         cfg = dataclasses.replace(ours.cfg, **change)
         with pytest.raises(HFFormatError, match="every layer sparse"):
-            llama_hf.hf_config(cfg)
+            config_json.hf_config(cfg)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
@@ -162,7 +163,7 @@ def test_attention_biases_are_refused(family):
     hf = {"model_type": family, "vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 4,
           "num_attention_heads": 4, "head_dim": 16, "attention_bias": True}  # fmt: skip
     with pytest.raises(HFFormatError, match="attention_bias=true Qwen3.5 models"):
-        llama_hf.config_from_hf(hf)
+        config_json.config_from_hf(hf)
 
 
 PROMPTS = [IDS[0][:7], IDS[1][:3]]  # left-padded to 7: the padding writes no state
@@ -246,7 +247,7 @@ def test_the_preset_is_what_the_released_config_reads_as_with_transformers_param
     rope = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
     released = transformers.Qwen3_5MoeTextConfig(rope_parameters=rope, max_position_embeddings=262144)
     preset = LlamaConfig.preset("qwen3.5-35b-a3b")
-    read = llama_hf.config_from_hf(released.to_dict())
+    read = config_json.config_from_hf(released.to_dict())
     differ = {f.name for f in dataclasses.fields(preset) if getattr(preset, f.name) != getattr(read, f.name)}
     assert differ <= {"intermediate_size"}, differ  # the dense MLP's width, which no layer has
     count, theirs = block_parameters(preset, transformers.Qwen3_5MoeForCausalLM, released)

@@ -170,7 +170,7 @@ def run_torch_llama(name: str, size: str, warmup: int, steps: int) -> dict[str, 
     import transformers
     from measured import overrides_of
 
-    from xlafit.hf.llama import hf_config
+    from xlafit.hf.config_json import hf_config
     from xlafit.models.llama import LlamaConfig
     from xlafit.platform.hardware import table_peak
 

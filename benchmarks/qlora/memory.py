@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
+from xlafit.hf import config_json
 from xlafit.hf import llama as llama_hf
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 
@@ -70,7 +71,7 @@ def write_checkpoint(cfg: LlamaConfig, out: Path) -> dict[str, int]:
         del tensors
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / llama_hf.INDEX).write_text(json.dumps(index, indent=2))
-    (out / "config.json").write_text(json.dumps({**llama_hf.hf_config(cfg), "torch_dtype": "bfloat16"}))
+    (out / "config.json").write_text(json.dumps({**config_json.hf_config(cfg), "torch_dtype": "bfloat16"}))
     return {"checkpoint_bytes": total, "largest_tensor_bytes": largest}
 
 

@@ -25,7 +25,8 @@ import torch
 import transformers
 from flax import nnx
 
-from xlafit.hf.llama import hf_config, to_hf_state
+from xlafit.hf.config_json import hf_config
+from xlafit.hf.llama import to_hf_state
 from xlafit.models.llama import LlamaConfig, LlamaForCausalLM
 from xlafit.recipes.llm import loss_fn
 from xlafit.train.state import TrainState

@@ -31,6 +31,7 @@ from xlafit.checkpoint_read import read_checkpoint
 from xlafit.config import Config
 from xlafit.data import clm, rendering, special_tokens
 from xlafit.errors import CheckpointError, ConfigError, StorageError
+from xlafit.hf import config_json
 from xlafit.hf import llama as llama_hf
 from xlafit.hf.bert import save_hf
 from xlafit.hf.peft import peft_misreads, save_peft_adapter
@@ -369,8 +370,8 @@ def export_llm(
         else:  # where the export puts its base (an absolute path, or a bucket's URL as it is)
             base_path = base_at or str((out / "base").absolute())
         folder = model_dir(cfg)  # the base as the run read it (a hub id: its snapshot in the cache)
-        multimodal = folder is not None and llama_hf.is_multimodal(folder)
-        loads, whole = llama_hf.causal_lm_class(folder) if folder is not None and multimodal else ("", False)
+        multimodal = folder is not None and config_json.is_multimodal(folder)
+        loads, whole = config_json.causal_lm_class(folder) if folder is not None and multimodal else ("", False)
         save_peft_adapter(model, out / "adapter", base_model_name_or_path=base_path, multimodal=whole)
         # its tokenizer beside it, as TRL saves an adapter: AutoTokenizer reads the adapter's folder too
         _write_tokenizer(cfg, tokenizer_json, out / "adapter", chat_template, tokens, recorded)

@@ -112,7 +112,7 @@ def save_peft_adapter(
         directory: created if missing.
         base_model_name_or_path: what PEFT records as the base (a hub id or a path).
         multimodal: the base is a multimodal checkpoint that ``AutoModelForCausalLM`` loads
-            whole (Gemma 3 4B-27B, Gemma 4: :func:`xlafit.hf.llama.causal_lm_class`; it loads
+            whole (Gemma 3 4B-27B, Gemma 4: :func:`xlafit.hf.config_json.causal_lm_class`; it loads
             Qwen3.5's text model alone, whose names are the text model's): the adapter names
             its modules as transformers does there (``model.language_model.layers...``), and its
             ``target_modules`` is a pattern that matches the text model's alone (a list of

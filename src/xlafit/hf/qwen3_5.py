@@ -10,7 +10,7 @@ renormalised, ``num_experts`` experts of ``moe_intermediate_size``, and a shared
 ``shared_expert_intermediate_size`` behind a sigmoid gate (its config has no
 ``intermediate_size``, ``norm_topk_prob``, ``decoder_sparse_step`` nor ``mlp_only_layers``).
 Missing keys take transformers' ``Qwen3_5MoeTextConfig`` defaults. The multimodal checkpoints
-(``qwen3_5``, ``qwen3_5_moe``) give their ``text_config`` (:func:`xlafit.hf.llama.text_config`).
+(``qwen3_5``, ``qwen3_5_moe``) give their ``text_config`` (:func:`xlafit.hf.config_json.text_config`).
 
 Example:
     >>> fields = config_fields("qwen3_5_moe_text", {"num_hidden_layers": 4, "num_experts": 8})

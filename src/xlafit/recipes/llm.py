@@ -30,8 +30,8 @@ from flax import nnx
 from xlafit.config import Config
 from xlafit.data import clm, files
 from xlafit.errors import ConfigError, HFFormatError
+from xlafit.hf import config_json, peft
 from xlafit.hf import llama as llama_hf
-from xlafit.hf import peft
 from xlafit.hf.files import read_json
 from xlafit.hf.quantized import from_hf_quantized, tiled_shapes
 from xlafit.io import hub
@@ -168,7 +168,7 @@ def _refuse_size_overrides(cfg: Config) -> None:
     config = Path(str(model_dir(cfg))).expanduser() / "config.json"
     if not config.exists():
         return  # llama_hf.from_hf names what is missing
-    checkpoint = llama_hf.config_from_hf(read_json(config))
+    checkpoint = config_json.config_from_hf(read_json(config))
     differ = {k: v for k, v in given.items() if v != getattr(checkpoint, k)}
     if differ:
         key, value = next(iter(differ.items()))
@@ -195,7 +195,7 @@ def check_checkpoint(cfg: Config, folder: str | Path) -> None:
             raise HFFormatError(
                 f"{folder} has no config.json; give a directory written by save_pretrained or xlafit export hf."
             )
-        checkpoint = llama_hf.config_from_hf(read_json(folder / "config.json"))
+        checkpoint = config_json.config_from_hf(read_json(folder / "config.json"))
         if not reading_shapes_only():
             llama_hf.tensor_files(folder)
     except (ValueError, KeyError, TypeError) as e:
@@ -327,7 +327,7 @@ def llama_options(cfg: Config) -> dict[str, Any]:
 def build_from_config(cfg: Config, config: dict[str, Any]) -> LlamaForCausalLM:
     """``model.init_from_hf``'s model made from its ``config.json`` (``config``) with new
     weights, none read: for what sets them all afterwards (a full fine-tune's checkpoint)."""
-    return LlamaForCausalLM(llama_hf.config_from_hf(config, **llama_options(cfg)), rngs=nnx.Rngs(cfg.trainer.seed))
+    return LlamaForCausalLM(config_json.config_from_hf(config, **llama_options(cfg)), rngs=nnx.Rngs(cfg.trainer.seed))
 
 
 def _refuse_beyond_host_memory(cfg: Config, sizes: LlamaConfig) -> None:
@@ -546,7 +546,7 @@ def model_sizes(cfg: Config, vocab_size: int) -> LlamaConfig:
     source = model_dir(cfg)
     if not source:
         return llama_config(cfg, vocab_size)
-    return llama_hf.config_from_hf(read_json(Path(source).expanduser() / "config.json"))
+    return config_json.config_from_hf(read_json(Path(source).expanduser() / "config.json"))
 
 
 def throughput(cfg: Config, train: clm.PackedText) -> Throughput:
