@@ -216,6 +216,57 @@ def test_a_grpo_run_stopped_and_resumed_logs_the_uninterrupted_metrics(files, tm
     assert (tmp_path / "cut.seen").read_text() == (tmp_path / "whole.seen").read_text()
 
 
+def test_a_grpo_job_of_two_processes_trains_as_one_process_and_asks_each_reward_once(files, tmp_path):
+    """GRPO was refused in a job of several processes (a pod slice's hosts). Its rollout now
+    generates the whole batch on the job's mesh, asks the reward functions in process 0 alone
+    (each called once per completion, as in one process) and hands each process its rows:
+    2 processes x 4 devices log what 1 process x 8 devices logs (the loss to float rounding,
+    a gradient step included), and a reward that raises in process 0 ends both processes,
+    each naming it, after both saved the steps before it."""
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(
+        REWARDS + "def counted(prompts, completions, trainer_state, seen, **kwargs):\n"
+        f"    with open({str(tmp_path / 'calls')!r} + seen[0], 'a') as f:\n"
+        "        f.write(f'{len(completions)}\\n')\n"
+        "    if trainer_state.global_step >= 4:\n"
+        "        raise ValueError('no judge today')\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    settings = ["lora.rank=4", "model.grpo.num_iterations=2", "model.grpo.beta=0.04",
+                "trainer.checkpoint_every_steps=100", f"model.grpo.rewards={rewards}:exact,short,counted"]  # fmt: skip
+    with_seen = files / "prompts.jsonl"
+    rows = [json.loads(line) | {"seen": ".one"} for line in with_seen.read_text().splitlines()]
+    (tmp_path / "one.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "two.jsonl").write_text("".join(json.dumps(r | {"seen": ".two"}) + "\n" for r in rows))
+    one, two = tmp_path / "one", tmp_path / "two"
+    reference = overrides(files, one, *settings, "trainer.stop_at_step=4", f"data.data_dir={tmp_path / 'one.jsonl'}")
+    xlafit.train_and_evaluate(xlafit.load_config("llm", reference))
+
+    launch = [*XLAFIT, "launch", "--processes", "2", "--devices-per-process", "4", "--log-dir", str(tmp_path / "logs")]
+    job = [*XLAFIT, "train", "llm", *overrides(files, two, *settings, f"data.data_dir={tmp_path / 'two.jsonl'}")]
+    out = subprocess.run([*launch, "--", *job], capture_output=True, text=True, env=user_env(), timeout=600)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "devices: 8 x cpu (2 process(es))" in out.stdout
+    assert "reward function counted raised ValueError: no judge today" in out.stderr
+    assert "The steps before it are kept: checkpoint 4 saved" in out.stderr, out.stderr[-2000:]
+    assert "a reward function failed in process 0" in (tmp_path / "logs" / "process-1.log").read_text()
+
+    # the third generation batch (steps 5 and 6) failed: steps 1-4 as in one process, saved by the job
+    got, want = by_step(two), by_step(one)
+    assert sorted(got) == sorted(want) == [("train", 2), ("train", 4)]
+    for key, record in want.items():  # float rounding apart (the loss, the schedule's rate)
+        numbers = {k for k, v in record.items() if isinstance(v, float)}
+        assert {k: got[key][k] for k in numbers} == pytest.approx({k: record[k] for k in numbers}, rel=1e-6, abs=1e-9)
+        assert {k: v for k, v in got[key].items() if k not in numbers} == {
+            k: v for k, v in record.items() if k not in numbers
+        }
+    assert want[("train", 4)]["grad_norm"] > 0
+    assert (two / "checkpoints" / "4").is_dir()
+    assert (tmp_path / "calls.one").read_text() == "8\n8\n"  # each generation batch's 8 completions, once
+    # and the third, which raised, then its first group alone (finding the prompt to name): in process 0 alone
+    assert (tmp_path / "calls.two").read_text() == "8\n8\n8\n4\n"
+
+
 def test_a_resume_may_change_the_rewards_weights_and_says_so(files, tmp_path, capsys):
     """The fourteenth walk: a reward weight changed between two sessions was refused ("This
     change breaks continuation from its checkpoints") and the run could only start over; a

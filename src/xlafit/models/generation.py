@@ -53,7 +53,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xlafit.errors import ConfigError
 from xlafit.models.llama import LlamaForCausalLM
-from xlafit.parallel.sharding import decode_axes, decode_layout, row_shards, rows_layout, rows_sharding
+from xlafit.parallel.sharding import decode_axes, decode_layout, row_shards, rows_layout, rows_sharding, to_host
 
 __all__ = ["Generated", "Sampling", "filter_logits", "generate", "generation_program"]
 
@@ -356,7 +356,7 @@ def generate(
         pads_in = jax.make_array_from_callback(pads.shape, rows_sharding(layout, 1), lambda i: pads[i])
     else:
         ids_in, pads_in = jnp.asarray(ids), jnp.asarray(pads)
-    tokens = np.asarray(
+    tokens = to_host(
         _run(
             graphdef, state, ids_in, pads_in, jnp.asarray(stops), jnp.asarray(seed), max_new_tokens, static,
             jnp.int32(pad_id), layout,

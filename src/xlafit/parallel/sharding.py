@@ -38,7 +38,9 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 import jax
+import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xlafit.errors import ConfigError
@@ -461,3 +463,11 @@ def rows_sharding(layout: tuple[Mesh, tuple[str, ...]], ndim: int) -> NamedShard
     """An array ``[rows, ...]`` of ``ndim`` axes with its rows split over ``layout``'s batch axes."""
     mesh, axes = layout
     return NamedSharding(mesh, PartitionSpec(axes, *([None] * (ndim - 1))))
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """The whole of ``x`` as a NumPy array on this host; in a job of several processes, the
+    rows that other processes' devices hold are gathered from them (every process calls it)."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

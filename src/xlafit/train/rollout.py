@@ -12,6 +12,10 @@ needed the per-token log-probabilities of the policy as it generated (``n > 1``)
 reference (``β > 0``: the model with its LoRA adapters off). The sampler's seed is a
 function of ``(data.seed, step)``: a resumed run draws what the uninterrupted one drew.
 
+In a job of several processes every process takes part in the whole generation batch (its
+prompts gathered from each process's rows), the reward functions are asked in process 0
+alone, which hands their values on, and each process keeps its rows of the train batch.
+
 Example:
     >>> sampler_seed(0, 12) == sampler_seed(0, 12) != sampler_seed(0, 13)
     True
@@ -29,12 +33,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from xlafit.data.prompts import PromptSet
-from xlafit.errors import ConfigError
+from xlafit.errors import ConfigError, RewardError
 from xlafit.models.generation import Sampling, generate, generation_program
 from xlafit.models.lora import adapters_off, has_adapters
-from xlafit.parallel.sharding import row_shards, rows_layout, rows_sharding
+from xlafit.parallel.sharding import row_shards, rows_layout, rows_sharding, to_host
 from xlafit.train import grpo
 from xlafit.train.losses import TokenLogps, whole_token_logps
 from xlafit.train.rewards import Reward, TrainerState, check_arguments, score
@@ -52,6 +57,16 @@ def place_rows(x: np.ndarray, state: Any) -> jax.Array:
     if layout is None or len(x) % row_shards(layout):
         return jnp.asarray(x)
     return jax.make_array_from_callback(x.shape, rows_sharding(layout, x.ndim), lambda i: x[i])
+
+
+def _all_processes(local: np.ndarray) -> tuple[np.ndarray, slice]:
+    """The rows of every process's ``local`` in the global batch's order (each process holds
+    one block of it, in process order: :func:`xlafit.data.loader.to_global`), and this
+    process's slice of them; in one process, ``local`` and all of it."""
+    if jax.process_count() == 1:
+        return local, slice(None)
+    start = jax.process_index() * len(local)
+    return np.asarray(multihost_utils.process_allgather(local, tiled=True)), slice(start, start + len(local))
 
 
 def sampler_seed(seed: int, step: int) -> int:
@@ -124,7 +139,8 @@ class Rollout:
         """The rows ``[B, ...]`` of one generation batch: ``prompt_index [B]`` (each prompt's
         ``G`` rows adjacent) answered, scored and weighted."""
         o, data = self.objective, self.prompts
-        index = [int(i) for i in prompt_index]
+        everyone, mine = _all_processes(np.asarray(prompt_index))
+        index = [int(i) for i in everyone]
         sampling = Sampling(o.temperature, self.top_k, self.top_p, seed=sampler_seed(self.seed, step))
         start = time.perf_counter()
         completions = generate(
@@ -135,14 +151,37 @@ class Rollout:
         rows = self._rows(index, completions)
         lengths = np.array([len(c) for c in completions], np.float32)
         state = self.state_at(step, len(index))
-        values = score(self.rewards, self._reward_inputs(index, completions), index, data.group, state)
+        values = self._scored(index, completions, state)
         assert self.reward_weights is not None
         adv, stats = grpo.advantages(values, self.reward_weights, data.group, o.scale_rewards)
         rows["advantages"] = adv
         rows["weights"] = grpo.row_weights(lengths, o.loss_type, o.max_completion_length, int(lengths.sum()))
         self._add_logps(model, rows)
         rows |= self._logged(values, stats, lengths, completions, rollout_s)
-        return rows
+        return {name: x[mine] for name, x in rows.items()}
+
+    def _scored(self, index: list[int], completions: list[list[int]], state: TrainerState) -> np.ndarray:
+        """The reward functions' values ``[B, F]`` for the generation batch: asked in one
+        process (process 0 of a job of several, which hands them to the others), so that each
+        function is called once per completion, as in one process."""
+        args = (self.rewards, self._reward_inputs(index, completions), index, self.prompts.group, state)
+        if jax.process_count() == 1:
+            return score(*args)
+        values, failed = np.zeros((len(index), len(self.rewards)), np.float32), None
+        if jax.process_index() == 0:
+            try:
+                values = score(*args)
+            except RewardError as e:
+                failed = e
+        ok, values = multihost_utils.broadcast_one_to_all((np.int32(failed is None), values))
+        if failed is not None:
+            raise failed
+        if not ok:
+            raise RewardError(
+                "a reward function failed in process 0, where the rollout asks them; its message is in process 0's "
+                "output: fix the function (or that record) and run again."
+            )
+        return np.asarray(values, np.float32)
 
     def state_at(self, step: int, rows: int) -> TrainerState:
         """The rewards' ``trainer_state`` for the generation batch of ``step`` (counted from 0)
@@ -258,7 +297,7 @@ class Rollout:
         device_rows = {k: place_rows(rows[k], state) for k in grpo.ROW_KEYS}
         t = self.objective.temperature
         if need_old:
-            rows["old_logps"] = np.asarray(_logps(graphdef, state, device_rows, t, False, self.token_logps))
+            rows["old_logps"] = to_host(_logps(graphdef, state, device_rows, t, False, self.token_logps))
         if need_ref:
             if not has_adapters(model):
                 raise ConfigError(
@@ -266,7 +305,7 @@ class Rollout:
                     "model has no LoRA adapters to turn off for one; set lora.rank=16 (or another rank), or "
                     "model.grpo.beta=0."
                 )
-            rows["ref_logps"] = np.asarray(_logps(graphdef, state, device_rows, t, True, self.token_logps))
+            rows["ref_logps"] = to_host(_logps(graphdef, state, device_rows, t, True, self.token_logps))
 
     def _logged(
         self,

@@ -446,12 +446,13 @@ class Trainer:
 
     def _keep_before_error(self, loop: Loop) -> str:
         """Before a reward error ends the run: the steps trained since the last checkpoint
-        logged and saved (one process: a job's save needs every process); says where a rerun
-        goes on. Nothing where the run has no run directory."""
+        logged and saved (in a job of several processes, every process raises it at the same
+        call: :class:`~xlafit.train.rollout.Rollout` asks the rewards in process 0 and hands on
+        the outcome); says where a rerun goes on. Nothing where the run has no run directory."""
         if self._ckpt is None:
             return ""
         latest = self._ckpt.latest_step()
-        if jax.process_count() > 1 or loop.step == (latest or 0):
+        if loop.step == (latest or 0):
             return f" A rerun goes on from checkpoint {latest}." if latest else " A rerun starts at step 0."
         if loop.pending and loop.last_call is not None:
             self._log(loop, loop.last_call)
