@@ -222,7 +222,9 @@ def test_a_grpo_job_of_two_processes_trains_as_one_process_and_asks_each_reward_
     (each called once per completion, as in one process) and hands each process its rows:
     2 processes x 4 devices log what 1 process x 8 devices logs (the loss to float rounding,
     a gradient step included), and a reward that raises in process 0 ends both processes,
-    each naming it, after both saved the steps before it."""
+    each naming it, after both saved the steps before it. The weights are split over both
+    processes (FSDP 8), where a LoRA run stopped at its start: the frozen base's fingerprint
+    read the arrays as if one process held them (the twenty-sixth walk)."""
     rewards = tmp_path / "rewards.py"
     rewards.write_text(
         REWARDS + "def counted(prompts, completions, trainer_state, seen, **kwargs):\n"
@@ -232,7 +234,8 @@ def test_a_grpo_job_of_two_processes_trains_as_one_process_and_asks_each_reward_
         "        raise ValueError('no judge today')\n"
         "    return [0.0] * len(completions)\n"
     )
-    settings = ["lora.rank=4", "model.grpo.num_iterations=2", "model.grpo.beta=0.04",
+    # FSDP over both processes: the LoRA base's fingerprint, generation and the train step on sharded weights
+    settings = ["lora.rank=4", "model.grpo.num_iterations=2", "model.grpo.beta=0.04", "mesh.data=1", "mesh.fsdp=8",
                 "trainer.checkpoint_every_steps=100", f"model.grpo.rewards={rewards}:exact,short,counted"]  # fmt: skip
     with_seen = files / "prompts.jsonl"
     rows = [json.loads(line) | {"seen": ".one"} for line in with_seen.read_text().splitlines()]

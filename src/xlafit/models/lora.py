@@ -37,7 +37,7 @@ from xlafit.errors import ConfigError
 from xlafit.models.moe import EXPERT_WEIGHTS, ExpertAdapters, Experts
 from xlafit.models.quantized import QuantizedExperts, QuantizedLinear, dequantize_linears, set_child
 from xlafit.models.quantized_embed import dequantize_embeddings
-from xlafit.parallel.sharding import logical_axes
+from xlafit.parallel.sharding import logical_axes, to_host
 
 ADAPTER = nnx.LoRAParam  # the adapters: what a LoRA fine-tune trains
 BASE = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))  # everything else it keeps frozen
@@ -425,9 +425,9 @@ def state_fingerprint(state: nnx.State, *, full: bool = False, samples: int = 25
         value = var[...] if isinstance(var, nnx.Variable) else var
         digest.update(f"{name}:{tuple(value.shape)}:{value.dtype};".encode())
         if full or value.size <= samples:
-            digest.update(np.asarray(value).tobytes())
+            digest.update(to_host(value).tobytes())
             continue
         flat_index = np.linspace(0, value.size - 1, samples).round().astype(np.int64)
         index = np.unravel_index(flat_index, value.shape)  # a gather: no copy of the tensor
-        digest.update(np.asarray(value[tuple(jnp.asarray(i) for i in index)]).tobytes())
+        digest.update(to_host(value[tuple(jnp.asarray(i) for i in index)]).tobytes())
     return digest.hexdigest()

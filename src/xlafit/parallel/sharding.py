@@ -465,9 +465,10 @@ def rows_sharding(layout: tuple[Mesh, tuple[str, ...]], ndim: int) -> NamedShard
     return NamedSharding(mesh, PartitionSpec(axes, *([None] * (ndim - 1))))
 
 
-def to_host(x: jax.Array) -> np.ndarray:
-    """The whole of ``x`` as a NumPy array on this host; in a job of several processes, the
-    rows that other processes' devices hold are gathered from them (every process calls it)."""
-    if x.is_fully_addressable:
+def to_host(x: Any) -> np.ndarray:
+    """The whole of ``x`` (an array) as a NumPy array on this host; in a job of several
+    processes, the parts that other processes' devices hold are gathered from them (every
+    process calls it)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
         return np.asarray(x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
