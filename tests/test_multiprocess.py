@@ -258,6 +258,51 @@ def test_job_flags_without_the_launcher():
         assert "mesh: data=8 fsdp=1 tensor=1" in out
 
 
+def _by_hand(tmp_path, per_process):
+    """Two processes of one job started by hand, as a pod slice's workers are: each with the
+    arguments and environment ``per_process(i)`` gives it; their (exit code, stderr)."""
+    address = f"127.0.0.1:{free_port()}"
+    procs = []
+    for i in range(2):
+        args, env = per_process(i)
+        job = {"XLAFIT_COORDINATOR": address, "XLAFIT_NUM_PROCESSES": "2", "XLAFIT_PROCESS_ID": str(i)}
+        cmd = [*XLAFIT, "train", "mnist", "--simulate", "4", "trainer.stop_at_step=1", *args]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env={**_env(), **job, **env}, cwd=tmp_path))  # fmt: skip
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    return [(p.returncode, err) for p, err in zip(procs, errs, strict=True)]
+
+
+def test_processes_given_other_settings_are_refused_naming_each_difference(tmp_path):
+    """The twenty-sixth walk: workers started with another seed, or another global batch,
+    trained a blend of two runs to the end (the gradients' shapes agree, so no collective
+    failed). Every process now says which settings differ, and where, before anything trains."""
+    per_process = lambda i: ([f"--run-dir={tmp_path / 'run'}", f"data.global_batch={128 // (i + 1)}",  # noqa: E731
+                              f"trainer.seed={i}"], {})  # fmt: skip
+    ran = _by_hand(tmp_path, per_process)
+    said = (
+        "the job's processes were given other settings: data.global_batch is 128 in process 0, 64 in process 1; "
+        "trainer.seed is 0 in process 0, 1 in process 1. Start every process with the same command and settings"
+    )
+    for code, err in ran:
+        assert code == 2 and said in err and "Traceback" not in err, err[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_directory_each_process_keeps_on_its_own_disk_is_refused(tmp_path):
+    """The twenty-sixth walk: a run directory on each host's own disk (the same path, other
+    files) left process 0's first checkpoint waiting for the others' until JAX's service
+    aborted the job. Here each process has its own HOME and the run directory is ~/runs/a."""
+    homes = [tmp_path / "host0", tmp_path / "host1"]
+    for home in homes:
+        home.mkdir()
+    ran = _by_hand(tmp_path, lambda i: (["--run-dir=~/runs/a"], {"HOME": str(homes[i])}))
+    for code, err in ran:
+        assert code == 2 and "Traceback" not in err, err[-2000:]
+        assert "is not shared by the job's processes: process(es) 1 do not see the file process 0 wrote there" in err
+    assert not (homes[1] / "runs" / "a" / "checkpoints").exists()
+
+
 def test_logs_go_to_the_cache_not_the_working_directory(tmp_path, monkeypatch, capsys):
     """Issue 21: `xlafit launch` wrote launch-logs/ into the working directory (a clone's tree)."""
     from xlafit.cli import main

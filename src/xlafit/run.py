@@ -49,6 +49,7 @@ from xlafit.models.lora import ADAPTER, BASE, apply_lora
 from xlafit.models.quantized import quantize_base
 from xlafit.models.quantized_embed import quantize_embeddings
 from xlafit.overrides import load_yaml, migrate
+from xlafit.parallel.agree import from_process_0, same_settings, shared_directory
 from xlafit.parallel.cluster import connect
 from xlafit.parallel.mesh import Strategy
 from xlafit.parallel.sharding import parse_rules
@@ -119,6 +120,7 @@ def train_and_evaluate(cfg: Config) -> FitResult:
             mesh=cfg.mesh.sizes,
             rules=parse_rules(cfg.mesh.rules),
         )
+        same_settings(_flatten(cfg.to_dict()))  # each process of a job read its own command line
         recipe.validate(cfg)
         named_dir = bool(cfg.run.run_dir)  # else a new directory, made for this run (resolve)
         refuse_foreign_dir(cfg)
@@ -134,6 +136,7 @@ def train_and_evaluate(cfg: Config) -> FitResult:
             make_run_dir(run_dir, cfg)
             for line in held.enter_context(hold_run_dir(run_dir)):
                 print(line, flush=True)
+        shared_directory(run_dir)  # a job's checkpoints need every process to write into one directory
         if cfg.run.resume:
             check_continuation(
                 run_dir,
@@ -306,7 +309,9 @@ def resolve(cfg: Config, strategy: Strategy, num_examples: int, evaluates: bool 
     if cfg.run.run_dir:
         run_dir = cfg.run.run_dir
     else:
-        run_dir = str(Path("runs") / f"{cfg.recipe}-{datetime.datetime.now(datetime.UTC):%Y%m%d-%H%M%S}")
+        now = datetime.datetime.now(datetime.UTC)
+        # the time process 0 names: each process of a job starts at its own moment
+        run_dir = from_process_0(str(Path("runs") / f"{cfg.recipe}-{now:%Y%m%d-%H%M%S}"))
     resolved = dataclasses.replace(
         cfg,
         data=dataclasses.replace(
