@@ -227,6 +227,27 @@ def test_process_zero_names_the_processes_that_did_not_arrive():
     assert "process 2 of 3 could not join" in errs[1]
 
 
+def test_a_worker_told_another_process_count_is_warned():
+    """The twenty-sixth walk: process 1 started with XLAFIT_NUM_PROCESSES=3 joined process 0's
+    job of 2 without a word (JAX's service takes process 0's count)."""
+    address = f"127.0.0.1:{free_port()}"
+    procs = [
+        subprocess.Popen(
+            [*XLAFIT, "devices", "--simulate", "2"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**_env(), "XLAFIT_COORDINATOR": address, "XLAFIT_NUM_PROCESSES": count, "XLAFIT_PROCESS_ID": str(i)},
+        )  # fmt: skip
+        for i, count in enumerate(("2", "3"))
+    ]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    said = "warning: process 1 was started with XLAFIT_NUM_PROCESSES=3, and the job it joined has 2 processes"
+    assert said in errs[1]
+    assert "warning" not in errs[0]
+
+
 def test_job_flags_without_the_launcher():
     """Two processes started by hand with --coordinator/--num-processes/--process-id."""
     address = f"127.0.0.1:{free_port()}"

@@ -316,6 +316,13 @@ def _join(cluster: Cluster) -> None:
             "every process was started, with the same coordinator address and process count, and that "
             "process 0 can be reached on that port."
         ) from None
+    if cluster.num_processes is not None and jax.process_count() != cluster.num_processes:
+        # JAX's service takes process 0's count: said, not refused (the job is whole; the other process would hang)
+        log.warning(
+            "warning: process %d was started with %s=%d, and the job it joined has %d processes (process 0's "
+            "count); start every process with the same %s.",
+            cluster.process_id, NUM_PROCESSES_ENV, cluster.num_processes, jax.process_count(), NUM_PROCESSES_ENV,
+        )  # fmt: skip
 
 
 def _undetected(said: str) -> str:
