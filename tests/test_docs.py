@@ -296,3 +296,14 @@ def test_the_docs_pages_src_names_exist():
     }
     assert named, "src names no documentation page"
     assert [(where, page) for where, page in sorted(named) if not (ROOT / page).exists()] == []
+
+
+def test_the_spot_restart_loop_reruns_the_training_command_word_for_word():
+    """The twenty-sixth walk: the Cloud TPU VM page's restart loop reran a shorter command than
+    its step 5, which a resume refuses (other settings), so the loop's first rerun exited 2."""
+    page = (DOCS / "getting-started" / "cloud-tpu-vm.md").read_text()
+    commands = [
+        " ".join(m.group(1).replace("\\\n", " ").split())
+        for m in re.finditer(r'(XLAFIT_DISTRIBUTED=1 xlafit-env/bin/xlafit train [^"]*)"', page)
+    ]
+    assert len(commands) == 2 and commands[0] == commands[1], commands
