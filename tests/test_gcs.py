@@ -25,6 +25,7 @@ import yaml
 from xlafit.checkpoint import Checkpointer, fingerprint
 from xlafit.cli import main
 from xlafit.data import mnist
+from xlafit.data.mnist import load_idx_dir
 from xlafit.errors import CheckpointError, ConfigError, DataError
 from xlafit.hf import bert as bert_hf
 from xlafit.io.paths import as_path, filesystem
@@ -230,6 +231,8 @@ def test_missing_bucket_is_named_and_never_created(gcs):
     with pytest.raises(CheckpointError, match=f"{missing}/ckpt: the bucket {missing} does not exist"):
         Checkpointer(f"{missing}/ckpt")
     assert main(["inspect", f"{missing}/run"]) == 2
+    with pytest.raises(DataError, match=f"--data-dir {missing}/mnist: the bucket {missing} does not exist"):
+        load_idx_dir(f"{missing}/mnist")  # the walk: "is not a directory"
     fs, _ = filesystem(missing)
     fs.invalidate_cache()
     assert not fs.exists("xlafit-no-such-bucket")  # gcsfs's mkdir would have made it

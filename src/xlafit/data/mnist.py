@@ -18,7 +18,7 @@ import numpy as np
 from etils import epath
 
 from xlafit.errors import DataError
-from xlafit.io.paths import as_path, filesystem, is_url, reach, reading
+from xlafit.io.paths import as_path, bucket_exists, bucket_of, filesystem, is_url, reach, reading
 
 MEAN, STD = 0.1307, 0.3081
 
@@ -144,6 +144,11 @@ def load_idx_dir(directory: str | Path) -> dict[str, dict[str, np.ndarray]]:
         except FileNotFoundError:
             found = False
     if not found:
+        if is_url(data_dir) and bucket_of(data_dir) and not bucket_exists(data_dir):
+            raise DataError(
+                f"--data-dir {data_dir}: the bucket gs://{bucket_of(data_dir)} does not exist; fix the URL, or copy "
+                "the data into a bucket that does (docs/guides/cloud-storage.md)."
+            )
         raise DataError(f"--data-dir {data_dir} is not a directory.")
     splits = {}
     for split, (images_name, labels_name) in IDX_FILES.items():
