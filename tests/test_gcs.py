@@ -28,9 +28,9 @@ from xlafit.data import mnist
 from xlafit.data.mnist import load_idx_dir
 from xlafit.errors import CheckpointError, ConfigError, DataError
 from xlafit.hf import bert as bert_hf
-from xlafit.io.paths import as_path, filesystem
+from xlafit.io.paths import as_path, filesystem, upload
 from xlafit.recipes import load_config
-from xlafit.rundir import start_run_dir
+from xlafit.rundir import local_log, start_run_dir
 
 XLAFIT = [sys.executable, "-m", "xlafit"]
 STRESS = os.environ.get("XLAFIT_STRESS") == "1"  # longer variants: more kills, more steps
@@ -221,6 +221,19 @@ def test_restart_moves_a_local_run_aside_and_inspect_reads_it(tmp_path, capsys):
     code, report = inspect_json(moved[0])
     expected = fingerprint({"w": np.arange(4, dtype=np.float32)})
     assert code == 0 and report["fingerprint"] == {"step": 5, "sha256": expected}
+
+
+def test_a_process_log_in_a_bucket_keeps_an_earlier_attempts_lines(gcs):
+    """The twenty-sixth walk: after a preemption and a resume, a bucket's process-1.log held
+    the second attempt's lines alone (the upload replaced the object; a local log appends)."""
+    target = as_path(f"{gcs.bucket}/run/process-1.log")
+    target.write_text("22:46 the first attempt, up to its SIGTERM\n")
+    local = local_log(target)
+    with local.open("a") as f:
+        f.write("22:47 resumed\n")
+    upload(local, target)
+    assert target.read_text() == "22:46 the first attempt, up to its SIGTERM\n22:47 resumed\n"
+    assert not local_log(as_path(f"{gcs.bucket}/run/process-2.log")).exists()  # none before: a new file
 
 
 def test_missing_bucket_is_named_and_never_created(gcs):

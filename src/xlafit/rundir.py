@@ -275,13 +275,26 @@ def log_to_file(path: epath.Path) -> None:
     URL run directory the file is written locally and uploaded when the process exits."""
     local = Path(path)
     if is_url(path):
-        local = Path(tempfile.mkdtemp(prefix="xlafit-log-")) / path.name
+        local = local_log(path)
         atexit.register(_upload_log, local, path)
     local.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(local)
+    handler = logging.FileHandler(local)  # appends, as to an earlier attempt's lines
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     logging.getLogger("xlafit").addHandler(handler)
     logging.getLogger("xlafit").setLevel(logging.INFO)
+
+
+def local_log(target: epath.Path) -> Path:
+    """The local file a URL's log is written to before its upload: it starts with the lines an
+    earlier attempt of the run uploaded there (a resume after a preemption), which the upload
+    would otherwise replace; a local log keeps them by appending."""
+    local = Path(tempfile.mkdtemp(prefix="xlafit-log-")) / target.name
+    try:
+        if target.exists():
+            local.write_bytes(target.read_bytes())
+    except Exception as e:  # the log is not worth a stop: say so
+        print(f"warning: could not read the earlier {target}; its lines will be replaced: {e}", flush=True)
+    return local
 
 
 def _upload_log(local: Path, target: epath.Path) -> None:
