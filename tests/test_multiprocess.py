@@ -334,10 +334,12 @@ def test_logs_go_to_the_cache_not_the_working_directory(tmp_path, monkeypatch, c
     monkeypatch.setenv("XLAFIT_CACHE", str(tmp_path / "cache"))
     script = "import os; print('I am', os.environ['XLAFIT_PROCESS_ID'])"
     assert main(["launch", "--processes", "2", "--devices-per-process", "1", "--", sys.executable, "-c", script]) == 0
+    said = capsys.readouterr().err  # the walk: how to start the workers by hand was in the docs alone
+    assert "xlafit launch: each process runs " in said and "XLAFIT_NUM_PROCESSES=2 XLAFIT_PROCESS_ID=<0..1>" in said
     assert list(work.iterdir()) == []
     (log_dir,) = (tmp_path / "cache" / "launch").iterdir()
     assert (log_dir / "process-1.log").read_text() == "I am 1\n"
-    assert f"the output of process 1 goes to {log_dir} (--log-dir)" in capsys.readouterr().err
+    assert f"the output of process 1 goes to {log_dir} (--log-dir)" in said
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -162,6 +163,11 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int, log
         others = "process 1" if processes == 2 else f"processes 1-{processes - 1}"
         print(f"xlafit launch: the output of {others} goes to {log_dir} (--log-dir)", file=sys.stderr)
     address = f"127.0.0.1:{free_port()}"
+    print(  # what a pod slice's workers run, each with its own id: how to start them by hand
+        f"xlafit launch: each process runs {shlex.join(command)} with {COORDINATOR_ENV}={address} "
+        f"{NUM_PROCESSES_ENV}={processes} {PROCESS_ID_ENV}=<0..{processes - 1}> {SIMULATE_ENV}={devices_per_process}",
+        file=sys.stderr,
+    )
     procs: list[subprocess.Popen] = []
     logs = []
     for i in range(processes):
