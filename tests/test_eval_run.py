@@ -66,7 +66,9 @@ def _files(root):
     return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
 
 
-def test_the_command_scores_every_checkpoint_as_the_run_evaluated_it_and_writes_nothing(tmp_path, capsys, monkeypatch):
+def test_the_command_scores_every_checkpoint_as_the_run_evaluated_it_and_writes_nothing(
+    tmp_path, capsys, monkeypatch, caplog
+):
     """An mnist run, then ``xlafit eval RUN --step all`` as a user runs it (a process of its
     own, the suite's XLA_FLAGS removed): each checkpoint's score is the run's own evaluation
     at its step; the run directory is left as it was; a wrong step or setting is named."""
@@ -108,12 +110,25 @@ def test_the_command_scores_every_checkpoint_as_the_run_evaluated_it_and_writes_
     damaged[len(damaged) // 2] ^= 0xFF
     largest.write_bytes(bytes(damaged))
     before = _files(run)
+    caplog.clear()
     assert evaluate_run(str(run))[0].step == 4 and _files(run) == before
+    # said (the twenty-seventh walk: an older step was scored as "the newest" without a word)
+    assert re.search(r"warning: checkpoint\(s\) 8 \(corrupt: .*\) of .* cannot be scored; scoring step 4, the newest "
+                     "intact one", caplog.text)  # fmt: skip
+    caplog.clear()
+    assert [score.step for score in evaluate_run(str(run), steps="all")] == [4]
+    assert re.search(r"checkpoint\(s\) 8 \(corrupt: .*\) of .* cannot be scored; not scored", caplog.text)
     capsys.readouterr()
     assert main(["eval", str(run), "--step", "8"]) == 2
     assert re.search(r"checkpoint 8 of .* is corrupt: .*; the checkpoints: \[4, 8\]", capsys.readouterr().err)
     assert main(["eval", str(run), "model.dropout1=0.1"]) == 2
     assert "model.dropout1: xlafit eval scores the run as it trained" in capsys.readouterr().err
+    # the walk: data.data_dir scored a tenth of a file as "its evaluation split"; run.run_dir and
+    # trainer.epochs changed nothing, unsaid
+    assert main(["eval", str(run), f"data.data_dir={more}", "run.run_dir=other", "trainer.epochs=3"]) == 2
+    said = capsys.readouterr().err
+    assert "data.data_dir, run.run_dir, trainer.epochs: not an evaluation setting; xlafit eval takes" in said
+    assert "The data to score is --data PATH" in said
     assert main(["eval", str(tmp_path / "cache")]) == 2
     assert "is not a run directory: it has no config.yaml" in capsys.readouterr().err
     assert main(["eval", str(run), "--step", "last"]) == 2
@@ -128,7 +143,7 @@ def _chat(pairs):
     return "".join(json.dumps({"messages": turn(a, b)}) + "\n" for a, b in pairs)
 
 
-def test_a_lora_chat_run_scored_on_a_file_equals_its_own_evaluation_of_that_file(tmp_path, capsys):
+def test_a_lora_chat_run_scored_on_a_file_equals_its_own_evaluation_of_that_file(tmp_path, capsys, caplog):
     """A LoRA run on chat records evaluated ``data.eval_data_dir=held.jsonl`` as it trained;
     ``evaluate_run(RUN, data=held.jsonl)`` reads the file as the run encoded its data (the
     demo's tokenizer and template, the loss on the answers) and gives the same numbers."""
@@ -150,6 +165,19 @@ def test_a_lora_chat_run_scored_on_a_file_equals_its_own_evaluation_of_that_file
     said = capsys.readouterr().err
     assert "evaluation data: 12 chat records" in said and "loss on the answers" in said and "eval:" not in said
     assert scores[1].line("held.jsonl", "rows").startswith(f"step {last['step']} on held.jsonl: loss=")
+    # the twenty-seventh walk: text given to a chat run was scored as text without a word
+    (tmp_path / "held.txt").write_text("\n\n".join(f"{a} plus 9 is {a + 9}." for a in range(10, 22)))
+    caplog.clear()
+    evaluate_run(str(run), data=str(tmp_path / "held.txt"))
+    assert f"warning: {run} trained on chat records; {tmp_path / 'held.txt'} holds text, scored as text" in caplog.text
+    caplog.clear()
+    long = [m for a in range(6) for m in json.loads(_chat([(a, 9)]))["messages"]]  # past data.seq_len=48
+    (tmp_path / "long.jsonl").write_text(json.dumps({"messages": long}) + "\n" + _chat([(3, 4)]))
+    capsys.readouterr()
+    evaluate_run(str(run), data=str(tmp_path / "long.jsonl"))
+    assert "warning" not in caplog.text  # chat records: the run's format
+    said = capsys.readouterr().err  # the walk: "raise data.seq_len", which eval refuses
+    assert "records longer than data.seq_len=48 are cut at it; their ends are not scored (the run's length" in said
 
 
 def test_a_dpo_run_scored_on_pairs_reports_its_rewards_as_it_evaluated_them(tmp_path):

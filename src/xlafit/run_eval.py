@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -48,9 +49,14 @@ from xlafit.train.trainer import Trainer
 
 __all__ = ["Score", "evaluate_run"]
 
+log = logging.getLogger("xlafit")
+
 # Settings under BREAKING that change how a step computes, not what it computes: a run may be
 # scored with them changed (less memory, another attention kernel).
 HOW_IT_COMPUTES = ("model.attention", "model.logits_chunk", "model.remat")
+# The settings xlafit eval takes (how the evaluation runs); any other is the run's own, or says
+# what to score, which --data and the run directory say.
+EVALUATION_SETTINGS = ("data.eval_global_batch", "mesh", "cpu", "run.simulate_devices", *HOW_IT_COMPUTES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,12 +160,21 @@ def run_config(run: str, overrides: Sequence[str] = ()) -> Config:
     if not isinstance(saved, dict) or "recipe" not in saved:
         raise ConfigError(f"{run}/config.yaml is not an xlafit run config; put the run's own back.")
     given = parse_overrides(overrides)
+    takes = "data.eval_global_batch, mesh.*, cpu.*, model.attention, model.logits_chunk, model.remat"
     refused = [key for key in _dotted_keys(given) if _breaking(key)]
     if refused:
         raise ConfigError(
             f"{', '.join(refused)}: xlafit eval scores the run as it trained, and this would change what its "
-            "checkpoints mean (the model, its training or how the data is encoded). Give evaluation settings only "
-            "(data.eval_global_batch, mesh.*, cpu.*); to score another configuration, train it."
+            f"checkpoints mean (the model, its training or how the data is encoded). Give evaluation settings only "
+            f"({takes}); to score another configuration, train it."
+        )
+    other = [
+        key for key in _dotted_keys(given) if not any(key == k or key.startswith(k + ".") for k in EVALUATION_SETTINGS)
+    ]
+    if other:  # a training setting would change nothing; a data or run setting would score other data unsaid
+        raise ConfigError(
+            f"{', '.join(other)}: not an evaluation setting; xlafit eval takes {takes}. The data to score is "
+            "--data PATH (default: the run's own evaluation split), the run is RUN_DIR."
         )
     tree = {k: v for k, v in migrate(saved, f"{run}/config.yaml").items() if k != "recipe"}
     cfg = config_from_dict(saved["recipe"], tree, given)
@@ -202,6 +217,7 @@ def checkpoint_steps(cfg: Config, run: str, steps: Sequence[int] | Literal["all"
             for step in reversed(saved):
                 status[step] = ckpt.verify(step)
                 if usable(status[step]):
+                    _say_left_out(run, status, f"scoring step {step}, the newest intact one")
                     return [step]
         else:
             status = {step: ckpt.verify(step) for step in (saved if steps == "all" else steps) if step in saved}
@@ -212,12 +228,20 @@ def checkpoint_steps(cfg: Config, run: str, steps: Sequence[int] | Literal["all"
         found = "; ".join(f"{step}: {status[step]}" for step in sorted(status)) or "none"
         raise CheckpointError(f"{run} has no intact checkpoint to evaluate (checkpoints: {found}).")
     if steps == "all":
+        _say_left_out(run, status, "not scored")
         return intact
     for step in steps:
         if step not in intact:
             what = f"is {status[step]}" if step in status else "does not exist"
             raise CheckpointError(f"checkpoint {step} of {run} {what}; the checkpoints: {saved}.")
     return list(steps)
+
+
+def _say_left_out(run: str, status: dict[int, str], then: str) -> None:
+    """Warns of the checkpoints of ``run`` that cannot be scored (damaged), and what is done."""
+    damaged = [f"{step} ({status[step]})" for step in sorted(status) if not usable(status[step])]
+    if damaged:
+        log.warning("warning: checkpoint(s) %s of %s cannot be scored; %s.", ", ".join(damaged), run, then)
 
 
 def eval_data(recipe: Recipe, cfg: Config, run: str, data: str | None) -> Any:

@@ -25,7 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "overrides",
         nargs="*",
         metavar="key.sub=value",
-        help="evaluation settings: data.eval_global_batch=N, mesh.*, cpu.*, model.logits_chunk, model.remat",
+        help="evaluation settings: data.eval_global_batch=N, mesh.*, cpu.*, model.attention, model.logits_chunk, "
+        "model.remat",
     )
     p.add_argument(
         "--data",

@@ -353,10 +353,12 @@ def summary(
         f"  the objective compares the completions: {share:.0%} of the tokens",
     ]
     if source is not None and source.truncated:
-        lines.append(
-            f"  {source.truncated} rows longer than data.seq_len={train.seq_len} are cut at it; raise data.seq_len to "
-            "keep their ends"
+        fix = (
+            "their ends are not scored (the run's length, which its checkpoints mean)"
+            if evaluating
+            else "raise data.seq_len to keep their ends"
         )
+        lines.append(f"  {source.truncated} rows longer than data.seq_len={train.seq_len} are cut at it; {fix}")
     if not evaluation.documents and eval_fraction > 0 and not evaluating:
         lines.append(
             f"  no evaluation: none of the {train.documents} pair{'' if train.documents == 1 else 's'} was drawn for "

@@ -381,7 +381,9 @@ def eval_data(cfg: Config, path: str) -> clm.PackedText:
     d = dataclasses.replace(data_config(cfg), data_dir=path, eval_data_dir=None, eval_fraction=0.0, tokenizer=where)
     cfg = dataclasses.replace(cfg, data=d)
     if llm_preference.objective_of(cfg) is None:
-        return llm_data.load_data(cfg, evaluating=True)[0]
+        read = llm_data.load_data(cfg, evaluating=True)[0]
+        llm_data.say_other_format(cfg, path, read)
+        return read
     e = llm_data.encoding(cfg)
     pairs, _ = llm_preference.load(cfg, e.tok, e.template, e.markers, e.inputs, build_llama, token_logps, True)
     return pairs  # type: ignore[return-value]

@@ -329,11 +329,13 @@ def data_summary(train: clm.PackedText, evaluation: clm.PackedText, d: LlmDataCo
     if source is not None and source.format != "text":
         counted = "every token" if d.loss_on == "all" else f"the answers: {source.answer_share:.0%} of the tokens"
         lines.append(f"  loss on {counted} (data.loss_on={d.loss_on})")
-        if source.truncated:
-            lines.append(
-                f"  {source.truncated} records longer than data.seq_len={d.seq_len} are cut at it; raise data.seq_len "
-                "to keep their ends"
+        if source.truncated:  # in an evaluation the length is the run's: it is said, not to be changed
+            fix = (
+                "their ends are not scored (the run's length, which its checkpoints mean)"
+                if evaluating
+                else "raise data.seq_len to keep their ends"
             )
+            lines.append(f"  {source.truncated} records longer than data.seq_len={d.seq_len} are cut at it; {fix}")
         if source.unanswered:  # raising data.seq_len would not keep these
             lines.append(
                 f"  {source.unanswered} records have no answer (a conversation with no assistant turn): left out, as "
@@ -343,7 +345,8 @@ def data_summary(train: clm.PackedText, evaluation: clm.PackedText, d: LlmDataCo
         if cut := source.without_loss - source.unanswered:
             lines.append(
                 f"  {cut} records have no answer token within data.seq_len={d.seq_len} (cut before their answer): "
-                "left out, as they would add nothing but a zero to the loss's mean; raise data.seq_len to keep them"
+                "left out, as they would add nothing but a zero to the loss's mean"
+                + ("" if evaluating else "; raise data.seq_len to keep them")
             )
         if source.spans_boundary:
             lines.append(
@@ -454,3 +457,23 @@ def save_artifacts(cfg: Config, run_dir: Any, train: clm.PackedText) -> None:
     if recorded:
         (dest / GENERATION_CONFIG).write_text(json.dumps(recorded) + "\n")
     (dest / "tokenizer_config.json").write_text(json.dumps(tokens, indent=2) + "\n")
+
+
+# What a format's records are, in a line that compares two of them
+FORMAT_WORDS = {"chat": "chat records", "prompt_completion": "prompt/completion records", "text": "text"}
+
+
+def say_other_format(cfg: Config, path: str, read: clm.PackedText) -> None:
+    """Warns where data given to score a run (``xlafit eval --data``) is of another format than
+    the run trained on (:data:`DATA_FORMAT_FILE`): it is scored as what it is (text without the
+    chat template, say), which is seldom what comparing with the run's own numbers means."""
+    if not cfg.run.run_dir or not (recorded := as_path(cfg.run.run_dir) / DATA_FORMAT_FILE).exists():
+        return
+    trained = json.loads(recorded.read_text()).get("format")
+    given = read.source.format if read.source is not None else "text"
+    if trained in FORMAT_WORDS and given in FORMAT_WORDS and trained != given:
+        log.warning(
+            "warning: %s trained on %s; %s holds %s, scored as %s (the run's own numbers are of %s)",
+            cfg.run.run_dir, FORMAT_WORDS[trained], path, FORMAT_WORDS[given], FORMAT_WORDS[given],
+            FORMAT_WORDS[trained],
+        )  # fmt: skip
