@@ -178,6 +178,13 @@ def test_a_lora_chat_run_scored_on_a_file_equals_its_own_evaluation_of_that_file
     assert "warning" not in caplog.text  # chat records: the run's format
     said = capsys.readouterr().err  # the walk: "raise data.seq_len", which eval refuses
     assert "records longer than data.seq_len=48 are cut at it; their ends are not scored (the run's length" in said
+    # a folder named for its splits scored its train file alone, as the folder's score: its evaluation split now
+    (tmp_path / "splits").mkdir()
+    (tmp_path / "splits" / "train.jsonl").write_text((tmp_path / "long.jsonl").read_text())
+    (tmp_path / "splits" / "validation.jsonl").write_text((tmp_path / "held.jsonl").read_text())
+    (folder,) = evaluate_run(str(run), data=str(tmp_path / "splits"))
+    assert "is a folder of splits: scoring its evaluation split (validation.jsonl)" in capsys.readouterr().err
+    assert folder.metrics == scores[1].metrics  # held.jsonl's, at the same (newest) step
 
 
 def test_a_dpo_run_scored_on_pairs_reports_its_rewards_as_it_evaluated_them(tmp_path):

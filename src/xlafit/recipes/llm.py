@@ -380,12 +380,13 @@ def eval_data(cfg: Config, path: str) -> clm.PackedText:
     where = llm_data.tokenizer_location(cfg)  # the run's, wherever it came from (the demo's too)
     d = dataclasses.replace(data_config(cfg), data_dir=path, eval_data_dir=None, eval_fraction=0.0, tokenizer=where)
     cfg = dataclasses.replace(cfg, data=d)
+    inputs = llm_data.scored_files(path)  # a folder of splits: its evaluation split
     if llm_preference.objective_of(cfg) is None:
-        read = llm_data.load_data(cfg, evaluating=True)[0]
+        read = llm_data.load_data(cfg, evaluating=True, inputs=inputs)[0]
         llm_data.say_other_format(cfg, path, read)
         return read
     e = llm_data.encoding(cfg)
-    pairs, _ = llm_preference.load(cfg, e.tok, e.template, e.markers, e.inputs, build_llama, token_logps, True)
+    pairs, _ = llm_preference.load(cfg, e.tok, e.template, e.markers, inputs, build_llama, token_logps, True)
     return pairs  # type: ignore[return-value]
 
 

@@ -238,12 +238,16 @@ def encoding(cfg: Config) -> Encoding:
     return Encoding(clm.load_tokenizer(where), template, clm.special_ids(where), inputs)
 
 
-def load_data(cfg: Config, evaluating: bool = False) -> tuple[clm.PackedText, clm.PackedText]:
+def load_data(
+    cfg: Config, evaluating: bool = False, inputs: list[str] | None = None
+) -> tuple[clm.PackedText, clm.PackedText]:
     """(train, eval) packed rows of the documents of ``data.data_dir`` (or the demo corpus);
-    ``evaluating``: the data is read to be evaluated alone (``xlafit eval``), and said so."""
+    ``evaluating``: the data is read to be evaluated alone (``xlafit eval``), and said so, from
+    ``inputs`` where given (:func:`scored_files`)."""
     d = data_config(cfg)
     e = encoding(cfg)
-    tok, inputs, template = e.tok, e.inputs, e.template
+    tok, template = e.tok, e.template
+    inputs = inputs or e.inputs
     train, evaluation = clm.load_packed(
         inputs,
         tok,
@@ -477,3 +481,19 @@ def say_other_format(cfg: Config, path: str, read: clm.PackedText) -> None:
             cfg.run.run_dir, FORMAT_WORDS[trained], path, FORMAT_WORDS[given], FORMAT_WORDS[given],
             FORMAT_WORDS[trained],
         )  # fmt: skip
+
+
+def scored_files(path: str) -> list[str]:
+    """What ``xlafit eval --data PATH`` scores: ``PATH``; where it is a folder whose files are
+    named for splits (:func:`xlafit.data.files.splits`), its evaluation split's files
+    (``validation``, else ``test``), said, as a run on that folder evaluates on them."""
+    found = files.splits([path])
+    if found.eval is None:
+        return [path]
+    names = ", ".join(name.rsplit("/", 1)[-1] for name in found.eval[:3]) + (", ..." if len(found.eval) > 3 else "")
+    print(
+        f"{path} is a folder of splits: scoring its evaluation split ({names}); its train files are not scored",
+        file=sys.stderr,
+        flush=True,
+    )
+    return found.eval
