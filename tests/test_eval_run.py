@@ -5,6 +5,7 @@ a file given as its evaluation data; nothing in the run is written; wrong asks a
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -149,16 +150,22 @@ def test_a_lora_chat_run_scored_on_a_file_equals_its_own_evaluation_of_that_file
     demo's tokenizer and template, the loss on the answers) and gives the same numbers."""
     (tmp_path / "train.jsonl").write_text(_chat([(a, b) for a in range(8) for b in range(8)]))
     (tmp_path / "held.jsonl").write_text(_chat([(a, 9) for a in range(10, 22)]))
-    run = tmp_path / "run"
+    run, tokenizer = tmp_path / "run", tmp_path / "tokenizer"
+    shutil.copytree(chat_demo.demo_files()[2], tokenizer)
     settings = [
         f"run.run_dir={run}", f"data.data_dir={tmp_path / 'train.jsonl'}",
         f"data.eval_data_dir={tmp_path / 'held.jsonl'}",
-        f"data.tokenizer={chat_demo.demo_files()[2]}", "data.seq_len=48", "data.global_batch=16", "lora.rank=4",
+        f"data.tokenizer={tokenizer}", "data.seq_len=48", "data.global_batch=16", "lora.rank=4",
         "trainer.epochs=2", "trainer.eval_every_epochs=1", "optimizer.learning_rate=0.01",
     ]  # fmt: skip
     xlafit.train_and_evaluate(load_config("llm", settings))
     capsys.readouterr()
     (first, last) = _evaluations(run)
+    # the walk: eval rendered the data with the tokenizer folder's template as it is now, not as the
+    # run trained with it (kept in the run's tokenizer/, as generate reads it)
+    config = json.loads((tokenizer / "tokenizer_config.json").read_text())
+    config["chat_template"] = config["chat_template"].replace("'<|im_start|>' + message['role']", "message['role']")
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps(config))
     scores = xlafit.evaluate_run(str(run), data=str(tmp_path / "held.jsonl"), steps="all")  # the public name
     _same(scores[0], first)
     _same(scores[1], last)

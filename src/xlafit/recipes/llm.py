@@ -377,7 +377,8 @@ def eval_data(cfg: Config, path: str) -> clm.PackedText:
             "answer held-out prompts with `xlafit generate RUN --prompts-file FILE --json` and score the answers with "
             "the run's reward functions."
         )
-    where = llm_data.tokenizer_location(cfg)  # the run's, wherever it came from (the demo's too)
+    # the run's own copy (its chat template as it trained, whatever its base holds now), else where it came from
+    where = llm_data.kept_tokenizer(cfg) or llm_data.tokenizer_location(cfg)
     d = dataclasses.replace(data_config(cfg), data_dir=path, eval_data_dir=None, eval_fraction=0.0, tokenizer=where)
     cfg = dataclasses.replace(cfg, data=d)
     inputs = llm_data.scored_files(path)  # a folder of splits: its evaluation split

@@ -192,6 +192,16 @@ def tokenizer_location(cfg: Config) -> str:
     return demo_tokenizer(d.vocab_size or DEMO_VOCAB_SIZE)
 
 
+def kept_tokenizer(cfg: Config) -> str | None:
+    """The tokenizer a run keeps (``RUN/tokenizer``, :func:`save_artifacts`: its chat template
+    as the run trained with it), where ``cfg`` is a run's and the folder has its
+    ``tokenizer.json``; else None (:func:`tokenizer_location` says where it came from)."""
+    if not cfg.run.run_dir:
+        return None
+    kept = as_path(cfg.run.run_dir) / "tokenizer"
+    return str(kept) if (kept / "tokenizer.json").exists() else None
+
+
 def demo_tokenizer(vocab_size: int) -> str:
     """The demo's byte-level BPE on the Korean corpus, trained once into the user cache."""
     texts = korean_demo_files()
