@@ -3,6 +3,7 @@ checkpoint's score equals what the run itself evaluated at that step, on its own
 a file given as its evaluation data; nothing in the run is written; wrong asks are named."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -132,6 +133,8 @@ def test_the_command_scores_every_checkpoint_as_the_run_evaluated_it_and_writes_
     assert "The data to score is --data PATH" in said
     assert main(["eval", str(tmp_path / "cache")]) == 2
     assert "is not a run directory: it has no config.yaml" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path / "nowhere")]) == 2  # the walk: "not a run directory: it has no config.yaml"
+    assert f"{tmp_path / 'nowhere'} does not exist; give a run directory" in capsys.readouterr().err
     assert main(["eval", str(run), "--step", "last"]) == 2
     assert "--step 'last': expected whole numbers separated by commas" in capsys.readouterr().err
 
@@ -192,6 +195,11 @@ def test_a_lora_chat_run_scored_on_a_file_equals_its_own_evaluation_of_that_file
     (folder,) = evaluate_run(str(run), data=str(tmp_path / "splits"))
     assert "is a folder of splits: scoring its evaluation split (validation.jsonl)" in capsys.readouterr().err
     assert folder.metrics == scores[1].metrics  # held.jsonl's, at the same (newest) step
+    # a step asked for twice is scored once; the JSON line has the perplexity the text line prints
+    step = last["step"]
+    assert main(["eval", str(run), "--data", str(tmp_path / "held.jsonl"), "--step", f"{step},{step}", "--json"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert json.loads(line)["perplexity"] == pytest.approx(math.exp(scores[1].metrics["loss"]), rel=1e-6)
 
 
 def test_a_dpo_run_scored_on_pairs_reports_its_rewards_as_it_evaluated_them(tmp_path):

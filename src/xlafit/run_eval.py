@@ -151,6 +151,8 @@ def run_config(run: str, overrides: Sequence[str] = ()) -> Config:
     reach(where)
     with reading(path):
         if not path.exists():
+            if not where.exists():
+                raise ConfigError(f"{run} does not exist; give a run directory (xlafit train --run-dir writes one).")
             raise ConfigError(f"{run} is not a run directory: it has no config.yaml (what xlafit train writes there).")
         try:
             saved = yaml.safe_load(path.read_text())

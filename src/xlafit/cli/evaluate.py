@@ -48,11 +48,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from xlafit.recipes import get_recipe  # the library when the command runs: a fast --help
+    from xlafit.run import perplexity
     from xlafit.run_eval import evaluate_run, run_config
 
     steps: Any = None
     if args.step is not None:
-        steps = "all" if args.step.strip() == "all" else ints("--step", args.step)
+        steps = "all" if args.step.strip() == "all" else sorted(set(ints("--step", args.step)))  # each once
         if not steps:
             raise ConfigError("--step '': give checkpoint steps separated by commas, or all.")
     cfg = run_config(args.run_dir, args.overrides)
@@ -61,7 +62,10 @@ def run(args: argparse.Namespace) -> int:
 
     def say(score: Any) -> None:
         if args.json:
-            print(json.dumps({"run": args.run_dir, "step": score.step, "data": args.data, **score.metrics}), flush=True)
+            ppl = perplexity(score.metrics)  # as the line says it
+            extra = {} if ppl is None else {"perplexity": ppl}
+            record = {"run": args.run_dir, "step": score.step, "data": args.data, **score.metrics, **extra}
+            print(json.dumps(record), flush=True)
         else:
             print(score.line(data, unit), flush=True)
 
