@@ -163,16 +163,15 @@ def run_config(run: str, overrides: Sequence[str] = ()) -> Config:
         raise ConfigError(f"{run}/config.yaml is not an xlafit run config; put the run's own back.")
     given = parse_overrides(overrides)
     takes = "data.eval_global_batch, mesh.*, cpu.*, model.attention, model.logits_chunk, model.remat"
-    refused = [key for key in _dotted_keys(given) if _breaking(key)]
+    keys = _dotted_keys(given)
+    refused = [key for key in keys if _breaking(key)]
     if refused:
         raise ConfigError(
             f"{', '.join(refused)}: xlafit eval scores the run as it trained, and this would change what its "
             f"checkpoints mean (the model, its training or how the data is encoded). Give evaluation settings only "
             f"({takes}); to score another configuration, train it."
         )
-    other = [
-        key for key in _dotted_keys(given) if not any(key == k or key.startswith(k + ".") for k in EVALUATION_SETTINGS)
-    ]
+    other = [key for key in keys if not _under(key, EVALUATION_SETTINGS)]
     if other:  # a training setting would change nothing; a data or run setting would score other data unsaid
         raise ConfigError(
             f"{', '.join(other)}: not an evaluation setting; xlafit eval takes {takes}. The data to score is "
@@ -192,9 +191,14 @@ def _dotted_keys(tree: dict[str, Any], prefix: str = "") -> list[str]:
 
 def _breaking(key: str) -> bool:
     """Whether a setting changes what a run's checkpoints mean (:data:`~xlafit.run.BREAKING`)."""
-    if any(key == k or key.startswith(k + ".") for k in HOW_IT_COMPUTES):
+    if _under(key, HOW_IT_COMPUTES):
         return False
-    return any(key == b or key.startswith(b + ".") for b in BREAKING)
+    return _under(key, BREAKING)
+
+
+def _under(key: str, settings: Sequence[str]) -> bool:
+    """Whether ``key`` is one of ``settings`` or inside one of them (``mesh.fsdp`` in ``mesh``)."""
+    return any(key == s or key.startswith(s + ".") for s in settings)
 
 
 def checkpoint_steps(cfg: Config, run: str, steps: Sequence[int] | Literal["all"] | None) -> list[int]:
